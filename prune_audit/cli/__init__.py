@@ -1,0 +1,1 @@
+"""Thin Typer commands; heavy imports happen inside the commands."""

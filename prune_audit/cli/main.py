@@ -1,0 +1,30 @@
+"""The ``prune-audit`` command line. Start-up imports only typer (no torch)."""
+
+from __future__ import annotations
+
+import typer
+
+from prune_audit.cli import selectors as selectors_cli
+
+app = typer.Typer(
+    name="prune-audit",
+    help="Audit visual-token pruning in vision-language models: which tokens a pruner keeps, "
+    "whether the queried object survives, and whether the pruned model's confidence is still usable.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+app.command("selectors")(selectors_cli.selectors)
+
+
+@app.command("version")
+def version() -> None:
+    """Print the prune-audit version."""
+    from prune_audit import __version__
+
+    print(__version__)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,49 @@
+"""``prune-audit selectors``: list every registered selector."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from prune_audit.cli.common import handle_errors
+
+
+@handle_errors
+def selectors(
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List every registered selector: stage, required signals, default options and reference."""
+    import json
+
+    from prune_audit.pruners import list_selectors, selector_class
+    from prune_audit.pruners.base import option_defaults
+
+    rows = []
+    for name in list_selectors():
+        cls = selector_class(name)
+        rows.append(
+            {
+                "name": name,
+                "stage": cls.stage,
+                "requires": sorted(cls.requires),
+                "options": option_defaults(cls),
+                "summary": cls.summary,
+                "paper": cls.reference.paper,
+                "repository": cls.reference.repository,
+            }
+        )
+    if json_output:
+        print(json.dumps(rows, indent=2, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Registered selectors", show_lines=True)
+    for column in ("name", "stage", "requires", "default options", "reference"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        options = ", ".join(f"{k}={v!r}" for k, v in row["options"].items()) or "-"
+        reference = f"{row['paper']}\n{row['repository']}"
+        table.add_row(row["name"], row["stage"], ", ".join(row["requires"]) or "-", options, reference)
+    Console().print(table)

@@ -1,0 +1,39 @@
+"""Visual-token selectors as pure tensor code, with a registry.
+
+>>> from prune_audit.pruners import get_selector, list_selectors
+"""
+
+from importlib import import_module
+
+from prune_audit.pruners.base import (
+    InputSelector,
+    InputSignals,
+    LayerSelector,
+    LayerSignals,
+    Reference,
+    Selection,
+    Selector,
+    Stage,
+)
+from prune_audit.pruners.registry import get_selector, list_selectors, register, selector_class
+
+# one module per method; importing it registers the method
+_INPUT_METHODS = ["controls"]
+_LLM_METHODS: list[str] = []
+for _module in _INPUT_METHODS + _LLM_METHODS:
+    import_module(f"prune_audit.pruners.{_module}")
+
+__all__ = [
+    "InputSelector",
+    "InputSignals",
+    "LayerSelector",
+    "LayerSignals",
+    "Reference",
+    "Selection",
+    "Selector",
+    "Stage",
+    "get_selector",
+    "list_selectors",
+    "register",
+    "selector_class",
+]

@@ -1,0 +1,262 @@
+"""Signals, selections and the two selector base classes.
+
+Selectors are pure tensor code: they never import transformers. Model adapters
+(``prune_audit.models``) compute the signals a selector declares in ``requires``
+and apply the returned selection. Following NVIDIA/kvpress, a method usually only
+*scores* tokens; the base classes own validation, float32 promotion, top-k with
+ties broken by the lower index, and the ascending order of the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+Stage = Literal["input", "llm"]
+PositionMode = Literal["keep_original", "compact"]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Where a selector comes from: paper and public repository."""
+
+    paper: str
+    repository: str
+    note: str = ""
+
+
+@dataclass
+class InputSignals:
+    """Signals for one image before the language model (no batch dimension).
+
+    Attributes:
+        grid: (rows, cols) of the visual token grid; N = rows * cols, row-major.
+        features: (N, D) projector outputs (LLM input space).
+        vision_features: (N, Dv) vision features at the feature layer (pre-projector).
+        cls_attention: (H, N) CLS-token attention probabilities to the patches at the
+            feature layer, not renormalised.
+        vision_keys: (H, N + 1, d) that layer's keys, CLS at index 0.
+        cls_feature: (Dv,) the CLS hidden state at the feature layer.
+        text_relevance: (N,) CDPruner relevance before normalisation.
+        demand: (N,) demand weights for coverage selection (first-layer probe).
+    """
+
+    grid: tuple[int, int]
+    features: Tensor | None = None
+    vision_features: Tensor | None = None
+    cls_attention: Tensor | None = None
+    vision_keys: Tensor | None = None
+    cls_feature: Tensor | None = None
+    text_relevance: Tensor | None = None
+    demand: Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+@dataclass
+class LayerSignals:
+    """Signals at the input of one decoder layer, for the visual tokens still alive.
+
+    ``n`` alive visual tokens, ``T`` text tokens after the image span (the question
+    and the chat-template suffix; the last one is the last prompt position), ``H``
+    query heads.
+
+    Attributes:
+        alive: (n,) original grid indices of the alive visual tokens, ascending.
+        grid: (rows, cols) of the original token grid.
+        layer: index of the decoder layer whose input this is.
+        num_layers: decoder depth.
+        text_logits: (H, T, n) pre-softmax logits q_t . k_n / sqrt(d) of the text rows
+            to the alive visual keys, RoPE applied as the layer applies it.
+        text_probs: (H, T, n) attention probabilities of the text rows, softmax in
+            float32 over every key the row sees, sliced to the visual columns.
+        hidden_states: (n, D) layer input of the alive visual tokens.
+        previous_hidden_states: (n, D) input of the previous layer for the same tokens.
+        text_hidden_states: (T, D) layer input of the text tokens.
+        normed_hidden_states: (n, D) the model's final norm applied to ``hidden_states``.
+        text_normed_hidden_states: (T, D) the same for the text tokens.
+        key_norms: (n,) L1 norm of the post-RoPE keys (all heads concatenated).
+        text_key_norms: (T,) the same for the text tokens.
+        embeddings: (n, D) LLM input embeddings of the alive visual tokens.
+        text_embeddings: (T, D) LLM input embeddings of the text tokens.
+    """
+
+    alive: Tensor
+    grid: tuple[int, int]
+    layer: int
+    num_layers: int
+    text_logits: Tensor | None = None
+    text_probs: Tensor | None = None
+    hidden_states: Tensor | None = None
+    previous_hidden_states: Tensor | None = None
+    text_hidden_states: Tensor | None = None
+    normed_hidden_states: Tensor | None = None
+    text_normed_hidden_states: Tensor | None = None
+    key_norms: Tensor | None = None
+    text_key_norms: Tensor | None = None
+    embeddings: Tensor | None = None
+    text_embeddings: Tensor | None = None
+
+    @property
+    def num_alive(self) -> int:
+        return int(self.alive.numel())
+
+
+@dataclass
+class Selection:
+    """Result of an input-level selector for one image.
+
+    Attributes:
+        kept: (k,) ascending unique grid indices whose own token is passed on.
+        sources: for merging methods, one LongTensor per output token: the grid
+            indices that token carries (empty for a token without grid location,
+            such as VisionZip's CLS). ``None`` means output tokens are ``kept``.
+        vision_tokens: for merging methods, (M, Dv) pre-projector tokens that replace
+            the kept vision features, in output order (M == len(sources)).
+    """
+
+    kept: Tensor
+    sources: list[Tensor] | None = None
+    vision_tokens: Tensor | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.sources) if self.sources is not None else int(self.kept.numel())
+
+    def covered(self) -> Tensor:
+        """(m,) ascending grid indices carried by any output token."""
+        if self.sources is None:
+            return self.kept
+        parts = [s for s in self.sources if s.numel()] + [self.kept]
+        return torch.unique(torch.cat(parts)) if parts else self.kept
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Prune at the input of decoder layer ``layer`` down to ``keep`` visual tokens."""
+
+    layer: int
+    keep: int
+
+
+def option_defaults(cls: type) -> dict[str, Any]:
+    """The declared options of a selector class with their defaults."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.init}
+
+
+def validate_budget(budget: int) -> int:
+    if isinstance(budget, bool) or int(budget) != budget or budget < 1:
+        raise ValueError(f"budget must be a positive integer number of visual tokens, got {budget!r}")
+    return int(budget)
+
+
+def top_k_indices(scores: Tensor, k: int) -> Tensor:
+    """Ascending indices of the ``k`` largest scores; ties go to the lower index.
+
+    Args:
+        scores: (N,) any float dtype; NaN is treated as the lowest score.
+    """
+    scores = torch.nan_to_num(scores.float(), nan=float("-inf"))
+    k = min(k, scores.numel())
+    # stable sort on -score keeps index order among equal scores
+    order = torch.sort(-scores, stable=True).indices[:k]
+    return torch.sort(order).values
+
+
+def as_float32(tensor: Tensor) -> Tensor:
+    return tensor.detach().to(torch.float32)
+
+
+class Selector:
+    """Common metadata and signal checking for every selector.
+
+    Subclasses are dataclasses whose fields are their options, and set the class
+    attributes below. Register them with :func:`prune_audit.pruners.registry.register`.
+    """
+
+    name: ClassVar[str] = ""
+    stage: ClassVar[Stage]
+    requires: ClassVar[frozenset[str]] = frozenset()
+    reference: ClassVar[Reference]
+    summary: ClassVar[str] = ""
+
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    def _check_signals(self, signals: Any) -> None:
+        missing = sorted(r for r in self.requires if getattr(signals, r, None) is None)
+        if missing:
+            raise ValueError(
+                f"selector {self.name!r} needs the signal(s) {', '.join(missing)}, "
+                f"which the model did not provide; choose a selector that needs only available signals"
+            )
+
+
+class InputSelector(Selector):
+    """A selector that runs before the language model, once per image."""
+
+    stage: ClassVar[Stage] = "input"
+
+    def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
+        """Choose ``budget`` output tokens out of ``signals.num_tokens``."""
+        budget = validate_budget(budget)
+        self._check_signals(signals)
+        n = signals.num_tokens
+        if budget >= n:
+            return Selection(kept=torch.arange(n, dtype=torch.long))
+        return self._select(signals, budget, generator)
+
+    def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
+        scores = self.score(signals, generator)
+        return Selection(kept=top_k_indices(scores, budget))
+
+    def score(self, signals: InputSignals, generator: torch.Generator | None) -> Tensor:
+        """(N,) float32 importance; higher is kept first. Greedy methods override ``_select``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score() or _select()")
+
+
+class LayerSelector(Selector):
+    """A selector that prunes inside the language model at the stages of its schedule."""
+
+    stage: ClassVar[Stage] = "llm"
+    positions: PositionMode = "keep_original"
+
+    def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        """Stages in increasing layer order with non-increasing ``keep``."""
+        raise NotImplementedError
+
+    def prune(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
+        """(keep,) ascending positions among the alive tokens (0..n-1) that survive ``stage``."""
+        self._check_signals(signals)
+        n = signals.num_alive
+        if stage.keep >= n:
+            return torch.arange(n, dtype=torch.long)
+        if stage.keep <= 0:
+            return torch.zeros(0, dtype=torch.long)
+        return top_k_indices(self.score(stage, signals, state), stage.keep)
+
+    def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
+        """(n,) float32 importance of the alive tokens; higher survives."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score() or prune()")
+
+
+__all__ = [
+    "InputSignals",
+    "LayerSignals",
+    "Selection",
+    "Stage",
+    "Reference",
+    "Selector",
+    "InputSelector",
+    "LayerSelector",
+    "top_k_indices",
+    "validate_budget",
+    "option_defaults",
+    "as_float32",
+]

@@ -1,0 +1,63 @@
+"""Control selectors: seeded random and spatially uniform subsampling."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection
+from prune_audit.pruners.registry import register
+
+
+@register
+@dataclass
+class RandomSelector(InputSelector):
+    """Keep a uniformly random subset of ``budget`` tokens (seeded by the generator)."""
+
+    name: ClassVar[str] = "random"
+    summary: ClassVar[str] = "uniformly random subset (control)"
+    reference: ClassVar[Reference] = Reference("control baseline", "-")
+
+    def score(self, signals: InputSignals, generator: torch.Generator | None) -> Tensor:
+        return torch.rand(signals.num_tokens, generator=generator)
+
+
+@register
+@dataclass
+class UniformSelector(InputSelector):
+    """Spatially even subsample: the grid cells nearest a regular lattice of ``budget`` points.
+
+    The lattice has ``r x c`` points with ``r / c`` close to the grid's aspect ratio and
+    ``r * c >= budget``; points are visited in an order that spreads them (a strided
+    permutation), each takes its nearest free cell, so exactly ``budget`` distinct cells
+    are kept and they cover the grid evenly. Deterministic (no generator needed).
+    """
+
+    name: ClassVar[str] = "uniform"
+    summary: ClassVar[str] = "spatially even subsample of the grid (control)"
+    reference: ClassVar[Reference] = Reference("control baseline", "-")
+
+    def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
+        rows, cols = signals.grid
+        lattice_rows = max(1, min(rows, round(math.sqrt(budget * rows / cols))))
+        lattice_cols = max(1, math.ceil(budget / lattice_rows))
+        while lattice_rows * lattice_cols < budget:
+            lattice_rows += 1
+        ys = (torch.arange(lattice_rows, dtype=torch.float64) + 0.5) * rows / lattice_rows
+        xs = (torch.arange(lattice_cols, dtype=torch.float64) + 0.5) * cols / lattice_cols
+        points = torch.cartesian_prod(ys, xs)
+        # drop surplus lattice points evenly so the remaining ones still span the grid
+        chosen = torch.linspace(0, points.shape[0] - 1, budget, dtype=torch.float64).round().long()
+        points = points[chosen]
+        cell_y = torch.arange(rows, dtype=torch.float64).repeat_interleave(cols) + 0.5
+        cell_x = torch.arange(cols, dtype=torch.float64).repeat(rows) + 0.5
+        distance = (points[:, None, 0] - cell_y) ** 2 + (points[:, None, 1] - cell_x) ** 2
+        taken = torch.zeros(rows * cols, dtype=torch.bool)
+        for point in range(budget):
+            row = distance[point].masked_fill(taken, float("inf"))
+            taken[int(torch.argmin(row))] = True
+        return Selection(kept=torch.nonzero(taken).flatten())
