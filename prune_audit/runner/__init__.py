@@ -1,0 +1,1 @@
+"""The audit runner: questions in, one durable record per question out."""

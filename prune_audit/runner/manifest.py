@@ -1,0 +1,90 @@
+"""The run manifest: everything needed to reproduce a run and to refuse an inconsistent resume."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from prune_audit import __version__
+from prune_audit.errors import PruneAuditError
+from prune_audit.runner.records import write_text_atomic
+
+MANIFEST_FILE = "manifest.json"
+
+# fields that define the run: a resume must match them exactly
+CONFIG_FIELDS = (
+    "model",
+    "processor",
+    "prompt",
+    "dtype",
+    "selector",
+    "budget",
+    "question_files",
+    "annotations",
+    "limit",
+    "seed",
+    "split",
+)
+
+
+def git_revision() -> str | None:
+    """The prune-audit source revision, when running from a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def library_versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def base_manifest() -> dict[str, Any]:
+    return {"version": __version__, "git_revision": git_revision(), "versions": library_versions()}
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any]:
+    path = Path(run_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise PruneAuditError(f"{run_dir} is not a run directory (no {MANIFEST_FILE}); pass a directory written by prune-audit run")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise PruneAuditError(f"{path} is not valid JSON ({error.msg}); re-run to rewrite it") from None
+
+
+def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
+    write_text_atomic(json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n", Path(run_dir) / MANIFEST_FILE)
+
+
+def differing_fields(old: dict[str, Any], new: dict[str, Any], fields: tuple[str, ...] = CONFIG_FIELDS) -> list[str]:
+    """Names of configuration fields whose values differ (nested dicts compared by dotted key)."""
+    differences: list[str] = []
+    for name in fields:
+        _collect_differences(name, old.get(name), new.get(name), differences)
+    return differences
+
+
+def _collect_differences(prefix: str, old: Any, new: Any, out: list[str]) -> None:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            _collect_differences(f"{prefix}.{key}", old.get(key), new.get(key), out)
+    elif _normalise(old) != _normalise(new):
+        out.append(prefix)
+
+
+def _normalise(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))

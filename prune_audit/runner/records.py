@@ -1,0 +1,155 @@
+"""Durable, resumable run records: atomic Parquet part files compacted into ``records.parquet``.
+
+Every batch of finished questions is written as its own part file (temporary name,
+fsync, atomic rename), so a run killed at any moment, SIGKILL included, loses at
+most the batch in flight and never leaves a half-written file under a final name.
+Resuming reads the keys already present and skips them. Compaction concatenates
+the parts, sorts them into question-file order and replaces ``records.parquet``
+atomically; the parts are removed only after that, and a reader always takes the
+union of ``records.parquet`` and any parts, de-duplicated by key.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+RECORDS_FILE = "records.parquet"
+PARTS_DIR = "parts"
+KEY_COLUMNS = ("split", "question_id")
+
+SCHEMA = pa.schema(
+    [
+        ("question_id", pa.int64()),
+        ("split", pa.string()),
+        ("image", pa.string()),
+        ("image_id", pa.int64()),
+        ("object", pa.string()),
+        ("label", pa.string()),
+        ("answer", pa.string()),
+        ("p_yes", pa.float64()),
+        ("p_no", pa.float64()),
+        ("p_yes_2way", pa.float64()),
+        ("logit_diff", pa.float64()),
+        ("confidence", pa.float64()),
+        ("correct", pa.bool_()),
+        ("kept", pa.list_(pa.int64())),
+        ("kept_stages", pa.list_(pa.list_(pa.int64()))),
+        ("visual_tokens_avg", pa.float64()),
+        ("prefill_tokens", pa.int64()),
+        ("retention", pa.float64()),
+        ("visible_fraction", pa.float64()),
+        ("object_tokens_kept", pa.int64()),
+        ("lost", pa.bool_()),
+        ("object_area", pa.int64()),
+        ("latency_ms", pa.float64()),
+        ("order", pa.int64()),
+    ]
+)
+"""Column ``order`` is the question's position in the run's question list (for sorting)."""
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_table_atomic(table: pa.Table, path: Path) -> None:
+    """Write ``table`` to ``path`` so that ``path`` is either absent, old, or complete."""
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(temporary, "wb") as handle:
+        pq.write_table(table, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    _fsync_directory(path.parent)
+
+
+def write_text_atomic(text: str, path: Path) -> None:
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    _fsync_directory(path.parent)
+
+
+class RecordStore:
+    """The records of one run directory, possibly written by several processes."""
+
+    def __init__(self, run_dir: Path, writer: str = "0") -> None:
+        self.run_dir = Path(run_dir)
+        self.parts_dir = self.run_dir / PARTS_DIR
+        self.writer = writer
+
+    def part_files(self) -> list[Path]:
+        if not self.parts_dir.is_dir():
+            return []
+        return sorted(p for p in self.parts_dir.glob("part-*.parquet"))
+
+    def append(self, rows: Sequence[dict[str, Any]]) -> Path | None:
+        """Persist one batch of finished records as a new part file."""
+        if not rows:
+            return None
+        self.parts_dir.mkdir(parents=True, exist_ok=True)
+        table = pa.Table.from_pylist(list(rows), schema=SCHEMA)
+        path = self.parts_dir / f"part-{self.writer}-{uuid.uuid4().hex}.parquet"
+        write_table_atomic(table, path)
+        return path
+
+    def read(self) -> pa.Table:
+        """All records present (compacted file and parts), de-duplicated by key, in question order."""
+        tables = [pq.read_table(p, schema=SCHEMA) for p in self._sources()]
+        if not tables:
+            return SCHEMA.empty_table()
+        table = pa.concat_tables(tables)
+        return _sorted_unique(table)
+
+    def done_keys(self) -> set[tuple[str, int]]:
+        keys: set[tuple[str, int]] = set()
+        for path in self._sources():
+            table = pq.read_table(path, columns=list(KEY_COLUMNS))
+            keys.update(zip(table["split"].to_pylist(), table["question_id"].to_pylist()))
+        return keys
+
+    def compact(self) -> pa.Table:
+        """Replace ``records.parquet`` with every record present, then drop the parts."""
+        parts = self.part_files()
+        table = self.read()
+        write_table_atomic(table, self.run_dir / RECORDS_FILE)
+        for part in parts:
+            part.unlink(missing_ok=True)
+        if self.parts_dir.is_dir() and not any(self.parts_dir.iterdir()):
+            self.parts_dir.rmdir()
+        return table
+
+    def _sources(self) -> list[Path]:
+        compacted = self.run_dir / RECORDS_FILE
+        return ([compacted] if compacted.is_file() else []) + self.part_files()
+
+
+def _sorted_unique(table: pa.Table) -> pa.Table:
+    table = table.sort_by([("order", "ascending")])
+    seen: set[tuple[str, int]] = set()
+    keep = []
+    for index, key in enumerate(zip(table["split"].to_pylist(), table["question_id"].to_pylist())):
+        if key not in seen:
+            seen.add(key)
+            keep.append(index)
+    return table.take(keep) if len(keep) != table.num_rows else table
+
+
+def merge_tables(tables: Iterable[pa.Table]) -> pa.Table:
+    """Union of record tables in question order, one row per key."""
+    table = pa.concat_tables([t.select(SCHEMA.names).cast(SCHEMA) for t in tables])
+    return _sorted_unique(table)

@@ -1,0 +1,95 @@
+"""Record store, manifest comparison and sharding: the runner's durable pieces."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.runner.manifest import differing_fields, read_manifest, write_manifest
+from prune_audit.runner.records import SCHEMA, RecordStore
+from prune_audit.runner.sharding import Shard, parse_shard, shard_questions
+
+
+def make_row(order, split="random", question_id=None):
+    return {
+        "question_id": order + 1 if question_id is None else question_id,
+        "split": split,
+        "image": f"img{order // 6}.jpg",
+        "image_id": order // 6,
+        "object": "dog",
+        "label": "yes",
+        "answer": "no",
+        "p_yes": 0.1,
+        "p_no": 0.8,
+        "p_yes_2way": 0.1 / 0.9,
+        "logit_diff": -2.07,
+        "confidence": 0.8 / 0.9,
+        "correct": False,
+        "kept": [1, 2, 3],
+        "kept_stages": [[1, 2, 3]],
+        "visual_tokens_avg": 3.0,
+        "prefill_tokens": 20,
+        "retention": 0.5,
+        "visible_fraction": 1.0,
+        "object_tokens_kept": 2,
+        "lost": False,
+        "object_area": 100,
+        "latency_ms": 1.0,
+        "order": order,
+    }
+
+
+def test_parts_resume_and_compaction(tmp_path):
+    store = RecordStore(tmp_path, writer="0")
+    store.append([make_row(i) for i in (3, 1)])
+    store.append([make_row(i) for i in (0, 2)])
+    assert store.done_keys() == {("random", i + 1) for i in range(4)}
+    # a stray temporary file from a killed writer is ignored
+    (tmp_path / "parts" / ".part-0-x.parquet.123.tmp").write_bytes(b"garbage")
+    table = store.compact()
+    assert table["order"].to_pylist() == [0, 1, 2, 3]
+    assert pq.read_table(tmp_path / "records.parquet").schema.equals(SCHEMA)
+    assert store.part_files() == []
+    # parts written after compaction are merged into the next read, without duplicates
+    store.append([make_row(3), make_row(4)])
+    assert store.read()["order"].to_pylist() == [0, 1, 2, 3, 4]
+
+
+def test_records_readable_without_prune_audit(tmp_path):
+    pandas = pytest.importorskip("pandas")
+    store = RecordStore(tmp_path)
+    store.append([make_row(0), make_row(1)])
+    store.compact()
+    frame = pandas.read_parquet(tmp_path / "records.parquet")
+    assert list(frame["kept"].iloc[0]) == [1, 2, 3]
+    duckdb = pytest.importorskip("duckdb")
+    assert duckdb.sql(f"select count(*) from '{tmp_path / 'records.parquet'}'").fetchall()[0][0] == 2
+    polars = pytest.importorskip("polars")
+    assert polars.read_parquet(tmp_path / "records.parquet").height == 2
+
+
+def test_manifest_differences_name_nested_fields(tmp_path):
+    old = {"selector": {"name": "e2s", "options": {"lam": 0.1}}, "budget": 64, "seed": 0}
+    new = {"selector": {"name": "e2s", "options": {"lam": 0.2}}, "budget": 128, "seed": 0}
+    assert differing_fields(old, new) == ["selector.options.lam", "budget"]
+    write_manifest(tmp_path, old)
+    assert read_manifest(tmp_path) == json.loads(json.dumps(old))
+    with pytest.raises(PruneAuditError, match="not a run directory"):
+        read_manifest(tmp_path / "nowhere")
+
+
+def test_shards_partition_questions_by_image():
+    class Q:
+        def __init__(self, image, n):
+            self.image, self.n = image, n
+
+    questions = [Q(f"i{k % 7}", k) for k in range(42)]
+    shards = [shard_questions(questions, Shard(i, 3)) for i in range(3)]
+    assert sorted(q.n for s in shards for q in s) == list(range(42))
+    images = [{q.image for q in s} for s in shards]
+    assert not (images[0] & images[1]) and not (images[1] & images[2])
+    assert parse_shard("1/4") == Shard(1, 4)
+    for bad in ("4/4", "x", "1/0"):
+        with pytest.raises(PruneAuditError):
+            parse_shard(bad)
