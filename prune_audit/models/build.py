@@ -1,0 +1,308 @@
+"""Offline builders for small LLaVA and Qwen2.5-VL checkpoints from configs.
+
+Tests, the prefill benchmark and the bundled demo model need real Hugging Face
+checkpoints without network access. These builders create randomly initialised
+models from the real classes, a word-level tokenizer built with ``tokenizers``,
+the family's PIL image processor and processor, and ``save_pretrained`` all of it
+so that ``from_pretrained(path)`` round-trips.
+
+transformers-5 details followed here (see the demo-model spec, "Pitfalls"): the
+PIL image processors are used directly (no torchvision), ``LlavaProcessor`` gets
+``num_additional_image_tokens=1`` so the ``"default"`` strategy yields rows*cols
+image tokens, and a ``TemplateProcessing`` post-processor prepends ``<s>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# words the chat templates below emit; added to every vocabulary so prompts never hit <unk>
+LLAVA_TEMPLATE_WORDS = ("USER", "ASSISTANT", ":", "?", ".", ",", "yes", "no", "Yes", "No")
+QWEN_TEMPLATE_WORDS = ("system", "user", "assistant", "You", "are", "a", "helpful", ".", "?", ",",
+                       "yes", "no", "Yes", "No")
+
+# the llava-hf chat template: "USER: <image>\n{text} ASSISTANT:" (system text, if any, first)
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' ' }}{% endfor %}"
+    "{% else %}{{ message['role'].upper() + ': ' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' ' }}{% endfor %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+# the Qwen2.5-VL chat template for image + text messages (default system prompt as in Qwen2.5-VL)
+QWEN_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _vocabulary(words: Sequence[str], special: Sequence[str], template_words: Sequence[str]) -> list[str]:
+    """Special tokens first, then the given words and template words, without repeats."""
+    vocabulary: list[str] = []
+    for word in (*special, *words, *template_words):
+        if word not in vocabulary:
+            vocabulary.append(word)
+    return vocabulary
+
+
+def word_level_tokenizer(
+    words: Sequence[str],
+    *,
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+    bos_token: str | None = "<s>",
+    eos_token: str = "</s>",
+    pad_token: str = "<pad>",
+    unk_token: str = "<unk>",
+    extra_attributes: dict[str, str] | None = None,
+):
+    """A ``PreTrainedTokenizerFast`` over ``special_tokens + words`` (ids in that order).
+
+    WordLevel model, Whitespace pre-tokenizer (``\\w+|[^\\w\\s]+``), and a
+    ``TemplateProcessing`` post-processor that prepends ``bos_token`` (omitted when
+    ``bos_token`` is None). The special tokens are registered as added tokens so that
+    ``<image>`` survives pre-tokenisation, and the result reloads with
+    ``AutoTokenizer.from_pretrained`` after ``save_pretrained``.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = _vocabulary(words, special_tokens, ())
+    if unk_token not in vocabulary:
+        raise ValueError(f"the unknown token {unk_token!r} must be one of the special tokens")
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocabulary)}, unk_token=unk_token))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    if bos_token is not None:
+        bos_id = vocabulary.index(bos_token)
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token} $A", pair=f"{bos_token} $A $B", special_tokens=[(bos_token, bos_id)]
+        )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        unk_token=unk_token,
+        **(extra_attributes or {}),
+    )
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [t for t in special_tokens if t not in (bos_token, eos_token, pad_token, unk_token)]}
+    )
+    return tokenizer
+
+
+def build_llava(
+    save_dir: str | Path,
+    *,
+    words: Sequence[str],
+    image_size: int = 112,
+    patch_size: int = 14,
+    vision_hidden_size: int = 64,
+    vision_intermediate_size: int = 128,
+    vision_layers: int = 2,
+    vision_heads: int = 4,
+    text_hidden_size: int = 64,
+    text_intermediate_size: int = 128,
+    text_layers: int = 2,
+    text_heads: int = 4,
+    text_kv_heads: int | None = None,
+    vision_feature_layer: int = -2,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Save a randomly initialised ``LlavaForConditionalGeneration`` with its processor.
+
+    CLIP vision tower (``quick_gelu``) + 2-layer GELU projector + Llama decoder,
+    ``vision_feature_select_strategy="default"`` (CLS dropped), so the prompt carries
+    ``(image_size // patch_size) ** 2`` ``<image>`` tokens. The vocabulary is
+    ``SPECIAL_TOKENS + words`` plus the chat template's words.
+
+    Returns:
+        ``save_dir`` as a Path, loadable with ``from_pretrained``.
+    """
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    save_dir = Path(save_dir)
+    vocabulary = _vocabulary(words, SPECIAL_TOKENS, LLAVA_TEMPLATE_WORDS)
+    tokenizer = word_level_tokenizer(vocabulary)
+    vision = CLIPVisionConfig(
+        hidden_size=vision_hidden_size,
+        intermediate_size=vision_intermediate_size,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=vision_heads,
+        image_size=image_size,
+        patch_size=patch_size,
+        hidden_act="quick_gelu",
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=text_hidden_size,
+        intermediate_size=text_intermediate_size,
+        num_hidden_layers=text_layers,
+        num_attention_heads=text_heads,
+        num_key_value_heads=text_kv_heads or text_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    num_patches = (image_size // patch_size) ** 2
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        projector_hidden_act="gelu",
+        vision_feature_layer=vision_feature_layer,
+        vision_feature_select_strategy="default",
+        image_seq_length=num_patches,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        num_additional_image_tokens=1,
+    )
+    model.save_pretrained(save_dir)
+    processor.save_pretrained(save_dir)
+    return save_dir
+
+
+def build_qwen2_5_vl(
+    save_dir: str | Path,
+    *,
+    words: Sequence[str],
+    image_size: int = 112,
+    patch_size: int = 14,
+    spatial_merge_size: int = 2,
+    vision_hidden_size: int = 32,
+    vision_intermediate_size: int = 64,
+    vision_layers: int = 2,
+    vision_heads: int = 2,
+    text_hidden_size: int = 64,
+    text_intermediate_size: int = 128,
+    text_layers: int = 2,
+    text_heads: int = 4,
+    text_kv_heads: int = 2,
+    mrope_section: Sequence[int] = (2, 3, 3),
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Save a randomly initialised ``Qwen2_5_VLForConditionalGeneration`` with its processor.
+
+    GQA (``text_kv_heads < text_heads``) and 3-D M-RoPE (``sum(mrope_section)`` must be
+    ``head_dim / 2``). The PIL image processor is pinned to exactly ``image_size**2``
+    pixels (min = max), so a square image gives a
+    ``(image_size / (patch_size * spatial_merge_size))``-square token grid. The last
+    vision block uses full attention, the others windowed attention.
+
+    Returns:
+        ``save_dir`` as a Path, loadable with ``from_pretrained``.
+    """
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    save_dir = Path(save_dir)
+    head_dim = text_hidden_size // text_heads
+    if 2 * sum(mrope_section) != head_dim:
+        raise ValueError(f"mrope_section {tuple(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}")
+    vocabulary = _vocabulary(words, (*SPECIAL_TOKENS, *QWEN_SPECIAL_TOKENS), QWEN_TEMPLATE_WORDS)
+    tokenizer = word_level_tokenizer(
+        vocabulary,
+        special_tokens=(*SPECIAL_TOKENS, *QWEN_SPECIAL_TOKENS),
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        vision_config={
+            "depth": vision_layers,
+            "hidden_size": vision_hidden_size,
+            "intermediate_size": vision_intermediate_size,
+            "num_heads": vision_heads,
+            "patch_size": patch_size,
+            "spatial_merge_size": spatial_merge_size,
+            "temporal_patch_size": 2,
+            "window_size": patch_size * spatial_merge_size * 2,
+            "out_hidden_size": text_hidden_size,
+            "fullatt_block_indexes": [vision_layers - 1],
+        },
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": text_hidden_size,
+            "intermediate_size": text_intermediate_size,
+            "num_hidden_layers": text_layers,
+            "num_attention_heads": text_heads,
+            "num_key_value_heads": text_kv_heads,
+            "max_position_embeddings": max_position_embeddings,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(mrope_section)},
+            "bos_token_id": None,
+            "eos_token_id": ids("<|im_end|>"),
+            "pad_token_id": ids("<|endoftext|>"),
+        },
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    pixels = image_size * image_size
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=pixels, max_pixels=pixels, patch_size=patch_size, merge_size=spatial_merge_size,
+        temporal_patch_size=2,
+    )
+    # Qwen2_5_VLProcessor insists on a video processor, which needs torchvision; the adapter
+    # composes image processor + tokenizer itself, so those two (and the template) are saved.
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    model.save_pretrained(save_dir)
+    image_processor.save_pretrained(save_dir)
+    tokenizer.save_pretrained(save_dir)
+    return save_dir
+
+
+__all__ = ["word_level_tokenizer", "build_llava", "build_qwen2_5_vl", "SPECIAL_TOKENS", "QWEN_SPECIAL_TOKENS"]
