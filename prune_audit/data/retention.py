@@ -1,0 +1,161 @@
+"""Object-area retention: how much of the queried object's mask the kept tokens still see.
+
+Per (image, category) the mask is decoded once and reduced to a vector of mask pixels
+per token (``ObjectArea``); retention of a kept set is then a gather and a sum:
+
+    retention = sum(area_per_token[kept]) / total_area
+
+The denominator is the whole mask, so preprocessing that crops part of the object away
+caps retention at the visible fraction even when every token is kept (evaluation spec,
+sections D and I.4). A question without object pixels (a "no" question, or a "yes"
+object with no instance mask) has no retention: NaN, ``object_tokens_kept`` -1, and
+``lost`` undefined, never a silent zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prune_audit.data.coco import CocoInstances
+from prune_audit.data.geometry import TokenGeometry, mask_area_per_token
+from prune_audit.errors import PruneAuditError
+
+
+@dataclass(frozen=True)
+class ObjectArea:
+    """The queried object's mask seen through one token geometry.
+
+    Attributes:
+        area_per_token: (N,) int64 mask pixels per token (pixel centres).
+        total_area: mask pixels in the whole original image.
+        visible_fraction: share of the mask inside any token footprint (NaN without a mask).
+    """
+
+    area_per_token: np.ndarray
+    total_area: int
+    visible_fraction: float
+
+    @property
+    def has_mask(self) -> bool:
+        return self.total_area > 0
+
+
+def object_area(mask: np.ndarray, geometry: TokenGeometry) -> ObjectArea:
+    """Reduce an (H, W) boolean mask to per-token areas under ``geometry``."""
+    area = mask_area_per_token(mask, geometry)
+    total = int(np.count_nonzero(mask))
+    visible = float(area.sum() / total) if total else math.nan
+    return ObjectArea(area_per_token=area, total_area=total, visible_fraction=visible)
+
+
+class ObjectAreaCache:
+    """Per-(image, category) ``ObjectArea`` for one COCO file, each mask decoded once.
+
+    Args:
+        coco: the instances file the masks come from.
+        geometry_for: maps an image's (width, height) to its token geometry, e.g.
+            ``lambda size: geometry_from_processor(processor, size)``.
+    """
+
+    def __init__(self, coco: CocoInstances, geometry_for: Callable[[tuple[int, int]], TokenGeometry]) -> None:
+        self.coco = coco
+        self.geometry_for = geometry_for
+        self._areas: dict[tuple[int, str], ObjectArea] = {}
+
+    def get(self, image_id: int, category_name: str) -> ObjectArea:
+        key = (image_id, category_name)
+        if key not in self._areas:
+            geometry = self.geometry_for(self.coco.image(image_id).size)
+            self._areas[key] = object_area(self.coco.category_mask(image_id, category_name), geometry)
+        return self._areas[key]
+
+    def __len__(self) -> int:
+        return len(self._areas)
+
+
+def retention(area_per_token: np.ndarray, total_area: int, kept: Sequence[int] | np.ndarray) -> tuple[float, int, bool | None]:
+    """Retention of one kept set.
+
+    Args:
+        area_per_token: (N,) mask pixels per token.
+        total_area: all mask pixels of the object.
+        kept: indices of kept tokens (any order; repeats count once).
+
+    Returns:
+        (retention, object_tokens_kept, lost): retention in [0, 1]; number of kept tokens
+        holding object pixels; lost = no object pixel in any kept token. Without object
+        pixels: (NaN, -1, None).
+    """
+    kept_index = _check_kept(np.unique(np.asarray(kept, dtype=np.int64)), len(area_per_token))
+    if total_area <= 0:
+        return math.nan, -1, None
+    kept_area = area_per_token[kept_index]
+    retained = float(kept_area.sum() / total_area)
+    tokens = int(np.count_nonzero(kept_area))
+    return retained, tokens, tokens == 0
+
+
+def _check_kept(kept: np.ndarray, num_tokens: int) -> np.ndarray:
+    if kept.size and (kept.min() < 0 or kept.max() >= num_tokens):
+        raise PruneAuditError(f"kept token index out of range [0, {num_tokens})")
+    return kept
+
+
+@dataclass(frozen=True)
+class RetentionBatch:
+    """Retention of many questions; all arrays have shape (Q,).
+
+    Attributes:
+        retention: float64, NaN where the question has no object pixels.
+        object_tokens_kept: int64, -1 where it has no object pixels.
+        lost: bool, object pixels exist but none is in a kept token (False without pixels).
+        has_mask: bool, the question has object pixels.
+    """
+
+    retention: np.ndarray
+    object_tokens_kept: np.ndarray
+    lost: np.ndarray
+    has_mask: np.ndarray
+
+
+def retention_batch(
+    areas: Sequence[np.ndarray], total_areas: Sequence[int] | np.ndarray, kept: Sequence[Sequence[int] | np.ndarray]
+) -> RetentionBatch:
+    """Vectorised ``retention`` for Q questions whose token counts may differ (Qwen).
+
+    Args:
+        areas: Q vectors (N_q,) of mask pixels per token.
+        total_areas: (Q,) mask pixels of each question's object.
+        kept: Q kept index sets, each within [0, N_q); repeats count once.
+    """
+    count = len(areas)
+    if len(kept) != count or len(total_areas) != count:
+        raise PruneAuditError(f"retention_batch needs one kept set and one total per question, got "
+                              f"{count} areas, {len(kept)} kept sets, {len(total_areas)} totals")
+    lengths = np.fromiter((len(a) for a in areas), dtype=np.int64, count=count)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    flat_area = np.concatenate([np.asarray(a, dtype=np.int64) for a in areas]) if count else np.zeros(0, np.int64)
+    kept_sizes = np.fromiter((len(k) for k in kept), dtype=np.int64, count=count)
+    flat_kept = np.concatenate([np.asarray(k, dtype=np.int64) for k in kept]) if count else np.zeros(0, np.int64)
+    question_of_kept = np.repeat(np.arange(count), kept_sizes)
+    if flat_kept.size and ((flat_kept < 0).any() or (flat_kept >= lengths[question_of_kept]).any()):
+        raise PruneAuditError("kept token index out of range for its question's token grid")
+    # A flat keep mask over all questions' tokens makes repeated indices count once.
+    keep = np.zeros(flat_area.size, dtype=bool)
+    keep[starts[question_of_kept] + flat_kept] = True
+    question_of_token = np.repeat(np.arange(count), lengths)
+    area_kept = np.bincount(question_of_token, weights=np.where(keep, flat_area, 0), minlength=count)
+    tokens_kept = np.bincount(question_of_token, weights=keep & (flat_area > 0), minlength=count).astype(np.int64)
+    totals = np.asarray(total_areas, dtype=np.int64)
+    has_mask = totals > 0
+    retained = np.where(has_mask, area_kept / np.where(has_mask, totals, 1), np.nan)
+    return RetentionBatch(
+        retention=retained,
+        object_tokens_kept=np.where(has_mask, tokens_kept, -1),
+        lost=has_mask & (tokens_kept == 0),
+        has_mask=has_mask,
+    )
