@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from prune_audit.cli import pope as pope_cli
+from prune_audit.cli import run as run_cli
 from prune_audit.cli import selectors as selectors_cli
 
 app = typer.Typer(
@@ -16,6 +18,9 @@ app = typer.Typer(
 )
 
 app.command("selectors")(selectors_cli.selectors)
+app.command("run")(run_cli.run)
+app.command("merge")(run_cli.merge)
+app.add_typer(pope_cli.app, name="pope")
 
 
 @app.command("version")

@@ -1,0 +1,114 @@
+"""``prune-audit run`` and ``prune-audit merge``."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from prune_audit.cli.common import handle_errors
+
+
+@handle_errors
+def run(
+    model: Annotated[Optional[str], typer.Option(help="Local model folder or hub id (default: the bundled demo model).")] = None,
+    selector: Annotated[str, typer.Option(help="Registered selector (see `prune-audit selectors`), or none for the unpruned reference.")] = "none",
+    budget: Annotated[Optional[int], typer.Option(help="Visual tokens to keep (in-LLM selectors: layer average).")] = None,
+    option: Annotated[Optional[list[str]], typer.Option(help="Selector option KEY=VALUE; repeatable.")] = None,
+    pope: Annotated[Optional[list[Path]], typer.Option(help="POPE question file(s) (JSON Lines); repeatable.")] = None,
+    split: Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")] = None,
+    images: Annotated[Optional[Path], typer.Option(help="Folder with the questions' images.")] = None,
+    annotations: Annotated[Optional[Path], typer.Option(help="COCO instances file (object masks for retention).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Run directory (default: runs/<model>-<selector>-<budget>).")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="Only the first N questions.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Questions per forward pass.")] = 1,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed for random selectors (per question, independent of batching).")] = 0,
+    shard: Annotated[Optional[str], typer.Option(help="Run shard I/N of the questions (split by image); merge with `prune-audit merge`.")] = None,
+    prompt_template: Annotated[Optional[str], typer.Option(help="Prompt template name (LLaVA: llava_hf or vicuna_v1).")] = None,
+    clip_text: Annotated[Optional[Path], typer.Option(help="CLIP text tower folder (CDPruner relevance).")] = None,
+) -> None:
+    """Run a model under a selector and budget over POPE questions; one record per question.
+
+    Writes RUN_DIR/records.parquet and RUN_DIR/manifest.json. Re-running the same
+    command resumes: finished questions are skipped. With no --model and no --pope
+    it audits the bundled demo model on the demo question set.
+    """
+    from prune_audit.runner.audit import RunRequest, execute, plan_run
+    from prune_audit.runner.sharding import parse_shard
+
+    request = RunRequest(
+        model=model, selector=selector, budget=budget, options=list(option or []), pope=list(pope or []), split=split,
+        images=images, annotations=annotations, out=out, limit=limit, batch_size=batch_size, device=device,
+        dtype=dtype, seed=seed, shard=parse_shard(shard) if shard else None, prompt_template=prompt_template,
+        clip_text=clip_text, command=shlex.join(["prune-audit", *sys.argv[1:]]),
+    )
+    plan = plan_run(request)
+    result = _execute_with_progress(plan, execute)
+    _print_summary(result, plan)
+
+
+def _execute_with_progress(plan, execute):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task("questions", total=None, rate="")
+
+        def on_start(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        def on_progress(count: int) -> None:
+            progress.advance(task, count)
+            speed = progress.tasks[task].speed
+            progress.update(task, rate=f"{speed:.2f} q/s" if speed else "")
+
+        return execute(plan, on_start=on_start, on_progress=on_progress)
+
+
+def _print_summary(result, plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    summary = result.summary
+    table = Table(title=f"{plan.manifest['model']['id']} | selector {plan.manifest['selector']['name']} | budget {plan.budget}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("questions", f"{summary.get('questions', 0)}" + ("" if result.complete else f" of {len(plan.questions)} (shard)")),
+        ("accuracy", f"{summary.get('accuracy', float('nan')):.4f}"),
+        ("mean confidence", f"{summary.get('mean_confidence', float('nan')):.4f}"),
+        ("avg visual tokens", f"{summary.get('visual_tokens_avg', float('nan')):.2f}"),
+        ("mean retention (yes questions)", f"{summary.get('mean_retention', float('nan')):.4f}"),
+        ("lost objects", f"{summary.get('lost_objects', 0)} of {summary.get('questions_with_mask', 0)}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console()
+    console.print(table)
+    target = result.run_dir / ("records.parquet" if result.complete else "parts")
+    console.print(f"records: {target}")
+
+
+@handle_errors
+def merge(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories written by sharded runs of one configuration.")],
+    out: Annotated[Optional[Path], typer.Option(help="Merged run directory (default: the first RUN_DIR).")] = None,
+) -> None:
+    """Merge sharded runs (same configuration) into one records.parquet and manifest."""
+    from prune_audit.runner.merge import merge_runs
+
+    merged = merge_runs(run_dirs, out)
+    print(f"merged {merged.num_rows} records into {(out or run_dirs[0]) / 'records.parquet'}")

@@ -1,0 +1,48 @@
+"""Merge the records of sharded runs of one configuration."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.runner.manifest import differing_fields, read_manifest, write_manifest
+from prune_audit.runner.records import RECORDS_FILE, RecordStore, merge_tables, write_table_atomic
+
+
+def merge_runs(run_dirs: Sequence[Path], out: Path | None = None) -> pa.Table:
+    """Union the records of ``run_dirs`` into ``out`` (default: the first directory).
+
+    Every directory must hold a manifest of the same configuration, and together
+    they must cover every question of the run exactly; otherwise nothing is written.
+    """
+    if not run_dirs:
+        raise PruneAuditError("pass at least one run directory to merge")
+    manifests = [read_manifest(Path(d)) for d in run_dirs]
+    for directory, manifest in zip(run_dirs[1:], manifests[1:]):
+        differences = differing_fields(manifests[0], manifest)
+        if differences:
+            raise PruneAuditError(
+                f"{directory} was run with a different configuration than {run_dirs[0]} ({', '.join(differences)}); "
+                f"merge only shards of one command"
+            )
+    stores = [RecordStore(Path(d)) for d in dict.fromkeys(Path(d).resolve() for d in run_dirs)]
+    records = merge_tables(store.read() for store in stores)
+    expected = manifests[0].get("num_questions")
+    if expected is not None and records.num_rows != expected:
+        raise PruneAuditError(
+            f"the shards hold {records.num_rows} of {expected} questions; run the missing shards, then merge again"
+        )
+    target = Path(out) if out is not None else Path(run_dirs[0])
+    target.mkdir(parents=True, exist_ok=True)
+    manifest = dict(manifests[0])
+    manifest["realised_visual_tokens_avg"] = float(np.mean(records["visual_tokens_avg"].to_numpy())) if records.num_rows else None
+    write_table_atomic(records, target / RECORDS_FILE)
+    write_manifest(target, manifest)
+    for store in stores:
+        if store.run_dir.resolve() == target.resolve():
+            store.compact()
+    return records
