@@ -1,0 +1,452 @@
+"""The model-family-independent part of a pruned vision-language model.
+
+A family adapter (``llava.py``, ``qwen.py``) turns an image and a question into a
+:class:`Prepared` prompt, runs its vision tower, and says how positions work. This
+class does the rest: input-level selection, the schedule of in-LLM selectors, the
+pruned prefill through :class:`~prune_audit.models.executor.LanguageLoop`, the
+yes/no reduction and a greedy decoding loop with KV cache.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.models.answers import answer_token_ids, reduce_yes_no
+from prune_audit.models.executor import (
+    MERGED,
+    TEXT_AFTER,
+    TEXT_BEFORE,
+    DecoderStack,
+    LanguageLoop,
+    LayerPlan,
+    Prefill,
+    TokenRow,
+    pack,
+)
+from prune_audit.pruners.base import InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
+from prune_audit.pruners.registry import list_selectors, selector_class
+
+ForcedStages = Sequence[tuple[int, Sequence[int]]]
+
+
+def find_image_span(input_ids: Tensor, image_token_id: int) -> tuple[int, int]:
+    """``[start, end)`` of the single contiguous run of image tokens in (L,) ``input_ids``."""
+    where = torch.nonzero(input_ids == image_token_id).flatten()
+    if where.numel() == 0:
+        raise PruneAuditError("the prompt holds no image tokens; check the prompt template")
+    start, end = int(where[0]), int(where[-1]) + 1
+    if end - start != where.numel():
+        raise PruneAuditError("the image tokens are not one contiguous span; one image per prompt is supported")
+    return start, end
+
+
+@dataclass
+class Prepared:
+    """One (image, question) prompt, processed by the model's own processor.
+
+    Attributes:
+        input_ids: (L,) prompt ids with the image span expanded to N image tokens.
+        image_span: ``[start, end)`` of the image tokens in ``input_ids``.
+        grid: (rows, cols) of the visual token grid, N = rows * cols.
+        pixel_values: the processor's pixel tensor for this image.
+        question: the raw question (CLIP text relevance reads it).
+        image_size: original (width, height).
+        geometry: :class:`prune_audit.data.geometry.TokenGeometry` of the image.
+        extras: family-specific tensors (Qwen: ``image_grid_thw``, ``positions``).
+    """
+
+    input_ids: Tensor
+    image_span: tuple[int, int]
+    grid: tuple[int, int]
+    pixel_values: Tensor
+    question: str
+    image_size: tuple[int, int]
+    geometry: Any
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def num_visual(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+@dataclass
+class Answer:
+    """First-token answer of one question and the provenance of the visual tokens.
+
+    ``kept_stages`` holds the kept grid indices after each stage (one entry for
+    input-level selection, none unpruned); ``kept`` those reaching the last layer;
+    ``sources`` the grid indices each output token carries for merging selectors.
+    ``latency_ms`` is the wall time of the batch prefill (vision, selection,
+    language model) divided by the batch size.
+    """
+
+    p_yes: float
+    p_no: float
+    p_yes_2way: float
+    logit_diff: float
+    answer: str
+    confidence: float
+    kept: list[int]
+    kept_stages: list[list[int]]
+    stage_layers: list[int]
+    tokens_per_layer: list[int]
+    visual_tokens_avg: float
+    prefill_tokens: int
+    latency_ms: float
+    sources: list[list[int]] | None = None
+
+
+@dataclass
+class VisionOutput:
+    """One image through the vision tower: (N, D) projector outputs plus optional signals."""
+
+    features: Tensor
+    signals: dict[str, Tensor] = field(default_factory=dict)
+
+
+class VisionLanguageModel(ABC):
+    """A loaded VLM that answers questions under any registered selector."""
+
+    family: str = ""
+    #: InputSignals fields this family can provide (``text_relevance`` also needs clip_text)
+    input_signals: frozenset[str] = frozenset()
+
+    def __init__(self, model, tokenizer, stack: DecoderStack, *, model_id: str, prompt_template: str,
+                 system_prompt: str | None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.loop = LanguageLoop(stack)
+        self.model_id = model_id
+        self.prompt_template = prompt_template
+        self.system_prompt = system_prompt
+        self.yes_ids = answer_token_ids(tokenizer, "yes")
+        self.no_ids = answer_token_ids(tokenizer, "no")
+        if not self.yes_ids or not self.no_ids:
+            raise PruneAuditError(f"the tokenizer of {model_id} has no single token for 'yes' or 'no'")
+
+    # ----- family hooks -------------------------------------------------------------
+    @abstractmethod
+    def prepare(self, image, question: str) -> Prepared:
+        """Process one PIL image and question into a prompt."""
+
+    @abstractmethod
+    def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
+        """Run the vision tower once for the batch; fill the requested InputSignals fields."""
+
+    @abstractmethod
+    def _full_positions(self, prepared: Prepared) -> Tensor:
+        """(P, L) position ids of the unpruned prompt."""
+
+    @abstractmethod
+    def _input_positions(self) -> str:
+        """Position mode after input-level selection: 'compact' or 'keep_original'."""
+
+    @abstractmethod
+    def _layer_positions(self, selector: LayerSelector | None) -> str:
+        """Position mode the in-LLM loop uses for ``selector``."""
+
+    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> Tensor:
+        raise PruneAuditError(f"{self.family} has no CLIP text relevance")
+
+    def _project(self, vision_tokens: Tensor) -> Tensor:
+        """(M, Dv) pre-projector tokens -> (M, D) language-model inputs (merging selectors)."""
+        raise PruneAuditError(f"merging selectors are not supported on {self.family}")
+
+    def _family_description(self) -> dict[str, Any]:
+        return {}
+
+    # ----- public API ---------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.loop.num_layers
+
+    def describe(self) -> dict[str, Any]:
+        """Everything a run manifest needs to reproduce the model side of a run."""
+        import hashlib
+        import json
+
+        config = json.dumps(self.model.config.to_dict(), sort_keys=True, default=str)
+        return {
+            "model": {"id": self.model_id, "config_hash": hashlib.sha256(config.encode()).hexdigest()[:16]},
+            "family": self.family,
+            "prompt": {"template": self.prompt_template, "system": self.system_prompt},
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "attn_implementation": self.model.config._attn_implementation,
+            "num_layers": self.num_layers,
+            "answer_tokens": {"yes": self.yes_ids, "no": self.no_ids},
+            **self._family_description(),
+        }
+
+    def supported_selectors(self) -> list[str]:
+        """Registered selectors whose signals this model can provide."""
+        return [name for name in list_selectors() if self._missing(selector_class(name)) == set()]
+
+    def answer(
+        self,
+        prepared: Sequence[Prepared],
+        selector: Selector | None = None,
+        budget: int | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        forced_kept: Sequence[Sequence[int]] | None = None,
+        forced_stages: Sequence[ForcedStages] | None = None,
+    ) -> list[Answer]:
+        """First-token yes/no answers for a batch under ``selector`` at ``budget`` (None: unpruned).
+
+        ``forced_kept[b]`` replaces input-level selection by explicit grid indices;
+        ``forced_stages[b]`` lists ``(layer, kept grid indices)`` in-LLM stages.
+        """
+        start = time.perf_counter()
+        prefill, selections = self._prefill(prepared, selector, budget, generator, forced_kept, forced_stages)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        latency = (time.perf_counter() - start) * 1000 / len(prepared)
+        results = []
+        for b, reduced in enumerate(reduce_yes_no(prefill.logits, self.yes_ids, self.no_ids)):
+            results.append(self._answer(prepared[b], prefill, b, selections[b], reduced, latency))
+        return results
+
+    def generate(
+        self,
+        prepared: Prepared,
+        selector: Selector | None = None,
+        budget: int | None = None,
+        max_new_tokens: int = 16,
+        *,
+        generator: torch.Generator | None = None,
+        forced_kept: Sequence[int] | None = None,
+        forced_stages: ForcedStages | None = None,
+    ) -> str:
+        """Greedy decoding under pruning; the pruned KV cache is reused for every new token."""
+        prefill, _ = self._prefill(
+            [prepared], selector, budget, generator,
+            None if forced_kept is None else [forced_kept],
+            None if forced_stages is None else [forced_stages],
+            use_cache=True,
+        )
+        stop = set(self._eos_ids())
+        logits, tokens = prefill.logits, []
+        for _ in range(max_new_tokens):
+            token = int(logits[0].argmax())
+            if token in stop:
+                break
+            tokens.append(token)
+            logits = self.loop.decode_step(prefill.decode, torch.tensor([token], device=self.device))
+        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+    # ----- internals ----------------------------------------------------------------
+    def _eos_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
+        return [*ids, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])]
+
+    def _missing(self, cls: type[Selector]) -> set[str]:
+        if cls.stage == "llm":
+            return set()
+        return set(cls.requires) - self._available_input_signals()
+
+    def _available_input_signals(self) -> frozenset[str]:
+        return self.input_signals
+
+    def _check_supported(self, selector: Selector) -> None:
+        missing = self._missing(type(selector))
+        if not missing:
+            return
+        if missing == {"text_relevance"} and "text_relevance" in self.input_signals:
+            raise PruneAuditError(
+                f"selector {selector.name!r} needs a CLIP text tower for its text relevance: "
+                f"pass clip_text=PATH (--clip-text PATH) to a CLIP checkpoint matching the vision tower"
+            )
+        raise PruneAuditError(
+            f"selector {selector.name!r} needs {', '.join(sorted(missing))}, which {self.family} does not provide "
+            f"(e.g. no CLS token); selectors that work here: {', '.join(self.supported_selectors())}"
+        )
+
+    def _prefill(
+        self,
+        prepared: Sequence[Prepared],
+        selector: Selector | None,
+        budget: int | None,
+        generator: torch.Generator | None,
+        forced_kept: Sequence[Sequence[int]] | None,
+        forced_stages: Sequence[ForcedStages] | None,
+        use_cache: bool = False,
+    ) -> tuple[Prefill, list[Selection | None]]:
+        if not prepared:
+            raise PruneAuditError("no questions to answer")
+        self._check_request(prepared, selector, budget, forced_kept, forced_stages)
+        input_level = forced_kept is not None or isinstance(selector, InputSelector)
+        requires = selector.requires if input_level and selector is not None and forced_kept is None else frozenset()
+        with torch.no_grad():
+            vision = self._vision(prepared, requires)
+            selections: list[Selection | None] = [None] * len(prepared)
+            rows = []
+            for b, (item, output) in enumerate(zip(prepared, vision)):
+                if input_level:
+                    selections[b] = self._select(item, output, selector, budget, generator, requires,
+                                                 None if forced_kept is None else forced_kept[b])
+                rows.append(self._row(item, output, selections[b]))
+            plan = None
+            if not input_level and (selector is not None or forced_stages is not None):
+                plan = self._layer_plan(prepared, selector, budget, forced_stages)
+            carry = plan is not None and bool(plan.requires & {"embeddings", "text_embeddings"})
+            try:
+                return self.loop.prefill(pack(rows, carry_embeddings=carry), plan, use_cache=use_cache), selections
+            except ValueError as error:
+                if isinstance(error, PruneAuditError) or selector is None:
+                    raise
+                raise PruneAuditError(f"selector {selector.name!r} failed at budget {budget}: {error}") from None
+
+    def _check_request(self, prepared, selector, budget, forced_kept, forced_stages) -> None:
+        if forced_kept is not None and forced_stages is not None:
+            raise PruneAuditError("give forced_kept (input level) or forced_stages (in-LLM), not both")
+        for forced in (forced_kept, forced_stages):
+            if forced is not None and len(forced) != len(prepared):
+                raise PruneAuditError(f"{len(forced)} forced sets for {len(prepared)} questions")
+        if forced_kept is not None and isinstance(selector, LayerSelector):
+            raise PruneAuditError(f"forced_kept is input-level but selector {selector.name!r} prunes inside the LLM")
+        if forced_stages is not None and isinstance(selector, InputSelector):
+            raise PruneAuditError(f"forced_stages are in-LLM but selector {selector.name!r} is input-level")
+        if selector is None:
+            return
+        if budget is None and forced_kept is None and forced_stages is None:
+            raise PruneAuditError(f"selector {selector.name!r} needs a budget (number of visual tokens)")
+        self._check_supported(selector)
+
+    def _select(self, item, output, selector, budget, generator, requires, forced) -> Selection:
+        if forced is not None:
+            kept = torch.as_tensor(sorted(set(int(i) for i in forced)), dtype=torch.long)
+            if kept.numel() and (kept[0] < 0 or kept[-1] >= item.num_visual):
+                raise PruneAuditError(f"forced kept indices must lie in [0, {item.num_visual})")
+            return Selection(kept=kept)
+        signals = self._input_signals(item, output, requires)
+        try:
+            return selector.select(signals, budget, generator)
+        except ValueError as error:
+            raise PruneAuditError(
+                f"selector {selector.name!r} failed at budget {budget} on a {item.grid[0]}x{item.grid[1]} grid: {error}"
+            ) from None
+
+    def _input_signals(self, item: Prepared, output: VisionOutput, requires: frozenset[str]) -> InputSignals:
+        signals = InputSignals(grid=item.grid, features=output.features.float())
+        for name, value in output.signals.items():
+            setattr(signals, name, value.float())
+        if "text_relevance" in requires:
+            signals.text_relevance = self._text_relevance(item, output).float()
+        if "demand" in requires:
+            signals.demand = self._demand(item, output)
+        return signals
+
+    def _demand(self, item: Prepared, output: VisionOutput) -> Tensor:
+        """(N,) layer-0 attention of the text after the image to each visual token.
+
+        Probe of decoder layer 0 over the full unpruned prompt; probabilities (softmax
+        over every visible key) averaged over heads and over the text rows after the image.
+        """
+        row = self._row(item, output, None)
+        stack = self.loop.stack
+        cos, sin = stack.rotary(row.embeddings[None], row.positions[:, None])
+        text = torch.nonzero(row.kinds == TEXT_AFTER).flatten()
+        _, probs = stack.probe(0).probabilities(row.embeddings, text, cos[0], sin[0])
+        visual = torch.nonzero(row.kinds >= 0).flatten()
+        return probs[:, :, visual].mean(dim=(0, 1))
+
+    def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
+        """The language-model input of one prompt, with the selection applied."""
+        start, end = item.image_span
+        ids = item.input_ids.to(self.device)
+        embed = self.loop.stack.embed_tokens
+        if selection is None:
+            visual, kinds = output.features, torch.arange(item.num_visual, device=self.device)
+        elif selection.sources is None:
+            kept = selection.kept.to(self.device)
+            visual, kinds = output.features[kept], kept
+        else:
+            visual = self._project(selection.vision_tokens.to(self.device, self.dtype))
+            kinds = torch.tensor(
+                [int(s[0]) if s.numel() == 1 else MERGED for s in selection.sources], device=self.device
+            )
+        embeddings = torch.cat([embed(ids[:start]), visual.to(self.dtype), embed(ids[end:])])
+        text_kinds = [torch.full((n,), k, device=self.device) for n, k in ((start, TEXT_BEFORE), (ids.numel() - end, TEXT_AFTER))]
+        all_kinds = torch.cat([text_kinds[0], kinds, text_kinds[1]])
+        full = self._full_positions(item).to(self.device)
+        if selection is not None and self._input_positions() == "compact":
+            positions = torch.arange(all_kinds.numel(), device=self.device)[None].expand(full.shape[0], -1)
+        elif selection is not None and bool((kinds == MERGED).any()):
+            raise PruneAuditError(f"merged tokens have no original position on {self.family}")
+        else:
+            columns = torch.cat([
+                torch.arange(start, device=self.device), start + kinds, torch.arange(end, ids.numel(), device=self.device)
+            ])
+            positions = full[:, columns]
+        return TokenRow(embeddings, all_kinds, positions)
+
+    def _layer_plan(self, prepared, selector, budget, forced_stages) -> LayerPlan:
+        grids = [item.grid for item in prepared]
+        positions = self._layer_positions(selector)
+        if forced_stages is not None:
+            stages, forced = [], []
+            for entries in forced_stages:
+                ordered = sorted(entries, key=lambda entry: entry[0])
+                stages.append([Stage(int(layer), len(set(kept))) for layer, kept in ordered])
+                forced.append([torch.as_tensor(sorted(set(kept)), dtype=torch.long) for _, kept in ordered])
+            self._check_stage_layers(stages)
+            return LayerPlan(stages, grids, positions, selector, forced)
+        try:
+            stages = [selector.schedule(self.num_layers, item.num_visual, budget) for item in prepared]
+        except ValueError as error:
+            raise PruneAuditError(f"selector {selector.name!r} has no schedule for budget {budget}: {error}") from None
+        self._check_stage_layers(stages)
+        return LayerPlan(stages, grids, positions, selector)
+
+    def _check_stage_layers(self, stages: list[list[Stage]]) -> None:
+        for row in stages:
+            for stage in row:
+                if not 0 <= stage.layer < self.num_layers:
+                    raise PruneAuditError(f"stage layer {stage.layer} outside the model's {self.num_layers} layers")
+
+    def _answer(self, item, prefill: Prefill, b: int, selection, reduced, latency: float) -> Answer:
+        if selection is not None:
+            kept_stages = [selection.kept.tolist()]
+            sources = None if selection.sources is None else [s.tolist() for s in selection.sources]
+            stage_layers = [0]
+        else:
+            kept_stages, sources = prefill.kept_stages[b], None
+            stage_layers = prefill.stage_layers[b]
+        counts = prefill.tokens_per_layer[b]
+        return Answer(
+            p_yes=reduced.p_yes,
+            p_no=reduced.p_no,
+            p_yes_2way=reduced.p_yes_2way,
+            logit_diff=reduced.logit_diff,
+            answer=reduced.answer,
+            confidence=reduced.confidence,
+            kept=kept_stages[-1] if kept_stages else list(range(item.num_visual)),
+            kept_stages=kept_stages,
+            stage_layers=stage_layers,
+            tokens_per_layer=counts,
+            visual_tokens_avg=sum(counts) / len(counts),
+            prefill_tokens=prefill.prefill_tokens[b],
+            latency_ms=latency,
+            sources=sources,
+        )
+
+
+__all__ = ["Prepared", "Answer", "VisionOutput", "VisionLanguageModel", "ForcedStages", "find_image_span"]

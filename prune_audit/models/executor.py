@@ -1,0 +1,389 @@
+"""The language-model loop that prunes visual tokens between decoder layers.
+
+Stock ``forward``/``generate`` cannot drop tokens between layers, so the adapters
+run the decoder layers themselves. A batch is a left-padded set of rows; every token
+carries its kind (grid index for a visual token, or one of the negative codes below)
+and its own position ids, so pruning is a per-row gather followed by re-packing, and
+positions either stay the original ones or are renumbered (``compact``). Every layer
+gets an explicit boolean attention mask (causal, padding, and a token always sees
+itself so padded rows never produce NaN); non-contiguous positions without a mask
+silently corrupt results in transformers 5.x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.models.probe import DecoderProbe, RopeFn
+from prune_audit.pruners.base import LayerSelector, LayerSignals, Stage
+
+TEXT_BEFORE = -1  # text before the image span (system prompt, "USER:")
+TEXT_AFTER = -2  # question and template suffix after the image span
+PAD = -3
+MERGED = -4  # a visual token without a single grid location (VisionZip CLS / contextual)
+
+ATTENTION_SIGNALS = frozenset({"text_logits", "text_probs"})
+
+
+@dataclass
+class DecoderStack:
+    """What the loop needs from a decoder-only language model.
+
+    ``rotary(hidden (B, L, D), positions (P, B, L)) -> (cos, sin)`` each (B, L, d);
+    ``apply_rope`` is the family's own ``apply_rotary_pos_emb`` restricted to one tensor.
+    """
+
+    embed_tokens: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Module
+    rotary: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+    apply_rope: RopeFn
+    config: Any
+
+    def probe(self, layer: int) -> DecoderProbe:
+        return DecoderProbe(self.layers[layer], self.apply_rope)
+
+
+@dataclass
+class TokenRow:
+    """One prompt as the language model receives it.
+
+    Attributes:
+        embeddings: (L, D) input embeddings (visual tokens already inserted).
+        kinds: (L,) grid index of each visual token, or TEXT_BEFORE / TEXT_AFTER / MERGED.
+        positions: (P, L) position ids (P = 1 for 1-D RoPE, 3 for M-RoPE).
+    """
+
+    embeddings: Tensor
+    kinds: Tensor
+    positions: Tensor
+
+
+@dataclass
+class Batch:
+    """Left-padded rows: hidden (B, L, D), valid/kinds (B, L), positions (P, B, L)."""
+
+    hidden: Tensor
+    valid: Tensor
+    kinds: Tensor
+    positions: Tensor
+    embeddings: Tensor | None = None  # (B, L, D) carried only when a selector reads them
+
+    @property
+    def size(self) -> int:
+        return self.hidden.shape[0]
+
+    def row_indices(self, row: int) -> Tensor:
+        return torch.nonzero(self.valid[row]).flatten()
+
+    def visual_counts(self) -> list[int]:
+        visual = (self.kinds >= 0) | (self.kinds == MERGED)
+        return (visual & self.valid).sum(dim=1).tolist()
+
+
+def pack(rows: Sequence[TokenRow], carry_embeddings: bool = False) -> Batch:
+    """Left-pad ``rows`` into one batch (the last prompt position is column -1 of every row)."""
+    length = max(row.kinds.numel() for row in rows)
+    first = rows[0]
+    size, width, planes = len(rows), first.embeddings.shape[-1], first.positions.shape[0]
+    embeddings = first.embeddings.new_zeros(size, length, width)
+    valid = torch.zeros(size, length, dtype=torch.bool, device=first.kinds.device)
+    kinds = torch.full((size, length), PAD, dtype=torch.long, device=first.kinds.device)
+    positions = torch.zeros(planes, size, length, dtype=torch.long, device=first.kinds.device)
+    for b, row in enumerate(rows):
+        n = row.kinds.numel()
+        embeddings[b, length - n :] = row.embeddings
+        valid[b, length - n :] = True
+        kinds[b, length - n :] = row.kinds
+        positions[:, b, length - n :] = row.positions
+    return Batch(embeddings, valid, kinds, positions, embeddings if carry_embeddings else None)
+
+
+def gather_rows(batch: Batch, keep: Sequence[Tensor]) -> Batch:
+    """Keep, for every row ``b``, the layout columns ``keep[b]`` (ascending), re-packed to the left."""
+    length = max(int(k.numel()) for k in keep)
+
+    def take(tensor: Tensor | None, fill: Any, dim: int) -> Tensor | None:
+        if tensor is None:
+            return None
+        shape = list(tensor.shape)
+        shape[dim] = length
+        out = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
+        for b, columns in enumerate(keep):
+            n = columns.numel()
+            if dim == 1:
+                out[b, length - n :] = tensor[b, columns]
+            else:
+                out[:, b, length - n :] = tensor[:, b, columns]
+        return out
+
+    return Batch(
+        hidden=take(batch.hidden, 0, 1),
+        valid=take(batch.valid, False, 1),
+        kinds=take(batch.kinds, PAD, 1),
+        positions=take(batch.positions, 0, 2),
+        embeddings=take(batch.embeddings, 0, 1),
+    )
+
+
+def compact_positions(batch: Batch) -> Batch:
+    """Renumber each row's valid tokens 0..n-1 (all position planes alike)."""
+    ranks = torch.cumsum(batch.valid.long(), dim=1) - 1
+    positions = torch.where(batch.valid, ranks, 0).unsqueeze(0).expand_as(batch.positions).clone()
+    return replace(batch, positions=positions)
+
+
+def attention_mask(valid: Tensor) -> Tensor:
+    """(B, 1, L, L) boolean mask: causal, valid keys only, and the diagonal always on."""
+    length = valid.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
+    allowed = causal[None] & valid[:, None, :]
+    allowed |= torch.eye(length, dtype=torch.bool, device=valid.device)[None]
+    return allowed[:, None]
+
+
+@dataclass
+class LayerPlan:
+    """How the loop prunes inside the language model, per batch row.
+
+    ``stages[b]`` are row b's stages; at each one the kept set comes from
+    ``forced[b][i]`` (explicit grid indices) when given, else from ``selector.prune``.
+    """
+
+    stages: list[list[Stage]]
+    grids: list[tuple[int, int]]
+    positions: str = "keep_original"
+    selector: LayerSelector | None = None
+    forced: list[list[Tensor]] | None = None
+    states: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.states:
+            self.states = [{} for _ in self.stages]
+
+    @property
+    def requires(self) -> frozenset[str]:
+        return self.selector.requires if self.selector is not None and self.forced is None else frozenset()
+
+
+@dataclass
+class Prefill:
+    """Result of a prefill: last-position logits and the provenance of every row."""
+
+    logits: Tensor  # (B, V) float32
+    kept_stages: list[list[list[int]]]
+    stage_layers: list[list[int]]
+    tokens_per_layer: list[list[int]]
+    prefill_tokens: list[int]
+    decode: DecodeState | None = None
+
+
+@dataclass
+class DecodeState:
+    """KV cache and per-layer key validity for greedy decoding after a pruned prefill."""
+
+    cache: Any
+    key_valid: list[Tensor]  # per layer (B, K_l)
+    next_position: Tensor  # (P, B) position of the next token under keep_original
+    positions: str
+    planes: int
+
+
+class LanguageLoop:
+    """Runs the decoder layers of one model with pruning stages and optional KV cache."""
+
+    def __init__(self, stack: DecoderStack):
+        self.stack = stack
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.stack.layers)
+
+    @torch.no_grad()
+    def prefill(self, batch: Batch, plan: LayerPlan | None = None, use_cache: bool = False) -> Prefill:
+        from transformers import DynamicCache
+
+        plan = plan or LayerPlan(stages=[[] for _ in range(batch.size)], grids=[(0, 0)] * batch.size)
+        cache = DynamicCache(config=self.stack.config) if use_cache else None
+        prefill_tokens = batch.valid.sum(dim=1).tolist()
+        kept_stages: list[list[list[int]]] = [[] for _ in range(batch.size)]
+        stage_layers: list[list[int]] = [[] for _ in range(batch.size)]
+        counts: list[list[int]] = [[] for _ in range(batch.size)]
+        key_valid: list[Tensor] = []
+        previous: Tensor | None = None
+        rope, mask = self.stack.rotary(batch.hidden, batch.positions), attention_mask(batch.valid)
+        for index, layer in enumerate(self.stack.layers):
+            due = [[s for s in stages if s.layer == index] for stages in plan.stages]
+            if any(due):
+                batch, previous = self._prune(batch, previous, index, due, plan, kept_stages)
+                for b, stages in enumerate(due):
+                    stage_layers[b].extend([index] * len(stages))
+                rope, mask = self.stack.rotary(batch.hidden, batch.positions), attention_mask(batch.valid)
+            for b, count in enumerate(batch.visual_counts()):
+                counts[b].append(count)
+            previous = batch.hidden
+            hidden = layer(
+                batch.hidden,
+                attention_mask=mask,
+                position_embeddings=rope,
+                cache=cache,
+                use_cache=use_cache,
+            )
+            batch = replace(batch, hidden=hidden)
+            key_valid.append(batch.valid)
+        last = self.stack.norm(batch.hidden[:, -1])
+        logits = self.stack.lm_head(last).float()
+        decode = None
+        if use_cache:
+            # the next token follows the largest position of its row in every plane (as Qwen's rope deltas do)
+            last = batch.positions.masked_fill(~batch.valid[None], -1).amax(dim=(0, 2)) + 1
+            next_position = last[None].expand(batch.positions.shape[0], -1).clone()
+            decode = DecodeState(cache, key_valid, next_position, plan.positions, batch.positions.shape[0])
+        return Prefill(logits, kept_stages, stage_layers, counts, prefill_tokens, decode)
+
+    @torch.no_grad()
+    def decode_step(self, state: DecodeState, token_ids: Tensor) -> Tensor:
+        """Feed one token per row (B,) through every layer; returns (B, V) float32 logits."""
+        hidden = self.stack.embed_tokens(token_ids)[:, None]
+        for index, layer in enumerate(self.stack.layers):
+            valid = torch.cat([state.key_valid[index], torch.ones_like(state.key_valid[index][:, :1])], dim=1)
+            if state.positions == "compact":
+                position = state.key_valid[index].sum(dim=1)[None].expand(state.planes, -1)
+            else:
+                position = state.next_position
+            rope = self.stack.rotary(hidden, position[..., None])
+            state.key_valid[index] = valid
+            hidden = layer(
+                hidden,
+                attention_mask=valid[:, None, None, :],
+                position_embeddings=rope,
+                cache=state.cache,
+                use_cache=True,
+            )
+        state.next_position = state.next_position + 1
+        return self.stack.lm_head(self.stack.norm(hidden[:, -1])).float()
+
+    def _prune(
+        self,
+        batch: Batch,
+        previous: Tensor | None,
+        layer: int,
+        due: list[list[Stage]],
+        plan: LayerPlan,
+        kept_stages: list[list[list[int]]],
+    ) -> tuple[Batch, Tensor | None]:
+        keep_columns = []
+        for b in range(batch.size):
+            columns = batch.row_indices(b)
+            for stage in due[b]:
+                columns = self._stage_columns(batch, previous, b, columns, layer, stage, plan, kept_stages)
+            keep_columns.append(columns)
+        pruned = gather_rows(batch, keep_columns)
+        if previous is not None:
+            previous = gather_rows(replace(batch, hidden=previous, embeddings=None), keep_columns).hidden
+        if plan.positions == "compact":
+            pruned = compact_positions(pruned)
+        return pruned, previous
+
+    def _stage_columns(
+        self,
+        batch: Batch,
+        previous: Tensor | None,
+        row: int,
+        columns: Tensor,
+        layer: int,
+        stage: Stage,
+        plan: LayerPlan,
+        kept_stages: list[list[list[int]]],
+    ) -> Tensor:
+        """Layout columns of ``row`` that survive ``stage`` (text always survives)."""
+        kinds = batch.kinds[row, columns]
+        visual = torch.nonzero(kinds >= 0).flatten()
+        alive = kinds[visual]
+        stage_index = len(kept_stages[row])
+        if plan.forced is not None:
+            wanted = plan.forced[row][stage_index].to(alive.device)
+            missing = sorted(set(wanted.tolist()) - set(alive.tolist()))
+            if missing:
+                raise PruneAuditError(
+                    f"forced kept set of stage {stage_index} (layer {layer}) holds grid indices {missing[:8]} "
+                    f"that are no longer alive; forced stages must be nested"
+                )
+            survivors = torch.nonzero(torch.isin(alive, wanted)).flatten()
+        else:
+            signals = self._signals(batch, previous, row, columns, layer, plan.grids[row], plan.requires)
+            survivors = plan.selector.prune(stage, signals, plan.states[row]).to(alive.device)
+        kept_stages[row].append(alive[survivors].tolist())
+        keep = torch.ones(columns.numel(), dtype=torch.bool, device=columns.device)
+        keep[visual] = False
+        keep[visual[survivors]] = True
+        return columns[keep]
+
+    def _signals(
+        self,
+        batch: Batch,
+        previous: Tensor | None,
+        row: int,
+        columns: Tensor,
+        layer: int,
+        grid: tuple[int, int],
+        requires: frozenset[str],
+    ) -> LayerSignals:
+        """LayerSignals at the input of ``layer`` for one row; only the fields in ``requires``."""
+        kinds = batch.kinds[row, columns]
+        visual = torch.nonzero(kinds >= 0).flatten()
+        text = torch.nonzero(kinds == TEXT_AFTER).flatten()
+        hidden = batch.hidden[row, columns]
+        signals = LayerSignals(alive=kinds[visual].cpu(), grid=grid, layer=layer, num_layers=self.num_layers)
+
+        def f32(tensor: Tensor) -> Tensor:
+            return tensor.detach().float().cpu()
+
+        if requires & (ATTENTION_SIGNALS | {"key_norms", "text_key_norms"}):
+            cos, sin = self.stack.rotary(hidden[None], batch.positions[:, row : row + 1, columns])
+            probe = self.stack.probe(layer)
+            if requires & ATTENTION_SIGNALS:
+                logits, probs = probe.probabilities(hidden, text, cos[0], sin[0])
+                signals.text_logits = f32(logits[:, :, visual])
+                signals.text_probs = f32(probs[:, :, visual])
+            if requires & {"key_norms", "text_key_norms"}:
+                norms = probe.keys(hidden, cos[0], sin[0]).float().abs().sum(dim=(0, 2))
+                signals.key_norms, signals.text_key_norms = f32(norms[visual]), f32(norms[text])
+        if requires & {"hidden_states", "text_hidden_states"}:
+            signals.hidden_states, signals.text_hidden_states = f32(hidden[visual]), f32(hidden[text])
+        if requires & {"normed_hidden_states", "text_normed_hidden_states"}:
+            normed = self.stack.norm(hidden)
+            signals.normed_hidden_states, signals.text_normed_hidden_states = f32(normed[visual]), f32(normed[text])
+        if "previous_hidden_states" in requires:
+            if previous is None:
+                raise PruneAuditError(f"layer {layer} has no previous layer; prune at layer 1 or later")
+            signals.previous_hidden_states = f32(previous[row, columns][visual])
+        if requires & {"embeddings", "text_embeddings"}:
+            embeddings = batch.embeddings[row, columns]
+            signals.embeddings, signals.text_embeddings = f32(embeddings[visual]), f32(embeddings[text])
+        return signals
+
+
+__all__ = [
+    "TEXT_BEFORE",
+    "TEXT_AFTER",
+    "PAD",
+    "MERGED",
+    "DecoderStack",
+    "TokenRow",
+    "Batch",
+    "pack",
+    "gather_rows",
+    "attention_mask",
+    "LayerPlan",
+    "Prefill",
+    "DecodeState",
+    "LanguageLoop",
+]

@@ -1,0 +1,194 @@
+"""LLaVA-1.5 in the Hugging Face layout (``LlavaForConditionalGeneration``).
+
+Vision: CLIP, features of ``vision_feature_layer`` (−2 = output of the penultimate
+encoder layer) without the CLS token (strategy ``"default"``), through the MLP
+projector. The CLS row and keys come from recomputing the query/key projections of
+the encoder layer that produces those features (selectors spec §3). After input-level
+selection the prompt is simply shorter, so positions are contiguous (§1.2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.models.base import Prepared, VisionLanguageModel, VisionOutput, find_image_span
+from prune_audit.models.executor import DecoderStack
+from prune_audit.models.probe import clip_cls_row, single_tensor_rope
+from prune_audit.pruners.base import LayerSelector
+
+VICUNA_V1_SYSTEM = (
+    "A chat between a curious human and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the human's questions."
+)
+SINGLE_WORD_SUFFIX = "Answer the question using a single word or phrase."
+PROMPT_TEMPLATES = ("llava_hf", "vicuna_v1")
+CLS_SIGNALS = frozenset({"cls_attention", "vision_keys"})
+
+
+class LlavaModel(VisionLanguageModel):
+    """LLaVA-1.5 adapter; ``clip`` is an optional (CLIPModel, tokenizer) for CDPruner's text relevance."""
+
+    family = "llava"
+    input_signals = frozenset(
+        {"features", "vision_features", "cls_attention", "vision_keys", "cls_feature", "text_relevance", "demand"}
+    )
+
+    def __init__(self, model, processor, *, model_id: str, prompt_template: str | None = None,
+                 system_prompt: str | None = None, clip: tuple[Any, Any] | None = None):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        config = model.config
+        if config.vision_feature_select_strategy != "default" or not isinstance(config.vision_feature_layer, int):
+            raise PruneAuditError(
+                "only LLaVA checkpoints with one vision_feature_layer and the 'default' strategy (CLS dropped) "
+                "are supported"
+            )
+        template = prompt_template or "llava_hf"
+        if template not in PROMPT_TEMPLATES:
+            raise PruneAuditError(f"unknown LLaVA prompt template {template!r}; choose {' or '.join(PROMPT_TEMPLATES)}")
+        language = model.model.language_model
+        stack = DecoderStack(
+            embed_tokens=language.embed_tokens,
+            layers=language.layers,
+            norm=language.norm,
+            lm_head=model.lm_head,
+            rotary=lambda hidden, positions: language.rotary_emb(hidden, positions[0]),
+            apply_rope=single_tensor_rope(apply_rotary_pos_emb),
+            config=config.text_config,
+        )
+        super().__init__(model, processor.tokenizer, stack, model_id=model_id, prompt_template=template,
+                         system_prompt=system_prompt)
+        self.processor = processor
+        self.clip = clip
+        self.vision_tower = model.model.vision_tower
+        hidden_count = config.vision_config.num_hidden_layers + 1
+        layer = config.vision_feature_layer
+        self.feature_index = layer if layer >= 0 else hidden_count + layer
+        if not 1 <= self.feature_index < hidden_count:
+            raise PruneAuditError(f"vision_feature_layer {layer} has no encoder layer producing it")
+
+    # ----- prompts --------------------------------------------------------------------
+    def prompt(self, question: str) -> str:
+        """The full prompt text with one image placeholder."""
+        if self.prompt_template == "vicuna_v1":
+            system = self.system_prompt or VICUNA_V1_SYSTEM
+            return f"{system} USER: {self.processor.image_token}\n{question}\n{SINGLE_WORD_SUFFIX} ASSISTANT:"
+        if not getattr(self.processor, "chat_template", None):
+            raise PruneAuditError(f"{self.model_id} has no chat template; use prompt_template='vicuna_v1'")
+        messages = []
+        if self.system_prompt:
+            messages.append({"role": "system", "content": [{"type": "text", "text": self.system_prompt}]})
+        messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True)
+
+    def prepare(self, image, question: str) -> Prepared:
+        from prune_audit.data.geometry import geometry_from_processor
+
+        image = image.convert("RGB")
+        encoded = self.processor(images=image, text=self.prompt(question), return_tensors="pt")
+        input_ids = encoded["input_ids"][0]
+        start, end = find_image_span(input_ids, self.model.config.image_token_id)
+        pixel_values = encoded["pixel_values"][0]
+        patch = self.model.config.vision_config.patch_size
+        grid = (pixel_values.shape[-2] // patch, pixel_values.shape[-1] // patch)
+        if grid[0] * grid[1] != end - start:
+            raise PruneAuditError(
+                f"the prompt holds {end - start} image tokens but the image gives a {grid[0]}x{grid[1]} grid; "
+                f"check num_additional_image_tokens in the processor"
+            )
+        return Prepared(
+            input_ids=input_ids,
+            image_span=(start, end),
+            grid=grid,
+            pixel_values=pixel_values,
+            question=question,
+            image_size=image.size,
+            geometry=geometry_from_processor(self.processor, image.size, patch_size=patch),
+        )
+
+    # ----- vision ---------------------------------------------------------------------
+    def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
+        pixels = torch.stack([item.pixel_values for item in prepared]).to(self.device, self.dtype)
+        hidden = self.vision_tower(pixels, output_hidden_states=True).hidden_states
+        selected = hidden[self.feature_index]  # (B, 1 + N, Dv), CLS first
+        features = self.model.model.multi_modal_projector(selected[:, 1:])
+        cls_probs = cls_keys = None
+        if requires & CLS_SIGNALS:
+            # the encoder layer whose output is the feature layer
+            layer = self.vision_tower.encoder.layers[self.feature_index - 1]
+            cls_probs, cls_keys = clip_cls_row(layer, hidden[self.feature_index - 1])
+        outputs = []
+        for b in range(len(prepared)):
+            signals = {}
+            if requires & {"vision_features", "text_relevance"}:
+                signals["vision_features"] = selected[b, 1:]
+            if "cls_feature" in requires:
+                signals["cls_feature"] = selected[b, 0]
+            if "cls_attention" in requires:
+                signals["cls_attention"] = cls_probs[b, :, 1:]
+            if "vision_keys" in requires:
+                signals["vision_keys"] = cls_keys[b]
+            outputs.append(VisionOutput(features[b], signals))
+        return outputs
+
+    def _project(self, vision_tokens: Tensor) -> Tensor:
+        return self.model.model.multi_modal_projector(vision_tokens)
+
+    def _available_input_signals(self) -> frozenset[str]:
+        return self.input_signals if self.clip is not None else self.input_signals - {"text_relevance"}
+
+    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> Tensor:
+        """(N,) CDPruner relevance ``mean_m -cos(E_i, T_m)`` (selectors spec §6).
+
+        ``E`` = CLIP image projection of the post-layernormed feature-layer patches, ``T``
+        = CLIP text embeddings of the raw question, split into chunks of the text
+        tower's context length (the last chunk zero-padded), one embedding per chunk.
+        """
+        clip, tokenizer = self.clip
+        patches = self.vision_tower.post_layernorm(vision.signals["vision_features"])
+        image_embeds = clip.visual_projection(patches.to(clip.dtype)).float()
+        ids = tokenizer(prepared.question)["input_ids"]
+        context = clip.config.text_config.max_position_embeddings
+        chunks = [ids[i : i + context] for i in range(0, len(ids), context)]
+        chunks = torch.tensor([chunk + [0] * (context - len(chunk)) for chunk in chunks], device=clip.device)
+        pooled = clip.text_model(input_ids=chunks).pooler_output
+        text_embeds = clip.text_projection(pooled).float()
+        cosine = torch.nn.functional.normalize(image_embeds, dim=-1) @ torch.nn.functional.normalize(text_embeds, dim=-1).T
+        return -cosine.mean(dim=1)
+
+    # ----- positions ------------------------------------------------------------------
+    def _full_positions(self, prepared: Prepared) -> Tensor:
+        return torch.arange(prepared.input_ids.numel())[None]
+
+    def _input_positions(self) -> str:
+        return "compact"
+
+    def _layer_positions(self, selector: LayerSelector | None) -> str:
+        return getattr(selector, "positions", "keep_original")
+
+    def _family_description(self) -> dict[str, Any]:
+        from prune_audit.data.geometry import geometry_from_processor
+
+        image_processor = self.processor.image_processor
+        crop = getattr(image_processor, "crop_size", None) or {}
+        probe_size = (int(crop.get("width", 336)), int(crop.get("height", 336)))
+        patch = self.model.config.vision_config.patch_size
+        return {
+            "processor": {
+                "class": type(image_processor).__name__,
+                "mode": geometry_from_processor(self.processor, probe_size, patch_size=patch).mode,
+                "size": dict(getattr(image_processor, "size", None) or {}),
+                "crop_size": dict(crop),
+                "patch_size": patch,
+                "vision_feature_layer": self.model.config.vision_feature_layer,
+            },
+            "clip_text": None if self.clip is None else getattr(self.clip[0].config, "_name_or_path", ""),
+        }
+
+
+__all__ = ["LlavaModel", "PROMPT_TEMPLATES", "VICUNA_V1_SYSTEM", "SINGLE_WORD_SUFFIX"]

@@ -1,0 +1,101 @@
+"""Attention-row probes: eager attention probabilities for a few query rows only.
+
+The models run with SDPA, which returns no attention weights, and selectors need
+only a handful of rows (the CLS row of one CLIP layer, the text rows of one decoder
+layer). The probes recompute those rows from the layer's own projections, exactly as
+the layer's eager path would: decoder layers apply ``input_layernorm``, RoPE with the
+positions the layer receives, repeat K/V heads for GQA and the ``1/sqrt(d)`` scale;
+the softmax is taken in float32 over every key the row can see (selectors spec §1.3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+RopeFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def single_tensor_rope(apply_rotary_pos_emb: Callable) -> RopeFn:
+    """A family's ``apply_rotary_pos_emb(q, k, cos, sin)`` applied to one tensor."""
+
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+    return apply
+
+
+@dataclass
+class DecoderProbe:
+    """Query/key access to one decoder layer of a Llama-style language model.
+
+    Attributes:
+        layer: the decoder layer (``input_layernorm`` and ``self_attn`` with
+            ``q_proj``/``k_proj``, ``head_dim``, ``scaling``).
+        apply_rope: ``(x (1, heads, L, d), cos (1, L, d), sin (1, L, d)) -> x`` as the layer applies it.
+    """
+
+    layer: nn.Module
+    apply_rope: RopeFn
+
+    def keys(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """(Hkv, L, d) post-RoPE keys of one sequence; ``hidden`` is (L, D), cos/sin (L, d)."""
+        attention = self.layer.self_attn
+        normed = self.layer.input_layernorm(hidden[None])
+        keys = attention.k_proj(normed).view(1, hidden.shape[0], -1, attention.head_dim).transpose(1, 2)
+        return self.apply_rope(keys, cos[None], sin[None])[0]
+
+    def queries(self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """(H, R, d) post-RoPE queries of ``rows`` (R,) of one sequence."""
+        attention = self.layer.self_attn
+        normed = self.layer.input_layernorm(hidden[rows][None])
+        queries = attention.q_proj(normed).view(1, rows.numel(), -1, attention.head_dim).transpose(1, 2)
+        return self.apply_rope(queries, cos[rows][None], sin[rows][None])[0]
+
+    def logits(self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """(H, R, L) float32 pre-softmax logits ``q.k * scaling`` of ``rows`` to every key.
+
+        Args:
+            hidden: (L, D) input of the layer for one sequence without padding.
+            rows: (R,) query indices into the sequence.
+            cos, sin: (L, d) rotary tables for the positions the layer receives.
+        """
+        queries = self.queries(hidden, rows, cos, sin).float()
+        keys = self.keys(hidden, cos, sin).float()
+        groups = queries.shape[0] // keys.shape[0]
+        keys = keys.repeat_interleave(groups, dim=0)  # GQA: head h reads K/V head h // groups
+        return queries @ keys.transpose(1, 2) * self.layer.self_attn.scaling
+
+    def probabilities(self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits and causal float32 softmax of ``rows`` over all earlier keys, both (H, R, L)."""
+        logits = self.logits(hidden, rows, cos, sin)
+        visible = torch.arange(hidden.shape[0], device=hidden.device)[None, :] <= rows[:, None]
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        return logits, probs
+
+
+def clip_cls_row(layer: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """CLS-row attention and keys of one CLIP encoder layer.
+
+    Args:
+        layer: a ``CLIPEncoderLayer`` (``layer_norm1``, ``self_attn`` with q/k projections).
+        hidden: (B, 1 + N, Dv) input of that layer, CLS at index 0.
+
+    Returns:
+        ``(probs, keys)``: (B, H, 1 + N) float32 softmax of the CLS query over all tokens
+        (CLIP vision attention is not causal), and (B, H, 1 + N, d) the layer's keys.
+    """
+    attention = layer.self_attn
+    batch, length, _ = hidden.shape
+    normed = layer.layer_norm1(hidden)
+    queries = attention.q_proj(normed[:, :1]).view(batch, 1, -1, attention.head_dim).transpose(1, 2)
+    keys = attention.k_proj(normed).view(batch, length, -1, attention.head_dim).transpose(1, 2)
+    # HF CLIP scales inside the attention function, not in q_proj
+    logits = queries.float() @ keys.float().transpose(2, 3) * attention.scale
+    return torch.softmax(logits, dim=-1)[:, :, 0], keys
+
+
+__all__ = ["DecoderProbe", "clip_cls_row", "single_tensor_rope", "RopeFn"]

@@ -1,0 +1,124 @@
+"""Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``).
+
+Each LLM visual token is a 2x2 merge of 14-px patches (28x28 processed pixels),
+row-major. Positions are 3-D M-RoPE ids from the model's own ``get_rope_index`` over
+the unpruned prompt; pruned prompts keep the original ids of the surviving tokens,
+for input-level and in-LLM selectors alike (selectors spec §1.2, evaluation spec D3).
+The vision tower has no CLS token, so CLS-based selectors are refused.
+
+The processor is composed here from the PIL image processor and the tokenizer
+because ``Qwen2_5_VLProcessor`` requires a video processor, which needs torchvision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.models.base import Prepared, VisionLanguageModel, VisionOutput, find_image_span
+from prune_audit.models.executor import DecoderStack
+from prune_audit.models.probe import single_tensor_rope
+from prune_audit.pruners.base import LayerSelector
+
+DEFAULT_SYSTEM = "You are a helpful assistant."
+PROMPT_TEMPLATE = "qwen2_5_vl"
+
+
+class QwenModel(VisionLanguageModel):
+    """Qwen2.5-VL adapter (one image per prompt)."""
+
+    family = "qwen2_5_vl"
+    input_signals = frozenset({"features", "demand"})
+
+    def __init__(self, model, image_processor, tokenizer, *, model_id: str, prompt_template: str | None = None,
+                 system_prompt: str | None = None):
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb
+
+        if (prompt_template or PROMPT_TEMPLATE) != PROMPT_TEMPLATE:
+            raise PruneAuditError(f"unknown Qwen2.5-VL prompt template {prompt_template!r}; use {PROMPT_TEMPLATE!r}")
+        text_config = model.config.text_config
+        if any(kind != "full_attention" for kind in text_config.layer_types):
+            raise PruneAuditError("Qwen2.5-VL checkpoints with sliding-window decoder layers are not supported")
+        language = model.model.language_model
+        stack = DecoderStack(
+            embed_tokens=language.embed_tokens,
+            layers=language.layers,
+            norm=language.norm,
+            lm_head=model.lm_head,
+            rotary=language.rotary_emb,
+            apply_rope=single_tensor_rope(apply_rotary_pos_emb),
+            config=text_config,
+        )
+        super().__init__(model, tokenizer, stack, model_id=model_id, prompt_template=PROMPT_TEMPLATE,
+                         system_prompt=system_prompt)
+        self.image_processor = image_processor
+
+    def prompt(self, question: str, num_image_tokens: int = 1) -> str:
+        """The Qwen2.5-VL chat prompt for one image followed by ``question``."""
+        system = self.system_prompt or DEFAULT_SYSTEM
+        pad = "<|image_pad|>" * num_image_tokens
+        return (
+            f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n<|vision_start|>{pad}<|vision_end|>"
+            f"{question}<|im_end|>\n<|im_start|>assistant\n"
+        )
+
+    def prepare(self, image, question: str) -> Prepared:
+        from prune_audit.data.geometry import geometry_from_processor
+
+        image = image.convert("RGB")
+        pixels = self.image_processor(images=[image], return_tensors="pt")
+        grid_thw = pixels["image_grid_thw"]
+        merge = self.image_processor.merge_size
+        grid = (int(grid_thw[0, 1]) // merge, int(grid_thw[0, 2]) // merge)
+        input_ids = self.tokenizer(self.prompt(question, grid[0] * grid[1]), return_tensors="pt")["input_ids"][0]
+        config = self.model.config
+        span = find_image_span(input_ids, config.image_token_id)
+        token_types = (input_ids == config.image_token_id).int()
+        positions, _ = self.model.model.get_rope_index(input_ids[None], token_types[None], image_grid_thw=grid_thw)
+        return Prepared(
+            input_ids=input_ids,
+            image_span=span,
+            grid=grid,
+            pixel_values=pixels["pixel_values"],
+            question=question,
+            image_size=image.size,
+            geometry=geometry_from_processor(self.image_processor, image.size),
+            extras={"image_grid_thw": grid_thw, "positions": positions[:, 0]},
+        )
+
+    def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
+        pixels = torch.cat([item.pixel_values for item in prepared]).to(self.device)
+        grid_thw = torch.cat([item.extras["image_grid_thw"] for item in prepared]).to(self.device)
+        features = self.model.model.get_image_features(pixels, grid_thw, return_dict=True).pooler_output
+        return [VisionOutput(per_image) for per_image in features]
+
+    def _full_positions(self, prepared: Prepared) -> Tensor:
+        return prepared.extras["positions"]
+
+    def _input_positions(self) -> str:
+        return "keep_original"
+
+    def _layer_positions(self, selector: LayerSelector | None) -> str:
+        # 3-D ids cannot be renumbered meaningfully; every public Qwen port keeps them
+        return "keep_original"
+
+    def _family_description(self) -> dict[str, Any]:
+        size = getattr(self.image_processor, "size", None) or {}
+        return {
+            "processor": {
+                "class": type(self.image_processor).__name__,
+                "mode": "qwen_smart_resize",
+                "min_pixels": size.get("shortest_edge"),
+                "max_pixels": size.get("longest_edge"),
+                "patch_size": self.image_processor.patch_size,
+                "merge_size": self.image_processor.merge_size,
+            },
+            "positions": "keep_original (3-D M-RoPE ids of the unpruned prompt)",
+        }
+
+
+__all__ = ["QwenModel", "PROMPT_TEMPLATE", "DEFAULT_SYSTEM"]
