@@ -1,0 +1,57 @@
+"""Kept-token overlays: the dimmed area is exactly the pruned cells (pixel check on a known grid)."""
+
+import numpy as np
+from PIL import Image
+
+from prune_audit.analysis.overlay import Panel, dim_pruned, draw_panels, kept_pixels, outline
+from prune_audit.data.geometry import clip_geometry
+
+
+def test_overlay_covers_exactly_the_kept_cells():
+    # 56 x 56 image, no resize, 14-px patches: a 4 x 4 grid whose cells are known blocks
+    geometry = clip_geometry((56, 56), mode="hf_crop", shortest_edge=None, crop_size=None)
+    assert geometry.grid == (4, 4)
+    image = np.full((56, 56, 3), 200, dtype=np.uint8)
+    kept = [0, 5, 15]
+    out = dim_pruned(image, geometry, kept, dim=0.5)
+    expected_kept = np.zeros((56, 56), dtype=bool)
+    for token in kept:
+        row, col = divmod(token, 4)
+        expected_kept[row * 14 : (row + 1) * 14, col * 14 : (col + 1) * 14] = True
+    assert np.array_equal(kept_pixels(geometry, kept), expected_kept)
+    assert (out[expected_kept] == 200).all()
+    assert (out[~expected_kept] == 100).all()
+
+
+def test_cropped_pixels_are_dimmed_and_padding_is_not_drawn():
+    # 84 x 56 landscape, centre crop to 56 x 56: 14 columns on each side are cropped away
+    geometry = clip_geometry((84, 56), mode="hf_crop", shortest_edge=56, crop_size=(56, 56))
+    everything = list(range(geometry.num_tokens))
+    keep = kept_pixels(geometry, everything)
+    assert not keep[:, :14].any() and not keep[:, -14:].any() and keep[:, 14:-14].all()
+    # pad mode: a 56 x 28 image padded to 56 x 56 keeps all its own pixels on the grid
+    padded = clip_geometry((56, 28), mode="hf_pad", shortest_edge=56, crop_size=(56, 56))
+    assert kept_pixels(padded, range(padded.num_tokens)).all()
+
+
+def test_outline_is_the_mask_boundary():
+    mask = np.zeros((7, 7), dtype=bool)
+    mask[2:5, 2:5] = True
+    border = outline(mask)
+    assert border.sum() == 8 and not border[3, 3]
+
+
+def test_draw_panels_writes_png_and_svg(tmp_path):
+    geometry = clip_geometry((56, 56), mode="hf_crop", shortest_edge=None, crop_size=None)
+    image = (np.random.default_rng(0).random((56, 56, 3)) * 255).astype(np.uint8)
+    panels = [
+        Panel("a", geometry, [[0, 1, 2]], caption="yes 0.91"),
+        Panel("b", geometry, [[0, 1, 2, 3], [1, 2]], stage_labels=["layer 2", "layer 8"]),
+    ]
+    png = draw_panels(image, panels, tmp_path / "x.png", suptitle="demo")
+    svg = draw_panels(image, panels, tmp_path / "x.svg")
+    with Image.open(png) as picture:
+        width, height = picture.size
+        assert width > 200 and height > 200
+        assert np.asarray(picture.convert("L")).std() > 5  # not blank
+    assert svg.read_text().lstrip().startswith("<?xml")
