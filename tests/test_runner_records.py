@@ -36,6 +36,7 @@ def make_row(order, split="random", question_id=None):
         "lost": False,
         "object_area": 100,
         "latency_ms": 1.0,
+        "geometry": "{}",
         "order": order,
     }
 

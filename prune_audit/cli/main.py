@@ -7,6 +7,7 @@ import typer
 from prune_audit.cli import pope as pope_cli
 from prune_audit.cli import run as run_cli
 from prune_audit.cli import selectors as selectors_cli
+from prune_audit.cli import visualize as visualize_cli
 
 app = typer.Typer(
     name="prune-audit",
@@ -20,6 +21,7 @@ app = typer.Typer(
 app.command("selectors")(selectors_cli.selectors)
 app.command("run")(run_cli.run)
 app.command("merge")(run_cli.merge)
+app.command("visualize")(visualize_cli.visualize)
 app.add_typer(pope_cli.app, name="pope")
 
 

@@ -9,6 +9,7 @@ first, then one atomic part file per batch, and compacts the parts into
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import re
@@ -452,19 +453,25 @@ class _AreaLookup:
         return self.cache[key]
 
 
-def last_visible_kept(answer: Any, num_visual: int) -> list[int]:
-    """The visual tokens of the deepest layers that still see any: the last non-empty kept set."""
-    for kept in reversed(answer.kept_stages):
+def last_visible_kept(kept_stages: Sequence[Sequence[int]], num_visual: int) -> list[int]:
+    """The visual tokens of the deepest layers that still see any: the last non-empty kept set.
+
+    Unpruned (no stages) that is every token; a schedule that ends at 0 tokens (E2S at
+    64) reports the tokens alive before its last stage.
+    """
+    if not kept_stages:
+        return list(range(num_visual))
+    for kept in reversed(kept_stages):
         if kept:
             return list(kept)
-    return list(range(num_visual)) if not answer.kept_stages else []
+    return []
 
 
 def _record(question: Any, answer: Any, prepared: Any, plan: RunPlan, areas: _AreaLookup, order: int) -> dict[str, Any]:
     from prune_audit.data.retention import retention
 
     image_id = plan.image_ids[question.image]
-    kept = last_visible_kept(answer, prepared.num_visual)
+    kept = last_visible_kept(answer.kept_stages, prepared.num_visual)
     area = areas.get(image_id, question.object, prepared.geometry) if question.label == "yes" else None
     if area is not None and area.has_mask:
         retained, object_tokens, lost = retention(area.area_per_token, area.total_area, kept)
@@ -495,6 +502,7 @@ def _record(question: Any, answer: Any, prepared: Any, plan: RunPlan, areas: _Ar
         "lost": lost,
         "object_area": object_area_px,
         "latency_ms": answer.latency_ms,
+        "geometry": json.dumps(prepared.geometry.to_dict()),
         "order": order,
     }
 

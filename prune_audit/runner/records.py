@@ -49,6 +49,7 @@ SCHEMA = pa.schema(
         ("lost", pa.bool_()),
         ("object_area", pa.int64()),
         ("latency_ms", pa.float64()),
+        ("geometry", pa.string()),
         ("order", pa.int64()),
     ]
 )

@@ -1,0 +1,48 @@
+"""``prune-audit visualize``: kept tokens over the image, per selector and stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from prune_audit.cli.common import fail, handle_errors
+
+
+@handle_errors
+def visualize(
+    image: Annotated[Optional[Path], typer.Argument(help="Image to run the model on (omit with --run).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model folder or hub id (default: the bundled demo model).")] = None,
+    selector: Annotated[Optional[list[str]], typer.Option(help="Selector to draw; repeatable (default: none plus every supported selector).")] = None,
+    budget: Annotated[Optional[int], typer.Option(help="Visual tokens to keep (default: a quarter of the grid).")] = None,
+    question: Annotated[Optional[str], typer.Option(help="Question text (text-conditioned selectors use it).")] = None,
+    annotations: Annotated[Optional[Path], typer.Option(help="COCO instances file: outline the queried object, show retention.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output picture; .png (default) or .svg.")] = None,
+    run: Annotated[Optional[Path], typer.Option("--run", help="Redraw a recorded question from this run directory (no model).")] = None,
+    question_id: Annotated[Optional[int], typer.Option(help="With --run: the question id.")] = None,
+    split: Annotated[Optional[str], typer.Option(help="With --run: the split, when the id repeats across splits.")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed for random selectors.")] = 0,
+) -> None:
+    """Draw the kept tokens over the original image with the model's exact geometry.
+
+    Pruned areas are dimmed, kept cells outlined, one panel per selector and one row
+    per stage for progressive selectors; with --annotations the queried object's mask
+    is outlined and its retention shown; the answer and confidence are under each panel.
+    """
+    from prune_audit.runner.visualize import VisualizeRequest, visualize_live, visualize_record
+
+    if out is not None and out.suffix.lower() not in {".png", ".svg"}:
+        raise fail(f"--out must end in .png or .svg, got {out.name}")
+    if run is not None:
+        if question_id is None:
+            raise fail("--run needs --question-id ID")
+        path = visualize_record(run, question_id, split, out)
+    elif image is None:
+        raise fail("pass an IMAGE, or --run RUN_DIR --question-id ID")
+    else:
+        request = VisualizeRequest(image=image, model=model, selectors=selector or [], budget=budget,
+                                   question=question, annotations=annotations, out=out, device=device, seed=seed)
+        path = visualize_live(request)
+    print(f"wrote {path}")
