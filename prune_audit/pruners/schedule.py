@@ -5,13 +5,33 @@ inputs of all decoder layers, ``avg = (1/L) sum_l n_l`` (the SparseVLM / VisionZ
 PDrop table convention, see the selectors spec). A schedule is a list of
 :class:`~prune_audit.pruners.base.Stage`; before the first stage every layer sees
 all ``num_visual`` tokens.
+
+Rule shared by the in-LLM selectors (``budget_rule="average"``, the default): the
+reference layer positions, given for the 32-layer LLaVA-1.5-7B, are moved to the
+model's depth with :func:`scale_layers`; the reference counts, given for 576 visual
+tokens, serve only as a *shape* whose scale :func:`solve_schedule` chooses so that
+the realised average matches the budget. With several reference settings the one
+whose budget is nearest, as a fraction of the visual tokens, gives the shape
+(:func:`nearest_setting`). ``budget_rule="paper"`` instead takes the reference's own
+counts (:func:`paper_schedule`). A budget of at least ``num_visual`` keeps everything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar, get_args
 
-from prune_audit.pruners.base import Stage
+from prune_audit.pruners.base import LayerSelector, PositionMode, Stage, validate_budget
+
+T = TypeVar("T")
+
+REFERENCE_DEPTH = 32
+"""Decoder layers of LLaVA-1.5-7B, the model the reference layer positions are given for."""
+REFERENCE_VISUAL = 576
+"""Visual tokens of LLaVA-1.5 (24 x 24), the count the reference schedules are given for."""
+BUDGET_RULES = ("average", "paper")
+"""``average``: the budget is the realised layer average; ``paper``: the reference's own counts."""
 
 
 def tokens_per_layer(stages: Sequence[Stage], num_layers: int, num_visual: int) -> list[int]:
@@ -48,6 +68,59 @@ def scale_layers(reference_layers: Sequence[int], reference_depth: int, num_laye
     return scaled
 
 
+def nearest_setting(settings: Mapping[int, T], budget: int, num_visual: int) -> T:
+    """The reference setting whose budget is nearest ``budget``, both as fractions of the visual tokens.
+
+    ``settings`` maps reference budgets (out of 576 tokens) to anything; ties go to the smaller budget.
+    """
+    relative = budget * REFERENCE_VISUAL / num_visual
+    return settings[min(settings, key=lambda reference: (abs(reference - relative), reference))]
+
+
+def progressive_schedule(
+    reference_layers: Sequence[int],
+    shapes: Mapping[int, Sequence[float]],
+    num_layers: int,
+    num_visual: int,
+    budget: int,
+) -> list[Stage]:
+    """The default rule: scaled reference layers, nearest reference shape, counts solved to the budget average."""
+    layers = scale_layers(reference_layers, REFERENCE_DEPTH, num_layers)
+    return solve_schedule(layers, nearest_setting(shapes, budget, num_visual), num_layers, num_visual, budget)
+
+
+def scale_reference_counts(counts: Sequence[int], num_visual: int) -> list[int]:
+    """Counts given for 576 tokens, scaled by ``num_visual / 576`` (rounded, at most ``num_visual``)."""
+    return [min(num_visual, round(count * num_visual / REFERENCE_VISUAL)) for count in counts]
+
+
+def paper_schedule(
+    reference_layers: Sequence[int],
+    settings: Mapping[int, T],
+    num_layers: int,
+    num_visual: int,
+    budget: int,
+    method: str,
+    counts_for: Callable[[T, int], Sequence[int]] = scale_reference_counts,  # type: ignore[assignment]
+) -> list[Stage]:
+    """The reference's own counts for the setting named by ``budget``; layers scaled to the depth.
+
+    ``settings`` maps the reference budgets to what ``counts_for(setting, num_visual)``
+    turns into counts: by default counts given for 576 tokens, scaled to ``num_visual``.
+    Budgets the reference does not define raise a ValueError naming the valid ones.
+    """
+    layers = scale_layers(reference_layers, REFERENCE_DEPTH, num_layers)
+    if budget >= num_visual:
+        return [Stage(layer, num_visual) for layer in layers]
+    if budget not in settings:
+        valid = ", ".join(str(b) for b in sorted(settings))
+        raise ValueError(
+            f"{method} with budget_rule='paper' defines budgets {valid} only; "
+            f"use budget_rule='average' for a budget of {budget}"
+        )
+    return [Stage(layer, count) for layer, count in zip(layers, counts_for(settings[budget], num_visual))]
+
+
 def solve_schedule(
     layers: Sequence[int],
     shape: Sequence[float],
@@ -64,6 +137,45 @@ def solve_schedule(
     """
     if len(layers) != len(shape) or not layers:
         raise ValueError("layers and shape must be non-empty and of equal length")
+
+    def counts_for(scale: float) -> list[int]:
+        counts, previous = [], num_visual
+        for value in shape:
+            count = min(previous, max(0, round(scale * value)))
+            counts.append(count)
+            previous = count
+        return counts
+
+    smallest = min((v for v in shape if v > 0), default=0.0)
+    high = num_visual / smallest if smallest else 0.0
+    return _solve(counts_for, high, layers, num_layers, num_visual, budget)
+
+
+def solve_geometric_schedule(layers: Sequence[int], num_layers: int, num_visual: int, budget: float) -> list[Stage]:
+    """Counts ``int(num_visual * ratio**s)`` for stages ``s = 1..S`` whose layer average is ``budget``.
+
+    PyramidDrop's structure (one ratio ``lambda`` applied once more at every stage,
+    ``int`` as in its code); ``ratio`` in ``[0, 1]`` is found by bisection, then the
+    counts are nudged by single tokens to the closest average.
+    """
+    if not layers:
+        raise ValueError("layers must be non-empty")
+
+    def counts_for(ratio: float) -> list[int]:
+        return [int(num_visual * ratio**stage) for stage in range(1, len(layers) + 1)]
+
+    return _solve(counts_for, 1.0, layers, num_layers, num_visual, budget)
+
+
+def _solve(
+    counts_for: Callable[[float], list[int]],
+    high: float,
+    layers: Sequence[int],
+    num_layers: int,
+    num_visual: int,
+    budget: float,
+) -> list[Stage]:
+    """Bisect the parameter of ``counts_for`` (average non-decreasing in it) on ``[0, high]``."""
     fixed = layers[0] * num_visual  # layers before the first stage see everything
     if budget * num_layers < fixed:
         min_avg = fixed / num_layers
@@ -74,18 +186,10 @@ def solve_schedule(
     if budget >= num_visual:
         return [Stage(layer, num_visual) for layer in layers]
 
-    def counts_for(scale: float) -> list[int]:
-        counts, previous = [], num_visual
-        for value in shape:
-            count = min(previous, max(0, round(scale * value)))
-            counts.append(count)
-            previous = count
-        return counts
-
     def average(counts: Sequence[int]) -> float:
         return average_visual_tokens([Stage(l, c) for l, c in zip(layers, counts)], num_layers, num_visual)
 
-    low, high = 0.0, num_visual / max(min(v for v in shape if v > 0), 1e-9) if any(shape) else 0.0
+    low = 0.0
     for _ in range(100):
         middle = (low + high) / 2
         if average(counts_for(middle)) < budget:
@@ -117,3 +221,79 @@ def _nudge(counts: list[int], layers: Sequence[int], num_layers: int, num_visual
                 if error(candidate) < error(counts) - 1e-12:
                     counts, improved = candidate, True
     return counts
+
+
+@dataclass
+class ScheduledSelector(LayerSelector):
+    """An in-LLM selector whose schedule follows its reference, with the options every such selector has.
+
+    Options: ``budget_rule`` (``"average"``: the budget is the realised layer average;
+    ``"paper"``: the reference's own counts) and ``positions`` (``"keep_original"`` or
+    ``"compact"`` position ids after pruning, as the reference does).
+
+    Subclasses set ``reference_layers`` (pruning layers on the 32-layer reference) and
+    ``reference_counts`` (reference budget -> tokens alive after each stage, for 576
+    tokens). By default the average rule is :func:`progressive_schedule` and the paper
+    rule :func:`paper_schedule` of these; override :meth:`solved_stages` or
+    :meth:`paper_stages` where the reference's rule differs.
+    """
+
+    reference_layers: ClassVar[tuple[int, ...]] = ()
+    reference_counts: ClassVar[Mapping[int, Sequence[int]]] = {}
+
+    budget_rule: str = "average"
+    positions: str = "keep_original"
+
+    def __post_init__(self) -> None:
+        if self.budget_rule not in BUDGET_RULES:
+            raise ValueError(f"budget_rule must be one of {', '.join(BUDGET_RULES)}, got {self.budget_rule!r}")
+        modes = get_args(PositionMode)
+        if self.positions not in modes:
+            raise ValueError(f"positions must be one of {', '.join(modes)}, got {self.positions!r}")
+
+    def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        budget = validate_budget(budget)
+        if self.budget_rule == "paper":
+            return self.paper_stages(num_layers, num_visual, budget)
+        return self.solved_stages(num_layers, num_visual, budget)
+
+    def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        """Stages whose realised layer average matches ``budget``."""
+        return progressive_schedule(self.reference_layers, self.reference_counts, num_layers, num_visual, budget)
+
+    def paper_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        """The reference's own stages for the setting named by ``budget``."""
+        return paper_schedule(self.reference_layers, self.reference_counts, num_layers, num_visual, budget, self.name)
+
+
+@dataclass
+class SingleStageSelector(ScheduledSelector):
+    """An in-LLM selector that prunes once, at the input of decoder layer ``layer``.
+
+    ``layer`` is given on the 32-layer reference and scaled to the model's depth.
+    Average rule: the kept count is solved so the layer average is the budget,
+    ``k ~ (L B - K N) / (L - K)``. Paper rule: :meth:`paper_keep` tokens survive
+    (capped at ``num_visual``).
+    """
+
+    layer: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.layer, bool) or int(self.layer) != self.layer or not 1 <= self.layer < REFERENCE_DEPTH:
+            raise ValueError(
+                f"layer must be an integer in [1, {REFERENCE_DEPTH - 1}] (on the 32-layer reference), got {self.layer!r}"
+            )
+
+    def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        return solve_schedule(self._layers(num_layers), [1.0], num_layers, num_visual, budget)
+
+    def paper_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        return [Stage(layer, min(self.paper_keep(budget), num_visual)) for layer in self._layers(num_layers)]
+
+    def paper_keep(self, budget: int) -> int:
+        """Tokens kept under the paper rule: the budget itself unless the reference says otherwise."""
+        return budget
+
+    def _layers(self, num_layers: int) -> list[int]:
+        return scale_layers([self.layer], REFERENCE_DEPTH, num_layers)
