@@ -1,0 +1,56 @@
+"""FastV: prune once inside the LLM by the last prompt token's attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from prune_audit.pruners.base import LayerSignals, Reference, Stage
+from prune_audit.pruners.registry import register
+from prune_audit.pruners.schedule import SingleStageSelector
+
+
+def last_row_attention(signals: LayerSignals) -> Tensor:
+    """(n,) head-mean attention probability of the last prompt position to each alive visual token.
+
+    ``signals.text_probs`` is (H, T, n), softmax over every key the row sees; the raw
+    probabilities are used, not renormalised over the visual columns.
+    """
+    return signals.text_probs.detach().float()[:, -1, :].mean(dim=0)
+
+
+@register
+@dataclass
+class FastVSelector(SingleStageSelector):
+    """FastV (Chen et al., "An Image is Worth 1/2 Tokens After Layer 2", ECCV 2024; pkunlp-icler/FastV).
+
+    Score: head-mean attention probability from the last prompt position (the last
+    text row, ``:`` of ``ASSISTANT:`` on LLaVA-1.5) to each alive visual token, raw
+    probabilities (softmax over every key); keep the top ``keep``, original positions
+    kept (the in-place variant).
+
+    Schedule: one stage at the input of decoder layer ``layer`` (K = 2 on the 32-layer
+    LLaVA-1.5-7B, scaled proportionally on other depths).
+    ``budget_rule="average"`` (default): the kept count is solved so that the layer
+    average equals the budget, ``k ~ (L B - K N) / (L - K)`` = 166 / 98 / 30 for
+    192 / 128 / 64 on LLaVA-1.5-7B (derived; spec section 2). ``budget_rule="paper"``:
+    ``budget`` tokens are kept after layer K (the kept-after-K convention of FastV's
+    ``fast_v_attention_rank``); its realised average is larger (156 for 128).
+
+    Deviations: the reference ranks with the probabilities computed inside layer K-1;
+    here ``text_probs`` are those of the layer whose input is pruned (the executor's
+    probe at the stage); fp32 scores, ties to the lower index; prefill-only pruning
+    (the reference without KV cache re-ranks at every generated token).
+    """
+
+    name: ClassVar[str] = "fastv"
+    summary: ClassVar[str] = "last prompt token's attention, one stage at layer K=2"
+    requires: ClassVar[frozenset[str]] = frozenset({"text_probs"})
+    reference: ClassVar[Reference] = Reference(
+        "An Image is Worth 1/2 Tokens After Layer 2 (FastV), ECCV 2024", "pkunlp-icler/FastV"
+    )
+
+    def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
+        return last_row_attention(signals)

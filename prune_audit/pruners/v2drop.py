@@ -1,0 +1,70 @@
+"""V2Drop: progressive pruning of the visual tokens whose hidden states change least."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from prune_audit.pruners.base import LayerSignals, Reference, Stage
+from prune_audit.pruners.registry import register
+from prune_audit.pruners.schedule import REFERENCE_VISUAL, ScheduledSelector, paper_schedule
+
+V2DROP_LAYERS = (3, 17, 22)
+# paper schedules (quoted in V2Drop issue #6): fraction of the current tokens kept at each stage
+PAPER_KEEP_RATIOS = {64: (0.05, 0.05, 0.0), 128: (0.28, 0.25, 0.0), 192: (0.5, 0.3, 0.0)}
+
+
+def ratio_counts(ratios: Sequence[float], num_visual: int) -> list[int]:
+    """Counts after each stage keeping ``int(current * ratio)`` tokens, as the reference does."""
+    counts, current = [], num_visual
+    for ratio in ratios:
+        current = int(current * ratio)
+        counts.append(current)
+    return counts
+
+
+# the paper counts on 576 tokens (576 -> 288 -> 86 -> 0 etc.) are the default rule's shapes
+V2DROP_SHAPES = {budget: ratio_counts(ratios, REFERENCE_VISUAL) for budget, ratios in PAPER_KEEP_RATIOS.items()}
+
+
+@register
+@dataclass
+class V2DropSelector(ScheduledSelector):
+    """V2Drop ("Variation-aware Vision Token Dropping for Faster Large Vision-Language Models"; xuyang-liu16/V2Drop).
+
+    Score: ``||h_l[j] - h_{l-1}[j]||_2``, the size of the update layer ``l - 1`` wrote
+    into the alive visual token ``j`` (``hidden_states`` minus ``previous_hidden_states``,
+    the inputs of layers ``l`` and ``l - 1``); keep the ``keep`` tokens with the
+    **largest** variation. Stages at the inputs of layers 3, 17, 22; original positions kept.
+
+    ``budget_rule="paper"``: the paper's keep ratios of the current count,
+    192 -> 50% / 30% / 0 (576 -> 288 -> 86 -> 0), 128 -> 28% / 25% / 0 (161 -> 40 -> 0),
+    64 -> 5% / 5% / 0 (28 -> 1 -> 0), realised averages ~193 / 131 / 67.
+    ``budget_rule="average"`` (default): those counts as shapes, solved to the budget.
+
+    Deviations: the last stage keeps 0 tokens as the paper states (the repository's
+    ``max(1, int(n * ratio))`` keeps one); fp32 scores, ties to the lower index.
+    """
+
+    name: ClassVar[str] = "v2drop"
+    summary: ClassVar[str] = "largest hidden-state variation across one layer, layers 3/17/22"
+    requires: ClassVar[frozenset[str]] = frozenset({"hidden_states", "previous_hidden_states"})
+    reference: ClassVar[Reference] = Reference(
+        "Variation-aware Vision Token Dropping for Faster Large Vision-Language Models (V2Drop), 2025",
+        "xuyang-liu16/V2Drop",
+    )
+
+    reference_layers: ClassVar[tuple[int, ...]] = V2DROP_LAYERS
+    reference_counts: ClassVar[Mapping[int, Sequence[int]]] = V2DROP_SHAPES
+
+    def paper_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        return paper_schedule(
+            V2DROP_LAYERS, PAPER_KEEP_RATIOS, num_layers, num_visual, budget, self.name, counts_for=ratio_counts
+        )
+
+    def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
+        update = signals.hidden_states.detach().float() - signals.previous_hidden_states.detach().float()
+        return update.norm(dim=-1)
