@@ -19,7 +19,7 @@ from prune_audit.pruners.registry import get_selector, list_selectors, register,
 
 # one module per method; importing it registers the method
 _INPUT_METHODS = ["controls"]
-_LLM_METHODS: list[str] = []
+_LLM_METHODS = ["fastv", "pdrop", "sparsevlm", "dart", "v2drop", "e2s"]
 for _module in _INPUT_METHODS + _LLM_METHODS:
     import_module(f"prune_audit.pruners.{_module}")
 

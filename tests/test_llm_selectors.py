@@ -1,0 +1,287 @@
+"""Reference cases for the in-LLM selectors, small enough to check by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from prune_audit.pruners import LayerSignals, Stage, get_selector
+from prune_audit.pruners.e2s import novelty_bonus
+from prune_audit.pruners.evidence import dempster_combine, head_masses, priority, vacuous_mass
+from prune_audit.pruners.sparsevlm import select_raters
+
+
+def signals(n: int, grid: tuple[int, int] | None = None, alive: list[int] | None = None, **fields) -> LayerSignals:
+    alive_tensor = torch.tensor(alive if alive is not None else list(range(n)))
+    return LayerSignals(alive=alive_tensor, grid=grid or (1, n), layer=2, num_layers=32, **fields)
+
+
+# ---------------------------------------------------------------- Dempster's rule
+
+
+def test_dempster_matches_a_hand_computed_case():
+    m1, m2 = torch.tensor([0.5, 0.2, 0.3]), torch.tensor([0.4, 0.4, 0.2])
+    combined, conflict = dempster_combine(m1, m2)
+    # K = .5*.4 + .2*.4 = .28; I = (.2 + .1 + .12)/.72; U = (.08 + .04 + .12)/.72; Theta = .06/.72
+    assert conflict.item() == pytest.approx(0.28)
+    assert combined.tolist() == pytest.approx([7 / 12, 1 / 3, 1 / 12])
+
+
+def test_dempster_masses_sum_to_one_and_the_rule_commutes():
+    generator = torch.Generator().manual_seed(0)
+    m1, m2 = (raw / raw.sum(-1, keepdim=True) for raw in torch.rand(2, 50, 3, generator=generator))
+    combined, conflict = dempster_combine(m1, m2)
+    swapped, swapped_conflict = dempster_combine(m2, m1)
+    assert torch.allclose(combined.sum(-1), torch.ones(50), atol=1e-6)
+    assert torch.allclose(combined, swapped, atol=1e-7) and torch.equal(conflict, swapped_conflict)
+    assert bool((combined >= 0).all())
+
+
+def test_dempster_without_conflict_reduces_to_the_product_form():
+    a, b = 0.3, 0.6
+    combined, conflict = dempster_combine(torch.tensor([a, 0.0, 1 - a]), torch.tensor([b, 0.0, 1 - b]))
+    assert conflict.item() == 0
+    assert combined[2].item() == pytest.approx((1 - a) * (1 - b))  # ignorance multiplies
+    assert combined[0].item() == pytest.approx(1 - (1 - a) * (1 - b))  # noisy-or of the support
+    mass = torch.tensor([0.2, 0.5, 0.3])
+    unchanged, none = dempster_combine(vacuous_mass(), mass)
+    assert torch.allclose(unchanged, mass) and none.item() == 0
+
+
+def test_total_conflict_gives_ignorance_without_nan():
+    combined, conflict = dempster_combine(torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0]))
+    assert conflict.item() == 1.0
+    assert combined.tolist() == [0.0, 0.0, 1.0]
+    assert priority(combined, conflict).item() == 1.0
+
+
+# ---------------------------------------------------------------- E2S
+
+# head 0 attends 1/2, 1/4, 1/8, 1/8; head 1 uniformly. With n = 4: support p = 4r/(1+4r)
+# head 0: 2/3, 1/2, 1/3, 1/3; head 1: 1/2 everywhere; pbar = 7/12, 1/2, 5/12, 5/12.
+# clarity |2(pbar - .5)| = 1/6, 0, 1/6, 1/6; consistency 1 - (|p0 - pbar| + |p1 - pbar|) = 5/6, 1, 5/6, 5/6.
+# rho = 5/36, 0, 5/36, 5/36; m = [rho pbar, rho (1 - pbar), 1 - rho].
+HEAD_LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25]]))
+EXPECTED_MASSES = torch.tensor(
+    [
+        [35 / 432, 25 / 432, 31 / 36],
+        [0.0, 0.0, 1.0],
+        [25 / 432, 35 / 432, 31 / 36],
+        [25 / 432, 35 / 432, 31 / 36],
+    ]
+)
+EXPECTED_PRIORITY = torch.tensor([407 / 432, 1.0, 397 / 432, 397 / 432])  # 1 - m(U) at the first stage
+
+
+def e2s_logits(head_logits: torch.Tensor = HEAD_LOGITS) -> torch.Tensor:
+    """(H, 2, n): two text rows whose mean is ``head_logits`` (shifted by +-1)."""
+    return torch.stack([head_logits + 1.0, head_logits - 1.0], dim=1)
+
+
+def test_head_masses_by_hand():
+    assert torch.allclose(head_masses(e2s_logits()), EXPECTED_MASSES, atol=1e-6)
+
+
+def test_e2s_first_stage_scores_by_hand_with_novelty_bonus():
+    # grid 1 x 4 with 2 x 2 cells: tokens {0, 1} and {2, 3}; best q: token 1, then token 2 (tie, lower index)
+    selector = get_selector("e2s", cells=2)
+    state: dict = {}
+    scores = selector.score(Stage(3, 2), signals(4, grid=(1, 4), text_logits=e2s_logits()), state)
+    expected = 0.9 * EXPECTED_PRIORITY + 0.1 * torch.tensor([0.0, 1.0, 1.0, 0.0])
+    assert torch.allclose(scores, expected, atol=1e-6)
+    assert torch.allclose(state["cumulative_mass"], EXPECTED_MASSES, atol=1e-6)
+    kept = selector.prune(Stage(3, 2), signals(4, grid=(1, 4), text_logits=e2s_logits()), {})
+    assert kept.tolist() == [1, 2]
+
+
+def test_e2s_without_novelty_keeps_the_top_priorities():
+    kept = get_selector("e2s", novelty_weight=0.0).prune(Stage(3, 2), signals(4, text_logits=e2s_logits()), {})
+    assert kept.tolist() == [0, 1]
+
+
+def test_novelty_bonus_marks_the_best_token_of_each_occupied_cell():
+    alive = torch.tensor([0, 1, 4, 5, 10, 15])  # 4 x 4 grid, 2 x 2 cells of 2 x 2
+    scores = torch.tensor([0.2, 0.7, 0.7, 0.1, 0.3, 0.9])
+    bonus = novelty_bonus(alive, (4, 4), scores, cells=2)
+    # cell 0 = {0, 1, 4, 5}: tie 0.7 at positions 1 and 2 -> position 1; cell 3 = {10, 15}: 15
+    assert bonus.tolist() == [0, 1, 0, 0, 0, 1]
+
+
+def test_e2s_fuses_evidence_across_stages_by_grid_index():
+    selector = get_selector("e2s", novelty_weight=0.0)
+    state: dict = {}
+    selector.prune(Stage(3, 3), signals(4, text_logits=e2s_logits()), state)
+    second = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.2, 0.7]]))
+    stage_two = signals(3, grid=(1, 4), alive=[0, 1, 2], text_logits=e2s_logits(second))
+    scores = selector.score(Stage(17, 1), stage_two, state)
+    fused, conflict = dempster_combine(EXPECTED_MASSES[:3], head_masses(e2s_logits(second)))
+    assert torch.allclose(scores, priority(fused, conflict), atol=1e-6)
+    assert torch.allclose(state["cumulative_mass"][:3], fused, atol=1e-6)
+    assert torch.allclose(state["cumulative_mass"][3], EXPECTED_MASSES[3], atol=1e-6)  # pruned: untouched
+
+
+def test_e2s_fuses_a_stage_that_prunes_nothing():
+    state: dict = {}
+    kept = get_selector("e2s").prune(Stage(3, 4), signals(4, text_logits=e2s_logits()), state)
+    assert kept.tolist() == [0, 1, 2, 3]
+    assert torch.allclose(state["cumulative_mass"], EXPECTED_MASSES, atol=1e-6)
+
+
+def test_e2s_reliability_switch_uses_bare_support():
+    # without reliability, q = Pl(I) = pbar at the first stage: 7/12, 1/2, 5/12, 5/12 -> token 0 wins;
+    # with it the unreliable token 1 (rho = 0) is fully plausible and wins
+    layer = signals(4, text_logits=e2s_logits())
+    assert get_selector("e2s", novelty_weight=0.0).prune(Stage(3, 1), layer, {}).tolist() == [1]
+    off = get_selector("e2s", novelty_weight=0.0, reliability=False)
+    assert torch.allclose(off.score(Stage(3, 1), layer, {}), torch.tensor([7 / 12, 1 / 2, 5 / 12, 5 / 12]))
+    assert off.prune(Stage(3, 1), layer, {}).tolist() == [0]
+
+
+def conflicting_stages() -> tuple[LayerSignals, LayerSignals]:
+    """Token 0 is strongly supported at the first stage and strongly refuted at the second."""
+    first = torch.log(torch.tensor([[0.9, 0.05, 0.05], [0.9, 0.05, 0.05]]))
+    second = torch.log(torch.tensor([[0.01, 0.6, 0.39], [0.01, 0.6, 0.39]]))
+    return signals(3, text_logits=e2s_logits(first)), signals(3, text_logits=e2s_logits(second))
+
+
+def test_e2s_fusion_switch_uses_the_current_layer_only():
+    first, second = conflicting_stages()
+    fused = get_selector("e2s", novelty_weight=0.0)
+    alone = get_selector("e2s", novelty_weight=0.0, fusion=False)
+    state: dict = {}
+    fused.score(Stage(3, 3), first, state)
+    alone_state: dict = {}
+    alone.score(Stage(3, 3), first, alone_state)
+    assert alone_state == {}
+    assert torch.allclose(alone.score(Stage(17, 1), second, alone_state), priority(head_masses(second.text_logits)))
+    assert not torch.allclose(fused.score(Stage(17, 1), second, state), priority(head_masses(second.text_logits)))
+
+
+def test_e2s_conflict_protection_switch():
+    first, second = conflicting_stages()
+    scores = {}
+    for protect in (True, False):
+        selector = get_selector("e2s", novelty_weight=0.0, conflict_protection=protect)
+        state: dict = {}
+        selector.score(Stage(3, 3), first, state)
+        scores[protect] = selector.score(Stage(17, 1), second, state)
+    fused, conflict = dempster_combine(head_masses(first.text_logits), head_masses(second.text_logits))
+    assert conflict[0] > 0.05
+    assert torch.allclose(scores[False], 1 - fused[:, 1])
+    assert torch.allclose(scores[True], priority(fused, conflict))
+    assert scores[True][0] > scores[False][0]  # conflict protects token 0
+
+
+def test_e2s_plain_attention_is_attention_top_k():
+    selector = get_selector("e2s", plain_attention=True)
+    scores = selector.score(Stage(3, 1), signals(4, text_logits=e2s_logits()), {})
+    assert torch.allclose(scores, torch.tensor([0.375, 0.25, 0.1875, 0.1875]))
+    assert selector.prune(Stage(3, 1), signals(4, text_logits=e2s_logits()), {}).tolist() == [0]
+
+
+def test_e2s_rejects_bad_options():
+    with pytest.raises(ValueError, match="novelty_weight"):
+        get_selector("e2s", novelty_weight=1.5)
+    with pytest.raises(ValueError, match="cells"):
+        get_selector("e2s", cells=0)
+
+
+# ---------------------------------------------------------------- attention-score methods
+
+
+def test_fastv_is_top_k_of_last_row_head_mean_probability():
+    probs = torch.rand(2, 3, 6, generator=torch.Generator().manual_seed(0))
+    probs[:, -1] = torch.tensor([[0.10, 0.40, 0.05, 0.20, 0.30, 0.00], [0.30, 0.20, 0.05, 0.20, 0.00, 0.10]])
+    # head means: .20 .30 .05 .20 .15 .05 -> top 3: 1, then 0 and 3 tied at .20
+    kept = get_selector("fastv").prune(Stage(2, 3), signals(6, text_probs=probs), {})
+    assert kept.tolist() == [0, 1, 3]
+    probs[:, :-1] = 1.0  # other rows do not matter
+    assert get_selector("fastv").prune(Stage(2, 3), signals(6, text_probs=probs), {}).tolist() == [0, 1, 3]
+
+
+def test_pdrop_scores_like_fastv_at_each_stage():
+    probs = torch.rand(4, 5, 8, generator=torch.Generator().manual_seed(1))
+    layer = signals(8, text_probs=probs)
+    pdrop, fastv = get_selector("pdrop"), get_selector("fastv")
+    assert torch.equal(pdrop.prune(Stage(8, 3), layer, {}), fastv.prune(Stage(8, 3), layer, {}))
+
+
+def test_sparsevlm_raters_by_hand():
+    visual = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    text = torch.tensor([[2.0, 0.0], [2.0, 0.0], [0.0, 0.0]])
+    # each visual row: softmax of [2, 2, 0] -> weights e^2/(2e^2+1) twice and 1/(2e^2+1): the first two rate
+    assert select_raters(visual, text).tolist() == [True, True, False]
+    assert select_raters(visual, torch.ones(3, 2)).tolist() == [True, True, True]  # all equal: everyone rates
+
+
+def test_sparsevlm_scores_with_rater_rows_and_keeps_its_raters():
+    probs = torch.zeros(2, 3, 4)
+    probs[:, 0] = torch.tensor([0.1, 0.5, 0.2, 0.2])  # rater
+    probs[:, 1] = torch.tensor([0.3, 0.3, 0.1, 0.3])  # rater
+    probs[:, 2] = torch.tensor([0.0, 0.0, 0.9, 0.1])  # not a rater: would favour token 2
+    visual = torch.tensor([[1.0, 0.0]] * 4)
+    text = torch.tensor([[2.0, 0.0], [2.0, 0.0], [0.0, 0.0]])
+    selector, state = get_selector("sparsevlm"), {}
+    layer = signals(4, text_probs=probs, embeddings=visual, text_embeddings=text)
+    assert torch.allclose(selector.score(Stage(2, 2), layer, state), torch.tensor([0.2, 0.4, 0.15, 0.25]))
+    assert selector.prune(Stage(2, 2), layer, state).tolist() == [1, 3]
+    # later stages reuse the raters chosen from the first stage's embeddings
+    flipped = signals(4, text_probs=probs, embeddings=visual, text_embeddings=text.flip(0))
+    assert selector.prune(Stage(6, 2), flipped, state).tolist() == [1, 3]
+    assert state["raters"].tolist() == [True, True, False]
+
+
+def test_v2drop_keeps_the_largest_residual_updates():
+    previous = torch.zeros(5, 2)
+    hidden = torch.tensor([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0], [1.0, 1.0], [0.0, -7.0]])  # norms 5 1 10 1.4 7
+    kept = get_selector("v2drop").prune(Stage(3, 2), signals(5, hidden_states=hidden, previous_hidden_states=previous), {})
+    assert kept.tolist() == [2, 4]
+    kept = get_selector("v2drop").prune(Stage(3, 2), signals(5, hidden_states=hidden, previous_hidden_states=hidden), {})
+    assert kept.tolist() == [0, 1]  # no variation anywhere: ties to the lower index
+
+
+# ---------------------------------------------------------------- DART
+
+
+def unit(degrees: float, length: float = 1.0) -> list[float]:
+    return [length * math.cos(math.radians(degrees)), length * math.sin(math.radians(degrees))]
+
+
+def dart_case() -> LayerSignals:
+    """14 visual tokens: pivots at positions 1, 4, 8, 11 (largest key norms) pointing at 0 degrees.
+
+    Candidates (position: angle): 0: 90, 2: 180, 3: 195, 5: 10, 6: 150, 7: 235, 9: 270, 10: 260,
+    12: 290, 13: 310. Text pivots (text rows 0, 1, 3, 4) point at 90 degrees.
+    Visual pivots first take the candidates closest to 180 degrees: 2, 3, 6, 7; the text pivots
+    then take those closest to 270 degrees: 9, 10, 12, 13. Positions 0 and 5 are dropped.
+    Visiting the text pivots first would take 7 (235) instead of 13 (310) and drop 13 instead of 0.
+    """
+    angles = {0: 90, 2: 180, 3: 195, 5: 10, 6: 150, 7: 235, 9: 270, 10: 260, 12: 290, 13: 310}
+    hidden = torch.tensor([unit(angles.get(j, 0), length=1 + j) for j in range(14)])
+    key_norms = torch.ones(14)
+    key_norms[[1, 4, 8, 11]] = 5.0
+    return signals(
+        14,
+        grid=(2, 7),
+        key_norms=key_norms,
+        text_key_norms=torch.tensor([5.0, 4.0, 0.1, 3.0, 2.0]),
+        normed_hidden_states=hidden,
+        text_normed_hidden_states=torch.tensor([unit(90), unit(90), unit(270), unit(90), unit(90)]),
+    )
+
+
+def test_dart_pivots_and_least_similar_picks_by_hand():
+    selector = get_selector("dart", budget_rule="paper")
+    (stage,) = selector.schedule(32, 14, 8)
+    assert stage.keep == 4 + 8 * (8 // 8)
+    kept = selector.prune(stage, dart_case(), {})
+    assert kept.tolist() == [1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13]
+
+
+def test_dart_splits_uneven_picks_over_the_pivots_in_order():
+    # keep 6: two picks, one each for the first two visual pivots -> 2 (180) then 3 (195)
+    assert get_selector("dart").prune(Stage(2, 6), dart_case(), {}).tolist() == [1, 2, 3, 4, 8, 11]
+    # keep 3: only the three visual pivots with the largest key norms (ties to the lower index)
+    assert get_selector("dart").prune(Stage(2, 3), dart_case(), {}).tolist() == [1, 4, 8]

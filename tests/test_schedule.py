@@ -1,0 +1,181 @@
+"""Schedules of the in-LLM selectors and the layer-average budget convention."""
+
+from __future__ import annotations
+
+import pytest
+
+from prune_audit.pruners import Stage, get_selector, list_selectors, selector_class
+from prune_audit.pruners.schedule import (
+    average_visual_tokens,
+    nearest_setting,
+    scale_layers,
+    solve_geometric_schedule,
+    solve_schedule,
+    tokens_per_layer,
+)
+
+LLM_SELECTORS = [name for name in list_selectors() if selector_class(name).stage == "llm"]
+MODELS = [(32, 576), (28, 391)]  # LLaVA-1.5-7B; a Qwen2.5-VL-like depth with an odd token count
+
+
+def counts(stages: list[Stage]) -> list[tuple[int, int]]:
+    return [(stage.layer, stage.keep) for stage in stages]
+
+
+def test_tokens_per_layer_and_average_follow_the_stages():
+    stages = [Stage(2, 10), Stage(4, 5)]
+    assert tokens_per_layer(stages, 6, 20) == [20, 20, 10, 10, 5, 5]
+    assert average_visual_tokens(stages, 6, 20) == pytest.approx(70 / 6)
+
+
+def test_scale_layers_is_proportional_and_strictly_increasing():
+    assert scale_layers([3, 17, 22], 32, 32) == [3, 17, 22]
+    assert scale_layers([3, 17, 22], 32, 28) == [3, 15, 19]
+    assert scale_layers([1, 2, 3], 32, 4) == [1, 2, 3]
+    with pytest.raises(ValueError, match="too shallow"):
+        scale_layers([1, 2, 3], 32, 3)
+
+
+def test_solve_schedule_hits_the_average_and_keeps_the_shape():
+    stages = solve_schedule([3, 17, 22], [122, 48, 42], 32, 576, 100)
+    assert average_visual_tokens(stages, 32, 576) == pytest.approx(100, abs=0.1)
+    keeps = [s.keep for s in stages]
+    assert keeps == sorted(keeps, reverse=True)
+    assert keeps[0] / keeps[1] == pytest.approx(122 / 48, rel=0.05)
+
+
+def test_solve_schedule_rejects_budgets_below_the_unpruned_layers():
+    with pytest.raises(ValueError, match="raise the budget or prune earlier"):
+        solve_schedule([3, 17, 22], [1, 1, 1], 32, 576, 50)  # 3 * 576 / 32 = 54 already
+
+
+def test_solve_schedule_keeps_everything_for_a_budget_of_all_tokens():
+    assert counts(solve_schedule([2, 8], [2, 1], 32, 576, 576)) == [(2, 576), (8, 576)]
+
+
+def test_geometric_schedule_matches_pdrop_structure():
+    stages = solve_geometric_schedule([2, 8, 16], 32, 576, 192)
+    assert average_visual_tokens(stages, 32, 576) == pytest.approx(192, abs=0.1)
+    first, second, third = (s.keep for s in stages)
+    ratio = first / 576  # the maintainer-derived lambda for 192 is about 0.56
+    assert ratio == pytest.approx(0.56, abs=0.02)
+    assert second == pytest.approx(576 * ratio**2, abs=2)
+    assert third == pytest.approx(576 * ratio**3, abs=2)
+
+
+def test_nearest_setting_compares_fractions_of_the_visual_tokens():
+    settings = {64: "a", 128: "b", 192: "c"}
+    assert nearest_setting(settings, 100, 576) == "b"
+    assert nearest_setting(settings, 64, 288) == "b"  # 64 of 288 tokens is 128 of 576
+    assert nearest_setting(settings, 96, 576) == "a"  # a tie goes to the smaller budget
+
+
+@pytest.mark.parametrize("budget, expected", [(192, [194, 148, 96]), (128, [122, 48, 42]), (64, [20, 8, 0])])
+@pytest.mark.parametrize("rule", ["average", "paper"])
+def test_e2s_paper_schedules_are_exact_on_llava(budget, expected, rule):
+    stages = get_selector("e2s", budget_rule=rule).schedule(32, 576, budget)
+    assert counts(stages) == list(zip([3, 17, 22], expected))
+    assert average_visual_tokens(stages, 32, 576) == budget
+
+
+@pytest.mark.parametrize("name", LLM_SELECTORS)
+@pytest.mark.parametrize("num_layers, num_visual", MODELS)
+@pytest.mark.parametrize("budget", [64, 128, 192])
+def test_default_schedule_realises_the_average_budget(name, num_layers, num_visual, budget):
+    stages = get_selector(name).schedule(num_layers, num_visual, budget)
+    keeps = [s.keep for s in stages]
+    assert keeps == sorted(keeps, reverse=True)
+    assert [s.layer for s in stages] == sorted({s.layer for s in stages})
+    assert average_visual_tokens(stages, num_layers, num_visual) == pytest.approx(budget, rel=0.02)
+
+
+@pytest.mark.parametrize("name", LLM_SELECTORS)
+@pytest.mark.parametrize("rule", ["average", "paper"])
+def test_budget_of_all_tokens_keeps_everything(name, rule):
+    stages = get_selector(name, budget_rule=rule).schedule(32, 576, 576)
+    assert all(s.keep == 576 for s in stages)
+    assert average_visual_tokens(stages, 32, 576) == 576
+
+
+@pytest.mark.parametrize("name", LLM_SELECTORS)
+def test_impossible_budget_raises_a_clear_error(name):
+    with pytest.raises(ValueError, match="raise the budget"):
+        get_selector(name).schedule(32, 576, 10)
+    with pytest.raises(ValueError, match="positive integer"):
+        get_selector(name).schedule(32, 576, 0)
+
+
+@pytest.mark.parametrize("name", LLM_SELECTORS)
+def test_unknown_budget_rule_is_rejected(name):
+    with pytest.raises(ValueError, match="budget_rule"):
+        get_selector(name, budget_rule="exact")
+    with pytest.raises(ValueError, match="positions"):
+        get_selector(name, positions="shifted")
+
+
+PAPER_TABLES = {
+    # selector: {budget: [(layer, keep), ...]} on LLaVA-1.5-7B (selectors spec sections 2, 7, 8, 10.2, 10.3)
+    "sparsevlm": {
+        192: [(2, 300), (6, 200), (15, 110)],
+        128: [(2, 303), (6, 110), (15, 36)],
+        96: [(2, 238), (6, 48), (15, 26)],
+        64: [(2, 66), (6, 30), (15, 17)],
+    },
+    "pdrop": {
+        192: [(2, 300), (6, 200), (16, 110)],
+        128: [(2, 303), (6, 110), (16, 36)],
+        64: [(2, 66), (6, 30), (16, 17)],
+    },
+    "v2drop": {
+        192: [(3, 288), (17, 86), (22, 0)],
+        128: [(3, 161), (17, 40), (22, 0)],
+        64: [(3, 28), (17, 1), (22, 0)],
+    },
+    "fastv": {192: [(2, 192)], 128: [(2, 128)], 64: [(2, 64)]},
+    "dart": {192: [(2, 196)], 128: [(2, 132)], 64: [(2, 68)]},
+}
+
+
+@pytest.mark.parametrize("name, budget", [(n, b) for n, table in PAPER_TABLES.items() for b in table])
+def test_paper_counts_match_the_references(name, budget):
+    stages = get_selector(name, budget_rule="paper").schedule(32, 576, budget)
+    assert counts(stages) == PAPER_TABLES[name][budget]
+
+
+def test_pdrop_paper_schedule_realises_the_published_averages():
+    realised = {
+        budget: average_visual_tokens(get_selector("pdrop", budget_rule="paper").schedule(32, 576, budget), 32, 576)
+        for budget in (192, 128, 64)
+    }
+    assert realised == pytest.approx({192: 191.0, 128: 126.25, 64: 62.125})
+
+
+@pytest.mark.parametrize("name", ["sparsevlm", "pdrop", "v2drop", "e2s"])
+def test_paper_rule_names_its_budgets_for_an_unknown_one(name):
+    with pytest.raises(ValueError, match="64, .*128, .*192 only; use budget_rule='average'"):
+        get_selector(name, budget_rule="paper").schedule(32, 576, 100)
+
+
+def test_paper_counts_scale_with_the_token_count():
+    assert counts(get_selector("e2s", budget_rule="paper").schedule(32, 288, 128)) == [(3, 61), (17, 24), (22, 21)]
+    assert counts(get_selector("v2drop", budget_rule="paper").schedule(32, 288, 192)) == [(3, 144), (17, 43), (22, 0)]
+
+
+def test_fastv_default_is_average_matched():
+    kept = [get_selector("fastv").schedule(32, 576, budget)[0].keep for budget in (192, 128, 64)]
+    assert kept == [166, 98, 30]  # (32 B - 2 * 576) / 30, spec section 14
+
+
+def test_single_stage_layer_option_moves_the_stage():
+    assert counts(get_selector("fastv", layer=3).schedule(32, 576, 128)) == [(3, 82)]
+    assert get_selector("dart", layer=2).schedule(28, 391, 128)[0].layer == 2
+    with pytest.raises(ValueError, match="layer must be"):
+        get_selector("fastv", layer=0)
+
+
+def test_pdrop_default_uses_layers_2_8_16_and_compact_positions():
+    selector = get_selector("pdrop")
+    assert [s.layer for s in selector.schedule(32, 576, 128)] == [2, 8, 16]
+    assert selector.positions == "compact"
+    assert get_selector("sparsevlm").positions == "compact"
+    assert {get_selector(n).positions for n in ("fastv", "dart", "v2drop", "e2s")} == {"keep_original"}
