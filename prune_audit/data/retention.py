@@ -147,9 +147,11 @@ def retention_batch(
     # A flat keep mask over all questions' tokens makes repeated indices count once.
     keep = np.zeros(flat_area.size, dtype=bool)
     keep[starts[question_of_kept] + flat_kept] = True
-    question_of_token = np.repeat(np.arange(count), lengths)
-    area_kept = np.bincount(question_of_token, weights=np.where(keep, flat_area, 0), minlength=count)
-    tokens_kept = np.bincount(question_of_token, weights=keep & (flat_area > 0), minlength=count).astype(np.int64)
+    positions = np.flatnonzero(keep)
+    question_of_position = np.searchsorted(starts, positions, side="right") - 1
+    kept_area = flat_area[positions]
+    area_kept = np.bincount(question_of_position, weights=kept_area, minlength=count)
+    tokens_kept = np.bincount(question_of_position, weights=kept_area > 0, minlength=count).astype(np.int64)
     totals = np.asarray(total_areas, dtype=np.int64)
     has_mask = totals > 0
     retained = np.where(has_mask, area_kept / np.where(has_mask, totals, 1), np.nan)
