@@ -147,7 +147,7 @@ def load_pope(path: str | Path, split: str | None = None) -> list[PopeQuestion]:
             text=str(row["text"]),
             label=label,
             object=obj,
-            category=category,
+            category=None if category is None else str(category),
         )
         key = (question.split, question.question_id)
         if key in seen:

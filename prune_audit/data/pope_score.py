@@ -68,7 +68,9 @@ def match_answers(questions: Sequence[PopeQuestion], answers: Sequence[PopeAnswe
     for answer in answers:
         key = (answer.split, answer.question_id) if use_split else answer.question_id
         if key not in wanted:
-            raise PruneAuditError(f"answer for unknown question {key}")
+            raise PruneAuditError(
+                f"answer for unknown question {key} (LLaVA answers: add llava_pope_test.jsonl to the question files)"
+            )
         if key in texts:
             raise PruneAuditError(f"two answers for question {key}")
         texts[key] = answer.text
