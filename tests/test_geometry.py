@@ -153,6 +153,7 @@ def processors():
     }
 
 
+@pytest.mark.slow  # imports transformers
 def test_modes_come_from_the_processor_configuration(processors):
     assert geometry_from_processor(processors["clip"](), (640, 480)).mode == "hf_crop"
     assert geometry_from_processor(processors["llava_pad"](), (640, 480)).mode == "hf_pad"
@@ -193,6 +194,7 @@ def _expected_tokens(geometry: TokenGeometry) -> np.ndarray:
     return rows[:, None] * geometry.grid_cols + cols[None, :]
 
 
+@pytest.mark.slow  # imports transformers
 @pytest.mark.parametrize("name", ["clip", "llava_pad", "qwen"])
 @pytest.mark.parametrize("size", SIZES)
 def test_token_id_image_through_the_bicubic_processor_lands_on_the_predicted_tokens(processors, name, size):
@@ -214,6 +216,7 @@ def test_token_id_image_through_the_bicubic_processor_lands_on_the_predicted_tok
     assert (inner & shows_image).sum() > 0.3 * inner.sum()
 
 
+@pytest.mark.slow  # imports transformers
 @pytest.mark.parametrize("name", ["clip", "llava_pad", "qwen_small"])
 @pytest.mark.parametrize("size", [(640, 427), (427, 640), (640, 640), (500, 375)])
 def test_nearest_resampling_matches_the_geometry_at_every_pixel(processors, name, size):
