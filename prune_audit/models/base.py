@@ -118,6 +118,8 @@ class VisionLanguageModel(ABC):
     family: str = ""
     #: InputSignals fields this family can provide (``text_relevance`` also needs clip_text)
     input_signals: frozenset[str] = frozenset()
+    #: why the other InputSignals are missing, for error messages
+    missing_signals_reason: str = ""
 
     def __init__(self, model, tokenizer, stack: DecoderStack, *, model_id: str, prompt_template: str,
                  system_prompt: str | None):
@@ -214,7 +216,9 @@ class VisionLanguageModel(ABC):
         ``forced_stages[b]`` lists ``(layer, kept grid indices)`` in-LLM stages.
         """
         start = time.perf_counter()
-        prefill, selections = self._prefill(prepared, selector, budget, generator, forced_kept, forced_stages)
+        prefill, selections = self.prefill(
+            prepared, selector, budget, generator=generator, forced_kept=forced_kept, forced_stages=forced_stages
+        )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         latency = (time.perf_counter() - start) * 1000 / len(prepared)
@@ -235,10 +239,13 @@ class VisionLanguageModel(ABC):
         forced_stages: ForcedStages | None = None,
     ) -> str:
         """Greedy decoding under pruning; the pruned KV cache is reused for every new token."""
-        prefill, _ = self._prefill(
-            [prepared], selector, budget, generator,
-            None if forced_kept is None else [forced_kept],
-            None if forced_stages is None else [forced_stages],
+        prefill, _ = self.prefill(
+            [prepared],
+            selector,
+            budget,
+            generator=generator,
+            forced_kept=None if forced_kept is None else [forced_kept],
+            forced_stages=None if forced_stages is None else [forced_stages],
             use_cache=True,
         )
         stop = set(self._eos_ids())
@@ -276,19 +283,22 @@ class VisionLanguageModel(ABC):
             )
         raise PruneAuditError(
             f"selector {selector.name!r} needs {', '.join(sorted(missing))}, which {self.family} does not provide "
-            f"(e.g. no CLS token); selectors that work here: {', '.join(self.supported_selectors())}"
+            f"({self.missing_signals_reason}); selectors that work here: {', '.join(self.supported_selectors())}"
         )
 
-    def _prefill(
+    def prefill(
         self,
         prepared: Sequence[Prepared],
-        selector: Selector | None,
-        budget: int | None,
-        generator: torch.Generator | None,
-        forced_kept: Sequence[Sequence[int]] | None,
-        forced_stages: Sequence[ForcedStages] | None,
+        selector: Selector | None = None,
+        budget: int | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        forced_kept: Sequence[Sequence[int]] | None = None,
+        forced_stages: Sequence[ForcedStages] | None = None,
         use_cache: bool = False,
     ) -> tuple[Prefill, list[Selection | None]]:
+        """The pruned prefill behind :meth:`answer`: (B, V) float32 last-position logits,
+        per-row provenance, and the input-level selection of each row (None in-LLM)."""
         if not prepared:
             raise PruneAuditError("no questions to answer")
         self._check_request(prepared, selector, budget, forced_kept, forced_stages)

@@ -305,4 +305,60 @@ def build_qwen2_5_vl(
     return save_dir
 
 
-__all__ = ["word_level_tokenizer", "build_llava", "build_qwen2_5_vl", "SPECIAL_TOKENS", "QWEN_SPECIAL_TOKENS"]
+def build_clip(
+    save_dir: str | Path,
+    *,
+    words: Sequence[str],
+    vision_hidden_size: int = 64,
+    image_size: int = 112,
+    patch_size: int = 14,
+    text_hidden_size: int = 32,
+    text_layers: int = 1,
+    text_heads: int = 2,
+    context_length: int = 16,
+    projection_dim: int = 16,
+    seed: int = 0,
+) -> Path:
+    """Save a randomly initialised ``CLIPModel`` (text tower + projections) with a tokenizer.
+
+    A stand-in for the CLIP checkpoint CDPruner reads its text relevance from; its
+    vision width must equal the LLaVA vision tower's (``vision_hidden_size``).
+    """
+    from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
+
+    save_dir = Path(save_dir)
+    tokenizer = word_level_tokenizer(_vocabulary(words, SPECIAL_TOKENS, ()))
+    text = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=text_hidden_size,
+        intermediate_size=2 * text_hidden_size,
+        num_hidden_layers=text_layers,
+        num_attention_heads=text_heads,
+        max_position_embeddings=context_length,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=vision_hidden_size,
+        intermediate_size=2 * vision_hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch_size,
+    )
+    torch.manual_seed(seed)
+    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)).eval()
+    model.save_pretrained(save_dir)
+    tokenizer.save_pretrained(save_dir)
+    return save_dir
+
+
+__all__ = [
+    "word_level_tokenizer",
+    "build_llava",
+    "build_qwen2_5_vl",
+    "build_clip",
+    "SPECIAL_TOKENS",
+    "QWEN_SPECIAL_TOKENS",
+]

@@ -37,6 +37,7 @@ class LlavaModel(VisionLanguageModel):
     input_signals = frozenset(
         {"features", "vision_features", "cls_attention", "vision_keys", "cls_feature", "text_relevance", "demand"}
     )
+    missing_signals_reason = "this adapter does not compute it"
 
     def __init__(self, model, processor, *, model_id: str, prompt_template: str | None = None,
                  system_prompt: str | None = None, clip: tuple[Any, Any] | None = None):

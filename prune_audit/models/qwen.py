@@ -33,6 +33,7 @@ class QwenModel(VisionLanguageModel):
 
     family = "qwen2_5_vl"
     input_signals = frozenset({"features", "demand"})
+    missing_signals_reason = "its vision tower has no CLS token and no CLIP text space"
 
     def __init__(self, model, image_processor, tokenizer, *, model_id: str, prompt_template: str | None = None,
                  system_prompt: str | None = None):

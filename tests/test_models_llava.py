@@ -1,0 +1,284 @@
+"""LLaVA adapter: unpruned == stock forward, probes == eager attention, pruning == masked reference."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.models import load_vlm
+from prune_audit.models.build import build_clip, build_llava
+from prune_audit.models.probe import clip_cls_row
+from prune_audit.pruners import get_selector, list_selectors, selector_class
+from tiny_models import (
+    QUESTIONS,
+    WORDS,
+    RecordingInputSelector,
+    RecordingLayerSelector,
+    masked_reference_logits,
+    random_image,
+    stock_inputs,
+)
+
+TOL = 1e-5
+NUM_LAYERS = 4
+GRID = 8  # 112 px / 14 px patches
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llava")
+    llava = build_llava(root / "llava", words=WORDS, text_layers=NUM_LAYERS, seed=1)
+    clip = build_clip(root / "clip", words=WORDS, vision_hidden_size=64)
+    return llava, clip
+
+
+@pytest.fixture(scope="module")
+def vlm(paths):
+    return load_vlm(paths[0], device="cpu", clip_text=paths[1])
+
+
+@pytest.fixture(scope="module")
+def prepared(vlm):
+    return [vlm.prepare(random_image(seed), question) for seed, question in enumerate(QUESTIONS)]
+
+
+def stock_logits(vlm, item) -> torch.Tensor:
+    with torch.no_grad():
+        return vlm.model(**stock_inputs(vlm, item)).logits[0, -1].float()
+
+
+def logits_of(vlm, items, selector=None, budget=None, **kwargs) -> torch.Tensor:
+    prefill, _ = vlm.prefill(items, selector, budget, **kwargs)
+    return prefill.logits
+
+
+def test_prepare_records_grid_span_and_geometry(vlm, prepared):
+    item = prepared[0]
+    assert item.grid == (GRID, GRID)
+    start, end = item.image_span
+    assert end - start == GRID * GRID
+    assert (item.input_ids[start:end] == vlm.model.config.image_token_id).all()
+    assert item.geometry.mode == "hf_crop" and (item.geometry.grid_rows, item.geometry.grid_cols) == (GRID, GRID)
+
+
+def test_unpruned_equals_stock_forward(vlm, prepared):
+    for item in prepared:
+        assert (logits_of(vlm, [item])[0] - stock_logits(vlm, item)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name", list_selectors())
+def test_every_selector_at_full_budget_equals_unpruned(vlm, prepared, name):
+    item = prepared[0]
+    [answer] = vlm.answer([item], get_selector(name), GRID * GRID)
+    assert answer.visual_tokens_avg == GRID * GRID
+    difference = (logits_of(vlm, [item], get_selector(name), GRID * GRID)[0] - stock_logits(vlm, item)).abs().max()
+    assert difference <= TOL
+
+
+@pytest.mark.parametrize("name", [n for n in list_selectors() if selector_class(n).stage == "input"])
+def test_input_selector_runs_at_small_budget(vlm, prepared, name):
+    [answer] = vlm.answer([prepared[0]], get_selector(name), 16, generator=torch.Generator().manual_seed(0))
+    assert answer.tokens_per_layer == [16] * NUM_LAYERS
+    assert answer.prefill_tokens == prepared[0].input_ids.numel() - GRID * GRID + 16
+    assert 0.5 <= answer.confidence <= 1 and answer.answer in ("yes", "no")
+
+
+def test_input_level_selection_equals_stock_forward_on_a_shortened_prompt(vlm, prepared):
+    """Contiguous positions: the stock forward on a prompt with only the kept image tokens."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    item = prepared[0]
+    [answer] = vlm.answer([item], get_selector("cls_attn"), 16)
+    start, end = item.image_span
+    ids = torch.cat([item.input_ids[:start], item.input_ids[start : start + 16], item.input_ids[end:]])
+    with torch.no_grad():
+        image = vlm.model.model.get_image_features(pixel_values=item.pixel_values[None]).pooler_output[0]
+        kept = image[torch.tensor(answer.kept)]
+        encoded = {"image": BaseModelOutputWithPooling(pooler_output=[kept])}
+        reference = vlm.model(input_ids=ids[None], mm_encoder_outputs=encoded).logits[0, -1]
+    assert (logits_of(vlm, [item], get_selector("cls_attn"), 16)[0] - reference).abs().max() <= TOL
+
+
+def eager_outputs(path, item):
+    from transformers import LlavaForConditionalGeneration
+
+    eager = LlavaForConditionalGeneration.from_pretrained(path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        language = eager(
+            input_ids=item.input_ids[None], pixel_values=item.pixel_values[None],
+            output_attentions=True, output_hidden_states=True,
+        )
+        vision = eager.model.vision_tower(item.pixel_values[None], output_attentions=True, output_hidden_states=True)
+    return eager, language, vision
+
+
+def test_decoder_probe_equals_eager_attention_rows(vlm, paths, prepared):
+    item = prepared[1]
+    _, language, _ = eager_outputs(paths[0], item)
+    start, end = item.image_span
+    for layer in (1, 2):
+        selector = RecordingLayerSelector(layer=layer, keep=GRID * GRID - 1)
+        vlm.answer([item], selector, 1)
+        signals = selector.records[-1]
+        eager = language.attentions[layer][0, :, end:, start:end]  # (H, T, N): text after the image
+        assert signals.text_probs.shape == eager.shape
+        assert (signals.text_probs - eager).abs().max() <= TOL
+        hidden = language.hidden_states[layer][0]
+        assert (signals.hidden_states - hidden[start:end]).abs().max() <= TOL
+        assert (signals.previous_hidden_states - language.hidden_states[layer - 1][0, start:end]).abs().max() <= TOL
+        assert torch.equal(signals.alive, torch.arange(GRID * GRID))
+
+
+def test_clip_cls_row_equals_eager_attention(vlm, paths, prepared):
+    item = prepared[0]
+    eager, _, vision = eager_outputs(paths[0], item)
+    feature_index = vlm.feature_index
+    reference = vision.attentions[feature_index - 1][0, :, 0]  # (H, 1 + N) CLS row
+    probs, _ = clip_cls_row(eager.model.vision_tower.encoder.layers[feature_index - 1], vision.hidden_states[feature_index - 1])
+    assert (probs[0] - reference).abs().max() <= TOL
+    selector = RecordingInputSelector()
+    vlm.answer([item], selector, 8)
+    signals = selector.records[-1]
+    assert (signals.cls_attention - reference[:, 1:]).abs().max() <= TOL
+    assert (signals.cls_feature - vision.hidden_states[feature_index][0, 0]).abs().max() <= TOL
+    assert (signals.vision_features - vision.hidden_states[feature_index][0, 1:]).abs().max() <= TOL
+    assert signals.vision_keys.shape[1] == GRID * GRID + 1
+
+
+def test_demand_is_the_first_layer_text_to_visual_attention(vlm, paths, prepared):
+    item = prepared[1]
+    _, language, _ = eager_outputs(paths[0], item)
+    start, end = item.image_span
+    expected = language.attentions[0][0, :, end:, start:end].mean(dim=(0, 1))
+    selector = RecordingInputSelector()
+    vlm.answer([item], selector, 8)
+    assert (selector.records[-1].demand - expected).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name", ["fastv", "e2s", "v2drop", "dart", "recording"])
+def test_in_llm_drop_equals_masked_reference(vlm, prepared, name):
+    item = prepared[1]
+    selector = RecordingLayerSelector(layer=2, keep=20) if name == "recording" else get_selector(name)
+    if getattr(selector, "positions", "keep_original") != "keep_original":
+        pytest.skip(f"{name} compacts positions")
+    prefill, _ = vlm.prefill([item], selector, 40)
+    assert prefill.kept_stages[0], "the selector must prune"
+    reference = masked_reference_logits(vlm, item, prefill.stage_layers[0], prefill.kept_stages[0])
+    assert (prefill.logits[0] - reference).abs().max() <= TOL
+
+
+def test_compact_positions_renumber_like_a_shortened_prompt(vlm, prepared):
+    """A compacting stage at layer 0 is the same as input-level selection of that set."""
+    item, kept = prepared[0], list(range(0, GRID * GRID, 3))
+    compacting = get_selector("pdrop")
+    assert compacting.positions == "compact"
+    in_llm = logits_of(vlm, [item], compacting, forced_stages=[[(0, kept)]])
+    input_level = logits_of(vlm, [item], forced_kept=[kept])
+    assert (in_llm - input_level).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name", [None, "cls_attn", "visionzip", "sparsevlm", "e2s", "pdrop"])
+def test_batch_equals_one_at_a_time(vlm, prepared, name):
+    selector = None if name is None else get_selector(name)
+    budget = None if name is None else 24
+    together = vlm.answer(prepared, selector, budget)
+    batched_logits = logits_of(vlm, prepared, selector, budget)
+    for b, item in enumerate(prepared):
+        [alone] = vlm.answer([item], selector, budget)
+        assert together[b].kept_stages == alone.kept_stages
+        assert together[b].tokens_per_layer == alone.tokens_per_layer
+        assert together[b].answer == alone.answer
+        assert (batched_logits[b] - logits_of(vlm, [item], selector, budget)[0]).abs().max() <= 1e-4
+
+
+def test_forced_kept_set_is_honoured(vlm, prepared):
+    kept = [[5, 1, 9, 63], [0, 2]]
+    answers = vlm.answer(prepared, get_selector("random"), 30, forced_kept=kept)
+    for answer, wanted in zip(answers, kept):
+        assert answer.kept == sorted(wanted) and answer.kept_stages == [sorted(wanted)]
+        assert answer.tokens_per_layer == [len(wanted)] * NUM_LAYERS
+
+
+def test_forced_stages_are_honoured(vlm, prepared):
+    stages = [(1, list(range(0, 64, 2))), (3, [0, 4, 8])]
+    [answer] = vlm.answer([prepared[0]], forced_stages=[stages])
+    assert answer.kept_stages == [stages[0][1], stages[1][1]]
+    assert answer.stage_layers == [1, 3]
+    assert answer.tokens_per_layer == [64, 32, 32, 3]
+    assert answer.visual_tokens_avg == pytest.approx((64 + 32 + 32 + 3) / 4)
+    reference = masked_reference_logits(vlm, prepared[0], [1, 3], [stages[0][1], stages[1][1]])
+    assert (logits_of(vlm, [prepared[0]], forced_stages=[stages])[0] - reference).abs().max() <= TOL
+
+
+def test_yes_no_reduction_is_consistent(vlm, prepared):
+    [answer] = vlm.answer([prepared[0]])
+    logits = logits_of(vlm, [prepared[0]])[0].double()
+    probs = torch.softmax(logits, dim=-1)
+    assert answer.p_yes == pytest.approx(float(probs[vlm.yes_ids].sum()))
+    assert answer.p_yes_2way == pytest.approx(answer.p_yes / (answer.p_yes + answer.p_no))
+    assert answer.logit_diff == pytest.approx(float(torch.log(probs[vlm.yes_ids].sum() / probs[vlm.no_ids].sum())))
+    tokens = vlm.tokenizer.convert_ids_to_tokens(vlm.yes_ids + vlm.no_ids)
+    assert sorted(tokens) == ["No", "Yes", "no", "yes"]
+
+
+def test_unpruned_generation_equals_stock_generate(vlm, prepared):
+    item = prepared[0]
+    with torch.no_grad():
+        stock = vlm.model.generate(**stock_inputs(vlm, item), max_new_tokens=6, do_sample=False)
+    expected = vlm.tokenizer.decode(stock[0, item.input_ids.numel() :], skip_special_tokens=True).strip()
+    assert vlm.generate(item, max_new_tokens=6) == expected
+
+
+@pytest.mark.parametrize("name", ["fastv", "pdrop"])
+def test_pruned_generation_with_cache_equals_recomputed_prefill(vlm, prepared, name):
+    """Each decoded token equals a fresh prefill of prompt + generated text under the same kept sets."""
+    item, selector = prepared[0], get_selector(name)
+    text = vlm.generate(item, selector, 40, max_new_tokens=4)
+    prefill, _ = vlm.prefill([item], selector, 40)
+    stages = [list(zip(prefill.stage_layers[0], prefill.kept_stages[0]))]
+    ids, expected = item.input_ids, []
+    for _ in range(4):
+        extended = replace(item, input_ids=ids)
+        token = int(logits_of(vlm, [extended], selector, forced_stages=stages)[0].argmax())
+        if token in vlm._eos_ids():
+            break
+        expected.append(token)
+        ids = torch.cat([ids, torch.tensor([token])])
+    assert text == vlm.tokenizer.decode(expected, skip_special_tokens=True).strip()
+
+
+def test_vicuna_template_by_name(paths):
+    vicuna = load_vlm(paths[0], device="cpu", prompt_template="vicuna_v1", system_prompt="Be brief.")
+    prompt = vicuna.prompt("is there a cat?")
+    assert prompt == "Be brief. USER: <image>\nis there a cat?\nAnswer the question using a single word or phrase. ASSISTANT:"
+    assert vicuna.describe()["prompt"] == {"template": "vicuna_v1", "system": "Be brief."}
+
+
+def test_describe_names_what_a_manifest_needs(vlm):
+    description = vlm.describe()
+    assert description["family"] == "llava" and description["attn_implementation"] == "sdpa"
+    assert description["dtype"] == "float32" and description["device"] == "cpu"
+    assert description["num_layers"] == NUM_LAYERS and len(description["model"]["config_hash"]) == 16
+    assert description["processor"]["mode"] == "hf_crop"
+
+
+def one_line_error(call) -> str:
+    with pytest.raises(PruneAuditError) as error:
+        call()
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_errors_are_one_line(vlm, paths, prepared, tmp_path):
+    item = prepared[0]
+    without_clip = load_vlm(paths[0], device="cpu")
+    assert "clip_text" in one_line_error(lambda: without_clip.answer([item], get_selector("cdpruner"), 8))
+    assert "budget" in one_line_error(lambda: vlm.answer([item], get_selector("fastv")))
+    assert "no schedule" in one_line_error(lambda: vlm.answer([item], get_selector("fastv"), 2))
+    assert "nested" in one_line_error(lambda: vlm.answer([item], forced_stages=[[(1, [0, 1]), (2, [5])]]))
+    assert "prompt template" in one_line_error(lambda: load_vlm(paths[0], device="cpu", prompt_template="chatml"))
+    assert "pass a local path" in one_line_error(lambda: load_vlm(tmp_path / "missing" / "model"))

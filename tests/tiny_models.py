@@ -1,0 +1,130 @@
+"""Helpers for the model-adapter tests: tiny checkpoints, images, recording selectors, references.
+
+The references here use the stock Hugging Face forward only (with per-layer attention
+masks injected by forward pre-hooks), so they share no code with the pruning loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from PIL import Image
+
+from prune_audit.pruners.base import (
+    InputSelector,
+    InputSignals,
+    LayerSelector,
+    LayerSignals,
+    Reference,
+    Selection,
+    Stage,
+)
+
+WORDS = ["is", "there", "a", "an", "cat", "dog", "in", "the", "image", "of", "red", "blue", "what", "color"]
+QUESTIONS = ["is there a cat in the image?", "is there a red dog in the image of the cat?"]
+
+INPUT_FIELDS = frozenset({"features", "vision_features", "cls_attention", "vision_keys", "cls_feature", "demand"})
+LAYER_FIELDS = frozenset({
+    "text_logits", "text_probs", "hidden_states", "previous_hidden_states", "text_hidden_states",
+    "normed_hidden_states", "text_normed_hidden_states", "key_norms", "text_key_norms", "embeddings",
+    "text_embeddings",
+})
+
+
+def random_image(seed: int, size: tuple[int, int] = (130, 100)) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@dataclass
+class RecordingInputSelector(InputSelector):
+    """Keeps the first ``budget`` tokens and records the signals it was given."""
+
+    name: ClassVar[str] = "recording_input"
+    reference: ClassVar[Reference] = Reference("test", "-")
+    requires: ClassVar[frozenset[str]] = INPUT_FIELDS
+    records: list[InputSignals] = field(default_factory=list)
+
+    def _select(self, signals: InputSignals, budget: int, generator: Any) -> Selection:
+        self.records.append(signals)
+        return Selection(kept=torch.arange(budget))
+
+
+@dataclass
+class RecordingLayerSelector(LayerSelector):
+    """One stage at ``layer`` keeping the top ``keep`` by ``score_field`` (summed); records its signals."""
+
+    name: ClassVar[str] = "recording_layer"
+    reference: ClassVar[Reference] = Reference("test", "-")
+    requires: ClassVar[frozenset[str]] = LAYER_FIELDS
+    layer: int = 1
+    keep: int = 8
+    positions: str = "keep_original"
+    records: list[LayerSignals] = field(default_factory=list)
+
+    def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        return [Stage(self.layer, self.keep)]
+
+    def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> torch.Tensor:
+        self.records.append(signals)
+        return signals.text_probs.mean(dim=(0, 1))
+
+
+def stock_inputs(vlm, prepared) -> dict[str, torch.Tensor]:
+    """Inputs of the stock ``model(**inputs)`` forward for one prepared prompt."""
+    if vlm.family == "llava":
+        return {"input_ids": prepared.input_ids[None], "pixel_values": prepared.pixel_values[None]}
+    image_token = vlm.model.config.image_token_id
+    return {
+        "input_ids": prepared.input_ids[None],
+        "pixel_values": prepared.pixel_values,
+        "image_grid_thw": prepared.extras["image_grid_thw"],
+        "mm_token_type_ids": (prepared.input_ids == image_token).int()[None],
+    }
+
+
+def alive_per_layer(num_layers: int, num_visual: int, stage_layers: list[int], kept_stages: list[list[int]]):
+    """Grid indices alive at the input of every layer for a list of stages."""
+    alive, result = list(range(num_visual)), []
+    for layer in range(num_layers):
+        for stage_layer, kept in zip(stage_layers, kept_stages):
+            if stage_layer == layer:
+                alive = kept
+        result.append(alive)
+    return result
+
+
+def masked_reference_logits(vlm, prepared, stage_layers: list[int], kept_stages: list[list[int]]) -> torch.Tensor:
+    """(V,) last-position logits of the stock forward with dropped visual keys masked per layer.
+
+    Equivalent to removing the tokens when positions stay the original ones: the
+    remaining rows never see the dropped keys from the stage layer on.
+    """
+    start, end = prepared.image_span
+    length = prepared.input_ids.numel()
+    layers = vlm.model.model.language_model.layers
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    masks = []
+    for alive in alive_per_layer(len(layers), end - start, stage_layers, kept_stages):
+        keys = torch.ones(length, dtype=torch.bool)
+        keys[start:end] = False
+        keys[torch.as_tensor(alive, dtype=torch.long) + start] = True
+        masks.append(((causal & keys[None]) | torch.eye(length, dtype=torch.bool))[None, None])
+
+    def hook_for(mask):
+        def hook(module, args, kwargs):
+            kwargs["attention_mask"] = mask
+            return args, kwargs
+
+        return hook
+
+    handles = [layer.register_forward_pre_hook(hook_for(m), with_kwargs=True) for layer, m in zip(layers, masks)]
+    try:
+        with torch.no_grad():
+            return vlm.model(**stock_inputs(vlm, prepared)).logits[0, -1].float()
+    finally:
+        for handle in handles:
+            handle.remove()
