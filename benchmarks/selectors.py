@@ -1,0 +1,168 @@
+"""Time every input-level selector on synthetic signals and report its peak extra memory.
+
+    python benchmarks/selectors.py                      # N = 576, 2304, 16384; D = 4096
+    python benchmarks/selectors.py --tokens 576 --dim 1024 --selectors divprune scope
+
+Each (selector, N) runs in a fresh process (``--measure``) so that peak memory is
+that selector's alone: the process builds the signals, warms up on a tiny input,
+resets the kernel's peak-RSS mark (``/proc/self/clear_refs``) and reports
+``VmHWM - VmRSS`` after the timed runs, i.e. the extra resident memory the
+selection needed beyond its inputs. Timing is the median wall time of
+``--repeats`` runs (one run when N >= 8192). CPU, float32.
+
+Signals: ``features`` and ``vision_features`` are (N, D) draws around 64 random
+cluster centres (so similarity-based greedy methods see structure, as on real
+images), ``cls_attention`` (16, N) softmax rows, ``vision_keys`` (16, N + 1, 64),
+``text_relevance`` and ``demand`` (N,) random. The budget is ``--budget`` tokens or,
+by default, ``round(N / 9)`` (11.1 % kept, the most aggressive of the usual 33.3 /
+22.2 / 11.1 % Qwen2.5-VL settings; 64 tokens at N = 576).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# this file shares its name with the stdlib module `selectors` (imported by subprocess):
+# keep the script's own folder off the import path
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse
+import ctypes
+import json
+import math
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+HEADS, KEY_DIM, CLUSTERS = 16, 64, 64
+
+
+def read_memory_kib() -> dict[str, int]:
+    """Current (VmRSS) and peak (VmHWM) resident memory of this process in KiB."""
+    values = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            values[key] = int(rest.split()[0])
+    return values
+
+
+def grid_for(tokens: int) -> tuple[int, int]:
+    rows = math.isqrt(tokens)
+    while tokens % rows:
+        rows -= 1
+    return rows, tokens // rows
+
+
+def synthetic_signals(tokens: int, dim: int, seed: int = 0):
+    """InputSignals for one synthetic image with N = ``tokens`` and width ``dim``."""
+    import torch
+
+    from prune_audit.pruners import InputSignals
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def clustered() -> torch.Tensor:
+        centres = torch.randn(CLUSTERS, dim, generator=generator)
+        labels = torch.randint(0, CLUSTERS, (tokens,), generator=generator)
+        return centres[labels] + 0.7 * torch.randn(tokens, dim, generator=generator)
+
+    return InputSignals(
+        grid=grid_for(tokens),
+        features=clustered(),
+        vision_features=clustered(),
+        cls_attention=torch.softmax(3 * torch.randn(HEADS, tokens, generator=generator), dim=1),
+        vision_keys=torch.randn(HEADS, tokens + 1, KEY_DIM, generator=generator),
+        cls_feature=torch.randn(dim, generator=generator),
+        text_relevance=torch.randn(tokens, generator=generator),
+        demand=torch.rand(tokens, generator=generator),
+    )
+
+
+def measure(name: str, tokens: int, dim: int, budget: int, repeats: int, threads: int) -> dict[str, float]:
+    """Median milliseconds per image and peak extra MiB of one selector (run in a fresh process)."""
+    import torch
+
+    from prune_audit.pruners import get_selector
+
+    if threads:
+        torch.set_num_threads(threads)
+
+    selector = get_selector(name)
+    selector.select(synthetic_signals(64, 8), 8, torch.Generator().manual_seed(0))  # warm-up
+    signals = synthetic_signals(tokens, dim)
+    # hand freed heap memory back, or later allocations reuse it unseen by the RSS
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    before = read_memory_kib()["VmRSS"]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        selector.select(signals, budget, torch.Generator().manual_seed(0))
+        times.append(time.perf_counter() - start)
+    peak = read_memory_kib()["VmHWM"]
+    return {
+        "selector": name,
+        "tokens": tokens,
+        "budget": budget,
+        "ms": 1000 * statistics.median(times),
+        "peak_extra_mib": (peak - before) / 1024,
+    }
+
+
+def run_child(name: str, tokens: int, args: argparse.Namespace) -> dict[str, float]:
+    budget = default_budget(tokens, args.budget)
+    repeats = 1 if tokens >= 8192 else args.repeats
+    command = [sys.executable, __file__, "--measure", name, "--tokens", str(tokens), "--dim", str(args.dim),
+               "--budget", str(budget), "--repeats", str(repeats), "--threads", str(args.threads)]
+    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return json.loads(output)
+
+
+def default_budget(tokens: int, budget: int) -> int:
+    return budget or round(tokens / 9)
+
+
+def input_selector_names() -> list[str]:
+    from prune_audit.pruners import list_selectors, selector_class
+
+    return [name for name in list_selectors() if selector_class(name).stage == "input"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[576, 2304, 16384])
+    parser.add_argument("--dim", type=int, default=4096, help="width D of features and vision features")
+    parser.add_argument("--budget", type=int, default=0, help="tokens kept (default round(N / 9))")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--selectors", nargs="+", help="default: every input-level selector")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--measure", metavar="SELECTOR", help=argparse.SUPPRESS)
+    parser.add_argument("--block-elements", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        if args.block_elements:
+            from prune_audit.pruners import similarity
+
+            similarity.BLOCK_ELEMENTS = args.block_elements
+        tokens = args.tokens[0]
+        budget = default_budget(tokens, args.budget)
+        print(json.dumps(measure(args.measure, tokens, args.dim, budget, args.repeats, args.threads)))
+        return
+
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} thread(s), D = {args.dim}, float32, CPU")
+    print(f"{'selector':<10} {'N':>6} {'kept':>5} {'ms/image':>10} {'peak extra MiB':>15}")
+    for tokens in args.tokens:
+        for name in args.selectors or input_selector_names():
+            row = run_child(name, tokens, args)
+            print(f"{name:<10} {tokens:>6} {row['budget']:>5} {row['ms']:>10.1f} {row['peak_extra_mib']:>15.1f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

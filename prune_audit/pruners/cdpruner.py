@@ -1,0 +1,112 @@
+"""CDPruner: conditional DPP selection with fast greedy MAP inference."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32
+from prune_audit.pruners.registry import register
+from prune_audit.pruners.similarity import first_near_max, unit_rows
+
+# a conditional gain below this fraction of the largest diagonal entry is treated as 0:
+# float32 cancellation in ``gain - e**2`` leaves noise of about that size
+_EXHAUSTED = 1e-6
+
+
+def greedy_dpp_map(kernel_row: Callable[[int], Tensor], diagonal: Tensor, k: int) -> Tensor:
+    """Fast greedy MAP inference for a DPP (Chen, Zhang & Zhou, NeurIPS 2018).
+
+    Each step picks ``argmax_i log det L[S + i]``, i.e. the largest conditional gain
+    ``d2_i = L_ii - |c_i|^2`` (near-ties to the lower index, see ``similarity``),
+    kept with incremental Cholesky vectors: ``e = (L[j] - C[:, j] @ C) / sqrt(d2_j)``,
+    ``d2 -= e**2``. Unlike Chen et al. it does not stop early. Gains below
+    ``1e-6 * max(diag L)`` count as 0, so the square root never sees a negative
+    rounding residue (the reference has no guard and yields NaN) and, once the
+    kernel's rank is exhausted, the remaining picks follow in index order.
+
+    Args:
+        kernel_row: ``j -> L[j]``, (N,) float32, of a PSD kernel L.
+        diagonal: (N,) float32 ``diag(L)``.
+        k: number of picks, ``1 <= k <= N``.
+
+    Returns:
+        (k,) indices in pick order.
+    """
+    n = diagonal.numel()
+    floor = _EXHAUSTED * float(diagonal.max().clamp_min(0))
+    gains = torch.where(diagonal > floor, diagonal, 0.0)
+    picked = torch.zeros(n, dtype=torch.bool)
+    vectors = torch.zeros(k, n, dtype=torch.float32)
+    picks: list[int] = []
+    for step in range(k):
+        best = first_near_max(gains.masked_fill(picked, float("-inf")))
+        picks.append(best)
+        picked[best] = True
+        if gains[best] > floor:
+            residual = kernel_row(best) - vectors[:step, best] @ vectors[:step]
+            vectors[step] = residual / math.sqrt(float(gains[best]))
+            gains = gains - vectors[step] ** 2
+            gains = torch.where(gains > floor, gains, 0.0)
+    return torch.tensor(picks, dtype=torch.long)
+
+
+@register
+@dataclass
+class CDPrunerSelector(InputSelector):
+    """Conditional DPP over projector outputs, conditioned on text relevance (CDPruner).
+
+    Kernel ``L = diag(r) S diag(r)`` with ``S`` the cosine similarity of the (N, D)
+    ``features`` and ``r`` the (N,) ``text_relevance`` min-max normalised as in the
+    reference, ``r = (r - min r + 1e-6) / (max r - min r)`` (denominator floored at
+    1e-6 so constant relevance gives r = 1); with ``theta`` set,
+    ``r = exp(theta / (2 (1 - theta)) * r)``. The ``budget`` tokens are chosen by
+    :func:`greedy_dpp_map` and returned in raster order. ``text_relevance`` must
+    already carry the reference's sign flip (``mean_m -cos(E_i, T_m)``); the model
+    adapter computes it. Follows Theia-4869/CDPruner ``llava_arch.py::encode_images``
+    (theta off by default, as there). Kernel rows are computed on demand, one
+    ``O(N D)`` product per pick, so no N x N matrix is built.
+
+    Options:
+        theta: None (reference) or a value in (0, 1) for the exponential relevance.
+    """
+
+    name: ClassVar[str] = "cdpruner"
+    summary: ClassVar[str] = "conditional DPP (projector cosine x text relevance), fast greedy MAP (CDPruner)"
+    requires: ClassVar[frozenset[str]] = frozenset({"features", "text_relevance"})
+    reference: ClassVar[Reference] = Reference(
+        "Beyond Attention or Similarity: Maximizing Conditional Diversity for Token Pruning in MLLMs "
+        "(CDPruner, NeurIPS 2025, arXiv 2506.10967)",
+        "Theia-4869/CDPruner",
+        "linear min-max relevance (theta off); greedy MAP without early stop",
+    )
+
+    theta: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.theta is not None and not 0.0 < self.theta < 1.0:
+            raise ValueError(f"theta must be None or in (0, 1), got {self.theta!r}")
+
+    def relevance(self, text_relevance: Tensor) -> Tensor:
+        """(N,) float32 normalised relevance from the raw (N,) ``text_relevance``."""
+        raw = as_float32(text_relevance)
+        relevance = (raw - raw.min() + 1e-6) / (raw.max() - raw.min()).clamp_min(1e-6)
+        if self.theta is not None:
+            relevance = torch.exp(self.theta / (2 * (1 - self.theta)) * relevance)
+        return relevance
+
+    def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
+        unit = unit_rows(signals.features)
+        relevance = self.relevance(signals.text_relevance)
+        diagonal = relevance**2 * (unit * unit).sum(dim=1)
+
+        def kernel_row(j: int) -> Tensor:
+            return relevance[j] * relevance * (unit @ unit[j])
+
+        order = greedy_dpp_map(kernel_row, diagonal, budget)
+        return Selection(kept=torch.sort(order).values)

@@ -1,0 +1,50 @@
+"""CLS-attention selection (FasterVLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from prune_audit.pruners.base import InputSelector, InputSignals, Reference, as_float32
+from prune_audit.pruners.registry import register
+
+
+@register
+@dataclass
+class ClsAttentionSelector(InputSelector):
+    """Keep the patches the vision CLS token attends to most (FasterVLM).
+
+    ``score_j = mean_h A[h, j]`` over the CLS row of the feature layer's attention
+    probabilities (patch columns only, not renormalised); keep the top ``budget`` in
+    raster order. ``head_aggregation="sum"`` gives the same ranking (VisionZip /
+    HiRED / SCOPE write it as a sum). Follows Theia-4869/FasterVLM
+    ``clip_encoder.py::feature_select`` with ``select_layer=-2``; ties go to the lower
+    index instead of ``torch.topk``'s unspecified order.
+
+    Options:
+        head_aggregation: ``"mean"`` (reference) or ``"sum"`` over the H heads.
+    """
+
+    name: ClassVar[str] = "cls_attn"
+    summary: ClassVar[str] = "top-k of the vision CLS token's attention to the patches (FasterVLM)"
+    requires: ClassVar[frozenset[str]] = frozenset({"cls_attention"})
+    reference: ClassVar[Reference] = Reference(
+        "[CLS] Attention is All You Need for Training-Free Visual Token Pruning: Make VLM Inference Faster "
+        "(FasterVLM, arXiv 2412.01818)",
+        "Theia-4869/FasterVLM",
+        "CLIP layer 22 (attentions[-2]) CLS row, head mean",
+    )
+
+    head_aggregation: Literal["mean", "sum"] = "mean"
+
+    def __post_init__(self) -> None:
+        if self.head_aggregation not in ("mean", "sum"):
+            raise ValueError(f"head_aggregation must be 'mean' or 'sum', got {self.head_aggregation!r}")
+
+    def score(self, signals: InputSignals, generator: torch.Generator | None) -> Tensor:
+        """(N,) aggregated CLS attention from ``cls_attention`` (H, N)."""
+        attention = as_float32(signals.cls_attention)
+        return attention.mean(dim=0) if self.head_aggregation == "mean" else attention.sum(dim=0)

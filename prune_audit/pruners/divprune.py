@@ -1,0 +1,42 @@
+"""DivPrune: diversity-maximising selection by greedy max-min cosine distance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection
+from prune_audit.pruners.registry import register
+from prune_audit.pruners.similarity import farthest_point_order, unit_rows
+
+
+@register
+@dataclass
+class DivPruneSelector(InputSelector):
+    """Greedy max-min diversity on projector outputs (DivPrune).
+
+    With cosine distance ``1 - cos(v_i, v_j)`` between the (N, D) ``features``, the
+    first pick is the most isolated token (largest distance to its nearest other
+    token), each further pick the token farthest from its nearest picked token
+    (farthest-point traversal); the picks are returned in raster order. Follows
+    vbdi/divprune ``llava_arch.py::DivPrune`` with the integer budget in place of
+    ``round(SUBSET_RATIO * N)``. Deviations: distances in float32 (the reference uses
+    the model dtype, whose rounding creates ties), a running minimum instead of
+    re-gathering picked rows, no N x N matrix (see ``similarity``), and picked tokens
+    are never picked again (the reference can re-pick once all distances are 0).
+    """
+
+    name: ClassVar[str] = "divprune"
+    summary: ClassVar[str] = "greedy max-min cosine diversity of projector outputs (DivPrune)"
+    requires: ClassVar[frozenset[str]] = frozenset({"features"})
+    reference: ClassVar[Reference] = Reference(
+        "DivPrune: Diversity-based Visual Token Pruning for Large Multimodal Models (CVPR 2025, arXiv 2503.02175)",
+        "vbdi/divprune",
+        "LLM input embeddings of the image span, cosine distance, most isolated token first",
+    )
+
+    def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
+        order = farthest_point_order(unit_rows(signals.features), budget)
+        return Selection(kept=torch.sort(order).values)

@@ -1,0 +1,190 @@
+"""Cosine similarity in bounded blocks and the greedy loops built on it.
+
+The similarity-based selectors (DivPrune, CDPruner, SCOPE, coverage) conceptually
+use the full ``N x N`` cosine matrix ``S``; at high resolution (N = 16384 tokens for
+Qwen2.5-VL) it alone is 1 GiB in float32. Full passes walk ``S`` in row blocks of at
+most :data:`BLOCK_ELEMENTS` entries. The max-min and DPP greedy loops need one row of
+``S`` per pick and compute it on demand (no N x N matrix). Facility location needs,
+after every pick, the rows of all tokens whose coverage improved, so it stores ``S``
+once (the only N x N matrix anywhere; its temporaries stay block-sized).
+
+Everything runs in float32. Greedy steps break ties by the lower index, and count
+scores within :data:`TIE_TOLERANCE` (relative) of the maximum as tied: mathematically
+equal scores often differ in the last bits (``S[i, j]`` and ``S[j, i]`` come from
+different BLAS blocks), and the kept set must not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+# 2**24 float32 entries = 64 MiB per similarity block, whatever N is
+BLOCK_ELEMENTS = 1 << 24
+TIE_TOLERANCE = 1e-5
+
+
+def unit_rows(features: Tensor, centre: bool = False) -> Tensor:
+    """Rows scaled to unit L2 norm, in float32; all-zero rows stay zero.
+
+    Args:
+        features: (N, D) any float dtype.
+        centre: subtract the mean row first (mean-centred cosine similarity).
+
+    Returns:
+        (N, D) float32, a new tensor.
+    """
+    rows = features.detach().to(torch.float32, copy=True)
+    if centre:
+        rows -= rows.mean(dim=0, keepdim=True)
+    rows /= torch.linalg.vector_norm(rows, dim=1, keepdim=True).clamp_min(1e-12)
+    return rows
+
+
+def first_near_max(values: Tensor) -> int:
+    """Lowest index whose value is within :data:`TIE_TOLERANCE` of the maximum.
+
+    Args:
+        values: (N,) float32 with a finite maximum; ``-inf`` marks excluded entries.
+    """
+    top = values.max()
+    return int(torch.argmax((values >= top - TIE_TOLERANCE * top.abs()).to(torch.uint8)))
+
+
+def rows_per_block(n: int) -> int:
+    """Rows of an (n-column) block that keep it within :data:`BLOCK_ELEMENTS` entries."""
+    return max(1, BLOCK_ELEMENTS // max(n, 1))
+
+
+def similarity_blocks(unit: Tensor) -> Iterator[tuple[slice, Tensor]]:
+    """Row blocks of ``S = unit @ unit.T``, each at most :data:`BLOCK_ELEMENTS` entries.
+
+    Args:
+        unit: (N, D) float32 unit rows (see :func:`unit_rows`).
+
+    Yields:
+        ``(rows, block)`` with ``block`` = ``S[rows]``, shape (len(rows), N).
+    """
+    n = unit.shape[0]
+    step = rows_per_block(n)
+    for start in range(0, n, step):
+        rows = slice(start, min(start + step, n))
+        yield rows, unit[rows] @ unit.T
+
+
+def nearest_neighbour_similarity(unit: Tensor) -> Tensor:
+    """(N,) the highest cosine similarity of each row to any *other* row.
+
+    Args:
+        unit: (N, D) float32 unit rows, N >= 2.
+    """
+    best = torch.empty(unit.shape[0], dtype=torch.float32)
+    for rows, block in similarity_blocks(unit):
+        own = torch.arange(rows.start, rows.stop)
+        block[own - rows.start, own] = float("-inf")
+        best[rows] = block.max(dim=1).values
+    return best
+
+
+def farthest_point_order(unit: Tensor, k: int) -> Tensor:
+    """Greedy max-min cosine-distance selection (farthest-point traversal).
+
+    The first pick is the most isolated row (largest distance ``1 - cos`` to its
+    nearest other row); each later pick maximises the distance to the nearest
+    picked row, kept as a running minimum so each step costs one product ``O(N D)``.
+    Picked rows are excluded, so once every remaining distance is 0 the rest
+    follow in index order.
+
+    Args:
+        unit: (N, D) float32 unit rows, N >= 2.
+        k: number of picks, ``1 <= k <= N``.
+
+    Returns:
+        (k,) row indices in pick order.
+    """
+    isolation = 1.0 - nearest_neighbour_similarity(unit)
+    picks = [first_near_max(isolation)]
+    distance_to_picked = torch.full((unit.shape[0],), float("inf"))
+    for _ in range(k - 1):
+        distance_to_picked = torch.minimum(distance_to_picked, 1.0 - unit @ unit[picks[-1]])
+        distance_to_picked[picks[-1]] = float("-inf")
+        picks.append(first_near_max(distance_to_picked))
+    return torch.tensor(picks, dtype=torch.long)
+
+
+def _gap_sum(rows: Tensor, coverage: Tensor, weights: Tensor | None, gap_power: float) -> Tensor:
+    """(N,) ``sum_j w_j * max(0, rows[j, i] - coverage_j) ** gap_power`` over the M rows.
+
+    Args:
+        rows: (M, N) rows ``S[j]`` of M covered tokens j.
+        coverage: (M,) their coverage.
+        weights: (M,) their demand weights, or None for all ones.
+    """
+    gaps = (rows - coverage[:, None]).clamp_(min=0)
+    if gap_power != 1.0:
+        gaps.pow_(gap_power)
+    return gaps.sum(dim=0) if weights is None else weights @ gaps
+
+
+def facility_location_greedy(
+    unit: Tensor,
+    k: int,
+    candidate_weights: Tensor | None = None,
+    demand_weights: Tensor | None = None,
+    gap_power: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Greedy (weighted) facility location on cosine similarity.
+
+    Coverage of token j is ``cov_j = max(0, max_{s in picked} S[j, s])`` (0 before any
+    pick). Each step picks the unpicked candidate i maximising
+
+        ``score_i = c_i * g_i``,  ``g_i = sum_j w_j * max(0, S[j, i] - cov_j) ** gap_power``
+
+    with candidate weights ``c`` (SCOPE's saliency) and demand weights ``w``
+    (coverage demand). ``g`` is kept up to date incrementally: a pick p changes only
+    the terms of the tokens j whose coverage it raises (``S[j, p] > cov_j``), which
+    become few as coverage grows, so the loop costs ``O(N * sum_t |changed_t|)`` on the
+    stored ``S`` instead of ``O(k N^2)`` for recomputing every gain each step.
+
+    Args:
+        unit: (N, D) float32 unit rows.
+        k: number of picks, ``1 <= k <= N``.
+        candidate_weights: (N,) non-negative, or None for all ones.
+        demand_weights: (N,) non-negative, or None for all ones.
+        gap_power: exponent of the coverage gap, > 0.
+
+    Returns:
+        ``(picks, scores)``: (k,) indices in pick order and (k,) float32 the score
+        of each pick when it was made (non-increasing up to the tie tolerance).
+    """
+    n = unit.shape[0]
+    matrix = torch.empty(n, n, dtype=torch.float32)
+    coverage = torch.zeros(n, dtype=torch.float32)
+    # float64 so that k rounds of incremental updates do not drift
+    gains = torch.zeros(n, dtype=torch.float64)
+    for rows, block in similarity_blocks(unit):
+        matrix[rows] = block
+        weights = None if demand_weights is None else demand_weights[rows]
+        gains += _gap_sum(block, coverage[rows], weights, gap_power)
+    step = rows_per_block(n)
+    picked = torch.zeros(n, dtype=torch.bool)
+    picks: list[int] = []
+    scores: list[float] = []
+    for _ in range(k):
+        score = gains.float() if candidate_weights is None else gains.float() * candidate_weights
+        best = first_near_max(score.masked_fill_(picked, float("-inf")))
+        picks.append(best)
+        scores.append(float(score[best]))
+        picked[best] = True
+        new_coverage = torch.maximum(coverage, matrix[best])
+        changed = torch.nonzero(new_coverage > coverage).flatten()
+        for start in range(0, changed.numel(), step):
+            rows = changed[start : start + step]
+            weights = None if demand_weights is None else demand_weights[rows]
+            block = matrix[rows]
+            gains -= _gap_sum(block, coverage[rows], weights, gap_power)
+            gains += _gap_sum(block, new_coverage[rows], weights, gap_power)
+        coverage = new_coverage
+    return torch.tensor(picks, dtype=torch.long), torch.tensor(scores, dtype=torch.float32)

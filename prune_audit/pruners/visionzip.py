@@ -1,0 +1,106 @@
+"""VisionZip: dominant tokens by CLS attention plus merged contextual tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32, top_k_indices
+from prune_audit.pruners.registry import register
+from prune_audit.pruners.similarity import unit_rows
+
+
+@register
+@dataclass
+class VisionZipSelector(InputSelector):
+    """Dominant tokens (CLS included) plus contextual tokens merged by key similarity (VisionZip).
+
+    The budget splits into ``C = round(budget * contextual_fraction)`` contextual and
+    ``D = budget - C`` dominant tokens; the default 5/32 gives the reference splits
+    54+10, 108+20 and 162+30 for 64, 128 and 192. Dominant: the CLS token and the
+    ``D - 1`` patches with the largest head-summed CLS attention. The other patches R
+    (raster order) are clustered: targets are R's members at positions
+    ``0, step, 2 step, ...`` with ``step = max(1, |R| // C)``; every other member of R
+    joins the target whose head-mean key (``vision_keys``) is most cosine-similar.
+    A contextual token is ``target + mean(members)`` (the reference's sum; a target
+    without members is itself). Follows dvlab-research/VisionZip
+    ``clip_encoder.py::CLIPVisionTower_VisionZip.forward``.
+
+    Returns ``Selection(kept=dominant patches ascending, sources, vision_tokens)`` with
+    output order ``[CLS, dominant patches in raster order, contextual tokens in target
+    order]``: ``sources`` is empty for CLS (no grid location), ``[j]`` for a dominant
+    patch and ``[target, members...]`` for a contextual token; ``vision_tokens`` is
+    (budget, Dv) float32, to be cast to the projector's dtype.
+
+    Options:
+        contextual_fraction: share of the budget given to contextual tokens.
+    """
+
+    name: ClassVar[str] = "visionzip"
+    summary: ClassVar[str] = "CLS + top CLS-attention patches, rest merged into contextual tokens (VisionZip)"
+    requires: ClassVar[frozenset[str]] = frozenset(
+        {"cls_attention", "vision_keys", "vision_features", "cls_feature"}
+    )
+    reference: ClassVar[Reference] = Reference(
+        "VisionZip: Longer is Better but Not Necessary in Vision Language Models (CVPR 2025, arXiv 2412.04467)",
+        "dvlab-research/VisionZip",
+        "CLIP layer 22; dominant includes CLS; 54+10 / 108+20 / 162+30",
+    )
+
+    contextual_fraction: float = 5 / 32
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.contextual_fraction < 1.0:
+            raise ValueError(f"contextual_fraction must be in [0, 1), got {self.contextual_fraction!r}")
+
+    def split(self, budget: int) -> tuple[int, int]:
+        """``(dominant incl. CLS, contextual)`` token counts for ``budget``."""
+        contextual = min(round(budget * self.contextual_fraction), budget - 1)
+        return budget - contextual, contextual
+
+    def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
+        dominant_count, contextual_count = self.split(budget)
+        saliency = as_float32(signals.cls_attention).sum(dim=0)
+        dominant = top_k_indices(saliency, dominant_count - 1)
+        rest = torch.ones(signals.num_tokens, dtype=torch.bool)
+        rest[dominant] = False
+        features = as_float32(signals.vision_features)
+        sources = [torch.zeros(0, dtype=torch.long)] + [index.reshape(1) for index in dominant]
+        tokens = [as_float32(signals.cls_feature)[None], features[dominant]]
+        if contextual_count:
+            keys = as_float32(signals.vision_keys).mean(dim=0)[1:]  # (N, d) patch keys
+            contextual_sources = _contextual_clusters(torch.nonzero(rest).flatten(), keys, contextual_count)
+            sources += contextual_sources
+            tokens.append(torch.stack([_merge(features, group) for group in contextual_sources]))
+        return Selection(kept=dominant, sources=sources, vision_tokens=torch.cat(tokens))
+
+
+def _contextual_clusters(remaining: Tensor, keys: Tensor, count: int) -> list[Tensor]:
+    """Groups ``[target, members...]`` of the ``remaining`` patches.
+
+    Args:
+        remaining: (R,) ascending grid indices not kept as dominant, R > count.
+        keys: (N, d) head-mean keys of the patches.
+        count: number of contextual tokens (targets).
+
+    Returns:
+        ``count`` LongTensors, target first, then its members ascending.
+    """
+    step = max(1, remaining.numel() // count)
+    is_target = torch.zeros(remaining.numel(), dtype=torch.bool)
+    is_target[torch.arange(count) * step] = True
+    targets, members = remaining[is_target], remaining[~is_target]
+    unit = unit_rows(keys)
+    assignment = torch.argmax(unit[members] @ unit[targets].T, dim=1)  # (M,) target slot per member
+    return [torch.cat([targets[slot].reshape(1), members[assignment == slot]]) for slot in range(count)]
+
+
+def _merge(features: Tensor, group: Tensor) -> Tensor:
+    """(Dv,) target feature plus the mean of its members' features (0 when it has none)."""
+    target, members = group[0], group[1:]
+    if members.numel() == 0:
+        return features[target]
+    return features[target] + features[members].mean(dim=0)

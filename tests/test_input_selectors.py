@@ -1,0 +1,318 @@
+"""Reference tests of the input-level selectors on small hand-checkable cases."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prune_audit.pruners import InputSignals, get_selector, similarity
+from prune_audit.pruners.cdpruner import greedy_dpp_map
+from prune_audit.pruners.similarity import facility_location_greedy, farthest_point_order, unit_rows
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "selectors.py"
+
+
+def random_generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def first_within_tolerance(values: torch.Tensor) -> int:
+    """Lowest index within a relative 1e-5 of the maximum: the package's tie rule."""
+    top = values.max()
+    return int(torch.nonzero(values >= top - 1e-5 * top.abs())[0])
+
+
+def cosine_matrix(features: torch.Tensor, centre: bool = False) -> torch.Tensor:
+    """Dense float64 cosine similarity, written independently of the package."""
+    x = features.double()
+    if centre:
+        x = x - x.mean(dim=0)
+    x = x / x.norm(dim=1, keepdim=True)
+    return x @ x.T
+
+
+def naive_facility_location(similarity_matrix, k, candidate_weights=None, demand_weights=None):
+    """Eager greedy on a dense matrix: argmax_i c_i * sum_j w_j max(0, S[j, i] - cov_j)."""
+    n = similarity_matrix.shape[0]
+    c = torch.ones(n, dtype=torch.float64) if candidate_weights is None else candidate_weights.double()
+    w = torch.ones(n, dtype=torch.float64) if demand_weights is None else demand_weights.double()
+    coverage = torch.zeros(n, dtype=torch.float64)
+    picks, gains = [], []
+    for _ in range(k):
+        score = c * (w[:, None] * (similarity_matrix - coverage[:, None]).clamp(min=0)).sum(dim=0)
+        score[picks] = -math.inf
+        best = first_within_tolerance(score)
+        picks.append(best)
+        gains.append(float(score[best]))
+        coverage = torch.maximum(coverage, similarity_matrix[:, best])
+    return picks, gains
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Force many similarity blocks so the chunked paths run."""
+    monkeypatch.setattr(similarity, "BLOCK_ELEMENTS", 7)
+
+
+# --- DivPrune -------------------------------------------------------------------------------------
+
+
+def points_at_angles(degrees: list[float], norms: list[float]) -> torch.Tensor:
+    radians = torch.tensor(degrees, dtype=torch.float64) * math.pi / 180
+    return (torch.stack([radians.cos(), radians.sin()], dim=1) * torch.tensor(norms)[:, None]).float()
+
+
+def test_divprune_farthest_point_order_on_2d_points():
+    # nearest angular gaps: 20, 20, 70, 85, 90 degrees -> the point at 270 is most isolated;
+    # then 90 (180 away), 0 (min gap 90 vs 70 and 85), 175 (85 vs 20), 20. Norms must not matter.
+    points = points_at_angles([0, 20, 90, 175, 270], [1.0, 3.0, 0.5, 2.0, 7.0])
+    assert farthest_point_order(unit_rows(points), 5).tolist() == [4, 2, 0, 3, 1]
+    signals = InputSignals(grid=(1, 5), features=points)
+    assert get_selector("divprune").select(signals, 3).kept.tolist() == [0, 2, 4]
+
+
+def test_divprune_first_pick_is_most_isolated(small_blocks):
+    features = torch.randn(40, 6, generator=random_generator(1))
+    distance = 1 - cosine_matrix(features)
+    distance.fill_diagonal_(math.inf)
+    order = farthest_point_order(unit_rows(features), 8)
+    assert int(order[0]) == first_within_tolerance(distance.min(dim=1).values)
+    # each later pick maximises the distance to its nearest earlier pick
+    distance.fill_diagonal_(0)
+    for step in range(1, 8):
+        nearest = distance[:, order[:step]].min(dim=1).values
+        nearest[order[:step]] = -math.inf
+        assert int(order[step]) == first_within_tolerance(nearest)
+
+
+# --- CDPruner -------------------------------------------------------------------------------------
+
+
+def naive_dpp_greedy(kernel: torch.Tensor, k: int) -> list[int]:
+    """Each step: argmax_i det L[S + i] by explicit determinants (float64)."""
+    picks: list[int] = []
+    for _ in range(k):
+        determinants = torch.full((kernel.shape[0],), -math.inf, dtype=torch.float64)
+        for i in range(kernel.shape[0]):
+            if i not in picks:
+                index = torch.tensor(picks + [i])
+                determinants[i] = torch.linalg.det(kernel[index][:, index])
+        picks.append(first_within_tolerance(determinants))
+    return picks
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cdpruner_fast_greedy_equals_naive_log_det_greedy(seed):
+    factor = torch.randn(12, 9, generator=random_generator(seed), dtype=torch.float64)
+    kernel = factor @ factor.T
+    fast = greedy_dpp_map(lambda j: kernel[j].float(), torch.diagonal(kernel).float(), 5)
+    assert fast.tolist() == naive_dpp_greedy(kernel, 5)
+
+
+@pytest.mark.parametrize("theta", [None, 0.5])
+def test_cdpruner_selector_uses_relevance_scaled_cosine_kernel(theta):
+    generator = random_generator(3)
+    features = torch.randn(12, 8, generator=generator)
+    raw = torch.randn(12, generator=generator)
+    relevance = (raw - raw.min() + 1e-6) / (raw.max() - raw.min())
+    if theta is not None:
+        relevance = torch.exp(theta / (2 * (1 - theta)) * relevance)
+    kernel = relevance.double()[:, None] * cosine_matrix(features) * relevance.double()[None, :]
+    selection = get_selector("cdpruner", theta=theta).select(
+        InputSignals(grid=(3, 4), features=features, text_relevance=raw), 5
+    )
+    assert selection.kept.tolist() == sorted(naive_dpp_greedy(kernel, 5))
+
+
+def test_cdpruner_exhausted_kernel_gives_lowest_indices_without_nan():
+    # rank-1 kernel: after the first (most relevant) pick every conditional gain is 0
+    features = torch.ones(10, 4)
+    raw = torch.zeros(10)
+    raw[7] = 1.0
+    kept = get_selector("cdpruner").select(InputSignals(grid=(2, 5), features=features, text_relevance=raw), 4).kept
+    assert kept.tolist() == [0, 1, 2, 7]
+
+
+def test_cdpruner_rejects_theta_outside_unit_interval():
+    with pytest.raises(ValueError, match="theta"):
+        get_selector("cdpruner", theta=1.0)
+
+
+# --- SCOPE and coverage ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_scope_alpha_zero_is_plain_facility_location(seed, small_blocks):
+    generator = random_generator(seed)
+    features = torch.randn(30, 5, generator=generator)
+    attention = torch.rand(4, 30, generator=generator)
+    expected, expected_gains = naive_facility_location(cosine_matrix(features), 9)
+    picks, gains = facility_location_greedy(unit_rows(features), 9)
+    assert picks.tolist() == expected
+    torch.testing.assert_close(gains.double(), torch.tensor(expected_gains, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+    signals = InputSignals(grid=(5, 6), vision_features=features, cls_attention=attention)
+    assert get_selector("scope", alpha=0.0).select(signals, 9).kept.tolist() == sorted(expected)
+
+
+def test_scope_weights_candidates_by_summed_cls_attention(small_blocks):
+    generator = random_generator(4)
+    features = torch.randn(30, 5, generator=generator)
+    attention = torch.rand(4, 30, generator=generator)
+    saliency = attention.sum(dim=0) ** 0.5
+    expected, _ = naive_facility_location(cosine_matrix(features), 9, candidate_weights=saliency)
+    signals = InputSignals(grid=(5, 6), vision_features=features, cls_attention=attention)
+    assert get_selector("scope", alpha=0.5).select(signals, 9).kept.tolist() == sorted(expected)
+
+
+@pytest.mark.parametrize("gap_power", [1.0, 2.0])
+def test_scope_gains_never_increase(gap_power):
+    generator = random_generator(5)
+    features = torch.randn(200, 16, generator=generator)
+    saliency = torch.rand(200, generator=generator)
+    _, gains = facility_location_greedy(unit_rows(features), 60, candidate_weights=saliency, gap_power=gap_power)
+    assert bool((gains[1:] <= gains[:-1] * (1 + 1e-5)).all())
+    assert float(gains[-1]) < float(gains[0])
+
+
+def test_coverage_with_uniform_demand_is_centred_clipped_facility_location(small_blocks):
+    generator = random_generator(6)
+    # a shared offset makes raw cosines all positive; centring must remove it
+    features = torch.randn(30, 5, generator=generator) + 4.0
+    expected, _ = naive_facility_location(cosine_matrix(features, centre=True), 9)
+    for demand in (torch.full((30,), 1 / 30), torch.full((30,), 5.0)):
+        signals = InputSignals(grid=(5, 6), features=features, demand=demand)
+        assert get_selector("coverage").select(signals, 9).kept.tolist() == sorted(expected)
+
+
+@pytest.mark.parametrize("tau", [0.5, 1.0, 3.0])
+def test_coverage_weights_the_covered_tokens_by_tempered_demand(tau, small_blocks):
+    generator = random_generator(7)
+    features = torch.randn(30, 5, generator=generator)
+    demand = torch.rand(30, generator=generator) ** 4
+    weights = demand ** (1 / tau)
+    weights = weights / weights.mean()
+    expected, _ = naive_facility_location(cosine_matrix(features, centre=True), 9, demand_weights=weights)
+    signals = InputSignals(grid=(5, 6), features=features, demand=demand * 0.01)  # scale-free
+    assert get_selector("coverage", tau=tau).select(signals, 9).kept.tolist() == sorted(expected)
+
+
+def test_coverage_rejects_negative_demand():
+    signals = InputSignals(grid=(2, 2), features=torch.randn(4, 3), demand=torch.tensor([0.1, -0.2, 0.3, 0.4]))
+    with pytest.raises(ValueError, match="non-negative"):
+        get_selector("coverage").select(signals, 2)
+
+
+# --- VisionZip ------------------------------------------------------------------------------------
+
+
+def test_visionzip_default_splits_match_the_reference():
+    selector = get_selector("visionzip")
+    assert [selector.split(b) for b in (64, 128, 192)] == [(54, 10), (108, 20), (162, 30)]
+
+
+def test_visionzip_output_layout_and_contextual_merge():
+    generator = random_generator(8)
+    rows, cols, heads, width = 6, 6, 3, 5
+    n = rows * cols
+    signals = InputSignals(
+        grid=(rows, cols),
+        vision_features=torch.randn(n, width, generator=generator),
+        cls_attention=torch.rand(heads, n, generator=generator),
+        vision_keys=torch.randn(heads, n + 1, 4, generator=generator),
+        cls_feature=torch.randn(width, generator=generator),
+    )
+    selection = get_selector("visionzip", contextual_fraction=0.25).select(signals, 16)  # D = 12, C = 4
+    dominant = torch.sort(torch.topk(signals.cls_attention.sum(dim=0), 11).indices).values
+    assert selection.kept.tolist() == dominant.tolist()
+    assert selection.num_output_tokens == 16 and selection.vision_tokens.shape == (16, width)
+    assert selection.sources[0].numel() == 0
+    torch.testing.assert_close(selection.vision_tokens[0], signals.cls_feature)
+    assert [s.tolist() for s in selection.sources[1:12]] == [[j] for j in dominant.tolist()]
+    torch.testing.assert_close(selection.vision_tokens[1:12], signals.vision_features[dominant])
+
+    rest = [j for j in range(n) if j not in dominant.tolist()]  # 25 patches, step 25 // 4 = 6
+    targets = [rest[0], rest[6], rest[12], rest[18]]
+    keys = signals.vision_keys.mean(dim=0)[1:]
+    keys = keys / keys.norm(dim=1, keepdim=True)
+    groups = {t: [t] for t in targets}
+    for j in rest:
+        if j not in targets:
+            groups[targets[int(torch.argmax(keys[j] @ keys[targets].T))]].append(j)
+    assert [s.tolist() for s in selection.sources[12:]] == [groups[t] for t in targets]
+    for token, group in zip(selection.vision_tokens[12:], selection.sources[12:]):
+        members = signals.vision_features[group[1:]]
+        expected = signals.vision_features[group[0]] + (members.mean(dim=0) if len(members) else 0)
+        torch.testing.assert_close(token, expected)
+    # every patch is carried exactly once
+    carried = torch.cat(selection.sources)
+    assert sorted(carried.tolist()) == list(range(n))
+
+
+# --- CLS attention --------------------------------------------------------------------------------
+
+
+def test_cls_attn_is_top_k_of_head_mean():
+    attention = torch.rand(5, 48, generator=random_generator(9))
+    expected = sorted(torch.topk(attention.mean(dim=0), 10).indices.tolist())
+    signals = InputSignals(grid=(6, 8), cls_attention=attention)
+    assert get_selector("cls_attn").select(signals, 10).kept.tolist() == expected
+    assert get_selector("cls_attn", head_aggregation="sum").select(signals, 10).kept.tolist() == expected
+
+
+def test_cls_attn_breaks_ties_by_lower_index():
+    attention = torch.zeros(2, 12)
+    attention[:, 9] = 1.0
+    signals = InputSignals(grid=(3, 4), cls_attention=attention)
+    assert get_selector("cls_attn").select(signals, 3).kept.tolist() == [0, 1, 9]
+
+
+# --- shared similarity code -----------------------------------------------------------------------
+
+
+def test_similarity_blocks_cover_the_matrix_within_the_block_size(small_blocks):
+    unit = unit_rows(torch.randn(9, 3, generator=random_generator(10)))
+    blocks = list(similarity.similarity_blocks(unit))
+    assert all(block.numel() <= 9 for _, block in blocks)  # one row of 9 > 7 entries at the least
+    torch.testing.assert_close(torch.cat([b for _, b in blocks]), unit @ unit.T)
+
+
+def test_unit_rows_computes_in_float32_and_keeps_zero_rows_zero():
+    rows = unit_rows(torch.tensor([[3.0, 4.0], [0.0, 0.0]], dtype=torch.bfloat16))
+    assert rows.dtype == torch.float32
+    torch.testing.assert_close(rows, torch.tensor([[0.6, 0.8], [0.0, 0.0]]))
+
+
+def peak_extra_mib(name: str, tokens: int) -> float:
+    """Peak extra RSS of one selection, measured by the benchmark in a fresh process.
+
+    Features are (tokens, 128) float32 and similarity blocks 1 MiB, so a dense
+    tokens x tokens float32 matrix dwarfs everything a chunked method may hold.
+    """
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc to reset the peak RSS")
+    command = [sys.executable, str(BENCHMARK), "--measure", name, "--tokens", str(tokens), "--dim", "128",
+               "--budget", "64", "--repeats", "1", "--threads", "1", "--block-elements", str(1 << 18)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["peak_extra_mib"]
+
+
+TOKENS = 4096
+DENSE_MIB = TOKENS**2 * 4 / 2**20  # 64 MiB
+
+
+@pytest.mark.parametrize("name", ["divprune", "cdpruner"])
+def test_row_on_demand_selectors_hold_no_dense_matrix(name):
+    assert peak_extra_mib(name, TOKENS) < DENSE_MIB / 4
+
+
+@pytest.mark.parametrize("name", ["scope", "coverage"])
+def test_facility_location_holds_exactly_one_dense_matrix(name):
+    extra = peak_extra_mib(name, TOKENS)
+    assert DENSE_MIB * 0.9 < extra < DENSE_MIB * 1.25
