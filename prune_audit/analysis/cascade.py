@@ -1,0 +1,307 @@
+"""Confidence-gated cascade: answer with the pruned model when it is confident, else escalate.
+
+Policy with threshold t: the first pruned stage (cheapest first) whose confidence exceeds
+t (strictly) answers; when none does, the dense model answers. Loss of image j: the share
+of its questions answered by a pruned stage with an answer different from the dense
+model's (the dense answer is the reference, so escalated questions never add loss).
+
+Threshold by conformal risk control (Angelopoulos, Bates, Fisch, Lei & Schuster, ICLR 2024,
+arXiv 2208.02814; reference code aangelopoulos/conformal-risk ``get_lhat``) with images as
+the exchangeable unit and loss bound B = 1: on n calibration images,
+t = the smallest t with (n / (n + 1)) * mean_j L_j(t) + 1 / (n + 1) <= epsilon,
+which guarantees E[L_new(t)] <= epsilon for a new image. Candidate thresholds are 0 and
+the observed confidences (the total loss only changes there); a 1e-9 slack absorbs
+floating-point round-off in the sum. CRC needs non-increasing losses: a single pruned
+stage gives them (raising t only escalates more), but with several stages raising t can
+hand a question from a stage that agrees with the dense model to a later one that does
+not, so every image's loss is replaced by its running maximum from the right,
+sup_{t' >= t} L_j(t') (an upper bound, so the guarantee still holds for the actual loss).
+
+Cost: prefill tokens summed over the stages a question visits (an escalated question pays
+every pruned stage it passed and the dense model), relative to the dense model on every
+question.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prune_audit.analysis.questions import QuestionTable
+from prune_audit.analysis.temperature import split_images
+from prune_audit.errors import PruneAuditError
+
+ROUND_OFF = 1e-9
+
+
+@dataclass(frozen=True)
+class CascadeQuestions:
+    """Questions of the pruned stages and the dense model, aligned by (split, question_id).
+
+    Attributes:
+        image_index: (n,) position of each question's image in ``image_ids``.
+        image_ids: (J,) sorted distinct image ids.
+        confidence: (S, n) top-label confidence of each pruned stage.
+        disagree: (S, n) bool, the stage's answer differs from the dense model's.
+        stage_tokens: (S, n) prefill tokens of each pruned stage.
+        dense_tokens: (n,) prefill tokens of the dense model.
+    """
+
+    image_index: np.ndarray
+    image_ids: np.ndarray
+    confidence: np.ndarray
+    disagree: np.ndarray
+    stage_tokens: np.ndarray
+    dense_tokens: np.ndarray
+
+    @classmethod
+    def from_tables(cls, stages: Sequence[QuestionTable], dense: QuestionTable) -> CascadeQuestions:
+        """Align every stage and the dense run to the first stage's question order."""
+        if not stages:
+            raise PruneAuditError("a cascade needs at least one pruned run")
+        first = stages[0]
+        aligned = [first, *(stage.aligned_to(first) for stage in stages[1:])]
+        dense = dense.aligned_to(first)
+        image_ids = np.unique(first.image_id)
+        return cls(
+            image_index=first.image_index(image_ids),
+            image_ids=image_ids,
+            confidence=np.stack([stage.confidence for stage in aligned]),
+            disagree=np.stack([stage.answer_yes != dense.answer_yes for stage in aligned]),
+            stage_tokens=np.stack([stage.prefill_tokens for stage in aligned]).astype(np.float64),
+            dense_tokens=dense.prefill_tokens.astype(np.float64),
+        )
+
+    @property
+    def stages(self) -> int:
+        return len(self.confidence)
+
+
+def answering_stage(confidence: np.ndarray, threshold: float | np.ndarray) -> np.ndarray:
+    """Index of the stage that answers each question: the first with confidence > threshold, S for dense.
+
+    Args:
+        confidence: (S, n) stage confidences.
+        threshold: a scalar, or (K,) thresholds giving a (K, n) result.
+    """
+    thresholds = np.atleast_1d(np.asarray(threshold, dtype=np.float64))
+    above = confidence[None, :, :] > thresholds[:, None, None]
+    stage = np.where(above.any(axis=1), above.argmax(axis=1), len(confidence))
+    return stage[0] if np.ndim(threshold) == 0 else stage
+
+
+def question_loss(disagree: np.ndarray, stage: np.ndarray) -> np.ndarray:
+    """(..., n) bool: the answering stage is a pruned one that disagrees with the dense model."""
+    pruned = stage < len(disagree)
+    columns = np.broadcast_to(np.arange(disagree.shape[1]), stage.shape)
+    return pruned & disagree[np.minimum(stage, len(disagree) - 1), columns]
+
+
+@dataclass(frozen=True)
+class LossJumps:
+    """Every image's monotone loss curve as jumps, sorted by threshold.
+
+    The loss of image ``image[k]`` changes by ``change[k]`` at ``threshold[k]`` (the first
+    jump of an image, at threshold 0, is its loss at t = 0), so the summed loss of a set of
+    images at t is the sum of their changes at thresholds <= t.
+    """
+
+    image: np.ndarray
+    threshold: np.ndarray
+    change: np.ndarray
+
+
+def image_loss_curve(confidence: np.ndarray, disagree: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(levels (K,), monotone loss (K,)) of one image: 0 and its confidences, and sup_{t' >= t} L(t')."""
+    levels = np.unique(np.concatenate([[0.0], confidence.ravel()]))
+    loss = question_loss(disagree, answering_stage(confidence, levels)).mean(axis=1)
+    return levels, np.maximum.accumulate(loss[::-1])[::-1]
+
+
+def loss_jumps(questions: CascadeQuestions) -> LossJumps:
+    """The loss curves of all images (``image_loss_curve``) as one sorted table of jumps."""
+    order = np.argsort(questions.image_index, kind="stable")
+    bounds = np.flatnonzero(np.diff(questions.image_index[order])) + 1
+    images, thresholds, changes = [], [], []
+    for image, rows in enumerate(np.split(order, bounds)):
+        levels, loss = image_loss_curve(questions.confidence[:, rows], questions.disagree[:, rows])
+        change = np.diff(np.concatenate([[0.0], loss]))
+        moves = change != 0
+        images.append(np.full(moves.sum(), image))
+        thresholds.append(levels[moves])
+        changes.append(change[moves])
+    threshold = np.concatenate(thresholds)
+    by_threshold = np.argsort(threshold, kind="stable")
+    return LossJumps(np.concatenate(images)[by_threshold], threshold[by_threshold], np.concatenate(changes)[by_threshold])
+
+
+def minimum_epsilon(calibration_images: int) -> float:
+    """The smallest feasible target, 1 / (n + 1): even a threshold escalating everything pays B / (n + 1)."""
+    return 1.0 / (calibration_images + 1)
+
+
+def check_epsilons(epsilons: Sequence[float], calibration_images: int) -> None:
+    """Raise a PruneAuditError naming the bound when a target is out of (0, 1) or infeasible."""
+    floor = minimum_epsilon(calibration_images)
+    for epsilon in epsilons:
+        if not 0.0 < epsilon < 1.0:
+            raise PruneAuditError(f"epsilon must lie strictly between 0 and 1, got {epsilon}")
+        if epsilon < floor - ROUND_OFF:
+            raise PruneAuditError(
+                f"epsilon {epsilon} is infeasible with {calibration_images} calibration images: conformal risk "
+                f"control needs epsilon >= 1/(n+1) = {floor:.4g}; use a larger epsilon or more calibration images"
+            )
+
+
+def crc_thresholds(jumps: LossJumps, calibration: np.ndarray, epsilons: np.ndarray) -> np.ndarray:
+    """(E,) the CRC threshold for each target on the calibration images (mask over images).
+
+    Raises PruneAuditError when no candidate threshold meets a target.
+    """
+    count = int(calibration.sum())
+    selected = calibration[jumps.image]
+    levels = np.concatenate([[0.0], jumps.threshold[selected]])
+    totals = np.cumsum(np.concatenate([[0.0], jumps.change[selected]]))
+    # the summed loss at a level is the running total after its last jump
+    last = np.r_[np.flatnonzero(np.diff(levels)), len(levels) - 1]
+    levels, totals = levels[last], totals[last]
+    bounds = (count + 1) * np.asarray(epsilons, dtype=np.float64) - 1.0 + ROUND_OFF
+    first = np.searchsorted(-totals, -bounds, side="left")  # totals are non-increasing in t
+    if np.any(first == len(levels)):
+        check_epsilons(np.asarray(epsilons)[first == len(levels)].tolist(), count)
+        raise PruneAuditError(f"no confidence threshold meets epsilon on {count} calibration images")
+    return levels[first]
+
+
+def evaluate_policy(questions: CascadeQuestions, images: np.ndarray, threshold: float) -> dict:
+    """Outcome of threshold ``threshold`` on the questions of the images in the mask ``images``."""
+    rows = images[questions.image_index]
+    confidence, disagree = questions.confidence[:, rows], questions.disagree[:, rows]
+    stage = answering_stage(confidence, threshold)
+    loss = question_loss(disagree, stage)
+    image = questions.image_index[rows]
+    per_image = np.bincount(image, loss, minlength=len(images))[images] / np.bincount(image, minlength=len(images))[images]
+    visited = np.arange(questions.stages)[:, None] <= stage[None, :]
+    tokens = (questions.stage_tokens[:, rows] * visited).sum(axis=0) + np.where(
+        stage == questions.stages, questions.dense_tokens[rows], 0.0
+    )
+    dense_total = questions.dense_tokens[rows].sum()
+    outcome = {
+        "threshold": float(threshold),
+        "disagreement": float(per_image.mean()),
+        "question_disagreement": float(loss.mean()),
+        "escalation_rate": float(np.mean(stage == questions.stages)),
+        "answered_by": np.bincount(stage, minlength=questions.stages + 1).astype(np.float64) / len(stage),
+        "relative_cost": float(tokens.sum() / dense_total),
+    }
+    if questions.stages == 1:
+        outcome.update(savings(disagree[0], questions.stage_tokens[0, rows], questions.dense_tokens[rows], outcome))
+    return outcome
+
+
+def savings(disagree: np.ndarray, pruned_tokens: np.ndarray, dense_tokens: np.ndarray, outcome: dict) -> dict:
+    """Share of the possible savings a two-stage cascade achieves at its realised disagreement r.
+
+    At the same question-level disagreement r, escalating questions at random (an uninformative
+    score) must escalate a share 1 - r / D of them (D: disagreement of the pruned model alone),
+    costing P + 1 - r / D in expectation (P: pruned tokens / dense tokens); perfect gating
+    escalates a share (D - r) / D of the disagreeing questions only. Share = (cost uninformative
+    - cost) / (cost uninformative - cost perfect); NaN when that denominator is 0.
+    """
+    dense_total = dense_tokens.sum()
+    base = pruned_tokens.sum() / dense_total
+    rate, realised = disagree.mean(), outcome["question_disagreement"]
+    escalated_share = max(0.0, 1.0 - realised / rate) if rate > 0 else 0.0
+    uninformative = base + escalated_share
+    perfect = base + escalated_share * dense_tokens[disagree].sum() / dense_total
+    gap = uninformative - perfect
+    return {
+        "uninformative_cost": float(uninformative),
+        "perfect_cost": float(perfect),
+        "savings_share": float((uninformative - outcome["relative_cost"]) / gap) if gap > 0 else float("nan"),
+    }
+
+
+def split_masks(image_ids: np.ndarray, calibration_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(calibration, test) boolean masks over ``image_ids`` from ``split_images``."""
+    calibration_ids, _ = split_images(image_ids, calibration_fraction, seed)
+    calibration = np.isin(image_ids, calibration_ids)
+    return calibration, ~calibration
+
+
+def validity(
+    questions: CascadeQuestions,
+    jumps: LossJumps,
+    epsilons: np.ndarray,
+    splits: int,
+    calibration_fraction: float,
+    seed: int,
+) -> dict[float, dict]:
+    """Held-out disagreement, cost and escalation over ``splits`` random image splits, per target.
+
+    The CRC guarantee is on the mean over splits (and new images): the mean held-out
+    disagreement should be at most epsilon; single splits can exceed it.
+    """
+    count = len(questions.image_ids)
+    size = int(round(calibration_fraction * count))
+    rng = np.random.default_rng(seed)
+    outcomes: dict[float, list[dict]] = {float(epsilon): [] for epsilon in epsilons}
+    for _ in range(splits):
+        calibration = np.zeros(count, dtype=bool)
+        calibration[rng.permutation(count)[:size]] = True
+        for epsilon, threshold in zip(epsilons, crc_thresholds(jumps, calibration, epsilons)):
+            outcomes[float(epsilon)].append(evaluate_policy(questions, ~calibration, threshold))
+    return {epsilon: _summarise_splits(results, epsilon) for epsilon, results in outcomes.items()}
+
+
+def _summarise_splits(results: list[dict], epsilon: float) -> dict:
+    disagreement = np.array([result["disagreement"] for result in results])
+    return {
+        "splits": len(results),
+        "mean_disagreement": float(disagreement.mean()),
+        "std_disagreement": float(disagreement.std(ddof=1)) if len(results) > 1 else 0.0,
+        "worst_disagreement": float(disagreement.max()),
+        "share_above_epsilon": float(np.mean(disagreement > epsilon)),
+        "mean_relative_cost": float(np.mean([result["relative_cost"] for result in results])),
+        "mean_escalation_rate": float(np.mean([result["escalation_rate"] for result in results])),
+        "mean_threshold": float(np.mean([result["threshold"] for result in results])),
+    }
+
+
+def cascade_audit(
+    stages: Sequence[QuestionTable],
+    dense: QuestionTable,
+    epsilons: Sequence[float],
+    splits: int = 200,
+    calibration_fraction: float = 0.5,
+    seed: int = 0,
+) -> list[dict]:
+    """For each target: the threshold and outcome on the seeded calibration/test split, and validity.
+
+    The seeded split is the one ``calibrate`` uses (``split_images``). Returns one dict per
+    epsilon (ascending), with ``answered_by`` as a list of shares (stages, then dense).
+    """
+    if splits < 1:
+        raise PruneAuditError(f"--splits must be at least 1, got {splits}")
+    questions = CascadeQuestions.from_tables(stages, dense)
+    calibration, test = split_masks(questions.image_ids, calibration_fraction, seed)
+    targets = np.unique(np.asarray(epsilons, dtype=np.float64))
+    check_epsilons(targets.tolist(), int(calibration.sum()))
+    jumps = loss_jumps(questions)
+    checks = validity(questions, jumps, targets, splits, calibration_fraction, seed)
+    results = []
+    for epsilon, threshold in zip(targets, crc_thresholds(jumps, calibration, targets)):
+        outcome = evaluate_policy(questions, test, threshold)
+        outcome["answered_by"] = outcome["answered_by"].tolist()
+        results.append(
+            {
+                "epsilon": float(epsilon),
+                "calibration_images": int(calibration.sum()),
+                "test_images": int(test.sum()),
+                **outcome,
+                "validity": checks[float(epsilon)],
+            }
+        )
+    return results
