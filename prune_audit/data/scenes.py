@@ -66,6 +66,9 @@ MAX_OBJECTS = 4
 RADIUS_RANGE = (0.08, 0.16)  # object radius as a fraction of the image side
 MAX_OVERLAP = 0.15  # largest share of either object's area two objects may share
 MIN_VISIBLE_PIXELS = 12
+# from 64 px on, the smallest unoccluded shape covers over 30 pixels, so the top object
+# always survives and every scene holds at least one object
+MIN_IMAGE_SIZE = 64
 IN_GROUP_PROBABILITY = 0.7
 PLACEMENT_TRIES = 30
 NOISE_STD = 8.0
@@ -116,8 +119,8 @@ def scene_rng(seed: int, index: int, split: str = "heldout") -> np.random.Genera
 
 def generate_scene(seed: int, index: int, *, image_size: int = 96, split: str = "heldout") -> Scene:
     """Scene ``index`` of the stream ``(split, seed)``, an (image_size, image_size) image."""
-    if image_size < 32:
-        raise ValueError(f"image_size must be at least 32 pixels, got {image_size}")
+    if image_size < MIN_IMAGE_SIZE:
+        raise ValueError(f"image_size must be at least {MIN_IMAGE_SIZE} pixels, got {image_size}")
     rng = scene_rng(seed, index, split)
     categories = _sample_categories(rng)
     masks = _place_objects(rng, categories, image_size)
@@ -271,7 +274,7 @@ def export_coco(
 ) -> Path:
     """Write ``count`` scenes as PNG files and a COCO instances file; return its path.
 
-    Layout: ``out_dir/images/scene_{seed}_{index:06d}.png`` and ``out_dir/instances.json``.
+    Layout: ``out_dir/images/scenes{seed}_{image_id:012d}.png`` and ``out_dir/instances.json``.
     Masks are compressed RLE (``iscrowd`` 0, one instance per class and image), with
     ``area`` and ``bbox`` computed by pycocotools, so ``COCO.annToMask`` gives back the
     generator's masks exactly. Image ids are ``index + 1``; category ids ``1..10``.
@@ -287,9 +290,10 @@ def export_coco(
     images, annotations = [], []
     for index in range(count):
         scene = generate_scene(seed, index, image_size=image_size, split=split)
-        file_name = f"scene_{seed}_{index:06d}.png"
-        Image.fromarray(scene.image).save(image_dir / file_name)
         image_id = index + 1
+        # the name ends in the image id, as COCO's do, so readers can parse it back
+        file_name = f"scenes{seed}_{image_id:012d}.png"
+        Image.fromarray(scene.image).save(image_dir / file_name)
         images.append({"id": image_id, "file_name": file_name, "width": image_size, "height": image_size})
         for obj in scene.objects:
             rle = mask_utils.encode(np.asfortranarray(obj.mask.astype(np.uint8)))
