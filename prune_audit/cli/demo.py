@@ -1,0 +1,100 @@
+"""``prune-audit demo``: the bundled demo model and its synthetic question set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from prune_audit.cli.common import handle_errors
+
+app = typer.Typer(
+    help="The bundled demo: a small LLaVA trained on synthetic shape scenes, and its POPE-style questions.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@app.callback()
+def demo() -> None:
+    """The bundled demo model and its synthetic question set."""
+
+
+@app.command("train")
+@handle_errors
+def train(
+    out: Annotated[Path, typer.Option("--out", help="Folder for the trained checkpoint (float16) and training.json.")],
+    seed: Annotated[int, typer.Option(help="Seed of the initial weights and the training scenes.")] = 1,
+    steps: Annotated[int, typer.Option(min=1, help="Optimiser steps (32 fresh scenes each).")] = 1000,
+    threads: Annotated[int, typer.Option(min=1, help="CPU threads; the weights depend on this number.")] = 1,
+    log_file: Annotated[
+        Path | None, typer.Option("--log-file", help="Also append progress lines to this file.")
+    ] = None,
+) -> None:
+    """Train the demo model from scratch on CPU (the shipped one: --seed 1 --steps 1000 --threads 1)."""
+    from dataclasses import replace
+
+    from prune_audit.demo.train import DemoRecipe, train_demo_model
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        if log_file is not None:
+            with log_file.open("a") as handle:
+                handle.write(line + "\n")
+
+    recipe = replace(DemoRecipe(), seed=seed, steps=steps, threads=threads)
+    summary = train_demo_model(recipe, out, log=log)
+    final = summary["history"][-1]
+    log(f"saved {out} after {summary['train_minutes']} min; monitor accuracy {final['heldout_accuracy']:.3f}")
+
+
+ScenesOption = Annotated[int, typer.Option("--scenes", min=1, help="Held-out scenes to generate.")]
+PopeImagesOption = Annotated[
+    int, typer.Option("--pope-images", min=1, help="Images sampled for the POPE questions (6 per image and split).")
+]
+CacheOption = Annotated[
+    Path | None, typer.Option("--cache-dir", help="Cache folder (default $PRUNE_AUDIT_CACHE or ~/.cache/prune-audit).")
+]
+
+
+@app.command("questions")
+@handle_errors
+def questions(
+    cache_dir: CacheOption = None,
+    scenes: ScenesOption = 1000,
+    pope_images: PopeImagesOption = 500,
+) -> None:
+    """Generate (once) the demo question set and print its paths."""
+    from prune_audit.data.pope import POPE_SPLITS
+    from prune_audit.demo.questions import demo_question_set
+
+    question_set = demo_question_set(cache_dir, scenes=scenes, pope_images=pope_images)
+    print(f"instances: {question_set.instances}")
+    print(f"images:    {question_set.image_dir}")
+    for split in POPE_SPLITS:
+        print(f"{split + ':':<11}{question_set.question_file(split)}")
+
+
+@app.command("evaluate")
+@handle_errors
+def evaluate(
+    model: Annotated[Path | None, typer.Option("--model", help="Demo checkpoint folder (default: the shipped one).")] = None,
+    cache_dir: CacheOption = None,
+    scenes: ScenesOption = 1000,
+    pope_images: PopeImagesOption = 500,
+    instruction: Annotated[
+        str, typer.Option(help="Text after the POPE question, e.g. 'Answer yes or no.' (default none).")
+    ] = "",
+) -> None:
+    """Unpruned accuracy of a demo checkpoint on the demo question set, per POPE split."""
+    import json
+
+    from prune_audit.demo import DEMO_MODEL_DIR
+    from prune_audit.demo.evaluate import evaluate_question_set, load_demo
+    from prune_audit.demo.questions import demo_question_set
+
+    loaded, processor = load_demo(model or DEMO_MODEL_DIR)
+    question_set = demo_question_set(cache_dir, scenes=scenes, pope_images=pope_images)
+    summary = evaluate_question_set(loaded, processor, question_set, instruction=instruction)
+    print(json.dumps({k: round(v, 4) for k, v in summary.items()}))

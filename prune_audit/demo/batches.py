@@ -1,0 +1,116 @@
+"""Training and monitoring batches for the demo model: scenes, questions, patch labels.
+
+Questions follow POPE's balance: per image, half ask about a present class and half
+about an absent one. Absent classes mix POPE's three negative kinds: uniform
+(random), prior-weighted (popular) and same-group (adversarial, co-occurring).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from prune_audit.data.scenes import CATEGORIES, CATEGORY_PRIOR, CO_OCCURRENCE_GROUPS, Scene, generate_scene
+
+BACKGROUND_CLASS = len(CATEGORIES)
+PATCH_COVERAGE_THRESHOLD = 0.25  # a patch is labelled with a class covering more than this share
+
+
+@dataclass(frozen=True)
+class Question:
+    """One yes/no question about image ``image`` (index into the batch's scenes)."""
+
+    image: int
+    category: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class SceneBatch:
+    """Scenes with their questions and dense vision targets.
+
+    Attributes:
+        scenes: the generated scenes.
+        questions: ``questions_per_image`` per scene, grouped by image in scene order.
+        presence: (B, C) float, 1 where class c is in scene b.
+        patch_labels: (B, N) long, the class covering a patch or ``BACKGROUND_CLASS``.
+    """
+
+    scenes: tuple[Scene, ...]
+    questions: tuple[Question, ...]
+    presence: Tensor
+    patch_labels: Tensor
+
+
+def sample_batch(
+    seed: int,
+    step: int,
+    *,
+    images: int,
+    questions_per_image: int,
+    image_size: int,
+    patch_size: int,
+    split: str = "train",
+) -> SceneBatch:
+    """Batch ``step`` of the stream ``(split, seed)``: scenes ``step*images ...`` and their questions."""
+    if questions_per_image < 2 or questions_per_image % 2:
+        raise ValueError(f"questions_per_image must be even and at least 2, got {questions_per_image}")
+    scenes = tuple(
+        generate_scene(seed, step * images + i, image_size=image_size, split=split) for i in range(images)
+    )
+    rng = np.random.default_rng([seed, step, len(CATEGORIES)])
+    questions = tuple(
+        q for b, scene in enumerate(scenes) for q in sample_questions(rng, scene, b, questions_per_image)
+    )
+    presence = torch.zeros(images, len(CATEGORIES))
+    for b, scene in enumerate(scenes):
+        presence[b, [CATEGORIES.index(c) for c in scene.categories]] = 1.0
+    labels = torch.stack([patch_labels(scene, patch_size) for scene in scenes])
+    return SceneBatch(scenes, questions, presence, labels)
+
+
+def sample_questions(rng: np.random.Generator, scene: Scene, image: int, count: int) -> list[Question]:
+    """``count // 2`` yes-questions (present classes, cycled) then as many no-questions."""
+    present = list(scene.categories)
+    yes = [present[i % len(present)] for i in rng.permutation(max(len(present), count // 2))[: count // 2]]
+    no = [_negative(rng, present) for _ in range(count // 2)]
+    return [Question(image, c, "yes") for c in yes] + [Question(image, c, "no") for c in no]
+
+
+def _negative(rng: np.random.Generator, present: list[str]) -> str:
+    """An absent class: uniform, prior-weighted or from a present class's group, one third each."""
+    absent = [c for c in CATEGORIES if c not in present]
+    kind = int(rng.integers(3))
+    if kind == 0:
+        weights = np.ones(len(absent))
+    elif kind == 1:
+        weights = np.array([CATEGORY_PRIOR[CATEGORIES.index(c)] for c in absent])
+    else:
+        groups = [g for g in CO_OCCURRENCE_GROUPS if set(g) & set(present)]
+        weights = np.array([1.0 + 4.0 * any(c in g for g in groups) for c in absent])
+    return absent[int(rng.choice(len(absent), p=weights / weights.sum()))]
+
+
+def patch_labels(scene: Scene, patch_size: int) -> Tensor:
+    """(rows * cols,) long: per patch (row-major) the class covering most of it if above 25 %."""
+    size = scene.image.shape[0]
+    grid = size // patch_size
+    labels = torch.full((grid * grid,), BACKGROUND_CLASS, dtype=torch.long)
+    best = torch.full((grid * grid,), PATCH_COVERAGE_THRESHOLD)
+    for obj in scene.objects:
+        cells = obj.mask[: grid * patch_size, : grid * patch_size].reshape(grid, patch_size, grid, patch_size)
+        coverage = torch.from_numpy(cells.mean(axis=(1, 3)).reshape(-1)).float()
+        wins = coverage > best
+        labels[wins] = CATEGORIES.index(obj.category)
+        best = torch.maximum(best, coverage)
+    return labels
+
+
+def pixel_values(scenes: tuple[Scene, ...] | list[Scene], mean: list[float], std: list[float]) -> Tensor:
+    """(B, 3, H, W) float32 normalised pixels, equal to the CLIP processor's output for square
+    images already at the model's size (its resize and centre crop are then identities)."""
+    images = torch.from_numpy(np.stack([s.image for s in scenes])).permute(0, 3, 1, 2).float() / 255.0
+    return (images - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)

@@ -1,0 +1,88 @@
+"""The demo question set: held-out synthetic scenes as COCO, with POPE questions built from them.
+
+The scenes come from the held-out stream (never seen in training), are exported with
+exact RLE masks (``data.scenes.export_coco``), and the three POPE splits are built by
+the same builder as for real COCO (``data.pope_build.build_pope``: images with at least
+three objects, first three objects as positives, random / popular / adversarial
+negatives). Everything is a function of the seeds below, so the set is generated once
+into a cache folder and is identical on every machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEMO_IMAGE_SIZE = 96
+DEMO_SCENE_SEED = 2026
+DEMO_SCENES = 1000  # 522 of them hold three or more objects
+DEMO_POPE_IMAGES = 500  # as POPE: 500 images x 6 questions per split
+DEMO_POPE_SEED = 0
+QUESTION_PREFIX = "demo"
+_COMPLETE_MARKER = ".complete"
+
+
+@dataclass(frozen=True)
+class DemoQuestionSet:
+    """Paths of a generated demo question set."""
+
+    root: Path
+
+    @property
+    def instances(self) -> Path:
+        return self.root / "instances.json"
+
+    @property
+    def image_dir(self) -> Path:
+        return self.root / "images"
+
+    def question_file(self, split: str) -> Path:
+        """POPE JSON Lines file of ``split`` (random, popular or adversarial)."""
+        return self.root / f"{QUESTION_PREFIX}_pope_{split}.json"
+
+
+def default_cache_dir() -> Path:
+    """``$PRUNE_AUDIT_CACHE``, else ``$XDG_CACHE_HOME/prune-audit``, else ``~/.cache/prune-audit``."""
+    if os.environ.get("PRUNE_AUDIT_CACHE"):
+        return Path(os.environ["PRUNE_AUDIT_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "prune-audit"
+
+
+def demo_question_set(
+    cache_dir: str | Path | None = None,
+    *,
+    scenes: int = DEMO_SCENES,
+    pope_images: int = DEMO_POPE_IMAGES,
+    seed: int = DEMO_SCENE_SEED,
+) -> DemoQuestionSet:
+    """The demo question set in ``cache_dir``, generated on first use (a few seconds).
+
+    Generation writes into a temporary sibling folder and renames it when complete, so
+    an interrupted run never leaves a half-written set behind.
+    """
+    from prune_audit.data.coco import CocoInstances
+    from prune_audit.data.pope_build import build_pope, write_pope_files
+    from prune_audit.data.scenes import export_coco
+
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    name = f"demo-questions-seed{seed}-scenes{scenes}-pope{pope_images}-{DEMO_IMAGE_SIZE}px"
+    question_set = DemoQuestionSet(cache / name)
+    if (question_set.root / _COMPLETE_MARKER).is_file():
+        return question_set
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
+    try:
+        instances = export_coco(staging, seed=seed, count=scenes, image_size=DEMO_IMAGE_SIZE, split="heldout")
+        questions = build_pope(CocoInstances.load(instances), sample_images=pope_images, seed=DEMO_POPE_SEED)
+        write_pope_files(questions, staging, prefix=QUESTION_PREFIX)
+        (staging / _COMPLETE_MARKER).write_text("")
+        if question_set.root.exists():  # an incomplete leftover from an older run
+            shutil.rmtree(question_set.root)
+        staging.rename(question_set.root)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return question_set
