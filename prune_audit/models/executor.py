@@ -219,6 +219,7 @@ class LanguageLoop:
         key_valid: list[Tensor] = []
         previous: Tensor | None = None
         rope, mask = self.stack.rotary(batch.hidden, batch.positions), attention_mask(batch.valid)
+        visual = batch.visual_counts()
         for index, layer in enumerate(self.stack.layers):
             due = [[s for s in stages if s.layer == index] for stages in plan.stages]
             if any(due):
@@ -226,7 +227,8 @@ class LanguageLoop:
                 for b, stages in enumerate(due):
                     stage_layers[b].extend([index] * len(stages))
                 rope, mask = self.stack.rotary(batch.hidden, batch.positions), attention_mask(batch.valid)
-            for b, count in enumerate(batch.visual_counts()):
+                visual = batch.visual_counts()
+            for b, count in enumerate(visual):
                 counts[b].append(count)
             previous = batch.hidden
             hidden = layer(

@@ -1,0 +1,134 @@
+"""Prefill time under pruning vs the ideal FLOP saving (issue 4).
+
+    python -m benchmarks.prefill                    # every registered selector at 64 and 128 tokens
+    python -m benchmarks.prefill --selectors fastv cls_attn --budgets 64 --repeats 5
+
+(``-m`` from the repository root: run as a script, ``benchmarks/selectors.py`` would
+shadow the standard library module of that name.)
+
+Builds a random LLaVA-shaped model offline (CLIP 336 px / 14 px patches = 576 visual
+tokens, Llama decoder) plus a CLIP text tower for CDPruner, prepares one prompt of
+about 40 text tokens, and times ``answer()`` (vision tower, selection, pruned
+language-model prefill) for the dense model and for each selector. Each time is the
+minimum over ``--repeats`` runs after a warm-up, dense and pruned runs alternated so
+both see the same load (the machine may be shared).
+
+``ideal`` is the FLOP ratio pruned / dense from the realised tokens per decoder
+layer: vision tower (unchanged) + every decoder layer's projections, MLP and
+attention at its token count + the LM head on the last position. Selection work
+(probes, similarity, DPP) is not in ``ideal``, so ``measured / ideal`` shows the
+overhead of the selector and of the pruning loop. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.models import load_vlm
+from prune_audit.models.build import build_clip, build_llava
+from prune_audit.pruners import get_selector, list_selectors
+
+WORDS = "is there a an the cat dog car person in on of image picture this that red blue small large left right".split()
+QUESTION = (
+    "is there a small red cat on the left of the large blue car in this image , "
+    "or is there a dog on the right of that person in the picture ?"
+)
+
+SIZES = {
+    "vision_hidden_size": 192, "vision_intermediate_size": 768, "vision_layers": 4, "vision_heads": 4,
+    "text_hidden_size": 384, "text_intermediate_size": 1024, "text_layers": 16, "text_heads": 6,
+}
+
+
+def decoder_layer_flops(tokens: int, hidden: int, intermediate: int) -> float:
+    """Multiply-adds x 2 of one Llama layer over ``tokens`` causal tokens (no GQA)."""
+    projections = 4 * hidden * hidden + 3 * hidden * intermediate
+    attention = hidden * tokens  # QK^T and AV, causal: about half of 2 * tokens^2 * hidden
+    return 2 * tokens * (projections + attention)
+
+
+def vision_flops(tokens: int, hidden: int, intermediate: int, layers: int) -> float:
+    return layers * 2 * tokens * (4 * hidden * hidden + 2 * hidden * intermediate + 2 * hidden * tokens)
+
+
+def ideal_flops(answer, text_tokens: int, num_visual: int, vocabulary: int) -> float:
+    vision = vision_flops(num_visual + 1, SIZES["vision_hidden_size"], SIZES["vision_intermediate_size"],
+                          SIZES["vision_layers"])
+    hidden = SIZES["text_hidden_size"]
+    language = sum(
+        decoder_layer_flops(text_tokens + visual, hidden, SIZES["text_intermediate_size"])
+        for visual in answer.tokens_per_layer
+    )
+    return vision + language + 2 * hidden * vocabulary
+
+
+def run_once(vlm, prepared, selector, budget):
+    start = time.perf_counter()
+    [answer] = vlm.answer([prepared], selector, budget, generator=torch.Generator().manual_seed(0))
+    return (time.perf_counter() - start) * 1000, answer
+
+
+def paired_times(vlm, prepared, selector, budget, repeats: int):
+    """Minimum ms of dense and pruned runs, alternated so both see the same machine load."""
+    run_once(vlm, prepared, selector, budget)  # warm-up
+    dense_ms = pruned_ms = float("inf")
+    for _ in range(repeats):
+        dense_ms = min(dense_ms, run_once(vlm, prepared, None, None)[0])
+        ms, answer = run_once(vlm, prepared, selector, budget)
+        pruned_ms = min(pruned_ms, ms)
+    return dense_ms, pruned_ms, answer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--selectors", nargs="*", default=None, help="default: every registered selector")
+    parser.add_argument("--budgets", nargs="*", type=int, default=[64, 128])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as folder:
+        model = build_llava(Path(folder) / "llava", words=WORDS, image_size=336, patch_size=14, **SIZES)
+        clip = build_clip(Path(folder) / "clip", words=WORDS, vision_hidden_size=SIZES["vision_hidden_size"],
+                          image_size=336, context_length=77)
+        vlm = load_vlm(model, device="cpu", clip_text=clip)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (480, 640, 3), dtype=np.uint8))
+    prepared = vlm.prepare(image, QUESTION)
+    num_visual, vocabulary = prepared.num_visual, len(vlm.tokenizer)
+    text_tokens = prepared.input_ids.numel() - num_visual
+    dense_ms, dense = run_once(vlm, prepared, None, None)
+    dense_flops = ideal_flops(dense, text_tokens, num_visual, vocabulary)
+    print(f"{num_visual} visual + {text_tokens} text tokens, {vlm.num_layers} decoder layers, {args.threads} threads; "
+          f"times are minima over {args.repeats} runs, dense and pruned alternated")
+    print("| selector | stage | budget | realised avg | dense ms | pruned ms | measured ratio | ideal ratio | "
+          "measured / ideal |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
+    for name in args.selectors or list_selectors():
+        selector = get_selector(name)
+        for budget in args.budgets:
+            try:
+                dense_ms, ms, answer = paired_times(vlm, prepared, selector, budget, args.repeats)
+            except PruneAuditError as error:
+                print(f"| {name} | {selector.stage} | {budget} | not run: {error} | | | | | |")
+                continue
+            measured, ideal = ms / dense_ms, ideal_flops(answer, text_tokens, num_visual, vocabulary) / dense_flops
+            rows.append({"selector": name, "stage": selector.stage, "budget": budget,
+                         "realised_avg": answer.visual_tokens_avg, "dense_ms": dense_ms, "ms": ms,
+                         "measured": measured, "ideal": ideal})
+            print(f"| {name} | {selector.stage} | {budget} | {answer.visual_tokens_avg:.1f} | {dense_ms:.0f} | "
+                  f"{ms:.0f} | {measured:.3f} | {ideal:.3f} | {measured / ideal:.2f} |")
+    print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
