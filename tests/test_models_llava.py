@@ -282,3 +282,25 @@ def test_errors_are_one_line(vlm, paths, prepared, tmp_path):
     assert "nested" in one_line_error(lambda: vlm.answer([item], forced_stages=[[(1, [0, 1]), (2, [5])]]))
     assert "prompt template" in one_line_error(lambda: load_vlm(paths[0], device="cpu", prompt_template="chatml"))
     assert "pass a local path" in one_line_error(lambda: load_vlm(tmp_path / "missing" / "model"))
+
+
+def test_checkpoint_in_the_4x_key_layout_loads_identically(vlm, paths, prepared, tmp_path):
+    """transformers 4.x saved ``language_model.model.*`` and ``vision_tower.vision_model.*`` keys."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    legacy = tmp_path / "legacy"
+    shutil.copytree(paths[0], legacy)
+    weights = load_file(legacy / "model.safetensors")
+    renamed = {}
+    for key, value in weights.items():
+        key = key.replace("vision_tower.", "vision_tower.vision_model.", 1) if key.startswith("vision_tower.") else key
+        if key.startswith("model.language_model."):
+            key = "language_model.model." + key.removeprefix("model.language_model.")
+        renamed[key] = value
+    assert any(key.startswith("language_model.model.") for key in renamed)
+    save_file(renamed, legacy / "model.safetensors", metadata={"format": "pt"})
+    reloaded = load_vlm(legacy, device="cpu")
+    item = prepared[0]
+    assert (logits_of(reloaded, [item])[0] - logits_of(vlm, [item])[0]).abs().max() <= TOL
