@@ -134,7 +134,11 @@ def loss_jumps(questions: CascadeQuestions) -> LossJumps:
         changes.append(change[moves])
     threshold = np.concatenate(thresholds)
     by_threshold = np.argsort(threshold, kind="stable")
-    return LossJumps(np.concatenate(images)[by_threshold], threshold[by_threshold], np.concatenate(changes)[by_threshold])
+    return LossJumps(
+        image=np.concatenate(images)[by_threshold],
+        threshold=threshold[by_threshold],
+        change=np.concatenate(changes)[by_threshold],
+    )
 
 
 def minimum_epsilon(calibration_images: int) -> float:
@@ -182,7 +186,7 @@ def evaluate_policy(questions: CascadeQuestions, images: np.ndarray, threshold: 
     stage = answering_stage(confidence, threshold)
     loss = question_loss(disagree, stage)
     image = questions.image_index[rows]
-    per_image = np.bincount(image, loss, minlength=len(images))[images] / np.bincount(image, minlength=len(images))[images]
+    per_image = np.bincount(image, loss, len(images))[images] / np.bincount(image, minlength=len(images))[images]
     visited = np.arange(questions.stages)[:, None] <= stage[None, :]
     tokens = (questions.stage_tokens[:, rows] * visited).sum(axis=0) + np.where(
         stage == questions.stages, questions.dense_tokens[rows], 0.0

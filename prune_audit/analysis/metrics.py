@@ -77,8 +77,10 @@ def pope_scores(label_yes: np.ndarray, answer_yes: np.ndarray, weights: np.ndarr
     label_yes = np.asarray(label_yes, dtype=bool)
     answer_yes = np.asarray(answer_yes, dtype=bool)
     matrix = weight_matrix(weights, len(label_yes))
-    outcomes = np.stack([answer_yes & label_yes, answer_yes & ~label_yes, ~answer_yes & label_yes, answer_yes == label_yes])
-    true_pos, false_pos, false_neg, right = (matrix @ outcomes.T.astype(np.float64)).T
+    outcomes = np.stack(
+        [answer_yes & label_yes, answer_yes & ~label_yes, ~answer_yes & label_yes, answer_yes == label_yes], axis=1
+    )
+    true_pos, false_pos, false_neg, right = (matrix @ outcomes.astype(np.float64)).T
     total = matrix.sum(axis=1)
     precision = _divide(true_pos, true_pos + false_pos)
     recall = _divide(true_pos, true_pos + false_neg)

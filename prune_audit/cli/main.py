@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from prune_audit.cli import calibrate as calibrate_cli
+from prune_audit.cli import cascade as cascade_cli
 from prune_audit.cli import demo as demo_cli
 from prune_audit.cli import pope as pope_cli
 from prune_audit.cli import run as run_cli
@@ -23,6 +25,8 @@ app.command("selectors")(selectors_cli.selectors)
 app.command("run")(run_cli.run)
 app.command("merge")(run_cli.merge)
 app.command("visualize")(visualize_cli.visualize)
+app.command("calibrate")(calibrate_cli.calibrate)
+app.command("cascade")(cascade_cli.cascade)
 app.add_typer(pope_cli.app, name="pope")
 app.add_typer(demo_cli.app, name="demo")
 

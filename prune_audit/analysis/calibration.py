@@ -1,0 +1,298 @@
+"""The calibration audit of runs: POPE and confidence metrics, temperature scaling, object survival.
+
+Every number comes with a 95% image-clustered bootstrap interval (``bootstrap``); with a
+reference (dense) run, pruned-minus-reference differences use the same resampled images
+for both runs (paired). Conventions of the metrics are in ``prune_audit.analysis.metrics``.
+
+Temperature scaling: T is fitted by NLL on the calibration images (a seeded split by
+image over all POPE splits, ``temperature.split_images``) and every after-scaling metric is
+reported on the disjoint test images next to the same metric before scaling (T = 1), with
+T held fixed in the bootstrap. T is fitted separately for every run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prune_audit.analysis import metrics
+from prune_audit.analysis.bootstrap import bootstrap_replicates, estimate, image_counts
+from prune_audit.analysis.questions import QuestionTable
+from prune_audit.analysis.temperature import TemperatureFit, fit_temperature, scaled_probabilities, split_images
+
+RETENTION_BINS: tuple[tuple[str, float, float], ...] = (
+    ("0", 0.0, 0.0),
+    ("(0, 0.25]", 0.0, 0.25),
+    ("(0.25, 0.5]", 0.25, 0.5),
+    ("(0.5, 1]", 0.5, 1.0),
+)
+"""Retention bins (label, lower, upper): exactly 0, then (lower, upper]."""
+
+HISTOGRAM_EDGES = np.linspace(0.5, 1.0, 21)
+"""Confidence histogram edges: two-way top-label confidence lies in [0.5, 1]."""
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """Options of the audit. ``binning`` applies to MCE, the debiased error and the reliability curve;
+    the ECE is reported with both binnings."""
+
+    bins: int = 15
+    binning: metrics.Binning = "width"
+    bootstrap: int = 2000
+    calibration_fraction: float = 0.5
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Point values and (B,) bootstrap replicates of named metrics on one group of questions."""
+
+    point: dict[str, float]
+    replicates: dict[str, np.ndarray]
+
+    def summary(self) -> dict[str, dict]:
+        return {name: estimate(value, self.replicates[name]) for name, value in self.point.items()}
+
+    def minus(self, other: Measured) -> dict[str, dict]:
+        """Paired differences self - other on the metrics both hold (same resamples)."""
+        return {
+            name: estimate(value - other.point[name], self.replicates[name] - other.replicates[name])
+            for name, value in self.point.items()
+            if name in other.point
+        }
+
+
+@dataclass
+class RunAudit:
+    """All measurements of one run; ``reference_survival`` holds the reference run on this run's groups."""
+
+    groups: dict[str, Measured]
+    fit: TemperatureFit
+    scaled: dict[str, Measured]
+    survival: dict[str, Measured]
+    reliability: dict
+    histogram: dict
+    reference_survival: dict[str, Measured] = field(default_factory=dict)
+
+
+def confidence_metrics(
+    confidence: np.ndarray,
+    correct: np.ndarray,
+    p_yes: np.ndarray,
+    logit_diff: np.ndarray,
+    label_yes: np.ndarray,
+    settings: CalibrationSettings,
+    weights: np.ndarray | None = None,
+) -> dict:
+    """ECE (both binnings), MCE, debiased L2 error, Brier, NLL, AUROC and AURC of one set of questions."""
+    ranked = metrics.RankedQuestions(confidence, correct, weights)
+    width = metrics.bin_totals(confidence, correct, settings.bins, "width", weights)
+    mass = ranked.mass_totals(settings.bins)
+    chosen = width if settings.binning == "width" else mass
+    values = {
+        "ece": width.ece(),
+        "ece_mass": mass.ece(),
+        "mce": chosen.mce(),
+        "ce_debiased_l2": chosen.debiased_l2(),
+        "brier": metrics.brier(p_yes, label_yes, weights),
+        "nll": metrics.nll(logit_diff, label_yes, weights),
+        "auroc": ranked.auroc(),
+        "aurc": ranked.aurc(),
+    }
+    return {name: metrics.finish(value, weights) for name, value in values.items()}
+
+
+def question_metrics(table: QuestionTable, settings: CalibrationSettings, weights: np.ndarray | None = None) -> dict:
+    """POPE scores and confidence metrics of the recorded answers."""
+    return {
+        **metrics.pope_scores(table.label_yes, table.answer_yes, weights),
+        **confidence_metrics(
+            table.confidence, table.correct, table.p_yes, table.logit_diff, table.label_yes, settings, weights
+        ),
+    }
+
+
+def scaled_metrics(
+    table: QuestionTable, temperature: float, settings: CalibrationSettings, weights: np.ndarray | None = None
+) -> dict:
+    """Accuracy and confidence metrics with p_yes = sigmoid(d / T), answers re-derived from the scaled p_yes.
+
+    A question with d = 0 (p_yes = 0.5 at any T) keeps its recorded answer.
+    """
+    p_yes, confidence = scaled_probabilities(table.logit_diff, temperature)
+    answer_yes = np.where(p_yes == 0.5, table.answer_yes, p_yes > 0.5)
+    correct = answer_yes == table.label_yes
+    return {
+        "accuracy": metrics.weighted_mean(correct, weights),
+        **confidence_metrics(
+            confidence, correct, p_yes, table.logit_diff / temperature, table.label_yes, settings, weights
+        ),
+    }
+
+
+def group_metrics(table: QuestionTable, rows: np.ndarray, weights: np.ndarray | None = None) -> dict:
+    """Question count, accuracy and mean confidence of the rows selected by the boolean mask ``rows``."""
+    matrix = metrics.weight_matrix(weights, len(table))[:, rows]
+    columns = np.stack([np.ones(rows.sum()), table.correct[rows], table.confidence[rows]], axis=1)
+    count, correct, confidence = (matrix @ columns).T
+    with np.errstate(invalid="ignore", divide="ignore"):
+        values = {"count": count, "accuracy": correct / count, "confidence": confidence / count}
+    return {name: metrics.finish(value, weights) for name, value in values.items()}
+
+
+def survival_groups(table: QuestionTable) -> dict[str, np.ndarray]:
+    """Boolean masks (n,): ``lost`` / ``survived`` objects and the retention bins.
+
+    Questions whose object mask is unknown (lost is NaN) belong to neither; "no" questions
+    have NaN retention and fall in no retention bin.
+    """
+    groups = {"lost": table.lost == 1.0, "survived": table.lost == 0.0}
+    retention = table.retention
+    for label, lower, upper in RETENTION_BINS:
+        inside = retention == 0.0 if upper == 0.0 else (retention > lower) & (retention <= upper)
+        groups[f"retention {label}"] = inside
+    return groups
+
+
+def _measure(statistic: Callable, image_index: np.ndarray, counts: np.ndarray) -> Measured:
+    point = {name: float(value) for name, value in statistic(None).items()}
+    return Measured(point, bootstrap_replicates(statistic, image_index, counts))
+
+
+@dataclass(frozen=True)
+class ImageResamples:
+    """Resamples shared by every run of one audit: over all images and over the test images."""
+
+    images: np.ndarray
+    counts: np.ndarray
+    calibration_images: np.ndarray
+    test_images: np.ndarray
+    test_counts: np.ndarray
+
+    @classmethod
+    def draw(cls, tables: Sequence[QuestionTable], settings: CalibrationSettings) -> ImageResamples:
+        images = np.unique(np.concatenate([table.image_id for table in tables]))
+        calibration_images, test_images = split_images(images, settings.calibration_fraction, settings.seed)
+        return cls(
+            images=images,
+            counts=image_counts(len(images), settings.bootstrap, settings.seed),
+            calibration_images=calibration_images,
+            test_images=test_images,
+            test_counts=image_counts(len(test_images), settings.bootstrap, settings.seed),
+        )
+
+
+def audit_run(table: QuestionTable, settings: CalibrationSettings, resamples: ImageResamples) -> RunAudit:
+    """Measure one run: every metric overall, POPE scores per split, temperature scaling, survival groups."""
+    image_index = table.image_index(resamples.images)
+    groups = {"all": _measure(lambda w: question_metrics(table, settings, w), image_index, resamples.counts)}
+    for split in sorted(set(table.split.tolist())):
+        subset = table.take(table.split == split)
+        groups[split] = _measure(
+            lambda w, subset=subset: metrics.pope_scores(subset.label_yes, subset.answer_yes, w),
+            subset.image_index(resamples.images),
+            resamples.counts,
+        )
+    calibration = table.take(np.isin(table.image_id, resamples.calibration_images))
+    test = table.take(np.isin(table.image_id, resamples.test_images))
+    fit = fit_temperature(calibration.logit_diff, calibration.label_yes)
+    test_index = test.image_index(resamples.test_images)
+    scaled = {
+        name: _measure(lambda w, t=temperature: scaled_metrics(test, t, settings, w), test_index, resamples.test_counts)
+        for name, temperature in (("before", 1.0), ("after", fit.temperature))
+    }
+    return RunAudit(
+        groups=groups,
+        fit=fit,
+        scaled=scaled,
+        survival=survival_measures(table, survival_groups(table), image_index, resamples.counts),
+        reliability=metrics.reliability_curve(table.confidence, table.correct, settings.bins, settings.binning),
+        histogram={
+            "edges": HISTOGRAM_EDGES.tolist(),
+            "correct": np.histogram(table.confidence[table.correct], HISTOGRAM_EDGES)[0].tolist(),
+            "incorrect": np.histogram(table.confidence[~table.correct], HISTOGRAM_EDGES)[0].tolist(),
+        },
+    )
+
+
+def survival_measures(
+    table: QuestionTable, groups: dict[str, np.ndarray], image_index: np.ndarray, counts: np.ndarray
+) -> dict[str, Measured]:
+    """Count, accuracy and confidence of ``table`` on each group mask (masks may come from another run)."""
+    return {
+        name: _measure(lambda w, rows=rows: group_metrics(table, rows, w), image_index, counts)
+        for name, rows in groups.items()
+    }
+
+
+def run_summary(audit: RunAudit, reference: RunAudit | None = None) -> dict:
+    """JSON-ready results of one run; with ``reference`` also the paired differences run - reference."""
+    summary = {
+        "metrics": {name: measured.summary() for name, measured in audit.groups.items()},
+        "temperature": {
+            "temperature": audit.fit.temperature,
+            "at_bound": audit.fit.at_bound,
+            "calibration_nll_before": audit.fit.nll_before,
+            "calibration_nll_after": audit.fit.nll_after,
+            "test_before": audit.scaled["before"].summary(),
+            "test_after": audit.scaled["after"].summary(),
+            "invariant": {
+                name: bool(abs(audit.scaled["before"].point[name] - audit.scaled["after"].point[name]) <= 1e-12)
+                for name in ("accuracy", "auroc")
+            },
+        },
+        "survival": {name: measured.summary() for name, measured in audit.survival.items()},
+        "reliability": audit.reliability,
+        "confidence_histogram": audit.histogram,
+    }
+    if reference is not None:
+        for name, measured in audit.reference_survival.items():
+            summary["survival"][name].update(
+                {f"reference_{metric}": value for metric, value in measured.summary().items() if metric != "count"}
+            )
+        summary["difference_vs_reference"] = {
+            **{
+                name: measured.minus(reference.groups[name])
+                for name, measured in audit.groups.items()
+                if name in reference.groups
+            },
+            "test_after_scaling": audit.scaled["after"].minus(reference.scaled["after"]),
+            **{
+                name: {k: v for k, v in measured.minus(audit.reference_survival[name]).items() if k != "count"}
+                for name, measured in audit.survival.items()
+            },
+        }
+    return summary
+
+
+def calibration_audit(
+    tables: Sequence[QuestionTable], settings: CalibrationSettings, reference: QuestionTable | None = None
+) -> dict:
+    """Audit every run (and the reference); returns {"runs": [...], "reference": ... or None, "split": ...}.
+
+    With a reference, each run's questions must be the reference's (paired by (split, question_id)).
+    """
+    resamples = ImageResamples.draw([*tables, *([reference] if reference is not None else [])], settings)
+    reference_audit = audit_run(reference, settings, resamples) if reference is not None else None
+    runs = []
+    for table in tables:
+        audit = audit_run(table, settings, resamples)
+        if reference is not None:
+            aligned = reference.aligned_to(table)
+            audit.reference_survival = survival_measures(
+                aligned, survival_groups(table), aligned.image_index(resamples.images), resamples.counts
+            )
+        runs.append(run_summary(audit, reference_audit))
+    return {
+        "runs": runs,
+        "reference": run_summary(reference_audit) if reference_audit is not None else None,
+        "split": {
+            "seed": settings.seed,
+            "calibration_fraction": settings.calibration_fraction,
+            "calibration_images": len(resamples.calibration_images),
+            "test_images": len(resamples.test_images),
+        },
+    }

@@ -1,0 +1,121 @@
+"""The ``calibrate`` and ``cascade`` reports: run metadata around the analyses, and their files."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from prune_audit.analysis import figures
+from prune_audit.analysis.calibration import RETENTION_BINS, CalibrationSettings, calibration_audit
+from prune_audit.analysis.cascade import cascade_audit
+from prune_audit.analysis.outputs import estimates_csv, to_json
+from prune_audit.analysis.runs import Run, unique_labels
+
+CALIBRATION_CONVENTIONS = {
+    "confidence": "top-label two-way confidence max(p_yes, 1 - p_yes), p_yes = sigmoid(logit_diff); "
+    "correct = answer == label",
+    "ece": "sum_b (n_b/N)|acc_b - conf_b| over `bins` equal-width bins (lower, upper]; 0 in the first bin, "
+    "1.0 in the last",
+    "ece_mass": "the same over equal-mass bins (np.array_split of the questions sorted by confidence; "
+    "ties share evenly)",
+    "mce": "max over non-empty bins of |acc_b - conf_b|, with --binning",
+    "ce_debiased_l2": "Kumar, Liang & Ma 2019 debiased L2 calibration error (root of the bias-corrected "
+    "squared error), --binning",
+    "brier": "mean (p_yes - y)^2, y = 1 for yes (equal to the top-label Brier score for two classes)",
+    "nll": "mean -log p(label) in nats",
+    "auroc": "AUROC of confidence as a score for correctness, ties one half",
+    "aurc": "mean error rate of the k most confident questions over k = 1..N (ties share errors evenly)",
+    "pope": "accuracy, precision, recall, F1 with yes as positive; yes_ratio = share of yes predictions",
+    "temperature": "T minimising NLL of p_yes = sigmoid(d/T) on the calibration images (bounded search over log T in "
+    "[0.01, 100]); after-scaling metrics on the disjoint test images, T fixed in the bootstrap",
+    "intervals": "95% percentile intervals from an image-clustered bootstrap (images resampled with replacement); "
+    "differences are paired (same resampled images for both runs)",
+    "retention_bins": [label for label, _, _ in RETENTION_BINS],
+}
+
+CSV_SECTIONS = ("metrics", "temperature", "survival", "difference_vs_reference")
+
+
+def run_identity(run: Run, label: str) -> dict:
+    return {"run": str(run.path), "label": label, "model": run.model, "selector": run.selector, "budget": run.budget}
+
+
+def calibration_report(
+    runs: Sequence[Run], reference: Run | None, settings: CalibrationSettings, differences: Sequence[str]
+) -> dict:
+    """The calibration.json content for ``runs`` (and the reference), labels unique across all of them."""
+    labels = unique_labels([*runs, *([reference] if reference else [])])
+    audit = calibration_audit([run.questions for run in runs], settings, reference.questions if reference else None)
+    report = {
+        "conventions": CALIBRATION_CONVENTIONS,
+        "settings": asdict(settings),
+        "compared_despite_differences": list(differences),
+        "split": audit["split"],
+        "runs": [{**run_identity(run, label), **summary} for run, label, summary in zip(runs, labels, audit["runs"])],
+        "reference": None,
+    }
+    if reference is not None:
+        report["reference"] = {**run_identity(reference, labels[-1]), **audit["reference"]}
+    return report
+
+
+def calibration_files(report: dict, titles: dict[str, str]) -> dict[str, str | bytes]:
+    """calibration.json, calibration.csv and the pictures; ``titles`` maps run labels to figure titles."""
+    everyone = [*report["runs"], *([report["reference"]] if report["reference"] else [])]
+    files: dict[str, str | bytes] = {
+        "calibration.json": to_json(report),
+        "calibration.csv": estimates_csv({entry["label"]: entry for entry in everyone}, CSV_SECTIONS),
+    }
+    for entry in everyone:
+        stem, title = figures.slug(entry["label"]), titles[entry["label"]]
+        files.update(figures.reliability_diagram(entry, title, f"reliability_{stem}"))
+        files.update(figures.confidence_histogram(entry, title, f"confidence_{stem}"))
+    labels = [entry["label"] for entry in everyone]
+    model = ", ".join(sorted({entry["model"] for entry in everyone}))
+    files.update(figures.reliability_overlay(everyone, labels, f"Reliability: {model}", "reliability_overlay"))
+    files.update(figures.retention_figure(everyone, labels, model, "retention"))
+    return files
+
+
+def cascade_report(
+    cascades: Sequence[tuple[str, Sequence[Run]]],
+    reference: Run,
+    epsilon: float,
+    sweep: Sequence[float],
+    splits: int,
+    calibration_fraction: float,
+    seed: int,
+    differences: Sequence[str],
+) -> dict:
+    """The cascade.json content: for each cascade (label, pruned stages cheapest first) every target's results."""
+    targets = sorted({epsilon, *sweep})
+    entries = []
+    for label, stages in cascades:
+        results = cascade_audit(
+            [stage.questions for stage in stages], reference.questions, targets, splits, calibration_fraction, seed
+        )
+        primary = next(result for result in results if result["epsilon"] == epsilon)
+        entries.append(
+            {
+                "label": label,
+                "stages": [run_identity(stage, stage.label) for stage in stages],
+                **primary,
+                "results": results,
+            }
+        )
+    return {
+        "settings": {
+            "epsilon": epsilon,
+            "sweep": list(sweep),
+            "splits": splits,
+            "calibration_fraction": calibration_fraction,
+            "seed": seed,
+        },
+        "reference": run_identity(reference, reference.label),
+        "compared_despite_differences": list(differences),
+        "cascades": entries,
+    }
+
+
+def cascade_files(report: dict, title: str) -> dict[str, str | bytes]:
+    return {"cascade.json": to_json(report), **figures.cascade_figures(report["cascades"], title)}

@@ -1,0 +1,147 @@
+"""Run directories (``records.parquet`` + ``manifest.json``, docs/records.md) as analysis tables."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from prune_audit.analysis.questions import QuestionTable
+from prune_audit.errors import PruneAuditError
+from prune_audit.runner.manifest import differing_fields, read_manifest
+from prune_audit.runner.records import RecordStore
+
+REQUIRED_COLUMNS = (
+    "question_id",
+    "split",
+    "image_id",
+    "label",
+    "answer",
+    "p_yes_2way",
+    "logit_diff",
+    "confidence",
+    "correct",
+    "prefill_tokens",
+)
+"""Columns the analyses read that must hold a value in every row; ``retention`` and ``lost`` may be null."""
+
+COMPARED_FIELDS = ("model", "question_files", "prompt")
+"""Manifest fields that must agree for runs to be compared: model id, question-file hashes, prompt."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run directory: its manifest and its questions."""
+
+    path: Path
+    manifest: dict[str, Any]
+    questions: QuestionTable
+
+    @property
+    def selector(self) -> str:
+        selector = self.manifest.get("selector") or {}
+        return str(selector.get("name") or "dense")
+
+    @property
+    def budget(self) -> Any:
+        return self.manifest.get("budget")
+
+    @property
+    def model(self) -> str:
+        return str((self.manifest.get("model") or {}).get("id", "unknown model"))
+
+    @property
+    def label(self) -> str:
+        """Short name: selector and budget, e.g. ``divprune@64`` (``dense`` without a selector)."""
+        return self.selector if self.budget is None else f"{self.selector}@{self.budget}"
+
+    @property
+    def title(self) -> str:
+        """Model, selector and budget, for figure titles."""
+        budget = "all tokens" if self.budget is None else f"{self.budget} tokens"
+        return f"{self.model} | {self.selector} | {budget}"
+
+
+def load_run(path: Path | str) -> Run:
+    """Read a run directory; raises FileNotFoundError or PruneAuditError naming the problem."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "run directory not found", str(path))
+    manifest = read_manifest(path)
+    records = RecordStore(path).read()
+    if records.num_rows == 0:
+        raise PruneAuditError(f"{path} holds no records; finish the run with prune-audit run first")
+    return Run(path=path, manifest=manifest, questions=question_table(records, str(path)))
+
+
+def question_table(records: pa.Table, source: str) -> QuestionTable:
+    """The analysis columns of a records table (schema of docs/records.md)."""
+    for name in REQUIRED_COLUMNS:
+        if name not in records.column_names or records[name].null_count:
+            raise PruneAuditError(f"records of {source} lack column {name!r} in some rows; re-run to rewrite them")
+    label, answer = (records[name].to_numpy(zero_copy_only=False).astype(str) for name in ("label", "answer"))
+    for name, values in (("label", label), ("answer", answer)):
+        unexpected = sorted(set(values.tolist()) - {"yes", "no"})
+        if unexpected:
+            raise PruneAuditError(f"records of {source}: column {name!r} holds {unexpected[0]!r}, expected yes or no")
+    return QuestionTable(
+        split=records["split"].to_numpy(zero_copy_only=False).astype(str),
+        question_id=records["question_id"].to_numpy().astype(np.int64),
+        image_id=records["image_id"].to_numpy().astype(np.int64),
+        label_yes=label == "yes",
+        answer_yes=answer == "yes",
+        correct=records["correct"].to_numpy(zero_copy_only=False).astype(bool),
+        confidence=records["confidence"].to_numpy().astype(np.float64),
+        p_yes=records["p_yes_2way"].to_numpy().astype(np.float64),
+        logit_diff=records["logit_diff"].to_numpy().astype(np.float64),
+        retention=_nullable_floats(records, "retention"),
+        lost=_nullable_floats(records, "lost"),
+        prefill_tokens=records["prefill_tokens"].to_numpy().astype(np.int64),
+    )
+
+
+def _nullable_floats(records: pa.Table, name: str) -> np.ndarray:
+    """(n,) float64 of a numeric or nullable boolean column, null -> NaN (all NaN when absent)."""
+    if name not in records.column_names:
+        return np.full(records.num_rows, np.nan)
+    values = records[name].to_pylist()
+    return np.array([np.nan if value is None else float(value) for value in values], dtype=np.float64)
+
+
+def comparison_view(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest fields that decide comparability, question files reduced to their sorted sha256."""
+    return {
+        "model": {"id": (manifest.get("model") or {}).get("id")},
+        "question_files": {"sha256": sorted(str(item.get("sha256")) for item in manifest.get("question_files") or [])},
+        "prompt": manifest.get("prompt"),
+    }
+
+
+def check_comparable(runs: Sequence[Run], force: bool) -> list[str]:
+    """Refuse runs whose model id, question files (sha256) or prompt differ from the first run's.
+
+    Returns the differences found (as "RUN: field, field"), which ``force`` lets through.
+    """
+    base = comparison_view(runs[0].manifest)
+    differences = []
+    for run in runs[1:]:
+        fields = differing_fields(base, comparison_view(run.manifest), COMPARED_FIELDS)
+        if fields:
+            differences.append(f"{run.path}: {', '.join(fields)}")
+    if differences and not force:
+        raise PruneAuditError(
+            f"runs differ from {runs[0].path} in {'; '.join(differences)}; "
+            "refusing to compare them side by side (pass --force to compare anyway)"
+        )
+    return differences
+
+
+def unique_labels(runs: Sequence[Run]) -> list[str]:
+    """Each run's label, with the directory name added where two runs share a label."""
+    labels = [run.label for run in runs]
+    return [f"{label} ({run.path.name})" if labels.count(label) > 1 else label for label, run in zip(labels, runs)]

@@ -1,0 +1,146 @@
+"""``prune-audit calibrate``: calibration audit of runs, side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from prune_audit.cli.common import handle_errors
+
+
+@handle_errors
+def calibrate(
+    run_dirs: Annotated[
+        list[Path], typer.Argument(help="Run directories written by prune-audit run.", show_default=False)
+    ],
+    reference: Annotated[
+        Path | None,
+        typer.Option("--reference", help="Dense run over the same questions: paired pruned-minus-dense differences."),
+    ] = None,
+    bins: Annotated[int, typer.Option("--bins", help="Number of confidence bins.")] = 15,
+    binning: Annotated[
+        str, typer.Option("--binning", help="width or mass: bins for MCE, the debiased error and the diagrams.")
+    ] = "width",
+    bootstrap: Annotated[int, typer.Option("--bootstrap", help="Image-clustered bootstrap resamples.")] = 2000,
+    calibration_fraction: Annotated[
+        float, typer.Option("--calibration-fraction", help="Share of images used to fit the temperature.")
+    ] = 0.5,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the image split and the bootstrap.")] = 0,
+    out: Annotated[Path, typer.Option("--out", help="Directory for calibration.json, .csv and the pictures.")] = Path(
+        "calibration"
+    ),
+    json_output: Annotated[bool, typer.Option("--json", help="Print calibration.json instead of a table.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Compare runs even when model, question files or prompt differ.")
+    ] = False,
+) -> None:
+    """Calibration audit: POPE scores, confidence quality, temperature scaling and object survival.
+
+    Confidence: top-label two-way confidence max(p_yes, 1 - p_yes),
+    p_yes = sigmoid(logit_diff); correct = answer == label.
+
+    ECE = sum_b (n_b/N) |acc_b - conf_b| over equal-width bins (lower, upper]
+    (0 in the first bin, 1.0 in the last) and over equal-mass bins
+    (ties share evenly). MCE = worst bin. Debiased error: Kumar et al. 2019
+    debiased L2 error. Brier = mean (p_yes - y)^2. NLL in nats. AUROC of
+    confidence for correctness. AURC = mean error rate of the k most
+    confident questions, k = 1..N.
+
+    Temperature T (p_yes = sigmoid(d/T)) is fitted by NLL on a seeded split
+    of the images (all POPE splits together); scaled metrics are shown on the
+    other images. Intervals: 95% percentile, bootstrap over images;
+    differences to --reference are paired (same resampled images).
+    """
+    from prune_audit.analysis.calibration import CalibrationSettings
+    from prune_audit.analysis.metrics import BINNINGS
+    from prune_audit.analysis.outputs import to_json, write_files
+    from prune_audit.analysis.reports import calibration_files, calibration_report
+    from prune_audit.analysis.runs import check_comparable, load_run
+    from prune_audit.errors import PruneAuditError
+
+    if binning not in BINNINGS:
+        raise PruneAuditError(f"--binning must be one of {', '.join(BINNINGS)}, got {binning!r}")
+    if bins < 1 or bootstrap < 1:
+        raise PruneAuditError("--bins and --bootstrap must be at least 1")
+    runs = [load_run(path) for path in run_dirs]
+    dense = load_run(reference) if reference is not None else None
+    differences = check_comparable([*runs, *([dense] if dense else [])], force)
+    settings = CalibrationSettings(bins, binning, bootstrap, calibration_fraction, seed)  # type: ignore[arg-type]
+    report = calibration_report(runs, dense, settings, differences)
+    titles = {entry["label"]: run.title for entry, run in zip(report["runs"], runs)}
+    if dense is not None:
+        titles[report["reference"]["label"]] = dense.title
+    write_files(out, calibration_files(report, titles))
+    if json_output:
+        print(to_json(report), end="")
+    else:
+        print_calibration_table(report, out)
+
+
+TABLE_ROWS = (
+    ("accuracy", "accuracy"),
+    ("F1", "f1"),
+    ("yes ratio", "yes_ratio"),
+    ("ECE (width)", "ece"),
+    ("ECE (mass)", "ece_mass"),
+    ("MCE", "mce"),
+    ("debiased L2 error", "ce_debiased_l2"),
+    ("Brier", "brier"),
+    ("NLL", "nll"),
+    ("AUROC", "auroc"),
+    ("AURC", "aurc"),
+)
+
+
+def _cell(estimate: dict | None) -> str:
+    if not estimate or estimate["value"] is None:
+        return "-"
+    low, high = estimate["ci95"]
+    interval = "" if low is None else f" [{low:.3f}, {high:.3f}]"
+    return f"{estimate['value']:.3f}{interval}"
+
+
+def _count(estimate: dict) -> str:
+    return "-" if estimate["value"] is None else str(int(estimate["value"]))
+
+
+def print_calibration_table(report: dict, out: Path) -> None:
+    """Runs side by side: overall metrics, temperature scaling on test images, lost objects."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from prune_audit.analysis.outputs import json_ready
+
+    report = json_ready(report)
+    entries = [*report["runs"], *([report["reference"]] if report["reference"] else [])]
+    table = Table(title="Calibration audit (95% image-bootstrap intervals)")
+    table.add_column("metric")
+    for entry in entries:
+        table.add_column(entry["label"] + (" (reference)" if entry is report["reference"] else ""))
+    for name, key in TABLE_ROWS:
+        table.add_row(name, *(_cell(entry["metrics"]["all"][key]) for entry in entries))
+    table.add_section()
+    table.add_row("temperature T", *(f"{entry['temperature']['temperature']:.3f}" for entry in entries))
+    for name, key in (("accuracy", "accuracy"), ("AUROC", "auroc"), ("ECE", "ece"), ("NLL", "nll"), ("Brier", "brier")):
+        for stage in ("test_before", "test_after"):
+            label = f"{name} {'before' if stage == 'test_before' else 'after'} scaling (test)"
+            table.add_row(label, *(_cell(entry["temperature"][stage][key]) for entry in entries))
+    table.add_section()
+    table.add_row("questions with lost object", *(_count(entry["survival"]["lost"]["count"]) for entry in entries))
+    for name, key in (("accuracy if lost", "accuracy"), ("confidence if lost", "confidence")):
+        table.add_row(name, *(_cell(entry["survival"]["lost"][key]) for entry in entries))
+        if report["reference"]:
+            dense = (_cell(entry["survival"]["lost"].get(f"reference_{key}")) for entry in entries)
+            table.add_row(f"  dense {name}", *dense)
+    if report["reference"]:
+        table.add_section()
+        for name, key in (("accuracy", "accuracy"), ("ECE", "ece"), ("AUROC", "auroc")):
+            table.add_row(
+                f"{name} minus reference",
+                *(_cell((entry.get("difference_vs_reference") or {}).get("all", {}).get(key)) for entry in entries),
+            )
+    console = Console()
+    console.print(table)
+    console.print(f"wrote calibration.json, calibration.csv and pictures to {out}")

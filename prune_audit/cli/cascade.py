@@ -1,0 +1,122 @@
+"""``prune-audit cascade``: confidence-gated cascade with conformal risk control."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from prune_audit.cli.common import handle_errors
+
+
+@handle_errors
+def cascade(
+    pruned_runs: Annotated[
+        list[Path], typer.Argument(help="Pruned run directories (the stages when --multi-stage).", show_default=False)
+    ],
+    reference: Annotated[
+        Path | None,
+        typer.Option("--reference", help="Dense run over the same questions (required).", show_default=False),
+    ] = None,
+    epsilon: Annotated[float, typer.Option("--epsilon", help="Target mean disagreement with the dense model.")] = 0.02,
+    splits: Annotated[int, typer.Option("--splits", help="Random image splits for the validity check.")] = 200,
+    calibration_fraction: Annotated[
+        float, typer.Option("--calibration-fraction", help="Share of images used to choose the threshold.")
+    ] = 0.5,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the image splits.")] = 0,
+    sweep: Annotated[
+        str | None, typer.Option("--sweep", help="Further targets, comma-separated (e.g. 0.01,0.05,0.1).")
+    ] = None,
+    multi_stage: Annotated[
+        bool,
+        typer.Option("--multi-stage", help="Chain the pruned runs as stages, cheapest first (64 -> 128 -> dense)."),
+    ] = False,
+    out: Annotated[Path, typer.Option("--out", help="Directory for cascade.json and the plots.")] = Path("cascade"),
+    json_output: Annotated[bool, typer.Option("--json", help="Print cascade.json instead of a table.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Run even when model, question files or prompt differ.")
+    ] = False,
+) -> None:
+    """Confidence-gated cascade: the pruned model answers when confident, else the dense one.
+
+    The first pruned stage whose confidence exceeds t answers; otherwise the
+    dense model does. Loss of an image: share of its questions answered by a
+    pruned model with an answer that differs from the dense model's.
+
+    t comes from conformal risk control on calibration images: the smallest t
+    with (n/(n+1)) mean loss + 1/(n+1) <= epsilon, images being the
+    exchangeable unit, so the expected disagreement on new images is at most
+    epsilon. Epsilon below 1/(n+1) is refused.
+
+    Cost: prefill tokens relative to the dense model on every question; an
+    escalated question pays every stage it visits. Without --multi-stage each
+    pruned run forms its own two-stage cascade.
+    """
+    from prune_audit.analysis.outputs import to_json, write_files
+    from prune_audit.analysis.reports import cascade_files, cascade_report
+    from prune_audit.analysis.runs import check_comparable, load_run, unique_labels
+    from prune_audit.errors import PruneAuditError
+
+    if reference is None:
+        raise PruneAuditError("--reference DENSE_RUN is required: the cascade escalates to the dense model")
+    targets = parse_epsilons(sweep) if sweep else []
+    stages = [load_run(path) for path in pruned_runs]
+    dense = load_run(reference)
+    differences = check_comparable([*stages, dense], force)
+    labels = unique_labels(stages)
+    cascades = [(" -> ".join([*labels, "dense"]), stages)] if multi_stage else [
+        (label, [stage]) for label, stage in zip(labels, stages)
+    ]
+    report = cascade_report(cascades, dense, epsilon, targets, splits, calibration_fraction, seed, differences)
+    write_files(out, cascade_files(report, dense.model))
+    if json_output:
+        print(to_json(report), end="")
+    else:
+        print_cascade_table(report, out)
+
+
+def parse_epsilons(text: str) -> list[float]:
+    """"0.01, 0.05" -> [0.01, 0.05]; a malformed entry is a PruneAuditError naming it."""
+    from prune_audit.errors import PruneAuditError
+
+    values = []
+    for item in text.split(","):
+        try:
+            values.append(float(item))
+        except ValueError:
+            raise PruneAuditError(f"--sweep takes comma-separated numbers, got {item.strip()!r}") from None
+    return values
+
+
+def print_cascade_table(report: dict, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from prune_audit.analysis.outputs import json_ready
+
+    report = json_ready(report)
+    table = Table(title=f"Confidence-gated cascade (conformal risk control, epsilon = {report['settings']['epsilon']})")
+    table.add_column("cascade", no_wrap=True)
+    for column in ("t", "escalated", "cost", "savings", "test risk", "held-out mean / worst"):
+        table.add_column(column)
+    for entry in report["cascades"]:
+        checks = entry["validity"]
+        share = entry.get("savings_share")
+        table.add_row(
+            entry["label"],
+            f"{entry['threshold']:.4f}",
+            f"{entry['escalation_rate']:.1%}",
+            f"{entry['relative_cost']:.3f}",
+            "-" if share is None else f"{share:.2f}",
+            f"{entry['disagreement']:.4f}",
+            f"{checks['mean_disagreement']:.4f} / {checks['worst_disagreement']:.4f}",
+        )
+    console = Console()
+    console.print(table)
+    console.print(
+        "t: confidence threshold; cost: prefill tokens relative to dense; savings: share of the possible savings "
+        "(uninformative -> perfect gating); test risk: mean disagreement with dense on the test images; held-out: "
+        f"over {report['settings']['splits']} random image splits"
+    )
+    console.print(f"wrote cascade.json and plots to {out}")
