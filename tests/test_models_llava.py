@@ -265,6 +265,15 @@ def test_describe_names_what_a_manifest_needs(vlm):
     assert description["processor"]["mode"] == "hf_crop"
 
 
+def test_config_hash_ignores_location_and_dtype(vlm, paths, tmp_path):
+    import shutil
+
+    moved = shutil.copytree(paths[0], tmp_path / "elsewhere")
+    other = load_vlm(moved, device="cpu", dtype="bfloat16")
+    assert other.describe()["model"]["config_hash"] == vlm.describe()["model"]["config_hash"]
+    assert other.describe()["dtype"] == "bfloat16"
+
+
 def one_line_error(call) -> str:
     with pytest.raises(PruneAuditError) as error:
         call()

@@ -9,6 +9,8 @@ yes/no reduction and a greedy decoding loop with KV cache.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -46,6 +48,22 @@ def find_image_span(input_ids: Tensor, image_token_id: int) -> tuple[int, int]:
     if end - start != where.numel():
         raise PruneAuditError("the image tokens are not one contiguous span; one image per prompt is supported")
     return start, end
+
+
+# where the checkpoint was read from and how it is stored do not change the model
+_VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "dtype", "torch_dtype", "transformers_version"})
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """16 hex digits of SHA-256 over the sorted config, without path, dtype and library version."""
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in _VOLATILE_CONFIG_KEYS}
+        return value
+
+    text = json.dumps(strip(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -180,12 +198,8 @@ class VisionLanguageModel(ABC):
 
     def describe(self) -> dict[str, Any]:
         """Everything a run manifest needs to reproduce the model side of a run."""
-        import hashlib
-        import json
-
-        config = json.dumps(self.model.config.to_dict(), sort_keys=True, default=str)
         return {
-            "model": {"id": self.model_id, "config_hash": hashlib.sha256(config.encode()).hexdigest()[:16]},
+            "model": {"id": self.model_id, "config_hash": config_hash(self.model.config.to_dict())},
             "family": self.family,
             "prompt": {"template": self.prompt_template, "system": self.system_prompt},
             "dtype": str(self.dtype).removeprefix("torch."),
