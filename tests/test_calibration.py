@@ -9,6 +9,9 @@ from sklearn.metrics import f1_score, log_loss, precision_score, recall_score, r
 
 from prune_audit.analysis import metrics
 from prune_audit.analysis.bootstrap import bootstrap_replicates, estimate, image_counts, percentile_interval
+from prune_audit.analysis.calibration import CalibrationSettings, calibration_audit
+from prune_audit.analysis.outputs import estimates, to_json
+from prune_audit.analysis.questions import QuestionTable
 from prune_audit.analysis.temperature import fit_temperature, scaled_probabilities, split_images
 from prune_audit.errors import PruneAuditError
 
@@ -202,14 +205,13 @@ def test_weights_equal_materialised_duplicates(name):
 
 
 def test_temperature_fit_matches_a_brute_force_grid_and_recovers_the_truth():
-    logit_diff, label_yes, answer_yes, correct, confidence, _ = two_way_sample(20000, seed=11, temperature=2.5)
+    logit_diff, label_yes, answer_yes, correct, confidence, _ = two_way_sample(10000, seed=11, temperature=2.5)
     fit = fit_temperature(logit_diff, label_yes)
-    grid = np.exp(np.linspace(np.log(0.5), np.log(10.0), 20001))
-    losses = [metrics.nll(logit_diff / t, label_yes) for t in grid[::20]]
-    coarse = grid[::20][int(np.argmin(losses))]
-    fine = grid[(grid > coarse / 1.01) & (grid < coarse * 1.01)]
-    best = fine[int(np.argmin([metrics.nll(logit_diff / t, label_yes) for t in fine]))]
-    assert fit.temperature == pytest.approx(best, rel=2e-4)
+    grid = np.exp(np.linspace(np.log(0.5), np.log(10.0), 6001))
+    sign = np.where(label_yes, 1.0, -1.0)
+    losses = [np.logaddexp(0.0, -sign * logit_diff / part[:, None]).mean(axis=1) for part in np.array_split(grid, 60)]
+    best = grid[int(np.argmin(np.concatenate(losses)))]
+    assert fit.temperature == pytest.approx(best, rel=1e-3)  # the grid step is 5e-4 in log T
     assert fit.temperature == pytest.approx(2.5, rel=0.05)
     assert fit.nll_after < fit.nll_before and not fit.at_bound
     p_scaled, confidence_scaled = scaled_probabilities(logit_diff, fit.temperature)
@@ -279,3 +281,56 @@ def test_clustered_intervals_are_wider_than_question_level_ones_for_correlated_i
     clustered = bootstrap_replicates(statistic, image_index, image_counts(200, 1000, seed=0))["accuracy"]
     naive = bootstrap_replicates(statistic, np.arange(1200), image_counts(1200, 1000, seed=0))["accuracy"]
     assert np.std(clustered) > 2.0 * np.std(naive)  # sqrt(6) in theory
+
+
+def question_table(n_images, seed):
+    logit_diff, label_yes, answer_yes, correct, confidence, p_yes = two_way_sample(6 * n_images, seed)
+    retention = np.where(label_yes, np.random.default_rng(seed).choice([0.0, 0.2, 0.6], 6 * n_images), np.nan)
+    return QuestionTable(
+        split=np.tile(["random", "popular"], 3 * n_images),
+        question_id=np.arange(6 * n_images),
+        image_id=np.repeat(np.arange(n_images) + 100, 6),
+        label_yes=label_yes,
+        answer_yes=answer_yes,
+        correct=correct,
+        confidence=confidence,
+        p_yes=p_yes,
+        logit_diff=logit_diff,
+        retention=retention,
+        lost=np.where(label_yes, retention == 0.0, np.nan),
+        prefill_tokens=np.full(6 * n_images, 50),
+    )
+
+
+def test_differences_against_an_identical_reference_are_exactly_zero():
+    pruned = question_table(30, seed=17)
+    report = calibration_audit([pruned], CalibrationSettings(bootstrap=200, seed=1), reference=pruned)
+    differences = report["runs"][0]["difference_vs_reference"]
+    values = [leaf for _, leaf in estimates(differences)]
+    assert len(values) > 30
+    for leaf in values:  # paired resamples: the same images for both, so every replicate difference is 0
+        assert leaf["value"] == 0.0 or np.isnan(leaf["value"])
+        assert leaf["ci95"] == [0.0, 0.0] or np.isnan(leaf["ci95"][0])
+    survival = report["runs"][0]["survival"]
+    lost = pruned.lost == 1.0
+    assert survival["lost"]["count"]["value"] == lost.sum()
+    assert survival["lost"]["accuracy"]["value"] == pytest.approx(pruned.correct[lost].mean())
+    assert survival["retention (0, 0.25]"]["confidence"]["value"] == pytest.approx(
+        pruned.confidence[pruned.retention == 0.2].mean()
+    )
+    assert set(report["runs"][0]["metrics"]) == {"all", "random", "popular"}
+
+
+def test_same_seed_same_audit_other_seed_other_intervals():
+    table = question_table(20, seed=19)
+    first, again, other = (calibration_audit([table], CalibrationSettings(bootstrap=100, seed=s)) for s in (3, 3, 4))
+    assert to_json(first) == to_json(again)
+    one, two = (report["runs"][0]["metrics"]["all"]["accuracy"] for report in (first, other))
+    assert one["value"] == two["value"] and one["ci95"] != two["ci95"]
+
+
+def test_a_reference_over_other_questions_is_refused_before_any_work():
+    pruned = question_table(10, seed=18)
+    other = QuestionTable(**{**pruned.columns(), "question_id": np.r_[pruned.question_id[:-1], 10_000]})
+    with pytest.raises(PruneAuditError, match=r"1 missing, 1 extra"):
+        calibration_audit([pruned], CalibrationSettings(bootstrap=10), reference=other)

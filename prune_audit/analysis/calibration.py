@@ -254,13 +254,15 @@ def run_summary(audit: RunAudit, reference: RunAudit | None = None) -> dict:
                 {f"reference_{metric}": value for metric, value in measured.summary().items() if metric != "count"}
             )
         summary["difference_vs_reference"] = {
-            **{
+            "metrics": {
                 name: measured.minus(reference.groups[name])
                 for name, measured in audit.groups.items()
                 if name in reference.groups
             },
-            "test_after_scaling": audit.scaled["after"].minus(reference.scaled["after"]),
-            **{
+            "temperature": {
+                f"test_{stage}": audit.scaled[stage].minus(reference.scaled[stage]) for stage in ("before", "after")
+            },
+            "survival": {
                 name: {k: v for k, v in measured.minus(audit.reference_survival[name]).items() if k != "count"}
                 for name, measured in audit.survival.items()
             },
@@ -275,15 +277,16 @@ def calibration_audit(
 
     With a reference, each run's questions must be the reference's (paired by (split, question_id)).
     """
+    # pair every run with the reference before any heavy work, so a mismatch fails fast
+    aligned = [reference.aligned_to(table) if reference is not None else None for table in tables]
     resamples = ImageResamples.draw([*tables, *([reference] if reference is not None else [])], settings)
     reference_audit = audit_run(reference, settings, resamples) if reference is not None else None
     runs = []
-    for table in tables:
+    for table, paired in zip(tables, aligned):
         audit = audit_run(table, settings, resamples)
-        if reference is not None:
-            aligned = reference.aligned_to(table)
+        if paired is not None:
             audit.reference_survival = survival_measures(
-                aligned, survival_groups(table), aligned.image_index(resamples.images), resamples.counts
+                paired, survival_groups(table), paired.image_index(resamples.images), resamples.counts
             )
         runs.append(run_summary(audit, reference_audit))
     return {

@@ -44,8 +44,9 @@ class Run:
 
     @property
     def selector(self) -> str:
-        selector = self.manifest.get("selector") or {}
-        return str(selector.get("name") or "dense")
+        """The selector's name; ``dense`` for the unpruned reference (no selector, or ``none``)."""
+        name = (self.manifest.get("selector") or {}).get("name")
+        return "dense" if name in (None, "none") else str(name)
 
     @property
     def budget(self) -> Any:

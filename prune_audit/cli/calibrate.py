@@ -102,6 +102,10 @@ def _cell(estimate: dict | None) -> str:
     return f"{estimate['value']:.3f}{interval}"
 
 
+def _temperature(fit: dict) -> str:
+    return f"{fit['temperature']:.3f}" + (" (at search bound)" if fit["at_bound"] else "")
+
+
 def _count(estimate: dict) -> str:
     return "-" if estimate["value"] is None else str(int(estimate["value"]))
 
@@ -122,7 +126,7 @@ def print_calibration_table(report: dict, out: Path) -> None:
     for name, key in TABLE_ROWS:
         table.add_row(name, *(_cell(entry["metrics"]["all"][key]) for entry in entries))
     table.add_section()
-    table.add_row("temperature T", *(f"{entry['temperature']['temperature']:.3f}" for entry in entries))
+    table.add_row("temperature T", *(_temperature(entry["temperature"]) for entry in entries))
     for name, key in (("accuracy", "accuracy"), ("AUROC", "auroc"), ("ECE", "ece"), ("NLL", "nll"), ("Brier", "brier")):
         for stage in ("test_before", "test_after"):
             label = f"{name} {'before' if stage == 'test_before' else 'after'} scaling (test)"
@@ -137,10 +141,11 @@ def print_calibration_table(report: dict, out: Path) -> None:
     if report["reference"]:
         table.add_section()
         for name, key in (("accuracy", "accuracy"), ("ECE", "ece"), ("AUROC", "auroc")):
-            table.add_row(
-                f"{name} minus reference",
-                *(_cell((entry.get("difference_vs_reference") or {}).get("all", {}).get(key)) for entry in entries),
+            differences = (
+                entry.get("difference_vs_reference", {}).get("metrics", {}).get("all", {})
+                for entry in entries
             )
+            table.add_row(f"{name} minus reference", *(_cell(difference.get(key)) for difference in differences))
     console = Console()
     console.print(table)
     console.print(f"wrote calibration.json, calibration.csv and pictures to {out}")
