@@ -72,10 +72,9 @@ def test_unpruned_equals_stock_forward(vlm, prepared):
 @pytest.mark.parametrize("name", list_selectors())
 def test_every_selector_at_full_budget_equals_unpruned(vlm, prepared, name):
     item = prepared[0]
-    [answer] = vlm.answer([item], get_selector(name), GRID * GRID)
-    assert answer.visual_tokens_avg == GRID * GRID
-    difference = (logits_of(vlm, [item], get_selector(name), GRID * GRID)[0] - stock_logits(vlm, item)).abs().max()
-    assert difference <= TOL
+    prefill, _ = vlm.prefill([item], get_selector(name), GRID * GRID)
+    assert prefill.tokens_per_layer[0] == [GRID * GRID] * NUM_LAYERS
+    assert (prefill.logits[0] - stock_logits(vlm, item)).abs().max() <= TOL
 
 
 @pytest.mark.parametrize("name", [n for n in list_selectors() if selector_class(n).stage == "input"])
@@ -102,10 +101,14 @@ def test_input_level_selection_equals_stock_forward_on_a_shortened_prompt(vlm, p
     assert (logits_of(vlm, [item], get_selector("cls_attn"), 16)[0] - reference).abs().max() <= TOL
 
 
-def eager_outputs(path, item):
+@pytest.fixture(scope="module")
+def eager_model(paths):
     from transformers import LlavaForConditionalGeneration
 
-    eager = LlavaForConditionalGeneration.from_pretrained(path, attn_implementation="eager").eval()
+    return LlavaForConditionalGeneration.from_pretrained(paths[0], attn_implementation="eager").eval()
+
+
+def eager_outputs(eager, item):
     with torch.no_grad():
         language = eager(
             input_ids=item.input_ids[None], pixel_values=item.pixel_values[None],
@@ -115,9 +118,9 @@ def eager_outputs(path, item):
     return eager, language, vision
 
 
-def test_decoder_probe_equals_eager_attention_rows(vlm, paths, prepared):
+def test_decoder_probe_equals_eager_attention_rows(vlm, eager_model, prepared):
     item = prepared[1]
-    _, language, _ = eager_outputs(paths[0], item)
+    _, language, _ = eager_outputs(eager_model, item)
     start, end = item.image_span
     for layer in (1, 2):
         selector = RecordingLayerSelector(layer=layer, keep=GRID * GRID - 1)
@@ -132,9 +135,9 @@ def test_decoder_probe_equals_eager_attention_rows(vlm, paths, prepared):
         assert torch.equal(signals.alive, torch.arange(GRID * GRID))
 
 
-def test_clip_cls_row_equals_eager_attention(vlm, paths, prepared):
+def test_clip_cls_row_equals_eager_attention(vlm, eager_model, prepared):
     item = prepared[0]
-    eager, _, vision = eager_outputs(paths[0], item)
+    eager, _, vision = eager_outputs(eager_model, item)
     feature_index = vlm.feature_index
     reference = vision.attentions[feature_index - 1][0, :, 0]  # (H, 1 + N) CLS row
     probs, _ = clip_cls_row(eager.model.vision_tower.encoder.layers[feature_index - 1], vision.hidden_states[feature_index - 1])
@@ -148,9 +151,9 @@ def test_clip_cls_row_equals_eager_attention(vlm, paths, prepared):
     assert signals.vision_keys.shape[1] == GRID * GRID + 1
 
 
-def test_demand_is_the_first_layer_text_to_visual_attention(vlm, paths, prepared):
+def test_demand_is_the_first_layer_text_to_visual_attention(vlm, eager_model, prepared):
     item = prepared[1]
-    _, language, _ = eager_outputs(paths[0], item)
+    _, language, _ = eager_outputs(eager_model, item)
     start, end = item.image_span
     expected = language.attentions[0][0, :, end:, start:end].mean(dim=(0, 1))
     selector = RecordingInputSelector()
@@ -184,14 +187,14 @@ def test_compact_positions_renumber_like_a_shortened_prompt(vlm, prepared):
 def test_batch_equals_one_at_a_time(vlm, prepared, name):
     selector = None if name is None else get_selector(name)
     budget = None if name is None else 24
-    together = vlm.answer(prepared, selector, budget)
-    batched_logits = logits_of(vlm, prepared, selector, budget)
+    together, selections = vlm.prefill(prepared, selector, budget)
     for b, item in enumerate(prepared):
-        [alone] = vlm.answer([item], selector, budget)
-        assert together[b].kept_stages == alone.kept_stages
-        assert together[b].tokens_per_layer == alone.tokens_per_layer
-        assert together[b].answer == alone.answer
-        assert (batched_logits[b] - logits_of(vlm, [item], selector, budget)[0]).abs().max() <= 1e-4
+        alone, selection = vlm.prefill([item], selector, budget)
+        assert together.kept_stages[b] == alone.kept_stages[0]
+        assert together.tokens_per_layer[b] == alone.tokens_per_layer[0]
+        if selection[0] is not None:
+            assert torch.equal(selections[b].kept, selection[0].kept)
+        assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
 
 
 def test_forced_kept_set_is_honoured(vlm, prepared):

@@ -76,8 +76,9 @@ def test_every_selector_at_full_budget_equals_unpruned_or_refuses(vlm, prepared,
             vlm.answer([item], get_selector(name), item.num_visual)
         assert "selectors that work here: " + ", ".join(vlm.supported_selectors()) in str(error.value)
         return
-    difference = (logits_of(vlm, [item], get_selector(name), item.num_visual)[0] - stock_logits(vlm, item)).abs()
-    assert difference.max() <= TOL
+    prefill, _ = vlm.prefill([item], get_selector(name), item.num_visual)
+    assert prefill.tokens_per_layer[0] == [item.num_visual] * NUM_LAYERS
+    assert (prefill.logits[0] - stock_logits(vlm, item)).abs().max() <= TOL
 
 
 def test_decoder_probe_equals_eager_attention_with_gqa_and_mrope(vlm, path, prepared):
@@ -121,13 +122,14 @@ def test_in_llm_drop_equals_masked_reference(vlm, prepared, name):
 def test_batch_with_different_grids_equals_one_at_a_time(vlm, prepared, name):
     selector = None if name is None else get_selector(name)
     budget = None if name is None else 16
-    together = vlm.answer(prepared, selector, budget)
-    batched = logits_of(vlm, prepared, selector, budget)
+    together, selections = vlm.prefill(prepared, selector, budget)
     for b, item in enumerate(prepared):
-        [alone] = vlm.answer([item], selector, budget)
-        assert together[b].kept_stages == alone.kept_stages
-        assert together[b].tokens_per_layer == alone.tokens_per_layer
-        assert (batched[b] - logits_of(vlm, [item], selector, budget)[0]).abs().max() <= 1e-4
+        alone, selection = vlm.prefill([item], selector, budget)
+        assert together.kept_stages[b] == alone.kept_stages[0]
+        assert together.tokens_per_layer[b] == alone.tokens_per_layer[0]
+        if selection[0] is not None:
+            assert torch.equal(selections[b].kept, selection[0].kept)
+        assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
 
 
 def test_unpruned_generation_equals_stock_generate(vlm, prepared):
