@@ -137,6 +137,9 @@ def test_writes_json_csv_and_pictures(audit):
     (accuracy,) = [r for r in rows if (r["run"], r["section"], r["group"], r["metric"]) == key]
     assert float(accuracy["value"]) == pytest.approx(report["runs"][0]["metrics"]["all"]["accuracy"]["value"])
     assert {r["section"] for r in rows} == {"metrics", "temperature", "survival", "difference_vs_reference"}
+    (temperature,) = [r for r in rows if r["run"] == "divprune@64" and r["metric"] == "temperature"]
+    assert float(temperature["value"]) == report["runs"][0]["temperature"]["temperature"]
+    assert temperature["ci_low"] == temperature["ci_high"] == ""
 
 
 def test_json_numbers_match_an_independent_computation(audit, runs):

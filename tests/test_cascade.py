@@ -12,6 +12,7 @@ from prune_audit.analysis.cascade import (
     image_loss_curve,
     loss_jumps,
     question_loss,
+    split_masks,
 )
 from prune_audit.analysis.questions import QuestionTable
 from prune_audit.errors import PruneAuditError
@@ -159,6 +160,11 @@ def test_infeasible_targets_are_clear_errors():
     pruned, dense = synthetic_cascade(images=20, per_image=6, seed=5)
     with pytest.raises(PruneAuditError, match=r"infeasible with 10 calibration images.*1/\(n\+1\) = 0.09091"):
         cascade_audit([pruned], dense, [0.05], splits=5)
+    # exactly 1/(n+1) is feasible and admits only thresholds without loss on the calibration images
+    edge = cascade_audit([pruned], dense, [1 / 11], splits=5)[0]
+    questions = CascadeQuestions.from_tables([pruned], dense)
+    calibration, _ = split_masks(questions.image_ids, 0.5, seed=0)
+    assert evaluate_policy(questions, calibration, edge["threshold"])["disagreement"] == 0.0
     with pytest.raises(PruneAuditError, match="strictly between 0 and 1"):
         cascade_audit([pruned], dense, [1.5], splits=5)
     other = table(np.arange(len(pruned)), dense.answer_yes, pruned.confidence, 40)

@@ -146,13 +146,18 @@ def minimum_epsilon(calibration_images: int) -> float:
     return 1.0 / (calibration_images + 1)
 
 
+def loss_allowance(epsilons: np.ndarray, calibration_images: int) -> np.ndarray:
+    """(E,) the largest summed calibration loss each target allows: (n + 1) epsilon - 1, plus round-off slack."""
+    return (calibration_images + 1) * np.asarray(epsilons, dtype=np.float64) - 1.0 + ROUND_OFF
+
+
 def check_epsilons(epsilons: Sequence[float], calibration_images: int) -> None:
     """Raise a PruneAuditError naming the bound when a target is out of (0, 1) or infeasible."""
     floor = minimum_epsilon(calibration_images)
     for epsilon in epsilons:
         if not 0.0 < epsilon < 1.0:
             raise PruneAuditError(f"epsilon must lie strictly between 0 and 1, got {epsilon}")
-        if epsilon < floor - ROUND_OFF:
+        if loss_allowance(np.array([epsilon]), calibration_images)[0] < 0:
             raise PruneAuditError(
                 f"epsilon {epsilon} is infeasible with {calibration_images} calibration images: conformal risk "
                 f"control needs epsilon >= 1/(n+1) = {floor:.4g}; use a larger epsilon or more calibration images"
@@ -162,20 +167,18 @@ def check_epsilons(epsilons: Sequence[float], calibration_images: int) -> None:
 def crc_thresholds(jumps: LossJumps, calibration: np.ndarray, epsilons: np.ndarray) -> np.ndarray:
     """(E,) the CRC threshold for each target on the calibration images (mask over images).
 
-    Raises PruneAuditError when no candidate threshold meets a target.
+    Every feasible target (``check_epsilons``) has a threshold: at the largest confidence every
+    question escalates, the summed loss is 0 and 1 <= (n + 1) epsilon holds.
     """
     count = int(calibration.sum())
+    check_epsilons(np.asarray(epsilons).tolist(), count)
     selected = calibration[jumps.image]
     levels = np.concatenate([[0.0], jumps.threshold[selected]])
     totals = np.cumsum(np.concatenate([[0.0], jumps.change[selected]]))
     # the summed loss at a level is the running total after its last jump
     last = np.r_[np.flatnonzero(np.diff(levels)), len(levels) - 1]
     levels, totals = levels[last], totals[last]
-    bounds = (count + 1) * np.asarray(epsilons, dtype=np.float64) - 1.0 + ROUND_OFF
-    first = np.searchsorted(-totals, -bounds, side="left")  # totals are non-increasing in t
-    if np.any(first == len(levels)):
-        check_epsilons(np.asarray(epsilons)[first == len(levels)].tolist(), count)
-        raise PruneAuditError(f"no confidence threshold meets epsilon on {count} calibration images")
+    first = np.searchsorted(-totals, -loss_allowance(epsilons, count), side="left")  # totals are non-increasing in t
     return levels[first]
 
 
@@ -292,7 +295,7 @@ def cascade_audit(
     questions = CascadeQuestions.from_tables(stages, dense)
     calibration, test = split_masks(questions.image_ids, calibration_fraction, seed)
     targets = np.unique(np.asarray(epsilons, dtype=np.float64))
-    check_epsilons(targets.tolist(), int(calibration.sum()))
+    check_epsilons(targets.tolist(), int(calibration.sum()))  # before the validity splits, which need the same
     jumps = loss_jumps(questions)
     checks = validity(questions, jumps, targets, splits, calibration_fraction, seed)
     results = []

@@ -30,16 +30,21 @@ def to_json(value: Any) -> str:
 
 
 def estimates(tree: Mapping[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], dict]]:
-    """Every {"value", "ci95"} leaf of a nested report, with the keys leading to it."""
+    """Every {"value", "ci95"} leaf of a nested report, with the keys leading to it.
+
+    A plain number (not a bool) is yielded as an estimate without interval.
+    """
     for key, item in tree.items():
         if isinstance(item, Mapping) and "value" in item and "ci95" in item:
             yield (*path, key), item
         elif isinstance(item, Mapping):
             yield from estimates(item, (*path, key))
+        elif isinstance(item, (int, float)) and not isinstance(item, bool):
+            yield (*path, key), {"value": item, "ci95": [None, None]}
 
 
 def estimates_csv(rows: Mapping[str, Mapping[str, Any]], sections: tuple[str, ...]) -> str:
-    """CSV with columns run, section, group, metric, value, ci_low, ci_high.
+    """CSV with columns run, section, group, metric, value, ci_low, ci_high (empty when not estimated).
 
     Args:
         rows: run label -> report of that run.
