@@ -5,8 +5,8 @@ Every metric takes per-question arrays of length n and an optional ``weights`` m
 estimate as a float; a (B, n) matrix returns (B,) values, value b being the metric on
 the dataset in which question i appears ``weights[b, i]`` times. The image-clustered
 bootstrap (``prune_audit.analysis.bootstrap``) evaluates thousands of resamples this
-way without materialising them. Undefined values (a ratio with an empty denominator,
-AUROC with one class) are NaN.
+way without materialising them; every metric needs at least one question. Undefined
+values (a ratio with an empty denominator, AUROC with one class) are NaN.
 
 Conventions:
 - Top-label: ``confidence`` = max(p_yes, 1 - p_yes) of the two-way probabilities and
