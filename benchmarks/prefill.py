@@ -9,9 +9,10 @@ shadow the standard library module of that name.)
 Builds a random LLaVA-shaped model offline (CLIP 336 px / 14 px patches = 576 visual
 tokens, Llama decoder) plus a CLIP text tower for CDPruner, prepares one prompt of
 about 40 text tokens, and times ``answer()`` (vision tower, selection, pruned
-language-model prefill) for the dense model and for each selector. Each time is the
-minimum over ``--repeats`` runs after a warm-up, dense and pruned runs alternated so
-both see the same load (the machine may be shared).
+language-model prefill) for the dense model and for each selector. A dense run precedes
+every pruned run; a selector's time is the minimum of its ``--repeats`` runs after a
+warm-up and the dense time the minimum of all dense runs (minima filter out the load of
+a shared machine).
 
 ``ideal`` is the FLOP ratio pruned / dense from the realised tokens per decoder
 layer: vision tower (unchanged) + every decoder layer's projections, MLP and
@@ -45,7 +46,7 @@ QUESTION = (
 
 SIZES = {
     "vision_hidden_size": 192, "vision_intermediate_size": 768, "vision_layers": 4, "vision_heads": 4,
-    "text_hidden_size": 384, "text_intermediate_size": 1024, "text_layers": 16, "text_heads": 6,
+    "text_hidden_size": 256, "text_intermediate_size": 704, "text_layers": 32, "text_heads": 4,
 }
 
 
@@ -86,58 +87,74 @@ def run_once(vlm, prepared, selector, budget):
     return (clock() - start) * 1000, answer
 
 
-def paired_times(vlm, prepared, selector, budget, repeats: int):
-    """Minimum ms of dense and pruned runs, alternated so both see the same machine load."""
+def alternated_times(vlm, prepared, selector, budget, repeats: int, dense_times: list[float]):
+    """Minimum ms of ``repeats`` pruned runs; a dense run precedes each and joins ``dense_times``."""
     run_once(vlm, prepared, selector, budget)  # warm-up
-    dense_ms = pruned_ms = float("inf")
+    pruned_ms = float("inf")
     for _ in range(repeats):
-        dense_ms = min(dense_ms, run_once(vlm, prepared, None, None)[0])
+        dense_times.append(run_once(vlm, prepared, None, None)[0])
         ms, answer = run_once(vlm, prepared, selector, budget)
         pruned_ms = min(pruned_ms, ms)
-    return dense_ms, pruned_ms, answer
+    return pruned_ms, answer
+
+
+def benchmark_model():
+    """The random LLaVA-shaped model (with a CLIP text tower for CDPruner), loaded on CPU."""
+    with tempfile.TemporaryDirectory() as folder:
+        model = build_llava(Path(folder) / "llava", words=WORDS, image_size=336, patch_size=14, **SIZES)
+        clip = build_clip(Path(folder) / "clip", words=WORDS, vision_hidden_size=SIZES["vision_hidden_size"],
+                          image_size=336, context_length=77)
+        return load_vlm(model, device="cpu", clip_text=clip)
+
+
+def measure(vlm, prepared, names, budgets, repeats):
+    """(rows, dense_times): per (selector, budget) its stage, pruned ms and answer, or the error."""
+    dense_times, rows = [], []
+    for name in names:
+        selector = get_selector(name)
+        for budget in budgets:
+            try:
+                ms, answer = alternated_times(vlm, prepared, selector, budget, repeats, dense_times)
+            except PruneAuditError as error:
+                rows.append((name, selector.stage, budget, None, str(error)))
+                continue
+            rows.append((name, selector.stage, budget, ms, answer))
+    return rows, dense_times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--selectors", nargs="*", default=None, help="default: every registered selector")
     parser.add_argument("--budgets", nargs="*", type=int, default=[64, 128])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="1 (default) times thread CPU time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as folder:
-        model = build_llava(Path(folder) / "llava", words=WORDS, image_size=336, patch_size=14, **SIZES)
-        clip = build_clip(Path(folder) / "clip", words=WORDS, vision_hidden_size=SIZES["vision_hidden_size"],
-                          image_size=336, context_length=77)
-        vlm = load_vlm(model, device="cpu", clip_text=clip)
+    vlm = benchmark_model()
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (480, 640, 3), dtype=np.uint8))
     prepared = vlm.prepare(image, QUESTION)
     num_visual, vocabulary = prepared.num_visual, len(vlm.tokenizer)
     text_tokens = prepared.input_ids.numel() - num_visual
-    dense_ms, dense = run_once(vlm, prepared, None, None)
-    dense_flops = ideal_flops(dense, text_tokens, num_visual, vocabulary)
+    dense_flops = ideal_flops(run_once(vlm, prepared, None, None)[1], text_tokens, num_visual, vocabulary)
+    measured, dense_times = measure(vlm, prepared, args.selectors or list_selectors(), args.budgets, args.repeats)
+    dense_ms = min(dense_times)
     kind = "thread CPU time" if args.threads == 1 else "wall time"
     print(f"{num_visual} visual + {text_tokens} text tokens, {vlm.num_layers} decoder layers, {args.threads} thread(s); "
-          f"{kind}, minimum over {args.repeats} runs, dense and pruned alternated")
-    print("| selector | stage | budget | realised avg | dense ms | pruned ms | measured ratio | ideal ratio | "
-          "measured / ideal |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"{kind}; pruned: minimum of {args.repeats} runs; dense: minimum of all {len(dense_times)} dense runs "
+          f"(one before each pruned run) = {dense_ms:.1f} ms")
+    print("| selector | stage | budget | realised avg | pruned ms | measured ratio | ideal ratio | measured / ideal |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
-    for name in args.selectors or list_selectors():
-        selector = get_selector(name)
-        for budget in args.budgets:
-            try:
-                dense_ms, ms, answer = paired_times(vlm, prepared, selector, budget, args.repeats)
-            except PruneAuditError as error:
-                print(f"| {name} | {selector.stage} | {budget} | not run: {error} | | | | | |")
-                continue
-            measured, ideal = ms / dense_ms, ideal_flops(answer, text_tokens, num_visual, vocabulary) / dense_flops
-            rows.append({"selector": name, "stage": selector.stage, "budget": budget,
-                         "realised_avg": answer.visual_tokens_avg, "dense_ms": dense_ms, "ms": ms,
-                         "measured": measured, "ideal": ideal})
-            print(f"| {name} | {selector.stage} | {budget} | {answer.visual_tokens_avg:.1f} | {dense_ms:.0f} | "
-                  f"{ms:.0f} | {measured:.3f} | {ideal:.3f} | {measured / ideal:.2f} |")
-    print(json.dumps({"rows": rows}))
+    for name, stage, budget, ms, answer in measured:
+        if ms is None:
+            print(f"| {name} | {stage} | {budget} | not run: {answer} | | | | |")
+            continue
+        ratio, ideal = ms / dense_ms, ideal_flops(answer, text_tokens, num_visual, vocabulary) / dense_flops
+        rows.append({"selector": name, "stage": stage, "budget": budget, "realised_avg": answer.visual_tokens_avg,
+                     "ms": ms, "measured": ratio, "ideal": ideal})
+        print(f"| {name} | {stage} | {budget} | {answer.visual_tokens_avg:.1f} | {ms:.1f} | {ratio:.3f} | "
+              f"{ideal:.3f} | {ratio / ideal:.2f} |")
+    print(json.dumps({"dense_ms": dense_ms, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ class VisionLanguageModel(ABC):
         self.model_id = model_id
         self.prompt_template = prompt_template
         self.system_prompt = system_prompt
+        self._schedules: dict[tuple, list[Stage]] = {}
         self.yes_ids = answer_token_ids(tokenizer, "yes")
         self.no_ids = answer_token_ids(tokenizer, "no")
         if not self.yes_ids or not self.no_ids:
@@ -433,12 +434,21 @@ class VisionLanguageModel(ABC):
                 forced.append([torch.as_tensor(sorted(set(kept)), dtype=torch.long) for _, kept in ordered])
             self._check_stage_layers(stages)
             return LayerPlan(stages, grids, positions, selector, forced)
-        try:
-            stages = [selector.schedule(self.num_layers, item.num_visual, budget) for item in prepared]
-        except ValueError as error:
-            raise PruneAuditError(f"selector {selector.name!r} has no schedule for budget {budget}: {error}") from None
+        stages = [self._schedule(selector, item.num_visual, budget) for item in prepared]
         self._check_stage_layers(stages)
         return LayerPlan(stages, grids, positions, selector)
+
+    def _schedule(self, selector: LayerSelector, num_visual: int, budget: int) -> list[Stage]:
+        """The selector's schedule, solved once per (options, token count, budget): solving takes milliseconds."""
+        key = (selector.name, repr(selector.options()), num_visual, budget)
+        if key not in self._schedules:
+            try:
+                self._schedules[key] = selector.schedule(self.num_layers, num_visual, budget)
+            except ValueError as error:
+                raise PruneAuditError(
+                    f"selector {selector.name!r} has no schedule for budget {budget}: {error}"
+                ) from None
+        return self._schedules[key]
 
     def _check_stage_layers(self, stages: list[list[Stage]]) -> None:
         for row in stages:
