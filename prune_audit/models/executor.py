@@ -208,6 +208,11 @@ class LanguageLoop:
 
     @torch.no_grad()
     def prefill(self, batch: Batch, plan: LayerPlan | None = None, use_cache: bool = False) -> Prefill:
+        """Run every decoder layer, pruning at the input of each stage layer of ``plan``.
+
+        Stages are applied before the layer runs, so a stage at layer l sees the signals
+        at the input of l and layers l.. process only the survivors.
+        """
         from transformers import DynamicCache
 
         plan = plan or LayerPlan(stages=[[] for _ in range(batch.size)], grids=[(0, 0)] * batch.size)
@@ -240,15 +245,16 @@ class LanguageLoop:
             )
             batch = replace(batch, hidden=hidden)
             key_valid.append(batch.valid)
-        last = self.stack.norm(batch.hidden[:, -1])
-        logits = self.stack.lm_head(last).float()
-        decode = None
-        if use_cache:
-            # the next token follows the largest position of its row in every plane (as Qwen's rope deltas do)
-            last = batch.positions.masked_fill(~batch.valid[None], -1).amax(dim=(0, 2)) + 1
-            next_position = last[None].expand(batch.positions.shape[0], -1).clone()
-            decode = DecodeState(cache, key_valid, next_position, plan.positions, batch.positions.shape[0])
+        logits = self.stack.lm_head(self.stack.norm(batch.hidden[:, -1])).float()
+        decode = self._decode_state(batch, cache, key_valid, plan.positions) if use_cache else None
         return Prefill(logits, kept_stages, stage_layers, counts, prefill_tokens, decode)
+
+    @staticmethod
+    def _decode_state(batch: Batch, cache: Any, key_valid: list[Tensor], positions: str) -> DecodeState:
+        # the next token follows the largest position of its row in every plane (as Qwen's rope deltas do)
+        last = batch.positions.masked_fill(~batch.valid[None], -1).amax(dim=(0, 2)) + 1
+        planes = batch.positions.shape[0]
+        return DecodeState(cache, key_valid, last[None].expand(planes, -1).clone(), positions, planes)
 
     @torch.no_grad()
     def decode_step(self, state: DecodeState, token_ids: Tensor) -> Tensor:
