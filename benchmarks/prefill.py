@@ -10,9 +10,8 @@ Builds a random LLaVA-shaped model offline (CLIP 336 px / 14 px patches = 576 vi
 tokens, Llama decoder) plus a CLIP text tower for CDPruner, prepares one prompt of
 about 40 text tokens, and times ``answer()`` (vision tower, selection, pruned
 language-model prefill) for the dense model and for each selector. A dense run precedes
-every pruned run; a selector's time is the minimum of its ``--repeats`` runs after a
-warm-up and the dense time the minimum of all dense runs (minima filter out the load of
-a shared machine).
+every pruned run and the measured ratio is the median of pruned / dense over these
+adjacent pairs, which cancels most of the load of a shared machine.
 
 ``ideal`` is the FLOP ratio pruned / dense from the realised tokens per decoder
 layer: vision tower (unchanged) + every decoder layer's projections, MLP and
@@ -87,15 +86,19 @@ def run_once(vlm, prepared, selector, budget):
     return (clock() - start) * 1000, answer
 
 
-def alternated_times(vlm, prepared, selector, budget, repeats: int, dense_times: list[float]):
-    """Minimum ms of ``repeats`` pruned runs; a dense run precedes each and joins ``dense_times``."""
+def paired_ratio(vlm, prepared, selector, budget, repeats: int):
+    """(median of pruned / dense over adjacent run pairs, minimum pruned ms, answer).
+
+    Adjacent runs see nearly the same machine load, so their ratio cancels most of it.
+    """
     run_once(vlm, prepared, selector, budget)  # warm-up
-    pruned_ms = float("inf")
+    ratios, pruned_ms = [], float("inf")
     for _ in range(repeats):
-        dense_times.append(run_once(vlm, prepared, None, None)[0])
+        dense_ms = run_once(vlm, prepared, None, None)[0]
         ms, answer = run_once(vlm, prepared, selector, budget)
+        ratios.append(ms / dense_ms)
         pruned_ms = min(pruned_ms, ms)
-    return pruned_ms, answer
+    return float(np.median(ratios)), pruned_ms, answer
 
 
 def benchmark_model():
@@ -105,21 +108,6 @@ def benchmark_model():
         clip = build_clip(Path(folder) / "clip", words=WORDS, vision_hidden_size=SIZES["vision_hidden_size"],
                           image_size=336, context_length=77)
         return load_vlm(model, device="cpu", clip_text=clip)
-
-
-def measure(vlm, prepared, names, budgets, repeats):
-    """(rows, dense_times): per (selector, budget) its stage, pruned ms and answer, or the error."""
-    dense_times, rows = [], []
-    for name in names:
-        selector = get_selector(name)
-        for budget in budgets:
-            try:
-                ms, answer = alternated_times(vlm, prepared, selector, budget, repeats, dense_times)
-            except PruneAuditError as error:
-                rows.append((name, selector.stage, budget, None, str(error)))
-                continue
-            rows.append((name, selector.stage, budget, ms, answer))
-    return rows, dense_times
 
 
 def main() -> None:
@@ -135,25 +123,31 @@ def main() -> None:
     prepared = vlm.prepare(image, QUESTION)
     num_visual, vocabulary = prepared.num_visual, len(vlm.tokenizer)
     text_tokens = prepared.input_ids.numel() - num_visual
-    dense_flops = ideal_flops(run_once(vlm, prepared, None, None)[1], text_tokens, num_visual, vocabulary)
-    measured, dense_times = measure(vlm, prepared, args.selectors or list_selectors(), args.budgets, args.repeats)
-    dense_ms = min(dense_times)
+    dense_runs = [run_once(vlm, prepared, None, None) for _ in range(args.repeats)]
+    dense_ms, dense = min(dense_runs, key=lambda run: run[0])
+    dense_flops = ideal_flops(dense, text_tokens, num_visual, vocabulary)
     kind = "thread CPU time" if args.threads == 1 else "wall time"
-    print(f"{num_visual} visual + {text_tokens} text tokens, {vlm.num_layers} decoder layers, {args.threads} thread(s); "
-          f"{kind}; pruned: minimum of {args.repeats} runs; dense: minimum of all {len(dense_times)} dense runs "
-          f"(one before each pruned run) = {dense_ms:.1f} ms")
-    print("| selector | stage | budget | realised avg | pruned ms | measured ratio | ideal ratio | measured / ideal |")
+    print(f"{num_visual} visual + {text_tokens} text tokens, {vlm.num_layers} decoder layers, "
+          f"{args.threads} thread(s), {kind}; dense {dense_ms:.1f} ms (minimum of {args.repeats}); "
+          f"measured ratio = median over "
+          f"{args.repeats} adjacent (dense, pruned) run pairs")
+    print("| selector | stage | budget | realised avg | pruned ms (min) | measured ratio | ideal ratio | "
+          "measured / ideal |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
-    for name, stage, budget, ms, answer in measured:
-        if ms is None:
-            print(f"| {name} | {stage} | {budget} | not run: {answer} | | | | |")
-            continue
-        ratio, ideal = ms / dense_ms, ideal_flops(answer, text_tokens, num_visual, vocabulary) / dense_flops
-        rows.append({"selector": name, "stage": stage, "budget": budget, "realised_avg": answer.visual_tokens_avg,
-                     "ms": ms, "measured": ratio, "ideal": ideal})
-        print(f"| {name} | {stage} | {budget} | {answer.visual_tokens_avg:.1f} | {ms:.1f} | {ratio:.3f} | "
-              f"{ideal:.3f} | {ratio / ideal:.2f} |")
+    for name in args.selectors or list_selectors():
+        selector = get_selector(name)
+        for budget in args.budgets:
+            try:
+                ratio, ms, answer = paired_ratio(vlm, prepared, selector, budget, args.repeats)
+            except PruneAuditError as error:
+                print(f"| {name} | {selector.stage} | {budget} | not run: {error} | | | | |")
+                continue
+            ideal = ideal_flops(answer, text_tokens, num_visual, vocabulary) / dense_flops
+            rows.append({"selector": name, "stage": selector.stage, "budget": budget,
+                         "realised_avg": answer.visual_tokens_avg, "ms": ms, "measured": ratio, "ideal": ideal})
+            print(f"| {name} | {selector.stage} | {budget} | {answer.visual_tokens_avg:.1f} | {ms:.1f} | "
+                  f"{ratio:.3f} | {ideal:.3f} | {ratio / ideal:.2f} |")
     print(json.dumps({"dense_ms": dense_ms, "rows": rows}))
 
 

@@ -409,17 +409,17 @@ class VisionLanguageModel(ABC):
                 [int(s[0]) if s.numel() == 1 else MERGED for s in selection.sources], device=self.device
             )
         embeddings = torch.cat([embed(ids[:start]), visual.to(self.dtype), embed(ids[end:])])
-        text_kinds = [torch.full((n,), k, device=self.device) for n, k in ((start, TEXT_BEFORE), (ids.numel() - end, TEXT_AFTER))]
-        all_kinds = torch.cat([text_kinds[0], kinds, text_kinds[1]])
+        before = torch.full((start,), TEXT_BEFORE, device=self.device)
+        after = torch.full((ids.numel() - end,), TEXT_AFTER, device=self.device)
+        all_kinds = torch.cat([before, kinds, after])
         full = self._full_positions(item).to(self.device)
         if selection is not None and self._input_positions() == "compact":
             positions = torch.arange(all_kinds.numel(), device=self.device)[None].expand(full.shape[0], -1)
         elif selection is not None and bool((kinds == MERGED).any()):
             raise PruneAuditError(f"merged tokens have no original position on {self.family}")
-        else:
-            columns = torch.cat([
-                torch.arange(start, device=self.device), start + kinds, torch.arange(end, ids.numel(), device=self.device)
-            ])
+        else:  # original columns: text before, the kept grid cells, text after
+            text_after = torch.arange(end, ids.numel(), device=self.device)
+            columns = torch.cat([torch.arange(start, device=self.device), start + kinds, text_after])
             positions = full[:, columns]
         return TokenRow(embeddings, all_kinds, positions)
 

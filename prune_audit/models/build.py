@@ -111,9 +111,8 @@ def word_level_tokenizer(
         unk_token=unk_token,
         **(extra_attributes or {}),
     )
-    tokenizer.add_special_tokens(
-        {"additional_special_tokens": [t for t in special_tokens if t not in (bos_token, eos_token, pad_token, unk_token)]}
-    )
+    named = (bos_token, eos_token, pad_token, unk_token)
+    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in special_tokens if t not in named]})
     return tokenizer
 
 

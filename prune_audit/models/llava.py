@@ -159,7 +159,8 @@ class LlavaModel(VisionLanguageModel):
         chunks = torch.tensor([chunk + [0] * (context - len(chunk)) for chunk in chunks], device=clip.device)
         pooled = clip.text_model(input_ids=chunks).pooler_output
         text_embeds = clip.text_projection(pooled).float()
-        cosine = torch.nn.functional.normalize(image_embeds, dim=-1) @ torch.nn.functional.normalize(text_embeds, dim=-1).T
+        normalize = torch.nn.functional.normalize
+        cosine = normalize(image_embeds, dim=-1) @ normalize(text_embeds, dim=-1).T  # (N, chunks)
         return -cosine.mean(dim=1)
 
     # ----- positions ------------------------------------------------------------------

@@ -89,7 +89,9 @@ def load_vlm(
                           system_prompt=system_prompt, clip=clip)
     from prune_audit.models.qwen import QwenModel
 
-    image_processor = _load("image processor", source, lambda: AutoImageProcessor.from_pretrained(source, backend="pil"))
+    image_processor = _load(
+        "image processor", source, lambda: AutoImageProcessor.from_pretrained(source, backend="pil")
+    )
     tokenizer = _load("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
     return QwenModel(model, image_processor, tokenizer, model_id=source, prompt_template=prompt_template,
                      system_prompt=system_prompt)
