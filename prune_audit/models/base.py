@@ -221,7 +221,7 @@ class VisionLanguageModel(ABC):
         selector: Selector | None = None,
         budget: int | None = None,
         *,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | Sequence[torch.Generator] | None = None,
         forced_kept: Sequence[Sequence[int]] | None = None,
         forced_stages: Sequence[ForcedStages] | None = None,
     ) -> list[Answer]:
@@ -249,7 +249,7 @@ class VisionLanguageModel(ABC):
         budget: int | None = None,
         max_new_tokens: int = 16,
         *,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | Sequence[torch.Generator] | None = None,
         forced_kept: Sequence[int] | None = None,
         forced_stages: ForcedStages | None = None,
     ) -> str:
@@ -287,7 +287,14 @@ class VisionLanguageModel(ABC):
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals
 
-    def _check_supported(self, selector: Selector) -> None:
+    def positions_for(self, selector: Selector) -> str:
+        """Position mode ('compact' or 'keep_original') the language model sees under ``selector``."""
+        if isinstance(selector, InputSelector):
+            return self._input_positions()
+        return self._layer_positions(selector)
+
+    def check_selector(self, selector: Selector) -> None:
+        """Raise a one-line PruneAuditError when this model cannot provide the selector's signals."""
         missing = self._missing(type(selector))
         if not missing:
             return
@@ -307,7 +314,7 @@ class VisionLanguageModel(ABC):
         selector: Selector | None = None,
         budget: int | None = None,
         *,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | Sequence[torch.Generator] | None = None,
         forced_kept: Sequence[Sequence[int]] | None = None,
         forced_stages: Sequence[ForcedStages] | None = None,
         use_cache: bool = False,
@@ -325,7 +332,8 @@ class VisionLanguageModel(ABC):
             rows = []
             for b, (item, output) in enumerate(zip(prepared, vision)):
                 if input_level:
-                    selections[b] = self._select(item, output, selector, budget, generator, requires,
+                    item_generator = generator[b] if isinstance(generator, (list, tuple)) else generator
+                    selections[b] = self._select(item, output, selector, budget, item_generator, requires,
                                                  None if forced_kept is None else forced_kept[b])
                 rows.append(self._row(item, output, selections[b]))
             plan = None
@@ -353,7 +361,7 @@ class VisionLanguageModel(ABC):
             return
         if budget is None and forced_kept is None and forced_stages is None:
             raise PruneAuditError(f"selector {selector.name!r} needs a budget (number of visual tokens)")
-        self._check_supported(selector)
+        self.check_selector(selector)
 
     def _select(self, item, output, selector, budget, generator, requires, forced) -> Selection:
         if forced is not None:
