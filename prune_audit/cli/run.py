@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -38,6 +37,7 @@ def run(
     command resumes: finished questions are skipped. With no --model and no --pope
     it audits the bundled demo model on the demo question set.
     """
+    command = _command_line(dict(locals()))
     from prune_audit.runner.audit import RunRequest, execute, plan_run
     from prune_audit.runner.sharding import parse_shard
 
@@ -45,11 +45,25 @@ def run(
         model=model, selector=selector, budget=budget, options=list(option or []), pope=list(pope or []), split=split,
         images=images, annotations=annotations, out=out, limit=limit, batch_size=batch_size, device=device,
         dtype=dtype, seed=seed, shard=parse_shard(shard) if shard else None, prompt_template=prompt_template,
-        clip_text=clip_text, command=shlex.join(["prune-audit", *sys.argv[1:]]),
+        clip_text=clip_text, command=command,
     )
     plan = plan_run(request)
     result = _execute_with_progress(plan, execute)
     _print_summary(result, plan)
+
+
+def _command_line(arguments: dict) -> str:
+    """The command as parsed (every option that differs from its default), however the CLI was invoked."""
+    import inspect
+
+    words = ["prune-audit", "run"]
+    for name, parameter in inspect.signature(run).parameters.items():
+        value = arguments[name]
+        if value is None or value == parameter.default or value == []:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            words += [f"--{name.replace('_', '-')}", str(item)]
+    return shlex.join(words)
 
 
 def _execute_with_progress(plan, execute):

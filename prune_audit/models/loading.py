@@ -65,6 +65,10 @@ def load_vlm(
             relevance; LLaVA only.
     """
     from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    # the audit shows its own progress; per-load bars would interleave with it on stderr
+    transformers_logging.disable_progress_bar()
 
     source = str(path_or_hub_id)
     config = _load("model config", source, lambda: AutoConfig.from_pretrained(source))

@@ -1,0 +1,319 @@
+"""`prune-audit run` end to end on a tiny offline LLaVA and a synthetic COCO question set.
+
+Covers the records and manifest, summary numbers recomputed from the records,
+resume after SIGKILL at random points, sharding (``--shard`` + ``merge`` and a
+2-process gloo launch) equal to one process, and every bad input the issue lists.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from prune_audit.cli.main import app
+from prune_audit.data.coco import CocoInstances
+from prune_audit.data.geometry import TokenGeometry
+from prune_audit.data.pope_build import build_pope, write_pope_files
+from prune_audit.data.retention import object_area, retention
+from prune_audit.data.scenes import CATEGORIES, export_coco
+from prune_audit.models.build import build_llava
+from prune_audit.runner.records import RecordStore
+
+runner = CliRunner()
+
+# columns that legitimately differ between two runs of the same command
+TIMING_COLUMNS = {"latency_ms"}
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory) -> dict[str, Path]:
+    """A tiny LLaVA (16 visual tokens, 4 decoder layers) and a 3-split POPE set over 10 synthetic scenes."""
+    root = tmp_path_factory.mktemp("run")
+    coco_dir = root / "scenes"
+    instances = export_coco(coco_dir, seed=5, count=14, image_size=64)
+    questions = build_pope(CocoInstances.load(instances), sample_images=None, seed=0)
+    pope_files = write_pope_files(questions, root / "pope", prefix="scenes")
+    words = ["Is", "there", "a", "an", "in", "the", "image", *CATEGORIES]
+    model = build_llava(root / "model", words=words, image_size=56, patch_size=14, text_layers=4, seed=0)
+    return {
+        "root": root,
+        "model": model,
+        "instances": instances,
+        "images": coco_dir / "images",
+        "pope": pope_files,
+    }
+
+
+def base_args(ws: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    args = ["run", "--model", str(ws["model"]), "--images", str(ws["images"]), "--annotations", str(ws["instances"]),
+            "--out", str(out)]
+    for path in ws["pope"]:
+        args += ["--pope", str(path)]
+    return args + list(extra)
+
+
+def invoke(args: list[str]):
+    result = runner.invoke(app, args)
+    return result
+
+
+def read_records(run_dir: Path):
+    return pq.read_table(run_dir / "records.parquet").to_pandas()
+
+
+def comparable(frame):
+    return frame.drop(columns=sorted(TIMING_COLUMNS)).reset_index(drop=True)
+
+
+def test_run_writes_records_and_manifest(workspace, tmp_path):
+    out = tmp_path / "run"
+    result = invoke(base_args(workspace, out, "--selector", "random", "--budget", "6", "--limit", "30",
+                              "--batch-size", "4", "--seed", "3"))
+    assert result.exit_code == 0, result.output
+    records = read_records(out)
+    assert len(records) == 30
+    expected_columns = {"question_id", "split", "image", "image_id", "object", "label", "answer", "p_yes", "p_no",
+                        "confidence", "correct", "kept", "kept_stages", "visual_tokens_avg", "prefill_tokens",
+                        "retention", "visible_fraction", "object_tokens_kept", "lost", "latency_ms"}
+    assert expected_columns <= set(records.columns)
+    assert all(len(k) == 6 for k in records["kept"])
+    assert (records["correct"] == (records["answer"] == records["label"])).all()
+    np.testing.assert_allclose(records["confidence"], np.maximum(records["p_yes_2way"], 1 - records["p_yes_2way"]))
+
+    # retention recomputed independently from the masks, the recorded geometry and the kept sets
+    coco = CocoInstances.load(workspace["instances"])
+    for row in records.itertuples():
+        if row.label != "yes":
+            assert math.isnan(row.retention) and row.lost is None
+            continue
+        geometry = TokenGeometry(**json.loads(row.geometry))
+        area = object_area(coco.category_mask(row.image_id, row.object), geometry)
+        retained, tokens, lost = retention(area.area_per_token, area.total_area, list(row.kept))
+        assert row.retention == pytest.approx(retained)
+        assert (row.object_tokens_kept, row.lost) == (tokens, lost)
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["selector"]["name"] == "random" and manifest["budget"] == 6
+    assert manifest["seed"] == 3 and manifest["num_questions"] == 30
+    assert {f["sha256"] for f in manifest["question_files"]} and manifest["annotations"]["sha256"]
+    assert manifest["versions"]["torch"] and manifest["model"]["config_hash"]
+    assert manifest["realised_visual_tokens_avg"] == pytest.approx(records["visual_tokens_avg"].mean())
+    assert "--selector random" in manifest["command"]
+
+    # the printed summary is the records' own numbers
+    assert f"{records['correct'].mean():.4f}" in result.output
+    assert f"{records['confidence'].mean():.4f}" in result.output
+    lost = records["lost"].dropna()
+    assert f"{int(lost.sum())} of {len(lost)}" in result.output
+
+
+def test_in_llm_selector_records_stages(workspace, tmp_path):
+    out = tmp_path / "fastv"
+    result = invoke(base_args(workspace, out, "--selector", "e2s", "--budget", "8", "--limit", "6"))
+    assert result.exit_code == 0, result.output
+    records = read_records(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    stages = manifest["selector"]["schedule"]
+    assert stages and all(len(k) == len(stages) for k in records["kept_stages"])
+    assert records["visual_tokens_avg"].iloc[0] == pytest.approx(manifest["realised_visual_tokens_avg"])
+
+
+def test_rerun_resumes_without_duplicates(workspace, tmp_path):
+    out = tmp_path / "resume"
+    args = base_args(workspace, out, "--selector", "uniform", "--budget", "4", "--limit", "12")
+    assert invoke(args).exit_code == 0
+    first = read_records(out)
+    again = invoke(args)
+    assert again.exit_code == 0, again.output
+    assert comparable(read_records(out)).equals(comparable(first))
+
+
+def test_changed_configuration_is_refused(workspace, tmp_path):
+    out = tmp_path / "changed"
+    assert invoke(base_args(workspace, out, "--selector", "random", "--budget", "4", "--limit", "6")).exit_code == 0
+    result = invoke(base_args(workspace, out, "--selector", "random", "--budget", "5", "--limit", "6"))
+    assert result.exit_code == 2
+    assert "budget" in result.stderr and "--out" in result.stderr
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "prune_audit.cli.main", *args]
+
+
+def test_sigkill_at_random_points_then_resume_matches_uninterrupted(workspace, tmp_path):
+    args = base_args(workspace, tmp_path / "reference", "--selector", "random", "--budget", "5", "--limit", "24")[1:]
+    reference_dir = tmp_path / "reference"
+    subprocess.run(_cli("run", *args), check=True, capture_output=True)
+    reference = comparable(read_records(reference_dir))
+    rng = random.Random(0)
+    for trial in range(3):
+        out = tmp_path / f"killed{trial}"
+        trial_args = [a if a != str(reference_dir) else str(out) for a in args]
+        process = subprocess.Popen(_cli("run", *trial_args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True)
+        # kill while it is writing parts: wait for the first part (or a random moment before)
+        deadline = time.monotonic() + 60
+        wait_for_parts = rng.random() < 0.7
+        delay = rng.uniform(0.0, 2.0)
+        start = time.monotonic()
+        while time.monotonic() < deadline and process.poll() is None:
+            parts = list((out / "parts").glob("part-*.parquet")) if (out / "parts").is_dir() else []
+            if (wait_for_parts and len(parts) >= rng.randint(1, 4)) or (not wait_for_parts and time.monotonic() - start > delay):
+                break
+            time.sleep(0.02)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        resumed = subprocess.run(_cli("run", *trial_args), capture_output=True, text=True)
+        assert resumed.returncode == 0, resumed.stderr
+        assert comparable(read_records(out)).equals(reference)
+
+
+def test_shards_and_merge_equal_one_process(workspace, tmp_path):
+    whole = tmp_path / "whole"
+    common = ("--selector", "random", "--budget", "5", "--limit", "24")
+    assert invoke(base_args(workspace, whole, *common)).exit_code == 0
+    for index in range(3):
+        result = invoke(base_args(workspace, tmp_path / f"shard{index}", *common, "--shard", f"{index}/3"))
+        assert result.exit_code == 0, result.output
+    # sharding is by image: no image appears in two shards
+    images = [set(RecordStore(tmp_path / f"shard{i}").read()["image"].to_pylist()) for i in range(3)]
+    assert not (images[0] & images[1] or images[0] & images[2] or images[1] & images[2])
+    merged = tmp_path / "merged"
+    result = invoke(["merge", *(str(tmp_path / f"shard{i}") for i in range(3)), "--out", str(merged)])
+    assert result.exit_code == 0, result.output
+    assert comparable(read_records(merged)).equals(comparable(read_records(whole)))
+    # an incomplete set of shards is refused
+    result = invoke(["merge", str(tmp_path / "shard0"), "--out", str(tmp_path / "partial")])
+    assert result.exit_code == 2 and "missing shards" in result.stderr
+    assert not (tmp_path / "partial" / "records.parquet").exists()
+
+
+@pytest.mark.slow
+def test_two_process_gloo_launch_equals_one_process(workspace, tmp_path):
+    common = ("--selector", "random", "--budget", "5", "--limit", "18")
+    whole = tmp_path / "whole"
+    assert invoke(base_args(workspace, whole, *common)).exit_code == 0
+    launched = tmp_path / "launched"
+    args = base_args(workspace, launched, *common)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+         "-m", "prune_audit.cli.main", *args],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert comparable(read_records(launched)).equals(comparable(read_records(whole)))
+    assert not (launched / "parts").exists()
+
+
+# ----- bad inputs: one line, exit code 2, no run directory --------------------------------
+
+
+def _copy_pope_with(ws, tmp_path, mutate) -> Path:
+    lines = ws["pope"][0].read_text().splitlines()
+    path = tmp_path / "scenes_pope_random.json"
+    path.write_text("\n".join(mutate(lines)) + "\n")
+    return path
+
+
+def _assert_one_line_failure(result, out: Path, *needles: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert not out.exists()
+
+
+def _single_file_args(ws, out, pope: Path, images: Path | None = None, *extra: str) -> list[str]:
+    return ["run", "--model", str(ws["model"]), "--pope", str(pope), "--images", str(images or ws["images"]),
+            "--annotations", str(ws["instances"]), "--out", str(out), "--limit", "4", *extra]
+
+
+def test_missing_image(workspace, tmp_path):
+    images = tmp_path / "images"
+    shutil.copytree(workspace["images"], images)
+    first = json.loads(workspace["pope"][0].read_text().splitlines()[0])["image"]
+    (images / first).unlink()
+    out = tmp_path / "out"
+    result = invoke(_single_file_args(workspace, out, workspace["pope"][0], images))
+    _assert_one_line_failure(result, out, "image not found", first)
+
+
+def test_corrupt_image(workspace, tmp_path):
+    images = tmp_path / "images"
+    shutil.copytree(workspace["images"], images)
+    first = json.loads(workspace["pope"][0].read_text().splitlines()[0])["image"]
+    (images / first).write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
+    out = tmp_path / "out"
+    result = invoke(_single_file_args(workspace, out, workspace["pope"][0], images))
+    _assert_one_line_failure(result, out, "cannot be decoded")
+
+
+def test_malformed_question_line(workspace, tmp_path):
+    pope = _copy_pope_with(workspace, tmp_path, lambda lines: lines[:2] + ["{not json"] + lines[2:])
+    out = tmp_path / "out"
+    result = invoke(_single_file_args(workspace, out, pope))
+    _assert_one_line_failure(result, out, "scenes_pope_random.json:3", "malformed")
+
+
+def test_unknown_object(workspace, tmp_path):
+    def swap(lines):
+        record = json.loads(lines[0])
+        record["text"] = "Is there a unicorn in the image?"
+        return [json.dumps(record)] + lines[1:]
+
+    out = tmp_path / "out"
+    result = invoke(_single_file_args(workspace, out, _copy_pope_with(workspace, tmp_path, swap)))
+    _assert_one_line_failure(result, out, "unicorn")
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (("--selector", "random", "--budget", "0"), ("budget",)),
+        (("--selector", "random", "--budget", "-3"), ("budget",)),
+        (("--selector", "nonsense", "--budget", "4"), ("unknown selector", "divprune")),
+        (("--selector", "scope", "--budget", "4", "--option", "beta=2"), ("beta", "alpha")),
+        (("--selector", "scope", "--budget", "4", "--option", "alpha=high"), ("alpha",)),
+        (("--device", "cuda"), ("CUDA",)),
+    ],
+)
+def test_bad_options(workspace, tmp_path, extra, needles):
+    if "cuda" in extra:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("CUDA is available here")
+    out = tmp_path / "out"
+    result = invoke(_single_file_args(workspace, out, workspace["pope"][0], None, *extra))
+    _assert_one_line_failure(result, out, *needles)
+
+
+def test_missing_model_path(workspace, tmp_path):
+    out = tmp_path / "out"
+    args = _single_file_args(workspace, out, workspace["pope"][0])
+    args[args.index("--model") + 1] = str(tmp_path / "no-such-model")
+    result = invoke(args)
+    _assert_one_line_failure(result, out, "no-such-model")
+
+
+def test_out_dir_not_writable(workspace, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out = blocker / "run"
+    result = invoke(_single_file_args(workspace, out, workspace["pope"][0]))
+    _assert_one_line_failure(result, out, "not writable")
