@@ -198,6 +198,28 @@ def test_batch_equals_one_at_a_time(vlm, prepared, name):
         assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
 
 
+def test_one_generator_per_question_makes_random_selection_batch_independent(vlm, prepared):
+    def generators():
+        return [torch.Generator().manual_seed(seed) for seed in (11, 12)]
+
+    together = vlm.answer(prepared, get_selector("random"), 16, generator=generators())
+    for b, item in enumerate(prepared):
+        [alone] = vlm.answer([item], get_selector("random"), 16, generator=[generators()[b]])
+        assert together[b].kept == alone.kept
+    assert together[0].kept != together[1].kept
+    assert "2 questions" in one_line_error(lambda: vlm.answer(prepared, get_selector("random"), 16,
+                                                               generator=generators()[:1]))
+
+
+def test_check_selector_and_positions_for(vlm, paths):
+    assert vlm.positions_for(get_selector("cls_attn")) == "compact"
+    assert vlm.positions_for(get_selector("fastv")) == "keep_original"
+    assert vlm.positions_for(get_selector("pdrop")) == "compact"
+    vlm.check_selector(get_selector("cdpruner"))
+    assert "clip_text" in one_line_error(lambda: load_vlm(paths[0], device="cpu").check_selector(
+        get_selector("cdpruner")))
+
+
 def test_forced_kept_set_is_honoured(vlm, prepared):
     kept = [[5, 1, 9, 63], [0, 2]]
     answers = vlm.answer(prepared, get_selector("random"), 30, forced_kept=kept)

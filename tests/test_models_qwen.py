@@ -164,6 +164,13 @@ def test_describe_records_pixel_limits(vlm):
     assert vlm.describe()["answer_tokens"]["yes"]
 
 
+def test_positions_stay_original_for_every_selector(vlm):
+    for name in ("divprune", "fastv", "pdrop", "sparsevlm"):
+        assert vlm.positions_for(get_selector(name)) == "keep_original"
+    with pytest.raises(PruneAuditError, match="no CLS token"):
+        vlm.check_selector(get_selector("cls_attn"))
+
+
 def test_qwen_refuses_clip_text(path):
     with pytest.raises(PruneAuditError, match="Qwen2.5-VL has no CLIP space"):
         load_vlm(path, device="cpu", clip_text=path)

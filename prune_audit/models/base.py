@@ -227,8 +227,10 @@ class VisionLanguageModel(ABC):
     ) -> list[Answer]:
         """First-token yes/no answers for a batch under ``selector`` at ``budget`` (None: unpruned).
 
-        ``forced_kept[b]`` replaces input-level selection by explicit grid indices;
-        ``forced_stages[b]`` lists ``(layer, kept grid indices)`` in-LLM stages.
+        ``generator`` is one generator shared in row order, or one per question (then a
+        random selection does not depend on batching). ``forced_kept[b]`` replaces
+        input-level selection by explicit grid indices; ``forced_stages[b]`` lists
+        ``(layer, kept grid indices)`` in-LLM stages.
         """
         start = time.perf_counter()
         prefill, selections = self.prefill(
@@ -323,7 +325,7 @@ class VisionLanguageModel(ABC):
         per-row provenance, and the input-level selection of each row (None in-LLM)."""
         if not prepared:
             raise PruneAuditError("no questions to answer")
-        self._check_request(prepared, selector, budget, forced_kept, forced_stages)
+        self._check_request(prepared, selector, budget, generator, forced_kept, forced_stages)
         input_level = forced_kept is not None or isinstance(selector, InputSelector)
         requires = selector.requires if input_level and selector is not None and forced_kept is None else frozenset()
         with torch.no_grad():
@@ -347,12 +349,15 @@ class VisionLanguageModel(ABC):
                     raise
                 raise PruneAuditError(f"selector {selector.name!r} failed at budget {budget}: {error}") from None
 
-    def _check_request(self, prepared, selector, budget, forced_kept, forced_stages) -> None:
+    def _check_request(self, prepared, selector, budget, generator, forced_kept, forced_stages) -> None:
         if forced_kept is not None and forced_stages is not None:
             raise PruneAuditError("give forced_kept (input level) or forced_stages (in-LLM), not both")
-        for forced in (forced_kept, forced_stages):
-            if forced is not None and len(forced) != len(prepared):
-                raise PruneAuditError(f"{len(forced)} forced sets for {len(prepared)} questions")
+        per_question = [("forced sets", forced_kept), ("forced sets", forced_stages)]
+        if isinstance(generator, (list, tuple)):
+            per_question.append(("generators", generator))
+        for what, given in per_question:
+            if given is not None and len(given) != len(prepared):
+                raise PruneAuditError(f"{len(given)} {what} for {len(prepared)} questions")
         if forced_kept is not None and isinstance(selector, LayerSelector):
             raise PruneAuditError(f"forced_kept is input-level but selector {selector.name!r} prunes inside the LLM")
         if forced_stages is not None and isinstance(selector, InputSelector):
