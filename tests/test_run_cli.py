@@ -153,6 +153,7 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "prune_audit.cli.main", *args]
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_then_resume_matches_uninterrupted(workspace, tmp_path):
     args = base_args(workspace, tmp_path / "reference", "--selector", "random", "--budget", "5", "--limit", "24")[1:]
     reference_dir = tmp_path / "reference"
