@@ -55,9 +55,9 @@ class UniformSelector(InputSelector):
         points = points[chosen]
         cell_y = torch.arange(rows, dtype=torch.float64).repeat_interleave(cols) + 0.5
         cell_x = torch.arange(cols, dtype=torch.float64).repeat(rows) + 0.5
-        distance = (points[:, None, 0] - cell_y) ** 2 + (points[:, None, 1] - cell_x) ** 2
         taken = torch.zeros(rows * cols, dtype=torch.bool)
-        for point in range(budget):
-            row = distance[point].masked_fill(taken, float("inf"))
-            taken[int(torch.argmin(row))] = True
+        # one (N,) distance row per lattice point keeps memory O(N) even at N = 16384
+        for y, x in points.tolist():
+            distance = ((cell_y - y) ** 2 + (cell_x - x) ** 2).masked_fill(taken, float("inf"))
+            taken[int(torch.argmin(distance))] = True
         return Selection(kept=torch.nonzero(taken).flatten())
