@@ -35,6 +35,8 @@ from typing import Literal
 
 import numpy as np
 
+from prune_audit.data.pope import pope_ratios
+
 Binning = Literal["width", "mass"]
 BINNINGS: tuple[str, ...] = ("width", "mass")
 
@@ -78,20 +80,11 @@ def pope_scores(label_yes: np.ndarray, answer_yes: np.ndarray, weights: np.ndarr
     answer_yes = np.asarray(answer_yes, dtype=bool)
     matrix = weight_matrix(weights, len(label_yes))
     outcomes = np.stack(
-        [answer_yes & label_yes, answer_yes & ~label_yes, ~answer_yes & label_yes, answer_yes == label_yes], axis=1
+        [answer_yes & label_yes, answer_yes & ~label_yes, ~answer_yes & ~label_yes, ~answer_yes & label_yes], axis=1
     )
-    true_pos, false_pos, false_neg, right = (matrix @ outcomes.astype(np.float64)).T
-    total = matrix.sum(axis=1)
-    precision = _divide(true_pos, true_pos + false_pos)
-    recall = _divide(true_pos, true_pos + false_neg)
-    scores = {
-        "accuracy": _divide(right, total),
-        "precision": precision,
-        "recall": recall,
-        "f1": _divide(2 * precision * recall, precision + recall),
-        "yes_ratio": _divide(true_pos + false_pos, total),
-    }
-    return {name: finish(value, weights) for name, value in scores.items()}
+    true_pos, false_pos, true_neg, false_neg = (matrix @ outcomes.astype(np.float64)).T
+    scores = pope_ratios(true_pos, false_pos, true_neg, false_neg)
+    return {name: finish(np.asarray(value), weights) for name, value in scores.items()}
 
 
 def brier(p_yes: np.ndarray, label_yes: np.ndarray, weights: np.ndarray | None = None) -> float | np.ndarray:

@@ -218,8 +218,29 @@ def _as_yes(values: Sequence[Any] | np.ndarray, name: str) -> np.ndarray:
     return array == "yes"
 
 
-def _ratio(numerator: int, denominator: int) -> float:
-    return numerator / denominator if denominator else math.nan
+def _ratio(numerator: Any, denominator: Any) -> Any:
+    """numerator / denominator elementwise, NaN where the denominator is 0 (scalars or arrays)."""
+    numerator, denominator = np.asarray(numerator, dtype=np.float64), np.asarray(denominator, dtype=np.float64)
+    out = np.divide(numerator, denominator, out=np.full(np.broadcast(numerator, denominator).shape, math.nan),
+                    where=denominator != 0)
+    return float(out) if out.ndim == 0 else out
+
+
+def pope_ratios(tp: Any, fp: Any, tn: Any, fn: Any) -> dict[str, Any]:
+    """Accuracy, precision, recall, F1 and yes-ratio of predictions from confusion counts.
+
+    Counts may be ints or (B,) arrays of (weighted) counts, e.g. one per bootstrap
+    resample; a ratio with a zero denominator is NaN (POPE's script would divide by zero).
+    """
+    precision, recall = _ratio(tp, np.add(tp, fp)), _ratio(tp, np.add(tp, fn))
+    total = np.add(np.add(tp, fp), np.add(tn, fn))
+    return {
+        "accuracy": _ratio(np.add(tp, tn), total),
+        "precision": precision,
+        "recall": recall,
+        "f1": _ratio(np.multiply(np.multiply(2, precision), recall), np.add(precision, recall)),
+        "yes_ratio": _ratio(np.add(tp, fp), total),
+    }
 
 
 def pope_metrics(labels: Sequence[Any] | np.ndarray, predictions: Sequence[Any] | np.ndarray) -> dict[str, Any]:
@@ -241,19 +262,7 @@ def pope_metrics(labels: Sequence[Any] | np.ndarray, predictions: Sequence[Any] 
     fp = int(np.count_nonzero(~truth & predicted))
     tn = int(np.count_nonzero(~truth & ~predicted))
     fn = int(np.count_nonzero(truth & ~predicted))
-    precision, recall = _ratio(tp, tp + fp), _ratio(tp, tp + fn)
-    return {
-        "n": int(truth.size),
-        "tp": tp,
-        "fp": fp,
-        "tn": tn,
-        "fn": fn,
-        "accuracy": _ratio(tp + tn, truth.size),
-        "precision": precision,
-        "recall": recall,
-        "f1": 2 * precision * recall / (precision + recall) if precision + recall > 0 else math.nan,
-        "yes_ratio": _ratio(tp + fp, truth.size),
-    }
+    return {"n": int(truth.size), "tp": tp, "fp": fp, "tn": tn, "fn": fn, **pope_ratios(tp, fp, tn, fn)}
 
 
 def summarize_questions(questions: Sequence[PopeQuestion], coco: CocoInstances | None = None) -> dict[str, dict[str, Any]]:
