@@ -1,4 +1,4 @@
-"""Shared test fixtures: paths to the real data beside the checkout."""
+"""Shared test fixtures: paths to the real data beside the checkout, a tiny offline LLaVA workspace."""
 
 from __future__ import annotations
 
@@ -17,3 +17,27 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "coco").is_dir():
         pytest.skip(f"real data not found at {SHARED_DATA} (set PRUNE_AUDIT_SHARED_DATA)")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory) -> dict[str, Path]:
+    """A tiny LLaVA (16 visual tokens, 4 decoder layers) and a 3-split POPE set over 14 synthetic scenes."""
+    from prune_audit.data.coco import CocoInstances
+    from prune_audit.data.pope_build import build_pope, write_pope_files
+    from prune_audit.data.scenes import CATEGORIES, export_coco
+    from prune_audit.models.build import build_llava
+
+    root = tmp_path_factory.mktemp("run")
+    coco_dir = root / "scenes"
+    instances = export_coco(coco_dir, seed=5, count=14, image_size=64)
+    questions = build_pope(CocoInstances.load(instances), sample_images=None, seed=0)
+    pope_files = write_pope_files(questions, root / "pope", prefix="scenes")
+    words = ["Is", "there", "a", "an", "in", "the", "image", *CATEGORIES]
+    model = build_llava(root / "model", words=words, image_size=56, patch_size=14, text_layers=4, seed=0)
+    return {
+        "root": root,
+        "model": model,
+        "instances": instances,
+        "images": coco_dir / "images",
+        "pope": pope_files,
+    }
