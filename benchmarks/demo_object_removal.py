@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
+# benchmarks/selectors.py would shadow the standard library's selectors module (torch imports it)
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from prune_audit.demo import DEMO_MODEL_DIR
-from prune_audit.demo.evaluate import load_demo
-from prune_audit.demo.questions import demo_question_set
-from prune_audit.demo.removal import object_removal
+import torch  # noqa: E402
+
+from prune_audit.demo import DEMO_MODEL_DIR  # noqa: E402
+from prune_audit.demo.evaluate import load_demo  # noqa: E402
+from prune_audit.demo.questions import demo_question_set  # noqa: E402
+from prune_audit.demo.removal import object_removal  # noqa: E402
 
 
 def main() -> None:

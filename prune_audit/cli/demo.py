@@ -11,6 +11,8 @@ from prune_audit.cli.common import handle_errors
 
 app = typer.Typer(
     help="The bundled demo: a small LLaVA trained on synthetic shape scenes, and its POPE-style questions.",
+    epilog="Without --model, `prune-audit run` and `prune-audit visualize` use this demo; "
+    "`prune-audit demo questions` prints where its images, masks and question files are.",
     no_args_is_help=True,
     add_completion=False,
 )

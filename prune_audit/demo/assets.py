@@ -1,0 +1,49 @@
+"""Where the demo lives: the shipped checkpoint and the (cached) demo question set.
+
+``prune-audit run`` and ``prune-audit visualize`` fall back to these when no model and
+no questions are given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from prune_audit.demo import DEMO_MODEL_DIR
+from prune_audit.errors import PruneAuditError
+
+
+@dataclass(frozen=True)
+class DemoAssets:
+    """The demo checkpoint folder and the demo question set's files.
+
+    Attributes:
+        model_dir: folder loadable with ``from_pretrained`` (the shipped checkpoint).
+        pope_files: the POPE question files, random / popular / adversarial.
+        images_dir: folder of the question set's images.
+        annotations: COCO instances file with the exact object masks.
+    """
+
+    model_dir: Path
+    pope_files: tuple[Path, ...]
+    images_dir: Path
+    annotations: Path
+
+
+def demo_assets(cache_dir: str | Path | None = None) -> DemoAssets:
+    """The shipped model and the default demo question set (generated into the cache on first use)."""
+    from prune_audit.data.pope import POPE_SPLITS
+    from prune_audit.demo.questions import demo_question_set
+
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        raise PruneAuditError(
+            f"the bundled demo checkpoint is missing from {DEMO_MODEL_DIR}; reinstall prune-audit "
+            f"or pass --model with a local checkpoint"
+        )
+    question_set = demo_question_set(cache_dir)
+    return DemoAssets(
+        model_dir=DEMO_MODEL_DIR,
+        pope_files=tuple(question_set.question_file(split) for split in POPE_SPLITS),
+        images_dir=question_set.image_dir,
+        annotations=question_set.instances,
+    )

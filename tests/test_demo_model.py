@@ -1,0 +1,250 @@
+"""The demo model: training pieces on a tiny recipe, the question set, and the shipped checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from prune_audit.cli.main import app
+from prune_audit.data.pope_build import question_text
+from prune_audit.data.scenes import CATEGORIES, Scene, SceneObject, generate_scene
+from prune_audit.demo import DEMO_MODEL_DIR
+from prune_audit.demo.batches import BACKGROUND_CLASS, patch_labels, pixel_values, sample_batch
+from prune_audit.demo.evaluate import (
+    DEMO_INSTRUCTIONS,
+    answer,
+    evaluate_question_set,
+    image_features,
+    load_demo,
+    prompt_ids,
+    prompt_text,
+)
+from prune_audit.demo.questions import demo_question_set
+from prune_audit.demo.removal import kept_tokens, object_removal
+from prune_audit.demo.train import (
+    DemoRecipe,
+    answer_logits,
+    learning_rate_at,
+    pixel_stats,
+    prompt_pieces,
+    train_demo_model,
+    vision_outputs,
+)
+
+TINY = DemoRecipe(
+    seed=3, steps=2, images_per_step=3, questions_per_image=2, warmup_steps=1, image_size=64, patch_size=16,
+    vision_width=32, vision_layers=2, text_width=32, text_layers=2, heads=2, monitor_every=1, monitor_images=3,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A 2-step tiny demo model, saved and loaded back as the shipped one is."""
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    summary = train_demo_model(TINY, out, log=lambda line: None)
+    model, processor = load_demo(out)
+    return out, summary, model, processor
+
+
+@pytest.fixture(scope="module")
+def small_question_set(tmp_path_factory):
+    """A small held-out demo set from the same stream and builder as the default one."""
+    return demo_question_set(tmp_path_factory.mktemp("cache"), scenes=200, pope_images=80)
+
+
+def test_patch_labels_take_the_class_covering_over_a_quarter():
+    mask = np.zeros((64, 64), dtype=bool)
+    mask[0:16, 0:16] = True  # patch 0 fully
+    mask[0:3, 16:32] = True  # patch 1 by 3/16 < 1/4
+    mask[16:26, 0:16] = True  # patch 4 by 10/16
+    scene = Scene(image=np.zeros((64, 64, 3), np.uint8), objects=(SceneObject("star", mask),))
+    labels = patch_labels(scene, 16)
+    star = CATEGORIES.index("star")
+    assert labels[0] == star and labels[4] == star
+    assert labels[1] == BACKGROUND_CLASS and (labels[[2, 3, 5]] == BACKGROUND_CLASS).all()
+
+
+def test_batches_ask_half_present_half_absent_classes():
+    batch = sample_batch(0, 4, images=6, questions_per_image=8, image_size=64, patch_size=16)
+    assert len(batch.questions) == 48
+    for question in batch.questions:
+        present = question.category in batch.scenes[question.image].categories
+        assert present == (question.answer == "yes")
+    assert sum(q.answer == "yes" for q in batch.questions) == 24
+    assert batch.presence.sum(dim=1).tolist() == [len(s.objects) for s in batch.scenes]
+    again = sample_batch(0, 4, images=6, questions_per_image=8, image_size=64, patch_size=16)
+    assert again.questions == batch.questions
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    recipe = DemoRecipe(steps=300, warmup_steps=100)
+    assert learning_rate_at(0, recipe) == pytest.approx(1e-5)
+    assert learning_rate_at(99, recipe) == pytest.approx(1e-3)
+    assert learning_rate_at(100, recipe) == pytest.approx(1e-3)
+    assert learning_rate_at(300, recipe) == pytest.approx(5e-5)
+    assert learning_rate_at(200, recipe) < learning_rate_at(150, recipe)
+
+
+def test_pixels_and_prompt_ids_equal_the_processor_path(tiny_model):
+    _, _, _, processor = tiny_model
+    scene = generate_scene(0, 1, image_size=64)
+    text = prompt_text(processor, question_text("arrow"), DEMO_INSTRUCTIONS[1])
+    encoded = processor(images=Image.fromarray(scene.image), text=text, return_tensors="pt")
+    assert torch.allclose(encoded["pixel_values"], pixel_values([scene], *pixel_stats(processor)), atol=1e-6)
+    assert torch.equal(encoded["input_ids"][0], prompt_ids(processor, text, 16))
+    short = processor.tokenizer.convert_ids_to_tokens(prompt_ids(processor, text, 2))
+    assert short[:5] == ["<s>", "USER", ":", "<image>", "<image>"] and "<unk>" not in short
+
+
+def test_shared_prefix_training_forward_equals_the_full_forward(tiny_model):
+    _, _, model, processor = tiny_model
+    batch = sample_batch(0, 0, images=3, questions_per_image=4, image_size=64, patch_size=16)
+    instructions = [i % len(DEMO_INSTRUCTIONS) for i in range(len(batch.questions))]
+    pieces = prompt_pieces(processor, 16)
+    with torch.no_grad():
+        features, _, _ = vision_outputs(model, pixel_values(batch.scenes, *pixel_stats(processor)))
+        assert torch.allclose(features, image_features(model, pixel_values(batch.scenes, *pixel_stats(processor))))
+        suffixes = [pieces.suffixes[(q.category, i)] for q, i in zip(batch.questions, instructions)]
+        probs = torch.softmax(answer_logits(model, features, pieces, suffixes, 4), dim=-1)
+    texts = [prompt_text(processor, question_text(q.category), DEMO_INSTRUCTIONS[i])
+             for q, i in zip(batch.questions, instructions)]
+    full = answer(model, processor, [features[q.image] for q in batch.questions], texts)
+    yes_id = processor.tokenizer.convert_tokens_to_ids("yes")
+    assert torch.allclose(probs[:, yes_id], full.p_yes, atol=1e-5)
+
+
+def test_training_is_deterministic_and_saves_a_loadable_float16_checkpoint(tiny_model, tmp_path):
+    out, summary, model, _ = tiny_model
+    again = train_demo_model(TINY, tmp_path / "again", log=lambda line: None)
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "again" / "model.safetensors").read_bytes()
+    accuracies = [entry["heldout_accuracy"] for entry in summary["history"]]
+    assert [entry["heldout_accuracy"] for entry in again["history"]] == accuracies and len(accuracies) == TINY.steps
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.float16}
+    assert json.loads((out / "training.json").read_text())["recipe"]["seed"] == TINY.seed
+    assert model.config.vision_config.image_size == 64 and model.dtype == torch.float32
+
+
+def test_question_set_is_deterministic_and_pope_shaped(small_question_set, tmp_path):
+    again = demo_question_set(tmp_path, scenes=200, pope_images=80)
+    assert again.instances.read_bytes() == small_question_set.instances.read_bytes()
+    for split in ("random", "popular", "adversarial"):
+        lines = small_question_set.question_file(split).read_text().splitlines()
+        assert lines == again.question_file(split).read_text().splitlines()
+        labels = [json.loads(line)["label"] for line in lines]
+        assert len(labels) == 480 and labels.count("yes") == 240
+    # a second call reuses the cache instead of regenerating
+    assert demo_question_set(tmp_path, scenes=200, pope_images=80).root == again.root
+
+
+def test_object_removal_runs_every_condition_on_a_tiny_model(tiny_model, small_question_set):
+    _, _, model, processor = tiny_model
+    results = object_removal(model, processor, small_question_set, max_pairs=12)
+    assert results["full"].pairs == results["drop_object"].pairs == 12
+    assert 0 < results["drop_random_background"].pairs <= 12
+    for result in results.values():
+        assert 0.0 <= result.accuracy <= 1.0 and 0.0 < result.mean_confidence <= 1.0
+
+
+def test_removal_conditions_keep_equal_counts_and_drop_the_right_tokens(small_question_set):
+    from prune_audit.data.coco import CocoInstances
+    from prune_audit.data.geometry import clip_geometry
+
+    coco = CocoInstances.load(small_question_set.instances)
+    geometry = clip_geometry((96, 96), mode="hf_crop", shortest_edge=96, crop_size=(96, 96), patch_size=8)
+    image_id = next(i for i in coco.images if len(coco.object_names(i)) >= 3)
+    obj = coco.object_names(image_id)[0]
+    kept = kept_tokens(coco, geometry, image_id, obj, np.random.default_rng(0))
+    mask = coco.category_mask(image_id, obj)
+    touched = {r // 8 * 12 + c // 8 for r, c in zip(*np.nonzero(mask))}
+    assert kept["full"].tolist() == list(range(144))
+    assert set(kept["drop_object"].tolist()) == set(range(144)) - touched
+    assert len(kept["drop_random_nonobject"]) == len(kept["drop_object"])
+    assert touched <= set(kept["drop_random_nonobject"].tolist())
+    if kept["drop_random_background"] is not None:
+        anything = np.zeros_like(mask)
+        for name in coco.object_names(image_id):
+            anything |= coco.category_mask(image_id, name)
+        dropped = set(range(144)) - set(kept["drop_random_background"].tolist())
+        assert len(dropped) == len(touched)
+        assert not dropped & {r // 8 * 12 + c // 8 for r, c in zip(*np.nonzero(anything))}
+
+
+def test_cli_writes_the_question_set_and_reports_one_line_errors(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["demo", "questions", "--cache-dir", str(tmp_path), "--scenes", "120",
+                                 "--pope-images", "40"])
+    assert result.exit_code == 0, result.output
+    assert "demo_pope_adversarial.json" in result.output
+    missing = runner.invoke(app, ["demo", "evaluate", "--model", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2 and missing.output.count("\n") == 1
+
+
+# ----- the shipped checkpoint ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shipped(monkeypatch_module):
+    monkeypatch_module.setenv("HF_HUB_OFFLINE", "1")
+    return load_demo(DEMO_MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_shipped_checkpoint_is_small_and_float16():
+    size = sum(p.stat().st_size for p in DEMO_MODEL_DIR.iterdir() if p.is_file())
+    assert size < 20 * 2**20
+    assert (DEMO_MODEL_DIR / "MODEL_CARD.md").is_file()
+    config = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    grid = config["vision_config"]["image_size"] // config["vision_config"]["patch_size"]
+    assert grid * grid >= 100, "budgets of 16/32/64 tokens must be real pruning"
+
+
+def test_shipped_model_answers_held_out_demo_questions(shipped, small_question_set):
+    model, processor = shipped
+    summary = evaluate_question_set(model, processor, small_question_set)
+    assert summary["questions"] == 3 * 480
+    assert summary["accuracy"] >= 0.95, summary
+    assert min(summary["yes_accuracy"], summary["no_accuracy"]) >= 0.9, summary
+
+
+def test_shipped_model_generates_yes_or_no(shipped, small_question_set):
+    model, processor = shipped
+    from prune_audit.data.pope import load_pope
+
+    questions = load_pope(small_question_set.question_file("adversarial"))[:4]
+    images = [Image.open(small_question_set.image_dir / q.image).convert("RGB") for q in questions]
+    texts = [prompt_text(processor, q.text) for q in questions]
+    encoded = processor(images=images, text=texts, return_tensors="pt")
+    generated = model.generate(**encoded, max_new_tokens=1, do_sample=False)
+    words = processor.tokenizer.batch_decode(generated[:, -1:])
+    assert words == [q.label for q in questions]
+
+
+def test_shipped_model_looks_at_the_object(shipped, small_question_set):
+    model, processor = shipped
+    results = object_removal(model, processor, small_question_set, max_pairs=120)
+    assert results["full"].accuracy >= 0.9
+    assert results["drop_random_nonobject"].accuracy - results["drop_object"].accuracy >= 0.3
+    assert math.isfinite(results["drop_object"].wrong_confidence)
+
+
+def test_demo_assets_name_a_missing_checkpoint(monkeypatch, tmp_path):
+    import prune_audit.demo.assets as assets
+    from prune_audit.errors import PruneAuditError
+
+    monkeypatch.setattr(assets, "DEMO_MODEL_DIR", tmp_path / "gone")
+    with pytest.raises(PruneAuditError, match="demo checkpoint is missing"):
+        assets.demo_assets(tmp_path)
