@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from prune_audit.data.scenes import CATEGORIES
 from prune_audit.demo.batches import BACKGROUND_CLASS, SceneBatch, pixel_values, sample_batch
 from prune_audit.data.pope_build import question_text
-from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, image_features, prompt_text
+from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, image_features, prompt_ids, prompt_text
 
 # held-out monitoring scenes during training; the demo question set uses another seed
 MONITOR_SEED = 7
@@ -104,8 +104,6 @@ class PromptPieces:
 
 def prompt_pieces(processor, num_image_tokens: int) -> PromptPieces:
     """Split every (category, instruction) chat prompt at the end of its image span."""
-    from prune_audit.demo.evaluate import prompt_ids
-
     image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     prefix, suffixes = None, {}
     for category in CATEGORIES:
