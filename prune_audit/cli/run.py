@@ -23,7 +23,7 @@ def run(
     annotations: Annotated[Optional[Path], typer.Option(help="COCO instances file (object masks for retention).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Run directory (default: runs/<model>-<selector>-<budget>).")] = None,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N questions.")] = None,
-    batch_size: Annotated[int, typer.Option(help="Questions per forward pass.")] = 1,
+    batch_size: Annotated[int, typer.Option(help="Questions per forward pass (answers do not depend on it).")] = 16,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for random selectors (per question, independent of batching).")] = 0,

@@ -40,7 +40,7 @@ class RunRequest:
     annotations: Path | None = None
     out: Path | None = None
     limit: int | None = None
-    batch_size: int = 1
+    batch_size: int = 16
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -127,7 +127,7 @@ def plan_run(request: RunRequest) -> RunPlan:
     coco = _load_annotations(request, questions)
     image_ids = _image_ids(questions, coco)
     run_dir = _run_dir(request)
-    _check_writable(run_dir)
+    check_writable(run_dir)
     _check_device(request.device)
     from prune_audit.models import load_vlm
 
@@ -152,10 +152,15 @@ def plan_run(request: RunRequest) -> RunPlan:
 
 def _prepare_first(vlm: Any, question: Any, image_paths: dict[str, Path]) -> Any:
     """The first question prepared: its token grid and geometry describe the run in the manifest."""
+    return prepare_question(vlm, image_paths[question.image], question.text)
+
+
+def prepare_question(vlm: Any, image_path: Path, text: str) -> Any:
+    """The model's ``Prepared`` prompt for one image file (as RGB) and question text."""
     from PIL import Image
 
-    with Image.open(image_paths[question.image]) as image:
-        return vlm.prepare(image.convert("RGB"), question.text)
+    with Image.open(image_path) as image:
+        return vlm.prepare(image.convert("RGB"), text)
 
 
 def _resolve_demo_defaults(request: RunRequest) -> None:
@@ -274,7 +279,7 @@ def _run_dir(request: RunRequest) -> Path:
     return Path("runs") / f"{model_name}-{suffix}"
 
 
-def _check_writable(run_dir: Path) -> None:
+def check_writable(run_dir: Path) -> None:
     existing = run_dir
     while not existing.exists():
         existing = existing.parent
@@ -406,23 +411,19 @@ def _check_resume(plan: RunPlan) -> None:
 
 
 def _answer_questions(plan: RunPlan, todo: Sequence[Any], store: RecordStore, on_progress: Callable[[int], None] | None) -> None:
-    from PIL import Image
-
     order = {(q.split, q.question_id): index for index, q in enumerate(plan.questions)}
-    areas = _AreaLookup(plan)
+    areas = AreaLookup(plan.coco)
     batch_size = max(1, plan.request.batch_size)
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
-        prepared = []
-        for question in batch:
-            with Image.open(plan.image_paths[question.image]) as image:
-                prepared.append(plan.vlm.prepare(image.convert("RGB"), question.text))
+        prepared = [prepare_question(plan.vlm, plan.image_paths[q.image], q.text) for q in batch]
         generators = [_generator(plan.request.seed, q) for q in batch]
         answers = plan.vlm.answer(prepared, plan.selector, plan.budget, generator=generators)
-        rows = [
-            _record(q, a, p, plan, areas, order[(q.split, q.question_id)])
-            for q, a, p in zip(batch, answers, prepared)
-        ]
+        rows = []
+        for q, a, p in zip(batch, answers, prepared):
+            image_id = plan.image_ids[q.image]
+            area = areas.get(image_id, q.object, p.geometry) if q.label == "yes" else None
+            rows.append(build_record(q, a, p, image_id, area, order[(q.split, q.question_id)]))
         store.append(rows)
         if on_progress:
             on_progress(len(batch))
@@ -434,21 +435,24 @@ def _generator(seed: int, question: Any) -> Any:
     return torch.Generator().manual_seed(question_seed(seed, question.split, question.question_id))
 
 
-class _AreaLookup:
-    """Object area per token for (image, object) under the prepared geometry; masks decoded once."""
+class AreaLookup:
+    """Object area per token for (image, object) under the prepared geometry; masks decoded once.
 
-    def __init__(self, plan: RunPlan) -> None:
-        self.plan = plan
+    ``coco`` is the run's ``CocoInstances``; without one (no --annotations) every lookup is None.
+    """
+
+    def __init__(self, coco: Any) -> None:
+        self.coco = coco
         self.cache: dict[tuple[int, str, Any], Any] = {}
 
     def get(self, image_id: int, object_name: str, geometry: Any) -> Any:
-        if self.plan.coco is None:
+        if self.coco is None:
             return None
         key = (image_id, object_name, geometry)
         if key not in self.cache:
             from prune_audit.data.retention import object_area
 
-            mask = self.plan.coco.category_mask(image_id, object_name)
+            mask = self.coco.category_mask(image_id, object_name)
             self.cache[key] = object_area(mask, geometry)
         return self.cache[key]
 
@@ -467,12 +471,12 @@ def last_visible_kept(kept_stages: Sequence[Sequence[int]], num_visual: int) -> 
     return []
 
 
-def _record(question: Any, answer: Any, prepared: Any, plan: RunPlan, areas: _AreaLookup, order: int) -> dict[str, Any]:
+def build_record(question: Any, answer: Any, prepared: Any, image_id: int, area: Any, order: int) -> dict[str, Any]:
+    """One row of docs/records.md; ``area`` is the object's ``ObjectArea`` (None for "no" questions
+    and runs without annotations)."""
     from prune_audit.data.retention import retention
 
-    image_id = plan.image_ids[question.image]
     kept = last_visible_kept(answer.kept_stages, prepared.num_visual)
-    area = areas.get(image_id, question.object, prepared.geometry) if question.label == "yes" else None
     if area is not None and area.has_mask:
         retained, object_tokens, lost = retention(area.area_per_token, area.total_area, kept)
         visible, object_area_px = area.visible_fraction, area.total_area
