@@ -8,6 +8,7 @@ from prune_audit.pruners import Stage, get_selector, list_selectors, selector_cl
 from prune_audit.pruners.schedule import (
     average_visual_tokens,
     nearest_setting,
+    merge_stages,
     scale_layers,
     solve_geometric_schedule,
     solve_schedule,
@@ -32,8 +33,24 @@ def test_scale_layers_is_proportional_and_strictly_increasing():
     assert scale_layers([3, 17, 22], 32, 32) == [3, 17, 22]
     assert scale_layers([3, 17, 22], 32, 28) == [3, 15, 19]
     assert scale_layers([1, 2, 3], 32, 4) == [1, 2, 3]
-    with pytest.raises(ValueError, match="too shallow"):
-        scale_layers([1, 2, 3], 32, 3)
+    # too shallow for distinct layers: the deepest stages share the last layer
+    assert scale_layers([1, 2, 3], 32, 3) == [1, 2, 2]
+    with pytest.raises(ValueError, match="no layer after the first"):
+        scale_layers([3], 32, 1)
+
+
+def test_stages_on_a_shared_layer_merge_keeping_the_deepest_count():
+    assert merge_stages([1, 2, 2], [20, 8, 0]) == ([1, 2], [20, 0])
+    assert merge_stages([3, 17, 22], [122, 48, 42]) == ([3, 17, 22], [122, 48, 42])
+
+
+@pytest.mark.parametrize("name", ["e2s", "v2drop", "sparsevlm", "pdrop", "fastv", "dart"])
+def test_shallow_models_get_a_merged_schedule_that_hits_the_budget(name):
+    selector = get_selector(name)
+    stages = selector.schedule(3, 144, 64)
+    layers = [stage.layer for stage in stages]
+    assert layers == sorted(set(layers)) and all(1 <= layer <= 2 for layer in layers)
+    assert average_visual_tokens(stages, 3, 144) == pytest.approx(64, rel=0.02)
 
 
 def test_solve_schedule_hits_the_average_and_keeps_the_shape():

@@ -57,7 +57,7 @@ class PDropSelector(ScheduledSelector):
     positions: str = "compact"
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
-        layers = scale_layers(GEOMETRIC_LAYERS, REFERENCE_DEPTH, num_layers)
+        layers = sorted(set(scale_layers(GEOMETRIC_LAYERS, REFERENCE_DEPTH, num_layers)))
         return solve_geometric_schedule(layers, num_layers, num_visual, budget)
 
     def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:

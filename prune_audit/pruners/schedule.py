@@ -54,18 +54,35 @@ def average_visual_tokens(stages: Sequence[Stage], num_layers: int, num_visual: 
 def scale_layers(reference_layers: Sequence[int], reference_depth: int, num_layers: int) -> list[int]:
     """Move reference layer positions to a model of another depth, proportionally.
 
-    Positions stay strictly increasing and inside ``[1, num_layers - 1]``.
+    Positions are non-decreasing inside ``[1, num_layers - 1]`` and strictly increasing
+    while the depth allows; on a model too shallow to give every stage its own layer
+    the deepest stages share the last layer (:func:`merge_stages` then merges them).
     """
+    if num_layers < 2:
+        raise ValueError(f"a {num_layers}-layer model has no layer after the first to prune at")
     scaled: list[int] = []
     for layer in reference_layers:
         position = round(layer * num_layers / reference_depth)
         position = max(position, scaled[-1] + 1 if scaled else 1)
         scaled.append(min(position, num_layers - 1))
-    if len(set(scaled)) != len(scaled):
-        raise ValueError(
-            f"a {num_layers}-layer model is too shallow for {len(reference_layers)} pruning stages"
-        )
     return scaled
+
+
+def merge_stages(layers: Sequence[int], values: Sequence[T]) -> tuple[list[int], list[T]]:
+    """Stages that land on one layer become one, keeping the deepest reference stage's value.
+
+    The deepest stage's count is what that layer would see after all of them, so a
+    shallow model keeps the reference's final count at the shared layer.
+    """
+    merged_layers: list[int] = []
+    merged_values: list[T] = []
+    for layer, value in zip(layers, values):
+        if merged_layers and merged_layers[-1] == layer:
+            merged_values[-1] = value
+        else:
+            merged_layers.append(layer)
+            merged_values.append(value)
+    return merged_layers, merged_values
 
 
 def nearest_setting(settings: Mapping[int, T], budget: int, num_visual: int) -> T:
@@ -85,8 +102,10 @@ def progressive_schedule(
     budget: int,
 ) -> list[Stage]:
     """The default rule: scaled reference layers, nearest reference shape, counts solved to the budget average."""
-    layers = scale_layers(reference_layers, REFERENCE_DEPTH, num_layers)
-    return solve_schedule(layers, nearest_setting(shapes, budget, num_visual), num_layers, num_visual, budget)
+    layers, shape = merge_stages(
+        scale_layers(reference_layers, REFERENCE_DEPTH, num_layers), nearest_setting(shapes, budget, num_visual)
+    )
+    return solve_schedule(layers, shape, num_layers, num_visual, budget)
 
 
 def scale_reference_counts(counts: Sequence[int], num_visual: int) -> list[int]:
@@ -109,7 +128,7 @@ def paper_schedule(
     turns into counts: by default counts given for 576 tokens, scaled to ``num_visual``.
     Budgets the reference does not define raise a ValueError naming the valid ones.
     """
-    layers = scale_layers(reference_layers, REFERENCE_DEPTH, num_layers)
+    layers = sorted(set(scale_layers(reference_layers, REFERENCE_DEPTH, num_layers)))
     if budget >= num_visual:
         return [Stage(layer, num_visual) for layer in layers]
     if budget not in settings:
@@ -118,7 +137,10 @@ def paper_schedule(
             f"{method} with budget_rule='paper' defines budgets {valid} only; "
             f"use budget_rule='average' for a budget of {budget}"
         )
-    return [Stage(layer, count) for layer, count in zip(layers, counts_for(settings[budget], num_visual))]
+    layers, counts = merge_stages(
+        scale_layers(reference_layers, REFERENCE_DEPTH, num_layers), counts_for(settings[budget], num_visual)
+    )
+    return [Stage(layer, count) for layer, count in zip(layers, counts)]
 
 
 def solve_schedule(
