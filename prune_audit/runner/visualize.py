@@ -16,7 +16,8 @@ from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
 from prune_audit.runner.audit import last_visible_kept
 
-DEFAULT_QUESTION = "Is there an object in the image?"
+# COCO's most frequent POPE object; the demo model asks about its own first shape class instead
+DEFAULT_QUESTION = "Is there a person in the image?"
 
 
 @dataclass
@@ -92,14 +93,16 @@ def visualize_live(request: VisualizeRequest) -> Path:
     if request.budget is not None and request.budget <= 0:
         raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
     pixels = load_rgb(request.image)
-    question = request.question or DEFAULT_QUESTION
-    object_name = _question_object(question)
-    mask, _ = object_mask(request.annotations, request.image.name, object_name)
-    model_path = request.model
+    model_path, question = request.model, request.question or DEFAULT_QUESTION
     if model_path is None:
+        from prune_audit.data.pope_build import question_text
+        from prune_audit.data.scenes import CATEGORIES
         from prune_audit.demo.assets import demo_assets
 
         model_path = str(demo_assets().model_dir)
+        question = request.question or question_text(CATEGORIES[0])
+    object_name = _question_object(question)
+    mask, _ = object_mask(request.annotations, request.image.name, object_name)
     vlm = load_vlm(model_path, device=request.device)
     from PIL import Image
 
