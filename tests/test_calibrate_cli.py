@@ -84,6 +84,7 @@ def write_run(directory, seed, strength, tokens, images=24, lost_share=0.0, sele
                         "kept_stages": [[0, 1, 2]],
                         "visual_tokens_avg": float(budget or 576),
                         "prefill_tokens": tokens + rng.integers(0, 5),
+                        "cost_tokens": float(tokens),
                         "retention": retention,
                         "visible_fraction": 1.0 if label_yes else float("nan"),
                         "object_tokens_kept": (0 if lost else 2) if label_yes else -1,

@@ -298,7 +298,7 @@ def question_table(n_images, seed):
         logit_diff=logit_diff,
         retention=retention,
         lost=np.where(label_yes, retention == 0.0, np.nan),
-        prefill_tokens=np.full(6 * n_images, 50),
+        cost_tokens=np.full(6 * n_images, 50.0),
     )
 
 

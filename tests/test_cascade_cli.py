@@ -58,8 +58,8 @@ def test_json_report_matches_a_direct_recomputation(runs, tmp_path):
     test = np.isin(image, test_ids)
     escalated = confidence[test] <= chosen
     assert entry["escalation_rate"] == pytest.approx(escalated.mean())
-    tokens = pruned["prefill_tokens"].to_numpy()[test] + escalated * dense["prefill_tokens"].to_numpy()[test]
-    assert entry["relative_cost"] == pytest.approx(tokens.sum() / dense["prefill_tokens"].to_numpy()[test].sum())
+    tokens = pruned["cost_tokens"].to_numpy()[test] + escalated * dense["cost_tokens"].to_numpy()[test]
+    assert entry["relative_cost"] == pytest.approx(tokens.sum() / dense["cost_tokens"].to_numpy()[test].sum())
     assert entry["disagreement"] == pytest.approx(np.mean(disagree[test] & ~escalated))
     assert entry["validity"]["mean_disagreement"] <= 0.1 + 0.01
     assert -1.0 < entry["savings_share"] < 1.5

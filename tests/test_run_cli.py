@@ -68,6 +68,7 @@ def test_run_writes_records_and_manifest(workspace, tmp_path):
                         "retention", "visible_fraction", "object_tokens_kept", "lost", "latency_ms"}
     assert expected_columns <= set(records.columns)
     assert all(len(k) == 6 for k in records["kept"])
+    assert (records["cost_tokens"] == records["prefill_tokens"]).all()  # input-level: the sequence is short from the start
     assert (records["correct"] == (records["answer"] == records["label"])).all()
     np.testing.assert_allclose(records["confidence"], np.maximum(records["p_yes_2way"], 1 - records["p_yes_2way"]))
 
@@ -107,6 +108,10 @@ def test_in_llm_selector_records_stages(workspace, tmp_path):
     stages = manifest["selector"]["schedule"]
     assert stages and all(len(k) == len(stages) for k in records["kept_stages"])
     assert records["visual_tokens_avg"].iloc[0] == pytest.approx(manifest["realised_visual_tokens_avg"])
+    # in-LLM pruning: the prefill enters with all 16 visual tokens, the layer average is lower
+    expected_cost = records["prefill_tokens"] - 16 + records["visual_tokens_avg"]
+    np.testing.assert_allclose(records["cost_tokens"], expected_cost)
+    assert (records["cost_tokens"] < records["prefill_tokens"]).all()
 
 
 def test_rerun_resumes_without_duplicates(workspace, tmp_path):

@@ -30,6 +30,7 @@ def make_row(order, split="random", question_id=None):
         "kept_stages": [[1, 2, 3]],
         "visual_tokens_avg": 3.0,
         "prefill_tokens": 20,
+        "cost_tokens": 20.0,
         "retention": 0.5,
         "visible_fraction": 1.0,
         "object_tokens_kept": 2,

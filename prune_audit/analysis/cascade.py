@@ -70,8 +70,8 @@ class CascadeQuestions:
             image_ids=image_ids,
             confidence=np.stack([stage.confidence for stage in aligned]),
             disagree=np.stack([stage.answer_yes != dense.answer_yes for stage in aligned]),
-            stage_tokens=np.stack([stage.prefill_tokens for stage in aligned]).astype(np.float64),
-            dense_tokens=dense.prefill_tokens.astype(np.float64),
+            stage_tokens=np.stack([stage.cost_tokens for stage in aligned]).astype(np.float64),
+            dense_tokens=dense.cost_tokens.astype(np.float64),
         )
 
     @property

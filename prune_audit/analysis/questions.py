@@ -26,7 +26,7 @@ class QuestionTable:
         logit_diff: (n,) float64, log p_yes - log p_no.
         retention: (n,) float64, object-area retention of the kept tokens (NaN when undefined).
         lost: (n,) float64, 1.0 when the object lost every token, 0.0 when not, NaN when unknown.
-        prefill_tokens: (n,) int64, tokens in the prefill sequence.
+        cost_tokens: (n,) float64, prefill cost: the sequence length averaged over decoder layers.
     """
 
     split: np.ndarray
@@ -40,7 +40,7 @@ class QuestionTable:
     logit_diff: np.ndarray
     retention: np.ndarray
     lost: np.ndarray
-    prefill_tokens: np.ndarray
+    cost_tokens: np.ndarray
 
     def __post_init__(self) -> None:
         lengths = {name: len(value) for name, value in self.columns().items()}

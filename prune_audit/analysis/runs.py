@@ -26,7 +26,7 @@ REQUIRED_COLUMNS = (
     "logit_diff",
     "confidence",
     "correct",
-    "prefill_tokens",
+    "cost_tokens",
 )
 """Columns the analyses read that must hold a value in every row; ``retention`` and ``lost`` may be null."""
 
@@ -102,7 +102,7 @@ def question_table(records: pa.Table, source: str) -> QuestionTable:
         logit_diff=records["logit_diff"].to_numpy().astype(np.float64),
         retention=_nullable_floats(records, "retention"),
         lost=_nullable_floats(records, "lost"),
-        prefill_tokens=records["prefill_tokens"].to_numpy().astype(np.int64),
+        cost_tokens=records["cost_tokens"].to_numpy().astype(np.float64),
     )
 
 

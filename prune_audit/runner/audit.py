@@ -500,6 +500,8 @@ def build_record(question: Any, answer: Any, prepared: Any, image_id: int, area:
         "kept_stages": [list(k) for k in answer.kept_stages] or [list(range(prepared.num_visual))],
         "visual_tokens_avg": answer.visual_tokens_avg,
         "prefill_tokens": answer.prefill_tokens,
+        # in-LLM pruning shortens the sequence only from its first stage on
+        "cost_tokens": answer.prefill_tokens - answer.tokens_per_layer[0] + answer.visual_tokens_avg,
         "retention": retained,
         "visible_fraction": visible,
         "object_tokens_kept": object_tokens,

@@ -43,6 +43,7 @@ SCHEMA = pa.schema(
         ("kept_stages", pa.list_(pa.list_(pa.int64()))),
         ("visual_tokens_avg", pa.float64()),
         ("prefill_tokens", pa.int64()),
+        ("cost_tokens", pa.float64()),
         ("retention", pa.float64()),
         ("visible_fraction", pa.float64()),
         ("object_tokens_kept", pa.int64()),
