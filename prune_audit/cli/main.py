@@ -7,6 +7,7 @@ import typer
 from prune_audit.cli import calibrate as calibrate_cli
 from prune_audit.cli import cascade as cascade_cli
 from prune_audit.cli import demo as demo_cli
+from prune_audit.cli import intervene as intervene_cli
 from prune_audit.cli import pope as pope_cli
 from prune_audit.cli import run as run_cli
 from prune_audit.cli import selectors as selectors_cli
@@ -27,6 +28,7 @@ app.command("merge")(run_cli.merge)
 app.command("visualize")(visualize_cli.visualize)
 app.command("calibrate")(calibrate_cli.calibrate)
 app.command("cascade")(cascade_cli.cascade)
+app.command("intervene")(intervene_cli.intervene)
 app.add_typer(pope_cli.app, name="pope")
 app.add_typer(demo_cli.app, name="demo")
 
