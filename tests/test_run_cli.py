@@ -56,6 +56,15 @@ def comparable(frame):
     return frame.drop(columns=sorted(TIMING_COLUMNS)).reset_index(drop=True)
 
 
+def assert_same_records(actual, expected):
+    """Equal records, floats to 1e-6: processes with another thread count sum matmuls in another order."""
+    actual, expected = comparable(actual), comparable(expected)
+    assert list(actual.columns) == list(expected.columns)
+    floats = [c for c in expected.columns if expected[c].dtype.kind == "f"]
+    assert actual.drop(columns=floats).equals(expected.drop(columns=floats))
+    np.testing.assert_allclose(actual[floats].to_numpy(float), expected[floats].to_numpy(float), rtol=1e-6, atol=1e-6)
+
+
 def test_run_writes_records_and_manifest(workspace, tmp_path):
     out = tmp_path / "run"
     result = invoke(base_args(workspace, out, "--selector", "random", "--budget", "6", "--limit", "30",
@@ -158,7 +167,10 @@ def test_sigkill_at_random_points_then_resume_matches_uninterrupted(workspace, t
             if (wait_for_parts and len(parts) >= rng.randint(1, 4)) or (not wait_for_parts and time.monotonic() - start > delay):
                 break
             time.sleep(0.02)
-        os.killpg(process.pid, signal.SIGKILL)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it finished first: the resume below must then change nothing
+            pass
         process.wait()
         resumed = subprocess.run(_cli("run", *trial_args), capture_output=True, text=True)
         assert resumed.returncode == 0, resumed.stderr
@@ -199,7 +211,7 @@ def test_two_process_gloo_launch_equals_one_process(workspace, tmp_path):
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert comparable(read_records(launched)).equals(comparable(read_records(whole)))
+    assert_same_records(read_records(launched), read_records(whole))
     assert not (launched / "parts").exists()
 
 
