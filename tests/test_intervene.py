@@ -105,12 +105,12 @@ def test_swap_stages_rejects_an_unbalanced_swap():
 
 @pytest.fixture(scope="module")
 def runs(workspace, tmp_path_factory):
-    """Pruned runs over the first 60 questions: input-level random@4 and in-LLM pdrop@6 (stages 6, 2, 0)."""
+    """Pruned runs over the first 36 questions: input-level random@4 and in-LLM pdrop@6 (stages 6, 2, 0)."""
     root = tmp_path_factory.mktemp("intervene_runs")
     made = {}
     for name, selector, budget in (("random", "random", "4"), ("pdrop", "pdrop", "6")):
         result = runner.invoke(app, base_args(workspace, root / name, "--selector", selector, "--budget", budget,
-                                              "--limit", "60", "--seed", "2"))
+                                              "--limit", "36", "--seed", "2"))
         assert result.exit_code == 0, result.output
         made[name] = root / name
     return made
