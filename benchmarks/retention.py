@@ -11,7 +11,8 @@ as in the real POPE files (1,500 distinct "yes" pairs). Every question gets a ra
 kept set of ``--keep`` tokens.
 
 Timed, end to end: per-(image, category) mask decoding (pycocotools) and reduction to
-per-token areas (``ObjectAreaCache``), then ``retention_batch`` over all questions.
+per-token areas (``ObjectAreaCache``), then ``retention_by_stage`` over all questions: the
+same cache and function ``prune-audit run`` computes its records with (``runner/build.py``).
 The median of ``--repeats`` runs is reported; the last line is JSON.
 """
 
@@ -30,7 +31,7 @@ import numpy as np
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import clip_geometry, qwen_geometry
 from prune_audit.data.pope_build import build_pope
-from prune_audit.data.retention import ObjectAreaCache, retention_batch
+from prune_audit.data.retention import ObjectAreaCache, retention_by_stage
 
 DEFAULT_ANNOTATIONS = (
     Path(__file__).resolve().parents[1].parent / "shared" / "data" / "coco" / "tiny_coco_val2017" / "instances_val2017.json"
@@ -55,7 +56,7 @@ def run_once(coco: CocoInstances, questions: list, count: int, mode: str, keep: 
     kept = [rng.choice(len(area.area_per_token), size=min(keep, len(area.area_per_token)), replace=False)
             for area in areas]
     drawn = time.perf_counter()
-    retention_batch([a.area_per_token for a in areas], [a.total_area for a in areas], kept)
+    retention_by_stage(areas, [[k] for k in kept])
     done = time.perf_counter()
     return {
         "questions": len(areas),

@@ -13,12 +13,9 @@ from typer.testing import CliRunner
 from prune_audit.analysis import metrics
 from prune_audit.analysis.temperature import split_images
 from prune_audit.cli.main import app
-from prune_audit.runner.records import SCHEMA
+from prune_audit.records.schema import RUN_SCHEMA
 
 runner = CliRunner()
-
-RECORD_SCHEMA = SCHEMA.remove(SCHEMA.get_field_index("order"))
-"""The columns of docs/records.md: the runner's schema without its internal ``order`` column."""
 
 SPLITS = ("random", "popular", "adversarial")
 
@@ -91,10 +88,12 @@ def write_run(directory, seed, strength, tokens, images=24, lost_share=0.0, sele
                         "lost": lost,
                         "object_area": 500 if label_yes else 0,
                         "latency_ms": 10.0,
+                        "geometry": "{}",
+                        "order": len(rows),
                     }
                 )
     directory.mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), directory / "records.parquet")
+    pq.write_table(pa.Table.from_pylist(rows, schema=RUN_SCHEMA), directory / "records.parquet")
     (directory / "manifest.json").write_text(json.dumps({**manifest(selector=selector, budget=budget), **fields}))
     return directory
 

@@ -24,7 +24,7 @@ from prune_audit.cli.main import app
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.data.retention import object_area
-from prune_audit.runner.intervene import NoSwap, Swap, remove_swaps, restore_swaps, swap_stages
+from prune_audit.runner.intervene.swaps import NoSwap, Swap, remove_swaps, restore_swaps, swap_stages
 
 runner = CliRunner()
 

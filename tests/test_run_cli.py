@@ -27,7 +27,7 @@ from prune_audit.cli.main import app
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.data.retention import object_area, retention
-from prune_audit.runner.records import RecordStore
+from prune_audit.records.store import RecordStore
 
 runner = CliRunner()
 

@@ -6,8 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.runner.manifest import differing_fields, read_manifest, write_manifest
-from prune_audit.runner.records import SCHEMA, RecordStore
+from prune_audit.records.manifest import differing_fields, read_manifest, write_manifest
+from prune_audit.records.schema import RUN_SCHEMA as SCHEMA
+from prune_audit.records.store import RecordStore
 from prune_audit.runner.sharding import Shard, parse_shard, shard_questions
 
 

@@ -13,8 +13,8 @@ import pyarrow as pa
 
 from prune_audit.analysis.questions import QuestionTable
 from prune_audit.errors import PruneAuditError
-from prune_audit.runner.manifest import differing_fields, read_manifest
-from prune_audit.runner.records import RecordStore
+from prune_audit.records.manifest import differing_fields, read_manifest
+from prune_audit.records.store import RecordStore
 
 REQUIRED_COLUMNS = (
     "question_id",

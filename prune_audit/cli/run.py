@@ -38,7 +38,8 @@ def run(
     it audits the bundled demo model on the demo question set.
     """
     command = _command_line(dict(locals()))
-    from prune_audit.runner.audit import RunRequest, execute, plan_run
+    from prune_audit.runner.execute import execute
+    from prune_audit.runner.plan import RunRequest, plan_run
     from prune_audit.runner.sharding import parse_shard
 
     request = RunRequest(

@@ -53,23 +53,31 @@ def object_area(mask: np.ndarray, geometry: TokenGeometry) -> ObjectArea:
 
 
 class ObjectAreaCache:
-    """Per-(image, category) ``ObjectArea`` for one COCO file, each mask decoded once.
+    """Per-(image, category, geometry) ``ObjectArea`` for one COCO file, each mask decoded once.
+
+    The runner and ``benchmarks/retention.py`` share this cache and ``retention_by_stage``.
 
     Args:
         coco: the instances file the masks come from.
         geometry_for: maps an image's (width, height) to its token geometry, e.g.
-            ``lambda size: geometry_from_processor(processor, size)``.
+            ``lambda size: geometry_from_processor(processor, size)``; used when ``get``
+            is given no geometry (the runner passes each prepared image's own).
     """
 
-    def __init__(self, coco: CocoInstances, geometry_for: Callable[[tuple[int, int]], TokenGeometry]) -> None:
+    def __init__(
+        self, coco: CocoInstances, geometry_for: Callable[[tuple[int, int]], TokenGeometry] | None = None
+    ) -> None:
         self.coco = coco
         self.geometry_for = geometry_for
-        self._areas: dict[tuple[int, str], ObjectArea] = {}
+        self._areas: dict[tuple[int, str, TokenGeometry], ObjectArea] = {}
 
-    def get(self, image_id: int, category_name: str) -> ObjectArea:
-        key = (image_id, category_name)
-        if key not in self._areas:
+    def get(self, image_id: int, category_name: str, geometry: TokenGeometry | None = None) -> ObjectArea:
+        if geometry is None:
+            if self.geometry_for is None:
+                raise ValueError("ObjectAreaCache.get needs a geometry when the cache has no geometry_for")
             geometry = self.geometry_for(self.coco.image(image_id).size)
+        key = (image_id, category_name, geometry)
+        if key not in self._areas:
             self._areas[key] = object_area(self.coco.category_mask(image_id, category_name), geometry)
         return self._areas[key]
 
@@ -161,3 +169,47 @@ def retention_batch(
         lost=has_mask & (tokens_kept == 0),
         has_mask=has_mask,
     )
+
+
+@dataclass(frozen=True)
+class StageRetention:
+    """Retention of one question's kept set at each of its S stages (lists of length S).
+
+    Without object pixels every stage holds NaN, -1 and None, as ``retention`` returns.
+    """
+
+    retention: list[float]
+    object_tokens_kept: list[int]
+    lost: list[bool | None]
+
+
+def retention_by_stage(
+    areas: Sequence[ObjectArea | None], kept_stages: Sequence[Sequence[Sequence[int] | np.ndarray]]
+) -> list[StageRetention]:
+    """Retention of every stage of Q questions in one ``retention_batch`` call.
+
+    Args:
+        areas: Q objects seen through each question's geometry; None when the question has
+            no object (a "no" question, or a run without annotations).
+        kept_stages: Q lists of S_q kept index sets (S_q may differ between questions).
+    """
+    if len(areas) != len(kept_stages):
+        raise PruneAuditError(f"retention_by_stage needs one kept-stage list per question, got "
+                              f"{len(areas)} areas and {len(kept_stages)} stage lists")
+    measured = [q for q, area in enumerate(areas) if area is not None and area.has_mask]
+    pairs = [(q, kept) for q in measured for kept in kept_stages[q]]
+    batch = retention_batch(
+        [areas[q].area_per_token for q, _ in pairs], [areas[q].total_area for q, _ in pairs], [k for _, k in pairs]
+    )
+    unmeasured = set(range(len(areas))) - set(measured)
+    results = [
+        StageRetention([math.nan] * len(stages), [-1] * len(stages), [None] * len(stages))
+        if q in unmeasured
+        else StageRetention([], [], [])
+        for q, stages in enumerate(kept_stages)
+    ]
+    for index, (q, _) in enumerate(pairs):
+        results[q].retention.append(float(batch.retention[index]))
+        results[q].object_tokens_kept.append(int(batch.object_tokens_kept[index]))
+        results[q].lost.append(bool(batch.lost[index]))
+    return results

@@ -9,8 +9,9 @@ import numpy as np
 import pyarrow as pa
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.runner.manifest import differing_fields, read_manifest, write_manifest
-from prune_audit.runner.records import RECORDS_FILE, RecordStore, merge_tables, write_table_atomic
+from prune_audit.records.manifest import differing_fields, read_manifest, write_manifest
+from prune_audit.records.schema import RECORDS_FILE
+from prune_audit.records.store import RecordStore, merge_tables, write_table_atomic
 
 
 def merge_runs(run_dirs: Sequence[Path], out: Path | None = None) -> pa.Table:

@@ -7,14 +7,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
-from prune_audit.runner.audit import last_visible_kept
+from prune_audit.runner.build import last_visible_kept
+
+if TYPE_CHECKING:
+    from prune_audit.models.base import Answer
 
 # COCO's most frequent POPE object; the demo model asks about its own first shape class instead
 DEFAULT_QUESTION = "Is there a person in the image?"
@@ -46,16 +49,16 @@ def load_rgb(path: Path) -> np.ndarray:
         raise PruneAuditError(f"image {path} cannot be decoded ({error})") from None
 
 
-def object_mask(annotations: Path | None, image_name: str, object_name: str | None) -> tuple[np.ndarray | None, Any]:
+def object_mask(annotations: Path | None, image_name: str, object_name: str | None) -> np.ndarray | None:
     """The queried object's mask (union of its instances) when annotations name the image."""
     if annotations is None or object_name is None:
-        return None, None
+        return None
     from prune_audit.data.coco import CocoInstances
 
     coco = CocoInstances.load(annotations)
     image_id = coco.image_id(Path(image_name).name)
     coco.category_id(object_name)
-    return coco.category_mask(image_id, object_name), coco
+    return coco.category_mask(image_id, object_name)
 
 
 def _question_object(question: str) -> str | None:
@@ -77,7 +80,7 @@ def _retention_text(mask: np.ndarray | None, geometry: TokenGeometry, kept: Sequ
     return f" | retention {retained:.2f} ({tokens} object tokens)"
 
 
-def _stage_labels(answer: Any, num_visual: int) -> list[str]:
+def _stage_labels(answer: Answer, num_visual: int) -> list[str]:
     if not answer.stage_layers:
         return [f"input: {len(answer.kept_stages[0]) if answer.kept_stages else num_visual} tokens"]
     return [f"layer {layer}: {len(kept)} tokens" for layer, kept in zip(answer.stage_layers, answer.kept_stages)]
@@ -102,7 +105,7 @@ def visualize_live(request: VisualizeRequest) -> Path:
         model_path = str(demo_assets().model_dir)
         question = request.question or question_text(CATEGORIES[0])
     object_name = _question_object(question)
-    mask, _ = object_mask(request.annotations, request.image.name, object_name)
+    mask = object_mask(request.annotations, request.image.name, object_name)
     vlm = load_vlm(model_path, device=request.device)
     from PIL import Image
 
@@ -130,8 +133,8 @@ def visualize_record(run_dir: Path, question_id: int, split: str | None, out: Pa
     """Redraw exactly the recorded kept sets of one question of a run (no model needed)."""
     import pyarrow.compute as pc
 
-    from prune_audit.runner.manifest import read_manifest
-    from prune_audit.runner.records import RecordStore
+    from prune_audit.records.manifest import read_manifest
+    from prune_audit.records.store import RecordStore
 
     manifest = read_manifest(run_dir)
     records = RecordStore(run_dir).read()
@@ -149,7 +152,7 @@ def visualize_record(run_dir: Path, question_id: int, split: str | None, out: Pa
     annotations = manifest.get("annotations") or {}
     mask = None
     if annotations.get("path") and row["label"] == "yes":
-        mask, _ = object_mask(Path(annotations["path"]), row["image"], row["object"])
+        mask = object_mask(Path(annotations["path"]), row["image"], row["object"])
     stages = [list(k) for k in row["kept_stages"]]
     schedule = (manifest.get("selector") or {}).get("schedule") or []
     labels = [f"layer {layer}: {len(kept)} tokens" for (layer, _), kept in zip(schedule, stages)] or [

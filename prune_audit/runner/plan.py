@@ -1,29 +1,34 @@
-"""``prune-audit run``: plan (validate everything, touch nothing), then execute with resume.
+"""``prune-audit run``, step 1: RunRequest -> RunPlan. Every input is validated, nothing is written.
 
-Planning loads and checks every input before anything is written, so a bad input
-ends the command with one line and no run directory. Execution writes the manifest
-first, then one atomic part file per batch, and compacts the parts into
-``records.parquet`` once every question of the run is done.
+Planning loads and checks every input (questions, images, annotations, selector and its
+options, device, output directory, model) before anything is written, so a bad input
+ends the command with one line and no run directory. The plan carries the manifest
+draft that ``execute`` writes first.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.runner.manifest import base_manifest, differing_fields, read_manifest, write_manifest
-from prune_audit.runner.records import RecordStore
-from prune_audit.runner.sharding import ProcessGroup, Shard, launcher_shard, shard_questions
+from prune_audit.records.manifest import base_manifest
+from prune_audit.runner.sharding import Shard, launcher_shard
+
+if TYPE_CHECKING:
+    from prune_audit.data.coco import CocoInstances
+    from prune_audit.data.pope import PopeQuestion
+    from prune_audit.models.base import Prepared, VisionLanguageModel
+    from prune_audit.pruners.base import Selector
 
 SPLITS = ("random", "popular", "adversarial")
+
+OptionValue = bool | int | float | str | None
+"""A selector option as parsed from KEY=VALUE."""
 
 
 @dataclass
@@ -55,33 +60,26 @@ class RunPlan:
     """A validated run: questions, images, selector, model, output directory and manifest."""
 
     request: RunRequest
-    questions: list[Any]
+    questions: list[PopeQuestion]
     image_paths: dict[str, Path]
     image_ids: dict[str, int]
-    selector: Any
+    selector: Selector | None
     budget: int | None
-    vlm: Any
-    coco: Any
+    vlm: VisionLanguageModel
+    coco: CocoInstances | None
     run_dir: Path
     manifest: dict[str, Any]
     shard: Shard | None
     launched: bool = False
 
 
-@dataclass
-class RunResult:
-    run_dir: Path
-    records: Any  # pyarrow.Table of every record present (all shards, when complete)
-    complete: bool
-    summary: dict[str, Any]
-
 
 # ----- option parsing ------------------------------------------------------------------
 
 
-def parse_options(pairs: Sequence[str], defaults: dict[str, Any]) -> dict[str, Any]:
+def parse_options(pairs: Sequence[str], defaults: dict[str, OptionValue]) -> dict[str, OptionValue]:
     """``KEY=VALUE`` strings -> typed options, converted to the type of each default."""
-    options: dict[str, Any] = {}
+    options: dict[str, OptionValue] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key:
@@ -93,7 +91,7 @@ def parse_options(pairs: Sequence[str], defaults: dict[str, Any]) -> dict[str, A
     return options
 
 
-def _convert(text: str, default: Any, key: str) -> Any:
+def _convert(text: str, default: OptionValue, key: str) -> OptionValue:
     try:
         if isinstance(default, bool):
             if text.lower() not in {"true", "false", "1", "0", "yes", "no"}:
@@ -150,12 +148,12 @@ def plan_run(request: RunRequest) -> RunPlan:
                    launched is not None)
 
 
-def _prepare_first(vlm: Any, question: Any, image_paths: dict[str, Path]) -> Any:
+def _prepare_first(vlm: VisionLanguageModel, question: PopeQuestion, image_paths: dict[str, Path]) -> Prepared:
     """The first question prepared: its token grid and geometry describe the run in the manifest."""
     return prepare_question(vlm, image_paths[question.image], question.text)
 
 
-def prepare_question(vlm: Any, image_path: Path, text: str) -> Any:
+def prepare_question(vlm: VisionLanguageModel, image_path: Path, text: str) -> Prepared:
     """The model's ``Prepared`` prompt for one image file (as RGB) and question text."""
     from PIL import Image
 
@@ -178,7 +176,7 @@ def _resolve_demo_defaults(request: RunRequest) -> None:
         request.annotations = request.annotations or demo.annotations
 
 
-def _make_selector(request: RunRequest) -> tuple[Any, int | None]:
+def _make_selector(request: RunRequest) -> tuple[Selector | None, int | None]:
     if request.selector == "none":
         if request.options:
             raise PruneAuditError("--option needs a selector; the unpruned run (--selector none) has no options")
@@ -195,7 +193,7 @@ def _make_selector(request: RunRequest) -> tuple[Any, int | None]:
     return get_selector(request.selector, **options), request.budget
 
 
-def _load_questions(request: RunRequest) -> list[Any]:
+def _load_questions(request: RunRequest) -> list[PopeQuestion]:
     from prune_audit.data.pope import load_pope
 
     if request.split not in (None, "all", *SPLITS):
@@ -222,7 +220,7 @@ def _load_questions(request: RunRequest) -> list[Any]:
     return questions
 
 
-def _check_images(request: RunRequest, questions: Sequence[Any]) -> dict[str, Path]:
+def _check_images(request: RunRequest, questions: Sequence[PopeQuestion]) -> dict[str, Path]:
     """Every image exists and decodes (a corrupt file fails here, before any output)."""
     from PIL import Image, UnidentifiedImageError
 
@@ -242,7 +240,7 @@ def _check_images(request: RunRequest, questions: Sequence[Any]) -> dict[str, Pa
     return paths
 
 
-def _load_annotations(request: RunRequest, questions: Sequence[Any]) -> Any:
+def _load_annotations(request: RunRequest, questions: Sequence[PopeQuestion]) -> CocoInstances | None:
     if request.annotations is None:
         return None
     from prune_audit.data.coco import CocoInstances
@@ -259,7 +257,7 @@ def _load_annotations(request: RunRequest, questions: Sequence[Any]) -> Any:
     return coco
 
 
-def _image_ids(questions: Sequence[Any], coco: Any) -> dict[str, int]:
+def _image_ids(questions: Sequence[PopeQuestion], coco: CocoInstances | None) -> dict[str, int]:
     ids: dict[str, int] = {}
     for question in questions:
         if question.image in ids:
@@ -298,7 +296,12 @@ def _check_device(device: str) -> None:
 
 
 def _manifest(
-    request: RunRequest, vlm: Any, selector: Any, budget: int | None, questions: Sequence[Any], first: Any
+    request: RunRequest,
+    vlm: VisionLanguageModel,
+    selector: Selector | None,
+    budget: int | None,
+    questions: Sequence[PopeQuestion],
+    first: Prepared,
 ) -> dict[str, Any]:
     from prune_audit.data.pope import file_sha256
 
@@ -321,7 +324,9 @@ def _manifest(
     return manifest
 
 
-def _selector_description(selector: Any, budget: int | None, vlm: Any, num_visual: int) -> dict[str, Any]:
+def _selector_description(
+    selector: Selector | None, budget: int | None, vlm: VisionLanguageModel, num_visual: int
+) -> dict[str, Any]:
     """Name, options, position mode and (in-LLM) schedule for the first question's token count."""
     if selector is None:
         return {"name": "none", "stage": None, "options": {}, "positions": None, "schedule": None}
@@ -335,202 +340,3 @@ def _selector_description(selector: Any, budget: int | None, vlm: Any, num_visua
         "schedule": [[stage.layer, stage.keep] for stage in schedule] if schedule is not None else None,
         "schedule_num_visual": num_visual,
     }
-
-
-# ----- execution -----------------------------------------------------------------------
-
-
-def question_seed(seed: int, split: str, question_id: int) -> int:
-    """A per-question seed, so results do not depend on batching, sharding or resuming."""
-    digest = hashlib.sha256(f"{seed}:{split}:{question_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def execute(
-    plan: RunPlan,
-    on_start: Callable[[int, int], None] | None = None,
-    on_progress: Callable[[int], None] | None = None,
-) -> RunResult:
-    """Answer the plan's questions not yet recorded; compact once the whole run is done.
-
-    Under torchrun / accelerate every rank answers its shard, rank 0 writes the
-    manifest first and compacts last. With ``--shard I/N`` each process works alone
-    and whichever finds the run complete compacts it (compaction is idempotent).
-    """
-    group = ProcessGroup(plan.shard if plan.launched else None)
-    leader = not plan.launched or plan.shard.index == 0
-    try:
-        if leader:
-            _prepare_run_dir(plan)
-        group.barrier()
-        if not leader:
-            _check_resume(plan)
-        store = RecordStore(plan.run_dir, writer=plan.shard.writer if plan.shard else "0")
-        mine = shard_questions(plan.questions, plan.shard) if plan.shard else list(plan.questions)
-        done = store.done_keys()
-        todo = [q for q in mine if (q.split, q.question_id) not in done]
-        if on_start:
-            on_start(len(mine) - len(todo), len(mine))
-        _answer_questions(plan, todo, store, on_progress)
-        group.barrier()
-        complete = len(store.done_keys()) == len(plan.questions)
-        if complete and leader:
-            records = store.compact()
-            _finish_manifest(plan, records)
-        group.barrier()
-        records = store.read()
-    finally:
-        group.close()
-    return RunResult(plan.run_dir, records, complete, summarize(records))
-
-
-def _finish_manifest(plan: RunPlan, records: Any) -> None:
-    import numpy as np
-
-    manifest = dict(plan.manifest)
-    manifest["realised_visual_tokens_avg"] = float(np.mean(records["visual_tokens_avg"].to_numpy()))
-    write_manifest(plan.run_dir, manifest)
-
-
-def _prepare_run_dir(plan: RunPlan) -> None:
-    if (plan.run_dir / "manifest.json").is_file():
-        _check_resume(plan)
-        return
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
-    write_manifest(plan.run_dir, plan.manifest)
-
-
-def _check_resume(plan: RunPlan) -> None:
-    previous = read_manifest(plan.run_dir)
-    differences = differing_fields(previous, plan.manifest)
-    if differences:
-        raise PruneAuditError(
-            f"{plan.run_dir} holds a run with a different configuration ({', '.join(differences)}); "
-            f"pass another --out or repeat the original command"
-        )
-
-
-def _answer_questions(plan: RunPlan, todo: Sequence[Any], store: RecordStore, on_progress: Callable[[int], None] | None) -> None:
-    order = {(q.split, q.question_id): index for index, q in enumerate(plan.questions)}
-    areas = AreaLookup(plan.coco)
-    batch_size = max(1, plan.request.batch_size)
-    for start in range(0, len(todo), batch_size):
-        batch = todo[start : start + batch_size]
-        prepared = [prepare_question(plan.vlm, plan.image_paths[q.image], q.text) for q in batch]
-        generators = [_generator(plan.request.seed, q) for q in batch]
-        answers = plan.vlm.answer(prepared, plan.selector, plan.budget, generator=generators)
-        rows = []
-        for q, a, p in zip(batch, answers, prepared):
-            image_id = plan.image_ids[q.image]
-            area = areas.get(image_id, q.object, p.geometry) if q.label == "yes" else None
-            rows.append(build_record(q, a, p, image_id, area, order[(q.split, q.question_id)]))
-        store.append(rows)
-        if on_progress:
-            on_progress(len(batch))
-
-
-def _generator(seed: int, question: Any) -> Any:
-    import torch
-
-    return torch.Generator().manual_seed(question_seed(seed, question.split, question.question_id))
-
-
-class AreaLookup:
-    """Object area per token for (image, object) under the prepared geometry; masks decoded once.
-
-    ``coco`` is the run's ``CocoInstances``; without one (no --annotations) every lookup is None.
-    """
-
-    def __init__(self, coco: Any) -> None:
-        self.coco = coco
-        self.cache: dict[tuple[int, str, Any], Any] = {}
-
-    def get(self, image_id: int, object_name: str, geometry: Any) -> Any:
-        if self.coco is None:
-            return None
-        key = (image_id, object_name, geometry)
-        if key not in self.cache:
-            from prune_audit.data.retention import object_area
-
-            mask = self.coco.category_mask(image_id, object_name)
-            self.cache[key] = object_area(mask, geometry)
-        return self.cache[key]
-
-
-def last_visible_kept(kept_stages: Sequence[Sequence[int]], num_visual: int) -> list[int]:
-    """The visual tokens of the deepest layers that still see any: the last non-empty kept set.
-
-    Unpruned (no stages) that is every token; a schedule that ends at 0 tokens (E2S at
-    64) reports the tokens alive before its last stage.
-    """
-    if not kept_stages:
-        return list(range(num_visual))
-    for kept in reversed(kept_stages):
-        if kept:
-            return list(kept)
-    return []
-
-
-def build_record(question: Any, answer: Any, prepared: Any, image_id: int, area: Any, order: int) -> dict[str, Any]:
-    """One row of docs/records.md; ``area`` is the object's ``ObjectArea`` (None for "no" questions
-    and runs without annotations)."""
-    from prune_audit.data.retention import retention
-
-    kept = last_visible_kept(answer.kept_stages, prepared.num_visual)
-    if area is not None and area.has_mask:
-        retained, object_tokens, lost = retention(area.area_per_token, area.total_area, kept)
-        visible, object_area_px = area.visible_fraction, area.total_area
-    else:
-        retained, object_tokens, lost, visible, object_area_px = math.nan, -1, None, math.nan, 0
-    return {
-        "question_id": question.question_id,
-        "split": question.split,
-        "image": question.image,
-        "image_id": image_id,
-        "object": question.object,
-        "label": question.label,
-        "answer": answer.answer,
-        "p_yes": answer.p_yes,
-        "p_no": answer.p_no,
-        "p_yes_2way": answer.p_yes_2way,
-        "logit_diff": answer.logit_diff,
-        "confidence": answer.confidence,
-        "correct": answer.answer == question.label,
-        "kept": kept,
-        "kept_stages": [list(k) for k in answer.kept_stages] or [list(range(prepared.num_visual))],
-        "visual_tokens_avg": answer.visual_tokens_avg,
-        "prefill_tokens": answer.prefill_tokens,
-        # in-LLM pruning shortens the sequence only from its first stage on
-        "cost_tokens": answer.prefill_tokens - answer.tokens_per_layer[0] + answer.visual_tokens_avg,
-        "retention": retained,
-        "visible_fraction": visible,
-        "object_tokens_kept": object_tokens,
-        "lost": lost,
-        "object_area": object_area_px,
-        "latency_ms": answer.latency_ms,
-        "geometry": json.dumps(prepared.geometry.to_dict()),
-        "order": order,
-    }
-
-
-def summarize(records: Any) -> dict[str, Any]:
-    """One-screen summary numbers, computed from the records table."""
-    import numpy as np
-
-    n = records.num_rows
-    if n == 0:
-        return {"questions": 0}
-    column = lambda name: np.asarray(records[name].to_pylist(), dtype=float)  # noqa: E731
-    lost = [v for v in records["lost"].to_pylist() if v is not None]
-    retention_values = column("retention")
-    return {
-        "questions": n,
-        "accuracy": float(np.mean(column("correct"))),
-        "mean_confidence": float(np.mean(column("confidence"))),
-        "visual_tokens_avg": float(np.mean(column("visual_tokens_avg"))),
-        "mean_retention": float(np.nanmean(retention_values)) if np.isfinite(retention_values).any() else math.nan,
-        "lost_objects": int(sum(lost)),
-        "questions_with_mask": len(lost),
-        "mean_latency_ms": float(np.mean(column("latency_ms"))),
-    }
-

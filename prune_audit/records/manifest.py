@@ -10,7 +10,7 @@ from typing import Any
 
 from prune_audit import __version__
 from prune_audit.errors import PruneAuditError
-from prune_audit.runner.records import write_text_atomic
+from prune_audit.records.store import write_text_atomic
 
 MANIFEST_FILE = "manifest.json"
 

@@ -20,41 +20,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-RECORDS_FILE = "records.parquet"
-PARTS_DIR = "parts"
-KEY_COLUMNS = ("split", "question_id")
+from prune_audit.records.schema import KEY_COLUMNS, RECORDS_FILE, RUN_SCHEMA
 
-SCHEMA = pa.schema(
-    [
-        ("question_id", pa.int64()),
-        ("split", pa.string()),
-        ("image", pa.string()),
-        ("image_id", pa.int64()),
-        ("object", pa.string()),
-        ("label", pa.string()),
-        ("answer", pa.string()),
-        ("p_yes", pa.float64()),
-        ("p_no", pa.float64()),
-        ("p_yes_2way", pa.float64()),
-        ("logit_diff", pa.float64()),
-        ("confidence", pa.float64()),
-        ("correct", pa.bool_()),
-        ("kept", pa.list_(pa.int64())),
-        ("kept_stages", pa.list_(pa.list_(pa.int64()))),
-        ("visual_tokens_avg", pa.float64()),
-        ("prefill_tokens", pa.int64()),
-        ("cost_tokens", pa.float64()),
-        ("retention", pa.float64()),
-        ("visible_fraction", pa.float64()),
-        ("object_tokens_kept", pa.int64()),
-        ("lost", pa.bool_()),
-        ("object_area", pa.int64()),
-        ("latency_ms", pa.float64()),
-        ("geometry", pa.string()),
-        ("order", pa.int64()),
-    ]
-)
-"""Column ``order`` is the question's position in the run's question list (for sorting)."""
+PARTS_DIR = "parts"
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -104,16 +72,16 @@ class RecordStore:
         if not rows:
             return None
         self.parts_dir.mkdir(parents=True, exist_ok=True)
-        table = pa.Table.from_pylist(list(rows), schema=SCHEMA)
+        table = pa.Table.from_pylist(list(rows), schema=RUN_SCHEMA)
         path = self.parts_dir / f"part-{self.writer}-{uuid.uuid4().hex}.parquet"
         write_table_atomic(table, path)
         return path
 
     def read(self) -> pa.Table:
         """All records present (compacted file and parts), de-duplicated by key, in question order."""
-        tables = [pq.read_table(p, schema=SCHEMA) for p in self._sources()]
+        tables = [pq.read_table(p, schema=RUN_SCHEMA) for p in self._sources()]
         if not tables:
-            return SCHEMA.empty_table()
+            return RUN_SCHEMA.empty_table()
         table = pa.concat_tables(tables)
         return _sorted_unique(table)
 
@@ -153,5 +121,5 @@ def _sorted_unique(table: pa.Table) -> pa.Table:
 
 def merge_tables(tables: Iterable[pa.Table]) -> pa.Table:
     """Union of record tables in question order, one row per key."""
-    table = pa.concat_tables([t.select(SCHEMA.names).cast(SCHEMA) for t in tables])
+    table = pa.concat_tables([t.select(RUN_SCHEMA.names).cast(RUN_SCHEMA) for t in tables])
     return _sorted_unique(table)

@@ -1,0 +1,60 @@
+"""Generate docs/records.md from the column definitions: ``python -m prune_audit.records.docs [PATH]``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+
+from prune_audit.records.schema import INTERVENE_COLUMNS, RUN_COLUMNS
+
+DOC_PATH = Path("docs") / "records.md"
+
+
+def _type_name(type_: pa.DataType) -> str:
+    if pa.types.is_list(type_):
+        return f"list<{_type_name(type_.value_type)}>"
+    return {"int64": "int64", "double": "float64", "string": "string", "bool": "bool"}[str(type_)]
+
+
+def records_markdown() -> str:
+    """docs/records.md, generated from the column definitions ."""
+    lines = [
+        "# Run records (`prune-audit run` and `prune-audit intervene` output)",
+        "",
+        "<!-- generated from prune_audit/records/schema.py by `python -m prune_audit.records.docs`; do not edit -->",
+        "",
+        "A run directory holds `records.parquet` (one row per question) and `manifest.json`.",
+        "Rows are keyed by (`split`, `question_id`): POPE question ids repeat across splits.",
+        "`intervene` writes the run columns plus its own, two rows (intervention, control) per question.",
+        "",
+        "| column | type | nullable | written by | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for column in (*RUN_COLUMNS, *INTERVENE_COLUMNS):
+        nullable = "yes" if column.nullable else "no"
+        lines.append(
+            f"| {column.name} | {_type_name(column.type)} | {nullable} | {', '.join(column.written_by)} | {column.meaning} |"
+        )
+    lines += [
+        "",
+        "`manifest.json` top-level keys: `version`, `git_revision`, `versions` {python, torch, transformers},",
+        "`model` {id, config_hash}, `processor` {mode, grid, ...}, `prompt` {template, system},",
+        "`dtype`, `device`, `attn_implementation`, `selector` {name, stage, options, positions, schedule},",
+        "`budget`, `realised_visual_tokens_avg`, `question_files` [{path, sha256}], `annotations` {path, sha256},",
+        "`seed`, `command`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Write the generated table to PATH (default docs/records.md, relative to the working directory)."""
+    args = sys.argv[1:] if argv is None else argv
+    path = Path(args[0]) if args else DOC_PATH
+    path.write_text(records_markdown(), encoding="utf-8")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

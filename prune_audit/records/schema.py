@@ -1,0 +1,112 @@
+"""Every record column, defined once: name, Arrow type, nullability, meaning, and who writes it.
+
+The run writer (``runner.build``), the record store, the analysis readers, the intervene
+rows and docs/records.md (``records_markdown``) all come from ``RUN_COLUMNS`` and
+``INTERVENE_COLUMNS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+RECORDS_FILE = "records.parquet"
+KEY_COLUMNS = ("split", "question_id")
+"""Rows are keyed by (split, question_id): POPE question ids repeat across splits."""
+
+Record = dict[str, Any]
+"""One record as a Python dict, column name -> value (``RUN_SCHEMA`` or ``INTERVENE_SCHEMA``)."""
+
+RUN_COMMANDS = ("run", "intervene")
+INTERVENE_COMMANDS = ("intervene",)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One record column.
+
+    Attributes:
+        name: the Parquet column name.
+        type: its Arrow type.
+        nullable: whether a row may hold null (NaN in a float column is a value, not null).
+        meaning: what the value is, for docs/records.md.
+        written_by: the commands whose records carry the column.
+    """
+
+    name: str
+    type: pa.DataType
+    nullable: bool
+    meaning: str
+    written_by: tuple[str, ...] = RUN_COMMANDS
+
+    def field(self) -> pa.Field:
+        return pa.field(self.name, self.type, nullable=self.nullable)
+
+
+def _run(name: str, type_: pa.DataType, meaning: str, nullable: bool = False) -> Column:
+    return Column(name, type_, nullable, meaning)
+
+
+INT_LIST = pa.list_(pa.int64())
+
+RUN_COLUMNS: tuple[Column, ...] = (
+    _run("question_id", pa.int64(), "id from the question file"),
+    _run("split", pa.string(), "random / popular / adversarial (or the file's category)"),
+    _run("image", pa.string(), "image file name as in the question file"),
+    _run("image_id", pa.int64(), "COCO image id (the exchangeable unit for bootstrap and CRC)"),
+    _run("object", pa.string(), "queried object parsed from the question"),
+    _run("label", pa.string(), 'ground truth "yes" / "no"'),
+    _run("answer", pa.string(), 'model\'s prediction "yes" / "no" (argmax of the two-way probabilities)'),
+    _run("p_yes", pa.float64(), "first-token probability of yes over the full vocabulary, case/space variants summed"),
+    _run("p_no", pa.float64(), "first-token probability of no, likewise"),
+    _run("p_yes_2way", pa.float64(), "p_yes / (p_yes + p_no)"),
+    _run("logit_diff", pa.float64(), "log p_yes - log p_no (the two-way logit d; p_yes_2way = sigmoid(d))"),
+    _run("confidence", pa.float64(), "max(p_yes_2way, 1 - p_yes_2way)"),
+    _run("correct", pa.bool_(), "answer == label"),
+    _run(
+        "kept",
+        INT_LIST,
+        "the last non-empty kept set: the visual tokens of the deepest decoder layers that still see any "
+        "(all tokens unpruned; for a schedule ending at 0 tokens, those alive before its last stage)",
+    ),
+    _run("kept_stages", pa.list_(INT_LIST), "kept grid indices after each stage (one entry for input-level selectors)"),
+    _run("visual_tokens_avg", pa.float64(), "realised average number of visual tokens over decoder layers"),
+    _run("prefill_tokens", pa.int64(), "tokens in the prefill sequence entering the first decoder layer (text + visual)"),
+    _run(
+        "cost_tokens",
+        pa.float64(),
+        "the prefill sequence length averaged over decoder layers (= prefill_tokens for input-level selectors; "
+        "less for in-LLM pruning); the cascade's cost unit",
+    ),
+    _run("retention", pa.float64(), "object-area retention of `kept` (NaN for \"no\" questions and unknown masks)"),
+    _run("visible_fraction", pa.float64(), "mask fraction inside any token footprint (NaN when no mask)"),
+    _run("object_tokens_kept", pa.int64(), "number of kept tokens holding object pixels (-1 when no mask)"),
+    _run("lost", pa.bool_(), "object had pixels but none in kept tokens (null when no mask)", nullable=True),
+    _run("object_area", pa.int64(), "mask pixels of the queried object in the image (0 for \"no\" questions)"),
+    _run("latency_ms", pa.float64(), "wall time of the prefill (batch prefill time / batch size)"),
+    _run("geometry", pa.string(), "JSON of the image's `TokenGeometry` (lets `visualize --run` redraw without the model)"),
+    _run("order", pa.int64(), "position of the question in the run's question list (sorts the rows)"),
+)
+
+INTERVENE_COLUMNS: tuple[Column, ...] = (
+    Column("condition", pa.string(), False, '"intervention" or "control"', INTERVENE_COMMANDS),
+    Column("cells_changed", pa.int64(), False, "grid cells swapped into (and out of) the kept set", INTERVENE_COMMANDS),
+    Column(
+        "object_area_changed",
+        pa.int64(),
+        False,
+        "object pixels of the added cells minus those of the removed cells",
+        INTERVENE_COMMANDS,
+    ),
+)
+
+RUN_SCHEMA = pa.schema([column.field() for column in RUN_COLUMNS])
+"""The schema of a run's ``records.parquet`` and of its part files."""
+
+INTERVENE_SCHEMA = pa.schema([column.field() for column in (*RUN_COLUMNS, *INTERVENE_COLUMNS)])
+"""The schema of ``intervene``'s ``records.parquet``: the run columns plus the swap columns."""
+
+NON_NULL_COLUMNS = tuple(column.name for column in RUN_COLUMNS if not column.nullable)
+"""Run columns that hold a value in every row."""

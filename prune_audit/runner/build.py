@@ -1,0 +1,103 @@
+"""``prune-audit run``, step 3: answers + token geometry + object masks -> one record per question.
+
+Retention is computed for a whole batch at once through ``ObjectAreaCache`` and
+``retention_by_stage`` (the path ``benchmarks/retention.py`` times). The columns are
+those of ``prune_audit.records.schema.RUN_COLUMNS``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prune_audit.data.retention import ObjectArea, ObjectAreaCache, retention_by_stage
+from prune_audit.records.schema import Record
+
+if TYPE_CHECKING:
+    from prune_audit.data.pope import PopeQuestion
+    from prune_audit.models.base import Answer, Prepared
+
+@dataclass(frozen=True)
+class AnsweredQuestion:
+    """One question with the model's answer and everything its record needs."""
+
+    question: PopeQuestion
+    answer: Answer
+    prepared: Prepared
+    image_id: int
+    order: int
+
+
+def object_area_for(areas: ObjectAreaCache | None, answered: AnsweredQuestion) -> ObjectArea | None:
+    """The queried object's area under the prepared geometry; None for "no" questions or without masks."""
+    if areas is None or answered.question.label != "yes":
+        return None
+    return areas.get(answered.image_id, answered.question.object, answered.prepared.geometry)
+
+
+def last_visible_kept(kept_stages: Sequence[Sequence[int]], num_visual: int) -> list[int]:
+    """The visual tokens of the deepest layers that still see any: the last non-empty kept set.
+
+    Unpruned (no stages) that is every token; a schedule that ends at 0 tokens (E2S at
+    64) reports the tokens alive before its last stage.
+    """
+    if not kept_stages:
+        return list(range(num_visual))
+    for kept in reversed(kept_stages):
+        if kept:
+            return list(kept)
+    return []
+
+
+def build_records(answered: Sequence[AnsweredQuestion], areas: Sequence[ObjectArea | None]) -> list[Record]:
+    """One record per answered question; ``areas[i]`` is question i's object area (or None)."""
+    kept = [last_visible_kept(a.answer.kept_stages, a.prepared.num_visual) for a in answered]
+    retained = retention_by_stage(areas, [[k] for k in kept])
+    return [
+        _record(item, area, item_kept, stages.retention[0], stages.object_tokens_kept[0], stages.lost[0])
+        for item, area, item_kept, stages in zip(answered, areas, kept, retained)
+    ]
+
+
+def _record(
+    item: AnsweredQuestion,
+    area: ObjectArea | None,
+    kept: list[int],
+    retention: float,
+    object_tokens_kept: int,
+    lost: bool | None,
+) -> Record:
+    question, answer, prepared = item.question, item.answer, item.prepared
+    has_mask = area is not None and area.has_mask
+    return {
+        "question_id": question.question_id,
+        "split": question.split,
+        "image": question.image,
+        "image_id": item.image_id,
+        "object": question.object,
+        "label": question.label,
+        "answer": answer.answer,
+        "p_yes": answer.p_yes,
+        "p_no": answer.p_no,
+        "p_yes_2way": answer.p_yes_2way,
+        "logit_diff": answer.logit_diff,
+        "confidence": answer.confidence,
+        "correct": answer.answer == question.label,
+        "kept": kept,
+        "kept_stages": [list(k) for k in answer.kept_stages] or [list(range(prepared.num_visual))],
+        "visual_tokens_avg": answer.visual_tokens_avg,
+        "prefill_tokens": answer.prefill_tokens,
+        # in-LLM pruning shortens the sequence only from its first stage on
+        "cost_tokens": answer.prefill_tokens - answer.tokens_per_layer[0] + answer.visual_tokens_avg,
+        "retention": retention,
+        "visible_fraction": area.visible_fraction if has_mask else math.nan,
+        "object_tokens_kept": object_tokens_kept,
+        "lost": lost,
+        "object_area": area.total_area if has_mask else 0,
+        "latency_ms": answer.latency_ms,
+        "geometry": json.dumps(prepared.geometry.to_dict()),
+        "order": item.order,
+    }

@@ -1,0 +1,138 @@
+"""``prune-audit run``, step 2: execute a RunPlan with resume, batch by batch.
+
+Execution writes the manifest first, then one atomic part file per batch of answered
+questions (records built by ``runner.build``), and compacts the parts into
+``records.parquet`` once every question of the run is done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from prune_audit.data.retention import ObjectAreaCache
+from prune_audit.errors import PruneAuditError
+from prune_audit.records.manifest import MANIFEST_FILE, differing_fields, read_manifest, write_manifest
+from prune_audit.records.store import RecordStore
+from prune_audit.runner.build import AnsweredQuestion, build_records, object_area_for
+from prune_audit.runner.plan import RunPlan, prepare_question
+from prune_audit.runner.sharding import ProcessGroup, shard_questions
+from prune_audit.runner.summary import summarize
+
+if TYPE_CHECKING:
+    import torch
+
+    from prune_audit.data.pope import PopeQuestion
+
+
+@dataclass
+class RunResult:
+    """Where the run went, every record present (all shards, when complete) and the summary."""
+
+    run_dir: Path
+    records: pa.Table
+    complete: bool
+    summary: dict[str, float | int]
+
+
+def question_seed(seed: int, split: str, question_id: int) -> int:
+    """A per-question seed, so results do not depend on batching, sharding or resuming."""
+    digest = hashlib.sha256(f"{seed}:{split}:{question_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def execute(
+    plan: RunPlan,
+    on_start: Callable[[int, int], None] | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> RunResult:
+    """Answer the plan's questions not yet recorded; compact once the whole run is done.
+
+    Under torchrun / accelerate every rank answers its shard, rank 0 writes the
+    manifest first and compacts last. With ``--shard I/N`` each process works alone
+    and whichever finds the run complete compacts it (compaction is idempotent).
+    """
+    group = ProcessGroup(plan.shard if plan.launched else None)
+    leader = not plan.launched or plan.shard is None or plan.shard.index == 0
+    try:
+        if leader:
+            _prepare_run_dir(plan)
+        group.barrier()
+        if not leader:
+            check_resume(plan)
+        store = RecordStore(plan.run_dir, writer=plan.shard.writer if plan.shard else "0")
+        mine = shard_questions(plan.questions, plan.shard) if plan.shard else list(plan.questions)
+        done = store.done_keys()
+        todo = [q for q in mine if (q.split, q.question_id) not in done]
+        if on_start:
+            on_start(len(mine) - len(todo), len(mine))
+        answer_batches(plan, todo, store, on_progress)
+        group.barrier()
+        complete = len(store.done_keys()) == len(plan.questions)
+        if complete and leader:
+            records = store.compact()
+            _finish_manifest(plan, records)
+        group.barrier()
+        records = store.read()
+    finally:
+        group.close()
+    return RunResult(plan.run_dir, records, complete, summarize(records))
+
+
+def _finish_manifest(plan: RunPlan, records: pa.Table) -> None:
+    manifest = dict(plan.manifest)
+    manifest["realised_visual_tokens_avg"] = float(np.mean(records["visual_tokens_avg"].to_numpy()))
+    write_manifest(plan.run_dir, manifest)
+
+
+def _prepare_run_dir(plan: RunPlan) -> None:
+    if (plan.run_dir / MANIFEST_FILE).is_file():
+        check_resume(plan)
+        return
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    write_manifest(plan.run_dir, plan.manifest)
+
+
+def check_resume(plan: RunPlan) -> None:
+    """Refuse to resume into a run directory whose manifest has another configuration."""
+    previous = read_manifest(plan.run_dir)
+    differences = differing_fields(previous, plan.manifest)
+    if differences:
+        raise PruneAuditError(
+            f"{plan.run_dir} holds a run with a different configuration ({', '.join(differences)}); "
+            f"pass another --out or repeat the original command"
+        )
+
+
+def answer_batches(
+    plan: RunPlan, todo: Sequence[PopeQuestion], store: RecordStore, on_progress: Callable[[int], None] | None
+) -> None:
+    """Answer ``todo`` in batches of ``--batch-size``; each batch becomes one part file."""
+    order = {(q.split, q.question_id): index for index, q in enumerate(plan.questions)}
+    areas = ObjectAreaCache(plan.coco) if plan.coco is not None else None
+    batch_size = max(1, plan.request.batch_size)
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start : start + batch_size]
+        prepared = [prepare_question(plan.vlm, plan.image_paths[q.image], q.text) for q in batch]
+        generators = [question_generator(plan.request.seed, q) for q in batch]
+        answers = plan.vlm.answer(prepared, plan.selector, plan.budget, generator=generators)
+        answered = [
+            AnsweredQuestion(q, a, p, plan.image_ids[q.image], order[(q.split, q.question_id)])
+            for q, a, p in zip(batch, answers, prepared)
+        ]
+        store.append(build_records(answered, [object_area_for(areas, item) for item in answered]))
+        if on_progress:
+            on_progress(len(batch))
+
+
+def question_generator(seed: int, question: PopeQuestion) -> torch.Generator:
+    """The question's own random generator (``question_seed``)."""
+    import torch
+
+    return torch.Generator().manual_seed(question_seed(seed, question.split, question.question_id))

@@ -1,0 +1,67 @@
+"""``prune-audit intervene``: does the evidence a pruner removed cause the errors?
+
+The run's recorded kept sets are edited by swapping cells and the model is re-run
+with the edited sets forced (``VisionLanguageModel.answer(forced_kept=...)`` for
+input-level selectors, ``forced_stages=...`` for in-LLM ones). Every swap removes as
+many kept cells as it adds, so the budget stays fixed, and every intervention has a
+control that differs from it only in which cells are swapped (``swaps`` states the
+rules for restore and remove, and for nested in-LLM stages).
+
+The pipeline: ``plan`` (request and source run checked) -> ``swaps`` (pure) -> ``execute``
+(forced re-runs) -> ``build`` (records) -> ``report`` (intervention.json).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from prune_audit.analysis.outputs import to_json, write_files
+from prune_audit.errors import PruneAuditError
+from prune_audit.records.schema import RECORDS_FILE
+from prune_audit.runner.intervene.build import parquet_bytes, records_table
+from prune_audit.runner.intervene.execute import answer_swaps
+from prune_audit.runner.intervene.plan import (
+    InterveneRequest,
+    check_request,
+    check_swappable,
+    eligible_records,
+    load_source,
+)
+from prune_audit.runner.intervene.report import REPORT_FILE, intervention_report
+from prune_audit.runner.plan import check_writable
+
+__all__ = ["InterveneRequest", "InterventionResult", "intervene"]
+
+
+@dataclass
+class InterventionResult:
+    out: Path
+    report: dict[str, Any]
+    records: pa.Table  # INTERVENE_SCHEMA
+
+
+def intervene(request: InterveneRequest, on_progress: Callable[[int, int], None] | None = None) -> InterventionResult:
+    """Re-run the eligible questions of a run under intervention and control swaps; write OUT.
+
+    ``on_progress(done, total)`` is called after each question. Nothing is written unless
+    every question was answered.
+    """
+    check_request(request)
+    source = load_source(request.run_dir)
+    check_swappable(source)
+    eligible = eligible_records(source.records, request.mode)
+    out = Path(request.out) if request.out is not None else Path(request.run_dir) / f"intervene-{request.mode}"
+    check_writable(out)
+    rows, skipped = answer_swaps(request, source, eligible, on_progress)
+    if not rows:
+        reasons = "; ".join(f"{reason} ({count})" for reason, count in skipped.items())
+        raise PruneAuditError(f"none of the {len(eligible)} eligible questions allows a {request.mode} swap: {reasons}")
+    table = records_table(rows)
+    report = intervention_report(request, source, table, len(eligible), skipped)
+    write_files(out, {RECORDS_FILE: parquet_bytes(table), REPORT_FILE: to_json(report)})
+    return InterventionResult(out, report, table)

@@ -1,0 +1,45 @@
+"""``prune-audit intervene``, step 3: the answers under each swap -> records (``INTERVENE_SCHEMA``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from prune_audit.data.retention import ObjectArea
+from prune_audit.records.schema import INTERVENE_SCHEMA, Record
+from prune_audit.runner.build import AnsweredQuestion, build_records
+from prune_audit.runner.intervene.swaps import Swap
+
+if TYPE_CHECKING:
+    from prune_audit.data.pope import PopeQuestion
+    from prune_audit.models.base import Answer, Prepared
+
+
+def intervention_rows(
+    question: PopeQuestion,
+    record: Record,
+    prepared: Prepared,
+    area: ObjectArea,
+    swaps: dict[str, Swap],
+    answers: Sequence[Answer],
+) -> list[Record]:
+    """One record per condition: the run's columns for the forced answer plus the swap's columns."""
+    answered = [AnsweredQuestion(question, answer, prepared, record["image_id"], record["order"]) for answer in answers]
+    rows = build_records(answered, [area] * len(answered))
+    for row, (condition, swap) in zip(rows, swaps.items()):
+        row.update(condition=condition, cells_changed=swap.size,
+                   object_area_changed=swap.object_area_changed(area.area_per_token))
+    return rows
+
+
+def records_table(rows: Sequence[Record]) -> pa.Table:
+    return pa.Table.from_pylist(list(rows), schema=INTERVENE_SCHEMA)
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()

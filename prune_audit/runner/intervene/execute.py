@@ -1,0 +1,123 @@
+"""``prune-audit intervene``, step 2: re-run each eligible question under its swapped kept sets."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from prune_audit.data.coco import CocoInstances
+from prune_audit.data.retention import ObjectAreaCache
+from prune_audit.errors import PruneAuditError
+from prune_audit.records.schema import Record
+from prune_audit.runner.execute import question_seed
+from prune_audit.runner.intervene.build import intervention_rows
+from prune_audit.runner.intervene.plan import InterveneRequest, InterventionSource
+from prune_audit.runner.intervene.swaps import NoSwap, Swap, plan_swaps, swap_stages
+from prune_audit.runner.plan import prepare_question
+
+if TYPE_CHECKING:
+    from prune_audit.data.pope import PopeQuestion
+    from prune_audit.models.base import Answer, Prepared, VisionLanguageModel
+
+
+def answer_swaps(
+    request: InterveneRequest,
+    source: InterventionSource,
+    eligible: Sequence[Record],
+    on_progress: Callable[[int, int], None] | None,
+) -> tuple[list[Record], Counter]:
+    """Both conditions of every eligible question as records; reasons of the questions skipped."""
+    manifest = source.manifest
+    vlm = load_model(manifest, request.device)
+    forcing = Forcing(vlm, manifest)
+    questions = load_questions(manifest)
+    areas = ObjectAreaCache(CocoInstances.load(manifest["annotations"]["path"]))
+    rows: list[Record] = []
+    skipped: Counter = Counter()
+    for done, record in enumerate(eligible, start=1):
+        question = questions[(record["split"], record["question_id"])]
+        prepared = prepare_question(vlm, Path(manifest["images"]) / record["image"], question.text)
+        check_geometry(record, prepared)
+        area = areas.get(record["image_id"], record["object"], prepared.geometry)
+        rng = np.random.default_rng(question_seed(request.seed, record["split"], record["question_id"]))
+        try:
+            pair = plan_swaps(request.mode, record["kept"], area.area_per_token, request.max_cells, rng)
+        except NoSwap as reason:
+            skipped[str(reason)] += 1
+        else:
+            swaps = pair.by_condition()
+            answers = forcing.answer(prepared, record["kept_stages"], list(swaps.values()))
+            rows += intervention_rows(question, record, prepared, area, swaps, answers)
+        if on_progress:
+            on_progress(done, len(eligible))
+    return rows, skipped
+
+
+def load_model(manifest: dict[str, Any], device: str) -> VisionLanguageModel:
+    """The run's model, dtype and prompt; refused when the checkpoint's config changed since the run."""
+    from prune_audit.models import load_vlm
+
+    prompt = manifest.get("prompt") or {}
+    vlm = load_vlm(manifest["model"]["id"], device=device, dtype=manifest["dtype"],
+                   prompt_template=prompt.get("template"), system_prompt=prompt.get("system"))
+    if vlm.describe()["model"]["config_hash"] != manifest["model"]["config_hash"]:
+        raise PruneAuditError(f"the model at {manifest['model']['id']} differs from the run's (config hash changed)")
+    return vlm
+
+
+def load_questions(manifest: dict[str, Any]) -> dict[tuple[str, int], PopeQuestion]:
+    """The run's questions by (split, question_id), read from its question files."""
+    from prune_audit.data.pope import load_pope
+
+    return {
+        (question.split, question.question_id): question
+        for entry in manifest["question_files"]
+        for question in load_pope(entry["path"])
+    }
+
+
+def check_geometry(record: Record, prepared: Prepared) -> None:
+    """The image still has the token geometry recorded by the run."""
+    recorded = json.loads(record["geometry"])
+    if json.loads(json.dumps(prepared.geometry.to_dict())) != recorded:
+        raise PruneAuditError(
+            f"image {record['image']} now has another token geometry than in the run; check the images folder"
+        )
+
+
+class Forcing:
+    """Answers one prepared question under several swaps of its recorded kept sets, in one batch.
+
+    Input-level runs force the swapped set directly (no selector). In-LLM runs force the
+    swapped stage sets at the stage layers of the run's selector schedule for this token
+    count, with the selector passed so the loop uses the run's position mode.
+    """
+
+    def __init__(self, vlm: VisionLanguageModel, manifest: dict[str, Any]) -> None:
+        from prune_audit.pruners import get_selector
+
+        description = manifest["selector"]
+        self.vlm = vlm
+        self.budget = manifest["budget"]
+        self.in_llm = description["stage"] == "llm"
+        self.selector = get_selector(description["name"], **description["options"]) if self.in_llm else None
+
+    def answer(self, prepared: Prepared, kept_stages: Sequence[Sequence[int]], swaps: Sequence[Swap]) -> list[Answer]:
+        forced = [swap_stages(kept_stages, swap) for swap in swaps]
+        batch = [prepared] * len(swaps)
+        if not self.in_llm:
+            return self.vlm.answer(batch, forced_kept=[stages[0] for stages in forced])
+        schedule = self.selector.schedule(self.vlm.num_layers, prepared.num_visual, self.budget)
+        layers = [stage.layer for stage in schedule]
+        if len(layers) != len(kept_stages):
+            raise PruneAuditError(
+                f"the record holds {len(kept_stages)} stages but the selector's schedule has {len(layers)}; "
+                "the run was made with another selector version"
+            )
+        stages = [list(zip(layers, sets)) for sets in forced]
+        return self.vlm.answer(batch, self.selector, forced_stages=stages)

@@ -1,0 +1,113 @@
+"""``prune-audit intervene``, step 1: validate the request and the source run; nothing is written."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prune_audit.analysis.runs import Run, load_run
+from prune_audit.errors import PruneAuditError
+from prune_audit.records.schema import Record
+from prune_audit.records.store import RecordStore
+from prune_audit.runner.intervene.swaps import MODES, REMOVE_MAX_OBJECT_CELLS
+
+CONTROLS = ("random",)
+
+
+@dataclass
+class InterveneRequest:
+    """What the user asked for, as given on the command line."""
+
+    run_dir: Path
+    mode: str | None
+    max_cells: int = 8
+    controls: str = "random"
+    bootstrap: int = 2000
+    seed: int = 0
+    out: Path | None = None
+    device: str = "auto"
+
+
+@dataclass
+class InterventionSource:
+    """The pruned run being intervened on: its analysis view and its records as rows."""
+
+    run: Run
+    records: list[Record]
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.run.manifest
+
+
+def check_request(request: InterveneRequest) -> None:
+    if request.mode not in MODES:
+        given = "" if request.mode is None else f", got {request.mode!r}"
+        raise PruneAuditError(f"--mode must be restore or remove{given}")
+    if request.controls not in CONTROLS:
+        raise PruneAuditError(f"--controls must be {' or '.join(CONTROLS)}, got {request.controls!r}")
+    if request.max_cells < 1:
+        raise PruneAuditError(f"--max-cells must be at least 1, got {request.max_cells}")
+    if request.bootstrap < 1:
+        raise PruneAuditError(f"--bootstrap must be at least 1, got {request.bootstrap}")
+
+
+def load_source(run_dir: Path) -> InterventionSource:
+    """The run, refused when unpruned, without annotations, or when its inputs changed since."""
+    run = load_run(run_dir)
+    manifest = run.manifest
+    if run.selector == "dense":
+        raise PruneAuditError(f"{run_dir} is an unpruned run; intervene swaps the kept tokens of a pruned run")
+    if not manifest.get("annotations"):
+        raise PruneAuditError(
+            f"{run_dir} was run without annotations; intervene needs the object masks: re-run with --annotations FILE"
+        )
+    check_inputs_unchanged(manifest)
+    return InterventionSource(run, RecordStore(run_dir).read().to_pylist())
+
+
+def check_inputs_unchanged(manifest: dict[str, Any]) -> None:
+    """The annotations and question files still exist and hash as when the run was made."""
+    from prune_audit.data.pope import file_sha256
+
+    for entry in [manifest["annotations"], *manifest.get("question_files", [])]:
+        path = Path(entry["path"])
+        if not path.is_file():
+            raise PruneAuditError(
+                f"{path}, named in the run's manifest, is not found; run from the folder the run was made in"
+            )
+        if file_sha256(path) != entry["sha256"]:
+            raise PruneAuditError(
+                f"{path} changed since the run (sha256 differs); intervene needs the run's own inputs"
+            )
+
+
+def eligible_records(records: Sequence[Record], mode: str) -> list[Record]:
+    """The records the mode applies to (restore: lost objects; remove: 1..32 kept object cells)."""
+    if mode == "restore":
+        eligible = [row for row in records if row["lost"] is True]
+        what = "whose object lost all tokens"
+    else:
+        eligible = [row for row in records if 1 <= row["object_tokens_kept"] <= REMOVE_MAX_OBJECT_CELLS]
+        what = f"whose object kept 1..{REMOVE_MAX_OBJECT_CELLS} tokens"
+    if not eligible:
+        raise PruneAuditError(f"no eligible questions for --mode {mode}: the run has no question {what}")
+    return eligible
+
+
+def check_swappable(source: InterventionSource) -> None:
+    """Input-level kept cells must be exactly the visual tokens the model saw.
+
+    A merging selector (VisionZip) feeds merged tokens beside its kept cells; forcing
+    only the cells would change the budget, so such runs are refused.
+    """
+    if source.manifest["selector"]["stage"] == "llm":
+        return
+    for record in source.records:
+        if round(record["visual_tokens_avg"]) != len(record["kept"]):
+            raise PruneAuditError(
+                f"selector {source.run.selector!r} feeds {record['visual_tokens_avg']:g} visual tokens for "
+                f"{len(record['kept'])} kept cells (merged tokens); intervene needs a selector that keeps grid cells"
+            )

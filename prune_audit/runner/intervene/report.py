@@ -1,0 +1,73 @@
+"""``prune-audit intervene``, step 4: intervention.json from the intervention records."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from prune_audit.analysis.bootstrap import image_counts
+from prune_audit.analysis.calibration import survival_measures
+from prune_audit.analysis.reports import run_identity
+from prune_audit.analysis.runs import question_table
+from prune_audit.runner.intervene.plan import InterveneRequest, InterventionSource
+
+CONDITIONS = ("intervention", "control")
+REPORT_FILE = "intervention.json"
+
+CONVENTIONS = {
+    "restore": "lost objects: m random kept cells replaced by the m object cells with the most object area "
+    "(intervention) or by m random cells neither kept nor object (control); m = min(max_cells, object cells, "
+    "kept cells, free cells)",
+    "remove": "objects with 1..32 kept cells: the same k random cells neither kept nor object are added; the "
+    "intervention removes the k kept object cells, the control k random kept non-object cells",
+    "stages": "in-LLM stages: S_i' = (S_i minus the first |A minus S_i| removed cells) plus A; sizes fixed, "
+    "stages stay nested, empty stages stay empty",
+    "object_area_changed": "object pixels of the added cells minus those of the removed cells",
+    "intervals": "95% percentile intervals from an image-clustered bootstrap; differences are paired "
+    "(intervention minus control on the same resampled images)",
+}
+
+
+def intervention_report(
+    request: InterveneRequest, source: InterventionSource, table: pa.Table, eligible: int, skipped: Counter
+) -> dict[str, Any]:
+    """intervention.json: per condition accuracy and mean confidence with 95% image-bootstrap intervals,
+    the paired difference intervention - control, the run's own answers on the same questions, and the
+    object area and cells changed."""
+    conditions = table["condition"].to_numpy(zero_copy_only=False)
+    tables = {name: question_table(table.filter(conditions == name), REPORT_FILE) for name in CONDITIONS}
+    position = {key: index for index, key in enumerate(source.run.questions.keys())}
+    intervened = [position[key] for key in tables["intervention"].keys()]
+    tables["recorded"] = source.run.questions.take(np.array(intervened, dtype=np.int64))
+    images = np.unique(tables["intervention"].image_id)
+    counts = image_counts(len(images), request.bootstrap, request.seed)
+    measured = {
+        name: survival_measures(
+            questions, {"all": np.ones(len(questions), dtype=bool)}, questions.image_index(images), counts
+        )["all"]
+        for name, questions in tables.items()
+    }
+    report: dict[str, Any] = {
+        **run_identity(source.run, source.run.label),
+        "mode": request.mode,
+        "settings": {"max_cells": request.max_cells, "controls": request.controls, "bootstrap": request.bootstrap,
+                     "seed": request.seed},
+        "conventions": CONVENTIONS,
+        "questions": {"eligible": eligible, "intervened": len(tables["intervention"]), "images": len(images),
+                      "skipped": dict(sorted(skipped.items()))},
+    }
+    for name, measure in measured.items():
+        report[name] = {**_scores(measure.summary()), "mean_retention": float(np.mean(tables[name].retention))}
+        if name in CONDITIONS:
+            rows = table.filter(conditions == name)
+            report[name]["mean_cells_changed"] = float(np.mean(rows["cells_changed"].to_numpy()))
+            report[name]["mean_object_area_changed"] = float(np.mean(rows["object_area_changed"].to_numpy()))
+    report["difference"] = _scores(measured["intervention"].minus(measured["control"]))
+    return report
+
+
+def _scores(estimates: dict[str, dict]) -> dict[str, dict]:
+    return {"accuracy": estimates["accuracy"], "mean_confidence": estimates["confidence"]}
