@@ -16,8 +16,10 @@ import torch
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.models.base import Prepared, VisionLanguageModel, VisionOutput, find_image_span
+from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
+from prune_audit.models.loading import load_part
+from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_cls_row, single_tensor_rope
 from prune_audit.pruners.base import LayerSelector
 
@@ -38,6 +40,28 @@ class LlavaModel(VisionLanguageModel):
         {"features", "vision_features", "cls_attention", "vision_keys", "cls_feature", "text_relevance", "demand"}
     )
     missing_signals_reason = "this adapter does not compute it"
+    display_name = "LLaVA"
+    prompt_templates = PROMPT_TEMPLATES
+
+    @classmethod
+    def transformers_class(cls) -> type:
+        from transformers import LlavaForConditionalGeneration
+
+        return LlavaForConditionalGeneration
+
+    @classmethod
+    def check_clip_text(cls, clip_text: object) -> None:
+        """Any CLIP checkpoint is accepted here; its width is checked against the tower once loaded."""
+
+    @classmethod
+    def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
+                   clip_text: str | None) -> LlavaModel:
+        from transformers import AutoProcessor
+
+        processor = load_part("processor", source, lambda: AutoProcessor.from_pretrained(source, backend="pil"))
+        clip = None if clip_text is None else load_clip(clip_text, model)
+        return cls(model, processor, model_id=source, prompt_template=prompt_template,
+                   system_prompt=system_prompt, clip=clip)
 
     def __init__(self, model, processor, *, model_id: str, prompt_template: str | None = None,
                  system_prompt: str | None = None, clip: tuple[Any, Any] | None = None):
@@ -49,9 +73,7 @@ class LlavaModel(VisionLanguageModel):
                 "only LLaVA checkpoints with one vision_feature_layer and the 'default' strategy (CLS dropped) "
                 "are supported"
             )
-        template = prompt_template or "llava_hf"
-        if template not in PROMPT_TEMPLATES:
-            raise PruneAuditError(f"unknown LLaVA prompt template {template!r}; choose {' or '.join(PROMPT_TEMPLATES)}")
+        template = self.resolve_template(prompt_template)
         language = model.model.language_model
         stack = DecoderStack(
             embed_tokens=language.embed_tokens,
@@ -193,4 +215,19 @@ class LlavaModel(VisionLanguageModel):
         }
 
 
-__all__ = ["LlavaModel", "PROMPT_TEMPLATES", "VICUNA_V1_SYSTEM", "SINGLE_WORD_SUFFIX"]
+def load_clip(source: str, model) -> tuple[Any, Any]:
+    """(CLIPModel, tokenizer) on ``model``'s device whose image projection fits its vision tower's width."""
+    from transformers import AutoTokenizer, CLIPModel
+
+    clip = load_part("CLIP text tower", source, lambda: CLIPModel.from_pretrained(source, dtype=model.dtype))
+    width = model.config.vision_config.hidden_size
+    if clip.config.vision_config.hidden_size != width:
+        raise PruneAuditError(
+            f"the CLIP checkpoint {source} has vision width {clip.config.vision_config.hidden_size}, "
+            f"but the LLaVA vision tower has {width}; pass the CLIP model the tower was taken from"
+        )
+    tokenizer = load_part("CLIP tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
+    return clip.to(model.device).eval(), tokenizer
+
+
+__all__ = ["LlavaModel", "load_clip", "PROMPT_TEMPLATES", "VICUNA_V1_SYSTEM", "SINGLE_WORD_SUFFIX"]
