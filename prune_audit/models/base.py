@@ -205,7 +205,7 @@ class VisionLanguageModel(ABC):
             forced_stages=None if forced_stages is None else [forced_stages],
             use_cache=True,
         )
-        stop = set(self._eos_ids())
+        stop = set(self.eos_ids())
         logits, tokens = prefill.logits, []
         for _ in range(max_new_tokens):
             token = int(logits[0].argmax())
@@ -215,12 +215,13 @@ class VisionLanguageModel(ABC):
             logits = self.loop.decode_step(prefill.decode, torch.tensor([token], device=self.device))
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
-    # ----- internals ----------------------------------------------------------------
-    def _eos_ids(self) -> list[int]:
+    def eos_ids(self) -> list[int]:
+        """Token ids that end greedy decoding: the generation config's and the tokenizer's end-of-sequence."""
         ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
         ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
         return [*ids, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])]
 
+    # ----- internals ----------------------------------------------------------------
     def _missing(self, cls: type[Selector]) -> set[str]:
         if cls.stage == "llm":
             return set()
