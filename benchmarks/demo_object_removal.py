@@ -42,9 +42,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    model, processor = load_demo(args.model)
-    results = object_removal(model, processor, demo_question_set(args.cache_dir), seed=args.seed,
-                             max_pairs=args.max_pairs)
+    vlm = load_demo(args.model)
+    results = object_removal(vlm, demo_question_set(args.cache_dir), seed=args.seed, max_pairs=args.max_pairs)
     print("| condition | positives | yes-accuracy | mean confidence | wrong: mean confidence | wrong: share p > 0.9 |")
     print("| --- | --- | --- | --- | --- | --- |")
     for condition, r in results.items():

@@ -20,7 +20,6 @@ from prune_audit.demo.evaluate import (
     DEMO_INSTRUCTIONS,
     answer,
     evaluate_question_set,
-    image_features,
     load_demo,
     prompt_ids,
     prompt_text,
@@ -29,12 +28,10 @@ from prune_audit.demo.questions import demo_question_set
 from prune_audit.demo.removal import kept_tokens, object_removal
 from prune_audit.demo.train import (
     DemoRecipe,
-    answer_logits,
     learning_rate_at,
     pixel_stats,
     prompt_pieces,
     train_demo_model,
-    vision_outputs,
 )
 
 TINY = DemoRecipe(
@@ -48,8 +45,7 @@ def tiny_model(tmp_path_factory):
     """A 2-step tiny demo model, saved and loaded back as the shipped one is."""
     out = tmp_path_factory.mktemp("tiny") / "model"
     summary = train_demo_model(TINY, out, log=lambda line: None)
-    model, processor = load_demo(out)
-    return out, summary, model, processor
+    return out, summary, load_demo(out)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +88,7 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
 
 
 def test_pixels_and_prompt_ids_equal_the_processor_path(tiny_model):
-    _, _, _, processor = tiny_model
+    processor = tiny_model[2].processor
     scene = generate_scene(0, 1, image_size=64)
     text = prompt_text(processor, question_text("arrow"), DEMO_INSTRUCTIONS[1])
     encoded = processor(images=Image.fromarray(scene.image), text=text, return_tensors="pt")
@@ -103,24 +99,27 @@ def test_pixels_and_prompt_ids_equal_the_processor_path(tiny_model):
 
 
 def test_shared_prefix_training_forward_equals_the_full_forward(tiny_model):
-    _, _, model, processor = tiny_model
+    vlm = tiny_model[2]
+    processor = vlm.processor
     batch = sample_batch(0, 0, images=3, questions_per_image=4, image_size=64, patch_size=16)
     instructions = [i % len(DEMO_INSTRUCTIONS) for i in range(len(batch.questions))]
     pieces = prompt_pieces(processor, 16)
     with torch.no_grad():
-        features, _, _ = vision_outputs(model, pixel_values(batch.scenes, *pixel_stats(processor)))
-        assert torch.allclose(features, image_features(model, pixel_values(batch.scenes, *pixel_stats(processor))))
+        pixels = pixel_values(batch.scenes, *pixel_stats(processor))
+        features, _, _ = vlm.vision_states(pixels)
+        assert torch.allclose(features, vlm.image_features(pixels))
         suffixes = [pieces.suffixes[(q.category, i)] for q, i in zip(batch.questions, instructions)]
-        probs = torch.softmax(answer_logits(model, features, pieces, suffixes, 4), dim=-1)
+        logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, suffixes, 4)
+        probs = torch.softmax(logits, dim=-1)
     texts = [prompt_text(processor, question_text(q.category), DEMO_INSTRUCTIONS[i])
              for q, i in zip(batch.questions, instructions)]
-    full = answer(model, processor, [features[q.image] for q in batch.questions], texts)
+    full = answer(vlm, [features[q.image] for q in batch.questions], texts)
     yes_id = processor.tokenizer.convert_tokens_to_ids("yes")
     assert torch.allclose(probs[:, yes_id], full.p_yes, atol=1e-5)
 
 
 def test_training_is_deterministic_and_saves_a_loadable_float16_checkpoint(tiny_model, tmp_path):
-    out, summary, model, _ = tiny_model
+    out, summary, vlm = tiny_model
     again = train_demo_model(TINY, tmp_path / "again", log=lambda line: None)
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "again" / "model.safetensors").read_bytes()
     accuracies = [entry["heldout_accuracy"] for entry in summary["history"]]
@@ -130,7 +129,7 @@ def test_training_is_deterministic_and_saves_a_loadable_float16_checkpoint(tiny_
     with safe_open(str(out / "model.safetensors"), "pt") as weights:
         assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.float16}
     assert json.loads((out / "training.json").read_text())["recipe"]["seed"] == TINY.seed
-    assert model.config.vision_config.image_size == 64 and model.dtype == torch.float32
+    assert vlm.model.config.vision_config.image_size == 64 and vlm.dtype == torch.float32
 
 
 def test_question_set_is_deterministic_and_pope_shaped(small_question_set, tmp_path):
@@ -146,8 +145,7 @@ def test_question_set_is_deterministic_and_pope_shaped(small_question_set, tmp_p
 
 
 def test_object_removal_runs_every_condition_on_a_tiny_model(tiny_model, small_question_set):
-    _, _, model, processor = tiny_model
-    results = object_removal(model, processor, small_question_set, max_pairs=12)
+    results = object_removal(tiny_model[2], small_question_set, max_pairs=12)
     assert results["full"].pairs == results["drop_object"].pairs == 12
     assert 0 < results["drop_random_background"].pairs <= 12
     for result in results.values():
@@ -213,29 +211,27 @@ def test_shipped_checkpoint_is_small_and_float16():
 
 
 def test_shipped_model_answers_held_out_demo_questions(shipped, small_question_set):
-    model, processor = shipped
-    summary = evaluate_question_set(model, processor, small_question_set)
+    summary = evaluate_question_set(shipped, small_question_set)
     assert summary["questions"] == 3 * 480
     assert summary["accuracy"] >= 0.95, summary
     assert min(summary["yes_accuracy"], summary["no_accuracy"]) >= 0.9, summary
 
 
 def test_shipped_model_generates_yes_or_no(shipped, small_question_set):
-    model, processor = shipped
+    processor = shipped.processor
     from prune_audit.data.pope import load_pope
 
     questions = load_pope(small_question_set.question_file("adversarial"))[:4]
     images = [Image.open(small_question_set.image_dir / q.image).convert("RGB") for q in questions]
     texts = [prompt_text(processor, q.text) for q in questions]
     encoded = processor(images=images, text=texts, return_tensors="pt")
-    generated = model.generate(**encoded, max_new_tokens=1, do_sample=False)
+    generated = shipped.model.generate(**encoded, max_new_tokens=1, do_sample=False)
     words = processor.tokenizer.batch_decode(generated[:, -1:])
     assert words == [q.label for q in questions]
 
 
 def test_shipped_model_looks_at_the_object(shipped, small_question_set):
-    model, processor = shipped
-    results = object_removal(model, processor, small_question_set, max_pairs=120)
+    results = object_removal(shipped, small_question_set, max_pairs=120)
     assert results["full"].accuracy >= 0.9
     assert results["drop_random_nonobject"].accuracy - results["drop_object"].accuracy >= 0.3
     assert math.isfinite(results["drop_object"].wrong_confidence)

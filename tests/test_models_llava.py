@@ -269,7 +269,7 @@ def test_pruned_generation_with_cache_equals_recomputed_prefill(vlm, prepared, n
     for _ in range(4):
         extended = replace(item, input_ids=ids)
         token = int(logits_of(vlm, [extended], selector, forced_stages=stages)[0].argmax())
-        if token in vlm._eos_ids():
+        if token in vlm.eos_ids():
             break
         expected.append(token)
         ids = torch.cat([ids, torch.tensor([token])])

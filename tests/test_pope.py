@@ -20,7 +20,7 @@ from prune_audit.data.pope import (
     pope_metrics,
     split_from_file_name,
 )
-from prune_audit.data.pope_score import PopeAnswer, match_answers, score_by_split
+from prune_audit.data.pope_score import PopeAnswer, load_scored_questions, match_answers, score_by_split
 from prune_audit.errors import PruneAuditError
 
 runner = CliRunner()
@@ -140,6 +140,17 @@ def test_llava_merged_file_gets_labels_by_split_and_order(tmp_path):
     with_labels = attach_labels(merged, labelled)
     assert [q.label for q in with_labels] == ["yes", "no"] * 4
     assert with_labels[5].question_id == 10_000_002 and with_labels[5].object == "apple"
+
+
+def test_scored_questions_take_labels_from_the_label_files(tmp_path):
+    labels = [_label_file(tmp_path, "adversarial"), _label_file(tmp_path, "random")]
+    merged = load_scored_questions([_llava_merged(tmp_path), *labels])
+    assert [q.label for q in merged] == ["yes", "no"] * 4
+    assert load_scored_questions(labels) == load_pope(labels[0]) + load_pope(labels[1])
+    mixed = tmp_path / "mixed.json"
+    _write_lines(mixed, [_question(1, "a.jpg", "dog", "yes"), _question(2, "a.jpg", "cat")])
+    with pytest.raises(PruneAuditError, match="some questions have labels and some do not"):
+        load_scored_questions([mixed])
 
 
 def test_attach_labels_refuses_a_different_file_version(tmp_path):

@@ -96,7 +96,7 @@ def evaluate(
     from prune_audit.demo.evaluate import evaluate_question_set, load_demo
     from prune_audit.demo.questions import demo_question_set
 
-    loaded, processor = load_demo(model or DEMO_MODEL_DIR)
+    vlm = load_demo(model or DEMO_MODEL_DIR)
     question_set = demo_question_set(cache_dir, scenes=scenes, pope_images=pope_images)
-    summary = evaluate_question_set(loaded, processor, question_set, instruction=instruction)
+    summary = evaluate_question_set(vlm, question_set, instruction=instruction)
     print(json.dumps({k: round(v, 4) for k, v in summary.items()}))

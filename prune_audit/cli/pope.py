@@ -18,17 +18,6 @@ app = typer.Typer(
 METRIC_COLUMNS = ("n", "accuracy", "precision", "recall", "f1", "yes_ratio", "tp", "fp", "tn", "fn")
 
 
-def _json_ready(value: Any) -> Any:
-    """NaN becomes null so the output is strict JSON."""
-    if isinstance(value, float) and value != value:
-        return None
-    if isinstance(value, dict):
-        return {key: _json_ready(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_json_ready(item) for item in value]
-    return value
-
-
 def _print_columns(title: str, columns: dict[str, dict[str, str]]) -> None:
     """One table column per entry (a split or a file's split), one row per field."""
     from rich.console import Console
@@ -50,20 +39,6 @@ def _format(value: Any) -> str:
     return str(value)
 
 
-def _load_scored_questions(files: list[Path]) -> list[Any]:
-    """Questions with labels: the label files themselves, or LLaVA's merged file labelled from them."""
-    from prune_audit.data.pope import attach_labels, load_pope
-
-    labelled, unlabelled = [], []
-    for path in files:
-        questions = load_pope(path)
-        labels = {question.label is None for question in questions}
-        if labels == {True, False}:
-            raise ValueError(f"{path}: some questions have labels and some do not")
-        (unlabelled if True in labels else labelled).extend(questions)
-    return attach_labels(unlabelled, labelled) if unlabelled else labelled
-
-
 @app.command("score")
 @handle_errors
 def score(
@@ -73,25 +48,17 @@ def score(
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Score answers as POPE's evaluate.py does: per split and averaged over splits."""
-    import json
+    from prune_audit.analysis.outputs import to_json
+    from prune_audit.data.pope_score import score_files
 
-    from prune_audit.data.pope import file_sha256
-    from prune_audit.data.pope_score import load_answers, match_answers, score_by_split
-
-    questions = _load_scored_questions(pope)
-    texts, matched_by = match_answers(questions, load_answers(answers))
-    results = score_by_split(questions, texts)
+    report = score_files(answers, pope)
     if json_output:
-        report = {
-            "answers": {"path": str(answers), "sha256": file_sha256(answers)},
-            "question_files": [{"path": str(path), "sha256": file_sha256(path)} for path in pope],
-            "matched_by": matched_by,
-            "splits": results,
-        }
-        print(json.dumps(_json_ready(report), indent=2))
+        print(to_json(report), end="")
         return
-    columns = {split: {key: _format(metrics[key]) for key in METRIC_COLUMNS} for split, metrics in results.items()}
-    _print_columns(f"POPE scores (answers matched by {matched_by})", columns)
+    columns = {
+        split: {key: _format(metrics[key]) for key in METRIC_COLUMNS} for split, metrics in report["splits"].items()
+    }
+    _print_columns(f"POPE scores (answers matched by {report['matched_by']})", columns)
 
 
 @app.command("build")
@@ -125,18 +92,14 @@ def info(
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Counts per split, images, yes/no balance and unmatched objects of question files."""
-    import json
-
+    from prune_audit.analysis.outputs import to_json
     from prune_audit.data.coco import CocoInstances
-    from prune_audit.data.pope import file_sha256, load_pope, summarize_questions
+    from prune_audit.data.pope import describe_question_files
 
     coco = CocoInstances.load(annotations) if annotations is not None else None
-    report = []
-    for path in files:
-        summaries = summarize_questions(load_pope(path), coco)
-        report.append({"path": str(path), "sha256": file_sha256(path), "splits": summaries})
+    report = describe_question_files(files, coco)
     if json_output:
-        print(json.dumps(report, indent=2))
+        print(to_json(report), end="")
         return
     columns = {}
     for entry in report:

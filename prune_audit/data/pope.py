@@ -290,6 +290,16 @@ def summarize_questions(questions: Sequence[PopeQuestion], coco: CocoInstances |
     return summaries
 
 
+def describe_question_files(
+    files: Sequence[str | Path], coco: CocoInstances | None = None
+) -> list[dict[str, Any]]:
+    """Per file: its ``path``, ``sha256`` and per-split ``splits`` summary (:func:`summarize_questions`)."""
+    return [
+        {"path": str(path), "sha256": file_sha256(path), "splits": summarize_questions(load_pope(path), coco)}
+        for path in files
+    ]
+
+
 def _object_checks(questions: Sequence[PopeQuestion], coco: CocoInstances) -> dict[str, Any]:
     unknown = sorted({q.object for q in questions if q.object not in coco.category_ids})
     missing_images: set[str] = set()

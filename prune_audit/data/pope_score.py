@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prune_audit.data.pope import PopeQuestion, parse_answer, pope_metrics, read_json_lines
+from prune_audit.data.pope import (
+    PopeQuestion,
+    attach_labels,
+    file_sha256,
+    load_pope,
+    parse_answer,
+    pope_metrics,
+    read_json_lines,
+)
 from prune_audit.errors import PruneAuditError
 
 AVERAGED = ("accuracy", "precision", "recall", "f1", "yes_ratio")
@@ -101,3 +109,32 @@ def score_by_split(questions: Sequence[PopeQuestion], answer_texts: Sequence[str
             average[key] = math.nan if any(math.isnan(v) for v in values) else sum(values) / len(values)
         results["average"] = average
     return results
+
+
+def load_scored_questions(files: Sequence[str | Path]) -> list[PopeQuestion]:
+    """Questions with labels: the label files themselves, or LLaVA's merged file labelled from them."""
+    labelled: list[PopeQuestion] = []
+    unlabelled: list[PopeQuestion] = []
+    for path in files:
+        questions = load_pope(path)
+        missing = {question.label is None for question in questions}
+        if missing == {True, False}:
+            raise PruneAuditError(f"{path}: some questions have labels and some do not; label all or none")
+        (unlabelled if True in missing else labelled).extend(questions)
+    return attach_labels(unlabelled, labelled) if unlabelled else labelled
+
+
+def score_files(answers: str | Path, question_files: Sequence[str | Path]) -> dict[str, Any]:
+    """Score an answers file against POPE question files, as POPE's ``evaluate.py`` does.
+
+    Returns ``answers`` and ``question_files`` (path and sha256 of each input),
+    ``matched_by`` ("order" or "id") and ``splits`` (:func:`score_by_split`).
+    """
+    questions = load_scored_questions(question_files)
+    texts, matched_by = match_answers(questions, load_answers(answers))
+    return {
+        "answers": {"path": str(answers), "sha256": file_sha256(answers)},
+        "question_files": [{"path": str(path), "sha256": file_sha256(path)} for path in question_files],
+        "matched_by": matched_by,
+        "splits": score_by_split(questions, texts),
+    }

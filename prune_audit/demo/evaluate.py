@@ -2,9 +2,10 @@
 
 The vision tower runs once per image; the language model then takes the full prompt
 of each question with the image's projected patch features (all of them, or a
-subset in original order for pruning experiments) passed as
-``mm_encoder_outputs``, so the prompt carries exactly as many ``<image>`` tokens as
-features are kept. This is ``LlavaForConditionalGeneration.forward`` unchanged.
+subset in original order for pruning experiments), so the prompt carries exactly as
+many ``<image>`` tokens as features are kept. The forward is the LLaVA adapter's
+:meth:`~prune_audit.models.llava.LlavaModel.first_token_logits`, the stock
+``LlavaForConditionalGeneration.forward``.
 """
 
 from __future__ import annotations
@@ -12,26 +13,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from prune_audit.models.llava import LlavaModel
 
 # instructions the demo model was trained with after the POPE question (the first is none)
 DEMO_INSTRUCTIONS: tuple[str, ...] = ("", "Answer yes or no.", "Answer the question using a single word or phrase.")
 
 
-def load_demo(model_dir: str | Path, *, attn_implementation: str = "sdpa"):
-    """(model, processor) from a saved demo checkpoint, float32, eval mode, offline."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+def load_demo(model_dir: str | Path, *, attn_implementation: str = "sdpa") -> LlavaModel:
+    """The LLaVA adapter around a saved demo checkpoint, float32, eval mode, offline."""
+    from transformers import AutoProcessor
+
+    from prune_audit.models.llava import LlavaModel
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(2, "no demo checkpoint (config.json) in this folder", str(model_dir))
-    model = LlavaForConditionalGeneration.from_pretrained(
+    model = LlavaModel.transformers_class().from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True
     )
     processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
-    return model.eval(), processor
+    return LlavaModel(model.eval(), processor, model_id=str(model_dir))
 
 
 def prompt_text(processor, question: str, instruction: str = "") -> str:
@@ -53,12 +60,6 @@ def prompt_ids(processor, text: str, num_image_tokens: int) -> Tensor:
     return torch.cat([ids[: at[0]], image, ids[at[0] + 1 :]])
 
 
-def image_features(model, pixels: Tensor) -> Tensor:
-    """(B, N, D) projected patch features (LLM input space) for (B, 3, H, W) pixels."""
-    with torch.no_grad():
-        return torch.stack(list(model.get_image_features(pixel_values=pixels).pooler_output))
-
-
 @dataclass(frozen=True)
 class Answers:
     """Per question: p_yes and p_no over the full vocabulary, and whether yes wins."""
@@ -76,7 +77,7 @@ class Answers:
         return torch.maximum(self.p_yes, self.p_no)
 
 
-def answer(model, processor, features: Sequence[Tensor], texts: Sequence[str]) -> Answers:
+def answer(vlm: LlavaModel, features: Sequence[Tensor], texts: Sequence[str]) -> Answers:
     """Answer prompts ``texts`` (one ``<image>`` each) given per-question features.
 
     Args:
@@ -84,10 +85,9 @@ def answer(model, processor, features: Sequence[Tensor], texts: Sequence[str]) -
             original grid order; k_i may be smaller than the grid (pruning).
         texts: per question the chat-template prompt (``prompt_text``).
     """
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
     if len(features) != len(texts):
         raise ValueError(f"{len(features)} feature sets for {len(texts)} prompts")
+    processor = vlm.processor
     ids = [prompt_ids(processor, text, int(f.shape[0])) for f, text in zip(features, texts, strict=True)]
     pad = processor.tokenizer.pad_token_id
     length = max(int(i.numel()) for i in ids)
@@ -98,20 +98,13 @@ def answer(model, processor, features: Sequence[Tensor], texts: Sequence[str]) -
         input_ids[row, length - seq.numel() :] = seq
         attention[row, length - seq.numel() :] = 1
     with torch.no_grad():
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            # positions count real tokens only, so padding never shifts a prompt's RoPE
-            position_ids=(attention.cumsum(dim=1) - 1).clamp(min=0),
-            mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=list(features))},
-            logits_to_keep=1,
-        ).logits[:, -1]
+        logits = vlm.first_token_logits(input_ids, attention, features)
     probs = torch.softmax(logits.float(), dim=-1)
     yes_id, no_id = processor.tokenizer.convert_tokens_to_ids(["yes", "no"])
     return Answers(p_yes=probs[:, yes_id], p_no=probs[:, no_id])
 
 
-def features_by_image(model, processor, image_dir: Path, names: Sequence[str], batch_size: int = 64) -> dict[str, Tensor]:
+def features_by_image(vlm: LlavaModel, image_dir: Path, names: Sequence[str], batch_size: int = 64) -> dict[str, Tensor]:
     """Per image file name, its (N, D) projected features; pixels from the model's own processor."""
     from PIL import Image
 
@@ -120,13 +113,14 @@ def features_by_image(model, processor, image_dir: Path, names: Sequence[str], b
     for start in range(0, len(unique), batch_size):
         chunk = unique[start : start + batch_size]
         images = [Image.open(Path(image_dir) / name).convert("RGB") for name in chunk]
-        pixels = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        features.update(zip(chunk, image_features(model, pixels), strict=True))
+        pixels = vlm.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        with torch.no_grad():
+            features.update(zip(chunk, vlm.image_features(pixels), strict=True))
     return features
 
 
 def answer_pairs(
-    model, processor, features: dict[str, Tensor], pairs: Sequence[tuple[str, str]], *, instruction: str = "",
+    vlm: LlavaModel, features: dict[str, Tensor], pairs: Sequence[tuple[str, str]], *, instruction: str = "",
     batch_size: int = 64,
 ) -> dict[tuple[str, str], Answers]:
     """Answers for unique (image, object) pairs with all of each image's tokens."""
@@ -136,15 +130,15 @@ def answer_pairs(
     result: dict[tuple[str, str], Answers] = {}
     for start in range(0, len(unique), batch_size):
         chunk = unique[start : start + batch_size]
-        texts = [prompt_text(processor, question_text(obj), instruction) for _, obj in chunk]
-        answers = answer(model, processor, [features[image] for image, _ in chunk], texts)
+        texts = [prompt_text(vlm.processor, question_text(obj), instruction) for _, obj in chunk]
+        answers = answer(vlm, [features[image] for image, _ in chunk], texts)
         for row, key in enumerate(chunk):
             result[key] = Answers(p_yes=answers.p_yes[row], p_no=answers.p_no[row])
     return result
 
 
 def evaluate_question_set(
-    model, processor, question_set, *, splits: Sequence[str] | None = None, instruction: str = ""
+    vlm: LlavaModel, question_set, *, splits: Sequence[str] | None = None, instruction: str = ""
 ) -> dict[str, float]:
     """Unpruned accuracy on a demo question set, per split and overall.
 
@@ -155,8 +149,8 @@ def evaluate_question_set(
 
     splits = tuple(splits or POPE_SPLITS)
     questions = [q for split in splits for q in load_pope(question_set.question_file(split), split)]
-    features = features_by_image(model, processor, question_set.image_dir, [q.image for q in questions])
-    answers = answer_pairs(model, processor, features, [(q.image, q.object) for q in questions], instruction=instruction)
+    features = features_by_image(vlm, question_set.image_dir, [q.image for q in questions])
+    answers = answer_pairs(vlm, features, [(q.image, q.object) for q in questions], instruction=instruction)
     correct = {q: bool(answers[(q.image, q.object)].says_yes) == (q.label == "yes") for q in questions}
 
     def rate(selected: list) -> float:

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from prune_audit.demo.evaluate import answer, features_by_image, prompt_text
+
+if TYPE_CHECKING:
+    from prune_audit.models.llava import LlavaModel
 
 CONDITIONS = ("full", "drop_object", "drop_random_nonobject", "drop_random_background")
 CONFIDENT = 0.9
@@ -80,7 +84,7 @@ def kept_tokens(coco, geometry, image_id: int, obj: str, rng: np.random.Generato
 
 
 def object_removal(
-    model, processor, question_set, *, seed: int = 0, max_pairs: int | None = None, instruction: str = "",
+    vlm: LlavaModel, question_set, *, seed: int = 0, max_pairs: int | None = None, instruction: str = "",
     batch_size: int = 64,
 ) -> dict[str, ConditionResult]:
     """Run the four conditions over the positive (image, object) pairs of ``question_set``."""
@@ -97,24 +101,24 @@ def object_removal(
         if q.label == "yes"
     ]
     pairs = list(dict.fromkeys(positives))[:max_pairs]
-    features = features_by_image(model, processor, question_set.image_dir, [image for image, _ in pairs])
+    features = features_by_image(vlm, question_set.image_dir, [image for image, _ in pairs])
     rng = np.random.default_rng(seed)
     jobs: dict[str, list[tuple[torch.Tensor, str]]] = {c: [] for c in CONDITIONS}
     for image, obj in pairs:
         image_id = coco.image_id(image)
-        geometry = geometry_from_processor(processor, coco.image(image_id).size)
-        text = prompt_text(processor, question_text(obj), instruction)
+        geometry = geometry_from_processor(vlm.processor, coco.image(image_id).size)
+        text = prompt_text(vlm.processor, question_text(obj), instruction)
         for condition, kept in kept_tokens(coco, geometry, image_id, obj, rng).items():
             if kept is not None:
                 jobs[condition].append((features[image][torch.from_numpy(kept)], text))
-    return {condition: _score(model, processor, items, batch_size) for condition, items in jobs.items()}
+    return {condition: _score(vlm, items, batch_size) for condition, items in jobs.items()}
 
 
-def _score(model, processor, items: Sequence[tuple[torch.Tensor, str]], batch_size: int) -> ConditionResult:
+def _score(vlm: LlavaModel, items: Sequence[tuple[torch.Tensor, str]], batch_size: int) -> ConditionResult:
     says_yes, confidence = [], []
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        answers = answer(model, processor, [f for f, _ in chunk], [t for _, t in chunk])
+        answers = answer(vlm, [f for f, _ in chunk], [t for _, t in chunk])
         says_yes.append(answers.says_yes)
         confidence.append(answers.confidence)
     yes = torch.cat(says_yes).numpy()

@@ -39,7 +39,8 @@ from torch import Tensor, nn
 from prune_audit.data.scenes import CATEGORIES
 from prune_audit.demo.batches import BACKGROUND_CLASS, SceneBatch, pixel_values, sample_batch
 from prune_audit.data.pope_build import question_text
-from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, image_features, prompt_ids, prompt_text
+from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, prompt_ids, prompt_text
+from prune_audit.models.llava import LlavaModel
 
 # held-out monitoring scenes during training; the demo question set uses another seed
 MONITOR_SEED = 7
@@ -118,56 +119,25 @@ def prompt_pieces(processor, num_image_tokens: int) -> PromptPieces:
     return PromptPieces(prefix, (prefix == image_id).nonzero().flatten(), suffixes)
 
 
-def vision_outputs(model, pixels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Vision tower once: (B, N, D) projected features as Llava uses them, (B, Dv) pooled
-    CLS and (B, N, Dv) last-layer patch states for the auxiliary heads."""
-    config = model.config
-    out = model.model.vision_tower(pixels, output_hidden_states=True)
-    selected = out.hidden_states[config.vision_feature_layer]
-    if config.vision_feature_select_strategy == "default":
-        selected = selected[:, 1:]
-    return model.model.multi_modal_projector(selected), out.pooler_output, out.last_hidden_state[:, 1:]
-
-
-def answer_logits(model, features: Tensor, pieces: PromptPieces, suffixes: list[Tensor], per_image: int) -> Tensor:
-    """(B * per_image, V) next-token logits after each question, with a shared image prefix.
-
-    Args:
-        features: (B, N, D) projected image features.
-        suffixes: B * per_image id tensors, grouped by image.
-    """
-    language_model = model.model.language_model
-    batch = features.shape[0]
-    embeds = language_model.embed_tokens(pieces.prefix).unsqueeze(0).repeat(batch, 1, 1)
-    embeds[:, pieces.image_positions] = features.to(embeds.dtype)
-    cache = language_model(inputs_embeds=embeds, use_cache=True).cache
-    cache.batch_repeat_interleave(per_image)
-    lengths = torch.tensor([s.numel() for s in suffixes])
-    # right padding: causal attention keeps real positions independent of the pad tail
-    padded = torch.nn.utils.rnn.pad_sequence(suffixes, batch_first=True, padding_value=0)
-    hidden = language_model(input_ids=padded, cache=cache).last_hidden_state
-    return model.lm_head(hidden[torch.arange(len(suffixes)), lengths - 1])
-
-
 def pixel_stats(processor) -> tuple[list[float], list[float]]:
     """The image processor's normalisation (mean, std) per channel."""
     return list(processor.image_processor.image_mean), list(processor.image_processor.image_std)
 
 
 def batch_loss(
-    model, heads: VisionHeads, pieces: PromptPieces, batch: SceneBatch, instructions: np.ndarray, processor
+    vlm: LlavaModel, heads: VisionHeads, pieces: PromptPieces, batch: SceneBatch, instructions: np.ndarray
 ) -> dict[str, Tensor]:
     """Answer CE, CLS presence BCE and patch CE for one batch (and their sum, ``total``).
 
     Args:
         instructions: (Q,) index into ``DEMO_INSTRUCTIONS`` per question.
     """
-    pixels = pixel_values(batch.scenes, *pixel_stats(processor))
-    features, pooled, patches = vision_outputs(model, pixels)
+    pixels = pixel_values(batch.scenes, *pixel_stats(vlm.processor))
+    features, pooled, patches = vlm.vision_states(pixels)
     per_image = len(batch.questions) // len(batch.scenes)
     suffixes = [pieces.suffixes[(q.category, int(i))] for q, i in zip(batch.questions, instructions, strict=True)]
-    logits = answer_logits(model, features, pieces, suffixes, per_image)
-    targets = torch.tensor(processor.tokenizer.convert_tokens_to_ids([q.answer for q in batch.questions]))
+    logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, suffixes, per_image)
+    targets = torch.tensor(vlm.tokenizer.convert_tokens_to_ids([q.answer for q in batch.questions]))
     losses = {
         "answer": F.cross_entropy(logits.float(), targets),
         "presence": F.binary_cross_entropy_with_logits(heads.presence(pooled), batch.presence),
@@ -193,24 +163,25 @@ def _optimizer(parameters: list[nn.Parameter], recipe: DemoRecipe) -> torch.opti
     return torch.optim.AdamW(groups, lr=recipe.learning_rate, betas=(0.9, 0.98))
 
 
-def monitor_accuracy(model, processor, recipe: DemoRecipe) -> float:
+def monitor_accuracy(vlm: LlavaModel, recipe: DemoRecipe) -> float:
     """Held-out accuracy on ``monitor_images`` fresh scenes through the full-prompt path."""
     batch = sample_batch(
         MONITOR_SEED, 0, images=recipe.monitor_images, questions_per_image=4,
         image_size=recipe.image_size, patch_size=recipe.patch_size, split="heldout",
     )
-    features = image_features(model, pixel_values(batch.scenes, *pixel_stats(processor)))
+    with torch.no_grad():
+        features = vlm.image_features(pixel_values(batch.scenes, *pixel_stats(vlm.processor)))
     texts = [
-        prompt_text(processor, question_text(q.category), DEMO_INSTRUCTIONS[i % len(DEMO_INSTRUCTIONS)])
+        prompt_text(vlm.processor, question_text(q.category), DEMO_INSTRUCTIONS[i % len(DEMO_INSTRUCTIONS)])
         for i, q in enumerate(batch.questions)
     ]
-    says_yes = answer(model, processor, [features[q.image] for q in batch.questions], texts).says_yes
+    says_yes = answer(vlm, [features[q.image] for q in batch.questions], texts).says_yes
     truth = torch.tensor([q.answer == "yes" for q in batch.questions])
     return float((says_yes == truth).float().mean())
 
 
-def _fresh_model(recipe: DemoRecipe, scratch: Path):
-    """A randomly initialised demo Llava and its processor, built by ``models.build``."""
+def _fresh_model(recipe: DemoRecipe, scratch: Path) -> LlavaModel:
+    """The adapter around a randomly initialised demo Llava, built by ``models.build``."""
     from prune_audit.demo.evaluate import load_demo
     from prune_audit.models.build import build_llava
 
@@ -229,8 +200,7 @@ def _fresh_model(recipe: DemoRecipe, scratch: Path):
         text_heads=recipe.heads,
         seed=recipe.seed,
     )
-    model, processor = load_demo(scratch)
-    return model, processor
+    return load_demo(scratch)
 
 
 def train_demo_model(
@@ -245,12 +215,12 @@ def train_demo_model(
     torch.manual_seed(recipe.seed)
     out_dir = Path(out_dir)
     with tempfile.TemporaryDirectory() as scratch:
-        model, processor = _fresh_model(recipe, Path(scratch))
-    model.train()
-    heads = VisionHeads(model.config.vision_config.hidden_size)
-    parameters = [p for p in (*model.parameters(), *heads.parameters()) if p.requires_grad]
+        vlm = _fresh_model(recipe, Path(scratch))
+    vlm.model.train()
+    heads = VisionHeads(vlm.model.config.vision_config.hidden_size)
+    parameters = [p for p in (*vlm.model.parameters(), *heads.parameters()) if p.requires_grad]
     optimizer = _optimizer(parameters, recipe)
-    pieces = prompt_pieces(processor, recipe.grid**2)
+    pieces = prompt_pieces(vlm.processor, recipe.grid**2)
     history, start = [], time.perf_counter()
     for step in range(recipe.steps):
         batch = sample_batch(
@@ -262,7 +232,7 @@ def train_demo_model(
         instructions = np.full(len(batch.questions), instruction)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, recipe)
-        losses = batch_loss(model, heads, pieces, batch, instructions, processor)
+        losses = batch_loss(vlm, heads, pieces, batch, instructions)
         optimizer.zero_grad(set_to_none=True)
         losses["total"].backward()
         torch.nn.utils.clip_grad_norm_(parameters, recipe.grad_clip)
@@ -272,9 +242,9 @@ def train_demo_model(
             parts = " ".join(f"{k} {v.item():.3f}" for k, v in losses.items())
             log(f"step {done}/{recipe.steps} {parts} elapsed {time.perf_counter() - start:.0f}s")
         if done % recipe.monitor_every == 0 or done == recipe.steps:
-            model.eval()
-            accuracy = monitor_accuracy(model, processor, recipe)
-            model.train()
+            vlm.model.eval()
+            accuracy = monitor_accuracy(vlm, recipe)
+            vlm.model.train()
             minutes = (time.perf_counter() - start) / 60
             history.append({"step": done, "minutes": round(minutes, 2), "heldout_accuracy": round(accuracy, 4)})
             log(f"monitor step {done}: held-out accuracy {accuracy:.3f} after {minutes:.1f} min")
@@ -284,7 +254,7 @@ def train_demo_model(
         "history": history,
         "versions": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
     }
-    _save(model.eval(), processor, out_dir, summary)
+    _save(vlm.model.eval(), vlm.processor, out_dir, summary)
     return summary
 
 

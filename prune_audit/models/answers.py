@@ -1,4 +1,4 @@
-"""First-token yes/no probabilities (evaluation spec E).
+"""First-token yes/no probabilities (evaluation spec E) and the per-question :class:`Answer`.
 
 The answer's first token decides a POPE question. ``p_yes`` sums the full-vocabulary
 softmax probability of every single-token spelling of "yes" (case variants, with and
@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from prune_audit.models.executor import Prefill
+    from prune_audit.pruners.base import Selection
 
 # word-start markers: SentencePiece (Llama) and byte-level BPE (Qwen)
 _PREFIXES = ("", "\u2581", "\u0120")
@@ -65,4 +70,66 @@ def reduce_yes_no(logits: Tensor, yes_ids: list[int], no_ids: list[int]) -> list
     return results
 
 
-__all__ = ["answer_token_ids", "YesNo", "reduce_yes_no"]
+@dataclass
+class Answer:
+    """First-token answer of one question and the provenance of the visual tokens.
+
+    ``kept_stages`` holds the kept grid indices after each stage (one entry for
+    input-level selection, none unpruned); ``kept`` those reaching the last layer;
+    ``sources`` the grid indices each output token carries for merging selectors.
+    ``latency_ms`` is the wall time of the batch prefill (vision, selection,
+    language model) divided by the batch size.
+    """
+
+    p_yes: float
+    p_no: float
+    p_yes_2way: float
+    logit_diff: float
+    answer: str
+    confidence: float
+    kept: list[int]
+    kept_stages: list[list[int]]
+    stage_layers: list[int]
+    tokens_per_layer: list[int]
+    visual_tokens_avg: float
+    prefill_tokens: int
+    latency_ms: float
+    sources: list[list[int]] | None = None
+
+
+def answer_record(
+    num_visual: int, prefill: Prefill, b: int, selection: Selection | None, reduced: YesNo, latency: float
+) -> Answer:
+    """Row ``b`` of a pruned prefill as an :class:`Answer`.
+
+    ``selection`` is the row's input-level selection (None for in-LLM selectors and
+    unpruned runs, whose kept sets come from ``prefill``); ``num_visual`` the grid size.
+    """
+    if selection is not None:
+        kept_stages = [selection.kept.tolist()]
+        sources = None if selection.sources is None else [s.tolist() for s in selection.sources]
+        stage_layers = [0]
+    else:
+        kept_stages, sources = prefill.kept_stages[b], None
+        stage_layers = prefill.stage_layers[b]
+    counts = prefill.tokens_per_layer[b]
+    return Answer(
+        p_yes=reduced.p_yes,
+        p_no=reduced.p_no,
+        p_yes_2way=reduced.p_yes_2way,
+        logit_diff=reduced.logit_diff,
+        answer=reduced.answer,
+        confidence=reduced.confidence,
+        kept=kept_stages[-1] if kept_stages else list(range(num_visual)),
+        kept_stages=kept_stages,
+        stage_layers=stage_layers,
+        tokens_per_layer=counts,
+        visual_tokens_avg=sum(counts) / len(counts),
+        prefill_tokens=prefill.prefill_tokens[b],
+        latency_ms=latency,
+        sources=sources,
+    )
+
+
+
+__all__ = ["answer_token_ids", "YesNo", "reduce_yes_no", "Answer", "answer_record"]

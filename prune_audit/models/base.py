@@ -9,19 +9,16 @@ yes/no reduction and a greedy decoding loop with KV cache.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.models.answers import answer_token_ids, reduce_yes_no
+from prune_audit.models.answers import Answer, answer_record, answer_token_ids, reduce_yes_no
 from prune_audit.models.executor import (
     MERGED,
     TEXT_AFTER,
@@ -33,101 +30,10 @@ from prune_audit.models.executor import (
     TokenRow,
     pack,
 )
+from prune_audit.models.loading import config_hash
+from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput
 from prune_audit.pruners.base import InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.registry import list_selectors, selector_class
-
-ForcedStages = Sequence[tuple[int, Sequence[int]]]
-
-
-def find_image_span(input_ids: Tensor, image_token_id: int) -> tuple[int, int]:
-    """``[start, end)`` of the single contiguous run of image tokens in (L,) ``input_ids``."""
-    where = torch.nonzero(input_ids == image_token_id).flatten()
-    if where.numel() == 0:
-        raise PruneAuditError("the prompt holds no image tokens; check the prompt template")
-    start, end = int(where[0]), int(where[-1]) + 1
-    if end - start != where.numel():
-        raise PruneAuditError("the image tokens are not one contiguous span; one image per prompt is supported")
-    return start, end
-
-
-# where the checkpoint was read from and how it is stored do not change the model
-_VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "dtype", "torch_dtype", "transformers_version"})
-
-
-def config_hash(config: dict[str, Any]) -> str:
-    """16 hex digits of SHA-256 over the sorted config, without path, dtype and library version."""
-
-    def strip(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k not in _VOLATILE_CONFIG_KEYS}
-        return value
-
-    text = json.dumps(strip(config), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-@dataclass
-class Prepared:
-    """One (image, question) prompt, processed by the model's own processor.
-
-    Attributes:
-        input_ids: (L,) prompt ids with the image span expanded to N image tokens.
-        image_span: ``[start, end)`` of the image tokens in ``input_ids``.
-        grid: (rows, cols) of the visual token grid, N = rows * cols.
-        pixel_values: the processor's pixel tensor for this image.
-        question: the raw question (CLIP text relevance reads it).
-        image_size: original (width, height).
-        geometry: :class:`prune_audit.data.geometry.TokenGeometry` of the image.
-        extras: family-specific tensors (Qwen: ``image_grid_thw``, ``positions``).
-    """
-
-    input_ids: Tensor
-    image_span: tuple[int, int]
-    grid: tuple[int, int]
-    pixel_values: Tensor
-    question: str
-    image_size: tuple[int, int]
-    geometry: Any
-    extras: dict[str, Tensor] = field(default_factory=dict)
-
-    @property
-    def num_visual(self) -> int:
-        return self.grid[0] * self.grid[1]
-
-
-@dataclass
-class Answer:
-    """First-token answer of one question and the provenance of the visual tokens.
-
-    ``kept_stages`` holds the kept grid indices after each stage (one entry for
-    input-level selection, none unpruned); ``kept`` those reaching the last layer;
-    ``sources`` the grid indices each output token carries for merging selectors.
-    ``latency_ms`` is the wall time of the batch prefill (vision, selection,
-    language model) divided by the batch size.
-    """
-
-    p_yes: float
-    p_no: float
-    p_yes_2way: float
-    logit_diff: float
-    answer: str
-    confidence: float
-    kept: list[int]
-    kept_stages: list[list[int]]
-    stage_layers: list[int]
-    tokens_per_layer: list[int]
-    visual_tokens_avg: float
-    prefill_tokens: int
-    latency_ms: float
-    sources: list[list[int]] | None = None
-
-
-@dataclass
-class VisionOutput:
-    """One image through the vision tower: (N, D) projector outputs plus optional signals."""
-
-    features: Tensor
-    signals: dict[str, Tensor] = field(default_factory=dict)
 
 
 class VisionLanguageModel(ABC):
@@ -138,6 +44,40 @@ class VisionLanguageModel(ABC):
     input_signals: frozenset[str] = frozenset()
     #: why the other InputSignals are missing, for error messages
     missing_signals_reason: str = ""
+    #: the family's name in messages
+    display_name: str = ""
+    #: accepted ``prompt_template`` values; the first is the default
+    prompt_templates: tuple[str, ...] = ()
+
+    # ----- loading ------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def transformers_class(cls) -> type:
+        """The transformers ``*ForConditionalGeneration`` class of this family's checkpoints."""
+
+    @classmethod
+    @abstractmethod
+    def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
+                   clip_text: str | None) -> VisionLanguageModel:
+        """The adapter around a loaded ``model``; reads the processor parts from ``source``."""
+
+    @classmethod
+    def resolve_template(cls, prompt_template: str | None) -> str:
+        """``prompt_template`` or the family default; one-line error when the family has no such template."""
+        template = prompt_template or cls.prompt_templates[0]
+        if template not in cls.prompt_templates:
+            raise PruneAuditError(
+                f"unknown {cls.display_name} prompt template {template!r}; choose {' or '.join(cls.prompt_templates)}"
+            )
+        return template
+
+    @classmethod
+    def check_clip_text(cls, clip_text: object) -> None:
+        """Refuse a CLIP text tower for families without a CLIP vision space (LLaVA overrides)."""
+        if clip_text is not None:
+            raise PruneAuditError(
+                f"clip_text applies to LLaVA's CLIP vision tower; {cls.display_name} has no CLIP space"
+            )
 
     def __init__(self, model, tokenizer, stack: DecoderStack, *, model_id: str, prompt_template: str,
                  system_prompt: str | None):
@@ -241,7 +181,7 @@ class VisionLanguageModel(ABC):
         latency = (time.perf_counter() - start) * 1000 / len(prepared)
         results = []
         for b, reduced in enumerate(reduce_yes_no(prefill.logits, self.yes_ids, self.no_ids)):
-            results.append(self._answer(prepared[b], prefill, b, selections[b], reduced, latency))
+            results.append(answer_record(prepared[b].num_visual, prefill, b, selections[b], reduced, latency))
         return results
 
     def generate(
@@ -265,7 +205,7 @@ class VisionLanguageModel(ABC):
             forced_stages=None if forced_stages is None else [forced_stages],
             use_cache=True,
         )
-        stop = set(self._eos_ids())
+        stop = set(self.eos_ids())
         logits, tokens = prefill.logits, []
         for _ in range(max_new_tokens):
             token = int(logits[0].argmax())
@@ -275,12 +215,13 @@ class VisionLanguageModel(ABC):
             logits = self.loop.decode_step(prefill.decode, torch.tensor([token], device=self.device))
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
-    # ----- internals ----------------------------------------------------------------
-    def _eos_ids(self) -> list[int]:
+    def eos_ids(self) -> list[int]:
+        """Token ids that end greedy decoding: the generation config's and the tokenizer's end-of-sequence."""
         ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
         ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
         return [*ids, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])]
 
+    # ----- internals ----------------------------------------------------------------
     def _missing(self, cls: type[Selector]) -> set[str]:
         if cls.stage == "llm":
             return set()
@@ -469,31 +410,5 @@ class VisionLanguageModel(ABC):
                 if not 0 <= stage.layer < self.num_layers:
                     raise PruneAuditError(f"stage layer {stage.layer} outside the model's {self.num_layers} layers")
 
-    def _answer(self, item, prefill: Prefill, b: int, selection, reduced, latency: float) -> Answer:
-        if selection is not None:
-            kept_stages = [selection.kept.tolist()]
-            sources = None if selection.sources is None else [s.tolist() for s in selection.sources]
-            stage_layers = [0]
-        else:
-            kept_stages, sources = prefill.kept_stages[b], None
-            stage_layers = prefill.stage_layers[b]
-        counts = prefill.tokens_per_layer[b]
-        return Answer(
-            p_yes=reduced.p_yes,
-            p_no=reduced.p_no,
-            p_yes_2way=reduced.p_yes_2way,
-            logit_diff=reduced.logit_diff,
-            answer=reduced.answer,
-            confidence=reduced.confidence,
-            kept=kept_stages[-1] if kept_stages else list(range(item.num_visual)),
-            kept_stages=kept_stages,
-            stage_layers=stage_layers,
-            tokens_per_layer=counts,
-            visual_tokens_avg=sum(counts) / len(counts),
-            prefill_tokens=prefill.prefill_tokens[b],
-            latency_ms=latency,
-            sources=sources,
-        )
 
-
-__all__ = ["Prepared", "Answer", "VisionOutput", "VisionLanguageModel", "ForcedStages", "find_image_span"]
+__all__ = ["VisionLanguageModel"]

@@ -16,8 +16,10 @@ import torch
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.models.base import Prepared, VisionLanguageModel, VisionOutput, find_image_span
+from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
+from prune_audit.models.loading import load_part
+from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_cls_row, single_tensor_rope
 from prune_audit.pruners.base import LayerSelector
 
@@ -38,6 +40,28 @@ class LlavaModel(VisionLanguageModel):
         {"features", "vision_features", "cls_attention", "vision_keys", "cls_feature", "text_relevance", "demand"}
     )
     missing_signals_reason = "this adapter does not compute it"
+    display_name = "LLaVA"
+    prompt_templates = PROMPT_TEMPLATES
+
+    @classmethod
+    def transformers_class(cls) -> type:
+        from transformers import LlavaForConditionalGeneration
+
+        return LlavaForConditionalGeneration
+
+    @classmethod
+    def check_clip_text(cls, clip_text: object) -> None:
+        """Any CLIP checkpoint is accepted here; its width is checked against the tower once loaded."""
+
+    @classmethod
+    def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
+                   clip_text: str | None) -> LlavaModel:
+        from transformers import AutoProcessor
+
+        processor = load_part("processor", source, lambda: AutoProcessor.from_pretrained(source, backend="pil"))
+        clip = None if clip_text is None else load_clip(clip_text, model)
+        return cls(model, processor, model_id=source, prompt_template=prompt_template,
+                   system_prompt=system_prompt, clip=clip)
 
     def __init__(self, model, processor, *, model_id: str, prompt_template: str | None = None,
                  system_prompt: str | None = None, clip: tuple[Any, Any] | None = None):
@@ -49,9 +73,7 @@ class LlavaModel(VisionLanguageModel):
                 "only LLaVA checkpoints with one vision_feature_layer and the 'default' strategy (CLS dropped) "
                 "are supported"
             )
-        template = prompt_template or "llava_hf"
-        if template not in PROMPT_TEMPLATES:
-            raise PruneAuditError(f"unknown LLaVA prompt template {template!r}; choose {' or '.join(PROMPT_TEMPLATES)}")
+        template = self.resolve_template(prompt_template)
         language = model.model.language_model
         stack = DecoderStack(
             embed_tokens=language.embed_tokens,
@@ -163,6 +185,61 @@ class LlavaModel(VisionLanguageModel):
         cosine = normalize(image_embeds, dim=-1) @ normalize(text_embeds, dim=-1).T  # (N, chunks)
         return -cosine.mean(dim=1)
 
+    # ----- direct forwards (the demo trainer and evaluator) ------------------------------
+    def image_features(self, pixels: Tensor) -> Tensor:
+        """(B, N, D) projected patch features, the language model's image inputs, of (B, 3, H, W) pixels."""
+        return torch.stack(list(self.model.get_image_features(pixel_values=pixels).pooler_output))
+
+    def vision_states(self, pixels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The vision tower once, differentiable: (B, N, D) projected features (as :meth:`image_features`),
+        (B, Dv) pooled CLS and (B, N, Dv) last-layer patch states."""
+        out = self.vision_tower(pixels, output_hidden_states=True)
+        selected = out.hidden_states[self.feature_index][:, 1:]  # CLS dropped (the 'default' strategy)
+        return self.model.model.multi_modal_projector(selected), out.pooler_output, out.last_hidden_state[:, 1:]
+
+    def shared_prefix_logits(
+        self, features: Tensor, prefix_ids: Tensor, image_positions: Tensor, suffixes: Sequence[Tensor], per_image: int
+    ) -> Tensor:
+        """(B * per_image, V) next-token logits after each suffix, the image prefix run once per image.
+
+        Equal to the full forward of ``prefix + suffix`` (the demo tests check it): the prefix's
+        KV cache is repeated for the image's questions and only the suffixes run per question.
+
+        Args:
+            features: (B, N, D) projected image features.
+            prefix_ids: (P,) prompt ids up to the end of the image span, shared by all prompts.
+            image_positions: (N,) positions of the image tokens in ``prefix_ids``.
+            suffixes: B * per_image (T_i,) id tensors after the image span, grouped by image.
+        """
+        language = self.model.model.language_model
+        batch = features.shape[0]
+        embeds = language.embed_tokens(prefix_ids).unsqueeze(0).repeat(batch, 1, 1)
+        embeds[:, image_positions] = features.to(embeds.dtype)
+        cache = language(inputs_embeds=embeds, use_cache=True).cache
+        cache.batch_repeat_interleave(per_image)
+        lengths = torch.tensor([suffix.numel() for suffix in suffixes])
+        # right padding: causal attention keeps real positions independent of the pad tail
+        padded = torch.nn.utils.rnn.pad_sequence(list(suffixes), batch_first=True, padding_value=0)
+        hidden = language(input_ids=padded, cache=cache).last_hidden_state
+        return self.model.lm_head(hidden[torch.arange(len(suffixes)), lengths - 1])
+
+    def first_token_logits(self, input_ids: Tensor, attention_mask: Tensor, features: Sequence[Tensor]) -> Tensor:
+        """(B, V) logits at the last position of left-padded (B, L) prompts, stock Llava forward.
+
+        ``features[b]`` is a (k_b, D) set of projected patch features in grid order that fills
+        row b's k_b image tokens (k_b may be below the grid size: pruning by omission).
+        """
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            # positions count real tokens only, so padding never shifts a prompt's RoPE
+            position_ids=(attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+            mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=list(features))},
+            logits_to_keep=1,
+        ).logits[:, -1]
+
     # ----- positions ------------------------------------------------------------------
     def _full_positions(self, prepared: Prepared) -> Tensor:
         return torch.arange(prepared.input_ids.numel())[None]
@@ -193,4 +270,19 @@ class LlavaModel(VisionLanguageModel):
         }
 
 
-__all__ = ["LlavaModel", "PROMPT_TEMPLATES", "VICUNA_V1_SYSTEM", "SINGLE_WORD_SUFFIX"]
+def load_clip(source: str, model) -> tuple[Any, Any]:
+    """(CLIPModel, tokenizer) on ``model``'s device whose image projection fits its vision tower's width."""
+    from transformers import AutoTokenizer, CLIPModel
+
+    clip = load_part("CLIP text tower", source, lambda: CLIPModel.from_pretrained(source, dtype=model.dtype))
+    width = model.config.vision_config.hidden_size
+    if clip.config.vision_config.hidden_size != width:
+        raise PruneAuditError(
+            f"the CLIP checkpoint {source} has vision width {clip.config.vision_config.hidden_size}, "
+            f"but the LLaVA vision tower has {width}; pass the CLIP model the tower was taken from"
+        )
+    tokenizer = load_part("CLIP tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
+    return clip.to(model.device).eval(), tokenizer
+
+
+__all__ = ["LlavaModel", "load_clip", "PROMPT_TEMPLATES", "VICUNA_V1_SYSTEM", "SINGLE_WORD_SUFFIX"]

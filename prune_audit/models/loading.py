@@ -1,16 +1,38 @@
-"""``load_vlm``: open a LLaVA or Qwen2.5-VL checkpoint behind one interface."""
+"""``load_vlm``: open a checkpoint of any registered family behind one interface."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.models.base import VisionLanguageModel
+
+if TYPE_CHECKING:
+    from prune_audit.models.base import VisionLanguageModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FAMILIES = ("llava", "qwen2_5_vl")
+T = TypeVar("T")
+
+
+# where the checkpoint was read from and how it is stored do not change the model
+_VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "dtype", "torch_dtype", "transformers_version"})
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """16 hex digits of SHA-256 over the sorted config, without path, dtype and library version."""
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in _VOLATILE_CONFIG_KEYS}
+        return value
+
+    text = json.dumps(strip(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -34,7 +56,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
-def _load(what: str, source: str, loader):
+def load_part(what: str, source: str, loader: Callable[[], T]) -> T:
+    """``loader()``, with a missing or unreadable checkpoint part turned into one line naming it."""
     try:
         return loader()
     except (OSError, ValueError) as error:
@@ -53,9 +76,11 @@ def load_vlm(
 ) -> VisionLanguageModel:
     """Load a checkpoint with ``from_pretrained`` (SDPA attention, PIL image processing).
 
+    The config's ``model_type`` picks the family adapter (:mod:`prune_audit.models.families`).
+
     Args:
-        path_or_hub_id: local folder or hub id of a LLaVA (``llava``) or Qwen2.5-VL
-            (``qwen2_5_vl``) checkpoint.
+        path_or_hub_id: local folder or hub id of a checkpoint of a registered family
+            (LLaVA ``llava``, Qwen2.5-VL ``qwen2_5_vl``).
         device: ``"auto"`` (CUDA if available, else CPU) or a torch device string.
         dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU) or float32/bfloat16/float16.
         prompt_template: LLaVA ``"llava_hf"`` (the checkpoint's chat template, default)
@@ -64,66 +89,29 @@ def load_vlm(
         clip_text: a CLIP checkpoint (text tower and projections) for CDPruner's text
             relevance; LLaVA only.
     """
-    from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers import AutoConfig
     from transformers.utils import logging as transformers_logging
+
+    from prune_audit.models.families import adapter_for
 
     # the audit shows its own progress; per-load bars would interleave with it on stderr
     transformers_logging.disable_progress_bar()
 
     source = str(path_or_hub_id)
-    config = _load("model config", source, lambda: AutoConfig.from_pretrained(source))
-    family = config.model_type
-    if family not in FAMILIES:
-        raise PruneAuditError(f"{source} is a {family!r} model; supported families: {', '.join(FAMILIES)}")
+    config = load_part("model config", source, lambda: AutoConfig.from_pretrained(source))
+    adapter = adapter_for(config.model_type, source)
+    # options are checked before the weights are read
+    adapter.resolve_template(prompt_template)
+    adapter.check_clip_text(clip_text)
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
-    if family == "qwen2_5_vl" and clip_text is not None:
-        raise PruneAuditError("clip_text applies to LLaVA's CLIP vision tower; Qwen2.5-VL has no CLIP space")
-    model_class = _model_class(family)
-    model = _load("model", source, lambda: model_class.from_pretrained(
+    model_class = adapter.transformers_class()
+    model = load_part("model", source, lambda: model_class.from_pretrained(
         source, dtype=resolved_dtype, attn_implementation="sdpa"
     ))
     model = model.to(resolved_device).eval()
-    if family == "llava":
-        from prune_audit.models.llava import LlavaModel
-
-        processor = _load("processor", source, lambda: AutoProcessor.from_pretrained(source, backend="pil"))
-        clip = None if clip_text is None else _load_clip(str(clip_text), model, resolved_device)
-        return LlavaModel(model, processor, model_id=source, prompt_template=prompt_template,
-                          system_prompt=system_prompt, clip=clip)
-    from prune_audit.models.qwen import QwenModel
-
-    image_processor = _load(
-        "image processor", source, lambda: AutoImageProcessor.from_pretrained(source, backend="pil")
-    )
-    tokenizer = _load("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
-    return QwenModel(model, image_processor, tokenizer, model_id=source, prompt_template=prompt_template,
-                     system_prompt=system_prompt)
+    return adapter.from_model(model, source, prompt_template=prompt_template, system_prompt=system_prompt,
+                              clip_text=None if clip_text is None else str(clip_text))
 
 
-def _model_class(family: str):
-    if family == "llava":
-        from transformers import LlavaForConditionalGeneration
-
-        return LlavaForConditionalGeneration
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration
-
-
-def _load_clip(source: str, model, device: torch.device):
-    """(CLIPModel, tokenizer) whose image projection fits the LLaVA vision tower's width."""
-    from transformers import AutoTokenizer, CLIPModel
-
-    clip = _load("CLIP text tower", source, lambda: CLIPModel.from_pretrained(source, dtype=model.dtype))
-    width = model.config.vision_config.hidden_size
-    if clip.config.vision_config.hidden_size != width:
-        raise PruneAuditError(
-            f"the CLIP checkpoint {source} has vision width {clip.config.vision_config.hidden_size}, "
-            f"but the LLaVA vision tower has {width}; pass the CLIP model the tower was taken from"
-        )
-    tokenizer = _load("CLIP tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
-    return clip.to(device).eval(), tokenizer
-
-
-__all__ = ["load_vlm", "resolve_device", "resolve_dtype", "DTYPES", "FAMILIES"]
+__all__ = ["load_vlm", "load_part", "resolve_device", "resolve_dtype", "config_hash", "DTYPES"]

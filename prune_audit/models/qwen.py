@@ -19,8 +19,10 @@ import torch
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.models.base import Prepared, VisionLanguageModel, VisionOutput, find_image_span
+from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
+from prune_audit.models.loading import load_part
+from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
 from prune_audit.pruners.base import LayerSelector
 
@@ -34,13 +36,33 @@ class QwenModel(VisionLanguageModel):
     family = "qwen2_5_vl"
     input_signals = frozenset({"features", "demand"})
     missing_signals_reason = "its vision tower has no CLS token and no CLIP text space"
+    display_name = "Qwen2.5-VL"
+    prompt_templates = (PROMPT_TEMPLATE,)
+
+    @classmethod
+    def transformers_class(cls) -> type:
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        return Qwen2_5_VLForConditionalGeneration
+
+    @classmethod
+    def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
+                   clip_text: str | None) -> QwenModel:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        cls.check_clip_text(clip_text)
+        image_processor = load_part(
+            "image processor", source, lambda: AutoImageProcessor.from_pretrained(source, backend="pil")
+        )
+        tokenizer = load_part("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
+        return cls(model, image_processor, tokenizer, model_id=source, prompt_template=prompt_template,
+                   system_prompt=system_prompt)
 
     def __init__(self, model, image_processor, tokenizer, *, model_id: str, prompt_template: str | None = None,
                  system_prompt: str | None = None):
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb
 
-        if (prompt_template or PROMPT_TEMPLATE) != PROMPT_TEMPLATE:
-            raise PruneAuditError(f"unknown Qwen2.5-VL prompt template {prompt_template!r}; use {PROMPT_TEMPLATE!r}")
+        template = self.resolve_template(prompt_template)
         text_config = model.config.text_config
         if any(kind != "full_attention" for kind in text_config.layer_types):
             raise PruneAuditError("Qwen2.5-VL checkpoints with sliding-window decoder layers are not supported")
@@ -54,7 +76,7 @@ class QwenModel(VisionLanguageModel):
             apply_rope=single_tensor_rope(apply_rotary_pos_emb),
             config=text_config,
         )
-        super().__init__(model, tokenizer, stack, model_id=model_id, prompt_template=PROMPT_TEMPLATE,
+        super().__init__(model, tokenizer, stack, model_id=model_id, prompt_template=template,
                          system_prompt=system_prompt)
         self.image_processor = image_processor
 

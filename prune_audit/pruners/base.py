@@ -16,7 +16,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-Stage = Literal["input", "llm"]
+#: where a selector acts: before the language model or inside it
+SelectorLevel = Literal["input", "llm"]
 PositionMode = Literal["keep_original", "compact"]
 
 
@@ -181,7 +182,7 @@ class Selector:
     """
 
     name: ClassVar[str] = ""
-    stage: ClassVar[Stage]
+    stage: ClassVar[SelectorLevel]
     requires: ClassVar[frozenset[str]] = frozenset()
     reference: ClassVar[Reference]
     summary: ClassVar[str] = ""
@@ -201,7 +202,7 @@ class Selector:
 class InputSelector(Selector):
     """A selector that runs before the language model, once per image."""
 
-    stage: ClassVar[Stage] = "input"
+    stage: ClassVar[SelectorLevel] = "input"
 
     def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
         """Choose ``budget`` output tokens out of ``signals.num_tokens``."""
@@ -224,7 +225,7 @@ class InputSelector(Selector):
 class LayerSelector(Selector):
     """A selector that prunes inside the language model at the stages of its schedule."""
 
-    stage: ClassVar[Stage] = "llm"
+    stage: ClassVar[SelectorLevel] = "llm"
     positions: PositionMode = "keep_original"
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
@@ -251,6 +252,7 @@ __all__ = [
     "LayerSignals",
     "Selection",
     "Stage",
+    "SelectorLevel",
     "Reference",
     "Selector",
     "InputSelector",

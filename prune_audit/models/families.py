@@ -1,0 +1,41 @@
+"""Which adapter serves which checkpoint: one registration per config ``model_type``.
+
+Adding a family is one adapter module (a :class:`VisionLanguageModel` subclass with
+``transformers_class`` and ``from_model``) plus one :func:`register_family` line below.
+"""
+
+from __future__ import annotations
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.models.base import VisionLanguageModel
+from prune_audit.models.llava import LlavaModel
+from prune_audit.models.qwen import QwenModel
+
+_ADAPTERS: dict[str, type[VisionLanguageModel]] = {}
+
+
+def register_family(model_type: str, adapter: type[VisionLanguageModel]) -> None:
+    """Serve checkpoints whose config says ``model_type`` with ``adapter``."""
+    if model_type in _ADAPTERS and _ADAPTERS[model_type] is not adapter:
+        raise ValueError(f"model_type {model_type!r} is already served by {_ADAPTERS[model_type].__name__}")
+    _ADAPTERS[model_type] = adapter
+
+
+def family_names() -> list[str]:
+    """The registered ``model_type`` values, in registration order."""
+    return list(_ADAPTERS)
+
+
+def adapter_for(model_type: str, source: str) -> type[VisionLanguageModel]:
+    """The adapter class for a checkpoint's ``model_type``; one-line error when none is registered."""
+    if model_type not in _ADAPTERS:
+        raise PruneAuditError(
+            f"{source} is a {model_type!r} model; supported families: {', '.join(family_names())}"
+        )
+    return _ADAPTERS[model_type]
+
+
+register_family("llava", LlavaModel)
+register_family("qwen2_5_vl", QwenModel)
+
+__all__ = ["register_family", "family_names", "adapter_for"]
