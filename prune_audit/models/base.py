@@ -31,7 +31,7 @@ from prune_audit.models.executor import (
     pack,
 )
 from prune_audit.models.loading import config_hash
-from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput
+from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
 from prune_audit.pruners.base import InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.registry import list_selectors, selector_class
 
@@ -266,7 +266,9 @@ class VisionLanguageModel(ABC):
         per-row provenance, and the input-level selection of each row (None in-LLM)."""
         if not prepared:
             raise PruneAuditError("no questions to answer")
-        self._check_request(prepared, selector, budget, generator, forced_kept, forced_stages)
+        check_request(len(prepared), selector, budget, generator, forced_kept, forced_stages)
+        if selector is not None:
+            self.check_selector(selector)
         input_level = forced_kept is not None or isinstance(selector, InputSelector)
         requires = selector.requires if input_level and selector is not None and forced_kept is None else frozenset()
         with torch.no_grad():
@@ -289,25 +291,6 @@ class VisionLanguageModel(ABC):
                 if isinstance(error, PruneAuditError) or selector is None:
                     raise
                 raise PruneAuditError(f"selector {selector.name!r} failed at budget {budget}: {error}") from None
-
-    def _check_request(self, prepared, selector, budget, generator, forced_kept, forced_stages) -> None:
-        if forced_kept is not None and forced_stages is not None:
-            raise PruneAuditError("give forced_kept (input level) or forced_stages (in-LLM), not both")
-        per_question = [("forced sets", forced_kept), ("forced sets", forced_stages)]
-        if isinstance(generator, (list, tuple)):
-            per_question.append(("generators", generator))
-        for what, given in per_question:
-            if given is not None and len(given) != len(prepared):
-                raise PruneAuditError(f"{len(given)} {what} for {len(prepared)} questions")
-        if forced_kept is not None and isinstance(selector, LayerSelector):
-            raise PruneAuditError(f"forced_kept is input-level but selector {selector.name!r} prunes inside the LLM")
-        if forced_stages is not None and isinstance(selector, InputSelector):
-            raise PruneAuditError(f"forced_stages are in-LLM but selector {selector.name!r} is input-level")
-        if selector is None:
-            return
-        if budget is None and forced_kept is None and forced_stages is None:
-            raise PruneAuditError(f"selector {selector.name!r} needs a budget (number of visual tokens)")
-        self.check_selector(selector)
 
     def _select(self, item, output, selector, budget, generator, requires, forced) -> Selection:
         if forced is not None:

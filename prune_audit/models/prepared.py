@@ -1,4 +1,4 @@
-"""What a family adapter hands the pruned prefill: a processed prompt and its vision-tower output."""
+"""The inputs of a pruned prefill: processed prompts, their vision-tower outputs and the request's forced sets."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.pruners.base import InputSelector, LayerSelector, Selector
 
 #: per question, ``(decoder layer, kept grid indices)`` of forced in-LLM stages
 ForcedStages = Sequence[tuple[int, Sequence[int]]]
@@ -65,4 +66,29 @@ class VisionOutput:
 
 
 
-__all__ = ["Prepared", "VisionOutput", "ForcedStages", "find_image_span"]
+def check_request(
+    num_questions: int,
+    selector: Selector | None,
+    budget: int | None,
+    generator: torch.Generator | Sequence[torch.Generator] | None,
+    forced_kept: Sequence[Sequence[int]] | None,
+    forced_stages: Sequence[ForcedStages] | None,
+) -> None:
+    """One-line PruneAuditError when the options of a prefill request contradict each other or the batch."""
+    if forced_kept is not None and forced_stages is not None:
+        raise PruneAuditError("give forced_kept (input level) or forced_stages (in-LLM), not both")
+    per_question = [("forced sets", forced_kept), ("forced sets", forced_stages)]
+    if isinstance(generator, (list, tuple)):
+        per_question.append(("generators", generator))
+    for what, given in per_question:
+        if given is not None and len(given) != num_questions:
+            raise PruneAuditError(f"{len(given)} {what} for {num_questions} questions")
+    if forced_kept is not None and isinstance(selector, LayerSelector):
+        raise PruneAuditError(f"forced_kept is input-level but selector {selector.name!r} prunes inside the LLM")
+    if forced_stages is not None and isinstance(selector, InputSelector):
+        raise PruneAuditError(f"forced_stages are in-LLM but selector {selector.name!r} is input-level")
+    if selector is not None and budget is None and forced_kept is None and forced_stages is None:
+        raise PruneAuditError(f"selector {selector.name!r} needs a budget (number of visual tokens)")
+
+
+__all__ = ["Prepared", "VisionOutput", "ForcedStages", "find_image_span", "check_request"]

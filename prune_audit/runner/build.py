@@ -18,7 +18,7 @@ from prune_audit.records.schema import Record
 
 if TYPE_CHECKING:
     from prune_audit.data.pope import PopeQuestion
-    from prune_audit.models.base import Answer, Prepared
+    from prune_audit.models import Answer, Prepared
 
 @dataclass(frozen=True)
 class AnsweredQuestion:

@@ -22,7 +22,7 @@ from prune_audit.runner.sharding import Shard, launcher_shard
 if TYPE_CHECKING:
     from prune_audit.data.coco import CocoInstances
     from prune_audit.data.pope import PopeQuestion
-    from prune_audit.models.base import Prepared, VisionLanguageModel
+    from prune_audit.models import Prepared, VisionLanguageModel
     from prune_audit.pruners.base import Selector
 
 SPLITS = ("random", "popular", "adversarial")

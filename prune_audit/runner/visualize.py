@@ -17,7 +17,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.runner.build import last_visible_kept
 
 if TYPE_CHECKING:
-    from prune_audit.models.base import Answer
+    from prune_audit.models import Answer
 
 # COCO's most frequent POPE object; the demo model asks about its own first shape class instead
 DEFAULT_QUESTION = "Is there a person in the image?"

@@ -15,7 +15,7 @@ from prune_audit.runner.intervene.swaps import Swap
 
 if TYPE_CHECKING:
     from prune_audit.data.pope import PopeQuestion
-    from prune_audit.models.base import Answer, Prepared
+    from prune_audit.models import Answer, Prepared
 
 
 def intervention_rows(

@@ -22,7 +22,7 @@ from prune_audit.runner.plan import prepare_question
 
 if TYPE_CHECKING:
     from prune_audit.data.pope import PopeQuestion
-    from prune_audit.models.base import Answer, Prepared, VisionLanguageModel
+    from prune_audit.models import Answer, Prepared, VisionLanguageModel
 
 
 def answer_swaps(
