@@ -118,7 +118,7 @@ class E2SSelector(ScheduledSelector):
     def prune(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
         if 0 < signals.num_alive <= stage.keep:
             self._check_signals(signals)
-            self.score(stage, signals, state)  # fuse this layer's evidence for later stages
+            self.score(stage, self.inputs(signals), state)  # fuse this layer's evidence for later stages
         return super().prune(stage, signals, state)
 
     def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
