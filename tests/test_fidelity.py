@@ -32,8 +32,9 @@ def features_of(seed: int, dim: int) -> torch.Tensor:
 
 
 def official_divprune(features: torch.Tensor, k: int) -> list[int]:
-    """Dense cosine distance; first pick = argmax of each column's second smallest; then argmax of the min over picks."""
-    unit = features.float() / features.float().norm(dim=1, keepdim=True)
+    """Dense cosine distance in the features' dtype; first pick = argmax of each column's second smallest,
+    then argmax of the min over the picks."""
+    unit = features / features.norm(dim=1, keepdim=True)
     distance = 1.0 - unit @ unit.T
     picks: list[int] = []
     for step in range(k):
@@ -66,10 +67,10 @@ def official_cdpruner(features: torch.Tensor, raw: torch.Tensor, k: int) -> list
     return sorted(picks)
 
 
-def agreement(name: str, **options) -> int:
+def agreement(name: str, dtype: torch.dtype = torch.float32, **options) -> int:
     identical = 0
     for seed, budget, dim in CASES:
-        features = features_of(seed, dim)
+        features = features_of(seed, dim).to(dtype)
         if name == "divprune":
             expected = official_divprune(features, budget)
             signals = InputSignals(grid=(24, 24), features=features)
@@ -85,6 +86,12 @@ def agreement(name: str, **options) -> int:
 @pytest.mark.parametrize("name", ["divprune", "cdpruner"])
 def test_plain_argmax_reproduces_the_official_greedy(name):
     assert agreement(name) == len(CASES) == FIDELITY[name].agreement_cases
+
+
+def test_divprune_model_dtype_reproduces_the_official_half_precision_picks():
+    """fp16 distances tie often; score_dtype=model computes them as the reference does, float32 does not."""
+    assert agreement("divprune", torch.float16, score_dtype="model") == len(CASES)
+    assert agreement("divprune", torch.float16) < len(CASES)
 
 
 @pytest.mark.parametrize("name", ["divprune", "cdpruner"])

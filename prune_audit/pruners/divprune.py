@@ -48,8 +48,8 @@ class DivPruneSelector(InputSelector):
     score_dtype: str = option("float32", Choice(("float32", "model")), "float32, or the features' dtype as the reference")
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
-        unit = unit_rows(signals.features)
-        if self.score_dtype == "model":
-            unit = unit.to(signals.features.dtype)
+        features = signals.features.detach()
+        # model dtype: normalised and compared in the features' own dtype, as the reference
+        unit = features / features.norm(dim=1, keepdim=True) if self.score_dtype == "model" else unit_rows(features)
         order = farthest_point_order(unit, budget, tie_tolerance(self.ties))
         return Selection(kept=torch.sort(order).values)

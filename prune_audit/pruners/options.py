@@ -143,13 +143,19 @@ def option(default: Any, domain: Domain, doc: str = "") -> Any:
     return dataclasses.field(default=default, metadata={"domain": domain, "doc": doc})
 
 
-def option_domains(cls: type) -> dict[str, Domain]:
-    """Every option of a selector class with its declared domain (TypeError for an undeclared one)."""
+def option_domains(cls: type, strict: bool = True) -> dict[str, Domain]:
+    """Every option of a selector class with its declared domain.
+
+    ``strict``: an option without a domain is a TypeError (registered selectors);
+    otherwise it is skipped (ad-hoc selectors built in tests or notebooks).
+    """
     domains = {}
     for field in dataclasses.fields(cls):
         if not field.init:
             continue
         domain = field.metadata.get("domain")
+        if domain is None and not strict:
+            continue
         if domain is None:
             raise TypeError(f"option {field.name!r} of {cls.__name__} declares no domain; make it with option()")
         domains[field.name] = domain
@@ -173,7 +179,7 @@ def refusal(selector: str, name: str, value: Any, domain: Domain) -> ValueError:
 
 def check_options(selector: Any) -> None:
     """Raise the one-line ValueError for the first option of ``selector`` outside its domain."""
-    for name, domain in option_domains(type(selector)).items():
+    for name, domain in option_domains(type(selector), strict=False).items():
         value = getattr(selector, name)
         if not domain.allows(value):
             raise refusal(type(selector).name, name, value, domain)

@@ -91,9 +91,9 @@ def nearest_neighbour_similarity(unit: Tensor) -> Tensor:
     """(N,) the highest cosine similarity of each row to any *other* row.
 
     Args:
-        unit: (N, D) float32 unit rows, N >= 2.
+        unit: (N, D) unit rows, N >= 2; the result has their dtype.
     """
-    best = torch.empty(unit.shape[0], dtype=torch.float32)
+    best = torch.empty(unit.shape[0], dtype=unit.dtype)
     for rows, block in similarity_blocks(unit):
         own = torch.arange(rows.start, rows.stop)
         block[own - rows.start, own] = float("-inf")
@@ -111,7 +111,7 @@ def farthest_point_order(unit: Tensor, k: int, tolerance: float = 0.0) -> Tensor
     follow in index order.
 
     Args:
-        unit: (N, D) float32 unit rows, N >= 2.
+        unit: (N, D) unit rows, N >= 2; distances are computed in their dtype.
         k: number of picks, ``1 <= k <= N``.
         tolerance: relative tie tolerance of :func:`first_near_max` (0: plain argmax).
 
@@ -120,7 +120,7 @@ def farthest_point_order(unit: Tensor, k: int, tolerance: float = 0.0) -> Tensor
     """
     isolation = 1.0 - nearest_neighbour_similarity(unit)
     picks = [first_near_max(isolation, tolerance)]
-    distance_to_picked = torch.full((unit.shape[0],), float("inf"))
+    distance_to_picked = torch.full((unit.shape[0],), float("inf"), dtype=unit.dtype)
     for _ in range(k - 1):
         distance_to_picked = torch.minimum(distance_to_picked, 1.0 - unit @ unit[picks[-1]])
         distance_to_picked[picks[-1]] = float("-inf")
