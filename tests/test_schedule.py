@@ -132,11 +132,12 @@ def test_unknown_budget_rule_is_rejected(name):
 
 PAPER_TABLES = {
     # selector: {budget: [(layer, keep), ...]} on LLaVA-1.5-7B (selectors spec sections 2, 7, 8, 10.2, 10.3)
+    # SparseVLM prunes the outputs of layers 2, 6, 15 (signal_layer="previous"): stages at the inputs of 3, 7, 16
     "sparsevlm": {
-        192: [(2, 300), (6, 200), (15, 110)],
-        128: [(2, 303), (6, 110), (15, 36)],
-        96: [(2, 238), (6, 48), (15, 26)],
-        64: [(2, 66), (6, 30), (15, 17)],
+        192: [(3, 300), (7, 200), (16, 110)],
+        128: [(3, 303), (7, 110), (16, 36)],
+        96: [(3, 238), (7, 48), (16, 26)],
+        64: [(3, 66), (7, 30), (16, 17)],
     },
     "pdrop": {
         192: [(2, 300), (6, 200), (16, 110)],
@@ -165,6 +166,44 @@ def test_pdrop_paper_schedule_realises_the_published_averages():
         for budget in (192, 128, 64)
     }
     assert realised == pytest.approx({192: 191.0, 128: 126.25, 64: 62.125})
+
+
+def test_sparsevlm_paper_schedule_realises_the_reference_averages():
+    """Issue 14 item 3: with the official layer semantics the paper counts average 202.75 / 140.81 / 79.19."""
+    realised = {
+        budget: average_visual_tokens(get_selector("sparsevlm", budget_rule="paper").schedule(32, 576, budget), 32, 576)
+        for budget in (192, 128, 64)
+    }
+    assert realised == pytest.approx({192: 202.75, 128: 140.8125, 64: 79.1875})
+    current = get_selector("sparsevlm", budget_rule="paper", signal_layer="current").schedule(32, 576, 192)
+    assert counts(current) == [(2, 300), (6, 200), (15, 110)]
+
+
+@pytest.mark.parametrize(
+    "name, layers, average",
+    [("pdrop", [(8, 288), (16, 144), (24, 72)], 270.0), ("v2drop", [(3, 288), (17, 144), (22, 1)], 202.8125)],
+)
+def test_official_rule_gives_the_code_default_and_refuses_other_budgets(name, layers, average):
+    selector = get_selector(name, budget_rule="official")
+    stages = selector.schedule(32, 576, round(average))
+    assert counts(stages) == layers
+    assert average_visual_tokens(stages, 32, 576) == average
+    with pytest.raises(ValueError, match=f"realises an average of {average:.2f} visual tokens .* not 128; use budget {round(average)}"):
+        selector.schedule(32, 576, 128)
+    assert [s.keep for s in selector.schedule(32, 576, 576)] == [576] * len(layers)
+
+
+@pytest.mark.parametrize("name", ["fastv", "sparsevlm", "dart", "e2s"])
+def test_official_rule_is_refused_where_the_selector_has_none(name):
+    with pytest.raises(ValueError, match="budget_rule=official of selector .* must be one of average, paper$"):
+        get_selector(name, budget_rule="official")
+
+
+def test_e2s_presets_name_the_paper_schedules():
+    preset = get_selector("e2s", budget_rule="paper", schedule_preset="table3_132_40_32").schedule(32, 576, 128)
+    assert counts(preset) == [(3, 132), (17, 40), (22, 32)]
+    assert average_visual_tokens(preset, 32, 576) == 128
+    assert counts(get_selector("e2s", budget_rule="paper").schedule(32, 576, 128)) == [(3, 122), (17, 48), (22, 42)]
 
 
 @pytest.mark.parametrize("name", ["sparsevlm", "pdrop", "v2drop", "e2s"])

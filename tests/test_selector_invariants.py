@@ -51,6 +51,8 @@ LAYER_SHAPES = {
     "text_key_norms": (("T",), "weight"),
     "embeddings": (("n", "D"), "normal"),
     "text_embeddings": (("T", "D"), "normal"),
+    "sequence_index": (("n",), "visual_index"),
+    "text_sequence_index": (("T",), "text_index"),
 }
 VARIANTS = ["random", "constant", "zeros", "ties"]
 
@@ -60,6 +62,8 @@ LLM_SELECTORS = [name for name in list_selectors() if selector_class(name).stage
 
 def make_tensor(shape: tuple[int, ...], kind: str, variant: str, generator: torch.Generator) -> torch.Tensor:
     """One signal tensor; degenerate variants are all-equal, all-zero or full of exact ties."""
+    if kind.endswith("_index"):  # prompt indices: the image at 5.., the text after it
+        return torch.arange(shape[0]) + (5 if kind == "visual_index" else 5 + N)
     if variant == "constant":
         return torch.full(shape, 1.0 / shape[-1] if kind == "prob" else 1.0)
     if variant == "zeros":

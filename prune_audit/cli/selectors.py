@@ -12,12 +12,19 @@ from prune_audit.cli.common import handle_errors
 @handle_errors
 def selectors(
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    fidelity: Annotated[
+        bool, typer.Option("--fidelity", help="Print each selector's fidelity to its official code (docs/fidelity.md).")
+    ] = False,
 ) -> None:
     """List every registered selector: stage, required signals, default options and reference."""
     import json
 
     from prune_audit.pruners import list_selectors, selector_class
     from prune_audit.pruners.base import option_defaults
+
+    if fidelity:
+        _print_fidelity(json_output)
+        return
 
     rows = []
     for name in list_selectors():
@@ -47,3 +54,12 @@ def selectors(
         reference = f"{row['paper']}\n{row['repository']}"
         table.add_row(row["name"], row["stage"], ", ".join(row["requires"]) or "-", options, reference)
     Console().print(table)
+
+
+def _print_fidelity(json_output: bool) -> None:
+    """The fidelity table: the text of docs/fidelity.md, or its rows as JSON."""
+    import json
+
+    from prune_audit.pruners.fidelity import fidelity_markdown, fidelity_rows
+
+    print(json.dumps(fidelity_rows(), indent=2) if json_output else fidelity_markdown(), end="" if not json_output else "\n")

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.models.layer_signals import ATTENTION_SIGNALS, layer_signals
 from prune_audit.models.probe import DecoderProbe, RopeFn
 from prune_audit.pruners.base import LayerSelector, LayerSignals, Stage
 
@@ -27,8 +28,6 @@ TEXT_BEFORE = -1  # text before the image span (system prompt, "USER:")
 TEXT_AFTER = -2  # question and template suffix after the image span
 PAD = -3
 MERGED = -4  # a visual token without a single grid location (VisionZip CLS / contextual)
-
-ATTENTION_SIGNALS = frozenset({"text_logits", "text_probs"})
 
 
 @dataclass
@@ -68,13 +67,17 @@ class TokenRow:
 
 @dataclass
 class Batch:
-    """Left-padded rows: hidden (B, L, D), valid/kinds (B, L), positions (P, B, L)."""
+    """Left-padded rows: hidden (B, L, D), valid/kinds (B, L), positions (P, B, L).
+
+    ``origin`` (B, L) is each token's index in its unpruned prompt (-1 for padding).
+    """
 
     hidden: Tensor
     valid: Tensor
     kinds: Tensor
     positions: Tensor
     embeddings: Tensor | None = None  # (B, L, D) carried only when a selector reads them
+    origin: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -97,13 +100,15 @@ def pack(rows: Sequence[TokenRow], carry_embeddings: bool = False) -> Batch:
     valid = torch.zeros(size, length, dtype=torch.bool, device=first.kinds.device)
     kinds = torch.full((size, length), PAD, dtype=torch.long, device=first.kinds.device)
     positions = torch.zeros(planes, size, length, dtype=torch.long, device=first.kinds.device)
+    origin = torch.full((size, length), -1, dtype=torch.long, device=first.kinds.device)
     for b, row in enumerate(rows):
         n = row.kinds.numel()
         embeddings[b, length - n :] = row.embeddings
         valid[b, length - n :] = True
         kinds[b, length - n :] = row.kinds
         positions[:, b, length - n :] = row.positions
-    return Batch(embeddings, valid, kinds, positions, embeddings if carry_embeddings else None)
+        origin[b, length - n :] = torch.arange(n, device=origin.device)
+    return Batch(embeddings, valid, kinds, positions, embeddings if carry_embeddings else None, origin)
 
 
 def gather_rows(batch: Batch, keep: Sequence[Tensor]) -> Batch:
@@ -130,6 +135,7 @@ def gather_rows(batch: Batch, keep: Sequence[Tensor]) -> Batch:
         kinds=take(batch.kinds, PAD, 1),
         positions=take(batch.positions, 0, 2),
         embeddings=take(batch.embeddings, 0, 1),
+        origin=take(batch.origin, -1, 1),
     )
 
 
@@ -171,6 +177,11 @@ class LayerPlan:
     @property
     def requires(self) -> frozenset[str]:
         return self.selector.requires if self.selector is not None and self.forced is None else frozenset()
+
+    @property
+    def signal_layer(self) -> str:
+        """``"previous"`` when the selector scores a stage at layer l with layer l-1's attention and keys."""
+        return self.selector.signal_layer if self.selector is not None else "current"
 
 
 @dataclass
@@ -326,7 +337,8 @@ class LanguageLoop:
                 )
             survivors = torch.nonzero(torch.isin(alive, wanted)).flatten()
         else:
-            signals = self._signals(batch, previous, row, columns, layer, plan.grids[row], plan.requires)
+            text = torch.nonzero(kinds == TEXT_AFTER).flatten()
+            signals = layer_signals(self.stack, batch, previous, row, columns, layer, plan, visual, text)
             survivors = plan.selector.prune(stage, signals, plan.states[row]).to(alive.device)
         kept_stages[row].append(alive[survivors].tolist())
         keep = torch.ones(columns.numel(), dtype=torch.bool, device=columns.device)
@@ -334,64 +346,8 @@ class LanguageLoop:
         keep[visual[survivors]] = True
         return columns[keep]
 
-    def _signals(
-        self,
-        batch: Batch,
-        previous: Tensor | None,
-        row: int,
-        columns: Tensor,
-        layer: int,
-        grid: tuple[int, int],
-        requires: frozenset[str],
-    ) -> LayerSignals:
-        """LayerSignals at the input of ``layer`` for one row; only the fields in ``requires``."""
-        kinds = batch.kinds[row, columns]
-        visual = torch.nonzero(kinds >= 0).flatten()
-        text = torch.nonzero(kinds == TEXT_AFTER).flatten()
-        hidden = batch.hidden[row, columns]
-        signals = LayerSignals(alive=kinds[visual].cpu(), grid=grid, layer=layer, num_layers=self.num_layers)
-
-        def f32(tensor: Tensor) -> Tensor:
-            return tensor.detach().float().cpu()
-
-        if requires & (ATTENTION_SIGNALS | {"key_norms", "text_key_norms"}):
-            cos, sin = self.stack.rotary(hidden[None], batch.positions[:, row : row + 1, columns])
-            probe = self.stack.probe(layer)
-            if requires & ATTENTION_SIGNALS:
-                logits, probs = probe.probabilities(hidden, text, cos[0], sin[0])
-                signals.text_logits = f32(logits[:, :, visual])
-                signals.text_probs = f32(probs[:, :, visual])
-            if requires & {"key_norms", "text_key_norms"}:
-                norms = probe.keys(hidden, cos[0], sin[0]).float().abs().sum(dim=(0, 2))
-                signals.key_norms, signals.text_key_norms = f32(norms[visual]), f32(norms[text])
-        if requires & {"hidden_states", "text_hidden_states"}:
-            signals.hidden_states, signals.text_hidden_states = f32(hidden[visual]), f32(hidden[text])
-        if requires & {"normed_hidden_states", "text_normed_hidden_states"}:
-            normed = self.stack.norm(hidden)
-            signals.normed_hidden_states, signals.text_normed_hidden_states = f32(normed[visual]), f32(normed[text])
-        if "previous_hidden_states" in requires:
-            if previous is None:
-                raise PruneAuditError(f"layer {layer} has no previous layer; prune at layer 1 or later")
-            signals.previous_hidden_states = f32(previous[row, columns][visual])
-        if requires & {"embeddings", "text_embeddings"}:
-            embeddings = batch.embeddings[row, columns]
-            signals.embeddings, signals.text_embeddings = f32(embeddings[visual]), f32(embeddings[text])
-        return signals
-
 
 __all__ = [
-    "TEXT_BEFORE",
-    "TEXT_AFTER",
-    "PAD",
-    "MERGED",
-    "DecoderStack",
-    "TokenRow",
-    "Batch",
-    "pack",
-    "gather_rows",
-    "attention_mask",
-    "LayerPlan",
-    "Prefill",
-    "DecodeState",
-    "LanguageLoop",
-]
+    "ATTENTION_SIGNALS", "TEXT_BEFORE", "TEXT_AFTER", "PAD", "MERGED", "DecoderStack", "TokenRow", "Batch", "pack", "gather_rows",
+    "attention_mask", "LayerPlan", "Prefill", "DecodeState", "LanguageLoop",
+]  # fmt: skip

@@ -16,6 +16,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.options import check_options
+
 #: where a selector acts: before the language model or inside it
 SelectorLevel = Literal["input", "llm"]
 PositionMode = Literal["keep_original", "compact"]
@@ -64,7 +66,10 @@ class InputSignals:
 class LayerSignals:
     """Signals at the input of one decoder layer, for the visual tokens still alive.
 
-    ``n`` alive visual tokens, ``T`` text tokens after the image span (the question
+    Attention and key signals (``text_logits``, ``text_probs``, ``key_norms``,
+    ``text_key_norms``) come from layer ``layer`` itself, or from layer ``layer - 1``
+    on its own input when the selector's ``signal_layer`` is ``"previous"`` (what that
+    layer computed: the token set is the same). ``n`` alive visual tokens, ``T`` text tokens after the image span (the question
     and the chat-template suffix; the last one is the last prompt position), ``H``
     query heads.
 
@@ -86,6 +91,9 @@ class LayerSignals:
         text_key_norms: (T,) the same for the text tokens.
         embeddings: (n, D) LLM input embeddings of the alive visual tokens.
         text_embeddings: (T, D) LLM input embeddings of the text tokens.
+        sequence_index: (n,) index of each alive visual token in the unpruned prompt.
+        text_sequence_index: (T,) the same for the text tokens.
+        model_dtype: the dtype the model computes in (None: float32).
     """
 
     alive: Tensor
@@ -103,10 +111,24 @@ class LayerSignals:
     text_key_norms: Tensor | None = None
     embeddings: Tensor | None = None
     text_embeddings: Tensor | None = None
+    sequence_index: Tensor | None = None
+    text_sequence_index: Tensor | None = None
+    model_dtype: torch.dtype | None = None
 
     @property
     def num_alive(self) -> int:
         return int(self.alive.numel())
+
+    def rounded(self) -> LayerSignals:
+        """A copy whose float signals are rounded to ``model_dtype`` (kept as float32 tensors)."""
+        if self.model_dtype is None:
+            return self
+        rounded = {
+            f.name: value.to(self.model_dtype).float()
+            for f in dataclasses.fields(self)
+            if isinstance(value := getattr(self, f.name), Tensor) and value.is_floating_point()
+        }
+        return dataclasses.replace(self, **rounded)
 
 
 @dataclass
@@ -177,8 +199,9 @@ def as_float32(tensor: Tensor) -> Tensor:
 class Selector:
     """Common metadata and signal checking for every selector.
 
-    Subclasses are dataclasses whose fields are their options, and set the class
-    attributes below. Register them with :func:`prune_audit.pruners.registry.register`.
+    Subclasses are dataclasses whose fields are their options, each made with
+    :func:`~prune_audit.pruners.options.option` (type and domain declared once,
+    checked on construction), and set the class attributes below. Register them with :func:`prune_audit.pruners.registry.register`.
     """
 
     name: ClassVar[str] = ""
@@ -186,6 +209,9 @@ class Selector:
     requires: ClassVar[frozenset[str]] = frozenset()
     reference: ClassVar[Reference]
     summary: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
@@ -227,6 +253,8 @@ class LayerSelector(Selector):
 
     stage: ClassVar[SelectorLevel] = "llm"
     positions: PositionMode = "keep_original"
+    signal_layer: str = "current"  # "previous": attention/keys of layer l-1 score a stage at layer l
+    score_dtype: str = "float32"  # "model": inputs and scores rounded to the model dtype
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""
@@ -240,7 +268,17 @@ class LayerSelector(Selector):
             return torch.arange(n, dtype=torch.long)
         if stage.keep <= 0:
             return torch.zeros(0, dtype=torch.long)
-        return top_k_indices(self.score(stage, signals, state), stage.keep)
+        return top_k_indices(self.model_precision(self.score(stage, self.inputs(signals), state), signals), stage.keep)
+
+    def inputs(self, signals: LayerSignals) -> LayerSignals:
+        """The signals as the scores see them: rounded to the model dtype under ``score_dtype="model"``."""
+        return signals.rounded() if self.score_dtype == "model" else signals
+
+    def model_precision(self, scores: Tensor, signals: LayerSignals) -> Tensor:
+        """``scores`` rounded to the model dtype under ``score_dtype="model"`` (ties then go to the lower index)."""
+        if self.score_dtype == "model" and signals.model_dtype is not None:
+            return scores.to(signals.model_dtype).float()
+        return scores
 
     def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
         """(n,) float32 importance of the alive tokens; higher survives."""

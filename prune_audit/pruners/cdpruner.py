@@ -11,19 +11,20 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32
+from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.similarity import first_near_max, unit_rows
+from prune_audit.pruners.similarity import TIES, first_near_max, tie_tolerance, unit_rows
 
 # a conditional gain below this fraction of the largest diagonal entry is treated as 0:
 # float32 cancellation in ``gain - e**2`` leaves noise of about that size
 _EXHAUSTED = 1e-6
 
 
-def greedy_dpp_map(kernel_row: Callable[[int], Tensor], diagonal: Tensor, k: int) -> Tensor:
+def greedy_dpp_map(kernel_row: Callable[[int], Tensor], diagonal: Tensor, k: int, tolerance: float = 0.0) -> Tensor:
     """Fast greedy MAP inference for a DPP (Chen, Zhang & Zhou, NeurIPS 2018).
 
     Each step picks ``argmax_i log det L[S + i]``, i.e. the largest conditional gain
-    ``d2_i = L_ii - |c_i|^2`` (near-ties to the lower index, see ``similarity``),
+    ``d2_i = L_ii - |c_i|^2`` (plain argmax, or near-ties within ``tolerance`` to the lower index),
     kept with incremental Cholesky vectors: ``e = (L[j] - C[:, j] @ C) / sqrt(d2_j)``,
     ``d2 -= e**2``. Unlike Chen et al. it does not stop early. Gains below
     ``1e-6 * max(diag L)`` count as 0, so the square root never sees a negative
@@ -34,6 +35,7 @@ def greedy_dpp_map(kernel_row: Callable[[int], Tensor], diagonal: Tensor, k: int
         kernel_row: ``j -> L[j]``, (N,) float32, of a PSD kernel L.
         diagonal: (N,) float32 ``diag(L)``.
         k: number of picks, ``1 <= k <= N``.
+        tolerance: relative tie tolerance (0: plain argmax, the reference).
 
     Returns:
         (k,) indices in pick order.
@@ -45,7 +47,7 @@ def greedy_dpp_map(kernel_row: Callable[[int], Tensor], diagonal: Tensor, k: int
     vectors = torch.zeros(k, n, dtype=torch.float32)
     picks: list[int] = []
     for step in range(k):
-        best = first_near_max(gains.masked_fill(picked, float("-inf")))
+        best = first_near_max(gains.masked_fill(picked, float("-inf")), tolerance)
         picks.append(best)
         picked[best] = True
         if gains[best] > floor:
@@ -74,6 +76,8 @@ class CDPrunerSelector(InputSelector):
 
     Options:
         theta: None (reference) or a value in (0, 1) for the exponential relevance.
+        ties: ``"argmax"`` (reference: plain float32 argmax) or ``"tolerance"`` (gains
+            within a relative 1e-5 of the best are tied, the lower index wins).
     """
 
     name: ClassVar[str] = "cdpruner"
@@ -86,11 +90,10 @@ class CDPrunerSelector(InputSelector):
         "linear min-max relevance (theta off); greedy MAP without early stop",
     )
 
-    theta: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.theta is not None and not 0.0 < self.theta < 1.0:
-            raise ValueError(f"theta must be None or in (0, 1), got {self.theta!r}")
+    theta: float | None = option(
+        None, Real(low=0.0, high=1.0, open_low=True, open_high=True, optional=True), "exponential relevance (off)"
+    )
+    ties: str = option("argmax", Choice(TIES), "argmax (official) or tolerance (relative 1e-5, lower index)")
 
     def relevance(self, text_relevance: Tensor) -> Tensor:
         """(N,) float32 normalised relevance from the raw (N,) ``text_relevance``."""
@@ -108,5 +111,5 @@ class CDPrunerSelector(InputSelector):
         def kernel_row(j: int) -> Tensor:
             return relevance[j] * relevance * (unit @ unit[j])
 
-        order = greedy_dpp_map(kernel_row, diagonal, budget)
+        order = greedy_dpp_map(kernel_row, diagonal, budget, tie_tolerance(self.ties))
         return Selection(kept=torch.sort(order).values)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import InputSelector, InputSignals, Reference, as_float32
+from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
 
 
@@ -38,11 +39,7 @@ class ClsAttentionSelector(InputSelector):
         "CLIP layer 22 (attentions[-2]) CLS row, head mean",
     )
 
-    head_aggregation: Literal["mean", "sum"] = "mean"
-
-    def __post_init__(self) -> None:
-        if self.head_aggregation not in ("mean", "sum"):
-            raise ValueError(f"head_aggregation must be 'mean' or 'sum', got {self.head_aggregation!r}")
+    head_aggregation: str = option("mean", Choice(("mean", "sum")), "head mean (reference) or sum; same ranking")
 
     def score(self, signals: InputSignals, generator: torch.Generator | None) -> Tensor:
         """(N,) aggregated CLS attention from ``cls_attention`` (H, N)."""

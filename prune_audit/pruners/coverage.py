@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32
+from prune_audit.pruners.options import Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.similarity import facility_location_greedy, unit_rows
 
@@ -49,11 +50,7 @@ class CoverageSelector(InputSelector):
         "unofficial re-implementation from the abstract; demand from a first-layer text-to-visual probe",
     )
 
-    tau: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.tau > 0:
-            raise ValueError(f"tau must be > 0, got {self.tau!r}")
+    tau: float = option(1.0, Real(low=0.0, open_low=True), "demand temperature")
 
     def demand_weights(self, demand: Tensor) -> Tensor:
         """(N,) float32 weights with mean 1 from the (N,) non-negative ``demand``."""

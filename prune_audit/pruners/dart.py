@@ -10,11 +10,28 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from prune_audit.pruners.base import LayerSignals, Reference, Stage, top_k_indices
+from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.schedule import SingleStageSelector
+from prune_audit.pruners.schedule import SIGNAL_LAYERS, SingleStageSelector
 
 VISUAL_PIVOTS = 4
 TEXT_PIVOTS = 4
+
+
+def ranked_top_k(scores: Tensor, k: int) -> Tensor:
+    """(k,) indices of the ``k`` largest scores in descending score order (``torch.topk``'s order), ties to the lower index."""
+    return torch.sort(-scores.detach().float(), stable=True).indices[:k]
+
+
+def set_iteration_order(image_indices: list[int], query_indices: list[int]) -> list[int]:
+    """Positions into ``image_indices + query_indices`` in the order ``list(set(image_indices + query_indices))`` visits them.
+
+    The reference builds this set of prompt indices; a Python set of ints iterates in
+    an order fixed by the ints and their insertion order, so building the same set
+    reproduces it exactly.
+    """
+    indices = image_indices + query_indices
+    return [indices.index(value) for value in set(indices)]
 
 
 def picks_per_pivot(picks: int, num_pivots: int) -> list[int]:
@@ -34,7 +51,11 @@ class DARTSelector(SingleStageSelector):
     1. Pivots: the 4 alive visual tokens and the 4 text tokens (after the image) with
        the largest L1 norm of their post-RoPE keys (``key_norms``, ``text_key_norms``).
     2. Pivots are visited in ascending sequence order (visual pivots, then text
-       pivots); the reference iterates a Python set, so its order is hash order.
+       pivots; ``pivot_order="sequence"``, default). The reference iterates
+       ``list(set(image_indices + query_indices))`` over the pivots' prompt indices
+       (hash order, which depends on where the image sits in the prompt);
+       ``pivot_order="set"`` builds that same Python set from the tokens' indices in
+       the unpruned prompt and visits the pivots in its iteration order.
     3. For each pivot, the candidates (alive visual tokens that are not pivots and not
        yet picked) with the **lowest** cosine similarity of ``normed_hidden_states``
        (the model's final norm on the layer input) to the pivot are picked.
@@ -48,8 +69,12 @@ class DARTSelector(SingleStageSelector):
     more when it does not divide (in paper mode it always divides). With ``keep <= 4``
     the top-``keep`` visual pivots are kept.
 
-    Deviations: ``key_norms`` are those the executor provides at the stage (the
-    reference uses layer K-1's keys); fp32, ties to the lower index.
+    ``signal_layer="previous"`` (default, reference): the key norms are those of layer
+    K-1's post-RoPE keys (the reference's ``K_states`` of the layer before the cut);
+    ``"current"``: layer K's keys on its input. ``normed_hidden_states`` are the final
+    norm of layer K's input (= layer K-1's output, as the reference) either way.
+
+    Deviations: ties to the lower index (``torch.topk`` leaves them unspecified).
     """
 
     name: ClassVar[str] = "dart"
@@ -63,6 +88,9 @@ class DARTSelector(SingleStageSelector):
         "code read from the vendored copy in Chenfei-Liao/VTC-Bench external/DART",
     )
 
+    signal_layer: str = option("previous", Choice(SIGNAL_LAYERS), "keys of layer K-1 (reference) or layer K")
+    pivot_order: str = option("sequence", Choice(("sequence", "set")), "pivot visiting order; set = official")
+
     def paper_keep(self, budget: int) -> int:
         return VISUAL_PIVOTS + (VISUAL_PIVOTS + TEXT_PIVOTS) * (budget // 8)
 
@@ -70,20 +98,36 @@ class DARTSelector(SingleStageSelector):
         if not 0 < stage.keep < signals.num_alive:
             return super().prune(stage, signals, state)  # nothing or everything: the base handles it
         self._check_signals(signals)
-        visual_pivots = top_k_indices(signals.key_norms, min(VISUAL_PIVOTS, stage.keep))
+        signals = self.inputs(signals)
+        visual_pivots = ranked_top_k(signals.key_norms, min(VISUAL_PIVOTS, stage.keep))
         if visual_pivots.numel() == stage.keep:
-            return visual_pivots
-        text_pivots = top_k_indices(signals.text_key_norms, TEXT_PIVOTS)
+            return torch.sort(visual_pivots).values
+        text_pivots = ranked_top_k(signals.text_key_norms, TEXT_PIVOTS)
         hidden = F.normalize(signals.normed_hidden_states.detach().float(), dim=-1)
         text_hidden = F.normalize(signals.text_normed_hidden_states.detach().float(), dim=-1)
-        pivot_hidden = torch.cat([hidden[visual_pivots], text_hidden[text_pivots]])  # (P, D), sequence order
+        pivot_hidden = torch.cat([hidden[visual_pivots], text_hidden[text_pivots]])  # (P, D), rank order
+        pivot_hidden = pivot_hidden[self.visiting_order(signals, visual_pivots, text_pivots)]
         candidate = torch.ones(signals.num_alive, dtype=torch.bool)
         candidate[visual_pivots] = False
         kept = [visual_pivots]
         shares = picks_per_pivot(stage.keep - visual_pivots.numel(), pivot_hidden.shape[0])
         for pivot, share in zip(pivot_hidden, shares):
-            dissimilarity = (-(hidden @ pivot)).masked_fill(~candidate, float("-inf"))
+            dissimilarity = self.model_precision(-(hidden @ pivot), signals).masked_fill(~candidate, float("-inf"))
             picks = top_k_indices(dissimilarity, share)
             candidate[picks] = False
             kept.append(picks)
         return torch.sort(torch.cat(kept)).values
+
+    def visiting_order(self, signals: LayerSignals, visual_pivots: Tensor, text_pivots: Tensor) -> Tensor:
+        """(P,) positions into ``visual_pivots + text_pivots`` (each in rank order) in the order pivots are visited."""
+        if self.pivot_order == "set":
+            if signals.sequence_index is None or signals.text_sequence_index is None:
+                raise ValueError("dart pivot_order='set' needs the tokens' prompt indices, which the model did not provide")
+            order = set_iteration_order(
+                signals.sequence_index[visual_pivots].tolist(), signals.text_sequence_index[text_pivots].tolist()
+            )
+            return torch.tensor(order, dtype=torch.long)
+        # ascending sequence order: visual pivots by grid index, then text pivots by position
+        visual = torch.argsort(visual_pivots)
+        text = torch.argsort(text_pivots) + visual_pivots.numel()
+        return torch.cat([visual, text])

@@ -9,7 +9,8 @@ import torch
 
 from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.similarity import farthest_point_order, unit_rows
+from prune_audit.pruners.options import Choice, option
+from prune_audit.pruners.similarity import TIES, farthest_point_order, tie_tolerance, unit_rows
 
 
 @register
@@ -22,10 +23,16 @@ class DivPruneSelector(InputSelector):
     token), each further pick the token farthest from its nearest picked token
     (farthest-point traversal); the picks are returned in raster order. Follows
     vbdi/divprune ``llava_arch.py::DivPrune`` with the integer budget in place of
-    ``round(SUBSET_RATIO * N)``. Deviations: distances in float32 (the reference uses
-    the model dtype, whose rounding creates ties), a running minimum instead of
-    re-gathering picked rows, no N x N matrix (see ``similarity``), and picked tokens
-    are never picked again (the reference can re-pick once all distances are 0).
+    ``round(SUBSET_RATIO * N)``.
+
+    Picks take the plain float32 argmax (``ties="argmax"``, reference); ``ties="tolerance"``
+    treats distances within a relative 1e-5 of the best as tied, the lower index winning.
+    ``score_dtype="model"``: unit rows and distances in the features' dtype (the
+    reference computes in the model dtype, fp16 in practice, whose rounding creates ties).
+
+    Deviations: a running minimum instead of re-gathering picked rows, no N x N matrix
+    (see ``similarity``), and picked tokens are never picked again (the reference can
+    re-pick once all distances are 0).
     """
 
     name: ClassVar[str] = "divprune"
@@ -37,6 +44,12 @@ class DivPruneSelector(InputSelector):
         "LLM input embeddings of the image span, cosine distance, most isolated token first",
     )
 
+    ties: str = option("argmax", Choice(TIES), "argmax (official) or tolerance (relative 1e-5, lower index)")
+    score_dtype: str = option("float32", Choice(("float32", "model")), "float32, or the features' dtype as the reference")
+
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
-        order = farthest_point_order(unit_rows(signals.features), budget)
+        features = signals.features.detach()
+        # model dtype: normalised and compared in the features' own dtype, as the reference
+        unit = features / features.norm(dim=1, keepdim=True) if self.score_dtype == "model" else unit_rows(features)
+        order = farthest_point_order(unit, budget, tie_tolerance(self.ties))
         return Selection(kept=torch.sort(order).values)

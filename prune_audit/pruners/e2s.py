@@ -12,11 +12,18 @@ from torch import Tensor
 from prune_audit.pruners.base import LayerSignals, Reference, Stage
 from prune_audit.pruners.evidence import dempster_combine, head_masses, priority, vacuous_mass
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.schedule import ScheduledSelector
+from prune_audit.pruners.options import Choice, Flag, Integer, Real, option
+from prune_audit.pruners.schedule import SIGNAL_LAYERS, ScheduledSelector
 
 E2S_LAYERS = (3, 17, 22)
 # tokens alive after each stage on LLaVA-1.5-7B; each averages exactly its budget over 32 layers
 E2S_COUNTS = {64: (20, 8, 0), 128: (122, 48, 42), 192: (194, 148, 96)}
+# named schedules: the paper's main setting (section 5.1.2) and its schedule ablation's alternatives (Table 3)
+# that the selectors spec quotes; each also averages exactly its budget over 32 layers
+E2S_PRESETS: dict[str, Mapping[int, Sequence[int]]] = {
+    "section5": E2S_COUNTS,
+    "table3_132_40_32": {128: (132, 40, 32)},
+}
 
 
 def novelty_bonus(alive: Tensor, grid: tuple[int, int], scores: Tensor, cells: int) -> Tensor:
@@ -78,6 +85,12 @@ class E2SSelector(ScheduledSelector):
     Choices where the paper is silent (spec section 12, "(?)"): all ``T`` text rows are
     the queries; ``rho`` is clipped to [0, 1]; original positions are kept; Dempster's
     rule under total conflict gives the vacuous mass (no NaN).
+
+    ``signal_layer``: the evidence (``text_logits``) is taken from the pruned layer
+    ``l`` on its input (``"current"``, default) or from layer ``l - 1`` (``"previous"``),
+    which the paper's wording also allows. ``schedule_preset``: ``"section5"`` (the
+    counts above) or ``"table3_132_40_32"`` (128 -> 132/40/32, the schedule ablation's
+    alternative quoted in the selectors spec; the other Table-3 rows were not available).
     """
 
     name: ClassVar[str] = "e2s"
@@ -88,26 +101,24 @@ class E2SSelector(ScheduledSelector):
     )
 
     reference_layers: ClassVar[tuple[int, ...]] = E2S_LAYERS
-    reference_counts: ClassVar[Mapping[int, Sequence[int]]] = E2S_COUNTS
 
-    reliability: bool = True
-    fusion: bool = True
-    conflict_protection: bool = True
-    plain_attention: bool = False
-    cells: int = 4
-    novelty_weight: float = 0.1
+    reliability: bool = option(True, Flag(), "head reliability rho (False: rho = 1)")
+    fusion: bool = option(True, Flag(), "Dempster fusion across pruning layers")
+    conflict_protection: bool = option(True, Flag(), "priority 1 - (1 - Pl(I)) (1 - K) (False: Pl(I))")
+    plain_attention: bool = option(False, Flag(), "ablation: plain text-to-visual attention top-k")
+    cells: int = option(4, Integer(low=1), "novelty grid: cells x cells blocks")
+    novelty_weight: float = option(0.1, Real(0.0, 1.0), "weight lambda of the spatial novelty bonus")
+    signal_layer: str = option("current", Choice(SIGNAL_LAYERS), "evidence from layer l (default) or l-1")
+    schedule_preset: str = option("section5", Choice(tuple(E2S_PRESETS)), "named count schedule of the paper")
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.cells, bool) or int(self.cells) != self.cells or self.cells < 1:
-            raise ValueError(f"cells must be a positive integer, got {self.cells!r}")
-        if not 0.0 <= self.novelty_weight <= 1.0:
-            raise ValueError(f"novelty_weight must lie in [0, 1], got {self.novelty_weight!r}")
+    @property
+    def reference_counts(self) -> Mapping[int, Sequence[int]]:  # type: ignore[override]
+        return E2S_PRESETS[self.schedule_preset]
 
     def prune(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
         if 0 < signals.num_alive <= stage.keep:
             self._check_signals(signals)
-            self.score(stage, signals, state)  # fuse this layer's evidence for later stages
+            self.score(stage, self.inputs(signals), state)  # fuse this layer's evidence for later stages
         return super().prune(stage, signals, state)
 
     def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:

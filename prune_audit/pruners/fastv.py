@@ -9,7 +9,8 @@ from torch import Tensor
 
 from prune_audit.pruners.base import LayerSignals, Reference, Stage
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.schedule import SingleStageSelector
+from prune_audit.pruners.options import Choice, option
+from prune_audit.pruners.schedule import SIGNAL_LAYERS, SingleStageSelector
 
 
 def last_row_attention(signals: LayerSignals) -> Tensor:
@@ -39,10 +40,14 @@ class FastVSelector(SingleStageSelector):
     ``budget`` tokens are kept after layer K (the kept-after-K convention of FastV's
     ``fast_v_attention_rank``); its realised average is larger (156 for 128).
 
-    Deviations: the reference ranks with the probabilities computed inside layer K-1;
-    here ``text_probs`` are those of the layer whose input is pruned (the executor's
-    probe at the stage); fp32 scores, ties to the lower index; prefill-only pruning
-    (the reference without KV cache re-ranks at every generated token).
+    ``signal_layer="previous"`` (default, reference): the probabilities layer K-1
+    computed on its input (the reference's ``output_attentions`` of layer K-1), tokens
+    leave from layer K. ``"current"``: layer K's own probabilities on its input.
+    ``score_dtype="model"``: probabilities and scores rounded to the model dtype, as the
+    reference's fp16 attention weights.
+
+    Deviations: ties to the lower index (``torch.topk`` leaves them unspecified);
+    prefill-only pruning (the reference without KV cache re-ranks at every generated token).
     """
 
     name: ClassVar[str] = "fastv"
@@ -51,6 +56,8 @@ class FastVSelector(SingleStageSelector):
     reference: ClassVar[Reference] = Reference(
         "An Image is Worth 1/2 Tokens After Layer 2 (FastV), ECCV 2024", "pkunlp-icler/FastV"
     )
+
+    signal_layer: str = option("previous", Choice(SIGNAL_LAYERS), "layer K-1's attention (reference) or layer K's")
 
     def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
         return last_row_attention(signals)

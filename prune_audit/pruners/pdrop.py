@@ -4,19 +4,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args
 
 from torch import Tensor
 
-from prune_audit.pruners.base import LayerSignals, Reference, Stage
+from prune_audit.pruners.base import LayerSignals, PositionMode, Reference, Stage
 from prune_audit.pruners.fastv import last_row_attention
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.schedule import REFERENCE_DEPTH, ScheduledSelector, scale_layers, solve_geometric_schedule
+from prune_audit.pruners.options import Choice, option
+from prune_audit.pruners.schedule import (
+    OFFICIAL_RULES,
+    REFERENCE_DEPTH,
+    ScheduledSelector,
+    merge_stages,
+    scale_layers,
+    solve_geometric_schedule,
+)
 
 GEOMETRIC_LAYERS = (2, 8, 16)
 # the SparseVLM-style absolute schedule many benchmark tables run with PDrop semantics
 PAPER_LAYERS = (2, 6, 16)
 PAPER_COUNTS = {64: (66, 30, 17), 128: (303, 110, 36), 192: (300, 200, 110)}
+# the official scripts' default: layer_list [8, 16, 24], ratio 0.5 per stage (realised average 270 on 32 x 576)
+OFFICIAL_LAYERS = (8, 16, 24)
+OFFICIAL_RATIO = 0.5
 
 
 @register
@@ -37,7 +48,9 @@ class PDropSelector(ScheduledSelector):
     192 / 128 / 64), counts nudged by single tokens to the closest average.
     ``budget_rule="paper"``: the SparseVLM absolute schedule run with PDrop semantics,
     prune before layers 2, 6, 16 to 300/200/110, 303/110/36, 66/30/17 for 192/128/64
-    (realised averages 191 / 126.25 / 62.1; spec section 7).
+    (realised averages 191 / 126.25 / 62.1; spec section 7). ``budget_rule="official"``:
+    the official scripts' default, layers 8, 16, 24 keeping 288 / 144 / 72 of 576
+    (``int(N 0.5^s)``), realised average 270; any other budget is refused with that average.
 
     Deviations: fp32 scores, ties to the lower index; the training-mode multi-query
     average is not ported (inference only).
@@ -54,7 +67,18 @@ class PDropSelector(ScheduledSelector):
     reference_layers: ClassVar[tuple[int, ...]] = PAPER_LAYERS
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = PAPER_COUNTS
 
-    positions: str = "compact"
+    budget_rule: str = option(
+        "average", Choice(OFFICIAL_RULES), "average (geometric, solved), paper (SparseVLM counts), official (8/16/24, 0.5)"
+    )
+    positions: str = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (reference compacts)")
+
+    def official_stages(self, num_layers: int, num_visual: int) -> list[Stage]:
+        """The README/script default: prune at layers 8, 16, 24 keeping ``int(N 0.5^s)`` (288/144/72 of 576)."""
+        layers, counts = merge_stages(
+            scale_layers(OFFICIAL_LAYERS, REFERENCE_DEPTH, num_layers),
+            [int(num_visual * OFFICIAL_RATIO**stage) for stage in range(1, len(OFFICIAL_LAYERS) + 1)],
+        )
+        return [Stage(layer, count) for layer, count in zip(layers, counts)]
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         layers = sorted(set(scale_layers(GEOMETRIC_LAYERS, REFERENCE_DEPTH, num_layers)))

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from importlib.metadata import entry_points
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from prune_audit.pruners.base import Selector, option_defaults
+from prune_audit.pruners.options import describe_options, option_domains, parse_options
 
 S = TypeVar("S", bound=type[Selector])
 
@@ -25,6 +27,7 @@ def register(cls: S) -> S:
         raise ValueError(f"{cls.__name__} has no name")
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"selector {cls.name!r} must be a dataclass whose fields are its options")
+    option_domains(cls)  # every option declares its domain
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"a selector named {cls.name!r} is already registered")
     _REGISTRY[cls.name] = cls
@@ -65,9 +68,16 @@ def get_selector(name: str, **options: Any) -> Selector:
     valid = option_defaults(cls)
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        listed = ", ".join(f"{k}={v!r}" for k, v in valid.items()) or "none"
-        raise ValueError(f"selector {name!r} has no option(s) {', '.join(unknown)}; valid options: {listed}")
-    try:
-        return cls(**options)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"invalid options for selector {name!r}: {error}") from None
+        raise ValueError(
+            f"selector {name!r} has no option(s) {', '.join(unknown)}; valid options: {describe_options(cls)}"
+        )
+    return cls(**options)
+
+
+def selector_from_strings(name: str, pairs: Sequence[str]) -> Selector:
+    """A selector from ``KEY=VALUE`` strings (the CLI's ``--option``), every value checked against its domain.
+
+    Raises:
+        ValueError: one line naming the selector, option, value and allowed domain; nothing is built.
+    """
+    return get_selector(name, **parse_options(selector_class(name), pairs))

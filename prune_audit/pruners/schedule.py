@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import ClassVar, TypeVar, get_args
 
 from prune_audit.pruners.base import LayerSelector, PositionMode, Stage, validate_budget
+from prune_audit.pruners.options import Choice, Integer, option
 
 T = TypeVar("T")
 
@@ -32,6 +33,12 @@ REFERENCE_VISUAL = 576
 """Visual tokens of LLaVA-1.5 (24 x 24), the count the reference schedules are given for."""
 BUDGET_RULES = ("average", "paper")
 """``average``: the budget is the realised layer average; ``paper``: the reference's own counts."""
+OFFICIAL_RULES = (*BUDGET_RULES, "official")
+"""With ``official``: the official code's default schedule, for selectors whose code differs from the paper."""
+SIGNAL_LAYERS = ("previous", "current")
+"""Whose attention/keys score a stage at the input of layer l: layer l-1 (as computed there) or layer l's probe."""
+SCORE_DTYPES = ("float32", "model")
+"""Scores in float32, or rounded to the model's dtype where the official code computes in it."""
 
 
 def tokens_per_layer(stages: Sequence[Stage], num_layers: int, num_visual: int) -> list[int]:
@@ -263,21 +270,39 @@ class ScheduledSelector(LayerSelector):
     reference_layers: ClassVar[tuple[int, ...]] = ()
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = {}
 
-    budget_rule: str = "average"
-    positions: str = "keep_original"
-
-    def __post_init__(self) -> None:
-        if self.budget_rule not in BUDGET_RULES:
-            raise ValueError(f"budget_rule must be one of {', '.join(BUDGET_RULES)}, got {self.budget_rule!r}")
-        modes = get_args(PositionMode)
-        if self.positions not in modes:
-            raise ValueError(f"positions must be one of {', '.join(modes)}, got {self.positions!r}")
+    budget_rule: str = option("average", Choice(BUDGET_RULES), "average: budget = realised layer average; paper: reference counts")
+    positions: str = option("keep_original", Choice(get_args(PositionMode)), "position ids after pruning")
+    score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         budget = validate_budget(budget)
         if self.budget_rule == "paper":
             return self.paper_stages(num_layers, num_visual, budget)
+        if self.budget_rule == "official":
+            return self.checked_official_stages(num_layers, num_visual, budget)
         return self.solved_stages(num_layers, num_visual, budget)
+
+    def official_stages(self, num_layers: int, num_visual: int) -> list[Stage]:
+        """The official code's default schedule (only selectors offering ``budget_rule="official"``)."""
+        raise NotImplementedError(f"{self.name} has no official default schedule")
+
+    def checked_official_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        """:meth:`official_stages`, refused unless its realised average rounds to ``budget``.
+
+        The official schedule is fixed, so it honours one budget only; a budget of at
+        least ``num_visual`` keeps everything, as under the other rules.
+        """
+        stages = self.official_stages(num_layers, num_visual)
+        if budget >= num_visual:
+            return [Stage(stage.layer, num_visual) for stage in stages]
+        average = average_visual_tokens(stages, num_layers, num_visual)
+        if round(average) != budget:
+            raise ValueError(
+                f"{self.name} with budget_rule='official' realises an average of {average:.2f} visual tokens "
+                f"on {num_layers} layers x {num_visual} tokens, not {budget}; use budget {round(average)} "
+                f"or budget_rule='average'"
+            )
+        return stages
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages whose realised layer average matches ``budget``."""
@@ -298,14 +323,7 @@ class SingleStageSelector(ScheduledSelector):
     (capped at ``num_visual``).
     """
 
-    layer: int = 2
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.layer, bool) or int(self.layer) != self.layer or not 1 <= self.layer < REFERENCE_DEPTH:
-            raise ValueError(
-                f"layer must be an integer in [1, {REFERENCE_DEPTH - 1}] (on the 32-layer reference), got {self.layer!r}"
-            )
+    layer: int = option(2, Integer(1, REFERENCE_DEPTH - 1), "pruning layer on the 32-layer reference, scaled to the depth")
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         return solve_schedule(self._layers(num_layers), [1.0], num_layers, num_visual, budget)

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32
+from prune_audit.pruners.options import Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.similarity import facility_location_greedy, unit_rows
 
@@ -43,14 +44,8 @@ class ScopeSelector(InputSelector):
         "ALPHA=1.0, COMBINED=multi; gap_power is an extension (default 1 = reference)",
     )
 
-    alpha: float = 1.0
-    gap_power: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.alpha < 0:
-            raise ValueError(f"alpha must be >= 0, got {self.alpha!r}")
-        if self.gap_power <= 0:
-            raise ValueError(f"gap_power must be > 0, got {self.gap_power!r}")
+    alpha: float = option(1.0, Real(low=0.0), "saliency exponent (reference 1)")
+    gap_power: float = option(1.0, Real(low=0.0, open_low=True), "coverage-gap exponent (1 = reference)")
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         saliency = as_float32(signals.cls_attention).sum(dim=0).clamp_min(0)

@@ -8,10 +8,14 @@ most :data:`BLOCK_ELEMENTS` entries. The max-min and DPP greedy loops need one r
 after every pick, the rows of all tokens whose coverage improved, so it stores ``S``
 once (the only N x N matrix anywhere; its temporaries stay block-sized).
 
-Everything runs in float32. Greedy steps break ties by the lower index, and count
-scores within :data:`TIE_TOLERANCE` (relative) of the maximum as tied: mathematically
-equal scores often differ in the last bits (``S[i, j]`` and ``S[j, i]`` come from
-different BLAS blocks), and the kept set must not depend on the thread count.
+Everything runs in float32. Greedy steps take the plain argmax (the first index only
+on exact equality), as the official DivPrune and CDPruner code do; the rows of ``S``
+they compare are each one matrix-vector product, whose summation order does not
+depend on the thread count. ``tie_tolerance`` (the selectors' ``ties="tolerance"``)
+instead counts scores within :data:`TIE_TOLERANCE` (relative) of the maximum as tied
+and takes the lower index: mathematically equal scores often differ in the last bits
+(``S[i, j]`` and ``S[j, i]`` come from different BLAS blocks), which that rule makes
+irrelevant, at the price of differing from the official picks in a few cases.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from torch import Tensor
 # 2**24 float32 entries = 64 MiB per similarity block, whatever N is
 BLOCK_ELEMENTS = 1 << 24
 TIE_TOLERANCE = 1e-5
+TIES = ("argmax", "tolerance")
+"""The ``ties`` option of the greedy selectors: plain argmax (official) or the tolerance rule."""
 
 
 def unit_rows(features: Tensor, centre: bool = False) -> Tensor:
@@ -43,14 +49,21 @@ def unit_rows(features: Tensor, centre: bool = False) -> Tensor:
     return rows
 
 
-def first_near_max(values: Tensor) -> int:
-    """Lowest index whose value is within :data:`TIE_TOLERANCE` of the maximum.
+def first_near_max(values: Tensor, tolerance: float = TIE_TOLERANCE) -> int:
+    """Lowest index whose value is within ``tolerance`` (relative) of the maximum; 0 gives the plain argmax.
 
     Args:
         values: (N,) float32 with a finite maximum; ``-inf`` marks excluded entries.
     """
+    if tolerance == 0:
+        return int(torch.argmax(values))
     top = values.max()
-    return int(torch.argmax((values >= top - TIE_TOLERANCE * top.abs()).to(torch.uint8)))
+    return int(torch.argmax((values >= top - tolerance * top.abs()).to(torch.uint8)))
+
+
+def tie_tolerance(ties: str) -> float:
+    """The relative tolerance of a ``ties`` option: ``"argmax"`` (official) 0, ``"tolerance"`` :data:`TIE_TOLERANCE`."""
+    return TIE_TOLERANCE if ties == "tolerance" else 0.0
 
 
 def rows_per_block(n: int) -> int:
@@ -78,9 +91,9 @@ def nearest_neighbour_similarity(unit: Tensor) -> Tensor:
     """(N,) the highest cosine similarity of each row to any *other* row.
 
     Args:
-        unit: (N, D) float32 unit rows, N >= 2.
+        unit: (N, D) unit rows, N >= 2; the result has their dtype.
     """
-    best = torch.empty(unit.shape[0], dtype=torch.float32)
+    best = torch.empty(unit.shape[0], dtype=unit.dtype)
     for rows, block in similarity_blocks(unit):
         own = torch.arange(rows.start, rows.stop)
         block[own - rows.start, own] = float("-inf")
@@ -88,7 +101,7 @@ def nearest_neighbour_similarity(unit: Tensor) -> Tensor:
     return best
 
 
-def farthest_point_order(unit: Tensor, k: int) -> Tensor:
+def farthest_point_order(unit: Tensor, k: int, tolerance: float = 0.0) -> Tensor:
     """Greedy max-min cosine-distance selection (farthest-point traversal).
 
     The first pick is the most isolated row (largest distance ``1 - cos`` to its
@@ -98,19 +111,20 @@ def farthest_point_order(unit: Tensor, k: int) -> Tensor:
     follow in index order.
 
     Args:
-        unit: (N, D) float32 unit rows, N >= 2.
+        unit: (N, D) unit rows, N >= 2; distances are computed in their dtype.
         k: number of picks, ``1 <= k <= N``.
+        tolerance: relative tie tolerance of :func:`first_near_max` (0: plain argmax).
 
     Returns:
         (k,) row indices in pick order.
     """
     isolation = 1.0 - nearest_neighbour_similarity(unit)
-    picks = [first_near_max(isolation)]
-    distance_to_picked = torch.full((unit.shape[0],), float("inf"))
+    picks = [first_near_max(isolation, tolerance)]
+    distance_to_picked = torch.full((unit.shape[0],), float("inf"), dtype=unit.dtype)
     for _ in range(k - 1):
         distance_to_picked = torch.minimum(distance_to_picked, 1.0 - unit @ unit[picks[-1]])
         distance_to_picked[picks[-1]] = float("-inf")
-        picks.append(first_near_max(distance_to_picked))
+        picks.append(first_near_max(distance_to_picked, tolerance))
     return torch.tensor(picks, dtype=torch.long)
 
 

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args
 
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import LayerSignals, Reference, Stage
+from prune_audit.pruners.base import LayerSignals, PositionMode, Reference, Stage
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.schedule import ScheduledSelector
+from prune_audit.pruners.options import Choice, option
+from prune_audit.pruners.schedule import SIGNAL_LAYERS, ScheduledSelector
 
-SPARSEVLM_LAYERS = (2, 6, 15)
+SPARSEVLM_LAYERS = (2, 6, 15)  # the layers whose attention scores; the reference prunes their outputs
 # tokens kept after each stage, score.py of the reference (RETAIN_TOKN)
 SPARSEVLM_COUNTS = {64: (66, 30, 17), 96: (238, 48, 26), 128: (303, 110, 36), 192: (300, 200, 110)}
 
@@ -42,18 +43,21 @@ class SparseVLMSelector(ScheduledSelector):
     and raters, to each alive visual token; keep the top ``keep``. Positions are
     compacted (v1.5 truncates ``position_ids``).
 
-    Schedule: stages at layers 2, 6, 15. ``budget_rule="paper"``: the reference's
-    counts 192 -> 300/200/110, 128 -> 303/110/36, 96 -> 238/48/26, 64 -> 66/30/17.
-    ``budget_rule="average"`` (default): the nearest of those as a shape, solved so the
-    realised average matches the budget (the paper counts do not: spec section 8).
+    Scoring layers 2, 6, 15. ``signal_layer="previous"`` (default, reference): layer
+    ``l`` runs on all tokens, its own attention probabilities score, and its *output*
+    is pruned (stages at the inputs of layers 3, 7, 16). ``"current"``: the stage is at
+    the input of layer ``l``, scored by layer ``l``'s probe there (tokens leave one
+    layer earlier). ``budget_rule="paper"``: the reference's counts 192 -> 300/200/110,
+    128 -> 303/110/36, 96 -> 238/48/26, 64 -> 66/30/17, realising 202.75 / 140.81 / 79.19
+    for 192 / 128 / 64 on 32 layers x 576 tokens with the reference semantics (188.19 /
+    123.94 / 61.72 with ``"current"``). ``budget_rule="average"`` (default): the nearest
+    of those as a shape, solved so the realised average matches the budget.
+    ``score_dtype="model"``: probabilities and scores rounded to the model dtype.
 
-    Deviations: (1) no recycling: the reference merges the best pruned tokens into
-    DPC-kNN cluster tokens inserted after the kept ones, which the executor does not
-    support (it only removes tokens). (2) The reference runs layer ``l`` on all tokens
-    and prunes its output; here the probe uses the input of layer ``l`` and tokens
-    leave from layer ``l`` on, so the "192" counts average 188.2 here instead of the
-    reference's 202.75. (3) Exactly ``keep`` tokens are kept (the reference caps at
-    ``n - 1``); fp32 scores, ties to the lower index.
+    Deviations: (1) no recycling yet: the reference merges the best pruned tokens into
+    DPC-kNN cluster tokens inserted after the kept ones; the executor only removes
+    tokens. (2) Exactly ``keep`` tokens are kept (the reference caps at ``n - 1``);
+    ties to the lower index.
     """
 
     name: ClassVar[str] = "sparsevlm"
@@ -64,10 +68,18 @@ class SparseVLMSelector(ScheduledSelector):
         "Gumpest/SparseVLMs",
     )
 
-    reference_layers: ClassVar[tuple[int, ...]] = SPARSEVLM_LAYERS
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = SPARSEVLM_COUNTS
 
-    positions: str = "compact"
+    positions: str = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (v1.5 compacts)")
+    signal_layer: str = option(
+        "previous", Choice(SIGNAL_LAYERS), "prune layer l's output by its attention (reference) or its input by a probe"
+    )
+
+    @property
+    def reference_layers(self) -> tuple[int, ...]:  # type: ignore[override]
+        """Stage layers (inputs) on the 32-layer reference: after the scoring layers, or at them."""
+        shift = 1 if self.signal_layer == "previous" else 0
+        return tuple(layer + shift for layer in SPARSEVLM_LAYERS)
 
     def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
         if "raters" not in state:

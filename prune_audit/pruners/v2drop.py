@@ -10,11 +10,22 @@ from torch import Tensor
 
 from prune_audit.pruners.base import LayerSignals, Reference, Stage
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.schedule import REFERENCE_VISUAL, ScheduledSelector, paper_schedule
+from prune_audit.pruners.options import Choice, option
+from prune_audit.pruners.schedule import (
+    OFFICIAL_RULES,
+    REFERENCE_DEPTH,
+    REFERENCE_VISUAL,
+    ScheduledSelector,
+    merge_stages,
+    paper_schedule,
+    scale_layers,
+)
 
 V2DROP_LAYERS = (3, 17, 22)
 # paper schedules (quoted in V2Drop issue #6): fraction of the current tokens kept at each stage
 PAPER_KEEP_RATIOS = {64: (0.05, 0.05, 0.0), 128: (0.28, 0.25, 0.0), 192: (0.5, 0.3, 0.0)}
+# the repository's LLaVA code: keep 0.5 / 0.5 / 0 of the current count, at least one token per stage
+OFFICIAL_KEEP_RATIOS = (0.5, 0.5, 0.0)
 
 
 def ratio_counts(ratios: Sequence[float], num_visual: int) -> list[int]:
@@ -44,9 +55,12 @@ class V2DropSelector(ScheduledSelector):
     192 -> 50% / 30% / 0 (576 -> 288 -> 86 -> 0), 128 -> 28% / 25% / 0 (161 -> 40 -> 0),
     64 -> 5% / 5% / 0 (28 -> 1 -> 0), realised averages ~193 / 131 / 67.
     ``budget_rule="average"`` (default): those counts as shapes, solved to the budget.
+    ``budget_rule="official"``: the repository's LLaVA schedule, keep ratios 0.5 / 0.5 / 0
+    with ``max(1, int(n * ratio))`` (576 -> 288 -> 144 -> 1), realised average 202.81 on
+    32 x 576; any other budget is refused with that average.
 
-    Deviations: the last stage keeps 0 tokens as the paper states (the repository's
-    ``max(1, int(n * ratio))`` keeps one); fp32 scores, ties to the lower index.
+    Deviations: under the paper and average rules the last stage keeps 0 tokens as the
+    paper states (the repository keeps one); ties to the lower index.
     """
 
     name: ClassVar[str] = "v2drop"
@@ -59,6 +73,18 @@ class V2DropSelector(ScheduledSelector):
 
     reference_layers: ClassVar[tuple[int, ...]] = V2DROP_LAYERS
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = V2DROP_SHAPES
+
+    budget_rule: str = option(
+        "average", Choice(OFFICIAL_RULES), "average (solved), paper (issue #6 ratios), official (code: 0.5/0.5/0, >= 1)"
+    )
+
+    def official_stages(self, num_layers: int, num_visual: int) -> list[Stage]:
+        counts, current = [], num_visual
+        for ratio in OFFICIAL_KEEP_RATIOS:
+            current = max(1, int(current * ratio))
+            counts.append(current)
+        layers, counts = merge_stages(scale_layers(V2DROP_LAYERS, REFERENCE_DEPTH, num_layers), counts)
+        return [Stage(layer, count) for layer, count in zip(layers, counts)]
 
     def paper_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         return paper_schedule(

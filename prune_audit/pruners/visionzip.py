@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32, top_k_indices
+from prune_audit.pruners.options import Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.similarity import unit_rows
 
@@ -50,11 +51,9 @@ class VisionZipSelector(InputSelector):
         "CLIP layer 22; dominant includes CLS; 54+10 / 108+20 / 162+30",
     )
 
-    contextual_fraction: float = 5 / 32
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.contextual_fraction < 1.0:
-            raise ValueError(f"contextual_fraction must be in [0, 1), got {self.contextual_fraction!r}")
+    contextual_fraction: float = option(
+        5 / 32, Real(low=0.0, high=1.0, open_high=True), "share of the budget given to contextual tokens"
+    )
 
     def split(self, budget: int) -> tuple[int, int]:
         """``(dominant incl. CLS, contextual)`` token counts for ``budget``."""

@@ -27,9 +27,6 @@ if TYPE_CHECKING:
 
 SPLITS = ("random", "popular", "adversarial")
 
-OptionValue = bool | int | float | str | None
-"""A selector option as parsed from KEY=VALUE."""
-
 
 @dataclass
 class RunRequest:
@@ -72,45 +69,6 @@ class RunPlan:
     shard: Shard | None
     launched: bool = False
 
-
-
-# ----- option parsing ------------------------------------------------------------------
-
-
-def parse_options(pairs: Sequence[str], defaults: dict[str, OptionValue]) -> dict[str, OptionValue]:
-    """``KEY=VALUE`` strings -> typed options, converted to the type of each default."""
-    options: dict[str, OptionValue] = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or not key:
-            raise PruneAuditError(f"--option must look like KEY=VALUE, got {pair!r}")
-        if key not in defaults:
-            valid = ", ".join(f"{k}={v!r}" for k, v in defaults.items()) or "none"
-            raise PruneAuditError(f"unknown option {key!r}; valid options: {valid}")
-        options[key] = _convert(text, defaults[key], key)
-    return options
-
-
-def _convert(text: str, default: OptionValue, key: str) -> OptionValue:
-    try:
-        if isinstance(default, bool):
-            if text.lower() not in {"true", "false", "1", "0", "yes", "no"}:
-                raise ValueError
-            return text.lower() in {"true", "1", "yes"}
-        if isinstance(default, int):
-            return int(text)
-        if isinstance(default, float):
-            return float(text)
-    except ValueError:
-        raise PruneAuditError(f"option {key}={text!r} is not a valid {type(default).__name__}") from None
-    if default is None:
-        for convert in (int, float):
-            try:
-                return convert(text)
-            except ValueError:
-                pass
-        return None if text.lower() == "none" else text
-    return text
 
 
 # ----- planning ------------------------------------------------------------------------
@@ -181,16 +139,14 @@ def _make_selector(request: RunRequest) -> tuple[Selector | None, int | None]:
         if request.options:
             raise PruneAuditError("--option needs a selector; the unpruned run (--selector none) has no options")
         return None, None
-    from prune_audit.pruners import get_selector, selector_class
-    from prune_audit.pruners.base import option_defaults
+    from prune_audit.pruners.registry import selector_from_strings
 
-    cls = selector_class(request.selector)
-    options = parse_options(request.options, option_defaults(cls))
+    selector = selector_from_strings(request.selector, request.options)  # every option checked against its domain
     if request.budget is None:
         raise PruneAuditError(f"selector {request.selector!r} needs --budget N (visual tokens to keep)")
     if request.budget <= 0:
         raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
-    return get_selector(request.selector, **options), request.budget
+    return selector, request.budget
 
 
 def _load_questions(request: RunRequest) -> list[PopeQuestion]:

@@ -1,0 +1,85 @@
+"""The :class:`~prune_audit.pruners.base.LayerSignals` of one batch row at a pruning stage.
+
+Attention and key signals are read with the probe of the stage's own layer on its
+input, or, for a selector whose ``signal_layer`` is ``"previous"``, with the probe of
+the layer before on *its* input: the same tokens (nothing is pruned between the two),
+so the probe reproduces what that layer computed, as FastV / SparseVLM / DART's
+official code read it from ``output_attentions`` / the returned key states.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.pruners.base import LayerSignals
+
+if TYPE_CHECKING:
+    from prune_audit.models.executor import Batch, DecoderStack, LayerPlan
+
+ATTENTION_SIGNALS = frozenset({"text_logits", "text_probs"})
+KEY_SIGNALS = frozenset({"key_norms", "text_key_norms"})
+
+
+def _f32(tensor: Tensor) -> Tensor:
+    return tensor.detach().float().cpu()
+
+
+def layer_signals(
+    stack: DecoderStack,
+    batch: Batch,
+    previous: Tensor | None,
+    row: int,
+    columns: Tensor,
+    layer: int,
+    plan: LayerPlan,
+    visual: Tensor,
+    text: Tensor,
+) -> LayerSignals:
+    """Signals at the input of ``layer`` for batch row ``row``; only the fields the plan's selector requires.
+
+    Args:
+        previous: (B, L, D) input of layer ``layer - 1`` in ``batch``'s layout, or None at layer 0.
+        columns: (m,) the row's valid layout columns.
+        visual: (n,) positions in ``columns`` of the alive visual tokens.
+        text: (T,) positions in ``columns`` of the text tokens after the image.
+    """
+    requires = plan.requires
+    hidden = batch.hidden[row, columns]
+    kinds = batch.kinds[row, columns]
+    signals = LayerSignals(
+        alive=kinds[visual].cpu(), grid=plan.grids[row], layer=layer, num_layers=len(stack.layers),
+        model_dtype=hidden.dtype,
+    )  # fmt: skip
+    if batch.origin is not None:
+        origin = batch.origin[row, columns].cpu()
+        signals.sequence_index, signals.text_sequence_index = origin[visual.cpu()], origin[text.cpu()]
+
+    def previous_input() -> Tensor:
+        if previous is None:
+            raise PruneAuditError(f"layer {layer} has no previous layer; prune at layer 1 or later")
+        return previous[row, columns]
+
+    if requires & (ATTENTION_SIGNALS | KEY_SIGNALS):
+        source_layer, source = (layer - 1, previous_input()) if plan.signal_layer == "previous" else (layer, hidden)
+        cos, sin = stack.rotary(source[None], batch.positions[:, row : row + 1, columns])
+        probe = stack.probe(source_layer)
+        if requires & ATTENTION_SIGNALS:
+            logits, probs = probe.probabilities(source, text, cos[0], sin[0])
+            signals.text_logits, signals.text_probs = _f32(logits[:, :, visual]), _f32(probs[:, :, visual])
+        if requires & KEY_SIGNALS:
+            norms = probe.keys(source, cos[0], sin[0]).float().abs().sum(dim=(0, 2))
+            signals.key_norms, signals.text_key_norms = _f32(norms[visual]), _f32(norms[text])
+    if requires & {"hidden_states", "text_hidden_states"}:
+        signals.hidden_states, signals.text_hidden_states = _f32(hidden[visual]), _f32(hidden[text])
+    if requires & {"normed_hidden_states", "text_normed_hidden_states"}:
+        normed = stack.norm(hidden)
+        signals.normed_hidden_states, signals.text_normed_hidden_states = _f32(normed[visual]), _f32(normed[text])
+    if "previous_hidden_states" in requires:
+        signals.previous_hidden_states = _f32(previous_input()[visual])
+    if requires & {"embeddings", "text_embeddings"}:
+        embeddings = batch.embeddings[row, columns]
+        signals.embeddings, signals.text_embeddings = _f32(embeddings[visual]), _f32(embeddings[text])
+    return signals
