@@ -43,22 +43,27 @@ class DirectoryLock:
         shard: None for an exclusive lock; a shard name (e.g. ``0001of0004``) to share the
             directory with other shards while holding that shard exclusively.
         option: the option naming the directory, for the refusal message.
+        wait: block until the lock is free instead of refusing (for shared caches).
+        name: the lock file's name inside ``directory``.
     """
 
-    def __init__(self, directory: str | Path, shard: str | None = None, option: str = "--out") -> None:
+    def __init__(self, directory: str | Path, shard: str | None = None, option: str = "--out", wait: bool = False,
+                 name: str = LOCK_FILE) -> None:
         self.directory = Path(directory)
         self.shard = shard
         self.option = option
+        self.wait = wait
+        self.name = name
         self.handles: list[tuple[Any, bool]] = []
 
     def __enter__(self) -> DirectoryLock:
         self.directory.mkdir(parents=True, exist_ok=True)
         try:
             if self.shard is None:
-                self._take(self.directory / LOCK_FILE, exclusive=True)
+                self._take(self.directory / self.name, exclusive=True)
             else:
-                self._take(self.directory / LOCK_FILE, exclusive=False)
-                self._take(self.directory / f"{LOCK_FILE}.shard-{self.shard}", exclusive=True)
+                self._take(self.directory / self.name, exclusive=False)
+                self._take(self.directory / f"{self.name}.shard-{self.shard}", exclusive=True)
         except BaseException:
             self.release()
             raise
@@ -70,11 +75,12 @@ class DirectoryLock:
     def _take(self, path: Path, exclusive: bool) -> None:
         handle = open(path, "a+", encoding="utf-8")
         try:
-            fcntl.flock(handle.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+            fcntl.flock(handle.fileno(), mode if self.wait else mode | fcntl.LOCK_NB)
         except BlockingIOError:
             info = _read_info(handle)
             handle.close()
-            what = "this shard of " if self.shard is not None and path.name != LOCK_FILE else ""
+            what = "this shard of " if self.shard is not None and path.name != self.name else ""
             raise PruneAuditError(
                 f"{what}{self.directory} is being written by {_describe(info)}; wait for it to finish "
                 f"or pass another {self.option}"
