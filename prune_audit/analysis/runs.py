@@ -142,6 +142,23 @@ def check_comparable(runs: Sequence[Run], force: bool) -> list[str]:
     return differences
 
 
+def completeness(runs: Sequence[Run], labels: Sequence[str]) -> list[dict[str, Any]]:
+    """Questions done / in the run, per run; an incomplete run (a shard, a run stopped midway)
+    gets a warning on stderr, since its numbers cover only the questions it holds."""
+    import sys
+
+    entries = []
+    for run, label in zip(runs, labels):
+        done = int(run.questions.split.size)
+        total = int(run.manifest.get("num_questions") or done)
+        entries.append({"label": label, "run": str(run.path), "done": done, "total": total, "complete": done >= total})
+        if done < total:
+            print(f"warning: {run.path} is incomplete ({done} of {total} questions: a shard or a run stopped "
+                  f"midway); its results cover only those questions. Finish it with the same prune-audit run "
+                  f"command, or merge its shards", file=sys.stderr)
+    return entries
+
+
 def unique_labels(runs: Sequence[Run]) -> list[str]:
     """Each run's label, with the directory name added where two runs share a label."""
     labels = [run.label for run in runs]
