@@ -120,7 +120,8 @@ def test_intervene_into_the_run_itself_is_refused(demo, records_kept):
         (["calibrate", "{pruned}", "--bootstrap", "20"], "dense", "run"),
         (["cascade", "{pruned}", "--reference", "{dense}", "--splits", "5", "--epsilon", "0.5"], "calibration", "calibrate"),
         (["run", "--limit", "12"], "calibration", "calibrate"),
-        (["calibrate", "{pruned}", "--bootstrap", "20", "--bins", "5"], "calibration", "other settings (bins)"),
+        (["calibrate", "{pruned}", "--reference", "{dense}", "--bootstrap", "20", "--bins", "5"], "calibration",
+         "other settings (bins)"),
     ],
 )
 def test_commands_refuse_a_directory_holding_other_outputs(demo, records_kept, command, target, holder):
@@ -207,7 +208,7 @@ def test_resume_with_other_pixels_under_the_same_names_is_refused(demo, tmp_path
     before = snapshot(out)
     with Image.open(inputs["images"] / first) as image:
         image.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(inputs["images"] / first)
-    refused(invoke("run", "--limit", "6", *inputs_args(inputs), "--out", out), str(out), first, "differ")
+    refused(invoke("run", "--limit", "6", *inputs_args(inputs), "--out", out), str(out), first, "other content")
     assert snapshot(out) == before
 
 
@@ -251,7 +252,7 @@ def test_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(demo, tm
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = snapshot(out)
-        refused(invoke("run", "--limit", "12", "--out", out), str(out), f"pid {holder.pid}", "being written")
+        refused(invoke("run", "--limit", "6", "--out", out), str(out), f"pid {holder.pid}", "being written")
         refused(invoke("merge", out), str(out), "being written")
         assert snapshot(out) == before
     finally:
@@ -280,21 +281,21 @@ def test_two_processes_build_one_demo_cache_through_the_cli(tmp_path):
 
 def test_calibrate_and_cascade_warn_on_an_incomplete_run(demo, tmp_path):
     shard = tmp_path / "shard"
-    assert invoke("run", "--limit", "12", "--shard", "0/2", "--out", shard).exit_code == 0
+    assert invoke("run", "--limit", "36", "--shard", "0/2", "--out", shard).exit_code == 0
     calibration = invoke("calibrate", shard, "--bootstrap", "20", "--out", tmp_path / "cal", "--json")
     assert calibration.exit_code == 0, calibration.output
-    assert f"warning: {shard} is incomplete (6 of 12 questions" in calibration.stderr
+    assert f"warning: {shard} is incomplete (18 of 36 questions" in calibration.stderr
     entry = json.loads(calibration.stdout)["completeness"][0]
-    assert (entry["done"], entry["total"], entry["complete"]) == (6, 12, False)
+    assert (entry["done"], entry["total"], entry["complete"]) == (18, 36, False)
     written = json.loads((tmp_path / "cal" / "calibration.json").read_text())
-    assert written["completeness"][0]["done"] == 6
+    assert written["completeness"][0]["done"] == 18
     pruned = tmp_path / "pruned-shard"
-    args = ["--selector", "random", "--budget", "36", "--limit", "12", "--shard", "0/2", "--out", pruned]
+    args = ["--selector", "random", "--budget", "36", "--limit", "36", "--shard", "0/2", "--out", pruned]
     assert invoke("run", *args).exit_code == 0
     cascade = invoke("cascade", pruned, "--reference", shard, "--epsilon", "0.5", "--splits", "5",
                      "--out", tmp_path / "cascade", "--json")
     assert cascade.exit_code == 0, cascade.output
-    assert cascade.stderr.count("is incomplete (6 of 12 questions") == 2
+    assert cascade.stderr.count("is incomplete (18 of 36 questions") == 2
     assert [e["complete"] for e in json.loads(cascade.stdout)["completeness"]] == [False, False]
 
 
@@ -309,19 +310,15 @@ def write_annotations(demo, tmp_path, change) -> Path:
     return path
 
 
-def _first_polygon(data):
-    return next(a for a in data["annotations"] if isinstance(a["segmentation"], list))
-
-
 @pytest.mark.parametrize(
     ("change", "needles"),
     [
         (lambda d: d["annotations"].append("oops"), ["annotations[", "not an object"]),
         (lambda d: d["images"][0].update(id="first"), ["images[0].id must be an integer"]),
         (lambda d: d["annotations"][0].update(image_id=1.5), ["image_id must be an integer, got 1.5"]),
-        (lambda d: _first_polygon(d).update(segmentation=[[1e15, 0, 2e15, 5, 3, 1e15]]), ["far outside"]),
-        (lambda d: _first_polygon(d).update(segmentation=[[1, 2, 3, 4, 5, 6, 7]]), ["polygon of 7 coordinates"]),
-        (lambda d: _first_polygon(d).update(segmentation={"size": [5, 5], "counts": [25]}), ["RLE size [5, 5]"]),
+        (lambda d: d["annotations"][0].update(segmentation=[[1e15, 0, 2e15, 5, 3, 1e15]]), ["far outside"]),
+        (lambda d: d["annotations"][0].update(segmentation=[[1, 2, 3, 4, 5, 6, 7]]), ["polygon of 7 coordinates"]),
+        (lambda d: d["annotations"][0].update(segmentation={"size": [5, 5], "counts": [25]}), ["RLE size [5, 5]"]),
     ],
 )
 def test_bad_annotations_are_refused_before_the_run_directory(demo, tmp_path, change, needles):

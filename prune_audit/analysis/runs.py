@@ -115,9 +115,12 @@ def _nullable_floats(records: pa.Table, name: str) -> np.ndarray:
 
 
 def comparison_view(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The manifest fields that decide comparability, question files reduced to their sorted sha256."""
+    """The manifest fields that decide comparability, question files reduced to their sorted sha256.
+
+    The model counts by the sha256 of its weights where both runs record it, else by its id.
+    """
     return {
-        "model": {"id": (manifest.get("model") or {}).get("id")},
+        "model": {key: (manifest.get("model") or {}).get(key) for key in ("id", "weights_sha256")},
         "question_files": {"sha256": sorted(str(item.get("sha256")) for item in manifest.get("question_files") or [])},
         "prompt": manifest.get("prompt"),
     }

@@ -56,8 +56,9 @@ def write_text_atomic(text: str, path: str | Path) -> Path:
     return write_bytes_atomic(text.encode("utf-8"), path)
 
 
-def remove_partial_files(directory: str | Path) -> list[Path]:
-    """Delete temporary files left by interrupted writes in ``directory`` and its subfolders.
+def remove_partial_files(directory: str | Path, prefix: str = "") -> list[Path]:
+    """Delete temporary files left by interrupted writes of ``prefix*`` files in ``directory``
+    and its subfolders.
 
     Call it only while holding the directory's write lock: a live writer's temporary
     file looks the same.
@@ -66,7 +67,7 @@ def remove_partial_files(directory: str | Path) -> list[Path]:
     if not directory.is_dir():
         return []
     removed = []
-    for path in directory.rglob(f".*{TEMPORARY_SUFFIX}"):
+    for path in directory.rglob(f".{prefix}*{TEMPORARY_SUFFIX}"):
         if path.is_file():
             path.unlink(missing_ok=True)
             removed.append(path)
