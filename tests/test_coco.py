@@ -130,18 +130,23 @@ def test_inconsistent_files_are_refused(tmp_path, change, message):
 @pytest.mark.parametrize(
     ("segmentation", "message"),
     [
-        ([[1, 1, 5, 1, 5]], "odd-length polygon"),
+        ([[1, 1, 5, 1, 5]], "polygon of 5 coordinates"),
         ([], "empty"),
+        ([[1, 1, 5, 1, 5, float("nan")]], "non-finite"),
+        ([[1, 1, 5e12, 1, 5, 5]], "far outside"),
+        ([[1, 1, "5", 1, 5, 5]], "non-numeric"),
         ({"size": [HEIGHT + 1, WIDTH], "counts": [0, 5]}, "RLE size"),
+        ({"size": [HEIGHT, WIDTH], "counts": [0, 5]}, "summing to 5"),
+        ({"size": [HEIGHT, WIDTH], "counts": [-1, HEIGHT * WIDTH + 1]}, "non-negative"),
         ("polygon", "neither polygons nor RLE"),
     ],
 )
-def test_bad_segmentations_are_refused_when_decoded(tmp_path, segmentation, message):
+def test_bad_segmentations_are_refused_at_load(tmp_path, segmentation, message):
+    """Refused when the file is read (before any run directory exists), never handed to pycocotools."""
     data = _instances()
     data["annotations"][0]["segmentation"] = segmentation
-    coco = CocoInstances.load(_write(tmp_path, data))
     with pytest.raises(PruneAuditError, match=message):
-        coco.category_mask(7, "car")
+        CocoInstances.load(_write(tmp_path, data))
 
 
 @pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # inside pycocotools' annToMask

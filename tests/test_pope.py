@@ -340,7 +340,7 @@ def test_cli_build_follows_popes_rules(tiny_coco_path, tmp_path):
             if split == "popular":
                 absent = [obj for obj, _ in popularity.most_common() if obj not in image_objects]
                 assert negatives == absent[:3]
-    info = runner.invoke(app, ["pope", "info", *(str(p) for p in sorted(out.iterdir())),
+    info = runner.invoke(app, ["pope", "info", *(str(p) for p in sorted(out.glob("coco_pope_*.json"))),
                                "--annotations", str(tiny_coco_path), "--json"])
     for entry in json.loads(info.stdout):
         for summary in entry["splits"].values():

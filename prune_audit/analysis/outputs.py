@@ -66,6 +66,16 @@ def _number(value: float | None) -> str:
     return "" if value is None or (isinstance(value, float) and not math.isfinite(value)) else repr(float(value))
 
 
+def write_owned_files(
+    directory: Path, command: str, settings: Mapping[str, Any], files: Mapping[str, str | bytes]
+) -> list[Path]:
+    """``write_files`` into a directory recorded as ``command``'s (checked by ``check_output_dir`` first)."""
+    from prune_audit.safety.ownership import claim_output_dir
+
+    claim_output_dir(directory, command, settings)
+    return write_files(directory, files)
+
+
 def write_files(directory: Path, files: Mapping[str, str | bytes]) -> list[Path]:
     """Write every file into ``directory`` or none of them.
 

@@ -115,9 +115,12 @@ def _nullable_floats(records: pa.Table, name: str) -> np.ndarray:
 
 
 def comparison_view(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The manifest fields that decide comparability, question files reduced to their sorted sha256."""
+    """The manifest fields that decide comparability, question files reduced to their sorted sha256.
+
+    The model counts by the sha256 of its weights where both runs record it, else by its id.
+    """
     return {
-        "model": {"id": (manifest.get("model") or {}).get("id")},
+        "model": {key: (manifest.get("model") or {}).get(key) for key in ("id", "weights_sha256")},
         "question_files": {"sha256": sorted(str(item.get("sha256")) for item in manifest.get("question_files") or [])},
         "prompt": manifest.get("prompt"),
     }
@@ -140,6 +143,23 @@ def check_comparable(runs: Sequence[Run], force: bool) -> list[str]:
             "refusing to compare them side by side (pass --force to compare anyway)"
         )
     return differences
+
+
+def completeness(runs: Sequence[Run], labels: Sequence[str]) -> list[dict[str, Any]]:
+    """Questions done / in the run, per run; an incomplete run (a shard, a run stopped midway)
+    gets a warning on stderr, since its numbers cover only the questions it holds."""
+    import sys
+
+    entries = []
+    for run, label in zip(runs, labels):
+        done = int(run.questions.split.size)
+        total = int(run.manifest.get("num_questions") or done)
+        entries.append({"label": label, "run": str(run.path), "done": done, "total": total, "complete": done >= total})
+        if done < total:
+            print(f"warning: {run.path} is incomplete ({done} of {total} questions: a shard or a run stopped "
+                  f"midway); its results cover only those questions. Finish it with the same prune-audit run "
+                  f"command, or merge its shards", file=sys.stderr)
+    return entries
 
 
 def unique_labels(runs: Sequence[Run]) -> list[str]:

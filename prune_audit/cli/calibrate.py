@@ -55,24 +55,31 @@ def calibrate(
     """
     from prune_audit.analysis.calibration import CalibrationSettings
     from prune_audit.analysis.metrics import BINNINGS
-    from prune_audit.analysis.outputs import to_json, write_files
+    from prune_audit.analysis.outputs import to_json, write_owned_files
     from prune_audit.analysis.reports import calibration_files, calibration_report
-    from prune_audit.analysis.runs import check_comparable, load_run
+    from prune_audit.analysis.runs import check_comparable, completeness, load_run
     from prune_audit.errors import PruneAuditError
+    from prune_audit.safety.ownership import check_output_dir
 
     if binning not in BINNINGS:
         raise PruneAuditError(f"--binning must be one of {', '.join(BINNINGS)}, got {binning!r}")
     if bins < 1 or bootstrap < 1:
         raise PruneAuditError("--bins and --bootstrap must be at least 1")
+    outputs = {"runs": [str(p.resolve()) for p in run_dirs], "reference": reference and str(reference.resolve()),
+               "bins": bins, "binning": binning, "bootstrap": bootstrap,
+               "calibration_fraction": calibration_fraction, "seed": seed}
+    check_output_dir(out, "calibrate", outputs)
     runs = [load_run(path) for path in run_dirs]
     dense = load_run(reference) if reference is not None else None
     differences = check_comparable([*runs, *([dense] if dense else [])], force)
     settings = CalibrationSettings(bins, binning, bootstrap, calibration_fraction, seed)  # type: ignore[arg-type]
     report = calibration_report(runs, dense, settings, differences)
+    every = [*report["runs"], *([report["reference"]] if dense is not None else [])]
+    report["completeness"] = completeness([*runs, *([dense] if dense else [])], [entry["label"] for entry in every])
     titles = {entry["label"]: run.title for entry, run in zip(report["runs"], runs)}
     if dense is not None:
         titles[report["reference"]["label"]] = dense.title
-    write_files(out, calibration_files(report, titles))
+    write_owned_files(out, "calibrate", outputs, calibration_files(report, titles))
     if json_output:
         print(to_json(report), end="")
     else:

@@ -53,14 +53,19 @@ def cascade(
     escalated question pays every stage it visits. Without --multi-stage each
     pruned run forms its own two-stage cascade.
     """
-    from prune_audit.analysis.outputs import to_json, write_files
+    from prune_audit.analysis.outputs import to_json, write_owned_files
     from prune_audit.analysis.reports import cascade_files, cascade_report
-    from prune_audit.analysis.runs import check_comparable, load_run, unique_labels
+    from prune_audit.analysis.runs import check_comparable, completeness, load_run, unique_labels
     from prune_audit.errors import PruneAuditError
+    from prune_audit.safety.ownership import check_output_dir
 
     if reference is None:
         raise PruneAuditError("--reference DENSE_RUN is required: the cascade escalates to the dense model")
     targets = parse_epsilons(sweep) if sweep else []
+    outputs = {"runs": [str(p.resolve()) for p in pruned_runs], "reference": str(reference.resolve()),
+               "epsilon": epsilon, "sweep": targets, "splits": splits, "calibration_fraction": calibration_fraction,
+               "seed": seed, "multi_stage": multi_stage}
+    check_output_dir(out, "cascade", outputs)
     stages = [load_run(path) for path in pruned_runs]
     dense = load_run(reference)
     differences = check_comparable([*stages, dense], force)
@@ -69,7 +74,8 @@ def cascade(
         (label, [stage]) for label, stage in zip(labels, stages)
     ]
     report = cascade_report(cascades, dense, epsilon, targets, splits, calibration_fraction, seed, differences)
-    write_files(out, cascade_files(report, dense.model))
+    report["completeness"] = completeness([*stages, dense], [*labels, "dense"])
+    write_owned_files(out, "cascade", outputs, cascade_files(report, dense.model))
     if json_output:
         print(to_json(report), end="")
     else:

@@ -76,9 +76,14 @@ def build(
     from prune_audit.data.coco import CocoInstances
     from prune_audit.data.pope import POPE_SPLITS
     from prune_audit.data.pope_build import build_pope, write_pope_files
+    from prune_audit.safety.names import check_plain_name
+    from prune_audit.safety.ownership import check_output_dir, claim_output_dir
 
+    check_plain_name(prefix, "--prefix")
+    check_output_dir(out, "pope build")
     coco = CocoInstances.load(annotations)
     question_sets = build_pope(coco, sample_images=images, seed=seed, splits=tuple(split or POPE_SPLITS))
+    claim_output_dir(out, "pope build")
     for path in write_pope_files(question_sets, out, prefix=prefix):
         print(path)
 

@@ -15,7 +15,7 @@ from prune_audit.cli.common import handle_errors
 def run(
     model: Annotated[Optional[str], typer.Option(help="Local model folder or hub id (default: the bundled demo model).")] = None,
     selector: Annotated[str, typer.Option(help="Registered selector (see `prune-audit selectors`), or none for the unpruned reference.")] = "none",
-    budget: Annotated[Optional[int], typer.Option(help="Visual tokens to keep (in-LLM selectors: layer average).")] = None,
+    budget: Annotated[Optional[str], typer.Option(help="Visual tokens to keep (in-LLM selectors: layer average), or all.")] = None,
     option: Annotated[Optional[list[str]], typer.Option(help="Selector option KEY=VALUE; repeatable.")] = None,
     pope: Annotated[Optional[list[Path]], typer.Option(help="POPE question file(s) (JSON Lines); repeatable.")] = None,
     split: Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")] = None,
@@ -40,10 +40,11 @@ def run(
     command = _command_line(dict(locals()))
     from prune_audit.runner.execute import execute
     from prune_audit.runner.plan import RunRequest, plan_run
+    from prune_audit.runner.safeguards import parse_budget
     from prune_audit.runner.sharding import parse_shard
 
     request = RunRequest(
-        model=model, selector=selector, budget=budget, options=list(option or []), pope=list(pope or []), split=split,
+        model=model, selector=selector, budget=parse_budget(budget), options=list(option or []), pope=list(pope or []), split=split,
         images=images, annotations=annotations, out=out, limit=limit, batch_size=batch_size, device=device,
         dtype=dtype, seed=seed, shard=parse_shard(shard) if shard else None, prompt_template=prompt_template,
         clip_text=clip_text, command=command,

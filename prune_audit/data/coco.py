@@ -55,19 +55,92 @@ def decode_rle(rle: dict[str, Any]) -> np.ndarray:
 
 
 def read_json(path: str | Path) -> Any:
-    """Parse a JSON document; a syntax error becomes one line naming the file, line and column."""
+    """Parse a JSON document; a syntax or encoding error becomes one line naming the file and place."""
     path = Path(path)
-    with path.open("r", encoding="utf-8") as handle:
-        try:
-            return json.load(handle)
-        except json.JSONDecodeError as error:
-            raise PruneAuditError(f"{path}:{error.lineno}:{error.colno}: invalid JSON ({error.msg})") from None
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise PruneAuditError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[error.start]:02x}); save the file as UTF-8"
+        ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise PruneAuditError(f"{path}:{error.lineno}:{error.colno}: invalid JSON ({error.msg})") from None
+
+
+def _require_object(entry: Any, where: str) -> dict[str, Any]:
+    if not isinstance(entry, dict):
+        raise PruneAuditError(f"{where} is a JSON {type(entry).__name__}, not an object")
+    return entry
+
+
+def _integer(value: Any, where: str) -> int:
+    """An id or size that must be an integer (JSON 3 or 3.0; not "3", 3.5, true)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise PruneAuditError(f"{where} must be an integer, got {value!r}")
+    return int(value)
 
 
 def _require(record: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
     missing = [key for key in keys if key not in record]
     if missing:
         raise PruneAuditError(f"{where} lacks {', '.join(missing)}")
+
+
+POLYGON_MARGIN = 1.0
+"""Polygon coordinates may lie up to this many image sizes outside the image (COCO's own
+polygons overshoot by a pixel or so); beyond that they are refused, before pycocotools,
+which crashes the process on absurd coordinates."""
+
+
+def check_segmentation(segmentation: Any, image: CocoImage, where: str) -> None:
+    """Refuse a segmentation pycocotools would mis-handle: validated at load, before any output.
+
+    Polygons: a non-empty list of even-length lists of >= 6 finite numbers within
+    ``POLYGON_MARGIN`` image sizes of the image. RLE: ``size`` equal to the image's
+    (height, width); uncompressed counts are non-negative integers summing to height x width.
+    """
+    if isinstance(segmentation, list):
+        if not segmentation:
+            raise PruneAuditError(f"{where} has an empty polygon list")
+        for polygon in segmentation:
+            _check_polygon(polygon, image, where)
+        return
+    if not isinstance(segmentation, dict) or "counts" not in segmentation or "size" not in segmentation:
+        raise PruneAuditError(f"{where} has a segmentation that is neither polygons nor RLE")
+    size = segmentation["size"]
+    if not isinstance(size, list) or size != [image.height, image.width]:
+        raise PruneAuditError(f"{where} has RLE size {size!r} but the image is {image.height}x{image.width} (height x width)")
+    counts = segmentation["counts"]
+    if isinstance(counts, list):
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+            raise PruneAuditError(f"{where} has RLE counts that are not non-negative integers")
+        if sum(counts) != image.height * image.width:
+            raise PruneAuditError(
+                f"{where} has RLE counts summing to {sum(counts)}, not the image's {image.height * image.width} pixels"
+            )
+    elif not isinstance(counts, (str, bytes)):
+        raise PruneAuditError(f"{where} has RLE counts that are neither a list nor a compressed string")
+
+
+def _check_polygon(polygon: Any, image: CocoImage, where: str) -> None:
+    if not isinstance(polygon, list) or len(polygon) < 6 or len(polygon) % 2:
+        length = len(polygon) if isinstance(polygon, list) else type(polygon).__name__
+        raise PruneAuditError(f"{where} has a polygon of {length} coordinates; need an even number, at least 6")
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in polygon):
+        raise PruneAuditError(f"{where} has a polygon with non-numeric coordinates")
+    xy = np.asarray(polygon, dtype=float).reshape(-1, 2)
+    if not np.isfinite(xy).all():
+        raise PruneAuditError(f"{where} has a polygon with non-finite coordinates")
+    limits = np.array([image.width, image.height], dtype=float)
+    if (xy < -POLYGON_MARGIN * limits).any() or (xy > (1 + POLYGON_MARGIN) * limits).any():
+        raise PruneAuditError(
+            f"{where} has polygon coordinates far outside its {image.width}x{image.height} image "
+            f"(beyond {POLYGON_MARGIN:g} image size); fix the annotation"
+        )
 
 
 class CocoInstances:
@@ -83,26 +156,38 @@ class CocoInstances:
         if not isinstance(data, dict):
             raise PruneAuditError(f"{source}: expected a JSON object with images, annotations and categories")
         _require(data, ("images", "annotations", "categories"), source)
+        for key in ("images", "annotations", "categories"):
+            if not isinstance(data[key], list):
+                raise PruneAuditError(f"{source}: {key} must be a JSON list, got {type(data[key]).__name__}")
         self.images: dict[int, CocoImage] = {}
         for index, entry in enumerate(data["images"]):
-            _require(entry, ("id", "file_name", "width", "height"), f"{source}: images[{index}]")
-            image = CocoImage(int(entry["id"]), str(entry["file_name"]), int(entry["width"]), int(entry["height"]))
+            where = f"{source}: images[{index}]"
+            _require(_require_object(entry, where), ("id", "file_name", "width", "height"), where)
+            width, height = _integer(entry["width"], f"{where}.width"), _integer(entry["height"], f"{where}.height")
+            if width <= 0 or height <= 0:
+                raise PruneAuditError(f"{where} has size {width}x{height}; width and height must be positive")
+            image = CocoImage(_integer(entry["id"], f"{where}.id"), str(entry["file_name"]), width, height)
             self.images[image.id] = image
         self.category_names: dict[int, str] = {}
         for index, entry in enumerate(data["categories"]):
-            _require(entry, ("id", "name"), f"{source}: categories[{index}]")
-            self.category_names[int(entry["id"])] = str(entry["name"])
+            where = f"{source}: categories[{index}]"
+            _require(_require_object(entry, where), ("id", "name"), where)
+            self.category_names[_integer(entry["id"], f"{where}.id")] = str(entry["name"])
         self.category_ids: dict[str, int] = {name: cat_id for cat_id, name in self.category_names.items()}
         self._ids_by_file_name = {image.file_name: image.id for image in self.images.values()}
         self.annotations_by_image: dict[int, list[dict[str, Any]]] = {image_id: [] for image_id in self.images}
         for index, ann in enumerate(data["annotations"]):
+            _require_object(ann, f"{source}: annotations[{index}]")
             where = f"{source}: annotation {ann.get('id', f'#{index}')}"
             _require(ann, ("image_id", "category_id", "segmentation"), where)
-            if ann["image_id"] not in self.images:
-                raise PruneAuditError(f"{where} refers to unknown image {ann['image_id']}")
-            if ann["category_id"] not in self.category_names:
-                raise PruneAuditError(f"{where} refers to unknown category {ann['category_id']}")
-            self.annotations_by_image[ann["image_id"]].append(ann)
+            image_id = _integer(ann["image_id"], f"{where}: image_id")
+            category_id = _integer(ann["category_id"], f"{where}: category_id")
+            if image_id not in self.images:
+                raise PruneAuditError(f"{where} refers to unknown image {image_id}")
+            if category_id not in self.category_names:
+                raise PruneAuditError(f"{where} refers to unknown category {category_id}")
+            check_segmentation(ann["segmentation"], self.images[image_id], where)
+            self.annotations_by_image[image_id].append({**ann, "image_id": image_id, "category_id": category_id})
 
     @classmethod
     def load(cls, path: str | Path) -> CocoInstances:
@@ -148,17 +233,9 @@ class CocoInstances:
 
         image = self.image(ann["image_id"])
         segmentation = ann["segmentation"]
-        where = f"{self.source}: annotation {ann.get('id', '?')}"
+        check_segmentation(segmentation, image, f"{self.source}: annotation {ann.get('id', '?')}")
         if isinstance(segmentation, list):
-            if not segmentation or any(len(polygon) < 6 or len(polygon) % 2 for polygon in segmentation):
-                raise PruneAuditError(f"{where} has an empty or odd-length polygon")
             return mask_utils.merge(mask_utils.frPyObjects(segmentation, image.height, image.width))
-        if not isinstance(segmentation, dict) or "counts" not in segmentation or "size" not in segmentation:
-            raise PruneAuditError(f"{where} has a segmentation that is neither polygons nor RLE")
-        if list(segmentation["size"]) != [image.height, image.width]:
-            raise PruneAuditError(
-                f"{where} has RLE size {segmentation['size']} but the image is {image.height}x{image.width}"
-            )
         if isinstance(segmentation["counts"], list):
             return mask_utils.frPyObjects(segmentation, image.height, image.width)
         return segmentation

@@ -9,7 +9,6 @@ see evaluation spec section A. Question files are JSON Lines with ``question_id`
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -22,6 +21,7 @@ import numpy as np
 
 from prune_audit.data.coco import CocoInstances, image_id_from_file_name
 from prune_audit.errors import PruneAuditError
+from prune_audit.safety.fingerprint import file_sha256  # noqa: F401  (re-exported: question files are pinned by it)
 
 POPE_SPLITS = ("random", "popular", "adversarial")
 LABELS = ("yes", "no")
@@ -61,21 +61,18 @@ class PopeQuestion:
         return image_id_from_file_name(self.image)
 
 
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes (recorded so runs name the exact question file version)."""
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def read_json_lines(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line; a malformed line names the file and line."""
     path = Path(path)
     rows = []
-    with path.open("r", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise PruneAuditError(
+                    f"{path}:{number}: not UTF-8 text (byte 0x{raw[error.start]:02x}); save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -30,6 +30,7 @@ from pathlib import Path
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.pope import POPE_SPLITS, PopeQuestion
 from prune_audit.errors import PruneAuditError
+from prune_audit.safety.names import check_plain_name
 
 
 def question_text(obj: str) -> str:
@@ -137,7 +138,13 @@ def pope_lines(questions: Iterable[PopeQuestion]) -> str:
 
 
 def write_pope_files(question_sets: dict[str, list[PopeQuestion]], out_dir: str | Path, prefix: str = "coco") -> list[Path]:
-    """Write ``<prefix>_pope_<split>.json`` per split, all or nothing (temporary files, then rename)."""
+    """Write ``<prefix>_pope_<split>.json`` per split, all or nothing (temporary files, then rename).
+
+    ``prefix`` and the split names must be plain names, so every file lands inside ``out_dir``.
+    """
+    check_plain_name(prefix, "--prefix")
+    for split in question_sets:
+        check_plain_name(split, "--split")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     staged = []

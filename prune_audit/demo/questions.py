@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from prune_audit.safety.lock import DirectoryLock
+
 DEMO_IMAGE_SIZE = 96
 DEMO_SCENE_SEED = 2026
 DEMO_SCENES = 1000  # 522 of them hold three or more objects
@@ -62,27 +64,41 @@ def demo_question_set(
     """The demo question set in ``cache_dir``, generated on first use (a few seconds).
 
     Generation writes into a temporary sibling folder and renames it when complete, so
-    an interrupted run never leaves a half-written set behind.
+    an interrupted run never leaves a half-written set behind; a lock in the cache folder
+    lets one process build while the others wait for its result.
     """
-    from prune_audit.data.coco import CocoInstances
-    from prune_audit.data.pope_build import build_pope, write_pope_files
-    from prune_audit.data.scenes import export_coco
-
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     name = f"demo-questions-seed{seed}-scenes{scenes}-pope{pope_images}-{DEMO_IMAGE_SIZE}px"
     question_set = DemoQuestionSet(cache / name)
     if (question_set.root / _COMPLETE_MARKER).is_file():
         return question_set
     cache.mkdir(parents=True, exist_ok=True)
+    # one builder at a time (processes of several users may share one cache); a complete
+    # set is never touched again, so readers need no lock
+    with DirectoryLock(cache, wait=True, name=f".{name}.lock"):
+        if (question_set.root / _COMPLETE_MARKER).is_file():
+            return question_set  # built by another process while this one waited
+        for leftover in cache.glob(f".{name}-*"):  # staging folders of killed builders
+            shutil.rmtree(leftover, ignore_errors=True)
+        _build_into(question_set, cache, name, scenes=scenes, pope_images=pope_images, seed=seed)
+    return question_set
+
+
+def _build_into(question_set: DemoQuestionSet, cache: Path, name: str, *, scenes: int, pope_images: int,
+                seed: int) -> None:
+    """Generate the set in a hidden staging folder, then rename it into place in one step."""
+    from prune_audit.data.coco import CocoInstances
+    from prune_audit.data.pope_build import build_pope, write_pope_files
+    from prune_audit.data.scenes import export_coco
+
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
     try:
         instances = export_coco(staging, seed=seed, count=scenes, image_size=DEMO_IMAGE_SIZE, split="heldout")
         questions = build_pope(CocoInstances.load(instances), sample_images=pope_images, seed=DEMO_POPE_SEED)
         write_pope_files(questions, staging, prefix=QUESTION_PREFIX)
         (staging / _COMPLETE_MARKER).write_text("")
-        if question_set.root.exists():  # an incomplete leftover from an older run
+        if question_set.root.exists():  # an incomplete leftover of an older version
             shutil.rmtree(question_set.root)
         staging.rename(question_set.root)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return question_set

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.models.hub import resolve_model_source
 
 if TYPE_CHECKING:
     from prune_audit.models.base import VisionLanguageModel
@@ -58,8 +59,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load_part(what: str, source: str, loader: Callable[[], T]) -> T:
     """``loader()``, with a missing or unreadable checkpoint part turned into one line naming it."""
+    from safetensors import SafetensorError
+
     try:
         return loader()
+    except SafetensorError as error:
+        raise PruneAuditError(
+            f"the {what} weights in {source} are damaged or incomplete ({error}); copy or download the checkpoint again"
+        ) from None
     except (OSError, ValueError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         hint = "" if Path(source).exists() else " (the hub may be unreachable from here: pass a local path)"
@@ -97,7 +104,9 @@ def load_vlm(
     # the audit shows its own progress; per-load bars would interleave with it on stderr
     transformers_logging.disable_progress_bar()
 
-    source = str(path_or_hub_id)
+    # a hub id on an offline machine: its cached snapshot folder, or one line at once
+    source = resolve_model_source(str(path_or_hub_id))
+    clip_text = None if clip_text is None else resolve_model_source(str(clip_text), "--clip-text")
     config = load_part("model config", source, lambda: AutoConfig.from_pretrained(source))
     adapter = adapter_for(config.model_type, source)
     # options are checked before the weights are read

@@ -10,7 +10,7 @@ from typing import Any
 
 from prune_audit import __version__
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.store import write_text_atomic
+from prune_audit.safety.atomic import write_text_atomic
 
 MANIFEST_FILE = "manifest.json"
 
@@ -70,12 +70,31 @@ def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
     write_text_atomic(json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n", Path(run_dir) / MANIFEST_FILE)
 
 
+INFORMATION_KEYS = frozenset({"path"})
+"""Where an input was read from: recorded for people, never compared (runs are portable)."""
+
+
 def differing_fields(old: dict[str, Any], new: dict[str, Any], fields: tuple[str, ...] = CONFIG_FIELDS) -> list[str]:
-    """Names of configuration fields whose values differ (nested dicts compared by dotted key)."""
+    """Names of configuration fields whose contents differ (nested dicts compared by dotted key).
+
+    Paths are information only; the model's id (often a folder) counts only when either
+    side lacks the sha256 of its weights.
+    """
     differences: list[str] = []
     for name in fields:
-        _collect_differences(name, old.get(name), new.get(name), differences)
+        _collect_differences(name, _content(old.get(name)), _content(new.get(name)), differences)
+    weights = [(manifest.get("model") or {}).get("weights_sha256") for manifest in (old, new)]
+    if None not in weights:
+        differences = [name for name in differences if name != "model.id"]
     return differences
+
+
+def _content(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _content(item) for key, item in value.items() if key not in INFORMATION_KEYS}
+    if isinstance(value, list):
+        return [_content(item) for item in value]
+    return value
 
 
 def _collect_differences(prefix: str, old: Any, new: Any, out: list[str]) -> None:

@@ -11,7 +11,6 @@ union of ``records.parquet`` and any parts, de-duplicated by key.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -21,37 +20,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prune_audit.records.schema import KEY_COLUMNS, RECORDS_FILE, RUN_SCHEMA
+from prune_audit.safety.atomic import write_atomic
 
 PARTS_DIR = "parts"
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_table_atomic(table: pa.Table, path: Path) -> None:
     """Write ``table`` to ``path`` so that ``path`` is either absent, old, or complete."""
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(temporary, "wb") as handle:
-        pq.write_table(table, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    _fsync_directory(path.parent)
-
-
-def write_text_atomic(text: str, path: Path) -> None:
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    _fsync_directory(path.parent)
+    write_atomic(path, lambda handle: pq.write_table(table, handle))
 
 
 class RecordStore:

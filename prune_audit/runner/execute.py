@@ -17,13 +17,14 @@ import numpy as np
 import pyarrow as pa
 
 from prune_audit.data.retention import ObjectAreaCache
-from prune_audit.errors import PruneAuditError
-from prune_audit.records.manifest import MANIFEST_FILE, differing_fields, read_manifest, write_manifest
+from prune_audit.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from prune_audit.records.store import RecordStore
 from prune_audit.runner.build import AnsweredQuestion, build_records, object_area_for
 from prune_audit.runner.plan import RunPlan, prepare_question
+from prune_audit.runner.safeguards import check_same_run, hold_run_dir
 from prune_audit.runner.sharding import ProcessGroup, shard_questions
 from prune_audit.runner.summary import summarize
+from prune_audit.safety.progress import report_saved
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +61,7 @@ def execute(
     """
     group = ProcessGroup(plan.shard if plan.launched else None)
     leader = not plan.launched or plan.shard is None or plan.shard.index == 0
+    lock = hold_run_dir(plan.run_dir, plan.shard.writer if plan.shard else None)
     try:
         if leader:
             _prepare_run_dir(plan)
@@ -70,9 +72,19 @@ def execute(
         mine = shard_questions(plan.questions, plan.shard) if plan.shard else list(plan.questions)
         done = store.done_keys()
         todo = [q for q in mine if (q.split, q.question_id) not in done]
+        saved = len(mine) - len(todo)
+        report_saved(plan.run_dir, saved, len(mine))
         if on_start:
-            on_start(len(mine) - len(todo), len(mine))
-        answer_batches(plan, todo, store, on_progress)
+            on_start(saved, len(mine))
+
+        def answered(count: int) -> None:  # after each durable batch: what Ctrl-C or a full disk would keep
+            nonlocal saved
+            saved += count
+            report_saved(plan.run_dir, saved, len(mine))
+            if on_progress:
+                on_progress(count)
+
+        answer_batches(plan, todo, store, answered)
         group.barrier()
         complete = len(store.done_keys()) == len(plan.questions)
         if complete and leader:
@@ -81,6 +93,7 @@ def execute(
         group.barrier()
         records = store.read()
     finally:
+        lock.release()
         group.close()
     return RunResult(plan.run_dir, records, complete, summarize(records))
 
@@ -100,14 +113,8 @@ def _prepare_run_dir(plan: RunPlan) -> None:
 
 
 def check_resume(plan: RunPlan) -> None:
-    """Refuse to resume into a run directory whose manifest has another configuration."""
-    previous = read_manifest(plan.run_dir)
-    differences = differing_fields(previous, plan.manifest)
-    if differences:
-        raise PruneAuditError(
-            f"{plan.run_dir} holds a run with a different configuration ({', '.join(differences)}); "
-            f"pass another --out or repeat the original command"
-        )
+    """Refuse to resume into a run directory whose manifest has another configuration or inputs."""
+    check_same_run(plan.run_dir, read_manifest(plan.run_dir), plan.manifest)
 
 
 def answer_batches(

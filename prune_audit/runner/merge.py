@@ -9,9 +9,11 @@ import numpy as np
 import pyarrow as pa
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.manifest import differing_fields, read_manifest, write_manifest
+from prune_audit.records.manifest import CONFIG_FIELDS, MANIFEST_FILE, differing_fields, read_manifest, write_manifest
 from prune_audit.records.schema import RECORDS_FILE
 from prune_audit.records.store import RecordStore, merge_tables, write_table_atomic
+from prune_audit.safety.lock import DirectoryLock
+from prune_audit.safety.ownership import check_output_dir, claim_output_dir
 
 
 def merge_runs(run_dirs: Sequence[Path], out: Path | None = None) -> pa.Table:
@@ -22,9 +24,11 @@ def merge_runs(run_dirs: Sequence[Path], out: Path | None = None) -> pa.Table:
     """
     if not run_dirs:
         raise PruneAuditError("pass at least one run directory to merge")
+    target = Path(out) if out is not None else Path(run_dirs[0])
+    check_output_dir(target, "run")
     manifests = [read_manifest(Path(d)) for d in run_dirs]
     for directory, manifest in zip(run_dirs[1:], manifests[1:]):
-        differences = differing_fields(manifests[0], manifest)
+        differences = differing_fields(manifests[0], manifest, (*CONFIG_FIELDS, "images"))
         if differences:
             raise PruneAuditError(
                 f"{directory} was run with a different configuration than {run_dirs[0]} ({', '.join(differences)}); "
@@ -37,13 +41,20 @@ def merge_runs(run_dirs: Sequence[Path], out: Path | None = None) -> pa.Table:
         raise PruneAuditError(
             f"the shards hold {records.num_rows} of {expected} questions; run the missing shards, then merge again"
         )
-    target = Path(out) if out is not None else Path(run_dirs[0])
-    target.mkdir(parents=True, exist_ok=True)
+    if (target / MANIFEST_FILE).is_file() and target.resolve() not in [Path(d).resolve() for d in run_dirs]:
+        differences = differing_fields(read_manifest(target), manifests[0], (*CONFIG_FIELDS, "images"))
+        if differences:
+            raise PruneAuditError(
+                f"{target} holds a run of another configuration ({', '.join(differences)}); merge never replaces "
+                f"it: pass another --out"
+            )
     manifest = dict(manifests[0])
     manifest["realised_visual_tokens_avg"] = float(np.mean(records["visual_tokens_avg"].to_numpy())) if records.num_rows else None
-    write_table_atomic(records, target / RECORDS_FILE)
-    write_manifest(target, manifest)
-    for store in stores:
-        if store.run_dir.resolve() == target.resolve():
-            store.compact()
+    with DirectoryLock(target):
+        claim_output_dir(target, "run")
+        write_table_atomic(records, target / RECORDS_FILE)
+        write_manifest(target, manifest)
+        for store in stores:
+            if store.run_dir.resolve() == target.resolve():
+                store.compact()
     return records

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import base_manifest
+from prune_audit.safety.ownership import check_output_dir
+from prune_audit.runner.safeguards import BUDGET_ALL, check_resumable, check_run_options, pin_inputs, resolve_budget
 from prune_audit.runner.sharding import Shard, launcher_shard
 
 if TYPE_CHECKING:
@@ -34,7 +36,7 @@ class RunRequest:
 
     model: str | None = None
     selector: str = "none"
-    budget: int | None = None
+    budget: int | str | None = None  # tokens, or "all"
     options: list[str] = field(default_factory=list)  # KEY=VALUE strings
     pope: list[Path] = field(default_factory=list)
     split: str | None = None
@@ -76,6 +78,7 @@ class RunPlan:
 
 def plan_run(request: RunRequest) -> RunPlan:
     """Validate every input of the run; nothing is written."""
+    check_run_options(request.selector, request.budget, request.batch_size)
     _resolve_demo_defaults(request)
     selector, budget = _make_selector(request)
     questions = _load_questions(request)
@@ -83,6 +86,7 @@ def plan_run(request: RunRequest) -> RunPlan:
     coco = _load_annotations(request, questions)
     image_ids = _image_ids(questions, coco)
     run_dir = _run_dir(request)
+    check_output_dir(run_dir, "run")
     check_writable(run_dir)
     _check_device(request.device)
     from prune_audit.models import load_vlm
@@ -100,7 +104,10 @@ def plan_run(request: RunRequest) -> RunPlan:
     if launched is not None and request.shard is not None:
         raise PruneAuditError("--shard cannot be combined with torchrun/accelerate launch; use one or the other")
     first = _prepare_first(vlm, questions[0], image_paths)
+    budget = resolve_budget(budget, first.num_visual)
     manifest = _manifest(request, vlm, selector, budget, questions, first)
+    pin_inputs(manifest, str(request.model), Path(request.images), image_paths)
+    check_resumable(run_dir, manifest)
     shard = request.shard or launched
     return RunPlan(request, questions, image_paths, image_ids, selector, budget, vlm, coco, run_dir, manifest, shard,
                    launched is not None)
@@ -113,10 +120,9 @@ def _prepare_first(vlm: VisionLanguageModel, question: PopeQuestion, image_paths
 
 def prepare_question(vlm: VisionLanguageModel, image_path: Path, text: str) -> Prepared:
     """The model's ``Prepared`` prompt for one image file (as RGB) and question text."""
-    from PIL import Image
+    from prune_audit.data.images import open_rgb
 
-    with Image.open(image_path) as image:
-        return vlm.prepare(image.convert("RGB"), text)
+    return vlm.prepare(open_rgb(image_path), text)
 
 
 def _resolve_demo_defaults(request: RunRequest) -> None:
@@ -134,7 +140,7 @@ def _resolve_demo_defaults(request: RunRequest) -> None:
         request.annotations = request.annotations or demo.annotations
 
 
-def _make_selector(request: RunRequest) -> tuple[Selector | None, int | None]:
+def _make_selector(request: RunRequest) -> tuple[Selector | None, int | str | None]:
     if request.selector == "none":
         if request.options:
             raise PruneAuditError("--option needs a selector; the unpruned run (--selector none) has no options")
@@ -144,7 +150,7 @@ def _make_selector(request: RunRequest) -> tuple[Selector | None, int | None]:
     selector = selector_from_strings(request.selector, request.options)  # every option checked against its domain
     if request.budget is None:
         raise PruneAuditError(f"selector {request.selector!r} needs --budget N (visual tokens to keep)")
-    if request.budget <= 0:
+    if request.budget != BUDGET_ALL and int(request.budget) <= 0:
         raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
     return selector, request.budget
 
@@ -177,8 +183,8 @@ def _load_questions(request: RunRequest) -> list[PopeQuestion]:
 
 
 def _check_images(request: RunRequest, questions: Sequence[PopeQuestion]) -> dict[str, Path]:
-    """Every image exists and decodes (a corrupt file fails here, before any output)."""
-    from PIL import Image, UnidentifiedImageError
+    """Every image exists and decodes (a corrupt or oversized file fails here, before any output)."""
+    from prune_audit.data.images import open_rgb
 
     if request.images is None:
         raise PruneAuditError("pass --images DIR, the folder holding the question files' images")
@@ -187,11 +193,7 @@ def _check_images(request: RunRequest, questions: Sequence[PopeQuestion]) -> dic
         path = Path(request.images) / name
         if not path.is_file():
             raise PruneAuditError(f"image not found: {path}; check --images")
-        try:
-            with Image.open(path) as image:
-                image.load()
-        except (UnidentifiedImageError, OSError) as error:
-            raise PruneAuditError(f"image {path} cannot be decoded ({error}); replace or remove the file") from None
+        open_rgb(path)
         paths[name] = path
     return paths
 
@@ -271,7 +273,6 @@ def _manifest(
     manifest["annotations"] = (
         {"path": str(request.annotations), "sha256": file_sha256(request.annotations)} if request.annotations else None
     )
-    manifest["images"] = str(request.images)
     manifest["split"] = request.split or "all"
     manifest["limit"] = request.limit
     manifest["num_questions"] = len(questions)

@@ -14,6 +14,7 @@ import numpy as np
 from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
+from prune_audit.runner.safeguards import resolve_budget
 from prune_audit.runner.build import last_visible_kept
 
 if TYPE_CHECKING:
@@ -37,16 +38,12 @@ class VisualizeRequest:
 
 
 def load_rgb(path: Path) -> np.ndarray:
-    """(H, W, 3) uint8 pixels of an image file; a missing or corrupt file is a one-line error."""
-    from PIL import Image, UnidentifiedImageError
+    """(H, W, 3) uint8 pixels of an image file; a missing, corrupt or oversized file is a one-line error."""
+    from prune_audit.data.images import open_rgb
 
     if not Path(path).is_file():
         raise PruneAuditError(f"image not found: {path}")
-    try:
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"))
-    except (UnidentifiedImageError, OSError) as error:
-        raise PruneAuditError(f"image {path} cannot be decoded ({error})") from None
+    return np.asarray(open_rgb(path))
 
 
 def object_mask(annotations: Path | None, image_name: str, object_name: str | None) -> np.ndarray | None:
@@ -111,7 +108,7 @@ def visualize_live(request: VisualizeRequest) -> Path:
 
     prepared = vlm.prepare(Image.fromarray(pixels), question)
     names = list(request.selectors) or ["none", *vlm.supported_selectors()]
-    budget = request.budget or max(1, prepared.num_visual // 4)
+    budget = resolve_budget(request.budget, prepared.num_visual) or max(1, prepared.num_visual // 4)
     panels = []
     for name in names:
         selector = None if name == "none" else get_selector(name)

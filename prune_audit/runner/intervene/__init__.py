@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from prune_audit.analysis.outputs import to_json, write_files
+from prune_audit.analysis.outputs import to_json, write_owned_files
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.schema import RECORDS_FILE
 from prune_audit.runner.intervene.build import parquet_bytes, records_table
@@ -34,6 +34,8 @@ from prune_audit.runner.intervene.plan import (
 )
 from prune_audit.runner.intervene.report import REPORT_FILE, intervention_report
 from prune_audit.runner.plan import check_writable
+from prune_audit.safety.lock import DirectoryLock
+from prune_audit.safety.ownership import check_output_dir
 
 __all__ = ["InterveneRequest", "InterventionResult", "intervene"]
 
@@ -52,16 +54,20 @@ def intervene(request: InterveneRequest, on_progress: Callable[[int, int], None]
     every question was answered.
     """
     check_request(request)
+    out = Path(request.out) if request.out is not None else Path(request.run_dir) / f"intervene-{request.mode}"
+    settings = {"run": str(Path(request.run_dir).resolve()), "mode": request.mode, "max_cells": request.max_cells,
+                "controls": request.controls, "bootstrap": request.bootstrap, "seed": request.seed}
+    check_output_dir(out, "intervene", settings)
+    check_writable(out)
     source = load_source(request.run_dir)
     check_swappable(source)
     eligible = eligible_records(source.records, request.mode)
-    out = Path(request.out) if request.out is not None else Path(request.run_dir) / f"intervene-{request.mode}"
-    check_writable(out)
     rows, skipped = answer_swaps(request, source, eligible, on_progress)
     if not rows:
         reasons = "; ".join(f"{reason} ({count})" for reason, count in skipped.items())
         raise PruneAuditError(f"none of the {len(eligible)} eligible questions allows a {request.mode} swap: {reasons}")
     table = records_table(rows)
     report = intervention_report(request, source, table, len(eligible), skipped)
-    write_files(out, {RECORDS_FILE: parquet_bytes(table), REPORT_FILE: to_json(report)})
+    with DirectoryLock(out):
+        write_owned_files(out, "intervene", settings, {RECORDS_FILE: parquet_bytes(table), REPORT_FILE: to_json(report)})
     return InterventionResult(out, report, table)

@@ -1,0 +1,132 @@
+"""What keeps a run's records trustworthy: budget and batch domains, inputs pinned by
+content, the resume check, and one writer per run directory.
+
+A resume is accepted only when everything the records depend on has the same content:
+question files and annotations by sha256, the model's weights by sha256 and the images
+the questions use by the sha256 of each file (``safety.fingerprint``). Paths are kept in
+the manifest as information only, so a run copied to another machine or HOME resumes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.records.manifest import MANIFEST_FILE, differing_fields, read_manifest
+from prune_audit.safety.atomic import remove_partial_files
+from prune_audit.safety.fingerprint import HashCache, first_differing_image, images_fingerprint
+from prune_audit.safety.lock import DirectoryLock
+from prune_audit.safety.ownership import claim_output_dir
+
+BUDGET_ALL = "all"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def parse_budget(text: str | None) -> int | str | None:
+    """``--budget``: a number of visual tokens, or ``all`` to keep every one explicitly."""
+    if text is None or text == BUDGET_ALL:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise PruneAuditError(f"--budget takes a number of visual tokens or {BUDGET_ALL}, got {text!r}") from None
+
+
+def check_run_options(selector: str, budget: int | str | None, batch_size: int) -> None:
+    """Domains that do not need the model: batch size, and a budget only with a selector."""
+    if batch_size < 1:
+        raise PruneAuditError(f"--batch-size must be at least 1, got {batch_size}")
+    if selector == "none" and budget is not None:
+        raise PruneAuditError(
+            f"--budget {budget} needs --selector NAME (see prune-audit selectors); the unpruned run keeps every "
+            f"visual token, so drop --budget for it"
+        )
+
+
+def resolve_budget(budget: int | str | None, num_visual: int) -> int | None:
+    """The budget in tokens: ``all`` is every visual token; more than the model has is refused."""
+    if budget is None:
+        return None
+    if budget == BUDGET_ALL:
+        return num_visual
+    if int(budget) > num_visual:
+        raise PruneAuditError(
+            f"--budget {budget} is more than the model's {num_visual} visual tokens; pass at most {num_visual}, "
+            f"or --budget {BUDGET_ALL} to keep every token"
+        )
+    return int(budget)
+
+
+def hash_cache_file() -> Path:
+    """Where file hashes are remembered between runs (the prune-audit cache folder)."""
+    from prune_audit.demo.questions import default_cache_dir
+
+    return default_cache_dir() / "sha256-cache.json"
+
+
+def weights_sha256(model_source: str) -> str | None:
+    """sha256 over the weight files of a local checkpoint folder (None for a hub id)."""
+    import hashlib
+
+    folder = Path(model_source)
+    if not folder.is_dir():
+        return None
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    if not files:
+        return None
+    cache = HashCache(hash_cache_file())
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.name}\0{cache.sha256(path)}\n".encode())
+    cache.save()
+    return digest.hexdigest()
+
+
+def pin_inputs(manifest: dict[str, Any], model_source: str, images_dir: Path, image_paths: dict[str, Path]) -> None:
+    """Add the content pins of the model weights and the used images to ``manifest``."""
+    weights = weights_sha256(model_source)
+    if weights is not None:
+        manifest["model"] = {**manifest.get("model", {}), "weights_sha256": weights}
+    manifest["images"] = {"path": str(images_dir), **images_fingerprint(image_paths, hash_cache_file())}
+
+
+def check_resumable(run_dir: Path, manifest: dict[str, Any]) -> None:
+    """Refuse a run directory holding a run of another configuration or other inputs."""
+    if (run_dir / MANIFEST_FILE).is_file():
+        check_same_run(run_dir, read_manifest(run_dir), manifest)
+
+
+def check_same_run(run_dir: Path, previous: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """The manifest of ``run_dir`` (``previous``) describes the same configuration and inputs."""
+    differences = differing_fields(previous, manifest)
+    if differences:
+        raise PruneAuditError(
+            f"{run_dir} holds a run with a different configuration ({', '.join(differences)}); "
+            f"pass another --out or repeat the original command"
+        )
+    old_images, new_images = previous.get("images"), manifest.get("images")
+    if isinstance(old_images, dict) and isinstance(new_images, dict):
+        changed = first_differing_image(old_images, new_images)
+        if changed is not None:
+            raise PruneAuditError(
+                f"{run_dir} was run on other images: {changed} in {new_images.get('path')} has other content than "
+                f"when its records were written; pass the original --images or another --out"
+            )
+
+
+def hold_run_dir(run_dir: Path, shard_writer: str | None) -> DirectoryLock:
+    """Take the run directory's write lock (shared by shards), mark it as a run, drop partial files.
+
+    The caller releases the returned lock. Partial files of interrupted writes are
+    removed only where no live writer can own them: every one under the exclusive lock,
+    this shard's own under a shard lock.
+    """
+    lock = DirectoryLock(run_dir, shard=shard_writer).__enter__()
+    try:
+        claim_output_dir(run_dir, "run")
+        remove_partial_files(run_dir, prefix="" if shard_writer is None else f"part-{shard_writer}-")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
