@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -199,8 +200,35 @@ def test_table_output_names_runs_and_sections(runs, tmp_path):
     arguments = ["calibrate", str(runs["pruned"]), "--reference", str(runs["dense"]), "--bootstrap", "20"]
     result = runner.invoke(app, [*arguments, "--binning", "mass", "--out", str(tmp_path)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    for text in ("divprune@64", "dense (reference)", "temperature T", "ECE (mass)", "if lost", "minus reference"):
+    for text in ("divprune@64", "dense (reference)", "temperature T", "ECE (mass)", "if lost", "minus reference",
+                 "ECE (mass) after scaling (test)", "debiased L2 error (equal-mass)", "dense accuracy if lost (same"):
         assert text in result.stdout
+    (aurc_line,) = [line for line in result.stdout.splitlines() if line.lstrip("│| ").startswith("AURC")]
+    value = re.search(r"AURC\W+([0-9.e-]+) \[", aurc_line).group(1)
+    assert len(value.replace("0.", "", 1).lstrip("0")) == 4  # 4 significant digits
+
+
+def test_reliability_bins_carry_counts_and_bootstrap_intervals(audit, runs):
+    _, report = audit
+    reliability = report["runs"][0]["reliability"]
+    assert set(reliability) == {"lower", "upper", "count", "confidence", "accuracy", "accuracy_ci95"}
+    assert len(reliability["accuracy_ci95"]) == len(reliability["count"]) == 15
+    for count, accuracy, (low, high) in zip(reliability["count"], reliability["accuracy"], reliability["accuracy_ci95"]):
+        if count:
+            assert low - 1e-9 <= accuracy <= high + 1e-9
+        else:
+            assert low is None and high is None
+
+
+def test_debiased_error_uses_equal_mass_bins_whatever_the_binning(runs, tmp_path):
+    pruned = frame(runs["pruned"])
+    confidence, correct = pruned["confidence"].to_numpy(), pruned["correct"].to_numpy()
+    expected = metrics.debiased_calibration_error(confidence, correct, 15, "mass")
+    for binning in ("width", "mass"):
+        arguments = ["calibrate", str(runs["pruned"]), "--bootstrap", "5", "--binning", binning, "--json"]
+        result = runner.invoke(app, [*arguments, "--out", str(tmp_path / binning)])
+        value = json.loads(result.stdout)["runs"][0]["metrics"]["all"]["ce_debiased_l2"]["value"]
+        assert value == pytest.approx(expected)
 
 
 def test_refuses_runs_of_other_models_or_prompts_unless_forced(runs, tmp_path):
