@@ -89,13 +89,18 @@ def cascade_report(
     calibration_fraction: float,
     seed: int,
     differences: Sequence[str],
+    optional_sweep: Sequence[float] = (),
 ) -> dict:
-    """The cascade.json content: for each cascade (label, pruned stages cheapest first) every target's results."""
+    """The cascade.json content: for each cascade (label, pruned stages cheapest first) every target's results.
+
+    ``sweep`` targets must be feasible; ``optional_sweep`` ones (the default curve) are skipped when not.
+    """
     targets = sorted({epsilon, *sweep})
     entries = []
     for label, stages in cascades:
         results = cascade_audit(
-            [stage.questions for stage in stages], reference.questions, targets, splits, calibration_fraction, seed
+            [stage.questions for stage in stages], reference.questions, targets, splits, calibration_fraction, seed,
+            optional=optional_sweep,
         )
         primary = next(result for result in results if result["epsilon"] == epsilon)
         entries.append(
@@ -106,10 +111,12 @@ def cascade_report(
                 "results": results,
             }
         )
+    computed = {result["epsilon"] for entry in entries for result in entry["results"]}
     return {
         "settings": {
             "epsilon": epsilon,
-            "sweep": list(sweep),
+            "sweep": sorted(computed - {epsilon}),
+            "sweep_skipped_infeasible": sorted(set(optional_sweep) - computed),
             "splits": splits,
             "calibration_fraction": calibration_fraction,
             "seed": seed,
