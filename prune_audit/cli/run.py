@@ -98,7 +98,8 @@ def _print_summary(result, plan) -> None:
     from rich.table import Table
 
     summary = result.summary
-    table = Table(title=f"{plan.manifest['model']['id']} | selector {plan.manifest['selector']['name']} | budget {plan.budget}")
+    budget = "all visual tokens" if plan.budget is None else f"budget {plan.budget}"
+    table = Table(title=f"{plan.manifest['model']['id']} | selector {plan.manifest['selector']['name']} | {budget}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
