@@ -7,11 +7,22 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar, get_args, get_origin
+from typing import Annotated, Any, Optional, TypeVar, get_args, get_origin
 
 import typer
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+ThreadsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        "--threads",
+        min=1,
+        help="CPU threads for the model (default: $OMP_NUM_THREADS if set, else the cores this process may use); "
+        "one inter-op thread.",
+        show_default=False,
+    ),
+]
 
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, KeyError)
 

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from prune_audit.cli.common import fail, handle_errors
+from prune_audit.cli.common import ThreadsOption, fail, handle_errors
 
 
 @handle_errors
@@ -26,6 +26,7 @@ def visualize(
     split: Annotated[Optional[str], typer.Option(help="With --run: the split, when the id repeats across splits.")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for random selectors.")] = 0,
+    threads: ThreadsOption = None,
 ) -> None:
     """Draw the kept tokens over the original image with the model's exact geometry.
 
@@ -49,6 +50,9 @@ def visualize(
     elif image is None:
         raise fail("pass an IMAGE, or --run RUN_DIR --question-id ID")
     else:
+        from prune_audit.threads import configure_threads
+
+        configure_threads(threads)
         request = VisualizeRequest(image=image, model=model, selectors=selector or [], budget=budget,
                                    question=question, object_name=object_name, annotations=annotations, out=out,
                                    clip_text=clip_text, device=device, seed=seed)
