@@ -24,6 +24,10 @@ ThreadsOption = Annotated[
     ),
 ]
 
+QuietOption = Annotated[
+    bool, typer.Option("--quiet", help="No progress display (the live bar, or the plain lines in logs).")
+]
+
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, KeyError)
 
 
