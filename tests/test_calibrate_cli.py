@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +16,7 @@ from prune_audit.analysis.temperature import split_images
 from prune_audit.cli.main import app
 from prune_audit.records.schema import RUN_SCHEMA
 from prune_audit.safety.ownership import OWNER_FILE
+from test_calibration import direct_ece
 
 runner = CliRunner()
 
@@ -152,9 +154,7 @@ def test_json_numbers_match_an_independent_computation(audit, runs):
     correct, confidence = pruned["correct"].to_numpy(), pruned["confidence"].to_numpy()
     assert overall["accuracy"]["value"] == pytest.approx(correct.mean())
     assert overall["auroc"]["value"] == pytest.approx(roc_auc_score(correct, confidence))
-    from netcal.metrics import ECE
-
-    assert overall["ece"]["value"] == pytest.approx(ECE(bins=15).measure(confidence, correct.astype(int)))
+    assert overall["ece"]["value"] == pytest.approx(direct_ece(confidence, correct, np.linspace(0, 1, 16)))
     assert overall["brier"]["value"] == pytest.approx(np.mean((pruned["p_yes_2way"] - (pruned["label"] == "yes")) ** 2))
     for split in ("random", "popular", "adversarial"):
         part = pruned[pruned["split"] == split]
@@ -201,8 +201,35 @@ def test_table_output_names_runs_and_sections(runs, tmp_path):
     arguments = ["calibrate", str(runs["pruned"]), "--reference", str(runs["dense"]), "--bootstrap", "20"]
     result = runner.invoke(app, [*arguments, "--binning", "mass", "--out", str(tmp_path)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    for text in ("divprune@64", "dense (reference)", "temperature T", "ECE (mass)", "if lost", "minus reference"):
+    for text in ("divprune@64", "dense (reference)", "temperature T", "ECE (mass)", "if lost", "minus reference",
+                 "ECE (mass) after scaling (test)", "debiased L2 error (equal-mass)", "dense accuracy if lost (same"):
         assert text in result.stdout
+    (aurc_line,) = [line for line in result.stdout.splitlines() if line.lstrip("│| ").startswith("AURC")]
+    value = re.search(r"AURC\W+([0-9.e-]+) \[", aurc_line).group(1)
+    assert len(value.replace("0.", "", 1).lstrip("0")) == 4  # 4 significant digits
+
+
+def test_reliability_bins_carry_counts_and_bootstrap_intervals(audit, runs):
+    _, report = audit
+    reliability = report["runs"][0]["reliability"]
+    assert set(reliability) == {"lower", "upper", "count", "confidence", "accuracy", "accuracy_ci95"}
+    assert len(reliability["accuracy_ci95"]) == len(reliability["count"]) == 15
+    for count, accuracy, (low, high) in zip(reliability["count"], reliability["accuracy"], reliability["accuracy_ci95"]):
+        if count:
+            assert low - 1e-9 <= accuracy <= high + 1e-9
+        else:
+            assert low is None and high is None
+
+
+def test_debiased_error_uses_equal_mass_bins_whatever_the_binning(runs, tmp_path):
+    pruned = frame(runs["pruned"])
+    confidence, correct = pruned["confidence"].to_numpy(), pruned["correct"].to_numpy()
+    expected = metrics.debiased_calibration_error(confidence, correct, 15, "mass")
+    for binning in ("width", "mass"):
+        arguments = ["calibrate", str(runs["pruned"]), "--bootstrap", "5", "--binning", binning, "--json"]
+        result = runner.invoke(app, [*arguments, "--out", str(tmp_path / binning)])
+        value = json.loads(result.stdout)["runs"][0]["metrics"]["all"]["ce_debiased_l2"]["value"]
+        assert value == pytest.approx(expected)
 
 
 def test_refuses_runs_of_other_models_or_prompts_unless_forced(runs, tmp_path):

@@ -106,3 +106,17 @@ def test_reference_is_required_and_must_hold_the_same_questions(runs, tmp_path):
     refused = runner.invoke(app, ["cascade", str(runs["p64"]), "--reference", str(other), *options])
     assert refused.exit_code == 2 and "model.id" in refused.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_default_is_a_sweep_from_half_a_percent_to_ten_percent(runs, tmp_path):
+    arguments = ["cascade", str(runs["p64"]), "--reference", str(runs["dense"]), "--splits", "5", "--epsilon", "0.05"]
+    result = runner.invoke(app, [*arguments, "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    computed = [r["epsilon"] for r in report["cascades"][0]["results"]]
+    skipped = report["settings"]["sweep_skipped_infeasible"]
+    assert sorted(computed + skipped) == [0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1]
+    assert skipped == [0.005, 0.01, 0.02]  # 40 calibration images: 1/(n+1) = 0.024
+    assert report["settings"]["sweep"] == [0.03, 0.075, 0.1]  # besides --epsilon
+    table = runner.invoke(app, [*arguments, "--out", str(tmp_path / "table")], env={"COLUMNS": "160"})
+    assert "Epsilon sweep" in table.stdout and "0.075" in table.stdout

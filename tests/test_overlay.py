@@ -3,7 +3,7 @@
 import numpy as np
 from PIL import Image
 
-from prune_audit.analysis.overlay import Panel, dim_pruned, draw_panels, kept_pixels, outline
+from prune_audit.analysis.overlay import CELL_INCHES, DPI, Panel, dim_pruned, draw_panels, grid_shape, kept_pixels, outline
 from prune_audit.data.geometry import clip_geometry
 
 
@@ -55,3 +55,15 @@ def test_draw_panels_writes_png_and_svg(tmp_path):
         assert width > 200 and height > 200
         assert np.asarray(picture.convert("L")).std() > 5  # not blank
     assert svg.read_text().lstrip().startswith("<?xml")
+
+
+def test_panels_are_laid_out_at_most_four_per_row(tmp_path):
+    assert grid_shape(1) == (1, 1) and grid_shape(4) == (1, 4) and grid_shape(5) == (2, 4) and grid_shape(17) == (5, 4)
+    geometry = clip_geometry((56, 56), mode="hf_crop", shortest_edge=None, crop_size=None)
+    image = np.full((56, 56, 3), 128, dtype=np.uint8)
+    panels = [Panel(f"s{i}, budget 3", geometry, [[0, 1, 2]], ["input: kept 3 of 16"]) for i in range(9)]
+    with Image.open(draw_panels(image, panels, tmp_path / "grid.png", note="not drawn: x (needs y)")) as picture:
+        width, height = picture.size
+    cell = CELL_INCHES * DPI
+    assert 4 * cell <= width <= 4 * cell + 60  # four columns, each about 330 px: readable at 100 %
+    assert 3 * cell < height < 3 * (cell + 1.2 * DPI) + 100  # three rows of square images

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from prune_audit.cli.main import app
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.data.retention import object_area, retention
+from prune_audit.records.manifest import MANIFEST_KEYS
 from prune_audit.records.store import RecordStore
 
 runner = CliRunner()
@@ -100,6 +102,8 @@ def test_run_writes_records_and_manifest(workspace, tmp_path):
     assert manifest["versions"]["torch"] and manifest["model"]["config_hash"]
     assert manifest["realised_visual_tokens_avg"] == pytest.approx(records["visual_tokens_avg"].mean())
     assert "--selector random" in manifest["command"]
+    assert set(manifest) <= {key for key, _ in MANIFEST_KEYS}  # every key is documented in docs/records.md
+    assert manifest["threads"]["inter_op"] == 1 and manifest["threads"]["intra_op"] >= 1
 
     # the printed summary is the records' own numbers
     assert f"{records['correct'].mean():.4f}" in result.output
@@ -139,6 +143,30 @@ def test_changed_configuration_is_refused(workspace, tmp_path):
     result = invoke(base_args(workspace, out, "--selector", "random", "--budget", "5", "--limit", "6"))
     assert result.exit_code == 2
     assert "budget" in result.stderr and "--out" in result.stderr
+
+
+def test_default_run_directory_names_options_that_differ_from_their_defaults():
+    from prune_audit.pruners import get_selector
+    from prune_audit.runner.plan import RunRequest, _run_dir
+
+    request = RunRequest(model="/models/demo/", selector="fastv", budget=64)
+    assert _run_dir(request, get_selector("fastv")) == Path("runs/demo-fastv-64")
+    assert _run_dir(request, get_selector("fastv", budget_rule="paper")) == Path("runs/demo-fastv-64-paper")
+    assert _run_dir(RunRequest(model="/models/demo"), None) == Path("runs/demo-dense")
+
+
+def test_progress_lines_when_output_is_not_a_terminal_and_quiet_silences_them(workspace, tmp_path):
+    args = base_args(workspace, tmp_path / "logged", "--selector", "random", "--budget", "5", "--limit", "12",
+                     "--batch-size", "4")[1:]
+    logged = subprocess.run(_cli("run", *args), capture_output=True, text=True)  # pipes: not a terminal
+    assert logged.returncode == 0, logged.stderr
+    lines = [line for line in logged.stderr.splitlines() if line.startswith("questions: ")]
+    pattern = r"questions: \d+/12 \(\d+%\) \| ([0-9.]+|-) q/s \| ETA (\d+:\d\d:\d\d|\?)"
+    assert lines and all(re.fullmatch(pattern, line) for line in lines), logged.stderr
+    assert lines[-1].startswith("questions: 12/12 (100%)") and "\x1b[" not in logged.stderr  # no live-bar escapes
+    quiet_args = [a if a != str(tmp_path / "logged") else str(tmp_path / "quiet") for a in args]
+    quiet = subprocess.run(_cli("run", *quiet_args, "--quiet"), capture_output=True, text=True)
+    assert quiet.returncode == 0 and "questions: " not in quiet.stderr and "accuracy" in quiet.stdout
 
 
 def _cli(*args: str) -> list[str]:
@@ -208,7 +236,7 @@ def test_two_process_gloo_launch_equals_one_process(workspace, tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
          "-m", "prune_audit.cli.main", *args],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True, text=True, env=env,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert_same_records(read_records(launched), read_records(whole))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prune_audit.analysis import metrics
-from prune_audit.analysis.bootstrap import bootstrap_replicates, estimate, image_counts
+from prune_audit.analysis.bootstrap import bootstrap_replicates, estimate, image_counts, percentile_interval
 from prune_audit.analysis.questions import QuestionTable
 from prune_audit.analysis.temperature import TemperatureFit, fit_temperature, scaled_probabilities, split_images
 
@@ -36,8 +36,8 @@ HISTOGRAM_EDGES = np.linspace(0.5, 1.0, 21)
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    """Options of the audit. ``binning`` applies to MCE, the debiased error and the reliability curve;
-    the ECE is reported with both binnings."""
+    """Options of the audit. ``binning`` applies to MCE and the reliability curve; the ECE is reported
+    with both binnings and the debiased error always uses equal-mass bins (its estimator's default)."""
 
     bins: int = 15
     binning: metrics.Binning = "width"
@@ -87,7 +87,7 @@ def confidence_metrics(
     settings: CalibrationSettings,
     weights: np.ndarray | None = None,
 ) -> dict:
-    """ECE (both binnings), MCE, debiased L2 error, Brier, NLL, AUROC and AURC of one set of questions."""
+    """ECE (both binnings), MCE, debiased L2 error (equal-mass bins), Brier, NLL, AUROC and AURC of one set."""
     ranked = metrics.RankedQuestions(confidence, correct, weights)
     width = metrics.bin_totals(confidence, correct, settings.bins, "width", weights)
     mass = ranked.mass_totals(settings.bins)
@@ -96,7 +96,7 @@ def confidence_metrics(
         "ece": width.ece(),
         "ece_mass": mass.ece(),
         "mce": chosen.mce(),
-        "ce_debiased_l2": chosen.debiased_l2(),
+        "ce_debiased_l2": mass.debiased_l2(),
         "brier": metrics.brier(p_yes, label_yes, weights),
         "nll": metrics.nll(logit_diff, label_yes, weights),
         "auroc": ranked.auroc(),
@@ -209,13 +209,45 @@ def audit_run(table: QuestionTable, settings: CalibrationSettings, resamples: Im
         fit=fit,
         scaled=scaled,
         survival=survival_measures(table, survival_groups(table), image_index, resamples.counts),
-        reliability=metrics.reliability_curve(table.confidence, table.correct, settings.bins, settings.binning),
+        reliability=reliability_with_intervals(table, settings, image_index, resamples.counts),
         histogram={
             "edges": HISTOGRAM_EDGES.tolist(),
             "correct": np.histogram(table.confidence[table.correct], HISTOGRAM_EDGES)[0].tolist(),
             "incorrect": np.histogram(table.confidence[~table.correct], HISTOGRAM_EDGES)[0].tolist(),
         },
     )
+
+
+def bin_membership(confidence: np.ndarray, bins: int, binning: metrics.Binning) -> np.ndarray:
+    """(n,) reliability bin of each question; equal-mass bins cut the confidence order (ties by position)."""
+    if binning == "width":
+        return metrics.width_bin_index(confidence, bins)
+    members = np.empty(len(confidence), dtype=np.int64)
+    for index, positions in enumerate(np.array_split(np.argsort(confidence, kind="stable"), bins)):
+        members[positions] = index
+    return members
+
+
+def reliability_with_intervals(
+    table: QuestionTable, settings: CalibrationSettings, image_index: np.ndarray, counts: np.ndarray
+) -> dict:
+    """The reliability curve plus ``accuracy_ci95``: each bin's 95% image-bootstrap accuracy interval.
+
+    Bin membership is held fixed at the full data's bins (so the interval is the accuracy
+    uncertainty of the questions in that confidence range); an empty bin gets [NaN, NaN].
+    """
+    curve = metrics.reliability_curve(table.confidence, table.correct, settings.bins, settings.binning)
+    one_hot = np.eye(settings.bins)[bin_membership(table.confidence, settings.bins, settings.binning)]  # (n, bins)
+
+    def accuracy_per_bin(weights: np.ndarray | None) -> dict[str, np.ndarray]:
+        matrix = metrics.weight_matrix(weights, len(table))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            accuracy = (matrix @ (one_hot * table.correct[:, None])) / (matrix @ one_hot)  # (B, bins)
+        return {str(k): accuracy[:, k] for k in range(settings.bins)}
+
+    replicates = bootstrap_replicates(accuracy_per_bin, image_index, counts)
+    curve["accuracy_ci95"] = [list(percentile_interval(replicates[str(k)])) for k in range(settings.bins)]
+    return curve
 
 
 def survival_measures(

@@ -141,6 +141,10 @@ def loss_jumps(questions: CascadeQuestions) -> LossJumps:
     )
 
 
+DEFAULT_SWEEP: tuple[float, ...] = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1)
+"""Targets of the default cost/validity curve (0.5 % to 10 % disagreement); infeasible ones are skipped."""
+
+
 def minimum_epsilon(calibration_images: int) -> float:
     """The smallest feasible target, 1 / (n + 1): even a threshold escalating everything pays B / (n + 1)."""
     return 1.0 / (calibration_images + 1)
@@ -284,18 +288,23 @@ def cascade_audit(
     splits: int = 200,
     calibration_fraction: float = 0.5,
     seed: int = 0,
+    optional: Sequence[float] = (),
 ) -> list[dict]:
     """For each target: the threshold and outcome on the seeded calibration/test split, and validity.
 
-    The seeded split is the one ``calibrate`` uses (``split_images``). Returns one dict per
-    epsilon (ascending), with ``answered_by`` as a list of shares (stages, then dense).
+    The seeded split is the one ``calibrate`` uses (``split_images``). Every target in
+    ``epsilons`` must be feasible; ``optional`` targets join only when feasible (the default
+    sweep on a small question set). Returns one dict per target (ascending), with
+    ``answered_by`` as a list of shares (stages, then dense).
     """
     if splits < 1:
         raise PruneAuditError(f"--splits must be at least 1, got {splits}")
     questions = CascadeQuestions.from_tables(stages, dense)
     calibration, test = split_masks(questions.image_ids, calibration_fraction, seed)
-    targets = np.unique(np.asarray(epsilons, dtype=np.float64))
-    check_epsilons(targets.tolist(), int(calibration.sum()))  # before the validity splits, which need the same
+    count = int(calibration.sum())
+    check_epsilons(list(epsilons), count)  # before the validity splits, which need the same
+    feasible = [epsilon for epsilon in optional if 0 < epsilon < 1 and loss_allowance(np.array([epsilon]), count)[0] >= 0]
+    targets = np.unique(np.asarray([*epsilons, *feasible], dtype=np.float64))
     jumps = loss_jumps(questions)
     checks = validity(questions, jumps, targets, splits, calibration_fraction, seed)
     results = []

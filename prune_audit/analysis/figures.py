@@ -64,6 +64,13 @@ def reliability_diagram(summary: dict, title: str, stem: str) -> dict[str, bytes
     style = {"color": "tab:red", "alpha": 0.3, "edgecolor": "tab:red", "hatch": "//"}
     top.bar(left, gap, bottom=accuracy, width=width, align="edge", label="gap to mean confidence", **style)
     top.plot([0, 1], [0, 1], color="black", linestyle="--", linewidth=1, label="perfect calibration")
+    if "accuracy_ci95" in reliability:
+        interval = np.array(reliability["accuracy_ci95"], dtype=float)
+        shown = np.array(reliability["count"]) > 0
+        centre = (left + width / 2)[shown]
+        error = np.abs(interval[shown] - accuracy[shown, None]).T
+        top.errorbar(centre, accuracy[shown], yerr=np.nan_to_num(error), fmt="none", ecolor="black", capsize=2,
+                     linewidth=0.8, label="95% image-bootstrap interval")
     ece = summary["metrics"]["all"]["ece"]
     top.set(xlim=(0.45, 1), ylim=(0, 1), ylabel="accuracy")
     top.set_title(f"{title}\nECE {ece['value']:.3f} [{ece['ci95'][0]:.3f}, {ece['ci95'][1]:.3f}]", fontsize=10)
@@ -101,40 +108,59 @@ def reliability_overlay(summaries: Sequence[dict], labels: Sequence[str], title:
 
 
 def confidence_histogram(summary: dict, title: str, stem: str) -> dict[str, bytes]:
-    """Confidence of correct and of incorrect answers."""
+    """Confidence of correct and of incorrect answers; log count axis, so a handful of errors stays visible."""
     histogram = summary["confidence_histogram"]
     edges = np.array(histogram["edges"])
     figure, axes = _figure(size=(6.0, 4.0))
     axis = axes[0, 0]
     for name, color in (("correct", "tab:green"), ("incorrect", "tab:red")):
         counts = np.array(histogram[name])
-        axis.stairs(counts, edges, fill=True, alpha=0.35, color=color, label=f"{name} ({counts.sum()})")
-        axis.stairs(counts, edges, color=color)
+        # the baseline sits below 1 on the log axis, so a bin of one question still shows as a step
+        axis.stairs(counts, edges, baseline=0.5, fill=True, alpha=0.35, color=color, label=f"{name} ({counts.sum()})")
+        axis.stairs(counts, edges, baseline=0.5, color=color)
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_yscale("log")
+    axis.set_ylim(bottom=0.5)
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 1, 10, 100, not 10^0
     auroc = summary["metrics"]["all"]["auroc"]["value"]
-    axis.set(xlabel="confidence (top-label, two-way)", ylabel="questions", title=f"{title}\nAUROC {auroc:.3f}")
+    axis.set(xlabel="confidence (top-label, two-way)", ylabel="questions (log scale)", title=f"{title}\nAUROC {auroc:.3f}")
     axis.title.set_fontsize(10)
     axis.legend(fontsize=8)
     return _render(figure, stem)
 
 
+def _interval_line(axis: Any, x: np.ndarray, values: Sequence[dict], **style: Any) -> Any:
+    """Point estimates with their 95% intervals as error bars; returns the line."""
+    centre = np.array([value["value"] for value in values], dtype=float)
+    low = np.array([value["ci95"][0] for value in values], dtype=float)
+    high = np.array([value["ci95"][1] for value in values], dtype=float)
+    error = [np.nan_to_num(centre - low), np.nan_to_num(high - centre)]
+    return axis.errorbar(x, centre, yerr=error, marker="o", capsize=3, **style).lines[0]
+
+
 def retention_figure(summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str) -> dict[str, bytes]:
-    """Accuracy and mean confidence by object-retention bin, with 95% intervals, one line per run."""
-    figure, axes = _figure(1, 2, size=(10.0, 4.0))
+    """Accuracy and mean confidence on "yes" questions by object fate: lost, then retention bins.
+
+    One solid line per pruned run; with a reference run, a dashed line of the same colour shows
+    the dense model on exactly those questions (the questions the pruned run lost, ...).
+    """
+    figure, axes = _figure(1, 2, size=(10.0, 4.2))
     for summary, label in zip(summaries, labels):
-        bins = [name for name in summary["survival"] if name.startswith("retention ")]
-        x = np.arange(len(bins))
+        groups = ["lost", *(name for name in summary["survival"] if name.startswith("retention "))]
+        x = np.arange(len(groups))
         for axis, metric in zip(axes[0], ("accuracy", "confidence")):
-            values = [summary["survival"][name][metric] for name in bins]
-            centre = np.array([value["value"] for value in values], dtype=float)
-            low = np.array([value["ci95"][0] for value in values], dtype=float)
-            high = np.array([value["ci95"][1] for value in values], dtype=float)
-            error = [np.nan_to_num(centre - low), np.nan_to_num(high - centre)]
-            axis.errorbar(x, centre, yerr=error, marker="o", capsize=3, label=label)
-            axis.set_xticks(x, [name.removeprefix("retention ") for name in bins])
+            line = _interval_line(axis, x, [summary["survival"][name][metric] for name in groups], label=label)
+            reference = [summary["survival"][name].get(f"reference_{metric}") for name in groups]
+            if all(reference):
+                style = {"linestyle": "--", "color": line.get_color(), "markerfacecolor": "white"}
+                _interval_line(axis, x + 0.08, reference, label=f"dense on {label}'s questions", **style)
+            ticks = ["lost", *(name.removeprefix("retention ") for name in groups[1:])]
+            axis.set_xticks(x, ticks)
     for axis, metric in zip(axes[0], ("accuracy", "mean confidence")):
-        axis.set(xlabel="object-area retention of the kept tokens", ylabel=metric, ylim=(0, 1.02))
+        axis.set(xlabel="queried object: lost, or area retention of the kept tokens", ylabel=metric, ylim=(0, 1.02))
         axis.legend(fontsize=8)
-    figure.suptitle(f"{title}: 'yes' questions by retention (95% image-bootstrap intervals)", fontsize=10)
+    figure.suptitle(f"{title}: 'yes' questions by object fate (95% image-bootstrap intervals)", fontsize=10)
     return _render(figure, stem)
 
 

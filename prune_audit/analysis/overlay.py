@@ -73,37 +73,51 @@ def compose(image: np.ndarray, panel: Panel, stage: int) -> np.ndarray:
     return picture
 
 
-def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle: str = "") -> Path:
-    """Save one column per panel and one row per stage to ``path`` (PNG or SVG by suffix)."""
-    import matplotlib
+MAX_COLUMNS = 4
+"""Pictures per row of a figure: each stays about 330 px wide, readable at 100 % zoom."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+CELL_INCHES = 3.0
+DPI = 110
 
-    rows = max(len(p.stages) for p in panels)
+
+def grid_shape(pictures: int, max_columns: int = MAX_COLUMNS) -> tuple[int, int]:
+    """(rows, columns) of the grid holding ``pictures`` cells, at most ``max_columns`` per row."""
+    columns = max(1, min(max_columns, pictures))
+    return -(-pictures // columns), columns
+
+
+def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle: str = "", note: str = "") -> Path:
+    """Save every stage of every panel as one cell of a grid (row-major, <= 4 per row) to ``path``.
+
+    Progressive selectors take one cell per stage, in order; each cell is titled with its
+    panel's title and stage label; the panel's caption sits under its last stage; ``note``
+    goes under the grid (e.g. the selectors that could not run, and why). PNG or SVG by suffix.
+    """
+    from matplotlib.figure import Figure
+
+    cells = [(panel, stage) for panel in panels for stage in range(len(panel.stages))]
+    rows, columns = grid_shape(len(cells))
     height, width = image.shape[:2]
-    scale = 3.2 / max(height, width)
-    figure, axes = plt.subplots(
-        rows, len(panels), figsize=(len(panels) * width * scale + 0.4, rows * (height * scale + 0.9)), squeeze=False
-    )
-    for column, panel in enumerate(panels):
-        for row in range(rows):
-            axis = axes[row][column]
-            axis.set_xticks([])
-            axis.set_yticks([])
-            if row >= len(panel.stages):
-                axis.axis("off")
-                continue
-            axis.imshow(compose(image, panel, row), interpolation="nearest")
-            label = panel.stage_labels[row] if row < len(panel.stage_labels) else ""
-            axis.set_title(panel.title + (f"\n{label}" if label else ""), fontsize=8)
-            if row == len(panel.stages) - 1 and panel.caption:
-                axis.set_xlabel(panel.caption, fontsize=8)
+    cell_height = CELL_INCHES * height / width + 1.1  # room for two-line titles and captions
+    figure = Figure(figsize=(columns * CELL_INCHES + 0.3, rows * cell_height + 0.5 + 0.25 * bool(note)))
+    axes = figure.subplots(rows, columns, squeeze=False)
+    for axis in axes.ravel():
+        axis.axis("off")
+    for axis, (panel, stage) in zip(axes.ravel(), cells):
+        axis.axis("on")
+        axis.set_xticks([])
+        axis.set_yticks([])
+        axis.imshow(compose(image, panel, stage), interpolation="nearest")
+        label = panel.stage_labels[stage] if stage < len(panel.stage_labels) else ""
+        axis.set_title(panel.title + (f"\n{label}" if label else ""), fontsize=8)
+        if stage == len(panel.stages) - 1 and panel.caption:
+            axis.set_xlabel(panel.caption, fontsize=8)
     if suptitle:
-        figure.suptitle(suptitle, fontsize=9)
-    figure.tight_layout()
+        figure.suptitle(suptitle, fontsize=10)
+    if note:
+        figure.text(0.01, 0.005, note, fontsize=8, ha="left", va="bottom", wrap=True)
+    figure.tight_layout(rect=(0, 0.03 if note else 0, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=150)
-    plt.close(figure)
+    figure.savefig(path, dpi=DPI)
     return path

@@ -20,7 +20,9 @@ CALIBRATION_CONVENTIONS = {
     "ties share evenly)",
     "mce": "max over non-empty bins of |acc_b - conf_b|, with --binning",
     "ce_debiased_l2": "Kumar, Liang & Ma 2019 debiased L2 calibration error (root of the bias-corrected "
-    "squared error), --binning",
+    "squared error) over `bins` equal-mass bins, the estimator's own default, whatever --binning",
+    "reliability": "per-bin count, mean confidence and accuracy with --binning; accuracy_ci95: 95% image-bootstrap "
+    "interval of each bin's accuracy, bin membership fixed",
     "brier": "mean (p_yes - y)^2, y = 1 for yes (equal to the top-label Brier score for two classes)",
     "nll": "mean -log p(label) in nats",
     "auroc": "AUROC of confidence as a score for correctness, ties one half",
@@ -73,7 +75,8 @@ def calibration_files(report: dict, titles: dict[str, str]) -> dict[str, str | b
     labels = [entry["label"] for entry in everyone]
     model = ", ".join(sorted({entry["model"] for entry in everyone}))
     files.update(figures.reliability_overlay(everyone, labels, f"Reliability: {model}", "reliability_overlay"))
-    files.update(figures.retention_figure(everyone, labels, model, "retention"))
+    runs = report["runs"]
+    files.update(figures.retention_figure(runs, [entry["label"] for entry in runs], model, "retention"))
     return files
 
 
@@ -86,13 +89,18 @@ def cascade_report(
     calibration_fraction: float,
     seed: int,
     differences: Sequence[str],
+    optional_sweep: Sequence[float] = (),
 ) -> dict:
-    """The cascade.json content: for each cascade (label, pruned stages cheapest first) every target's results."""
+    """The cascade.json content: for each cascade (label, pruned stages cheapest first) every target's results.
+
+    ``sweep`` targets must be feasible; ``optional_sweep`` ones (the default curve) are skipped when not.
+    """
     targets = sorted({epsilon, *sweep})
     entries = []
     for label, stages in cascades:
         results = cascade_audit(
-            [stage.questions for stage in stages], reference.questions, targets, splits, calibration_fraction, seed
+            [stage.questions for stage in stages], reference.questions, targets, splits, calibration_fraction, seed,
+            optional=optional_sweep,
         )
         primary = next(result for result in results if result["epsilon"] == epsilon)
         entries.append(
@@ -103,10 +111,12 @@ def cascade_report(
                 "results": results,
             }
         )
+    computed = {result["epsilon"] for entry in entries for result in entry["results"]}
     return {
         "settings": {
             "epsilon": epsilon,
-            "sweep": list(sweep),
+            "sweep": sorted(computed - {epsilon}),
+            "sweep_skipped_infeasible": sorted(set(optional_sweep) - computed),
             "splits": splits,
             "calibration_fraction": calibration_fraction,
             "seed": seed,

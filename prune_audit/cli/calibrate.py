@@ -21,7 +21,7 @@ def calibrate(
     ] = None,
     bins: Annotated[int, typer.Option("--bins", help="Number of confidence bins.")] = 15,
     binning: Annotated[
-        str, typer.Option("--binning", help="width or mass: bins for MCE, the debiased error and the diagrams.")
+        str, typer.Option("--binning", help="width or mass: bins for MCE and the reliability diagrams.")
     ] = "width",
     bootstrap: Annotated[int, typer.Option("--bootstrap", help="Image-clustered bootstrap resamples.")] = 2000,
     calibration_fraction: Annotated[
@@ -44,7 +44,7 @@ def calibrate(
     ECE = sum_b (n_b/N) |acc_b - conf_b| over equal-width bins (lower, upper]
     (0 in the first bin, 1.0 in the last) and over equal-mass bins
     (ties share evenly). MCE = worst bin. Debiased error: Kumar et al. 2019
-    debiased L2 error. Brier = mean (p_yes - y)^2. NLL in nats. AUROC of
+    debiased L2 error over equal-mass bins (its own default). Brier = mean (p_yes - y)^2. NLL in nats. AUROC of
     confidence for correctness. AURC = mean error rate of the k most
     confident questions, k = 1..N.
 
@@ -93,7 +93,7 @@ TABLE_ROWS = (
     ("ECE (width)", "ece"),
     ("ECE (mass)", "ece_mass"),
     ("MCE", "mce"),
-    ("debiased L2 error", "ce_debiased_l2"),
+    ("debiased L2 error (equal-mass)", "ce_debiased_l2"),
     ("Brier", "brier"),
     ("NLL", "nll"),
     ("AUROC", "auroc"),
@@ -101,12 +101,17 @@ TABLE_ROWS = (
 )
 
 
-def _cell(estimate: dict | None) -> str:
+PRECISE = {"aurc"}
+"""Metrics printed with 4 significant digits: small by nature (an AURC of 0.0004 is not 0.000)."""
+
+
+def _cell(estimate: dict | None, key: str = "") -> str:
     if not estimate or estimate["value"] is None:
         return "-"
+    form = "#.4g" if key in PRECISE else ".3f"
     low, high = estimate["ci95"]
-    interval = "" if low is None else f" [{low:.3f}, {high:.3f}]"
-    return f"{estimate['value']:.3f}{interval}"
+    interval = "" if low is None else f" [{low:{form}}, {high:{form}}]"
+    return f"{estimate['value']:{form}}{interval}"
 
 
 def _temperature(fit: dict) -> str:
@@ -131,10 +136,12 @@ def print_calibration_table(report: dict, out: Path) -> None:
     for entry in entries:
         table.add_column(entry["label"] + (" (reference)" if entry is report["reference"] else ""))
     for name, key in TABLE_ROWS:
-        table.add_row(name, *(_cell(entry["metrics"]["all"][key]) for entry in entries))
+        table.add_row(name, *(_cell(entry["metrics"]["all"][key], key) for entry in entries))
     table.add_section()
     table.add_row("temperature T", *(_temperature(entry["temperature"]) for entry in entries))
-    for name, key in (("accuracy", "accuracy"), ("AUROC", "auroc"), ("ECE", "ece"), ("NLL", "nll"), ("Brier", "brier")):
+    scaled_rows = (("accuracy", "accuracy"), ("AUROC", "auroc"), ("ECE (width)", "ece"), ("ECE (mass)", "ece_mass"),
+                   ("NLL", "nll"), ("Brier", "brier"))
+    for name, key in scaled_rows:
         for stage in ("test_before", "test_after"):
             label = f"{name} {'before' if stage == 'test_before' else 'after'} scaling (test)"
             table.add_row(label, *(_cell(entry["temperature"][stage][key]) for entry in entries))
@@ -144,7 +151,7 @@ def print_calibration_table(report: dict, out: Path) -> None:
         table.add_row(name, *(_cell(entry["survival"]["lost"][key]) for entry in entries))
         if report["reference"]:
             dense = (_cell(entry["survival"]["lost"].get(f"reference_{key}")) for entry in entries)
-            table.add_row(f"  dense {name}", *dense)
+            table.add_row(f"  dense {name} (same questions)", *dense)
     if report["reference"]:
         table.add_section()
         for name, key in (("accuracy", "accuracy"), ("ECE", "ece"), ("AUROC", "auroc")):
@@ -152,7 +159,7 @@ def print_calibration_table(report: dict, out: Path) -> None:
                 entry.get("difference_vs_reference", {}).get("metrics", {}).get("all", {})
                 for entry in entries
             )
-            table.add_row(f"{name} minus reference", *(_cell(difference.get(key)) for difference in differences))
+            table.add_row(f"{name} minus reference", *(_cell(difference.get(key), key) for difference in differences))
     console = Console()
     console.print(table)
     console.print(f"wrote calibration.json, calibration.csv and pictures to {out}")

@@ -26,7 +26,12 @@ def cascade(
     ] = 0.5,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the image splits.")] = 0,
     sweep: Annotated[
-        str | None, typer.Option("--sweep", help="Further targets, comma-separated (e.g. 0.01,0.05,0.1).")
+        str | None,
+        typer.Option(
+            "--sweep",
+            help="Targets of the curve, comma-separated (default: 0.005,0.01,0.02,0.03,0.05,0.075,0.1, "
+            "skipping those too small for the number of calibration images).",
+        ),
     ] = None,
     multi_stage: Annotated[
         bool,
@@ -61,6 +66,8 @@ def cascade(
 
     if reference is None:
         raise PruneAuditError("--reference DENSE_RUN is required: the cascade escalates to the dense model")
+    from prune_audit.analysis.cascade import DEFAULT_SWEEP
+
     targets = parse_epsilons(sweep) if sweep else []
     outputs = {"runs": [str(p.resolve()) for p in pruned_runs], "reference": str(reference.resolve()),
                "epsilon": epsilon, "sweep": targets, "splits": splits, "calibration_fraction": calibration_fraction,
@@ -73,7 +80,8 @@ def cascade(
     cascades = [(" -> ".join([*labels, "dense"]), stages)] if multi_stage else [
         (label, [stage]) for label, stage in zip(labels, stages)
     ]
-    report = cascade_report(cascades, dense, epsilon, targets, splits, calibration_fraction, seed, differences)
+    report = cascade_report(cascades, dense, epsilon, targets, splits, calibration_fraction, seed, differences,
+                            optional_sweep=() if sweep else DEFAULT_SWEEP)
     report["completeness"] = completeness([*stages, dense], [*labels, "dense"])
     write_owned_files(out, "cascade", outputs, cascade_files(report, dense.model))
     if json_output:
@@ -93,6 +101,26 @@ def parse_epsilons(text: str) -> list[float]:
         except ValueError:
             raise PruneAuditError(f"--sweep takes comma-separated numbers, got {item.strip()!r}") from None
     return values
+
+
+def sweep_table(report: dict):
+    """Cost (relative to dense) and held-out mean disagreement of every cascade at every target."""
+    from rich.table import Table
+
+    table = Table(title="Epsilon sweep: cost / held-out mean disagreement")
+    table.add_column("epsilon")
+    for entry in report["cascades"]:
+        table.add_column(entry["label"])
+    for index, result in enumerate(report["cascades"][0]["results"]):
+        cells = (
+            f"{entry['results'][index]['relative_cost']:.3f} / {entry['results'][index]['validity']['mean_disagreement']:.4f}"
+            for entry in report["cascades"]
+        )
+        table.add_row(f"{result['epsilon']:.3g}", *cells)
+    skipped = report["settings"].get("sweep_skipped_infeasible")
+    if skipped:
+        table.caption = f"skipped (below 1/(n+1) for the calibration images): {', '.join(f'{e:.3g}' for e in skipped)}"
+    return table
 
 
 def print_cascade_table(report: dict, out: Path) -> None:
@@ -120,6 +148,7 @@ def print_cascade_table(report: dict, out: Path) -> None:
         )
     console = Console()
     console.print(table)
+    console.print(sweep_table(report))
     console.print(
         "t: confidence threshold; cost: prefill tokens relative to dense; savings: share of the possible savings "
         "(uninformative -> perfect gating); test risk: mean disagreement with dense on the test images; held-out: "

@@ -1,4 +1,4 @@
-"""Shared CLI plumbing: one-line errors and the console."""
+"""Shared CLI plumbing: one-line errors, the console and plain metavars in ``--help``."""
 
 from __future__ import annotations
 
@@ -6,11 +6,27 @@ import functools
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Annotated, Any, Optional, TypeVar, get_args, get_origin
 
 import typer
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+ThreadsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        "--threads",
+        min=1,
+        help="CPU threads for the model (default: $OMP_NUM_THREADS if set, else the cores this process may use); "
+        "one inter-op thread.",
+        show_default=False,
+    ),
+]
+
+QuietOption = Annotated[
+    bool, typer.Option("--quiet", help="No progress display (the live bar, or the plain lines in logs).")
+]
 
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, KeyError)
 
@@ -62,3 +78,56 @@ def _one_line(error: BaseException) -> str:
     if isinstance(error, OSError) and error.filename:
         message = f"{error.strerror or message}: {error.filename}"
     return message
+
+
+PLAIN_METAVARS = {str: "TEXT", int: "INTEGER", float: "FLOAT", Path: "PATH"}
+"""Metavars as click and most command-line tools print them."""
+
+
+def _plain_metavar(annotation: Any) -> str:
+    """PATH, INTEGER, FLOAT or TEXT for a parameter's annotation; list[X] gives X's metavar."""
+    if get_origin(annotation) is list:
+        (annotation,) = get_args(annotation)
+    for kind, name in PLAIN_METAVARS.items():
+        if isinstance(annotation, type) and issubclass(annotation, kind):
+            return name
+    return "TEXT"
+
+
+def _range_text(low: float | None, high: float | None) -> str:
+    if low is not None and high is not None:
+        return f" {low} to {high}"
+    return f" >= {low}" if low is not None else f" <= {high}"
+
+
+def use_plain_metavars() -> None:
+    """Make Typer's help show PATH / INTEGER / TEXT (and nothing for flags).
+
+    Typer >= 0.16 prints Python types instead (``<list[Path]>``, ``<bool>``, ``<int range>
+    [x>=1]``). Its parameter classes are patched once, only when they have the attributes
+    this relies on; older Typer already prints click's metavars.
+    """
+    try:
+        from typer.core import TyperArgument, TyperOption, _TyperParameter
+    except ImportError:
+        return
+    if not hasattr(_TyperParameter, "display_type") or getattr(_TyperParameter, "_plain_metavars", False):
+        return
+    original = _TyperParameter.display_type
+
+    def display_type(self: Any, ctx: Any) -> str | None:
+        descriptor = getattr(self, "type_descriptor", None)
+        if descriptor is None or descriptor.is_choice or getattr(self, "is_flag", False):
+            return None if getattr(self, "is_flag", False) else original(self, ctx)
+        metavar = _plain_metavar(descriptor.annotation)
+        if descriptor.is_ranged:
+            metavar += _range_text(self.min, self.max)
+        return metavar
+
+    _TyperParameter.display_type = display_type
+    for cls in (TyperArgument, TyperOption):
+        cls._get_number_range_help_str = lambda self: None  # the range is part of the metavar
+    _TyperParameter._plain_metavars = True
+
+
+use_plain_metavars()

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from prune_audit.cli.common import handle_errors
+from prune_audit.cli.common import ThreadsOption, handle_errors
 
 app = typer.Typer(
     help="The bundled demo: a small LLaVA trained on synthetic shape scenes, and its POPE-style questions.",
@@ -29,7 +29,10 @@ def train(
     out: Annotated[Path, typer.Option("--out", help="Folder for the trained checkpoint (float16) and training.json.")],
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the training scenes.")] = 1,
     steps: Annotated[int, typer.Option(min=1, help="Optimiser steps (32 fresh scenes each).")] = 1000,
-    threads: Annotated[int, typer.Option(min=1, help="CPU threads; the weights depend on this number.")] = 1,
+    threads: Annotated[
+        int,
+        typer.Option(min=1, help="CPU threads; the weights depend on this number, so it defaults to the shipped recipe's 1."),
+    ] = 1,
     log_file: Annotated[
         Path | None, typer.Option("--log-file", help="Also append progress lines to this file.")
     ] = None,
@@ -88,9 +91,14 @@ def evaluate(
     instruction: Annotated[
         str, typer.Option(help="Text after the POPE question, e.g. 'Answer yes or no.' (default none).")
     ] = "",
+    threads: ThreadsOption = None,
 ) -> None:
     """Unpruned accuracy of a demo checkpoint on the demo question set, per POPE split."""
     import json
+
+    from prune_audit.threads import configure_threads
+
+    configure_threads(threads)
 
     from prune_audit.demo import DEMO_MODEL_DIR
     from prune_audit.demo.evaluate import evaluate_question_set, load_demo

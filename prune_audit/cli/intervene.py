@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from prune_audit.cli.common import handle_errors
+from prune_audit.cli.common import QuietOption, ThreadsOption, handle_errors
 
 
 @handle_errors
@@ -29,6 +29,8 @@ def intervene(
     ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     json_output: Annotated[bool, typer.Option("--json", help="Print intervention.json instead of a table.")] = False,
+    threads: ThreadsOption = None,
+    quiet: QuietOption = False,
 ) -> None:
     """Causal test of pruned evidence: swap kept tokens, re-run the model, compare with a control.
 
@@ -45,32 +47,21 @@ def intervene(
     confidence per condition, intervention minus control with a 95% paired
     image-bootstrap interval, and the object area restored or removed.
     """
+    from prune_audit.cli.progress import progress_reporter
     from prune_audit.runner.intervene import InterveneRequest, intervene as run_intervention
+    from prune_audit.threads import configure_threads
 
+    configure_threads(threads)
     request = InterveneRequest(run_dir=run_dir, mode=mode, max_cells=max_cells, controls=controls,
                                bootstrap=bootstrap, seed=seed, out=out, device=device)
-    result = _with_progress(lambda progress: run_intervention(request, progress))
+    with progress_reporter(quiet=quiet) as progress:
+        result = run_intervention(request, progress.update)
     if json_output:
         from prune_audit.analysis.outputs import to_json
 
         print(to_json(result.report), end="")
     else:
         print_intervention_table(result.report, result.out)
-
-
-def _with_progress(work):
-    """Run ``work(on_progress)`` under a progress bar on stderr (stdout stays clean for --json)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("[bold]questions"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("questions", total=None)
-
-        def on_progress(done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total)
-
-        return work(on_progress)
 
 
 def _cell(estimate: dict) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from prune_audit.cli import calibrate as calibrate_cli
@@ -21,6 +23,24 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+def _print_version(value: bool) -> None:
+    if value:
+        from prune_audit import __version__
+
+        print(f"prune-audit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Options before the command (the group's help text is the Typer app's)."""
+
 
 app.command("selectors")(selectors_cli.selectors)
 app.command("run")(run_cli.run)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from prune_audit.cli.common import handle_errors
+from prune_audit.cli.common import QuietOption, ThreadsOption, handle_errors
 
 
 @handle_errors
@@ -21,7 +21,7 @@ def run(
     split: Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")] = None,
     images: Annotated[Optional[Path], typer.Option(help="Folder with the questions' images.")] = None,
     annotations: Annotated[Optional[Path], typer.Option(help="COCO instances file (object masks for retention).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Run directory (default: runs/<model>-<selector>-<budget>).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Run directory (default: runs/<model>-<selector>-<budget>, then each --option value that differs from its default, e.g. runs/demo-fastv-64-paper).")] = None,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N questions.")] = None,
     batch_size: Annotated[int, typer.Option(help="Questions per forward pass (answers do not depend on it).")] = 16,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
@@ -30,6 +30,8 @@ def run(
     shard: Annotated[Optional[str], typer.Option(help="Run shard I/N of the questions (split by image); merge with `prune-audit merge`.")] = None,
     prompt_template: Annotated[Optional[str], typer.Option(help="Prompt template name (LLaVA: llava_hf or vicuna_v1).")] = None,
     clip_text: Annotated[Optional[Path], typer.Option(help="CLIP text tower folder (CDPruner relevance).")] = None,
+    threads: ThreadsOption = None,
+    quiet: QuietOption = False,
 ) -> None:
     """Run a model under a selector and budget over POPE questions; one record per question.
 
@@ -47,10 +49,13 @@ def run(
         model=model, selector=selector, budget=parse_budget(budget), options=list(option or []), pope=list(pope or []), split=split,
         images=images, annotations=annotations, out=out, limit=limit, batch_size=batch_size, device=device,
         dtype=dtype, seed=seed, shard=parse_shard(shard) if shard else None, prompt_template=prompt_template,
-        clip_text=clip_text, command=command,
+        clip_text=clip_text, threads=threads, command=command,
     )
     plan = plan_run(request)
-    result = _execute_with_progress(plan, execute)
+    from prune_audit.cli.progress import progress_reporter
+
+    with progress_reporter(quiet=quiet) as progress:
+        result = execute(plan, on_start=progress.start, on_progress=progress.advance)
     _print_summary(result, plan)
 
 
@@ -63,35 +68,13 @@ def _command_line(arguments: dict) -> str:
         value = arguments[name]
         if value is None or value == parameter.default or value == []:
             continue
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):  # a flag set to True (defaults are False)
+            words.append(flag)
+            continue
         for item in value if isinstance(value, list) else [value]:
-            words += [f"--{name.replace('_', '-')}", str(item)]
+            words += [flag, str(item)]
     return shlex.join(words)
-
-
-def _execute_with_progress(plan, execute):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, transient=False) as progress:
-        task = progress.add_task("questions", total=None, rate="")
-
-        def on_start(done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total)
-
-        def on_progress(count: int) -> None:
-            progress.advance(task, count)
-            speed = progress.tasks[task].speed
-            progress.update(task, rate=f"{speed:.2f} q/s" if speed else "")
-
-        return execute(plan, on_start=on_start, on_progress=on_progress)
 
 
 def _print_summary(result, plan) -> None:
@@ -99,7 +82,8 @@ def _print_summary(result, plan) -> None:
     from rich.table import Table
 
     summary = result.summary
-    table = Table(title=f"{plan.manifest['model']['id']} | selector {plan.manifest['selector']['name']} | budget {plan.budget}")
+    budget = "all visual tokens" if plan.budget is None else f"budget {plan.budget}"
+    table = Table(title=f"{plan.manifest['model']['id']} | selector {plan.manifest['selector']['name']} | {budget}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from prune_audit.cli.common import fail, handle_errors
+from prune_audit.cli.common import ThreadsOption, fail, handle_errors
 
 
 @handle_errors
@@ -16,25 +16,33 @@ def visualize(
     model: Annotated[Optional[str], typer.Option(help="Model folder or hub id (default: the bundled demo model).")] = None,
     selector: Annotated[Optional[list[str]], typer.Option(help="Selector to draw; repeatable (default: none plus every supported selector).")] = None,
     budget: Annotated[Optional[int], typer.Option(help="Visual tokens to keep (default: a quarter of the grid).")] = None,
-    question: Annotated[Optional[str], typer.Option(help="Question text (text-conditioned selectors use it).")] = None,
+    object_name: Annotated[Optional[str], typer.Option("--object", help="Ask the POPE question about this object (default: the most visible annotated one).")] = None,
+    question: Annotated[Optional[str], typer.Option(help="Full question text instead of --object (text-conditioned selectors use it).")] = None,
     annotations: Annotated[Optional[Path], typer.Option(help="COCO instances file: outline the queried object, show retention.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output picture; .png (default) or .svg.")] = None,
+    clip_text: Annotated[Optional[Path], typer.Option(help="CLIP text tower folder (lets CDPruner run).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: figures/<image stem>/), or a .png/.svg file.")] = None,
     run: Annotated[Optional[Path], typer.Option("--run", help="Redraw a recorded question from this run directory (no model).")] = None,
     question_id: Annotated[Optional[int], typer.Option(help="With --run: the question id.")] = None,
     split: Annotated[Optional[str], typer.Option(help="With --run: the split, when the id repeats across splits.")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for random selectors.")] = 0,
+    threads: ThreadsOption = None,
 ) -> None:
     """Draw the kept tokens over the original image with the model's exact geometry.
 
-    Pruned areas are dimmed, kept cells outlined, one panel per selector and one row
-    per stage for progressive selectors; with --annotations the queried object's mask
-    is outlined and its retention shown; the answer and confidence are under each panel.
+    A grid of panels (at most 4 per row): one per selector, one per stage for
+    progressive selectors, each titled with the selector, budget and kept count.
+    Pruned areas are dimmed and kept cells outlined; with --annotations the queried
+    object's mask is outlined and its retention shown; the answer and confidence are
+    under each panel. Without --selector every selector the model can run is drawn
+    and the others are listed with the reason. Without --object or --question the
+    question is about the most visible annotated object (needs --annotations; the
+    demo model reads its own scene annotations).
     """
     from prune_audit.runner.visualize import VisualizeRequest, visualize_live, visualize_record
 
-    if out is not None and out.suffix.lower() not in {".png", ".svg"}:
-        raise fail(f"--out must end in .png or .svg, got {out.name}")
+    if out is not None and out.suffix and out.suffix.lower() not in {".png", ".svg"}:
+        raise fail(f"--out must be a folder or end in .png or .svg, got {out.name}")
     if run is not None:
         if question_id is None:
             raise fail("--run needs --question-id ID")
@@ -42,7 +50,11 @@ def visualize(
     elif image is None:
         raise fail("pass an IMAGE, or --run RUN_DIR --question-id ID")
     else:
+        from prune_audit.threads import configure_threads
+
+        configure_threads(threads)
         request = VisualizeRequest(image=image, model=model, selectors=selector or [], budget=budget,
-                                   question=question, annotations=annotations, out=out, device=device, seed=seed)
+                                   question=question, object_name=object_name, annotations=annotations, out=out,
+                                   clip_text=clip_text, device=device, seed=seed)
         path = visualize_live(request)
     print(f"wrote {path}")

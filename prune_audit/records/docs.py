@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from prune_audit.records.manifest import CONFIG_FIELDS, MANIFEST_KEYS
 from prune_audit.records.schema import INTERVENE_COLUMNS, RUN_COLUMNS
 
 DOC_PATH = Path("docs") / "records.md"
@@ -23,7 +24,7 @@ def records_markdown() -> str:
     lines = [
         "# Run records (`prune-audit run` and `prune-audit intervene` output)",
         "",
-        "<!-- generated from prune_audit/records/schema.py by `python -m prune_audit.records.docs`; do not edit -->",
+        "<!-- generated from prune_audit/records/schema.py and manifest.py by `python -m prune_audit.records.docs`; do not edit -->",
         "",
         "A run directory holds `records.parquet` (one row per question) and `manifest.json`.",
         "Rows are keyed by (`split`, `question_id`): POPE question ids repeat across splits.",
@@ -39,12 +40,16 @@ def records_markdown() -> str:
         )
     lines += [
         "",
-        "`manifest.json` top-level keys: `version`, `git_revision`, `versions` {python, torch, transformers},",
-        "`model` {id, config_hash}, `processor` {mode, grid, ...}, `prompt` {template, system},",
-        "`dtype`, `device`, `attn_implementation`, `selector` {name, stage, options, positions, schedule},",
-        "`budget`, `realised_visual_tokens_avg`, `question_files` [{path, sha256}], `annotations` {path, sha256},",
-        "`seed`, `command`.",
+        "## manifest.json",
+        "",
+        "Top-level keys (`clip_text` for LLaVA, `positions` for Qwen2.5-VL). A resume must match the",
+        "configuration keys; `merge` refuses shards that differ in them.",
+        "",
+        "| key | configuration | meaning |",
+        "|---|---|---|",
     ]
+    for key, meaning in MANIFEST_KEYS:
+        lines.append(f"| {key} | {'yes' if key in CONFIG_FIELDS else 'no'} | {meaning} |")
     return "\n".join(lines) + "\n"
 
 

@@ -30,6 +30,40 @@ CONFIG_FIELDS = (
 )
 
 
+MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
+    ("version", "prune-audit version that wrote the run"),
+    ("git_revision", "git commit of the prune-audit source (null outside a checkout)"),
+    ("versions", "{python, torch, transformers} versions"),
+    ("model", "{id, config_hash}: model folder or hub id, and a hash of its config"),
+    ("family", "model family adapter: llava or qwen2_5_vl"),
+    ("prompt", "{template, system}: prompt template name and system prompt"),
+    ("dtype", "weights' dtype (float32, bfloat16, float16)"),
+    ("device", "torch device the model ran on"),
+    ("attn_implementation", "attention kernel (sdpa)"),
+    ("num_layers", "decoder layers of the language model"),
+    ("answer_tokens", "{yes, no}: token ids summed into p_yes and p_no"),
+    ("processor", "image processor: class, geometry mode, sizes, patch size; first_image: the first "
+     "question's TokenGeometry"),
+    ("clip_text", "LLaVA: CLIP text tower used for CDPruner relevance (null when none)"),
+    ("positions", "Qwen2.5-VL: position ids the pruned sequence keeps"),
+    ("selector", "{name, stage, options, positions, schedule, schedule_num_visual}: the selector as run "
+     "(schedule: [layer, keep] stages of in-LLM selectors for the first question's token count)"),
+    ("budget", "--budget (null for the unpruned run)"),
+    ("question_files", "[{path, sha256}] of the POPE files"),
+    ("annotations", "{path, sha256} of the COCO instances file (null without masks)"),
+    ("images", "folder of the question images"),
+    ("split", "--split (all by default)"),
+    ("limit", "--limit (null: every question)"),
+    ("num_questions", "questions in the run (all shards)"),
+    ("seed", "--seed of random selectors"),
+    ("command", "the command line as parsed (options that differ from their defaults)"),
+    ("threads", "{intra_op, inter_op, source, usable_cores}: torch threads and where the number came "
+     "from (--threads, OMP_NUM_THREADS or sched_getaffinity); not part of the configuration"),
+    ("realised_visual_tokens_avg", "mean visual_tokens_avg over the records, written when the run completes"),
+)
+"""Every top-level key of manifest.json with its meaning (docs/records.md is generated from it)."""
+
+
 def git_revision() -> str | None:
     """The prune-audit source revision, when running from a git checkout."""
     try:

@@ -51,6 +51,7 @@ class RunRequest:
     shard: Shard | None = None
     prompt_template: str | None = None
     clip_text: Path | None = None
+    threads: int | None = None
     command: str = ""
 
 
@@ -85,11 +86,14 @@ def plan_run(request: RunRequest) -> RunPlan:
     image_paths = _check_images(request, questions)
     coco = _load_annotations(request, questions)
     image_ids = _image_ids(questions, coco)
-    run_dir = _run_dir(request)
+    run_dir = _run_dir(request, selector)
     check_output_dir(run_dir, "run")
     check_writable(run_dir)
     _check_device(request.device)
     from prune_audit.models import load_vlm
+    from prune_audit.threads import configure_threads
+
+    threads = configure_threads(request.threads)
 
     vlm = load_vlm(
         request.model,
@@ -106,6 +110,7 @@ def plan_run(request: RunRequest) -> RunPlan:
     first = _prepare_first(vlm, questions[0], image_paths)
     budget = resolve_budget(budget, first.num_visual)
     manifest = _manifest(request, vlm, selector, budget, questions, first)
+    manifest["threads"] = threads
     pin_inputs(manifest, str(request.model), Path(request.images), image_paths)
     check_resumable(run_dir, manifest)
     shard = request.shard or launched
@@ -227,12 +232,27 @@ def _image_ids(questions: Sequence[PopeQuestion], coco: CocoInstances | None) ->
     return ids
 
 
-def _run_dir(request: RunRequest) -> Path:
+def _run_dir(request: RunRequest, selector: Selector | None) -> Path:
+    """--out, else runs/<model>-<selector>-<budget>[-<each option that differs from its default>]."""
     if request.out is not None:
         return Path(request.out)
-    model_name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(request.model).rstrip("/")).name) or "model"
-    suffix = "dense" if request.selector == "none" else f"{request.selector}-{request.budget}"
-    return Path("runs") / f"{model_name}-{suffix}"
+    model_name = _file_safe(Path(str(request.model).rstrip("/")).name) or "model"
+    if selector is None:
+        return Path("runs") / f"{model_name}-dense"
+    return Path("runs") / "-".join([model_name, request.selector, str(request.budget), *_changed_options(selector)])
+
+
+def _file_safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text)
+
+
+def _changed_options(selector: Selector) -> list[str]:
+    """Name parts of the options that differ from the defaults: budget_rule=paper -> "paper", alpha=0.5 -> "alpha0.5"."""
+    from prune_audit.pruners.base import option_defaults
+
+    defaults = option_defaults(type(selector))
+    changed = sorted((key, value) for key, value in selector.options().items() if defaults.get(key, value) != value)
+    return [_file_safe(str(value) if key == "budget_rule" else f"{key}{value}") for key, value in changed]
 
 
 def check_writable(run_dir: Path) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,8 +21,8 @@ from prune_audit.runner.build import last_visible_kept
 if TYPE_CHECKING:
     from prune_audit.models import Answer
 
-# COCO's most frequent POPE object; the demo model asks about its own first shape class instead
-DEFAULT_QUESTION = "Is there a person in the image?"
+FIGURES_DIR = Path("figures")
+"""Default parent of ``visualize``'s output folder: figures/<image stem>/."""
 
 
 @dataclass
@@ -31,10 +32,19 @@ class VisualizeRequest:
     selectors: Sequence[str] = ()
     budget: int | None = None
     question: str | None = None
+    object_name: str | None = None
     annotations: Path | None = None
     out: Path | None = None
+    clip_text: Path | None = None
     device: str = "auto"
     seed: int = 0
+
+
+def output_path(out: Path | None, default_dir: Path, stem: str) -> Path:
+    """``out`` itself when it names a .png/.svg file, else ``<out or default_dir>/<stem>.png``."""
+    if out is not None and out.suffix.lower() in {".png", ".svg"}:
+        return out
+    return (out or default_dir) / f"{stem}.png"
 
 
 def load_rgb(path: Path) -> np.ndarray:
@@ -46,16 +56,39 @@ def load_rgb(path: Path) -> np.ndarray:
     return np.asarray(open_rgb(path))
 
 
-def object_mask(annotations: Path | None, image_name: str, object_name: str | None) -> np.ndarray | None:
-    """The queried object's mask (union of its instances) when annotations name the image."""
-    if annotations is None or object_name is None:
+def object_mask(coco: Any, image_name: str, object_name: str | None) -> np.ndarray | None:
+    """The queried object's mask (union of its instances) when the annotations name the image."""
+    if coco is None or object_name is None:
         return None
-    from prune_audit.data.coco import CocoInstances
-
-    coco = CocoInstances.load(annotations)
     image_id = coco.image_id(Path(image_name).name)
     coco.category_id(object_name)
     return coco.category_mask(image_id, object_name)
+
+
+def load_annotations(path: Path | None) -> Any:
+    """CocoInstances of ``path`` (None stays None)."""
+    if path is None:
+        return None
+    from prune_audit.data.coco import CocoInstances
+
+    return CocoInstances.load(path)
+
+
+def _names_image(coco: Any, image: Path) -> bool:
+    try:
+        coco.image_id(image.name)
+    except PruneAuditError:
+        return False
+    return True
+
+
+def most_visible_object(coco: Any, image_name: str) -> str:
+    """The annotated category covering the most pixels of the image (ties: first annotated)."""
+    image_id = coco.image_id(Path(image_name).name)
+    names = coco.object_names(image_id)
+    if not names:
+        raise PruneAuditError(f"{image_name} has no annotated object; pass --object NAME")
+    return max(names, key=lambda name: int(coco.category_mask(image_id, name).sum()))
 
 
 def _question_object(question: str) -> str | None:
@@ -74,40 +107,102 @@ def _retention_text(mask: np.ndarray | None, geometry: TokenGeometry, kept: Sequ
 
     area = object_area(mask, geometry)
     retained, tokens, _ = retention(area.area_per_token, area.total_area, kept)
-    return f" | retention {retained:.2f} ({tokens} object tokens)"
+    return f"retention {retained:.2f} ({tokens} object token{'s' if tokens != 1 else ''})\n"
 
 
 def _stage_labels(answer: Answer, num_visual: int) -> list[str]:
+    """One label per stage: where it applies and how many of the ``num_visual`` tokens it keeps."""
     if not answer.stage_layers:
-        return [f"input: {len(answer.kept_stages[0]) if answer.kept_stages else num_visual} tokens"]
-    return [f"layer {layer}: {len(kept)} tokens" for layer, kept in zip(answer.stage_layers, answer.kept_stages)]
+        kept = len(answer.kept_stages[0]) if answer.kept_stages else num_visual
+        return [f"input: kept {kept} of {num_visual}"]
+    return [f"layer {layer}: kept {len(kept)} of {num_visual}" for layer, kept in zip(answer.stage_layers, answer.kept_stages)]
+
+
+@dataclass(frozen=True)
+class LiveSetup:
+    """What a live figure needs before the model runs: model, its display name, question, annotations."""
+
+    model_path: str
+    model_name: str
+    question: str
+    coco: Any
+
+
+def live_setup(request: VisualizeRequest) -> LiveSetup:
+    """Resolve the model, the annotations and the question.
+
+    The question is --question, else the POPE question about --object, else about the most
+    visible annotated object. The demo model (no --model) reads its own scene annotations
+    when the image is one of its scenes, and otherwise asks about its first shape class.
+    """
+    from prune_audit.data.pope_build import question_text
+
+    model_path, model_name, annotations = request.model, None, request.annotations
+    fallback = None
+    if model_path is None:
+        from prune_audit.data.scenes import CATEGORIES
+        from prune_audit.demo.assets import demo_assets
+
+        assets = demo_assets()
+        model_path, model_name, fallback = str(assets.model_dir), "demo model", CATEGORIES[0]
+        if annotations is None:
+            annotations = assets.annotations if _names_image(load_annotations(assets.annotations), request.image) else None
+    coco = load_annotations(annotations)
+    if request.question is not None:
+        question = request.question
+    elif request.object_name is not None:
+        question = question_text(request.object_name)
+    elif coco is not None:
+        question = question_text(most_visible_object(coco, request.image.name))
+    elif fallback is not None:
+        question = question_text(fallback)
+    else:
+        raise PruneAuditError("which object to ask about? pass --object NAME, --question TEXT, or --annotations "
+                              "COCO_FILE (asks about the most visible annotated object)")
+    return LiveSetup(model_path, model_name or Path(model_path.rstrip("/")).name, question, coco)
+
+
+def _skip_reason(vlm: Any, name: str) -> str | None:
+    """Why the model cannot run selector ``name`` (short, for a caption), or None when it can."""
+    from prune_audit.pruners import get_selector
+
+    try:
+        vlm.check_selector(get_selector(name))
+    except PruneAuditError as error:
+        message = str(error)
+        if "--clip-text" in message:
+            return "needs --clip-text PATH"
+        found = re.search(r"needs ([^,;(]+)", message)
+        return f"needs {found.group(1).strip()}" if found else message
+    return None
 
 
 def visualize_live(request: VisualizeRequest) -> Path:
-    """Run the model under each selector on one image and draw one panel per selector."""
+    """Run the model under each selector on one image and draw one panel (grid cell) per selector.
+
+    Without --selector every selector the model can run is drawn and the others are listed,
+    with the reason, under the grid.
+    """
     import torch
 
     from prune_audit.models import load_vlm
-    from prune_audit.pruners import get_selector
+    from prune_audit.pruners import get_selector, list_selectors
 
     if request.budget is not None and request.budget <= 0:
         raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
     pixels = load_rgb(request.image)
-    model_path, question = request.model, request.question or DEFAULT_QUESTION
-    if model_path is None:
-        from prune_audit.data.pope_build import question_text
-        from prune_audit.data.scenes import CATEGORIES
-        from prune_audit.demo.assets import demo_assets
-
-        model_path = str(demo_assets().model_dir)
-        question = request.question or question_text(CATEGORIES[0])
-    object_name = _question_object(question)
-    mask = object_mask(request.annotations, request.image.name, object_name)
-    vlm = load_vlm(model_path, device=request.device)
+    setup = live_setup(request)
+    mask = object_mask(setup.coco, request.image.name, _question_object(setup.question))
+    vlm = load_vlm(setup.model_path, device=request.device, clip_text=request.clip_text)
     from PIL import Image
 
-    prepared = vlm.prepare(Image.fromarray(pixels), question)
-    names = list(request.selectors) or ["none", *vlm.supported_selectors()]
+    prepared = vlm.prepare(Image.fromarray(pixels), setup.question)
+    if request.selectors:
+        names, skipped = list(request.selectors), {}
+    else:
+        reasons = {name: _skip_reason(vlm, name) for name in list_selectors()}
+        names = ["none", *(name for name, reason in reasons.items() if reason is None)]
+        skipped = {name: reason for name, reason in reasons.items() if reason is not None}
     budget = resolve_budget(request.budget, prepared.num_visual) or max(1, prepared.num_visual // 4)
     panels = []
     for name in names:
@@ -117,13 +212,14 @@ def visualize_live(request: VisualizeRequest) -> Path:
         generator = torch.Generator().manual_seed(request.seed)
         answer = vlm.answer([prepared], selector, None if selector is None else budget, generator=[generator])[0]
         stages = [list(k) for k in answer.kept_stages] or [list(range(prepared.num_visual))]
-        title = f"{name}" + ("" if selector is None else f" @ {budget}")
-        title += _retention_text(mask, prepared.geometry, last_visible_kept(answer.kept_stages, prepared.num_visual))
-        caption = f"answer {answer.answer} (confidence {answer.confidence:.2f})"
-        panels.append(Panel(title, prepared.geometry, stages, _stage_labels(answer, prepared.num_visual), caption, mask))
-    out = request.out or Path(f"{request.image.stem}-tokens.png")
-    suptitle = f"{Path(model_path).name} | {question}"
-    return draw_panels(pixels, panels, out, suptitle=suptitle)
+        title = "none (unpruned)" if selector is None else f"{name}, budget {budget}"
+        caption = _retention_text(mask, prepared.geometry, last_visible_kept(answer.kept_stages, prepared.num_visual))
+        caption += f"answer {answer.answer} (confidence {answer.confidence:.2f})"
+        labels = _stage_labels(answer, prepared.num_visual)
+        panels.append(Panel(title, prepared.geometry, stages, labels, caption, mask))
+    note = "not drawn: " + "; ".join(f"{name} ({reason})" for name, reason in skipped.items()) if skipped else ""
+    out = output_path(request.out, FIGURES_DIR / request.image.stem, "tokens")
+    return draw_panels(pixels, panels, out, suptitle=f"{setup.model_name} | {setup.question}", note=note)
 
 
 def visualize_record(run_dir: Path, question_id: int, split: str | None, out: Path | None) -> Path:
@@ -149,19 +245,19 @@ def visualize_record(run_dir: Path, question_id: int, split: str | None, out: Pa
     annotations = manifest.get("annotations") or {}
     mask = None
     if annotations.get("path") and row["label"] == "yes":
-        mask = object_mask(Path(annotations["path"]), row["image"], row["object"])
+        mask = object_mask(load_annotations(Path(annotations["path"])), row["image"], row["object"])
     stages = [list(k) for k in row["kept_stages"]]
     schedule = (manifest.get("selector") or {}).get("schedule") or []
-    labels = [f"layer {layer}: {len(kept)} tokens" for (layer, _), kept in zip(schedule, stages)] or [
-        f"input: {len(stages[0])} tokens"
+    total = geometry.num_tokens
+    labels = [f"layer {layer}: kept {len(kept)} of {total}" for (layer, _), kept in zip(schedule, stages)] or [
+        f"input: kept {len(stages[0])} of {total}"
     ]
-    selector = manifest["selector"]["name"]
+    selector, budget = manifest["selector"]["name"], manifest.get("budget")
     retention = row["retention"]
-    title = f"{selector} @ {manifest.get('budget')}" + (
-        "" if retention is None or math.isnan(retention) else f" | retention {retention:.2f}"
-    )
-    caption = f"answer {row['answer']} (confidence {row['confidence']:.2f}), label {row['label']}"
+    title = f"{selector}, budget {budget}" if budget is not None else f"{selector} (unpruned)"
+    caption = "" if retention is None or math.isnan(retention) else f"retention {retention:.2f}\n"
+    caption += f"answer {row['answer']} (confidence {row['confidence']:.2f}), label {row['label']}"
     panel = Panel(title, geometry, stages, labels, caption, mask)
-    out = out or Path(run_dir) / f"tokens-{row['split']}-{question_id}.png"
+    out = output_path(out, Path(run_dir), f"tokens-{row['split']}-{question_id}")
     suptitle = f"{Path(manifest['model']['id']).name} | {row['object']} ({row['split']} #{question_id})"
     return draw_panels(pixels, [panel], out, suptitle=suptitle)
