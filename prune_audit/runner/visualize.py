@@ -15,6 +15,7 @@ import numpy as np
 from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
+from prune_audit.records.stages import FIRST, StageChoice, record_stage
 from prune_audit.runner.safeguards import resolve_budget
 from prune_audit.runner.build import last_visible_kept
 
@@ -222,8 +223,13 @@ def visualize_live(request: VisualizeRequest) -> Path:
     return draw_panels(pixels, panels, out, suptitle=f"{setup.model_name} | {setup.question}", note=note)
 
 
-def visualize_record(run_dir: Path, question_id: int, split: str | None, out: Path | None) -> Path:
-    """Redraw exactly the recorded kept sets of one question of a run (no model needed)."""
+def visualize_record(
+    run_dir: Path, question_id: int, split: str | None, out: Path | None, stage: StageChoice = FIRST
+) -> Path:
+    """Redraw exactly the recorded kept sets of one question of a run (no model needed).
+
+    Every stage is drawn at its recorded decoder layer; the title gives the retention of ``stage``.
+    """
     import pyarrow.compute as pc
 
     from prune_audit.records.manifest import read_manifest
@@ -247,15 +253,18 @@ def visualize_record(run_dir: Path, question_id: int, split: str | None, out: Pa
     if annotations.get("path") and row["label"] == "yes":
         mask = object_mask(load_annotations(Path(annotations["path"])), row["image"], row["object"])
     stages = [list(k) for k in row["kept_stages"]]
-    schedule = (manifest.get("selector") or {}).get("schedule") or []
     total = geometry.num_tokens
-    labels = [f"layer {layer}: kept {len(kept)} of {total}" for (layer, _), kept in zip(schedule, stages)] or [
-        f"input: kept {len(stages[0])} of {total}"
-    ]
+    if (manifest.get("selector") or {}).get("stage") == "llm":
+        labels = [f"layer {layer}: kept {len(kept)} of {total}" for layer, kept in zip(row["stage_layers"], stages)]
+    else:
+        labels = [f"input: kept {len(stages[0])} of {total}"]
     selector, budget = manifest["selector"]["name"], manifest.get("budget")
-    retention = row["retention"]
+    chosen = record_stage(stages, stage, str(run_dir))
+    retention = row["retention_stages"][chosen]
     title = f"{selector}, budget {budget}" if budget is not None else f"{selector} (unpruned)"
-    caption = "" if retention is None or math.isnan(retention) else f"retention {retention:.2f}\n"
+    caption = "" if retention is None or math.isnan(retention) else (
+        f"retention {retention:.2f} at stage {stage.name} (layer {row['stage_layers'][chosen]})\n"
+    )
     caption += f"answer {row['answer']} (confidence {row['confidence']:.2f}), label {row['label']}"
     panel = Panel(title, geometry, stages, labels, caption, mask)
     out = output_path(out, Path(run_dir), f"tokens-{row['split']}-{question_id}")
