@@ -14,7 +14,7 @@ import pyarrow as pa
 from prune_audit.analysis.questions import QuestionTable
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import differing_fields, read_manifest
-from prune_audit.records.stages import FIRST, StageChoice, stage_values
+from prune_audit.records.stages import FIRST, StageChoice, StageValues, stage_values
 from prune_audit.records.store import RecordStore
 
 REQUIRED_COLUMNS = (
@@ -83,13 +83,17 @@ def load_run(path: Path | str, stage: StageChoice = FIRST) -> Run:
     records = RecordStore(path).read()
     if records.num_rows == 0:
         raise PruneAuditError(f"{path} holds no records; finish the run with prune-audit run first")
-    questions, described = question_table(records, str(path), stage)
-    return Run(path=path, manifest=manifest, questions=questions, stage=described)
+    at_stage = stage_values(records, stage, str(path))
+    questions = _question_table(records, str(path), at_stage)
+    return Run(path=path, manifest=manifest, questions=questions, stage=stage.describe(at_stage.layer))
 
 
-def question_table(records: pa.Table, source: str, stage: StageChoice = FIRST) -> tuple[QuestionTable, str]:
-    """The analysis columns of a records table (docs/records.md), retention and lost at ``stage``,
-    and the stage read in words (e.g. ``first (decoder layer 0)``)."""
+def question_table(records: pa.Table, source: str, stage: StageChoice = FIRST) -> QuestionTable:
+    """The analysis columns of a records table (docs/records.md), retention and lost at ``stage``."""
+    return _question_table(records, source, stage_values(records, stage, source))
+
+
+def _question_table(records: pa.Table, source: str, at_stage: StageValues) -> QuestionTable:
     for name in REQUIRED_COLUMNS:
         if name not in records.column_names or records[name].null_count:
             raise PruneAuditError(f"records of {source} lack column {name!r} in some rows; re-run to rewrite them")
@@ -98,8 +102,7 @@ def question_table(records: pa.Table, source: str, stage: StageChoice = FIRST) -
         unexpected = sorted(set(values.tolist()) - {"yes", "no"})
         if unexpected:
             raise PruneAuditError(f"records of {source}: column {name!r} holds {unexpected[0]!r}, expected yes or no")
-    at_stage = stage_values(records, stage, source)
-    table = QuestionTable(
+    return QuestionTable(
         split=records["split"].to_numpy(zero_copy_only=False).astype(str),
         question_id=records["question_id"].to_numpy().astype(np.int64),
         image_id=records["image_id"].to_numpy().astype(np.int64),
@@ -113,7 +116,6 @@ def question_table(records: pa.Table, source: str, stage: StageChoice = FIRST) -
         lost=at_stage.lost,
         cost_tokens=records["cost_tokens"].to_numpy().astype(np.float64),
     )
-    return table, stage.describe(at_stage.layer)
 
 
 def comparison_view(manifest: dict[str, Any]) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import FIRST, StageChoice, record_stage
+from prune_audit.runner.build import recorded_stages
 from prune_audit.runner.safeguards import resolve_budget
-from prune_audit.runner.build import last_visible_kept
 
 if TYPE_CHECKING:
     from prune_audit.models import Answer
@@ -102,13 +102,14 @@ def _question_object(question: str) -> str | None:
 
 
 def _retention_text(mask: np.ndarray | None, geometry: TokenGeometry, kept: Sequence[int]) -> str:
+    """Retention of ``kept`` (the first stage's kept set, as the records' ``retention``)."""
     if mask is None or not mask.any():
         return ""
     from prune_audit.data.retention import object_area, retention
 
     area = object_area(mask, geometry)
     retained, tokens, _ = retention(area.area_per_token, area.total_area, kept)
-    return f"retention {retained:.2f} ({tokens} object token{'s' if tokens != 1 else ''})\n"
+    return f"first-stage retention {retained:.2f} ({tokens} object token{'s' if tokens != 1 else ''})\n"
 
 
 def _stage_labels(answer: Answer, num_visual: int) -> list[str]:
@@ -214,7 +215,7 @@ def visualize_live(request: VisualizeRequest) -> Path:
         answer = vlm.answer([prepared], selector, None if selector is None else budget, generator=[generator])[0]
         stages = [list(k) for k in answer.kept_stages] or [list(range(prepared.num_visual))]
         title = "none (unpruned)" if selector is None else f"{name}, budget {budget}"
-        caption = _retention_text(mask, prepared.geometry, last_visible_kept(answer.kept_stages, prepared.num_visual))
+        caption = _retention_text(mask, prepared.geometry, recorded_stages(answer, prepared.num_visual)[0][0])
         caption += f"answer {answer.answer} (confidence {answer.confidence:.2f})"
         labels = _stage_labels(answer, prepared.num_visual)
         panels.append(Panel(title, prepared.geometry, stages, labels, caption, mask))

@@ -40,7 +40,7 @@ def intervention_report(
     object area and cells changed."""
     conditions = table["condition"].to_numpy(zero_copy_only=False)
     tables = {
-        name: question_table(table.filter(conditions == name), REPORT_FILE, source.stage)[0] for name in CONDITIONS
+        name: question_table(table.filter(conditions == name), REPORT_FILE, source.stage) for name in CONDITIONS
     }
     position = {key: index for index, key in enumerate(source.run.questions.keys())}
     intervened = [position[key] for key in tables["intervention"].keys()]
