@@ -111,6 +111,12 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     return manifest
 
 
+def images_dir(manifest: dict[str, Any]) -> Path:
+    """The run's image folder: ``images`` is {path, sha256, ...} (a plain path in early manifests)."""
+    images = manifest.get("images")
+    return Path(images["path"] if isinstance(images, dict) else images)
+
+
 def check_schema_version(manifest: dict[str, Any], run_dir: Path) -> None:
     """Refuse a run whose records schema is not this version's, rather than misread it."""
     version = manifest.get("records_schema") if isinstance(manifest, dict) else None

@@ -39,6 +39,7 @@ class StageChoice:
 
 
 FIRST = StageChoice("first", 0)
+LAST = StageChoice("last", None)
 
 
 def parse_stage(text: str | int) -> StageChoice:
@@ -47,7 +48,7 @@ def parse_stage(text: str | int) -> StageChoice:
     if value == "first":
         return FIRST
     if value == "last":
-        return StageChoice("last", None)
+        return LAST
     if value.isdigit():
         return StageChoice(value, int(value))
     raise PruneAuditError(f"--stage must be first, last or a stage index 0, 1, ..., got {text!r}")

@@ -7,9 +7,7 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from prune_audit.records.stages import FIRST, StageChoice, stage_values
-
-LAST = StageChoice("last", None)
+from prune_audit.records.stages import FIRST, LAST, stage_values
 
 
 def summarize(records: pa.Table) -> dict[str, float | int | str]:
