@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from prune_audit.analysis import metrics
 from prune_audit.analysis.temperature import split_images
 from prune_audit.cli.main import app
-from prune_audit.records.schema import RUN_SCHEMA
+from prune_audit.records.schema import RUN_SCHEMA, SCHEMA_VERSION
 from prune_audit.safety.ownership import OWNER_FILE
 from test_calibration import direct_ece
 
@@ -27,6 +27,7 @@ def manifest(selector="divprune", budget=64):
     selector_fields = {"name": selector, "stage": "input", "options": {}, "positions": "keep_original"}
     return {
         "version": "0.1.0",
+        "records_schema": SCHEMA_VERSION,
         "git_revision": None,
         "versions": {"python": "3.11", "torch": "2.13.0", "transformers": "5.24.0"},
         "model": {"id": "llava-hf/llava-1.5-7b-hf", "config_hash": "abc"},
@@ -82,13 +83,17 @@ def write_run(directory, seed, strength, tokens, images=24, lost_share=0.0, sele
                         "correct": answer == ("yes" if label_yes else "no"),
                         "kept": [0, 1, 2],
                         "kept_stages": [[0, 1, 2]],
+                        "stage_layers": [0],
                         "visual_tokens_avg": float(budget or 576),
                         "prefill_tokens": tokens + rng.integers(0, 5),
                         "cost_tokens": float(tokens),
                         "retention": retention,
+                        "retention_stages": [retention],
                         "visible_fraction": 1.0 if label_yes else float("nan"),
                         "object_tokens_kept": (0 if lost else 2) if label_yes else -1,
+                        "object_tokens_kept_stages": [(0 if lost else 2) if label_yes else -1],
                         "lost": lost,
+                        "lost_stages": [lost],
                         "object_area": 500 if label_yes else 0,
                         "latency_ms": 10.0,
                         "geometry": "{}",
@@ -150,6 +155,7 @@ def test_json_numbers_match_an_independent_computation(audit, runs):
     pruned, dense = frame(runs["pruned"]), frame(runs["dense"])
     run = report["runs"][0]
     assert run["model"] == "llava-hf/llava-1.5-7b-hf" and run["selector"] == "divprune" and run["budget"] == 64
+    assert run["stage"] == report["reference"]["stage"] == "first (decoder layer 0)"
     overall = run["metrics"]["all"]
     correct, confidence = pruned["correct"].to_numpy(), pruned["confidence"].to_numpy()
     assert overall["accuracy"]["value"] == pytest.approx(correct.mean())
@@ -202,7 +208,8 @@ def test_table_output_names_runs_and_sections(runs, tmp_path):
     result = runner.invoke(app, [*arguments, "--binning", "mass", "--out", str(tmp_path)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     for text in ("divprune@64", "dense (reference)", "temperature T", "ECE (mass)", "if lost", "minus reference",
-                 "ECE (mass) after scaling (test)", "debiased L2 error (equal-mass)", "dense accuracy if lost (same"):
+                 "ECE (mass) after scaling (test)", "debiased L2 error (equal-mass)", "dense accuracy if lost (same",
+                 "retention stage read", "first (decoder layer 0)"):
         assert text in result.stdout
     (aurc_line,) = [line for line in result.stdout.splitlines() if line.lstrip("│| ").startswith("AURC")]
     value = re.search(r"AURC\W+([0-9.e-]+) \[", aurc_line).group(1)
@@ -253,7 +260,9 @@ def test_refuses_runs_of_other_models_or_prompts_unless_forced(runs, tmp_path):
         (["calibrate", "{missing}"], "run directory not found"),
         (["calibrate", "{pruned}", "--binning", "quantile"], "--binning must be one of width, mass"),
         (["calibrate", "{pruned}", "--calibration-fraction", "1.5"], "strictly between 0 and 1"),
-        (["calibrate", "{broken}"], "lack column 'logit_diff'"),
+        (["calibrate", "{pruned}", "--stage", "deepest"], "--stage must be first, last or a stage index"),
+        (["calibrate", "{pruned}", "--stage", "1"], "--stage 1: records of"),
+        (["calibrate", "{broken}"], "lacks column logit_diff: it was written by an older prune-audit"),
         (["calibrate", "{empty}"], "not a run directory"),
     ],
 )

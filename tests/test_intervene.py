@@ -95,6 +95,27 @@ def test_swap_stages_keeps_sizes_and_nesting():
             assert set(added) <= set(stage) and set(stage) - set(added) <= set(before)
 
 
+def test_swap_stages_planned_on_an_earlier_stage_keeps_sizes_and_nesting():
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        cells = rng.permutation(36)
+        sizes = sorted(rng.choice(np.arange(1, 30), size=4, replace=False), reverse=True)
+        stages = [sorted(cells[:size].tolist()) for size in sizes] + [[]]
+        chosen = int(rng.integers(0, 4))
+        kept = set(stages[chosen])
+        count = int(rng.integers(1, min(len(kept), 36 - len(kept)) + 1))
+        removed = tuple(int(i) for i in rng.choice(sorted(kept), count, replace=False))
+        added = tuple(int(i) for i in rng.choice(sorted(set(range(36)) - kept), count, replace=False))
+        swapped = swap_stages(stages, Swap(removed, added), chosen)
+        assert [len(s) for s in swapped] == [len(s) for s in stages]
+        assert all(set(later) <= set(earlier) for earlier, later in zip(swapped, swapped[1:]))
+        assert set(swapped[chosen]) == (kept - set(removed)) | set(added)
+        assert all(set(added) <= set(stage) for stage in swapped[: chosen + 1])
+        for stage, before in zip(swapped[chosen + 1 :], stages[chosen + 1 :]):
+            assert set(stage) - set(added) == set(before) - set(removed)
+        assert swapped[-1] == []
+
+
 def test_swap_stages_rejects_an_unbalanced_swap():
     with pytest.raises(ValueError, match="as many"):
         swap_stages([[0, 1, 2]], Swap((0, 1), (5,)))
@@ -194,27 +215,30 @@ def test_remove_swaps_object_cells_against_kept_non_object_cells(workspace, runs
         assert control["retention"] == pytest.approx(original["retention"])
 
 
-def test_in_llm_stages_stay_nested_with_their_sizes(workspace, runs, tmp_path):
+@pytest.mark.parametrize("stage", ["last", "first"])
+def test_in_llm_stages_stay_nested_with_their_sizes(workspace, runs, tmp_path, stage):
     out = tmp_path / "pdrop"
-    result = intervene(runs["pdrop"], "--mode", "restore", "--bootstrap", "50", "--out", str(out))
+    result = intervene(runs["pdrop"], "--mode", "restore", "--bootstrap", "50", "--out", str(out), "--stage", stage)
     assert result.exit_code == 0, result.output
     schedule = json.loads((runs["pdrop"] / "manifest.json").read_text())["selector"]["schedule"]
     pairs = paired(out, runs["pdrop"])
     assert pairs
     grew = False
     for original, treated, control in pairs:
-        before = [list(stage) for stage in original["kept_stages"]]
-        kept = set(original["kept"])
+        before = [list(kept) for kept in original["kept_stages"]]
+        chosen = 0 if stage == "first" else max(i for i, kept in enumerate(before) if kept)
+        assert original["lost_stages"][chosen] is True and list(original["stage_layers"]) == [l for l, _ in schedule]
         for row in (treated, control):
-            after = [list(stage) for stage in row["kept_stages"]]
+            after = [list(kept) for kept in row["kept_stages"]]
             assert [len(s) for s in after] == [len(s) for s in before] == [keep for _, keep in schedule]
             assert all(set(later) <= set(earlier) for earlier, later in zip(after, after[1:]))
-            removed, added = changes(kept, row["kept"])
+            removed, added = changes(set(before[chosen]), after[chosen])
             assert len(removed) == len(added) == row["cells_changed"] and added <= set(after[0])
-            grew |= bool(added & set(before[0]))  # an added cell already alive before the last stage
+            grew |= bool(added & set(before[0]))  # an added cell already alive before the chosen stage
         area = object_cells(workspace, original)
-        assert all(area[cell] > 0 for cell in changes(kept, treated["kept"])[1])
-    assert grew, "no question exercised the rule for cells already kept at an earlier stage"
+        assert all(area[cell] > 0 for cell in changes(set(before[chosen]), treated["kept_stages"][chosen])[1])
+    assert grew or stage == "first", "no question exercised the rule for cells already kept at an earlier stage"
+    assert json.loads((out / "intervention.json").read_text())["stage"].startswith(stage)
 
 
 def test_report_numbers_come_from_the_records(runs, tmp_path):

@@ -73,3 +73,24 @@ def test_cache_decodes_each_image_category_once(shared_data):
     assert cache.get(397133, "person") is first and calls == [(397133, "person")]
     assert first.area_per_token.shape == (345,) and first.total_area == 18463
     assert not cache.get(397133, "giraffe").has_mask and len(cache) == 2
+
+
+def test_retention_by_stage_equals_the_single_version_at_every_stage():
+    from prune_audit.data.retention import ObjectArea, retention_by_stage
+
+    rng = np.random.default_rng(4)
+    areas, stages = [], []
+    for size in (9, 16, 12):
+        area = rng.integers(0, 3, size) * rng.integers(0, 2, size)
+        areas.append(ObjectArea(area, int(area.sum()) + 5, 0.9))
+        first = rng.choice(size, 6, replace=False)
+        stages.append([first, first[:3], first[:0]])
+    areas.append(None)  # a "no" question
+    stages.append([[0, 1]])
+    results = retention_by_stage(areas, stages)
+    for area, kept_stages, result in zip(areas[:-1], stages[:-1], results):
+        expected = [retention(area.area_per_token, area.total_area, kept) for kept in kept_stages]
+        assert result.retention == pytest.approx([e[0] for e in expected])
+        assert result.object_tokens_kept == [e[1] for e in expected] and result.lost == [e[2] for e in expected]
+        assert result.lost[-1] is True  # an empty stage loses every object
+    assert np.isnan(results[-1].retention).all() and results[-1].lost == [None]

@@ -127,6 +127,67 @@ def test_in_llm_selector_records_stages(workspace, tmp_path):
     assert (records["cost_tokens"] < records["prefill_tokens"]).all()
 
 
+IN_LLM_SELECTORS = ("dart", "e2s", "fastv", "pdrop", "sparsevlm", "v2drop")
+
+
+def test_every_in_llm_selector_is_listed():
+    from prune_audit.pruners import list_selectors, selector_class
+
+    assert set(IN_LLM_SELECTORS) == {name for name in list_selectors() if selector_class(name).stage == "llm"}
+
+
+@pytest.mark.parametrize("selector", IN_LLM_SELECTORS)
+def test_in_llm_stages_are_nested_and_retention_never_grows(workspace, tmp_path, selector):
+    out = tmp_path / selector
+    result = invoke(base_args(workspace, out, "--selector", selector, "--budget", "6", "--limit", "24"))
+    assert result.exit_code == 0, result.output
+    records = read_records(out)
+    layers = [layer for layer, _ in json.loads((out / "manifest.json").read_text())["selector"]["schedule"]]
+    masked = 0
+    for row in records.itertuples():
+        stages = [set(kept) for kept in row.kept_stages]
+        assert list(row.stage_layers) == layers and all(a >= b for a, b in zip(stages, stages[1:]))
+        for column in ("retention_stages", "object_tokens_kept_stages", "lost_stages"):
+            assert len(getattr(row, column)) == len(stages)
+        assert (row.object_tokens_kept, row.lost) == (row.object_tokens_kept_stages[0], row.lost_stages[0])
+        if row.lost is None:
+            assert np.isnan(row.retention_stages).all()
+            continue
+        masked += 1
+        assert row.retention == row.retention_stages[0]
+        assert np.all(np.diff(row.retention_stages) <= 1e-12), row.retention_stages
+        assert np.all(np.diff(row.object_tokens_kept_stages) <= 0)
+        assert all(not earlier or later for earlier, later in zip(row.lost_stages, row.lost_stages[1:]))
+    assert masked
+    first = int(records["lost"].dropna().sum())
+    assert f"lost objects, stage first (decoder layer 0)" not in result.output  # in-LLM: first stage is deeper
+    assert f"lost objects, stage first (decoder layer {layers[0]})" in " ".join(result.output.split())
+    assert f"{first} of {masked}" in result.output
+
+
+def test_a_run_of_an_older_version_is_refused_by_every_reader(workspace, tmp_path):
+    out = tmp_path / "old"
+    args = base_args(workspace, out, "--selector", "random", "--budget", "4", "--limit", "6")
+    assert invoke(args).exit_code == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["records_schema"]  # as written before per-stage records
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    commands = [
+        args,  # resume
+        ["calibrate", str(out), "--bootstrap", "10", "--out", str(tmp_path / "calibration")],
+        ["cascade", str(out), "--reference", str(out), "--out", str(tmp_path / "cascade")],
+        ["intervene", str(out), "--mode", "restore", "--out", str(tmp_path / "intervene")],
+        ["visualize", "--run", str(out), "--question-id", "1", "--out", str(tmp_path / "tokens.png")],
+        ["merge", str(out), "--out", str(tmp_path / "merged")],
+    ]
+    for command in commands:
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2, (command, result.output)
+        assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
+        assert "written by an older prune-audit" in result.stderr and "re-run with this version" in result.stderr
+    assert not any((tmp_path / name).exists() for name in ("calibration", "cascade", "intervene", "tokens.png", "merged"))
+
+
 def test_rerun_resumes_without_duplicates(workspace, tmp_path):
     out = tmp_path / "resume"
     args = base_args(workspace, out, "--selector", "uniform", "--budget", "4", "--limit", "12")

@@ -1,13 +1,17 @@
-"""Record store, manifest comparison and sharding: the runner's durable pieces."""
+"""Record store, manifest comparison, schema versions, stage selection and sharding: the durable pieces."""
 
 import json
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import differing_fields, read_manifest, write_manifest
 from prune_audit.records.schema import RUN_SCHEMA as SCHEMA
+from prune_audit.records.schema import SCHEMA_VERSION
+from prune_audit.records.stages import parse_stage, stage_values
 from prune_audit.records.store import RecordStore
 from prune_audit.runner.sharding import Shard, parse_shard, shard_questions
 
@@ -29,13 +33,17 @@ def make_row(order, split="random", question_id=None):
         "correct": False,
         "kept": [1, 2, 3],
         "kept_stages": [[1, 2, 3]],
+        "stage_layers": [0],
         "visual_tokens_avg": 3.0,
         "prefill_tokens": 20,
         "cost_tokens": 20.0,
         "retention": 0.5,
+        "retention_stages": [0.5],
         "visible_fraction": 1.0,
         "object_tokens_kept": 2,
+        "object_tokens_kept_stages": [2],
         "lost": False,
+        "lost_stages": [False],
         "object_area": 100,
         "latency_ms": 1.0,
         "geometry": "{}",
@@ -73,8 +81,8 @@ def test_records_readable_without_prune_audit(tmp_path):
 
 
 def test_manifest_differences_name_nested_fields(tmp_path):
-    old = {"selector": {"name": "e2s", "options": {"lam": 0.1}}, "budget": 64, "seed": 0}
-    new = {"selector": {"name": "e2s", "options": {"lam": 0.2}}, "budget": 128, "seed": 0}
+    old = {"records_schema": SCHEMA_VERSION, "selector": {"name": "e2s", "options": {"lam": 0.1}}, "budget": 64, "seed": 0}
+    new = {"records_schema": SCHEMA_VERSION, "selector": {"name": "e2s", "options": {"lam": 0.2}}, "budget": 128, "seed": 0}
     assert differing_fields(old, new) == ["selector.options.lam", "budget"]
     write_manifest(tmp_path, old)
     assert read_manifest(tmp_path) == json.loads(json.dumps(old))
@@ -96,3 +104,50 @@ def test_shards_partition_questions_by_image():
     for bad in ("4/4", "x", "1/0"):
         with pytest.raises(PruneAuditError):
             parse_shard(bad)
+
+
+@pytest.mark.parametrize("version", [None, 1])
+def test_manifest_of_an_older_version_is_refused(tmp_path, version):
+    write_manifest(tmp_path, {"records_schema": version} if version else {"version": "0.1.0"})
+    with pytest.raises(PruneAuditError, match="written by an older prune-audit.*re-run with this version"):
+        read_manifest(tmp_path)
+
+
+def test_records_without_the_stage_columns_are_refused(tmp_path):
+    old = SCHEMA.remove(SCHEMA.get_field_index("lost_stages"))
+    row = {key: value for key, value in make_row(0).items() if key != "lost_stages"}
+    pq.write_table(pa.Table.from_pylist([row], schema=old), tmp_path / "records.parquet")
+    store = RecordStore(tmp_path)
+    for read in (store.read, store.done_keys):
+        with pytest.raises(PruneAuditError, match="lacks column lost_stages: it was written by an older prune-audit or another tool; re-run with this version"):
+            read()
+
+
+def stage_rows():
+    """Three stages (layers 0, 2, 3) with the last one empty; one row without a mask."""
+    first = make_row(0) | {
+        "kept_stages": [[1, 2, 3, 4], [1, 2], []], "stage_layers": [0, 2, 3],
+        "retention_stages": [0.8, 0.4, 0.0], "object_tokens_kept_stages": [3, 1, 0], "lost_stages": [False, False, True],
+    }
+    no_mask = make_row(1) | {
+        "kept_stages": [[1, 2, 3, 4], [1, 2], []], "stage_layers": [0, 2, 3],
+        "retention_stages": [float("nan")] * 3, "object_tokens_kept_stages": [-1] * 3, "lost_stages": [None] * 3,
+    }
+    return pa.Table.from_pylist([first, no_mask], schema=SCHEMA)
+
+
+def test_stage_choice_first_last_and_index():
+    records = stage_rows()
+    first = stage_values(records, parse_stage("first"), "test")
+    np.testing.assert_array_equal(first.retention[:1], [0.8])
+    assert first.layer.tolist() == [0, 0] and first.lost[0] == 0.0 and np.isnan(first.lost[1])
+    last = stage_values(records, parse_stage("last"), "test")  # the last stage that keeps tokens
+    assert last.index.tolist() == [1, 1] and last.layer.tolist() == [2, 2] and last.retention[0] == 0.4
+    literal = stage_values(records, parse_stage("2"), "test")
+    assert literal.lost[0] == 1.0 and literal.object_tokens_kept.tolist() == [0, -1]
+    assert parse_stage("last").describe(last.layer) == "last (decoder layer 2)"
+    with pytest.raises(PruneAuditError, match="--stage 3: .* pass first, last or an index below 3"):
+        stage_values(records, parse_stage("3"), "test")
+    for bad in ("middle", "-1", "1.5"):
+        with pytest.raises(PruneAuditError, match="--stage must be first, last or a stage index"):
+            parse_stage(bad)

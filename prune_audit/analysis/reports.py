@@ -39,7 +39,8 @@ CSV_SECTIONS = ("metrics", "temperature", "survival", "difference_vs_reference")
 
 
 def run_identity(run: Run, label: str) -> dict:
-    return {"run": str(run.path), "label": label, "model": run.model, "selector": run.selector, "budget": run.budget}
+    return {"run": str(run.path), "label": label, "model": run.model, "selector": run.selector, "budget": run.budget,
+            "stage": run.stage}
 
 
 def calibration_report(

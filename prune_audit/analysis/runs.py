@@ -14,6 +14,7 @@ import pyarrow as pa
 from prune_audit.analysis.questions import QuestionTable
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import differing_fields, read_manifest
+from prune_audit.records.stages import FIRST, StageChoice, StageValues, stage_values
 from prune_audit.records.store import RecordStore
 
 REQUIRED_COLUMNS = (
@@ -28,7 +29,7 @@ REQUIRED_COLUMNS = (
     "correct",
     "cost_tokens",
 )
-"""Columns the analyses read that must hold a value in every row; ``retention`` and ``lost`` may be null."""
+"""Columns the analyses read that must hold a value in every row; ``lost`` may be null."""
 
 COMPARED_FIELDS = ("model", "question_files", "prompt")
 """Manifest fields that must agree for runs to be compared: model id, question-file hashes, prompt."""
@@ -36,11 +37,15 @@ COMPARED_FIELDS = ("model", "question_files", "prompt")
 
 @dataclass(frozen=True)
 class Run:
-    """One run directory: its manifest and its questions."""
+    """One run directory: its manifest and its questions, retention and lost read at ``stage``.
+
+    ``stage`` says which stage was read, e.g. ``first (decoder layer 0)``.
+    """
 
     path: Path
     manifest: dict[str, Any]
     questions: QuestionTable
+    stage: str = FIRST.name
 
     @property
     def selector(self) -> str:
@@ -68,8 +73,9 @@ class Run:
         return f"{self.model} | {self.selector} | {budget}"
 
 
-def load_run(path: Path | str) -> Run:
-    """Read a run directory; raises FileNotFoundError or PruneAuditError naming the problem."""
+def load_run(path: Path | str, stage: StageChoice = FIRST) -> Run:
+    """Read a run directory, retention and lost at ``stage``; raises FileNotFoundError or
+    PruneAuditError naming the problem (an older run's schema included)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(errno.ENOENT, "run directory not found", str(path))
@@ -77,11 +83,17 @@ def load_run(path: Path | str) -> Run:
     records = RecordStore(path).read()
     if records.num_rows == 0:
         raise PruneAuditError(f"{path} holds no records; finish the run with prune-audit run first")
-    return Run(path=path, manifest=manifest, questions=question_table(records, str(path)))
+    at_stage = stage_values(records, stage, str(path))
+    questions = _question_table(records, str(path), at_stage)
+    return Run(path=path, manifest=manifest, questions=questions, stage=stage.describe(at_stage.layer))
 
 
-def question_table(records: pa.Table, source: str) -> QuestionTable:
-    """The analysis columns of a records table (schema of docs/records.md)."""
+def question_table(records: pa.Table, source: str, stage: StageChoice = FIRST) -> QuestionTable:
+    """The analysis columns of a records table (docs/records.md), retention and lost at ``stage``."""
+    return _question_table(records, source, stage_values(records, stage, source))
+
+
+def _question_table(records: pa.Table, source: str, at_stage: StageValues) -> QuestionTable:
     for name in REQUIRED_COLUMNS:
         if name not in records.column_names or records[name].null_count:
             raise PruneAuditError(f"records of {source} lack column {name!r} in some rows; re-run to rewrite them")
@@ -100,18 +112,10 @@ def question_table(records: pa.Table, source: str) -> QuestionTable:
         confidence=records["confidence"].to_numpy().astype(np.float64),
         p_yes=records["p_yes_2way"].to_numpy().astype(np.float64),
         logit_diff=records["logit_diff"].to_numpy().astype(np.float64),
-        retention=_nullable_floats(records, "retention"),
-        lost=_nullable_floats(records, "lost"),
+        retention=at_stage.retention,
+        lost=at_stage.lost,
         cost_tokens=records["cost_tokens"].to_numpy().astype(np.float64),
     )
-
-
-def _nullable_floats(records: pa.Table, name: str) -> np.ndarray:
-    """(n,) float64 of a numeric or nullable boolean column, null -> NaN (all NaN when absent)."""
-    if name not in records.column_names:
-        return np.full(records.num_rows, np.nan)
-    values = records[name].to_pylist()
-    return np.array([np.nan if value is None else float(value) for value in values], dtype=np.float64)
 
 
 def comparison_view(manifest: dict[str, Any]) -> dict[str, Any]:

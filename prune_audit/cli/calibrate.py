@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from prune_audit.cli.common import handle_errors
+from prune_audit.cli.common import STAGE_HELP, handle_errors
 
 
 @handle_errors
@@ -35,6 +35,7 @@ def calibrate(
     force: Annotated[
         bool, typer.Option("--force", help="Compare runs even when model, question files or prompt differ.")
     ] = False,
+    stage: Annotated[str, typer.Option("--stage", help=STAGE_HELP)] = "first",
 ) -> None:
     """Calibration audit: POPE scores, confidence quality, temperature scaling and object survival.
 
@@ -59,18 +60,20 @@ def calibrate(
     from prune_audit.analysis.reports import calibration_files, calibration_report
     from prune_audit.analysis.runs import check_comparable, completeness, load_run
     from prune_audit.errors import PruneAuditError
+    from prune_audit.records.stages import parse_stage
     from prune_audit.safety.ownership import check_output_dir
 
     if binning not in BINNINGS:
         raise PruneAuditError(f"--binning must be one of {', '.join(BINNINGS)}, got {binning!r}")
     if bins < 1 or bootstrap < 1:
         raise PruneAuditError("--bins and --bootstrap must be at least 1")
+    choice = parse_stage(stage)
     outputs = {"runs": [str(p.resolve()) for p in run_dirs], "reference": reference and str(reference.resolve()),
                "bins": bins, "binning": binning, "bootstrap": bootstrap,
-               "calibration_fraction": calibration_fraction, "seed": seed}
+               "calibration_fraction": calibration_fraction, "seed": seed, "stage": choice.name}
     check_output_dir(out, "calibrate", outputs)
-    runs = [load_run(path) for path in run_dirs]
-    dense = load_run(reference) if reference is not None else None
+    runs = [load_run(path, choice) for path in run_dirs]
+    dense = load_run(reference, choice) if reference is not None else None
     differences = check_comparable([*runs, *([dense] if dense else [])], force)
     settings = CalibrationSettings(bins, binning, bootstrap, calibration_fraction, seed)  # type: ignore[arg-type]
     report = calibration_report(runs, dense, settings, differences)
@@ -146,6 +149,7 @@ def print_calibration_table(report: dict, out: Path) -> None:
             label = f"{name} {'before' if stage == 'test_before' else 'after'} scaling (test)"
             table.add_row(label, *(_cell(entry["temperature"][stage][key]) for entry in entries))
     table.add_section()
+    table.add_row("retention stage read", *(entry["stage"] for entry in entries))
     table.add_row("questions with lost object", *(_count(entry["survival"]["lost"]["count"]) for entry in entries))
     for name, key in (("accuracy if lost", "accuracy"), ("confidence if lost", "confidence")):
         table.add_row(name, *(_cell(entry["survival"]["lost"][key]) for entry in entries))

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from prune_audit.cli.common import handle_errors
+from prune_audit.cli.common import STAGE_HELP, handle_errors
 
 
 @handle_errors
@@ -39,6 +39,9 @@ def cascade(
     ] = False,
     out: Annotated[Path, typer.Option("--out", help="Directory for cascade.json and the plots.")] = Path("cascade"),
     json_output: Annotated[bool, typer.Option("--json", help="Print cascade.json instead of a table.")] = False,
+    stage: Annotated[
+        str, typer.Option("--stage", help=f"{STAGE_HELP} Stated in the output; the cascade reads no retention.")
+    ] = "first",
     force: Annotated[
         bool, typer.Option("--force", help="Run even when model, question files or prompt differ.")
     ] = False,
@@ -62,6 +65,7 @@ def cascade(
     from prune_audit.analysis.reports import cascade_files, cascade_report
     from prune_audit.analysis.runs import check_comparable, completeness, load_run, unique_labels
     from prune_audit.errors import PruneAuditError
+    from prune_audit.records.stages import parse_stage
     from prune_audit.safety.ownership import check_output_dir
 
     if reference is None:
@@ -69,12 +73,13 @@ def cascade(
     from prune_audit.analysis.cascade import DEFAULT_SWEEP
 
     targets = parse_epsilons(sweep) if sweep else []
+    choice = parse_stage(stage)
     outputs = {"runs": [str(p.resolve()) for p in pruned_runs], "reference": str(reference.resolve()),
                "epsilon": epsilon, "sweep": targets, "splits": splits, "calibration_fraction": calibration_fraction,
-               "seed": seed, "multi_stage": multi_stage}
+               "seed": seed, "multi_stage": multi_stage, "stage": choice.name}
     check_output_dir(out, "cascade", outputs)
-    stages = [load_run(path) for path in pruned_runs]
-    dense = load_run(reference)
+    stages = [load_run(path, choice) for path in pruned_runs]
+    dense = load_run(reference, choice)
     differences = check_comparable([*stages, dense], force)
     labels = unique_labels(stages)
     cascades = [(" -> ".join([*labels, "dense"]), stages)] if multi_stage else [
@@ -154,4 +159,6 @@ def print_cascade_table(report: dict, out: Path) -> None:
         "(uninformative -> perfect gating); test risk: mean disagreement with dense on the test images; held-out: "
         f"over {report['settings']['splits']} random image splits"
     )
+    stages = sorted({entry["stage"] for cascade in report["cascades"] for entry in cascade["stages"]})
+    console.print(f"retention stage read: {'; '.join(stages)} (the cascade uses no retention)")
     console.print(f"wrote cascade.json and plots to {out}")

@@ -27,6 +27,11 @@ ThreadsOption = Annotated[
 QuietOption = Annotated[
     bool, typer.Option("--quiet", help="No progress display (the live bar, or the plain lines in logs).")
 ]
+STAGE_HELP = (
+    "Stage whose retention and lost objects are read: first (the earliest point tokens leave the model), "
+    "last (the deepest stage that still keeps tokens) or a stage index 0, 1, ..."
+)
+"""Help of every analysis command's --stage (parsed by prune_audit.records.stages.parse_stage)."""
 
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, KeyError)
 

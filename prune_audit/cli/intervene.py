@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from prune_audit.cli.common import QuietOption, ThreadsOption, handle_errors
+from prune_audit.cli.common import STAGE_HELP, QuietOption, ThreadsOption, handle_errors
 
 
 @handle_errors
@@ -28,6 +28,9 @@ def intervene(
         typer.Option("--out", help="Output directory (default: RUN_DIR/intervene-MODE).", show_default=False),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    stage: Annotated[
+        str, typer.Option("--stage", help=f"{STAGE_HELP} Eligibility and swaps use its kept set.")
+    ] = "first",
     json_output: Annotated[bool, typer.Option("--json", help="Print intervention.json instead of a table.")] = False,
     threads: ThreadsOption = None,
     quiet: QuietOption = False,
@@ -48,12 +51,13 @@ def intervene(
     image-bootstrap interval, and the object area restored or removed.
     """
     from prune_audit.cli.progress import progress_reporter
+    from prune_audit.records.stages import parse_stage
     from prune_audit.runner.intervene import InterveneRequest, intervene as run_intervention
     from prune_audit.threads import configure_threads
 
     configure_threads(threads)
     request = InterveneRequest(run_dir=run_dir, mode=mode, max_cells=max_cells, controls=controls,
-                               bootstrap=bootstrap, seed=seed, out=out, device=device)
+                               bootstrap=bootstrap, seed=seed, out=out, device=device, stage=parse_stage(stage))
     with progress_reporter(quiet=quiet) as progress:
         result = run_intervention(request, progress.update)
     if json_output:
@@ -78,8 +82,8 @@ def print_intervention_table(report: dict, out: Path) -> None:
 
     report = json_ready(report)
     counts = report["questions"]
-    table = Table(title=f"{report['label']} | intervene --mode {report['mode']} | {counts['intervened']} questions, "
-                        f"{counts['images']} images (95% image-bootstrap intervals)")
+    table = Table(title=f"{report['label']} | intervene --mode {report['mode']} | stage {report['stage']} | "
+                        f"{counts['intervened']} questions, {counts['images']} images (95% image-bootstrap intervals)")
     for column in ("metric", "recorded", "intervention", "control", "intervention - control"):
         table.add_column(column)
     conditions = ("intervention", "control")

@@ -91,8 +91,12 @@ def _print_summary(result, plan) -> None:
         ("accuracy", f"{summary.get('accuracy', float('nan')):.4f}"),
         ("mean confidence", f"{summary.get('mean_confidence', float('nan')):.4f}"),
         ("avg visual tokens", f"{summary.get('visual_tokens_avg', float('nan')):.2f}"),
-        ("mean retention (yes questions)", f"{summary.get('mean_retention', float('nan')):.4f}"),
-        ("lost objects", f"{summary.get('lost_objects', 0)} of {summary.get('questions_with_mask', 0)}"),
+        (f"mean retention, stage {summary.get('first_stage', 'first')} (yes questions)",
+         f"{summary.get('mean_retention', float('nan')):.4f}"),
+        (f"lost objects, stage {summary.get('first_stage', 'first')}",
+         f"{summary.get('lost_objects', 0)} of {summary.get('questions_with_mask', 0)}"),
+        (f"lost objects, stage {summary.get('last_stage', 'last')}",
+         f"{summary.get('lost_objects_last_stage', 0)} of {summary.get('questions_with_mask', 0)}"),
     ]
     for name, value in rows:
         table.add_row(name, value)

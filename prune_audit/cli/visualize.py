@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from prune_audit.cli.common import ThreadsOption, fail, handle_errors
+from prune_audit.cli.common import STAGE_HELP, ThreadsOption, fail, handle_errors
 
 
 @handle_errors
@@ -24,6 +24,7 @@ def visualize(
     run: Annotated[Optional[Path], typer.Option("--run", help="Redraw a recorded question from this run directory (no model).")] = None,
     question_id: Annotated[Optional[int], typer.Option(help="With --run: the question id.")] = None,
     split: Annotated[Optional[str], typer.Option(help="With --run: the split, when the id repeats across splits.")] = None,
+    stage: Annotated[str, typer.Option(help=f"With --run: {STAGE_HELP}")] = "first",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for random selectors.")] = 0,
     threads: ThreadsOption = None,
@@ -46,7 +47,9 @@ def visualize(
     if run is not None:
         if question_id is None:
             raise fail("--run needs --question-id ID")
-        path = visualize_record(run, question_id, split, out)
+        from prune_audit.records.stages import parse_stage
+
+        path = visualize_record(run, question_id, split, out, parse_stage(stage))
     elif image is None:
         raise fail("pass an IMAGE, or --run RUN_DIR --question-id ID")
     else:

@@ -208,8 +208,9 @@ def retention_by_stage(
         else StageRetention([], [], [])
         for q, stages in enumerate(kept_stages)
     ]
-    for index, (q, _) in enumerate(pairs):
-        results[q].retention.append(float(batch.retention[index]))
-        results[q].object_tokens_kept.append(int(batch.object_tokens_kept[index]))
-        results[q].lost.append(bool(batch.lost[index]))
+    values = zip(batch.retention.tolist(), batch.object_tokens_kept.tolist(), batch.lost.tolist())
+    for (q, _), (retained, tokens, lost) in zip(pairs, values):
+        results[q].retention.append(retained)
+        results[q].object_tokens_kept.append(tokens)
+        results[q].lost.append(lost)
     return results

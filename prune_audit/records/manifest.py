@@ -10,6 +10,7 @@ from typing import Any
 
 from prune_audit import __version__
 from prune_audit.errors import PruneAuditError
+from prune_audit.records.schema import SCHEMA_VERSION
 from prune_audit.safety.atomic import write_text_atomic
 
 MANIFEST_FILE = "manifest.json"
@@ -32,6 +33,8 @@ CONFIG_FIELDS = (
 
 MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
     ("version", "prune-audit version that wrote the run"),
+    ("records_schema", "version of the record columns (records/schema.py SCHEMA_VERSION); every reader and resume "
+     "refuse another version"),
     ("git_revision", "git commit of the prune-audit source (null outside a checkout)"),
     ("versions", "{python, torch, transformers} versions"),
     ("model", "{id, config_hash}: model folder or hub id, and a hash of its config"),
@@ -87,17 +90,43 @@ def library_versions() -> dict[str, str]:
 
 
 def base_manifest() -> dict[str, Any]:
-    return {"version": __version__, "git_revision": git_revision(), "versions": library_versions()}
+    return {
+        "version": __version__,
+        "records_schema": SCHEMA_VERSION,
+        "git_revision": git_revision(),
+        "versions": library_versions(),
+    }
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:
+    """The run's manifest; refused unless its records follow this version's schema (``SCHEMA_VERSION``)."""
     path = Path(run_dir) / MANIFEST_FILE
     if not path.is_file():
         raise PruneAuditError(f"{run_dir} is not a run directory (no {MANIFEST_FILE}); pass a directory written by prune-audit run")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise PruneAuditError(f"{path} is not valid JSON ({error.msg}); re-run to rewrite it") from None
+    check_schema_version(manifest, run_dir)
+    return manifest
+
+
+def images_dir(manifest: dict[str, Any]) -> Path:
+    """The run's image folder: ``images`` is {path, sha256, ...} (a plain path in early manifests)."""
+    images = manifest.get("images")
+    return Path(images["path"] if isinstance(images, dict) else images)
+
+
+def check_schema_version(manifest: dict[str, Any], run_dir: Path) -> None:
+    """Refuse a run whose records schema is not this version's, rather than misread it."""
+    version = manifest.get("records_schema") if isinstance(manifest, dict) else None
+    if version == SCHEMA_VERSION:
+        return
+    written = "an older" if not isinstance(version, int) or version < SCHEMA_VERSION else "a newer"
+    raise PruneAuditError(
+        f"{run_dir} was written by {written} prune-audit (records schema {version or 1}, this version reads "
+        f"{SCHEMA_VERSION}); re-run with this version (into a new --out directory)"
+    )
 
 
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:

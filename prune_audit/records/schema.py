@@ -12,6 +12,14 @@ from typing import Any
 
 import pyarrow as pa
 
+SCHEMA_VERSION = 2
+"""Version of the record columns, written to every manifest as ``records_schema``.
+
+2: per-stage columns (``stage_layers``, ``*_stages``); ``retention``, ``object_tokens_kept``
+and ``lost`` are the first stage's values (1 computed them on the last non-empty stage).
+Readers and resume refuse any other version.
+"""
+
 RECORDS_FILE = "records.parquet"
 KEY_COLUMNS = ("split", "question_id")
 """Rows are keyed by (split, question_id): POPE question ids repeat across splits."""
@@ -69,9 +77,19 @@ RUN_COLUMNS: tuple[Column, ...] = (
         "kept",
         INT_LIST,
         "the last non-empty kept set: the visual tokens of the deepest decoder layers that still see any "
-        "(all tokens unpruned; for a schedule ending at 0 tokens, those alive before its last stage)",
+        "(all tokens unpruned; for a schedule ending at 0 tokens, those alive before its last stage); "
+        "the stage `--stage last` reads",
     ),
-    _run("kept_stages", pa.list_(INT_LIST), "kept grid indices after each stage (one entry for input-level selectors)"),
+    _run(
+        "kept_stages",
+        pa.list_(INT_LIST),
+        "kept grid indices after each stage, nested (one entry for input-level selectors, all tokens unpruned)",
+    ),
+    _run(
+        "stage_layers",
+        INT_LIST,
+        "for each stage, the decoder layer whose input its kept set is ([0] for input-level selectors and unpruned)",
+    ),
     _run("visual_tokens_avg", pa.float64(), "realised average number of visual tokens over decoder layers"),
     _run("prefill_tokens", pa.int64(), "tokens in the prefill sequence entering the first decoder layer (text + visual)"),
     _run(
@@ -80,10 +98,37 @@ RUN_COLUMNS: tuple[Column, ...] = (
         "the prefill sequence length averaged over decoder layers (= prefill_tokens for input-level selectors; "
         "less for in-LLM pruning); the cascade's cost unit",
     ),
-    _run("retention", pa.float64(), "object-area retention of `kept` (NaN for \"no\" questions and unknown masks)"),
+    _run(
+        "retention",
+        pa.float64(),
+        "object-area retention of the FIRST stage's kept set, the earliest point at which tokens leave the model "
+        "(NaN for \"no\" questions and unknown masks); = retention_stages[0]",
+    ),
+    _run(
+        "retention_stages",
+        pa.list_(pa.float64()),
+        "retention of each stage's kept set; non-increasing, since the sets are nested (NaN entries without a mask)",
+    ),
     _run("visible_fraction", pa.float64(), "mask fraction inside any token footprint (NaN when no mask)"),
-    _run("object_tokens_kept", pa.int64(), "number of kept tokens holding object pixels (-1 when no mask)"),
-    _run("lost", pa.bool_(), "object had pixels but none in kept tokens (null when no mask)", nullable=True),
+    _run(
+        "object_tokens_kept",
+        pa.int64(),
+        "number of the first stage's kept tokens holding object pixels (-1 when no mask); "
+        "= object_tokens_kept_stages[0]",
+    ),
+    _run("object_tokens_kept_stages", INT_LIST, "object_tokens_kept of each stage's kept set (-1 entries without a mask)"),
+    _run(
+        "lost",
+        pa.bool_(),
+        "object had pixels but none in the first stage's kept tokens (null when no mask); = lost_stages[0]",
+        nullable=True,
+    ),
+    _run(
+        "lost_stages",
+        pa.list_(pa.bool_()),
+        "lost at each stage (null entries without a mask); an empty stage (a schedule ending at 0 tokens) loses "
+        "every object",
+    ),
     _run("object_area", pa.int64(), "mask pixels of the queried object in the image (0 for \"no\" questions)"),
     _run("latency_ms", pa.float64(), "wall time of the prefill (batch prefill time / batch size)"),
     _run("geometry", pa.string(), "JSON of the image's `TokenGeometry` (lets `visualize --run` redraw without the model)"),

@@ -12,17 +12,18 @@ union of ``records.parquet`` and any parts, de-duplicated by key.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from prune_audit.records.schema import KEY_COLUMNS, RECORDS_FILE, RUN_SCHEMA
+from prune_audit.errors import PruneAuditError
+from prune_audit.records.schema import KEY_COLUMNS, RECORDS_FILE, RUN_SCHEMA, Record
 from prune_audit.safety.atomic import write_atomic
 
 PARTS_DIR = "parts"
+COMPACTION_RETRIES = 5
 
 
 def write_table_atomic(table: pa.Table, path: Path) -> None:
@@ -43,7 +44,7 @@ class RecordStore:
             return []
         return sorted(p for p in self.parts_dir.glob("part-*.parquet"))
 
-    def append(self, rows: Sequence[dict[str, Any]]) -> Path | None:
+    def append(self, rows: Sequence[Record]) -> Path | None:
         """Persist one batch of finished records as a new part file."""
         if not rows:
             return None
@@ -55,7 +56,7 @@ class RecordStore:
 
     def read(self) -> pa.Table:
         """All records present (compacted file and parts), de-duplicated by key, in question order."""
-        tables = [pq.read_table(p, schema=RUN_SCHEMA) for p in self._sources()]
+        tables = self._read_each(read_records_file)
         if not tables:
             return RUN_SCHEMA.empty_table()
         table = pa.concat_tables(tables)
@@ -63,8 +64,7 @@ class RecordStore:
 
     def done_keys(self) -> set[tuple[str, int]]:
         keys: set[tuple[str, int]] = set()
-        for path in self._sources():
-            table = pq.read_table(path, columns=list(KEY_COLUMNS))
+        for table in self._read_each(_read_keys):
             keys.update(zip(table["split"].to_pylist(), table["question_id"].to_pylist()))
         return keys
 
@@ -79,9 +79,44 @@ class RecordStore:
             self.parts_dir.rmdir()
         return table
 
+    def _read_each(self, read: Callable[[Path], pa.Table]) -> list[pa.Table]:
+        """``read`` of every source; restarted when a part vanishes (another process compacted it into
+        ``records.parquet`` meanwhile, so the next listing holds its rows)."""
+        for _ in range(COMPACTION_RETRIES):
+            try:
+                return [read(path) for path in self._sources()]
+            except FileNotFoundError:
+                continue
+        return [read(path) for path in self._sources()]
+
     def _sources(self) -> list[Path]:
         compacted = self.run_dir / RECORDS_FILE
         return ([compacted] if compacted.is_file() else []) + self.part_files()
+
+
+def check_records_schema(path: Path, schema: pa.Schema = RUN_SCHEMA) -> None:
+    """Refuse a records file whose columns or types differ from this version's schema."""
+    found = pq.read_schema(path)
+    expected = {field.name: field.type for field in schema}
+    present = {field.name: field.type for field in found}
+    missing = [name for name in expected if name not in present]
+    changed = [name for name in expected if name in present and present[name] != expected[name]]
+    if missing or changed:
+        what = f"lacks column {', '.join(missing)}" if missing else f"has other types for {', '.join(changed)}"
+        raise PruneAuditError(
+            f"{path} {what}: it was written by an older prune-audit or another tool; re-run with this version"
+        )
+
+
+def read_records_file(path: Path, schema: pa.Schema = RUN_SCHEMA) -> pa.Table:
+    """One records file, checked against ``schema`` and cast to it (column order included)."""
+    check_records_schema(path, schema)
+    return pq.read_table(path).select(schema.names).cast(schema)
+
+
+def _read_keys(path: Path) -> pa.Table:
+    check_records_schema(path)
+    return pq.read_table(path, columns=list(KEY_COLUMNS))
 
 
 def _sorted_unique(table: pa.Table) -> pa.Table:

@@ -1,6 +1,6 @@
 """``prune-audit run``, step 3: answers + token geometry + object masks -> one record per question.
 
-Retention is computed for a whole batch at once through ``ObjectAreaCache`` and
+Retention is computed at every stage, for a whole batch at once through ``ObjectAreaCache`` and
 ``retention_by_stage`` (the path ``benchmarks/retention.py`` times). The columns are
 those of ``prune_audit.records.schema.RUN_COLUMNS``.
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prune_audit.data.retention import ObjectArea, ObjectAreaCache, retention_by_stage
+from prune_audit.data.retention import ObjectArea, ObjectAreaCache, StageRetention, retention_by_stage
 from prune_audit.records.schema import Record
 
 if TYPE_CHECKING:
@@ -52,23 +52,38 @@ def last_visible_kept(kept_stages: Sequence[Sequence[int]], num_visual: int) -> 
     return []
 
 
+def recorded_stages(answer: Answer, num_visual: int) -> tuple[list[list[int]], list[int]]:
+    """(kept set of each stage, decoder layer whose input it is): one stage at layer 0 for
+    input-level selectors, and for the unpruned model (every token)."""
+    if not answer.kept_stages:
+        return [list(range(num_visual))], [0]
+    kept_stages = [list(kept) for kept in answer.kept_stages]
+    layers = list(answer.stage_layers) or [0]
+    if len(layers) != len(kept_stages):
+        raise ValueError(f"{len(kept_stages)} kept sets for {len(layers)} stage layers")
+    return kept_stages, layers
+
+
 def build_records(answered: Sequence[AnsweredQuestion], areas: Sequence[ObjectArea | None]) -> list[Record]:
-    """One record per answered question; ``areas[i]`` is question i's object area (or None)."""
-    kept = [last_visible_kept(a.answer.kept_stages, a.prepared.num_visual) for a in answered]
-    retained = retention_by_stage(areas, [[k] for k in kept])
+    """One record per answered question; ``areas[i]`` is question i's object area (or None).
+
+    Retention is computed at every stage; ``retention``, ``object_tokens_kept`` and ``lost``
+    are the first stage's values.
+    """
+    stages = [recorded_stages(item.answer, item.prepared.num_visual) for item in answered]
+    retained = retention_by_stage(areas, [kept_stages for kept_stages, _ in stages])
     return [
-        _record(item, area, item_kept, stages.retention[0], stages.object_tokens_kept[0], stages.lost[0])
-        for item, area, item_kept, stages in zip(answered, areas, kept, retained)
+        _record(item, area, kept_stages, layers, by_stage)
+        for item, area, (kept_stages, layers), by_stage in zip(answered, areas, stages, retained)
     ]
 
 
 def _record(
     item: AnsweredQuestion,
     area: ObjectArea | None,
-    kept: list[int],
-    retention: float,
-    object_tokens_kept: int,
-    lost: bool | None,
+    kept_stages: list[list[int]],
+    stage_layers: list[int],
+    by_stage: StageRetention,
 ) -> Record:
     question, answer, prepared = item.question, item.answer, item.prepared
     has_mask = area is not None and area.has_mask
@@ -86,16 +101,20 @@ def _record(
         "logit_diff": answer.logit_diff,
         "confidence": answer.confidence,
         "correct": answer.answer == question.label,
-        "kept": kept,
-        "kept_stages": [list(k) for k in answer.kept_stages] or [list(range(prepared.num_visual))],
+        "kept": last_visible_kept(answer.kept_stages, prepared.num_visual),
+        "kept_stages": kept_stages,
+        "stage_layers": stage_layers,
         "visual_tokens_avg": answer.visual_tokens_avg,
         "prefill_tokens": answer.prefill_tokens,
         # in-LLM pruning shortens the sequence only from its first stage on
         "cost_tokens": answer.prefill_tokens - answer.tokens_per_layer[0] + answer.visual_tokens_avg,
-        "retention": retention,
+        "retention": by_stage.retention[0],
+        "retention_stages": by_stage.retention,
         "visible_fraction": area.visible_fraction if has_mask else math.nan,
-        "object_tokens_kept": object_tokens_kept,
-        "lost": lost,
+        "object_tokens_kept": by_stage.object_tokens_kept[0],
+        "object_tokens_kept_stages": by_stage.object_tokens_kept,
+        "lost": by_stage.lost[0],
+        "lost_stages": by_stage.lost,
         "object_area": area.total_area if has_mask else 0,
         "latency_ms": answer.latency_ms,
         "geometry": json.dumps(prepared.geometry.to_dict()),

@@ -87,6 +87,7 @@ def execute(
         answer_batches(plan, todo, store, answered)
         group.barrier()
         complete = len(store.done_keys()) == len(plan.questions)
+        group.barrier()  # every rank has counted before the leader compacts the parts away
         if complete and leader:
             records = store.compact()
             _finish_manifest(plan, records)

@@ -7,9 +7,15 @@ import math
 import numpy as np
 import pyarrow as pa
 
+from prune_audit.records.stages import FIRST, LAST, stage_values
 
-def summarize(records: pa.Table) -> dict[str, float | int]:
-    """One-screen summary numbers of a records table (``RUN_SCHEMA``)."""
+
+def summarize(records: pa.Table) -> dict[str, float | int | str]:
+    """One-screen summary numbers of a records table (``RUN_SCHEMA``).
+
+    Retention and lost objects are given at the first stage (the earliest point at which
+    tokens leave the model) and lost objects also at the last stage that keeps tokens.
+    """
     n = records.num_rows
     if n == 0:
         return {"questions": 0}
@@ -17,15 +23,18 @@ def summarize(records: pa.Table) -> dict[str, float | int]:
     def column(name: str) -> np.ndarray:
         return np.asarray(records[name].to_pylist(), dtype=float)
 
-    lost = [v for v in records["lost"].to_pylist() if v is not None]
-    retention_values = column("retention")
+    first, last = (stage_values(records, choice, "the run") for choice in (FIRST, LAST))
+    with_mask = np.isfinite(first.lost)
     return {
         "questions": n,
         "accuracy": float(np.mean(column("correct"))),
         "mean_confidence": float(np.mean(column("confidence"))),
         "visual_tokens_avg": float(np.mean(column("visual_tokens_avg"))),
-        "mean_retention": float(np.nanmean(retention_values)) if np.isfinite(retention_values).any() else math.nan,
-        "lost_objects": int(sum(lost)),
-        "questions_with_mask": len(lost),
+        "mean_retention": float(np.nanmean(first.retention)) if np.isfinite(first.retention).any() else math.nan,
+        "lost_objects": int(np.sum(first.lost[with_mask])),
+        "lost_objects_last_stage": int(np.sum(last.lost[with_mask])),
+        "first_stage": FIRST.describe(first.layer),
+        "last_stage": LAST.describe(last.layer),
+        "questions_with_mask": int(with_mask.sum()),
         "mean_latency_ms": float(np.mean(column("latency_ms"))),
     }

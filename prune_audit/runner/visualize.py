@@ -15,8 +15,9 @@ import numpy as np
 from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
+from prune_audit.records.stages import FIRST, StageChoice, record_stage
+from prune_audit.runner.build import recorded_stages
 from prune_audit.runner.safeguards import resolve_budget
-from prune_audit.runner.build import last_visible_kept
 
 if TYPE_CHECKING:
     from prune_audit.models import Answer
@@ -101,13 +102,14 @@ def _question_object(question: str) -> str | None:
 
 
 def _retention_text(mask: np.ndarray | None, geometry: TokenGeometry, kept: Sequence[int]) -> str:
+    """Retention of ``kept`` (the first stage's kept set, as the records' ``retention``)."""
     if mask is None or not mask.any():
         return ""
     from prune_audit.data.retention import object_area, retention
 
     area = object_area(mask, geometry)
     retained, tokens, _ = retention(area.area_per_token, area.total_area, kept)
-    return f"retention {retained:.2f} ({tokens} object token{'s' if tokens != 1 else ''})\n"
+    return f"first-stage retention {retained:.2f} ({tokens} object token{'s' if tokens != 1 else ''})\n"
 
 
 def _stage_labels(answer: Answer, num_visual: int) -> list[str]:
@@ -213,7 +215,7 @@ def visualize_live(request: VisualizeRequest) -> Path:
         answer = vlm.answer([prepared], selector, None if selector is None else budget, generator=[generator])[0]
         stages = [list(k) for k in answer.kept_stages] or [list(range(prepared.num_visual))]
         title = "none (unpruned)" if selector is None else f"{name}, budget {budget}"
-        caption = _retention_text(mask, prepared.geometry, last_visible_kept(answer.kept_stages, prepared.num_visual))
+        caption = _retention_text(mask, prepared.geometry, recorded_stages(answer, prepared.num_visual)[0][0])
         caption += f"answer {answer.answer} (confidence {answer.confidence:.2f})"
         labels = _stage_labels(answer, prepared.num_visual)
         panels.append(Panel(title, prepared.geometry, stages, labels, caption, mask))
@@ -222,11 +224,16 @@ def visualize_live(request: VisualizeRequest) -> Path:
     return draw_panels(pixels, panels, out, suptitle=f"{setup.model_name} | {setup.question}", note=note)
 
 
-def visualize_record(run_dir: Path, question_id: int, split: str | None, out: Path | None) -> Path:
-    """Redraw exactly the recorded kept sets of one question of a run (no model needed)."""
+def visualize_record(
+    run_dir: Path, question_id: int, split: str | None, out: Path | None, stage: StageChoice = FIRST
+) -> Path:
+    """Redraw exactly the recorded kept sets of one question of a run (no model needed).
+
+    Every stage is drawn at its recorded decoder layer; the title gives the retention of ``stage``.
+    """
     import pyarrow.compute as pc
 
-    from prune_audit.records.manifest import read_manifest
+    from prune_audit.records.manifest import images_dir, read_manifest
     from prune_audit.records.store import RecordStore
 
     manifest = read_manifest(run_dir)
@@ -241,21 +248,24 @@ def visualize_record(run_dir: Path, question_id: int, split: str | None, out: Pa
         raise PruneAuditError(f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split")
     row = rows[0]
     geometry = TokenGeometry(**json.loads(row["geometry"]))
-    pixels = load_rgb(Path(manifest["images"]) / row["image"])
+    pixels = load_rgb(images_dir(manifest) / row["image"])
     annotations = manifest.get("annotations") or {}
     mask = None
     if annotations.get("path") and row["label"] == "yes":
         mask = object_mask(load_annotations(Path(annotations["path"])), row["image"], row["object"])
     stages = [list(k) for k in row["kept_stages"]]
-    schedule = (manifest.get("selector") or {}).get("schedule") or []
     total = geometry.num_tokens
-    labels = [f"layer {layer}: kept {len(kept)} of {total}" for (layer, _), kept in zip(schedule, stages)] or [
-        f"input: kept {len(stages[0])} of {total}"
-    ]
+    if (manifest.get("selector") or {}).get("stage") == "llm":
+        labels = [f"layer {layer}: kept {len(kept)} of {total}" for layer, kept in zip(row["stage_layers"], stages)]
+    else:
+        labels = [f"input: kept {len(stages[0])} of {total}"]
     selector, budget = manifest["selector"]["name"], manifest.get("budget")
-    retention = row["retention"]
+    chosen = record_stage(stages, stage, str(run_dir))
+    retention = row["retention_stages"][chosen]
     title = f"{selector}, budget {budget}" if budget is not None else f"{selector} (unpruned)"
-    caption = "" if retention is None or math.isnan(retention) else f"retention {retention:.2f}\n"
+    caption = "" if retention is None or math.isnan(retention) else (
+        f"retention {retention:.2f} at stage {stage.name} (layer {row['stage_layers'][chosen]})\n"
+    )
     caption += f"answer {row['answer']} (confidence {row['confidence']:.2f}), label {row['label']}"
     panel = Panel(title, geometry, stages, labels, caption, mask)
     out = output_path(out, Path(run_dir), f"tokens-{row['split']}-{question_id}")

@@ -56,12 +56,13 @@ def intervene(request: InterveneRequest, on_progress: Callable[[int, int], None]
     check_request(request)
     out = Path(request.out) if request.out is not None else Path(request.run_dir) / f"intervene-{request.mode}"
     settings = {"run": str(Path(request.run_dir).resolve()), "mode": request.mode, "max_cells": request.max_cells,
-                "controls": request.controls, "bootstrap": request.bootstrap, "seed": request.seed}
+                "controls": request.controls, "bootstrap": request.bootstrap, "seed": request.seed,
+                "stage": request.stage.name}
     check_output_dir(out, "intervene", settings)
     check_writable(out)
-    source = load_source(request.run_dir)
+    source = load_source(request.run_dir, request.stage)
     check_swappable(source)
-    eligible = eligible_records(source.records, request.mode)
+    eligible = eligible_records(source, request.mode)
     rows, skipped = answer_swaps(request, source, eligible, on_progress)
     if not rows:
         reasons = "; ".join(f"{reason} ({count})" for reason, count in skipped.items())

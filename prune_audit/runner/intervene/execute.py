@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -13,6 +12,7 @@ import numpy as np
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.retention import ObjectAreaCache
 from prune_audit.errors import PruneAuditError
+from prune_audit.records.manifest import images_dir
 from prune_audit.records.schema import Record
 from prune_audit.runner.execute import question_seed
 from prune_audit.runner.intervene.build import intervention_rows
@@ -41,17 +41,18 @@ def answer_swaps(
     skipped: Counter = Counter()
     for done, record in enumerate(eligible, start=1):
         question = questions[(record["split"], record["question_id"])]
-        prepared = prepare_question(vlm, Path(manifest["images"]) / record["image"], question.text)
+        prepared = prepare_question(vlm, images_dir(manifest) / record["image"], question.text)
         check_geometry(record, prepared)
         area = areas.get(record["image_id"], record["object"], prepared.geometry)
         rng = np.random.default_rng(question_seed(request.seed, record["split"], record["question_id"]))
+        stage = source.chosen(record)
         try:
-            pair = plan_swaps(request.mode, record["kept"], area.area_per_token, request.max_cells, rng)
+            pair = plan_swaps(request.mode, record["kept_stages"][stage], area.area_per_token, request.max_cells, rng)
         except NoSwap as reason:
             skipped[str(reason)] += 1
         else:
             swaps = pair.by_condition()
-            answers = forcing.answer(prepared, record["kept_stages"], list(swaps.values()))
+            answers = forcing.answer(prepared, record, stage, list(swaps.values()))
             rows += intervention_rows(question, record, prepared, area, swaps, answers)
         if on_progress:
             on_progress(done, len(eligible))
@@ -94,8 +95,8 @@ class Forcing:
     """Answers one prepared question under several swaps of its recorded kept sets, in one batch.
 
     Input-level runs force the swapped set directly (no selector). In-LLM runs force the
-    swapped stage sets at the stage layers of the run's selector schedule for this token
-    count, with the selector passed so the loop uses the run's position mode.
+    swapped stage sets at the record's ``stage_layers``, with the selector passed so the
+    loop uses the run's position mode.
     """
 
     def __init__(self, vlm: VisionLanguageModel, manifest: dict[str, Any]) -> None:
@@ -103,21 +104,14 @@ class Forcing:
 
         description = manifest["selector"]
         self.vlm = vlm
-        self.budget = manifest["budget"]
         self.in_llm = description["stage"] == "llm"
         self.selector = get_selector(description["name"], **description["options"]) if self.in_llm else None
 
-    def answer(self, prepared: Prepared, kept_stages: Sequence[Sequence[int]], swaps: Sequence[Swap]) -> list[Answer]:
-        forced = [swap_stages(kept_stages, swap) for swap in swaps]
+    def answer(self, prepared: Prepared, record: Record, stage: int, swaps: Sequence[Swap]) -> list[Answer]:
+        """The answers under each swap, planned on the record's stage ``stage``."""
+        forced = [swap_stages(record["kept_stages"], swap, stage) for swap in swaps]
         batch = [prepared] * len(swaps)
         if not self.in_llm:
             return self.vlm.answer(batch, forced_kept=[stages[0] for stages in forced])
-        schedule = self.selector.schedule(self.vlm.num_layers, prepared.num_visual, self.budget)
-        layers = [stage.layer for stage in schedule]
-        if len(layers) != len(kept_stages):
-            raise PruneAuditError(
-                f"the record holds {len(kept_stages)} stages but the selector's schedule has {len(layers)}; "
-                "the run was made with another selector version"
-            )
-        stages = [list(zip(layers, sets)) for sets in forced]
+        stages = [list(zip(record["stage_layers"], sets)) for sets in forced]
         return self.vlm.answer(batch, self.selector, forced_stages=stages)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prune_audit.analysis.runs import Run, load_run
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.schema import Record
+from prune_audit.records.stages import FIRST, StageChoice, record_stage
 from prune_audit.records.store import RecordStore
 from prune_audit.runner.intervene.swaps import MODES, REMOVE_MAX_OBJECT_CELLS
 
@@ -28,6 +29,7 @@ class InterveneRequest:
     seed: int = 0
     out: Path | None = None
     device: str = "auto"
+    stage: StageChoice = FIRST
 
 
 @dataclass
@@ -36,6 +38,12 @@ class InterventionSource:
 
     run: Run
     records: list[Record]
+    stage: StageChoice = FIRST
+    stage_index: dict[tuple[str, int], int] = field(default_factory=dict)
+    """The chosen stage of every record, by (split, question_id)."""
+
+    def chosen(self, record: Record) -> int:
+        return self.stage_index[(record["split"], record["question_id"])]
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -54,9 +62,9 @@ def check_request(request: InterveneRequest) -> None:
         raise PruneAuditError(f"--bootstrap must be at least 1, got {request.bootstrap}")
 
 
-def load_source(run_dir: Path) -> InterventionSource:
-    """The run, refused when unpruned, without annotations, or when its inputs changed since."""
-    run = load_run(run_dir)
+def load_source(run_dir: Path, stage: StageChoice = FIRST) -> InterventionSource:
+    """The run read at ``stage``, refused when unpruned, without annotations, or when its inputs changed."""
+    run = load_run(run_dir, stage)
     manifest = run.manifest
     if run.selector == "dense":
         raise PruneAuditError(f"{run_dir} is an unpruned run; intervene swaps the kept tokens of a pruned run")
@@ -65,7 +73,9 @@ def load_source(run_dir: Path) -> InterventionSource:
             f"{run_dir} was run without annotations; intervene needs the object masks: re-run with --annotations FILE"
         )
     check_inputs_unchanged(manifest)
-    return InterventionSource(run, RecordStore(run_dir).read().to_pylist())
+    records = RecordStore(run_dir).read().to_pylist()
+    chosen = {(r["split"], r["question_id"]): record_stage(r["kept_stages"], stage, str(run_dir)) for r in records}
+    return InterventionSource(run, records, stage, chosen)
 
 
 def check_inputs_unchanged(manifest: dict[str, Any]) -> None:
@@ -84,16 +94,23 @@ def check_inputs_unchanged(manifest: dict[str, Any]) -> None:
             )
 
 
-def eligible_records(records: Sequence[Record], mode: str) -> list[Record]:
-    """The records the mode applies to (restore: lost objects; remove: 1..32 kept object cells)."""
+def eligible_records(source: InterventionSource, mode: str) -> list[Record]:
+    """The records the mode applies to at the chosen stage (restore: lost objects; remove: 1..32
+    kept object cells)."""
+    records = source.records
     if mode == "restore":
-        eligible = [row for row in records if row["lost"] is True]
+        eligible = [row for row in records if row["lost_stages"][source.chosen(row)] is True]
         what = "whose object lost all tokens"
     else:
-        eligible = [row for row in records if 1 <= row["object_tokens_kept"] <= REMOVE_MAX_OBJECT_CELLS]
+        eligible = [
+            row for row in records
+            if 1 <= row["object_tokens_kept_stages"][source.chosen(row)] <= REMOVE_MAX_OBJECT_CELLS
+        ]
         what = f"whose object kept 1..{REMOVE_MAX_OBJECT_CELLS} tokens"
     if not eligible:
-        raise PruneAuditError(f"no eligible questions for --mode {mode}: the run has no question {what}")
+        raise PruneAuditError(
+            f"no eligible questions for --mode {mode}: the run has no question {what} at stage {source.stage.name}"
+        )
     return eligible
 
 

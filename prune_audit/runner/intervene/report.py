@@ -23,8 +23,9 @@ CONVENTIONS = {
     "kept cells, free cells)",
     "remove": "objects with 1..32 kept cells: the same k random cells neither kept nor object are added; the "
     "intervention removes the k kept object cells, the control k random kept non-object cells",
-    "stages": "in-LLM stages: S_i' = (S_i minus the first |A minus S_i| removed cells) plus A; sizes fixed, "
-    "stages stay nested, empty stages stay empty",
+    "stage": "kept set, lost and object tokens read at the --stage stage c (default first); in-LLM stages up to c: "
+    "S_i' = (S_i minus the first |A minus S_i| removed cells) plus A; after c: S_i' = (S_i minus R) plus the first "
+    "|S_i and R| cells of A; sizes fixed, stages stay nested, empty stages stay empty",
     "object_area_changed": "object pixels of the added cells minus those of the removed cells",
     "intervals": "95% percentile intervals from an image-clustered bootstrap; differences are paired "
     "(intervention minus control on the same resampled images)",
@@ -38,7 +39,9 @@ def intervention_report(
     the paired difference intervention - control, the run's own answers on the same questions, and the
     object area and cells changed."""
     conditions = table["condition"].to_numpy(zero_copy_only=False)
-    tables = {name: question_table(table.filter(conditions == name), REPORT_FILE) for name in CONDITIONS}
+    tables = {
+        name: question_table(table.filter(conditions == name), REPORT_FILE, source.stage) for name in CONDITIONS
+    }
     position = {key: index for index, key in enumerate(source.run.questions.keys())}
     intervened = [position[key] for key in tables["intervention"].keys()]
     tables["recorded"] = source.run.questions.take(np.array(intervened, dtype=np.int64))

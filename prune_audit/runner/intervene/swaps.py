@@ -9,12 +9,18 @@
   are neither kept nor object cells are added; the intervention removes the ``k``
   kept object cells, the control ``k`` random kept non-object cells.
 
-"Kept" is the record's ``kept`` column, the last non-empty kept set (the one retention
-is computed on). In-LLM stage sets are nested (S_1 ⊇ S_2 ⊇ ...); a swap (removed R,
-added A) is applied to every non-empty stage as S_i' = (S_i \\ R_i) ∪ A, where R_i is
-the first |A \\ S_i| cells of R in the swap's (random) order. Each stage keeps its size,
-A reaches the deepest visible stage, R_i grows with depth, so every later stage stays a
-subset of the earlier one; stages that were empty (a schedule ending at 0) stay empty.
+"Kept" is the kept set of the stage chosen with ``--stage`` (default the first: the
+earliest point at which tokens leave the model); eligibility (lost, object tokens kept)
+is read at that stage too. In-LLM stage sets are nested (S_0 ⊇ S_1 ⊇ ...); a swap
+(removed R ⊆ S_c, added A outside S_c, c the chosen stage) is applied to every stage:
+
+- up to c: S_i' = (S_i \\ R_i) ∪ A, where R_i is the first |A \\ S_i| cells of R in the
+  swap's (random) order;
+- after c: S_i' = (S_i \\ R) ∪ A_i, where A_i is the first |S_i ∩ R| cells of A (ascending).
+
+Each stage keeps its size and every later stage stays a subset of the earlier one;
+stages that were empty (a schedule ending at 0) stay empty. With c the last non-empty
+stage the second rule never applies.
 
 All draws come from one generator per question, seeded like ``prune-audit run``
 (``question_seed``), so the result does not depend on the order of questions.
@@ -126,25 +132,31 @@ def remove_swaps(kept: Sequence[int], area_per_token: np.ndarray, rng: np.random
     return SwapPair(Swap(removed, added), Swap(control, added))
 
 
-def swap_stages(kept_stages: Sequence[Sequence[int]], swap: Swap) -> list[list[int]]:
+def swap_stages(kept_stages: Sequence[Sequence[int]], swap: Swap, stage: int | None = None) -> list[list[int]]:
     """Apply ``swap`` to nested stage sets; the result is nested with the same sizes.
 
-    The removed cells must lie in the last non-empty stage and the added cells outside it.
-    Stage i drops the first |added \\ S_i| removed cells (module docstring).
+    ``stage`` is the stage the swap was planned on (default: the last non-empty one): the
+    removed cells must lie in it and the added cells outside it. Up to that stage, stage i
+    drops the first |added \\ S_i| removed cells; after it, stage i trades its removed cells
+    for as many added cells (module docstring).
     """
-    removed, added = list(swap.removed), set(swap.added)
+    removed, added = list(swap.removed), sorted(set(swap.added))
     if len(removed) != len(added):
         raise ValueError(f"a swap removes as many cells as it adds, got {len(removed)} and {len(added)}")
+    if stage is None:
+        stage = max((i for i, cells in enumerate(kept_stages) if cells), default=0)
     swapped = []
-    for stage in kept_stages:
-        cells = set(stage)
+    for index, cells in enumerate(set(stage_cells) for stage_cells in kept_stages):
         if not cells:
             swapped.append([])
-            continue
-        if not set(removed) <= cells:
-            raise ValueError("removed cells must be kept at every non-empty stage")
-        dropped = set(removed[: len(added - cells)])
-        swapped.append(sorted((cells - dropped) | added))
+        elif index <= stage:
+            if not set(removed) <= cells:
+                raise ValueError("removed cells must be kept at every stage up to the chosen one")
+            dropped = set(removed[: len(set(added) - cells)])
+            swapped.append(sorted((cells - dropped) | set(added)))
+        else:
+            taken = cells & set(removed)
+            swapped.append(sorted((cells - taken) | set(added[: len(taken)])))
     return swapped
 
 

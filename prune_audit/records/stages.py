@@ -1,0 +1,128 @@
+"""Which stage of the per-stage record columns an analysis reads: ``--stage first|last|INDEX``.
+
+``first`` (the default) is stage 0, the earliest point at which tokens leave the model
+(the only stage of input-level selectors); ``last`` is each record's deepest stage that
+still keeps visual tokens (the ``kept`` column: a schedule ending at 0 tokens reports
+the stage before); an integer is that stage index in every record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prune_audit.errors import PruneAuditError
+
+STAGE_HELP = (
+    "Stage whose retention and lost objects are read: first (the earliest point tokens leave the model), "
+    "last (the deepest stage that still keeps tokens) or a stage index 0, 1, ..."
+)
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """A parsed ``--stage``: ``index`` is the stage index, None for ``last``."""
+
+    name: str
+    index: int | None
+
+    def describe(self, layers: np.ndarray) -> str:
+        """E.g. ``first (decoder layer 3)``; ``layers`` the chosen stage's layer per record."""
+        unique = sorted({int(layer) for layer in layers})
+        if not unique:
+            return self.name
+        word = "layer" if len(unique) == 1 else "layers"
+        return f"{self.name} (decoder {word} {', '.join(str(layer) for layer in unique)})"
+
+
+FIRST = StageChoice("first", 0)
+LAST = StageChoice("last", None)
+
+
+def parse_stage(text: str | int) -> StageChoice:
+    """``first``, ``last`` or a non-negative stage index; anything else is a one-line error."""
+    value = str(text).strip().lower()
+    if value == "first":
+        return FIRST
+    if value == "last":
+        return LAST
+    if value.isdigit():
+        return StageChoice(value, int(value))
+    raise PruneAuditError(f"--stage must be first, last or a stage index 0, 1, ..., got {text!r}")
+
+
+@dataclass(frozen=True)
+class StageValues:
+    """One stage per record; all arrays have shape (n,).
+
+    Attributes:
+        retention: float64, NaN without a mask.
+        lost: float64 1.0 / 0.0, NaN without a mask.
+        object_tokens_kept: int64, -1 without a mask.
+        layer: int64, the decoder layer whose input the chosen kept set is.
+        index: int64, the chosen stage index of each record.
+    """
+
+    retention: np.ndarray
+    lost: np.ndarray
+    object_tokens_kept: np.ndarray
+    layer: np.ndarray
+    index: np.ndarray
+
+
+def _lists(column: pa.ChunkedArray | pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """(values of every row's list, (n + 1,) offsets into them starting at 0)."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    return array.flatten(), offsets - offsets[0]
+
+
+def _last_non_empty(records: pa.Table, offsets: np.ndarray) -> np.ndarray:
+    """(n,) flat position of each record's last stage that keeps any token (its last stage when none does)."""
+    stages, _ = _lists(records["kept_stages"])
+    sizes = pc.list_value_length(stages).to_numpy()
+    positions = np.where(sizes > 0, np.arange(len(sizes)), -1)
+    last = np.maximum.reduceat(positions, offsets[:-1]) if len(positions) else np.zeros(0, np.int64)
+    return np.where(last >= 0, last, offsets[1:] - 1)
+
+
+def stage_values(records: pa.Table, choice: StageChoice, source: str) -> StageValues:
+    """The chosen stage's retention, lost and layer for every record of ``records`` (``RUN_SCHEMA``)."""
+    layers, offsets = _lists(records["stage_layers"])
+    counts = np.diff(offsets)
+    if records.num_rows and counts.min() < 1:
+        raise PruneAuditError(f"records of {source} have rows without stages; re-run with this version")
+    if choice.index is None:
+        position = _last_non_empty(records, offsets)
+    else:
+        if records.num_rows and choice.index >= counts.min():
+            raise PruneAuditError(
+                f"--stage {choice.index}: records of {source} have {counts.min()} stage(s) in some rows; "
+                f"pass first, last or an index below {counts.min()}"
+            )
+        position = offsets[:-1] + choice.index
+    retention, _ = _lists(records["retention_stages"])
+    lost, _ = _lists(records["lost_stages"])
+    tokens, _ = _lists(records["object_tokens_kept_stages"])
+    return StageValues(
+        retention=retention.to_numpy(zero_copy_only=False).astype(np.float64)[position],
+        lost=pc.cast(lost, pa.float64()).to_numpy(zero_copy_only=False).astype(np.float64)[position],
+        object_tokens_kept=tokens.to_numpy().astype(np.int64)[position],
+        layer=layers.to_numpy().astype(np.int64)[position],
+        index=position - offsets[:-1],
+    )
+
+
+def record_stage(kept_stages: list[list[int]], choice: StageChoice, source: str) -> int:
+    """The stage index ``choice`` picks in one record with these kept sets (see ``stage_values``)."""
+    if choice.index is None:
+        return max((i for i, kept in enumerate(kept_stages) if kept), default=len(kept_stages) - 1)
+    if choice.index >= len(kept_stages):
+        raise PruneAuditError(
+            f"--stage {choice.index}: a record of {source} has {len(kept_stages)} stage(s); "
+            f"pass first, last or an index below {len(kept_stages)}"
+        )
+    return choice.index
