@@ -317,7 +317,7 @@ def test_errors_are_one_line(vlm, paths, prepared, tmp_path):
     assert "no schedule" in one_line_error(lambda: vlm.answer([item], get_selector("fastv"), 2))
     assert "nested" in one_line_error(lambda: vlm.answer([item], forced_stages=[[(1, [0, 1]), (2, [5])]]))
     assert "prompt template" in one_line_error(lambda: load_vlm(paths[0], device="cpu", prompt_template="chatml"))
-    assert "pass a local path" in one_line_error(lambda: load_vlm(tmp_path / "missing" / "model"))
+    assert "model folder not found" in one_line_error(lambda: load_vlm(tmp_path / "missing" / "model"))
 
 
 def test_checkpoint_in_the_4x_key_layout_loads_identically(vlm, paths, prepared, tmp_path):
