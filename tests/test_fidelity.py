@@ -67,9 +67,9 @@ def official_cdpruner(features: torch.Tensor, raw: torch.Tensor, k: int) -> list
     return sorted(picks)
 
 
-def agreement(name: str, dtype: torch.dtype = torch.float32, **options) -> int:
+def agreement(name: str, dtype: torch.dtype = torch.float32, cases: list = CASES, **options) -> int:
     identical = 0
-    for seed, budget, dim in CASES:
+    for seed, budget, dim in cases:
         features = features_of(seed, dim).to(dtype)
         if name == "divprune":
             expected = official_divprune(features, budget)
@@ -89,9 +89,13 @@ def test_plain_argmax_reproduces_the_official_greedy(name):
 
 
 def test_divprune_model_dtype_reproduces_the_official_half_precision_picks():
-    """fp16 distances tie often; score_dtype=model computes them as the reference does, float32 does not."""
-    assert agreement("divprune", torch.float16, score_dtype="model") == len(CASES)
-    assert agreement("divprune", torch.float16) < len(CASES)
+    """fp16 distances tie often; score_dtype=model computes them as the reference does, float32 does not.
+
+    Half-precision matrix products are slow on CPU: 6 of the 30 cases (1024-dim) run here.
+    """
+    cases = [case for case in CASES if case[2] == 1024][:6]
+    assert agreement("divprune", torch.float16, cases, score_dtype="model") == len(cases)
+    assert agreement("divprune", torch.float16, cases) < len(cases)
 
 
 @pytest.mark.parametrize("name", ["divprune", "cdpruner"])
