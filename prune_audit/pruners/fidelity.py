@@ -173,6 +173,17 @@ FIDELITY: dict[str, Fidelity] = {
     ),
 }
 
+NOT_YET_DONE = (
+    "SparseVLM token recycling (`recycle=true`) is not implemented: the executor only removes tokens. Planned design, "
+    "once for every merging selector: `LayerSelector.merge(stage, signals, state, kept)` returns merged hidden "
+    "states (M, D) with their source grid indices (the `Selection.sources` convention of input-level merging); "
+    "the executor inserts them after the last kept visual token as `MERGED` tokens (merging requires "
+    "`positions=compact`), they stay visual for later stages, and `Prefill` and the records carry each stage's "
+    "merged sources so retention counts a merged token's footprint. SparseVLM's DPC-kNN clustering would follow "
+    "the reference (top `int(0.3 n_pruned) + 1` pruned tokens by relevance, `int(n / 10) + 1` clusters, average "
+    "per cluster) with seeded instead of unseeded density noise.",
+)
+
 COLUMNS = (
     "selector", "paper", "official repository (commit read)", "default here", "reference-exact options",
     "remaining differences (why)", "measured agreement",
@@ -218,7 +229,8 @@ def fidelity_markdown() -> str:
     ]
     for row in fidelity_rows():
         lines.append("| " + " | ".join(str(row[column]).replace("|", "\\|") for column in COLUMNS) + " |")
+    lines += ["", "## Not yet done", ""] + [f"- {item}" for item in NOT_YET_DONE]
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["Fidelity", "FIDELITY", "RANDOM_CASES", "COLUMNS", "fidelity_rows", "fidelity_markdown"]
+__all__ = ["Fidelity", "FIDELITY", "RANDOM_CASES", "COLUMNS", "NOT_YET_DONE", "fidelity_rows", "fidelity_markdown"]

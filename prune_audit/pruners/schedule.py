@@ -133,21 +133,29 @@ def paper_schedule(
 
     ``settings`` maps the reference budgets to what ``counts_for(setting, num_visual)``
     turns into counts: by default counts given for 576 tokens, scaled to ``num_visual``.
-    Budgets the reference does not define raise a ValueError naming the valid ones.
+    Budgets the reference does not define raise a ValueError naming the valid ones and
+    the layer average each realises on this model.
     """
     layers = sorted(set(scale_layers(reference_layers, REFERENCE_DEPTH, num_layers)))
     if budget >= num_visual:
         return [Stage(layer, num_visual) for layer in layers]
-    if budget not in settings:
-        valid = ", ".join(str(b) for b in sorted(settings))
-        raise ValueError(
-            f"{method} with budget_rule='paper' defines budgets {valid} only; "
-            f"use budget_rule='average' for a budget of {budget}"
+
+    def stages_for(setting: T) -> list[Stage]:
+        merged, counts = merge_stages(
+            scale_layers(reference_layers, REFERENCE_DEPTH, num_layers), counts_for(setting, num_visual)
         )
-    layers, counts = merge_stages(
-        scale_layers(reference_layers, REFERENCE_DEPTH, num_layers), counts_for(settings[budget], num_visual)
-    )
-    return [Stage(layer, count) for layer, count in zip(layers, counts)]
+        return [Stage(layer, count) for layer, count in zip(merged, counts)]
+
+    if budget not in settings:
+        valid = ", ".join(
+            f"{b} (average {average_visual_tokens(stages_for(settings[b]), num_layers, num_visual):.2f})"
+            for b in sorted(settings)
+        )
+        raise ValueError(
+            f"{method} with budget_rule='paper' defines budgets {valid} only on {num_layers} layers x "
+            f"{num_visual} tokens; use budget_rule='average' for a budget of {budget}"
+        )
+    return stages_for(settings[budget])
 
 
 def solve_schedule(
