@@ -39,6 +39,16 @@ class Fidelity:
     agreement_cases: int | None = None
 
 
+_MODEL_DTYPE = (
+    "score_dtype=model rounds the signals and the final scores to the model dtype; reductions in between stay "
+    "float32, as half-precision reductions on GPU accumulate in float32"
+)
+_INPUT_DTYPE = (
+    "scores in float32 (the official code ranks model-dtype values; no score_dtype option yet because the "
+    "adapters do not pass the model dtype to input-level selectors)"
+)
+
+
 def _random(cases: int, test: str, extra: str = "") -> str:
     tail = f"; {extra}" if extra else ""
     return f"kept sets identical in {cases} of {RANDOM_CASES} random cases ({test}){tail}"
@@ -61,7 +71,7 @@ FIDELITY: dict[str, Fidelity] = {
         "f5d5f120",
         "head mean of the CLS row at CLIP layer -2, top-k",
         (),
-        ("ties to the lower index (torch.topk leaves them unspecified)",),
+        ("ties to the lower index (torch.topk leaves them unspecified)", _INPUT_DTYPE),
         "hand-computed cases (test_input_selectors.py::test_cls_attn_is_top_k_of_head_mean); no random comparison",
     ),
     "coverage": Fidelity(
@@ -115,6 +125,7 @@ FIDELITY: dict[str, Fidelity] = {
         (
             "prefill-only pruning (the official code without KV cache re-ranks at every generated token)",
             "ties to the lower index",
+            _MODEL_DTYPE,
         ),
         "kept sets identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
         "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)",
@@ -127,6 +138,7 @@ FIDELITY: dict[str, Fidelity] = {
             "the official default (8/16/24, ratio 0.5) realises an average of 270 only, so the default solves "
             "the ratio for the requested budget (maintainer guidance, PyramidDrop issue #29)",
             "training-mode multi-query scoring not ported (inference only); ties to the lower index",
+            _MODEL_DTYPE,
         ),
         "schedule identical to the official default (test_schedule.py::test_official_rule_gives_the_code_default"
         "_and_refuses_other_budgets); scoring by hand-computed cases (test_llm_selectors.py)",
@@ -146,6 +158,7 @@ FIDELITY: dict[str, Fidelity] = {
         (
             "no token recycling yet: the executor removes tokens only (recycle is not implemented)",
             "exactly keep tokens (the official code caps at n - 1); ties to the lower index",
+            _MODEL_DTYPE,
         ),
         "first-stage kept sets identical to the top-k of the previous layer's eager rater attention in 2 of 2 "
         "prompts on the tiny LLaVA (test_fidelity.py); paper rule realises 202.75 / 140.81 / 79.19 "
@@ -160,6 +173,7 @@ FIDELITY: dict[str, Fidelity] = {
             "paper and average rules keep 0 tokens at the last stage as the paper states (the code keeps 1; "
             "budget_rule=official does)",
             "ties to the lower index",
+            _MODEL_DTYPE,
         ),
         "schedule identical to the code's default (test_schedule.py); scoring by hand-computed cases "
         "(test_llm_selectors.py::test_v2drop_keeps_the_largest_residual_updates)",
@@ -168,7 +182,7 @@ FIDELITY: dict[str, Fidelity] = {
         "3151f6df",
         "CLS + dominant tokens by CLS attention, contextual merge (54+10 / 108+20 / 162+30)",
         (),
-        ("ties to the lower index",),
+        ("ties to the lower index", _INPUT_DTYPE),
         "hand-computed layout and merge cases (test_input_selectors.py); no random comparison",
     ),
 }
