@@ -84,11 +84,12 @@ FIDELITY: dict[str, Fidelity] = {
     "dart": Fidelity(
         "VTC-Bench 983e443e external/DART (also xqy1111111/DART 02476570)",
         "pivots visited in ascending sequence order; key norms of layer K-1 (signal_layer=previous); average rule",
-        ("budget_rule=paper", "pivot_order=set"),
+        ("budget_rule=paper", "pivot_order=set", "score_dtype=model"),
         (
             "default pivot order is ascending (the official Python-set order depends on where the image sits "
             "in the prompt); pivot_order=set reproduces it",
             "ties to the lower index",
+            _MODEL_DTYPE,
         ),
         _random(30, "test_fidelity.py::test_dart_set_order_reproduces_the_official_iteration",
                 "pivot_order=sequence (default): 0 of 30"),  # fmt: skip
