@@ -64,4 +64,7 @@ def _print_fidelity(json_output: bool) -> None:
 
     from prune_audit.pruners.fidelity import fidelity_markdown, fidelity_rows
 
-    print(json.dumps(fidelity_rows(), indent=2) if json_output else fidelity_markdown(), end="" if not json_output else "\n")
+    if json_output:
+        print(json.dumps(fidelity_rows(), indent=2))
+    else:
+        print(fidelity_markdown(), end="")

@@ -278,7 +278,9 @@ class ScheduledSelector(LayerSelector):
     reference_layers: ClassVar[tuple[int, ...]] = ()
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = {}
 
-    budget_rule: str = option("average", Choice(BUDGET_RULES), "average: budget = realised layer average; paper: reference counts")
+    budget_rule: str = option(
+        "average", Choice(BUDGET_RULES), "average: budget = realised layer average; paper: reference counts"
+    )
     positions: str = option("keep_original", Choice(get_args(PositionMode)), "position ids after pruning")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
 
@@ -331,7 +333,9 @@ class SingleStageSelector(ScheduledSelector):
     (capped at ``num_visual``).
     """
 
-    layer: int = option(2, Integer(1, REFERENCE_DEPTH - 1), "pruning layer on the 32-layer reference, scaled to the depth")
+    layer: int = option(
+        2, Integer(1, REFERENCE_DEPTH - 1), "pruning layer on the 32-layer reference, scaled to the depth"
+    )
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         return solve_schedule(self._layers(num_layers), [1.0], num_layers, num_visual, budget)
