@@ -72,7 +72,8 @@ FIDELITY: dict[str, Fidelity] = {
         "head mean of the CLS row at CLIP layer -2, top-k",
         (),
         ("ties to the lower index (torch.topk leaves them unspecified)", _INPUT_DTYPE),
-        "hand-computed cases (test_input_selectors.py::test_cls_attn_is_top_k_of_head_mean); no random comparison",
+        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k"),
+        30,
     ),
     "coverage": Fidelity(
         "none (no public code)",
@@ -128,8 +129,10 @@ FIDELITY: dict[str, Fidelity] = {
             "ties to the lower index",
             _MODEL_DTYPE,
         ),
-        "kept sets identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
-        "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)",
+        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
+                "and identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
+                "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)"),  # fmt: skip
+        30,
     ),
     "pdrop": Fidelity(
         "6444f304",
@@ -141,8 +144,9 @@ FIDELITY: dict[str, Fidelity] = {
             "training-mode multi-query scoring not ported (inference only); ties to the lower index",
             _MODEL_DTYPE,
         ),
-        "schedule identical to the official default (test_schedule.py::test_official_rule_gives_the_code_default"
-        "_and_refuses_other_budgets); scoring by hand-computed cases (test_llm_selectors.py)",
+        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; schedule identical to the official default "
+                "(test_schedule.py::test_official_rule_gives_the_code_default_and_refuses_other_budgets)"),  # fmt: skip
+        30,
     ),
     "random": Fidelity("-", "seeded uniform subset (control)", (), ("control, no reference",), "not applicable"),
     "scope": Fidelity(
@@ -161,9 +165,10 @@ FIDELITY: dict[str, Fidelity] = {
             "exactly keep tokens (the official code caps at n - 1); ties to the lower index",
             _MODEL_DTYPE,
         ),
-        "first-stage kept sets identical to the top-k of the previous layer's eager rater attention in 2 of 2 "
-        "prompts on the tiny LLaVA (test_fidelity.py); paper rule realises 202.75 / 140.81 / 79.19 "
-        "(test_schedule.py)",
+        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; first-stage kept sets identical to the top-k of the previous layer's "
+                "eager rater attention in 2 of 2 prompts on the tiny LLaVA (test_fidelity.py); paper rule realises "
+                "202.75 / 140.81 / 79.19 (test_schedule.py)"),  # fmt: skip
+        30,
     ),
     "uniform": Fidelity("-", "spatially even lattice subsample (control)", (), ("control, no reference",), "not applicable"),
     "v2drop": Fidelity(
@@ -176,8 +181,8 @@ FIDELITY: dict[str, Fidelity] = {
             "ties to the lower index",
             _MODEL_DTYPE,
         ),
-        "schedule identical to the code's default (test_schedule.py); scoring by hand-computed cases "
-        "(test_llm_selectors.py::test_v2drop_keeps_the_largest_residual_updates)",
+        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; official schedule identical to the code's default (test_schedule.py)"),
+        30,
     ),
     "visionzip": Fidelity(
         "3151f6df",
