@@ -319,3 +319,25 @@ def test_attention_and_variation_scorers_reproduce_the_official_top_k():
             expected = sorted(official_scores(name, case).topk(budget).indices.tolist())
             identical[name] += selector_kept(name, case, budget) == expected
     assert identical == {name: FIDELITY[name].agreement_cases for name in SCORERS} == dict.fromkeys(SCORERS, len(CASES))
+
+
+def test_previous_signal_layer_gives_the_probe_of_the_layer_before(tiny_llava):
+    """Any selector with signal_layer="previous" (FastV, SparseVLM, DART, E2S) reads layer l-1's attention."""
+    from dataclasses import dataclass
+
+    from tiny_models import RecordingLayerSelector
+
+    @dataclass
+    class PreviousLayerRecording(RecordingLayerSelector):
+        signal_layer: str = "previous"
+
+    vlm, items, outputs = tiny_llava
+    item, output = items[1], outputs[1]
+    start, end = item.image_span
+    for layer in (1, 2, 3):
+        selector = PreviousLayerRecording(layer=layer, keep=20)
+        vlm.answer([item], selector, 1)
+        signals = selector.records[-1]
+        assert (signals.text_probs - output.attentions[layer - 1][0, :, end:, start:end]).abs().max() <= 1e-5
+        assert torch.equal(signals.sequence_index, torch.arange(start, end))
+        assert torch.equal(signals.text_sequence_index, torch.arange(end, item.input_ids.numel()))
