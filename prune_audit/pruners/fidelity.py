@@ -76,14 +76,14 @@ FIDELITY: dict[str, Fidelity] = {
         30,
     ),
     "coverage": Fidelity(
-        "none (no public code)",
+        "-",
         "demand-weighted facility location on centred projector cosine",
         (),
         ("unofficial: written from the CoverPruner abstract; not a reproduction",),
         "no official code to compare with",
     ),
     "dart": Fidelity(
-        "VTC-Bench 983e443e external/DART (also xqy1111111/DART 02476570)",
+        "vendored in Chenfei-Liao/VTC-Bench 983e443e; fork xqy1111111/DART 02476570",
         "pivots visited in ascending sequence order; key norms of layer K-1 (signal_layer=previous); average rule",
         ("budget_rule=paper", "pivot_order=set", "score_dtype=model"),
         (
@@ -111,7 +111,7 @@ FIDELITY: dict[str, Fidelity] = {
         30,
     ),
     "e2s": Fidelity(
-        "none (repository not public)",
+        "not public",
         "evidence from the pruned layer, section-5 schedule, average rule",
         ("budget_rule=paper",),
         (
@@ -242,7 +242,9 @@ def fidelity_markdown() -> str:
         "`tests/test_fidelity_doc.py` checks that this file matches. Reference-exact options are passed as",
         "`--option KEY=VALUE`. Measured agreement: kept sets compared with independent re-implementations of the",
         "official algorithms written in `tests/test_fidelity.py` from the official code's math, on random cases",
-        "at realistic sizes (576 tokens, 1024/4096-dim features, budgets 64/128/192).",
+        "at realistic sizes (576 tokens, 1024/4096-dim features, budgets 64/128/192). The commits are those the",
+        "selectors spec (`shared/specs/selectors.md`, section 0) was written from; DART's set order was re-read in",
+        "the fork named in its row.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
