@@ -208,7 +208,7 @@ def test_e2s_presets_name_the_paper_schedules():
 
 @pytest.mark.parametrize("name", ["sparsevlm", "pdrop", "v2drop", "e2s"])
 def test_paper_rule_names_its_budgets_for_an_unknown_one(name):
-    with pytest.raises(ValueError, match="64, .*128, .*192 only; use budget_rule='average'"):
+    with pytest.raises(ValueError, match=r"64 \(average [\d.]+\), .*128 \(average [\d.]+\), .*192 \(average [\d.]+\) only on 32 layers x 576 tokens; use budget_rule='average'"):
         get_selector(name, budget_rule="paper").schedule(32, 576, 100)
 
 

@@ -21,6 +21,7 @@ def selectors(
 
     from prune_audit.pruners import list_selectors, selector_class
     from prune_audit.pruners.base import option_defaults
+    from prune_audit.pruners.options import option_domains
 
     if fidelity:
         _print_fidelity(json_output)
@@ -35,6 +36,7 @@ def selectors(
                 "stage": cls.stage,
                 "requires": sorted(cls.requires),
                 "options": option_defaults(cls),
+                "domains": {name: domain.describe_all() for name, domain in option_domains(cls).items()},
                 "summary": cls.summary,
                 "paper": cls.reference.paper,
                 "repository": cls.reference.repository,
@@ -47,10 +49,10 @@ def selectors(
     from rich.table import Table
 
     table = Table(title="Registered selectors", show_lines=True)
-    for column in ("name", "stage", "requires", "default options", "reference"):
+    for column in ("name", "stage", "requires", "default options: allowed values", "reference"):
         table.add_column(column, overflow="fold")
     for row in rows:
-        options = ", ".join(f"{k}={v!r}" for k, v in row["options"].items()) or "-"
+        options = "\n".join(f"{k}={v!r}: {row['domains'][k]}" for k, v in row["options"].items()) or "-"
         reference = f"{row['paper']}\n{row['repository']}"
         table.add_row(row["name"], row["stage"], ", ".join(row["requires"]) or "-", options, reference)
     Console().print(table)
@@ -62,4 +64,7 @@ def _print_fidelity(json_output: bool) -> None:
 
     from prune_audit.pruners.fidelity import fidelity_markdown, fidelity_rows
 
-    print(json.dumps(fidelity_rows(), indent=2) if json_output else fidelity_markdown(), end="" if not json_output else "\n")
+    if json_output:
+        print(json.dumps(fidelity_rows(), indent=2))
+    else:
+        print(fidelity_markdown(), end="")

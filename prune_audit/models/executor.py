@@ -348,6 +348,6 @@ class LanguageLoop:
 
 
 __all__ = [
-    "ATTENTION_SIGNALS", "TEXT_BEFORE", "TEXT_AFTER", "PAD", "MERGED", "DecoderStack", "TokenRow", "Batch", "pack", "gather_rows",
-    "attention_mask", "LayerPlan", "Prefill", "DecodeState", "LanguageLoop",
+    "ATTENTION_SIGNALS", "TEXT_BEFORE", "TEXT_AFTER", "PAD", "MERGED", "DecoderStack", "TokenRow", "Batch",
+    "pack", "gather_rows", "attention_mask", "LayerPlan", "Prefill", "DecodeState", "LanguageLoop",
 ]  # fmt: skip

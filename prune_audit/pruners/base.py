@@ -69,9 +69,9 @@ class LayerSignals:
     Attention and key signals (``text_logits``, ``text_probs``, ``key_norms``,
     ``text_key_norms``) come from layer ``layer`` itself, or from layer ``layer - 1``
     on its own input when the selector's ``signal_layer`` is ``"previous"`` (what that
-    layer computed: the token set is the same). ``n`` alive visual tokens, ``T`` text tokens after the image span (the question
-    and the chat-template suffix; the last one is the last prompt position), ``H``
-    query heads.
+    layer computed: the token set is the same). ``n`` alive visual tokens, ``T`` text
+    tokens after the image span (the question and the chat-template suffix; the last
+    one is the last prompt position), ``H`` query heads.
 
     Attributes:
         alive: (n,) original grid indices of the alive visual tokens, ascending.
@@ -201,7 +201,8 @@ class Selector:
 
     Subclasses are dataclasses whose fields are their options, each made with
     :func:`~prune_audit.pruners.options.option` (type and domain declared once,
-    checked on construction), and set the class attributes below. Register them with :func:`prune_audit.pruners.registry.register`.
+    checked on construction), and set the class attributes below. Register them
+    with :func:`prune_audit.pruners.registry.register`.
     """
 
     name: ClassVar[str] = ""

@@ -39,6 +39,16 @@ class Fidelity:
     agreement_cases: int | None = None
 
 
+_MODEL_DTYPE = (
+    "score_dtype=model rounds the signals and the final scores to the model dtype; reductions in between stay "
+    "float32, as half-precision reductions on GPU accumulate in float32"
+)
+_INPUT_DTYPE = (
+    "scores in float32 (the official code ranks model-dtype values; no score_dtype option yet because the "
+    "adapters do not pass the model dtype to input-level selectors)"
+)
+
+
 def _random(cases: int, test: str, extra: str = "") -> str:
     tail = f"; {extra}" if extra else ""
     return f"kept sets identical in {cases} of {RANDOM_CASES} random cases ({test}){tail}"
@@ -61,24 +71,26 @@ FIDELITY: dict[str, Fidelity] = {
         "f5d5f120",
         "head mean of the CLS row at CLIP layer -2, top-k",
         (),
-        ("ties to the lower index (torch.topk leaves them unspecified)",),
-        "hand-computed cases (test_input_selectors.py::test_cls_attn_is_top_k_of_head_mean); no random comparison",
+        ("ties to the lower index (torch.topk leaves them unspecified)", _INPUT_DTYPE),
+        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k"),
+        30,
     ),
     "coverage": Fidelity(
-        "none (no public code)",
+        "-",
         "demand-weighted facility location on centred projector cosine",
         (),
         ("unofficial: written from the CoverPruner abstract; not a reproduction",),
         "no official code to compare with",
     ),
     "dart": Fidelity(
-        "VTC-Bench 983e443e external/DART (also xqy1111111/DART 02476570)",
+        "vendored in Chenfei-Liao/VTC-Bench 983e443e; fork xqy1111111/DART 02476570",
         "pivots visited in ascending sequence order; key norms of layer K-1 (signal_layer=previous); average rule",
-        ("budget_rule=paper", "pivot_order=set"),
+        ("budget_rule=paper", "pivot_order=set", "score_dtype=model"),
         (
             "default pivot order is ascending (the official Python-set order depends on where the image sits "
             "in the prompt); pivot_order=set reproduces it",
             "ties to the lower index",
+            _MODEL_DTYPE,
         ),
         _random(30, "test_fidelity.py::test_dart_set_order_reproduces_the_official_iteration",
                 "pivot_order=sequence (default): 0 of 30"),  # fmt: skip
@@ -94,11 +106,12 @@ FIDELITY: dict[str, Fidelity] = {
             "running minimum, no N x N matrix; picked tokens are never re-picked (only differs once all distances are 0)",
         ),
         _random(30, "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
-                "ties=tolerance: 25 of 30; fp16 features: score_dtype=model 30 of 30, float32 2 of 30"),  # fmt: skip
+                "ties=tolerance: 25 of 30; fp16 features: score_dtype=model 30 of 30, float32 2 of 30 "
+                "(measured once; the test runs 6 of those cases)"),  # fmt: skip
         30,
     ),
     "e2s": Fidelity(
-        "none (repository not public)",
+        "not public",
         "evidence from the pruned layer, section-5 schedule, average rule",
         ("budget_rule=paper",),
         (
@@ -114,9 +127,12 @@ FIDELITY: dict[str, Fidelity] = {
         (
             "prefill-only pruning (the official code without KV cache re-ranks at every generated token)",
             "ties to the lower index",
+            _MODEL_DTYPE,
         ),
-        "kept sets identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
-        "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)",
+        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
+                "and identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
+                "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)"),  # fmt: skip
+        30,
     ),
     "pdrop": Fidelity(
         "6444f304",
@@ -126,9 +142,11 @@ FIDELITY: dict[str, Fidelity] = {
             "the official default (8/16/24, ratio 0.5) realises an average of 270 only, so the default solves "
             "the ratio for the requested budget (maintainer guidance, PyramidDrop issue #29)",
             "training-mode multi-query scoring not ported (inference only); ties to the lower index",
+            _MODEL_DTYPE,
         ),
-        "schedule identical to the official default (test_schedule.py::test_official_rule_gives_the_code_default"
-        "_and_refuses_other_budgets); scoring by hand-computed cases (test_llm_selectors.py)",
+        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; schedule identical to the official default "
+                "(test_schedule.py::test_official_rule_gives_the_code_default_and_refuses_other_budgets)"),  # fmt: skip
+        30,
     ),
     "random": Fidelity("-", "seeded uniform subset (control)", (), ("control, no reference",), "not applicable"),
     "scope": Fidelity(
@@ -145,10 +163,12 @@ FIDELITY: dict[str, Fidelity] = {
         (
             "no token recycling yet: the executor removes tokens only (recycle is not implemented)",
             "exactly keep tokens (the official code caps at n - 1); ties to the lower index",
+            _MODEL_DTYPE,
         ),
-        "first-stage kept sets identical to the top-k of the previous layer's eager rater attention in 2 of 2 "
-        "prompts on the tiny LLaVA (test_fidelity.py); paper rule realises 202.75 / 140.81 / 79.19 "
-        "(test_schedule.py)",
+        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; first-stage kept sets identical to the top-k of the previous layer's "
+                "eager rater attention in 2 of 2 prompts on the tiny LLaVA (test_fidelity.py); paper rule realises "
+                "202.75 / 140.81 / 79.19 (test_schedule.py)"),  # fmt: skip
+        30,
     ),
     "uniform": Fidelity("-", "spatially even lattice subsample (control)", (), ("control, no reference",), "not applicable"),
     "v2drop": Fidelity(
@@ -159,18 +179,30 @@ FIDELITY: dict[str, Fidelity] = {
             "paper and average rules keep 0 tokens at the last stage as the paper states (the code keeps 1; "
             "budget_rule=official does)",
             "ties to the lower index",
+            _MODEL_DTYPE,
         ),
-        "schedule identical to the code's default (test_schedule.py); scoring by hand-computed cases "
-        "(test_llm_selectors.py::test_v2drop_keeps_the_largest_residual_updates)",
+        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; official schedule identical to the code's default (test_schedule.py)"),
+        30,
     ),
     "visionzip": Fidelity(
         "3151f6df",
         "CLS + dominant tokens by CLS attention, contextual merge (54+10 / 108+20 / 162+30)",
         (),
-        ("ties to the lower index",),
+        ("ties to the lower index", _INPUT_DTYPE),
         "hand-computed layout and merge cases (test_input_selectors.py); no random comparison",
     ),
 }
+
+NOT_YET_DONE = (
+    "SparseVLM token recycling (`recycle=true`) is not implemented: the executor only removes tokens. Planned design, "
+    "once for every merging selector: `LayerSelector.merge(stage, signals, state, kept)` returns merged hidden "
+    "states (M, D) with their source grid indices (the `Selection.sources` convention of input-level merging); "
+    "the executor inserts them after the last kept visual token as `MERGED` tokens (merging requires "
+    "`positions=compact`), they stay visual for later stages, and `Prefill` and the records carry each stage's "
+    "merged sources so retention counts a merged token's footprint. SparseVLM's DPC-kNN clustering would follow "
+    "the reference (top `int(0.3 n_pruned) + 1` pruned tokens by relevance, `int(n / 10) + 1` clusters, average "
+    "per cluster) with seeded instead of unseeded density noise.",
+)
 
 COLUMNS = (
     "selector", "paper", "official repository (commit read)", "default here", "reference-exact options",
@@ -210,14 +242,17 @@ def fidelity_markdown() -> str:
         "`tests/test_fidelity_doc.py` checks that this file matches. Reference-exact options are passed as",
         "`--option KEY=VALUE`. Measured agreement: kept sets compared with independent re-implementations of the",
         "official algorithms written in `tests/test_fidelity.py` from the official code's math, on random cases",
-        "at realistic sizes (576 tokens, 1024/4096-dim features, budgets 64/128/192).",
+        "at realistic sizes (576 tokens, 1024/4096-dim features, budgets 64/128/192). The commits are those the",
+        "selectors spec (`shared/specs/selectors.md`, section 0) was written from; DART's set order was re-read in",
+        "the fork named in its row.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
     ]
     for row in fidelity_rows():
         lines.append("| " + " | ".join(str(row[column]).replace("|", "\\|") for column in COLUMNS) + " |")
+    lines += ["", "## Not yet done", ""] + [f"- {item}" for item in NOT_YET_DONE]
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["Fidelity", "FIDELITY", "RANDOM_CASES", "COLUMNS", "fidelity_rows", "fidelity_markdown"]
+__all__ = ["Fidelity", "FIDELITY", "RANDOM_CASES", "COLUMNS", "NOT_YET_DONE", "fidelity_rows", "fidelity_markdown"]

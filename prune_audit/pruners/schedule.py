@@ -133,21 +133,29 @@ def paper_schedule(
 
     ``settings`` maps the reference budgets to what ``counts_for(setting, num_visual)``
     turns into counts: by default counts given for 576 tokens, scaled to ``num_visual``.
-    Budgets the reference does not define raise a ValueError naming the valid ones.
+    Budgets the reference does not define raise a ValueError naming the valid ones and
+    the layer average each realises on this model.
     """
     layers = sorted(set(scale_layers(reference_layers, REFERENCE_DEPTH, num_layers)))
     if budget >= num_visual:
         return [Stage(layer, num_visual) for layer in layers]
-    if budget not in settings:
-        valid = ", ".join(str(b) for b in sorted(settings))
-        raise ValueError(
-            f"{method} with budget_rule='paper' defines budgets {valid} only; "
-            f"use budget_rule='average' for a budget of {budget}"
+
+    def stages_for(setting: T) -> list[Stage]:
+        merged, counts = merge_stages(
+            scale_layers(reference_layers, REFERENCE_DEPTH, num_layers), counts_for(setting, num_visual)
         )
-    layers, counts = merge_stages(
-        scale_layers(reference_layers, REFERENCE_DEPTH, num_layers), counts_for(settings[budget], num_visual)
-    )
-    return [Stage(layer, count) for layer, count in zip(layers, counts)]
+        return [Stage(layer, count) for layer, count in zip(merged, counts)]
+
+    if budget not in settings:
+        valid = ", ".join(
+            f"{b} (average {average_visual_tokens(stages_for(settings[b]), num_layers, num_visual):.2f})"
+            for b in sorted(settings)
+        )
+        raise ValueError(
+            f"{method} with budget_rule='paper' defines budgets {valid} only on {num_layers} layers x "
+            f"{num_visual} tokens; use budget_rule='average' for a budget of {budget}"
+        )
+    return stages_for(settings[budget])
 
 
 def solve_schedule(
@@ -270,7 +278,9 @@ class ScheduledSelector(LayerSelector):
     reference_layers: ClassVar[tuple[int, ...]] = ()
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = {}
 
-    budget_rule: str = option("average", Choice(BUDGET_RULES), "average: budget = realised layer average; paper: reference counts")
+    budget_rule: str = option(
+        "average", Choice(BUDGET_RULES), "average: budget = realised layer average; paper: reference counts"
+    )
     positions: str = option("keep_original", Choice(get_args(PositionMode)), "position ids after pruning")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
 
@@ -323,7 +333,9 @@ class SingleStageSelector(ScheduledSelector):
     (capped at ``num_visual``).
     """
 
-    layer: int = option(2, Integer(1, REFERENCE_DEPTH - 1), "pruning layer on the 32-layer reference, scaled to the depth")
+    layer: int = option(
+        2, Integer(1, REFERENCE_DEPTH - 1), "pruning layer on the 32-layer reference, scaled to the depth"
+    )
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         return solve_schedule(self._layers(num_layers), [1.0], num_layers, num_visual, budget)
