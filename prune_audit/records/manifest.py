@@ -104,6 +104,12 @@ def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
     write_text_atomic(json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n", Path(run_dir) / MANIFEST_FILE)
 
 
+def images_folder(manifest: dict[str, Any]) -> Path:
+    """The folder the run read its images from (manifests before content pins held it as a string)."""
+    images = manifest.get("images")
+    return Path(images["path"] if isinstance(images, dict) else str(images))
+
+
 INFORMATION_KEYS = frozenset({"path"})
 """Where an input was read from: recorded for people, never compared (runs are portable)."""
 

@@ -226,7 +226,7 @@ def visualize_record(run_dir: Path, question_id: int, split: str | None, out: Pa
     """Redraw exactly the recorded kept sets of one question of a run (no model needed)."""
     import pyarrow.compute as pc
 
-    from prune_audit.records.manifest import read_manifest
+    from prune_audit.records.manifest import images_folder, read_manifest
     from prune_audit.records.store import RecordStore
 
     manifest = read_manifest(run_dir)
@@ -241,7 +241,7 @@ def visualize_record(run_dir: Path, question_id: int, split: str | None, out: Pa
         raise PruneAuditError(f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split")
     row = rows[0]
     geometry = TokenGeometry(**json.loads(row["geometry"]))
-    pixels = load_rgb(Path(manifest["images"]) / row["image"])
+    pixels = load_rgb(images_folder(manifest) / row["image"])
     annotations = manifest.get("annotations") or {}
     mask = None
     if annotations.get("path") and row["label"] == "yes":
