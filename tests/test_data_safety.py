@@ -428,3 +428,53 @@ def test_ctrl_c_says_what_is_saved_exits_130_and_the_same_command_resumes(demo, 
     resumed = subprocess.run(args, capture_output=True, text=True, env=process_env())
     assert resumed.returncode == 0, resumed.stderr
     assert not leftover.exists() and record_count(out) == 60
+
+
+# ----- the same guarantees on real COCO (../shared/data) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def coco(shared_data, tmp_path_factory) -> dict[str, Path]:
+    """POPE questions built from the real tiny COCO val2017 and a 6-question demo-model run over them."""
+    tiny = shared_data / "coco" / "tiny_coco_val2017"
+    root = tmp_path_factory.mktemp("coco")
+    built = invoke("pope", "build", "--annotations", tiny / "instances_val2017.json", "--out", root / "pope",
+                   "--images", "4", "--split", "random")
+    assert built.exit_code == 0, built.output
+    inputs = {"pope": root / "pope" / "coco_pope_random.json", "images": tiny / "val2017",
+              "annotations": tiny / "instances_val2017.json"}
+    run = root / "run"
+    result = invoke("run", "--limit", "6", *explicit_inputs(inputs), "--out", run)
+    assert result.exit_code == 0, result.output
+    return {**inputs, "root": root, "run": run}
+
+
+def test_coco_absurd_polygon_is_refused_before_pycocotools_and_the_run_directory(coco, tmp_path):
+    data = json.loads(coco["annotations"].read_text())
+    polygon = next(a for a in data["annotations"] if isinstance(a["segmentation"], list))
+    polygon["segmentation"] = [[0, 0, 1e300, 0, 1e300, 1e300]]
+    annotations = tmp_path / "instances.json"
+    annotations.write_text(json.dumps(data))
+    out = tmp_path / "out"
+    result = invoke("run", "--limit", "6", *explicit_inputs(coco, annotations=annotations), "--out", out)
+    refused(result, f"annotation {polygon['id']}", "far outside")
+    assert not out.exists()
+
+
+def test_coco_resume_with_other_pixels_is_refused_and_records_kept(coco, tmp_path):
+    from PIL import Image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    used = used_images(coco["pope"], 6)
+    for name in used:
+        shutil.copy(coco["images"] / name, images / name)
+    assert invoke("run", "--limit", "6", *explicit_inputs(coco, images=images), "--out", coco["run"]).exit_code == 0
+    with Image.open(images / used[0]) as image:
+        image.transpose(Image.Transpose.FLIP_TOP_BOTTOM).save(images / used[0])  # same size, other pixels
+    before = snapshot(coco["run"])
+    refused(invoke("run", "--limit", "6", *explicit_inputs(coco, images=images), "--out", coco["run"]),
+            str(coco["run"]), used[0], "other content")
+    refused(invoke("pope", "build", "--annotations", coco["annotations"], "--out", coco["run"], "--images", "4"),
+            str(coco["run"]), "holds the outputs of prune-audit run")
+    assert snapshot(coco["run"]) == before
