@@ -286,7 +286,8 @@ def test_default_output_directory(runs, tmp_path):
     shutil.copytree(runs["random"], run_dir)
     result = intervene(run_dir, "--mode", "remove", "--bootstrap", "10")
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (run_dir / "intervene-remove").iterdir()) == ["intervention.json", "records.parquet"]
+    written = sorted(p.name for p in (run_dir / "intervene-remove").iterdir() if not p.name.startswith("."))
+    assert written == ["intervention.json", "records.parquet"]
 
 
 # ----- errors: one line, exit code 2, nothing written ----------------------------------

@@ -111,12 +111,6 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     return manifest
 
 
-def images_dir(manifest: dict[str, Any]) -> Path:
-    """The run's image folder: ``images`` is {path, sha256, ...} (a plain path in early manifests)."""
-    images = manifest.get("images")
-    return Path(images["path"] if isinstance(images, dict) else images)
-
-
 def check_schema_version(manifest: dict[str, Any], run_dir: Path) -> None:
     """Refuse a run whose records schema is not this version's, rather than misread it."""
     version = manifest.get("records_schema") if isinstance(manifest, dict) else None
@@ -131,6 +125,12 @@ def check_schema_version(manifest: dict[str, Any], run_dir: Path) -> None:
 
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
     write_text_atomic(json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n", Path(run_dir) / MANIFEST_FILE)
+
+
+def images_folder(manifest: dict[str, Any]) -> Path:
+    """The folder the run read its images from (manifests before content pins held it as a string)."""
+    images = manifest.get("images")
+    return Path(images["path"] if isinstance(images, dict) else str(images))
 
 
 INFORMATION_KEYS = frozenset({"path"})

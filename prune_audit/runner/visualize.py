@@ -233,7 +233,7 @@ def visualize_record(
     """
     import pyarrow.compute as pc
 
-    from prune_audit.records.manifest import images_dir, read_manifest
+    from prune_audit.records.manifest import images_folder, read_manifest
     from prune_audit.records.store import RecordStore
 
     manifest = read_manifest(run_dir)
@@ -248,7 +248,7 @@ def visualize_record(
         raise PruneAuditError(f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split")
     row = rows[0]
     geometry = TokenGeometry(**json.loads(row["geometry"]))
-    pixels = load_rgb(images_dir(manifest) / row["image"])
+    pixels = load_rgb(images_folder(manifest) / row["image"])
     annotations = manifest.get("annotations") or {}
     mask = None
     if annotations.get("path") and row["label"] == "yes":

@@ -74,7 +74,9 @@ def check_output_dir(
     for parent in directory.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise PruneAuditError(f"{option} {directory}: {parent} is a file, not a folder; pass another {option}")
+                raise PruneAuditError(
+                    f"{option} {directory} is not writable: {parent} is a file, not a folder; pass another {option}"
+                )
             break
     if not directory.is_dir():
         return directory

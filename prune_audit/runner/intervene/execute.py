@@ -12,7 +12,7 @@ import numpy as np
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.retention import ObjectAreaCache
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.manifest import images_dir
+from prune_audit.records.manifest import images_folder
 from prune_audit.records.schema import Record
 from prune_audit.runner.execute import question_seed
 from prune_audit.runner.intervene.build import intervention_rows
@@ -41,7 +41,7 @@ def answer_swaps(
     skipped: Counter = Counter()
     for done, record in enumerate(eligible, start=1):
         question = questions[(record["split"], record["question_id"])]
-        prepared = prepare_question(vlm, images_dir(manifest) / record["image"], question.text)
+        prepared = prepare_question(vlm, images_folder(manifest) / record["image"], question.text)
         check_geometry(record, prepared)
         area = areas.get(record["image_id"], record["object"], prepared.geometry)
         rng = np.random.default_rng(question_seed(request.seed, record["split"], record["question_id"]))
