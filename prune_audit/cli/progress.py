@@ -24,16 +24,21 @@ def clock_text(seconds: float | None) -> str:
 
 
 class Silent:
-    """Progress that shows nothing (--quiet)."""
+    """Progress that shows nothing (--quiet); the base of the displays below."""
+
+    done = 0
 
     def start(self, done: int, total: int) -> None:
         """Work begins with ``done`` of ``total`` already finished (a resumed run)."""
+        self.done = done
 
     def update(self, done: int, total: int | None = None) -> None:
         """``done`` items finished so far (of ``total`` when given)."""
+        self.done = done
 
     def advance(self, count: int) -> None:
-        self.update(getattr(self, "done", 0) + count)
+        """``count`` more items finished."""
+        self.update(self.done + count)
 
 
 class PlainLines(Silent):
