@@ -77,8 +77,12 @@ class RunPlan:
 # ----- planning ------------------------------------------------------------------------
 
 
-def plan_run(request: RunRequest) -> RunPlan:
-    """Validate every input of the run; nothing is written."""
+def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> RunPlan:
+    """Validate every input of the run; nothing is written.
+
+    ``vlm``: a model already loaded with the request's model, device, dtype, prompt template and
+    CLIP text tower (``study`` plans every run of its grid on one loaded model).
+    """
     check_run_options(request.selector, request.budget, request.batch_size)
     _resolve_demo_defaults(request)
     selector, budget = _make_selector(request)
@@ -90,18 +94,19 @@ def plan_run(request: RunRequest) -> RunPlan:
     check_output_dir(run_dir, "run")
     check_writable(run_dir)
     _check_device(request.device)
-    from prune_audit.models import load_vlm
     from prune_audit.threads import configure_threads
 
     threads = configure_threads(request.threads)
+    if vlm is None:
+        from prune_audit.models import load_vlm
 
-    vlm = load_vlm(
-        request.model,
-        device=request.device,
-        dtype=request.dtype,
-        prompt_template=request.prompt_template,
-        clip_text=request.clip_text,
-    )
+        vlm = load_vlm(
+            request.model,
+            device=request.device,
+            dtype=request.dtype,
+            prompt_template=request.prompt_template,
+            clip_text=request.clip_text,
+        )
     if selector is not None:
         vlm.check_selector(selector)
     launched = launcher_shard()
