@@ -23,11 +23,12 @@ def _pruned_by_selector(rows: Sequence[dict]) -> dict[str, list[dict]]:
 
 
 def _interval(rows: Sequence[dict], name: str) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Values of column ``name`` and their error bars (distance to the 95 % interval ends)."""
+    """Values of column ``name`` and their error bars (distance to the 95 % interval ends, at least 0)."""
     value = np.array([row[name] for row in rows], dtype=float)
     low = np.array([row[f"{name}_low"] for row in rows], dtype=float)
     high = np.array([row[f"{name}_high"] for row in rows], dtype=float)
-    return value, [np.nan_to_num(value - low), np.nan_to_num(high - value)]
+    # a percentile interval need not contain the point estimate: clip the bars at the point
+    return value, [np.clip(np.nan_to_num(value - low), 0, None), np.clip(np.nan_to_num(high - value), 0, None)]
 
 
 def metric_vs_budget(rows: Sequence[dict], metrics: Sequence[tuple[str, str]], title: str, stem: str) -> dict[str, bytes]:
