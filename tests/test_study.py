@@ -204,10 +204,10 @@ def test_resume_after_kill_reruns_nothing_finished(workspace, tmp_path):
 def test_refusals(workspace, tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
-    (foreign / "notes.txt").write_text("mine")
+    (foreign / "calibration.json").write_text("{}")
     result = runner.invoke(app, study_args(workspace, foreign))
-    assert result.exit_code == 2 and "no study wrote" in result.stderr
-    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+    assert result.exit_code == 2 and "outputs of prune-audit calibrate" in result.stderr
+    assert sorted(p.name for p in foreign.iterdir()) == ["calibration.json"]
     result = runner.invoke(app, study_args(workspace, tmp_path / "bad", "--selectors", "nonesuch"))
     assert result.exit_code == 2 and "unknown selector 'nonesuch'" in result.stderr
     assert not (tmp_path / "bad").exists()
@@ -220,8 +220,10 @@ def test_a_changed_configuration_is_refused(workspace, study, tmp_path):
 
     out = tmp_path / "changed"
     shutil.copytree(study, out)
-    result = runner.invoke(app, study_args(workspace, out, "--seed", "9"))
-    assert result.exit_code == 2 and "different configuration" in result.stderr
+    result = runner.invoke(app, study_args(workspace, out, "--batch-size", "4", "--limit", "30"))
+    assert result.exit_code == 2 and "different configuration (limit" in result.stderr, result.output
+    result = runner.invoke(app, study_args(workspace, out, "--bootstrap", "60"))
+    assert result.exit_code == 2 and "other settings (bootstrap)" in result.stderr, result.output
 
 
 def test_grid_names_and_budgets():

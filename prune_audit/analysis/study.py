@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +74,10 @@ class StudySettings:
     calibration: CalibrationSettings
     epsilons: tuple[float, ...] = DEFAULT_EPSILONS
     splits: int = 200
+
+    def recorded(self) -> dict:
+        """The settings as recorded in the study folder's ownership marker."""
+        return {**asdict(self.calibration), "epsilons": sorted(self.epsilons), "splits": self.splits}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from prune_audit.cli.common import handle_errors
+from prune_audit.cli.common import ThreadsOption, handle_errors
 
 
 @handle_errors
@@ -37,6 +37,8 @@ def study(
     shard: Annotated[Optional[str], typer.Option(metavar="I/N", help="With --plan: only commands I, I+N, ...")] = None,
     report: Annotated[bool, typer.Option("--report", help="Only build summary and report from OUT/runs.")] = False,
     force: Annotated[bool, typer.Option(help="Compare runs even when model, question files or prompt differ.")] = False,
+    threads: ThreadsOption = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress display.")] = False,
 ) -> None:
     """Run the unpruned reference and every selector x budget, calibrate each against the reference,
     run the cascade over an epsilon sweep, and write OUT/summary.csv, summary.parquet, report.md and
@@ -54,6 +56,7 @@ def study(
     from prune_audit.runner.plan import RunRequest
     from prune_audit.runner.sharding import parse_shard
     from prune_audit.runner.study.grid import StudyGrid, check_grid, parse_list
+    from prune_audit.safety.ownership import check_output_dir
 
     targets = parse_epsilons(epsilons)
     if any(not 0.0 < value < 1.0 for value in targets):
@@ -68,6 +71,8 @@ def study(
     if report:
         _report(out, settings, force)
         return
+    if not plan:
+        check_output_dir(out, "study", settings.recorded())
     grid = StudyGrid(
         parse_list(selectors, "--selectors"),
         parse_list(budgets, "--budgets"),
@@ -75,19 +80,20 @@ def study(
         RunRequest(
             model=model, pope=list(pope or []), split=split, images=images, annotations=annotations, limit=limit,
             batch_size=batch_size, device=device, dtype=dtype, seed=seed, prompt_template=prompt_template,
-            clip_text=clip_text,
+            clip_text=clip_text, threads=threads,
         ),
     )
     check_grid(grid.selectors, grid.budgets)
     if plan:
         _plan(grid, plan_format, plan_file, parse_shard(shard) if shard else None)
         return
-    _run_grid(grid)
+    _run_grid(grid, quiet)
     _report(out, settings, force)
 
 
 def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
     from prune_audit.analysis.outputs import write_files
+    from prune_audit.errors import PruneAuditError
     from prune_audit.runner.study.grid import shard_commands
     from prune_audit.runner.study.script import render_plan
 
@@ -97,48 +103,46 @@ def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
         print(text, end="")
         return
     if plan_file.exists():
-        raise FileNotFoundError(17, "--plan-file exists; pass a new file name", str(plan_file))
+        raise PruneAuditError(f"--plan-file {plan_file} exists; pass a new file name")
     write_files(plan_file.parent, {plan_file.name: text})
     plan_file.chmod(0o755)
     print(f"wrote {len(commands)} run commands to {plan_file}")
 
 
-def _run_grid(grid) -> None:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+def _run_grid(grid, quiet: bool) -> None:
+    import sys
 
-    from prune_audit.runner.study.execute import claim_output, grid_description, plan_grid, run_grid
+    from prune_audit.cli.progress import progress_reporter
+    from prune_audit.runner.study.execute import plan_grid, run_grid
 
     plans = plan_grid(grid)  # every input checked before the study writes anything
-    claim_output(grid.out, grid_description(grid))
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("ETA"), TimeRemainingColumn())
-    with Progress(*columns) as progress:
-        task = progress.add_task("study", total=None)
+    total = sum(len(plan.questions) for plan in plans)
 
-        class Display:
-            def cell(self, cell, index: int, cells: int, questions: int) -> None:
-                progress.update(task, total=cells * questions, description=f"run {index + 1}/{cells} {cell.name}")
+    def on_cell(index: int, cell) -> None:
+        if not quiet:
+            print(f"run {index + 1}/{len(plans)}: {cell.name}", file=sys.stderr, flush=True)
 
-            def advance(self, count: int) -> None:
-                progress.advance(task, count)
-
-        outcomes = run_grid(grid, plans, Display())
+    with progress_reporter("study questions", quiet=quiet) as progress:
+        progress.start(0, total)
+        outcomes = run_grid(grid, plans, progress.advance, on_cell)
     reused = sum(outcome.answered == 0 for outcome in outcomes)
     print(f"{len(outcomes)} runs under {grid.out / 'runs'} ({reused} reused as they were)")
 
 
 def _report(out: Path, settings, force: bool) -> None:
-    from prune_audit.analysis.outputs import write_files
+    from prune_audit.analysis.outputs import write_owned_files
     from prune_audit.analysis.study import study_files, study_reports, study_runs
     from prune_audit.runner.study.execute import check_study_folder
     from prune_audit.runner.study.grid import RUNS_FOLDER
+    from prune_audit.safety.ownership import check_output_dir
 
+    check_output_dir(out, "study", settings.recorded())
     check_study_folder(out)
     reference, runs = study_runs(out / RUNS_FOLDER)
     reports = study_reports(reference, runs, settings, force)
     dropped = sorted(set(settings.epsilons) - {r["epsilon"] for r in reports.cascade["cascades"][0]["results"]})
     if dropped:
         print(f"note: epsilon {', '.join(f'{e:g}' for e in dropped)} below 1/(n+1) for these images; left out")
-    write_files(out, study_files(reports))
+    write_owned_files(out, "study", settings.recorded(), study_files(reports))
     print((out / "report.md").read_text(encoding="utf-8").split("\n## Findings")[0])
     print(f"wrote summary.csv, summary.parquet, report.md and report.html to {out}")

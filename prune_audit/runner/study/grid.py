@@ -76,7 +76,7 @@ class StudyGrid:
         pairs += [("--split", base.split), ("--images", base.images), ("--annotations", base.annotations)]
         pairs += [("--selector", None if cell.selector == REFERENCE else cell.selector), ("--budget", cell.budget)]
         pairs += [("--out", self.run_dir(cell)), ("--limit", base.limit)]
-        for name in ("batch_size", "device", "dtype", "seed", "prompt_template", "clip_text"):
+        for name in ("batch_size", "device", "dtype", "seed", "prompt_template", "clip_text", "threads"):
             value = getattr(base, name)
             if value != getattr(defaults, name):
                 pairs.append((f"--{name.replace('_', '-')}", value))
