@@ -12,8 +12,8 @@ from prune_audit.cli.common import ThreadsOption, handle_errors
 
 @handle_errors
 def study(
-    selectors: Annotated[str, typer.Option(metavar="NAME,...", help="Selectors, comma-separated.")] = "fastv,divprune,random",
-    budgets: Annotated[str, typer.Option(metavar="N,...", help="Budgets (visual tokens), comma-separated.")] = "16,32",
+    selectors: Annotated[str, typer.Option(help="Selectors, comma-separated.")] = "fastv,divprune,random",
+    budgets: Annotated[str, typer.Option(help="Budgets (visual tokens), comma-separated.")] = "16,32",
     model: Annotated[Optional[str], typer.Option(help="Local model folder or hub id (default: the bundled demo model).")] = None,
     pope: Annotated[Optional[list[Path]], typer.Option(help="POPE question file(s); repeatable.")] = None,
     split: Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")] = None,
@@ -27,14 +27,14 @@ def study(
     seed: Annotated[int, typer.Option(help="Seed of random selectors, image splits and the bootstrap.")] = 0,
     prompt_template: Annotated[Optional[str], typer.Option(help="Prompt template name.")] = None,
     clip_text: Annotated[Optional[Path], typer.Option(help="CLIP text tower folder (CDPruner relevance).")] = None,
-    epsilons: Annotated[str, typer.Option(metavar="E,...", help="Cascade disagreement targets.")] = "0.01,0.02,0.05,0.1",
+    epsilons: Annotated[str, typer.Option(help="Cascade disagreement targets.")] = "0.01,0.02,0.05,0.1",
     bootstrap: Annotated[int, typer.Option(help="Image-clustered bootstrap resamples.")] = 1000,
     bins: Annotated[int, typer.Option(help="Confidence bins.")] = 15,
     splits: Annotated[int, typer.Option(help="Random image splits of the cascade's validity check.")] = 200,
     plan: Annotated[bool, typer.Option("--plan", help="Print the grid's run commands instead of running them.")] = False,
     plan_format: Annotated[str, typer.Option(help="With --plan: lines, shell or slurm (array script).")] = "lines",
     plan_file: Annotated[Optional[Path], typer.Option(help="With --plan: write the script here instead of printing.")] = None,
-    shard: Annotated[Optional[str], typer.Option(metavar="I/N", help="With --plan: only commands I, I+N, ...")] = None,
+    shard: Annotated[Optional[str], typer.Option(help="With --plan: only commands I, I+N, ...")] = None,
     report: Annotated[bool, typer.Option("--report", help="Only build summary and report from OUT/runs.")] = False,
     force: Annotated[bool, typer.Option(help="Compare runs even when model, question files or prompt differ.")] = False,
     threads: ThreadsOption = None,
