@@ -53,7 +53,7 @@ ESTIMATED = {
 SUMMARY_COLUMNS = {
     "run": "run label (selector@budget, dense for the reference)",
     "selector": "selector name (dense: unpruned reference)",
-    "budget": "requested budget (visual tokens); empty for the reference",
+    "budget": "requested budget: visual tokens, or a share of each image's tokens (11%); empty for the reference",
     "visual_tokens": "realised visual tokens per question, mean (in-LLM selectors: layer average)",
     "questions": "questions answered",
     "mean_confidence": "mean top-label confidence",
@@ -99,7 +99,7 @@ def study_runs(runs_dir: Path) -> tuple[Run, list[Run]]:
         raise PruneAuditError(
             f"{runs_dir} holds {len(references)} unpruned runs; a study needs exactly one reference (--selector none)"
         )
-    pruned = sorted((run for run in runs if run.selector != "dense"), key=lambda run: (run.selector, run.budget))
+    pruned = sorted((run for run in runs if run.selector != "dense"), key=lambda run: (run.selector, _budget_order(run.budget)))
     if not pruned:
         raise PruneAuditError(f"{runs_dir} holds no pruned run; run the study's commands first")
     return references[0], pruned
@@ -110,6 +110,14 @@ def feasible_epsilons(epsilons: Sequence[float], reference: Run, settings: Calib
     calibration_images, _ = split_images(reference.questions.image_id, settings.calibration_fraction, settings.seed)
     floor = minimum_epsilon(len(calibration_images))
     return sorted(epsilon for epsilon in epsilons if epsilon >= floor)
+
+
+def _budget_order(budget: object) -> tuple[int, float, str]:
+    """Counts in increasing order, then shares (``11%``) in increasing order."""
+    text = str(budget)
+    if text.endswith("%"):
+        return 1, float(text[:-1]), text
+    return (0, float(text), text) if text.isdigit() else (2, 0.0, text)
 
 
 def study_reports(reference: Run, runs: Sequence[Run], settings: StudySettings, force: bool = False) -> StudyReports:
@@ -155,7 +163,7 @@ def _identity(run: Run, entry: dict) -> dict:
     return {
         "run": entry["label"],
         "selector": run.selector,
-        "budget": run.budget,
+        "budget": None if run.budget is None else str(run.budget),
         "visual_tokens": math.nan if realised is None else float(realised),
         "questions": len(run.questions),
         "mean_confidence": float(np.mean(run.questions.confidence)),

@@ -8,12 +8,13 @@ from typing import Annotated, Optional
 import typer
 
 from prune_audit.cli.common import ThreadsOption, handle_errors
+from prune_audit.runner.study.grid import DEFAULT_BUDGETS, DEFAULT_SELECTORS
 
 
 @handle_errors
 def study(
-    selectors: Annotated[str, typer.Option(help="Selectors, comma-separated.")] = "fastv,divprune,random",
-    budgets: Annotated[str, typer.Option(help="Budgets (visual tokens), comma-separated.")] = "16,32",
+    selectors: Annotated[str, typer.Option(help="Selectors, comma-separated.")] = ",".join(DEFAULT_SELECTORS),
+    budgets: Annotated[str, typer.Option(help="Budgets (visual tokens), comma-separated.")] = ",".join(DEFAULT_BUDGETS),
     model: Annotated[Optional[str], typer.Option(help="Local model folder or hub id (default: the bundled demo model).")] = None,
     pope: Annotated[Optional[list[Path]], typer.Option(help="POPE question file(s); repeatable.")] = None,
     split: Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")] = None,
@@ -45,7 +46,7 @@ def study(
     report.html.
 
     Resumable: a finished run under OUT/runs is reused, an interrupted one continues. With no
-    options it studies the bundled demo: fastv, divprune and random at 16 and 32 of its 144
+    options it studies the bundled demo: fastv, divprune and random at 64 and 96 of its 144
     visual tokens. --plan prints the `prune-audit run` commands (or a shell / SLURM array
     script) for a scheduler; --report then builds the summary from their run folders.
     """

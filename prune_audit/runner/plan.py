@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import base_manifest
 from prune_audit.safety.ownership import check_output_dir
-from prune_audit.runner.safeguards import BUDGET_ALL, check_resumable, check_run_options, pin_inputs, resolve_budget
+from prune_audit.runner.safeguards import BUDGET_ALL, budget_share, check_resumable, check_run_options, pin_inputs, resolve_budget
 from prune_audit.runner.sharding import Shard, launcher_shard
 
 if TYPE_CHECKING:
@@ -115,6 +115,8 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     first = _prepare_first(vlm, questions[0], image_paths)
     budget = resolve_budget(budget, first.num_visual)
     manifest = _manifest(request, vlm, selector, budget, questions, first)
+    if budget_share(request.budget) is not None:  # each image gets its share; the schedule above is the first's
+        manifest["budget"] = request.budget
     manifest["threads"] = threads
     pin_inputs(manifest, str(request.model), Path(request.images), image_paths)
     check_resumable(run_dir, manifest)
@@ -160,7 +162,7 @@ def _make_selector(request: RunRequest) -> tuple[Selector | None, int | str | No
     selector = selector_from_strings(request.selector, request.options)  # every option checked against its domain
     if request.budget is None:
         raise PruneAuditError(f"selector {request.selector!r} needs --budget N (visual tokens to keep)")
-    if request.budget != BUDGET_ALL and int(request.budget) <= 0:
+    if request.budget != BUDGET_ALL and budget_share(request.budget) is None and int(request.budget) <= 0:
         raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
     return selector, request.budget
 
