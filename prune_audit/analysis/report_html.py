@@ -138,12 +138,12 @@ def _cascade_findings(pruned: Sequence[dict], epsilons: Sequence[float]) -> list
     return texts
 
 
-def report_markdown(rows: Sequence[dict], epsilons: Sequence[float], title: str) -> str:
+def report_markdown(rows: Sequence[dict], epsilons: Sequence[float], title: str, note: str) -> str:
     """report.md: table, findings and the figures (PNG files beside it)."""
     header = [name for name, _ in TABLE_COLUMNS]
     lines = [f"# Study: {title}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     lines += ["| " + " | ".join(table_cells(row)) + " |" for row in rows]
-    lines += ["", "Intervals: 95% image-bootstrap. Every column: summary.csv.", "", "## Findings", ""]
+    lines += ["", note, "", "## Findings", ""]
     lines += [f"- {text}" for text in findings(rows, epsilons)]
     for stem, caption in FIGURES:
         lines += ["", f"## {caption}", "", f"![{caption}]({stem}.png)"]
@@ -157,7 +157,9 @@ STYLE = (
 )
 
 
-def report_html(rows: Sequence[dict], epsilons: Sequence[float], title: str, pictures: dict[str, bytes]) -> str:
+def report_html(
+    rows: Sequence[dict], epsilons: Sequence[float], title: str, note: str, pictures: dict[str, bytes]
+) -> str:
     """report.html: the same content with every figure embedded as a base64 PNG; no external resource."""
     escape = html.escape
     head = "".join(f"<th>{escape(name)}</th>" for name, _ in TABLE_COLUMNS)
@@ -169,7 +171,7 @@ def report_html(rows: Sequence[dict], epsilons: Sequence[float], title: str, pic
         f'<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title><style>{STYLE}</style></head><body>',
         f"<h1>Study: {escape(title)}</h1>",
         f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>",
-        "<p>Intervals: 95% image-bootstrap. Every column: summary.csv.</p>",
+        f"<p>{escape(note)}</p>",
         "<h2>Findings</h2><ul>" + "".join(f"<li>{escape(text)}</li>" for text in findings(rows, epsilons)) + "</ul>",
     ]
     for stem, caption in FIGURES:

@@ -225,11 +225,23 @@ def study_files(reports: StudyReports) -> dict[str, bytes | str]:
     epsilons = [result["epsilon"] for result in reports.cascade["cascades"][0]["results"]]
     title = Path(reports.reference.model).name or reports.reference.model
     pictures = study_figures(rows, reports.calibration, reports.cascade, title)
+    note = settings_note(reports)
     return {
         **summary_files(rows),
         "calibration.json": to_json(reports.calibration),
         "cascade.json": to_json(reports.cascade),
         **pictures,
-        "report.md": report_markdown(rows, epsilons, title),
-        "report.html": report_html(rows, epsilons, title, pictures),
+        "report.md": report_markdown(rows, epsilons, title, note),
+        "report.html": report_html(rows, epsilons, title, note, pictures),
     }
+
+
+def settings_note(reports: StudyReports) -> str:
+    """One line under the table: intervals, analysis settings, questions and the column reference."""
+    calibration, cascade = reports.calibration["settings"], reports.cascade["settings"]
+    return (
+        f"{len(reports.reference.questions)} questions per run. Intervals: 95% image-bootstrap "
+        f"({calibration['bootstrap']} resamples, seed {calibration['seed']}); temperature fitted on "
+        f"{calibration['calibration_fraction']:.0%} of the images; cascade over {cascade['splits']} image splits. "
+        "Lost: the records' lost column. Every column: summary.csv."
+    )
