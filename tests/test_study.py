@@ -52,7 +52,7 @@ def study(workspace, tmp_path_factory) -> Path:
 
 
 def summary(out: Path) -> pd.DataFrame:
-    return pd.read_csv(out / "summary.csv").set_index("run")
+    return pd.read_csv(out / "summary.csv", dtype={"budget": str}).set_index("run")
 
 
 def test_summary_equals_calibrate_and_cascade(study, tmp_path):
