@@ -13,6 +13,7 @@ from prune_audit.cli import intervene as intervene_cli
 from prune_audit.cli import pope as pope_cli
 from prune_audit.cli import run as run_cli
 from prune_audit.cli import selectors as selectors_cli
+from prune_audit.cli import study as study_cli
 from prune_audit.cli import visualize as visualize_cli
 
 app = typer.Typer(
@@ -49,6 +50,7 @@ app.command("visualize")(visualize_cli.visualize)
 app.command("calibrate")(calibrate_cli.calibrate)
 app.command("cascade")(cascade_cli.cascade)
 app.command("intervene")(intervene_cli.intervene)
+app.command("study")(study_cli.study)
 app.add_typer(pope_cli.app, name="pope")
 app.add_typer(demo_cli.app, name="demo")
 

@@ -15,7 +15,7 @@ from prune_audit.cli.common import QuietOption, ThreadsOption, handle_errors
 def run(
     model: Annotated[Optional[str], typer.Option(help="Local model folder or hub id (default: the bundled demo model).")] = None,
     selector: Annotated[str, typer.Option(help="Registered selector (see `prune-audit selectors`), or none for the unpruned reference.")] = "none",
-    budget: Annotated[Optional[str], typer.Option(help="Visual tokens to keep (in-LLM selectors: layer average), or all.")] = None,
+    budget: Annotated[Optional[str], typer.Option(help="Visual tokens to keep (in-LLM selectors: layer average), a share of each image's tokens (11%), or all.")] = None,
     option: Annotated[Optional[list[str]], typer.Option(help="Selector option KEY=VALUE; repeatable.")] = None,
     pope: Annotated[Optional[list[Path]], typer.Option(help="POPE question file(s) (JSON Lines); repeatable.")] = None,
     split: Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")] = None,
@@ -82,7 +82,7 @@ def _print_summary(result, plan) -> None:
     from rich.table import Table
 
     summary = result.summary
-    budget = "all visual tokens" if plan.budget is None else f"budget {plan.budget}"
+    budget = "all visual tokens" if plan.budget is None else f"budget {plan.manifest['budget']}"
     table = Table(title=f"{plan.manifest['model']['id']} | selector {plan.manifest['selector']['name']} | {budget}")
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -21,7 +21,7 @@ from prune_audit.records.manifest import MANIFEST_FILE, read_manifest, write_man
 from prune_audit.records.store import RecordStore
 from prune_audit.runner.build import AnsweredQuestion, build_records, object_area_for
 from prune_audit.runner.plan import RunPlan, prepare_question
-from prune_audit.runner.safeguards import check_same_run, hold_run_dir
+from prune_audit.runner.safeguards import budget_share, check_same_run, hold_run_dir, tokens_for_share
 from prune_audit.runner.sharding import ProcessGroup, shard_questions
 from prune_audit.runner.summary import summarize
 from prune_audit.safety.progress import report_saved
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from prune_audit.data.pope import PopeQuestion
+    from prune_audit.models import Answer, Prepared
 
 
 @dataclass
@@ -129,7 +130,7 @@ def answer_batches(
         batch = todo[start : start + batch_size]
         prepared = [prepare_question(plan.vlm, plan.image_paths[q.image], q.text) for q in batch]
         generators = [question_generator(plan.request.seed, q) for q in batch]
-        answers = plan.vlm.answer(prepared, plan.selector, plan.budget, generator=generators)
+        answers = answer_batch(plan, prepared, generators)
         answered = [
             AnsweredQuestion(q, a, p, plan.image_ids[q.image], order[(q.split, q.question_id)])
             for q, a, p in zip(batch, answers, prepared)
@@ -137,6 +138,21 @@ def answer_batches(
         store.append(build_records(answered, [object_area_for(areas, item) for item in answered]))
         if on_progress:
             on_progress(len(batch))
+
+
+def answer_batch(plan: RunPlan, prepared: Sequence[Prepared], generators: Sequence[torch.Generator]) -> list[Answer]:
+    """The model's answers; a share budget (``11%``) is rounded per image, so questions are answered in
+    groups of equal token budget (answers do not depend on the batch)."""
+    share = budget_share(plan.request.budget)
+    if share is None:
+        return plan.vlm.answer(prepared, plan.selector, plan.budget, generator=generators)
+    budgets = [tokens_for_share(share, item.num_visual) for item in prepared]
+    by_row: dict[int, Answer] = {}
+    for budget in sorted(set(budgets)):
+        rows = [index for index, value in enumerate(budgets) if value == budget]
+        group = plan.vlm.answer([prepared[i] for i in rows], plan.selector, budget, generator=[generators[i] for i in rows])
+        by_row.update(zip(rows, group))
+    return [by_row[index] for index in range(len(prepared))]
 
 
 def question_generator(seed: int, question: PopeQuestion) -> torch.Generator:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import base_manifest
 from prune_audit.safety.ownership import check_output_dir
-from prune_audit.runner.safeguards import BUDGET_ALL, check_resumable, check_run_options, pin_inputs, resolve_budget
+from prune_audit.runner.safeguards import BUDGET_ALL, budget_share, check_resumable, check_run_options, pin_inputs, resolve_budget
 from prune_audit.runner.sharding import Shard, launcher_shard
 
 if TYPE_CHECKING:
@@ -77,8 +77,12 @@ class RunPlan:
 # ----- planning ------------------------------------------------------------------------
 
 
-def plan_run(request: RunRequest) -> RunPlan:
-    """Validate every input of the run; nothing is written."""
+def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> RunPlan:
+    """Validate every input of the run; nothing is written.
+
+    ``vlm``: a model already loaded with the request's model, device, dtype, prompt template and
+    CLIP text tower (``study`` plans every run of its grid on one loaded model).
+    """
     check_run_options(request.selector, request.budget, request.batch_size)
     _resolve_demo_defaults(request)
     selector, budget = _make_selector(request)
@@ -90,18 +94,19 @@ def plan_run(request: RunRequest) -> RunPlan:
     check_output_dir(run_dir, "run")
     check_writable(run_dir)
     _check_device(request.device)
-    from prune_audit.models import load_vlm
     from prune_audit.threads import configure_threads
 
     threads = configure_threads(request.threads)
+    if vlm is None:
+        from prune_audit.models import load_vlm
 
-    vlm = load_vlm(
-        request.model,
-        device=request.device,
-        dtype=request.dtype,
-        prompt_template=request.prompt_template,
-        clip_text=request.clip_text,
-    )
+        vlm = load_vlm(
+            request.model,
+            device=request.device,
+            dtype=request.dtype,
+            prompt_template=request.prompt_template,
+            clip_text=request.clip_text,
+        )
     if selector is not None:
         vlm.check_selector(selector)
     launched = launcher_shard()
@@ -110,6 +115,8 @@ def plan_run(request: RunRequest) -> RunPlan:
     first = _prepare_first(vlm, questions[0], image_paths)
     budget = resolve_budget(budget, first.num_visual)
     manifest = _manifest(request, vlm, selector, budget, questions, first)
+    if budget_share(request.budget) is not None:  # each image gets its share; the schedule above is the first's
+        manifest["budget"] = request.budget
     manifest["threads"] = threads
     pin_inputs(manifest, str(request.model), Path(request.images), image_paths)
     check_resumable(run_dir, manifest)
@@ -155,7 +162,7 @@ def _make_selector(request: RunRequest) -> tuple[Selector | None, int | str | No
     selector = selector_from_strings(request.selector, request.options)  # every option checked against its domain
     if request.budget is None:
         raise PruneAuditError(f"selector {request.selector!r} needs --budget N (visual tokens to keep)")
-    if request.budget != BUDGET_ALL and int(request.budget) <= 0:
+    if request.budget != BUDGET_ALL and budget_share(request.budget) is None and int(request.budget) <= 0:
         raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
     return selector, request.budget
 

@@ -24,13 +24,36 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def parse_budget(text: str | None) -> int | str | None:
-    """``--budget``: a number of visual tokens, or ``all`` to keep every one explicitly."""
+    """``--budget``: a number of visual tokens, a share of each image's tokens (``11%``), or ``all``."""
     if text is None or text == BUDGET_ALL:
+        return text
+    if text.endswith("%"):
+        budget_share(text)  # checks the domain
         return text
     try:
         return int(text)
     except ValueError:
-        raise PruneAuditError(f"--budget takes a number of visual tokens or {BUDGET_ALL}, got {text!r}") from None
+        raise PruneAuditError(
+            f"--budget takes a number of visual tokens, a share such as 11%, or {BUDGET_ALL}; got {text!r}"
+        ) from None
+
+
+def budget_share(budget: int | str | None) -> float | None:
+    """The share of each image's visual tokens a ``N%`` budget keeps (0 < share <= 1); None otherwise."""
+    if not isinstance(budget, str) or not budget.endswith("%"):
+        return None
+    try:
+        share = float(budget[:-1]) / 100
+    except ValueError:
+        share = float("nan")
+    if not 0.0 < share <= 1.0:
+        raise PruneAuditError(f"--budget {budget}: a share must lie in (0%, 100%], e.g. 11%")
+    return share
+
+
+def tokens_for_share(share: float, num_visual: int) -> int:
+    """A share of an image's ``num_visual`` tokens, rounded half up, at least 1."""
+    return max(1, int(share * num_visual + 0.5))
 
 
 def check_run_options(selector: str, budget: int | str | None, batch_size: int) -> None:
@@ -45,11 +68,15 @@ def check_run_options(selector: str, budget: int | str | None, batch_size: int) 
 
 
 def resolve_budget(budget: int | str | None, num_visual: int) -> int | None:
-    """The budget in tokens: ``all`` is every visual token; more than the model has is refused."""
+    """The budget in tokens for an image of ``num_visual`` tokens: ``all`` is every visual token, ``N%``
+    that share (rounded per image); more than the model has is refused."""
     if budget is None:
         return None
     if budget == BUDGET_ALL:
         return num_visual
+    share = budget_share(budget)
+    if share is not None:
+        return tokens_for_share(share, num_visual)
     if int(budget) > num_visual:
         raise PruneAuditError(
             f"--budget {budget} is more than the model's {num_visual} visual tokens; pass at most {num_visual}, "

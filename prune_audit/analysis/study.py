@@ -1,0 +1,247 @@
+"""The study's summary: one row per run, every number taken from the ``calibrate`` and ``cascade`` reports.
+
+``study_reports`` calls ``calibration_report`` and ``cascade_report`` (the functions behind
+``prune-audit calibrate`` and ``prune-audit cascade``) on the study's runs; ``summary_rows``
+only reads their results, so each cell of ``summary.csv`` equals the number those commands
+print for the same runs and settings. Columns are described in ``SUMMARY_COLUMNS``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from prune_audit.analysis.calibration import CalibrationSettings
+from prune_audit.analysis.cascade import minimum_epsilon
+from prune_audit.analysis.reports import calibration_report, cascade_report
+from prune_audit.analysis.runs import Run, check_comparable, load_run
+from prune_audit.analysis.temperature import split_images
+from prune_audit.errors import PruneAuditError
+from prune_audit.records.manifest import MANIFEST_FILE
+from prune_audit.records.store import RecordStore
+
+DEFAULT_EPSILONS = (0.01, 0.02, 0.05, 0.1)
+
+ESTIMATED = {
+    "accuracy": ("metrics", "all", "accuracy"),
+    "f1": ("metrics", "all", "f1"),
+    "yes_ratio": ("metrics", "all", "yes_ratio"),
+    "ece": ("metrics", "all", "ece"),
+    "ece_mass": ("metrics", "all", "ece_mass"),
+    "ece_test_before": ("temperature", "test_before", "ece"),
+    "ece_test_after": ("temperature", "test_after", "ece"),
+    "ece_mass_test_before": ("temperature", "test_before", "ece_mass"),
+    "ece_mass_test_after": ("temperature", "test_after", "ece_mass"),
+    "auroc": ("metrics", "all", "auroc"),
+    "aurc": ("metrics", "all", "aurc"),
+    "brier": ("metrics", "all", "brier"),
+    "lost_accuracy": ("survival", "lost", "accuracy"),
+    "lost_confidence": ("survival", "lost", "confidence"),
+    "lost_reference_accuracy": ("survival", "lost", "reference_accuracy"),
+    "lost_reference_confidence": ("survival", "lost", "reference_confidence"),
+    "accuracy_minus_reference": ("difference_vs_reference", "metrics", "all", "accuracy"),
+    "ece_minus_reference": ("difference_vs_reference", "metrics", "all", "ece"),
+    "auroc_minus_reference": ("difference_vs_reference", "metrics", "all", "auroc"),
+    "brier_minus_reference": ("difference_vs_reference", "metrics", "all", "brier"),
+}
+"""Column -> path in a run's calibrate entry; each also gets ``<column>_low`` / ``_high`` (95 % interval)."""
+
+SUMMARY_COLUMNS = {
+    "run": "run label (selector@budget, dense for the reference)",
+    "selector": "selector name (dense: unpruned reference)",
+    "budget": "requested budget: visual tokens, or a share of each image's tokens (11%); empty for the reference",
+    "visual_tokens": "realised visual tokens per question, mean (in-LLM selectors: layer average)",
+    "questions": "questions answered",
+    "mean_confidence": "mean top-label confidence",
+    **{name: f"calibrate: {'/'.join(path)}" for name, path in ESTIMATED.items()},
+    "temperature": "calibrate: fitted temperature T (calibration images)",
+    "lost_share": "share of yes-questions with a known mask whose object was lost (records' lost column)",
+    "savings_share": "cascade: share of the possible savings between an uninformative and a perfect gate, "
+    "at the first epsilon",
+    "latency_ms": "mean latency per question (ms), from the records",
+}
+"""Every fixed summary column and its meaning; ``cascade_cost_eps<e>`` and ``savings_share_eps<e>`` follow."""
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    """Settings of the calibrate and cascade analyses of a study."""
+
+    calibration: CalibrationSettings
+    epsilons: tuple[float, ...] = DEFAULT_EPSILONS
+    splits: int = 200
+
+    def recorded(self) -> dict:
+        """The settings as recorded in the study folder's ownership marker."""
+        return {**asdict(self.calibration), "epsilons": sorted(self.epsilons), "splits": self.splits}
+
+
+@dataclass(frozen=True)
+class StudyReports:
+    """The reference, the pruned runs and the two reports computed on them."""
+
+    reference: Run
+    runs: list[Run]
+    calibration: dict
+    cascade: dict
+
+
+def study_runs(runs_dir: Path) -> tuple[Run, list[Run]]:
+    """The reference (no selector) and the pruned runs among the run folders under ``runs_dir``."""
+    folders = sorted(path for path in Path(runs_dir).iterdir() if (path / MANIFEST_FILE).is_file())
+    runs = [load_run(folder) for folder in folders]
+    references = [run for run in runs if run.selector == "dense"]
+    if len(references) != 1:
+        raise PruneAuditError(
+            f"{runs_dir} holds {len(references)} unpruned runs; a study needs exactly one reference (--selector none)"
+        )
+    pruned = sorted((run for run in runs if run.selector != "dense"), key=lambda run: (run.selector, _budget_order(run.budget)))
+    if not pruned:
+        raise PruneAuditError(f"{runs_dir} holds no pruned run; run the study's commands first")
+    return references[0], pruned
+
+
+def feasible_epsilons(epsilons: Sequence[float], reference: Run, settings: CalibrationSettings) -> list[float]:
+    """The targets conformal risk control can meet with the calibration images (>= 1/(n+1)), sorted."""
+    calibration_images, _ = split_images(reference.questions.image_id, settings.calibration_fraction, settings.seed)
+    floor = minimum_epsilon(len(calibration_images))
+    return sorted(epsilon for epsilon in epsilons if epsilon >= floor)
+
+
+def _budget_order(budget: object) -> tuple[int, float, str]:
+    """Counts in increasing order, then shares (``11%``) in increasing order."""
+    text = str(budget)
+    if text.endswith("%"):
+        return 1, float(text[:-1]), text
+    return (0, float(text), text) if text.isdigit() else (2, 0.0, text)
+
+
+def study_reports(reference: Run, runs: Sequence[Run], settings: StudySettings, force: bool = False) -> StudyReports:
+    """Calibrate every run against the reference and cascade each over the feasible epsilons of the sweep."""
+    differences = check_comparable([*runs, reference], force)
+    epsilons = feasible_epsilons(settings.epsilons, reference, settings.calibration)
+    if not epsilons:
+        raise PruneAuditError(
+            f"every --epsilons target is below 1/(n+1) for the {len(set(reference.questions.image_id.tolist()))} "
+            "images' calibration half; pass larger targets or run more questions"
+        )
+    calibration = calibration_report(runs, reference, settings.calibration, differences)
+    cascades = [(entry["label"], [run]) for entry, run in zip(calibration["runs"], runs)]
+    seed, fraction = settings.calibration.seed, settings.calibration.calibration_fraction
+    cascade = cascade_report(
+        cascades, reference, epsilons[0], epsilons[1:], settings.splits, fraction, seed, differences
+    )
+    return StudyReports(reference, list(runs), calibration, cascade)
+
+
+def summary_rows(reports: StudyReports) -> list[dict]:
+    """One row per run, the reference first; columns ``SUMMARY_COLUMNS`` plus one cost per epsilon."""
+    entries = [reports.calibration["reference"], *reports.calibration["runs"]]
+    cascades = {entry["label"]: entry for entry in reports.cascade["cascades"]}
+    epsilons = [result["epsilon"] for result in reports.cascade["cascades"][0]["results"]]
+    rows = []
+    for run, entry in zip([reports.reference, *reports.runs], entries):
+        row = _identity(run, entry)
+        for name, path in ESTIMATED.items():
+            value, low, high = _estimate(entry, path)
+            row.update({name: value, f"{name}_low": low, f"{name}_high": high})
+        row["temperature"] = entry["temperature"]["temperature"]
+        lost, survived = (_estimate(entry, ("survival", group, "count"))[0] for group in ("lost", "survived"))
+        row["lost_share"] = lost / (lost + survived) if lost + survived > 0 else math.nan
+        row.update(_cascade_columns(cascades.get(entry["label"]), epsilons))
+        row["latency_ms"] = _mean_column(run, "latency_ms")
+        rows.append(row)
+    return rows
+
+
+def _identity(run: Run, entry: dict) -> dict:
+    realised = run.manifest.get("realised_visual_tokens_avg")
+    return {
+        "run": entry["label"],
+        "selector": run.selector,
+        "budget": None if run.budget is None else str(run.budget),
+        "visual_tokens": math.nan if realised is None else float(realised),
+        "questions": len(run.questions),
+        "mean_confidence": float(np.mean(run.questions.confidence)),
+    }
+
+
+def _estimate(entry: dict, path: Sequence[str]) -> tuple[float, float, float]:
+    """(value, low, high) at ``path``; NaN where the report has no such number (e.g. the reference's differences)."""
+    node: object = entry
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return math.nan, math.nan, math.nan
+        node = node[key]
+    assert isinstance(node, dict)
+    low, high = node["ci95"]
+    return tuple(math.nan if v is None else float(v) for v in (node["value"], low, high))  # type: ignore[return-value]
+
+
+def _cascade_columns(cascade: dict | None, epsilons: Sequence[float]) -> dict[str, float]:
+    """Relative prefill cost and savings share at every epsilon (NaN for the reference)."""
+    results = {result["epsilon"]: result for result in cascade["results"]} if cascade else {}
+    columns: dict[str, float] = {}
+    for epsilon in epsilons:
+        result = results.get(epsilon, {})
+        columns[f"cascade_cost_eps{epsilon:g}"] = result.get("relative_cost", math.nan)
+        columns[f"savings_share_eps{epsilon:g}"] = result.get("savings_share", math.nan)
+    columns["savings_share"] = columns[f"savings_share_eps{epsilons[0]:g}"]
+    return columns
+
+
+def _mean_column(run: Run, name: str) -> float:
+    records = RecordStore(run.path).read()
+    return float(np.mean(records[name].to_numpy())) if name in records.column_names else math.nan
+
+
+def summary_files(rows: Sequence[dict]) -> dict[str, bytes | str]:
+    """summary.csv and summary.parquet of the rows (same columns, same order)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(list(rows))
+    csv_buffer, parquet_buffer = io.BytesIO(), io.BytesIO()
+    pacsv.write_csv(table, csv_buffer)
+    pq.write_table(table, parquet_buffer)
+    return {"summary.csv": csv_buffer.getvalue(), "summary.parquet": parquet_buffer.getvalue()}
+
+
+
+def study_files(reports: StudyReports) -> dict[str, bytes | str]:
+    """Everything ``study`` writes beside the runs: summary, calibrate/cascade JSON, figures, reports."""
+    from prune_audit.analysis.outputs import to_json
+    from prune_audit.analysis.report_html import report_html, report_markdown
+    from prune_audit.analysis.study_figures import study_figures
+
+    rows = summary_rows(reports)
+    epsilons = [result["epsilon"] for result in reports.cascade["cascades"][0]["results"]]
+    title = Path(reports.reference.model).name or reports.reference.model
+    pictures = study_figures(rows, reports.calibration, reports.cascade, title)
+    note = settings_note(reports)
+    return {
+        **summary_files(rows),
+        "calibration.json": to_json(reports.calibration),
+        "cascade.json": to_json(reports.cascade),
+        **pictures,
+        "report.md": report_markdown(rows, epsilons, title, note),
+        "report.html": report_html(rows, epsilons, title, note, pictures),
+    }
+
+
+def settings_note(reports: StudyReports) -> str:
+    """One line under the table: intervals, analysis settings, questions and the column reference."""
+    calibration, cascade = reports.calibration["settings"], reports.cascade["settings"]
+    return (
+        f"{len(reports.reference.questions)} questions per run. Intervals: 95% image-bootstrap "
+        f"({calibration['bootstrap']} resamples, seed {calibration['seed']}); temperature fitted on "
+        f"{calibration['calibration_fraction']:.0%} of the images; cascade over {cascade['splits']} image splits. "
+        "Lost: the records' lost column. Every column: summary.csv."
+    )

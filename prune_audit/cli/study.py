@@ -1,0 +1,149 @@
+"""``prune-audit study``: reference + selectors x budgets, calibrated and cascaded, in one command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from prune_audit.cli.common import ThreadsOption, handle_errors
+from prune_audit.runner.study.grid import DEFAULT_BUDGETS, DEFAULT_SELECTORS
+
+
+@handle_errors
+def study(
+    selectors: Annotated[str, typer.Option(help="Selectors, comma-separated.")] = ",".join(DEFAULT_SELECTORS),
+    budgets: Annotated[str, typer.Option(help="Budgets (visual tokens), comma-separated.")] = ",".join(DEFAULT_BUDGETS),
+    model: Annotated[Optional[str], typer.Option(help="Local model folder or hub id (default: the bundled demo model).")] = None,
+    pope: Annotated[Optional[list[Path]], typer.Option(help="POPE question file(s); repeatable.")] = None,
+    split: Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")] = None,
+    images: Annotated[Optional[Path], typer.Option(help="Folder with the questions' images.")] = None,
+    annotations: Annotated[Optional[Path], typer.Option(help="COCO instances file (object masks for retention).")] = None,
+    out: Annotated[Path, typer.Option(help="Study folder: runs/, summary, reports.")] = Path("study"),
+    limit: Annotated[Optional[int], typer.Option(help="Only the first N questions.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Questions per forward pass.")] = 16,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of random selectors, image splits and the bootstrap.")] = 0,
+    prompt_template: Annotated[Optional[str], typer.Option(help="Prompt template name.")] = None,
+    clip_text: Annotated[Optional[Path], typer.Option(help="CLIP text tower folder (CDPruner relevance).")] = None,
+    epsilons: Annotated[str, typer.Option(help="Cascade disagreement targets.")] = "0.01,0.02,0.05,0.1",
+    bootstrap: Annotated[int, typer.Option(help="Image-clustered bootstrap resamples.")] = 1000,
+    bins: Annotated[int, typer.Option(help="Confidence bins.")] = 15,
+    splits: Annotated[int, typer.Option(help="Random image splits of the cascade's validity check.")] = 200,
+    plan: Annotated[bool, typer.Option("--plan", help="Print the grid's run commands instead of running them.")] = False,
+    plan_format: Annotated[str, typer.Option(help="With --plan: lines, shell or slurm (array script).")] = "lines",
+    plan_file: Annotated[Optional[Path], typer.Option(help="With --plan: write the script here instead of printing.")] = None,
+    shard: Annotated[Optional[str], typer.Option(help="With --plan: only commands I, I+N, ...")] = None,
+    report: Annotated[bool, typer.Option("--report", help="Only build summary and report from OUT/runs.")] = False,
+    force: Annotated[bool, typer.Option(help="Compare runs even when model, question files or prompt differ.")] = False,
+    threads: ThreadsOption = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress display.")] = False,
+) -> None:
+    """Run the unpruned reference and every selector x budget, calibrate each against the reference,
+    run the cascade over an epsilon sweep, and write OUT/summary.csv, summary.parquet, report.md and
+    report.html.
+
+    Resumable: a finished run under OUT/runs is reused, an interrupted one continues. With no
+    options it studies the bundled demo: fastv, divprune and random at 64 and 96 of its 144
+    visual tokens. --plan prints the `prune-audit run` commands (or a shell / SLURM array
+    script) for a scheduler; --report then builds the summary from their run folders.
+    """
+    from prune_audit.analysis.calibration import CalibrationSettings
+    from prune_audit.analysis.study import StudySettings
+    from prune_audit.cli.cascade import parse_epsilons
+    from prune_audit.errors import PruneAuditError
+    from prune_audit.runner.plan import RunRequest
+    from prune_audit.runner.sharding import parse_shard
+    from prune_audit.runner.study.grid import StudyGrid, check_grid, parse_list
+    from prune_audit.safety.ownership import check_output_dir
+
+    targets = parse_epsilons(epsilons)
+    if any(not 0.0 < value < 1.0 for value in targets):
+        raise PruneAuditError(f"--epsilons must lie strictly between 0 and 1, got {epsilons}")
+    if bootstrap < 1 or bins < 1 or splits < 1:
+        raise PruneAuditError("--bootstrap, --bins and --splits must be at least 1")
+    if (plan_file or shard or plan_format != "lines") and not plan:
+        raise PruneAuditError("--plan-format, --plan-file and --shard only apply with --plan")
+    if plan and report:
+        raise PruneAuditError("--plan and --report exclude each other: plan first, report after the runs")
+    settings = StudySettings(CalibrationSettings(bins, "width", bootstrap, 0.5, seed), tuple(targets), splits)
+    if report:
+        _report(out, settings, force)
+        return
+    if not plan:
+        check_output_dir(out, "study", settings.recorded())
+    grid = StudyGrid(
+        parse_list(selectors, "--selectors"),
+        parse_list(budgets, "--budgets"),
+        out,
+        RunRequest(
+            model=model, pope=list(pope or []), split=split, images=images, annotations=annotations, limit=limit,
+            batch_size=batch_size, device=device, dtype=dtype, seed=seed, prompt_template=prompt_template,
+            clip_text=clip_text, threads=threads,
+        ),
+    )
+    check_grid(grid.selectors, grid.budgets)
+    if plan:
+        _plan(grid, plan_format, plan_file, parse_shard(shard) if shard else None)
+        return
+    _run_grid(grid, quiet)
+    _report(out, settings, force)
+
+
+def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
+    from prune_audit.analysis.outputs import write_files
+    from prune_audit.errors import PruneAuditError
+    from prune_audit.runner.study.grid import shard_commands
+    from prune_audit.runner.study.script import render_plan
+
+    commands = shard_commands([grid.command(cell) for cell in grid.cells], shard)
+    text = render_plan(commands, plan_format, grid.out)
+    if plan_file is None:
+        print(text, end="")
+        return
+    if plan_file.exists():
+        raise PruneAuditError(f"--plan-file {plan_file} exists; pass a new file name")
+    write_files(plan_file.parent, {plan_file.name: text})
+    plan_file.chmod(0o755)
+    print(f"wrote {len(commands)} run commands to {plan_file}")
+
+
+def _run_grid(grid, quiet: bool) -> None:
+    import sys
+
+    from prune_audit.cli.progress import progress_reporter
+    from prune_audit.runner.study.execute import plan_grid, run_grid
+
+    plans = plan_grid(grid)  # every input checked before the study writes anything
+    total = sum(len(plan.questions) for plan in plans)
+
+    def on_cell(index: int, cell) -> None:
+        if not quiet:
+            print(f"run {index + 1}/{len(plans)}: {cell.name}", file=sys.stderr, flush=True)
+
+    with progress_reporter("study questions", quiet=quiet) as progress:
+        progress.start(0, total)
+        outcomes = run_grid(grid, plans, progress.advance, on_cell)
+    reused = sum(outcome.answered == 0 for outcome in outcomes)
+    print(f"{len(outcomes)} runs under {grid.out / 'runs'} ({reused} reused as they were)")
+
+
+def _report(out: Path, settings, force: bool) -> None:
+    from prune_audit.analysis.outputs import write_owned_files
+    from prune_audit.analysis.study import study_files, study_reports, study_runs
+    from prune_audit.runner.study.execute import check_study_folder
+    from prune_audit.runner.study.grid import RUNS_FOLDER
+    from prune_audit.safety.ownership import check_output_dir
+
+    check_output_dir(out, "study", settings.recorded())
+    check_study_folder(out)
+    reference, runs = study_runs(out / RUNS_FOLDER)
+    reports = study_reports(reference, runs, settings, force)
+    dropped = sorted(set(settings.epsilons) - {r["epsilon"] for r in reports.cascade["cascades"][0]["results"]})
+    if dropped:
+        print(f"note: epsilon {', '.join(f'{e:g}' for e in dropped)} below 1/(n+1) for these images; left out")
+    write_owned_files(out, "study", settings.recorded(), study_files(reports))
+    print((out / "report.md").read_text(encoding="utf-8").split("\n## Findings")[0])
+    print(f"wrote summary.csv, summary.parquet, report.md and report.html to {out}")

@@ -1,0 +1,1 @@
+"""``prune-audit study``: the grid of runs (reference + selectors x budgets), executed or planned."""

@@ -1,0 +1,130 @@
+"""The study grid: the unpruned reference plus every selector x budget, as ``run`` requests and commands.
+
+Every cell's run directory is ``OUT/runs/<cell name>``, so the one-process study, the
+planned ``run`` commands (``--plan``) and ``--report`` all meet in the same folders.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.runner.plan import RunRequest
+from prune_audit.runner.sharding import Shard
+
+RUNS_FOLDER = "runs"
+REFERENCE = "none"
+
+DEFAULT_SELECTORS = ("fastv", "divprune", "random")
+DEFAULT_BUDGETS = ("64", "96")
+"""The default demo grid: an in-LLM selector, a diversity selector and the random control at 64 and 96
+of the demo's 144 visual tokens (its 3-layer language model leaves FastV no schedule below 48)."""
+
+
+@dataclass(frozen=True)
+class StudyCell:
+    """One run of the grid: ``selector`` (``none`` for the reference) at ``budget`` (None for it)."""
+
+    selector: str
+    budget: str | None
+
+    @property
+    def name(self) -> str:
+        """Folder name: ``dense`` or ``<selector>-<budget>`` (``%`` spelled ``pct``)."""
+        if self.selector == REFERENCE:
+            return "dense"
+        return f"{self.selector}-{str(self.budget).replace('%', 'pct')}"
+
+
+@dataclass(frozen=True)
+class StudyGrid:
+    """What the study runs and with which shared ``run`` options (``base``: everything but selector/budget/out)."""
+
+    selectors: tuple[str, ...]
+    budgets: tuple[str, ...]
+    out: Path
+    base: RunRequest = field(default_factory=RunRequest)
+
+    @property
+    def cells(self) -> list[StudyCell]:
+        """The reference first, then selectors (outer) x budgets (inner), in the order given."""
+        return [StudyCell(REFERENCE, None)] + [
+            StudyCell(selector, budget) for selector in self.selectors for budget in self.budgets
+        ]
+
+    def run_dir(self, cell: StudyCell) -> Path:
+        return self.out / RUNS_FOLDER / cell.name
+
+    def request(self, cell: StudyCell) -> RunRequest:
+        """The ``RunRequest`` that ``prune-audit run`` builds from ``command(cell)``."""
+        budget = None if cell.budget is None else parse_budget(cell.budget)
+        request = replace(
+            self.base, selector=cell.selector, budget=budget, out=self.run_dir(cell), options=[], pope=list(self.base.pope)
+        )
+        request.command = self.command(cell)
+        return request
+
+    def command(self, cell: StudyCell) -> str:
+        """The ``prune-audit run`` command line of ``cell`` (options that differ from run's defaults)."""
+        base, defaults = self.base, RunRequest()
+        words = ["prune-audit", "run"]
+        pairs: list[tuple[str, object]] = [("--model", base.model)]
+        pairs += [("--pope", path) for path in base.pope]
+        pairs += [("--split", base.split), ("--images", base.images), ("--annotations", base.annotations)]
+        pairs += [("--selector", None if cell.selector == REFERENCE else cell.selector), ("--budget", cell.budget)]
+        pairs += [("--out", self.run_dir(cell)), ("--limit", base.limit)]
+        for name in ("batch_size", "device", "dtype", "seed", "prompt_template", "clip_text", "threads"):
+            value = getattr(base, name)
+            if value != getattr(defaults, name):
+                pairs.append((f"--{name.replace('_', '-')}", value))
+        for option, value in pairs:
+            if value is not None:
+                words += [option, str(value)]
+        return shlex.join(words)
+
+
+def parse_budget(text: str) -> int | str:
+    """A budget of the grid: a positive number of visual tokens, a share such as ``11%``, or ``all``."""
+    from prune_audit.runner.safeguards import parse_budget as parse_run_budget
+
+    value = parse_run_budget(text)
+    if isinstance(value, int) and value <= 0:
+        raise PruneAuditError(f"--budgets must be positive, got {text}")
+    assert value is not None
+    return value
+
+
+def parse_list(text: str, option: str) -> tuple[str, ...]:
+    """``"a, b"`` -> ("a", "b"); an empty list or a repeated entry is refused."""
+    items = tuple(item.strip() for item in text.split(",") if item.strip())
+    if not items:
+        raise PruneAuditError(f"{option} needs at least one entry, got {text!r}")
+    repeated = sorted({item for item in items if items.count(item) > 1})
+    if repeated:
+        raise PruneAuditError(f"{option} repeats {repeated[0]!r}; list each entry once")
+    return items
+
+
+def check_grid(selectors: Sequence[str], budgets: Sequence[str]) -> None:
+    """Every selector is registered (and not ``none``, which is the reference) and every budget valid."""
+    from prune_audit.pruners import list_selectors, selector_class
+
+    for name in selectors:
+        if name == REFERENCE:
+            raise PruneAuditError("--selectors lists pruned runs; the unpruned reference is always run, drop 'none'")
+        try:
+            selector_class(name)
+        except ValueError:
+            raise PruneAuditError(
+                f"unknown selector {name!r} in --selectors; choose from {', '.join(list_selectors())}"
+            ) from None
+    for budget in budgets:
+        parse_budget(budget)
+
+
+def shard_commands(commands: Sequence[str], shard: Shard | None) -> list[str]:
+    """Commands ``I, I+N, I+2N, ...`` for shard I/N (all without a shard)."""
+    return list(commands) if shard is None else list(commands[shard.index :: shard.count])
