@@ -37,7 +37,7 @@ def test_help_shows_ordinary_metavars(path):
     options = [line for line in result.stdout.splitlines() if re.match(r"\W*--[a-z]", line)]
     for line in options:  # an option taking a value names its kind as click does
         kinds = re.findall(r"\b(PATH|INTEGER|FLOAT|TEXT)\b", line)
-        assert kinds or re.search(r"--(help|json|force|version|multi-stage|quiet|plan|report)\b", line), line
+        assert kinds or re.search(r"--(help|json|force|version|multi-stage|quiet|plan|report|fidelity)\b", line), line
 
 
 def test_version_option():
