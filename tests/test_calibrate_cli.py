@@ -277,3 +277,10 @@ def test_user_errors_are_one_line_without_output(runs, tmp_path, arguments, mess
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_figure_titles_name_a_local_model_folder_without_its_path():
+    from prune_audit.analysis.runs import display_model
+
+    assert display_model("/home/me/models/llava-1.5-7b-hf/") == "llava-1.5-7b-hf"
+    assert display_model("llava-hf/llava-1.5-7b-hf") == "llava-hf/llava-1.5-7b-hf"

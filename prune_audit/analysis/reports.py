@@ -9,7 +9,7 @@ from prune_audit.analysis import figures
 from prune_audit.analysis.calibration import RETENTION_BINS, CalibrationSettings, calibration_audit
 from prune_audit.analysis.cascade import cascade_audit
 from prune_audit.analysis.outputs import estimates_csv, to_json
-from prune_audit.analysis.runs import Run, unique_labels
+from prune_audit.analysis.runs import Run, display_model, unique_labels
 
 CALIBRATION_CONVENTIONS = {
     "confidence": "top-label two-way confidence max(p_yes, 1 - p_yes), p_yes = sigmoid(logit_diff); "
@@ -74,7 +74,7 @@ def calibration_files(report: dict, titles: dict[str, str]) -> dict[str, str | b
         files.update(figures.reliability_diagram(entry, title, f"reliability_{stem}"))
         files.update(figures.confidence_histogram(entry, title, f"confidence_{stem}"))
     labels = [entry["label"] for entry in everyone]
-    model = ", ".join(sorted({entry["model"] for entry in everyone}))
+    model = ", ".join(sorted({display_model(entry["model"]) for entry in everyone}))
     files.update(figures.reliability_overlay(everyone, labels, f"Reliability: {model}", "reliability_overlay"))
     runs = report["runs"]
     files.update(figures.retention_figure(runs, [entry["label"] for entry in runs], model, "retention"))

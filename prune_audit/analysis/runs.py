@@ -62,6 +62,11 @@ class Run:
         return str((self.manifest.get("model") or {}).get("id", "unknown model"))
 
     @property
+    def model_name(self) -> str:
+        """The model for titles: a hub id as is, a local folder by its name (no local paths in figures)."""
+        return display_model(self.model)
+
+    @property
     def label(self) -> str:
         """Short name: selector and budget, e.g. ``divprune@64`` (``dense`` without a selector)."""
         return self.selector if self.budget is None else f"{self.selector}@{self.budget}"
@@ -70,7 +75,12 @@ class Run:
     def title(self) -> str:
         """Model, selector and budget, for figure titles."""
         budget = "all tokens" if self.budget is None else f"{self.budget} tokens"
-        return f"{self.model} | {self.selector} | {budget}"
+        return f"{self.model_name} | {self.selector} | {budget}"
+
+
+def display_model(model_id: str) -> str:
+    """``llava-hf/llava-1.5-7b-hf`` stays; ``/models/llava-1.5-7b-hf`` becomes ``llava-1.5-7b-hf``."""
+    return Path(model_id.rstrip("/")).name if Path(model_id).is_absolute() else model_id
 
 
 def load_run(path: Path | str, stage: StageChoice = FIRST) -> Run:

@@ -88,7 +88,7 @@ def cascade(
     report = cascade_report(cascades, dense, epsilon, targets, splits, calibration_fraction, seed, differences,
                             optional_sweep=() if sweep else DEFAULT_SWEEP)
     report["completeness"] = completeness([*stages, dense], [*labels, "dense"])
-    write_owned_files(out, "cascade", outputs, cascade_files(report, dense.model))
+    write_owned_files(out, "cascade", outputs, cascade_files(report, dense.model_name))
     if json_output:
         print(to_json(report), end="")
     else:
