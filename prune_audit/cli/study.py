@@ -46,7 +46,7 @@ def study(
     report.html.
 
     Resumable: a finished run under OUT/runs is reused, an interrupted one continues. With no
-    options it studies the bundled demo: fastv, divprune and random at 64 and 96 of its 144
+    options it studies the bundled demo: fastv and divprune at 64 and 96 of its 144
     visual tokens. --plan prints the `prune-audit run` commands (or a shell / SLURM array
     script) for a scheduler; --report then builds the summary from their run folders.
     """
