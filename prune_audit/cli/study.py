@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from prune_audit.cli.common import ThreadsOption, handle_errors
-from prune_audit.runner.study.grid import DEFAULT_BUDGETS, DEFAULT_SELECTORS
+from prune_audit.runner.study.defaults import DEFAULT_BUDGETS, DEFAULT_SELECTORS
 
 
 @handle_errors
