@@ -22,6 +22,7 @@ from prune_audit.analysis.runs import Run, check_comparable, load_run
 from prune_audit.analysis.temperature import split_images
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import MANIFEST_FILE
+from prune_audit.records.stages import FIRST, StageChoice
 from prune_audit.records.store import RecordStore
 
 DEFAULT_EPSILONS = (0.01, 0.02, 0.05, 0.1)
@@ -56,10 +57,11 @@ SUMMARY_COLUMNS = {
     "budget": "requested budget: visual tokens, or a share of each image's tokens (11%); empty for the reference",
     "visual_tokens": "realised visual tokens per question, mean (in-LLM selectors: layer average)",
     "questions": "questions answered",
+    "stage": "the stage whose kept set decides retention and lost (--stage), with its decoder layer",
     "mean_confidence": "mean top-label confidence",
     **{name: f"calibrate: {'/'.join(path)}" for name, path in ESTIMATED.items()},
     "temperature": "calibrate: fitted temperature T (calibration images)",
-    "lost_share": "share of yes-questions with a known mask whose object was lost (records' lost column)",
+    "lost_share": "share of yes-questions with a known mask whose object lost every token at the stage read",
     "savings_share": "cascade: share of the possible savings between an uninformative and a perfect gate, "
     "at the first epsilon",
     "latency_ms": "mean latency per question (ms), from the records",
@@ -74,10 +76,13 @@ class StudySettings:
     calibration: CalibrationSettings
     epsilons: tuple[float, ...] = DEFAULT_EPSILONS
     splits: int = 200
+    stage: StageChoice = FIRST
 
     def recorded(self) -> dict:
         """The settings as recorded in the study folder's ownership marker."""
-        return {**asdict(self.calibration), "epsilons": sorted(self.epsilons), "splits": self.splits}
+        return {
+            **asdict(self.calibration), "epsilons": sorted(self.epsilons), "splits": self.splits, "stage": self.stage.name
+        }
 
 
 @dataclass(frozen=True)
@@ -88,12 +93,21 @@ class StudyReports:
     runs: list[Run]
     calibration: dict
     cascade: dict
+    stage: str = FIRST.name
 
 
-def study_runs(runs_dir: Path) -> tuple[Run, list[Run]]:
-    """The reference (no selector) and the pruned runs among the run folders under ``runs_dir``."""
+def study_runs(runs_dir: Path, stage: StageChoice = FIRST) -> tuple[Run, list[Run]]:
+    """The reference (no selector) and the pruned runs among the run folders under ``runs_dir``, retention
+    and lost read at ``stage``; an unfinished run is refused."""
     folders = sorted(path for path in Path(runs_dir).iterdir() if (path / MANIFEST_FILE).is_file())
-    runs = [load_run(folder) for folder in folders]
+    runs = [load_run(folder, stage) for folder in folders]
+    for run in runs:
+        done, total = len(run.questions), int(run.manifest.get("num_questions") or len(run.questions))
+        if done < total:
+            raise PruneAuditError(
+                f"{run.path} holds {done} of {total} questions; finish it with its prune-audit run command "
+                f"(study --plan lists them) or merge its shards, then build the report"
+            )
     references = [run for run in runs if run.selector == "dense"]
     if len(references) != 1:
         raise PruneAuditError(
@@ -135,7 +149,7 @@ def study_reports(reference: Run, runs: Sequence[Run], settings: StudySettings, 
     cascade = cascade_report(
         cascades, reference, epsilons[0], epsilons[1:], settings.splits, fraction, seed, differences
     )
-    return StudyReports(reference, list(runs), calibration, cascade)
+    return StudyReports(reference, list(runs), calibration, cascade, settings.stage.name)
 
 
 def summary_rows(reports: StudyReports) -> list[dict]:
@@ -166,6 +180,7 @@ def _identity(run: Run, entry: dict) -> dict:
         "budget": None if run.budget is None else str(run.budget),
         "visual_tokens": math.nan if realised is None else float(realised),
         "questions": len(run.questions),
+        "stage": run.stage,
         "mean_confidence": float(np.mean(run.questions.confidence)),
     }
 
@@ -243,5 +258,6 @@ def settings_note(reports: StudyReports) -> str:
         f"{len(reports.reference.questions)} questions per run. Intervals: 95% image-bootstrap "
         f"({calibration['bootstrap']} resamples, seed {calibration['seed']}); temperature fitted on "
         f"{calibration['calibration_fraction']:.0%} of the images; cascade over {cascade['splits']} image splits. "
-        "Lost: the records' lost column. Every column: summary.csv."
+        f"Lost object: none of its tokens kept at stage {reports.stage} (--stage; its decoder layer per run in "
+        "summary.csv). Every column: summary.csv."
     )

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from prune_audit.cli.common import ThreadsOption, handle_errors
-from prune_audit.runner.study.grid import DEFAULT_BUDGETS, DEFAULT_SELECTORS
+from prune_audit.cli.common import STAGE_HELP, ThreadsOption, handle_errors
+from prune_audit.runner.study.defaults import DEFAULT_BUDGETS, DEFAULT_SELECTORS
 
 
 @handle_errors
@@ -32,6 +32,7 @@ def study(
     bootstrap: Annotated[int, typer.Option(help="Image-clustered bootstrap resamples.")] = 1000,
     bins: Annotated[int, typer.Option(help="Confidence bins.")] = 15,
     splits: Annotated[int, typer.Option(help="Random image splits of the cascade's validity check.")] = 200,
+    stage: Annotated[str, typer.Option("--stage", help=STAGE_HELP)] = "first",
     plan: Annotated[bool, typer.Option("--plan", help="Print the grid's run commands instead of running them.")] = False,
     plan_format: Annotated[str, typer.Option(help="With --plan: lines, shell or slurm (array script).")] = "lines",
     plan_file: Annotated[Optional[Path], typer.Option(help="With --plan: write the script here instead of printing.")] = None,
@@ -46,7 +47,7 @@ def study(
     report.html.
 
     Resumable: a finished run under OUT/runs is reused, an interrupted one continues. With no
-    options it studies the bundled demo: fastv, divprune and random at 64 and 96 of its 144
+    options it studies the bundled demo: fastv and divprune at 64 and 96 of its 144
     visual tokens. --plan prints the `prune-audit run` commands (or a shell / SLURM array
     script) for a scheduler; --report then builds the summary from their run folders.
     """
@@ -54,6 +55,7 @@ def study(
     from prune_audit.analysis.study import StudySettings
     from prune_audit.cli.cascade import parse_epsilons
     from prune_audit.errors import PruneAuditError
+    from prune_audit.records.stages import parse_stage
     from prune_audit.runner.plan import RunRequest
     from prune_audit.runner.sharding import parse_shard
     from prune_audit.runner.study.grid import StudyGrid, check_grid, parse_list
@@ -68,7 +70,9 @@ def study(
         raise PruneAuditError("--plan-format, --plan-file and --shard only apply with --plan")
     if plan and report:
         raise PruneAuditError("--plan and --report exclude each other: plan first, report after the runs")
-    settings = StudySettings(CalibrationSettings(bins, "width", bootstrap, 0.5, seed), tuple(targets), splits)
+    settings = StudySettings(
+        CalibrationSettings(bins, "width", bootstrap, 0.5, seed), tuple(targets), splits, parse_stage(stage)
+    )
     if report:
         _report(out, settings, force)
         return
@@ -139,7 +143,7 @@ def _report(out: Path, settings, force: bool) -> None:
 
     check_output_dir(out, "study", settings.recorded())
     check_study_folder(out)
-    reference, runs = study_runs(out / RUNS_FOLDER)
+    reference, runs = study_runs(out / RUNS_FOLDER, settings.stage)
     reports = study_reports(reference, runs, settings, force)
     dropped = sorted(set(settings.epsilons) - {r["epsilon"] for r in reports.cascade["cascades"][0]["results"]})
     if dropped:

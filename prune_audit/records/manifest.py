@@ -51,7 +51,8 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
     ("positions", "Qwen2.5-VL: position ids the pruned sequence keeps"),
     ("selector", "{name, stage, options, positions, schedule, schedule_num_visual}: the selector as run "
      "(schedule: [layer, keep] stages of in-LLM selectors for the first question's token count)"),
-    ("budget", "--budget (null for the unpruned run)"),
+    ("budget", "--budget in visual tokens, or a share as given (11%: each image keeps its share, rounded half up; "
+               "visual_tokens_avg holds the realised count); null for the unpruned run"),
     ("question_files", "[{path, sha256}] of the POPE files"),
     ("annotations", "{path, sha256} of the COCO instances file (null without masks)"),
     ("images", "folder of the question images"),

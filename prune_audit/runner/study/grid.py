@@ -18,10 +18,6 @@ from prune_audit.runner.sharding import Shard
 RUNS_FOLDER = "runs"
 REFERENCE = "none"
 
-DEFAULT_SELECTORS = ("fastv", "divprune", "random")
-DEFAULT_BUDGETS = ("64", "96")
-"""The default demo grid: an in-LLM selector, a diversity selector and the random control at 64 and 96
-of the demo's 144 visual tokens (its 3-layer language model leaves FastV no schedule below 48)."""
 
 
 @dataclass(frozen=True)
