@@ -55,5 +55,4 @@ def test_no_module_imports_a_higher_layer(path):
 def test_no_module_is_over_400_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400}
-    # models/base.py is split by the model-adapter work of issue 13 (another branch); drop it here then
-    assert set(long) <= {"models/base.py"}, long
+    assert not long, long
