@@ -199,7 +199,7 @@ def parse_options(cls: type, pairs: Sequence[str]) -> dict[str, Any]:
         if not sep or not key:
             raise ValueError(f"--option must look like KEY=VALUE, got {pair!r}")
         if key not in domains:
-            raise ValueError(f"selector {cls.name!r} has no option {key!r}; valid options: {describe_options(cls)}")
+            raise ValueError(f"unknown option {key!r} of selector {cls.name!r}; valid options: {describe_options(cls)}")
         domain = domains[key]
         try:
             value = domain.parse(text)

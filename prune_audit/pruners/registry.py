@@ -69,7 +69,7 @@ def get_selector(name: str, **options: Any) -> Selector:
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(
-            f"selector {name!r} has no option(s) {', '.join(unknown)}; valid options: {describe_options(cls)}"
+            f"unknown option(s) {', '.join(unknown)} of selector {name!r}; valid options: {describe_options(cls)}"
         )
     return cls(**options)
 
