@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,7 +20,8 @@ from prune_audit.runner.build import recorded_stages
 from prune_audit.runner.safeguards import resolve_budget
 
 if TYPE_CHECKING:
-    from prune_audit.models import Answer
+    from prune_audit.data.coco import CocoInstances
+    from prune_audit.models import Answer, VisionLanguageModel
 
 FIGURES_DIR = Path("figures")
 """Default parent of ``visualize``'s output folder: figures/<image stem>/."""
@@ -57,7 +58,7 @@ def load_rgb(path: Path) -> np.ndarray:
     return np.asarray(open_rgb(path))
 
 
-def object_mask(coco: Any, image_name: str, object_name: str | None) -> np.ndarray | None:
+def object_mask(coco: CocoInstances | None, image_name: str, object_name: str | None) -> np.ndarray | None:
     """The queried object's mask (union of its instances) when the annotations name the image."""
     if coco is None or object_name is None:
         return None
@@ -66,7 +67,7 @@ def object_mask(coco: Any, image_name: str, object_name: str | None) -> np.ndarr
     return coco.category_mask(image_id, object_name)
 
 
-def load_annotations(path: Path | None) -> Any:
+def load_annotations(path: Path | None) -> CocoInstances | None:
     """CocoInstances of ``path`` (None stays None)."""
     if path is None:
         return None
@@ -75,7 +76,7 @@ def load_annotations(path: Path | None) -> Any:
     return CocoInstances.load(path)
 
 
-def _names_image(coco: Any, image: Path) -> bool:
+def _names_image(coco: CocoInstances, image: Path) -> bool:
     try:
         coco.image_id(image.name)
     except PruneAuditError:
@@ -83,7 +84,7 @@ def _names_image(coco: Any, image: Path) -> bool:
     return True
 
 
-def most_visible_object(coco: Any, image_name: str) -> str:
+def most_visible_object(coco: CocoInstances, image_name: str) -> str:
     """The annotated category covering the most pixels of the image (ties: first annotated)."""
     image_id = coco.image_id(Path(image_name).name)
     names = coco.object_names(image_id)
@@ -127,7 +128,7 @@ class LiveSetup:
     model_path: str
     model_name: str
     question: str
-    coco: Any
+    coco: CocoInstances | None
 
 
 def live_setup(request: VisualizeRequest) -> LiveSetup:
@@ -164,7 +165,7 @@ def live_setup(request: VisualizeRequest) -> LiveSetup:
     return LiveSetup(model_path, model_name or Path(model_path.rstrip("/")).name, question, coco)
 
 
-def _skip_reason(vlm: Any, name: str) -> str | None:
+def _skip_reason(vlm: VisionLanguageModel, name: str) -> str | None:
     """Why the model cannot run selector ``name`` (short, for a caption), or None when it can."""
     from prune_audit.pruners import get_selector
 
