@@ -248,6 +248,7 @@ def test_report_numbers_come_from_the_records(runs, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert json.loads((out / "intervention.json").read_text()) == report
+    assert report["threads"]["inter_op"] == 1 and report["threads"]["intra_op"] >= 1  # --threads default recorded
     rows = frame(out / "records.parquet")
     treated, control = (rows[rows["condition"] == name].reset_index(drop=True) for name in ("intervention", "control"))
     assert (treated[["split", "question_id"]] == control[["split", "question_id"]]).all().all()

@@ -55,9 +55,10 @@ def intervene(
     from prune_audit.runner.intervene import InterveneRequest, intervene as run_intervention
     from prune_audit.threads import configure_threads
 
-    configure_threads(threads)
+    chosen_threads = configure_threads(threads)
     request = InterveneRequest(run_dir=run_dir, mode=mode, max_cells=max_cells, controls=controls,
-                               bootstrap=bootstrap, seed=seed, out=out, device=device, stage=parse_stage(stage))
+                               bootstrap=bootstrap, seed=seed, out=out, device=device, stage=parse_stage(stage),
+                               threads=chosen_threads)
     with progress_reporter(quiet=quiet) as progress:
         result = run_intervention(request, progress.update)
     if json_output:

@@ -30,6 +30,7 @@ class InterveneRequest:
     out: Path | None = None
     device: str = "auto"
     stage: StageChoice = FIRST
+    threads: dict | None = None  # the torch threads chosen (prune_audit.threads.configure_threads), for the report
 
 
 @dataclass

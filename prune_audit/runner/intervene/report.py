@@ -58,6 +58,7 @@ def intervention_report(
         "mode": request.mode,
         "settings": {"max_cells": request.max_cells, "controls": request.controls, "bootstrap": request.bootstrap,
                      "seed": request.seed},
+        "threads": request.threads,
         "conventions": CONVENTIONS,
         "questions": {"eligible": eligible, "intervened": len(tables["intervention"]), "images": len(images),
                       "skipped": dict(sorted(skipped.items()))},
