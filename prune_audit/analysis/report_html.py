@@ -102,7 +102,8 @@ def _change_finding(pruned: Sequence[dict], reference: dict, name: str, title: s
     difference = f"{name}_minus_reference"
     lead = (
         f"{title} moves most for {row['run']}" if _excludes_zero(row, difference)
-        else f"No pruned run's {title} differs from dense beyond its interval; the least favourable change is {row['run']}'s"
+        else f"No pruned run's {title} differs from dense beyond its interval; "
+        f"the least favourable change is {row['run']}'s"
     )
     text = f"{lead}: {row[name]:.3f} against dense {reference[name]:.3f} ({_signed(row, difference)})"
     if name == "ece":
