@@ -222,8 +222,11 @@ def test_a_changed_configuration_is_refused(workspace, study, tmp_path):
     shutil.copytree(study, out)
     result = runner.invoke(app, study_args(workspace, out, "--batch-size", "4", "--limit", "30"))
     assert result.exit_code == 2 and "different configuration (limit" in result.stderr, result.output
-    result = runner.invoke(app, study_args(workspace, out, "--bootstrap", "60"))
-    assert result.exit_code == 2 and "other settings (bootstrap)" in result.stderr, result.output
+    # other analysis settings rebuild the report from the same runs (the report names them)
+    result = runner.invoke(app, study_args(workspace, out, "--bootstrap", "60", "--quiet"))
+    assert result.exit_code == 0, result.output
+    assert "3 runs under" in result.stdout and "(3 reused as they were)" in result.stdout
+    assert "(60 resamples" in (out / "report.md").read_text(encoding="utf-8")
 
 
 def test_grid_names_and_budgets():

@@ -89,22 +89,27 @@ def findings(rows: Sequence[dict], epsilons: Sequence[float]) -> list[str]:
         if worst is not best:
             text += f" and {worst['run']} the least ({worst['accuracy']:.3f}; {_signed(worst, 'accuracy_minus_reference')})"
         texts.append(text + f"; the dense model scores {reference['accuracy']:.3f}.")
-    worst_ece = max(pruned, key=lambda row: row["ece_minus_reference"])
-    texts.append(
-        f"Calibration degrades most for {worst_ece['run']}: ECE {worst_ece['ece']:.3f} against dense "
-        f"{reference['ece']:.3f} ({_signed(worst_ece, 'ece_minus_reference')}); temperature scaling "
-        f"(T = {worst_ece['temperature']:.2f}) moves its test-image ECE from {worst_ece['ece_test_before']:.3f} "
-        f"to {worst_ece['ece_test_after']:.3f}."
-    )
-    worst_auroc = min(pruned, key=lambda row: row["auroc"])
-    texts.append(
-        f"Confidence separates right from wrong answers worst for {worst_auroc['run']}: AUROC "
-        f"{worst_auroc['auroc']:.3f} against dense {reference['auroc']:.3f} "
-        f"({_signed(worst_auroc, 'auroc_minus_reference')})."
-    )
+    texts.append(_change_finding(pruned, reference, "ece", "ECE", worst=max))
+    texts.append(_change_finding(pruned, reference, "auroc", "AUROC", worst=min))
     texts.extend(_lost_finding(pruned))
     texts.extend(_cascade_findings(pruned, epsilons))
     return texts
+
+
+def _change_finding(pruned: Sequence[dict], reference: dict, name: str, title: str, worst) -> str:
+    """The run whose ``name`` moved most in the bad direction, and whether its paired interval excludes 0."""
+    row = worst(pruned, key=lambda row: row[f"{name}_minus_reference"])
+    difference = f"{name}_minus_reference"
+    lead = (
+        f"{title} moves most for {row['run']}" if _excludes_zero(row, difference)
+        else f"No pruned run's {title} differs from dense beyond its interval; "
+        f"the least favourable change is {row['run']}'s"
+    )
+    text = f"{lead}: {row[name]:.3f} against dense {reference[name]:.3f} ({_signed(row, difference)})"
+    if name == "ece":
+        text += (f"; temperature scaling (T = {row['temperature']:.2f}) moves its test-image ECE from "
+                 f"{row['ece_test_before']:.3f} to {row['ece_test_after']:.3f}")
+    return text + "."
 
 
 def _lost_finding(pruned: Sequence[dict]) -> list[str]:
@@ -122,18 +127,23 @@ def _lost_finding(pruned: Sequence[dict]) -> list[str]:
 
 
 def _cascade_findings(pruned: Sequence[dict], epsilons: Sequence[float]) -> list[str]:
-    texts = []
+    """The cheapest cascade per target; targets with the same cheapest run and cost share one sentence."""
+    cheapest: dict[tuple[str, str, str], list[str]] = {}
     for epsilon in epsilons:
         column = f"cascade_cost_eps{epsilon:g}"
         costed = [row for row in pruned if math.isfinite(row.get(column, math.nan))]
         if not costed:
             continue
-        cheapest = min(costed, key=lambda row: row[column])
-        share = cheapest[f"savings_share_eps{epsilon:g}"]
+        row = min(costed, key=lambda row: row[column])
+        share = row[f"savings_share_eps{epsilon:g}"]
         savings = "" if not math.isfinite(share) else f", {share:.0%} of the savings a perfect gate would reach"
+        cheapest.setdefault((row["run"], f"{row[column]:.3f}", savings), []).append(f"{epsilon:g}")
+    texts = []
+    for (run, cost, savings), targets in cheapest.items():
+        where = f"target {targets[0]}" if len(targets) == 1 else f"targets {', '.join(targets)}"
         texts.append(
-            f"At disagreement target {epsilon:g}, the cheapest cascade escalates from {cheapest['run']} and costs "
-            f"{cheapest[column]:.3f} of the dense prefill{savings}."
+            f"At disagreement {where}, the cheapest cascade answers with {run} first and costs {cost} of the dense "
+            f"prefill{savings}."
         )
     return texts
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -78,11 +78,6 @@ class StudySettings:
     splits: int = 200
     stage: StageChoice = FIRST
 
-    def recorded(self) -> dict:
-        """The settings as recorded in the study folder's ownership marker."""
-        return {
-            **asdict(self.calibration), "epsilons": sorted(self.epsilons), "splits": self.splits, "stage": self.stage.name
-        }
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,6 @@ def study(
     """
     from prune_audit.analysis.calibration import CalibrationSettings
     from prune_audit.analysis.study import StudySettings
-    from prune_audit.cli.cascade import parse_epsilons
     from prune_audit.errors import PruneAuditError
     from prune_audit.records.stages import parse_stage
     from prune_audit.runner.plan import RunRequest
@@ -61,9 +60,7 @@ def study(
     from prune_audit.runner.study.grid import StudyGrid, check_grid, parse_list
     from prune_audit.safety.ownership import check_output_dir
 
-    targets = parse_epsilons(epsilons)
-    if any(not 0.0 < value < 1.0 for value in targets):
-        raise PruneAuditError(f"--epsilons must lie strictly between 0 and 1, got {epsilons}")
+    targets = _parse_epsilons(epsilons)
     if bootstrap < 1 or bins < 1 or splits < 1:
         raise PruneAuditError("--bootstrap, --bins and --splits must be at least 1")
     if (plan_file or shard or plan_format != "lines") and not plan:
@@ -77,7 +74,7 @@ def study(
         _report(out, settings, force)
         return
     if not plan:
-        check_output_dir(out, "study", settings.recorded())
+        check_output_dir(out, "study")
     grid = StudyGrid(
         parse_list(selectors, "--selectors"),
         parse_list(budgets, "--budgets"),
@@ -94,6 +91,22 @@ def study(
         return
     _run_grid(grid, quiet)
     _report(out, settings, force)
+
+
+def _parse_epsilons(text: str) -> tuple[float, ...]:
+    from prune_audit.errors import PruneAuditError
+    from prune_audit.runner.study.grid import parse_list
+
+    values = []
+    for item in parse_list(text, "--epsilons"):
+        try:
+            value = float(item)
+        except ValueError:
+            value = float("nan")
+        if not 0.0 < value < 1.0:
+            raise PruneAuditError(f"--epsilons takes numbers strictly between 0 and 1, got {item!r}")
+        values.append(value)
+    return tuple(values)
 
 
 def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
@@ -119,8 +132,10 @@ def _run_grid(grid, quiet: bool) -> None:
 
     from prune_audit.cli.progress import progress_reporter
     from prune_audit.runner.study.execute import plan_grid, run_grid
+    from prune_audit.safety.ownership import claim_output_dir
 
     plans = plan_grid(grid)  # every input checked before the study writes anything
+    claim_output_dir(grid.out, "study")
     total = sum(len(plan.questions) for plan in plans)
 
     def on_cell(index: int, cell) -> None:
@@ -135,19 +150,20 @@ def _run_grid(grid, quiet: bool) -> None:
 
 
 def _report(out: Path, settings, force: bool) -> None:
-    from prune_audit.analysis.outputs import write_owned_files
+    from prune_audit.analysis.outputs import write_files
     from prune_audit.analysis.study import study_files, study_reports, study_runs
     from prune_audit.runner.study.execute import check_study_folder
     from prune_audit.runner.study.grid import RUNS_FOLDER
-    from prune_audit.safety.ownership import check_output_dir
+    from prune_audit.safety.ownership import check_output_dir, claim_output_dir
 
-    check_output_dir(out, "study", settings.recorded())
+    check_output_dir(out, "study")
     check_study_folder(out)
     reference, runs = study_runs(out / RUNS_FOLDER, settings.stage)
     reports = study_reports(reference, runs, settings, force)
     dropped = sorted(set(settings.epsilons) - {r["epsilon"] for r in reports.cascade["cascades"][0]["results"]})
     if dropped:
         print(f"note: epsilon {', '.join(f'{e:g}' for e in dropped)} below 1/(n+1) for these images; left out")
-    write_owned_files(out, "study", settings.recorded(), study_files(reports))
+    claim_output_dir(out, "study")  # no settings recorded: the report is rebuilt with those given, report.md names them
+    write_files(out, study_files(reports))
     print((out / "report.md").read_text(encoding="utf-8").split("\n## Findings")[0])
     print(f"wrote summary.csv, summary.parquet, report.md and report.html to {out}")
