@@ -71,8 +71,9 @@ def vision_flops(tokens: int, hidden: int, intermediate: int, layers: int) -> fl
 
 
 def ideal_flops(answer, text_tokens: int, num_visual: int, vocabulary: int, sizes: dict[str, int]) -> float:
+    # the CLIP layers up to the feature layer (-2): the last one is not run
     vision = vision_flops(num_visual + 1, sizes["vision_hidden_size"], sizes["vision_intermediate_size"],
-                          sizes["vision_layers"])
+                          sizes["vision_layers"] - 1)
     hidden = sizes["text_hidden_size"]
     language = sum(
         decoder_layer_flops(text_tokens + visual, hidden, sizes["text_intermediate_size"])

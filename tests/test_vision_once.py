@@ -25,7 +25,9 @@ def models(tmp_path_factory):
 
 
 def tower(vlm) -> torch.nn.Module:
-    return vlm.vision_tower if vlm.family == "llava" else vlm.model.model.visual
+    """The module every vision pass enters once: CLIP's patch embedding (the adapter runs the
+    CLIP layers itself), Qwen's whole vision tower."""
+    return vlm.vision_tower.embeddings if vlm.family == "llava" else vlm.model.model.visual
 
 
 def images_encoded(vlm, run) -> int:
