@@ -16,7 +16,8 @@ For the dense model and every selector the model supports, at every budget and b
 size: prefill latency (``answer()``: vision tower, selection, pruned language-model
 prefill, yes/no reduction) timed with CUDA events (``perf_counter`` on CPU), warm-up
 excluded, the median of ``--repeats`` runs; throughput = batch / latency; peak memory
-``torch.cuda.max_memory_allocated`` over the timed runs (CPU: not measured); and the
+``torch.cuda.max_memory_allocated`` over the timed runs, also less what was allocated
+before them (weights, inputs), each with its ratio to dense (CPU: not measured); and the
 selector's own time (its signals and its selection: ``_select`` for input-level, the
 per-stage signal and prune step for in-LLM selectors), from one extra run in which
 those steps are synchronised and timed.
@@ -190,6 +191,7 @@ def measure(vlm, prepared, selector, budget, batch: int, repeats: int, clock: Cl
         vlm.answer(questions, selector, budget, generator=torch.Generator().manual_seed(0))
 
     run()  # warm-up (kernels, allocator, the schedule cache)
+    resident = torch.cuda.memory_allocated() / 2**20 if clock.cuda else None  # weights and prepared inputs
     if clock.cuda:
         torch.cuda.reset_peak_memory_stats()
     times = [clock.time(run) for _ in range(repeats)]
@@ -201,7 +203,7 @@ def measure(vlm, prepared, selector, budget, batch: int, repeats: int, clock: Cl
         selector_ms = sum(spent)
     ms = statistics.median(times)
     return {"ms": ms, "ms_per_question": ms / batch, "questions_per_s": batch * 1000 / ms, "peak_mib": peak,
-            "selector_ms": selector_ms}
+            "extra_mib": None if peak is None else peak - resident, "selector_ms": selector_ms}
 
 
 def benchmark_family(family: str, sizes: dict, args, device, dtype, clock: Clock) -> list[dict]:
@@ -241,6 +243,7 @@ def add_ratios(rows: list[dict]) -> None:
         row["speedup"] = base["ms"] / row["ms"]
         row["saving_ms_per_question"] = base["ms_per_question"] - row["ms_per_question"]
         row["memory_ratio"] = None if row["peak_mib"] is None else row["peak_mib"] / base["peak_mib"]
+        row["extra_memory_ratio"] = None if row["extra_mib"] is None else row["extra_mib"] / base["extra_mib"]
 
 
 def anchor_rows(rows: list[dict]) -> list[tuple[str, str, str, str]]:
@@ -272,16 +275,18 @@ def markdown(rows: list[dict], header: str) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
     lines = [header, "", "| model | selector | budget | batch | ms / forward | ms / question | questions/s | "
-             "speedup | peak MiB | memory / dense | selector ms |", "|" + " --- |" * 11]
+             "speedup | peak MiB | memory / dense | above weights MiB | above weights / dense | selector ms |",
+             "|" + " --- |" * 13]
     for r in rows:
         if "not_run" in r:
             lines.append(f"| {r['model']} | {r['selector']} | {r['budget']} | {r['batch']} | not run: "
-                         f"{r['not_run']} | | | | | | |")
+                         f"{r['not_run']} | | | | | | | | |")
             continue
         lines.append(f"| {r['model']} | {r['selector']} | {r['budget'] or ''} | {r['batch']} | {number(r['ms'])} | "
                      f"{number(r['ms_per_question'])} | {number(r['questions_per_s'])} | "
                      f"{number(r.get('speedup'), 2)} | {number(r['peak_mib'], 0)} | "
-                     f"{number(r.get('memory_ratio'), 3)} | {number(r['selector_ms'])} |")
+                     f"{number(r.get('memory_ratio'), 3)} | {number(r['extra_mib'], 0)} | "
+                     f"{number(r.get('extra_memory_ratio'), 3)} | {number(r['selector_ms'])} |")
     lines += ["", "Anchors (calibration study, LLaVA-1.5-7B, POPE, H200):", "",
               "| quantity | study | here | here / study |", "| --- | --- | --- | --- |"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in anchor_rows(rows)]

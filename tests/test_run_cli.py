@@ -286,17 +286,29 @@ def test_shards_and_merge_equal_one_process(workspace, tmp_path):
     assert not (tmp_path / "partial" / "records.parquet").exists()
 
 
+LAUNCHERS = {
+    "torchrun": ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"],
+    # --multi_gpu is accelerate's torchrun-based multi-process launch (RANK/WORLD_SIZE; the run uses gloo, so
+    # it works without a GPU); --cpu with 2 processes would need mpirun and otherwise starts ONE process
+    "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29534"],
+}
+
+
 @pytest.mark.slow
-def test_two_process_gloo_launch_equals_one_process(workspace, tmp_path):
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_two_process_gloo_launch_equals_one_process(workspace, tmp_path, launcher):
+    if launcher == "accelerate":
+        pytest.importorskip("accelerate")
     common = ("--selector", "random", "--budget", "5", "--limit", "18")
     whole = tmp_path / "whole"
     assert invoke(base_args(workspace, whole, *common)).exit_code == 0
     launched = tmp_path / "launched"
     args = base_args(workspace, launched, *common)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # no user accelerate config may change the launch: point its cache at the test's folder
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")}
     completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-         "-m", "prune_audit.cli.main", *args],
+        [sys.executable, *LAUNCHERS[launcher], "-m", "prune_audit.cli.main", *args],
         capture_output=True, text=True, env=env,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]

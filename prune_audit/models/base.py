@@ -333,30 +333,31 @@ class VisionLanguageModel(ABC):
     def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
         """The language-model input of one prompt, with the selection applied."""
         start, end = item.image_span
-        ids = item.input_ids.to(self.device)
+        device = self.device  # a property that walks the parameters: read once
+        ids = item.input_ids.to(device)
         embed = self.loop.stack.embed_tokens
         if selection is None:
-            visual, kinds = output.features, torch.arange(item.num_visual, device=self.device)
+            visual, kinds = output.features, torch.arange(item.num_visual, device=device)
         elif selection.sources is None:
-            kept = selection.kept.to(self.device)
+            kept = selection.kept.to(device)
             visual, kinds = output.features[kept], kept
         else:
-            visual = self._project(selection.vision_tokens.to(self.device, self.dtype))
+            visual = self._project(selection.vision_tokens.to(device, self.dtype))
             kinds = torch.tensor(
-                [int(s[0]) if s.numel() == 1 else MERGED for s in selection.sources], device=self.device
+                [int(s[0]) if s.numel() == 1 else MERGED for s in selection.sources], device=device
             )
         embeddings = torch.cat([embed(ids[:start]), visual.to(self.dtype), embed(ids[end:])])
-        before = torch.full((start,), TEXT_BEFORE, device=self.device)
-        after = torch.full((ids.numel() - end,), TEXT_AFTER, device=self.device)
+        before = torch.full((start,), TEXT_BEFORE, device=device)
+        after = torch.full((ids.numel() - end,), TEXT_AFTER, device=device)
         all_kinds = torch.cat([before, kinds, after])
-        full = self._full_positions(item).to(self.device)
+        full = self._full_positions(item).to(device)
         if selection is not None and self._input_positions() == "compact":
-            positions = torch.arange(all_kinds.numel(), device=self.device)[None].expand(full.shape[0], -1)
+            positions = torch.arange(all_kinds.numel(), device=device)[None].expand(full.shape[0], -1)
         elif selection is not None and bool((kinds == MERGED).any()):
             raise PruneAuditError(f"merged tokens have no original position on {self.family}")
         else:  # original columns: text before, the kept grid cells, text after
-            text_after = torch.arange(end, ids.numel(), device=self.device)
-            columns = torch.cat([torch.arange(start, device=self.device), start + kinds, text_after])
+            text_after = torch.arange(end, ids.numel(), device=device)
+            columns = torch.cat([torch.arange(start, device=device), start + kinds, text_after])
             positions = full[:, columns]
         return TokenRow(embeddings, all_kinds, positions)
 

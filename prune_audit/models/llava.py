@@ -137,7 +137,7 @@ class LlavaModel(VisionLanguageModel):
     # ----- vision ---------------------------------------------------------------------
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
         pixels = torch.stack([item.pixel_values for item in prepared]).to(self.device, self.dtype)
-        hidden = self.vision_tower(pixels, output_hidden_states=True).hidden_states
+        hidden = self._tower_states(pixels)
         selected = hidden[self.feature_index]  # (B, 1 + N, Dv), CLS first
         features = self.model.model.multi_modal_projector(selected[:, 1:])
         cls_probs = cls_keys = None
@@ -158,6 +158,21 @@ class LlavaModel(VisionLanguageModel):
                 signals["vision_keys"] = cls_keys[b]
             outputs.append(VisionOutput(features[b], signals))
         return outputs
+
+    def _tower_states(self, pixels: Tensor) -> list[Tensor]:
+        """CLIP hidden states 0..feature_index of (B, 3, H, W) pixels, each (B, 1 + N, Dv).
+
+        The same modules in the same order as the stock tower with ``output_hidden_states``,
+        but the encoder layers after the feature layer are not run: nothing reads them
+        (LLaVA-1.5's layer -2 leaves one of 24 layers, the benchmark model one of 4).
+        """
+        tower = self.vision_tower
+        hidden = tower.pre_layrnorm(tower.embeddings(pixels))
+        states = [hidden]
+        for layer in tower.encoder.layers[: self.feature_index]:
+            hidden = layer(hidden, None)
+            states.append(hidden)
+        return states
 
     def _project(self, vision_tokens: Tensor) -> Tensor:
         return self.model.model.multi_modal_projector(vision_tokens)
