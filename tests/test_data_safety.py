@@ -392,7 +392,7 @@ def test_already_refused_inputs_stay_refused(demo, tmp_path):
     out = tmp_path / "out"
     refused(invoke("run", "--selector", "nonsense", "--budget", "4", "--out", out), "unknown selector")
     refused(invoke("run", "--limit", "0", "--out", out), "--limit")
-    refused(invoke("run", "--selector", "random", "--budget", "4", "--option", "x=1", "--out", out), "no option 'x'")
+    refused(invoke("run", "--selector", "random", "--budget", "4", "--option", "x=1", "--out", out), "option 'x'")
     refused(invoke("run", *explicit_inputs(demo, images=tmp_path), "--out", out), "image not found")
     refused(invoke("calibrate", tmp_path / "nope", "--out", tmp_path / "cal"), "nope")
     assert not out.exists() and not (tmp_path / "cal").exists()
