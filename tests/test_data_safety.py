@@ -176,6 +176,18 @@ def test_visualize_budget_above_the_grid_is_refused(demo, tmp_path):
     assert not out.exists()
 
 
+def test_visualize_run_draws_next_to_the_run_never_into_it(demo, records_kept, tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    question_id = int(pq.read_table(demo["pruned"] / "records.parquet")["question_id"][0].as_py())
+    monkeypatch.chdir(tmp_path)
+    drawn = invoke("visualize", "--run", demo["pruned"], "--question-id", question_id)
+    assert drawn.exit_code == 0, drawn.output
+    assert list((tmp_path / "figures" / demo["pruned"].name).glob("tokens-*.png"))
+    refused(invoke("visualize", "--run", demo["pruned"], "--question-id", question_id, "--out", demo["pruned"]),
+            str(demo["pruned"]), "prune-audit run")
+
+
 # ----- 4, 5. resume pinned by content, not paths ----------------------------------------------
 
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from prune_audit.models import Answer, VisionLanguageModel
 
 FIGURES_DIR = Path("figures")
-"""Default parent of ``visualize``'s output folder: figures/<image stem>/."""
+"""Default parent of ``visualize``'s output folder: figures/<image stem>/ (figures/<run name>/ with --run)."""
 
 
 @dataclass
@@ -43,10 +43,16 @@ class VisualizeRequest:
 
 
 def output_path(out: Path | None, default_dir: Path, stem: str) -> Path:
-    """``out`` itself when it names a .png/.svg file, else ``<out or default_dir>/<stem>.png``."""
-    if out is not None and out.suffix.lower() in {".png", ".svg"}:
-        return out
-    return (out or default_dir) / f"{stem}.png"
+    """``out`` itself when it names a .png/.svg file, else ``<out or default_dir>/<stem>.png``.
+
+    The figure's folder may not hold another command's outputs (a run, a calibration):
+    figures go next to them, never into them.
+    """
+    from prune_audit.safety.ownership import check_output_dir
+
+    path = out if out is not None and out.suffix.lower() in {".png", ".svg"} else (out or default_dir) / f"{stem}.png"
+    check_output_dir(path.parent, "visualize")
+    return path
 
 
 def load_rgb(path: Path) -> np.ndarray:
@@ -269,6 +275,6 @@ def visualize_record(
     )
     caption += f"answer {row['answer']} (confidence {row['confidence']:.2f}), label {row['label']}"
     panel = Panel(title, geometry, stages, labels, caption, mask)
-    out = output_path(out, Path(run_dir), f"tokens-{row['split']}-{question_id}")
+    out = output_path(out, FIGURES_DIR / Path(run_dir).resolve().name, f"tokens-{row['split']}-{question_id}")
     suptitle = f"{Path(manifest['model']['id']).name} | {row['object']} ({row['split']} #{question_id})"
     return draw_panels(pixels, [panel], out, suptitle=suptitle)
