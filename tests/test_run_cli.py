@@ -14,6 +14,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -286,12 +287,19 @@ def test_shards_and_merge_equal_one_process(workspace, tmp_path):
     assert not (tmp_path / "partial" / "records.parquet").exists()
 
 
+def free_port() -> int:
+    """A port nobody listens on now: parallel test sessions on one machine must not share a rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 LAUNCHERS = {
-    "torchrun": ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"],
+    "torchrun": ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "{port}"],
     # --multi_gpu is accelerate's torchrun-based multi-process launch (RANK/WORLD_SIZE; the run uses gloo, so
     # it works without a GPU); --cpu with 2 processes would need mpirun and otherwise starts ONE process
     "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29534"],
+                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "{port}"],
 }
 
 
@@ -307,8 +315,10 @@ def test_two_process_gloo_launch_equals_one_process(workspace, tmp_path, launche
     args = base_args(workspace, launched, *common)
     # no user accelerate config may change the launch: point its cache at the test's folder
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")}
+    port = free_port()
     completed = subprocess.run(
-        [sys.executable, *LAUNCHERS[launcher], "-m", "prune_audit.cli.main", *args],
+        [sys.executable, *(part.format(port=port) for part in LAUNCHERS[launcher]), "-m",
+         "prune_audit.cli.main", *args],
         capture_output=True, text=True, env=env,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
