@@ -33,6 +33,8 @@ def train(
         int,
         typer.Option(min=1, help="CPU threads; the weights depend on this number, so it defaults to the shipped recipe's 1."),
     ] = 1,
+    text_layers: Annotated[int, typer.Option("--text-layers", min=1, help="Decoder layers of the language model.")] = 3,
+    text_width: Annotated[int, typer.Option("--text-width", min=8, help="Hidden size of the language model.")] = 128,
     log_file: Annotated[
         Path | None, typer.Option("--log-file", help="Also append progress lines to this file.")
     ] = None,
@@ -48,7 +50,11 @@ def train(
             with log_file.open("a") as handle:
                 handle.write(line + "\n")
 
-    recipe = replace(DemoRecipe(), seed=seed, steps=steps, threads=threads)
+    if text_width % DemoRecipe.heads:
+        raise ValueError(f"--text-width {text_width} is not a multiple of the {DemoRecipe.heads} attention heads; pick one that is")
+    recipe = replace(
+        DemoRecipe(), seed=seed, steps=steps, threads=threads, text_layers=text_layers, text_width=text_width
+    )
     summary = train_demo_model(recipe, out, log=log)
     final = summary["history"][-1]
     log(f"saved {out} after {summary['train_minutes']} min; monitor accuracy {final['heldout_accuracy']:.3f}")
