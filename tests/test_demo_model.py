@@ -241,6 +241,6 @@ def test_demo_assets_name_a_missing_checkpoint(monkeypatch, tmp_path):
     import prune_audit.demo.assets as assets
     from prune_audit.errors import PruneAuditError
 
-    monkeypatch.setattr(assets, "DEMO_MODEL_DIR", tmp_path / "gone")
+    monkeypatch.setitem(assets.DEMO_MODELS, "demo", tmp_path / "gone")
     with pytest.raises(PruneAuditError, match="demo checkpoint is missing"):
         assets.demo_assets(tmp_path)
