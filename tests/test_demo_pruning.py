@@ -1,0 +1,60 @@
+"""The demo models reproduce the calibration study's mechanism for in-LLM selectors (issue 16).
+
+FastV and E2S at a feasible budget lose objects at their first stage; on those yes-questions
+the pruned model's accuracy falls well below the unpruned model's on the same questions,
+while its mean confidence stays high. Thresholds come from the model cards' tables
+(`python -m benchmarks.demo_pruning`), asserted with margin; the first questions of the demo
+set's random split keep the runs short.
+"""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from prune_audit.analysis.lost_objects import lost_object_summary
+from prune_audit.analysis.runs import load_run
+from prune_audit.cli.main import app
+from prune_audit.demo import DEMO_MODELS
+
+runner = CliRunner()
+LIMIT = 240
+
+# (demo, selector, budget): each measured on the first LIMIT questions, see the model cards
+CASES = [
+    ("demo", "fastv", 16),
+    ("demo", "e2s", 16),
+]
+
+
+def _shipped(name: str) -> bool:
+    return (DEMO_MODELS[name] / "config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo-pruning")
+
+    def run(name: str, selector: str, budget: int | None):
+        out = root / f"{name}-{selector}-{budget}"
+        if not out.exists():
+            args = ["run", "--model", name, "--limit", str(LIMIT), "--out", str(out), "--device", "cpu"]
+            if budget is not None:
+                args += ["--selector", selector, "--budget", str(budget)]
+            result = runner.invoke(app, args)
+            assert result.exit_code == 0, result.output[-2000:]
+        return load_run(out).questions
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "selector", "budget"), CASES)
+def test_lost_objects_lose_accuracy_but_not_confidence(run_dir, name, selector, budget):
+    if not _shipped(name):
+        pytest.skip(f"the {name} checkpoint is not bundled")
+    summary = lost_object_summary(run_dir(name, selector, budget), run_dir(name, "none", None))
+    assert summary.lost >= 10, summary
+    assert summary.dense_lost_accuracy >= 0.9, summary
+    assert summary.dense_lost_accuracy - summary.lost_accuracy >= 0.3, summary
+    assert summary.lost_confidence >= 0.8, summary
