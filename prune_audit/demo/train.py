@@ -104,7 +104,7 @@ class DemoRecipe:
 
 # the shipped demos; `prune-audit demo train --model NAME` starts from these
 DEMO_RECIPES: dict[str, DemoRecipe] = {
-    "demo": DemoRecipe(text_layers=8, text_width=96, steps=600),
+    "demo": DemoRecipe(text_layers=8, text_width=96, steps=380),
     "demo-qwen": DemoRecipe(
         family="qwen2_5_vl", merge=2, train_sizes=(96, 128), text_layers=8, text_width=96, vision_width=96,
         kv_heads=2, steps=600,
