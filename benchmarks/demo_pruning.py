@@ -27,11 +27,10 @@ from pathlib import Path
 # benchmarks/selectors.py would shadow the standard library's selectors module (torch imports it)
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
-
 from prune_audit.analysis.lost_objects import lost_object_summary  # noqa: E402
 from prune_audit.analysis.runs import load_run  # noqa: E402
 from prune_audit.demo.assets import demo_assets, is_demo_name  # noqa: E402
+from prune_audit.demo.questions import first_questions  # noqa: E402
 from prune_audit.errors import PruneAuditError  # noqa: E402
 from prune_audit.runner.execute import execute  # noqa: E402
 from prune_audit.runner.plan import RunRequest, plan_run  # noqa: E402
@@ -57,23 +56,15 @@ def question_files(model: str, out: Path, per_split: int | None) -> tuple[str, l
     assets = demo_assets(name=model)
     files = list(assets.pope_files)
     if per_split is not None:
-        subset = out / "questions"
-        subset.mkdir(parents=True, exist_ok=True)
-        files = []
-        for path in assets.pope_files:
-            target = subset / path.name
-            lines = path.read_text().splitlines(keepends=True)[:per_split]
-            if not target.is_file() or target.read_text() != "".join(lines):
-                target.write_text("".join(lines))
-            files.append(target)
+        files = first_questions(files, per_split, out / "questions")
     return str(assets.model_dir), files, assets.images_dir, assets.annotations
 
 
 def run_once(model: str, files: list[Path], images: Path, annotations: Path, selector: str, budget: int | None,
-             run_dir: Path, batch_size: int) -> Path:
+             run_dir: Path, batch_size: int, threads: int) -> Path:
     """One audit run (resumed if partly done); returns its folder."""
     request = RunRequest(model=model, selector=selector, budget=budget, pope=files, images=images,
-                         annotations=annotations, out=run_dir, batch_size=batch_size, device="cpu",
+                         annotations=annotations, out=run_dir, batch_size=batch_size, device="cpu", threads=threads,
                          command=f"benchmarks.demo_pruning {selector}@{budget}")
     result = execute(plan_run(request))
     if not result.complete:
@@ -100,7 +91,6 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     out = args.out or Path("runs") / f"{args.model}-pruning"
     budgets = [int(b) for b in args.budgets.split(",")]
     if args.per_split is not None and args.per_split <= 0:
@@ -113,14 +103,15 @@ def main() -> None:
         from prune_audit.models import load_vlm
 
         selectors = [s for s in load_vlm(model, device="cpu").supported_selectors() if s != "none"]
-    dense = load_run(run_once(model, files, images, annotations, "none", None, out / "dense", args.batch_size))
+    dense = load_run(run_once(model, files, images, annotations, "none", None, out / "dense", args.batch_size,
+                              args.threads))
     rows, skipped = {}, {}
     for selector in selectors:
         for budget in budgets:
             name = f"{selector}@{budget}"
             try:
                 run_dir = run_once(model, files, images, annotations, selector, budget, out / f"{selector}-{budget}",
-                                   args.batch_size)
+                                   args.batch_size, args.threads)
             except (PruneAuditError, ValueError) as error:  # the CLI reports both as user errors
                 skipped[name] = str(error)
                 print(f"{name}: skipped ({error})", file=sys.stderr)

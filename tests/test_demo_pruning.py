@@ -2,9 +2,9 @@
 
 FastV and E2S at a feasible budget lose objects at their first stage; on those yes-questions
 the pruned model's accuracy falls well below the unpruned model's on the same questions,
-while its mean confidence stays high. Thresholds come from the model cards' tables
-(`python -m benchmarks.demo_pruning`), asserted with margin; the first questions of the demo
-set's random split keep the runs short.
+while its mean confidence stays high. The runs use the questions of the model card's table
+(`python -m benchmarks.demo_pruning --per-split 50`: the first 50 of each POPE split), so the
+thresholds below are that table's numbers with margin.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from prune_audit.analysis.lost_objects import lost_object_summary
 from prune_audit.analysis.runs import load_run
 from prune_audit.cli.main import app
 from prune_audit.demo import DEMO_MODELS
+from prune_audit.demo.assets import demo_assets
+from prune_audit.demo.questions import first_questions
 
 runner = CliRunner()
-LIMIT = 240
+PER_SPLIT = 50
 
-# (demo, selector, budget): each measured on the first LIMIT questions, see the model cards
+# (demo, selector, budget), rows of the model card's table
 CASES = [
     ("demo", "fastv", 16),
     ("demo", "e2s", 16),
@@ -38,7 +40,11 @@ def run_dir(tmp_path_factory):
     def run(name: str, selector: str, budget: int | None):
         out = root / f"{name}-{selector}-{budget}"
         if not out.exists():
-            args = ["run", "--model", name, "--limit", str(LIMIT), "--out", str(out), "--device", "cpu"]
+            assets = demo_assets(name=name)
+            files = first_questions(assets.pope_files, PER_SPLIT, root / "questions")
+            args = ["run", "--model", name, "--images", str(assets.images_dir), "--annotations", str(assets.annotations),
+                    "--out", str(out), "--device", "cpu", "--threads", "1"]
+            args += [arg for path in files for arg in ("--pope", str(path))]
             if budget is not None:
                 args += ["--selector", selector, "--budget", str(budget)]
             result = runner.invoke(app, args)

@@ -45,8 +45,8 @@ def demo_assets(cache_dir: str | Path | None = None, name: str = "demo") -> Demo
     model_dir = DEMO_MODELS[name]
     if not (model_dir / "config.json").is_file():
         raise PruneAuditError(
-            f"the bundled demo checkpoint is missing from {model_dir} ({name}); reinstall prune-audit "
-            f"or pass --model with a local checkpoint"
+            f"the bundled demo checkpoint is missing from {model_dir}; reinstall prune-audit, or train it with "
+            f"`prune-audit demo train --model {name} --out DIR` and pass --model DIR"
         )
     question_set = demo_question_set(cache_dir)
     return DemoAssets(
