@@ -304,3 +304,13 @@ def test_demo_assets_name_a_missing_checkpoint(monkeypatch, tmp_path):
     monkeypatch.setitem(assets.DEMO_MODELS, "demo", tmp_path / "gone")
     with pytest.raises(PruneAuditError, match="demo checkpoint is missing"):
         assets.demo_assets(tmp_path)
+
+
+def test_run_names_the_missing_qwen_demo_in_one_line(monkeypatch, tmp_path):
+    import prune_audit.demo.assets as assets
+
+    monkeypatch.setitem(assets.DEMO_MODELS, "demo-qwen", tmp_path / "gone")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["run", "--model", "demo-qwen", "--limit", "2"])
+    assert result.exit_code != 0 and result.output.count("\n") == 1
+    assert "demo train --model demo-qwen" in result.output

@@ -102,9 +102,10 @@ class DemoRecipe:
         return self.train_sizes[int(np.random.default_rng([self.seed, step, 2]).integers(len(self.train_sizes)))]
 
 
-# the shipped demos; `prune-audit demo train --model NAME` starts from these
+# `prune-audit demo train --model NAME` starts from these: the shipped LLaVA demo's recipe and the
+# Qwen2.5-VL demo's (not shipped yet: see the model card)
 DEMO_RECIPES: dict[str, DemoRecipe] = {
-    "demo": DemoRecipe(text_layers=8, text_width=96, steps=380),
+    "demo": DemoRecipe(),
     "demo-qwen": DemoRecipe(
         family="qwen2_5_vl", merge=2, train_sizes=(96, 128), text_layers=8, text_width=96, vision_width=96,
         kv_heads=2, steps=600,
