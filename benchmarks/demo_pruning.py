@@ -8,8 +8,7 @@ on the demo question set, or on its first ``--per-split`` questions of each POPE
 (written to ``OUT/questions``), into ``OUT/<selector>-<budget>`` (finished runs are reused).
 Per run, against the unpruned run on the same questions: accuracy, mean confidence
 (two-way top-label), the share of yes-questions whose object lost every token (the records'
-``lost`` column: the first pruning stage once issue 15's ``lost_stages`` lands, the last
-non-empty kept set before), accuracy and mean confidence on those lost questions for the
+``lost`` column, i.e. at the first pruning stage), accuracy and mean confidence on those lost questions for the
 pruned and the unpruned model, ECE (15 bins) and AUROC. Writes ``OUT/table.md`` and
 ``OUT/table.json`` and prints the table. Selectors or budgets the model cannot run
 (e.g. a budget below what the layers before the first stage already use) are listed

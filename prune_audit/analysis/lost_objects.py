@@ -1,8 +1,8 @@
 """Lost objects vs the unpruned model: does accuracy fall while confidence stays? (issue 16)
 
 The calibration study's mechanism on one pruned run and its unpruned reference over the
-same questions: on the yes-questions whose object lost every visual token (the records'
-``lost`` column), accuracy falls but confidence does not.
+same questions: on the yes-questions whose object lost every visual token at the first
+pruning stage (the records' ``lost`` column), accuracy falls but confidence does not.
 """
 
 from __future__ import annotations
