@@ -76,3 +76,34 @@ def test_lost_objects_lose_accuracy_but_not_confidence(run_dir, name, selector, 
     assert summary.dense_lost_accuracy >= 0.9, summary
     assert summary.dense_lost_accuracy - summary.lost_accuracy >= 0.3, summary
     assert summary.lost_confidence >= 0.8, summary
+
+
+def _table(correct, confidence, lost, label_yes, order=None):
+    import numpy as np
+
+    from prune_audit.analysis.questions import QuestionTable
+
+    n = len(correct)
+    order = np.arange(n) if order is None else np.asarray(order)
+    column = lambda values, dtype: np.asarray(values, dtype=dtype)[order]  # noqa: E731
+    return QuestionTable(
+        split=np.array(["random"] * n), question_id=order.astype(np.int64), image_id=np.zeros(n, dtype=np.int64),
+        label_yes=column(label_yes, bool), answer_yes=column(label_yes, bool), correct=column(correct, bool),
+        confidence=column(confidence, float), p_yes=np.full(n, 0.5), logit_diff=np.zeros(n),
+        retention=np.full(n, np.nan), lost=column(lost, float), cost_tokens=np.ones(n),
+    )
+
+
+def test_lost_object_summary_pairs_the_lost_questions_with_the_unpruned_run():
+    nan = float("nan")
+    pruned = _table([False, False, True, True, True], [0.9, 0.7, 0.8, 0.6, 0.9], [1, 1, 0, nan, nan],
+                    [True, True, True, True, False])
+    # the unpruned run lists the same questions in another order
+    dense = _table([True, False, True, True, True], [0.95, 0.85, 0.9, 0.9, 0.9], [0, 0, 0, nan, nan],
+                   [True, True, True, True, False], order=[4, 3, 2, 1, 0])
+    summary = lost_object_summary(pruned, dense)
+    assert (summary.questions, summary.yes_with_mask, summary.lost) == (5, 3, 2)
+    assert summary.lost_share == pytest.approx(2 / 3)
+    assert summary.lost_accuracy == 0.0 and summary.lost_confidence == pytest.approx(0.8)
+    assert summary.dense_lost_accuracy == 0.5 and summary.dense_lost_confidence == pytest.approx(0.9)
+    assert summary.accuracy == pytest.approx(0.6) and summary.mean_confidence == pytest.approx(0.78)
