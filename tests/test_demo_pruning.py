@@ -1,10 +1,15 @@
-"""The demo models reproduce the calibration study's mechanism for in-LLM selectors (issue 16).
+"""The demo models reproduce the calibration study's mechanism (issue 16).
 
-FastV and E2S at a feasible budget lose objects at their first stage; on those yes-questions
-the pruned model's accuracy falls well below the unpruned model's on the same questions,
-while its mean confidence stays high. The runs use the questions of the model card's table
-(`python -m benchmarks.demo_pruning --per-split 50`: the first 50 of each POPE split), so the
-thresholds below are that table's numbers with margin.
+A selector at a feasible budget loses objects at its first stage; on those yes-questions the
+pruned model's accuracy falls well below the unpruned model's on the same questions, while
+its mean confidence stays high. The runs use the questions of the model card's table
+(`python -m benchmarks.demo_pruning --per-split 50`: the first 50 of each POPE split).
+
+Input-level (random@16) on the shipped 3-layer demo: measured 22 of 75 yes-questions lost,
+accuracy on them 27.3 % vs 100 % unpruned, confidence 0.994 (model card). In-LLM (FastV, E2S)
+needs a demo with at least 8 decoder layers; none ships yet, so those cases skip with the
+reason, and their thresholds (the issue's: 30 points below the unpruned model, confidence at
+least 0.8) are to be checked against the table when one does.
 """
 
 from __future__ import annotations
@@ -24,10 +29,14 @@ from prune_audit.demo.questions import first_questions
 runner = CliRunner()
 PER_SPLIT = 50
 
-# (demo, selector, budget), rows of the model card's table
-CASES = [
-    ("demo", "fastv", 16),
-    ("demo", "e2s", 16),
+# (demo, selector, budget): feasible for a demo with 8 or more decoder layers (16 is not: the 144
+# tokens of layer 0 alone average 18 per layer); the thresholds are to be re-derived from the model
+# card's table when a deeper demo ships
+IN_LLM_CASES = [
+    ("demo", "fastv", 32),
+    ("demo", "e2s", 32),
+    ("demo-qwen", "fastv", 16),
+    ("demo-qwen", "e2s", 16),
 ]
 
 
@@ -66,8 +75,17 @@ def run_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "selector", "budget"), CASES)
-def test_lost_objects_lose_accuracy_but_not_confidence(run_dir, name, selector, budget):
+def test_input_level_lost_objects_lose_accuracy_but_not_confidence(run_dir):
+    summary = lost_object_summary(run_dir("demo", "random", 16), run_dir("demo", "none", None))
+    assert summary.lost >= 12, summary
+    assert summary.dense_lost_accuracy >= 0.9, summary
+    assert summary.dense_lost_accuracy - summary.lost_accuracy >= 0.4, summary
+    assert summary.lost_confidence >= 0.9, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "selector", "budget"), IN_LLM_CASES)
+def test_in_llm_lost_objects_lose_accuracy_but_not_confidence(run_dir, name, selector, budget):
     reason = _missing_reason(name)
     if reason:
         pytest.skip(reason)
@@ -76,7 +94,6 @@ def test_lost_objects_lose_accuracy_but_not_confidence(run_dir, name, selector, 
     assert summary.dense_lost_accuracy >= 0.9, summary
     assert summary.dense_lost_accuracy - summary.lost_accuracy >= 0.3, summary
     assert summary.lost_confidence >= 0.8, summary
-
 
 def _table(correct, confidence, lost, label_yes, order=None):
     import numpy as np
