@@ -1,9 +1,9 @@
 """The bundled demo models, trained on synthetic shape scenes, and their question set.
 
-Two checkpoints ship: ``demo`` (LLaVA architecture) in ``prune_audit/assets/demo`` and
-``demo-qwen`` (Qwen2.5-VL architecture) in ``prune_audit/assets/demo-qwen`` (each with its
-MODEL_CARD.md); the POPE-style question set is generated deterministically into a cache
-folder on first use.
+``demo`` (LLaVA architecture) ships in ``prune_audit/assets/demo`` (see its MODEL_CARD.md);
+``demo-qwen`` (Qwen2.5-VL architecture) belongs in ``prune_audit/assets/demo-qwen`` once trained
+(``prune-audit demo train --model demo-qwen``; not shipped yet). The POPE-style question set is
+generated deterministically into a cache folder on first use.
 """
 
 from pathlib import Path
