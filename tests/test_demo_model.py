@@ -15,7 +15,7 @@ from prune_audit.cli.main import app
 from prune_audit.data.pope_build import question_text
 from prune_audit.data.scenes import CATEGORIES, Scene, SceneObject, generate_scene
 from prune_audit.demo import DEMO_MODEL_DIR
-from prune_audit.demo.batches import BACKGROUND_CLASS, patch_labels, pixel_values, sample_batch
+from prune_audit.demo.batches import BACKGROUND_CLASS, patch_labels, sample_batch
 from prune_audit.demo.evaluate import (
     DEMO_INSTRUCTIONS,
     answer,
@@ -29,8 +29,8 @@ from prune_audit.demo.removal import kept_tokens, object_removal
 from prune_audit.demo.train import (
     DemoRecipe,
     learning_rate_at,
-    pixel_stats,
     prompt_pieces,
+    scene_inputs,
     train_demo_model,
 )
 
@@ -45,6 +45,21 @@ def tiny_model(tmp_path_factory):
     """A 2-step tiny demo model, saved and loaded back as the shipped one is."""
     out = tmp_path_factory.mktemp("tiny") / "model"
     summary = train_demo_model(TINY, out, log=lambda line: None)
+    return out, summary, load_demo(out)
+
+
+# the Qwen2.5-VL recipe in miniature: 2x2 merge, M-RoPE, scenes at two sizes (4x4 and 6x6 tokens)
+TINY_QWEN = DemoRecipe(
+    seed=3, steps=2, images_per_step=3, questions_per_image=2, warmup_steps=1, image_size=64, patch_size=8,
+    vision_width=32, vision_layers=2, text_width=32, text_layers=2, heads=2, monitor_every=1, monitor_images=3,
+    family="qwen2_5_vl", merge=2, train_sizes=(64, 96), kv_heads=1,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-qwen") / "model"
+    summary = train_demo_model(TINY_QWEN, out, log=lambda line: None)
     return out, summary, load_demo(out)
 
 
@@ -88,13 +103,14 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
 
 
 def test_pixels_and_prompt_ids_equal_the_processor_path(tiny_model):
-    processor = tiny_model[2].processor
+    vlm = tiny_model[2]
+    processor = vlm.processor
     scene = generate_scene(0, 1, image_size=64)
-    text = prompt_text(processor, question_text("arrow"), DEMO_INSTRUCTIONS[1])
+    text = prompt_text(vlm, question_text("arrow"), DEMO_INSTRUCTIONS[1])
     encoded = processor(images=Image.fromarray(scene.image), text=text, return_tensors="pt")
-    assert torch.allclose(encoded["pixel_values"], pixel_values([scene], *pixel_stats(processor)), atol=1e-6)
-    assert torch.equal(encoded["input_ids"][0], prompt_ids(processor, text, 16))
-    short = processor.tokenizer.convert_ids_to_tokens(prompt_ids(processor, text, 2))
+    assert torch.allclose(encoded["pixel_values"], scene_inputs(vlm, [scene])["pixels"], atol=1e-6)
+    assert torch.equal(encoded["input_ids"][0], prompt_ids(vlm, text, 16))
+    short = processor.tokenizer.convert_ids_to_tokens(prompt_ids(vlm, text, 2))
     assert short[:5] == ["<s>", "USER", ":", "<image>", "<image>"] and "<unk>" not in short
 
 
@@ -103,19 +119,63 @@ def test_shared_prefix_training_forward_equals_the_full_forward(tiny_model):
     processor = vlm.processor
     batch = sample_batch(0, 0, images=3, questions_per_image=4, image_size=64, patch_size=16)
     instructions = [i % len(DEMO_INSTRUCTIONS) for i in range(len(batch.questions))]
-    pieces = prompt_pieces(processor, 16)
+    pieces = prompt_pieces(vlm, 16)
     with torch.no_grad():
-        pixels = pixel_values(batch.scenes, *pixel_stats(processor))
-        features, _, _ = vlm.vision_states(pixels)
-        assert torch.allclose(features, vlm.image_features(pixels))
+        inputs = scene_inputs(vlm, batch.scenes)
+        features, _, _ = vlm.vision_states(**inputs)
+        assert torch.allclose(features, vlm.image_features(**inputs))
         suffixes = [pieces.suffixes[(q.category, i)] for q, i in zip(batch.questions, instructions)]
         logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, suffixes, 4)
         probs = torch.softmax(logits, dim=-1)
-    texts = [prompt_text(processor, question_text(q.category), DEMO_INSTRUCTIONS[i])
+    texts = [prompt_text(vlm, question_text(q.category), DEMO_INSTRUCTIONS[i])
              for q, i in zip(batch.questions, instructions)]
     full = answer(vlm, [features[q.image] for q in batch.questions], texts)
     yes_id = processor.tokenizer.convert_tokens_to_ids("yes")
     assert torch.allclose(probs[:, yes_id], full.p_yes, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [64, 96])
+def test_qwen_shared_prefix_forward_equals_the_full_forward_at_each_size(tiny_qwen, size):
+    vlm = tiny_qwen[2]
+    grid = size // TINY_QWEN.cell
+    batch = sample_batch(0, 0, images=2, questions_per_image=4, image_size=size, patch_size=TINY_QWEN.cell)
+    instructions = [i % len(DEMO_INSTRUCTIONS) for i in range(len(batch.questions))]
+    pieces = prompt_pieces(vlm, grid * grid)
+    with torch.no_grad():
+        inputs = scene_inputs(vlm, batch.scenes)
+        assert inputs["grid_thw"].tolist() == [[1, 2 * grid, 2 * grid]] * 2
+        features, pooled, _ = vlm.vision_states(**inputs)
+        assert features.shape[:2] == (2, grid * grid) and pooled.shape == (2, TINY_QWEN.text_width)
+        assert all(torch.allclose(f, g) for f, g in zip(features, vlm.image_features(**inputs)))
+        suffixes = [pieces.suffixes[(q.category, i)] for q, i in zip(batch.questions, instructions)]
+        logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, suffixes, 4,
+                                          grid=(grid, grid))
+        probs = torch.softmax(logits, dim=-1)
+    texts = [prompt_text(vlm, question_text(q.category), DEMO_INSTRUCTIONS[i])
+             for q, i in zip(batch.questions, instructions)]
+    full = answer(vlm, [features[q.image] for q in batch.questions], texts)
+    yes_id = vlm.tokenizer.convert_tokens_to_ids("yes")
+    assert torch.allclose(probs[:, yes_id], full.p_yes, atol=1e-5)
+    # the audit's prepare sees the same dynamic-resolution grid and prompt
+    prepared = vlm.prepare(Image.fromarray(batch.scenes[0].image), question_text(batch.questions[0].category))
+    assert prepared.grid == (grid, grid)
+    assert torch.equal(prepared.input_ids, prompt_ids(vlm, prompt_text(vlm, question_text(batch.questions[0].category)),
+                                                      grid * grid))
+
+
+def test_qwen_training_is_deterministic_and_loads_through_the_family_registry(tiny_qwen, tmp_path):
+    from prune_audit.models import load_vlm
+    from prune_audit.models.qwen import QwenModel
+
+    out, summary, vlm = tiny_qwen
+    again = train_demo_model(TINY_QWEN, tmp_path / "again", log=lambda line: None)
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "again" / "model.safetensors").read_bytes()
+    assert isinstance(vlm, QwenModel) and isinstance(load_vlm(out, device="cpu"), QwenModel)
+    recipe = json.loads((out / "training.json").read_text())["recipe"]
+    assert recipe["train_sizes"] == [64, 96] and recipe["family"] == "qwen2_5_vl"
+    config = json.loads((out / "config.json").read_text())
+    assert config["vision_config"]["spatial_merge_size"] == 2
+    assert sum(config["text_config"]["rope_parameters"]["mrope_section"]) == TINY_QWEN.text_width // TINY_QWEN.heads // 2
 
 
 def test_training_is_deterministic_and_saves_a_loadable_float16_checkpoint(tiny_model, tmp_path):
@@ -223,7 +283,7 @@ def test_shipped_model_generates_yes_or_no(shipped, small_question_set):
 
     questions = load_pope(small_question_set.question_file("adversarial"))[:4]
     images = [Image.open(small_question_set.image_dir / q.image).convert("RGB") for q in questions]
-    texts = [prompt_text(processor, q.text) for q in questions]
+    texts = [prompt_text(shipped, q.text) for q in questions]
     encoded = processor(images=images, text=texts, return_tensors="pt")
     generated = shipped.model.generate(**encoded, max_new_tokens=1, do_sample=False)
     words = processor.tokenizer.batch_decode(generated[:, -1:])
@@ -241,6 +301,16 @@ def test_demo_assets_name_a_missing_checkpoint(monkeypatch, tmp_path):
     import prune_audit.demo.assets as assets
     from prune_audit.errors import PruneAuditError
 
-    monkeypatch.setattr(assets, "DEMO_MODEL_DIR", tmp_path / "gone")
+    monkeypatch.setitem(assets.DEMO_MODELS, "demo", tmp_path / "gone")
     with pytest.raises(PruneAuditError, match="demo checkpoint is missing"):
         assets.demo_assets(tmp_path)
+
+
+def test_run_names_the_missing_qwen_demo_in_one_line(monkeypatch, tmp_path):
+    import prune_audit.demo.assets as assets
+
+    monkeypatch.setitem(assets.DEMO_MODELS, "demo-qwen", tmp_path / "gone")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["run", "--model", "demo-qwen", "--limit", "2"])
+    assert result.exit_code != 0 and result.output.count("\n") == 1
+    assert "demo train --model demo-qwen" in result.output

@@ -36,6 +36,9 @@ _EXPORTS = {
     "CalibrationSettings": "calibration",
     "calibration_audit": "calibration",
     "cascade_audit": "cascade",
+    # lost objects of a pruned run vs the unpruned model (the demo model card's table)
+    "lost_object_summary": "lost_objects",
+    "LostObjectSummary": "lost_objects",
 }
 
 __all__ = list(_EXPORTS)

@@ -27,20 +27,33 @@ def demo() -> None:
 @handle_errors
 def train(
     out: Annotated[Path, typer.Option("--out", help="Folder for the trained checkpoint (float16) and training.json.")],
+    model: Annotated[str, typer.Option("--model", help="Which demo's recipe: demo (LLaVA) or demo-qwen (Qwen2.5-VL).")] = "demo",
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the training scenes.")] = 1,
-    steps: Annotated[int, typer.Option(min=1, help="Optimiser steps (32 fresh scenes each).")] = 1000,
+    steps: Annotated[int | None, typer.Option(min=1, help="Optimiser steps, 32 fresh scenes each (default: the recipe's).")] = None,
     threads: Annotated[
         int,
         typer.Option(min=1, help="CPU threads; the weights depend on this number, so it defaults to the shipped recipe's 1."),
     ] = 1,
+    text_layers: Annotated[int | None, typer.Option("--text-layers", min=1, help="Decoder layers (default: the recipe's).")] = None,
+    text_width: Annotated[int | None, typer.Option("--text-width", min=8, help="Decoder width (default: the recipe's).")] = None,
     log_file: Annotated[
         Path | None, typer.Option("--log-file", help="Also append progress lines to this file.")
     ] = None,
 ) -> None:
-    """Train the demo model from scratch on CPU (the shipped one: --seed 1 --steps 1000 --threads 1)."""
+    """Train a demo model from scratch on CPU (the shipped ones: --model demo|demo-qwen --seed 1 --threads 1)."""
     from dataclasses import replace
 
-    from prune_audit.demo.train import DemoRecipe, train_demo_model
+    from prune_audit.demo.train import DEMO_RECIPES, train_demo_model
+
+    if model not in DEMO_RECIPES:
+        raise ValueError(f"--model must be one of {', '.join(DEMO_RECIPES)}, got {model!r}")
+    recipe = DEMO_RECIPES[model]
+    recipe = replace(
+        recipe, seed=seed, threads=threads, steps=steps or recipe.steps, text_layers=text_layers or recipe.text_layers,
+        text_width=text_width or recipe.text_width,
+    )
+    if recipe.text_width % recipe.heads:
+        raise ValueError(f"--text-width {recipe.text_width} is not a multiple of the {recipe.heads} attention heads; pick one that is")
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -48,7 +61,6 @@ def train(
             with log_file.open("a") as handle:
                 handle.write(line + "\n")
 
-    recipe = replace(DemoRecipe(), seed=seed, steps=steps, threads=threads)
     summary = train_demo_model(recipe, out, log=log)
     final = summary["history"][-1]
     log(f"saved {out} after {summary['train_minutes']} min; monitor accuracy {final['heldout_accuracy']:.3f}")
@@ -84,7 +96,9 @@ def questions(
 @app.command("evaluate")
 @handle_errors
 def evaluate(
-    model: Annotated[Path | None, typer.Option("--model", help="Demo checkpoint folder (default: the shipped one).")] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="demo, demo-qwen or a demo checkpoint folder (default: demo).")
+    ] = None,
     cache_dir: CacheOption = None,
     scenes: ScenesOption = 1000,
     pope_images: PopeImagesOption = 500,
@@ -100,11 +114,13 @@ def evaluate(
 
     configure_threads(threads)
 
-    from prune_audit.demo import DEMO_MODEL_DIR
+    from prune_audit.demo import DEMO_MODELS
+    from prune_audit.demo.assets import is_demo_name
     from prune_audit.demo.evaluate import evaluate_question_set, load_demo
     from prune_audit.demo.questions import demo_question_set
 
-    vlm = load_demo(model or DEMO_MODEL_DIR)
+    model = model or "demo"
+    vlm = load_demo(DEMO_MODELS[model] if is_demo_name(model) else model)
     question_set = demo_question_set(cache_dir, scenes=scenes, pope_images=pope_images)
     summary = evaluate_question_set(vlm, question_set, instruction=instruction)
     print(json.dumps({k: round(v, 4) for k, v in summary.items()}))

@@ -1,9 +1,14 @@
-"""The bundled demo: a small LLaVA trained on synthetic shape scenes, and its question set.
+"""The bundled demo models, trained on synthetic shape scenes, and their question set.
 
-The checkpoint ships in ``prune_audit/assets/demo`` (see its MODEL_CARD.md); the POPE-style
-question set is generated deterministically into a cache folder on first use.
+``demo`` (LLaVA architecture) ships in ``prune_audit/assets/demo`` (see its MODEL_CARD.md);
+``demo-qwen`` (Qwen2.5-VL architecture) belongs in ``prune_audit/assets/demo-qwen`` once trained
+(``prune-audit demo train --model demo-qwen``; not shipped yet). The POPE-style question set is
+generated deterministically into a cache folder on first use.
 """
 
 from pathlib import Path
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo"
+DEMO_QWEN_MODEL_DIR = DEMO_MODEL_DIR.parent / "demo-qwen"
+# names accepted by `--model` for the bundled checkpoints
+DEMO_MODELS: dict[str, Path] = {"demo": DEMO_MODEL_DIR, "demo-qwen": DEMO_QWEN_MODEL_DIR}

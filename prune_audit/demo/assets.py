@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from prune_audit.demo import DEMO_MODEL_DIR
+from prune_audit.demo import DEMO_MODELS
 from prune_audit.errors import PruneAuditError
 
 
@@ -30,19 +30,27 @@ class DemoAssets:
     annotations: Path
 
 
-def demo_assets(cache_dir: str | Path | None = None) -> DemoAssets:
-    """The shipped model and the default demo question set (generated into the cache on first use)."""
+def is_demo_name(model: str | None) -> bool:
+    """Whether ``--model`` names a bundled demo (``demo``, ``demo-qwen``) rather than a folder."""
+    return model in DEMO_MODELS and not Path(model).exists()
+
+
+def demo_assets(cache_dir: str | Path | None = None, name: str = "demo") -> DemoAssets:
+    """The shipped model ``name`` and the demo question set (generated into the cache on first use)."""
     from prune_audit.data.pope import POPE_SPLITS
     from prune_audit.demo.questions import demo_question_set
 
-    if not (DEMO_MODEL_DIR / "config.json").is_file():
+    if name not in DEMO_MODELS:
+        raise PruneAuditError(f"no bundled demo model {name!r}; the demos are {', '.join(DEMO_MODELS)}")
+    model_dir = DEMO_MODELS[name]
+    if not (model_dir / "config.json").is_file():
         raise PruneAuditError(
-            f"the bundled demo checkpoint is missing from {DEMO_MODEL_DIR}; reinstall prune-audit "
-            f"or pass --model with a local checkpoint"
+            f"the bundled demo checkpoint is missing from {model_dir}; reinstall prune-audit, or train it with "
+            f"`prune-audit demo train --model {name} --out DIR` and pass --model DIR"
         )
     question_set = demo_question_set(cache_dir)
     return DemoAssets(
-        model_dir=DEMO_MODEL_DIR,
+        model_dir=model_dir,
         pope_files=tuple(question_set.question_file(split) for split in POPE_SPLITS),
         images_dir=question_set.image_dir,
         annotations=question_set.instances,

@@ -107,10 +107,3 @@ def patch_labels(scene: Scene, patch_size: int) -> Tensor:
         labels[wins] = CATEGORIES.index(obj.category)
         best = torch.maximum(best, coverage)
     return labels
-
-
-def pixel_values(scenes: tuple[Scene, ...] | list[Scene], mean: list[float], std: list[float]) -> Tensor:
-    """(B, 3, H, W) float32 normalised pixels, equal to the CLIP processor's output for square
-    images already at the model's size (its resize and centre crop are then identities)."""
-    images = torch.from_numpy(np.stack([s.image for s in scenes])).permute(0, 3, 1, 2).float() / 255.0
-    return (images - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)

@@ -1,11 +1,12 @@
-"""Answer yes/no questions with the demo model through the real Llava forward.
+"""Answer yes/no questions with a demo model through its family's real forward.
 
 The vision tower runs once per image; the language model then takes the full prompt
-of each question with the image's projected patch features (all of them, or a
-subset in original order for pruning experiments), so the prompt carries exactly as
-many ``<image>`` tokens as features are kept. The forward is the LLaVA adapter's
-:meth:`~prune_audit.models.llava.LlavaModel.first_token_logits`, the stock
-``LlavaForConditionalGeneration.forward``.
+of each question with the image's projected patch features (all of them, or for LLaVA
+a subset in original order for pruning experiments), so the prompt carries exactly as
+many image tokens as features are kept. The forward is the adapter's
+``first_token_logits`` (the stock ``LlavaForConditionalGeneration`` /
+``Qwen2_5_VLForConditionalGeneration`` forward); prompts come from the adapter's
+``prompt`` (the checkpoint's chat format).
 """
 
 from __future__ import annotations
@@ -19,40 +20,37 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from prune_audit.models.llava import LlavaModel
+    from prune_audit.models.base import VisionLanguageModel
 
 # instructions the demo model was trained with after the POPE question (the first is none)
 DEMO_INSTRUCTIONS: tuple[str, ...] = ("", "Answer yes or no.", "Answer the question using a single word or phrase.")
 
 
-def load_demo(model_dir: str | Path, *, attn_implementation: str = "sdpa") -> LlavaModel:
-    """The LLaVA adapter around a saved demo checkpoint, float32, eval mode, offline."""
-    from transformers import AutoProcessor
+def load_demo(model_dir: str | Path, *, attn_implementation: str = "sdpa") -> VisionLanguageModel:
+    """The family adapter (by config ``model_type``) around a saved demo checkpoint, float32, eval mode, offline."""
+    from transformers import AutoConfig
 
-    from prune_audit.models.llava import LlavaModel
+    from prune_audit.models.families import adapter_for
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(2, "no demo checkpoint (config.json) in this folder", str(model_dir))
-    model = LlavaModel.transformers_class().from_pretrained(
+    adapter = adapter_for(AutoConfig.from_pretrained(model_dir, local_files_only=True).model_type, str(model_dir))
+    model = adapter.transformers_class().from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True
     )
-    processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
-    return LlavaModel(model.eval(), processor, model_id=str(model_dir))
+    return adapter.from_model(model.eval(), str(model_dir), prompt_template=None, system_prompt=None, clip_text=None)
 
 
-def prompt_text(processor, question: str, instruction: str = "") -> str:
-    """The chat-template prompt for one image and ``question`` (plus ``instruction``)."""
-    text = f"{question} {instruction}".strip()
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-    return processor.apply_chat_template(messages, add_generation_prompt=True)
+def prompt_text(vlm: VisionLanguageModel, question: str, instruction: str = "") -> str:
+    """The model's chat prompt for one image and ``question`` (plus ``instruction``)."""
+    return vlm.prompt(f"{question} {instruction}".strip())
 
 
-def prompt_ids(processor, text: str, num_image_tokens: int) -> Tensor:
-    """(L,) token ids of ``text`` with its single ``<image>`` expanded to ``num_image_tokens``."""
-    tokenizer = processor.tokenizer
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    image_id = tokenizer.convert_tokens_to_ids(processor.image_token)
+def prompt_ids(vlm: VisionLanguageModel, text: str, num_image_tokens: int) -> Tensor:
+    """(L,) token ids of ``text`` with its single image token expanded to ``num_image_tokens``."""
+    ids = vlm.tokenizer(text, return_tensors="pt").input_ids[0]
+    image_id = vlm.model.config.image_token_id
     at = (ids == image_id).nonzero().flatten()
     if at.numel() != 1:
         raise ValueError(f"the prompt must hold exactly one image placeholder, found {at.numel()}")
@@ -77,7 +75,7 @@ class Answers:
         return torch.maximum(self.p_yes, self.p_no)
 
 
-def answer(vlm: LlavaModel, features: Sequence[Tensor], texts: Sequence[str]) -> Answers:
+def answer(vlm: VisionLanguageModel, features: Sequence[Tensor], texts: Sequence[str]) -> Answers:
     """Answer prompts ``texts`` (one ``<image>`` each) given per-question features.
 
     Args:
@@ -87,9 +85,8 @@ def answer(vlm: LlavaModel, features: Sequence[Tensor], texts: Sequence[str]) ->
     """
     if len(features) != len(texts):
         raise ValueError(f"{len(features)} feature sets for {len(texts)} prompts")
-    processor = vlm.processor
-    ids = [prompt_ids(processor, text, int(f.shape[0])) for f, text in zip(features, texts, strict=True)]
-    pad = processor.tokenizer.pad_token_id
+    ids = [prompt_ids(vlm, text, int(f.shape[0])) for f, text in zip(features, texts, strict=True)]
+    pad = vlm.tokenizer.pad_token_id
     length = max(int(i.numel()) for i in ids)
     # left padding keeps every prompt's last token at the final position
     input_ids = torch.full((len(ids), length), pad, dtype=torch.long)
@@ -100,11 +97,13 @@ def answer(vlm: LlavaModel, features: Sequence[Tensor], texts: Sequence[str]) ->
     with torch.no_grad():
         logits = vlm.first_token_logits(input_ids, attention, features)
     probs = torch.softmax(logits.float(), dim=-1)
-    yes_id, no_id = processor.tokenizer.convert_tokens_to_ids(["yes", "no"])
+    yes_id, no_id = vlm.tokenizer.convert_tokens_to_ids(["yes", "no"])
     return Answers(p_yes=probs[:, yes_id], p_no=probs[:, no_id])
 
 
-def features_by_image(vlm: LlavaModel, image_dir: Path, names: Sequence[str], batch_size: int = 64) -> dict[str, Tensor]:
+def features_by_image(
+    vlm: VisionLanguageModel, image_dir: Path, names: Sequence[str], batch_size: int = 64
+) -> dict[str, Tensor]:
     """Per image file name, its (N, D) projected features; pixels from the model's own processor."""
     from PIL import Image
 
@@ -113,14 +112,13 @@ def features_by_image(vlm: LlavaModel, image_dir: Path, names: Sequence[str], ba
     for start in range(0, len(unique), batch_size):
         chunk = unique[start : start + batch_size]
         images = [Image.open(Path(image_dir) / name).convert("RGB") for name in chunk]
-        pixels = vlm.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
         with torch.no_grad():
-            features.update(zip(chunk, vlm.image_features(pixels), strict=True))
+            features.update(zip(chunk, vlm.image_features(**vlm.image_inputs(images)), strict=True))
     return features
 
 
 def answer_pairs(
-    vlm: LlavaModel, features: dict[str, Tensor], pairs: Sequence[tuple[str, str]], *, instruction: str = "",
+    vlm: VisionLanguageModel, features: dict[str, Tensor], pairs: Sequence[tuple[str, str]], *, instruction: str = "",
     batch_size: int = 64,
 ) -> dict[tuple[str, str], Answers]:
     """Answers for unique (image, object) pairs with all of each image's tokens."""
@@ -130,7 +128,7 @@ def answer_pairs(
     result: dict[tuple[str, str], Answers] = {}
     for start in range(0, len(unique), batch_size):
         chunk = unique[start : start + batch_size]
-        texts = [prompt_text(vlm.processor, question_text(obj), instruction) for _, obj in chunk]
+        texts = [prompt_text(vlm, question_text(obj), instruction) for _, obj in chunk]
         answers = answer(vlm, [features[image] for image, _ in chunk], texts)
         for row, key in enumerate(chunk):
             result[key] = Answers(p_yes=answers.p_yes[row], p_no=answers.p_no[row])
@@ -138,7 +136,7 @@ def answer_pairs(
 
 
 def evaluate_question_set(
-    vlm: LlavaModel, question_set, *, splits: Sequence[str] | None = None, instruction: str = ""
+    vlm: VisionLanguageModel, question_set, *, splits: Sequence[str] | None = None, instruction: str = ""
 ) -> dict[str, float]:
     """Unpruned accuracy on a demo question set, per split and overall.
 

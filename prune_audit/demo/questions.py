@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,3 +103,22 @@ def _build_into(question_set: DemoQuestionSet, cache: Path, name: str, *, scenes
         staging.rename(question_set.root)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def first_questions(question_files: Sequence[Path], per_split: int, out_dir: Path) -> list[Path]:
+    """Copies of ``question_files`` holding their first ``per_split`` questions, in ``out_dir``.
+
+    A file already there with the same content is left alone, so a finished run over the
+    subset can be resumed or reused. The demo pruning table and its tests run on these.
+    """
+    if per_split <= 0:
+        raise ValueError(f"per_split must be positive, got {per_split}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    subset = []
+    for path in question_files:
+        target = out_dir / Path(path).name
+        text = "".join(Path(path).read_text().splitlines(keepends=True)[:per_split])
+        if not target.is_file() or target.read_text() != text:
+            target.write_text(text)
+        subset.append(target)
+    return subset

@@ -107,7 +107,7 @@ def object_removal(
     for image, obj in pairs:
         image_id = coco.image_id(image)
         geometry = geometry_from_processor(vlm.processor, coco.image(image_id).size)
-        text = prompt_text(vlm.processor, question_text(obj), instruction)
+        text = prompt_text(vlm, question_text(obj), instruction)
         for condition, kept in kept_tokens(coco, geometry, image_id, obj, rng).items():
             if kept is not None:
                 jobs[condition].append((features[image][torch.from_numpy(kept)], text))

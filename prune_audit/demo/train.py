@@ -9,9 +9,16 @@ Recipe (measured in the demo-model feasibility study, /work/shared/specs/demo-mo
   need it). The two heads are not part of the saved checkpoint.
 * data: fresh scenes every step, ``questions_per_image`` (8) questions per image,
   half yes and half no, negatives mixing POPE's three kinds.
-* speed: the prompt prefix ``<s> USER : <image>*N`` runs through the language model
-  once per image; its cache is repeated for the image's questions and only the
-  question suffixes run per question (equal to the full forward; see the tests).
+* speed: the prompt prefix up to the last image token (``<s> USER : <image>*N``)
+  runs through the language model once per image; its cache is repeated for the
+  image's questions and only the question suffixes run per question (equal to the
+  full forward; see the tests).
+* families: the trainer only calls the adapter's public demo methods (``array_inputs``,
+  ``vision_states``, ``shared_prefix_logits``, ``image_features``, ``prompt``), so the same
+  recipe trains the LLaVA demo (``demo``) and the Qwen2.5-VL demo (``demo-qwen``: 2x2
+  patch merge, M-RoPE, dynamic resolution: each step's scenes are drawn at one of
+  ``train_sizes``, so the model sees several token grids). On Qwen, which has no CLS,
+  both auxiliary heads read the merged tokens (their mean for the presence loss).
 * AdamW (lr 1e-3, betas 0.9/0.98, weight decay 0.05 on matrices), linear warm-up
   then cosine decay to 5 %, gradient clipping at 1, deterministic algorithms,
   everything seeded: a rerun on the same machine with the same thread count gives
@@ -37,10 +44,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prune_audit.data.scenes import CATEGORIES
-from prune_audit.demo.batches import BACKGROUND_CLASS, SceneBatch, pixel_values, sample_batch
 from prune_audit.data.pope_build import question_text
+from prune_audit.demo.batches import BACKGROUND_CLASS, SceneBatch, sample_batch
 from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, prompt_ids, prompt_text
-from prune_audit.models.llava import LlavaModel
+from prune_audit.models.base import VisionLanguageModel
 
 # held-out monitoring scenes during training; the demo question set uses another seed
 MONITOR_SEED = 7
@@ -73,10 +80,37 @@ class DemoRecipe:
     heads: int = 4
     monitor_every: int = 100
     monitor_images: int = 100
+    family: str = "llava"
+    merge: int = 1
+    train_sizes: tuple[int, ...] = ()
+    kv_heads: int = 4
+
+    @property
+    def cell(self) -> int:
+        """Pixels per side of one language-model image token (patch times merge)."""
+        return self.patch_size * self.merge
 
     @property
     def grid(self) -> int:
-        return self.image_size // self.patch_size
+        """Image tokens per side at ``image_size`` (the monitor's and the demo question set's size)."""
+        return self.image_size // self.cell
+
+    def step_size(self, step: int) -> int:
+        """The scene size of training step ``step`` (one of ``train_sizes``, or ``image_size``)."""
+        if not self.train_sizes:
+            return self.image_size
+        return self.train_sizes[int(np.random.default_rng([self.seed, step, 2]).integers(len(self.train_sizes)))]
+
+
+# `prune-audit demo train --model NAME` starts from these: the shipped LLaVA demo's recipe and the
+# Qwen2.5-VL demo's (not shipped yet: see the model card)
+DEMO_RECIPES: dict[str, DemoRecipe] = {
+    "demo": DemoRecipe(),
+    "demo-qwen": DemoRecipe(
+        family="qwen2_5_vl", merge=2, train_sizes=(96, 128), text_layers=8, text_width=96, vision_width=96,
+        kv_heads=2, steps=600,
+    ),
+}
 
 
 class VisionHeads(nn.Module):
@@ -103,13 +137,13 @@ class PromptPieces:
     suffixes: dict[tuple[str, int], Tensor]
 
 
-def prompt_pieces(processor, num_image_tokens: int) -> PromptPieces:
+def prompt_pieces(vlm: VisionLanguageModel, num_image_tokens: int) -> PromptPieces:
     """Split every (category, instruction) chat prompt at the end of its image span."""
-    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    image_id = vlm.model.config.image_token_id
     prefix, suffixes = None, {}
     for category in CATEGORIES:
         for index, instruction in enumerate(DEMO_INSTRUCTIONS):
-            ids = prompt_ids(processor, prompt_text(processor, question_text(category), instruction), num_image_tokens)
+            ids = prompt_ids(vlm, prompt_text(vlm, question_text(category), instruction), num_image_tokens)
             end = int((ids == image_id).nonzero().max()) + 1
             if prefix is not None and not torch.equal(prefix, ids[:end]):
                 raise ValueError("the chat template puts text before the image that depends on the question")
@@ -119,24 +153,26 @@ def prompt_pieces(processor, num_image_tokens: int) -> PromptPieces:
     return PromptPieces(prefix, (prefix == image_id).nonzero().flatten(), suffixes)
 
 
-def pixel_stats(processor) -> tuple[list[float], list[float]]:
-    """The image processor's normalisation (mean, std) per channel."""
-    return list(processor.image_processor.image_mean), list(processor.image_processor.image_std)
+def scene_inputs(vlm: VisionLanguageModel, scenes) -> dict[str, Tensor]:
+    """The adapter's vision inputs for generated scenes (square, already at a size the model takes)."""
+    return vlm.array_inputs(torch.from_numpy(np.stack([scene.image for scene in scenes])))
 
 
 def batch_loss(
-    vlm: LlavaModel, heads: VisionHeads, pieces: PromptPieces, batch: SceneBatch, instructions: np.ndarray
+    vlm: VisionLanguageModel, heads: VisionHeads, pieces: PromptPieces, batch: SceneBatch, instructions: np.ndarray
 ) -> dict[str, Tensor]:
-    """Answer CE, CLS presence BCE and patch CE for one batch (and their sum, ``total``).
+    """Answer CE, presence BCE (pooled CLS, or mean token) and patch CE for one batch (and their sum, ``total``).
 
     Args:
         instructions: (Q,) index into ``DEMO_INSTRUCTIONS`` per question.
     """
-    pixels = pixel_values(batch.scenes, *pixel_stats(vlm.processor))
-    features, pooled, patches = vlm.vision_states(pixels)
+    features, pooled, patches = vlm.vision_states(**scene_inputs(vlm, batch.scenes))
     per_image = len(batch.questions) // len(batch.scenes)
     suffixes = [pieces.suffixes[(q.category, int(i))] for q, i in zip(batch.questions, instructions, strict=True)]
-    logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, suffixes, per_image)
+    side = math.isqrt(features.shape[1])
+    logits = vlm.shared_prefix_logits(
+        features, pieces.prefix, pieces.image_positions, suffixes, per_image, grid=(side, side)
+    )
     targets = torch.tensor(vlm.tokenizer.convert_tokens_to_ids([q.answer for q in batch.questions]))
     losses = {
         "answer": F.cross_entropy(logits.float(), targets),
@@ -163,16 +199,16 @@ def _optimizer(parameters: list[nn.Parameter], recipe: DemoRecipe) -> torch.opti
     return torch.optim.AdamW(groups, lr=recipe.learning_rate, betas=(0.9, 0.98))
 
 
-def monitor_accuracy(vlm: LlavaModel, recipe: DemoRecipe) -> float:
-    """Held-out accuracy on ``monitor_images`` fresh scenes through the full-prompt path."""
+def monitor_accuracy(vlm: VisionLanguageModel, recipe: DemoRecipe) -> float:
+    """Held-out accuracy on ``monitor_images`` fresh scenes (``image_size``) through the full-prompt path."""
     batch = sample_batch(
         MONITOR_SEED, 0, images=recipe.monitor_images, questions_per_image=4,
-        image_size=recipe.image_size, patch_size=recipe.patch_size, split="heldout",
+        image_size=recipe.image_size, patch_size=recipe.cell, split="heldout",
     )
     with torch.no_grad():
-        features = vlm.image_features(pixel_values(batch.scenes, *pixel_stats(vlm.processor)))
+        features = vlm.image_features(**scene_inputs(vlm, batch.scenes))
     texts = [
-        prompt_text(vlm.processor, question_text(q.category), DEMO_INSTRUCTIONS[i % len(DEMO_INSTRUCTIONS)])
+        prompt_text(vlm, question_text(q.category), DEMO_INSTRUCTIONS[i % len(DEMO_INSTRUCTIONS)])
         for i, q in enumerate(batch.questions)
     ]
     says_yes = answer(vlm, [features[q.image] for q in batch.questions], texts).says_yes
@@ -180,26 +216,37 @@ def monitor_accuracy(vlm: LlavaModel, recipe: DemoRecipe) -> float:
     return float((says_yes == truth).float().mean())
 
 
-def _fresh_model(recipe: DemoRecipe, scratch: Path) -> LlavaModel:
-    """The adapter around a randomly initialised demo Llava, built by ``models.build``."""
+def _fresh_model(recipe: DemoRecipe, scratch: Path) -> VisionLanguageModel:
+    """The adapter around a randomly initialised demo model of ``recipe.family``, built by ``models.build``."""
     from prune_audit.demo.evaluate import load_demo
-    from prune_audit.models.build import build_llava
+    from prune_audit.models.build import build_llava, build_qwen2_5_vl
 
-    build_llava(
-        scratch,
-        words=DEMO_WORDS,
-        image_size=recipe.image_size,
-        patch_size=recipe.patch_size,
-        vision_hidden_size=recipe.vision_width,
-        vision_intermediate_size=4 * recipe.vision_width,
-        vision_layers=recipe.vision_layers,
-        vision_heads=recipe.heads,
-        text_hidden_size=recipe.text_width,
-        text_intermediate_size=(8 * recipe.text_width) // 3,
-        text_layers=recipe.text_layers,
-        text_heads=recipe.heads,
-        seed=recipe.seed,
-    )
+    shared = {
+        "words": DEMO_WORDS,
+        "patch_size": recipe.patch_size,
+        "vision_hidden_size": recipe.vision_width,
+        "vision_intermediate_size": 4 * recipe.vision_width,
+        "vision_layers": recipe.vision_layers,
+        "vision_heads": recipe.heads,
+        "text_hidden_size": recipe.text_width,
+        "text_intermediate_size": (8 * recipe.text_width) // 3,
+        "text_layers": recipe.text_layers,
+        "text_heads": recipe.heads,
+        "seed": recipe.seed,
+    }
+    if recipe.family == "llava":
+        build_llava(scratch, image_size=recipe.image_size, **shared)
+    elif recipe.family == "qwen2_5_vl":
+        head_dim = recipe.text_width // recipe.heads
+        sizes = recipe.train_sizes or (recipe.image_size,)
+        # M-RoPE: temporal, height and width share the rotary frequencies about equally
+        section = (head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6)
+        build_qwen2_5_vl(
+            scratch, image_size=recipe.image_size, spatial_merge_size=recipe.merge, text_kv_heads=recipe.kv_heads,
+            mrope_section=section, min_pixels=min(sizes) ** 2, max_pixels=max(sizes) ** 2, **shared,
+        )
+    else:
+        raise ValueError(f"no demo recipe for the family {recipe.family!r}; use llava or qwen2_5_vl")
     return load_demo(scratch)
 
 
@@ -217,22 +264,23 @@ def train_demo_model(
     with tempfile.TemporaryDirectory() as scratch:
         vlm = _fresh_model(recipe, Path(scratch))
     vlm.model.train()
-    heads = VisionHeads(vlm.model.config.vision_config.hidden_size)
+    heads = VisionHeads(vlm.vision_state_width)
     parameters = [p for p in (*vlm.model.parameters(), *heads.parameters()) if p.requires_grad]
     optimizer = _optimizer(parameters, recipe)
-    pieces = prompt_pieces(vlm.processor, recipe.grid**2)
+    pieces = {size: prompt_pieces(vlm, (size // recipe.cell) ** 2) for size in recipe.train_sizes or (recipe.image_size,)}
     history, start = [], time.perf_counter()
     for step in range(recipe.steps):
+        size = recipe.step_size(step)
         batch = sample_batch(
             recipe.seed, step, images=recipe.images_per_step, questions_per_image=recipe.questions_per_image,
-            image_size=recipe.image_size, patch_size=recipe.patch_size,
+            image_size=size, patch_size=recipe.cell,
         )
         # one instruction per step keeps the suffixes the same length (no padding work)
         instruction = np.random.default_rng([recipe.seed, step, 1]).integers(len(DEMO_INSTRUCTIONS))
         instructions = np.full(len(batch.questions), instruction)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, recipe)
-        losses = batch_loss(vlm, heads, pieces, batch, instructions)
+        losses = batch_loss(vlm, heads, pieces[size], batch, instructions)
         optimizer.zero_grad(set_to_none=True)
         losses["total"].backward()
         torch.nn.utils.clip_grad_norm_(parameters, recipe.grad_clip)
@@ -254,17 +302,21 @@ def train_demo_model(
         "history": history,
         "versions": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
     }
-    _save(vlm.model.eval(), vlm.processor, out_dir, summary)
+    _save(vlm, out_dir, summary)
     return summary
 
 
-def _save(model, processor, out_dir: Path, summary: dict) -> None:
-    """Write the float16 checkpoint, processor and summary; replace ``out_dir`` only when complete."""
+def _save(vlm: VisionLanguageModel, out_dir: Path, summary: dict) -> None:
+    """Write the float16 checkpoint, its processing parts and summary; replace ``out_dir`` only when complete."""
+    # LLaVA saves one processor; Qwen2.5-VL its image processor and tokenizer (no video processor)
+    processor = getattr(vlm, "processor", None)
+    parts = [processor] if processor is not None else [vlm.image_processor, vlm.tokenizer]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=out_dir.parent))
     try:
-        model.to(torch.float16).save_pretrained(staging)
-        processor.save_pretrained(staging)
+        vlm.model.eval().to(torch.float16).save_pretrained(staging)
+        for part in parts:
+            part.save_pretrained(staging)
         (staging / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
         for item in staging.iterdir():
             out_dir.mkdir(exist_ok=True)

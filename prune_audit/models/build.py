@@ -225,15 +225,19 @@ def build_qwen2_5_vl(
     text_kv_heads: int = 2,
     mrope_section: Sequence[int] = (2, 3, 3),
     max_position_embeddings: int = 512,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
     seed: int = 0,
 ) -> Path:
     """Save a randomly initialised ``Qwen2_5_VLForConditionalGeneration`` with its processor.
 
     GQA (``text_kv_heads < text_heads``) and 3-D M-RoPE (``sum(mrope_section)`` must be
-    ``head_dim / 2``). The PIL image processor is pinned to exactly ``image_size**2``
-    pixels (min = max), so a square image gives a
-    ``(image_size / (patch_size * spatial_merge_size))``-square token grid. The last
-    vision block uses full attention, the others windowed attention.
+    ``head_dim / 2``). By default the PIL image processor is pinned to exactly
+    ``image_size**2`` pixels (min = max), so a square image gives a
+    ``(image_size / (patch_size * spatial_merge_size))``-square token grid; with
+    ``min_pixels`` < ``max_pixels`` images keep their own size within that range (dynamic
+    resolution, rounded to ``patch_size * spatial_merge_size``). The last vision block uses
+    full attention, the others windowed attention.
 
     Returns:
         ``save_dir`` as a Path, loadable with ``from_pretrained``.
@@ -292,7 +296,7 @@ def build_qwen2_5_vl(
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     pixels = image_size * image_size
     image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=pixels, max_pixels=pixels, patch_size=patch_size, merge_size=spatial_merge_size,
+        min_pixels=min_pixels or pixels, max_pixels=max_pixels or pixels, patch_size=patch_size, merge_size=spatial_merge_size,
         temporal_patch_size=2,
     )
     # Qwen2_5_VLProcessor insists on a video processor, which needs torchvision; the adapter

@@ -21,6 +21,7 @@ from prune_audit.models.executor import DecoderStack
 from prune_audit.models.loading import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_cls_row, single_tensor_rope
+from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
 
 VICUNA_V1_SYSTEM = (
@@ -201,6 +202,24 @@ class LlavaModel(VisionLanguageModel):
         return -cosine.mean(dim=1)
 
     # ----- direct forwards (the demo trainer and evaluator) ------------------------------
+    @property
+    def vision_state_width(self) -> int:
+        """Width of the pooled and per-token states :meth:`vision_states` returns (the CLIP width)."""
+        return self.model.config.vision_config.hidden_size
+
+    def image_inputs(self, images: Sequence[Any]) -> dict[str, Tensor]:
+        """Keyword inputs of :meth:`image_features` for PIL images, through the model's processor."""
+        return {"pixels": self.processor.image_processor(images=list(images), return_tensors="pt")["pixel_values"]}
+
+    def array_inputs(self, images: Tensor) -> dict[str, Tensor]:
+        """Keyword inputs of :meth:`vision_states` for (B, H, W, 3) uint8 images already at the tower's
+        size: the processor's normalisation (its resize and centre crop are then identities)."""
+        image_processor = self.processor.image_processor
+        pixels = torch.as_tensor(images).permute(0, 3, 1, 2).float() / 255.0
+        mean = torch.tensor(list(image_processor.image_mean)).view(1, 3, 1, 1)
+        std = torch.tensor(list(image_processor.image_std)).view(1, 3, 1, 1)
+        return {"pixels": (pixels - mean) / std}
+
     def image_features(self, pixels: Tensor) -> Tensor:
         """(B, N, D) projected patch features, the language model's image inputs, of (B, 3, H, W) pixels."""
         return torch.stack(list(self.model.get_image_features(pixel_values=pixels).pooler_output))
@@ -213,30 +232,14 @@ class LlavaModel(VisionLanguageModel):
         return self.model.model.multi_modal_projector(selected), out.pooler_output, out.last_hidden_state[:, 1:]
 
     def shared_prefix_logits(
-        self, features: Tensor, prefix_ids: Tensor, image_positions: Tensor, suffixes: Sequence[Tensor], per_image: int
+        self, features: Tensor, prefix_ids: Tensor, image_positions: Tensor, suffixes: Sequence[Tensor], per_image: int,
+        grid: tuple[int, int] | None = None,
     ) -> Tensor:
-        """(B * per_image, V) next-token logits after each suffix, the image prefix run once per image.
-
-        Equal to the full forward of ``prefix + suffix`` (the demo tests check it): the prefix's
-        KV cache is repeated for the image's questions and only the suffixes run per question.
-
-        Args:
-            features: (B, N, D) projected image features.
-            prefix_ids: (P,) prompt ids up to the end of the image span, shared by all prompts.
-            image_positions: (N,) positions of the image tokens in ``prefix_ids``.
-            suffixes: B * per_image (T_i,) id tensors after the image span, grouped by image.
-        """
+        """(B * per_image, V) logits after each suffix (:func:`~prune_audit.models.shared_prefix.shared_prefix_logits`);
+        positions are 1-D and contiguous, so ``grid`` is not needed."""
         language = self.model.model.language_model
-        batch = features.shape[0]
-        embeds = language.embed_tokens(prefix_ids).unsqueeze(0).repeat(batch, 1, 1)
-        embeds[:, image_positions] = features.to(embeds.dtype)
-        cache = language(inputs_embeds=embeds, use_cache=True).cache
-        cache.batch_repeat_interleave(per_image)
-        lengths = torch.tensor([suffix.numel() for suffix in suffixes])
-        # right padding: causal attention keeps real positions independent of the pad tail
-        padded = torch.nn.utils.rnn.pad_sequence(list(suffixes), batch_first=True, padding_value=0)
-        hidden = language(input_ids=padded, cache=cache).last_hidden_state
-        return self.model.lm_head(hidden[torch.arange(len(suffixes)), lengths - 1])
+        return shared_prefix_logits(language, self.model.lm_head, features, prefix_ids, image_positions, suffixes,
+                                    per_image)
 
     def first_token_logits(self, input_ids: Tensor, attention_mask: Tensor, features: Sequence[Tensor]) -> Tensor:
         """(B, V) logits at the last position of left-padded (B, L) prompts, stock Llava forward.

@@ -12,9 +12,11 @@ because ``Qwen2_5_VLProcessor`` requires a video processor, which needs torchvis
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,6 +26,7 @@ from prune_audit.models.executor import DecoderStack
 from prune_audit.models.loading import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
+from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -118,6 +121,85 @@ class QwenModel(VisionLanguageModel):
         grid_thw = torch.cat([item.extras["image_grid_thw"] for item in prepared]).to(self.device)
         features = self.model.model.get_image_features(pixels, grid_thw, return_dict=True).pooler_output
         return [VisionOutput(per_image) for per_image in features]
+
+    # ----- direct forwards (the demo trainer and evaluator) ------------------------------
+    @property
+    def vision_state_width(self) -> int:
+        """Width of the pooled and per-token states :meth:`vision_states` returns (the merged tokens')."""
+        return self.model.config.text_config.hidden_size
+
+    def image_inputs(self, images: Sequence[Any]) -> dict[str, Tensor]:
+        """Keyword inputs of :meth:`image_features` / :meth:`vision_states` for PIL images
+        (dynamic resolution: each image keeps its own patch grid)."""
+        encoded = self.image_processor(images=list(images), return_tensors="pt")
+        return {"pixel_values": encoded["pixel_values"], "grid_thw": encoded["image_grid_thw"]}
+
+    def array_inputs(self, images: Tensor) -> dict[str, Tensor]:
+        """:meth:`image_inputs` of (B, H, W, 3) uint8 images."""
+        from PIL import Image
+
+        return self.image_inputs([Image.fromarray(np.asarray(image)) for image in images])
+
+    def image_features(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
+        """Per image its (N_i, D) merged features, the language model's image inputs, in row-major order."""
+        return list(self.model.model.get_image_features(pixel_values, grid_thw, return_dict=True).pooler_output)
+
+    def vision_states(self, pixel_values: Tensor, grid_thw: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The vision tower once, differentiable, for images of one size: (B, N, D) merged features,
+        (B, D) their mean (the tower has no CLS) and the (B, N, D) features again as token states."""
+        merged = self.model.model.visual(pixel_values, grid_thw=grid_thw).pooler_output
+        features = merged.view(len(grid_thw), -1, merged.shape[-1])
+        return features, features.mean(dim=1), features
+
+    def shared_prefix_logits(
+        self, features: Tensor, prefix_ids: Tensor, image_positions: Tensor, suffixes: Sequence[Tensor], per_image: int,
+        grid: tuple[int, int] | None = None,
+    ) -> Tensor:
+        """(B * per_image, V) logits after each suffix
+        (:func:`~prune_audit.models.shared_prefix.shared_prefix_logits`) with the M-RoPE ids of the
+        unpruned prompt; ``grid`` is the (rows, cols) of merged tokens."""
+        if grid is None:
+            raise ValueError("Qwen2.5-VL needs the image's token grid for its M-RoPE positions")
+        ids = torch.cat([prefix_ids, suffixes[0]])
+        positions = self._rope_positions(ids[None], [grid])[:, 0]
+        start = prefix_ids.numel()
+        language = self.model.model.language_model
+        return shared_prefix_logits(language, self.model.lm_head, features, prefix_ids, image_positions, suffixes,
+                                    per_image, prefix_positions=positions[:, :start],
+                                    suffix_start=int(positions[0, start]))
+
+    def first_token_logits(self, input_ids: Tensor, attention_mask: Tensor, features: Sequence[Tensor]) -> Tensor:
+        """(B, V) logits at the last position of left-padded (B, L) prompts, stock forward.
+
+        ``features[b]`` is the full (n*n, D) merged-token set of a square image (the demo scenes):
+        M-RoPE ids need the grid, which a pruned subset no longer gives.
+        """
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        grids = []
+        for item in features:
+            side = math.isqrt(int(item.shape[0]))
+            if side * side != item.shape[0]:
+                raise ValueError(f"{item.shape[0]} image tokens are not a square grid; pass every token of a square image")
+            grids.append((side, side))
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=self._rope_positions(input_ids, grids, attention_mask),
+            mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=list(features))},
+            logits_to_keep=1,
+        ).logits[:, -1]
+
+    def _rope_positions(self, input_ids: Tensor, grids: Sequence[tuple[int, int]],
+                        attention_mask: Tensor | None = None) -> Tensor:
+        """(3, B, L) M-RoPE ids from the model's ``get_rope_index``; ``grids`` in merged tokens per row."""
+        merge = self.image_processor.merge_size
+        grid_thw = torch.tensor([[1, rows * merge, cols * merge] for rows, cols in grids])
+        token_types = (input_ids == self.model.config.image_token_id).int()
+        positions, _ = self.model.model.get_rope_index(
+            input_ids, token_types, image_grid_thw=grid_thw, attention_mask=attention_mask
+        )
+        return positions
 
     def _full_positions(self, prepared: Prepared) -> Tensor:
         return prepared.extras["positions"]

@@ -138,13 +138,14 @@ def prepare_question(vlm: VisionLanguageModel, image_path: Path, text: str) -> P
 
 
 def _resolve_demo_defaults(request: RunRequest) -> None:
-    if request.model is not None and request.pope:
-        return
-    if request.model is not None and not request.pope:
-        raise PruneAuditError("--model needs questions: pass --pope FILE... with --images DIR (and --annotations FILE for retention)")
-    from prune_audit.demo.assets import demo_assets
+    from prune_audit.demo.assets import demo_assets, is_demo_name
 
-    demo = demo_assets()
+    named_demo = is_demo_name(request.model)
+    if request.model is not None and not named_demo and request.pope:
+        return
+    if request.model is not None and not named_demo and not request.pope:
+        raise PruneAuditError("--model needs questions: pass --pope FILE... with --images DIR (and --annotations FILE for retention)")
+    demo = demo_assets(name=request.model or "demo")
     request.model = str(demo.model_dir)
     if not request.pope:
         request.pope = list(demo.pope_files)
