@@ -246,6 +246,41 @@ def test_a_run_copied_elsewhere_with_inputs_and_model_elsewhere_resumes_and_anal
     assert audit.exit_code == 0, audit.output
 
 
+def moved_away(run_dir: Path, gone: Path) -> None:
+    """Rewrite the manifest of a copied run as if made on a machine whose input paths are ``gone`` here."""
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    for entry in [*manifest["question_files"], manifest["annotations"], manifest["images"]]:
+        entry["path"] = str(gone / Path(entry["path"]).name)
+    manifest["model"]["id"] = str(gone / "demo-model")
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_intervene_on_a_run_copied_elsewhere_takes_verified_input_overrides(demo, tmp_path):
+    from PIL import Image
+
+    copy = Path(shutil.copytree(demo["pruned"], tmp_path / "copied-run"))
+    moved_away(copy, tmp_path / "gone")
+    inputs = copy_inputs(demo, tmp_path / "inputs", 12)
+    model = Path(shutil.copytree(demo["model"], tmp_path / "elsewhere" / "demo-model"))
+    out = tmp_path / "intervened"
+    command = ("intervene", copy, "--mode", "remove", "--bootstrap", "20", "--out", out)
+    overrides = [*inputs_args(inputs), "--model", model]
+    refused(invoke(*command), "not found", "--pope")
+    refused(invoke(*command, *inputs_args(inputs)), "not found", "--model")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(inputs["annotations"].read_text() + " ")
+    refused(invoke(*command, *overrides, "--annotations", wrong), str(wrong), "sha256 differs")
+    first = used_images(demo["pope"], 12)[0]
+    flipped = Path(shutil.copytree(inputs["images"], tmp_path / "flipped"))
+    with Image.open(flipped / first) as image:
+        image.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(flipped / first)
+    refused(invoke(*command, *overrides, "--images", flipped), first, "other content")
+    assert not out.exists()
+    done = invoke(*command, *overrides)
+    assert done.exit_code == 0, done.output
+    assert (out / "intervention.json").is_file()
+
+
 # ----- 6. one writer per directory ---------------------------------------------------------------
 
 HOLDER = textwrap.dedent(

@@ -28,6 +28,26 @@ def intervene(
         typer.Option("--out", help="Output directory (default: RUN_DIR/intervene-MODE).", show_default=False),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    pope: Annotated[
+        Optional[list[Path]],
+        typer.Option("--pope", help="The run's question file(s) at another path (checked by sha256); repeatable.",
+                     show_default=False),
+    ] = None,
+    images: Annotated[
+        Optional[Path],
+        typer.Option("--images", help="The run's images folder at another path (each image checked by sha256).",
+                     show_default=False),
+    ] = None,
+    annotations: Annotated[
+        Optional[Path],
+        typer.Option("--annotations", help="The run's COCO instances file at another path (checked by sha256).",
+                     show_default=False),
+    ] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option("--model", help="The run's model folder at another path (weights checked by sha256).",
+                     show_default=False),
+    ] = None,
     stage: Annotated[
         str, typer.Option("--stage", help=f"{STAGE_HELP} Eligibility and swaps use its kept set.")
     ] = "first",
@@ -49,16 +69,22 @@ def intervene(
     cells_changed, object_area_changed) and intervention.json: accuracy and mean
     confidence per condition, intervention minus control with a 95% paired
     image-bootstrap interval, and the object area restored or removed.
+
+    The inputs are read where the run's manifest names them; on a run copied
+    elsewhere, --pope, --images, --annotations and --model name them anew and
+    are accepted only with the content the manifest pins.
     """
     from prune_audit.cli.progress import progress_reporter
     from prune_audit.records.stages import parse_stage
     from prune_audit.runner.intervene import InterveneRequest, intervene as run_intervention
+    from prune_audit.runner.intervene.inputs import RunInputs
     from prune_audit.threads import configure_threads
 
     chosen_threads = configure_threads(threads)
     request = InterveneRequest(run_dir=run_dir, mode=mode, max_cells=max_cells, controls=controls,
                                bootstrap=bootstrap, seed=seed, out=out, device=device, stage=parse_stage(stage),
-                               threads=chosen_threads)
+                               threads=chosen_threads,
+                               inputs=RunInputs(tuple(pope or ()), images, annotations, model))
     with progress_reporter(quiet=quiet) as progress:
         result = run_intervention(request, progress.update)
     if json_output:

@@ -60,7 +60,7 @@ def intervene(request: InterveneRequest, on_progress: Callable[[int, int], None]
                 "stage": request.stage.name}
     check_output_dir(out, "intervene", settings)
     check_writable(out)
-    source = load_source(request.run_dir, request.stage)
+    source = load_source(request.run_dir, request.stage, request.inputs)
     check_swappable(source)
     eligible = eligible_records(source, request.mode)
     rows, skipped = answer_swaps(request, source, eligible, on_progress)

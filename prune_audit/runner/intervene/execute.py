@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -12,7 +13,6 @@ import numpy as np
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.retention import ObjectAreaCache
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.manifest import images_folder
 from prune_audit.records.schema import Record
 from prune_audit.runner.execute import question_seed
 from prune_audit.runner.intervene.build import intervention_rows
@@ -33,15 +33,16 @@ def answer_swaps(
 ) -> tuple[list[Record], Counter]:
     """Both conditions of every eligible question as records; reasons of the questions skipped."""
     manifest = source.manifest
-    vlm = load_model(manifest, request.device)
+    inputs = source.inputs
+    vlm = load_model(manifest, inputs.model, request.device)
     forcing = Forcing(vlm, manifest)
-    questions = load_questions(manifest)
-    areas = ObjectAreaCache(CocoInstances.load(manifest["annotations"]["path"]))
+    questions = load_questions(inputs.pope)
+    areas = ObjectAreaCache(CocoInstances.load(inputs.annotations))
     rows: list[Record] = []
     skipped: Counter = Counter()
     for done, record in enumerate(eligible, start=1):
         question = questions[(record["split"], record["question_id"])]
-        prepared = prepare_question(vlm, images_folder(manifest) / record["image"], question.text)
+        prepared = prepare_question(vlm, inputs.images / record["image"], question.text)
         check_geometry(record, prepared)
         area = areas.get(record["image_id"], record["object"], prepared.geometry)
         rng = np.random.default_rng(question_seed(request.seed, record["split"], record["question_id"]))
@@ -59,27 +60,23 @@ def answer_swaps(
     return rows, skipped
 
 
-def load_model(manifest: dict[str, Any], device: str) -> VisionLanguageModel:
-    """The run's model, dtype and prompt; refused when the checkpoint's config changed since the run."""
+def load_model(manifest: dict[str, Any], source: str, device: str) -> VisionLanguageModel:
+    """The run's model (read from ``source``), dtype and prompt; refused when its config differs from the run's."""
     from prune_audit.models import load_vlm
 
     prompt = manifest.get("prompt") or {}
-    vlm = load_vlm(manifest["model"]["id"], device=device, dtype=manifest["dtype"],
+    vlm = load_vlm(source, device=device, dtype=manifest["dtype"],
                    prompt_template=prompt.get("template"), system_prompt=prompt.get("system"))
     if vlm.describe()["model"]["config_hash"] != manifest["model"]["config_hash"]:
-        raise PruneAuditError(f"the model at {manifest['model']['id']} differs from the run's (config hash changed)")
+        raise PruneAuditError(f"the model at {source} differs from the run's (config hash changed)")
     return vlm
 
 
-def load_questions(manifest: dict[str, Any]) -> dict[tuple[str, int], PopeQuestion]:
+def load_questions(files: Sequence[Path]) -> dict[tuple[str, int], PopeQuestion]:
     """The run's questions by (split, question_id), read from its question files."""
     from prune_audit.data.pope import load_pope
 
-    return {
-        (question.split, question.question_id): question
-        for entry in manifest["question_files"]
-        for question in load_pope(entry["path"])
-    }
+    return {(question.split, question.question_id): question for path in files for question in load_pope(path)}
 
 
 def check_geometry(record: Record, prepared: Prepared) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.records.schema import Record
 from prune_audit.records.stages import FIRST, StageChoice, record_stage
 from prune_audit.records.store import RecordStore
+from prune_audit.runner.intervene.inputs import RunInputs, locate_inputs
 from prune_audit.runner.intervene.swaps import MODES, REMOVE_MAX_OBJECT_CELLS
 
 CONTROLS = ("random",)
@@ -31,6 +31,7 @@ class InterveneRequest:
     device: str = "auto"
     stage: StageChoice = FIRST
     threads: dict | None = None  # the torch threads chosen (prune_audit.threads.configure_threads), for the report
+    inputs: RunInputs = field(default_factory=RunInputs)  # --pope/--images/--annotations/--model overrides
 
 
 @dataclass
@@ -39,6 +40,7 @@ class InterventionSource:
 
     run: Run
     records: list[Record]
+    inputs: RunInputs
     stage: StageChoice = FIRST
     stage_index: dict[tuple[str, int], int] = field(default_factory=dict)
     """The chosen stage of every record, by (split, question_id)."""
@@ -63,8 +65,9 @@ def check_request(request: InterveneRequest) -> None:
         raise PruneAuditError(f"--bootstrap must be at least 1, got {request.bootstrap}")
 
 
-def load_source(run_dir: Path, stage: StageChoice = FIRST) -> InterventionSource:
-    """The run read at ``stage``, refused when unpruned, without annotations, or when its inputs changed."""
+def load_source(run_dir: Path, stage: StageChoice = FIRST, overrides: RunInputs = RunInputs()) -> InterventionSource:
+    """The run read at ``stage``, refused when unpruned, without annotations, or when its inputs (recorded
+    or ``overrides``) differ from its pins."""
     run = load_run(run_dir, stage)
     manifest = run.manifest
     if run.selector == "dense":
@@ -73,26 +76,10 @@ def load_source(run_dir: Path, stage: StageChoice = FIRST) -> InterventionSource
         raise PruneAuditError(
             f"{run_dir} was run without annotations; intervene needs the object masks: re-run with --annotations FILE"
         )
-    check_inputs_unchanged(manifest)
+    inputs = locate_inputs(manifest, overrides)
     records = RecordStore(run_dir).read().to_pylist()
     chosen = {(r["split"], r["question_id"]): record_stage(r["kept_stages"], stage, str(run_dir)) for r in records}
-    return InterventionSource(run, records, stage, chosen)
-
-
-def check_inputs_unchanged(manifest: dict[str, Any]) -> None:
-    """The annotations and question files still exist and hash as when the run was made."""
-    from prune_audit.data.pope import file_sha256
-
-    for entry in [manifest["annotations"], *manifest.get("question_files", [])]:
-        path = Path(entry["path"])
-        if not path.is_file():
-            raise PruneAuditError(
-                f"{path}, named in the run's manifest, is not found; run from the folder the run was made in"
-            )
-        if file_sha256(path) != entry["sha256"]:
-            raise PruneAuditError(
-                f"{path} changed since the run (sha256 differs); intervene needs the run's own inputs"
-            )
+    return InterventionSource(run, records, inputs, stage, chosen)
 
 
 def eligible_records(source: InterventionSource, mode: str) -> list[Record]:
