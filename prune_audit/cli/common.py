@@ -27,6 +27,24 @@ ThreadsOption = Annotated[
 QuietOption = Annotated[
     bool, typer.Option("--quiet", help="No progress display (the live bar, or the plain lines in logs).")
 ]
+ModelOption = Annotated[
+    Optional[str], typer.Option(help="Local model folder or hub id (default: the bundled demo model).")
+]
+PopeOption = Annotated[Optional[list[Path]], typer.Option(help="POPE question file(s) (JSON Lines); repeatable.")]
+SplitOption = Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")]
+ImagesOption = Annotated[Optional[Path], typer.Option(help="Folder with the questions' images.")]
+AnnotationsOption = Annotated[
+    Optional[Path], typer.Option(help="COCO instances file (object masks for retention).")
+]
+LimitOption = Annotated[Optional[int], typer.Option(help="Only the first N questions.")]
+DeviceOption = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
+DtypeOption = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
+PromptTemplateOption = Annotated[
+    Optional[str], typer.Option(help="Prompt template name (LLaVA: llava_hf or vicuna_v1).")
+]
+ClipTextOption = Annotated[Optional[Path], typer.Option(help="CLIP text tower folder (CDPruner relevance).")]
+"""The model and question inputs shared by ``run`` and ``study`` (one definition of each option)."""
+
 STAGE_HELP = (
     "Stage whose retention and lost objects are read: first (the earliest point tokens leave the model), "
     "last (the deepest stage that still keeps tokens) or a stage index 0, 1, ..."

@@ -8,28 +8,42 @@ from typing import Annotated, Optional
 
 import typer
 
-from prune_audit.cli.common import QuietOption, ThreadsOption, handle_errors
+from prune_audit.cli.common import (
+    AnnotationsOption,
+    ClipTextOption,
+    DeviceOption,
+    DtypeOption,
+    ImagesOption,
+    LimitOption,
+    ModelOption,
+    PopeOption,
+    PromptTemplateOption,
+    QuietOption,
+    SplitOption,
+    ThreadsOption,
+    handle_errors,
+)
 
 
 @handle_errors
 def run(
-    model: Annotated[Optional[str], typer.Option(help="Local model folder or hub id (default: the bundled demo model).")] = None,
+    model: ModelOption = None,
     selector: Annotated[str, typer.Option(help="Registered selector (see `prune-audit selectors`), or none for the unpruned reference.")] = "none",
     budget: Annotated[Optional[str], typer.Option(help="Visual tokens to keep (in-LLM selectors: layer average), a share of each image's tokens (11%), or all.")] = None,
     option: Annotated[Optional[list[str]], typer.Option(help="Selector option KEY=VALUE; repeatable.")] = None,
-    pope: Annotated[Optional[list[Path]], typer.Option(help="POPE question file(s) (JSON Lines); repeatable.")] = None,
-    split: Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")] = None,
-    images: Annotated[Optional[Path], typer.Option(help="Folder with the questions' images.")] = None,
-    annotations: Annotated[Optional[Path], typer.Option(help="COCO instances file (object masks for retention).")] = None,
+    pope: PopeOption = None,
+    split: SplitOption = None,
+    images: ImagesOption = None,
+    annotations: AnnotationsOption = None,
     out: Annotated[Optional[Path], typer.Option(help="Run directory (default: runs/<model>-<selector>-<budget>, then each --option value that differs from its default, e.g. runs/demo-fastv-64-paper).")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="Only the first N questions.")] = None,
+    limit: LimitOption = None,
     batch_size: Annotated[int, typer.Option(help="Questions per forward pass (answers do not depend on it).")] = 16,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     seed: Annotated[int, typer.Option(help="Seed for random selectors (per question, independent of batching).")] = 0,
     shard: Annotated[Optional[str], typer.Option(help="Run shard I/N of the questions (split by image); merge with `prune-audit merge`.")] = None,
-    prompt_template: Annotated[Optional[str], typer.Option(help="Prompt template name (LLaVA: llava_hf or vicuna_v1).")] = None,
-    clip_text: Annotated[Optional[Path], typer.Option(help="CLIP text tower folder (CDPruner relevance).")] = None,
+    prompt_template: PromptTemplateOption = None,
+    clip_text: ClipTextOption = None,
     threads: ThreadsOption = None,
     quiet: QuietOption = False,
 ) -> None:

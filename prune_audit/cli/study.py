@@ -7,7 +7,22 @@ from typing import Annotated, Optional
 
 import typer
 
-from prune_audit.cli.common import STAGE_HELP, ThreadsOption, handle_errors
+from prune_audit.cli.common import (
+    AnnotationsOption,
+    ClipTextOption,
+    DeviceOption,
+    DtypeOption,
+    ImagesOption,
+    LimitOption,
+    ModelOption,
+    PopeOption,
+    PromptTemplateOption,
+    QuietOption,
+    SplitOption,
+    STAGE_HELP,
+    ThreadsOption,
+    handle_errors,
+)
 from prune_audit.runner.study.defaults import DEFAULT_BUDGETS, DEFAULT_SELECTORS
 
 
@@ -15,19 +30,19 @@ from prune_audit.runner.study.defaults import DEFAULT_BUDGETS, DEFAULT_SELECTORS
 def study(
     selectors: Annotated[str, typer.Option(help="Selectors, comma-separated.")] = ",".join(DEFAULT_SELECTORS),
     budgets: Annotated[str, typer.Option(help="Budgets (visual tokens), comma-separated.")] = ",".join(DEFAULT_BUDGETS),
-    model: Annotated[Optional[str], typer.Option(help="Local model folder or hub id (default: the bundled demo model).")] = None,
-    pope: Annotated[Optional[list[Path]], typer.Option(help="POPE question file(s); repeatable.")] = None,
-    split: Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")] = None,
-    images: Annotated[Optional[Path], typer.Option(help="Folder with the questions' images.")] = None,
-    annotations: Annotated[Optional[Path], typer.Option(help="COCO instances file (object masks for retention).")] = None,
+    model: ModelOption = None,
+    pope: PopeOption = None,
+    split: SplitOption = None,
+    images: ImagesOption = None,
+    annotations: AnnotationsOption = None,
     out: Annotated[Path, typer.Option(help="Study folder: runs/, summary, reports.")] = Path("study"),
-    limit: Annotated[Optional[int], typer.Option(help="Only the first N questions.")] = None,
+    limit: LimitOption = None,
     batch_size: Annotated[int, typer.Option(help="Questions per forward pass.")] = 16,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     seed: Annotated[int, typer.Option(help="Seed of random selectors, image splits and the bootstrap.")] = 0,
-    prompt_template: Annotated[Optional[str], typer.Option(help="Prompt template name.")] = None,
-    clip_text: Annotated[Optional[Path], typer.Option(help="CLIP text tower folder (CDPruner relevance).")] = None,
+    prompt_template: PromptTemplateOption = None,
+    clip_text: ClipTextOption = None,
     epsilons: Annotated[str, typer.Option(help="Cascade disagreement targets.")] = "0.01,0.02,0.05,0.1",
     bootstrap: Annotated[int, typer.Option(help="Image-clustered bootstrap resamples.")] = 1000,
     bins: Annotated[int, typer.Option(help="Confidence bins.")] = 15,
@@ -40,7 +55,7 @@ def study(
     report: Annotated[bool, typer.Option("--report", help="Only build summary and report from OUT/runs.")] = False,
     force: Annotated[bool, typer.Option(help="Compare runs even when model, question files or prompt differ.")] = False,
     threads: ThreadsOption = None,
-    quiet: Annotated[bool, typer.Option("--quiet", help="No progress display.")] = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Run the unpruned reference and every selector x budget, calibrate each against the reference,
     run the cascade over an epsilon sweep, and write OUT/summary.csv, summary.parquet, report.md and
