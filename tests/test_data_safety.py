@@ -462,7 +462,8 @@ def test_pope_build_refuses_path_like_prefixes(demo, tmp_path, prefix):
 
 def test_ctrl_c_says_what_is_saved_exits_130_and_the_same_command_resumes(demo, tmp_path):
     out = tmp_path / "run"
-    args = cli("run", "--limit", "60", "--batch-size", "2", "--out", out)
+    # long enough (hundreds of batches) that the interrupt lands mid-run however fast the machine is
+    args = cli("run", "--limit", "600", "--batch-size", "2", "--out", out)
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=process_env())
     while process.poll() is None and len(list((out / "parts").glob("part-*.parquet")) if (out / "parts").is_dir() else []) < 2:
         time.sleep(0.05)
@@ -472,12 +473,12 @@ def test_ctrl_c_says_what_is_saved_exits_130_and_the_same_command_resumes(demo, 
     line = stderr.strip().splitlines()[-1]
     assert "Traceback" not in stderr
     saved = record_count(out)
-    assert line == f"error: interrupted: {saved} of 60 questions are saved in {out}; run the same command again to resume"
+    assert line == f"error: interrupted: {saved} of 600 questions are saved in {out}; run the same command again to resume"
     leftover = out / "parts" / ".part-0-dead.parquet.0123.tmp"  # as a killed write leaves it
     leftover.write_bytes(b"half a parquet file")
     resumed = subprocess.run(args, capture_output=True, text=True, env=process_env())
     assert resumed.returncode == 0, resumed.stderr
-    assert not leftover.exists() and record_count(out) == 60
+    assert not leftover.exists() and record_count(out) == 600
 
 
 # ----- the same guarantees on real COCO (../shared/data) ---------------------------------------------------
