@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 
+# Records are bit-identical across batch sizes, shards and resumes at one intra-op thread; with
+# several, torch splits float reductions by batch shape and probabilities move in the 7th digit.
+# The tests compare records bit for bit, so every in-process and child run uses one thread
+# unless a test sets OMP_NUM_THREADS itself (tests/test_threads.py does).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("PRUNE_AUDIT_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
