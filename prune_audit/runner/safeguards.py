@@ -15,7 +15,7 @@ from typing import Any
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import MANIFEST_FILE, differing_fields, read_manifest
 from prune_audit.safety.atomic import remove_partial_files
-from prune_audit.safety.fingerprint import HashCache, first_differing_image, images_fingerprint
+from prune_audit.safety.fingerprint import HashCache, combined_sha256, first_differing_image, images_fingerprint
 from prune_audit.safety.lock import DirectoryLock
 from prune_audit.safety.ownership import claim_output_dir
 
@@ -94,20 +94,16 @@ def hash_cache_file() -> Path:
 
 def weights_sha256(model_source: str) -> str | None:
     """sha256 over the weight files of a local checkpoint folder (None for a hub id)."""
-    import hashlib
-
     folder = Path(model_source)
     if not folder.is_dir():
         return None
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    files = [p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES]
     if not files:
         return None
     cache = HashCache(hash_cache_file())
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(f"{path.name}\0{cache.sha256(path)}\n".encode())
+    digests = {path.name: cache.sha256(path) for path in files}
     cache.save()
-    return digest.hexdigest()
+    return combined_sha256(digests)
 
 
 def pin_inputs(manifest: dict[str, Any], model_source: str, images_dir: Path, image_paths: dict[str, Path]) -> None:

@@ -73,10 +73,15 @@ def images_fingerprint(paths: Mapping[str, Path], cache_file: str | Path | None 
     cache = HashCache(cache_file)
     files = {name: cache.sha256(path) for name, path in paths.items()}
     cache.save()
+    return {"sha256": combined_sha256(files), "count": len(files), "files": files}
+
+
+def combined_sha256(files: Mapping[str, str]) -> str:
+    """One sha256 over ``name -> file sha256`` pairs, independent of their order."""
     digest = hashlib.sha256()
     for name in sorted(files):
         digest.update(f"{name}\0{files[name]}\n".encode())
-    return {"sha256": digest.hexdigest(), "count": len(files), "files": files}
+    return digest.hexdigest()
 
 
 def first_differing_image(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
