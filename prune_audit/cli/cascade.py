@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from prune_audit.cli.common import STAGE_HELP, handle_errors
+from prune_audit.cli.common import STAGE_HELP, handle_errors, parse_epsilons
 
 
 @handle_errors
@@ -72,7 +72,7 @@ def cascade(
         raise PruneAuditError("--reference DENSE_RUN is required: the cascade escalates to the dense model")
     from prune_audit.analysis.cascade import DEFAULT_SWEEP
 
-    targets = parse_epsilons(sweep) if sweep else []
+    targets = list(parse_epsilons(sweep, "--sweep")) if sweep else []
     choice = parse_stage(stage)
     outputs = {"runs": [str(p.resolve()) for p in pruned_runs], "reference": str(reference.resolve()),
                "epsilon": epsilon, "sweep": targets, "splits": splits, "calibration_fraction": calibration_fraction,
@@ -93,19 +93,6 @@ def cascade(
         print(to_json(report), end="")
     else:
         print_cascade_table(report, out)
-
-
-def parse_epsilons(text: str) -> list[float]:
-    """"0.01, 0.05" -> [0.01, 0.05]; a malformed entry is a PruneAuditError naming it."""
-    from prune_audit.errors import PruneAuditError
-
-    values = []
-    for item in text.split(","):
-        try:
-            values.append(float(item))
-        except ValueError:
-            raise PruneAuditError(f"--sweep takes comma-separated numbers, got {item.strip()!r}") from None
-    return values
 
 
 def sweep_table(report: dict):

@@ -51,6 +51,27 @@ STAGE_HELP = (
 )
 """Help of every analysis command's --stage (parsed by prune_audit.records.stages.parse_stage)."""
 
+def parse_epsilons(text: str, option: str) -> tuple[float, ...]:
+    """"0.01, 0.05" -> (0.01, 0.05): cascade targets, each strictly between 0 and 1, each once.
+
+    A malformed or out-of-range entry is a PruneAuditError naming ``option`` and the entry.
+    """
+    from prune_audit.errors import PruneAuditError
+
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise PruneAuditError(f"{option} takes comma-separated numbers, got {item.strip()!r}") from None
+        if not 0.0 < value < 1.0:  # also refuses nan
+            raise PruneAuditError(f"{option} takes numbers strictly between 0 and 1, got {item.strip()!r}")
+        if value in values:
+            raise PruneAuditError(f"{option} repeats {item.strip()!r}; list each entry once")
+        values.append(value)
+    return tuple(values)
+
+
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, KeyError)
 
 

@@ -22,6 +22,7 @@ from prune_audit.cli.common import (
     STAGE_HELP,
     ThreadsOption,
     handle_errors,
+    parse_epsilons,
 )
 from prune_audit.runner.study.defaults import DEFAULT_BUDGETS, DEFAULT_SELECTORS
 
@@ -75,7 +76,7 @@ def study(
     from prune_audit.runner.study.grid import StudyGrid, check_grid, parse_list
     from prune_audit.safety.ownership import check_output_dir
 
-    targets = _parse_epsilons(epsilons)
+    targets = parse_epsilons(epsilons, "--epsilons")
     if bootstrap < 1 or bins < 1 or splits < 1:
         raise PruneAuditError("--bootstrap, --bins and --splits must be at least 1")
     if (plan_file or shard or plan_format != "lines") and not plan:
@@ -106,22 +107,6 @@ def study(
         return
     _run_grid(grid, quiet)
     _report(out, settings, force)
-
-
-def _parse_epsilons(text: str) -> tuple[float, ...]:
-    from prune_audit.errors import PruneAuditError
-    from prune_audit.runner.study.grid import parse_list
-
-    values = []
-    for item in parse_list(text, "--epsilons"):
-        try:
-            value = float(item)
-        except ValueError:
-            value = float("nan")
-        if not 0.0 < value < 1.0:
-            raise PruneAuditError(f"--epsilons takes numbers strictly between 0 and 1, got {item!r}")
-        values.append(value)
-    return tuple(values)
 
 
 def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
