@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Every number and figure that README.md and the two demo model cards quote about the bundled demos,
+# from an empty folder, in one command (issue 16):
+#
+#   bash benchmarks/demo_numbers.sh OUT            # about 45 min on the 2-core CPU machine
+#   bash benchmarks/demo_numbers.sh OUT --quick    # a few questions per step: checks that every step runs
+#
+# The default `prune-audit run` is timed first with its default threads (the README's "took N s");
+# everything else runs with --threads 1 so that a second job on the machine does not change it.
+# OUT/summary.txt collects the numbers; the model cards' tables are OUT/table-demo/table.md and
+# OUT/table-demo-qwen/table.md; the README figures are under OUT/figures.
+set -euo pipefail
+
+OUT=${1:?usage: bash benchmarks/demo_numbers.sh OUT [--quick]}
+QUICK=${2:-}
+if [ -e "$OUT" ]; then
+    echo "error: $OUT exists; pass a folder that does not exist yet" >&2
+    exit 2
+fi
+if [ -n "$QUICK" ] && [ "$QUICK" != "--quick" ]; then
+    echo "error: the second argument can only be --quick, got $QUICK" >&2
+    exit 2
+fi
+mkdir -p "$OUT/runs" "$OUT/figures"
+LIMIT=() PER_SPLIT=300 VIS_LIMIT=(--limit 900) EVAL_SET=()
+if [ -n "$QUICK" ]; then
+    LIMIT=(--limit 60) PER_SPLIT=10 VIS_LIMIT=(--limit 60) EVAL_SET=(--scenes 20 --pope-images 10)
+fi
+CACHE=${PRUNE_AUDIT_CACHE:-$HOME/.cache/prune-audit}
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
+timed() {  # timed NAME COMMAND...: wall and CPU seconds of the command into summary.txt
+    local name=$1; shift
+    /usr/bin/time -f "%e %U %S" -o "$OUT/time-$name.txt" "$@"
+    read -r wall user system < "$OUT/time-$name.txt"
+    log "$name: wall ${wall} s, CPU $(python -c "print(round($user + $system, 1))") s (load: $(cut -d' ' -f1-3 /proc/loadavg))"
+}
+
+log "prune-audit $(python -c 'import prune_audit; print(prune_audit.__version__)') at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(nproc) cores"
+for model in demo demo-qwen; do
+    prune-audit demo evaluate --model "$model" --threads 1 "${EVAL_SET[@]}" > "$OUT/evaluate-$model.json"
+    log "demo evaluate --model $model: $(cat "$OUT/evaluate-$model.json")"
+done
+
+# the default run (README: "On the 2-core CPU machine this took N s"), default threads
+timed run-default prune-audit run --out "$OUT/runs/demo-dense" --quiet "${LIMIT[@]}"
+prune-audit run --selector e2s --budget 64 --out "$OUT/runs/demo-e2s-64" --threads 1 --quiet "${LIMIT[@]}" \
+    > "$OUT/run-demo-e2s-64.txt"
+log "run --selector e2s --budget 64: see run-demo-e2s-64.txt"
+prune-audit run --model demo-qwen --out "$OUT/runs/demo-qwen-dense" --threads 1 --quiet "${LIMIT[@]}" \
+    > "$OUT/run-demo-qwen-dense.txt"
+prune-audit run --model demo-qwen --selector e2s --budget 16 --out "$OUT/runs/demo-qwen-e2s-16" --threads 1 --quiet \
+    "${LIMIT[@]}" > "$OUT/run-demo-qwen-e2s-16.txt"
+log "run --model demo-qwen (dense, e2s@16): see run-demo-qwen-*.txt"
+
+# the model cards' tables: every selector the model can run x budgets, first PER_SPLIT questions per split
+python -m benchmarks.demo_pruning --model demo --budgets 16,32,64 --per-split "$PER_SPLIT" --threads 1 \
+    --out "$OUT/table-demo" > /dev/null
+python -m benchmarks.demo_pruning --model demo-qwen --budgets 8,16,32 --per-split "$PER_SPLIT" --threads 1 \
+    --out "$OUT/table-demo-qwen" > /dev/null
+log "model card tables: table-demo/table.md, table-demo-qwen/table.md"
+
+# README figures: kept tokens of six selectors on one scene, and e2s@64's retention figure
+IMAGE=$(ls "$CACHE"/demo-questions-*/images/scenes2026_000000000002.png | head -n 1)
+prune-audit visualize "$IMAGE" --budget 64 --threads 1 --selector none --selector cls_attn --selector divprune \
+    --selector fastv --selector pdrop --selector e2s --out "$OUT/figures/visualize-demo.png" > /dev/null
+prune-audit visualize "$IMAGE" --model demo-qwen --budget 16 --threads 1 --selector none --selector divprune \
+    --selector fastv --selector e2s --out "$OUT/figures/visualize-demo-qwen.png" > /dev/null
+prune-audit run --out "$OUT/runs/demo-dense-900" --threads 1 --quiet "${VIS_LIMIT[@]}" > /dev/null
+prune-audit run --selector e2s --budget 64 --out "$OUT/runs/demo-e2s-64-900" --threads 1 --quiet "${VIS_LIMIT[@]}" > /dev/null
+prune-audit calibrate "$OUT/runs/demo-e2s-64-900" --reference "$OUT/runs/demo-dense-900" --out "$OUT/calibration-900" \
+    > /dev/null
+cp "$OUT/calibration-900/retention.png" "$OUT/figures/calibrate-retention-demo.png"
+log "figures: figures/"
+
+# the default study grid (README table and findings), last: it is the longest step
+if [ -z "$QUICK" ]; then
+    timed study prune-audit study --threads 1 --out "$OUT/study" --quiet
+    log "study: study/report.md"
+fi
+log "done"
