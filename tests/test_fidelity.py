@@ -341,3 +341,20 @@ def test_previous_signal_layer_gives_the_probe_of_the_layer_before(tiny_llava):
         assert (signals.text_probs - output.attentions[layer - 1][0, :, end:, start:end]).abs().max() <= 1e-5
         assert torch.equal(signals.sequence_index, torch.arange(start, end))
         assert torch.equal(signals.text_sequence_index, torch.arange(end, item.input_ids.numel()))
+
+
+# --- E2S-Pruner: the paper's Table 3 schedules (arXiv 2608.23253, section 5.4) ---------------------------------
+
+# the rows of Table 3 as printed: 576 -> a -> b -> c visual tokens, pruning after layers 3, 17, 22 (1-based)
+E2S_TABLE3_ROWS = [(122, 48, 42), (132, 40, 32), (142, 32, 22), (147, 38, 12), (152, 44, 2)]
+
+
+@pytest.mark.parametrize("row", E2S_TABLE3_ROWS)
+def test_every_e2s_table3_row_is_a_preset_averaging_128(row):
+    from prune_audit.pruners.schedule import average_visual_tokens
+
+    preset = "table3_" + "_".join(map(str, row))
+    stages = get_selector("e2s", budget_rule="paper", schedule_preset=preset).schedule(32, 576, 128)
+    assert [(stage.layer, stage.keep) for stage in stages] == list(zip((3, 17, 22), row))
+    # layers 0-2 see 576 tokens, 3-16 the first count, 17-21 the second, 22-31 the third
+    assert (3 * 576 + 14 * row[0] + 5 * row[1] + 10 * row[2]) / 32 == average_visual_tokens(stages, 32, 576) == 128
