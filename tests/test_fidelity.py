@@ -204,16 +204,24 @@ def test_model_dtype_scores_rank_the_rounded_probabilities():
 
 
 @pytest.fixture(scope="module")
-def tiny_llava(tmp_path_factory):
+def tiny_llava_paths(tmp_path_factory):
+    """A tiny LLaVA and its CLIP text tower, built once per module."""
+    from prune_audit.models.build import build_clip, build_llava
+    from tiny_models import WORDS
+
+    root = tmp_path_factory.mktemp("fidelity")
+    return build_llava(root / "llava", words=WORDS, text_layers=4, seed=3), build_clip(root / "clip", words=WORDS, vision_hidden_size=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tiny_llava_paths):
     from transformers import LlavaForConditionalGeneration
 
     from prune_audit.models import load_vlm
-    from prune_audit.models.build import build_clip, build_llava
-    from tiny_models import QUESTIONS, WORDS, random_image
+    from tiny_models import QUESTIONS, random_image
 
-    root = tmp_path_factory.mktemp("fidelity")
-    llava = build_llava(root / "llava", words=WORDS, text_layers=4, seed=3)
-    vlm = load_vlm(llava, device="cpu", clip_text=build_clip(root / "clip", words=WORDS, vision_hidden_size=64))
+    llava, clip = tiny_llava_paths
+    vlm = load_vlm(llava, device="cpu", clip_text=clip)
     eager = LlavaForConditionalGeneration.from_pretrained(llava, attn_implementation="eager").eval()
     items = [vlm.prepare(random_image(seed), question) for seed, question in enumerate(QUESTIONS)]
     outputs = []
@@ -254,6 +262,23 @@ def test_sparsevlm_scores_its_first_stage_with_the_previous_layer_rater_attentio
         raters = torch.nonzero(relevance > relevance.mean()).flatten() + end
         scores = output.attentions[layer - 1][0][:, raters, start:end].mean(dim=(0, 1))
         assert prefill.kept_stages[0][0] == top_k_sorted(scores, keep)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_adapter_gives_input_selectors_the_model_dtype(tiny_llava_paths, dtype):
+    """score_dtype="model" of cls_attn/VisionZip rounds to what the adapter passes: the model's dtype."""
+    from prune_audit.models import load_vlm
+    from tiny_models import QUESTIONS, RecordingInputSelector, random_image
+
+    vlm = load_vlm(tiny_llava_paths[0], device="cpu", dtype=dtype)
+    selector = RecordingInputSelector()
+    vlm.answer([vlm.prepare(random_image(0), QUESTIONS[0])], selector, 8)
+    signals = selector.records[-1]
+    assert signals.model_dtype == dtype
+    # the probabilities come in float32; score_dtype="model" rounds them and their head mean to the model dtype
+    scores = signals.cls_attention.to(dtype).float().mean(dim=0).to(dtype).float()
+    expected = top_k_sorted(scores, 8)
+    assert get_selector("cls_attn", score_dtype="model").select(signals, 8).kept.tolist() == expected
 
 
 # --- attention and variation scorers at LLaVA sizes (32 heads, 576 image + 40 text tokens, 4096-dim) ---------

@@ -44,8 +44,9 @@ _MODEL_DTYPE = (
     "float32, as half-precision reductions on GPU accumulate in float32"
 )
 _INPUT_DTYPE = (
-    "scores in float32 (the official code ranks model-dtype values; no score_dtype option yet because the "
-    "adapters do not pass the model dtype to input-level selectors)"
+    "score_dtype=model rounds the CLS probabilities and the scores to the model dtype the adapter passes; "
+    "reductions in between stay float32, as half-precision reductions on GPU accumulate in float32; the CLS "
+    "logits stay float32 before the softmax (the reference rounds them to the model dtype first)"
 )
 
 
@@ -69,8 +70,8 @@ FIDELITY: dict[str, Fidelity] = {
     ),
     "cls_attn": Fidelity(
         "f5d5f120",
-        "head mean of the CLS row at CLIP layer -2, top-k",
-        (),
+        "head mean of the CLS row at CLIP layer -2, top-k, float32 scores",
+        ("score_dtype=model",),
         ("ties to the lower index (torch.topk leaves them unspecified)", _INPUT_DTYPE),
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k"),
         30,
@@ -188,9 +189,13 @@ FIDELITY: dict[str, Fidelity] = {
     ),
     "visionzip": Fidelity(
         "3151f6df",
-        "CLS + dominant tokens by CLS attention, contextual merge (54+10 / 108+20 / 162+30)",
-        (),
-        ("ties to the lower index", _INPUT_DTYPE),
+        "CLS + dominant tokens by CLS attention, contextual merge (54+10 / 108+20 / 162+30), float32 scores",
+        ("score_dtype=model",),
+        (
+            "ties to the lower index",
+            _INPUT_DTYPE + "; under score_dtype=model the head-mean keys and the member-to-target cosines are "
+            "rounded as well, the unit normalisation and the merged vectors stay float32",
+        ),
         "hand-computed layout and merge cases (test_input_selectors.py); no random comparison",
     ),
 }
