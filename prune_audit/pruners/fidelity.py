@@ -156,8 +156,14 @@ FIDELITY: dict[str, Fidelity] = {
         "6bf73069",
         "saliency^alpha x facility-location gain, alpha=1",
         (),
-        ("near-ties (relative 1e-5) go to the lower index; gap_power is an extension (1 = reference)",),
-        "naive facility-location cases (test_input_selectors.py); no random comparison with the official code",
+        (
+            "near-ties (relative 1e-5) go to the lower index (the official code takes the plain argmax; no near-tie "
+            "occurred in the random cases); gap_power is an extension (1 = reference)",
+            "scores in float32 (the official code computes the cosines and gains in the model dtype)",
+        ),
+        _random(30, "test_fidelity.py::test_scope_reproduces_the_official_greedy",
+                "1024-dim CLIP features, dense official greedy; and naive facility-location cases (test_input_selectors.py)"),  # fmt: skip
+        30,
     ),
     "sparsevlm": Fidelity(
         "26a5f488",
@@ -196,7 +202,10 @@ FIDELITY: dict[str, Fidelity] = {
             _INPUT_DTYPE + "; under score_dtype=model the head-mean keys and the member-to-target cosines are "
             "rounded as well, the unit normalisation and the merged vectors stay float32",
         ),
-        "hand-computed layout and merge cases (test_input_selectors.py); no random comparison",
+        _random(30, "test_fidelity.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
+                "dominant set, every contextual token's target and members, and every output vector within 1e-5; "
+                "1024-dim CLIP states, 16 heads x 64-dim keys"),  # fmt: skip
+        30,
     ),
 }
 
