@@ -407,6 +407,9 @@ def clip_case(seed: int) -> dict[str, torch.Tensor]:
 def official_visionzip(case: dict[str, torch.Tensor], dominant: int, contextual: int):
     """``CLIPVisionTower_VisionZip.forward`` on one image; ``dominant`` counts CLS (the API passes ``dominant - 1``).
 
+    Written from the selectors spec section 4 (dvlab-research/VisionZip 3151f6df) and the same
+    forward as vendored in kinredon/SCOPE ``scope/clip_encoder.py`` (read at a01b98f6).
+
     Returns the dominant patches (grid indices, ascending), each contextual token's
     ``[target, members...]`` (grid indices) and the (dominant + contextual, Dv) output states.
     """
@@ -453,6 +456,9 @@ def test_visionzip_reproduces_the_official_dominant_and_contextual_tokens(seed):
 
 def official_scope(features: torch.Tensor, saliency: torch.Tensor, k: int, alpha: float = 1.0) -> list[int]:
     """``SCOPE(visual_feature_vectors, num_selected_token, cls_attn)`` for one image: picks in pick order.
+
+    Written from kinredon/SCOPE ``scope/clip_encoder.py::SCOPE`` (read at a01b98f6; the spec's commit
+    is 6bf73069) with its defaults ALPHA=1.0, COMBINED=multi.
 
     Dense cosine ``S``; coverage ``cur`` starts at 0; the gain of column j is
     ``sum_i max(0, S[i, j] - cur[i])`` (picked columns zeroed), times ``saliency ** alpha``,
