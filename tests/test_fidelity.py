@@ -210,7 +210,8 @@ def tiny_llava_paths(tmp_path_factory):
     from tiny_models import WORDS
 
     root = tmp_path_factory.mktemp("fidelity")
-    return build_llava(root / "llava", words=WORDS, text_layers=4, seed=3), build_clip(root / "clip", words=WORDS, vision_hidden_size=64)
+    llava = build_llava(root / "llava", words=WORDS, text_layers=4, seed=3)
+    return llava, build_clip(root / "clip", words=WORDS, vision_hidden_size=64)
 
 
 @pytest.fixture(scope="module")
@@ -393,13 +394,14 @@ SEEDS = sorted({seed for seed, _, _ in CASES})  # 10 seeds x the 3 budgets = the
 
 @functools.lru_cache(maxsize=1)  # the three budgets of a seed share its case
 def clip_case(seed: int) -> dict[str, torch.Tensor]:
-    """One image at CLIP layer 22: CLS-row probabilities (H, 1 + N), states (1 + N, Dv) and keys (H, 1 + N, d), CLS first."""
+    """CLIP layer 22 of one image, CLS first: CLS-row probs (H, 1 + N), states (1 + N, Dv), keys (H, 1 + N, d)."""
     generator = torch.Generator().manual_seed(2000 + seed)
     logits = torch.randn(CLIP_HEADS, 1 + TOKENS, generator=generator) * 2
     shared_key = torch.randn(CLIP_HEAD_DIM, generator=generator)
+    shared_state = 0.5 * torch.randn(CLIP_WIDTH, generator=generator)
     return {
         "cls_row": torch.softmax(logits, dim=-1),
-        "hidden": 0.5 * torch.randn(CLIP_WIDTH, generator=generator) + torch.randn(1 + TOKENS, CLIP_WIDTH, generator=generator),
+        "hidden": shared_state + torch.randn(1 + TOKENS, CLIP_WIDTH, generator=generator),
         "keys": shared_key + torch.randn(CLIP_HEADS, 1 + TOKENS, CLIP_HEAD_DIM, generator=generator),
     }
 
@@ -481,7 +483,7 @@ def official_scope(features: torch.Tensor, saliency: torch.Tensor, k: int, alpha
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_scope_reproduces_the_official_greedy(seed):
-    """Saliency x facility-location gain at 64/128/192; greedy picks are nested, so one official run serves all three."""
+    """Saliency x facility-location gain at 64/128/192; the picks are nested: one official run serves all three."""
     case = clip_case(seed)
     features, saliency = case["hidden"][1:], case["cls_row"][:, 1:].sum(dim=0)
     order = official_scope(features, saliency, max(BUDGETS))

@@ -325,7 +325,7 @@ def test_visionzip_model_dtype_rounds_saliency_keys_and_cosines():
     targets = rest[0 : 10 * (len(rest) // 10) : len(rest) // 10]
     members = [j for j in rest if j not in targets]
     slots = torch.argmax((keys[members] @ keys[targets].T).half().float(), dim=1).tolist()
-    groups = [[target] + [j for j, slot in zip(members, slots) if slot == index] for index, target in enumerate(targets)]
+    groups = [[t] + [j for j, slot in zip(members, slots) if slot == index] for index, t in enumerate(targets)]
     assert [group.tolist() for group in selection.sources[54:]] == groups
 
 

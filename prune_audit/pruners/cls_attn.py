@@ -51,7 +51,7 @@ class ClsAttentionSelector(InputSelector):
     model_precision = LayerSelector.model_precision
 
     def score(self, signals: InputSignals, generator: torch.Generator | None) -> Tensor:
-        """(N,) aggregated CLS attention from ``cls_attention`` (H, N), in the model dtype under ``score_dtype="model"``."""
+        """(N,) aggregated CLS attention from ``cls_attention`` (H, N), rounded under ``score_dtype="model"``."""
         attention = self.model_precision(as_float32(signals.cls_attention), signals)
         scores = attention.mean(dim=0) if self.head_aggregation == "mean" else attention.sum(dim=0)
         return self.model_precision(scores, signals)

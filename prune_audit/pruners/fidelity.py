@@ -121,7 +121,8 @@ FIDELITY: dict[str, Fidelity] = {
             "(table3_122_48_42, table3_132_40_32, table3_142_32_22, table3_147_38_12, table3_152_44_2)",
         ),
         "no official code to compare with; hand-computed cases in test_llm_selectors.py; each Table-3 preset "
-        "realises its row and an average of 128 (test_fidelity.py::test_every_e2s_table3_row_is_a_preset_averaging_128)",
+        "realises its row and an average of 128 "
+        "(test_fidelity.py::test_every_e2s_table3_row_is_a_preset_averaging_128)",
     ),
     "fastv": Fidelity(
         "d1659729",
