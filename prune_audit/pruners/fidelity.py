@@ -73,7 +73,9 @@ FIDELITY: dict[str, Fidelity] = {
         "head mean of the CLS row at CLIP layer -2, top-k, float32 scores",
         ("score_dtype=model",),
         ("ties to the lower index (torch.topk leaves them unspecified)", _INPUT_DTYPE),
-        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k"),
+        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
+                "score_dtype=model: the top-k of the rounded head mean on an fp16 case where float32 differs "
+                "(test_input_selectors.py), and on the adapter's bf16 signals (test_fidelity.py)"),  # fmt: skip
         30,
     ),
     "coverage": Fidelity(
@@ -205,7 +207,8 @@ FIDELITY: dict[str, Fidelity] = {
         ),
         _random(30, "test_fidelity.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
                 "dominant set, every contextual token's target and members, and every output vector within 1e-5; "
-                "1024-dim CLIP states, 16 heads x 64-dim keys"),  # fmt: skip
+                "1024-dim CLIP states, 16 heads x 64-dim keys; score_dtype=model: rounded saliency, keys and cosines "
+                "on an fp16 case where float32 differs (test_input_selectors.py)"),  # fmt: skip
         30,
     ),
 }
