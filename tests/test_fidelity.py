@@ -204,16 +204,25 @@ def test_model_dtype_scores_rank_the_rounded_probabilities():
 
 
 @pytest.fixture(scope="module")
-def tiny_llava(tmp_path_factory):
-    from transformers import LlavaForConditionalGeneration
-
-    from prune_audit.models import load_vlm
+def tiny_llava_paths(tmp_path_factory):
+    """A tiny LLaVA and its CLIP text tower, built once per module."""
     from prune_audit.models.build import build_clip, build_llava
-    from tiny_models import QUESTIONS, WORDS, random_image
+    from tiny_models import WORDS
 
     root = tmp_path_factory.mktemp("fidelity")
     llava = build_llava(root / "llava", words=WORDS, text_layers=4, seed=3)
-    vlm = load_vlm(llava, device="cpu", clip_text=build_clip(root / "clip", words=WORDS, vision_hidden_size=64))
+    return llava, build_clip(root / "clip", words=WORDS, vision_hidden_size=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tiny_llava_paths):
+    from transformers import LlavaForConditionalGeneration
+
+    from prune_audit.models import load_vlm
+    from tiny_models import QUESTIONS, random_image
+
+    llava, clip = tiny_llava_paths
+    vlm = load_vlm(llava, device="cpu", clip_text=clip)
     eager = LlavaForConditionalGeneration.from_pretrained(llava, attn_implementation="eager").eval()
     items = [vlm.prepare(random_image(seed), question) for seed, question in enumerate(QUESTIONS)]
     outputs = []
@@ -254,6 +263,23 @@ def test_sparsevlm_scores_its_first_stage_with_the_previous_layer_rater_attentio
         raters = torch.nonzero(relevance > relevance.mean()).flatten() + end
         scores = output.attentions[layer - 1][0][:, raters, start:end].mean(dim=(0, 1))
         assert prefill.kept_stages[0][0] == top_k_sorted(scores, keep)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_adapter_gives_input_selectors_the_model_dtype(tiny_llava_paths, dtype):
+    """score_dtype="model" of cls_attn/VisionZip rounds to what the adapter passes: the model's dtype."""
+    from prune_audit.models import load_vlm
+    from tiny_models import QUESTIONS, RecordingInputSelector, random_image
+
+    vlm = load_vlm(tiny_llava_paths[0], device="cpu", dtype=dtype)
+    selector = RecordingInputSelector()
+    vlm.answer([vlm.prepare(random_image(0), QUESTIONS[0])], selector, 8)
+    signals = selector.records[-1]
+    assert signals.model_dtype == dtype
+    # the probabilities come in float32; score_dtype="model" rounds them and their head mean to the model dtype
+    scores = signals.cls_attention.to(dtype).float().mean(dim=0).to(dtype).float()
+    expected = top_k_sorted(scores, 8)
+    assert get_selector("cls_attn", score_dtype="model").select(signals, 8).kept.tolist() == expected
 
 
 # --- attention and variation scorers at LLaVA sizes (32 heads, 576 image + 40 text tokens, 4096-dim) ---------
@@ -341,3 +367,127 @@ def test_previous_signal_layer_gives_the_probe_of_the_layer_before(tiny_llava):
         assert (signals.text_probs - output.attentions[layer - 1][0, :, end:, start:end]).abs().max() <= 1e-5
         assert torch.equal(signals.sequence_index, torch.arange(start, end))
         assert torch.equal(signals.text_sequence_index, torch.arange(end, item.input_ids.numel()))
+
+
+# --- E2S-Pruner: the paper's Table 3 schedules (arXiv 2608.23253, section 5.4) ---------------------------------
+
+# the rows of Table 3 as printed: 576 -> a -> b -> c visual tokens, pruning after layers 3, 17, 22 (1-based)
+E2S_TABLE3_ROWS = [(122, 48, 42), (132, 40, 32), (142, 32, 22), (147, 38, 12), (152, 44, 2)]
+
+
+@pytest.mark.parametrize("row", E2S_TABLE3_ROWS)
+def test_every_e2s_table3_row_is_a_preset_averaging_128(row):
+    from prune_audit.pruners.schedule import average_visual_tokens
+
+    preset = "table3_" + "_".join(map(str, row))
+    stages = get_selector("e2s", budget_rule="paper", schedule_preset=preset).schedule(32, 576, 128)
+    assert [(stage.layer, stage.keep) for stage in stages] == list(zip((3, 17, 22), row))
+    # layers 0-2 see 576 tokens, 3-16 the first count, 17-21 the second, 22-31 the third
+    assert (3 * 576 + 14 * row[0] + 5 * row[1] + 10 * row[2]) / 32 == average_visual_tokens(stages, 32, 576) == 128
+
+
+# --- VisionZip and SCOPE at CLIP-L/14-336 sizes: layer 22's CLS row (16 heads), 1024-dim states, 64-dim keys ------
+
+CLIP_HEADS, CLIP_HEAD_DIM, CLIP_WIDTH = 16, 64, 1024
+SEEDS = sorted({seed for seed, _, _ in CASES})  # 10 seeds x the 3 budgets = the 30 cases
+
+
+@functools.lru_cache(maxsize=1)  # the three budgets of a seed share its case
+def clip_case(seed: int) -> dict[str, torch.Tensor]:
+    """CLIP layer 22 of one image, CLS first: CLS-row probs (H, 1 + N), states (1 + N, Dv), keys (H, 1 + N, d)."""
+    generator = torch.Generator().manual_seed(2000 + seed)
+    logits = torch.randn(CLIP_HEADS, 1 + TOKENS, generator=generator) * 2
+    shared_key = torch.randn(CLIP_HEAD_DIM, generator=generator)
+    shared_state = 0.5 * torch.randn(CLIP_WIDTH, generator=generator)
+    return {
+        "cls_row": torch.softmax(logits, dim=-1),
+        "hidden": shared_state + torch.randn(1 + TOKENS, CLIP_WIDTH, generator=generator),
+        "keys": shared_key + torch.randn(CLIP_HEADS, 1 + TOKENS, CLIP_HEAD_DIM, generator=generator),
+    }
+
+
+def official_visionzip(case: dict[str, torch.Tensor], dominant: int, contextual: int):
+    """``CLIPVisionTower_VisionZip.forward`` on one image; ``dominant`` counts CLS (the API passes ``dominant - 1``).
+
+    Written from the selectors spec section 4 (dvlab-research/VisionZip 3151f6df) and the same
+    forward as vendored in kinredon/SCOPE ``scope/clip_encoder.py`` (read at a01b98f6).
+
+    Returns the dominant patches (grid indices, ascending), each contextual token's
+    ``[target, members...]`` (grid indices) and the (dominant + contextual, Dv) output states.
+    """
+    hidden = case["hidden"]
+    top = case["cls_row"][:, 1:].sum(dim=0).topk(dominant - 1).indices + 1  # sequence positions, CLS = 0
+    chosen = torch.zeros(1 + TOKENS, dtype=torch.bool)
+    chosen[0] = chosen[top] = True
+    positions = torch.nonzero(~chosen).flatten()  # the remaining tokens in sequence order
+    metric = case["keys"].mean(dim=0)[~chosen]
+    metric = metric / metric.norm(dim=-1, keepdim=True)
+    step = max(1, positions.numel() // contextual)
+    target = torch.arange(0, positions.numel(), step)[:contextual]
+    is_target = torch.isin(torch.arange(positions.numel()), target)
+    assign = (metric[~is_target] @ metric[target].T).argmax(dim=1)
+    one_hot = torch.zeros(int((~is_target).sum()), contextual)
+    one_hot[torch.arange(one_hot.shape[0]), assign] = 1
+    counts = one_hot.sum(dim=0).clamp(min=1)[:, None]
+    rest = hidden[~chosen]
+    merged = rest[target] + one_hot.T @ rest[~is_target] / counts
+    groups = [[int(positions[t]) - 1] + (positions[~is_target][assign == c] - 1).tolist() for c, t in enumerate(target)]
+    return sorted((top - 1).tolist()), groups, torch.cat([hidden[chosen], merged])
+
+
+def visionzip_identical(seed: int, budget: int) -> bool:
+    case = clip_case(seed)
+    selector = get_selector("visionzip")
+    dominant, contextual = selector.split(budget)
+    kept, groups, tokens = official_visionzip(case, dominant, contextual)
+    signals = InputSignals(
+        grid=(24, 24), cls_attention=case["cls_row"][:, 1:], vision_keys=case["keys"],
+        vision_features=case["hidden"][1:], cls_feature=case["hidden"][0],
+    )  # fmt: skip
+    selection = selector.select(signals, budget)
+    same_sets = selection.kept.tolist() == kept and [s.tolist() for s in selection.sources[dominant:]] == groups
+    return same_sets and torch.allclose(selection.vision_tokens, tokens, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_visionzip_reproduces_the_official_dominant_and_contextual_tokens(seed):
+    """Dominant set, each contextual token's target and members, and every output vector, at 64/128/192."""
+    assert [visionzip_identical(seed, budget) for budget in BUDGETS] == [True] * len(BUDGETS)
+    assert FIDELITY["visionzip"].agreement_cases == len(CASES)
+
+
+def official_scope(features: torch.Tensor, saliency: torch.Tensor, k: int, alpha: float = 1.0) -> list[int]:
+    """``SCOPE(visual_feature_vectors, num_selected_token, cls_attn)`` for one image: picks in pick order.
+
+    Written from kinredon/SCOPE ``scope/clip_encoder.py::SCOPE`` (read at a01b98f6; the spec's commit
+    is 6bf73069) with its defaults ALPHA=1.0, COMBINED=multi.
+
+    Dense cosine ``S``; coverage ``cur`` starts at 0; the gain of column j is
+    ``sum_i max(0, S[i, j] - cur[i])`` (picked columns zeroed), times ``saliency ** alpha``,
+    picked columns at -inf, plain argmax; then ``cur = max(cur, S[pick])``.
+    """
+    unit = features / features.norm(dim=-1, keepdim=True)
+    similarity = unit @ unit.T
+    picked = torch.zeros(features.shape[0], dtype=torch.bool)
+    coverage = torch.zeros(features.shape[0])
+    weight = saliency**alpha
+    order = []
+    for _ in range(k):
+        gains = (similarity.masked_fill(picked[None, :], 0) - coverage[:, None]).clamp_min(0).sum(dim=0) * weight
+        best = int(gains.masked_fill(picked, float("-inf")).argmax())
+        order.append(best)
+        picked[best] = True
+        coverage = torch.maximum(coverage, similarity[best])
+    return order
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_scope_reproduces_the_official_greedy(seed):
+    """Saliency x facility-location gain at 64/128/192; the picks are nested: one official run serves all three."""
+    case = clip_case(seed)
+    features, saliency = case["hidden"][1:], case["cls_row"][:, 1:].sum(dim=0)
+    order = official_scope(features, saliency, max(BUDGETS))
+    signals = InputSignals(grid=(24, 24), vision_features=features, cls_attention=case["cls_row"][:, 1:])
+    kept = [get_selector("scope").select(signals, budget).kept.tolist() for budget in BUDGETS]
+    assert kept == [sorted(order[:budget]) for budget in BUDGETS]
+    assert FIDELITY["scope"].agreement_cases == len(CASES)

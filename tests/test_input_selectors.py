@@ -272,6 +272,63 @@ def test_cls_attn_breaks_ties_by_lower_index():
     assert get_selector("cls_attn").select(signals, 3).kept.tolist() == [0, 1, 9]
 
 
+def cls_probabilities(seed: int, heads: int = 16, tokens: int = 576) -> torch.Tensor:
+    """(H, N) flat CLS-row probabilities as an fp16 CLIP gives them (fp16 values held in float32), patches only.
+
+    Flat enough that fp16 rounding of the aggregated score reorders the top-k boundary
+    (seeds 1, 2, 3 and 8 do for both the head mean at 64 and the head sum at 53).
+    """
+    logits = torch.randn(heads, tokens + 1, generator=random_generator(seed)) * 0.05
+    return torch.softmax(logits, dim=-1)[:, 1:].half().float()
+
+
+def lower_index_top_k(scores: torch.Tensor, k: int) -> list[int]:
+    return sorted(torch.sort(-scores, stable=True).indices[:k].tolist())
+
+
+def test_cls_attn_model_dtype_ranks_the_rounded_head_mean():
+    """FasterVLM in fp16: the head mean is an fp16 value; its ties go to the lower index."""
+    attention = cls_probabilities(1)
+    signals = InputSignals(grid=(24, 24), cls_attention=attention, model_dtype=torch.float16)
+    expected = lower_index_top_k(attention.mean(dim=0).half().float(), 64)
+    assert get_selector("cls_attn", score_dtype="model").select(signals, 64).kept.tolist() == expected
+    assert get_selector("cls_attn").select(signals, 64).kept.tolist() != expected  # float32 ranks unrounded means
+
+
+def test_score_dtype_model_is_float32_on_hand_built_signals():
+    attention = cls_probabilities(5)
+    signals = InputSignals(grid=(24, 24), cls_attention=attention)
+    assert signals.model_dtype == torch.float32
+    for name in ("cls_attn", "visionzip"):
+        if name == "visionzip":
+            signals = InputSignals(grid=(24, 24), cls_attention=attention, vision_features=torch.randn(576, 8),
+                                   vision_keys=torch.randn(16, 577, 4), cls_feature=torch.randn(8))  # fmt: skip
+        model, default = (get_selector(name, score_dtype=d).select(signals, 64) for d in ("model", "float32"))
+        assert torch.equal(model.kept, default.kept)
+
+
+def test_visionzip_model_dtype_rounds_saliency_keys_and_cosines():
+    generator = random_generator(6)
+    attention = cls_probabilities(2)
+    signals = InputSignals(
+        grid=(24, 24), cls_attention=attention, vision_features=torch.randn(576, 8, generator=generator),
+        vision_keys=torch.randn(16, 577, 64, generator=generator).half().float(),
+        cls_feature=torch.randn(8, generator=generator), model_dtype=torch.float16,
+    )  # fmt: skip
+    selection = get_selector("visionzip", score_dtype="model").select(signals, 64)  # 54 + 10
+    dominant = lower_index_top_k(attention.sum(dim=0).half().float(), 53)
+    assert selection.kept.tolist() == dominant
+    assert get_selector("visionzip").select(signals, 64).kept.tolist() != dominant
+    keys = signals.vision_keys.mean(dim=0)[1:].half().float()
+    keys = keys / keys.norm(dim=1, keepdim=True)
+    rest = [j for j in range(576) if j not in dominant]
+    targets = rest[0 : 10 * (len(rest) // 10) : len(rest) // 10]
+    members = [j for j in rest if j not in targets]
+    slots = torch.argmax((keys[members] @ keys[targets].T).half().float(), dim=1).tolist()
+    groups = [[t] + [j for j, slot in zip(members, slots) if slot == index] for index, t in enumerate(targets)]
+    assert [group.tolist() for group in selection.sources[54:]] == groups
+
+
 # --- shared similarity code -----------------------------------------------------------------------
 
 

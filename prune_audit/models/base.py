@@ -307,7 +307,7 @@ class VisionLanguageModel(ABC):
             ) from None
 
     def _input_signals(self, item: Prepared, output: VisionOutput, requires: frozenset[str]) -> InputSignals:
-        signals = InputSignals(grid=item.grid, features=output.features.float())
+        signals = InputSignals(grid=item.grid, features=output.features.float(), model_dtype=self.dtype)
         for name, value in output.signals.items():
             setattr(signals, name, value.float())
         if "text_relevance" in requires:

@@ -46,6 +46,8 @@ class InputSignals:
         cls_feature: (Dv,) the CLS hidden state at the feature layer.
         text_relevance: (N,) CDPruner relevance before normalisation.
         demand: (N,) demand weights for coverage selection (first-layer probe).
+        model_dtype: the dtype the model computes the signals in (the adapters pass the
+            model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
     """
 
     grid: tuple[int, int]
@@ -56,6 +58,7 @@ class InputSignals:
     cls_feature: Tensor | None = None
     text_relevance: Tensor | None = None
     demand: Tensor | None = None
+    model_dtype: torch.dtype = torch.float32
 
     @property
     def num_tokens(self) -> int:

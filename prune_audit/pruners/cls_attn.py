@@ -8,9 +8,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, InputSignals, Reference, as_float32
+from prune_audit.pruners.base import InputSelector, InputSignals, LayerSelector, Reference, as_float32
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
+from prune_audit.pruners.schedule import SCORE_DTYPES
 
 
 @register
@@ -27,6 +28,10 @@ class ClsAttentionSelector(InputSelector):
 
     Options:
         head_aggregation: ``"mean"`` (reference) or ``"sum"`` over the H heads.
+        score_dtype: ``"float32"`` (default) or ``"model"``: the probabilities and the
+            aggregated scores are rounded to the model dtype (``signals.model_dtype``), the
+            head mean in between stays float32, as the reference ranks the fp16/bf16 head
+            mean of fp16/bf16 probabilities (ties then go to the lower index).
     """
 
     name: ClassVar[str] = "cls_attn"
@@ -40,8 +45,13 @@ class ClsAttentionSelector(InputSelector):
     )
 
     head_aggregation: str = option("mean", Choice(("mean", "sum")), "head mean (reference) or sum; same ranking")
+    score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
+
+    # the in-LLM selectors' rounding under score_dtype="model": it reads only score_dtype and signals.model_dtype
+    model_precision = LayerSelector.model_precision
 
     def score(self, signals: InputSignals, generator: torch.Generator | None) -> Tensor:
-        """(N,) aggregated CLS attention from ``cls_attention`` (H, N)."""
-        attention = as_float32(signals.cls_attention)
-        return attention.mean(dim=0) if self.head_aggregation == "mean" else attention.sum(dim=0)
+        """(N,) aggregated CLS attention from ``cls_attention`` (H, N), rounded under ``score_dtype="model"``."""
+        attention = self.model_precision(as_float32(signals.cls_attention), signals)
+        scores = attention.mean(dim=0) if self.head_aggregation == "mean" else attention.sum(dim=0)
+        return self.model_precision(scores, signals)

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32, top_k_indices
-from prune_audit.pruners.options import Real, option
+from prune_audit.pruners.base import (
+    InputSelector,
+    InputSignals,
+    LayerSelector,
+    Reference,
+    Selection,
+    as_float32,
+    top_k_indices,
+)
+from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
+from prune_audit.pruners.schedule import SCORE_DTYPES
 from prune_audit.pruners.similarity import unit_rows
 
 
@@ -38,6 +49,11 @@ class VisionZipSelector(InputSelector):
 
     Options:
         contextual_fraction: share of the budget given to contextual tokens.
+        score_dtype: ``"float32"`` (default) or ``"model"``: the CLS attention and the
+            keys, their head sum / head mean and the member-to-target cosines are rounded to
+            the model dtype (``signals.model_dtype``) before their top-k / argmax, as the
+            reference computes them in fp16/bf16 (ties then go to the lower index); the
+            reductions, the unit normalisation and the merged vectors stay float32.
     """
 
     name: ClassVar[str] = "visionzip"
@@ -54,6 +70,10 @@ class VisionZipSelector(InputSelector):
     contextual_fraction: float = option(
         5 / 32, Real(low=0.0, high=1.0, open_high=True), "share of the budget given to contextual tokens"
     )
+    score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
+
+    # the in-LLM selectors' rounding under score_dtype="model": it reads only score_dtype and signals.model_dtype
+    model_precision = LayerSelector.model_precision
 
     def split(self, budget: int) -> tuple[int, int]:
         """``(dominant incl. CLS, contextual)`` token counts for ``budget``."""
@@ -62,7 +82,8 @@ class VisionZipSelector(InputSelector):
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         dominant_count, contextual_count = self.split(budget)
-        saliency = as_float32(signals.cls_attention).sum(dim=0)
+        precision = functools.partial(self.model_precision, signals=signals)
+        saliency = precision(precision(as_float32(signals.cls_attention)).sum(dim=0))
         dominant = top_k_indices(saliency, dominant_count - 1)
         rest = torch.ones(signals.num_tokens, dtype=torch.bool)
         rest[dominant] = False
@@ -70,20 +91,23 @@ class VisionZipSelector(InputSelector):
         sources = [torch.zeros(0, dtype=torch.long)] + [index.reshape(1) for index in dominant]
         tokens = [as_float32(signals.cls_feature)[None], features[dominant]]
         if contextual_count:
-            keys = as_float32(signals.vision_keys).mean(dim=0)[1:]  # (N, d) patch keys
-            contextual_sources = _contextual_clusters(torch.nonzero(rest).flatten(), keys, contextual_count)
+            keys = precision(precision(as_float32(signals.vision_keys)).mean(dim=0)[1:])  # (N, d) patch keys
+            contextual_sources = _contextual_clusters(torch.nonzero(rest).flatten(), keys, contextual_count, precision)
             sources += contextual_sources
             tokens.append(torch.stack([_merge(features, group) for group in contextual_sources]))
         return Selection(kept=dominant, sources=sources, vision_tokens=torch.cat(tokens))
 
 
-def _contextual_clusters(remaining: Tensor, keys: Tensor, count: int) -> list[Tensor]:
+def _contextual_clusters(
+    remaining: Tensor, keys: Tensor, count: int, precision: Callable[[Tensor], Tensor]
+) -> list[Tensor]:
     """Groups ``[target, members...]`` of the ``remaining`` patches.
 
     Args:
         remaining: (R,) ascending grid indices not kept as dominant, R > count.
         keys: (N, d) head-mean keys of the patches.
         count: number of contextual tokens (targets).
+        precision: rounds the (M, count) member-to-target cosines before the argmax.
 
     Returns:
         ``count`` LongTensors, target first, then its members ascending.
@@ -93,7 +117,7 @@ def _contextual_clusters(remaining: Tensor, keys: Tensor, count: int) -> list[Te
     is_target[torch.arange(count) * step] = True
     targets, members = remaining[is_target], remaining[~is_target]
     unit = unit_rows(keys)
-    assignment = torch.argmax(unit[members] @ unit[targets].T, dim=1)  # (M,) target slot per member
+    assignment = torch.argmax(precision(unit[members] @ unit[targets].T), dim=1)  # (M,) target slot per member
     return [torch.cat([targets[slot].reshape(1), members[assignment == slot]]) for slot in range(count)]
 
 
