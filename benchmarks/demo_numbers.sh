@@ -72,7 +72,7 @@ other_lane() {  # accuracy, object removal, the Qwen demo's runs and table, READ
     prune-audit run --model demo-qwen --selector e2s --budget 16 --out "$OUT/runs/demo-qwen-e2s-16" --threads 1 \
         --quiet "${LIMIT[@]}" > "$OUT/run-demo-qwen-e2s-16.txt"
     log "run --model demo-qwen (dense, e2s@16): see run-demo-qwen-*.txt"
-    python -m benchmarks.demo_pruning --model demo-qwen --budgets 8,16,32 --per-split "$PER_SPLIT" --threads 1 \
+    python -m benchmarks.demo_pruning --model demo-qwen --budgets 8,16,24 --per-split "$PER_SPLIT" --threads 1 \
         --out "$OUT/table-demo-qwen" > /dev/null 2> "$OUT/table-demo-qwen.log"
     log "model card table: table-demo-qwen/table.md"
     # README figures: kept tokens of several selectors on one scene, and e2s@64's retention figure

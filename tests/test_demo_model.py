@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from prune_audit.cli.main import app
 from prune_audit.data.pope_build import question_text
 from prune_audit.data.scenes import CATEGORIES, Scene, SceneObject, generate_scene
-from prune_audit.demo import DEMO_MODEL_DIR
+from prune_audit.demo import DEMO_MODEL_DIR, DEMO_MODELS
 from prune_audit.demo.batches import BACKGROUND_CLASS, patch_labels, sample_batch
 from prune_audit.demo.evaluate import (
     DEMO_INSTRUCTIONS,
@@ -249,10 +249,14 @@ def test_cli_writes_the_question_set_and_reports_one_line_errors(tmp_path):
 # ----- the shipped checkpoint ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def shipped(monkeypatch_module):
+# both bundled demos; the Qwen demo's accuracy target is 95 % on the full set (97 % for LLaVA)
+SHIPPED = {"demo": 0.95, "demo-qwen": 0.93}
+
+
+@pytest.fixture(scope="module", params=sorted(SHIPPED))
+def shipped(request, monkeypatch_module):
     monkeypatch_module.setenv("HF_HUB_OFFLINE", "1")
-    return load_demo(DEMO_MODEL_DIR)
+    return request.param, load_demo(DEMO_MODELS[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -261,37 +265,49 @@ def monkeypatch_module():
         yield patch
 
 
-def test_shipped_checkpoint_is_small_and_float16():
-    size = sum(p.stat().st_size for p in DEMO_MODEL_DIR.iterdir() if p.is_file())
-    assert size < 20 * 2**20
-    assert (DEMO_MODEL_DIR / "MODEL_CARD.md").is_file()
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_checkpoint_is_small_and_float16(name):
+    folder = DEMO_MODELS[name]
+    size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    assert size < 10 * 2**20
+    assert (folder / "MODEL_CARD.md").is_file()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["dtype"] == "float16"
+
+
+def test_shipped_llava_demo_has_room_for_in_llm_budgets():
     config = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
     grid = config["vision_config"]["image_size"] // config["vision_config"]["patch_size"]
     assert grid * grid >= 100, "budgets of 16/32/64 tokens must be real pruning"
+    # budget 16 must be feasible for FastV (all tokens before layer 1): 144 / layers <= 16 with margin
+    assert config["text_config"]["num_hidden_layers"] >= 10
 
 
 def test_shipped_model_answers_held_out_demo_questions(shipped, small_question_set):
-    summary = evaluate_question_set(shipped, small_question_set)
+    name, vlm = shipped
+    summary = evaluate_question_set(vlm, small_question_set)
     assert summary["questions"] == 3 * 480
-    assert summary["accuracy"] >= 0.95, summary
+    assert summary["accuracy"] >= SHIPPED[name], summary
     assert min(summary["yes_accuracy"], summary["no_accuracy"]) >= 0.9, summary
 
 
 def test_shipped_model_generates_yes_or_no(shipped, small_question_set):
-    processor = shipped.processor
+    _, vlm = shipped
+    processor = vlm.processor
     from prune_audit.data.pope import load_pope
 
     questions = load_pope(small_question_set.question_file("adversarial"))[:4]
     images = [Image.open(small_question_set.image_dir / q.image).convert("RGB") for q in questions]
-    texts = [prompt_text(shipped, q.text) for q in questions]
+    texts = [prompt_text(vlm, q.text) for q in questions]
     encoded = processor(images=images, text=texts, return_tensors="pt")
-    generated = shipped.model.generate(**encoded, max_new_tokens=1, do_sample=False)
+    generated = vlm.model.generate(**encoded, max_new_tokens=1, do_sample=False)
     words = processor.tokenizer.batch_decode(generated[:, -1:])
-    assert words == [q.label for q in questions]
+    assert [word.strip() for word in words] == [q.label for q in questions]
 
 
-def test_shipped_model_looks_at_the_object(shipped, small_question_set):
-    results = object_removal(shipped, small_question_set, max_pairs=120)
+def test_shipped_model_looks_at_the_object(monkeypatch_module, small_question_set):
+    monkeypatch_module.setenv("HF_HUB_OFFLINE", "1")
+    results = object_removal(load_demo(DEMO_MODEL_DIR), small_question_set, max_pairs=120)
     assert results["full"].accuracy >= 0.9
     assert results["drop_random_nonobject"].accuracy - results["drop_object"].accuracy >= 0.3
     assert math.isfinite(results["drop_object"].wrong_confidence)

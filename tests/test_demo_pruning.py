@@ -53,6 +53,22 @@ def _missing_reason(name: str) -> str | None:
     return None
 
 
+@pytest.mark.parametrize("budget", [16, 32, 64])
+def test_every_in_llm_schedule_is_feasible_on_distinct_layers_of_the_llava_demo(budget):
+    from prune_audit.pruners import LayerSelector, get_selector, list_selectors
+
+    config = json.loads((DEMO_MODELS["demo"] / "config.json").read_text())
+    layers = config["text_config"]["num_hidden_layers"]
+    tokens = (config["vision_config"]["image_size"] // config["vision_config"]["patch_size"]) ** 2
+    for name in list_selectors():
+        selector = get_selector(name)
+        if not isinstance(selector, LayerSelector):
+            continue
+        stages = selector.schedule(layers, tokens, budget)  # raises when the budget is infeasible
+        stage_layers = [stage.layer for stage in stages]
+        assert len(set(stage_layers)) == len(stage_layers) and 0 < stage_layers[0], (name, stages)
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo-pruning")

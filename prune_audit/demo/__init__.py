@@ -1,9 +1,8 @@
 """The bundled demo models, trained on synthetic shape scenes, and their question set.
 
 ``demo`` (LLaVA architecture) ships in ``prune_audit/assets/demo`` (see its MODEL_CARD.md);
-``demo-qwen`` (Qwen2.5-VL architecture) belongs in ``prune_audit/assets/demo-qwen`` once trained
-(``prune-audit demo train --model demo-qwen``; not shipped yet). The POPE-style question set is
-generated deterministically into a cache folder on first use.
+``demo-qwen`` (Qwen2.5-VL architecture) in ``prune_audit/assets/demo-qwen`` (its own MODEL_CARD.md).
+The POPE-style question set is generated deterministically into a cache folder on first use.
 """
 
 from pathlib import Path
