@@ -292,17 +292,20 @@ def test_shipped_model_answers_held_out_demo_questions(shipped, small_question_s
 
 
 def test_shipped_model_generates_yes_or_no(shipped, small_question_set):
+    """The stock ``generate()`` of each family answers with the label, from the adapter's prepared prompt."""
     _, vlm = shipped
-    processor = vlm.processor
     from prune_audit.data.pope import load_pope
 
-    questions = load_pope(small_question_set.question_file("adversarial"))[:4]
-    images = [Image.open(small_question_set.image_dir / q.image).convert("RGB") for q in questions]
-    texts = [prompt_text(vlm, q.text) for q in questions]
-    encoded = processor(images=images, text=texts, return_tensors="pt")
-    generated = vlm.model.generate(**encoded, max_new_tokens=1, do_sample=False)
-    words = processor.tokenizer.batch_decode(generated[:, -1:])
-    assert [word.strip() for word in words] == [q.label for q in questions]
+    for question in load_pope(small_question_set.question_file("adversarial"))[:4]:
+        image = Image.open(small_question_set.image_dir / question.image).convert("RGB")
+        prepared = vlm.prepare(image, question.text)
+        if "image_grid_thw" in prepared.extras:  # Qwen: patches of every image in one (P, D) tensor
+            inputs = {"pixel_values": prepared.pixel_values, "image_grid_thw": prepared.extras["image_grid_thw"]}
+        else:  # LLaVA: one (3, H, W) image
+            inputs = {"pixel_values": prepared.pixel_values[None]}
+        inputs["input_ids"] = prepared.input_ids[None]
+        generated = vlm.model.generate(**inputs, max_new_tokens=1, do_sample=False)
+        assert vlm.tokenizer.decode(generated[0, -1:]).strip() == question.label
 
 
 def test_shipped_model_looks_at_the_object(monkeypatch_module, small_question_set):
