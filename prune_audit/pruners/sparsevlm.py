@@ -148,7 +148,7 @@ class SparseVLMSelector(ScheduledSelector):
 
     name: ClassVar[str] = "sparsevlm"
     summary: ClassVar[str] = "attention of text raters chosen from input embeddings, layers 2/6/15 (+ recycling)"
-    requires: ClassVar[frozenset[str]] = frozenset({"text_probs", "embeddings", "text_embeddings", "hidden_states"})
+    requires: ClassVar[frozenset[str]] = frozenset({"text_probs", "embeddings", "text_embeddings"})
     reference: ClassVar[Reference] = Reference(
         "SparseVLM: Visual Token Sparsification for Efficient Vision-Language Model Inference, ICML 2025",
         "Gumpest/SparseVLMs",
@@ -161,6 +161,11 @@ class SparseVLMSelector(ScheduledSelector):
         "previous", Choice(SIGNAL_LAYERS), "prune layer l's output by its attention (reference) or its input by a probe"
     )
     recycle: bool = option(False, Flag(), "merge the best pruned tokens into DPC-kNN cluster tokens (reference v1.5)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.recycle:  # the clusters average the pruned tokens' hidden states
+            self.requires = type(self).requires | {"hidden_states"}
 
     @property
     def reference_layers(self) -> tuple[int, ...]:  # type: ignore[override]
