@@ -335,3 +335,9 @@ def test_intervene_refuses_a_run_with_merged_tokens(workspace, tmp_path):
     assert invoke(base_args(workspace, run, *args)).exit_code == 0
     out = tmp_path / "out"
     assert_one_line_failure(intervene(run, "--mode", "remove", "--out", str(out)), out, "merged tokens")
+
+
+def test_average_rule_with_recycling_refuses_a_budget_the_recycled_tokens_exceed():
+    with pytest.raises(ValueError, match="closest realised average to budget 56 .* is 57.03"):
+        get_selector("sparsevlm", recycle=True).schedule(32, 576, 56)
+    assert get_selector("sparsevlm").schedule(32, 576, 56)  # without recycling it is honoured

@@ -194,7 +194,8 @@ class SparseVLMSelector(ScheduledSelector):
         return TokenMerge(merged, [torch.sort(selected[assignment == c]).values for c in range(clusters)])
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
-        """The average rule; with ``recycle`` the kept counts are solved so the average *with* recycled tokens matches."""
+        """The average rule; with ``recycle`` the kept counts are solved so the average *with* recycled tokens
+        matches, refused when the closest is more than one token away (a budget too small for recycling)."""
         if not self.recycle:
             return super().solved_stages(num_layers, num_visual, budget)
         layers, shape = merge_stages(
@@ -214,4 +215,10 @@ class SparseVLMSelector(ScheduledSelector):
             if abs(average - budget) < abs(recycled_average(best, num_layers, num_visual) - budget):
                 best = stages
             low, high = (middle, high) if average < budget else (low, middle)
+        realised = recycled_average(best, num_layers, num_visual)
+        if abs(realised - budget) > 1:
+            raise ValueError(
+                f"with recycle=true the closest realised average to budget {budget} on {num_layers} layers x "
+                f"{num_visual} tokens is {realised:.2f}; raise the budget or use recycle=false"
+            )
         return best
