@@ -184,8 +184,9 @@ FIDELITY: dict[str, Fidelity] = {
             "exactly keep tokens (the official code caps at n - 1); ties to the lower index",
             _MODEL_DTYPE,
         ),
-        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; first-stage kept sets identical to the top-k of the previous layer's "
-                "eager rater attention in 2 of 2 prompts on the tiny LLaVA (test_fidelity.py); paper rule realises "
+        _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
+                "one stage; first-stage kept sets identical to the top-k of the previous layer's eager rater attention "
+                "in 2 of 2 prompts on the tiny LLaVA (test_fidelity.py); paper rule realises "
                 "202.75 / 140.81 / 79.19 (test_schedule.py); recycle=true: kept sets, cluster members and merged "
                 "vectors (bit for bit) identical to a re-implementation of the official cluster_and_merge in 30 of "
                 "30 random stages at 576 tokens x 4096 dims with distinct relevances "
