@@ -40,11 +40,14 @@ from tiny_models import QUESTIONS, WORDS, random_image
 # --- the official algorithm, re-implemented from the reference's math -------------------------------------------
 
 
-def official_cluster_and_merge(x: torch.Tensor, cluster_num: int, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def official_cluster_and_merge(
+    x: torch.Tensor, cluster_num: int, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """utils.py::cluster_and_merge on (B, N, C) ``x``; returns merged (B, K, C) and idx_cluster (B, N)."""
     batch, count, channels = x.shape
     # pairwise L2 of broadcast differences (the reference's einops rearrange), a block of rows at a time
-    distance = torch.cat([(x[:, i : i + 32, None, :] - x[:, None, :, :]).norm(dim=-1, p=2) for i in range(0, count, 32)], 1)
+    blocks = [(x[:, i : i + 32, None, :] - x[:, None, :, :]).norm(dim=-1, p=2) for i in range(0, count, 32)]
+    distance = torch.cat(blocks, 1)
     dist_matrix = distance / (channels**0.5)
     dist_nearest, _ = torch.topk(dist_matrix, k=cluster_num, dim=-1, largest=False)
     density = (-(dist_nearest**2).mean(dim=-1)).exp()
@@ -71,7 +74,9 @@ def official_cluster_and_merge(x: torch.Tensor, cluster_num: int, noise: torch.T
     return x_merged.reshape(batch, cluster_num, channels), idx_cluster
 
 
-def official_recycling(relevance: torch.Tensor, hidden: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+def official_recycling(
+    relevance: torch.Tensor, hidden: torch.Tensor, keep: int
+) -> tuple[torch.Tensor, torch.Tensor, list]:
     """The recycling block of modelling_sparse_llama.py for one stage: kept mask, merged tokens, members."""
     mask = torch.zeros_like(relevance, dtype=torch.bool)
     mask[torch.topk(relevance, min(keep, relevance.numel() - 1)).indices] = True
@@ -99,7 +104,8 @@ def hidden_case(seed: int, count: int) -> torch.Tensor:
     if kind == 0:
         return torch.randn(count, 4096, generator=generator)
     centres = torch.randn(12, 4096, generator=generator) * 3
-    hidden = centres[torch.randint(0, 12, (count,), generator=generator)] + torch.randn(count, 4096, generator=generator)
+    members = torch.randint(0, 12, (count,), generator=generator)
+    hidden = centres[members] + torch.randn(count, 4096, generator=generator)
     if kind == 2:  # duplicates: equal densities, the noise decides
         hidden[1::4] = hidden[0::4][: hidden[1::4].shape[0]]
     return hidden
@@ -195,7 +201,9 @@ class ReinsertingSelector(LayerSelector):
         self.seen.append(signals.alive.tolist())
         return signals.hidden_states.norm(dim=-1)
 
-    def merge(self, stage: Stage, signals: LayerSignals, state: dict[str, Any], kept: torch.Tensor) -> TokenMerge | None:
+    def merge(
+        self, stage: Stage, signals: LayerSignals, state: dict[str, Any], kept: torch.Tensor
+    ) -> TokenMerge | None:
         pruned = torch.tensor([i for i in range(signals.num_alive) if i not in set(kept.tolist())], dtype=torch.long)
         if not pruned.numel():
             return None
@@ -325,7 +333,8 @@ def test_recycling_run_records_merged_sources_and_their_retention(workspace, tmp
             footprint += retained > retention(area.area_per_token, area.total_area, kept[stage])[0]
     assert masked and footprint  # merged sources added object area somewhere
     plain = tmp_path / "plain"
-    assert invoke(base_args(workspace, plain, "--selector", "sparsevlm", "--budget", "8", "--limit", "24")).exit_code == 0
+    result = invoke(base_args(workspace, plain, "--selector", "sparsevlm", "--budget", "8", "--limit", "24"))
+    assert result.exit_code == 0, result.output
     assert all(len(stage) == 0 for row in read_records(plain)["merged_stages"] for stage in row)
 
 
