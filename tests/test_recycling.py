@@ -350,3 +350,22 @@ def test_average_rule_with_recycling_refuses_a_budget_the_recycled_tokens_exceed
     with pytest.raises(ValueError, match="closest realised average to budget 56 .* is 57.03"):
         get_selector("sparsevlm", recycle=True).schedule(32, 576, 56)
     assert get_selector("sparsevlm").schedule(32, 576, 56)  # without recycling it is honoured
+
+
+def test_a_batch_where_only_one_row_merges_equals_one_at_a_time(tiny_qwen):
+    vlm, items = tiny_qwen
+    assert items[0].num_visual != items[1].num_visual
+
+    class MergeFirstOnly(ReinsertingSelector):
+        def merge(self, stage, signals, state, kept):
+            return super().merge(stage, signals, state, kept) if signals.grid == items[0].grid else None
+
+    selector = MergeFirstOnly(keeps=(20, 10))
+    together, _ = vlm.prefill(items, selector, 10)
+    assert any(together.merged_stages[0]) and not any(together.merged_stages[1])
+    for b, item in enumerate(items):
+        alone, _ = vlm.prefill([item], selector, 10)
+        assert together.kept_stages[b] == alone.kept_stages[0]
+        assert together.merged_stages[b] == alone.merged_stages[0]
+        assert together.tokens_per_layer[b] == alone.tokens_per_layer[0]
+        assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
