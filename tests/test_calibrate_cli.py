@@ -83,6 +83,7 @@ def write_run(directory, seed, strength, tokens, images=24, lost_share=0.0, sele
                         "correct": answer == ("yes" if label_yes else "no"),
                         "kept": [0, 1, 2],
                         "kept_stages": [[0, 1, 2]],
+                        "merged_stages": [[]],
                         "stage_layers": [0],
                         "visual_tokens_avg": float(budget or 576),
                         "prefill_tokens": tokens + rng.integers(0, 5),

@@ -33,6 +33,7 @@ def make_row(order, split="random", question_id=None):
         "correct": False,
         "kept": [1, 2, 3],
         "kept_stages": [[1, 2, 3]],
+        "merged_stages": [[]],
         "stage_layers": [0],
         "visual_tokens_avg": 3.0,
         "prefill_tokens": 20,
@@ -126,11 +127,11 @@ def test_records_without_the_stage_columns_are_refused(tmp_path):
 def stage_rows():
     """Three stages (layers 0, 2, 3) with the last one empty; one row without a mask."""
     first = make_row(0) | {
-        "kept_stages": [[1, 2, 3, 4], [1, 2], []], "stage_layers": [0, 2, 3],
+        "kept_stages": [[1, 2, 3, 4], [1, 2], []], "merged_stages": [[], [], []], "stage_layers": [0, 2, 3],
         "retention_stages": [0.8, 0.4, 0.0], "object_tokens_kept_stages": [3, 1, 0], "lost_stages": [False, False, True],
     }
     no_mask = make_row(1) | {
-        "kept_stages": [[1, 2, 3, 4], [1, 2], []], "stage_layers": [0, 2, 3],
+        "kept_stages": [[1, 2, 3, 4], [1, 2], []], "merged_stages": [[], [], []], "stage_layers": [0, 2, 3],
         "retention_stages": [float("nan")] * 3, "object_tokens_kept_stages": [-1] * 3, "lost_stages": [None] * 3,
     }
     return pa.Table.from_pylist([first, no_mask], schema=SCHEMA)

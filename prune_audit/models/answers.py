@@ -9,7 +9,7 @@ renormalises them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,7 +76,9 @@ class Answer:
 
     ``kept_stages`` holds the kept grid indices after each stage (one entry for
     input-level selection, none unpruned); ``kept`` those reaching the last layer;
-    ``sources`` the grid indices each output token carries for merging selectors.
+    ``sources`` the grid indices each output token carries for merging input-level
+    selectors; ``merged_stages`` for in-LLM merging, per stage, the grid indices each
+    merged token alive after it carries (empty lists without merging).
     ``latency_ms`` is the wall time of the batch prefill (vision, selection,
     language model) divided by the batch size.
     """
@@ -95,6 +97,7 @@ class Answer:
     prefill_tokens: int
     latency_ms: float
     sources: list[list[int]] | None = None
+    merged_stages: list[list[list[int]]] = field(default_factory=list)
 
 
 def answer_record(
@@ -108,10 +111,10 @@ def answer_record(
     if selection is not None:
         kept_stages = [selection.kept.tolist()]
         sources = None if selection.sources is None else [s.tolist() for s in selection.sources]
-        stage_layers = [0]
+        stage_layers, merged_stages = [0], [[]]
     else:
         kept_stages, sources = prefill.kept_stages[b], None
-        stage_layers = prefill.stage_layers[b]
+        stage_layers, merged_stages = prefill.stage_layers[b], prefill.merged_stages[b]
     counts = prefill.tokens_per_layer[b]
     return Answer(
         p_yes=reduced.p_yes,
@@ -128,6 +131,7 @@ def answer_record(
         prefill_tokens=prefill.prefill_tokens[b],
         latency_ms=latency,
         sources=sources,
+        merged_stages=merged_stages,
     )
 
 

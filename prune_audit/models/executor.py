@@ -8,6 +8,14 @@ positions either stay the original ones or are renumbered (``compact``). Every l
 gets an explicit boolean attention mask (causal, padding, and a token always sees
 itself so padded rows never produce NaN); non-contiguous positions without a mask
 silently corrupt results in transformers 5.x.
+
+A merging selector (``LayerSelector.merge``) also inserts tokens: they go after the
+last kept visual token of the row (before the text after the image, as SparseVLM's
+reference inserts its recycled tokens), count as visual tokens for later stages and
+carry the kind ``merged_kind(j)``, ``j`` indexing the row's merged-token sources.
+Under ``compact`` positions they are renumbered with every other token (the
+reference); under ``keep_original`` (Qwen's M-RoPE ids, or LLaVA when asked) a merged
+token takes the floor of its members' mean position in every plane.
 """
 
 from __future__ import annotations
@@ -20,14 +28,11 @@ import torch
 from torch import Tensor, nn
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.models.insertion import Insertion, insertion_for, with_insertions
+from prune_audit.models.kinds import MERGED, PAD, TEXT_AFTER, TEXT_BEFORE, merged_index, prunable
 from prune_audit.models.layer_signals import ATTENTION_SIGNALS, layer_signals
 from prune_audit.models.probe import DecoderProbe, RopeFn
 from prune_audit.pruners.base import LayerSelector, LayerSignals, Stage
-
-TEXT_BEFORE = -1  # text before the image span (system prompt, "USER:")
-TEXT_AFTER = -2  # question and template suffix after the image span
-PAD = -3
-MERGED = -4  # a visual token without a single grid location (VisionZip CLS / contextual)
 
 
 @dataclass
@@ -87,7 +92,7 @@ class Batch:
         return torch.nonzero(self.valid[row]).flatten()
 
     def visual_counts(self) -> list[int]:
-        visual = (self.kinds >= 0) | (self.kinds == MERGED)
+        visual = prunable(self.kinds) | (self.kinds == MERGED)
         return (visual & self.valid).sum(dim=1).tolist()
 
 
@@ -169,10 +174,13 @@ class LayerPlan:
     selector: LayerSelector | None = None
     forced: list[list[Tensor]] | None = None
     states: list[dict[str, Any]] = field(default_factory=list)
+    merged: list[list[list[int]]] = field(default_factory=list)  # per row: grid sources of merged token j
 
     def __post_init__(self) -> None:
         if not self.states:
             self.states = [{} for _ in self.stages]
+        if not self.merged:
+            self.merged = [[] for _ in self.stages]
 
     @property
     def requires(self) -> frozenset[str]:
@@ -186,7 +194,12 @@ class LayerPlan:
 
 @dataclass
 class Prefill:
-    """Result of a prefill: last-position logits and the provenance of every row."""
+    """Result of a prefill: last-position logits and the provenance of every row.
+
+    ``kept_stages[b][s]``: grid indices whose own token survives stage s;
+    ``merged_stages[b][s]``: for every merged token alive after stage s (layout order),
+    the ascending grid indices it carries.
+    """
 
     logits: Tensor  # (B, V) float32
     kept_stages: list[list[list[int]]]
@@ -194,6 +207,7 @@ class Prefill:
     tokens_per_layer: list[list[int]]
     prefill_tokens: list[int]
     decode: DecodeState | None = None
+    merged_stages: list[list[list[list[int]]]] = field(default_factory=list)
 
 
 @dataclass
@@ -229,7 +243,7 @@ class LanguageLoop:
         plan = plan or LayerPlan(stages=[[] for _ in range(batch.size)], grids=[(0, 0)] * batch.size)
         cache = DynamicCache(config=self.stack.config) if use_cache else None
         prefill_tokens = batch.valid.sum(dim=1).tolist()
-        kept_stages: list[list[list[int]]] = [[] for _ in range(batch.size)]
+        alive_stages: list[list[list[int]]] = [[] for _ in range(batch.size)]
         stage_layers: list[list[int]] = [[] for _ in range(batch.size)]
         counts: list[list[int]] = [[] for _ in range(batch.size)]
         key_valid: list[Tensor] = []
@@ -239,7 +253,7 @@ class LanguageLoop:
         for index, layer in enumerate(self.stack.layers):
             due = [[s for s in stages if s.layer == index] for stages in plan.stages]
             if any(due):
-                batch, previous = self._prune(batch, previous, index, due, plan, kept_stages)
+                batch, previous = self._prune(batch, previous, index, due, plan, alive_stages)
                 for b, stages in enumerate(due):
                     stage_layers[b].extend([index] * len(stages))
                 rope, mask = self.stack.rotary(batch.hidden, batch.positions), attention_mask(batch.valid)
@@ -258,7 +272,12 @@ class LanguageLoop:
             key_valid.append(batch.valid)
         logits = self.stack.lm_head(self.stack.norm(batch.hidden[:, -1])).float()
         decode = self._decode_state(batch, cache, key_valid, plan.positions) if use_cache else None
-        return Prefill(logits, kept_stages, stage_layers, counts, prefill_tokens, decode)
+        kept_stages = [[[kind for kind in alive if kind >= 0] for alive in row] for row in alive_stages]
+        merged_stages = [
+            [[plan.merged[b][merged_index(kind)] for kind in alive if kind < MERGED] for alive in row]
+            for b, row in enumerate(alive_stages)
+        ]
+        return Prefill(logits, kept_stages, stage_layers, counts, prefill_tokens, decode, merged_stages)
 
     @staticmethod
     def _decode_state(batch: Batch, cache: Any, key_valid: list[Tensor], positions: str) -> DecodeState:
@@ -296,14 +315,20 @@ class LanguageLoop:
         layer: int,
         due: list[list[Stage]],
         plan: LayerPlan,
-        kept_stages: list[list[list[int]]],
+        alive_stages: list[list[list[int]]],
     ) -> tuple[Batch, Tensor | None]:
-        keep_columns = []
+        keep_columns, insertions = [], []
         for b in range(batch.size):
-            columns = batch.row_indices(b)
+            columns, insertion = batch.row_indices(b), None
             for stage in due[b]:
-                columns = self._stage_columns(batch, previous, b, columns, layer, stage, plan, kept_stages)
+                if insertion is not None:
+                    raise PruneAuditError(f"a merging stage at layer {layer} must be the last stage at that layer")
+                columns, insertion = self._stage_columns(batch, previous, b, columns, layer, stage, plan, alive_stages)
             keep_columns.append(columns)
+            insertions.append(insertion)
+        if any(insertion is not None for insertion in insertions):
+            batch, keep_columns = with_insertions(batch, keep_columns, insertions)
+            previous = None  # layer l-1's input has no merged tokens; the loop resets it before layer l runs
         pruned = gather_rows(batch, keep_columns)
         if previous is not None:
             previous = gather_rows(replace(batch, hidden=previous, embeddings=None), keep_columns).hidden
@@ -320,13 +345,14 @@ class LanguageLoop:
         layer: int,
         stage: Stage,
         plan: LayerPlan,
-        kept_stages: list[list[list[int]]],
-    ) -> Tensor:
-        """Layout columns of ``row`` that survive ``stage`` (text always survives)."""
+        alive_stages: list[list[list[int]]],
+    ) -> tuple[Tensor, Insertion | None]:
+        """Layout columns of ``row`` that survive ``stage`` (text always survives), and the tokens it inserts."""
         kinds = batch.kinds[row, columns]
-        visual = torch.nonzero(kinds >= 0).flatten()
+        visual = torch.nonzero(prunable(kinds)).flatten()
         alive = kinds[visual]
-        stage_index = len(kept_stages[row])
+        stage_index = len(alive_stages[row])
+        merge = None
         if plan.forced is not None:
             wanted = plan.forced[row][stage_index].to(alive.device)
             missing = sorted(set(wanted.tolist()) - set(alive.tolist()))
@@ -340,12 +366,17 @@ class LanguageLoop:
             text = torch.nonzero(kinds == TEXT_AFTER).flatten()
             signals = layer_signals(self.stack, batch, previous, row, columns, layer, plan, visual, text)
             survivors = plan.selector.prune(stage, signals, plan.states[row]).to(alive.device)
-        kept_stages[row].append(alive[survivors].tolist())
+            merge = plan.selector.merge(stage, signals, plan.states[row], survivors.cpu())
         keep = torch.ones(columns.numel(), dtype=torch.bool, device=columns.device)
         keep[visual] = False
         keep[visual[survivors]] = True
-        return columns[keep]
-
+        insertion = None
+        if merge is not None and merge.num_tokens:
+            insertion = insertion_for(batch, row, columns[visual], alive, merge, plan.merged[row])
+            # after the last kept visual token = before the first kept text-after token
+            insertion.at = int((keep & ((kinds != TEXT_AFTER) & (kinds != PAD))).sum())
+        alive_stages[row].append(alive[survivors].tolist() + ([] if insertion is None else insertion.kinds.tolist()))
+        return columns[keep], insertion
 
 __all__ = [
     "ATTENTION_SIGNALS", "TEXT_BEFORE", "TEXT_AFTER", "PAD", "MERGED", "DecoderStack", "TokenRow", "Batch",

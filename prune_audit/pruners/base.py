@@ -77,7 +77,9 @@ class LayerSignals:
     one is the last prompt position), ``H`` query heads.
 
     Attributes:
-        alive: (n,) original grid indices of the alive visual tokens, ascending.
+        alive: (n,) original grid indices of the alive visual tokens, ascending; tokens a
+            merging selector inserted at an earlier stage follow them, as negative codes
+            (their sources are in the records, not here).
         grid: (rows, cols) of the original token grid.
         layer: index of the decoder layer whose input this is.
         num_layers: decoder depth.
@@ -163,6 +165,25 @@ class Selection:
         return torch.unique(torch.cat(parts)) if parts else self.kept
 
 
+@dataclass
+class TokenMerge:
+    """Tokens a merging in-LLM selector adds at a stage, inserted after the kept visual tokens.
+
+    Attributes:
+        hidden: (M, D) float32 hidden states of the merged tokens, in output order.
+        members: M LongTensors: the positions among the stage's alive tokens (0..n-1)
+            that each merged token stands for; the executor turns them into grid sources
+            (a member that is itself a merged token contributes its own sources).
+    """
+
+    hidden: Tensor
+    members: list[Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.members)
+
+
 @dataclass(frozen=True)
 class Stage:
     """Prune at the input of decoder layer ``layer`` down to ``keep`` visual tokens."""
@@ -188,11 +209,18 @@ def top_k_indices(scores: Tensor, k: int) -> Tensor:
     Args:
         scores: (N,) any float dtype; NaN is treated as the lowest score.
     """
+    return torch.sort(ranked_indices(scores, k)).values
+
+
+def ranked_indices(scores: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest scores, best first; ties go to the lower index, NaN ranks last.
+
+    Args:
+        scores: (N,) any float dtype.
+    """
     scores = torch.nan_to_num(scores.float(), nan=float("-inf"))
-    k = min(k, scores.numel())
     # stable sort on -score keeps index order among equal scores
-    order = torch.sort(-scores, stable=True).indices[:k]
-    return torch.sort(order).values
+    return torch.sort(-scores, stable=True).indices[: min(k, scores.numel())]
 
 
 def as_float32(tensor: Tensor) -> Tensor:
@@ -274,6 +302,14 @@ class LayerSelector(Selector):
             return torch.zeros(0, dtype=torch.long)
         return top_k_indices(self.model_precision(self.score(stage, self.inputs(signals), state), signals), stage.keep)
 
+    def merge(self, stage: Stage, signals: LayerSignals, state: dict[str, Any], kept: Tensor) -> TokenMerge | None:
+        """Tokens to add after ``kept`` (positions among the alive tokens) survive ``stage``; None: none.
+
+        Only merging selectors (SparseVLM with ``recycle=true``) override this; the
+        executor calls it right after :meth:`prune` with the same signals and state.
+        """
+        return None
+
     def inputs(self, signals: LayerSignals) -> LayerSignals:
         """The signals as the scores see them: rounded to the model dtype under ``score_dtype="model"``."""
         return signals.rounded() if self.score_dtype == "model" else signals
@@ -294,12 +330,14 @@ __all__ = [
     "LayerSignals",
     "Selection",
     "Stage",
+    "TokenMerge",
     "SelectorLevel",
     "Reference",
     "Selector",
     "InputSelector",
     "LayerSelector",
     "top_k_indices",
+    "ranked_indices",
     "validate_budget",
     "option_defaults",
     "as_float32",

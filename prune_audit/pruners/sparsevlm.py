@@ -9,14 +9,88 @@ from typing import Any, ClassVar, get_args
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import LayerSignals, PositionMode, Reference, Stage
+from prune_audit.pruners.base import LayerSignals, PositionMode, Reference, Stage, TokenMerge, ranked_indices
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.options import Choice, option
-from prune_audit.pruners.schedule import SIGNAL_LAYERS, ScheduledSelector
+from prune_audit.pruners.options import Choice, Flag, option
+from prune_audit.pruners.schedule import (
+    REFERENCE_DEPTH,
+    SIGNAL_LAYERS,
+    ScheduledSelector,
+    merge_stages,
+    nearest_setting,
+    scale_layers,
+    solve_schedule,
+)
 
 SPARSEVLM_LAYERS = (2, 6, 15)  # the layers whose attention scores; the reference prunes their outputs
 # tokens kept after each stage, score.py of the reference (RETAIN_TOKN)
 SPARSEVLM_COUNTS = {64: (66, 30, 17), 96: (238, 48, 26), 128: (303, 110, 36), 192: (300, 200, 110)}
+RECYCLE_SHARE = 0.3  # the share of the pruned tokens (best by relevance) that recycling clusters
+DENSITY_NOISE = 1e-6  # scale of the density tie-break noise (the reference's, drawn unseeded there)
+NOISE_SEED = 0  # seed of that noise here, so records are reproducible
+
+
+def recycled_selection(pruned: int) -> int:
+    """Pruned tokens recycling clusters: ``int(0.3 pruned) + 1`` (0 when nothing is pruned)."""
+    return int(pruned * RECYCLE_SHARE) + 1 if pruned > 0 else 0
+
+
+def recycled_tokens(pruned: int) -> int:
+    """Cluster tokens inserted when ``pruned`` tokens leave: ``int(selected / 10) + 1`` (0 when none)."""
+    selected = recycled_selection(pruned)
+    return int(selected / 10) + 1 if selected else 0
+
+
+def recycled_tokens_per_layer(stages: Sequence[Stage], num_layers: int, num_visual: int) -> list[int]:
+    """Visual tokens in the input of each decoder layer when every stage also inserts its recycled tokens."""
+    counts, alive, pending = [], num_visual, sorted(stages, key=lambda stage: stage.layer)
+    for layer in range(num_layers):
+        while pending and pending[0].layer <= layer:
+            keep = min(alive, pending.pop(0).keep)
+            alive = keep + recycled_tokens(alive - keep)
+        counts.append(alive)
+    return counts
+
+
+def recycled_average(stages: Sequence[Stage], num_layers: int, num_visual: int) -> float:
+    """The realised layer-average number of visual tokens of a schedule with recycling."""
+    return sum(recycled_tokens_per_layer(stages, num_layers, num_visual)) / num_layers
+
+
+def pairwise_distances(points: Tensor) -> Tensor:
+    """(N, N) L2 distances of (N, C) ``points`` divided by sqrt(C), from exact differences row by row."""
+    return torch.stack([(point - points).norm(dim=-1) for point in points]) / points.shape[-1] ** 0.5
+
+
+def cluster_and_merge(points: Tensor, clusters: int, noise: Tensor) -> tuple[Tensor, Tensor]:
+    """DPC-kNN clustering and per-cluster average, as SparseVLM's ``cluster_and_merge`` (utils.py).
+
+    Distances ``d`` are pairwise L2 / sqrt(C); density ``rho_i = exp(-mean of d_ij^2 over
+    the k = clusters nearest j, i itself included) + noise_i``; ``delta_i`` is the distance
+    to the nearest point of higher density (the largest distance for the densest); the
+    ``clusters`` points of largest ``rho * delta`` are the centres, in that order (ties to
+    the lower index); every point joins its nearest centre (ties to the earlier centre),
+    each centre its own cluster; a merged token is ``sum x_i / (count + 1e-6)`` over its
+    cluster, the reference's average.
+
+    Args:
+        points: (N, C) float hidden states; N >= clusters >= 1.
+        noise: (N,) added to the density (the reference: unseeded ``rand * 1e-6``).
+
+    Returns:
+        merged (clusters, C) and assignment (N,) cluster index of every point.
+    """
+    distances = pairwise_distances(points)
+    nearest = torch.topk(distances, k=clusters, dim=-1, largest=False).values
+    density = (-(nearest**2).mean(dim=-1)).exp() + noise
+    denser = density[None, :] > density[:, None]
+    parent = torch.where(denser, distances, distances.max()).min(dim=-1).values
+    centres = ranked_indices(parent * density, clusters)
+    assignment = distances[centres].argmin(dim=0)
+    assignment[centres] = torch.arange(clusters)
+    counts = torch.zeros(clusters).index_add_(0, assignment, torch.ones(len(points))) + 1e-6
+    weighted = points * (1.0 / counts[assignment])[:, None]
+    return torch.zeros(clusters, points.shape[-1]).index_add_(0, assignment, weighted), assignment
 
 
 def select_raters(embeddings: Tensor, text_embeddings: Tensor) -> Tensor:
@@ -54,14 +128,26 @@ class SparseVLMSelector(ScheduledSelector):
     of those as a shape, solved so the realised average matches the budget.
     ``score_dtype="model"``: probabilities and scores rounded to the model dtype.
 
-    Deviations: (1) no recycling yet: the reference merges the best pruned tokens into
-    DPC-kNN cluster tokens inserted after the kept ones; the executor only removes
-    tokens. (2) Exactly ``keep`` tokens are kept (the reference caps at ``n - 1``);
-    ties to the lower index.
+    ``recycle=true`` (the reference's v1.5 default; off by default here so records of
+    pure pruning stay as they were): at each stage the ``int(0.3 p) + 1`` of the ``p``
+    pruned tokens with the highest relevance, best first, are clustered by
+    :func:`cluster_and_merge` on their hidden states at the stage (layer l's output
+    under ``signal_layer="previous"``) into ``int(selected / 10) + 1`` tokens, inserted
+    after the kept visual tokens; they are visual tokens for later stages (scored,
+    pruned or merged again). Stage ``keep`` counts the kept tokens before recycling;
+    the realised layer averages on 32 x 576 with the paper rule are 206.50 / 145.41 /
+    82.25 for 192 / 128 / 64 (spec: ~206 / 145 / 82); the average rule solves the counts
+    so that the average *with* the recycled tokens matches the budget.
+
+    Deviations: (1) exactly ``keep`` tokens are kept (the reference caps at ``n - 1``);
+    ties to the lower index. (2) Recycling: the density noise that the reference draws
+    unseeded (``rand * 1e-6``) is drawn from a generator seeded with 0 for every
+    stage, so the clusters are reproducible; clustering runs in float32 (the reference
+    in the model dtype).
     """
 
     name: ClassVar[str] = "sparsevlm"
-    summary: ClassVar[str] = "attention of text raters chosen from input embeddings, layers 2/6/15 (no recycling)"
+    summary: ClassVar[str] = "attention of text raters chosen from input embeddings, layers 2/6/15 (+ recycling)"
     requires: ClassVar[frozenset[str]] = frozenset({"text_probs", "embeddings", "text_embeddings"})
     reference: ClassVar[Reference] = Reference(
         "SparseVLM: Visual Token Sparsification for Efficient Vision-Language Model Inference, ICML 2025",
@@ -74,6 +160,12 @@ class SparseVLMSelector(ScheduledSelector):
     signal_layer: str = option(
         "previous", Choice(SIGNAL_LAYERS), "prune layer l's output by its attention (reference) or its input by a probe"
     )
+    recycle: bool = option(False, Flag(), "merge the best pruned tokens into DPC-kNN cluster tokens (reference v1.5)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.recycle:  # the clusters average the pruned tokens' hidden states
+            self.requires = type(self).requires | {"hidden_states"}
 
     @property
     def reference_layers(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -85,3 +177,48 @@ class SparseVLMSelector(ScheduledSelector):
         if "raters" not in state:
             state["raters"] = select_raters(signals.embeddings, signals.text_embeddings)
         return signals.text_probs.detach().float()[:, state["raters"], :].mean(dim=(0, 1))
+
+    def merge(self, stage: Stage, signals: LayerSignals, state: dict[str, Any], kept: Tensor) -> TokenMerge | None:
+        """The recycled cluster tokens of ``stage`` (None without ``recycle`` or when nothing is pruned)."""
+        pruned = torch.ones(signals.num_alive, dtype=torch.bool)
+        pruned[kept] = False
+        pruned = torch.nonzero(pruned).flatten()
+        if not self.recycle or pruned.numel() == 0:
+            return None
+        inputs = self.inputs(signals)
+        relevance = self.model_precision(self.score(stage, inputs, state), signals)
+        selected = pruned[ranked_indices(relevance[pruned], recycled_selection(pruned.numel()))]
+        noise = torch.rand(selected.numel(), generator=torch.Generator().manual_seed(NOISE_SEED)) * DENSITY_NOISE
+        clusters = recycled_tokens(pruned.numel())
+        merged, assignment = cluster_and_merge(inputs.hidden_states.float()[selected], clusters, noise)
+        return TokenMerge(merged, [torch.sort(selected[assignment == c]).values for c in range(clusters)])
+
+    def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        """The average rule; with ``recycle`` the kept counts are solved so the average *with* recycled tokens
+        matches, refused when the closest is more than one token away (a budget too small for recycling)."""
+        if not self.recycle:
+            return super().solved_stages(num_layers, num_visual, budget)
+        layers, shape = merge_stages(
+            scale_layers(self.reference_layers, REFERENCE_DEPTH, num_layers),
+            nearest_setting(self.reference_counts, budget, num_visual),
+        )
+
+        def stages_for(target: float) -> list[Stage]:
+            return solve_schedule(layers, shape, num_layers, num_visual, target)
+
+        best = stages_for(budget)  # refuses a budget below what the layers before the first stage use
+        low, high = layers[0] * num_visual / num_layers, float(budget)
+        for _ in range(40):  # the recycled average grows with the target: bisect it
+            middle = (low + high) / 2
+            stages = stages_for(middle)
+            average = recycled_average(stages, num_layers, num_visual)
+            if abs(average - budget) < abs(recycled_average(best, num_layers, num_visual) - budget):
+                best = stages
+            low, high = (middle, high) if average < budget else (low, middle)
+        realised = recycled_average(best, num_layers, num_visual)
+        if abs(realised - budget) > 1:
+            raise ValueError(
+                f"with recycle=true the closest realised average to budget {budget} on {num_layers} layers x "
+                f"{num_visual} tokens is {realised:.2f}; raise the budget or use recycle=false"
+            )
+        return best

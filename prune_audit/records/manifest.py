@@ -50,7 +50,8 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
     ("clip_text", "LLaVA: CLIP text tower used for CDPruner relevance (null when none)"),
     ("positions", "Qwen2.5-VL: position ids the pruned sequence keeps"),
     ("selector", "{name, stage, options, positions, schedule, schedule_num_visual}: the selector as run "
-     "(schedule: [layer, keep] stages of in-LLM selectors for the first question's token count)"),
+     "(schedule: [layer, keep] stages of in-LLM selectors for the first question's token count; keep excludes "
+     "the tokens a merge inserts, such as SparseVLM's recycled ones, which realised_visual_tokens_avg counts)"),
     ("budget", "--budget in visual tokens, or a share as given (11%: each image keeps its share, rounded half up; "
                "visual_tokens_avg holds the realised count); null for the unpruned run"),
     ("question_files", "[{path, sha256}] of the POPE files"),

@@ -12,11 +12,12 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the record columns, written to every manifest as ``records_schema``.
 
 2: per-stage columns (``stage_layers``, ``*_stages``); ``retention``, ``object_tokens_kept``
 and ``lost`` are the first stage's values (1 computed them on the last non-empty stage).
+3: ``merged_stages`` (in-LLM merged tokens and their sources); retention counts their footprint.
 Readers and resume refuse any other version.
 """
 
@@ -86,6 +87,12 @@ RUN_COLUMNS: tuple[Column, ...] = (
         "kept grid indices after each stage, nested (one entry for input-level selectors, all tokens unpruned)",
     ),
     _run(
+        "merged_stages",
+        pa.list_(pa.list_(INT_LIST)),
+        "for each stage, the tokens an in-LLM merge inserted that are alive after it (SparseVLM with "
+        "recycle=true), each as the ascending grid indices it carries; empty lists without in-LLM merging",
+    ),
+    _run(
         "stage_layers",
         INT_LIST,
         "for each stage, the decoder layer whose input its kept set is ([0] for input-level selectors and unpruned)",
@@ -102,7 +109,9 @@ RUN_COLUMNS: tuple[Column, ...] = (
         "retention",
         pa.float64(),
         "object-area retention of the FIRST stage's kept set, the earliest point at which tokens leave the model "
-        "(NaN for \"no\" questions and unknown masks); = retention_stages[0]",
+        "(NaN for \"no\" questions and unknown masks); = retention_stages[0]. A stage's kept set here and in "
+        "the columns below is its kept grid indices plus every grid index its merged tokens carry "
+        "(merged_stages)",
     ),
     _run(
         "retention_stages",

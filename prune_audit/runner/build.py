@@ -1,6 +1,7 @@
 """``prune-audit run``, step 3: answers + token geometry + object masks -> one record per question.
 
-Retention is computed at every stage, for a whole batch at once through ``ObjectAreaCache`` and
+Retention is computed at every stage, on the kept grid indices and those the stage's merged
+tokens carry, for a whole batch at once through ``ObjectAreaCache`` and
 ``retention_by_stage`` (the path ``benchmarks/retention.py`` times). The columns are
 those of ``prune_audit.records.schema.RUN_COLUMNS``.
 """
@@ -52,16 +53,24 @@ def last_visible_kept(kept_stages: Sequence[Sequence[int]], num_visual: int) -> 
     return []
 
 
-def recorded_stages(answer: Answer, num_visual: int) -> tuple[list[list[int]], list[int]]:
-    """(kept set of each stage, decoder layer whose input it is): one stage at layer 0 for
-    input-level selectors, and for the unpruned model (every token)."""
+def recorded_stages(answer: Answer, num_visual: int) -> tuple[list[list[int]], list[int], list[list[list[int]]]]:
+    """(kept set of each stage, decoder layer whose input it is, sources of its merged tokens): one
+    stage at layer 0 for input-level selectors, and for the unpruned model (every token)."""
     if not answer.kept_stages:
-        return [list(range(num_visual))], [0]
+        return [list(range(num_visual))], [0], [[]]
     kept_stages = [list(kept) for kept in answer.kept_stages]
     layers = list(answer.stage_layers) or [0]
-    if len(layers) != len(kept_stages):
-        raise ValueError(f"{len(kept_stages)} kept sets for {len(layers)} stage layers")
-    return kept_stages, layers
+    merged = [[list(s) for s in stage] for stage in answer.merged_stages] or [[] for _ in kept_stages]
+    if not len(layers) == len(kept_stages) == len(merged):
+        raise ValueError(f"{len(kept_stages)} kept sets for {len(layers)} stage layers and {len(merged)} merged sets")
+    return kept_stages, layers, merged
+
+
+def covered_stages(kept_stages: list[list[int]], merged_stages: list[list[list[int]]]) -> list[list[int]]:
+    """Each stage's grid indices seen by a kept token or carried by a merged one (retention reads these)."""
+    return [
+        sorted(set(kept).union(*merged)) if merged else kept for kept, merged in zip(kept_stages, merged_stages)
+    ]
 
 
 def build_records(answered: Sequence[AnsweredQuestion], areas: Sequence[ObjectArea | None]) -> list[Record]:
@@ -71,10 +80,10 @@ def build_records(answered: Sequence[AnsweredQuestion], areas: Sequence[ObjectAr
     are the first stage's values.
     """
     stages = [recorded_stages(item.answer, item.prepared.num_visual) for item in answered]
-    retained = retention_by_stage(areas, [kept_stages for kept_stages, _ in stages])
+    retained = retention_by_stage(areas, [covered_stages(kept, merged) for kept, _, merged in stages])
     return [
-        _record(item, area, kept_stages, layers, by_stage)
-        for item, area, (kept_stages, layers), by_stage in zip(answered, areas, stages, retained)
+        _record(item, area, kept_stages, layers, merged, by_stage)
+        for item, area, (kept_stages, layers, merged), by_stage in zip(answered, areas, stages, retained)
     ]
 
 
@@ -83,6 +92,7 @@ def _record(
     area: ObjectArea | None,
     kept_stages: list[list[int]],
     stage_layers: list[int],
+    merged_stages: list[list[list[int]]],
     by_stage: StageRetention,
 ) -> Record:
     question, answer, prepared = item.question, item.answer, item.prepared
@@ -103,6 +113,7 @@ def _record(
         "correct": answer.answer == question.label,
         "kept": last_visible_kept(answer.kept_stages, prepared.num_visual),
         "kept_stages": kept_stages,
+        "merged_stages": merged_stages,
         "stage_layers": stage_layers,
         "visual_tokens_avg": answer.visual_tokens_avg,
         "prefill_tokens": answer.prefill_tokens,

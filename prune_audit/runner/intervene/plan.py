@@ -105,10 +105,15 @@ def eligible_records(source: InterventionSource, mode: str) -> list[Record]:
 def check_swappable(source: InterventionSource) -> None:
     """Input-level kept cells must be exactly the visual tokens the model saw.
 
-    A merging selector (VisionZip) feeds merged tokens beside its kept cells; forcing
-    only the cells would change the budget, so such runs are refused.
+    A merging selector (VisionZip, SparseVLM with recycle=true) feeds merged tokens beside
+    its kept cells; forcing only the cells would change the budget, so such runs are refused.
     """
     if source.manifest["selector"]["stage"] == "llm":
+        if any(merged for record in source.records for merged in record["merged_stages"]):
+            raise PruneAuditError(
+                f"selector {source.run.selector!r} inserted merged tokens (recycle); forced stages cannot "
+                f"reproduce them, so intervene needs a run without merging (recycle=false)"
+            )
         return
     for record in source.records:
         if round(record["visual_tokens_avg"]) != len(record["kept"]):

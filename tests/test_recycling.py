@@ -1,0 +1,371 @@
+"""SparseVLM token recycling (``recycle=true``) and the executor's insertion of merged tokens.
+
+The official clustering is re-implemented here from Gumpest/SparseVLMs (26a5f488),
+``llava/model/language_model/utils.py::cluster_and_merge`` and the recycling block of
+``modelling_sparse_llama.py`` (batched tensors, broadcast differences, the reference's
+``topk`` / ``argmin`` / ``index_add_`` steps), and compared with the selector on random
+cases at LLaVA sizes. The reference adds unseeded ``rand * 1e-6`` to the density; both
+sides here get the same draw, the selector's seeded one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+from prune_audit.data.coco import CocoInstances
+from prune_audit.data.geometry import TokenGeometry
+from prune_audit.data.retention import object_area, retention
+from prune_audit.models import load_vlm
+from prune_audit.models.build import build_llava, build_qwen2_5_vl
+from prune_audit.pruners import get_selector
+from prune_audit.pruners.base import LayerSelector, LayerSignals, Reference, Stage, TokenMerge
+from prune_audit.pruners.schedule import average_visual_tokens
+from prune_audit.pruners.sparsevlm import (
+    DENSITY_NOISE,
+    NOISE_SEED,
+    recycled_average,
+    recycled_tokens,
+    recycled_tokens_per_layer,
+)
+from test_intervene import assert_one_line_failure, intervene
+from test_run_cli import base_args, invoke, read_records
+from tiny_models import QUESTIONS, WORDS, random_image
+
+# --- the official algorithm, re-implemented from the reference's math -------------------------------------------
+
+
+def official_cluster_and_merge(
+    x: torch.Tensor, cluster_num: int, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """utils.py::cluster_and_merge on (B, N, C) ``x``; returns merged (B, K, C) and idx_cluster (B, N)."""
+    batch, count, channels = x.shape
+    # pairwise L2 of broadcast differences (the reference's einops rearrange), a block of rows at a time
+    blocks = [(x[:, i : i + 32, None, :] - x[:, None, :, :]).norm(dim=-1, p=2) for i in range(0, count, 32)]
+    distance = torch.cat(blocks, 1)
+    dist_matrix = distance / (channels**0.5)
+    dist_nearest, _ = torch.topk(dist_matrix, k=cluster_num, dim=-1, largest=False)
+    density = (-(dist_nearest**2).mean(dim=-1)).exp()
+    density = density + noise[None]
+    mask = (density[:, None, :] > density[:, :, None]).type(x.dtype)
+    dist_max = dist_matrix.flatten(1).max(dim=-1)[0][:, None, None]
+    dist, _ = (dist_matrix * mask + dist_max * (1 - mask)).min(dim=-1)
+    score = dist * density
+    _, index_down = torch.topk(score, k=cluster_num, dim=-1)
+    dist_to_centres = torch.gather(dist_matrix, 1, index_down[:, :, None].expand(-1, -1, count))
+    idx_cluster = dist_to_centres.argmin(dim=1)
+    idx_batch = torch.arange(batch)[:, None].expand(batch, cluster_num)
+    idx_tmp = torch.arange(cluster_num)[None, :].expand(batch, cluster_num)
+    idx_cluster[idx_batch.reshape(-1), index_down.reshape(-1)] = idx_tmp.reshape(-1)
+    idx = idx_cluster + torch.arange(batch)[:, None] * cluster_num
+    token_weight = x.new_ones(batch, count, 1)
+    all_weight = token_weight.new_zeros(batch * cluster_num, 1)
+    all_weight.index_add_(dim=0, index=idx.reshape(batch * count), source=token_weight.reshape(batch * count, 1))
+    all_weight = all_weight + 1e-6
+    norm_weight = token_weight / all_weight[idx]
+    x_merged = x.new_zeros(batch * cluster_num, channels)
+    source = x * norm_weight
+    x_merged.index_add_(dim=0, index=idx.reshape(batch * count), source=source.reshape(batch * count, channels))
+    return x_merged.reshape(batch, cluster_num, channels), idx_cluster
+
+
+def official_recycling(
+    relevance: torch.Tensor, hidden: torch.Tensor, keep: int
+) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """The recycling block of modelling_sparse_llama.py for one stage: kept mask, merged tokens, members."""
+    mask = torch.zeros_like(relevance, dtype=torch.bool)
+    mask[torch.topk(relevance, min(keep, relevance.numel() - 1)).indices] = True
+    pruned = torch.where(~mask)[0]
+    chosen = pruned[relevance[pruned].topk(int(pruned.shape[0] * 0.3) + 1)[1]]
+    cluster_num = int(chosen.shape[0] / 10) + 1
+    noise = torch.rand(chosen.numel(), generator=torch.Generator().manual_seed(NOISE_SEED)) * DENSITY_NOISE
+    merged, idx_cluster = official_cluster_and_merge(hidden[chosen][None], cluster_num, noise)
+    members = [sorted(chosen[idx_cluster[0] == c].tolist()) for c in range(cluster_num)]
+    return mask, merged[0], members
+
+
+# --- random cases at LLaVA sizes ----------------------------------------------------------------------------------
+
+# (alive visual tokens, keep) of the reference's stages: 576 -> 300 / 303 / 238 / 66, then the later stages
+STAGE_SIZES = [(576, 300), (576, 303), (576, 238), (576, 66), (309, 200), (313, 110), (247, 48), (80, 30),
+               (204, 110), (114, 36)]
+CASES = [(seed, *STAGE_SIZES[seed % len(STAGE_SIZES)]) for seed in range(30)]
+
+
+def hidden_case(seed: int, count: int) -> torch.Tensor:
+    """(count, 4096) layer outputs: Gaussian, clustered (a mixture), or clustered with exact duplicates."""
+    generator = torch.Generator().manual_seed(seed)
+    kind = seed % 3
+    if kind == 0:
+        return torch.randn(count, 4096, generator=generator)
+    centres = torch.randn(12, 4096, generator=generator) * 3
+    members = torch.randint(0, 12, (count,), generator=generator)
+    hidden = centres[members] + torch.randn(count, 4096, generator=generator)
+    if kind == 2:  # duplicates: equal densities, the noise decides
+        hidden[1::4] = hidden[0::4][: hidden[1::4].shape[0]]
+    return hidden
+
+
+def signals_for(relevance: torch.Tensor, hidden: torch.Tensor) -> LayerSignals:
+    """Signals whose SparseVLM score is ``relevance``: one text token (it rates), one head."""
+    count = relevance.numel()
+    return LayerSignals(
+        alive=torch.arange(count), grid=(24, 24), layer=3, num_layers=32, text_probs=relevance[None, None, :],
+        embeddings=torch.zeros(count, 8), text_embeddings=torch.zeros(1, 8), hidden_states=hidden,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("seed", "count", "keep"), CASES)
+def test_recycling_reproduces_the_official_cluster_and_merge(seed, count, keep):
+    # distinct relevances: torch.topk orders ties arbitrarily (here: the lower index first, a documented choice)
+    relevance = torch.randperm(count, generator=torch.Generator().manual_seed(100 + seed)).float() / count
+    hidden = hidden_case(seed, count)
+    selector, state, stage = get_selector("sparsevlm", recycle=True), {}, Stage(3, keep)
+    signals = signals_for(relevance, hidden)
+    kept = selector.prune(stage, signals, state)
+    merge = selector.merge(stage, signals, state, kept)
+    mask, merged, members = official_recycling(relevance, hidden, keep)
+    assert torch.equal(kept, torch.nonzero(mask).flatten())
+    assert [m.tolist() for m in merge.members] == members
+    assert merge.num_tokens == recycled_tokens(count - keep)
+    assert torch.equal(merge.hidden, merged)
+
+
+def test_recycling_is_off_by_default_and_skips_a_stage_that_prunes_nothing():
+    relevance, hidden = torch.rand(20), torch.randn(20, 16)
+    signals, stage = signals_for(relevance, hidden), Stage(3, 8)
+    plain = get_selector("sparsevlm")
+    assert plain.recycle is False and plain.merge(stage, signals, {}, plain.prune(stage, signals, {})) is None
+    recycling = get_selector("sparsevlm", recycle=True)
+    assert recycling.merge(Stage(3, 20), signals, {}, torch.arange(20)) is None
+
+
+# --- schedules and realised averages -----------------------------------------------------------------------------
+
+
+def test_recycled_counts_follow_the_reference():
+    # int(0.3 p) + 1 selected, int(selected / 10) + 1 clusters: 576 -> 300 prunes 276, 83 selected, 9 clusters
+    assert [recycled_tokens(p) for p in (0, 1, 9, 29, 30, 276, 510)] == [0, 1, 1, 1, 2, 9, 16]
+    stages = get_selector("sparsevlm", budget_rule="paper", recycle=True).schedule(32, 576, 192)
+    counts = recycled_tokens_per_layer(stages, 32, 576)
+    assert counts[3] == 309 and counts[7] == 204 and counts[16] == 113
+
+
+def test_paper_rule_with_recycling_realises_the_reference_averages():
+    realised = {
+        budget: recycled_average(get_selector("sparsevlm", budget_rule="paper", recycle=True).schedule(32, 576, budget),
+                                 32, 576)
+        for budget in (192, 128, 64)
+    }
+    assert realised == pytest.approx({192: 206.5, 128: 145.40625, 64: 82.25})  # spec: ~206 / 145 / 82
+
+
+@pytest.mark.parametrize("budget", [64, 100, 128, 192, 300])
+def test_average_rule_with_recycling_counts_the_recycled_tokens(budget):
+    stages = get_selector("sparsevlm", recycle=True).schedule(32, 576, budget)
+    assert abs(recycled_average(stages, 32, 576) - budget) <= 0.5
+    plain = get_selector("sparsevlm").schedule(32, 576, budget)
+    assert plain == get_selector("sparsevlm", recycle=False).schedule(32, 576, budget)
+    assert abs(average_visual_tokens(plain, 32, 576) - budget) <= 0.5
+
+
+# --- the executor inserts merged tokens (tiny LLaVA and tiny Qwen) ----------------------------------------------
+
+
+@dataclass
+class ReinsertingSelector(LayerSelector):
+    """Stages at layers 1 and 2; keeps the top ``keep`` by hidden norm and merges the pruned tokens.
+
+    ``group=1``: every pruned token becomes its own merged token with its own hidden state
+    (a pure move to after the kept tokens); ``group=0``: all pruned tokens merge into one
+    (their mean). Records the alive kinds it sees.
+    """
+
+    name: ClassVar[str] = "reinserting"
+    reference: ClassVar[Reference] = Reference("test", "-")
+    requires: ClassVar[frozenset[str]] = frozenset({"hidden_states"})
+    keeps: tuple[int, ...] = (6, 3)
+    group: int = 0
+    positions: str = "compact"
+    seen: list[list[int]] = field(default_factory=list)
+
+    def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        return [Stage(layer + 1, keep) for layer, keep in enumerate(self.keeps)]
+
+    def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> torch.Tensor:
+        self.seen.append(signals.alive.tolist())
+        return signals.hidden_states.norm(dim=-1)
+
+    def merge(
+        self, stage: Stage, signals: LayerSignals, state: dict[str, Any], kept: torch.Tensor
+    ) -> TokenMerge | None:
+        pruned = torch.tensor([i for i in range(signals.num_alive) if i not in set(kept.tolist())], dtype=torch.long)
+        if not pruned.numel():
+            return None
+        if self.group:
+            return TokenMerge(signals.hidden_states[pruned], [p[None] for p in pruned])
+        return TokenMerge(signals.hidden_states[pruned].mean(dim=0, keepdim=True), [pruned])
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tmp_path_factory):
+    path = build_llava(tmp_path_factory.mktemp("recycle") / "llava", words=WORDS, text_layers=4, seed=1)
+    vlm = load_vlm(path, device="cpu")
+    return vlm, [vlm.prepare(random_image(seed), question) for seed, question in enumerate(QUESTIONS)]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory):
+    path = build_qwen2_5_vl(tmp_path_factory.mktemp("recycle") / "qwen", words=WORDS, image_size=168, text_layers=4,
+                            seed=2)
+    vlm = load_vlm(path, device="cpu")
+    sizes = [(130, 100), (120, 120)]
+    return vlm, [vlm.prepare(random_image(seed, size), q) for seed, (size, q) in enumerate(zip(sizes, QUESTIONS))]
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen"])
+def test_merged_tokens_are_visual_for_the_next_stage_and_carry_their_sources(family, request):
+    vlm, items = request.getfixturevalue(f"tiny_{family}")
+    selector, lengths = ReinsertingSelector(), []
+    hooks = [layer.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+             for layer in vlm.loop.stack.layers]
+    try:
+        prefill, _ = vlm.prefill([items[0]], selector, 10)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    num_visual = items[0].num_visual
+    first, second = selector.seen
+    assert len(first) == num_visual and min(first) >= 0
+    # stage 2 sees the 6 kept grid tokens, then the merged token (a negative kind) after them
+    assert len(second) == 7 and min(second[:6]) >= 0 and second[6] < 0
+    kept, merged = prefill.kept_stages[0], prefill.merged_stages[0]
+    assert merged[0] == [sorted(set(range(num_visual)) - set(kept[0]))]
+    assert len(kept[1]) + len(merged[1]) == 4  # 3 kept of the 7, and the new merged token
+    all_sources = [sorted(set(range(num_visual)) - set(kept[0]))]
+    covered = set(kept[1]).union(*merged[1])
+    assert covered <= set(kept[0]).union(*all_sources)
+    assert prefill.tokens_per_layer[0] == [num_visual, 7, 4, 4]
+    # the sequence: all tokens, then minus the pruned plus the merged ones at every stage
+    text = prefill.prefill_tokens[0] - num_visual
+    assert lengths == [text + count for count in prefill.tokens_per_layer[0]]
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen"])
+def test_a_merged_token_that_is_its_own_member_equals_keeping_it(family, request):
+    """Pruning the last visual tokens and reinserting each as itself must leave the model's output unchanged.
+
+    They land exactly where they were, with the same hidden state and (compact on LLaVA,
+    its own mean position on Qwen's M-RoPE) the same position.
+    """
+    vlm, items = request.getfixturevalue(f"tiny_{family}")
+    item = items[0]
+    last = [[index] for index in range(item.num_visual - 4, item.num_visual)]
+
+    class KeepFirst(ReinsertingSelector):
+        def score(self, stage, signals, state):
+            return -torch.arange(signals.num_alive, dtype=torch.float32)  # the earliest tokens survive
+
+    selector = KeepFirst(keeps=(item.num_visual - 4,), group=1)
+    merged, _ = vlm.prefill([item], selector, 10)
+    plain, _ = vlm.prefill([item])
+    assert merged.merged_stages[0] == [last]
+    assert merged.tokens_per_layer[0] == plain.tokens_per_layer[0]
+    assert (merged.logits - plain.logits).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen"])
+def test_sparsevlm_recycling_runs_batched_and_decodes(family, request):
+    vlm, items = request.getfixturevalue(f"tiny_{family}")
+    selector = get_selector("sparsevlm", recycle=True)
+    budget = 24 if family == "llava" else 30
+    together, _ = vlm.prefill(items, selector, budget)
+    for b, item in enumerate(items):
+        alone, _ = vlm.prefill([item], selector, budget)
+        assert together.kept_stages[b] == alone.kept_stages[0]
+        assert together.merged_stages[b] == alone.merged_stages[0]
+        assert together.tokens_per_layer[b] == alone.tokens_per_layer[0]
+        assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
+        stages = vlm._schedule(selector, item.num_visual, budget)
+        assert together.tokens_per_layer[b] == recycled_tokens_per_layer(stages, vlm.num_layers, item.num_visual)
+        assert any(together.merged_stages[b])
+    assert isinstance(vlm.generate(items[0], selector=selector, budget=budget, max_new_tokens=3), str)
+    plain, _ = vlm.prefill(items, get_selector("sparsevlm"), budget)
+    assert all(merged == [[]] * len(merged) for merged in plain.merged_stages)
+
+
+# --- records and retention ---------------------------------------------------------------------------------------
+
+
+def test_recycling_run_records_merged_sources_and_their_retention(workspace, tmp_path):
+    out = tmp_path / "recycle"
+    args = ("--selector", "sparsevlm", "--option", "recycle=true", "--budget", "8", "--limit", "24")
+    result = invoke(base_args(workspace, out, *args))
+    assert result.exit_code == 0, result.output
+    records = read_records(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    stages = [Stage(layer, keep) for layer, keep in manifest["selector"]["schedule"]]
+    expected = sum(recycled_tokens_per_layer(stages, manifest["num_layers"], 16)) / manifest["num_layers"]
+    assert records["visual_tokens_avg"].tolist() == [expected] * len(records)
+    assert manifest["realised_visual_tokens_avg"] == pytest.approx(expected)
+    assert abs(expected - 8) <= 0.5
+    coco, masked, footprint = CocoInstances.load(workspace["instances"]), 0, 0
+    for row in records.itertuples():
+        kept = [list(k) for k in row.kept_stages]
+        merged = [[list(sources) for sources in stage] for stage in row.merged_stages]
+        assert len(merged) == len(kept) and merged[0]
+        covered = [set(k).union(*m) for k, m in zip(kept, merged)]
+        assert all(a >= b for a, b in zip(covered, covered[1:]))  # still nested: retention never grows
+        if row.lost is None:
+            continue
+        masked += 1
+        geometry = TokenGeometry(**json.loads(row.geometry))
+        area = object_area(coco.category_mask(row.image_id, row.object), geometry)
+        for stage, cells in enumerate(covered):
+            retained, tokens, lost = retention(area.area_per_token, area.total_area, sorted(cells))
+            assert row.retention_stages[stage] == pytest.approx(retained)
+            assert (row.object_tokens_kept_stages[stage], row.lost_stages[stage]) == (tokens, lost)
+            footprint += retained > retention(area.area_per_token, area.total_area, kept[stage])[0]
+    assert masked and footprint  # merged sources added object area somewhere
+    plain = tmp_path / "plain"
+    result = invoke(base_args(workspace, plain, "--selector", "sparsevlm", "--budget", "8", "--limit", "24"))
+    assert result.exit_code == 0, result.output
+    assert all(len(stage) == 0 for row in read_records(plain)["merged_stages"] for stage in row)
+
+
+def test_intervene_refuses_a_run_with_merged_tokens(workspace, tmp_path):
+    run = tmp_path / "recycle"
+    args = ("--selector", "sparsevlm", "--option", "recycle=true", "--budget", "8", "--limit", "6")
+    assert invoke(base_args(workspace, run, *args)).exit_code == 0
+    out = tmp_path / "out"
+    assert_one_line_failure(intervene(run, "--mode", "remove", "--out", str(out)), out, "merged tokens")
+
+
+def test_average_rule_with_recycling_refuses_a_budget_the_recycled_tokens_exceed():
+    with pytest.raises(ValueError, match="closest realised average to budget 56 .* is 57.03"):
+        get_selector("sparsevlm", recycle=True).schedule(32, 576, 56)
+    assert get_selector("sparsevlm").schedule(32, 576, 56)  # without recycling it is honoured
+
+
+def test_a_batch_where_only_one_row_merges_equals_one_at_a_time(tiny_qwen):
+    vlm, items = tiny_qwen
+    assert items[0].num_visual != items[1].num_visual
+
+    class MergeFirstOnly(ReinsertingSelector):
+        def merge(self, stage, signals, state, kept):
+            return super().merge(stage, signals, state, kept) if signals.grid == items[0].grid else None
+
+    selector = MergeFirstOnly(keeps=(20, 10))
+    together, _ = vlm.prefill(items, selector, 10)
+    assert any(together.merged_stages[0]) and not any(together.merged_stages[1])
+    for b, item in enumerate(items):
+        alone, _ = vlm.prefill([item], selector, 10)
+        assert together.kept_stages[b] == alone.kept_stages[0]
+        assert together.merged_stages[b] == alone.merged_stages[0]
+        assert together.tokens_per_layer[b] == alone.tokens_per_layer[0]
+        assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
