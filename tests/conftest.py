@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-# Records are bit-identical across batch sizes, shards and resumes at one intra-op thread; with
-# several, torch splits float reductions by batch shape and probabilities move in the 7th digit.
-# The tests compare records bit for bit, so every in-process and child run uses one thread
+# At one intra-op thread records agree across batch sizes, shards and resumes to float rounding
+# (about 1e-12; the tiny test models bit for bit); with several, torch splits float reductions by
+# batch shape and probabilities move in the 7th digit. So every in-process and child run uses one thread
 # unless a test sets OMP_NUM_THREADS itself (tests/test_threads.py does).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
