@@ -75,11 +75,12 @@ def rows_per_block(n: int) -> int:
     return max(1, BLOCK_ELEMENTS // max(n, 1))
 
 
-def similarity_blocks(unit: Tensor) -> Iterator[tuple[slice, Tensor]]:
+def similarity_blocks(unit: Tensor, out: Tensor | None = None) -> Iterator[tuple[slice, Tensor]]:
     """Row blocks of ``S = unit @ unit.T``, each at most :data:`BLOCK_ELEMENTS` entries.
 
     Args:
         unit: (N, D) float32 unit rows (see :func:`unit_rows`).
+        out: optional (N, N) float32 that receives ``S``; the blocks are then its row views.
 
     Yields:
         ``(rows, block)`` with ``block`` = ``S[rows]``, shape (len(rows), N).
@@ -88,7 +89,7 @@ def similarity_blocks(unit: Tensor) -> Iterator[tuple[slice, Tensor]]:
     step = rows_per_block(n)
     for start in range(0, n, step):
         rows = slice(start, min(start + step, n))
-        yield rows, unit[rows] @ unit.T
+        yield rows, torch.matmul(unit[rows], unit.T, out=None if out is None else out[rows])
 
 
 def nearest_neighbour_similarity(unit: Tensor) -> Tensor:
@@ -174,15 +175,17 @@ class SpeculativeRows:
         self._slots = {int(token): slot for slot, token in enumerate(indices.tolist())}
 
 
-def _gap_sum(rows: Tensor, coverage: Tensor, weights: Tensor | None, gap_power: float) -> Tensor:
+def _gap_sum(rows: Tensor, coverage: Tensor, weights: Tensor | None, gap_power: float, scratch: Tensor) -> Tensor:
     """(N,) ``sum_j w_j * max(0, rows[j, i] - coverage_j) ** gap_power`` over the M rows.
 
     Args:
         rows: (M, N) rows ``S[j]`` of M covered tokens j.
         coverage: (M,) their coverage.
         weights: (M,) their demand weights, or None for all ones.
+        scratch: (>= M, N) float32 reused for the gaps (a fresh M x N tensor per call costs
+            page faults that are a large part of the greedy loop at high resolution).
     """
-    gaps = (rows - coverage[:, None]).clamp_(min=0)
+    gaps = torch.sub(rows, coverage[:, None], out=scratch[: rows.shape[0]]).clamp_(min=0)
     if gap_power != 1.0:
         gaps.pow_(gap_power)
     return gaps.sum(dim=0) if weights is None else weights @ gaps
@@ -220,15 +223,15 @@ def facility_location_greedy(
         of each pick when it was made (non-increasing up to the tie tolerance).
     """
     n = unit.shape[0]
+    step = rows_per_block(n)
     matrix = torch.empty(n, n, dtype=torch.float32)
+    gathered, scratch = torch.empty(min(step, n), n), torch.empty(min(step, n), n)
     coverage = torch.zeros(n, dtype=torch.float32)
     # float64 so that k rounds of incremental updates do not drift
     gains = torch.zeros(n, dtype=torch.float64)
-    for rows, block in similarity_blocks(unit):
-        matrix[rows] = block
+    for rows, block in similarity_blocks(unit, out=matrix):
         weights = None if demand_weights is None else demand_weights[rows]
-        gains += _gap_sum(block, coverage[rows], weights, gap_power)
-    step = rows_per_block(n)
+        gains += _gap_sum(block, coverage[rows], weights, gap_power, scratch)
     picked = torch.zeros(n, dtype=torch.bool)
     picks: list[int] = []
     scores: list[float] = []
@@ -243,8 +246,8 @@ def facility_location_greedy(
         for start in range(0, changed.numel(), step):
             rows = changed[start : start + step]
             weights = None if demand_weights is None else demand_weights[rows]
-            block = matrix[rows]
-            gains -= _gap_sum(block, coverage[rows], weights, gap_power)
-            gains += _gap_sum(block, new_coverage[rows], weights, gap_power)
+            block = torch.index_select(matrix, 0, rows, out=gathered[: rows.numel()])
+            gains -= _gap_sum(block, coverage[rows], weights, gap_power, scratch)
+            gains += _gap_sum(block, new_coverage[rows], weights, gap_power, scratch)
         coverage = new_coverage
     return torch.tensor(picks, dtype=torch.long), torch.tensor(scores, dtype=torch.float32)
