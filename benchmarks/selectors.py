@@ -66,6 +66,17 @@ def read_memory_kib() -> dict[str, int]:
     return values
 
 
+def reset_peak_rss() -> int:
+    """Set this process's peak resident memory to the current one; returns the current (KiB).
+
+    Freed heap memory is handed back first: otherwise later allocations would reuse it
+    without raising the RSS, and the peak would miss them.
+    """
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    return read_memory_kib()["VmRSS"]
+
+
 def grid_for(tokens: int) -> tuple[int, int]:
     rows = math.isqrt(tokens)
     while tokens % rows:
@@ -132,10 +143,7 @@ def measure(name: str, tokens: int, dim: int, budget: int, repeats: int, threads
     selector = get_selector(name)
     selector.select(synthetic_signals(64, 8), 8, torch.Generator().manual_seed(0))  # warm-up
     signals = synthetic_signals(tokens, dim)
-    # hand freed heap memory back, or later allocations reuse it unseen by the RSS
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
-    before = read_memory_kib()["VmRSS"]
+    before = reset_peak_rss()
     times = []
     for _ in range(repeats):
         start = clock()
