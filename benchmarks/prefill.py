@@ -186,6 +186,7 @@ def memory_rows(folder: Path, timed: list, threads: int, say) -> tuple[dict, lis
     rows = []
     for name, stage, budget, result in timed:
         if isinstance(result, str):
+            say(f"| {name} | {stage} | {budget} | not run: {result} | | | |")
             continue
         memory = measure_memory(folder, name, budget, threads)
         row = {"selector": name, "stage": stage, "budget": budget, **memory,
