@@ -2,13 +2,19 @@
 
     python benchmarks/selectors.py                      # N = 576, 2304, 16384; D = 4096
     python benchmarks/selectors.py --tokens 576 --dim 1024 --selectors divprune scope
+    python -m benchmarks.selectors --threads 1 --tokens 16384 --selectors divprune cdpruner scope coverage --floor
 
 Each (selector, N) runs in a fresh process (``--measure``) so that peak memory is
 that selector's alone: the process builds the signals, warms up on a tiny input,
 resets the kernel's peak-RSS mark (``/proc/self/clear_refs``) and reports
 ``VmHWM - VmRSS`` after the timed runs, i.e. the extra resident memory the
-selection needed beyond its inputs. Timing is the median wall time of
-``--repeats`` runs (one run when N >= 8192). CPU, float32.
+selection needed beyond its inputs. Timing is the median of ``--repeats`` runs (one
+run when N >= 8192) of the wall time or, at ``--threads 1``, of the thread's CPU time
+(which does not count waiting for a core on a shared machine). CPU, float32.
+
+``--floor`` also times, in the same process after the selector, one plain matrix
+product with the multiply-adds of the greedy selectors' arithmetic (:data:`FLOORS`),
+and prints the selector's time as a multiple of it.
 
 Signals: ``features`` and ``vision_features`` are (N, D) draws around 64 random
 cluster centres (so similarity-based greedy methods see structure, as on real
@@ -38,6 +44,17 @@ from pathlib import Path
 
 HEADS, KEY_DIM, CLUSTERS = 16, 64, 64
 
+FLOORS = {
+    # isolation pass (the N x N Gram) + one similarity row per pick
+    "divprune": lambda n, d, k: (n, d, n + k),
+    # one kernel row per pick + the Cholesky corrections (sum over picks of t x N: k^2 N / 2)
+    "cdpruner": lambda n, d, k: (n, d + k // 2, k),
+    # the N x N Gram; the greedy gap sums are additions, not multiply-adds, and are not counted
+    "scope": lambda n, d, k: (n, d, n),
+    "coverage": lambda n, d, k: (n, d, n),
+}
+"""Per greedy selector, ``(N, D, k) -> (m, inner, n)``: one (m, inner) @ (inner, n) product with its multiply-adds."""
+
 
 def read_memory_kib() -> dict[str, int]:
     """Current (VmRSS) and peak (VmHWM) resident memory of this process in KiB."""
@@ -47,6 +64,17 @@ def read_memory_kib() -> dict[str, int]:
         if key in ("VmRSS", "VmHWM"):
             values[key] = int(rest.split()[0])
     return values
+
+
+def reset_peak_rss() -> int:
+    """Set this process's peak resident memory to the current one; returns the current (KiB).
+
+    Freed heap memory is handed back first: otherwise later allocations would reuse it
+    without raising the RSS, and the peak would miss them.
+    """
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    return read_memory_kib()["VmRSS"]
 
 
 def grid_for(tokens: int) -> tuple[int, int]:
@@ -81,7 +109,29 @@ def synthetic_signals(tokens: int, dim: int, seed: int = 0):
     )
 
 
-def measure(name: str, tokens: int, dim: int, budget: int, repeats: int, threads: int) -> dict[str, float]:
+def clock() -> float:
+    """CPU time of this thread when torch computes in it (one thread), else wall time."""
+    import torch
+
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
+def floor_ms(name: str, tokens: int, dim: int, budget: int, repeats: int) -> float:
+    """Median milliseconds of the plain matrix product :data:`FLOORS` gives for ``name``."""
+    import torch
+
+    rows, inner, columns = FLOORS[name](tokens, dim, budget)
+    left, right = torch.randn(rows, inner), torch.randn(inner, columns)
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        torch.matmul(left, right)
+        times.append(clock() - start)
+    return 1000 * statistics.median(times)
+
+
+def measure(name: str, tokens: int, dim: int, budget: int, repeats: int, threads: int,
+            floor: bool = False) -> dict[str, float]:
     """Median milliseconds per image and peak extra MiB of one selector (run in a fresh process)."""
     import torch
 
@@ -93,23 +143,24 @@ def measure(name: str, tokens: int, dim: int, budget: int, repeats: int, threads
     selector = get_selector(name)
     selector.select(synthetic_signals(64, 8), 8, torch.Generator().manual_seed(0))  # warm-up
     signals = synthetic_signals(tokens, dim)
-    # hand freed heap memory back, or later allocations reuse it unseen by the RSS
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
-    before = read_memory_kib()["VmRSS"]
+    before = reset_peak_rss()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         selector.select(signals, budget, torch.Generator().manual_seed(0))
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     peak = read_memory_kib()["VmHWM"]
-    return {
+    row = {
         "selector": name,
         "tokens": tokens,
         "budget": budget,
         "ms": 1000 * statistics.median(times),
         "peak_extra_mib": (peak - before) / 1024,
     }
+    if floor and name in FLOORS:
+        del signals
+        row["floor_ms"] = floor_ms(name, tokens, dim, budget, repeats)
+    return row
 
 
 def run_child(name: str, tokens: int, args: argparse.Namespace) -> dict[str, float]:
@@ -117,6 +168,8 @@ def run_child(name: str, tokens: int, args: argparse.Namespace) -> dict[str, flo
     repeats = 1 if tokens >= 8192 else args.repeats
     command = [sys.executable, __file__, "--measure", name, "--tokens", str(tokens), "--dim", str(args.dim),
                "--budget", str(budget), "--repeats", str(repeats), "--threads", str(args.threads)]
+    if args.floor:
+        command.append("--floor")
     output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return json.loads(output)
 
@@ -139,6 +192,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--selectors", nargs="+", help="default: every input-level selector")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time a plain matmul with the greedy selectors' multiply-adds")
     parser.add_argument("--measure", metavar="SELECTOR", help=argparse.SUPPRESS)
     parser.add_argument("--block-elements", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -149,18 +204,21 @@ def main() -> None:
             similarity.BLOCK_ELEMENTS = args.block_elements
         tokens = args.tokens[0]
         budget = default_budget(tokens, args.budget)
-        print(json.dumps(measure(args.measure, tokens, args.dim, budget, args.repeats, args.threads)))
+        print(json.dumps(measure(args.measure, tokens, args.dim, budget, args.repeats, args.threads, args.floor)))
         return
 
     import torch
 
     threads = args.threads or torch.get_num_threads()
-    print(f"torch {torch.__version__}, {threads} thread(s), D = {args.dim}, float32, CPU")
-    print(f"{'selector':<10} {'N':>6} {'kept':>5} {'ms/image':>10} {'peak extra MiB':>15}")
+    kind = "thread CPU time" if threads == 1 else "wall time"
+    print(f"torch {torch.__version__}, {threads} thread(s), {kind}, D = {args.dim}, float32, CPU")
+    floor_header = f" {'floor ms':>10} {'x floor':>8}" if args.floor else ""
+    print(f"{'selector':<10} {'N':>6} {'kept':>5} {'ms/image':>10} {'peak extra MiB':>15}{floor_header}")
     for tokens in args.tokens:
         for name in args.selectors or input_selector_names():
             row = run_child(name, tokens, args)
-            print(f"{name:<10} {tokens:>6} {row['budget']:>5} {row['ms']:>10.1f} {row['peak_extra_mib']:>15.1f}",
+            floor = f" {row['floor_ms']:>10.1f} {row['ms'] / row['floor_ms']:>8.2f}" if "floor_ms" in row else ""
+            print(f"{name:<10} {tokens:>6} {row['budget']:>5} {row['ms']:>10.1f} {row['peak_extra_mib']:>15.1f}{floor}",
                   flush=True)
 
 

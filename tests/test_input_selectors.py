@@ -91,6 +91,39 @@ def test_divprune_first_pick_is_most_isolated(small_blocks):
         assert int(order[step]) == first_within_tolerance(nearest)
 
 
+def clustered_features(seed: int, tokens: int, dim: int) -> torch.Tensor:
+    """(tokens, dim) draws around 64 random centres, as ``benchmarks/selectors.py`` makes them."""
+    generator = random_generator(seed)
+    centres = torch.randn(64, dim, generator=generator)
+    labels = torch.randint(0, 64, (tokens,), generator=generator)
+    return centres[labels] + 0.7 * torch.randn(tokens, dim, generator=generator)
+
+
+def one_row_per_pick_farthest_points(unit: torch.Tensor, k: int) -> list[int]:
+    """The greedy as it was before the speculative rows: one matrix-vector product per pick."""
+    similarity_matrix = unit @ unit.T
+    similarity_matrix.fill_diagonal_(-math.inf)
+    picks = [int(torch.argmax(1.0 - similarity_matrix.max(dim=1).values))]
+    distance = torch.full((unit.shape[0],), math.inf)
+    for _ in range(k - 1):
+        distance = torch.minimum(distance, 1.0 - unit @ unit[picks[-1]])
+        distance[picks[-1]] = -math.inf
+        picks.append(int(torch.argmax(distance)))
+    return picks
+
+
+SPECULATION_CASES = [(seed, tokens, dim, budget) for seed, tokens, dim in [(0, 1024, 512), (1, 700, 96), (2, 2048, 64)]
+                     for budget in (tokens // 9, tokens // 2)]
+
+
+@pytest.mark.parametrize("seed, tokens, dim, budget", SPECULATION_CASES)
+@pytest.mark.parametrize("rows", [8, 32, 128])
+def test_divprune_speculative_rows_keep_the_one_row_per_pick_order(seed, tokens, dim, budget, rows, monkeypatch):
+    monkeypatch.setattr(similarity, "SPECULATIVE_ROWS", rows)
+    unit = unit_rows(clustered_features(seed, tokens, dim))
+    assert farthest_point_order(unit, budget).tolist() == one_row_per_pick_farthest_points(unit, budget)
+
+
 # --- CDPruner -------------------------------------------------------------------------------------
 
 
@@ -128,6 +161,37 @@ def test_cdpruner_selector_uses_relevance_scaled_cosine_kernel(theta):
         InputSignals(grid=(3, 4), features=features, text_relevance=raw), 5
     )
     assert selection.kept.tolist() == sorted(naive_dpp_greedy(kernel, 5))
+
+
+def one_row_per_pick_dpp(kernel_row, diagonal: torch.Tensor, k: int) -> list[int]:
+    """Fast greedy MAP as it was before the speculative rows: one kernel row and one correction per pick."""
+    floor = 1e-6 * float(diagonal.max())
+    gains = torch.where(diagonal > floor, diagonal, 0.0)
+    vectors = torch.zeros(k, diagonal.numel())
+    picks: list[int] = []
+    for step in range(k):
+        scores = gains.clone()
+        scores[picks] = -math.inf
+        best = int(torch.argmax(scores))
+        picks.append(best)
+        if gains[best] > floor:
+            vectors[step] = (kernel_row(best) - vectors[:step, best] @ vectors[:step]) / math.sqrt(float(gains[best]))
+            gains = gains - vectors[step] ** 2
+            gains = torch.where(gains > floor, gains, 0.0)
+    return picks
+
+
+@pytest.mark.parametrize("seed, tokens, dim, budget", SPECULATION_CASES)
+@pytest.mark.parametrize("rows", [8, 32, 128])
+def test_cdpruner_speculative_rows_keep_the_one_row_per_pick_order(seed, tokens, dim, budget, rows, monkeypatch):
+    """Clustered features; a budget above the width (700 / 2, 2048 / 2) exhausts the kernel's rank."""
+    monkeypatch.setattr(similarity, "SPECULATIVE_ROWS", rows)
+    unit = unit_rows(clustered_features(seed, tokens, dim))
+    relevance = get_selector("cdpruner").relevance(torch.randn(tokens, generator=random_generator(10 + seed)))
+    diagonal = relevance**2 * (unit * unit).sum(dim=1)
+    expected = one_row_per_pick_dpp(lambda j: relevance[j] * relevance * (unit @ unit[j]), diagonal, budget)
+    fast = greedy_dpp_map(lambda j: relevance[j, None] * relevance * (unit[j] @ unit.T), diagonal, budget)
+    assert fast.tolist() == expected
 
 
 def test_cdpruner_exhausted_kernel_gives_lowest_indices_without_nan():

@@ -13,14 +13,14 @@ from torch import Tensor
 from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.similarity import TIES, first_near_max, tie_tolerance, unit_rows
+from prune_audit.pruners.similarity import TIES, SpeculativeRows, first_near_max, tie_tolerance, unit_rows
 
 # a conditional gain below this fraction of the largest diagonal entry is treated as 0:
 # float32 cancellation in ``gain - e**2`` leaves noise of about that size
 _EXHAUSTED = 1e-6
 
 
-def greedy_dpp_map(kernel_row: Callable[[int], Tensor], diagonal: Tensor, k: int, tolerance: float = 0.0) -> Tensor:
+def greedy_dpp_map(kernel_rows: Callable[[Tensor], Tensor], diagonal: Tensor, k: int, tolerance: float = 0.0) -> Tensor:
     """Fast greedy MAP inference for a DPP (Chen, Zhang & Zhou, NeurIPS 2018).
 
     Each step picks ``argmax_i log det L[S + i]``, i.e. the largest conditional gain
@@ -31,8 +31,13 @@ def greedy_dpp_map(kernel_row: Callable[[int], Tensor], diagonal: Tensor, k: int
     rounding residue (the reference has no guard and yields NaN) and, once the
     kernel's rank is exhausted, the remaining picks follow in index order.
 
+    The residual rows ``L[j] - C[:, j] @ C`` are computed by :class:`SpeculativeRows`
+    for the pick and the next best gains at once, as two matrix products (kernel rows,
+    then the correction by the vectors so far); a later pick among them only subtracts
+    the vectors added since.
+
     Args:
-        kernel_row: ``j -> L[j]``, (N,) float32, of a PSD kernel L.
+        kernel_rows: (B,) long indices ``J`` -> (B, N) float32 ``L[J]``, rows of a PSD kernel L.
         diagonal: (N,) float32 ``diag(L)``.
         k: number of picks, ``1 <= k <= N``.
         tolerance: relative tie tolerance (0: plain argmax, the reference).
@@ -45,13 +50,27 @@ def greedy_dpp_map(kernel_row: Callable[[int], Tensor], diagonal: Tensor, k: int
     gains = torch.where(diagonal > floor, diagonal, 0.0)
     picked = torch.zeros(n, dtype=torch.bool)
     vectors = torch.zeros(k, n, dtype=torch.float32)
+    step = 0
+
+    def residual_rows(indices: Tensor) -> Tensor:
+        rows = kernel_rows(indices)
+        rows -= vectors[:step, indices].T @ vectors[:step]
+        return rows
+
+    residuals = SpeculativeRows(residual_rows)
+    corrected_until = 0  # the vectors already subtracted from the rows in ``residuals``
     picks: list[int] = []
     for step in range(k):
-        best = first_near_max(gains.masked_fill(picked, float("-inf")), tolerance)
+        scores = gains.masked_fill(picked, float("-inf"))
+        best = first_near_max(scores, tolerance)
         picks.append(best)
         picked[best] = True
         if gains[best] > floor:
-            residual = kernel_row(best) - vectors[:step, best] @ vectors[:step]
+            if best not in residuals:
+                residuals.fetch(best, scores)
+                corrected_until = step
+            recent = vectors[corrected_until:step]
+            residual = residuals[best] - recent[:, best] @ recent
             vectors[step] = residual / math.sqrt(float(gains[best]))
             gains = gains - vectors[step] ** 2
             gains = torch.where(gains > floor, gains, 0.0)
@@ -71,8 +90,8 @@ class CDPrunerSelector(InputSelector):
     :func:`greedy_dpp_map` and returned in raster order. ``text_relevance`` must
     already carry the reference's sign flip (``mean_m -cos(E_i, T_m)``); the model
     adapter computes it. Follows Theia-4869/CDPruner ``llava_arch.py::encode_images``
-    (theta off by default, as there). Kernel rows are computed on demand, one
-    ``O(N D)`` product per pick, so no N x N matrix is built.
+    (theta off by default, as there). Kernel rows are computed on demand, a few
+    rows per ``O(B N D)`` product, so no N x N matrix is built.
 
     Options:
         theta: None (reference) or a value in (0, 1) for the exponential relevance.
@@ -108,8 +127,8 @@ class CDPrunerSelector(InputSelector):
         relevance = self.relevance(signals.text_relevance)
         diagonal = relevance**2 * (unit * unit).sum(dim=1)
 
-        def kernel_row(j: int) -> Tensor:
-            return relevance[j] * relevance * (unit @ unit[j])
+        def kernel_rows(indices: Tensor) -> Tensor:
+            return relevance[indices, None] * relevance * (unit[indices] @ unit.T)
 
-        order = greedy_dpp_map(kernel_row, diagonal, budget, tie_tolerance(self.ties))
+        order = greedy_dpp_map(kernel_rows, diagonal, budget, tie_tolerance(self.ties))
         return Selection(kept=torch.sort(order).values)
