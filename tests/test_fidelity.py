@@ -280,6 +280,10 @@ def test_the_adapter_gives_input_selectors_the_model_dtype(tiny_llava_paths, dty
     scores = signals.cls_attention.to(dtype).float().mean(dim=0).to(dtype).float()
     expected = top_k_sorted(scores, 8)
     assert get_selector("cls_attn", score_dtype="model").select(signals, 8).kept.tolist() == expected
+    # DivPrune's distances in the model dtype: the float32 features the adapter passes, cast to it
+    rounded = InputSignals(grid=signals.grid, features=signals.features.to(dtype))
+    assert (get_selector("divprune", score_dtype="model").select(signals, 8).kept.tolist()
+            == get_selector("divprune", score_dtype="model").select(rounded, 8).kept.tolist())
 
 
 # --- attention and variation scorers at LLaVA sizes (32 heads, 576 image + 40 text tokens, 4096-dim) ---------

@@ -27,8 +27,9 @@ class DivPruneSelector(InputSelector):
 
     Picks take the plain float32 argmax (``ties="argmax"``, reference); ``ties="tolerance"``
     treats distances within a relative 1e-5 of the best as tied, the lower index winning.
-    ``score_dtype="model"``: unit rows and distances in the features' dtype (the
-    reference computes in the model dtype, fp16 in practice, whose rounding creates ties).
+    ``score_dtype="model"``: unit rows and distances in the model's dtype (``signals.model_dtype``;
+    hand-built half-precision features keep their own), as the reference computes them (fp16 in
+    practice, whose rounding creates ties).
 
     Deviations: a running minimum instead of re-gathering picked rows, no N x N matrix
     (see ``similarity``), and picked tokens are never picked again (the reference can
@@ -45,11 +46,17 @@ class DivPruneSelector(InputSelector):
     )
 
     ties: str = option("argmax", Choice(TIES), "argmax (official) or tolerance (relative 1e-5, lower index)")
-    score_dtype: str = option("float32", Choice(("float32", "model")), "float32, or the features' dtype as the reference")
+    score_dtype: str = option("float32", Choice(("float32", "model")), "float32, or the model dtype as the reference")
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         features = signals.features.detach()
-        # model dtype: normalised and compared in the features' own dtype, as the reference
-        unit = features / features.norm(dim=1, keepdim=True) if self.score_dtype == "model" else unit_rows(features)
+        if self.score_dtype == "model":
+            # normalised and compared in the model's dtype, as the reference: the adapters hand over float32
+            # features with the model's dtype beside them; hand-built half-precision features keep theirs
+            dtype = signals.model_dtype if signals.model_dtype != torch.float32 else features.dtype
+            features = features.to(dtype)
+            unit = features / features.norm(dim=1, keepdim=True)
+        else:
+            unit = unit_rows(features)
         order = farthest_point_order(unit, budget, tie_tolerance(self.ties))
         return Selection(kept=torch.sort(order).values)
