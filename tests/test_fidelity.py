@@ -492,6 +492,17 @@ def test_scope_reproduces_the_official_greedy(seed):
     features, saliency = case["hidden"][1:], case["cls_row"][:, 1:].sum(dim=0)
     order = official_scope(features, saliency, max(BUDGETS))
     signals = InputSignals(grid=(24, 24), vision_features=features, cls_attention=case["cls_row"][:, 1:])
-    kept = [get_selector("scope").select(signals, budget).kept.tolist() for budget in BUDGETS]
-    assert kept == [sorted(order[:budget]) for budget in BUDGETS]
+    for ties in ("tolerance", "argmax"):  # random cases have no near-ties: both rules give the official picks
+        kept = [get_selector("scope", ties=ties).select(signals, budget).kept.tolist() for budget in BUDGETS]
+        assert kept == [sorted(order[:budget]) for budget in BUDGETS], ties
     assert FIDELITY["scope"].agreement_cases == len(CASES)
+
+
+def test_scope_argmax_takes_the_first_exact_maximum_and_tolerance_the_lower_near_tie():
+    """Two candidates 1e-7 apart: the official plain argmax takes the larger, the tolerance rule the lower index."""
+    from prune_audit.pruners.similarity import facility_location_greedy
+
+    unit = torch.eye(3)  # three orthogonal tokens: each covers only itself, every gain is its weight
+    weights = torch.tensor([1.0, 1.0 + 1e-6, 0.5])
+    assert facility_location_greedy(unit, 1, candidate_weights=weights, tolerance=0.0)[0].tolist() == [1]
+    assert facility_location_greedy(unit, 1, candidate_weights=weights)[0].tolist() == [0]

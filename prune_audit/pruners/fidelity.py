@@ -157,15 +157,15 @@ FIDELITY: dict[str, Fidelity] = {
     "random": Fidelity("-", "seeded uniform subset (control)", (), ("control, no reference",), "not applicable"),
     "scope": Fidelity(
         "6bf73069",
-        "saliency^alpha x facility-location gain, alpha=1",
-        (),
+        "saliency^alpha x facility-location gain, alpha=1, near-ties (relative 1e-5) to the lower index",
+        ("ties=argmax",),
         (
-            "near-ties (relative 1e-5) go to the lower index (the official code takes the plain argmax; no near-tie "
-            "occurred in the random cases); gap_power is an extension (1 = reference)",
+            "near-ties (relative 1e-5) go to the lower index by default; ties=argmax takes the official plain argmax "
+            "(no near-tie occurred in the random cases, so both agree there); gap_power is an extension (1 = reference)",
             "scores in float32 (the official code computes the cosines and gains in the model dtype)",
         ),
         _random(30, "test_fidelity.py::test_scope_reproduces_the_official_greedy",
-                "1024-dim CLIP features, dense official greedy; and naive facility-location cases (test_input_selectors.py)"),  # fmt: skip
+                "1024-dim CLIP features, dense official greedy, ties=tolerance and ties=argmax alike; and naive facility-location cases (test_input_selectors.py)"),  # fmt: skip
         30,
     ),
     "sparsevlm": Fidelity(

@@ -8,9 +8,9 @@ from typing import ClassVar
 import torch
 
 from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32
-from prune_audit.pruners.options import Real, option
+from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.similarity import facility_location_greedy, unit_rows
+from prune_audit.pruners.similarity import TIES, facility_location_greedy, tie_tolerance, unit_rows
 
 
 @register
@@ -30,6 +30,8 @@ class ScopeSelector(InputSelector):
         alpha: saliency exponent (reference 1.0; arXiv 2604.12035 sweeps 0, 0.5, 1).
         gap_power: exponent of the coverage gap, NOT in the reference code (default 1
             = reference); the calibration study varies it.
+        ties: ``"tolerance"`` (default: scores within a relative 1e-5 of the best are tied,
+            the lower index winning) or ``"argmax"`` (the official code's plain argmax).
     """
 
     name: ClassVar[str] = "scope"
@@ -46,6 +48,7 @@ class ScopeSelector(InputSelector):
 
     alpha: float = option(1.0, Real(low=0.0), "saliency exponent (reference 1)")
     gap_power: float = option(1.0, Real(low=0.0, open_low=True), "coverage-gap exponent (1 = reference)")
+    ties: str = option("tolerance", Choice(TIES), "tolerance (relative 1e-5, lower index) or argmax (official)")
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         saliency = as_float32(signals.cls_attention).sum(dim=0).clamp_min(0)
@@ -54,5 +57,6 @@ class ScopeSelector(InputSelector):
             budget,
             candidate_weights=saliency**self.alpha,
             gap_power=self.gap_power,
+            tolerance=tie_tolerance(self.ties),
         )
         return Selection(kept=torch.sort(order).values)

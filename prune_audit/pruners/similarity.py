@@ -197,6 +197,7 @@ def facility_location_greedy(
     candidate_weights: Tensor | None = None,
     demand_weights: Tensor | None = None,
     gap_power: float = 1.0,
+    tolerance: float = TIE_TOLERANCE,
 ) -> tuple[Tensor, Tensor]:
     """Greedy (weighted) facility location on cosine similarity.
 
@@ -217,6 +218,8 @@ def facility_location_greedy(
         candidate_weights: (N,) non-negative, or None for all ones.
         demand_weights: (N,) non-negative, or None for all ones.
         gap_power: exponent of the coverage gap, > 0.
+        tolerance: scores within this relative distance of the best are tied, the lower index
+            winning (:func:`first_near_max`; 0 is the plain argmax).
 
     Returns:
         ``(picks, scores)``: (k,) indices in pick order and (k,) float32 the score
@@ -237,7 +240,7 @@ def facility_location_greedy(
     scores: list[float] = []
     for _ in range(k):
         score = gains.float() if candidate_weights is None else gains.float() * candidate_weights
-        best = first_near_max(score.masked_fill_(picked, float("-inf")))
+        best = first_near_max(score.masked_fill_(picked, float("-inf")), tolerance)
         picks.append(best)
         scores.append(float(score[best]))
         picked[best] = True
