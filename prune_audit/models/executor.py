@@ -91,6 +91,17 @@ class Batch:
     def row_indices(self, row: int) -> Tensor:
         return torch.nonzero(self.valid[row]).flatten()
 
+    def map_columns(self, change: Callable[[Tensor | None, Any, int], Tensor | None]) -> Batch:
+        """A batch of ``change(field, padding fill, column dim)`` applied to every per-token field."""
+        return Batch(
+            hidden=change(self.hidden, 0, 1),
+            valid=change(self.valid, False, 1),
+            kinds=change(self.kinds, PAD, 1),
+            positions=change(self.positions, 0, 2),
+            embeddings=change(self.embeddings, 0, 1),
+            origin=change(self.origin, -1, 1),
+        )
+
     def visual_counts(self) -> list[int]:
         visual = prunable(self.kinds) | (self.kinds == MERGED)
         return (visual & self.valid).sum(dim=1).tolist()
@@ -134,14 +145,7 @@ def gather_rows(batch: Batch, keep: Sequence[Tensor]) -> Batch:
                 out[:, b, length - n :] = tensor[:, b, columns]
         return out
 
-    return Batch(
-        hidden=take(batch.hidden, 0, 1),
-        valid=take(batch.valid, False, 1),
-        kinds=take(batch.kinds, PAD, 1),
-        positions=take(batch.positions, 0, 2),
-        embeddings=take(batch.embeddings, 0, 1),
-        origin=take(batch.origin, -1, 1),
-    )
+    return batch.map_columns(take)
 
 
 def compact_positions(batch: Batch) -> Batch:

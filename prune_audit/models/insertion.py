@@ -9,13 +9,13 @@ every plane; under ``compact`` positions the loop renumbers it with every other 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from prune_audit.models.kinds import PAD, merged_index, merged_kind
+from prune_audit.models.kinds import merged_index, merged_kind
 from prune_audit.pruners.base import TokenMerge
 
 if TYPE_CHECKING:
@@ -86,15 +86,7 @@ def with_insertions(
         shape[dim] = extra
         return torch.cat([tensor, torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)], dim=dim)
 
-    wide = replace(
-        batch,
-        hidden=widened(batch.hidden, 0, 1),
-        valid=widened(batch.valid, False, 1),
-        kinds=widened(batch.kinds, PAD, 1),
-        positions=widened(batch.positions, 0, 2),
-        embeddings=widened(batch.embeddings, 0, 1),
-        origin=widened(batch.origin, -1, 1),
-    )
+    wide = batch.map_columns(widened)
     columns = []
     for b, insertion in enumerate(insertions):
         if insertion is None:
