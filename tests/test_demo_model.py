@@ -114,9 +114,17 @@ def test_pixels_and_prompt_ids_equal_the_processor_path(tiny_model):
     assert short[:5] == ["<s>", "USER", ":", "<image>", "<image>"] and "<unk>" not in short
 
 
+def assert_same_p_yes_as_the_full_prompt(vlm, batch, instructions, features, probs) -> None:
+    """The shared-prefix ``probs`` (Q, V) give p(yes) of the full-prompt answer path, question by question."""
+    texts = [prompt_text(vlm, question_text(q.category), DEMO_INSTRUCTIONS[i])
+             for q, i in zip(batch.questions, instructions)]
+    full = answer(vlm, [features[q.image] for q in batch.questions], texts)
+    yes_id = vlm.tokenizer.convert_tokens_to_ids("yes")
+    assert torch.allclose(probs[:, yes_id], full.p_yes, atol=1e-5)
+
+
 def test_shared_prefix_training_forward_equals_the_full_forward(tiny_model):
     vlm = tiny_model[2]
-    processor = vlm.processor
     batch = sample_batch(0, 0, images=3, questions_per_image=4, image_size=64, patch_size=16)
     instructions = [i % len(DEMO_INSTRUCTIONS) for i in range(len(batch.questions))]
     pieces = prompt_pieces(vlm, 16)
@@ -127,11 +135,7 @@ def test_shared_prefix_training_forward_equals_the_full_forward(tiny_model):
         suffixes = [pieces.suffixes[(q.category, i)] for q, i in zip(batch.questions, instructions)]
         logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, suffixes, 4)
         probs = torch.softmax(logits, dim=-1)
-    texts = [prompt_text(vlm, question_text(q.category), DEMO_INSTRUCTIONS[i])
-             for q, i in zip(batch.questions, instructions)]
-    full = answer(vlm, [features[q.image] for q in batch.questions], texts)
-    yes_id = processor.tokenizer.convert_tokens_to_ids("yes")
-    assert torch.allclose(probs[:, yes_id], full.p_yes, atol=1e-5)
+    assert_same_p_yes_as_the_full_prompt(vlm, batch, instructions, features, probs)
 
 
 @pytest.mark.parametrize("size", [64, 96])
@@ -151,11 +155,7 @@ def test_qwen_shared_prefix_forward_equals_the_full_forward_at_each_size(tiny_qw
         logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, suffixes, 4,
                                           grid=(grid, grid))
         probs = torch.softmax(logits, dim=-1)
-    texts = [prompt_text(vlm, question_text(q.category), DEMO_INSTRUCTIONS[i])
-             for q, i in zip(batch.questions, instructions)]
-    full = answer(vlm, [features[q.image] for q in batch.questions], texts)
-    yes_id = vlm.tokenizer.convert_tokens_to_ids("yes")
-    assert torch.allclose(probs[:, yes_id], full.p_yes, atol=1e-5)
+    assert_same_p_yes_as_the_full_prompt(vlm, batch, instructions, features, probs)
     # the audit's prepare sees the same dynamic-resolution grid and prompt
     prepared = vlm.prepare(Image.fromarray(batch.scenes[0].image), question_text(batch.questions[0].category))
     assert prepared.grid == (grid, grid)
