@@ -141,18 +141,16 @@ def live_setup(request: VisualizeRequest) -> LiveSetup:
     """Resolve the model, the annotations and the question.
 
     The question is --question, else the POPE question about --object, else about the most
-    visible annotated object. A bundled demo (no --model, or demo / demo-qwen) reads its own scene annotations
-    when the image is one of its scenes, and otherwise asks about its first shape class.
+    visible annotated object. A bundled demo (no --model, or demo / demo-qwen) reads its own scene
+    annotations when the image is one of its scenes, and otherwise asks about its first shape class.
     """
     from prune_audit.data.pope_build import question_text
-
-    from prune_audit.demo.assets import is_demo_name
+    from prune_audit.demo.assets import demo_assets, is_demo_name
 
     model_path, model_name, annotations = request.model, None, request.annotations
     fallback = None
     if model_path is None or is_demo_name(model_path):
         from prune_audit.data.scenes import CATEGORIES
-        from prune_audit.demo.assets import demo_assets
 
         name = model_path or "demo"
         assets = demo_assets(name=name)
