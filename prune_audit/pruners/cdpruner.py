@@ -13,7 +13,16 @@ from torch import Tensor
 from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.similarity import TIES, SpeculativeRows, first_near_max, tie_tolerance, unit_rows
+from prune_audit.pruners.schedule import SCORE_DTYPES
+from prune_audit.pruners.similarity import (
+    TIES,
+    SpeculativeRows,
+    first_near_max,
+    half_dtype,
+    tie_tolerance,
+    unit_rows,
+    unit_rows_in,
+)
 
 # a conditional gain below this fraction of the largest diagonal entry is treated as 0:
 # float32 cancellation in ``gain - e**2`` leaves noise of about that size
@@ -97,6 +106,10 @@ class CDPrunerSelector(InputSelector):
         theta: None (reference) or a value in (0, 1) for the exponential relevance.
         ties: ``"argmax"`` (reference: plain float32 argmax) or ``"tolerance"`` (gains
             within a relative 1e-5 of the best are tied, the lower index wins).
+        score_dtype: ``"float32"`` (default) or ``"model"``: the unit rows are computed in
+            the model's dtype (``signals.model_dtype``; hand-built half-precision features
+            keep theirs) and only then widened, as the reference normalises the projector
+            outputs before its ``.float()``; the kernel and the greedy stay float32 there too.
     """
 
     name: ClassVar[str] = "cdpruner"
@@ -113,6 +126,7 @@ class CDPrunerSelector(InputSelector):
         None, Real(low=0.0, high=1.0, open_low=True, open_high=True, optional=True), "exponential relevance (off)"
     )
     ties: str = option("argmax", Choice(TIES), "argmax (official) or tolerance (relative 1e-5, lower index)")
+    score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or unit rows in the model dtype (official)")
 
     def relevance(self, text_relevance: Tensor) -> Tensor:
         """(N,) float32 normalised relevance from the raw (N,) ``text_relevance``."""
@@ -123,7 +137,8 @@ class CDPrunerSelector(InputSelector):
         return relevance
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
-        unit = unit_rows(signals.features)
+        dtype = half_dtype(signals.model_dtype, signals.features) if self.score_dtype == "model" else None
+        unit = unit_rows(signals.features) if dtype is None else unit_rows_in(signals.features, dtype)
         relevance = self.relevance(signals.text_relevance)
         diagonal = relevance**2 * (unit * unit).sum(dim=1)
 

@@ -10,7 +10,7 @@ import torch
 from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option
-from prune_audit.pruners.similarity import TIES, farthest_point_order, tie_tolerance, unit_rows
+from prune_audit.pruners.similarity import TIES, farthest_point_order, half_dtype, tie_tolerance, unit_rows
 
 
 @register
@@ -50,10 +50,8 @@ class DivPruneSelector(InputSelector):
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         features = signals.features.detach()
-        if self.score_dtype == "model":
-            # normalised and compared in the model's dtype, as the reference: the adapters hand over float32
-            # features with the model's dtype beside them; hand-built half-precision features keep theirs
-            dtype = signals.model_dtype if signals.model_dtype != torch.float32 else features.dtype
+        dtype = half_dtype(signals.model_dtype, features) if self.score_dtype == "model" else None
+        if dtype is not None:  # normalised and compared in the model's dtype, as the reference
             features = features.to(dtype)
             unit = features / features.norm(dim=1, keepdim=True)
         else:

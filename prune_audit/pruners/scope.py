@@ -10,7 +10,15 @@ import torch
 from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
-from prune_audit.pruners.similarity import TIES, facility_location_greedy, tie_tolerance, unit_rows
+from prune_audit.pruners.schedule import SCORE_DTYPES
+from prune_audit.pruners.similarity import (
+    TIES,
+    facility_location_greedy,
+    half_dtype,
+    tie_tolerance,
+    unit_rows,
+    unit_rows_in,
+)
 
 
 @register
@@ -32,6 +40,12 @@ class ScopeSelector(InputSelector):
             = reference); the calibration study varies it.
         ties: ``"tolerance"`` (default: scores within a relative 1e-5 of the best are tied,
             the lower index winning) or ``"argmax"`` (the official code's plain argmax).
+        score_dtype: ``"float32"`` (default) or ``"model"``: computed in the model's dtype
+            (``signals.model_dtype``; hand-built half-precision features keep theirs) as the
+            official code does: saliency (head sum of the rounded CLS probabilities), unit
+            rows, cosines, coverage gaps, gains and scores each rounded to it, sums
+            accumulated at higher precision as half-precision reductions on GPU do. Needs
+            ``gap_power`` 1; half-precision ties then go to the lower index.
     """
 
     name: ClassVar[str] = "scope"
@@ -49,14 +63,32 @@ class ScopeSelector(InputSelector):
     alpha: float = option(1.0, Real(low=0.0), "saliency exponent (reference 1)")
     gap_power: float = option(1.0, Real(low=0.0, open_low=True), "coverage-gap exponent (1 = reference)")
     ties: str = option("tolerance", Choice(TIES), "tolerance (relative 1e-5, lower index) or argmax (official)")
+    score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.score_dtype == "model" and self.gap_power != 1.0:
+            raise ValueError("score_dtype=model reproduces the official code, which has no gap_power: use gap_power=1")
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
-        saliency = as_float32(signals.cls_attention).sum(dim=0).clamp_min(0)
+        rounding = self._rounding(signals)
+        if rounding is None:
+            unit, saliency = unit_rows(signals.vision_features), as_float32(signals.cls_attention).sum(dim=0)
+            weights = saliency.clamp_min(0) ** self.alpha
+        else:
+            unit = unit_rows_in(signals.vision_features, rounding)
+            saliency = as_float32(signals.cls_attention).to(rounding).float().sum(dim=0).to(rounding)
+            weights = (saliency.float().clamp_min(0) ** self.alpha).to(rounding).float()
         order, _ = facility_location_greedy(
-            unit_rows(signals.vision_features),
+            unit,
             budget,
-            candidate_weights=saliency**self.alpha,
+            candidate_weights=weights,
             gap_power=self.gap_power,
             tolerance=tie_tolerance(self.ties),
+            rounding=rounding,
         )
         return Selection(kept=torch.sort(order).values)
+
+    def _rounding(self, signals: InputSignals) -> torch.dtype | None:
+        """The half dtype to compute in under ``score_dtype="model"``; None for float32."""
+        return half_dtype(signals.model_dtype, signals.vision_features) if self.score_dtype == "model" else None

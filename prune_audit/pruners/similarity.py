@@ -9,7 +9,8 @@ product (:class:`SpeculativeRows`). Facility location needs,
 after every pick, the rows of all tokens whose coverage improved, so it stores ``S``
 once (the only N x N matrix anywhere; its temporaries stay block-sized).
 
-Everything runs in float32. Greedy steps take the plain argmax (the first index only
+Everything runs in float32 (facility location can instead round to the model's half dtype,
+as SCOPE's official code computes). Greedy steps take the plain argmax (the first index only
 on exact equality), as the official DivPrune and CDPruner code do; the rows of ``S``
 they compare come from matrix products of at least 8 rows, whose entries (measured with
 the MKL build torch ships) do not depend on which other rows share the product nor on
@@ -51,6 +52,23 @@ def unit_rows(features: Tensor, centre: bool = False) -> Tensor:
         rows -= rows.mean(dim=0, keepdim=True)
     rows /= torch.linalg.vector_norm(rows, dim=1, keepdim=True).clamp_min(1e-12)
     return rows
+
+
+def half_dtype(model_dtype: torch.dtype, features: Tensor) -> torch.dtype | None:
+    """The reduced-precision dtype official code would compute in, or None for float32.
+
+    The adapters pass float32 signals with the model's dtype beside them; hand-built
+    signals (model dtype float32) in a half dtype keep their own.
+    """
+    dtype = model_dtype if model_dtype != torch.float32 else features.dtype
+    return None if dtype in (torch.float32, torch.float64) else dtype
+
+
+def unit_rows_in(features: Tensor, dtype: torch.dtype) -> Tensor:
+    """(N, D) float32 holding ``x / ||x||`` computed in ``dtype`` (norm and quotient rounded to it)."""
+    rows = features.detach().to(dtype).float()
+    norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True).to(dtype).float()
+    return (rows / norms).to(dtype).float()
 
 
 def first_near_max(values: Tensor, tolerance: float = TIE_TOLERANCE) -> int:
@@ -175,7 +193,14 @@ class SpeculativeRows:
         self._slots = {int(token): slot for slot, token in enumerate(indices.tolist())}
 
 
-def _gap_sum(rows: Tensor, coverage: Tensor, weights: Tensor | None, gap_power: float, scratch: Tensor) -> Tensor:
+def _gap_sum(
+    rows: Tensor,
+    coverage: Tensor,
+    weights: Tensor | None,
+    gap_power: float,
+    scratch: Tensor,
+    rounding: torch.dtype | None = None,
+) -> Tensor:
     """(N,) ``sum_j w_j * max(0, rows[j, i] - coverage_j) ** gap_power`` over the M rows.
 
     Args:
@@ -184,11 +209,25 @@ def _gap_sum(rows: Tensor, coverage: Tensor, weights: Tensor | None, gap_power: 
         weights: (M,) their demand weights, or None for all ones.
         scratch: (>= M, N) float32 reused for the gaps (a fresh M x N tensor per call costs
             page faults that are a large part of the greedy loop at high resolution).
+        rounding: a half dtype: each gap is rounded to it and the (unweighted, ``gap_power``
+            1) sum is taken in float64, which is exact for half-precision terms.
     """
-    gaps = torch.sub(rows, coverage[:, None], out=scratch[: rows.shape[0]]).clamp_(min=0)
+    gaps = torch.sub(rows, coverage[:, None], out=scratch[: rows.shape[0]])
+    if rounding is not None:
+        return gaps.copy_(gaps.to(rounding)).clamp_(min=0).sum(dim=0, dtype=torch.float64)
+    gaps.clamp_(min=0)
     if gap_power != 1.0:
         gaps.pow_(gap_power)
     return gaps.sum(dim=0) if weights is None else weights @ gaps
+
+
+def _scores(gains: Tensor, candidate_weights: Tensor | None, rounding: torch.dtype | None) -> Tensor:
+    """(N,) float32 ``c_i * g_i`` from the (N,) float64 gains; under ``rounding`` both the gain
+    and the product are rounded to that dtype, as half-precision code computes them."""
+    if rounding is None:
+        return gains.float() if candidate_weights is None else gains.float() * candidate_weights
+    score = gains.to(rounding).float()
+    return score if candidate_weights is None else (score * candidate_weights).to(rounding).float()
 
 
 def facility_location_greedy(
@@ -198,6 +237,7 @@ def facility_location_greedy(
     demand_weights: Tensor | None = None,
     gap_power: float = 1.0,
     tolerance: float = TIE_TOLERANCE,
+    rounding: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Greedy (weighted) facility location on cosine similarity.
 
@@ -220,26 +260,35 @@ def facility_location_greedy(
         gap_power: exponent of the coverage gap, > 0.
         tolerance: scores within this relative distance of the best are tied, the lower index
             winning (:func:`first_near_max`; 0 is the plain argmax).
+        rounding: None (float32 throughout), or a half dtype in which to compute as code
+            running in it does (SCOPE's official code in the model dtype): ``S``, every gap,
+            every gain and every score rounded to it, the gains' sums accumulated in float64.
+            ``unit`` and ``candidate_weights`` must be rounded by the caller; needs no
+            demand weights and ``gap_power`` 1.
 
     Returns:
         ``(picks, scores)``: (k,) indices in pick order and (k,) float32 the score
         of each pick when it was made (non-increasing up to the tie tolerance).
     """
+    if rounding is not None and (demand_weights is not None or gap_power != 1.0):
+        raise ValueError("rounding to a half dtype needs no demand weights and gap_power 1")
     n = unit.shape[0]
     step = rows_per_block(n)
     matrix = torch.empty(n, n, dtype=torch.float32)
     gathered, scratch = torch.empty(min(step, n), n), torch.empty(min(step, n), n)
     coverage = torch.zeros(n, dtype=torch.float32)
-    # float64 so that k rounds of incremental updates do not drift
+    # float64 so that k rounds of incremental updates do not drift (and sum half-precision terms exactly)
     gains = torch.zeros(n, dtype=torch.float64)
     for rows, block in similarity_blocks(unit, out=matrix):
+        if rounding is not None:
+            block.copy_(block.to(rounding))
         weights = None if demand_weights is None else demand_weights[rows]
-        gains += _gap_sum(block, coverage[rows], weights, gap_power, scratch)
+        gains += _gap_sum(block, coverage[rows], weights, gap_power, scratch, rounding)
     picked = torch.zeros(n, dtype=torch.bool)
     picks: list[int] = []
     scores: list[float] = []
     for _ in range(k):
-        score = gains.float() if candidate_weights is None else gains.float() * candidate_weights
+        score = _scores(gains, candidate_weights, rounding)
         best = first_near_max(score.masked_fill_(picked, float("-inf")), tolerance)
         picks.append(best)
         scores.append(float(score[best]))
@@ -250,7 +299,7 @@ def facility_location_greedy(
             rows = changed[start : start + step]
             weights = None if demand_weights is None else demand_weights[rows]
             block = torch.index_select(matrix, 0, rows, out=gathered[: rows.numel()])
-            gains -= _gap_sum(block, coverage[rows], weights, gap_power, scratch)
-            gains += _gap_sum(block, new_coverage[rows], weights, gap_power, scratch)
+            gains -= _gap_sum(block, coverage[rows], weights, gap_power, scratch, rounding)
+            gains += _gap_sum(block, new_coverage[rows], weights, gap_power, scratch, rounding)
         coverage = new_coverage
     return torch.tensor(picks, dtype=torch.long), torch.tensor(scores, dtype=torch.float32)
