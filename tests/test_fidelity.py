@@ -8,6 +8,7 @@ asserted here are the "measured agreement" quoted in the fidelity table.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -545,6 +546,77 @@ def test_scope_model_dtype_reproduces_the_official_half_precision_greedy(dtype):
     assert scope_half_agreement(dtype, score_dtype="model", ties="argmax") >= at_least
     assert scope_half_agreement(dtype, score_dtype="model") >= at_least  # no near-tie finer than half precision
     assert scope_half_agreement(dtype) <= float32_at_most
+
+
+def official_cls_row(query: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(H, 1 + N) CLS-row probabilities as the official code's eager CLIP attention forms them in ``dtype``.
+
+    The CLIPAttention forward patched in dvlab-research/VisionZip and kinredon/SCOPE (and HF's of
+    LLaVA's pinned transformers, which FasterVLM reads): ``q_proj(x) * scale`` in the model dtype,
+    ``bmm`` with the keys, ``softmax`` in that dtype.
+    """
+    scaled = query.to(dtype) * query.shape[-1] ** -0.5
+    return torch.softmax((scaled[:, None, :] @ keys.to(dtype).transpose(1, 2))[:, 0], dim=-1)
+
+
+def cls_half_case(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, InputSignals]:
+    """The official (H, 1 + N) probabilities in ``dtype`` and the signals an adapter in ``dtype`` passes."""
+    generator = torch.Generator().manual_seed(3000 + seed)
+    query = torch.randn(CLIP_HEADS, CLIP_HEAD_DIM, generator=generator).to(dtype)
+    keys = (torch.randn(CLIP_HEAD_DIM, generator=generator) + torch.randn(
+        CLIP_HEADS, 1 + TOKENS, CLIP_HEAD_DIM, generator=generator)).to(dtype)  # fmt: skip
+    logits = (query.float()[:, None, :] @ keys.float().transpose(1, 2))[:, 0]  # the adapter's float32 probe
+    scaled = (query * CLIP_HEAD_DIM**-0.5).float()  # the official order: the query scaled in the model dtype
+    case = clip_case(seed)
+    signals = InputSignals(
+        grid=(24, 24), cls_attention=torch.softmax(logits * CLIP_HEAD_DIM**-0.5, dim=-1)[:, 1:],
+        cls_logits=(scaled[:, None, :] @ keys.float().transpose(1, 2))[:, 0], vision_keys=keys.float(),
+        vision_features=case["hidden"][1:], cls_feature=case["hidden"][0], model_dtype=dtype,
+    )  # fmt: skip
+    return official_cls_row(query, keys, dtype), signals
+
+
+def top_k_lower_index(scores: torch.Tensor, k: int) -> list[int]:
+    """The k largest, ties to the lower index (torch.topk's order on GPU is unspecified), ascending."""
+    return sorted(sorted(range(scores.numel()), key=lambda i: (-float(scores[i]), i))[:k])
+
+
+def cls_half_agreement(dtype: torch.dtype, with_logits: bool, score_dtype: str = "model") -> dict[str, int]:
+    """Kept sets identical to the official half-precision CLS attention's, of 30 cases, per selector."""
+    counts = dict.fromkeys(("cls_attn", "visionzip", "scope"), 0)
+    for seed in SEEDS:
+        probs, signals = cls_half_case(seed, dtype)
+        if not with_logits:
+            signals = dataclasses.replace(signals, cls_logits=None)
+        order = official_scope(signals.vision_features.to(dtype), probs[:, 1:].sum(dim=0), max(BUDGETS))
+        visionzip = get_selector("visionzip", score_dtype=score_dtype)
+        for budget in BUDGETS:
+            expected = {
+                "cls_attn": top_k_lower_index(probs[:, 1:].mean(dim=0), budget),
+                "visionzip": top_k_lower_index(probs[:, 1:].sum(dim=0), visionzip.split(budget)[0] - 1),
+                "scope": sorted(order[:budget]),
+            }
+            for name in counts:
+                selector = visionzip if name == "visionzip" else get_selector(name, score_dtype=score_dtype)
+                counts[name] += selector.select(signals, budget).kept.tolist() == expected[name]
+    return counts
+
+
+# measured here (cls_attn, visionzip's dominant set, scope, of 30): fp16 30/30/28 from the logits, 29/29/22 from
+# the rounded float32 probabilities, 29/29/21 in float32; bf16 30/30/30, 18/14/14 and 16/9/3
+CLS_HALF_AT_LEAST = {torch.float16: {"cls_attn": 30, "visionzip": 30, "scope": 27},
+                     torch.bfloat16: {"cls_attn": 30, "visionzip": 30, "scope": 29}}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cls_logits_reproduce_the_official_half_precision_cls_attention(dtype):
+    """score_dtype=model recomputes the CLS probabilities from the logits in the model dtype, as the official
+    eager attention does; rounding float32 probabilities instead misses half-precision ties (bf16 above all)."""
+    counts = cls_half_agreement(dtype, with_logits=True)
+    assert all(counts[name] >= CLS_HALF_AT_LEAST[dtype][name] for name in counts), counts
+    if dtype == torch.bfloat16:
+        assert cls_half_agreement(dtype, with_logits=False)["cls_attn"] < len(CASES)
+        assert cls_half_agreement(dtype, with_logits=True, score_dtype="float32")["cls_attn"] < len(CASES)
 
 
 def test_scope_model_dtype_refuses_gap_power():

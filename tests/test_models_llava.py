@@ -141,8 +141,9 @@ def test_clip_cls_row_equals_eager_attention(vlm, eager_model, prepared):
     feature_index = vlm.feature_index
     reference = vision.attentions[feature_index - 1][0, :, 0]  # (H, 1 + N) CLS row
     layer = eager.model.vision_tower.encoder.layers[feature_index - 1]
-    probs, _ = clip_cls_row(layer, vision.hidden_states[feature_index - 1])
+    probs, _, logits = clip_cls_row(layer, vision.hidden_states[feature_index - 1])
     assert (probs[0] - reference).abs().max() <= TOL
+    assert (torch.softmax(logits[0], dim=-1) - reference).abs().max() <= TOL  # the official order of operations
     selector = RecordingInputSelector()
     vlm.answer([item], selector, 8)
     signals = selector.records[-1]

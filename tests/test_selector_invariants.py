@@ -33,6 +33,7 @@ INPUT_SHAPES = {
     "features": (("N", "D"), "normal"),
     "vision_features": (("N", "Dv"), "normal"),
     "cls_attention": (("H", "N"), "prob"),
+    "cls_logits": (("H", "N+1"), "normal"),
     "vision_keys": (("H", "N+1", "d"), "normal"),
     "cls_feature": (("Dv",), "normal"),
     "text_relevance": (("N",), "normal"),

@@ -30,7 +30,7 @@ VICUNA_V1_SYSTEM = (
 )
 SINGLE_WORD_SUFFIX = "Answer the question using a single word or phrase."
 PROMPT_TEMPLATES = ("llava_hf", "vicuna_v1")
-CLS_SIGNALS = frozenset({"cls_attention", "vision_keys"})
+CLS_SIGNALS = frozenset({"cls_attention", "cls_logits", "vision_keys"})
 
 
 class LlavaModel(VisionLanguageModel):
@@ -38,7 +38,8 @@ class LlavaModel(VisionLanguageModel):
 
     family = "llava"
     input_signals = frozenset(
-        {"features", "vision_features", "cls_attention", "vision_keys", "cls_feature", "text_relevance", "demand"}
+        {"features", "vision_features", "cls_attention", "cls_logits", "vision_keys", "cls_feature"}
+        | {"text_relevance", "demand"}
     )
     missing_signals_reason = "this adapter does not compute it"
     display_name = "LLaVA"
@@ -141,11 +142,11 @@ class LlavaModel(VisionLanguageModel):
         hidden = self._tower_states(pixels)
         selected = hidden[self.feature_index]  # (B, 1 + N, Dv), CLS first
         features = self.model.model.multi_modal_projector(selected[:, 1:])
-        cls_probs = cls_keys = None
+        cls_probs = cls_keys = cls_logits = None
         if requires & CLS_SIGNALS:
             # the encoder layer whose output is the feature layer
             layer = self.vision_tower.encoder.layers[self.feature_index - 1]
-            cls_probs, cls_keys = clip_cls_row(layer, hidden[self.feature_index - 1])
+            cls_probs, cls_keys, cls_logits = clip_cls_row(layer, hidden[self.feature_index - 1])
         outputs = []
         for b in range(len(prepared)):
             signals = {}
@@ -154,7 +155,8 @@ class LlavaModel(VisionLanguageModel):
             if "cls_feature" in requires:
                 signals["cls_feature"] = selected[b, 0]
             if "cls_attention" in requires:
-                signals["cls_attention"] = cls_probs[b, :, 1:]
+                # the logits come along: score_dtype="model" recomputes the probabilities from them
+                signals["cls_attention"], signals["cls_logits"] = cls_probs[b, :, 1:], cls_logits[b]
             if "vision_keys" in requires:
                 signals["vision_keys"] = cls_keys[b]
             outputs.append(VisionOutput(features[b], signals))

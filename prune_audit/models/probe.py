@@ -77,7 +77,7 @@ class DecoderProbe:
         return logits, probs
 
 
-def clip_cls_row(layer: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor]:
+def clip_cls_row(layer: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """CLS-row attention and keys of one CLIP encoder layer.
 
     Args:
@@ -85,8 +85,11 @@ def clip_cls_row(layer: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor]:
         hidden: (B, 1 + N, Dv) input of that layer, CLS at index 0.
 
     Returns:
-        ``(probs, keys)``: (B, H, 1 + N) float32 softmax of the CLS query over all tokens
-        (CLIP vision attention is not causal), and (B, H, 1 + N, d) the layer's keys.
+        ``(probs, keys, logits)``: (B, H, 1 + N) float32 softmax of the CLS query over all
+        tokens (CLIP vision attention is not causal), (B, H, 1 + N, d) the layer's keys, and
+        (B, H, 1 + N) float32 the CLS logits as the official eager code forms them in the
+        model's dtype: the query scaled in that dtype, then ``q . k`` accumulated in float32
+        (``score_dtype="model"`` rounds them to the model dtype before its softmax).
     """
     attention = layer.self_attn
     batch, length, _ = hidden.shape
@@ -95,7 +98,8 @@ def clip_cls_row(layer: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor]:
     keys = attention.k_proj(normed).view(batch, length, -1, attention.head_dim).transpose(1, 2)
     # HF CLIP scales inside the attention function, not in q_proj
     logits = queries.float() @ keys.float().transpose(2, 3) * attention.scale
-    return torch.softmax(logits, dim=-1)[:, :, 0], keys
+    official = (queries * attention.scale).float() @ keys.float().transpose(2, 3)
+    return torch.softmax(logits, dim=-1)[:, :, 0], keys, official[:, :, 0]
 
 
 __all__ = ["DecoderProbe", "clip_cls_row", "single_tensor_rope", "RopeFn"]

@@ -42,6 +42,10 @@ class InputSignals:
         vision_features: (N, Dv) vision features at the feature layer (pre-projector).
         cls_attention: (H, N) CLS-token attention probabilities to the patches at the
             feature layer, not renormalised.
+        cls_logits: (H, N + 1) the CLS row's attention logits as the official code forms
+            them in the model dtype (query scaled in it, CLS at index 0); with a half
+            ``model_dtype``, ``score_dtype="model"`` takes the probabilities from these
+            (:func:`cls_probabilities`).
         vision_keys: (H, N + 1, d) that layer's keys, CLS at index 0.
         cls_feature: (Dv,) the CLS hidden state at the feature layer.
         text_relevance: (N,) CDPruner relevance before normalisation.
@@ -54,6 +58,7 @@ class InputSignals:
     features: Tensor | None = None
     vision_features: Tensor | None = None
     cls_attention: Tensor | None = None
+    cls_logits: Tensor | None = None
     vision_keys: Tensor | None = None
     cls_feature: Tensor | None = None
     text_relevance: Tensor | None = None
@@ -225,6 +230,22 @@ def ranked_indices(scores: Tensor, k: int) -> Tensor:
 
 def as_float32(tensor: Tensor) -> Tensor:
     return tensor.detach().to(torch.float32)
+
+
+def cls_probabilities(signals: InputSignals, dtype: torch.dtype | None) -> Tensor:
+    """(H, N) float32 CLS attention to the patches as a selector scores it.
+
+    ``dtype`` None: ``cls_attention`` (float32). A half dtype (``score_dtype="model"``):
+    the probabilities the official eager attention computes in it, the softmax of the
+    (H, 1 + N) ``cls_logits`` rounded to ``dtype``, itself rounded; without logits
+    (hand-built signals) ``cls_attention`` rounded to ``dtype``.
+    """
+    if dtype is None or dtype == torch.float32:
+        return as_float32(signals.cls_attention)
+    if signals.cls_logits is None:
+        return as_float32(signals.cls_attention).to(dtype).float()
+    logits = as_float32(signals.cls_logits).to(dtype).float()
+    return torch.softmax(logits, dim=-1).to(dtype).float()[:, 1:]
 
 
 class Selector:

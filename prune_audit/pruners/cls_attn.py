@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, InputSignals, LayerSelector, Reference, as_float32
+from prune_audit.pruners.base import InputSelector, InputSignals, LayerSelector, Reference, cls_probabilities
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES
@@ -28,10 +28,12 @@ class ClsAttentionSelector(InputSelector):
 
     Options:
         head_aggregation: ``"mean"`` (reference) or ``"sum"`` over the H heads.
-        score_dtype: ``"float32"`` (default) or ``"model"``: the probabilities and the
-            aggregated scores are rounded to the model dtype (``signals.model_dtype``), the
-            head mean in between stays float32, as the reference ranks the fp16/bf16 head
-            mean of fp16/bf16 probabilities (ties then go to the lower index).
+        score_dtype: ``"float32"`` (default) or ``"model"``: the probabilities are formed
+            from the CLS logits in the model dtype (``signals.model_dtype``) as the
+            reference's eager attention forms them (:func:`cls_probabilities`) and the
+            aggregated scores rounded to it, the head mean in between stays float32, as the
+            reference ranks the fp16/bf16 head mean of fp16/bf16 probabilities (ties then go
+            to the lower index).
     """
 
     name: ClassVar[str] = "cls_attn"
@@ -52,6 +54,6 @@ class ClsAttentionSelector(InputSelector):
 
     def score(self, signals: InputSignals, generator: torch.Generator | None) -> Tensor:
         """(N,) aggregated CLS attention from ``cls_attention`` (H, N), rounded under ``score_dtype="model"``."""
-        attention = self.model_precision(as_float32(signals.cls_attention), signals)
+        attention = cls_probabilities(signals, signals.model_dtype if self.score_dtype == "model" else None)
         scores = attention.mean(dim=0) if self.head_aggregation == "mean" else attention.sum(dim=0)
         return self.model_precision(scores, signals)

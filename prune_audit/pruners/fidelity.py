@@ -44,9 +44,13 @@ _MODEL_DTYPE = (
     "float32, as half-precision reductions on GPU accumulate in float32"
 )
 _INPUT_DTYPE = (
-    "score_dtype=model rounds the CLS probabilities and the scores to the model dtype the adapter passes; "
-    "reductions in between stay float32, as half-precision reductions on GPU accumulate in float32; the CLS "
-    "logits stay float32 before the softmax (the reference rounds them to the model dtype first)"
+    "score_dtype=model computes the CLS probabilities as the official eager attention does in the model dtype the "
+    "adapter passes (query scaled in it, logits and probabilities rounded to it) and rounds the scores; reductions "
+    "in between stay float32, as half-precision reductions on GPU accumulate in float32"
+)
+_CLS_HALF = (
+    "CLS attention in fp16 / bf16 against the official eager attention run in that dtype "
+    "(test_fidelity.py::test_cls_logits_reproduce_the_official_half_precision_cls_attention): "
 )
 
 
@@ -79,7 +83,8 @@ FIDELITY: dict[str, Fidelity] = {
         ("ties to the lower index (torch.topk leaves them unspecified)", _INPUT_DTYPE),
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
                 "score_dtype=model: the top-k of the rounded head mean on an fp16 case where float32 differs "
-                "(test_input_selectors.py), and on the adapter's bf16 signals (test_fidelity.py)"),  # fmt: skip
+                "(test_input_selectors.py), and on the adapter's bf16 signals (test_fidelity.py); " + _CLS_HALF
+                + "score_dtype=model 30 of 30 in both, float32 29 and 16 of 30"),  # fmt: skip
         30,
     ),
     "coverage": Fidelity(
@@ -176,7 +181,8 @@ FIDELITY: dict[str, Fidelity] = {
                 "1024-dim CLIP features, dense official greedy, ties=tolerance and ties=argmax alike; against the "
                 "official greedy run in fp16: score_dtype=model 29 of 30, float32 23 of 30; in bf16: score_dtype=model "
                 "30 of 30, float32 12 of 30 (test_fidelity.py::test_scope_model_dtype_reproduces_the_official_half_precision_greedy); "
-                "and naive facility-location cases (test_input_selectors.py)"),  # fmt: skip
+                "and naive facility-location cases (test_input_selectors.py); " + _CLS_HALF
+                + "score_dtype=model 28 and 30 of 30, float32 21 and 3 of 30"),  # fmt: skip
         30,
     ),
     "sparsevlm": Fidelity(
@@ -189,9 +195,12 @@ FIDELITY: dict[str, Fidelity] = {
             "recycle=true inserts the reference's DPC-kNN cluster tokens after the kept ones (merged tokens and "
             "their grid sources are recorded in merged_stages and count towards retention)",
             "recycle=true: the density tie-break noise (rand x 1e-6, unseeded in the official code) is drawn from a "
-            "generator seeded with 0, so runs are reproducible; clustering runs in float32 (the official code in "
-            "the model dtype); ties in relevance among the pruned tokens are ordered by the lower index "
-            "(torch.topk leaves them unspecified)",
+            "generator seeded with 0, so runs are reproducible; clustering runs in float32, also under "
+            "score_dtype=model (the official code clusters in the model dtype, where its 1e-6 noise rounds away below "
+            "fp16's resolution, density ties fall to the GPU topk's unspecified order and the merged sums are atomic "
+            "half-precision adds whose order varies between runs, so no deterministic computation reproduces them); "
+            "ties in relevance among the pruned tokens are ordered by the lower index (torch.topk leaves them "
+            "unspecified)",
             "exactly keep tokens (the official code caps at n - 1); ties to the lower index",
             _MODEL_DTYPE,
         ),
@@ -232,7 +241,8 @@ FIDELITY: dict[str, Fidelity] = {
         _random(30, "test_fidelity.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
                 "dominant set, every contextual token's target and members, and every output vector within 1e-5; "
                 "1024-dim CLIP states, 16 heads x 64-dim keys; score_dtype=model: rounded saliency, keys and cosines "
-                "on an fp16 case where float32 differs (test_input_selectors.py)"),  # fmt: skip
+                "on an fp16 case where float32 differs (test_input_selectors.py); " + _CLS_HALF
+                + "dominant set with score_dtype=model 30 of 30 in both, float32 29 and 9 of 30"),  # fmt: skip
         30,
     ),
 }

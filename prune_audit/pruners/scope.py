@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32
+from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32, cls_probabilities
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES
@@ -42,7 +42,8 @@ class ScopeSelector(InputSelector):
             the lower index winning) or ``"argmax"`` (the official code's plain argmax).
         score_dtype: ``"float32"`` (default) or ``"model"``: computed in the model's dtype
             (``signals.model_dtype``; hand-built half-precision features keep theirs) as the
-            official code does: saliency (head sum of the rounded CLS probabilities), unit
+            official code does: saliency (head sum of the CLS probabilities formed in it,
+            :func:`cls_probabilities`), unit
             rows, cosines, coverage gaps, gains and scores each rounded to it, sums
             accumulated at higher precision as half-precision reductions on GPU do. Needs
             ``gap_power`` 1; half-precision ties then go to the lower index.
@@ -77,7 +78,7 @@ class ScopeSelector(InputSelector):
             weights = saliency.clamp_min(0) ** self.alpha
         else:
             unit = unit_rows_in(signals.vision_features, rounding)
-            saliency = as_float32(signals.cls_attention).to(rounding).float().sum(dim=0).to(rounding)
+            saliency = cls_probabilities(signals, rounding).sum(dim=0).to(rounding)
             weights = (saliency.float().clamp_min(0) ** self.alpha).to(rounding).float()
         order, _ = facility_location_greedy(
             unit,

@@ -143,7 +143,9 @@ class SparseVLMSelector(ScheduledSelector):
     ties to the lower index. (2) Recycling: the density noise that the reference draws
     unseeded (``rand * 1e-6``) is drawn from a generator seeded with 0 for every
     stage, so the clusters are reproducible; clustering runs in float32 (the reference
-    in the model dtype).
+    in the model dtype, where the noise rounds away below fp16's resolution, density ties
+    fall to the GPU ``topk``'s unspecified order and the merged sums are atomic half-precision
+    adds whose order varies between runs: nothing deterministic reproduces those).
     """
 
     name: ClassVar[str] = "sparsevlm"

@@ -17,6 +17,7 @@ from prune_audit.pruners.base import (
     Reference,
     Selection,
     as_float32,
+    cls_probabilities,
     top_k_indices,
 )
 from prune_audit.pruners.options import Choice, Real, option
@@ -49,11 +50,13 @@ class VisionZipSelector(InputSelector):
 
     Options:
         contextual_fraction: share of the budget given to contextual tokens.
-        score_dtype: ``"float32"`` (default) or ``"model"``: the CLS attention and the
-            keys, their head sum / head mean and the member-to-target cosines are rounded to
-            the model dtype (``signals.model_dtype``) before their top-k / argmax, as the
-            reference computes them in fp16/bf16 (ties then go to the lower index); the
-            reductions, the unit normalisation and the merged vectors stay float32.
+        score_dtype: ``"float32"`` (default) or ``"model"``: the CLS attention is formed
+            from the CLS logits in the model dtype (``signals.model_dtype``) as the
+            reference's eager attention forms it (:func:`cls_probabilities`); it and the keys,
+            their head sum / head mean and the member-to-target cosines are rounded to the
+            model dtype before their top-k / argmax, as the reference computes them in
+            fp16/bf16 (ties then go to the lower index); the reductions, the unit
+            normalisation and the merged vectors stay float32.
     """
 
     name: ClassVar[str] = "visionzip"
@@ -83,7 +86,8 @@ class VisionZipSelector(InputSelector):
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         dominant_count, contextual_count = self.split(budget)
         precision = functools.partial(self.model_precision, signals=signals)
-        saliency = precision(precision(as_float32(signals.cls_attention)).sum(dim=0))
+        attention = cls_probabilities(signals, signals.model_dtype if self.score_dtype == "model" else None)
+        saliency = precision(attention.sum(dim=0))
         dominant = top_k_indices(saliency, dominant_count - 1)
         rest = torch.ones(signals.num_tokens, dtype=torch.bool)
         rest[dominant] = False
