@@ -438,8 +438,9 @@ def official_visionzip(case: dict[str, torch.Tensor], dominant: int, contextual:
     Returns the dominant patches (grid indices, ascending), each contextual token's
     ``[target, members...]`` (grid indices) and the (dominant + contextual, Dv) output states.
     """
-    hidden = case["hidden"]
-    top = case["cls_row"][:, 1:].sum(dim=0).topk(dominant - 1).indices + 1  # sequence positions, CLS = 0
+    hidden = case["hidden"]  # every tensor in its own dtype, as the official code in the model's
+    # torch.topk orders exact ties (frequent in half precision) arbitrarily: ties to the lower index, as documented
+    top = torch.tensor(top_k_lower_index(case["cls_row"][:, 1:].sum(dim=0), dominant - 1)) + 1  # CLS = 0
     chosen = torch.zeros(1 + TOKENS, dtype=torch.bool)
     chosen[0] = chosen[top] = True
     positions = torch.nonzero(~chosen).flatten()  # the remaining tokens in sequence order
@@ -449,7 +450,7 @@ def official_visionzip(case: dict[str, torch.Tensor], dominant: int, contextual:
     target = torch.arange(0, positions.numel(), step)[:contextual]
     is_target = torch.isin(torch.arange(positions.numel()), target)
     assign = (metric[~is_target] @ metric[target].T).argmax(dim=1)
-    one_hot = torch.zeros(int((~is_target).sum()), contextual)
+    one_hot = torch.zeros(int((~is_target).sum()), contextual, dtype=hidden.dtype)
     one_hot[torch.arange(one_hot.shape[0]), assign] = 1
     counts = one_hot.sum(dim=0).clamp(min=1)[:, None]
     rest = hidden[~chosen]
@@ -458,17 +459,21 @@ def official_visionzip(case: dict[str, torch.Tensor], dominant: int, contextual:
     return sorted((top - 1).tolist()), groups, torch.cat([hidden[chosen], merged])
 
 
-def visionzip_identical(seed: int, budget: int) -> bool:
+def visionzip_identical(seed: int, budget: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Same dominant set, contextual groups and output vectors as the official forward run in ``dtype``
+    (float32: within 1e-5; a half dtype: ``score_dtype=model``, vectors bit for bit)."""
     case = clip_case(seed)
-    selector = get_selector("visionzip")
+    selector = get_selector("visionzip", score_dtype="float32" if dtype == torch.float32 else "model")
     dominant, contextual = selector.split(budget)
-    kept, groups, tokens = official_visionzip(case, dominant, contextual)
+    kept, groups, tokens = official_visionzip({name: value.to(dtype) for name, value in case.items()}, dominant, contextual)
     signals = InputSignals(
         grid=(24, 24), cls_attention=case["cls_row"][:, 1:], vision_keys=case["keys"],
-        vision_features=case["hidden"][1:], cls_feature=case["hidden"][0],
+        vision_features=case["hidden"][1:], cls_feature=case["hidden"][0], model_dtype=dtype,
     )  # fmt: skip
     selection = selector.select(signals, budget)
     same_sets = selection.kept.tolist() == kept and [s.tolist() for s in selection.sources[dominant:]] == groups
+    if dtype != torch.float32:
+        return same_sets and torch.equal(selection.vision_tokens.to(dtype), tokens)
     return same_sets and torch.allclose(selection.vision_tokens, tokens, rtol=1e-5, atol=1e-5)
 
 
@@ -477,6 +482,13 @@ def test_visionzip_reproduces_the_official_dominant_and_contextual_tokens(seed):
     """Dominant set, each contextual token's target and members, and every output vector, at 64/128/192."""
     assert [visionzip_identical(seed, budget) for budget in BUDGETS] == [True] * len(BUDGETS)
     assert FIDELITY["visionzip"].agreement_cases == len(CASES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_visionzip_model_dtype_reproduces_the_official_half_precision_forward(dtype):
+    """score_dtype=model: dominant set, contextual groups and every output vector (bit for bit) as the official
+    forward computes them in fp16/bf16, in 30 of 30 cases."""
+    assert sum(visionzip_identical(seed, budget, dtype) for seed in SEEDS for budget in BUDGETS) == len(CASES)
 
 
 def official_scope(features: torch.Tensor, saliency: torch.Tensor, k: int, alpha: float = 1.0) -> list[int]:

@@ -235,14 +235,17 @@ FIDELITY: dict[str, Fidelity] = {
         ("score_dtype=model",),
         (
             "ties to the lower index",
-            _INPUT_DTYPE + "; under score_dtype=model the head-mean keys and the member-to-target cosines are "
-            "rounded as well, the unit normalisation and the merged vectors stay float32",
+            _INPUT_DTYPE + "; under score_dtype=model the head-mean keys, their unit normalisation, the "
+            "member-to-target cosines and the merged vectors are computed in the model dtype as well",
         ),
         _random(30, "test_fidelity.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
                 "dominant set, every contextual token's target and members, and every output vector within 1e-5; "
                 "1024-dim CLIP states, 16 heads x 64-dim keys; score_dtype=model: rounded saliency, keys and cosines "
                 "on an fp16 case where float32 differs (test_input_selectors.py); " + _CLS_HALF
-                + "dominant set with score_dtype=model 30 of 30 in both, float32 29 and 9 of 30"),  # fmt: skip
+                + "dominant set with score_dtype=model 30 of 30 in both, float32 29 and 9 of 30; the whole forward "
+                "against the official one run in fp16 / bf16: dominant set, contextual groups and every output vector "
+                "bit for bit with score_dtype=model in 30 of 30 each, float32 scoring the same sets in 0 of 30 "
+                "(test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)"),  # fmt: skip
         30,
     ),
 }

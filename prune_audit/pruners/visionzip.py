@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -13,7 +11,6 @@ from torch import Tensor
 from prune_audit.pruners.base import (
     InputSelector,
     InputSignals,
-    LayerSelector,
     Reference,
     Selection,
     as_float32,
@@ -23,7 +20,7 @@ from prune_audit.pruners.base import (
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES
-from prune_audit.pruners.similarity import unit_rows
+from prune_audit.pruners.similarity import unit_rows, unit_rows_in
 
 
 @register
@@ -75,9 +72,6 @@ class VisionZipSelector(InputSelector):
     )
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
 
-    # the in-LLM selectors' rounding under score_dtype="model": it reads only score_dtype and signals.model_dtype
-    model_precision = LayerSelector.model_precision
-
     def split(self, budget: int) -> tuple[int, int]:
         """``(dominant incl. CLS, contextual)`` token counts for ``budget``."""
         contextual = min(round(budget * self.contextual_fraction), budget - 1)
@@ -85,33 +79,36 @@ class VisionZipSelector(InputSelector):
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         dominant_count, contextual_count = self.split(budget)
-        precision = functools.partial(self.model_precision, signals=signals)
-        attention = cls_probabilities(signals, signals.model_dtype if self.score_dtype == "model" else None)
-        saliency = precision(attention.sum(dim=0))
+        dtype = signals.model_dtype if self.score_dtype == "model" and signals.model_dtype != torch.float32 else None
+        saliency = _rounded(cls_probabilities(signals, dtype).sum(dim=0), dtype)
         dominant = top_k_indices(saliency, dominant_count - 1)
         rest = torch.ones(signals.num_tokens, dtype=torch.bool)
         rest[dominant] = False
-        features = as_float32(signals.vision_features)
+        features = _rounded(as_float32(signals.vision_features), dtype)
         sources = [torch.zeros(0, dtype=torch.long)] + [index.reshape(1) for index in dominant]
-        tokens = [as_float32(signals.cls_feature)[None], features[dominant]]
+        tokens = [_rounded(as_float32(signals.cls_feature), dtype)[None], features[dominant]]
         if contextual_count:
-            keys = precision(precision(as_float32(signals.vision_keys)).mean(dim=0)[1:])  # (N, d) patch keys
-            contextual_sources = _contextual_clusters(torch.nonzero(rest).flatten(), keys, contextual_count, precision)
+            keys = _rounded(_rounded(as_float32(signals.vision_keys), dtype).mean(dim=0)[1:], dtype)  # (N, d) patches
+            contextual_sources = _contextual_clusters(torch.nonzero(rest).flatten(), keys, contextual_count, dtype)
             sources += contextual_sources
-            tokens.append(torch.stack([_merge(features, group) for group in contextual_sources]))
+            tokens.append(torch.stack([_merge(features, group, dtype) for group in contextual_sources]))
         return Selection(kept=dominant, sources=sources, vision_tokens=torch.cat(tokens))
 
 
-def _contextual_clusters(
-    remaining: Tensor, keys: Tensor, count: int, precision: Callable[[Tensor], Tensor]
-) -> list[Tensor]:
+def _rounded(values: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """``values`` rounded to ``dtype`` (kept float32); unchanged for None."""
+    return values if dtype is None else values.to(dtype).float()
+
+
+def _contextual_clusters(remaining: Tensor, keys: Tensor, count: int, dtype: torch.dtype | None) -> list[Tensor]:
     """Groups ``[target, members...]`` of the ``remaining`` patches.
 
     Args:
         remaining: (R,) ascending grid indices not kept as dominant, R > count.
         keys: (N, d) head-mean keys of the patches.
         count: number of contextual tokens (targets).
-        precision: rounds the (M, count) member-to-target cosines before the argmax.
+        dtype: None (float32) or the model dtype in which the keys are normalised and the
+            (M, count) member-to-target cosines rounded before the argmax.
 
     Returns:
         ``count`` LongTensors, target first, then its members ascending.
@@ -120,14 +117,22 @@ def _contextual_clusters(
     is_target = torch.zeros(remaining.numel(), dtype=torch.bool)
     is_target[torch.arange(count) * step] = True
     targets, members = remaining[is_target], remaining[~is_target]
-    unit = unit_rows(keys)
-    assignment = torch.argmax(precision(unit[members] @ unit[targets].T), dim=1)  # (M,) target slot per member
+    unit = unit_rows(keys) if dtype is None else unit_rows_in(keys, dtype)
+    assignment = torch.argmax(_rounded(unit[members] @ unit[targets].T, dtype), dim=1)  # (M,) target slot per member
     return [torch.cat([targets[slot].reshape(1), members[assignment == slot]]) for slot in range(count)]
 
 
-def _merge(features: Tensor, group: Tensor) -> Tensor:
-    """(Dv,) target feature plus the mean of its members' features (0 when it has none)."""
+def _merge(features: Tensor, group: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """(Dv,) target feature plus the mean of its members' features (0 when it has none).
+
+    With a model ``dtype`` (``features`` already rounded to it), the members' sum, the mean
+    and the result are each rounded to it, as the reference's half-precision ``bmm``,
+    division and addition round them.
+    """
     target, members = group[0], group[1:]
     if members.numel() == 0:
         return features[target]
-    return features[target] + features[members].mean(dim=0)
+    if dtype is None:
+        return features[target] + features[members].mean(dim=0)
+    mean = _rounded(_rounded(features[members].sum(dim=0), dtype) / members.numel(), dtype)
+    return _rounded(features[target] + mean, dtype)
