@@ -392,6 +392,48 @@ def test_previous_signal_layer_gives_the_probe_of_the_layer_before(tiny_llava):
         assert torch.equal(signals.text_sequence_index, torch.arange(end, item.input_ids.numel()))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_model_dtype_attention_is_the_eager_attention_of_a_half_precision_model(tiny_llava_paths, dtype):
+    """score_dtype="model": the probe forms the text rows' attention as the eager attention of a bf16/fp16 model
+    does (q.k rounded, scaled and rounded, float32 softmax rounded), bit for bit; rounding float32
+    probabilities afterwards does not. The selectors then read these rows (LayerPlan.attention_in_model_dtype)."""
+    from dataclasses import dataclass
+
+    from transformers import LlavaForConditionalGeneration
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from prune_audit.models import load_vlm
+    from prune_audit.models.probe import DecoderProbe, single_tensor_rope
+    from tiny_models import QUESTIONS, RecordingLayerSelector, random_image
+
+    path = tiny_llava_paths[0]
+    eager = LlavaForConditionalGeneration.from_pretrained(path, attn_implementation="eager", dtype=dtype).eval()
+    vlm = load_vlm(path, device="cpu", dtype=dtype)
+    item = vlm.prepare(random_image(0), QUESTIONS[1])
+    with torch.no_grad():
+        output = eager(input_ids=item.input_ids[None], pixel_values=item.pixel_values[None].to(dtype),
+                       output_attentions=True, output_hidden_states=True)  # fmt: skip
+        hidden = output.hidden_states[0][0]  # the input of decoder layer 0
+        language = eager.model.language_model
+        cos, sin = language.rotary_emb(hidden[None], torch.arange(hidden.shape[0])[None])
+        probe = DecoderProbe(language.layers[0], single_tensor_rope(apply_rotary_pos_emb))
+        rows = torch.arange(item.image_span[1], hidden.shape[0])
+        eager_rows = output.attentions[0][0][:, rows].float()
+        _, in_model_dtype = probe.probabilities(hidden, rows, cos[0], sin[0], in_model_dtype=True)
+        _, in_float32 = probe.probabilities(hidden, rows, cos[0], sin[0])
+    assert torch.equal(in_model_dtype, eager_rows)
+    assert not torch.equal(in_float32.to(dtype).float(), eager_rows)
+
+    @dataclass
+    class ModelDtypeRecording(RecordingLayerSelector):
+        score_dtype: str = "model"
+
+    selector = ModelDtypeRecording(layer=1, keep=8)
+    vlm.answer([item], selector, 1)
+    probs = selector.records[-1].text_probs
+    assert torch.equal(probs, probs.to(dtype).float())  # the rows as the model dtype holds them
+
+
 # --- E2S-Pruner: the paper's Table 3 schedules (arXiv 2608.23253, section 5.4) ---------------------------------
 
 # the rows of Table 3 as printed: 576 -> a -> b -> c visual tokens, pruning after layers 3, 17, 22 (1-based)

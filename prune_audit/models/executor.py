@@ -191,6 +191,11 @@ class LayerPlan:
         return self.selector.requires if self.selector is not None and self.forced is None else frozenset()
 
     @property
+    def attention_in_model_dtype(self) -> bool:
+        """True when the selector scores attention as the official code forms it in the model dtype."""
+        return self.selector is not None and self.selector.score_dtype == "model"
+
+    @property
     def signal_layer(self) -> str:
         """``"previous"`` when the selector scores a stage at layer l with layer l-1's attention and keys."""
         return self.selector.signal_layer if self.selector is not None else "current"

@@ -10,6 +10,7 @@ the softmax is taken in float32 over every key the row can see (selectors spec Â
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,8 +56,8 @@ class DecoderProbe:
         queries = attention.q_proj(normed).view(1, rows.numel(), -1, attention.head_dim).transpose(1, 2)
         return self.apply_rope(queries, cos[rows][None], sin[rows][None])[0]
 
-    def logits(self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """(H, R, L) float32 pre-softmax logits ``q.k * scaling`` of ``rows`` to every key.
+    def dot_products(self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """(H, R, L) float32 unscaled ``q.k`` of ``rows`` to every key.
 
         Args:
             hidden: (L, D) input of the layer for one sequence without padding.
@@ -67,13 +68,28 @@ class DecoderProbe:
         keys = self.keys(hidden, cos, sin).float()
         groups = queries.shape[0] // keys.shape[0]
         keys = keys.repeat_interleave(groups, dim=0)  # GQA: head h reads K/V head h // groups
-        return queries @ keys.transpose(1, 2) * self.layer.self_attn.scaling
+        return queries @ keys.transpose(1, 2)
 
-    def probabilities(self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """Logits and causal float32 softmax of ``rows`` over all earlier keys, both (H, R, L)."""
-        logits = self.logits(hidden, rows, cos, sin)
+    def logits(self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """(H, R, L) float32 pre-softmax logits ``q.k * scaling`` of ``rows`` to every key (see :meth:`dot_products`)."""
+        return self.dot_products(hidden, rows, cos, sin) * self.layer.self_attn.scaling
+
+    def probabilities(
+        self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor, in_model_dtype: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Logits and causal softmax of ``rows`` over all earlier keys, both (H, R, L) float32.
+
+        ``in_model_dtype`` (``score_dtype="model"``): as the official code's eager attention forms
+        them in the dtype of ``hidden`` (LLaVA-era ``LlamaAttention``): ``q.k`` rounded to it, divided
+        by ``sqrt(d)`` and rounded, the softmax taken in float32 and rounded; no-op in float32.
+        """
         visible = torch.arange(hidden.shape[0], device=hidden.device)[None, :] <= rows[:, None]
-        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        if not in_model_dtype or hidden.dtype == torch.float32:
+            logits = self.logits(hidden, rows, cos, sin)
+            return logits, torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        dtype, scale = hidden.dtype, math.sqrt(self.layer.self_attn.head_dim)
+        logits = (self.dot_products(hidden, rows, cos, sin).to(dtype).float() / scale).to(dtype).float()
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).to(dtype).float()
         return logits, probs
 
 

@@ -307,7 +307,7 @@ class LayerSelector(Selector):
     stage: ClassVar[SelectorLevel] = "llm"
     positions: PositionMode = "keep_original"
     signal_layer: str = "current"  # "previous": attention/keys of layer l-1 score a stage at layer l
-    score_dtype: str = "float32"  # "model": inputs and scores rounded to the model dtype
+    score_dtype: str = "float32"  # "model": attention formed in, other inputs and scores rounded to the model dtype
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""

@@ -43,8 +43,9 @@ class FastVSelector(SingleStageSelector):
     ``signal_layer="previous"`` (default, reference): the probabilities layer K-1
     computed on its input (the reference's ``output_attentions`` of layer K-1), tokens
     leave from layer K. ``"current"``: layer K's own probabilities on its input.
-    ``score_dtype="model"``: probabilities and scores rounded to the model dtype, as the
-    reference's fp16 attention weights.
+    ``score_dtype="model"``: the probabilities formed in the model dtype as the reference's
+    fp16 eager attention weights (the executor's probe, ``DecoderProbe.probabilities``) and
+    the scores rounded to it.
 
     Deviations: ties to the lower index (``torch.topk`` leaves them unspecified);
     prefill-only pruning (the reference without KV cache re-ranks at every generated token).

@@ -40,8 +40,12 @@ class Fidelity:
 
 
 _MODEL_DTYPE = (
-    "score_dtype=model rounds the signals and the final scores to the model dtype; reductions in between stay "
-    "float32, as half-precision reductions on GPU accumulate in float32"
+    "score_dtype=model forms the attention rows as the official code's eager attention does in the model dtype "
+    "(q.k rounded, divided by sqrt(d) as LLaVA-era LlamaAttention does and rounded, float32 softmax rounded: bit "
+    "for bit the eager attention of a bf16 and an fp16 tiny LLaVA, "
+    "test_fidelity.py::test_model_dtype_attention_is_the_eager_attention_of_a_half_precision_model), rounds the "
+    "other signals and the final scores to it; reductions in between stay float32, as half-precision reductions "
+    "on GPU accumulate in float32"
 )
 _INPUT_DTYPE = (
     "score_dtype=model computes the CLS probabilities as the official eager attention does in the model dtype the "

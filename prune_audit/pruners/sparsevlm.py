@@ -126,7 +126,8 @@ class SparseVLMSelector(ScheduledSelector):
     for 192 / 128 / 64 on 32 layers x 576 tokens with the reference semantics (188.19 /
     123.94 / 61.72 with ``"current"``). ``budget_rule="average"`` (default): the nearest
     of those as a shape, solved so the realised average matches the budget.
-    ``score_dtype="model"``: probabilities and scores rounded to the model dtype.
+    ``score_dtype="model"``: probabilities formed in the model dtype as the reference's eager
+    attention forms them (``DecoderProbe.probabilities``), scores rounded to it.
 
     ``recycle=true`` (the reference's v1.5 default; off by default here so records of
     pure pruning stay as they were): at each stage the ``int(0.3 p) + 1`` of the ``p``
