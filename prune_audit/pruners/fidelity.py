@@ -40,6 +40,10 @@ class Fidelity:
 
 
 _MODEL_DTYPE = (
+    "score_dtype=model rounds the signals and the final scores to the model dtype; reductions in between stay "
+    "float32, as half-precision reductions on GPU accumulate in float32"
+)
+_MODEL_DTYPE_ATTENTION = (
     "score_dtype=model forms the attention rows as the official code's eager attention does in the model dtype "
     "(q.k rounded, divided by sqrt(d) as LLaVA-era LlamaAttention does and rounded, float32 softmax rounded: bit "
     "for bit the eager attention of a bf16 and an fp16 tiny LLaVA, "
@@ -146,7 +150,7 @@ FIDELITY: dict[str, Fidelity] = {
         (
             "prefill-only pruning (the official code without KV cache re-ranks at every generated token)",
             "ties to the lower index",
-            _MODEL_DTYPE,
+            _MODEL_DTYPE_ATTENTION,
         ),
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
                 "and identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
@@ -161,7 +165,7 @@ FIDELITY: dict[str, Fidelity] = {
             "the official default (8/16/24, ratio 0.5) realises an average of 270 only, so the default solves "
             "the ratio for the requested budget (maintainer guidance, PyramidDrop issue #29)",
             "training-mode multi-query scoring not ported (inference only); ties to the lower index",
-            _MODEL_DTYPE,
+            _MODEL_DTYPE_ATTENTION,
         ),
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; schedule identical to the official default "
                 "(test_schedule.py::test_official_rule_gives_the_code_default_and_refuses_other_budgets)"),  # fmt: skip
@@ -206,7 +210,7 @@ FIDELITY: dict[str, Fidelity] = {
             "ties in relevance among the pruned tokens are ordered by the lower index (torch.topk leaves them "
             "unspecified)",
             "exactly keep tokens (the official code caps at n - 1); ties to the lower index",
-            _MODEL_DTYPE,
+            _MODEL_DTYPE_ATTENTION,
         ),
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
                 "one stage; first-stage kept sets identical to the top-k of the previous layer's eager rater attention "
