@@ -24,6 +24,7 @@ MASK_OUTLINE = (0, 200, 255)
 MERGED_HATCH = (255, 40, 200)
 PRUNED_DIM = 0.25
 MERGED_DIM = 0.6
+HATCH_OPACITY = 0.7
 MERGED_NOTE = (
     "Bright, yellow outline: kept cells. Half-dimmed, magenta hatching: cells carried only by merged tokens "
     "(they count towards retention). Dimmed: dropped."
@@ -59,11 +60,11 @@ def dim_pruned(
 
 
 def hatching(shape: tuple[int, int]) -> np.ndarray:
-    """(H, W) bool diagonal stripes, spaced for a picture shown about 330 px wide (1 in 3 pixels set)."""
+    """(H, W) bool diagonal stripes, one pixel in four, spaced for a picture shown about 330 px wide."""
     height, width = shape
-    period = max(6, round(max(height, width) / 48))
+    period = max(8, round(max(height, width) / 40))
     rows, columns = np.indices((height, width))
-    return (rows + columns) % period < max(1, period // 3)
+    return (rows + columns) % period < period // 4
 
 
 def merged_hatch(geometry: TokenGeometry, merged: Sequence[int] | np.ndarray, kept: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -111,7 +112,8 @@ def compose(image: np.ndarray, panel: Panel, stage: int) -> np.ndarray:
     kept borders, mask outline."""
     kept, merged = panel.stages[stage], panel.merged_cells(stage)
     picture = dim_pruned(image, panel.geometry, kept, merged)
-    picture[merged_hatch(panel.geometry, merged, kept)] = MERGED_HATCH
+    hatch = merged_hatch(panel.geometry, merged, kept)
+    picture[hatch] = np.rint(HATCH_OPACITY * np.array(MERGED_HATCH) + (1 - HATCH_OPACITY) * picture[hatch])
     picture[kept_token_borders(panel.geometry, kept)] = KEPT_OUTLINE
     if panel.mask is not None:
         picture[outline(panel.mask)] = MASK_OUTLINE
@@ -141,6 +143,13 @@ def wrapped(text: str, width: int) -> list[str]:
     return [line for paragraph in text.splitlines() for line in textwrap.wrap(paragraph, width) or [""]]
 
 
+def figure_note(panels: Sequence[Panel], note: str = "") -> str:
+    """``note``, after the legend of the merged-only cells when any panel draws some."""
+    if not any(panel.has_merged_only_cells() for panel in panels):
+        return note
+    return MERGED_NOTE + (f"\n{note}" if note else "")
+
+
 def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle: str = "", note: str = "") -> Path:
     """Save every stage of every panel as one cell of a grid (row-major, <= 4 per row) to ``path``.
 
@@ -151,8 +160,7 @@ def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle
     """
     from matplotlib.figure import Figure
 
-    if any(panel.has_merged_only_cells() for panel in panels):
-        note = MERGED_NOTE + (f"\n{note}" if note else "")
+    note = figure_note(panels, note)
     cells = [(panel, stage) for panel in panels for stage in range(len(panel.stages))]
     rows, columns = grid_shape(len(cells))
     height, width = image.shape[:2]
