@@ -76,7 +76,8 @@ def test_visionzip_records_its_contextual_tokens_and_retention_counts_them(visio
     assert rescued >= 1
 
 
-def test_visualize_run_hatches_the_contextual_cells(visionzip_run, tmp_path, monkeypatch):
+def spy_on_panels(monkeypatch) -> dict:
+    """Record the panels and note ``visualize`` draws (the figure is still written)."""
     drawn = {}
     real_draw = visualize_module.draw_panels
 
@@ -85,6 +86,11 @@ def test_visualize_run_hatches_the_contextual_cells(visionzip_run, tmp_path, mon
         return real_draw(pixels, panels, path, suptitle=suptitle, note=note)
 
     monkeypatch.setattr(visualize_module, "draw_panels", spy)
+    return drawn
+
+
+def test_visualize_run_hatches_the_contextual_cells(visionzip_run, tmp_path, monkeypatch):
+    drawn = spy_on_panels(monkeypatch)
     record = read_records(visionzip_run).iloc[2]
     out = tmp_path / "tokens.png"
     args = ["visualize", "--run", str(visionzip_run), "--question-id", str(record["question_id"]),
@@ -97,3 +103,31 @@ def test_visualize_run_hatches_the_contextual_cells(visionzip_run, tmp_path, mon
     assert panel.stage_labels == [f"input: kept {len(record['kept'])} of 144 + 2 merged"]
     assert "retention 1.00" in panel.caption and out.is_file()
     assert figure_note(drawn["panels"], drawn["note"]) == MERGED_NOTE  # the legend under the figure
+
+
+def test_visualize_live_draws_sparsevlm_recycled_cells_with_its_option(tmp_path, monkeypatch):
+    drawn = spy_on_panels(monkeypatch)
+    image = next(iter(sorted(demo_assets().images_dir.glob("*.png"))))
+    out = tmp_path / "tokens.png"
+    args = ["visualize", str(image), "--budget", str(BUDGET), "--threads", "1", "--selector", "none",
+            "--selector", "sparsevlm", "--option", "recycle=true", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    unpruned, recycled = drawn["panels"]
+    assert not unpruned.has_merged_only_cells()
+    assert recycled.title == f"sparsevlm (recycle=true), budget {BUDGET}" and recycled.has_merged_only_cells()
+    assert len(recycled.merged) == len(recycled.stages) == len(recycled.stage_labels) > 1
+    for cells, label in zip(recycled.merged, recycled.stage_labels):
+        assert label.startswith("layer ") and (" merged" in label) == bool(cells)
+    assert figure_note(drawn["panels"], drawn["note"]) == MERGED_NOTE and out.is_file()
+
+
+@pytest.mark.parametrize(
+    "selectors", [(), ("--selector", "none"), ("--selector", "visionzip", "--selector", "sparsevlm")]
+)
+def test_visualize_option_needs_exactly_one_selector(tmp_path, selectors):
+    image = next(iter(sorted(demo_assets().images_dir.glob("*.png"))))
+    out = tmp_path / "tokens.png"
+    result = CliRunner().invoke(app, ["visualize", str(image), *selectors, "--option", "recycle=true", "--out", str(out)])
+    assert result.exit_code == 2 and "--option applies to one selector" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()

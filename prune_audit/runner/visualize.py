@@ -22,6 +22,7 @@ from prune_audit.runner.safeguards import resolve_budget
 if TYPE_CHECKING:
     from prune_audit.data.coco import CocoInstances
     from prune_audit.models import VisionLanguageModel
+    from prune_audit.pruners.base import Selector
 
 FIGURES_DIR = Path("figures")
 """Default parent of ``visualize``'s output folder: figures/<image stem>/ (figures/<run name>/ with --run)."""
@@ -32,6 +33,7 @@ class VisualizeRequest:
     image: Path
     model: str | None = None
     selectors: Sequence[str] = ()
+    options: Sequence[str] = ()
     budget: int | None = None
     question: str | None = None
     object_name: str | None = None
@@ -181,6 +183,21 @@ def live_setup(request: VisualizeRequest) -> LiveSetup:
     return LiveSetup(model_path, model_name or Path(model_path.rstrip("/")).name, question, coco)
 
 
+def selector_options(names: Sequence[str], pairs: Sequence[str]) -> dict[str, Selector]:
+    """``{name: selector built with the KEY=VALUE pairs}`` for the one selector besides none (empty
+    without pairs); options with no or several such selectors are a one-line error."""
+    if not pairs:
+        return {}
+    from prune_audit.pruners.registry import selector_from_strings
+
+    pruned = [name for name in names if name != "none"]
+    if len(pruned) != 1:
+        raise PruneAuditError(
+            f"--option applies to one selector: pass exactly one --selector besides none, got {len(pruned)}"
+        )
+    return {pruned[0]: selector_from_strings(pruned[0], pairs)}
+
+
 def _skip_reason(vlm: VisionLanguageModel, name: str) -> str | None:
     """Why the model cannot run selector ``name`` (short, for a caption), or None when it can."""
     from prune_audit.pruners import get_selector
@@ -209,6 +226,7 @@ def visualize_live(request: VisualizeRequest) -> Path:
 
     if request.budget is not None and request.budget <= 0:
         raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
+    options = selector_options(request.selectors, request.options)
     pixels = load_rgb(request.image)
     setup = live_setup(request)
     mask = object_mask(setup.coco, request.image.name, _question_object(setup.question))
@@ -225,13 +243,15 @@ def visualize_live(request: VisualizeRequest) -> Path:
     budget = resolve_budget(request.budget, prepared.num_visual) or max(1, prepared.num_visual // 4)
     panels = []
     for name in names:
-        selector = None if name == "none" else get_selector(name)
+        selector = None if name == "none" else options.get(name) or get_selector(name)
         if selector is not None:
             vlm.check_selector(selector)
         generator = torch.Generator().manual_seed(request.seed)
         answer = vlm.answer([prepared], selector, None if selector is None else budget, generator=[generator])[0]
         stages, layers, merged = recorded_stages(answer, prepared.num_visual)
         title = "none (unpruned)" if selector is None else f"{name}, budget {budget}"
+        if name in options:
+            title = f"{name} ({', '.join(request.options)}), budget {budget}"
         caption = _retention_text(mask, prepared.geometry, covered_stages(stages, merged)[0])
         caption += f"answer {answer.answer} (confidence {answer.confidence:.2f})"
         level = None if selector is None else selector.stage
