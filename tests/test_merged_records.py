@@ -8,6 +8,7 @@ footprint, and ``visualize --run`` hatches the cells only they carry.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -131,3 +132,19 @@ def test_visualize_option_needs_exactly_one_selector(tmp_path, selectors):
     result = CliRunner().invoke(app, ["visualize", str(image), *selectors, "--option", "recycle=true", "--out", str(out)])
     assert result.exit_code == 2 and "--option applies to one selector" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_a_visionzip_run_of_schema_3_is_refused_by_resume_and_readers(visionzip_run, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(visionzip_run, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "records_schema": 3}))  # contextual cells not counted
+    before = sorted(p.name for p in old.iterdir())
+    resume = ["run", "--model", "demo", "--selector", "visionzip", "--budget", str(BUDGET), "--limit", "8",
+              "--threads", "1", "--out", str(old), "--quiet"]
+    redraw = ["visualize", "--run", str(old), "--question-id", "1", "--split", "random", "--out", str(tmp_path / "x.png")]
+    for args in (resume, redraw):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and "re-run with this version" in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in old.iterdir()) == before and not (tmp_path / "x.png").exists()
