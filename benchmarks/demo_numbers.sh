@@ -75,12 +75,15 @@ other_lane() {  # accuracy, object removal, the Qwen demo's runs and table, READ
     python -m benchmarks.demo_pruning --model demo-qwen --budgets 8,16,24 --per-split "$PER_SPLIT" --threads 1 \
         --out "$OUT/table-demo-qwen" > /dev/null 2> "$OUT/table-demo-qwen.log"
     log "model card table: table-demo-qwen/table.md"
-    # README figures: kept tokens of several selectors on one scene, and e2s@64's retention figure
+    # README figures: kept tokens of several selectors on one scene (VisionZip's merged cells too), and e2s@64's
+    # retention figure
     IMAGE=$(ls "$CACHE"/demo-questions-*/images/scenes2026_000000000002.png | head -n 1)
     prune-audit visualize "$IMAGE" --budget 64 --threads 1 --selector none --selector cls_attn --selector divprune \
         --selector fastv --selector pdrop --selector e2s --out "$OUT/figures/visualize-demo.png" > /dev/null
     prune-audit visualize "$IMAGE" --model demo-qwen --budget 16 --threads 1 --selector none --selector divprune \
         --selector fastv --selector e2s --out "$OUT/figures/visualize-demo-qwen.png" > /dev/null
+    prune-audit visualize "$IMAGE" --budget 16 --threads 1 --selector none --selector visionzip --selector cls_attn \
+        --out "$OUT/figures/visualize-demo-merged.png" > /dev/null
     prune-audit run --out "$OUT/runs/demo-dense-900" --threads 1 --quiet "${VIS_LIMIT[@]}" > /dev/null
     prune-audit run --selector e2s --budget 64 --out "$OUT/runs/demo-e2s-64-900" --threads 1 --quiet \
         "${VIS_LIMIT[@]}" > /dev/null

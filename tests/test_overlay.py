@@ -1,9 +1,27 @@
-"""Kept-token overlays: the dimmed area is exactly the pruned cells (pixel check on a known grid)."""
+"""Kept-token overlays: the dimmed area is exactly the pruned cells, the hatched one exactly the cells only merged
+tokens carry (pixel checks on a known grid)."""
 
 import numpy as np
 from PIL import Image
 
-from prune_audit.analysis.overlay import CELL_INCHES, DPI, Panel, dim_pruned, draw_panels, grid_shape, kept_pixels, outline
+from prune_audit.analysis.overlay import (
+    CELL_INCHES,
+    DPI,
+    HATCH_OPACITY,
+    KEPT_OUTLINE,
+    MERGED_HATCH,
+    MERGED_NOTE,
+    Panel,
+    compose,
+    dim_pruned,
+    draw_panels,
+    figure_note,
+    grid_shape,
+    kept_pixels,
+    kept_token_borders,
+    merged_hatch,
+    outline,
+)
 from prune_audit.data.geometry import clip_geometry
 
 
@@ -67,3 +85,37 @@ def test_panels_are_laid_out_at_most_four_per_row(tmp_path):
     cell = CELL_INCHES * DPI
     assert 4 * cell <= width <= 4 * cell + 60  # four columns, each about 330 px: readable at 100 %
     assert 3 * cell < height < 3 * (cell + 1.2 * DPI) + 100  # three rows of square images
+
+
+def test_cells_only_merged_tokens_carry_are_half_dimmed_and_hatched():
+    # 4 x 4 grid of 14-px cells; kept 0 and 5; merged tokens carry {1, 2} and {5, 6}: 1, 2, 6 only merged
+    geometry = clip_geometry((56, 56), mode="hf_crop", shortest_edge=None, crop_size=None)
+    image = np.full((56, 56, 3), 200, dtype=np.uint8)
+    kept, merged = [0, 5], [1, 2, 5, 6]
+    shaded = dim_pruned(image, geometry, kept, merged, dim=0.25, merged_dim=0.6)
+    kept_area, merged_only = kept_pixels(geometry, kept), kept_pixels(geometry, [1, 2, 6])
+    dropped = ~kept_area & ~merged_only
+    assert (shaded[kept_area] == 200).all() and (shaded[merged_only] == 120).all() and (shaded[dropped] == 50).all()
+
+    picture = compose(image, Panel("visionzip", geometry, [kept], merged=[merged]), 0)
+    hatch = merged_hatch(geometry, merged, kept)
+    assert np.array_equal(hatch & merged_only, hatch)  # hatching only on the merged-only cells
+    assert 0.15 < hatch[merged_only].mean() < 0.35  # stripes: the image stays visible between them
+    tinted = np.rint(HATCH_OPACITY * np.array(MERGED_HATCH) + (1 - HATCH_OPACITY) * 120)
+    assert (picture[hatch] == tinted).all()
+    assert (picture[merged_only & ~hatch] == 120).all() and (picture[dropped] == 50).all()
+    border = kept_token_borders(geometry, kept)
+    assert (picture[border] == KEPT_OUTLINE).all() and (picture[kept_area & ~border] == 200).all()
+    # three looks, told apart by a plain grey reading: kept > merged-only (even on a stripe) > dropped
+    grey = picture.mean(axis=2)
+    assert grey[kept_area & ~border].min() > grey[merged_only].max() and grey[merged_only].min() > grey[dropped].max()
+
+
+def test_the_legend_of_merged_cells_is_added_only_when_a_panel_draws_some():
+    geometry = clip_geometry((56, 56), mode="hf_crop", shortest_edge=None, crop_size=None)
+    plain = Panel("random", geometry, [[0, 1]])
+    inside = Panel("recycled into kept cells", geometry, [[0, 1], [0]], merged=[[0, 1], []])
+    merging = Panel("sparsevlm", geometry, [[0, 1], [0]], merged=[[], [3, 4]])
+    assert figure_note([plain, inside], "not drawn: x") == "not drawn: x"
+    assert figure_note([plain, merging], "not drawn: x") == MERGED_NOTE + "\nnot drawn: x"
+    assert figure_note([merging]) == MERGED_NOTE and "merged" in MERGED_NOTE and "retention" in MERGED_NOTE

@@ -107,7 +107,7 @@ def test_shards_partition_questions_by_image():
             parse_shard(bad)
 
 
-@pytest.mark.parametrize("version", [None, 1])
+@pytest.mark.parametrize("version", [None, 1, 3])
 def test_manifest_of_an_older_version_is_refused(tmp_path, version):
     write_manifest(tmp_path, {"records_schema": version} if version else {"version": "0.1.0"})
     with pytest.raises(PruneAuditError, match="written by an older prune-audit.*re-run with this version"):

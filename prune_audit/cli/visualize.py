@@ -16,6 +16,7 @@ def visualize(
     model: Annotated[Optional[str], typer.Option(help="Model folder or hub id (default: the bundled demo model).")] = None,
     selector: Annotated[Optional[list[str]], typer.Option(help="Selector to draw; repeatable (default: none plus every supported selector).")] = None,
     budget: Annotated[Optional[int], typer.Option(help="Visual tokens to keep (default: a quarter of the grid).")] = None,
+    option: Annotated[Optional[list[str]], typer.Option(help="Option KEY=VALUE of the one --selector drawn besides none (e.g. recycle=true); repeatable.")] = None,
     object_name: Annotated[Optional[str], typer.Option("--object", help="Ask the POPE question about this object (default: the most visible annotated one).")] = None,
     question: Annotated[Optional[str], typer.Option(help="Full question text instead of --object (text-conditioned selectors use it).")] = None,
     annotations: Annotated[Optional[Path], typer.Option(help="COCO instances file: outline the queried object, show retention.")] = None,
@@ -33,7 +34,9 @@ def visualize(
 
     A grid of panels (at most 4 per row): one per selector, one per stage for
     progressive selectors, each titled with the selector, budget and kept count.
-    Pruned areas are dimmed and kept cells outlined; with --annotations the queried
+    Pruned areas are dimmed and kept cells outlined; cells carried only by merged tokens
+    (VisionZip's contextual tokens, SparseVLM with --option recycle=true) are half-dimmed
+    and hatched; with --annotations the queried
     object's mask is outlined and its retention shown; the answer and confidence are
     under each panel. Without --selector every selector the model can run is drawn
     and the others are listed with the reason. Without --object or --question the
@@ -56,7 +59,7 @@ def visualize(
         from prune_audit.threads import configure_threads
 
         configure_threads(threads)
-        request = VisualizeRequest(image=image, model=model, selectors=selector or [], budget=budget,
+        request = VisualizeRequest(image=image, model=model, selectors=selector or [], options=option or [], budget=budget,
                                    question=question, object_name=object_name, annotations=annotations, out=out,
                                    clip_text=clip_text, device=device, seed=seed)
         path = visualize_live(request)

@@ -76,9 +76,10 @@ class Answer:
 
     ``kept_stages`` holds the kept grid indices after each stage (one entry for
     input-level selection, none unpruned); ``kept`` those reaching the last layer;
-    ``sources`` the grid indices each output token carries for merging input-level
-    selectors; ``merged_stages`` for in-LLM merging, per stage, the grid indices each
-    merged token alive after it carries (empty lists without merging).
+    ``merged_stages`` per stage, the ascending grid indices each merged token alive
+    after it carries, in feed order (an input-level merge such as VisionZip's
+    contextual tokens at its single stage, an in-LLM merge at each of its stages;
+    empty lists without merging).
     ``latency_ms`` is the wall time of the batch prefill (vision, selection,
     language model) divided by the batch size.
     """
@@ -96,7 +97,6 @@ class Answer:
     visual_tokens_avg: float
     prefill_tokens: int
     latency_ms: float
-    sources: list[list[int]] | None = None
     merged_stages: list[list[list[int]]] = field(default_factory=list)
 
 
@@ -109,11 +109,9 @@ def answer_record(
     unpruned runs, whose kept sets come from ``prefill``); ``num_visual`` the grid size.
     """
     if selection is not None:
-        kept_stages = [selection.kept.tolist()]
-        sources = None if selection.sources is None else [s.tolist() for s in selection.sources]
-        stage_layers, merged_stages = [0], [[]]
+        kept_stages, stage_layers, merged_stages = [selection.kept.tolist()], [0], [selection.merged_sources()]
     else:
-        kept_stages, sources = prefill.kept_stages[b], None
+        kept_stages = prefill.kept_stages[b]
         stage_layers, merged_stages = prefill.stage_layers[b], prefill.merged_stages[b]
     counts = prefill.tokens_per_layer[b]
     return Answer(
@@ -130,7 +128,6 @@ def answer_record(
         visual_tokens_avg=sum(counts) / len(counts),
         prefill_tokens=prefill.prefill_tokens[b],
         latency_ms=latency,
-        sources=sources,
         merged_stages=merged_stages,
     )
 

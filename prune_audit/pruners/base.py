@@ -162,6 +162,19 @@ class Selection:
     def num_output_tokens(self) -> int:
         return len(self.sources) if self.sources is not None else int(self.kept.numel())
 
+    def merged_sources(self) -> list[list[int]]:
+        """Ascending grid indices of each output token that is not a kept cell's own token, in output order.
+
+        These are the merged tokens (a VisionZip contextual token: its target and members; one
+        without members carries its target alone); tokens without grid location (CLS) are left
+        out. Empty when output tokens are ``kept``.
+        """
+        if self.sources is None:
+            return []
+        kept = set(self.kept.tolist())
+        groups = [sorted(s.tolist()) for s in self.sources if s.numel()]
+        return [group for group in groups if not (len(group) == 1 and group[0] in kept)]
+
     def covered(self) -> Tensor:
         """(m,) ascending grid indices carried by any output token."""
         if self.sources is None:

@@ -245,6 +245,9 @@ FIDELITY: dict[str, Fidelity] = {
             "ties to the lower index",
             _INPUT_DTYPE + "; under score_dtype=model the head-mean keys, their unit normalisation, the "
             "member-to-target cosines and the merged vectors are computed in the model dtype as well",
+            "the contextual tokens' grid sources (target and members) are recorded in merged_stages and count "
+            "towards retention (records schema 4), so an object merged into a contextual token is not lost; "
+            "visualize hatches their cells",
         ),
         _random(30, "test_fidelity.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
                 "dominant set, every contextual token's target and members, and every output vector within 1e-5; "

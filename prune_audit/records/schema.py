@@ -12,12 +12,14 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the record columns, written to every manifest as ``records_schema``.
 
 2: per-stage columns (``stage_layers``, ``*_stages``); ``retention``, ``object_tokens_kept``
 and ``lost`` are the first stage's values (1 computed them on the last non-empty stage).
 3: ``merged_stages`` (in-LLM merged tokens and their sources); retention counts their footprint.
+4: ``merged_stages`` also holds input-level merged tokens (VisionZip's contextual tokens), so their
+footprint counts towards that stage's retention, ``object_tokens_kept`` and ``lost`` (3 left them out).
 Readers and resume refuse any other version.
 """
 
@@ -89,8 +91,9 @@ RUN_COLUMNS: tuple[Column, ...] = (
     _run(
         "merged_stages",
         pa.list_(pa.list_(INT_LIST)),
-        "for each stage, the tokens an in-LLM merge inserted that are alive after it (SparseVLM with "
-        "recycle=true), each as the ascending grid indices it carries; empty lists without in-LLM merging",
+        "for each stage, the merged tokens alive after it, each as the ascending grid indices it carries, in "
+        "feed order: an input-level merge's tokens at its single stage (VisionZip's contextual tokens) and an "
+        "in-LLM merge's inserted tokens (SparseVLM with recycle=true); empty lists without merging",
     ),
     _run(
         "stage_layers",

@@ -16,12 +16,13 @@ from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import FIRST, StageChoice, record_stage
-from prune_audit.runner.build import recorded_stages
+from prune_audit.runner.build import covered_stages, recorded_stages
 from prune_audit.runner.safeguards import resolve_budget
 
 if TYPE_CHECKING:
     from prune_audit.data.coco import CocoInstances
-    from prune_audit.models import Answer, VisionLanguageModel
+    from prune_audit.models import VisionLanguageModel
+    from prune_audit.pruners.base import Selector
 
 FIGURES_DIR = Path("figures")
 """Default parent of ``visualize``'s output folder: figures/<image stem>/ (figures/<run name>/ with --run)."""
@@ -32,6 +33,7 @@ class VisualizeRequest:
     image: Path
     model: str | None = None
     selectors: Sequence[str] = ()
+    options: Sequence[str] = ()
     budget: int | None = None
     question: str | None = None
     object_name: str | None = None
@@ -108,23 +110,32 @@ def _question_object(question: str) -> str | None:
         return None
 
 
-def _retention_text(mask: np.ndarray | None, geometry: TokenGeometry, kept: Sequence[int]) -> str:
-    """Retention of ``kept`` (the first stage's kept set, as the records' ``retention``)."""
+def _retention_text(mask: np.ndarray | None, geometry: TokenGeometry, covered: Sequence[int]) -> str:
+    """Retention of ``covered`` (the first stage's kept and merged cells, as the records' ``retention``)."""
     if mask is None or not mask.any():
         return ""
     from prune_audit.data.retention import object_area, retention
 
     area = object_area(mask, geometry)
-    retained, tokens, _ = retention(area.area_per_token, area.total_area, kept)
+    retained, tokens, _ = retention(area.area_per_token, area.total_area, covered)
     return f"first-stage retention {retained:.2f} ({tokens} object token{'s' if tokens != 1 else ''})\n"
 
 
-def _stage_labels(answer: Answer, num_visual: int) -> list[str]:
-    """One label per stage: where it applies and how many of the ``num_visual`` tokens it keeps."""
-    if not answer.stage_layers:
-        kept = len(answer.kept_stages[0]) if answer.kept_stages else num_visual
-        return [f"input: kept {kept} of {num_visual}"]
-    return [f"layer {layer}: kept {len(kept)} of {num_visual}" for layer, kept in zip(answer.stage_layers, answer.kept_stages)]
+def stage_labels(
+    level: str | None, kept_stages: list[list[int]], layers: list[int], merged_stages: list[list[list[int]]], total: int
+) -> list[str]:
+    """One label per stage: where it applies (``level`` "llm": its decoder layer; else the input), how
+    many of the ``total`` grid tokens it keeps, and how many merged tokens it feeds beside them."""
+    labels = []
+    for layer, kept, merged in zip(layers, kept_stages, merged_stages):
+        where = f"layer {layer}" if level == "llm" else "input"
+        labels.append(f"{where}: kept {len(kept)} of {total}" + (f" + {len(merged)} merged" if merged else ""))
+    return labels
+
+
+def merged_cells(merged_stages: list[list[list[int]]]) -> list[list[int]]:
+    """Per stage, the ascending grid cells its merged tokens carry."""
+    return [sorted(set().union(*merged)) for merged in merged_stages]
 
 
 @dataclass(frozen=True)
@@ -172,6 +183,21 @@ def live_setup(request: VisualizeRequest) -> LiveSetup:
     return LiveSetup(model_path, model_name or Path(model_path.rstrip("/")).name, question, coco)
 
 
+def selector_options(names: Sequence[str], pairs: Sequence[str]) -> dict[str, Selector]:
+    """``{name: selector built with the KEY=VALUE pairs}`` for the one selector besides none (empty
+    without pairs); options with no or several such selectors are a one-line error."""
+    if not pairs:
+        return {}
+    from prune_audit.pruners.registry import selector_from_strings
+
+    pruned = [name for name in names if name != "none"]
+    if len(pruned) != 1:
+        raise PruneAuditError(
+            f"--option applies to one selector: pass exactly one --selector besides none, got {len(pruned)}"
+        )
+    return {pruned[0]: selector_from_strings(pruned[0], pairs)}
+
+
 def _skip_reason(vlm: VisionLanguageModel, name: str) -> str | None:
     """Why the model cannot run selector ``name`` (short, for a caption), or None when it can."""
     from prune_audit.pruners import get_selector
@@ -200,6 +226,7 @@ def visualize_live(request: VisualizeRequest) -> Path:
 
     if request.budget is not None and request.budget <= 0:
         raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
+    options = selector_options(request.selectors, request.options)
     pixels = load_rgb(request.image)
     setup = live_setup(request)
     mask = object_mask(setup.coco, request.image.name, _question_object(setup.question))
@@ -216,17 +243,20 @@ def visualize_live(request: VisualizeRequest) -> Path:
     budget = resolve_budget(request.budget, prepared.num_visual) or max(1, prepared.num_visual // 4)
     panels = []
     for name in names:
-        selector = None if name == "none" else get_selector(name)
+        selector = None if name == "none" else options.get(name) or get_selector(name)
         if selector is not None:
             vlm.check_selector(selector)
         generator = torch.Generator().manual_seed(request.seed)
         answer = vlm.answer([prepared], selector, None if selector is None else budget, generator=[generator])[0]
-        stages = [list(k) for k in answer.kept_stages] or [list(range(prepared.num_visual))]
+        stages, layers, merged = recorded_stages(answer, prepared.num_visual)
         title = "none (unpruned)" if selector is None else f"{name}, budget {budget}"
-        caption = _retention_text(mask, prepared.geometry, recorded_stages(answer, prepared.num_visual)[0][0])
+        if name in options:
+            title = f"{name} ({', '.join(request.options)}), budget {budget}"
+        caption = _retention_text(mask, prepared.geometry, covered_stages(stages, merged)[0])
         caption += f"answer {answer.answer} (confidence {answer.confidence:.2f})"
-        labels = _stage_labels(answer, prepared.num_visual)
-        panels.append(Panel(title, prepared.geometry, stages, labels, caption, mask))
+        level = None if selector is None else selector.stage
+        labels = stage_labels(level, stages, layers, merged, prepared.num_visual)
+        panels.append(Panel(title, prepared.geometry, stages, labels, caption, mask, merged_cells(merged)))
     note = "not drawn: " + "; ".join(f"{name} ({reason})" for name, reason in skipped.items()) if skipped else ""
     out = output_path(request.out, FIGURES_DIR / request.image.stem, "tokens")
     return draw_panels(pixels, panels, out, suptitle=f"{setup.model_name} | {setup.question}", note=note)
@@ -262,11 +292,9 @@ def visualize_record(
     if annotations.get("path") and row["label"] == "yes":
         mask = object_mask(load_annotations(Path(annotations["path"])), row["image"], row["object"])
     stages = [list(k) for k in row["kept_stages"]]
-    total = geometry.num_tokens
-    if (manifest.get("selector") or {}).get("stage") == "llm":
-        labels = [f"layer {layer}: kept {len(kept)} of {total}" for layer, kept in zip(row["stage_layers"], stages)]
-    else:
-        labels = [f"input: kept {len(stages[0])} of {total}"]
+    merged = row["merged_stages"]
+    level = (manifest.get("selector") or {}).get("stage")
+    labels = stage_labels(level, stages, row["stage_layers"], merged, geometry.num_tokens)
     selector, budget = manifest["selector"]["name"], manifest.get("budget")
     chosen = record_stage(stages, stage, str(run_dir))
     retention = row["retention_stages"][chosen]
@@ -275,7 +303,7 @@ def visualize_record(
         f"retention {retention:.2f} at stage {stage.name} (layer {row['stage_layers'][chosen]})\n"
     )
     caption += f"answer {row['answer']} (confidence {row['confidence']:.2f}), label {row['label']}"
-    panel = Panel(title, geometry, stages, labels, caption, mask)
+    panel = Panel(title, geometry, stages, labels, caption, mask, merged_cells(merged))
     out = output_path(out, FIGURES_DIR / Path(run_dir).resolve().name, f"tokens-{row['split']}-{question_id}")
     suptitle = f"{Path(manifest['model']['id']).name} | {row['object']} ({row['split']} #{question_id})"
     return draw_panels(pixels, [panel], out, suptitle=suptitle)

@@ -103,21 +103,24 @@ def eligible_records(source: InterventionSource, mode: str) -> list[Record]:
 
 
 def check_swappable(source: InterventionSource) -> None:
-    """Input-level kept cells must be exactly the visual tokens the model saw.
+    """The forced kept cells must be exactly the visual tokens the model saw.
 
-    A merging selector (VisionZip, SparseVLM with recycle=true) feeds merged tokens beside
-    its kept cells; forcing only the cells would change the budget, so such runs are refused.
+    A merging selector (VisionZip's contextual tokens, SparseVLM with recycle=true) feeds
+    merged tokens beside its kept cells (the records' ``merged_stages``); forcing only the
+    cells would drop them, so such runs are refused, as are input-level runs that feed
+    tokens without a grid cell (VisionZip's CLS).
     """
+    selector = source.run.selector
+    if any(merged for record in source.records for stage in record["merged_stages"] for merged in stage):
+        raise PruneAuditError(
+            f"selector {selector!r} fed merged tokens (the records' merged_stages); forced kept cells cannot "
+            f"reproduce them, so intervene needs a selector that keeps grid cells only (sparsevlm: recycle=false)"
+        )
     if source.manifest["selector"]["stage"] == "llm":
-        if any(merged for record in source.records for merged in record["merged_stages"]):
-            raise PruneAuditError(
-                f"selector {source.run.selector!r} inserted merged tokens (recycle); forced stages cannot "
-                f"reproduce them, so intervene needs a run without merging (recycle=false)"
-            )
         return
     for record in source.records:
         if round(record["visual_tokens_avg"]) != len(record["kept"]):
             raise PruneAuditError(
-                f"selector {source.run.selector!r} feeds {record['visual_tokens_avg']:g} visual tokens for "
-                f"{len(record['kept'])} kept cells (merged tokens); intervene needs a selector that keeps grid cells"
+                f"selector {selector!r} feeds {record['visual_tokens_avg']:g} visual tokens for "
+                f"{len(record['kept'])} kept cells; intervene needs a selector that keeps grid cells only"
             )
