@@ -9,7 +9,9 @@ on the demo question set, or on its first ``--per-split`` questions of each POPE
 Per run, against the unpruned run on the same questions: accuracy, mean confidence
 (two-way top-label), the share of yes-questions whose object lost every token (the records'
 ``lost`` column, i.e. at the first pruning stage), accuracy and mean confidence on those lost questions for the
-pruned and the unpruned model, ECE (15 bins) and AUROC. Writes ``OUT/table.md`` and
+pruned and the unpruned model, ECE (15 bins) and AUROC; under the table, for runs whose merged tokens
+carry objects the kept cells lose (the records' ``diluted``: VisionZip, SparseVLM with ``recycle=true``),
+the same numbers on those diluted questions. Writes ``OUT/table.md`` and
 ``OUT/table.json`` and prints the table. Selectors or budgets the model cannot run
 (e.g. a budget below what the layers before the first stage already use) are listed
 with the reason.
@@ -80,6 +82,13 @@ def row_text(name: str, values: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def diluted_text(name: str, values: dict) -> str:
+    """One line on the yes-questions whose object only merged tokens carry."""
+    return (f"* {name}: {values['diluted']} yes-questions diluted ({100 * values['diluted_share']:.1f} %), "
+            f"accuracy {100 * values['diluted_accuracy']:.1f} % (unpruned {100 * values['dense_diluted_accuracy']:.1f} %), "
+            f"confidence {values['diluted_confidence']:.3f} (unpruned {values['dense_diluted_confidence']:.3f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo", help="demo or demo-qwen")
@@ -127,6 +136,10 @@ def main() -> None:
         row_text("unpruned", dense_row),
         *(row_text(name, values) for name, values in rows.items()),
     ]
+    diluted = {name: values for name, values in rows.items() if values["diluted"]}
+    if diluted:
+        lines += ["", "Diluted: the object only in cells a merged token carries (not lost, as the table counts):",
+                  *(diluted_text(name, values) for name, values in diluted.items())]
     if skipped:
         lines += ["", *(f"* not run: {name}: {reason}" for name, reason in skipped.items())]
     table = "\n".join(lines) + "\n"

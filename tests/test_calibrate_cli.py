@@ -95,6 +95,8 @@ def write_run(directory, seed, strength, tokens, images=24, lost_share=0.0, sele
                         "object_tokens_kept_stages": [(0 if lost else 2) if label_yes else -1],
                         "lost": lost,
                         "lost_stages": [lost],
+                        "diluted": False if label_yes else None,
+                        "diluted_stages": [False if label_yes else None],
                         "object_area": 500 if label_yes else 0,
                         "latency_ms": 10.0,
                         "geometry": "{}",

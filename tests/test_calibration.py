@@ -305,6 +305,7 @@ def question_table(n_images, seed):
         logit_diff=logit_diff,
         retention=retention,
         lost=np.where(label_yes, retention == 0.0, np.nan),
+        diluted=np.where(label_yes, 0.0, np.nan),
         cost_tokens=np.full(6 * n_images, 50.0),
     )
 

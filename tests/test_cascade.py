@@ -33,6 +33,7 @@ def table(image_id, answer_yes, confidence, tokens, label_yes=None):
         logit_diff=np.zeros(n),
         retention=np.full(n, np.nan),
         lost=np.full(n, np.nan),
+        diluted=np.full(n, np.nan),
         cost_tokens=np.full(n, tokens) if np.isscalar(tokens) else np.asarray(tokens),
     )
 

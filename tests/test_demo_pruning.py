@@ -97,7 +97,7 @@ def test_in_llm_lost_objects_lose_accuracy_but_not_confidence(run_dir, name, sel
         assert summary.dense_lost_accuracy - summary.lost_accuracy >= min_drop, summary
 
 
-def _table(correct, confidence, lost, label_yes, order=None):
+def _table(correct, confidence, lost, label_yes, order=None, diluted=None):
     import numpy as np
 
     from prune_audit.analysis.questions import QuestionTable
@@ -109,7 +109,8 @@ def _table(correct, confidence, lost, label_yes, order=None):
         split=np.array(["random"] * n), question_id=order.astype(np.int64), image_id=np.zeros(n, dtype=np.int64),
         label_yes=column(label_yes, bool), answer_yes=column(label_yes, bool), correct=column(correct, bool),
         confidence=column(confidence, float), p_yes=np.full(n, 0.5), logit_diff=np.zeros(n),
-        retention=np.full(n, np.nan), lost=column(lost, float), cost_tokens=np.ones(n),
+        retention=np.full(n, np.nan), lost=column(lost, float),
+        diluted=column(lost, float) * 0 if diluted is None else column(diluted, float), cost_tokens=np.ones(n),
     )
 
 
@@ -126,3 +127,16 @@ def test_lost_object_summary_pairs_the_lost_questions_with_the_unpruned_run():
     assert summary.lost_accuracy == 0.0 and summary.lost_confidence == pytest.approx(0.8)
     assert summary.dense_lost_accuracy == 0.5 and summary.dense_lost_confidence == pytest.approx(0.9)
     assert summary.accuracy == pytest.approx(0.6) and summary.mean_confidence == pytest.approx(0.78)
+    assert (summary.diluted, summary.diluted_share) == (0, 0.0) and summary.diluted_accuracy != summary.diluted_accuracy
+
+
+def test_lost_object_summary_counts_the_diluted_questions_apart_from_the_lost():
+    """A merging selector's object that only a merged token carries is diluted, not lost."""
+    nan = float("nan")
+    pruned = _table([False, True, True, True], [0.9, 0.8, 0.7, 0.6], [0, 0, 0, nan], [True, True, True, True],
+                    diluted=[1, 1, 0, nan])
+    dense = _table([True, True, True, True], [0.95, 0.85, 0.9, 0.9], [0, 0, 0, nan], [True, True, True, True])
+    summary = lost_object_summary(pruned, dense)
+    assert (summary.lost, summary.diluted, summary.yes_with_mask) == (0, 2, 3)
+    assert summary.diluted_share == pytest.approx(2 / 3) and summary.diluted_accuracy == 0.5
+    assert summary.diluted_confidence == pytest.approx(0.85) and summary.dense_diluted_accuracy == 1.0

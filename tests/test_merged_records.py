@@ -68,12 +68,15 @@ def test_visionzip_records_its_contextual_tokens_and_retention_counts_them(visio
         geometry = TokenGeometry(**json.loads(row.geometry))
         assert sorted(carried + kept) == list(range(geometry.num_tokens))  # VisionZip drops no cell
         if row.lost is None:
+            assert row.diluted is None and list(row.diluted_stages) == [None]
             continue
         area = object_area(coco.category_mask(row.image_id, row.object), geometry)
         retained, tokens, lost = retention(area.area_per_token, area.total_area, sorted(carried + kept))
         assert (row.retention, row.object_tokens_kept, row.lost) == (pytest.approx(retained), tokens, lost)
         assert row.retention == 1.0 and not row.lost
-        rescued += retention(area.area_per_token, area.total_area, kept)[2]  # lost on the dominant cells alone
+        alone_lost = retention(area.area_per_token, area.total_area, kept)[2]  # lost on the dominant cells alone
+        assert row.diluted is alone_lost and list(row.diluted_stages) == [alone_lost]
+        rescued += alone_lost
     assert rescued >= 1
 
 

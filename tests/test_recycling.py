@@ -330,7 +330,9 @@ def test_recycling_run_records_merged_sources_and_their_retention(workspace, tmp
             retained, tokens, lost = retention(area.area_per_token, area.total_area, sorted(cells))
             assert row.retention_stages[stage] == pytest.approx(retained)
             assert (row.object_tokens_kept_stages[stage], row.lost_stages[stage]) == (tokens, lost)
-            footprint += retained > retention(area.area_per_token, area.total_area, kept[stage])[0]
+            own_retained, _, own_lost = retention(area.area_per_token, area.total_area, kept[stage])
+            assert row.diluted_stages[stage] is (own_lost and not lost)
+            footprint += retained > own_retained
     assert masked and footprint  # merged sources added object area somewhere
     plain = tmp_path / "plain"
     result = invoke(base_args(workspace, plain, "--selector", "sparsevlm", "--budget", "8", "--limit", "24"))

@@ -148,9 +148,12 @@ def test_in_llm_stages_are_nested_and_retention_never_grows(workspace, tmp_path,
     for row in records.itertuples():
         stages = [set(kept) for kept in row.kept_stages]
         assert list(row.stage_layers) == layers and all(a >= b for a, b in zip(stages, stages[1:]))
-        for column in ("retention_stages", "object_tokens_kept_stages", "lost_stages"):
+        for column in ("retention_stages", "object_tokens_kept_stages", "lost_stages", "diluted_stages"):
             assert len(getattr(row, column)) == len(stages)
         assert (row.object_tokens_kept, row.lost) == (row.object_tokens_kept_stages[0], row.lost_stages[0])
+        # no merged tokens: no object is diluted (null without a mask, as lost)
+        assert [d is None for d in row.diluted_stages] == [lost is None for lost in row.lost_stages]
+        assert not any(row.diluted_stages)
         if row.lost is None:
             assert np.isnan(row.retention_stages).all()
             continue

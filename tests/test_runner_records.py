@@ -45,6 +45,8 @@ def make_row(order, split="random", question_id=None):
         "object_tokens_kept_stages": [2],
         "lost": False,
         "lost_stages": [False],
+        "diluted": False,
+        "diluted_stages": [False],
         "object_area": 100,
         "latency_ms": 1.0,
         "geometry": "{}",
@@ -129,10 +131,12 @@ def stage_rows():
     first = make_row(0) | {
         "kept_stages": [[1, 2, 3, 4], [1, 2], []], "merged_stages": [[], [], []], "stage_layers": [0, 2, 3],
         "retention_stages": [0.8, 0.4, 0.0], "object_tokens_kept_stages": [3, 1, 0], "lost_stages": [False, False, True],
+        "diluted_stages": [False, False, False],
     }
     no_mask = make_row(1) | {
         "kept_stages": [[1, 2, 3, 4], [1, 2], []], "merged_stages": [[], [], []], "stage_layers": [0, 2, 3],
         "retention_stages": [float("nan")] * 3, "object_tokens_kept_stages": [-1] * 3, "lost_stages": [None] * 3,
+        "diluted": None, "diluted_stages": [None] * 3,
     }
     return pa.Table.from_pylist([first, no_mask], schema=SCHEMA)
 
@@ -142,6 +146,7 @@ def test_stage_choice_first_last_and_index():
     first = stage_values(records, parse_stage("first"), "test")
     np.testing.assert_array_equal(first.retention[:1], [0.8])
     assert first.layer.tolist() == [0, 0] and first.lost[0] == 0.0 and np.isnan(first.lost[1])
+    assert first.diluted[0] == 0.0 and np.isnan(first.diluted[1])
     last = stage_values(records, parse_stage("last"), "test")  # the last stage that keeps tokens
     assert last.index.tolist() == [1, 1] and last.layer.tolist() == [2, 2] and last.retention[0] == 0.4
     literal = stage_values(records, parse_stage("2"), "test")

@@ -28,6 +28,9 @@ class LostObjectSummary:
         lost_share: ``lost / yes_with_mask`` (NaN when no mask is known).
         lost_accuracy, lost_confidence: the pruned run on the lost questions (NaN when none).
         dense_lost_accuracy, dense_lost_confidence: the unpruned model on the same questions.
+        diluted, diluted_share, diluted_accuracy, diluted_confidence, dense_diluted_accuracy,
+            dense_diluted_confidence: the same for the yes-questions whose object reached the model
+            only in merged tokens' cells (the records' ``diluted``; none without merging).
     """
 
     questions: int
@@ -42,6 +45,12 @@ class LostObjectSummary:
     lost_confidence: float
     dense_lost_accuracy: float
     dense_lost_confidence: float
+    diluted: int
+    diluted_share: float
+    diluted_accuracy: float
+    diluted_confidence: float
+    dense_diluted_accuracy: float
+    dense_diluted_confidence: float
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -59,6 +68,7 @@ def lost_object_summary(pruned: QuestionTable, dense: QuestionTable) -> LostObje
     dense = dense.aligned_to(pruned)
     known = pruned.label_yes & ~np.isnan(pruned.lost)
     lost = known & (pruned.lost == 1.0)
+    diluted = known & (pruned.diluted == 1.0)
     return LostObjectSummary(
         questions=len(pruned),
         accuracy=_mean(pruned.correct),
@@ -72,6 +82,12 @@ def lost_object_summary(pruned: QuestionTable, dense: QuestionTable) -> LostObje
         lost_confidence=_mean(pruned.confidence[lost]),
         dense_lost_accuracy=_mean(dense.correct[lost]),
         dense_lost_confidence=_mean(dense.confidence[lost]),
+        diluted=int(diluted.sum()),
+        diluted_share=float(diluted.sum() / known.sum()) if known.any() else float("nan"),
+        diluted_accuracy=_mean(pruned.correct[diluted]),
+        diluted_confidence=_mean(pruned.confidence[diluted]),
+        dense_diluted_accuracy=_mean(dense.correct[diluted]),
+        dense_diluted_confidence=_mean(dense.confidence[diluted]),
     )
 
 

@@ -26,6 +26,8 @@ class QuestionTable:
         logit_diff: (n,) float64, log p_yes - log p_no.
         retention: (n,) float64, object-area retention of the kept tokens (NaN when undefined).
         lost: (n,) float64, 1.0 when the object lost every token, 0.0 when not, NaN when unknown.
+        diluted: (n,) float64, 1.0 when the object reached the model only in merged tokens' cells,
+            0.0 when not, NaN when unknown.
         cost_tokens: (n,) float64, prefill cost: the sequence length averaged over decoder layers.
     """
 
@@ -40,6 +42,7 @@ class QuestionTable:
     logit_diff: np.ndarray
     retention: np.ndarray
     lost: np.ndarray
+    diluted: np.ndarray
     cost_tokens: np.ndarray
 
     def __post_init__(self) -> None:

@@ -124,6 +124,7 @@ def _question_table(records: pa.Table, source: str, at_stage: StageValues) -> Qu
         logit_diff=records["logit_diff"].to_numpy().astype(np.float64),
         retention=at_stage.retention,
         lost=at_stage.lost,
+        diluted=at_stage.diluted,
         cost_tokens=records["cost_tokens"].to_numpy().astype(np.float64),
     )
 

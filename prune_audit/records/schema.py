@@ -132,7 +132,8 @@ RUN_COLUMNS: tuple[Column, ...] = (
     _run(
         "lost",
         pa.bool_(),
-        "object had pixels but none in the first stage's kept tokens (null when no mask); = lost_stages[0]",
+        "object had pixels but none in the first stage's kept cells or the cells its merged tokens carry (null "
+        "when no mask); = lost_stages[0]",
         nullable=True,
     ),
     _run(
@@ -141,6 +142,15 @@ RUN_COLUMNS: tuple[Column, ...] = (
         "lost at each stage (null entries without a mask); an empty stage (a schedule ending at 0 tokens) loses "
         "every object",
     ),
+    _run(
+        "diluted",
+        pa.bool_(),
+        "object had pixels, none in the first stage's own kept cells, some only in cells a merged token carries "
+        "(it reaches the model averaged with other cells, so lost is false); false without merged tokens, null "
+        "when no mask; = diluted_stages[0]",
+        nullable=True,
+    ),
+    _run("diluted_stages", pa.list_(pa.bool_()), "diluted at each stage (null entries without a mask)"),
     _run("object_area", pa.int64(), "mask pixels of the queried object in the image (0 for \"no\" questions)"),
     _run("latency_ms", pa.float64(), "wall time of the prefill (batch prefill time / batch size)"),
     _run("geometry", pa.string(), "JSON of the image's `TokenGeometry` (lets `visualize --run` redraw without the model)"),

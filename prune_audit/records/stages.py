@@ -61,6 +61,7 @@ class StageValues:
     Attributes:
         retention: float64, NaN without a mask.
         lost: float64 1.0 / 0.0, NaN without a mask.
+        diluted: float64 1.0 / 0.0, NaN without a mask (the object only in merged tokens' cells).
         object_tokens_kept: int64, -1 without a mask.
         layer: int64, the decoder layer whose input the chosen kept set is.
         index: int64, the chosen stage index of each record.
@@ -68,6 +69,7 @@ class StageValues:
 
     retention: np.ndarray
     lost: np.ndarray
+    diluted: np.ndarray
     object_tokens_kept: np.ndarray
     layer: np.ndarray
     index: np.ndarray
@@ -90,7 +92,7 @@ def _last_non_empty(records: pa.Table, offsets: np.ndarray) -> np.ndarray:
 
 
 def stage_values(records: pa.Table, choice: StageChoice, source: str) -> StageValues:
-    """The chosen stage's retention, lost and layer for every record of ``records`` (``RUN_SCHEMA``)."""
+    """The chosen stage's retention, lost, diluted and layer for every record of ``records`` (``RUN_SCHEMA``)."""
     layers, offsets = _lists(records["stage_layers"])
     counts = np.diff(offsets)
     if records.num_rows and counts.min() < 1:
@@ -106,14 +108,21 @@ def stage_values(records: pa.Table, choice: StageChoice, source: str) -> StageVa
         position = offsets[:-1] + choice.index
     retention, _ = _lists(records["retention_stages"])
     lost, _ = _lists(records["lost_stages"])
+    diluted, _ = _lists(records["diluted_stages"])
     tokens, _ = _lists(records["object_tokens_kept_stages"])
     return StageValues(
         retention=retention.to_numpy(zero_copy_only=False).astype(np.float64)[position],
-        lost=pc.cast(lost, pa.float64()).to_numpy(zero_copy_only=False).astype(np.float64)[position],
+        lost=_as_float(lost)[position],
+        diluted=_as_float(diluted)[position],
         object_tokens_kept=tokens.to_numpy().astype(np.int64)[position],
         layer=layers.to_numpy().astype(np.int64)[position],
         index=position - offsets[:-1],
     )
+
+
+def _as_float(flags: pa.Array) -> np.ndarray:
+    """(m,) float64 1.0 / 0.0 of a bool array, NaN for nulls."""
+    return pc.cast(flags, pa.float64()).to_numpy(zero_copy_only=False).astype(np.float64)
 
 
 def record_stage(kept_stages: list[list[int]], choice: StageChoice, source: str) -> int:

@@ -76,14 +76,35 @@ def covered_stages(kept_stages: list[list[int]], merged_stages: list[list[list[i
 def build_records(answered: Sequence[AnsweredQuestion], areas: Sequence[ObjectArea | None]) -> list[Record]:
     """One record per answered question; ``areas[i]`` is question i's object area (or None).
 
-    Retention is computed at every stage; ``retention``, ``object_tokens_kept`` and ``lost``
-    are the first stage's values.
+    Retention is computed at every stage; ``retention``, ``object_tokens_kept``, ``lost`` and
+    ``diluted`` are the first stage's values.
     """
     stages = [recorded_stages(item.answer, item.prepared.num_visual) for item in answered]
     retained = retention_by_stage(areas, [covered_stages(kept, merged) for kept, _, merged in stages])
+    diluted = _diluted_stages(areas, stages, retained)
     return [
-        _record(item, area, kept_stages, layers, merged, by_stage)
-        for item, area, (kept_stages, layers, merged), by_stage in zip(answered, areas, stages, retained)
+        _record(item, area, kept_stages, layers, merged, by_stage, dilution)
+        for item, area, (kept_stages, layers, merged), by_stage, dilution in zip(
+            answered, areas, stages, retained, diluted
+        )
+    ]
+
+
+def _diluted_stages(
+    areas: Sequence[ObjectArea | None],
+    stages: list[tuple[list[list[int]], list[int], list[list[list[int]]]]],
+    retained: list[StageRetention],
+) -> list[list[bool | None]]:
+    """Per question and stage: the kept cells alone lose the object but a merged token carries it.
+
+    Only questions with merged tokens need their kept cells' own retention; the others are
+    never diluted (None without a mask, as ``lost``).
+    """
+    merging = [q for q, (_, _, merged) in enumerate(stages) if any(merged)]
+    own = dict(zip(merging, retention_by_stage([areas[q] for q in merging], [stages[q][0] for q in merging])))
+    return [
+        [None if lost is None else bool(q in own and own[q].lost[s] and not lost) for s, lost in enumerate(by.lost)]
+        for q, by in enumerate(retained)
     ]
 
 
@@ -94,6 +115,7 @@ def _record(
     stage_layers: list[int],
     merged_stages: list[list[list[int]]],
     by_stage: StageRetention,
+    diluted: list[bool | None],
 ) -> Record:
     question, answer, prepared = item.question, item.answer, item.prepared
     has_mask = area is not None and area.has_mask
@@ -126,6 +148,8 @@ def _record(
         "object_tokens_kept_stages": by_stage.object_tokens_kept,
         "lost": by_stage.lost[0],
         "lost_stages": by_stage.lost,
+        "diluted": diluted[0],
+        "diluted_stages": diluted,
         "object_area": area.total_area if has_mask else 0,
         "latency_ms": answer.latency_ms,
         "geometry": json.dumps(prepared.geometry.to_dict()),
