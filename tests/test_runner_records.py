@@ -11,7 +11,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import differing_fields, read_manifest, write_manifest
 from prune_audit.records.schema import RUN_SCHEMA as SCHEMA
 from prune_audit.records.schema import SCHEMA_VERSION
-from prune_audit.records.stages import parse_stage, stage_values
+from prune_audit.records.stages import parse_stage, record_stage, stage_values
 from prune_audit.records.store import RecordStore
 from prune_audit.runner.sharding import Shard, parse_shard, shard_questions
 
@@ -139,6 +139,20 @@ def stage_rows():
         "diluted": None, "diluted_stages": [None] * 3,
     }
     return pa.Table.from_pylist([first, no_mask], schema=SCHEMA)
+
+
+def test_last_stage_is_the_deepest_that_feeds_kept_or_merged_tokens():
+    """A recycling stage that keeps no cell but feeds merged tokens still counts as a stage with tokens."""
+    row = make_row(0) | {
+        "kept_stages": [[1, 2, 3, 4], [], []], "merged_stages": [[], [[5, 6]], []], "stage_layers": [0, 2, 3],
+        "retention_stages": [0.8, 0.3, 0.0], "object_tokens_kept_stages": [3, 1, 0],
+        "lost_stages": [False, False, True], "diluted_stages": [False, True, False],
+    }
+    records = pa.Table.from_pylist([row], schema=SCHEMA)
+    last = stage_values(records, parse_stage("last"), "test")
+    assert last.index.tolist() == [1] and last.diluted.tolist() == [1.0]
+    assert record_stage(row["kept_stages"], parse_stage("last"), "test", row["merged_stages"]) == 1
+    assert record_stage(row["kept_stages"], parse_stage("last"), "test") == 0  # kept cells alone
 
 
 def test_stage_choice_first_last_and_index():

@@ -47,7 +47,7 @@ ClipTextOption = Annotated[Optional[Path], typer.Option(help="CLIP text tower fo
 
 STAGE_HELP = (
     "Stage whose retention and lost objects are read: first (the earliest point tokens leave the model), "
-    "last (the deepest stage that still keeps tokens) or a stage index 0, 1, ..."
+    "last (the deepest stage that still feeds visual tokens) or a stage index 0, 1, ..."
 )
 """Help of every analysis command's --stage (parsed by prune_audit.records.stages.parse_stage)."""
 

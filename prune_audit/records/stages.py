@@ -2,8 +2,8 @@
 
 ``first`` (the default) is stage 0, the earliest point at which tokens leave the model
 (the only stage of input-level selectors); ``last`` is each record's deepest stage that
-still keeps visual tokens (the ``kept`` column: a schedule ending at 0 tokens reports
-the stage before); an integer is that stage index in every record.
+still feeds visual tokens, kept cells or merged tokens (a schedule ending at 0 tokens
+reports the stage before); an integer is that stage index in every record.
 """
 
 from __future__ import annotations
@@ -15,11 +15,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prune_audit.errors import PruneAuditError
-
-STAGE_HELP = (
-    "Stage whose retention and lost objects are read: first (the earliest point tokens leave the model), "
-    "last (the deepest stage that still keeps tokens) or a stage index 0, 1, ..."
-)
 
 
 @dataclass(frozen=True)
@@ -83,9 +78,11 @@ def _lists(column: pa.ChunkedArray | pa.Array) -> tuple[pa.Array, np.ndarray]:
 
 
 def _last_non_empty(records: pa.Table, offsets: np.ndarray) -> np.ndarray:
-    """(n,) flat position of each record's last stage that keeps any token (its last stage when none does)."""
+    """(n,) flat position of each record's last stage that feeds any visual token, kept or merged
+    (its last stage when none does)."""
     stages, _ = _lists(records["kept_stages"])
-    sizes = pc.list_value_length(stages).to_numpy()
+    merged, _ = _lists(records["merged_stages"])
+    sizes = pc.list_value_length(stages).to_numpy() + pc.list_value_length(merged).to_numpy()
     positions = np.where(sizes > 0, np.arange(len(sizes)), -1)
     last = np.maximum.reduceat(positions, offsets[:-1]) if len(positions) else np.zeros(0, np.int64)
     return np.where(last >= 0, last, offsets[1:] - 1)
@@ -125,10 +122,14 @@ def _as_float(flags: pa.Array) -> np.ndarray:
     return pc.cast(flags, pa.float64()).to_numpy(zero_copy_only=False).astype(np.float64)
 
 
-def record_stage(kept_stages: list[list[int]], choice: StageChoice, source: str) -> int:
-    """The stage index ``choice`` picks in one record with these kept sets (see ``stage_values``)."""
+def record_stage(
+    kept_stages: list[list[int]], choice: StageChoice, source: str, merged_stages: list[list] | None = None
+) -> int:
+    """The stage index ``choice`` picks in one record with these kept sets and merged tokens (see ``stage_values``)."""
     if choice.index is None:
-        return max((i for i, kept in enumerate(kept_stages) if kept), default=len(kept_stages) - 1)
+        merged_stages = merged_stages or [[] for _ in kept_stages]
+        fed = [bool(kept) or bool(merged) for kept, merged in zip(kept_stages, merged_stages)]
+        return max((i for i, feeds in enumerate(fed) if feeds), default=len(kept_stages) - 1)
     if choice.index >= len(kept_stages):
         raise PruneAuditError(
             f"--stage {choice.index}: a record of {source} has {len(kept_stages)} stage(s); "

@@ -296,7 +296,7 @@ def visualize_record(
     level = (manifest.get("selector") or {}).get("stage")
     labels = stage_labels(level, stages, row["stage_layers"], merged, geometry.num_tokens)
     selector, budget = manifest["selector"]["name"], manifest.get("budget")
-    chosen = record_stage(stages, stage, str(run_dir))
+    chosen = record_stage(stages, stage, str(run_dir), merged)
     retention = row["retention_stages"][chosen]
     title = f"{selector}, budget {budget}" if budget is not None else f"{selector} (unpruned)"
     caption = "" if retention is None or math.isnan(retention) else (

@@ -78,7 +78,10 @@ def load_source(run_dir: Path, stage: StageChoice = FIRST, overrides: RunInputs 
         )
     inputs = locate_inputs(manifest, overrides)
     records = RecordStore(run_dir).read().to_pylist()
-    chosen = {(r["split"], r["question_id"]): record_stage(r["kept_stages"], stage, str(run_dir)) for r in records}
+    chosen = {
+        (r["split"], r["question_id"]): record_stage(r["kept_stages"], stage, str(run_dir), r["merged_stages"])
+        for r in records
+    }
     return InterventionSource(run, records, inputs, stage, chosen)
 
 
