@@ -47,6 +47,9 @@ def visionzip_run(tmp_path_factory):
             "--threads", "1", "--out", str(out), "--quiet"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
+    # the summary names the objects only a contextual token carries (2 of the 3 yes-questions with a mask)
+    assert "diluted objects, stage first (decoder layer 0)" in result.output
+    assert " 2 of 3 " in result.output.split("diluted objects")[1].splitlines()[0]
     return out
 
 

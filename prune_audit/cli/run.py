@@ -112,6 +112,9 @@ def _print_summary(result, plan) -> None:
         (f"lost objects, stage {summary.get('last_stage', 'last')}",
          f"{summary.get('lost_objects_last_stage', 0)} of {summary.get('questions_with_mask', 0)}"),
     ]
+    if summary.get("diluted_objects"):  # only merging selectors dilute: the row appears for them
+        rows.append((f"diluted objects, stage {summary.get('first_stage', 'first')}",
+                     f"{summary['diluted_objects']} of {summary.get('questions_with_mask', 0)}"))
     for name, value in rows:
         table.add_row(name, value)
     console = Console()

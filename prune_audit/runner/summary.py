@@ -13,8 +13,8 @@ from prune_audit.records.stages import FIRST, LAST, stage_values
 def summarize(records: pa.Table) -> dict[str, float | int | str]:
     """One-screen summary numbers of a records table (``RUN_SCHEMA``).
 
-    Retention and lost objects are given at the first stage (the earliest point at which
-    tokens leave the model) and lost objects also at the last stage that keeps tokens.
+    Retention, lost and diluted objects are given at the first stage (the earliest point at
+    which tokens leave the model) and lost objects also at the last stage that keeps tokens.
     """
     n = records.num_rows
     if n == 0:
@@ -33,6 +33,7 @@ def summarize(records: pa.Table) -> dict[str, float | int | str]:
         "mean_retention": float(np.nanmean(first.retention)) if np.isfinite(first.retention).any() else math.nan,
         "lost_objects": int(np.sum(first.lost[with_mask])),
         "lost_objects_last_stage": int(np.sum(last.lost[with_mask])),
+        "diluted_objects": int(np.sum(first.diluted[with_mask])),
         "first_stage": FIRST.describe(first.layer),
         "last_stage": LAST.describe(last.layer),
         "questions_with_mask": int(with_mask.sum()),
