@@ -67,8 +67,6 @@ def lost_object_summary(pruned: QuestionTable, dense: QuestionTable) -> LostObje
     """
     dense = dense.aligned_to(pruned)
     known = pruned.label_yes & ~np.isnan(pruned.lost)
-    lost = known & (pruned.lost == 1.0)
-    diluted = known & (pruned.diluted == 1.0)
     return LostObjectSummary(
         questions=len(pruned),
         accuracy=_mean(pruned.correct),
@@ -76,19 +74,21 @@ def lost_object_summary(pruned: QuestionTable, dense: QuestionTable) -> LostObje
         ece=float(expected_calibration_error(pruned.confidence, pruned.correct)),
         auroc=float(auroc(pruned.confidence, pruned.correct)),
         yes_with_mask=int(known.sum()),
-        lost=int(lost.sum()),
-        lost_share=float(lost.sum() / known.sum()) if known.any() else float("nan"),
-        lost_accuracy=_mean(pruned.correct[lost]),
-        lost_confidence=_mean(pruned.confidence[lost]),
-        dense_lost_accuracy=_mean(dense.correct[lost]),
-        dense_lost_confidence=_mean(dense.confidence[lost]),
-        diluted=int(diluted.sum()),
-        diluted_share=float(diluted.sum() / known.sum()) if known.any() else float("nan"),
-        diluted_accuracy=_mean(pruned.correct[diluted]),
-        diluted_confidence=_mean(pruned.confidence[diluted]),
-        dense_diluted_accuracy=_mean(dense.correct[diluted]),
-        dense_diluted_confidence=_mean(dense.confidence[diluted]),
+        **_group("lost", known & (pruned.lost == 1.0), known, pruned, dense),
+        **_group("diluted", known & (pruned.diluted == 1.0), known, pruned, dense),
     )
+
+
+def _group(name: str, members: np.ndarray, known: np.ndarray, pruned: QuestionTable, dense: QuestionTable) -> dict:
+    """The ``name`` fields of :class:`LostObjectSummary` for the (n,) bool ``members`` among ``known``."""
+    return {
+        name: int(members.sum()),
+        f"{name}_share": float(members.sum() / known.sum()) if known.any() else float("nan"),
+        f"{name}_accuracy": _mean(pruned.correct[members]),
+        f"{name}_confidence": _mean(pruned.confidence[members]),
+        f"dense_{name}_accuracy": _mean(dense.correct[members]),
+        f"dense_{name}_confidence": _mean(dense.confidence[members]),
+    }
 
 
 __all__ = ["LostObjectSummary", "lost_object_summary"]
