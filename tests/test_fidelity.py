@@ -256,6 +256,7 @@ def tiny_llava(tiny_llava_paths):
 
 
 def top_k_sorted(scores: torch.Tensor, k: int) -> list[int]:
+    """The k largest, ties to the lower index (torch.topk leaves their order unspecified), ascending."""
     return sorted(torch.sort(-scores, stable=True).indices[:k].tolist())
 
 
@@ -491,7 +492,7 @@ def official_visionzip(case: dict[str, torch.Tensor], dominant: int, contextual:
     """
     hidden = case["hidden"]  # every tensor in its own dtype, as the official code in the model's
     # torch.topk orders exact ties (frequent in half precision) arbitrarily: ties to the lower index, as documented
-    top = torch.tensor(top_k_lower_index(case["cls_row"][:, 1:].sum(dim=0), dominant - 1)) + 1  # CLS = 0
+    top = torch.tensor(top_k_sorted(case["cls_row"][:, 1:].sum(dim=0), dominant - 1)) + 1  # CLS = 0
     chosen = torch.zeros(1 + TOKENS, dtype=torch.bool)
     chosen[0] = chosen[top] = True
     positions = torch.nonzero(~chosen).flatten()  # the remaining tokens in sequence order
@@ -655,11 +656,6 @@ def cls_half_case(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, InputSig
     return official_cls_row(query, keys, dtype), signals
 
 
-def top_k_lower_index(scores: torch.Tensor, k: int) -> list[int]:
-    """The k largest, ties to the lower index (torch.topk's order on GPU is unspecified), ascending."""
-    return sorted(sorted(range(scores.numel()), key=lambda i: (-float(scores[i]), i))[:k])
-
-
 def cls_half_agreement(
     dtype: torch.dtype, with_logits: bool, score_dtype: str = "model", names: tuple[str, ...] = CLS_SELECTORS
 ) -> dict[str, int]:
@@ -672,8 +668,8 @@ def cls_half_agreement(
         visionzip = get_selector("visionzip", score_dtype=score_dtype)
         for budget in BUDGETS:
             expected = {
-                "cls_attn": lambda: top_k_lower_index(probs[:, 1:].mean(dim=0), budget),
-                "visionzip": lambda: top_k_lower_index(probs[:, 1:].sum(dim=0), visionzip.split(budget)[0] - 1),
+                "cls_attn": lambda: top_k_sorted(probs[:, 1:].mean(dim=0), budget),
+                "visionzip": lambda: top_k_sorted(probs[:, 1:].sum(dim=0), visionzip.split(budget)[0] - 1),
                 "scope": lambda: sorted(official_scope_in(dtype, seed, "cls")[:budget]),
             }
             for name in counts:

@@ -51,9 +51,10 @@ class VisionZipSelector(InputSelector):
             from the CLS logits in the model dtype (``signals.model_dtype``) as the
             reference's eager attention forms it (:func:`cls_probabilities`); it and the keys,
             their head sum / head mean and the member-to-target cosines are rounded to the
-            model dtype before their top-k / argmax, as the reference computes them in
-            fp16/bf16 (ties then go to the lower index); the reductions, the unit
-            normalisation and the merged vectors stay float32.
+            model dtype before their top-k / argmax, and the keys' unit normalisation, the
+            features and the contextual tokens' sums, means and results are computed in it,
+            as the reference computes them in fp16/bf16 (ties then go to the lower index);
+            the reductions in between accumulate in float32.
     """
 
     name: ClassVar[str] = "visionzip"
