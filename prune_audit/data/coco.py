@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,48 @@ def _check_polygon(polygon: Any, image: CocoImage, where: str) -> None:
         )
 
 
+def _image_entry(entry: Any, where: str) -> CocoImage:
+    """One ``images`` entry, its id and positive size checked."""
+    _require(_require_object(entry, where), ("id", "file_name", "width", "height"), where)
+    width, height = _integer(entry["width"], f"{where}.width"), _integer(entry["height"], f"{where}.height")
+    if width <= 0 or height <= 0:
+        raise PruneAuditError(f"{where} has size {width}x{height}; width and height must be positive")
+    return CocoImage(_integer(entry["id"], f"{where}.id"), str(entry["file_name"]), width, height)
+
+
+def _category_entry(entry: Any, where: str) -> tuple[int, str]:
+    """(id, name) of one ``categories`` entry."""
+    _require(_require_object(entry, where), ("id", "name"), where)
+    return _integer(entry["id"], f"{where}.id"), str(entry["name"])
+
+
+def check_unambiguous(images: Sequence[CocoImage], categories: Sequence[tuple[int, str]], source: str) -> None:
+    """Refuse annotations in which a name does not pick one entry.
+
+    An image id or file name listed twice splits an image's instances between entries (its
+    masks vanish under one of them); a category id or name listed twice does the same to a
+    category's instances. Files are matched by base name, as questions name them.
+    """
+    _refuse_repeats([image.id for image in images], source, "images", "id", "list each image once")
+    _refuse_repeats([Path(image.file_name).name for image in images], source, "images", "file_name",
+                    "list each image file under one id")
+    _refuse_repeats([cat_id for cat_id, _ in categories], source, "categories", "id", "give each category its own id")
+    _refuse_repeats([name for _, name in categories], source, "categories", "name",
+                    "give each category its own name (merge the duplicates)")
+
+
+def _refuse_repeats(values: Sequence[Any], source: str, section: str, key: str, fix: str) -> None:
+    """One line naming the first two entries of ``section`` sharing a ``key`` value, if any."""
+    first: dict[Any, int] = {}
+    for index, value in enumerate(values):
+        if value in first:
+            raise PruneAuditError(
+                f"{source}: {section}[{first[value]}] and {section}[{index}] have the same {key} {value!r}, "
+                f"so masks would be split between them; {fix}"
+            )
+        first[value] = index
+
+
 class CocoInstances:
     """An instances file (``instances_val2014.json``, ``instances_val2017.json``, or any COCO export).
 
@@ -159,22 +202,15 @@ class CocoInstances:
         for key in ("images", "annotations", "categories"):
             if not isinstance(data[key], list):
                 raise PruneAuditError(f"{source}: {key} must be a JSON list, got {type(data[key]).__name__}")
-        self.images: dict[int, CocoImage] = {}
-        for index, entry in enumerate(data["images"]):
-            where = f"{source}: images[{index}]"
-            _require(_require_object(entry, where), ("id", "file_name", "width", "height"), where)
-            width, height = _integer(entry["width"], f"{where}.width"), _integer(entry["height"], f"{where}.height")
-            if width <= 0 or height <= 0:
-                raise PruneAuditError(f"{where} has size {width}x{height}; width and height must be positive")
-            image = CocoImage(_integer(entry["id"], f"{where}.id"), str(entry["file_name"]), width, height)
-            self.images[image.id] = image
-        self.category_names: dict[int, str] = {}
-        for index, entry in enumerate(data["categories"]):
-            where = f"{source}: categories[{index}]"
-            _require(_require_object(entry, where), ("id", "name"), where)
-            self.category_names[_integer(entry["id"], f"{where}.id")] = str(entry["name"])
-        self.category_ids: dict[str, int] = {name: cat_id for cat_id, name in self.category_names.items()}
-        self._ids_by_file_name = {image.file_name: image.id for image in self.images.values()}
+        images = [_image_entry(entry, f"{source}: images[{index}]") for index, entry in enumerate(data["images"])]
+        categories = [
+            _category_entry(entry, f"{source}: categories[{index}]") for index, entry in enumerate(data["categories"])
+        ]
+        check_unambiguous(images, categories, source)
+        self.images: dict[int, CocoImage] = {image.id: image for image in images}
+        self.category_names: dict[int, str] = dict(categories)
+        self.category_ids: dict[str, int] = {name: cat_id for cat_id, name in categories}
+        self._ids_by_file_name = {Path(image.file_name).name: image.id for image in images}
         self.annotations_by_image: dict[int, list[dict[str, Any]]] = {image_id: [] for image_id in self.images}
         for index, ann in enumerate(data["annotations"]):
             _require_object(ann, f"{source}: annotations[{index}]")
@@ -198,6 +234,18 @@ class CocoInstances:
         if image_id not in self.images:
             raise PruneAuditError(f"image {image_id} is not in {self.source}")
         return self.images[image_id]
+
+    def check_image_size(self, image_id: int, size: tuple[int, int], path: str | Path) -> None:
+        """Refuse the image file at ``path`` when its (width, height) ``size`` is not the annotated one.
+
+        Masks are drawn at the annotated size; on another size they would not line up with the pixels.
+        """
+        width, height = self.image(image_id).size
+        if tuple(size) != (width, height):
+            raise PruneAuditError(
+                f"image {path} is {size[0]}x{size[1]} pixels but {self.source} annotates it as {width}x{height} "
+                f"(width x height), so its masks would not line up; pass the images and annotations that belong together"
+            )
 
     def image_id(self, file_name: str) -> int:
         """Image id for a file name; other COCO namings of the same id resolve too.

@@ -1,8 +1,17 @@
-"""Opening image files: one-line errors for missing, corrupt and oversized images.
+"""Opening image files: one-line errors for missing, corrupt, oversized and out-of-range images.
 
 PIL refuses images of more than twice ``Image.MAX_IMAGE_PIXELS`` pixels as possible
 decompression bombs; ``PRUNE_AUDIT_MAX_IMAGE_PIXELS`` raises (or lowers) that limit for
 trusted, very large images.
+
+Models see 8-bit RGB. Pixel formats whose range is fixed by their bit depth are converted
+by that range: 16-bit greyscale (PIL modes ``I;16*``, e.g. a 16-bit PNG or TIFF) maps
+0..65535 linearly onto 0..255 (``round(v / 257)``, the inverse of 8-to-16-bit expansion),
+never by the image's own min and max, so one image's contrast does not depend on its
+content and two images stay comparable. 32-bit integer (mode ``I``) and floating-point
+(mode ``F``) pixels have no range of their own: PIL would clip them (a float image in
+[0, 1] turns black, a 16-bit one white), so they are refused and the user converts them
+with the scaling their data needs.
 """
 
 from __future__ import annotations
@@ -14,28 +23,63 @@ from typing import Any
 from prune_audit.errors import PruneAuditError
 
 MAX_PIXELS_VARIABLE = "PRUNE_AUDIT_MAX_IMAGE_PIXELS"
+SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
+"""PIL modes of 16-bit greyscale pixels: converted by their fixed 0..65535 range."""
+UNKNOWN_RANGE_MODES = {"I": "32-bit integer", "F": "32-bit floating-point"}
+"""PIL modes whose values have no fixed range to map onto 8 bits: refused."""
 
 
 def _pixel_limit(default: int | None) -> int | None:
-    """PIL's ``MAX_IMAGE_PIXELS`` for this open: the environment's, else PIL's own."""
+    """PIL's ``MAX_IMAGE_PIXELS`` for this open: the environment's (a positive whole number), else PIL's own."""
     text = os.environ.get(MAX_PIXELS_VARIABLE)
     if not text:
         return default
     try:
-        return int(text)
+        limit = int(text)
     except ValueError:
-        raise PruneAuditError(f"{MAX_PIXELS_VARIABLE} must be a whole number of pixels, got {text!r}") from None
+        limit = 0
+    if limit <= 0:
+        raise PruneAuditError(
+            f"{MAX_PIXELS_VARIABLE} must be a positive whole number of pixels, got {text!r}; "
+            f"set it to e.g. 200000000, or unset it for PIL's default"
+        )
+    return limit
+
+
+def to_rgb(image: Any, path: str | Path) -> Any:
+    """``image`` (a decoded ``PIL.Image``) as 8-bit RGB, converted by its bit depth's range.
+
+    Raises:
+        PruneAuditError: pixels without a fixed range (mode I or F), naming the file and mode.
+    """
+    from PIL import Image
+
+    if image.mode in SIXTEEN_BIT_MODES:
+        import numpy as np
+
+        grey = (np.asarray(image, dtype=np.uint32) + 128) // 257  # round(v * 255 / 65535)
+        return Image.fromarray(grey.astype(np.uint8)).convert("RGB")
+    if image.mode in UNKNOWN_RANGE_MODES:
+        raise PruneAuditError(
+            f"image {path} has {UNKNOWN_RANGE_MODES[image.mode]} pixels (PIL mode {image.mode}), whose range is "
+            f"unknown, so converting them to 8-bit RGB would guess; save it as an 8-bit (or 16-bit) RGB or "
+            f"greyscale PNG, scaled as your data requires"
+        )
+    return image.convert("RGB")
 
 
 def open_rgb(path: str | Path) -> Any:
-    """The image at ``path`` decoded as an RGB ``PIL.Image``; problems raise PruneAuditError."""
+    """The image at ``path`` decoded as an 8-bit RGB ``PIL.Image``; problems raise PruneAuditError."""
     from PIL import Image, UnidentifiedImageError
 
     default = Image.MAX_IMAGE_PIXELS
     Image.MAX_IMAGE_PIXELS = _pixel_limit(default)
     try:
         with Image.open(path) as image:
-            return image.convert("RGB")
+            image.load()
+            return to_rgb(image, path)
+    except PruneAuditError:
+        raise  # already one line (PruneAuditError is a ValueError: keep it out of the clause below)
     except Image.DecompressionBombError:
         raise PruneAuditError(
             f"image {path} has more pixels than PIL's decompression-bomb limit of {2 * (Image.MAX_IMAGE_PIXELS or 0)} "

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from prune_audit.errors import PruneAuditError
 from prune_audit.safety.lock import DirectoryLock
 
 DEMO_IMAGE_SIZE = 96
@@ -50,9 +51,23 @@ class DemoQuestionSet:
 def default_cache_dir() -> Path:
     """``$PRUNE_AUDIT_CACHE``, else ``$XDG_CACHE_HOME/prune-audit``, else ``~/.cache/prune-audit``."""
     if os.environ.get("PRUNE_AUDIT_CACHE"):
-        return Path(os.environ["PRUNE_AUDIT_CACHE"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "prune-audit"
+        return check_cache_dir(Path(os.environ["PRUNE_AUDIT_CACHE"]), "PRUNE_AUDIT_CACHE")
+    if os.environ.get("XDG_CACHE_HOME"):
+        return check_cache_dir(Path(os.environ["XDG_CACHE_HOME"]) / "prune-audit", "XDG_CACHE_HOME")
+    return check_cache_dir(Path.home() / ".cache" / "prune-audit", "HOME", fix="set PRUNE_AUDIT_CACHE to a folder")
+
+
+def check_cache_dir(path: Path, named_by: str, fix: str | None = None) -> Path:
+    """``path`` unless it (or the nearest existing path above it) is not a folder; ``named_by`` chose it."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise PruneAuditError(
+            f"the prune-audit cache folder {path} (from {named_by}) cannot be made: {existing} is a file, not a "
+            f"folder; {fix or f'point {named_by} to a folder'}"
+        )
+    return path
 
 
 def demo_question_set(
@@ -68,7 +83,7 @@ def demo_question_set(
     an interrupted run never leaves a half-written set behind; a lock in the cache folder
     lets one process build while the others wait for its result.
     """
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache = check_cache_dir(Path(cache_dir), "--cache-dir") if cache_dir is not None else default_cache_dir()
     name = f"demo-questions-seed{seed}-scenes{scenes}-pope{pope_images}-{DEMO_IMAGE_SIZE}px"
     question_set = DemoQuestionSet(cache / name)
     if (question_set.root / _COMPLETE_MARKER).is_file():

@@ -2,8 +2,12 @@
 
 Records depend on the pixels of the images, not on their paths; size and mtime differ
 across machines and copies, so the manifest pins the sha256 of each used image. Hashes
-are cached in a JSON file keyed by (real path, size, mtime, inode): an unchanged file is
-not read again, a changed one is.
+are cached in a JSON file keyed by the real path and the file's state (``file_state``):
+an unchanged file is not read again, a changed one is. The state includes the ctime,
+which the kernel sets on every write and which no user call can set back, so an in-place
+edit that restores size and mtime (``touch -r``, ``os.utime``) and keeps the inode is
+still seen. A hash taken within ``SETTLE_NS`` of the file's last change is not trusted
+later (the file may have changed again within one timestamp tick); it is taken anew.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +30,26 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+SETTLE_NS = 2_000_000_000
+"""A cached hash counts only if taken this long after the file's last change (coarse filesystem clocks)."""
+
+
+def file_state(state: os.stat_result) -> list[int]:
+    """What changes whenever a file's bytes may have: size, mtime, ctime, inode and device."""
+    return [state.st_size, state.st_mtime_ns, state.st_ctime_ns, state.st_ino, state.st_dev]
+
+
+def _trusted(entry: Any, state: list[int]) -> bool:
+    """A cache entry ``[*state, hashed_at_ns, sha256]`` of this very state, hashed after it settled."""
+    return (
+        isinstance(entry, list)
+        and len(entry) == len(state) + 2
+        and entry[: len(state)] == state
+        and isinstance(entry[-2], int)
+        and entry[-2] - state[2] > SETTLE_NS
+    )
 
 
 class HashCache:
@@ -42,13 +67,13 @@ class HashCache:
 
     def sha256(self, path: str | Path) -> str:
         real = os.path.realpath(path)
-        state = os.stat(real)
-        key = [state.st_size, state.st_mtime_ns, state.st_ino]
+        state = file_state(os.stat(real))
         cached = self.entries.get(real)
-        if cached is not None and cached[:3] == key:
-            return str(cached[3])
+        if _trusted(cached, state):
+            return str(cached[-1])
+        hashed_at = time.time_ns()  # before reading: a change during the read shows as a later ctime
         digest = file_sha256(real)
-        self.entries[real] = [*key, digest]
+        self.entries[real] = [*state, hashed_at, digest]
         self.changed = True
         return digest
 
