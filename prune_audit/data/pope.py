@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 import numpy as np
@@ -110,6 +110,23 @@ def _question_id(value: Any, where: str) -> int:
     return int(value)
 
 
+def _image_name(value: Any, where: str) -> str:
+    """The ``image`` field: a file name relative to the images folder, which it cannot leave.
+
+    Absolute paths, drive letters and ``..`` parts (``/`` or ``\\`` separated) are refused, so
+    ``--images`` / name always lies inside ``--images``.
+    """
+    if not isinstance(value, str) or not value.strip():
+        raise PruneAuditError(f"{where}: image must be a file name, got {value!r}; fix the question file")
+    name = PureWindowsPath(value)  # parses both separators, drives and roots
+    if name.anchor or ".." in name.parts:
+        raise PruneAuditError(
+            f"{where}: image {value!r} leads outside the images folder (an absolute path or '..'); "
+            f"name image files relative to --images"
+        )
+    return value
+
+
 def load_pope(path: str | Path, split: str | None = None) -> list[PopeQuestion]:
     """Load a POPE question file (official splits, any version, or LLaVA's merged file).
 
@@ -119,7 +136,8 @@ def load_pope(path: str | Path, split: str | None = None) -> list[PopeQuestion]:
 
     Raises:
         PruneAuditError: a malformed line, a missing key, a label other than yes/no, an
-            unparseable question or a repeated (split, question_id), naming file and line.
+            unparseable question, an image outside the images folder (absolute or ``..``)
+            or a repeated (split, question_id), naming file and line.
     """
     default_split = split or split_from_file_name(path)
     questions = []
@@ -140,7 +158,7 @@ def load_pope(path: str | Path, split: str | None = None) -> list[PopeQuestion]:
         question = PopeQuestion(
             question_id=_question_id(row["question_id"], where),
             split=str(category) if category is not None else default_split,
-            image=str(row["image"]),
+            image=_image_name(row["image"], where),
             text=str(row["text"]),
             label=label,
             object=obj,

@@ -87,9 +87,12 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     _resolve_demo_defaults(request)
     selector, budget = _make_selector(request)
     questions = _load_questions(request)
-    image_paths = _check_images(request, questions)
+    image_paths, image_sizes = _check_images(request, questions)
     coco = _load_annotations(request, questions)
     image_ids = _image_ids(questions, coco)
+    if coco is not None:
+        for name, path in image_paths.items():
+            coco.check_image_size(image_ids[name], image_sizes[name], path)
     run_dir = _run_dir(request, selector)
     check_output_dir(run_dir, "run")
     check_writable(run_dir)
@@ -195,20 +198,24 @@ def _load_questions(request: RunRequest) -> list[PopeQuestion]:
     return questions
 
 
-def _check_images(request: RunRequest, questions: Sequence[PopeQuestion]) -> dict[str, Path]:
-    """Every image exists and decodes (a corrupt or oversized file fails here, before any output)."""
+def _check_images(
+    request: RunRequest, questions: Sequence[PopeQuestion]
+) -> tuple[dict[str, Path], dict[str, tuple[int, int]]]:
+    """Every image exists and decodes: its path and (width, height) by name (a corrupt, oversized
+    or out-of-range file fails here, before any output)."""
     from prune_audit.data.images import open_rgb
 
     if request.images is None:
         raise PruneAuditError("pass --images DIR, the folder holding the question files' images")
     paths: dict[str, Path] = {}
+    sizes: dict[str, tuple[int, int]] = {}
     for name in dict.fromkeys(q.image for q in questions):
         path = Path(request.images) / name
         if not path.is_file():
             raise PruneAuditError(f"image not found: {path}; check --images")
-        open_rgb(path)
+        sizes[name] = open_rgb(path).size
         paths[name] = path
-    return paths
+    return paths, sizes
 
 
 def _load_annotations(request: RunRequest, questions: Sequence[PopeQuestion]) -> CocoInstances | None:

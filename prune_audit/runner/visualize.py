@@ -66,11 +66,17 @@ def load_rgb(path: Path) -> np.ndarray:
     return np.asarray(open_rgb(path))
 
 
-def object_mask(coco: CocoInstances | None, image_name: str, object_name: str | None) -> np.ndarray | None:
-    """The queried object's mask (union of its instances) when the annotations name the image."""
+def object_mask(
+    coco: CocoInstances | None, image: Path, pixels: np.ndarray, object_name: str | None
+) -> np.ndarray | None:
+    """The queried object's mask (union of its instances) when the annotations name the image.
+
+    The image file (``pixels``) must have the annotated size, else the mask would not line up.
+    """
     if coco is None or object_name is None:
         return None
-    image_id = coco.image_id(Path(image_name).name)
+    image_id = coco.image_id(image.name)
+    coco.check_image_size(image_id, (pixels.shape[1], pixels.shape[0]), image)
     coco.category_id(object_name)
     return coco.category_mask(image_id, object_name)
 
@@ -229,7 +235,7 @@ def visualize_live(request: VisualizeRequest) -> Path:
     options = selector_options(request.selectors, request.options)
     pixels = load_rgb(request.image)
     setup = live_setup(request)
-    mask = object_mask(setup.coco, request.image.name, _question_object(setup.question))
+    mask = object_mask(setup.coco, request.image, pixels, _question_object(setup.question))
     vlm = load_vlm(setup.model_path, device=request.device, clip_text=request.clip_text)
     from PIL import Image
 
@@ -286,11 +292,19 @@ def visualize_record(
         raise PruneAuditError(f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split")
     row = rows[0]
     geometry = TokenGeometry(**json.loads(row["geometry"]))
-    pixels = load_rgb(images_folder(manifest) / row["image"])
+    images = manifest.get("images")
+    if not isinstance(images, dict) or not isinstance(images.get("files"), dict) or row["image"] not in images["files"]:
+        raise PruneAuditError(
+            f"{run_dir}'s manifest pins no content for image {row['image']} (images: {_short(images)}), so the drawing "
+            f"cannot be checked against the pixels the run saw; re-run into a new --out with this version"
+        )
+    image = check_pinned(images_folder(manifest) / row["image"], images["files"][row["image"]], run_dir)
+    pixels = load_rgb(image)
     annotations = manifest.get("annotations") or {}
     mask = None
     if annotations.get("path") and row["label"] == "yes":
-        mask = object_mask(load_annotations(Path(annotations["path"])), row["image"], row["object"])
+        coco = load_annotations(check_pinned(Path(annotations["path"]), annotations.get("sha256"), run_dir))
+        mask = object_mask(coco, image, pixels, row["object"])
     stages = [list(k) for k in row["kept_stages"]]
     merged = row["merged_stages"]
     level = (manifest.get("selector") or {}).get("stage")
@@ -307,3 +321,31 @@ def visualize_record(
     out = output_path(out, FIGURES_DIR / Path(run_dir).resolve().name, f"tokens-{row['split']}-{question_id}")
     suptitle = f"{Path(manifest['model']['id']).name} | {row['object']} ({row['split']} #{question_id})"
     return draw_panels(pixels, [panel], out, suptitle=suptitle)
+
+
+def check_pinned(path: Path, sha256: str | None, run_dir: Path) -> Path:
+    """``path``, an input named in the run's manifest, when it still holds the bytes pinned there.
+
+    A replaced image of the same size (or an edited annotations file) would otherwise have the
+    recorded kept tokens and mask drawn over another picture.
+    """
+    from prune_audit.runner.safeguards import hash_cache_file
+    from prune_audit.safety.fingerprint import HashCache
+
+    if not Path(path).is_file():
+        raise PruneAuditError(f"{path}, named in {run_dir}'s manifest, is not found; restore it to redraw the run")
+    cache = HashCache(hash_cache_file())
+    digest = cache.sha256(path)
+    cache.save()
+    if digest != sha256:
+        raise PruneAuditError(
+            f"{path} has other content than when {run_dir} was recorded (sha256 differs from the manifest's pin), so "
+            f"the recorded tokens would be drawn over another picture; restore the run's file"
+        )
+    return path
+
+
+def _short(value: object) -> str:
+    """A manifest value for an error line: JSON, cut to 60 characters."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
