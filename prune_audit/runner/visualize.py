@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -277,7 +277,7 @@ def visualize_record(
     """
     import pyarrow.compute as pc
 
-    from prune_audit.records.manifest import images_folder, read_manifest
+    from prune_audit.records.manifest import read_manifest
     from prune_audit.records.store import RecordStore
 
     manifest = read_manifest(run_dir)
@@ -292,18 +292,12 @@ def visualize_record(
         raise PruneAuditError(f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split")
     row = rows[0]
     geometry = TokenGeometry(**json.loads(row["geometry"]))
-    images = manifest.get("images")
-    if not isinstance(images, dict) or not isinstance(images.get("files"), dict) or row["image"] not in images["files"]:
-        raise PruneAuditError(
-            f"{run_dir}'s manifest pins no content for image {row['image']} (images: {_short(images)}), so the drawing "
-            f"cannot be checked against the pixels the run saw; re-run into a new --out with this version"
-        )
-    image = check_pinned(images_folder(manifest) / row["image"], images["files"][row["image"]], run_dir)
+    image = _run_image(manifest, row["image"], run_dir)
     pixels = load_rgb(image)
     annotations = manifest.get("annotations") or {}
     mask = None
     if annotations.get("path") and row["label"] == "yes":
-        coco = load_annotations(check_pinned(Path(annotations["path"]), annotations.get("sha256"), run_dir))
+        coco = load_annotations(_pinned_input(Path(annotations["path"]), annotations.get("sha256"), run_dir))
         mask = object_mask(coco, image, pixels, row["object"])
     stages = [list(k) for k in row["kept_stages"]]
     merged = row["merged_stages"]
@@ -323,26 +317,28 @@ def visualize_record(
     return draw_panels(pixels, [panel], out, suptitle=suptitle)
 
 
-def check_pinned(path: Path, sha256: str | None, run_dir: Path) -> Path:
-    """``path``, an input named in the run's manifest, when it still holds the bytes pinned there.
+def _run_image(manifest: dict[str, Any], name: str, run_dir: Path) -> Path:
+    """The run's image ``name`` in its recorded folder, verified against the manifest's pin."""
+    from prune_audit.records.manifest import images_folder
 
-    A replaced image of the same size (or an edited annotations file) would otherwise have the
-    recorded kept tokens and mask drawn over another picture.
-    """
-    from prune_audit.runner.safeguards import hash_cache_file
-    from prune_audit.safety.fingerprint import HashCache
-
-    if not Path(path).is_file():
-        raise PruneAuditError(f"{path}, named in {run_dir}'s manifest, is not found; restore it to redraw the run")
-    cache = HashCache(hash_cache_file())
-    digest = cache.sha256(path)
-    cache.save()
-    if digest != sha256:
+    images = manifest.get("images")
+    files = images.get("files") if isinstance(images, dict) else None
+    if not isinstance(files, dict) or name not in files:
         raise PruneAuditError(
-            f"{path} has other content than when {run_dir} was recorded (sha256 differs from the manifest's pin), so "
-            f"the recorded tokens would be drawn over another picture; restore the run's file"
+            f"{run_dir}'s manifest pins no content for image {name} (images: {_short(images)}), so the drawing "
+            f"cannot be checked against the pixels the run saw; re-run into a new --out with this version"
         )
-    return path
+    return _pinned_input(images_folder(manifest) / name, files[name], run_dir)
+
+
+def _pinned_input(path: Path, sha256: str | None, run_dir: Path) -> Path:
+    """A run's input file, verified against the manifest's sha256 pin: a replaced image of the same
+    size (or edited annotations) would otherwise have the recorded tokens drawn over another picture."""
+    from prune_audit.runner.safeguards import hash_cache_file
+    from prune_audit.safety.fingerprint import check_pinned_file
+
+    return check_pinned_file(path, sha256, f"{run_dir}'s manifest",
+                             "restore the run's file to redraw the question", hash_cache_file())
 
 
 def _short(value: object) -> str:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from prune_audit.errors import PruneAuditError
 from prune_audit.safety.atomic import write_text_atomic
 
 
@@ -86,6 +87,23 @@ class HashCache:
             write_text_atomic(json.dumps(self.entries), self.cache_file)
         except OSError:
             pass
+
+
+def check_pinned_file(path: str | Path, sha256: str | None, source: str, fix: str,
+                      cache_file: str | Path | None = None) -> Path:
+    """``path``, an input pinned by ``source`` (e.g. a run's manifest), if it still holds the pinned bytes.
+
+    Raises:
+        PruneAuditError: the file is gone or has other content, ending with ``fix``.
+    """
+    if not Path(path).is_file():
+        raise PruneAuditError(f"{path}, named in {source}, is not found; {fix}")
+    cache = HashCache(cache_file)
+    digest = cache.sha256(path)
+    cache.save()
+    if digest != sha256:
+        raise PruneAuditError(f"{path} has other content than when {source} pinned it (sha256 differs); {fix}")
+    return Path(path)
 
 
 def images_fingerprint(paths: Mapping[str, Path], cache_file: str | Path | None = None) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import images_folder
 from prune_audit.runner.safeguards import hash_cache_file, weights_sha256
+from prune_audit.safety import fingerprint
 from prune_audit.safety.fingerprint import file_sha256, first_differing_image, images_fingerprint
 
 
@@ -104,11 +105,9 @@ def model_source(manifest: dict[str, Any], override: str | None) -> str:
 
 
 def check_pinned_file(path: Path, sha256: str, option: str) -> None:
-    """A recorded input still exists (else: pass ``option``) and hashes as when the run was made."""
-    if not path.is_file():
-        raise PruneAuditError(f"{path}, named in the run's manifest, is not found; pass {option}")
-    if file_sha256(path) != sha256:
-        raise PruneAuditError(f"{path} changed since the run (sha256 differs); pass {option} with the run's own file")
+    """A recorded input still exists and hashes as when the run was made (else: pass ``option``)."""
+    fingerprint.check_pinned_file(path, sha256, "the run's manifest", f"pass {option} with the run's own file",
+                                  hash_cache_file())
 
 
 def existing(path: Path, option: str) -> Path:
