@@ -217,8 +217,29 @@ def test_visualize_run_refuses_a_manifest_without_image_pins(inputs, tmp_path):
     before = snapshot(run)
     figure = tmp_path / "figure.png"
     line = refused(invoke("visualize", "--run", run, "--question-id", question_id, "--out", figure),
-                   str(run), "pins no content", "images: null", "re-run")
+                   "manifest names no images folder", "images: null", "re-run into a new --out")
     assert "None/" not in line
+    assert not figure.exists() and snapshot(run) == before
+
+
+@pytest.mark.parametrize("images", [None, {"files": {}}, {"path": None}, 3])
+def test_a_manifest_without_an_images_folder_is_one_line_for_every_reader(images):
+    from prune_audit.records.manifest import images_folder
+
+    with pytest.raises(PruneAuditError, match=r"manifest names no images folder .*re-run into a new --out"):
+        images_folder({"images": images})
+
+
+def test_visualize_run_refuses_an_image_the_manifest_does_not_pin(inputs, tmp_path):
+    run = Path(shutil.copytree(inputs["run"], tmp_path / "run"))
+    manifest = json.loads((run / "manifest.json").read_text())
+    name, question_id = first_recorded_image(run)
+    del manifest["images"]["files"][name]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(run)
+    figure = tmp_path / "figure.png"
+    refused(invoke("visualize", "--run", run, "--question-id", question_id, "--out", figure),
+            str(run), "pins no content for image", name, "re-run into a new --out")
     assert not figure.exists() and snapshot(run) == before
 
 

@@ -244,7 +244,8 @@ class CocoInstances:
         if tuple(size) != (width, height):
             raise PruneAuditError(
                 f"image {path} is {size[0]}x{size[1]} pixels but {self.source} annotates it as {width}x{height} "
-                f"(width x height), so its masks would not line up; pass the images and annotations that belong together"
+                f"(width x height), so its masks would not line up; pass the images and annotations that belong "
+                f"together"
             )
 
     def image_id(self, file_name: str) -> int:

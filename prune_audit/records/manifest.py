@@ -132,7 +132,13 @@ def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
 def images_folder(manifest: dict[str, Any]) -> Path:
     """The folder the run read its images from (manifests before content pins held it as a string)."""
     images = manifest.get("images")
-    return Path(images["path"] if isinstance(images, dict) else str(images))
+    folder = images.get("path") if isinstance(images, dict) else images
+    if not isinstance(folder, str) or not folder:
+        raise PruneAuditError(
+            f"the run's manifest names no images folder (images: {json.dumps(images, default=str)[:60]}); "
+            f"re-run into a new --out to record it"
+        )
+    return Path(folder)
 
 
 INFORMATION_KEYS = frozenset({"path"})

@@ -321,14 +321,14 @@ def _run_image(manifest: dict[str, Any], name: str, run_dir: Path) -> Path:
     """The run's image ``name`` in its recorded folder, verified against the manifest's pin."""
     from prune_audit.records.manifest import images_folder
 
-    images = manifest.get("images")
-    files = images.get("files") if isinstance(images, dict) else None
+    folder = images_folder(manifest)
+    files = manifest["images"].get("files") if isinstance(manifest["images"], dict) else None
     if not isinstance(files, dict) or name not in files:
         raise PruneAuditError(
-            f"{run_dir}'s manifest pins no content for image {name} (images: {_short(images)}), so the drawing "
-            f"cannot be checked against the pixels the run saw; re-run into a new --out with this version"
+            f"{run_dir}'s manifest pins no content for image {name}, so the drawing cannot be checked against the "
+            f"pixels the run saw; re-run into a new --out with this version"
         )
-    return _pinned_input(images_folder(manifest) / name, files[name], run_dir)
+    return _pinned_input(folder / name, files[name], run_dir)
 
 
 def _pinned_input(path: Path, sha256: str | None, run_dir: Path) -> Path:
@@ -340,8 +340,3 @@ def _pinned_input(path: Path, sha256: str | None, run_dir: Path) -> Path:
     return check_pinned_file(path, sha256, f"{run_dir}'s manifest",
                              "restore the run's file to redraw the question", hash_cache_file())
 
-
-def _short(value: object) -> str:
-    """A manifest value for an error line: JSON, cut to 60 characters."""
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 60 else text[:57] + "..."
