@@ -325,6 +325,23 @@ def test_pope_image_outside_images_or_not_a_name_is_refused(inputs, kept, tmp_pa
     assert not out.exists()
 
 
+@pytest.mark.parametrize(("file_name", "needles"), [
+    ("/elsewhere/image.png", ["'/elsewhere/image.png' leads outside the images folder", "relative to --images"]),
+    ("../image.png", ["'../image.png' leads outside the images folder"]),
+    (None, ["images[0].file_name must be a file name, got None"]),
+])
+def test_pope_build_refuses_annotated_file_names_a_run_would_refuse(inputs, kept, tmp_path, file_name, needles):
+    data = json.loads(inputs["annotations"].read_text())
+    for entry in data["images"]:
+        entry["file_name"] = file_name if entry is data["images"][0] else entry["file_name"]
+    annotations = tmp_path / "instances.json"
+    annotations.write_text(json.dumps(data))
+    out = tmp_path / "out"
+    refused(invoke("pope", "build", "--annotations", annotations, "--out", out, "--images", "2"), str(annotations),
+            *needles)
+    assert not out.exists()
+
+
 # ----- 13. environment variables -----------------------------------------------------------------------------
 
 
@@ -335,6 +352,14 @@ def test_cache_variable_naming_a_file_is_refused(inputs, kept, tmp_path):
     refused(invoke(*run_args(inputs), "--out", out, env={"PRUNE_AUDIT_CACHE": str(cache)}),
             "PRUNE_AUDIT_CACHE", str(cache), "is a file, not a folder", "point PRUNE_AUDIT_CACHE to a folder")
     assert not out.exists() and cache.read_text() == "not a folder"
+
+
+def test_cache_dir_option_naming_a_file_is_refused(tmp_path):
+    cache = tmp_path / "cache"
+    cache.write_text("not a folder")
+    refused(invoke("demo", "questions", "--cache-dir", cache / "sub"), "--cache-dir", str(cache), "is a file",
+            "point --cache-dir to a folder")
+    assert cache.read_text() == "not a folder"
 
 
 @pytest.mark.parametrize("value", ["-1", "0", "many", "1e9"])

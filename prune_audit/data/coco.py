@@ -150,7 +150,10 @@ def _image_entry(entry: Any, where: str) -> CocoImage:
     width, height = _integer(entry["width"], f"{where}.width"), _integer(entry["height"], f"{where}.height")
     if width <= 0 or height <= 0:
         raise PruneAuditError(f"{where} has size {width}x{height}; width and height must be positive")
-    return CocoImage(_integer(entry["id"], f"{where}.id"), str(entry["file_name"]), width, height)
+    file_name = entry["file_name"]
+    if not isinstance(file_name, str) or not file_name.strip():
+        raise PruneAuditError(f"{where}.file_name must be a file name, got {file_name!r}; fix the entry")
+    return CocoImage(_integer(entry["id"], f"{where}.id"), file_name, width, height)
 
 
 def _category_entry(entry: Any, where: str) -> tuple[int, str]:

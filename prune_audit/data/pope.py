@@ -110,14 +110,14 @@ def _question_id(value: Any, where: str) -> int:
     return int(value)
 
 
-def _image_name(value: Any, where: str) -> str:
+def check_image_name(value: Any, where: str) -> str:
     """The ``image`` field: a file name relative to the images folder, which it cannot leave.
 
     Absolute paths, drive letters and ``..`` parts (``/`` or ``\\`` separated) are refused, so
     ``--images`` / name always lies inside ``--images``.
     """
     if not isinstance(value, str) or not value.strip():
-        raise PruneAuditError(f"{where}: image must be a file name, got {value!r}; fix the question file")
+        raise PruneAuditError(f"{where}: image must be a file name, got {value!r}; fix the entry")
     name = PureWindowsPath(value)  # parses both separators, drives and roots
     if name.anchor or ".." in name.parts:
         raise PruneAuditError(
@@ -158,7 +158,7 @@ def load_pope(path: str | Path, split: str | None = None) -> list[PopeQuestion]:
         question = PopeQuestion(
             question_id=_question_id(row["question_id"], where),
             split=str(category) if category is not None else default_split,
-            image=_image_name(row["image"], where),
+            image=check_image_name(row["image"], where),
             text=str(row["text"]),
             label=label,
             object=obj,

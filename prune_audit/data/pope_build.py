@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from prune_audit.data.coco import CocoInstances
-from prune_audit.data.pope import POPE_SPLITS, PopeQuestion
+from prune_audit.data.pope import POPE_SPLITS, PopeQuestion, check_image_name
 from prune_audit.errors import PruneAuditError
 from prune_audit.safety.names import check_plain_name
 
@@ -115,7 +115,7 @@ def build_pope(
         sampler = _NegativeSampler(object_lists, random.Random(f"{seed}:{split}"))
         questions: list[PopeQuestion] = []
         for image_id, objects in zip(image_ids, object_lists):
-            image = coco.images[image_id].file_name
+            image = check_image_name(coco.images[image_id].file_name, f"{coco.source}: image {image_id}")
             asked: list[str] = []
             for positive in objects[:sample_num]:
                 asked.append(positive)
