@@ -276,7 +276,8 @@ def test_hash_cache_rereads_a_file_hashed_before_it_settled(tmp_path, monkeypatc
     reads = []
     monkeypatch.setattr(fingerprint, "file_sha256", lambda p: reads.append(p) or "digest")
     cache = fingerprint.HashCache(None)
-    cache.sha256(path), cache.sha256(path)
+    cache.sha256(path)
+    cache.sha256(path)
     assert len(reads) == 2  # hashed within SETTLE_NS of its last change: a same-tick edit could hide
     cache.entries[os.path.realpath(path)][-2] += 2 * fingerprint.SETTLE_NS  # as if hashed later
     cache.sha256(path)
