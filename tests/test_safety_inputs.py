@@ -208,6 +208,21 @@ def test_visualize_run_refuses_a_replaced_image_of_the_same_size(inputs, tmp_pat
     assert not figure.exists() and snapshot(run, images) == before
 
 
+def test_intervene_refuses_a_replaced_image_in_the_recorded_folder(inputs, tmp_path):
+    """Without --images, intervene reads the recorded folder: its images are checked against the pins too."""
+    images, run = copied_images(inputs, tmp_path / "images"), tmp_path / "run"
+    pruned = invoke(*run_args(inputs, images=images), "--selector", "random", "--budget", "36", "--out", run)
+    assert pruned.exit_code == 0, pruned.output
+    name, _ = first_recorded_image(run)
+    with Image.open(images / name) as pixels:
+        pixels.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(images / name)  # same size, other picture
+    before = snapshot(run, images)
+    out = tmp_path / "intervention"
+    refused(invoke("intervene", run, "--mode", "restore", "--out", out), "the run's images folder", name, "sha256 differs",
+            "pass --images DIR")
+    assert not out.exists() and snapshot(run, images) == before
+
+
 def test_visualize_run_refuses_a_manifest_without_image_pins(inputs, tmp_path):
     run = Path(shutil.copytree(inputs["run"], tmp_path / "run"))
     manifest = json.loads((run / "manifest.json").read_text())

@@ -68,23 +68,25 @@ def annotations_file(manifest: dict[str, Any], override: Path | None) -> Path:
 
 
 def images_dir(manifest: dict[str, Any], override: Path | None) -> Path:
-    """The images folder; an override must hold every image the run used, with the pinned bytes."""
-    if override is None:
-        recorded = images_folder(manifest)
-        if not recorded.is_dir():
-            raise PruneAuditError(f"{recorded}, the run's images folder, is not found; pass --images DIR")
-        return recorded
+    """The images folder, recorded or overridden; it must hold every image the run used, with the pinned bytes."""
     pins = manifest.get("images")
     if not isinstance(pins, dict) or "files" not in pins:
-        raise PruneAuditError("the run's manifest pins no image content (an older run), so --images cannot be verified")
-    paths = {name: override / name for name in pins["files"]}
+        raise PruneAuditError("the run's manifest pins no image content (an older run), so its images cannot be "
+                              "verified; re-run with this version")
+    if override is None:
+        folder, where, fix = images_folder(manifest), "the run's images folder", "pass --images DIR with the run's images"
+        if not folder.is_dir():
+            raise PruneAuditError(f"{folder}, {where}, is not found; pass --images DIR")
+    else:
+        folder, where, fix = override, "--images", "pass the folder holding the run's images"
+    paths = {name: folder / name for name in pins["files"]}
     for name, path in paths.items():
         if not path.is_file():
-            raise PruneAuditError(f"--images {override} lacks {name}, an image of the run")
+            raise PruneAuditError(f"{where} {folder} lacks {name}, an image of the run; {fix}")
     changed = first_differing_image(pins, images_fingerprint(paths, hash_cache_file()))
     if changed is not None:
-        raise PruneAuditError(f"--images {override}: {changed} has other content than in the run (sha256 differs)")
-    return override
+        raise PruneAuditError(f"{where} {folder}: {changed} has other content than in the run (sha256 differs); {fix}")
+    return folder
 
 
 def model_source(manifest: dict[str, Any], override: str | None) -> str:
@@ -94,6 +96,9 @@ def model_source(manifest: dict[str, Any], override: str | None) -> str:
     if override is None:
         if pinned is not None and not Path(model["id"]).is_dir():
             raise PruneAuditError(f"{model['id']}, the run's model folder, is not found; pass --model PATH")
+        if pinned is not None and weights_sha256(model["id"]) != pinned:
+            raise PruneAuditError(f"{model['id']}, the run's model folder, now holds other weights (sha256 differs); "
+                                  f"pass --model PATH with the run's model")
         return model["id"]
     if pinned is None:
         raise PruneAuditError("the run's manifest pins no model weights, so --model cannot be verified")
