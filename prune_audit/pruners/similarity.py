@@ -13,8 +13,10 @@ Everything runs in float32 (facility location can instead round to the model's h
 as SCOPE's official code computes). Greedy steps take the plain argmax (the first index only
 on exact equality), as the official DivPrune and CDPruner code do; the rows of ``S``
 they compare come from matrix products of at least 8 rows, whose entries (measured with
-the MKL build torch ships) do not depend on which other rows share the product nor on
-the thread count. ``tie_tolerance`` (the selectors' ``ties="tolerance"``)
+the MKL build torch ships on AVX2) do not depend on which other rows share the product nor on
+the thread count; on AVX-512 a row's last bits can depend on how many rows share its product,
+so where two gains are within float32 noise (relative 1e-5) the pick may differ from a
+one-row-per-pick greedy's. ``tie_tolerance`` (the selectors' ``ties="tolerance"``)
 instead counts scores within :data:`TIE_TOLERANCE` (relative) of the maximum as tied
 and takes the lower index: mathematically equal scores often differ in the last bits
 (``S[i, j]`` and ``S[j, i]`` come from different BLAS blocks), which that rule makes
