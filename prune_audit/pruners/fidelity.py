@@ -171,6 +171,20 @@ FIDELITY: dict[str, Fidelity] = {
                 "(test_schedule.py::test_official_rule_gives_the_code_default_and_refuses_other_budgets)"),  # fmt: skip
         30,
     ),
+    "pool": Fidelity(
+        "-",
+        "adaptive average pooling of the pre-projector feature grid to the largest grid within the budget",
+        (),
+        (
+            "VTC-Bench's baseline downsamples the image and runs the vision tower on it; pooling the full-resolution "
+            "features is its token-level counterpart (one vision pass, same grid geometry); grid=window pools k x k "
+            "windows, downsampling by an integer factor",
+            "every output token is a merged token carrying its window's cells (merged_stages), so retention counts "
+            "them and an object only pooled with other cells is diluted, not lost",
+        ),
+        "pooled tokens equal torch.nn.functional.adaptive_avg_pool2d of the feature grid "
+        "(test_new_selectors.py::test_pool_equals_adaptive_average_pooling)",
+    ),
     "random": Fidelity("-", "seeded uniform subset (control)", (), ("control, no reference",), "not applicable"),
     "scope": Fidelity(
         "6bf73069",
@@ -257,6 +271,25 @@ FIDELITY: dict[str, Fidelity] = {
                 "against the official one run in fp16 / bf16: dominant set, contextual groups and every output vector "
                 "bit for bit with score_dtype=model in 30 of 30 each, float32 scoring the same sets in 0 of 30 "
                 "(test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)"),  # fmt: skip
+        30,
+    ),
+    "vispruner": Fidelity(
+        "aefa01ad",
+        "important_ratio 0.5 of the budget by head-mean CLS attention, the rest by removing duplicates 8 per round, "
+        "float32 scores",
+        ("score_dtype=model",),
+        (
+            "ties to the lower index in the attention ranking and to the lower position in the duplicate ranking "
+            "(argsort leaves them unspecified)",
+            "an odd number of residual tokens (e.g. budget 63 or 65 at ratio 0.5) splits A = even positions, one "
+            "longer than B; the official batched indexing needs |A| == |B| and fails there",
+            _INPUT_DTYPE + "; under score_dtype=model the head mean, the unit features and the A-B cosines are "
+            "rounded to the model dtype as well",
+        ),
+        _random(30, "test_fidelity.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens",
+                "1024-dim CLIP states; against the official code run in fp16 / bf16 with a GPU's float32 accumulation "
+                "(norms and cosines rounded once): score_dtype=model 30 of 30 each, float32 scoring 0 of 30; CPU fp16 "
+                "kernels round some norms and cosines differently (18 of 30 there)"),  # fmt: skip
         30,
     ),
 }
