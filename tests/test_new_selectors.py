@@ -1,4 +1,4 @@
-"""The pooling baseline (issue 27 item 6): pooled tokens, their cells, and a demo run's records."""
+"""New methods of issue 27 beyond their fidelity tests: pool's grid, and merged tokens in demo runs' records."""
 
 from __future__ import annotations
 
@@ -66,3 +66,17 @@ def test_pool_demo_run_records_every_cell_as_merged(tmp_path):
         merged = record["merged_stages"][0]
         assert len(merged) == 16 and sorted(c for group in merged for c in group) == list(range(144))
     assert json.loads((out / "manifest.json").read_text())["selector"]["name"] == "pool"
+
+
+@pytest.mark.parametrize("order", ["official", "raster"])
+def test_tome_demo_run_records_its_merged_tokens(tmp_path, order):
+    """ToMe@16 on the LLaVA demo: 16 tokens whose cells partition the grid; kept cells are the unmerged ones."""
+    out = tmp_path / order
+    result = CliRunner().invoke(
+        app, ["run", "--selector", "tome", "--budget", "16", "--option", f"order={order}", "--limit", "4", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    for record in pq.read_table(out / "records.parquet").to_pylist():
+        kept, merged = record["kept_stages"][0], record["merged_stages"][0]
+        assert len(kept) + len(merged) == 16
+        assert sorted(kept + [cell for group in merged for cell in group]) == list(range(144))

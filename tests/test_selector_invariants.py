@@ -117,8 +117,8 @@ def assert_valid_selection(selection, budget: int, fills_budget: bool = True) ->
     else:
         assert 1 <= selection.num_output_tokens <= min(budget, N)
     if selection.sources is not None:
-        assert selection.vision_tokens is not None and selection.vision_tokens.shape[0] == len(selection.sources)
-        assert torch.isfinite(selection.vision_tokens).all()
+        (tokens,) = [t for t in (selection.vision_tokens, selection.llm_tokens) if t is not None]  # exactly one
+        assert tokens.shape[0] == len(selection.sources) and torch.isfinite(tokens).all()
         carried = torch.cat(selection.sources)
         assert carried.numel() == 0 or (0 <= int(carried.min()) and int(carried.max()) < N)
         assert set(kept.tolist()) <= set(carried.tolist())
@@ -130,6 +130,7 @@ def assert_same_selection(first, second) -> None:
     if first.sources is not None:
         assert all(torch.equal(a, b) for a, b in zip(first.sources, second.sources, strict=True))
         torch.testing.assert_close(first.vision_tokens, second.vision_tokens)
+        torch.testing.assert_close(first.llm_tokens, second.llm_tokens)
 
 
 def own_score(selector) -> bool:

@@ -152,11 +152,15 @@ class Selection:
             such as VisionZip's CLS). ``None`` means output tokens are ``kept``.
         vision_tokens: for merging methods, (M, Dv) pre-projector tokens that replace
             the kept vision features, in output order (M == len(sources)).
+        llm_tokens: for merging methods that merge after the projector, (M, D) tokens in the
+            language model's input space instead of ``vision_tokens`` (exactly one of the two
+            is set when ``sources`` is).
     """
 
     kept: Tensor
     sources: list[Tensor] | None = None
     vision_tokens: Tensor | None = None
+    llm_tokens: Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:
