@@ -708,3 +708,124 @@ def test_scope_argmax_takes_the_first_exact_maximum_and_tolerance_the_lower_near
     weights = torch.tensor([1.0, 1.0 + 1e-6, 0.5])
     assert facility_location_greedy(unit, 1, candidate_weights=weights, tolerance=0.0)[0].tolist() == [1]
     assert facility_location_greedy(unit, 1, candidate_weights=weights)[0].tolist() == [0]
+
+
+# --- VisPruner (Theia-4869/VisPruner aefa01ad, llava_arch.py::encode_images) ------------------------
+
+
+def official_vispruner(
+    attentions: torch.Tensor, features: torch.Tensor, budget: int, gpu_arithmetic: bool = False, ratio: float = 0.5
+) -> list[int]:
+    """``encode_images`` on one image in the dtype of its inputs: attentions (H, N), features (N, Dv).
+
+    Written from the official code: head mean, descending argsort, ``int(T * r)`` important,
+    then rounds of alternate A/B matching on the unit features, dropping the ``min(8, R - T_div)``
+    A tokens with the highest best match. ``argsort`` leaves exact ties unspecified: stable here
+    (ties to the lower position), as documented. ``gpu_arithmetic``: the feature norms and the
+    A-B cosines accumulated in float32 and rounded once, as a GPU's half reductions and GEMMs
+    compute them (CPU fp16 kernels round about 1 norm in 576 and 6 cosines in 10^4 differently).
+    """
+    order = torch.argsort(attentions.mean(dim=0), descending=True, stable=True)
+    important_count = int(budget * ratio)
+    diverse_count = budget - important_count
+    important, residual = order[:important_count], order[important_count:]
+    norms = features.float().norm(dim=-1, keepdim=True).to(features.dtype) if gpu_arithmetic else features.norm(
+        dim=-1, keepdim=True)  # fmt: skip
+    normalised = features / norms
+    while diverse_count > 0:
+        r = min(8, residual.shape[0] - diverse_count)
+        if r <= 0:
+            break
+        tokens = normalised[residual]
+        a, b = (tokens[::2].float(), tokens[1::2].float()) if gpu_arithmetic else (tokens[::2], tokens[1::2])
+        scores = (a @ b.transpose(-1, -2)).to(tokens.dtype).max(dim=-1).values
+        distinct = torch.argsort(scores, descending=True, stable=True)[r:]
+        residual = torch.cat([residual[::2][distinct], residual[1::2]])
+    return sorted(torch.cat([important, residual]).tolist())
+
+
+def vispruner_agreement(dtype: torch.dtype, gpu_arithmetic: bool = True) -> int:
+    """Kept sets identical to the official forward run in ``dtype`` (half: ``score_dtype=model``), of 30."""
+    selector = get_selector("vispruner", score_dtype="float32" if dtype == torch.float32 else "model")
+    identical = 0
+    for seed, budget, _ in CASES:
+        case = clip_case(seed)
+        attentions, features = case["cls_row"][:, 1:], case["hidden"][1:]
+        signals = InputSignals(grid=(24, 24), cls_attention=attentions, vision_features=features, model_dtype=dtype)
+        expected = official_vispruner(attentions.to(dtype), features.to(dtype), budget, gpu_arithmetic)
+        identical += selector.select(signals, budget).kept.tolist() == expected
+    return identical
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_vispruner_reproduces_the_official_important_and_diverse_tokens(dtype):
+    """30 of 30 in float32, and with score_dtype=model against the official code in fp16 / bf16 (GPU arithmetic)."""
+    assert vispruner_agreement(dtype) == len(CASES) == FIDELITY["vispruner"].agreement_cases
+
+
+def test_vispruner_float32_scoring_misses_the_half_precision_ties():
+    float32 = get_selector("vispruner")
+    case = clip_case(0)
+    attentions, features = case["cls_row"][:, 1:], case["hidden"][1:]
+    signals = InputSignals(grid=(24, 24), cls_attention=attentions, vision_features=features, model_dtype=torch.bfloat16)
+    official = official_vispruner(attentions.bfloat16(), features.bfloat16(), 64, gpu_arithmetic=True)
+    assert float32.select(signals, 64).kept.tolist() != official
+
+
+def test_vispruner_odd_residual_gives_the_extra_member_to_a():
+    """Budgets 63/65/67 at ratio 0.5 leave an odd residual (545, 543, 543), where the official indexing fails."""
+    case = clip_case(1)
+    signals = InputSignals(grid=(24, 24), cls_attention=case["cls_row"][:, 1:], vision_features=case["hidden"][1:])
+    for budget in (63, 65, 67):
+        kept = get_selector("vispruner").select(signals, budget).kept
+        assert kept.numel() == budget == torch.unique(kept).numel()
+
+
+# --- ToMe (facebookresearch/ToMe af95e4b1, tome/merge.py) -------------------------------------------
+
+
+def official_tome(features: torch.Tensor, budget: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Rounds of ``bipartite_soft_matching`` + ``merge_wavg`` + ``merge_source`` on one image (batch of 1).
+
+    Written from the official functions: metric normalised, A = even / B = odd positions, ``r``
+    capped at half the tokens, the A tokens with the highest best score merge into their best B
+    by ``scatter_reduce(sum)`` of ``x * size`` over the summed sizes, output ``[unmerged, B]``; the
+    source matrix (one-hot rows, merged with ``amax``) says which cells each token carries.
+    ``argsort`` is stable here (ties to the lower position), as documented.
+    """
+    x, size = features[None], torch.ones(1, features.shape[0], 1)
+    source = torch.eye(features.shape[0])[None]
+    while x.shape[1] > budget:
+        r = min(x.shape[1] - budget, x.shape[1] // 2)
+        metric = x / x.norm(dim=-1, keepdim=True)
+        scores = metric[..., ::2, :] @ metric[..., 1::2, :].transpose(-1, -2)
+        node_max, node_idx = scores.max(dim=-1)
+        edge_idx = node_max.argsort(dim=-1, descending=True, stable=True)[..., None]
+        unm_idx, src_idx = edge_idx[..., r:, :], edge_idx[..., :r, :]
+        dst_idx = node_idx[..., None].gather(dim=-2, index=src_idx)
+
+        def merge(values: torch.Tensor, mode: str) -> torch.Tensor:
+            src, dst = values[..., ::2, :], values[..., 1::2, :]
+            n, t1, c = src.shape
+            unm = src.gather(dim=-2, index=unm_idx.expand(n, t1 - r, c))
+            src = src.gather(dim=-2, index=src_idx.expand(n, r, c))
+            return torch.cat([unm, dst.scatter_reduce(-2, dst_idx.expand(n, r, c), src, reduce=mode)], dim=1)
+
+        x, size, source = merge(x * size, "sum"), merge(size, "sum"), merge(source, "amax")
+        x = x / size
+    groups = [torch.nonzero(row).flatten().tolist() for row in source[0]]
+    return groups, x[0]
+
+
+def tome_identical(seed: int, budget: int, dim: int) -> bool:
+    features = features_of(seed, dim)
+    groups, tokens = official_tome(features, budget)
+    selection = get_selector("tome").select(InputSignals(grid=(24, 24), features=features), budget)
+    same_groups = [group.tolist() for group in selection.sources] == groups
+    return same_groups and torch.allclose(selection.llm_tokens, tokens, rtol=1e-5, atol=1e-5)
+
+
+def test_tome_reproduces_the_official_merging_rounds():
+    """Every output token's cells and vector (within 1e-5) as the official rounds, at 64/128/192."""
+    assert sum(tome_identical(seed, budget, dim) for seed, budget, dim in CASES) == len(CASES)
+    assert FIDELITY["tome"].agreement_cases == len(CASES)

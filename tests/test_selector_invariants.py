@@ -107,15 +107,18 @@ def seeded() -> torch.Generator:
     return torch.Generator().manual_seed(123)
 
 
-def assert_valid_selection(selection, budget: int) -> None:
+def assert_valid_selection(selection, budget: int, fills_budget: bool = True) -> None:
     kept = selection.kept
     assert kept.dtype == torch.long
     assert torch.equal(kept, torch.unique(kept)), "kept must be unique and ascending"
     assert kept.numel() == 0 or (0 <= int(kept.min()) and int(kept.max()) < N)
-    assert selection.num_output_tokens == min(budget, N)
+    if fills_budget:
+        assert selection.num_output_tokens == min(budget, N)
+    else:
+        assert 1 <= selection.num_output_tokens <= min(budget, N)
     if selection.sources is not None:
-        assert selection.vision_tokens is not None and selection.vision_tokens.shape[0] == len(selection.sources)
-        assert torch.isfinite(selection.vision_tokens).all()
+        (tokens,) = [t for t in (selection.vision_tokens, selection.llm_tokens) if t is not None]  # exactly one
+        assert tokens.shape[0] == len(selection.sources) and torch.isfinite(tokens).all()
         carried = torch.cat(selection.sources)
         assert carried.numel() == 0 or (0 <= int(carried.min()) and int(carried.max()) < N)
         assert set(kept.tolist()) <= set(carried.tolist())
@@ -127,6 +130,7 @@ def assert_same_selection(first, second) -> None:
     if first.sources is not None:
         assert all(torch.equal(a, b) for a, b in zip(first.sources, second.sources, strict=True))
         torch.testing.assert_close(first.vision_tokens, second.vision_tokens)
+        torch.testing.assert_close(first.llm_tokens, second.llm_tokens)
 
 
 def own_score(selector) -> bool:
@@ -170,7 +174,8 @@ def test_unknown_option_lists_the_valid_ones(name):
 @pytest.mark.parametrize("name", INPUT_SELECTORS)
 @pytest.mark.parametrize("budget", [1, 2, 7, 20, N - 1])
 def test_input_selection_is_valid_and_has_the_budget(name, budget):
-    assert_valid_selection(get_selector(name).select(input_signals(), budget, seeded()), budget)
+    selector = get_selector(name)
+    assert_valid_selection(selector.select(input_signals(), budget, seeded()), budget, selector.fills_budget)
 
 
 @pytest.mark.parametrize("name", INPUT_SELECTORS)
@@ -211,7 +216,7 @@ def test_same_seed_gives_the_same_selection(name):
 def test_degenerate_input_signals(name, variant):
     selector = get_selector(name)
     signals = input_signals(variant)
-    assert_valid_selection(selector.select(signals, 10, seeded()), 10)
+    assert_valid_selection(selector.select(signals, 10, seeded()), 10, selector.fills_budget)
     if own_score(selector):
         assert torch.isfinite(selector.score(signals, seeded())).all()
 
@@ -224,7 +229,7 @@ def test_half_precision_inputs_are_computed_in_float32(name, dtype):
     low = get_selector(name).select(dataclasses.replace(signals, **halves), 10, seeded())
     upcast = {f: t.float() for f, t in halves.items()}
     reference = get_selector(name).select(dataclasses.replace(signals, **upcast), 10, seeded())
-    assert_valid_selection(low, 10)
+    assert_valid_selection(low, 10, get_selector(name).fills_budget)
     assert_same_selection(low, reference)
 
 

@@ -342,7 +342,8 @@ class VisionLanguageModel(ABC):
             kept = selection.kept.to(device)
             visual, kinds = output.features[kept], kept
         else:
-            visual = self._project(selection.vision_tokens.to(device, self.dtype))
+            visual = (selection.llm_tokens.to(device, self.dtype) if selection.llm_tokens is not None
+                      else self._project(selection.vision_tokens.to(device, self.dtype)))
             kinds = torch.tensor(
                 [int(s[0]) if s.numel() == 1 else MERGED for s in selection.sources], device=device
             )

@@ -152,11 +152,15 @@ class Selection:
             such as VisionZip's CLS). ``None`` means output tokens are ``kept``.
         vision_tokens: for merging methods, (M, Dv) pre-projector tokens that replace
             the kept vision features, in output order (M == len(sources)).
+        llm_tokens: for merging methods that merge after the projector, (M, D) tokens in the
+            language model's input space instead of ``vision_tokens`` (exactly one of the two
+            is set when ``sources`` is).
     """
 
     kept: Tensor
     sources: list[Tensor] | None = None
     vision_tokens: Tensor | None = None
+    llm_tokens: Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -245,6 +249,11 @@ def as_float32(tensor: Tensor) -> Tensor:
     return tensor.detach().to(torch.float32)
 
 
+def rounded_to(values: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """``values`` rounded to ``dtype`` and kept float32 (``score_dtype="model"``); unchanged for None."""
+    return values if dtype is None else values.to(dtype).float()
+
+
 def cls_probabilities(signals: InputSignals, dtype: torch.dtype | None) -> Tensor:
     """(H, N) float32 CLS attention to the patches as a selector scores it.
 
@@ -292,9 +301,14 @@ class Selector:
 
 
 class InputSelector(Selector):
-    """A selector that runs before the language model, once per image."""
+    """A selector that runs before the language model, once per image.
+
+    ``fills_budget``: whether it feeds exactly ``min(budget, N)`` tokens; False for one that
+    feeds at most the budget by construction (pooling feeds the largest pooled grid within it).
+    """
 
     stage: ClassVar[SelectorLevel] = "input"
+    fills_budget: ClassVar[bool] = True
 
     def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
         """Choose ``budget`` output tokens out of ``signals.num_tokens``."""
@@ -375,4 +389,5 @@ __all__ = [
     "validate_budget",
     "option_defaults",
     "as_float32",
+    "rounded_to",
 ]

@@ -171,6 +171,20 @@ FIDELITY: dict[str, Fidelity] = {
                 "(test_schedule.py::test_official_rule_gives_the_code_default_and_refuses_other_budgets)"),  # fmt: skip
         30,
     ),
+    "pool": Fidelity(
+        "-",
+        "adaptive average pooling of the pre-projector feature grid to the largest grid within the budget",
+        (),
+        (
+            "VTC-Bench's baseline downsamples the image and runs the vision tower on it; pooling the full-resolution "
+            "features is its token-level counterpart (one vision pass, same grid geometry); grid=window pools k x k "
+            "windows, downsampling by an integer factor",
+            "every output token is a merged token carrying its window's cells (merged_stages), so retention counts "
+            "them and an object only pooled with other cells is diluted, not lost",
+        ),
+        "pooled tokens equal torch.nn.functional.adaptive_avg_pool2d of the feature grid "
+        "(test_new_selectors.py::test_pool_equals_adaptive_average_pooling)",
+    ),
     "random": Fidelity("-", "seeded uniform subset (control)", (), ("control, no reference",), "not applicable"),
     "scope": Fidelity(
         "6bf73069",
@@ -223,6 +237,25 @@ FIDELITY: dict[str, Fidelity] = {
                 "recycling realises 206.50 / 145.41 / 82.25 (test_recycling.py)"),  # fmt: skip
         30,
     ),
+    "tome": Fidelity(
+        "af95e4b1",
+        "rounds of bipartite soft matching at the projector output (r <= n / 2 per round) to the budget, "
+        "size-weighted averages, official output order",
+        (),
+        (
+            "merges the projector outputs to the budget in rounds, the usual VLM baseline; the official ToMe merges "
+            "inside the vision tower, a few tokens per block by a layer schedule (not implemented yet)",
+            "the similarity metric is the token itself; the official blocks use the head-mean keys of the merging "
+            "layer, which the projector output does not have",
+            "proportional attention (log(size) added to the attention logits) is not implemented",
+            "exact ties go to the lower index (argsort leaves them unspecified)",
+            "every output token carries its merge_source cells (merged_stages): retention counts them and an object "
+            "carried only by a merged token is diluted, not lost; order=raster sorts the output by first cell",
+        ),
+        _random(30, "test_fidelity.py::test_tome_reproduces_the_official_merging_rounds",
+                "each output token's cells, and its vector within 1e-5"),
+        30,
+    ),
     "uniform": Fidelity("-", "spatially even lattice subsample (control)", (), ("control, no reference",), "not applicable"),
     "v2drop": Fidelity(
         "219e03ed",
@@ -257,6 +290,25 @@ FIDELITY: dict[str, Fidelity] = {
                 "against the official one run in fp16 / bf16: dominant set, contextual groups and every output vector "
                 "bit for bit with score_dtype=model in 30 of 30 each, float32 scoring the same sets in 0 of 30 "
                 "(test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)"),  # fmt: skip
+        30,
+    ),
+    "vispruner": Fidelity(
+        "aefa01ad",
+        "important_ratio 0.5 of the budget by head-mean CLS attention, the rest by removing duplicates 8 per round, "
+        "float32 scores",
+        ("score_dtype=model",),
+        (
+            "ties to the lower index in the attention ranking and to the lower position in the duplicate ranking "
+            "(argsort leaves them unspecified)",
+            "an odd number of residual tokens (e.g. budget 63 or 65 at ratio 0.5) splits A = even positions, one "
+            "longer than B; the official batched indexing needs |A| == |B| and fails there",
+            _INPUT_DTYPE + "; under score_dtype=model the head mean, the unit features and the A-B cosines are "
+            "rounded to the model dtype as well",
+        ),
+        _random(30, "test_fidelity.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens",
+                "1024-dim CLIP states; against the official code run in fp16 / bf16 with a GPU's float32 accumulation "
+                "(norms and cosines rounded once): score_dtype=model 30 of 30 each, float32 scoring 0 of 30; CPU fp16 "
+                "kernels round some norms and cosines differently (18 of 30 there)"),  # fmt: skip
         30,
     ),
 }

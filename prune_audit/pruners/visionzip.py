@@ -14,6 +14,7 @@ from prune_audit.pruners.base import (
     Reference,
     Selection,
     as_float32,
+    rounded_to,
     cls_probabilities,
     top_k_indices,
 )
@@ -81,24 +82,20 @@ class VisionZipSelector(InputSelector):
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         dominant_count, contextual_count = self.split(budget)
         dtype = signals.model_dtype if self.score_dtype == "model" and signals.model_dtype != torch.float32 else None
-        saliency = _rounded(cls_probabilities(signals, dtype).sum(dim=0), dtype)
+        saliency = rounded_to(cls_probabilities(signals, dtype).sum(dim=0), dtype)
         dominant = top_k_indices(saliency, dominant_count - 1)
         rest = torch.ones(signals.num_tokens, dtype=torch.bool)
         rest[dominant] = False
-        features = _rounded(as_float32(signals.vision_features), dtype)
+        features = rounded_to(as_float32(signals.vision_features), dtype)
         sources = [torch.zeros(0, dtype=torch.long)] + [index.reshape(1) for index in dominant]
-        tokens = [_rounded(as_float32(signals.cls_feature), dtype)[None], features[dominant]]
+        tokens = [rounded_to(as_float32(signals.cls_feature), dtype)[None], features[dominant]]
         if contextual_count:
-            keys = _rounded(_rounded(as_float32(signals.vision_keys), dtype).mean(dim=0)[1:], dtype)  # (N, d) patches
+            keys = rounded_to(rounded_to(as_float32(signals.vision_keys), dtype).mean(dim=0)[1:], dtype)  # (N, d) patches
             contextual_sources = _contextual_clusters(torch.nonzero(rest).flatten(), keys, contextual_count, dtype)
             sources += contextual_sources
             tokens.append(torch.stack([_merge(features, group, dtype) for group in contextual_sources]))
         return Selection(kept=dominant, sources=sources, vision_tokens=torch.cat(tokens))
 
-
-def _rounded(values: Tensor, dtype: torch.dtype | None) -> Tensor:
-    """``values`` rounded to ``dtype`` (kept float32); unchanged for None."""
-    return values if dtype is None else values.to(dtype).float()
 
 
 def _contextual_clusters(remaining: Tensor, keys: Tensor, count: int, dtype: torch.dtype | None) -> list[Tensor]:
@@ -119,7 +116,7 @@ def _contextual_clusters(remaining: Tensor, keys: Tensor, count: int, dtype: tor
     is_target[torch.arange(count) * step] = True
     targets, members = remaining[is_target], remaining[~is_target]
     unit = unit_rows(keys) if dtype is None else unit_rows_in(keys, dtype)
-    assignment = torch.argmax(_rounded(unit[members] @ unit[targets].T, dtype), dim=1)  # (M,) target slot per member
+    assignment = torch.argmax(rounded_to(unit[members] @ unit[targets].T, dtype), dim=1)  # (M,) target slot per member
     return [torch.cat([targets[slot].reshape(1), members[assignment == slot]]) for slot in range(count)]
 
 
@@ -135,5 +132,5 @@ def _merge(features: Tensor, group: Tensor, dtype: torch.dtype | None) -> Tensor
         return features[target]
     if dtype is None:
         return features[target] + features[members].mean(dim=0)
-    mean = _rounded(_rounded(features[members].sum(dim=0), dtype) / members.numel(), dtype)
-    return _rounded(features[target] + mean, dtype)
+    mean = rounded_to(rounded_to(features[members].sum(dim=0), dtype) / members.numel(), dtype)
+    return rounded_to(features[target] + mean, dtype)

@@ -1,0 +1,107 @@
+"""VisPruner: important tokens by CLS attention plus diverse tokens by removing duplicates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from prune_audit.pruners.base import (
+    InputSelector,
+    InputSignals,
+    Reference,
+    Selection,
+    as_float32,
+    rounded_to,
+    cls_probabilities,
+    ranked_indices,
+)
+from prune_audit.pruners.options import Choice, Integer, Real, option
+from prune_audit.pruners.registry import register
+from prune_audit.pruners.schedule import SCORE_DTYPES
+from prune_audit.pruners.similarity import unit_rows, unit_rows_in
+
+
+@register
+@dataclass
+class VisPrunerSelector(InputSelector):
+    """Important patches by CLS attention, the rest of the budget by removing near-duplicates (VisPruner).
+
+    With ``T`` the budget: ``T_imp = int(T * important_ratio)`` important patches are the
+    top of the head-mean CLS attention (``cls_attention``, (H, N)); the other ``N - T_imp``
+    patches R, in descending attention order, lose duplicates until ``T - T_imp`` remain.
+    Each round splits R alternately into A (positions 0, 2, ...) and B (1, 3, ...), gives
+    every a in A its highest cosine similarity to B (unit ``vision_features``, (N, Dv)),
+    drops the ``r = min(removal_step, |R| - (T - T_imp))`` members of A with the highest
+    similarity and continues with ``[A's survivors in descending-similarity order, B]``.
+    Kept: important and surviving patches, ascending (the official boolean mask).
+
+    Follows Theia-4869/VisPruner ``llava/model/llava_arch.py::encode_images`` (commit
+    aefa01ad) with ``clip_encoder.py::feature_select``: CLIP layer -2 attentions and
+    hidden states, ``important_ratio`` 0.5, ``r`` at most 8 per round. Differences:
+    exact ties go to the lower index (attention) and the lower position (similarity)
+    where ``argsort`` leaves them unspecified, and an odd |R| (where the official batched
+    indexing fails: it needs ``|A| == |B|``) gives A the extra member.
+
+    Options:
+        important_ratio: share of the budget taken by attention (the official ``--important_ratio``).
+        removal_step: most duplicates removed per round (the official 8).
+        score_dtype: ``"float32"`` (default) or ``"model"``: the CLS attention as the official eager
+            attention forms it in the model dtype (:func:`cls_probabilities`), its head mean, the unit
+            features and the A-B cosines rounded to the model dtype, as the official code computes in
+            fp16/bf16 (reductions accumulate in float32).
+    """
+
+    name: ClassVar[str] = "vispruner"
+    summary: ClassVar[str] = "top CLS-attention patches plus duplicates removed from the rest (VisPruner)"
+    requires: ClassVar[frozenset[str]] = frozenset({"cls_attention", "vision_features"})
+    reference: ClassVar[Reference] = Reference(
+        "Beyond Text-Visual Attention: Exploiting Visual Cues for Effective Token Pruning in VLMs "
+        "(VisPruner, ICCV 2025, arXiv 2412.01818v2)",
+        "Theia-4869/VisPruner",
+        "CLIP layer -2 CLS row (head mean) and hidden states; important_ratio 0.5; 8 duplicates per round",
+    )
+
+    important_ratio: float = option(0.5, Real(low=0.0, high=1.0), "share of the budget chosen by CLS attention")
+    removal_step: int = option(8, Integer(low=1), "most duplicates removed per round")
+    score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
+
+    def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
+        dtype = signals.model_dtype if self.score_dtype == "model" and signals.model_dtype != torch.float32 else None
+        attention = rounded_to(cls_probabilities(signals, dtype).mean(dim=0), dtype)  # (N,)
+        important_count = int(budget * self.important_ratio)
+        ranked = ranked_indices(attention, signals.num_tokens)  # every patch, most attended first
+        important, residual = ranked[:important_count], ranked[important_count:]
+        diverse_count = budget - important_count
+        if diverse_count > 0:
+            features = as_float32(signals.vision_features)
+            unit = unit_rows(features) if dtype is None else unit_rows_in(features, dtype)
+            residual = remove_duplicates(residual, unit, diverse_count, self.removal_step, dtype)
+            important = torch.cat([important, residual])
+        return Selection(kept=torch.sort(important).values)
+
+
+def remove_duplicates(
+    residual: Tensor, unit: Tensor, keep: int, step: int, dtype: torch.dtype | None = None
+) -> Tensor:
+    """VisPruner's iterative matching: drop the most duplicated members of ``residual`` until ``keep`` remain.
+
+    Args:
+        residual: (R,) grid indices in their current order (descending attention at first).
+        unit: (N, Dv) float32 unit-norm features (rounded to ``dtype`` when given).
+        keep: how many to keep, ``keep <= R``.
+        step: most members removed per round.
+        dtype: None, or the half dtype the cosines are rounded to before they are ranked.
+
+    Returns:
+        (keep,) grid indices in the official order: each round's A survivors, then B.
+    """
+    while (removed := min(step, residual.numel() - keep)) > 0:
+        a, b = residual[0::2], residual[1::2]
+        similarity = rounded_to(unit[a] @ unit[b].T, dtype).max(dim=1).values  # (|A|,) best match in B
+        survivors = ranked_indices(similarity, a.numel())[removed:]  # most similar first, then dropped
+        residual = torch.cat([a[survivors], b])
+    return residual
+
