@@ -258,13 +258,17 @@ def test_the_overlay_sizes_markers_by_count_greys_sparse_bins_and_keeps_points_o
 
 
 def test_the_diagram_names_both_gaps_keeps_intervals_inside_and_counts_on_a_log_axis(captured):
-    under = calibrated([0, 0, 0, 30, 300], [0.0, 0.0, 0.0, 0.95, 0.97])  # accuracy above confidence at 0.85
-    figures.reliability_diagram(under, "run", "reliability_run")
+    # accuracy above confidence at 0.85, below it at 0.95; the sparse bin of accuracy 0 still gets a marker
+    mixed = calibrated([0, 2, 0, 30, 300], [0.0, 0.0, 0.0, 0.95, 0.9])
+    figures.reliability_diagram(mixed, "run", "reliability_run")
     figure = captured["reliability_run"]
     top, bottom = figure.axes
     labels = legend_labels(figure)
     assert "accuracy above confidence (under-confident)" in labels
     assert "confidence above accuracy (over-confident)" in labels
+    assert f"accuracy, bin of < {figures.MIN_BIN_QUESTIONS} questions (no interval)" in labels
+    (sparse,) = markers(top)
+    assert np.allclose(sparse.get_offsets(), [[0.65, 0.0]]) and top.get_ylim()[0] < 0  # off the frame
     assert top.get_ylim()[1] > 1.0  # an interval ending at 1 is drawn inside the axes
     assert bottom.get_yscale() == "log"
 
@@ -397,4 +401,5 @@ def test_the_report_has_a_header_the_validity_figure_no_wrapping_and_a_latency_c
 def test_a_difference_that_is_zero_on_every_resample_reads_as_such():
     assert _signed({"d": 0.0, "d_low": 0.0, "d_high": 0.0}, "d") == "identical answers on every resample"
     assert _signed({"d": 0.02, "d_low": 0.02, "d_high": 0.02}, "d") == "+0.020 on every bootstrap resample"
-    assert _signed({"d": -0.05, "d_low": -0.09, "d_high": -0.01}, "d") == "-0.050, 95% interval [-0.090, -0.010] excludes 0"
+    interval = _signed({"d": -0.05, "d_low": -0.09, "d_high": -0.01}, "d")
+    assert interval == "-0.050, 95% interval [-0.090, -0.010] excludes 0"

@@ -111,7 +111,8 @@ def reliability_points(axis: Any, reliability: dict, largest: float, label: str,
     dense = bins.dense
     line = axis.plot(bins.confidence[dense], bins.accuracy[dense], color=color, linewidth=1.2, label=label)[0]
     color = line.get_color()
-    error = [np.clip(np.nan_to_num(bins.accuracy - bins.low), 0, None), np.clip(np.nan_to_num(bins.high - bins.accuracy), 0, None)]
+    error = [np.clip(np.nan_to_num(bins.accuracy - bins.low), 0, None),
+             np.clip(np.nan_to_num(bins.high - bins.accuracy), 0, None)]
     axis.errorbar(bins.confidence[dense], bins.accuracy[dense], yerr=[e[dense] for e in error], fmt="none",
                   ecolor=color, capsize=2, linewidth=0.8)
     areas = bins.areas(largest) * marker_scale
@@ -149,19 +150,23 @@ def reliability_diagram(summary: dict, title: str, stem: str) -> dict[str, bytes
     dense = counts >= MIN_BIN_QUESTIONS
     accuracy = np.nan_to_num(np.array(reliability["accuracy"], dtype=float))
     confidence = np.nan_to_num(np.array(reliability["confidence"], dtype=float))
-    bars = {"width": width, "align": "edge", "edgecolor": "white"}
-    top.bar(left[dense], accuracy[dense], width=width[dense], align="edge", edgecolor="white", color="tab:blue",
-            label="accuracy")
     sparse = ~dense & (counts > 0)
-    top.bar(left[sparse], accuracy[sparse], width=width[sparse], align="edge", edgecolor="white", color="0.8",
-            label=f"accuracy, bin of < {MIN_BIN_QUESTIONS} questions (no interval)")
     gap = confidence - accuracy
-    for side, color, label in ((gap > 0, "tab:red", "confidence above accuracy (over-confident)"),
-                               (gap < 0, "tab:green", "accuracy above confidence (under-confident)")):
-        chosen = side & dense
-        style = {"color": color, "alpha": 0.3, "edgecolor": color, "hatch": "//"}
-        top.bar(left[chosen], gap[chosen], bottom=accuracy[chosen], width=width[chosen], align="edge", label=label,
-                **style)
+    hatched = {"alpha": 0.3, "hatch": "//"}
+    layers = (  # (bins, height, bottom, style, label); a layer without bins is neither drawn nor in the legend
+        (dense, accuracy, 0, {"color": "tab:blue"}, "accuracy"),
+        (sparse, accuracy, 0, {"color": "0.8"}, f"accuracy, bin of < {MIN_BIN_QUESTIONS} questions (no interval)"),
+        (dense & (gap > 0), gap, accuracy, {"color": "tab:red", "edgecolor": "tab:red", **hatched},
+         "confidence above accuracy (over-confident)"),
+        (dense & (gap < 0), gap, accuracy, {"color": "tab:green", "edgecolor": "tab:green", **hatched},
+         "accuracy above confidence (under-confident)"),
+    )
+    for chosen, height, base, style, label in layers:
+        if chosen.any():
+            top.bar(left[chosen], height[chosen], bottom=np.broadcast_to(base, height.shape)[chosen],
+                    width=width[chosen], align="edge", label=label, **{"edgecolor": "white", **style})
+    # a sparse bin of accuracy 0 has no bar: its grey marker still shows where it is
+    top.scatter((left + width / 2)[sparse], accuracy[sparse], s=30, **SPARSE_STYLE)
     top.plot([0, 1], [0, 1], color="black", linestyle="--", linewidth=1, label="perfect calibration")
     if "accuracy_ci95" in reliability and dense.any():
         interval = np.clip(np.array(reliability["accuracy_ci95"], dtype=float)[dense], 0.0, 1.0)
@@ -169,10 +174,10 @@ def reliability_diagram(summary: dict, title: str, stem: str) -> dict[str, bytes
         top.errorbar((left + width / 2)[dense], accuracy[dense], yerr=np.nan_to_num(error), fmt="none",
                      ecolor="black", capsize=2, linewidth=0.8, label="95% image-bootstrap interval")
     ece = summary["metrics"]["all"]["ece"]
-    top.set(xlim=(0.45, 1), ylim=(0, 1.08), ylabel="accuracy")  # headroom: intervals ending at 1 stay inside
+    top.set(xlim=(0.45, 1), ylim=(-0.04, 1.08), ylabel="accuracy")  # points and intervals at 0 or 1 stay inside
     top.set_title(f"{title}\nECE {ece['value']:.3f} [{ece['ci95'][0]:.3f}, {ece['ci95'][1]:.3f}]", fontsize=10)
     top.legend(loc="upper left", fontsize=7)
-    bottom.bar(left, np.where(counts > 0, counts, np.nan), color="gray", **bars)
+    bottom.bar(left, np.where(counts > 0, counts, np.nan), width=width, align="edge", edgecolor="white", color="gray")
     for x, w, count in zip(left, width, counts):
         if count:
             bottom.annotate(str(count), (x + w / 2, count), ha="center", va="bottom", fontsize=7)
@@ -237,7 +242,8 @@ def _interval_line(axis: Any, x: np.ndarray, values: Sequence[dict], **style: An
 
 LOST_GROUP = "lost"
 LOST_TICK = "lost\n(retention 0)"
-"""A lost object is one with retention exactly 0: the "retention 0" bin holds the same questions, so it is not drawn twice."""
+"""A lost object is one with retention exactly 0: the "retention 0" bin holds the same questions, so it is
+not drawn twice."""
 
 
 def retention_groups(summary: dict) -> list[str]:
@@ -305,8 +311,8 @@ def retention_figure(summaries: Sequence[dict], labels: Sequence[str], title: st
     for axis in axes[0]:
         axis.set_xlim(-0.5, axis.get_xlim()[1] + 0.1)  # room for the n labels left of the first group
         axis.legend(fontsize=7)
-    figure.supxlabel("queried object: lost (no kept token holds any of its pixels), or area retention of the kept tokens",
-                     fontsize=9)
+    figure.supxlabel("queried object: lost (no kept token holds any of its pixels), or area retention of the kept "
+                     "tokens", fontsize=9)
     figure.suptitle(f"{title}: 'yes' questions by object fate (95% image-bootstrap intervals; n: questions)",
                     fontsize=10)
     return _render(figure, stem)
@@ -352,7 +358,8 @@ def _cost_figure(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
     for cascade in cascades:
         epsilon, label = _series(cascade, "epsilon"), cascade["label"]
         mean_cost = _series(cascade, "validity", "mean_relative_cost")
-        line = axis.plot(epsilon, mean_cost, marker="o", label=f"{label}: mean over {_splits(cascades)} random splits")[0]
+        mean_label = f"{label}: mean over {_splits(cascades)} random splits"
+        line = axis.plot(epsilon, mean_cost, marker="o", label=mean_label)[0]
         seeded_cost = _series(cascade, "relative_cost")
         style = {"marker": "x", "linestyle": ":", "color": line.get_color()}
         axis.plot(epsilon, seeded_cost, label=f"{label}: the seeded split (the numbers of cascade.json)", **style)

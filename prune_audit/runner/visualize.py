@@ -239,7 +239,8 @@ PROBE_QUESTION = "Is there an object in the image?"
 
 
 def live_question(vlm: VisionLanguageModel, picture: Any, setup: LiveSetup, image_name: str) -> str:
-    """``setup``'s question, or the POPE question about the annotated object with the most pixels in the model's view."""
+    """``setup``'s question, or the POPE question about the annotated object with the most pixels in the
+    model's view."""
     if setup.question is not None:
         return setup.question
     from prune_audit.analysis.overlay import outside_view
