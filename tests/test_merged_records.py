@@ -108,7 +108,7 @@ def test_visualize_run_hatches_the_contextual_cells(visionzip_run, tmp_path, mon
     carried = sorted(cell for sources in record["merged_stages"][0] for cell in sources)
     assert panel.merged == [carried] and panel.has_merged_only_cells()
     assert panel.stage_labels == [f"input: kept {len(record['kept'])} of 144 + 2 merged"]
-    assert "retention 1.00" in panel.caption and out.is_file()
+    assert "retention 1.00" in panel.under(0) and out.is_file()
     assert figure_note(drawn["panels"], drawn["note"]) == MERGED_NOTE  # the legend under the figure
 
 

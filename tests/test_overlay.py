@@ -41,7 +41,7 @@ def test_overlay_covers_exactly_the_kept_cells():
     assert (out[~expected_kept] == 100).all()
 
 
-def test_cropped_pixels_are_dimmed_and_padding_is_not_drawn():
+def test_cropped_pixels_belong_to_no_token_and_padding_is_not_drawn():
     # 84 x 56 landscape, centre crop to 56 x 56: 14 columns on each side are cropped away
     geometry = clip_geometry((84, 56), mode="hf_crop", shortest_edge=56, crop_size=(56, 56))
     everything = list(range(geometry.num_tokens))
@@ -84,7 +84,7 @@ def test_panels_are_laid_out_at_most_four_per_row(tmp_path):
         width, height = picture.size
     cell = CELL_INCHES * DPI
     assert 4 * cell <= width <= 4 * cell + 60  # four columns, each about 330 px: readable at 100 %
-    assert 3 * cell < height < 3 * (cell + 1.2 * DPI) + 100  # three rows of square images
+    assert 3 * cell < height < 3 * (cell + 1.4 * DPI) + 160  # three rows of square images, legend and note
 
 
 def test_cells_only_merged_tokens_carry_are_half_dimmed_and_hatched():
@@ -100,7 +100,7 @@ def test_cells_only_merged_tokens_carry_are_half_dimmed_and_hatched():
     picture = compose(image, Panel("visionzip", geometry, [kept], merged=[merged]), 0)
     hatch = merged_hatch(geometry, merged, kept)
     assert np.array_equal(hatch & merged_only, hatch)  # hatching only on the merged-only cells
-    assert 0.15 < hatch[merged_only].mean() < 0.35  # stripes: the image stays visible between them
+    assert 0.05 < hatch[merged_only].mean() < 0.2  # thin stripes: the image stays visible between them
     tinted = np.rint(HATCH_OPACITY * np.array(MERGED_HATCH) + (1 - HATCH_OPACITY) * 120)
     assert (picture[hatch] == tinted).all()
     assert (picture[merged_only & ~hatch] == 120).all() and (picture[dropped] == 50).all()

@@ -9,11 +9,12 @@ from typer.testing import CliRunner
 import prune_audit.runner.visualize as visualize_module
 from prune_audit.analysis.overlay import MAX_COLUMNS
 from prune_audit.cli.main import app
+from prune_audit.runner.visualize import DEFAULT_SELECTORS
 from prune_audit.demo.assets import demo_assets
 
 
 @pytest.mark.slow
-def test_demo_figure_is_a_captioned_grid_of_every_runnable_selector(tmp_path, monkeypatch):
+def test_demo_figure_is_a_captioned_grid_of_the_default_selectors(tmp_path, monkeypatch):
     image = next(iter(sorted(demo_assets().images_dir.glob("*.png"))))
     drawn = {}
     real_draw = visualize_module.draw_panels
@@ -30,11 +31,12 @@ def test_demo_figure_is_a_captioned_grid_of_every_runnable_selector(tmp_path, mo
     assert f"wrote figures/{image.stem}/tokens.png" in result.output
     panels = drawn["panels"]
     names = [panel.title.split(",")[0].split(" ")[0] for panel in panels]
-    assert names[0] == "none" and "cdpruner" not in names and len(names) >= 12
+    assert names == ["none", *(name for name in DEFAULT_SELECTORS if name != "cdpruner")]  # a readable default set
     assert "cdpruner (needs --clip-text PATH)" in drawn["note"]  # listed with the reason
+    assert "also available: cls_attn" in drawn["note"] and "--selector all" in drawn["note"]
     for panel in panels[1:]:
         assert "budget 64" in panel.title and all("kept" in label for label in panel.stage_labels)
-        assert "retention" in panel.caption and "answer" in panel.caption  # demo annotations found
+        assert "retention" in panel.under(0) and "answer" in panel.under(len(panel.stages) - 1)  # demo annotations
     assert drawn["suptitle"].startswith("demo model | Is there a") and "/" not in drawn["suptitle"]
     cells = sum(len(panel.stages) for panel in panels)
     with Image.open(picture) as png:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,59 +52,163 @@ def _bin_layout(reliability: dict) -> tuple[np.ndarray, np.ndarray]:
     return np.nan_to_num(lower), np.nan_to_num(upper - lower)
 
 
+MIN_BIN_QUESTIONS = 10
+"""Reliability bins with fewer questions are drawn grey, without interval and outside the curve:
+one or two questions give an accuracy of 0 or 1 that says nothing about calibration."""
+
+MARKER_AREA = 240.0
+"""Marker area (points^2) of the fullest bin of a reliability plot; every other bin's is proportional to its count."""
+
+RELIABILITY_LIMITS = {"xlim": (0.45, 1.03), "ylim": (-0.05, 1.05)}
+"""Axes a little wider than [0.45, 1] x [0, 1], so points at confidence or accuracy 1 stay off the frame."""
+
+SPARSE_LABEL = f"bin of < {MIN_BIN_QUESTIONS} questions (grey, not joined)"
+SPARSE_STYLE = {"facecolors": "none", "edgecolors": "0.55", "linewidths": 0.9, "zorder": 2}
+
+
+@dataclass(frozen=True)
+class ReliabilityBins:
+    """One run's non-empty reliability bins: questions, mean confidence, accuracy and its 95% interval."""
+
+    count: np.ndarray
+    confidence: np.ndarray
+    accuracy: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+
+    @classmethod
+    def of(cls, reliability: dict) -> ReliabilityBins:
+        count = np.array(reliability["count"], dtype=float)
+        shown = count > 0
+        interval = np.array(reliability.get("accuracy_ci95") or [[None, None]] * len(count), dtype=float)
+        accuracy = np.array(reliability["accuracy"], dtype=float)
+        return cls(count[shown], np.array(reliability["confidence"], dtype=float)[shown], accuracy[shown],
+                   interval[shown, 0], interval[shown, 1])
+
+    @property
+    def dense(self) -> np.ndarray:
+        """Bins with at least ``MIN_BIN_QUESTIONS`` questions."""
+        return self.count >= MIN_BIN_QUESTIONS
+
+    def areas(self, largest: float) -> np.ndarray:
+        """Marker areas proportional to the counts, ``MARKER_AREA`` for a bin of ``largest`` questions."""
+        return np.maximum(MARKER_AREA * self.count / max(largest, 1.0), 12.0)
+
+
+def _largest_bin(reliabilities: Sequence[dict]) -> float:
+    return float(max((max(r["count"], default=0) for r in reliabilities), default=1))
+
+
+def reliability_points(axis: Any, reliability: dict, largest: float, label: str, color: Any = None,
+                       marker_scale: float = 1.0) -> Any:
+    """One run's reliability curve on ``axis``; returns its line (for the colour).
+
+    Marker area is proportional to the bin's question count (``largest`` questions: ``MARKER_AREA``);
+    bins of at least ``MIN_BIN_QUESTIONS`` carry their 95% interval and are joined by the line,
+    the others are grey open markers, neither joined nor given an interval.
+    """
+    bins = ReliabilityBins.of(reliability)
+    dense = bins.dense
+    line = axis.plot(bins.confidence[dense], bins.accuracy[dense], color=color, linewidth=1.2, label=label)[0]
+    color = line.get_color()
+    error = [np.clip(np.nan_to_num(bins.accuracy - bins.low), 0, None),
+             np.clip(np.nan_to_num(bins.high - bins.accuracy), 0, None)]
+    axis.errorbar(bins.confidence[dense], bins.accuracy[dense], yerr=[e[dense] for e in error], fmt="none",
+                  ecolor=color, capsize=2, linewidth=0.8)
+    areas = bins.areas(largest) * marker_scale
+    axis.scatter(bins.confidence[dense], bins.accuracy[dense], s=areas[dense], color=color, alpha=0.75, zorder=3)
+    axis.scatter(bins.confidence[~dense], bins.accuracy[~dense], s=areas[~dense], **SPARSE_STYLE)
+    return line
+
+
+def _sparse_legend_entry(axis: Any) -> None:
+    """A legend entry for the grey markers of bins under ``MIN_BIN_QUESTIONS`` questions."""
+    axis.scatter([], [], s=40, label=SPARSE_LABEL, **SPARSE_STYLE)
+
+
+def _log_count_axis(axis: Any) -> None:
+    """A log count axis labelled 1, 10, 100 (not 10^0), bottom below 1 so a bin of one question shows."""
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_yscale("log")
+    axis.set_ylim(bottom=0.5)
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+
+
 def reliability_diagram(summary: dict, title: str, stem: str) -> dict[str, bytes]:
-    """Accuracy per confidence bin against the diagonal, with the count of every bin below."""
+    """Accuracy per confidence bin against the diagonal, with the count of every bin below (log axis).
+
+    The gap between accuracy and mean confidence is red where the model is over-confident and
+    green where accuracy is above confidence; bins of fewer than ``MIN_BIN_QUESTIONS`` questions
+    are grey, without interval.
+    """
     reliability = summary["reliability"]
-    figure, axes = _figure(2, 1, size=(6.0, 6.0), ratios=(3, 1))
+    figure, axes = _figure(2, 1, size=(6.0, 6.4), ratios=(3, 1))
     top, bottom = axes[0, 0], axes[1, 0]
     left, width = _bin_layout(reliability)
-    accuracy = np.nan_to_num(np.array(reliability["accuracy"], dtype=float))
-    confidence = np.array(reliability["confidence"], dtype=float)
-    top.bar(left, accuracy, width=width, align="edge", color="tab:blue", edgecolor="white", label="accuracy")
-    gap = np.nan_to_num(confidence) - accuracy
-    style = {"color": "tab:red", "alpha": 0.3, "edgecolor": "tab:red", "hatch": "//"}
-    top.bar(left, gap, bottom=accuracy, width=width, align="edge", label="gap to mean confidence", **style)
-    top.plot([0, 1], [0, 1], color="black", linestyle="--", linewidth=1, label="perfect calibration")
-    if "accuracy_ci95" in reliability:
-        interval = np.array(reliability["accuracy_ci95"], dtype=float)
-        shown = np.array(reliability["count"]) > 0
-        centre = (left + width / 2)[shown]
-        error = np.abs(interval[shown] - accuracy[shown, None]).T
-        top.errorbar(centre, accuracy[shown], yerr=np.nan_to_num(error), fmt="none", ecolor="black", capsize=2,
-                     linewidth=0.8, label="95% image-bootstrap interval")
-    ece = summary["metrics"]["all"]["ece"]
-    top.set(xlim=(0.45, 1), ylim=(0, 1), ylabel="accuracy")
-    top.set_title(f"{title}\nECE {ece['value']:.3f} [{ece['ci95'][0]:.3f}, {ece['ci95'][1]:.3f}]", fontsize=10)
-    top.legend(loc="upper left", fontsize=8)
     counts = np.array(reliability["count"])
-    bottom.bar(left, counts, width=width, align="edge", color="gray", edgecolor="white")
+    dense = counts >= MIN_BIN_QUESTIONS
+    accuracy = np.nan_to_num(np.array(reliability["accuracy"], dtype=float))
+    confidence = np.nan_to_num(np.array(reliability["confidence"], dtype=float))
+    sparse = ~dense & (counts > 0)
+    gap = confidence - accuracy
+    hatched = {"alpha": 0.3, "hatch": "//"}
+    layers = (  # (bins, height, bottom, style, label); a layer without bins is neither drawn nor in the legend
+        (dense, accuracy, 0, {"color": "tab:blue"}, "accuracy"),
+        (sparse, accuracy, 0, {"color": "0.8"}, f"accuracy, bin of < {MIN_BIN_QUESTIONS} questions (no interval)"),
+        (dense & (gap > 0), gap, accuracy, {"color": "tab:red", "edgecolor": "tab:red", **hatched},
+         "confidence above accuracy (over-confident)"),
+        (dense & (gap < 0), gap, accuracy, {"color": "tab:green", "edgecolor": "tab:green", **hatched},
+         "accuracy above confidence (under-confident)"),
+    )
+    for chosen, height, base, style, label in layers:
+        if chosen.any():
+            top.bar(left[chosen], height[chosen], bottom=np.broadcast_to(base, height.shape)[chosen],
+                    width=width[chosen], align="edge", label=label, **{"edgecolor": "white", **style})
+    # a sparse bin of accuracy 0 has no bar: its grey marker still shows where it is
+    top.scatter((left + width / 2)[sparse], accuracy[sparse], s=30, **SPARSE_STYLE)
+    top.plot([0, 1], [0, 1], color="black", linestyle="--", linewidth=1, label="perfect calibration")
+    if "accuracy_ci95" in reliability and dense.any():
+        interval = np.clip(np.array(reliability["accuracy_ci95"], dtype=float)[dense], 0.0, 1.0)
+        error = np.clip(np.abs(interval - accuracy[dense, None]).T, 0, None)
+        top.errorbar((left + width / 2)[dense], accuracy[dense], yerr=np.nan_to_num(error), fmt="none",
+                     ecolor="black", capsize=2, linewidth=0.8, label="95% image-bootstrap interval")
+    ece = summary["metrics"]["all"]["ece"]
+    top.set(xlim=(0.45, 1), ylim=(-0.04, 1.08), ylabel="accuracy")  # points and intervals at 0 or 1 stay inside
+    top.set_title(f"{title}\nECE {ece['value']:.3f} [{ece['ci95'][0]:.3f}, {ece['ci95'][1]:.3f}]", fontsize=10)
+    top.legend(loc="upper left", fontsize=7)
+    bottom.bar(left, np.where(counts > 0, counts, np.nan), width=width, align="edge", edgecolor="white", color="gray")
     for x, w, count in zip(left, width, counts):
         if count:
             bottom.annotate(str(count), (x + w / 2, count), ha="center", va="bottom", fontsize=7)
-    bottom.set(xlim=(0.45, 1), xlabel="confidence (top-label, two-way)", ylabel="questions")
+    _log_count_axis(bottom)
+    bottom.set_ylim(top=max(counts.max(initial=1), 1) * 3)  # room for the count above the tallest bar
+    bottom.set(xlim=(0.45, 1), xlabel="confidence (top-label, two-way)", ylabel="questions (log)")
     return _render(figure, stem)
 
 
 def reliability_overlay(summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str) -> dict[str, bytes]:
-    """Several runs' reliability curves in one plot, each bin's question count beneath."""
-    figure, axes = _figure(2, 1, size=(6.4, 6.4), ratios=(3, 1))
+    """Several runs' reliability curves in one plot (``reliability_points``), each bin's question count beneath."""
+    figure, axes = _figure(2, 1, size=(6.4, 6.8), ratios=(3, 1))
     top, bottom = axes[0, 0], axes[1, 0]
     top.plot([0, 1], [0, 1], color="black", linestyle="--", linewidth=1, label="perfect calibration")
+    largest = _largest_bin([summary["reliability"] for summary in summaries])
     for position, (summary, label) in enumerate(zip(summaries, labels)):
         reliability = summary["reliability"]
-        counts = np.array(reliability["count"])
-        shown = counts > 0
         ece = summary["metrics"]["all"]["ece"]["value"]
-        confidence = np.array(reliability["confidence"], dtype=float)[shown]
-        accuracy = np.array(reliability["accuracy"], dtype=float)[shown]
-        line = top.plot(confidence, accuracy, marker="o", label=f"{label} (ECE {ece:.3f})")[0]
+        line = reliability_points(top, reliability, largest, f"{label} (ECE {ece:.3f})")
         # bins side by side: each run takes its share of the bin's width
         left, width = _bin_layout(reliability)
         share = width / len(summaries)
-        bottom.bar(left + position * share, counts, width=share, align="edge", color=line.get_color(), label=label)
-    top.set(xlim=(0.45, 1.0), ylim=(0, 1), ylabel="accuracy", title=title)
-    top.legend(loc="upper left", fontsize=8)
-    bottom.set(xlim=(0.45, 1.0), xlabel="mean confidence in bin", ylabel="questions per bin")
+        counts = np.array(reliability["count"], dtype=float)
+        bottom.bar(left + position * share, np.where(counts > 0, counts, np.nan), width=share, align="edge",
+                   color=line.get_color(), label=label)
+    _sparse_legend_entry(top)
+    top.set(**RELIABILITY_LIMITS, ylabel="accuracy")
+    top.set_title(f"{title}\nmarker area: questions in the bin; bars: 95% image-bootstrap interval", fontsize=10)
+    top.legend(loc="upper left", fontsize=7)
+    _log_count_axis(bottom)
+    bottom.set(xlim=RELIABILITY_LIMITS["xlim"], xlabel="mean confidence in bin", ylabel="questions per bin (log)")
     return _render(figure, stem)
 
 
@@ -118,11 +223,7 @@ def confidence_histogram(summary: dict, title: str, stem: str) -> dict[str, byte
         # the baseline sits below 1 on the log axis, so a bin of one question still shows as a step
         axis.stairs(counts, edges, baseline=0.5, fill=True, alpha=0.35, color=color, label=f"{name} ({counts.sum()})")
         axis.stairs(counts, edges, baseline=0.5, color=color)
-    from matplotlib.ticker import FuncFormatter
-
-    axis.set_yscale("log")
-    axis.set_ylim(bottom=0.5)
-    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 1, 10, 100, not 10^0
+    _log_count_axis(axis)
     auroc = summary["metrics"]["all"]["auroc"]["value"]
     axis.set(xlabel="confidence (top-label, two-way)", ylabel="questions (log scale)", title=f"{title}\nAUROC {auroc:.3f}")
     axis.title.set_fontsize(10)
@@ -139,28 +240,81 @@ def _interval_line(axis: Any, x: np.ndarray, values: Sequence[dict], **style: An
     return axis.errorbar(x, centre, yerr=error, marker="o", capsize=3, **style).lines[0]
 
 
-def retention_figure(summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str) -> dict[str, bytes]:
-    """Accuracy and mean confidence on "yes" questions by object fate: lost, then retention bins.
+LOST_GROUP = "lost"
+LOST_TICK = "lost\n(retention 0)"
+"""A lost object is one with retention exactly 0: the "retention 0" bin holds the same questions, so it is
+not drawn twice."""
 
-    One solid line per pruned run; with a reference run, a dashed line of the same colour shows
-    the dense model on exactly those questions (the questions the pruned run lost, ...).
+
+def retention_groups(summary: dict) -> list[str]:
+    """The survival groups of the retention figure: lost, then every retention bin above 0."""
+    bins = [name for name in summary["survival"] if name.startswith("retention ") and name != "retention 0"]
+    return [LOST_GROUP, *bins]
+
+
+def zoomed_limits(values: Sequence[float], floor: float, ceiling: float) -> tuple[float, float]:
+    """Axis limits around the finite ``values`` (points and interval ends) with a margin, within [floor, ceiling]."""
+    finite = np.array([v for v in values if v is not None and np.isfinite(v)], dtype=float)
+    if not len(finite):
+        return floor, ceiling
+    low, high = finite.min(), finite.max()
+    margin = max(0.01, 0.08 * (high - low))
+    return max(floor, low - margin), min(ceiling, high + margin)
+
+
+def _count_labels(axis: Any, x: np.ndarray, counts: Sequence[float], measured: Sequence[dict], color: Any,
+                  run: int) -> None:
+    """"n=COUNT" left of each point; a group without questions gets "n=0" near the bottom (one row per run)."""
+    from matplotlib.transforms import blended_transform_factory
+
+    bottom = blended_transform_factory(axis.transData, axis.transAxes)
+    for position, count, value in zip(x, counts, measured):
+        if value["value"] is None:
+            axis.text(position, 0.03 + 0.05 * run, f"n={count:.0f}", transform=bottom, ha="center", fontsize=7,
+                      color=color)
+        else:
+            axis.annotate(f"n={count:.0f}", (position, value["value"]), xytext=(-6, 0), textcoords="offset points",
+                          ha="right", va="center", fontsize=7, color=color)
+
+
+def retention_figure(summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str) -> dict[str, bytes]:
+    """Accuracy and mean confidence on "yes" questions by object fate: lost (= retention 0), then retention bins.
+
+    One solid line per pruned run, each point labelled with its question count n; with a reference
+    run, a dashed line of the same colour shows the dense model on exactly those questions. The
+    confidence panel zooms to the data (confidence is rarely far from 1).
     """
-    figure, axes = _figure(1, 2, size=(10.0, 4.2))
-    for summary, label in zip(summaries, labels):
-        groups = ["lost", *(name for name in summary["survival"] if name.startswith("retention "))]
+    figure, axes = _figure(1, 2, size=(10.0, 4.4))
+    confidence_values: list[float] = []
+    for run, (summary, label) in enumerate(zip(summaries, labels)):
+        groups = retention_groups(summary)
+        survival = summary["survival"]
         x = np.arange(len(groups))
+        counts = [survival[name]["count"]["value"] for name in groups]
         for axis, metric in zip(axes[0], ("accuracy", "confidence")):
-            line = _interval_line(axis, x, [summary["survival"][name][metric] for name in groups], label=label)
-            reference = [summary["survival"][name].get(f"reference_{metric}") for name in groups]
+            measured = [survival[name][metric] for name in groups]
+            line = _interval_line(axis, x, measured, label=label)
+            _count_labels(axis, x, counts, measured, line.get_color(), run)
+            reference = [survival[name].get(f"reference_{metric}") for name in groups]
             if all(reference):
                 style = {"linestyle": "--", "color": line.get_color(), "markerfacecolor": "white"}
                 _interval_line(axis, x + 0.08, reference, label=f"dense on {label}'s questions", **style)
-            ticks = ["lost", *(name.removeprefix("retention ") for name in groups[1:])]
+                measured = [*measured, *reference]
+            if metric == "confidence":
+                confidence_values += [v for m in measured for v in (m["value"], *m["ci95"])]
+            ticks = [LOST_TICK, *(name.removeprefix("retention ") for name in groups[1:])]
             axis.set_xticks(x, ticks)
-    for axis, metric in zip(axes[0], ("accuracy", "mean confidence")):
-        axis.set(xlabel="queried object: lost, or area retention of the kept tokens", ylabel=metric, ylim=(0, 1.02))
-        axis.legend(fontsize=8)
-    figure.suptitle(f"{title}: 'yes' questions by object fate (95% image-bootstrap intervals)", fontsize=10)
+    accuracy_axis, confidence_axis = axes[0]
+    accuracy_axis.set(ylabel="accuracy", ylim=(-0.03, 1.05))
+    confidence_axis.set(ylabel="mean confidence (axis zoomed to the data)",
+                        ylim=zoomed_limits(confidence_values, 0.5, 1.0 + 0.005))
+    for axis in axes[0]:
+        axis.set_xlim(-0.5, axis.get_xlim()[1] + 0.1)  # room for the n labels left of the first group
+        axis.legend(fontsize=7)
+    figure.supxlabel("queried object: lost (no kept token holds any of its pixels), or area retention of the kept "
+                     "tokens", fontsize=9)
+    figure.suptitle(f"{title}: 'yes' questions by object fate (95% image-bootstrap intervals; n: questions)",
+                    fontsize=10)
     return _render(figure, stem)
 
 
@@ -179,27 +333,60 @@ def _series(cascade: dict, *keys: str) -> np.ndarray:
     return np.array(values, dtype=float)
 
 
+def _chosen_epsilons(axis: Any, cascades: Sequence[dict]) -> None:
+    """A dotted vertical line at each cascade's chosen target (--epsilon), labelled once."""
+    for epsilon in sorted({cascade["epsilon"] for cascade in cascades}):
+        axis.axvline(epsilon, color="0.4", linestyle=":", linewidth=1.2, label=f"chosen target epsilon {epsilon:g}")
+
+
+def _legend_below(figure: Any, axis: Any) -> None:
+    """The legend under the axes, where it covers no line."""
+    handles, labels = axis.get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=7)
+
+
+def _splits(cascades: Sequence[dict]) -> int:
+    return int(cascades[0]["results"][0]["validity"]["splits"])
+
+
 def _cost_figure(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
-    figure, axes = _figure(size=(6.4, 4.4))
+    """Relative prefill cost against epsilon: mean over the validity splits and the one reported split;
+    costs above the dense model's are flagged (shaded band, red ring)."""
+    figure, axes = _figure(size=(6.8, 5.4))
     axis = axes[0, 0]
+    above: list[tuple[np.ndarray, np.ndarray]] = []
     for cascade in cascades:
         epsilon, label = _series(cascade, "epsilon"), cascade["label"]
         mean_cost = _series(cascade, "validity", "mean_relative_cost")
-        line = axis.plot(epsilon, mean_cost, marker="o", label=f"{label} (mean over splits)")[0]
+        mean_label = f"{label}: mean over {_splits(cascades)} random splits"
+        line = axis.plot(epsilon, mean_cost, marker="o", label=mean_label)[0]
         seeded_cost = _series(cascade, "relative_cost")
         style = {"marker": "x", "linestyle": ":", "color": line.get_color()}
-        axis.plot(epsilon, seeded_cost, label=f"{label} (seeded split)", **style)
+        axis.plot(epsilon, seeded_cost, label=f"{label}: the seeded split (the numbers of cascade.json)", **style)
+        above += [(epsilon[cost > 1], cost[cost > 1]) for cost in (mean_cost, seeded_cost)]
     axis.axhline(1.0, color="black", linestyle="--", linewidth=1, label="dense model on every question")
-    axis.set(xlabel="target disagreement epsilon", ylabel="prefill tokens relative to dense", title=f"{title}: cost")
-    axis.legend(fontsize=8)
+    points = [np.concatenate(part) for part in zip(*above)] if above else []
+    if len(points) and len(points[0]):
+        axis.scatter(*points, s=110, facecolors="none", edgecolors="tab:red", linewidths=1.2, zorder=3,
+                     label="costs more than the dense model (red ring, shaded band)")
+        bottom, top = axis.get_ylim()
+        axis.axhspan(1.0, top, color="tab:red", alpha=0.08)
+        axis.set_ylim(bottom, top)
+    _chosen_epsilons(axis, cascades)
+    axis.set(xlabel="target disagreement epsilon", ylabel="prefill tokens relative to dense")
+    axis.set_title(f"{title}: cost\nseeded split: the --seed calibration/test split whose threshold cascade.json "
+                   "reports", fontsize=9)
+    _legend_below(figure, axis)
     return _render(figure, "cascade_cost_vs_epsilon")
 
 
 def _validity_figure(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
-    figure, axes = _figure(size=(6.4, 4.4))
+    """Held-out disagreement against epsilon: mean +- sd and worst over the random splits."""
+    figure, axes = _figure(size=(6.8, 5.4))
     axis = axes[0, 0]
     largest = max(_series(cascade, "epsilon").max() for cascade in cascades)
-    axis.plot([0, largest], [0, largest], color="black", linestyle="--", linewidth=1, label="disagreement = epsilon")
+    axis.plot([0, largest], [0, largest], color="black", linestyle="--", linewidth=1,
+              label="disagreement = epsilon (bound on the mean)")
     for cascade in cascades:
         epsilon, label = _series(cascade, "epsilon"), cascade["label"]
         mean = _series(cascade, "validity", "mean_disagreement")
@@ -208,7 +395,9 @@ def _validity_figure(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
         worst = _series(cascade, "validity", "worst_disagreement")
         color = bars.lines[0].get_color()
         axis.plot(epsilon, worst, marker="v", linestyle="none", color=color, label=f"{label} worst split")
+    _chosen_epsilons(axis, cascades)
     axis.set(xlabel="target disagreement epsilon", ylabel="held-out disagreement with dense")
-    axis.set_title(f"{title}: validity over random image splits")
-    axis.legend(fontsize=8)
+    axis.set_title(f"{title}: validity over {_splits(cascades)} random image splits\nthe guarantee is on average: "
+                   "the mean stays at or below epsilon; single splits may exceed it", fontsize=9)
+    _legend_below(figure, axis)
     return _render(figure, "cascade_validity")

@@ -2,11 +2,11 @@
 
 Every original pixel belongs to the token whose footprint contains its centre
 (``prune_audit.data.geometry.token_index_map``), so padding, centre crops and Qwen's
-resizing are drawn exactly as the model saw them: pixels of pruned tokens, and
-pixels the preprocessing cropped away, are dimmed; pixels of kept tokens keep their
-colour; pixels of cells that only a merged token carries (VisionZip's contextual
-tokens, SparseVLM's recycled ones: the records' ``merged_stages``) are half-dimmed
-and hatched.
+resizing are drawn exactly as the model saw them: pixels of pruned tokens are dimmed;
+pixels the preprocessing cropped away (no token sees them) are washed-out grey, so they
+never read as pruned; pixels of kept tokens keep their colour; pixels of cells that only
+a merged token carries (VisionZip's contextual tokens, SparseVLM's recycled ones: the
+records' ``merged_stages``) are half-dimmed and sparsely hatched.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ MASK_OUTLINE = (0, 200, 255)
 MERGED_HATCH = (255, 40, 200)
 PRUNED_DIM = 0.25
 MERGED_DIM = 0.6
-HATCH_OPACITY = 0.7
-MERGED_NOTE = (
-    "Bright, yellow outline: kept cells. Half-dimmed, magenta hatching: cells carried only by merged tokens "
-    "(they count towards retention). Dimmed: dropped."
-)
+HATCH_OPACITY = 0.55
+OUTSIDE_BASE = 150.0
+OUTSIDE_CONTRAST = 0.3
+"""Cropped-away pixels become grey OUTSIDE_BASE + OUTSIDE_CONTRAST * brightness: light and colourless,
+unlike the dark pruned cells, with just enough contrast to recognise the scene."""
+MERGED_NOTE = "Cells carried only by merged tokens (hatched) count towards retention: the model still sees them, mixed."
 
 
 def kept_pixels(geometry: TokenGeometry, kept: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -53,18 +54,26 @@ def dim_pruned(
         raise ValueError(f"image shape {image.shape[:2]} does not match the geometry's (H, W)")
     keep = kept_pixels(geometry, kept)
     carried = kept_pixels(geometry, merged) & ~keep
+    outside = outside_view(geometry)
     out = image.astype(np.float32)
-    out[~keep & ~carried] *= dim
+    out[~keep & ~carried & ~outside] *= dim
     out[carried] *= merged_dim
+    out[outside] = OUTSIDE_BASE + OUTSIDE_CONTRAST * out[outside].mean(axis=-1, keepdims=True)
     return np.clip(np.rint(out), 0, 255).astype(np.uint8)
 
 
+def outside_view(geometry: TokenGeometry) -> np.ndarray:
+    """(H, W) bool: pixels no token sees (cropped away by the model's preprocessing)."""
+    return token_index_map(geometry) < 0
+
+
 def hatching(shape: tuple[int, int]) -> np.ndarray:
-    """(H, W) bool diagonal stripes, one pixel in four, spaced for a picture shown about 330 px wide."""
+    """(H, W) bool thin diagonal stripes, about one pixel in ten, spaced for a picture shown about 330 px wide:
+    sparse enough that a panel whose every dropped cell is merged (VisionZip) still shows its image."""
     height, width = shape
-    period = max(8, round(max(height, width) / 40))
+    period = max(10, round(max(height, width) / 30))
     rows, columns = np.indices((height, width))
-    return (rows + columns) % period < period // 4
+    return (rows + columns) % period < max(1, period // 10)
 
 
 def merged_hatch(geometry: TokenGeometry, merged: Sequence[int] | np.ndarray, kept: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -98,9 +107,16 @@ class Panel:
     mask: np.ndarray | None = None
     merged: list[list[int]] = field(default_factory=list)
     """Per stage, the grid cells its merged tokens carry (empty, or missing, without merging)."""
+    stage_notes: dict[int, str] = field(default_factory=dict)
+    """Text under one stage's cell (e.g. the retention of the stage it was measured at), above any caption."""
 
     def merged_cells(self, stage: int) -> list[int]:
         return self.merged[stage] if stage < len(self.merged) else []
+
+    def under(self, stage: int) -> str:
+        """The text under ``stage``'s cell: its stage note, then the caption under the last stage."""
+        lines = [self.stage_notes.get(stage, ""), self.caption if stage == len(self.stages) - 1 else ""]
+        return "\n".join(line for line in lines if line)
 
     def has_merged_only_cells(self) -> bool:
         """Whether some stage draws a cell that only a merged token carries."""
@@ -150,24 +166,58 @@ def figure_note(panels: Sequence[Panel], note: str = "") -> str:
     return MERGED_NOTE + (f"\n{note}" if note else "")
 
 
+def legend_entries(panels: Sequence[Panel]) -> list[tuple[str, dict]]:
+    """(label, patch style) of every look the figure draws: kept and dropped cells always; the object
+    outline, cropped-away pixels and merged-only cells when some panel draws them."""
+    colour = lambda rgb, scale=1.0: tuple(scale * c / 255 for c in rgb)  # noqa: E731
+    entries = [
+        ("kept (yellow outline)", {"facecolor": "0.85", "edgecolor": colour(KEPT_OUTLINE), "linewidth": 2}),
+        ("dropped (dimmed)", {"facecolor": colour((200, 200, 200), PRUNED_DIM), "edgecolor": "none"}),
+    ]
+    if any(panel.mask is not None and panel.mask.any() for panel in panels):
+        entries.append(("queried object (cyan outline)", {"facecolor": "none", "edgecolor": colour(MASK_OUTLINE),
+                                                          "linewidth": 2}))
+    if any(outside_view(panel.geometry).any() for panel in panels):
+        grey = (OUTSIDE_BASE + OUTSIDE_CONTRAST * 128) / 255
+        entries.append(("cropped away by the model's preprocessing (grey)",
+                        {"facecolor": (grey, grey, grey), "edgecolor": "none"}))
+    if any(panel.has_merged_only_cells() for panel in panels):
+        entries.append(("only in merged tokens (half-dimmed, hatched)",
+                        {"facecolor": colour((200, 200, 200), MERGED_DIM), "edgecolor": colour(MERGED_HATCH),
+                         "hatch": "///"}))
+    return entries
+
+
+LEGEND_ROW_INCHES = 0.2
+
+
+def legend_columns(grid_columns: int) -> int:
+    """Legend entries per row: as many as the grid has columns, at most 3 (each label needs about 3 inches)."""
+    return max(1, min(3, grid_columns))
+
+
 def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle: str = "", note: str = "") -> Path:
     """Save every stage of every panel as one cell of a grid (row-major, <= 4 per row) to ``path``.
 
     Progressive selectors take one cell per stage, in order; each cell is titled with its
-    panel's title and stage label; the panel's caption sits under its last stage; ``note``
-    goes under the grid (e.g. the selectors that could not run, and why), after the legend of the
-    merged-only cells when any panel draws some. PNG or SVG by suffix.
+    panel's title and stage label; under it are its stage note and, under the last stage,
+    the panel's caption; a legend of every look drawn (``legend_entries``) and ``note`` go under
+    the grid (e.g. the selectors not drawn, and why), after the legend of the merged-only cells
+    when any panel draws some. PNG or SVG by suffix.
     """
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
     note = figure_note(panels, note)
     cells = [(panel, stage) for panel in panels for stage in range(len(panel.stages))]
     rows, columns = grid_shape(len(cells))
     height, width = image.shape[:2]
-    cell_height = CELL_INCHES * height / width + 1.1  # room for two-line titles and captions
+    cell_height = CELL_INCHES * height / width + 1.3  # room for two-line titles and three-line captions
     figure_width = columns * CELL_INCHES + 0.3
     note_lines = wrapped(note, int(figure_width * NOTE_CHARS_PER_INCH))
-    note_height = len(note_lines) * NOTE_LINE_INCHES + 0.1 if note_lines else 0.0
+    entries = legend_entries(panels)
+    legend_height = -(-len(entries) // legend_columns(columns)) * LEGEND_ROW_INCHES + 0.15
+    note_height = (len(note_lines) * NOTE_LINE_INCHES + 0.1 if note_lines else 0.0) + legend_height
     figure_height = rows * cell_height + 0.5 + note_height
     figure = Figure(figsize=(figure_width, figure_height))
     axes = figure.subplots(rows, columns, squeeze=False)
@@ -179,11 +229,15 @@ def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle
         axis.set_yticks([])
         axis.imshow(compose(image, panel, stage), interpolation="nearest")
         label = panel.stage_labels[stage] if stage < len(panel.stage_labels) else ""
-        axis.set_title(panel.title + (f"\n{label}" if label else ""), fontsize=8)
-        if stage == len(panel.stages) - 1 and panel.caption:
-            axis.set_xlabel(panel.caption, fontsize=8)
+        axis.set_title(panel.title + (f"\n{label}" if label else ""), fontsize=9)
+        if panel.under(stage):
+            axis.set_xlabel(panel.under(stage), fontsize=9)
     if suptitle:
         figure.suptitle(suptitle, fontsize=10)
+    handles = [Patch(label=label, **style) for label, style in entries]
+    bottom = (note_height - legend_height + 0.05) / figure_height
+    figure.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, bottom), ncols=legend_columns(columns),
+                  fontsize=8, frameon=False)
     if note_lines:
         figure.text(0.01, 0.005, "\n".join(note_lines), fontsize=8, ha="left", va="bottom")
     figure.tight_layout(rect=(0, note_height / figure_height, 1, 1))

@@ -11,6 +11,9 @@ import base64
 import html
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 TABLE_COLUMNS = (
     ("run", "run"),
@@ -31,6 +34,7 @@ FIGURES = (
     ("lost_objects", "Questions whose object was lost: accuracy against confidence, pruned and dense"),
     ("reliability_grid", "Reliability diagrams, every run"),
     ("cascade_cost_vs_epsilon", "Cascade prefill cost against the disagreement target epsilon"),
+    ("cascade_validity", "Cascade validity: held-out disagreement against epsilon over random image splits"),
 )
 
 
@@ -70,8 +74,12 @@ def _excludes_zero(row: dict, name: str) -> bool:
 
 
 def _signed(row: dict, name: str) -> str:
-    verdict = "interval excludes 0" if _excludes_zero(row, name) else "interval includes 0"
-    return f"{row[name]:+.3f} [{row[f'{name}_low']:+.3f}, {row[f'{name}_high']:+.3f}], {verdict}"
+    """A paired difference and its interval in words; one that is the same on every resample says so."""
+    value, low, high = row[name], row[f"{name}_low"], row[f"{name}_high"]
+    if low == high == value:
+        return "identical answers on every resample" if value == 0 else f"{value:+.3f} on every bootstrap resample"
+    verdict = "excludes 0" if _excludes_zero(row, name) else "includes 0"
+    return f"{value:+.3f}, 95% interval [{low:+.3f}, {high:+.3f}] {verdict}"
 
 
 def findings(rows: Sequence[dict], epsilons: Sequence[float]) -> list[str]:
@@ -148,12 +156,67 @@ def _cascade_findings(pruned: Sequence[dict], epsilons: Sequence[float]) -> list
     return texts
 
 
-def report_markdown(rows: Sequence[dict], epsilons: Sequence[float], title: str, note: str) -> str:
-    """report.md: table, findings and the figures (PNG files beside it)."""
-    header = [name for name, _ in TABLE_COLUMNS]
-    lines = [f"# Study: {title}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+@dataclass(frozen=True)
+class ReportHeader:
+    """What a reader of a report needs before any number: how it was made, with what, on what, and when."""
+
+    command: str
+    version: str
+    model: str
+    questions: str
+    date: str
+    device: str
+
+    def items(self) -> list[tuple[str, str]]:
+        return [("command", self.command or "-"), ("prune-audit", self.version), ("model", self.model),
+                ("questions", self.questions), ("device", self.device), ("report date", self.date)]
+
+
+def question_set(manifest: dict[str, Any], questions: int) -> str:
+    """The question files (names), split and counts of a run, e.g. ``coco_pope_random.json (split all, 60 questions
+    on 10 images)``."""
+    files = ", ".join(Path(entry["path"]).name for entry in manifest.get("question_files") or []) or "unknown files"
+    images = (manifest.get("images") or {}).get("count")
+    on_images = f" on {images} images" if images else ""
+    return f"{files} (split {manifest.get('split') or 'all'}, {questions} questions{on_images})"
+
+
+def report_header(manifest: dict[str, Any], model: str, questions: int, command: str) -> ReportHeader:
+    """The header of a study report from its reference run's manifest; the date is now, in UTC."""
+    from datetime import datetime, timezone
+
+    from prune_audit import __version__
+
+    recorded = manifest.get("version")
+    version = __version__ + (f" (runs recorded with {recorded})" if recorded and recorded != __version__ else "")
+    revision = manifest.get("git_revision")
+    version += f", git {revision[:12]}" if revision else ""
+    return ReportHeader(command=command, version=version, model=model, questions=question_set(manifest, questions),
+                        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                        device=str(manifest.get("device") or "unknown"))
+
+
+def latency_caveat(header: ReportHeader) -> str:
+    """How to read the latency column: wall-clock on the machine of the runs, load included."""
+    text = ("latency ms: mean wall-clock time per question in the runs, selector scoring included, as measured on "
+            f"{header.device}")
+    if header.device == "cpu":
+        text += ("; on a CPU, and especially a shared one, it moves with the machine's load and the selector's own "
+                 "work, so a pruned run can read slower than dense: compare prefill speed with "
+                 "benchmarks/ on an idle accelerator, not with this column")
+    return text + "."
+
+
+def report_markdown(
+    rows: Sequence[dict], epsilons: Sequence[float], title: str, note: str, header: ReportHeader
+) -> str:
+    """report.md: header, table, findings and the figures (PNG files beside it)."""
+    columns = [name for name, _ in TABLE_COLUMNS]
+    lines = [f"# Study: {title}", ""]
+    lines += [f"- {name}: `{value}`" if name == "command" else f"- {name}: {value}" for name, value in header.items()]
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     lines += ["| " + " | ".join(table_cells(row)) + " |" for row in rows]
-    lines += ["", note, "", "## Findings", ""]
+    lines += ["", note, "", latency_caveat(header), "", "## Findings", ""]
     lines += [f"- {text}" for text in findings(rows, epsilons)]
     for stem, caption in FIGURES:
         lines += ["", f"## {caption}", "", f"![{caption}]({stem}.png)"]
@@ -164,14 +227,22 @@ STYLE = (
     "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
     "table{border-collapse:collapse;font-size:0.9em}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
     "td:first-child,th:first-child{text-align:left}img{max-width:100%}"
+    # a value and its interval stay on one line; a wide table scrolls instead of wrapping them
+    "td{white-space:nowrap}.scroll{overflow-x:auto}dl{display:grid;grid-template-columns:max-content auto;gap:2px 1em}"
+    "dt{font-weight:bold}dd{margin:0}code{word-break:break-all}"
 )
 
 
 def report_html(
-    rows: Sequence[dict], epsilons: Sequence[float], title: str, note: str, pictures: dict[str, bytes]
+    rows: Sequence[dict], epsilons: Sequence[float], title: str, note: str, pictures: dict[str, bytes],
+    header: ReportHeader,
 ) -> str:
     """report.html: the same content with every figure embedded as a base64 PNG; no external resource."""
     escape = html.escape
+    described = "".join(
+        f"<dt>{escape(name)}</dt><dd>{f'<code>{escape(value)}</code>' if name == 'command' else escape(value)}</dd>"
+        for name, value in header.items()
+    )
     head = "".join(f"<th>{escape(name)}</th>" for name, _ in TABLE_COLUMNS)
     body = "".join(
         "<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in table_cells(row)) + "</tr>" for row in rows
@@ -180,8 +251,10 @@ def report_html(
         "<!DOCTYPE html>",
         f'<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title><style>{STYLE}</style></head><body>',
         f"<h1>Study: {escape(title)}</h1>",
-        f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>",
+        f"<dl>{described}</dl>",
+        f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>',
         f"<p>{escape(note)}</p>",
+        f"<p>{escape(latency_caveat(header))}</p>",
         "<h2>Findings</h2><ul>" + "".join(f"<li>{escape(text)}</li>" for text in findings(rows, epsilons)) + "</ul>",
     ]
     for stem, caption in FIGURES:

@@ -225,10 +225,11 @@ def summary_files(rows: Sequence[dict]) -> dict[str, bytes | str]:
 
 
 
-def study_files(reports: StudyReports) -> dict[str, bytes | str]:
-    """Everything ``study`` writes beside the runs: summary, calibrate/cascade JSON, figures, reports."""
+def study_files(reports: StudyReports, command: str = "") -> dict[str, bytes | str]:
+    """Everything ``study`` writes beside the runs: summary, calibrate/cascade JSON, figures, reports
+    (headed by ``command``, the study command line)."""
     from prune_audit.analysis.outputs import to_json
-    from prune_audit.analysis.report_html import report_html, report_markdown
+    from prune_audit.analysis.report_html import report_header, report_html, report_markdown
     from prune_audit.analysis.study_figures import study_figures
 
     rows = summary_rows(reports)
@@ -236,13 +237,15 @@ def study_files(reports: StudyReports) -> dict[str, bytes | str]:
     title = Path(reports.reference.model).name or reports.reference.model
     pictures = study_figures(rows, reports.calibration, reports.cascade, title)
     note = settings_note(reports)
+    reference = reports.reference
+    header = report_header(reference.manifest, reference.model_name, len(reference.questions), command)
     return {
         **summary_files(rows),
         "calibration.json": to_json(reports.calibration),
         "cascade.json": to_json(reports.cascade),
         **pictures,
-        "report.md": report_markdown(rows, epsilons, title, note),
-        "report.html": report_html(rows, epsilons, title, note, pictures),
+        "report.md": report_markdown(rows, epsilons, title, note, header),
+        "report.html": report_html(rows, epsilons, title, note, pictures, header),
     }
 
 

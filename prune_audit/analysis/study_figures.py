@@ -1,7 +1,7 @@
 """Pictures of the study report, drawn from the summary rows and the calibrate / cascade reports.
 
 Each function returns {file name: bytes} (PNG and SVG, through ``figures``' renderer); the
-cascade's cost-vs-epsilon picture is ``figures.cascade_figures``' own.
+cascade's pictures are ``figures.cascade_figures``' own.
 """
 
 from __future__ import annotations
@@ -10,7 +10,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from prune_audit.analysis.figures import _figure, _render, cascade_figures  # one renderer for every report
+from prune_audit.analysis.figures import (  # one renderer for every report
+    RELIABILITY_LIMITS,
+    SPARSE_LABEL,
+    _figure,
+    _render,
+    cascade_figures,
+    reliability_points,
+    zoomed_limits,
+)
 
 
 def _pruned_by_selector(rows: Sequence[dict]) -> dict[str, list[dict]]:
@@ -47,46 +55,78 @@ def metric_vs_budget(rows: Sequence[dict], metrics: Sequence[tuple[str, str]], t
     return _render(figure, stem)
 
 
+def _lost_point(row: dict, prefix: str) -> tuple[float, float, list[list[float]], list[list[float]]]:
+    """(confidence, accuracy, x error, y error) of the lost-object questions, ``prefix`` "lost" or "lost_reference"."""
+    confidence, confidence_error = _interval([row], f"{prefix}_confidence")
+    accuracy, accuracy_error = _interval([row], f"{prefix}_accuracy")
+    return float(confidence[0]), float(accuracy[0]), confidence_error, accuracy_error
+
+
 def lost_objects(rows: Sequence[dict], title: str) -> dict[str, bytes]:
-    """Accuracy against mean confidence on the questions whose object was lost: pruned -> reference arrows."""
-    figure, axes = _figure(size=(6.4, 5.0))
+    """Accuracy against mean confidence on the questions whose object was lost, pruned and dense, with 95% intervals.
+
+    Each run's pruned point (filled) and the dense model on the same questions (open square) are
+    joined by a thin line; the axes zoom to the points and intervals. Runs that lost no object (or
+    have no object masks) are listed under the plot rather than silently missing.
+    """
+    figure, axes = _figure(size=(6.6, 5.6))
     axis = axes[0, 0]
-    axis.plot([0.5, 1], [0.5, 1], color="gray", linestyle=":", linewidth=1, label="accuracy = confidence")
+    confidences: list[float] = []
+    accuracies: list[float] = []
+    absent = []
     for row in rows:
-        if row["selector"] == "dense" or not np.isfinite(row["lost_accuracy"]):
+        if row["selector"] == "dense":
             continue
-        pruned = (row["lost_confidence"], row["lost_accuracy"])
-        dense = (row["lost_reference_confidence"], row["lost_reference_accuracy"])
-        point = axis.plot(*pruned, marker="o", linestyle="none", label=f"{row['run']} (lost {row['lost_share']:.0%})")[0]
-        axis.plot(*dense, marker="s", fillstyle="none", linestyle="none", color=point.get_color())
-        axis.annotate("", dense, pruned, arrowprops={"arrowstyle": "->", "color": point.get_color(), "alpha": 0.5})
-    axis.set(xlabel="mean confidence on lost-object questions", ylabel="accuracy on lost-object questions")
-    axis.set_title(f"{title}\nfilled: pruned model; open square: dense model on the same questions", fontsize=10)
-    axis.legend(fontsize=8)
+        if not np.isfinite(row["lost_accuracy"]):
+            reason = "no object masks" if not np.isfinite(row["lost_share"]) else "lost no object"
+            absent.append(f"{row['run']} ({reason})")
+            continue
+        pruned, dense = _lost_point(row, "lost"), _lost_point(row, "lost_reference")
+        label = f"{row['run']} (lost {row['lost_share']:.0%} of yes-questions)"
+        bars = axis.errorbar(pruned[0], pruned[1], xerr=pruned[2], yerr=pruned[3], marker="o", capsize=2, label=label)
+        color = bars.lines[0].get_color()
+        axis.errorbar(dense[0], dense[1], xerr=dense[2], yerr=dense[3], marker="s", markerfacecolor="white",
+                      capsize=2, color=color, alpha=0.8)
+        axis.plot([pruned[0], dense[0]], [pruned[1], dense[1]], color=color, linewidth=0.8, alpha=0.5)
+        for point in (pruned, dense):
+            confidences += [point[0], point[0] - point[2][0][0], point[0] + point[2][1][0]]
+            accuracies += [point[1], point[1] - point[3][0][0], point[1] + point[3][1][0]]
+    axis.plot([], [], marker="s", markerfacecolor="white", color="gray", linestyle="-", linewidth=0.8,
+              label="open square: dense model on the same questions (line joins the pair)")
+    xlim, ylim = zoomed_limits(confidences, 0.5, 1.005), zoomed_limits(accuracies, 0.0, 1.05)
+    diagonal = [max(xlim[0], ylim[0]), min(xlim[1], ylim[1])]
+    axis.plot(diagonal, diagonal, color="gray", linestyle=":", linewidth=1, label="accuracy = confidence")
+    axis.set(xlim=xlim, ylim=ylim, xlabel="mean confidence on lost-object questions (axis zoomed to the data)",
+             ylabel="accuracy on lost-object questions")
+    axis.set_title(f"{title}\nfilled: pruned model; bars: 95% image-bootstrap intervals", fontsize=10)
+    axis.legend(fontsize=7)
+    if absent:
+        figure.text(0.01, 0.0, "not drawn: " + "; ".join(absent), fontsize=8, ha="left", va="top", wrap=True)
     return _render(figure, "lost_objects")
 
 
 def reliability_grid(entries: Sequence[dict], title: str) -> dict[str, bytes]:
-    """Reliability diagrams of every run side by side (calibrate entries, the reference first)."""
+    """Reliability curves of every run side by side (calibrate entries, the reference first).
+
+    As in ``reliability_overlay``: marker area proportional to the bin's questions (one scale for
+    every panel), 95% intervals, bins of fewer than ``MIN_BIN_QUESTIONS`` questions grey and not joined.
+    """
     columns = min(4, len(entries))
     rows = -(-len(entries) // columns)
-    figure, axes = _figure(rows, columns, size=(3.2 * columns, 3.2 * rows))
+    figure, axes = _figure(rows, columns, size=(3.2 * columns, 3.2 * rows + 0.4))
     for axis in axes.flat[len(entries) :]:
         axis.set_axis_off()
+    largest = max(max(entry["reliability"]["count"], default=1) for entry in entries)
     for axis, entry in zip(axes.flat, entries):
-        reliability = entry["reliability"]
-        counts = np.array(reliability["count"])
-        shown = counts > 0
-        confidence = np.array(reliability["confidence"], dtype=float)[shown]
-        accuracy = np.array(reliability["accuracy"], dtype=float)[shown]
         axis.plot([0, 1], [0, 1], color="black", linestyle="--", linewidth=1)
-        axis.plot(confidence, accuracy, marker="o", markersize=3)
+        reliability_points(axis, entry["reliability"], largest, entry["label"], color="tab:blue", marker_scale=0.5)
         ece = entry["metrics"]["all"]["ece"]["value"]
-        axis.set(xlim=(0.45, 1), ylim=(0, 1), title=f"{entry['label']}\nECE {ece:.3f}")
+        axis.set(**RELIABILITY_LIMITS, title=f"{entry['label']}\nECE {ece:.3f}")
         axis.title.set_fontsize(9)
     figure.supxlabel("mean confidence in bin")
     figure.supylabel("accuracy in bin")
-    figure.suptitle(title, fontsize=10)
+    figure.suptitle(f"{title}\nmarker area: questions in the bin; bars: 95% image-bootstrap interval; "
+                    f"{SPARSE_LABEL}", fontsize=9)
     return _render(figure, "reliability_grid")
 
 
@@ -98,6 +138,5 @@ def study_figures(rows: Sequence[dict], calibration: dict, cascade: dict, title:
     files.update(metric_vs_budget(rows, calibration_metrics, f"{title}: calibration", "calibration_vs_budget"))
     files.update(lost_objects(rows, f"{title}: lost objects"))
     files.update(reliability_grid(entries, f"{title}: reliability"))
-    cost = {name: data for name, data in cascade_figures(cascade["cascades"], title).items() if "cost" in name}
-    files.update(cost)
+    files.update(cascade_figures(cascade["cascades"], title))
     return files

@@ -75,6 +75,26 @@ def parse_epsilons(text: str, option: str) -> tuple[float, ...]:
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, KeyError)
 
 
+def command_line(name: str, command: Callable[..., Any], arguments: dict[str, Any]) -> str:
+    """``prune-audit NAME`` and every option of ``command`` whose value in ``arguments`` (its ``locals()``)
+    differs from its default: the command as parsed, however the CLI was invoked."""
+    import inspect
+    import shlex
+
+    words = ["prune-audit", name]
+    for option, parameter in inspect.signature(command).parameters.items():
+        value = arguments[option]
+        if value is None or value == parameter.default or value == []:
+            continue
+        flag = f"--{option.replace('_', '-')}"
+        if isinstance(value, bool):  # a flag set to True (defaults are False)
+            words.append(flag)
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            words += [flag, str(item)]
+    return shlex.join(words)
+
+
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print ``error: message`` on stderr and return the Exit to raise."""
     print(f"error: {message}", file=sys.stderr)

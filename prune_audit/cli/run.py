@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -21,6 +20,7 @@ from prune_audit.cli.common import (
     QuietOption,
     SplitOption,
     ThreadsOption,
+    command_line,
     handle_errors,
 )
 
@@ -53,7 +53,7 @@ def run(
     command resumes: finished questions are skipped. With no --model and no --pope
     it audits the bundled demo model on the demo question set.
     """
-    command = _command_line(dict(locals()))
+    command = command_line("run", run, dict(locals()))
     from prune_audit.runner.execute import execute
     from prune_audit.runner.plan import RunRequest, plan_run
     from prune_audit.runner.safeguards import parse_budget
@@ -71,24 +71,6 @@ def run(
     with progress_reporter(quiet=quiet) as progress:
         result = execute(plan, on_start=progress.start, on_progress=progress.advance)
     _print_summary(result, plan)
-
-
-def _command_line(arguments: dict) -> str:
-    """The command as parsed (every option that differs from its default), however the CLI was invoked."""
-    import inspect
-
-    words = ["prune-audit", "run"]
-    for name, parameter in inspect.signature(run).parameters.items():
-        value = arguments[name]
-        if value is None or value == parameter.default or value == []:
-            continue
-        flag = f"--{name.replace('_', '-')}"
-        if isinstance(value, bool):  # a flag set to True (defaults are False)
-            words.append(flag)
-            continue
-        for item in value if isinstance(value, list) else [value]:
-            words += [flag, str(item)]
-    return shlex.join(words)
 
 
 def _print_summary(result, plan) -> None:

@@ -21,6 +21,7 @@ from prune_audit.cli.common import (
     SplitOption,
     STAGE_HELP,
     ThreadsOption,
+    command_line,
     handle_errors,
     parse_epsilons,
 )
@@ -67,6 +68,7 @@ def study(
     visual tokens. --plan prints the `prune-audit run` commands (or a shell / SLURM array
     script) for a scheduler; --report then builds the summary from their run folders.
     """
+    command = command_line("study", study, dict(locals()))
     from prune_audit.analysis.calibration import CalibrationSettings
     from prune_audit.analysis.study import StudySettings
     from prune_audit.errors import PruneAuditError
@@ -87,7 +89,7 @@ def study(
         CalibrationSettings(bins, "width", bootstrap, 0.5, seed), tuple(targets), splits, parse_stage(stage)
     )
     if report:
-        _report(out, settings, force)
+        _report(out, settings, force, command)
         return
     if not plan:
         check_output_dir(out, "study")
@@ -106,7 +108,7 @@ def study(
         _plan(grid, plan_format, plan_file, parse_shard(shard) if shard else None)
         return
     _run_grid(grid, quiet)
-    _report(out, settings, force)
+    _report(out, settings, force, command)
 
 
 def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
@@ -149,7 +151,7 @@ def _run_grid(grid, quiet: bool) -> None:
     print(f"{len(outcomes)} runs under {grid.out / 'runs'} ({reused} reused as they were)")
 
 
-def _report(out: Path, settings, force: bool) -> None:
+def _report(out: Path, settings, force: bool, command: str) -> None:
     from prune_audit.analysis.outputs import write_files
     from prune_audit.analysis.study import study_files, study_reports, study_runs
     from prune_audit.runner.study.execute import check_study_folder
@@ -164,6 +166,6 @@ def _report(out: Path, settings, force: bool) -> None:
     if dropped:
         print(f"note: epsilon {', '.join(f'{e:g}' for e in dropped)} below 1/(n+1) for these images; left out")
     claim_output_dir(out, "study")  # no settings recorded: the report is rebuilt with those given, report.md names them
-    write_files(out, study_files(reports))
+    write_files(out, study_files(reports, command))
     print((out / "report.md").read_text(encoding="utf-8").split("\n## Findings")[0])
     print(f"wrote summary.csv, summary.parquet, report.md and report.html to {out}")

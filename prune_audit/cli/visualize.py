@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -14,10 +15,10 @@ from prune_audit.cli.common import STAGE_HELP, ThreadsOption, fail, handle_error
 def visualize(
     image: Annotated[Optional[Path], typer.Argument(help="Image to run the model on (omit with --run).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model folder or hub id (default: the bundled demo model).")] = None,
-    selector: Annotated[Optional[list[str]], typer.Option(help="Selector to draw; repeatable (default: none plus every supported selector).")] = None,
+    selector: Annotated[Optional[list[str]], typer.Option(help="Selector to draw; repeatable; all: every selector (default: none plus fastv, sparsevlm, visionzip, divprune, cdpruner, random).")] = None,
     budget: Annotated[Optional[int], typer.Option(help="Visual tokens to keep (default: a quarter of the grid).")] = None,
     option: Annotated[Optional[list[str]], typer.Option(help="Option KEY=VALUE of the one --selector drawn besides none (e.g. recycle=true); repeatable.")] = None,
-    object_name: Annotated[Optional[str], typer.Option("--object", help="Ask the POPE question about this object (default: the most visible annotated one).")] = None,
+    object_name: Annotated[Optional[str], typer.Option("--object", help="Ask the POPE question about this object (default: the annotated one the model sees most).")] = None,
     question: Annotated[Optional[str], typer.Option(help="Full question text instead of --object (text-conditioned selectors use it).")] = None,
     annotations: Annotated[Optional[Path], typer.Option(help="COCO instances file: outline the queried object, show retention.")] = None,
     clip_text: Annotated[Optional[Path], typer.Option(help="CLIP text tower folder (lets CDPruner run).")] = None,
@@ -34,14 +35,16 @@ def visualize(
 
     A grid of panels (at most 4 per row): one per selector, one per stage for
     progressive selectors, each titled with the selector, budget and kept count.
-    Pruned areas are dimmed and kept cells outlined; cells carried only by merged tokens
-    (VisionZip's contextual tokens, SparseVLM with --option recycle=true) are half-dimmed
-    and hatched; with --annotations the queried
-    object's mask is outlined and its retention shown; the answer and confidence are
-    under each panel. Without --selector every selector the model can run is drawn
-    and the others are listed with the reason. Without --object or --question the
-    question is about the most visible annotated object (needs --annotations; the
-    demo model reads its own scene annotations).
+    Pruned areas are dimmed and kept cells outlined; pixels the model's preprocessing crops
+    away are grey; cells carried only by merged tokens (VisionZip's contextual tokens,
+    SparseVLM with --option recycle=true) are half-dimmed and hatched; with --annotations the
+    queried object's mask is outlined and its retention shown; the answer and confidence are
+    under each panel. Without --selector the unpruned model and six selectors of different
+    kinds are drawn (--selector all: every selector); those the model cannot run are listed
+    with the reason. Without --object or --question the question is about the annotated
+    object the model sees most (needs --annotations; the demo model reads its own scene
+    annotations). A warning says when the object is partly cropped away or the demo model
+    is shown an image that is not one of its scenes.
     """
     from prune_audit.runner.visualize import VisualizeRequest, visualize_live, visualize_record
 
@@ -62,5 +65,8 @@ def visualize(
         request = VisualizeRequest(image=image, model=model, selectors=selector or [], options=option or [], budget=budget,
                                    question=question, object_name=object_name, annotations=annotations, out=out,
                                    clip_text=clip_text, device=device, seed=seed)
-        path = visualize_live(request)
+        figure = visualize_live(request)
+        for warning in figure.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        path = figure.path
     print(f"wrote {path}")

@@ -27,6 +27,13 @@ if TYPE_CHECKING:
 FIGURES_DIR = Path("figures")
 """Default parent of ``visualize``'s output folder: figures/<image stem>/ (figures/<run name>/ with --run)."""
 
+DEFAULT_SELECTORS = ("fastv", "sparsevlm", "visionzip", "divprune", "cdpruner", "random")
+"""Drawn beside the unpruned model without --selector: one selector of each kind (in-LLM attention,
+progressive, merging, diversity, text relevance, the random control), a grid that stays readable;
+``--selector all`` draws every selector."""
+
+ALL_SELECTORS = "all"
+
 
 @dataclass
 class VisualizeRequest:
@@ -98,13 +105,22 @@ def _names_image(coco: CocoInstances, image: Path) -> bool:
     return True
 
 
-def most_visible_object(coco: CocoInstances, image_name: str) -> str:
-    """The annotated category covering the most pixels of the image (ties: first annotated)."""
+def most_visible_object(coco: CocoInstances, image_name: str, view: np.ndarray | None = None) -> str:
+    """The annotated category covering the most pixels the model sees (ties: first annotated).
+
+    ``view``: (H, W) bool, the pixels inside the model's token grid (None: the whole image). An
+    object the preprocessing crops away cannot be the default; when every object is cropped away,
+    the one covering the most of the whole image is.
+    """
     image_id = coco.image_id(Path(image_name).name)
     names = coco.object_names(image_id)
     if not names:
         raise PruneAuditError(f"{image_name} has no annotated object; pass --object NAME")
-    return max(names, key=lambda name: int(coco.category_mask(image_id, name).sum()))
+    masks = {name: coco.category_mask(image_id, name) for name in names}
+    seen = {name: int((mask & view).sum()) if view is not None else 0 for name, mask in masks.items()}
+    if any(seen.values()):
+        return max(names, key=seen.__getitem__)
+    return max(names, key=lambda name: int(masks[name].sum()))
 
 
 def _question_object(question: str) -> str | None:
@@ -117,14 +133,35 @@ def _question_object(question: str) -> str | None:
 
 
 def _retention_text(mask: np.ndarray | None, geometry: TokenGeometry, covered: Sequence[int]) -> str:
-    """Retention of ``covered`` (the first stage's kept and merged cells, as the records' ``retention``)."""
+    """Retention of ``covered`` (a stage's kept and merged cells, as the records' ``retention``), with the share of
+    the object in the model's view when the preprocessing crops part of it away (retention cannot exceed it)."""
     if mask is None or not mask.any():
         return ""
     from prune_audit.data.retention import object_area, retention
 
     area = object_area(mask, geometry)
     retained, tokens, _ = retention(area.area_per_token, area.total_area, covered)
-    return f"first-stage retention {retained:.2f} ({tokens} object token{'s' if tokens != 1 else ''})\n"
+    view = "" if area.visible_fraction >= 1 else (
+        f"\nonly {area.visible_fraction:.0%} of the object in view" if area.visible_fraction > 0
+        else "\nthe object is outside the model's view"
+    )
+    return f"retention {retained:.2f} ({tokens} object token{'s' if tokens != 1 else ''}){view}"
+
+
+def view_warning(mask: np.ndarray | None, geometry: TokenGeometry, object_name: str | None) -> str:
+    """What to say when the queried object lies (partly) outside the model's view; empty when it is all inside."""
+    if mask is None or not mask.any():
+        return ""
+    from prune_audit.data.retention import object_area
+
+    visible = object_area(mask, geometry).visible_fraction
+    if visible >= 1:
+        return ""
+    if visible == 0:
+        return (f"the {object_name} lies outside the model's view (cropped away by its preprocessing): its retention "
+                "is 0 whatever a selector keeps; ask about another object with --object NAME")
+    return (f"{1 - visible:.0%} of the {object_name} lies outside the model's view (cropped away by its "
+            f"preprocessing): retention is at most {visible:.2f}")
 
 
 def stage_labels(
@@ -146,47 +183,78 @@ def merged_cells(merged_stages: list[list[list[int]]]) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class LiveSetup:
-    """What a live figure needs before the model runs: model, its display name, question, annotations."""
+    """What a live figure needs before the model runs: model, its display name, question, annotations.
+
+    ``question`` is None when it asks about the annotated object the model sees most, which needs
+    the model's view (``live_question``); ``warnings`` are said on stderr and under the figure.
+    """
 
     model_path: str
     model_name: str
-    question: str
+    question: str | None
     coco: CocoInstances | None
+    warnings: tuple[str, ...] = ()
+
+
+def demo_image_warning(name: str, image: Path) -> str:
+    return (f"{image.name} is not one of the {name} model's scenes: it only knows its synthetic scenes of coloured "
+            "shapes, so its answers and kept tokens on this image say nothing about a real model; pass --model "
+            "MODEL for a real one")
 
 
 def live_setup(request: VisualizeRequest) -> LiveSetup:
     """Resolve the model, the annotations and the question.
 
-    The question is --question, else the POPE question about --object, else about the most
-    visible annotated object. A bundled demo (no --model, or demo / demo-qwen) reads its own scene
-    annotations when the image is one of its scenes, and otherwise asks about its first shape class.
+    The question is --question, else the POPE question about --object, else (None) about the
+    annotated object the model sees most. A bundled demo (no --model, or demo / demo-qwen) reads its
+    own scene annotations when the image is one of its scenes; on any other image it warns that its
+    figure means nothing and, without annotations, asks about its first shape class.
     """
     from prune_audit.data.pope_build import question_text
     from prune_audit.demo.assets import demo_assets, is_demo_name
 
     model_path, model_name, annotations = request.model, None, request.annotations
-    fallback = None
+    fallback, warnings = None, []
     if model_path is None or is_demo_name(model_path):
         from prune_audit.data.scenes import CATEGORIES
 
         name = model_path or "demo"
         assets = demo_assets(name=name)
         model_path, model_name, fallback = str(assets.model_dir), f"{name} model", CATEGORIES[0]
-        if annotations is None:
-            annotations = assets.annotations if _names_image(load_annotations(assets.annotations), request.image) else None
+        if _names_image(load_annotations(assets.annotations), request.image):
+            annotations = annotations or assets.annotations
+        else:
+            warnings.append(demo_image_warning(name, request.image))
     coco = load_annotations(annotations)
     if request.question is not None:
         question = request.question
     elif request.object_name is not None:
         question = question_text(request.object_name)
     elif coco is not None:
-        question = question_text(most_visible_object(coco, request.image.name))
+        question = None
     elif fallback is not None:
         question = question_text(fallback)
     else:
         raise PruneAuditError("which object to ask about? pass --object NAME, --question TEXT, or --annotations "
-                              "COCO_FILE (asks about the most visible annotated object)")
-    return LiveSetup(model_path, model_name or Path(model_path.rstrip("/")).name, question, coco)
+                              "COCO_FILE (asks about the annotated object the model sees most)")
+    return LiveSetup(model_path, model_name or Path(model_path.rstrip("/")).name, question, coco, tuple(warnings))
+
+
+PROBE_QUESTION = "Is there an object in the image?"
+"""Any question: the model's view of an image (its token geometry) does not depend on the question."""
+
+
+def live_question(vlm: VisionLanguageModel, picture: Any, setup: LiveSetup, image_name: str) -> str:
+    """``setup``'s question, or the POPE question about the annotated object with the most pixels in the
+    model's view."""
+    if setup.question is not None:
+        return setup.question
+    from prune_audit.analysis.overlay import outside_view
+    from prune_audit.data.pope_build import question_text
+
+    assert setup.coco is not None  # live_setup leaves the question open only with annotations
+    view = ~outside_view(vlm.prepare(picture, PROBE_QUESTION).geometry)
+    return question_text(most_visible_object(setup.coco, image_name, view))
 
 
 def selector_options(names: Sequence[str], pairs: Sequence[str]) -> dict[str, Selector]:
@@ -219,33 +287,61 @@ def _skip_reason(vlm: VisionLanguageModel, name: str) -> str | None:
     return None
 
 
-def visualize_live(request: VisualizeRequest) -> Path:
+@dataclass(frozen=True)
+class LiveFigure:
+    """The figure ``visualize_live`` wrote and what the user must be told about it (also under the figure)."""
+
+    path: Path
+    warnings: tuple[str, ...] = ()
+
+
+def drawn_selectors(vlm: VisionLanguageModel, requested: Sequence[str]) -> tuple[list[str], str]:
+    """(the selectors to draw, the note on those not drawn): ``requested`` as given; nothing or ``all``:
+    none plus every selector the model can run, of ``DEFAULT_SELECTORS`` or of all of them; the
+    others are listed with the reason (or as available with --selector)."""
+    from prune_audit.pruners import list_selectors
+
+    if requested and ALL_SELECTORS not in requested:
+        return list(requested), ""
+    candidates = list_selectors() if requested else [name for name in DEFAULT_SELECTORS if name in list_selectors()]
+    reasons = {name: _skip_reason(vlm, name) for name in candidates}
+    names = ["none", *(name for name, reason in reasons.items() if reason is None)]
+    notes = []
+    skipped = [f"{name} ({reason})" for name, reason in reasons.items() if reason is not None]
+    if skipped:
+        notes.append("not drawn: " + "; ".join(skipped))
+    others = [name for name in list_selectors() if name not in candidates]
+    if others:
+        notes.append(f"also available: {', '.join(others)} (--selector NAME, or --selector all for every selector)")
+    return names, "\n".join(notes)
+
+
+def visualize_live(request: VisualizeRequest) -> LiveFigure:
     """Run the model under each selector on one image and draw one panel (grid cell) per selector.
 
-    Without --selector every selector the model can run is drawn and the others are listed,
-    with the reason, under the grid.
+    Without --selector the unpruned model and the ``DEFAULT_SELECTORS`` the model can run are
+    drawn (--selector all: every selector); the others are listed, with the reason, under the grid.
     """
     import torch
 
     from prune_audit.models import load_vlm
-    from prune_audit.pruners import get_selector, list_selectors
+    from prune_audit.pruners import get_selector
 
     if request.budget is not None and request.budget <= 0:
         raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
     options = selector_options(request.selectors, request.options)
     pixels = load_rgb(request.image)
     setup = live_setup(request)
-    mask = object_mask(setup.coco, request.image, pixels, _question_object(setup.question))
     vlm = load_vlm(setup.model_path, device=request.device, clip_text=request.clip_text)
     from PIL import Image
 
-    prepared = vlm.prepare(Image.fromarray(pixels), setup.question)
-    if request.selectors:
-        names, skipped = list(request.selectors), {}
-    else:
-        reasons = {name: _skip_reason(vlm, name) for name in list_selectors()}
-        names = ["none", *(name for name, reason in reasons.items() if reason is None)]
-        skipped = {name: reason for name, reason in reasons.items() if reason is not None}
+    picture = Image.fromarray(pixels)
+    question = live_question(vlm, picture, setup, request.image.name)
+    object_name = _question_object(question)
+    mask = object_mask(setup.coco, request.image, pixels, object_name)
+    prepared = vlm.prepare(picture, question)
+    warnings = [*setup.warnings, *filter(None, [view_warning(mask, prepared.geometry, object_name)])]
+    names, note = drawn_selectors(vlm, request.selectors)
     budget = resolve_budget(request.budget, prepared.num_visual) or max(1, prepared.num_visual // 4)
     panels = []
     for name in names:
@@ -258,14 +354,16 @@ def visualize_live(request: VisualizeRequest) -> Path:
         title = "none (unpruned)" if selector is None else f"{name}, budget {budget}"
         if name in options:
             title = f"{name} ({', '.join(request.options)}), budget {budget}"
-        caption = _retention_text(mask, prepared.geometry, covered_stages(stages, merged)[0])
-        caption += f"answer {answer.answer} (confidence {answer.confidence:.2f})"
+        retention = _retention_text(mask, prepared.geometry, covered_stages(stages, merged)[0])
+        caption = f"answer {answer.answer} (confidence {answer.confidence:.3f})"
         level = None if selector is None else selector.stage
         labels = stage_labels(level, stages, layers, merged, prepared.num_visual)
-        panels.append(Panel(title, prepared.geometry, stages, labels, caption, mask, merged_cells(merged)))
-    note = "not drawn: " + "; ".join(f"{name} ({reason})" for name, reason in skipped.items()) if skipped else ""
+        panels.append(Panel(title, prepared.geometry, stages, labels, caption, mask, merged_cells(merged),
+                            stage_notes={0: retention} if retention else {}))
+    note = "\n".join(["\n".join(f"Warning: {text}." for text in warnings), note]).strip()
     out = output_path(request.out, FIGURES_DIR / request.image.stem, "tokens")
-    return draw_panels(pixels, panels, out, suptitle=f"{setup.model_name} | {setup.question}", note=note)
+    path = draw_panels(pixels, panels, out, suptitle=f"{setup.model_name} | {question}", note=note)
+    return LiveFigure(path, tuple(warnings))
 
 
 def visualize_record(
@@ -307,11 +405,11 @@ def visualize_record(
     chosen = record_stage(stages, stage, str(run_dir), merged)
     retention = row["retention_stages"][chosen]
     title = f"{selector}, budget {budget}" if budget is not None else f"{selector} (unpruned)"
-    caption = "" if retention is None or math.isnan(retention) else (
-        f"retention {retention:.2f} at stage {stage.name} (layer {row['stage_layers'][chosen]})\n"
-    )
-    caption += f"answer {row['answer']} (confidence {row['confidence']:.2f}), label {row['label']}"
-    panel = Panel(title, geometry, stages, labels, caption, mask, merged_cells(merged))
+    notes = {} if retention is None or math.isnan(retention) else {
+        chosen: f"retention {retention:.2f} at stage {stage.name} (layer {row['stage_layers'][chosen]})"
+    }
+    caption = f"answer {row['answer']} (confidence {row['confidence']:.3f}), label {row['label']}"
+    panel = Panel(title, geometry, stages, labels, caption, mask, merged_cells(merged), stage_notes=notes)
     out = output_path(out, FIGURES_DIR / Path(run_dir).resolve().name, f"tokens-{row['split']}-{question_id}")
     suptitle = f"{Path(manifest['model']['id']).name} | {row['object']} ({row['split']} #{question_id})"
     return draw_panels(pixels, [panel], out, suptitle=suptitle)
