@@ -139,11 +139,13 @@ def _interval_line(axis: Any, x: np.ndarray, values: Sequence[dict], **style: An
     return axis.errorbar(x, centre, yerr=error, marker="o", capsize=3, **style).lines[0]
 
 
-def retention_figure(summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str) -> dict[str, bytes]:
+def retention_figure(
+    summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str, reference: str | None = None
+) -> dict[str, bytes]:
     """Accuracy and mean confidence on "yes" questions by object fate: lost, then retention bins.
 
-    One solid line per pruned run; with a reference run, a dashed line of the same colour shows
-    the dense model on exactly those questions (the questions the pruned run lost, ...).
+    One solid line per pruned run; with a reference run (labelled ``reference``), a dashed line of the
+    same colour shows the reference on exactly those questions (the questions the pruned run lost, ...).
     """
     figure, axes = _figure(1, 2, size=(10.0, 4.2))
     for summary, label in zip(summaries, labels):
@@ -154,7 +156,7 @@ def retention_figure(summaries: Sequence[dict], labels: Sequence[str], title: st
             reference = [summary["survival"][name].get(f"reference_{metric}") for name in groups]
             if all(reference):
                 style = {"linestyle": "--", "color": line.get_color(), "markerfacecolor": "white"}
-                _interval_line(axis, x + 0.08, reference, label=f"dense on {label}'s questions", **style)
+                _interval_line(axis, x + 0.08, reference, label=f"{reference} on {label}'s questions", **style)
             ticks = ["lost", *(name.removeprefix("retention ") for name in groups[1:])]
             axis.set_xticks(x, ticks)
     for axis, metric in zip(axes[0], ("accuracy", "mean confidence")):
@@ -164,9 +166,10 @@ def retention_figure(summaries: Sequence[dict], labels: Sequence[str], title: st
     return _render(figure, stem)
 
 
-def cascade_figures(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
-    """Cost against epsilon and held-out disagreement against epsilon, one line per cascade."""
-    return {**_cost_figure(cascades, title), **_validity_figure(cascades, title)}
+def cascade_figures(cascades: Sequence[dict], title: str, reference: str) -> dict[str, bytes]:
+    """Cost against epsilon and held-out disagreement against epsilon, one line per cascade; ``reference``
+    labels the run escalated to (``dense``, or a pruned run's selector@budget)."""
+    return {**_cost_figure(cascades, title, reference), **_validity_figure(cascades, title, reference)}
 
 
 def _series(cascade: dict, *keys: str) -> np.ndarray:
@@ -179,7 +182,7 @@ def _series(cascade: dict, *keys: str) -> np.ndarray:
     return np.array(values, dtype=float)
 
 
-def _cost_figure(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
+def _cost_figure(cascades: Sequence[dict], title: str, reference: str) -> dict[str, bytes]:
     figure, axes = _figure(size=(6.4, 4.4))
     axis = axes[0, 0]
     for cascade in cascades:
@@ -189,13 +192,13 @@ def _cost_figure(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
         seeded_cost = _series(cascade, "relative_cost")
         style = {"marker": "x", "linestyle": ":", "color": line.get_color()}
         axis.plot(epsilon, seeded_cost, label=f"{label} (seeded split)", **style)
-    axis.axhline(1.0, color="black", linestyle="--", linewidth=1, label="dense model on every question")
-    axis.set(xlabel="target disagreement epsilon", ylabel="prefill tokens relative to dense", title=f"{title}: cost")
+    axis.axhline(1.0, color="black", linestyle="--", linewidth=1, label=f"{reference} on every question")
+    axis.set(xlabel="target disagreement epsilon", ylabel=f"prefill tokens relative to {reference}", title=f"{title}: cost")
     axis.legend(fontsize=8)
     return _render(figure, "cascade_cost_vs_epsilon")
 
 
-def _validity_figure(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
+def _validity_figure(cascades: Sequence[dict], title: str, reference: str) -> dict[str, bytes]:
     figure, axes = _figure(size=(6.4, 4.4))
     axis = axes[0, 0]
     largest = max(_series(cascade, "epsilon").max() for cascade in cascades)
@@ -208,7 +211,7 @@ def _validity_figure(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
         worst = _series(cascade, "validity", "worst_disagreement")
         color = bars.lines[0].get_color()
         axis.plot(epsilon, worst, marker="v", linestyle="none", color=color, label=f"{label} worst split")
-    axis.set(xlabel="target disagreement epsilon", ylabel="held-out disagreement with dense")
+    axis.set(xlabel="target disagreement epsilon", ylabel=f"held-out disagreement with {reference}")
     axis.set_title(f"{title}: validity over random image splits")
     axis.legend(fontsize=8)
     return _render(figure, "cascade_validity")

@@ -98,6 +98,6 @@ def study_figures(rows: Sequence[dict], calibration: dict, cascade: dict, title:
     files.update(metric_vs_budget(rows, calibration_metrics, f"{title}: calibration", "calibration_vs_budget"))
     files.update(lost_objects(rows, f"{title}: lost objects"))
     files.update(reliability_grid(entries, f"{title}: reliability"))
-    cost = {name: data for name, data in cascade_figures(cascade["cascades"], title).items() if "cost" in name}
+    cost = {name: data for name, data in cascade_figures(cascade["cascades"], title, cascade["reference"]["label"]).items() if "cost" in name}
     files.update(cost)
     return files
