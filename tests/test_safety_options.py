@@ -152,7 +152,8 @@ def test_a_repeated_option_is_refused(demo, tmp_path, outputs_kept):
 
 
 @pytest.mark.parametrize(("extra", "needles"), [
-    (["--budgets", "32,032"], ("--budgets repeats '32'", "once")),
+    (["--budgets", "32,032"], ("--budgets lists '32' and '032', the same budget", "list it once")),
+    (["--budgets", "11%,11.0%"], ("--budgets lists '11%' and '11.0%', the same budget",)),
     (["--budgets", "32,+32"], ("'+32'",)),
     (["--budgets", "all,144"], ("--budgets all and 144 both keep 144 visual tokens", "once")),
     (["--budgets", "500"], ("--budget 500 is more than the model's 144 visual tokens",)),
@@ -171,7 +172,7 @@ def test_study_budgets_are_read_as_run_reads_them():
     from prune_audit.runner.study.grid import parse_budgets
 
     assert parse_budgets(" 032, 11%, all") == ("32", "11%", "all")
-    with pytest.raises(PruneAuditError, match="repeats '64'"):
+    with pytest.raises(PruneAuditError, match="lists '64' and '064', the same budget"):
         parse_budgets("64,064")
 
 

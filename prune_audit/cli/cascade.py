@@ -47,7 +47,7 @@ def cascade(
         bool, typer.Option("--force", help="Run even when model, question files or prompt differ.")
     ] = False,
 ) -> None:
-    """Confidence-gated cascade: the pruned model answers when confident, else the dense one.
+    """Confidence-gated cascade: the pruned model answers when confident, else the reference (usually dense).
 
     The first pruned stage whose confidence exceeds t answers; otherwise the
     dense model does. Loss of an image: share of its questions answered by a

@@ -96,9 +96,19 @@ def parse_budget(text: str) -> int | str:
 
 def parse_budgets(text: str) -> tuple[str, ...]:
     """``--budgets "32, 64"`` -> ("32", "64"): each budget valid (``parse_budget``) and written the way ``run`` reads
-    it, so ``32`` and ``032`` are one budget and a repeat is refused instead of run twice."""
-    canonical = tuple(str(parse_budget(item)) for item in parse_list(text, "--budgets"))
-    return _refuse_repeats(canonical, "--budgets")
+    it, so ``32`` and ``032`` (or ``11%`` and ``11.0%``) are one budget and a repeat is refused instead of run twice."""
+    from prune_audit.runner.safeguards import budget_share
+
+    given: dict[object, str] = {}  # budget (a share by its value) -> the text that named it
+    canonical = []
+    for item in parse_list(text, "--budgets"):
+        budget = str(parse_budget(item))
+        value = budget_share(budget) or budget
+        if value in given:
+            raise PruneAuditError(f"--budgets lists {given[value]!r} and {item!r}, the same budget; list it once")
+        given[value] = item
+        canonical.append(budget)
+    return tuple(canonical)
 
 
 def parse_list(text: str, option: str) -> tuple[str, ...]:
@@ -106,10 +116,6 @@ def parse_list(text: str, option: str) -> tuple[str, ...]:
     items = tuple(item.strip() for item in text.split(",") if item.strip())
     if not items:
         raise PruneAuditError(f"{option} needs at least one entry, got {text!r}")
-    return _refuse_repeats(items, option)
-
-
-def _refuse_repeats(items: tuple[str, ...], option: str) -> tuple[str, ...]:
     repeated = sorted({item for item in items if items.count(item) > 1})
     if repeated:
         raise PruneAuditError(f"{option} repeats {repeated[0]!r}; list each entry once")
