@@ -9,6 +9,9 @@ a busy process can slow down many times over. The commands therefore pin
   cores this process may use (``os.sched_getaffinity``);
 - inter-op threads to 1 (the commands run one forward pass at a time).
 
+Either count must lie in 1..usable cores: more threads than cores only wait for each other, and a
+count far beyond (``--threads 100000``) cannot be started and crashes OpenBLAS with SIGSEGV.
+
 The choice is returned as a dict for the run manifest.
 """
 
