@@ -96,7 +96,7 @@ def test_user_errors_are_one_line_without_output(runs, tmp_path, extra, message)
 
 def test_reference_is_required_and_must_hold_the_same_questions(runs, tmp_path):
     missing = runner.invoke(app, ["cascade", str(runs["p64"]), "--out", str(tmp_path / "out")])
-    assert missing.exit_code == 2 and "--reference DENSE_RUN is required" in missing.stderr
+    assert missing.exit_code == 2 and "--reference RUN is required" in missing.stderr
     smaller = write_run(tmp_path / "smaller", seed=2, strength=3.0, tokens=600, images=40, selector=None, budget=None)
     options = ["--epsilon", "0.1", "--out", str(tmp_path / "out")]
     result = runner.invoke(app, ["cascade", str(runs["p64"]), "--reference", str(smaller), *options])

@@ -243,10 +243,11 @@ def test_a_run_copied_elsewhere_with_inputs_and_model_elsewhere_resumes_and_anal
     resumed = pq.read_table(copy / "records.parquet").to_pandas().drop(columns=["latency_ms"])
     original = records.to_pandas().drop(columns=["latency_ms"])
     # the resumed questions run in a smaller batch, padded to another length: answers and every other
-    # column are identical, probabilities agree to float rounding (measured: 1.5e-12 relative)
+    # column are identical, probabilities agree to float32 rounding (measured, batch 1 vs 16 at --threads 1:
+    # p_yes within 4.8e-7, logit_diff within 3.2e-6; see --batch-size)
     floats = [c for c in original.columns if original[c].dtype.kind == "f"]
     assert resumed.drop(columns=floats).equals(original.drop(columns=floats))
-    np.testing.assert_allclose(resumed[floats].to_numpy(float), original[floats].to_numpy(float), rtol=1e-9, atol=0)
+    np.testing.assert_allclose(resumed[floats].to_numpy(float), original[floats].to_numpy(float), rtol=1e-5, atol=1e-6)
     assert manifest["images"]["sha256"] == json.loads((copy / "manifest.json").read_text())["images"]["sha256"]
     audit = invoke("calibrate", copy, "--reference", demo["dense"], "--bootstrap", "20", "--out", tmp_path / "cal")
     assert audit.exit_code == 0, audit.output

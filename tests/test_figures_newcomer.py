@@ -305,7 +305,7 @@ def test_retention_draws_lost_once_with_counts_and_zooms_the_confidence_axis(cap
     survival = {"lost": group(7, 0.4, 0.97), "survived": group(53, 0.9, 0.98), "retention 0": group(7, 0.4, 0.97),
                 "retention (0, 0.25]": group(14, 0.8, 0.975), "retention (0.25, 0.5]": group(9, 0.9, 0.98),
                 "retention (0.5, 1]": group(30, 0.95, 0.99)}
-    figures.retention_figure([{"survival": survival}], ["fastv@16"], "demo", "retention")
+    figures.retention_figure([{"survival": survival}], ["fastv@16"], "demo", "retention", "dense")
     figure = captured["retention"]
     accuracy_axis, confidence_axis = figure.axes
     ticks = [label.get_text() for label in accuracy_axis.get_xticklabels()]
@@ -353,13 +353,13 @@ def cascade(label, costs, chosen=0.1) -> dict:
 
 
 def test_the_cost_figure_marks_the_chosen_epsilon_and_flags_costs_above_dense(captured):
-    figures.cascade_figures([cascade("divprune@16", [1.1, 0.7, 0.3]), cascade("fastv@16", [0.9, 0.6, 0.3])], "demo")
+    figures.cascade_figures([cascade("divprune@16", [1.1, 0.7, 0.3]), cascade("fastv@16", [0.9, 0.6, 0.3])], "demo", "dense")
     cost, validity = captured["cascade_cost_vs_epsilon"], captured["cascade_validity"]
     (axis,) = cost.axes
     chosen = [line for line in axis.get_lines() if line.get_label() == "chosen target epsilon 0.1"]
     assert len(chosen) == 1 and list(chosen[0].get_xdata()) == [0.1, 0.1]
     labels = legend_labels(cost)
-    assert any("costs more than the dense model" in label for label in labels)
+    assert any("costs more than dense" in label for label in labels)
     assert any("seeded split" in label for label in labels) and "seeded split:" in axis.get_title()
     assert axis.get_legend() is None and cost.legends  # under the axes, covering no line
     assert "on average" in validity.axes[0].get_title()
@@ -367,7 +367,7 @@ def test_the_cost_figure_marks_the_chosen_epsilon_and_flags_costs_above_dense(ca
 
 
 def test_costs_at_or_below_dense_are_not_flagged(captured):
-    figures.cascade_figures([cascade("fastv@16", [0.9, 0.6, 0.3])], "demo")
+    figures.cascade_figures([cascade("fastv@16", [0.9, 0.6, 0.3])], "demo", "dense")
     assert not any("costs more" in label for label in legend_labels(captured["cascade_cost_vs_epsilon"]))
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.threads import default_threads, usable_cores
+from prune_audit.threads import check_threads, default_threads, usable_cores
 
 
 def configured(threads, env_threads):
@@ -27,11 +27,27 @@ def test_usable_cores_is_the_affinity():
 def test_default_follows_omp_num_threads_else_the_affinity(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert default_threads() == (usable_cores(), "sched_getaffinity")
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert default_threads() == (3, "OMP_NUM_THREADS")
-    monkeypatch.setenv("OMP_NUM_THREADS", "many")
-    with pytest.raises(PruneAuditError, match="OMP_NUM_THREADS must be a positive integer"):
-        default_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(usable_cores()))
+    assert default_threads() == (usable_cores(), "OMP_NUM_THREADS")
+    for value in ("many", "²", "+1", "1_0"):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        with pytest.raises(PruneAuditError, match="OMP_NUM_THREADS must be a positive integer"):
+            default_threads()
+
+
+def test_more_threads_than_usable_cores_are_refused(monkeypatch):
+    """OpenBLAS cannot start 100000 threads and the process dies with SIGSEGV: the limit is the usable cores."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = usable_cores()
+    assert check_threads(cores) == (cores, "--threads")
+    with pytest.raises(PruneAuditError, match=f"--threads {cores + 1} is more than the {cores} cores"):
+        check_threads(cores + 1)
+    with pytest.raises(PruneAuditError, match="--threads must be at least 1"):
+        check_threads(0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "100000")
+    for threads in (None, 1):  # other libraries read the variable even when --threads is given
+        with pytest.raises(PruneAuditError, match=f"OMP_NUM_THREADS=100000 is more than the {cores} cores"):
+            check_threads(threads)
 
 
 def test_configure_sets_intra_and_one_inter_op_thread():
@@ -39,5 +55,5 @@ def test_configure_sets_intra_and_one_inter_op_thread():
         "intra_op": usable_cores(), "inter_op": 1, "source": "sched_getaffinity", "usable_cores": usable_cores()
     }
     assert configured(None, "1")["intra_op"] == 1
-    chosen = configured(3, "1")
-    assert chosen["intra_op"] == 3 and chosen["source"] == "--threads"
+    chosen = configured(usable_cores(), "1")
+    assert chosen["intra_op"] == usable_cores() and chosen["source"] == "--threads"

@@ -21,6 +21,7 @@ from prune_audit.analysis import metrics
 from prune_audit.analysis.bootstrap import bootstrap_replicates, estimate, image_counts, percentile_interval
 from prune_audit.analysis.questions import QuestionTable
 from prune_audit.analysis.temperature import TemperatureFit, fit_temperature, scaled_probabilities, split_images
+from prune_audit.errors import PruneAuditError
 
 RETENTION_BINS: tuple[tuple[str, float, float], ...] = (
     ("0", 0.0, 0.0),
@@ -34,16 +35,52 @@ HISTOGRAM_EDGES = np.linspace(0.5, 1.0, 21)
 """Confidence histogram edges: two-way top-label confidence lies in [0.5, 1]."""
 
 
+MAX_BINS = 1000
+"""Most confidence bins (``--bins``): the per-bin bootstrap holds a questions x bins matrix, and a POPE
+run of 9,000 questions leaves fewer than 10 questions per bin beyond this."""
+
+
 @dataclass(frozen=True)
 class CalibrationSettings:
     """Options of the audit. ``binning`` applies to MCE and the reliability curve; the ECE is reported
-    with both binnings and the debiased error always uses equal-mass bins (its estimator's default)."""
+    with both binnings and the debiased error always uses equal-mass bins (its estimator's default).
+
+    Every field is checked on construction (``calibrate`` and ``study`` build it before writing)."""
 
     bins: int = 15
     binning: metrics.Binning = "width"
     bootstrap: int = 2000
     calibration_fraction: float = 0.5
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.bins <= MAX_BINS:
+            raise PruneAuditError(f"--bins must be 1 to {MAX_BINS}, got {self.bins}; 10 to 20 is usual")
+        if self.binning not in metrics.BINNINGS:
+            raise PruneAuditError(f"--binning must be one of {', '.join(metrics.BINNINGS)}, got {self.binning!r}")
+        if self.bootstrap < 1:
+            raise PruneAuditError(f"--bootstrap must be at least 1, got {self.bootstrap}")
+        if not 0.0 < self.calibration_fraction < 1.0:  # also refuses nan
+            raise PruneAuditError(
+                f"--calibration-fraction must lie strictly between 0 and 1, got {self.calibration_fraction}"
+            )
+
+
+def check_confidences(table: QuestionTable, source: str) -> None:
+    """Refuse records whose two-way probabilities cannot come from a model: p_yes outside [0, 1], a top-label
+    confidence outside [0.5, 1], or NaN in either or in the logit difference. ``calibrate``, ``cascade`` and
+    ``study`` read every run through this one check."""
+    columns = {"p_yes_2way": (table.p_yes, 0.0), "confidence": (table.confidence, 0.5)}
+    for name, (values, low) in columns.items():
+        bad = np.flatnonzero(~((values >= low) & (values <= 1.0)))  # NaN fails both comparisons
+        if bad.size:
+            row = bad[0]
+            raise PruneAuditError(
+                f"records of {source}: {name} {values[row]} of question ({table.split[row]}, {table.question_id[row]}) "
+                f"is not a probability in [{low:g}, 1] ({bad.size} such rows); re-run the run to rewrite its records"
+            )
+    if np.isnan(table.logit_diff).any():
+        raise PruneAuditError(f"records of {source}: logit_diff holds NaN; re-run the run to rewrite its records")
 
 
 @dataclass(frozen=True)

@@ -277,11 +277,14 @@ def _count_labels(axis: Any, x: np.ndarray, counts: Sequence[float], measured: S
                           ha="right", va="center", fontsize=7, color=color)
 
 
-def retention_figure(summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str) -> dict[str, bytes]:
+def retention_figure(
+    summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str, reference: str | None = None
+) -> dict[str, bytes]:
     """Accuracy and mean confidence on "yes" questions by object fate: lost (= retention 0), then retention bins.
 
     One solid line per pruned run, each point labelled with its question count n; with a reference
-    run, a dashed line of the same colour shows the dense model on exactly those questions. The
+    run (labelled ``reference``: dense, or a pruned run's selector@budget), a dashed line of the same
+    colour shows the reference on exactly those questions. The
     confidence panel zooms to the data (confidence is rarely far from 1).
     """
     figure, axes = _figure(1, 2, size=(10.0, 4.4))
@@ -295,11 +298,11 @@ def retention_figure(summaries: Sequence[dict], labels: Sequence[str], title: st
             measured = [survival[name][metric] for name in groups]
             line = _interval_line(axis, x, measured, label=label)
             _count_labels(axis, x, counts, measured, line.get_color(), run)
-            reference = [survival[name].get(f"reference_{metric}") for name in groups]
-            if all(reference):
+            on_reference = [survival[name].get(f"reference_{metric}") for name in groups]
+            if all(on_reference):
                 style = {"linestyle": "--", "color": line.get_color(), "markerfacecolor": "white"}
-                _interval_line(axis, x + 0.08, reference, label=f"dense on {label}'s questions", **style)
-                measured = [*measured, *reference]
+                _interval_line(axis, x + 0.08, on_reference, label=f"{reference} on {label}'s questions", **style)
+                measured = [*measured, *on_reference]
             if metric == "confidence":
                 confidence_values += [v for m in measured for v in (m["value"], *m["ci95"])]
             ticks = [LOST_TICK, *(name.removeprefix("retention ") for name in groups[1:])]
@@ -318,9 +321,10 @@ def retention_figure(summaries: Sequence[dict], labels: Sequence[str], title: st
     return _render(figure, stem)
 
 
-def cascade_figures(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
-    """Cost against epsilon and held-out disagreement against epsilon, one line per cascade."""
-    return {**_cost_figure(cascades, title), **_validity_figure(cascades, title)}
+def cascade_figures(cascades: Sequence[dict], title: str, reference: str) -> dict[str, bytes]:
+    """Cost against epsilon and held-out disagreement against epsilon, one line per cascade; ``reference``
+    labels the run escalated to (``dense``, or a pruned run's selector@budget)."""
+    return {**_cost_figure(cascades, title, reference), **_validity_figure(cascades, title, reference)}
 
 
 def _series(cascade: dict, *keys: str) -> np.ndarray:
@@ -349,9 +353,9 @@ def _splits(cascades: Sequence[dict]) -> int:
     return int(cascades[0]["results"][0]["validity"]["splits"])
 
 
-def _cost_figure(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
+def _cost_figure(cascades: Sequence[dict], title: str, reference: str) -> dict[str, bytes]:
     """Relative prefill cost against epsilon: mean over the validity splits and the one reported split;
-    costs above the dense model's are flagged (shaded band, red ring)."""
+    costs above the reference's are flagged (shaded band, red ring)."""
     figure, axes = _figure(size=(6.8, 5.4))
     axis = axes[0, 0]
     above: list[tuple[np.ndarray, np.ndarray]] = []
@@ -364,23 +368,23 @@ def _cost_figure(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
         style = {"marker": "x", "linestyle": ":", "color": line.get_color()}
         axis.plot(epsilon, seeded_cost, label=f"{label}: the seeded split (the numbers of cascade.json)", **style)
         above += [(epsilon[cost > 1], cost[cost > 1]) for cost in (mean_cost, seeded_cost)]
-    axis.axhline(1.0, color="black", linestyle="--", linewidth=1, label="dense model on every question")
+    axis.axhline(1.0, color="black", linestyle="--", linewidth=1, label=f"{reference} on every question")
     points = [np.concatenate(part) for part in zip(*above)] if above else []
     if len(points) and len(points[0]):
         axis.scatter(*points, s=110, facecolors="none", edgecolors="tab:red", linewidths=1.2, zorder=3,
-                     label="costs more than the dense model (red ring, shaded band)")
+                     label=f"costs more than {reference} (red ring, shaded band)")
         bottom, top = axis.get_ylim()
         axis.axhspan(1.0, top, color="tab:red", alpha=0.08)
         axis.set_ylim(bottom, top)
     _chosen_epsilons(axis, cascades)
-    axis.set(xlabel="target disagreement epsilon", ylabel="prefill tokens relative to dense")
+    axis.set(xlabel="target disagreement epsilon", ylabel=f"prefill tokens relative to {reference}")
     axis.set_title(f"{title}: cost\nseeded split: the --seed calibration/test split whose threshold cascade.json "
                    "reports", fontsize=9)
     _legend_below(figure, axis)
     return _render(figure, "cascade_cost_vs_epsilon")
 
 
-def _validity_figure(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
+def _validity_figure(cascades: Sequence[dict], title: str, reference: str) -> dict[str, bytes]:
     """Held-out disagreement against epsilon: mean +- sd and worst over the random splits."""
     figure, axes = _figure(size=(6.8, 5.4))
     axis = axes[0, 0]
@@ -396,7 +400,7 @@ def _validity_figure(cascades: Sequence[dict], title: str) -> dict[str, bytes]:
         color = bars.lines[0].get_color()
         axis.plot(epsilon, worst, marker="v", linestyle="none", color=color, label=f"{label} worst split")
     _chosen_epsilons(axis, cascades)
-    axis.set(xlabel="target disagreement epsilon", ylabel="held-out disagreement with dense")
+    axis.set(xlabel="target disagreement epsilon", ylabel=f"held-out disagreement with {reference}")
     axis.set_title(f"{title}: validity over {_splits(cascades)} random image splits\nthe guarantee is on average: "
                    "the mean stays at or below epsilon; single splits may exceed it", fontsize=9)
     _legend_below(figure, axis)

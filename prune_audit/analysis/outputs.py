@@ -88,7 +88,10 @@ def write_files(directory: Path, files: Mapping[str, str | bytes]) -> list[Path]
     try:
         for name, content in files.items():
             data = content.encode("utf-8") if isinstance(content, str) else content
-            (staging / name).write_bytes(data)
+            try:
+                (staging / name).write_bytes(data)
+            except OSError as error:  # name the file being written, not the hidden staging copy
+                raise OSError(error.errno, error.strerror, str(directory / name)) from error
         written = []
         for name in files:
             os.replace(staging / name, directory / name)

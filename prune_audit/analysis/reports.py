@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from prune_audit.analysis import figures
-from prune_audit.analysis.calibration import RETENTION_BINS, CalibrationSettings, calibration_audit
+from prune_audit.analysis.calibration import RETENTION_BINS, CalibrationSettings, calibration_audit, check_confidences
 from prune_audit.analysis.cascade import cascade_audit
 from prune_audit.analysis.outputs import estimates_csv, to_json
 from prune_audit.analysis.runs import Run, display_model, unique_labels
@@ -38,6 +38,12 @@ CALIBRATION_CONVENTIONS = {
 CSV_SECTIONS = ("metrics", "temperature", "survival", "difference_vs_reference")
 
 
+def check_runs(runs: Sequence[Run]) -> None:
+    """Every run's probabilities are valid (``check_confidences``), the same check for every analysis."""
+    for run in runs:
+        check_confidences(run.questions, str(run.path))
+
+
 def run_identity(run: Run, label: str) -> dict:
     return {"run": str(run.path), "label": label, "model": run.model, "selector": run.selector, "budget": run.budget,
             "stage": run.stage}
@@ -48,6 +54,7 @@ def calibration_report(
 ) -> dict:
     """The calibration.json content for ``runs`` (and the reference), labels unique across all of them."""
     labels = unique_labels([*runs, *([reference] if reference else [])])
+    check_runs([*runs, *([reference] if reference else [])])
     audit = calibration_audit([run.questions for run in runs], settings, reference.questions if reference else None)
     report = {
         "conventions": CALIBRATION_CONVENTIONS,
@@ -77,7 +84,8 @@ def calibration_files(report: dict, titles: dict[str, str]) -> dict[str, str | b
     model = ", ".join(sorted({display_model(entry["model"]) for entry in everyone}))
     files.update(figures.reliability_overlay(everyone, labels, f"Reliability: {model}", "reliability_overlay"))
     runs = report["runs"]
-    files.update(figures.retention_figure(runs, [entry["label"] for entry in runs], model, "retention"))
+    reference = report["reference"]["label"] if report["reference"] else None
+    files.update(figures.retention_figure(runs, [entry["label"] for entry in runs], model, "retention", reference))
     return files
 
 
@@ -97,6 +105,8 @@ def cascade_report(
     ``sweep`` targets must be feasible; ``optional_sweep`` ones (the default curve) are skipped when not.
     """
     targets = sorted({epsilon, *sweep})
+    every_stage = list({id(stage): stage for _, stages in cascades for stage in stages}.values())
+    check_runs([*every_stage, reference])
     entries = []
     for label, stages in cascades:
         results = cascade_audit(
@@ -122,11 +132,12 @@ def cascade_report(
             "calibration_fraction": calibration_fraction,
             "seed": seed,
         },
-        "reference": run_identity(reference, reference.label),
+        "reference": run_identity(reference, unique_labels([*every_stage, reference])[-1]),
         "compared_despite_differences": list(differences),
         "cascades": entries,
     }
 
 
 def cascade_files(report: dict, title: str) -> dict[str, str | bytes]:
-    return {"cascade.json": to_json(report), **figures.cascade_figures(report["cascades"], title)}
+    figures_ = figures.cascade_figures(report["cascades"], title, report["reference"]["label"])
+    return {"cascade.json": to_json(report), **figures_}

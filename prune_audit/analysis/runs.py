@@ -144,8 +144,11 @@ def comparison_view(manifest: dict[str, Any]) -> dict[str, Any]:
 def check_comparable(runs: Sequence[Run], force: bool) -> list[str]:
     """Refuse runs whose model id, question files (sha256) or prompt differ from the first run's.
 
-    Returns the differences found (as "RUN: field, field"), which ``force`` lets through.
+    Returns the differences found (as "RUN: field, field"), which ``force`` lets through. A run given
+    twice (the same directory, also through a link) is refused even with ``force``: it would be compared
+    with itself.
     """
+    _refuse_same_run(runs)
     base = comparison_view(runs[0].manifest)
     differences = []
     for run in runs[1:]:
@@ -158,6 +161,16 @@ def check_comparable(runs: Sequence[Run], force: bool) -> list[str]:
             "refusing to compare them side by side (pass --force to compare anyway)"
         )
     return differences
+
+
+def _refuse_same_run(runs: Sequence[Run]) -> None:
+    seen: dict[Path, Path] = {}
+    for run in runs:
+        where = run.path.resolve()
+        if where in seen:
+            given = f"{run.path} is given twice" if run.path == seen[where] else f"{run.path} and {seen[where]} are one run"
+            raise PruneAuditError(f"{given}: a run compared with itself shows no difference; pass two different runs")
+        seen[where] = run.path
 
 
 def completeness(runs: Sequence[Run], labels: Sequence[str]) -> list[dict[str, Any]]:

@@ -138,5 +138,5 @@ def study_figures(rows: Sequence[dict], calibration: dict, cascade: dict, title:
     files.update(metric_vs_budget(rows, calibration_metrics, f"{title}: calibration", "calibration_vs_budget"))
     files.update(lost_objects(rows, f"{title}: lost objects"))
     files.update(reliability_grid(entries, f"{title}: reliability"))
-    files.update(cascade_figures(cascade["cascades"], title))
+    files.update(cascade_figures(cascade["cascades"], title, cascade["reference"]["label"]))
     return files

@@ -17,9 +17,10 @@ def calibrate(
     ],
     reference: Annotated[
         Path | None,
-        typer.Option("--reference", help="Dense run over the same questions: paired pruned-minus-dense differences."),
+        typer.Option("--reference", help="Run over the same questions to compare with (usually the dense run; a pruned "
+                     "run compares two selectors): paired run-minus-reference differences."),
     ] = None,
-    bins: Annotated[int, typer.Option("--bins", help="Number of confidence bins.")] = 15,
+    bins: Annotated[int, typer.Option("--bins", help="Number of confidence bins, 1 to 1000.")] = 15,
     binning: Annotated[
         str, typer.Option("--binning", help="width or mass: bins for MCE and the reliability diagrams.")
     ] = "width",
@@ -55,33 +56,27 @@ def calibrate(
     differences to --reference are paired (same resampled images).
     """
     from prune_audit.analysis.calibration import CalibrationSettings
-    from prune_audit.analysis.metrics import BINNINGS
     from prune_audit.analysis.outputs import to_json, write_owned_files
     from prune_audit.analysis.reports import calibration_files, calibration_report
     from prune_audit.analysis.runs import check_comparable, completeness, load_run
-    from prune_audit.errors import PruneAuditError
     from prune_audit.records.stages import parse_stage
     from prune_audit.safety.ownership import check_output_dir
 
-    if binning not in BINNINGS:
-        raise PruneAuditError(f"--binning must be one of {', '.join(BINNINGS)}, got {binning!r}")
-    if bins < 1 or bootstrap < 1:
-        raise PruneAuditError("--bins and --bootstrap must be at least 1")
+    settings = CalibrationSettings(bins, binning, bootstrap, calibration_fraction, seed)  # type: ignore[arg-type]
     choice = parse_stage(stage)
     outputs = {"runs": [str(p.resolve()) for p in run_dirs], "reference": reference and str(reference.resolve()),
                "bins": bins, "binning": binning, "bootstrap": bootstrap,
                "calibration_fraction": calibration_fraction, "seed": seed, "stage": choice.name}
     check_output_dir(out, "calibrate", outputs)
     runs = [load_run(path, choice) for path in run_dirs]
-    dense = load_run(reference, choice) if reference is not None else None
-    differences = check_comparable([*runs, *([dense] if dense else [])], force)
-    settings = CalibrationSettings(bins, binning, bootstrap, calibration_fraction, seed)  # type: ignore[arg-type]
-    report = calibration_report(runs, dense, settings, differences)
-    every = [*report["runs"], *([report["reference"]] if dense is not None else [])]
-    report["completeness"] = completeness([*runs, *([dense] if dense else [])], [entry["label"] for entry in every])
+    reference_run = load_run(reference, choice) if reference is not None else None
+    differences = check_comparable([*runs, *([reference_run] if reference_run else [])], force)
+    report = calibration_report(runs, reference_run, settings, differences)
+    every = [*report["runs"], *([report["reference"]] if reference_run is not None else [])]
+    report["completeness"] = completeness([*runs, *([reference_run] if reference_run else [])], [entry["label"] for entry in every])
     titles = {entry["label"]: run.title for entry, run in zip(report["runs"], runs)}
-    if dense is not None:
-        titles[report["reference"]["label"]] = dense.title
+    if reference_run is not None:
+        titles[report["reference"]["label"]] = reference_run.title
     write_owned_files(out, "calibrate", outputs, calibration_files(report, titles))
     if json_output:
         print(to_json(report), end="")
@@ -154,8 +149,8 @@ def print_calibration_table(report: dict, out: Path) -> None:
     for name, key in (("accuracy if lost", "accuracy"), ("confidence if lost", "confidence")):
         table.add_row(name, *(_cell(entry["survival"]["lost"][key]) for entry in entries))
         if report["reference"]:
-            dense = (_cell(entry["survival"]["lost"].get(f"reference_{key}")) for entry in entries)
-            table.add_row(f"  dense {name} (same questions)", *dense)
+            reference = (_cell(entry["survival"]["lost"].get(f"reference_{key}")) for entry in entries)
+            table.add_row(f"  {report['reference']['label']} {name} (same questions)", *reference)
     if report["reference"]:
         table.add_section()
         for name, key in (("accuracy", "accuracy"), ("ECE", "ece"), ("AUROC", "auroc")):

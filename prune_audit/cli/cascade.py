@@ -17,7 +17,8 @@ def cascade(
     ],
     reference: Annotated[
         Path | None,
-        typer.Option("--reference", help="Dense run over the same questions (required).", show_default=False),
+        typer.Option("--reference", help="Run answering the escalated questions, over the same questions (required): "
+                     "usually the dense run; a larger-budget pruned run makes a two-tier cascade.", show_default=False),
     ] = None,
     epsilon: Annotated[float, typer.Option("--epsilon", help="Target mean disagreement with the dense model.")] = 0.02,
     splits: Annotated[int, typer.Option("--splits", help="Random image splits for the validity check.")] = 200,
@@ -46,7 +47,7 @@ def cascade(
         bool, typer.Option("--force", help="Run even when model, question files or prompt differ.")
     ] = False,
 ) -> None:
-    """Confidence-gated cascade: the pruned model answers when confident, else the dense one.
+    """Confidence-gated cascade: the pruned model answers when confident, else the reference (usually dense).
 
     The first pruned stage whose confidence exceeds t answers; otherwise the
     dense model does. Loss of an image: share of its questions answered by a
@@ -69,26 +70,26 @@ def cascade(
     from prune_audit.safety.ownership import check_output_dir
 
     if reference is None:
-        raise PruneAuditError("--reference DENSE_RUN is required: the cascade escalates to the dense model")
+        raise PruneAuditError("--reference RUN is required: the cascade escalates to it (usually the dense run)")
     from prune_audit.analysis.cascade import DEFAULT_SWEEP
 
-    targets = list(parse_epsilons(sweep, "--sweep")) if sweep else []
+    targets = list(parse_epsilons(sweep, "--sweep")) if sweep is not None else []  # "" is refused, not the default
     choice = parse_stage(stage)
     outputs = {"runs": [str(p.resolve()) for p in pruned_runs], "reference": str(reference.resolve()),
                "epsilon": epsilon, "sweep": targets, "splits": splits, "calibration_fraction": calibration_fraction,
                "seed": seed, "multi_stage": multi_stage, "stage": choice.name}
     check_output_dir(out, "cascade", outputs)
     stages = [load_run(path, choice) for path in pruned_runs]
-    dense = load_run(reference, choice)
-    differences = check_comparable([*stages, dense], force)
-    labels = unique_labels(stages)
-    cascades = [(" -> ".join([*labels, "dense"]), stages)] if multi_stage else [
+    reference_run = load_run(reference, choice)
+    differences = check_comparable([*stages, reference_run], force)
+    *labels, reference_label = unique_labels([*stages, reference_run])  # "dense" only for an unpruned reference
+    cascades = [(" -> ".join([*labels, reference_label]), stages)] if multi_stage else [
         (label, [stage]) for label, stage in zip(labels, stages)
     ]
-    report = cascade_report(cascades, dense, epsilon, targets, splits, calibration_fraction, seed, differences,
-                            optional_sweep=() if sweep else DEFAULT_SWEEP)
-    report["completeness"] = completeness([*stages, dense], [*labels, "dense"])
-    write_owned_files(out, "cascade", outputs, cascade_files(report, dense.model_name))
+    report = cascade_report(cascades, reference_run, epsilon, targets, splits, calibration_fraction, seed,
+                            differences, optional_sweep=() if sweep is not None else DEFAULT_SWEEP)
+    report["completeness"] = completeness([*stages, reference_run], [*labels, reference_label])
+    write_owned_files(out, "cascade", outputs, cascade_files(report, reference_run.model_name))
     if json_output:
         print(to_json(report), end="")
     else:
@@ -141,10 +142,11 @@ def print_cascade_table(report: dict, out: Path) -> None:
     console = Console()
     console.print(table)
     console.print(sweep_table(report))
+    reference = report["reference"]["label"]
     console.print(
-        "t: confidence threshold; cost: prefill tokens relative to dense; savings: share of the possible savings "
-        "(uninformative -> perfect gating); test risk: mean disagreement with dense on the test images; held-out: "
-        f"over {report['settings']['splits']} random image splits"
+        f"t: confidence threshold; cost: prefill tokens relative to the reference {reference}; savings: share of the "
+        f"possible savings (uninformative -> perfect gating); test risk: mean disagreement with {reference} on the "
+        f"test images; held-out: over {report['settings']['splits']} random image splits"
     )
     stages = sorted({entry["stage"] for cascade in report["cascades"] for entry in cascade["stages"]})
     console.print(f"retention stage read: {'; '.join(stages)} (the cascade uses no retention)")

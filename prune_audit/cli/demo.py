@@ -44,7 +44,9 @@ def train(
     from dataclasses import replace
 
     from prune_audit.demo.train import DEMO_RECIPES, train_demo_model
+    from prune_audit.threads import check_threads
 
+    check_threads(threads)  # bounded by the usable cores like every --threads (far more crash OpenBLAS)
     if model not in DEMO_RECIPES:
         raise ValueError(f"--model must be one of {', '.join(DEMO_RECIPES)}, got {model!r}")
     recipe = DEMO_RECIPES[model]

@@ -31,7 +31,8 @@ from prune_audit.runner.study.defaults import DEFAULT_BUDGETS, DEFAULT_SELECTORS
 @handle_errors
 def study(
     selectors: Annotated[str, typer.Option(help="Selectors, comma-separated.")] = ",".join(DEFAULT_SELECTORS),
-    budgets: Annotated[str, typer.Option(help="Budgets (visual tokens), comma-separated.")] = ",".join(DEFAULT_BUDGETS),
+    budgets: Annotated[str, typer.Option(help="Budgets (visual tokens, a share such as 11%, or all), comma-separated, "
+                                          "each once.")] = ",".join(DEFAULT_BUDGETS),
     model: ModelOption = None,
     pope: PopeOption = None,
     split: SplitOption = None,
@@ -47,10 +48,12 @@ def study(
     clip_text: ClipTextOption = None,
     epsilons: Annotated[str, typer.Option(help="Cascade disagreement targets.")] = "0.01,0.02,0.05,0.1",
     bootstrap: Annotated[int, typer.Option(help="Image-clustered bootstrap resamples.")] = 1000,
-    bins: Annotated[int, typer.Option(help="Confidence bins.")] = 15,
+    bins: Annotated[int, typer.Option(help="Confidence bins, 1 to 1000.")] = 15,
     splits: Annotated[int, typer.Option(help="Random image splits of the cascade's validity check.")] = 200,
-    stage: Annotated[str, typer.Option("--stage", help=STAGE_HELP)] = "first",
-    plan: Annotated[bool, typer.Option("--plan", help="Print the grid's run commands instead of running them.")] = False,
+    stage: Annotated[str, typer.Option("--stage", help=STAGE_HELP + " The study reads its unpruned reference at "
+                                        "the same stage, so an index can only be 0.")] = "first",
+    plan: Annotated[bool, typer.Option("--plan", help="Print the grid's run commands instead of running them (after "
+                                       "the same checks as the study, on the loaded model).")] = False,
     plan_format: Annotated[str, typer.Option(help="With --plan: lines, shell or slurm (array script).")] = "lines",
     plan_file: Annotated[Optional[Path], typer.Option(help="With --plan: write the script here instead of printing.")] = None,
     shard: Annotated[Optional[str], typer.Option(help="With --plan: only commands I, I+N, ...")] = None,
@@ -75,12 +78,12 @@ def study(
     from prune_audit.records.stages import parse_stage
     from prune_audit.runner.plan import RunRequest
     from prune_audit.runner.sharding import parse_shard
-    from prune_audit.runner.study.grid import StudyGrid, check_grid, parse_list
+    from prune_audit.runner.study.grid import StudyGrid, check_grid, check_stage, parse_budgets, parse_list
     from prune_audit.safety.ownership import check_output_dir
 
     targets = parse_epsilons(epsilons, "--epsilons")
-    if bootstrap < 1 or bins < 1 or splits < 1:
-        raise PruneAuditError("--bootstrap, --bins and --splits must be at least 1")
+    if splits < 1:
+        raise PruneAuditError(f"--splits must be at least 1, got {splits}")
     if (plan_file or shard or plan_format != "lines") and not plan:
         raise PruneAuditError("--plan-format, --plan-file and --shard only apply with --plan")
     if plan and report:
@@ -88,6 +91,7 @@ def study(
     settings = StudySettings(
         CalibrationSettings(bins, "width", bootstrap, 0.5, seed), tuple(targets), splits, parse_stage(stage)
     )
+    check_stage(settings.stage)
     if report:
         _report(out, settings, force, command)
         return
@@ -95,7 +99,7 @@ def study(
         check_output_dir(out, "study")
     grid = StudyGrid(
         parse_list(selectors, "--selectors"),
-        parse_list(budgets, "--budgets"),
+        parse_budgets(budgets),
         out,
         RunRequest(
             model=model, pope=list(pope or []), split=split, images=images, annotations=annotations, limit=limit,
@@ -114,16 +118,18 @@ def study(
 def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
     from prune_audit.analysis.outputs import write_files
     from prune_audit.errors import PruneAuditError
+    from prune_audit.runner.study.execute import plan_grid
     from prune_audit.runner.study.grid import shard_commands
     from prune_audit.runner.study.script import render_plan
 
+    if plan_file is not None and plan_file.exists():
+        raise PruneAuditError(f"--plan-file {plan_file} exists; pass a new file name")
     commands = shard_commands([grid.command(cell) for cell in grid.cells], shard)
     text = render_plan(commands, plan_format, grid.out)
+    plan_grid(grid)  # the checks the study makes before running (budgets against the model's tokens, run folders)
     if plan_file is None:
         print(text, end="")
         return
-    if plan_file.exists():
-        raise PruneAuditError(f"--plan-file {plan_file} exists; pass a new file name")
     write_files(plan_file.parent, {plan_file.name: text})
     plan_file.chmod(0o755)
     print(f"wrote {len(commands)} run commands to {plan_file}")
@@ -134,7 +140,9 @@ def _run_grid(grid, quiet: bool) -> None:
 
     from prune_audit.cli.progress import progress_reporter
     from prune_audit.runner.study.execute import plan_grid, run_grid
+    from prune_audit.runner.study.grid import RUNS_FOLDER
     from prune_audit.safety.ownership import claim_output_dir
+    from prune_audit.safety.progress import report_saved
 
     plans = plan_grid(grid)  # every input checked before the study writes anything
     claim_output_dir(grid.out, "study")
@@ -147,6 +155,7 @@ def _run_grid(grid, quiet: bool) -> None:
     with progress_reporter("study questions", quiet=quiet) as progress:
         progress.start(0, total)
         outcomes = run_grid(grid, plans, progress.advance, on_cell)
+    report_saved(grid.out / RUNS_FOLDER, total, total)  # a failure while reporting names the report, not the last run
     reused = sum(outcome.answered == 0 for outcome in outcomes)
     print(f"{len(outcomes)} runs under {grid.out / 'runs'} ({reused} reused as they were)")
 

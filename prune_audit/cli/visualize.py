@@ -50,6 +50,15 @@ def visualize(
 
     if out is not None and out.suffix and out.suffix.lower() not in {".png", ".svg"}:
         raise fail(f"--out must be a folder or end in .png or .svg, got {out.name}")
+    live_only = {"IMAGE": image, "--model": model, "--selector": selector, "--budget": budget, "--option": option,
+                 "--object": object_name, "--question": question, "--annotations": annotations,
+                 "--clip-text": clip_text, "--device": device != "auto", "--seed": seed != 0, "--threads": threads}
+    record_only = {"--question-id": question_id, "--split": split, "--stage": stage != "first"}
+    if run is not None and (given := _first_given(live_only)):
+        raise fail(f"{given} does not apply with --run, which redraws the recorded question as it ran; "
+                   f"drop {given} or --run")
+    if run is None and (given := _first_given(record_only)):
+        raise fail(f"{given} applies only with --run RUN_DIR; drop it or add --run")
     if run is not None:
         if question_id is None:
             raise fail("--run needs --question-id ID")
@@ -70,3 +79,9 @@ def visualize(
             print(f"warning: {warning}", file=sys.stderr)
         path = figure.path
     print(f"wrote {path}")
+
+
+def _first_given(options: dict[str, object]) -> str | None:
+    """The first option name whose value was given (not None, False or an empty list; 0 counts as given)."""
+    return next((name for name, value in options.items() if value is not None and value is not False and value != []),
+                None)

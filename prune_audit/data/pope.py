@@ -21,6 +21,7 @@ import numpy as np
 
 from prune_audit.data.coco import CocoInstances, image_id_from_file_name
 from prune_audit.errors import PruneAuditError
+from prune_audit.integers import is_digits
 from prune_audit.safety.fingerprint import file_sha256  # noqa: F401  (re-exported: question files are pinned by it)
 
 POPE_SPLITS = ("random", "popular", "adversarial")
@@ -105,7 +106,7 @@ def split_from_file_name(path: str | Path) -> str:
 
 
 def _question_id(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, str) and not value.isdigit()):
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, str) and not is_digits(value)):
         raise PruneAuditError(f"{where}: question_id must be an integer, got {value!r}")
     return int(value)
 

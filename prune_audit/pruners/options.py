@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prune_audit.integers import parse_integer
+
 _TRUE = {"true", "1", "yes"}
 _FALSE = {"false", "0", "no"}
 _NONE = {"none", "null"}
@@ -100,7 +102,7 @@ class Integer(Domain):
         return (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
 
     def convert(self, text: str) -> int:
-        return int(text)
+        return parse_integer(text)
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,8 @@ def parse_options(cls: type, pairs: Sequence[str]) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise ValueError(f"--option must look like KEY=VALUE, got {pair!r}")
+        if key in options:
+            raise ValueError(f"--option {key} is given twice; pass each option of selector {cls.name!r} once")
         if key not in domains:
             raise ValueError(f"unknown option {key!r} of selector {cls.name!r}; valid options: {describe_options(cls)}")
         domain = domains[key]

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.integers import is_digits
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def parse_stage(text: str | int) -> StageChoice:
         return FIRST
     if value == "last":
         return LAST
-    if value.isdigit():
+    if is_digits(value):
         return StageChoice(value, int(value))
     raise PruneAuditError(f"--stage must be first, last or a stage index 0, 1, ..., got {text!r}")
 

@@ -20,6 +20,7 @@ from prune_audit.records.manifest import base_manifest
 from prune_audit.safety.ownership import check_output_dir
 from prune_audit.runner.safeguards import BUDGET_ALL, budget_share, check_resumable, check_run_options, pin_inputs, resolve_budget
 from prune_audit.runner.sharding import Shard, launcher_shard
+from prune_audit.threads import check_threads, configure_threads
 
 if TYPE_CHECKING:
     from prune_audit.data.coco import CocoInstances
@@ -84,6 +85,10 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     CLIP text tower (``study`` plans every run of its grid on one loaded model).
     """
     check_run_options(request.selector, request.budget, request.batch_size)
+    check_threads(request.threads)
+    launched = launcher_shard()
+    if launched is not None and request.shard is not None:
+        raise PruneAuditError("--shard cannot be combined with torchrun/accelerate launch; use one or the other")
     _resolve_demo_defaults(request)
     selector, budget = _make_selector(request)
     questions = _load_questions(request)
@@ -97,8 +102,6 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     check_output_dir(run_dir, "run")
     check_writable(run_dir)
     _check_device(request.device)
-    from prune_audit.threads import configure_threads
-
     threads = configure_threads(request.threads)
     if vlm is None:
         from prune_audit.models import load_vlm
@@ -112,9 +115,6 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
         )
     if selector is not None:
         vlm.check_selector(selector)
-    launched = launcher_shard()
-    if launched is not None and request.shard is not None:
-        raise PruneAuditError("--shard cannot be combined with torchrun/accelerate launch; use one or the other")
     first = _prepare_first(vlm, questions[0], image_paths)
     budget = resolve_budget(budget, first.num_visual)
     manifest = _manifest(request, vlm, selector, budget, questions, first)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.integers import parse_integer
 from prune_audit.records.manifest import MANIFEST_FILE, differing_fields, read_manifest
 from prune_audit.safety.atomic import remove_partial_files
 from prune_audit.safety.fingerprint import HashCache, combined_sha256, first_differing_image, images_fingerprint
@@ -31,7 +32,7 @@ def parse_budget(text: str | None) -> int | str | None:
         budget_share(text)  # checks the domain
         return text
     try:
-        return int(text)
+        return parse_integer(text)
     except ValueError:
         raise PruneAuditError(
             f"--budget takes a number of visual tokens, a share such as 11%, or {BUDGET_ALL}; got {text!r}"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.integers import is_digits, parse_integer
 
 
 class HasImage(Protocol):
@@ -33,7 +34,7 @@ def parse_shard(text: str) -> Shard:
     """Parse ``I/N`` with 0 <= I < N."""
     try:
         index_text, count_text = text.split("/")
-        shard = Shard(int(index_text), int(count_text))
+        shard = Shard(parse_integer(index_text), parse_integer(count_text))
     except ValueError:
         raise PruneAuditError(f"--shard must look like I/N (e.g. 0/4), got {text!r}") from None
     if not 0 <= shard.index < shard.count:
@@ -54,10 +55,23 @@ def shard_questions(questions: Sequence[Q], shard: Shard) -> list[Q]:
 
 def launcher_shard() -> Shard | None:
     """The shard given by torchrun / accelerate environment variables, if launched that way."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = _launcher_number("WORLD_SIZE", "1")
     if world_size <= 1:
         return None
-    return Shard(int(os.environ.get("RANK", "0")), world_size)
+    rank = _launcher_number("RANK", "0")
+    if rank >= world_size:
+        raise PruneAuditError(f"RANK={rank} is not below WORLD_SIZE={world_size}; launch with torchrun or accelerate, "
+                              "or unset both")
+    return Shard(rank, world_size)
+
+
+def _launcher_number(name: str, default: str) -> int:
+    """A non-negative integer set by torchrun / accelerate; anything else is a one-line error."""
+    text = os.environ.get(name, default).strip()
+    if not is_digits(text):
+        raise PruneAuditError(f"{name} must be a non-negative integer (torchrun and accelerate set it), got {text!r}; "
+                              f"unset it or launch with torchrun or accelerate")
+    return int(text)
 
 
 class ProcessGroup:

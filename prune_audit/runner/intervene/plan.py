@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prune_audit.analysis.runs import Run, load_run
+from prune_audit.analysis.runs import Run, completeness, load_run
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.schema import Record
 from prune_audit.records.stages import FIRST, StageChoice, record_stage
@@ -69,6 +69,7 @@ def load_source(run_dir: Path, stage: StageChoice = FIRST, overrides: RunInputs 
     """The run read at ``stage``, refused when unpruned, without annotations, or when its inputs (recorded
     or ``overrides``) differ from its pins."""
     run = load_run(run_dir, stage)
+    completeness([run], [run.label])  # warns when the run is a shard or was stopped midway, as calibrate does
     manifest = run.manifest
     if run.selector == "dense":
         raise PruneAuditError(f"{run_dir} is an unpruned run; intervene swaps the kept tokens of a pruned run")

@@ -32,7 +32,24 @@ def plan_grid(grid: StudyGrid) -> list[RunPlan]:
     plans: list[RunPlan] = []
     for cell in grid.cells:
         plans.append(plan_run(grid.request(cell), plans[0].vlm if plans else None))
+    _check_distinct_budgets(grid, plans)
     return plans
+
+
+def _check_distinct_budgets(grid: StudyGrid, plans: list[RunPlan]) -> None:
+    """Two budgets of the grid that keep the same number of tokens (``all`` and the model's token count)
+    would run one configuration twice under two names; shares (``11%``) resolve per image and stay apart."""
+    seen: dict[tuple[str, int], str] = {}
+    for cell, plan in zip(grid.cells, plans):
+        if cell.budget is None or cell.budget.endswith("%"):
+            continue
+        key = (cell.selector, plan.budget)
+        if key in seen:
+            raise PruneAuditError(
+                f"--budgets {seen[key]} and {cell.budget} both keep {plan.budget} visual tokens of this model; "
+                f"list that budget once"
+            )
+        seen[key] = cell.budget
 
 
 def run_grid(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.records.stages import StageChoice
 from prune_audit.runner.plan import RunRequest
 from prune_audit.runner.sharding import Shard
 
@@ -93,6 +94,23 @@ def parse_budget(text: str) -> int | str:
     return value
 
 
+def parse_budgets(text: str) -> tuple[str, ...]:
+    """``--budgets "32, 64"`` -> ("32", "64"): each budget valid (``parse_budget``) and written the way ``run`` reads
+    it, so ``32`` and ``032`` (or ``11%`` and ``11.0%``) are one budget and a repeat is refused instead of run twice."""
+    from prune_audit.runner.safeguards import budget_share
+
+    given: dict[object, str] = {}  # budget (a share by its value) -> the text that named it
+    canonical = []
+    for item in parse_list(text, "--budgets"):
+        budget = str(parse_budget(item))
+        value = budget_share(budget) or budget
+        if value in given:
+            raise PruneAuditError(f"--budgets lists {given[value]!r} and {item!r}, the same budget; list it once")
+        given[value] = item
+        canonical.append(budget)
+    return tuple(canonical)
+
+
 def parse_list(text: str, option: str) -> tuple[str, ...]:
     """``"a, b"`` -> ("a", "b"); an empty list or a repeated entry is refused."""
     items = tuple(item.strip() for item in text.split(",") if item.strip())
@@ -102,6 +120,14 @@ def parse_list(text: str, option: str) -> tuple[str, ...]:
     if repeated:
         raise PruneAuditError(f"{option} repeats {repeated[0]!r}; list each entry once")
     return items
+
+
+def check_stage(stage: StageChoice) -> None:
+    """The study reads every run at ``stage``, its unpruned reference too, which has a single stage (index 0)."""
+    if stage.index is not None and stage.index > 0:
+        raise PruneAuditError(
+            f"--stage {stage.name}: the study's unpruned reference has one stage (index 0); pass first, last or 0"
+        )
 
 
 def check_grid(selectors: Sequence[str], budgets: Sequence[str]) -> None:
