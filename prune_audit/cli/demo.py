@@ -41,9 +41,10 @@ def train(
     ] = None,
 ) -> None:
     """Train a demo model from scratch on CPU (the shipped ones: --model demo|demo-qwen --seed 1 --threads 1)."""
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     from prune_audit.demo.train import DEMO_RECIPES, train_demo_model
+    from prune_audit.safety.ownership import check_output_dir, hold_output_dir
 
     if model not in DEMO_RECIPES:
         raise ValueError(f"--model must be one of {', '.join(DEMO_RECIPES)}, got {model!r}")
@@ -61,7 +62,10 @@ def train(
             with log_file.open("a") as handle:
                 handle.write(line + "\n")
 
-    summary = train_demo_model(recipe, out, log=log)
+    settings = asdict(recipe)  # a checkpoint is replaced only by one of the same recipe
+    check_output_dir(out, "demo train", settings)
+    with hold_output_dir(out, "demo train", settings):  # held through training: no other command takes OUT meanwhile
+        summary = train_demo_model(recipe, out, log=log)
     final = summary["history"][-1]
     log(f"saved {out} after {summary['train_minutes']} min; monitor accuracy {final['heldout_accuracy']:.3f}")
 
