@@ -44,7 +44,7 @@ def train(
     from dataclasses import asdict, replace
 
     from prune_audit.demo.train import DEMO_RECIPES, train_demo_model
-    from prune_audit.safety.ownership import check_output_dir, hold_output_dir
+    from prune_audit.safety.ownership import hold_output_dir
 
     if model not in DEMO_RECIPES:
         raise ValueError(f"--model must be one of {', '.join(DEMO_RECIPES)}, got {model!r}")
@@ -63,7 +63,6 @@ def train(
                 handle.write(line + "\n")
 
     settings = asdict(recipe)  # a checkpoint is replaced only by one of the same recipe
-    check_output_dir(out, "demo train", settings)
     with hold_output_dir(out, "demo train", settings):  # held through training: no other command takes OUT meanwhile
         summary = train_demo_model(recipe, out, log=log)
     final = summary["history"][-1]
