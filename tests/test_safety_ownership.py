@@ -333,3 +333,21 @@ def test_sigterm_and_sighup_say_what_is_saved_like_ctrl_c(demo, tmp_path, signum
         f"error: interrupted by {name}: {saved} of 600 questions are saved in {out}; run the same command again to resume"
     )
     assert not [p for p in out.rglob(".*.tmp")], "a temporary file survived the signal"
+
+
+def test_a_stop_signal_raises_like_ctrl_c_and_an_ignored_one_stays_ignored():
+    from prune_audit.safety import progress
+
+    previous = {signal.SIGHUP: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL)}
+    try:
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            with progress.stops_like_ctrl_c():
+                os.kill(os.getpid(), signal.SIGHUP)  # ignored, as under nohup
+                os.kill(os.getpid(), signal.SIGTERM)
+        assert progress.interrupt_exit_code(stopped.value) == 143
+        assert progress.interrupted_message(stopped.value).startswith("interrupted by SIGTERM: ")
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
