@@ -84,9 +84,9 @@ def _visible_names(directory: Path) -> list[str]:
 
 
 def _held_files(directory: Path) -> str:
-    names = _visible_names(directory)
-    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    return shown or "no visible files"
+    """The first names in ``directory``: visible ones, else hidden ones (lock files aside)."""
+    names = _visible_names(directory) or sorted(p.name for p in directory.iterdir() if not _is_lock_file(p.name))
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 def _is_lock_file(name: str) -> bool:
