@@ -128,8 +128,8 @@ def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
 
 def _run_grid(grid, quiet: bool, settings, force: bool) -> None:
     """Run every cell of the grid, then write the report, holding OUT throughout."""
-    from prune_audit.safety.ownership import hold_output_dir
     from prune_audit.runner.study.execute import plan_grid
+    from prune_audit.safety.ownership import hold_output_dir
 
     plans = plan_grid(grid)  # every input checked before the study writes anything
     with hold_output_dir(grid.out, "study"):
