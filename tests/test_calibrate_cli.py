@@ -15,6 +15,7 @@ from prune_audit.analysis import metrics
 from prune_audit.analysis.temperature import split_images
 from prune_audit.cli.main import app
 from prune_audit.records.schema import RUN_SCHEMA, SCHEMA_VERSION
+from prune_audit.safety.lock import LOCK_FILE
 from prune_audit.safety.ownership import OWNER_FILE
 from test_calibration import direct_ece
 
@@ -142,7 +143,7 @@ def test_writes_json_csv_and_pictures(audit):
         png, svg = out / f"{stem}.png", out / f"{stem}.svg"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, stem
         assert b"<svg" in svg.read_bytes()[:1000]
-    assert [name for name in names if name.startswith(".")] == [OWNER_FILE]  # no staging leftovers
+    assert {name for name in names if name.startswith(".")} == {OWNER_FILE, LOCK_FILE}  # no staging leftovers
     rows = list(csv.DictReader((out / "calibration.csv").open()))
     key = ("divprune@64", "metrics", "all", "accuracy")
     (accuracy,) = [r for r in rows if (r["run"], r["section"], r["group"], r["metric"]) == key]

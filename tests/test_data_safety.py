@@ -484,7 +484,7 @@ def test_ctrl_c_says_what_is_saved_exits_130_and_the_same_command_resumes(demo, 
     assert "Traceback" not in stderr
     saved = record_count(out)
     assert line == f"error: interrupted: {saved} of 600 questions are saved in {out}; run the same command again to resume"
-    leftover = out / "parts" / ".part-0-dead.parquet.0123.tmp"  # as a killed write leaves it
+    leftover = out / "parts" / f".part-0-dead.parquet.{'0123' * 8}.tmp"  # as a killed write leaves it
     leftover.write_bytes(b"half a parquet file")
     resumed = subprocess.run(args, capture_output=True, text=True, env=process_env())
     assert resumed.returncode == 0, resumed.stderr

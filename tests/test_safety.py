@@ -23,7 +23,7 @@ from prune_audit.safety.atomic import remove_partial_files, write_atomic, write_
 from prune_audit.safety.fingerprint import first_differing_image, images_fingerprint
 from prune_audit.safety.lock import DirectoryLock
 from prune_audit.safety.names import check_plain_name
-from prune_audit.safety.ownership import OWNER_FILE, check_output_dir, claim_output_dir
+from prune_audit.safety.ownership import OWNER_FILE, check_output_dir, hold_output_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,11 +35,14 @@ def _env() -> dict[str, str]:
 # ----- ownership -----------------------------------------------------------------------
 
 
-def test_new_and_unowned_directories_are_accepted(tmp_path):
+def test_new_and_empty_directories_are_accepted_a_users_folder_is_not(tmp_path):
     assert check_output_dir(tmp_path / "new", "calibrate") == tmp_path / "new"
     (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "notes.txt").write_text("x")
     check_output_dir(tmp_path / "mine", "calibrate")
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(PruneAuditError, match=r"already holds files that no prune-audit calibrate wrote \(notes.txt\)"):
+        check_output_dir(tmp_path / "mine", "calibrate")
+    check_output_dir(tmp_path / "mine", "visualize", shared=True)
 
 
 def test_existing_file_and_file_parent_are_refused(tmp_path):
@@ -51,7 +54,8 @@ def test_existing_file_and_file_parent_are_refused(tmp_path):
 
 
 def test_another_commands_directory_is_refused_by_marker_and_by_files(tmp_path):
-    claim_output_dir(tmp_path / "cal", "calibrate", {"bins": 15})
+    with hold_output_dir(tmp_path / "cal", "calibrate", {"bins": 15}):
+        (tmp_path / "cal" / "calibration.json").write_text("{}")
     with pytest.raises(PruneAuditError, match=r"holds the outputs of prune-audit calibrate"):
         check_output_dir(tmp_path / "cal", "cascade")
     legacy = tmp_path / "legacy-run"
@@ -62,7 +66,8 @@ def test_another_commands_directory_is_refused_by_marker_and_by_files(tmp_path):
 
 
 def test_same_command_other_settings_is_refused(tmp_path):
-    claim_output_dir(tmp_path / "cal", "calibrate", {"bins": 15, "seed": 0})
+    with hold_output_dir(tmp_path / "cal", "calibrate", {"bins": 15, "seed": 0}):
+        (tmp_path / "cal" / "calibration.json").write_text("{}")
     check_output_dir(tmp_path / "cal", "calibrate", {"bins": 15, "seed": 0})
     with pytest.raises(PruneAuditError, match=r"other settings \(bins\)"):
         check_output_dir(tmp_path / "cal", "calibrate", {"bins": 10, "seed": 0})
@@ -130,10 +135,14 @@ def test_interrupted_write_leaves_no_file_and_partial_files_are_removed(tmp_path
     assert list(tmp_path.iterdir()) == []
     write_text_atomic("ok", tmp_path / "a.json")
     (tmp_path / "parts").mkdir()
-    left = tmp_path / "parts" / ".part-0-x.parquet.abc.tmp"  # as a SIGKILLed writer leaves it
+    left = tmp_path / "parts" / f".part-0-x.parquet.{'ab' * 16}.tmp"  # as a SIGKILLed writer leaves it
     left.write_bytes(b"half")
-    assert remove_partial_files(tmp_path) == [left]
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a.json", "parts"]
+    users = [tmp_path / "parts" / ".part-0-y.parquet.abc.tmp", tmp_path / "parts" / ".notes.tmp"]
+    for path in users:
+        path.write_bytes(b"not ours")
+    assert remove_partial_files(tmp_path / "parts", ["records.parquet"]) == []
+    assert remove_partial_files(tmp_path / "parts", ["part-0-*.parquet"]) == [left]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [".notes.tmp", ".part-0-y.parquet.abc.tmp", "a.json", "parts"]
 
 
 def test_interrupt_and_disk_full_lines_name_saved_questions(tmp_path):

@@ -8,10 +8,11 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from prune_audit.safety.atomic import staging_folder
 
 
 def json_ready(value: Any) -> Any:
@@ -66,25 +67,17 @@ def _number(value: float | None) -> str:
     return "" if value is None or (isinstance(value, float) and not math.isfinite(value)) else repr(float(value))
 
 
-def write_owned_files(
-    directory: Path, command: str, settings: Mapping[str, Any], files: Mapping[str, str | bytes]
-) -> list[Path]:
-    """``write_files`` into a directory recorded as ``command``'s (checked by ``check_output_dir`` first)."""
-    from prune_audit.safety.ownership import claim_output_dir
-
-    claim_output_dir(directory, command, settings)
-    return write_files(directory, files)
-
-
 def write_files(directory: Path, files: Mapping[str, str | bytes]) -> list[Path]:
     """Write every file into ``directory`` or none of them.
 
-    Files are first written into a temporary folder beside them, then each is moved into
-    place with an atomic rename; a failure before the moves leaves ``directory`` untouched.
+    Files are first written into a hidden staging folder beside them, then each is moved
+    into place with an atomic rename; a failure before the moves leaves ``directory``
+    untouched. A staging folder left by a killed process is removed by the next
+    ``hold_output_dir`` of ``directory``.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=directory))
+    staging = staging_folder(directory)
     try:
         for name, content in files.items():
             data = content.encode("utf-8") if isinstance(content, str) else content

@@ -56,11 +56,11 @@ def calibrate(
     differences to --reference are paired (same resampled images).
     """
     from prune_audit.analysis.calibration import CalibrationSettings
-    from prune_audit.analysis.outputs import to_json, write_owned_files
+    from prune_audit.analysis.outputs import to_json, write_files
     from prune_audit.analysis.reports import calibration_files, calibration_report
     from prune_audit.analysis.runs import check_comparable, completeness, load_run
     from prune_audit.records.stages import parse_stage
-    from prune_audit.safety.ownership import check_output_dir
+    from prune_audit.safety.ownership import check_output_dir, hold_output_dir
 
     settings = CalibrationSettings(bins, binning, bootstrap, calibration_fraction, seed)  # type: ignore[arg-type]
     choice = parse_stage(stage)
@@ -77,7 +77,8 @@ def calibrate(
     titles = {entry["label"]: run.title for entry, run in zip(report["runs"], runs)}
     if reference_run is not None:
         titles[report["reference"]["label"]] = reference_run.title
-    write_owned_files(out, "calibrate", outputs, calibration_files(report, titles))
+    with hold_output_dir(out, "calibrate", outputs):
+        write_files(out, calibration_files(report, titles))
     if json_output:
         print(to_json(report), end="")
     else:

@@ -62,12 +62,12 @@ def cascade(
     escalated question pays every stage it visits. Without --multi-stage each
     pruned run forms its own two-stage cascade.
     """
-    from prune_audit.analysis.outputs import to_json, write_owned_files
+    from prune_audit.analysis.outputs import to_json, write_files
     from prune_audit.analysis.reports import cascade_files, cascade_report
     from prune_audit.analysis.runs import check_comparable, completeness, load_run, unique_labels
     from prune_audit.errors import PruneAuditError
     from prune_audit.records.stages import parse_stage
-    from prune_audit.safety.ownership import check_output_dir
+    from prune_audit.safety.ownership import check_output_dir, hold_output_dir
 
     if reference is None:
         raise PruneAuditError("--reference RUN is required: the cascade escalates to it (usually the dense run)")
@@ -89,7 +89,8 @@ def cascade(
     report = cascade_report(cascades, reference_run, epsilon, targets, splits, calibration_fraction, seed,
                             differences, optional_sweep=() if sweep is not None else DEFAULT_SWEEP)
     report["completeness"] = completeness([*stages, reference_run], [*labels, reference_label])
-    write_owned_files(out, "cascade", outputs, cascade_files(report, reference_run.model_name))
+    with hold_output_dir(out, "cascade", outputs):
+        write_files(out, cascade_files(report, reference_run.model_name))
     if json_output:
         print(to_json(report), end="")
     else:

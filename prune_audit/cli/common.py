@@ -101,15 +101,12 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
-
-
 def handle_errors(command: F) -> F:
     """Turn user errors raised by a command into one line on stderr and exit code 2.
 
-    Ctrl-C ends with exit code 130 and a disk full with exit code 1, each with one line
-    saying how many questions are saved and that the same command resumes. Set
-    ``PRUNE_AUDIT_DEBUG=1`` to see the traceback instead.
+    Ctrl-C ends with exit code 130 (SIGTERM 143, SIGHUP 129: they end the same way) and a
+    disk full with exit code 1, each with one line saying how many questions are saved and
+    that the same command resumes. Set ``PRUNE_AUDIT_DEBUG=1`` to see the traceback instead.
     """
 
     @functools.wraps(command)
@@ -118,11 +115,12 @@ def handle_errors(command: F) -> F:
 
         progress.forget_saved()
         try:
-            return command(*args, **kwargs)
-        except KeyboardInterrupt:
+            with progress.stops_like_ctrl_c():
+                return command(*args, **kwargs)
+        except KeyboardInterrupt as interrupt:
             if os.environ.get("PRUNE_AUDIT_DEBUG"):
                 raise
-            raise fail(progress.interrupted_message(), INTERRUPTED) from None
+            raise fail(progress.interrupted_message(interrupt), progress.interrupt_exit_code(interrupt)) from None
         except OSError as error:
             if os.environ.get("PRUNE_AUDIT_DEBUG"):
                 raise

@@ -41,9 +41,10 @@ def train(
     ] = None,
 ) -> None:
     """Train a demo model from scratch on CPU (the shipped ones: --model demo|demo-qwen --seed 1 --threads 1)."""
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     from prune_audit.demo.train import DEMO_RECIPES, train_demo_model
+    from prune_audit.safety.ownership import hold_output_dir
     from prune_audit.threads import check_threads
 
     check_threads(threads)  # bounded by the usable cores like every --threads (far more crash OpenBLAS)
@@ -63,7 +64,9 @@ def train(
             with log_file.open("a") as handle:
                 handle.write(line + "\n")
 
-    summary = train_demo_model(recipe, out, log=log)
+    settings = asdict(recipe)  # a checkpoint is replaced only by one of the same recipe
+    with hold_output_dir(out, "demo train", settings):  # held through training: no other command takes OUT meanwhile
+        summary = train_demo_model(recipe, out, log=log)
     final = summary["history"][-1]
     log(f"saved {out} after {summary['train_minutes']} min; monitor accuracy {final['heldout_accuracy']:.3f}")
 

@@ -77,14 +77,20 @@ def build(
     from prune_audit.data.pope import POPE_SPLITS
     from prune_audit.data.pope_build import build_pope, write_pope_files
     from prune_audit.safety.names import check_plain_name
-    from prune_audit.safety.ownership import check_output_dir, claim_output_dir
+    from prune_audit.safety.fingerprint import file_sha256
+    from prune_audit.safety.ownership import check_output_dir, hold_output_dir
 
     check_plain_name(prefix, "--prefix")
-    check_output_dir(out, "pope build")
+    splits = tuple(split or POPE_SPLITS)
+    # the folder is rewritten only by the same build (same files again), never by another one
+    settings = {"annotations_sha256": file_sha256(annotations) if annotations.is_file() else None,
+                "images": images, "seed": seed, "splits": list(splits), "prefix": prefix}
+    check_output_dir(out, "pope build", settings)
     coco = CocoInstances.load(annotations)
-    question_sets = build_pope(coco, sample_images=images, seed=seed, splits=tuple(split or POPE_SPLITS))
-    claim_output_dir(out, "pope build")
-    for path in write_pope_files(question_sets, out, prefix=prefix):
+    question_sets = build_pope(coco, sample_images=images, seed=seed, splits=splits)
+    with hold_output_dir(out, "pope build", settings):
+        written = write_pope_files(question_sets, out, prefix=prefix)
+    for path in written:
         print(path)
 
 

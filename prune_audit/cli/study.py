@@ -111,8 +111,7 @@ def study(
     if plan:
         _plan(grid, plan_format, plan_file, parse_shard(shard) if shard else None)
         return
-    _run_grid(grid, quiet)
-    _report(out, settings, force, command)
+    _run_grid(grid, quiet, settings, force, command)
 
 
 def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
@@ -135,17 +134,25 @@ def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
     print(f"wrote {len(commands)} run commands to {plan_file}")
 
 
-def _run_grid(grid, quiet: bool) -> None:
+def _run_grid(grid, quiet: bool, settings, force: bool, command: str) -> None:
+    """Run every cell of the grid, then write the report, holding OUT throughout."""
+    from prune_audit.runner.study.execute import plan_grid
+    from prune_audit.safety.ownership import hold_output_dir
+
+    plans = plan_grid(grid)  # every input checked before the study writes anything
+    with hold_output_dir(grid.out, "study"):
+        _answer_grid(grid, plans, quiet)
+        _write_report(grid.out, settings, force, command)
+
+
+def _answer_grid(grid, plans, quiet: bool) -> None:
     import sys
 
     from prune_audit.cli.progress import progress_reporter
-    from prune_audit.runner.study.execute import plan_grid, run_grid
+    from prune_audit.runner.study.execute import run_grid
     from prune_audit.runner.study.grid import RUNS_FOLDER
-    from prune_audit.safety.ownership import claim_output_dir
     from prune_audit.safety.progress import report_saved
 
-    plans = plan_grid(grid)  # every input checked before the study writes anything
-    claim_output_dir(grid.out, "study")
     total = sum(len(plan.questions) for plan in plans)
 
     def on_cell(index: int, cell) -> None:
@@ -161,20 +168,26 @@ def _run_grid(grid, quiet: bool) -> None:
 
 
 def _report(out: Path, settings, force: bool, command: str) -> None:
-    from prune_audit.analysis.outputs import write_files
-    from prune_audit.analysis.study import study_files, study_reports, study_runs
+    """``--report``: the summary and report of the runs already in OUT/runs."""
     from prune_audit.runner.study.execute import check_study_folder
-    from prune_audit.runner.study.grid import RUNS_FOLDER
-    from prune_audit.safety.ownership import check_output_dir, claim_output_dir
+    from prune_audit.safety.ownership import check_output_dir, hold_output_dir
 
     check_output_dir(out, "study")
     check_study_folder(out)
+    with hold_output_dir(out, "study"):
+        _write_report(out, settings, force, command)
+
+
+def _write_report(out: Path, settings, force: bool, command: str) -> None:
+    from prune_audit.analysis.outputs import write_files
+    from prune_audit.analysis.study import study_files, study_reports, study_runs
+    from prune_audit.runner.study.grid import RUNS_FOLDER
+
     reference, runs = study_runs(out / RUNS_FOLDER, settings.stage)
     reports = study_reports(reference, runs, settings, force)
     dropped = sorted(set(settings.epsilons) - {r["epsilon"] for r in reports.cascade["cascades"][0]["results"]})
     if dropped:
         print(f"note: epsilon {', '.join(f'{e:g}' for e in dropped)} below 1/(n+1) for these images; left out")
-    claim_output_dir(out, "study")  # no settings recorded: the report is rebuilt with those given, report.md names them
-    write_files(out, study_files(reports, command))
+    write_files(out, study_files(reports, command))  # no settings recorded: the report is rebuilt with those given
     print((out / "report.md").read_text(encoding="utf-8").split("\n## Findings")[0])
     print(f"wrote summary.csv, summary.parquet, report.md and report.html to {out}")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.safety.lock import DirectoryLock
+from prune_audit.safety.ownership import check_output_dir
 
 DEMO_IMAGE_SIZE = 96
 DEMO_SCENE_SEED = 2026
@@ -84,6 +85,7 @@ def demo_question_set(
     lets one process build while the others wait for its result.
     """
     cache = check_cache_dir(Path(cache_dir), "--cache-dir") if cache_dir is not None else default_cache_dir()
+    check_output_dir(cache, "demo questions", option="--cache-dir", shared=True)  # a cache, never a command's outputs
     name = f"demo-questions-seed{seed}-scenes{scenes}-pope{pope_images}-{DEMO_IMAGE_SIZE}px"
     question_set = DemoQuestionSet(cache / name)
     if (question_set.root / _COMPLETE_MARKER).is_file():

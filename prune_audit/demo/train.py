@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import shutil
 import tempfile
@@ -48,6 +49,7 @@ from prune_audit.data.pope_build import question_text
 from prune_audit.demo.batches import BACKGROUND_CLASS, SceneBatch, sample_batch
 from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, prompt_ids, prompt_text
 from prune_audit.models.base import VisionLanguageModel
+from prune_audit.safety.atomic import staging_folder
 
 # held-out monitoring scenes during training; the demo question set uses another seed
 MONITOR_SEED = 7
@@ -308,19 +310,23 @@ def train_demo_model(
 
 
 def _save(vlm: VisionLanguageModel, out_dir: Path, summary: dict) -> None:
-    """Write the float16 checkpoint, its processing parts and summary; replace ``out_dir`` only when complete."""
+    """Write the float16 checkpoint, its processing parts and summary; replace files in ``out_dir`` only when
+    every one is complete.
+
+    They are prepared in a staging folder inside ``out_dir`` (never beside it, in a folder
+    of someone else's), which the next ``hold_output_dir`` removes if a kill leaves it.
+    """
     # LLaVA saves one processor; Qwen2.5-VL its image processor and tokenizer (no video processor)
     processor = getattr(vlm, "processor", None)
     parts = [processor] if processor is not None else [vlm.image_processor, vlm.tokenizer]
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=out_dir.parent))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = staging_folder(out_dir)
     try:
         vlm.model.eval().to(torch.float16).save_pretrained(staging)
         for part in parts:
             part.save_pretrained(staging)
         (staging / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
         for item in staging.iterdir():
-            out_dir.mkdir(exist_ok=True)
-            shutil.move(str(item), out_dir / item.name)
+            os.replace(item, out_dir / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

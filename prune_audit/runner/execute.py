@@ -95,7 +95,7 @@ def execute(
         group.barrier()
         records = store.read()
     finally:
-        lock.release()
+        lock.close()
         group.close()
     return RunResult(plan.run_dir, records, complete, summarize(records))
 

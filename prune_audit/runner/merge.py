@@ -12,8 +12,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import CONFIG_FIELDS, MANIFEST_FILE, differing_fields, read_manifest, write_manifest
 from prune_audit.records.schema import RECORDS_FILE
 from prune_audit.records.store import RecordStore, merge_tables, write_table_atomic
-from prune_audit.safety.lock import DirectoryLock
-from prune_audit.safety.ownership import check_output_dir, claim_output_dir
+from prune_audit.safety.ownership import check_output_dir, hold_output_dir
 
 
 def merge_runs(run_dirs: Sequence[Path], out: Path | None = None) -> pa.Table:
@@ -50,8 +49,7 @@ def merge_runs(run_dirs: Sequence[Path], out: Path | None = None) -> pa.Table:
             )
     manifest = dict(manifests[0])
     manifest["realised_visual_tokens_avg"] = float(np.mean(records["visual_tokens_avg"].to_numpy())) if records.num_rows else None
-    with DirectoryLock(target):
-        claim_output_dir(target, "run")
+    with hold_output_dir(target, "run", writes=(RECORDS_FILE, MANIFEST_FILE)):
         write_table_atomic(records, target / RECORDS_FILE)
         write_manifest(target, manifest)
         for store in stores:

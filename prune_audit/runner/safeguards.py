@@ -9,19 +9,22 @@ the manifest as information only, so a run copied to another machine or HOME res
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import parse_integer
 from prune_audit.records.manifest import MANIFEST_FILE, differing_fields, read_manifest
+from prune_audit.records.schema import RECORDS_FILE
+from prune_audit.records.store import PARTS_DIR
 from prune_audit.safety.atomic import remove_partial_files
 from prune_audit.safety.fingerprint import HashCache, combined_sha256, first_differing_image, images_fingerprint
-from prune_audit.safety.lock import DirectoryLock
-from prune_audit.safety.ownership import claim_output_dir
+from prune_audit.safety.ownership import hold_output_dir
 
 BUDGET_ALL = "all"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+RUN_FILES = (MANIFEST_FILE, RECORDS_FILE)  # what a run writes directly in its folder (parts go under PARTS_DIR)
 
 
 def parse_budget(text: str | None) -> int | str | None:
@@ -139,18 +142,18 @@ def check_same_run(run_dir: Path, previous: dict[str, Any], manifest: dict[str, 
             )
 
 
-def hold_run_dir(run_dir: Path, shard_writer: str | None) -> DirectoryLock:
-    """Take the run directory's write lock (shared by shards), mark it as a run, drop partial files.
+def hold_run_dir(run_dir: Path, shard_writer: str | None) -> ExitStack:
+    """Own the run directory as a run (``hold_output_dir``; shards share it) and drop partial files.
 
-    The caller releases the returned lock. Partial files of interrupted writes are
-    removed only where no live writer can own them: every one under the exclusive lock,
-    this shard's own under a shard lock.
+    The caller closes the returned stack when the run ends. Partial files of interrupted
+    writes are removed only where no live writer can own them: the run's own files under
+    the exclusive lock, this shard's part files under a shard lock.
     """
-    lock = DirectoryLock(run_dir, shard=shard_writer).__enter__()
+    held = ExitStack()
+    held.enter_context(hold_output_dir(run_dir, "run", shard=shard_writer, writes=RUN_FILES))
     try:
-        claim_output_dir(run_dir, "run")
-        remove_partial_files(run_dir, prefix="" if shard_writer is None else f"part-{shard_writer}-")
+        remove_partial_files(run_dir / PARTS_DIR, [f"part-{shard_writer or '*'}-*.parquet"])
     except BaseException:
-        lock.release()
+        held.close()
         raise
-    return lock
+    return held

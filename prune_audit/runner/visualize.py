@@ -54,13 +54,13 @@ class VisualizeRequest:
 def output_path(out: Path | None, default_dir: Path, stem: str) -> Path:
     """``out`` itself when it names a .png/.svg file, else ``<out or default_dir>/<stem>.png``.
 
-    The figure's folder may not hold another command's outputs (a run, a calibration):
-    figures go next to them, never into them.
+    The figure's folder may hold the user's files but not another command's outputs (a run,
+    a calibration): figures go next to them, never into them.
     """
     from prune_audit.safety.ownership import check_output_dir
 
     path = out if out is not None and out.suffix.lower() in {".png", ".svg"} else (out or default_dir) / f"{stem}.png"
-    check_output_dir(path.parent, "visualize")
+    check_output_dir(path.parent, "visualize", shared=True)
     return path
 
 

@@ -73,18 +73,25 @@ class DirectoryLock:
         self.release()
 
     def _take(self, path: Path, exclusive: bool) -> None:
-        handle = open(path, "a+", encoding="utf-8")
-        try:
-            mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-            fcntl.flock(handle.fileno(), mode if self.wait else mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            info = _read_info(handle)
+        while True:
+            handle = open(path, "a+", encoding="utf-8")
+            try:
+                mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+                fcntl.flock(handle.fileno(), mode if self.wait else mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                info = _read_info(handle)
+                handle.close()
+                what = "this shard of " if self.shard is not None and path.name != self.name else ""
+                raise PruneAuditError(
+                    f"{what}{self.directory} is being written by {_describe(info)}; wait for it to finish "
+                    f"or pass another {self.option}"
+                ) from None
+            if _still_named(handle, path):
+                break
+            # the previous holder removed the lock file (and the folder it created) before unlocking
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
             handle.close()
-            what = "this shard of " if self.shard is not None and path.name != self.name else ""
-            raise PruneAuditError(
-                f"{what}{self.directory} is being written by {_describe(info)}; wait for it to finish "
-                f"or pass another {self.option}"
-            ) from None
+            self.directory.mkdir(parents=True, exist_ok=True)
         self.handles.append((handle, exclusive))
         if not exclusive:
             return
@@ -111,6 +118,19 @@ class DirectoryLock:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
                 handle.close()
         self.handles = []
+
+
+def lock_file_names(name: str = LOCK_FILE) -> tuple[str, str]:
+    """Shell patterns of the lock files ``DirectoryLock`` creates: the directory's and its shards'."""
+    return name, f"{name}.shard-*"
+
+
+def _still_named(handle: Any, path: Path) -> bool:
+    """Whether ``path`` still names the file ``handle`` locked."""
+    try:
+        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _read_info(handle: Any) -> dict[str, Any]:

@@ -1,23 +1,31 @@
 """Which command owns an output directory, so no command writes into another's outputs.
 
-The command that creates an output directory leaves a marker (``.prune-audit-owner.json``:
-the command and, for analysis commands, its settings). Before anything is written, every
-command checks its ``--out``: an existing file, a directory owned by another command, or
-one holding the same command's outputs for other settings is refused with one line
-naming the directory and what it holds. Directories written before markers existed are
-recognised by their files.
+A command may create its output folder or adopt an empty one; a folder it does not own
+is refused when it holds anything (another command's outputs, a user's files, ``/``).
+``check_output_dir`` says so while planning, writing nothing. ``hold_output_dir`` is
+taken right before the first byte is written and held until the command ends: it takes
+the folder's write lock, checks again under the lock (so two commands that both passed
+their planning check cannot both write), records the owner marker
+(``.prune-audit-owner.json``: the command and its settings) and removes only the
+temporary names this project writes that a killed run of the command left there. A
+command that fails before writing anything removes the folder it created. Directories
+written before markers existed are recognised by their files.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.safety.atomic import write_text_atomic
+from prune_audit.safety.atomic import remove_partial_files, remove_staging_folders, write_text_atomic
+from prune_audit.safety.lock import DirectoryLock, lock_file_names
 
 OWNER_FILE = ".prune-audit-owner.json"
 
@@ -28,7 +36,11 @@ SIGNATURE_FILES = (
     ("cascade.json", "cascade"),
     ("manifest.json", "run"),
     ("records.parquet", "run"),
+    ("summary.parquet", "study"),
+    ("training.json", "demo train"),
 )
+# a study folder before markers, or one only its --plan commands wrote: runs/ holding run folders
+STUDY_RUNS_FOLDER = "runs"
 
 
 @dataclass(frozen=True)
@@ -51,22 +63,54 @@ def read_owner(directory: Path) -> Owner | None:
     for name, command in SIGNATURE_FILES:
         if (directory / name).exists():
             return Owner(command)
+    if _holds_study_runs(directory):
+        return Owner("study")
     return None
 
 
+def _holds_study_runs(directory: Path) -> bool:
+    runs = directory / STUDY_RUNS_FOLDER
+    if _visible_names(directory) != [STUDY_RUNS_FOLDER] or not runs.is_dir() or runs.is_symlink():
+        return False
+    folders = list(runs.iterdir())
+    return bool(folders) and all(
+        folder.is_dir() and not folder.is_symlink() and getattr(read_owner(folder), "command", None) == "run"
+        for folder in folders
+    )
+
+
+def _visible_names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+
+
 def _held_files(directory: Path) -> str:
-    names = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
-    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    return shown or "no visible files"
+    """The first names in ``directory``: visible ones, else hidden ones (lock files aside)."""
+    names = _visible_names(directory) or sorted(p.name for p in directory.iterdir() if not _is_lock_file(p.name))
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def _is_lock_file(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in lock_file_names())
+
+
+def _is_empty(directory: Path) -> bool:
+    """Nothing in ``directory`` but lock files (left by a command killed before it claimed the folder)."""
+    return all(_is_lock_file(path.name) for path in directory.iterdir())
 
 
 def check_output_dir(
-    directory: str | Path, command: str, settings: Mapping[str, Any] | None = None, option: str = "--out"
+    directory: str | Path,
+    command: str,
+    settings: Mapping[str, Any] | None = None,
+    option: str = "--out",
+    shared: bool = False,
 ) -> Path:
-    """Refuse ``directory`` as ``command``'s output unless it is new, unowned, or this command's own.
+    """Refuse ``directory`` as ``command``'s output unless it is new, empty, or this command's own.
 
     Writes nothing. ``settings`` (JSON-ready) are compared with the ones recorded by an
-    earlier run of the same command; a difference is refused, naming the first keys.
+    earlier run of the same command; a difference, or outputs whose settings were never
+    recorded, is refused, naming the first keys. ``shared``: a folder that may also hold
+    the user's files (a figure's folder, a cache); only another command's outputs are refused.
     """
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
@@ -78,17 +122,30 @@ def check_output_dir(
                     f"{option} {directory} is not writable: {parent} is a file, not a folder; pass another {option}"
                 )
             break
+    resolved = Path(os.path.realpath(directory))
+    if resolved == Path(resolved.anchor):
+        raise PruneAuditError(f"{option} {directory} is the filesystem root; pass a folder of its own")
     if not directory.is_dir():
         return directory
     owner = read_owner(directory)
     if owner is None:
-        return directory
+        if shared or _is_empty(directory):
+            return directory
+        raise PruneAuditError(
+            f"{option} {directory} already holds files that no prune-audit {command} wrote ({_held_files(directory)}); "
+            f"pass a new or empty folder"
+        )
     if owner.command != command:
         raise PruneAuditError(
             f"{directory} holds the outputs of prune-audit {owner.command} ({_held_files(directory)}); "
             f"{command} never writes there: pass another {option}"
         )
-    if settings is not None and owner.settings is not None:
+    if settings is not None:
+        if owner.settings is None:
+            raise PruneAuditError(
+                f"{directory} holds prune-audit {command} outputs whose settings were not recorded; "
+                f"pass another {option}"
+            )
         changed = differing_settings(owner.settings, dict(settings))
         if changed:
             raise PruneAuditError(
@@ -104,12 +161,84 @@ def differing_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[s
     return [key for key in sorted(set(old) | set(new)) if normalise(old.get(key)) != normalise(new.get(key))]
 
 
-def claim_output_dir(directory: str | Path, command: str, settings: Mapping[str, Any] | None = None) -> Path:
-    """Create ``directory`` (after ``check_output_dir``) and record ``command`` as its owner."""
+@contextmanager
+def hold_output_dir(
+    directory: str | Path,
+    command: str,
+    settings: Mapping[str, Any] | None = None,
+    *,
+    option: str = "--out",
+    shard: str | None = None,
+    writes: Sequence[str] = (),
+) -> Iterator[Path]:
+    """Own ``directory`` as ``command``'s output while the block writes into it.
+
+    Creates the folder if needed, takes its write lock (``shard``: see ``DirectoryLock``),
+    checks it again under the lock (``check_output_dir``), records the owner marker with
+    ``settings`` before anything else is written, and, under an exclusive lock, removes the
+    staging folders and the temporary files of ``writes`` (shell patterns of the files the
+    command writes there) that a killed run left. When the block fails before any output
+    exists, the folders this call created are removed again.
+    """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    check_output_dir(directory, command, settings, option)
+    created = _first_missing(directory)
+    with DirectoryLock(directory, shard=shard, option=option):
+        check_output_dir(directory, command, settings, option)  # a command that planned at the same time may own it now
+        claimed = _write_marker(directory, command, settings)
+        if shard is None:
+            remove_partial_files(directory, [OWNER_FILE, *writes])
+            remove_staging_folders(directory)
+        try:
+            yield directory
+        except BaseException:
+            if claimed and shard is None and _holds_no_output(directory):
+                _unclaim(directory, created)
+            raise
+
+
+def _first_missing(directory: Path) -> Path | None:
+    """The outermost folder of ``directory``'s path that does not exist yet (None: it exists)."""
+    missing = None
+    for folder in (directory, *directory.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing
+
+
+def _write_marker(directory: Path, command: str, settings: Mapping[str, Any] | None) -> bool:
+    """Record ``command`` as the owner unless a marker exists; whether this call wrote it."""
     marker = directory / OWNER_FILE
-    if not marker.is_file():
-        content = {"command": command, "settings": None if settings is None else dict(settings)}
-        write_text_atomic(json.dumps(content, indent=2, default=str) + "\n", marker)
-    return directory
+    if marker.is_file():
+        return False
+    content = {"command": command, "settings": None if settings is None else dict(settings)}
+    write_text_atomic(json.dumps(content, indent=2, default=str) + "\n", marker)
+    return True
+
+
+def _holds_no_output(directory: Path) -> bool:
+    return all(path.name == OWNER_FILE or _is_lock_file(path.name) for path in directory.iterdir())
+
+
+def _unclaim(directory: Path, created: Path | None) -> None:
+    """Undo a claim that wrote nothing: remove the marker, and the folders this command created.
+
+    A folder that existed before is left as it was (empty but for lock files), so a
+    corrected command with other settings may adopt it.
+    """
+    (directory / OWNER_FILE).unlink(missing_ok=True)
+    if created is None:
+        return
+    for path in directory.iterdir():
+        if _is_lock_file(path.name):
+            path.unlink(missing_ok=True)
+    folder = directory
+    while True:
+        try:
+            folder.rmdir()
+        except OSError:
+            return  # something else appeared meanwhile: keep it
+        if folder == created:
+            return
+        folder = folder.parent

@@ -1,15 +1,22 @@
 """What an interrupted or failed command has saved, for its last line.
 
 Writers report each durable step (``report_saved``); the CLI's error handler turns a
-Ctrl-C (exit 130) or a full disk into one line saying how many questions are safe and
-that the same command resumes.
+Ctrl-C (exit 130), a SIGTERM (143) or SIGHUP (129) from ``stops_like_ctrl_c``, or a full
+disk into one line saying how many questions are safe and that the same command resumes.
 """
 
 from __future__ import annotations
 
 import errno
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # ended like Ctrl-C (SIGINT already is)
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -45,8 +52,48 @@ def _saved_clause() -> str:
             f"run the same command again to resume")
 
 
-def interrupted_message() -> str:
-    return f"interrupted: {_saved_clause()}"
+class Stopped(KeyboardInterrupt):
+    """A stop signal turned into Ctrl-C's exception, so every clean-up path runs the same way."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once, as the user asked
+    raise Stopped(signum)
+
+
+@contextmanager
+def stops_like_ctrl_c() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGHUP raise ``Stopped`` (a KeyboardInterrupt) in the main thread.
+
+    A signal the process was started ignoring (``nohup``) stays ignored; the previous handlers
+    are restored afterwards.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum, handler in previous.items():
+        if handler is signal.SIG_DFL:
+            signal.signal(signum, _raise_stopped)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def interrupt_exit_code(interrupt: KeyboardInterrupt) -> int:
+    """The shell's code for a command ended by the signal: 128 + its number (Ctrl-C: 130)."""
+    return 128 + (interrupt.signum if isinstance(interrupt, Stopped) else signal.SIGINT)
+
+
+def interrupted_message(interrupt: KeyboardInterrupt | None = None) -> str:
+    how = f" by {signal.Signals(interrupt.signum).name}" if isinstance(interrupt, Stopped) else ""
+    return f"interrupted{how}: {_saved_clause()}"
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from prune_audit.analysis.outputs import to_json, write_owned_files
+from prune_audit.analysis.outputs import to_json, write_files
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.schema import RECORDS_FILE
 from prune_audit.runner.intervene.build import parquet_bytes, records_table
@@ -34,8 +34,7 @@ from prune_audit.runner.intervene.plan import (
 )
 from prune_audit.runner.intervene.report import REPORT_FILE, intervention_report
 from prune_audit.runner.plan import check_writable
-from prune_audit.safety.lock import DirectoryLock
-from prune_audit.safety.ownership import check_output_dir
+from prune_audit.safety.ownership import check_output_dir, hold_output_dir
 
 __all__ = ["InterveneRequest", "InterventionResult", "intervene"]
 
@@ -69,6 +68,6 @@ def intervene(request: InterveneRequest, on_progress: Callable[[int, int], None]
         raise PruneAuditError(f"none of the {len(eligible)} eligible questions allows a {request.mode} swap: {reasons}")
     table = records_table(rows)
     report = intervention_report(request, source, table, len(eligible), skipped)
-    with DirectoryLock(out):
-        write_owned_files(out, "intervene", settings, {RECORDS_FILE: parquet_bytes(table), REPORT_FILE: to_json(report)})
+    with hold_output_dir(out, "intervene", settings):
+        write_files(out, {RECORDS_FILE: parquet_bytes(table), REPORT_FILE: to_json(report)})
     return InterventionResult(out, report, table)

@@ -15,8 +15,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import StageChoice
 from prune_audit.runner.plan import RunRequest
 from prune_audit.runner.sharding import Shard
-
-RUNS_FOLDER = "runs"
+from prune_audit.safety.ownership import STUDY_RUNS_FOLDER as RUNS_FOLDER  # ownership recognises a study by it
 REFERENCE = "none"
 
 
