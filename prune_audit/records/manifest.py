@@ -133,6 +133,18 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     return manifest
 
 
+def check_schema_version(manifest: dict[str, Any], run_dir: Path) -> None:
+    """Refuse a run whose records schema is not this version's, rather than misread it."""
+    version = manifest.get("records_schema")
+    if version == SCHEMA_VERSION and not isinstance(version, bool):
+        return
+    written = "an older" if not _is_int(version) or version < SCHEMA_VERSION else "a newer"
+    raise PruneAuditError(
+        f"{run_dir} was written by {written} prune-audit (records schema {version or 1}, this version reads "
+        f"{SCHEMA_VERSION}); re-run with this version (into a new --out directory)"
+    )
+
+
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
     """Write ``manifest.json`` atomically (a reader sees the old or the new manifest, never a part)."""
     write_text_atomic(json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n", Path(run_dir) / MANIFEST_FILE)
@@ -276,7 +288,7 @@ def _budget(value: Any) -> str | None:
         return None
     if isinstance(value, str) and SHARE.fullmatch(value) and 0 < float(value[:-1]) <= 100:
         return None
-    return "a positive number of visual tokens, a share such as 11%, or null for the unpruned run"
+    return "a positive number of visual tokens, a share such as 11%"
 
 
 FILE_PIN = _mapping(path=_string, sha256=_sha256)
@@ -334,7 +346,8 @@ def check_manifest(manifest: dict[str, Any], path: Path) -> None:
 
 def _shown(value: Any) -> str:
     text = json.dumps(value, default=str)
-    return f"{_json_type(value)} {text if len(text) <= 40 else text[:37] + '...'}"
+    shown = text if len(text) <= 40 else text[:37] + "..."
+    return shown if value is None else f"{_json_type(value)} {shown}"
 
 
 def _refuse_field(path: Path, name: str, problem: str) -> None:
