@@ -49,7 +49,7 @@ def manifest(selector="divprune", budget=64):
         "realised_visual_tokens_avg": budget or 576,
         "question_files": [{"path": f"coco_pope_{split}.json", "sha256": sha256(split)} for split in SPLITS],
         "annotations": {"path": "instances_val2014.json", "sha256": sha256("annotations")},
-        "images": {"path": "val2014"},
+        "images": {"path": "val2014", "sha256": sha256("images"), "files": {}},
         "split": "all",
         "limit": None,
         "seed": 0,

@@ -167,7 +167,7 @@ def completeness(runs: Sequence[Run], labels: Sequence[str]) -> list[dict[str, A
     entries = []
     for run, label in zip(runs, labels):
         done = int(run.questions.split.size)
-        total = int(run.manifest.get("num_questions") or done)
+        total = run.manifest["num_questions"]
         entries.append({"label": label, "run": str(run.path), "done": done, "total": total, "complete": done >= total})
         if done < total:
             print(f"warning: {run.path} is incomplete ({done} of {total} questions: a shard or a run stopped "

@@ -151,9 +151,8 @@ def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
 
 
 def images_folder(manifest: dict[str, Any]) -> Path:
-    """The folder the run read its images from (manifests before content pins held it as a string)."""
-    images = manifest.get("images")
-    return Path(images["path"] if isinstance(images, dict) else str(images))
+    """The folder the run read its images from."""
+    return Path(manifest["images"]["path"])
 
 
 INFORMATION_KEYS = frozenset({"path"})
@@ -251,9 +250,11 @@ def _mapping(**fields: Check) -> Check:
 
     def check(value: Any) -> str | None:
         if not isinstance(value, dict):
-            return f"an object with {', '.join(fields)}"
+            return f"an object with {', '.join(fields)}" if fields else "an object"
         for name, field_check in fields.items():
-            problem = field_check(value.get(name)) if name in value else "present"
+            if name not in value:
+                return f"an object with {', '.join(fields)} (it lacks {name})"
+            problem = field_check(value[name])
             if problem is not None:
                 return f"an object whose {name} is {problem}"
         return None
@@ -262,7 +263,7 @@ def _mapping(**fields: Check) -> Check:
 
 
 def _optional(check: Check) -> Check:
-    return lambda value: None if value is None or check(value) is None else f"{check(value)} or null"
+    return lambda value: None if value is None or check(value) is None else f"null or {check(value)}"
 
 
 def _list_of(item: Check) -> Check:
@@ -313,7 +314,7 @@ MANIFEST_SCHEMA: dict[str, tuple[bool, Check]] = {
     "budget": (True, _optional(_budget)),
     "question_files": (True, _list_of(FILE_PIN)),
     "annotations": (True, _optional(FILE_PIN)),
-    "images": (True, _mapping(path=_string)),
+    "images": (True, _mapping(path=_string, sha256=_sha256, files=_mapping())),
     "split": (True, _string),
     "limit": (True, _positive_or_null),
     "num_questions": (True, _positive),

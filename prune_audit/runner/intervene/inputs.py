@@ -73,9 +73,7 @@ def images_dir(manifest: dict[str, Any], override: Path | None) -> Path:
         if not recorded.is_dir():
             raise PruneAuditError(f"{recorded}, the run's images folder, is not found; pass --images DIR")
         return recorded
-    pins = manifest.get("images")
-    if not isinstance(pins, dict) or "files" not in pins:
-        raise PruneAuditError("the run's manifest pins no image content (an older run), so --images cannot be verified")
+    pins = manifest["images"]
     paths = {name: override / name for name in pins["files"]}
     for name, path in paths.items():
         if not path.is_file():
