@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.manifest import run_identity
+from prune_audit.records.manifest import MANIFEST_KEYS, MANIFEST_SCHEMA, run_identity
 from prune_audit.records.store import stamped
 from test_data_safety import invoke, refused, snapshot
 
@@ -205,8 +205,8 @@ def test_question_ids_outside_int64_are_refused_before_the_run_directory(runs, t
         ({"budget": "abc"}, ["field 'budget' must be null or a positive number of visual tokens"]),
         ({"budget": None}, ["field 'budget' must be null exactly for the unpruned run"]),
         ({"num_questions": -1}, ["field 'num_questions' must be a positive integer, got integer -1"]),
-        ({"limit": 3.5}, ["field 'limit' must be a positive integer or null"]),
-        ({"realised_visual_tokens_avg": "32"}, ["field 'realised_visual_tokens_avg' must be a finite"]),
+        ({"limit": 3.5}, ["field 'limit' must be null or a positive integer"]),
+        ({"realised_visual_tokens_avg": "32"}, ["field 'realised_visual_tokens_avg' must be null or a finite"]),
         ({"limit": 5}, ["field 'run_id' does not match the configuration fields (the manifest was edited)"]),
     ],
 )
@@ -215,6 +215,12 @@ def test_manifest_fields_of_the_wrong_type_or_domain_are_refused_by_every_reader
     edit_manifest(run_dir, **fields)
     all_refused(run_dir, runs, tmp_path, "manifest.json: ", *needles, "re-run with this version into a new --out",
                 resume=RUN_ARGS["fastv"])
+
+
+def test_the_declared_schema_covers_every_documented_manifest_key(runs):
+    assert set(MANIFEST_SCHEMA) == {key for key, _ in MANIFEST_KEYS}
+    for name in ("dense", "fastv", "dense4"):
+        assert set(json.loads((runs[name] / "manifest.json").read_text())) <= set(MANIFEST_SCHEMA)
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", '"manifest"', "null", "7"])

@@ -220,25 +220,17 @@ def _string(value: Any) -> str | None:
     return None if isinstance(value, str) else "a string"
 
 
-def _optional_string(value: Any) -> str | None:
-    return None if value is None or isinstance(value, str) else "a string or null"
-
-
 def _integer(value: Any) -> str | None:
     return None if _is_int(value) else "an integer"
-
-
-def _positive_or_null(value: Any) -> str | None:
-    return None if value is None or (_is_int(value) and value >= 1) else "a positive integer or null"
 
 
 def _positive(value: Any) -> str | None:
     return None if _is_int(value) and value >= 1 else "a positive integer"
 
 
-def _non_negative_number_or_null(value: Any) -> str | None:
+def _non_negative_number(value: Any) -> str | None:
     finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-    return None if value is None or finite else "a finite non-negative number or null"
+    return None if finite else "a finite non-negative number"
 
 
 def _sha256(value: Any) -> str | None:
@@ -297,14 +289,15 @@ FILE_PIN = _mapping(path=_string, sha256=_sha256)
 MANIFEST_SCHEMA: dict[str, tuple[bool, Check]] = {
     "version": (True, _string),
     "run_id": (True, _sha256),
-    "git_revision": (False, _optional_string),
+    "records_schema": (True, _integer),  # its value is checked first (check_schema_version)
+    "git_revision": (False, _optional(_string)),
     "versions": (False, _optional(_mapping())),
     "model": (True, _mapping(id=_string, config_hash=_string)),
-    "family": (False, _optional_string),
-    "prompt": (True, _mapping(template=_optional_string, system=_optional_string)),
+    "family": (False, _optional(_string)),
+    "prompt": (True, _mapping(template=_optional(_string), system=_optional(_string))),
     "dtype": (True, _string),
-    "device": (False, _optional_string),
-    "attn_implementation": (False, _optional_string),
+    "device": (False, _optional(_string)),
+    "attn_implementation": (False, _optional(_string)),
     "num_layers": (False, _optional(_positive)),
     "answer_tokens": (False, _optional(_mapping())),
     "processor": (True, _mapping()),
@@ -316,14 +309,14 @@ MANIFEST_SCHEMA: dict[str, tuple[bool, Check]] = {
     "annotations": (True, _optional(FILE_PIN)),
     "images": (True, _mapping(path=_string, sha256=_sha256, files=_mapping())),
     "split": (True, _string),
-    "limit": (True, _positive_or_null),
+    "limit": (True, _optional(_positive)),
     "num_questions": (True, _positive),
     "seed": (True, _integer),
-    "command": (False, _optional_string),
+    "command": (False, _optional(_string)),
     "threads": (False, _optional(_mapping())),
-    "realised_visual_tokens_avg": (False, _non_negative_number_or_null),
+    "realised_visual_tokens_avg": (False, _optional(_non_negative_number)),
 }
-"""Every manifest field this version reads: (required, check of its JSON type and domain)."""
+"""Every manifest field (``MANIFEST_KEYS``): (required, check of its JSON type and domain)."""
 
 
 def check_manifest(manifest: dict[str, Any], path: Path) -> None:
