@@ -105,12 +105,16 @@ class RecordStore:
 
     def _check_planned(self, count: int, orders: Sequence[int] = ()) -> None:
         """At most the run's planned questions, each at its own position of the question list."""
-        outside = [order for order in orders if not 0 <= order < self.planned]
-        if count > self.planned or outside or len(set(orders)) != len(orders):
-            raise PruneAuditError(
-                f"{self.run_dir} holds {count} records for its {self.planned} planned questions (or rows outside its "
-                f"question list); they were not all written by this run: remove the folder, or re-run into a new --out"
-            )
+        if count > self.planned:
+            found = f"{count} records for its {self.planned} planned questions"
+        elif any(not 0 <= order < self.planned for order in orders) or len(set(orders)) != len(orders):
+            found = f"records outside the positions of its {self.planned} planned questions (column order)"
+        else:
+            return
+        raise PruneAuditError(
+            f"{self.run_dir} holds {found}; they were not all written by this run: remove the folder, or re-run "
+            f"into a new --out"
+        )
 
     def _read_each(self, read: Callable[[Path], pa.Table]) -> list[pa.Table]:
         """``read`` of every source; restarted when a part vanishes (another process compacted it into
