@@ -130,12 +130,13 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
 
 
 def check_recorded(run_dir: Path, manifest: dict[str, Any], questions: Sequence[PopeQuestion]) -> None:
-    """The records already in ``run_dir`` are this run's own (``RecordStore`` checks their run id and keys)
-    and answer only questions of the plan."""
+    """The records already in ``run_dir`` are this run's own (``RecordStore.read`` checks their run id, keys
+    and positions) and answer only questions of the plan: refused before any question is answered."""
     if not (run_dir / MANIFEST_FILE).is_file():
         return  # nothing recorded: check_run_layout refused records without a manifest
     planned = {(q.split, q.question_id) for q in questions}
-    unknown = sorted(RecordStore(run_dir, manifest).done_keys() - planned)
+    recorded = RecordStore(run_dir, manifest).read()
+    unknown = sorted(set(zip(recorded["split"].to_pylist(), recorded["question_id"].to_pylist())) - planned)
     if unknown:
         raise PruneAuditError(
             f"{run_dir} holds records of {len(unknown)} questions outside this run's question list (first "
