@@ -53,7 +53,7 @@ def merge_runs(run_dirs: Sequence[Path], out: Path | None = None) -> pa.Table:
                 f"it: pass another --out"
             )
     manifest = dict(manifests[0])
-    manifest["realised_visual_tokens_avg"] = float(np.mean(records["visual_tokens_avg"].to_numpy())) if records.num_rows else None
+    manifest["realised_visual_tokens_avg"] = float(np.mean(records["visual_tokens_avg"].to_numpy()))
     with DirectoryLock(target):
         claim_output_dir(target, "run")
         write_manifest(target, manifest)
