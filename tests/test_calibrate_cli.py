@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from prune_audit.analysis import metrics
 from prune_audit.analysis.temperature import split_images
 from prune_audit.cli.main import app
-from prune_audit.records.manifest import with_run_id
+from prune_audit.records.manifest import run_id_of
 from prune_audit.records.schema import RUN_SCHEMA, SCHEMA_VERSION
 from prune_audit.records.store import stamped
 from prune_audit.safety.ownership import OWNER_FILE
@@ -115,7 +115,8 @@ def write_run(directory, seed, strength, tokens, images=24, lost_share=0.0, sele
                     }
                 )
     directory.mkdir(parents=True)
-    written = with_run_id({**manifest(selector=selector, budget=budget), "num_questions": len(rows), **fields})
+    written = {**manifest(selector=selector, budget=budget), "num_questions": len(rows), **fields}
+    written["run_id"] = run_id_of(written)
     (directory / "manifest.json").write_text(json.dumps(written))
     pq.write_table(stamped(pa.Table.from_pylist(rows, schema=RUN_SCHEMA), written["run_id"]), directory / "records.parquet")
     return directory

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.manifest import MANIFEST_KEYS, MANIFEST_SCHEMA, run_identity
+from prune_audit.records.manifest import MANIFEST_KEYS, MANIFEST_SCHEMA, run_id_of
 from prune_audit.records.store import stamped
 from test_data_safety import invoke, refused, snapshot
 
@@ -180,7 +180,7 @@ def test_every_records_file_carries_the_manifest_run_id(runs):
     for name in ("dense", "fastv", "dense4"):
         manifest = json.loads((runs[name] / "manifest.json").read_text())
         metadata = pq.read_schema(runs[name] / "records.parquet").metadata
-        assert manifest["run_id"] == run_identity(manifest) == metadata[b"prune_audit.run_id"].decode()
+        assert manifest["run_id"] == run_id_of(manifest) == metadata[b"prune_audit.run_id"].decode()
     ids = {json.loads((runs[name] / "manifest.json").read_text())["run_id"] for name in ("dense", "fastv", "dense4")}
     assert len(ids) == 3
 

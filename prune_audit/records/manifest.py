@@ -37,7 +37,7 @@ CONFIG_FIELDS = (
 
 MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
     ("version", "prune-audit version that wrote the run"),
-    ("run_id", "sha256 of the configuration and the inputs' content (run_identity); every records file of the run "
+    ("run_id", "sha256 of the configuration and the inputs' content (run_id_of); every records file of the run "
      "carries it in its Parquet metadata (prune_audit.run_id), so records of another run are never read or resumed"),
     ("records_schema", "version of the record columns (records/schema.py SCHEMA_VERSION); every reader and resume "
      "refuse another version"),
@@ -334,7 +334,7 @@ def check_manifest(manifest: dict[str, Any], path: Path) -> None:
     if unpruned != (manifest["budget"] is None):
         _refuse_field(path, "budget", f"must be null exactly for the unpruned run, got {_shown(manifest['budget'])} "
                                       f"with selector {manifest['selector']['name']!r}")
-    if manifest["run_id"] != run_identity(manifest):
+    if manifest["run_id"] != run_id_of(manifest):
         _refuse_field(path, "run_id", "does not match the configuration fields (the manifest was edited)")
 
 
@@ -355,7 +355,7 @@ IDENTITY_FIELDS = (*CONFIG_FIELDS, "images")
 """What a run's records depend on: its configuration and the content of its images."""
 
 
-def run_identity(manifest: dict[str, Any]) -> str:
+def run_id_of(manifest: dict[str, Any]) -> str:
     """The ``run_id``: sha256 of the identity fields' content (paths left out, and the model's id too where
     the weights' sha256 stands for it), so shards of one command share it and a copied run keeps it."""
     identity = {name: _content(manifest.get(name)) for name in IDENTITY_FIELDS}
@@ -364,8 +364,3 @@ def run_identity(manifest: dict[str, Any]) -> str:
         identity["model"] = {key: value for key, value in model.items() if key != "id"}
     text = json.dumps(_normalise(identity), sort_keys=True, separators=(",", ":"), allow_nan=True)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def with_run_id(manifest: dict[str, Any]) -> dict[str, Any]:
-    """``manifest`` with its ``run_id`` (computed from its identity fields) added."""
-    return {**manifest, "run_id": run_identity(manifest)}

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.manifest import MANIFEST_FILE, base_manifest, run_identity
+from prune_audit.records.manifest import MANIFEST_FILE, base_manifest, run_id_of
 from prune_audit.records.store import RecordStore, check_run_layout
 from prune_audit.safety.ownership import check_output_dir
 from prune_audit.runner.safeguards import BUDGET_ALL, budget_share, check_resumable, check_run_options, pin_inputs, resolve_budget
@@ -121,7 +121,7 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
         manifest["budget"] = request.budget
     manifest["threads"] = threads
     pin_inputs(manifest, str(request.model), Path(request.images), image_paths)
-    manifest["run_id"] = run_identity(manifest)
+    manifest["run_id"] = run_id_of(manifest)
     check_resumable(run_dir, manifest)
     check_recorded(run_dir, manifest, questions)
     shard = request.shard or launched
