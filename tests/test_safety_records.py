@@ -53,6 +53,7 @@ def readers(run_dir: Path, out: Path) -> list[list]:
         ["cascade", run_dir, "--reference", run_dir, "--epsilon", "0.5", "--out", out / "cascade"],
         ["visualize", "--run", run_dir, "--question-id", "1", "--out", out / "figure.png"],
         ["intervene", run_dir, "--mode", "remove", "--out", out / "intervene"],
+        ["merge", run_dir, "--out", out / "merged"],
     ]
 
 
