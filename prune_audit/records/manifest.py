@@ -62,7 +62,8 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
                "visual_tokens_avg holds the realised count); null for the unpruned run"),
     ("question_files", "[{path, sha256}] of the POPE files"),
     ("annotations", "{path, sha256} of the COCO instances file (null without masks)"),
-    ("images", "folder of the question images"),
+    ("images", "{path, sha256, count, files}: folder of the question images and the sha256 of each image the "
+     "questions use (files: name -> sha256; sha256 over all of them)"),
     ("split", "--split (all by default)"),
     ("limit", "--limit (null: every question)"),
     ("num_questions", "questions in the run (all shards)"),
