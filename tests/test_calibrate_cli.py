@@ -1,6 +1,7 @@
 """``prune-audit calibrate`` on synthetic run directories written as docs/records.md describes."""
 
 import csv
+import hashlib
 import json
 import re
 
@@ -14,7 +15,9 @@ from typer.testing import CliRunner
 from prune_audit.analysis import metrics
 from prune_audit.analysis.temperature import split_images
 from prune_audit.cli.main import app
+from prune_audit.records.manifest import run_id_of
 from prune_audit.records.schema import RUN_SCHEMA, SCHEMA_VERSION
+from prune_audit.records.store import stamped
 from prune_audit.safety.lock import LOCK_FILE
 from prune_audit.safety.ownership import OWNER_FILE
 from test_calibration import direct_ece
@@ -24,8 +27,13 @@ runner = CliRunner()
 SPLITS = ("random", "popular", "adversarial")
 
 
+def sha256(text):
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def manifest(selector="divprune", budget=64):
-    selector_fields = {"name": selector, "stage": "input", "options": {}, "positions": "keep_original"}
+    selector_fields = {"name": selector or "none", "stage": "input" if selector else None, "options": {},
+                       "positions": "keep_original" if selector else None}
     return {
         "version": "0.1.0",
         "records_schema": SCHEMA_VERSION,
@@ -37,11 +45,14 @@ def manifest(selector="divprune", budget=64):
         "dtype": "float16",
         "device": "cpu",
         "attn_implementation": "eager",
-        "selector": None if selector is None else selector_fields,
+        "selector": selector_fields,
         "budget": budget,
         "realised_visual_tokens_avg": budget or 576,
-        "question_files": [{"path": f"coco_pope_{split}.json", "sha256": f"sha-{split}"} for split in SPLITS],
-        "annotations": {"path": "instances_val2014.json", "sha256": "sha-annotations"},
+        "question_files": [{"path": f"coco_pope_{split}.json", "sha256": sha256(split)} for split in SPLITS],
+        "annotations": {"path": "instances_val2014.json", "sha256": sha256("annotations")},
+        "images": {"path": "val2014", "sha256": sha256("images"), "files": {}},
+        "split": "all",
+        "limit": None,
         "seed": 0,
         "command": "prune-audit run",
     }
@@ -105,8 +116,10 @@ def write_run(directory, seed, strength, tokens, images=24, lost_share=0.0, sele
                     }
                 )
     directory.mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=RUN_SCHEMA), directory / "records.parquet")
-    (directory / "manifest.json").write_text(json.dumps({**manifest(selector=selector, budget=budget), **fields}))
+    written = {**manifest(selector=selector, budget=budget), "num_questions": len(rows), **fields}
+    written["run_id"] = run_id_of(written)
+    (directory / "manifest.json").write_text(json.dumps(written))
+    pq.write_table(stamped(pa.Table.from_pylist(rows, schema=RUN_SCHEMA), written["run_id"]), directory / "records.parquet")
     return directory
 
 

@@ -102,7 +102,8 @@ def test_reference_is_required_and_must_hold_the_same_questions(runs, tmp_path):
     result = runner.invoke(app, ["cascade", str(runs["p64"]), "--reference", str(smaller), *options])
     assert result.exit_code == 2 and "do not hold the same questions" in result.stderr
     model = {"id": "other", "config_hash": "y"}
-    other = write_run(tmp_path / "other", seed=2, strength=3.0, tokens=600, images=80, budget=None, model=model)
+    other = write_run(tmp_path / "other", seed=2, strength=3.0, tokens=600, images=80, selector=None, budget=None,
+                      model=model)
     refused = runner.invoke(app, ["cascade", str(runs["p64"]), "--reference", str(other), *options])
     assert refused.exit_code == 2 and "model.id" in refused.stderr
     assert not (tmp_path / "out").exists()

@@ -30,7 +30,7 @@ from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.data.retention import object_area, retention
 from prune_audit.records.manifest import MANIFEST_KEYS
-from prune_audit.records.store import RecordStore
+from prune_audit.records.store import read_run
 
 runner = CliRunner()
 
@@ -278,7 +278,7 @@ def test_shards_and_merge_equal_one_process(workspace, tmp_path):
         result = invoke(base_args(workspace, tmp_path / f"shard{index}", *common, "--shard", f"{index}/3"))
         assert result.exit_code == 0, result.output
     # sharding is by image: no image appears in two shards
-    images = [set(RecordStore(tmp_path / f"shard{i}").read()["image"].to_pylist()) for i in range(3)]
+    images = [set(read_run(tmp_path / f"shard{i}")[1]["image"].to_pylist()) for i in range(3)]
     assert not (images[0] & images[1] or images[0] & images[2] or images[1] & images[2])
     merged = tmp_path / "merged"
     result = invoke(["merge", *(str(tmp_path / f"shard{i}") for i in range(3)), "--out", str(merged)])

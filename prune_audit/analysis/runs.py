@@ -13,9 +13,9 @@ import pyarrow as pa
 
 from prune_audit.analysis.questions import QuestionTable
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.manifest import differing_fields, read_manifest
+from prune_audit.records.manifest import UNPRUNED, differing_fields
 from prune_audit.records.stages import FIRST, StageChoice, StageValues, stage_values
-from prune_audit.records.store import RecordStore
+from prune_audit.records.store import read_run
 
 REQUIRED_COLUMNS = (
     "question_id",
@@ -49,9 +49,9 @@ class Run:
 
     @property
     def selector(self) -> str:
-        """The selector's name; ``dense`` for the unpruned reference (no selector, or ``none``)."""
-        name = (self.manifest.get("selector") or {}).get("name")
-        return "dense" if name in (None, "none") else str(name)
+        """The selector's name; ``dense`` for the unpruned reference (selector ``none``)."""
+        name = self.manifest["selector"]["name"]
+        return "dense" if name == UNPRUNED else name
 
     @property
     def budget(self) -> Any:
@@ -59,7 +59,7 @@ class Run:
 
     @property
     def model(self) -> str:
-        return str((self.manifest.get("model") or {}).get("id", "unknown model"))
+        return self.manifest["model"]["id"]
 
     @property
     def model_name(self) -> str:
@@ -89,8 +89,7 @@ def load_run(path: Path | str, stage: StageChoice = FIRST) -> Run:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(errno.ENOENT, "run directory not found", str(path))
-    manifest = read_manifest(path)
-    records = RecordStore(path).read()
+    manifest, records = read_run(path)
     if records.num_rows == 0:
         raise PruneAuditError(f"{path} holds no records; finish the run with prune-audit run first")
     at_stage = stage_values(records, stage, str(path))
@@ -181,7 +180,7 @@ def completeness(runs: Sequence[Run], labels: Sequence[str]) -> list[dict[str, A
     entries = []
     for run, label in zip(runs, labels):
         done = int(run.questions.split.size)
-        total = int(run.manifest.get("num_questions") or done)
+        total = run.manifest["num_questions"]
         entries.append({"label": label, "run": str(run.path), "done": done, "total": total, "complete": done >= total})
         if done < total:
             print(f"warning: {run.path} is incomplete ({done} of {total} questions: a shard or a run stopped "

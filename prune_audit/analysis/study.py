@@ -205,7 +205,7 @@ def _cascade_columns(cascade: dict | None, epsilons: Sequence[float]) -> dict[st
 
 
 def _mean_column(run: Run, name: str) -> float:
-    records = RecordStore(run.path).read()
+    records = RecordStore(run.path, run.manifest).read()
     return float(np.mean(records[name].to_numpy())) if name in records.column_names else math.nan
 
 

@@ -105,9 +105,16 @@ def split_from_file_name(path: str | Path) -> str:
     return match.group("split") if match else stem
 
 
+QUESTION_ID_LIMIT = 2**63
+"""Question ids are stored as int64 (records' ``question_id``): 0 <= id < 2**63."""
+
+
 def _question_id(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, str) and not is_digits(value)):
-        raise PruneAuditError(f"{where}: question_id must be an integer, got {value!r}")
+    digits = isinstance(value, str) and is_digits(value)  # ASCII digits only: int() also takes "²", "+3", "1_0"
+    if isinstance(value, bool) or not (isinstance(value, int) or digits) or not 0 <= int(value) < QUESTION_ID_LIMIT:
+        raise PruneAuditError(
+            f"{where}: question_id must be an integer from 0 to 2**63-1, got {value!r}; fix the question file"
+        )
     return int(value)
 
 

@@ -29,6 +29,8 @@ def records_markdown() -> str:
         "A run directory holds `records.parquet` (one row per question) and `manifest.json`.",
         "Rows are keyed by (`split`, `question_id`): POPE question ids repeat across splits.",
         "`intervene` writes the run columns plus its own, two rows (intervention, control) per question.",
+        "Every records file (and `parts/` file) carries its manifest's `run_id` in its Parquet key-value metadata",
+        "(`prune_audit.run_id`; `intervene`'s: the source run's); readers and resume refuse files of another run.",
         "",
         "| column | type | nullable | written by | meaning |",
         "|---|---|---|---|---|",

@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the record columns, written to every manifest as ``records_schema``.
 
 2: per-stage columns (``stage_layers``, ``*_stages``); ``retention``, ``object_tokens_kept``
@@ -20,10 +20,14 @@ and ``lost`` are the first stage's values (1 computed them on the last non-empty
 3: ``merged_stages`` (in-LLM merged tokens and their sources); retention counts their footprint.
 4: ``merged_stages`` also holds input-level merged tokens (VisionZip's contextual tokens), so their
 footprint counts towards that stage's retention, ``object_tokens_kept`` and ``lost`` (3 left them out).
+5: every records file carries its run's ``run_id`` (Parquet metadata ``RUN_ID_METADATA``, also in the manifest),
+so records are read and resumed only by the run they belong to (4's records cannot be told apart).
 Readers and resume refuse any other version.
 """
 
 RECORDS_FILE = "records.parquet"
+RUN_ID_METADATA = b"prune_audit.run_id"
+"""Parquet key-value metadata of every records file: the ``run_id`` of the manifest it belongs to."""
 KEY_COLUMNS = ("split", "question_id")
 """Rows are keyed by (split, question_id): POPE question ids repeat across splits."""
 

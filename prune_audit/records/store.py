@@ -7,23 +7,37 @@ Resuming reads the keys already present and skips them. Compaction concatenates
 the parts, sorts them into question-file order and replaces ``records.parquet``
 atomically; the parts are removed only after that, and a reader always takes the
 union of ``records.parquet`` and any parts, de-duplicated by key.
+
+Records belong to their manifest: every file carries the manifest's ``run_id`` in its
+Parquet metadata, and every reader and resume refuses a file of another run (or of none),
+a key repeated with other values, and rows outside the run's planned questions. A folder
+holding records without a manifest is refused, never adopted.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.schema import KEY_COLUMNS, RECORDS_FILE, RUN_SCHEMA, Record
+from prune_audit.records.manifest import MANIFEST_FILE, read_manifest
+from prune_audit.records.schema import KEY_COLUMNS, RECORDS_FILE, RUN_ID_METADATA, RUN_SCHEMA, Record
 from prune_audit.safety.atomic import write_atomic
 
 PARTS_DIR = "parts"
 COMPACTION_RETRIES = 5
+T = TypeVar("T")
+
+
+def stamped(table: pa.Table, run_id: str) -> pa.Table:
+    """``table`` with ``run_id`` in its schema metadata, written into the Parquet file with it."""
+    return table.replace_schema_metadata({RUN_ID_METADATA: run_id.encode()})
 
 
 def write_table_atomic(table: pa.Table, path: Path) -> None:
@@ -32,12 +46,18 @@ def write_table_atomic(table: pa.Table, path: Path) -> None:
 
 
 class RecordStore:
-    """The records of one run directory, possibly written by several processes."""
+    """The records of one run directory, possibly written by several processes.
 
-    def __init__(self, run_dir: Path, writer: str = "0") -> None:
+    ``manifest`` is the run's (``run_id`` and ``num_questions`` are read): files of another
+    run are refused, and so are rows beyond its planned questions.
+    """
+
+    def __init__(self, run_dir: Path, manifest: Mapping[str, Any], writer: str = "0") -> None:
         self.run_dir = Path(run_dir)
         self.parts_dir = self.run_dir / PARTS_DIR
         self.writer = writer
+        self.run_id: str = manifest["run_id"]
+        self.planned: int = manifest["num_questions"]
 
     def part_files(self) -> list[Path]:
         if not self.parts_dir.is_dir():
@@ -49,35 +69,52 @@ class RecordStore:
         if not rows:
             return None
         self.parts_dir.mkdir(parents=True, exist_ok=True)
-        table = pa.Table.from_pylist(list(rows), schema=RUN_SCHEMA)
+        table = stamped(pa.Table.from_pylist(list(rows), schema=RUN_SCHEMA), self.run_id)
         path = self.parts_dir / f"part-{self.writer}-{uuid.uuid4().hex}.parquet"
         write_table_atomic(table, path)
         return path
 
     def read(self) -> pa.Table:
         """All records present (compacted file and parts), de-duplicated by key, in question order."""
-        tables = self._read_each(read_records_file)
-        if not tables:
-            return RUN_SCHEMA.empty_table()
-        table = pa.concat_tables(tables)
-        return _sorted_unique(table)
+        tables = self._read_each(lambda path: read_records_file(path, self.run_id))
+        table = pa.concat_tables(tables) if tables else RUN_SCHEMA.empty_table()
+        table = unique_records(table, str(self.run_dir))
+        self._check_planned(len(table), table["order"].to_pylist())
+        return table
 
     def done_keys(self) -> set[tuple[str, int]]:
-        keys: set[tuple[str, int]] = set()
-        for table in self._read_each(_read_keys):
-            keys.update(zip(table["split"].to_pylist(), table["question_id"].to_pylist()))
-        return keys
+        """Keys of the records present, every file checked as ``read`` does."""
+        counts: Counter[tuple[str, int]] = Counter()
+        for table in self._read_each(lambda path: _read_keys(path, self.run_id)):
+            counts.update(zip(table["split"].to_pylist(), table["question_id"].to_pylist()))
+        if any(count > 1 for count in counts.values()):  # a compaction in flight; ``read`` checks the copies agree
+            self.read()
+        self._check_planned(len(counts))
+        return set(counts)
 
     def compact(self) -> pa.Table:
         """Replace ``records.parquet`` with every record present, then drop the parts."""
         parts = self.part_files()
         table = self.read()
-        write_table_atomic(table, self.run_dir / RECORDS_FILE)
+        write_table_atomic(stamped(table, self.run_id), self.run_dir / RECORDS_FILE)
         for part in parts:
             part.unlink(missing_ok=True)
         if self.parts_dir.is_dir() and not any(self.parts_dir.iterdir()):
             self.parts_dir.rmdir()
         return table
+
+    def _check_planned(self, count: int, orders: Sequence[int] = ()) -> None:
+        """At most the run's planned questions, each at its own position of the question list."""
+        if count > self.planned:
+            found = f"{count} records for its {self.planned} planned questions"
+        elif any(not 0 <= order < self.planned for order in orders) or len(set(orders)) != len(orders):
+            found = f"records outside the positions of its {self.planned} planned questions (column order)"
+        else:
+            return
+        raise PruneAuditError(
+            f"{self.run_dir} holds {found}; they were not all written by this run: remove the folder, or re-run "
+            f"into a new --out"
+        )
 
     def _read_each(self, read: Callable[[Path], pa.Table]) -> list[pa.Table]:
         """``read`` of every source; restarted when a part vanishes (another process compacted it into
@@ -94,9 +131,48 @@ class RecordStore:
         return ([compacted] if compacted.is_file() else []) + self.part_files()
 
 
-def check_records_schema(path: Path, schema: pa.Schema = RUN_SCHEMA) -> None:
-    """Refuse a records file whose columns or types differ from this version's schema."""
-    found = pq.read_schema(path)
+def check_run_layout(run_dir: Path) -> None:
+    """Refuse a run directory whose files are folders (or the reverse), or that holds records without a
+    manifest (left by an interrupted writer or copied in: nothing says whose they are)."""
+    run_dir = Path(run_dir)
+    for name, folder in ((MANIFEST_FILE, False), (RECORDS_FILE, False), (PARTS_DIR, True)):
+        path = run_dir / name
+        if path.exists() and path.is_dir() != folder:
+            kind = "a folder" if folder else "a file"
+            raise PruneAuditError(f"{path} is not {kind}; remove it, or pass another --out")
+    parts = run_dir / PARTS_DIR
+    has_records = (run_dir / RECORDS_FILE).exists() or (parts.is_dir() and any(parts.glob("part-*.parquet")))
+    if has_records and not (run_dir / MANIFEST_FILE).exists():
+        raise PruneAuditError(
+            f"{run_dir} holds records but no {MANIFEST_FILE} (an interrupted write, or files copied in), so they "
+            f"cannot be told to be a run's own: remove the folder, or pass another --out"
+        )
+
+
+def read_run(run_dir: Path) -> tuple[dict[str, Any], pa.Table]:
+    """The run's validated manifest and its records, every file checked to be the run's own."""
+    check_run_layout(run_dir)
+    manifest = read_manifest(run_dir)
+    return manifest, RecordStore(run_dir, manifest).read()
+
+
+def _parquet(path: Path, read: Callable[[Path], T]) -> T:
+    """``read(path)``, a damaged file refused in one line naming it (a vanished one re-raised for the retry)."""
+    try:
+        return read(path)
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowException, OSError) as error:
+        reason = str(error).split(". ")[0].strip().rstrip(".")
+        raise PruneAuditError(
+            f"{path} is not a readable Parquet file ({reason}); remove it (its questions are answered again "
+            f"by the same run command), or restore it"
+        ) from None
+
+
+def check_records_file(path: Path, run_id: str, schema: pa.Schema = RUN_SCHEMA) -> None:
+    """Refuse a records file of another run (or of none) or whose columns or types differ from ``schema``."""
+    found = _parquet(path, pq.read_schema)
     expected = {field.name: field.type for field in schema}
     present = {field.name: field.type for field in found}
     missing = [name for name in expected if name not in present]
@@ -106,31 +182,65 @@ def check_records_schema(path: Path, schema: pa.Schema = RUN_SCHEMA) -> None:
         raise PruneAuditError(
             f"{path} {what}: it was written by an older prune-audit or another tool; re-run with this version"
         )
+    written = (found.metadata or {}).get(RUN_ID_METADATA, b"").decode(errors="replace")
+    if written != run_id:
+        whose = f"another run (run id {written[:12]}...)" if written else "no run (it carries no run id)"
+        raise PruneAuditError(
+            f"{path} belongs to {whose}, not to the run of its {MANIFEST_FILE} (run id {run_id[:12]}...): records are "
+            f"never adopted from another run; remove it, or re-run into a new --out"
+        )
 
 
-def read_records_file(path: Path, schema: pa.Schema = RUN_SCHEMA) -> pa.Table:
-    """One records file, checked against ``schema`` and cast to it (column order included)."""
-    check_records_schema(path, schema)
-    return pq.read_table(path).select(schema.names).cast(schema)
+def read_records_file(path: Path, run_id: str, schema: pa.Schema = RUN_SCHEMA) -> pa.Table:
+    """One records file of run ``run_id``, checked against ``schema`` and cast to it (column order included);
+    a key repeated within the file is refused."""
+    check_records_file(path, run_id, schema)
+    table = _parquet(path, pq.read_table).select(schema.names).cast(schema)
+    _check_unique_keys(table, path)
+    return table
 
 
-def _read_keys(path: Path) -> pa.Table:
-    check_records_schema(path)
-    return pq.read_table(path, columns=list(KEY_COLUMNS))
+def _read_keys(path: Path, run_id: str) -> pa.Table:
+    check_records_file(path, run_id)
+    table = _parquet(path, lambda source: pq.read_table(source, columns=list(KEY_COLUMNS)))
+    _check_unique_keys(table, path)
+    return table
 
 
-def _sorted_unique(table: pa.Table) -> pa.Table:
+def _keys(table: pa.Table) -> list[tuple[str, int]]:
+    return list(zip(table["split"].to_pylist(), table["question_id"].to_pylist()))
+
+
+def _check_unique_keys(table: pa.Table, path: Path) -> None:
+    repeated = [key for key, count in Counter(_keys(table)).items() if count > 1]
+    if repeated:
+        raise PruneAuditError(
+            f"{path} holds {len(repeated)} questions twice (first {repeated[0][0]}/{repeated[0][1]}); it was not "
+            f"written by prune-audit as is: remove it (its questions are answered again), or restore it"
+        )
+
+
+def unique_records(table: pa.Table, source: str) -> pa.Table:
+    """Records in question order, one row per key; a key may repeat only with identical values (a part
+    and the compacted file holding the same rows while a compaction finishes)."""
     table = table.sort_by([("order", "ascending")])
-    seen: set[tuple[str, int]] = set()
-    keep = []
-    for index, key in enumerate(zip(table["split"].to_pylist(), table["question_id"].to_pylist())):
-        if key not in seen:
-            seen.add(key)
-            keep.append(index)
-    return table.take(keep) if len(keep) != table.num_rows else table
+    first: dict[tuple[str, int], int] = {}
+    repeats: list[tuple[int, int]] = []
+    for index, key in enumerate(_keys(table)):
+        if key in first:
+            repeats.append((first[key], index))
+        else:
+            first[key] = index
+    for kept, repeat in repeats:
+        if repr(table.slice(kept, 1).to_pylist()) != repr(table.slice(repeat, 1).to_pylist()):
+            split, question_id = _keys(table.slice(kept, 1))[0]
+            raise PruneAuditError(
+                f"{source} holds two different records of question {split}/{question_id}; they were not all "
+                f"written by this run: remove the folder, or re-run into a new --out"
+            )
+    return table.take(sorted(first.values())) if repeats else table
 
 
-def merge_tables(tables: Iterable[pa.Table]) -> pa.Table:
-    """Union of record tables in question order, one row per key."""
-    table = pa.concat_tables([t.select(RUN_SCHEMA.names).cast(RUN_SCHEMA) for t in tables])
-    return _sorted_unique(table)
+def merge_tables(tables: Iterable[pa.Table], source: str) -> pa.Table:
+    """Union of record tables in question order, one row per key (a key repeated with other values refused)."""
+    return unique_records(pa.concat_tables([t.select(RUN_SCHEMA.names).cast(RUN_SCHEMA) for t in tables]), source)

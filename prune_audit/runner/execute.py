@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from prune_audit.data.retention import ObjectAreaCache
 from prune_audit.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
-from prune_audit.records.store import RecordStore
+from prune_audit.records.store import RecordStore, check_run_layout
 from prune_audit.runner.build import AnsweredQuestion, build_records, object_area_for
 from prune_audit.runner.plan import RunPlan, prepare_question
 from prune_audit.runner.safeguards import budget_share, check_same_run, hold_run_dir, tokens_for_share
@@ -69,7 +69,7 @@ def execute(
         group.barrier()
         if not leader:
             check_resume(plan)
-        store = RecordStore(plan.run_dir, writer=plan.shard.writer if plan.shard else "0")
+        store = RecordStore(plan.run_dir, plan.manifest, writer=plan.shard.writer if plan.shard else "0")
         mine = shard_questions(plan.questions, plan.shard) if plan.shard else list(plan.questions)
         done = store.done_keys()
         todo = [q for q in mine if (q.split, q.question_id) not in done]
@@ -107,6 +107,8 @@ def _finish_manifest(plan: RunPlan, records: pa.Table) -> None:
 
 
 def _prepare_run_dir(plan: RunPlan) -> None:
+    """Check the manifest of a resumed run, else write it before the first record (under the lock)."""
+    check_run_layout(plan.run_dir)
     if (plan.run_dir / MANIFEST_FILE).is_file():
         check_resume(plan)
         return

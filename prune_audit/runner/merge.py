@@ -11,7 +11,7 @@ import pyarrow as pa
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import CONFIG_FIELDS, MANIFEST_FILE, differing_fields, read_manifest, write_manifest
 from prune_audit.records.schema import RECORDS_FILE
-from prune_audit.records.store import RecordStore, merge_tables, write_table_atomic
+from prune_audit.records.store import RecordStore, check_run_layout, merge_tables, stamped, write_table_atomic
 from prune_audit.safety.ownership import check_output_dir, hold_output_dir
 
 
@@ -20,11 +20,15 @@ def merge_runs(run_dirs: Sequence[Path], out: Path | None = None) -> pa.Table:
 
     Every directory must hold a manifest of the same configuration, and together
     they must cover every question of the run exactly; otherwise nothing is written.
+    The manifest is written before the records, so an interrupted merge never leaves
+    records without their manifest.
     """
     if not run_dirs:
         raise PruneAuditError("pass at least one run directory to merge")
     target = Path(out) if out is not None else Path(run_dirs[0])
     check_output_dir(target, "run")
+    for directory in (*run_dirs, target):
+        check_run_layout(Path(directory))
     manifests = [read_manifest(Path(d)) for d in run_dirs]
     for directory, manifest in zip(run_dirs[1:], manifests[1:]):
         differences = differing_fields(manifests[0], manifest, (*CONFIG_FIELDS, "images"))
@@ -33,10 +37,10 @@ def merge_runs(run_dirs: Sequence[Path], out: Path | None = None) -> pa.Table:
                 f"{directory} was run with a different configuration than {run_dirs[0]} ({', '.join(differences)}); "
                 f"merge only shards of one command"
             )
-    stores = [RecordStore(Path(d)) for d in dict.fromkeys(Path(d).resolve() for d in run_dirs)]
-    records = merge_tables(store.read() for store in stores)
-    expected = manifests[0].get("num_questions")
-    if expected is not None and records.num_rows != expected:
+    stores = [RecordStore(Path(d), manifests[0]) for d in dict.fromkeys(Path(d).resolve() for d in run_dirs)]
+    records = merge_tables((store.read() for store in stores), ", ".join(str(d) for d in run_dirs))
+    expected = manifests[0]["num_questions"]
+    if records.num_rows != expected:
         raise PruneAuditError(
             f"the shards hold {records.num_rows} of {expected} questions; run the missing shards, then merge again"
         )
@@ -48,10 +52,10 @@ def merge_runs(run_dirs: Sequence[Path], out: Path | None = None) -> pa.Table:
                 f"it: pass another --out"
             )
     manifest = dict(manifests[0])
-    manifest["realised_visual_tokens_avg"] = float(np.mean(records["visual_tokens_avg"].to_numpy())) if records.num_rows else None
+    manifest["realised_visual_tokens_avg"] = float(np.mean(records["visual_tokens_avg"].to_numpy()))
     with hold_output_dir(target, "run", writes=(RECORDS_FILE, MANIFEST_FILE)):
-        write_table_atomic(records, target / RECORDS_FILE)
         write_manifest(target, manifest)
+        write_table_atomic(stamped(records, manifest["run_id"]), target / RECORDS_FILE)
         for store in stores:
             if store.run_dir.resolve() == target.resolve():
                 store.compact()

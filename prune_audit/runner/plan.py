@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.manifest import base_manifest
+from prune_audit.records.manifest import MANIFEST_FILE, base_manifest, run_id_of
+from prune_audit.records.store import RecordStore, check_run_layout
 from prune_audit.safety.ownership import check_output_dir
 from prune_audit.runner.safeguards import BUDGET_ALL, budget_share, check_resumable, check_run_options, pin_inputs, resolve_budget
 from prune_audit.runner.sharding import Shard, launcher_shard
@@ -100,6 +101,7 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
             coco.check_image_size(image_ids[name], image_sizes[name], path)
     run_dir = _run_dir(request, selector)
     check_output_dir(run_dir, "run")
+    check_run_layout(run_dir)
     check_writable(run_dir)
     _check_device(request.device)
     threads = configure_threads(request.threads)
@@ -122,10 +124,27 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
         manifest["budget"] = request.budget
     manifest["threads"] = threads
     pin_inputs(manifest, str(request.model), Path(request.images), image_paths)
+    manifest["run_id"] = run_id_of(manifest)
     check_resumable(run_dir, manifest)
+    check_recorded(run_dir, manifest, questions)
     shard = request.shard or launched
     return RunPlan(request, questions, image_paths, image_ids, selector, budget, vlm, coco, run_dir, manifest, shard,
                    launched is not None)
+
+
+def check_recorded(run_dir: Path, manifest: dict[str, Any], questions: Sequence[PopeQuestion]) -> None:
+    """The records already in ``run_dir`` are this run's own (``RecordStore.read`` checks their run id, keys
+    and positions) and answer only questions of the plan: refused before any question is answered."""
+    if not (run_dir / MANIFEST_FILE).is_file():
+        return  # nothing recorded: check_run_layout refused records without a manifest
+    planned = {(q.split, q.question_id) for q in questions}
+    recorded = RecordStore(run_dir, manifest).read()
+    unknown = sorted(set(zip(recorded["split"].to_pylist(), recorded["question_id"].to_pylist())) - planned)
+    if unknown:
+        raise PruneAuditError(
+            f"{run_dir} holds records of {len(unknown)} questions outside this run's question list (first "
+            f"{unknown[0][0]}/{unknown[0][1]}); remove the folder, or re-run into a new --out"
+        )
 
 
 def _prepare_first(vlm: VisionLanguageModel, question: PopeQuestion, image_paths: dict[str, Path]) -> Prepared:

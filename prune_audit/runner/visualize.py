@@ -375,11 +375,9 @@ def visualize_record(
     """
     import pyarrow.compute as pc
 
-    from prune_audit.records.manifest import read_manifest
-    from prune_audit.records.store import RecordStore
+    from prune_audit.records.store import read_run
 
-    manifest = read_manifest(run_dir)
-    records = RecordStore(run_dir).read()
+    manifest, records = read_run(run_dir)
     match = pc.equal(records["question_id"], question_id)
     if split is not None:
         match = pc.and_(match, pc.equal(records["split"], split))
@@ -399,7 +397,7 @@ def visualize_record(
         mask = object_mask(coco, image, pixels, row["object"])
     stages = [list(k) for k in row["kept_stages"]]
     merged = row["merged_stages"]
-    level = (manifest.get("selector") or {}).get("stage")
+    level = manifest["selector"]["stage"]
     labels = stage_labels(level, stages, row["stage_layers"], merged, geometry.num_tokens)
     selector, budget = manifest["selector"]["name"], manifest.get("budget")
     chosen = record_stage(stages, stage, str(run_dir), merged)

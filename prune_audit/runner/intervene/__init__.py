@@ -23,6 +23,7 @@ import pyarrow as pa
 from prune_audit.analysis.outputs import to_json, write_files
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.schema import RECORDS_FILE
+from prune_audit.records.store import stamped
 from prune_audit.runner.intervene.build import parquet_bytes, records_table
 from prune_audit.runner.intervene.execute import answer_swaps
 from prune_audit.runner.intervene.plan import (
@@ -69,5 +70,7 @@ def intervene(request: InterveneRequest, on_progress: Callable[[int, int], None]
     table = records_table(rows)
     report = intervention_report(request, source, table, len(eligible), skipped)
     with hold_output_dir(out, "intervene", settings):
-        write_files(out, {RECORDS_FILE: parquet_bytes(table), REPORT_FILE: to_json(report)})
+        # the report (intervene's manifest) lands before the records; they carry the source run's id
+        records = parquet_bytes(stamped(table, source.manifest["run_id"]))
+        write_files(out, {REPORT_FILE: to_json(report), RECORDS_FILE: records})
     return InterventionResult(out, report, table)

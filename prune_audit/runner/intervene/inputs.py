@@ -68,11 +68,9 @@ def annotations_file(manifest: dict[str, Any], override: Path | None) -> Path:
 
 
 def images_dir(manifest: dict[str, Any], override: Path | None) -> Path:
-    """The images folder, recorded or overridden; it must hold every image the run used, with the pinned bytes."""
-    pins = manifest.get("images")
-    if not isinstance(pins, dict) or "files" not in pins:
-        raise PruneAuditError("the run's manifest pins no image content (an older run), so its images cannot be "
-                              "verified; re-run with this version")
+    """The images folder, recorded or overridden; it must hold every image the run used, with the pinned bytes
+    (the manifest schema requires the pins)."""
+    pins = manifest["images"]
     if override is None:
         folder, where, fix = images_folder(manifest), "the run's images folder", "pass --images DIR with the run's images"
         if not folder.is_dir():

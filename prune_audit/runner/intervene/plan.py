@@ -78,7 +78,7 @@ def load_source(run_dir: Path, stage: StageChoice = FIRST, overrides: RunInputs 
             f"{run_dir} was run without annotations; intervene needs the object masks: re-run with --annotations FILE"
         )
     inputs = locate_inputs(manifest, overrides)
-    records = RecordStore(run_dir).read().to_pylist()
+    records = RecordStore(run_dir, manifest).read().to_pylist()
     chosen = {
         (r["split"], r["question_id"]): record_stage(r["kept_stages"], stage, str(run_dir), r["merged_stages"])
         for r in records
