@@ -1,4 +1,4 @@
-"""Report files: strict JSON, long-format CSV and an all-or-nothing write of a set of files."""
+"""Report files: strict JSON and long-format CSV; ``write_files`` (from ``safety.atomic``) writes a set of them."""
 
 from __future__ import annotations
 
@@ -6,13 +6,11 @@ import csv
 import io
 import json
 import math
-import os
-import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from prune_audit.safety.atomic import staging_folder
+from prune_audit.safety.atomic import write_files  # noqa: F401  (the analyses' writer, re-exported)
 
 
 def json_ready(value: Any) -> Any:
@@ -65,30 +63,3 @@ def estimates_csv(rows: Mapping[str, Mapping[str, Any]], sections: tuple[str, ..
 
 def _number(value: float | None) -> str:
     return "" if value is None or (isinstance(value, float) and not math.isfinite(value)) else repr(float(value))
-
-
-def write_files(directory: Path, files: Mapping[str, str | bytes]) -> list[Path]:
-    """Write every file into ``directory`` or none of them.
-
-    Files are first written into a hidden staging folder beside them, then each is moved
-    into place with an atomic rename; a failure before the moves leaves ``directory``
-    untouched. A staging folder left by a killed process is removed by the next
-    ``hold_output_dir`` of ``directory``.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    staging = staging_folder(directory)
-    try:
-        for name, content in files.items():
-            data = content.encode("utf-8") if isinstance(content, str) else content
-            try:
-                (staging / name).write_bytes(data)
-            except OSError as error:  # name the file being written, not the hidden staging copy
-                raise OSError(error.errno, error.strerror, str(directory / name)) from error
-        written = []
-        for name in files:
-            os.replace(staging / name, directory / name)
-            written.append(directory / name)
-        return written
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)

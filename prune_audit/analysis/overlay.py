@@ -11,6 +11,7 @@ records' ``merged_stages``) are half-dimmed and sparsely hatched.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from prune_audit.data.geometry import TokenGeometry, token_index_map
+from prune_audit.safety.atomic import write_bytes_atomic
 
 KEPT_OUTLINE = (255, 221, 0)
 MASK_OUTLINE = (0, 200, 255)
@@ -243,5 +245,6 @@ def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle
     figure.tight_layout(rect=(0, note_height / figure_height, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=DPI)
-    return path
+    buffer = io.BytesIO()
+    figure.savefig(buffer, dpi=DPI, format=path.suffix.lstrip(".").lower() or "png")
+    return write_bytes_atomic(buffer.getvalue(), path)  # never a half-written figure under its name

@@ -115,7 +115,6 @@ def study(
 
 
 def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
-    from prune_audit.analysis.outputs import write_files
     from prune_audit.errors import PruneAuditError
     from prune_audit.runner.study.execute import plan_grid
     from prune_audit.runner.study.grid import shard_commands
@@ -129,7 +128,9 @@ def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
     if plan_file is None:
         print(text, end="")
         return
-    write_files(plan_file.parent, {plan_file.name: text})
+    from prune_audit.safety.atomic import write_text_atomic
+
+    write_text_atomic(text, plan_file)  # one hidden temporary beside it, renamed: nothing else in a user's folder
     plan_file.chmod(0o755)
     print(f"wrote {len(commands)} run commands to {plan_file}")
 

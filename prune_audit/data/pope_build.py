@@ -30,6 +30,7 @@ from pathlib import Path
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.pope import POPE_SPLITS, PopeQuestion, check_image_name
 from prune_audit.errors import PruneAuditError
+from prune_audit.safety.atomic import write_files
 from prune_audit.safety.names import check_plain_name
 
 
@@ -138,26 +139,13 @@ def pope_lines(questions: Iterable[PopeQuestion]) -> str:
 
 
 def write_pope_files(question_sets: dict[str, list[PopeQuestion]], out_dir: str | Path, prefix: str = "coco") -> list[Path]:
-    """Write ``<prefix>_pope_<split>.json`` per split, all or nothing (temporary files, then rename).
+    """Write ``<prefix>_pope_<split>.json`` per split, all or nothing (``safety.atomic.write_files``: staged in a
+    hidden folder, then renamed; a killed build's staging folder is removed by the next build of ``out_dir``).
 
     ``prefix`` and the split names must be plain names, so every file lands inside ``out_dir``.
     """
     check_plain_name(prefix, "--prefix")
     for split in question_sets:
         check_plain_name(split, "--split")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    staged = []
-    try:
-        for split, questions in question_sets.items():
-            final = out / f"{prefix}_pope_{split}.json"
-            temporary = final.with_name(final.name + ".partial")
-            staged.append((temporary, final))
-            temporary.write_text(pope_lines(questions), encoding="utf-8")
-    except BaseException:
-        for temporary, _ in staged:
-            temporary.unlink(missing_ok=True)
-        raise
-    for temporary, final in staged:
-        temporary.replace(final)
-    return [final for _, final in staged]
+    files = {f"{prefix}_pope_{split}.json": pope_lines(questions) for split, questions in question_sets.items()}
+    return write_files(Path(out_dir), files)

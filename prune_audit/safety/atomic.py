@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -104,3 +104,30 @@ def remove_staging_folders(directory: str | Path) -> list[Path]:
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
+
+
+def write_files(directory: Path, files: Mapping[str, str | bytes]) -> list[Path]:
+    """Write every file into ``directory`` or none of them.
+
+    Files are first written into a hidden staging folder beside them, then each is moved
+    into place with an atomic rename; a failure before the moves leaves ``directory``
+    untouched. A staging folder left by a killed process is removed by the next
+    ``hold_output_dir`` of ``directory``.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    staging = staging_folder(directory)
+    try:
+        for name, content in files.items():
+            data = content.encode("utf-8") if isinstance(content, str) else content
+            try:
+                (staging / name).write_bytes(data)
+            except OSError as error:  # name the file being written, not the hidden staging copy
+                raise OSError(error.errno, error.strerror, str(directory / name)) from error
+        written = []
+        for name in files:
+            os.replace(staging / name, directory / name)
+            written.append(directory / name)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
