@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+import prune_audit.analysis.cascade_plots as cascade_plots
 import prune_audit.analysis.figures as figures
 import prune_audit.analysis.study_figures as study_figures
 import prune_audit.runner.visualize as visualize_module
@@ -55,6 +56,7 @@ def captured(monkeypatch) -> dict:
 
     monkeypatch.setattr(figures, "_render", keep)
     monkeypatch.setattr(study_figures, "_render", keep)
+    monkeypatch.setattr(cascade_plots, "_render", keep)
     return drawn
 
 
@@ -353,7 +355,7 @@ def cascade(label, costs, chosen=0.1) -> dict:
 
 
 def test_the_cost_figure_marks_the_chosen_epsilon_and_flags_costs_above_dense(captured):
-    figures.cascade_figures([cascade("divprune@16", [1.1, 0.7, 0.3]), cascade("fastv@16", [0.9, 0.6, 0.3])], "demo", "dense")
+    cascade_plots.cascade_figures([cascade("divprune@16", [1.1, 0.7, 0.3]), cascade("fastv@16", [0.9, 0.6, 0.3])], "demo", "dense")
     cost, validity = captured["cascade_cost_vs_epsilon"], captured["cascade_validity"]
     (axis,) = cost.axes
     chosen = [line for line in axis.get_lines() if line.get_label() == "chosen target epsilon 0.1"]
@@ -367,7 +369,7 @@ def test_the_cost_figure_marks_the_chosen_epsilon_and_flags_costs_above_dense(ca
 
 
 def test_costs_at_or_below_dense_are_not_flagged(captured):
-    figures.cascade_figures([cascade("fastv@16", [0.9, 0.6, 0.3])], "demo", "dense")
+    cascade_plots.cascade_figures([cascade("fastv@16", [0.9, 0.6, 0.3])], "demo", "dense")
     assert not any("costs more" in label for label in legend_labels(captured["cascade_cost_vs_epsilon"]))
 
 

@@ -232,7 +232,7 @@ def test_visualize_run_refuses_a_manifest_without_image_pins(inputs, tmp_path):
     before = snapshot(run)
     figure = tmp_path / "figure.png"
     line = refused(invoke("visualize", "--run", run, "--question-id", question_id, "--out", figure),
-                   "manifest names no images folder", "images: null", "re-run into a new --out")
+                   "manifest.json", "field 'images'", "got null", "re-run with this version into a new --out")
     assert "None/" not in line
     assert not figure.exists() and snapshot(run) == before
 
@@ -254,7 +254,7 @@ def test_visualize_run_refuses_an_image_the_manifest_does_not_pin(inputs, tmp_pa
     before = snapshot(run)
     figure = tmp_path / "figure.png"
     refused(invoke("visualize", "--run", run, "--question-id", question_id, "--out", figure),
-            str(run), "pins no content for image", name, "re-run into a new --out")
+            str(run), "run_id", "the manifest was edited", "re-run with this version into a new --out")
     assert not figure.exists() and snapshot(run) == before
 
 

@@ -85,6 +85,19 @@ def test_an_empty_folder_is_adopted(demo, tmp_path):
     assert json.loads((empty / OWNER_FILE).read_text())["command"] == "calibrate"
 
 
+def test_a_folder_another_shard_is_claiming_counts_as_empty(tmp_path):
+    """Shards of one run claim the folder together: one shard's marker temporary (and the lock files) must
+    not make the folder look like a user's to the other shard (torchrun ranks raced on exactly this)."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / ".prune-audit.lock").write_text("")
+    (folder / f".{OWNER_FILE}.{HEX}.tmp").write_text("{}")
+    assert check_output_dir(folder, "run") == folder
+    (folder / f".session.{HEX}.tmp").write_text("a user's")  # any other hidden file is the user's
+    with pytest.raises(PruneAuditError, match="already holds files"):
+        check_output_dir(folder, "run")
+
+
 def test_clean_up_removes_only_the_runs_own_temporaries(demo, tmp_path):
     import shutil
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from prune_audit.analysis import figures
+from prune_audit.analysis.cascade_plots import cascade_figures
 from prune_audit.analysis.calibration import RETENTION_BINS, CalibrationSettings, calibration_audit, check_confidences
 from prune_audit.analysis.cascade import cascade_audit
 from prune_audit.analysis.outputs import estimates_csv, to_json
@@ -139,5 +140,5 @@ def cascade_report(
 
 
 def cascade_files(report: dict, title: str) -> dict[str, str | bytes]:
-    figures_ = figures.cascade_figures(report["cascades"], title, report["reference"]["label"])
+    figures_ = cascade_figures(report["cascades"], title, report["reference"]["label"])
     return {"cascade.json": to_json(report), **figures_}

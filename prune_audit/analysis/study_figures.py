@@ -1,7 +1,7 @@
 """Pictures of the study report, drawn from the summary rows and the calibrate / cascade reports.
 
 Each function returns {file name: bytes} (PNG and SVG, through ``figures``' renderer); the
-cascade's pictures are ``figures.cascade_figures``' own.
+cascade's pictures are ``cascade_plots.cascade_figures``' own.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from prune_audit.analysis.figures import (  # one renderer for every report
     SPARSE_LABEL,
     _figure,
     _render,
-    cascade_figures,
     reliability_points,
     zoomed_limits,
 )
+from prune_audit.analysis.cascade_plots import cascade_figures
 
 
 def _pruned_by_selector(rows: Sequence[dict]) -> dict[str, list[dict]]:

@@ -46,7 +46,8 @@ def visualize(
     annotations). A warning says when the object is partly cropped away or the demo model
     is shown an image that is not one of its scenes.
     """
-    from prune_audit.runner.visualize import VisualizeRequest, visualize_live, visualize_record
+    from prune_audit.runner.visualize import VisualizeRequest, visualize_live
+    from prune_audit.runner.visualize_record import visualize_record
 
     if out is not None and out.suffix and out.suffix.lower() not in {".png", ".svg"}:
         raise fail(f"--out must be a folder or end in .png or .svg, got {out.name}")

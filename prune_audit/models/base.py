@@ -35,6 +35,7 @@ from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, ch
 from prune_audit.pruners.base import InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.registry import list_selectors, selector_class
 
+MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
 
 class VisionLanguageModel(ABC):
     """A loaded VLM that answers questions under any registered selector."""
@@ -179,10 +180,9 @@ class VisionLanguageModel(ABC):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         latency = (time.perf_counter() - start) * 1000 / len(prepared)
-        results = []
-        for b, reduced in enumerate(reduce_yes_no(prefill.logits, self.yes_ids, self.no_ids)):
-            results.append(answer_record(prepared[b].num_visual, prefill, b, selections[b], reduced, latency))
-        return results
+        reductions = enumerate(reduce_yes_no(prefill.logits, self.yes_ids, self.no_ids))
+        return [answer_record(prepared[b].num_visual, prefill, b, selections[b], reduced, latency)
+                for b, reduced in reductions]
 
     def generate(
         self,
@@ -196,15 +196,9 @@ class VisionLanguageModel(ABC):
         forced_stages: ForcedStages | None = None,
     ) -> str:
         """Greedy decoding under pruning; the pruned KV cache is reused for every new token."""
-        prefill, _ = self.prefill(
-            [prepared],
-            selector,
-            budget,
-            generator=generator,
-            forced_kept=None if forced_kept is None else [forced_kept],
-            forced_stages=None if forced_stages is None else [forced_stages],
-            use_cache=True,
-        )
+        forced = {"forced_kept": None if forced_kept is None else [forced_kept],
+                  "forced_stages": None if forced_stages is None else [forced_stages]}
+        prefill, _ = self.prefill([prepared], selector, budget, generator=generator, use_cache=True, **forced)
         stop = set(self.eos_ids())
         logits, tokens = prefill.logits, []
         for _ in range(max_new_tokens):
@@ -223,9 +217,13 @@ class VisionLanguageModel(ABC):
 
     # ----- internals ----------------------------------------------------------------
     def _missing(self, cls: type[Selector]) -> set[str]:
+        """What the model lacks for ``cls``: input signals, or positions for the merged tokens it feeds."""
         if cls.stage == "llm":
             return set()
-        return set(cls.requires) - self._available_input_signals()
+        missing = set(cls.requires) - self._available_input_signals()
+        if getattr(cls, "merges", False) and self._input_positions() != "compact":
+            missing.add(MERGED_POSITIONS)
+        return missing
 
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals
@@ -246,9 +244,10 @@ class VisionLanguageModel(ABC):
                 f"selector {selector.name!r} needs a CLIP text tower for its text relevance: "
                 f"pass clip_text=PATH (--clip-text PATH) to a CLIP checkpoint matching the vision tower"
             )
+        reason = "it keeps every token's original position" if missing == {MERGED_POSITIONS} else self.missing_signals_reason
         raise PruneAuditError(
             f"selector {selector.name!r} needs {', '.join(sorted(missing))}, which {self.family} does not provide "
-            f"({self.missing_signals_reason}); selectors that work here: {', '.join(self.supported_selectors())}"
+            f"({reason}); selectors that work here: {', '.join(self.supported_selectors())}"
         )
 
     def prefill(

@@ -305,10 +305,13 @@ class InputSelector(Selector):
 
     ``fills_budget``: whether it feeds exactly ``min(budget, N)`` tokens; False for one that
     feeds at most the budget by construction (pooling feeds the largest pooled grid within it).
+    ``merges``: whether it feeds merged tokens (``Selection.sources``), which only a model that
+    renumbers positions after selection can place.
     """
 
     stage: ClassVar[SelectorLevel] = "input"
     fills_budget: ClassVar[bool] = True
+    merges: ClassVar[bool] = False
 
     def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
         """Choose ``budget`` output tokens out of ``signals.num_tokens``."""

@@ -46,6 +46,7 @@ class PoolSelector(InputSelector):
     summary: ClassVar[str] = "average-pool the token grid to the budget (downsampling baseline)"
     requires: ClassVar[frozenset[str]] = frozenset({"vision_features"})
     fills_budget: ClassVar[bool] = False  # the largest pooled grid within the budget: 128 on 24 x 24 feeds 121
+    merges: ClassVar[bool] = True
     reference: ClassVar[Reference] = Reference(
         "Are We Using the Right Benchmark: An Evaluation Framework for Visual Token Compression Methods "
         "(VTC-Bench, arXiv 2510.07143)",

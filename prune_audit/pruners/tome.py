@@ -47,6 +47,7 @@ class ToMeSelector(InputSelector):
     name: ClassVar[str] = "tome"
     summary: ClassVar[str] = "bipartite soft matching merges the projector outputs to the budget (ToMe)"
     requires: ClassVar[frozenset[str]] = frozenset({"features"})
+    merges: ClassVar[bool] = True
     reference: ClassVar[Reference] = Reference(
         "Token Merging: Your ViT But Faster (ICLR 2023, arXiv 2210.09461)",
         "facebookresearch/ToMe",

@@ -63,6 +63,7 @@ class VisionZipSelector(InputSelector):
     requires: ClassVar[frozenset[str]] = frozenset(
         {"cls_attention", "vision_keys", "vision_features", "cls_feature"}
     )
+    merges: ClassVar[bool] = True
     reference: ClassVar[Reference] = Reference(
         "VisionZip: Longer is Better but Not Necessary in Vision Language Models (CVPR 2025, arXiv 2412.04467)",
         "dvlab-research/VisionZip",

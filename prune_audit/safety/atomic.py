@@ -31,6 +31,12 @@ def temporary_sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}.{uuid.uuid4().hex}{TEMPORARY_SUFFIX}")
 
 
+def temporary_target(name: str) -> str | None:
+    """The file name whose ``write_atomic`` temporary ``name`` is (exact names only); None for any other name."""
+    match = _TEMPORARY_NAME.fullmatch(name)
+    return match["name"] if match else None
+
+
 def staging_folder(directory: Path) -> Path:
     """A new hidden folder in ``directory`` where files are prepared before they are moved into place."""
     folder = Path(directory) / f"{STAGING_PREFIX}{uuid.uuid4().hex}"
@@ -84,8 +90,8 @@ def remove_partial_files(directory: str | Path, names: Sequence[str]) -> list[Pa
         return []
     removed = []
     for path in sorted(directory.iterdir()):
-        match = _TEMPORARY_NAME.fullmatch(path.name)
-        if match and path.is_file() and any(fnmatch.fnmatchcase(match["name"], name) for name in names):
+        target = temporary_target(path.name)
+        if target and path.is_file() and any(fnmatch.fnmatchcase(target, name) for name in names):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.safety.atomic import remove_partial_files, remove_staging_folders, write_text_atomic
+from prune_audit.safety.atomic import remove_partial_files, remove_staging_folders, temporary_target, write_text_atomic
 from prune_audit.safety.lock import DirectoryLock, lock_file_names
 
 OWNER_FILE = ".prune-audit-owner.json"
@@ -94,8 +94,9 @@ def _is_lock_file(name: str) -> bool:
 
 
 def _is_empty(directory: Path) -> bool:
-    """Nothing in ``directory`` but lock files (left by a command killed before it claimed the folder)."""
-    return all(_is_lock_file(path.name) for path in directory.iterdir())
+    """Nothing in ``directory`` but lock files (left by a command killed before it claimed the folder) and
+    the owner marker's temporary file (another shard of the same run writing the marker right now)."""
+    return all(_is_lock_file(path.name) or temporary_target(path.name) == OWNER_FILE for path in directory.iterdir())
 
 
 def check_output_dir(

@@ -1,0 +1,98 @@
+"""``visualize --run``: redraw a recorded question of a run from its records, without the model.
+
+The image and the annotations are read from the run's manifest and checked against its sha256
+pins first, so the recorded tokens are never drawn over another picture.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from prune_audit.analysis.overlay import Panel, draw_panels
+from prune_audit.data.geometry import TokenGeometry
+from prune_audit.errors import PruneAuditError
+from prune_audit.records.stages import FIRST, StageChoice, record_stage
+from prune_audit.runner.visualize import (
+    FIGURES_DIR,
+    load_annotations,
+    load_rgb,
+    merged_cells,
+    object_mask,
+    output_path,
+    stage_labels,
+)
+
+
+def visualize_record(
+    run_dir: Path, question_id: int, split: str | None, out: Path | None, stage: StageChoice = FIRST
+) -> Path:
+    """Redraw exactly the recorded kept sets of one question of a run (no model needed).
+
+    Every stage is drawn at its recorded decoder layer; the title gives the retention of ``stage``.
+    """
+    import pyarrow.compute as pc
+
+    from prune_audit.records.store import read_run
+
+    manifest, records = read_run(run_dir)
+    match = pc.equal(records["question_id"], question_id)
+    if split is not None:
+        match = pc.and_(match, pc.equal(records["split"], split))
+    rows = records.filter(match).to_pylist()
+    if not rows:
+        raise PruneAuditError(f"question {question_id} is not in {run_dir}; check --question-id (and --split)")
+    if len(rows) > 1:
+        raise PruneAuditError(f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split")
+    row = rows[0]
+    geometry = TokenGeometry(**json.loads(row["geometry"]))
+    image = _run_image(manifest, row["image"], run_dir)
+    pixels = load_rgb(image)
+    annotations = manifest.get("annotations") or {}
+    mask = None
+    if annotations.get("path") and row["label"] == "yes":
+        coco = load_annotations(_pinned_input(Path(annotations["path"]), annotations.get("sha256"), run_dir))
+        mask = object_mask(coco, image, pixels, row["object"])
+    stages = [list(k) for k in row["kept_stages"]]
+    merged = row["merged_stages"]
+    level = manifest["selector"]["stage"]
+    labels = stage_labels(level, stages, row["stage_layers"], merged, geometry.num_tokens)
+    selector, budget = manifest["selector"]["name"], manifest.get("budget")
+    chosen = record_stage(stages, stage, str(run_dir), merged)
+    retention = row["retention_stages"][chosen]
+    title = f"{selector}, budget {budget}" if budget is not None else f"{selector} (unpruned)"
+    notes = {} if retention is None or math.isnan(retention) else {
+        chosen: f"retention {retention:.2f} at stage {stage.name} (layer {row['stage_layers'][chosen]})"
+    }
+    caption = f"answer {row['answer']} (confidence {row['confidence']:.3f}), label {row['label']}"
+    panel = Panel(title, geometry, stages, labels, caption, mask, merged_cells(merged), stage_notes=notes)
+    out = output_path(out, FIGURES_DIR / Path(run_dir).resolve().name, f"tokens-{row['split']}-{question_id}")
+    suptitle = f"{Path(manifest['model']['id']).name} | {row['object']} ({row['split']} #{question_id})"
+    return draw_panels(pixels, [panel], out, suptitle=suptitle)
+
+
+def _run_image(manifest: dict[str, Any], name: str, run_dir: Path) -> Path:
+    """The run's image ``name`` in its recorded folder, verified against the manifest's pin."""
+    from prune_audit.records.manifest import images_folder
+
+    folder = images_folder(manifest)
+    files = manifest["images"].get("files") if isinstance(manifest["images"], dict) else None
+    if not isinstance(files, dict) or name not in files:
+        raise PruneAuditError(
+            f"{run_dir}'s manifest pins no content for image {name}, so the drawing cannot be checked against the "
+            f"pixels the run saw; re-run into a new --out with this version"
+        )
+    return _pinned_input(folder / name, files[name], run_dir)
+
+
+def _pinned_input(path: Path, sha256: str | None, run_dir: Path) -> Path:
+    """A run's input file, verified against the manifest's sha256 pin: a replaced image of the same
+    size (or edited annotations) would otherwise have the recorded tokens drawn over another picture."""
+    from prune_audit.runner.safeguards import hash_cache_file
+    from prune_audit.safety.fingerprint import check_pinned_file
+
+    return check_pinned_file(path, sha256, f"{run_dir}'s manifest",
+                             "restore the run's file to redraw the question", hash_cache_file())
+
