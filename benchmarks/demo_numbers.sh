@@ -79,7 +79,8 @@ other_lane() {  # accuracy, object removal, the Qwen demo's runs and table, READ
     # retention figure
     IMAGE=$(ls "$CACHE"/demo-questions-*/images/scenes2026_000000000002.png | head -n 1)
     prune-audit visualize "$IMAGE" --budget 64 --threads 1 --selector none --selector cls_attn --selector divprune \
-        --selector fastv --selector pdrop --selector e2s --out "$OUT/figures/visualize-demo.png" > /dev/null
+        --selector fastv --selector pdrop --selector e2s --selector tome --selector pool \
+        --out "$OUT/figures/visualize-demo.png" > /dev/null
     prune-audit visualize "$IMAGE" --model demo-qwen --budget 16 --threads 1 --selector none --selector divprune \
         --selector fastv --selector e2s --out "$OUT/figures/visualize-demo-qwen.png" > /dev/null
     prune-audit visualize "$IMAGE" --budget 16 --threads 1 --selector none --selector visionzip --selector cls_attn \
