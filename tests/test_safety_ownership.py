@@ -364,3 +364,26 @@ def test_a_stop_signal_raises_like_ctrl_c_and_an_ignored_one_stays_ignored():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_a_save_ends_the_command_after_it_is_counted(tmp_path, signum):
+    """A part renamed into place and its count in the saved-count line go together (a signal between the two
+    made the line undercount under load)."""
+    from prune_audit.safety import progress
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            with progress.stops_like_ctrl_c():
+                progress.report_saved(tmp_path, 2, 10)
+                with progress.saving():
+                    os.kill(os.getpid(), signum)
+                    progress.report_saved(tmp_path, 4, 10)  # still runs: the signal is held
+                raise AssertionError("the held signal must end the command right after the save")
+        assert progress.interrupted_message(stopped.value).endswith(f"4 of 10 questions are saved in {tmp_path}; "
+                                                                    "run the same command again to resume")
+        assert progress.interrupt_exit_code(stopped.value) == 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        progress.forget_saved()

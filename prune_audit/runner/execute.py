@@ -24,7 +24,7 @@ from prune_audit.runner.plan import RunPlan, prepare_question
 from prune_audit.runner.safeguards import budget_share, check_same_run, hold_run_dir, tokens_for_share
 from prune_audit.runner.sharding import ProcessGroup, shard_questions
 from prune_audit.runner.summary import summarize
-from prune_audit.safety.progress import report_saved
+from prune_audit.safety.progress import report_saved, saving
 
 if TYPE_CHECKING:
     import torch
@@ -137,9 +137,11 @@ def answer_batches(
             AnsweredQuestion(q, a, p, plan.image_ids[q.image], order[(q.split, q.question_id)])
             for q, a, p in zip(batch, answers, prepared)
         ]
-        store.append(build_records(answered, [object_area_for(areas, item) for item in answered]))
-        if on_progress:
-            on_progress(len(batch))
+        records = build_records(answered, [object_area_for(areas, item) for item in answered])
+        with saving():  # the part and its count in the saved-count line, never one without the other
+            store.append(records)
+            if on_progress:
+                on_progress(len(batch))
 
 
 def answer_batch(plan: RunPlan, prepared: Sequence[Prepared], generators: Sequence[torch.Generator]) -> list[Answer]:

@@ -60,14 +60,28 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+_held: list[int] | None = None  # signals that arrived while ``saving`` held them, else None
+
+
+def _stop(signum: int) -> None:
+    """End the command as the signal asks: Ctrl-C's KeyboardInterrupt, or ``Stopped`` for SIGTERM / SIGHUP."""
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once, as the user asked
     raise Stopped(signum)
 
 
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    if _held is not None:
+        _held.append(signum)
+        return
+    _stop(signum)
+
+
 @contextmanager
 def stops_like_ctrl_c() -> Iterator[None]:
-    """While the block runs, SIGTERM and SIGHUP raise ``Stopped`` (a KeyboardInterrupt) in the main thread.
+    """While the block runs, SIGTERM and SIGHUP raise ``Stopped`` (a KeyboardInterrupt) in the main thread,
+    and Ctrl-C its KeyboardInterrupt, each held while ``saving`` runs.
 
     A signal the process was started ignoring (``nohup``) stays ignored; the previous handlers
     are restored afterwards.
@@ -75,15 +89,30 @@ def stops_like_ctrl_c() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, *STOP_SIGNALS)}
     for signum, handler in previous.items():
-        if handler is signal.SIG_DFL:
-            signal.signal(signum, _raise_stopped)
+        if handler is signal.SIG_DFL or (signum == signal.SIGINT and handler is signal.default_int_handler):
+            signal.signal(signum, _on_signal)
     try:
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextmanager
+def saving() -> Iterator[None]:
+    """Hold Ctrl-C, SIGTERM and SIGHUP while the block makes a write durable and reports it
+    (``report_saved``), so the saved-count line never misses a batch that was saved; a signal
+    that arrived meanwhile ends the command right after the block."""
+    global _held
+    outer, _held = _held, [] if _held is None else _held
+    try:
+        yield
+    finally:
+        pending, _held = _held, outer
+    if outer is None and pending:
+        _stop(pending[0])
 
 
 def interrupt_exit_code(interrupt: KeyboardInterrupt) -> int:
