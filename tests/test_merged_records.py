@@ -15,6 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 import prune_audit.runner.visualize as visualize_module
+import prune_audit.runner.visualize_record as visualize_record_module
 from prune_audit.analysis.overlay import MERGED_NOTE, figure_note
 from prune_audit.cli.main import app
 from prune_audit.data.coco import CocoInstances
@@ -93,6 +94,7 @@ def spy_on_panels(monkeypatch) -> dict:
         return real_draw(pixels, panels, path, suptitle=suptitle, note=note)
 
     monkeypatch.setattr(visualize_module, "draw_panels", spy)
+    monkeypatch.setattr(visualize_record_module, "draw_panels", spy)
     return drawn
 
 
