@@ -14,7 +14,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import pytest
 import torch
 

@@ -1,7 +1,5 @@
 """Record store, manifest comparison, schema versions, stage selection and sharding: the durable pieces."""
 
-import json
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq

@@ -93,7 +93,7 @@ def test_omp_num_threads_is_checked_in_a_real_process(demo, tmp_path, outputs_ke
                               env=env, capture_output=True, text=True)
         assert done.returncode == 2, done.stderr  # an exit code, not a signal (negative)
         line, = done.stderr.strip().splitlines()
-        assert line.startswith(f"error: OMP_NUM_THREADS") and needle in line and "unset it" in line, line
+        assert line.startswith("error: OMP_NUM_THREADS") and needle in line and "unset it" in line, line
         assert not out.exists()
 
 

@@ -16,7 +16,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import MANIFEST_KEYS, MANIFEST_SCHEMA, run_id_of
 from prune_audit.records.store import stamped
 from test_data_safety import invoke, refused, snapshot

@@ -7,10 +7,9 @@ import io
 import json
 import math
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
-from prune_audit.safety.atomic import write_files  # noqa: F401  (the analyses' writer, re-exported)
+from prune_audit.safety.atomic import write_files
 
 
 def json_ready(value: Any) -> Any:
@@ -63,3 +62,6 @@ def estimates_csv(rows: Mapping[str, Mapping[str, Any]], sections: tuple[str, ..
 
 def _number(value: float | None) -> str:
     return "" if value is None or (isinstance(value, float) and not math.isfinite(value)) else repr(float(value))
+
+
+__all__ = ["json_ready", "to_json", "estimates", "estimates_csv", "write_files"]  # write_files: safety.atomic's

@@ -32,7 +32,7 @@ from prune_audit.models.insertion import Insertion, insertion_for, with_insertio
 from prune_audit.models.kinds import MERGED, PAD, TEXT_AFTER, TEXT_BEFORE, merged_index, prunable
 from prune_audit.models.layer_signals import ATTENTION_SIGNALS, layer_signals
 from prune_audit.models.probe import DecoderProbe, RopeFn
-from prune_audit.pruners.base import LayerSelector, LayerSignals, Stage
+from prune_audit.pruners.base import LayerSelector, Stage
 
 
 @dataclass
