@@ -45,11 +45,13 @@ PromptTemplateOption = Annotated[
 ClipTextOption = Annotated[Optional[Path], typer.Option(help="CLIP text tower folder (CDPruner relevance).")]
 """The model and question inputs shared by ``run`` and ``study`` (one definition of each option)."""
 
-STAGE_HELP = (
-    "Stage whose retention and lost objects are read: first (the earliest point tokens leave the model), "
-    "last (the deepest stage that still feeds visual tokens) or a stage index 0, 1, ..."
+STAGE_CHOICES = (
+    "first (the earliest point tokens leave the model), last (the deepest stage that still feeds visual tokens) "
+    "or a stage index 0, 1, ..."
 )
-"""Help of every analysis command's --stage (parsed by prune_audit.records.stages.parse_stage)."""
+"""The values of every --stage (parsed by prune_audit.records.stages.parse_stage)."""
+STAGE_HELP = f"Stage whose retention and lost objects are read: {STAGE_CHOICES}"
+"""Help of the analysis commands' --stage."""
 
 def parse_epsilons(text: str, option: str) -> tuple[float, ...]:
     """"0.01, 0.05" -> (0.01, 0.05): cascade targets, each strictly between 0 and 1, each once.
