@@ -165,10 +165,10 @@ def _range_text(low: float | None, high: float | None) -> str:
 
 
 def use_plain_metavars() -> None:
-    """Make Typer's help show PATH / INTEGER / TEXT (and nothing for flags).
+    """Make Typer's help show PATH / INTEGER / TEXT (and nothing for flags), arguments as RUN_DIRS.
 
     Typer >= 0.16 prints Python types instead (``<list[Path]>``, ``<bool>``, ``<int range>
-    [x>=1]``). Its parameter classes are patched once, only when they have the attributes
+    [x>=1]``) and arguments in lower case, required ones in braces (``{run_dirs}...``). Its parameter classes are patched once, only when they have the attributes
     this relies on; older Typer already prints click's metavars.
     """
     try:
@@ -191,7 +191,16 @@ def use_plain_metavars() -> None:
     _TyperParameter.display_type = display_type
     for cls in (TyperArgument, TyperOption):
         cls._get_number_range_help_str = lambda self: None  # the range is part of the metavar
+    if hasattr(TyperArgument, "_usage_display_name"):
+        TyperArgument._usage_display_name = _usage_name
+        TyperArgument.display_name_raw = property(lambda self: self.metavar or (self.name or "").upper())
     _TyperParameter._plain_metavars = True
+
+
+def _usage_name(argument: Any) -> str:
+    """An argument in the usage line as click writes it: RUN_DIRS..., [IMAGE] (Typer >= 0.2x: {run_dirs}...)."""
+    name = argument.display_name_raw if argument.required else f"[{argument.display_name_raw}]"
+    return name + ("..." if argument.nargs != 1 else "")
 
 
 use_plain_metavars()
