@@ -48,6 +48,7 @@ def study(workspace, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("study") / "study"
     result = runner.invoke(app, study_args(workspace, out))
     assert result.exit_code == 0, result.output
+    assert "3 runs under" in result.stdout and "(3 answered now)" in result.stdout  # none was there before
     return out
 
 
