@@ -282,3 +282,13 @@ def test_cascade_help_has_no_stage_and_says_reference_is_required(helps):
 def test_cascade_without_reference_is_one_line(runs, tmp_path):
     refused(invoke("cascade", runs["fastv"][0], "--out", tmp_path / "cascade"), "--reference RUN is required")
     assert not (tmp_path / "cascade").exists()
+
+
+def test_run_summary_names_a_cached_hub_model_by_its_id(tmp_path):
+    from prune_audit.cli.run import model_label
+
+    snapshot = tmp_path / "hub" / "models--llava-hf--llava-1.5-7b-hf" / "snapshots" / "8c85e9a4"
+    snapshot.mkdir(parents=True)
+    assert model_label(str(snapshot)) == "llava-hf/llava-1.5-7b-hf"
+    assert model_label("llava-hf/llava-1.5-7b-hf") == "llava-hf/llava-1.5-7b-hf"
+    assert model_label(str(tmp_path / "hub")) == "hub"

@@ -110,9 +110,14 @@ def _print_summary(result, plan) -> None:
 
 
 def model_label(model_id: str) -> str:
-    """A model as the summary names it: a local folder by its name (``demo``), a hub id as given."""
+    """A model as the summary names it: a local folder by its name (``demo``), a hub id as given, also
+    when it was read from the hub cache (``.../models--org--name/snapshots/HASH``: ``org/name``)."""
     path = Path(model_id)
-    return path.name if path.is_dir() else model_id
+    if not path.is_dir():
+        return model_id
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.name
 
 
 @handle_errors
