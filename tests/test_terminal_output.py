@@ -138,12 +138,12 @@ def test_selectors_refuse_options_that_do_not_fit(args, needles):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, object]:
-    """Demo runs of 4 questions: dense, fastv (one stage) and e2s (three stages), with their output."""
+    """Demo runs of 12 questions: dense, fastv (one stage) and e2s (three stages), with their output."""
     root = tmp_path_factory.mktemp("terminal")
     out = {}
     for name, extra in {"dense": [], "fastv": ["--selector", "fastv", "--budget", "64"],
                         "e2s": ["--selector", "e2s", "--budget", "64"]}.items():
-        result = invoke("run", "--limit", "4", "--quiet", "--out", root / name, *extra, columns=80)
+        result = invoke("run", "--limit", "12", "--quiet", "--out", root / name, *extra, columns=80)
         assert result.exit_code == 0, result.output
         out[name] = (root / name, result.stdout)
     return out
@@ -277,6 +277,14 @@ def test_cascade_help_has_no_stage_and_says_reference_is_required(helps):
     text = helps[("cascade",)]
     assert "--stage" not in text and "retention" not in text.split("Options")[1]
     assert "--reference PATH Required. Run answering" in text and "(required)" not in text
+
+
+def test_cascade_still_accepts_the_hidden_stage_and_states_none(runs, tmp_path):
+    out = tmp_path / "cascade"
+    result = invoke("cascade", runs["fastv"][0], "--reference", runs["dense"][0], "--epsilon", "0.5", "--splits", "5",
+                    "--stage", "last", "--out", out, columns=120)
+    assert result.exit_code == 0, result.output
+    assert "stage" not in result.stdout.replace("two-stage", "") and (out / "cascade.json").is_file()
 
 
 def test_cascade_without_reference_is_one_line(runs, tmp_path):
