@@ -168,8 +168,9 @@ def use_plain_metavars() -> None:
     """Make Typer's help show PATH / INTEGER / TEXT (and nothing for flags), arguments as RUN_DIRS.
 
     Typer >= 0.16 prints Python types instead (``<list[Path]>``, ``<bool>``, ``<int range>
-    [x>=1]``) and arguments in lower case, required ones in braces (``{run_dirs}...``). Its parameter classes are patched once, only when they have the attributes
-    this relies on; older Typer already prints click's metavars.
+    [x>=1]``) and arguments in lower case, required ones in braces (``{run_dirs}...``). Its
+    parameter classes are patched once, only when they have the attributes this relies on;
+    older Typer already prints click's metavars.
     """
     try:
         from typer.core import TyperArgument, TyperOption, _TyperParameter

@@ -93,7 +93,8 @@ def _print_summary(result, plan) -> None:
         ("accuracy", f"{summary.get('accuracy', float('nan')):.4f}"),
         ("mean confidence", f"{summary.get('mean_confidence', float('nan')):.4f}"),
         ("avg visual tokens", f"{summary.get('visual_tokens_avg', float('nan')):.2f}"),
-        (f"mean retention of the yes questions' objects, stage {first}", f"{summary.get('mean_retention', float('nan')):.4f}"),
+        (f"mean retention of the yes questions' objects, stage {first}",
+         f"{summary.get('mean_retention', float('nan')):.4f}"),
         (f"lost objects, stage {first}", f"{summary.get('lost_objects', 0)} of {with_mask}"),
     ]
     if not summary.get("last_is_first", True):  # a stage after the first: what it lost too
