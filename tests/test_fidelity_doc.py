@@ -1,4 +1,4 @@
-"""docs/fidelity.md and `prune-audit selectors --fidelity` come from one source and say the same."""
+"""docs/fidelity.md and `prune-audit selectors --fidelity --markdown` come from one source and say the same."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_doc_matches_the_metadata():
 
 
 def test_cli_prints_the_same_table():
-    result = CliRunner().invoke(app, ["selectors", "--fidelity"])
+    result = CliRunner().invoke(app, ["selectors", "--fidelity", "--markdown"])
     assert result.exit_code == 0
     assert result.output == DOC.read_text()
     rows = json.loads(CliRunner().invoke(app, ["selectors", "--fidelity", "--json"]).output)

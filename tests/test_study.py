@@ -48,6 +48,7 @@ def study(workspace, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("study") / "study"
     result = runner.invoke(app, study_args(workspace, out))
     assert result.exit_code == 0, result.output
+    assert "3 runs under" in result.stdout and "(3 answered now)" in result.stdout  # none was there before
     return out
 
 
@@ -225,7 +226,7 @@ def test_a_changed_configuration_is_refused(workspace, study, tmp_path):
     # other analysis settings rebuild the report from the same runs (the report names them)
     result = runner.invoke(app, study_args(workspace, out, "--bootstrap", "60", "--quiet"))
     assert result.exit_code == 0, result.output
-    assert "3 runs under" in result.stdout and "(3 reused as they were)" in result.stdout
+    assert "3 runs under" in result.stdout and "(3 finished before, reused)" in result.stdout
     assert "(60 resamples" in (out / "report.md").read_text(encoding="utf-8")
 
 

@@ -17,8 +17,10 @@ def cascade(
     ],
     reference: Annotated[
         Path | None,
-        typer.Option("--reference", help="Run answering the escalated questions, over the same questions (required): "
-                     "usually the dense run; a larger-budget pruned run makes a two-tier cascade.", show_default=False),
+        # checked in the command, so that a missing --reference is one line, not click's usage box
+        typer.Option("--reference", help="Required. Run answering the escalated questions, over the same "
+                     "questions: usually the dense run; a larger-budget pruned run makes a two-tier cascade.",
+                     show_default=False),
     ] = None,
     epsilon: Annotated[float, typer.Option("--epsilon", help="Target mean disagreement with the dense model.")] = 0.02,
     splits: Annotated[int, typer.Option("--splits", help="Random image splits for the validity check.")] = 200,
@@ -40,9 +42,8 @@ def cascade(
     ] = False,
     out: Annotated[Path, typer.Option("--out", help="Directory for cascade.json and the plots.")] = Path("cascade"),
     json_output: Annotated[bool, typer.Option("--json", help="Print cascade.json instead of a table.")] = False,
-    stage: Annotated[
-        str, typer.Option("--stage", help=f"{STAGE_HELP} Stated in the output; the cascade reads no retention.")
-    ] = "first",
+    # the cascade reads no retention: --stage is only accepted (hidden) so that older scripts still run
+    stage: Annotated[str, typer.Option("--stage", hidden=True, help=STAGE_HELP)] = "first",
     force: Annotated[
         bool, typer.Option("--force", help="Run even when model, question files or prompt differ.")
     ] = False,
@@ -149,6 +150,4 @@ def print_cascade_table(report: dict, out: Path) -> None:
         f"possible savings (uninformative -> perfect gating); test risk: mean disagreement with {reference} on the "
         f"test images; held-out: over {report['settings']['splits']} random image splits"
     )
-    stages = sorted({entry["stage"] for cascade in report["cascades"] for entry in cascade["stages"]})
-    console.print(f"retention stage read: {'; '.join(stages)} (the cascade uses no retention)")
     console.print(f"wrote cascade.json and plots to {out}")

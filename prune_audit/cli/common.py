@@ -45,11 +45,13 @@ PromptTemplateOption = Annotated[
 ClipTextOption = Annotated[Optional[Path], typer.Option(help="CLIP text tower folder (CDPruner relevance).")]
 """The model and question inputs shared by ``run`` and ``study`` (one definition of each option)."""
 
-STAGE_HELP = (
-    "Stage whose retention and lost objects are read: first (the earliest point tokens leave the model), "
-    "last (the deepest stage that still feeds visual tokens) or a stage index 0, 1, ..."
+STAGE_CHOICES = (
+    "first (the earliest point tokens leave the model), last (the deepest stage that still feeds visual tokens) "
+    "or a stage index 0, 1, ..."
 )
-"""Help of every analysis command's --stage (parsed by prune_audit.records.stages.parse_stage)."""
+"""The values of every --stage (parsed by prune_audit.records.stages.parse_stage)."""
+STAGE_HELP = f"Stage whose retention and lost objects are read: {STAGE_CHOICES}"
+"""Help of the analysis commands' --stage."""
 
 def parse_epsilons(text: str, option: str) -> tuple[float, ...]:
     """"0.01, 0.05" -> (0.01, 0.05): cascade targets, each strictly between 0 and 1, each once.
@@ -163,11 +165,12 @@ def _range_text(low: float | None, high: float | None) -> str:
 
 
 def use_plain_metavars() -> None:
-    """Make Typer's help show PATH / INTEGER / TEXT (and nothing for flags).
+    """Make Typer's help show PATH / INTEGER / TEXT (and nothing for flags), arguments as RUN_DIRS.
 
     Typer >= 0.16 prints Python types instead (``<list[Path]>``, ``<bool>``, ``<int range>
-    [x>=1]``). Its parameter classes are patched once, only when they have the attributes
-    this relies on; older Typer already prints click's metavars.
+    [x>=1]``) and arguments in lower case, required ones in braces (``{run_dirs}...``). Its
+    parameter classes are patched once, only when they have the attributes this relies on;
+    older Typer already prints click's metavars.
     """
     try:
         from typer.core import TyperArgument, TyperOption, _TyperParameter
@@ -189,7 +192,16 @@ def use_plain_metavars() -> None:
     _TyperParameter.display_type = display_type
     for cls in (TyperArgument, TyperOption):
         cls._get_number_range_help_str = lambda self: None  # the range is part of the metavar
+    if hasattr(TyperArgument, "_usage_display_name"):
+        TyperArgument._usage_display_name = _usage_name
+        TyperArgument.display_name_raw = property(lambda self: self.metavar or (self.name or "").upper())
     _TyperParameter._plain_metavars = True
+
+
+def _usage_name(argument: Any) -> str:
+    """An argument in the usage line as click writes it: RUN_DIRS..., [IMAGE] (Typer >= 0.2x: {run_dirs}...)."""
+    name = argument.display_name_raw if argument.required else f"[{argument.display_name_raw}]"
+    return name + ("..." if argument.nargs != 1 else "")
 
 
 use_plain_metavars()

@@ -74,12 +74,18 @@ def run(
 
 
 def _print_summary(result, plan) -> None:
+    """The summary table under a one-line title naming the model, then where the records and manifest are."""
     from rich.console import Console
     from rich.table import Table
 
+    from prune_audit.records.manifest import MANIFEST_FILE
+
     summary = result.summary
+    with_mask = summary.get("questions_with_mask", 0)
+    first = summary.get("first_stage", "first")
     budget = "all visual tokens" if plan.budget is None else f"budget {plan.manifest['budget']}"
-    table = Table(title=f"{plan.manifest['model']['id']} | selector {plan.manifest['selector']['name']} | {budget}")
+    print(f"{model_label(plan.manifest['model']['id'])} | selector {plan.manifest['selector']['name']} | {budget}")
+    table = Table(show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
@@ -87,22 +93,32 @@ def _print_summary(result, plan) -> None:
         ("accuracy", f"{summary.get('accuracy', float('nan')):.4f}"),
         ("mean confidence", f"{summary.get('mean_confidence', float('nan')):.4f}"),
         ("avg visual tokens", f"{summary.get('visual_tokens_avg', float('nan')):.2f}"),
-        (f"mean retention, stage {summary.get('first_stage', 'first')} (yes questions)",
+        (f"mean retention of the yes questions' objects, stage {first}",
          f"{summary.get('mean_retention', float('nan')):.4f}"),
-        (f"lost objects, stage {summary.get('first_stage', 'first')}",
-         f"{summary.get('lost_objects', 0)} of {summary.get('questions_with_mask', 0)}"),
-        (f"lost objects, stage {summary.get('last_stage', 'last')}",
-         f"{summary.get('lost_objects_last_stage', 0)} of {summary.get('questions_with_mask', 0)}"),
+        (f"lost objects, stage {first}", f"{summary.get('lost_objects', 0)} of {with_mask}"),
     ]
+    if not summary.get("last_is_first", True):  # a stage after the first: what it lost too
+        rows.append((f"lost objects, stage {summary['last_stage']}",
+                     f"{summary.get('lost_objects_last_stage', 0)} of {with_mask}"))
     if summary.get("diluted_objects"):  # only merging selectors dilute: the row appears for them
-        rows.append((f"diluted objects, stage {summary.get('first_stage', 'first')}",
-                     f"{summary['diluted_objects']} of {summary.get('questions_with_mask', 0)}"))
+        rows.append((f"diluted objects, stage {first}", f"{summary['diluted_objects']} of {with_mask}"))
     for name, value in rows:
         table.add_row(name, value)
-    console = Console()
-    console.print(table)
-    target = result.run_dir / ("records.parquet" if result.complete else "parts")
-    console.print(f"records: {target}")
+    Console().print(table)
+    # plain prints: a long path stays whole on its line
+    print(f"records: {result.run_dir / ('records.parquet' if result.complete else 'parts')}")
+    print(f"manifest: {result.run_dir / MANIFEST_FILE}")
+
+
+def model_label(model_id: str) -> str:
+    """A model as the summary names it: a local folder by its name (``demo``), a hub id as given, also
+    when it was read from the hub cache (``.../models--org--name/snapshots/HASH``: ``org/name``)."""
+    path = Path(model_id)
+    if not path.is_dir():
+        return model_id
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.name
 
 
 @handle_errors

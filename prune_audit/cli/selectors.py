@@ -1,70 +1,162 @@
-"""``prune-audit selectors``: list every registered selector."""
+"""``prune-audit selectors``: list every registered selector, its options and its fidelity."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from prune_audit.cli.common import handle_errors
 
+if TYPE_CHECKING:
+    from prune_audit.cli.terminal import Page
+
 
 @handle_errors
 def selectors(
-    json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    model: Annotated[
+        Optional[str],
+        typer.Option(help="Show the options' values for this model folder or hub id (default: the bundled demo "
+                     "model); its config is read, not its weights."),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of the list.")] = False,
     fidelity: Annotated[
-        bool, typer.Option("--fidelity", help="Print each selector's fidelity to its official code (docs/fidelity.md).")
+        bool, typer.Option("--fidelity", help="Print each selector's fidelity to its official code.")
+    ] = False,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="With --fidelity: print the Markdown table of docs/fidelity.md.")
     ] = False,
 ) -> None:
-    """List every registered selector: stage, required signals, default options and reference."""
-    import json
+    """List every registered selector: stage, required signals, options with their allowed values, reference.
 
+    Options are passed to `run`, `study` and `visualize` as --option KEY=VALUE, spelled as listed.
+    Layer options are given on the 32-layer reference and scaled to the model's depth: the list says
+    which decoder layers they reach on --model.
+    """
+    from prune_audit.errors import PruneAuditError
+
+    if markdown and not fidelity:
+        raise PruneAuditError("--markdown applies only with --fidelity; add --fidelity or drop --markdown")
+    if markdown and json_output:
+        raise PruneAuditError("--markdown and --json exclude each other; pass one of them")
+    if fidelity:
+        if model is not None:
+            raise PruneAuditError("--model does not apply with --fidelity (fidelity does not depend on the model); "
+                                  "drop --model or --fidelity")
+        _print_fidelity(json_output, markdown)
+        return
+    name, depth = _model_depth(model)
+    rows = _selector_rows(depth)
+    if json_output:
+        import json
+
+        print(json.dumps(rows, indent=2))
+        return
+    _print_selectors(rows, name, depth)
+
+
+def _model_depth(model: str | None) -> tuple[str, int]:
+    """(the name shown for ``--model``, its decoder depth from the config)."""
+    from prune_audit.demo import DEMO_MODELS
+    from prune_audit.demo.assets import is_demo_name
+    from prune_audit.models.loading import decoder_depth
+
+    name = model or "demo"
+    return name, decoder_depth(DEMO_MODELS[name] if is_demo_name(name) else name)
+
+
+def _selector_rows(depth: int) -> list[dict[str, Any]]:
+    """One row per registered selector, its option domains described for a model of ``depth`` layers."""
     from prune_audit.pruners import list_selectors, selector_class
     from prune_audit.pruners.base import option_defaults
     from prune_audit.pruners.options import option_domains
 
-    if fidelity:
-        _print_fidelity(json_output)
-        return
-
     rows = []
     for name in list_selectors():
         cls = selector_class(name)
+        defaults = option_defaults(cls)
         rows.append(
             {
                 "name": name,
                 "stage": cls.stage,
                 "requires": sorted(cls.requires),
-                "options": option_defaults(cls),
-                "domains": {name: domain.describe_all() for name, domain in option_domains(cls).items()},
+                "options": defaults,
+                "domains": {key: domain.describe_for(depth, defaults[key]) for key, domain in option_domains(cls).items()},
+                "docs": {key: _option_doc(cls, key) for key in defaults},
                 "summary": cls.summary,
                 "paper": cls.reference.paper,
                 "repository": cls.reference.repository,
             }
         )
-    if json_output:
-        print(json.dumps(rows, indent=2, default=str))
-        return
-    from rich.console import Console
-    from rich.table import Table
+    return rows
 
-    table = Table(title="Registered selectors", show_lines=True)
-    for column in ("name", "stage", "requires", "default options: allowed values", "reference"):
-        table.add_column(column, overflow="fold")
+
+def _option_doc(cls: type, key: str) -> str:
+    import dataclasses
+
+    return next(field.metadata.get("doc", "") for field in dataclasses.fields(cls) if field.name == key)
+
+
+def _print_selectors(rows: list[dict[str, Any]], model: str, depth: int) -> None:
+    """Each selector as a block of lines wrapped at word boundaries; option values as --option takes them."""
+    from prune_audit.cli.terminal import Page
+    from prune_audit.pruners.options import spell
+
+    page = Page()
+    page.paragraph(f"{len(rows)} selectors. Options are passed as --option KEY=VALUE; allowed values are shown for "
+                   f"{model} ({depth} decoder layers; another model: --model PATH).")
     for row in rows:
-        options = "\n".join(f"{k}={v!r}: {row['domains'][k]}" for k, v in row["options"].items()) or "-"
-        reference = f"{row['paper']}\n{row['repository']}"
-        table.add_row(row["name"], row["stage"], ", ".join(row["requires"]) or "-", options, reference)
-    Console().print(table)
+        page.blank()
+        needs = ", ".join(row["requires"]) or "nothing"
+        page.paragraph(f"{row['name']}: {row['stage']} stage, needs {needs}", hang=4)
+        if row["summary"]:
+            page.paragraph(row["summary"], indent=2)
+        page.paragraph(f"paper: {row['paper']}", indent=2, hang=4)
+        page.paragraph(f"code: {row['repository']}", indent=2, hang=4)
+        _print_options(page, row, spell)
+    page.show()
 
 
-def _print_fidelity(json_output: bool) -> None:
-    """The fidelity table: the text of docs/fidelity.md, or its rows as JSON."""
+def _print_options(page: Page, row: dict[str, Any], spell: Any) -> None:
+    if not row["options"]:
+        page.paragraph("options: none", indent=2)
+        return
+    page.paragraph("options (KEY=DEFAULT):", indent=2)
+    for key, default in row["options"].items():
+        page.paragraph(f"{key}={spell(default)}: {row['docs'][key] or key}", indent=4, hang=8)
+        page.paragraph(f"allowed: {row['domains'][key]}", indent=8, hang=10)
+
+
+def _print_fidelity(json_output: bool, markdown: bool) -> None:
+    """The fidelity of every selector: a list on the terminal, the Markdown of docs/fidelity.md, or JSON."""
     import json
 
-    from prune_audit.pruners.fidelity import fidelity_markdown, fidelity_rows
+    from prune_audit.pruners.fidelity import FIDELITY, NOT_YET_DONE, fidelity_markdown, fidelity_rows
 
     if json_output:
         print(json.dumps(fidelity_rows(), indent=2))
-    else:
+        return
+    if markdown:
         print(fidelity_markdown(), end="")
+        return
+    from prune_audit.cli.terminal import Page
+
+    page = Page()
+    page.paragraph("Fidelity of each selector to its official code (the table of docs/fidelity.md: --markdown; "
+                   "reference-exact options are passed as --option KEY=VALUE).")
+    for row in fidelity_rows():
+        page.blank()
+        page.paragraph(row["selector"])
+        for label, key in (("paper", "paper"), ("official code", "official repository (commit read)"),
+                           ("default here", "default here"), ("reference-exact options", "reference-exact options"),
+                           ("measured agreement", "measured agreement")):
+            page.paragraph(f"{label}: {row[key]}", indent=2, hang=4)
+        page.paragraph("remaining differences:", indent=2)
+        for difference in FIDELITY[row["selector"]].differences:
+            page.paragraph(f"- {difference}", indent=4, hang=6)
+    if NOT_YET_DONE:
+        page.blank()
+        page.paragraph("Not yet done:")
+        for item in NOT_YET_DONE:
+            page.paragraph(f"- {item}", indent=2, hang=4)
+    page.show()

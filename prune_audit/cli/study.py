@@ -58,7 +58,9 @@ def study(
     plan_file: Annotated[Optional[Path], typer.Option(help="With --plan: write the script here instead of printing.")] = None,
     shard: Annotated[Optional[str], typer.Option(help="With --plan: only commands I, I+N, ...")] = None,
     report: Annotated[bool, typer.Option("--report", help="Only build summary and report from OUT/runs.")] = False,
-    force: Annotated[bool, typer.Option(help="Compare runs even when model, question files or prompt differ.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Compare runs even when model, question files or prompt differ.")
+    ] = False,
     threads: ThreadsOption = None,
     quiet: QuietOption = False,
 ) -> None:
@@ -67,7 +69,7 @@ def study(
     report.html.
 
     Resumable: a finished run under OUT/runs is reused, an interrupted one continues. With no
-    options it studies the bundled demo: fastv and divprune at 64 and 96 of its 144
+    options it studies the bundled demo: fastv and divprune at 32 and 64 of its 144
     visual tokens. --plan prints the `prune-audit run` commands (or a shell / SLURM array
     script) for a scheduler; --report then builds the summary from their run folders.
     """
@@ -165,7 +167,9 @@ def _answer_grid(grid, plans, quiet: bool) -> None:
         outcomes = run_grid(grid, plans, progress.advance, on_cell)
     report_saved(grid.out / RUNS_FOLDER, total, total)  # a failure while reporting names the report, not the last run
     reused = sum(outcome.answered == 0 for outcome in outcomes)
-    print(f"{len(outcomes)} runs under {grid.out / 'runs'} ({reused} reused as they were)")
+    counts = [f"{len(outcomes) - reused} answered now" if reused < len(outcomes) else "",
+              f"{reused} finished before, reused" if reused else ""]
+    print(f"{len(outcomes)} runs under {grid.out / 'runs'} ({', '.join(filter(None, counts))})")
 
 
 def _report(out: Path, settings, force: bool, command: str) -> None:

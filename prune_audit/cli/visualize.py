@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from prune_audit.cli.common import STAGE_HELP, ThreadsOption, fail, handle_errors
+from prune_audit.cli.common import STAGE_CHOICES, ThreadsOption, fail, handle_errors
 
 
 @handle_errors
@@ -16,7 +16,7 @@ def visualize(
     image: Annotated[Optional[Path], typer.Argument(help="Image to run the model on (omit with --run).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model folder or hub id (default: the bundled demo model).")] = None,
     selector: Annotated[Optional[list[str]], typer.Option(help="Selector to draw; repeatable; all: every selector (default: none plus fastv, sparsevlm, visionzip, divprune, cdpruner, random).")] = None,
-    budget: Annotated[Optional[int], typer.Option(help="Visual tokens to keep (default: a quarter of the grid).")] = None,
+    budget: Annotated[Optional[str], typer.Option(help="Visual tokens to keep, a share of the image's tokens (11%), or all (default: a quarter of the grid).")] = None,
     option: Annotated[Optional[list[str]], typer.Option(help="Option KEY=VALUE of the one --selector drawn besides none (e.g. recycle=true); repeatable.")] = None,
     object_name: Annotated[Optional[str], typer.Option("--object", help="Ask the POPE question about this object (default: the annotated one the model sees most).")] = None,
     question: Annotated[Optional[str], typer.Option(help="Full question text instead of --object (text-conditioned selectors use it).")] = None,
@@ -26,7 +26,7 @@ def visualize(
     run: Annotated[Optional[Path], typer.Option("--run", help="Redraw a recorded question from this run directory (no model).")] = None,
     question_id: Annotated[Optional[int], typer.Option(help="With --run: the question id.")] = None,
     split: Annotated[Optional[str], typer.Option(help="With --run: the split, when the id repeats across splits.")] = None,
-    stage: Annotated[str, typer.Option(help=f"With --run: {STAGE_HELP}")] = "first",
+    stage: Annotated[str, typer.Option(help=f"With --run: the stage whose retention the panel states: {STAGE_CHOICES}")] = "first",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for random selectors.")] = 0,
     threads: ThreadsOption = None,
@@ -65,21 +65,35 @@ def visualize(
             raise fail("--run needs --question-id ID")
         from prune_audit.records.stages import parse_stage
 
-        path = visualize_record(run, question_id, split, out, parse_stage(stage))
+        figure = visualize_record(run, question_id, split, out, parse_stage(stage))
     elif image is None:
         raise fail("pass an IMAGE, or --run RUN_DIR --question-id ID")
     else:
+        from prune_audit.runner.safeguards import parse_budget
         from prune_audit.threads import configure_threads
 
         configure_threads(threads)
-        request = VisualizeRequest(image=image, model=model, selectors=selector or [], options=option or [], budget=budget,
-                                   question=question, object_name=object_name, annotations=annotations, out=out,
-                                   clip_text=clip_text, device=device, seed=seed)
+        request = VisualizeRequest(image=image, model=model, selectors=selector or [], options=option or [],
+                                   budget=parse_budget(budget), question=question, object_name=object_name,
+                                   annotations=annotations, out=out, clip_text=clip_text, device=device, seed=seed)
         figure = visualize_live(request)
         for warning in figure.warnings:
             print(f"warning: {warning}", file=sys.stderr)
-        path = figure.path
-    print(f"wrote {path}")
+    _print_figure(figure)
+
+
+def _print_figure(figure) -> None:
+    """The question, each panel's answer, the selectors not drawn, then the figure's path."""
+    from prune_audit.cli.terminal import Page
+
+    page = Page()
+    page.paragraph(f"question: {figure.question}", hang=2)
+    for answer in figure.answers:
+        page.paragraph(f"{answer.panel}: answer {answer.answer} (confidence {answer.confidence:.3f})", indent=2, hang=4)
+    for note in figure.notes:
+        page.paragraph(note, hang=2)
+    page.show()
+    print(f"wrote {figure.path}")  # whole on its line, however long
 
 
 def _first_given(options: dict[str, object]) -> str | None:

@@ -73,6 +73,18 @@ def load_part(what: str, source: str, loader: Callable[[], T]) -> T:
         raise PruneAuditError(f"could not load the {what} from {source!r}{hint}: {first_line}") from None
 
 
+def decoder_depth(path_or_hub_id: str | Path) -> int:
+    """Decoder layers of a checkpoint of a registered family, read from its config alone (no weights)."""
+    from transformers import AutoConfig
+
+    from prune_audit.models.families import adapter_for
+
+    source = resolve_model_source(str(path_or_hub_id))
+    config = load_part("model config", source, lambda: AutoConfig.from_pretrained(source))
+    adapter_for(config.model_type, source)  # another family is refused as load_vlm refuses it
+    return int(config.get_text_config().num_hidden_layers)
+
+
 def load_vlm(
     path_or_hub_id: str | Path,
     device: str = "auto",
@@ -123,4 +135,4 @@ def load_vlm(
                               clip_text=None if clip_text is None else str(clip_text))
 
 
-__all__ = ["load_vlm", "load_part", "resolve_device", "resolve_dtype", "config_hash", "DTYPES"]
+__all__ = ["load_vlm", "decoder_depth", "load_part", "resolve_device", "resolve_dtype", "config_hash", "DTYPES"]

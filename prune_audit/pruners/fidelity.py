@@ -349,7 +349,7 @@ def fidelity_markdown() -> str:
     lines = [
         "# Fidelity: each selector against its official code",
         "",
-        "Generated from `prune_audit/pruners/fidelity.py` (also printed by `prune-audit selectors --fidelity`);",
+        "Generated from `prune_audit/pruners/fidelity.py` (printed by `prune-audit selectors --fidelity --markdown`);",
         "`tests/test_fidelity_doc.py` checks that this file matches. Reference-exact options are passed as",
         "`--option KEY=VALUE`. Measured agreement: kept sets compared with independent re-implementations of the",
         "official algorithms written in `tests/test_fidelity.py` from the official code's math, on random cases",

@@ -49,6 +49,11 @@ class Domain:
     def describe_all(self) -> str:
         return f"{self.describe()} or none" if self.optional else self.describe()
 
+    def describe_for(self, depth: int | None, value: Any = None) -> str:
+        """The allowed values as they bear on a model of ``depth`` decoder layers (None: no model), and
+        what ``value`` means there; only domains tied to the model's depth say more than :meth:`describe_all`."""
+        return self.describe_all()
+
 
 @dataclass(frozen=True)
 class Real(Domain):
@@ -138,6 +143,15 @@ class Choice(Domain):
         return text
 
 
+def spell(value: Any) -> str:
+    """A typed option value as ``--option KEY=VALUE`` takes it: none, true/false, names bare."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def option(default: Any, domain: Domain, doc: str = "") -> Any:
     """A selector option: a dataclass field whose metadata holds its domain and a one-line description."""
     if not domain.allows(default):
@@ -167,15 +181,16 @@ def option_domains(cls: type, strict: bool = True) -> dict[str, Domain]:
 def describe_options(cls: type) -> str:
     """``name (domain, default d); ...`` for error messages and listings."""
     defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
-    parts = [f"{name} ({domain.describe_all()}, default {defaults[name]!r})" for name, domain in option_domains(cls).items()]
+    parts = [
+        f"{name} ({domain.describe_all()}, default {spell(defaults[name])})" for name, domain in option_domains(cls).items()
+    ]
     return "; ".join(parts) or "none"
 
 
 def refusal(selector: str, name: str, value: Any, domain: Domain) -> ValueError:
-    """The one-line error for ``name=value``; a string value is shown as typed on the command line."""
-    shown = value if isinstance(value, str) else repr(value)
+    """The one-line error for ``name=value``, the value spelled as on the command line."""
     return ValueError(
-        f"option {name}={shown} of selector {selector!r} is not allowed: {name} must be {domain.describe_all()}"
+        f"option {name}={spell(value)} of selector {selector!r} is not allowed: {name} must be {domain.describe_all()}"
     )
 
 
@@ -222,6 +237,7 @@ __all__ = [
     "Flag",
     "Choice",
     "option",
+    "spell",
     "option_domains",
     "describe_options",
     "check_options",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar, get_args
+from typing import Any, ClassVar, TypeVar, get_args
 
 from prune_audit.pruners.base import LayerSelector, PositionMode, Stage, validate_budget
 from prune_audit.pruners.options import Choice, Integer, option
@@ -73,6 +73,23 @@ def scale_layers(reference_layers: Sequence[int], reference_depth: int, num_laye
         position = max(position, scaled[-1] + 1 if scaled else 1)
         scaled.append(min(position, num_layers - 1))
     return scaled
+
+
+@dataclass(frozen=True)
+class ReferenceLayer(Integer):
+    """A pruning layer given on the 32-layer reference; :func:`scale_layers` moves it to the model's depth."""
+
+    def describe_for(self, depth: int | None, value: Any = None) -> str:
+        """E.g. ``an integer in [1, 31] on the 32-layer reference, scaled to the model's depth: on its 12
+        layers, decoder layers 1 to 11 (2 prunes at layer 1)``."""
+        text = f"{self.describe_all()} on the {REFERENCE_DEPTH}-layer reference, scaled to the model's depth"
+        if depth is None or depth < 2 or self.low is None or self.high is None:
+            return text
+        low, high = (scale_layers([layer], REFERENCE_DEPTH, depth)[0] for layer in (self.low, self.high))
+        text = f"{text}: on its {depth} layers, decoder layers {low} to {high}"
+        if isinstance(value, int) and self.contains(value):
+            text += f" ({value} prunes at layer {scale_layers([value], REFERENCE_DEPTH, depth)[0]})"
+        return text
 
 
 def merge_stages(layers: Sequence[int], values: Sequence[T]) -> tuple[list[int], list[T]]:
@@ -334,7 +351,7 @@ class SingleStageSelector(ScheduledSelector):
     """
 
     layer: int = option(
-        2, Integer(1, REFERENCE_DEPTH - 1), "pruning layer on the 32-layer reference, scaled to the depth"
+        2, ReferenceLayer(1, REFERENCE_DEPTH - 1), "the decoder layer whose input is pruned"
     )
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:

@@ -14,7 +14,8 @@ def summarize(records: pa.Table) -> dict[str, float | int | str]:
     """One-screen summary numbers of a records table (``RUN_SCHEMA``).
 
     Retention, lost and diluted objects are given at the first stage (the earliest point at
-    which tokens leave the model) and lost objects also at the last stage that keeps tokens.
+    which tokens leave the model) and lost objects also at the last stage that keeps tokens;
+    ``last_is_first`` says when that is the first stage on every record (nothing more to say).
     """
     n = records.num_rows
     if n == 0:
@@ -36,6 +37,8 @@ def summarize(records: pa.Table) -> dict[str, float | int | str]:
         "diluted_objects": int(np.sum(first.diluted[with_mask])),
         "first_stage": FIRST.describe(first.layer),
         "last_stage": LAST.describe(last.layer),
+        # the last stage is the first one on every record (input-level and single-stage selectors, dense runs)
+        "last_is_first": bool(np.array_equal(first.index, last.index)),
         "questions_with_mask": int(with_mask.sum()),
         "mean_latency_ms": float(np.mean(column("latency_ms"))),
     }

@@ -41,7 +41,7 @@ class VisualizeRequest:
     model: str | None = None
     selectors: Sequence[str] = ()
     options: Sequence[str] = ()
-    budget: int | None = None
+    budget: int | str | None = None
     question: str | None = None
     object_name: str | None = None
     annotations: Path | None = None
@@ -288,10 +288,27 @@ def _skip_reason(vlm: VisionLanguageModel, name: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class LiveFigure:
-    """The figure ``visualize_live`` wrote and what the user must be told about it (also under the figure)."""
+class PanelAnswer:
+    """The model's answer in one panel, named by the panel's title (selector and budget)."""
+
+    panel: str
+    answer: str
+    confidence: float
+
+
+@dataclass(frozen=True)
+class DrawnFigure:
+    """The figure ``visualize`` wrote and what the user is told about it on the terminal.
+
+    ``question``: the question asked; ``answers``: one per panel; ``notes``: the selectors not
+    drawn and those available (also under the figure); ``warnings``: said on stderr and under
+    the figure.
+    """
 
     path: Path
+    question: str = ""
+    answers: tuple[PanelAnswer, ...] = ()
+    notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
 
@@ -316,7 +333,7 @@ def drawn_selectors(vlm: VisionLanguageModel, requested: Sequence[str]) -> tuple
     return names, "\n".join(notes)
 
 
-def visualize_live(request: VisualizeRequest) -> LiveFigure:
+def visualize_live(request: VisualizeRequest) -> DrawnFigure:
     """Run the model under each selector on one image and draw one panel (grid cell) per selector.
 
     Without --selector the unpruned model and the ``DEFAULT_SELECTORS`` the model can run are
@@ -327,7 +344,7 @@ def visualize_live(request: VisualizeRequest) -> LiveFigure:
     from prune_audit.models import load_vlm
     from prune_audit.pruners import get_selector
 
-    if request.budget is not None and request.budget <= 0:
+    if isinstance(request.budget, int) and request.budget <= 0:  # a share (11%) or all is checked by resolve_budget
         raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
     options = selector_options(request.selectors, request.options)
     pixels = load_rgb(request.image)
@@ -343,7 +360,7 @@ def visualize_live(request: VisualizeRequest) -> LiveFigure:
     warnings = [*setup.warnings, *filter(None, [view_warning(mask, prepared.geometry, object_name)])]
     names, note = drawn_selectors(vlm, request.selectors)
     budget = resolve_budget(request.budget, prepared.num_visual) or max(1, prepared.num_visual // 4)
-    panels = []
+    panels, answers = [], []
     for name in names:
         selector = None if name == "none" else options.get(name) or get_selector(name)
         if selector is not None:
@@ -356,11 +373,13 @@ def visualize_live(request: VisualizeRequest) -> LiveFigure:
             title = f"{name} ({', '.join(request.options)}), budget {budget}"
         retention = _retention_text(mask, prepared.geometry, covered_stages(stages, merged)[0])
         caption = f"answer {answer.answer} (confidence {answer.confidence:.3f})"
+        answers.append(PanelAnswer(title, answer.answer, answer.confidence))
         level = None if selector is None else selector.stage
         labels = stage_labels(level, stages, layers, merged, prepared.num_visual)
         panels.append(Panel(title, prepared.geometry, stages, labels, caption, mask, merged_cells(merged),
                             stage_notes={0: retention} if retention else {}))
+    notes = tuple(note.splitlines())
     note = "\n".join(["\n".join(f"Warning: {text}." for text in warnings), note]).strip()
     out = output_path(request.out, FIGURES_DIR / request.image.stem, "tokens")
     path = draw_panels(pixels, panels, out, suptitle=f"{setup.model_name} | {question}", note=note)
-    return LiveFigure(path, tuple(warnings))
+    return DrawnFigure(path, question, tuple(answers), notes, tuple(warnings))

@@ -17,6 +17,8 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import FIRST, StageChoice, record_stage
 from prune_audit.runner.visualize import (
     FIGURES_DIR,
+    DrawnFigure,
+    PanelAnswer,
     load_annotations,
     load_rgb,
     merged_cells,
@@ -28,7 +30,7 @@ from prune_audit.runner.visualize import (
 
 def visualize_record(
     run_dir: Path, question_id: int, split: str | None, out: Path | None, stage: StageChoice = FIRST
-) -> Path:
+) -> DrawnFigure:
     """Redraw exactly the recorded kept sets of one question of a run (no model needed).
 
     Every stage is drawn at its recorded decoder layer; the title gives the retention of ``stage``.
@@ -70,7 +72,9 @@ def visualize_record(
     panel = Panel(title, geometry, stages, labels, caption, mask, merged_cells(merged), stage_notes=notes)
     out = output_path(out, FIGURES_DIR / Path(run_dir).resolve().name, f"tokens-{row['split']}-{question_id}")
     suptitle = f"{Path(manifest['model']['id']).name} | {row['object']} ({row['split']} #{question_id})"
-    return draw_panels(pixels, [panel], out, suptitle=suptitle)
+    path = draw_panels(pixels, [panel], out, suptitle=suptitle)
+    question = f"{row['split']} #{question_id} about {row['object']} (label {row['label']})"
+    return DrawnFigure(path, question, (PanelAnswer(title, row["answer"], row["confidence"]),))
 
 
 def _run_image(manifest: dict[str, Any], name: str, run_dir: Path) -> Path:
