@@ -30,7 +30,8 @@ def records(directory):
     return pq.read_table(directory / "records.parquet").to_pandas().set_index(["split", "question_id"]).sort_index()
 
 
-def test_run_calibrate_cascade_visualize_intervene(workspace, tmp_path):
+def test_run_calibrate_cascade_visualize_intervene(workspace, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # intervene's default folder, intervene/<run name>-MODE, is relative to the cwd
     dense_dir, pruned_dir = tmp_path / "dense", tmp_path / "pruned"
     invoke(*base_args(workspace, dense_dir, "--split", "random"))
     invoke(*base_args(workspace, pruned_dir, "--split", "random", "--selector", "random", "--budget", "4"))
@@ -69,7 +70,7 @@ def test_run_calibrate_cascade_visualize_intervene(workspace, tmp_path):
 
     result = invoke("intervene", str(pruned_dir), "--mode", "remove", "--bootstrap", "50", "--json")
     report = json.loads(result.stdout)
-    swapped = pq.read_table(pruned_dir / "intervene-remove" / "records.parquet").to_pandas()
+    swapped = pq.read_table(tmp_path / "intervene" / "pruned-remove" / "records.parquet").to_pandas()
     eligible = pruned["object_tokens_kept"].between(1, 32)
     assert report["questions"]["eligible"] == int(eligible.sum())
     assert report["questions"]["intervened"] == len(swapped) // 2 > 0

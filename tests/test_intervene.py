@@ -282,13 +282,16 @@ def test_seeded_and_deterministic(runs, tmp_path):
     assert [list(k) for k in first["kept"]] != [list(k) for k in other["kept"]]
 
 
-def test_default_output_directory(runs, tmp_path):
-    run_dir = tmp_path / "copy"
+def test_default_output_directory(runs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "runs" / "copy"
     shutil.copytree(runs["random"], run_dir)
+    before = sorted(p.name for p in run_dir.iterdir())
     result = intervene(run_dir, "--mode", "remove", "--bootstrap", "10")
     assert result.exit_code == 0, result.output
-    written = sorted(p.name for p in (run_dir / "intervene-remove").iterdir() if not p.name.startswith("."))
+    written = sorted(p.name for p in (tmp_path / "intervene" / "copy-remove").iterdir() if not p.name.startswith("."))
     assert written == ["intervention.json", "records.parquet"]
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # never inside the run directory
 
 
 # ----- errors: one line, exit code 2, nothing written ----------------------------------

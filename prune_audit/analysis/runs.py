@@ -141,7 +141,8 @@ def comparison_view(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_comparable(runs: Sequence[Run], force: bool) -> list[str]:
-    """Refuse runs whose model id, question files (sha256) or prompt differ from the first run's.
+    """Refuse runs whose model id, question files (sha256) or prompt differ from the first run's, and runs
+    of the same question files that hold other questions than the first run (whatever ``force`` says).
 
     Returns the differences found (as "RUN: field, field"), which ``force`` lets through. A run given
     twice (the same directory, also through a link) is refused even with ``force``: it would be compared
@@ -159,7 +160,53 @@ def check_comparable(runs: Sequence[Run], force: bool) -> list[str]:
             f"runs differ from {runs[0].path} in {'; '.join(differences)}; "
             "refusing to compare them side by side (pass --force to compare anyway)"
         )
+    for run in runs[1:]:
+        if comparison_view(run.manifest)["question_files"] == base["question_files"]:
+            _refuse_other_questions(runs[0], run)
     return differences
+
+
+def _refuse_other_questions(first: Run, other: Run) -> None:
+    """Two runs of the same question files must hold the same questions (a --limit, --split, shard or
+    stopped run holds fewer): no --force, since no analysis can pair them and their metrics would
+    describe different questions."""
+    if set(first.questions.keys()) == set(other.questions.keys()):
+        return
+    smaller, larger = sorted((first, other), key=lambda run: len(run.questions))
+    raise PruneAuditError(
+        f"{first.path} holds {_question_set(first)} and {other.path} holds {_question_set(other)}: they do not hold "
+        f"the same questions, so they cannot be compared; {_same_questions_fix(smaller, larger)}"
+    )
+
+
+def _question_set(run: Run) -> str:
+    """E.g. ``1500 questions (--limit 1500)``, ``9000 questions (no --limit)``, ``18 of its 36 questions (...)``."""
+    if _incomplete(run):
+        return f"{len(run.questions)} of its {run.manifest['num_questions']} questions (a shard or a stopped run)"
+    options = _question_options(run)
+    return f"{len(run.questions)} questions ({options or 'no --limit'})"
+
+
+def _incomplete(run: Run) -> bool:
+    return len(run.questions) < run.manifest.get("num_questions", len(run.questions))
+
+
+def _question_options(run: Run) -> str:
+    """The run options that chose its questions among its files: ``--split random --limit 900``, or ''."""
+    split, limit = run.manifest.get("split"), run.manifest.get("limit")
+    return " ".join([*([f"--split {split}"] if split not in (None, "all") else []),
+                     *([f"--limit {limit}"] if limit is not None else [])])
+
+
+def _same_questions_fix(smaller: Run, larger: Run) -> str:
+    for run in (smaller, larger):
+        if _incomplete(run):
+            return (f"finish {run.path} with the same prune-audit run command (or merge its shards), "
+                    "then compare runs of the same questions")
+    options = _question_options(smaller)
+    if options and options != _question_options(larger):
+        return f"re-run {larger.path} with {options}, so that both hold the same questions"
+    return "compare runs of the same questions (the same --pope files, --split and --limit)"
 
 
 def _refuse_same_run(runs: Sequence[Run]) -> None:

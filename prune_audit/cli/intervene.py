@@ -25,7 +25,7 @@ def intervene(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the swapped cells and the bootstrap.")] = 0,
     out: Annotated[
         Optional[Path],
-        typer.Option("--out", help="Output directory (default: RUN_DIR/intervene-MODE).", show_default=False),
+        typer.Option("--out", help="Output directory (default: intervene/<run name>-MODE, never inside the run directory).", show_default=False),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     pope: Annotated[

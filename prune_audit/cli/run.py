@@ -35,7 +35,7 @@ def run(
     split: SplitOption = None,
     images: ImagesOption = None,
     annotations: AnnotationsOption = None,
-    out: Annotated[Optional[Path], typer.Option(help="Run directory (default: runs/<model>-<selector>-<budget>, then each --option value that differs from its default, e.g. runs/demo-fastv-64-paper).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Run directory (default: runs/<model>-<selector>-<budget>, then each --option value that differs from its default, then limitN with --limit N, e.g. runs/demo-fastv-64-paper-limit200).")] = None,
     limit: LimitOption = None,
     batch_size: Annotated[int, typer.Option(help="Questions per forward pass (answers do not depend on it; probabilities move by float32 rounding only: at --threads 1, batch 1 against 16 moved p_yes by at most 4.8e-7 on 1,500 demo questions).")] = 16,
     device: DeviceOption = "auto",

@@ -267,13 +267,19 @@ def _image_ids(questions: Sequence[PopeQuestion], coco: CocoInstances | None) ->
 
 
 def _run_dir(request: RunRequest, selector: Selector | None) -> Path:
-    """--out, else runs/<model>-<selector>-<budget>[-<each option that differs from its default>]."""
+    """--out, else runs/<model>-<selector>-<budget>[-<each option that differs from its default>][-limit<N>].
+
+    The limit is part of the name so that a quick try (``--limit 200``) never lands in, or is refused
+    by, the folder of the full run of the same settings.
+    """
     if request.out is not None:
         return Path(request.out)
     model_name = _file_safe(Path(str(request.model).rstrip("/")).name) or "model"
-    if selector is None:
-        return Path("runs") / f"{model_name}-dense"
-    return Path("runs") / "-".join([model_name, request.selector, str(request.budget), *_changed_options(selector)])
+    parts = [model_name, "dense"] if selector is None else [model_name, request.selector, str(request.budget),
+                                                            *_changed_options(selector)]
+    if request.limit is not None:
+        parts.append(f"limit{request.limit}")
+    return Path("runs") / "-".join(parts)
 
 
 def _file_safe(text: str) -> str:

@@ -39,6 +39,15 @@ from prune_audit.safety.ownership import check_output_dir, hold_output_dir
 
 __all__ = ["InterveneRequest", "InterventionResult", "intervene"]
 
+INTERVENE_DIR = Path("intervene")
+"""Default parent of ``intervene``'s output folder: intervene/<run name>-<mode>/. Derived outputs never
+go inside a run directory (a run folder holds one run's outputs), as ``visualize --run`` writes figures/<run name>/."""
+
+
+def _default_out(run_dir: Path, mode: str) -> Path:
+    """intervene/<run name>-<mode>, e.g. intervene/demo-e2s-64-restore for runs/demo-e2s-64 and --mode restore."""
+    return INTERVENE_DIR / f"{Path(run_dir).resolve().name}-{mode}"
+
 
 @dataclass
 class InterventionResult:
@@ -54,7 +63,7 @@ def intervene(request: InterveneRequest, on_progress: Callable[[int, int], None]
     every question was answered.
     """
     check_request(request)
-    out = Path(request.out) if request.out is not None else Path(request.run_dir) / f"intervene-{request.mode}"
+    out = Path(request.out) if request.out is not None else _default_out(request.run_dir, str(request.mode))
     settings = {"run": str(Path(request.run_dir).resolve()), "mode": request.mode, "max_cells": request.max_cells,
                 "controls": request.controls, "bootstrap": request.bootstrap, "seed": request.seed,
                 "stage": request.stage.name}
