@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_checks import refused, snapshot
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
@@ -27,23 +28,6 @@ runner = CliRunner()
 
 def invoke(*args: str):
     return runner.invoke(app, [str(a) for a in args])
-
-
-def refused(result, *needles: str) -> str:
-    """Exit 2, one ``error:`` line on stderr holding every needle, no traceback."""
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
-def snapshot(*directories: Path) -> dict[str, bytes]:
-    """Bytes of every file under ``directories`` except the lock files (their holder text changes)."""
-    return {str(p): p.read_bytes() for d in directories for p in sorted(Path(d).rglob("*"))
-            if p.is_file() and ".prune-audit.lock" not in p.name}
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cli_checks import refused, snapshot
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
@@ -30,22 +31,6 @@ runner = CliRunner()
 
 def invoke(*args: object, env: dict[str, str] | None = None):
     return runner.invoke(app, [str(a) for a in args], env=env)
-
-
-def refused(result, *needles: str, code: int = 2) -> str:
-    """Exit ``code``, one ``error:`` line on stderr holding every needle, no traceback."""
-    assert result.exit_code == code, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
-def snapshot(*directories: Path) -> dict[str, bytes]:
-    return {str(p): p.read_bytes() for d in directories for p in sorted(Path(d).rglob("*"))
-            if p.is_file() and ".prune-audit.lock" not in p.name}
 
 
 @pytest.fixture(scope="module")
