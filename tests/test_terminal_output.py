@@ -300,3 +300,17 @@ def test_run_summary_names_a_cached_hub_model_by_its_id(tmp_path):
     assert model_label(str(snapshot)) == "llava-hf/llava-1.5-7b-hf"
     assert model_label("llava-hf/llava-1.5-7b-hf") == "llava-hf/llava-1.5-7b-hf"
     assert model_label(str(tmp_path / "hub")) == "hub"
+
+
+def test_a_reader_that_stops_early_ends_the_listing_quietly():
+    """`prune-audit selectors --fidelity | head` ends without an error line (the pipe's reader went away)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    command = f"{sys.executable} -m prune_audit.cli.main selectors --fidelity | head -c 10 > /dev/null"
+    done = subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, cwd=root)
+    assert done.stderr == "" and done.returncode in (0, 141), done.stderr

@@ -103,6 +103,9 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+BROKEN_PIPE = 141  # 128 + SIGPIPE, the shell's code for a writer whose reader went away
+
+
 def handle_errors(command: F) -> F:
     """Turn user errors raised by a command into one line on stderr and exit code 2.
 
@@ -123,6 +126,9 @@ def handle_errors(command: F) -> F:
             if os.environ.get("PRUNE_AUDIT_DEBUG"):
                 raise
             raise fail(progress.interrupted_message(interrupt), progress.interrupt_exit_code(interrupt)) from None
+        except BrokenPipeError:  # the reader stopped (`| head`): end quietly, as a shell tool does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+            raise typer.Exit(BROKEN_PIPE) from None
         except OSError as error:
             if os.environ.get("PRUNE_AUDIT_DEBUG"):
                 raise
