@@ -1,7 +1,10 @@
-"""Checks shared by the CLI safety tests: a one-line refusal, and the bytes of every file under a folder."""
+"""Helpers shared by the CLI safety tests: a one-line refusal, the bytes of every file under a folder, and
+a changed copy of an annotations file."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -20,3 +23,12 @@ def snapshot(*directories: Path) -> dict[str, bytes]:
     """Bytes of every file under ``directories`` except the lock files (their holder text changes)."""
     return {str(p): p.read_bytes() for d in directories for p in sorted(Path(d).rglob("*"))
             if p.is_file() and ".prune-audit.lock" not in p.name}
+
+
+def changed_annotations(annotations: Path, folder: Path, change: Callable[[dict], None]) -> Path:
+    """``folder/instances.json``: the COCO annotations of ``annotations`` after ``change`` edited them in place."""
+    data = json.loads(annotations.read_text())
+    change(data)
+    path = folder / "instances.json"
+    path.write_text(json.dumps(data))
+    return path

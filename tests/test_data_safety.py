@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from cli_checks import changed_annotations
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
@@ -359,14 +360,6 @@ def test_calibrate_and_cascade_warn_on_an_incomplete_run(demo, tmp_path):
 # ----- 9, 10. one line instead of a traceback -------------------------------------------------------------
 
 
-def write_annotations(demo, tmp_path, change) -> Path:
-    data = json.loads(demo["annotations"].read_text())
-    change(data)
-    path = tmp_path / "instances.json"
-    path.write_text(json.dumps(data))
-    return path
-
-
 @pytest.mark.parametrize(
     ("change", "needles"),
     [
@@ -379,7 +372,7 @@ def write_annotations(demo, tmp_path, change) -> Path:
     ],
 )
 def test_bad_annotations_are_refused_before_the_run_directory(demo, tmp_path, change, needles):
-    annotations = write_annotations(demo, tmp_path, change)
+    annotations = changed_annotations(demo["annotations"], tmp_path, change)
     out = tmp_path / "out"
     refused(invoke("run", "--limit", "2", *explicit_inputs(demo, annotations=annotations), "--out", out), *needles)
     assert not out.exists()

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from cli_checks import changed_annotations
 from test_data_safety import invoke, refused, snapshot
 
 from prune_audit.errors import PruneAuditError
@@ -124,17 +125,9 @@ AMBIGUITIES = [
 ]
 
 
-def ambiguous_annotations(inputs, tmp_path, change) -> Path:
-    data = json.loads(inputs["annotations"].read_text())
-    change(data)
-    path = tmp_path / "instances.json"
-    path.write_text(json.dumps(data))
-    return path
-
-
 @pytest.mark.parametrize(("change", "needles"), AMBIGUITIES)
 def test_ambiguous_annotations_are_refused_by_run_pope_build_and_pope_info(inputs, kept, tmp_path, change, needles):
-    annotations = ambiguous_annotations(inputs, tmp_path, change)
+    annotations = changed_annotations(inputs["annotations"], tmp_path, change)
     before = snapshot(tmp_path)
     out = tmp_path / "out"
     refused(invoke(*run_args(inputs, annotations=annotations), "--out", out), str(annotations), *needles)

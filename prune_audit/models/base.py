@@ -221,7 +221,7 @@ class VisionLanguageModel(ABC):
         if cls.stage == "llm":
             return set()
         missing = set(cls.requires) - self._available_input_signals()
-        if getattr(cls, "merges", False) and self._input_positions() != "compact":
+        if cls.merges and self._input_positions() != "compact":
             missing.add(MERGED_POSITIONS)
         return missing
 
