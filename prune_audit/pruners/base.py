@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.options import check_options
+from prune_audit.pruners.ranking import TOP_K_TIES, ranked_indices, top_k_indices
 
 #: where a selector acts: before the language model or inside it
 SelectorLevel = Literal["input", "llm"]
@@ -225,26 +226,6 @@ def validate_budget(budget: int) -> int:
     return int(budget)
 
 
-def top_k_indices(scores: Tensor, k: int) -> Tensor:
-    """Ascending indices of the ``k`` largest scores; ties go to the lower index.
-
-    Args:
-        scores: (N,) any float dtype; NaN is treated as the lowest score.
-    """
-    return torch.sort(ranked_indices(scores, k)).values
-
-
-def ranked_indices(scores: Tensor, k: int) -> Tensor:
-    """Indices of the ``k`` largest scores, best first; ties go to the lower index, NaN ranks last.
-
-    Args:
-        scores: (N,) any float dtype.
-    """
-    scores = torch.nan_to_num(scores.float(), nan=float("-inf"))
-    # stable sort on -score keeps index order among equal scores
-    return torch.sort(-scores, stable=True).indices[: min(k, scores.numel())]
-
-
 def as_float32(tensor: Tensor) -> Tensor:
     return tensor.detach().to(torch.float32)
 
@@ -291,6 +272,11 @@ class Selector:
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
 
+    def ranking_dtype(self, model_dtype: torch.dtype | None) -> torch.dtype | None:
+        """The dtype the official code ranks the scores in: the model's half dtype under ``score_dtype="model"``."""
+        model = getattr(self, "score_dtype", "float32") == "model" and model_dtype not in (None, torch.float32)
+        return model_dtype if model else None
+
     def _check_signals(self, signals: Any) -> None:
         missing = sorted(r for r in self.requires if getattr(signals, r, None) is None)
         if missing:
@@ -312,6 +298,8 @@ class InputSelector(Selector):
     stage: ClassVar[SelectorLevel] = "input"
     fills_budget: ClassVar[bool] = True
     merges: ClassVar[bool] = False
+    ties: str = "lower"  # top-k selectors declare it as an option (TOP_K_TIES)
+    score_dtype: str = "float32"
 
     def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
         """Choose ``budget`` output tokens out of ``signals.num_tokens``."""
@@ -324,7 +312,7 @@ class InputSelector(Selector):
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         scores = self.score(signals, generator)
-        return Selection(kept=top_k_indices(scores, budget))
+        return Selection(kept=top_k_indices(scores, budget, self.ties, self.ranking_dtype(signals.model_dtype)))
 
     def score(self, signals: InputSignals, generator: torch.Generator | None) -> Tensor:
         """(N,) float32 importance; higher is kept first. Greedy methods override ``_select``."""
@@ -338,6 +326,7 @@ class LayerSelector(Selector):
     positions: PositionMode = "keep_original"
     signal_layer: str = "current"  # "previous": attention/keys of layer l-1 score a stage at layer l
     score_dtype: str = "float32"  # "model": attention formed in, other inputs and scores rounded to the model dtype
+    ties: str = "lower"  # top-k selectors declare it as an option (TOP_K_TIES)
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""
@@ -351,7 +340,8 @@ class LayerSelector(Selector):
             return torch.arange(n, dtype=torch.long)
         if stage.keep <= 0:
             return torch.zeros(0, dtype=torch.long)
-        return top_k_indices(self.model_precision(self.score(stage, self.inputs(signals), state), signals), stage.keep)
+        scores = self.model_precision(self.score(stage, self.inputs(signals), state), signals)
+        return top_k_indices(scores, stage.keep, self.ties, self.ranking_dtype(signals.model_dtype))
 
     def merge(self, stage: Stage, signals: LayerSignals, state: dict[str, Any], kept: Tensor) -> TokenMerge | None:
         """Tokens to add after ``kept`` (positions among the alive tokens) survive ``stage``; None: none.
@@ -388,6 +378,7 @@ __all__ = [
     "InputSelector",
     "LayerSelector",
     "top_k_indices",
+    "TOP_K_TIES",
     "ranked_indices",
     "validate_budget",
     "option_defaults",

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, InputSignals, LayerSelector, Reference, cls_probabilities
+from prune_audit.pruners.base import TOP_K_TIES, InputSelector, InputSignals, LayerSelector, Reference, cls_probabilities
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES
@@ -48,6 +48,7 @@ class ClsAttentionSelector(InputSelector):
 
     head_aggregation: str = option("mean", Choice(("mean", "sum")), "head mean (reference) or sum; same ranking")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
+    ties: str = option("lower", Choice(TOP_K_TIES), "exact ties to the lower index, or torch.topk's order (official)")
 
     # the in-LLM selectors' rounding under score_dtype="model": it reads only score_dtype and signals.model_dtype
     model_precision = LayerSelector.model_precision

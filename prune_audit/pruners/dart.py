@@ -113,7 +113,7 @@ class DARTSelector(SingleStageSelector):
         shares = picks_per_pivot(stage.keep - visual_pivots.numel(), pivot_hidden.shape[0])
         for pivot, share in zip(pivot_hidden, shares):
             dissimilarity = self.model_precision(-(hidden @ pivot), signals).masked_fill(~candidate, float("-inf"))
-            picks = top_k_indices(dissimilarity, share)
+            picks = top_k_indices(dissimilarity, share, self.ties, self.ranking_dtype(signals.model_dtype))
             candidate[picks] = False
             kept.append(picks)
         return torch.sort(torch.cat(kept)).values

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, get_args
 
-from prune_audit.pruners.base import LayerSelector, PositionMode, Stage, validate_budget
+from prune_audit.pruners.base import TOP_K_TIES, LayerSelector, PositionMode, Stage, validate_budget
 from prune_audit.pruners.options import Choice, Integer, option
 
 T = TypeVar("T")
@@ -300,6 +300,7 @@ class ScheduledSelector(LayerSelector):
     )
     positions: str = option("keep_original", Choice(get_args(PositionMode)), "position ids after pruning")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
+    ties: str = option("lower", Choice(TOP_K_TIES), "exact ties to the lower index, or torch.topk's order (official)")
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         budget = validate_budget(budget)

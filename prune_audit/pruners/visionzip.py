@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import (
+    TOP_K_TIES,
     InputSelector,
     InputSignals,
     Reference,
@@ -74,6 +75,7 @@ class VisionZipSelector(InputSelector):
         5 / 32, Real(low=0.0, high=1.0, open_high=True), "share of the budget given to contextual tokens"
     )
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
+    ties: str = option("lower", Choice(TOP_K_TIES), "exact ties to the lower index, or torch.topk's order (official)")
 
     def split(self, budget: int) -> tuple[int, int]:
         """``(dominant incl. CLS, contextual)`` token counts for ``budget``."""
@@ -84,7 +86,7 @@ class VisionZipSelector(InputSelector):
         dominant_count, contextual_count = self.split(budget)
         dtype = signals.model_dtype if self.score_dtype == "model" and signals.model_dtype != torch.float32 else None
         saliency = rounded_to(cls_probabilities(signals, dtype).sum(dim=0), dtype)
-        dominant = top_k_indices(saliency, dominant_count - 1)
+        dominant = top_k_indices(saliency, dominant_count - 1, self.ties, self.ranking_dtype(signals.model_dtype))
         rest = torch.ones(signals.num_tokens, dtype=torch.bool)
         rest[dominant] = False
         features = rounded_to(as_float32(signals.vision_features), dtype)
