@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prune_audit.data import gqa
+from prune_audit.data import gqa, scienceqa
 from prune_audit.errors import PruneAuditError
 
 LLAVA_EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "llava_eval"
@@ -163,3 +163,92 @@ def test_llava_gqa_testdev_file_parses():
     assert len(questions) == 12578 and len({q.image for q in questions}) == 398
     assert all(q.text == f"{q.question}\n{gqa.INSTRUCTION}" for q in questions)
     assert questions[0].question == "Is it overcast?" and questions[0].image_id == "n161313"
+
+
+# --- ScienceQA-IMG -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "letter"), [
+    ("A", "A"),
+    ("E", "E"),                                  # any of A-E parses; whether it is offered is scored later
+    ("B. apostrophe", "B"),
+    ("C. ", "C"),
+    ("A.", scienceqa.FAILED),                    # "X. " needs the space
+    (" A", scienceqa.FAILED),                    # no stripping: the text must be the letter itself
+    ("a", scienceqa.FAILED),
+    ("F. fifth", scienceqa.FAILED),              # "X. " only for A-E
+    ("The answer is C.", "C"),
+    ("Because of x, the answer is wrong. The answer is D, clearly", "D"),  # "." in the pattern is any character
+    ("The answer is F.", "F"),                   # [A-Z]: parsed, then scored wrong (not offered)
+    ("The answer is B", scienceqa.FAILED),       # nothing after the letter: no match
+    ("The answer is A. The answer is B.", scienceqa.FAILED),  # two matches
+    ("Answer: B", scienceqa.FAILED),
+    ("", scienceqa.FAILED),
+])
+def test_scienceqa_letters_follow_llava_eval_science_qa(text, letter):
+    assert scienceqa.parse_letter(text) == letter
+
+
+def sqa_entry(qid: str, value: str, answer: str = "A", image: str | None = None) -> dict:
+    entry = {"id": qid, "conversations": [{"from": "human", "value": value}, {"from": "gpt", "value": answer}]}
+    return {**entry, "image": image} if image else entry
+
+
+SQA_ENTRIES = [
+    sqa_entry("5", "<image>\nContext: A food web.\nArrows show matter.\nWhich eats grass?\nA. fox\nB. rabbit", "B",
+              "5/image.png"),
+    sqa_entry("6", "Which word fits?\nA. See you soon,\nJanet\nB. See You Soon,\nJanet\nC. bye", "C"),
+    sqa_entry("7", "<image>\nWhat is shown?\nA. a map\nB. a cell\nC. a star\nD. a leaf", "D", "7/image.png"),
+]
+
+
+def test_scienceqa_entries_parse_into_question_context_and_options(tmp_path):
+    path = write_json(tmp_path / "llava_test_CQM-A.json", SQA_ENTRIES)
+    everything = scienceqa.load_scienceqa(path, images_only=False)
+    assert [q.question_id for q in scienceqa.load_scienceqa(path)] == ["5", "7"]
+    first, second, third = everything
+    assert first.context == "A food web.\nArrows show matter." and first.question == "Which eats grass?"
+    assert first.options == ("fox", "rabbit") and first.answer == "B" and first.letters == ("A", "B")
+    assert first.text.startswith("Context: A food web.") and "<image>" not in first.text
+    assert first.prompt.endswith("\nB. rabbit\n" + scienceqa.INSTRUCTION)
+    assert second.options == ("See you soon,\nJanet", "See You Soon,\nJanet", "bye") and second.context is None
+    assert second.image is None and third.image == "7/image.png" and len(third.options) == 4
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    (sqa_entry("8", "Q?\nA. x\nC. y"), r"entry 3 \(id 8\): options must be .* found letters A, C"),
+    (sqa_entry("8", "Q?\nA. x"), r"found letters A;"),
+    (sqa_entry("8", "A. x\nB. y"), r"entry 3 \(id 8\): no question before the options"),
+    (sqa_entry("8", "Q?\nA. x\nB. y", answer="C"), r"offered letters A, B, got 'C'"),
+    (sqa_entry("8", "<image>\nQ?\nA. x\nB. y"), r"has an image exactly when its question has <image>"),
+    (sqa_entry("8", "Q?\nA. x\nB. y", image="/abs/image.png"), r"leads outside the images folder"),
+    (sqa_entry("5", "Q?\nA. x\nB. y"), r"entry 3 repeats id 5 of entry 0"),
+    ({"conversations": []}, r"entry 3: missing id"),
+    ({"id": "8", "conversations": [{"from": "gpt", "value": "A"}]}, r"the first turn must be from 'human'"),
+    ({"id": True, "conversations": []}, r"question_id must be a string or a non-negative integer"),
+])
+def test_scienceqa_reader_refuses_bad_entries_in_one_line(tmp_path, entry, message):
+    with pytest.raises(PruneAuditError, match=message) as caught:
+        scienceqa.load_scienceqa(write_json(tmp_path / "sqa.json", [*SQA_ENTRIES, entry]))
+    assert "\n" not in str(caught.value)
+
+
+def test_scienceqa_scores_an_answers_file(tmp_path):
+    questions = scienceqa.load_scienceqa(write_json(tmp_path / "sqa.json", SQA_ENTRIES), images_only=False)
+    answers = write_lines(tmp_path / "answers.jsonl", [
+        {"question_id": "5", "prompt": "<image>\n...", "text": "B", "answer_id": "a", "model_id": "m", "metadata": {}},
+        {"question_id": "6", "text": "The answer is C."},
+        {"question_id": "7", "text": "E"},  # E parses but question 7 offers A-D: wrong
+    ])
+    result = scienceqa.score_answers(answers, questions)
+    assert (result["n"], result["correct"], result["accuracy"]) == (3, 2, pytest.approx(2 / 3))
+    assert (result["img"]["n"], result["img"]["correct"], result["img"]["accuracy"]) == (2, 1, 0.5)
+    assert [(row["parsed"], row["correct"]) for row in result["per_question"]] == [("B", True), ("C", True), ("E", False)]
+
+
+@pytest.mark.skipif(not (LLAVA_EVAL / "llava_test_CQM-A.json").is_file(), reason=SHARED_ABSENT)
+def test_llava_scienceqa_test_file_parses():
+    everything = scienceqa.load_scienceqa(LLAVA_EVAL / "llava_test_CQM-A.json", images_only=False)
+    images = [q for q in everything if q.image is not None]
+    assert (len(everything), len(images)) == (4241, 2017)
+    assert {len(q.options) for q in everything} == {2, 3, 4, 5} and all(q.answer in q.letters for q in everything)
+    assert sum(q.context is not None for q in everything) == 2046
