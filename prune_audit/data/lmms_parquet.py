@@ -1,0 +1,238 @@
+"""The Parquet files of the lmms-eval datasets: questions plus embedded image bytes.
+
+Layouts (Hugging Face ``datasets`` features, as the dataset cards declare them; an ``image`` column
+is a struct ``{bytes: binary, path: string}``):
+
+- ``lmms-lab/POPE`` (``data/test-*.parquet``): ``id``, ``question_id``, ``question``, ``answer``
+  (yes/no), ``image_source`` (``COCO_val2014_...``), ``image``, ``category`` (the split).
+- ``lmms-lab/GQA``: questions in ``testdev_balanced_instructions`` (``id``, ``imageId``,
+  ``question``, ``answer``, ``fullAnswer``, ``isBalanced``, ... and, when present, ``annotations``)
+  and images in ``testdev_balanced_images`` (``id`` = imageId, ``image``), joined on ``imageId`` as
+  lmms-eval's ``gqa_doc_to_visual`` does.
+- ``lmms-lab/ScienceQA`` (``ScienceQA-IMG/test-*.parquet``): ``image`` (null without one),
+  ``question``, ``choices`` (list of text), ``answer`` (index, int8), ``hint``, ``task``, ``grade``,
+  ``subject``, ``topic``, ``category``, ``skill``, ``lecture``, ``solution``. It has no problem id:
+  a question's id is its row number (over the files in the order given). The prompt is built as
+  lmms-eval's ``sqa_doc_to_text`` (= LLaVA's file): ``Context: <hint>\\n`` when there is a hint,
+  the question, then ``X. choice`` lines.
+
+Every reader returns the same question dataclasses as the JSON readers, plus the image bytes by
+image name; every check names the file, the row and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from prune_audit.data.gqa import ANNOTATION_FIELDS, GqaQuestion, INSTRUCTION as GQA_INSTRUCTION
+from prune_audit.data.pope import LABELS, PopeQuestion, parse_object
+from prune_audit.data.scienceqa import LETTERS, ScienceQaQuestion, parse_prompt
+from prune_audit.errors import PruneAuditError
+from prune_audit.integers import is_digits
+
+Question = TypeVar("Question")
+Paths = str | Path | Sequence[str | Path]
+POPE_COLUMNS = ("question_id", "question", "answer", "image_source", "image", "category")
+GQA_COLUMNS = ("id", "imageId", "question", "answer")
+GQA_IMAGE_COLUMNS = ("id", "image")
+SCIENCEQA_COLUMNS = ("image", "question", "choices", "answer", "hint")
+
+
+@dataclass(frozen=True)
+class ParquetQuestions(Generic[Question]):
+    """Questions read from Parquet and the embedded images they name (``question.image`` -> bytes)."""
+
+    questions: list[Question]
+    images: dict[str, bytes]
+
+
+def _paths(paths: Paths) -> list[Path]:
+    listed = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    if not listed:
+        raise PruneAuditError("no Parquet files given")
+    return listed
+
+
+def read_rows(path: Path, columns: Sequence[str], layout: str) -> list[dict[str, Any]]:
+    """The rows of ``path`` as dicts; a file that is not Parquet or lacks a column is one line naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, pa.ArrowException) as error:
+        raise PruneAuditError(f"{path}: not a readable Parquet file ({error}); pass the {layout} files") from None
+    missing = [column for column in columns if column not in schema.names]
+    if missing:
+        raise PruneAuditError(
+            f"{path}: no column {', '.join(missing)}; expected the {layout} layout ({', '.join(columns)})"
+        )
+    return pq.read_table(path).to_pylist()
+
+
+def _text(row: dict[str, Any], column: str, where: str, optional: bool = False) -> str | None:
+    value = row.get(column)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise PruneAuditError(f"{where}: {column} must be non-empty text, got {value!r}; fix the row")
+    return value
+
+
+def _image_bytes(value: Any, where: str) -> bytes:
+    """The bytes of an ``{bytes, path}`` image struct; a path without bytes cannot be opened here."""
+    data = value.get("bytes") if isinstance(value, dict) else None
+    if not isinstance(data, bytes) or not data:
+        raise PruneAuditError(
+            f"{where}: image has no embedded bytes (got {type(value).__name__}); use the dataset's Parquet files, "
+            f"which embed each image"
+        )
+    return data
+
+
+def _read(paths: Paths, columns: Sequence[str], layout: str,
+          convert: Callable[[dict[str, Any], str, int], tuple[Question, bytes | None]]) -> ParquetQuestions[Question]:
+    questions: list[Question] = []
+    images: dict[str, bytes] = {}
+    for path in _paths(paths):
+        for number, row in enumerate(read_rows(path, columns, layout)):
+            question, data = convert(row, f"{path}: row {number}", len(questions))
+            questions.append(question)
+            if data is not None:
+                images.setdefault(question.image, data)  # type: ignore[attr-defined]
+    if not questions:
+        raise PruneAuditError(f"no rows in {', '.join(str(p) for p in _paths(paths))}")
+    return ParquetQuestions(questions, images)
+
+
+def _pope_row(row: dict[str, Any], where: str, _index: int) -> tuple[PopeQuestion, bytes]:
+    question_id = row.get("question_id")
+    text = str(question_id) if isinstance(question_id, (str, int)) and not isinstance(question_id, bool) else ""
+    if not is_digits(text):
+        raise PruneAuditError(f"{where}: question_id must be digits, got {question_id!r}; fix the row")
+    answer = _text(row, "answer", where)
+    if answer not in LABELS:
+        raise PruneAuditError(f"{where}: answer must be 'yes' or 'no', got {answer!r}")
+    question = _text(row, "question", where)
+    try:
+        obj = parse_object(question)  # type: ignore[arg-type]
+    except PruneAuditError as error:
+        raise PruneAuditError(f"{where}: {error}") from None
+    source = _text(row, "image_source", where)
+    split = _text(row, "category", where)
+    image = source if Path(source).suffix else f"{source}.jpg"  # type: ignore[arg-type]
+    pope = PopeQuestion(question_id=int(text), split=split, image=image, text=question,  # type: ignore[arg-type]
+                        label=answer, object=obj, category=split)
+    return pope, _image_bytes(row.get("image"), where)
+
+
+def read_pope_parquet(paths: Paths) -> ParquetQuestions[PopeQuestion]:
+    """lmms-lab/POPE's Parquet files (one or several shards) as POPE questions with their images.
+
+    The image is named ``<image_source>.jpg``; the split is ``category``; a (split, question_id)
+    pair must be unique, as in the JSON files.
+    """
+    result = _read(paths, POPE_COLUMNS, "lmms-lab/POPE", _pope_row)
+    seen: set[tuple[str, int]] = set()
+    for question in result.questions:
+        key = (question.split, question.question_id)
+        if key in seen:
+            raise PruneAuditError(f"question_id {key[1]} of split {key[0]} repeats; pass each POPE shard once")
+        seen.add(key)
+    return result
+
+
+def _annotation_spans(value: Any) -> list[str]:
+    """Object ids of one annotations field: a map (pairs), a struct (dict) or JSON text of span -> id."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else {}
+    if isinstance(value, dict):
+        return [v for v in value.values() if v is not None]
+    if isinstance(value, list):
+        return [pair[1] for pair in value]
+    return []
+
+
+def _gqa_evidence(row: dict[str, Any], where: str) -> tuple[str, ...]:
+    annotations = row.get("annotations") or {}
+    try:
+        ids = [str(i) for field in ANNOTATION_FIELDS for i in _annotation_spans(annotations.get(field))]
+    except (AttributeError, ValueError, IndexError, TypeError):
+        raise PruneAuditError(f"{where}: annotations must map word spans to object ids; fix the row") from None
+    return tuple(dict.fromkeys(ids))
+
+
+def read_gqa_parquet(instructions: Paths, images: Paths) -> ParquetQuestions[GqaQuestion]:
+    """lmms-lab/GQA's ``*_instructions`` and ``*_images`` Parquet files joined on ``imageId``.
+
+    Questions are prompted as LLaVA's file (question, newline, the short-answer instruction); each
+    question's image must be among ``images``.
+    """
+    pictures: dict[str, bytes] = {}
+    for path in _paths(images):
+        for number, row in enumerate(read_rows(path, GQA_IMAGE_COLUMNS, "lmms-lab/GQA *_images")):
+            where = f"{path}: row {number}"
+            image_id = _text(row, "id", where)
+            if image_id in pictures:
+                raise PruneAuditError(f"{where}: image {image_id} repeats; pass each image file once")
+            pictures[image_id] = _image_bytes(row.get("image"), where)  # type: ignore[index]
+
+    def convert(row: dict[str, Any], where: str, _index: int) -> tuple[GqaQuestion, bytes]:
+        question_id, image_id = _text(row, "id", where), _text(row, "imageId", where)
+        if image_id not in pictures:
+            raise PruneAuditError(
+                f"{where}: image {image_id} is not in the images files; pass the matching *_images split"
+            )
+        text = _text(row, "question", where)
+        return GqaQuestion(
+            question_id=question_id, image=f"{image_id}.jpg", text=f"{text}\n{GQA_INSTRUCTION}", question=text,  # type: ignore[arg-type]
+            answer=_text(row, "answer", where, optional=True), full_answer=_text(row, "fullAnswer", where, optional=True),
+            evidence_object_ids=_gqa_evidence(row, where),
+        ), pictures[image_id]  # type: ignore[index]
+
+    result = _read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert)
+    ids = [question.question_id for question in result.questions]
+    if len(set(ids)) != len(ids):
+        repeated = next(i for n, i in enumerate(ids) if i in ids[:n])
+        raise PruneAuditError(f"question {repeated} repeats; pass each instructions file once")
+    return result
+
+
+def _scienceqa_row(row: dict[str, Any], where: str, index: int) -> tuple[ScienceQaQuestion, bytes | None]:
+    choices = row.get("choices")
+    if not isinstance(choices, list) or not 2 <= len(choices) <= len(LETTERS) or not all(isinstance(c, str) for c in choices):
+        raise PruneAuditError(f"{where}: choices must be a list of 2 to {len(LETTERS)} texts, got {choices!r}")
+    answer = row.get("answer")
+    if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
+        raise PruneAuditError(f"{where}: answer must be a choice index from 0 to {len(choices) - 1}, got {answer!r}")
+    hint = row.get("hint")
+    if hint is not None and not isinstance(hint, str):
+        raise PruneAuditError(f"{where}: hint must be text, got {hint!r}")
+    question = _text(row, "question", where)
+    options = "\n".join(f"{letter}. {choice}" for letter, choice in zip(LETTERS, choices))
+    value = f"{f'Context: {hint}' + chr(10) if hint else ''}{question}\n{options}"
+    text, parsed_question, context, parsed_options = parse_prompt(value, where)
+    data = None if row.get("image") is None else _image_bytes(row["image"], where)
+    return ScienceQaQuestion(
+        question_id=str(index), image=None if data is None else f"{index}.png", text=text, question=parsed_question,
+        context=context, options=parsed_options, answer=LETTERS[answer],
+    ), data
+
+
+def read_scienceqa_parquet(paths: Paths, images_only: bool = True) -> ParquetQuestions[ScienceQaQuestion]:
+    """lmms-lab/ScienceQA's Parquet files; ``images_only`` keeps the rows with an image (ScienceQA-IMG).
+
+    Question ids are row numbers over the files in order (the layout has no problem id), so ids
+    are stable only for the same files in the same order; images are named ``<id>.png``.
+    """
+    result = _read(paths, SCIENCEQA_COLUMNS, "lmms-lab/ScienceQA", _scienceqa_row)
+    if images_only:
+        kept = [question for question in result.questions if question.image is not None]
+        if not kept:
+            raise PruneAuditError("no ScienceQA rows with an image; pass ScienceQA-IMG files or keep every row")
+        return ParquetQuestions(kept, result.images)
+    return result
