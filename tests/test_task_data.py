@@ -140,7 +140,7 @@ def test_gqa_scores_an_answers_file(gqa_files, tmp_path):
         {"question_id": "201", "text": "a laptop"},
         {"question_id": 202, "text": "No"},  # an integer id matches too
     ])
-    result = gqa.score_answers(answers, questions)
+    result = gqa.score_gqa_answers(answers, questions)
     assert (result["n"], result["correct"]) == (3, 2) and result["accuracy"] == pytest.approx(2 / 3)
     assert [row["correct"] for row in result["per_question"]] == [False, True, True]
     assert result["per_question"][0] == {"question_id": "201", "prediction": "a laptop", "reference": "laptop",
@@ -159,7 +159,7 @@ def test_gqa_scores_an_answers_file(gqa_files, tmp_path):
 def test_gqa_answers_files_are_matched_by_id_or_refused(gqa_files, tmp_path, rows, message):
     questions = gqa.load_gqa(gqa_files[0], gqa_files[1])
     with pytest.raises(PruneAuditError, match=message):
-        gqa.score_answers(write_lines(tmp_path / "answers.jsonl", rows), questions)
+        gqa.score_gqa_answers(write_lines(tmp_path / "answers.jsonl", rows), questions)
 
 
 @pytest.mark.skipif(not (LLAVA_EVAL / "llava_gqa_testdev_balanced.jsonl").is_file(), reason=SHARED_ABSENT)
@@ -244,7 +244,7 @@ def test_scienceqa_scores_an_answers_file(tmp_path):
         {"question_id": "6", "text": "The answer is C."},
         {"question_id": "7", "text": "E"},  # E parses but question 7 offers A-D: wrong
     ])
-    result = scienceqa.score_answers(answers, questions)
+    result = scienceqa.score_scienceqa_answers(answers, questions)
     assert (result["n"], result["correct"], result["accuracy"]) == (3, 2, pytest.approx(2 / 3))
     assert (result["img"]["n"], result["img"]["correct"], result["img"]["accuracy"]) == (2, 1, 0.5)
     assert [(row["parsed"], row["correct"]) for row in result["per_question"]] == [("B", True), ("C", True), ("E", False)]

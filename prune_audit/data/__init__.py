@@ -1,4 +1,4 @@
-"""COCO instances, POPE question files and token geometry: what object-area retention needs.
+"""COCO instances, question files (POPE, GQA, ScienceQA, captions) and token geometry.
 
 >>> from prune_audit.data import CocoInstances, ObjectAreaCache, geometry_from_processor, load_pope, retention_batch
 
@@ -21,6 +21,29 @@ _EXPORTS = {
     "build_pope": "pope_build",
     "write_pope_files": "pope_build",
     "question_text": "pope_build",
+    # GQA, ScienceQA-IMG and caption questions, their answer rules and scores
+    "GqaQuestion": "gqa",
+    "SceneGraph": "gqa",
+    "load_gqa": "gqa",
+    "load_scene_graphs": "gqa",
+    "evidence_mask": "gqa",
+    "score_gqa_answers": "gqa",
+    "ScienceQaQuestion": "scienceqa",
+    "load_scienceqa": "scienceqa",
+    "parse_letter": "scienceqa",
+    "score_scienceqa_answers": "scienceqa",
+    "CaptionQuestion": "captions",
+    "caption_questions": "captions",
+    "read_coco_captions": "captions",
+    "score_caption_answers": "captions",
+    "score_caption": "chair",
+    "chair_metrics": "chair",
+    "load_llava_answers": "answers",
+    # the lmms-eval datasets' Parquet files (questions + embedded images)
+    "ParquetQuestions": "lmms_parquet",
+    "read_pope_parquet": "lmms_parquet",
+    "read_gqa_parquet": "lmms_parquet",
+    "read_scienceqa_parquet": "lmms_parquet",
     # COCO instances and the token geometry of an image
     "CocoInstances": "coco",
     "TokenGeometry": "geometry",

@@ -303,7 +303,7 @@ def exact_match(prediction: str, reference: str, rule: str = "llava") -> bool:
     return normalize_answer(prediction, rule) == gold
 
 
-def score_answers(answers: str | Path, questions: Sequence[GqaQuestion], rule: str = "llava") -> dict[str, Any]:
+def score_gqa_answers(answers: str | Path, questions: Sequence[GqaQuestion], rule: str = "llava") -> dict[str, Any]:
     """Score a LLaVA answers file (``question_id``, ``text``) against GQA questions with answers.
 
     Returns ``answers`` (path, sha256), ``rule``, ``n``, ``correct``, ``accuracy`` and

@@ -74,13 +74,15 @@ def read_rows(path: Path, columns: Sequence[str], layout: str) -> list[dict[str,
     return pq.read_table(path).to_pylist()
 
 
-def _text(row: dict[str, Any], column: str, where: str, optional: bool = False) -> str | None:
+def _text(row: dict[str, Any], column: str, where: str) -> str:
     value = row.get(column)
-    if value is None and optional:
-        return None
     if not isinstance(value, str) or not value.strip():
         raise PruneAuditError(f"{where}: {column} must be non-empty text, got {value!r}; fix the row")
     return value
+
+
+def _optional_text(row: dict[str, Any], column: str, where: str) -> str | None:
+    return None if row.get(column) is None else _text(row, column, where)
 
 
 def _image_bytes(value: Any, where: str) -> bytes:
@@ -119,14 +121,14 @@ def _pope_row(row: dict[str, Any], where: str, _index: int) -> tuple[PopeQuestio
         raise PruneAuditError(f"{where}: answer must be 'yes' or 'no', got {answer!r}")
     question = _text(row, "question", where)
     try:
-        obj = parse_object(question)  # type: ignore[arg-type]
+        obj = parse_object(question)
     except PruneAuditError as error:
         raise PruneAuditError(f"{where}: {error}") from None
     source = _text(row, "image_source", where)
     split = _text(row, "category", where)
-    image = source if Path(source).suffix else f"{source}.jpg"  # type: ignore[arg-type]
-    pope = PopeQuestion(question_id=int(text), split=split, image=image, text=question,  # type: ignore[arg-type]
-                        label=answer, object=obj, category=split)
+    image = source if Path(source).suffix else f"{source}.jpg"
+    pope = PopeQuestion(question_id=int(text), split=split, image=image, text=question, label=answer, object=obj,
+                        category=split)
     return pope, _image_bytes(row.get("image"), where)
 
 
@@ -179,7 +181,7 @@ def read_gqa_parquet(instructions: Paths, images: Paths) -> ParquetQuestions[Gqa
             image_id = _text(row, "id", where)
             if image_id in pictures:
                 raise PruneAuditError(f"{where}: image {image_id} repeats; pass each image file once")
-            pictures[image_id] = _image_bytes(row.get("image"), where)  # type: ignore[index]
+            pictures[image_id] = _image_bytes(row.get("image"), where)
 
     def convert(row: dict[str, Any], where: str, _index: int) -> tuple[GqaQuestion, bytes]:
         question_id, image_id = _text(row, "id", where), _text(row, "imageId", where)
@@ -188,11 +190,12 @@ def read_gqa_parquet(instructions: Paths, images: Paths) -> ParquetQuestions[Gqa
                 f"{where}: image {image_id} is not in the images files; pass the matching *_images split"
             )
         text = _text(row, "question", where)
-        return GqaQuestion(
-            question_id=question_id, image=f"{image_id}.jpg", text=f"{text}\n{GQA_INSTRUCTION}", question=text,  # type: ignore[arg-type]
-            answer=_text(row, "answer", where, optional=True), full_answer=_text(row, "fullAnswer", where, optional=True),
+        question = GqaQuestion(
+            question_id=question_id, image=f"{image_id}.jpg", text=f"{text}\n{GQA_INSTRUCTION}", question=text,
+            answer=_optional_text(row, "answer", where), full_answer=_optional_text(row, "fullAnswer", where),
             evidence_object_ids=_gqa_evidence(row, where),
-        ), pictures[image_id]  # type: ignore[index]
+        )
+        return question, pictures[image_id]
 
     result = _read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert)
     ids = [question.question_id for question in result.questions]

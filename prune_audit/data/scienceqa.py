@@ -174,7 +174,7 @@ def is_correct(text: str, question: ScienceQaQuestion) -> bool:
     return letter in question.letters and letter == question.answer
 
 
-def score_answers(answers: str | Path, questions: Sequence[ScienceQaQuestion]) -> dict[str, Any]:
+def score_scienceqa_answers(answers: str | Path, questions: Sequence[ScienceQaQuestion]) -> dict[str, Any]:
     """Score a LLaVA answers file against ScienceQA questions, as ``eval_science_qa.py`` does.
 
     Returns ``answers`` (path, sha256), ``n``, ``correct``, ``accuracy``, ``img`` (n, correct,
