@@ -13,7 +13,7 @@ from conftest import SHARED_DATA
 
 from prune_audit.data import captions, chair, gqa, lmms_parquet, scienceqa
 from prune_audit.data.coco import CocoInstances
-from prune_audit.data.pope import PopeQuestion
+from prune_audit.data.pope import PopeQuestion, file_sha256
 from prune_audit.errors import PruneAuditError
 
 LLAVA_EVAL = SHARED_DATA / "llava_eval"
@@ -101,6 +101,13 @@ def test_gqa_joins_llava_questions_answers_and_evidence(gqa_files):
     assert not gqa.evidence_mask(questions[1], graphs["n1"]).any()
     clipped = gqa.evidence_mask(questions[2], graphs["n2"])  # a box past the image edge is clipped
     assert clipped.sum() == 4 and clipped[2:, 2:].all()
+
+
+def test_gqa_image_size_must_match_its_scene_graph(gqa_files):
+    graph = gqa.load_scene_graphs(gqa_files[2])["n1"]
+    gqa.check_image_size(graph, (8, 6), "n1.jpg")
+    with pytest.raises(PruneAuditError, match=r"image n1.jpg is 6x8 pixels but its scene graph says 8x6"):
+        gqa.check_image_size(graph, (6, 8), "n1.jpg")
 
 
 def test_gqa_questions_from_the_gqa_json_alone(gqa_files):
@@ -518,3 +525,9 @@ def test_lmms_scienceqa_parquet_reads_like_llavas_file(tmp_path):
 def test_lmms_scienceqa_parquet_refuses_bad_rows(tmp_path, changes, message):
     with pytest.raises(PruneAuditError, match=message):
         lmms_parquet.read_scienceqa_parquet(write_parquet(tmp_path / "sqa.parquet", scienceqa_columns(**changes)))
+
+
+def test_chair_synonyms_are_the_bundled_upstream_file():
+    """``assets/chair/synonyms.txt`` is LisaAnne/Hallucination's ``data/synonyms.txt`` byte for byte (NOTICE.md)."""
+    assert file_sha256(chair.SYNONYMS_FILE) == "b685537b36fe21b791c87151b96a991ceb582edff19f3da204dcc7a7905502f2"
+    assert (chair.SYNONYMS_FILE.parent / "NOTICE.md").is_file()

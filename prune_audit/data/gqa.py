@@ -257,6 +257,15 @@ def load_scene_graphs(path: str | Path) -> dict[str, SceneGraph]:
     return graphs
 
 
+def check_image_size(graph: SceneGraph, size: tuple[int, int], path: str | Path) -> None:
+    """Refuse the image at ``path`` when its (width, height) ``size`` is not its scene graph's (boxes would not line up)."""
+    if tuple(size) != (graph.width, graph.height):
+        raise PruneAuditError(
+            f"image {path} is {size[0]}x{size[1]} pixels but its scene graph says {graph.width}x{graph.height} "
+            f"(width x height), so its evidence boxes would not line up; pass the GQA images of these scene graphs"
+        )
+
+
 def evidence_objects(question: GqaQuestion, graph: SceneGraph) -> list[tuple[str, SceneObject]]:
     """(id, object) of each object the question's annotations name, in :attr:`GqaQuestion.evidence_object_ids` order."""
     _check_evidence(question, {graph.image_id: graph})
