@@ -55,13 +55,8 @@ def load_llava_answers(path: str | Path) -> dict[str, LlavaAnswer]:
     return answers
 
 
-def same_id(a: str, b: str) -> bool:
-    """Ids equal as written, or as whole numbers (``"0042"`` in one file, ``42`` in the other)."""
-    return a == b or (is_digits(a) and is_digits(b) and int(a) == int(b))
-
-
 def match_answers(question_ids: Sequence[str], answers: dict[str, LlavaAnswer], path: str | Path) -> list[str]:
-    """The answer text of every question, in question order.
+    """The answer text of every question, in question order; ids match as written or as whole numbers.
 
     Raises:
         PruneAuditError: an answer for an id the questions lack (naming its line), or questions
