@@ -11,7 +11,8 @@ exists, the test that checks it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 # the random-case comparison of tests/test_fidelity.py: 10 seeds x budgets 64/128/192, 576 tokens, 1024/4096-dim
@@ -29,6 +30,10 @@ class Fidelity:
         differences: every remaining difference from the official code, each with its reason.
         agreement: the measured agreement, quoting the test that measures it.
         agreement_cases: N of the ``RANDOM_CASES`` random cases with identical kept sets, when measured.
+        half_agreement: the agreement in fp16 and bf16 against the official arithmetic in that dtype, with the
+            options that reach it, quoting the test (and naming the kernel rounding that prevents exactness).
+        half_cases: ``{"fp16": N, "bf16": N}``: N of the ``RANDOM_CASES`` random cases identical in each dtype
+            with those options, where a test asserts it.
     """
 
     commit: str
@@ -37,6 +42,8 @@ class Fidelity:
     differences: tuple[str, ...]
     agreement: str
     agreement_cases: int | None = None
+    half_agreement: str = "no half-precision path (nothing is computed in the model dtype)"
+    half_cases: Mapping[str, int] = field(default_factory=dict)
 
 
 _MODEL_DTYPE = (
@@ -105,16 +112,26 @@ FIDELITY: dict[str, Fidelity] = {
     "dart": Fidelity(
         "vendored in Chenfei-Liao/VTC-Bench 983e443e; fork xqy1111111/DART 02476570",
         "pivots visited in ascending sequence order; key norms of layer K-1 (signal_layer=previous); average rule",
-        ("budget_rule=paper", "pivot_order=set", "score_dtype=model"),
+        ("budget_rule=paper", "pivot_order=set", "score_dtype=model", "ties=topk"),
         (
             "default pivot order is ascending (the official Python-set order depends on where the image sits "
             "in the prompt); pivot_order=set reproduces it",
-            "ties to the lower index",
-            _MODEL_DTYPE,
+            "ties to the lower index by default; ties=topk ranks the key norms and each pivot's remaining "
+            "candidates with torch.topk as the official code does (its order among exact ties is the kernel's: "
+            "use it to reproduce a run on the same hardware, the default for deterministic audits)",
+            "score_dtype=model rounds the key norms and normed hidden states to the model dtype and computes the "
+            "dissimilarities as the official -F.cosine_similarity in it (norms, unit vectors and products rounded, "
+            "the sum accumulated in float32 and rounded once); float32 cosines rounded afterwards differ by an "
+            "ulp in about half of the values",
         ),
         _random(30, "test_fidelity.py::test_dart_set_order_reproduces_the_official_iteration",
                 "pivot_order=sequence (default): 0 of 30"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases, and 30 of 30 each with a quarter of the rows duplicated, "
+        "with budget_rule=paper, pivot_order=set, score_dtype=model, ties=topk against the official cosine "
+        "written out in half on CPU (test_fidelity_half.py::test_dart_model_dtype_reproduces_the_official_half_"
+        "precision_cosine); score_dtype=model with lower-index ties 14 and 0 of 30, float32 cosines 15 and 0 of 30",
+        {"fp16": 30, "bf16": 30},
     ),
     "divprune": Fidelity(
         "799e2d95",
@@ -320,7 +337,7 @@ NOT_YET_DONE: tuple[str, ...] = ()
 
 COLUMNS = (
     "selector", "paper", "official repository (commit read)", "default here", "reference-exact options",
-    "remaining differences (why)", "measured agreement",
+    "remaining differences (why)", "measured agreement", "fp16 / bf16 agreement",
 )  # fmt: skip
 
 
@@ -342,6 +359,7 @@ def fidelity_rows() -> list[dict[str, Any]]:
                 "reference-exact options": ", ".join(entry.exact) or "the defaults",
                 "remaining differences (why)": "; ".join(entry.differences),
                 "measured agreement": entry.agreement,
+                "fp16 / bf16 agreement": entry.half_agreement,
             }
         )
     return rows
