@@ -19,6 +19,11 @@ from torch import Tensor
 from prune_audit.pruners.options import check_options
 from prune_audit.pruners.ranking import TOP_K_TIES, ranked_indices, top_k_indices
 
+MODEL_ATTENTIONS = ("eager", "scaled")
+"""How ``score_dtype="model"`` forms decoder attention in the model dtype: ``q.k`` rounded, then ``"eager"``
+(LLaVA-era ``LlamaAttention``: divided by sqrt(d) and rounded, float32 softmax rounded) or ``"scaled"``
+(SparseVLM's own path: multiplied by 1/sqrt(d) in the model dtype, softmax of the half logits)."""
+
 #: where a selector acts: before the language model or inside it
 SelectorLevel = Literal["input", "llm"]
 PositionMode = Literal["keep_original", "compact"]
@@ -327,6 +332,7 @@ class LayerSelector(Selector):
     signal_layer: str = "current"  # "previous": attention/keys of layer l-1 score a stage at layer l
     score_dtype: str = "float32"  # "model": attention formed in, other inputs and scores rounded to the model dtype
     ties: str = "lower"  # top-k selectors declare it as an option (TOP_K_TIES)
+    model_attention: str = "eager"  # the attention recipe under score_dtype="model" (MODEL_ATTENTIONS)
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""
@@ -379,6 +385,7 @@ __all__ = [
     "LayerSelector",
     "top_k_indices",
     "TOP_K_TIES",
+    "MODEL_ATTENTIONS",
     "ranked_indices",
     "validate_budget",
     "option_defaults",

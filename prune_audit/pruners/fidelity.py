@@ -230,7 +230,7 @@ FIDELITY: dict[str, Fidelity] = {
         "26a5f488",
         "raters from input embeddings; layer l's attention prunes its output (signal_layer=previous); average rule; "
         "no token recycling",
-        ("budget_rule=paper", "recycle=true", "score_dtype=model"),
+        ("budget_rule=paper", "recycle=true", "score_dtype=model", "ties=topk"),
         (
             "recycling is off by default so that pure-pruning records stay comparable with the other selectors; "
             "recycle=true inserts the reference's DPC-kNN cluster tokens after the kept ones (merged tokens and "
@@ -242,8 +242,16 @@ FIDELITY: dict[str, Fidelity] = {
             "half-precision adds whose order varies between runs, so no deterministic computation reproduces them); "
             "ties in relevance among the pruned tokens are ordered by the lower index (torch.topk leaves them "
             "unspecified)",
-            "exactly keep tokens (the official code caps at n - 1); ties to the lower index",
-            _MODEL_DTYPE_ATTENTION,
+            "exactly keep tokens (the official code caps at n - 1); ties to the lower index by default; ties=topk "
+            "ranks with torch.topk on the half scores as the official code (its order among exact ties is the "
+            "kernel's: use it to reproduce a run on the same hardware, the default for deterministic audits)",
+            "score_dtype=model computes as the official code does in the model dtype: raters from the rounded input "
+            "embeddings (V T^T, its softmax, the visual mean and its mean each rounded), the attention by the "
+            "official utils.scaled_dot_product_attention (model_attention=scaled, default: q.k rounded with float32 "
+            "accumulation as on GPU, times 1/sqrt(d) in the model dtype, softmax of the half logits on the model's "
+            "device; model_attention=eager keeps LlamaAttention's eager recipe, / sqrt(d) and a float32 softmax "
+            "rounded, as before the option existed: in fp16 the two scalings differ in about 0.1 % of the logits), "
+            "the head mean rounded, then the rater mean rounded",
         ),
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
                 "one stage; first-stage kept sets identical to the top-k of the previous layer's eager rater attention "
@@ -255,6 +263,14 @@ FIDELITY: dict[str, Fidelity] = {
                 "relevance 29 of 30: one tie reorders the points summed into one cluster), paper rule with "
                 "recycling realises 206.50 / 145.41 / 82.25 (test_recycling.py)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases, and 30 of 30 each with a quarter of the keys duplicated "
+        "(whole attention columns tied), first stage with score_dtype=model, ties=topk against the official "
+        "raters and attn_postprocess_topk written out in half on CPU from the official half attention "
+        "(test_fidelity_half.py::test_sparsevlm_model_dtype_reproduces_the_official_half_precision_scores); "
+        "score_dtype=model with lower-index ties 18 and 3 of 30, float32 scores 19 and 1 of 30; the probe's "
+        "model_attention=scaled rows are the official scaled_dot_product_attention of a half tiny LLaVA bit for "
+        "bit (test_fidelity_half.py::test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model)",
+        {"fp16": 30, "bf16": 30},
     ),
     "tome": Fidelity(
         "af95e4b1",
