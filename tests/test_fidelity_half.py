@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from prune_audit.pruners import LayerSignals, Stage, get_selector
+from prune_audit.pruners import InputSignals, LayerSignals, Stage, get_selector
 from prune_audit.pruners.fidelity import FIDELITY
 
 TOKENS = 576
@@ -26,6 +27,7 @@ HALF_DTYPES = [torch.float16, torch.bfloat16]
 PREFIX = 35  # LLaVA-1.5's system prompt + "USER:" before the image
 TEXT = 40  # question and template suffix after the image
 LLM_DIM, HEADS, HEAD_DIM = 4096, 32, 128
+CLIP_EMBED = 768  # CLIP ViT-L/14's projection width: image and text embeddings of CDPruner's relevance
 EXACT = {"score_dtype": "model", "ties": "topk"}  # the reference-exact half path
 # the option sets compared: exact, the same with lower-index ties, float32 scores (the defaults)
 OPTION_SETS = {"exact": EXACT, "lower": {"score_dtype": "model"}, "float32": {}}
@@ -132,6 +134,102 @@ def test_dart_model_dtype_reproduces_the_official_half_precision_cosine(dtype):
     assert identical["exact"] == 30 == FIDELITY["dart"].half_cases[dtype_name(dtype)]
     assert identical["duplicated"] == 10
     assert identical["float32"] < 30
+
+
+# --- CDPruner (Theia-4869/CDPruner 9541616c, llava/model/llava_arch.py::encode_images) ------------------------
+
+
+def cdpruner_half_case(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Projector outputs (576, 4096), CLIP image embeddings (576, 768) and 1 or 2 text embeddings (M, 768)."""
+    generator = torch.Generator().manual_seed(5000 + seed)
+    features = 0.5 * torch.randn(LLM_DIM, generator=generator) + torch.randn(TOKENS, LLM_DIM, generator=generator)
+    image = 0.3 * torch.randn(CLIP_EMBED, generator=generator) + torch.randn(TOKENS, CLIP_EMBED, generator=generator)
+    text = torch.randn(1 + seed % 2, CLIP_EMBED, generator=generator)
+    return features.to(dtype), image.to(dtype), text.to(dtype)
+
+
+def official_relevance_half(image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """(576,) the official raw relevance in the embeddings' dtype: unit vectors, their products and the
+    mean of the negated cosines each rounded (``mean_m -cos``)."""
+    image = image / image.norm(dim=-1, keepdim=True)
+    text = text / text.norm(dim=-1, keepdim=True)
+    relevance = (-(image @ text.t())).mean(dim=-1)
+    assert relevance.dtype == image.dtype
+    return relevance
+
+
+def official_cdpruner_half(features: torch.Tensor, raw: torch.Tensor, k: int) -> list[int]:
+    """The official kernel and greedy: unit features and the min-max relevance in half, the kernel
+    ``r_i S_ij r_j`` and the fast greedy MAP (plain argmax, no guard) in float32."""
+    unit = (features / features.norm(dim=-1, keepdim=True)).float()
+    relevance = (raw - raw.min() + 1e-6) / (raw.max() - raw.min())
+    assert relevance.dtype == raw.dtype
+    kernel = relevance.unsqueeze(1) * (unit @ unit.T) * relevance.unsqueeze(0)  # half x float32: float32
+    assert kernel.dtype == torch.float32
+    vectors, gains, picks = torch.zeros(k, TOKENS), torch.diagonal(kernel).clone(), []
+    for step in range(k):
+        j = int(torch.argmax(gains))
+        picks.append(j)
+        update = (kernel[j] - vectors[:step, j] @ vectors[:step]) / torch.sqrt(gains[j])
+        vectors[step] = update
+        gains = gains - update**2
+        gains[j] = float("-inf")
+    return sorted(picks)
+
+
+def cdpruner_half_agreement(dtype: torch.dtype) -> dict[str, int]:
+    """Cases identical to the official kept set with score_dtype=model given the raw relevance the adapter
+    passes in the model dtype (exact) or only the float32 one (rounded once), and with float32 scoring."""
+    identical = {"exact": 0, "rounded_once": 0, "float32": 0}
+    for seed in SEEDS:
+        features, image, text = cdpruner_half_case(seed, dtype)
+        raw = official_relevance_half(image, text)
+        float32_raw = -(F.normalize(image.float(), dim=-1) @ F.normalize(text.float(), dim=-1).T).mean(dim=1)
+        for budget in BUDGETS:
+            expected = official_cdpruner_half(features, raw, budget)
+            for name, model_raw, options in (
+                ("exact", raw.float(), {"score_dtype": "model"}),
+                ("rounded_once", None, {"score_dtype": "model"}),
+                ("float32", raw.float(), {}),
+            ):
+                signals = InputSignals(grid=(24, 24), features=features.float(), text_relevance=float32_raw,
+                                       model_text_relevance=model_raw, model_dtype=dtype)  # fmt: skip
+                identical[name] += get_selector("cdpruner", **options).select(signals, budget).kept.tolist() == expected
+    return identical
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_cdpruner_model_dtype_reproduces_the_official_half_precision_relevance(dtype):
+    """score_dtype=model from the raw relevance computed in half (model_text_relevance): 30 of 30 per dtype.
+    Measured: from the float32 raw relevance rounded once, 28 (fp16) and 23 (bf16) of 30; float32 throughout
+    29 and 8 of 30."""
+    identical = cdpruner_half_agreement(dtype)
+    assert identical["exact"] == 30 == FIDELITY["cdpruner"].half_cases[dtype_name(dtype)]
+    assert identical["rounded_once"] < 30 and identical["float32"] < 30
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_the_adapter_passes_the_relevance_computed_in_the_model_dtype(tiny_llava_path, tmp_path, dtype):
+    """LLaVA's adapter passes model_text_relevance in the model dtype beside the float32 text_relevance."""
+    from dataclasses import dataclass
+
+    from prune_audit.models import load_vlm
+    from prune_audit.models.build import build_clip
+    from tiny_models import QUESTIONS, WORDS, RecordingInputSelector, random_image
+
+    @dataclass
+    class RelevanceRecording(RecordingInputSelector):
+        requires = frozenset({"features", "text_relevance"})
+
+    clip = build_clip(tmp_path / "clip", words=WORDS, vision_hidden_size=64)
+    vlm = load_vlm(tiny_llava_path, device="cpu", dtype=dtype, clip_text=clip)
+    selector = RelevanceRecording()
+    vlm.answer([vlm.prepare(random_image(0), QUESTIONS[0])], selector, 8)
+    signals = selector.records[-1]
+    assert signals.model_text_relevance.dtype == signals.text_relevance.dtype == torch.float32
+    assert torch.equal(signals.model_text_relevance, signals.model_text_relevance.to(dtype).float())
+    ulp = signals.text_relevance.abs().max() * torch.finfo(dtype).eps
+    assert (signals.model_text_relevance - signals.text_relevance).abs().max() <= 4 * ulp
 
 
 # --- SparseVLM (Gumpest/SparseVLMs 26a5f488: modelling_sparse_llama.py, utils.py, score.py) -------------------

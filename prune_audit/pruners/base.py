@@ -55,6 +55,9 @@ class InputSignals:
         vision_keys: (H, N + 1, d) that layer's keys, CLS at index 0.
         cls_feature: (Dv,) the CLS hidden state at the feature layer.
         text_relevance: (N,) CDPruner relevance before normalisation.
+        model_text_relevance: (N,) the same as the official code computes it in the model dtype (unit
+            embeddings, cosines and their mean each rounded to it; a float32 tensor); with a half
+            ``model_dtype``, ``score_dtype="model"`` normalises this one (adapters of half models pass it).
         demand: (N,) demand weights for coverage selection (first-layer probe).
         model_dtype: the dtype the model computes the signals in (the adapters pass the
             model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
@@ -68,6 +71,7 @@ class InputSignals:
     vision_keys: Tensor | None = None
     cls_feature: Tensor | None = None
     text_relevance: Tensor | None = None
+    model_text_relevance: Tensor | None = None
     demand: Tensor | None = None
     model_dtype: torch.dtype = torch.float32
 

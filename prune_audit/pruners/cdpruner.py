@@ -109,8 +109,9 @@ class CDPrunerSelector(InputSelector):
         score_dtype: ``"float32"`` (default) or ``"model"``: the unit rows are computed in
             the model's dtype (``signals.model_dtype``; hand-built half-precision features
             keep theirs) and only then widened, as the reference normalises the projector
-            outputs before its ``.float()``, and the relevance is min-max normalised in that dtype
-            (:meth:`relevance`); the kernel and the greedy stay float32 there too.
+            outputs before its ``.float()``, and the relevance (``model_text_relevance``, the raw
+            relevance as computed in that dtype, where the adapter passes it) is min-max normalised in that
+            dtype (:meth:`relevance`); the kernel and the greedy stay float32 there too.
     """
 
     name: ClassVar[str] = "cdpruner"
@@ -146,7 +147,8 @@ class CDPrunerSelector(InputSelector):
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         dtype = half_dtype(signals.model_dtype, signals.features) if self.score_dtype == "model" else None
         unit = unit_rows(signals.features) if dtype is None else unit_rows_in(signals.features, dtype)
-        relevance = self.relevance(signals.text_relevance, dtype)
+        official_raw = signals.model_text_relevance if dtype is not None else None
+        relevance = self.relevance(signals.text_relevance if official_raw is None else official_raw, dtype)
         diagonal = relevance**2 * (unit * unit).sum(dim=1)
 
         def kernel_rows(indices: Tensor) -> Tensor:
