@@ -115,7 +115,8 @@ class VisionLanguageModel(ABC):
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         """Position mode the in-LLM loop uses for ``selector``."""
 
-    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> Tensor:
+    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> tuple[Tensor, Tensor]:
+        """(N,) CDPruner relevance in float32 and (N,) as the official code computes it in the model dtype."""
         raise PruneAuditError(f"{self.family} has no CLIP text relevance")
 
     def _project(self, vision_tokens: Tensor) -> Tensor:
@@ -310,7 +311,8 @@ class VisionLanguageModel(ABC):
         for name, value in output.signals.items():
             setattr(signals, name, value.float())
         if "text_relevance" in requires:
-            signals.text_relevance = self._text_relevance(item, output).float()
+            relevance, in_model_dtype = self._text_relevance(item, output)
+            signals.text_relevance, signals.model_text_relevance = relevance.float(), in_model_dtype.float()
         if "demand" in requires:
             signals.demand = self._demand(item, output)
         return signals

@@ -196,6 +196,11 @@ class LayerPlan:
         return self.selector is not None and self.selector.score_dtype == "model"
 
     @property
+    def model_attention(self) -> str:
+        """How the probe forms the attention in the model dtype (``MODEL_ATTENTIONS``): the selector's recipe."""
+        return self.selector.model_attention if self.selector is not None else "eager"
+
+    @property
     def signal_layer(self) -> str:
         """``"previous"`` when the selector scores a stage at layer l with layer l-1's attention and keys."""
         return self.selector.signal_layer if self.selector is not None else "current"

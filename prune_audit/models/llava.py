@@ -183,8 +183,9 @@ class LlavaModel(VisionLanguageModel):
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals if self.clip is not None else self.input_signals - {"text_relevance"}
 
-    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> Tensor:
-        """(N,) CDPruner relevance ``mean_m -cos(E_i, T_m)`` (selectors spec §6).
+    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> tuple[Tensor, Tensor]:
+        """(N,) CDPruner relevance ``mean_m -cos(E_i, T_m)`` (selectors spec §6), in float32 and as the
+        official code computes it in the CLIP dtype (unit embeddings, cosines and their mean each rounded).
 
         ``E`` = CLIP image projection of the post-layernormed feature-layer patches, ``T``
         = CLIP text embeddings of the raw question, split into chunks of the text
@@ -192,16 +193,18 @@ class LlavaModel(VisionLanguageModel):
         """
         clip, tokenizer = self.clip
         patches = self.vision_tower.post_layernorm(vision.signals["vision_features"])
-        image_embeds = clip.visual_projection(patches.to(clip.dtype)).float()
+        image_embeds = clip.visual_projection(patches.to(clip.dtype))
         ids = tokenizer(prepared.question)["input_ids"]
         context = clip.config.text_config.max_position_embeddings
         chunks = [ids[i : i + context] for i in range(0, len(ids), context)]
         chunks = torch.tensor([chunk + [0] * (context - len(chunk)) for chunk in chunks], device=clip.device)
         pooled = clip.text_model(input_ids=chunks).pooler_output
-        text_embeds = clip.text_projection(pooled).float()
+        text_embeds = clip.text_projection(pooled)
         normalize = torch.nn.functional.normalize
-        cosine = normalize(image_embeds, dim=-1) @ normalize(text_embeds, dim=-1).T  # (N, chunks)
-        return -cosine.mean(dim=1)
+        cosine = normalize(image_embeds.float(), dim=-1) @ normalize(text_embeds.float(), dim=-1).T  # (N, chunks)
+        image_units = image_embeds / image_embeds.norm(dim=-1, keepdim=True)
+        text_units = text_embeds / text_embeds.norm(dim=-1, keepdim=True)
+        return -cosine.mean(dim=1), (-(image_units @ text_units.T)).mean(dim=1)
 
     # ----- direct forwards (the demo trainer and evaluator) ------------------------------
     @property

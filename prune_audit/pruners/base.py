@@ -19,6 +19,11 @@ from torch import Tensor
 from prune_audit.pruners.options import check_options
 from prune_audit.pruners.ranking import TOP_K_TIES, ranked_indices, top_k_indices
 
+MODEL_ATTENTIONS = ("eager", "scaled")
+"""How ``score_dtype="model"`` forms decoder attention in the model dtype: ``q.k`` rounded, then ``"eager"``
+(LLaVA-era ``LlamaAttention``: divided by sqrt(d) and rounded, float32 softmax rounded) or ``"scaled"``
+(SparseVLM's own path: multiplied by 1/sqrt(d) in the model dtype, softmax of the half logits)."""
+
 #: where a selector acts: before the language model or inside it
 SelectorLevel = Literal["input", "llm"]
 PositionMode = Literal["keep_original", "compact"]
@@ -50,6 +55,9 @@ class InputSignals:
         vision_keys: (H, N + 1, d) that layer's keys, CLS at index 0.
         cls_feature: (Dv,) the CLS hidden state at the feature layer.
         text_relevance: (N,) CDPruner relevance before normalisation.
+        model_text_relevance: (N,) the same as the official code computes it in the model dtype (unit
+            embeddings, cosines and their mean each rounded to it; a float32 tensor); with a half
+            ``model_dtype``, ``score_dtype="model"`` normalises this one (adapters of half models pass it).
         demand: (N,) demand weights for coverage selection (first-layer probe).
         model_dtype: the dtype the model computes the signals in (the adapters pass the
             model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
@@ -63,6 +71,7 @@ class InputSignals:
     vision_keys: Tensor | None = None
     cls_feature: Tensor | None = None
     text_relevance: Tensor | None = None
+    model_text_relevance: Tensor | None = None
     demand: Tensor | None = None
     model_dtype: torch.dtype = torch.float32
 
@@ -327,6 +336,7 @@ class LayerSelector(Selector):
     signal_layer: str = "current"  # "previous": attention/keys of layer l-1 score a stage at layer l
     score_dtype: str = "float32"  # "model": attention formed in, other inputs and scores rounded to the model dtype
     ties: str = "lower"  # top-k selectors declare it as an option (TOP_K_TIES)
+    model_attention: str = "eager"  # the attention recipe under score_dtype="model" (MODEL_ATTENTIONS)
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""
@@ -379,6 +389,7 @@ __all__ = [
     "LayerSelector",
     "top_k_indices",
     "TOP_K_TIES",
+    "MODEL_ATTENTIONS",
     "ranked_indices",
     "validate_budget",
     "option_defaults",

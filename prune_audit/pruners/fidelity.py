@@ -11,7 +11,8 @@ exists, the test that checks it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 # the random-case comparison of tests/test_fidelity.py: 10 seeds x budgets 64/128/192, 576 tokens, 1024/4096-dim
@@ -29,6 +30,10 @@ class Fidelity:
         differences: every remaining difference from the official code, each with its reason.
         agreement: the measured agreement, quoting the test that measures it.
         agreement_cases: N of the ``RANDOM_CASES`` random cases with identical kept sets, when measured.
+        half_agreement: the agreement in fp16 and bf16 against the official arithmetic in that dtype, with the
+            options that reach it, quoting the test (and naming the kernel rounding that prevents exactness).
+        half_cases: ``{"fp16": N, "bf16": N}``: N of the ``RANDOM_CASES`` random cases identical in each dtype
+            with those options, where a test asserts it.
     """
 
     commit: str
@@ -37,6 +42,8 @@ class Fidelity:
     differences: tuple[str, ...]
     agreement: str
     agreement_cases: int | None = None
+    half_agreement: str = "no half-precision path (nothing is computed in the model dtype)"
+    half_cases: Mapping[str, int] = field(default_factory=dict)
 
 
 _MODEL_DTYPE = (
@@ -76,13 +83,22 @@ FIDELITY: dict[str, Fidelity] = {
             "no early stop and gains below 1e-6 x max diag count as 0 (the official code has no guard and yields NaN "
             "once the kernel's rank is exhausted)",
             "kernel rows computed on demand, no N x N matrix (memory at high resolution)",
-            "unit rows in float32 by default (the official code normalises the projector outputs in the model dtype, "
-            "then computes the kernel and the greedy in float32); score_dtype=model normalises in the model dtype",
+            "unit rows and relevance in float32 by default (the official code normalises the projector outputs, "
+            "computes the CLIP relevance and min-max normalises it in the model dtype, then computes the kernel and "
+            "the greedy in float32); score_dtype=model does the same: the unit rows in the model dtype, the raw "
+            "relevance as the adapter computes it in the CLIP dtype (model_text_relevance: unit embeddings, cosines "
+            "and their mean rounded) normalised in the model dtype, every step rounded",
         ),
         _random(30, "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
-                "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 27 and 15 of "
+                "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 26 and 9 of "
                 "30 (test_fidelity.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_normalisation)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model against the official unit features, CLIP relevance and "
+        "min-max normalisation written out in half on CPU, the kernel and greedy in float32 "
+        "(test_fidelity_half.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_relevance); from "
+        "the float32 raw relevance rounded once (no model_text_relevance) 28 and 23 of 30, float32 throughout 29 and "
+        "8 of 30; the adapter's model_text_relevance is checked on a half tiny LLaVA with its CLIP text tower",
+        {"fp16": 30, "bf16": 30},
     ),
     "cls_attn": Fidelity(
         "f5d5f120",
@@ -105,16 +121,26 @@ FIDELITY: dict[str, Fidelity] = {
     "dart": Fidelity(
         "vendored in Chenfei-Liao/VTC-Bench 983e443e; fork xqy1111111/DART 02476570",
         "pivots visited in ascending sequence order; key norms of layer K-1 (signal_layer=previous); average rule",
-        ("budget_rule=paper", "pivot_order=set", "score_dtype=model"),
+        ("budget_rule=paper", "pivot_order=set", "score_dtype=model", "ties=topk"),
         (
             "default pivot order is ascending (the official Python-set order depends on where the image sits "
             "in the prompt); pivot_order=set reproduces it",
-            "ties to the lower index",
-            _MODEL_DTYPE,
+            "ties to the lower index by default; ties=topk ranks the key norms and each pivot's remaining "
+            "candidates with torch.topk as the official code does (its order among exact ties is the kernel's: "
+            "use it to reproduce a run on the same hardware, the default for deterministic audits)",
+            "score_dtype=model rounds the key norms and normed hidden states to the model dtype and computes the "
+            "dissimilarities as the official -F.cosine_similarity in it (norms, unit vectors and products rounded, "
+            "the sum accumulated in float32 and rounded once); float32 cosines rounded afterwards differ by an "
+            "ulp in about half of the values",
         ),
         _random(30, "test_fidelity.py::test_dart_set_order_reproduces_the_official_iteration",
                 "pivot_order=sequence (default): 0 of 30"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the rows duplicated, "
+        "with budget_rule=paper, pivot_order=set, score_dtype=model, ties=topk against the official cosine "
+        "written out in half on CPU (test_fidelity_half.py::test_dart_model_dtype_reproduces_the_official_half_"
+        "precision_cosine); float32 cosines rounded afterwards 15 and 0 of 30",
+        {"fp16": 30, "bf16": 30},
     ),
     "divprune": Fidelity(
         "799e2d95",
@@ -213,7 +239,7 @@ FIDELITY: dict[str, Fidelity] = {
         "26a5f488",
         "raters from input embeddings; layer l's attention prunes its output (signal_layer=previous); average rule; "
         "no token recycling",
-        ("budget_rule=paper", "recycle=true", "score_dtype=model"),
+        ("budget_rule=paper", "recycle=true", "score_dtype=model", "ties=topk"),
         (
             "recycling is off by default so that pure-pruning records stay comparable with the other selectors; "
             "recycle=true inserts the reference's DPC-kNN cluster tokens after the kept ones (merged tokens and "
@@ -225,8 +251,16 @@ FIDELITY: dict[str, Fidelity] = {
             "half-precision adds whose order varies between runs, so no deterministic computation reproduces them); "
             "ties in relevance among the pruned tokens are ordered by the lower index (torch.topk leaves them "
             "unspecified)",
-            "exactly keep tokens (the official code caps at n - 1); ties to the lower index",
-            _MODEL_DTYPE_ATTENTION,
+            "exactly keep tokens (the official code caps at n - 1); ties to the lower index by default; ties=topk "
+            "ranks with torch.topk on the half scores as the official code (its order among exact ties is the "
+            "kernel's: use it to reproduce a run on the same hardware, the default for deterministic audits)",
+            "score_dtype=model computes as the official code does in the model dtype: raters from the rounded input "
+            "embeddings (V T^T, its softmax, the visual mean and its mean each rounded), the attention by the "
+            "official utils.scaled_dot_product_attention (model_attention=scaled, default: q.k rounded with float32 "
+            "accumulation as on GPU, times 1/sqrt(d) in the model dtype, softmax of the half logits on the model's "
+            "device; model_attention=eager keeps LlamaAttention's eager recipe, / sqrt(d) and a float32 softmax "
+            "rounded, as before the option existed: in fp16 the two scalings differ in about 0.1 % of the logits), "
+            "the head mean rounded, then the rater mean rounded",
         ),
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
                 "one stage; first-stage kept sets identical to the top-k of the previous layer's eager rater attention "
@@ -238,6 +272,14 @@ FIDELITY: dict[str, Fidelity] = {
                 "relevance 29 of 30: one tie reorders the points summed into one cluster), paper rule with "
                 "recycling realises 206.50 / 145.41 / 82.25 (test_recycling.py)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the keys duplicated "
+        "(whole attention columns tied), first stage with score_dtype=model, ties=topk against the official "
+        "raters and attn_postprocess_topk written out in half on CPU from the official half attention "
+        "(test_fidelity_half.py::test_sparsevlm_model_dtype_reproduces_the_official_half_precision_scores); "
+        "score_dtype=model with lower-index ties 19 and 5 of 30, float32 scores 16 and 0 of 30; the probe's "
+        "model_attention=scaled rows are the official scaled_dot_product_attention of a half tiny LLaVA bit for "
+        "bit (test_fidelity_half.py::test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model)",
+        {"fp16": 30, "bf16": 30},
     ),
     "tome": Fidelity(
         "af95e4b1",
@@ -262,15 +304,24 @@ FIDELITY: dict[str, Fidelity] = {
     "v2drop": Fidelity(
         "219e03ed",
         "largest hidden-state variation at layers 3/17/22, paper shapes solved to the budget average",
-        ("budget_rule=official", "score_dtype=model"),
+        ("budget_rule=official", "score_dtype=model", "ties=topk"),
         (
             "paper and average rules keep 0 tokens at the last stage as the paper states (the code keeps 1; "
             "budget_rule=official does)",
-            "ties to the lower index",
-            _MODEL_DTYPE,
+            "ties to the lower index by default; ties=topk ranks with torch.topk on the half variations as the "
+            "official code (its order among exact ties is the kernel's: use it to reproduce a run on the same "
+            "hardware, the default for deterministic audits)",
+            "score_dtype=model computes as the official code in the model dtype: the states rounded, their "
+            "difference rounded, its norm torch's half-precision reduction (float32 accumulation in the kernel's "
+            "order, rounded once)",
         ),
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; official schedule identical to the code's default (test_schedule.py)"),
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases and 10 of 10 each with duplicated rows, with score_dtype=model, "
+        "ties=topk against the official torch.norm of the half difference on CPU "
+        "(test_fidelity_half.py::test_v2drop_model_dtype_reproduces_the_official_half_precision_variation); "
+        "lower-index ties 5 and 0 of 30, float32 5 and 0 of 30",
+        {"fp16": 30, "bf16": 30},
     ),
     "visionzip": Fidelity(
         "3151f6df",
@@ -320,7 +371,7 @@ NOT_YET_DONE: tuple[str, ...] = ()
 
 COLUMNS = (
     "selector", "paper", "official repository (commit read)", "default here", "reference-exact options",
-    "remaining differences (why)", "measured agreement",
+    "remaining differences (why)", "measured agreement", "fp16 / bf16 agreement",
 )  # fmt: skip
 
 
@@ -342,6 +393,7 @@ def fidelity_rows() -> list[dict[str, Any]]:
                 "reference-exact options": ", ".join(entry.exact) or "the defaults",
                 "remaining differences (why)": "; ".join(entry.differences),
                 "measured agreement": entry.agreement,
+                "fp16 / bf16 agreement": entry.half_agreement,
             }
         )
     return rows
