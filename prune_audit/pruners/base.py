@@ -51,6 +51,12 @@ class InputSignals:
         cls_feature: (Dv,) the CLS hidden state at the feature layer.
         text_relevance: (N,) CDPruner relevance before normalisation.
         demand: (N,) demand weights for coverage selection (first-layer probe).
+        layer_attention: (Lv, N) per vision encoder layer up to the feature layer (row l: layer l,
+            0-based; Lv layers run, the feature layer's own attention last), the attention each
+            patch receives, mean over heads and over all 1 + N query rows (CLS included), CLS
+            column dropped (HiPrune's "global attention").
+        layer_cls_attention: (Lv, N) the same layers' CLS-row attention to the patches, mean over
+            heads (VScan's scans).
         model_dtype: the dtype the model computes the signals in (the adapters pass the
             model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
     """
@@ -64,6 +70,8 @@ class InputSignals:
     cls_feature: Tensor | None = None
     text_relevance: Tensor | None = None
     demand: Tensor | None = None
+    layer_attention: Tensor | None = None
+    layer_cls_attention: Tensor | None = None
     model_dtype: torch.dtype = torch.float32
 
     @property

@@ -314,6 +314,26 @@ FIDELITY: dict[str, Fidelity] = {
                 "kernels round some norms and cosines differently (18 of 30 there)"),  # fmt: skip
         30,
     ),
+    "hiprune": Fidelity(
+        "6e83a124",
+        "alpha 0.1, object layer 9 of the 23 CLIP layers run (scaled on other towers), official flat neighbour "
+        "offsets, float32 attention",
+        (),
+        (
+            "ties to the lower index (torch.topk leaves them unspecified)",
+            "attention formed in float32 (the official eager CLIP attention in fp16)",
+            "anchors capped at budget // 5 so anchors and buffers fit the budget (the official code fails there; "
+            "only reachable with alpha near 1)",
+            "registers are the top of the deep attention outside anchors and buffers; the official subtracts 1 "
+            "there, the same set whenever a probability is below 1",
+            "neighbours=grid keeps buffers inside the grid (the official +-1 wraps across rows)",
+            "object layer scaled round(9 Lv / 23) on a tower running Lv layers to its feature layer; the Qwen2.5-VL "
+            "path is not ported (refused)",
+        ),
+        _random(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers",
+                "23 x 576 global attention, budgets 64/128/192"),
+        30,
+    ),
 }
 
 NOT_YET_DONE: tuple[str, ...] = ()
