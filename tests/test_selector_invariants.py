@@ -56,6 +56,7 @@ LAYER_SHAPES = {
     "text_embeddings": (("T", "D"), "normal"),
     "sequence_index": (("n",), "visual_index"),
     "text_sequence_index": (("T",), "text_index"),
+    "layer_cls_attention": (("Lv", "n"), "prob"),
 }
 VARIANTS = ["random", "constant", "zeros", "ties"]
 

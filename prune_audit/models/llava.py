@@ -148,7 +148,7 @@ class LlavaModel(VisionLanguageModel):
             # the encoder layer whose output is the feature layer
             layer = self.vision_tower.encoder.layers[self.feature_index - 1]
             cls_probs, cls_keys, cls_logits = clip_cls_row(layer, hidden[self.feature_index - 1])
-        layer_signals = self._layer_signals(hidden) if requires & LAYER_SIGNALS else {}
+        per_layer = self._layer_signals(hidden) if requires & LAYER_SIGNALS else {}
         outputs = []
         for b in range(len(prepared)):
             signals = {}
@@ -161,7 +161,7 @@ class LlavaModel(VisionLanguageModel):
                 signals["cls_attention"], signals["cls_logits"] = cls_probs[b, :, 1:], cls_logits[b]
             if "vision_keys" in requires:
                 signals["vision_keys"] = cls_keys[b]
-            signals.update({name: value[b] for name, value in layer_signals.items() if name in requires})
+            signals.update({name: value[b] for name, value in per_layer.items() if name in requires})
             outputs.append(VisionOutput(features[b], signals))
         return outputs
 

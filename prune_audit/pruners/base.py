@@ -19,6 +19,7 @@ from torch import Tensor
 from prune_audit.pruners.options import check_options
 from prune_audit.pruners.ranking import TOP_K_TIES, ranked_indices, top_k_indices
 
+VISION_LAYER_SIGNALS = frozenset({"layer_cls_attention"})  # InputSignals an in-LLM selector may read, per token
 #: where a selector acts: before the language model or inside it
 SelectorLevel = Literal["input", "llm"]
 PositionMode = Literal["keep_original", "compact"]
@@ -51,12 +52,9 @@ class InputSignals:
         cls_feature: (Dv,) the CLS hidden state at the feature layer.
         text_relevance: (N,) CDPruner relevance before normalisation.
         demand: (N,) demand weights for coverage selection (first-layer probe).
-        layer_attention: (Lv, N) per vision encoder layer up to the feature layer (row l: layer l,
-            0-based; Lv layers run, the feature layer's own attention last), the attention each
-            patch receives, mean over heads and over all 1 + N query rows (CLS included), CLS
-            column dropped (HiPrune's "global attention").
-        layer_cls_attention: (Lv, N) the same layers' CLS-row attention to the patches, mean over
-            heads (VScan's scans).
+        layer_attention: (Lv, N) per encoder layer run up to the feature layer (0-based, the feature layer's
+            last): attention each patch receives, mean over heads and all 1 + N query rows (HiPrune's "global").
+        layer_cls_attention: (Lv, N) the same layers' head-mean CLS-row attention to the patches (VScan).
         model_dtype: the dtype the model computes the signals in (the adapters pass the
             model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
     """
@@ -112,6 +110,8 @@ class LayerSignals:
         text_embeddings: (T, D) LLM input embeddings of the text tokens.
         sequence_index: (n,) index of each alive visual token in the unpruned prompt.
         text_sequence_index: (T,) the same for the text tokens.
+        layer_cls_attention: (Lv, n) ``InputSignals.layer_cls_attention`` of each alive visual token's
+            grid cell, NaN for a merged token (no single cell); for selectors scanning the vision tower.
         model_dtype: the dtype the model computes in (None: float32).
     """
 
@@ -132,6 +132,7 @@ class LayerSignals:
     text_embeddings: Tensor | None = None
     sequence_index: Tensor | None = None
     text_sequence_index: Tensor | None = None
+    layer_cls_attention: Tensor | None = None
     model_dtype: torch.dtype | None = None
 
     @property
@@ -205,10 +206,13 @@ class TokenMerge:
         members: M LongTensors: the positions among the stage's alive tokens (0..n-1)
             that each merged token stands for; the executor turns them into grid sources
             (a member that is itself a merged token contributes its own sources).
+        replaces: None (inserted after the kept tokens), or (M,) positions among the alive tokens, each
+            a kept one, whose layout slot and position ids each merged token takes instead (VScan).
     """
 
     hidden: Tensor
     members: list[Tensor]
+    replaces: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -377,6 +381,7 @@ class LayerSelector(Selector):
 __all__ = [
     "InputSignals",
     "LayerSignals",
+    "VISION_LAYER_SIGNALS",
     "Selection",
     "Stage",
     "TokenMerge",
