@@ -32,7 +32,7 @@ from prune_audit.models.executor import (
 )
 from prune_audit.models.loading import config_hash
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
-from prune_audit.pruners.base import InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
+from prune_audit.pruners.base import VISION_LAYER_SIGNALS, InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.registry import list_selectors, selector_class
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
@@ -219,8 +219,8 @@ class VisionLanguageModel(ABC):
     # ----- internals ----------------------------------------------------------------
     def _missing(self, cls: type[Selector]) -> set[str]:
         """What the model lacks for ``cls``: input signals, or positions for the merged tokens it feeds."""
-        if cls.stage == "llm":
-            return set()
+        if cls.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower too
+            return set(cls.requires & VISION_LAYER_SIGNALS) - self._available_input_signals()
         missing = set(cls.requires) - self._available_input_signals()
         if cls.merges and self._input_positions() != "compact":
             missing.add(MERGED_POSITIONS)
@@ -271,8 +271,9 @@ class VisionLanguageModel(ABC):
             self.check_selector(selector)
         input_level = forced_kept is not None or isinstance(selector, InputSelector)
         requires = selector.requires if input_level and selector is not None and forced_kept is None else frozenset()
+        vision_layer = selector.requires & VISION_LAYER_SIGNALS if isinstance(selector, LayerSelector) else frozenset()
         with torch.no_grad():
-            vision = self._vision(prepared, requires)
+            vision = self._vision(prepared, requires | vision_layer)
             selections: list[Selection | None] = [None] * len(prepared)
             rows = []
             for b, (item, output) in enumerate(zip(prepared, vision)):
@@ -284,6 +285,7 @@ class VisionLanguageModel(ABC):
             plan = None
             if not input_level and (selector is not None or forced_stages is not None):
                 plan = self._layer_plan(prepared, selector, budget, forced_stages)
+                plan.vision = [{name: output.signals[name] for name in vision_layer} for output in vision]
             carry = plan is not None and bool(plan.requires & {"embeddings", "text_embeddings"})
             try:
                 return self.loop.prefill(pack(rows, carry_embeddings=carry), plan, use_cache=use_cache), selections

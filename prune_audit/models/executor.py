@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.models.insertion import Insertion, insertion_for, with_insertions
+from prune_audit.models.insertion import Insertion, insertion_for, replace_in_place, with_insertions
 from prune_audit.models.kinds import MERGED, PAD, TEXT_AFTER, TEXT_BEFORE, merged_index, prunable
 from prune_audit.models.layer_signals import ATTENTION_SIGNALS, layer_signals
 from prune_audit.models.probe import DecoderProbe, RopeFn
@@ -170,6 +170,8 @@ class LayerPlan:
 
     ``stages[b]`` are row b's stages; at each one the kept set comes from
     ``forced[b][i]`` (explicit grid indices) when given, else from ``selector.prune``.
+    ``vision[b]``: row b's vision-tower signals an in-LLM selector reads (name -> (Lv, N) over
+    the grid cells, :data:`~prune_audit.pruners.base.VISION_LAYER_SIGNALS`).
     """
 
     stages: list[list[Stage]]
@@ -179,6 +181,7 @@ class LayerPlan:
     forced: list[list[Tensor]] | None = None
     states: list[dict[str, Any]] = field(default_factory=list)
     merged: list[list[list[int]]] = field(default_factory=list)  # per row: grid sources of merged token j
+    vision: list[dict[str, Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.states:
@@ -385,7 +388,9 @@ class LanguageLoop:
         keep[visual] = False
         keep[visual[survivors]] = True
         insertion = None
-        if merge is not None and merge.num_tokens:
+        if merge is not None and merge.num_tokens and merge.replaces is not None:
+            replace_in_place(batch, row, columns[visual], alive, merge, plan.merged[row])
+        elif merge is not None and merge.num_tokens:
             insertion = insertion_for(batch, row, columns[visual], alive, merge, plan.merged[row])
             # after the last kept visual token = before the first kept text-after token
             insertion.at = int((keep & ((kinds != TEXT_AFTER) & (kinds != PAD))).sum())

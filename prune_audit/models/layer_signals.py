@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.pruners.base import LayerSignals
+from prune_audit.pruners.base import VISION_LAYER_SIGNALS, LayerSignals
 
 if TYPE_CHECKING:
     from prune_audit.models.executor import Batch, DecoderStack, LayerPlan
@@ -81,6 +81,13 @@ def layer_signals(
         signals.normed_hidden_states, signals.text_normed_hidden_states = _f32(normed[visual]), _f32(normed[text])
     if "previous_hidden_states" in requires:
         signals.previous_hidden_states = _f32(previous_input()[visual])
+    for name in requires & VISION_LAYER_SIGNALS:
+        per_cell = plan.vision[row][name].float().cpu()  # (Lv, N) over the grid cells
+        alive = signals.alive
+        values = per_cell.new_full((per_cell.shape[0], alive.numel()), float("nan"))
+        cells = alive >= 0
+        values[:, cells] = per_cell[:, alive[cells]]
+        setattr(signals, name, values)
     if requires & {"embeddings", "text_embeddings"}:
         embeddings = batch.embeddings[row, columns]
         signals.embeddings, signals.text_embeddings = _f32(embeddings[visual]), _f32(embeddings[text])

@@ -128,4 +128,18 @@ def clip_cls_row(layer: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tens
     return torch.softmax(logits, dim=-1)[:, :, 0], keys, official[:, :, 0]
 
 
-__all__ = ["DecoderProbe", "clip_cls_row", "single_tensor_rope", "RopeFn"]
+def clip_attention(layer: nn.Module, hidden: Tensor) -> Tensor:
+    """(B, H, 1 + N, 1 + N) float32 attention probabilities of one CLIP encoder layer on its input.
+
+    Args:
+        layer: a ``CLIPEncoderLayer``; hidden: (B, 1 + N, Dv) its input, CLS at index 0.
+    """
+    attention = layer.self_attn
+    batch, length, _ = hidden.shape
+    normed = layer.layer_norm1(hidden)
+    queries = attention.q_proj(normed).view(batch, length, -1, attention.head_dim).transpose(1, 2)
+    keys = attention.k_proj(normed).view(batch, length, -1, attention.head_dim).transpose(1, 2)
+    return torch.softmax(queries.float() @ keys.float().transpose(2, 3) * attention.scale, dim=-1)
+
+
+__all__ = ["DecoderProbe", "clip_attention", "clip_cls_row", "single_tensor_rope", "RopeFn"]

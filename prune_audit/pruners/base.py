@@ -24,6 +24,8 @@ MODEL_ATTENTIONS = ("eager", "scaled")
 (LLaVA-era ``LlamaAttention``: divided by sqrt(d) and rounded, float32 softmax rounded) or ``"scaled"``
 (SparseVLM's own path: multiplied by 1/sqrt(d) in the model dtype, softmax of the half logits)."""
 
+VISION_LAYER_SIGNALS = frozenset({"layer_cls_attention"})  # InputSignals an in-LLM selector may read, per token
+
 #: where a selector acts: before the language model or inside it
 SelectorLevel = Literal["input", "llm"]
 PositionMode = Literal["keep_original", "compact"]
@@ -59,6 +61,9 @@ class InputSignals:
             embeddings, cosines and their mean each rounded to it; a float32 tensor); with a half
             ``model_dtype``, ``score_dtype="model"`` normalises this one (adapters of half models pass it).
         demand: (N,) demand weights for coverage selection (first-layer probe).
+        layer_attention: (Lv, N) per encoder layer run up to the feature layer (0-based, the feature layer's
+            last): attention each patch receives, mean over heads and all 1 + N query rows (HiPrune's "global").
+        layer_cls_attention: (Lv, N) the same layers' head-mean CLS-row attention to the patches (VScan).
         model_dtype: the dtype the model computes the signals in (the adapters pass the
             model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
     """
@@ -73,6 +78,8 @@ class InputSignals:
     text_relevance: Tensor | None = None
     model_text_relevance: Tensor | None = None
     demand: Tensor | None = None
+    layer_attention: Tensor | None = None
+    layer_cls_attention: Tensor | None = None
     model_dtype: torch.dtype = torch.float32
 
     @property
@@ -113,6 +120,8 @@ class LayerSignals:
         text_embeddings: (T, D) LLM input embeddings of the text tokens.
         sequence_index: (n,) index of each alive visual token in the unpruned prompt.
         text_sequence_index: (T,) the same for the text tokens.
+        layer_cls_attention: (Lv, n) ``InputSignals.layer_cls_attention`` of each alive visual token's
+            grid cell, NaN for a merged token (no single cell); for selectors scanning the vision tower.
         model_dtype: the dtype the model computes in (None: float32).
     """
 
@@ -133,6 +142,7 @@ class LayerSignals:
     text_embeddings: Tensor | None = None
     sequence_index: Tensor | None = None
     text_sequence_index: Tensor | None = None
+    layer_cls_attention: Tensor | None = None
     model_dtype: torch.dtype | None = None
 
     @property
@@ -206,10 +216,13 @@ class TokenMerge:
         members: M LongTensors: the positions among the stage's alive tokens (0..n-1)
             that each merged token stands for; the executor turns them into grid sources
             (a member that is itself a merged token contributes its own sources).
+        replaces: None (inserted after the kept tokens), or (M,) positions among the alive tokens, each
+            a kept one, whose layout slot and position ids each merged token takes instead (VScan).
     """
 
     hidden: Tensor
     members: list[Tensor]
+    replaces: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -379,6 +392,7 @@ class LayerSelector(Selector):
 __all__ = [
     "InputSignals",
     "LayerSignals",
+    "VISION_LAYER_SIGNALS",
     "Selection",
     "Stage",
     "TokenMerge",

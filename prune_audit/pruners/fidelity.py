@@ -365,6 +365,33 @@ FIDELITY: dict[str, Fidelity] = {
                 "kernels round some norms and cosines differently (18 of 30 there)"),  # fmt: skip
         30,
     ),
+    "hiprune": Fidelity(
+        "6e83a124",
+        "alpha 0.1, object layer 9 of the 23 CLIP layers run (scaled on other towers), official flat neighbour offsets",
+        (),
+        (
+            "ties to the lower index (torch.topk leaves them unspecified); attention in float32 (official: fp16 eager)",
+            "anchors capped at budget // 5 so anchors and buffers fit (the official code fails there; alpha near 1)",
+            "registers: top deep attention outside anchors and buffers (official: minus 1 there, the same set)",
+            "neighbours=grid keeps buffers inside the grid (the official +-1 wraps across rows)",
+            "object layer round(9 Lv / 23) on a tower running Lv layers; the Qwen2.5-VL path is not ported (refused)",
+        ),
+        _random(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers",
+                "23 x 576 global attention, budgets 64/128/192"), 30,
+    ),
+    "vscan": Fidelity(
+        "a82450e1",
+        "6 x 6 window scan of CLIP layer 6, global scan of layer 23, merging; LLM layer 16; 96 then 32 for 64; float32",
+        (),
+        (
+            "ties to the lower index, float32 (official: topk order, fp16); global scan excludes the local tokens (same set)",
+            "local_count=fill lets the global scan fill the stage (the same at 96/192/288); official: fewer elsewhere",
+            "grids other than 24 x 24 scan their full blocks (official: asserts 576); shallow layer scaled as HiPrune's",
+            "merged tokens keep their kept token's slot and carry their cells; the Qwen2.5-VL path is not ported",
+        ),
+        _random(30, "test_methods_v3.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging",
+                "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288"), 30,
+    ),
 }
 
 NOT_YET_DONE: tuple[str, ...] = ()
