@@ -460,3 +460,21 @@ def test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm(dtype):
                 identical[name] += get_selector(name, **EXACT).prune(Stage(2, budget), signals, {}).tolist() == expected
     assert identical == {"fastv": 30, "pdrop": 30}
     assert max(differing) <= (25 if dtype == torch.float16 else 0)
+
+
+def test_sparsevlm_model_attention_reaches_the_probe(tiny_llava_path):
+    """The executor hands SparseVLM's recipe to the probe (other selectors keep the eager one); both recipes run
+    end to end on an fp16 tiny LLaVA."""
+    from prune_audit.models import load_vlm
+    from prune_audit.models.executor import LayerPlan
+    from tiny_models import QUESTIONS, random_image
+
+    for name, options, recipe in (("sparsevlm", {}, "scaled"), ("sparsevlm", {"model_attention": "eager"}, "eager"),
+                                  ("fastv", {}, "eager")):  # fmt: skip
+        selector = get_selector(name, score_dtype="model", **options)
+        assert LayerPlan(stages=[[]], grids=[(2, 2)], selector=selector).model_attention == recipe
+    vlm = load_vlm(tiny_llava_path, device="cpu", dtype=torch.float16)
+    item = vlm.prepare(random_image(0), QUESTIONS[1])
+    for recipe in ("scaled", "eager"):
+        selector = get_selector("sparsevlm", score_dtype="model", ties="topk", model_attention=recipe)
+        assert vlm.answer([item], selector, 40)
