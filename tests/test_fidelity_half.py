@@ -139,12 +139,18 @@ def test_dart_model_dtype_reproduces_the_official_half_precision_cosine(dtype):
 # --- CDPruner (Theia-4869/CDPruner 9541616c, llava/model/llava_arch.py::encode_images) ------------------------
 
 
-def cdpruner_half_case(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Projector outputs (576, 4096), CLIP image embeddings (576, 768) and 1 or 2 text embeddings (M, 768)."""
+def cdpruner_half_case(
+    seed: int, dtype: torch.dtype, duplicated: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Projector outputs (576, 4096), CLIP image embeddings (576, 768) and 1 or 2 text embeddings (M, 768).
+
+    ``duplicated``: a quarter of the tokens repeat others (features and image embeddings): exact gain ties."""
     generator = torch.Generator().manual_seed(5000 + seed)
     features = 0.5 * torch.randn(LLM_DIM, generator=generator) + torch.randn(TOKENS, LLM_DIM, generator=generator)
     image = 0.3 * torch.randn(CLIP_EMBED, generator=generator) + torch.randn(TOKENS, CLIP_EMBED, generator=generator)
     text = torch.randn(1 + seed % 2, CLIP_EMBED, generator=generator)
+    if duplicated:
+        features, image = duplicate_rows(torch.cat([features, image], dim=1), generator).split([LLM_DIM, CLIP_EMBED], 1)
     return features.to(dtype), image.to(dtype), text.to(dtype)
 
 
@@ -180,7 +186,7 @@ def official_cdpruner_half(features: torch.Tensor, raw: torch.Tensor, k: int) ->
 def cdpruner_half_agreement(dtype: torch.dtype) -> dict[str, int]:
     """Cases identical to the official kept set with score_dtype=model given the raw relevance the adapter
     passes in the model dtype (exact) or only the float32 one (rounded once), and with float32 scoring."""
-    identical = {"exact": 0, "rounded_once": 0, "float32": 0}
+    identical = {"exact": 0, "rounded_once": 0, "float32": 0, "duplicated": 0}
     for seed in SEEDS:
         features, image, text = cdpruner_half_case(seed, dtype)
         raw = official_relevance_half(image, text)
@@ -195,16 +201,24 @@ def cdpruner_half_agreement(dtype: torch.dtype) -> dict[str, int]:
                 signals = InputSignals(grid=(24, 24), features=features.float(), text_relevance=float32_raw,
                                        model_text_relevance=model_raw, model_dtype=dtype)  # fmt: skip
                 identical[name] += get_selector("cdpruner", **options).select(signals, budget).kept.tolist() == expected
+        features, image, text = cdpruner_half_case(seed, dtype, duplicated=True)
+        raw, budget = official_relevance_half(image, text), BUDGETS[seed % len(BUDGETS)]
+        signals = InputSignals(grid=(24, 24), features=features.float(), text_relevance=raw.float(),
+                               model_text_relevance=raw.float(), model_dtype=dtype)  # fmt: skip
+        selected = get_selector("cdpruner", score_dtype="model").select(signals, budget).kept.tolist()
+        identical["duplicated"] += selected == official_cdpruner_half(features, raw, budget)
     return identical
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_cdpruner_model_dtype_reproduces_the_official_half_precision_relevance(dtype):
-    """score_dtype=model from the raw relevance computed in half (model_text_relevance): 30 of 30 per dtype.
+    """score_dtype=model from the raw relevance computed in half (model_text_relevance): 30 of 30 random and 10 of
+    10 duplicated-token cases per dtype.
     Measured: from the float32 raw relevance rounded once, 28 (fp16) and 23 (bf16) of 30; float32 throughout
     29 and 8 of 30."""
     identical = cdpruner_half_agreement(dtype)
     assert identical["exact"] == 30 == FIDELITY["cdpruner"].half_cases[dtype_name(dtype)]
+    assert identical["duplicated"] == 10
     assert identical["rounded_once"] < 30 and identical["float32"] < 30
 
 
@@ -258,17 +272,20 @@ def official_sparse_attention_of(
     return probs
 
 
-def sparsevlm_half_case(seed: int, dtype: torch.dtype, duplicated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def sparsevlm_half_case(seed: int, dtype: torch.dtype, ties: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """The official attention (H, T, L) of the text rows after the image and the input embeddings (L, 4096).
 
-    ``duplicated``: a quarter of the keys repeat others, so whole attention columns tie exactly."""
+    ``ties="duplicated"``: a quarter of the keys repeat others, so whole attention columns tie exactly;
+    ``"quantised"``: keys rounded to integers, so many logits and probabilities coincide."""
     generator = torch.Generator().manual_seed(4000 + seed)
     length = PREFIX + TOKENS + TEXT
     rows = torch.arange(PREFIX + TOKENS, length)
     queries = torch.randn(HEADS, rows.numel(), HEAD_DIM, generator=generator).to(dtype)
     keys = torch.randn(length, HEADS, HEAD_DIM, generator=generator)
-    if duplicated:
+    if ties == "duplicated":
         keys = duplicate_rows(keys, generator)
+    elif ties == "quantised":
+        keys = keys.round()
     probs = official_sparse_attention_of(queries, keys.transpose(0, 1).to(dtype), rows)
     embeddings = (0.1 * torch.randn(length, LLM_DIM, generator=generator)).to(dtype)
     return probs, embeddings
@@ -298,29 +315,30 @@ def sparsevlm_half_kept(probs: torch.Tensor, embeddings: torch.Tensor, keep: int
 
 
 def sparsevlm_half_agreement(dtype: torch.dtype) -> dict[str, int]:
-    """Random cases identical to the official kept set per option set (30 each), and duplicated-key cases with
-    the exact options (10: one budget per seed)."""
-    identical = dict.fromkeys((*OPTION_SETS, "duplicated"), 0)
+    """Random cases identical to the official kept set per option set (30 each), and duplicated-key and
+    quantised-key cases with the exact options (10 each: one budget per seed)."""
+    identical = dict.fromkeys((*OPTION_SETS, "duplicated", "quantised"), 0)
     for seed in SEEDS:
-        probs, embeddings = sparsevlm_half_case(seed, dtype, duplicated=False)
+        probs, embeddings = sparsevlm_half_case(seed, dtype)
         for budget in BUDGETS:
             expected = official_sparsevlm_half(probs, embeddings, budget)
             for name, options in OPTION_SETS.items():
                 identical[name] += sparsevlm_half_kept(probs, embeddings, budget, **options) == expected
-        probs, embeddings = sparsevlm_half_case(seed, dtype, duplicated=True)
-        budget = BUDGETS[seed % len(BUDGETS)]
-        expected = official_sparsevlm_half(probs, embeddings, budget)
-        identical["duplicated"] += sparsevlm_half_kept(probs, embeddings, budget, **EXACT) == expected
+        for ties in ("duplicated", "quantised"):
+            probs, embeddings = sparsevlm_half_case(seed, dtype, ties)
+            budget = BUDGETS[seed % len(BUDGETS)]
+            expected = official_sparsevlm_half(probs, embeddings, budget)
+            identical[ties] += sparsevlm_half_kept(probs, embeddings, budget, **EXACT) == expected
     return identical
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_sparsevlm_model_dtype_reproduces_the_official_half_precision_scores(dtype):
-    """score_dtype=model + ties=topk: 30 of 30 random and 10 of 10 duplicated-key cases per dtype; measured with
-    lower-index ties 19 (fp16) and 5 (bf16) of 30, float32 scores 16 and 0 of 30."""
+    """score_dtype=model + ties=topk: 30 of 30 random, 10 of 10 duplicated-key and 10 of 10 quantised-key cases per
+    dtype; measured with lower-index ties 19 (fp16) and 5 (bf16) of 30, float32 scores 16 and 0 of 30."""
     identical = sparsevlm_half_agreement(dtype)
     assert identical["exact"] == 30 == FIDELITY["sparsevlm"].half_cases[dtype_name(dtype)]
-    assert identical["duplicated"] == 10
+    assert identical["duplicated"] == identical["quantised"] == 10
     assert max(identical["lower"], identical["float32"]) < 30
 
 

@@ -93,7 +93,8 @@ FIDELITY: dict[str, Fidelity] = {
                 "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 26 and 9 of "
                 "30 (test_fidelity.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_normalisation)"),  # fmt: skip
         30,
-        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model against the official unit features, CLIP relevance and "
+        "fp16 30 of 30, bf16 30 of 30 random cases (and 10 of 10 each with a quarter of the tokens duplicated) "
+        "with score_dtype=model against the official unit features, CLIP relevance and "
         "min-max normalisation written out in half on CPU, the kernel and greedy in float32 "
         "(test_fidelity_half.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_relevance); from "
         "the float32 raw relevance rounded once (no model_text_relevance) 28 and 23 of 30, float32 throughout 29 and "
@@ -297,7 +298,7 @@ FIDELITY: dict[str, Fidelity] = {
                 "recycling realises 206.50 / 145.41 / 82.25 (test_recycling.py)"),  # fmt: skip
         30,
         "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the keys duplicated "
-        "(whole attention columns tied), first stage with score_dtype=model, ties=topk against the official "
+        "(whole attention columns tied) and with integer keys (many equal probabilities), first stage with score_dtype=model, ties=topk against the official "
         "raters and attn_postprocess_topk written out in half on CPU from the official half attention "
         "(test_fidelity_half.py::test_sparsevlm_model_dtype_reproduces_the_official_half_precision_scores); "
         "score_dtype=model with lower-index ties 19 and 5 of 30, float32 scores 16 and 0 of 30; the probe's "
