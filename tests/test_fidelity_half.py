@@ -56,7 +56,8 @@ def dart_half_case(seed: int, dtype: torch.dtype, duplicated: bool) -> tuple[tor
     ``duplicated``: a quarter of the rows repeat others (equal key norms and cosines)."""
     generator = torch.Generator().manual_seed(3000 + seed)
     length = PREFIX + TOKENS + TEXT
-    keys = torch.randn(length, HEADS, HEAD_DIM, generator=generator) * (1 + torch.rand(length, 1, 1, generator=generator))
+    scale = 1 + torch.rand(length, 1, 1, generator=generator)
+    keys = torch.randn(length, HEADS, HEAD_DIM, generator=generator) * scale
     normed = 0.5 * torch.randn(LLM_DIM, generator=generator) + torch.randn(length, LLM_DIM, generator=generator)
     if duplicated:
         keys, normed = duplicate_rows(keys, generator), duplicate_rows(normed, generator)
@@ -103,7 +104,8 @@ def dart_half_kept(keys: torch.Tensor, normed: torch.Tensor, budget: int, **opti
         alive=torch.arange(TOKENS), grid=(24, 24), layer=2, num_layers=32,
         key_norms=norms[image], text_key_norms=norms[text],
         normed_hidden_states=normed[image].float(), text_normed_hidden_states=normed[text].float(),
-        sequence_index=torch.arange(PREFIX, PREFIX + TOKENS), text_sequence_index=torch.arange(PREFIX + TOKENS, normed.shape[0]),
+        sequence_index=torch.arange(PREFIX, PREFIX + TOKENS),
+        text_sequence_index=torch.arange(PREFIX + TOKENS, normed.shape[0]),
         model_dtype=normed.dtype,
     )  # fmt: skip
     selector = get_selector("dart", budget_rule="paper", pivot_order="set", **options)
@@ -122,7 +124,8 @@ def dart_half_agreement(dtype: torch.dtype) -> dict[str, int]:
             identical["float32"] += dart_half_kept(keys, normed, budget) == expected
         keys, normed = dart_half_case(seed, dtype, duplicated=True)
         budget = BUDGETS[seed % len(BUDGETS)]
-        identical["duplicated"] += dart_half_kept(keys, normed, budget, **EXACT) == official_dart_half(keys, normed, budget)
+        expected = official_dart_half(keys, normed, budget)
+        identical["duplicated"] += dart_half_kept(keys, normed, budget, **EXACT) == expected
     return identical
 
 
