@@ -46,10 +46,6 @@ class Fidelity:
     half_cases: Mapping[str, int] = field(default_factory=dict)
 
 
-_MODEL_DTYPE = (
-    "score_dtype=model rounds the signals and the final scores to the model dtype; reductions in between stay "
-    "float32, as half-precision reductions on GPU accumulate in float32"
-)
 _MODEL_DTYPE_ATTENTION = (
     "score_dtype=model forms the attention rows as the official code's eager attention does in the model dtype "
     "(q.k rounded, divided by sqrt(d) as LLaVA-era LlamaAttention does and rounded, float32 softmax rounded: bit "
