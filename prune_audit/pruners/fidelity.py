@@ -46,10 +46,6 @@ class Fidelity:
     half_cases: Mapping[str, int] = field(default_factory=dict)
 
 
-_MODEL_DTYPE = (
-    "score_dtype=model rounds the signals and the final scores to the model dtype; reductions in between stay "
-    "float32, as half-precision reductions on GPU accumulate in float32"
-)
 _MODEL_DTYPE_ATTENTION = (
     "score_dtype=model forms the attention rows as the official code's eager attention does in the model dtype "
     "(q.k rounded, divided by sqrt(d) as LLaVA-era LlamaAttention does and rounded, float32 softmax rounded: bit "
@@ -93,7 +89,8 @@ FIDELITY: dict[str, Fidelity] = {
                 "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 26 and 9 of "
                 "30 (test_fidelity.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_normalisation)"),  # fmt: skip
         30,
-        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model against the official unit features, CLIP relevance and "
+        "fp16 30 of 30, bf16 30 of 30 random cases (and 10 of 10 each with a quarter of the tokens duplicated) "
+        "with score_dtype=model against the official unit features, CLIP relevance and "
         "min-max normalisation written out in half on CPU, the kernel and greedy in float32 "
         "(test_fidelity_half.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_relevance); from "
         "the float32 raw relevance rounded once (no model_text_relevance) 28 and 23 of 30, float32 throughout 29 and "
@@ -110,6 +107,10 @@ FIDELITY: dict[str, Fidelity] = {
                 "(test_input_selectors.py), and on the adapter's bf16 signals (test_fidelity.py); " + _CLS_HALF
                 + "score_dtype=model 30 of 30 in both, float32 29 and 16 of 30"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk of the "
+        "head mean of the official half CLS attention (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties "
+        "at most 29 and 23 of 30, float32 29 and 16 of 30",
+        {"fp16": 30, "bf16": 30},
     ),
     "coverage": Fidelity(
         "-",
@@ -155,6 +156,11 @@ FIDELITY: dict[str, Fidelity] = {
                 "ties=tolerance: 25 of 30; fp16 features: score_dtype=model 30 of 30, float32 2 of 30 "
                 "(measured once; the test runs 6 of those cases)"),  # fmt: skip
         30,
+        "fp16 6 of 6 (1024-dim cases: fp16 matrix products are slow on CPU; all 30 measured once: 30 of 30), bf16 30 "
+        "of 30 with score_dtype=model against the official greedy run in that dtype on CPU "
+        "(test_fidelity.py::test_divprune_model_dtype_reproduces_the_official_half_precision_picks, "
+        "test_fidelity.py::test_divprune_model_dtype_reproduces_the_official_bf16_picks); float32 2 and 0 of 30",
+        {"bf16": 30},
     ),
     "e2s": Fidelity(
         "not public",
@@ -168,6 +174,8 @@ FIDELITY: dict[str, Fidelity] = {
         "no official code to compare with; hand-computed cases in test_llm_selectors.py; each Table-3 preset "
         "realises its row and an average of 128 "
         "(test_fidelity.py::test_every_e2s_table3_row_is_a_preset_averaging_128)",
+        half_agreement="no official code to compare with; score_dtype=model rounds the signals and scores to the "
+        "model dtype as the other in-LLM selectors do",
     ),
     "fastv": Fidelity(
         "d1659729",
@@ -183,6 +191,10 @@ FIDELITY: dict[str, Fidelity] = {
                 "and identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
                 "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk on the half "
+        "attention rows (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties at most 29 and 23; "
+        "on CPU the official fp16 q.k^T GEMM rounds 1 to 20 of the 18,432 last-row image probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's accumulation; bf16: none), kept sets still 30 of 30 (test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
+        {"fp16": 30, "bf16": 30},
     ),
     "pdrop": Fidelity(
         "6444f304",
@@ -198,6 +210,10 @@ FIDELITY: dict[str, Fidelity] = {
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; schedule identical to the official default "
                 "(test_schedule.py::test_official_rule_gives_the_code_default_and_refuses_other_budgets)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk on the half "
+        "attention rows (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties at most 29 and 23; "
+        "on CPU the official fp16 q.k^T GEMM rounds 1 to 20 of the 18,432 last-row image probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's accumulation; bf16: none), kept sets still 30 of 30 (test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
+        {"fp16": 30, "bf16": 30},
     ),
     "pool": Fidelity(
         "-",
@@ -234,6 +250,11 @@ FIDELITY: dict[str, Fidelity] = {
                 "and naive facility-location cases (test_input_selectors.py); " + _CLS_HALF
                 + "score_dtype=model 28 and 30 of 30, float32 21 and 3 of 30"),  # fmt: skip
         30,
+        "with score_dtype=model, ties=argmax against the official greedy run in that dtype on CPU: fp16 29 of 30, "
+        "bf16 30 of 30 (test_fidelity.py::test_scope_model_dtype_reproduces_the_official_half_precision_greedy, "
+        "asserted with one case of slack); float32 23 and 12 of 30; the remaining fp16 case is kernel rounding: "
+        "a half-precision matrix product's last bit depends on its accumulation order (about 1 cosine in 10^4 "
+        "differs by an ulp between kernels)",
     ),
     "sparsevlm": Fidelity(
         "26a5f488",
@@ -273,12 +294,16 @@ FIDELITY: dict[str, Fidelity] = {
                 "recycling realises 206.50 / 145.41 / 82.25 (test_recycling.py)"),  # fmt: skip
         30,
         "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the keys duplicated "
-        "(whole attention columns tied), first stage with score_dtype=model, ties=topk against the official "
+        "(whole attention columns tied) and with integer keys (many equal probabilities), first stage with score_dtype=model, ties=topk against the official "
         "raters and attn_postprocess_topk written out in half on CPU from the official half attention "
         "(test_fidelity_half.py::test_sparsevlm_model_dtype_reproduces_the_official_half_precision_scores); "
         "score_dtype=model with lower-index ties 19 and 5 of 30, float32 scores 16 and 0 of 30; the probe's "
         "model_attention=scaled rows are the official scaled_dot_product_attention of a half tiny LLaVA bit for "
-        "bit (test_fidelity_half.py::test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model)",
+        "bit with q.k accumulated in float32 as on GPU "
+        "(test_fidelity_half.py::test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model); on CPU "
+        "the official fp16 q @ k^T GEMM rounds a few dot products differently (1 of 4536 on that model; 1 to 20 of "
+        "18,432 last-row probabilities per LLaVA-size prompt, test_fidelity_half.py::test_fastv_and_pdrop_keep_the_"
+        "official_set_despite_the_cpu_fp16_gemm), bf16 none",
         {"fp16": 30, "bf16": 30},
     ),
     "tome": Fidelity(
@@ -345,6 +370,11 @@ FIDELITY: dict[str, Fidelity] = {
                 "bit for bit with score_dtype=model in 30 of 30 each, float32 scoring the same sets in 0 of 30 "
                 "(test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk: dominant set against the official "
+        "torch.topk on the half CLS attention (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); with "
+        "score_dtype=model the whole forward (dominant set, contextual groups, output vectors) bit for bit in 30 "
+        "of 30 each (test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)",
+        {"fp16": 30, "bf16": 30},
     ),
     "vispruner": Fidelity(
         "aefa01ad",
@@ -364,6 +394,11 @@ FIDELITY: dict[str, Fidelity] = {
                 "(norms and cosines rounded once): score_dtype=model 30 of 30 each, float32 scoring 0 of 30; CPU fp16 "
                 "kernels round some norms and cosines differently (18 of 30 there)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model against the official forward in that dtype with a "
+        "GPU's float32 accumulation (norms and cosines rounded once) "
+        "(test_fidelity.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens); against the CPU "
+        "fp16 kernels 18 of 30: they round some norms and cosines differently (kernel rounding)",
+        {"fp16": 30, "bf16": 30},
     ),
     "hiprune": Fidelity(
         "6e83a124",
@@ -437,7 +472,11 @@ def fidelity_markdown() -> str:
         "official algorithms written in `tests/test_fidelity.py` from the official code's math, on random cases",
         "at realistic sizes (576 tokens, 1024/4096-dim features, budgets 64/128/192). The commits are those the",
         "selectors spec (`shared/specs/selectors.md`, section 0) was written from; DART's set order was re-read in",
-        "the fork named in its row.",
+        "the fork named in its row. The fp16 / bf16 column compares kept sets with the official code's arithmetic",
+        "in that dtype, re-derived step by step (the dtype of every intermediate, `torch.topk` for the ranking) in",
+        "`tests/test_fidelity_half.py` and `tests/test_fidelity.py`, with the options named; `ties=topk` reproduces",
+        "`torch.topk`'s order among exact ties on the same hardware, the default lower-index rule is deterministic",
+        "everywhere. Where a CPU kernel's rounding keeps a selector from exact agreement the row names it and its size.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
