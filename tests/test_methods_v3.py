@@ -1,4 +1,4 @@
-"""Issue 27, third batch: HiPrune and VScan against independent re-derivations of their official code.
+"""Issue 27, third batch: HiPrune, VScan and SparseVLM v2 against independent re-derivations of their official code.
 
 Each re-derivation follows the official code's own steps (its tensors, its masks, its ``topk``) rather than
 the library's, on random signals at LLaVA-1.5 shapes (24 x 24 patches, 23 encoder layers run up to the feature
@@ -6,6 +6,8 @@ layer); continuous random scores have no exact ties, so ``topk``'s unspecified o
 """
 
 from __future__ import annotations
+
+import math
 
 import pyarrow.parquet as pq
 import pytest
@@ -200,3 +202,82 @@ def test_vscan_is_refused_on_qwen_in_one_line(tmp_path):
               str(tmp_path / "q")],
     )  # fmt: skip
     assert result.exit_code != 0 and "layer_cls_attention" in result.output and "Traceback" not in result.output
+
+
+def official_rope_ones(position_ids: torch.Tensor, head_dim: int = 128, base: float = 10000.0) -> torch.Tensor:
+    """(L, L) ``rope_weights`` of SparseVLM v2.0: all-ones query and key through LLaVA-era Llama RoPE."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(int(position_ids.max()) + 1).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[position_ids], emb.sin()[position_ids]
+    ones = torch.ones(position_ids.numel(), head_dim)
+    rotated = ones * cos + torch.cat((-ones[:, head_dim // 2 :], ones[:, : head_dim // 2]), dim=-1) * sin
+    return rotated @ rotated.T / math.sqrt(head_dim)
+
+
+def official_sparsevlm2_stage(probs, rope_weights, t_token_idx, v_start, v_num, count):
+    """One v2.0 stage: gravity correction, ``select_attn_head_by_sum`` (14 heads), ``attn_postprocess_topk``."""
+    attn = (probs / rope_weights)[None]
+    text_start = v_start + v_num
+    rows = t_token_idx + text_start
+    per_head = attn[0][:, rows, v_start:text_start].sum((1, 2))
+    attn = attn[:, per_head.topk(14)[1]]
+    relation = attn.mean(1)[:, rows, v_start : v_start + v_num].mean(1)
+    mask = torch.zeros_like(relation, dtype=torch.bool)
+    mask[0][torch.topk(relation, min(count, v_num - 1), dim=1)[1]] = True
+    return torch.nonzero(mask[0]).flatten().tolist()
+
+
+def test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_ranking():
+    """30 cases: 10 seeds x first-stage counts of 64 / 128 / 192, the last two on 400 tokens left by an earlier
+    stage (original position ids, as v2.0 keeps them); 32 heads, 40 text tokens, the library's own RoPE probe."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from prune_audit.models.probe import DecoderProbe, single_tensor_rope
+    from prune_audit.pruners.sparsevlm import select_raters
+
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=4096, num_attention_heads=32))
+    probe = DecoderProbe(SimpleNamespace(self_attn=SimpleNamespace(head_dim=128)), single_tensor_rope(apply_rotary_pos_emb))
+    selector, identical, prefix, text = get_selector("sparsevlm2"), 0, 35, 40
+    for seed in SEEDS:
+        generator = torch.Generator().manual_seed(seed)
+        embeddings = torch.randn(N + text, 256, generator=generator)
+        relevance = (embeddings[:N] @ embeddings[N:].T).softmax(1).mean(0)
+        t_token_idx = torch.where(relevance > relevance.mean())[0]
+        raters = select_raters(embeddings[:N], embeddings[N:])
+        assert torch.nonzero(raters).flatten().tolist() == t_token_idx.tolist()
+        for budget, count in ((64, 66), (128, 108), (192, 118)):
+            alive = torch.arange(N) if budget == 64 else torch.randperm(N, generator=generator)[:400].sort().values
+            positions = torch.cat([torch.arange(prefix), prefix + alive, prefix + N + torch.arange(text)])
+            length = positions.numel()
+            logits = torch.randn(32, length, length, generator=generator) * 3
+            probs = logits.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+            visual = torch.arange(prefix, prefix + alive.numel())
+            rows = torch.arange(prefix + alive.numel(), length)
+            cos, sin = rotary(torch.ones(1), positions[None])
+            signals = LayerSignals(
+                alive=alive, grid=GRID, layer=3, num_layers=32, text_probs=probs[:, rows][:, :, visual],
+                rope_ones_logits=probe.rope_ones_logits(rows, visual, cos[0], sin[0]),
+                embeddings=embeddings[alive], text_embeddings=embeddings[N:],
+            )  # fmt: skip
+            kept = selector.prune(Stage(3, count), signals, {"raters": raters})
+            rope_weights = official_rope_ones(positions)
+            official = official_sparsevlm2_stage(probs, rope_weights, t_token_idx, prefix, alive.numel(), count)
+            identical += kept.tolist() == official
+    assert identical == RANDOM_CASES
+    assert FIDELITY["sparsevlm2"].agreement_cases == identical
+
+
+def test_sparsevlm2_runs_on_the_demo_and_is_refused_nowhere_it_has_signals(tmp_path):
+    out = tmp_path / "sparsevlm2"
+    result = CliRunner().invoke(app, ["run", "--selector", "sparsevlm2", "--budget", "32", "--limit", "3", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    for record in pq.read_table(out / "records.parquet").to_pylist():
+        assert record["visual_tokens_avg"] == pytest.approx(32, abs=1) and len(record["kept_stages"]) == 3
+    qwen = tmp_path / "qwen"
+    result = CliRunner().invoke(app, ["run", "--model", "demo-qwen", "--selector", "sparsevlm2", "--budget", "32",
+                                      "--limit", "2", "--out", str(qwen)])  # fmt: skip
+    assert result.exit_code == 0, result.output

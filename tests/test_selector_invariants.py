@@ -58,6 +58,7 @@ LAYER_SHAPES = {
     "sequence_index": (("n",), "visual_index"),
     "text_sequence_index": (("T",), "text_index"),
     "layer_cls_attention": (("Lv", "n"), "prob"),
+    "rope_ones_logits": (("T", "n"), "weight"),
 }
 VARIANTS = ["random", "constant", "zeros", "ties"]
 

@@ -15,7 +15,8 @@ reference inserts its recycled tokens), count as visual tokens for later stages 
 carry the kind ``merged_kind(j)``, ``j`` indexing the row's merged-token sources.
 Under ``compact`` positions they are renumbered with every other token (the
 reference); under ``keep_original`` (Qwen's M-RoPE ids, or LLaVA when asked) a merged
-token takes the floor of its members' mean position in every plane.
+token takes the floor of its members' mean position in every plane. A merge with ``replaces``
+(VScan) instead writes its tokens over kept ones, keeping their layout slots and positions.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 ATTENTION_SIGNALS = frozenset({"text_logits", "text_probs"})
 KEY_SIGNALS = frozenset({"key_norms", "text_key_norms"})
+ROPE_SIGNALS = frozenset({"rope_ones_logits"})
 
 
 def _f32(tensor: Tensor) -> Tensor:
@@ -62,7 +63,7 @@ def layer_signals(
             raise PruneAuditError(f"layer {layer} has no previous layer; prune at layer 1 or later")
         return previous[row, columns]
 
-    if requires & (ATTENTION_SIGNALS | KEY_SIGNALS):
+    if requires & (ATTENTION_SIGNALS | KEY_SIGNALS | ROPE_SIGNALS):
         source_layer, source = (layer - 1, previous_input()) if plan.signal_layer == "previous" else (layer, hidden)
         cos, sin = stack.rotary(source[None], batch.positions[:, row : row + 1, columns])
         probe = stack.probe(source_layer)
@@ -74,6 +75,8 @@ def layer_signals(
         if requires & KEY_SIGNALS:
             norms = probe.keys(source, cos[0], sin[0]).float().abs().sum(dim=(0, 2))
             signals.key_norms, signals.text_key_norms = _f32(norms[visual]), _f32(norms[text])
+        if requires & ROPE_SIGNALS:
+            signals.rope_ones_logits = _f32(probe.rope_ones_logits(text, visual, cos[0], sin[0]))
     if requires & {"hidden_states", "text_hidden_states"}:
         signals.hidden_states, signals.text_hidden_states = _f32(hidden[visual]), _f32(hidden[text])
     if requires & {"normed_hidden_states", "text_normed_hidden_states"}:

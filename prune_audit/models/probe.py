@@ -74,6 +74,14 @@ class DecoderProbe:
         """(H, R, L) float32 pre-softmax logits ``q.k * scaling`` of ``rows`` to every key (see :meth:`dot_products`)."""
         return self.dot_products(hidden, rows, cos, sin) * self.layer.self_attn.scaling
 
+    def rope_ones_logits(self, rows: Tensor, columns: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """(R, C) float32 ``q.k / sqrt(d)`` of all-ones queries at ``rows`` and keys at ``columns`` under this
+        layer's RoPE; cos/sin (L, d) as in :meth:`dot_products` (SparseVLM v2's position "gravity")."""
+        head_dim = self.layer.self_attn.head_dim
+        ones = cos.new_ones(1, 1, cos.shape[0], head_dim)
+        rotated = self.apply_rope(ones, cos[None], sin[None])[0, 0].float()  # (L, d)
+        return rotated[rows] @ rotated[columns].T / math.sqrt(head_dim)
+
     def probabilities(
         self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor, in_model_dtype: bool = False,
         recipe: str = "eager",

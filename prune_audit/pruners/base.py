@@ -61,9 +61,8 @@ class InputSignals:
             embeddings, cosines and their mean each rounded to it; a float32 tensor); with a half
             ``model_dtype``, ``score_dtype="model"`` normalises this one (adapters of half models pass it).
         demand: (N,) demand weights for coverage selection (first-layer probe).
-        layer_attention: (Lv, N) per encoder layer run up to the feature layer (0-based, the feature layer's
-            last): attention each patch receives, mean over heads and all 1 + N query rows (HiPrune's "global").
-        layer_cls_attention: (Lv, N) the same layers' head-mean CLS-row attention to the patches (VScan).
+        layer_attention: (Lv, N) per encoder layer run (the feature layer's last): attention each patch gets,
+            mean over heads and all 1 + N query rows (HiPrune); layer_cls_attention: the CLS row's (VScan).
         model_dtype: the dtype the model computes the signals in (the adapters pass the
             model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
     """
@@ -120,8 +119,8 @@ class LayerSignals:
         text_embeddings: (T, D) LLM input embeddings of the text tokens.
         sequence_index: (n,) index of each alive visual token in the unpruned prompt.
         text_sequence_index: (T,) the same for the text tokens.
-        layer_cls_attention: (Lv, n) ``InputSignals.layer_cls_attention`` of each alive visual token's
-            grid cell, NaN for a merged token (no single cell); for selectors scanning the vision tower.
+        layer_cls_attention: (Lv, n) ``InputSignals.layer_cls_attention`` of each alive token's cell (NaN: merged).
+        rope_ones_logits: (T, n) ``q.k / sqrt(d)`` of all-ones q and k under the layer's RoPE there (SparseVLM v2).
         model_dtype: the dtype the model computes in (None: float32).
     """
 
@@ -143,6 +142,7 @@ class LayerSignals:
     sequence_index: Tensor | None = None
     text_sequence_index: Tensor | None = None
     layer_cls_attention: Tensor | None = None
+    rope_ones_logits: Tensor | None = None
     model_dtype: torch.dtype | None = None
 
     @property

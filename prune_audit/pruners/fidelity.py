@@ -11,40 +11,9 @@ exists, the test that checks it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-# the random-case comparison of tests/test_fidelity.py: 10 seeds x budgets 64/128/192, 576 tokens, 1024/4096-dim
-RANDOM_CASES = 30
-
-
-@dataclass(frozen=True)
-class Fidelity:
-    """One selector's row of the fidelity table.
-
-    Attributes:
-        commit: official repository commit the implementation was written from.
-        default: what the selector does with its default options, in brief.
-        exact: ``KEY=VALUE`` options that reproduce the official code (empty: the default does).
-        differences: every remaining difference from the official code, each with its reason.
-        agreement: the measured agreement, quoting the test that measures it.
-        agreement_cases: N of the ``RANDOM_CASES`` random cases with identical kept sets, when measured.
-        half_agreement: the agreement in fp16 and bf16 against the official arithmetic in that dtype, with the
-            options that reach it, quoting the test (and naming the kernel rounding that prevents exactness).
-        half_cases: ``{"fp16": N, "bf16": N}``: N of the ``RANDOM_CASES`` random cases identical in each dtype
-            with those options, where a test asserts it.
-    """
-
-    commit: str
-    default: str
-    exact: tuple[str, ...]
-    differences: tuple[str, ...]
-    agreement: str
-    agreement_cases: int | None = None
-    half_agreement: str = "no half-precision path (nothing is computed in the model dtype)"
-    half_cases: Mapping[str, int] = field(default_factory=dict)
-
+from prune_audit.pruners.fidelity_entry import RANDOM_CASES, Fidelity, random_agreement as _random
 
 _MODEL_DTYPE_ATTENTION = (
     "score_dtype=model forms the attention rows as the official code's eager attention does in the model dtype "
@@ -63,11 +32,6 @@ _CLS_HALF = (
     "CLS attention in fp16 / bf16 against the official eager attention run in that dtype "
     "(test_fidelity.py::test_cls_logits_reproduce_the_official_half_precision_cls_attention): "
 )
-
-
-def _random(cases: int, test: str, extra: str = "") -> str:
-    tail = f"; {extra}" if extra else ""
-    return f"kept sets identical in {cases} of {RANDOM_CASES} random cases ({test}){tail}"
 
 
 FIDELITY: dict[str, Fidelity] = {
@@ -413,6 +377,21 @@ FIDELITY: dict[str, Fidelity] = {
         ),
         _random(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers",
                 "23 x 576 global attention, budgets 64/128/192"), 30,
+    ),
+    "sparsevlm2": Fidelity(
+        "9e1f649e",
+        "branch v2.0 (USE_VERSION=2_0): rater attention divided by the all-ones RoPE logits, 14 of 32 heads by their "
+        "rater attention, layers 2/6/15 (outputs pruned), average rule on the v2.0 counts, no merging, positions kept",
+        ("budget_rule=paper",),
+        (
+            "exactly keep tokens (the reference caps at n - 1); ties to the lower index; float32 unless "
+            "score_dtype=model",
+            "14 priority heads of LLaVA-1.5-7B's 32 scaled with the model's heads (round(14 H / 32))",
+            "a RoPE logit of exactly 0 (degenerate signals only) leaves its pair uncorrected (official: divides by 0)",
+            "no FlashAttention switch: the v2.0 FlashAttention module forms the same softmax rows for scoring",
+        ),
+        _random(30, "test_methods_v3.py::test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_"
+                "ranking", "32 heads, the library's RoPE probe against the official all-ones RoPE"), 30,
     ),
     "vscan": Fidelity(
         "a82450e1",
