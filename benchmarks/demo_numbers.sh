@@ -58,7 +58,11 @@ printf '%s\n' "$QUICK_START" > "$OUT/quick-start/commands.sh"
 timed quick-start bash -c 'cd "$1" && bash -euo pipefail commands.sh > output.txt 2>&1' quick-start "$OUT/quick-start"
 cp "$OUT"/quick-start/calibration-limit*/retention.png "$OUT/figures/calibrate-retention-demo.png"
 
-llava_lane() {  # the LLaVA demo's runs, its model card table and the study
+llava_lane() {  # the study (first: the longest step, and it makes a README figure), the LLaVA demo's runs and table
+    # the default study grid (docs/benchmarks.md's table and findings, README's study figure)
+    timed study prune-audit study --threads 1 --out "$OUT/study" --quiet "${STUDY_SIZE[@]}"
+    cp "$OUT/study/calibration_vs_budget.png" "$OUT/figures/study_demo_calibration_vs_budget.png"
+    log "study: study/report.md"
     prune-audit run --selector e2s --budget 64 --out "$OUT/runs/demo-e2s-64" --threads 1 --quiet "${LIMIT[@]}" \
         > "$OUT/run-demo-e2s-64.txt"
     log "run --selector e2s --budget 64: see run-demo-e2s-64.txt"
@@ -66,13 +70,19 @@ llava_lane() {  # the LLaVA demo's runs, its model card table and the study
     python -m benchmarks.demo_pruning --model demo --budgets 16,32,64 --per-split "$PER_SPLIT" --threads 1 \
         --out "$OUT/table-demo" > /dev/null 2> "$OUT/table-demo.log"
     log "model card table: table-demo/table.md"
-    # the default study grid (docs/benchmarks.md's table and findings, README's study figure)
-    timed study prune-audit study --threads 1 --out "$OUT/study" --quiet "${STUDY_SIZE[@]}"
-    cp "$OUT/study/calibration_vs_budget.png" "$OUT/figures/study_demo_calibration_vs_budget.png"
-    log "study: study/report.md"
 }
 
-other_lane() {  # accuracy, object removal, the Qwen demo's runs and table, README figures
+other_lane() {  # README figures (first: seconds), accuracy, object removal, the Qwen demo's runs and table
+    # README figures: kept tokens of several selectors on one scene (VisionZip's merged cells too)
+    IMAGE=$(ls "$CACHE"/demo-questions-*/images/scenes2026_000000000002.png | head -n 1)
+    prune-audit visualize "$IMAGE" --budget 64 --threads 1 --selector none --selector cls_attn --selector divprune \
+        --selector fastv --selector pdrop --selector e2s --selector tome --selector pool \
+        --out "$OUT/figures/visualize-demo.png" > /dev/null
+    prune-audit visualize "$IMAGE" --model demo-qwen --budget 16 --threads 1 --selector none --selector divprune \
+        --selector fastv --selector e2s --out "$OUT/figures/visualize-demo-qwen.png" > /dev/null
+    prune-audit visualize "$IMAGE" --budget 16 --threads 1 --selector none --selector visionzip --selector cls_attn \
+        --out "$OUT/figures/visualize-demo-merged.png" > /dev/null
+    log "figures: figures/"
     # unpruned accuracy on the 9,000 demo questions (LLaVA: also with the two instructions it was trained with)
     for model in demo demo-qwen; do
         prune-audit demo evaluate --model "$model" --threads 1 "${EVAL_SET[@]}" > "$OUT/evaluate-$model.json"
@@ -93,16 +103,6 @@ other_lane() {  # accuracy, object removal, the Qwen demo's runs and table, READ
     python -m benchmarks.demo_pruning --model demo-qwen --budgets 8,16,24 --per-split "$PER_SPLIT" --threads 1 \
         --out "$OUT/table-demo-qwen" > /dev/null 2> "$OUT/table-demo-qwen.log"
     log "model card table: table-demo-qwen/table.md"
-    # README figures: kept tokens of several selectors on one scene (VisionZip's merged cells too)
-    IMAGE=$(ls "$CACHE"/demo-questions-*/images/scenes2026_000000000002.png | head -n 1)
-    prune-audit visualize "$IMAGE" --budget 64 --threads 1 --selector none --selector cls_attn --selector divprune \
-        --selector fastv --selector pdrop --selector e2s --selector tome --selector pool \
-        --out "$OUT/figures/visualize-demo.png" > /dev/null
-    prune-audit visualize "$IMAGE" --model demo-qwen --budget 16 --threads 1 --selector none --selector divprune \
-        --selector fastv --selector e2s --out "$OUT/figures/visualize-demo-qwen.png" > /dev/null
-    prune-audit visualize "$IMAGE" --budget 16 --threads 1 --selector none --selector visionzip --selector cls_attn \
-        --out "$OUT/figures/visualize-demo-merged.png" > /dev/null
-    log "figures: figures/"
 }
 
 # then two lanes of one thread each, one per core
