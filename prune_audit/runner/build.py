@@ -1,6 +1,7 @@
-"""``prune-audit run``, step 3: answers + token geometry + object masks -> one record per question.
+"""``prune-audit run``, step 3: answers + token geometry + evidence regions -> one record per question.
 
-Retention is computed at every stage, on the kept grid indices and those the stage's merged
+The run's task scores each answer (its core columns and its own, ``tasks.base.Scored``) and
+names each question's evidence region. Retention of that region is computed at every stage, on the kept grid indices and those the stage's merged
 tokens carry, for a whole batch at once through ``ObjectAreaCache`` and
 ``retention_by_stage`` (the path ``benchmarks/retention.py`` times). The columns are
 those of ``prune_audit.records.schema.RUN_COLUMNS``.
@@ -14,29 +15,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prune_audit.data.retention import ObjectArea, ObjectAreaCache, StageRetention, retention_by_stage
-from prune_audit.records.schema import Record
+from prune_audit.data.retention import ObjectArea, StageRetention, retention_by_stage
+from prune_audit.records.schema import Record, task_columns
 
 if TYPE_CHECKING:
-    from prune_audit.data.pope import PopeQuestion
     from prune_audit.models import Answer, Prepared
+    from prune_audit.tasks import Evidence, Task, TaskQuestion
 
 @dataclass(frozen=True)
 class AnsweredQuestion:
     """One question with the model's answer and everything its record needs."""
 
-    question: PopeQuestion
+    question: TaskQuestion
     answer: Answer
     prepared: Prepared
     image_id: int
     order: int
 
 
-def object_area_for(areas: ObjectAreaCache | None, answered: AnsweredQuestion) -> ObjectArea | None:
-    """The queried object's area under the prepared geometry; None for "no" questions or without masks."""
-    if areas is None or answered.question.label != "yes":
+def evidence_area(evidence: Evidence | None, answered: AnsweredQuestion) -> ObjectArea | None:
+    """The question's evidence region under the prepared geometry; None without annotations or evidence
+    (POPE's "no" questions)."""
+    if evidence is None:
         return None
-    return areas.get(answered.image_id, answered.question.object, answered.prepared.geometry)
+    return evidence.area(answered.question, answered.image_id, answered.prepared.geometry)
 
 
 def last_visible_kept(kept_stages: Sequence[Sequence[int]], num_visual: int) -> list[int]:
@@ -73,8 +75,10 @@ def covered_stages(kept_stages: list[list[int]], merged_stages: list[list[list[i
     ]
 
 
-def build_records(answered: Sequence[AnsweredQuestion], areas: Sequence[ObjectArea | None]) -> list[Record]:
-    """One record per answered question; ``areas[i]`` is question i's object area (or None).
+def build_records(
+    task: Task, answered: Sequence[AnsweredQuestion], areas: Sequence[ObjectArea | None]
+) -> list[Record]:
+    """One record per answered question, scored by ``task``; ``areas[i]`` is question i's evidence area (or None).
 
     Retention is computed at every stage; ``retention``, ``object_tokens_kept``, ``lost`` and
     ``diluted`` are the first stage's values.
@@ -83,7 +87,7 @@ def build_records(answered: Sequence[AnsweredQuestion], areas: Sequence[ObjectAr
     retained = retention_by_stage(areas, [covered_stages(kept, merged) for kept, _, merged in stages])
     diluted = _diluted_stages(areas, stages, retained)
     return [
-        _record(item, area, kept_stages, layers, merged, by_stage, dilution)
+        _record(task, item, area, kept_stages, layers, merged, by_stage, dilution)
         for item, area, (kept_stages, layers, merged), by_stage, dilution in zip(
             answered, areas, stages, retained, diluted
         )
@@ -108,7 +112,12 @@ def _diluted_stages(
     ]
 
 
+def _own_columns(task: str) -> set[str]:
+    return {column.name for column in task_columns(task)}
+
+
 def _record(
+    task: Task,
     item: AnsweredQuestion,
     area: ObjectArea | None,
     kept_stages: list[list[int]],
@@ -119,20 +128,21 @@ def _record(
 ) -> Record:
     question, answer, prepared = item.question, item.answer, item.prepared
     has_mask = area is not None and area.has_mask
+    scored = task.score(question, answer.reduced)
+    if set(scored.columns) != _own_columns(task.name):  # pyarrow would drop an unknown key without a word
+        raise ValueError(f"task {task.name!r} scored columns {sorted(scored.columns)}, but records/schema.py declares "
+                         f"{sorted(_own_columns(task.name))} for it")
     return {
         "question_id": question.question_id,
         "split": question.split,
+        "task": task.name,
         "image": question.image,
         "image_id": item.image_id,
-        "object": question.object,
-        "label": question.label,
-        "answer": answer.answer,
-        "p_yes": answer.p_yes,
-        "p_no": answer.p_no,
-        "p_yes_2way": answer.p_yes_2way,
-        "logit_diff": answer.logit_diff,
-        "confidence": answer.confidence,
-        "correct": answer.answer == question.label,
+        "answer_text": scored.answer_text,
+        "references": list(scored.references),
+        "confidence": scored.confidence,
+        "correct": scored.correct,
+        **scored.columns,
         "kept": last_visible_kept(answer.kept_stages, prepared.num_visual),
         "kept_stages": kept_stages,
         "merged_stages": merged_stages,

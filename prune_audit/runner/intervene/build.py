@@ -14,12 +14,13 @@ from prune_audit.runner.build import AnsweredQuestion, build_records
 from prune_audit.runner.intervene.swaps import Swap
 
 if TYPE_CHECKING:
-    from prune_audit.data.pope import PopeQuestion
     from prune_audit.models import Answer, Prepared
+    from prune_audit.tasks import Task, TaskQuestion
 
 
 def intervention_rows(
-    question: PopeQuestion,
+    task: Task,
+    question: TaskQuestion,
     record: Record,
     prepared: Prepared,
     area: ObjectArea,
@@ -28,7 +29,7 @@ def intervention_rows(
 ) -> list[Record]:
     """One record per condition: the run's columns for the forced answer plus the swap's columns."""
     answered = [AnsweredQuestion(question, answer, prepared, record["image_id"], record["order"]) for answer in answers]
-    rows = build_records(answered, [area] * len(answered))
+    rows = build_records(task, answered, [area] * len(answered))
     for row, (condition, swap) in zip(rows, swaps.items()):
         row.update(condition=condition, cells_changed=swap.size,
                    object_area_changed=swap.object_area_changed(area.area_per_token))
