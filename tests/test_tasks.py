@@ -22,6 +22,13 @@ from prune_audit.tasks import registry
 runner = CliRunner()
 
 
+def test_committed_tasks_doc_matches_the_task_classes():
+    from prune_audit.tasks.docs import tasks_markdown
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "tasks.md"
+    assert doc.read_text(encoding="utf-8") == tasks_markdown(), "docs/tasks.md is stale: run python -m prune_audit.tasks.docs"
+
+
 def test_builtin_tasks_are_listed_and_unknown_names_refused():
     assert {"pope", "gqa"} <= set(list_tasks())
     with pytest.raises(PruneAuditError, match=r"unknown task 'vqa'; choose one of .*gqa.*pope"):

@@ -8,8 +8,8 @@ of the objects its annotations name (``data.gqa.evidence_mask``). Reading and sc
 ``data.gqa``'s (LLaVA's rule: ``text.strip().rstrip('.').lower() == answer``).
 
 The answer is LLaVA-1.5's: the prompt ends with "Answer the question using a single word or
-phrase.", greedy decoding up to ``max_new_tokens`` (default 128, ``model_vqa_loader.py``'s) that
-reuses the pruned KV cache. Confidence is the probability of the whole generated answer, the
+phrase.", greedy decoding up to ``max_new_tokens`` (default 128: ``--max_new_tokens`` of LLaVA's
+``llava/eval/model_vqa_loader.py``, haotian-liu/LLaVA commit 10462fe) that reuses the pruned KV cache. Confidence is the probability of the whole generated answer, the
 product of its tokens' probabilities (``sequence_prob``); the length-normalised form, the
 geometric mean of the token probabilities, is recorded beside it (``mean_token_prob``).
 """
