@@ -113,6 +113,8 @@ def write_run(directory, seed, strength, tokens, images=24, lost_share=0.0, sele
                         "diluted": False if label_yes else None,
                         "diluted_stages": [False if label_yes else None],
                         "object_area": 500 if label_yes else 0,
+                        "evidence_objects": ["dog"] if label_yes else [],
+                        "evidence_objects_lost": [lost] if label_yes else [],
                         "latency_ms": 10.0,
                         "geometry": "{}",
                         "order": len(rows),

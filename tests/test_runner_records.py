@@ -49,6 +49,8 @@ def make_row(order, split="random", question_id=None):
         "diluted": False,
         "diluted_stages": [False],
         "object_area": 100,
+        "evidence_objects": ["dog"],
+        "evidence_objects_lost": [False],
         "latency_ms": 1.0,
         "geometry": "{}",
         "order": order,

@@ -110,6 +110,9 @@ def test_pope_run_records_the_task_and_its_core_columns(workspace, tmp_path):
         assert row["task"] == "pope" and row["answer_text"] == row["answer"] and row["references"] == [row["label"]]
         assert row["correct"] == (row["answer"] == row["label"])
         assert row["confidence"] == max(row["p_yes_2way"], 1 - row["p_yes_2way"])
+        # the per-object evidence columns repeat the single queried object's first-stage loss
+        assert row["evidence_objects"] == ([row["object"]] if row["label"] == "yes" else [])
+        assert row["evidence_objects_lost"] == ([row["lost"]] if row["label"] == "yes" else [])
 
 
 @pytest.mark.parametrize(("extra", "needles"), [
@@ -180,6 +183,8 @@ def test_gqa_run_generates_scores_and_measures_evidence(workspace, tmp_path):
         assert row["mean_token_prob"] >= row["sequence_prob"] - 1e-12  # geometric mean >= product of probs <= 1
         assert row["evidence_object_ids"] and 0.0 <= row["retention"] <= 1.0 and row["lost"] in (True, False)
         assert row["object_area"] > 0
+        assert len(row["evidence_objects"]) == len(row["evidence_object_ids"]) == len(row["evidence_objects_lost"])
+        assert row["lost"] == all(row["evidence_objects_lost"])  # one box: the region is lost exactly when it is
     # batching does not change a generated answer
     single = tmp_path / "single"
     result = runner.invoke(app, gqa_args(workspace, inputs, single, "--selector", "random", "--budget", "6",
@@ -282,3 +287,43 @@ def test_a_model_without_single_letter_tokens_is_refused(workspace, tmp_path):
                                  str(workspace["images"]), "--questions", str(questions), "--out", str(tmp_path / "r")])
     refused(result, "no single token for the option letter 'B'")
     assert not (tmp_path / "r").exists()
+
+
+# ----- captions ---------------------------------------------------------------------------------------------
+
+
+def test_caption_run_scores_mentions_and_measures_each_object(workspace, tmp_path):
+    from prune_audit.data.chair import score_caption
+
+    out = tmp_path / "run"
+    instances = str(workspace["instances"])
+    args = ["run", "--task", "caption", "--model", str(workspace["model"]), "--images", str(workspace["images"]),
+            "--questions", instances, "--annotations", instances, "--out", str(out), "--limit", "4",
+            "--max-new-tokens", "4", "--selector", "random", "--budget", "4"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["task"] == "caption" and manifest["max_new_tokens"] == 4
+    coco = json.loads(Path(instances).read_text())
+    names = {c["id"]: c["name"] for c in coco["categories"]}
+    for row in pq.read_table(out / "records.parquet").to_pylist():
+        annotated = list(dict.fromkeys(names[a["category_id"]] for a in coco["annotations"]
+                                       if a["image_id"] == row["question_id"]))
+        score = score_caption(row["answer_text"], annotated)
+        assert row["evidence_objects"] == annotated == row["references"]
+        assert len(row["evidence_objects_lost"]) == len(annotated)
+        assert row["omitted"] == list(score.omitted) and row["hallucinated"] == list(score.hallucinated)
+        assert row["correct"] == (not score.chair_s) and row["recall"] == pytest.approx(score.recall)
+        assert row["confidence"] == row["mean_token_prob"] and row["answer_tokens"] <= 4
+        # the union region is lost exactly when every object is
+        assert row["lost"] == all(row["evidence_objects_lost"])
+
+
+def test_caption_questions_need_one_instances_file(workspace, tmp_path):
+    out = tmp_path / "run"
+    captions = tmp_path / "captions.json"
+    captions.write_text(json.dumps({"annotations": [{"image_id": 1, "caption": "A red circle."}]}))
+    refused(runner.invoke(app, ["run", "--task", "caption", "--model", str(workspace["model"]), "--images",
+                                str(workspace["images"]), "--questions", str(captions), "--out", str(out)]),
+            "one COCO instances file")
+    assert not out.exists()

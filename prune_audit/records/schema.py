@@ -72,12 +72,14 @@ def _run(name: str, type_: pa.DataType, meaning: str, nullable: bool = False) ->
     return Column(name, type_, nullable, meaning)
 
 
-def _task(task: str, name: str, type_: pa.DataType, meaning: str, nullable: bool = False) -> Column:
-    """A column only ``task``'s rows hold."""
-    return Column(name, type_, nullable, meaning, tasks=(task,))
+def _task(tasks: str | tuple[str, ...], name: str, type_: pa.DataType, meaning: str, nullable: bool = False) -> Column:
+    """A column only the rows of ``tasks`` (one name, or several) hold."""
+    return Column(name, type_, nullable, meaning, tasks=(tasks,) if isinstance(tasks, str) else tasks)
 
 
 INT_LIST = pa.list_(pa.int64())
+GENERATING = ("gqa", "caption")
+"""The tasks that answer by greedy decoding and share its columns."""
 
 RUN_COLUMNS: tuple[Column, ...] = (
     _run("question_id", pa.int64(), "id from the question file"),
@@ -99,13 +101,22 @@ RUN_COLUMNS: tuple[Column, ...] = (
     _task("pope", "p_no", pa.float64(), "first-token probability of no, likewise"),
     _task("pope", "p_yes_2way", pa.float64(), "p_yes / (p_yes + p_no)"),
     _task("pope", "logit_diff", pa.float64(), "log p_yes - log p_no (the two-way logit d; p_yes_2way = sigmoid(d))"),
-    _task("gqa", "sequence_prob", pa.float64(), "probability of the whole generated answer: the product of its "
-                                                "tokens' full-vocabulary probabilities (= confidence)"),
-    _task("gqa", "mean_token_prob", pa.float64(), "the length-normalised form: geometric mean of the generated "
+    _task(GENERATING, "sequence_prob", pa.float64(), "probability of the whole generated answer: the product of its "
+                                                "tokens' full-vocabulary probabilities (gqa's confidence)"),
+    _task(GENERATING, "mean_token_prob", pa.float64(), "the length-normalised form: geometric mean of the generated "
                                                   "tokens' probabilities (1.0 for an empty answer)"),
-    _task("gqa", "answer_tokens", pa.int64(), "tokens generated, the end-of-sequence token excluded"),
-    _task("gqa", "stopped", pa.bool_(), "generation ended with an end-of-sequence token (false: cut at "
+    _task(GENERATING, "answer_tokens", pa.int64(), "tokens generated, the end-of-sequence token excluded"),
+    _task(GENERATING, "stopped", pa.bool_(), "generation ended with an end-of-sequence token (false: cut at "
                                         "max_new_tokens)"),
+    _task("caption", "mentioned", pa.list_(pa.string()), "COCO categories the caption mentions (CHAIR's synonym "
+                                                         "list), each once, in order of first mention"),
+    _task("caption", "hallucinated", pa.list_(pa.string()), "mentioned categories absent from the image (neither "
+                                                            "annotated nor in its reference captions)"),
+    _task("caption", "omitted", pa.list_(pa.string()), "annotated categories the caption never mentions, in "
+                                                       "evidence_objects order (evidence_objects_lost says which "
+                                                       "the first stage lost)"),
+    _task("caption", "chair_i", pa.float64(), "hallucinated mentions / mentions (0 without mentions)"),
+    _task("caption", "recall", pa.float64(), "share of annotated categories mentioned (NaN when none is annotated)"),
     _task("gqa", "evidence_object_ids", pa.list_(pa.string()), "scene-graph ids of the objects the question's "
                                                                "annotations name (its evidence region's boxes)"),
     _task("scienceqa", "letter_probs", pa.list_(pa.float64()), "first-token probability of each offered option "
@@ -190,7 +201,16 @@ RUN_COLUMNS: tuple[Column, ...] = (
     _run("diluted_stages", pa.list_(pa.bool_()), "diluted at each stage (null entries without a mask)"),
     _run("object_area", pa.int64(), "pixels of the evidence region in the image (0 without evidence: POPE's \"no\" "
                                     "questions)"),
-    _run("latency_ms", pa.float64(), "wall time of the prefill (batch prefill time / batch size)"),
+    _run("evidence_objects", pa.list_(pa.string()), "the objects of the evidence region, each on its own (POPE: the "
+                                                    "queried object of a yes question; empty without annotations)"),
+    _run(
+        "evidence_objects_lost",
+        pa.list_(pa.bool_()),
+        "for each of evidence_objects, lost at the FIRST stage: pixels, none in the kept cells or the cells "
+        "merged tokens carry (null entries for an object without pixels)",
+    ),
+    _run("latency_ms", pa.float64(), "wall time of the prefill (batch prefill time / batch size; tasks that "
+                                     "generate: prefill and decoding)"),
     _run("geometry", pa.string(), "JSON of the image's `TokenGeometry` (lets `visualize --run` redraw without the model)"),
     _run("order", pa.int64(), "position of the question in the run's question list (sorts the rows)"),
 )

@@ -33,12 +33,24 @@ class AnsweredQuestion:
     order: int
 
 
-def evidence_area(evidence: Evidence | None, answered: AnsweredQuestion) -> ObjectArea | None:
-    """The question's evidence region under the prepared geometry; None without annotations or evidence
-    (POPE's "no" questions)."""
+@dataclass(frozen=True)
+class QuestionEvidence:
+    """One question's evidence under its prepared geometry: the whole region (None without one: POPE's "no"
+    questions, a run without annotations) and each of its objects on its own, (name, area)."""
+
+    region: ObjectArea | None
+    objects: list[tuple[str, ObjectArea]]
+
+
+NO_EVIDENCE = QuestionEvidence(None, [])
+
+
+def question_evidence(evidence: Evidence | None, answered: AnsweredQuestion) -> QuestionEvidence:
+    """The question's evidence region and objects, as its task's evidence names them."""
     if evidence is None:
-        return None
-    return evidence.area(answered.question, answered.image_id, answered.prepared.geometry)
+        return NO_EVIDENCE
+    question, image_id, geometry = answered.question, answered.image_id, answered.prepared.geometry
+    return QuestionEvidence(evidence.area(question, image_id, geometry), evidence.objects(question, image_id, geometry))
 
 
 def last_visible_kept(kept_stages: Sequence[Sequence[int]], num_visual: int) -> list[int]:
@@ -75,23 +87,35 @@ def covered_stages(kept_stages: list[list[int]], merged_stages: list[list[list[i
     ]
 
 
-def build_records(
-    task: Task, answered: Sequence[AnsweredQuestion], areas: Sequence[ObjectArea | None]
-) -> list[Record]:
-    """One record per answered question, scored by ``task``; ``areas[i]`` is question i's evidence area (or None).
+def build_records(task: Task, answered: Sequence[AnsweredQuestion], evidence: Sequence[QuestionEvidence]) -> list[Record]:
+    """One record per answered question, scored by ``task``; ``evidence[i]`` is question i's.
 
-    Retention is computed at every stage; ``retention``, ``object_tokens_kept``, ``lost`` and
-    ``diluted`` are the first stage's values.
+    Retention of the evidence region is computed at every stage; ``retention``, ``object_tokens_kept``,
+    ``lost`` and ``diluted`` are the first stage's values, as is each evidence object's own lost.
     """
+    areas = [item.region for item in evidence]
     stages = [recorded_stages(item.answer, item.prepared.num_visual) for item in answered]
-    retained = retention_by_stage(areas, [covered_stages(kept, merged) for kept, _, merged in stages])
+    covered = [covered_stages(kept, merged) for kept, _, merged in stages]
+    retained = retention_by_stage(areas, covered)
     diluted = _diluted_stages(areas, stages, retained)
+    objects_lost = _objects_lost(evidence, [cells[0] for cells in covered])
     return [
-        _record(task, item, area, kept_stages, layers, merged, by_stage, dilution)
-        for item, area, (kept_stages, layers, merged), by_stage, dilution in zip(
-            answered, areas, stages, retained, diluted
+        _record(task, item, area, kept_stages, layers, merged, by_stage, dilution, named, lost)
+        for item, area, (kept_stages, layers, merged), by_stage, dilution, named, lost in zip(
+            answered, areas, stages, retained, diluted, evidence, objects_lost
         )
     ]
+
+
+def _objects_lost(evidence: Sequence[QuestionEvidence], first_cells: Sequence[list[int]]) -> list[list[bool | None]]:
+    """Per question, each evidence object lost at the first stage (None for an object without pixels), in one
+    ``retention_by_stage`` call over every object."""
+    flat = [(q, area) for q, item in enumerate(evidence) for _, area in item.objects]
+    measured = retention_by_stage([area for _, area in flat], [[first_cells[q]] for q, _ in flat])
+    lost: list[list[bool | None]] = [[] for _ in evidence]
+    for (q, _), by_stage in zip(flat, measured):
+        lost[q].append(by_stage.lost[0])
+    return lost
 
 
 def _diluted_stages(
@@ -125,6 +149,8 @@ def _record(
     merged_stages: list[list[list[int]]],
     by_stage: StageRetention,
     diluted: list[bool | None],
+    evidence: QuestionEvidence,
+    objects_lost: list[bool | None],
 ) -> Record:
     question, answer, prepared = item.question, item.answer, item.prepared
     has_mask = area is not None and area.has_mask
@@ -161,6 +187,8 @@ def _record(
         "diluted": diluted[0],
         "diluted_stages": diluted,
         "object_area": area.total_area if has_mask else 0,
+        "evidence_objects": [name for name, _ in evidence.objects],
+        "evidence_objects_lost": objects_lost,
         "latency_ms": answer.latency_ms,
         "geometry": json.dumps(prepared.geometry.to_dict()),
         "order": item.order,

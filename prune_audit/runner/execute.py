@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from prune_audit.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from prune_audit.records.store import RecordStore, check_run_layout
-from prune_audit.runner.build import AnsweredQuestion, build_records, evidence_area
+from prune_audit.runner.build import AnsweredQuestion, build_records, question_evidence
 from prune_audit.runner.plan import RunPlan, prepare_question
 from prune_audit.runner.safeguards import budget_share, check_same_run, hold_run_dir, tokens_for_share
 from prune_audit.runner.sharding import ProcessGroup, shard_questions
@@ -135,7 +135,7 @@ def answer_batches(
             AnsweredQuestion(q, a, p, plan.image_ids[q.image], order[(q.split, q.question_id)])
             for q, a, p in zip(batch, answers, prepared)
         ]
-        records = build_records(plan.task, answered, [evidence_area(plan.evidence, item) for item in answered])
+        records = build_records(plan.task, answered, [question_evidence(plan.evidence, item) for item in answered])
         with saving():  # the part and its count in the saved-count line, never one without the other
             store.append(records)
             if on_progress:

@@ -15,7 +15,7 @@ from prune_audit.tasks.base import Evidence, Scored, Task, TaskQuestion
 from prune_audit.tasks.registry import DEFAULT_TASK, get_task, list_tasks, manifest_task, register_task
 
 # one module per task; importing it registers the task
-_TASKS = ["pope", "gqa", "scienceqa"]
+_TASKS = ["pope", "gqa", "scienceqa", "caption"]
 for _module in _TASKS:
     import_module(f"prune_audit.tasks.{_module}")
 

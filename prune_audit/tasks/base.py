@@ -80,6 +80,10 @@ class Evidence(Protocol):
         """The question's evidence region under ``geometry``; None when it has none."""
         ...
 
+    def objects(self, question: Any, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
+        """Each object of the evidence region on its own, (name, area), for the per-object lost column."""
+        ...
+
 
 class Task(ABC):
     """One kind of question (POPE yes/no, short answers, multiple choice, captions).

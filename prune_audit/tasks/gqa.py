@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prune_audit.answer_modes import Greedy
-from prune_audit.data.gqa import GqaQuestion, SceneGraph, check_image_size, evidence_mask, evidence_objects, exact_match
+from prune_audit.data.gqa import (
+    GqaQuestion,
+    SceneGraph,
+    box_mask,
+    check_image_size,
+    evidence_mask,
+    evidence_objects,
+    exact_match,
+)
 from prune_audit.errors import PruneAuditError
 from prune_audit.tasks.base import Scored, Task
 from prune_audit.tasks.registry import register_task
@@ -95,6 +103,13 @@ class SceneGraphEvidence:
         from prune_audit.data.retention import object_area
 
         return object_area(evidence_mask(question.gqa, self.graphs[question.gqa.image_id]), geometry)
+
+    def objects(self, question: GqaTaskQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
+        """Each annotated object's box on its own, named by its scene-graph name."""
+        from prune_audit.data.retention import object_area
+
+        graph = self.graphs[question.gqa.image_id]
+        return [(obj.name, object_area(box_mask(obj, graph), geometry)) for _, obj in evidence_objects(question.gqa, graph)]
 
 
 @register_task

@@ -36,6 +36,10 @@ class PopeEvidence(CocoEvidence):
             return None
         return self.category_area(image_id, question.object, geometry)
 
+    def objects(self, question: PopeQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
+        area = self.area(question, image_id, geometry)
+        return [] if area is None else [(question.object, area)]
+
 
 @register_task
 class PopeTask(Task):

@@ -12,6 +12,7 @@ import numpy as np
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.schema import Record
+from prune_audit.runner.build import QuestionEvidence
 from prune_audit.runner.execute import question_seed
 from prune_audit.runner.intervene.build import intervention_rows
 from prune_audit.runner.intervene.plan import InterveneRequest, InterventionSource
@@ -46,7 +47,9 @@ def answer_swaps(
         question = questions[(record["split"], record["question_id"])]
         prepared = prepare_question(vlm, inputs.images / record["image"], question.text)
         check_geometry(record, prepared)
-        area = evidence.area(question, record["image_id"], prepared.geometry)
+        found = QuestionEvidence(evidence.area(question, record["image_id"], prepared.geometry),
+                                 evidence.objects(question, record["image_id"], prepared.geometry))
+        area = found.region
         rng = np.random.default_rng(question_seed(request.seed, record["split"], record["question_id"]))
         stage = source.chosen(record)
         try:
@@ -56,7 +59,7 @@ def answer_swaps(
         else:
             swaps = pair.by_condition()
             answers = forcing.answer(prepared, task.answer_mode(question), record, stage, list(swaps.values()))
-            rows += intervention_rows(task, question, record, prepared, area, swaps, answers)
+            rows += intervention_rows(task, question, record, prepared, found, swaps, answers)
         if on_progress:
             on_progress(done, len(eligible))
     return rows, skipped
