@@ -327,3 +327,14 @@ def test_caption_questions_need_one_instances_file(workspace, tmp_path):
                                 str(workspace["images"]), "--questions", str(captions), "--out", str(out)]),
             "one COCO instances file")
     assert not out.exists()
+
+
+def test_every_metric_a_task_reports_is_declared_once_in_the_metric_table():
+    from prune_audit.analysis.metric_table import ANSWER_METRICS, METRIC_NAMES
+
+    assert len(set(METRIC_NAMES)) == len(METRIC_NAMES)
+    for name in list_tasks():
+        assert set(get_task(name).report_metrics) <= set(METRIC_NAMES), name
+    yes_no_only = {metric.name for metric in ANSWER_METRICS} - {"accuracy"}
+    assert yes_no_only <= set(get_task("pope").report_metrics)
+    assert not yes_no_only & set(get_task("gqa").report_metrics)

@@ -96,7 +96,8 @@ class Task(ABC):
         evidence_definition: which image region counts as the question's evidence, in words.
         evidence_noun: the evidence regions as the run summary names them.
         splits: the values ``--split`` may take besides ``all`` (empty: the task has no splits).
-        report_metrics: names of the metrics (``analysis.metric_table``) its reports show.
+        report_metrics: names of the metrics (``analysis.metric_table``) its reports show; POPE's answer scores
+            (precision, recall, F1, yes ratio) need a yes/no answer.
         default_max_new_tokens: the generation limit of a task that answers by greedy decoding (``--max-new-tokens``
             overrides it); None for a task answered by its first token.
     """

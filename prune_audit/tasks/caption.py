@@ -94,7 +94,7 @@ class CaptionTask(Task):
                              "probabilities (mean_token_prob; the product is sequence_prob)")
     evidence_definition = "every annotated object's COCO mask: their union, and each object on its own"
     evidence_noun = "the annotated objects"
-    report_metrics = ("chair_s", "chair_i", "recall", "accuracy")
+    report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
     default_max_new_tokens = 1024
 
     def read_questions(self, paths: Sequence[Path]) -> list[CaptionTaskQuestion]:

@@ -121,7 +121,7 @@ class GqaTask(Task):
                              "probabilities (sequence_prob; the length-normalised mean_token_prob is recorded too)")
     evidence_definition = "the union of the scene-graph boxes of the objects the question's annotations name"
     evidence_noun = "the annotated objects"
-    report_metrics = ("accuracy", "ece", "brier", "auroc")
+    report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
     default_max_new_tokens = 128
 
     def read_questions(self, paths: Sequence[Path]) -> list[GqaTaskQuestion]:

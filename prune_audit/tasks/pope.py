@@ -50,7 +50,8 @@ class PopeTask(Task):
     evidence_definition = "the queried object's COCO instance mask (yes questions; none for no questions)"
     evidence_noun = "the yes questions' objects"
     splits = POPE_SPLITS
-    report_metrics = ("accuracy", "f1", "yes_ratio", "ece", "brier", "auroc")
+    report_metrics = ("accuracy", "precision", "recall", "f1", "yes_ratio", "ece", "ece_mass", "mce", "ce_debiased_l2",
+                      "brier", "nll", "auroc", "aurc")
 
     def read_questions(self, paths: Sequence[Path]) -> list[PopeQuestion]:
         return [question for path in paths for question in load_pope(path)]
