@@ -49,6 +49,9 @@ def test_a_plugin_task_registers_under_its_entry_point_name(monkeypatch):
         def load_evidence(self, path, questions):
             raise NotImplementedError
 
+        def score_answers(self, answers, question_files):
+            return {}
+
     class Entry:
         name = "myplugin"
 
@@ -338,3 +341,74 @@ def test_every_metric_a_task_reports_is_declared_once_in_the_metric_table():
     yes_no_only = {metric.name for metric in ANSWER_METRICS} - {"accuracy"}
     assert yes_no_only <= set(get_task("pope").report_metrics)
     assert not yes_no_only & set(get_task("gqa").report_metrics)
+
+
+# ----- scoring released answers ------------------------------------------------------------------------------
+
+
+def answers_file(path: Path, rows: list[tuple[object, str]]) -> Path:
+    path.write_text("".join(json.dumps({"question_id": qid, "text": text}) + "\n" for qid, text in rows))
+    return path
+
+
+def score_json(*args: str) -> dict:
+    result = runner.invoke(app, ["score", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_score_gqa_answers_by_hand(workspace, tmp_path):
+    inputs = gqa_inputs(workspace, tmp_path / "gqa")
+    truth = {qid: entry["answer"] for qid, entry in json.loads(inputs["questions"].read_text()).items()}
+    ids = list(truth)
+    rows = [(ids[0], truth[ids[0]].capitalize() + "."), (ids[1], "no idea"), *((qid, truth[qid]) for qid in ids[2:])]
+    report = score_json(str(answers_file(tmp_path / "a.jsonl", rows)), "--task", "gqa",
+                        "--questions", str(inputs["questions"]), "--questions", str(inputs["llava"]))
+    # "Circle." -> "circle" under LLaVA's rule; "no idea" is wrong: 5 of 6
+    assert report["n"] == 6 and report["correct"] == 5 and report["accuracy"] == pytest.approx(5 / 6)
+
+
+def test_score_scienceqa_answers_by_hand(workspace, tmp_path):
+    questions = scienceqa_file(workspace, tmp_path / "sqa")
+    entries = json.loads(questions.read_text())
+    truth = {e["id"]: e["conversations"][1]["value"] for e in entries}
+    rows = [("10", truth["10"]), ("11", f"The answer is {truth['11']}."), ("12", f"{truth['12']}. a shape"),
+            ("13", "Z"), ("14", "I cannot tell"), ("99", "A")]
+    report = score_json(str(answers_file(tmp_path / "a.jsonl", rows)), "--task", "scienceqa", "--questions",
+                        str(questions))
+    # letter alone, "The answer is X.", "X. ..." parse; Z is not offered; free text fails; 99 (no image) is right
+    assert (report["n"], report["correct"]) == (6, 4)
+    assert (report["img"]["n"], report["img"]["correct"]) == (5, 3)
+
+
+def test_score_caption_answers_by_hand(workspace, tmp_path):
+    coco = json.loads(Path(workspace["instances"]).read_text())
+    names = {c["id"]: c["name"] for c in coco["categories"]}
+    image = coco["images"][0]
+    annotated = list(dict.fromkeys(names[a["category_id"]] for a in coco["annotations"] if a["image_id"] == image["id"]))
+    absent = next(name for name in ("dog", "car", "person", "cat") if name not in annotated)
+    one_image = {**coco, "images": [image], "annotations": [a for a in coco["annotations"]
+                                                             if a["image_id"] == image["id"]]}
+    instances = tmp_path / "instances.json"
+    instances.write_text(json.dumps(one_image))
+    caption = f"There is a {absent} and two {absent}s next to something."
+    report = score_json(str(answers_file(tmp_path / "a.jsonl", [(image["id"], caption)])), "--task", "caption",
+                        "--questions", str(instances))
+    metrics = report["metrics"]
+    assert metrics["chair_s"] == 1.0 and metrics["chair_i"] == 1.0  # both mentions name an absent object
+    assert metrics["recall"] == 0.0 and metrics["omitted"] == len(annotated)
+
+
+def test_score_pope_through_the_task_matches_pope_score(workspace, tmp_path):
+    pope = workspace["pope"][0]
+    rows = [(json.loads(line)["question_id"], "Yes") for line in pope.read_text().splitlines() if line.strip()]
+    answers = str(answers_file(tmp_path / "a.jsonl", rows))
+    by_task = score_json(answers, "--questions", str(pope))
+    result = runner.invoke(app, ["pope", "score", answers, "--pope", str(pope), "--json"])
+    assert by_task == json.loads(result.stdout)
+    assert next(iter(by_task["splits"].values()))["yes_ratio"] == 1.0
+
+
+def test_score_needs_question_files(tmp_path):
+    refused(runner.invoke(app, ["score", str(answers_file(tmp_path / "a.jsonl", [])), "--task", "gqa"]),
+            "--questions")

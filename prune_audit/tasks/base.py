@@ -140,6 +140,12 @@ class Task(ABC):
         """The answer text, references, correctness, confidence and the task's own columns of the model's
         answer, ``reduced`` in the question's answer mode."""
 
+    @abstractmethod
+    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+        """Score a released answers file (LLaVA's ``question_id`` + ``text`` lines) against the task's question
+        files as its official evaluation does (``prune-audit score``): the report's summary numbers and
+        ``per_question`` rows."""
+
     def image_id(self, question: TaskQuestion) -> int | None:
         """The question's image id without annotations (None: the task needs ``--annotations`` for it)."""
         return None

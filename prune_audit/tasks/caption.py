@@ -130,6 +130,13 @@ class CaptionTask(Task):
         present = tuple(dict.fromkeys((*scored.annotated, *caption.caption_objects)))
         return Scored(generation.answer, present, not scored.chair_s, columns["mean_token_prob"], columns)
 
+    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+        """CHAIR-s, CHAIR-i, recall and omissions of the captions (``data.captions.score_caption_answers``); the
+        answers' ``question_id`` is the COCO image id."""
+        from prune_audit.data.captions import score_caption_answers
+
+        return score_caption_answers(answers, [question.caption for question in self.read_questions(question_files)])
+
     def image_id(self, question: CaptionTaskQuestion) -> int:
         return question.question_id
 

@@ -26,6 +26,9 @@ prune-audit run                                         # POPE on the bundled de
 prune-audit run --task gqa --model M --questions testdev_balanced_questions.json \\
     --questions llava_gqa_testdev_balanced.jsonl --images gqa/images [--annotations sceneGraphs.json]
 prune-audit run --task scienceqa --model M --questions llava_test_CQM-A.json --images scienceqa/images
+prune-audit run --task caption --model M --questions instances_val2014.json [--questions captions_val2014.json] \\
+    --annotations instances_val2014.json --images val2014 --limit 500
+prune-audit score --task gqa answers.jsonl --questions testdev_balanced_questions.json   # released answers
 ```
 
 Plug-in tasks: a `prune_audit.tasks.Task` subclass exposed under the entry-point group `prune_audit.tasks`

@@ -164,6 +164,12 @@ class GqaTask(Task):
         return Scored(generation.answer, (reference,), exact_match(generation.answer, reference), generation.confidence,
                       columns)
 
+    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+        """GQA's exact match after LLaVA's normalisation (``data.gqa.score_gqa_answers``)."""
+        from prune_audit.data.gqa import score_gqa_answers
+
+        return score_gqa_answers(answers, [question.gqa for question in self.read_questions(question_files)])
+
     def image_id(self, question: GqaTaskQuestion) -> int:
         return stable_image_id(question.gqa.image_id)
 

@@ -77,6 +77,12 @@ class PopeTask(Task):
         return Scored(reduced.answer, (str(question.label),), reduced.answer == question.label, reduced.confidence,
                       columns)
 
+    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+        """POPE's evaluate.py per split and averaged (``prune-audit pope score``'s report)."""
+        from prune_audit.data.pope_score import score_files
+
+        return score_files(answers, list(question_files))
+
     def image_id(self, question: PopeQuestion) -> int | None:
         return question.image_id
 

@@ -94,6 +94,14 @@ class ScienceQaTask(Task):
         columns: dict[str, Any] = {"letter_probs": list(choice.letter_probs), "options_offered": len(question.sqa.options)}
         return Scored(choice.answer, (reference,), choice.answer == reference, choice.confidence, columns)
 
+    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+        """LLaVA's eval_science_qa.py over every question of the files (its accuracy) and the IMG subset (``img``),
+        free-text answers parsed by its letter rule (``data.scienceqa.score_scienceqa_answers``)."""
+        from prune_audit.data.scienceqa import score_scienceqa_answers
+
+        questions = [question for path in question_files for question in load_scienceqa(path, images_only=False)]
+        return score_scienceqa_answers(answers, questions)
+
     def image_id(self, question: ScienceQaTaskQuestion) -> int:
         return question.question_id
 
