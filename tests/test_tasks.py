@@ -212,11 +212,18 @@ def test_gqa_inputs_are_checked_before_anything_is_written(workspace, tmp_path):
     assert not out.exists()
 
 
-def test_analyses_refuse_a_task_without_a_yes_no_answer_in_one_line(workspace, tmp_path):
+def test_analyses_refuse_a_task_without_a_yes_no_answer_in_one_line_and_visualize_reads_it(workspace, tmp_path):
     inputs = gqa_inputs(workspace, tmp_path / "gqa")
     out = tmp_path / "run"
     assert runner.invoke(app, gqa_args(workspace, inputs, out, "--max-new-tokens", "2")).exit_code == 0
     refused(runner.invoke(app, ["calibrate", str(out)]), "is a gqa run", "records.parquet")
+    # visualize --run redraws any task's record, naming its evidence objects and reference answers
+    row = pq.read_table(out / "records.parquet").to_pylist()[0]
+    drawn = runner.invoke(app, ["visualize", "--run", str(out), "--question-id", str(row["question_id"]),
+                                "--out", str(tmp_path / "figure.png")])
+    assert drawn.exit_code == 0, drawn.output
+    assert f"about {row['evidence_objects'][0]} (reference {row['references'][0]})" in drawn.stdout
+    assert f"answer {row['answer_text']} (confidence" in drawn.stdout and (tmp_path / "figure.png").is_file()
 
 
 def test_gqa_image_ids_are_stable_int64():

@@ -163,8 +163,8 @@ class Task(ABC):
         logit). Records a task cannot read are refused in one line naming ``source``; a task without a yes/no
         answer is refused, since the analyses' binning, Brier score and temperature scaling assume one."""
         raise PruneAuditError(
-            f"{source} is a {self.name} run; calibrate, cascade, study and visualize --run read yes/no tasks (pope) "
-            f"so far: read its records.parquet (answer_text, references, correct, confidence, retention)"
+            f"{source} is a {self.name} run; calibrate, cascade, study and intervene read yes/no tasks (pope) so far: "
+            f"read its records.parquet (answer_text, references, correct, confidence, retention)"
         )
 
 

@@ -35,8 +35,9 @@ Plug-in tasks: a `prune_audit.tasks.Task` subclass exposed under the entry-point
 registers under the entry point's name, as selectors do under `prune_audit.selectors`. Its records hold the
 core columns; its own columns are declared in `prune_audit/records/schema.py`.
 
-`calibrate`, `cascade`, `study` and `visualize --run` read yes/no tasks (POPE) so far; a run of another
-task is refused there in one line, and its `records.parquet` holds every answer, score and retention value.
+`calibrate`, `cascade`, `study` and `intervene` read yes/no tasks (POPE) so far; a run of another task is
+refused there in one line, and its `records.parquet` holds every answer, score and retention value.
+`visualize --run` and `merge` work on every task.
 """
 
 
