@@ -111,6 +111,9 @@ def write_run(directory, seed, strength, tokens, images=24, lost_share=0.0, sele
                         "diluted_stages": [False if label_yes else None],
                         "object_area": 500 if label_yes else 0,
                         "latency_ms": 10.0,
+                        "flops": 100, "flops_vision": 60, "flops_selector": 0, "flops_llm": 40, "flops_dense": 120,
+                        "flops_decode_token": 2, "kv_bytes": 64, "flop_equivalent_tokens": 10.0, "latency_vision_ms": 0.2,
+                        "latency_selection_ms": 0.1, "latency_prefill_ms": 0.7,
                         "geometry": "{}",
                         "order": len(rows),
                     }

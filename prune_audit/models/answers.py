@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from prune_audit.compute.cost import PrefillCost
     from prune_audit.models.executor import Prefill
     from prune_audit.pruners.base import Selection
 
@@ -81,7 +82,10 @@ class Answer:
     contextual tokens at its single stage, an in-LLM merge at each of its stages;
     empty lists without merging).
     ``latency_ms`` is the wall time of the batch prefill (vision, selection,
-    language model) divided by the batch size.
+    language model) divided by the batch size; ``latency_parts`` splits it the same way
+    into ``vision``, ``selection`` (input-level signals and selection; in-LLM selectors
+    score inside ``prefill``) and ``prefill`` (the decoder layers and the LM head).
+    ``cost`` holds the analytic FLOPs and KV-cache bytes (``prune_audit.compute``).
     """
 
     p_yes: float
@@ -98,10 +102,13 @@ class Answer:
     prefill_tokens: int
     latency_ms: float
     merged_stages: list[list[list[int]]] = field(default_factory=list)
+    latency_parts: dict[str, float] = field(default_factory=dict)
+    cost: PrefillCost | None = None
 
 
 def answer_record(
-    num_visual: int, prefill: Prefill, b: int, selection: Selection | None, reduced: YesNo, latency: float
+    num_visual: int, prefill: Prefill, b: int, selection: Selection | None, reduced: YesNo, latency: float,
+    latency_parts: dict[str, float],
 ) -> Answer:
     """Row ``b`` of a pruned prefill as an :class:`Answer`.
 
@@ -129,6 +136,7 @@ def answer_record(
         prefill_tokens=prefill.prefill_tokens[b],
         latency_ms=latency,
         merged_stages=merged_stages,
+        latency_parts=latency_parts,
     )
 
 

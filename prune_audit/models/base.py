@@ -12,12 +12,15 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.compute.shape import ModelShape
+from prune_audit.models.accounting import question_cost
 from prune_audit.models.answers import Answer, answer_record, answer_token_ids, reduce_yes_no
 from prune_audit.models.executor import (
     MERGED,
@@ -32,6 +35,7 @@ from prune_audit.models.executor import (
 )
 from prune_audit.models.loading import config_hash
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
+from prune_audit.models.timing import PartClock
 from prune_audit.pruners.base import InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.registry import list_selectors, selector_class
 
@@ -43,6 +47,8 @@ class VisionLanguageModel(ABC):
     family: str = ""
     #: InputSignals fields this family can provide (``text_relevance`` also needs clip_text)
     input_signals: frozenset[str] = frozenset()
+    #: InputSignals read from a CLS-row probe of the vision tower (compute accounting)
+    cls_probe_signals: frozenset[str] = frozenset()
     #: why the other InputSignals are missing, for error messages
     missing_signals_reason: str = ""
     #: the family's name in messages
@@ -115,7 +121,20 @@ class VisionLanguageModel(ABC):
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         """Position mode the in-LLM loop uses for ``selector``."""
 
+    @abstractmethod
+    def _shape(self) -> ModelShape:
+        """The dimensions the compute accounting reads (``models.shape``)."""
+
+    @property
+    @abstractmethod
+    def vision_head_dim(self) -> int:
+        """Width of one vision-tower attention head."""
+
     def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> Tensor:
+        raise PruneAuditError(f"{self.family} has no CLIP text relevance")
+
+    def text_chunks(self, prepared: Prepared) -> int:
+        """CLIP text-tower chunks :meth:`_text_relevance` runs for ``prepared``'s question."""
         raise PruneAuditError(f"{self.family} has no CLIP text relevance")
 
     def _project(self, vision_tokens: Tensor) -> Tensor:
@@ -137,6 +156,11 @@ class VisionLanguageModel(ABC):
     @property
     def num_layers(self) -> int:
         return self.loop.num_layers
+
+    @cached_property
+    def shape(self) -> ModelShape:
+        """The model's dimensions for the compute accounting (``prune_audit.compute``)."""
+        return self._shape()
 
     def describe(self) -> dict[str, Any]:
         """Everything a run manifest needs to reproduce the model side of a run."""
@@ -180,9 +204,14 @@ class VisionLanguageModel(ABC):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         latency = (time.perf_counter() - start) * 1000 / len(prepared)
+        parts = {part: ms / len(prepared) for part, ms in prefill.latency_parts.items()}
         reductions = enumerate(reduce_yes_no(prefill.logits, self.yes_ids, self.no_ids))
-        return [answer_record(prepared[b].num_visual, prefill, b, selections[b], reduced, latency)
-                for b, reduced in reductions]
+        answers = [answer_record(prepared[b].num_visual, prefill, b, selections[b], reduced, latency, parts)
+                   for b, reduced in reductions]
+        forced = forced_kept is not None or forced_stages is not None
+        for item, answer, selection in zip(prepared, answers, selections):
+            answer.cost = question_cost(self, item, answer, selector, budget, selection, forced)
+        return answers
 
     def generate(
         self,
@@ -270,8 +299,10 @@ class VisionLanguageModel(ABC):
             self.check_selector(selector)
         input_level = forced_kept is not None or isinstance(selector, InputSelector)
         requires = selector.requires if input_level and selector is not None and forced_kept is None else frozenset()
+        clock = PartClock(self.device)
         with torch.no_grad():
             vision = self._vision(prepared, requires)
+            clock.lap("vision")
             selections: list[Selection | None] = [None] * len(prepared)
             rows = []
             for b, (item, output) in enumerate(zip(prepared, vision)):
@@ -284,12 +315,16 @@ class VisionLanguageModel(ABC):
             if not input_level and (selector is not None or forced_stages is not None):
                 plan = self._layer_plan(prepared, selector, budget, forced_stages)
             carry = plan is not None and bool(plan.requires & {"embeddings", "text_embeddings"})
+            clock.lap("selection")
             try:
-                return self.loop.prefill(pack(rows, carry_embeddings=carry), plan, use_cache=use_cache), selections
+                result = self.loop.prefill(pack(rows, carry_embeddings=carry), plan, use_cache=use_cache)
             except ValueError as error:
                 if isinstance(error, PruneAuditError) or selector is None:
                     raise
                 raise PruneAuditError(f"selector {selector.name!r} failed at budget {budget}: {error}") from None
+            clock.lap("prefill")
+            result.latency_parts = clock.parts
+            return result, selections
 
     def _select(self, item, output, selector, budget, generator, requires, forced) -> Selection:
         if forced is not None:

@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.loading import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_cls_row, single_tensor_rope
+from prune_audit.models.shape import clip_text_shape, language_shape, llava_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
 
@@ -41,6 +43,7 @@ class LlavaModel(VisionLanguageModel):
         {"features", "vision_features", "cls_attention", "cls_logits", "vision_keys", "cls_feature"}
         | {"text_relevance", "demand"}
     )
+    cls_probe_signals = CLS_SIGNALS
     missing_signals_reason = "this adapter does not compute it"
     display_name = "LLaVA"
     prompt_templates = PROMPT_TEMPLATES
@@ -179,6 +182,20 @@ class LlavaModel(VisionLanguageModel):
 
     def _project(self, vision_tokens: Tensor) -> Tensor:
         return self.model.model.multi_modal_projector(vision_tokens)
+
+    def _shape(self) -> ModelShape:
+        vision = llava_vision_shape(self.model.config, self.feature_index)
+        clip = None if self.clip is None else clip_text_shape(self.clip[0], vision.width)
+        return ModelShape(vision, language_shape(self.model.config.text_config), self.dtype.itemsize, clip)
+
+    @property
+    def vision_head_dim(self) -> int:
+        vision = self.model.config.vision_config
+        return vision.hidden_size // vision.num_attention_heads
+
+    def text_chunks(self, prepared: Prepared) -> int:
+        context = self.clip[0].config.text_config.max_position_embeddings
+        return -(-len(self.clip[1](prepared.question)["input_ids"]) // context)
 
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals if self.clip is not None else self.input_signals - {"text_relevance"}

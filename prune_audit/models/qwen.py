@@ -20,12 +20,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.loading import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
+from prune_audit.models.shape import language_shape, qwen_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
 
@@ -121,6 +123,15 @@ class QwenModel(VisionLanguageModel):
         grid_thw = torch.cat([item.extras["image_grid_thw"] for item in prepared]).to(self.device)
         features = self.model.model.get_image_features(pixels, grid_thw, return_dict=True).pooler_output
         return [VisionOutput(per_image) for per_image in features]
+
+    def _shape(self) -> ModelShape:
+        config = self.model.config
+        return ModelShape(qwen_vision_shape(config), language_shape(config.text_config), self.dtype.itemsize)
+
+    @property
+    def vision_head_dim(self) -> int:
+        vision = self.model.config.vision_config
+        return vision.hidden_size // vision.num_heads
 
     # ----- direct forwards (the demo trainer and evaluator) ------------------------------
     @property
