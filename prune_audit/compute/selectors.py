@@ -118,11 +118,10 @@ def _visionzip(work: SelectorWork) -> int:
 
 
 def _sparsevlm(work: SelectorWork) -> int:
-    """The raters, once per question: visual x text embedding products at the first stage (recycling's
-    clustering is not counted)."""
-    if not work.stages:
-        return 0
-    return matmul(work.stages[0][0], work.hidden, work.text_rows)
+    """The raters, once per question: visual x text embedding products at the first stage that scores
+    (one that drops tokens; recycling's clustering is not counted)."""
+    scoring = [alive for alive, after in work.stages if 0 < after < alive]
+    return matmul(scoring[0], work.hidden, work.text_rows) if scoring else 0
 
 
 def _dart(work: SelectorWork) -> int:
