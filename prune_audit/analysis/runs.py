@@ -28,6 +28,8 @@ REQUIRED_COLUMNS = (
     "confidence",
     "correct",
     "cost_tokens",
+    "flops",
+    "latency_ms",
 )
 """Columns the analyses read that must hold a value in every row; ``lost`` may be null."""
 
@@ -125,6 +127,8 @@ def _question_table(records: pa.Table, source: str, at_stage: StageValues) -> Qu
         lost=at_stage.lost,
         diluted=at_stage.diluted,
         cost_tokens=records["cost_tokens"].to_numpy().astype(np.float64),
+        flops=records["flops"].to_numpy().astype(np.float64),
+        latency_ms=records["latency_ms"].to_numpy().astype(np.float64),
     )
 
 

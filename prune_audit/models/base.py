@@ -9,10 +9,9 @@ yes/no reduction and a greedy decoding loop with KV cache.
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from functools import cached_property
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from prune_audit.models.executor import (
     TokenRow,
     pack,
 )
+from prune_audit.models.layer_signals import text_demand
 from prune_audit.models.loading import config_hash
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
 from prune_audit.models.timing import PartClock
@@ -49,6 +49,8 @@ class VisionLanguageModel(ABC):
     input_signals: frozenset[str] = frozenset()
     #: InputSignals read from a CLS-row probe of the vision tower (compute accounting)
     cls_probe_signals: frozenset[str] = frozenset()
+    #: the dimensions the compute accounting reads (``models.shape``), set by the family
+    shape: ModelShape
     #: why the other InputSignals are missing, for error messages
     missing_signals_reason: str = ""
     #: the family's name in messages
@@ -121,20 +123,7 @@ class VisionLanguageModel(ABC):
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         """Position mode the in-LLM loop uses for ``selector``."""
 
-    @abstractmethod
-    def _shape(self) -> ModelShape:
-        """The dimensions the compute accounting reads (``models.shape``)."""
-
-    @property
-    @abstractmethod
-    def vision_head_dim(self) -> int:
-        """Width of one vision-tower attention head."""
-
     def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> Tensor:
-        raise PruneAuditError(f"{self.family} has no CLIP text relevance")
-
-    def text_chunks(self, prepared: Prepared) -> int:
-        """CLIP text-tower chunks :meth:`_text_relevance` runs for ``prepared``'s question."""
         raise PruneAuditError(f"{self.family} has no CLIP text relevance")
 
     def _project(self, vision_tokens: Tensor) -> Tensor:
@@ -156,11 +145,6 @@ class VisionLanguageModel(ABC):
     @property
     def num_layers(self) -> int:
         return self.loop.num_layers
-
-    @cached_property
-    def shape(self) -> ModelShape:
-        """The model's dimensions for the compute accounting (``prune_audit.compute``)."""
-        return self._shape()
 
     def describe(self) -> dict[str, Any]:
         """Everything a run manifest needs to reproduce the model side of a run."""
@@ -197,21 +181,17 @@ class VisionLanguageModel(ABC):
         input-level selection by explicit grid indices; ``forced_stages[b]`` lists
         ``(layer, kept grid indices)`` in-LLM stages.
         """
-        start = time.perf_counter()
         prefill, selections = self.prefill(
             prepared, selector, budget, generator=generator, forced_kept=forced_kept, forced_stages=forced_stages
         )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        latency = (time.perf_counter() - start) * 1000 / len(prepared)
         parts = {part: ms / len(prepared) for part, ms in prefill.latency_parts.items()}
+        latency = sum(parts.values())  # vision + selection + prefill
         reductions = enumerate(reduce_yes_no(prefill.logits, self.yes_ids, self.no_ids))
         answers = [answer_record(prepared[b].num_visual, prefill, b, selections[b], reduced, latency, parts)
                    for b, reduced in reductions]
         forced = forced_kept is not None or forced_stages is not None
-        for item, answer, selection in zip(prepared, answers, selections):
-            answer.cost = question_cost(self, item, answer, selector, budget, selection, forced)
-        return answers
+        return [replace(answer, cost=question_cost(self, item, answer, selector, budget, selection, forced))
+                for item, answer, selection in zip(prepared, answers, selections)]
 
     def generate(
         self,
@@ -347,22 +327,8 @@ class VisionLanguageModel(ABC):
         if "text_relevance" in requires:
             signals.text_relevance = self._text_relevance(item, output).float()
         if "demand" in requires:
-            signals.demand = self._demand(item, output)
+            signals.demand = text_demand(self.loop.stack, self._row(item, output, None))
         return signals
-
-    def _demand(self, item: Prepared, output: VisionOutput) -> Tensor:
-        """(N,) layer-0 attention of the text after the image to each visual token.
-
-        Probe of decoder layer 0 over the full unpruned prompt; probabilities (softmax
-        over every visible key) averaged over heads and over the text rows after the image.
-        """
-        row = self._row(item, output, None)
-        stack = self.loop.stack
-        cos, sin = stack.rotary(row.embeddings[None], row.positions[:, None])
-        text = torch.nonzero(row.kinds == TEXT_AFTER).flatten()
-        _, probs = stack.probe(0).probabilities(row.embeddings, text, cos[0], sin[0])
-        visual = torch.nonzero(row.kinds >= 0).flatten()
-        return probs[:, :, visual].mean(dim=(0, 1))
 
     def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
         """The language-model input of one prompt, with the selection applied."""

@@ -99,6 +99,9 @@ class LlavaModel(VisionLanguageModel):
         self.feature_index = layer if layer >= 0 else hidden_count + layer
         if not 1 <= self.feature_index < hidden_count:
             raise PruneAuditError(f"vision_feature_layer {layer} has no encoder layer producing it")
+        vision = llava_vision_shape(config, self.feature_index)
+        clip_shape = None if clip is None else clip_text_shape(clip[0], vision.width)
+        self.shape = ModelShape(vision, language_shape(config.text_config), model.dtype.itemsize, clip_shape)
 
     # ----- prompts --------------------------------------------------------------------
     def prompt(self, question: str) -> str:
@@ -183,17 +186,14 @@ class LlavaModel(VisionLanguageModel):
     def _project(self, vision_tokens: Tensor) -> Tensor:
         return self.model.model.multi_modal_projector(vision_tokens)
 
-    def _shape(self) -> ModelShape:
-        vision = llava_vision_shape(self.model.config, self.feature_index)
-        clip = None if self.clip is None else clip_text_shape(self.clip[0], vision.width)
-        return ModelShape(vision, language_shape(self.model.config.text_config), self.dtype.itemsize, clip)
-
     @property
     def vision_head_dim(self) -> int:
+        """Width of one vision-tower attention head (VisionZip's keys)."""
         vision = self.model.config.vision_config
         return vision.hidden_size // vision.num_attention_heads
 
     def text_chunks(self, prepared: Prepared) -> int:
+        """CLIP text-tower chunks :meth:`_text_relevance` runs for ``prepared``'s question."""
         context = self.clip[0].config.text_config.max_position_embeddings
         return -(-len(self.clip[1](prepared.question)["input_ids"]) // context)
 

@@ -84,6 +84,7 @@ class QwenModel(VisionLanguageModel):
         super().__init__(model, tokenizer, stack, model_id=model_id, prompt_template=template,
                          system_prompt=system_prompt)
         self.image_processor = image_processor
+        self.shape = ModelShape(qwen_vision_shape(model.config), language_shape(text_config), model.dtype.itemsize)
 
     def prompt(self, question: str, num_image_tokens: int = 1) -> str:
         """The Qwen2.5-VL chat prompt for one image followed by ``question``."""
@@ -124,12 +125,9 @@ class QwenModel(VisionLanguageModel):
         features = self.model.model.get_image_features(pixels, grid_thw, return_dict=True).pooler_output
         return [VisionOutput(per_image) for per_image in features]
 
-    def _shape(self) -> ModelShape:
-        config = self.model.config
-        return ModelShape(qwen_vision_shape(config), language_shape(config.text_config), self.dtype.itemsize)
-
     @property
     def vision_head_dim(self) -> int:
+        """Width of one vision-tower attention head."""
         vision = self.model.config.vision_config
         return vision.hidden_size // vision.num_heads
 
