@@ -5,10 +5,12 @@ here is only what ``select`` / ``prune`` / ``merge`` compute. Products are count
 ``compute.flops`` (``2 m k n``); norms, softmax, top-k and sorting count zero.
 
 ``exact`` formulas count every (m, k) @ (k, n) product the implementation runs. ``nominal``
-formulas count the official algorithm's plain form where the work depends on the data: the
-greedy selectors here fetch similarity rows speculatively (``pruners.similarity.SpeculativeRows``),
-so their realised products vary per image; the nominal count is the full N x N similarity matrix
-plus one row per greedy step (CDPruner: its Cholesky updates), as the reference code computes it.
+formulas count the official algorithm's plain form where the work depends on the data: DivPrune
+and CDPruner fetch similarity rows speculatively (``pruners.similarity.SpeculativeRows``) and
+coverage's weighted gains update only the rows a pick changes, so their realised products vary
+per image; the nominal count is the full N x N similarity matrix plus one row per greedy step
+(CDPruner: its Cholesky updates; coverage: the first weighted gains), as the reference code
+computes it.
 Matrix-vector products (DART's pivot similarities) are counted here although
 ``FlopCounterMode`` does not count ``aten.mv``.
 """
@@ -84,6 +86,7 @@ def _coverage(work: SelectorWork) -> int:
 
 
 def _scope(work: SelectorWork) -> int:
+    """The cosine of the vision features; its unweighted greedy gains are element-wise updates of it."""
     return matmul(work.tokens, work.vision_width, work.tokens)
 
 
@@ -152,7 +155,7 @@ SELECTOR_FLOPS: dict[str, SelectorFlops] = {
     "divprune": SelectorFlops(_divprune, exact=False),
     "cdpruner": SelectorFlops(_cdpruner, exact=False),
     "coverage": SelectorFlops(_coverage, exact=False),
-    "scope": SelectorFlops(_scope, exact=False),
+    "scope": SelectorFlops(_scope, exact=True),
 }
 """Selector name -> its arithmetic; a selector not listed (a plugin) counts zero and is reported as nominal."""
 
