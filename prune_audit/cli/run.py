@@ -56,7 +56,7 @@ def run(
     command = command_line("run", run, dict(locals()))
     from prune_audit.runner.execute import execute
     from prune_audit.runner.plan import RunRequest, plan_run
-    from prune_audit.runner.safeguards import parse_budget
+    from prune_audit.compute.budget import parse_budget
     from prune_audit.runner.sharding import parse_shard
 
     request = RunRequest(

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.compute.budget import Schedules
 from prune_audit.compute.shape import ModelShape
 from prune_audit.models.accounting import question_cost
 from prune_audit.models.answers import Answer, answer_record, answer_token_ids, reduce_yes_no
@@ -96,7 +97,7 @@ class VisionLanguageModel(ABC):
         self.model_id = model_id
         self.prompt_template = prompt_template
         self.system_prompt = system_prompt
-        self._schedules: dict[tuple, list[Stage]] = {}
+        self._schedules = Schedules()
         self.yes_ids = answer_token_ids(tokenizer, "yes")
         self.no_ids = answer_token_ids(tokenizer, "no")
         if not self.yes_ids or not self.no_ids:
@@ -373,21 +374,13 @@ class VisionLanguageModel(ABC):
                 forced.append([torch.as_tensor(sorted(set(kept)), dtype=torch.long) for _, kept in ordered])
             self._check_stage_layers(stages)
             return LayerPlan(stages, grids, positions, selector, forced)
-        stages = [self._schedule(selector, item.num_visual, budget) for item in prepared]
+        stages = [self.schedule(selector, item.num_visual, budget) for item in prepared]
         self._check_stage_layers(stages)
         return LayerPlan(stages, grids, positions, selector)
 
-    def _schedule(self, selector: LayerSelector, num_visual: int, budget: int) -> list[Stage]:
-        """The selector's schedule, solved once per (options, token count, budget): solving takes milliseconds."""
-        key = (selector.name, repr(selector.options()), num_visual, budget)
-        if key not in self._schedules:
-            try:
-                self._schedules[key] = selector.schedule(self.num_layers, num_visual, budget)
-            except ValueError as error:
-                raise PruneAuditError(
-                    f"selector {selector.name!r} has no schedule for budget {budget}: {error}"
-                ) from None
-        return self._schedules[key]
+    def schedule(self, selector: LayerSelector, num_visual: int, budget: int) -> list[Stage]:
+        """The in-LLM selector's stages on this model for ``num_visual`` tokens at ``budget`` (``compute.budget``)."""
+        return self._schedules.solve(selector, self.num_layers, num_visual, budget)
 
     def _check_stage_layers(self, stages: list[list[Stage]]) -> None:
         for row in stages:

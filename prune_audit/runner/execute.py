@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from prune_audit.compute.budget import resolve_budget
 from prune_audit.data.retention import ObjectAreaCache
 from prune_audit.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from prune_audit.records.store import RecordStore, check_run_layout
 from prune_audit.runner.build import AnsweredQuestion, build_records, object_area_for
 from prune_audit.runner.plan import RunPlan, prepare_question
-from prune_audit.runner.safeguards import budget_share, check_same_run, hold_run_dir, tokens_for_share
+from prune_audit.runner.safeguards import check_same_run, hold_run_dir
 from prune_audit.runner.sharding import ProcessGroup, shard_questions
 from prune_audit.runner.summary import summarize
 from prune_audit.safety.progress import report_saved, saving
@@ -145,12 +146,9 @@ def answer_batches(
 
 
 def answer_batch(plan: RunPlan, prepared: Sequence[Prepared], generators: Sequence[torch.Generator]) -> list[Answer]:
-    """The model's answers; a share budget (``11%``) is rounded per image, so questions are answered in
-    groups of equal token budget (answers do not depend on the batch)."""
-    share = budget_share(plan.request.budget)
-    if share is None:
-        return plan.vlm.answer(prepared, plan.selector, plan.budget, generator=generators)
-    budgets = [tokens_for_share(share, item.num_visual) for item in prepared]
+    """The model's answers; the budget is resolved per image (a share ``11%`` of its tokens, ``all`` of them),
+    so questions are answered in groups of equal token budget (answers do not depend on the batch)."""
+    budgets = [resolve_budget(plan.request.budget, item.num_visual) for item in prepared]
     by_row: dict[int, Answer] = {}
     for budget in sorted(set(budgets)):
         rows = [index for index, value in enumerate(budgets) if value == budget]
