@@ -14,7 +14,7 @@ run when N >= 8192) of the wall time or, at ``--threads 1``, of the thread's CPU
 
 ``--official`` also times, in the same process and alternating with the selector run by run,
 the official algorithm's plain form (:data:`OFFICIAL`, re-derived from the paper and the
-reference code it names; DivPrune only so far) on the same input, and says whether both keep
+reference code it names: DivPrune, CDPruner, SCOPE; coverage has no official code) on the same input, and says whether both keep
 the same set.
 
 ``--floor`` also times, in the same process after the selector, one plain matrix
@@ -76,7 +76,52 @@ def official_divprune(features, budget: int):
     return torch.tensor(sorted(picks))
 
 
-OFFICIAL = {"divprune": lambda signals, budget: official_divprune(signals.features, budget)}
+def official_cdpruner(features, text_relevance, budget: int):
+    """CDPruner's plain form (Theia-4869/CDPruner ``encode_images``, theta off): relevance min-max normalised,
+    the whole kernel ``L = r_i r_j cos(f_i, f_j)``, then fast greedy MAP (Chen et al. 2018) without early stop:
+    each step the largest conditional gain ``d_j``, its Cholesky vector ``(L[j] - C[:, j] @ C) / sqrt(d_j)``.
+    Returns the picks, ascending."""
+    import torch
+
+    relevance = (text_relevance - text_relevance.min() + 1e-6) / (text_relevance.max() - text_relevance.min())
+    unit = features / torch.linalg.vector_norm(features, dim=-1, keepdim=True)
+    kernel = relevance[:, None] * (unit @ unit.T) * relevance[None, :]
+    vectors = torch.zeros(budget, kernel.shape[0])
+    gains = torch.diagonal(kernel).clone()
+    picks = []
+    for step in range(budget):
+        best = int(torch.argmax(gains))
+        picks.append(best)
+        vector = (kernel[best] - vectors[:step, best] @ vectors[:step]) / torch.sqrt(gains[best])
+        vectors[step] = vector
+        gains -= vector**2
+        gains[best] = -float("inf")
+    return torch.tensor(sorted(picks))
+
+
+def official_scope(vision_features, cls_attention, budget: int):
+    """SCOPE's plain form (kinredon/SCOPE ``SCOPE``, ALPHA=1, COMBINED=multi): the whole cosine matrix, then each
+    step every candidate's coverage gain ``sum_j max(0, S[j, i] - cov_j)`` recomputed over all of ``S``, times
+    its CLS saliency; the best joins and raises the coverage. Returns the picks, ascending."""
+    import torch
+
+    unit = vision_features / torch.linalg.vector_norm(vision_features, dim=-1, keepdim=True)
+    similarity, saliency = unit @ unit.T, cls_attention.sum(dim=0)
+    coverage, picked, picks = torch.zeros(similarity.shape[0]), torch.zeros(similarity.shape[0], dtype=torch.bool), []
+    for _ in range(budget):
+        gains = (similarity - coverage[:, None]).clamp_min(0).sum(dim=0)
+        best = int(torch.argmax((saliency * gains).masked_fill(picked, -float("inf"))))
+        picks.append(best)
+        picked[best] = True
+        coverage = torch.maximum(coverage, similarity[:, best])
+    return torch.tensor(sorted(picks))
+
+
+OFFICIAL = {
+    "scope": lambda signals, budget: official_scope(signals.vision_features, signals.cls_attention, budget),
+    "divprune": lambda signals, budget: official_divprune(signals.features, budget),
+    "cdpruner": lambda signals, budget: official_cdpruner(signals.features, signals.text_relevance, budget),
+}
 """Per selector, its official algorithm's plain form: ``(signals, budget) -> kept grid indices, ascending``."""
 
 
@@ -228,7 +273,7 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true",
                         help="also time a plain matmul with the greedy selectors' multiply-adds")
     parser.add_argument("--official", action="store_true",
-                        help="also time the official algorithm's plain form side by side (OFFICIAL: divprune)")
+                        help="also time the official algorithm's plain form side by side (OFFICIAL: divprune, cdpruner, scope)")
     parser.add_argument("--measure", metavar="SELECTOR", help=argparse.SUPPRESS)
     parser.add_argument("--block-elements", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -17,12 +17,14 @@ class StageProbe:
         queries: query rows of its attention (the text after the image).
         attention: whether attention rows are read (``text_probs`` / ``text_logits``).
         key_norms: whether key norms are read (a second key projection).
+        rope_columns: visual tokens the all-ones RoPE logits are formed against (0: not read).
     """
 
     keys: int
     queries: int
     attention: bool
     key_norms: bool
+    rope_columns: int = 0
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class QuestionTokens:
         visual_tokens: language-model visual tokens of the unpruned prompt (N).
         visual_per_layer: visual tokens at the input of each decoder layer, as realised.
         cls_probe: the CLS-row probe of the feature layer ran.
+        vision_layer_probe: every encoder layer's attention was recomputed (per-layer vision signals).
         demand_probe: the layer-0 probe over the full prompt ran (coverage's demand).
         text_chunks: CLIP text chunks of CDPruner's relevance (0: not computed).
         reprojected: merged tokens an input-level merge sent through the projector again.
@@ -49,6 +52,7 @@ class QuestionTokens:
     visual_tokens: int
     visual_per_layer: tuple[int, ...]
     cls_probe: bool = False
+    vision_layer_probe: bool = False
     demand_probe: bool = False
     text_chunks: int = 0
     reprojected: int = 0
@@ -62,7 +66,7 @@ class PrefillCost:
 
     Attributes:
         flops_vision: vision tower to the feature layer, projector, and the vision-side signals
-            (CLS probe, CDPruner's CLIP text tower, re-projection of merged tokens).
+            (CLS probe, per-layer attention probes, CDPruner's CLIP text tower, re-projection of merged tokens).
         flops_selector: the selector's own arithmetic.
         flops_llm: decoder layers at their realised lengths, in-LLM probes, the LM head at the last position.
         flops: their sum.
@@ -89,12 +93,14 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     patch_grid = (tokens.grid[0] * vision.merge, tokens.grid[1] * vision.merge)
     tower = flops.vision_tower(vision, patch_grid) + flops.projector(vision, tokens.visual_tokens)
     signals = flops.cls_probe(vision, patch_grid) if tokens.cls_probe else 0
+    signals += flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
     if tokens.text_chunks:
         signals += flops.clip_text_relevance(shape.clip_text, tokens.text_chunks, tokens.visual_tokens)
     signals += flops.projector(vision, tokens.reprojected)
     lengths = [tokens.text_tokens + visual for visual in tokens.visual_per_layer]
     full = tokens.text_tokens + tokens.visual_tokens
-    probes = sum(flops.decoder_probe(language, p.queries, p.keys, p.attention, p.key_norms) for p in tokens.stage_probes)
+    probes = sum(flops.decoder_probe(language, p.queries, p.keys, p.attention, p.key_norms, p.rope_columns)
+                 for p in tokens.stage_probes)
     if tokens.demand_probe:
         probes += flops.decoder_probe(language, tokens.text_after, full, attention_rows=True, key_norms=False)
     llm = flops.language_prefill(language, lengths) + probes

@@ -77,9 +77,17 @@ def cls_probe(vision: VisionShape, patch_grid: tuple[int, int]) -> int:
     )
 
 
+def vision_layer_probes(vision: VisionShape, patch_grid: tuple[int, int]) -> int:
+    """Every encoder layer's attention recomputed on its input (``models.probe.clip_attention``, HiPrune's
+    and VScan's per-layer signals): queries and keys of every token and the full logits matrix."""
+    tokens = vision.class_tokens + patch_grid[0] * patch_grid[1]
+    per_layer = 2 * matmul(tokens, vision.width, vision.width) + matmul(tokens, vision.width, tokens)
+    return vision.layers * per_layer
+
+
 def clip_text_relevance(clip: ClipTextShape, chunks: int, visual_tokens: int) -> int:
     """CDPruner's text relevance: the CLIP text tower on ``chunks`` padded chunks, both projections and the
-    (N, chunks) cosine matrix."""
+    (N, chunks) cosine matrix twice (in float32 and as the official code forms it in the CLIP dtype)."""
     context, width = clip.context, clip.width
     per_layer = 4 * matmul(context, width, width) + attention(context, context, 1, width)
     per_layer += 2 * matmul(context, width, clip.mlp_width)
@@ -87,7 +95,7 @@ def clip_text_relevance(clip: ClipTextShape, chunks: int, visual_tokens: int) ->
         chunks * clip.layers * per_layer
         + matmul(chunks, width, clip.projection)
         + matmul(visual_tokens, clip.vision_width, clip.projection)
-        + matmul(visual_tokens, clip.projection, chunks)
+        + 2 * matmul(visual_tokens, clip.projection, chunks)
     )
 
 
@@ -118,12 +126,15 @@ def language_prefill(language: LanguageShape, lengths: Sequence[int]) -> int:
     return sum(decoder_layer(language, length) for length in lengths) + lm_head(language)
 
 
-def decoder_probe(language: LanguageShape, queries: int, keys: int, attention_rows: bool, key_norms: bool) -> int:
+def decoder_probe(
+    language: LanguageShape, queries: int, keys: int, attention_rows: bool, key_norms: bool, rope_columns: int = 0
+) -> int:
     """A decoder layer's probe (``models.probe.DecoderProbe``): ``queries`` query rows over ``keys`` keys
-    when attention is read, and the keys once more when their norms are read."""
+    when attention is read, the keys once more when their norms are read, and the all-ones RoPE logits
+    of the query rows to ``rope_columns`` visual tokens (SparseVLM v2)."""
     d = language.head_dim
     key_projection = matmul(keys, language.hidden, language.kv_heads * d)
-    total = 0
+    total = matmul(queries, d, rope_columns)
     if attention_rows:
         total += matmul(queries, language.hidden, language.heads * d) + key_projection
         total += matmul(queries, d, keys) * language.heads
@@ -158,6 +169,6 @@ def flop_equivalent_tokens(language: LanguageShape, flops: float) -> float:
 
 __all__ = [
     "matmul", "attention", "window_lengths", "vision_layer_blocks", "vision_tower", "projector", "cls_probe",
-    "clip_text_relevance", "decoder_layer", "lm_head", "language_prefill", "decoder_probe", "decode_token",
+    "vision_layer_probes", "clip_text_relevance", "decoder_layer", "lm_head", "language_prefill", "decoder_probe", "decode_token",
     "kv_bytes", "flop_equivalent_tokens",
 ]  # fmt: skip

@@ -6,7 +6,7 @@ here is only what ``select`` / ``prune`` / ``merge`` compute. Products are count
 
 ``exact`` formulas count every (m, k) @ (k, n) product the implementation runs. ``nominal``
 formulas count the official algorithm's plain form where the work depends on the data: DivPrune
-and CDPruner fetch similarity rows speculatively (``pruners.similarity.SpeculativeRows``) and
+(above N = 4096) and CDPruner fetch similarity rows speculatively (``pruners.similarity.SpeculativeRows``) and
 coverage's weighted gains update only the rows a pick changes, so their realised products vary
 per image; the nominal count is the full N x N similarity matrix plus one row per greedy step
 (CDPruner: its Cholesky updates; coverage: the first weighted gains), as the reference code
@@ -23,6 +23,7 @@ from typing import Any
 
 from prune_audit.compute.flops import matmul
 from prune_audit.pruners.dart import TEXT_PIVOTS, VISUAL_PIVOTS
+from prune_audit.pruners.similarity import rows_per_block
 from prune_audit.pruners.visionzip import VisionZipSelector
 
 
@@ -71,6 +72,10 @@ def _greedy_rows(work: SelectorWork, width: int) -> int:
 
 
 def _divprune(work: SelectorWork) -> int:
+    """The N x N cosine, held and read while it fits one block (``pruners.similarity.farthest_point_order``:
+    exact there); above, one row per pick after the first (the speculative rows vary with the data)."""
+    if rows_per_block(work.tokens) >= work.tokens:
+        return matmul(work.tokens, work.feature_width, work.tokens)
     return _greedy_rows(work, work.feature_width)
 
 
@@ -127,6 +132,14 @@ def _sparsevlm(work: SelectorWork) -> int:
     return matmul(scoring[0], work.hidden, work.text_rows) if scoring else 0
 
 
+def _vscan(work: SelectorWork) -> int:
+    """The vision stage's merge (``pruners.vscan.nearest_merge``): each pruned token's cosine to every kept one."""
+    if not work.stages or not work.options["merge_pruned"]:
+        return 0
+    alive, kept = work.stages[0]
+    return matmul(alive - kept, work.hidden, kept) if 0 < kept < alive else 0
+
+
 def _dart(work: SelectorWork) -> int:
     """Per stage, one matrix-vector product of the alive hidden states per pivot visited (``VISUAL_PIVOTS``
     visual and up to ``TEXT_PIVOTS`` text pivots; none when the visual pivots alone fill the stage)."""
@@ -151,6 +164,9 @@ SELECTOR_FLOPS: dict[str, SelectorFlops] = {
     "vispruner": SelectorFlops(_vispruner, exact=True),
     "visionzip": SelectorFlops(_visionzip, exact=True),
     "sparsevlm": SelectorFlops(_sparsevlm, exact=True),
+    "sparsevlm2": SelectorFlops(_sparsevlm, exact=True),
+    "hiprune": SelectorFlops(_none, exact=True),
+    "vscan": SelectorFlops(_vscan, exact=True),
     "dart": SelectorFlops(_dart, exact=False),
     "divprune": SelectorFlops(_divprune, exact=False),
     "cdpruner": SelectorFlops(_cdpruner, exact=False),

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from prune_audit.compute.cost import PrefillCost, QuestionTokens, StageProbe, prefill_cost
 from prune_audit.compute.selectors import SelectorWork, selector_flops
-from prune_audit.models.layer_signals import ATTENTION_SIGNALS, KEY_SIGNALS
+from prune_audit.models.layer_signals import ATTENTION_SIGNALS, KEY_SIGNALS, ROPE_SIGNALS
 from prune_audit.pruners.base import InputSelector, Selection, Selector
 
 if TYPE_CHECKING:
@@ -40,9 +40,10 @@ def question_cost(
     alive = [item.num_visual]  # visual tokens before each in-LLM stage, then after the last
     if ran is not None and not isinstance(ran, InputSelector):
         alive += [len(kept) + len(merged) for kept, merged in zip(answer.kept_stages, answer.merged_stages)]
+    rope = bool(layer_requires & ROPE_SIGNALS)
     probes = tuple(
         StageProbe(text_tokens + before, text_after, bool(layer_requires & ATTENTION_SIGNALS),
-                   bool(layer_requires & KEY_SIGNALS))
+                   bool(layer_requires & KEY_SIGNALS), before if rope else 0)
         for before in alive[:-1]
     )  # fmt: skip
     arithmetic = 0
@@ -67,6 +68,7 @@ def question_cost(
         visual_tokens=item.num_visual,
         visual_per_layer=tuple(answer.tokens_per_layer),
         cls_probe=bool(input_requires & vlm.cls_probe_signals),
+        vision_layer_probe=bool((input_requires | layer_requires) & vlm.layer_probe_signals),
         demand_probe="demand" in input_requires,
         text_chunks=vlm.text_chunks(item) if "text_relevance" in input_requires else 0,
         reprojected=len(selection.sources) if merged_inputs else 0,

@@ -37,7 +37,7 @@ from prune_audit.models.layer_signals import text_demand
 from prune_audit.models.loading import config_hash
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
 from prune_audit.models.timing import PartClock
-from prune_audit.pruners.base import InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
+from prune_audit.pruners.base import VISION_LAYER_SIGNALS, InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.registry import list_selectors, selector_class
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
@@ -48,8 +48,9 @@ class VisionLanguageModel(ABC):
     family: str = ""
     #: InputSignals fields this family can provide (``text_relevance`` also needs clip_text)
     input_signals: frozenset[str] = frozenset()
-    #: InputSignals read from a CLS-row probe of the vision tower (compute accounting)
+    #: InputSignals read from a CLS-row probe / from every vision layer's attention (compute accounting)
     cls_probe_signals: frozenset[str] = frozenset()
+    layer_probe_signals: frozenset[str] = frozenset()
     #: the dimensions the compute accounting reads (``models.shape``), set by the family
     shape: ModelShape
     #: why the other InputSignals are missing, for error messages
@@ -124,7 +125,8 @@ class VisionLanguageModel(ABC):
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         """Position mode the in-LLM loop uses for ``selector``."""
 
-    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> Tensor:
+    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> tuple[Tensor, Tensor]:
+        """(N,) CDPruner relevance in float32 and (N,) as the official code computes it in the model dtype."""
         raise PruneAuditError(f"{self.family} has no CLIP text relevance")
 
     def _project(self, vision_tokens: Tensor) -> Tensor:
@@ -228,8 +230,8 @@ class VisionLanguageModel(ABC):
     # ----- internals ----------------------------------------------------------------
     def _missing(self, cls: type[Selector]) -> set[str]:
         """What the model lacks for ``cls``: input signals, or positions for the merged tokens it feeds."""
-        if cls.stage == "llm":
-            return set()
+        if cls.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower too
+            return set(cls.requires & VISION_LAYER_SIGNALS) - self._available_input_signals()
         missing = set(cls.requires) - self._available_input_signals()
         if cls.merges and self._input_positions() != "compact":
             missing.add(MERGED_POSITIONS)
@@ -280,9 +282,10 @@ class VisionLanguageModel(ABC):
             self.check_selector(selector)
         input_level = forced_kept is not None or isinstance(selector, InputSelector)
         requires = selector.requires if input_level and selector is not None and forced_kept is None else frozenset()
+        vision_layer = selector.requires & VISION_LAYER_SIGNALS if isinstance(selector, LayerSelector) else frozenset()
         clock = PartClock(self.device)
         with torch.no_grad():
-            vision = self._vision(prepared, requires)
+            vision = self._vision(prepared, requires | vision_layer)
             clock.lap("vision")
             selections: list[Selection | None] = [None] * len(prepared)
             rows = []
@@ -295,6 +298,7 @@ class VisionLanguageModel(ABC):
             plan = None
             if not input_level and (selector is not None or forced_stages is not None):
                 plan = self._layer_plan(prepared, selector, budget, forced_stages)
+                plan.vision = [{name: output.signals[name] for name in vision_layer} for output in vision]
             carry = plan is not None and bool(plan.requires & {"embeddings", "text_embeddings"})
             clock.lap("selection")
             try:
@@ -326,7 +330,8 @@ class VisionLanguageModel(ABC):
         for name, value in output.signals.items():
             setattr(signals, name, value.float())
         if "text_relevance" in requires:
-            signals.text_relevance = self._text_relevance(item, output).float()
+            relevance, in_model_dtype = self._text_relevance(item, output)
+            signals.text_relevance, signals.model_text_relevance = relevance.float(), in_model_dtype.float()
         if "demand" in requires:
             signals.demand = text_demand(self.loop.stack, self._row(item, output, None))
         return signals

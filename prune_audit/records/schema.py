@@ -79,7 +79,7 @@ COST_COLUMNS: tuple[Column, ...] = (
         "flops_vision",
         pa.int64(),
         "vision tower up to the feature layer, projector, and the vision-side signals the selector needs (CLS-row "
-        "probe, CDPruner's CLIP text tower, re-projection of merged tokens)",
+        "probe, per-layer attention probes, CDPruner's CLIP text tower, re-projection of merged tokens)",
     ),
     _run(
         "flops_selector",
@@ -150,7 +150,8 @@ RUN_COLUMNS: tuple[Column, ...] = (
         pa.list_(pa.list_(INT_LIST)),
         "for each stage, the merged tokens alive after it, each as the ascending grid indices it carries, in "
         "feed order: an input-level merge's tokens at its single stage (VisionZip's contextual tokens) and an "
-        "in-LLM merge's inserted tokens (SparseVLM with recycle=true); empty lists without merging",
+        "in-LLM merge's tokens (SparseVLM's inserted ones with recycle=true, VScan's in its kept tokens' places); "
+        "empty lists without merging",
     ),
     _run(
         "stage_layers",
