@@ -226,6 +226,7 @@ class Prefill:
     prefill_tokens: list[int]
     decode: DecodeState | None = None
     merged_stages: list[list[list[list[int]]]] = field(default_factory=list)
+    latency_parts: dict[str, float] = field(default_factory=dict)  # batch milliseconds of each part (models.timing)
 
 
 @dataclass
