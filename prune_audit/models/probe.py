@@ -150,4 +150,32 @@ def clip_attention(layer: nn.Module, hidden: Tensor) -> Tensor:
     return torch.softmax(queries.float() @ keys.float().transpose(2, 3) * attention.scale, dim=-1)
 
 
-__all__ = ["DecoderProbe", "clip_attention", "clip_cls_row", "single_tensor_rope", "RopeFn"]
+def clip_attention_block(layer: nn.Module, hidden: Tensor, key_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The attention half of one CLIP encoder layer with a bias per key, and its head-mean keys (ToMe's block).
+
+    Args:
+        layer: a ``CLIPEncoderLayer``; hidden: (L, Dv) its input (one image, CLS first).
+        key_bias: (L,) added to every query's logit of each key (ToMe's proportional attention: ``log(size)``),
+            or None.
+
+    Returns:
+        ``(attended, metric)``: (L, Dv) the self-attention output before the residual, (L, d) the keys' mean
+        over heads.
+    """
+    attention = layer.self_attn
+    length = hidden.shape[0]
+    normed = layer.layer_norm1(hidden[None])
+    heads = [
+        projection(normed).view(1, length, -1, attention.head_dim).transpose(1, 2)
+        for projection in (attention.q_proj, attention.k_proj, attention.v_proj)
+    ]
+    queries, keys, values = heads
+    logits = queries.float() @ keys.float().transpose(2, 3) * attention.scale
+    if key_bias is not None:
+        logits = logits + key_bias.float()
+    mixed = torch.softmax(logits, dim=-1).to(values.dtype) @ values  # (1, H, L, d)
+    attended = attention.out_proj(mixed.transpose(1, 2).reshape(1, length, -1))
+    return attended[0], keys[0].mean(dim=0)
+
+
+__all__ = ["DecoderProbe", "clip_attention", "clip_attention_block", "clip_cls_row", "single_tensor_rope", "RopeFn"]

@@ -257,19 +257,20 @@ FIDELITY: dict[str, Fidelity] = {
         "af95e4b1",
         "rounds of bipartite soft matching at the projector output (r <= n / 2 per round) to the budget, "
         "size-weighted averages, official output order",
-        (),
+        ("location=tower",),
         (
-            "merges the projector outputs to the budget in rounds, the usual VLM baseline; the official ToMe merges "
-            "inside the vision tower, a few tokens per block by a layer schedule (not implemented yet)",
-            "the similarity metric is the token itself; the official blocks use the head-mean keys of the merging "
-            "layer, which the projector output does not have",
-            "proportional attention (log(size) added to the attention logits) is not implemented",
+            "merges the projector outputs to the budget in rounds, the usual VLM baseline; location=tower merges "
+            "inside the vision tower as the official blocks (CLS protected, head-mean keys, proportional attention)",
+            "at the projector the similarity metric is the token itself (no keys there)",
+            "location=tower: r per layer as even as possible to end at the budget (the official constant r, as a "
+            "per-layer list), front-loaded where halving caps a layer; budgets below halving in every layer refused",
             "exact ties go to the lower index (argsort leaves them unspecified)",
             "every output token carries its merge_source cells (merged_stages): retention counts them and an object "
             "carried only by a merged token is diluted, not lost; order=raster sorts the output by first cell",
         ),
         _random(30, "test_fidelity.py::test_tome_reproduces_the_official_merging_rounds",
-                "each output token's cells, and its vector within 1e-5"),
+                "each output token's cells, and its vector within 1e-5; location=tower: 30 of 30 through 23 layers "
+                "(test_methods_v3.py::test_tome_tower_merging_reproduces_the_official_blocks)"),
         30,
     ),
     "uniform": Fidelity("-", "spatially even lattice subsample (control)", (), ("control, no reference",), "not applicable"),
