@@ -212,14 +212,33 @@ def test_gqa_inputs_are_checked_before_anything_is_written(workspace, tmp_path):
     assert not out.exists()
 
 
-def test_analyses_refuse_a_task_without_a_yes_no_answer_in_one_line_and_visualize_reads_it(workspace, tmp_path):
+def test_analyses_read_a_task_without_a_yes_no_answer_by_its_top_label_confidence(workspace, tmp_path):
+    from prune_audit.analysis.runs import load_run
+
     inputs = gqa_inputs(workspace, tmp_path / "gqa")
-    out = tmp_path / "run"
-    assert runner.invoke(app, gqa_args(workspace, inputs, out, "--max-new-tokens", "2")).exit_code == 0
-    refused(runner.invoke(app, ["calibrate", str(out)]), "is a gqa run", "records.parquet")
+    pruned, dense = tmp_path / "pruned", tmp_path / "dense"
+    for out, extra in ((pruned, ("--selector", "random", "--budget", "6")), (dense, ())):
+        result = runner.invoke(app, gqa_args(workspace, inputs, out, "--max-new-tokens", "2", *extra))
+        assert result.exit_code == 0, result.output
+    run = load_run(pruned)
+    records = pq.read_table(pruned / "records.parquet").to_pylist()
+    assert run.questions.top_label and list(run.questions.label_yes) == [r["correct"] for r in records]
+    assert list(run.questions.p_yes) == [r["confidence"] for r in records]
+    assert list(run.questions.answer) == [r["answer_text"].strip().rstrip(".").lower() for r in records]
+    calibrated = runner.invoke(app, ["calibrate", str(pruned), "--reference", str(dense), "--bootstrap", "20", "--json",
+                                     "--out", str(tmp_path / "calibration")])
+    assert calibrated.exit_code == 0, calibrated.output
+    overall = json.loads(calibrated.stdout)["runs"][0]["metrics"]["all"]
+    assert {"accuracy", "ece", "brier", "auroc"} <= set(overall) and not {"f1", "yes_ratio"} & set(overall)
+    assert overall["accuracy"]["value"] == pytest.approx(np.mean([r["correct"] for r in records]))
+    brier = np.mean([(r["confidence"] - r["correct"]) ** 2 for r in records])
+    assert overall["brier"]["value"] == pytest.approx(brier)  # the top-label Brier score
+    cascade = runner.invoke(app, ["cascade", str(pruned), "--reference", str(dense), "--epsilon", "0.3", "--splits",
+                                  "5", "--json", "--out", str(tmp_path / "cascade")])
+    assert cascade.exit_code == 0, cascade.output
     # visualize --run redraws any task's record, naming its evidence objects and reference answers
-    row = pq.read_table(out / "records.parquet").to_pylist()[0]
-    drawn = runner.invoke(app, ["visualize", "--run", str(out), "--question-id", str(row["question_id"]),
+    row = records[0]
+    drawn = runner.invoke(app, ["visualize", "--run", str(pruned), "--question-id", str(row["question_id"]),
                                 "--out", str(tmp_path / "figure.png")])
     assert drawn.exit_code == 0, drawn.output
     assert f"about {row['evidence_objects'][0]} (reference {row['references'][0]})" in drawn.stdout

@@ -69,7 +69,7 @@ class CascadeQuestions:
             image_index=first.image_index(image_ids),
             image_ids=image_ids,
             confidence=np.stack([stage.confidence for stage in aligned]),
-            disagree=np.stack([stage.answer_yes != dense.answer_yes for stage in aligned]),
+            disagree=np.stack([_disagree(stage, dense) for stage in aligned]),
             stage_tokens=np.stack([stage.cost_tokens for stage in aligned]).astype(np.float64),
             dense_tokens=dense.cost_tokens.astype(np.float64),
         )
@@ -77,6 +77,14 @@ class CascadeQuestions:
     @property
     def stages(self) -> int:
         return len(self.confidence)
+
+
+def _disagree(stage: QuestionTable, dense: QuestionTable) -> np.ndarray:
+    """(n,) the pruned stage answers otherwise than the dense run: the answers compared as recorded
+    (``QuestionTable.answer``: POPE's yes/no, a short answer after its task's normalisation), else yes/no."""
+    if stage.answer is not None and dense.answer is not None:
+        return stage.answer != dense.answer
+    return stage.answer_yes != dense.answer_yes
 
 
 def answering_stage(confidence: np.ndarray, threshold: float | np.ndarray) -> np.ndarray:

@@ -118,6 +118,8 @@ def _question_table(task: Task, records: pa.Table, source: str, at_stage: StageV
         lost=at_stage.lost,
         diluted=at_stage.diluted,
         cost_tokens=records["cost_tokens"].to_numpy().astype(np.float64),
+        answer=binary["answer"],
+        top_label=bool(binary["top_label"]),
     )
 
 

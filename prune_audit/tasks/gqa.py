@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from prune_audit.answer_modes import Greedy
 from prune_audit.data.gqa import (
     GqaQuestion,
@@ -32,12 +34,15 @@ from prune_audit.data.gqa import (
     evidence_mask,
     evidence_objects,
     exact_match,
+    normalize_answer,
 )
 from prune_audit.errors import PruneAuditError
 from prune_audit.tasks.base import Scored, Task
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.retention import ObjectArea
     from prune_audit.answer_modes import Generation
@@ -169,6 +174,11 @@ class GqaTask(Task):
         from prune_audit.data.gqa import score_gqa_answers
 
         return score_gqa_answers(answers, [question.gqa for question in self.read_questions(question_files)])
+
+    def comparable_answers(self, records: pa.Table) -> np.ndarray:
+        """Answers as GQA's evaluation compares them (LLaVA's normalisation: stripped, trailing periods, lower case)."""
+        texts = records["answer_text"].to_numpy(zero_copy_only=False).astype(str)
+        return np.array([normalize_answer(text) for text in texts], dtype=str)
 
     def image_id(self, question: GqaTaskQuestion) -> int:
         return stable_image_id(question.gqa.image_id)
