@@ -236,6 +236,10 @@ def test_analyses_read_a_task_without_a_yes_no_answer_by_its_top_label_confidenc
     cascade = runner.invoke(app, ["cascade", str(pruned), "--reference", str(dense), "--epsilon", "0.3", "--splits",
                                   "5", "--json", "--out", str(tmp_path / "cascade")])
     assert cascade.exit_code == 0, cascade.output
+    validity = json.loads(cascade.stdout)["cascades"][0]["validity"]
+    assert validity["sem_disagreement"] == pytest.approx(validity["std_disagreement"] / math.sqrt(5))
+    assert validity["mean_within_one_sem_of_epsilon"] == (
+        validity["mean_disagreement"] <= 0.3 + validity["sem_disagreement"])
     # visualize --run redraws any task's record, naming its evidence objects and reference answers
     row = records[0]
     drawn = runner.invoke(app, ["visualize", "--run", str(pruned), "--question-id", str(row["question_id"]),

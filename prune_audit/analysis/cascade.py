@@ -277,10 +277,15 @@ def validity(
 
 def _summarise_splits(results: list[dict], epsilon: float) -> dict:
     disagreement = np.array([result["disagreement"] for result in results])
+    spread = float(disagreement.std(ddof=1)) if len(results) > 1 else 0.0
+    standard_error = spread / np.sqrt(len(results))
     return {
         "splits": len(results),
         "mean_disagreement": float(disagreement.mean()),
-        "std_disagreement": float(disagreement.std(ddof=1)) if len(results) > 1 else 0.0,
+        "std_disagreement": spread,
+        # the study's validity check: the mean over splits within one standard error of epsilon (or below it)
+        "sem_disagreement": float(standard_error),
+        "mean_within_one_sem_of_epsilon": bool(disagreement.mean() <= epsilon + standard_error),
         "worst_disagreement": float(disagreement.max()),
         "share_above_epsilon": float(np.mean(disagreement > epsilon)),
         "mean_relative_cost": float(np.mean([result["relative_cost"] for result in results])),
