@@ -333,8 +333,9 @@ def test_caption_run_scores_mentions_and_measures_each_object(workspace, tmp_pat
     args = ["run", "--task", "caption", "--model", str(workspace["model"]), "--images", str(workspace["images"]),
             "--questions", instances, "--annotations", instances, "--out", str(out), "--limit", "4",
             "--max-new-tokens", "4", "--selector", "random", "--budget", "4"]
-    result = runner.invoke(app, args)
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
+    assert "omitted among objects lost at the first stage" in result.stdout and "CHAIR-s" in result.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["task"] == "caption" and manifest["max_new_tokens"] == 4
     coco = json.loads(Path(instances).read_text())
@@ -350,6 +351,16 @@ def test_caption_run_scores_mentions_and_measures_each_object(workspace, tmp_pat
         assert row["confidence"] == row["mean_token_prob"] and row["answer_tokens"] <= 4
         # the union region is lost exactly when every object is
         assert row["lost"] == all(row["evidence_objects_lost"])
+
+
+def test_omission_by_fate_counts_objects_by_hand():
+    from prune_audit.tasks.caption import omission_by_fate
+
+    rows = [{"evidence_objects": ["dog", "cat", "car"], "evidence_objects_lost": [True, False, None], "omitted": ["dog"]},
+            {"evidence_objects": ["dog", "cup"], "evidence_objects_lost": [True, True], "omitted": ["dog", "cup"]},
+            {"evidence_objects": ["cat"], "evidence_objects_lost": [False], "omitted": []}]
+    # lost: dog, dog, cup (all 3 omitted); kept: cat, cat (none omitted); car has no pixels
+    assert omission_by_fate(rows) == {"lost": (3, 3), "kept": (2, 0)}
 
 
 def test_caption_questions_need_one_instances_file(workspace, tmp_path):

@@ -118,6 +118,7 @@ def _print_summary(result, plan) -> None:
                      f"{summary.get('lost_objects_last_stage', 0)} of {with_mask}"))
     if summary.get("diluted_objects"):  # only merging selectors dilute: the row appears for them
         rows.append((f"diluted objects, stage {first}", f"{summary['diluted_objects']} of {with_mask}"))
+    rows += plan.task.summary_rows(result.records) if summary.get("questions") else []
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)

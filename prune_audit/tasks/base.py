@@ -179,6 +179,10 @@ class Task(ABC):
         return {"label_yes": correct, "answer_yes": np.ones_like(correct), "p_yes": confidence, "logit_diff": logit,
                 "answer": self.comparable_answers(records), "top_label": True}
 
+    def summary_rows(self, records: pa.Table) -> list[tuple[str, str]]:
+        """The task's own lines of the run summary (name, formatted value), after the common ones."""
+        return []
+
     def comparable_answers(self, records: pa.Table) -> np.ndarray:
         """(n,) str: each answer as two runs' answers are compared (default ``answer_text`` as generated)."""
         return records["answer_text"].to_numpy(zero_copy_only=False).astype(str)

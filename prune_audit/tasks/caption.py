@@ -13,6 +13,8 @@ commit 064abb3) reusing the pruned KV cache. Mentions are extracted with CHAIR's
 CHAIR-s's complement: the caption mentions no absent object. Confidence is the length-normalised
 probability of the caption (geometric mean of its tokens' probabilities, ``mean_token_prob``): the
 product over hundreds of tokens underflows towards 0 for every caption; the product is recorded too.
+The run summary adds CHAIR-s, object recall and the omission rate among the objects the first stage lost
+against those it kept (``omission_by_fate``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from prune_audit.tasks.evidence import CocoEvidence
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from prune_audit.answer_modes import Generation
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.retention import ObjectArea
@@ -79,6 +83,20 @@ class CaptionEvidence(CocoEvidence):
 
     def objects(self, question: CaptionTaskQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
         return [(name, self.category_area(image_id, name, geometry)) for name in question.caption.objects]
+
+
+def omission_by_fate(rows: Sequence[dict[str, Any]]) -> dict[str, tuple[int, int]]:
+    """(objects, omitted) among the annotated objects the first stage ``lost`` and those it ``kept``
+    (records' ``evidence_objects``, ``evidence_objects_lost`` and ``omitted``; objects without pixels left out)."""
+    counts = {"lost": [0, 0], "kept": [0, 0]}
+    for row in rows:
+        for name, lost in zip(row["evidence_objects"], row["evidence_objects_lost"]):
+            if lost is None:
+                continue
+            tally = counts["lost" if lost else "kept"]
+            tally[0] += 1
+            tally[1] += name in row["omitted"]
+    return {fate: (objects, omitted) for fate, (objects, omitted) in counts.items()}
 
 
 def _is_instances(data: Any) -> bool:
@@ -137,6 +155,20 @@ class CaptionTask(Task):
 
         return score_caption_answers(answers, [question.caption for question in self.read_questions(question_files)])
 
+    def summary_rows(self, records: pa.Table) -> list[tuple[str, str]]:
+        """CHAIR-s, object recall, and the omission rate of the objects the first stage lost against those it kept
+        (the same failure as a lost POPE object, outside yes/no)."""
+        rows = records.select(["correct", "evidence_objects", "evidence_objects_lost", "omitted"]).to_pylist()
+        fates = omission_by_fate(rows)
+        annotated = sum(len(row["evidence_objects"]) for row in rows)
+        omitted = sum(len(row["omitted"]) for row in rows)
+        lines = [("CHAIR-s (captions naming an absent object)", f"{1 - sum(r['correct'] for r in rows) / len(rows):.4f}"),
+                 ("object recall", f"{1 - omitted / annotated:.4f}" if annotated else "-")]
+        for fate, (count, missed) in fates.items():
+            lines.append((f"omitted among objects {fate} at the first stage",
+                          f"{missed / count:.4f} of {count}" if count else "- of 0"))
+        return lines
+
     def image_id(self, question: CaptionTaskQuestion) -> int:
         return question.question_id
 
@@ -151,4 +183,4 @@ class CaptionTask(Task):
         return CaptionEvidence(coco)
 
 
-__all__ = ["CaptionEvidence", "CaptionTask", "CaptionTaskQuestion"]
+__all__ = ["CaptionEvidence", "CaptionTask", "CaptionTaskQuestion", "omission_by_fate"]
