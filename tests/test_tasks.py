@@ -74,6 +74,12 @@ def test_generation_limit_belongs_to_generating_tasks():
         get_task("pope", 4)
     with pytest.raises(PruneAuditError, match="positive whole number"):
         get_task("gqa", 0)
+    assert (get_task("gqa").confidence, get_task("caption").confidence, get_task("pope").confidence) == (
+        "sequence", "mean-token", None)
+    with pytest.raises(PruneAuditError, match="choose sequence or mean-token"):
+        get_task("gqa", None, "mean")
+    with pytest.raises(PruneAuditError, match="pope; it has one definition"):
+        get_task("pope", None, "sequence")
 
 
 def test_manifest_names_the_task_and_an_older_manifest_means_pope():
@@ -196,6 +202,15 @@ def test_gqa_run_generates_scores_and_measures_evidence(workspace, tmp_path):
     again = pq.read_table(single / "records.parquet").to_pylist()
     assert [r["answer_text"] for r in again] == [r["answer_text"] for r in records]
     np.testing.assert_allclose([r["confidence"] for r in again], [r["confidence"] for r in records], rtol=1e-5)
+    # the length-normalised confidence, as an option: recorded in the manifest, same answers
+    normalised = tmp_path / "normalised"
+    result = runner.invoke(app, gqa_args(workspace, inputs, normalised, "--selector", "random", "--budget", "6",
+                                         "--max-new-tokens", "3", "--confidence", "mean-token"))
+    assert result.exit_code == 0, result.output
+    assert json.loads((normalised / "manifest.json").read_text())["confidence"] == "mean-token"
+    rows = pq.read_table(normalised / "records.parquet").to_pylist()
+    assert [r["confidence"] for r in rows] == [r["mean_token_prob"] for r in rows]
+    assert [r["answer_text"] for r in rows] == [r["answer_text"] for r in records]
 
 
 def test_gqa_inputs_are_checked_before_anything_is_written(workspace, tmp_path):

@@ -105,11 +105,18 @@ class Task(ABC):
             (precision, recall, F1, yes ratio) need a yes/no answer.
         default_max_new_tokens: the generation limit of a task that answers by greedy decoding (``--max-new-tokens``
             overrides it); None for a task answered by its first token.
+        confidences: the confidence definitions a generating task offers (``--confidence``), the default first:
+            ``sequence`` (the product of the tokens' probabilities) and ``mean-token`` (their geometric mean).
     """
 
     default_max_new_tokens: ClassVar[int | None] = None
+    confidences: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, max_new_tokens: int | None = None) -> None:
+    def __init__(self, max_new_tokens: int | None = None, confidence: str | None = None) -> None:
+        if confidence is not None and confidence not in self.confidences:
+            offered = f"choose {' or '.join(self.confidences)}" if self.confidences else "it has one definition: drop it"
+            raise PruneAuditError(f"--confidence {confidence!r} does not apply to task {self.name}; {offered}")
+        self.confidence = confidence or (self.confidences[0] if self.confidences else None)
         if max_new_tokens is not None:
             if self.default_max_new_tokens is None:
                 raise PruneAuditError(f"--max-new-tokens applies to tasks that generate their answers; {self.name} "

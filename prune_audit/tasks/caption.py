@@ -109,11 +109,13 @@ class CaptionTask(Task):
     summary = "Detailed captions of COCO images, object mentions scored by CHAIR (hallucinated and omitted objects)"
     answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
     confidence_definition = ("the length-normalised caption probability: the geometric mean of its tokens' "
-                             "probabilities (mean_token_prob; the product is sequence_prob)")
+                             "probabilities (mean_token_prob); `--confidence sequence` takes their product "
+                             "(sequence_prob); both are recorded")
     evidence_definition = "every annotated object's COCO mask: their union, and each object on its own"
     evidence_noun = "the annotated objects"
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
     default_max_new_tokens = 1024
+    confidences = ("mean-token", "sequence")
 
     def read_questions(self, paths: Sequence[Path]) -> list[CaptionTaskQuestion]:
         instances, captions = [], []
@@ -146,7 +148,8 @@ class CaptionTask(Task):
             "recall": scored.recall,
         }
         present = tuple(dict.fromkeys((*scored.annotated, *caption.caption_objects)))
-        return Scored(generation.answer, present, not scored.chair_s, columns["mean_token_prob"], columns)
+        confidence = columns["sequence_prob" if self.confidence == "sequence" else "mean_token_prob"]
+        return Scored(generation.answer, present, not scored.chair_s, confidence, columns)
 
     def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
         """CHAIR-s, CHAIR-i, recall and omissions of the captions (``data.captions.score_caption_answers``); the
