@@ -468,3 +468,23 @@ def test_score_pope_through_the_task_matches_pope_score(workspace, tmp_path):
 def test_score_needs_question_files(tmp_path):
     refused(runner.invoke(app, ["score", str(answers_file(tmp_path / "a.jsonl", [])), "--task", "gqa"]),
             "--questions")
+
+
+def test_study_runs_another_task_and_plans_its_commands(workspace, tmp_path):
+    inputs = gqa_inputs(workspace, tmp_path / "gqa")
+    common = ["study", "--task", "gqa", "--model", str(workspace["model"]), "--images", str(workspace["images"]),
+              "--questions", str(inputs["questions"]), "--questions", str(inputs["llava"]), "--annotations",
+              str(inputs["graphs"]), "--max-new-tokens", "2", "--selectors", "random", "--budgets", "6",
+              "--out", str(tmp_path / "study")]
+    planned = runner.invoke(app, [*common, "--plan"])
+    assert planned.exit_code == 0, planned.output
+    assert "--task gqa --questions" in planned.stdout and "--max-new-tokens 2" in planned.stdout
+    assert "--pope" not in planned.stdout
+    result = runner.invoke(app, [*common, "--epsilons", "0.34", "--bootstrap", "20", "--splits", "5", "--quiet"])
+    assert result.exit_code == 0, result.output
+    import pandas as pd
+
+    summary = pd.read_csv(tmp_path / "study" / "summary.csv").set_index("run")
+    assert list(summary.index) == ["dense", "random@6"] and summary["f1"].isna().all()
+    records = pq.read_table(tmp_path / "study" / "runs" / "random-6" / "records.parquet").to_pylist()
+    assert summary.loc["random@6", "accuracy"] == pytest.approx(np.mean([r["correct"] for r in records]))
