@@ -116,6 +116,10 @@ def write_run(directory, seed, strength, tokens, images=24, lost_share=0.0, sele
                         "evidence_objects": ["dog"] if label_yes else [],
                         "evidence_objects_lost": [lost] if label_yes else [],
                         "latency_ms": 10.0,
+                        "flops": int(tokens) * 1000, "flops_vision": 60, "flops_selector": 0,
+                        "flops_llm": int(tokens) * 1000 - 60, "flops_dense": 600_000,
+                        "flops_decode_token": 2, "kv_bytes": 64, "flop_equivalent_tokens": 10.0, "latency_vision_ms": 0.2,
+                        "latency_selection_ms": 0.1, "latency_prefill_ms": 0.7,
                         "geometry": "{}",
                         "order": len(rows),
                     }

@@ -52,6 +52,9 @@ def make_row(order, split="random", question_id=None):
         "evidence_objects": ["dog"],
         "evidence_objects_lost": [False],
         "latency_ms": 1.0,
+        "flops": 100, "flops_vision": 60, "flops_selector": 0, "flops_llm": 40, "flops_dense": 120,
+        "flops_decode_token": 2, "kv_bytes": 64, "flop_equivalent_tokens": 10.0, "latency_vision_ms": 0.2,
+        "latency_selection_ms": 0.1, "latency_prefill_ms": 0.7,
         "geometry": "{}",
         "order": order,
     }

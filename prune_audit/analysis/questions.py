@@ -29,6 +29,8 @@ class QuestionTable:
         diluted: (n,) float64, 1.0 when the object reached the model only in merged tokens' cells,
             0.0 when not, NaN when unknown.
         cost_tokens: (n,) float64, prefill cost: the sequence length averaged over decoder layers.
+        flops: (n,) float64, analytic prefill FLOPs (docs/compute.md).
+        latency_ms: (n,) float64, measured prefill wall time per question.
         answer: (n,) str, the answer as compared across runs (a cascade's disagreement with the dense run);
             None: compare ``answer_yes``.
         top_label: the task has no yes/no answer (``Task.binary_view``): the yes/no event is "the answer is
@@ -50,6 +52,8 @@ class QuestionTable:
     lost: np.ndarray
     diluted: np.ndarray
     cost_tokens: np.ndarray
+    flops: np.ndarray
+    latency_ms: np.ndarray
     answer: np.ndarray | None = None
     top_label: bool = False
 

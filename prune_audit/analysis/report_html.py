@@ -27,12 +27,15 @@ TABLE_COLUMNS = (
     ("AUROC", "auroc"),
     ("lost share", "lost_share"),
     ("acc. lost (pruned / dense)", "lost_pair"),
+    ("FLOPs / dense", "flops_relative"),
+    ("KV KiB", "mean_kv_bytes"),
     ("latency ms", "latency_ms"),
 )
 
 FIGURES = (
     ("accuracy_vs_budget", "Accuracy against realised visual tokens"),
     ("calibration_vs_budget", "ECE and AUROC against realised visual tokens"),
+    ("quality_vs_flops", "Accuracy and AUROC against prefill FLOPs relative to dense (matched compute)"),
     ("lost_objects", "Questions whose object was lost: accuracy against confidence, pruned and dense"),
     ("reliability_grid", "Reliability diagrams, every run"),
     ("cascade_cost_vs_epsilon", "Cascade prefill cost against the disagreement target epsilon"),
@@ -61,6 +64,8 @@ def table_cells(row: dict) -> list[str]:
             cells.append(f"{_number(row['lost_accuracy'])} / {_number(row['lost_reference_accuracy'])}")
         elif name in ("visual_tokens", "latency_ms"):
             cells.append(_number(row[name], 1))
+        elif name == "mean_kv_bytes":
+            cells.append(_number(row[name] / 1024, 0))
         elif name == "lost_share":
             cells.append("-" if not math.isfinite(row[name]) else f"{row[name]:.1%}")
         elif name in ("accuracy", "ece", "auroc"):

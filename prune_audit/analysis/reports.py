@@ -8,7 +8,7 @@ from dataclasses import asdict
 from prune_audit.analysis import figures
 from prune_audit.analysis.cascade_plots import cascade_figures
 from prune_audit.analysis.calibration import RETENTION_BINS, CalibrationSettings, calibration_audit, check_confidences
-from prune_audit.analysis.cascade import cascade_audit
+from prune_audit.analysis.cascade import COST_LABELS, cascade_audit
 from prune_audit.analysis.metric_table import METRICS
 from prune_audit.analysis.outputs import estimates_csv, to_json
 from prune_audit.analysis.runs import Run, display_model, unique_labels
@@ -91,10 +91,12 @@ def cascade_report(
     seed: int,
     differences: Sequence[str],
     optional_sweep: Sequence[float] = (),
+    cost: str = "tokens",
 ) -> dict:
     """The cascade.json content: for each cascade (label, pruned stages cheapest first) every target's results.
 
-    ``sweep`` targets must be feasible; ``optional_sweep`` ones (the default curve) are skipped when not.
+    ``sweep`` targets must be feasible; ``optional_sweep`` ones (the default curve) are skipped when not;
+    costs are in unit ``cost`` (``analysis.cascade.COST_UNITS``).
     """
     targets = sorted({epsilon, *sweep})
     every_stage = list({id(stage): stage for _, stages in cascades for stage in stages}.values())
@@ -103,7 +105,7 @@ def cascade_report(
     for label, stages in cascades:
         results = cascade_audit(
             [stage.questions for stage in stages], reference.questions, targets, splits, calibration_fraction, seed,
-            optional=optional_sweep,
+            optional=optional_sweep, cost=cost,
         )
         primary = next(result for result in results if result["epsilon"] == epsilon)
         entries.append(
@@ -123,6 +125,7 @@ def cascade_report(
             "splits": splits,
             "calibration_fraction": calibration_fraction,
             "seed": seed,
+            "cost": cost,
         },
         "reference": run_identity(reference, unique_labels([*every_stage, reference])[-1]),
         "compared_despite_differences": list(differences),
@@ -131,5 +134,6 @@ def cascade_report(
 
 
 def cascade_files(report: dict, title: str) -> dict[str, str | bytes]:
-    figures_ = cascade_figures(report["cascades"], title, report["reference"]["label"])
+    cost = COST_LABELS[report["settings"]["cost"]]
+    figures_ = cascade_figures(report["cascades"], title, report["reference"]["label"], cost)
     return {"cascade.json": to_json(report), **figures_}

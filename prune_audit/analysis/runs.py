@@ -18,7 +18,8 @@ from prune_audit.records.stages import FIRST, StageChoice, StageValues, stage_va
 from prune_audit.records.store import read_run
 from prune_audit.tasks import DEFAULT_TASK, Task, get_task, manifest_task
 
-REQUIRED_COLUMNS = ("question_id", "split", "image_id", "confidence", "correct", "cost_tokens")
+REQUIRED_COLUMNS = ("question_id", "split", "image_id", "confidence", "correct", "cost_tokens", "flops",
+                    "latency_ms")
 """Core columns the analyses read that must hold a value in every row (``lost`` may be null); each task adds
 its own (``Task.required_columns``)."""
 
@@ -118,6 +119,8 @@ def _question_table(task: Task, records: pa.Table, source: str, at_stage: StageV
         lost=at_stage.lost,
         diluted=at_stage.diluted,
         cost_tokens=records["cost_tokens"].to_numpy().astype(np.float64),
+        flops=records["flops"].to_numpy().astype(np.float64),
+        latency_ms=records["latency_ms"].to_numpy().astype(np.float64),
         answer=binary["answer"],
         top_label=bool(binary["top_label"]),
     )

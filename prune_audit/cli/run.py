@@ -65,7 +65,7 @@ def run(
     command = command_line("run", run, dict(locals()))
     from prune_audit.runner.execute import execute
     from prune_audit.runner.plan import RunRequest, plan_run
-    from prune_audit.runner.safeguards import parse_budget
+    from prune_audit.compute.budget import parse_budget
     from prune_audit.runner.sharding import parse_shard
 
     from prune_audit.tasks import get_task
@@ -122,12 +122,28 @@ def _print_summary(result, plan) -> None:
     if summary.get("diluted_objects"):  # only merging selectors dilute: the row appears for them
         rows.append((f"diluted objects, stage {first}", f"{summary['diluted_objects']} of {with_mask}"))
     rows += plan.task.summary_rows(result.records) if summary.get("questions") else []
+    rows += cost_rows(summary)
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
     # plain prints: a long path stays whole on its line
     print(f"records: {result.run_dir / ('records.parquet' if result.complete else 'parts')}")
     print(f"manifest: {result.run_dir / MANIFEST_FILE}")
+
+
+def cost_rows(summary: dict) -> list[tuple[str, str]]:
+    """The summary's compute rows: prefill FLOPs against dense, KV cache, equivalent tokens, latency parts."""
+    if "mean_flops" not in summary:
+        return []
+    return [
+        ("prefill FLOPs (of dense)", f"{summary['mean_flops'] / 1e6:,.1f} M ({summary['flops_relative']:.1%})"),
+        ("KV cache after prefill", f"{summary['mean_kv_bytes'] / 1024:,.0f} KiB"),
+        ("equivalent tokens: layer-averaged / FLOP-equivalent",
+         f"{summary['mean_cost_tokens']:.1f} / {summary['mean_flop_equivalent_tokens']:.1f}"),
+        ("latency ms: vision / selection / prefill",
+         f"{summary['mean_latency_vision_ms']:.2f} / {summary['mean_latency_selection_ms']:.2f} / "
+         f"{summary['mean_latency_prefill_ms']:.2f}"),
+    ]
 
 
 def model_label(model_id: str) -> str:

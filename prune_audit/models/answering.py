@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from prune_audit.models.accounting import question_cost
 from prune_audit.models.answers import (
     YES_NO,
     Answer,
@@ -55,20 +57,29 @@ class AnswerModes:
         ``generator`` is one generator shared in row order, or one per question (then a
         random selection does not depend on batching). ``forced_kept[b]`` replaces
         input-level selection by explicit grid indices; ``forced_stages[b]`` lists
-        ``(layer, kept grid indices)`` in-LLM stages. ``latency_ms`` covers the prefill and,
-        for :class:`Greedy`, the decoding.
+        ``(layer, kept grid indices)`` in-LLM stages. ``latency_parts`` holds each part's batch time
+        divided by the batch size (``vision``, ``selection``, ``prefill`` and, for :class:`Greedy`,
+        ``decode``); ``latency_ms`` is their sum; ``cost`` the analytic FLOPs and KV bytes.
         """
-        start = time.perf_counter()
         prefill, selections = self.prefill(
             prepared, selector, budget, generator=generator, forced_kept=forced_kept, forced_stages=forced_stages,
             use_cache=isinstance(mode, Greedy),
         )
+        start = time.perf_counter()
         reductions = self._reduce(prefill, mode)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        latency = (time.perf_counter() - start) * 1000 / len(prepared)
-        return [answer_record(prepared[b].num_visual, prefill, b, selections[b], reduced, latency)
-                for b, reduced in enumerate(reductions)]
+        parts = {part: ms / len(prepared) for part, ms in prefill.latency_parts.items()}
+        if isinstance(mode, Greedy):
+            parts["decode"] = (time.perf_counter() - start) * 1000 / len(prepared)
+        latency = sum(parts.values())
+        forced = forced_kept is not None or forced_stages is not None
+        answers = []
+        for b, reduced in enumerate(reductions):
+            answer = answer_record(prepared[b].num_visual, prefill, b, selections[b], reduced, latency, parts)
+            cost = question_cost(self, prepared[b], answer, selector, budget, selections[b], forced)
+            answers.append(replace(answer, cost=cost))
+        return answers
 
     def _reduce(self, prefill: Prefill, mode: AnswerMode) -> Sequence[Reduction]:
         if isinstance(mode, OptionLetters):

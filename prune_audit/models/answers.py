@@ -38,6 +38,7 @@ from prune_audit.answer_modes import (
 from prune_audit.errors import PruneAuditError
 
 if TYPE_CHECKING:
+    from prune_audit.compute.cost import PrefillCost
     from prune_audit.models.executor import LanguageLoop, Prefill
     from prune_audit.pruners.base import Selection
 
@@ -150,7 +151,10 @@ class Answer:
     contextual tokens at its single stage, an in-LLM merge at each of its stages;
     empty lists without merging).
     ``latency_ms`` is the wall time of the batch prefill (vision, selection,
-    language model) divided by the batch size.
+    language model) divided by the batch size; ``latency_parts`` splits it the same way
+    into ``vision``, ``selection`` (input-level signals and selection; in-LLM selectors
+    score inside ``prefill``) and ``prefill`` (the decoder layers and the LM head).
+    ``cost`` holds the analytic FLOPs and KV-cache bytes (``prune_audit.compute``).
     """
 
     reduced: Reduction
@@ -162,6 +166,8 @@ class Answer:
     prefill_tokens: int
     latency_ms: float
     merged_stages: list[list[list[int]]] = field(default_factory=list)
+    latency_parts: dict[str, float] = field(default_factory=dict)
+    cost: PrefillCost | None = None
 
     @property
     def answer(self) -> str:
@@ -197,7 +203,8 @@ class Answer:
 
 
 def answer_record(
-    num_visual: int, prefill: Prefill, b: int, selection: Selection | None, reduced: Reduction, latency: float
+    num_visual: int, prefill: Prefill, b: int, selection: Selection | None, reduced: Reduction, latency: float,
+    latency_parts: dict[str, float],
 ) -> Answer:
     """Row ``b`` of a pruned prefill as an :class:`Answer`.
 
@@ -220,6 +227,7 @@ def answer_record(
         prefill_tokens=prefill.prefill_tokens[b],
         latency_ms=latency,
         merged_stages=merged_stages,
+        latency_parts=latency_parts,
     )
 
 

@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.loading import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
-from prune_audit.models.probe import clip_cls_row, single_tensor_rope
+from prune_audit.models.probe import clip_attention, clip_cls_row, single_tensor_rope
+from prune_audit.models.shape import clip_text_shape, language_shape, llava_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
 
@@ -31,6 +33,7 @@ VICUNA_V1_SYSTEM = (
 SINGLE_WORD_SUFFIX = "Answer the question using a single word or phrase."
 PROMPT_TEMPLATES = ("llava_hf", "vicuna_v1")
 CLS_SIGNALS = frozenset({"cls_attention", "cls_logits", "vision_keys"})
+LAYER_SIGNALS = frozenset({"layer_attention", "layer_cls_attention"})  # every encoder layer up to the feature layer
 
 
 class LlavaModel(VisionLanguageModel):
@@ -39,8 +42,9 @@ class LlavaModel(VisionLanguageModel):
     family = "llava"
     input_signals = frozenset(
         {"features", "vision_features", "cls_attention", "cls_logits", "vision_keys", "cls_feature"}
-        | {"text_relevance", "demand"}
+        | {"text_relevance", "demand"} | LAYER_SIGNALS
     )
+    cls_probe_signals, layer_probe_signals = CLS_SIGNALS, LAYER_SIGNALS
     missing_signals_reason = "this adapter does not compute it"
     display_name = "LLaVA"
     prompt_templates = PROMPT_TEMPLATES
@@ -96,6 +100,9 @@ class LlavaModel(VisionLanguageModel):
         self.feature_index = layer if layer >= 0 else hidden_count + layer
         if not 1 <= self.feature_index < hidden_count:
             raise PruneAuditError(f"vision_feature_layer {layer} has no encoder layer producing it")
+        vision = llava_vision_shape(config, self.feature_index)
+        clip_shape = None if clip is None else clip_text_shape(clip[0], vision.width)
+        self.shape = ModelShape(vision, language_shape(config.text_config), model.dtype.itemsize, clip_shape)
 
     # ----- prompts --------------------------------------------------------------------
     def prompt(self, question: str) -> str:
@@ -147,6 +154,7 @@ class LlavaModel(VisionLanguageModel):
             # the encoder layer whose output is the feature layer
             layer = self.vision_tower.encoder.layers[self.feature_index - 1]
             cls_probs, cls_keys, cls_logits = clip_cls_row(layer, hidden[self.feature_index - 1])
+        per_layer = self._layer_signals(hidden) if requires & LAYER_SIGNALS else {}
         outputs = []
         for b in range(len(prepared)):
             signals = {}
@@ -159,8 +167,19 @@ class LlavaModel(VisionLanguageModel):
                 signals["cls_attention"], signals["cls_logits"] = cls_probs[b, :, 1:], cls_logits[b]
             if "vision_keys" in requires:
                 signals["vision_keys"] = cls_keys[b]
+            signals.update({name: value[b] for name, value in per_layer.items() if name in requires})
             outputs.append(VisionOutput(features[b], signals))
         return outputs
+
+    def _layer_signals(self, hidden: list[Tensor]) -> dict[str, Tensor]:
+        """``layer_attention`` and ``layer_cls_attention``, each (B, Lv, N), of the ``Lv = feature_index``
+        encoder layers that run, from their attention recomputed on their inputs ``hidden[l]``."""
+        received, cls_rows = [], []
+        for index, layer in enumerate(self.vision_tower.encoder.layers[: self.feature_index]):
+            probs = clip_attention(layer, hidden[index])  # (B, H, 1 + N, 1 + N)
+            received.append(probs.mean(dim=(1, 2))[:, 1:])
+            cls_rows.append(probs[:, :, 0, 1:].mean(dim=1))
+        return {"layer_attention": torch.stack(received, dim=1), "layer_cls_attention": torch.stack(cls_rows, dim=1)}
 
     def _tower_states(self, pixels: Tensor) -> list[Tensor]:
         """CLIP hidden states 0..feature_index of (B, 3, H, W) pixels, each (B, 1 + N, Dv).
@@ -180,11 +199,23 @@ class LlavaModel(VisionLanguageModel):
     def _project(self, vision_tokens: Tensor) -> Tensor:
         return self.model.model.multi_modal_projector(vision_tokens)
 
+    @property
+    def vision_head_dim(self) -> int:
+        """Width of one vision-tower attention head (VisionZip's keys)."""
+        vision = self.model.config.vision_config
+        return vision.hidden_size // vision.num_attention_heads
+
+    def text_chunks(self, prepared: Prepared) -> int:
+        """CLIP text-tower chunks :meth:`_text_relevance` runs for ``prepared``'s question."""
+        context = self.clip[0].config.text_config.max_position_embeddings
+        return -(-len(self.clip[1](prepared.question)["input_ids"]) // context)
+
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals if self.clip is not None else self.input_signals - {"text_relevance"}
 
-    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> Tensor:
-        """(N,) CDPruner relevance ``mean_m -cos(E_i, T_m)`` (selectors spec §6).
+    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> tuple[Tensor, Tensor]:
+        """(N,) CDPruner relevance ``mean_m -cos(E_i, T_m)`` (selectors spec §6), in float32 and as the
+        official code computes it in the CLIP dtype (unit embeddings, cosines and their mean each rounded).
 
         ``E`` = CLIP image projection of the post-layernormed feature-layer patches, ``T``
         = CLIP text embeddings of the raw question, split into chunks of the text
@@ -192,16 +223,18 @@ class LlavaModel(VisionLanguageModel):
         """
         clip, tokenizer = self.clip
         patches = self.vision_tower.post_layernorm(vision.signals["vision_features"])
-        image_embeds = clip.visual_projection(patches.to(clip.dtype)).float()
+        image_embeds = clip.visual_projection(patches.to(clip.dtype))
         ids = tokenizer(prepared.question)["input_ids"]
         context = clip.config.text_config.max_position_embeddings
         chunks = [ids[i : i + context] for i in range(0, len(ids), context)]
         chunks = torch.tensor([chunk + [0] * (context - len(chunk)) for chunk in chunks], device=clip.device)
         pooled = clip.text_model(input_ids=chunks).pooler_output
-        text_embeds = clip.text_projection(pooled).float()
+        text_embeds = clip.text_projection(pooled)
         normalize = torch.nn.functional.normalize
-        cosine = normalize(image_embeds, dim=-1) @ normalize(text_embeds, dim=-1).T  # (N, chunks)
-        return -cosine.mean(dim=1)
+        cosine = normalize(image_embeds.float(), dim=-1) @ normalize(text_embeds.float(), dim=-1).T  # (N, chunks)
+        image_units = image_embeds / image_embeds.norm(dim=-1, keepdim=True)
+        text_units = text_embeds / text_embeds.norm(dim=-1, keepdim=True)
+        return -cosine.mean(dim=1), (-(image_units @ text_units.T)).mean(dim=1)
 
     # ----- direct forwards (the demo trainer and evaluator) ------------------------------
     @property

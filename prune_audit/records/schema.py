@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """Version of the record columns, written to every manifest as ``records_schema``.
 
 2: per-stage columns (``stage_layers``, ``*_stages``); ``retention``, ``object_tokens_kept``
@@ -26,6 +26,8 @@ so records are read and resumed only by the run they belong to (4's records cann
 ``correct`` and the retention columns now read each task's own definition and evidence region) and each
 task's own columns (POPE's ``object``, ``label``, ``answer``, ``p_*``, ``logit_diff``: null in other tasks'
 rows); the manifest records the ``task``.
+7: the cost columns (``COST_COLUMNS``: analytic FLOPs per part, KV-cache bytes, FLOP-equivalent tokens,
+measured latency parts, decoding included where the task generates; docs/compute.md).
 Readers and resume refuse any other version.
 """
 
@@ -80,6 +82,66 @@ def _task(tasks: str | tuple[str, ...], name: str, type_: pa.DataType, meaning: 
 INT_LIST = pa.list_(pa.int64())
 GENERATING = ("gqa", "caption")
 """The tasks that answer by greedy decoding and share its columns."""
+
+COST_COLUMNS: tuple[Column, ...] = (
+    _run(
+        "flops",
+        pa.int64(),
+        "analytic FLOPs of the prefill: flops_vision + flops_selector + flops_llm (docs/compute.md; a product "
+        "(m,k)@(k,n) counts 2mkn, norms and softmax 0)",
+    ),
+    _run(
+        "flops_vision",
+        pa.int64(),
+        "vision tower up to the feature layer, projector, and the vision-side signals the selector needs (CLS-row "
+        "probe, per-layer attention probes, CDPruner's CLIP text tower, re-projection of merged tokens)",
+    ),
+    _run(
+        "flops_selector",
+        pa.int64(),
+        "the selector's own arithmetic (similarity matrices, greedy steps, DPP updates); nominal for greedy "
+        "selectors (docs/compute.md lists which)",
+    ),
+    _run(
+        "flops_llm",
+        pa.int64(),
+        "decoder layers at their realised sequence lengths (attention over every key of the layer), the "
+        "in-LLM probes, and the LM head at the last position",
+    ),
+    _run("flops_dense", pa.int64(), "flops of the same question unpruned (the run's reference point)"),
+    _run(
+        "flops_decode_token",
+        pa.int64(),
+        "FLOPs of one generated token after this prefill (each layer attends over its pruned KV cache + itself)",
+    ),
+    _run("kv_bytes", pa.int64(), "KV-cache bytes after the prefill: sum over layers of 2 x length x KV heads x head dim x dtype bytes"),
+    _run(
+        "flop_equivalent_tokens",
+        pa.float64(),
+        "the dense sequence length whose decoder prefill (+ LM head) costs flops - the dense vision tower and projector",
+    ),
+    _run("latency_vision_ms", pa.float64(), "wall time of the vision tower and projector (batch time / batch size)"),
+    _run(
+        "latency_selection_ms",
+        pa.float64(),
+        "wall time of input-level signals and selection and building the LLM inputs (in-LLM selectors score "
+        "inside latency_prefill_ms)",
+    ),
+    _run("latency_prefill_ms", pa.float64(), "wall time of the decoder layers (with in-LLM pruning) and the LM head"),
+    _run(
+        "latency_decode_ms",
+        pa.float64(),
+        "wall time of greedy decoding after the prefill, over the pruned KV cache (null when the task answers "
+        "from the first token)",
+        nullable=True,
+    ),
+)
+"""The cost block of the run columns (issue 26); written by ``runner.build.cost_values``."""
+
+TIMING_COLUMNS = (
+    "latency_ms", "latency_vision_ms", "latency_selection_ms", "latency_prefill_ms", "latency_decode_ms",
+)
+"""Measured wall times: the run columns that differ between two runs of the same command."""
 
 RUN_COLUMNS: tuple[Column, ...] = (
     _run("question_id", pa.int64(), "id from the question file"),
@@ -140,7 +202,8 @@ RUN_COLUMNS: tuple[Column, ...] = (
         pa.list_(pa.list_(INT_LIST)),
         "for each stage, the merged tokens alive after it, each as the ascending grid indices it carries, in "
         "feed order: an input-level merge's tokens at its single stage (VisionZip's contextual tokens) and an "
-        "in-LLM merge's inserted tokens (SparseVLM with recycle=true); empty lists without merging",
+        "in-LLM merge's tokens (SparseVLM's inserted ones with recycle=true, VScan's in its kept tokens' places); "
+        "empty lists without merging",
     ),
     _run(
         "stage_layers",
@@ -209,8 +272,9 @@ RUN_COLUMNS: tuple[Column, ...] = (
         "for each of evidence_objects, lost at the FIRST stage: pixels, none in the kept cells or the cells "
         "merged tokens carry (null entries for an object without pixels)",
     ),
-    _run("latency_ms", pa.float64(), "wall time of the prefill (batch prefill time / batch size; tasks that "
-                                     "generate: prefill and decoding)"),
+    _run("latency_ms", pa.float64(), "wall time of the question: the sum of its latency parts (vision, selection, "
+                                     "prefill; tasks that generate: and decoding), each batch time / batch size"),
+    *COST_COLUMNS,
     _run("geometry", pa.string(), "JSON of the image's `TokenGeometry` (lets `visualize --run` redraw without the model)"),
     _run("order", pa.int64(), "position of the question in the run's question list (sorts the rows)"),
 )

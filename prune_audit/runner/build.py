@@ -190,6 +190,27 @@ def _record(
         "evidence_objects": [name for name, _ in evidence.objects],
         "evidence_objects_lost": objects_lost,
         "latency_ms": answer.latency_ms,
+        **cost_values(answer),
         "geometry": json.dumps(prepared.geometry.to_dict()),
         "order": item.order,
     }
+
+
+def cost_values(answer: Answer) -> Record:
+    """The cost columns (``COST_COLUMNS``) of one answer."""
+    cost, parts = answer.cost, answer.latency_parts
+    return {
+        "flops": cost.flops,
+        "flops_vision": cost.flops_vision,
+        "flops_selector": cost.flops_selector,
+        "flops_llm": cost.flops_llm,
+        "flops_dense": cost.flops_dense,
+        "flops_decode_token": cost.flops_decode_token,
+        "kv_bytes": cost.kv_bytes,
+        "flop_equivalent_tokens": cost.flop_equivalent_tokens,
+        "latency_vision_ms": parts["vision"],
+        "latency_selection_ms": parts["selection"],
+        "latency_prefill_ms": parts["prefill"],
+        "latency_decode_ms": parts.get("decode"),
+    }
+

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from prune_audit.compute.budget import resolve_budget
 from prune_audit.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from prune_audit.records.store import RecordStore, check_run_layout
 from prune_audit.runner.build import AnsweredQuestion, build_records, question_evidence
 from prune_audit.runner.plan import RunPlan, prepare_question
-from prune_audit.runner.safeguards import budget_share, check_same_run, hold_run_dir, tokens_for_share
+from prune_audit.runner.safeguards import check_same_run, hold_run_dir
 from prune_audit.runner.sharding import ProcessGroup, shard_questions
 from prune_audit.runner.summary import summarize
 from prune_audit.safety.progress import report_saved, saving
@@ -149,10 +150,9 @@ def answer_batch(
     generators: Sequence[torch.Generator],
 ) -> list[Answer]:
     """The model's answers in each question's answer mode (its task's); questions are answered in groups
-    of one mode and one token budget (a share budget, ``11%``, is rounded per image), so answers do not
+    of one mode and one token budget (resolved per image: a share ``11%`` of its tokens, ``all`` of them), so answers do not
     depend on the batch."""
-    share = budget_share(plan.request.budget)
-    budgets = [plan.budget if share is None else tokens_for_share(share, item.num_visual) for item in prepared]
+    budgets = [resolve_budget(plan.request.budget, item.num_visual) for item in prepared]
     modes = [plan.task.answer_mode(question) for question in questions]
     groups: dict[tuple, list[int]] = {}
     for row, key in enumerate(zip(budgets, modes)):

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prune_audit.compute.budget import budget_share, resolve_budget
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import MANIFEST_FILE, base_manifest, run_id_of
 from prune_audit.records.store import RecordStore, check_run_layout
-from prune_audit.safety.ownership import check_output_dir
-from prune_audit.runner.safeguards import BUDGET_ALL, budget_share, check_resumable, check_run_options, pin_inputs, resolve_budget
+from prune_audit.runner.safeguards import check_resumable, check_run_options, pin_inputs
 from prune_audit.runner.sharding import Shard, launcher_shard
+from prune_audit.safety.ownership import check_output_dir
 from prune_audit.threads import check_threads, configure_threads
 
 if TYPE_CHECKING:
@@ -193,11 +194,7 @@ def _make_selector(request: RunRequest) -> tuple[Selector | None, int | str | No
     from prune_audit.pruners.registry import selector_from_strings
 
     selector = selector_from_strings(request.selector, request.options)  # every option checked against its domain
-    if request.budget is None:
-        raise PruneAuditError(f"selector {request.selector!r} needs --budget N (visual tokens to keep)")
-    if request.budget != BUDGET_ALL and budget_share(request.budget) is None and int(request.budget) <= 0:
-        raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
-    return selector, request.budget
+    return selector, request.budget  # its domain: check_run_options
 
 
 def _load_questions(task: Task, request: RunRequest) -> list[TaskQuestion]:
@@ -342,7 +339,7 @@ def _selector_description(
     if selector is None:
         return {"name": "none", "stage": None, "options": {}, "positions": None, "schedule": None}
     llm = selector.stage == "llm"
-    schedule = selector.schedule(vlm.num_layers, num_visual, budget) if llm else None
+    schedule = vlm.schedule(selector, num_visual, budget) if llm else None
     return {
         "name": selector.name,
         "stage": selector.stage,
