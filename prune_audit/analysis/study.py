@@ -18,6 +18,7 @@ import numpy as np
 from prune_audit.analysis.calibration import CalibrationSettings
 from prune_audit.analysis.cost import COST_MEANS, cost_summary
 from prune_audit.analysis.cascade import minimum_epsilon
+from prune_audit.analysis.metric_table import METRICS
 from prune_audit.analysis.reports import calibration_report, cascade_report
 from prune_audit.analysis.runs import Run, check_comparable, load_run
 from prune_audit.analysis.temperature import split_images
@@ -29,18 +30,11 @@ from prune_audit.records.store import RecordStore
 DEFAULT_EPSILONS = (0.01, 0.02, 0.05, 0.1)
 
 ESTIMATED = {
-    "accuracy": ("metrics", "all", "accuracy"),
-    "f1": ("metrics", "all", "f1"),
-    "yes_ratio": ("metrics", "all", "yes_ratio"),
-    "ece": ("metrics", "all", "ece"),
-    "ece_mass": ("metrics", "all", "ece_mass"),
+    **{metric.name: ("metrics", "all", metric.name) for metric in METRICS if metric.in_study},
     "ece_test_before": ("temperature", "test_before", "ece"),
     "ece_test_after": ("temperature", "test_after", "ece"),
     "ece_mass_test_before": ("temperature", "test_before", "ece_mass"),
     "ece_mass_test_after": ("temperature", "test_after", "ece_mass"),
-    "auroc": ("metrics", "all", "auroc"),
-    "aurc": ("metrics", "all", "aurc"),
-    "brier": ("metrics", "all", "brier"),
     "lost_accuracy": ("survival", "lost", "accuracy"),
     "lost_confidence": ("survival", "lost", "confidence"),
     "lost_reference_accuracy": ("survival", "lost", "reference_accuracy"),
@@ -50,7 +44,8 @@ ESTIMATED = {
     "auroc_minus_reference": ("difference_vs_reference", "metrics", "all", "auroc"),
     "brier_minus_reference": ("difference_vs_reference", "metrics", "all", "brier"),
 }
-"""Column -> path in a run's calibrate entry; each also gets ``<column>_low`` / ``_high`` (95 % interval)."""
+"""Column -> path in a run's calibrate entry; each also gets ``<column>_low`` / ``_high`` (95 % interval). The
+metrics of ``metric_table`` marked ``in_study`` come first, in its order."""
 
 SUMMARY_COLUMNS = {
     "run": "run label (selector@budget, dense for the reference)",

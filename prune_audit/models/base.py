@@ -3,25 +3,25 @@
 A family adapter (``llava.py``, ``qwen.py``) turns an image and a question into a
 :class:`Prepared` prompt, runs its vision tower, and says how positions work. This
 class does the rest: input-level selection, the schedule of in-LLM selectors, the
-pruned prefill through :class:`~prune_audit.models.executor.LanguageLoop`, the
-yes/no reduction and a greedy decoding loop with KV cache.
+pruned prefill through :class:`~prune_audit.models.executor.LanguageLoop`, and the
+answer modes of ``models.answers``: the yes/no and option-letter reductions of the first
+token, and greedy decoding that reuses the pruned KV cache.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from prune_audit.errors import PruneAuditError
 from prune_audit.compute.budget import Schedules
 from prune_audit.compute.shape import ModelShape
-from prune_audit.models.accounting import question_cost
-from prune_audit.models.answers import Answer, answer_record, answer_token_ids, reduce_yes_no
+from prune_audit.errors import PruneAuditError
+from prune_audit.models.answering import AnswerModes
+from prune_audit.models.answers import answer_token_ids
 from prune_audit.models.executor import (
     MERGED,
     TEXT_AFTER,
@@ -42,8 +42,8 @@ from prune_audit.pruners.registry import list_selectors, selector_class
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
 
-class VisionLanguageModel(ABC):
-    """A loaded VLM that answers questions under any registered selector."""
+class VisionLanguageModel(AnswerModes, ABC):
+    """A loaded VLM that answers questions under any registered selector (in each answer mode: ``AnswerModes``)."""
 
     family: str = ""
     #: InputSignals fields this family can provide (``text_relevance`` also needs clip_text)
@@ -166,66 +166,6 @@ class VisionLanguageModel(ABC):
     def supported_selectors(self) -> list[str]:
         """Registered selectors whose signals this model can provide."""
         return [name for name in list_selectors() if self._missing(selector_class(name)) == set()]
-
-    def answer(
-        self,
-        prepared: Sequence[Prepared],
-        selector: Selector | None = None,
-        budget: int | None = None,
-        *,
-        generator: torch.Generator | Sequence[torch.Generator] | None = None,
-        forced_kept: Sequence[Sequence[int]] | None = None,
-        forced_stages: Sequence[ForcedStages] | None = None,
-    ) -> list[Answer]:
-        """First-token yes/no answers for a batch under ``selector`` at ``budget`` (None: unpruned).
-
-        ``generator`` is one generator shared in row order, or one per question (then a
-        random selection does not depend on batching). ``forced_kept[b]`` replaces
-        input-level selection by explicit grid indices; ``forced_stages[b]`` lists
-        ``(layer, kept grid indices)`` in-LLM stages.
-        """
-        prefill, selections = self.prefill(
-            prepared, selector, budget, generator=generator, forced_kept=forced_kept, forced_stages=forced_stages
-        )
-        parts = {part: ms / len(prepared) for part, ms in prefill.latency_parts.items()}
-        latency = sum(parts.values())  # vision + selection + prefill
-        reductions = enumerate(reduce_yes_no(prefill.logits, self.yes_ids, self.no_ids))
-        answers = [answer_record(prepared[b].num_visual, prefill, b, selections[b], reduced, latency, parts)
-                   for b, reduced in reductions]
-        forced = forced_kept is not None or forced_stages is not None
-        return [replace(answer, cost=question_cost(self, item, answer, selector, budget, selection, forced))
-                for item, answer, selection in zip(prepared, answers, selections)]
-
-    def generate(
-        self,
-        prepared: Prepared,
-        selector: Selector | None = None,
-        budget: int | None = None,
-        max_new_tokens: int = 16,
-        *,
-        generator: torch.Generator | Sequence[torch.Generator] | None = None,
-        forced_kept: Sequence[int] | None = None,
-        forced_stages: ForcedStages | None = None,
-    ) -> str:
-        """Greedy decoding under pruning; the pruned KV cache is reused for every new token."""
-        forced = {"forced_kept": None if forced_kept is None else [forced_kept],
-                  "forced_stages": None if forced_stages is None else [forced_stages]}
-        prefill, _ = self.prefill([prepared], selector, budget, generator=generator, use_cache=True, **forced)
-        stop = set(self.eos_ids())
-        logits, tokens = prefill.logits, []
-        for _ in range(max_new_tokens):
-            token = int(logits[0].argmax())
-            if token in stop:
-                break
-            tokens.append(token)
-            logits = self.loop.decode_step(prefill.decode, torch.tensor([token], device=self.device))
-        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-
-    def eos_ids(self) -> list[int]:
-        """Token ids that end greedy decoding: the generation config's and the tokenizer's end-of-sequence."""
-        ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
-        ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
-        return [*ids, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])]
 
     # ----- internals ----------------------------------------------------------------
     def _missing(self, cls: type[Selector]) -> set[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prune_audit.compute.shape import ClipTextShape, LanguageShape, ModelShape, VisionShape
+from prune_audit.compute.shape import ClipTextShape, LanguageShape, VisionShape
 
 
 def language_shape(text_config: Any) -> LanguageShape:
