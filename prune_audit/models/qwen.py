@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,15 @@ class QwenModel(VisionLanguageModel):
         from transformers import Qwen2_5_VLForConditionalGeneration
 
         return Qwen2_5_VLForConditionalGeneration
+
+    @classmethod
+    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
+                   image_size: int = 112) -> Path:
+        """A random-weight checkpoint of this family for offline tests
+        (:func:`~prune_audit.models.build.build_qwen2_5_vl`)."""
+        from prune_audit.models.build import build_qwen2_5_vl
+
+        return build_qwen2_5_vl(save_dir, words=words, text_layers=text_layers, seed=seed, image_size=image_size)
 
     @classmethod
     def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,

@@ -1,0 +1,146 @@
+"""Every registered model family, the same checks (as timm tests every registered model).
+
+Each family builds its own tiny random-weight checkpoint offline (``build_tiny``). For
+each: keep-all equals the stock transformers forward (logits) and stock greedy
+generation; ``prune-audit run`` records every selector the family supports and
+refuses the rest in one line; the token geometry maps every visual token to its
+pixels, on synthetic images and on a real COCO image's object masks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from prune_audit.cli.main import app
+from prune_audit.data.coco import CocoInstances
+from prune_audit.data.geometry import mask_area_per_token, token_footprints, token_index_map
+from prune_audit.data.scenes import CATEGORIES
+from prune_audit.errors import PruneAuditError
+from prune_audit.models import family_names, load_vlm
+from prune_audit.models.families import adapter_for
+from prune_audit.pruners import get_selector, list_selectors
+from tiny_models import QUESTIONS, WORDS, random_image, stock_inputs
+
+TOL = 1e-5
+NUM_LAYERS = 4
+SIZES = [(130, 100), (100, 130)]  # landscape and portrait: non-square grids where the family allows them
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module", params=family_names())
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def checkpoint(family, tmp_path_factory):
+    words = [*WORDS, "Is", *CATEGORIES]
+    return adapter_for(family, "test").build_tiny(tmp_path_factory.mktemp(family) / "model", words=words,
+                                                  text_layers=NUM_LAYERS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def vlm(checkpoint):
+    return load_vlm(checkpoint, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prepared(vlm):
+    return [vlm.prepare(random_image(seed, size), q) for seed, (size, q) in enumerate(zip(SIZES, QUESTIONS))]
+
+
+def test_every_family_declares_its_parts():
+    for name in family_names():
+        adapter = adapter_for(name, "test")
+        assert adapter.family == name and adapter.display_name and adapter.prompt_templates
+        assert callable(adapter.build_tiny) and adapter.transformers_class().__name__.endswith("ForConditionalGeneration")
+
+
+def test_loaded_model_is_the_registered_adapter(family, vlm):
+    assert type(vlm) is adapter_for(family, "test")
+    assert vlm.describe()["family"] == family
+
+
+def test_keep_all_equals_the_stock_forward(vlm, prepared):
+    for item in prepared:
+        with torch.no_grad():
+            stock = vlm.model(**stock_inputs(vlm, item)).logits[0, -1].float()
+        assert (vlm.prefill([item])[0].logits[0] - stock).abs().max() <= TOL
+
+
+def test_keep_all_generation_equals_stock_generate(vlm, prepared):
+    item = prepared[0]
+    with torch.no_grad():
+        stock = vlm.model.generate(**stock_inputs(vlm, item), max_new_tokens=5, do_sample=False)
+    expected = vlm.tokenizer.decode(stock[0, item.input_ids.numel():], skip_special_tokens=True).strip()
+    assert vlm.generate(item, max_new_tokens=5) == expected
+
+
+@pytest.mark.parametrize("name", list_selectors())
+def test_every_selector_at_full_budget_equals_keep_all_or_refuses_in_one_line(vlm, prepared, name):
+    item = prepared[0]
+    if name not in vlm.supported_selectors():
+        with pytest.raises(PruneAuditError) as error:
+            vlm.answer([item], get_selector(name), item.num_visual)
+        message = str(error.value)  # the cause, and the fix: other selectors or the missing CLIP text tower
+        assert "\n" not in message and ("selectors that work here: " in message or "--clip-text" in message)
+        return
+    prefill, _ = vlm.prefill([item], get_selector(name), item.num_visual)
+    assert prefill.tokens_per_layer[0] == [item.num_visual] * NUM_LAYERS
+
+
+def test_geometry_maps_every_visual_token_to_its_pixels(vlm, prepared):
+    for item in prepared:
+        geometry = item.geometry
+        assert geometry.grid == item.grid and geometry.num_tokens == item.num_visual
+        assert geometry.image_size == item.image_size
+        index = token_index_map(geometry)
+        # every token owns pixels; pixels without a token (-1) are those a centre crop removed
+        assert set(np.unique(index)) - {-1} == set(range(item.num_visual))
+        assert (index >= 0).all() or geometry.mode == "hf_crop"
+        boxes = token_footprints(geometry)
+        assert boxes.shape == (item.num_visual, 4) and (boxes[:, 2] > boxes[:, 0]).all()
+
+
+def test_real_coco_mask_area_sums_back_per_token(vlm, shared_data):
+    coco_dir = shared_data / "coco" / "tiny_coco_val2017"
+    coco = CocoInstances.load(coco_dir / "instances_val2017.json")
+    image_id = next(i for i in sorted(coco.images) if coco.object_names(i))
+    entry = coco.image(image_id)
+    image = Image.open(coco_dir / "val2017" / entry.file_name)
+    geometry = vlm.prepare(image, QUESTIONS[0]).geometry
+    assert geometry.image_size == entry.size
+    seen = token_index_map(geometry) >= 0
+    for name in coco.object_names(image_id):
+        mask = coco.category_mask(image_id, name)
+        assert mask.any() and mask_area_per_token(mask, geometry).sum() == (mask & seen).sum()
+
+
+def run_args(workspace, checkpoint, out, *extra: str) -> list[str]:
+    args = ["run", "--model", str(checkpoint), "--images", str(workspace["images"]), "--annotations",
+            str(workspace["instances"]), "--out", str(out), "--device", "cpu", "--limit", "4", "--batch-size", "2"]
+    for path in workspace["pope"]:
+        args += ["--pope", str(path)]
+    return args + list(extra)
+
+
+@pytest.mark.parametrize("name", list_selectors())
+def test_run_records_every_supported_selector_and_refuses_the_rest(vlm, prepared, checkpoint, workspace, tmp_path, name):
+    out = tmp_path / name
+    budget = prepared[0].num_visual // 2  # feasible for every schedule: above the layer-0 share of 4 layers
+    result = runner.invoke(app, run_args(workspace, checkpoint, out, "--selector", name, "--budget", str(budget)))
+    if name not in vlm.supported_selectors():
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+        assert name in result.stderr and ("selectors that work here" in result.stderr or "--clip-text" in result.stderr)
+        assert not (out / "records.parquet").exists()
+        return
+    assert result.exit_code == 0, result.output
+    records = pq.read_table(out / "records.parquet").to_pandas()
+    assert len(records) == 4
+    assert records["visual_tokens_avg"].between(1, records["prefill_tokens"].min()).all()
