@@ -144,3 +144,30 @@ def test_run_records_every_supported_selector_and_refuses_the_rest(vlm, prepared
     records = pq.read_table(out / "records.parquet").to_pandas()
     assert len(records) == 4
     assert records["visual_tokens_avg"].between(1, records["prefill_tokens"].min()).all()
+
+
+def test_internvl_pixel_shuffle_puts_each_2x2_patch_block_in_one_row_major_token():
+    """The geometry's claim (token (r, c) covers patches 2r..2r+1 x 2c..2c+1), checked on the stock
+    ``pixel_shuffle`` the adapter calls, with patch coordinates as features."""
+    from transformers.models.internvl.modeling_internvl import InternVLModel as StockInternVL
+
+    side = 6
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    patches = torch.stack([rows, cols], dim=-1).float()[None]  # (1, side, side, 2): each patch's (row, col)
+    shuffled = StockInternVL.pixel_shuffle(None, patches, scale_factor=0.5).reshape(-1, 4, 2)
+    for token, members in enumerate(shuffled):
+        r, c = divmod(token, side // 2)
+        assert {tuple(m) for m in members.int().tolist()} == {(2 * r + i, 2 * c + j) for i in (0, 1) for j in (0, 1)}
+
+
+def test_internvl_dynamic_tiling_is_refused_in_one_line_before_answering(tmp_path):
+    import json
+
+    path = adapter_for("internvl", "test").build_tiny(tmp_path / "internvl", words=WORDS)
+    config_file = path / "preprocessor_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "crop_to_patches": True,
+                                       "max_patches": 12}))
+    with pytest.raises(PruneAuditError) as error:
+        load_vlm(path, device="cpu")
+    assert "several token grids" in str(error.value) and '"crop_to_patches": false' in str(error.value)
+    assert "\n" not in str(error.value)

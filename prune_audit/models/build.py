@@ -207,12 +207,13 @@ def build_llava(
     return save_dir
 
 
-def qwen_tokenizer(words: Sequence[str]):
-    """A word-level tokenizer with the Qwen-VL special tokens (no BOS, ``<|im_end|>`` ends a turn)
-    and the Qwen chat template."""
+def qwen_tokenizer(words: Sequence[str], extra_special_tokens: Sequence[str] = ()):
+    """A word-level tokenizer with the Qwen-VL special tokens and ``extra_special_tokens``
+    (no BOS, ``<|im_end|>`` ends a turn) and the Qwen chat template."""
+    special = (*SPECIAL_TOKENS, *QWEN_SPECIAL_TOKENS, *extra_special_tokens)
     tokenizer = word_level_tokenizer(
-        _vocabulary(words, (*SPECIAL_TOKENS, *QWEN_SPECIAL_TOKENS), QWEN_TEMPLATE_WORDS),
-        special_tokens=(*SPECIAL_TOKENS, *QWEN_SPECIAL_TOKENS),
+        _vocabulary(words, special, QWEN_TEMPLATE_WORDS),
+        special_tokens=special,
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
+from prune_audit.models.internvl import InternVLModel
 from prune_audit.models.llava import LlavaModel
 from prune_audit.models.qwen import QwenModel
 from prune_audit.models.qwen2_vl import Qwen2VLModel
@@ -41,5 +42,6 @@ def adapter_for(model_type: str, source: str) -> type[VisionLanguageModel]:
 register_family("llava", LlavaModel)
 register_family("qwen2_5_vl", QwenModel)
 register_family("qwen2_vl", Qwen2VLModel)
+register_family("internvl", InternVLModel)
 
 __all__ = ["register_family", "family_names", "adapter_for"]
