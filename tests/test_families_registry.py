@@ -171,3 +171,20 @@ def test_internvl_dynamic_tiling_is_refused_in_one_line_before_answering(tmp_pat
         load_vlm(path, device="cpu")
     assert "several token grids" in str(error.value) and '"crop_to_patches": false' in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_docs_table_lists_what_runs_on_each_family(family, vlm):
+    """docs/models.md's families x selectors table says what ``supported_selectors`` says."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    table = text.split("## Selectors per family", 1)[1].split("\n## ", 1)[0]
+    lines = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0]]
+    column = header.index(family)  # a registered family without a column fails here
+    cells = {cell[0].strip(): cell[column].strip() for cell in lines[1:] if not set(cell[0]) <= {"-"}}
+    assert sorted(cells) == list_selectors()
+    needs_clip = {"cdpruner"} if "text_relevance" in vlm.input_signals else set()
+    expected = {name: "yes" if name in vlm.supported_selectors() else "with --clip-text" if name in needs_clip else "no"
+                for name in list_selectors()}
+    assert cells == expected
