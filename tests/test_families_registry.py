@@ -24,7 +24,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.models import family_names, load_vlm
 from prune_audit.models.families import adapter_for
 from prune_audit.pruners import get_selector, list_selectors
-from tiny_models import QUESTIONS, WORDS, random_image, stock_inputs
+from tiny_models import QUESTIONS, WORDS, RecordingLayerSelector, masked_reference_logits, random_image, stock_inputs
 
 TOL = 1e-5
 NUM_LAYERS = 4
@@ -72,6 +72,33 @@ def test_keep_all_equals_the_stock_forward(vlm, prepared):
         with torch.no_grad():
             stock = vlm.model(**stock_inputs(vlm, item)).logits[0, -1].float()
         assert (vlm.prefill([item])[0].logits[0] - stock).abs().max() <= TOL
+
+
+def test_decoder_probe_equals_eager_attention(vlm, checkpoint, prepared):
+    """The text-to-image attention rows the in-LLM selectors score, against the stock eager attention
+    (GQA, M-RoPE, Qwen3's per-head query/key norms, deepstack additions before the layer)."""
+    item = prepared[0]
+    eager = type(vlm).transformers_class().from_pretrained(checkpoint, attn_implementation="eager").eval()
+    with torch.no_grad():
+        attentions = eager(**stock_inputs(vlm, item), output_attentions=True).attentions
+    start, end = item.image_span
+    for layer in (1, NUM_LAYERS - 1):
+        selector = RecordingLayerSelector(layer=layer, keep=item.num_visual - 1)
+        vlm.answer([item], selector, 1)
+        expected = attentions[layer][0, :, end:, start:end]
+        assert (selector.records[-1].text_probs - expected).abs().max() <= TOL
+
+
+def test_in_llm_drop_equals_the_stock_forward_with_dropped_keys_masked(vlm, prepared):
+    """Dropping tokens at a layer (original positions) equals masking them from that layer on in the stock
+    forward: Qwen3-VL's deepstack features follow the same kept set."""
+    item = prepared[1]
+    kept = list(range(0, item.num_visual, 3))
+    logits = vlm.prefill([item], forced_stages=[[(1, kept)]])[0].logits[0]
+    assert (logits - masked_reference_logits(vlm, item, [1], [kept])).abs().max() <= TOL
+    if vlm.positions_for(get_selector("divprune")) == "keep_original":  # input level, same ids
+        logits = vlm.prefill([item], forced_kept=[kept])[0].logits[0]
+        assert (logits - masked_reference_logits(vlm, item, [0], [kept])).abs().max() <= TOL
 
 
 def test_keep_all_generation_equals_stock_generate(vlm, prepared):
@@ -188,3 +215,13 @@ def test_docs_table_lists_what_runs_on_each_family(family, vlm):
     expected = {name: "yes" if name in vlm.supported_selectors() else "with --clip-text" if name in needs_clip else "no"
                 for name in list_selectors()}
     assert cells == expected
+
+
+def test_qwen3_vl_keep_all_needs_its_deepstack_features(tmp_path):
+    """The stock-forward equality above is sensitive to deepstack: without it the logits move."""
+    path = adapter_for("qwen3_vl", "test").build_tiny(tmp_path / "qwen3", words=WORDS, text_layers=NUM_LAYERS)
+    vlm = load_vlm(path, device="cpu")
+    item = vlm.prepare(random_image(0), QUESTIONS[0])
+    with_deepstack = vlm.prefill([item])[0].logits[0]
+    vlm.loop.stack.after_layer = None
+    assert (vlm.prefill([item])[0].logits[0] - with_deepstack).abs().max() > 1e-3

@@ -77,8 +77,8 @@ class QwenModel(VisionLanguageModel):
 
         template = self.resolve_template(prompt_template)
         text_config = model.config.text_config
-        if any(kind != "full_attention" for kind in text_config.layer_types):
-            raise PruneAuditError("Qwen2.5-VL checkpoints with sliding-window decoder layers are not supported")
+        if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
+            raise PruneAuditError(f"{self.display_name} checkpoints with sliding-window decoder layers are not supported")
         language = model.model.language_model
         stack = DecoderStack(
             embed_tokens=language.embed_tokens,
