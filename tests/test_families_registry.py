@@ -225,3 +225,37 @@ def test_qwen3_vl_keep_all_needs_its_deepstack_features(tmp_path):
     with_deepstack = vlm.prefill([item])[0].logits[0]
     vlm.loop.stack.after_layer = None
     assert (vlm.prefill([item])[0].logits[0] - with_deepstack).abs().max() > 1e-3
+
+
+def test_shards_resume_visualize_and_intervene(vlm, prepared, checkpoint, workspace, tmp_path):
+    """The other commands on every family: 2 shards merged equal one process, a rerun resumes without
+    duplicates, ``visualize`` draws a kept set, ``intervene`` re-answers with the kept object cells removed."""
+    budget = str(prepared[0].num_visual // 2)
+    common = ("--selector", "divprune", "--budget", budget, "--limit", "12")
+    whole = tmp_path / "whole"
+    assert runner.invoke(app, run_args(workspace, checkpoint, whole, *common)).exit_code == 0
+    for index in range(2):
+        result = runner.invoke(app, run_args(workspace, checkpoint, tmp_path / f"shard{index}", *common,
+                                             "--shard", f"{index}/2"))
+        assert result.exit_code == 0, result.output
+    merged = tmp_path / "merged"
+    assert runner.invoke(app, ["merge", str(tmp_path / "shard0"), str(tmp_path / "shard1"), "--out", str(merged)]
+                         ).exit_code == 0
+
+    def records(run_dir):
+        return pq.read_table(run_dir / "records.parquet").to_pandas().drop(columns=["latency_ms"])
+
+    assert records(merged).reset_index(drop=True).equals(records(whole).reset_index(drop=True))
+    assert runner.invoke(app, run_args(workspace, checkpoint, whole, *common)).exit_code == 0
+    assert records(whole).equals(records(merged).reset_index(drop=True))
+
+    image = sorted(workspace["images"].iterdir())[0]
+    figures = tmp_path / "figures"
+    result = runner.invoke(app, ["visualize", str(image), "--model", str(checkpoint), "--selector", "divprune",
+                                 "--budget", budget, "--question", "Is there a cat in the image?", "--out", str(figures)])
+    assert result.exit_code == 0, result.output
+    assert list(figures.glob("*.png"))
+
+    result = runner.invoke(app, ["intervene", str(whole), "--mode", "remove", "--out", str(tmp_path / "intervene")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "intervene" / "records.parquet").exists()
