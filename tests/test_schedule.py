@@ -116,8 +116,11 @@ def test_budget_of_all_tokens_keeps_everything(name, rule):
 
 @pytest.mark.parametrize("name", LLM_SELECTORS)
 def test_impossible_budget_raises_a_clear_error(name):
-    with pytest.raises(ValueError, match="raise the budget"):
-        get_selector(name).schedule(32, 576, 10)
+    if get_selector(name).schedule(32, 576, 64)[0].layer > 0:  # a stage at layer 0 (VScan) makes any budget feasible
+        with pytest.raises(ValueError, match="raise the budget"):
+            get_selector(name).schedule(32, 576, 10)
+    else:
+        assert average_visual_tokens(get_selector(name).schedule(32, 576, 10), 32, 576) == 10
     with pytest.raises(ValueError, match="positive integer"):
         get_selector(name).schedule(32, 576, 0)
 

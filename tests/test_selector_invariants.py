@@ -27,7 +27,7 @@ from prune_audit.pruners.schedule import average_visual_tokens
 
 GRID = (6, 8)
 N = GRID[0] * GRID[1]
-SIZES = {"N": N, "N+1": N + 1, "D": 16, "Dv": 12, "H": 4, "d": 8, "T": 6}
+SIZES = {"N": N, "N+1": N + 1, "D": 16, "Dv": 12, "H": 4, "d": 8, "T": 6, "Lv": 3}
 # (shape in SIZES symbols, kind): "prob" = attention probabilities, "weight" = non-negative
 INPUT_SHAPES = {
     "features": (("N", "D"), "normal"),
@@ -37,7 +37,10 @@ INPUT_SHAPES = {
     "vision_keys": (("H", "N+1", "d"), "normal"),
     "cls_feature": (("Dv",), "normal"),
     "text_relevance": (("N",), "normal"),
+    "model_text_relevance": (("N",), "normal"),
     "demand": (("N",), "weight"),
+    "layer_attention": (("Lv", "N"), "prob"),
+    "layer_cls_attention": (("Lv", "N"), "prob"),
 }
 # "n" is the number of alive tokens at the stage
 LAYER_SHAPES = {
@@ -54,6 +57,8 @@ LAYER_SHAPES = {
     "text_embeddings": (("T", "D"), "normal"),
     "sequence_index": (("n",), "visual_index"),
     "text_sequence_index": (("T",), "text_index"),
+    "layer_cls_attention": (("Lv", "n"), "prob"),
+    "rope_ones_logits": (("T", "n"), "weight"),
 }
 VARIANTS = ["random", "constant", "zeros", "ties"]
 

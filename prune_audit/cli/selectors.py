@@ -149,7 +149,8 @@ def _print_fidelity(json_output: bool, markdown: bool) -> None:
         page.paragraph(row["selector"])
         for label, key in (("paper", "paper"), ("official code", "official repository (commit read)"),
                            ("default here", "default here"), ("reference-exact options", "reference-exact options"),
-                           ("measured agreement", "measured agreement")):
+                           ("measured agreement", "measured agreement"),
+                           ("fp16 / bf16 agreement", "fp16 / bf16 agreement")):
             page.paragraph(f"{label}: {row[key]}", indent=2, hang=4)
         page.paragraph("remaining differences:", indent=2)
         for difference in FIDELITY[row["selector"]].differences:

@@ -32,7 +32,7 @@ from prune_audit.models.executor import (
 )
 from prune_audit.models.loading import config_hash
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
-from prune_audit.pruners.base import InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
+from prune_audit.pruners.base import VISION_LAYER_SIGNALS, InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.registry import list_selectors, selector_class
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
@@ -115,7 +115,8 @@ class VisionLanguageModel(ABC):
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         """Position mode the in-LLM loop uses for ``selector``."""
 
-    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> Tensor:
+    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> tuple[Tensor, Tensor]:
+        """(N,) CDPruner relevance in float32 and (N,) as the official code computes it in the model dtype."""
         raise PruneAuditError(f"{self.family} has no CLIP text relevance")
 
     def _project(self, vision_tokens: Tensor) -> Tensor:
@@ -218,8 +219,8 @@ class VisionLanguageModel(ABC):
     # ----- internals ----------------------------------------------------------------
     def _missing(self, cls: type[Selector]) -> set[str]:
         """What the model lacks for ``cls``: input signals, or positions for the merged tokens it feeds."""
-        if cls.stage == "llm":
-            return set()
+        if cls.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower too
+            return set(cls.requires & VISION_LAYER_SIGNALS) - self._available_input_signals()
         missing = set(cls.requires) - self._available_input_signals()
         if cls.merges and self._input_positions() != "compact":
             missing.add(MERGED_POSITIONS)
@@ -270,8 +271,9 @@ class VisionLanguageModel(ABC):
             self.check_selector(selector)
         input_level = forced_kept is not None or isinstance(selector, InputSelector)
         requires = selector.requires if input_level and selector is not None and forced_kept is None else frozenset()
+        vision_layer = selector.requires & VISION_LAYER_SIGNALS if isinstance(selector, LayerSelector) else frozenset()
         with torch.no_grad():
-            vision = self._vision(prepared, requires)
+            vision = self._vision(prepared, requires | vision_layer)
             selections: list[Selection | None] = [None] * len(prepared)
             rows = []
             for b, (item, output) in enumerate(zip(prepared, vision)):
@@ -283,6 +285,7 @@ class VisionLanguageModel(ABC):
             plan = None
             if not input_level and (selector is not None or forced_stages is not None):
                 plan = self._layer_plan(prepared, selector, budget, forced_stages)
+                plan.vision = [{name: output.signals[name] for name in vision_layer} for output in vision]
             carry = plan is not None and bool(plan.requires & {"embeddings", "text_embeddings"})
             try:
                 return self.loop.prefill(pack(rows, carry_embeddings=carry), plan, use_cache=use_cache), selections
@@ -310,7 +313,8 @@ class VisionLanguageModel(ABC):
         for name, value in output.signals.items():
             setattr(signals, name, value.float())
         if "text_relevance" in requires:
-            signals.text_relevance = self._text_relevance(item, output).float()
+            relevance, in_model_dtype = self._text_relevance(item, output)
+            signals.text_relevance, signals.model_text_relevance = relevance.float(), in_model_dtype.float()
         if "demand" in requires:
             signals.demand = self._demand(item, output)
         return signals

@@ -15,7 +15,8 @@ reference inserts its recycled tokens), count as visual tokens for later stages 
 carry the kind ``merged_kind(j)``, ``j`` indexing the row's merged-token sources.
 Under ``compact`` positions they are renumbered with every other token (the
 reference); under ``keep_original`` (Qwen's M-RoPE ids, or LLaVA when asked) a merged
-token takes the floor of its members' mean position in every plane.
+token takes the floor of its members' mean position in every plane. A merge with ``replaces``
+(VScan) instead writes its tokens over kept ones, keeping their layout slots and positions.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.models.insertion import Insertion, insertion_for, with_insertions
+from prune_audit.models.insertion import Insertion, insertion_for, replace_in_place, with_insertions
 from prune_audit.models.kinds import MERGED, PAD, TEXT_AFTER, TEXT_BEFORE, merged_index, prunable
 from prune_audit.models.layer_signals import ATTENTION_SIGNALS, layer_signals
 from prune_audit.models.probe import DecoderProbe, RopeFn
@@ -173,6 +174,8 @@ class LayerPlan:
 
     ``stages[b]`` are row b's stages; at each one the kept set comes from
     ``forced[b][i]`` (explicit grid indices) when given, else from ``selector.prune``.
+    ``vision[b]``: row b's vision-tower signals an in-LLM selector reads (name -> (Lv, N) over
+    the grid cells, :data:`~prune_audit.pruners.base.VISION_LAYER_SIGNALS`).
     """
 
     stages: list[list[Stage]]
@@ -182,6 +185,7 @@ class LayerPlan:
     forced: list[list[Tensor]] | None = None
     states: list[dict[str, Any]] = field(default_factory=list)
     merged: list[list[list[int]]] = field(default_factory=list)  # per row: grid sources of merged token j
+    vision: list[dict[str, Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.states:
@@ -197,6 +201,11 @@ class LayerPlan:
     def attention_in_model_dtype(self) -> bool:
         """True when the selector scores attention as the official code forms it in the model dtype."""
         return self.selector is not None and self.selector.score_dtype == "model"
+
+    @property
+    def model_attention(self) -> str:
+        """How the probe forms the attention in the model dtype (``MODEL_ATTENTIONS``): the selector's recipe."""
+        return self.selector.model_attention if self.selector is not None else "eager"
 
     @property
     def signal_layer(self) -> str:
@@ -385,7 +394,9 @@ class LanguageLoop:
         keep[visual] = False
         keep[visual[survivors]] = True
         insertion = None
-        if merge is not None and merge.num_tokens:
+        if merge is not None and merge.num_tokens and merge.replaces is not None:
+            replace_in_place(batch, row, columns[visual], alive, merge, plan.merged[row])
+        elif merge is not None and merge.num_tokens:
             insertion = insertion_for(batch, row, columns[visual], alive, merge, plan.merged[row])
             # after the last kept visual token = before the first kept text-after token
             insertion.at = int((keep & ((kinds != TEXT_AFTER) & (kinds != PAD))).sum())

@@ -68,6 +68,31 @@ def insertion_for(
     )
 
 
+def replace_in_place(
+    batch: Batch, row: int, visual_columns: Tensor, alive: Tensor, merge: TokenMerge, registry: list[list[int]]
+) -> None:
+    """Write the tokens of ``merge`` over the kept tokens ``merge.replaces`` of ``row`` (layout slot and
+    position ids stay); their kinds become merged kinds whose grid sources are appended to ``registry``.
+
+    Args:
+        visual_columns: (n,) layout columns of the row's alive visual tokens.
+        alive: (n,) their kinds; updated in place with the new kinds.
+    """
+    for index, (target, members) in enumerate(zip(merge.replaces.tolist(), merge.members)):
+        members = members.to(visual_columns.device)
+        sources = set()
+        for kind in alive[members].tolist():
+            sources.update([kind] if kind >= 0 else registry[merged_index(kind)])
+        column = visual_columns[target]
+        batch.hidden[row, column] = merge.hidden[index].to(batch.hidden.device, batch.hidden.dtype)
+        if batch.embeddings is not None and batch.embeddings is not batch.hidden:
+            batch.embeddings[row, column] = batch.embeddings[row, visual_columns[members]].float().mean(dim=0).to(
+                batch.embeddings.dtype
+            )
+        alive[target] = batch.kinds[row, column] = merged_kind(len(registry))
+        registry.append(sorted(sources))
+
+
 def with_insertions(
     batch: Batch, keep: list[Tensor], insertions: list[Insertion | None]
 ) -> tuple[Batch, list[Tensor]]:
@@ -105,4 +130,4 @@ def with_insertions(
     return wide, columns
 
 
-__all__ = ["Insertion", "insertion_for", "with_insertions"]
+__all__ = ["Insertion", "insertion_for", "replace_in_place", "with_insertions"]

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.pruners.base import LayerSignals
+from prune_audit.pruners.base import VISION_LAYER_SIGNALS, LayerSignals
 
 if TYPE_CHECKING:
     from prune_audit.models.executor import Batch, DecoderStack, LayerPlan
 
 ATTENTION_SIGNALS = frozenset({"text_logits", "text_probs"})
 KEY_SIGNALS = frozenset({"key_norms", "text_key_norms"})
+ROPE_SIGNALS = frozenset({"rope_ones_logits"})
 
 
 def _f32(tensor: Tensor) -> Tensor:
@@ -62,16 +63,20 @@ def layer_signals(
             raise PruneAuditError(f"layer {layer} has no previous layer; prune at layer 1 or later")
         return previous[row, columns]
 
-    if requires & (ATTENTION_SIGNALS | KEY_SIGNALS):
+    if requires & (ATTENTION_SIGNALS | KEY_SIGNALS | ROPE_SIGNALS):
         source_layer, source = (layer - 1, previous_input()) if plan.signal_layer == "previous" else (layer, hidden)
         cos, sin = stack.rotary(source[None], batch.positions[:, row : row + 1, columns])
         probe = stack.probe(source_layer)
         if requires & ATTENTION_SIGNALS:
-            logits, probs = probe.probabilities(source, text, cos[0], sin[0], plan.attention_in_model_dtype)
+            logits, probs = probe.probabilities(
+                source, text, cos[0], sin[0], plan.attention_in_model_dtype, plan.model_attention
+            )
             signals.text_logits, signals.text_probs = _f32(logits[:, :, visual]), _f32(probs[:, :, visual])
         if requires & KEY_SIGNALS:
             norms = probe.keys(source, cos[0], sin[0]).float().abs().sum(dim=(0, 2))
             signals.key_norms, signals.text_key_norms = _f32(norms[visual]), _f32(norms[text])
+        if requires & ROPE_SIGNALS:
+            signals.rope_ones_logits = _f32(probe.rope_ones_logits(text, visual, cos[0], sin[0]))
     if requires & {"hidden_states", "text_hidden_states"}:
         signals.hidden_states, signals.text_hidden_states = _f32(hidden[visual]), _f32(hidden[text])
     if requires & {"normed_hidden_states", "text_normed_hidden_states"}:
@@ -79,6 +84,13 @@ def layer_signals(
         signals.normed_hidden_states, signals.text_normed_hidden_states = _f32(normed[visual]), _f32(normed[text])
     if "previous_hidden_states" in requires:
         signals.previous_hidden_states = _f32(previous_input()[visual])
+    for name in requires & VISION_LAYER_SIGNALS:
+        per_cell = plan.vision[row][name].float().cpu()  # (Lv, N) over the grid cells
+        alive = signals.alive
+        values = per_cell.new_full((per_cell.shape[0], alive.numel()), float("nan"))
+        cells = alive >= 0
+        values[:, cells] = per_cell[:, alive[cells]]
+        setattr(signals, name, values)
     if requires & {"embeddings", "text_embeddings"}:
         embeddings = batch.embeddings[row, columns]
         signals.embeddings, signals.text_embeddings = _f32(embeddings[visual]), _f32(embeddings[text])

@@ -21,7 +21,7 @@ from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.loading import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
-from prune_audit.models.probe import clip_cls_row, single_tensor_rope
+from prune_audit.models.probe import clip_attention, clip_cls_row, single_tensor_rope
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
 
@@ -32,6 +32,7 @@ VICUNA_V1_SYSTEM = (
 SINGLE_WORD_SUFFIX = "Answer the question using a single word or phrase."
 PROMPT_TEMPLATES = ("llava_hf", "vicuna_v1")
 CLS_SIGNALS = frozenset({"cls_attention", "cls_logits", "vision_keys"})
+LAYER_SIGNALS = frozenset({"layer_attention", "layer_cls_attention"})  # every encoder layer up to the feature layer
 
 
 class LlavaModel(VisionLanguageModel):
@@ -40,7 +41,7 @@ class LlavaModel(VisionLanguageModel):
     family = "llava"
     input_signals = frozenset(
         {"features", "vision_features", "cls_attention", "cls_logits", "vision_keys", "cls_feature"}
-        | {"text_relevance", "demand"}
+        | {"text_relevance", "demand"} | LAYER_SIGNALS
     )
     missing_signals_reason = "this adapter does not compute it"
     display_name = "LLaVA"
@@ -157,6 +158,7 @@ class LlavaModel(VisionLanguageModel):
             # the encoder layer whose output is the feature layer
             layer = self.vision_tower.encoder.layers[self.feature_index - 1]
             cls_probs, cls_keys, cls_logits = clip_cls_row(layer, hidden[self.feature_index - 1])
+        per_layer = self._layer_signals(hidden) if requires & LAYER_SIGNALS else {}
         outputs = []
         for b in range(len(prepared)):
             signals = {}
@@ -169,8 +171,19 @@ class LlavaModel(VisionLanguageModel):
                 signals["cls_attention"], signals["cls_logits"] = cls_probs[b, :, 1:], cls_logits[b]
             if "vision_keys" in requires:
                 signals["vision_keys"] = cls_keys[b]
+            signals.update({name: value[b] for name, value in per_layer.items() if name in requires})
             outputs.append(VisionOutput(features[b], signals))
         return outputs
+
+    def _layer_signals(self, hidden: list[Tensor]) -> dict[str, Tensor]:
+        """``layer_attention`` and ``layer_cls_attention``, each (B, Lv, N), of the ``Lv = feature_index``
+        encoder layers that run, from their attention recomputed on their inputs ``hidden[l]``."""
+        received, cls_rows = [], []
+        for index, layer in enumerate(self.vision_tower.encoder.layers[: self.feature_index]):
+            probs = clip_attention(layer, hidden[index])  # (B, H, 1 + N, 1 + N)
+            received.append(probs.mean(dim=(1, 2))[:, 1:])
+            cls_rows.append(probs[:, :, 0, 1:].mean(dim=1))
+        return {"layer_attention": torch.stack(received, dim=1), "layer_cls_attention": torch.stack(cls_rows, dim=1)}
 
     def _tower_states(self, pixels: Tensor) -> list[Tensor]:
         """CLIP hidden states 0..feature_index of (B, 3, H, W) pixels, each (B, 1 + N, Dv).
@@ -193,8 +206,9 @@ class LlavaModel(VisionLanguageModel):
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals if self.clip is not None else self.input_signals - {"text_relevance"}
 
-    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> Tensor:
-        """(N,) CDPruner relevance ``mean_m -cos(E_i, T_m)`` (selectors spec §6).
+    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> tuple[Tensor, Tensor]:
+        """(N,) CDPruner relevance ``mean_m -cos(E_i, T_m)`` (selectors spec §6), in float32 and as the
+        official code computes it in the CLIP dtype (unit embeddings, cosines and their mean each rounded).
 
         ``E`` = CLIP image projection of the post-layernormed feature-layer patches, ``T``
         = CLIP text embeddings of the raw question, split into chunks of the text
@@ -202,16 +216,18 @@ class LlavaModel(VisionLanguageModel):
         """
         clip, tokenizer = self.clip
         patches = self.vision_tower.post_layernorm(vision.signals["vision_features"])
-        image_embeds = clip.visual_projection(patches.to(clip.dtype)).float()
+        image_embeds = clip.visual_projection(patches.to(clip.dtype))
         ids = tokenizer(prepared.question)["input_ids"]
         context = clip.config.text_config.max_position_embeddings
         chunks = [ids[i : i + context] for i in range(0, len(ids), context)]
         chunks = torch.tensor([chunk + [0] * (context - len(chunk)) for chunk in chunks], device=clip.device)
         pooled = clip.text_model(input_ids=chunks).pooler_output
-        text_embeds = clip.text_projection(pooled).float()
+        text_embeds = clip.text_projection(pooled)
         normalize = torch.nn.functional.normalize
-        cosine = normalize(image_embeds, dim=-1) @ normalize(text_embeds, dim=-1).T  # (N, chunks)
-        return -cosine.mean(dim=1)
+        cosine = normalize(image_embeds.float(), dim=-1) @ normalize(text_embeds.float(), dim=-1).T  # (N, chunks)
+        image_units = image_embeds / image_embeds.norm(dim=-1, keepdim=True)
+        text_units = text_embeds / text_embeds.norm(dim=-1, keepdim=True)
+        return -cosine.mean(dim=1), (-(image_units @ text_units.T)).mean(dim=1)
 
     # ----- direct forwards (the demo trainer and evaluator) ------------------------------
     @property

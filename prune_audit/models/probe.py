@@ -84,21 +84,39 @@ class DecoderProbe:
         """(H, R, L) float32 pre-softmax logits ``q.k * scaling`` of ``rows`` to every key (see :meth:`dot_products`)."""
         return self.dot_products(hidden, rows, cos, sin) * self.layer.self_attn.scaling
 
+    def rope_ones_logits(self, rows: Tensor, columns: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """(R, C) float32 ``q.k / sqrt(d)`` of all-ones queries at ``rows`` and keys at ``columns`` under this
+        layer's RoPE; cos/sin (L, d) as in :meth:`dot_products` (SparseVLM v2's position "gravity")."""
+        head_dim = self.layer.self_attn.head_dim
+        ones = cos.new_ones(1, 1, cos.shape[0], head_dim)
+        rotated = self.apply_rope(ones, cos[None], sin[None])[0, 0].float()  # (L, d)
+        return rotated[rows] @ rotated[columns].T / math.sqrt(head_dim)
+
     def probabilities(
-        self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor, in_model_dtype: bool = False
+        self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor, in_model_dtype: bool = False,
+        recipe: str = "eager",
     ) -> tuple[Tensor, Tensor]:
         """Logits and causal softmax of ``rows`` over all earlier keys, both (H, R, L) float32.
 
-        ``in_model_dtype`` (``score_dtype="model"``): as the official code's eager attention forms
-        them in the dtype of ``hidden`` (LLaVA-era ``LlamaAttention``): ``q.k`` rounded to it, divided
-        by ``sqrt(d)`` and rounded, the softmax taken in float32 and rounded; no-op in float32.
+        ``in_model_dtype`` (``score_dtype="model"``): as the official code forms them in the dtype of
+        ``hidden``, ``q.k`` rounded to it (float32 accumulation, as half-precision GEMMs on GPU), then by
+        ``recipe`` (:data:`~prune_audit.pruners.base.MODEL_ATTENTIONS`): ``"eager"`` (LLaVA-era
+        ``LlamaAttention``) divides by ``sqrt(d)`` and rounds, takes the softmax in float32 and rounds;
+        ``"scaled"`` (SparseVLM's ``scaled_dot_product_attention``) multiplies by ``1/sqrt(d)`` in the
+        model dtype and takes the softmax of the half logits, on the model's device as the official code
+        does. No-op in float32.
         """
         visible = torch.arange(hidden.shape[0], device=hidden.device)[None, :] <= rows[:, None]
         if not in_model_dtype or hidden.dtype == torch.float32:
             logits = self.logits(hidden, rows, cos, sin)
             return logits, torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-        dtype, scale = hidden.dtype, math.sqrt(self.layer.self_attn.head_dim)
-        logits = (self.dot_products(hidden, rows, cos, sin).to(dtype).float() / scale).to(dtype).float()
+        dtype, head_dim = hidden.dtype, self.layer.self_attn.head_dim
+        dot_products = self.dot_products(hidden, rows, cos, sin).to(dtype)
+        if recipe == "scaled":
+            logits = dot_products * (1 / math.sqrt(head_dim))
+            probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+            return logits.float(), probs.float()
+        logits = (dot_products.float() / math.sqrt(head_dim)).to(dtype).float()
         probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).to(dtype).float()
         return logits, probs
 
@@ -128,4 +146,18 @@ def clip_cls_row(layer: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tens
     return torch.softmax(logits, dim=-1)[:, :, 0], keys, official[:, :, 0]
 
 
-__all__ = ["DecoderProbe", "clip_cls_row", "single_tensor_rope", "RopeFn"]
+def clip_attention(layer: nn.Module, hidden: Tensor) -> Tensor:
+    """(B, H, 1 + N, 1 + N) float32 attention probabilities of one CLIP encoder layer on its input.
+
+    Args:
+        layer: a ``CLIPEncoderLayer``; hidden: (B, 1 + N, Dv) its input, CLS at index 0.
+    """
+    attention = layer.self_attn
+    batch, length, _ = hidden.shape
+    normed = layer.layer_norm1(hidden)
+    queries = attention.q_proj(normed).view(batch, length, -1, attention.head_dim).transpose(1, 2)
+    keys = attention.k_proj(normed).view(batch, length, -1, attention.head_dim).transpose(1, 2)
+    return torch.softmax(queries.float() @ keys.float().transpose(2, 3) * attention.scale, dim=-1)
+
+
+__all__ = ["DecoderProbe", "clip_attention", "clip_cls_row", "single_tensor_rope", "RopeFn"]

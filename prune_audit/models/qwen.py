@@ -39,7 +39,7 @@ class QwenModel(VisionLanguageModel):
 
     family = "qwen2_5_vl"
     input_signals = frozenset({"features", "demand"})
-    missing_signals_reason = "its vision tower has no CLS token and no CLIP text space"
+    missing_signals_reason = "its windowed vision tower has no CLS token, no per-layer CLS attention and no CLIP text space"
     display_name = "Qwen2.5-VL"
     prompt_templates = (PROMPT_TEMPLATE,)
 

@@ -18,8 +18,8 @@ from prune_audit.pruners.base import (
 from prune_audit.pruners.registry import get_selector, list_selectors, register, selector_class
 
 # one module per method; importing it registers the method
-_INPUT_METHODS = ["controls", "cls_attn", "visionzip", "vispruner", "divprune", "cdpruner", "scope", "coverage", "pool", "tome"]
-_LLM_METHODS = ["fastv", "pdrop", "sparsevlm", "dart", "v2drop", "e2s"]
+_INPUT_METHODS = ["controls", "cls_attn", "visionzip", "vispruner", "divprune", "cdpruner", "scope", "coverage", "pool", "tome", "hiprune"]
+_LLM_METHODS = ["fastv", "pdrop", "sparsevlm", "dart", "v2drop", "e2s", "vscan", "sparsevlm2"]
 for _module in _INPUT_METHODS + _LLM_METHODS:
     import_module(f"prune_audit.pruners.{_module}")
 

@@ -19,6 +19,13 @@ from torch import Tensor
 from prune_audit.pruners.options import check_options
 from prune_audit.pruners.ranking import TOP_K_TIES, ranked_indices, top_k_indices
 
+MODEL_ATTENTIONS = ("eager", "scaled")
+"""How ``score_dtype="model"`` forms decoder attention in the model dtype: ``q.k`` rounded, then ``"eager"``
+(LLaVA-era ``LlamaAttention``: divided by sqrt(d) and rounded, float32 softmax rounded) or ``"scaled"``
+(SparseVLM's own path: multiplied by 1/sqrt(d) in the model dtype, softmax of the half logits)."""
+
+VISION_LAYER_SIGNALS = frozenset({"layer_cls_attention"})  # InputSignals an in-LLM selector may read, per token
+
 #: where a selector acts: before the language model or inside it
 SelectorLevel = Literal["input", "llm"]
 PositionMode = Literal["keep_original", "compact"]
@@ -50,7 +57,12 @@ class InputSignals:
         vision_keys: (H, N + 1, d) that layer's keys, CLS at index 0.
         cls_feature: (Dv,) the CLS hidden state at the feature layer.
         text_relevance: (N,) CDPruner relevance before normalisation.
+        model_text_relevance: (N,) the same as the official code computes it in the model dtype (unit
+            embeddings, cosines and their mean each rounded to it; a float32 tensor); with a half
+            ``model_dtype``, ``score_dtype="model"`` normalises this one (adapters of half models pass it).
         demand: (N,) demand weights for coverage selection (first-layer probe).
+        layer_attention: (Lv, N) per encoder layer run (the feature layer's last): attention each patch gets,
+            mean over heads and all 1 + N query rows (HiPrune); layer_cls_attention: the CLS row's (VScan).
         model_dtype: the dtype the model computes the signals in (the adapters pass the
             model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
     """
@@ -63,7 +75,10 @@ class InputSignals:
     vision_keys: Tensor | None = None
     cls_feature: Tensor | None = None
     text_relevance: Tensor | None = None
+    model_text_relevance: Tensor | None = None
     demand: Tensor | None = None
+    layer_attention: Tensor | None = None
+    layer_cls_attention: Tensor | None = None
     model_dtype: torch.dtype = torch.float32
 
     @property
@@ -104,6 +119,8 @@ class LayerSignals:
         text_embeddings: (T, D) LLM input embeddings of the text tokens.
         sequence_index: (n,) index of each alive visual token in the unpruned prompt.
         text_sequence_index: (T,) the same for the text tokens.
+        layer_cls_attention: (Lv, n) ``InputSignals.layer_cls_attention`` of each alive token's cell (NaN: merged).
+        rope_ones_logits: (T, n) ``q.k / sqrt(d)`` of all-ones q and k under the layer's RoPE there (SparseVLM v2).
         model_dtype: the dtype the model computes in (None: float32).
     """
 
@@ -124,6 +141,8 @@ class LayerSignals:
     text_embeddings: Tensor | None = None
     sequence_index: Tensor | None = None
     text_sequence_index: Tensor | None = None
+    layer_cls_attention: Tensor | None = None
+    rope_ones_logits: Tensor | None = None
     model_dtype: torch.dtype | None = None
 
     @property
@@ -197,10 +216,13 @@ class TokenMerge:
         members: M LongTensors: the positions among the stage's alive tokens (0..n-1)
             that each merged token stands for; the executor turns them into grid sources
             (a member that is itself a merged token contributes its own sources).
+        replaces: None (inserted after the kept tokens), or (M,) positions among the alive tokens, each
+            a kept one, whose layout slot and position ids each merged token takes instead (VScan).
     """
 
     hidden: Tensor
     members: list[Tensor]
+    replaces: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -327,6 +349,7 @@ class LayerSelector(Selector):
     signal_layer: str = "current"  # "previous": attention/keys of layer l-1 score a stage at layer l
     score_dtype: str = "float32"  # "model": attention formed in, other inputs and scores rounded to the model dtype
     ties: str = "lower"  # top-k selectors declare it as an option (TOP_K_TIES)
+    model_attention: str = "eager"  # the attention recipe under score_dtype="model" (MODEL_ATTENTIONS)
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""
@@ -369,6 +392,7 @@ class LayerSelector(Selector):
 __all__ = [
     "InputSignals",
     "LayerSignals",
+    "VISION_LAYER_SIGNALS",
     "Selection",
     "Stage",
     "TokenMerge",
@@ -379,6 +403,7 @@ __all__ = [
     "LayerSelector",
     "top_k_indices",
     "TOP_K_TIES",
+    "MODEL_ATTENTIONS",
     "ranked_indices",
     "validate_budget",
     "option_defaults",

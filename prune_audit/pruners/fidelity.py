@@ -11,38 +11,10 @@ exists, the test that checks it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-# the random-case comparison of tests/test_fidelity.py: 10 seeds x budgets 64/128/192, 576 tokens, 1024/4096-dim
-RANDOM_CASES = 30
+from prune_audit.pruners.fidelity_entry import RANDOM_CASES, Fidelity, random_agreement as _random
 
-
-@dataclass(frozen=True)
-class Fidelity:
-    """One selector's row of the fidelity table.
-
-    Attributes:
-        commit: official repository commit the implementation was written from.
-        default: what the selector does with its default options, in brief.
-        exact: ``KEY=VALUE`` options that reproduce the official code (empty: the default does).
-        differences: every remaining difference from the official code, each with its reason.
-        agreement: the measured agreement, quoting the test that measures it.
-        agreement_cases: N of the ``RANDOM_CASES`` random cases with identical kept sets, when measured.
-    """
-
-    commit: str
-    default: str
-    exact: tuple[str, ...]
-    differences: tuple[str, ...]
-    agreement: str
-    agreement_cases: int | None = None
-
-
-_MODEL_DTYPE = (
-    "score_dtype=model rounds the signals and the final scores to the model dtype; reductions in between stay "
-    "float32, as half-precision reductions on GPU accumulate in float32"
-)
 _MODEL_DTYPE_ATTENTION = (
     "score_dtype=model forms the attention rows as the official code's eager attention does in the model dtype "
     "(q.k rounded, divided by sqrt(d) as LLaVA-era LlamaAttention does and rounded, float32 softmax rounded: bit "
@@ -62,11 +34,6 @@ _CLS_HALF = (
 )
 
 
-def _random(cases: int, test: str, extra: str = "") -> str:
-    tail = f"; {extra}" if extra else ""
-    return f"kept sets identical in {cases} of {RANDOM_CASES} random cases ({test}){tail}"
-
-
 FIDELITY: dict[str, Fidelity] = {
     "cdpruner": Fidelity(
         "9541616c",
@@ -76,13 +43,23 @@ FIDELITY: dict[str, Fidelity] = {
             "no early stop and gains below 1e-6 x max diag count as 0 (the official code has no guard and yields NaN "
             "once the kernel's rank is exhausted)",
             "kernel rows computed on demand, no N x N matrix (memory at high resolution)",
-            "unit rows in float32 by default (the official code normalises the projector outputs in the model dtype, "
-            "then computes the kernel and the greedy in float32); score_dtype=model normalises in the model dtype",
+            "unit rows and relevance in float32 by default (the official code normalises the projector outputs, "
+            "computes the CLIP relevance and min-max normalises it in the model dtype, then computes the kernel and "
+            "the greedy in float32); score_dtype=model does the same: the unit rows in the model dtype, the raw "
+            "relevance as the adapter computes it in the CLIP dtype (model_text_relevance: unit embeddings, cosines "
+            "and their mean rounded) normalised in the model dtype, every step rounded",
         ),
         _random(30, "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
-                "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 27 and 15 of "
+                "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 26 and 9 of "
                 "30 (test_fidelity.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_normalisation)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases (and 10 of 10 each with a quarter of the tokens duplicated) "
+        "with score_dtype=model against the official unit features, CLIP relevance and "
+        "min-max normalisation written out in half on CPU, the kernel and greedy in float32 "
+        "(test_fidelity_half.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_relevance); from "
+        "the float32 raw relevance rounded once (no model_text_relevance) 28 and 23 of 30, float32 throughout 29 and "
+        "8 of 30; the adapter's model_text_relevance is checked on a half tiny LLaVA with its CLIP text tower",
+        {"fp16": 30, "bf16": 30},
     ),
     "cls_attn": Fidelity(
         "f5d5f120",
@@ -94,6 +71,10 @@ FIDELITY: dict[str, Fidelity] = {
                 "(test_input_selectors.py), and on the adapter's bf16 signals (test_fidelity.py); " + _CLS_HALF
                 + "score_dtype=model 30 of 30 in both, float32 29 and 16 of 30"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk of the "
+        "head mean of the official half CLS attention (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties "
+        "at most 29 and 23 of 30, float32 29 and 16 of 30",
+        {"fp16": 30, "bf16": 30},
     ),
     "coverage": Fidelity(
         "-",
@@ -105,16 +86,26 @@ FIDELITY: dict[str, Fidelity] = {
     "dart": Fidelity(
         "vendored in Chenfei-Liao/VTC-Bench 983e443e; fork xqy1111111/DART 02476570",
         "pivots visited in ascending sequence order; key norms of layer K-1 (signal_layer=previous); average rule",
-        ("budget_rule=paper", "pivot_order=set", "score_dtype=model"),
+        ("budget_rule=paper", "pivot_order=set", "score_dtype=model", "ties=topk"),
         (
             "default pivot order is ascending (the official Python-set order depends on where the image sits "
             "in the prompt); pivot_order=set reproduces it",
-            "ties to the lower index",
-            _MODEL_DTYPE,
+            "ties to the lower index by default; ties=topk ranks the key norms and each pivot's remaining "
+            "candidates with torch.topk as the official code does (its order among exact ties is the kernel's: "
+            "use it to reproduce a run on the same hardware, the default for deterministic audits)",
+            "score_dtype=model rounds the key norms and normed hidden states to the model dtype and computes the "
+            "dissimilarities as the official -F.cosine_similarity in it (norms, unit vectors and products rounded, "
+            "the sum accumulated in float32 and rounded once); float32 cosines rounded afterwards differ by an "
+            "ulp in about half of the values",
         ),
         _random(30, "test_fidelity.py::test_dart_set_order_reproduces_the_official_iteration",
                 "pivot_order=sequence (default): 0 of 30"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the rows duplicated, "
+        "with budget_rule=paper, pivot_order=set, score_dtype=model, ties=topk against the official cosine "
+        "written out in half on CPU (test_fidelity_half.py::test_dart_model_dtype_reproduces_the_official_half_"
+        "precision_cosine); float32 cosines rounded afterwards 15 and 0 of 30",
+        {"fp16": 30, "bf16": 30},
     ),
     "divprune": Fidelity(
         "799e2d95",
@@ -129,6 +120,11 @@ FIDELITY: dict[str, Fidelity] = {
                 "ties=tolerance: 25 of 30; fp16 features: score_dtype=model 30 of 30, float32 2 of 30 "
                 "(measured once; the test runs 6 of those cases)"),  # fmt: skip
         30,
+        "fp16 6 of 6 (1024-dim cases: fp16 matrix products are slow on CPU; all 30 measured once: 30 of 30), bf16 30 "
+        "of 30 with score_dtype=model against the official greedy run in that dtype on CPU "
+        "(test_fidelity.py::test_divprune_model_dtype_reproduces_the_official_half_precision_picks, "
+        "test_fidelity.py::test_divprune_model_dtype_reproduces_the_official_bf16_picks); float32 2 and 0 of 30",
+        {"bf16": 30},
     ),
     "e2s": Fidelity(
         "not public",
@@ -142,6 +138,8 @@ FIDELITY: dict[str, Fidelity] = {
         "no official code to compare with; hand-computed cases in test_llm_selectors.py; each Table-3 preset "
         "realises its row and an average of 128 "
         "(test_fidelity.py::test_every_e2s_table3_row_is_a_preset_averaging_128)",
+        half_agreement="no official code to compare with; score_dtype=model rounds the signals and scores to the "
+        "model dtype as the other in-LLM selectors do",
     ),
     "fastv": Fidelity(
         "d1659729",
@@ -157,6 +155,10 @@ FIDELITY: dict[str, Fidelity] = {
                 "and identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
                 "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk on the half "
+        "attention rows (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties at most 29 and 23; "
+        "on CPU the official fp16 q.k^T GEMM rounds 1 to 20 of the 18,432 last-row image probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's accumulation; bf16: none), kept sets still 30 of 30 (test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
+        {"fp16": 30, "bf16": 30},
     ),
     "pdrop": Fidelity(
         "6444f304",
@@ -172,6 +174,10 @@ FIDELITY: dict[str, Fidelity] = {
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; schedule identical to the official default "
                 "(test_schedule.py::test_official_rule_gives_the_code_default_and_refuses_other_budgets)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk on the half "
+        "attention rows (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties at most 29 and 23; "
+        "on CPU the official fp16 q.k^T GEMM rounds 1 to 20 of the 18,432 last-row image probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's accumulation; bf16: none), kept sets still 30 of 30 (test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
+        {"fp16": 30, "bf16": 30},
     ),
     "pool": Fidelity(
         "-",
@@ -208,12 +214,17 @@ FIDELITY: dict[str, Fidelity] = {
                 "and naive facility-location cases (test_input_selectors.py); " + _CLS_HALF
                 + "score_dtype=model 28 and 30 of 30, float32 21 and 3 of 30"),  # fmt: skip
         30,
+        "with score_dtype=model, ties=argmax against the official greedy run in that dtype on CPU: fp16 29 of 30, "
+        "bf16 30 of 30 (test_fidelity.py::test_scope_model_dtype_reproduces_the_official_half_precision_greedy, "
+        "asserted with one case of slack); float32 23 and 12 of 30; the remaining fp16 case is kernel rounding: "
+        "a half-precision matrix product's last bit depends on its accumulation order (about 1 cosine in 10^4 "
+        "differs by an ulp between kernels)",
     ),
     "sparsevlm": Fidelity(
         "26a5f488",
         "raters from input embeddings; layer l's attention prunes its output (signal_layer=previous); average rule; "
         "no token recycling",
-        ("budget_rule=paper", "recycle=true", "score_dtype=model"),
+        ("budget_rule=paper", "recycle=true", "score_dtype=model", "ties=topk"),
         (
             "recycling is off by default so that pure-pruning records stay comparable with the other selectors; "
             "recycle=true inserts the reference's DPC-kNN cluster tokens after the kept ones (merged tokens and "
@@ -225,8 +236,16 @@ FIDELITY: dict[str, Fidelity] = {
             "half-precision adds whose order varies between runs, so no deterministic computation reproduces them); "
             "ties in relevance among the pruned tokens are ordered by the lower index (torch.topk leaves them "
             "unspecified)",
-            "exactly keep tokens (the official code caps at n - 1); ties to the lower index",
-            _MODEL_DTYPE_ATTENTION,
+            "exactly keep tokens (the official code caps at n - 1); ties to the lower index by default; ties=topk "
+            "ranks with torch.topk on the half scores as the official code (its order among exact ties is the "
+            "kernel's: use it to reproduce a run on the same hardware, the default for deterministic audits)",
+            "score_dtype=model computes as the official code does in the model dtype: raters from the rounded input "
+            "embeddings (V T^T, its softmax, the visual mean and its mean each rounded), the attention by the "
+            "official utils.scaled_dot_product_attention (model_attention=scaled, default: q.k rounded with float32 "
+            "accumulation as on GPU, times 1/sqrt(d) in the model dtype, softmax of the half logits on the model's "
+            "device; model_attention=eager keeps LlamaAttention's eager recipe, / sqrt(d) and a float32 softmax "
+            "rounded, as before the option existed: in fp16 the two scalings differ in about 0.1 % of the logits), "
+            "the head mean rounded, then the rater mean rounded",
         ),
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
                 "one stage; first-stage kept sets identical to the top-k of the previous layer's eager rater attention "
@@ -238,6 +257,18 @@ FIDELITY: dict[str, Fidelity] = {
                 "relevance 29 of 30: one tie reorders the points summed into one cluster), paper rule with "
                 "recycling realises 206.50 / 145.41 / 82.25 (test_recycling.py)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the keys duplicated "
+        "(whole attention columns tied) and with integer keys (many equal probabilities), first stage with score_dtype=model, ties=topk against the official "
+        "raters and attn_postprocess_topk written out in half on CPU from the official half attention "
+        "(test_fidelity_half.py::test_sparsevlm_model_dtype_reproduces_the_official_half_precision_scores); "
+        "score_dtype=model with lower-index ties 19 and 5 of 30, float32 scores 16 and 0 of 30; the probe's "
+        "model_attention=scaled rows are the official scaled_dot_product_attention of a half tiny LLaVA bit for "
+        "bit with q.k accumulated in float32 as on GPU "
+        "(test_fidelity_half.py::test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model); on CPU "
+        "the official fp16 q @ k^T GEMM rounds a few dot products differently (1 of 4536 on that model; 1 to 20 of "
+        "18,432 last-row probabilities per LLaVA-size prompt, test_fidelity_half.py::test_fastv_and_pdrop_keep_the_"
+        "official_set_despite_the_cpu_fp16_gemm), bf16 none",
+        {"fp16": 30, "bf16": 30},
     ),
     "tome": Fidelity(
         "af95e4b1",
@@ -262,15 +293,24 @@ FIDELITY: dict[str, Fidelity] = {
     "v2drop": Fidelity(
         "219e03ed",
         "largest hidden-state variation at layers 3/17/22, paper shapes solved to the budget average",
-        ("budget_rule=official", "score_dtype=model"),
+        ("budget_rule=official", "score_dtype=model", "ties=topk"),
         (
             "paper and average rules keep 0 tokens at the last stage as the paper states (the code keeps 1; "
             "budget_rule=official does)",
-            "ties to the lower index",
-            _MODEL_DTYPE,
+            "ties to the lower index by default; ties=topk ranks with torch.topk on the half variations as the "
+            "official code (its order among exact ties is the kernel's: use it to reproduce a run on the same "
+            "hardware, the default for deterministic audits)",
+            "score_dtype=model computes as the official code in the model dtype: the states rounded, their "
+            "difference rounded, its norm torch's half-precision reduction (float32 accumulation in the kernel's "
+            "order, rounded once)",
         ),
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; official schedule identical to the code's default (test_schedule.py)"),
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases and 10 of 10 each with duplicated rows, with score_dtype=model, "
+        "ties=topk against the official torch.norm of the half difference on CPU "
+        "(test_fidelity_half.py::test_v2drop_model_dtype_reproduces_the_official_half_precision_variation); "
+        "lower-index ties 5 and 0 of 30, float32 5 and 0 of 30",
+        {"fp16": 30, "bf16": 30},
     ),
     "visionzip": Fidelity(
         "3151f6df",
@@ -294,6 +334,11 @@ FIDELITY: dict[str, Fidelity] = {
                 "bit for bit with score_dtype=model in 30 of 30 each, float32 scoring the same sets in 0 of 30 "
                 "(test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk: dominant set against the official "
+        "torch.topk on the half CLS attention (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); with "
+        "score_dtype=model the whole forward (dominant set, contextual groups, output vectors) bit for bit in 30 "
+        "of 30 each (test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)",
+        {"fp16": 30, "bf16": 30},
     ),
     "vispruner": Fidelity(
         "aefa01ad",
@@ -313,6 +358,53 @@ FIDELITY: dict[str, Fidelity] = {
                 "(norms and cosines rounded once): score_dtype=model 30 of 30 each, float32 scoring 0 of 30; CPU fp16 "
                 "kernels round some norms and cosines differently (18 of 30 there)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model against the official forward in that dtype with a "
+        "GPU's float32 accumulation (norms and cosines rounded once) "
+        "(test_fidelity.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens); against the CPU "
+        "fp16 kernels 18 of 30: they round some norms and cosines differently (kernel rounding)",
+        {"fp16": 30, "bf16": 30},
+    ),
+    "hiprune": Fidelity(
+        "6e83a124",
+        "alpha 0.1, object layer 9 of the 23 CLIP layers run (scaled on other towers), official flat neighbour offsets",
+        (),
+        (
+            "ties to the lower index (torch.topk leaves them unspecified); attention in float32 (official: fp16 eager)",
+            "anchors capped at budget // 5 so anchors and buffers fit (the official code fails there; alpha near 1)",
+            "registers: top deep attention outside anchors and buffers (official: minus 1 there, the same set)",
+            "neighbours=grid keeps buffers inside the grid (the official +-1 wraps across rows)",
+            "object layer round(9 Lv / 23) on a tower running Lv layers; the Qwen2.5-VL path is not ported (refused)",
+        ),
+        _random(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers",
+                "23 x 576 global attention, budgets 64/128/192"), 30,
+    ),
+    "sparsevlm2": Fidelity(
+        "9e1f649e",
+        "branch v2.0 (USE_VERSION=2_0): rater attention divided by the all-ones RoPE logits, 14 of 32 heads by their "
+        "rater attention, layers 2/6/15 (outputs pruned), average rule on the v2.0 counts, no merging, positions kept",
+        ("budget_rule=paper",),
+        (
+            "exactly keep tokens (the reference caps at n - 1); ties to the lower index; float32 unless "
+            "score_dtype=model",
+            "14 priority heads of LLaVA-1.5-7B's 32 scaled with the model's heads (round(14 H / 32))",
+            "a RoPE logit of exactly 0 (degenerate signals only) leaves its pair uncorrected (official: divides by 0)",
+            "no FlashAttention switch: the v2.0 FlashAttention module forms the same softmax rows for scoring",
+        ),
+        _random(30, "test_methods_v3.py::test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_"
+                "ranking", "32 heads, the library's RoPE probe against the official all-ones RoPE"), 30,
+    ),
+    "vscan": Fidelity(
+        "a82450e1",
+        "6 x 6 window scan of CLIP layer 6, global scan of layer 23, merging; LLM layer 16; 96 then 32 for 64; float32",
+        (),
+        (
+            "ties to the lower index, float32 (official: topk order, fp16); global scan excludes the local tokens (same set)",
+            "local_count=fill lets the global scan fill the stage (the same at 96/192/288); official: fewer elsewhere",
+            "grids other than 24 x 24 scan their full blocks (official: asserts 576); shallow layer scaled as HiPrune's",
+            "merged tokens keep their kept token's slot and carry their cells; the Qwen2.5-VL path is not ported",
+        ),
+        _random(30, "test_methods_v3.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging",
+                "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288"), 30,
     ),
 }
 
@@ -320,7 +412,7 @@ NOT_YET_DONE: tuple[str, ...] = ()
 
 COLUMNS = (
     "selector", "paper", "official repository (commit read)", "default here", "reference-exact options",
-    "remaining differences (why)", "measured agreement",
+    "remaining differences (why)", "measured agreement", "fp16 / bf16 agreement",
 )  # fmt: skip
 
 
@@ -342,6 +434,7 @@ def fidelity_rows() -> list[dict[str, Any]]:
                 "reference-exact options": ", ".join(entry.exact) or "the defaults",
                 "remaining differences (why)": "; ".join(entry.differences),
                 "measured agreement": entry.agreement,
+                "fp16 / bf16 agreement": entry.half_agreement,
             }
         )
     return rows
@@ -358,7 +451,11 @@ def fidelity_markdown() -> str:
         "official algorithms written in `tests/test_fidelity.py` from the official code's math, on random cases",
         "at realistic sizes (576 tokens, 1024/4096-dim features, budgets 64/128/192). The commits are those the",
         "selectors spec (`shared/specs/selectors.md`, section 0) was written from; DART's set order was re-read in",
-        "the fork named in its row.",
+        "the fork named in its row. The fp16 / bf16 column compares kept sets with the official code's arithmetic",
+        "in that dtype, re-derived step by step (the dtype of every intermediate, `torch.topk` for the ranking) in",
+        "`tests/test_fidelity_half.py` and `tests/test_fidelity.py`, with the options named; `ties=topk` reproduces",
+        "`torch.topk`'s order among exact ties on the same hardware, the default lower-index rule is deterministic",
+        "everywhere. Where a CPU kernel's rounding keeps a selector from exact agreement the row names it and its size.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),

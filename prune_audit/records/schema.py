@@ -97,7 +97,8 @@ RUN_COLUMNS: tuple[Column, ...] = (
         pa.list_(pa.list_(INT_LIST)),
         "for each stage, the merged tokens alive after it, each as the ascending grid indices it carries, in "
         "feed order: an input-level merge's tokens at its single stage (VisionZip's contextual tokens) and an "
-        "in-LLM merge's inserted tokens (SparseVLM with recycle=true); empty lists without merging",
+        "in-LLM merge's tokens (SparseVLM's inserted ones with recycle=true, VScan's in its kept tokens' places); "
+        "empty lists without merging",
     ),
     _run(
         "stage_layers",

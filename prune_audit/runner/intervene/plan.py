@@ -118,7 +118,8 @@ def check_swappable(source: InterventionSource) -> None:
     if any(merged for record in source.records for stage in record["merged_stages"] for merged in stage):
         raise PruneAuditError(
             f"selector {selector!r} fed merged tokens (the records' merged_stages); forced kept cells cannot "
-            f"reproduce them, so intervene needs a selector that keeps grid cells only (sparsevlm: recycle=false)"
+            f"reproduce them, so intervene needs a selector that keeps grid cells only (sparsevlm: recycle=false, "
+            f"vscan: merge_pruned=false)"
         )
     if source.manifest["selector"]["stage"] == "llm":
         return

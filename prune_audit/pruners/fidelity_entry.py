@@ -1,0 +1,42 @@
+"""One row of the fidelity table (:mod:`prune_audit.pruners.fidelity`) and its random-case agreement text."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# the random-case comparison of tests/test_fidelity.py: 10 seeds x budgets 64/128/192, 576 tokens, 1024/4096-dim
+RANDOM_CASES = 30
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """One selector's row of the fidelity table.
+
+    Attributes:
+        commit: official repository commit the implementation was written from.
+        default: what the selector does with its default options, in brief.
+        exact: ``KEY=VALUE`` options that reproduce the official code (empty: the default does).
+        differences: every remaining difference from the official code, each with its reason.
+        agreement: the measured agreement, quoting the test that measures it.
+        agreement_cases: N of the ``RANDOM_CASES`` random cases with identical kept sets, when measured.
+        half_agreement: the agreement in fp16 and bf16 against the official arithmetic in that dtype, with the
+            options that reach it, quoting the test (and naming the kernel rounding that prevents exactness).
+        half_cases: ``{"fp16": N, "bf16": N}``: N of the ``RANDOM_CASES`` random cases identical in each dtype
+            with those options, where a test asserts it.
+    """
+
+    commit: str
+    default: str
+    exact: tuple[str, ...]
+    differences: tuple[str, ...]
+    agreement: str
+    agreement_cases: int | None = None
+    half_agreement: str = "no half-precision path (nothing is computed in the model dtype)"
+    half_cases: Mapping[str, int] = field(default_factory=dict)
+
+
+def random_agreement(cases: int, test: str, extra: str = "") -> str:
+    """The agreement text of ``cases`` identical kept sets out of ``RANDOM_CASES``, measured by ``test``."""
+    tail = f"; {extra}" if extra else ""
+    return f"kept sets identical in {cases} of {RANDOM_CASES} random cases ({test}){tail}"

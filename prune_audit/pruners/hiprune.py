@@ -1,0 +1,104 @@
+"""HiPrune: anchor, buffer and register tokens from the hierarchical attention of the vision encoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32, ranked_indices
+from prune_audit.pruners.options import Choice, Integer, Real, option
+from prune_audit.pruners.registry import register
+
+#: encoder layers LLaVA-1.5 runs up to its feature layer (CLIP-L layers 1..23 of 24): the depth the
+#: official layer numbers refer to; other towers scale them proportionally (:func:`scaled_vision_layer`)
+REFERENCE_VISION_LAYERS = 23
+NEIGHBOURS = ("official", "grid")
+
+
+def scaled_vision_layer(layer: int, depth: int) -> int:
+    """0-based row of a (depth, N) per-layer signal for the official 1-based ``layer`` of 23 (at least the first)."""
+    return min(depth, max(1, round(layer * depth / REFERENCE_VISION_LAYERS))) - 1
+
+
+def buffer_cells(anchors: Tensor, grid: tuple[int, int], neighbours: str) -> Tensor:
+    """(m,) ascending unique cells: the anchors and their four neighbours.
+
+    ``"official"``: the flat offsets -1, +1, -cols, +cols clamped to ``[0, N)``, as the official
+    code forms them (a left neighbour of a row's first cell is the previous row's last cell).
+    ``"grid"``: only neighbours inside the grid (no wrap across rows, nothing clamped onto an edge).
+    """
+    rows, cols = grid
+    if neighbours == "official":
+        cells = torch.cat([anchors, anchors - 1, anchors + 1, anchors - cols, anchors + cols])
+        return torch.unique(cells.clamp(0, rows * cols - 1))
+    row, col = anchors // cols, anchors % cols
+    parts = [anchors]
+    for d_row, d_col in ((0, -1), (0, 1), (-1, 0), (1, 0)):
+        inside = (row + d_row >= 0) & (row + d_row < rows) & (col + d_col >= 0) & (col + d_col < cols)
+        parts.append(((row + d_row) * cols + col + d_col)[inside])
+    return torch.unique(torch.cat(parts))
+
+
+@register
+@dataclass
+class HiPruneSelector(InputSelector):
+    """Anchors and their buffers from a middle vision layer, registers from the deep one (HiPrune).
+
+    With ``T`` the budget and ``layer_attention`` (Lv, N) the attention each patch receives
+    per encoder layer (mean over heads and all query rows, CLS column dropped):
+    ``a = round(T * alpha / 5)`` anchors are the top of the object layer's attention; each
+    brings its four neighbours (buffer tokens, :func:`buffer_cells`); the ``T - |anchors and
+    buffers|`` registers are the top of the deep (feature) layer's attention among the rest.
+    Kept: anchors, buffers and registers, ascending.
+
+    Follows Danielement321/HiPrune ``LLaVA/llava/model/llava_arch.py::encode_images`` (commit
+    6e83a124; ``bench_llava.sh``: ``HIPRUNE_ALPHA`` 0.1, ``HIPRUNE_OBJECT_LAYER`` 9): the object
+    layer's attention is ``attentions[object_layer - 1]`` and the deep one ``attentions[-2]``,
+    the layer producing CLIP's penultimate features. On a tower of another depth the object
+    layer scales with the ``Lv`` layers run up to the feature layer (23 on LLaVA-1.5):
+    ``round(object_layer * Lv / 23)``, at least 1 (:func:`scaled_vision_layer`).
+
+    Differences: ties go to the lower index (``torch.topk`` leaves them unspecified); the
+    attention is formed in float32 (the official eager CLIP attention in fp16); the anchor count
+    is capped at ``T // 5`` so anchors and buffers never exceed the budget (the official code
+    fails there, only reachable with ``alpha`` near 1); the official registers are the top of the
+    deep attention minus 1 on anchors and buffers, the same set whenever some probability is
+    below 1. ``neighbours="grid"`` keeps buffers inside the grid instead of the official flat
+    offsets. The official Qwen2.5-VL path (full-attention layers of a windowed tower) is not
+    ported: Qwen's adapter refuses the selector.
+
+    Options:
+        alpha: share of the budget given to anchors and their buffers (``a = round(T alpha / 5)``).
+        object_layer: 1-based encoder layer of the anchors on the 23-layer reference, scaled.
+        neighbours: ``"official"`` flat offsets clamped, or ``"grid"`` 4-neighbours inside the grid.
+    """
+
+    name: ClassVar[str] = "hiprune"
+    summary: ClassVar[str] = "anchors + neighbours from a middle vision layer, registers from the deep one (HiPrune)"
+    requires: ClassVar[frozenset[str]] = frozenset({"layer_attention"})
+    reference: ClassVar[Reference] = Reference(
+        "HiPrune: Training-Free Visual Token Pruning via Hierarchical Attention in Vision Encoders (arXiv 2508.00553)",
+        "Danielement321/HiPrune",
+        "global attention (head and query mean) of CLIP layers 9 and 23; alpha 0.1",
+    )
+
+    alpha: float = option(0.1, Real(low=0.0, high=1.0), "share of the budget given to anchors and buffers")
+    object_layer: int = option(
+        9, Integer(low=1, high=REFERENCE_VISION_LAYERS), "1-based anchor layer of the 23 run on LLaVA-1.5 (scaled)"
+    )
+    neighbours: str = option("official", Choice(NEIGHBOURS), "buffer cells: official flat offsets or grid neighbours")
+
+    def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
+        attention = as_float32(signals.layer_attention)  # (Lv, N)
+        shallow = attention[scaled_vision_layer(self.object_layer, attention.shape[0])]
+        anchor_count = min(round(budget * self.alpha / 5), budget // 5)
+        anchors = ranked_indices(shallow, anchor_count)
+        near = buffer_cells(anchors, signals.grid, self.neighbours)
+        rest = torch.ones(signals.num_tokens, dtype=torch.bool)
+        rest[near] = False
+        candidates = torch.nonzero(rest).flatten()
+        registers = candidates[ranked_indices(attention[-1][candidates], budget - near.numel())]
+        return Selection(kept=torch.sort(torch.cat([near, registers])).values)

@@ -1,0 +1,209 @@
+"""VScan: global and local scans of the vision encoder's CLS attention, then pruning at a middle LLM layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, get_args
+
+import torch
+from torch import Tensor
+
+from prune_audit.pruners.base import (
+    LayerSignals,
+    PositionMode,
+    Reference,
+    Stage,
+    TokenMerge,
+    ranked_indices,
+)
+from prune_audit.pruners.fastv import last_row_attention
+from prune_audit.pruners.hiprune import scaled_vision_layer
+from prune_audit.pruners.options import Choice, Flag, Integer, Real, option
+from prune_audit.pruners.registry import register
+from prune_audit.pruners.schedule import (
+    REFERENCE_DEPTH,
+    ReferenceLayer,
+    ScheduledSelector,
+    average_visual_tokens,
+    scale_layers,
+    scale_reference_counts,
+)
+from prune_audit.pruners.similarity import unit_rows
+
+LOCAL_COUNTS = ("fill", "official")
+#: the README's settings: average budget -> tokens after the vision stage and after LLM layer 16 (576 tokens)
+VSCAN_COUNTS = {64: (96, 32), 128: (192, 64), 192: (288, 96)}
+
+
+def window_scan(scores: Tensor, cells: Tensor, grid: tuple[int, int], window: int, per_window: int) -> Tensor:
+    """VScan's local scan: the ``per_window`` best tokens of every full ``window x window`` block of the grid.
+
+    Args:
+        scores: (n,) score of each alive token; cells: (n,) its grid cell (-1: none, never chosen).
+        grid: (rows, cols); blocks tile it from the top left, partial blocks at the right and bottom
+            edges are not scanned (the official 24 x 24 grid has none at window 6).
+
+    Returns:
+        (m,) positions among the alive tokens, block by block in raster order, best first in each.
+    """
+    rows, cols = grid
+    at_cell = torch.full((rows * cols,), -1, dtype=torch.long)
+    on_grid = torch.nonzero(cells >= 0).flatten()
+    at_cell[cells[on_grid]] = on_grid
+    chosen = []
+    for top in range(0, rows - window + 1, window):
+        for left in range(0, cols - window + 1, window):
+            block = torch.tensor([(top + r) * cols + left + c for r in range(window) for c in range(window)])
+            positions = at_cell[block]
+            positions = positions[positions >= 0]
+            chosen.append(positions[ranked_indices(scores[positions], per_window)])
+    return torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long)
+
+
+def nearest_merge(hidden: Tensor, kept: Tensor) -> TokenMerge | None:
+    """VScan's token merging: every token not ``kept`` joins the kept token of highest cosine similarity,
+    and each kept token that gains members becomes the mean of itself and them (in its own place).
+
+    Args:
+        hidden: (n, D) float32 states of the alive tokens; kept: (k,) ascending positions among them.
+    """
+    pruned = torch.ones(hidden.shape[0], dtype=torch.bool)
+    pruned[kept] = False
+    pruned = torch.nonzero(pruned).flatten()
+    if pruned.numel() == 0 or kept.numel() == 0:
+        return None
+    unit = unit_rows(hidden)
+    nearest = torch.argmax(unit[pruned] @ unit[kept].T, dim=1)  # (p,) slot in kept; ties to the first
+    slots = torch.unique(nearest)
+    members = [torch.cat([kept[slot].reshape(1), pruned[nearest == slot]]) for slot in slots.tolist()]
+    merged = torch.stack([hidden[group].mean(dim=0) for group in members])
+    return TokenMerge(merged, [torch.sort(group).values for group in members], replaces=kept[slots])
+
+
+@register
+@dataclass
+class VScanSelector(ScheduledSelector):
+    """VScan: local and global scans of the vision encoder's CLS attention with merging, then a middle LLM stage.
+
+    Two stages. At the input of decoder layer 0 (the vision stage, ``T_v`` tokens): the local
+    scan keeps the ``int(T_v (1 - global_share)) // W`` best tokens of each of the ``W`` full
+    ``window_size``-square blocks of the grid by the head-mean CLS attention of a shallow encoder
+    layer (``layer_cls_attention``; :func:`window_scan`); the global scan adds the best of the rest
+    by the CLS attention of the feature layer (the last row). With ``merge_pruned`` (official) every other
+    token joins its most cosine-similar kept token on the projector outputs (the layer-0
+    ``hidden_states``) and a kept token with members becomes their mean in its own slot
+    (:func:`nearest_merge`; the records carry it as a merged token with its cells). At the input of
+    ``llm_layer`` (the LLM stage, ``T_l`` tokens): the head-mean attention of the last prompt token,
+    computed by that layer on its input (softmax over every key), keeps the top ``T_l``.
+
+    Budget: ``budget_rule="average"`` (default): ``T_l = round(llm_share * B)`` and ``T_v`` solved
+    so that the layer average is ``B``; on 32 layers with the stage at 16, ``B`` = 64 gives 96 and
+    32, the official default (``--visual_token_num 96 --layer_list [16] --image_token_list [32]``),
+    128 and 192 give 192/64 and 288/96. ``"paper"``: those three settings only, counts scaled to the
+    model's tokens. As the vision stage is at layer 0, any budget is feasible.
+
+    Follows Tencent/SelfEvolvingAgent ``VScan/llava/model/llava_arch.py::encode_images``,
+    ``window_cls_selection`` and ``token_merging`` and ``modeling_llama_x.py::layer_prune`` (commit
+    a82450e1): shallow layer ``attentions[5]`` (the 6th of the 23 CLIP layers run; scaled on other
+    towers as HiPrune's object layer), deep ``attentions[-2]``, window 6 on 24 x 24, global share 0.5,
+    positions renumbered after each stage.
+
+    Differences: ties go to the lower index (``torch.topk`` leaves them unspecified); the attention
+    and the merge are computed in float32 (the official code in fp16); the global scan excludes the
+    local tokens (the official zeroes their attention, the same set unless other attention is exactly
+    0); ``local_count="fill"`` (default) gives the global scan what the local scan leaves of ``T_v``
+    so every stage keeps its count (``"official"``: the global scan takes ``T_v - int(T_v / 2)``
+    whatever the blocks held, fewer tokens where ``W`` does not divide ``int(T_v / 2)``); grids other
+    than 24 x 24 (the official code asserts 576 tokens) scan only their full blocks.
+
+    Options (besides ``budget_rule``; ``score_dtype`` and ``ties`` act on the LLM stage, the vision stage
+    ranks in float32 with ties to the lower index):
+        llm_layer: decoder layer of the LLM stage on the 32-layer reference, scaled.
+        llm_share: ``T_l`` as a share of the budget.
+        global_share: share of ``T_v`` chosen by the global scan.
+        window_size: side of the local scan's blocks, in grid cells.
+        shallow_layer: 1-based encoder layer of the local scan among the 23 run on LLaVA-1.5, scaled.
+        local_count: ``"fill"`` (every stage keeps its count) or ``"official"``.
+        merge_pruned: fold the pruned tokens into their nearest kept token at the vision stage (official).
+        positions: position ids after pruning (the official code renumbers).
+    """
+
+    name: ClassVar[str] = "vscan"
+    summary: ClassVar[str] = "local + global scans of vision CLS attention with merging, then LLM layer 16 (VScan)"
+    requires: ClassVar[frozenset[str]] = frozenset({"layer_cls_attention", "hidden_states", "text_probs"})
+    reference: ClassVar[Reference] = Reference(
+        "VScan: Rethinking Visual Token Reduction for Efficient Large Vision-Language Models (arXiv 2505.22654)",
+        "Tencent/SelfEvolvingAgent",
+        "folder VScan/; CLIP layers 6 (local, window 6) and 23 (global); 96 tokens, then 32 at LLM layer 16",
+    )
+
+    llm_layer: int = option(16, ReferenceLayer(1, REFERENCE_DEPTH - 1), "decoder layer of the LLM stage")
+    llm_share: float = option(0.5, Real(low=0.0, high=1.0, open_low=True), "LLM-stage tokens as a share of the budget")
+    global_share: float = option(0.5, Real(low=0.0, high=1.0), "share of the vision stage chosen by the global scan")
+    window_size: int = option(6, Integer(low=1), "side of the local scan's blocks in grid cells")
+    shallow_layer: int = option(6, Integer(low=1, high=23), "1-based local-scan layer of the 23 run on LLaVA-1.5")
+    local_count: str = option("fill", Choice(LOCAL_COUNTS), "global scan fills the stage, or the official count")
+    merge_pruned: bool = option(True, Flag(), "merge pruned tokens into their nearest kept token (official)")
+    positions: str = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (official renumbers)")
+
+    def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        """``[Stage(0, T_v), Stage(llm_layer scaled, T_l)]`` whose layer average is ``budget`` (within rounding)."""
+        layer = scale_layers([self.llm_layer], REFERENCE_DEPTH, num_layers)[0]
+        llm = min(max(1, round(budget * self.llm_share)), budget, num_visual)
+        vision = round((budget * num_layers - llm * (num_layers - layer)) / layer)
+        if vision > num_visual:  # the vision stage cannot keep more than every token: the LLM stage keeps more
+            vision = num_visual
+            llm = min(num_visual, round((budget * num_layers - vision * layer) / (num_layers - layer)))
+        return [Stage(0, vision), Stage(layer, min(llm, vision))]
+
+    def paper_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        """The README's settings (:data:`VSCAN_COUNTS`) scaled to ``num_visual``; other budgets are refused."""
+        layer = scale_layers([self.llm_layer], REFERENCE_DEPTH, num_layers)[0]
+
+        def stages_for(counts: tuple[int, int]) -> list[Stage]:
+            vision, llm = scale_reference_counts(counts, num_visual)
+            return [Stage(0, vision), Stage(layer, llm)]
+
+        if budget >= num_visual:
+            return [Stage(0, num_visual), Stage(layer, num_visual)]
+        if budget not in VSCAN_COUNTS:
+            valid = ", ".join(
+                f"{b} (average {average_visual_tokens(stages_for(c), num_layers, num_visual):.2f})"
+                for b, c in VSCAN_COUNTS.items()
+            )
+            raise ValueError(
+                f"vscan with budget_rule='paper' defines budgets {valid} only; use budget_rule='average' for {budget}"
+            )
+        return stages_for(VSCAN_COUNTS[budget])
+
+    def prune(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
+        if stage.layer > 0:
+            return super().prune(stage, signals, state)
+        self._check_signals(signals)
+        n = signals.num_alive
+        if stage.keep >= n:
+            return torch.arange(n, dtype=torch.long)
+        attention = signals.layer_cls_attention.float()  # (Lv, n)
+        shallow = attention[scaled_vision_layer(self.shallow_layer, attention.shape[0])]
+        rows, cols = signals.grid
+        blocks = (rows // self.window_size) * (cols // self.window_size)
+        local_target = int(stage.keep * (1 - self.global_share))
+        per_window = local_target // blocks if blocks else 0
+        local = window_scan(shallow, signals.alive, signals.grid, self.window_size, per_window)
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[local] = False
+        candidates = torch.nonzero(rest).flatten()
+        global_count = stage.keep - (local.numel() if self.local_count == "fill" else local_target)
+        deep = torch.nan_to_num(attention[-1], nan=float("-inf"))
+        chosen = candidates[ranked_indices(deep[candidates], global_count)]
+        return torch.sort(torch.cat([local, chosen])).values
+
+    def merge(self, stage: Stage, signals: LayerSignals, state: dict[str, Any], kept: Tensor) -> TokenMerge | None:
+        """The vision stage's merged tokens, each in the place of its kept token (None without ``merge_pruned``)."""
+        if stage.layer > 0 or not self.merge_pruned:
+            return None
+        return nearest_merge(signals.hidden_states.float(), kept)
+
+    def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
+        """The LLM stage: the last prompt token's head-mean attention to each alive visual token."""
+        return last_row_attention(signals)
