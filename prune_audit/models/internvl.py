@@ -19,8 +19,8 @@ selection the prompt is simply shorter (compact positions), as for LLaVA.
 Signals: the projected features, the pre-projector pixel-shuffled features (so merging
 selectors can merge before the projector, as on LLaVA) and the layer-0 text demand.
 The LLM input has no CLS token and each LLM token is four ViT patches, so the
-CLS-attention selectors (FasterVLM, VisionZip, VisPruner) are refused; no CLIP text
-space, so CDPruner is refused.
+CLS- and vision-attention selectors (FasterVLM, VisionZip, VisPruner, SCOPE, HiPrune,
+VScan) are refused; no CLIP text space, so CDPruner is refused.
 
 Prompt: the official InternVL chat format (ChatML; ``<img>`` + ``<IMG_CONTEXT>`` x N +
 ``</img>`` then a newline before the question), as ``model.chat`` of the
@@ -56,8 +56,8 @@ class InternVLModel(VisionLanguageModel):
     family = "internvl"
     input_signals = frozenset({"features", "vision_features", "demand"})
     missing_signals_reason = (
-        "its language model gets no CLS token (each visual token is a 2x2 pixel-shuffled patch group) "
-        "and it has no CLIP text space"
+        "its language model gets no CLS token (each visual token is a 2x2 pixel-shuffled patch group), "
+        "this adapter reads no vision-tower attention, and it has no CLIP text space"
     )
     display_name = "InternVL"
     prompt_templates = (PROMPT_TEMPLATE,)

@@ -34,6 +34,7 @@ class Qwen2VLModel(QwenModel):
     """Qwen2-VL adapter: the Qwen2.5-VL adapter on the Qwen2-VL classes."""
 
     family = "qwen2_vl"
+    missing_signals_reason = "its vision tower has no CLS token, no per-layer CLS attention and no CLIP text space"
     display_name = "Qwen2-VL"
     prompt_templates = (PROMPT_TEMPLATE,)
 

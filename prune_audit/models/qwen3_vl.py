@@ -43,6 +43,7 @@ class Qwen3VLModel(QwenModel):
     """Qwen3-VL adapter (dense decoders; one image per prompt)."""
 
     family = "qwen3_vl"
+    missing_signals_reason = "its vision tower has no CLS token, no per-layer CLS attention and no CLIP text space"
     display_name = "Qwen3-VL"
     prompt_templates = (PROMPT_TEMPLATE,)
 
