@@ -46,7 +46,9 @@ from prune_audit.pruners.base import LayerSelector
 
 PROMPT_TEMPLATE = "internvl_chatml"
 # the system message of the official InternVL2.5/3 conversation template ("internvl2_5")
-DEFAULT_SYSTEM = "你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。"
+DEFAULT_SYSTEM = (
+    "你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。"
+)
 START_IMAGE, END_IMAGE, CONTEXT_IMAGE = "<img>", "</img>", "<IMG_CONTEXT>"
 
 
