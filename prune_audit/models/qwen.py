@@ -78,7 +78,9 @@ class QwenModel(VisionLanguageModel):
         template = self.resolve_template(prompt_template)
         text_config = model.config.text_config
         if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
-            raise PruneAuditError(f"{self.display_name} checkpoints with sliding-window decoder layers are not supported")
+            raise PruneAuditError(
+                f"{self.display_name} checkpoints with sliding-window decoder layers are not supported"
+            )
         language = model.model.language_model
         stack = DecoderStack(
             embed_tokens=language.embed_tokens,
