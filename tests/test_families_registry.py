@@ -259,3 +259,40 @@ def test_shards_resume_visualize_and_intervene(vlm, prepared, checkpoint, worksp
     result = runner.invoke(app, ["intervene", str(whole), "--mode", "remove", "--out", str(tmp_path / "intervene")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "intervene" / "records.parquet").exists()
+
+
+REAL_PROCESSORS = {
+    # the real checkpoints' image-processor settings, without weights
+    "qwen3_vl": lambda transformers, **kw: transformers.Qwen2VLImageProcessorPil(
+        min_pixels=65536, max_pixels=16777216, patch_size=16, merge_size=2, **kw),
+    "internvl": lambda transformers, **kw: transformers.GotOcr2ImageProcessorPil(
+        size={"height": 448, "width": 448}, crop_to_patches=False, **kw),
+}
+
+
+def real_geometry(name, processor, size):
+    from prune_audit.data.geometry import geometry_from_processor
+    from prune_audit.models.internvl import tile_geometry
+
+    return tile_geometry(size, (448, 448)) if name == "internvl" else geometry_from_processor(processor, size)
+
+
+@pytest.mark.parametrize("name", sorted(REAL_PROCESSORS))
+@pytest.mark.parametrize("size", [(640, 480), (480, 640), (500, 333), (1000, 667)])
+def test_real_size_processors_put_every_pixel_on_its_predicted_token(name, size):
+    """At the real checkpoints' sizes (Qwen3-VL's 16-px patches, InternVL's 448-px tile), a token-id image
+    through the bicubic processor shows, away from token borders (3 px: bicubic support), the token the
+    geometry predicts at every processed pixel (tests/test_geometry.py checks LLaVA and Qwen2.5-VL so)."""
+    import transformers
+    from test_geometry import IMAGE_BLUE, _expected_tokens, _processed_pixels, _token_id_image
+
+    processor = REAL_PROCESSORS[name](transformers)
+    geometry = real_geometry(name, processor, size)
+    pixels = np.rint(_processed_pixels(processor, _token_id_image(geometry))).astype(int)
+    assert pixels.shape[1:] == (geometry.processed_height, geometry.processed_width)
+    within = (np.arange(geometry.processed_height) % geometry.token_pixels)[:, None]
+    across = (np.arange(geometry.processed_width) % geometry.token_pixels)[None, :]
+    inner = (within >= 3) & (within < geometry.token_pixels - 3) & (across >= 3) & (across < geometry.token_pixels - 3)
+    decoded = pixels[0] + 256 * ((pixels[1] - 20) // 40)
+    assert (pixels[2] == IMAGE_BLUE).all()  # no padding in either pipeline
+    assert (decoded[inner] == _expected_tokens(geometry)[inner]).all()

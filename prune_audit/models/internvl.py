@@ -139,15 +139,11 @@ class InternVLModel(VisionLanguageModel):
         )
 
     def prepare(self, image, question: str) -> Prepared:
-        from prune_audit.data.geometry import clip_geometry
-
         image = image.convert("RGB")
         pixel_values = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
         if pixel_values.shape[0] != 1:
             raise PruneAuditError(f"the image processor made {pixel_values.shape[0]} tiles; one is supported")
-        height, width = pixel_values.shape[-2:]
-        geometry = clip_geometry(image.size, mode="hf_crop", shortest_edge=None, resize_to=(int(height), int(width)),
-                                 crop_size=None, patch_size=self.token_pixels)
+        geometry = tile_geometry(image.size, tuple(int(side) for side in pixel_values.shape[-2:]), self.token_pixels)
         input_ids = self.tokenizer(self.prompt(question, geometry.num_tokens), return_tensors="pt")["input_ids"][0]
         span = find_image_span(input_ids, self.model.config.image_token_id)
         return Prepared(
@@ -207,6 +203,16 @@ class InternVLModel(VisionLanguageModel):
                 "vision_feature_layer": self.model.config.vision_feature_layer,
             },
         }
+
+
+def tile_geometry(image_size: tuple[int, int], tile: tuple[int, int], token_pixels: int = 28):
+    """:class:`~prune_audit.data.geometry.TokenGeometry` of an image resized whole to one (height, width)
+    ``tile`` (aspect not kept, no pad, no crop) with one token per ``token_pixels`` square: the
+    ``hf_crop`` mode without its crop."""
+    from prune_audit.data.geometry import clip_geometry
+
+    return clip_geometry(image_size, mode="hf_crop", shortest_edge=None, resize_to=tile, crop_size=None,
+                         patch_size=token_pixels)
 
 
 def build_internvl(
@@ -279,4 +285,4 @@ def build_internvl(
     return save_dir
 
 
-__all__ = ["InternVLModel", "build_internvl", "PROMPT_TEMPLATE", "DEFAULT_SYSTEM"]
+__all__ = ["InternVLModel", "build_internvl", "tile_geometry", "PROMPT_TEMPLATE", "DEFAULT_SYSTEM"]
