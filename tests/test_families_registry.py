@@ -2,9 +2,14 @@
 
 Each family builds its own tiny random-weight checkpoint offline (``build_tiny``). For
 each: keep-all equals the stock transformers forward (logits) and stock greedy
-generation; ``prune-audit run`` records every selector the family supports and
-refuses the rest in one line; the token geometry maps every visual token to its
-pixels, on synthetic images and on a real COCO image's object masks.
+generation; the decoder probe equals eager attention; dropping tokens equals the stock
+forward with them masked; every selector runs at the full budget or is refused in one
+line; ``prune-audit run`` records every supported selector, shards merge to one
+process's records, a rerun resumes, ``visualize`` and ``intervene`` run; the token
+geometry maps every visual token to its pixels, on synthetic images and on a real COCO
+image's object masks; docs/models.md's selector table says what runs. Family-specific
+checks follow at the end (InternVL's pixel shuffle and tiling refusal, Qwen3-VL's
+deepstack, the real-size image processors).
 """
 
 from __future__ import annotations
