@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +56,15 @@ class LlavaModel(VisionLanguageModel):
         from transformers import LlavaForConditionalGeneration
 
         return LlavaForConditionalGeneration
+
+    @classmethod
+    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
+                   image_size: int = 112) -> Path:
+        """A random-weight checkpoint of this family for offline tests
+        (:func:`~prune_audit.models.build.build_llava`)."""
+        from prune_audit.models.build import build_llava
+
+        return build_llava(save_dir, words=words, text_layers=text_layers, seed=seed, image_size=image_size)
 
     @classmethod
     def check_clip_text(cls, clip_text: object) -> None:
