@@ -107,7 +107,7 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     check_output_dir(run_dir, "run")
     check_run_layout(run_dir)
     check_writable(run_dir)
-    _check_device(request.device)
+    check_device(request.device)
     threads = configure_threads(request.threads)
     if vlm is None:
         from prune_audit.models import load_vlm
@@ -289,7 +289,7 @@ def check_writable(run_dir: Path) -> None:
         raise PruneAuditError(f"cannot write the run directory {run_dir} ({existing} is not writable); pass a writable --out")
 
 
-def _check_device(device: str) -> None:
+def check_device(device: str) -> None:
     if device not in {"auto", "cpu", "cuda"} and not device.startswith("cuda:"):
         raise PruneAuditError(f"--device must be auto, cpu or cuda, got {device!r}")
     if device.startswith("cuda"):
