@@ -153,7 +153,10 @@ def answer_batch(
     prepared: Sequence[Prepared],
     generators: Sequence[torch.Generator],
 ) -> list[Answer]:
-    """The model's answers in each question's answer mode (its task's), through ``answer_grouped``."""
+    """The model's answers in each question's answer mode (its task's), through ``answer_grouped``; an
+    imported run's come from its kept sets (``runner.imported``)."""
+    if plan.imported is not None:
+        return plan.imported.answers(plan.vlm, plan.task, questions, prepared)
     modes = [plan.task.answer_mode(question) for question in questions]
     return answer_grouped(plan.vlm, plan.selector, plan.request.budget, prepared, modes, generators)
 
