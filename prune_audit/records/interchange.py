@@ -36,12 +36,19 @@ _PARQUET_JSON = ("stages", "answer", "cost", "latency_ms")
 
 @dataclass(frozen=True)
 class KeptStage:
-    """One stage: the decoder ``layer`` whose input the ``kept`` grid indices are, and the grid indices each
-    merged token alive after it carries (``merged``)."""
+    """One stage: the decoder ``layer`` whose input the ``kept`` grid indices are, the grid indices each
+    merged token alive after it carries (``merged``), and the visual tokens it feeds (``tokens``: more than
+    kept + merged when some have no grid cell, such as a CLS token VisionZip keeps)."""
 
     layer: int
     kept: list[int]
     merged: list[list[int]] = field(default_factory=list)
+    tokens: int | None = None
+
+    @property
+    def fed(self) -> int:
+        """Visual tokens the stage feeds the decoder."""
+        return self.tokens if self.tokens is not None else len(self.kept) + len(self.merged)
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,8 @@ def question_line(record: dict[str, Any]) -> dict[str, Any]:
         {"layer": layer, "kept": kept, **({"merged": merged} if merged else {})}
         for layer, kept, merged in zip(record["stage_layers"], record["kept_stages"], record["merged_stages"])
     ]
+    if record["stage_layers"] == [0] and record["visual_tokens_avg"] != len(record["kept"]) + len(record["merged_stages"][0]):
+        stages[0]["tokens"] = int(record["visual_tokens_avg"])  # input-level: every layer sees the same count
     answer = {"text": record["answer_text"], "probability": record["confidence"]}
     for name in ("p_yes", "p_no", "letter_probs"):
         if record.get(name) is not None:
@@ -281,6 +290,11 @@ def _stages(value: Any, where: str) -> list[KeptStage]:
             raise PruneAuditError(f"{at}: \"kept\" repeats a grid index; list each once")
         if not isinstance(merged, list) or not all(_indices(sources) and sources for sources in merged):
             raise PruneAuditError(f"{at}: \"merged\" must be a list of non-empty lists of grid indices")
+        tokens = stage.get("tokens")
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
+                                   or tokens < len(kept) + len(merged)):
+            raise PruneAuditError(f"{at}: \"tokens\" must be null or an integer >= kept + merged "
+                                  f"({len(kept) + len(merged)})")
         if stages:
             previous = stages[-1]
             if layer <= previous.layer:
@@ -291,7 +305,7 @@ def _stages(value: Any, where: str) -> list[KeptStage]:
             if outside:
                 raise PruneAuditError(f"{at}: kept index {outside[0]} was not alive after the previous stage; "
                                       f"stages must be nested")
-        stages.append(KeptStage(layer, list(kept), [list(sources) for sources in merged]))
+        stages.append(KeptStage(layer, list(kept), [list(sources) for sources in merged], tokens))
     return stages
 
 

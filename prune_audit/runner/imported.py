@@ -133,7 +133,7 @@ def _answer_from_line(vlm: VisionLanguageModel, line: KeptQuestion, item: Prepar
     per_layer = [item.num_visual] * vlm.num_layers
     for stage in line.stages:
         for layer in range(stage.layer, vlm.num_layers):
-            per_layer[layer] = len(stage.kept) + len(stage.merged)
+            per_layer[layer] = stage.fed
     parts = {part: math.nan for part in ("vision", "selection", "prefill")} | dict(line.latency_ms or {})
     answer = Answer(
         reduced=_reduction(line, mode),
