@@ -85,3 +85,77 @@ def test_import_with_a_model_reanswers_under_the_forced_kept_sets(runs, workspac
         assert after["kept_stages"] == before["kept_stages"] and after["stage_layers"] == before["stage_layers"]
         assert after["p_yes"] == pytest.approx(before["p_yes"], abs=1e-6)
     assert json.loads((out / "manifest.json").read_text())["selector"]["imported"]["answers"] == "model"
+
+
+HEADER = {"format": "prune-audit-kept-sets", "version": 1, "task": "pope", "selector": "mine", "budget": 4}
+
+
+def kept_set_file(path: Path, workspace, *lines: dict, header: dict = HEADER) -> Path:
+    path.write_text("".join(json.dumps(entry) + "\n" for entry in [header, *lines]))
+    return path
+
+
+def first_question(workspace) -> dict:
+    entry = json.loads(workspace["pope"][0].read_text().splitlines()[0])
+    return {"question_id": entry["question_id"], "split": "random", "image": entry["image"]}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q: {**q, "stages": [{"layer": 0, "kept": [1, 1]}]}, "line 2: stage 0: \"kept\" repeats"),
+    (lambda q: {**q, "stages": [{"layer": 0, "kept": [99]}]}, "grid index 99 is outside the 4x4 token grid"),
+    (lambda q: {**q, "stages": [{"layer": 1, "kept": [1, 2]}, {"layer": 2, "kept": [3]}]}, "stages must be nested"),
+    (lambda q: {**q, "stages": [{"layer": 2, "kept": [1]}, {"layer": 1, "kept": [1]}]}, "increasing layer"),
+    (lambda q: {**q, "stages": [{"layer": 9, "kept": [1]}]}, "outside the model's 4 decoder layers"),
+    (lambda q: {**q, "question_id": 10**9}, "is not in the question files"),
+    (lambda q: {**q, "image": "other.png"}, "but the question files ask"),
+    (lambda q: {**q, "answer": {"text": "maybe", "probability": 0.5}}, "a yes/no answer needs"),
+    (lambda q: {**q, "answer": {"text": "yes", "probability": 2}}, "number in [0, 1]"),
+    (lambda q: {k: v for k, v in q.items() if k != "stages"}, "\"stages\" is missing"),
+])
+def test_bad_lines_are_refused_naming_the_line(workspace, tmp_path, change, message):
+    question = {**first_question(workspace), "stages": [{"layer": 0, "kept": [1, 2]}],
+                "answer": {"text": "yes", "probability": 0.8}}
+    path = kept_set_file(tmp_path / "kept.jsonl", workspace, change(question))
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["import", str(path), "--geometry", str(workspace["model"]), *question_args(workspace),
+                                 "--out", str(out)])
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_a_minimal_external_file_imports_with_analytic_cost(workspace, tmp_path):
+    """Kept sets from elsewhere: no cost, no latency, only the answer and its probability."""
+    question = {**first_question(workspace), "stages": [{"layer": 0, "kept": [1, 2, 5, 6]}],
+                "answer": {"text": "yes", "probability": 0.8}}
+    path = kept_set_file(tmp_path / "kept.jsonl", workspace, question)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["import", str(path), "--geometry", str(workspace["model"]), *question_args(workspace),
+                                 "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    [record] = pq.read_table(out / "records.parquet").to_pylist()
+    assert record["kept"] == [1, 2, 5, 6] and record["p_yes_2way"] == pytest.approx(0.8)
+    assert 0 < record["flops"] < record["flops_dense"] and math.isnan(record["latency_ms"])
+    assert json.loads((out / "manifest.json").read_text())["selector"] == {
+        "name": "mine", "stage": "input", "options": {},
+        "imported": {"file": "kept.jsonl", "sha256": json.loads((out / "manifest.json").read_text())["selector"]
+                     ["imported"]["sha256"], "format_version": 1, "answers": "file"}}
+
+
+def test_export_refuses_to_replace_other_files(runs, tmp_path):
+    precious = tmp_path / "notes.jsonl"
+    precious.write_text("mine\n")
+    result = runner.invoke(app, ["export", str(runs["none"]), "--out", str(precious)])
+    assert result.exit_code == 2 and "never replaces other files" in result.stderr
+    assert precious.read_text() == "mine\n"
+    result = runner.invoke(app, ["export", str(runs["none"]), "--out", str(tmp_path / "kept.csv")])
+    assert result.exit_code == 2 and ".jsonl or .parquet" in result.stderr
+
+
+def test_header_problems_are_one_line(workspace, tmp_path):
+    for header, message in [({**HEADER, "version": 2}, "format version 2"), ({"format": "x"}, "not a kept-set file"),
+                            ({**HEADER, "budget": None}, "null exactly for the unpruned")]:
+        path = kept_set_file(tmp_path / "kept.jsonl", workspace, {**first_question(workspace), "stages": [],
+                             "answer": {"text": "no", "probability": 0.9}}, header=header)
+        result = runner.invoke(app, ["import", str(path), "--geometry", str(workspace["model"]),
+                                     *question_args(workspace), "--out", str(tmp_path / "out")])
+        assert result.exit_code == 2 and message in result.stderr, result.output

@@ -83,6 +83,13 @@ def check_kept_sets(kept_sets: KeptSets, vlm: VisionLanguageModel, grids: dict[s
                                   f"import without --model")
 
 
+def check_answers(kept_sets: KeptSets, task: Task, questions: Sequence[TaskQuestion]) -> None:
+    """Every line's answer holds what its question's answer mode needs (``_reduction``), checked before writing."""
+    by_key = {(q.split, q.question_id): q for q in questions}
+    for line in kept_sets.questions:
+        _reduction(line, task.answer_mode(by_key[(line.split, line.question_id)]))
+
+
 def imported_selector(kept_sets: KeptSets, file_sha256: str, reanswer: bool) -> dict[str, Any]:
     """The manifest's ``selector`` block: the file's selector (stage inferred from its layers when not given)
     and ``imported``: the file's name, sha256, format version and where the answers come from."""
@@ -205,4 +212,4 @@ def export_run(run_dir: Path, out: Path) -> int:
     return records.num_rows
 
 
-__all__ = ["ImportedAnswers", "check_kept_sets", "export_run", "imported_selector", "restrict_questions"]
+__all__ = ["ImportedAnswers", "check_answers", "check_kept_sets", "export_run", "imported_selector", "restrict_questions"]

@@ -135,7 +135,7 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     first = _prepare_first(vlm, questions[0], image_paths)
     budget = resolve_budget(budget, first.num_visual)
     manifest = _manifest(request, task, vlm, selector, budget, questions, first)
-    imported = _imported(request, vlm, questions, image_paths, manifest)
+    imported = _imported(request, vlm, task, questions, image_paths, manifest)
     if budget_share(request.budget) is not None:  # each image gets its share; the schedule above is the first's
         manifest["budget"] = request.budget
     manifest["threads"] = threads
@@ -148,17 +148,19 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
                    manifest, shard, launched is not None, imported)
 
 
-def _imported(request: RunRequest, vlm: VisionLanguageModel, questions: Sequence[TaskQuestion],
+def _imported(request: RunRequest, vlm: VisionLanguageModel, task: Task, questions: Sequence[TaskQuestion],
               image_paths: dict[str, Path], manifest: dict[str, Any]) -> ImportedAnswers | None:
     """``import``: the kept sets checked on each image's token grid, the import recorded in the manifest."""
     if request.kept_sets is None:
         return None
     from prune_audit.data.pope import file_sha256
-    from prune_audit.runner.imported import ImportedAnswers, check_kept_sets, imported_selector
+    from prune_audit.runner.imported import ImportedAnswers, check_answers, check_kept_sets, imported_selector
 
     first_question = {question.image: question for question in reversed(questions)}
     grids = {image: prepare_question(vlm, image_paths[image], q.text).grid for image, q in first_question.items()}
     check_kept_sets(request.kept_sets, vlm, grids, request.reanswer)
+    if not request.reanswer:
+        check_answers(request.kept_sets, task, questions)
     sha256 = file_sha256(request.kept_sets.path)
     manifest["selector"] = imported_selector(request.kept_sets, sha256, request.reanswer)
     manifest["budget"] = request.kept_sets.header.get("budget")
