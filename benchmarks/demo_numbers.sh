@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Every number and figure that README.md and the two demo model cards quote about the bundled demos,
+# Every number and figure that README.md, docs/ and the two demo model cards quote about the bundled demos,
 # from an empty folder, in one command (issue 16):
 #
-#   bash benchmarks/demo_numbers.sh OUT            # about 30 min on the 2-core CPU machine
+#   bash benchmarks/demo_numbers.sh OUT            # about an hour on the shared 2-core CPU machine (README.md)
 #   bash benchmarks/demo_numbers.sh OUT --quick    # a few questions per step: checks that every step runs
 #
-# The default `prune-audit run` is timed first, alone, with its default threads (the README's "took N s");
-# everything else runs with --threads 1 in two parallel lanes (one per core).
-# OUT/summary.txt collects the numbers; the model cards' tables are OUT/table-demo/table.md and
-# OUT/table-demo-qwen/table.md; the README figures are under OUT/figures.
+# The default `prune-audit run` is timed first, then README's quick-start block (as written in README.md,
+# in OUT/quick-start), each alone with its default threads; everything else runs with --threads 1 in two
+# parallel lanes (one per core). Every timed step logs wall time, CPU time (user + system) and the load
+# average. OUT/summary.txt collects the numbers; the model cards' tables are OUT/table-demo/table.md and
+# OUT/table-demo-qwen/table.md; every PNG that README.md and docs/ embed is under OUT/figures with the
+# same file name (copy them over docs/ and docs/images/ to refresh the figures; tests/test_readme.py checks
+# that each embedded PNG is named here).
 set -euo pipefail
 
 OUT=${1:?usage: bash benchmarks/demo_numbers.sh OUT [--quick]}
@@ -22,9 +25,12 @@ if [ -n "$QUICK" ] && [ "$QUICK" != "--quick" ]; then
     exit 2
 fi
 mkdir -p "$OUT/runs" "$OUT/figures"
-LIMIT=() PER_SPLIT=150 VIS_LIMIT=(--limit 900) EVAL_SET=()
+OUT=$(cd "$OUT" && pwd)  # absolute: the quick start runs in its own folder
+README="$(cd "$(dirname "$0")/.." && pwd)/README.md"
+LIMIT=() PER_SPLIT=150 EVAL_SET=() STUDY_SIZE=()
 if [ -n "$QUICK" ]; then
-    LIMIT=(--limit 60) PER_SPLIT=10 VIS_LIMIT=(--limit 60) EVAL_SET=(--scenes 20 --pope-images 10)
+    LIMIT=(--limit 60) PER_SPLIT=10 EVAL_SET=(--scenes 20 --pope-images 10)
+    STUDY_SIZE=(--limit 60 --bootstrap 50 --splits 20 --epsilons 0.2,0.5)  # 10 images: no smaller target
 fi
 CACHE=${PRUNE_AUDIT_CACHE:-$HOME/.cache/prune-audit}
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
@@ -35,12 +41,28 @@ timed() {  # timed NAME COMMAND...: wall and CPU seconds of the command into sum
     log "$name: wall ${wall} s, CPU $(python -c "print(round($user + $system, 1))") s (load: $(cut -d' ' -f1-3 /proc/loadavg))"
 }
 
-log "prune-audit $(python -c 'import prune_audit; print(prune_audit.__version__)') at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(nproc) cores"
+log "prune-audit $(python -c 'import prune_audit; print(prune_audit.__version__)') at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
+log "demo question cache at the start: $(ls -d "$CACHE"/demo-questions-* > /dev/null 2>&1 && echo present || echo absent)"
 
-# alone on the machine: the default run (README: "On the 2-core CPU machine this took N s"), default threads
+# first, with no other step of this script running: the default run (README: "Run the audit"), default threads
 timed run-default prune-audit run --out "$OUT/runs/demo-dense" --quiet "${LIMIT[@]}"
 
-llava_lane() {  # the LLaVA demo's runs, its model card table and the study
+# README's quick-start block as written (--quick: at --limit 60 and question 1), one shell, in its own folder
+mkdir "$OUT/quick-start"
+QUICK_START=$(awk '/^## Quick start/ {section = 1} section && /^```bash/ {block = 1; next} block && /^```/ {exit}
+                   block && NF' "$README")
+if [ -n "$QUICK" ]; then
+    QUICK_START=$(sed -e 's/900/60/g' -e 's/--question-id [0-9]*/--question-id 1/' <<< "$QUICK_START")
+fi
+printf '%s\n' "$QUICK_START" > "$OUT/quick-start/commands.sh"
+timed quick-start bash -c 'cd "$1" && bash -euo pipefail commands.sh > output.txt 2>&1' quick-start "$OUT/quick-start"
+cp "$OUT"/quick-start/calibration-limit*/retention.png "$OUT/figures/calibrate-retention-demo.png"
+
+llava_lane() {  # the study (first: the longest step, and it makes a README figure), the LLaVA demo's runs and table
+    # the default study grid (docs/benchmarks.md's table and findings, README's study figure)
+    timed study prune-audit study --threads 1 --out "$OUT/study" --quiet "${STUDY_SIZE[@]}"
+    cp "$OUT/study/calibration_vs_budget.png" "$OUT/figures/study_demo_calibration_vs_budget.png"
+    log "study: study/report.md"
     prune-audit run --selector e2s --budget 64 --out "$OUT/runs/demo-e2s-64" --threads 1 --quiet "${LIMIT[@]}" \
         > "$OUT/run-demo-e2s-64.txt"
     log "run --selector e2s --budget 64: see run-demo-e2s-64.txt"
@@ -48,13 +70,19 @@ llava_lane() {  # the LLaVA demo's runs, its model card table and the study
     python -m benchmarks.demo_pruning --model demo --budgets 16,32,64 --per-split "$PER_SPLIT" --threads 1 \
         --out "$OUT/table-demo" > /dev/null 2> "$OUT/table-demo.log"
     log "model card table: table-demo/table.md"
-    if [ -z "$QUICK" ]; then  # the default study grid (README table and findings)
-        timed study prune-audit study --threads 1 --out "$OUT/study" --quiet
-        log "study: study/report.md"
-    fi
 }
 
-other_lane() {  # accuracy, object removal, the Qwen demo's runs and table, README figures
+other_lane() {  # README figures (first: seconds), accuracy, object removal, the Qwen demo's runs and table
+    # README figures: kept tokens of several selectors on one scene (VisionZip's merged cells too)
+    IMAGE=$(ls "$CACHE"/demo-questions-*/images/scenes2026_000000000002.png | head -n 1)
+    prune-audit visualize "$IMAGE" --budget 64 --threads 1 --selector none --selector cls_attn --selector divprune \
+        --selector fastv --selector pdrop --selector e2s --selector tome --selector pool \
+        --out "$OUT/figures/visualize-demo.png" > /dev/null
+    prune-audit visualize "$IMAGE" --model demo-qwen --budget 16 --threads 1 --selector none --selector divprune \
+        --selector fastv --selector e2s --out "$OUT/figures/visualize-demo-qwen.png" > /dev/null
+    prune-audit visualize "$IMAGE" --budget 16 --threads 1 --selector none --selector visionzip --selector cls_attn \
+        --out "$OUT/figures/visualize-demo-merged.png" > /dev/null
+    log "figures: figures/"
     # unpruned accuracy on the 9,000 demo questions (LLaVA: also with the two instructions it was trained with)
     for model in demo demo-qwen; do
         prune-audit demo evaluate --model "$model" --threads 1 "${EVAL_SET[@]}" > "$OUT/evaluate-$model.json"
@@ -75,27 +103,14 @@ other_lane() {  # accuracy, object removal, the Qwen demo's runs and table, READ
     python -m benchmarks.demo_pruning --model demo-qwen --budgets 8,16,24 --per-split "$PER_SPLIT" --threads 1 \
         --out "$OUT/table-demo-qwen" > /dev/null 2> "$OUT/table-demo-qwen.log"
     log "model card table: table-demo-qwen/table.md"
-    # README figures: kept tokens of several selectors on one scene (VisionZip's merged cells too), and e2s@64's
-    # retention figure
-    IMAGE=$(ls "$CACHE"/demo-questions-*/images/scenes2026_000000000002.png | head -n 1)
-    prune-audit visualize "$IMAGE" --budget 64 --threads 1 --selector none --selector cls_attn --selector divprune \
-        --selector fastv --selector pdrop --selector e2s --selector tome --selector pool \
-        --out "$OUT/figures/visualize-demo.png" > /dev/null
-    prune-audit visualize "$IMAGE" --model demo-qwen --budget 16 --threads 1 --selector none --selector divprune \
-        --selector fastv --selector e2s --out "$OUT/figures/visualize-demo-qwen.png" > /dev/null
-    prune-audit visualize "$IMAGE" --budget 16 --threads 1 --selector none --selector visionzip --selector cls_attn \
-        --out "$OUT/figures/visualize-demo-merged.png" > /dev/null
-    prune-audit run --out "$OUT/runs/demo-dense-900" --threads 1 --quiet "${VIS_LIMIT[@]}" > /dev/null
-    prune-audit run --selector e2s --budget 64 --out "$OUT/runs/demo-e2s-64-900" --threads 1 --quiet \
-        "${VIS_LIMIT[@]}" > /dev/null
-    prune-audit calibrate "$OUT/runs/demo-e2s-64-900" --reference "$OUT/runs/demo-dense-900" \
-        --out "$OUT/calibration-900" > /dev/null
-    cp "$OUT/calibration-900/retention.png" "$OUT/figures/calibrate-retention-demo.png"
-    log "figures: figures/"
 }
 
 # then two lanes of one thread each, one per core
 llava_lane & lane=$!
 other_lane
 wait "$lane"
-log "done"
+# CPU time of every command this script waited for: bash's `times` (run here, not in a subshell, which would
+# count only its own children), second line: children's user and system time
+times > "$OUT/times.txt"
+cpu=$(tail -n 1 "$OUT/times.txt" | awk '{split($1, u, "m"); split($2, s, "m"); printf "%.0f", u[1] * 60 + u[2] + s[1] * 60 + s[2]}')
+log "done: wall ${SECONDS} s, CPU ${cpu} s (load: $(cut -d' ' -f1-3 /proc/loadavg))"

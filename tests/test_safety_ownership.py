@@ -372,7 +372,10 @@ def test_a_signal_during_a_save_ends_the_command_after_it_is_counted(tmp_path, s
     made the line undercount under load)."""
     from prune_audit.safety import progress
 
-    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # A shell starts background jobs (``cmd &``) ignoring Ctrl-C, which stops_like_ctrl_c keeps ignored:
+    # give the signal its default handler so the test holds however pytest was started.
+    default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+    previous = signal.signal(signum, default)
     try:
         with pytest.raises(KeyboardInterrupt) as stopped:
             with progress.stops_like_ctrl_c():
@@ -385,5 +388,5 @@ def test_a_signal_during_a_save_ends_the_command_after_it_is_counted(tmp_path, s
                                                                     "run the same command again to resume")
         assert progress.interrupt_exit_code(stopped.value) == 128 + signum
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signum, previous)
         progress.forget_saved()

@@ -37,6 +37,7 @@ INPUT_SHAPES = {
     "vision_keys": (("H", "N+1", "d"), "normal"),
     "cls_feature": (("Dv",), "normal"),
     "text_relevance": (("N",), "normal"),
+    "model_text_relevance": (("N",), "normal"),
     "demand": (("N",), "weight"),
     "layer_attention": (("Lv", "N"), "prob"),
     "layer_cls_attention": (("Lv", "N"), "prob"),

@@ -16,12 +16,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.loading import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_attention, clip_attention_block, clip_cls_row, single_tensor_rope
+from prune_audit.models.shape import clip_text_shape, language_shape, llava_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
 
@@ -43,6 +45,7 @@ class LlavaModel(VisionLanguageModel):
         {"features", "vision_features", "cls_attention", "cls_logits", "vision_keys", "cls_feature"}
         | {"text_relevance", "demand", "merging_tower"} | LAYER_SIGNALS
     )
+    cls_probe_signals, layer_probe_signals = CLS_SIGNALS, LAYER_SIGNALS
     missing_signals_reason = "this adapter does not compute it"
     display_name = "LLaVA"
     prompt_templates = PROMPT_TEMPLATES
@@ -98,6 +101,9 @@ class LlavaModel(VisionLanguageModel):
         self.feature_index = layer if layer >= 0 else hidden_count + layer
         if not 1 <= self.feature_index < hidden_count:
             raise PruneAuditError(f"vision_feature_layer {layer} has no encoder layer producing it")
+        vision = llava_vision_shape(config, self.feature_index)
+        clip_shape = None if clip is None else clip_text_shape(clip[0], vision.width)
+        self.shape = ModelShape(vision, language_shape(config.text_config), model.dtype.itemsize, clip_shape)
 
     # ----- prompts --------------------------------------------------------------------
     def prompt(self, question: str) -> str:
@@ -212,11 +218,23 @@ class LlavaModel(VisionLanguageModel):
     def _project(self, vision_tokens: Tensor) -> Tensor:
         return self.model.model.multi_modal_projector(vision_tokens)
 
+    @property
+    def vision_head_dim(self) -> int:
+        """Width of one vision-tower attention head (VisionZip's keys)."""
+        vision = self.model.config.vision_config
+        return vision.hidden_size // vision.num_attention_heads
+
+    def text_chunks(self, prepared: Prepared) -> int:
+        """CLIP text-tower chunks :meth:`_text_relevance` runs for ``prepared``'s question."""
+        context = self.clip[0].config.text_config.max_position_embeddings
+        return -(-len(self.clip[1](prepared.question)["input_ids"]) // context)
+
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals if self.clip is not None else self.input_signals - {"text_relevance"}
 
-    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> Tensor:
-        """(N,) CDPruner relevance ``mean_m -cos(E_i, T_m)`` (selectors spec §6).
+    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> tuple[Tensor, Tensor]:
+        """(N,) CDPruner relevance ``mean_m -cos(E_i, T_m)`` (selectors spec §6), in float32 and as the
+        official code computes it in the CLIP dtype (unit embeddings, cosines and their mean each rounded).
 
         ``E`` = CLIP image projection of the post-layernormed feature-layer patches, ``T``
         = CLIP text embeddings of the raw question, split into chunks of the text
@@ -224,16 +242,18 @@ class LlavaModel(VisionLanguageModel):
         """
         clip, tokenizer = self.clip
         patches = self.vision_tower.post_layernorm(vision.signals["vision_features"])
-        image_embeds = clip.visual_projection(patches.to(clip.dtype)).float()
+        image_embeds = clip.visual_projection(patches.to(clip.dtype))
         ids = tokenizer(prepared.question)["input_ids"]
         context = clip.config.text_config.max_position_embeddings
         chunks = [ids[i : i + context] for i in range(0, len(ids), context)]
         chunks = torch.tensor([chunk + [0] * (context - len(chunk)) for chunk in chunks], device=clip.device)
         pooled = clip.text_model(input_ids=chunks).pooler_output
-        text_embeds = clip.text_projection(pooled).float()
+        text_embeds = clip.text_projection(pooled)
         normalize = torch.nn.functional.normalize
-        cosine = normalize(image_embeds, dim=-1) @ normalize(text_embeds, dim=-1).T  # (N, chunks)
-        return -cosine.mean(dim=1)
+        cosine = normalize(image_embeds.float(), dim=-1) @ normalize(text_embeds.float(), dim=-1).T  # (N, chunks)
+        image_units = image_embeds / image_embeds.norm(dim=-1, keepdim=True)
+        text_units = text_embeds / text_embeds.norm(dim=-1, keepdim=True)
+        return -cosine.mean(dim=1), (-(image_units @ text_units.T)).mean(dim=1)
 
     # ----- direct forwards (the demo trainer and evaluator) ------------------------------
     @property

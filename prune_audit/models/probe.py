@@ -83,20 +83,30 @@ class DecoderProbe:
         return rotated[rows] @ rotated[columns].T / math.sqrt(head_dim)
 
     def probabilities(
-        self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor, in_model_dtype: bool = False
+        self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor, in_model_dtype: bool = False,
+        recipe: str = "eager",
     ) -> tuple[Tensor, Tensor]:
         """Logits and causal softmax of ``rows`` over all earlier keys, both (H, R, L) float32.
 
-        ``in_model_dtype`` (``score_dtype="model"``): as the official code's eager attention forms
-        them in the dtype of ``hidden`` (LLaVA-era ``LlamaAttention``): ``q.k`` rounded to it, divided
-        by ``sqrt(d)`` and rounded, the softmax taken in float32 and rounded; no-op in float32.
+        ``in_model_dtype`` (``score_dtype="model"``): as the official code forms them in the dtype of
+        ``hidden``, ``q.k`` rounded to it (float32 accumulation, as half-precision GEMMs on GPU), then by
+        ``recipe`` (:data:`~prune_audit.pruners.base.MODEL_ATTENTIONS`): ``"eager"`` (LLaVA-era
+        ``LlamaAttention``) divides by ``sqrt(d)`` and rounds, takes the softmax in float32 and rounds;
+        ``"scaled"`` (SparseVLM's ``scaled_dot_product_attention``) multiplies by ``1/sqrt(d)`` in the
+        model dtype and takes the softmax of the half logits, on the model's device as the official code
+        does. No-op in float32.
         """
         visible = torch.arange(hidden.shape[0], device=hidden.device)[None, :] <= rows[:, None]
         if not in_model_dtype or hidden.dtype == torch.float32:
             logits = self.logits(hidden, rows, cos, sin)
             return logits, torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-        dtype, scale = hidden.dtype, math.sqrt(self.layer.self_attn.head_dim)
-        logits = (self.dot_products(hidden, rows, cos, sin).to(dtype).float() / scale).to(dtype).float()
+        dtype, head_dim = hidden.dtype, self.layer.self_attn.head_dim
+        dot_products = self.dot_products(hidden, rows, cos, sin).to(dtype)
+        if recipe == "scaled":
+            logits = dot_products * (1 / math.sqrt(head_dim))
+            probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+            return logits.float(), probs.float()
+        logits = (dot_products.float() / math.sqrt(head_dim)).to(dtype).float()
         probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).to(dtype).float()
         return logits, probs
 

@@ -18,9 +18,12 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.options import check_options
+from prune_audit.pruners.precision import MODEL_ATTENTIONS, as_float32, cls_probabilities, rounded_to
 from prune_audit.pruners.ranking import TOP_K_TIES, ranked_indices, top_k_indices
 
+
 VISION_LAYER_SIGNALS = frozenset({"layer_cls_attention"})  # InputSignals an in-LLM selector may read, per token
+
 #: where a selector acts: before the language model or inside it
 SelectorLevel = Literal["input", "llm"]
 PositionMode = Literal["keep_original", "compact"]
@@ -52,6 +55,9 @@ class InputSignals:
         vision_keys: (H, N + 1, d) that layer's keys, CLS at index 0.
         cls_feature: (Dv,) the CLS hidden state at the feature layer.
         text_relevance: (N,) CDPruner relevance before normalisation.
+        model_text_relevance: (N,) the same as the official code computes it in the model dtype (unit
+            embeddings, cosines and their mean each rounded to it; a float32 tensor); with a half
+            ``model_dtype``, ``score_dtype="model"`` normalises this one (adapters of half models pass it).
         demand: (N,) demand weights for coverage selection (first-layer probe).
         layer_attention: (Lv, N) per encoder layer run (the feature layer's last): attention each patch gets,
             mean over heads and all 1 + N query rows (HiPrune); layer_cls_attention: the CLS row's (VScan).
@@ -69,6 +75,7 @@ class InputSignals:
     vision_keys: Tensor | None = None
     cls_feature: Tensor | None = None
     text_relevance: Tensor | None = None
+    model_text_relevance: Tensor | None = None
     demand: Tensor | None = None
     layer_attention: Tensor | None = None
     layer_cls_attention: Tensor | None = None
@@ -242,31 +249,6 @@ def validate_budget(budget: int) -> int:
     return int(budget)
 
 
-def as_float32(tensor: Tensor) -> Tensor:
-    return tensor.detach().to(torch.float32)
-
-
-def rounded_to(values: Tensor, dtype: torch.dtype | None) -> Tensor:
-    """``values`` rounded to ``dtype`` and kept float32 (``score_dtype="model"``); unchanged for None."""
-    return values if dtype is None else values.to(dtype).float()
-
-
-def cls_probabilities(signals: InputSignals, dtype: torch.dtype | None) -> Tensor:
-    """(H, N) float32 CLS attention to the patches as a selector scores it.
-
-    ``dtype`` None: ``cls_attention`` (float32). A half dtype (``score_dtype="model"``):
-    the probabilities the official eager attention computes in it, the softmax of the
-    (H, 1 + N) ``cls_logits`` rounded to ``dtype``, itself rounded; without logits
-    (hand-built signals) ``cls_attention`` rounded to ``dtype``.
-    """
-    if dtype is None or dtype == torch.float32:
-        return as_float32(signals.cls_attention)
-    if signals.cls_logits is None:
-        return as_float32(signals.cls_attention).to(dtype).float()
-    logits = as_float32(signals.cls_logits).to(dtype).float()
-    return torch.softmax(logits, dim=-1).to(dtype).float()[:, 1:]
-
-
 class Selector:
     """Common metadata and signal checking for every selector.
 
@@ -343,6 +325,7 @@ class LayerSelector(Selector):
     signal_layer: str = "current"  # "previous": attention/keys of layer l-1 score a stage at layer l
     score_dtype: str = "float32"  # "model": attention formed in, other inputs and scores rounded to the model dtype
     ties: str = "lower"  # top-k selectors declare it as an option (TOP_K_TIES)
+    model_attention: str = "eager"  # the attention recipe under score_dtype="model" (MODEL_ATTENTIONS)
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""
@@ -384,6 +367,6 @@ class LayerSelector(Selector):
 
 __all__ = [
     "InputSignals", "LayerSignals", "VISION_LAYER_SIGNALS", "Selection", "Stage", "TokenMerge", "SelectorLevel",
-    "Reference", "Selector", "InputSelector", "LayerSelector", "top_k_indices", "TOP_K_TIES", "ranked_indices",
-    "validate_budget", "option_defaults", "as_float32", "rounded_to",
+    "Reference", "Selector", "InputSelector", "LayerSelector", "top_k_indices", "TOP_K_TIES", "MODEL_ATTENTIONS",
+    "ranked_indices", "validate_budget", "option_defaults", "as_float32", "cls_probabilities", "rounded_to",
 ]  # fmt: skip

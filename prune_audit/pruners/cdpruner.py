@@ -109,7 +109,9 @@ class CDPrunerSelector(InputSelector):
         score_dtype: ``"float32"`` (default) or ``"model"``: the unit rows are computed in
             the model's dtype (``signals.model_dtype``; hand-built half-precision features
             keep theirs) and only then widened, as the reference normalises the projector
-            outputs before its ``.float()``; the kernel and the greedy stay float32 there too.
+            outputs before its ``.float()``, and the relevance (``model_text_relevance``, the raw
+            relevance as computed in that dtype, where the adapter passes it) is min-max normalised in that
+            dtype (:meth:`relevance`); the kernel and the greedy stay float32 there too.
     """
 
     name: ClassVar[str] = "cdpruner"
@@ -128,10 +130,16 @@ class CDPrunerSelector(InputSelector):
     ties: str = option("argmax", Choice(TIES), "argmax (official) or tolerance (relative 1e-5, lower index)")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or unit rows in the model dtype (official)")
 
-    def relevance(self, text_relevance: Tensor) -> Tensor:
-        """(N,) float32 normalised relevance from the raw (N,) ``text_relevance``."""
-        raw = as_float32(text_relevance)
+    def relevance(self, text_relevance: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """(N,) float32 normalised relevance from the raw (N,) ``text_relevance``.
+
+        ``dtype`` (a half dtype under ``score_dtype="model"``): the raw relevance rounded to it and
+        min-max normalised in it, every step rounded (the official code normalises its half-precision
+        relevance before the float32 kernel); None: in float32.
+        """
+        raw = as_float32(text_relevance) if dtype is None else text_relevance.detach().to(dtype)
         relevance = (raw - raw.min() + 1e-6) / (raw.max() - raw.min()).clamp_min(1e-6)
+        relevance = relevance.float()
         if self.theta is not None:
             relevance = torch.exp(self.theta / (2 * (1 - self.theta)) * relevance)
         return relevance
@@ -139,7 +147,8 @@ class CDPrunerSelector(InputSelector):
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         dtype = half_dtype(signals.model_dtype, signals.features) if self.score_dtype == "model" else None
         unit = unit_rows(signals.features) if dtype is None else unit_rows_in(signals.features, dtype)
-        relevance = self.relevance(signals.text_relevance)
+        official_raw = signals.model_text_relevance if dtype is not None else None
+        relevance = self.relevance(signals.text_relevance if official_raw is None else official_raw, dtype)
         diagonal = relevance**2 * (unit * unit).sum(dim=1)
 
         def kernel_rows(indices: Tensor) -> Tensor:

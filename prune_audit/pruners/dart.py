@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from prune_audit.pruners.base import LayerSignals, Reference, Stage, top_k_indices
+from prune_audit.pruners.base import LayerSignals, Reference, Stage, ranked_indices, top_k_indices
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SIGNAL_LAYERS, SingleStageSelector
@@ -18,9 +18,29 @@ VISUAL_PIVOTS = 4
 TEXT_PIVOTS = 4
 
 
-def ranked_top_k(scores: Tensor, k: int) -> Tensor:
-    """(k,) indices of the ``k`` largest scores in descending score order (``torch.topk``'s order), ties to the lower index."""
-    return torch.sort(-scores.detach().float(), stable=True).indices[:k]
+def ranked_top_k(scores: Tensor, k: int, ties: str = "lower", dtype: torch.dtype | None = None) -> Tensor:
+    """(k,) indices of the ``k`` largest (N,) ``scores``, best first (``torch.topk``'s order).
+
+    ``ties="lower"``: exact ties to the lower index; ``"topk"``: ``torch.topk`` on the scores cast to ``dtype``
+    (None: their own), its order among exact ties, as the official code ranks the key norms.
+    """
+    if ties == "topk":
+        return torch.topk(scores if dtype is None else scores.to(dtype), k).indices
+    return ranked_indices(scores, k)
+
+
+def half_dissimilarity(pivot: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
+    """(N,) float32 holding ``-F.cosine_similarity(pivot, rows)`` computed in ``dtype``, as the official code.
+
+    ``F.cosine_similarity`` divides each vector by its norm (rounded to ``dtype``), multiplies the unit
+    vectors elementwise in ``dtype`` and sums the products (accumulated in float32, rounded once); in half
+    precision about half of the values differ by an ulp from the float32 cosine rounded afterwards.
+
+    Args:
+        pivot: (D,) float hidden state of the pivot.
+        rows: (N, D) float hidden states of the candidates.
+    """
+    return (-F.cosine_similarity(pivot.to(dtype), rows.to(dtype), dim=-1)).float()
 
 
 def set_iteration_order(image_indices: list[int], query_indices: list[int]) -> list[int]:
@@ -74,7 +94,13 @@ class DARTSelector(SingleStageSelector):
     ``"current"``: layer K's keys on its input. ``normed_hidden_states`` are the final
     norm of layer K's input (= layer K-1's output, as the reference) either way.
 
-    Deviations: ties to the lower index (``torch.topk`` leaves them unspecified).
+    ``score_dtype="model"`` with a half model dtype: the key norms and normed hidden states rounded to
+    it, the dissimilarities computed as the official ``-F.cosine_similarity`` in it
+    (:func:`half_dissimilarity`) and ranked there; ``ties="topk"`` ranks the key norms and each
+    pivot's remaining candidates (ascending, as the official list of its index set) with
+    ``torch.topk``, reproducing the official kept set on the same hardware.
+
+    Deviations: ties to the lower index by default (``torch.topk`` leaves them unspecified).
     """
 
     name: ClassVar[str] = "dart"
@@ -99,12 +125,16 @@ class DARTSelector(SingleStageSelector):
             return super().prune(stage, signals, state)  # nothing or everything: the base handles it
         self._check_signals(signals)
         signals = self.inputs(signals)
-        visual_pivots = ranked_top_k(signals.key_norms, min(VISUAL_PIVOTS, stage.keep))
+        dtype = self.ranking_dtype(signals.model_dtype)
+        visual_pivots = ranked_top_k(signals.key_norms, min(VISUAL_PIVOTS, stage.keep), self.ties, dtype)
         if visual_pivots.numel() == stage.keep:
             return torch.sort(visual_pivots).values
-        text_pivots = ranked_top_k(signals.text_key_norms, TEXT_PIVOTS)
-        hidden = F.normalize(signals.normed_hidden_states.detach().float(), dim=-1)
-        text_hidden = F.normalize(signals.text_normed_hidden_states.detach().float(), dim=-1)
+        text_pivots = ranked_top_k(signals.text_key_norms, TEXT_PIVOTS, self.ties, dtype)
+        if dtype is None:
+            hidden = F.normalize(signals.normed_hidden_states.detach().float(), dim=-1)
+            text_hidden = F.normalize(signals.text_normed_hidden_states.detach().float(), dim=-1)
+        else:  # the official cosine in the model dtype normalises inside F.cosine_similarity
+            hidden, text_hidden = signals.normed_hidden_states, signals.text_normed_hidden_states
         pivot_hidden = torch.cat([hidden[visual_pivots], text_hidden[text_pivots]])  # (P, D), rank order
         pivot_hidden = pivot_hidden[self.visiting_order(signals, visual_pivots, text_pivots)]
         candidate = torch.ones(signals.num_alive, dtype=torch.bool)
@@ -112,8 +142,13 @@ class DARTSelector(SingleStageSelector):
         kept = [visual_pivots]
         shares = picks_per_pivot(stage.keep - visual_pivots.numel(), pivot_hidden.shape[0])
         for pivot, share in zip(pivot_hidden, shares):
-            dissimilarity = self.model_precision(-(hidden @ pivot), signals).masked_fill(~candidate, float("-inf"))
-            picks = top_k_indices(dissimilarity, share, self.ties, self.ranking_dtype(signals.model_dtype))
+            # the official code ranks the remaining candidates alone, in ascending order
+            pool = torch.nonzero(candidate).flatten()
+            if dtype is None:
+                dissimilarity = self.model_precision(-(hidden @ pivot), signals)[pool]
+            else:
+                dissimilarity = half_dissimilarity(pivot, hidden[pool], dtype)
+            picks = pool[top_k_indices(dissimilarity, share, self.ties, dtype)]
             candidate[picks] = False
             kept.append(picks)
         return torch.sort(torch.cat(kept)).values

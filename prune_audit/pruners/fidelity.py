@@ -11,31 +11,10 @@ exists, the test that checks it).
 
 from __future__ import annotations
 
-from typing import Any
-
+from prune_audit.pruners.fidelity_entry import CLS_HALF as _CLS_HALF
+from prune_audit.pruners.fidelity_entry import INPUT_DTYPE as _INPUT_DTYPE
+from prune_audit.pruners.fidelity_entry import MODEL_DTYPE_ATTENTION as _MODEL_DTYPE_ATTENTION
 from prune_audit.pruners.fidelity_entry import RANDOM_CASES, Fidelity, random_agreement as _random
-
-_MODEL_DTYPE = (
-    "score_dtype=model rounds the signals and the final scores to the model dtype; reductions in between stay "
-    "float32, as half-precision reductions on GPU accumulate in float32"
-)
-_MODEL_DTYPE_ATTENTION = (
-    "score_dtype=model forms the attention rows as the official code's eager attention does in the model dtype "
-    "(q.k rounded, divided by sqrt(d) as LLaVA-era LlamaAttention does and rounded, float32 softmax rounded: bit "
-    "for bit the eager attention of a bf16 and an fp16 tiny LLaVA, "
-    "test_fidelity.py::test_model_dtype_attention_is_the_eager_attention_of_a_half_precision_model), rounds the "
-    "other signals and the final scores to it; reductions in between stay float32, as half-precision reductions "
-    "on GPU accumulate in float32"
-)
-_INPUT_DTYPE = (
-    "score_dtype=model computes the CLS probabilities as the official eager attention does in the model dtype the "
-    "adapter passes (query scaled in it, logits and probabilities rounded to it) and rounds the scores; reductions "
-    "in between stay float32, as half-precision reductions on GPU accumulate in float32"
-)
-_CLS_HALF = (
-    "CLS attention in fp16 / bf16 against the official eager attention run in that dtype "
-    "(test_fidelity.py::test_cls_logits_reproduce_the_official_half_precision_cls_attention): "
-)
 
 
 FIDELITY: dict[str, Fidelity] = {
@@ -47,13 +26,23 @@ FIDELITY: dict[str, Fidelity] = {
             "no early stop and gains below 1e-6 x max diag count as 0 (the official code has no guard and yields NaN "
             "once the kernel's rank is exhausted)",
             "kernel rows computed on demand, no N x N matrix (memory at high resolution)",
-            "unit rows in float32 by default (the official code normalises the projector outputs in the model dtype, "
-            "then computes the kernel and the greedy in float32); score_dtype=model normalises in the model dtype",
+            "unit rows and relevance in float32 by default (the official code normalises the projector outputs, "
+            "computes the CLIP relevance and min-max normalises it in the model dtype, then computes the kernel and "
+            "the greedy in float32); score_dtype=model does the same: the unit rows in the model dtype, the raw "
+            "relevance as the adapter computes it in the CLIP dtype (model_text_relevance: unit embeddings, cosines "
+            "and their mean rounded) normalised in the model dtype, every step rounded",
         ),
         _random(30, "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
-                "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 27 and 15 of "
+                "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 26 and 9 of "
                 "30 (test_fidelity.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_normalisation)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases (and 10 of 10 each with a quarter of the tokens duplicated) "
+        "with score_dtype=model against the official unit features, CLIP relevance and "
+        "min-max normalisation written out in half on CPU, the kernel and greedy in float32 "
+        "(test_fidelity_half.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_relevance); from "
+        "the float32 raw relevance rounded once (no model_text_relevance) 28 and 23 of 30, float32 throughout 29 and "
+        "8 of 30; the adapter's model_text_relevance is checked on a half tiny LLaVA with its CLIP text tower",
+        {"fp16": 30, "bf16": 30},
     ),
     "cls_attn": Fidelity(
         "f5d5f120",
@@ -65,6 +54,10 @@ FIDELITY: dict[str, Fidelity] = {
                 "(test_input_selectors.py), and on the adapter's bf16 signals (test_fidelity.py); " + _CLS_HALF
                 + "score_dtype=model 30 of 30 in both, float32 29 and 16 of 30"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk of the "
+        "head mean of the official half CLS attention (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties "
+        "at most 29 and 23 of 30, float32 29 and 16 of 30",
+        {"fp16": 30, "bf16": 30},
     ),
     "coverage": Fidelity(
         "-",
@@ -76,16 +69,26 @@ FIDELITY: dict[str, Fidelity] = {
     "dart": Fidelity(
         "vendored in Chenfei-Liao/VTC-Bench 983e443e; fork xqy1111111/DART 02476570",
         "pivots visited in ascending sequence order; key norms of layer K-1 (signal_layer=previous); average rule",
-        ("budget_rule=paper", "pivot_order=set", "score_dtype=model"),
+        ("budget_rule=paper", "pivot_order=set", "score_dtype=model", "ties=topk"),
         (
             "default pivot order is ascending (the official Python-set order depends on where the image sits "
             "in the prompt); pivot_order=set reproduces it",
-            "ties to the lower index",
-            _MODEL_DTYPE,
+            "ties to the lower index by default; ties=topk ranks the key norms and each pivot's remaining "
+            "candidates with torch.topk as the official code does (its order among exact ties is the kernel's: "
+            "use it to reproduce a run on the same hardware, the default for deterministic audits)",
+            "score_dtype=model rounds the key norms and normed hidden states to the model dtype and computes the "
+            "dissimilarities as the official -F.cosine_similarity in it (norms, unit vectors and products rounded, "
+            "the sum accumulated in float32 and rounded once); float32 cosines rounded afterwards differ by an "
+            "ulp in about half of the values",
         ),
         _random(30, "test_fidelity.py::test_dart_set_order_reproduces_the_official_iteration",
                 "pivot_order=sequence (default): 0 of 30"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the rows duplicated, "
+        "with budget_rule=paper, pivot_order=set, score_dtype=model, ties=topk against the official cosine "
+        "written out in half on CPU (test_fidelity_half.py::test_dart_model_dtype_reproduces_the_official_half_"
+        "precision_cosine); float32 cosines rounded afterwards 15 and 0 of 30",
+        {"fp16": 30, "bf16": 30},
     ),
     "divprune": Fidelity(
         "799e2d95",
@@ -100,6 +103,11 @@ FIDELITY: dict[str, Fidelity] = {
                 "ties=tolerance: 25 of 30; fp16 features: score_dtype=model 30 of 30, float32 2 of 30 "
                 "(measured once; the test runs 6 of those cases)"),  # fmt: skip
         30,
+        "fp16 6 of 6 (1024-dim cases: fp16 matrix products are slow on CPU; all 30 measured once: 30 of 30), bf16 30 "
+        "of 30 with score_dtype=model against the official greedy run in that dtype on CPU "
+        "(test_fidelity.py::test_divprune_model_dtype_reproduces_the_official_half_precision_picks, "
+        "test_fidelity.py::test_divprune_model_dtype_reproduces_the_official_bf16_picks); float32 2 and 0 of 30",
+        {"bf16": 30},
     ),
     "e2s": Fidelity(
         "not public",
@@ -113,6 +121,8 @@ FIDELITY: dict[str, Fidelity] = {
         "no official code to compare with; hand-computed cases in test_llm_selectors.py; each Table-3 preset "
         "realises its row and an average of 128 "
         "(test_fidelity.py::test_every_e2s_table3_row_is_a_preset_averaging_128)",
+        half_agreement="no official code to compare with; score_dtype=model rounds the signals and scores to the "
+        "model dtype as the other in-LLM selectors do",
     ),
     "fastv": Fidelity(
         "d1659729",
@@ -128,6 +138,10 @@ FIDELITY: dict[str, Fidelity] = {
                 "and identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
                 "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk on the half "
+        "attention rows (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties at most 29 and 23; "
+        "on CPU the official fp16 q.k^T GEMM rounds 1 to 20 of the 18,432 last-row image probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's accumulation; bf16: none), kept sets still 30 of 30 (test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
+        {"fp16": 30, "bf16": 30},
     ),
     "pdrop": Fidelity(
         "6444f304",
@@ -143,6 +157,10 @@ FIDELITY: dict[str, Fidelity] = {
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; schedule identical to the official default "
                 "(test_schedule.py::test_official_rule_gives_the_code_default_and_refuses_other_budgets)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk on the half "
+        "attention rows (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties at most 29 and 23; "
+        "on CPU the official fp16 q.k^T GEMM rounds 1 to 20 of the 18,432 last-row image probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's accumulation; bf16: none), kept sets still 30 of 30 (test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
+        {"fp16": 30, "bf16": 30},
     ),
     "pool": Fidelity(
         "-",
@@ -179,12 +197,17 @@ FIDELITY: dict[str, Fidelity] = {
                 "and naive facility-location cases (test_input_selectors.py); " + _CLS_HALF
                 + "score_dtype=model 28 and 30 of 30, float32 21 and 3 of 30"),  # fmt: skip
         30,
+        "with score_dtype=model, ties=argmax against the official greedy run in that dtype on CPU: fp16 29 of 30, "
+        "bf16 30 of 30 (test_fidelity.py::test_scope_model_dtype_reproduces_the_official_half_precision_greedy, "
+        "asserted with one case of slack); float32 23 and 12 of 30; the remaining fp16 case is kernel rounding: "
+        "a half-precision matrix product's last bit depends on its accumulation order (about 1 cosine in 10^4 "
+        "differs by an ulp between kernels)",
     ),
     "sparsevlm": Fidelity(
         "26a5f488",
         "raters from input embeddings; layer l's attention prunes its output (signal_layer=previous); average rule; "
         "no token recycling",
-        ("budget_rule=paper", "recycle=true", "score_dtype=model"),
+        ("budget_rule=paper", "recycle=true", "score_dtype=model", "ties=topk"),
         (
             "recycling is off by default so that pure-pruning records stay comparable with the other selectors; "
             "recycle=true inserts the reference's DPC-kNN cluster tokens after the kept ones (merged tokens and "
@@ -196,8 +219,16 @@ FIDELITY: dict[str, Fidelity] = {
             "half-precision adds whose order varies between runs, so no deterministic computation reproduces them); "
             "ties in relevance among the pruned tokens are ordered by the lower index (torch.topk leaves them "
             "unspecified)",
-            "exactly keep tokens (the official code caps at n - 1); ties to the lower index",
-            _MODEL_DTYPE_ATTENTION,
+            "exactly keep tokens (the official code caps at n - 1); ties to the lower index by default; ties=topk "
+            "ranks with torch.topk on the half scores as the official code (its order among exact ties is the "
+            "kernel's: use it to reproduce a run on the same hardware, the default for deterministic audits)",
+            "score_dtype=model computes as the official code does in the model dtype: raters from the rounded input "
+            "embeddings (V T^T, its softmax, the visual mean and its mean each rounded), the attention by the "
+            "official utils.scaled_dot_product_attention (model_attention=scaled, default: q.k rounded with float32 "
+            "accumulation as on GPU, times 1/sqrt(d) in the model dtype, softmax of the half logits on the model's "
+            "device; model_attention=eager keeps LlamaAttention's eager recipe, / sqrt(d) and a float32 softmax "
+            "rounded, as before the option existed: in fp16 the two scalings differ in about 0.1 % of the logits), "
+            "the head mean rounded, then the rater mean rounded",
         ),
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
                 "one stage; first-stage kept sets identical to the top-k of the previous layer's eager rater attention "
@@ -209,6 +240,18 @@ FIDELITY: dict[str, Fidelity] = {
                 "relevance 29 of 30: one tie reorders the points summed into one cluster), paper rule with "
                 "recycling realises 206.50 / 145.41 / 82.25 (test_recycling.py)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the keys duplicated "
+        "(whole attention columns tied) and with integer keys (many equal probabilities), first stage with score_dtype=model, ties=topk against the official "
+        "raters and attn_postprocess_topk written out in half on CPU from the official half attention "
+        "(test_fidelity_half.py::test_sparsevlm_model_dtype_reproduces_the_official_half_precision_scores); "
+        "score_dtype=model with lower-index ties 19 and 5 of 30, float32 scores 16 and 0 of 30; the probe's "
+        "model_attention=scaled rows are the official scaled_dot_product_attention of a half tiny LLaVA bit for "
+        "bit with q.k accumulated in float32 as on GPU "
+        "(test_fidelity_half.py::test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model); on CPU "
+        "the official fp16 q @ k^T GEMM rounds a few dot products differently (1 of 4536 on that model; 1 to 20 of "
+        "18,432 last-row probabilities per LLaVA-size prompt, test_fidelity_half.py::test_fastv_and_pdrop_keep_the_"
+        "official_set_despite_the_cpu_fp16_gemm), bf16 none",
+        {"fp16": 30, "bf16": 30},
     ),
     "tome": Fidelity(
         "af95e4b1",
@@ -234,15 +277,24 @@ FIDELITY: dict[str, Fidelity] = {
     "v2drop": Fidelity(
         "219e03ed",
         "largest hidden-state variation at layers 3/17/22, paper shapes solved to the budget average",
-        ("budget_rule=official", "score_dtype=model"),
+        ("budget_rule=official", "score_dtype=model", "ties=topk"),
         (
             "paper and average rules keep 0 tokens at the last stage as the paper states (the code keeps 1; "
             "budget_rule=official does)",
-            "ties to the lower index",
-            _MODEL_DTYPE,
+            "ties to the lower index by default; ties=topk ranks with torch.topk on the half variations as the "
+            "official code (its order among exact ties is the kernel's: use it to reproduce a run on the same "
+            "hardware, the default for deterministic audits)",
+            "score_dtype=model computes as the official code in the model dtype: the states rounded, their "
+            "difference rounded, its norm torch's half-precision reduction (float32 accumulation in the kernel's "
+            "order, rounded once)",
         ),
         _random(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; official schedule identical to the code's default (test_schedule.py)"),
         30,
+        "fp16 30 of 30, bf16 30 of 30 random cases and 10 of 10 each with duplicated rows, with score_dtype=model, "
+        "ties=topk against the official torch.norm of the half difference on CPU "
+        "(test_fidelity_half.py::test_v2drop_model_dtype_reproduces_the_official_half_precision_variation); "
+        "lower-index ties 5 and 0 of 30, float32 5 and 0 of 30",
+        {"fp16": 30, "bf16": 30},
     ),
     "visionzip": Fidelity(
         "3151f6df",
@@ -266,6 +318,11 @@ FIDELITY: dict[str, Fidelity] = {
                 "bit for bit with score_dtype=model in 30 of 30 each, float32 scoring the same sets in 0 of 30 "
                 "(test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk: dominant set against the official "
+        "torch.topk on the half CLS attention (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); with "
+        "score_dtype=model the whole forward (dominant set, contextual groups, output vectors) bit for bit in 30 "
+        "of 30 each (test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)",
+        {"fp16": 30, "bf16": 30},
     ),
     "vispruner": Fidelity(
         "aefa01ad",
@@ -285,6 +342,11 @@ FIDELITY: dict[str, Fidelity] = {
                 "(norms and cosines rounded once): score_dtype=model 30 of 30 each, float32 scoring 0 of 30; CPU fp16 "
                 "kernels round some norms and cosines differently (18 of 30 there)"),  # fmt: skip
         30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model against the official forward in that dtype with a "
+        "GPU's float32 accumulation (norms and cosines rounded once) "
+        "(test_fidelity.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens); against the CPU "
+        "fp16 kernels 18 of 30: they round some norms and cosines differently (kernel rounding)",
+        {"fp16": 30, "bf16": 30},
     ),
     "hiprune": Fidelity(
         "6e83a124",
@@ -332,56 +394,4 @@ FIDELITY: dict[str, Fidelity] = {
 
 NOT_YET_DONE: tuple[str, ...] = ()
 
-COLUMNS = (
-    "selector", "paper", "official repository (commit read)", "default here", "reference-exact options",
-    "remaining differences (why)", "measured agreement",
-)  # fmt: skip
-
-
-def fidelity_rows() -> list[dict[str, Any]]:
-    """One row per registered selector that has a fidelity entry, in name order."""
-    from prune_audit.pruners.registry import list_selectors, selector_class
-
-    rows = []
-    for name in list_selectors():
-        if name not in FIDELITY:
-            continue
-        entry, reference = FIDELITY[name], selector_class(name).reference
-        rows.append(
-            {
-                "selector": name,
-                "paper": reference.paper,
-                "official repository (commit read)": f"{reference.repository} ({entry.commit})",
-                "default here": entry.default,
-                "reference-exact options": ", ".join(entry.exact) or "the defaults",
-                "remaining differences (why)": "; ".join(entry.differences),
-                "measured agreement": entry.agreement,
-            }
-        )
-    return rows
-
-
-def fidelity_markdown() -> str:
-    """The text of ``docs/fidelity.md``."""
-    lines = [
-        "# Fidelity: each selector against its official code",
-        "",
-        "Generated from `prune_audit/pruners/fidelity.py` (printed by `prune-audit selectors --fidelity --markdown`);",
-        "`tests/test_fidelity_doc.py` checks that this file matches. Reference-exact options are passed as",
-        "`--option KEY=VALUE`. Measured agreement: kept sets compared with independent re-implementations of the",
-        "official algorithms written in `tests/test_fidelity.py` from the official code's math, on random cases",
-        "at realistic sizes (576 tokens, 1024/4096-dim features, budgets 64/128/192). The commits are those the",
-        "selectors spec (`shared/specs/selectors.md`, section 0) was written from; DART's set order was re-read in",
-        "the fork named in its row.",
-        "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-    ]
-    for row in fidelity_rows():
-        lines.append("| " + " | ".join(str(row[column]).replace("|", "\\|") for column in COLUMNS) + " |")
-    if NOT_YET_DONE:
-        lines += ["", "## Not yet done", ""] + [f"- {item}" for item in NOT_YET_DONE]
-    return "\n".join(lines) + "\n"
-
-
-__all__ = ["Fidelity", "FIDELITY", "RANDOM_CASES", "COLUMNS", "NOT_YET_DONE", "fidelity_rows", "fidelity_markdown"]
+__all__ = ["Fidelity", "FIDELITY", "RANDOM_CASES", "NOT_YET_DONE"]

@@ -1,8 +1,10 @@
-"""One row of the fidelity table (:mod:`prune_audit.pruners.fidelity`) and its random-case agreement text."""
+"""One row of the fidelity table (:mod:`prune_audit.pruners.fidelity`), its random-case agreement text and the
+phrases several rows share."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 # the random-case comparison of tests/test_fidelity.py: 10 seeds x budgets 64/128/192, 576 tokens, 1024/4096-dim
 RANDOM_CASES = 30
@@ -19,6 +21,10 @@ class Fidelity:
         differences: every remaining difference from the official code, each with its reason.
         agreement: the measured agreement, quoting the test that measures it.
         agreement_cases: N of the ``RANDOM_CASES`` random cases with identical kept sets, when measured.
+        half_agreement: the agreement in fp16 and bf16 against the official arithmetic in that dtype, with the
+            options that reach it, quoting the test (and naming the kernel rounding that prevents exactness).
+        half_cases: ``{"fp16": N, "bf16": N}``: N of the ``RANDOM_CASES`` random cases identical in each dtype
+            with those options, where a test asserts it.
     """
 
     commit: str
@@ -27,9 +33,30 @@ class Fidelity:
     differences: tuple[str, ...]
     agreement: str
     agreement_cases: int | None = None
+    half_agreement: str = "no half-precision path (nothing is computed in the model dtype)"
+    half_cases: Mapping[str, int] = field(default_factory=dict)
 
 
 def random_agreement(cases: int, test: str, extra: str = "") -> str:
     """The agreement text of ``cases`` identical kept sets out of ``RANDOM_CASES``, measured by ``test``."""
     tail = f"; {extra}" if extra else ""
     return f"kept sets identical in {cases} of {RANDOM_CASES} random cases ({test}){tail}"
+
+
+MODEL_DTYPE_ATTENTION = (
+    "score_dtype=model forms the attention rows as the official code's eager attention does in the model dtype "
+    "(q.k rounded, divided by sqrt(d) as LLaVA-era LlamaAttention does and rounded, float32 softmax rounded: bit "
+    "for bit the eager attention of a bf16 and an fp16 tiny LLaVA, "
+    "test_fidelity.py::test_model_dtype_attention_is_the_eager_attention_of_a_half_precision_model), rounds the "
+    "other signals and the final scores to it; reductions in between stay float32, as half-precision reductions "
+    "on GPU accumulate in float32"
+)
+INPUT_DTYPE = (
+    "score_dtype=model computes the CLS probabilities as the official eager attention does in the model dtype the "
+    "adapter passes (query scaled in it, logits and probabilities rounded to it) and rounds the scores; reductions "
+    "in between stay float32, as half-precision reductions on GPU accumulate in float32"
+)
+CLS_HALF = (
+    "CLS attention in fp16 / bf16 against the official eager attention run in that dtype "
+    "(test_fidelity.py::test_cls_logits_reproduce_the_official_half_precision_cls_attention): "
+)

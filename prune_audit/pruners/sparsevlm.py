@@ -9,7 +9,16 @@ from typing import Any, ClassVar, get_args
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import LayerSignals, PositionMode, Reference, Stage, TokenMerge, ranked_indices
+from prune_audit.pruners.base import (
+    MODEL_ATTENTIONS,
+    LayerSignals,
+    PositionMode,
+    Reference,
+    Stage,
+    TokenMerge,
+    ranked_indices,
+    rounded_to,
+)
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, Flag, option
 from prune_audit.pruners.schedule import (
@@ -93,15 +102,23 @@ def cluster_and_merge(points: Tensor, clusters: int, noise: Tensor) -> tuple[Ten
     return torch.zeros(clusters, points.shape[-1]).index_add_(0, assignment, weighted), assignment
 
 
-def select_raters(embeddings: Tensor, text_embeddings: Tensor) -> Tensor:
+def select_raters(embeddings: Tensor, text_embeddings: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """(T,) bool: the text tokens whose relevance to the image is above the mean.
 
     ``P = softmax over text of V T^T`` (V: (n, D) visual, T: (T, D) text input
     embeddings), ``w = mean over visual tokens of P``; raters are ``w > mean(w)``.
     If no token is above the mean (all equally relevant) every text token rates.
+    ``dtype`` (the model's half dtype under ``score_dtype="model"``): as the official code computes
+    them in it, ``V T^T``, ``P``, ``w`` and ``mean(w)`` each rounded to it (reductions accumulated in
+    float32); None: float32 throughout.
     """
-    relevance = torch.softmax(embeddings.detach().float() @ text_embeddings.detach().float().T, dim=-1).mean(dim=0)
-    raters = relevance > relevance.mean()
+    if dtype is None:
+        relevance = torch.softmax(embeddings.detach().float() @ text_embeddings.detach().float().T, dim=-1).mean(dim=0)
+        raters = relevance > relevance.mean()
+    else:
+        logits = rounded_to(embeddings.detach().float() @ text_embeddings.detach().float().T, dtype)
+        relevance = rounded_to(rounded_to(torch.softmax(logits, dim=-1), dtype).mean(dim=0), dtype)
+        raters = relevance > rounded_to(relevance.mean(), dtype)
     return raters if bool(raters.any()) else torch.ones_like(raters)
 
 
@@ -126,8 +143,12 @@ class SparseVLMSelector(ScheduledSelector):
     for 192 / 128 / 64 on 32 layers x 576 tokens with the reference semantics (188.19 /
     123.94 / 61.72 with ``"current"``). ``budget_rule="average"`` (default): the nearest
     of those as a shape, solved so the realised average matches the budget.
-    ``score_dtype="model"``: probabilities formed in the model dtype as the reference's eager
-    attention forms them (``DecoderProbe.probabilities``), scores rounded to it.
+    ``score_dtype="model"`` (a half model dtype): as the reference computes in it, the raters from the
+    rounded input embeddings (:func:`select_raters`), the attention by the reference's own
+    ``scaled_dot_product_attention`` (``model_attention="scaled"``, default: ``q.k`` rounded, multiplied by
+    ``1/sqrt(d)`` in the model dtype, softmax of the half logits; ``"eager"``: LlamaAttention's eager
+    recipe, as before this option existed, see ``DecoderProbe.probabilities``), the head mean rounded, then
+    the rater mean rounded; ``ties="topk"`` ranks those half scores with ``torch.topk``.
 
     ``recycle=true`` (the reference's v1.5 default; off by default here so records of
     pure pruning stay as they were): at each stage the ``int(0.3 p) + 1`` of the ``p``
@@ -164,6 +185,9 @@ class SparseVLMSelector(ScheduledSelector):
         "previous", Choice(SIGNAL_LAYERS), "prune layer l's output by its attention (reference) or its input by a probe"
     )
     recycle: bool = option(False, Flag(), "merge the best pruned tokens into DPC-kNN cluster tokens (reference v1.5)")
+    model_attention: str = option(
+        "scaled", Choice(MODEL_ATTENTIONS), "attention under score_dtype=model: the reference's own (scaled) or eager"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -177,9 +201,14 @@ class SparseVLMSelector(ScheduledSelector):
         return tuple(layer + shift for layer in SPARSEVLM_LAYERS)
 
     def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
+        half = self.ranking_dtype(signals.model_dtype)
         if "raters" not in state:
-            state["raters"] = select_raters(signals.embeddings, signals.text_embeddings)
-        return signals.text_probs.detach().float()[:, state["raters"], :].mean(dim=(0, 1))
+            state["raters"] = select_raters(signals.embeddings, signals.text_embeddings, half)
+        rows = signals.text_probs.detach().float()[:, state["raters"], :]  # (H, raters, n)
+        if half is None:
+            return rows.mean(dim=(0, 1))
+        # the reference rounds the head mean of its half attention, then takes the rater mean
+        return rounded_to(rows.mean(dim=0), half).mean(dim=0)
 
     def merge(self, stage: Stage, signals: LayerSignals, state: dict[str, Any], kept: Tensor) -> TokenMerge | None:
         """The recycled cluster tokens of ``stage`` (None without ``recycle`` or when nothing is pruned)."""

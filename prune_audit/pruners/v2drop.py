@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import LayerSignals, Reference, Stage
@@ -59,8 +60,11 @@ class V2DropSelector(ScheduledSelector):
     with ``max(1, int(n * ratio))`` (576 -> 288 -> 144 -> 1), realised average 202.81 on
     32 x 576; any other budget is refused with that average.
 
+    ``score_dtype="model"`` (a half model dtype): as the reference computes in it, the states
+    rounded, their difference rounded, its norm rounded; ``ties="topk"`` ranks with ``torch.topk``.
+
     Deviations: under the paper and average rules the last stage keeps 0 tokens as the
-    paper states (the repository keeps one); ties to the lower index.
+    paper states (the repository keeps one); ties to the lower index by default.
     """
 
     name: ClassVar[str] = "v2drop"
@@ -93,4 +97,9 @@ class V2DropSelector(ScheduledSelector):
 
     def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
         update = signals.hidden_states.detach().float() - signals.previous_hidden_states.detach().float()
-        return update.norm(dim=-1)
+        half = self.ranking_dtype(signals.model_dtype)
+        if half is None:
+            return update.norm(dim=-1)
+        # the reference subtracts and takes the norm in the model dtype: the difference is rounded, and the
+        # norm is torch's half-precision reduction (its float32 accumulation order is the kernel's)
+        return torch.linalg.vector_norm(update.to(half), dim=-1).float()
