@@ -20,7 +20,10 @@ excluded, the median of ``--repeats`` runs; throughput = batch / latency; peak m
 before them (weights, inputs), each with its ratio to dense (CPU: not measured); and the
 selector's own time (its signals and its selection: ``_select`` for input-level, the
 per-stage signal and prune step for in-LLM selectors), from one extra run in which
-those steps are synchronised and timed.
+those steps are synchronised and timed. Each row also breaks a question down as the records
+do (docs/compute.md): the medians of the vision / selection / prefill parts of ``answer()``
+(ms per question, device synchronised between parts), the analytic prefill GFLOPs and their
+share of dense, and the KV-cache MiB after the prefill.
 
 The anchors are the calibration study's H200 numbers for LLaVA-1.5-7B on POPE: dense
 52.7 ms per question at batch 1; FastV, VisionZip and PDrop 4-7 ms faster; coverage
@@ -187,14 +190,20 @@ def measure(vlm, prepared, selector, budget, batch: int, repeats: int, clock: Cl
     """Median latency (ms per forward), peak memory and selector time of one configuration."""
     questions = [prepared] * batch
 
+    answers = []
+
     def run():
-        vlm.answer(questions, selector, budget, generator=torch.Generator().manual_seed(0))
+        answers.append(vlm.answer(questions, selector, budget, generator=torch.Generator().manual_seed(0))[0])
 
     run()  # warm-up (kernels, allocator, the schedule cache)
+    answers.clear()
     resident = torch.cuda.memory_allocated() / 2**20 if clock.cuda else None  # weights and prepared inputs
     if clock.cuda:
         torch.cuda.reset_peak_memory_stats()
     times = [clock.time(run) for _ in range(repeats)]
+    parts = {f"{part}_ms": statistics.median(answer.latency_parts[part] for answer in answers)
+             for part in ("vision", "selection", "prefill")}
+    cost = answers[0].cost
     peak = torch.cuda.max_memory_allocated() / 2**20 if clock.cuda else None
     selector_ms = None
     if selector is not None:
@@ -203,7 +212,8 @@ def measure(vlm, prepared, selector, budget, batch: int, repeats: int, clock: Cl
         selector_ms = sum(spent)
     ms = statistics.median(times)
     return {"ms": ms, "ms_per_question": ms / batch, "questions_per_s": batch * 1000 / ms, "peak_mib": peak,
-            "extra_mib": None if peak is None else peak - resident, "selector_ms": selector_ms}
+            "extra_mib": None if peak is None else peak - resident, "selector_ms": selector_ms, **parts,
+            "gflops": cost.flops / 1e9, "flops_relative": cost.flops / cost.flops_dense, "kv_mib": cost.kv_bytes / 2**20}
 
 
 def benchmark_family(family: str, sizes: dict, args, device, dtype, clock: Clock) -> list[dict]:
@@ -275,18 +285,21 @@ def markdown(rows: list[dict], header: str) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
     lines = [header, "", "| model | selector | budget | batch | ms / forward | ms / question | questions/s | "
-             "speedup | peak MiB | memory / dense | above weights MiB | above weights / dense | selector ms |",
-             "|" + " --- |" * 13]
+             "speedup | peak MiB | memory / dense | above weights MiB | above weights / dense | selector ms | "
+             "vision / selection / prefill ms per question | GFLOPs | FLOPs / dense | KV MiB |",
+             "|" + " --- |" * 17]
     for r in rows:
         if "not_run" in r:
             lines.append(f"| {r['model']} | {r['selector']} | {r['budget']} | {r['batch']} | not run: "
-                         f"{r['not_run']} | | | | | | | | |")
+                         f"{r['not_run']} | | | | | | | | | | | | |")
             continue
         lines.append(f"| {r['model']} | {r['selector']} | {r['budget'] or ''} | {r['batch']} | {number(r['ms'])} | "
                      f"{number(r['ms_per_question'])} | {number(r['questions_per_s'])} | "
                      f"{number(r.get('speedup'), 2)} | {number(r['peak_mib'], 0)} | "
                      f"{number(r.get('memory_ratio'), 3)} | {number(r['extra_mib'], 0)} | "
-                     f"{number(r.get('extra_memory_ratio'), 3)} | {number(r['selector_ms'])} |")
+                     f"{number(r.get('extra_memory_ratio'), 3)} | {number(r['selector_ms'])} | "
+                     f"{number(r['vision_ms'], 2)} / {number(r['selection_ms'], 2)} / {number(r['prefill_ms'], 2)} | "
+                     f"{number(r['gflops'], 2)} | {number(r['flops_relative'], 3)} | {number(r['kv_mib'])} |")
     lines += ["", "Anchors (calibration study, LLaVA-1.5-7B, POPE, H200):", "",
               "| quantity | study | here | here / study |", "| --- | --- | --- | --- |"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in anchor_rows(rows)]

@@ -12,6 +12,11 @@ selection needed beyond its inputs. Timing is the median of ``--repeats`` runs (
 run when N >= 8192) of the wall time or, at ``--threads 1``, of the thread's CPU time
 (which does not count waiting for a core on a shared machine). CPU, float32.
 
+``--official`` also times, in the same process and alternating with the selector run by run,
+the official algorithm's plain form (:data:`OFFICIAL`, re-derived from the paper and the
+reference code it names: DivPrune, CDPruner, SCOPE; coverage has no official code) on the same input, and says whether both keep
+the same set.
+
 ``--floor`` also times, in the same process after the selector, one plain matrix
 product with the multiply-adds of the greedy selectors' arithmetic (:data:`FLOORS`),
 and prints the selector's time as a multiple of it.
@@ -54,6 +59,70 @@ FLOORS = {
     "coverage": lambda n, d, k: (n, d, n),
 }
 """Per greedy selector, ``(N, D, k) -> (m, inner, n)``: one (m, inner) @ (inner, n) product with its multiply-adds."""
+
+
+def official_divprune(features, budget: int):
+    """DivPrune's plain form (Alvar et al., CVPR 2025; vbdi/divprune ``DivPrune``, defaults): the full cosine
+    distance matrix ``1 - cos``, the first pick the token farthest from its nearest other token, each later pick
+    the token whose smallest distance to the picks so far is largest, recomputed over the picked rows every step.
+    Returns the picks, ascending."""
+    import torch
+
+    unit = features / torch.linalg.vector_norm(features, dim=1, keepdim=True)
+    distance = 1.0 - unit @ unit.T
+    picks = [int(torch.topk(distance, 2, dim=0, largest=False).values[1].argmax())]
+    for _ in range(budget - 1):
+        picks.append(int(distance[picks].min(dim=0).values.argmax()))
+    return torch.tensor(sorted(picks))
+
+
+def official_cdpruner(features, text_relevance, budget: int):
+    """CDPruner's plain form (Theia-4869/CDPruner ``encode_images``, theta off): relevance min-max normalised,
+    the whole kernel ``L = r_i r_j cos(f_i, f_j)``, then fast greedy MAP (Chen et al. 2018) without early stop:
+    each step the largest conditional gain ``d_j``, its Cholesky vector ``(L[j] - C[:, j] @ C) / sqrt(d_j)``.
+    Returns the picks, ascending."""
+    import torch
+
+    relevance = (text_relevance - text_relevance.min() + 1e-6) / (text_relevance.max() - text_relevance.min())
+    unit = features / torch.linalg.vector_norm(features, dim=-1, keepdim=True)
+    kernel = relevance[:, None] * (unit @ unit.T) * relevance[None, :]
+    vectors = torch.zeros(budget, kernel.shape[0])
+    gains = torch.diagonal(kernel).clone()
+    picks = []
+    for step in range(budget):
+        best = int(torch.argmax(gains))
+        picks.append(best)
+        vector = (kernel[best] - vectors[:step, best] @ vectors[:step]) / torch.sqrt(gains[best])
+        vectors[step] = vector
+        gains -= vector**2
+        gains[best] = -float("inf")
+    return torch.tensor(sorted(picks))
+
+
+def official_scope(vision_features, cls_attention, budget: int):
+    """SCOPE's plain form (kinredon/SCOPE ``SCOPE``, ALPHA=1, COMBINED=multi): the whole cosine matrix, then each
+    step every candidate's coverage gain ``sum_j max(0, S[j, i] - cov_j)`` recomputed over all of ``S``, times
+    its CLS saliency; the best joins and raises the coverage. Returns the picks, ascending."""
+    import torch
+
+    unit = vision_features / torch.linalg.vector_norm(vision_features, dim=-1, keepdim=True)
+    similarity, saliency = unit @ unit.T, cls_attention.sum(dim=0)
+    coverage, picked, picks = torch.zeros(similarity.shape[0]), torch.zeros(similarity.shape[0], dtype=torch.bool), []
+    for _ in range(budget):
+        gains = (similarity - coverage[:, None]).clamp_min(0).sum(dim=0)
+        best = int(torch.argmax((saliency * gains).masked_fill(picked, -float("inf"))))
+        picks.append(best)
+        picked[best] = True
+        coverage = torch.maximum(coverage, similarity[:, best])
+    return torch.tensor(sorted(picks))
+
+
+OFFICIAL = {
+    "scope": lambda signals, budget: official_scope(signals.vision_features, signals.cls_attention, budget),
+    "divprune": lambda signals, budget: official_divprune(signals.features, budget),
+    "cdpruner": lambda signals, budget: official_cdpruner(signals.features, signals.text_relevance, budget),
+}
+"""Per selector, its official algorithm's plain form: ``(signals, budget) -> kept grid indices, ascending``."""
 
 
 def read_memory_kib() -> dict[str, int]:
@@ -131,7 +200,7 @@ def floor_ms(name: str, tokens: int, dim: int, budget: int, repeats: int) -> flo
 
 
 def measure(name: str, tokens: int, dim: int, budget: int, repeats: int, threads: int,
-            floor: bool = False) -> dict[str, float]:
+            floor: bool = False, official: bool = False) -> dict[str, float]:
     """Median milliseconds per image and peak extra MiB of one selector (run in a fresh process)."""
     import torch
 
@@ -144,11 +213,15 @@ def measure(name: str, tokens: int, dim: int, budget: int, repeats: int, threads
     selector.select(synthetic_signals(64, 8), 8, torch.Generator().manual_seed(0))  # warm-up
     signals = synthetic_signals(tokens, dim)
     before = reset_peak_rss()
-    times = []
+    times, official_times = [], []
     for _ in range(repeats):
         start = clock()
-        selector.select(signals, budget, torch.Generator().manual_seed(0))
+        kept = selector.select(signals, budget, torch.Generator().manual_seed(0)).kept
         times.append(clock() - start)
+        if official and name in OFFICIAL:  # alternating, so both see the same machine load
+            start = clock()
+            official_kept = OFFICIAL[name](signals, budget)
+            official_times.append(clock() - start)
     peak = read_memory_kib()["VmHWM"]
     row = {
         "selector": name,
@@ -157,6 +230,9 @@ def measure(name: str, tokens: int, dim: int, budget: int, repeats: int, threads
         "ms": 1000 * statistics.median(times),
         "peak_extra_mib": (peak - before) / 1024,
     }
+    if official_times:
+        row["official_ms"] = 1000 * statistics.median(official_times)
+        row["same_kept"] = bool(torch.equal(kept, official_kept))
     if floor and name in FLOORS:
         del signals
         row["floor_ms"] = floor_ms(name, tokens, dim, budget, repeats)
@@ -170,6 +246,8 @@ def run_child(name: str, tokens: int, args: argparse.Namespace) -> dict[str, flo
                "--budget", str(budget), "--repeats", str(repeats), "--threads", str(args.threads)]
     if args.floor:
         command.append("--floor")
+    if args.official:
+        command.append("--official")
     output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return json.loads(output)
 
@@ -194,6 +272,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--floor", action="store_true",
                         help="also time a plain matmul with the greedy selectors' multiply-adds")
+    parser.add_argument("--official", action="store_true",
+                        help="also time the official algorithm's plain form side by side (OFFICIAL: divprune, cdpruner, scope)")
     parser.add_argument("--measure", metavar="SELECTOR", help=argparse.SUPPRESS)
     parser.add_argument("--block-elements", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -204,7 +284,8 @@ def main() -> None:
             similarity.BLOCK_ELEMENTS = args.block_elements
         tokens = args.tokens[0]
         budget = default_budget(tokens, args.budget)
-        print(json.dumps(measure(args.measure, tokens, args.dim, budget, args.repeats, args.threads, args.floor)))
+        print(json.dumps(measure(args.measure, tokens, args.dim, budget, args.repeats, args.threads, args.floor,
+                                 args.official)))
         return
 
     import torch
@@ -213,13 +294,16 @@ def main() -> None:
     kind = "thread CPU time" if threads == 1 else "wall time"
     print(f"torch {torch.__version__}, {threads} thread(s), {kind}, D = {args.dim}, float32, CPU")
     floor_header = f" {'floor ms':>10} {'x floor':>8}" if args.floor else ""
-    print(f"{'selector':<10} {'N':>6} {'kept':>5} {'ms/image':>10} {'peak extra MiB':>15}{floor_header}")
+    official_header = f" {'official ms':>12} {'x official':>10} {'same kept':>9}" if args.official else ""
+    print(f"{'selector':<10} {'N':>6} {'kept':>5} {'ms/image':>10} {'peak extra MiB':>15}{floor_header}{official_header}")
     for tokens in args.tokens:
         for name in args.selectors or input_selector_names():
             row = run_child(name, tokens, args)
             floor = f" {row['floor_ms']:>10.1f} {row['ms'] / row['floor_ms']:>8.2f}" if "floor_ms" in row else ""
-            print(f"{name:<10} {tokens:>6} {row['budget']:>5} {row['ms']:>10.1f} {row['peak_extra_mib']:>15.1f}{floor}",
-                  flush=True)
+            official = (f" {row['official_ms']:>12.1f} {row['ms'] / row['official_ms']:>10.2f} {str(row['same_kept']):>9}"
+                        if "official_ms" in row else "")
+            print(f"{name:<10} {tokens:>6} {row['budget']:>5} {row['ms']:>10.1f} {row['peak_extra_mib']:>15.1f}{floor}"
+                  f"{official}", flush=True)
 
 
 if __name__ == "__main__":

@@ -27,5 +27,8 @@ def test_gpu_benchmark_smoke_writes_markdown_and_json(tmp_path):
         assert row["ms"] > 0 and row["questions_per_s"] > 0 and row["speedup"] > 0
         assert row["visual_tokens"] == 256
         assert (row["selector_ms"] is None) == (row["selector"] == "dense")
+        assert min(row["vision_ms"], row["selection_ms"], row["prefill_ms"]) >= 0 and row["gflops"] > 0
+        assert row["flops_relative"] == 1.0 if row["selector"] == "dense" else row["flops_relative"] < 1.0
+        assert row["kv_mib"] > 0
     text = markdown.read_text()
     assert "| dense ms / question, batch 1 | 52.7 |" in text and "fastv@64 saving vs dense" in text

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from prune_audit.cli.main import app
 from prune_audit.errors import PruneAuditError
 from prune_audit.runner.execute import answer_batch
-from prune_audit.runner.safeguards import budget_share, parse_budget, resolve_budget, tokens_for_share
+from prune_audit.compute.budget import budget_share, parse_budget, resolve_budget, tokens_for_share
 
 runner = CliRunner()
 

@@ -307,6 +307,8 @@ def question_table(n_images, seed):
         lost=np.where(label_yes, retention == 0.0, np.nan),
         diluted=np.where(label_yes, 0.0, np.nan),
         cost_tokens=np.full(6 * n_images, 50.0),
+        flops=np.full(6 * n_images, 1e6),
+        latency_ms=np.full(6 * n_images, 5.0),
     )
 
 

@@ -35,6 +35,8 @@ def table(image_id, answer_yes, confidence, tokens, label_yes=None):
         lost=np.full(n, np.nan),
         diluted=np.full(n, np.nan),
         cost_tokens=np.full(n, tokens) if np.isscalar(tokens) else np.asarray(tokens),
+        flops=np.full(n, 1e6),
+        latency_ms=np.full(n, 5.0),
     )
 
 

@@ -85,6 +85,7 @@ def test_multi_stage_chains_the_runs_and_table_output(runs, tmp_path):
         (["--epsilon", "0.01"], "infeasible with 40 calibration images"),
         (["--sweep", "0.1,x"], "--sweep takes comma-separated numbers, got 'x'"),
         (["--splits", "0"], "--splits must be at least 1"),
+        (["--cost", "joules"], "--cost must be one of tokens, flops, latency, got 'joules'"),
     ],
 )
 def test_user_errors_are_one_line_without_output(runs, tmp_path, extra, message):
@@ -92,6 +93,22 @@ def test_user_errors_are_one_line_without_output(runs, tmp_path, extra, message)
     result = runner.invoke(app, arguments)
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and message in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_cost_units_charge_an_escalated_question_both_stages(runs, tmp_path):
+    """The synthetic runs' FLOPs are 1000 x their tokens and every latency is 10 ms: FLOPs give the token
+    costs, latency gives 1 + the escalation rate (an escalated question pays the pruned run and dense)."""
+    reports = {}
+    for cost in ("tokens", "flops", "latency"):
+        arguments = ["cascade", str(runs["p64"]), "--reference", str(runs["dense"]), "--cost", cost, "--splits", "5",
+                     "--epsilon", "0.1"]
+        result = runner.invoke(app, [*arguments, "--out", str(tmp_path / cost), "--json"])
+        assert result.exit_code == 0, result.output
+        reports[cost] = json.loads(result.stdout)
+        assert reports[cost]["settings"]["cost"] == cost
+    tokens, flops, latency = (reports[cost]["cascades"][0] for cost in ("tokens", "flops", "latency"))
+    assert flops["relative_cost"] == pytest.approx(tokens["relative_cost"])
+    assert latency["relative_cost"] == pytest.approx(1 + latency["escalation_rate"])
 
 
 def test_reference_is_required_and_must_hold_the_same_questions(runs, tmp_path):

@@ -27,6 +27,7 @@ from cli_checks import changed_annotations
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
+from prune_audit.records.schema import TIMING_COLUMNS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -241,8 +242,8 @@ def test_a_run_copied_elsewhere_with_inputs_and_model_elsewhere_resumes_and_anal
     model = Path(shutil.copytree(demo["model"], tmp_path / "elsewhere" / "demo-model"))
     result = invoke("run", "--model", model, "--limit", "12", *inputs_args(inputs), "--out", copy)
     assert result.exit_code == 0, result.output
-    resumed = pq.read_table(copy / "records.parquet").to_pandas().drop(columns=["latency_ms"])
-    original = records.to_pandas().drop(columns=["latency_ms"])
+    resumed = pq.read_table(copy / "records.parquet").to_pandas().drop(columns=list(TIMING_COLUMNS))
+    original = records.to_pandas().drop(columns=list(TIMING_COLUMNS))
     # the resumed questions run in a smaller batch, padded to another length: answers and every other
     # column are identical, probabilities agree to float32 rounding (measured, batch 1 vs 16 at --threads 1:
     # p_yes within 4.8e-7, logit_diff within 3.2e-6; see --batch-size)

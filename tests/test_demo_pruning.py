@@ -112,6 +112,7 @@ def _table(correct, confidence, lost, label_yes, order=None, diluted=None):
         confidence=column(confidence, float), p_yes=np.full(n, 0.5), logit_diff=np.zeros(n),
         retention=np.full(n, np.nan), lost=column(lost, float),
         diluted=column(lost, float) * 0 if diluted is None else column(diluted, float), cost_tokens=np.ones(n),
+        flops=np.ones(n), latency_ms=np.ones(n),
     )
 
 

@@ -117,9 +117,12 @@ SPECULATION_CASES = [(seed, tokens, dim, budget) for seed, tokens, dim in [(0, 1
 
 
 @pytest.mark.parametrize("seed, tokens, dim, budget", SPECULATION_CASES)
-@pytest.mark.parametrize("rows", [8, 32, 128])
+@pytest.mark.parametrize("rows", [8, 32, 128, None])
 def test_divprune_speculative_rows_keep_the_one_row_per_pick_order(seed, tokens, dim, budget, rows, monkeypatch):
-    monkeypatch.setattr(similarity, "SPECULATIVE_ROWS", rows)
+    """Speculative rows (blocks forced below N x N) and, with ``rows`` None, the whole S held at once."""
+    if rows is not None:
+        monkeypatch.setattr(similarity, "SPECULATIVE_ROWS", rows)
+        monkeypatch.setattr(similarity, "BLOCK_ELEMENTS", tokens * tokens // 3)
     unit = unit_rows(clustered_features(seed, tokens, dim))
     assert farthest_point_order(unit, budget).tolist() == one_row_per_pick_farthest_points(unit, budget)
 

@@ -25,6 +25,7 @@ from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.data.retention import object_area
 from prune_audit.runner.intervene.swaps import NoSwap, Swap, remove_swaps, restore_swaps, swap_stages
+from prune_audit.records.schema import TIMING_COLUMNS
 
 runner = CliRunner()
 
@@ -275,7 +276,7 @@ def test_seeded_and_deterministic(runs, tmp_path):
         result = intervene(runs["random"], "--mode", "restore", "--bootstrap", "20", "--seed", seed,
                            "--out", str(tmp_path / name))
         assert result.exit_code == 0, result.output
-        return frame(tmp_path / name / "records.parquet").drop(columns=["latency_ms"])
+        return frame(tmp_path / name / "records.parquet").drop(columns=list(TIMING_COLUMNS))
 
     first, again, other = records("1", "a"), records("1", "b"), records("2", "c")
     pd.testing.assert_frame_equal(first, again)

@@ -31,11 +31,10 @@ from prune_audit.data.geometry import TokenGeometry
 from prune_audit.data.retention import object_area, retention
 from prune_audit.records.manifest import MANIFEST_KEYS
 from prune_audit.records.store import read_run
+from prune_audit.records.schema import TIMING_COLUMNS
 
 runner = CliRunner()
 
-# columns that legitimately differ between two runs of the same command
-TIMING_COLUMNS = {"latency_ms"}
 
 
 def base_args(ws: dict[str, Path], out: Path, *extra: str) -> list[str]:
@@ -56,7 +55,7 @@ def read_records(run_dir: Path):
 
 
 def comparable(frame):
-    return frame.drop(columns=sorted(TIMING_COLUMNS)).reset_index(drop=True)
+    return frame.drop(columns=list(TIMING_COLUMNS)).reset_index(drop=True)
 
 
 def assert_same_records(actual, expected):

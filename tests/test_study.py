@@ -25,7 +25,7 @@ runner = CliRunner()
 
 GRID = ("--selectors", "divprune,random", "--budgets", "6", "--limit", "40")
 ANALYSIS = ("--epsilons", "0.2,0.3", "--bootstrap", "50", "--splits", "10", "--seed", "3")
-TIMING = ["latency_ms"]
+TIMING = ["latency_ms", "mean_latency_vision_ms", "mean_latency_selection_ms", "mean_latency_prefill_ms"]
 
 
 def data_args(ws: dict[str, Path]) -> list[str]:

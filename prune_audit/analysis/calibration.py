@@ -19,6 +19,7 @@ import numpy as np
 
 from prune_audit.analysis import metrics
 from prune_audit.analysis.bootstrap import bootstrap_replicates, estimate, image_counts, percentile_interval
+from prune_audit.analysis.metric_table import CONFIDENCE_METRICS, METRICS, ScoredQuestions
 from prune_audit.analysis.questions import QuestionTable
 from prune_audit.analysis.temperature import TemperatureFit, fit_temperature, scaled_probabilities, split_images
 from prune_audit.errors import PruneAuditError
@@ -124,32 +125,18 @@ def confidence_metrics(
     settings: CalibrationSettings,
     weights: np.ndarray | None = None,
 ) -> dict:
-    """ECE (both binnings), MCE, debiased L2 error (equal-mass bins), Brier, NLL, AUROC and AURC of one set."""
-    ranked = metrics.RankedQuestions(confidence, correct, weights)
-    width = metrics.bin_totals(confidence, correct, settings.bins, "width", weights)
-    mass = ranked.mass_totals(settings.bins)
-    chosen = width if settings.binning == "width" else mass
-    values = {
-        "ece": width.ece(),
-        "ece_mass": mass.ece(),
-        "mce": chosen.mce(),
-        "ce_debiased_l2": mass.debiased_l2(),
-        "brier": metrics.brier(p_yes, label_yes, weights),
-        "nll": metrics.nll(logit_diff, label_yes, weights),
-        "auroc": ranked.auroc(),
-        "aurc": ranked.aurc(),
-    }
-    return {name: metrics.finish(value, weights) for name, value in values.items()}
+    """The confidence metrics of ``metric_table`` (ECE both binnings, MCE, debiased L2 error, Brier, NLL, AUROC,
+    AURC) of one set."""
+    scored = ScoredQuestions(confidence, correct, p_yes, logit_diff, label_yes, None, settings.bins, settings.binning,
+                             weights)
+    return {metric.name: metric.compute(scored) for metric in CONFIDENCE_METRICS}
 
 
 def question_metrics(table: QuestionTable, settings: CalibrationSettings, weights: np.ndarray | None = None) -> dict:
-    """POPE scores and confidence metrics of the recorded answers."""
-    return {
-        **metrics.pope_scores(table.label_yes, table.answer_yes, weights),
-        **confidence_metrics(
-            table.confidence, table.correct, table.p_yes, table.logit_diff, table.label_yes, settings, weights
-        ),
-    }
+    """Every metric of ``metric_table`` on the recorded answers: POPE's answer scores, then the confidence metrics."""
+    scored = ScoredQuestions(table.confidence, table.correct, table.p_yes, table.logit_diff, table.label_yes,
+                             table.answer_yes, settings.bins, settings.binning, weights)
+    return {metric.name: metric.compute(scored) for metric in METRICS}
 
 
 def scaled_metrics(

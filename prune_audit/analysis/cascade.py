@@ -17,9 +17,10 @@ hand a question from a stage that agrees with the dense model to a later one tha
 not, so every image's loss is replaced by its running maximum from the right,
 sup_{t' >= t} L_j(t') (an upper bound, so the guarantee still holds for the actual loss).
 
-Cost: prefill tokens summed over the stages a question visits (an escalated question pays
-every pruned stage it passed and the dense model), relative to the dense model on every
-question.
+Cost: summed over the stages a question visits (an escalated question pays every pruned
+stage it passed and the dense model), relative to the dense model on every question, in one
+of ``COST_UNITS``: prefill tokens (the layer-averaged sequence length, the default), analytic
+FLOPs, or measured latency.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ from prune_audit.errors import PruneAuditError
 
 ROUND_OFF = 1e-9
 
+COST_UNITS = {"tokens": "cost_tokens", "flops": "flops", "latency": "latency_ms"}
+"""Cascade cost unit -> the question column that measures it (``QuestionTable``)."""
+COST_LABELS = {"tokens": "prefill tokens", "flops": "prefill FLOPs", "latency": "prefill latency"}
+"""Cascade cost unit -> how tables and plots name it."""
+
 
 @dataclass(frozen=True)
 class CascadeQuestions:
@@ -45,20 +51,23 @@ class CascadeQuestions:
         image_ids: (J,) sorted distinct image ids.
         confidence: (S, n) top-label confidence of each pruned stage.
         disagree: (S, n) bool, the stage's answer differs from the dense model's.
-        stage_tokens: (S, n) prefill tokens of each pruned stage.
-        dense_tokens: (n,) prefill tokens of the dense model.
+        stage_cost: (S, n) prefill cost of each pruned stage (in the unit the table was built with).
+        dense_cost: (n,) prefill cost of the dense model.
     """
 
     image_index: np.ndarray
     image_ids: np.ndarray
     confidence: np.ndarray
     disagree: np.ndarray
-    stage_tokens: np.ndarray
-    dense_tokens: np.ndarray
+    stage_cost: np.ndarray
+    dense_cost: np.ndarray
 
     @classmethod
-    def from_tables(cls, stages: Sequence[QuestionTable], dense: QuestionTable) -> CascadeQuestions:
-        """Align every stage and the dense run to the first stage's question order."""
+    def from_tables(cls, stages: Sequence[QuestionTable], dense: QuestionTable, cost: str = "tokens") -> CascadeQuestions:
+        """Align every stage and the dense run to the first stage's question order; cost in unit ``cost``."""
+        if cost not in COST_UNITS:
+            raise PruneAuditError(f"unknown cascade cost {cost!r}; choose {', '.join(COST_UNITS)}")
+        column = COST_UNITS[cost]
         if not stages:
             raise PruneAuditError("a cascade needs at least one pruned run")
         first = stages[0]
@@ -70,8 +79,8 @@ class CascadeQuestions:
             image_ids=image_ids,
             confidence=np.stack([stage.confidence for stage in aligned]),
             disagree=np.stack([stage.answer_yes != dense.answer_yes for stage in aligned]),
-            stage_tokens=np.stack([stage.cost_tokens for stage in aligned]).astype(np.float64),
-            dense_tokens=dense.cost_tokens.astype(np.float64),
+            stage_cost=np.stack([getattr(stage, column) for stage in aligned]).astype(np.float64),
+            dense_cost=getattr(dense, column).astype(np.float64),
         )
 
     @property
@@ -195,38 +204,38 @@ def evaluate_policy(questions: CascadeQuestions, images: np.ndarray, threshold: 
     image = questions.image_index[rows]
     per_image = np.bincount(image, loss, len(images))[images] / np.bincount(image, minlength=len(images))[images]
     visited = np.arange(questions.stages)[:, None] <= stage[None, :]
-    tokens = (questions.stage_tokens[:, rows] * visited).sum(axis=0) + np.where(
-        stage == questions.stages, questions.dense_tokens[rows], 0.0
+    cost = (questions.stage_cost[:, rows] * visited).sum(axis=0) + np.where(
+        stage == questions.stages, questions.dense_cost[rows], 0.0
     )
-    dense_total = questions.dense_tokens[rows].sum()
+    dense_total = questions.dense_cost[rows].sum()
     outcome = {
         "threshold": float(threshold),
         "disagreement": float(per_image.mean()),
         "question_disagreement": float(loss.mean()),
         "escalation_rate": float(np.mean(stage == questions.stages)),
         "answered_by": np.bincount(stage, minlength=questions.stages + 1).astype(np.float64) / len(stage),
-        "relative_cost": float(tokens.sum() / dense_total),
+        "relative_cost": float(cost.sum() / dense_total),
     }
     if questions.stages == 1:
-        outcome.update(savings(disagree[0], questions.stage_tokens[0, rows], questions.dense_tokens[rows], outcome))
+        outcome.update(savings(disagree[0], questions.stage_cost[0, rows], questions.dense_cost[rows], outcome))
     return outcome
 
 
-def savings(disagree: np.ndarray, pruned_tokens: np.ndarray, dense_tokens: np.ndarray, outcome: dict) -> dict:
+def savings(disagree: np.ndarray, pruned_cost: np.ndarray, dense_cost: np.ndarray, outcome: dict) -> dict:
     """Share of the possible savings a two-stage cascade achieves at its realised disagreement r.
 
     At the same question-level disagreement r, escalating questions at random (an uninformative
     score) must escalate a share 1 - r / D of them (D: disagreement of the pruned model alone),
-    costing P + 1 - r / D in expectation (P: pruned tokens / dense tokens); perfect gating
+    costing P + 1 - r / D in expectation (P: pruned cost / dense cost); perfect gating
     escalates a share (D - r) / D of the disagreeing questions only. Share = (cost uninformative
     - cost) / (cost uninformative - cost perfect); NaN when that denominator is 0.
     """
-    dense_total = dense_tokens.sum()
-    base = pruned_tokens.sum() / dense_total
+    dense_total = dense_cost.sum()
+    base = pruned_cost.sum() / dense_total
     rate, realised = disagree.mean(), outcome["question_disagreement"]
     escalated_share = max(0.0, 1.0 - realised / rate) if rate > 0 else 0.0
     uninformative = base + escalated_share
-    perfect = base + escalated_share * dense_tokens[disagree].sum() / dense_total
+    perfect = base + escalated_share * dense_cost[disagree].sum() / dense_total
     gap = uninformative - perfect
     return {
         "uninformative_cost": float(uninformative),
@@ -289,17 +298,18 @@ def cascade_audit(
     calibration_fraction: float = 0.5,
     seed: int = 0,
     optional: Sequence[float] = (),
+    cost: str = "tokens",
 ) -> list[dict]:
     """For each target: the threshold and outcome on the seeded calibration/test split, and validity.
 
     The seeded split is the one ``calibrate`` uses (``split_images``). Every target in
     ``epsilons`` must be feasible; ``optional`` targets join only when feasible (the default
     sweep on a small question set). Returns one dict per target (ascending), with
-    ``answered_by`` as a list of shares (stages, then dense).
+    ``answered_by`` as a list of shares (stages, then dense); costs in unit ``cost`` (``COST_UNITS``).
     """
     if splits < 1:
         raise PruneAuditError(f"--splits must be at least 1, got {splits}")
-    questions = CascadeQuestions.from_tables(stages, dense)
+    questions = CascadeQuestions.from_tables(stages, dense, cost)
     calibration, test = split_masks(questions.image_ids, calibration_fraction, seed)
     count = int(calibration.sum())
     check_epsilons(list(epsilons), count)  # before the validity splits, which need the same

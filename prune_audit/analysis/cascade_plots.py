@@ -13,10 +13,10 @@ import numpy as np
 from prune_audit.analysis.figures import _figure, _render
 
 
-def cascade_figures(cascades: Sequence[dict], title: str, reference: str) -> dict[str, bytes]:
+def cascade_figures(cascades: Sequence[dict], title: str, reference: str, cost: str = "prefill tokens") -> dict[str, bytes]:
     """Cost against epsilon and held-out disagreement against epsilon, one line per cascade; ``reference``
-    labels the run escalated to (``dense``, or a pruned run's selector@budget)."""
-    return {**_cost_figure(cascades, title, reference), **_validity_figure(cascades, title, reference)}
+    labels the run escalated to (``dense``, or a pruned run's selector@budget), ``cost`` the cost unit."""
+    return {**_cost_figure(cascades, title, reference, cost), **_validity_figure(cascades, title, reference)}
 
 
 def _series(cascade: dict, *keys: str) -> np.ndarray:
@@ -45,7 +45,7 @@ def _splits(cascades: Sequence[dict]) -> int:
     return int(cascades[0]["results"][0]["validity"]["splits"])
 
 
-def _cost_figure(cascades: Sequence[dict], title: str, reference: str) -> dict[str, bytes]:
+def _cost_figure(cascades: Sequence[dict], title: str, reference: str, cost: str) -> dict[str, bytes]:
     """Relative prefill cost against epsilon: mean over the validity splits and the one reported split;
     costs above the reference's are flagged (shaded band, red ring)."""
     figure, axes = _figure(size=(6.8, 5.4))
@@ -69,7 +69,7 @@ def _cost_figure(cascades: Sequence[dict], title: str, reference: str) -> dict[s
         axis.axhspan(1.0, top, color="tab:red", alpha=0.08)
         axis.set_ylim(bottom, top)
     _chosen_epsilons(axis, cascades)
-    axis.set(xlabel="target disagreement epsilon", ylabel=f"prefill tokens relative to {reference}")
+    axis.set(xlabel="target disagreement epsilon", ylabel=f"{cost} relative to {reference}")
     axis.set_title(f"{title}: cost\nseeded split: the --seed calibration/test split whose threshold cascade.json "
                    "reports", fontsize=9)
     _legend_below(figure, axis)

@@ -29,6 +29,8 @@ class QuestionTable:
         diluted: (n,) float64, 1.0 when the object reached the model only in merged tokens' cells,
             0.0 when not, NaN when unknown.
         cost_tokens: (n,) float64, prefill cost: the sequence length averaged over decoder layers.
+        flops: (n,) float64, analytic prefill FLOPs (docs/compute.md).
+        latency_ms: (n,) float64, measured prefill wall time per question.
     """
 
     split: np.ndarray
@@ -44,6 +46,8 @@ class QuestionTable:
     lost: np.ndarray
     diluted: np.ndarray
     cost_tokens: np.ndarray
+    flops: np.ndarray
+    latency_ms: np.ndarray
 
     def __post_init__(self) -> None:
         lengths = {name: len(value) for name, value in self.columns().items()}

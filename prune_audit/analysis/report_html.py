@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prune_audit.analysis.metric_table import metric
+
 TABLE_COLUMNS = (
     ("run", "run"),
     ("visual tokens", "visual_tokens"),
@@ -25,12 +27,15 @@ TABLE_COLUMNS = (
     ("AUROC", "auroc"),
     ("lost share", "lost_share"),
     ("acc. lost (pruned / dense)", "lost_pair"),
+    ("FLOPs / dense", "flops_relative"),
+    ("KV KiB", "mean_kv_bytes"),
     ("latency ms", "latency_ms"),
 )
 
 FIGURES = (
     ("accuracy_vs_budget", "Accuracy against realised visual tokens"),
     ("calibration_vs_budget", "ECE and AUROC against realised visual tokens"),
+    ("quality_vs_flops", "Accuracy and AUROC against prefill FLOPs relative to dense (matched compute)"),
     ("lost_objects", "Questions whose object was lost: accuracy against confidence, pruned and dense"),
     ("reliability_grid", "Reliability diagrams, every run"),
     ("cascade_cost_vs_epsilon", "Cascade prefill cost against the disagreement target epsilon"),
@@ -59,6 +64,8 @@ def table_cells(row: dict) -> list[str]:
             cells.append(f"{_number(row['lost_accuracy'])} / {_number(row['lost_reference_accuracy'])}")
         elif name in ("visual_tokens", "latency_ms"):
             cells.append(_number(row[name], 1))
+        elif name == "mean_kv_bytes":
+            cells.append(_number(row[name] / 1024, 0))
         elif name == "lost_share":
             cells.append("-" if not math.isfinite(row[name]) else f"{row[name]:.1%}")
         elif name in ("accuracy", "ece", "auroc"):
@@ -97,15 +104,17 @@ def findings(rows: Sequence[dict], epsilons: Sequence[float]) -> list[str]:
         if worst is not best:
             text += f" and {worst['run']} the least ({worst['accuracy']:.3f}; {_signed(worst, 'accuracy_minus_reference')})"
         texts.append(text + f"; the dense model scores {reference['accuracy']:.3f}.")
-    texts.append(_change_finding(pruned, reference, "ece", "ECE", worst=max))
-    texts.append(_change_finding(pruned, reference, "auroc", "AUROC", worst=min))
+    texts.append(_change_finding(pruned, reference, "ece", "ECE"))
+    texts.append(_change_finding(pruned, reference, "auroc", "AUROC"))
     texts.extend(_lost_finding(pruned))
     texts.extend(_cascade_findings(pruned, epsilons))
     return texts
 
 
-def _change_finding(pruned: Sequence[dict], reference: dict, name: str, title: str, worst) -> str:
-    """The run whose ``name`` moved most in the bad direction, and whether its paired interval excludes 0."""
+def _change_finding(pruned: Sequence[dict], reference: dict, name: str, title: str) -> str:
+    """The run whose ``name`` moved most in the bad direction (``metric_table``'s ``higher_is_better``), and
+    whether its paired interval excludes 0."""
+    worst = min if metric(name).higher_is_better else max
     row = worst(pruned, key=lambda row: row[f"{name}_minus_reference"])
     difference = f"{name}_minus_reference"
     lead = (

@@ -8,33 +8,24 @@ from dataclasses import asdict
 from prune_audit.analysis import figures
 from prune_audit.analysis.cascade_plots import cascade_figures
 from prune_audit.analysis.calibration import RETENTION_BINS, CalibrationSettings, calibration_audit, check_confidences
-from prune_audit.analysis.cascade import cascade_audit
+from prune_audit.analysis.cascade import COST_LABELS, cascade_audit
+from prune_audit.analysis.metric_table import METRICS
 from prune_audit.analysis.outputs import estimates_csv, to_json
 from prune_audit.analysis.runs import Run, display_model, unique_labels
 
 CALIBRATION_CONVENTIONS = {
     "confidence": "top-label two-way confidence max(p_yes, 1 - p_yes), p_yes = sigmoid(logit_diff); "
     "correct = answer == label",
-    "ece": "sum_b (n_b/N)|acc_b - conf_b| over `bins` equal-width bins (lower, upper]; 0 in the first bin, "
-    "1.0 in the last",
-    "ece_mass": "the same over equal-mass bins (np.array_split of the questions sorted by confidence; "
-    "ties share evenly)",
-    "mce": "max over non-empty bins of |acc_b - conf_b|, with --binning",
-    "ce_debiased_l2": "Kumar, Liang & Ma 2019 debiased L2 calibration error (root of the bias-corrected "
-    "squared error) over `bins` equal-mass bins, the estimator's own default, whatever --binning",
+    **{metric.name: metric.meaning for metric in METRICS},
     "reliability": "per-bin count, mean confidence and accuracy with --binning; accuracy_ci95: 95% image-bootstrap "
     "interval of each bin's accuracy, bin membership fixed",
-    "brier": "mean (p_yes - y)^2, y = 1 for yes (equal to the top-label Brier score for two classes)",
-    "nll": "mean -log p(label) in nats",
-    "auroc": "AUROC of confidence as a score for correctness, ties one half",
-    "aurc": "mean error rate of the k most confident questions over k = 1..N (ties share errors evenly)",
-    "pope": "accuracy, precision, recall, F1 with yes as positive; yes_ratio = share of yes predictions",
     "temperature": "T minimising NLL of p_yes = sigmoid(d/T) on the calibration images (bounded search over log T in "
     "[0.01, 100]); after-scaling metrics on the disjoint test images, T fixed in the bootstrap",
     "intervals": "95% percentile intervals from an image-clustered bootstrap (images resampled with replacement); "
     "differences are paired (same resampled images for both runs)",
     "retention_bins": [label for label, _, _ in RETENTION_BINS],
 }
+"""Definitions written into calibration.json: the confidence, every metric of ``metric_table``, the rest."""
 
 CSV_SECTIONS = ("metrics", "temperature", "survival", "difference_vs_reference")
 
@@ -100,10 +91,12 @@ def cascade_report(
     seed: int,
     differences: Sequence[str],
     optional_sweep: Sequence[float] = (),
+    cost: str = "tokens",
 ) -> dict:
     """The cascade.json content: for each cascade (label, pruned stages cheapest first) every target's results.
 
-    ``sweep`` targets must be feasible; ``optional_sweep`` ones (the default curve) are skipped when not.
+    ``sweep`` targets must be feasible; ``optional_sweep`` ones (the default curve) are skipped when not;
+    costs are in unit ``cost`` (``analysis.cascade.COST_UNITS``).
     """
     targets = sorted({epsilon, *sweep})
     every_stage = list({id(stage): stage for _, stages in cascades for stage in stages}.values())
@@ -112,7 +105,7 @@ def cascade_report(
     for label, stages in cascades:
         results = cascade_audit(
             [stage.questions for stage in stages], reference.questions, targets, splits, calibration_fraction, seed,
-            optional=optional_sweep,
+            optional=optional_sweep, cost=cost,
         )
         primary = next(result for result in results if result["epsilon"] == epsilon)
         entries.append(
@@ -132,6 +125,7 @@ def cascade_report(
             "splits": splits,
             "calibration_fraction": calibration_fraction,
             "seed": seed,
+            "cost": cost,
         },
         "reference": run_identity(reference, unique_labels([*every_stage, reference])[-1]),
         "compared_despite_differences": list(differences),
@@ -140,5 +134,6 @@ def cascade_report(
 
 
 def cascade_files(report: dict, title: str) -> dict[str, str | bytes]:
-    figures_ = cascade_figures(report["cascades"], title, report["reference"]["label"])
+    cost = COST_LABELS[report["settings"]["cost"]]
+    figures_ = cascade_figures(report["cascades"], title, report["reference"]["label"], cost)
     return {"cascade.json": to_json(report), **figures_}

@@ -16,23 +16,15 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import UNPRUNED, differing_fields
 from prune_audit.records.stages import FIRST, StageChoice, StageValues, stage_values
 from prune_audit.records.store import read_run
+from prune_audit.tasks import DEFAULT_TASK, Task, get_task, manifest_task
 
-REQUIRED_COLUMNS = (
-    "question_id",
-    "split",
-    "image_id",
-    "label",
-    "answer",
-    "p_yes_2way",
-    "logit_diff",
-    "confidence",
-    "correct",
-    "cost_tokens",
-)
-"""Columns the analyses read that must hold a value in every row; ``lost`` may be null."""
+REQUIRED_COLUMNS = ("question_id", "split", "image_id", "confidence", "correct", "cost_tokens", "flops",
+                    "latency_ms")
+"""Core columns the analyses read that must hold a value in every row (``lost`` may be null); each task adds
+its own (``Task.required_columns``)."""
 
-COMPARED_FIELDS = ("model", "question_files", "prompt")
-"""Manifest fields that must agree for runs to be compared: model id, question-file hashes, prompt."""
+COMPARED_FIELDS = ("task", "model", "question_files", "prompt")
+"""Manifest fields that must agree for runs to be compared: task, model id, question-file hashes, prompt."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +44,11 @@ class Run:
         """The selector's name; ``dense`` for the unpruned reference (selector ``none``)."""
         name = self.manifest["selector"]["name"]
         return "dense" if name == UNPRUNED else name
+
+    @property
+    def task(self) -> Task:
+        """The run's task (manifest ``task``)."""
+        return manifest_task(self.manifest)
 
     @property
     def budget(self) -> Any:
@@ -93,38 +90,37 @@ def load_run(path: Path | str, stage: StageChoice = FIRST) -> Run:
     if records.num_rows == 0:
         raise PruneAuditError(f"{path} holds no records; finish the run with prune-audit run first")
     at_stage = stage_values(records, stage, str(path))
-    questions = _question_table(records, str(path), at_stage)
+    questions = _question_table(manifest_task(manifest), records, str(path), at_stage)
     return Run(path=path, manifest=manifest, questions=questions, stage=stage.describe(at_stage.layer))
 
 
-def question_table(records: pa.Table, source: str, stage: StageChoice = FIRST) -> QuestionTable:
-    """The analysis columns of a records table (docs/records.md), retention and lost at ``stage``."""
-    return _question_table(records, source, stage_values(records, stage, source))
+def question_table(records: pa.Table, source: str, stage: StageChoice = FIRST, task: Task | None = None) -> QuestionTable:
+    """The analysis columns of a records table (docs/records.md) of ``task`` (default POPE), retention and lost
+    at ``stage``."""
+    return _question_table(task or get_task(DEFAULT_TASK), records, source, stage_values(records, stage, source))
 
 
-def _question_table(records: pa.Table, source: str, at_stage: StageValues) -> QuestionTable:
-    for name in REQUIRED_COLUMNS:
+def _question_table(task: Task, records: pa.Table, source: str, at_stage: StageValues) -> QuestionTable:
+    for name in (*REQUIRED_COLUMNS, *task.required_columns):
         if name not in records.column_names or records[name].null_count:
             raise PruneAuditError(f"records of {source} lack column {name!r} in some rows; re-run to rewrite them")
-    label, answer = (records[name].to_numpy(zero_copy_only=False).astype(str) for name in ("label", "answer"))
-    for name, values in (("label", label), ("answer", answer)):
-        unexpected = sorted(set(values.tolist()) - {"yes", "no"})
-        if unexpected:
-            raise PruneAuditError(f"records of {source}: column {name!r} holds {unexpected[0]!r}, expected yes or no")
+    binary = task.binary_view(records, source)
     return QuestionTable(
         split=records["split"].to_numpy(zero_copy_only=False).astype(str),
         question_id=records["question_id"].to_numpy().astype(np.int64),
         image_id=records["image_id"].to_numpy().astype(np.int64),
-        label_yes=label == "yes",
-        answer_yes=answer == "yes",
+        label_yes=binary["label_yes"],
+        answer_yes=binary["answer_yes"],
         correct=records["correct"].to_numpy(zero_copy_only=False).astype(bool),
         confidence=records["confidence"].to_numpy().astype(np.float64),
-        p_yes=records["p_yes_2way"].to_numpy().astype(np.float64),
-        logit_diff=records["logit_diff"].to_numpy().astype(np.float64),
+        p_yes=binary["p_yes"],
+        logit_diff=binary["logit_diff"],
         retention=at_stage.retention,
         lost=at_stage.lost,
         diluted=at_stage.diluted,
         cost_tokens=records["cost_tokens"].to_numpy().astype(np.float64),
+        flops=records["flops"].to_numpy().astype(np.float64),
+        latency_ms=records["latency_ms"].to_numpy().astype(np.float64),
     )
 
 
@@ -134,6 +130,7 @@ def comparison_view(manifest: dict[str, Any]) -> dict[str, Any]:
     The model counts by the sha256 of its weights where both runs record it, else by its id.
     """
     return {
+        "task": manifest_task(manifest).name,
         "model": {key: (manifest.get("model") or {}).get(key) for key in ("id", "weights_sha256")},
         "question_files": {"sha256": sorted(str(item.get("sha256")) for item in manifest.get("question_files") or [])},
         "prompt": manifest.get("prompt"),

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from prune_audit.analysis.calibration import CalibrationSettings
+from prune_audit.analysis.cost import COST_MEANS, cost_summary
 from prune_audit.analysis.cascade import minimum_epsilon
+from prune_audit.analysis.metric_table import METRICS
 from prune_audit.analysis.reports import calibration_report, cascade_report
 from prune_audit.analysis.runs import Run, check_comparable, load_run
 from prune_audit.analysis.temperature import split_images
@@ -28,18 +30,11 @@ from prune_audit.records.store import RecordStore
 DEFAULT_EPSILONS = (0.01, 0.02, 0.05, 0.1)
 
 ESTIMATED = {
-    "accuracy": ("metrics", "all", "accuracy"),
-    "f1": ("metrics", "all", "f1"),
-    "yes_ratio": ("metrics", "all", "yes_ratio"),
-    "ece": ("metrics", "all", "ece"),
-    "ece_mass": ("metrics", "all", "ece_mass"),
+    **{metric.name: ("metrics", "all", metric.name) for metric in METRICS if metric.in_study},
     "ece_test_before": ("temperature", "test_before", "ece"),
     "ece_test_after": ("temperature", "test_after", "ece"),
     "ece_mass_test_before": ("temperature", "test_before", "ece_mass"),
     "ece_mass_test_after": ("temperature", "test_after", "ece_mass"),
-    "auroc": ("metrics", "all", "auroc"),
-    "aurc": ("metrics", "all", "aurc"),
-    "brier": ("metrics", "all", "brier"),
     "lost_accuracy": ("survival", "lost", "accuracy"),
     "lost_confidence": ("survival", "lost", "confidence"),
     "lost_reference_accuracy": ("survival", "lost", "reference_accuracy"),
@@ -49,7 +44,8 @@ ESTIMATED = {
     "auroc_minus_reference": ("difference_vs_reference", "metrics", "all", "auroc"),
     "brier_minus_reference": ("difference_vs_reference", "metrics", "all", "brier"),
 }
-"""Column -> path in a run's calibrate entry; each also gets ``<column>_low`` / ``_high`` (95 % interval)."""
+"""Column -> path in a run's calibrate entry; each also gets ``<column>_low`` / ``_high`` (95 % interval). The
+metrics of ``metric_table`` marked ``in_study`` come first, in its order."""
 
 SUMMARY_COLUMNS = {
     "run": "run label (selector@budget, dense for the reference)",
@@ -65,6 +61,8 @@ SUMMARY_COLUMNS = {
     "savings_share": "cascade: share of the possible savings between an uninformative and a perfect gate, "
     "at the first epsilon",
     "latency_ms": "mean latency per question (ms), from the records",
+    **{f"mean_{name}": f"mean {name} per question, from the records (docs/compute.md)" for name in COST_MEANS},
+    "flops_relative": "mean flops / mean flops_dense: prefill FLOPs relative to the same questions unpruned",
 }
 """Every fixed summary column and its meaning; ``cascade_cost_eps<e>`` and ``savings_share_eps<e>`` follow."""
 
@@ -162,7 +160,9 @@ def summary_rows(reports: StudyReports) -> list[dict]:
         lost, survived = (_estimate(entry, ("survival", group, "count"))[0] for group in ("lost", "survived"))
         row["lost_share"] = lost / (lost + survived) if lost + survived > 0 else math.nan
         row.update(_cascade_columns(cascades.get(entry["label"]), epsilons))
-        row["latency_ms"] = _mean_column(run, "latency_ms")
+        records = RecordStore(run.path, run.manifest).read()
+        row["latency_ms"] = float(np.mean(records["latency_ms"].to_numpy()))
+        row.update(cost_summary(records))
         rows.append(row)
     return rows
 
@@ -202,11 +202,6 @@ def _cascade_columns(cascade: dict | None, epsilons: Sequence[float]) -> dict[st
         columns[f"savings_share_eps{epsilon:g}"] = result.get("savings_share", math.nan)
     columns["savings_share"] = columns[f"savings_share_eps{epsilons[0]:g}"]
     return columns
-
-
-def _mean_column(run: Run, name: str) -> float:
-    records = RecordStore(run.path, run.manifest).read()
-    return float(np.mean(records[name].to_numpy())) if name in records.column_names else math.nan
 
 
 def summary_files(rows: Sequence[dict]) -> dict[str, bytes | str]:

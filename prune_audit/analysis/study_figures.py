@@ -39,17 +39,25 @@ def _interval(rows: Sequence[dict], name: str) -> tuple[np.ndarray, list[np.ndar
     return value, [np.clip(np.nan_to_num(value - low), 0, None), np.clip(np.nan_to_num(high - value), 0, None)]
 
 
-def metric_vs_budget(rows: Sequence[dict], metrics: Sequence[tuple[str, str]], title: str, stem: str) -> dict[str, bytes]:
-    """One panel per (column, axis label): each selector's value against realised visual tokens, dense dashed."""
+BUDGET_AXIS = ("visual_tokens", "realised visual tokens per question")
+FLOPS_AXIS = ("flops_relative", "prefill FLOPs relative to dense (docs/compute.md)")
+
+
+def metric_vs_budget(
+    rows: Sequence[dict], metrics: Sequence[tuple[str, str]], title: str, stem: str,
+    x: tuple[str, str] = BUDGET_AXIS,
+) -> dict[str, bytes]:
+    """One panel per (column, axis label): each selector's value against ``x`` (column, axis label; realised
+    visual tokens by default, or relative FLOPs), dense dashed."""
     figure, axes = _figure(1, len(metrics), size=(5.2 * len(metrics), 4.0))
     reference = next(row for row in rows if row["selector"] == "dense")
     for axis, (name, label) in zip(axes[0], metrics):
         for selector, group in _pruned_by_selector(rows).items():
             value, error = _interval(group, name)
-            tokens = [row["visual_tokens"] for row in group]
-            axis.errorbar(tokens, value, yerr=error, marker="o", capsize=3, label=selector)
+            position = [row[x[0]] for row in group]
+            axis.errorbar(position, value, yerr=error, marker="o", capsize=3, label=selector)
         axis.axhline(reference[name], color="black", linestyle="--", linewidth=1, label="dense (all tokens)")
-        axis.set(xlabel="realised visual tokens per question", ylabel=label)
+        axis.set(xlabel=x[1], ylabel=label)
         axis.legend(fontsize=8)
     figure.suptitle(f"{title} (95% image-bootstrap intervals)", fontsize=10)
     return _render(figure, stem)
@@ -136,6 +144,8 @@ def study_figures(rows: Sequence[dict], calibration: dict, cascade: dict, title:
     files = metric_vs_budget(rows, [("accuracy", "accuracy")], f"{title}: accuracy", "accuracy_vs_budget")
     calibration_metrics = [("ece", "ECE (equal-width bins)"), ("auroc", "AUROC (confidence vs correctness)")]
     files.update(metric_vs_budget(rows, calibration_metrics, f"{title}: calibration", "calibration_vs_budget"))
+    files.update(metric_vs_budget(rows, [("accuracy", "accuracy"), ("auroc", "AUROC (confidence vs correctness)")],
+                                  f"{title}: at matched compute", "quality_vs_flops", x=FLOPS_AXIS))
     files.update(lost_objects(rows, f"{title}: lost objects"))
     files.update(reliability_grid(entries, f"{title}: reliability"))
     files.update(cascade_figures(cascade["cascades"], title, cascade["reference"]["label"]))

@@ -85,29 +85,17 @@ def calibrate(
         print_calibration_table(report, out)
 
 
-TABLE_ROWS = (
-    ("accuracy", "accuracy"),
-    ("F1", "f1"),
-    ("yes ratio", "yes_ratio"),
-    ("ECE (width)", "ece"),
-    ("ECE (mass)", "ece_mass"),
-    ("MCE", "mce"),
-    ("debiased L2 error (equal-mass)", "ce_debiased_l2"),
-    ("Brier", "brier"),
-    ("NLL", "nll"),
-    ("AUROC", "auroc"),
-    ("AURC", "aurc"),
-)
+TABLE_HIDDEN = ("precision", "recall")
+"""Metrics of ``metric_table`` left out of the printed table (in calibration.json and its CSV)."""
+SCALED_ROWS = ("accuracy", "auroc", "ece", "ece_mass", "nll", "brier")
+"""Metrics shown before and after temperature scaling (on the test images)."""
 
 
-PRECISE = {"aurc"}
-"""Metrics printed with 4 significant digits: small by nature (an AURC of 0.0004 is not 0.000)."""
-
-
-def _cell(estimate: dict | None, key: str = "") -> str:
+def _cell(estimate: dict | None, precise: bool = False) -> str:
+    """An estimate and its interval; ``precise``: 4 significant digits (``Metric.precise``), else 3 decimals."""
     if not estimate or estimate["value"] is None:
         return "-"
-    form = "#.4g" if key in PRECISE else ".3f"
+    form = "#.4g" if precise else ".3f"
     low, high = estimate["ci95"]
     interval = "" if low is None else f" [{low:{form}}, {high:{form}}]"
     return f"{estimate['value']:{form}}{interval}"
@@ -126,6 +114,7 @@ def print_calibration_table(report: dict, out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from prune_audit.analysis.metric_table import METRICS, metric
     from prune_audit.analysis.outputs import json_ready
 
     report = json_ready(report)
@@ -134,15 +123,13 @@ def print_calibration_table(report: dict, out: Path) -> None:
     table.add_column("metric")
     for entry in entries:
         table.add_column(entry["label"] + (" (reference)" if entry is report["reference"] else ""))
-    for name, key in TABLE_ROWS:
-        table.add_row(name, *(_cell(entry["metrics"]["all"][key], key) for entry in entries))
+    for row in (shown for shown in METRICS if shown.name not in TABLE_HIDDEN):
+        table.add_row(row.label, *(_cell(entry["metrics"]["all"][row.name], row.precise) for entry in entries))
     table.add_section()
     table.add_row("temperature T", *(_temperature(entry["temperature"]) for entry in entries))
-    scaled_rows = (("accuracy", "accuracy"), ("AUROC", "auroc"), ("ECE (width)", "ece"), ("ECE (mass)", "ece_mass"),
-                   ("NLL", "nll"), ("Brier", "brier"))
-    for name, key in scaled_rows:
+    for key in SCALED_ROWS:
         for stage in ("test_before", "test_after"):
-            label = f"{name} {'before' if stage == 'test_before' else 'after'} scaling (test)"
+            label = f"{metric(key).label} {'before' if stage == 'test_before' else 'after'} scaling (test)"
             table.add_row(label, *(_cell(entry["temperature"][stage][key]) for entry in entries))
     table.add_section()
     table.add_row("retention stage read", *(entry["stage"] for entry in entries))
@@ -159,7 +146,8 @@ def print_calibration_table(report: dict, out: Path) -> None:
                 entry.get("difference_vs_reference", {}).get("metrics", {}).get("all", {})
                 for entry in entries
             )
-            table.add_row(f"{name} minus reference", *(_cell(difference.get(key), key) for difference in differences))
+            table.add_row(f"{name} minus reference",
+                          *(_cell(difference.get(key), metric(key).precise) for difference in differences))
     console = Console()
     console.print(table)
     console.print(f"wrote calibration.json, calibration.csv and pictures to {out}")

@@ -42,6 +42,11 @@ def cascade(
     ] = False,
     out: Annotated[Path, typer.Option("--out", help="Directory for cascade.json and the plots.")] = Path("cascade"),
     json_output: Annotated[bool, typer.Option("--json", help="Print cascade.json instead of a table.")] = False,
+    cost: Annotated[
+        str,
+        typer.Option("--cost", help="Cost unit: tokens (layer-averaged prefill tokens), flops (analytic prefill "
+                     "FLOPs) or latency (measured prefill time); docs/compute.md."),
+    ] = "tokens",
     # the cascade reads no retention: --stage is only accepted (hidden) so that older scripts still run
     stage: Annotated[str, typer.Option("--stage", hidden=True, help=STAGE_HELP)] = "first",
     force: Annotated[
@@ -59,8 +64,8 @@ def cascade(
     exchangeable unit, so the expected disagreement on new images is at most
     epsilon. Epsilon below 1/(n+1) is refused.
 
-    Cost: prefill tokens relative to the dense model on every question; an
-    escalated question pays every stage it visits. Without --multi-stage each
+    Cost (--cost): prefill tokens, FLOPs or latency relative to the dense model
+    on every question; an escalated question pays every stage it visits. Without --multi-stage each
     pruned run forms its own two-stage cascade.
     """
     from prune_audit.analysis.outputs import to_json, write_files
@@ -72,13 +77,16 @@ def cascade(
 
     if reference is None:
         raise PruneAuditError("--reference RUN is required: the cascade escalates to it (usually the dense run)")
-    from prune_audit.analysis.cascade import DEFAULT_SWEEP
+    from prune_audit.analysis.cascade import COST_UNITS, DEFAULT_SWEEP
+
+    if cost not in COST_UNITS:
+        raise PruneAuditError(f"--cost must be one of {', '.join(COST_UNITS)}, got {cost!r}")
 
     targets = list(parse_epsilons(sweep, "--sweep")) if sweep is not None else []  # "" is refused, not the default
     choice = parse_stage(stage)
     outputs = {"runs": [str(p.resolve()) for p in pruned_runs], "reference": str(reference.resolve()),
                "epsilon": epsilon, "sweep": targets, "splits": splits, "calibration_fraction": calibration_fraction,
-               "seed": seed, "multi_stage": multi_stage, "stage": choice.name}
+               "seed": seed, "multi_stage": multi_stage, "stage": choice.name, "cost": cost}
     check_output_dir(out, "cascade", outputs)
     stages = [load_run(path, choice) for path in pruned_runs]
     reference_run = load_run(reference, choice)
@@ -88,7 +96,7 @@ def cascade(
         (label, [stage]) for label, stage in zip(labels, stages)
     ]
     report = cascade_report(cascades, reference_run, epsilon, targets, splits, calibration_fraction, seed,
-                            differences, optional_sweep=() if sweep is not None else DEFAULT_SWEEP)
+                            differences, optional_sweep=() if sweep is not None else DEFAULT_SWEEP, cost=cost)
     report["completeness"] = completeness([*stages, reference_run], [*labels, reference_label])
     with hold_output_dir(out, "cascade", outputs):
         write_files(out, cascade_files(report, reference_run.model_name))
@@ -122,6 +130,7 @@ def print_cascade_table(report: dict, out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from prune_audit.analysis.cascade import COST_LABELS
     from prune_audit.analysis.outputs import json_ready
 
     report = json_ready(report)
@@ -146,7 +155,8 @@ def print_cascade_table(report: dict, out: Path) -> None:
     console.print(sweep_table(report))
     reference = report["reference"]["label"]
     console.print(
-        f"t: confidence threshold; cost: prefill tokens relative to the reference {reference}; savings: share of the "
+        f"t: confidence threshold; cost: {COST_LABELS[report['settings']['cost']]} relative to the reference "
+        f"{reference}; savings: share of the "
         f"possible savings (uninformative -> perfect gating); test risk: mean disagreement with {reference} on the "
         f"test images; held-out: over {report['settings']['splits']} random image splits"
     )

@@ -31,6 +31,18 @@ ModelOption = Annotated[
     Optional[str], typer.Option(help="Local model folder or hub id (default: the bundled demo model).")
 ]
 PopeOption = Annotated[Optional[list[Path]], typer.Option(help="POPE question file(s) (JSON Lines); repeatable.")]
+TaskOption = Annotated[
+    str, typer.Option(help="What the questions are: pope, or another registered task (docs/tasks.md).")
+]
+MaxNewTokensOption = Annotated[
+    Optional[int],
+    typer.Option(min=1, help="Tasks that generate (gqa): most tokens per answer (default: the task's, docs/tasks.md).",
+                 show_default=False),
+]
+QuestionsOption = Annotated[
+    Optional[list[Path]],
+    typer.Option(help="The task's question file(s) (any task; --pope names POPE's); repeatable."),
+]
 SplitOption = Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")]
 ImagesOption = Annotated[Optional[Path], typer.Option(help="Folder with the questions' images.")]
 AnnotationsOption = Annotated[

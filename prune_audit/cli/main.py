@@ -12,6 +12,7 @@ from prune_audit.cli import demo as demo_cli
 from prune_audit.cli import intervene as intervene_cli
 from prune_audit.cli import pope as pope_cli
 from prune_audit.cli import run as run_cli
+from prune_audit.cli import score as score_cli
 from prune_audit.cli import selectors as selectors_cli
 from prune_audit.cli import study as study_cli
 from prune_audit.cli import visualize as visualize_cli
@@ -51,6 +52,7 @@ app.command("calibrate")(calibrate_cli.calibrate)
 app.command("cascade")(cascade_cli.cascade)
 app.command("intervene")(intervene_cli.intervene)
 app.command("study")(study_cli.study)
+app.command("score")(score_cli.score)
 app.add_typer(pope_cli.app, name="pope")
 app.add_typer(demo_cli.app, name="demo")
 

@@ -14,13 +14,17 @@ from prune_audit.cli.common import (
     DtypeOption,
     ImagesOption,
     LimitOption,
+    MaxNewTokensOption,
     ModelOption,
     PopeOption,
     PromptTemplateOption,
+    QuestionsOption,
     QuietOption,
     SplitOption,
+    TaskOption,
     ThreadsOption,
     command_line,
+    fail,
     handle_errors,
 )
 
@@ -31,8 +35,11 @@ def run(
     selector: Annotated[str, typer.Option(help="Registered selector (see `prune-audit selectors`), or none for the unpruned reference.")] = "none",
     budget: Annotated[Optional[str], typer.Option(help="Visual tokens to keep (in-LLM selectors: layer average), a share of each image's tokens (11%), or all.")] = None,
     option: Annotated[Optional[list[str]], typer.Option(help="Selector option KEY=VALUE; repeatable.")] = None,
+    task: TaskOption = "pope",
     pope: PopeOption = None,
+    questions: QuestionsOption = None,
     split: SplitOption = None,
+    max_new_tokens: MaxNewTokensOption = None,
     images: ImagesOption = None,
     annotations: AnnotationsOption = None,
     out: Annotated[Optional[Path], typer.Option(help="Run directory (default: runs/<model>-<selector>-<budget>, then each --option value that differs from its default, then limitN with --limit N, e.g. runs/demo-fastv-64-paper-limit200).")] = None,
@@ -47,7 +54,7 @@ def run(
     threads: ThreadsOption = None,
     quiet: QuietOption = False,
 ) -> None:
-    """Run a model under a selector and budget over POPE questions; one record per question.
+    """Run a model under a selector and budget over a task's questions (POPE by default); one record per question.
 
     Writes RUN_DIR/records.parquet and RUN_DIR/manifest.json. Re-running the same
     command resumes: finished questions are skipped. With no --model and no --pope
@@ -56,11 +63,19 @@ def run(
     command = command_line("run", run, dict(locals()))
     from prune_audit.runner.execute import execute
     from prune_audit.runner.plan import RunRequest, plan_run
-    from prune_audit.runner.safeguards import parse_budget
+    from prune_audit.compute.budget import parse_budget
     from prune_audit.runner.sharding import parse_shard
 
+    from prune_audit.tasks import get_task
+
+    get_task(task, max_new_tokens)  # an unknown task or a misplaced limit is named before the question options
+    if pope and questions:
+        raise fail("pass the question files once: --pope (POPE) or --questions (any task), not both")
+    if pope and task != "pope":
+        raise fail(f"--pope names POPE question files; pass the {task} question files with --questions")
     request = RunRequest(
-        model=model, selector=selector, budget=parse_budget(budget), options=list(option or []), pope=list(pope or []), split=split,
+        model=model, selector=selector, budget=parse_budget(budget), options=list(option or []),
+        pope=list(pope or questions or []), task=task, max_new_tokens=max_new_tokens, split=split,
         images=images, annotations=annotations, out=out, limit=limit, batch_size=batch_size, device=device,
         dtype=dtype, seed=seed, shard=parse_shard(shard) if shard else None, prompt_template=prompt_template,
         clip_text=clip_text, threads=threads, command=command,
@@ -84,7 +99,8 @@ def _print_summary(result, plan) -> None:
     with_mask = summary.get("questions_with_mask", 0)
     first = summary.get("first_stage", "first")
     budget = "all visual tokens" if plan.budget is None else f"budget {plan.manifest['budget']}"
-    print(f"{model_label(plan.manifest['model']['id'])} | selector {plan.manifest['selector']['name']} | {budget}")
+    task = "" if plan.task.name == "pope" else f"task {plan.task.name} | "  # POPE's title predates tasks
+    print(f"{task}{model_label(plan.manifest['model']['id'])} | selector {plan.manifest['selector']['name']} | {budget}")
     table = Table(show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -93,7 +109,7 @@ def _print_summary(result, plan) -> None:
         ("accuracy", f"{summary.get('accuracy', float('nan')):.4f}"),
         ("mean confidence", f"{summary.get('mean_confidence', float('nan')):.4f}"),
         ("avg visual tokens", f"{summary.get('visual_tokens_avg', float('nan')):.2f}"),
-        (f"mean retention of the yes questions' objects, stage {first}",
+        (f"mean retention of {plan.task.evidence_noun}, stage {first}",
          f"{summary.get('mean_retention', float('nan')):.4f}"),
         (f"lost objects, stage {first}", f"{summary.get('lost_objects', 0)} of {with_mask}"),
     ]
@@ -102,12 +118,28 @@ def _print_summary(result, plan) -> None:
                      f"{summary.get('lost_objects_last_stage', 0)} of {with_mask}"))
     if summary.get("diluted_objects"):  # only merging selectors dilute: the row appears for them
         rows.append((f"diluted objects, stage {first}", f"{summary['diluted_objects']} of {with_mask}"))
+    rows += cost_rows(summary)
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
     # plain prints: a long path stays whole on its line
     print(f"records: {result.run_dir / ('records.parquet' if result.complete else 'parts')}")
     print(f"manifest: {result.run_dir / MANIFEST_FILE}")
+
+
+def cost_rows(summary: dict) -> list[tuple[str, str]]:
+    """The summary's compute rows: prefill FLOPs against dense, KV cache, equivalent tokens, latency parts."""
+    if "mean_flops" not in summary:
+        return []
+    return [
+        ("prefill FLOPs (of dense)", f"{summary['mean_flops'] / 1e6:,.1f} M ({summary['flops_relative']:.1%})"),
+        ("KV cache after prefill", f"{summary['mean_kv_bytes'] / 1024:,.0f} KiB"),
+        ("equivalent tokens: layer-averaged / FLOP-equivalent",
+         f"{summary['mean_cost_tokens']:.1f} / {summary['mean_flop_equivalent_tokens']:.1f}"),
+        ("latency ms: vision / selection / prefill",
+         f"{summary['mean_latency_vision_ms']:.2f} / {summary['mean_latency_selection_ms']:.2f} / "
+         f"{summary['mean_latency_prefill_ms']:.2f}"),
+    ]
 
 
 def model_label(model_id: str) -> str:

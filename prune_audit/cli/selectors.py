@@ -131,7 +131,8 @@ def _print_fidelity(json_output: bool, markdown: bool) -> None:
     """The fidelity of every selector: a list on the terminal, the Markdown of docs/fidelity.md, or JSON."""
     import json
 
-    from prune_audit.pruners.fidelity import FIDELITY, NOT_YET_DONE, fidelity_markdown, fidelity_rows
+    from prune_audit.pruners.fidelity import FIDELITY, NOT_YET_DONE
+    from prune_audit.pruners.fidelity_table import fidelity_markdown, fidelity_rows
 
     if json_output:
         print(json.dumps(fidelity_rows(), indent=2))

@@ -69,7 +69,7 @@ def visualize(
     elif image is None:
         raise fail("pass an IMAGE, or --run RUN_DIR --question-id ID")
     else:
-        from prune_audit.runner.safeguards import parse_budget
+        from prune_audit.compute.budget import parse_budget
         from prune_audit.threads import configure_threads
 
         configure_threads(threads)

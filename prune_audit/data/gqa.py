@@ -272,15 +272,23 @@ def evidence_objects(question: GqaQuestion, graph: SceneGraph) -> list[tuple[str
     return [(object_id, graph.objects[object_id]) for object_id in question.evidence_object_ids]
 
 
-def evidence_mask(question: GqaQuestion, graph: SceneGraph) -> np.ndarray:
-    """(height, width) bool: the union of the evidence objects' boxes, clipped to the image.
+def box_mask(obj: SceneObject, graph: SceneGraph) -> np.ndarray:
+    """(height, width) bool: one object's box, clipped to the image.
 
     A box covers columns ``x .. x+w-1`` and rows ``y .. y+h-1`` (GQA's ``eval.py`` region is
-    ``[x, x+w] x [y, y+h]``). All False when the annotations name no object.
+    ``[x, x+w] x [y, y+h]``).
     """
     mask = np.zeros((graph.height, graph.width), dtype=bool)
+    mask[obj.y:min(obj.y + obj.h, graph.height), obj.x:min(obj.x + obj.w, graph.width)] = True
+    return mask
+
+
+def evidence_mask(question: GqaQuestion, graph: SceneGraph) -> np.ndarray:
+    """(height, width) bool: the union of the evidence objects' boxes (:func:`box_mask`); all False when the
+    annotations name no object."""
+    mask = np.zeros((graph.height, graph.width), dtype=bool)
     for _, obj in evidence_objects(question, graph):
-        mask[obj.y:min(obj.y + obj.h, graph.height), obj.x:min(obj.x + obj.w, graph.width)] = True
+        mask |= box_mask(obj, graph)
     return mask
 
 

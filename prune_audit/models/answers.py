@@ -1,22 +1,45 @@
-"""First-token yes/no probabilities (evaluation spec E) and the per-question :class:`Answer`.
+"""How a model answers (answer modes), their reductions, and the per-question :class:`Answer`.
 
-The answer's first token decides a POPE question. ``p_yes`` sums the full-vocabulary
-softmax probability of every single-token spelling of "yes" (case variants, with and
-without the tokenizer's word-start marker), ``p_no`` likewise; the two-way probability
-renormalises them.
+Three answer modes, chosen by the task (``prune_audit.tasks``), never by the model:
+
+- :data:`YES_NO` (POPE, evaluation spec E): the first token decides. ``p_yes`` sums the
+  full-vocabulary softmax probability of every single-token spelling of "yes" (case variants,
+  with and without the tokenizer's word-start marker), ``p_no`` likewise; the two-way
+  probability renormalises them.
+- :class:`OptionLetters` (multiple choice): the first token over the offered letters, each
+  letter's spellings summed as for yes/no; the chosen letter's probability renormalised over
+  the offered letters is the confidence.
+- :class:`Greedy` (short answers, captions): greedy decoding that reuses the pruned KV cache;
+  the product of the generated tokens' probabilities is the sequence probability.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from prune_audit.answer_modes import (
+    YES_NO,
+    AnswerMode,
+    Generation,
+    Greedy,
+    LetterChoice,
+    OptionLetters,
+    Reduction,
+    YesNo,
+    YesNoMode,
+)
+
+from prune_audit.errors import PruneAuditError
+
 if TYPE_CHECKING:
-    from prune_audit.models.executor import Prefill
+    from prune_audit.compute.cost import PrefillCost
+    from prune_audit.models.executor import LanguageLoop, Prefill
     from prune_audit.pruners.base import Selection
 
 # word-start markers: SentencePiece (Llama) and byte-level BPE (Qwen)
@@ -40,18 +63,6 @@ def answer_token_ids(tokenizer, word: str) -> list[int]:
     return sorted(ids)
 
 
-@dataclass(frozen=True)
-class YesNo:
-    """First-token yes/no reduction of one question."""
-
-    p_yes: float
-    p_no: float
-    p_yes_2way: float
-    logit_diff: float
-    answer: str
-    confidence: float
-
-
 def reduce_yes_no(logits: Tensor, yes_ids: list[int], no_ids: list[int]) -> list[YesNo]:
     """Reduce (B, V) first-token logits to yes/no probabilities, one entry per row."""
     probs = torch.softmax(logits.double(), dim=-1)
@@ -70,9 +81,68 @@ def reduce_yes_no(logits: Tensor, yes_ids: list[int], no_ids: list[int]) -> list
     return results
 
 
+def letter_token_ids(tokenizer, letter: str, model_id: str) -> list[int]:
+    """The single tokens spelling an option letter (case and word-start variants, as yes/no); a one-line
+    PruneAuditError naming ``model_id`` when there is none."""
+    ids = answer_token_ids(tokenizer, letter)
+    if not ids:
+        raise PruneAuditError(f"the tokenizer of {model_id} has no single token for the option letter {letter!r}")
+    return ids
+
+
+def reduce_letters(logits: Tensor, letter_ids: Sequence[Sequence[int]], letters: Sequence[str]) -> list[LetterChoice]:
+    """Reduce (B, V) first-token logits over the letters whose token ids are ``letter_ids[k]``, one entry per row."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    per_letter = torch.stack([probs[:, list(ids)].sum(dim=-1) for ids in letter_ids], dim=-1)  # (B, K)
+    results = []
+    for row in per_letter.tolist():
+        total = sum(row)
+        best = max(range(len(row)), key=lambda k: row[k])  # first maximum: ties go to the earlier letter
+        results.append(LetterChoice(tuple(row), letters[best], row[best] / total if total > 0 else 1 / len(row)))
+    return results
+
+
+def greedy_generations(
+    loop: LanguageLoop, prefill: Prefill, eos_ids: Sequence[int], tokenizer, max_new_tokens: int
+) -> list[Generation]:
+    """Greedy decoding of every row of a cached prefill (``use_cache=True``), one :class:`Generation` per row.
+
+    Each step feeds every row its argmax token through ``loop.decode_step`` (which reuses the pruned KV
+    cache); a row that emitted an end token keeps being fed (its attention is its own, so the others do
+    not change) until every row has stopped or ``max_new_tokens`` tokens are generated.
+    """
+    if max_new_tokens < 1:
+        raise PruneAuditError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    stop = set(eos_ids)
+    rows = prefill.logits.shape[0]
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    probs: list[list[float]] = [[] for _ in range(rows)]
+    stopped = [False] * rows
+    logits = prefill.logits
+    for step in range(max_new_tokens):
+        chosen = logits.argmax(dim=-1)
+        chosen_probs = torch.softmax(logits.double(), dim=-1).gather(1, chosen[:, None])[:, 0].tolist()
+        for b, (token, prob) in enumerate(zip(chosen.tolist(), chosen_probs)):
+            if stopped[b]:
+                continue
+            if token in stop:
+                stopped[b] = True
+            else:
+                tokens[b].append(token)
+                probs[b].append(prob)
+        if all(stopped) or step == max_new_tokens - 1:
+            break
+        logits = loop.decode_step(prefill.decode, chosen)
+    return [
+        Generation(tokenizer.decode(row, skip_special_tokens=True).strip(), tuple(row_probs), float(math.prod(row_probs)),
+                   done)
+        for row, row_probs, done in zip(tokens, probs, stopped)
+    ]
+
+
 @dataclass
 class Answer:
-    """First-token answer of one question and the provenance of the visual tokens.
+    """The answer of one question (``reduced``, by its mode) and the provenance of the visual tokens.
 
     ``kept_stages`` holds the kept grid indices after each stage (one entry for
     input-level selection, none unpruned); ``kept`` those reaching the last layer;
@@ -81,15 +151,13 @@ class Answer:
     contextual tokens at its single stage, an in-LLM merge at each of its stages;
     empty lists without merging).
     ``latency_ms`` is the wall time of the batch prefill (vision, selection,
-    language model) divided by the batch size.
+    language model) divided by the batch size; ``latency_parts`` splits it the same way
+    into ``vision``, ``selection`` (input-level signals and selection; in-LLM selectors
+    score inside ``prefill``) and ``prefill`` (the decoder layers and the LM head).
+    ``cost`` holds the analytic FLOPs and KV-cache bytes (``prune_audit.compute``).
     """
 
-    p_yes: float
-    p_no: float
-    p_yes_2way: float
-    logit_diff: float
-    answer: str
-    confidence: float
+    reduced: Reduction
     kept: list[int]
     kept_stages: list[list[int]]
     stage_layers: list[int]
@@ -98,10 +166,45 @@ class Answer:
     prefill_tokens: int
     latency_ms: float
     merged_stages: list[list[list[int]]] = field(default_factory=list)
+    latency_parts: dict[str, float] = field(default_factory=dict)
+    cost: PrefillCost | None = None
+
+    @property
+    def answer(self) -> str:
+        """"yes"/"no", the chosen letter, or the generated text."""
+        return self.reduced.answer
+
+    @property
+    def confidence(self) -> float:
+        return self.reduced.confidence
+
+    @property
+    def yes_no(self) -> YesNo:
+        """The yes/no reduction; a ValueError for an answer given in another mode."""
+        if not isinstance(self.reduced, YesNo):
+            raise ValueError(f"this answer was not given by its yes/no first token ({type(self.reduced).__name__})")
+        return self.reduced
+
+    @property
+    def p_yes(self) -> float:
+        return self.yes_no.p_yes
+
+    @property
+    def p_no(self) -> float:
+        return self.yes_no.p_no
+
+    @property
+    def p_yes_2way(self) -> float:
+        return self.yes_no.p_yes_2way
+
+    @property
+    def logit_diff(self) -> float:
+        return self.yes_no.logit_diff
 
 
 def answer_record(
-    num_visual: int, prefill: Prefill, b: int, selection: Selection | None, reduced: YesNo, latency: float
+    num_visual: int, prefill: Prefill, b: int, selection: Selection | None, reduced: Reduction, latency: float,
+    latency_parts: dict[str, float],
 ) -> Answer:
     """Row ``b`` of a pruned prefill as an :class:`Answer`.
 
@@ -115,12 +218,7 @@ def answer_record(
         stage_layers, merged_stages = prefill.stage_layers[b], prefill.merged_stages[b]
     counts = prefill.tokens_per_layer[b]
     return Answer(
-        p_yes=reduced.p_yes,
-        p_no=reduced.p_no,
-        p_yes_2way=reduced.p_yes_2way,
-        logit_diff=reduced.logit_diff,
-        answer=reduced.answer,
-        confidence=reduced.confidence,
+        reduced=reduced,
         kept=kept_stages[-1] if kept_stages else list(range(num_visual)),
         kept_stages=kept_stages,
         stage_layers=stage_layers,
@@ -129,8 +227,12 @@ def answer_record(
         prefill_tokens=prefill.prefill_tokens[b],
         latency_ms=latency,
         merged_stages=merged_stages,
+        latency_parts=latency_parts,
     )
 
 
-
-__all__ = ["answer_token_ids", "YesNo", "reduce_yes_no", "Answer", "answer_record"]
+__all__ = [
+    "YES_NO", "AnswerMode", "Answer", "Generation", "Greedy", "LetterChoice", "OptionLetters", "Reduction", "YesNo",
+    "YesNoMode", "answer_record", "answer_token_ids", "greedy_generations", "letter_token_ids", "reduce_letters",
+    "reduce_yes_no",
+]

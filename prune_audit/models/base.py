@@ -3,13 +3,13 @@
 A family adapter (``llava.py``, ``qwen.py``) turns an image and a question into a
 :class:`Prepared` prompt, runs its vision tower, and says how positions work. This
 class does the rest: input-level selection, the schedule of in-LLM selectors, the
-pruned prefill through :class:`~prune_audit.models.executor.LanguageLoop`, the
-yes/no reduction and a greedy decoding loop with KV cache.
+pruned prefill through :class:`~prune_audit.models.executor.LanguageLoop`, and the
+answer modes of ``models.answers``: the yes/no and option-letter reductions of the first
+token, and greedy decoding that reuses the pruned KV cache.
 """
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -17,8 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from prune_audit.compute.budget import Schedules
+from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
-from prune_audit.models.answers import Answer, answer_record, answer_token_ids, reduce_yes_no
+from prune_audit.models.answering import AnswerModes
+from prune_audit.models.answers import answer_token_ids
 from prune_audit.models.executor import (
     MERGED,
     TEXT_AFTER,
@@ -30,19 +33,26 @@ from prune_audit.models.executor import (
     TokenRow,
     pack,
 )
+from prune_audit.models.layer_signals import text_demand
 from prune_audit.models.loading import config_hash
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
+from prune_audit.models.timing import PartClock
 from prune_audit.pruners.base import VISION_LAYER_SIGNALS, InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.registry import list_selectors, selector_class
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
 
-class VisionLanguageModel(ABC):
-    """A loaded VLM that answers questions under any registered selector."""
+class VisionLanguageModel(AnswerModes, ABC):
+    """A loaded VLM that answers questions under any registered selector (in each answer mode: ``AnswerModes``)."""
 
     family: str = ""
     #: InputSignals fields this family can provide (``text_relevance`` also needs clip_text)
     input_signals: frozenset[str] = frozenset()
+    #: InputSignals read from a CLS-row probe / from every vision layer's attention (compute accounting)
+    cls_probe_signals: frozenset[str] = frozenset()
+    layer_probe_signals: frozenset[str] = frozenset()
+    #: the dimensions the compute accounting reads (``models.shape``), set by the family
+    shape: ModelShape
     #: why the other InputSignals are missing, for error messages
     missing_signals_reason: str = ""
     #: the family's name in messages
@@ -88,7 +98,7 @@ class VisionLanguageModel(ABC):
         self.model_id = model_id
         self.prompt_template = prompt_template
         self.system_prompt = system_prompt
-        self._schedules: dict[tuple, list[Stage]] = {}
+        self._schedules = Schedules()
         self.yes_ids = answer_token_ids(tokenizer, "yes")
         self.no_ids = answer_token_ids(tokenizer, "no")
         if not self.yes_ids or not self.no_ids:
@@ -157,65 +167,6 @@ class VisionLanguageModel(ABC):
         """Registered selectors whose signals this model can provide."""
         return [name for name in list_selectors() if self._missing(selector_class(name)) == set()]
 
-    def answer(
-        self,
-        prepared: Sequence[Prepared],
-        selector: Selector | None = None,
-        budget: int | None = None,
-        *,
-        generator: torch.Generator | Sequence[torch.Generator] | None = None,
-        forced_kept: Sequence[Sequence[int]] | None = None,
-        forced_stages: Sequence[ForcedStages] | None = None,
-    ) -> list[Answer]:
-        """First-token yes/no answers for a batch under ``selector`` at ``budget`` (None: unpruned).
-
-        ``generator`` is one generator shared in row order, or one per question (then a
-        random selection does not depend on batching). ``forced_kept[b]`` replaces
-        input-level selection by explicit grid indices; ``forced_stages[b]`` lists
-        ``(layer, kept grid indices)`` in-LLM stages.
-        """
-        start = time.perf_counter()
-        prefill, selections = self.prefill(
-            prepared, selector, budget, generator=generator, forced_kept=forced_kept, forced_stages=forced_stages
-        )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        latency = (time.perf_counter() - start) * 1000 / len(prepared)
-        reductions = enumerate(reduce_yes_no(prefill.logits, self.yes_ids, self.no_ids))
-        return [answer_record(prepared[b].num_visual, prefill, b, selections[b], reduced, latency)
-                for b, reduced in reductions]
-
-    def generate(
-        self,
-        prepared: Prepared,
-        selector: Selector | None = None,
-        budget: int | None = None,
-        max_new_tokens: int = 16,
-        *,
-        generator: torch.Generator | Sequence[torch.Generator] | None = None,
-        forced_kept: Sequence[int] | None = None,
-        forced_stages: ForcedStages | None = None,
-    ) -> str:
-        """Greedy decoding under pruning; the pruned KV cache is reused for every new token."""
-        forced = {"forced_kept": None if forced_kept is None else [forced_kept],
-                  "forced_stages": None if forced_stages is None else [forced_stages]}
-        prefill, _ = self.prefill([prepared], selector, budget, generator=generator, use_cache=True, **forced)
-        stop = set(self.eos_ids())
-        logits, tokens = prefill.logits, []
-        for _ in range(max_new_tokens):
-            token = int(logits[0].argmax())
-            if token in stop:
-                break
-            tokens.append(token)
-            logits = self.loop.decode_step(prefill.decode, torch.tensor([token], device=self.device))
-        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-
-    def eos_ids(self) -> list[int]:
-        """Token ids that end greedy decoding: the generation config's and the tokenizer's end-of-sequence."""
-        ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
-        ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
-        return [*ids, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])]
-
     # ----- internals ----------------------------------------------------------------
     def _missing(self, cls: type[Selector]) -> set[str]:
         """What the model lacks for ``cls``: input signals, or positions for the merged tokens it feeds."""
@@ -272,8 +223,10 @@ class VisionLanguageModel(ABC):
         input_level = forced_kept is not None or isinstance(selector, InputSelector)
         requires = selector.requires if input_level and selector is not None and forced_kept is None else frozenset()
         vision_layer = selector.requires & VISION_LAYER_SIGNALS if isinstance(selector, LayerSelector) else frozenset()
+        clock = PartClock(self.device)
         with torch.no_grad():
             vision = self._vision(prepared, requires | vision_layer)
+            clock.lap("vision")
             selections: list[Selection | None] = [None] * len(prepared)
             rows = []
             for b, (item, output) in enumerate(zip(prepared, vision)):
@@ -287,12 +240,16 @@ class VisionLanguageModel(ABC):
                 plan = self._layer_plan(prepared, selector, budget, forced_stages)
                 plan.vision = [{name: output.signals[name] for name in vision_layer} for output in vision]
             carry = plan is not None and bool(plan.requires & {"embeddings", "text_embeddings"})
+            clock.lap("selection")
             try:
-                return self.loop.prefill(pack(rows, carry_embeddings=carry), plan, use_cache=use_cache), selections
+                result = self.loop.prefill(pack(rows, carry_embeddings=carry), plan, use_cache=use_cache)
             except ValueError as error:
                 if isinstance(error, PruneAuditError) or selector is None:
                     raise
                 raise PruneAuditError(f"selector {selector.name!r} failed at budget {budget}: {error}") from None
+            clock.lap("prefill")
+            result.latency_parts = clock.parts
+            return result, selections
 
     def _select(self, item, output, selector, budget, generator, requires, forced) -> Selection:
         if forced is not None:
@@ -316,22 +273,8 @@ class VisionLanguageModel(ABC):
             relevance, in_model_dtype = self._text_relevance(item, output)
             signals.text_relevance, signals.model_text_relevance = relevance.float(), in_model_dtype.float()
         if "demand" in requires:
-            signals.demand = self._demand(item, output)
+            signals.demand = text_demand(self.loop.stack, self._row(item, output, None))
         return signals
-
-    def _demand(self, item: Prepared, output: VisionOutput) -> Tensor:
-        """(N,) layer-0 attention of the text after the image to each visual token.
-
-        Probe of decoder layer 0 over the full unpruned prompt; probabilities (softmax
-        over every visible key) averaged over heads and over the text rows after the image.
-        """
-        row = self._row(item, output, None)
-        stack = self.loop.stack
-        cos, sin = stack.rotary(row.embeddings[None], row.positions[:, None])
-        text = torch.nonzero(row.kinds == TEXT_AFTER).flatten()
-        _, probs = stack.probe(0).probabilities(row.embeddings, text, cos[0], sin[0])
-        visual = torch.nonzero(row.kinds >= 0).flatten()
-        return probs[:, :, visual].mean(dim=(0, 1))
 
     def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
         """The language-model input of one prompt, with the selection applied."""
@@ -376,21 +319,13 @@ class VisionLanguageModel(ABC):
                 forced.append([torch.as_tensor(sorted(set(kept)), dtype=torch.long) for _, kept in ordered])
             self._check_stage_layers(stages)
             return LayerPlan(stages, grids, positions, selector, forced)
-        stages = [self._schedule(selector, item.num_visual, budget) for item in prepared]
+        stages = [self.schedule(selector, item.num_visual, budget) for item in prepared]
         self._check_stage_layers(stages)
         return LayerPlan(stages, grids, positions, selector)
 
-    def _schedule(self, selector: LayerSelector, num_visual: int, budget: int) -> list[Stage]:
-        """The selector's schedule, solved once per (options, token count, budget): solving takes milliseconds."""
-        key = (selector.name, repr(selector.options()), num_visual, budget)
-        if key not in self._schedules:
-            try:
-                self._schedules[key] = selector.schedule(self.num_layers, num_visual, budget)
-            except ValueError as error:
-                raise PruneAuditError(
-                    f"selector {selector.name!r} has no schedule for budget {budget}: {error}"
-                ) from None
-        return self._schedules[key]
+    def schedule(self, selector: LayerSelector, num_visual: int, budget: int) -> list[Stage]:
+        """The in-LLM selector's stages on this model for ``num_visual`` tokens at ``budget`` (``compute.budget``)."""
+        return self._schedules.solve(selector, self.num_layers, num_visual, budget)
 
     def _check_stage_layers(self, stages: list[list[Stage]]) -> None:
         for row in stages:

@@ -19,7 +19,7 @@ from prune_audit.models.kinds import merged_index, merged_kind
 from prune_audit.pruners.base import TokenMerge
 
 if TYPE_CHECKING:
-    from prune_audit.models.executor import Batch
+    from prune_audit.models.batch import Batch
 
 
 @dataclass

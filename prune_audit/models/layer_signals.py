@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.models.kinds import TEXT_AFTER
 from prune_audit.pruners.base import VISION_LAYER_SIGNALS, LayerSignals
 
 if TYPE_CHECKING:
-    from prune_audit.models.executor import Batch, DecoderStack, LayerPlan
+    from prune_audit.models.executor import Batch, DecoderStack, LayerPlan, TokenRow
 
 ATTENTION_SIGNALS = frozenset({"text_logits", "text_probs"})
 KEY_SIGNALS = frozenset({"key_norms", "text_key_norms"})
@@ -95,3 +97,17 @@ def layer_signals(
         embeddings = batch.embeddings[row, columns]
         signals.embeddings, signals.text_embeddings = _f32(embeddings[visual]), _f32(embeddings[text])
     return signals
+
+
+def text_demand(stack: DecoderStack, row: TokenRow) -> Tensor:
+    """(N,) layer-0 attention of the text after the image to each visual token of the unpruned ``row``.
+
+    Probe of decoder layer 0 over the full prompt; probabilities (softmax over every visible
+    key) averaged over heads and over the text rows after the image (coverage's demand).
+    """
+    cos, sin = stack.rotary(row.embeddings[None], row.positions[:, None])
+    text = torch.nonzero(row.kinds == TEXT_AFTER).flatten()
+    _, probs = stack.probe(0).probabilities(row.embeddings, text, cos[0], sin[0])
+    visual = torch.nonzero(row.kinds >= 0).flatten()
+    return probs[:, :, visual].mean(dim=(0, 1))
+

@@ -16,12 +16,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.loading import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_attention, clip_cls_row, single_tensor_rope
+from prune_audit.models.shape import clip_text_shape, language_shape, llava_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
 
@@ -43,6 +45,7 @@ class LlavaModel(VisionLanguageModel):
         {"features", "vision_features", "cls_attention", "cls_logits", "vision_keys", "cls_feature"}
         | {"text_relevance", "demand"} | LAYER_SIGNALS
     )
+    cls_probe_signals, layer_probe_signals = CLS_SIGNALS, LAYER_SIGNALS
     missing_signals_reason = "this adapter does not compute it"
     display_name = "LLaVA"
     prompt_templates = PROMPT_TEMPLATES
@@ -107,6 +110,9 @@ class LlavaModel(VisionLanguageModel):
         self.feature_index = layer if layer >= 0 else hidden_count + layer
         if not 1 <= self.feature_index < hidden_count:
             raise PruneAuditError(f"vision_feature_layer {layer} has no encoder layer producing it")
+        vision = llava_vision_shape(config, self.feature_index)
+        clip_shape = None if clip is None else clip_text_shape(clip[0], vision.width)
+        self.shape = ModelShape(vision, language_shape(config.text_config), model.dtype.itemsize, clip_shape)
 
     # ----- prompts --------------------------------------------------------------------
     def prompt(self, question: str) -> str:
@@ -202,6 +208,17 @@ class LlavaModel(VisionLanguageModel):
 
     def _project(self, vision_tokens: Tensor) -> Tensor:
         return self.model.model.multi_modal_projector(vision_tokens)
+
+    @property
+    def vision_head_dim(self) -> int:
+        """Width of one vision-tower attention head (VisionZip's keys)."""
+        vision = self.model.config.vision_config
+        return vision.hidden_size // vision.num_attention_heads
+
+    def text_chunks(self, prepared: Prepared) -> int:
+        """CLIP text-tower chunks :meth:`_text_relevance` runs for ``prepared``'s question."""
+        context = self.clip[0].config.text_config.max_position_embeddings
+        return -(-len(self.clip[1](prepared.question)["input_ids"]) // context)
 
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals if self.clip is not None else self.input_signals - {"text_relevance"}

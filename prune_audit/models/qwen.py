@@ -21,12 +21,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.loading import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
+from prune_audit.models.shape import language_shape, qwen_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
 
@@ -94,6 +96,7 @@ class QwenModel(VisionLanguageModel):
         super().__init__(model, tokenizer, stack, model_id=model_id, prompt_template=template,
                          system_prompt=system_prompt)
         self.image_processor = image_processor
+        self.shape = ModelShape(qwen_vision_shape(model.config), language_shape(text_config), model.dtype.itemsize)
 
     def prompt(self, question: str, num_image_tokens: int = 1) -> str:
         """The Qwen2.5-VL chat prompt for one image followed by ``question``."""
@@ -133,6 +136,12 @@ class QwenModel(VisionLanguageModel):
         grid_thw = torch.cat([item.extras["image_grid_thw"] for item in prepared]).to(self.device)
         features = self.model.model.get_image_features(pixels, grid_thw, return_dict=True).pooler_output
         return [VisionOutput(per_image) for per_image in features]
+
+    @property
+    def vision_head_dim(self) -> int:
+        """Width of one vision-tower attention head."""
+        vision = self.model.config.vision_config
+        return vision.hidden_size // vision.num_heads
 
     # ----- direct forwards (the demo trainer and evaluator) ------------------------------
     @property

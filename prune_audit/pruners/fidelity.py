@@ -11,27 +11,10 @@ exists, the test that checks it).
 
 from __future__ import annotations
 
-from typing import Any
-
+from prune_audit.pruners.fidelity_entry import CLS_HALF as _CLS_HALF
+from prune_audit.pruners.fidelity_entry import INPUT_DTYPE as _INPUT_DTYPE
+from prune_audit.pruners.fidelity_entry import MODEL_DTYPE_ATTENTION as _MODEL_DTYPE_ATTENTION
 from prune_audit.pruners.fidelity_entry import RANDOM_CASES, Fidelity, random_agreement as _random
-
-_MODEL_DTYPE_ATTENTION = (
-    "score_dtype=model forms the attention rows as the official code's eager attention does in the model dtype "
-    "(q.k rounded, divided by sqrt(d) as LLaVA-era LlamaAttention does and rounded, float32 softmax rounded: bit "
-    "for bit the eager attention of a bf16 and an fp16 tiny LLaVA, "
-    "test_fidelity.py::test_model_dtype_attention_is_the_eager_attention_of_a_half_precision_model), rounds the "
-    "other signals and the final scores to it; reductions in between stay float32, as half-precision reductions "
-    "on GPU accumulate in float32"
-)
-_INPUT_DTYPE = (
-    "score_dtype=model computes the CLS probabilities as the official eager attention does in the model dtype the "
-    "adapter passes (query scaled in it, logits and probabilities rounded to it) and rounds the scores; reductions "
-    "in between stay float32, as half-precision reductions on GPU accumulate in float32"
-)
-_CLS_HALF = (
-    "CLS attention in fp16 / bf16 against the official eager attention run in that dtype "
-    "(test_fidelity.py::test_cls_logits_reproduce_the_official_half_precision_cls_attention): "
-)
 
 
 FIDELITY: dict[str, Fidelity] = {
@@ -410,61 +393,4 @@ FIDELITY: dict[str, Fidelity] = {
 
 NOT_YET_DONE: tuple[str, ...] = ()
 
-COLUMNS = (
-    "selector", "paper", "official repository (commit read)", "default here", "reference-exact options",
-    "remaining differences (why)", "measured agreement", "fp16 / bf16 agreement",
-)  # fmt: skip
-
-
-def fidelity_rows() -> list[dict[str, Any]]:
-    """One row per registered selector that has a fidelity entry, in name order."""
-    from prune_audit.pruners.registry import list_selectors, selector_class
-
-    rows = []
-    for name in list_selectors():
-        if name not in FIDELITY:
-            continue
-        entry, reference = FIDELITY[name], selector_class(name).reference
-        rows.append(
-            {
-                "selector": name,
-                "paper": reference.paper,
-                "official repository (commit read)": f"{reference.repository} ({entry.commit})",
-                "default here": entry.default,
-                "reference-exact options": ", ".join(entry.exact) or "the defaults",
-                "remaining differences (why)": "; ".join(entry.differences),
-                "measured agreement": entry.agreement,
-                "fp16 / bf16 agreement": entry.half_agreement,
-            }
-        )
-    return rows
-
-
-def fidelity_markdown() -> str:
-    """The text of ``docs/fidelity.md``."""
-    lines = [
-        "# Fidelity: each selector against its official code",
-        "",
-        "Generated from `prune_audit/pruners/fidelity.py` (printed by `prune-audit selectors --fidelity --markdown`);",
-        "`tests/test_fidelity_doc.py` checks that this file matches. Reference-exact options are passed as",
-        "`--option KEY=VALUE`. Measured agreement: kept sets compared with independent re-implementations of the",
-        "official algorithms written in `tests/test_fidelity.py` from the official code's math, on random cases",
-        "at realistic sizes (576 tokens, 1024/4096-dim features, budgets 64/128/192). The commits are those the",
-        "selectors spec (`shared/specs/selectors.md`, section 0) was written from; DART's set order was re-read in",
-        "the fork named in its row. The fp16 / bf16 column compares kept sets with the official code's arithmetic",
-        "in that dtype, re-derived step by step (the dtype of every intermediate, `torch.topk` for the ranking) in",
-        "`tests/test_fidelity_half.py` and `tests/test_fidelity.py`, with the options named; `ties=topk` reproduces",
-        "`torch.topk`'s order among exact ties on the same hardware, the default lower-index rule is deterministic",
-        "everywhere. Where a CPU kernel's rounding keeps a selector from exact agreement the row names it and its size.",
-        "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-    ]
-    for row in fidelity_rows():
-        lines.append("| " + " | ".join(str(row[column]).replace("|", "\\|") for column in COLUMNS) + " |")
-    if NOT_YET_DONE:
-        lines += ["", "## Not yet done", ""] + [f"- {item}" for item in NOT_YET_DONE]
-    return "\n".join(lines) + "\n"
-
-
-__all__ = ["Fidelity", "FIDELITY", "RANDOM_CASES", "COLUMNS", "NOT_YET_DONE", "fidelity_rows", "fidelity_markdown"]
+__all__ = ["Fidelity", "FIDELITY", "RANDOM_CASES", "NOT_YET_DONE"]

@@ -1,4 +1,5 @@
-"""One row of the fidelity table (:mod:`prune_audit.pruners.fidelity`) and its random-case agreement text."""
+"""One row of the fidelity table (:mod:`prune_audit.pruners.fidelity`), its random-case agreement text and the
+phrases several rows share."""
 
 from __future__ import annotations
 
@@ -40,3 +41,22 @@ def random_agreement(cases: int, test: str, extra: str = "") -> str:
     """The agreement text of ``cases`` identical kept sets out of ``RANDOM_CASES``, measured by ``test``."""
     tail = f"; {extra}" if extra else ""
     return f"kept sets identical in {cases} of {RANDOM_CASES} random cases ({test}){tail}"
+
+
+MODEL_DTYPE_ATTENTION = (
+    "score_dtype=model forms the attention rows as the official code's eager attention does in the model dtype "
+    "(q.k rounded, divided by sqrt(d) as LLaVA-era LlamaAttention does and rounded, float32 softmax rounded: bit "
+    "for bit the eager attention of a bf16 and an fp16 tiny LLaVA, "
+    "test_fidelity.py::test_model_dtype_attention_is_the_eager_attention_of_a_half_precision_model), rounds the "
+    "other signals and the final scores to it; reductions in between stay float32, as half-precision reductions "
+    "on GPU accumulate in float32"
+)
+INPUT_DTYPE = (
+    "score_dtype=model computes the CLS probabilities as the official eager attention does in the model dtype the "
+    "adapter passes (query scaled in it, logits and probabilities rounded to it) and rounds the scores; reductions "
+    "in between stay float32, as half-precision reductions on GPU accumulate in float32"
+)
+CLS_HALF = (
+    "CLS attention in fp16 / bf16 against the official eager attention run in that dtype "
+    "(test_fidelity.py::test_cls_logits_reproduce_the_official_half_precision_cls_attention): "
+)

@@ -131,10 +131,12 @@ def farthest_point_order(unit: Tensor, k: int, tolerance: float = 0.0) -> Tensor
 
     The first pick is the most isolated row (largest distance ``1 - cos`` to its
     nearest other row); each later pick maximises the distance to the nearest
-    picked row, kept as a running minimum so each step needs one row of ``S``
-    (``O(N D)``, computed with likely later picks' rows by :class:`SpeculativeRows`).
-    Picked rows are excluded, so once every remaining distance is 0 the rest
-    follow in index order.
+    picked row, kept as a running minimum so each step needs one row of ``S``.
+    When ``S`` fits one block (N <= 4096 at :data:`BLOCK_ELEMENTS`) it is computed once
+    and its rows read, as the official code does (one product beats per-pick products at
+    these sizes); above, each row is computed on demand (``O(N D)``) with likely later
+    picks' rows by :class:`SpeculativeRows`. Picked rows are excluded, so once every
+    remaining distance is 0 the rest follow in index order.
 
     Args:
         unit: (N, D) unit rows, N >= 2; distances are computed in their dtype.
@@ -144,15 +146,23 @@ def farthest_point_order(unit: Tensor, k: int, tolerance: float = 0.0) -> Tensor
     Returns:
         (k,) row indices in pick order.
     """
-    isolation = 1.0 - nearest_neighbour_similarity(unit)
+    n = unit.shape[0]
+    distance_to_picked = torch.full((n,), float("inf"), dtype=unit.dtype)
+    if rows_per_block(n) >= n:
+        similarity = (unit @ unit.T).fill_diagonal_(float("-inf"))  # a pick's own entry: it is excluded anyway
+        isolation, row_of = 1.0 - similarity.max(dim=1).values, similarity.__getitem__
+    else:
+        isolation, rows = 1.0 - nearest_neighbour_similarity(unit), SpeculativeRows(lambda indices: unit[indices] @ unit.T)
+
+        def row_of(pick: int) -> Tensor:
+            if pick not in rows:
+                rows.fetch(pick, distance_to_picked)
+            return rows[pick]
+
     picks = [first_near_max(isolation, tolerance)]
-    distance_to_picked = torch.full((unit.shape[0],), float("inf"), dtype=unit.dtype)
-    rows = SpeculativeRows(lambda indices: unit[indices] @ unit.T)
     for _ in range(k - 1):
         pick = picks[-1]
-        if pick not in rows:
-            rows.fetch(pick, distance_to_picked)
-        torch.minimum(distance_to_picked, 1.0 - rows[pick], out=distance_to_picked)
+        torch.minimum(distance_to_picked, 1.0 - row_of(pick), out=distance_to_picked)
         distance_to_picked[pick] = float("-inf")
         picks.append(first_near_max(distance_to_picked, tolerance))
     return torch.tensor(picks, dtype=torch.long)

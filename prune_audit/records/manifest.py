@@ -21,6 +21,8 @@ MANIFEST_FILE = "manifest.json"
 
 # fields that define the run: a resume must match them exactly
 CONFIG_FIELDS = (
+    "task",
+    "max_new_tokens",
     "model",
     "processor",
     "prompt",
@@ -41,6 +43,8 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
      "carries it in its Parquet metadata (prune_audit.run_id), so records of another run are never read or resumed"),
     ("records_schema", "version of the record columns (records/schema.py SCHEMA_VERSION); every reader and resume "
      "refuse another version"),
+    ("task", "the run's task (`run --task`, docs/tasks.md); every other command reads it from here (absent: pope)"),
+    ("max_new_tokens", "generation limit of a task answered by greedy decoding (null for first-token tasks)"),
     ("git_revision", "git commit of the prune-audit source (null outside a checkout)"),
     ("versions", "{python, torch, transformers} versions"),
     ("model", "{id, config_hash}: model folder or hub id, and a hash of its config"),
@@ -60,8 +64,8 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
      "the tokens a merge inserts, such as SparseVLM's recycled ones, which realised_visual_tokens_avg counts)"),
     ("budget", "--budget in visual tokens, or a share as given (11%: each image keeps its share, rounded half up; "
                "visual_tokens_avg holds the realised count); null for the unpruned run"),
-    ("question_files", "[{path, sha256}] of the POPE files"),
-    ("annotations", "{path, sha256} of the COCO instances file (null without masks)"),
+    ("question_files", "[{path, sha256}] of the task's question files (POPE: --pope)"),
+    ("annotations", "{path, sha256} of the evidence annotations (POPE: the COCO instances file; null without)"),
     ("images", "{path, sha256, count, files}: folder of the question images and the sha256 of each image the "
      "questions use (files: name -> sha256; sha256 over all of them)"),
     ("split", "--split (all by default)"),
@@ -298,6 +302,8 @@ MANIFEST_SCHEMA: dict[str, tuple[bool, Check]] = {
     "version": (True, _string),
     "run_id": (True, _sha256),
     "records_schema": (True, _integer),  # its value is checked first (check_schema_version)
+    "task": (False, _string),
+    "max_new_tokens": (False, _optional(_positive)),
     "git_revision": (False, _optional(_string)),
     "versions": (False, _optional(_mapping())),
     "model": (True, _mapping(id=_string, config_hash=_string)),

@@ -1,6 +1,7 @@
-"""``prune-audit run``, step 3: answers + token geometry + object masks -> one record per question.
+"""``prune-audit run``, step 3: answers + token geometry + evidence regions -> one record per question.
 
-Retention is computed at every stage, on the kept grid indices and those the stage's merged
+The run's task scores each answer (its core columns and its own, ``tasks.base.Scored``) and
+names each question's evidence region. Retention of that region is computed at every stage, on the kept grid indices and those the stage's merged
 tokens carry, for a whole batch at once through ``ObjectAreaCache`` and
 ``retention_by_stage`` (the path ``benchmarks/retention.py`` times). The columns are
 those of ``prune_audit.records.schema.RUN_COLUMNS``.
@@ -14,29 +15,42 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prune_audit.data.retention import ObjectArea, ObjectAreaCache, StageRetention, retention_by_stage
-from prune_audit.records.schema import Record
+from prune_audit.data.retention import ObjectArea, StageRetention, retention_by_stage
+from prune_audit.records.schema import Record, task_columns
 
 if TYPE_CHECKING:
-    from prune_audit.data.pope import PopeQuestion
     from prune_audit.models import Answer, Prepared
+    from prune_audit.tasks import Evidence, Task, TaskQuestion
 
 @dataclass(frozen=True)
 class AnsweredQuestion:
     """One question with the model's answer and everything its record needs."""
 
-    question: PopeQuestion
+    question: TaskQuestion
     answer: Answer
     prepared: Prepared
     image_id: int
     order: int
 
 
-def object_area_for(areas: ObjectAreaCache | None, answered: AnsweredQuestion) -> ObjectArea | None:
-    """The queried object's area under the prepared geometry; None for "no" questions or without masks."""
-    if areas is None or answered.question.label != "yes":
-        return None
-    return areas.get(answered.image_id, answered.question.object, answered.prepared.geometry)
+@dataclass(frozen=True)
+class QuestionEvidence:
+    """One question's evidence under its prepared geometry: the whole region (None without one: POPE's "no"
+    questions, a run without annotations) and each of its objects on its own, (name, area)."""
+
+    region: ObjectArea | None
+    objects: list[tuple[str, ObjectArea]]
+
+
+NO_EVIDENCE = QuestionEvidence(None, [])
+
+
+def question_evidence(evidence: Evidence | None, answered: AnsweredQuestion) -> QuestionEvidence:
+    """The question's evidence region and objects, as its task's evidence names them."""
+    if evidence is None:
+        return NO_EVIDENCE
+    question, image_id, geometry = answered.question, answered.image_id, answered.prepared.geometry
+    return QuestionEvidence(evidence.area(question, image_id, geometry), evidence.objects(question, image_id, geometry))
 
 
 def last_visible_kept(kept_stages: Sequence[Sequence[int]], num_visual: int) -> list[int]:
@@ -73,21 +87,35 @@ def covered_stages(kept_stages: list[list[int]], merged_stages: list[list[list[i
     ]
 
 
-def build_records(answered: Sequence[AnsweredQuestion], areas: Sequence[ObjectArea | None]) -> list[Record]:
-    """One record per answered question; ``areas[i]`` is question i's object area (or None).
+def build_records(task: Task, answered: Sequence[AnsweredQuestion], evidence: Sequence[QuestionEvidence]) -> list[Record]:
+    """One record per answered question, scored by ``task``; ``evidence[i]`` is question i's.
 
-    Retention is computed at every stage; ``retention``, ``object_tokens_kept``, ``lost`` and
-    ``diluted`` are the first stage's values.
+    Retention of the evidence region is computed at every stage; ``retention``, ``object_tokens_kept``,
+    ``lost`` and ``diluted`` are the first stage's values, as is each evidence object's own lost.
     """
+    areas = [item.region for item in evidence]
     stages = [recorded_stages(item.answer, item.prepared.num_visual) for item in answered]
-    retained = retention_by_stage(areas, [covered_stages(kept, merged) for kept, _, merged in stages])
+    covered = [covered_stages(kept, merged) for kept, _, merged in stages]
+    retained = retention_by_stage(areas, covered)
     diluted = _diluted_stages(areas, stages, retained)
+    objects_lost = _objects_lost(evidence, [cells[0] for cells in covered])
     return [
-        _record(item, area, kept_stages, layers, merged, by_stage, dilution)
-        for item, area, (kept_stages, layers, merged), by_stage, dilution in zip(
-            answered, areas, stages, retained, diluted
+        _record(task, item, area, kept_stages, layers, merged, by_stage, dilution, named, lost)
+        for item, area, (kept_stages, layers, merged), by_stage, dilution, named, lost in zip(
+            answered, areas, stages, retained, diluted, evidence, objects_lost
         )
     ]
+
+
+def _objects_lost(evidence: Sequence[QuestionEvidence], first_cells: Sequence[list[int]]) -> list[list[bool | None]]:
+    """Per question, each evidence object lost at the first stage (None for an object without pixels), in one
+    ``retention_by_stage`` call over every object."""
+    flat = [(q, area) for q, item in enumerate(evidence) for _, area in item.objects]
+    measured = retention_by_stage([area for _, area in flat], [[first_cells[q]] for q, _ in flat])
+    lost: list[list[bool | None]] = [[] for _ in evidence]
+    for (q, _), by_stage in zip(flat, measured):
+        lost[q].append(by_stage.lost[0])
+    return lost
 
 
 def _diluted_stages(
@@ -108,7 +136,12 @@ def _diluted_stages(
     ]
 
 
+def _own_columns(task: str) -> set[str]:
+    return {column.name for column in task_columns(task)}
+
+
 def _record(
+    task: Task,
     item: AnsweredQuestion,
     area: ObjectArea | None,
     kept_stages: list[list[int]],
@@ -116,23 +149,26 @@ def _record(
     merged_stages: list[list[list[int]]],
     by_stage: StageRetention,
     diluted: list[bool | None],
+    evidence: QuestionEvidence,
+    objects_lost: list[bool | None],
 ) -> Record:
     question, answer, prepared = item.question, item.answer, item.prepared
     has_mask = area is not None and area.has_mask
+    scored = task.score(question, answer.reduced)
+    if set(scored.columns) != _own_columns(task.name):  # pyarrow would drop an unknown key without a word
+        raise ValueError(f"task {task.name!r} scored columns {sorted(scored.columns)}, but records/schema.py declares "
+                         f"{sorted(_own_columns(task.name))} for it")
     return {
         "question_id": question.question_id,
         "split": question.split,
+        "task": task.name,
         "image": question.image,
         "image_id": item.image_id,
-        "object": question.object,
-        "label": question.label,
-        "answer": answer.answer,
-        "p_yes": answer.p_yes,
-        "p_no": answer.p_no,
-        "p_yes_2way": answer.p_yes_2way,
-        "logit_diff": answer.logit_diff,
-        "confidence": answer.confidence,
-        "correct": answer.answer == question.label,
+        "answer_text": scored.answer_text,
+        "references": list(scored.references),
+        "confidence": scored.confidence,
+        "correct": scored.correct,
+        **scored.columns,
         "kept": last_visible_kept(answer.kept_stages, prepared.num_visual),
         "kept_stages": kept_stages,
         "merged_stages": merged_stages,
@@ -151,7 +187,30 @@ def _record(
         "diluted": diluted[0],
         "diluted_stages": diluted,
         "object_area": area.total_area if has_mask else 0,
+        "evidence_objects": [name for name, _ in evidence.objects],
+        "evidence_objects_lost": objects_lost,
         "latency_ms": answer.latency_ms,
+        **cost_values(answer),
         "geometry": json.dumps(prepared.geometry.to_dict()),
         "order": item.order,
     }
+
+
+def cost_values(answer: Answer) -> Record:
+    """The cost columns (``COST_COLUMNS``) of one answer."""
+    cost, parts = answer.cost, answer.latency_parts
+    return {
+        "flops": cost.flops,
+        "flops_vision": cost.flops_vision,
+        "flops_selector": cost.flops_selector,
+        "flops_llm": cost.flops_llm,
+        "flops_dense": cost.flops_dense,
+        "flops_decode_token": cost.flops_decode_token,
+        "kv_bytes": cost.kv_bytes,
+        "flop_equivalent_tokens": cost.flop_equivalent_tokens,
+        "latency_vision_ms": parts["vision"],
+        "latency_selection_ms": parts["selection"],
+        "latency_prefill_ms": parts["prefill"],
+        "latency_decode_ms": parts.get("decode"),
+    }
+

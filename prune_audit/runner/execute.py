@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from prune_audit.data.retention import ObjectAreaCache
+from prune_audit.compute.budget import resolve_budget
 from prune_audit.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from prune_audit.records.store import RecordStore, check_run_layout
-from prune_audit.runner.build import AnsweredQuestion, build_records, object_area_for
+from prune_audit.runner.build import AnsweredQuestion, build_records, question_evidence
 from prune_audit.runner.plan import RunPlan, prepare_question
-from prune_audit.runner.safeguards import budget_share, check_same_run, hold_run_dir, tokens_for_share
+from prune_audit.runner.safeguards import check_same_run, hold_run_dir
 from prune_audit.runner.sharding import ProcessGroup, shard_questions
 from prune_audit.runner.summary import summarize
 from prune_audit.safety.progress import report_saved, saving
@@ -29,8 +29,8 @@ from prune_audit.safety.progress import report_saved, saving
 if TYPE_CHECKING:
     import torch
 
-    from prune_audit.data.pope import PopeQuestion
     from prune_audit.models import Answer, Prepared
+    from prune_audit.tasks import TaskQuestion
 
 
 @dataclass
@@ -122,44 +122,50 @@ def check_resume(plan: RunPlan) -> None:
 
 
 def answer_batches(
-    plan: RunPlan, todo: Sequence[PopeQuestion], store: RecordStore, on_progress: Callable[[int], None] | None
+    plan: RunPlan, todo: Sequence[TaskQuestion], store: RecordStore, on_progress: Callable[[int], None] | None
 ) -> None:
     """Answer ``todo`` in batches of ``--batch-size``; each batch becomes one part file."""
     order = {(q.split, q.question_id): index for index, q in enumerate(plan.questions)}
-    areas = ObjectAreaCache(plan.coco) if plan.coco is not None else None
     batch_size = max(1, plan.request.batch_size)
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         prepared = [prepare_question(plan.vlm, plan.image_paths[q.image], q.text) for q in batch]
         generators = [question_generator(plan.request.seed, q) for q in batch]
-        answers = answer_batch(plan, prepared, generators)
+        answers = answer_batch(plan, batch, prepared, generators)
         answered = [
             AnsweredQuestion(q, a, p, plan.image_ids[q.image], order[(q.split, q.question_id)])
             for q, a, p in zip(batch, answers, prepared)
         ]
-        records = build_records(answered, [object_area_for(areas, item) for item in answered])
+        records = build_records(plan.task, answered, [question_evidence(plan.evidence, item) for item in answered])
         with saving():  # the part and its count in the saved-count line, never one without the other
             store.append(records)
             if on_progress:
                 on_progress(len(batch))
 
 
-def answer_batch(plan: RunPlan, prepared: Sequence[Prepared], generators: Sequence[torch.Generator]) -> list[Answer]:
-    """The model's answers; a share budget (``11%``) is rounded per image, so questions are answered in
-    groups of equal token budget (answers do not depend on the batch)."""
-    share = budget_share(plan.request.budget)
-    if share is None:
-        return plan.vlm.answer(prepared, plan.selector, plan.budget, generator=generators)
-    budgets = [tokens_for_share(share, item.num_visual) for item in prepared]
+def answer_batch(
+    plan: RunPlan,
+    questions: Sequence[TaskQuestion],
+    prepared: Sequence[Prepared],
+    generators: Sequence[torch.Generator],
+) -> list[Answer]:
+    """The model's answers in each question's answer mode (its task's); questions are answered in groups
+    of one mode and one token budget (resolved per image: a share ``11%`` of its tokens, ``all`` of them), so answers do not
+    depend on the batch."""
+    budgets = [resolve_budget(plan.request.budget, item.num_visual) for item in prepared]
+    modes = [plan.task.answer_mode(question) for question in questions]
+    groups: dict[tuple, list[int]] = {}
+    for row, key in enumerate(zip(budgets, modes)):
+        groups.setdefault(key, []).append(row)
     by_row: dict[int, Answer] = {}
-    for budget in sorted(set(budgets)):
-        rows = [index for index, value in enumerate(budgets) if value == budget]
-        group = plan.vlm.answer([prepared[i] for i in rows], plan.selector, budget, generator=[generators[i] for i in rows])
+    for (budget, mode), rows in groups.items():
+        group = plan.vlm.answer([prepared[i] for i in rows], plan.selector, budget, mode=mode,
+                                generator=[generators[i] for i in rows])
         by_row.update(zip(rows, group))
     return [by_row[index] for index in range(len(prepared))]
 
 
-def question_generator(seed: int, question: PopeQuestion) -> torch.Generator:
+def question_generator(seed: int, question: TaskQuestion) -> torch.Generator:
     """The question's own random generator (``question_seed``)."""
     import torch
 

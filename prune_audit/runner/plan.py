@@ -1,7 +1,7 @@
 """``prune-audit run``, step 1: RunRequest -> RunPlan. Every input is validated, nothing is written.
 
-Planning loads and checks every input (questions, images, annotations, selector and its
-options, device, output directory, model) before anything is written, so a bad input
+Planning loads and checks every input (the task, its questions, images, annotations, selector
+and its options, device, output directory, model) before anything is written, so a bad input
 ends the command with one line and no run directory. The plan carries the manifest
 draft that ``execute`` writes first.
 """
@@ -15,21 +15,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prune_audit.compute.budget import budget_share, resolve_budget
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import MANIFEST_FILE, base_manifest, run_id_of
 from prune_audit.records.store import RecordStore, check_run_layout
-from prune_audit.safety.ownership import check_output_dir
-from prune_audit.runner.safeguards import BUDGET_ALL, budget_share, check_resumable, check_run_options, pin_inputs, resolve_budget
+from prune_audit.runner.safeguards import check_resumable, check_run_options, pin_inputs
 from prune_audit.runner.sharding import Shard, launcher_shard
+from prune_audit.safety.ownership import check_output_dir
 from prune_audit.threads import check_threads, configure_threads
 
 if TYPE_CHECKING:
-    from prune_audit.data.coco import CocoInstances
-    from prune_audit.data.pope import PopeQuestion
     from prune_audit.models import Prepared, VisionLanguageModel
     from prune_audit.pruners.base import Selector
-
-SPLITS = ("random", "popular", "adversarial")
+    from prune_audit.tasks import Evidence, Task, TaskQuestion
 
 
 @dataclass
@@ -40,7 +38,9 @@ class RunRequest:
     selector: str = "none"
     budget: int | str | None = None  # tokens, or "all"
     options: list[str] = field(default_factory=list)  # KEY=VALUE strings
-    pope: list[Path] = field(default_factory=list)
+    pope: list[Path] = field(default_factory=list)  # the task's question files (--pope, or --questions)
+    task: str = "pope"
+    max_new_tokens: int | None = None  # generating tasks only; None: the task's default
     split: str | None = None
     images: Path | None = None
     annotations: Path | None = None
@@ -62,13 +62,14 @@ class RunPlan:
     """A validated run: questions, images, selector, model, output directory and manifest."""
 
     request: RunRequest
-    questions: list[PopeQuestion]
+    task: Task
+    questions: list[TaskQuestion]
     image_paths: dict[str, Path]
     image_ids: dict[str, int]
     selector: Selector | None
     budget: int | None
     vlm: VisionLanguageModel
-    coco: CocoInstances | None
+    evidence: Evidence | None
     run_dir: Path
     manifest: dict[str, Any]
     shard: Shard | None
@@ -90,15 +91,18 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     launched = launcher_shard()
     if launched is not None and request.shard is not None:
         raise PruneAuditError("--shard cannot be combined with torchrun/accelerate launch; use one or the other")
+    from prune_audit.tasks import get_task
+
+    task = get_task(request.task, request.max_new_tokens)
     _resolve_demo_defaults(request)
     selector, budget = _make_selector(request)
-    questions = _load_questions(request)
+    questions = _load_questions(task, request)
     image_paths, image_sizes = _check_images(request, questions)
-    coco = _load_annotations(request, questions)
-    image_ids = _image_ids(questions, coco)
-    if coco is not None:
+    evidence = task.load_evidence(Path(request.annotations), questions) if request.annotations is not None else None
+    image_ids = _image_ids(task, questions, evidence)
+    if evidence is not None:
         for name, path in image_paths.items():
-            coco.check_image_size(image_ids[name], image_sizes[name], path)
+            evidence.check_image_size(name, image_sizes[name], path)
     run_dir = _run_dir(request, selector)
     check_output_dir(run_dir, "run")
     check_run_layout(run_dir)
@@ -117,9 +121,11 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
         )
     if selector is not None:
         vlm.check_selector(selector)
+    for mode in dict.fromkeys(task.answer_mode(question) for question in questions):
+        vlm.check_answer_mode(mode)
     first = _prepare_first(vlm, questions[0], image_paths)
     budget = resolve_budget(budget, first.num_visual)
-    manifest = _manifest(request, vlm, selector, budget, questions, first)
+    manifest = _manifest(request, task, vlm, selector, budget, questions, first)
     if budget_share(request.budget) is not None:  # each image gets its share; the schedule above is the first's
         manifest["budget"] = request.budget
     manifest["threads"] = threads
@@ -128,11 +134,11 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     check_resumable(run_dir, manifest)
     check_recorded(run_dir, manifest, questions)
     shard = request.shard or launched
-    return RunPlan(request, questions, image_paths, image_ids, selector, budget, vlm, coco, run_dir, manifest, shard,
-                   launched is not None)
+    return RunPlan(request, task, questions, image_paths, image_ids, selector, budget, vlm, evidence, run_dir,
+                   manifest, shard, launched is not None)
 
 
-def check_recorded(run_dir: Path, manifest: dict[str, Any], questions: Sequence[PopeQuestion]) -> None:
+def check_recorded(run_dir: Path, manifest: dict[str, Any], questions: Sequence[TaskQuestion]) -> None:
     """The records already in ``run_dir`` are this run's own (``RecordStore.read`` checks their run id, keys
     and positions) and answer only questions of the plan: refused before any question is answered."""
     if not (run_dir / MANIFEST_FILE).is_file():
@@ -147,7 +153,7 @@ def check_recorded(run_dir: Path, manifest: dict[str, Any], questions: Sequence[
         )
 
 
-def _prepare_first(vlm: VisionLanguageModel, question: PopeQuestion, image_paths: dict[str, Path]) -> Prepared:
+def _prepare_first(vlm: VisionLanguageModel, question: TaskQuestion, image_paths: dict[str, Path]) -> Prepared:
     """The first question prepared: its token grid and geometry describe the run in the manifest."""
     return prepare_question(vlm, image_paths[question.image], question.text)
 
@@ -166,9 +172,13 @@ def _resolve_demo_defaults(request: RunRequest) -> None:
     if request.model is not None and not named_demo and request.pope:
         return
     if request.model is not None and not named_demo and not request.pope:
-        raise PruneAuditError("--model needs questions: pass --pope FILE... with --images DIR (and --annotations FILE for retention)")
+        raise PruneAuditError("--model needs questions: pass --pope FILE... (another --task: --questions FILE...) with "
+                              "--images DIR (and --annotations FILE for retention)")
     demo = demo_assets(name=request.model or "demo")
     request.model = str(demo.model_dir)
+    if not request.pope and request.task != "pope":
+        raise PruneAuditError(f"the bundled demo has no {request.task} questions yet; pass --questions FILE... with "
+                              f"--images DIR")
     if not request.pope:
         request.pope = list(demo.pope_files)
         request.images = request.images or demo.images_dir
@@ -183,42 +193,35 @@ def _make_selector(request: RunRequest) -> tuple[Selector | None, int | str | No
     from prune_audit.pruners.registry import selector_from_strings
 
     selector = selector_from_strings(request.selector, request.options)  # every option checked against its domain
-    if request.budget is None:
-        raise PruneAuditError(f"selector {request.selector!r} needs --budget N (visual tokens to keep)")
-    if request.budget != BUDGET_ALL and budget_share(request.budget) is None and int(request.budget) <= 0:
-        raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
-    return selector, request.budget
+    return selector, request.budget  # its domain: check_run_options
 
 
-def _load_questions(request: RunRequest) -> list[PopeQuestion]:
-    from prune_audit.data.pope import load_pope
-
-    if request.split not in (None, "all", *SPLITS):
-        raise PruneAuditError(f"--split must be one of {', '.join(SPLITS)} or all, got {request.split!r}")
-    questions = []
+def _load_questions(task: Task, request: RunRequest) -> list[TaskQuestion]:
+    if request.split not in (None, "all", *task.splits):
+        if not task.splits:
+            raise PruneAuditError(f"task {task.name} has no splits; drop --split {request.split}")
+        raise PruneAuditError(f"--split must be one of {', '.join(task.splits)} or all, got {request.split!r}")
     for path in request.pope:
         if not Path(path).is_file():
-            raise PruneAuditError(f"question file not found: {path}; pass an existing POPE file with --pope")
-        questions.extend(load_pope(path))
+            raise PruneAuditError(f"question file not found: {path}; pass an existing {task.name} question file")
+    questions = task.read_questions([Path(path) for path in request.pope])
     if request.split not in (None, "all"):
         questions = [q for q in questions if q.split == request.split]
     keys = [(q.split, q.question_id) for q in questions]
     if len(set(keys)) != len(keys):
         raise PruneAuditError("the question files repeat a (split, question_id); pass each split's file once")
-    unlabelled = [q for q in questions if q.label is None]
-    if unlabelled:
-        raise PruneAuditError(f"{len(unlabelled)} questions have no label; pass the POPE label files with --pope")
+    task.check_questions(questions)
     if request.limit is not None:
         if request.limit <= 0:
             raise PruneAuditError(f"--limit must be positive, got {request.limit}")
         questions = questions[: request.limit]
     if not questions:
-        raise PruneAuditError("no questions to run; check --pope and --split")
+        raise PruneAuditError("no questions to run; check the question files and --split")
     return questions
 
 
 def _check_images(
-    request: RunRequest, questions: Sequence[PopeQuestion]
+    request: RunRequest, questions: Sequence[TaskQuestion]
 ) -> tuple[dict[str, Path], dict[str, tuple[int, int]]]:
     """Every image exists and decodes: its path and (width, height) by name (a corrupt, oversized
     or out-of-range file fails here, before any output)."""
@@ -237,29 +240,12 @@ def _check_images(
     return paths, sizes
 
 
-def _load_annotations(request: RunRequest, questions: Sequence[PopeQuestion]) -> CocoInstances | None:
-    if request.annotations is None:
-        return None
-    from prune_audit.data.coco import CocoInstances
-
-    coco = CocoInstances.load(request.annotations)
-    for question in questions:
-        try:
-            coco.category_id(question.object)
-        except (KeyError, PruneAuditError):
-            raise PruneAuditError(
-                f"question {question.split}/{question.question_id} asks about {question.object!r}, "
-                f"which is no category of {request.annotations}; pass the matching --annotations file"
-            ) from None
-    return coco
-
-
-def _image_ids(questions: Sequence[PopeQuestion], coco: CocoInstances | None) -> dict[str, int]:
+def _image_ids(task: Task, questions: Sequence[TaskQuestion], evidence: Evidence | None) -> dict[str, int]:
     ids: dict[str, int] = {}
     for question in questions:
         if question.image in ids:
             continue
-        image_id = coco.image_id(question.image) if coco is not None else question.image_id
+        image_id = evidence.image_id(question.image) if evidence is not None else task.image_id(question)
         if image_id is None:
             raise PruneAuditError(f"cannot tell the image id of {question.image!r}; pass --annotations")
         ids[question.image] = int(image_id)
@@ -315,16 +301,19 @@ def _check_device(device: str) -> None:
 
 def _manifest(
     request: RunRequest,
+    task: Task,
     vlm: VisionLanguageModel,
     selector: Selector | None,
     budget: int | None,
-    questions: Sequence[PopeQuestion],
+    questions: Sequence[TaskQuestion],
     first: Prepared,
 ) -> dict[str, Any]:
     from prune_audit.data.pope import file_sha256
 
     description = vlm.describe()
     manifest = base_manifest()
+    manifest["task"] = task.name
+    manifest["max_new_tokens"] = task.max_new_tokens
     manifest.update(description)
     manifest["processor"] = {**manifest.get("processor", {}), "first_image": first.geometry.to_dict()}
     manifest["selector"] = _selector_description(selector, budget, vlm, first.num_visual)
@@ -348,7 +337,7 @@ def _selector_description(
     if selector is None:
         return {"name": "none", "stage": None, "options": {}, "positions": None, "schedule": None}
     llm = selector.stage == "llm"
-    schedule = selector.schedule(vlm.num_layers, num_visual, budget) if llm else None
+    schedule = vlm.schedule(selector, num_visual, budget) if llm else None
     return {
         "name": selector.name,
         "stage": selector.stage,

@@ -1,4 +1,4 @@
-"""What keeps a run's records trustworthy: budget and batch domains, inputs pinned by
+"""What keeps a run's records trustworthy: batch and budget domains (``compute.budget``), inputs pinned by
 content, the resume check, and one writer per run directory.
 
 A resume is accepted only when everything the records depend on has the same content:
@@ -13,8 +13,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from prune_audit.compute.budget import Budget, check_budget_for
 from prune_audit.errors import PruneAuditError
-from prune_audit.integers import parse_integer
 from prune_audit.records.manifest import MANIFEST_FILE, differing_fields, read_manifest
 from prune_audit.records.schema import RECORDS_FILE
 from prune_audit.records.store import PARTS_DIR
@@ -22,71 +22,15 @@ from prune_audit.safety.atomic import remove_partial_files
 from prune_audit.safety.fingerprint import HashCache, combined_sha256, first_differing_image, images_fingerprint
 from prune_audit.safety.ownership import hold_output_dir
 
-BUDGET_ALL = "all"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 RUN_FILES = (MANIFEST_FILE, RECORDS_FILE)  # what a run writes directly in its folder (parts go under PARTS_DIR)
 
 
-def parse_budget(text: str | None) -> int | str | None:
-    """``--budget``: a number of visual tokens, a share of each image's tokens (``11%``), or ``all``."""
-    if text is None or text == BUDGET_ALL:
-        return text
-    if text.endswith("%"):
-        budget_share(text)  # checks the domain
-        return text
-    try:
-        return parse_integer(text)
-    except ValueError:
-        raise PruneAuditError(
-            f"--budget takes a number of visual tokens, a share such as 11%, or {BUDGET_ALL}; got {text!r}"
-        ) from None
-
-
-def budget_share(budget: int | str | None) -> float | None:
-    """The share of each image's visual tokens a ``N%`` budget keeps (0 < share <= 1); None otherwise."""
-    if not isinstance(budget, str) or not budget.endswith("%"):
-        return None
-    try:
-        share = float(budget[:-1]) / 100
-    except ValueError:
-        share = float("nan")
-    if not 0.0 < share <= 1.0:
-        raise PruneAuditError(f"--budget {budget}: a share must lie in (0%, 100%], e.g. 11%")
-    return share
-
-
-def tokens_for_share(share: float, num_visual: int) -> int:
-    """A share of an image's ``num_visual`` tokens, rounded half up, at least 1."""
-    return max(1, int(share * num_visual + 0.5))
-
-
-def check_run_options(selector: str, budget: int | str | None, batch_size: int) -> None:
-    """Domains that do not need the model: batch size, and a budget only with a selector."""
+def check_run_options(selector: str, budget: Budget, batch_size: int) -> None:
+    """Domains that do not need the model: batch size, and a positive budget exactly when there is a selector."""
     if batch_size < 1:
         raise PruneAuditError(f"--batch-size must be at least 1, got {batch_size}")
-    if selector == "none" and budget is not None:
-        raise PruneAuditError(
-            f"--budget {budget} needs --selector NAME (see prune-audit selectors); the unpruned run keeps every "
-            f"visual token, so drop --budget for it"
-        )
-
-
-def resolve_budget(budget: int | str | None, num_visual: int) -> int | None:
-    """The budget in tokens for an image of ``num_visual`` tokens: ``all`` is every visual token, ``N%``
-    that share (rounded per image); more than the model has is refused."""
-    if budget is None:
-        return None
-    if budget == BUDGET_ALL:
-        return num_visual
-    share = budget_share(budget)
-    if share is not None:
-        return tokens_for_share(share, num_visual)
-    if int(budget) > num_visual:
-        raise PruneAuditError(
-            f"--budget {budget} is more than the model's {num_visual} visual tokens; pass at most {num_visual}, "
-            f"or --budget {BUDGET_ALL} to keep every token"
-        )
-    return int(budget)
+    check_budget_for(selector, budget)
 
 
 def hash_cache_file() -> Path:

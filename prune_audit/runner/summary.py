@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pyarrow as pa
 
+from prune_audit.analysis.cost import cost_summary
 from prune_audit.records.stages import FIRST, LAST, stage_values
 
 
@@ -41,4 +42,6 @@ def summarize(records: pa.Table) -> dict[str, float | int | str]:
         "last_is_first": bool(np.array_equal(first.index, last.index)),
         "questions_with_mask": int(with_mask.sum()),
         "mean_latency_ms": float(np.mean(column("latency_ms"))),
+        **cost_summary(records),
     }
+

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prune_audit.analysis.overlay import Panel, draw_panels
+from prune_audit.compute.budget import check_positive, resolve_budget
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
 from prune_audit.runner.build import covered_stages, recorded_stages
-from prune_audit.runner.safeguards import resolve_budget
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -344,8 +344,7 @@ def visualize_live(request: VisualizeRequest) -> DrawnFigure:
     from prune_audit.models import load_vlm
     from prune_audit.pruners import get_selector
 
-    if isinstance(request.budget, int) and request.budget <= 0:  # a share (11%) or all is checked by resolve_budget
-        raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {request.budget}")
+    check_positive(request.budget)  # a share (11%) or all is checked by resolve_budget
     options = selector_options(request.selectors, request.options)
     pixels = load_rgb(request.image)
     setup = live_setup(request)

@@ -68,13 +68,23 @@ def visualize_record(
     notes = {} if retention is None or math.isnan(retention) else {
         chosen: f"retention {retention:.2f} at stage {stage.name} (layer {row['stage_layers'][chosen]})"
     }
-    caption = f"answer {row['answer']} (confidence {row['confidence']:.3f}), label {row['label']}"
+    about, truth = _question_words(row)
+    caption = f"answer {row['answer_text']} (confidence {row['confidence']:.3f}), {truth}"
     panel = Panel(title, geometry, stages, labels, caption, mask, merged_cells(merged), stage_notes=notes)
     out = output_path(out, FIGURES_DIR / Path(run_dir).resolve().name, f"tokens-{row['split']}-{question_id}")
-    suptitle = f"{Path(manifest['model']['id']).name} | {row['object']} ({row['split']} #{question_id})"
+    suptitle = f"{Path(manifest['model']['id']).name} | {about} ({row['split']} #{question_id})"
     path = draw_panels(pixels, [panel], out, suptitle=suptitle)
-    question = f"{row['split']} #{question_id} about {row['object']} (label {row['label']})"
-    return DrawnFigure(path, question, (PanelAnswer(title, row["answer"], row["confidence"]),))
+    question = f"{row['split']} #{question_id} about {about} ({truth})"
+    return DrawnFigure(path, question, (PanelAnswer(title, row["answer_text"], row["confidence"]),))
+
+
+def _question_words(row: dict[str, Any]) -> tuple[str, str]:
+    """What the question is about and its reference, from the core columns: POPE's queried object and label
+    ("dog", "label yes"); another task's evidence objects and reference answers ("table, cup", "reference cup")."""
+    if row["task"] == "pope":
+        return row["object"], f"label {row['label']}"
+    about = ", ".join(dict.fromkeys(row["evidence_objects"])) or "the image"
+    return about, f"reference {' / '.join(row['references'])}"
 
 
 def _run_image(manifest: dict[str, Any], name: str, run_dir: Path) -> Path:

@@ -8,30 +8,31 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from prune_audit.data.retention import ObjectArea
 from prune_audit.records.schema import INTERVENE_SCHEMA, Record
-from prune_audit.runner.build import AnsweredQuestion, build_records
+from prune_audit.runner.build import AnsweredQuestion, QuestionEvidence, build_records
 from prune_audit.runner.intervene.swaps import Swap
 
 if TYPE_CHECKING:
-    from prune_audit.data.pope import PopeQuestion
     from prune_audit.models import Answer, Prepared
+    from prune_audit.tasks import Task, TaskQuestion
 
 
 def intervention_rows(
-    question: PopeQuestion,
+    task: Task,
+    question: TaskQuestion,
     record: Record,
     prepared: Prepared,
-    area: ObjectArea,
+    evidence: QuestionEvidence,
     swaps: dict[str, Swap],
     answers: Sequence[Answer],
 ) -> list[Record]:
     """One record per condition: the run's columns for the forced answer plus the swap's columns."""
     answered = [AnsweredQuestion(question, answer, prepared, record["image_id"], record["order"]) for answer in answers]
-    rows = build_records(answered, [area] * len(answered))
+    rows = build_records(task, answered, [evidence] * len(answered))
+    area_per_token = evidence.region.area_per_token  # intervene runs on questions whose evidence has pixels
     for row, (condition, swap) in zip(rows, swaps.items()):
         row.update(condition=condition, cells_changed=swap.size,
-                   object_area_changed=swap.object_area_changed(area.area_per_token))
+                   object_area_changed=swap.object_area_changed(area_per_token))
     return rows
 
 

@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prune_audit.data.coco import CocoInstances
-from prune_audit.data.retention import ObjectAreaCache
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.schema import Record
+from prune_audit.runner.build import QuestionEvidence
 from prune_audit.runner.execute import question_seed
 from prune_audit.runner.intervene.build import intervention_rows
 from prune_audit.runner.intervene.plan import InterveneRequest, InterventionSource
@@ -21,8 +20,9 @@ from prune_audit.runner.intervene.swaps import NoSwap, Swap, plan_swaps, swap_st
 from prune_audit.runner.plan import prepare_question
 
 if TYPE_CHECKING:
-    from prune_audit.data.pope import PopeQuestion
     from prune_audit.models import Answer, Prepared, VisionLanguageModel
+    from prune_audit.models.answers import AnswerMode
+    from prune_audit.tasks import Task, TaskQuestion
 
 
 def answer_swaps(
@@ -32,19 +32,24 @@ def answer_swaps(
     on_progress: Callable[[int, int], None] | None,
 ) -> tuple[list[Record], Counter]:
     """Both conditions of every eligible question as records; reasons of the questions skipped."""
+    from prune_audit.tasks import manifest_task
+
     manifest = source.manifest
     inputs = source.inputs
+    task = manifest_task(manifest)
     vlm = load_model(manifest, inputs.model, request.device)
     forcing = Forcing(vlm, manifest)
-    questions = load_questions(inputs.pope)
-    areas = ObjectAreaCache(CocoInstances.load(inputs.annotations))
+    questions = load_questions(task, inputs.pope)
+    evidence = task.load_evidence(inputs.annotations, list(questions.values()))
     rows: list[Record] = []
     skipped: Counter = Counter()
     for done, record in enumerate(eligible, start=1):
         question = questions[(record["split"], record["question_id"])]
         prepared = prepare_question(vlm, inputs.images / record["image"], question.text)
         check_geometry(record, prepared)
-        area = areas.get(record["image_id"], record["object"], prepared.geometry)
+        found = QuestionEvidence(evidence.area(question, record["image_id"], prepared.geometry),
+                                 evidence.objects(question, record["image_id"], prepared.geometry))
+        area = found.region
         rng = np.random.default_rng(question_seed(request.seed, record["split"], record["question_id"]))
         stage = source.chosen(record)
         try:
@@ -53,8 +58,8 @@ def answer_swaps(
             skipped[str(reason)] += 1
         else:
             swaps = pair.by_condition()
-            answers = forcing.answer(prepared, record, stage, list(swaps.values()))
-            rows += intervention_rows(question, record, prepared, area, swaps, answers)
+            answers = forcing.answer(prepared, task.answer_mode(question), record, stage, list(swaps.values()))
+            rows += intervention_rows(task, question, record, prepared, found, swaps, answers)
         if on_progress:
             on_progress(done, len(eligible))
     return rows, skipped
@@ -72,11 +77,9 @@ def load_model(manifest: dict[str, Any], source: str, device: str) -> VisionLang
     return vlm
 
 
-def load_questions(files: Sequence[Path]) -> dict[tuple[str, int], PopeQuestion]:
-    """The run's questions by (split, question_id), read from its question files."""
-    from prune_audit.data.pope import load_pope
-
-    return {(question.split, question.question_id): question for path in files for question in load_pope(path)}
+def load_questions(task: Task, files: Sequence[Path]) -> dict[tuple[str, int], TaskQuestion]:
+    """The run's questions by (split, question_id), read from its question files by its task."""
+    return {(question.split, question.question_id): question for question in task.read_questions(files)}
 
 
 def check_geometry(record: Record, prepared: Prepared) -> None:
@@ -104,11 +107,13 @@ class Forcing:
         self.in_llm = description["stage"] == "llm"
         self.selector = get_selector(description["name"], **description["options"]) if self.in_llm else None
 
-    def answer(self, prepared: Prepared, record: Record, stage: int, swaps: Sequence[Swap]) -> list[Answer]:
-        """The answers under each swap, planned on the record's stage ``stage``."""
+    def answer(
+        self, prepared: Prepared, mode: AnswerMode, record: Record, stage: int, swaps: Sequence[Swap]
+    ) -> list[Answer]:
+        """The answers (in the question's answer ``mode``) under each swap, planned on the record's stage ``stage``."""
         forced = [swap_stages(record["kept_stages"], swap, stage) for swap in swaps]
         batch = [prepared] * len(swaps)
         if not self.in_llm:
-            return self.vlm.answer(batch, forced_kept=[stages[0] for stages in forced])
+            return self.vlm.answer(batch, mode=mode, forced_kept=[stages[0] for stages in forced])
         stages = [list(zip(record["stage_layers"], sets)) for sets in forced]
-        return self.vlm.answer(batch, self.selector, forced_stages=stages)
+        return self.vlm.answer(batch, self.selector, mode=mode, forced_stages=stages)

@@ -12,6 +12,7 @@ from prune_audit.analysis.bootstrap import image_counts
 from prune_audit.analysis.calibration import survival_measures
 from prune_audit.analysis.reports import run_identity
 from prune_audit.analysis.runs import question_table
+from prune_audit.tasks import manifest_task
 from prune_audit.runner.intervene.plan import InterveneRequest, InterventionSource
 
 CONDITIONS = ("intervention", "control")
@@ -40,7 +41,7 @@ def intervention_report(
     object area and cells changed."""
     conditions = table["condition"].to_numpy(zero_copy_only=False)
     tables = {
-        name: question_table(table.filter(conditions == name), REPORT_FILE, source.stage) for name in CONDITIONS
+        name: question_table(table.filter(conditions == name), REPORT_FILE, source.stage, manifest_task(source.manifest)) for name in CONDITIONS
     }
     position = {key: index for index, key in enumerate(source.run.questions.keys())}
     intervened = [position[key] for key in tables["intervention"].keys()]

@@ -84,7 +84,7 @@ class StudyGrid:
 
 def parse_budget(text: str) -> int | str:
     """A budget of the grid: a positive number of visual tokens, a share such as ``11%``, or ``all``."""
-    from prune_audit.runner.safeguards import parse_budget as parse_run_budget
+    from prune_audit.compute.budget import parse_budget as parse_run_budget
 
     value = parse_run_budget(text)
     if isinstance(value, int) and value <= 0:
@@ -96,7 +96,7 @@ def parse_budget(text: str) -> int | str:
 def parse_budgets(text: str) -> tuple[str, ...]:
     """``--budgets "32, 64"`` -> ("32", "64"): each budget valid (``parse_budget``) and written the way ``run`` reads
     it, so ``32`` and ``032`` (or ``11%`` and ``11.0%``) are one budget and a repeat is refused instead of run twice."""
-    from prune_audit.runner.safeguards import budget_share
+    from prune_audit.compute.budget import budget_share
 
     given: dict[object, str] = {}  # budget (a share by its value) -> the text that named it
     canonical = []

@@ -1,0 +1,98 @@
+"""Answer modes and their reductions: how a question is answered, and what the answer is.
+
+A task (``prune_audit.tasks``) chooses the mode of each question and scores the reduction;
+the model (``models.answers``, ``VisionLanguageModel.answer``) carries the mode out and fills
+the reduction. This plain, torch-free module sits below both, so that reading a run's task
+never loads torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class YesNoMode:
+    """Answer by the first token's yes/no probabilities (``models.answers.reduce_yes_no``)."""
+
+
+YES_NO = YesNoMode()
+
+
+@dataclass(frozen=True)
+class OptionLetters:
+    """Answer by the first token over ``letters`` (``("A", "B", ...)``), ``models.answers.reduce_letters``."""
+
+    letters: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """Answer by greedy decoding of at most ``max_new_tokens`` tokens after the pruned prefill."""
+
+    max_new_tokens: int
+
+
+AnswerMode = YesNoMode | OptionLetters | Greedy
+"""How one question is answered."""
+
+
+@dataclass(frozen=True)
+class YesNo:
+    """First-token yes/no reduction of one question."""
+
+    p_yes: float
+    p_no: float
+    p_yes_2way: float
+    logit_diff: float
+    answer: str
+    confidence: float
+
+
+@dataclass(frozen=True)
+class LetterChoice:
+    """First-token reduction over option letters.
+
+    Attributes:
+        letter_probs: full-vocabulary probability of each offered letter (its spellings summed), in letter order.
+        answer: the most probable letter (the first on a tie).
+        confidence: the answer's probability renormalised over the offered letters.
+    """
+
+    letter_probs: tuple[float, ...]
+    answer: str
+    confidence: float
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Greedy decoding of one question.
+
+    Attributes:
+        answer: the decoded text, special tokens skipped, stripped.
+        token_probs: probability of each generated token (full-vocabulary softmax), the end token excluded.
+        confidence: the sequence probability, the product of ``token_probs`` (1.0 for an empty answer).
+        stopped: the model emitted an end-of-sequence token (False: cut at ``max_new_tokens``).
+    """
+
+    answer: str
+    token_probs: tuple[float, ...]
+    confidence: float
+    stopped: bool
+
+    @property
+    def mean_log_prob(self) -> float:
+        """Length-normalised log probability: mean log of ``token_probs`` (0.0 for an empty answer)."""
+        if not self.token_probs:
+            return 0.0
+        return sum(math.log(p) if p > 0 else -math.inf for p in self.token_probs) / len(self.token_probs)
+
+
+Reduction = YesNo | LetterChoice | Generation
+"""What an answer mode makes of one question's logits."""
+
+
+__all__ = [
+    "YES_NO", "AnswerMode", "Generation", "Greedy", "LetterChoice", "OptionLetters", "Reduction", "YesNo", "YesNoMode",
+]

@@ -1,0 +1,116 @@
+"""Visual-token budgets in one place: parse ``--budget``, check it against the selector, resolve it per
+image, and solve (and remember) an in-LLM selector's schedule for it.
+
+A budget is requested as a number of visual tokens, a share of each image's tokens (``11%``,
+rounded half up per image, at least 1) or ``all``; ``None`` is the unpruned run. The runner
+resolves it per image (``resolve_budget``), the model solves an in-LLM selector's schedule
+through ``Schedules`` (the manifest's schedule comes from the same one), and the realised
+token counts, FLOPs and KV bytes of each question follow from that (``compute.cost``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.integers import parse_integer
+
+if TYPE_CHECKING:  # torch loads only with the model: the CLI checks OMP_NUM_THREADS before it does
+    from prune_audit.pruners.base import LayerSelector, Stage
+
+BUDGET_ALL = "all"
+
+Budget = int | str | None
+"""A requested budget: visual tokens, a share ``"N%"``, ``"all"``, or None (unpruned)."""
+
+
+def parse_budget(text: str | None) -> Budget:
+    """``--budget``: a number of visual tokens, a share of each image's tokens (``11%``), or ``all``."""
+    if text is None or text == BUDGET_ALL:
+        return text
+    if text.endswith("%"):
+        budget_share(text)  # checks the domain
+        return text
+    try:
+        return parse_integer(text)
+    except ValueError:
+        raise PruneAuditError(
+            f"--budget takes a number of visual tokens, a share such as 11%, or {BUDGET_ALL}; got {text!r}"
+        ) from None
+
+
+def budget_share(budget: Budget) -> float | None:
+    """The share of each image's visual tokens a ``N%`` budget keeps (0 < share <= 1); None otherwise."""
+    if not isinstance(budget, str) or not budget.endswith("%"):
+        return None
+    try:
+        share = float(budget[:-1]) / 100
+    except ValueError:
+        share = float("nan")
+    if not 0.0 < share <= 1.0:
+        raise PruneAuditError(f"--budget {budget}: a share must lie in (0%, 100%], e.g. 11%")
+    return share
+
+
+def tokens_for_share(share: float, num_visual: int) -> int:
+    """A share of an image's ``num_visual`` tokens, rounded half up, at least 1."""
+    return max(1, int(share * num_visual + 0.5))
+
+
+def check_positive(budget: Budget) -> None:
+    """Refuse a count of zero or fewer visual tokens (shares and ``all`` are checked where they are read)."""
+    if isinstance(budget, int) and budget <= 0:
+        raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {budget}")
+
+
+def check_budget_for(selector: str, budget: Budget) -> None:
+    """A budget goes with a selector and only with one (``selector`` "none": the unpruned run)."""
+    if selector == "none" and budget is not None:
+        raise PruneAuditError(
+            f"--budget {budget} needs --selector NAME (see prune-audit selectors); the unpruned run keeps every "
+            f"visual token, so drop --budget for it"
+        )
+    if selector != "none" and budget is None:
+        raise PruneAuditError(f"selector {selector!r} needs --budget N (visual tokens to keep)")
+    check_positive(budget)
+
+
+def resolve_budget(budget: Budget, num_visual: int) -> int | None:
+    """The budget in tokens for an image of ``num_visual`` tokens: ``all`` is every visual token, ``N%``
+    that share (rounded per image); more than the model has is refused."""
+    if budget is None:
+        return None
+    if budget == BUDGET_ALL:
+        return num_visual
+    share = budget_share(budget)
+    if share is not None:
+        return tokens_for_share(share, num_visual)
+    if int(budget) > num_visual:
+        raise PruneAuditError(
+            f"--budget {budget} is more than the model's {num_visual} visual tokens; pass at most {num_visual}, "
+            f"or --budget {BUDGET_ALL} to keep every token"
+        )
+    return int(budget)
+
+
+class Schedules:
+    """In-LLM schedules solved once per (selector options, layers, token count, budget): solving takes milliseconds."""
+
+    def __init__(self) -> None:
+        self._solved: dict[tuple, list[Stage]] = {}
+
+    def solve(self, selector: LayerSelector, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
+        """The stages of ``selector`` keeping ``budget`` visual tokens on average; one-line error when none fits."""
+        key = (selector.name, repr(selector.options()), num_layers, num_visual, budget)
+        if key not in self._solved:
+            try:
+                self._solved[key] = selector.schedule(num_layers, num_visual, budget)
+            except ValueError as error:
+                raise PruneAuditError(f"selector {selector.name!r} has no schedule for budget {budget}: {error}") from None
+        return self._solved[key]
+
+
+__all__ = [
+    "BUDGET_ALL", "Budget", "parse_budget", "budget_share", "tokens_for_share", "check_positive", "check_budget_for",
+    "resolve_budget", "Schedules",
+]  # fmt: skip

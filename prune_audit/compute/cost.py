@@ -1,0 +1,120 @@
+"""Per-question cost: the record's FLOP, KV-cache and equivalent-token columns from realised token counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prune_audit.compute import flops
+from prune_audit.compute.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class StageProbe:
+    """A decoder-layer probe an in-LLM stage reads its signals from (``models.layer_signals``).
+
+    Attributes:
+        keys: sequence length the probe reads (text + visual tokens alive at the stage).
+        queries: query rows of its attention (the text after the image).
+        attention: whether attention rows are read (``text_probs`` / ``text_logits``).
+        key_norms: whether key norms are read (a second key projection).
+        rope_columns: visual tokens the all-ones RoPE logits are formed against (0: not read).
+    """
+
+    keys: int
+    queries: int
+    attention: bool
+    key_norms: bool
+    rope_columns: int = 0
+
+
+@dataclass(frozen=True)
+class QuestionTokens:
+    """What one question's prefill ran on.
+
+    Attributes:
+        grid: (rows, cols) of language-model visual tokens (each ``merge x merge`` vision patches).
+        text_tokens: prompt tokens that are not visual.
+        text_after: text tokens after the image.
+        visual_tokens: language-model visual tokens of the unpruned prompt (N).
+        visual_per_layer: visual tokens at the input of each decoder layer, as realised.
+        cls_probe: the CLS-row probe of the feature layer ran.
+        vision_layer_probe: every encoder layer's attention was recomputed (per-layer vision signals).
+        demand_probe: the layer-0 probe over the full prompt ran (coverage's demand).
+        text_chunks: CLIP text chunks of CDPruner's relevance (0: not computed).
+        reprojected: merged tokens an input-level merge sent through the projector again.
+        stage_probes: the decoder probes of in-LLM stages.
+        selector_flops: the selector's own arithmetic (``compute.selectors``).
+    """
+
+    grid: tuple[int, int]
+    text_tokens: int
+    text_after: int
+    visual_tokens: int
+    visual_per_layer: tuple[int, ...]
+    cls_probe: bool = False
+    vision_layer_probe: bool = False
+    demand_probe: bool = False
+    text_chunks: int = 0
+    reprojected: int = 0
+    stage_probes: tuple[StageProbe, ...] = ()
+    selector_flops: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """The cost columns of one record (docs/compute.md).
+
+    Attributes:
+        flops_vision: vision tower to the feature layer, projector, and the vision-side signals
+            (CLS probe, per-layer attention probes, CDPruner's CLIP text tower, re-projection of merged tokens).
+        flops_selector: the selector's own arithmetic.
+        flops_llm: decoder layers at their realised lengths, in-LLM probes, the LM head at the last position.
+        flops: their sum.
+        flops_dense: the same question unpruned (vision tower, projector, every layer at the full length, head).
+        flops_decode_token: one generated token after this prefill (its KV cache).
+        kv_bytes: KV-cache bytes after the prefill.
+        flop_equivalent_tokens: the dense sequence length whose language-model prefill costs
+            ``flops - flops_vision_dense`` (the vision tower every run pays is not counted).
+    """
+
+    flops_vision: int
+    flops_selector: int
+    flops_llm: int
+    flops: int
+    flops_dense: int
+    flops_decode_token: int
+    kv_bytes: int
+    flop_equivalent_tokens: float
+
+
+def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
+    """The cost columns of one question's prefill."""
+    vision, language = shape.vision, shape.language
+    patch_grid = (tokens.grid[0] * vision.merge, tokens.grid[1] * vision.merge)
+    tower = flops.vision_tower(vision, patch_grid) + flops.projector(vision, tokens.visual_tokens)
+    signals = flops.cls_probe(vision, patch_grid) if tokens.cls_probe else 0
+    signals += flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
+    if tokens.text_chunks:
+        signals += flops.clip_text_relevance(shape.clip_text, tokens.text_chunks, tokens.visual_tokens)
+    signals += flops.projector(vision, tokens.reprojected)
+    lengths = [tokens.text_tokens + visual for visual in tokens.visual_per_layer]
+    full = tokens.text_tokens + tokens.visual_tokens
+    probes = sum(flops.decoder_probe(language, p.queries, p.keys, p.attention, p.key_norms, p.rope_columns)
+                 for p in tokens.stage_probes)
+    if tokens.demand_probe:
+        probes += flops.decoder_probe(language, tokens.text_after, full, attention_rows=True, key_norms=False)
+    llm = flops.language_prefill(language, lengths) + probes
+    total = tower + signals + tokens.selector_flops + llm
+    return PrefillCost(
+        flops_vision=tower + signals,
+        flops_selector=tokens.selector_flops,
+        flops_llm=llm,
+        flops=total,
+        flops_dense=tower + flops.language_prefill(language, [full] * language.layers),
+        flops_decode_token=flops.decode_token(language, lengths),
+        kv_bytes=flops.kv_bytes(language, lengths, shape.dtype_bytes),
+        flop_equivalent_tokens=flops.flop_equivalent_tokens(language, total - tower),
+    )
+
+
+__all__ = ["StageProbe", "QuestionTokens", "PrefillCost", "prefill_cost"]

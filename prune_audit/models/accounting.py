@@ -1,0 +1,81 @@
+"""What one answered question's prefill ran on, as :class:`~prune_audit.compute.cost.QuestionTokens`.
+
+The models layer knows which signals were computed and how many tokens each part saw; the
+arithmetic is ``prune_audit.compute``'s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prune_audit.compute.cost import PrefillCost, QuestionTokens, StageProbe, prefill_cost
+from prune_audit.compute.selectors import SelectorWork, selector_flops
+from prune_audit.models.layer_signals import ATTENTION_SIGNALS, KEY_SIGNALS, ROPE_SIGNALS
+from prune_audit.pruners.base import InputSelector, Selection, Selector
+
+if TYPE_CHECKING:
+    from prune_audit.models.answers import Answer
+    from prune_audit.models.base import VisionLanguageModel
+    from prune_audit.models.prepared import Prepared
+
+def question_cost(
+    vlm: VisionLanguageModel,
+    item: Prepared,
+    answer: Answer,
+    selector: Selector | None,
+    budget: int | None,
+    selection: Selection | None,
+    forced: bool,
+) -> PrefillCost:
+    """The cost columns of ``answer``, the prefill of ``item`` under ``selector`` at ``budget``.
+
+    ``forced``: the kept sets were given (``forced_kept`` / ``forced_stages``), so no selector ran.
+    """
+    shape = vlm.shape
+    text_tokens = item.input_ids.numel() - item.num_visual
+    text_after = item.input_ids.numel() - item.image_span[1]
+    ran = selector if selector is not None and not forced else None
+    input_requires = ran.requires if isinstance(ran, InputSelector) else frozenset()
+    layer_requires = ran.requires if ran is not None and not isinstance(ran, InputSelector) else frozenset()
+    alive = [item.num_visual]  # visual tokens before each in-LLM stage, then after the last
+    if ran is not None and not isinstance(ran, InputSelector):
+        alive += [len(kept) + len(merged) for kept, merged in zip(answer.kept_stages, answer.merged_stages)]
+    rope = bool(layer_requires & ROPE_SIGNALS)
+    probes = tuple(
+        StageProbe(text_tokens + before, text_after, bool(layer_requires & ATTENTION_SIGNALS),
+                   bool(layer_requires & KEY_SIGNALS), before if rope else 0)
+        for before in alive[:-1]
+    )  # fmt: skip
+    arithmetic = 0
+    if ran is not None:
+        work = SelectorWork(
+            tokens=item.num_visual,
+            kept=budget,
+            feature_width=shape.language.hidden,
+            vision_width=shape.vision.width,
+            key_width=vlm.vision_head_dim,
+            hidden=shape.language.hidden,
+            text_rows=text_after,
+            stages=tuple(zip(alive[:-1], alive[1:])),
+            options=ran.options(),
+        )
+        arithmetic, _ = selector_flops(ran.name, work)
+    merged_inputs = selection is not None and selection.sources is not None and selection.llm_tokens is None
+    tokens = QuestionTokens(
+        grid=item.grid,
+        text_tokens=text_tokens,
+        text_after=text_after,
+        visual_tokens=item.num_visual,
+        visual_per_layer=tuple(answer.tokens_per_layer),
+        cls_probe=bool(input_requires & vlm.cls_probe_signals),
+        vision_layer_probe=bool((input_requires | layer_requires) & vlm.layer_probe_signals),
+        demand_probe="demand" in input_requires,
+        text_chunks=vlm.text_chunks(item) if "text_relevance" in input_requires else 0,
+        reprojected=len(selection.sources) if merged_inputs else 0,
+        stage_probes=probes,
+        selector_flops=arithmetic,
+    )
+    return prefill_cost(shape, tokens)
+
+
+__all__ = ["question_cost"]

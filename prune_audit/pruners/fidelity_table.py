@@ -1,0 +1,67 @@
+"""The fidelity table (:data:`~prune_audit.pruners.fidelity.FIDELITY`) as rows and as the text of
+``docs/fidelity.md``: what ``prune-audit selectors --fidelity`` prints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prune_audit.pruners.fidelity import FIDELITY, NOT_YET_DONE
+
+COLUMNS = (
+    "selector", "paper", "official repository (commit read)", "default here", "reference-exact options",
+    "remaining differences (why)", "measured agreement", "fp16 / bf16 agreement",
+)  # fmt: skip
+
+
+def fidelity_rows() -> list[dict[str, Any]]:
+    """One row per registered selector that has a fidelity entry, in name order."""
+    from prune_audit.pruners.registry import list_selectors, selector_class
+
+    rows = []
+    for name in list_selectors():
+        if name not in FIDELITY:
+            continue
+        entry, reference = FIDELITY[name], selector_class(name).reference
+        rows.append(
+            {
+                "selector": name,
+                "paper": reference.paper,
+                "official repository (commit read)": f"{reference.repository} ({entry.commit})",
+                "default here": entry.default,
+                "reference-exact options": ", ".join(entry.exact) or "the defaults",
+                "remaining differences (why)": "; ".join(entry.differences),
+                "measured agreement": entry.agreement,
+                "fp16 / bf16 agreement": entry.half_agreement,
+            }
+        )
+    return rows
+
+
+def fidelity_markdown() -> str:
+    """The text of ``docs/fidelity.md``."""
+    lines = [
+        "# Fidelity: each selector against its official code",
+        "",
+        "Generated from `prune_audit/pruners/fidelity.py` (printed by `prune-audit selectors --fidelity --markdown`);",
+        "`tests/test_fidelity_doc.py` checks that this file matches. Reference-exact options are passed as",
+        "`--option KEY=VALUE`. Measured agreement: kept sets compared with independent re-implementations of the",
+        "official algorithms written in `tests/test_fidelity.py` from the official code's math, on random cases",
+        "at realistic sizes (576 tokens, 1024/4096-dim features, budgets 64/128/192). The commits are those the",
+        "selectors spec (`shared/specs/selectors.md`, section 0) was written from; DART's set order was re-read in",
+        "the fork named in its row. The fp16 / bf16 column compares kept sets with the official code's arithmetic",
+        "in that dtype, re-derived step by step (the dtype of every intermediate, `torch.topk` for the ranking) in",
+        "`tests/test_fidelity_half.py` and `tests/test_fidelity.py`, with the options named; `ties=topk` reproduces",
+        "`torch.topk`'s order among exact ties on the same hardware, the default lower-index rule is deterministic",
+        "everywhere. Where a CPU kernel's rounding keeps a selector from exact agreement the row names it and its size.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    for row in fidelity_rows():
+        lines.append("| " + " | ".join(str(row[column]).replace("|", "\\|") for column in COLUMNS) + " |")
+    if NOT_YET_DONE:
+        lines += ["", "## Not yet done", ""] + [f"- {item}" for item in NOT_YET_DONE]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["COLUMNS", "fidelity_rows", "fidelity_markdown"]

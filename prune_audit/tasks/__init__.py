@@ -1,0 +1,25 @@
+"""Tasks: the kinds of question a run audits, behind one seam, with a registry.
+
+>>> from prune_audit.tasks import get_task, list_tasks
+>>> list_tasks()  # doctest: +SKIP
+['pope', ...]
+
+Built-in tasks register on import of this package; plugins register under the entry-point
+group ``prune_audit.tasks``. Layering: tasks use ``data`` and ``models.answers``; the runner,
+the record builder and the analyses use tasks.
+"""
+
+from importlib import import_module
+
+from prune_audit.tasks.base import Evidence, Scored, Task, TaskQuestion
+from prune_audit.tasks.registry import DEFAULT_TASK, get_task, list_tasks, manifest_task, register_task
+
+# one module per task; importing it registers the task
+_TASKS = ["pope", "gqa", "scienceqa", "caption"]
+for _module in _TASKS:
+    import_module(f"prune_audit.tasks.{_module}")
+
+__all__ = [
+    "DEFAULT_TASK", "Evidence", "Scored", "Task", "TaskQuestion", "get_task", "list_tasks", "manifest_task",
+    "register_task",
+]

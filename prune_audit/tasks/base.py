@@ -1,0 +1,171 @@
+"""The task seam: what a kind of question is, independent of the model and the selector.
+
+A :class:`Task` says how its question files are read (validated before anything is
+written), the prompt, how the model answers (an answer mode of ``prune_audit.answer_modes``), how
+an answer is scored, what its confidence is, which image region is its evidence (for
+retention and lost objects) and which metrics its report shows. The runner, the record
+builder and the analyses ask the run's task; none of them knows a task by name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from prune_audit.errors import PruneAuditError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pyarrow as pa
+
+    from prune_audit.data.geometry import TokenGeometry
+    from prune_audit.data.retention import ObjectArea
+    from prune_audit.answer_modes import AnswerMode, Reduction
+
+
+class TaskQuestion(Protocol):
+    """What the runner reads of any task's question: its key, its image and its prompt text.
+
+    ``(split, question_id)`` keys the records (``records.schema.KEY_COLUMNS``); ``image`` is the
+    file name under ``--images``; ``text`` the question as the model is asked it.
+    """
+
+    @property
+    def question_id(self) -> int: ...
+
+    @property
+    def split(self) -> str: ...
+
+    @property
+    def image(self) -> str: ...
+
+    @property
+    def text(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One answered question, scored by its task.
+
+    Attributes:
+        answer_text: the model's answer as text (``answer_text`` column).
+        references: the reference answers it is scored against (``references``).
+        correct: the task's correctness rule (``correct``).
+        confidence: the task's confidence definition (``confidence``).
+        columns: the task's own record columns (``records.schema`` columns of this task).
+    """
+
+    answer_text: str
+    references: tuple[str, ...]
+    correct: bool
+    confidence: float
+    columns: dict[str, Any]
+
+
+class Evidence(Protocol):
+    """The evidence regions of a run's questions, read from its ``--annotations`` file."""
+
+    def image_id(self, image: str) -> int:
+        """The image's id in the annotations (the exchangeable unit of bootstrap and conformal splits)."""
+        ...
+
+    def check_image_size(self, image: str, size: tuple[int, int], path: Path) -> None:
+        """Refuse an image whose (width, height) is not the annotated one."""
+        ...
+
+    def area(self, question: Any, image_id: int, geometry: TokenGeometry) -> ObjectArea | None:
+        """The question's evidence region under ``geometry``; None when it has none."""
+        ...
+
+    def objects(self, question: Any, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
+        """Each object of the evidence region on its own, (name, area), for the per-object lost column."""
+        ...
+
+
+class Task(ABC):
+    """One kind of question (POPE yes/no, short answers, multiple choice, captions).
+
+    Class attributes:
+        name: the registry name (``run --task NAME``).
+        summary: one line for ``--help`` and docs/tasks.md.
+        answer_mode_text: how the model answers, in words.
+        confidence_definition: what the ``confidence`` column holds, in words.
+        evidence_definition: which image region counts as the question's evidence, in words.
+        evidence_noun: the evidence regions as the run summary names them.
+        splits: the values ``--split`` may take besides ``all`` (empty: the task has no splits).
+        report_metrics: names of the metrics (``analysis.metric_table``) its reports show; POPE's answer scores
+            (precision, recall, F1, yes ratio) need a yes/no answer.
+        default_max_new_tokens: the generation limit of a task that answers by greedy decoding (``--max-new-tokens``
+            overrides it); None for a task answered by its first token.
+    """
+
+    default_max_new_tokens: ClassVar[int | None] = None
+
+    def __init__(self, max_new_tokens: int | None = None) -> None:
+        if max_new_tokens is not None:
+            if self.default_max_new_tokens is None:
+                raise PruneAuditError(f"--max-new-tokens applies to tasks that generate their answers; {self.name} "
+                                      f"answers by its first token: drop it")
+            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+                raise PruneAuditError(f"--max-new-tokens must be a positive whole number, got {max_new_tokens!r}")
+        self.max_new_tokens = max_new_tokens if max_new_tokens is not None else self.default_max_new_tokens
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    answer_mode_text: ClassVar[str] = ""
+    confidence_definition: ClassVar[str] = ""
+    evidence_definition: ClassVar[str] = ""
+    evidence_noun: ClassVar[str] = "the evidence regions"
+    splits: ClassVar[tuple[str, ...]] = ()
+    report_metrics: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def read_questions(self, paths: Sequence[Path]) -> list[TaskQuestion]:
+        """Every question of the run's question files (``--pope`` / ``--questions``, in the order given),
+        validated; a PruneAuditError naming file and entry otherwise. Files another file refers to are
+        read together (GQA: LLaVA's question file and GQA's question JSON)."""
+
+    def check_questions(self, questions: Sequence[TaskQuestion]) -> None:
+        """Refuse a question list the task cannot score (for instance, questions without references)."""
+
+    @abstractmethod
+    def answer_mode(self, question: TaskQuestion) -> AnswerMode:
+        """How the model answers ``question``."""
+
+    @abstractmethod
+    def score(self, question: TaskQuestion, reduced: Reduction) -> Scored:
+        """The answer text, references, correctness, confidence and the task's own columns of the model's
+        answer, ``reduced`` in the question's answer mode."""
+
+    @abstractmethod
+    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+        """Score a released answers file (LLaVA's ``question_id`` + ``text`` lines) against the task's question
+        files as its official evaluation does (``prune-audit score``): the report's summary numbers and
+        ``per_question`` rows."""
+
+    def image_id(self, question: TaskQuestion) -> int | None:
+        """The question's image id without annotations (None: the task needs ``--annotations`` for it)."""
+        return None
+
+    @abstractmethod
+    def load_evidence(self, path: Path, questions: Sequence[TaskQuestion]) -> Evidence:
+        """The ``--annotations`` file as evidence regions, every question's evidence checked to exist in it."""
+
+    required_columns: ClassVar[tuple[str, ...]] = ()
+    """The task's own record columns the analyses read (each must hold a value in every row)."""
+
+    def binary_view(self, records: pa.Table, source: str) -> dict[str, np.ndarray]:
+        """The records as the yes/no analyses (``analysis.questions.QuestionTable``) read them, four (n,) arrays:
+        ``label_yes`` and ``answer_yes`` (bool), ``p_yes`` (float64, two-way p(yes)) and ``logit_diff`` (its
+        logit). Records a task cannot read are refused in one line naming ``source``; a task without a yes/no
+        answer is refused, since the analyses' binning, Brier score and temperature scaling assume one."""
+        raise PruneAuditError(
+            f"{source} is a {self.name} run; calibrate, cascade, study and intervene read yes/no tasks (pope) so far: "
+            f"read its records.parquet (answer_text, references, correct, confidence, retention)"
+        )
+
+
+__all__ = ["Evidence", "Scored", "Task", "TaskQuestion"]

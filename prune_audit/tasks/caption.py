@@ -1,0 +1,154 @@
+"""Captions: a detailed description generated under pruning, its object mentions scored by CHAIR.
+
+Question files (``--questions``): a COCO instances file, one question per image (``data.captions``),
+and optionally a COCO captions file whose reference captions' objects also count as present
+(CHAIR's rule). Evidence (``--annotations``, the same instances file): every annotated object's mask;
+the region is their union, and each object is also measured on its own (``evidence_objects_lost``),
+so an omitted object can be told lost (no token of it survived the first stage) or kept.
+
+The prompt is "Describe this image in detail." (LLaVA's detailed-description instruction); greedy
+decoding up to ``max_new_tokens`` (default 1024: LLaVA's ``llava/eval/model_vqa.py``, haotian-liu/LLaVA
+commit 064abb3) reusing the pruned KV cache. Mentions are extracted with CHAIR's COCO synonym list
+(``data.chair``: plurals, multi-word names, an object named twice counted once). ``correct`` is
+CHAIR-s's complement: the caption mentions no absent object. Confidence is the length-normalised
+probability of the caption (geometric mean of its tokens' probabilities, ``mean_token_prob``): the
+product over hundreds of tokens underflows towards 0 for every caption; the product is recorded too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from prune_audit.answer_modes import Greedy
+from prune_audit.data.captions import CaptionQuestion, caption_questions, read_coco_captions
+from prune_audit.data.chair import score_caption
+from prune_audit.data.coco import CocoInstances, read_json
+from prune_audit.errors import PruneAuditError
+from prune_audit.tasks.base import Scored, Task
+from prune_audit.tasks.evidence import CocoEvidence
+from prune_audit.tasks.registry import register_task
+
+if TYPE_CHECKING:
+    from prune_audit.answer_modes import Generation
+    from prune_audit.data.geometry import TokenGeometry
+    from prune_audit.data.retention import ObjectArea
+
+SPLIT = "caption"
+"""The records' ``split`` of every caption question (its id is the COCO image id)."""
+
+
+@dataclass(frozen=True)
+class CaptionTaskQuestion:
+    """An image to describe, keyed as a record: (``split`` = "caption", ``question_id`` = COCO image id)."""
+
+    caption: CaptionQuestion
+
+    @property
+    def question_id(self) -> int:
+        return self.caption.question_id
+
+    @property
+    def split(self) -> str:
+        return SPLIT
+
+    @property
+    def image(self) -> str:
+        return self.caption.image
+
+    @property
+    def text(self) -> str:
+        return self.caption.text
+
+
+class CaptionEvidence(CocoEvidence):
+    """Every annotated object of the image: the union of their masks, and each category's mask on its own."""
+
+    def area(self, question: CaptionTaskQuestion, image_id: int, geometry: TokenGeometry) -> ObjectArea | None:
+        from prune_audit.data.retention import object_area
+
+        if not question.caption.objects:
+            return None
+        union = np.logical_or.reduce([self.coco.category_mask(image_id, name) for name in question.caption.objects])
+        return object_area(union, geometry)
+
+    def objects(self, question: CaptionTaskQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
+        return [(name, self.category_area(image_id, name, geometry)) for name in question.caption.objects]
+
+
+def _is_instances(data: Any) -> bool:
+    return isinstance(data, dict) and "categories" in data
+
+
+@register_task
+class CaptionTask(Task):
+    name = "caption"
+    summary = "Detailed captions of COCO images, object mentions scored by CHAIR (hallucinated and omitted objects)"
+    answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
+    confidence_definition = ("the length-normalised caption probability: the geometric mean of its tokens' "
+                             "probabilities (mean_token_prob; the product is sequence_prob)")
+    evidence_definition = "every annotated object's COCO mask: their union, and each object on its own"
+    evidence_noun = "the annotated objects"
+    report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
+    default_max_new_tokens = 1024
+
+    def read_questions(self, paths: Sequence[Path]) -> list[CaptionTaskQuestion]:
+        instances, captions = [], []
+        for path in paths:
+            data = read_json(path)
+            (instances if _is_instances(data) else captions).append((path, data))
+        if len(instances) != 1 or len(captions) > 1:
+            raise PruneAuditError("caption questions come from one COCO instances file (the images to describe), "
+                                  "optionally with one COCO captions file: pass them with --questions")
+        path, data = instances[0]
+        coco = CocoInstances(data, source=str(path))
+        references = read_coco_captions(captions[0][0]) if captions else None
+        return [CaptionTaskQuestion(question) for question in caption_questions(coco, references)]
+
+    def answer_mode(self, question: CaptionTaskQuestion) -> Greedy:
+        return Greedy(int(self.max_new_tokens))  # type: ignore[arg-type]
+
+    def score(self, question: CaptionTaskQuestion, generation: Generation) -> Scored:
+        caption = question.caption
+        scored = score_caption(generation.answer, caption.objects, caption.caption_objects)
+        columns: dict[str, Any] = {
+            "sequence_prob": generation.confidence,
+            "mean_token_prob": math.exp(generation.mean_log_prob),
+            "answer_tokens": len(generation.token_probs),
+            "stopped": generation.stopped,
+            "mentioned": list(scored.mentioned),
+            "hallucinated": list(scored.hallucinated),
+            "omitted": list(scored.omitted),
+            "chair_i": scored.chair_i,
+            "recall": scored.recall,
+        }
+        present = tuple(dict.fromkeys((*scored.annotated, *caption.caption_objects)))
+        return Scored(generation.answer, present, not scored.chair_s, columns["mean_token_prob"], columns)
+
+    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+        """CHAIR-s, CHAIR-i, recall and omissions of the captions (``data.captions.score_caption_answers``); the
+        answers' ``question_id`` is the COCO image id."""
+        from prune_audit.data.captions import score_caption_answers
+
+        return score_caption_answers(answers, [question.caption for question in self.read_questions(question_files)])
+
+    def image_id(self, question: CaptionTaskQuestion) -> int:
+        return question.question_id
+
+    def load_evidence(self, path: Path, questions: Sequence[CaptionTaskQuestion]) -> CaptionEvidence:
+        coco = CocoInstances.load(path)
+        for question in questions:
+            if coco.image_id(question.image) != question.question_id or (
+                tuple(coco.object_names(question.question_id)) != question.caption.objects
+            ):
+                raise PruneAuditError(f"{path} annotates image {question.image} otherwise than the question file; "
+                                      f"pass the same instances file with --questions and --annotations")
+        return CaptionEvidence(coco)
+
+
+__all__ = ["CaptionEvidence", "CaptionTask", "CaptionTaskQuestion"]

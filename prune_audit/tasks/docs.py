@@ -1,0 +1,83 @@
+"""Generate docs/tasks.md from the registered tasks: ``python -m prune_audit.tasks.docs [PATH]``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from prune_audit.tasks.registry import get_task, list_tasks
+
+DOC_PATH = Path("docs") / "tasks.md"
+
+INTRO = """# Tasks (`prune-audit run --task NAME`)
+
+<!-- generated from the task classes in prune_audit/tasks by `python -m prune_audit.tasks.docs`; do not edit -->
+
+A task is the kind of question a run audits. Pruning, token geometry and retention do not depend on it;
+the task says how its question files are read (every entry validated before anything is written), how
+the model answers, how an answer is scored, what the `confidence` column holds, which image region is a
+question's evidence (the `retention` and `lost` columns), and which metrics its report shows. The run's
+manifest records the task (`task`, and `max_new_tokens` for tasks that generate); every later command
+reads it from there. Every record holds the core columns (`task`, `answer_text`, `references`,
+`confidence`, `correct`, the retention columns) and its task's own columns ([records.md](records.md)).
+
+```
+prune-audit run                                         # POPE on the bundled demo
+prune-audit run --task gqa --model M --questions testdev_balanced_questions.json \\
+    --questions llava_gqa_testdev_balanced.jsonl --images gqa/images [--annotations sceneGraphs.json]
+prune-audit run --task scienceqa --model M --questions llava_test_CQM-A.json --images scienceqa/images
+prune-audit run --task caption --model M --questions instances_val2014.json [--questions captions_val2014.json] \\
+    --annotations instances_val2014.json --images val2014 --limit 500
+prune-audit score --task gqa answers.jsonl --questions testdev_balanced_questions.json   # released answers
+```
+
+Plug-in tasks: a `prune_audit.tasks.Task` subclass exposed under the entry-point group `prune_audit.tasks`
+registers under the entry point's name, as selectors do under `prune_audit.selectors`. Its records hold the
+core columns; its own columns are declared in `prune_audit/records/schema.py`.
+
+`calibrate`, `cascade`, `study` and `intervene` read yes/no tasks (POPE) so far; a run of another task is
+refused there in one line, and its `records.parquet` holds every answer, score and retention value.
+`visualize --run` and `merge` work on every task.
+"""
+
+
+def _details(task: object) -> str:
+    """The task module's docstring after its first paragraph (which repeats the summary)."""
+    text = (sys.modules[type(task).__module__].__doc__ or "").strip()
+    return text.split("\n\n", 1)[1] if "\n\n" in text else ""
+
+
+def tasks_markdown() -> str:
+    """docs/tasks.md: the introduction, then one section per registered task."""
+    lines = [INTRO]
+    for name in list_tasks():
+        task = get_task(name)
+        lines += [
+            f"## {name}",
+            "",
+            task.summary + ".",
+            "",
+            f"- answer: {task.answer_mode_text}"
+            + (f" (at most {task.default_max_new_tokens} new tokens by default; `--max-new-tokens N`)"
+               if task.default_max_new_tokens is not None else ""),
+            f"- confidence: {task.confidence_definition}",
+            f"- evidence: {task.evidence_definition}",
+            f"- splits: {', '.join(task.splits) if task.splits else 'none (records use the split ' + repr(name) + ')'}",
+            f"- report metrics: {', '.join(task.report_metrics)}",
+            "",
+            _details(task),
+            "",
+        ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Write the generated page to PATH (default docs/tasks.md, relative to the working directory)."""
+    args = sys.argv[1:] if argv is None else argv
+    path = Path(args[0]) if args else DOC_PATH
+    path.write_text(tasks_markdown(), encoding="utf-8")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

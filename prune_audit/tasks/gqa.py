@@ -1,0 +1,191 @@
+"""GQA short answers: greedy generation under pruning, scored by GQA's exact match.
+
+Question files (``--questions``): GQA's question JSON (``*_questions.json``: answers and the
+``annotations`` naming the scene-graph objects of question and answer), optionally with
+LLaVA's ``llava_gqa_testdev_balanced.jsonl`` (its questions, order and prompt). Evidence
+(``--annotations``): GQA's scene graphs; a question's evidence region is the union of the boxes
+of the objects its annotations name (``data.gqa.evidence_mask``). Reading and scoring are
+``data.gqa``'s (LLaVA's rule: ``text.strip().rstrip('.').lower() == answer``).
+
+The answer is LLaVA-1.5's: the prompt ends with "Answer the question using a single word or
+phrase.", greedy decoding up to ``max_new_tokens`` (default 128: ``--max_new_tokens`` of LLaVA's
+``llava/eval/model_vqa_loader.py``, haotian-liu/LLaVA commit 10462fe) that reuses the pruned KV cache. Confidence is the probability of the whole generated answer, the
+product of its tokens' probabilities (``sequence_prob``); the length-normalised form, the
+geometric mean of the token probabilities, is recorded beside it (``mean_token_prob``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prune_audit.answer_modes import Greedy
+from prune_audit.data.gqa import (
+    GqaQuestion,
+    SceneGraph,
+    box_mask,
+    check_image_size,
+    evidence_mask,
+    evidence_objects,
+    exact_match,
+)
+from prune_audit.errors import PruneAuditError
+from prune_audit.tasks.base import Scored, Task
+from prune_audit.tasks.registry import register_task
+
+if TYPE_CHECKING:
+    from prune_audit.data.geometry import TokenGeometry
+    from prune_audit.data.retention import ObjectArea
+    from prune_audit.answer_modes import Generation
+
+SPLIT = "gqa"
+"""The records' ``split`` of every GQA question: GQA's question ids are unique within a release."""
+
+
+def stable_image_id(name: str) -> int:
+    """A non-negative int64 image id for a GQA image id that need not be a number (testdev's ``n161313``):
+    the image id itself when it is ASCII digits, else the first 63 bits of its sha256 (equal names, equal ids)."""
+    if name.isascii() and name.isdigit() and int(name) < 2**63:
+        return int(name)
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class GqaTaskQuestion:
+    """A GQA question keyed as a record: (``split`` = "gqa", integer ``question_id``)."""
+
+    gqa: GqaQuestion
+    question_id: int
+
+    @property
+    def split(self) -> str:
+        return SPLIT
+
+    @property
+    def image(self) -> str:
+        return self.gqa.image
+
+    @property
+    def text(self) -> str:
+        return self.gqa.text
+
+
+def _record_id(question: GqaQuestion) -> int:
+    """GQA's digit-string id as the records' int64; a leading zero would not survive the round trip."""
+    value = int(question.question_id)
+    if str(value) != question.question_id or value >= 2**63:
+        raise PruneAuditError(
+            f"GQA question id {question.question_id!r} is not a plain number below 2**63 (a leading zero?); "
+            f"records key questions by an int64 id: fix the question file"
+        )
+    return value
+
+
+class SceneGraphEvidence:
+    """GQA scene graphs as evidence regions: the union of the annotated objects' boxes."""
+
+    def __init__(self, graphs: dict[str, SceneGraph]) -> None:
+        self.graphs = graphs
+
+    def image_id(self, image: str) -> int:
+        return stable_image_id(Path(image).stem)
+
+    def check_image_size(self, image: str, size: tuple[int, int], path: Path) -> None:
+        check_image_size(self.graphs[Path(image).stem], size, path)
+
+    def area(self, question: GqaTaskQuestion, image_id: int, geometry: TokenGeometry) -> ObjectArea | None:
+        if not question.gqa.evidence_object_ids:
+            return None
+        from prune_audit.data.retention import object_area
+
+        return object_area(evidence_mask(question.gqa, self.graphs[question.gqa.image_id]), geometry)
+
+    def objects(self, question: GqaTaskQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
+        """Each annotated object's box on its own, named by its scene-graph name."""
+        from prune_audit.data.retention import object_area
+
+        graph = self.graphs[question.gqa.image_id]
+        return [(obj.name, object_area(box_mask(obj, graph), geometry)) for _, obj in evidence_objects(question.gqa, graph)]
+
+
+@register_task
+class GqaTask(Task):
+    name = "gqa"
+    summary = "GQA short answers (LLaVA's prompt), scored by GQA's exact match"
+    answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
+    confidence_definition = ("the probability of the whole generated answer: the product of its tokens' "
+                             "probabilities (sequence_prob; the length-normalised mean_token_prob is recorded too)")
+    evidence_definition = "the union of the scene-graph boxes of the objects the question's annotations name"
+    evidence_noun = "the annotated objects"
+    report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
+    default_max_new_tokens = 128
+
+    def read_questions(self, paths: Sequence[Path]) -> list[GqaTaskQuestion]:
+        from prune_audit.data.gqa import load_gqa, load_llava_gqa
+
+        by_kind: dict[str, list[Path]] = {".json": [], ".jsonl": []}
+        for path in paths:
+            if path.suffix not in by_kind:
+                raise PruneAuditError(f"{path}: GQA questions are GQA's question JSON (.json) and optionally LLaVA's "
+                                      f"question file (.jsonl); pass those with --questions")
+            by_kind[path.suffix].append(path)
+        if len(by_kind[".json"]) > 1 or len(by_kind[".jsonl"]) > 1:
+            raise PruneAuditError("pass one GQA question JSON and at most one LLaVA question file with --questions")
+        if by_kind[".json"]:
+            loaded = load_gqa(by_kind[".json"][0], by_kind[".jsonl"][0] if by_kind[".jsonl"] else None)
+        else:
+            loaded = load_llava_gqa(by_kind[".jsonl"][0])
+        return [GqaTaskQuestion(question, _record_id(question)) for question in loaded]
+
+    def check_questions(self, questions: Sequence[GqaTaskQuestion]) -> None:
+        unanswered = [q for q in questions if q.gqa.answer is None]
+        if unanswered:
+            raise PruneAuditError(
+                f"{len(unanswered)} GQA questions have no reference answer (first: {unanswered[0].gqa.question_id}); "
+                f"pass GQA's question JSON (testdev or val) with --questions too"
+            )
+
+    def answer_mode(self, question: GqaTaskQuestion) -> Greedy:
+        return Greedy(int(self.max_new_tokens))  # type: ignore[arg-type]
+
+    def score(self, question: GqaTaskQuestion, generation: Generation) -> Scored:
+        reference = str(question.gqa.answer)
+        columns: dict[str, Any] = {
+            "sequence_prob": generation.confidence,
+            "mean_token_prob": math.exp(generation.mean_log_prob),
+            "answer_tokens": len(generation.token_probs),
+            "stopped": generation.stopped,
+            "evidence_object_ids": list(question.gqa.evidence_object_ids),
+        }
+        return Scored(generation.answer, (reference,), exact_match(generation.answer, reference), generation.confidence,
+                      columns)
+
+    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+        """GQA's exact match after LLaVA's normalisation (``data.gqa.score_gqa_answers``)."""
+        from prune_audit.data.gqa import score_gqa_answers
+
+        return score_gqa_answers(answers, [question.gqa for question in self.read_questions(question_files)])
+
+    def image_id(self, question: GqaTaskQuestion) -> int:
+        return stable_image_id(question.gqa.image_id)
+
+    def load_evidence(self, path: Path, questions: Sequence[GqaTaskQuestion]) -> SceneGraphEvidence:
+        from prune_audit.data.gqa import load_scene_graphs
+
+        graphs = load_scene_graphs(path)
+        for question in questions:
+            graph = graphs.get(question.gqa.image_id)
+            if graph is None:
+                raise PruneAuditError(
+                    f"question {question.gqa.question_id}: image {question.gqa.image_id} has no scene graph in {path}; "
+                    f"pass the scene graphs of the questions' split (GQA has none for testdev: drop --annotations)"
+                )
+            evidence_objects(question.gqa, graph)  # every annotated object is in the graph
+        return SceneGraphEvidence(graphs)
+
+
+__all__ = ["GqaTask", "GqaTaskQuestion", "SceneGraphEvidence", "stable_image_id"]

@@ -1,0 +1,120 @@
+"""POPE: "Is there a <object> in the image?" answered by the first token's yes/no probabilities.
+
+Question files as ``data.pope.load_pope`` reads them (the official splits, LLaVA's merged file
+with label files); scoring, confidence and evidence exactly as prune-audit reported them before
+tasks were a seam (evaluation spec A and E), so POPE numbers do not depend on the seam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from prune_audit.data.pope import LABELS, POPE_SPLITS, PopeQuestion, load_pope
+from prune_audit.errors import PruneAuditError
+from prune_audit.answer_modes import YES_NO
+from prune_audit.tasks.base import Scored, Task
+from prune_audit.tasks.evidence import CocoEvidence
+from prune_audit.tasks.registry import register_task
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from prune_audit.data.geometry import TokenGeometry
+    from prune_audit.data.retention import ObjectArea
+    from prune_audit.answer_modes import AnswerMode, YesNo
+
+
+class PopeEvidence(CocoEvidence):
+    """The queried object's COCO mask, for "yes" questions only (a "no" object is absent)."""
+
+    def area(self, question: PopeQuestion, image_id: int, geometry: TokenGeometry) -> ObjectArea | None:
+        if question.label != "yes":
+            return None
+        return self.category_area(image_id, question.object, geometry)
+
+    def objects(self, question: PopeQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
+        area = self.area(question, image_id, geometry)
+        return [] if area is None else [(question.object, area)]
+
+
+@register_task
+class PopeTask(Task):
+    name = "pope"
+    summary = "POPE yes/no object questions (Is there a <object> in the image?)"
+    answer_mode_text = "the first token: yes/no probabilities, every single-token spelling summed"
+    confidence_definition = "max(p_yes_2way, 1 - p_yes_2way): the two-way probability of the answer given"
+    evidence_definition = "the queried object's COCO instance mask (yes questions; none for no questions)"
+    evidence_noun = "the yes questions' objects"
+    splits = POPE_SPLITS
+    report_metrics = ("accuracy", "precision", "recall", "f1", "yes_ratio", "ece", "ece_mass", "mce", "ce_debiased_l2",
+                      "brier", "nll", "auroc", "aurc")
+
+    def read_questions(self, paths: Sequence[Path]) -> list[PopeQuestion]:
+        return [question for path in paths for question in load_pope(path)]
+
+    def check_questions(self, questions: Sequence[PopeQuestion]) -> None:
+        unlabelled = [q for q in questions if q.label is None]
+        if unlabelled:
+            raise PruneAuditError(f"{len(unlabelled)} questions have no label; pass the POPE label files with --pope")
+
+    def answer_mode(self, question: PopeQuestion) -> AnswerMode:
+        return YES_NO
+
+    def score(self, question: PopeQuestion, reduced: YesNo) -> Scored:
+        columns: dict[str, Any] = {
+            "object": question.object,
+            "label": question.label,
+            "answer": reduced.answer,
+            "p_yes": reduced.p_yes,
+            "p_no": reduced.p_no,
+            "p_yes_2way": reduced.p_yes_2way,
+            "logit_diff": reduced.logit_diff,
+        }
+        return Scored(reduced.answer, (str(question.label),), reduced.answer == question.label, reduced.confidence,
+                      columns)
+
+    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+        """POPE's evaluate.py per split and averaged (``prune-audit pope score``'s report)."""
+        from prune_audit.data.pope_score import score_files
+
+        return score_files(answers, list(question_files))
+
+    def image_id(self, question: PopeQuestion) -> int | None:
+        return question.image_id
+
+    def load_evidence(self, path: Path, questions: Sequence[PopeQuestion]) -> PopeEvidence:
+        from prune_audit.data.coco import CocoInstances
+
+        coco = CocoInstances.load(path)
+        for question in questions:
+            try:
+                coco.category_id(question.object)
+            except (KeyError, PruneAuditError):
+                raise PruneAuditError(
+                    f"question {question.split}/{question.question_id} asks about {question.object!r}, "
+                    f"which is no category of {path}; pass the matching --annotations file"
+                ) from None
+        return PopeEvidence(coco)
+
+    required_columns = ("label", "answer", "p_yes_2way", "logit_diff")
+
+    def binary_view(self, records: pa.Table, source: str) -> dict[str, np.ndarray]:
+        """The yes/no event itself: label and answer "yes", two-way p(yes) and its logit."""
+        label, answer = (records[name].to_numpy(zero_copy_only=False).astype(str) for name in ("label", "answer"))
+        for name, values in (("label", label), ("answer", answer)):
+            unexpected = sorted(set(values.tolist()) - set(LABELS))
+            if unexpected:
+                raise PruneAuditError(f"records of {source}: column {name!r} holds {unexpected[0]!r}, expected yes or no")
+        return {
+            "label_yes": label == "yes",
+            "answer_yes": answer == "yes",
+            "p_yes": records["p_yes_2way"].to_numpy().astype(np.float64),
+            "logit_diff": records["logit_diff"].to_numpy().astype(np.float64),
+        }
+
+
+__all__ = ["PopeEvidence", "PopeTask"]

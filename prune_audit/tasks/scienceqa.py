@@ -1,0 +1,112 @@
+"""ScienceQA-IMG multiple choice: the first token over the offered option letters.
+
+Question files (``--questions``): LLaVA's ``llava_test_CQM-A.json`` layout (``data.scienceqa``),
+the IMG subset (questions with an image). The prompt is LLaVA's (``model_vqa_science.py
+--single-pred-prompt``): context, question, one ``X. choice`` line per option, then "Answer with
+the option's letter from the given choices directly." The answer is the offered letter whose
+single-token spellings (case and word-start variants summed, as POPE's yes/no) have the highest
+first-token probability; confidence is that letter's probability renormalised over the offered
+letters. (Released free-text answers are parsed by LLaVA's ``eval_science_qa.py`` rule,
+``data.scienceqa.parse_letter``; a first-token answer needs no parsing.)
+
+Every question has its own image, so each question is its own exchangeable unit: its
+``image_id`` is its question id (bootstrap resamples and conformal splits draw questions).
+ScienceQA names no image regions, so the task has no evidence (no ``--annotations``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from prune_audit.answer_modes import OptionLetters
+from prune_audit.data.scienceqa import ScienceQaQuestion, load_scienceqa
+from prune_audit.errors import PruneAuditError
+from prune_audit.tasks.base import Scored, Task
+from prune_audit.tasks.registry import register_task
+
+if TYPE_CHECKING:
+    from prune_audit.answer_modes import LetterChoice
+
+SPLIT = "scienceqa"
+"""The records' ``split`` of every ScienceQA question: its problem ids are unique."""
+
+
+@dataclass(frozen=True)
+class ScienceQaTaskQuestion:
+    """A ScienceQA-IMG question keyed as a record: (``split`` = "scienceqa", integer ``question_id``)."""
+
+    sqa: ScienceQaQuestion
+    question_id: int
+
+    @property
+    def split(self) -> str:
+        return SPLIT
+
+    @property
+    def image(self) -> str:
+        return str(self.sqa.image)
+
+    @property
+    def text(self) -> str:
+        return self.sqa.prompt
+
+
+def _record_id(question: ScienceQaQuestion, path: Path) -> int:
+    """ScienceQA's problem id as the records' int64 key."""
+    key = question.question_id
+    if not (key.isascii() and key.isdigit()) or str(int(key)) != key or int(key) >= 2**63:
+        raise PruneAuditError(
+            f"{path}: id {key!r} is not a plain number below 2**63; records key questions by an int64 id: fix the file"
+        )
+    return int(key)
+
+
+@register_task
+class ScienceQaTask(Task):
+    name = "scienceqa"
+    summary = "ScienceQA-IMG multiple choice (LLaVA's prompt), answered by its option letter"
+    answer_mode_text = "the first token over the offered option letters"
+    confidence_definition = "the chosen letter's first-token probability renormalised over the offered letters"
+    evidence_definition = "none: ScienceQA names no image regions (no retention or lost objects)"
+    evidence_noun = "the evidence regions (none for scienceqa)"
+    report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
+
+    def read_questions(self, paths: Sequence[Path]) -> list[ScienceQaTaskQuestion]:
+        return [ScienceQaTaskQuestion(question, _record_id(question, path))
+                for path in paths for question in load_scienceqa(path, images_only=True)]
+
+    def check_questions(self, questions: Sequence[ScienceQaTaskQuestion]) -> None:
+        unanswered = [q for q in questions if q.sqa.answer is None]
+        if unanswered:
+            raise PruneAuditError(
+                f"{len(unanswered)} ScienceQA questions have no answer turn (first: id {unanswered[0].sqa.question_id}); "
+                f"pass a question file with the answers (LLaVA's llava_test_CQM-A.json)"
+            )
+
+    def answer_mode(self, question: ScienceQaTaskQuestion) -> OptionLetters:
+        return OptionLetters(question.sqa.letters)
+
+    def score(self, question: ScienceQaTaskQuestion, choice: LetterChoice) -> Scored:
+        reference = str(question.sqa.answer)
+        columns: dict[str, Any] = {"letter_probs": list(choice.letter_probs), "options_offered": len(question.sqa.options)}
+        return Scored(choice.answer, (reference,), choice.answer == reference, choice.confidence, columns)
+
+    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+        """LLaVA's eval_science_qa.py over every question of the files (its accuracy) and the IMG subset (``img``),
+        free-text answers parsed by its letter rule (``data.scienceqa.score_scienceqa_answers``)."""
+        from prune_audit.data.scienceqa import score_scienceqa_answers
+
+        questions = [question for path in question_files for question in load_scienceqa(path, images_only=False)]
+        return score_scienceqa_answers(answers, questions)
+
+    def image_id(self, question: ScienceQaTaskQuestion) -> int:
+        return question.question_id
+
+    def load_evidence(self, path: Path, questions: Sequence[ScienceQaTaskQuestion]) -> NoReturn:
+        raise PruneAuditError("ScienceQA names no image regions, so scienceqa runs have no evidence: drop --annotations")
+
+
+__all__ = ["ScienceQaTask", "ScienceQaTaskQuestion"]

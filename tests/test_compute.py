@@ -1,0 +1,122 @@
+"""Issue 26: the analytic FLOPs equal ``FlopCounterMode``'s count over the same forward, to the FLOP.
+
+Every model part (vision tower to the feature layer, projector, the CLS and decoder probes, CLIP
+text tower, decoder layers at their realised lengths, LM head) is checked against the counter for
+every selector each model supports, on both bundled demos and tiny LLaVA / Qwen2.5-VL checkpoints.
+The counter counts matrix products and convolutions only when attention runs eagerly (CPU SDPA
+kernels are not registered with it), so the models are switched to eager attention here. The
+selector's own arithmetic is counted apart (a counter around ``select`` / ``prune`` / ``merge``);
+it must match where ``SELECTOR_FLOPS`` says exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from prune_audit.compute.flops import flop_equivalent_tokens, language_prefill
+from prune_audit.compute.selectors import SELECTOR_FLOPS
+from prune_audit.demo.assets import DEMO_MODELS
+from prune_audit.demo.evaluate import load_demo
+from prune_audit.pruners.registry import get_selector, list_selectors
+from tiny_models import WORDS, random_image
+
+SELECTOR_METHODS = ("select", "prune", "merge")
+
+
+def eager(vlm):
+    """``vlm`` with eager attention in every tower, so the counter sees the attention products."""
+    vlm.model.set_attn_implementation("eager")
+    if getattr(vlm, "clip", None) is not None:
+        vlm.clip[0].set_attn_implementation("eager")
+    return vlm
+
+
+def counted(vlm, item, selector, budget):
+    """(FLOPs counted outside the selector's methods, FLOPs counted inside them, the answer)."""
+    inside = []
+    if selector is not None:
+        for name in SELECTOR_METHODS:
+            if hasattr(selector, name):
+                method = getattr(selector, name)
+
+                def counting(*args, _method=method, **kwargs):
+                    with FlopCounterMode(display=False) as counter:
+                        result = _method(*args, **kwargs)
+                    inside.append(counter.get_total_flops())
+                    return result
+
+                object.__setattr__(selector, name, counting)
+    with FlopCounterMode(display=False) as counter:
+        answer = vlm.answer([item], selector, budget, generator=torch.Generator().manual_seed(0))[0]
+    return counter.get_total_flops() - sum(inside), sum(inside), answer
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The two bundled demos and tiny LLaVA (with a CLIP text tower) / Qwen2.5-VL checkpoints, eager."""
+    from prune_audit.models import load_vlm
+    from prune_audit.models.build import build_clip, build_llava, build_qwen2_5_vl
+
+    root = tmp_path_factory.mktemp("compute")
+    llava = build_llava(root / "llava", words=WORDS, text_layers=4, text_kv_heads=2, seed=3)
+    clip = build_clip(root / "clip", words=WORDS, vision_hidden_size=64)
+    qwen = build_qwen2_5_vl(root / "qwen", words=WORDS, text_layers=4, seed=3)
+    return {
+        "demo": eager(load_demo(DEMO_MODELS["demo"])),
+        "demo-qwen": eager(load_demo(DEMO_MODELS["demo-qwen"])),
+        "tiny-llava": eager(load_vlm(llava, device="cpu", clip_text=clip)),
+        "tiny-qwen": eager(load_vlm(qwen, device="cpu")),
+    }
+
+
+CASES = [("demo", (96, 96)), ("demo-qwen", (96, 96)), ("demo-qwen", (120, 72)), ("tiny-llava", (130, 100)),
+         ("tiny-qwen", (150, 100))]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "size"), CASES)
+def test_analytic_flops_equal_the_counted_flops_for_every_selector(models, model, size):
+    vlm = models[model]
+    item = vlm.prepare(random_image(1, size), "is there a red dog in the image?")
+    budget = max(2, item.num_visual // 4)
+    for name in [None, *vlm.supported_selectors()]:
+        selector = None if name is None else get_selector(name)
+        outside, inside, answer = counted(vlm, item, selector, None if name is None else budget)
+        cost = answer.cost
+        assert outside == cost.flops_vision + cost.flops_llm, (model, name)
+        assert cost.flops == cost.flops_vision + cost.flops_selector + cost.flops_llm
+        if name is None:
+            assert cost.flops == cost.flops_dense and inside == 0
+            full = item.input_ids.numel()
+            assert cost.flop_equivalent_tokens == pytest.approx(full, rel=1e-9)
+        elif SELECTOR_FLOPS[name].exact:
+            assert inside == cost.flops_selector, (model, name)
+        assert cost.flops < cost.flops_dense or name is None
+
+
+def test_every_builtin_selector_has_a_formula():
+    assert set(SELECTOR_FLOPS) == set(list_selectors())
+
+
+def test_kv_bytes_and_decode_flops_match_the_cache_and_the_counted_decode_step(models):
+    vlm = models["demo"]
+    item = vlm.prepare(random_image(2, (96, 96)), "is there a cat in the image?")
+    selector, budget = get_selector("fastv"), 20
+    answer = vlm.answer([item], selector, budget)[0]
+    prefill, _ = vlm.prefill([item], selector, budget, use_cache=True)
+    cache = prefill.decode.cache
+    stored = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                 for layer in cache.layers)  # fmt: skip
+    assert answer.cost.kv_bytes == stored
+    with FlopCounterMode(display=False) as counter:
+        vlm.loop.decode_step(prefill.decode, torch.tensor([3]))
+    assert counter.get_total_flops() == answer.cost.flops_decode_token
+
+
+def test_flop_equivalent_tokens_inverts_the_dense_language_prefill(models):
+    language = models["demo"].shape.language
+    for tokens in (1, 37, 160):
+        assert flop_equivalent_tokens(language, language_prefill(language, [tokens] * language.layers)) == pytest.approx(
+            tokens, rel=1e-9
+        )
