@@ -29,6 +29,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.models import family_names, load_vlm
 from prune_audit.models.families import adapter_for
 from prune_audit.pruners import get_selector, list_selectors
+from prune_audit.records.schema import TIMING_COLUMNS
 from tiny_models import QUESTIONS, WORDS, RecordingLayerSelector, masked_reference_logits, random_image, stock_inputs
 
 TOL = 1e-5
@@ -248,11 +249,12 @@ def test_shards_resume_visualize_and_intervene(vlm, prepared, checkpoint, worksp
                          ).exit_code == 0
 
     def records(run_dir):
-        return pq.read_table(run_dir / "records.parquet").to_pandas().drop(columns=["latency_ms"])
+        frame = pq.read_table(run_dir / "records.parquet").to_pandas()
+        return frame.drop(columns=list(TIMING_COLUMNS)).reset_index(drop=True)
 
-    assert records(merged).reset_index(drop=True).equals(records(whole).reset_index(drop=True))
+    assert records(merged).equals(records(whole))
     assert runner.invoke(app, run_args(workspace, checkpoint, whole, *common)).exit_code == 0
-    assert records(whole).equals(records(merged).reset_index(drop=True))
+    assert records(whole).equals(records(merged))
 
     image = sorted(workspace["images"].iterdir())[0]
     figures = tmp_path / "figures"
@@ -301,3 +303,16 @@ def test_real_size_processors_put_every_pixel_on_its_predicted_token(name, size)
     decoded = pixels[0] + 256 * ((pixels[1] - 20) // 40)
     assert (pixels[2] == IMAGE_BLUE).all()  # no padding in either pipeline
     assert (decoded[inner] == _expected_tokens(geometry)[inner]).all()
+
+
+def test_analytic_flops_equal_the_counted_flops(family, checkpoint, prepared):
+    """The family's declared ``shape`` gives the compute accounting the FLOPs ``FlopCounterMode`` counts over
+    the same eager forward (tests/test_compute.py holds every selector to it on LLaVA and Qwen2.5-VL)."""
+    from test_compute import counted, eager
+
+    vlm = eager(load_vlm(checkpoint, device="cpu"))
+    item = prepared[0]
+    for name in (None, "divprune", "fastv"):
+        selector = None if name is None else get_selector(name)
+        outside, _, answer = counted(vlm, item, selector, None if name is None else item.num_visual // 2)
+        assert outside == answer.cost.flops_vision + answer.cost.flops_llm, name

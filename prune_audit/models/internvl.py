@@ -36,12 +36,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from prune_audit.compute.shape import ModelShape, VisionShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.loading import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
+from prune_audit.models.shape import language_shape
 from prune_audit.pruners.base import LayerSelector
 
 PROMPT_TEMPLATE = "internvl_chatml"
@@ -125,6 +127,7 @@ class InternVLModel(VisionLanguageModel):
         super().__init__(model, tokenizer, stack, model_id=model_id, prompt_template=template,
                          system_prompt=system_prompt)
         self.image_processor = image_processor
+        self.shape = ModelShape(internvl_vision_shape(config), language_shape(text_config), model.dtype.itemsize)
         patch = config.vision_config.patch_size
         self.patch_size = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
         self.token_pixels = int(round(self.patch_size / config.downsample_ratio))
@@ -178,6 +181,12 @@ class InternVLModel(VisionLanguageModel):
         shuffled = self.model.model.pixel_shuffle(grid, scale_factor=self.model.config.downsample_ratio)
         return shuffled.reshape(shuffled.shape[0], -1, shuffled.shape[-1])
 
+    @property
+    def vision_head_dim(self) -> int:
+        """Width of one InternViT attention head."""
+        vision = self.model.config.vision_config
+        return vision.hidden_size // vision.num_attention_heads
+
     def _project(self, vision_tokens: Tensor) -> Tensor:
         return self.model.model.multi_modal_projector(vision_tokens)
 
@@ -203,6 +212,26 @@ class InternVLModel(VisionLanguageModel):
                 "vision_feature_layer": self.model.config.vision_feature_layer,
             },
         }
+
+
+def internvl_vision_shape(config: Any) -> VisionShape:
+    """InternViT (CLS + patches, every layer runs: the adapter reads its feature layer from a full forward)
+    and the projector after the 2x2 pixel shuffle (LayerNorm, then 4 Dv -> D and D -> D)."""
+    vision, text_width = config.vision_config, config.text_config.hidden_size
+    patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
+    shuffled_width = vision.hidden_size * 4
+    return VisionShape(
+        layers=vision.num_hidden_layers,
+        width=vision.hidden_size,
+        mlp_width=vision.intermediate_size,
+        mlp_matrices=2,
+        patch_inputs=vision.num_channels * patch**2,
+        class_tokens=1,
+        merge=2,
+        window=0,
+        full_attention_layers=(),
+        projector=((shuffled_width, text_width), (text_width, text_width)),
+    )
 
 
 def tile_geometry(image_size: tuple[int, int], tile: tuple[int, int], token_pixels: int = 28):

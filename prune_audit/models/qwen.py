@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from prune_audit.compute.shape import ModelShape
+from prune_audit.compute.shape import ModelShape, VisionShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
@@ -96,7 +96,12 @@ class QwenModel(VisionLanguageModel):
         super().__init__(model, tokenizer, stack, model_id=model_id, prompt_template=template,
                          system_prompt=system_prompt)
         self.image_processor = image_processor
-        self.shape = ModelShape(qwen_vision_shape(model.config), language_shape(text_config), model.dtype.itemsize)
+        self.shape = ModelShape(self.vision_shape(model.config), language_shape(text_config), model.dtype.itemsize)
+
+    @staticmethod
+    def vision_shape(config: Any) -> VisionShape:
+        """The vision tower and merger the compute accounting counts (Qwen2.5-VL's windowed ViT)."""
+        return qwen_vision_shape(config)
 
     def prompt(self, question: str, num_image_tokens: int = 1) -> str:
         """The Qwen2.5-VL chat prompt for one image followed by ``question``."""

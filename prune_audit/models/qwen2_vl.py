@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from prune_audit.compute.shape import VisionShape
 from prune_audit.models.qwen import QwenModel
 
 PROMPT_TEMPLATE = "qwen2_vl"
@@ -43,6 +45,30 @@ class Qwen2VLModel(QwenModel):
         from transformers import Qwen2VLForConditionalGeneration
 
         return Qwen2VLForConditionalGeneration
+
+    @property
+    def vision_head_dim(self) -> int:
+        """Width of one vision-tower attention head (its ``hidden_size`` is the merger's output width)."""
+        vision = self.model.config.vision_config
+        return vision.embed_dim // vision.num_heads
+
+    @staticmethod
+    def vision_shape(config: Any) -> VisionShape:
+        """Qwen2-VL's ViT (every block global, LayerNorm + fc1/fc2 MLP of ``mlp_ratio``) and its 2x2 merger."""
+        vision = config.vision_config
+        merged_width = vision.embed_dim * vision.spatial_merge_size**2
+        return VisionShape(
+            layers=vision.depth,
+            width=vision.embed_dim,
+            mlp_width=int(vision.embed_dim * vision.mlp_ratio),
+            mlp_matrices=2,
+            patch_inputs=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
+            class_tokens=0,
+            merge=vision.spatial_merge_size,
+            window=0,
+            full_attention_layers=(),
+            projector=((merged_width, merged_width), (merged_width, vision.hidden_size)),
+        )
 
     @classmethod
     def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from prune_audit.models.executor import Batch
+from prune_audit.compute.shape import VisionShape
+from prune_audit.models.batch import Batch
 from prune_audit.models.prepared import Prepared, VisionOutput
 from prune_audit.models.qwen import QwenModel
 
@@ -52,6 +54,26 @@ class Qwen3VLModel(QwenModel):
         from transformers import Qwen3VLForConditionalGeneration
 
         return Qwen3VLForConditionalGeneration
+
+    @staticmethod
+    def vision_shape(config: Any) -> VisionShape:
+        """Qwen3-VL's ViT (every block global, fc1/fc2 MLP) and its mergers: the main 2x2 merger and one
+        per deepstack set, each applied to every language-model visual token."""
+        vision = config.vision_config
+        merged_width = vision.hidden_size * vision.spatial_merge_size**2
+        merger = ((merged_width, merged_width), (merged_width, vision.out_hidden_size))
+        return VisionShape(
+            layers=vision.depth,
+            width=vision.hidden_size,
+            mlp_width=vision.intermediate_size,
+            mlp_matrices=2,
+            patch_inputs=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
+            class_tokens=0,
+            merge=vision.spatial_merge_size,
+            window=0,
+            full_attention_layers=(),
+            projector=merger * (1 + len(vision.deepstack_visual_indexes)),
+        )
 
     @classmethod
     def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
