@@ -2,8 +2,9 @@
 # Every number and figure that README.md, docs/ and the two demo model cards quote about the bundled demos,
 # from an empty folder, in one command (issue 16):
 #
-#   bash benchmarks/demo_numbers.sh OUT            # about an hour on the shared 2-core CPU machine (README.md)
+#   bash benchmarks/demo_numbers.sh OUT            # an hour or more on the shared 2-core CPU machine (README.md)
 #   bash benchmarks/demo_numbers.sh OUT --quick    # a few questions per step: checks that every step runs
+#       (--quick on Dec 4: 351 s wall (CPU 167 s, load 4.4-6.9) on the shared 2-core CPU machine)
 #
 # The default `prune-audit run` is timed first, then README's quick-start block (as written in README.md,
 # in OUT/quick-start), each alone with its default threads; everything else runs with --threads 1 in two
