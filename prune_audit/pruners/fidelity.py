@@ -12,6 +12,7 @@ exists, the test that checks it).
 from __future__ import annotations
 
 from prune_audit.pruners.fidelity_entry import CLS_HALF as _CLS_HALF
+from prune_audit.pruners.fidelity_entry import HALF_EXACT_CASES as _HALF, half_exact as _half_exact
 from prune_audit.pruners.fidelity_entry import INPUT_DTYPE as _INPUT_DTYPE
 from prune_audit.pruners.fidelity_entry import MODEL_DTYPE_ATTENTION as _MODEL_DTYPE_ATTENTION
 from prune_audit.pruners.fidelity_entry import RANDOM_CASES, Fidelity, random_agreement as _random
@@ -353,7 +354,7 @@ FIDELITY: dict[str, Fidelity] = {
         "alpha 0.1, object layer 9 of the 23 CLIP layers run (scaled on other towers), official flat neighbour offsets",
         (),
         (
-            "ties to the lower index (torch.topk leaves them unspecified); attention in float32 (official: fp16 eager)",
+            "ties to the lower index unless ties=topk; attention in float32 unless score_dtype=model (official: fp16)",
             "anchors capped at budget // 5 so anchors and buffers fit (the official code fails there; alpha near 1)",
             "registers: top deep attention outside anchors and buffers (official: minus 1 there, the same set)",
             "neighbours=grid keeps buffers inside the grid (the official +-1 wraps across rows)",
@@ -361,7 +362,7 @@ FIDELITY: dict[str, Fidelity] = {
         ),
         _random(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers",
                 "23 x 576 global attention, budgets 64/128/192"), 30,
-        half_agreement="not compared: attention and ranking in float32, no score_dtype option (official: fp16)",
+        half_agreement=_half_exact("the official half mean(1).mean(1)", "float32 means", 27, 11), half_cases=_HALF,
     ),
     "sparsevlm2": Fidelity(
         "9e1f649e",
@@ -369,8 +370,7 @@ FIDELITY: dict[str, Fidelity] = {
         "rater attention, layers 2/6/15 (outputs pruned), average rule on the v2.0 counts, no merging, positions kept",
         ("budget_rule=paper",),
         (
-            "exactly keep tokens (the reference caps at n - 1); ties to the lower index; float32 unless "
-            "score_dtype=model",
+            "exactly keep tokens (the reference caps at n - 1); lower-index ties, float32 (ties=topk, score_dtype=model)",
             "14 priority heads of LLaVA-1.5-7B's 32 scaled with the model's heads (round(14 H / 32))",
             "a RoPE logit of exactly 0 (degenerate signals only) leaves its pair uncorrected (official: divides by 0)",
             "no FlashAttention switch: the v2.0 FlashAttention module forms the same softmax rows for scoring",

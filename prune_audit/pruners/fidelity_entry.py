@@ -60,3 +60,16 @@ CLS_HALF = (
     "CLS attention in fp16 / bf16 against the official eager attention run in that dtype "
     "(test_fidelity.py::test_cls_logits_reproduce_the_official_half_precision_cls_attention): "
 )
+
+HALF_EXACT_CASES: Mapping[str, int] = {"fp16": RANDOM_CASES, "bf16": RANDOM_CASES}
+
+
+def half_exact(given: str, passed: str, fp16: int, bf16: int) -> str:
+    """The half agreement of a selector exact with ``score_dtype=model, ties=topk`` given the ``given`` signals in
+    the model dtype (tests/test_fidelity_half_v3.py), and ``fp16`` / ``bf16`` of the cases with the ``passed``
+    signals the adapter passes today instead."""
+    return (
+        f"score_dtype=model, ties=topk: fp16 and bf16 {RANDOM_CASES} of {RANDOM_CASES} random cases each (and 10 of "
+        f"10 duplicated-key, 10 of 10 integer-logit cases) given {given} (test_fidelity_half_v3.py); with {passed} "
+        f"(what the adapter passes today) {fp16} (fp16) and {bf16} (bf16) of {RANDOM_CASES}"
+    )
