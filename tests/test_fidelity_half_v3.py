@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_fidelity_half import BUDGETS, EXACT, HALF_DTYPES, SEEDS, TOKENS, dtype_name
 
-from prune_audit.pruners import InputSignals, get_selector
+from prune_audit.pruners import InputSignals, LayerSignals, Stage, get_selector
 from prune_audit.pruners.fidelity import FIDELITY
 
 GRID = (24, 24)
@@ -24,14 +24,16 @@ VISION_LAYERS = 23  # CLIP-L layers run up to LLaVA-1.5's feature layer
 TIE_KINDS = ("duplicated", "quantised")
 
 
-def clip_half_attention(generator: torch.Generator, dtype: torch.dtype, ties: str = "") -> torch.Tensor:
-    """(16, 577, 577) one CLIP layer's eager attention in ``dtype``: the softmax of half logits, in half
-    (LLaVA-1.5's CLIPAttention), CLS first.
+def clip_half_attention(
+    generator: torch.Generator, dtype: torch.dtype, ties: str = "", rows: int = TOKENS + 1
+) -> torch.Tensor:
+    """(16, rows, 577) the first ``rows`` query rows of one CLIP layer's eager attention in ``dtype``: the
+    softmax of half logits, in half (LLaVA-1.5's CLIPAttention), CLS first.
 
     ``ties="duplicated"``: a quarter of the key columns repeat others (exactly equal received attention);
     ``"quantised"``: integer logits, so many probabilities and their means coincide."""
     length = TOKENS + 1
-    logits = 2 * torch.randn(CLIP_HEADS, length, length, generator=generator)
+    logits = 2 * torch.randn(CLIP_HEADS, rows, length, generator=generator)
     if ties == "duplicated":
         targets = torch.randperm(length, generator=generator)[: length // 4]
         logits[:, :, targets] = logits[:, :, torch.randint(length, (targets.numel(),), generator=generator)]
@@ -113,4 +115,75 @@ def test_hiprune_model_dtype_reproduces_the_official_half_precision_global_atten
     assert identical["exact"] == 30 == FIDELITY["hiprune"].half_cases[dtype_name(dtype)]
     assert identical["duplicated"] == identical["quantised"] == 10
     assert identical["rounded_once"] == {torch.float16: 27, torch.bfloat16: 11}[dtype]
+    assert identical["float32"] < 30
+
+
+# --- VScan (Tencent/SelfEvolvingAgent a82450e1, VScan/llava/model/llava_arch.py::encode_images) ----------------
+
+VSCAN_KEEPS = (96, 192, 288)  # the official vision-stage counts of averages 64 / 128 / 192
+
+
+def official_vscan_half(shallow: torch.Tensor, deep: torch.Tensor, keep: int) -> list[int]:
+    """``window_cls_selection`` and the global scan on the half CLS attentions (576,): ``topk`` of each 6 x 6
+    window in raster order, the deep row with the local tokens set to 0 in half, ``topk`` of the rest."""
+    windows = shallow.view(GRID)
+    per_window = int(keep * 0.5) // 16
+    local = []
+    for top in range(0, GRID[0], 6):
+        for left in range(0, GRID[1], 6):
+            flat = windows[top : top + 6, left : left + 6].reshape(-1)
+            local += [(top + i // 6) * GRID[1] + left + i % 6 for i in torch.topk(flat, per_window)[1].tolist()]
+    deep = deep[None].clone()
+    deep[0, local] = 0
+    chosen = torch.topk(deep, k=keep - int(keep * 0.5), dim=1)[1][0].tolist()
+    assert deep.dtype == shallow.dtype
+    return sorted(local + chosen)
+
+
+def vscan_half_case(seed: int, dtype: torch.dtype, ties: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """The official half CLS attention (head mean rounded) of layers 6 and 23, each (576,), and the float32 head
+    means of the same half rows rounded once."""
+    generator = torch.Generator().manual_seed(9000 + seed)
+    rows = [clip_half_attention(generator, dtype, ties, rows=1)[:, 0, 1:] for _ in range(2)]  # (16, 576) each
+    official = torch.stack([cls.mean(dim=0) for cls in rows])
+    assert official.dtype == dtype
+    return official, torch.stack([cls.float().mean(dim=0) for cls in rows])
+
+
+def vscan_half_kept(pair: torch.Tensor, dtype: torch.dtype, keep: int, **options) -> list[int]:
+    """VScan's vision stage on a (23, 576) float32 ``layer_cls_attention`` whose rows 5 and 22 are ``pair``."""
+    attention = torch.zeros(VISION_LAYERS, TOKENS)
+    attention[5], attention[-1] = pair.float()
+    signals = LayerSignals(alive=torch.arange(TOKENS), grid=GRID, layer=0, num_layers=32, model_dtype=dtype,
+                           layer_cls_attention=attention, hidden_states=torch.zeros(TOKENS, 8),
+                           text_probs=torch.zeros(1, 1, TOKENS))  # fmt: skip
+    return get_selector("vscan", **options).prune(Stage(0, keep), signals, {}).tolist()
+
+
+def vscan_half_agreement(dtype: torch.dtype) -> dict[str, int]:
+    """As :func:`hiprune_half_agreement`, on the vision-stage counts 96 / 192 / 288."""
+    identical = dict.fromkeys(("exact", "rounded_once", "float32", *TIE_KINDS), 0)
+    for seed in SEEDS:
+        official, once = vscan_half_case(seed, dtype)
+        for keep in VSCAN_KEEPS:
+            expected = official_vscan_half(official[0], official[1], keep)
+            identical["exact"] += vscan_half_kept(official, dtype, keep, **EXACT) == expected
+            identical["rounded_once"] += vscan_half_kept(once, dtype, keep, **EXACT) == expected
+            identical["float32"] += vscan_half_kept(once, dtype, keep) == expected
+        for ties in TIE_KINDS:
+            official, _ = vscan_half_case(seed, dtype, ties)
+            keep = VSCAN_KEEPS[seed % len(VSCAN_KEEPS)]
+            expected = official_vscan_half(official[0], official[1], keep)
+            identical[ties] += vscan_half_kept(official, dtype, keep, **EXACT) == expected
+    return identical
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_vscan_model_dtype_reproduces_the_official_half_precision_scans(dtype):
+    """score_dtype=model + ties=topk: 30 of 30 random, 10 of 10 duplicated-key and 10 of 10 integer-logit cases per
+    dtype, also from the float32 head means rounded once (one reduction); float32 throughout measured 29 (fp16) and
+    22 (bf16) of 30."""
+    identical = vscan_half_agreement(dtype)
+    assert identical["exact"] == identical["rounded_once"] == 30 == FIDELITY["vscan"].half_cases[dtype_name(dtype)]
+    assert identical["duplicated"] == identical["quantised"] == 10
     assert identical["float32"] < 30

@@ -12,7 +12,7 @@ exists, the test that checks it).
 from __future__ import annotations
 
 from prune_audit.pruners.fidelity_entry import CLS_HALF as _CLS_HALF
-from prune_audit.pruners.fidelity_entry import HALF_EXACT_CASES as _HALF, half_exact as _half_exact
+from prune_audit.pruners.fidelity_entry import HALF_EXACT_CASES as _HALF, HALF_ONCE as _ONCE, half_exact as _half_exact
 from prune_audit.pruners.fidelity_entry import INPUT_DTYPE as _INPUT_DTYPE
 from prune_audit.pruners.fidelity_entry import MODEL_DTYPE_ATTENTION as _MODEL_DTYPE_ATTENTION
 from prune_audit.pruners.fidelity_entry import RANDOM_CASES, Fidelity, random_agreement as _random
@@ -362,7 +362,7 @@ FIDELITY: dict[str, Fidelity] = {
         ),
         _random(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers",
                 "23 x 576 global attention, budgets 64/128/192"), 30,
-        half_agreement=_half_exact("the official half mean(1).mean(1)", "float32 means", 27, 11), half_cases=_HALF,
+        half_agreement=_half_exact("the official half mean(1).mean(1)", _ONCE + " (head and query)", 27, 11), half_cases=_HALF,
     ),
     "sparsevlm2": Fidelity(
         "9e1f649e",
@@ -384,14 +384,14 @@ FIDELITY: dict[str, Fidelity] = {
         "6 x 6 window scan of CLIP layer 6, global scan of layer 23, merging; LLM layer 16; 96 then 32 for 64; float32",
         (),
         (
-            "ties to the lower index, float32 (official: topk order, fp16); global scan excludes the local tokens (same set)",
+            "lower-index ties, float32 (ties=topk, score_dtype=model: topk order, fp16); global scan excludes the local tokens",
             "local_count=fill lets the global scan fill the stage (the same at 96/192/288); official: fewer elsewhere",
             "grids other than 24 x 24 scan their full blocks (official: asserts 576); shallow layer scaled as HiPrune's",
             "merged tokens keep their kept token's slot and carry their cells; the Qwen2.5-VL path is not ported",
         ),
         _random(30, "test_methods_v3.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging",
                 "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288"), 30,
-        half_agreement="not compared: vision stage in float32 (official: fp16); score_dtype=model: LLM stage only",
+        half_agreement=_half_exact("the official half CLS head mean, vision stage", _ONCE + " (head)", 30, 30), half_cases=_HALF,
     ),
 }
 
