@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fidelity_half import BUDGETS, EXACT, HALF_DTYPES, SEEDS, TOKENS, dtype_name
+from test_fidelity_half import (
+    BUDGETS, EXACT, HALF_DTYPES, HEAD_DIM, OPTION_SETS, PREFIX, SEEDS, TOKENS, dtype_name, sparsevlm_half_case,
+)  # fmt: skip
 
 from prune_audit.pruners import InputSignals, LayerSignals, Stage, get_selector
 from prune_audit.pruners.fidelity import FIDELITY
@@ -187,3 +189,109 @@ def test_vscan_model_dtype_reproduces_the_official_half_precision_scans(dtype):
     assert identical["exact"] == identical["rounded_once"] == 30 == FIDELITY["vscan"].half_cases[dtype_name(dtype)]
     assert identical["duplicated"] == identical["quantised"] == 10
     assert identical["float32"] < 30
+
+
+# --- SparseVLM v2.0 (Gumpest/SparseVLMs 9e1f649e, branch v2.0: modelling_sparse_llama.py, score.py) -------------
+
+
+def official_rope_ones_half(length: int, dtype: torch.dtype, dot: str = "cpu") -> torch.Tensor:
+    """(L, L) the official ``rope_weights`` in ``dtype``: all-ones q and k rotated by LLaMA's RoPE (base 10000,
+    cos and sin computed in float32 and cast, products and sum rounded), ``q @ k^T`` rounded, ``/ sqrt(d)``
+    rounded (every head alike).
+
+    ``dot="gpu"``: ``q @ k^T`` accumulated in float32 and rounded once (a GPU's half GEMM, and the adapter's)
+    instead of this CPU's half kernel; ``"float32"``: ``q.k / sqrt(d)`` in float32, rounded once at the end (the
+    adapter's float32 signal rounded)."""
+    inverse = 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)
+    angles = torch.outer(torch.arange(length).float(), inverse)
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    ones = torch.ones(length, HEAD_DIM, dtype=dtype)
+    rotated = ones * cos + torch.cat([-ones[:, HEAD_DIM // 2 :], ones[:, : HEAD_DIM // 2]], dim=-1) * sin
+    if dot == "float32":
+        return (rotated.float() @ rotated.float().T / HEAD_DIM**0.5).to(dtype)
+    dots = (rotated.float() @ rotated.float().T).to(dtype) if dot == "gpu" else rotated @ rotated.T
+    weights = dots / HEAD_DIM**0.5
+    assert rotated.dtype == dots.dtype == weights.dtype == dtype
+    return weights
+
+
+def official_sparsevlm2_half(probs: torch.Tensor, embeddings: torch.Tensor, rope: torch.Tensor, keep: int) -> list[int]:
+    """Raters as v1.5 in half; ``attn_logits / rope_weights`` rounded; ``select_attn_head_by_sum``: the half
+    sums over raters and visual tokens, ``topk(14)``; ``attn_postprocess_topk`` on those heads in that order:
+    head mean rounded, rater mean rounded, ``topk(keep)``.
+
+    Args:
+        probs: (32, T, L) the half attention rows of the text after the image; rope: (T, L) their rope_weights.
+    """
+    image = slice(PREFIX, PREFIX + TOKENS)
+    weights = (embeddings[image] @ embeddings[PREFIX + TOKENS :].T).softmax(1).mean(0)
+    raters = torch.where(weights > weights.mean())[0]
+    corrected = probs / rope
+    heads = corrected[:, raters, image].sum((1, 2)).topk(14)[1]
+    head_mean = corrected[heads].mean(0)
+    scores = head_mean[raters][:, image].mean(0)
+    assert corrected.dtype == head_mean.dtype == scores.dtype == probs.dtype
+    return sorted(torch.topk(scores, keep).indices.tolist())
+
+
+def sparsevlm2_half_kept(
+    probs: torch.Tensor, embeddings: torch.Tensor, rope: torch.Tensor, keep: int, **options
+) -> list[int]:
+    """SparseVLM v2's first stage on float32 copies of the half attention rows, embeddings and RoPE logits."""
+    image, text = slice(PREFIX, PREFIX + TOKENS), slice(PREFIX + TOKENS, None)
+    signals = LayerSignals(
+        alive=torch.arange(TOKENS), grid=GRID, layer=3, num_layers=32, text_probs=probs[:, :, image].float(),
+        embeddings=embeddings[image].float(), text_embeddings=embeddings[text].float(),
+        rope_ones_logits=rope[:, image].float(), model_dtype=probs.dtype,
+    )  # fmt: skip
+    return get_selector("sparsevlm2", **options).prune(Stage(3, keep), signals, {}).tolist()
+
+
+def sparsevlm2_half_agreement(dtype: torch.dtype) -> dict[str, int]:
+    """Random cases identical to the official kept set per option set, given the RoPE logits formed as the adapter
+    forms them in the model dtype (float32-accumulated dots); with the exact options, against the official run with
+    this CPU's half dots (cpu_dot) and given the float32 RoPE logits rounded once (rounded_once); 10 duplicated-key
+    and 10 integer-key cases with the exact options (one budget per seed)."""
+    identical = dict.fromkeys((*OPTION_SETS, "cpu_dot", "rounded_once", *TIE_KINDS), 0)
+    length = PREFIX + TOKENS + 40
+    official_rope, adapter_rope, once_rope = (
+        official_rope_ones_half(length, dtype, dot)[PREFIX + TOKENS :] for dot in ("cpu", "gpu", "float32")
+    )
+    for seed in SEEDS:
+        probs, embeddings = sparsevlm_half_case(seed, dtype)
+        for budget in BUDGETS:
+            expected = official_sparsevlm2_half(probs, embeddings, adapter_rope, budget)
+            for name, options in OPTION_SETS.items():
+                identical[name] += sparsevlm2_half_kept(probs, embeddings, adapter_rope, budget, **options) == expected
+            cpu_expected = official_sparsevlm2_half(probs, embeddings, official_rope, budget)
+            identical["cpu_dot"] += sparsevlm2_half_kept(probs, embeddings, adapter_rope, budget, **EXACT) == cpu_expected
+            identical["rounded_once"] += sparsevlm2_half_kept(probs, embeddings, once_rope, budget, **EXACT) == expected
+        for ties in TIE_KINDS:
+            probs, embeddings = sparsevlm_half_case(seed, dtype, ties)
+            budget = BUDGETS[seed % len(BUDGETS)]
+            expected = official_sparsevlm2_half(probs, embeddings, adapter_rope, budget)
+            identical[ties] += sparsevlm2_half_kept(probs, embeddings, adapter_rope, budget, **EXACT) == expected
+    return identical
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_sparsevlm2_model_dtype_reproduces_the_official_half_precision_gravity_correction(dtype):
+    """score_dtype=model + ties=topk: 30 of 30 random, 10 of 10 duplicated-key and 10 of 10 integer-key cases per
+    dtype, and 30 of 30 against the official run with this CPU's fp16 GEMM (it rounds 26 of the 423,801 RoPE
+    logits differently from a float32-accumulated product). Measured: given the float32 RoPE logits rounded once
+    25 (fp16) and 9 (bf16) of 30, lower-index ties 10 and 0, float32 scores 16 and 0."""
+    identical = sparsevlm2_half_agreement(dtype)
+    assert identical["exact"] == identical["cpu_dot"] == 30 == FIDELITY["sparsevlm2"].half_cases[dtype_name(dtype)]
+    assert identical["duplicated"] == identical["quantised"] == 10
+    assert identical["rounded_once"] == {torch.float16: 25, torch.bfloat16: 9}[dtype]
+    assert max(identical["lower"], identical["float32"]) < 30
+
+
+def test_official_rope_logits_cpu_and_gpu_dots():
+    """The CPU fp16 GEMM rounds 26 of the 423,801 all-ones RoPE dot products differently from a float32-accumulated
+    product rounded once; in bf16 none."""
+    length = PREFIX + TOKENS + 40
+    for dtype, differing in ((torch.float16, 26), (torch.bfloat16, 0)):
+        cpu, gpu = (official_rope_ones_half(length, dtype, dot) for dot in ("cpu", "gpu"))
+        assert int((cpu != gpu).sum()) == differing

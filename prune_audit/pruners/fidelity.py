@@ -12,7 +12,8 @@ exists, the test that checks it).
 from __future__ import annotations
 
 from prune_audit.pruners.fidelity_entry import CLS_HALF as _CLS_HALF
-from prune_audit.pruners.fidelity_entry import HALF_EXACT_CASES as _HALF, HALF_ONCE as _ONCE, half_exact as _half_exact
+from prune_audit.pruners.fidelity_entry import HALF_EXACT_CASES as _HALF, HALF_ONCE as _ONCE, ROPE_ONCE as _ROPE_ONCE
+from prune_audit.pruners.fidelity_entry import half_exact as _half_exact
 from prune_audit.pruners.fidelity_entry import INPUT_DTYPE as _INPUT_DTYPE
 from prune_audit.pruners.fidelity_entry import MODEL_DTYPE_ATTENTION as _MODEL_DTYPE_ATTENTION
 from prune_audit.pruners.fidelity_entry import RANDOM_CASES, Fidelity, random_agreement as _random
@@ -354,9 +355,8 @@ FIDELITY: dict[str, Fidelity] = {
         "alpha 0.1, object layer 9 of the 23 CLIP layers run (scaled on other towers), official flat neighbour offsets",
         (),
         (
-            "ties to the lower index unless ties=topk; attention in float32 unless score_dtype=model (official: fp16)",
+            "ties to the lower index and registers ranked outside anchors and buffers unless ties=topk (official: topk of the row minus 1 there, the same set without ties); attention in float32 unless score_dtype=model (official: fp16)",
             "anchors capped at budget // 5 so anchors and buffers fit (the official code fails there; alpha near 1)",
-            "registers: top deep attention outside anchors and buffers (official: minus 1 there, the same set)",
             "neighbours=grid keeps buffers inside the grid (the official +-1 wraps across rows)",
             "object layer round(9 Lv / 23) on a tower running Lv layers; the Qwen2.5-VL path is not ported (refused)",
         ),
@@ -377,7 +377,7 @@ FIDELITY: dict[str, Fidelity] = {
         ),
         _random(30, "test_methods_v3.py::test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_"
                 "ranking", "32 heads, the library's RoPE probe against the official all-ones RoPE"), 30,
-        half_agreement="not compared: score_dtype=model rounds signals and scores, not the official fp16 steps",
+        half_agreement=_half_exact("its scaled attention and RoPE logits in half", _ROPE_ONCE, 25, 9), half_cases=_HALF,
     ),
     "vscan": Fidelity(
         "a82450e1",

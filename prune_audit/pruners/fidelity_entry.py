@@ -66,6 +66,11 @@ HALF_ONCE = (
     "the float32 mean of the same half probabilities rounded once (the LLaVA adapter passes float32 means of "
     "attention formed from float32 logits: the vision-layer signals are not yet formed in the model dtype)"
 )
+ROPE_ONCE = (
+    "the float32 RoPE logits rounded once (the adapter forms them in the model dtype under score_dtype=model, "
+    "q.k accumulated in float32 as a GPU; against the official run with this CPU's fp16 GEMM, which rounds 26 of "
+    "423,801 of them differently, still 30 of 30)"
+)
 
 
 def half_exact(given: str, passed: str, fp16: int, bf16: int) -> str:
