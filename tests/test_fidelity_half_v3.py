@@ -295,3 +295,29 @@ def test_official_rope_logits_cpu_and_gpu_dots():
     for dtype, differing in ((torch.float16, 26), (torch.bfloat16, 0)):
         cpu, gpu = (official_rope_ones_half(length, dtype, dot) for dot in ("cpu", "gpu"))
         assert int((cpu != gpu).sum()) == differing
+
+
+def test_the_adapter_forms_the_rope_logits_in_the_model_dtype_under_score_dtype_model(tmp_path):
+    """Under score_dtype=model the probe's rope_ones_logits of an fp16 tiny LLaVA are fp16 values (dots rounded, then
+    the quotient), within a rounding of the float32 ones the default passes."""
+    from dataclasses import dataclass
+
+    from prune_audit.models import load_vlm
+    from prune_audit.models.build import build_llava
+    from tiny_models import QUESTIONS, WORDS, RecordingLayerSelector, random_image
+
+    @dataclass
+    class RopeRecording(RecordingLayerSelector):
+        requires = frozenset({"text_probs", "rope_ones_logits"})
+        score_dtype: str = "float32"
+
+    vlm = load_vlm(build_llava(tmp_path / "llava", words=WORDS, text_layers=2), device="cpu", dtype=torch.float16)
+    item = vlm.prepare(random_image(0), QUESTIONS[1])
+    recorded = {}
+    for score_dtype in ("float32", "model"):
+        selector = RopeRecording(score_dtype=score_dtype)
+        vlm.answer([item], selector, 4)
+        recorded[score_dtype] = selector.records[-1].rope_ones_logits
+    half, single = recorded["model"], recorded["float32"]
+    assert torch.equal(half, half.half().float()) and not torch.equal(single, single.half().float())
+    assert (half - single).abs().max() <= single.abs().max() * torch.finfo(torch.float16).eps
