@@ -353,7 +353,7 @@ FIDELITY: dict[str, Fidelity] = {
     "hiprune": Fidelity(
         "6e83a124",
         "alpha 0.1, object layer 9 of the 23 CLIP layers run (scaled on other towers), official flat neighbour offsets",
-        (),
+        ("score_dtype=model", "ties=topk"),
         (
             "ties to the lower index and registers ranked outside anchors and buffers unless ties=topk (official: topk of the row minus 1 there, the same set without ties); attention in float32 unless score_dtype=model (official: fp16)",
             "anchors capped at budget // 5 so anchors and buffers fit (the official code fails there; alpha near 1)",
@@ -368,7 +368,7 @@ FIDELITY: dict[str, Fidelity] = {
         "9e1f649e",
         "branch v2.0 (USE_VERSION=2_0): rater attention divided by the all-ones RoPE logits, 14 of 32 heads by their "
         "rater attention, layers 2/6/15 (outputs pruned), average rule on the v2.0 counts, no merging, positions kept",
-        ("budget_rule=paper",),
+        ("budget_rule=paper", "score_dtype=model", "ties=topk"),
         (
             "exactly keep tokens (the reference caps at n - 1); lower-index ties, float32 (ties=topk, score_dtype=model)",
             "14 priority heads of LLaVA-1.5-7B's 32 scaled with the model's heads (round(14 H / 32))",
@@ -382,7 +382,7 @@ FIDELITY: dict[str, Fidelity] = {
     "vscan": Fidelity(
         "a82450e1",
         "6 x 6 window scan of CLIP layer 6, global scan of layer 23, merging; LLM layer 16; 96 then 32 for 64; float32",
-        (),
+        ("score_dtype=model", "ties=topk"),
         (
             "lower-index ties, float32 (ties=topk, score_dtype=model: topk order, fp16); global scan excludes the local tokens",
             "local_count=fill lets the global scan fill the stage (the same at 96/192/288); official: fewer elsewhere",
