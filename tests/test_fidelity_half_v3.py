@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_fidelity_half import (
-    BUDGETS, EXACT, HALF_DTYPES, HEAD_DIM, OPTION_SETS, PREFIX, SEEDS, TOKENS, dtype_name, sparsevlm_half_case,
+    BUDGETS, EXACT, HALF_DTYPES, HEAD_DIM, OPTION_SETS, PREFIX, SEEDS, TOKENS, dtype_name, fastv_cpu_gemm_case,
+    sparsevlm_half_case,
 )  # fmt: skip
 
 from prune_audit.pruners import InputSignals, LayerSignals, Stage, get_selector
@@ -189,6 +190,25 @@ def test_vscan_model_dtype_reproduces_the_official_half_precision_scans(dtype):
     assert identical["exact"] == identical["rounded_once"] == 30 == FIDELITY["vscan"].half_cases[dtype_name(dtype)]
     assert identical["duplicated"] == identical["quantised"] == 10
     assert identical["float32"] < 30
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_vscan_llm_stage_keeps_the_official_half_precision_set(dtype):
+    """The LLM stage (``modeling_llama_x.py::layer_prune``: eager attention of the last prompt row, / sqrt(d),
+    float32 softmax rounded, head mean rounded, ``topk``) with score_dtype=model, ties=topk on the probe's rows:
+    30 of 30 per dtype against the official attention run on this CPU (whose fp16 GEMM rounds a few q.k
+    differently, see test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)."""
+    image, identical = slice(PREFIX, PREFIX + TOKENS), 0
+    for seed in SEEDS:
+        official, probe = fastv_cpu_gemm_case(seed, dtype)
+        signals = LayerSignals(alive=torch.arange(TOKENS), grid=GRID, layer=16, num_layers=32, model_dtype=dtype,
+                               text_probs=probe[:, :, image].float(), hidden_states=torch.zeros(TOKENS, 8),
+                               layer_cls_attention=torch.zeros(VISION_LAYERS, TOKENS))  # fmt: skip
+        scores = official.mean(dim=0)[-1, image]
+        for keep in BUDGETS:
+            expected = sorted(torch.topk(scores, keep).indices.tolist())
+            identical += get_selector("vscan", **EXACT).prune(Stage(16, keep), signals, {}).tolist() == expected
+    assert identical == 30
 
 
 # --- SparseVLM v2.0 (Gumpest/SparseVLMs 9e1f649e, branch v2.0: modelling_sparse_llama.py, score.py) -------------
