@@ -78,7 +78,9 @@ def layer_signals(
             norms = probe.keys(source, cos[0], sin[0]).float().abs().sum(dim=(0, 2))
             signals.key_norms, signals.text_key_norms = _f32(norms[visual]), _f32(norms[text])
         if requires & ROPE_SIGNALS:
-            signals.rope_ones_logits = _f32(probe.rope_ones_logits(text, visual, cos[0], sin[0]))
+            signals.rope_ones_logits = _f32(
+                probe.rope_ones_logits(text, visual, cos[0], sin[0], plan.attention_in_model_dtype)
+            )
     if requires & {"hidden_states", "text_hidden_states"}:
         signals.hidden_states, signals.text_hidden_states = _f32(hidden[visual]), _f32(hidden[text])
     if requires & {"normed_hidden_states", "text_normed_hidden_states"}:

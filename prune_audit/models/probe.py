@@ -84,13 +84,21 @@ class DecoderProbe:
         """(H, R, L) float32 pre-softmax logits ``q.k * scaling`` of ``rows`` to every key (see :meth:`dot_products`)."""
         return self.dot_products(hidden, rows, cos, sin) * self.layer.self_attn.scaling
 
-    def rope_ones_logits(self, rows: Tensor, columns: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def rope_ones_logits(
+        self, rows: Tensor, columns: Tensor, cos: Tensor, sin: Tensor, in_model_dtype: bool = False
+    ) -> Tensor:
         """(R, C) float32 ``q.k / sqrt(d)`` of all-ones queries at ``rows`` and keys at ``columns`` under this
-        layer's RoPE; cos/sin (L, d) as in :meth:`dot_products` (SparseVLM v2's position "gravity")."""
+        layer's RoPE; cos/sin (L, d) as in :meth:`dot_products` (SparseVLM v2's position "gravity").
+
+        ``in_model_dtype``: as SparseVLM v2.0 forms them in the model dtype, ``q.k`` rounded (accumulated in
+        float32, as a GPU's half GEMM), then divided by sqrt(d) and rounded."""
         head_dim = self.layer.self_attn.head_dim
         ones = cos.new_ones(1, 1, cos.shape[0], head_dim)
-        rotated = self.apply_rope(ones, cos[None], sin[None])[0, 0].float()  # (L, d)
-        return rotated[rows] @ rotated[columns].T / math.sqrt(head_dim)
+        rotated = self.apply_rope(ones, cos[None], sin[None])[0, 0]  # (L, d) in the model dtype
+        dots = rotated[rows].float() @ rotated[columns].float().T
+        if not in_model_dtype:
+            return dots / math.sqrt(head_dim)
+        return (dots.to(rotated.dtype).float() / math.sqrt(head_dim)).to(rotated.dtype).float()
 
     def probabilities(
         self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor, in_model_dtype: bool = False,

@@ -12,6 +12,8 @@ exists, the test that checks it).
 from __future__ import annotations
 
 from prune_audit.pruners.fidelity_entry import CLS_HALF as _CLS_HALF
+from prune_audit.pruners.fidelity_entry import HALF_EXACT_CASES as _HALF, HALF_ONCE as _ONCE, ROPE_ONCE as _ROPE_ONCE
+from prune_audit.pruners.fidelity_entry import half_exact as _half_exact
 from prune_audit.pruners.fidelity_entry import INPUT_DTYPE as _INPUT_DTYPE
 from prune_audit.pruners.fidelity_entry import MODEL_DTYPE_ATTENTION as _MODEL_DTYPE_ATTENTION
 from prune_audit.pruners.fidelity_entry import RANDOM_CASES, Fidelity, random_agreement as _random
@@ -351,47 +353,45 @@ FIDELITY: dict[str, Fidelity] = {
     "hiprune": Fidelity(
         "6e83a124",
         "alpha 0.1, object layer 9 of the 23 CLIP layers run (scaled on other towers), official flat neighbour offsets",
-        (),
+        ("score_dtype=model", "ties=topk"),
         (
-            "ties to the lower index (torch.topk leaves them unspecified); attention in float32 (official: fp16 eager)",
+            "ties to the lower index and registers ranked outside anchors and buffers unless ties=topk (official: topk of the row minus 1 there, the same set without ties); attention in float32 unless score_dtype=model (official: fp16)",
             "anchors capped at budget // 5 so anchors and buffers fit (the official code fails there; alpha near 1)",
-            "registers: top deep attention outside anchors and buffers (official: minus 1 there, the same set)",
             "neighbours=grid keeps buffers inside the grid (the official +-1 wraps across rows)",
             "object layer round(9 Lv / 23) on a tower running Lv layers; the Qwen2.5-VL path is not ported (refused)",
         ),
         _random(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers",
                 "23 x 576 global attention, budgets 64/128/192"), 30,
-        half_agreement="not compared: attention and ranking in float32, no score_dtype option (official: fp16)",
+        half_agreement=_half_exact("the official half mean(1).mean(1)", _ONCE + " (head and query)", 27, 11), half_cases=_HALF,
     ),
     "sparsevlm2": Fidelity(
         "9e1f649e",
         "branch v2.0 (USE_VERSION=2_0): rater attention divided by the all-ones RoPE logits, 14 of 32 heads by their "
         "rater attention, layers 2/6/15 (outputs pruned), average rule on the v2.0 counts, no merging, positions kept",
-        ("budget_rule=paper",),
+        ("budget_rule=paper", "score_dtype=model", "ties=topk"),
         (
-            "exactly keep tokens (the reference caps at n - 1); ties to the lower index; float32 unless "
-            "score_dtype=model",
+            "exactly keep tokens (the reference caps at n - 1); lower-index ties, float32 (ties=topk, score_dtype=model)",
             "14 priority heads of LLaVA-1.5-7B's 32 scaled with the model's heads (round(14 H / 32))",
             "a RoPE logit of exactly 0 (degenerate signals only) leaves its pair uncorrected (official: divides by 0)",
             "no FlashAttention switch: the v2.0 FlashAttention module forms the same softmax rows for scoring",
         ),
         _random(30, "test_methods_v3.py::test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_"
                 "ranking", "32 heads, the library's RoPE probe against the official all-ones RoPE"), 30,
-        half_agreement="not compared: score_dtype=model rounds signals and scores, not the official fp16 steps",
+        half_agreement=_half_exact("its scaled attention and RoPE logits in half", _ROPE_ONCE, 25, 9), half_cases=_HALF,
     ),
     "vscan": Fidelity(
         "a82450e1",
         "6 x 6 window scan of CLIP layer 6, global scan of layer 23, merging; LLM layer 16; 96 then 32 for 64; float32",
-        (),
+        ("score_dtype=model", "ties=topk"),
         (
-            "ties to the lower index, float32 (official: topk order, fp16); global scan excludes the local tokens (same set)",
+            "lower-index ties, float32 (ties=topk, score_dtype=model: topk order, fp16); global scan excludes the local tokens",
             "local_count=fill lets the global scan fill the stage (the same at 96/192/288); official: fewer elsewhere",
             "grids other than 24 x 24 scan their full blocks (official: asserts 576); shallow layer scaled as HiPrune's",
             "merged tokens keep their kept token's slot and carry their cells; the Qwen2.5-VL path is not ported",
         ),
         _random(30, "test_methods_v3.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging",
                 "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288"), 30,
-        half_agreement="not compared: vision stage in float32 (official: fp16); score_dtype=model: LLM stage only",
+        half_agreement=_half_exact("the official half CLS head mean at the vision stage (the LLM stage, eager as FastV's: 30 of 30 too)", _ONCE + " (head)", 30, 30), half_cases=_HALF,
     ),
 }
 

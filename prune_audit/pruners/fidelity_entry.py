@@ -60,3 +60,24 @@ CLS_HALF = (
     "CLS attention in fp16 / bf16 against the official eager attention run in that dtype "
     "(test_fidelity.py::test_cls_logits_reproduce_the_official_half_precision_cls_attention): "
 )
+
+HALF_EXACT_CASES: Mapping[str, int] = {"fp16": RANDOM_CASES, "bf16": RANDOM_CASES}
+HALF_ONCE = (
+    "the float32 mean of the same half probabilities rounded once (the LLaVA adapter passes float32 means of "
+    "attention formed from float32 logits: the vision-layer signals are not yet formed in the model dtype)"
+)
+ROPE_ONCE = (
+    "the float32 RoPE logits rounded once (the adapter forms them in the model dtype under score_dtype=model, "
+    "q.k accumulated in float32 as a GPU; against the official run with this CPU's fp16 GEMM, which rounds 26 of "
+    "423,801 of them differently, still 30 of 30)"
+)
+
+
+def half_exact(given: str, passed: str, fp16: int, bf16: int) -> str:
+    """The half agreement of a selector exact with ``score_dtype=model, ties=topk`` given the ``given`` signals in
+    the model dtype (tests/test_fidelity_half_v3.py), and ``fp16`` / ``bf16`` of the cases given ``passed``."""
+    return (
+        f"score_dtype=model, ties=topk: fp16 and bf16 {RANDOM_CASES} of {RANDOM_CASES} random cases each (and 10 of "
+        f"10 duplicated-key, 10 of 10 integer-logit cases) given {given} (test_fidelity_half_v3.py); given {passed}: "
+        f"{fp16} (fp16) and {bf16} (bf16) of {RANDOM_CASES}"
+    )

@@ -8,9 +8,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32, ranked_indices
+from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32, rounded_to
 from prune_audit.pruners.options import Choice, Integer, Real, option
+from prune_audit.pruners.ranking import TOP_K_TIES, top_k_indices
 from prune_audit.pruners.registry import register
+from prune_audit.pruners.schedule import SCORE_DTYPES
 
 #: encoder layers LLaVA-1.5 runs up to its feature layer (CLIP-L layers 1..23 of 24): the depth the
 #: official layer numbers refer to; other towers scale them proportionally (:func:`scaled_vision_layer`)
@@ -42,6 +44,23 @@ def buffer_cells(anchors: Tensor, grid: tuple[int, int], neighbours: str) -> Ten
     return torch.unique(torch.cat(parts))
 
 
+def register_cells(deep: Tensor, near: Tensor, count: int, ties: str, dtype: torch.dtype | None) -> Tensor:
+    """(count,) ascending registers: the cells of largest ``deep`` attention (N,) outside ``near`` (m,).
+
+    ``ties="topk"`` ranks as the official code does, ``torch.topk`` over every cell of the deep attention
+    lowered by 1 on ``near`` (in ``dtype``, where the official subtraction rounds), so its order among exact
+    ties is the kernel's over the full row; ``"lower"`` ranks only the other cells, ties to the lower index.
+    """
+    if ties == "topk":
+        lowered = deep.clone()
+        lowered[near] -= 1
+        return top_k_indices(rounded_to(lowered, dtype), count, ties, dtype)
+    rest = torch.ones(deep.numel(), dtype=torch.bool)
+    rest[near] = False
+    candidates = torch.nonzero(rest).flatten()
+    return candidates[top_k_indices(deep[candidates], count)]
+
+
 @register
 @dataclass
 class HiPruneSelector(InputSelector):
@@ -61,8 +80,13 @@ class HiPruneSelector(InputSelector):
     layer scales with the ``Lv`` layers run up to the feature layer (23 on LLaVA-1.5):
     ``round(object_layer * Lv / 23)``, at least 1 (:func:`scaled_vision_layer`).
 
-    Differences: ties go to the lower index (``torch.topk`` leaves them unspecified); the
-    attention is formed in float32 (the official eager CLIP attention in fp16); the anchor count
+    ``score_dtype="model"``: the per-layer attention rounded to the model dtype (the official
+    ``mean(dim=1).mean(dim=1)`` of its half attention, exact when the adapter's signal is that
+    half mean) and ranked in it; ``ties="topk"``: ``torch.topk`` there, the registers over the
+    full row lowered by 1 on anchors and buffers (:func:`register_cells`), as the official code.
+
+    Differences: ties go to the lower index by default (``torch.topk`` leaves them unspecified);
+    the attention is formed in float32 by default (the official eager CLIP attention in fp16); the anchor count
     is capped at ``T // 5`` so anchors and buffers never exceed the budget (the official code
     fails there, only reachable with ``alpha`` near 1); the official registers are the top of the
     deep attention minus 1 on anchors and buffers, the same set whenever some probability is
@@ -74,6 +98,8 @@ class HiPruneSelector(InputSelector):
         alpha: share of the budget given to anchors and their buffers (``a = round(T alpha / 5)``).
         object_layer: 1-based encoder layer of the anchors on the 23-layer reference, scaled.
         neighbours: ``"official"`` flat offsets clamped, or ``"grid"`` 4-neighbours inside the grid.
+        score_dtype: ``"float32"`` or ``"model"`` (the attention rounded to and ranked in the model dtype).
+        ties: ``"lower"`` index or ``"topk"`` (``torch.topk``'s order, the official kept set).
     """
 
     name: ClassVar[str] = "hiprune"
@@ -90,15 +116,15 @@ class HiPruneSelector(InputSelector):
         9, Integer(low=1, high=REFERENCE_VISION_LAYERS), "1-based anchor layer of the 23 run on LLaVA-1.5 (scaled)"
     )
     neighbours: str = option("official", Choice(NEIGHBOURS), "buffer cells: official flat offsets or grid neighbours")
+    score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
+    ties: str = option("lower", Choice(TOP_K_TIES), "exact ties to the lower index, or torch.topk's order (official)")
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
-        attention = as_float32(signals.layer_attention)  # (Lv, N)
+        half = self.ranking_dtype(signals.model_dtype)
+        attention = rounded_to(as_float32(signals.layer_attention), half)  # (Lv, N)
         shallow = attention[scaled_vision_layer(self.object_layer, attention.shape[0])]
         anchor_count = min(round(budget * self.alpha / 5), budget // 5)
-        anchors = ranked_indices(shallow, anchor_count)
+        anchors = top_k_indices(shallow, anchor_count, self.ties, half)
         near = buffer_cells(anchors, signals.grid, self.neighbours)
-        rest = torch.ones(signals.num_tokens, dtype=torch.bool)
-        rest[near] = False
-        candidates = torch.nonzero(rest).flatten()
-        registers = candidates[ranked_indices(attention[-1][candidates], budget - near.numel())]
+        registers = register_cells(attention[-1], near, budget - near.numel(), self.ties, half)
         return Selection(kept=torch.sort(torch.cat([near, registers])).values)

@@ -9,8 +9,9 @@ from typing import Any, ClassVar, get_args
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import LayerSignals, PositionMode, Reference, Stage, ranked_indices
+from prune_audit.pruners.base import LayerSignals, PositionMode, Reference, Stage, ranked_indices, rounded_to
 from prune_audit.pruners.options import Choice, Flag, Integer, option
+from prune_audit.pruners.precision import MODEL_ATTENTIONS
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SIGNAL_LAYERS, ScheduledSelector
 from prune_audit.pruners.sparsevlm import SPARSEVLM_LAYERS, select_raters
@@ -23,6 +24,25 @@ REFERENCE_HEADS = 32  # query heads of LLaVA-1.5-7B, of which the official code 
 def priority_head_count(priority_heads: int, num_heads: int) -> int:
     """Heads kept on a model with ``num_heads``: ``round(priority_heads * num_heads / 32)``, at least 1."""
     return min(num_heads, max(1, round(priority_heads * num_heads / REFERENCE_HEADS)))
+
+
+def priority_head_mean(attention: Tensor, heads: int, ties: str, dtype: torch.dtype | None) -> Tensor:
+    """(n,) the mean over the ``heads`` heads of largest summed rater attention, then over the raters.
+
+    Args:
+        attention: (H, R, n) corrected rater attention; ``dtype``: the model's half dtype under
+            ``score_dtype="model"``, where the official ``select_attn_head_by_sum`` and ``attn_postprocess_topk``
+            round the head sums, the head mean and the rater mean (the last rounded by the caller).
+        ties: ``"topk"``: the heads as ``torch.topk`` orders them on the (half) sums, the official order the head
+            mean accumulates in; ``"lower"``: best first, ties to the lower index.
+    """
+    if heads < attention.shape[0]:
+        sums = rounded_to(attention.sum(dim=(1, 2)), dtype)
+        chosen = torch.topk(sums, heads).indices if ties == "topk" else ranked_indices(sums, heads)
+        attention = attention[chosen]
+    if dtype is None:
+        return attention.mean(dim=(0, 1))
+    return rounded_to(attention.mean(dim=0), dtype).mean(dim=0)
 
 
 @register
@@ -46,14 +66,21 @@ class SparseVLM2Selector(ScheduledSelector):
     9e1f649e). Its FlashAttention module forms the same softmax rows for scoring as the SDPA path, so
     the scoring has no separate FlashAttention switch here.
 
+    ``score_dtype="model"`` (a half model dtype): as the reference computes in it, the raters from the
+    rounded embeddings (:func:`~prune_audit.pruners.sparsevlm.select_raters`), the attention formed by its
+    own ``scaled_dot_product_attention`` (``model_attention="scaled"``), the RoPE logits formed in the model
+    dtype by the adapter, their quotient, the head sums, head mean and rater mean each rounded
+    (:func:`priority_head_mean`); ``ties="topk"`` ranks heads and tokens with ``torch.topk``.
+
     Differences: exactly ``keep`` tokens are kept (the reference caps at ``n - 1``); ties to the lower
-    index; scores in float32 unless ``score_dtype="model"`` (the reference in fp16); the 14 heads of the
+    index unless ``ties="topk"``; scores in float32 unless ``score_dtype="model"``; the 14 heads of the
     32 of LLaVA-1.5-7B scale with the model's heads (:func:`priority_head_count`); a RoPE logit of exactly 0
     (degenerate signals only) leaves its pair uncorrected where the reference divides by zero.
 
     Options:
         gravity_correction: divide by the all-ones RoPE logits (official; false: v1.5's raw probabilities).
         priority_heads: heads kept of the 32 on the reference (14 official; 32: every head).
+        model_attention: the attention recipe under ``score_dtype="model"`` (``"scaled"``: the reference's own).
     """
 
     name: ClassVar[str] = "sparsevlm2"
@@ -74,6 +101,9 @@ class SparseVLM2Selector(ScheduledSelector):
     )
     gravity_correction: bool = option(True, Flag(), "divide the attention by the all-ones RoPE logits (v2.0)")
     priority_heads: int = option(14, Integer(low=1, high=REFERENCE_HEADS), "heads kept of the 32 on the reference")
+    model_attention: str = option(
+        "scaled", Choice(MODEL_ATTENTIONS), "attention under score_dtype=model: the reference's own (scaled) or eager"
+    )
 
     @property
     def reference_layers(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -82,14 +112,14 @@ class SparseVLM2Selector(ScheduledSelector):
         return tuple(layer + shift for layer in SPARSEVLM_LAYERS)
 
     def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
+        half = self.ranking_dtype(signals.model_dtype)
         if "raters" not in state:
-            state["raters"] = select_raters(signals.embeddings, signals.text_embeddings)
+            state["raters"] = select_raters(signals.embeddings, signals.text_embeddings, half)
         raters = state["raters"]
         attention = signals.text_probs.detach().float()[:, raters, :]  # (H, R, n)
         if self.gravity_correction:
             rope = signals.rope_ones_logits.float()[raters]  # (R, n)
-            attention = attention / torch.where(rope == 0, 1.0, rope)[None]  # an exact 0 leaves a pair uncorrected
+            # an exact 0 leaves a pair uncorrected; the official quotient of half tensors is rounded
+            attention = rounded_to(attention / torch.where(rope == 0, 1.0, rope)[None], half)
         heads = priority_head_count(self.priority_heads, attention.shape[0])
-        if heads < attention.shape[0]:
-            attention = attention[ranked_indices(attention.sum(dim=(1, 2)), heads)]
-        return attention.mean(dim=(0, 1))
+        return priority_head_mean(attention, heads, self.ties, half)

@@ -14,11 +14,12 @@ from prune_audit.pruners.base import (
     Reference,
     Stage,
     TokenMerge,
-    ranked_indices,
+    rounded_to,
 )
 from prune_audit.pruners.fastv import last_row_attention
 from prune_audit.pruners.hiprune import scaled_vision_layer
 from prune_audit.pruners.options import Choice, Flag, Integer, Real, option
+from prune_audit.pruners.ranking import top_k_indices
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import (
     REFERENCE_DEPTH,
@@ -35,16 +36,21 @@ LOCAL_COUNTS = ("fill", "official")
 VSCAN_COUNTS = {64: (96, 32), 128: (192, 64), 192: (288, 96)}
 
 
-def window_scan(scores: Tensor, cells: Tensor, grid: tuple[int, int], window: int, per_window: int) -> Tensor:
+def window_scan(
+    scores: Tensor, cells: Tensor, grid: tuple[int, int], window: int, per_window: int,
+    ties: str = "lower", dtype: torch.dtype | None = None,
+) -> Tensor:  # fmt: skip
     """VScan's local scan: the ``per_window`` best tokens of every full ``window x window`` block of the grid.
 
     Args:
         scores: (n,) score of each alive token; cells: (n,) its grid cell (-1: none, never chosen).
         grid: (rows, cols); blocks tile it from the top left, partial blocks at the right and bottom
             edges are not scanned (the official 24 x 24 grid has none at window 6).
+        ties, dtype: as :func:`~prune_audit.pruners.ranking.top_k_indices`, on each block's scores in
+            raster order (the official ``window_flat``).
 
     Returns:
-        (m,) positions among the alive tokens, block by block in raster order, best first in each.
+        (m,) positions among the alive tokens, block by block in raster order, ascending in each.
     """
     rows, cols = grid
     at_cell = torch.full((rows * cols,), -1, dtype=torch.long)
@@ -56,8 +62,25 @@ def window_scan(scores: Tensor, cells: Tensor, grid: tuple[int, int], window: in
             block = torch.tensor([(top + r) * cols + left + c for r in range(window) for c in range(window)])
             positions = at_cell[block]
             positions = positions[positions >= 0]
-            chosen.append(positions[ranked_indices(scores[positions], per_window)])
+            chosen.append(positions[top_k_indices(scores[positions], per_window, ties, dtype)])
     return torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long)
+
+
+def global_scan(deep: Tensor, local: Tensor, count: int, ties: str, dtype: torch.dtype | None) -> Tensor:
+    """(count,) ascending positions of the largest ``deep`` attention (n,) outside the ``local`` ones (m,).
+
+    ``ties="topk"`` ranks as the official code does, ``torch.topk`` over the whole row with the local tokens'
+    attention set to 0 (in ``dtype``), so its order among exact ties is the kernel's over the full row;
+    ``"lower"`` ranks only the other tokens, ties to the lower index.
+    """
+    if ties == "topk":
+        zeroed = deep.clone()
+        zeroed[local] = 0
+        return top_k_indices(zeroed, count, ties, dtype)
+    rest = torch.ones(deep.numel(), dtype=torch.bool)
+    rest[local] = False
+    candidates = torch.nonzero(rest).flatten()
+    return candidates[top_k_indices(deep[candidates], count)]
 
 
 def nearest_merge(hidden: Tensor, kept: Tensor) -> TokenMerge | None:
@@ -108,16 +131,20 @@ class VScanSelector(ScheduledSelector):
     towers as HiPrune's object layer), deep ``attentions[-2]``, window 6 on 24 x 24, global share 0.5,
     positions renumbered after each stage.
 
-    Differences: ties go to the lower index (``torch.topk`` leaves them unspecified); the attention
-    and the merge are computed in float32 (the official code in fp16); the global scan excludes the
+    ``score_dtype="model"`` at the vision stage: the per-layer CLS attention rounded to the model dtype
+    (the official head mean of its half CLS rows, exact when the adapter's signal is that half mean)
+    and ranked in it; ``ties="topk"``: ``torch.topk`` on each window and on the deep row with the local
+    tokens zeroed (:func:`global_scan`), as the official code. The merge stays float32.
+
+    Differences: ties go to the lower index by default (``torch.topk`` leaves them unspecified); the attention
+    and the merge are computed in float32 by default (the official code in fp16); the global scan excludes the
     local tokens (the official zeroes their attention, the same set unless other attention is exactly
     0); ``local_count="fill"`` (default) gives the global scan what the local scan leaves of ``T_v``
     so every stage keeps its count (``"official"``: the global scan takes ``T_v - int(T_v / 2)``
     whatever the blocks held, fewer tokens where ``W`` does not divide ``int(T_v / 2)``); grids other
     than 24 x 24 (the official code asserts 576 tokens) scan only their full blocks.
 
-    Options (besides ``budget_rule``; ``score_dtype`` and ``ties`` act on the LLM stage, the vision stage
-    ranks in float32 with ties to the lower index):
+    Options (besides ``budget_rule``, ``score_dtype`` and ``ties``, which act on both stages):
         llm_layer: decoder layer of the LLM stage on the 32-layer reference, scaled.
         llm_share: ``T_l`` as a share of the budget.
         global_share: share of ``T_v`` chosen by the global scan.
@@ -183,19 +210,17 @@ class VScanSelector(ScheduledSelector):
         n = signals.num_alive
         if stage.keep >= n:
             return torch.arange(n, dtype=torch.long)
-        attention = signals.layer_cls_attention.float()  # (Lv, n)
+        half = self.ranking_dtype(signals.model_dtype)
+        attention = rounded_to(signals.layer_cls_attention.float(), half)  # (Lv, n)
         shallow = attention[scaled_vision_layer(self.shallow_layer, attention.shape[0])]
         rows, cols = signals.grid
         blocks = (rows // self.window_size) * (cols // self.window_size)
         local_target = int(stage.keep * (1 - self.global_share))
         per_window = local_target // blocks if blocks else 0
-        local = window_scan(shallow, signals.alive, signals.grid, self.window_size, per_window)
-        rest = torch.ones(n, dtype=torch.bool)
-        rest[local] = False
-        candidates = torch.nonzero(rest).flatten()
+        local = window_scan(shallow, signals.alive, signals.grid, self.window_size, per_window, self.ties, half)
         global_count = stage.keep - (local.numel() if self.local_count == "fill" else local_target)
         deep = torch.nan_to_num(attention[-1], nan=float("-inf"))
-        chosen = candidates[ranked_indices(deep[candidates], global_count)]
+        chosen = global_scan(deep, local, global_count, self.ties, half)
         return torch.sort(torch.cat([local, chosen])).values
 
     def merge(self, stage: Stage, signals: LayerSignals, state: dict[str, Any], kept: Tensor) -> TokenMerge | None:
