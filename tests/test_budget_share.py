@@ -32,13 +32,15 @@ def test_shares_parse_and_round_per_image():
 def test_each_question_gets_its_own_images_share():
     calls = []
 
-    def answer(prepared, selector, budget, generator):
+    def answer(prepared, selector, budget, mode, generator):
         calls.append((budget, [item.num_visual for item in prepared], list(generator)))
         return [(item.num_visual, budget) for item in prepared]
 
-    plan = SimpleNamespace(request=SimpleNamespace(budget="25%"), vlm=SimpleNamespace(answer=answer), selector="s", budget=100)
+    task = SimpleNamespace(answer_mode=lambda question: "first token")  # one answer mode: groups by budget alone
+    plan = SimpleNamespace(request=SimpleNamespace(budget="25%"), vlm=SimpleNamespace(answer=answer), selector="s",
+                           budget=100, task=task)
     prepared = [SimpleNamespace(num_visual=n) for n in (400, 100, 400, 64)]
-    answers = answer_batch(plan, prepared, ["g0", "g1", "g2", "g3"])
+    answers = answer_batch(plan, [None] * 4, prepared, ["g0", "g1", "g2", "g3"])
     assert answers == [(400, 100), (100, 25), (400, 100), (64, 16)]  # in question order
     assert sorted(calls) == [(16, [64], ["g3"]), (25, [100], ["g1"]), (100, [400, 400], ["g0", "g2"])]
 
