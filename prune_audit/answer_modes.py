@@ -49,6 +49,17 @@ class YesNo:
     answer: str
     confidence: float
 
+    @classmethod
+    def from_probabilities(cls, p_yes: float, p_no: float) -> YesNo:
+        """The reduction of full-vocabulary ``p_yes`` and ``p_no``: two-way renormalised (0.5 when both are 0),
+        the answer by the two-way probability (yes on a tie) and its log-odds."""
+        two_way = p_yes / (p_yes + p_no) if p_yes + p_no > 0 else 0.5
+        if p_yes > 0 and p_no > 0:
+            diff = math.log(p_yes) - math.log(p_no)
+        else:  # underflow of one side: the sign still says which answer wins
+            diff = 0.0 if p_yes == p_no else math.copysign(math.inf, p_yes - p_no)
+        return cls(p_yes, p_no, two_way, diff, "yes" if two_way >= 0.5 else "no", max(two_way, 1 - two_way))
+
 
 @dataclass(frozen=True)
 class LetterChoice:
@@ -63,6 +74,14 @@ class LetterChoice:
     letter_probs: tuple[float, ...]
     answer: str
     confidence: float
+
+    @classmethod
+    def from_probabilities(cls, letter_probs: tuple[float, ...], letters: tuple[str, ...]) -> LetterChoice:
+        """The reduction of each letter's full-vocabulary probability: the first most probable letter."""
+        total = sum(letter_probs)
+        best = max(range(len(letter_probs)), key=lambda k: letter_probs[k])  # ties go to the earlier letter
+        confidence = letter_probs[best] / total if total > 0 else 1 / len(letter_probs)
+        return cls(tuple(letter_probs), letters[best], confidence)
 
 
 @dataclass(frozen=True)

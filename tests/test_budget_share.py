@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
 from prune_audit.errors import PruneAuditError
-from prune_audit.runner.execute import answer_batch
+from prune_audit.runner.execute import answer_grouped
 from prune_audit.compute.budget import budget_share, parse_budget, resolve_budget, tokens_for_share
 
 runner = CliRunner()
@@ -32,15 +32,13 @@ def test_shares_parse_and_round_per_image():
 def test_each_question_gets_its_own_images_share():
     calls = []
 
-    def answer(prepared, selector, budget, mode, generator):
+    def answer(prepared, selector, budget, mode, generator, forced_kept, forced_stages):
         calls.append((budget, [item.num_visual for item in prepared], list(generator)))
         return [(item.num_visual, budget) for item in prepared]
 
-    task = SimpleNamespace(answer_mode=lambda question: "first token")  # one answer mode: groups by budget alone
-    plan = SimpleNamespace(request=SimpleNamespace(budget="25%"), vlm=SimpleNamespace(answer=answer), selector="s",
-                           budget=100, task=task)
+    vlm = SimpleNamespace(answer=answer)
     prepared = [SimpleNamespace(num_visual=n) for n in (400, 100, 400, 64)]
-    answers = answer_batch(plan, [None] * 4, prepared, ["g0", "g1", "g2", "g3"])
+    answers = answer_grouped(vlm, "s", "25%", prepared, ["yes/no"] * 4, ["g0", "g1", "g2", "g3"])
     assert answers == [(400, 100), (100, 25), (400, 100), (64, 16)]  # in question order
     assert sorted(calls) == [(16, [64], ["g3"]), (25, [100], ["g1"]), (100, [400, 400], ["g0", "g2"])]
 

@@ -9,6 +9,7 @@ import typer
 from prune_audit.cli import calibrate as calibrate_cli
 from prune_audit.cli import cascade as cascade_cli
 from prune_audit.cli import demo as demo_cli
+from prune_audit.cli import interchange as interchange_cli
 from prune_audit.cli import intervene as intervene_cli
 from prune_audit.cli import pope as pope_cli
 from prune_audit.cli import run as run_cli
@@ -53,6 +54,8 @@ app.command("cascade")(cascade_cli.cascade)
 app.command("intervene")(intervene_cli.intervene)
 app.command("study")(study_cli.study)
 app.command("score")(score_cli.score)
+app.command("export")(interchange_cli.export)
+app.command("import")(interchange_cli.import_)
 app.add_typer(pope_cli.app, name="pope")
 app.add_typer(demo_cli.app, name="demo")
 

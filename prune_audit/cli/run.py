@@ -88,10 +88,10 @@ def run(
 
     with progress_reporter(quiet=quiet) as progress:
         result = execute(plan, on_start=progress.start, on_progress=progress.advance)
-    _print_summary(result, plan)
+    print_summary(result, plan)
 
 
-def _print_summary(result, plan) -> None:
+def print_summary(result, plan) -> None:
     """The summary table under a one-line title naming the model, then where the records and manifest are."""
     from rich.console import Console
     from rich.table import Table

@@ -68,17 +68,7 @@ def reduce_yes_no(logits: Tensor, yes_ids: list[int], no_ids: list[int]) -> list
     probs = torch.softmax(logits.double(), dim=-1)
     p_yes = probs[:, yes_ids].sum(dim=-1).tolist()
     p_no = probs[:, no_ids].sum(dim=-1).tolist()
-    results = []
-    for yes, no in zip(p_yes, p_no):
-        two_way = yes / (yes + no) if yes + no > 0 else 0.5
-        if yes > 0 and no > 0:
-            diff = math.log(yes) - math.log(no)
-        else:  # underflow of one side: the sign still says which answer wins
-            diff = 0.0 if yes == no else math.copysign(math.inf, yes - no)
-        results.append(
-            YesNo(yes, no, two_way, diff, "yes" if two_way >= 0.5 else "no", max(two_way, 1 - two_way))
-        )
-    return results
+    return [YesNo.from_probabilities(yes, no) for yes, no in zip(p_yes, p_no)]
 
 
 def letter_token_ids(tokenizer, letter: str, model_id: str) -> list[int]:
@@ -94,12 +84,7 @@ def reduce_letters(logits: Tensor, letter_ids: Sequence[Sequence[int]], letters:
     """Reduce (B, V) first-token logits over the letters whose token ids are ``letter_ids[k]``, one entry per row."""
     probs = torch.softmax(logits.double(), dim=-1)
     per_letter = torch.stack([probs[:, list(ids)].sum(dim=-1) for ids in letter_ids], dim=-1)  # (B, K)
-    results = []
-    for row in per_letter.tolist():
-        total = sum(row)
-        best = max(range(len(row)), key=lambda k: row[k])  # first maximum: ties go to the earlier letter
-        results.append(LetterChoice(tuple(row), letters[best], row[best] / total if total > 0 else 1 / len(row)))
-    return results
+    return [LetterChoice.from_probabilities(tuple(row), tuple(letters)) for row in per_letter.tolist()]
 
 
 def greedy_generations(

@@ -50,7 +50,7 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
     ("git_revision", "git commit of the prune-audit source (null outside a checkout)"),
     ("versions", "{python, torch, transformers} versions"),
     ("model", "{id, config_hash}: model folder or hub id, and a hash of its config"),
-    ("family", "model family adapter: llava or qwen2_5_vl"),
+    ("family", "model family adapter: a registered model_type (docs/models.md)"),
     ("prompt", "{template, system}: prompt template name and system prompt"),
     ("dtype", "weights' dtype (float32, bfloat16, float16)"),
     ("device", "torch device the model ran on"),

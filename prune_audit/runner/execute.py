@@ -29,7 +29,11 @@ from prune_audit.safety.progress import report_saved, saving
 if TYPE_CHECKING:
     import torch
 
-    from prune_audit.models import Answer, Prepared
+    from prune_audit.answer_modes import AnswerMode
+    from prune_audit.compute.budget import Budget
+    from prune_audit.models import Answer, Prepared, VisionLanguageModel
+    from prune_audit.models.prepared import ForcedStages
+    from prune_audit.pruners.base import Selector
     from prune_audit.tasks import TaskQuestion
 
 
@@ -149,18 +153,36 @@ def answer_batch(
     prepared: Sequence[Prepared],
     generators: Sequence[torch.Generator],
 ) -> list[Answer]:
-    """The model's answers in each question's answer mode (its task's); questions are answered in groups
-    of one mode and one token budget (resolved per image: a share ``11%`` of its tokens, ``all`` of them), so answers do not
-    depend on the batch."""
-    budgets = [resolve_budget(plan.request.budget, item.num_visual) for item in prepared]
+    """The model's answers in each question's answer mode (its task's), through ``answer_grouped``; an
+    imported run's come from its kept sets (``runner.imported``)."""
+    if plan.imported is not None:
+        return plan.imported.answers(plan.vlm, plan.task, questions, prepared)
     modes = [plan.task.answer_mode(question) for question in questions]
+    return answer_grouped(plan.vlm, plan.selector, plan.request.budget, prepared, modes, generators)
+
+
+def answer_grouped(
+    vlm: VisionLanguageModel,
+    selector: Selector | None,
+    budget: Budget,
+    prepared: Sequence[Prepared],
+    modes: Sequence[AnswerMode],
+    generators: Sequence[torch.Generator] | None = None,
+    forced_kept: Sequence[Sequence[int]] | None = None,
+    forced_stages: Sequence[ForcedStages] | None = None,
+) -> list[Answer]:
+    """Answers in row order, asked in groups of one answer mode and one token budget (resolved per image: a
+    share ``11%`` of its tokens, ``all`` of them), so answers do not depend on the batch. ``generators``,
+    ``forced_kept`` and ``forced_stages`` hold one entry per row (as ``VisionLanguageModel.answer``)."""
+    budgets = [resolve_budget(budget, item.num_visual) for item in prepared]
     groups: dict[tuple, list[int]] = {}
     for row, key in enumerate(zip(budgets, modes)):
         groups.setdefault(key, []).append(row)
     by_row: dict[int, Answer] = {}
-    for (budget, mode), rows in groups.items():
-        group = plan.vlm.answer([prepared[i] for i in rows], plan.selector, budget, mode=mode,
-                                generator=[generators[i] for i in rows])
+    for (row_budget, mode), rows in groups.items():
+        pick = lambda values: None if values is None else [values[i] for i in rows]  # noqa: E731
+        group = vlm.answer([prepared[i] for i in rows], selector, row_budget, mode=mode, generator=pick(generators),
+                           forced_kept=pick(forced_kept), forced_stages=pick(forced_stages))
         by_row.update(zip(rows, group))
     return [by_row[index] for index in range(len(prepared))]
 

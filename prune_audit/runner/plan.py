@@ -27,6 +27,8 @@ from prune_audit.threads import check_threads, configure_threads
 if TYPE_CHECKING:
     from prune_audit.models import Prepared, VisionLanguageModel
     from prune_audit.pruners.base import Selector
+    from prune_audit.records.interchange import KeptSets
+    from prune_audit.runner.imported import ImportedAnswers
     from prune_audit.tasks import Evidence, Task, TaskQuestion
 
 
@@ -56,6 +58,8 @@ class RunRequest:
     clip_text: Path | None = None
     threads: int | None = None
     command: str = ""
+    kept_sets: KeptSets | None = None  # ``import``: the answers' kept sets (questions restricted to the file's)
+    reanswer: bool = False  # ``import --model``: the model answers under the imported kept sets
 
 
 @dataclass
@@ -75,6 +79,7 @@ class RunPlan:
     manifest: dict[str, Any]
     shard: Shard | None
     launched: bool = False
+    imported: ImportedAnswers | None = None
 
 
 
@@ -98,6 +103,10 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     _resolve_demo_defaults(request)
     selector, budget = _make_selector(request)
     questions = _load_questions(task, request)
+    if request.kept_sets is not None:
+        from prune_audit.runner.imported import restrict_questions
+
+        questions = restrict_questions(request.kept_sets, questions)
     image_paths, image_sizes = _check_images(request, questions)
     evidence = task.load_evidence(Path(request.annotations), questions) if request.annotations is not None else None
     image_ids = _image_ids(task, questions, evidence)
@@ -108,7 +117,7 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     check_output_dir(run_dir, "run")
     check_run_layout(run_dir)
     check_writable(run_dir)
-    _check_device(request.device)
+    check_device(request.device)
     threads = configure_threads(request.threads)
     if vlm is None:
         from prune_audit.models import load_vlm
@@ -127,6 +136,7 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     first = _prepare_first(vlm, questions[0], image_paths)
     budget = resolve_budget(budget, first.num_visual)
     manifest = _manifest(request, task, vlm, selector, budget, questions, first)
+    imported = _imported(request, vlm, task, questions, image_paths, manifest)
     if budget_share(request.budget) is not None:  # each image gets its share; the schedule above is the first's
         manifest["budget"] = request.budget
     manifest["threads"] = threads
@@ -136,7 +146,27 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     check_recorded(run_dir, manifest, questions)
     shard = request.shard or launched
     return RunPlan(request, task, questions, image_paths, image_ids, selector, budget, vlm, evidence, run_dir,
-                   manifest, shard, launched is not None)
+                   manifest, shard, launched is not None, imported)
+
+
+def _imported(request: RunRequest, vlm: VisionLanguageModel, task: Task, questions: Sequence[TaskQuestion],
+              image_paths: dict[str, Path], manifest: dict[str, Any]) -> ImportedAnswers | None:
+    """``import``: the kept sets checked on each image's token grid, the import recorded in the manifest."""
+    if request.kept_sets is None:
+        return None
+    from prune_audit.data.pope import file_sha256
+    from prune_audit.runner.imported import ImportedAnswers, check_answers, check_kept_sets, imported_selector
+
+    first_question = {question.image: question for question in reversed(questions)}
+    grids = {image: prepare_question(vlm, image_paths[image], q.text).grid for image, q in first_question.items()}
+    check_kept_sets(request.kept_sets, vlm, grids, request.reanswer)
+    if not request.reanswer:
+        check_answers(request.kept_sets, task, questions)
+    sha256 = file_sha256(request.kept_sets.path)
+    manifest["selector"] = imported_selector(request.kept_sets, sha256, request.reanswer)
+    manifest["budget"] = request.kept_sets.header.get("budget")
+    by_key = {(line.split, line.question_id): line for line in request.kept_sets.questions}
+    return ImportedAnswers(by_key, request.reanswer)
 
 
 def check_recorded(run_dir: Path, manifest: dict[str, Any], questions: Sequence[TaskQuestion]) -> None:
@@ -290,7 +320,7 @@ def check_writable(run_dir: Path) -> None:
         raise PruneAuditError(f"cannot write the run directory {run_dir} ({existing} is not writable); pass a writable --out")
 
 
-def _check_device(device: str) -> None:
+def check_device(device: str) -> None:
     if device not in {"auto", "cpu", "cuda"} and not device.startswith("cuda:"):
         raise PruneAuditError(f"--device must be auto, cpu or cuda, got {device!r}")
     if device.startswith("cuda"):
