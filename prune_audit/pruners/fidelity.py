@@ -14,6 +14,7 @@ from __future__ import annotations
 from prune_audit.pruners.fidelity_entry import CLS_HALF as _CLS_HALF
 from prune_audit.pruners.fidelity_entry import INPUT_DTYPE as _INPUT_DTYPE
 from prune_audit.pruners.fidelity_entry import MODEL_DTYPE_ATTENTION as _MODEL_DTYPE_ATTENTION
+from prune_audit.pruners.fidelity_entry import QWEN_TOWER as _QWEN_TOWER
 from prune_audit.pruners.fidelity_entry import RANDOM_CASES, Fidelity, random_agreement as _random
 
 
@@ -350,17 +351,16 @@ FIDELITY: dict[str, Fidelity] = {
     ),
     "hiprune": Fidelity(
         "6e83a124",
-        "alpha 0.1, object layer 9 of the 23 CLIP layers run (scaled on other towers), official flat neighbour offsets",
+        f"alpha 0.1, object layer 9 of 23 CLIP layers (scaled), flat offsets; {_QWEN_TOWER}: block 16 of 32, the last",
         (),
         (
             "ties to the lower index (torch.topk leaves them unspecified); attention in float32 (official: fp16 eager)",
             "anchors capped at budget // 5 so anchors and buffers fit (the official code fails there; alpha near 1)",
-            "registers: top deep attention outside anchors and buffers (official: minus 1 there, the same set)",
+            "registers: top deep attention outside anchors and buffers (official: minus 1, the same set; on Qwen a sum over query patches that can exceed 1: a repeated cell, fewer distinct tokens than the budget)",
             "neighbours=grid keeps buffers inside the grid (the official +-1 wraps across rows)",
-            "object layer round(9 Lv / 23) on a tower running Lv layers; the Qwen2.5-VL path is not ported (refused)",
+            "object layer round(9 Lv / 23) on a tower running Lv layers (Qwen: round(16 Lv / 32) of its Lv blocks)",
         ),
-        _random(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers",
-                "23 x 576 global attention, budgets 64/128/192"), 30,
+        _random(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers", "23 x 576 attention, budgets 64/128/192; Qwen path: test_methods_qwen.py 40 of 40 unrepeated"), 30,  # fmt: skip
         half_agreement="not compared: attention and ranking in float32, no score_dtype option (official: fp16)",
     ),
     "sparsevlm2": Fidelity(
@@ -387,7 +387,7 @@ FIDELITY: dict[str, Fidelity] = {
             "ties to the lower index, float32 (official: topk order, fp16); global scan excludes the local tokens (same set)",
             "local_count=fill lets the global scan fill the stage (the same at 96/192/288); official: fewer elsewhere",
             "grids other than 24 x 24 scan their full blocks (official: asserts 576); shallow layer scaled as HiPrune's",
-            "merged tokens keep their kept token's slot and carry their cells; the Qwen2.5-VL path is not ported",
+            "merged tokens keep their kept token's slot and carry their cells; the official Qwen2.5-VL path (VScan/qwen/: received attention of the first full-attention block and the last, greedy 4 x 4 window limits, LLM layer 14) is not ported: Qwen refuses it",
         ),
         _random(30, "test_methods_v3.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging",
                 "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288"), 30,

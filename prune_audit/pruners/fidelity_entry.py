@@ -60,3 +60,7 @@ CLS_HALF = (
     "CLS attention in fp16 / bf16 against the official eager attention run in that dtype "
     "(test_fidelity.py::test_cls_logits_reproduce_the_official_half_precision_cls_attention): "
 )
+QWEN_TOWER = (
+    "Qwen2.5-VL: the official Qwen path's attention each merged token receives (4-patch mean, heads and query "
+    "patches averaged, windowed blocks unmasked as its flash-attention path recomputes them; models.qwen)"
+)
