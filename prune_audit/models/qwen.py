@@ -44,6 +44,7 @@ class QwenModel(VisionLanguageModel):
     family = "qwen2_5_vl"
     input_signals = frozenset({"features", "demand", "layer_attention"})
     missing_signals_reason = "its windowed vision tower has no CLS token, no per-layer CLS attention and no CLIP text space"
+    layer_probe_signals = frozenset({"layer_attention"})  # every block's attention recomputed (compute accounting)
     #: ``InputSignals.vision_tower``: which official layer numbers per-layer selectors use
     vision_tower = "qwen2_5_vl"
     display_name = "Qwen2.5-VL"
@@ -181,10 +182,11 @@ class QwenModel(VisionLanguageModel):
         counts = (grid_thw.prod(dim=1) // unit).tolist()  # merged tokens per image, contiguous in window order
         per_image: list[list[Tensor]] = [[] for _ in counts]
         for (hidden, (cos, sin)), block in zip(captured, visual.blocks):
-            attention = block.attn
-            heads = attention.num_heads
-            qkv = attention.qkv(hidden).reshape(hidden.shape[0], 3, heads, -1).permute(1, 0, 2, 3)
-            query, key = apply_rotary_pos_emb_vision(qkv[0], qkv[1], cos, sin)
+            heads, width = block.attn.num_heads, hidden.shape[-1]
+            # queries and keys only (the qkv weight's first two thirds): the values are not needed
+            qk = torch.nn.functional.linear(hidden, block.attn.qkv.weight[: 2 * width], block.attn.qkv.bias[: 2 * width])
+            qk = qk.reshape(hidden.shape[0], 2, heads, -1).permute(1, 0, 2, 3)
+            query, key = apply_rotary_pos_emb_vision(qk[0], qk[1], cos, sin)
             start = 0
             for image, count in enumerate(counts):
                 rows = slice(start * unit, (start + count) * unit)
