@@ -89,14 +89,6 @@ def test_hiprune_runs_on_the_demo(tmp_path, budget):
         assert len(record["kept_stages"][0]) == min(int(budget), 144)
 
 
-def test_hiprune_is_refused_on_qwen_in_one_line(tmp_path):
-    result = CliRunner().invoke(
-        app, ["run", "--model", "demo-qwen", "--selector", "hiprune", "--budget", "16", "--limit", "1", "--out",
-              str(tmp_path / "q")],
-    )  # fmt: skip
-    assert result.exit_code != 0 and "layer_attention" in result.output and "Traceback" not in result.output
-
-
 def official_vscan_vision(cls_attention: torch.Tensor, features: torch.Tensor, visual_token_num: int):
     """VScan's ``encode_images`` (Tencent/SelfEvolvingAgent a82450e1, VScan/): window scan of layer 5, global
     scan of layer -2, then ``token_merging`` (scaling 1), for one image; returns (index mask, merged features)."""

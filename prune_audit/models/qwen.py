@@ -4,7 +4,9 @@ Each LLM visual token is a 2x2 merge of 14-px patches (28x28 processed pixels),
 row-major. Positions are 3-D M-RoPE ids from the model's own ``get_rope_index`` over
 the unpruned prompt; pruned prompts keep the original ids of the surviving tokens,
 for input-level and in-LLM selectors alike (selectors spec §1.2, evaluation spec D3).
-The vision tower has no CLS token, so CLS-based selectors are refused.
+The vision tower has no CLS token, so CLS-based selectors are refused; its per-layer
+received attention (``layer_attention``, HiPrune) is recomputed as HiPrune's Qwen2.5-VL
+code forms it (:meth:`QwenModel._layer_attention`).
 
 The processor is composed here from the PIL image processor and the tokenizer
 because ``Qwen2_5_VLProcessor`` requires a video processor, which needs torchvision.
@@ -40,8 +42,11 @@ class QwenModel(VisionLanguageModel):
     """Qwen2.5-VL adapter (one image per prompt)."""
 
     family = "qwen2_5_vl"
-    input_signals = frozenset({"features", "demand"})
+    input_signals = frozenset({"features", "demand", "layer_attention"})
     missing_signals_reason = "its windowed vision tower has no CLS token, no per-layer CLS attention and no CLIP text space"
+    layer_probe_signals = frozenset({"layer_attention"})  # every block's attention recomputed (compute accounting)
+    #: ``InputSignals.vision_tower``: which official layer numbers per-layer selectors use
+    vision_tower = "qwen2_5_vl"
     display_name = "Qwen2.5-VL"
     prompt_templates = (PROMPT_TEMPLATE,)
 
@@ -139,8 +144,61 @@ class QwenModel(VisionLanguageModel):
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
         pixels = torch.cat([item.pixel_values for item in prepared]).to(self.device)
         grid_thw = torch.cat([item.extras["image_grid_thw"] for item in prepared]).to(self.device)
-        features = self.model.model.get_image_features(pixels, grid_thw, return_dict=True).pooler_output
-        return [VisionOutput(per_image) for per_image in features]
+        if "layer_attention" not in requires:
+            features = self.model.model.get_image_features(pixels, grid_thw, return_dict=True).pooler_output
+            return [VisionOutput(per_image) for per_image in features]
+        features, received = self._layer_attention(pixels, grid_thw)
+        return [VisionOutput(per_image, {"layer_attention": attention, "vision_tower": self.vision_tower})
+                for per_image, attention in zip(features, received)]
+
+    def _layer_attention(self, pixels: Tensor, grid_thw: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Per image its (N, D) merged features and (Lv, N) attention each merged token receives in every
+        vision block, merged-token raster order (``InputSignals.layer_attention`` of this tower).
+
+        As Danielement321/HiPrune ``Qwen2_5_VL/qwen2_5_vl_HiPrune.py`` (commit 6e83a124, run with
+        ``flash_attention_2`` by ``bench_qwen.sh``) forms it: each block's softmax(q k^T / sqrt(d)) over
+        all the image's patches, RoPE applied, windowed blocks included (the recomputed weights ignore the
+        windows), mean over heads, over the query patches (the official sum: a constant factor), then
+        over the 4 patches the merger joins into one token. Formed in float32 on the block inputs.
+        """
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+        from transformers.vision_utils import get_vision_window_index
+
+        visual = self.model.model.visual
+        captured: list[tuple[Tensor, tuple[Tensor, Tensor]]] = []
+
+        def keep_inputs(module, args, kwargs):  # the attention's normed input and rotary tables, window order
+            captured.append((args[0] if args else kwargs["hidden_states"], kwargs["position_embeddings"]))
+
+        hooks = [block.attn.register_forward_pre_hook(keep_inputs, with_kwargs=True) for block in visual.blocks]
+        try:
+            features = self.model.model.get_image_features(pixels, grid_thw, return_dict=True).pooler_output
+        finally:
+            for hook in hooks:
+                hook.remove()
+        window_index, _ = get_vision_window_index(grid_thw, spatial_merge_size=visual.spatial_merge_size,
+                                                  window_size=visual.window_size, patch_size=visual.patch_size)
+        unit = visual.spatial_merge_unit
+        counts = (grid_thw.prod(dim=1) // unit).tolist()  # merged tokens per image, contiguous in window order
+        per_image: list[list[Tensor]] = [[] for _ in counts]
+        for (hidden, (cos, sin)), block in zip(captured, visual.blocks):
+            heads, width = block.attn.num_heads, hidden.shape[-1]
+            # queries and keys only (the qkv weight's first two thirds): the values are not needed
+            qk = torch.nn.functional.linear(hidden, block.attn.qkv.weight[: 2 * width], block.attn.qkv.bias[: 2 * width])
+            qk = qk.reshape(hidden.shape[0], 2, heads, -1).permute(1, 0, 2, 3)
+            query, key = apply_rotary_pos_emb_vision(qk[0], qk[1], cos, sin)
+            start = 0
+            for image, count in enumerate(counts):
+                rows = slice(start * unit, (start + count) * unit)
+                q, k = query[rows].transpose(0, 1).float(), key[rows].transpose(0, 1).float()  # (H, P, d)
+                probs = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
+                received = probs.mean(dim=(0, 1)).view(count, unit).mean(dim=1)  # (N,) window order
+                order = window_index[start:start + count] - start  # window slot -> raster merged token
+                raster = torch.empty_like(received)
+                raster[order] = received
+                per_image[image].append(raster)
+                start += count
+        return list(features), [torch.stack(layers) for layers in per_image]
 
     @property
     def vision_head_dim(self) -> int:

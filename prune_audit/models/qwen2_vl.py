@@ -36,7 +36,11 @@ class Qwen2VLModel(QwenModel):
     """Qwen2-VL adapter: the Qwen2.5-VL adapter on the Qwen2-VL classes."""
 
     family = "qwen2_vl"
-    missing_signals_reason = "its vision tower has no CLS token, no per-layer CLS attention and no CLIP text space"
+    #: HiPrune's per-layer attention is formed only for Qwen2.5-VL's tower, the one its official code runs
+    input_signals = frozenset({"features", "demand"})
+    missing_signals_reason = (
+        "its vision tower has no CLS token, no per-layer CLS attention, no HiPrune port to it and no CLIP text space"
+    )
     display_name = "Qwen2-VL"
     prompt_templates = (PROMPT_TEMPLATE,)
 

@@ -45,7 +45,11 @@ class Qwen3VLModel(QwenModel):
     """Qwen3-VL adapter (dense decoders; one image per prompt)."""
 
     family = "qwen3_vl"
-    missing_signals_reason = "its vision tower has no CLS token, no per-layer CLS attention and no CLIP text space"
+    #: HiPrune's per-layer attention is formed only for Qwen2.5-VL's tower, the one its official code runs
+    input_signals = frozenset({"features", "demand"})
+    missing_signals_reason = (
+        "its vision tower has no CLS token, no per-layer CLS attention, no HiPrune port to it and no CLIP text space"
+    )
     display_name = "Qwen3-VL"
     prompt_templates = (PROMPT_TEMPLATE,)
 

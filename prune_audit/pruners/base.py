@@ -61,6 +61,9 @@ class InputSignals:
         demand: (N,) demand weights for coverage selection (first-layer probe).
         layer_attention: (Lv, N) per encoder layer run (the feature layer's last): attention each patch gets,
             mean over heads and all 1 + N query rows (HiPrune); layer_cls_attention: the CLS row's (VScan).
+            On Qwen2.5-VL every block, each merged token's mean over its 4 patches (``models.qwen``).
+        vision_tower: the tower the per-layer signals come from (``"clip"`` or ``"qwen2_5_vl"``): which
+            official layer numbers a per-layer selector uses (HiPrune).
         merging_tower: ``f(merge) -> (states (1 + M, Dv), sources)``: the tower rerun to the feature layer with
             ``merge`` between attention and MLP of each layer (ToMe's :class:`~prune_audit.pruners.tome.TowerMerging`).
         model_dtype: the dtype the model computes the signals in (the adapters pass the
@@ -79,6 +82,7 @@ class InputSignals:
     demand: Tensor | None = None
     layer_attention: Tensor | None = None
     layer_cls_attention: Tensor | None = None
+    vision_tower: str = "clip"
     merging_tower: Callable[[Any], tuple[Tensor, list[Tensor]]] | None = None
     model_dtype: torch.dtype = torch.float32
 

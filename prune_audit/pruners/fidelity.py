@@ -11,11 +11,11 @@ exists, the test that checks it).
 
 from __future__ import annotations
 
-from prune_audit.pruners.fidelity_entry import CLS_HALF as _CLS_HALF
+from prune_audit.pruners.fidelity_entry import CLS_HALF as _CLS_HALF, half_exact as _half_exact
 from prune_audit.pruners.fidelity_entry import HALF_EXACT_CASES as _HALF, HALF_ONCE as _ONCE, ROPE_ONCE as _ROPE_ONCE
-from prune_audit.pruners.fidelity_entry import half_exact as _half_exact
 from prune_audit.pruners.fidelity_entry import INPUT_DTYPE as _INPUT_DTYPE
 from prune_audit.pruners.fidelity_entry import MODEL_DTYPE_ATTENTION as _MODEL_DTYPE_ATTENTION
+from prune_audit.pruners.fidelity_entry import QWEN_TOWER as _QWEN_TOWER
 from prune_audit.pruners.fidelity_entry import RANDOM_CASES, Fidelity, random_agreement as _random
 
 
@@ -352,16 +352,16 @@ FIDELITY: dict[str, Fidelity] = {
     ),
     "hiprune": Fidelity(
         "6e83a124",
-        "alpha 0.1, object layer 9 of the 23 CLIP layers run (scaled on other towers), official flat neighbour offsets",
+        f"alpha 0.1, object layer 9 of 23 CLIP layers (scaled), flat offsets; {_QWEN_TOWER}: block 16 of 32, the last",
         ("score_dtype=model", "ties=topk"),
         (
             "ties to the lower index and registers ranked outside anchors and buffers unless ties=topk (official: topk of the row minus 1 there, the same set without ties); attention in float32 unless score_dtype=model (official: fp16)",
             "anchors capped at budget // 5 so anchors and buffers fit (the official code fails there; alpha near 1)",
+            "Qwen: the official sum over query patches can exceed 1, so its minus 1 can re-pick a cell (fewer distinct tokens); here never",
             "neighbours=grid keeps buffers inside the grid (the official +-1 wraps across rows)",
-            "object layer round(9 Lv / 23) on a tower running Lv layers; the Qwen2.5-VL path is not ported (refused)",
+            "object layer round(9 Lv / 23) on a tower running Lv layers (Qwen: round(16 Lv / 32) of its Lv blocks)",
         ),
-        _random(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers",
-                "23 x 576 global attention, budgets 64/128/192"), 30,
+        _random(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers", "23 x 576 attention, budgets 64/128/192; Qwen path: test_methods_qwen.py 40 of 40 unrepeated"), 30,  # fmt: skip
         half_agreement=_half_exact("the official half mean(1).mean(1)", _ONCE + " (head and query)", 27, 11), half_cases=_HALF,
     ),
     "sparsevlm2": Fidelity(
@@ -387,7 +387,7 @@ FIDELITY: dict[str, Fidelity] = {
             "lower-index ties, float32 (ties=topk, score_dtype=model: topk order, fp16); global scan excludes the local tokens",
             "local_count=fill lets the global scan fill the stage (the same at 96/192/288); official: fewer elsewhere",
             "grids other than 24 x 24 scan their full blocks (official: asserts 576); shallow layer scaled as HiPrune's",
-            "merged tokens keep their kept token's slot and carry their cells; the Qwen2.5-VL path is not ported",
+            "merged tokens keep their kept token's slot and carry their cells; the official Qwen2.5-VL path (VScan/qwen/: received attention of the first full-attention block and the last, greedy 4 x 4 window limits, LLM layer 14) is not ported: Qwen refuses it",
         ),
         _random(30, "test_methods_v3.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging",
                 "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288"), 30,

@@ -81,3 +81,7 @@ def half_exact(given: str, passed: str, fp16: int, bf16: int) -> str:
         f"10 duplicated-key, 10 of 10 integer-logit cases) given {given} (test_fidelity_half_v3.py); given {passed}: "
         f"{fp16} (fp16) and {bf16} (bf16) of {RANDOM_CASES}"
     )
+QWEN_TOWER = (
+    "Qwen2.5-VL: the official Qwen path's attention each merged token receives (4-patch mean, heads and query "
+    "patches averaged, windowed blocks unmasked as its flash-attention path recomputes them; models.qwen)"
+)

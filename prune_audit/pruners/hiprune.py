@@ -17,12 +17,24 @@ from prune_audit.pruners.schedule import SCORE_DTYPES
 #: encoder layers LLaVA-1.5 runs up to its feature layer (CLIP-L layers 1..23 of 24): the depth the
 #: official layer numbers refer to; other towers scale them proportionally (:func:`scaled_vision_layer`)
 REFERENCE_VISION_LAYERS = 23
+#: blocks of Qwen2.5-VL's vision tower (3B and 7B), the depth HiPrune's Qwen layer numbers refer to
+QWEN_REFERENCE_LAYERS = 32
 NEIGHBOURS = ("official", "grid")
 
 
-def scaled_vision_layer(layer: int, depth: int) -> int:
-    """0-based row of a (depth, N) per-layer signal for the official 1-based ``layer`` of 23 (at least the first)."""
-    return min(depth, max(1, round(layer * depth / REFERENCE_VISION_LAYERS))) - 1
+def scaled_vision_layer(layer: int, depth: int, reference: int = REFERENCE_VISION_LAYERS) -> int:
+    """0-based row of a (depth, N) per-layer signal for the official 1-based ``layer`` of ``reference``
+    (at least the first)."""
+    return min(depth, max(1, round(layer * depth / reference))) - 1
+
+
+def object_layer_row(signals: InputSignals, clip_layer: int, qwen_layer: int) -> int:
+    """0-based row of ``signals.layer_attention`` holding the anchors' layer for the signals' tower:
+    ``clip_layer`` of the 23 LLaVA-1.5 runs, or ``qwen_layer`` of Qwen2.5-VL's 32 blocks, scaled to its depth."""
+    depth = signals.layer_attention.shape[0]
+    if signals.vision_tower == "qwen2_5_vl":
+        return scaled_vision_layer(qwen_layer, depth, QWEN_REFERENCE_LAYERS)
+    return scaled_vision_layer(clip_layer, depth)
 
 
 def buffer_cells(anchors: Tensor, grid: tuple[int, int], neighbours: str) -> Tensor:
@@ -91,12 +103,21 @@ class HiPruneSelector(InputSelector):
     fails there, only reachable with ``alpha`` near 1); the official registers are the top of the
     deep attention minus 1 on anchors and buffers, the same set whenever some probability is
     below 1. ``neighbours="grid"`` keeps buffers inside the grid instead of the official flat
-    offsets. The official Qwen2.5-VL path (full-attention layers of a windowed tower) is not
-    ported: Qwen's adapter refuses the selector.
+    offsets.
+
+    On Qwen2.5-VL, as ``Qwen2_5_VL/qwen2_5_vl_HiPrune.py`` (same commit; ``bench_qwen.sh``:
+    ``HIPRUNE_OBJECT_LAYER`` 16, ``HIPRUNE_ALPHA`` 0.1): ``layer_attention`` has every vision block
+    (``models.qwen``: each merged token's mean over its 4 patches, windows ignored as the official
+    flash-attention path recomputes them), the anchors come from block ``qwen_object_layer`` of 32
+    (scaled to the tower's depth; 16 is a full-attention block of the 32) and the registers from the
+    last block, the merger's input; buffers are the flat offsets on the merged grid. There the
+    official deep attention is a sum over query patches, so its "minus 1" can leave an anchor or
+    buffer among the registers (fewer distinct tokens than the budget); here registers exclude them.
 
     Options:
         alpha: share of the budget given to anchors and their buffers (``a = round(T alpha / 5)``).
         object_layer: 1-based encoder layer of the anchors on the 23-layer reference, scaled.
+        qwen_object_layer: the same on Qwen2.5-VL's 32-block reference (signals with ``vision_tower="qwen2_5_vl"``).
         neighbours: ``"official"`` flat offsets clamped, or ``"grid"`` 4-neighbours inside the grid.
         score_dtype: ``"float32"`` or ``"model"`` (the attention rounded to and ranked in the model dtype).
         ties: ``"lower"`` index or ``"topk"`` (``torch.topk``'s order, the official kept set).
@@ -115,6 +136,9 @@ class HiPruneSelector(InputSelector):
     object_layer: int = option(
         9, Integer(low=1, high=REFERENCE_VISION_LAYERS), "1-based anchor layer of the 23 run on LLaVA-1.5 (scaled)"
     )
+    qwen_object_layer: int = option(
+        16, Integer(low=1, high=QWEN_REFERENCE_LAYERS), "1-based anchor block of Qwen2.5-VL's 32 (scaled)"
+    )
     neighbours: str = option("official", Choice(NEIGHBOURS), "buffer cells: official flat offsets or grid neighbours")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
     ties: str = option("lower", Choice(TOP_K_TIES), "exact ties to the lower index, or torch.topk's order (official)")
@@ -122,7 +146,7 @@ class HiPruneSelector(InputSelector):
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         half = self.ranking_dtype(signals.model_dtype)
         attention = rounded_to(as_float32(signals.layer_attention), half)  # (Lv, N)
-        shallow = attention[scaled_vision_layer(self.object_layer, attention.shape[0])]
+        shallow = attention[object_layer_row(signals, self.object_layer, self.qwen_object_layer)]
         anchor_count = min(round(budget * self.alpha / 5), budget // 5)
         anchors = top_k_indices(shallow, anchor_count, self.ties, half)
         near = buffer_cells(anchors, signals.grid, self.neighbours)
