@@ -71,8 +71,8 @@ metric_list:
     return rows
 
 
-@pytest.mark.parametrize("selector, budget", [("none", None), ("fastv", 16)])
-def test_lmms_eval_runs_the_pruned_model(tmp_path, selector, budget):
+@pytest.mark.parametrize("selector, budget, batch_size", [("none", None, 1), ("fastv", 16, 3)])
+def test_lmms_eval_runs_the_pruned_model(tmp_path, selector, budget, batch_size):
     command = lmms_eval_command()
     rows = write_task(tmp_path / "task")
     records = tmp_path / "records"
@@ -82,7 +82,8 @@ def test_lmms_eval_runs_the_pruned_model(tmp_path, selector, budget):
                    "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     completed = subprocess.run(
         [str(command), "eval", "--model", "prune_audit", "--model_args", model_args, "--tasks", "localpope",
-         "--include_path", str(tmp_path / "task"), "--output_path", str(tmp_path / "out")],
+         "--include_path", str(tmp_path / "task"), "--output_path", str(tmp_path / "out"),
+         "--batch_size", str(batch_size)],
         capture_output=True, text=True, env=environment, check=False,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]

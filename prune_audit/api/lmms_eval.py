@@ -39,7 +39,7 @@ class PruneAuditModel(lmms):
         selector, budget: as ``prune-audit run --selector --budget`` (``none`` without budget: dense).
         records: a folder for the per-request records (new, empty, or this plugin's own); None: none written.
         device, dtype, threads: as ``prune_audit.load``.
-        batch_size: questions per forward pass.
+        batch_size: requests answered together (lmms-eval's --batch_size), questions per forward pass.
         options: the selector's options (``--option KEY=VALUE``).
     """
 
@@ -54,6 +54,8 @@ class PruneAuditModel(lmms):
         self._records = None if records in (None, "") else check_output_dir(Path(records), RECORDS_OWNER,
                                                                             option="records=")
         self._batch_size = int(batch_size)
+        if self._batch_size < 1:
+            raise PruneAuditError(f"batch_size must be at least 1, got {batch_size}")
         vlm = load(str(pretrained), device=device or "auto", dtype=dtype,
                    threads=None if threads in (None, "") else int(threads))
         self._stack = ExitStack()
@@ -61,26 +63,42 @@ class PruneAuditModel(lmms):
         self._lines: dict[str, list[dict[str, Any]]] = {}
 
     def generate_until(self, requests: list) -> list[str]:
-        """Greedy answers of every request, cut at the request's ``until`` strings."""
+        """Greedy answers of every request, cut at the request's ``until`` strings; ``batch_size`` requests at a
+        time are answered together (those of one ``max_new_tokens``), so only their images are held."""
         texts = []
-        for context, gen_kwargs, doc_to_visual, doc_id, task, split in [request.args for request in requests]:
+        for start in range(0, len(requests), self._batch_size):
+            texts += self._answer_batch([request.args for request in requests[start : start + self._batch_size]])
+        self._write_records()
+        return texts
+
+    def _answer_batch(self, arguments: list[tuple]) -> list[str]:
+        images = []
+        for _, _, doc_to_visual, doc_id, task, split in arguments:
             visuals = doc_to_visual(self.task_dict[task][split][doc_id])
             visuals = visuals if isinstance(visuals, list) else [visuals]
             if len(visuals) != 1:
                 raise PruneAuditError(f"{task} document {doc_id} has {len(visuals)} images; prune-audit models take one")
-            result = self._model.generate(visuals[0], context, max_new_tokens=int(gen_kwargs.get("max_new_tokens", 16)),
-                                          batch_size=self._batch_size)
-            text = _cut(result.text, gen_kwargs.get("until"))
-            texts.append(text)
+            images.append(visuals[0])
+        by_limit: dict[int, list[int]] = {}
+        for row, (_, gen_kwargs, *_) in enumerate(arguments):
+            by_limit.setdefault(int(gen_kwargs.get("max_new_tokens", 16)), []).append(row)
+        results: dict[int, Any] = {}
+        for limit, rows in by_limit.items():
+            answers = self._model.generate([images[row] for row in rows], [arguments[row][0] for row in rows],
+                                           max_new_tokens=limit, batch_size=self._batch_size)
+            results.update(zip(rows, answers))
+        texts = []
+        for row, (_, gen_kwargs, _, doc_id, task, split) in enumerate(arguments):
+            result = results[row]
+            texts.append(_cut(result.text, gen_kwargs.get("until")))
             self._lines.setdefault(task, []).append({
-                "doc_id": doc_id, "task": task, "split": split, "text": text,
+                "doc_id": doc_id, "task": task, "split": split, "text": texts[-1],
                 "sequence_probability": result.sequence_probability, "stopped": result.stopped,
                 "kept_stages": result.kept_stages, "merged_stages": result.merged_stages,
                 "stage_layers": result.stage_layers, "grid": list(result.grid),
                 "visual_tokens_avg": result.visual_tokens_avg, "flops": result.cost.flops,
                 "flops_dense": result.cost.flops_dense,
             })
-        self._write_records()
         return texts
 
     def loglikelihood(self, requests: list) -> list[tuple[float, bool]]:
