@@ -2,10 +2,12 @@
 
     python -m benchmarks.demo_pruning --model demo --budgets 16,32,64
     python -m benchmarks.demo_pruning --model demo-qwen --budgets 16,32 --per-split 300 --selectors fastv,e2s
+    python -m benchmarks.demo_pruning --selectors tome --option location=tower --budgets 32,64
 
 Runs ``prune-audit run`` (through the Python API) unpruned and for each selector and budget
 on the demo question set, or on its first ``--per-split`` questions of each POPE split
-(written to ``OUT/questions``), into ``OUT/<selector>-<budget>`` (finished runs are reused).
+(written to ``OUT/questions``), into ``OUT/<selector>-<budget>[-<option>...]`` (finished runs are
+reused; ``--option KEY=VALUE``, repeatable, goes to every selector).
 Per run, against the unpruned run on the same questions: accuracy, mean confidence
 (two-way top-label), the share of yes-questions whose object lost every token (the records'
 ``lost`` column, i.e. at the first pruning stage), accuracy and mean confidence on those lost questions for the
@@ -62,11 +64,11 @@ def question_files(model: str, out: Path, per_split: int | None) -> tuple[str, l
 
 
 def run_once(model: str, files: list[Path], images: Path, annotations: Path, selector: str, budget: int | None,
-             run_dir: Path, batch_size: int, threads: int) -> Path:
+             run_dir: Path, batch_size: int, threads: int, options: list[str] = ()) -> Path:
     """One audit run (resumed if partly done); returns its folder."""
     request = RunRequest(model=model, selector=selector, budget=budget, pope=files, images=images,
                          annotations=annotations, out=run_dir, batch_size=batch_size, device="cpu", threads=threads,
-                         command=f"benchmarks.demo_pruning {selector}@{budget}")
+                         options=list(options), command=f"benchmarks.demo_pruning {selector}@{budget}")
     result = execute(plan_run(request))
     if not result.complete:
         raise PruneAuditError(f"{run_dir} did not finish")
@@ -98,6 +100,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="folder for the runs and the table (default runs/<model>-pruning)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--option", action="append", default=[], help="selector option KEY=VALUE for every selector")
     args = parser.parse_args()
     out = args.out or Path("runs") / f"{args.model}-pruning"
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -116,10 +119,11 @@ def main() -> None:
     rows, skipped = {}, {}
     for selector in selectors:
         for budget in budgets:
-            name = f"{selector}@{budget}"
+            name = f"{selector}@{budget}" + "".join(f" {option}" for option in args.option)
+            folder = "-".join([selector, str(budget), *args.option])
             try:
-                run_dir = run_once(model, files, images, annotations, selector, budget, out / f"{selector}-{budget}",
-                                   args.batch_size, args.threads)
+                run_dir = run_once(model, files, images, annotations, selector, budget, out / folder,
+                                   args.batch_size, args.threads, args.option)
             except (PruneAuditError, ValueError) as error:  # the CLI reports both as user errors
                 skipped[name] = str(error)
                 print(f"{name}: skipped ({error})", file=sys.stderr)

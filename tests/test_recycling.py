@@ -290,7 +290,7 @@ def test_sparsevlm_recycling_runs_batched_and_decodes(family, request):
         assert together.merged_stages[b] == alone.merged_stages[0]
         assert together.tokens_per_layer[b] == alone.tokens_per_layer[0]
         assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
-        stages = vlm._schedule(selector, item.num_visual, budget)
+        stages = vlm.schedule(selector, item.num_visual, budget)
         assert together.tokens_per_layer[b] == recycled_tokens_per_layer(stages, vlm.num_layers, item.num_visual)
         assert any(together.merged_stages[b])
     assert isinstance(vlm.generate(items[0], selector=selector, budget=budget, max_new_tokens=3), str)

@@ -83,7 +83,8 @@ def make_tensor(shape: tuple[int, ...], kind: str, variant: str, generator: torc
 
 
 def tensor_fields(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls) if "Tensor" in str(f.type) and f.name != "alive"]
+    # merging_tower is a function of the adapter's tower (ToMe in the tower), not a tensor
+    return [f.name for f in dataclasses.fields(cls) if str(f.type).startswith("Tensor") and f.name != "alive"]
 
 
 def build_signals(cls, shapes, sizes, variant, seed=0, **fixed):

@@ -74,6 +74,12 @@ def test_generation_limit_belongs_to_generating_tasks():
         get_task("pope", 4)
     with pytest.raises(PruneAuditError, match="positive whole number"):
         get_task("gqa", 0)
+    assert (get_task("gqa").confidence, get_task("caption").confidence, get_task("pope").confidence) == (
+        "sequence", "mean-token", None)
+    with pytest.raises(PruneAuditError, match="choose sequence or mean-token"):
+        get_task("gqa", None, "mean")
+    with pytest.raises(PruneAuditError, match="pope; it has one definition"):
+        get_task("pope", None, "sequence")
 
 
 def test_manifest_names_the_task_and_an_older_manifest_means_pope():
@@ -196,6 +202,15 @@ def test_gqa_run_generates_scores_and_measures_evidence(workspace, tmp_path):
     again = pq.read_table(single / "records.parquet").to_pylist()
     assert [r["answer_text"] for r in again] == [r["answer_text"] for r in records]
     np.testing.assert_allclose([r["confidence"] for r in again], [r["confidence"] for r in records], rtol=1e-5)
+    # the length-normalised confidence, as an option: recorded in the manifest, same answers
+    normalised = tmp_path / "normalised"
+    result = runner.invoke(app, gqa_args(workspace, inputs, normalised, "--selector", "random", "--budget", "6",
+                                         "--max-new-tokens", "3", "--confidence", "mean-token"))
+    assert result.exit_code == 0, result.output
+    assert json.loads((normalised / "manifest.json").read_text())["confidence"] == "mean-token"
+    rows = pq.read_table(normalised / "records.parquet").to_pylist()
+    assert [r["confidence"] for r in rows] == [r["mean_token_prob"] for r in rows]
+    assert [r["answer_text"] for r in rows] == [r["answer_text"] for r in records]
 
 
 def test_gqa_inputs_are_checked_before_anything_is_written(workspace, tmp_path):
@@ -212,14 +227,37 @@ def test_gqa_inputs_are_checked_before_anything_is_written(workspace, tmp_path):
     assert not out.exists()
 
 
-def test_analyses_refuse_a_task_without_a_yes_no_answer_in_one_line_and_visualize_reads_it(workspace, tmp_path):
+def test_analyses_read_a_task_without_a_yes_no_answer_by_its_top_label_confidence(workspace, tmp_path):
+    from prune_audit.analysis.runs import load_run
+
     inputs = gqa_inputs(workspace, tmp_path / "gqa")
-    out = tmp_path / "run"
-    assert runner.invoke(app, gqa_args(workspace, inputs, out, "--max-new-tokens", "2")).exit_code == 0
-    refused(runner.invoke(app, ["calibrate", str(out)]), "is a gqa run", "records.parquet")
+    pruned, dense = tmp_path / "pruned", tmp_path / "dense"
+    for out, extra in ((pruned, ("--selector", "random", "--budget", "6")), (dense, ())):
+        result = runner.invoke(app, gqa_args(workspace, inputs, out, "--max-new-tokens", "2", *extra))
+        assert result.exit_code == 0, result.output
+    run = load_run(pruned)
+    records = pq.read_table(pruned / "records.parquet").to_pylist()
+    assert run.questions.top_label and list(run.questions.label_yes) == [r["correct"] for r in records]
+    assert list(run.questions.p_yes) == [r["confidence"] for r in records]
+    assert list(run.questions.answer) == [r["answer_text"].strip().rstrip(".").lower() for r in records]
+    calibrated = runner.invoke(app, ["calibrate", str(pruned), "--reference", str(dense), "--bootstrap", "20", "--json",
+                                     "--out", str(tmp_path / "calibration")])
+    assert calibrated.exit_code == 0, calibrated.output
+    overall = json.loads(calibrated.stdout)["runs"][0]["metrics"]["all"]
+    assert {"accuracy", "ece", "brier", "auroc"} <= set(overall) and not {"f1", "yes_ratio"} & set(overall)
+    assert overall["accuracy"]["value"] == pytest.approx(np.mean([r["correct"] for r in records]))
+    brier = np.mean([(r["confidence"] - r["correct"]) ** 2 for r in records])
+    assert overall["brier"]["value"] == pytest.approx(brier)  # the top-label Brier score
+    cascade = runner.invoke(app, ["cascade", str(pruned), "--reference", str(dense), "--epsilon", "0.3", "--splits",
+                                  "5", "--json", "--out", str(tmp_path / "cascade")])
+    assert cascade.exit_code == 0, cascade.output
+    validity = json.loads(cascade.stdout)["cascades"][0]["validity"]
+    assert validity["sem_disagreement"] == pytest.approx(validity["std_disagreement"] / math.sqrt(5))
+    assert validity["mean_within_one_sem_of_epsilon"] == (
+        validity["mean_disagreement"] <= 0.3 + validity["sem_disagreement"])
     # visualize --run redraws any task's record, naming its evidence objects and reference answers
-    row = pq.read_table(out / "records.parquet").to_pylist()[0]
-    drawn = runner.invoke(app, ["visualize", "--run", str(out), "--question-id", str(row["question_id"]),
+    row = records[0]
+    drawn = runner.invoke(app, ["visualize", "--run", str(pruned), "--question-id", str(row["question_id"]),
                                 "--out", str(tmp_path / "figure.png")])
     assert drawn.exit_code == 0, drawn.output
     assert f"about {row['evidence_objects'][0]} (reference {row['references'][0]})" in drawn.stdout
@@ -310,8 +348,9 @@ def test_caption_run_scores_mentions_and_measures_each_object(workspace, tmp_pat
     args = ["run", "--task", "caption", "--model", str(workspace["model"]), "--images", str(workspace["images"]),
             "--questions", instances, "--annotations", instances, "--out", str(out), "--limit", "4",
             "--max-new-tokens", "4", "--selector", "random", "--budget", "4"]
-    result = runner.invoke(app, args)
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
+    assert "omitted among objects lost at the first stage" in result.stdout and "CHAIR-s" in result.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["task"] == "caption" and manifest["max_new_tokens"] == 4
     coco = json.loads(Path(instances).read_text())
@@ -327,6 +366,16 @@ def test_caption_run_scores_mentions_and_measures_each_object(workspace, tmp_pat
         assert row["confidence"] == row["mean_token_prob"] and row["answer_tokens"] <= 4
         # the union region is lost exactly when every object is
         assert row["lost"] == all(row["evidence_objects_lost"])
+
+
+def test_omission_by_fate_counts_objects_by_hand():
+    from prune_audit.tasks.caption import omission_by_fate
+
+    rows = [{"evidence_objects": ["dog", "cat", "car"], "evidence_objects_lost": [True, False, None], "omitted": ["dog"]},
+            {"evidence_objects": ["dog", "cup"], "evidence_objects_lost": [True, True], "omitted": ["dog", "cup"]},
+            {"evidence_objects": ["cat"], "evidence_objects_lost": [False], "omitted": []}]
+    # lost: dog, dog, cup (all 3 omitted); kept: cat, cat (none omitted); car has no pixels
+    assert omission_by_fate(rows) == {"lost": (3, 3), "kept": (2, 0)}
 
 
 def test_caption_questions_need_one_instances_file(workspace, tmp_path):
@@ -419,3 +468,23 @@ def test_score_pope_through_the_task_matches_pope_score(workspace, tmp_path):
 def test_score_needs_question_files(tmp_path):
     refused(runner.invoke(app, ["score", str(answers_file(tmp_path / "a.jsonl", [])), "--task", "gqa"]),
             "--questions")
+
+
+def test_study_runs_another_task_and_plans_its_commands(workspace, tmp_path):
+    inputs = gqa_inputs(workspace, tmp_path / "gqa")
+    common = ["study", "--task", "gqa", "--model", str(workspace["model"]), "--images", str(workspace["images"]),
+              "--questions", str(inputs["questions"]), "--questions", str(inputs["llava"]), "--annotations",
+              str(inputs["graphs"]), "--max-new-tokens", "2", "--selectors", "random", "--budgets", "6",
+              "--out", str(tmp_path / "study")]
+    planned = runner.invoke(app, [*common, "--plan"])
+    assert planned.exit_code == 0, planned.output
+    assert "--task gqa --questions" in planned.stdout and "--max-new-tokens 2" in planned.stdout
+    assert "--pope" not in planned.stdout
+    result = runner.invoke(app, [*common, "--epsilons", "0.34", "--bootstrap", "20", "--splits", "5", "--quiet"])
+    assert result.exit_code == 0, result.output
+    import pandas as pd
+
+    summary = pd.read_csv(tmp_path / "study" / "summary.csv").set_index("run")
+    assert list(summary.index) == ["dense", "random@6"] and summary["f1"].isna().all()
+    records = pq.read_table(tmp_path / "study" / "runs" / "random-6" / "records.parquet").to_pylist()
+    assert summary.loc["random@6", "accuracy"] == pytest.approx(np.mean([r["correct"] for r in records]))

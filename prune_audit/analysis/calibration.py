@@ -19,7 +19,7 @@ import numpy as np
 
 from prune_audit.analysis import metrics
 from prune_audit.analysis.bootstrap import bootstrap_replicates, estimate, image_counts, percentile_interval
-from prune_audit.analysis.metric_table import CONFIDENCE_METRICS, METRICS, ScoredQuestions
+from prune_audit.analysis.metric_table import CONFIDENCE_METRICS, METRICS, Metric, ScoredQuestions, metric
 from prune_audit.analysis.questions import QuestionTable
 from prune_audit.analysis.temperature import TemperatureFit, fit_temperature, scaled_probabilities, split_images
 from prune_audit.errors import PruneAuditError
@@ -34,6 +34,8 @@ RETENTION_BINS: tuple[tuple[str, float, float], ...] = (
 
 HISTOGRAM_EDGES = np.linspace(0.5, 1.0, 21)
 """Confidence histogram edges: two-way top-label confidence lies in [0.5, 1]."""
+TOP_LABEL_HISTOGRAM_EDGES = np.linspace(0.0, 1.0, 21)
+"""The same for a task without a yes/no answer, whose confidence lies in [0, 1] (``QuestionTable.top_label``)."""
 
 
 MAX_BINS = 1000
@@ -71,7 +73,7 @@ def check_confidences(table: QuestionTable, source: str) -> None:
     """Refuse records whose two-way probabilities cannot come from a model: p_yes outside [0, 1], a top-label
     confidence outside [0.5, 1], or NaN in either or in the logit difference. ``calibrate``, ``cascade`` and
     ``study`` read every run through this one check."""
-    columns = {"p_yes_2way": (table.p_yes, 0.0), "confidence": (table.confidence, 0.5)}
+    columns = {"p_yes_2way": (table.p_yes, 0.0), "confidence": (table.confidence, 0.0 if table.top_label else 0.5)}
     for name, (values, low) in columns.items():
         bad = np.flatnonzero(~((values >= low) & (values <= 1.0)))  # NaN fails both comparisons
         if bad.size:
@@ -133,10 +135,23 @@ def confidence_metrics(
 
 
 def question_metrics(table: QuestionTable, settings: CalibrationSettings, weights: np.ndarray | None = None) -> dict:
-    """Every metric of ``metric_table`` on the recorded answers: POPE's answer scores, then the confidence metrics."""
+    """Every metric of ``metric_table`` on the recorded answers: POPE's answer scores (of them only accuracy for a
+    task without a yes/no answer), then the confidence metrics."""
     scored = ScoredQuestions(table.confidence, table.correct, table.p_yes, table.logit_diff, table.label_yes,
                              table.answer_yes, settings.bins, settings.binning, weights)
-    return {metric.name: metric.compute(scored) for metric in METRICS}
+    return {metric.name: metric.compute(scored) for metric in METRICS if _applies(metric, table)}
+
+
+def _applies(metric: Metric, table: QuestionTable) -> bool:
+    """POPE's answer scores other than accuracy need a yes/no answer."""
+    return not (table.top_label and metric.answer_score and metric.name != "accuracy")
+
+
+def answer_scores(table: QuestionTable, weights: np.ndarray | None = None) -> dict:
+    """The answer scores of one split: POPE's (accuracy, precision, recall, F1, yes ratio), or accuracy alone for a
+    task without a yes/no answer."""
+    scores = metrics.pope_scores(table.label_yes, table.answer_yes, weights)
+    return {name: value for name, value in scores.items() if _applies(metric(name), table)}
 
 
 def scaled_metrics(
@@ -144,11 +159,14 @@ def scaled_metrics(
 ) -> dict:
     """Accuracy and confidence metrics with p_yes = sigmoid(d / T), answers re-derived from the scaled p_yes.
 
-    A question with d = 0 (p_yes = 0.5 at any T) keeps its recorded answer.
+    A question with d = 0 (p_yes = 0.5 at any T) keeps its recorded answer. For a task without a yes/no answer
+    (``top_label``) the answer never changes and its confidence is the scaled p_yes itself.
     """
     p_yes, confidence = scaled_probabilities(table.logit_diff, temperature)
+    if table.top_label:
+        confidence = p_yes
     answer_yes = np.where(p_yes == 0.5, table.answer_yes, p_yes > 0.5)
-    correct = answer_yes == table.label_yes
+    correct = table.correct if table.top_label else answer_yes == table.label_yes
     return {
         "accuracy": metrics.weighted_mean(correct, weights),
         **confidence_metrics(
@@ -216,7 +234,7 @@ def audit_run(table: QuestionTable, settings: CalibrationSettings, resamples: Im
     for split in sorted(set(table.split.tolist())):
         subset = table.take(table.split == split)
         groups[split] = _measure(
-            lambda w, subset=subset: metrics.pope_scores(subset.label_yes, subset.answer_yes, w),
+            lambda w, subset=subset: answer_scores(subset, w),
             subset.image_index(resamples.images),
             resamples.counts,
         )
@@ -234,12 +252,18 @@ def audit_run(table: QuestionTable, settings: CalibrationSettings, resamples: Im
         scaled=scaled,
         survival=survival_measures(table, survival_groups(table), image_index, resamples.counts),
         reliability=reliability_with_intervals(table, settings, image_index, resamples.counts),
-        histogram={
-            "edges": HISTOGRAM_EDGES.tolist(),
-            "correct": np.histogram(table.confidence[table.correct], HISTOGRAM_EDGES)[0].tolist(),
-            "incorrect": np.histogram(table.confidence[~table.correct], HISTOGRAM_EDGES)[0].tolist(),
-        },
+        histogram=_histogram(table),
     )
+
+
+def _histogram(table: QuestionTable) -> dict:
+    """Counts of correct and incorrect answers per confidence interval (edges: the confidence's range)."""
+    edges = TOP_LABEL_HISTOGRAM_EDGES if table.top_label else HISTOGRAM_EDGES
+    return {
+        "edges": edges.tolist(),
+        "correct": np.histogram(table.confidence[table.correct], edges)[0].tolist(),
+        "incorrect": np.histogram(table.confidence[~table.correct], edges)[0].tolist(),
+    }
 
 
 def bin_membership(confidence: np.ndarray, bins: int, binning: metrics.Binning) -> np.ndarray:

@@ -78,7 +78,7 @@ class CascadeQuestions:
             image_index=first.image_index(image_ids),
             image_ids=image_ids,
             confidence=np.stack([stage.confidence for stage in aligned]),
-            disagree=np.stack([stage.answer_yes != dense.answer_yes for stage in aligned]),
+            disagree=np.stack([_disagree(stage, dense) for stage in aligned]),
             stage_cost=np.stack([getattr(stage, column) for stage in aligned]).astype(np.float64),
             dense_cost=getattr(dense, column).astype(np.float64),
         )
@@ -86,6 +86,14 @@ class CascadeQuestions:
     @property
     def stages(self) -> int:
         return len(self.confidence)
+
+
+def _disagree(stage: QuestionTable, dense: QuestionTable) -> np.ndarray:
+    """(n,) the pruned stage answers otherwise than the dense run: the answers compared as recorded
+    (``QuestionTable.answer``: POPE's yes/no, a short answer after its task's normalisation), else yes/no."""
+    if stage.answer is not None and dense.answer is not None:
+        return stage.answer != dense.answer
+    return stage.answer_yes != dense.answer_yes
 
 
 def answering_stage(confidence: np.ndarray, threshold: float | np.ndarray) -> np.ndarray:
@@ -278,10 +286,15 @@ def validity(
 
 def _summarise_splits(results: list[dict], epsilon: float) -> dict:
     disagreement = np.array([result["disagreement"] for result in results])
+    spread = float(disagreement.std(ddof=1)) if len(results) > 1 else 0.0
+    standard_error = spread / np.sqrt(len(results))
     return {
         "splits": len(results),
         "mean_disagreement": float(disagreement.mean()),
-        "std_disagreement": float(disagreement.std(ddof=1)) if len(results) > 1 else 0.0,
+        "std_disagreement": spread,
+        # the study's validity check: the mean over splits within one standard error of epsilon (or below it)
+        "sem_disagreement": float(standard_error),
+        "mean_within_one_sem_of_epsilon": bool(disagreement.mean() <= epsilon + standard_error),
         "worst_disagreement": float(disagreement.max()),
         "share_above_epsilon": float(np.mean(disagreement > epsilon)),
         "mean_relative_cost": float(np.mean([result["relative_cost"] for result in results])),

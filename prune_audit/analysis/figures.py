@@ -62,6 +62,17 @@ MARKER_AREA = 240.0
 RELIABILITY_LIMITS = {"xlim": (0.45, 1.03), "ylim": (-0.05, 1.05)}
 """Axes a little wider than [0.45, 1] x [0, 1], so points at confidence or accuracy 1 stay off the frame."""
 
+
+def confidence_floor(summaries: Sequence[dict]) -> float:
+    """The lowest confidence the runs' answers can have: 0.5 for yes/no, 0 for a task without a yes/no answer (the
+    first edge of each run's confidence histogram; a summary without one is a yes/no run's)."""
+    return min(summary.get("confidence_histogram", {}).get("edges", [0.5])[0] for summary in summaries)
+
+
+def reliability_xlim(summaries: Sequence[dict]) -> tuple[float, float]:
+    """``RELIABILITY_LIMITS``' confidence range, from 0.05 below the runs' :func:`confidence_floor`."""
+    return (confidence_floor(summaries) - 0.05, RELIABILITY_LIMITS["xlim"][1])
+
 SPARSE_LABEL = f"bin of < {MIN_BIN_QUESTIONS} questions (grey, not joined)"
 SPARSE_STYLE = {"facecolors": "none", "edgecolors": "0.55", "linewidths": 0.9, "zorder": 2}
 
@@ -174,7 +185,7 @@ def reliability_diagram(summary: dict, title: str, stem: str) -> dict[str, bytes
         top.errorbar((left + width / 2)[dense], accuracy[dense], yerr=np.nan_to_num(error), fmt="none",
                      ecolor="black", capsize=2, linewidth=0.8, label="95% image-bootstrap interval")
     ece = summary["metrics"]["all"]["ece"]
-    top.set(xlim=(0.45, 1), ylim=(-0.04, 1.08), ylabel="accuracy")  # points and intervals at 0 or 1 stay inside
+    top.set(xlim=(confidence_floor([summary]) - 0.05, 1), ylim=(-0.04, 1.08), ylabel="accuracy")  # points and intervals at 0 or 1 stay inside
     top.set_title(f"{title}\nECE {ece['value']:.3f} [{ece['ci95'][0]:.3f}, {ece['ci95'][1]:.3f}]", fontsize=10)
     top.legend(loc="upper left", fontsize=7)
     bottom.bar(left, np.where(counts > 0, counts, np.nan), width=width, align="edge", edgecolor="white", color="gray")
@@ -183,7 +194,7 @@ def reliability_diagram(summary: dict, title: str, stem: str) -> dict[str, bytes
             bottom.annotate(str(count), (x + w / 2, count), ha="center", va="bottom", fontsize=7)
     _log_count_axis(bottom)
     bottom.set_ylim(top=max(counts.max(initial=1), 1) * 3)  # room for the count above the tallest bar
-    bottom.set(xlim=(0.45, 1), xlabel="confidence (top-label, two-way)", ylabel="questions (log)")
+    bottom.set(xlim=(confidence_floor([summary]) - 0.05, 1), xlabel="confidence (top-label)", ylabel="questions (log)")
     return _render(figure, stem)
 
 
@@ -204,11 +215,11 @@ def reliability_overlay(summaries: Sequence[dict], labels: Sequence[str], title:
         bottom.bar(left + position * share, np.where(counts > 0, counts, np.nan), width=share, align="edge",
                    color=line.get_color(), label=label)
     _sparse_legend_entry(top)
-    top.set(**RELIABILITY_LIMITS, ylabel="accuracy")
+    top.set(xlim=reliability_xlim(summaries), ylim=RELIABILITY_LIMITS["ylim"], ylabel="accuracy")
     top.set_title(f"{title}\nmarker area: questions in the bin; bars: 95% image-bootstrap interval", fontsize=10)
     top.legend(loc="upper left", fontsize=7)
     _log_count_axis(bottom)
-    bottom.set(xlim=RELIABILITY_LIMITS["xlim"], xlabel="mean confidence in bin", ylabel="questions per bin (log)")
+    bottom.set(xlim=reliability_xlim(summaries), xlabel="mean confidence in bin", ylabel="questions per bin (log)")
     return _render(figure, stem)
 
 
@@ -225,7 +236,7 @@ def confidence_histogram(summary: dict, title: str, stem: str) -> dict[str, byte
         axis.stairs(counts, edges, baseline=0.5, color=color)
     _log_count_axis(axis)
     auroc = summary["metrics"]["all"]["auroc"]["value"]
-    axis.set(xlabel="confidence (top-label, two-way)", ylabel="questions (log scale)", title=f"{title}\nAUROC {auroc:.3f}")
+    axis.set(xlabel="confidence (top-label)", ylabel="questions (log scale)", title=f"{title}\nAUROC {auroc:.3f}")
     axis.title.set_fontsize(10)
     axis.legend(fontsize=8)
     return _render(figure, stem)
@@ -310,7 +321,7 @@ def retention_figure(
     accuracy_axis, confidence_axis = axes[0]
     accuracy_axis.set(ylabel="accuracy", ylim=(-0.03, 1.05))
     confidence_axis.set(ylabel="mean confidence (axis zoomed to the data)",
-                        ylim=zoomed_limits(confidence_values, 0.5, 1.0 + 0.005))
+                        ylim=zoomed_limits(confidence_values, confidence_floor(summaries), 1.0 + 0.005))
     for axis in axes[0]:
         axis.set_xlim(-0.5, axis.get_xlim()[1] + 0.1)  # room for the n labels left of the first group
         axis.legend(fontsize=7)

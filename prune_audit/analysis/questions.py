@@ -1,4 +1,4 @@
-"""The per-question arrays every analysis reads (one row per POPE question of a run)."""
+"""The per-question arrays every analysis reads (one row per question of a run, any task)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ class QuestionTable:
         cost_tokens: (n,) float64, prefill cost: the sequence length averaged over decoder layers.
         flops: (n,) float64, analytic prefill FLOPs (docs/compute.md).
         latency_ms: (n,) float64, measured prefill wall time per question.
+        answer: (n,) str, the answer as compared across runs (a cascade's disagreement with the dense run);
+            None: compare ``answer_yes``.
+        top_label: the task has no yes/no answer (``Task.binary_view``): the yes/no event is "the answer is
+            correct" at probability ``confidence`` (``label_yes`` = correct, ``answer_yes`` all true, ``p_yes`` =
+            confidence, ``logit_diff`` its logit), so confidence may lie below 0.5 and POPE's answer scores do not
+            apply.
     """
 
     split: np.ndarray
@@ -48,6 +54,8 @@ class QuestionTable:
     cost_tokens: np.ndarray
     flops: np.ndarray
     latency_ms: np.ndarray
+    answer: np.ndarray | None = None
+    top_label: bool = False
 
     def __post_init__(self) -> None:
         lengths = {name: len(value) for name, value in self.columns().items()}
@@ -58,11 +66,13 @@ class QuestionTable:
         return len(self.question_id)
 
     def columns(self) -> dict[str, np.ndarray]:
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        """The per-question arrays (``answer`` only when present; ``top_label`` is not a column)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                if isinstance(getattr(self, field.name), np.ndarray)}
 
     def take(self, rows: np.ndarray) -> QuestionTable:
         """The rows selected by a boolean mask or an index array, in that order."""
-        return QuestionTable(**{name: value[rows] for name, value in self.columns().items()})
+        return QuestionTable(**{name: value[rows] for name, value in self.columns().items()}, top_label=self.top_label)
 
     def keys(self) -> list[tuple[str, int]]:
         return list(zip(self.split.tolist(), self.question_id.tolist()))

@@ -121,6 +121,8 @@ def _question_table(task: Task, records: pa.Table, source: str, at_stage: StageV
         cost_tokens=records["cost_tokens"].to_numpy().astype(np.float64),
         flops=records["flops"].to_numpy().astype(np.float64),
         latency_ms=records["latency_ms"].to_numpy().astype(np.float64),
+        answer=binary["answer"],
+        top_label=bool(binary["top_label"]),
     )
 
 

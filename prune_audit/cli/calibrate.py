@@ -123,8 +123,9 @@ def print_calibration_table(report: dict, out: Path) -> None:
     table.add_column("metric")
     for entry in entries:
         table.add_column(entry["label"] + (" (reference)" if entry is report["reference"] else ""))
-    for row in (shown for shown in METRICS if shown.name not in TABLE_HIDDEN):
-        table.add_row(row.label, *(_cell(entry["metrics"]["all"][row.name], row.precise) for entry in entries))
+    reported = {name for entry in entries for name in entry["metrics"]["all"]}  # a task without yes/no has fewer
+    for row in (shown for shown in METRICS if shown.name not in TABLE_HIDDEN and shown.name in reported):
+        table.add_row(row.label, *(_cell(entry["metrics"]["all"].get(row.name), row.precise) for entry in entries))
     table.add_section()
     table.add_row("temperature T", *(_temperature(entry["temperature"]) for entry in entries))
     for key in SCALED_ROWS:

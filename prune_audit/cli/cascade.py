@@ -136,7 +136,7 @@ def print_cascade_table(report: dict, out: Path) -> None:
     report = json_ready(report)
     table = Table(title=f"Confidence-gated cascade (conformal risk control, epsilon = {report['settings']['epsilon']})")
     table.add_column("cascade", no_wrap=True)
-    for column in ("t", "escalated", "cost", "savings", "test risk", "held-out mean / worst"):
+    for column in ("t", "escalated", "cost", "savings", "test risk", "held-out mean ± s.e. / worst"):
         table.add_column(column)
     for entry in report["cascades"]:
         checks = entry["validity"]
@@ -148,7 +148,7 @@ def print_cascade_table(report: dict, out: Path) -> None:
             f"{entry['relative_cost']:.3f}",
             "-" if share is None else f"{share:.2f}",
             f"{entry['disagreement']:.4f}",
-            f"{checks['mean_disagreement']:.4f} / {checks['worst_disagreement']:.4f}",
+            f"{checks['mean_disagreement']:.4f} ± {checks['sem_disagreement']:.4f} / {checks['worst_disagreement']:.4f}",
         )
     console = Console()
     console.print(table)
@@ -158,6 +158,7 @@ def print_cascade_table(report: dict, out: Path) -> None:
         f"t: confidence threshold; cost: {COST_LABELS[report['settings']['cost']]} relative to the reference "
         f"{reference}; savings: share of the "
         f"possible savings (uninformative -> perfect gating); test risk: mean disagreement with {reference} on the "
-        f"test images; held-out: over {report['settings']['splits']} random image splits"
+        f"test images; held-out: over {report['settings']['splits']} random image splits (each question is its own "
+        f"image for ScienceQA), mean ± its standard error, against epsilon"
     )
     console.print(f"wrote cascade.json and plots to {out}")

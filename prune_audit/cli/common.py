@@ -39,6 +39,12 @@ MaxNewTokensOption = Annotated[
     typer.Option(min=1, help="Tasks that generate (gqa): most tokens per answer (default: the task's, docs/tasks.md).",
                  show_default=False),
 ]
+ConfidenceOption = Annotated[
+    Optional[str],
+    typer.Option(help="Tasks that generate: the confidence recorded, sequence (product of the answer's token "
+                      "probabilities) or mean-token (their geometric mean); default the task's (docs/tasks.md).",
+                 show_default=False),
+]
 QuestionsOption = Annotated[
     Optional[list[Path]],
     typer.Option(help="The task's question file(s) (any task; --pope names POPE's); repeatable."),

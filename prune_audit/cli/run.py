@@ -13,6 +13,7 @@ from prune_audit.cli.common import (
     DeviceOption,
     DtypeOption,
     ImagesOption,
+    ConfidenceOption,
     LimitOption,
     MaxNewTokensOption,
     ModelOption,
@@ -40,6 +41,7 @@ def run(
     questions: QuestionsOption = None,
     split: SplitOption = None,
     max_new_tokens: MaxNewTokensOption = None,
+    confidence: ConfidenceOption = None,
     images: ImagesOption = None,
     annotations: AnnotationsOption = None,
     out: Annotated[Optional[Path], typer.Option(help="Run directory (default: runs/<model>-<selector>-<budget>, then each --option value that differs from its default, then limitN with --limit N, e.g. runs/demo-fastv-64-paper-limit200).")] = None,
@@ -68,14 +70,15 @@ def run(
 
     from prune_audit.tasks import get_task
 
-    get_task(task, max_new_tokens)  # an unknown task or a misplaced limit is named before the question options
+    get_task(task, max_new_tokens, confidence)  # an unknown task or a misplaced option before the question options
     if pope and questions:
         raise fail("pass the question files once: --pope (POPE) or --questions (any task), not both")
     if pope and task != "pope":
         raise fail(f"--pope names POPE question files; pass the {task} question files with --questions")
     request = RunRequest(
         model=model, selector=selector, budget=parse_budget(budget), options=list(option or []),
-        pope=list(pope or questions or []), task=task, max_new_tokens=max_new_tokens, split=split,
+        pope=list(pope or questions or []), task=task, max_new_tokens=max_new_tokens,
+        confidence=confidence, split=split,
         images=images, annotations=annotations, out=out, limit=limit, batch_size=batch_size, device=device,
         dtype=dtype, seed=seed, shard=parse_shard(shard) if shard else None, prompt_template=prompt_template,
         clip_text=clip_text, threads=threads, command=command,
@@ -118,6 +121,7 @@ def print_summary(result, plan) -> None:
                      f"{summary.get('lost_objects_last_stage', 0)} of {with_mask}"))
     if summary.get("diluted_objects"):  # only merging selectors dilute: the row appears for them
         rows.append((f"diluted objects, stage {first}", f"{summary['diluted_objects']} of {with_mask}"))
+    rows += plan.task.summary_rows(result.records) if summary.get("questions") else []
     rows += cost_rows(summary)
     for name, value in rows:
         table.add_row(name, value)

@@ -10,16 +10,20 @@ import typer
 from prune_audit.cli.common import (
     AnnotationsOption,
     ClipTextOption,
+    ConfidenceOption,
     DeviceOption,
     DtypeOption,
     ImagesOption,
     LimitOption,
+    MaxNewTokensOption,
     ModelOption,
     PopeOption,
     PromptTemplateOption,
+    QuestionsOption,
     QuietOption,
     SplitOption,
     STAGE_HELP,
+    TaskOption,
     ThreadsOption,
     command_line,
     handle_errors,
@@ -34,7 +38,11 @@ def study(
     budgets: Annotated[str, typer.Option(help="Budgets (visual tokens, a share such as 11%, or all), comma-separated, "
                                           "each once.")] = ",".join(DEFAULT_BUDGETS),
     model: ModelOption = None,
+    task: TaskOption = "pope",
     pope: PopeOption = None,
+    questions: QuestionsOption = None,
+    max_new_tokens: MaxNewTokensOption = None,
+    confidence: ConfidenceOption = None,
     split: SplitOption = None,
     images: ImagesOption = None,
     annotations: AnnotationsOption = None,
@@ -83,6 +91,13 @@ def study(
     from prune_audit.runner.study.grid import StudyGrid, check_grid, check_stage, parse_budgets, parse_list
     from prune_audit.safety.ownership import check_output_dir
 
+    from prune_audit.tasks import get_task
+
+    get_task(task, max_new_tokens, confidence)  # an unknown task or a misplaced option, before anything else
+    if pope and questions:
+        raise PruneAuditError("pass the question files once: --pope (POPE) or --questions (any task), not both")
+    if pope and task != "pope":
+        raise PruneAuditError(f"--pope names POPE question files; pass the {task} question files with --questions")
     targets = parse_epsilons(epsilons, "--epsilons")
     if splits < 1:
         raise PruneAuditError(f"--splits must be at least 1, got {splits}")
@@ -104,7 +119,8 @@ def study(
         parse_budgets(budgets),
         out,
         RunRequest(
-            model=model, pope=list(pope or []), split=split, images=images, annotations=annotations, limit=limit,
+            model=model, pope=list(pope or questions or []), task=task, max_new_tokens=max_new_tokens,
+            confidence=confidence, split=split, images=images, annotations=annotations, limit=limit,
             batch_size=batch_size, device=device, dtype=dtype, seed=seed, prompt_template=prompt_template,
             clip_text=clip_text, threads=threads,
         ),

@@ -66,17 +66,13 @@ def _none(work: SelectorWork) -> int:
     return 0
 
 
-def _greedy_rows(work: SelectorWork, width: int) -> int:
-    """The full N x N similarity and one row per greedy step after the first."""
-    return matmul(work.tokens, width, work.tokens) + max(work.kept - 1, 0) * matmul(1, width, work.tokens)
-
-
 def _divprune(work: SelectorWork) -> int:
     """The N x N cosine, held and read while it fits one block (``pruners.similarity.farthest_point_order``:
     exact there); above, one row per pick after the first (the speculative rows vary with the data)."""
+    gram = matmul(work.tokens, work.feature_width, work.tokens)
     if rows_per_block(work.tokens) >= work.tokens:
-        return matmul(work.tokens, work.feature_width, work.tokens)
-    return _greedy_rows(work, work.feature_width)
+        return gram
+    return gram + max(work.kept - 1, 0) * matmul(1, work.feature_width, work.tokens)
 
 
 def _cdpruner(work: SelectorWork) -> int:
@@ -179,7 +175,11 @@ SELECTOR_FLOPS: dict[str, SelectorFlops] = {
 def selector_flops(name: str, work: SelectorWork) -> tuple[int, bool]:
     """``(FLOPs, exact)`` of selector ``name``'s own arithmetic on ``work``."""
     entry = SELECTOR_FLOPS.get(name)
-    return (0, False) if entry is None else (entry.formula(work), entry.exact)
+    if entry is None:
+        return 0, False
+    # ToMe with location=tower reruns the vision tower with merges between its layers: not modelled, so nominal
+    tower = name == "tome" and work.options.get("location") == "tower"
+    return entry.formula(work), entry.exact and not tower
 
 
 __all__ = ["SelectorWork", "SelectorFlops", "SELECTOR_FLOPS", "selector_flops"]

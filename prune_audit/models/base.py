@@ -268,7 +268,7 @@ class VisionLanguageModel(AnswerModes, ABC):
     def _input_signals(self, item: Prepared, output: VisionOutput, requires: frozenset[str]) -> InputSignals:
         signals = InputSignals(grid=item.grid, features=output.features.float(), model_dtype=self.dtype)
         for name, value in output.signals.items():
-            setattr(signals, name, value.float())
+            setattr(signals, name, value.float() if isinstance(value, Tensor) else value)  # merging_tower: a function
         if "text_relevance" in requires:
             relevance, in_model_dtype = self._text_relevance(item, output)
             signals.text_relevance, signals.model_text_relevance = relevance.float(), in_model_dtype.float()

@@ -207,6 +207,21 @@ def build_llava(
     return save_dir
 
 
+def qwen_tokenizer(words: Sequence[str], extra_special_tokens: Sequence[str] = ()):
+    """A word-level tokenizer with the Qwen-VL special tokens and ``extra_special_tokens``
+    (no BOS, ``<|im_end|>`` ends a turn) and the Qwen chat template."""
+    special = (*SPECIAL_TOKENS, *QWEN_SPECIAL_TOKENS, *extra_special_tokens)
+    tokenizer = word_level_tokenizer(
+        _vocabulary(words, special, QWEN_TEMPLATE_WORDS),
+        special_tokens=special,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
 def build_qwen2_5_vl(
     save_dir: str | Path,
     *,
@@ -252,14 +267,7 @@ def build_qwen2_5_vl(
     head_dim = text_hidden_size // text_heads
     if 2 * sum(mrope_section) != head_dim:
         raise ValueError(f"mrope_section {tuple(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}")
-    vocabulary = _vocabulary(words, (*SPECIAL_TOKENS, *QWEN_SPECIAL_TOKENS), QWEN_TEMPLATE_WORDS)
-    tokenizer = word_level_tokenizer(
-        vocabulary,
-        special_tokens=(*SPECIAL_TOKENS, *QWEN_SPECIAL_TOKENS),
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
+    tokenizer = qwen_tokenizer(words)
     ids = tokenizer.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         vision_config={
@@ -301,7 +309,6 @@ def build_qwen2_5_vl(
     )
     # Qwen2_5_VLProcessor insists on a video processor, which needs torchvision; the adapter
     # composes image processor + tokenizer itself, so those two (and the template) are saved.
-    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     model.save_pretrained(save_dir)
     image_processor.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)
@@ -362,6 +369,7 @@ __all__ = [
     "build_llava",
     "build_qwen2_5_vl",
     "build_clip",
+    "qwen_tokenizer",
     "SPECIAL_TOKENS",
     "QWEN_SPECIAL_TOKENS",
 ]

@@ -52,6 +52,9 @@ class DecoderStack:
     rotary: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
     apply_rope: RopeFn
     config: Any
+    #: ``(layer index, output hidden (B, L, D), batch) -> hidden`` after each prefill layer: what a family adds
+    #: to the residual stream there (Qwen3-VL's deepstack features, by each visual token's kind)
+    after_layer: Callable[[int, Tensor, Batch], Tensor] | None = None
 
     def probe(self, layer: int) -> DecoderProbe:
         return DecoderProbe(self.layers[layer], self.apply_rope)
@@ -179,6 +182,8 @@ class LanguageLoop:
                 cache=cache,
                 use_cache=use_cache,
             )
+            if self.stack.after_layer is not None:
+                hidden = self.stack.after_layer(index, hidden, batch)
             batch = replace(batch, hidden=hidden)
             key_valid.append(batch.valid)
         logits = self.stack.lm_head(self.stack.norm(batch.hidden[:, -1])).float()

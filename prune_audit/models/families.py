@@ -1,15 +1,20 @@
 """Which adapter serves which checkpoint: one registration per config ``model_type``.
 
 Adding a family is one adapter module (a :class:`VisionLanguageModel` subclass with
-``transformers_class`` and ``from_model``) plus one :func:`register_family` line below.
+``transformers_class``, ``from_model`` and ``build_tiny``, its offline random-weight
+builder) plus one :func:`register_family` line below; ``tests/test_families_registry.py``
+then runs every check on it. ``docs/models.md`` lists the families.
 """
 
 from __future__ import annotations
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
+from prune_audit.models.internvl import InternVLModel
 from prune_audit.models.llava import LlavaModel
 from prune_audit.models.qwen import QwenModel
+from prune_audit.models.qwen2_vl import Qwen2VLModel
+from prune_audit.models.qwen3_vl import Qwen3VLModel
 
 _ADAPTERS: dict[str, type[VisionLanguageModel]] = {}
 
@@ -37,5 +42,8 @@ def adapter_for(model_type: str, source: str) -> type[VisionLanguageModel]:
 
 register_family("llava", LlavaModel)
 register_family("qwen2_5_vl", QwenModel)
+register_family("qwen2_vl", Qwen2VLModel)
+register_family("internvl", InternVLModel)
+register_family("qwen3_vl", Qwen3VLModel)
 
 __all__ = ["register_family", "family_names", "adapter_for"]

@@ -9,7 +9,9 @@ selection the prompt is simply shorter, so positions are contiguous (§1.2).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.loading import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
-from prune_audit.models.probe import clip_attention, clip_cls_row, single_tensor_rope
+from prune_audit.models.probe import clip_attention, clip_attention_block, clip_cls_row, single_tensor_rope
 from prune_audit.models.shape import clip_text_shape, language_shape, llava_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
@@ -42,7 +44,7 @@ class LlavaModel(VisionLanguageModel):
     family = "llava"
     input_signals = frozenset(
         {"features", "vision_features", "cls_attention", "cls_logits", "vision_keys", "cls_feature"}
-        | {"text_relevance", "demand"} | LAYER_SIGNALS
+        | {"text_relevance", "demand", "merging_tower"} | LAYER_SIGNALS
     )
     cls_probe_signals, layer_probe_signals = CLS_SIGNALS, LAYER_SIGNALS
     missing_signals_reason = "this adapter does not compute it"
@@ -54,6 +56,15 @@ class LlavaModel(VisionLanguageModel):
         from transformers import LlavaForConditionalGeneration
 
         return LlavaForConditionalGeneration
+
+    @classmethod
+    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
+                   image_size: int = 112) -> Path:
+        """A random-weight checkpoint of this family for offline tests
+        (:func:`~prune_audit.models.build.build_llava`)."""
+        from prune_audit.models.build import build_llava
+
+        return build_llava(save_dir, words=words, text_layers=text_layers, seed=seed, image_size=image_size)
 
     @classmethod
     def check_clip_text(cls, clip_text: object) -> None:
@@ -168,6 +179,8 @@ class LlavaModel(VisionLanguageModel):
             if "vision_keys" in requires:
                 signals["vision_keys"] = cls_keys[b]
             signals.update({name: value[b] for name, value in per_layer.items() if name in requires})
+            if "merging_tower" in requires:
+                signals["merging_tower"] = partial(self._merging_tower, pixels[b])
             outputs.append(VisionOutput(features[b], signals))
         return outputs
 
@@ -180,6 +193,22 @@ class LlavaModel(VisionLanguageModel):
             received.append(probs.mean(dim=(1, 2))[:, 1:])
             cls_rows.append(probs[:, :, 0, 1:].mean(dim=1))
         return {"layer_attention": torch.stack(received, dim=1), "layer_cls_attention": torch.stack(cls_rows, dim=1)}
+
+    def _merging_tower(self, pixels: Tensor, merge: Callable) -> tuple[Tensor, list[Tensor]]:
+        """The tower on one (3, H, W) image up to the feature layer with ``merge`` between the attention and
+        the MLP of every layer (``InputSignals.merging_tower``; ToMe's block, proportional attention when
+        ``merge.proportional``): (1 + M, Dv) states, CLS first, and the grid cells each carries."""
+        tower = self.vision_tower
+        hidden = tower.pre_layrnorm(tower.embeddings(pixels[None]))[0]  # (1 + N, Dv)
+        size = torch.ones(hidden.shape[0])
+        sources = [torch.zeros(0, dtype=torch.long)] + [torch.tensor([cell]) for cell in range(hidden.shape[0] - 1)]
+        layers = tower.encoder.layers[: self.feature_index]
+        for index, layer in enumerate(layers):
+            bias = size.log().to(hidden.device) if merge.proportional else None
+            attended, metric = clip_attention_block(layer, hidden, bias)
+            hidden, size, sources = merge(index, len(layers), hidden + attended, metric.cpu(), size, sources)
+            hidden = hidden + layer.mlp(layer.layer_norm2(hidden))
+        return hidden, sources
 
     def _tower_states(self, pixels: Tensor) -> list[Tensor]:
         """CLIP hidden states 0..feature_index of (B, 3, H, W) pixels, each (B, 1 + N, Dv).

@@ -59,10 +59,11 @@ class Prepared:
 
 @dataclass
 class VisionOutput:
-    """One image through the vision tower: (N, D) projector outputs plus optional signals."""
+    """One image through the vision tower: (N, D) projector outputs plus optional signals (tensors, and the
+    ``merging_tower`` function)."""
 
     features: Tensor
-    signals: dict[str, Tensor] = field(default_factory=dict)
+    signals: dict[str, Any] = field(default_factory=dict)
 
 
 

@@ -3,8 +3,9 @@
 The models run with SDPA, which returns no attention weights, and selectors need
 only a handful of rows (the CLS row of one CLIP layer, the text rows of one decoder
 layer). The probes recompute those rows from the layer's own projections, exactly as
-the layer's eager path would: decoder layers apply ``input_layernorm``, RoPE with the
-positions the layer receives, repeat K/V heads for GQA and the ``1/sqrt(d)`` scale;
+the layer's eager path would: decoder layers apply ``input_layernorm``, the per-head
+query/key norms where the layer has them (Qwen3), RoPE with the positions the layer
+receives, repeat K/V heads for GQA and the ``1/sqrt(d)`` scale;
 the softmax is taken in float32 over every key the row can see (selectors spec §1.3).
 """
 
@@ -29,6 +30,13 @@ def single_tensor_rope(apply_rotary_pos_emb: Callable) -> RopeFn:
     return apply
 
 
+def _head_norm(attention: nn.Module, name: str, states: Tensor) -> Tensor:
+    """(1, L, heads, d) projections through the attention's per-head ``q_norm``/``k_norm`` when it has one
+    (Qwen3 normalises each head's queries and keys before RoPE), else unchanged."""
+    norm = getattr(attention, name, None)
+    return states if norm is None else norm(states)
+
+
 @dataclass
 class DecoderProbe:
     """Query/key access to one decoder layer of a Llama-style language model.
@@ -46,14 +54,16 @@ class DecoderProbe:
         """(Hkv, L, d) post-RoPE keys of one sequence; ``hidden`` is (L, D), cos/sin (L, d)."""
         attention = self.layer.self_attn
         normed = self.layer.input_layernorm(hidden[None])
-        keys = attention.k_proj(normed).view(1, hidden.shape[0], -1, attention.head_dim).transpose(1, 2)
+        keys = attention.k_proj(normed).view(1, hidden.shape[0], -1, attention.head_dim)
+        keys = _head_norm(attention, "k_norm", keys).transpose(1, 2)
         return self.apply_rope(keys, cos[None], sin[None])[0]
 
     def queries(self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """(H, R, d) post-RoPE queries of ``rows`` (R,) of one sequence."""
         attention = self.layer.self_attn
         normed = self.layer.input_layernorm(hidden[rows][None])
-        queries = attention.q_proj(normed).view(1, rows.numel(), -1, attention.head_dim).transpose(1, 2)
+        queries = attention.q_proj(normed).view(1, rows.numel(), -1, attention.head_dim)
+        queries = _head_norm(attention, "q_norm", queries).transpose(1, 2)
         return self.apply_rope(queries, cos[rows][None], sin[rows][None])[0]
 
     def dot_products(self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -150,4 +160,32 @@ def clip_attention(layer: nn.Module, hidden: Tensor) -> Tensor:
     return torch.softmax(queries.float() @ keys.float().transpose(2, 3) * attention.scale, dim=-1)
 
 
-__all__ = ["DecoderProbe", "clip_attention", "clip_cls_row", "single_tensor_rope", "RopeFn"]
+def clip_attention_block(layer: nn.Module, hidden: Tensor, key_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The attention half of one CLIP encoder layer with a bias per key, and its head-mean keys (ToMe's block).
+
+    Args:
+        layer: a ``CLIPEncoderLayer``; hidden: (L, Dv) its input (one image, CLS first).
+        key_bias: (L,) added to every query's logit of each key (ToMe's proportional attention: ``log(size)``),
+            or None.
+
+    Returns:
+        ``(attended, metric)``: (L, Dv) the self-attention output before the residual, (L, d) the keys' mean
+        over heads.
+    """
+    attention = layer.self_attn
+    length = hidden.shape[0]
+    normed = layer.layer_norm1(hidden[None])
+    heads = [
+        projection(normed).view(1, length, -1, attention.head_dim).transpose(1, 2)
+        for projection in (attention.q_proj, attention.k_proj, attention.v_proj)
+    ]
+    queries, keys, values = heads
+    logits = queries.float() @ keys.float().transpose(2, 3) * attention.scale
+    if key_bias is not None:
+        logits = logits + key_bias.float()
+    mixed = torch.softmax(logits, dim=-1).to(values.dtype) @ values  # (1, H, L, d)
+    attended = attention.out_proj(mixed.transpose(1, 2).reshape(1, length, -1))
+    return attended[0], keys[0].mean(dim=0)
+
+
+__all__ = ["DecoderProbe", "clip_attention", "clip_attention_block", "clip_cls_row", "single_tensor_rope", "RopeFn"]

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from prune_audit.compute.shape import ModelShape
+from prune_audit.compute.shape import ModelShape, VisionShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
@@ -51,6 +52,15 @@ class QwenModel(VisionLanguageModel):
         return Qwen2_5_VLForConditionalGeneration
 
     @classmethod
+    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
+                   image_size: int = 112) -> Path:
+        """A random-weight checkpoint of this family for offline tests
+        (:func:`~prune_audit.models.build.build_qwen2_5_vl`)."""
+        from prune_audit.models.build import build_qwen2_5_vl
+
+        return build_qwen2_5_vl(save_dir, words=words, text_layers=text_layers, seed=seed, image_size=image_size)
+
+    @classmethod
     def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
                    clip_text: str | None) -> QwenModel:
         from transformers import AutoImageProcessor, AutoTokenizer
@@ -69,8 +79,10 @@ class QwenModel(VisionLanguageModel):
 
         template = self.resolve_template(prompt_template)
         text_config = model.config.text_config
-        if any(kind != "full_attention" for kind in text_config.layer_types):
-            raise PruneAuditError("Qwen2.5-VL checkpoints with sliding-window decoder layers are not supported")
+        if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
+            raise PruneAuditError(
+                f"{self.display_name} checkpoints with sliding-window decoder layers are not supported"
+            )
         language = model.model.language_model
         stack = DecoderStack(
             embed_tokens=language.embed_tokens,
@@ -84,7 +96,12 @@ class QwenModel(VisionLanguageModel):
         super().__init__(model, tokenizer, stack, model_id=model_id, prompt_template=template,
                          system_prompt=system_prompt)
         self.image_processor = image_processor
-        self.shape = ModelShape(qwen_vision_shape(model.config), language_shape(text_config), model.dtype.itemsize)
+        self.shape = ModelShape(self.vision_shape(model.config), language_shape(text_config), model.dtype.itemsize)
+
+    @staticmethod
+    def vision_shape(config: Any) -> VisionShape:
+        """The vision tower and merger the compute accounting counts (Qwen2.5-VL's windowed ViT)."""
+        return qwen_vision_shape(config)
 
     def prompt(self, question: str, num_image_tokens: int = 1) -> str:
         """The Qwen2.5-VL chat prompt for one image followed by ``question``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -60,6 +61,8 @@ class InputSignals:
         demand: (N,) demand weights for coverage selection (first-layer probe).
         layer_attention: (Lv, N) per encoder layer run (the feature layer's last): attention each patch gets,
             mean over heads and all 1 + N query rows (HiPrune); layer_cls_attention: the CLS row's (VScan).
+        merging_tower: ``f(merge) -> (states (1 + M, Dv), sources)``: the tower rerun to the feature layer with
+            ``merge`` between attention and MLP of each layer (ToMe's :class:`~prune_audit.pruners.tome.TowerMerging`).
         model_dtype: the dtype the model computes the signals in (the adapters pass the
             model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
     """
@@ -76,6 +79,7 @@ class InputSignals:
     demand: Tensor | None = None
     layer_attention: Tensor | None = None
     layer_cls_attention: Tensor | None = None
+    merging_tower: Callable[[Any], tuple[Tensor, list[Tensor]]] | None = None
     model_dtype: torch.dtype = torch.float32
 
     @property
@@ -362,24 +366,7 @@ class LayerSelector(Selector):
 
 
 __all__ = [
-    "InputSignals",
-    "LayerSignals",
-    "VISION_LAYER_SIGNALS",
-    "Selection",
-    "Stage",
-    "TokenMerge",
-    "SelectorLevel",
-    "Reference",
-    "Selector",
-    "InputSelector",
-    "LayerSelector",
-    "top_k_indices",
-    "TOP_K_TIES",
-    "MODEL_ATTENTIONS",
-    "ranked_indices",
-    "validate_budget",
-    "option_defaults",
-    "as_float32",
-    "cls_probabilities",
-    "rounded_to",
-]
+    "InputSignals", "LayerSignals", "VISION_LAYER_SIGNALS", "Selection", "Stage", "TokenMerge", "SelectorLevel",
+    "Reference", "Selector", "InputSelector", "LayerSelector", "top_k_indices", "TOP_K_TIES", "MODEL_ATTENTIONS",
+    "ranked_indices", "validate_budget", "option_defaults", "as_float32", "cls_probabilities", "rounded_to",
+]  # fmt: skip

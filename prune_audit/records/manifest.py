@@ -23,6 +23,7 @@ MANIFEST_FILE = "manifest.json"
 CONFIG_FIELDS = (
     "task",
     "max_new_tokens",
+    "confidence",
     "model",
     "processor",
     "prompt",
@@ -45,10 +46,11 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
      "refuse another version"),
     ("task", "the run's task (`run --task`, docs/tasks.md); every other command reads it from here (absent: pope)"),
     ("max_new_tokens", "generation limit of a task answered by greedy decoding (null for first-token tasks)"),
+    ("confidence", "a generating task's confidence definition, sequence or mean-token (null for first-token tasks)"),
     ("git_revision", "git commit of the prune-audit source (null outside a checkout)"),
     ("versions", "{python, torch, transformers} versions"),
     ("model", "{id, config_hash}: model folder or hub id, and a hash of its config"),
-    ("family", "model family adapter: llava or qwen2_5_vl"),
+    ("family", "model family adapter: a registered model_type (docs/models.md)"),
     ("prompt", "{template, system}: prompt template name and system prompt"),
     ("dtype", "weights' dtype (float32, bfloat16, float16)"),
     ("device", "torch device the model ran on"),
@@ -304,6 +306,7 @@ MANIFEST_SCHEMA: dict[str, tuple[bool, Check]] = {
     "records_schema": (True, _integer),  # its value is checked first (check_schema_version)
     "task": (False, _string),
     "max_new_tokens": (False, _optional(_positive)),
+    "confidence": (False, _optional(_string)),
     "git_revision": (False, _optional(_string)),
     "versions": (False, _optional(_mapping())),
     "model": (True, _mapping(id=_string, config_hash=_string)),

@@ -164,7 +164,7 @@ RUN_COLUMNS: tuple[Column, ...] = (
     _task("pope", "p_yes_2way", pa.float64(), "p_yes / (p_yes + p_no)"),
     _task("pope", "logit_diff", pa.float64(), "log p_yes - log p_no (the two-way logit d; p_yes_2way = sigmoid(d))"),
     _task(GENERATING, "sequence_prob", pa.float64(), "probability of the whole generated answer: the product of its "
-                                                "tokens' full-vocabulary probabilities (gqa's confidence)"),
+                                                "tokens' full-vocabulary probabilities"),
     _task(GENERATING, "mean_token_prob", pa.float64(), "the length-normalised form: geometric mean of the generated "
                                                   "tokens' probabilities (1.0 for an empty answer)"),
     _task(GENERATING, "answer_tokens", pa.int64(), "tokens generated, the end-of-sequence token excluded"),

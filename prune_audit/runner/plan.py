@@ -43,6 +43,7 @@ class RunRequest:
     pope: list[Path] = field(default_factory=list)  # the task's question files (--pope, or --questions)
     task: str = "pope"
     max_new_tokens: int | None = None  # generating tasks only; None: the task's default
+    confidence: str | None = None  # generating tasks only (Task.confidences); None: the task's default
     split: str | None = None
     images: Path | None = None
     annotations: Path | None = None
@@ -98,7 +99,7 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
         raise PruneAuditError("--shard cannot be combined with torchrun/accelerate launch; use one or the other")
     from prune_audit.tasks import get_task
 
-    task = get_task(request.task, request.max_new_tokens)
+    task = get_task(request.task, request.max_new_tokens, request.confidence)
     _resolve_demo_defaults(request)
     selector, budget = _make_selector(request)
     questions = _load_questions(task, request)
@@ -349,6 +350,7 @@ def _manifest(
     manifest = base_manifest()
     manifest["task"] = task.name
     manifest["max_new_tokens"] = task.max_new_tokens
+    manifest["confidence"] = task.confidence
     manifest.update(description)
     manifest["processor"] = {**manifest.get("processor", {}), "first_image": first.geometry.to_dict()}
     manifest["selector"] = _selector_description(selector, budget, vlm, first.num_visual)

@@ -15,15 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import numpy as np
+
 from prune_audit.errors import PruneAuditError
 
 if TYPE_CHECKING:
-    import numpy as np
     import pyarrow as pa
 
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.retention import ObjectArea
     from prune_audit.answer_modes import AnswerMode, Reduction
+
+
+LOGIT_LIMIT = 50.0
+"""Bound of the top-label logit (``Task.binary_view``): sigmoid(50) is 1 - 2e-22, 1.0 in float64."""
 
 
 class TaskQuestion(Protocol):
@@ -100,11 +105,18 @@ class Task(ABC):
             (precision, recall, F1, yes ratio) need a yes/no answer.
         default_max_new_tokens: the generation limit of a task that answers by greedy decoding (``--max-new-tokens``
             overrides it); None for a task answered by its first token.
+        confidences: the confidence definitions a generating task offers (``--confidence``), the default first:
+            ``sequence`` (the product of the tokens' probabilities) and ``mean-token`` (their geometric mean).
     """
 
     default_max_new_tokens: ClassVar[int | None] = None
+    confidences: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, max_new_tokens: int | None = None) -> None:
+    def __init__(self, max_new_tokens: int | None = None, confidence: str | None = None) -> None:
+        if confidence is not None and confidence not in self.confidences:
+            offered = f"choose {' or '.join(self.confidences)}" if self.confidences else "it has one definition: drop it"
+            raise PruneAuditError(f"--confidence {confidence!r} does not apply to task {self.name}; {offered}")
+        self.confidence = confidence or (self.confidences[0] if self.confidences else None)
         if max_new_tokens is not None:
             if self.default_max_new_tokens is None:
                 raise PruneAuditError(f"--max-new-tokens applies to tasks that generate their answers; {self.name} "
@@ -157,15 +169,30 @@ class Task(ABC):
     required_columns: ClassVar[tuple[str, ...]] = ()
     """The task's own record columns the analyses read (each must hold a value in every row)."""
 
-    def binary_view(self, records: pa.Table, source: str) -> dict[str, np.ndarray]:
-        """The records as the yes/no analyses (``analysis.questions.QuestionTable``) read them, four (n,) arrays:
-        ``label_yes`` and ``answer_yes`` (bool), ``p_yes`` (float64, two-way p(yes)) and ``logit_diff`` (its
-        logit). Records a task cannot read are refused in one line naming ``source``; a task without a yes/no
-        answer is refused, since the analyses' binning, Brier score and temperature scaling assume one."""
-        raise PruneAuditError(
-            f"{source} is a {self.name} run; calibrate, cascade, study and intervene read yes/no tasks (pope) so far: "
-            f"read its records.parquet (answer_text, references, correct, confidence, retention)"
-        )
+    def binary_view(self, records: pa.Table, source: str) -> dict[str, Any]:
+        """The records as the analyses (``analysis.questions.QuestionTable``) read them: four (n,) arrays,
+        ``label_yes`` and ``answer_yes`` (bool), ``p_yes`` (float64) and ``logit_diff`` (its logit), plus
+        ``answer`` ((n,) str, compared across runs) and ``top_label`` (bool).
+
+        This default serves a task without a yes/no answer: the event is "the answer is correct" at probability
+        ``confidence`` (``label_yes`` = correct, ``answer_yes`` all true, ``p_yes`` = confidence, its logit clipped
+        to +-LOGIT_LIMIT so that a confidence of exactly 0 or 1 stays finite), ``top_label`` true. Brier and NLL
+        are then those of the top-label confidence, and temperature scaling rescales its logit.
+        """
+        correct = records["correct"].to_numpy(zero_copy_only=False).astype(bool)
+        confidence = records["confidence"].to_numpy().astype(np.float64)
+        with np.errstate(divide="ignore"):
+            logit = np.clip(np.log(confidence) - np.log1p(-confidence), -LOGIT_LIMIT, LOGIT_LIMIT)
+        return {"label_yes": correct, "answer_yes": np.ones_like(correct), "p_yes": confidence, "logit_diff": logit,
+                "answer": self.comparable_answers(records), "top_label": True}
+
+    def summary_rows(self, records: pa.Table) -> list[tuple[str, str]]:
+        """The task's own lines of the run summary (name, formatted value), after the common ones."""
+        return []
+
+    def comparable_answers(self, records: pa.Table) -> np.ndarray:
+        """(n,) str: each answer as two runs' answers are compared (default ``answer_text`` as generated)."""
+        return records["answer_text"].to_numpy(zero_copy_only=False).astype(str)
 
 
 __all__ = ["Evidence", "Scored", "Task", "TaskQuestion"]

@@ -13,6 +13,8 @@ commit 064abb3) reusing the pruned KV cache. Mentions are extracted with CHAIR's
 CHAIR-s's complement: the caption mentions no absent object. Confidence is the length-normalised
 probability of the caption (geometric mean of its tokens' probabilities, ``mean_token_prob``): the
 product over hundreds of tokens underflows towards 0 for every caption; the product is recorded too.
+The run summary adds CHAIR-s, object recall and the omission rate among the objects the first stage lost
+against those it kept (``omission_by_fate``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from prune_audit.tasks.evidence import CocoEvidence
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from prune_audit.answer_modes import Generation
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.retention import ObjectArea
@@ -81,6 +85,20 @@ class CaptionEvidence(CocoEvidence):
         return [(name, self.category_area(image_id, name, geometry)) for name in question.caption.objects]
 
 
+def omission_by_fate(rows: Sequence[dict[str, Any]]) -> dict[str, tuple[int, int]]:
+    """(objects, omitted) among the annotated objects the first stage ``lost`` and those it ``kept``
+    (records' ``evidence_objects``, ``evidence_objects_lost`` and ``omitted``; objects without pixels left out)."""
+    counts = {"lost": [0, 0], "kept": [0, 0]}
+    for row in rows:
+        for name, lost in zip(row["evidence_objects"], row["evidence_objects_lost"]):
+            if lost is None:
+                continue
+            tally = counts["lost" if lost else "kept"]
+            tally[0] += 1
+            tally[1] += name in row["omitted"]
+    return {fate: (objects, omitted) for fate, (objects, omitted) in counts.items()}
+
+
 def _is_instances(data: Any) -> bool:
     return isinstance(data, dict) and "categories" in data
 
@@ -91,11 +109,13 @@ class CaptionTask(Task):
     summary = "Detailed captions of COCO images, object mentions scored by CHAIR (hallucinated and omitted objects)"
     answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
     confidence_definition = ("the length-normalised caption probability: the geometric mean of its tokens' "
-                             "probabilities (mean_token_prob; the product is sequence_prob)")
+                             "probabilities (mean_token_prob); `--confidence sequence` takes their product "
+                             "(sequence_prob); both are recorded")
     evidence_definition = "every annotated object's COCO mask: their union, and each object on its own"
     evidence_noun = "the annotated objects"
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
     default_max_new_tokens = 1024
+    confidences = ("mean-token", "sequence")
 
     def read_questions(self, paths: Sequence[Path]) -> list[CaptionTaskQuestion]:
         instances, captions = [], []
@@ -128,7 +148,8 @@ class CaptionTask(Task):
             "recall": scored.recall,
         }
         present = tuple(dict.fromkeys((*scored.annotated, *caption.caption_objects)))
-        return Scored(generation.answer, present, not scored.chair_s, columns["mean_token_prob"], columns)
+        confidence = columns["sequence_prob" if self.confidence == "sequence" else "mean_token_prob"]
+        return Scored(generation.answer, present, not scored.chair_s, confidence, columns)
 
     def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
         """CHAIR-s, CHAIR-i, recall and omissions of the captions (``data.captions.score_caption_answers``); the
@@ -136,6 +157,20 @@ class CaptionTask(Task):
         from prune_audit.data.captions import score_caption_answers
 
         return score_caption_answers(answers, [question.caption for question in self.read_questions(question_files)])
+
+    def summary_rows(self, records: pa.Table) -> list[tuple[str, str]]:
+        """CHAIR-s, object recall, and the omission rate of the objects the first stage lost against those it kept
+        (the same failure as a lost POPE object, outside yes/no)."""
+        rows = records.select(["correct", "evidence_objects", "evidence_objects_lost", "omitted"]).to_pylist()
+        fates = omission_by_fate(rows)
+        annotated = sum(len(row["evidence_objects"]) for row in rows)
+        omitted = sum(len(row["omitted"]) for row in rows)
+        lines = [("CHAIR-s (captions naming an absent object)", f"{1 - sum(r['correct'] for r in rows) / len(rows):.4f}"),
+                 ("object recall", f"{1 - omitted / annotated:.4f}" if annotated else "-")]
+        for fate, (count, missed) in fates.items():
+            lines.append((f"omitted among objects {fate} at the first stage",
+                          f"{missed / count:.4f} of {count}" if count else "- of 0"))
+        return lines
 
     def image_id(self, question: CaptionTaskQuestion) -> int:
         return question.question_id
@@ -151,4 +186,4 @@ class CaptionTask(Task):
         return CaptionEvidence(coco)
 
 
-__all__ = ["CaptionEvidence", "CaptionTask", "CaptionTaskQuestion"]
+__all__ = ["CaptionEvidence", "CaptionTask", "CaptionTaskQuestion", "omission_by_fate"]

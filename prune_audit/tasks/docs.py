@@ -35,9 +35,12 @@ Plug-in tasks: a `prune_audit.tasks.Task` subclass exposed under the entry-point
 registers under the entry point's name, as selectors do under `prune_audit.selectors`. Its records hold the
 core columns; its own columns are declared in `prune_audit/records/schema.py`.
 
-`calibrate`, `cascade`, `study` and `intervene` read yes/no tasks (POPE) so far; a run of another task is
-refused there in one line, and its `records.parquet` holds every answer, score and retention value.
-`visualize --run` and `merge` work on every task.
+`calibrate`, `cascade`, `intervene`, `visualize --run` and `merge` read every task. A task without a yes/no
+answer is analysed through its top-label confidence: the event "the answer is correct" at probability
+`confidence`, so ECE, AUROC and AURC are as for POPE, Brier and NLL are the top-label ones, temperature scaling
+rescales the confidence's logit (the answer never changes), POPE's precision, recall, F1 and yes ratio are left
+out, and a cascade's disagreement compares answers as the task normalises them (GQA: LLaVA's rule).
+`study --task NAME --questions FILE...` runs a selector x budget grid of any one task.
 """
 
 

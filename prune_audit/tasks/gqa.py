@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from prune_audit.answer_modes import Greedy
 from prune_audit.data.gqa import (
     GqaQuestion,
@@ -32,12 +34,15 @@ from prune_audit.data.gqa import (
     evidence_mask,
     evidence_objects,
     exact_match,
+    normalize_answer,
 )
 from prune_audit.errors import PruneAuditError
 from prune_audit.tasks.base import Scored, Task
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.retention import ObjectArea
     from prune_audit.answer_modes import Generation
@@ -118,11 +123,13 @@ class GqaTask(Task):
     summary = "GQA short answers (LLaVA's prompt), scored by GQA's exact match"
     answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
     confidence_definition = ("the probability of the whole generated answer: the product of its tokens' "
-                             "probabilities (sequence_prob; the length-normalised mean_token_prob is recorded too)")
+                             "probabilities (sequence_prob); `--confidence mean-token` takes the length-normalised "
+                             "form, their geometric mean (mean_token_prob); both are recorded")
     evidence_definition = "the union of the scene-graph boxes of the objects the question's annotations name"
     evidence_noun = "the annotated objects"
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
     default_max_new_tokens = 128
+    confidences = ("sequence", "mean-token")
 
     def read_questions(self, paths: Sequence[Path]) -> list[GqaTaskQuestion]:
         from prune_audit.data.gqa import load_gqa, load_llava_gqa
@@ -161,14 +168,19 @@ class GqaTask(Task):
             "stopped": generation.stopped,
             "evidence_object_ids": list(question.gqa.evidence_object_ids),
         }
-        return Scored(generation.answer, (reference,), exact_match(generation.answer, reference), generation.confidence,
-                      columns)
+        confidence = columns["sequence_prob" if self.confidence == "sequence" else "mean_token_prob"]
+        return Scored(generation.answer, (reference,), exact_match(generation.answer, reference), confidence, columns)
 
     def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
         """GQA's exact match after LLaVA's normalisation (``data.gqa.score_gqa_answers``)."""
         from prune_audit.data.gqa import score_gqa_answers
 
         return score_gqa_answers(answers, [question.gqa for question in self.read_questions(question_files)])
+
+    def comparable_answers(self, records: pa.Table) -> np.ndarray:
+        """Answers as GQA's evaluation compares them (LLaVA's normalisation: stripped, trailing periods, lower case)."""
+        texts = records["answer_text"].to_numpy(zero_copy_only=False).astype(str)
+        return np.array([normalize_answer(text) for text in texts], dtype=str)
 
     def image_id(self, question: GqaTaskQuestion) -> int:
         return stable_image_id(question.gqa.image_id)

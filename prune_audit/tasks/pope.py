@@ -102,8 +102,9 @@ class PopeTask(Task):
 
     required_columns = ("label", "answer", "p_yes_2way", "logit_diff")
 
-    def binary_view(self, records: pa.Table, source: str) -> dict[str, np.ndarray]:
-        """The yes/no event itself: label and answer "yes", two-way p(yes) and its logit."""
+    def binary_view(self, records: pa.Table, source: str) -> dict[str, Any]:
+        """The yes/no event itself: label and answer "yes", two-way p(yes) and its logit; answers compared as
+        yes/no."""
         label, answer = (records[name].to_numpy(zero_copy_only=False).astype(str) for name in ("label", "answer"))
         for name, values in (("label", label), ("answer", answer)):
             unexpected = sorted(set(values.tolist()) - set(LABELS))
@@ -114,6 +115,8 @@ class PopeTask(Task):
             "answer_yes": answer == "yes",
             "p_yes": records["p_yes_2way"].to_numpy().astype(np.float64),
             "logit_diff": records["logit_diff"].to_numpy().astype(np.float64),
+            "answer": answer,
+            "top_label": False,
         }
 
 

@@ -52,18 +52,18 @@ def list_tasks() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_task(name: str, max_new_tokens: int | None = None) -> Task:
-    """The registered task ``name`` (``max_new_tokens``: the generation limit of a task that generates);
-    an unknown name or a bad limit is a one-line PruneAuditError."""
+def get_task(name: str, max_new_tokens: int | None = None, confidence: str | None = None) -> Task:
+    """The registered task ``name``; a task that generates takes its generation limit and confidence definition
+    (``Task.confidences``). An unknown name or a misplaced option is a one-line PruneAuditError."""
     _load_plugins()
     if name not in _REGISTRY:
         raise PruneAuditError(f"unknown task {name!r}; choose one of {', '.join(list_tasks())} (--task)")
-    return _REGISTRY[name](max_new_tokens)
+    return _REGISTRY[name](max_new_tokens, confidence)
 
 
 def manifest_task(manifest: dict) -> Task:
-    """The task a run manifest records (``task``, ``max_new_tokens``)."""
-    return get_task(manifest.get("task", DEFAULT_TASK), manifest.get("max_new_tokens"))
+    """The task a run manifest records (``task``, ``max_new_tokens``, ``confidence``)."""
+    return get_task(manifest.get("task", DEFAULT_TASK), manifest.get("max_new_tokens"), manifest.get("confidence"))
 
 
 __all__ = ["DEFAULT_TASK", "get_task", "list_tasks", "manifest_task", "register_task"]

@@ -68,7 +68,11 @@ class StudyGrid:
         base, defaults = self.base, RunRequest()
         words = ["prune-audit", "run"]
         pairs: list[tuple[str, object]] = [("--model", base.model)]
-        pairs += [("--pope", path) for path in base.pope]
+        if base.task != defaults.task:
+            pairs += [("--task", base.task), *(("--questions", path) for path in base.pope)]
+            pairs += [("--max-new-tokens", base.max_new_tokens), ("--confidence", base.confidence)]
+        else:
+            pairs += [("--pope", path) for path in base.pope]
         pairs += [("--split", base.split), ("--images", base.images), ("--annotations", base.annotations)]
         pairs += [("--selector", None if cell.selector == REFERENCE else cell.selector), ("--budget", cell.budget)]
         pairs += [("--out", self.run_dir(cell)), ("--limit", base.limit)]

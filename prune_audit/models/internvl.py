@@ -1,0 +1,317 @@
+"""InternVL3 in the Hugging Face layout (``InternVLForConditionalGeneration``), one 448-px tile per image.
+
+Vision: InternViT (CLS first) -> the ``vision_feature_layer`` states without CLS
+(strategy ``"default"``) -> pixel shuffle with ``downsample_ratio`` 0.5, so each LLM
+visual token is the channel concatenation of a 2x2 block of 14-px patches (28x28
+processed pixels), row-major -> MLP projector. A 448x448 tile gives 16x16 = 256 tokens.
+
+Geometry: with one tile the image processor (``GotOcr2ImageProcessor``) resizes the
+whole image to ``size`` (448x448, aspect not kept) with no pad and no crop, so token
+(r, c) covers original pixels ``[c*28/sx, (c+1)*28/sx) x [r*28/sy, (r+1)*28/sy)``.
+Dynamic tiling (``crop_to_patches`` with ``max_patches > 1``: up to 12 tiles of the
+best aspect-ratio canvas plus a 448-px thumbnail) gives several token grids per
+image, which :class:`~prune_audit.data.geometry.TokenGeometry` (one grid per image)
+cannot record; such a processor is refused at load with the fix (docs/models.md).
+
+Positions: the language model (Qwen2.5 in InternVL3) uses 1-D RoPE; after input-level
+selection the prompt is simply shorter (compact positions), as for LLaVA.
+
+Signals: the projected features, the pre-projector pixel-shuffled features (so merging
+selectors can merge before the projector, as on LLaVA) and the layer-0 text demand.
+The LLM input has no CLS token and each LLM token is four ViT patches, so the
+CLS- and vision-attention selectors (FasterVLM, VisionZip, VisPruner, SCOPE, HiPrune,
+VScan) are refused; no CLIP text space, so CDPruner is refused.
+
+Prompt: the official InternVL chat format (ChatML; ``<img>`` + ``<IMG_CONTEXT>`` x N +
+``</img>`` then a newline before the question), as ``model.chat`` of the
+OpenGVLab/InternVL3 checkpoints builds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prune_audit.compute.shape import ModelShape, VisionShape
+from prune_audit.errors import PruneAuditError
+from prune_audit.models.base import VisionLanguageModel
+from prune_audit.models.executor import DecoderStack
+from prune_audit.models.loading import load_part
+from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
+from prune_audit.models.probe import single_tensor_rope
+from prune_audit.models.shape import language_shape
+from prune_audit.pruners.base import LayerSelector
+
+PROMPT_TEMPLATE = "internvl_chatml"
+# the system message of the official InternVL2.5/3 conversation template ("internvl2_5")
+DEFAULT_SYSTEM = (
+    "你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。"
+)
+START_IMAGE, END_IMAGE, CONTEXT_IMAGE = "<img>", "</img>", "<IMG_CONTEXT>"
+
+
+class InternVLModel(VisionLanguageModel):
+    """InternVL3 adapter (one image per prompt, one 448-px tile per image)."""
+
+    family = "internvl"
+    input_signals = frozenset({"features", "vision_features", "demand"})
+    missing_signals_reason = (
+        "its language model gets no CLS token (each visual token is a 2x2 pixel-shuffled patch group), "
+        "this adapter reads no vision-tower attention, and it has no CLIP text space"
+    )
+    display_name = "InternVL"
+    prompt_templates = (PROMPT_TEMPLATE,)
+
+    @classmethod
+    def transformers_class(cls) -> type:
+        from transformers import InternVLForConditionalGeneration
+
+        return InternVLForConditionalGeneration
+
+    @classmethod
+    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
+                   image_size: int = 112) -> Path:
+        """A random-weight checkpoint of this family for offline tests (:func:`build_internvl`)."""
+        return build_internvl(save_dir, words=words, text_layers=text_layers, seed=seed, image_size=image_size)
+
+    @classmethod
+    def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
+                   clip_text: str | None) -> InternVLModel:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        cls.check_clip_text(clip_text)
+        # the processor class wants a video processor (torchvision): image processor + tokenizer suffice
+        image_processor = load_part(
+            "image processor", source, lambda: AutoImageProcessor.from_pretrained(source, backend="pil")
+        )
+        tokenizer = load_part("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
+        return cls(model, image_processor, tokenizer, model_id=source, prompt_template=prompt_template,
+                   system_prompt=system_prompt)
+
+    def __init__(self, model, image_processor, tokenizer, *, model_id: str, prompt_template: str | None = None,
+                 system_prompt: str | None = None):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        config = model.config
+        if config.vision_feature_select_strategy != "default" or not isinstance(config.vision_feature_layer, int):
+            raise PruneAuditError(
+                "only InternVL checkpoints with one vision_feature_layer and the 'default' strategy (CLS dropped) "
+                "are supported"
+            )
+        if config.downsample_ratio != 0.5:
+            raise PruneAuditError(f"InternVL downsample_ratio {config.downsample_ratio} is not supported (0.5 is)")
+        if getattr(image_processor, "crop_to_patches", False) and getattr(image_processor, "max_patches", 1) > 1:
+            raise PruneAuditError(
+                f"{model_id}: InternVL dynamic tiling (crop_to_patches, max_patches "
+                f"{image_processor.max_patches}) gives an image several token grids, which prune-audit does not "
+                f"record yet; set \"crop_to_patches\": false in its preprocessor_config.json (one 448-px tile)"
+            )
+        text_config = config.text_config
+        if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
+            raise PruneAuditError("InternVL checkpoints with sliding-window decoder layers are not supported")
+        template = self.resolve_template(prompt_template)
+        language = model.model.language_model
+        stack = DecoderStack(
+            embed_tokens=language.embed_tokens,
+            layers=language.layers,
+            norm=language.norm,
+            lm_head=model.lm_head,
+            rotary=lambda hidden, positions: language.rotary_emb(hidden, positions[0]),
+            apply_rope=single_tensor_rope(apply_rotary_pos_emb),
+            config=text_config,
+        )
+        super().__init__(model, tokenizer, stack, model_id=model_id, prompt_template=template,
+                         system_prompt=system_prompt)
+        self.image_processor = image_processor
+        self.shape = ModelShape(internvl_vision_shape(config), language_shape(text_config), model.dtype.itemsize)
+        patch = config.vision_config.patch_size
+        self.patch_size = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
+        self.token_pixels = int(round(self.patch_size / config.downsample_ratio))
+
+    def prompt(self, question: str, num_image_tokens: int = 1) -> str:
+        """The InternVL chat prompt for one image followed by ``question``."""
+        system = self.system_prompt or DEFAULT_SYSTEM
+        image = f"{START_IMAGE}{CONTEXT_IMAGE * num_image_tokens}{END_IMAGE}"
+        return (
+            f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{image}\n{question}<|im_end|>\n"
+            f"<|im_start|>assistant\n"
+        )
+
+    def prepare(self, image, question: str) -> Prepared:
+        image = image.convert("RGB")
+        pixel_values = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+        if pixel_values.shape[0] != 1:
+            raise PruneAuditError(f"the image processor made {pixel_values.shape[0]} tiles; one is supported")
+        geometry = tile_geometry(image.size, tuple(int(side) for side in pixel_values.shape[-2:]), self.token_pixels)
+        input_ids = self.tokenizer(self.prompt(question, geometry.num_tokens), return_tensors="pt")["input_ids"][0]
+        span = find_image_span(input_ids, self.model.config.image_token_id)
+        return Prepared(
+            input_ids=input_ids,
+            image_span=span,
+            grid=geometry.grid,
+            pixel_values=pixel_values[0],
+            question=question,
+            image_size=image.size,
+            geometry=geometry,
+        )
+
+    def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
+        pixels = torch.stack([item.pixel_values for item in prepared]).to(self.device, self.dtype)
+        shuffled = self._shuffled_patches(pixels)
+        features = self.model.model.multi_modal_projector(shuffled)
+        outputs = []
+        for b in range(len(prepared)):
+            signals = {"vision_features": shuffled[b]} if "vision_features" in requires else {}
+            outputs.append(VisionOutput(features[b], signals))
+        return outputs
+
+    def _shuffled_patches(self, pixels: Tensor) -> Tensor:
+        """(B, N, 4 Dv) pre-projector tokens of (B, 3, H, W) tiles, as ``get_image_features`` builds them:
+        feature-layer states without CLS, pixel-shuffled so token (r, c) holds patches 2r..2r+1 x 2c..2c+1."""
+        layer = self.model.config.vision_feature_layer
+        out = self.model.model.vision_tower(pixel_values=pixels, output_hidden_states=layer != -1)
+        states = out.last_hidden_state if layer == -1 else out.hidden_states[layer]
+        patches = states[:, 1:]
+        side = pixels.shape[-2] // self.patch_size
+        grid = patches.reshape(patches.shape[0], side, pixels.shape[-1] // self.patch_size, -1)
+        shuffled = self.model.model.pixel_shuffle(grid, scale_factor=self.model.config.downsample_ratio)
+        return shuffled.reshape(shuffled.shape[0], -1, shuffled.shape[-1])
+
+    @property
+    def vision_head_dim(self) -> int:
+        """Width of one InternViT attention head."""
+        vision = self.model.config.vision_config
+        return vision.hidden_size // vision.num_attention_heads
+
+    def _project(self, vision_tokens: Tensor) -> Tensor:
+        return self.model.model.multi_modal_projector(vision_tokens)
+
+    def _full_positions(self, prepared: Prepared) -> Tensor:
+        return torch.arange(prepared.input_ids.numel())[None]
+
+    def _input_positions(self) -> str:
+        return "compact"
+
+    def _layer_positions(self, selector: LayerSelector | None) -> str:
+        return getattr(selector, "positions", "keep_original")
+
+    def _family_description(self) -> dict[str, Any]:
+        size = getattr(self.image_processor, "size", None) or {}
+        return {
+            "processor": {
+                "class": type(self.image_processor).__name__,
+                "mode": "hf_crop (a plain resize to one tile, no crop)",
+                "size": dict(size),
+                "crop_to_patches": bool(getattr(self.image_processor, "crop_to_patches", False)),
+                "patch_size": self.patch_size,
+                "downsample_ratio": self.model.config.downsample_ratio,
+                "vision_feature_layer": self.model.config.vision_feature_layer,
+            },
+        }
+
+
+def internvl_vision_shape(config: Any) -> VisionShape:
+    """InternViT (CLS + patches, every layer runs: the adapter reads its feature layer from a full forward)
+    and the projector after the 2x2 pixel shuffle (LayerNorm, then 4 Dv -> D and D -> D)."""
+    vision, text_width = config.vision_config, config.text_config.hidden_size
+    patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
+    shuffled_width = vision.hidden_size * 4
+    return VisionShape(
+        layers=vision.num_hidden_layers,
+        width=vision.hidden_size,
+        mlp_width=vision.intermediate_size,
+        mlp_matrices=2,
+        patch_inputs=vision.num_channels * patch**2,
+        class_tokens=1,
+        merge=2,
+        window=0,
+        full_attention_layers=(),
+        projector=((shuffled_width, text_width), (text_width, text_width)),
+    )
+
+
+def tile_geometry(image_size: tuple[int, int], tile: tuple[int, int], token_pixels: int = 28):
+    """:class:`~prune_audit.data.geometry.TokenGeometry` of an image resized whole to one (height, width)
+    ``tile`` (aspect not kept, no pad, no crop) with one token per ``token_pixels`` square: the
+    ``hf_crop`` mode without its crop."""
+    from prune_audit.data.geometry import clip_geometry
+
+    return clip_geometry(image_size, mode="hf_crop", shortest_edge=None, resize_to=tile, crop_size=None,
+                         patch_size=token_pixels)
+
+
+def build_internvl(
+    save_dir: str | Path,
+    *,
+    words: Sequence[str],
+    image_size: int = 112,
+    patch_size: int = 14,
+    vision_hidden_size: int = 32,
+    vision_layers: int = 2,
+    vision_heads: int = 2,
+    text_hidden_size: int = 64,
+    text_intermediate_size: int = 128,
+    text_layers: int = 2,
+    text_heads: int = 4,
+    text_kv_heads: int = 2,
+    seed: int = 0,
+) -> Path:
+    """Save a randomly initialised ``InternVLForConditionalGeneration`` (InternViT + Qwen2) with its
+    PIL image processor (one ``image_size`` tile, ``crop_to_patches`` off) and tokenizer.
+
+    ``image_size`` must be a multiple of ``2 * patch_size``: the tile gives
+    ``(image_size / (2 * patch_size))**2`` visual tokens. The real InternVL3-8B widths are
+    ``image_size=448, vision_hidden_size=1024, vision_layers=24, vision_heads=16,
+    text_hidden_size=3584, text_intermediate_size=18944, text_layers=28, text_heads=28, text_kv_heads=4``.
+    """
+    from transformers import GotOcr2ImageProcessorPil, InternVLConfig, InternVLForConditionalGeneration
+
+    from prune_audit.models.build import qwen_tokenizer
+
+    if image_size % (2 * patch_size):
+        raise ValueError(f"image_size {image_size} must be a multiple of 2 * patch_size = {2 * patch_size}")
+    save_dir = Path(save_dir)
+    tokenizer = qwen_tokenizer(words, extra_special_tokens=(START_IMAGE, END_IMAGE, CONTEXT_IMAGE))
+    ids = tokenizer.convert_tokens_to_ids
+    config = InternVLConfig(
+        vision_config={
+            "hidden_size": vision_hidden_size,
+            "num_hidden_layers": vision_layers,
+            "num_attention_heads": vision_heads,
+            "intermediate_size": 2 * vision_hidden_size,
+            "image_size": [image_size, image_size],
+            "patch_size": [patch_size, patch_size],
+        },
+        text_config={
+            "model_type": "qwen2",
+            "vocab_size": len(tokenizer),
+            "hidden_size": text_hidden_size,
+            "intermediate_size": text_intermediate_size,
+            "num_hidden_layers": text_layers,
+            "num_attention_heads": text_heads,
+            "num_key_value_heads": text_kv_heads,
+            "max_position_embeddings": 512,
+            "bos_token_id": None,
+            "eos_token_id": ids("<|im_end|>"),
+            "pad_token_id": ids("<|endoftext|>"),
+            "tie_word_embeddings": False,
+        },
+        image_token_id=ids(CONTEXT_IMAGE),
+        image_seq_length=(image_size // (2 * patch_size)) ** 2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = InternVLForConditionalGeneration(config).eval()
+    image_processor = GotOcr2ImageProcessorPil(size={"height": image_size, "width": image_size},
+                                               crop_to_patches=False)
+    model.save_pretrained(save_dir)
+    image_processor.save_pretrained(save_dir)
+    tokenizer.save_pretrained(save_dir)
+    return save_dir
+
+
+__all__ = ["InternVLModel", "build_internvl", "tile_geometry", "PROMPT_TEMPLATE", "DEFAULT_SYSTEM"]

@@ -1,0 +1,318 @@
+"""Every registered model family, the same checks (as timm tests every registered model).
+
+Each family builds its own tiny random-weight checkpoint offline (``build_tiny``). For
+each: keep-all equals the stock transformers forward (logits) and stock greedy
+generation; the decoder probe equals eager attention; dropping tokens equals the stock
+forward with them masked; every selector runs at the full budget or is refused in one
+line; ``prune-audit run`` records every supported selector, shards merge to one
+process's records, a rerun resumes, ``visualize`` and ``intervene`` run; the token
+geometry maps every visual token to its pixels, on synthetic images and on a real COCO
+image's object masks; docs/models.md's selector table says what runs. Family-specific
+checks follow at the end (InternVL's pixel shuffle and tiling refusal, Qwen3-VL's
+deepstack, the real-size image processors).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from prune_audit.cli.main import app
+from prune_audit.data.coco import CocoInstances
+from prune_audit.data.geometry import mask_area_per_token, token_footprints, token_index_map
+from prune_audit.data.scenes import CATEGORIES
+from prune_audit.errors import PruneAuditError
+from prune_audit.models import family_names, load_vlm
+from prune_audit.models.families import adapter_for
+from prune_audit.pruners import get_selector, list_selectors
+from prune_audit.records.schema import TIMING_COLUMNS
+from tiny_models import QUESTIONS, WORDS, RecordingLayerSelector, masked_reference_logits, random_image, stock_inputs
+
+TOL = 1e-5
+NUM_LAYERS = 4
+SIZES = [(130, 100), (100, 130)]  # landscape and portrait: non-square grids where the family allows them
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module", params=family_names())
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def checkpoint(family, tmp_path_factory):
+    words = [*WORDS, "Is", *CATEGORIES]
+    return adapter_for(family, "test").build_tiny(tmp_path_factory.mktemp(family) / "model", words=words,
+                                                  text_layers=NUM_LAYERS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def vlm(checkpoint):
+    return load_vlm(checkpoint, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prepared(vlm):
+    return [vlm.prepare(random_image(seed, size), q) for seed, (size, q) in enumerate(zip(SIZES, QUESTIONS))]
+
+
+def test_every_family_declares_its_parts():
+    for name in family_names():
+        adapter = adapter_for(name, "test")
+        assert adapter.family == name and adapter.display_name and adapter.prompt_templates
+        assert callable(adapter.build_tiny) and adapter.transformers_class().__name__.endswith("ForConditionalGeneration")
+
+
+def test_loaded_model_is_the_registered_adapter(family, vlm):
+    assert type(vlm) is adapter_for(family, "test")
+    assert vlm.describe()["family"] == family
+
+
+def test_keep_all_equals_the_stock_forward(vlm, prepared):
+    for item in prepared:
+        with torch.no_grad():
+            stock = vlm.model(**stock_inputs(vlm, item)).logits[0, -1].float()
+        assert (vlm.prefill([item])[0].logits[0] - stock).abs().max() <= TOL
+
+
+def test_decoder_probe_equals_eager_attention(vlm, checkpoint, prepared):
+    """The text-to-image attention rows the in-LLM selectors score, against the stock eager attention
+    (GQA, M-RoPE, Qwen3's per-head query/key norms, deepstack additions before the layer)."""
+    item = prepared[0]
+    eager = type(vlm).transformers_class().from_pretrained(checkpoint, attn_implementation="eager").eval()
+    with torch.no_grad():
+        attentions = eager(**stock_inputs(vlm, item), output_attentions=True).attentions
+    start, end = item.image_span
+    for layer in (1, NUM_LAYERS - 1):
+        selector = RecordingLayerSelector(layer=layer, keep=item.num_visual - 1)
+        vlm.answer([item], selector, 1)
+        expected = attentions[layer][0, :, end:, start:end]
+        assert (selector.records[-1].text_probs - expected).abs().max() <= TOL
+
+
+def test_in_llm_drop_equals_the_stock_forward_with_dropped_keys_masked(vlm, prepared):
+    """Dropping tokens at a layer (original positions) equals masking them from that layer on in the stock
+    forward: Qwen3-VL's deepstack features follow the same kept set."""
+    item = prepared[1]
+    kept = list(range(0, item.num_visual, 3))
+    logits = vlm.prefill([item], forced_stages=[[(1, kept)]])[0].logits[0]
+    assert (logits - masked_reference_logits(vlm, item, [1], [kept])).abs().max() <= TOL
+    if vlm.positions_for(get_selector("divprune")) == "keep_original":  # input level, same ids
+        logits = vlm.prefill([item], forced_kept=[kept])[0].logits[0]
+        assert (logits - masked_reference_logits(vlm, item, [0], [kept])).abs().max() <= TOL
+
+
+def test_keep_all_generation_equals_stock_generate(vlm, prepared):
+    item = prepared[0]
+    with torch.no_grad():
+        stock = vlm.model.generate(**stock_inputs(vlm, item), max_new_tokens=5, do_sample=False)
+    expected = vlm.tokenizer.decode(stock[0, item.input_ids.numel():], skip_special_tokens=True).strip()
+    assert vlm.generate(item, max_new_tokens=5) == expected
+
+
+@pytest.mark.parametrize("name", list_selectors())
+def test_every_selector_at_full_budget_equals_keep_all_or_refuses_in_one_line(vlm, prepared, name):
+    item = prepared[0]
+    if name not in vlm.supported_selectors():
+        with pytest.raises(PruneAuditError) as error:
+            vlm.answer([item], get_selector(name), item.num_visual)
+        message = str(error.value)  # the cause, and the fix: other selectors or the missing CLIP text tower
+        assert "\n" not in message and ("selectors that work here: " in message or "--clip-text" in message)
+        return
+    prefill, _ = vlm.prefill([item], get_selector(name), item.num_visual)
+    assert prefill.tokens_per_layer[0] == [item.num_visual] * NUM_LAYERS
+
+
+def test_geometry_maps_every_visual_token_to_its_pixels(vlm, prepared):
+    for item in prepared:
+        geometry = item.geometry
+        assert geometry.grid == item.grid and geometry.num_tokens == item.num_visual
+        assert geometry.image_size == item.image_size
+        index = token_index_map(geometry)
+        # every token owns pixels; pixels without a token (-1) are those a centre crop removed
+        assert set(np.unique(index)) - {-1} == set(range(item.num_visual))
+        assert (index >= 0).all() or geometry.mode == "hf_crop"
+        boxes = token_footprints(geometry)
+        assert boxes.shape == (item.num_visual, 4) and (boxes[:, 2] > boxes[:, 0]).all()
+
+
+def test_real_coco_mask_area_sums_back_per_token(vlm, shared_data):
+    coco_dir = shared_data / "coco" / "tiny_coco_val2017"
+    coco = CocoInstances.load(coco_dir / "instances_val2017.json")
+    image_id = next(i for i in sorted(coco.images) if coco.object_names(i))
+    entry = coco.image(image_id)
+    image = Image.open(coco_dir / "val2017" / entry.file_name)
+    geometry = vlm.prepare(image, QUESTIONS[0]).geometry
+    assert geometry.image_size == entry.size
+    seen = token_index_map(geometry) >= 0
+    for name in coco.object_names(image_id):
+        mask = coco.category_mask(image_id, name)
+        assert mask.any() and mask_area_per_token(mask, geometry).sum() == (mask & seen).sum()
+
+
+def run_args(workspace, checkpoint, out, *extra: str) -> list[str]:
+    args = ["run", "--model", str(checkpoint), "--images", str(workspace["images"]), "--annotations",
+            str(workspace["instances"]), "--out", str(out), "--device", "cpu", "--limit", "4", "--batch-size", "2"]
+    for path in workspace["pope"]:
+        args += ["--pope", str(path)]
+    return args + list(extra)
+
+
+@pytest.mark.parametrize("name", list_selectors())
+def test_run_records_every_supported_selector_and_refuses_the_rest(vlm, prepared, checkpoint, workspace, tmp_path, name):
+    out = tmp_path / name
+    budget = prepared[0].num_visual // 2  # feasible for every schedule: above the layer-0 share of 4 layers
+    result = runner.invoke(app, run_args(workspace, checkpoint, out, "--selector", name, "--budget", str(budget)))
+    if name not in vlm.supported_selectors():
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+        assert name in result.stderr and ("selectors that work here" in result.stderr or "--clip-text" in result.stderr)
+        assert not (out / "records.parquet").exists()
+        return
+    assert result.exit_code == 0, result.output
+    records = pq.read_table(out / "records.parquet").to_pandas()
+    assert len(records) == 4
+    assert records["visual_tokens_avg"].between(1, records["prefill_tokens"].min()).all()
+
+
+def test_internvl_pixel_shuffle_puts_each_2x2_patch_block_in_one_row_major_token():
+    """The geometry's claim (token (r, c) covers patches 2r..2r+1 x 2c..2c+1), checked on the stock
+    ``pixel_shuffle`` the adapter calls, with patch coordinates as features."""
+    from transformers.models.internvl.modeling_internvl import InternVLModel as StockInternVL
+
+    side = 6
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    patches = torch.stack([rows, cols], dim=-1).float()[None]  # (1, side, side, 2): each patch's (row, col)
+    shuffled = StockInternVL.pixel_shuffle(None, patches, scale_factor=0.5).reshape(-1, 4, 2)
+    for token, members in enumerate(shuffled):
+        r, c = divmod(token, side // 2)
+        assert {tuple(m) for m in members.int().tolist()} == {(2 * r + i, 2 * c + j) for i in (0, 1) for j in (0, 1)}
+
+
+def test_internvl_dynamic_tiling_is_refused_in_one_line_before_answering(tmp_path):
+    import json
+
+    path = adapter_for("internvl", "test").build_tiny(tmp_path / "internvl", words=WORDS)
+    config_file = path / "preprocessor_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "crop_to_patches": True,
+                                       "max_patches": 12}))
+    with pytest.raises(PruneAuditError) as error:
+        load_vlm(path, device="cpu")
+    assert "several token grids" in str(error.value) and '"crop_to_patches": false' in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_docs_table_lists_what_runs_on_each_family(family, vlm):
+    """docs/models.md's families x selectors table says what ``supported_selectors`` says."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    table = text.split("## Selectors per family", 1)[1].split("\n## ", 1)[0]
+    lines = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0]]
+    column = header.index(family)  # a registered family without a column fails here
+    cells = {cell[0].strip(): cell[column].strip() for cell in lines[1:] if not set(cell[0]) <= {"-"}}
+    assert sorted(cells) == list_selectors()
+    needs_clip = {"cdpruner"} if "text_relevance" in vlm.input_signals else set()
+    expected = {name: "yes" if name in vlm.supported_selectors() else "with --clip-text" if name in needs_clip else "no"
+                for name in list_selectors()}
+    assert cells == expected
+
+
+def test_qwen3_vl_keep_all_needs_its_deepstack_features(tmp_path):
+    """The stock-forward equality above is sensitive to deepstack: without it the logits move."""
+    path = adapter_for("qwen3_vl", "test").build_tiny(tmp_path / "qwen3", words=WORDS, text_layers=NUM_LAYERS)
+    vlm = load_vlm(path, device="cpu")
+    item = vlm.prepare(random_image(0), QUESTIONS[0])
+    with_deepstack = vlm.prefill([item])[0].logits[0]
+    vlm.loop.stack.after_layer = None
+    assert (vlm.prefill([item])[0].logits[0] - with_deepstack).abs().max() > 1e-3
+
+
+def test_shards_resume_visualize_and_intervene(vlm, prepared, checkpoint, workspace, tmp_path):
+    """The other commands on every family: 2 shards merged equal one process, a rerun resumes without
+    duplicates, ``visualize`` draws a kept set, ``intervene`` re-answers with the kept object cells removed."""
+    budget = str(prepared[0].num_visual // 2)
+    common = ("--selector", "divprune", "--budget", budget, "--limit", "12")
+    whole = tmp_path / "whole"
+    assert runner.invoke(app, run_args(workspace, checkpoint, whole, *common)).exit_code == 0
+    for index in range(2):
+        result = runner.invoke(app, run_args(workspace, checkpoint, tmp_path / f"shard{index}", *common,
+                                             "--shard", f"{index}/2"))
+        assert result.exit_code == 0, result.output
+    merged = tmp_path / "merged"
+    assert runner.invoke(app, ["merge", str(tmp_path / "shard0"), str(tmp_path / "shard1"), "--out", str(merged)]
+                         ).exit_code == 0
+
+    def records(run_dir):
+        frame = pq.read_table(run_dir / "records.parquet").to_pandas()
+        return frame.drop(columns=list(TIMING_COLUMNS)).reset_index(drop=True)
+
+    assert records(merged).equals(records(whole))
+    assert runner.invoke(app, run_args(workspace, checkpoint, whole, *common)).exit_code == 0
+    assert records(whole).equals(records(merged))
+
+    image = sorted(workspace["images"].iterdir())[0]
+    figures = tmp_path / "figures"
+    result = runner.invoke(app, ["visualize", str(image), "--model", str(checkpoint), "--selector", "divprune",
+                                 "--budget", budget, "--question", "Is there a cat in the image?", "--out", str(figures)])
+    assert result.exit_code == 0, result.output
+    assert list(figures.glob("*.png"))
+
+    result = runner.invoke(app, ["intervene", str(whole), "--mode", "remove", "--out", str(tmp_path / "intervene")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "intervene" / "records.parquet").exists()
+
+
+REAL_PROCESSORS = {
+    # the real checkpoints' image-processor settings, without weights
+    "qwen3_vl": lambda transformers, **kw: transformers.Qwen2VLImageProcessorPil(
+        min_pixels=65536, max_pixels=16777216, patch_size=16, merge_size=2, **kw),
+    "internvl": lambda transformers, **kw: transformers.GotOcr2ImageProcessorPil(
+        size={"height": 448, "width": 448}, crop_to_patches=False, **kw),
+}
+
+
+def real_geometry(name, processor, size):
+    from prune_audit.data.geometry import geometry_from_processor
+    from prune_audit.models.internvl import tile_geometry
+
+    return tile_geometry(size, (448, 448)) if name == "internvl" else geometry_from_processor(processor, size)
+
+
+@pytest.mark.parametrize("name", sorted(REAL_PROCESSORS))
+@pytest.mark.parametrize("size", [(640, 480), (480, 640), (500, 333), (1000, 667)])
+def test_real_size_processors_put_every_pixel_on_its_predicted_token(name, size):
+    """At the real checkpoints' sizes (Qwen3-VL's 16-px patches, InternVL's 448-px tile), a token-id image
+    through the bicubic processor shows, away from token borders (3 px: bicubic support), the token the
+    geometry predicts at every processed pixel (tests/test_geometry.py checks LLaVA and Qwen2.5-VL so)."""
+    import transformers
+    from test_geometry import IMAGE_BLUE, _expected_tokens, _processed_pixels, _token_id_image
+
+    processor = REAL_PROCESSORS[name](transformers)
+    geometry = real_geometry(name, processor, size)
+    pixels = np.rint(_processed_pixels(processor, _token_id_image(geometry))).astype(int)
+    assert pixels.shape[1:] == (geometry.processed_height, geometry.processed_width)
+    within = (np.arange(geometry.processed_height) % geometry.token_pixels)[:, None]
+    across = (np.arange(geometry.processed_width) % geometry.token_pixels)[None, :]
+    inner = (within >= 3) & (within < geometry.token_pixels - 3) & (across >= 3) & (across < geometry.token_pixels - 3)
+    decoded = pixels[0] + 256 * ((pixels[1] - 20) // 40)
+    assert (pixels[2] == IMAGE_BLUE).all()  # no padding in either pipeline
+    assert (decoded[inner] == _expected_tokens(geometry)[inner]).all()
+
+
+def test_analytic_flops_equal_the_counted_flops(family, checkpoint, prepared):
+    """The family's declared ``shape`` gives the compute accounting the FLOPs ``FlopCounterMode`` counts over
+    the same eager forward (tests/test_compute.py holds every selector to it on LLaVA and Qwen2.5-VL)."""
+    from test_compute import counted, eager
+
+    vlm = eager(load_vlm(checkpoint, device="cpu"))
+    item = prepared[0]
+    for name in (None, "divprune", "fastv"):
+        selector = None if name is None else get_selector(name)
+        outside, _, answer = counted(vlm, item, selector, None if name is None else item.num_visual // 2)
+        assert outside == answer.cost.flops_vision + answer.cost.flops_llm, name
