@@ -38,7 +38,7 @@ def test_import_stays_light():
 def test_readme_snippet_runs_on_the_demo():
     environment = {**os.environ, "PYTHONPATH": str(README.parent)}
     completed = subprocess.run([sys.executable, "-c", readme_pruning_snippet()], env=environment,
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, check=False)
     assert completed.returncode == 0, completed.stderr[-3000:]
     first, second = completed.stdout.strip().splitlines()
     assert re.search(r" \[\d+\] \[\d+\] [\d.e-]+$", first)  # FastV: one stage, its layer and kept count
@@ -65,7 +65,7 @@ def test_answers_match_the_run_path(tiny, workspace):
 def test_generate_choose_and_in_llm_provenance(tiny, workspace):
     from prune_audit import pruned
 
-    image = sorted(workspace["images"].glob("*.png"))[0]
+    image = min(workspace["images"].glob("*.png"))
     with pruned(tiny, "pdrop", budget=8) as model:
         [out] = model.generate(image, ["Is there a circle in the image?"], max_new_tokens=3)
         assert out.sequence_probability == out.confidence and len(out.token_probs) <= 3
@@ -96,7 +96,7 @@ def test_bad_options_fail_in_one_line(tiny, call, message):
 def test_bad_calls_fail_in_one_line(tiny, workspace):
     from prune_audit import pruned
 
-    image = sorted(workspace["images"].glob("*.png"))[0]
+    image = min(workspace["images"].glob("*.png"))
     with pruned(tiny, "random", budget=4) as model:
         for call, message in [
             (lambda: model.answer([image, image], ["q"]), "2 images for 1 questions"),

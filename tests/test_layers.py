@@ -11,10 +11,12 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "prune_audit"
 
 LAYERS = (
-    "(root)", "safety", "pruners", "compute", "data", "records", "tasks", "analysis", "models", "demo", "runner", "cli",
+    "(root)", "safety", "pruners", "compute", "data", "records", "tasks", "analysis", "models", "demo", "runner",
+    "api", "cli",
 )
 """Bottom to top (docs: /work/shared/specs/architecture.md): ``(root)`` is ``errors.py``, ``__init__.py``,
-``lazy.py``, ``integers.py``, ``threads.py`` and ``answer_modes.py``; ``safety`` (atomic writes, locks, ownership) needs only ``errors``."""
+``lazy.py``, ``integers.py``, ``threads.py`` and ``answer_modes.py``; ``api`` (the Python API and the lmms-eval
+plugin) sits beside ``cli`` above the runner; ``safety`` (atomic writes, locks, ownership) needs only ``errors``."""
 
 
 def layer_of(module: str) -> str:

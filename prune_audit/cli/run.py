@@ -101,7 +101,7 @@ def print_summary(result, plan) -> None:
     summary = result.summary
     with_mask = summary.get("questions_with_mask", 0)
     first = summary.get("first_stage", "first")
-    budget = "all visual tokens" if plan.budget is None else f"budget {plan.manifest['budget']}"
+    budget = "all visual tokens" if plan.manifest["budget"] is None else f"budget {plan.manifest['budget']}"
     task = "" if plan.task.name == "pope" else f"task {plan.task.name} | "  # POPE's title predates tasks
     print(f"{task}{model_label(plan.manifest['model']['id'])} | selector {plan.manifest['selector']['name']} | {budget}")
     table = Table(show_header=False)

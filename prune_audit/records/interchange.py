@@ -253,16 +253,20 @@ def _question(entry: Any, where: str) -> KeptQuestion:
     stages = _stages(entry["stages"], where)
     answer = _answer(entry["answer"], where)
     cost = entry.get("cost")
-    if cost is not None:
-        if not isinstance(cost, dict) or set(cost) != set(COST_FIELDS) or not all(_finite(v) for v in cost.values()):
-            raise PruneAuditError(f"{where}: \"cost\" must be null or hold the finite numbers {', '.join(COST_FIELDS)}")
+    if cost is not None and not _numbers(cost, set(COST_FIELDS), exact=True):
+        raise PruneAuditError(f"{where}: \"cost\" must be null or hold the finite numbers {', '.join(COST_FIELDS)}")
     latency = entry.get("latency_ms")
-    if latency is not None:
-        if not isinstance(latency, dict) or not set(latency) <= set(LATENCY_PARTS) or not all(
-                _finite(v) and v >= 0 for v in latency.values()):
-            raise PruneAuditError(f"{where}: \"latency_ms\" must be null or map parts of {', '.join(LATENCY_PARTS)} "
-                                  f"to non-negative milliseconds")
+    if latency is not None and not _numbers(latency, set(LATENCY_PARTS), exact=False):
+        raise PruneAuditError(f"{where}: \"latency_ms\" must be null or map parts of {', '.join(LATENCY_PARTS)} "
+                              f"to non-negative milliseconds")
     return KeptQuestion(question_id, entry["split"], entry["image"], stages, answer, cost, latency, where)
+
+
+def _numbers(value: Any, names: set[str], exact: bool) -> bool:
+    """``value`` maps ``names`` (all of them when ``exact``, else some) to finite non-negative numbers."""
+    if not isinstance(value, dict) or not (set(value) == names if exact else set(value) <= names):
+        return False
+    return all(_finite(number) and number >= 0 for number in value.values())
 
 
 def _finite(value: Any) -> bool:
@@ -327,6 +331,16 @@ def _answer(value: Any, where: str) -> dict[str, Any]:
 
 
 __all__ = [
-    "COST_FIELDS", "FORMAT", "FORMAT_VERSION", "KeptQuestion", "KeptSets", "KeptStage", "LATENCY_PARTS",
-    "header_of", "is_kept_set_file", "question_line", "read_kept_sets", "write_kept_sets",
+    "COST_FIELDS",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "LATENCY_PARTS",
+    "KeptQuestion",
+    "KeptSets",
+    "KeptStage",
+    "header_of",
+    "is_kept_set_file",
+    "question_line",
+    "read_kept_sets",
+    "write_kept_sets",
 ]

@@ -180,11 +180,16 @@ def answer_grouped(
         groups.setdefault(key, []).append(row)
     by_row: dict[int, Answer] = {}
     for (row_budget, mode), rows in groups.items():
-        pick = lambda values: None if values is None else [values[i] for i in rows]  # noqa: E731
-        group = vlm.answer([prepared[i] for i in rows], selector, row_budget, mode=mode, generator=pick(generators),
-                           forced_kept=pick(forced_kept), forced_stages=pick(forced_stages))
+        group = vlm.answer([prepared[i] for i in rows], selector, row_budget, mode=mode,
+                           generator=_pick(generators, rows), forced_kept=_pick(forced_kept, rows),
+                           forced_stages=_pick(forced_stages, rows))
         by_row.update(zip(rows, group))
     return [by_row[index] for index in range(len(prepared))]
+
+
+def _pick(values: Sequence | None, rows: Sequence[int]) -> list | None:
+    """The entries of ``rows`` (None stays None)."""
+    return None if values is None else [values[row] for row in rows]
 
 
 def question_generator(seed: int, question: TaskQuestion) -> torch.Generator:

@@ -164,7 +164,13 @@ def _answer_from_line(vlm: VisionLanguageModel, line: KeptQuestion, item: Prepar
 
 def _reduction(line: KeptQuestion, mode: AnswerMode) -> Reduction:
     """The answer mode's reduction from the line's answer (docs/interchange.md says which fields each needs)."""
-    from prune_audit.answer_modes import Generation, Greedy, LetterChoice, OptionLetters, YesNo
+    from prune_audit.answer_modes import (
+        Generation,
+        Greedy,
+        LetterChoice,
+        OptionLetters,
+        YesNo,
+    )
 
     answer = line.answer
     if isinstance(mode, OptionLetters):
@@ -194,8 +200,13 @@ def _reduction(line: KeptQuestion, mode: AnswerMode) -> Reduction:
 def export_run(run_dir: Path, out: Path) -> int:
     """Write the kept sets and answers of the run in ``run_dir`` to ``out`` (.jsonl or .parquet); the number of
     questions. ``out`` may be new or a kept-set file (``export`` rewrites only its own kind of file)."""
-    from prune_audit.records.interchange import check_suffix, header_of, is_kept_set_file, question_line, \
-        write_kept_sets
+    from prune_audit.records.interchange import (
+        check_suffix,
+        header_of,
+        is_kept_set_file,
+        question_line,
+        write_kept_sets,
+    )
     from prune_audit.records.schema import GENERATING
     from prune_audit.records.store import read_run
 

@@ -155,7 +155,12 @@ def _imported(request: RunRequest, vlm: VisionLanguageModel, task: Task, questio
     if request.kept_sets is None:
         return None
     from prune_audit.data.pope import file_sha256
-    from prune_audit.runner.imported import ImportedAnswers, check_answers, check_kept_sets, imported_selector
+    from prune_audit.runner.imported import (
+        ImportedAnswers,
+        check_answers,
+        check_kept_sets,
+        imported_selector,
+    )
 
     first_question = {question.image: question for question in reversed(questions)}
     grids = {image: prepare_question(vlm, image_paths[image], q.text).grid for image, q in first_question.items()}

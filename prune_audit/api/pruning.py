@@ -294,12 +294,12 @@ def _result(answer: Answer, prepared: Prepared, mode: AnswerMode) -> PrunedResul
     """The typed result of one answer in ``mode``."""
     from prune_audit.answer_modes import Generation, LetterChoice, YesNo
 
-    common = dict(
-        text=answer.answer, confidence=answer.confidence, kept_stages=answer.kept_stages,
-        merged_stages=answer.merged_stages, stage_layers=answer.stage_layers, grid=prepared.grid,
-        visual_tokens_avg=answer.visual_tokens_avg, cost=answer.cost, latency_ms=answer.latency_ms,
-        latency_parts=dict(answer.latency_parts),
-    )
+    common = {
+        "text": answer.answer, "confidence": answer.confidence, "kept_stages": answer.kept_stages,
+        "merged_stages": answer.merged_stages, "stage_layers": answer.stage_layers, "grid": prepared.grid,
+        "visual_tokens_avg": answer.visual_tokens_avg, "cost": answer.cost, "latency_ms": answer.latency_ms,
+        "latency_parts": dict(answer.latency_parts),
+    }
     reduced = answer.reduced
     if isinstance(reduced, YesNo):
         return YesNoResult(**common, p_yes=reduced.p_yes, p_no=reduced.p_no, p_yes_2way=reduced.p_yes_2way)
