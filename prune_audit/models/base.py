@@ -238,7 +238,8 @@ class VisionLanguageModel(AnswerModes, ABC):
             plan = None
             if not input_level and (selector is not None or forced_stages is not None):
                 plan = self._layer_plan(prepared, selector, budget, forced_stages)
-                plan.vision = [{name: output.signals[name] for name in vision_layer} for output in vision]
+                plan.vision = [{name: value for name, value in output.signals.items()
+                                if name.removeprefix("model_") in vision_layer} for output in vision]
             carry = plan is not None and bool(plan.requires & {"embeddings", "text_embeddings"})
             clock.lap("selection")
             try:

@@ -88,7 +88,7 @@ def layer_signals(
         signals.normed_hidden_states, signals.text_normed_hidden_states = _f32(normed[visual]), _f32(normed[text])
     if "previous_hidden_states" in requires:
         signals.previous_hidden_states = _f32(previous_input()[visual])
-    for name in requires & VISION_LAYER_SIGNALS:
+    for name in [name for name in plan.vision[row] if name.removeprefix("model_") in requires & VISION_LAYER_SIGNALS]:
         per_cell = plan.vision[row][name].float().cpu()  # (Lv, N) over the grid cells
         alive = signals.alive
         values = per_cell.new_full((per_cell.shape[0], alive.numel()), float("nan"))

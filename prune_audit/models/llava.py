@@ -23,7 +23,7 @@ from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.loading import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
-from prune_audit.models.probe import clip_attention, clip_attention_block, clip_cls_row, single_tensor_rope
+from prune_audit.models.probe import clip_attention_block, clip_cls_row, clip_logits, single_tensor_rope
 from prune_audit.models.shape import clip_text_shape, language_shape, llava_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
@@ -178,7 +178,9 @@ class LlavaModel(VisionLanguageModel):
                 signals["cls_attention"], signals["cls_logits"] = cls_probs[b, :, 1:], cls_logits[b]
             if "vision_keys" in requires:
                 signals["vision_keys"] = cls_keys[b]
-            signals.update({name: value[b] for name, value in per_layer.items() if name in requires})
+            # the model-dtype twins (half towers) come with the signal they stand for
+            signals.update({name: value[b] for name, value in per_layer.items()
+                            if name.removeprefix("model_") in requires})
             if "merging_tower" in requires:
                 signals["merging_tower"] = partial(self._merging_tower, pixels[b])
             outputs.append(VisionOutput(features[b], signals))
@@ -186,13 +188,28 @@ class LlavaModel(VisionLanguageModel):
 
     def _layer_signals(self, hidden: list[Tensor]) -> dict[str, Tensor]:
         """``layer_attention`` and ``layer_cls_attention``, each (B, Lv, N), of the ``Lv = feature_index``
-        encoder layers that run, from their attention recomputed on their inputs ``hidden[l]``."""
-        received, cls_rows = [], []
+        encoder layers that run, from their attention recomputed on their inputs ``hidden[l]``.
+
+        A half-precision tower also gets their ``model_`` twins as the official code forms them in its dtype
+        (the eager CLIP attention's logits rounded, softmax rounded, head mean then query mean each rounded;
+        float32 tensors): the logits are the same float32 products rounded, which is the half product's
+        value exactly when the scale 1/sqrt(d) is a power of two (CLIP-L's d = 64) and a GPU accumulates in
+        float32.
+        """
+        half = self.vision_tower.dtype if self.vision_tower.dtype in (torch.float16, torch.bfloat16) else None
+        signals: dict[str, list[Tensor]] = {}
         for index, layer in enumerate(self.vision_tower.encoder.layers[: self.feature_index]):
-            probs = clip_attention(layer, hidden[index])  # (B, H, 1 + N, 1 + N)
-            received.append(probs.mean(dim=(1, 2))[:, 1:])
-            cls_rows.append(probs[:, :, 0, 1:].mean(dim=1))
-        return {"layer_attention": torch.stack(received, dim=1), "layer_cls_attention": torch.stack(cls_rows, dim=1)}
+            logits = clip_logits(layer, hidden[index])  # (B, H, 1 + N, 1 + N)
+            rows = {"": torch.softmax(logits, dim=-1)}
+            if half is not None:
+                rows["model_"] = torch.softmax(logits.to(half).float(), dim=-1).to(half)
+            for prefix, probs in rows.items():
+                # the official head mean then query mean; in half each rounded once
+                in_half = probs.dtype != torch.float32
+                received = (probs.mean(dim=1).mean(dim=1) if in_half else probs.mean(dim=(1, 2)))[:, 1:]
+                signals.setdefault(f"{prefix}layer_attention", []).append(received.float())
+                signals.setdefault(f"{prefix}layer_cls_attention", []).append(probs[:, :, 0, 1:].mean(dim=1).float())
+        return {name: torch.stack(values, dim=1) for name, values in signals.items()}
 
     def _merging_tower(self, pixels: Tensor, merge: Callable) -> tuple[Tensor, list[Tensor]]:
         """The tower on one (3, H, W) image up to the feature layer with ``merge`` between the attention and

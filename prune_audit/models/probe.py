@@ -154,8 +154,9 @@ def clip_cls_row(layer: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tens
     return torch.softmax(logits, dim=-1)[:, :, 0], keys, official[:, :, 0]
 
 
-def clip_attention(layer: nn.Module, hidden: Tensor) -> Tensor:
-    """(B, H, 1 + N, 1 + N) float32 attention probabilities of one CLIP encoder layer on its input.
+def clip_logits(layer: nn.Module, hidden: Tensor) -> Tensor:
+    """(B, H, 1 + N, 1 + N) float32 attention logits of one CLIP encoder layer on its input (products
+    accumulated in float32, then scaled).
 
     Args:
         layer: a ``CLIPEncoderLayer``; hidden: (B, 1 + N, Dv) its input, CLS at index 0.
@@ -165,7 +166,12 @@ def clip_attention(layer: nn.Module, hidden: Tensor) -> Tensor:
     normed = layer.layer_norm1(hidden)
     queries = attention.q_proj(normed).view(batch, length, -1, attention.head_dim).transpose(1, 2)
     keys = attention.k_proj(normed).view(batch, length, -1, attention.head_dim).transpose(1, 2)
-    return torch.softmax(queries.float() @ keys.float().transpose(2, 3) * attention.scale, dim=-1)
+    return queries.float() @ keys.float().transpose(2, 3) * attention.scale
+
+
+def clip_attention(layer: nn.Module, hidden: Tensor) -> Tensor:
+    """(B, H, 1 + N, 1 + N) float32 attention probabilities of one CLIP encoder layer on its input."""
+    return torch.softmax(clip_logits(layer, hidden), dim=-1)
 
 
 def clip_attention_block(layer: nn.Module, hidden: Tensor, key_bias: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -196,4 +202,4 @@ def clip_attention_block(layer: nn.Module, hidden: Tensor, key_bias: Tensor | No
     return attended[0], keys[0].mean(dim=0)
 
 
-__all__ = ["DecoderProbe", "clip_attention", "clip_attention_block", "clip_cls_row", "single_tensor_rope", "RopeFn"]
+__all__ = ["DecoderProbe", "clip_attention", "clip_logits", "clip_attention_block", "clip_cls_row", "single_tensor_rope", "RopeFn"]

@@ -22,7 +22,8 @@ from prune_audit.pruners.precision import MODEL_ATTENTIONS, as_float32, cls_prob
 from prune_audit.pruners.ranking import TOP_K_TIES, ranked_indices, top_k_indices
 
 
-VISION_LAYER_SIGNALS = frozenset({"layer_cls_attention"})  # InputSignals an in-LLM selector may read, per token
+# InputSignals an in-LLM selector may read, per token (with their model-dtype twins where the adapter has them)
+VISION_LAYER_SIGNALS = frozenset({"layer_cls_attention"})
 
 #: where a selector acts: before the language model or inside it
 SelectorLevel = Literal["input", "llm"]
@@ -62,6 +63,9 @@ class InputSignals:
         layer_attention: (Lv, N) per encoder layer run (the feature layer's last): attention each patch gets,
             mean over heads and all 1 + N query rows (HiPrune); layer_cls_attention: the CLS row's (VScan).
             On Qwen2.5-VL every block, each merged token's mean over its 4 patches (``models.qwen``).
+        model_layer_attention, model_layer_cls_attention: the same as the official code forms them in a half
+            model's dtype (softmax and each mean rounded to it; float32 tensors), passed by half LLaVA adapters;
+            ``score_dtype="model"`` reads these (HiPrune, VScan).
         vision_tower: the tower the per-layer signals come from (``"clip"`` or ``"qwen2_5_vl"``): which
             official layer numbers a per-layer selector uses (HiPrune).
         merging_tower: ``f(merge) -> (states (1 + M, Dv), sources)``: the tower rerun to the feature layer with
@@ -82,6 +86,8 @@ class InputSignals:
     demand: Tensor | None = None
     layer_attention: Tensor | None = None
     layer_cls_attention: Tensor | None = None
+    model_layer_attention: Tensor | None = None
+    model_layer_cls_attention: Tensor | None = None
     vision_tower: str = "clip"
     merging_tower: Callable[[Any], tuple[Tensor, list[Tensor]]] | None = None
     model_dtype: torch.dtype = torch.float32
@@ -124,7 +130,8 @@ class LayerSignals:
         text_embeddings: (T, D) LLM input embeddings of the text tokens.
         sequence_index: (n,) index of each alive visual token in the unpruned prompt.
         text_sequence_index: (T,) the same for the text tokens.
-        layer_cls_attention: (Lv, n) ``InputSignals.layer_cls_attention`` of each alive token's cell (NaN: merged).
+        layer_cls_attention: (Lv, n) ``InputSignals.layer_cls_attention`` of each alive token's cell (NaN: merged);
+            model_layer_cls_attention: its model-dtype twin, where the adapter has one.
         rope_ones_logits: (T, n) ``q.k / sqrt(d)`` of all-ones q and k under the layer's RoPE there (SparseVLM v2).
         model_dtype: the dtype the model computes in (None: float32).
     """
@@ -147,6 +154,7 @@ class LayerSignals:
     sequence_index: Tensor | None = None
     text_sequence_index: Tensor | None = None
     layer_cls_attention: Tensor | None = None
+    model_layer_cls_attention: Tensor | None = None
     rope_ones_logits: Tensor | None = None
     model_dtype: torch.dtype | None = None
 

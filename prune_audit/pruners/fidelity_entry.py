@@ -63,8 +63,9 @@ CLS_HALF = (
 
 HALF_EXACT_CASES: Mapping[str, int] = {"fp16": RANDOM_CASES, "bf16": RANDOM_CASES}
 HALF_ONCE = (
-    "the float32 mean of the same half probabilities rounded once (the LLaVA adapter passes float32 means of "
-    "attention formed from float32 logits: the vision-layer signals are not yet formed in the model dtype)"
+    "the float32 mean of the same half probabilities rounded once (a float32 signal; a half LLaVA passes the "
+    "official half means too, model_layer_attention / model_layer_cls_attention, bit for bit those of the eager "
+    "CLIP attention of an fp16 and a bf16 tiny LLaVA: test_fidelity_half_adapter.py)"
 )
 ROPE_ONCE = (
     "the float32 RoPE logits rounded once (the adapter forms them in the model dtype under score_dtype=model, "

@@ -145,7 +145,8 @@ class HiPruneSelector(InputSelector):
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         half = self.ranking_dtype(signals.model_dtype)
-        attention = rounded_to(as_float32(signals.layer_attention), half)  # (Lv, N)
+        official = signals.model_layer_attention if half is not None else None  # the half model's own, if passed
+        attention = rounded_to(as_float32(signals.layer_attention if official is None else official), half)  # (Lv, N)
         shallow = attention[object_layer_row(signals, self.object_layer, self.qwen_object_layer)]
         anchor_count = min(round(budget * self.alpha / 5), budget // 5)
         anchors = top_k_indices(shallow, anchor_count, self.ties, half)

@@ -211,7 +211,8 @@ class VScanSelector(ScheduledSelector):
         if stage.keep >= n:
             return torch.arange(n, dtype=torch.long)
         half = self.ranking_dtype(signals.model_dtype)
-        attention = rounded_to(signals.layer_cls_attention.float(), half)  # (Lv, n)
+        official = signals.model_layer_cls_attention if half is not None else None  # the half model's own, if passed
+        attention = rounded_to((signals.layer_cls_attention if official is None else official).float(), half)  # (Lv, n)
         shallow = attention[scaled_vision_layer(self.shallow_layer, attention.shape[0])]
         rows, cols = signals.grid
         blocks = (rows // self.window_size) * (cols // self.window_size)
