@@ -41,6 +41,8 @@ INPUT_SHAPES = {
     "demand": (("N",), "weight"),
     "layer_attention": (("Lv", "N"), "prob"),
     "layer_cls_attention": (("Lv", "N"), "prob"),
+    "model_layer_attention": (("Lv", "N"), "prob"),
+    "model_layer_cls_attention": (("Lv", "N"), "prob"),
 }
 # "n" is the number of alive tokens at the stage
 LAYER_SHAPES = {
@@ -58,6 +60,7 @@ LAYER_SHAPES = {
     "sequence_index": (("n",), "visual_index"),
     "text_sequence_index": (("T",), "text_index"),
     "layer_cls_attention": (("Lv", "n"), "prob"),
+    "model_layer_cls_attention": (("Lv", "n"), "prob"),
     "rope_ones_logits": (("T", "n"), "weight"),
 }
 VARIANTS = ["random", "constant", "zeros", "ties"]
