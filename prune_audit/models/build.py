@@ -260,7 +260,6 @@ def build_qwen2_5_vl(
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
-        Qwen2VLImageProcessorPil,
     )
 
     save_dir = Path(save_dir)
@@ -300,15 +299,28 @@ def build_qwen2_5_vl(
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"),
     )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    pixels = image_size * image_size
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=min_pixels or pixels, max_pixels=max_pixels or pixels, patch_size=patch_size, merge_size=spatial_merge_size,
-        temporal_patch_size=2,
-    )
     # Qwen2_5_VLProcessor insists on a video processor, which needs torchvision; the adapter
     # composes image processor + tokenizer itself, so those two (and the template) are saved.
+    return save_tiny_qwen(Qwen2_5_VLForConditionalGeneration, config, tokenizer, save_dir, seed=seed,
+                          patch_size=patch_size, merge_size=spatial_merge_size,
+                          min_pixels=min_pixels or image_size * image_size,
+                          max_pixels=max_pixels or image_size * image_size)
+
+
+def save_tiny_qwen(
+    model_class: type, config, tokenizer, save_dir: Path, *, seed: int, patch_size: int, merge_size: int,
+    min_pixels: int, max_pixels: int,
+) -> Path:
+    """Random weights of a Qwen-VL ``model_class`` for ``config`` (seeded with ``seed``), saved in ``save_dir``
+    with a Qwen2-VL image processor of that pixel range and ``tokenizer``."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size, merge_size=merge_size,
+        temporal_patch_size=2,
+    )
     model.save_pretrained(save_dir)
     image_processor.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from prune_audit.compute.shape import VisionShape
 from prune_audit.models.qwen import QwenModel
@@ -108,9 +107,9 @@ def build_qwen2_vl(
     text_intermediate_size=18944, text_layers=28, text_heads=28, text_kv_heads=4,
     mrope_section=(16, 24, 24)``.
     """
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    from prune_audit.models.build import qwen_tokenizer
+    from prune_audit.models.build import qwen_tokenizer, save_tiny_qwen
 
     save_dir = Path(save_dir)
     head_dim = text_hidden_size // text_heads
@@ -146,17 +145,9 @@ def build_qwen2_vl(
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"),
     )
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).eval()
     pixels = image_size * image_size
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=pixels, max_pixels=pixels, patch_size=patch_size, merge_size=spatial_merge_size,
-        temporal_patch_size=2,
-    )
-    model.save_pretrained(save_dir)
-    image_processor.save_pretrained(save_dir)
-    tokenizer.save_pretrained(save_dir)
-    return save_dir
+    return save_tiny_qwen(Qwen2VLForConditionalGeneration, config, tokenizer, save_dir, seed=seed, patch_size=patch_size,
+                          merge_size=spatial_merge_size, min_pixels=pixels, max_pixels=pixels)
 
 
 __all__ = ["Qwen2VLModel", "build_qwen2_vl", "PROMPT_TEMPLATE"]

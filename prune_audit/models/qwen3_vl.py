@@ -141,9 +141,9 @@ def build_qwen3_vl(
     deepstack_visual_indexes=(8, 16, 24), text_hidden_size=4096, text_intermediate_size=12288,
     text_layers=36, text_heads=32, text_kv_heads=8, mrope_section=(24, 20, 20)`` (head_dim 128).
     """
-    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from prune_audit.models.build import qwen_tokenizer
+    from prune_audit.models.build import qwen_tokenizer, save_tiny_qwen
 
     save_dir = Path(save_dir)
     head_dim = text_hidden_size // text_heads
@@ -184,17 +184,9 @@ def build_qwen3_vl(
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"),
     )
-    torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).eval()
     pixels = image_size * image_size
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=pixels, max_pixels=pixels, patch_size=patch_size, merge_size=spatial_merge_size,
-        temporal_patch_size=2,
-    )
-    model.save_pretrained(save_dir)
-    image_processor.save_pretrained(save_dir)
-    tokenizer.save_pretrained(save_dir)
-    return save_dir
+    return save_tiny_qwen(Qwen3VLForConditionalGeneration, config, tokenizer, save_dir, seed=seed, patch_size=patch_size,
+                          merge_size=spatial_merge_size, min_pixels=pixels, max_pixels=pixels)
 
 
 __all__ = ["Qwen3VLModel", "build_qwen3_vl", "PROMPT_TEMPLATE"]
