@@ -15,6 +15,7 @@ from cli_checks import refused
 from prune_audit.cli.main import app
 from prune_audit.data.gqa import INSTRUCTION
 from prune_audit.errors import PruneAuditError
+from prune_audit.plugins import PluginRegistry
 from prune_audit.records.schema import RUN_COLUMNS, task_columns
 from prune_audit.tasks import Scored, Task, get_task, list_tasks, manifest_task, register_task
 from prune_audit.tasks import registry
@@ -58,9 +59,13 @@ def test_a_plugin_task_registers_under_its_entry_point_name(monkeypatch):
         def load(self):
             return Plugin
 
-    monkeypatch.setattr(registry, "_PLUGINS_LOADED", False)
-    monkeypatch.setattr(registry, "entry_points", lambda group: [Entry()] if group == "prune_audit.tasks" else [])
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    import prune_audit.plugins
+
+    tasks = PluginRegistry("task", "prune_audit.tasks")
+    tasks.classes.update(registry.TASKS.classes)
+    monkeypatch.setattr(registry, "TASKS", tasks)
+    monkeypatch.setattr(prune_audit.plugins, "entry_points",
+                        lambda group: [Entry()] if group == "prune_audit.tasks" else [])
     assert "myplugin" in list_tasks()
     assert isinstance(get_task("myplugin"), Plugin)
     with pytest.raises(ValueError, match="already registered"):

@@ -8,58 +8,40 @@ Plugins expose a selector class under the entry-point group
 from __future__ import annotations
 
 import dataclasses
-from importlib.metadata import entry_points
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from prune_audit.plugins import PluginRegistry
 from prune_audit.pruners.base import Selector, option_defaults
 from prune_audit.pruners.options import describe_options, option_domains, parse_options
 
 S = TypeVar("S", bound=type[Selector])
 
-_REGISTRY: dict[str, type[Selector]] = {}
-_PLUGINS_LOADED = False
+def _check_selector(cls: type[Selector]) -> None:
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"selector {cls.name!r} must be a dataclass whose fields are its options")
+    option_domains(cls)  # every option declares its domain
+
+
+SELECTORS: PluginRegistry[type[Selector]] = PluginRegistry("selector", "prune_audit.selectors", _check_selector)
 
 
 def register(cls: S) -> S:
     """Class decorator: add a selector class under ``cls.name``."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no name")
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"selector {cls.name!r} must be a dataclass whose fields are its options")
-    option_domains(cls)  # every option declares its domain
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"a selector named {cls.name!r} is already registered")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def _load_plugins() -> None:
-    global _PLUGINS_LOADED
-    if _PLUGINS_LOADED:
-        return
-    _PLUGINS_LOADED = True
-    for entry in entry_points(group="prune_audit.selectors"):
-        cls = entry.load()
-        if getattr(cls, "name", "") != entry.name:
-            cls.name = entry.name
-        register(cls)
+    return SELECTORS.register(cls)
 
 
 def list_selectors() -> list[str]:
     """Names of every registered selector, sorted."""
-    _load_plugins()
-    return sorted(_REGISTRY)
+    return sorted(SELECTORS.loaded())
 
 
 def selector_class(name: str) -> type[Selector]:
-    _load_plugins()
+    classes = SELECTORS.loaded()
     try:
-        return _REGISTRY[name]
+        return classes[name]
     except KeyError:
-        raise ValueError(
-            f"unknown selector {name!r}; valid selectors: {', '.join(sorted(_REGISTRY))}"
-        ) from None
+        raise ValueError(f"unknown selector {name!r}; valid selectors: {', '.join(sorted(classes))}") from None
 
 
 def get_selector(name: str, **options: Any) -> Selector:
