@@ -73,6 +73,17 @@ def load_part(what: str, source: str, loader: Callable[[], T]) -> T:
         raise PruneAuditError(f"could not load the {what} from {source!r}{hint}: {first_line}") from None
 
 
+def image_processor_and_tokenizer(source: str) -> tuple[Any, Any]:
+    """The PIL image processor and the tokenizer of the checkpoint at ``source``, loaded on their own: the
+    Qwen-VL and InternVL processor classes want a video processor (torchvision) the adapters never use."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    image_processor = load_part(
+        "image processor", source, lambda: AutoImageProcessor.from_pretrained(source, backend="pil")
+    )
+    return image_processor, load_part("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
+
+
 def decoder_depth(path_or_hub_id: str | Path) -> int:
     """Decoder layers of a checkpoint of a registered family, read from its config alone (no weights)."""
     from transformers import AutoConfig

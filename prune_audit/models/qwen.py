@@ -27,7 +27,7 @@ from prune_audit.compute.shape import ModelShape, VisionShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
-from prune_audit.models.loading import load_part
+from prune_audit.models.loading import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
 from prune_audit.models.shape import language_shape, qwen_vision_shape
@@ -68,13 +68,8 @@ class QwenModel(VisionLanguageModel):
     @classmethod
     def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
                    clip_text: str | None) -> QwenModel:
-        from transformers import AutoImageProcessor, AutoTokenizer
-
         cls.check_clip_text(clip_text)
-        image_processor = load_part(
-            "image processor", source, lambda: AutoImageProcessor.from_pretrained(source, backend="pil")
-        )
-        tokenizer = load_part("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
+        image_processor, tokenizer = image_processor_and_tokenizer(source)
         return cls(model, image_processor, tokenizer, model_id=source, prompt_template=prompt_template,
                    system_prompt=system_prompt)
 
