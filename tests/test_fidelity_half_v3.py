@@ -89,24 +89,32 @@ def hiprune_half_kept(pair: torch.Tensor, dtype: torch.dtype, budget: int, **opt
     return get_selector("hiprune", **options).select(signals, budget).kept.tolist()
 
 
-def hiprune_half_agreement(dtype: torch.dtype) -> dict[str, int]:
-    """Cases identical to the official kept set: 30 random with the exact options from the official half means
-    (exact), from the float32 means rounded once (rounded_once) and float32 throughout with lower-index ties
-    (float32); 10 of each tie kind with the exact options (one budget per seed)."""
+def pair_half_agreement(case, official, kept, counts, dtype: torch.dtype) -> dict[str, int]:
+    """Cases identical to ``official``'s kept set, over ``SEEDS`` x ``counts``: with the exact options from the
+    official half signals (exact), from the float32 signals rounded once (rounded_once) and float32 throughout
+    with lower-index ties (float32); and one count per seed of each tie kind with the exact options.
+
+    ``case(seed, dtype[, ties])`` gives ``(official, once)`` (2, 576) pairs of the two rows the selector reads,
+    ``official(shallow, deep, count)`` the official kept set, ``kept(pair, dtype, count, **options)`` ours."""
     identical = dict.fromkeys(("exact", "rounded_once", "float32", *TIE_KINDS), 0)
     for seed in SEEDS:
-        official, once = hiprune_half_case(seed, dtype)
-        for budget in BUDGETS:
-            expected = official_hiprune_half(official[0], official[1], budget)
-            identical["exact"] += hiprune_half_kept(official, dtype, budget, **EXACT) == expected
-            identical["rounded_once"] += hiprune_half_kept(once, dtype, budget, **EXACT) == expected
-            identical["float32"] += hiprune_half_kept(once, dtype, budget) == expected
+        halves, once = case(seed, dtype)
+        for count in counts:
+            expected = official(halves[0], halves[1], count)
+            identical["exact"] += kept(halves, dtype, count, **EXACT) == expected
+            identical["rounded_once"] += kept(once, dtype, count, **EXACT) == expected
+            identical["float32"] += kept(once, dtype, count) == expected
         for ties in TIE_KINDS:
-            official, _ = hiprune_half_case(seed, dtype, ties)
-            budget = BUDGETS[seed % len(BUDGETS)]
-            expected = official_hiprune_half(official[0], official[1], budget)
-            identical[ties] += hiprune_half_kept(official, dtype, budget, **EXACT) == expected
+            halves, _ = case(seed, dtype, ties)
+            count = counts[seed % len(counts)]
+            identical[ties] += kept(halves, dtype, count, **EXACT) == official(halves[0], halves[1], count)
     return identical
+
+
+def hiprune_half_agreement(dtype: torch.dtype) -> dict[str, int]:
+    """:func:`pair_half_agreement` of HiPrune (the global attention of its object layer and last layer) at the
+    budgets 64 / 128 / 192 (30 random cases, 10 of each tie kind)."""
+    return pair_half_agreement(hiprune_half_case, official_hiprune_half, hiprune_half_kept, BUDGETS, dtype)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
@@ -165,20 +173,7 @@ def vscan_half_kept(pair: torch.Tensor, dtype: torch.dtype, keep: int, **options
 
 def vscan_half_agreement(dtype: torch.dtype) -> dict[str, int]:
     """As :func:`hiprune_half_agreement`, on the vision-stage counts 96 / 192 / 288."""
-    identical = dict.fromkeys(("exact", "rounded_once", "float32", *TIE_KINDS), 0)
-    for seed in SEEDS:
-        official, once = vscan_half_case(seed, dtype)
-        for keep in VSCAN_KEEPS:
-            expected = official_vscan_half(official[0], official[1], keep)
-            identical["exact"] += vscan_half_kept(official, dtype, keep, **EXACT) == expected
-            identical["rounded_once"] += vscan_half_kept(once, dtype, keep, **EXACT) == expected
-            identical["float32"] += vscan_half_kept(once, dtype, keep) == expected
-        for ties in TIE_KINDS:
-            official, _ = vscan_half_case(seed, dtype, ties)
-            keep = VSCAN_KEEPS[seed % len(VSCAN_KEEPS)]
-            expected = official_vscan_half(official[0], official[1], keep)
-            identical[ties] += vscan_half_kept(official, dtype, keep, **EXACT) == expected
-    return identical
+    return pair_half_agreement(vscan_half_case, official_vscan_half, vscan_half_kept, VSCAN_KEEPS, dtype)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
