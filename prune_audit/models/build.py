@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from prune_audit.models.tiny_qwen import qwen_text_config, qwen_vision_token_ids, save_tiny_qwen
+
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
 QWEN_SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -263,11 +265,7 @@ def build_qwen2_5_vl(
     )
 
     save_dir = Path(save_dir)
-    head_dim = text_hidden_size // text_heads
-    if 2 * sum(mrope_section) != head_dim:
-        raise ValueError(f"mrope_section {tuple(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}")
     tokenizer = qwen_tokenizer(words)
-    ids = tokenizer.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         vision_config={
             "depth": vision_layers,
@@ -281,23 +279,11 @@ def build_qwen2_5_vl(
             "out_hidden_size": text_hidden_size,
             "fullatt_block_indexes": [vision_layers - 1],
         },
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": text_hidden_size,
-            "intermediate_size": text_intermediate_size,
-            "num_hidden_layers": text_layers,
-            "num_attention_heads": text_heads,
-            "num_key_value_heads": text_kv_heads,
-            "max_position_embeddings": max_position_embeddings,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(mrope_section)},
-            "bos_token_id": None,
-            "eos_token_id": ids("<|im_end|>"),
-            "pad_token_id": ids("<|endoftext|>"),
-        },
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
+        text_config=qwen_text_config(
+            tokenizer, hidden=text_hidden_size, intermediate=text_intermediate_size, layers=text_layers,
+            heads=text_heads, kv_heads=text_kv_heads, mrope_section=mrope_section, max_positions=max_position_embeddings
+        ),
+        **qwen_vision_token_ids(tokenizer),
     )
     # Qwen2_5_VLProcessor insists on a video processor, which needs torchvision; the adapter
     # composes image processor + tokenizer itself, so those two (and the template) are saved.
@@ -305,26 +291,6 @@ def build_qwen2_5_vl(
                           patch_size=patch_size, merge_size=spatial_merge_size,
                           min_pixels=min_pixels or image_size * image_size,
                           max_pixels=max_pixels or image_size * image_size)
-
-
-def save_tiny_qwen(
-    model_class: type, config, tokenizer, save_dir: Path, *, seed: int, patch_size: int, merge_size: int,
-    min_pixels: int, max_pixels: int,
-) -> Path:
-    """Random weights of a Qwen-VL ``model_class`` for ``config`` (seeded with ``seed``), saved in ``save_dir``
-    with a Qwen2-VL image processor of that pixel range and ``tokenizer``."""
-    from transformers import Qwen2VLImageProcessorPil
-
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size, merge_size=merge_size,
-        temporal_patch_size=2,
-    )
-    model.save_pretrained(save_dir)
-    image_processor.save_pretrained(save_dir)
-    tokenizer.save_pretrained(save_dir)
-    return save_dir
 
 
 def build_clip(

@@ -143,14 +143,11 @@ def build_qwen3_vl(
     """
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from prune_audit.models.build import qwen_tokenizer, save_tiny_qwen
+    from prune_audit.models.build import qwen_tokenizer
+    from prune_audit.models.tiny_qwen import qwen_text_config, qwen_vision_token_ids, save_tiny_qwen
 
     save_dir = Path(save_dir)
-    head_dim = text_hidden_size // text_heads
-    if 2 * sum(mrope_section) != head_dim:
-        raise ValueError(f"mrope_section {tuple(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}")
     tokenizer = qwen_tokenizer(words)
-    ids = tokenizer.convert_tokens_to_ids
     config = Qwen3VLConfig(
         vision_config={
             "depth": vision_layers,
@@ -164,29 +161,15 @@ def build_qwen3_vl(
             "num_position_embeddings": 64,
             "deepstack_visual_indexes": list(deepstack_visual_indexes),
         },
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": text_hidden_size,
-            "intermediate_size": text_intermediate_size,
-            "num_hidden_layers": text_layers,
-            "num_attention_heads": text_heads,
-            "num_key_value_heads": text_kv_heads,
-            "head_dim": head_dim,
-            "max_position_embeddings": 512,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(mrope_section),
-                                "mrope_interleaved": True},
-            "bos_token_id": None,
-            "eos_token_id": ids("<|im_end|>"),
-            "pad_token_id": ids("<|endoftext|>"),
-        },
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
+        text_config=qwen_text_config(
+            tokenizer, hidden=text_hidden_size, intermediate=text_intermediate_size, layers=text_layers,
+            heads=text_heads, kv_heads=text_kv_heads, mrope_section=mrope_section, max_positions=512, interleaved=True
+        ),
+        **qwen_vision_token_ids(tokenizer),
     )
     pixels = image_size * image_size
-    return save_tiny_qwen(Qwen3VLForConditionalGeneration, config, tokenizer, save_dir, seed=seed, patch_size=patch_size,
-                          merge_size=spatial_merge_size, min_pixels=pixels, max_pixels=pixels)
+    return save_tiny_qwen(Qwen3VLForConditionalGeneration, config, tokenizer, save_dir, seed=seed,
+                          patch_size=patch_size, merge_size=spatial_merge_size, min_pixels=pixels, max_pixels=pixels)
 
 
 __all__ = ["Qwen3VLModel", "build_qwen3_vl", "PROMPT_TEMPLATE"]
