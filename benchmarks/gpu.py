@@ -14,15 +14,15 @@ image gives 24 x 24 = 576 tokens as well.
 
 For the dense model and every selector the model supports, at every budget and batch
 size: prefill latency (``answer()``: vision tower, selection, pruned language-model
-prefill, yes/no reduction) timed with CUDA events (``perf_counter`` on CPU), warm-up
-excluded, the median of ``--repeats`` runs; throughput = batch / latency; peak memory
+prefill, yes/no reduction) timed with the records' timer (``models.timing``: CUDA events on a
+GPU, ``perf_counter`` on CPU), warm-up excluded, the median of ``--repeats`` runs; throughput = batch / latency; peak memory
 ``torch.cuda.max_memory_allocated`` over the timed runs, also less what was allocated
 before them (weights, inputs), each with its ratio to dense (CPU: not measured); and the
 selector's own time (its signals and its selection: ``_select`` for input-level, the
 per-stage signal and prune step for in-LLM selectors), from one extra run in which
 those steps are synchronised and timed. Each row also breaks a question down as the records
 do (docs/compute.md): the medians of the vision / selection / prefill parts of ``answer()``
-(ms per question, device synchronised between parts), the analytic prefill GFLOPs and their
+(ms per question, CUDA events between parts as in the records), the analytic prefill GFLOPs and their
 share of dense, and the KV-cache MiB after the prefill.
 
 The anchors are the calibration study's H200 numbers for LLaVA-1.5-7B on POPE: dense
@@ -39,8 +39,7 @@ import contextlib
 import json
 import statistics
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +48,7 @@ from PIL import Image
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.build import build_clip, build_llava, build_qwen2_5_vl
+from prune_audit.models.timing import timed_ms
 from prune_audit.pruners import get_selector, list_selectors
 
 WORDS = "is there a cat dog car person in the image".split()
@@ -148,34 +148,15 @@ def random_vlm(family: str, sizes: dict, folder: Path, device: torch.device, dty
                       clip=(clip, AutoTokenizer.from_pretrained(clip_source)))
 
 
-class Clock:
-    """Milliseconds of ``fn()``: CUDA events on a GPU (synchronised), ``perf_counter`` on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def time(self, fn: Callable[[], object]) -> float:
-        if not self.cuda:
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1000
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return begin.elapsed_time(end)
-
-
 @contextlib.contextmanager
-def selector_timer(vlm, clock: Clock) -> Iterator[list[float]]:
+def selector_timer(vlm, device: torch.device) -> Iterator[list[float]]:
     """Collects the milliseconds of every input-level ``_select`` and in-LLM stage step while active."""
     spent: list[float] = []
 
     def timed(method):
         def wrapper(*args, **kwargs):
             result = []
-            spent.append(clock.time(lambda: result.append(method(*args, **kwargs))))
+            spent.append(timed_ms(device, lambda: result.append(method(*args, **kwargs))))
             return result[0]
         return wrapper
 
@@ -186,9 +167,9 @@ def selector_timer(vlm, clock: Clock) -> Iterator[list[float]]:
         del vlm._select, vlm.loop._stage_columns
 
 
-def measure(vlm, prepared, selector, budget, batch: int, repeats: int, clock: Clock) -> dict:
+def measure(vlm, prepared, selector, budget, batch: int, repeats: int, device: torch.device) -> dict:
     """Median latency (ms per forward), peak memory and selector time of one configuration."""
-    questions = [prepared] * batch
+    questions, cuda = [prepared] * batch, device.type == "cuda"
 
     answers = []
 
@@ -197,17 +178,17 @@ def measure(vlm, prepared, selector, budget, batch: int, repeats: int, clock: Cl
 
     run()  # warm-up (kernels, allocator, the schedule cache)
     answers.clear()
-    resident = torch.cuda.memory_allocated() / 2**20 if clock.cuda else None  # weights and prepared inputs
-    if clock.cuda:
+    resident = torch.cuda.memory_allocated() / 2**20 if cuda else None  # weights and prepared inputs
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = [clock.time(run) for _ in range(repeats)]
+    times = [timed_ms(device, run) for _ in range(repeats)]
     parts = {f"{part}_ms": statistics.median(answer.latency_parts[part] for answer in answers)
              for part in ("vision", "selection", "prefill")}
     cost = answers[0].cost
-    peak = torch.cuda.max_memory_allocated() / 2**20 if clock.cuda else None
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
     selector_ms = None
     if selector is not None:
-        with selector_timer(vlm, clock) as spent:
+        with selector_timer(vlm, device) as spent:
             run()
         selector_ms = sum(spent)
     ms = statistics.median(times)
@@ -216,7 +197,7 @@ def measure(vlm, prepared, selector, budget, batch: int, repeats: int, clock: Cl
             "gflops": cost.flops / 1e9, "flops_relative": cost.flops / cost.flops_dense, "kv_mib": cost.kv_bytes / 2**20}
 
 
-def benchmark_family(family: str, sizes: dict, args, device, dtype, clock: Clock) -> list[dict]:
+def benchmark_family(family: str, sizes: dict, args, device, dtype) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         vlm = random_vlm(family, sizes, Path(folder), device, dtype)
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (512, 512, 3), dtype=np.uint8))
@@ -232,13 +213,13 @@ def benchmark_family(family: str, sizes: dict, args, device, dtype, clock: Clock
                    "visual_tokens": prepared.num_visual}
             try:
                 selector = None if name is None else get_selector(name)
-                row.update(measure(vlm, prepared, selector, budget, batch, args.repeats, clock))
+                row.update(measure(vlm, prepared, selector, budget, batch, args.repeats, device))
             except PruneAuditError as error:
                 row["not_run"] = str(error)
             print(json.dumps(row), flush=True)
             rows.append(row)
     del vlm
-    if clock.cuda:
+    if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
 
@@ -332,12 +313,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    clock = Clock(device)
     name = "CPU (smoke, reduced width)" if args.smoke else torch.cuda.get_device_name(device)
     rows = []
     for family in args.models:
         sizes = {**SHAPES[family], **SMOKE[family]} if args.smoke else SHAPES[family]
-        rows += benchmark_family(family, sizes, args, device, dtype, clock)
+        rows += benchmark_family(family, sizes, args, device, dtype)
     add_ratios(rows)
     header = (f"Device: {name}; torch {torch.__version__}; {str(dtype).removeprefix('torch.')}; "
               f"median of {args.repeats} timed runs after one warm-up; command: python -m benchmarks.gpu"

@@ -5,7 +5,6 @@ decoding that reuses the pruned KV cache), kept apart so that the model base sta
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -26,6 +25,7 @@ from prune_audit.models.answers import (
     reduce_letters,
     reduce_yes_no,
 )
+from prune_audit.models.timing import PartClock
 
 if TYPE_CHECKING:
     from prune_audit.models.executor import Prefill
@@ -65,13 +65,12 @@ class AnswerModes:
             prepared, selector, budget, generator=generator, forced_kept=forced_kept, forced_stages=forced_stages,
             use_cache=isinstance(mode, Greedy),
         )
-        start = time.perf_counter()
+        clock = PartClock(self.device)
         reductions = self._reduce(prefill, mode)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        clock.lap("decode")
         parts = {part: ms / len(prepared) for part, ms in prefill.latency_parts.items()}
-        if isinstance(mode, Greedy):
-            parts["decode"] = (time.perf_counter() - start) * 1000 / len(prepared)
+        if isinstance(mode, Greedy):  # a first-token answer's reduction is not a part (no decoding)
+            parts["decode"] = clock.read()["decode"] / len(prepared)
         latency = sum(parts.values())
         forced = forced_kept is not None or forced_stages is not None
         answers = []

@@ -249,7 +249,7 @@ class VisionLanguageModel(AnswerModes, ABC):
                     raise
                 raise PruneAuditError(f"selector {selector.name!r} failed at budget {budget}: {error}") from None
             clock.lap("prefill")
-            result.latency_parts = clock.parts
+            result.latency_parts = clock.read()
             return result, selections
 
     def _select(self, item, output, selector, budget, generator, requires, forced) -> Selection:
