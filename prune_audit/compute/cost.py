@@ -42,6 +42,7 @@ class QuestionTokens:
         demand_probe: the layer-0 probe over the full prompt ran (coverage's demand).
         text_chunks: CLIP text chunks of CDPruner's relevance (0: not computed).
         reprojected: merged tokens an input-level merge sent through the projector again.
+        tower_merges: tokens merged in each layer of ToMe's tower rerun (``location=tower``; empty: no rerun).
         stage_probes: the decoder probes of in-LLM stages.
         selector_flops: the selector's own arithmetic (``compute.selectors``).
     """
@@ -56,6 +57,7 @@ class QuestionTokens:
     demand_probe: bool = False
     text_chunks: int = 0
     reprojected: int = 0
+    tower_merges: tuple[int, ...] = ()
     stage_probes: tuple[StageProbe, ...] = ()
     selector_flops: int = 0
 
@@ -96,6 +98,7 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     signals += flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
     if tokens.text_chunks:
         signals += flops.clip_text_relevance(shape.clip_text, tokens.text_chunks, tokens.visual_tokens)
+    signals += flops.merging_tower(vision, patch_grid, tokens.tower_merges) if tokens.tower_merges else 0
     signals += flops.projector(vision, tokens.reprojected)
     lengths = [tokens.text_tokens + visual for visual in tokens.visual_per_layer]
     full = tokens.text_tokens + tokens.visual_tokens

@@ -63,6 +63,20 @@ def vision_tower(vision: VisionShape, patch_grid: tuple[int, int]) -> int:
     return total
 
 
+def merging_tower(vision: VisionShape, patch_grid: tuple[int, int], merges: Sequence[int]) -> int:
+    """ToMe's rerun of a global-attention tower (``location=tower``, ``models.llava``'s merging tower): the
+    patch embedding, then per layer the q, k, v, out projections and attention over the tokens alive before
+    its merge and the MLP over those after it (``merges[l]`` tokens merged between attention and MLP)."""
+    patches = patch_grid[0] * patch_grid[1]
+    tokens, width = vision.class_tokens + patches, vision.width
+    total = matmul(patches, vision.patch_inputs, width)
+    for merged in merges:
+        total += 4 * matmul(tokens, width, width) + attention(tokens, tokens, 1, width)
+        tokens -= merged
+        total += vision.mlp_matrices * matmul(tokens, width, vision.mlp_width)
+    return total
+
+
 def projector(vision: VisionShape, tokens: int) -> int:
     """The projector on ``tokens`` language-model visual tokens."""
     return sum(matmul(tokens, inputs, outputs) for inputs, outputs in vision.projector)
@@ -168,7 +182,7 @@ def flop_equivalent_tokens(language: LanguageShape, flops: float) -> float:
 
 
 __all__ = [
-    "matmul", "attention", "window_lengths", "vision_layer_blocks", "vision_tower", "projector", "cls_probe",
+    "matmul", "attention", "window_lengths", "vision_layer_blocks", "vision_tower", "merging_tower", "projector", "cls_probe",
     "vision_layer_probes", "clip_text_relevance", "decoder_layer", "lm_head", "language_prefill", "decoder_probe", "decode_token",
     "kv_bytes", "flop_equivalent_tokens",
 ]  # fmt: skip

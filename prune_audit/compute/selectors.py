@@ -41,6 +41,7 @@ class SelectorWork:
         text_rows: text tokens after the image (the rows in-LLM selectors score with).
         stages: in-LLM stages as ``(visual tokens alive before, kept after)``.
         options: the selector's options (``Selector.options()``).
+        tower_merges: tokens ToMe merges in each vision-tower layer with ``location=tower`` (empty otherwise).
     """
 
     tokens: int = 0
@@ -52,6 +53,7 @@ class SelectorWork:
     text_rows: int = 0
     stages: tuple[tuple[int, int], ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
+    tower_merges: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,15 @@ def _scope(work: SelectorWork) -> int:
 
 
 def _tome(work: SelectorWork) -> int:
-    """Each bipartite round on n tokens: the ceil(n/2) x floor(n/2) cosine matrix (``pruners.tome.merge_round``)."""
+    """Each bipartite round on n tokens: the ceil(n/2) x floor(n/2) cosine matrix (``pruners.tome.merge_round``)
+    of the projector outputs, or with ``location=tower`` of the head-mean keys (CLS included) in each tower
+    layer that merges (``tower_merges``; the tower rerun itself is the model's, ``compute.flops.merging_tower``)."""
+    if work.tower_merges:
+        total, count = 0, 1 + work.tokens
+        for merged in work.tower_merges:
+            total += matmul((count + 1) // 2, work.key_width, count // 2) if merged else 0
+            count -= merged
+        return total
     total, count = 0, work.tokens
     while count > work.kept:
         total += matmul((count + 1) // 2, work.feature_width, count // 2)
@@ -177,9 +187,7 @@ def selector_flops(name: str, work: SelectorWork) -> tuple[int, bool]:
     entry = SELECTOR_FLOPS.get(name)
     if entry is None:
         return 0, False
-    # ToMe with location=tower reruns the vision tower with merges between its layers: not modelled, so nominal
-    tower = name == "tome" and work.options.get("location") == "tower"
-    return entry.formula(work), entry.exact and not tower
+    return entry.formula(work), entry.exact
 
 
 __all__ = ["SelectorWork", "SelectorFlops", "SELECTOR_FLOPS", "selector_flops"]

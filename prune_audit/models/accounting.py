@@ -12,6 +12,7 @@ from prune_audit.compute.cost import PrefillCost, QuestionTokens, StageProbe, pr
 from prune_audit.compute.selectors import SelectorWork, selector_flops
 from prune_audit.models.layer_signals import ATTENTION_SIGNALS, KEY_SIGNALS, ROPE_SIGNALS
 from prune_audit.pruners.base import InputSelector, Selection, Selector
+from prune_audit.pruners.tome import tower_schedule
 
 if TYPE_CHECKING:
     from prune_audit.models.answers import Answer
@@ -46,6 +47,9 @@ def question_cost(
                    bool(layer_requires & KEY_SIGNALS), before if rope else 0)
         for before in alive[:-1]
     )  # fmt: skip
+    tower_merges = ()
+    if "merging_tower" in input_requires:  # ToMe's tower rerun, as pruners.tome.TowerMerging schedules it
+        tower_merges = tuple(tower_schedule(item.num_visual, budget, shape.vision.layers))
     arithmetic = 0
     if ran is not None:
         work = SelectorWork(
@@ -58,6 +62,7 @@ def question_cost(
             text_rows=text_after,
             stages=tuple(zip(alive[:-1], alive[1:])),
             options=ran.options(),
+            tower_merges=tower_merges,
         )
         arithmetic, _ = selector_flops(ran.name, work)
     merged_inputs = selection is not None and selection.sources is not None and selection.llm_tokens is None
@@ -72,6 +77,7 @@ def question_cost(
         demand_probe="demand" in input_requires,
         text_chunks=vlm.text_chunks(item) if "text_relevance" in input_requires else 0,
         reprojected=len(selection.sources) if merged_inputs else 0,
+        tower_merges=tower_merges,
         stage_probes=probes,
         selector_flops=arithmetic,
     )
