@@ -149,3 +149,53 @@ def test_flop_equivalent_tokens_inverts_the_dense_language_prefill(models):
         assert flop_equivalent_tokens(language, language_prefill(language, [tokens] * language.layers)) == pytest.approx(
             tokens, rel=1e-9
         )
+
+
+def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):
+    """``signal_sources`` against spies on every probe: the outermost probe calls of each answer (a probe
+    another one calls, such as the keys inside attention rows or the rows inside coverage's demand, is
+    part of the outer one)."""
+    import prune_audit.models.base as base
+    import prune_audit.models.llava as llava
+    from prune_audit.compute.cost import SIGNAL_SOURCES
+    from prune_audit.models.probe import DecoderProbe
+
+    ran, depth = [], [0]
+
+    def spy(function, probe):
+        def wrapper(*args, **kwargs):
+            if depth[0] == 0:
+                ran.append(probe)
+            depth[0] += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return wrapper
+
+    monkeypatch.setattr(llava, "clip_cls_row", spy(llava.clip_cls_row, "vision_cls_row"))
+    monkeypatch.setattr(llava, "clip_logits", spy(llava.clip_logits, "vision_layer_attention"))
+    monkeypatch.setattr(base, "text_demand", spy(base.text_demand, "decoder_demand_rows"))
+    for method, probe in (("probabilities", "decoder_attention_rows"), ("keys", "decoder_key_norms"),
+                          ("rope_ones_logits", "decoder_rope_logits")):  # fmt: skip
+        monkeypatch.setattr(DecoderProbe, method, spy(getattr(DecoderProbe, method), probe))
+    seen = set()
+    for model in ("demo", "demo-qwen", "tiny-llava"):
+        vlm = models[model]
+        for method, probe in (("_merging_tower", "vision_merging_tower"), ("_text_relevance", "clip_text_tower"),
+                              ("_layer_attention", "vision_layer_attention")):  # fmt: skip
+            if hasattr(vlm, method):
+                monkeypatch.setattr(vlm, method, spy(getattr(vlm, method), probe), raising=False)
+        item = vlm.prepare(random_image(4, (96, 96)), "is there a red dog in the image?")
+        selectors = [None] + [get_selector(name) for name in vlm.supported_selectors()]
+        if "merging_tower" in vlm.input_signals:
+            selectors.append(get_selector("tome", location="tower"))
+        for selector in selectors:
+            ran.clear()
+            budget = None if selector is None else item.num_visual // 2 + 3
+            [answer] = vlm.answer([item], selector, budget, generator=torch.Generator().manual_seed(0))
+            expected = tuple(name for name in SIGNAL_SOURCES if name in ran)
+            assert answer.cost.signal_sources == expected, (model, selector)
+            seen.update(expected)
+    assert seen == set(SIGNAL_SOURCES)  # every value is exercised

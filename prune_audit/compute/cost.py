@@ -8,6 +8,27 @@ from prune_audit.compute import flops
 from prune_audit.compute.shape import ModelShape
 
 
+SIGNAL_SOURCES: dict[str, str] = {
+    "vision_cls_row": "the CLS row of the feature layer's attention, recomputed from its projections (CLS-attention "
+                      "selectors)",
+    "vision_layer_attention": "every vision encoder layer's attention recomputed on its input (per-layer vision "
+                              "signals: HiPrune, VScan)",
+    "vision_merging_tower": "the vision tower rerun with merges between its layers (ToMe location=tower)",
+    "clip_text_tower": "the CLIP text tower on the question (CDPruner's text relevance)",
+    "decoder_demand_rows": "attention rows of the text after the image at decoder layer 0 over the unpruned prompt "
+                           "(coverage's demand)",
+    "decoder_attention_rows": "attention rows of the text after the image at each in-LLM stage's signal layer",
+    "decoder_key_norms": "the keys of each in-LLM stage's signal layer, for their norms",
+    "decoder_rope_logits": "all-ones RoPE logits of the text after the image against the alive visual tokens "
+                           "(SparseVLM v2)",
+}
+"""Where a selector's signals came from beyond the prefill itself, by record value (``signal_sources``), in the
+order a record lists them; their FLOPs are in ``flops_vision`` / ``flops_llm``. Attention rows and keys are
+probes (``models.probe``: the rows needed, recomputed from the layer's own weights in plain tensor operations),
+the tower rerun and the CLIP text tower run their own modules; no layer is switched to eager attention, so every
+layer runs the run's kernel (manifest ``attn_implementation``)."""
+
+
 @dataclass(frozen=True)
 class StageProbe:
     """A decoder-layer probe an in-LLM stage reads its signals from (``models.layer_signals``).
@@ -77,6 +98,8 @@ class PrefillCost:
         kv_bytes: KV-cache bytes after the prefill.
         flop_equivalent_tokens: the dense sequence length whose language-model prefill costs
             ``flops - flops_vision_dense`` (the vision tower every run pays is not counted).
+        signal_sources: the ``SIGNAL_SOURCES`` the selector's signals needed (empty: none), or None when not
+            known (a cost imported with another tool's kept sets).
     """
 
     flops_vision: int
@@ -87,6 +110,23 @@ class PrefillCost:
     flops_decode_token: int
     kv_bytes: int
     flop_equivalent_tokens: float
+    signal_sources: tuple[str, ...] | None = None
+
+
+def signal_sources(tokens: QuestionTokens) -> tuple[str, ...]:
+    """The ``SIGNAL_SOURCES`` that ran for ``tokens``' question, in their order."""
+    stages = tokens.stage_probes
+    ran = {
+        "vision_cls_row": tokens.cls_probe,
+        "vision_layer_attention": tokens.vision_layer_probe,
+        "vision_merging_tower": bool(tokens.tower_merges),
+        "clip_text_tower": tokens.text_chunks > 0,
+        "decoder_demand_rows": tokens.demand_probe,
+        "decoder_attention_rows": any(probe.attention for probe in stages),
+        "decoder_key_norms": any(probe.key_norms for probe in stages),
+        "decoder_rope_logits": any(probe.rope_columns for probe in stages),
+    }
+    return tuple(name for name in SIGNAL_SOURCES if ran[name])
 
 
 def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
@@ -117,7 +157,8 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
         flops_decode_token=flops.decode_token(language, lengths),
         kv_bytes=flops.kv_bytes(language, lengths, shape.dtype_bytes),
         flop_equivalent_tokens=flops.flop_equivalent_tokens(language, total - tower),
+        signal_sources=signal_sources(tokens),
     )
 
 
-__all__ = ["StageProbe", "QuestionTokens", "PrefillCost", "prefill_cost"]
+__all__ = ["SIGNAL_SOURCES", "StageProbe", "QuestionTokens", "PrefillCost", "signal_sources", "prefill_cost"]

@@ -12,7 +12,9 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 7
+from prune_audit.compute.cost import SIGNAL_SOURCES
+
+SCHEMA_VERSION = 8
 """Version of the record columns, written to every manifest as ``records_schema``.
 
 2: per-stage columns (``stage_layers``, ``*_stages``); ``retention``, ``object_tokens_kept``
@@ -28,6 +30,7 @@ task's own columns (POPE's ``object``, ``label``, ``answer``, ``p_*``, ``logit_d
 rows); the manifest records the ``task``.
 7: the cost columns (``COST_COLUMNS``: analytic FLOPs per part, KV-cache bytes, FLOP-equivalent tokens,
 measured latency parts, decoding included where the task generates; docs/compute.md).
+8: ``signal_sources``: where the selector's signals came from (CLS-row or decoder-row probes, a tower rerun, ...).
 Readers and resume refuse any other version.
 """
 
@@ -119,6 +122,16 @@ COST_COLUMNS: tuple[Column, ...] = (
         "flop_equivalent_tokens",
         pa.float64(),
         "the dense sequence length whose decoder prefill (+ LM head) costs flops - the dense vision tower and projector",
+    ),
+    _run(
+        "signal_sources",
+        pa.list_(pa.string()),
+        "where the selector's signals came from beyond the prefill, in this order (empty: nothing, e.g. unpruned, "
+        "random, or features only; null: not known, a cost imported with the kept sets): "
+        + "; ".join(f"`{name}`: {meaning}" for name, meaning in SIGNAL_SOURCES.items())
+        + ". Attention rows and keys are recomputed from the layer's weights (probes), never by switching a layer "
+        "to eager attention: every layer of every record runs the manifest's `attn_implementation`",
+        nullable=True,
     ),
     _run("latency_vision_ms", pa.float64(), "wall time of the vision tower and projector (batch time / batch size)"),
     _run(

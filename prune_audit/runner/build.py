@@ -208,6 +208,7 @@ def cost_values(answer: Answer) -> Record:
         "flops_decode_token": cost.flops_decode_token,
         "kv_bytes": cost.kv_bytes,
         "flop_equivalent_tokens": cost.flop_equivalent_tokens,
+        "signal_sources": None if cost.signal_sources is None else list(cost.signal_sources),
         "latency_vision_ms": parts["vision"],
         "latency_selection_ms": parts["selection"],
         "latency_prefill_ms": parts["prefill"],
