@@ -10,7 +10,8 @@
 # in OUT/quick-start), each alone with its default threads; everything else runs with --threads 1 in two
 # parallel lanes (one per core). Every timed step logs wall time, CPU time (user + system) and the load
 # average. OUT/summary.txt collects the numbers; the model cards' tables are OUT/table-demo/table.md and
-# OUT/table-demo-qwen/table.md; every PNG that README.md and docs/ embed is under OUT/figures with the
+# OUT/table-demo-qwen/table.md, the cost tables of docs/compute.md and README.md OUT/compute-table.md and
+# OUT/compute-table-readme.md; every PNG that README.md and docs/ embed is under OUT/figures with the
 # same file name (copy them over docs/ and docs/images/ to refresh the figures; tests/test_readme.py checks
 # that each embedded PNG is named here).
 set -euo pipefail
@@ -28,11 +29,15 @@ fi
 mkdir -p "$OUT/runs" "$OUT/figures"
 OUT=$(cd "$OUT" && pwd)  # absolute: the quick start runs in its own folder
 README="$(cd "$(dirname "$0")/.." && pwd)/README.md"
-LIMIT=() PER_SPLIT=150 EVAL_SET=() STUDY_SIZE=()
+LIMIT=() PER_SPLIT=150 EVAL_SET=() STUDY_SIZE=() COMPUTE_LIMIT=90
 if [ -n "$QUICK" ]; then
-    LIMIT=(--limit 60) PER_SPLIT=10 EVAL_SET=(--scenes 20 --pope-images 10)
+    LIMIT=(--limit 60) PER_SPLIT=10 EVAL_SET=(--scenes 20 --pope-images 10) COMPUTE_LIMIT=60
     STUDY_SIZE=(--limit 60 --bootstrap 50 --splits 20 --epsilons 0.2,0.5)  # 10 images: no smaller target
 fi
+# the cost tables (docs/compute.md: every selector the LLaVA demo runs, at 64 tokens; README.md: these runs)
+COMPUTE_SELECTORS=cls_attn,coverage,dart,divprune,e2s,fastv,hiprune,pdrop,pool,random,scope,sparsevlm,sparsevlm2,tome
+COMPUTE_SELECTORS+=,uniform,v2drop,visionzip,vispruner,vscan
+README_COST_RUNS=dense,cls_attn@64,divprune@64,fastv@64,hiprune@64,pdrop@64,sparsevlm@64,visionzip@64,vscan@64
 CACHE=${PRUNE_AUDIT_CACHE:-$HOME/.cache/prune-audit}
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 timed() {  # timed NAME COMMAND...: wall and CPU seconds of the command into summary.txt
@@ -84,6 +89,13 @@ other_lane() {  # README figures (first: seconds), accuracy, object removal, the
     prune-audit visualize "$IMAGE" --budget 16 --threads 1 --selector none --selector visionzip --selector cls_attn \
         --out "$OUT/figures/visualize-demo-merged.png" > /dev/null
     log "figures: figures/"
+    # the cost tables: FLOPs, KV bytes and latency parts next to accuracy and ECE (docs/compute.md, README.md)
+    timed study-compute prune-audit study --selectors "$COMPUTE_SELECTORS" --budgets 64 --limit "$COMPUTE_LIMIT" \
+        --threads 1 --epsilons 0.2 --out "$OUT/study-compute" --quiet > /dev/null
+    python -m benchmarks.compute_table "$OUT/study-compute/summary.csv" > "$OUT/compute-table.md"
+    python -m benchmarks.compute_table "$OUT/study-compute/summary.csv" --compact --runs "$README_COST_RUNS" \
+        > "$OUT/compute-table-readme.md"
+    log "cost tables: compute-table.md (docs/compute.md), compute-table-readme.md (README.md)"
     # unpruned accuracy on the 9,000 demo questions (LLaVA: also with the two instructions it was trained with)
     for model in demo demo-qwen; do
         prune-audit demo evaluate --model "$model" --threads 1 "${EVAL_SET[@]}" > "$OUT/evaluate-$model.json"
