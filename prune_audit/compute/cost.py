@@ -89,7 +89,8 @@ class PrefillCost:
 
     Attributes:
         flops_vision: vision tower to the feature layer, projector, and the vision-side signals
-            (CLS probe, per-layer attention probes, CDPruner's CLIP text tower, re-projection of merged tokens).
+            (CLS probe, per-layer attention probes, ToMe's tower rerun, CDPruner's CLIP text tower, re-projection
+            of merged tokens).
         flops_selector: the selector's own arithmetic.
         flops_llm: decoder layers at their realised lengths, in-LLM probes, the LM head at the last position.
         flops: their sum.
