@@ -22,7 +22,8 @@ from prune_audit.demo.evaluate import load_demo
 from prune_audit.models import load_vlm
 from prune_audit.models.build import build_qwen2_5_vl
 from prune_audit.pruners import get_selector
-from prune_audit.pruners.base import InputSignals
+from prune_audit.pruners.base import InputSignals, LayerSignals, Stage
+from prune_audit.pruners.fidelity import FIDELITY
 from tiny_models import QUESTIONS, WORDS, random_image
 
 TOL = 1e-5
@@ -171,3 +172,108 @@ def test_the_qwen_object_layer_scales_to_the_towers_depth():
     signals = InputSignals(grid=(6, 6), layer_attention=attention, vision_tower="qwen2_5_vl")
     kept = get_selector("hiprune", alpha=1.0).select(signals, 10).kept
     assert {35, 34, 29}.issubset(set(kept.tolist()))
+
+
+# --- VScan's Qwen2.5-VL path (Tencent/SelfEvolvingAgent a82450e1, VScan/qwen/model/) ----------------------------
+
+QWEN_7B_FULL_BLOCKS = (7, 15, 23, 31)  # Qwen2.5-VL-7B's fullatt_block_indexes of its 32 vision blocks
+QWEN_7B_HEADS, QWEN_7B_WIDTH, QWEN_7B_LAYERS = 16, 3584, 28  # vision heads, LLM width (merged features), LLM depth
+
+
+def official_received(probs: torch.Tensor, window_index: torch.Tensor) -> torch.Tensor:
+    """(N,) ``Qwen2_5_VisionTransformerPretrainedModel_X.forward``'s reduction of one block's (H, P, P) attention
+    in window order: sum over heads, mean over query patches, mean of each merged token's 4, window order undone."""
+    received = probs.sum(dim=0).mean(dim=0).view(-1, 4).mean(dim=1)
+    return received[torch.argsort(window_index)]
+
+
+def official_window_selection(attention: torch.Tensor, count: int, rows: int, cols: int, side: int = 4) -> list[int]:
+    """``qwen2_5_vl_utils.window_selection``: walk the tokens by decreasing attention, take one while its window
+    (edge cells fold into the last window of their row or column) holds fewer than ceil(count / windows)."""
+    down, across = rows // side, cols // side
+    limit = math.ceil(count / (down * across))
+    counter = torch.zeros(rows, cols, dtype=torch.int)
+    taken = []
+    for index in torch.argsort(attention, dim=0, descending=True).tolist():
+        x, y = min(index // cols // side, down - 1), min(index % cols // side, across - 1)
+        if counter[x, y] < limit:
+            counter[x, y] += 1
+            taken.append(index)
+        if len(taken) >= count:
+            break
+    assert len(taken) == count
+    return taken
+
+
+def official_qwen_vscan(local: torch.Tensor, deep: torch.Tensor, features: torch.Tensor, rows: int, cols: int,
+                        num_keep: int) -> tuple[list[int], torch.Tensor]:
+    """``Qwen2_5_VLForConditionalGeneration_X.forward``'s vision stage: ``num_keep // 2`` by the window selection,
+    the rest the top of the deep attention with those set to 0, sorted, then ``token_merging`` (scaling 1)."""
+    chosen_local = official_window_selection(local, num_keep // 2, rows, cols)
+    deep = deep.clone()
+    deep[chosen_local] = 0
+    chosen = torch.topk(deep, num_keep - num_keep // 2).indices.tolist()
+    keep = sorted(chosen_local + chosen)
+    mask = torch.zeros(features.shape[0], dtype=torch.bool)
+    mask[keep] = True
+    retained, others = features[mask], features[~mask]
+    nearest = torch.nn.functional.cosine_similarity(others[:, None], retained[None], dim=2).argmax(dim=1)
+    merged = retained.clone().index_add_(0, nearest, others)
+    counts = torch.zeros(retained.shape[0]).index_add_(0, nearest, torch.ones(nearest.numel()))
+    return keep, merged / (1 + counts[:, None])
+
+
+def window_attention_case(generator: torch.Generator, rows: int, cols: int, dtype: torch.dtype = torch.float32):
+    """Two full-attention blocks' (H, P, P) softmax in the tower's window order (P = 4 rows cols patches, each
+    merged token's 4 together) and the window index (raster merged token at each window slot)."""
+    window_index = raster_to_window_order(rows, cols, 4)
+    patches = 4 * rows * cols
+    blocks = [torch.softmax(2 * torch.randn(QWEN_7B_HEADS, patches, patches, generator=generator).to(dtype).float(),
+                            dim=-1).to(dtype) for _ in range(2)]  # the official float32 softmax cast to the model dtype
+    return blocks, window_index
+
+
+def raster_received(probs: torch.Tensor, window_index: torch.Tensor) -> torch.Tensor:
+    """(N,) the adapter's ``layer_attention`` row, formed another way: columns put in raster patch order first,
+    then the mean over heads, query patches and each merged token's 4 (float32)."""
+    slot = torch.argsort(window_index)  # raster merged token -> its window slot
+    columns = (4 * slot[:, None] + torch.arange(4)).flatten()
+    return probs.float()[:, :, columns].mean(dim=(0, 1)).view(-1, 4).mean(dim=1)
+
+
+def qwen_vision_signals(local: torch.Tensor, deep: torch.Tensor, features: torch.Tensor, grid, dtype=None):
+    """Vision-stage LayerSignals of a Qwen2.5-VL-7B-like tower whose blocks 8 and 32 have ``local`` and ``deep``."""
+    attention = torch.rand(32, local.numel())
+    attention[QWEN_7B_FULL_BLOCKS[0]], attention[-1] = local, deep
+    return LayerSignals(alive=torch.arange(local.numel()), grid=grid, layer=0, num_layers=QWEN_7B_LAYERS,
+                        layer_attention=attention, hidden_states=features, text_probs=torch.zeros(1, 1, local.numel()),
+                        vision_tower="qwen2_5_vl", full_attention_layers=QWEN_7B_FULL_BLOCKS, model_dtype=dtype)
+
+
+def test_vscan_agrees_with_the_official_qwen_vision_stage_on_random_cases():
+    """36 cases: merged grids of 6..20 rows and columns (Qwen2.5-VL-7B: 16 vision heads, 4 x 4 windows, blocks 8 and
+    32, 3584-wide clustered features), vision-stage counts of 10 to 60 % of the tokens."""
+    generator = torch.Generator().manual_seed(2705)
+    selector = get_selector("vscan")
+    identical = 0
+    for case in range(36):
+        rows, cols = (int(v) for v in torch.randint(6, 21, (2,), generator=generator))
+        n = rows * cols
+        (local, deep), window_index = window_attention_case(generator, rows, cols)
+        centres = torch.randn(10, QWEN_7B_WIDTH, generator=generator)
+        features = centres[torch.randint(0, 10, (n,), generator=generator)] + torch.randn(n, QWEN_7B_WIDTH,
+                                                                                          generator=generator)
+        keep = int(torch.randint(n // 10, 3 * n // 5, (1,), generator=generator))
+        official_keep, official_merged = official_qwen_vscan(official_received(local, window_index),
+                                                             official_received(deep, window_index), features, rows,
+                                                             cols, keep)  # fmt: skip
+        signals = qwen_vision_signals(raster_received(local, window_index), raster_received(deep, window_index),
+                                      features, (rows, cols))
+        kept = selector.prune(Stage(0, keep), signals, {})
+        merge = selector.merge(Stage(0, keep), signals, {}, kept)
+        ours = features[kept].clone()
+        slot = {int(p): i for i, p in enumerate(kept)}
+        for index, target in enumerate(merge.replaces.tolist()):
+            ours[slot[target]] = merge.hidden[index]
+        identical += kept.tolist() == official_keep and torch.allclose(ours, official_merged, atol=1e-5)
+    assert identical == 36 and "Qwen path: test_methods_qwen.py 36 of 36" in FIDELITY["vscan"].agreement
