@@ -1,10 +1,10 @@
-"""HiPrune on Qwen2.5-VL as Danielement321/HiPrune ``Qwen2_5_VL/qwen2_5_vl_HiPrune.py`` (6e83a124) runs it.
+"""HiPrune and VScan on Qwen2.5-VL as their official Qwen code runs them: Danielement321/HiPrune
+``Qwen2_5_VL/qwen2_5_vl_HiPrune.py`` (6e83a124), Tencent/SelfEvolvingAgent ``VScan/qwen/model/`` (a82450e1).
 
 * the ``layer_attention`` signal equals a recomputation in raster patch order from each block's
   input (its own rotary table and window permutation re-derived here), on the tiny model and demo-qwen;
-* ``prune-audit run --model demo-qwen --selector hiprune`` records the budget (VScan's refusal:
-  ``test_methods_v3.py``);
-* the selection agrees with a re-derivation of the official Qwen selection on random cases.
+* ``prune-audit run --model demo-qwen --selector hiprune`` / ``vscan`` records the budget / both stages;
+* each selection agrees with a re-derivation of the official Qwen selection on random cases.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from prune_audit.models.build import build_qwen2_5_vl
 from prune_audit.pruners import get_selector
 from prune_audit.pruners.base import InputSignals, LayerSignals, Stage
 from prune_audit.pruners.fidelity import FIDELITY
+from prune_audit.pruners.vscan import greedy_window_scan
 from tiny_models import QUESTIONS, WORDS, random_image
 
 TOL = 1e-5
@@ -277,3 +278,63 @@ def test_vscan_agrees_with_the_official_qwen_vision_stage_on_random_cases():
             ours[slot[target]] = merge.hidden[index]
         identical += kept.tolist() == official_keep and torch.allclose(ours, official_merged, atol=1e-5)
     assert identical == 36 and "Qwen path: test_methods_qwen.py 36 of 36" in FIDELITY["vscan"].agreement
+
+
+def test_vscan_runs_on_demo_qwen_with_two_recorded_stages(tmp_path):
+    """8 of 36 tokens on 8 decoder layers: 12 at the input (merged tokens carrying every cell), 4 from layer 4."""
+    out = tmp_path / "vscan"
+    result = CliRunner().invoke(app, ["run", "--model", "demo-qwen", "--selector", "vscan", "--budget", "8",
+                                      "--limit", "4", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    for record in pq.read_table(out / "records.parquet").to_pylist():
+        kept, merged = record["kept_stages"], record["merged_stages"]
+        assert record["stage_layers"] == [0, 4] and [len(k) + len(m) for k, m in zip(kept, merged)] == [12, 4]
+        assert sorted(kept[0] + [cell for group in merged[0] for cell in group]) == list(range(36))
+
+
+@pytest.mark.parametrize("name", ["tiny", "demo-qwen"])
+def test_vscan_reads_the_towers_received_attention_and_first_full_attention_block(models, name):
+    """The vision stage the prefill records (kept tokens, and merged ones in their kept token's place) is the
+    selector's on the adapter's ``layer_attention`` with the tower's ``fullatt_block_indexes`` (tiny: [1] of 2,
+    demo-qwen: [3] of 4)."""
+    vlm = models[name]
+    item = vlm.prepare(random_image(3, (120, 96)), QUESTIONS[1])
+    [output] = vlm._vision([item], frozenset({"layer_attention"}))
+    assert output.signals["full_attention_layers"] == tuple(vlm.model.config.vision_config.fullatt_block_indexes)
+    selector = get_selector("vscan")
+    [stage, _] = vlm.schedule(selector, item.num_visual, 6)
+    signals = LayerSignals(alive=torch.arange(item.num_visual), grid=item.grid, layer=0, num_layers=vlm.num_layers,
+                           hidden_states=output.features.float(), text_probs=torch.zeros(1, 1, item.num_visual),
+                           **{key: output.signals[key] for key in ("layer_attention", "vision_tower",
+                                                                    "full_attention_layers")})  # fmt: skip
+    answer = vlm.answer([item], selector, 6)[0]
+    kept = selector.prune(stage, signals, {})
+    members = sorted(group.tolist() for group in selector.merge(stage, signals, {}, kept).members)
+    assert sorted(answer.merged_stages[0]) == members  # each kept token that gained members became a merged one
+    assert sorted(answer.kept_stages[0] + [cell for group in members for cell in group if cell in kept]) == kept.tolist()
+
+
+def test_vscan_on_a_qwen_7b_depth_is_the_official_layer_14_with_a_third():
+    selector = get_selector("vscan")
+    assert selector.schedule(QWEN_7B_LAYERS, 1000, 64) == [Stage(0, 96), Stage(14, 32)]
+    assert selector.schedule(QWEN_7B_LAYERS, 1000, 100) == [Stage(0, 150), Stage(14, 50)]
+
+
+def test_greedy_window_scan_folds_edge_cells_into_the_last_windows():
+    """A 5 x 9 grid has 1 x 2 windows of 4: column 8 and row 4 join them; 6 tokens, at most 3 per window."""
+    scores = torch.zeros(45)
+    scores[[8, 17, 26, 35, 44]] = torch.tensor([9.0, 8.0, 7.0, 6.0, 5.0])  # the right edge column: window 2
+    scores[[0, 1]] = torch.tensor([4.0, 3.0])
+    taken = greedy_window_scan(scores, torch.arange(45), (5, 9), 4, 6)
+    assert taken.tolist() == [8, 17, 26, 0, 1, 2]
+    assert greedy_window_scan(scores, torch.arange(45), (5, 9), 8, 4).tolist() == [8, 17, 26, 35]  # one window
+
+
+def test_vscan_is_refused_in_one_line_on_qwen2_vl(tmp_path):
+    from prune_audit.errors import PruneAuditError
+    from prune_audit.models.families import adapter_for
+
+    vlm = load_vlm(adapter_for("qwen2_vl", "test").build_tiny(tmp_path / "qwen2", words=WORDS), device="cpu")
+    with pytest.raises(PruneAuditError) as error:
+        vlm.check_selector(get_selector("vscan"))
+    assert "vscan" in str(error.value) and "\n" not in str(error.value)
