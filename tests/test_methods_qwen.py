@@ -206,15 +206,19 @@ def official_window_selection(attention: torch.Tensor, count: int, rows: int, co
     return taken
 
 
-def official_qwen_vscan(local: torch.Tensor, deep: torch.Tensor, features: torch.Tensor, rows: int, cols: int,
-                        num_keep: int) -> tuple[list[int], torch.Tensor]:
-    """``Qwen2_5_VLForConditionalGeneration_X.forward``'s vision stage: ``num_keep // 2`` by the window selection,
-    the rest the top of the deep attention with those set to 0, sorted, then ``token_merging`` (scaling 1)."""
+def official_qwen_scans(local: torch.Tensor, deep: torch.Tensor, rows: int, cols: int, num_keep: int) -> list[int]:
+    """``Qwen2_5_VLForConditionalGeneration_X.forward``'s scans: ``num_keep // 2`` by the window selection, the
+    rest the top of the deep attention with those set to 0 (in its dtype), sorted."""
     chosen_local = official_window_selection(local, num_keep // 2, rows, cols)
     deep = deep.clone()
     deep[chosen_local] = 0
-    chosen = torch.topk(deep, num_keep - num_keep // 2).indices.tolist()
-    keep = sorted(chosen_local + chosen)
+    return sorted(chosen_local + torch.topk(deep, num_keep - num_keep // 2).indices.tolist())
+
+
+def official_qwen_vscan(local: torch.Tensor, deep: torch.Tensor, features: torch.Tensor, rows: int, cols: int,
+                        num_keep: int) -> tuple[list[int], torch.Tensor]:
+    """The vision stage: :func:`official_qwen_scans`, then ``token_merging`` (scaling 1)."""
+    keep = official_qwen_scans(local, deep, rows, cols, num_keep)
     mask = torch.zeros(features.shape[0], dtype=torch.bool)
     mask[keep] = True
     retained, others = features[mask], features[~mask]
@@ -224,13 +228,24 @@ def official_qwen_vscan(local: torch.Tensor, deep: torch.Tensor, features: torch
     return keep, merged / (1 + counts[:, None])
 
 
-def window_attention_case(generator: torch.Generator, rows: int, cols: int, dtype: torch.dtype = torch.float32):
+def window_attention_case(generator: torch.Generator, rows: int, cols: int, dtype: torch.dtype = torch.float32,
+                          ties: str = ""):
     """Two full-attention blocks' (H, P, P) softmax in the tower's window order (P = 4 rows cols patches, each
-    merged token's 4 together) and the window index (raster merged token at each window slot)."""
+    merged token's 4 together) and the window index (raster merged token at each window slot).
+
+    The logits are rounded to ``dtype`` and the float32 softmax cast to it, as the official SDPA path forms the
+    weights; ``ties="duplicated"``: a quarter of the key columns repeat others, ``"quantised"``: integer logits."""
     window_index = raster_to_window_order(rows, cols, 4)
     patches = 4 * rows * cols
-    blocks = [torch.softmax(2 * torch.randn(QWEN_7B_HEADS, patches, patches, generator=generator).to(dtype).float(),
-                            dim=-1).to(dtype) for _ in range(2)]  # the official float32 softmax cast to the model dtype
+    blocks = []
+    for _ in range(2):
+        logits = 2 * torch.randn(QWEN_7B_HEADS, patches, patches, generator=generator)
+        if ties == "duplicated":
+            targets = torch.randperm(patches, generator=generator)[: patches // 4]
+            logits[:, :, targets] = logits[:, :, torch.randint(patches, (targets.numel(),), generator=generator)]
+        elif ties == "quantised":
+            logits = logits.round()
+        blocks.append(torch.softmax(logits.to(dtype).float(), dim=-1).to(dtype))
     return blocks, window_index
 
 
