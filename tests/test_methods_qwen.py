@@ -353,3 +353,36 @@ def test_vscan_is_refused_in_one_line_on_qwen2_vl(tmp_path):
     with pytest.raises(PruneAuditError) as error:
         vlm.check_selector(get_selector("vscan"))
     assert "vscan" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_attention_rope_skipped_forms_the_llm_stage_attention_from_unrotated_q_and_k(models):
+    """``attention_rope="skipped"`` (VScan's official Qwen ``layer_prune``): the text rows' attention at layer 1 is
+    the causal softmax of q.k / sqrt(d) of the layer's normed input without M-RoPE; the default differs."""
+    from dataclasses import dataclass
+
+    from tiny_models import RecordingLayerSelector, stock_inputs
+
+    @dataclass
+    class Unrotated(RecordingLayerSelector):
+        attention_rope: str = "skipped"
+
+    vlm = models["tiny"]
+    item = vlm.prepare(random_image(5, (120, 120)), QUESTIONS[0])
+    recorded = {}
+    for selector in (Unrotated(), RecordingLayerSelector()):
+        vlm.answer([item], selector, 8)
+        recorded[selector.attention_rope] = selector.records[-1].text_probs
+    with torch.no_grad():
+        hidden = vlm.model(**stock_inputs(vlm, item), output_hidden_states=True).hidden_states[1][0]
+        layer, config = vlm.model.model.language_model.layers[1], vlm.model.config.text_config
+        normed = layer.input_layernorm(hidden)
+        head_dim = config.hidden_size // config.num_attention_heads
+        query = layer.self_attn.q_proj(normed).view(-1, config.num_attention_heads, head_dim).transpose(0, 1)
+        key = layer.self_attn.k_proj(normed).view(-1, config.num_key_value_heads, head_dim).transpose(0, 1)
+        key = key.repeat_interleave(config.num_attention_heads // config.num_key_value_heads, dim=0)
+    start, end = item.image_span
+    logits = query[:, end:] @ key.transpose(1, 2) / math.sqrt(head_dim)
+    causal = torch.arange(hidden.shape[0])[None, :] <= torch.arange(end, hidden.shape[0])[:, None]
+    expected = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)[:, :, start:end]
+    torch.testing.assert_close(recorded["skipped"], expected, rtol=TOL, atol=TOL)
+    assert not torch.allclose(recorded["applied"], expected, rtol=TOL, atol=TOL)

@@ -70,9 +70,9 @@ def layer_signals(
         cos, sin = stack.rotary(source[None], batch.positions[:, row : row + 1, columns])
         probe = stack.probe(source_layer)
         if requires & ATTENTION_SIGNALS:
-            logits, probs = probe.probabilities(
-                source, text, cos[0], sin[0], plan.attention_in_model_dtype, plan.model_attention
-            )
+            # the identity rotation where the selector's official code skips RoPE (VScan's Qwen layer_prune)
+            turn = (cos[0], sin[0]) if plan.rotates_attention else (torch.ones_like(cos[0]), torch.zeros_like(sin[0]))
+            logits, probs = probe.probabilities(source, text, *turn, plan.attention_in_model_dtype, plan.model_attention)
             signals.text_logits, signals.text_probs = _f32(logits[:, :, visual]), _f32(probs[:, :, visual])
         if requires & KEY_SIGNALS:
             norms = probe.keys(source, cos[0], sin[0]).float().abs().sum(dim=(0, 2))

@@ -353,6 +353,7 @@ class LayerSelector(Selector):
     score_dtype: str = "float32"  # "model": attention formed in, other inputs and scores rounded to the model dtype
     ties: str = "lower"  # top-k selectors declare it as an option (TOP_K_TIES)
     model_attention: str = "eager"  # the attention recipe under score_dtype="model" (MODEL_ATTENTIONS)
+    attention_rope: str = "applied"  # "skipped": attention signals from unrotated q and k (VScan's Qwen code)
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""
@@ -395,6 +396,5 @@ class LayerSelector(Selector):
 __all__ = [
     "InputSignals", "LayerSignals", "VISION_LAYER_SIGNALS", "VISION_TOWER_FACTS", "Selection", "Stage", "TokenMerge",
     "SelectorLevel", "Reference", "Selector", "InputSelector", "LayerSelector", "top_k_indices", "TOP_K_TIES",
-    "MODEL_ATTENTIONS", "ranked_indices", "validate_budget", "option_defaults", "as_float32", "cls_probabilities",
-    "rounded_to",
+    "MODEL_ATTENTIONS", "ranked_indices", "validate_budget", "option_defaults", "as_float32", "cls_probabilities", "rounded_to",
 ]  # fmt: skip

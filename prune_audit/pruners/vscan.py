@@ -33,6 +33,7 @@ from prune_audit.pruners.schedule import (
 from prune_audit.pruners.similarity import unit_rows
 
 LOCAL_COUNTS = ("fill", "official")
+ATTENTION_ROPES = ("applied", "skipped")
 #: the README's settings: average budget -> tokens after the vision stage and after LLM layer 16 (576 tokens)
 VSCAN_COUNTS = {64: (96, 32), 128: (192, 64), 192: (288, 96)}
 
@@ -196,8 +197,9 @@ class VScanSelector(ScheduledSelector):
     README's ``--layer-list [14] --image-token-ratio-list [0.333]`` on 28 layers is this schedule's stage at
     16 / 32 of the depth with ``T_l = T_v / 3`` (``llm_share`` 0.5 at half depth). Differences there: the LLM
     stage keeps ``round(B llm_share)`` where the official keeps ``int(0.333 T_v)`` (one fewer when it
-    truncates); its last-row attention has RoPE applied (the official Qwen ``layer_prune`` skips it); the
-    official ``T_v = int(0.167 N)`` is a ratio, here ``T_v`` follows from the budget.
+    truncates); the official ``T_v = int(0.167 N)`` is a ratio, here ``T_v`` follows from the budget. The
+    official Qwen ``layer_prune`` leaves q and k unrotated (its M-RoPE call is commented out; the LLaVA one
+    rotates): ``attention_rope="skipped"`` does the same, the default applies the layer's RoPE.
 
     Options (besides ``budget_rule``, ``score_dtype`` and ``ties``, which act on both stages):
         llm_layer: decoder layer of the LLM stage on the 32-layer reference, scaled.
@@ -209,6 +211,8 @@ class VScanSelector(ScheduledSelector):
         qwen_window_size: side of the Qwen2.5-VL local scan's blocks, in merged tokens.
         merge_pruned: fold the pruned tokens into their nearest kept token at the vision stage (official).
         positions: position ids after pruning (the official code renumbers).
+        attention_rope: ``"applied"`` (the layer's RoPE in the LLM stage's attention) or ``"skipped"`` (the
+            official Qwen code).
     """
 
     name: ClassVar[str] = "vscan"
@@ -230,6 +234,7 @@ class VScanSelector(ScheduledSelector):
     local_count: str = option("fill", Choice(LOCAL_COUNTS), "global scan fills the stage, or the official count")
     merge_pruned: bool = option(True, Flag(), "merge pruned tokens into their nearest kept token (official)")
     positions: str = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (official renumbers)")
+    attention_rope: str = option("applied", Choice(ATTENTION_ROPES), "RoPE in the LLM stage's attention (official Qwen: skipped)")
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """``[Stage(0, T_v), Stage(llm_layer scaled, T_l)]`` whose layer average is ``budget`` (within rounding)."""
