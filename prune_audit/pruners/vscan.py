@@ -187,11 +187,11 @@ class VScanSelector(ScheduledSelector):
     whatever the blocks held, fewer tokens where ``W`` does not divide ``int(T_v / 2)``); grids other
     than 24 x 24 (the official code asserts 576 tokens) scan only their full blocks.
 
-    On Qwen2.5-VL (no CLS; ``vision_tower="qwen2_5_vl"``), as ``VScan/qwen/model/qwen2_5_vl_custom.py`` and
+    On Qwen2.5-VL (no CLS: its adapter passes ``layer_attention`` instead of ``layer_cls_attention``), as ``VScan/qwen/model/qwen2_5_vl_custom.py`` and
     ``qwen2_5_vl_utils.py`` (same commit, the SDPA path its eval scripts patch): the scores are the attention
     each merged token receives (``layer_attention``: mean of its 4 patches over query patches, window order
     undone; the official head sum is the head mean times the head count), the local scan on the first
-    full-attention block (``full_attention_layers[0]``, block 8 of 32 on the 7B) by
+    full-attention block (``full_attention_layers[0]``, block 8 of 32 on the 7B; the last without any) by
     :func:`greedy_window_scan` with ``qwen_window_size`` 4 taking ``int(T_v (1 - global_share))`` (the
     official ``T_v // 2``), the global scan on the last block; then the same merging and LLM stage. Its
     README's ``--layer-list [14] --image-token-ratio-list [0.333]`` on 28 layers is this schedule's stage at
@@ -216,7 +216,7 @@ class VScanSelector(ScheduledSelector):
     """
 
     name: ClassVar[str] = "vscan"
-    summary: ClassVar[str] = "local + global scans of vision CLS attention with merging, then LLM layer 16 (VScan)"
+    summary: ClassVar[str] = "local + global scans of vision CLS (Qwen: received) attention with merging, then LLM layer 16 (VScan)"
     requires: ClassVar[frozenset[str]] = frozenset({"layer_cls_attention", "hidden_states", "text_probs"})
     substitutes: ClassVar[dict[str, str]] = {"layer_cls_attention": "layer_attention"}  # Qwen2.5-VL: received
     reference: ClassVar[Reference] = Reference(
