@@ -18,6 +18,10 @@ from test_fidelity_half import (
     sparsevlm_half_case,
 )  # fmt: skip
 
+from test_methods_qwen import (
+    QWEN_7B_HEADS, official_qwen_scans, official_received, qwen_vision_signals, raster_received, window_attention_case,
+)  # fmt: skip
+
 from prune_audit.pruners import InputSignals, LayerSignals, Stage, get_selector
 from prune_audit.pruners.fidelity import FIDELITY
 
@@ -204,6 +208,42 @@ def test_vscan_llm_stage_keeps_the_official_half_precision_set(dtype):
             expected = sorted(torch.topk(scores, keep).indices.tolist())
             identical += get_selector("vscan", **EXACT).prune(Stage(16, keep), signals, {}).tolist() == expected
     assert identical == 30
+
+
+# --- VScan's Qwen2.5-VL path (VScan/qwen/model/qwen2_5_vl_custom.py; the 7B runs in bf16) -----------------------
+
+QWEN_GRID = (16, 20)  # merged tokens of a 448 x 560 image: 1,280 patches
+QWEN_KEEPS = (53, 106, 160)  # int(0.167 N) (the official --image-token-ratio), a third and a half of the 320 tokens
+
+
+def vscan_qwen_half_case(seed: int, dtype: torch.dtype, ties: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """The official half received attention of the two full-attention blocks (head sum, query mean, 4-patch mean,
+    each rounded; window order undone) divided by the 16 heads (exact: a power of 2), each (320,), and the float32
+    means of the same half weights rounded once (the adapter's float32 ``layer_attention``, rounded)."""
+    generator = torch.Generator().manual_seed(9500 + seed)
+    blocks, window_index = window_attention_case(generator, *QWEN_GRID, dtype, ties)
+    official = torch.stack([official_received(probs, window_index) / QWEN_7B_HEADS for probs in blocks])
+    assert official.dtype == dtype
+    return official, torch.stack([raster_received(probs, window_index) for probs in blocks])
+
+
+def vscan_qwen_half_kept(pair: torch.Tensor, dtype: torch.dtype, keep: int, **options) -> list[int]:
+    """VScan's Qwen vision stage on float32 copies of ``pair`` as the first full-attention and the last block."""
+    signals = qwen_vision_signals(pair[0].float(), pair[1].float(), torch.zeros(pair.shape[1], 8), QWEN_GRID, dtype)
+    return get_selector("vscan", **options).prune(Stage(0, keep), signals, {}).tolist()
+
+
+def test_vscan_qwen_model_dtype_reproduces_the_official_half_precision_scans():
+    """bf16 (the official 7B's dtype), score_dtype=model + ties=topk given the official half reductions: 30 of 30
+    random, 10 of 10 duplicated-key and 10 of 10 integer-logit cases. Given the float32 means rounded once (the
+    adapter's float32 signal; it passes no half twin, as HiPrune's official Qwen reduction differs: head mean and
+    query sum) 0 of 30, float32 throughout 0 of 30: the thrice-rounded bf16 reductions leave only 20-25 distinct
+    values among the 320 tokens, so the official set is mostly argsort's and topk's order among ties (measured:
+    7.4 and 6.5 of 53-160 official tokens missed on average)."""
+    official = lambda local, deep, keep: official_qwen_scans(local, deep, *QWEN_GRID, keep)  # noqa: E731
+    identical = pair_half_agreement(vscan_qwen_half_case, official, vscan_qwen_half_kept, QWEN_KEEPS, torch.bfloat16)
+    assert identical["exact"] == 30 and identical["duplicated"] == identical["quantised"] == 10
+    assert identical["rounded_once"] == identical["float32"] == 0
 
 
 # --- SparseVLM v2.0 (Gumpest/SparseVLMs 9e1f649e, branch v2.0: modelling_sparse_llama.py, score.py) -------------

@@ -61,6 +61,7 @@ LAYER_SHAPES = {
     "text_sequence_index": (("T",), "text_index"),
     "layer_cls_attention": (("Lv", "n"), "prob"),
     "model_layer_cls_attention": (("Lv", "n"), "prob"),
+    "layer_attention": (("Lv", "n"), "prob"),
     "rope_ones_logits": (("T", "n"), "weight"),
 }
 VARIANTS = ["random", "constant", "zeros", "ties"]
@@ -293,6 +294,7 @@ def test_missing_layer_signal_is_named(name):
     selector = get_selector(name)
     stage = Stage(layer=2, keep=10)
     for missing in sorted(selector.requires):
-        signals = dataclasses.replace(layer_signals(torch.arange(N), 2), **{missing: None})
+        absent = {name: None for name in (missing, selector.substitutes.get(missing, missing))}  # and its substitute
+        signals = dataclasses.replace(layer_signals(torch.arange(N), 2), **absent)
         with pytest.raises(ValueError, match=missing):
             selector.prune(stage, signals, {})

@@ -37,7 +37,7 @@ def question_cost(
     text_after = item.input_ids.numel() - item.image_span[1]
     ran = selector if selector is not None and not forced else None
     input_requires = ran.requires if isinstance(ran, InputSelector) else frozenset()
-    layer_requires = ran.requires if ran is not None and not isinstance(ran, InputSelector) else frozenset()
+    layer_requires = vlm.signals_for(type(ran)) if ran is not None and not isinstance(ran, InputSelector) else frozenset()
     alive = [item.num_visual]  # visual tokens before each in-LLM stage, then after the last
     if ran is not None and not isinstance(ran, InputSelector):
         alive += [len(kept) + len(merged) for kept, merged in zip(answer.kept_stages, answer.merged_stages)]

@@ -37,7 +37,7 @@ from prune_audit.models.layer_signals import text_demand
 from prune_audit.models.loading import config_hash
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
 from prune_audit.models.timing import PartClock
-from prune_audit.pruners.base import VISION_LAYER_SIGNALS, InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
+from prune_audit.pruners.base import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS, InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.registry import list_selectors, selector_class
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
@@ -171,14 +171,18 @@ class VisionLanguageModel(AnswerModes, ABC):
     def _missing(self, cls: type[Selector]) -> set[str]:
         """What the model lacks for ``cls``: input signals, or positions for the merged tokens it feeds."""
         if cls.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower too
-            return set(cls.requires & VISION_LAYER_SIGNALS) - self._available_input_signals()
-        missing = set(cls.requires) - self._available_input_signals()
+            return set(self.signals_for(cls) & VISION_LAYER_SIGNALS) - self._available_input_signals()
+        missing = set(self.signals_for(cls)) - self._available_input_signals()
         if cls.merges and self._input_positions() != "compact":
             missing.add(MERGED_POSITIONS)
         return missing
 
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals
+
+    def signals_for(self, cls: type[Selector]) -> frozenset[str]:
+        """The signals ``cls`` reads on this model (``Selector.requires_on`` its input signals)."""
+        return cls.requires_on(self._available_input_signals())
 
     def positions_for(self, selector: Selector) -> str:
         """Position mode ('compact' or 'keep_original') the language model sees under ``selector``."""
@@ -222,7 +226,8 @@ class VisionLanguageModel(AnswerModes, ABC):
             self.check_selector(selector)
         input_level = forced_kept is not None or isinstance(selector, InputSelector)
         requires = selector.requires if input_level and selector is not None and forced_kept is None else frozenset()
-        vision_layer = selector.requires & VISION_LAYER_SIGNALS if isinstance(selector, LayerSelector) else frozenset()
+        vision_layer = (self.signals_for(type(selector)) & VISION_LAYER_SIGNALS if isinstance(selector, LayerSelector)
+                        else frozenset())
         clock = PartClock(self.device)
         with torch.no_grad():
             vision = self._vision(prepared, requires | vision_layer)
@@ -238,8 +243,9 @@ class VisionLanguageModel(AnswerModes, ABC):
             plan = None
             if not input_level and (selector is not None or forced_stages is not None):
                 plan = self._layer_plan(prepared, selector, budget, forced_stages)
+                travels = vision_layer | (VISION_TOWER_FACTS if vision_layer else frozenset())
                 plan.vision = [{name: value for name, value in output.signals.items()
-                                if name.removeprefix("model_") in vision_layer} for output in vision]
+                                if name.removeprefix("model_") in travels} for output in vision]
             carry = plan is not None and bool(plan.requires & {"embeddings", "text_embeddings"})
             clock.lap("selection")
             try:

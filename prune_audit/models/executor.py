@@ -100,6 +100,11 @@ class LayerPlan:
         return self.selector.model_attention if self.selector is not None else "eager"
 
     @property
+    def rotates_attention(self) -> bool:
+        """False when the selector's attention signals leave q and k unrotated (``attention_rope="skipped"``)."""
+        return self.selector is None or self.selector.attention_rope == "applied"
+
+    @property
     def signal_layer(self) -> str:
         """``"previous"`` when the selector scores a stage at layer l with layer l-1's attention and keys."""
         return self.selector.signal_layer if self.selector is not None else "current"

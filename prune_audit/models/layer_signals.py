@@ -16,7 +16,7 @@ from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.kinds import TEXT_AFTER
-from prune_audit.pruners.base import VISION_LAYER_SIGNALS, LayerSignals
+from prune_audit.pruners.base import LayerSignals
 
 if TYPE_CHECKING:
     from prune_audit.models.executor import Batch, DecoderStack, LayerPlan, TokenRow
@@ -70,9 +70,9 @@ def layer_signals(
         cos, sin = stack.rotary(source[None], batch.positions[:, row : row + 1, columns])
         probe = stack.probe(source_layer)
         if requires & ATTENTION_SIGNALS:
-            logits, probs = probe.probabilities(
-                source, text, cos[0], sin[0], plan.attention_in_model_dtype, plan.model_attention
-            )
+            # the identity rotation where the selector's official code skips RoPE (VScan's Qwen layer_prune)
+            turn = (cos[0], sin[0]) if plan.rotates_attention else (torch.ones_like(cos[0]), torch.zeros_like(sin[0]))
+            logits, probs = probe.probabilities(source, text, *turn, plan.attention_in_model_dtype, plan.model_attention)
             signals.text_logits, signals.text_probs = _f32(logits[:, :, visual]), _f32(probs[:, :, visual])
         if requires & KEY_SIGNALS:
             norms = probe.keys(source, cos[0], sin[0]).float().abs().sum(dim=(0, 2))
@@ -88,8 +88,11 @@ def layer_signals(
         signals.normed_hidden_states, signals.text_normed_hidden_states = _f32(normed[visual]), _f32(normed[text])
     if "previous_hidden_states" in requires:
         signals.previous_hidden_states = _f32(previous_input()[visual])
-    for name in [name for name in plan.vision[row] if name.removeprefix("model_") in requires & VISION_LAYER_SIGNALS]:
-        per_cell = plan.vision[row][name].float().cpu()  # (Lv, N) over the grid cells
+    for name, value in plan.vision[row].items():  # the vision-layer signals the selector reads on this model
+        if not isinstance(value, Tensor):  # a tower fact (VISION_TOWER_FACTS)
+            setattr(signals, name, value)
+            continue
+        per_cell = value.float().cpu()  # (Lv, N) over the grid cells
         alive = signals.alive
         values = per_cell.new_full((per_cell.shape[0], alive.numel()), float("nan"))
         cells = alive >= 0

@@ -5,8 +5,8 @@ row-major. Positions are 3-D M-RoPE ids from the model's own ``get_rope_index`` 
 the unpruned prompt; pruned prompts keep the original ids of the surviving tokens,
 for input-level and in-LLM selectors alike (selectors spec §1.2, evaluation spec D3).
 The vision tower has no CLS token, so CLS-based selectors are refused; its per-layer
-received attention (``layer_attention``, HiPrune) is recomputed as HiPrune's Qwen2.5-VL
-code forms it (:meth:`QwenModel._layer_attention`).
+received attention (``layer_attention``, HiPrune, and VScan's Qwen path) is recomputed as
+HiPrune's Qwen2.5-VL code forms it (:meth:`QwenModel._layer_attention`).
 
 The processor is composed here from the PIL image processor and the tokenizer
 because ``Qwen2_5_VLProcessor`` requires a video processor, which needs torchvision.
@@ -143,7 +143,9 @@ class QwenModel(VisionLanguageModel):
             features = self.model.model.get_image_features(pixels, grid_thw, return_dict=True).pooler_output
             return [VisionOutput(per_image) for per_image in features]
         features, received = self._layer_attention(pixels, grid_thw)
-        return [VisionOutput(per_image, {"layer_attention": attention, "vision_tower": self.vision_tower})
+        tower = {"vision_tower": self.vision_tower,
+                 "full_attention_layers": tuple(self.model.config.vision_config.fullatt_block_indexes)}
+        return [VisionOutput(per_image, {"layer_attention": attention, **tower})
                 for per_image, attention in zip(features, received)]
 
     def _layer_attention(self, pixels: Tensor, grid_thw: Tensor) -> tuple[list[Tensor], list[Tensor]]:

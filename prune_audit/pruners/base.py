@@ -23,7 +23,8 @@ from prune_audit.pruners.ranking import TOP_K_TIES, ranked_indices, top_k_indice
 
 
 # InputSignals an in-LLM selector may read, per token (with their model-dtype twins where the adapter has them)
-VISION_LAYER_SIGNALS = frozenset({"layer_cls_attention"})
+VISION_LAYER_SIGNALS = frozenset({"layer_cls_attention", "layer_attention"})
+VISION_TOWER_FACTS = frozenset({"vision_tower", "full_attention_layers"})  # InputSignals that travel with them
 
 #: where a selector acts: before the language model or inside it
 SelectorLevel = Literal["input", "llm"]
@@ -68,6 +69,7 @@ class InputSignals:
             ``score_dtype="model"`` reads these (HiPrune, VScan).
         vision_tower: the tower the per-layer signals come from (``"clip"`` or ``"qwen2_5_vl"``): which
             official layer numbers a per-layer selector uses (HiPrune).
+        full_attention_layers: rows of ``layer_attention`` of full-attention blocks (Qwen's ``fullatt_block_indexes``).
         merging_tower: ``f(merge) -> (states (1 + M, Dv), sources)``: the tower rerun to the feature layer with
             ``merge`` between attention and MLP of each layer (ToMe's :class:`~prune_audit.pruners.tome.TowerMerging`).
         model_dtype: the dtype the model computes the signals in (the adapters pass the
@@ -89,6 +91,7 @@ class InputSignals:
     model_layer_attention: Tensor | None = None
     model_layer_cls_attention: Tensor | None = None
     vision_tower: str = "clip"
+    full_attention_layers: tuple[int, ...] = ()
     merging_tower: Callable[[Any], tuple[Tensor, list[Tensor]]] | None = None
     model_dtype: torch.dtype = torch.float32
 
@@ -131,7 +134,7 @@ class LayerSignals:
         sequence_index: (n,) index of each alive visual token in the unpruned prompt.
         text_sequence_index: (T,) the same for the text tokens.
         layer_cls_attention: (Lv, n) ``InputSignals.layer_cls_attention`` of each alive token's cell (NaN: merged);
-            model_layer_cls_attention: its model-dtype twin, where the adapter has one.
+            model_layer_cls_attention: its twin; layer_attention, vision_tower, full_attention_layers: as such.
         rope_ones_logits: (T, n) ``q.k / sqrt(d)`` of all-ones q and k under the layer's RoPE there (SparseVLM v2).
         model_dtype: the dtype the model computes in (None: float32).
     """
@@ -155,6 +158,9 @@ class LayerSignals:
     text_sequence_index: Tensor | None = None
     layer_cls_attention: Tensor | None = None
     model_layer_cls_attention: Tensor | None = None
+    layer_attention: Tensor | None = None
+    vision_tower: str = "clip"
+    full_attention_layers: tuple[int, ...] = ()
     rope_ones_logits: Tensor | None = None
     model_dtype: torch.dtype | None = None
 
@@ -273,11 +279,19 @@ class Selector:
     name: ClassVar[str] = ""
     stage: ClassVar[SelectorLevel]
     requires: ClassVar[frozenset[str]] = frozenset()
+    #: a required signal -> the one it reads instead on a model without it (VScan: received attention on Qwen)
+    substitutes: ClassVar[dict[str, str]] = {}
     reference: ClassVar[Reference]
     summary: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         check_options(self)
+
+    @classmethod
+    def requires_on(cls, available: frozenset[str]) -> frozenset[str]:
+        """``requires`` on a model whose input signals are ``available`` (missing ones substituted where possible)."""
+        swap = {name: cls.substitutes[name] for name in cls.requires - available if cls.substitutes.get(name) in available}
+        return frozenset(swap.get(name, name) for name in cls.requires)
 
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
@@ -288,7 +302,8 @@ class Selector:
         return model_dtype if model else None
 
     def _check_signals(self, signals: Any) -> None:
-        missing = sorted(r for r in self.requires if getattr(signals, r, None) is None)
+        given = {r for r in self.requires if getattr(signals, self.substitutes.get(r, r), None) is not None}
+        missing = sorted(r for r in self.requires - given if getattr(signals, r, None) is None)
         if missing:
             raise ValueError(
                 f"selector {self.name!r} needs the signal(s) {', '.join(missing)}, "
@@ -338,6 +353,7 @@ class LayerSelector(Selector):
     score_dtype: str = "float32"  # "model": attention formed in, other inputs and scores rounded to the model dtype
     ties: str = "lower"  # top-k selectors declare it as an option (TOP_K_TIES)
     model_attention: str = "eager"  # the attention recipe under score_dtype="model" (MODEL_ATTENTIONS)
+    attention_rope: str = "applied"  # "skipped": attention signals from unrotated q and k (VScan's Qwen code)
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""
@@ -378,7 +394,7 @@ class LayerSelector(Selector):
 
 
 __all__ = [
-    "InputSignals", "LayerSignals", "VISION_LAYER_SIGNALS", "Selection", "Stage", "TokenMerge", "SelectorLevel",
-    "Reference", "Selector", "InputSelector", "LayerSelector", "top_k_indices", "TOP_K_TIES", "MODEL_ATTENTIONS",
-    "ranked_indices", "validate_budget", "option_defaults", "as_float32", "cls_probabilities", "rounded_to",
+    "InputSignals", "LayerSignals", "VISION_LAYER_SIGNALS", "VISION_TOWER_FACTS", "Selection", "Stage", "TokenMerge",
+    "SelectorLevel", "Reference", "Selector", "InputSelector", "LayerSelector", "top_k_indices", "TOP_K_TIES",
+    "MODEL_ATTENTIONS", "ranked_indices", "validate_budget", "option_defaults", "as_float32", "cls_probabilities", "rounded_to",
 ]  # fmt: skip

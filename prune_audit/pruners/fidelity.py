@@ -381,17 +381,17 @@ FIDELITY: dict[str, Fidelity] = {
     ),
     "vscan": Fidelity(
         "a82450e1",
-        "6 x 6 window scan of CLIP layer 6, global scan of layer 23, merging; LLM layer 16; 96 then 32 for 64; float32",
+        "6 x 6 window scan of CLIP layer 6, global scan of layer 23, merging; LLM layer 16; 96 then 32 for 64; float32; Qwen2.5-VL (VScan/qwen/): greedy 4 x 4 window limits on the received attention (4-patch mean, window order undone; models.qwen) of the first full-attention block, global scan of the last, merging; LLM stage at half depth (14 of 28) with a third of the vision-stage tokens",  # fmt: skip
         ("score_dtype=model", "ties=topk"),
         (
             "lower-index ties, float32 (ties=topk, score_dtype=model: topk order, fp16); global scan excludes the local tokens",
             "local_count=fill lets the global scan fill the stage (the same at 96/192/288); official: fewer elsewhere",
             "grids other than 24 x 24 scan their full blocks (official: asserts 576); shallow layer scaled as HiPrune's",
-            "merged tokens keep their kept token's slot and carry their cells; the official Qwen2.5-VL path (VScan/qwen/: received attention of the first full-attention block and the last, greedy 4 x 4 window limits, LLM layer 14) is not ported: Qwen refuses it",
+            "merged tokens keep their kept token's slot and carry their cells", "Qwen: T_l = round(B llm_share) = T_v / 3 where the official keeps int(0.333 T_v) (one fewer when it truncates), T_v from the budget where the official takes int(0.167 N); a side under 4 merged tokens is one window (official: divides by 0)",
+            "Qwen: the LLM stage's attention has M-RoPE applied as the layer applies it unless attention_rope=skipped (the official Qwen layer_prune leaves q and k unrotated; the LLaVA one rotates)",
         ),
-        _random(30, "test_methods_v3.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging",
-                "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288"), 30,
-        half_agreement=_half_exact("the official half CLS head mean at the vision stage (the LLM stage, eager as FastV's: 30 of 30 too)", _ONCE + " (head)", 30, 30), half_cases=_HALF,
+        _random(30, "test_methods_v3.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging", "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288; Qwen path: test_methods_qwen.py 36 of 36 (7B-like: 16 heads, 4 x 4 windows, 6..20-token sides, 3584-dim features)"), 30,  # fmt: skip
+        half_agreement=_half_exact("the official half CLS head mean at the vision stage (the LLM stage, eager as FastV's: 30 of 30 too)", _ONCE + " (head)", 30, 30) + "; Qwen path in bf16 (the 7B's dtype), 16 x 20 tokens: 30 of 30 (and 10 + 10 tie cases) given the official thrice-rounded bf16 reductions, 0 of 30 given the adapter's float32 signal rounded once (20-25 distinct bf16 values among 320 tokens: the official set is mostly the kernel's order among ties; no half twin on Qwen)", half_cases=_HALF,  # fmt: skip
     ),
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, get_args
 
@@ -19,7 +20,7 @@ from prune_audit.pruners.base import (
 from prune_audit.pruners.fastv import last_row_attention
 from prune_audit.pruners.hiprune import scaled_vision_layer
 from prune_audit.pruners.options import Choice, Flag, Integer, Real, option
-from prune_audit.pruners.ranking import top_k_indices
+from prune_audit.pruners.ranking import ranked_indices, top_k_indices
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import (
     REFERENCE_DEPTH,
@@ -32,6 +33,7 @@ from prune_audit.pruners.schedule import (
 from prune_audit.pruners.similarity import unit_rows
 
 LOCAL_COUNTS = ("fill", "official")
+ATTENTION_ROPES = ("applied", "skipped")
 #: the README's settings: average budget -> tokens after the vision stage and after LLM layer 16 (576 tokens)
 VSCAN_COUNTS = {64: (96, 32), 128: (192, 64), 192: (288, 96)}
 
@@ -64,6 +66,47 @@ def window_scan(
             positions = positions[positions >= 0]
             chosen.append(positions[top_k_indices(scores[positions], per_window, ties, dtype)])
     return torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long)
+
+
+def greedy_window_scan(
+    scores: Tensor, cells: Tensor, grid: tuple[int, int], window: int, count: int,
+    ties: str = "lower", dtype: torch.dtype | None = None,
+) -> Tensor:  # fmt: skip
+    """VScan's Qwen2.5-VL local scan (``window_selection``): tokens in decreasing score, each taken while its
+    ``window x window`` block holds fewer than ``ceil(count / W)``, until ``count`` are taken.
+
+    Args:
+        scores: (n,) score of each alive token; cells: (n,) its grid cell (-1: none, never chosen).
+        grid: (rows, cols); the ``W`` blocks tile it from the top left, cells past the last full block
+            of a row or column count toward that block (at least one block per axis: the official code
+            divides by zero on a side under ``window``).
+        count: tokens to take (the blocks' limits always allow it).
+        ties: ``"lower"``: equal scores in index order; ``"topk"``: ``torch.argsort(descending=True)`` on the
+            scores in ``dtype``, the official order.
+
+    Returns:
+        (count,) positions among the alive tokens, in the order taken.
+    """
+    rows, cols = grid
+    blocks_down, blocks_across = max(1, rows // window), max(1, cols // window)
+    limit = math.ceil(count / (blocks_down * blocks_across))
+    if ties == "topk":
+        order = torch.argsort(scores if dtype is None else scores.to(dtype), descending=True)
+    else:
+        order = ranked_indices(scores, scores.numel())
+    on_grid = cells[order] >= 0
+    order, order_cells = order[on_grid], cells[order][on_grid]
+    block = (order_cells // cols // window).clamp(max=blocks_down - 1) * blocks_across + (
+        order_cells % cols // window).clamp(max=blocks_across - 1)
+    held = [0] * (blocks_down * blocks_across)
+    taken = []
+    for position, index in zip(order.tolist(), block.tolist()):
+        if len(taken) == count:
+            break
+        if held[index] < limit:
+            held[index] += 1
+            taken.append(position)
+    return torch.tensor(taken, dtype=torch.long)
 
 
 def global_scan(deep: Tensor, local: Tensor, count: int, ties: str, dtype: torch.dtype | None) -> Tensor:
@@ -144,6 +187,20 @@ class VScanSelector(ScheduledSelector):
     whatever the blocks held, fewer tokens where ``W`` does not divide ``int(T_v / 2)``); grids other
     than 24 x 24 (the official code asserts 576 tokens) scan only their full blocks.
 
+    On Qwen2.5-VL (no CLS: its adapter passes ``layer_attention`` instead of ``layer_cls_attention``), as ``VScan/qwen/model/qwen2_5_vl_custom.py`` and
+    ``qwen2_5_vl_utils.py`` (same commit, the SDPA path its eval scripts patch): the scores are the attention
+    each merged token receives (``layer_attention``: mean of its 4 patches over query patches, window order
+    undone; the official head sum is the head mean times the head count), the local scan on the first
+    full-attention block (``full_attention_layers[0]``, block 8 of 32 on the 7B; the last without any) by
+    :func:`greedy_window_scan` with ``qwen_window_size`` 4 taking ``int(T_v (1 - global_share))`` (the
+    official ``T_v // 2``), the global scan on the last block; then the same merging and LLM stage. Its
+    README's ``--layer-list [14] --image-token-ratio-list [0.333]`` on 28 layers is this schedule's stage at
+    16 / 32 of the depth with ``T_l = T_v / 3`` (``llm_share`` 0.5 at half depth). Differences there: the LLM
+    stage keeps ``round(B llm_share)`` where the official keeps ``int(0.333 T_v)`` (one fewer when it
+    truncates); the official ``T_v = int(0.167 N)`` is a ratio, here ``T_v`` follows from the budget. The
+    official Qwen ``layer_prune`` leaves q and k unrotated (its M-RoPE call is commented out; the LLaVA one
+    rotates): ``attention_rope="skipped"`` does the same, the default applies the layer's RoPE.
+
     Options (besides ``budget_rule``, ``score_dtype`` and ``ties``, which act on both stages):
         llm_layer: decoder layer of the LLM stage on the 32-layer reference, scaled.
         llm_share: ``T_l`` as a share of the budget.
@@ -151,13 +208,17 @@ class VScanSelector(ScheduledSelector):
         window_size: side of the local scan's blocks, in grid cells.
         shallow_layer: 1-based encoder layer of the local scan among the 23 run on LLaVA-1.5, scaled.
         local_count: ``"fill"`` (every stage keeps its count) or ``"official"``.
+        qwen_window_size: side of the Qwen2.5-VL local scan's blocks, in merged tokens.
         merge_pruned: fold the pruned tokens into their nearest kept token at the vision stage (official).
         positions: position ids after pruning (the official code renumbers).
+        attention_rope: ``"applied"`` (the layer's RoPE in the LLM stage's attention) or ``"skipped"`` (the
+            official Qwen code).
     """
 
     name: ClassVar[str] = "vscan"
-    summary: ClassVar[str] = "local + global scans of vision CLS attention with merging, then LLM layer 16 (VScan)"
+    summary: ClassVar[str] = "local + global scans of vision CLS (Qwen: received) attention with merging, then LLM layer 16 (VScan)"
     requires: ClassVar[frozenset[str]] = frozenset({"layer_cls_attention", "hidden_states", "text_probs"})
+    substitutes: ClassVar[dict[str, str]] = {"layer_cls_attention": "layer_attention"}  # Qwen2.5-VL: received
     reference: ClassVar[Reference] = Reference(
         "VScan: Rethinking Visual Token Reduction for Efficient Large Vision-Language Models (arXiv 2505.22654)",
         "Tencent/SelfEvolvingAgent",
@@ -169,9 +230,11 @@ class VScanSelector(ScheduledSelector):
     global_share: float = option(0.5, Real(low=0.0, high=1.0), "share of the vision stage chosen by the global scan")
     window_size: int = option(6, Integer(low=1), "side of the local scan's blocks in grid cells")
     shallow_layer: int = option(6, Integer(low=1, high=23), "1-based local-scan layer of the 23 run on LLaVA-1.5")
+    qwen_window_size: int = option(4, Integer(low=1), "side of the Qwen2.5-VL local scan's blocks in merged tokens")
     local_count: str = option("fill", Choice(LOCAL_COUNTS), "global scan fills the stage, or the official count")
     merge_pruned: bool = option(True, Flag(), "merge pruned tokens into their nearest kept token (official)")
     positions: str = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (official renumbers)")
+    attention_rope: str = option("applied", Choice(ATTENTION_ROPES), "RoPE in the LLM stage's attention (official Qwen: skipped)")
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """``[Stage(0, T_v), Stage(llm_layer scaled, T_l)]`` whose layer average is ``budget`` (within rounding)."""
@@ -211,6 +274,8 @@ class VScanSelector(ScheduledSelector):
         if stage.keep >= n:
             return torch.arange(n, dtype=torch.long)
         half = self.ranking_dtype(signals.model_dtype)
+        if signals.layer_cls_attention is None:
+            return self._received_attention_scans(stage.keep, signals, half)
         official = signals.model_layer_cls_attention if half is not None else None  # the half model's own, if passed
         attention = rounded_to((signals.layer_cls_attention if official is None else official).float(), half)  # (Lv, n)
         shallow = attention[scaled_vision_layer(self.shallow_layer, attention.shape[0])]
@@ -223,6 +288,17 @@ class VScanSelector(ScheduledSelector):
         deep = torch.nan_to_num(attention[-1], nan=float("-inf"))
         chosen = global_scan(deep, local, global_count, self.ties, half)
         return torch.sort(torch.cat([local, chosen])).values
+
+    def _received_attention_scans(self, keep: int, signals: LayerSignals, half: torch.dtype | None) -> Tensor:
+        """The vision stage on Qwen2.5-VL's received attention (``layer_attention`` (Lv, n)): the greedy local
+        scan of the first full-attention block, then the global scan of the last block."""
+        attention = rounded_to(signals.layer_attention.float(), half)
+        shallow = attention[(signals.full_attention_layers or (attention.shape[0] - 1,))[0]]
+        local_count = int(keep * (1 - self.global_share))
+        local = greedy_window_scan(shallow, signals.alive, signals.grid, self.qwen_window_size, local_count,
+                                   self.ties, half)  # fmt: skip
+        deep = torch.nan_to_num(attention[-1], nan=float("-inf"))
+        return torch.sort(torch.cat([local, global_scan(deep, local, keep - local.numel(), self.ties, half)])).values
 
     def merge(self, stage: Stage, signals: LayerSignals, state: dict[str, Any], kept: Tensor) -> TokenMerge | None:
         """The vision stage's merged tokens, each in the place of its kept token (None without ``merge_pruned``)."""
