@@ -34,7 +34,15 @@ class Greedy:
     max_new_tokens: int
 
 
-AnswerMode = YesNoMode | OptionLetters | Greedy
+@dataclass(frozen=True)
+class Continuation:
+    """Score ``text`` as the answer: teacher-forced through the pruned KV cache (``models.answers.score_continuation``),
+    the log-probability of its tokens (leading whitespace removed, tokenized alone, as greedy answers are stripped)."""
+
+    text: str
+
+
+AnswerMode = YesNoMode | OptionLetters | Greedy | Continuation
 """How one question is answered."""
 
 
@@ -108,10 +116,35 @@ class Generation:
         return sum(math.log(p) if p > 0 else -math.inf for p in self.token_probs) / len(self.token_probs)
 
 
-Reduction = YesNo | LetterChoice | Generation
+@dataclass(frozen=True)
+class ContinuationScore:
+    """A given answer scored under the pruned prefill (lmms-eval's ``loglikelihood`` request).
+
+    Attributes:
+        answer: the scored continuation, as given.
+        token_probs: probability of each continuation token given the prompt and the tokens before it
+            (full-vocabulary softmax).
+        log_probability: sum of the tokens' log-probabilities (0.0 for a continuation of no tokens).
+        is_greedy: every continuation token is the argmax at its position (greedy decoding would produce it);
+            lmms-eval's ``is_greedy``.
+        confidence: the continuation's probability, ``exp(log_probability)``.
+    """
+
+    answer: str
+    token_probs: tuple[float, ...]
+    log_probability: float
+    is_greedy: bool
+
+    @property
+    def confidence(self) -> float:
+        return math.exp(self.log_probability)
+
+
+Reduction = YesNo | LetterChoice | Generation | ContinuationScore
 """What an answer mode makes of one question's logits."""
 
 
 __all__ = [
-    "YES_NO", "AnswerMode", "Generation", "Greedy", "LetterChoice", "OptionLetters", "Reduction", "YesNo", "YesNoMode",
+    "YES_NO", "AnswerMode", "Continuation", "ContinuationScore", "Generation", "Greedy", "LetterChoice", "OptionLetters",
+    "Reduction", "YesNo", "YesNoMode",
 ]

@@ -17,14 +17,17 @@ from prune_audit.models.answers import (
     YES_NO,
     Answer,
     AnswerMode,
+    Continuation,
     Greedy,
     OptionLetters,
     Reduction,
     answer_record,
+    continuation_token_ids,
     greedy_generations,
     letter_token_ids,
     reduce_letters,
     reduce_yes_no,
+    score_continuation,
 )
 
 if TYPE_CHECKING:
@@ -58,19 +61,19 @@ class AnswerModes:
         random selection does not depend on batching). ``forced_kept[b]`` replaces
         input-level selection by explicit grid indices; ``forced_stages[b]`` lists
         ``(layer, kept grid indices)`` in-LLM stages. ``latency_parts`` holds each part's batch time
-        divided by the batch size (``vision``, ``selection``, ``prefill`` and, for :class:`Greedy`,
-        ``decode``); ``latency_ms`` is their sum; ``cost`` the analytic FLOPs and KV bytes.
+        divided by the batch size (``vision``, ``selection``, ``prefill`` and, for :class:`Greedy` and
+        :class:`Continuation`, ``decode``); ``latency_ms`` is their sum; ``cost`` the analytic FLOPs and KV bytes.
         """
         prefill, selections = self.prefill(
             prepared, selector, budget, generator=generator, forced_kept=forced_kept, forced_stages=forced_stages,
-            use_cache=isinstance(mode, Greedy),
+            use_cache=isinstance(mode, (Greedy, Continuation)),
         )
         start = time.perf_counter()
         reductions = self._reduce(prefill, mode)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         parts = {part: ms / len(prepared) for part, ms in prefill.latency_parts.items()}
-        if isinstance(mode, Greedy):
+        if isinstance(mode, (Greedy, Continuation)):
             parts["decode"] = (time.perf_counter() - start) * 1000 / len(prepared)
         latency = sum(parts.values())
         forced = forced_kept is not None or forced_stages is not None
@@ -88,6 +91,10 @@ class AnswerModes:
         if isinstance(mode, Greedy):
             with torch.no_grad():
                 return greedy_generations(self.loop, prefill, self.eos_ids(), self.tokenizer, mode.max_new_tokens)
+        if isinstance(mode, Continuation):
+            with torch.no_grad():
+                return score_continuation(self.loop, prefill, continuation_token_ids(self.tokenizer, mode.text),
+                                          mode.text)
         return reduce_yes_no(prefill.logits, self.yes_ids, self.no_ids)
 
     def check_answer_mode(self, mode: AnswerMode) -> None:
