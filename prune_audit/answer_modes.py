@@ -98,22 +98,34 @@ class Generation:
 
     Attributes:
         answer: the decoded text, special tokens skipped, stripped.
-        token_probs: probability of each generated token (full-vocabulary softmax), the end token excluded.
-        confidence: the sequence probability, the product of ``token_probs`` (1.0 for an empty answer).
+        token_probs: probability of each generated token (full-vocabulary softmax), the end token excluded; empty
+            for a generation known only by its summary (:meth:`from_summary`, an imported answer).
+        confidence: the sequence probability, the product of the token probabilities (1.0 for an empty answer).
         stopped: the model emitted an end-of-sequence token (False: cut at ``max_new_tokens``).
+        mean_token_prob: the length-normalised probability, the geometric mean of the token probabilities (1.0 for
+            an empty answer).
+        answer_tokens: number of generated tokens.
     """
 
     answer: str
     token_probs: tuple[float, ...]
     confidence: float
     stopped: bool
+    mean_token_prob: float
+    answer_tokens: int
 
-    @property
-    def mean_log_prob(self) -> float:
-        """Length-normalised log probability: mean log of ``token_probs`` (0.0 for an empty answer)."""
-        if not self.token_probs:
-            return 0.0
-        return sum(math.log(p) if p > 0 else -math.inf for p in self.token_probs) / len(self.token_probs)
+    @classmethod
+    def from_token_probs(cls, answer: str, token_probs: tuple[float, ...], stopped: bool) -> Generation:
+        """The generation of tokens of these probabilities (the mean of logs, so long answers do not underflow)."""
+        mean_log = sum(math.log(p) if p > 0 else -math.inf for p in token_probs) / len(token_probs) if token_probs else 0.0
+        return cls(answer, tuple(token_probs), float(math.prod(token_probs)), stopped, math.exp(mean_log),
+                   len(token_probs))
+
+    @classmethod
+    def from_summary(cls, answer: str, sequence_prob: float, mean_token_prob: float, answer_tokens: int,
+                     stopped: bool) -> Generation:
+        """A generation known by its summary only (no per-token probabilities)."""
+        return cls(answer, (), sequence_prob, stopped, mean_token_prob, answer_tokens)
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ def import_(
         raise fail("pass the question files once: --pope (POPE) or --questions (any task), not both")
     file = read_kept_sets(kept_sets)
     request = RunRequest(
-        model=model or geometry, task=file.task, pope=list(pope or questions or []), images=images,
+        model=model or geometry, task=file.task, max_new_tokens=file.header.get("max_new_tokens"),
+        confidence=file.header.get("confidence"), pope=list(pope or questions or []), images=images,
         annotations=annotations, out=out, batch_size=batch_size, device=device, dtype=dtype,
         prompt_template=prompt_template, threads=threads, command=command, kept_sets=file,
         reanswer=model is not None,

@@ -123,8 +123,7 @@ def greedy_generations(
             break
         logits = loop.decode_step(prefill.decode, chosen)
     return [
-        Generation(tokenizer.decode(row, skip_special_tokens=True).strip(), tuple(row_probs), float(math.prod(row_probs)),
-                   done)
+        Generation.from_token_probs(tokenizer.decode(row, skip_special_tokens=True).strip(), tuple(row_probs), done)
         for row, row_probs, done in zip(tokens, probs, stopped)
     ]
 
