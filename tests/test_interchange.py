@@ -218,3 +218,32 @@ def test_version_1_generations_with_token_probs_still_import(workspace, tmp_path
     [record] = pq.read_table(out / "records.parquet").to_pylist()
     assert (record["sequence_prob"], record["answer_tokens"], record["stopped"]) == (0.5, 2, True)
     assert record["mean_token_prob"] == pytest.approx(math.sqrt(0.5))
+
+
+def test_geometry_may_be_a_processor_folder_without_weights(runs, workspace, tmp_path):
+    """--geometry PROCESSOR: image processor, tokenizer and config.json, no weight files, give the same records
+    as the model folder (the model is built from its config on the meta device and never run); --model needs the
+    weights and says so in one line."""
+    import shutil
+
+    processor = tmp_path / "processor"
+    processor.mkdir()
+    for path in Path(workspace["model"]).iterdir():
+        if path.is_file() and path.suffix not in (".safetensors", ".bin"):
+            shutil.copy(path, processor / path.name)
+    exported = tmp_path / "kept.jsonl"
+    assert runner.invoke(app, ["export", str(runs["fastv"]), "--out", str(exported)]).exit_code == 0
+    out = tmp_path / "imported"
+    result = runner.invoke(app, ["import", str(exported), "--geometry", str(processor), *question_args(workspace),
+                                 "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    original = pq.read_table(runs["fastv"] / "records.parquet").to_pylist()
+    imported = pq.read_table(out / "records.parquet").to_pylist()
+    assert len(original) == len(imported) == 24
+    for before, after in zip(original, imported):
+        assert all(same_values(value, after[column]) for column, value in before.items()), before["question_id"]
+    assert json.loads((out / "manifest.json").read_text())["device"] == "meta"
+    result = runner.invoke(app, ["import", str(exported), "--model", str(processor), *question_args(workspace),
+                                 "--out", str(tmp_path / "reanswered"), "--quiet"])
+    assert result.exit_code == 2 and "could not load the model" in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
