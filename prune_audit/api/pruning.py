@@ -1,4 +1,4 @@
-"""The Python pruning API: load a model once, then answer, choose and generate under any selector.
+"""The Python pruning API: load a model once, then answer, choose, generate and score answers under any selector.
 
 >>> from prune_audit import load, pruned
 >>> vlm = load("demo")                                              # doctest: +SKIP
