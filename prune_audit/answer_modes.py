@@ -34,7 +34,15 @@ class Greedy:
     max_new_tokens: int
 
 
-AnswerMode = YesNoMode | OptionLetters | Greedy
+@dataclass(frozen=True)
+class Continuation:
+    """Score ``text`` as the answer: teacher-forced through the pruned KV cache (``models.answers.score_continuation``),
+    the log-probability of its tokens (leading whitespace removed, tokenized alone, as greedy answers are stripped)."""
+
+    text: str
+
+
+AnswerMode = YesNoMode | OptionLetters | Greedy | Continuation
 """How one question is answered."""
 
 
@@ -90,28 +98,65 @@ class Generation:
 
     Attributes:
         answer: the decoded text, special tokens skipped, stripped.
-        token_probs: probability of each generated token (full-vocabulary softmax), the end token excluded.
-        confidence: the sequence probability, the product of ``token_probs`` (1.0 for an empty answer).
+        token_probs: probability of each generated token (full-vocabulary softmax), the end token excluded; empty
+            for a generation known only by its summary (:meth:`from_summary`, an imported answer).
+        confidence: the sequence probability, the product of the token probabilities (1.0 for an empty answer).
         stopped: the model emitted an end-of-sequence token (False: cut at ``max_new_tokens``).
+        mean_token_prob: the length-normalised probability, the geometric mean of the token probabilities (1.0 for
+            an empty answer).
+        answer_tokens: number of generated tokens.
     """
 
     answer: str
     token_probs: tuple[float, ...]
     confidence: float
     stopped: bool
+    mean_token_prob: float
+    answer_tokens: int
+
+    @classmethod
+    def from_token_probs(cls, answer: str, token_probs: tuple[float, ...], stopped: bool) -> Generation:
+        """The generation of tokens of these probabilities (the mean of logs, so long answers do not underflow)."""
+        mean_log = sum(math.log(p) if p > 0 else -math.inf for p in token_probs) / len(token_probs) if token_probs else 0.0
+        return cls(answer, tuple(token_probs), float(math.prod(token_probs)), stopped, math.exp(mean_log),
+                   len(token_probs))
+
+    @classmethod
+    def from_summary(cls, answer: str, sequence_prob: float, mean_token_prob: float, answer_tokens: int,
+                     stopped: bool) -> Generation:
+        """A generation known by its summary only (no per-token probabilities)."""
+        return cls(answer, (), sequence_prob, stopped, mean_token_prob, answer_tokens)
+
+
+@dataclass(frozen=True)
+class ContinuationScore:
+    """A given answer scored under the pruned prefill (lmms-eval's ``loglikelihood`` request).
+
+    Attributes:
+        answer: the scored continuation, as given.
+        token_probs: probability of each continuation token given the prompt and the tokens before it
+            (full-vocabulary softmax).
+        log_probability: sum of the tokens' log-probabilities (0.0 for a continuation of no tokens).
+        is_greedy: every continuation token is the argmax at its position (greedy decoding would produce it);
+            lmms-eval's ``is_greedy``.
+        confidence: the continuation's probability, ``exp(log_probability)``.
+    """
+
+    answer: str
+    token_probs: tuple[float, ...]
+    log_probability: float
+    is_greedy: bool
 
     @property
-    def mean_log_prob(self) -> float:
-        """Length-normalised log probability: mean log of ``token_probs`` (0.0 for an empty answer)."""
-        if not self.token_probs:
-            return 0.0
-        return sum(math.log(p) if p > 0 else -math.inf for p in self.token_probs) / len(self.token_probs)
+    def confidence(self) -> float:
+        return math.exp(self.log_probability)
 
 
-Reduction = YesNo | LetterChoice | Generation
+Reduction = YesNo | LetterChoice | Generation | ContinuationScore
 """What an answer mode makes of one question's logits."""
 
 
 __all__ = [
-    "YES_NO", "AnswerMode", "Generation", "Greedy", "LetterChoice", "OptionLetters", "Reduction", "YesNo", "YesNoMode",
+    "YES_NO", "AnswerMode", "Continuation", "ContinuationScore", "Generation", "Greedy", "LetterChoice", "OptionLetters",
+    "Reduction", "YesNo", "YesNoMode",
 ]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from test_run_cli import base_args
+from test_tasks import gqa_inputs
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
@@ -153,10 +154,97 @@ def test_export_refuses_to_replace_other_files(runs, tmp_path):
 
 
 def test_header_problems_are_one_line(workspace, tmp_path):
-    for header, message in [({**HEADER, "version": 2}, "format version 2"), ({"format": "x"}, "not a kept-set file"),
+    for header, message in [({**HEADER, "version": 3}, "format version 3"), ({"format": "x"}, "not a kept-set file"),
                             ({**HEADER, "budget": None}, "null exactly for the unpruned")]:
         path = kept_set_file(tmp_path / "kept.jsonl", workspace, {**first_question(workspace), "stages": [],
                              "answer": {"text": "no", "probability": 0.9}}, header=header)
         result = runner.invoke(app, ["import", str(path), "--geometry", str(workspace["model"]),
                                      *question_args(workspace), "--out", str(tmp_path / "out")])
         assert result.exit_code == 2 and message in result.stderr, result.output
+
+
+GENERATING_RUNS = [("gqa", "none", ()), ("gqa", "fastv", ("--budget", "6")), ("caption", "divprune", ("--budget", "6")),
+                   ("caption", "fastv", ("--budget", "6", "--confidence", "sequence"))]
+
+
+def generating_args(workspace, folder: Path, task: str) -> list[str]:
+    """The question and evidence options of a gqa (the workspace's six "largest shape" questions) or caption run."""
+    if task == "gqa":
+        inputs = gqa_inputs(workspace, folder)
+        return ["--task", "gqa", "--images", str(workspace["images"]), "--questions", str(inputs["questions"]),
+                "--questions", str(inputs["llava"]), "--annotations", str(inputs["graphs"])]
+    return ["--task", "caption", "--images", str(workspace["images"]), "--questions", str(workspace["instances"]),
+            "--annotations", str(workspace["instances"])]
+
+
+@pytest.mark.parametrize("task, name, extra", GENERATING_RUNS)
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_generating_runs_round_trip(workspace, tmp_path, task, name, extra, suffix):
+    """gqa and caption: the answer's summary (sequence and mean-token probability, tokens, stopped) and the task's
+    options travel in the file (format version 2), so the imported records equal the run's."""
+    questions = generating_args(workspace, tmp_path / "inputs", task)
+    run_dir = tmp_path / "run"
+    result = runner.invoke(app, ["run", "--model", str(workspace["model"]), *questions, "--selector", name, *extra,
+                                 "--max-new-tokens", "4", "--limit", "6", "--out", str(run_dir), "--quiet"])
+    assert result.exit_code == 0, result.output
+    exported = tmp_path / f"kept{suffix}"
+    assert runner.invoke(app, ["export", str(run_dir), "--out", str(exported)]).exit_code == 0
+    out = tmp_path / "imported"
+    result = runner.invoke(app, ["import", str(exported), "--geometry", str(workspace["model"]), *questions[2:],
+                                 "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    original = pq.read_table(run_dir / "records.parquet").to_pylist()
+    imported = pq.read_table(out / "records.parquet").to_pylist()
+    assert len(original) == len(imported) == 6
+    for before, after in zip(original, imported):
+        for column, value in before.items():
+            if column not in PROVENANCE:
+                assert same_values(value, after[column]), (column, value, after[column])
+    manifests = [json.loads((folder / "manifest.json").read_text()) for folder in (run_dir, out)]
+    assert [(m["max_new_tokens"], m["confidence"]) for m in manifests] == [(4, manifests[0]["confidence"])] * 2
+
+
+def test_version_1_generations_with_token_probs_still_import(workspace, tmp_path):
+    questions = generating_args(workspace, tmp_path / "inputs", "caption")
+    coco = json.loads(Path(workspace["instances"]).read_text())
+    image = coco["images"][0]
+    line = {"question_id": image["id"], "split": "caption", "image": image["file_name"], "stages": [],
+            "answer": {"text": "a square", "probability": 0.5, "token_probs": [0.5, 1.0], "stopped": True}}
+    path = kept_set_file(tmp_path / "kept.jsonl", workspace, line,
+                         header={**HEADER, "task": "caption", "selector": "none", "budget": None})
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["import", str(path), "--geometry", str(workspace["model"]), *questions[2:],
+                                 "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    [record] = pq.read_table(out / "records.parquet").to_pylist()
+    assert (record["sequence_prob"], record["answer_tokens"], record["stopped"]) == (0.5, 2, True)
+    assert record["mean_token_prob"] == pytest.approx(math.sqrt(0.5))
+
+
+def test_geometry_may_be_a_processor_folder_without_weights(runs, workspace, tmp_path):
+    """--geometry PROCESSOR: image processor, tokenizer and config.json, no weight files, give the same records
+    as the model folder (the model is built from its config on the meta device and never run); --model needs the
+    weights and says so in one line."""
+    import shutil
+
+    processor = tmp_path / "processor"
+    processor.mkdir()
+    for path in Path(workspace["model"]).iterdir():
+        if path.is_file() and path.suffix not in (".safetensors", ".bin"):
+            shutil.copy(path, processor / path.name)
+    exported = tmp_path / "kept.jsonl"
+    assert runner.invoke(app, ["export", str(runs["fastv"]), "--out", str(exported)]).exit_code == 0
+    out = tmp_path / "imported"
+    result = runner.invoke(app, ["import", str(exported), "--geometry", str(processor), *question_args(workspace),
+                                 "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    original = pq.read_table(runs["fastv"] / "records.parquet").to_pylist()
+    imported = pq.read_table(out / "records.parquet").to_pylist()
+    assert len(original) == len(imported) == 24
+    for before, after in zip(original, imported):
+        assert all(same_values(value, after[column]) for column, value in before.items()), before["question_id"]
+    assert json.loads((out / "manifest.json").read_text())["device"] == "meta"
+    result = runner.invoke(app, ["import", str(exported), "--model", str(processor), *question_args(workspace),
+                                 "--out", str(tmp_path / "reanswered"), "--quiet"])
+    assert result.exit_code == 2 and "could not load the model" in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -7,11 +7,13 @@ from prune_audit.api.pruning import (
     ImageInput,
     PrunedModel,
     PrunedResult,
+    ScoreResult,
     YesNoResult,
     load,
     pruned,
 )
 
 __all__ = [
-    "ChoiceResult", "GenerationResult", "ImageInput", "PrunedModel", "PrunedResult", "YesNoResult", "load", "pruned",
+    "ChoiceResult", "GenerationResult", "ImageInput", "PrunedModel", "PrunedResult", "ScoreResult", "YesNoResult", "load",
+    "pruned",
 ]

@@ -1,4 +1,4 @@
-"""The Python pruning API: load a model once, then answer, choose and generate under any selector.
+"""The Python pruning API: load a model once, then answer, choose, generate and score answers under any selector.
 
 >>> from prune_audit import load, pruned
 >>> vlm = load("demo")                                              # doctest: +SKIP
@@ -44,7 +44,8 @@ class PrunedResult:
     Attributes:
         text: the answer as text ("yes"/"no", the chosen letter, or the generated text).
         confidence: the answer's probability in its mode (two-way yes/no probability of the answer, the letter's
-            probability over the offered letters, the generated sequence's probability).
+            probability over the offered letters, the generated sequence's probability, a scored answer's
+            probability).
         kept_stages: per stage, the kept grid indices after it (row-major on the model's token grid; one stage for
             input-level selectors, none for the unpruned model).
         merged_stages: per stage, the grid indices each merged token alive after it carries (empty lists without
@@ -95,6 +96,17 @@ class GenerationResult(PrunedResult):
     sequence_probability: float
     token_probs: tuple[float, ...]
     stopped: bool
+
+
+@dataclass(frozen=True)
+class ScoreResult(PrunedResult):
+    """A given answer (``text``) scored by teacher forcing through the pruned KV cache: ``log_probability`` sums
+    its tokens' log-probabilities (``token_probs``), ``confidence`` is ``exp(log_probability)``, and ``is_greedy``
+    says greedy decoding would produce every one of its tokens (lmms-eval's loglikelihood answer)."""
+
+    log_probability: float
+    token_probs: tuple[float, ...]
+    is_greedy: bool
 
 
 def load(
@@ -237,8 +249,23 @@ class PrunedModel:
             raise PruneAuditError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         return self._ask(images, prompts, Greedy(max_new_tokens), batch_size)
 
+    def score(self, images: ImageInput | Sequence[ImageInput], questions: str | Sequence[str],
+              answers: str | Sequence[str], *, batch_size: int = 16) -> ScoreResult | list[ScoreResult]:
+        """Each answer's log-probability given its image and question, teacher-forced through the pruned KV cache
+        (the answer's leading whitespace removed, tokenized alone); ``answers`` pairs with ``questions``."""
+        from prune_audit.answer_modes import Continuation
+
+        answer_list = [answers] if isinstance(answers, str) else list(answers) if isinstance(answers, Sequence) else []
+        if not answer_list or any(not isinstance(answer, str) for answer in answer_list):
+            raise PruneAuditError("pass the answers to score as a string or a list of strings, one per question")
+        count = len(questions) if isinstance(questions, Sequence) and not isinstance(questions, str) else 1
+        if len(answer_list) != count:
+            raise PruneAuditError(f"{len(answer_list)} answers for {count} questions; pass one answer per question")
+        return self._ask(images, questions, [Continuation(answer) for answer in answer_list], batch_size)
+
     # ----- internals ----------------------------------------------------------------
-    def _ask(self, images: Any, texts: Any, mode: AnswerMode, batch_size: int) -> Any:
+    def _ask(self, images: Any, texts: Any, mode: AnswerMode | list[AnswerMode], batch_size: int) -> Any:
+        """``mode`` is one answer mode for every question, or one per question."""
         from prune_audit.runner.execute import answer_grouped
 
         if not self._open:
@@ -247,14 +274,15 @@ class PrunedModel:
             raise PruneAuditError(f"batch_size must be at least 1, got {batch_size}")
         single = isinstance(texts, str)
         pairs = _pairs(images, texts)
+        modes = mode if isinstance(mode, list) else [mode] * len(pairs)
         results: list[PrunedResult] = []
         for start in range(0, len(pairs), batch_size):
             batch = pairs[start : start + batch_size]
             prepared = [self.vlm.prepare(_rgb(image), text) for image, text in batch]
             rows = range(start, start + len(batch))
-            answers = answer_grouped(self.vlm, self.selector, self.budget, prepared, [mode] * len(batch),
+            answers = answer_grouped(self.vlm, self.selector, self.budget, prepared, modes[start : start + len(batch)],
                                      [self._generator(row) for row in rows])
-            results += [_result(answer, item, mode) for answer, item in zip(answers, prepared)]
+            results += [_result(answer, item, row_mode) for answer, item, row_mode in zip(answers, prepared, modes[start:])]
         return results[0] if single else results
 
     def _generator(self, row: int) -> torch.Generator:
@@ -292,7 +320,7 @@ def _rgb(image: ImageInput) -> Any:
 
 def _result(answer: Answer, prepared: Prepared, mode: AnswerMode) -> PrunedResult:
     """The typed result of one answer in ``mode``."""
-    from prune_audit.answer_modes import Generation, LetterChoice, YesNo
+    from prune_audit.answer_modes import ContinuationScore, Generation, LetterChoice, YesNo
 
     common = {
         "text": answer.answer, "confidence": answer.confidence, "kept_stages": answer.kept_stages,
@@ -308,9 +336,13 @@ def _result(answer: Answer, prepared: Prepared, mode: AnswerMode) -> PrunedResul
     if isinstance(reduced, Generation):
         return GenerationResult(**common, sequence_probability=reduced.confidence, token_probs=reduced.token_probs,
                                 stopped=reduced.stopped)
+    if isinstance(reduced, ContinuationScore):
+        return ScoreResult(**common, log_probability=reduced.log_probability, token_probs=reduced.token_probs,
+                           is_greedy=reduced.is_greedy)
     raise TypeError(f"no result type for {type(reduced).__name__}")
 
 
 __all__ = [
-    "ChoiceResult", "GenerationResult", "ImageInput", "PrunedModel", "PrunedResult", "YesNoResult", "load", "pruned",
+    "ChoiceResult", "GenerationResult", "ImageInput", "PrunedModel", "PrunedResult", "ScoreResult", "YesNoResult", "load",
+    "pruned",
 ]

@@ -44,9 +44,10 @@ def import_(
     questions: QuestionsOption = None,
     images: ImagesOption = None,
     annotations: AnnotationsOption = None,
-    geometry: Annotated[Optional[str], typer.Option(help="Model folder, hub id or demo name whose prompt and token "
-                                                    "grid the kept sets index (default: the bundled demo); its "
-                                                    "weights are read but not run.")] = None,
+    geometry: Annotated[Optional[str], typer.Option(help="Model or processor folder (image processor, tokenizer, "
+                                                    "config.json; weights not needed), hub id or demo name whose "
+                                                    "prompt, token grid and depth the kept sets index (default: the "
+                                                    "bundled demo); never run.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Re-answer every question with this model under the "
                                                  "imported kept sets forced (its grid is the geometry).")] = None,
     batch_size: Annotated[int, typer.Option(help="Questions per forward pass with --model.")] = 16,
@@ -72,7 +73,8 @@ def import_(
         raise fail("pass the question files once: --pope (POPE) or --questions (any task), not both")
     file = read_kept_sets(kept_sets)
     request = RunRequest(
-        model=model or geometry, task=file.task, pope=list(pope or questions or []), images=images,
+        model=model or geometry, task=file.task, max_new_tokens=file.header.get("max_new_tokens"),
+        confidence=file.header.get("confidence"), pope=list(pope or questions or []), images=images,
         annotations=annotations, out=out, batch_size=batch_size, device=device, dtype=dtype,
         prompt_template=prompt_template, threads=threads, command=command, kept_sets=file,
         reanswer=model is not None,

@@ -16,14 +16,17 @@ from prune_audit.models.answers import (
     YES_NO,
     Answer,
     AnswerMode,
+    Continuation,
     Greedy,
     OptionLetters,
     Reduction,
     answer_record,
+    continuation_token_ids,
     greedy_generations,
     letter_token_ids,
     reduce_letters,
     reduce_yes_no,
+    score_continuation,
 )
 from prune_audit.models.timing import PartClock
 
@@ -58,18 +61,18 @@ class AnswerModes:
         random selection does not depend on batching). ``forced_kept[b]`` replaces
         input-level selection by explicit grid indices; ``forced_stages[b]`` lists
         ``(layer, kept grid indices)`` in-LLM stages. ``latency_parts`` holds each part's batch time
-        divided by the batch size (``vision``, ``selection``, ``prefill`` and, for :class:`Greedy`,
-        ``decode``); ``latency_ms`` is their sum; ``cost`` the analytic FLOPs and KV bytes.
+        divided by the batch size (``vision``, ``selection``, ``prefill`` and, for :class:`Greedy` and
+        :class:`Continuation`, ``decode``); ``latency_ms`` is their sum; ``cost`` the analytic FLOPs and KV bytes.
         """
         prefill, selections = self.prefill(
             prepared, selector, budget, generator=generator, forced_kept=forced_kept, forced_stages=forced_stages,
-            use_cache=isinstance(mode, Greedy),
+            use_cache=isinstance(mode, (Greedy, Continuation)),
         )
         clock = PartClock(self.device)
         reductions = self._reduce(prefill, mode)
         clock.lap("decode")
         parts = {part: ms / len(prepared) for part, ms in prefill.latency_parts.items()}
-        if isinstance(mode, Greedy):  # a first-token answer's reduction is not a part (no decoding)
+        if isinstance(mode, (Greedy, Continuation)):  # a first-token answer's reduction is not a part (no decoding)
             parts["decode"] = clock.read()["decode"] / len(prepared)
         latency = sum(parts.values())
         forced = forced_kept is not None or forced_stages is not None
@@ -87,6 +90,10 @@ class AnswerModes:
         if isinstance(mode, Greedy):
             with torch.no_grad():
                 return greedy_generations(self.loop, prefill, self.eos_ids(), self.tokenizer, mode.max_new_tokens)
+        if isinstance(mode, Continuation):
+            with torch.no_grad():
+                return score_continuation(self.loop, prefill, continuation_token_ids(self.tokenizer, mode.text),
+                                          mode.text)
         return reduce_yes_no(prefill.logits, self.yes_ids, self.no_ids)
 
     def check_answer_mode(self, mode: AnswerMode) -> None:

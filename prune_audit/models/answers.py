@@ -11,6 +11,8 @@ Three answer modes, chosen by the task (``prune_audit.tasks``), never by the mod
   the offered letters is the confidence.
 - :class:`Greedy` (short answers, captions): greedy decoding that reuses the pruned KV cache;
   the product of the generated tokens' probabilities is the sequence probability.
+- :class:`Continuation` (lmms-eval's loglikelihood requests): a given answer fed token by token through
+  the same pruned KV cache (teacher forcing); its log-probability and whether greedy decoding would produce it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from torch import Tensor
 from prune_audit.answer_modes import (
     YES_NO,
     AnswerMode,
+    Continuation,
+    ContinuationScore,
     Generation,
     Greedy,
     LetterChoice,
@@ -119,9 +123,40 @@ def greedy_generations(
             break
         logits = loop.decode_step(prefill.decode, chosen)
     return [
-        Generation(tokenizer.decode(row, skip_special_tokens=True).strip(), tuple(row_probs), float(math.prod(row_probs)),
-                   done)
+        Generation.from_token_probs(tokenizer.decode(row, skip_special_tokens=True).strip(), tuple(row_probs), done)
         for row, row_probs, done in zip(tokens, probs, stopped)
+    ]
+
+
+def continuation_token_ids(tokenizer, text: str) -> list[int]:
+    """The tokens a greedy answer spelling ``text`` would consist of: leading whitespace removed (the prompt ends
+    at the assistant's turn, and greedy answers are stripped), encoded alone without special tokens."""
+    return tokenizer.encode(text.lstrip(), add_special_tokens=False) if text.strip() else []
+
+
+def score_continuation(loop: LanguageLoop, prefill: Prefill, token_ids: Sequence[int], text: str) -> list[ContinuationScore]:
+    """Teacher-forced scoring of the same continuation (``token_ids``, spelling ``text``) on every row of a cached
+    prefill (``use_cache=True``), one :class:`ContinuationScore` per row.
+
+    Token ``k`` is scored by the (B, V) logits after the prompt and tokens ``< k``, fed through
+    ``loop.decode_step`` as greedy decoding feeds its own tokens, so a continuation equal to the greedy answer
+    gets exactly the greedy answer's probabilities. Log-probabilities are taken in float64 (no underflow).
+    """
+    rows = prefill.logits.shape[0]
+    log_probs: list[list[float]] = [[] for _ in range(rows)]
+    greedy = [True] * rows
+    logits = prefill.logits
+    for step, token in enumerate(token_ids):
+        chosen = torch.full((rows,), token, dtype=torch.long, device=logits.device)
+        scores = torch.log_softmax(logits.double(), dim=-1)[:, token].tolist()
+        for b, (score, best) in enumerate(zip(scores, logits.argmax(dim=-1).tolist())):
+            log_probs[b].append(score)
+            greedy[b] = greedy[b] and best == token
+        if step < len(token_ids) - 1:
+            logits = loop.decode_step(prefill.decode, chosen)
+    return [
+        ContinuationScore(text, tuple(math.exp(x) for x in row), float(sum(row)), is_greedy)
+        for row, is_greedy in zip(log_probs, greedy)
     ]
 
 
@@ -217,7 +252,7 @@ def answer_record(
 
 
 __all__ = [
-    "YES_NO", "AnswerMode", "Answer", "Generation", "Greedy", "LetterChoice", "OptionLetters", "Reduction", "YesNo",
-    "YesNoMode", "answer_record", "answer_token_ids", "greedy_generations", "letter_token_ids", "reduce_letters",
-    "reduce_yes_no",
+    "YES_NO", "AnswerMode", "Answer", "Continuation", "ContinuationScore", "Generation", "Greedy", "LetterChoice",
+    "OptionLetters", "Reduction", "YesNo", "YesNoMode", "answer_record", "answer_token_ids", "continuation_token_ids",
+    "greedy_generations", "letter_token_ids", "reduce_letters", "reduce_yes_no", "score_continuation",
 ]

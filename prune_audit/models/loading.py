@@ -12,6 +12,7 @@ import torch
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.hub import resolve_model_source
+from prune_audit.safety.fingerprint import weight_files
 
 if TYPE_CHECKING:
     from prune_audit.models.base import VisionLanguageModel
@@ -103,6 +104,7 @@ def load_vlm(
     prompt_template: str | None = None,
     system_prompt: str | None = None,
     clip_text: str | Path | None = None,
+    geometry_only: bool = False,
 ) -> VisionLanguageModel:
     """Load a checkpoint with ``from_pretrained`` (SDPA attention, PIL image processing).
 
@@ -118,6 +120,10 @@ def load_vlm(
         system_prompt: replaces the template's system text.
         clip_text: a CLIP checkpoint (text tower and projections) for CDPruner's text
             relevance; LLaVA only.
+        geometry_only: the caller needs prompts, token grids, depth and analytic cost only (``import`` without
+            ``--model``): a folder without weight files (a processor folder: image processor, tokenizer and
+            ``config.json``) is then accepted, its model built from the config on the meta device (no
+            parameters in memory; it cannot answer). A folder with weights is loaded as usual.
     """
     from transformers import AutoConfig
     from transformers.utils import logging as transformers_logging
@@ -138,10 +144,14 @@ def load_vlm(
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     model_class = adapter.transformers_class()
-    model = load_part("model", source, lambda: model_class.from_pretrained(
-        source, dtype=resolved_dtype, attn_implementation="sdpa"
-    ))
-    model = model.to(resolved_device).eval()
+    if geometry_only and not weight_files(source):
+        with torch.device("meta"):
+            model = model_class._from_config(config, dtype=resolved_dtype, attn_implementation="sdpa").eval()
+    else:
+        model = load_part("model", source, lambda: model_class.from_pretrained(
+            source, dtype=resolved_dtype, attn_implementation="sdpa"
+        ))
+        model = model.to(resolved_device).eval()
     return adapter.from_model(model, source, prompt_template=prompt_template, system_prompt=system_prompt,
                               clip_text=None if clip_text is None else str(clip_text))
 

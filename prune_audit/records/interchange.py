@@ -21,7 +21,10 @@ import pyarrow as pa
 from prune_audit.errors import PruneAuditError
 
 FORMAT = "prune-audit-kept-sets"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 added the summary of a generated answer (``GENERATION_SUMMARY``) beside ``token_probs``; version 1
+files (first-token tasks, or generations with ``token_probs``) read unchanged."""
+READABLE_VERSIONS = (1, 2)
 INTERCHANGE_METADATA = b"prune_audit.interchange"
 SUFFIXES = (".jsonl", ".parquet")
 COST_FIELDS = (
@@ -31,6 +34,13 @@ COST_FIELDS = (
 """The analytic cost columns a question line may carry (``records.schema.COST_COLUMNS``)."""
 LATENCY_PARTS = ("vision", "selection", "prefill", "decode")
 """The latency parts a question line may carry, in ms (``latency_<part>_ms`` columns)."""
+GENERATION_SUMMARY = {
+    "sequence_probability": "sequence_prob", "mean_token_probability": "mean_token_prob",
+    "answer_tokens": "answer_tokens", "stopped": "stopped",
+}
+"""A generated answer's summary fields and the record columns they carry (``records.schema``, generating tasks)."""
+TASK_OPTIONS = ("max_new_tokens", "confidence")
+"""A generating task's options a header may carry (``run --max-new-tokens --confidence``, version 2)."""
 _PARQUET_JSON = ("stages", "answer", "cost", "latency_ms")
 
 
@@ -56,7 +66,7 @@ class KeptQuestion:
     """One question line: its key, image, stages (empty: unpruned) and answer.
 
     ``answer`` holds ``text`` and ``probability`` (the task's confidence) and may hold the answer mode's
-    reduction (``p_yes``/``p_no``; ``letter_probs``; ``token_probs``/``stopped``); ``cost`` and ``latency_ms``
+    reduction (``p_yes``/``p_no``; ``letter_probs``; ``token_probs``/``stopped`` or ``GENERATION_SUMMARY``); ``cost`` and ``latency_ms``
     are optional measurements to carry over (``COST_FIELDS``, ``LATENCY_PARTS``). ``line`` is where it was read.
     """
 
@@ -87,9 +97,11 @@ class KeptSets:
 
 
 def header_of(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The header a run's manifest exports: format, version, task, selector (as run) and budget."""
+    """The header a run's manifest exports: format, version, task (and a generating task's options), selector (as
+    run) and budget."""
+    task_options = {name: manifest[name] for name in TASK_OPTIONS if manifest.get(name) is not None}
     return {
-        "format": FORMAT, "version": FORMAT_VERSION, "task": manifest.get("task", "pope"),
+        "format": FORMAT, "version": FORMAT_VERSION, "task": manifest.get("task", "pope"), **task_options,
         "selector": manifest["selector"], "budget": manifest["budget"], "model": manifest["model"]["id"],
         "producer": f"prune-audit {manifest['version']}",
     }
@@ -107,6 +119,8 @@ def question_line(record: dict[str, Any]) -> dict[str, Any]:
     for name in ("p_yes", "p_no", "letter_probs"):
         if record.get(name) is not None:
             answer[name] = record[name]
+    if record.get("sequence_prob") is not None:  # a generating task: its records keep the summary, not each token
+        answer.update({field_name: record[column] for field_name, column in GENERATION_SUMMARY.items()})
     return {
         "question_id": record["question_id"], "split": record["split"], "image": record["image"], "stages": stages,
         "answer": answer, "cost": {name: record[name] for name in COST_FIELDS},
@@ -221,11 +235,17 @@ def _check_header(header: Any, path: Path) -> None:
     where = f"{path} line 1 (header)"
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise PruneAuditError(f"{where}: not a kept-set file (the header must hold \"format\": \"{FORMAT}\")")
-    if header.get("version") != FORMAT_VERSION:
-        raise PruneAuditError(f"{where}: format version {header.get('version')!r}; this prune-audit reads version "
-                              f"{FORMAT_VERSION}")
+    if header.get("version") not in READABLE_VERSIONS:
+        raise PruneAuditError(f"{where}: format version {header.get('version')!r}; this prune-audit reads versions "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}")
     if not isinstance(header.get("task"), str):
         raise PruneAuditError(f"{where}: \"task\" must name a task (pope, ...)")
+    tokens = header.get("max_new_tokens")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise PruneAuditError(f"{where}: \"max_new_tokens\" must be null or a whole number >= 1, got {tokens!r}")
+    if not isinstance(header.get("confidence") or "", str):
+        raise PruneAuditError(f"{where}: \"confidence\" must be null or a generating task's confidence name "
+                              f"(docs/tasks.md)")
     selector = header.get("selector", {"name": "imported"})
     if isinstance(selector, str):
         selector = {"name": selector}
@@ -327,6 +347,14 @@ def _answer(value: Any, where: str) -> dict[str, Any]:
         if name in value and (not isinstance(value[name], list) or not all(
                 _finite(p) and 0 <= p <= 1 for p in value[name])):
             raise PruneAuditError(f"{where}: answer \"{name}\" must be a list of numbers in [0, 1]")
+    for name in ("sequence_probability", "mean_token_probability"):
+        if name in value and (not _finite(value[name]) or not 0 <= value[name] <= 1):
+            raise PruneAuditError(f"{where}: answer \"{name}\" must be a number in [0, 1]")
+    tokens = value.get("answer_tokens", 0)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise PruneAuditError(f"{where}: answer \"answer_tokens\" must be a whole number >= 0, got {tokens!r}")
+    if "stopped" in value and not isinstance(value["stopped"], bool):
+        raise PruneAuditError(f"{where}: answer \"stopped\" must be true or false")
     return value
 
 
@@ -334,7 +362,9 @@ __all__ = [
     "COST_FIELDS",
     "FORMAT",
     "FORMAT_VERSION",
+    "GENERATION_SUMMARY",
     "LATENCY_PARTS",
+    "TASK_OPTIONS",
     "KeptQuestion",
     "KeptSets",
     "KeptStage",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.interchange import FORMAT_VERSION, KeptQuestion, KeptSets
+from prune_audit.records.interchange import GENERATION_SUMMARY, KeptQuestion, KeptSets
 
 if TYPE_CHECKING:
     from prune_audit.answer_modes import AnswerMode, Reduction
@@ -99,7 +99,7 @@ def imported_selector(kept_sets: KeptSets, file_sha256: str, reanswer: bool) -> 
         selector["stage"] = "llm" if in_llm else "input"
     selector.setdefault("stage", None)
     selector.setdefault("options", {})
-    selector["imported"] = {"file": kept_sets.path.name, "sha256": file_sha256, "format_version": FORMAT_VERSION,
+    selector["imported"] = {"file": kept_sets.path.name, "sha256": file_sha256, "format_version": kept_sets.header["version"],
                             "answers": "model" if reanswer else "file"}
     if (selector["name"] == "none") != (kept_sets.header.get("budget") is None):
         raise PruneAuditError(f"{kept_sets.path} line 1 (header): \"budget\" must be null exactly for the unpruned "
@@ -180,11 +180,15 @@ def _reduction(line: KeptQuestion, mode: AnswerMode) -> Reduction:
                                   f"letter ({len(mode.letters)})")
         return LetterChoice.from_probabilities(tuple(probs), mode.letters)
     if isinstance(mode, Greedy):
-        token_probs = answer.get("token_probs")
-        if token_probs is None or not isinstance(answer.get("stopped"), bool):
-            raise PruneAuditError(f"{line.line}: a generated answer needs \"token_probs\" (each generated token's "
-                                  f"probability) and \"stopped\" (true when it ended with end-of-sequence)")
-        return Generation(answer["text"].strip(), tuple(token_probs), float(math.prod(token_probs)), answer["stopped"])
+        token_probs, stopped = answer.get("token_probs"), answer.get("stopped")
+        summary = [answer.get(name) for name in GENERATION_SUMMARY]
+        if isinstance(stopped, bool) and token_probs is not None:
+            return Generation.from_token_probs(answer["text"].strip(), tuple(token_probs), stopped)
+        if all(value is not None for value in summary):
+            return Generation.from_summary(answer["text"].strip(), *summary)
+        raise PruneAuditError(f"{line.line}: a generated answer needs \"stopped\" (true when it ended with "
+                              f"end-of-sequence) and \"token_probs\" (each generated token's probability) or "
+                              f"\"sequence_probability\", \"mean_token_probability\" and \"answer_tokens\"")
     if "p_yes" in answer and "p_no" in answer:
         return YesNo.from_probabilities(answer["p_yes"], answer["p_no"])
     text, probability = answer["text"].strip().lower(), answer.get("probability")
@@ -207,7 +211,6 @@ def export_run(run_dir: Path, out: Path) -> int:
         question_line,
         write_kept_sets,
     )
-    from prune_audit.records.schema import GENERATING
     from prune_audit.records.store import read_run
 
     check_suffix(out, "--out")
@@ -215,10 +218,6 @@ def export_run(run_dir: Path, out: Path) -> int:
         raise PruneAuditError(f"--out {out} exists and is not a kept-set file; export never replaces other files: "
                               f"pass a new file name")
     manifest, records = read_run(Path(run_dir))
-    if manifest.get("task", "pope") in GENERATING:
-        raise PruneAuditError(f"{run_dir} is a {manifest['task']} run, whose records keep the sequence probability "
-                              f"but not each token's, which an import needs; export first-token tasks (pope, "
-                              f"scienceqa)")
     write_kept_sets(header_of(manifest), [question_line(record) for record in records.to_pylist()], out)
     return records.num_rows
 

@@ -128,6 +128,7 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
             dtype=request.dtype,
             prompt_template=request.prompt_template,
             clip_text=request.clip_text,
+            geometry_only=request.kept_sets is not None and not request.reanswer,
         )
     if selector is not None:
         vlm.check_selector(selector)
@@ -207,11 +208,12 @@ def _resolve_demo_defaults(request: RunRequest) -> None:
     named_demo = is_demo_name(request.model)
     if request.model is not None and not named_demo and request.pope:
         return
-    if request.model is not None and not named_demo and not request.pope:
+    geometry_only = request.kept_sets is not None and not request.reanswer  # import's --geometry is never run
+    if request.model is not None and not named_demo and not geometry_only:
         raise PruneAuditError("--model needs questions: pass --pope FILE... (another --task: --questions FILE...) with "
                               "--images DIR (and --annotations FILE for retention)")
-    demo = demo_assets(name=request.model or "demo")
-    request.model = str(demo.model_dir)
+    demo = demo_assets(name=request.model if named_demo else "demo")
+    request.model = request.model if request.model is not None and not named_demo else str(demo.model_dir)
     if not request.pope and request.task != "pope":
         raise PruneAuditError(f"the bundled demo has no {request.task} questions yet; pass --questions FILE... with "
                               f"--images DIR")

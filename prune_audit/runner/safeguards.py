@@ -19,10 +19,15 @@ from prune_audit.records.manifest import MANIFEST_FILE, differing_fields, read_m
 from prune_audit.records.schema import RECORDS_FILE
 from prune_audit.records.store import PARTS_DIR
 from prune_audit.safety.atomic import remove_partial_files
-from prune_audit.safety.fingerprint import HashCache, combined_sha256, first_differing_image, images_fingerprint
+from prune_audit.safety.fingerprint import (
+    HashCache,
+    combined_sha256,
+    first_differing_image,
+    images_fingerprint,
+    weight_files,
+)
 from prune_audit.safety.ownership import hold_output_dir
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 RUN_FILES = (MANIFEST_FILE, RECORDS_FILE)  # what a run writes directly in its folder (parts go under PARTS_DIR)
 
 
@@ -42,10 +47,7 @@ def hash_cache_file() -> Path:
 
 def weights_sha256(model_source: str) -> str | None:
     """sha256 over the weight files of a local checkpoint folder (None for a hub id)."""
-    folder = Path(model_source)
-    if not folder.is_dir():
-        return None
-    files = [p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES]
+    files = weight_files(model_source)
     if not files:
         return None
     cache = HashCache(hash_cache_file())

@@ -24,6 +24,17 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.safety.atomic import write_text_atomic
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def weight_files(source: str | Path) -> list[Path]:
+    """The weight files directly in a checkpoint folder (none for a hub id, or a processor folder)."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+
+
 def file_sha256(path: str | Path) -> str:
     """Hex sha256 of a file's bytes."""
     digest = hashlib.sha256()

@@ -19,7 +19,6 @@ against those it kept (``omission_by_fate``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,8 +137,8 @@ class CaptionTask(Task):
         scored = score_caption(generation.answer, caption.objects, caption.caption_objects)
         columns: dict[str, Any] = {
             "sequence_prob": generation.confidence,
-            "mean_token_prob": math.exp(generation.mean_log_prob),
-            "answer_tokens": len(generation.token_probs),
+            "mean_token_prob": generation.mean_token_prob,
+            "answer_tokens": generation.answer_tokens,
             "stopped": generation.stopped,
             "mentioned": list(scored.mentioned),
             "hallucinated": list(scored.hallucinated),

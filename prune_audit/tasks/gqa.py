@@ -17,7 +17,6 @@ geometric mean of the token probabilities, is recorded beside it (``mean_token_p
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,8 +162,8 @@ class GqaTask(Task):
         reference = str(question.gqa.answer)
         columns: dict[str, Any] = {
             "sequence_prob": generation.confidence,
-            "mean_token_prob": math.exp(generation.mean_log_prob),
-            "answer_tokens": len(generation.token_probs),
+            "mean_token_prob": generation.mean_token_prob,
+            "answer_tokens": generation.answer_tokens,
             "stopped": generation.stopped,
             "evidence_object_ids": list(question.gqa.evidence_object_ids),
         }
