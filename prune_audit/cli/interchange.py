@@ -72,7 +72,7 @@ def import_(
         raise fail("pass the question files once: --pope (POPE) or --questions (any task), not both")
     file = read_kept_sets(kept_sets)
     request = RunRequest(
-        model=model or geometry, task=file.task, pope=list(pope or questions or []), images=images,
+        model=model or geometry, task=file.task, question_files=list(pope or questions or []), images=images,
         annotations=annotations, out=out, batch_size=batch_size, device=device, dtype=dtype,
         prompt_template=prompt_template, threads=threads, command=command, kept_sets=file,
         reanswer=model is not None,

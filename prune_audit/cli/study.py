@@ -119,7 +119,7 @@ def study(
         parse_budgets(budgets),
         out,
         RunRequest(
-            model=model, pope=list(pope or questions or []), task=task, max_new_tokens=max_new_tokens,
+            model=model, question_files=list(pope or questions or []), task=task, max_new_tokens=max_new_tokens,
             confidence=confidence, split=split, images=images, annotations=annotations, limit=limit,
             batch_size=batch_size, device=device, dtype=dtype, seed=seed, prompt_template=prompt_template,
             clip_text=clip_text, threads=threads,

@@ -40,7 +40,7 @@ class RunRequest:
     selector: str = "none"
     budget: int | str | None = None  # tokens, or "all"
     options: list[str] = field(default_factory=list)  # KEY=VALUE strings
-    pope: list[Path] = field(default_factory=list)  # the task's question files (--pope, or --questions)
+    question_files: list[Path] = field(default_factory=list)  # the task's question files (--pope, or --questions)
     task: str = "pope"
     max_new_tokens: int | None = None  # generating tasks only; None: the task's default
     confidence: str | None = None  # generating tasks only (Task.confidences); None: the task's default
@@ -205,18 +205,18 @@ def _resolve_demo_defaults(request: RunRequest) -> None:
     from prune_audit.demo.assets import demo_assets, is_demo_name
 
     named_demo = is_demo_name(request.model)
-    if request.model is not None and not named_demo and request.pope:
+    if request.model is not None and not named_demo and request.question_files:
         return
-    if request.model is not None and not named_demo and not request.pope:
+    if request.model is not None and not named_demo and not request.question_files:
         raise PruneAuditError("--model needs questions: pass --pope FILE... (another --task: --questions FILE...) with "
                               "--images DIR (and --annotations FILE for retention)")
     demo = demo_assets(name=request.model or "demo")
     request.model = str(demo.model_dir)
-    if not request.pope and request.task != "pope":
+    if not request.question_files and request.task != "pope":
         raise PruneAuditError(f"the bundled demo has no {request.task} questions yet; pass --questions FILE... with "
                               f"--images DIR")
-    if not request.pope:
-        request.pope = list(demo.pope_files)
+    if not request.question_files:
+        request.question_files = list(demo.pope_files)
         request.images = request.images or demo.images_dir
         request.annotations = request.annotations or demo.annotations
 
@@ -237,10 +237,10 @@ def _load_questions(task: Task, request: RunRequest) -> list[TaskQuestion]:
         if not task.splits:
             raise PruneAuditError(f"task {task.name} has no splits; drop --split {request.split}")
         raise PruneAuditError(f"--split must be one of {', '.join(task.splits)} or all, got {request.split!r}")
-    for path in request.pope:
+    for path in request.question_files:
         if not Path(path).is_file():
             raise PruneAuditError(f"question file not found: {path}; pass an existing {task.name} question file")
-    questions = task.read_questions([Path(path) for path in request.pope])
+    questions = task.read_questions([Path(path) for path in request.question_files])
     if request.split not in (None, "all"):
         questions = [q for q in questions if q.split == request.split]
     keys = [(q.split, q.question_id) for q in questions]
@@ -355,7 +355,7 @@ def _manifest(
     manifest["processor"] = {**manifest.get("processor", {}), "first_image": first.geometry.to_dict()}
     manifest["selector"] = _selector_description(selector, budget, vlm, first.num_visual)
     manifest["budget"] = budget
-    manifest["question_files"] = [{"path": str(p), "sha256": file_sha256(p)} for p in request.pope]
+    manifest["question_files"] = [{"path": str(p), "sha256": file_sha256(p)} for p in request.question_files]
     manifest["annotations"] = (
         {"path": str(request.annotations), "sha256": file_sha256(request.annotations)} if request.annotations else None
     )

@@ -39,7 +39,7 @@ def answer_swaps(
     task = manifest_task(manifest)
     vlm = load_model(manifest, inputs.model, request.device)
     forcing = Forcing(vlm, manifest)
-    questions = load_questions(task, inputs.pope)
+    questions = load_questions(task, inputs.question_files)
     evidence = task.load_evidence(inputs.annotations, list(questions.values()))
     rows: list[Record] = []
     skipped: Counter = Counter()

@@ -58,7 +58,7 @@ class StudyGrid:
         """The ``RunRequest`` that ``prune-audit run`` builds from ``command(cell)``."""
         budget = None if cell.budget is None else parse_budget(cell.budget)
         request = replace(
-            self.base, selector=cell.selector, budget=budget, out=self.run_dir(cell), options=[], pope=list(self.base.pope)
+            self.base, selector=cell.selector, budget=budget, out=self.run_dir(cell), options=[], question_files=list(self.base.question_files)
         )
         request.command = self.command(cell)
         return request
@@ -69,10 +69,10 @@ class StudyGrid:
         words = ["prune-audit", "run"]
         pairs: list[tuple[str, object]] = [("--model", base.model)]
         if base.task != defaults.task:
-            pairs += [("--task", base.task), *(("--questions", path) for path in base.pope)]
+            pairs += [("--task", base.task), *(("--questions", path) for path in base.question_files)]
             pairs += [("--max-new-tokens", base.max_new_tokens), ("--confidence", base.confidence)]
         else:
-            pairs += [("--pope", path) for path in base.pope]
+            pairs += [("--pope", path) for path in base.question_files]
         pairs += [("--split", base.split), ("--images", base.images), ("--annotations", base.annotations)]
         pairs += [("--selector", None if cell.selector == REFERENCE else cell.selector), ("--budget", cell.budget)]
         pairs += [("--out", self.run_dir(cell)), ("--limit", base.limit)]
