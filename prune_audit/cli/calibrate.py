@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -82,11 +83,10 @@ def calibrate(
     if json_output:
         print(to_json(report), end="")
     else:
-        print_calibration_table(report, out)
+        tasks = [run.task for run in [*runs, *([reference_run] if reference_run else [])]]
+        print_calibration_table(report, out, [name for task in tasks for name in task.report_metrics])
 
 
-TABLE_HIDDEN = ("precision", "recall")
-"""Metrics of ``metric_table`` left out of the printed table (in calibration.json and its CSV)."""
 SCALED_ROWS = ("accuracy", "auroc", "ece", "ece_mass", "nll", "brier")
 """Metrics shown before and after temperature scaling (on the test images)."""
 
@@ -109,12 +109,16 @@ def _count(estimate: dict) -> str:
     return "-" if estimate["value"] is None else str(int(estimate["value"]))
 
 
-def print_calibration_table(report: dict, out: Path) -> None:
-    """Runs side by side: overall metrics, temperature scaling on test images, lost objects."""
+def print_calibration_table(report: dict, out: Path, report_metrics: Sequence[str]) -> None:
+    """Runs side by side: overall metrics, temperature scaling on test images, lost objects.
+
+    ``report_metrics``: the metrics the runs' tasks report (``Task.report_metrics``); the table shows those of
+    them that ``analysis.metric_table`` marks ``in_table``.
+    """
     from rich.console import Console
     from rich.table import Table
 
-    from prune_audit.analysis.metric_table import METRICS, metric
+    from prune_audit.analysis.metric_table import metric, reported_metrics
     from prune_audit.analysis.outputs import json_ready
 
     report = json_ready(report)
@@ -123,8 +127,7 @@ def print_calibration_table(report: dict, out: Path) -> None:
     table.add_column("metric")
     for entry in entries:
         table.add_column(entry["label"] + (" (reference)" if entry is report["reference"] else ""))
-    reported = {name for entry in entries for name in entry["metrics"]["all"]}  # a task without yes/no has fewer
-    for row in (shown for shown in METRICS if shown.name not in TABLE_HIDDEN and shown.name in reported):
+    for row in (shown for shown in reported_metrics(report_metrics) if shown.in_table):
         table.add_row(row.label, *(_cell(entry["metrics"]["all"].get(row.name), row.precise) for entry in entries))
     table.add_section()
     table.add_row("temperature T", *(_temperature(entry["temperature"]) for entry in entries))
