@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from prune_audit.data.geometry import TokenGeometry
+    from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
     from prune_audit.answer_modes import AnswerMode, Reduction
 
@@ -139,6 +140,26 @@ class Task(ABC):
         """Every question of the run's question files (``--pope`` / ``--questions``, in the order given),
         validated; a PruneAuditError naming file and entry otherwise. Files another file refers to are
         read together (GQA: LLaVA's question file and GQA's question JSON)."""
+
+    parquet_layout: ClassVar[str | None] = None
+    """The lmms-eval dataset whose Parquet files (questions plus embedded images) the task reads; None: none."""
+
+    def read_parquet(self, paths: Sequence[Path]) -> ParquetQuestions[TaskQuestion]:
+        """Every question of ``parquet_layout``'s Parquet files, validated, with the image bytes they embed."""
+        raise PruneAuditError(f"task {self.name} reads no Parquet question files; pass its question files with "
+                              f"--images DIR")
+
+    def load_questions(self, paths: Sequence[Path]) -> tuple[list[TaskQuestion], dict[str, bytes] | None]:
+        """The questions of the run's question files and, for Parquet files (``.parquet``: ``read_parquet``), the
+        images they embed by name (None for the task's own files, whose images lie in ``--images``)."""
+        parquet = [path for path in paths if path.suffix == ".parquet"]
+        if not parquet:
+            return self.read_questions(paths), None
+        if len(parquet) != len(paths):
+            raise PruneAuditError("pass either Parquet question files (images embedded) or the task's own question "
+                                  "files, not both")
+        loaded = self.read_parquet(paths)
+        return loaded.questions, loaded.images
 
     def check_questions(self, questions: Sequence[TaskQuestion]) -> None:
         """Refuse a question list the task cannot score (for instance, questions without references)."""

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from prune_audit.data.geometry import TokenGeometry
+    from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
     from prune_audit.answer_modes import Generation
 
@@ -147,6 +148,14 @@ class GqaTask(Task):
         else:
             loaded = load_llava_gqa(by_kind[".jsonl"][0])
         return [GqaTaskQuestion(question, _record_id(question)) for question in loaded]
+
+    parquet_layout = "lmms-lab/GQA (*_instructions and *_images files together)"
+
+    def read_parquet(self, paths: Sequence[Path]) -> ParquetQuestions[GqaTaskQuestion]:
+        from prune_audit.data.lmms_parquet import ParquetQuestions, read_gqa_parquet_files
+
+        loaded = read_gqa_parquet_files(paths)
+        return ParquetQuestions([GqaTaskQuestion(q, _record_id(q)) for q in loaded.questions], loaded.images)
 
     def check_questions(self, questions: Sequence[GqaTaskQuestion]) -> None:
         unanswered = [q for q in questions if q.gqa.answer is None]
