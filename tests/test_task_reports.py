@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
@@ -69,3 +70,60 @@ def test_scienceqa_cascade_reports_the_validity_experiment(workspace, letters_mo
     assert validity["sem_disagreement"] == pytest.approx(validity["std_disagreement"] / math.sqrt(200))
     assert validity["mean_within_one_sem_of_epsilon"] == (
         validity["mean_disagreement"] <= 0.4 + validity["sem_disagreement"])
+
+
+def test_study_of_several_tasks_has_a_task_column_and_a_report_section_per_task(workspace, tmp_path):
+    import pandas as pd
+
+    gqa = gqa_inputs(workspace, tmp_path / "gqa")
+    out = tmp_path / "study"
+    common = ["study", "--tasks", "pope,gqa", "--model", str(workspace["model"]), "--selectors", "random",
+              "--budgets", "6", "--out", str(out), "--limit", "40", "--max-new-tokens", "2",
+              *(arg for path in workspace["pope"] for arg in ("--questions", f"pope={path}")),
+              "--questions", f"gqa={gqa['questions']}", "--questions", f"gqa={gqa['llava']}",
+              "--images", f"pope={workspace['images']}", "--images", f"gqa={workspace['images']}",
+              "--annotations", f"pope={workspace['instances']}", "--annotations", f"gqa={gqa['graphs']}"]
+    planned = runner.invoke(app, [*common, "--plan"])
+    assert planned.exit_code == 0, planned.output
+    lines = planned.stdout.splitlines()
+    assert len(lines) == 4 and sum("--task gqa" in line for line in lines) == 2
+    assert "--max-new-tokens 2" in lines[2] and "--max-new-tokens" not in lines[0]  # POPE answers by its first token
+    assert str(out / "runs" / "gqa-random-6") in lines[3] and str(out / "runs" / "pope-dense") in lines[0]
+    result = runner.invoke(app, [*common, "--epsilons", "0.34", "--bootstrap", "10", "--splits", "5", "--quiet"])
+    assert result.exit_code == 0, result.output
+    summary = pd.read_csv(out / "summary.csv")
+    assert list(zip(summary["task"], summary["run"])) == [("pope", "dense"), ("pope", "random@6"), ("gqa", "dense"),
+                                                         ("gqa", "random@6")]
+    gqa_records = pq.read_table(out / "runs" / "gqa-random-6" / "records.parquet").to_pylist()
+    gqa_row = summary[(summary["task"] == "gqa") & (summary["run"] == "random@6")].iloc[0]
+    assert gqa_row["accuracy"] == pytest.approx(sum(r["correct"] for r in gqa_records) / len(gqa_records))
+    assert summary[summary["task"] == "gqa"]["f1"].isna().all() and summary[summary["task"] == "pope"]["f1"].notna().all()
+    report = (out / "report.md").read_text()
+    pope_part, gqa_part = report.split("## Task pope")[1].split("## Task gqa")
+    assert "| F1 |" in pope_part
+    assert "| F1 |" not in gqa_part and "| ECE |" in gqa_part  # each section shows the metrics its task reports
+    assert "![Reliability diagrams, every run](gqa_reliability_grid.png)" in gqa_part
+    for name in ("pope_calibration.json", "gqa_cascade.json", "gqa_reliability_grid.png", "report.html"):
+        assert (out / name).is_file(), name
+    assert "<h2>Task gqa</h2>" in (out / "report.html").read_text()
+    # the report alone, rebuilt from the runs
+    rebuilt = runner.invoke(app, ["study", "--tasks", "pope,gqa", "--out", str(out), "--report", "--epsilons", "0.34",
+                                  "--bootstrap", "10", "--splits", "5"])
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert pd.read_csv(out / "summary.csv").equals(summary)
+    refused_single = runner.invoke(app, ["study", "--out", str(out), "--report"])
+    assert refused_single.exit_code != 0 and "study them with --tasks" in refused_single.output
+
+
+@pytest.mark.parametrize(("extra", "needles"), [
+    (("--tasks", "pope,vqa"), ("unknown task 'vqa'",)),
+    (("--tasks", "pope,gqa", "--task", "gqa"), ("not both",)),
+    (("--tasks", "pope,gqa", "--questions", "q.json"), ("with several --tasks", "TASK=PATH")),
+    (("--tasks", "pope,gqa", "--images", "gqa=a", "--images", "gqa=b"), ("names task gqa 2 times",)),
+    (("--tasks", "pope,scienceqa", "--max-new-tokens", "3"), ("--max-new-tokens",)),
+])
+def test_study_task_options_are_refused_in_one_line(tmp_path, extra, needles):
+    from cli_checks import refused
+
+    refused(runner.invoke(app, ["study", "--out", str(tmp_path / "study"), *extra]), *needles)
+    assert not (tmp_path / "study").exists()

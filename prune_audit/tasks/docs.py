@@ -46,7 +46,9 @@ answer is analysed through its top-label confidence: the event "the answer is co
 `confidence`, so ECE, AUROC and AURC are as for POPE, Brier and NLL are the top-label ones, temperature scaling
 rescales the confidence's logit (the answer never changes), POPE's precision, recall, F1 and yes ratio are left
 out, and a cascade's disagreement compares answers as the task normalises them (GQA: LLaVA's rule).
-`study --task NAME --questions FILE...` runs a selector x budget grid of any one task.
+`study --task NAME --questions FILE...` runs a selector x budget grid of any one task; `study --tasks
+pope,gqa,scienceqa,caption --questions TASK=FILE...` runs one grid per task, with a summary row per run (its
+`task` column) and a report section per task showing that task's report metrics.
 """
 
 

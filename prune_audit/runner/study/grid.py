@@ -43,6 +43,7 @@ class StudyGrid:
     budgets: tuple[str, ...]
     out: Path
     base: RunRequest = field(default_factory=RunRequest)
+    named_by_task: bool = False  # a study of several tasks: run folders OUT/runs/<task>-<cell name>
 
     @property
     def cells(self) -> list[StudyCell]:
@@ -52,7 +53,7 @@ class StudyGrid:
         ]
 
     def run_dir(self, cell: StudyCell) -> Path:
-        return self.out / RUNS_FOLDER / cell.name
+        return self.out / RUNS_FOLDER / (f"{self.base.task}-{cell.name}" if self.named_by_task else cell.name)
 
     def request(self, cell: StudyCell) -> RunRequest:
         """The ``RunRequest`` that ``prune-audit run`` builds from ``command(cell)``."""
@@ -84,6 +85,26 @@ class StudyGrid:
             if value is not None:
                 words += [option, str(value)]
         return shlex.join(words)
+
+
+def inputs_by_task(values: Sequence[Path], tasks: Sequence[str], option: str, single: bool = False) -> dict[str, list[Path]]:
+    """``--questions`` / ``--images`` / ``--annotations`` values by task. With one task, as given (``TASK=`` may
+    lead); with several, each value is ``TASK=PATH``. ``single``: at most one value per task (a folder, a file).
+    A task with no value gets none (the bundled demo's inputs, where the demo has that task's questions)."""
+    given: dict[str, list[Path]] = {task: [] for task in tasks}
+    for value in values:
+        name, separator, rest = str(value).partition("=")
+        if separator and name in given:
+            given[name].append(Path(rest))
+        elif len(tasks) == 1:
+            given[tasks[0]].append(Path(value))
+        else:
+            raise PruneAuditError(f"{option} {value}: with several --tasks, name each value's task: {option} "
+                                  f"TASK=PATH, TASK one of {', '.join(tasks)}")
+    for task, paths in given.items():
+        if single and len(paths) > 1:
+            raise PruneAuditError(f"{option} names task {task} {len(paths)} times; pass one value per task")
+    return given
 
 
 def parse_budget(text: str) -> int | str:
