@@ -90,6 +90,12 @@ class Evidence(Protocol):
         """Each object of the evidence region on its own, (name, area), for the per-object lost column."""
         ...
 
+    def record_mask(self, record: dict[str, Any]) -> np.ndarray | None:
+        """A recorded question's evidence region in image pixels, (height, width) bool, from its record (``image``,
+        ``image_id``, ``evidence_objects`` and the task's own columns; ``visualize --run`` draws it); None when the
+        question has none."""
+        ...
+
 
 class Task(ABC):
     """One kind of question (POPE yes/no, short answers, multiple choice, captions).
@@ -101,6 +107,7 @@ class Task(ABC):
         confidence_definition: what the ``confidence`` column holds, in words.
         evidence_definition: which image region counts as the question's evidence, in words.
         evidence_noun: the evidence regions as the run summary names them.
+        names_evidence: whether its questions name image regions at all (``--annotations``).
         splits: the values ``--split`` may take besides ``all`` (empty: the task has no splits).
         report_metrics: names of the metrics (``analysis.metric_table``) its reports show; POPE's answer scores
             (precision, recall, F1, yes ratio) need a yes/no answer.
@@ -132,6 +139,8 @@ class Task(ABC):
     confidence_definition: ClassVar[str] = ""
     evidence_definition: ClassVar[str] = ""
     evidence_noun: ClassVar[str] = "the evidence regions"
+    names_evidence: ClassVar[bool] = True
+    """Whether the task's questions name image regions (``load_evidence``); ScienceQA's do not."""
     splits: ClassVar[tuple[str, ...]] = ()
     report_metrics: ClassVar[tuple[str, ...]] = ()
 

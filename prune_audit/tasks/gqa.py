@@ -110,6 +110,18 @@ class SceneGraphEvidence:
 
         return object_area(evidence_mask(question.gqa, self.graphs[question.gqa.image_id]), geometry)
 
+    def record_mask(self, record: dict[str, Any]) -> np.ndarray | None:
+        """(height, width) bool: the union of the boxes of the record's ``evidence_object_ids`` in its image's scene
+        graph; None when the annotations named no object."""
+        graph = self.graphs.get(Path(record["image"]).stem)
+        unknown = [i for i in record["evidence_object_ids"] if graph is None or i not in graph.objects]
+        if unknown:
+            raise PruneAuditError(f"object {unknown[0]} of question {record['question_id']} is not in the scene graphs "
+                                  f"of {record['image']}; restore the run's --annotations file")
+        if not record["evidence_object_ids"]:
+            return None
+        return np.logical_or.reduce([box_mask(graph.objects[i], graph) for i in record["evidence_object_ids"]])
+
     def objects(self, question: GqaTaskQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
         """Each annotated object's box on its own, named by its scene-graph name."""
         from prune_audit.data.retention import object_area

@@ -73,6 +73,7 @@ class ScienceQaTask(Task):
     confidence_definition = "the chosen letter's first-token probability renormalised over the offered letters"
     evidence_definition = "none: ScienceQA names no image regions (no retention or lost objects)"
     evidence_noun = "the evidence regions (none for scienceqa)"
+    names_evidence = False
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
 
     def read_questions(self, paths: Sequence[Path]) -> list[ScienceQaTaskQuestion]:
