@@ -127,3 +127,59 @@ def test_study_task_options_are_refused_in_one_line(tmp_path, extra, needles):
 
     refused(runner.invoke(app, ["study", "--out", str(tmp_path / "study"), *extra]), *needles)
     assert not (tmp_path / "study").exists()
+
+
+def test_paired_omission_counts_the_same_objects_by_hand():
+    from prune_audit.tasks.caption import paired_omission_by_fate
+
+    rows = [{"split": "caption", "question_id": 1, "evidence_objects": ["dog", "cat", "car"],
+             "evidence_objects_lost": [True, False, None], "omitted": ["dog"]},
+            {"split": "caption", "question_id": 2, "evidence_objects": ["cup"], "evidence_objects_lost": [True],
+             "omitted": ["cup"]},
+            {"split": "caption", "question_id": 3, "evidence_objects": ["cat"], "evidence_objects_lost": [True],
+             "omitted": []}]
+    dense = [{"split": "caption", "question_id": 1, "omitted": ["cat", "car"]},
+             {"split": "caption", "question_id": 2, "omitted": []}]  # image 3 has no dense caption: left out
+    # lost: dog (run omits, dense names it), cup (run omits, dense names it); kept: cat (run names, dense omits)
+    assert paired_omission_by_fate(rows, dense) == {"lost": (2, 2, 0), "kept": (1, 0, 1)}
+
+
+def test_caption_omissions_of_lost_and_kept_objects_beside_the_dense_model(workspace, tmp_path):
+    from prune_audit.tasks.caption import paired_omission_by_fate
+
+    instances = str(workspace["instances"])
+    runs = {"pruned": tmp_path / "pruned", "dense": tmp_path / "dense"}
+    for name, extra in (("pruned", ("--selector", "random", "--budget", "2")), ("dense", ())):
+        result = runner.invoke(app, ["run", "--task", "caption", "--model", str(workspace["model"]), "--images",
+                                     str(workspace["images"]), "--questions", instances, "--annotations", instances,
+                                     "--out", str(runs[name]), "--max-new-tokens", "3", *extra])
+        assert result.exit_code == 0, result.output
+    pruned, dense = (pq.read_table(run / "records.parquet").to_pylist() for run in runs.values())
+    (lost, lost_run, lost_dense), (kept, kept_run, kept_dense) = paired_omission_by_fate(pruned, dense).values()
+    assert lost > 0 and kept > 0
+    args = ["calibrate", str(runs["pruned"]), "--reference", str(runs["dense"]), "--bootstrap", "10"]
+    reported = runner.invoke(app, [*args, "--json", "--out", str(tmp_path / "json")])
+    assert reported.exit_code == 0, reported.output
+    report = json.loads(reported.stdout)
+    assert report["runs"][0]["reference_comparison"] == pytest.approx({
+        "objects_lost": lost, "omitted_lost": lost_run / lost, "omitted_lost_reference": lost_dense / lost,
+        "objects_kept": kept, "omitted_kept": kept_run / kept, "omitted_kept_reference": kept_dense / kept})
+    assert "omitted_lost_reference" in report["conventions"]
+    printed = runner.invoke(app, [*args, "--out", str(tmp_path / "table")], env={"COLUMNS": "250"})
+    assert printed.exit_code == 0, printed.output
+    assert f"{lost_dense / lost:.3f}" in dict(
+        (cells[0], cells[1]) for cells in ([c.strip() for c in line.split("│")[1:]] for line in printed.stdout.splitlines()
+                                           if line.count("│") > 2))["omitted lost reference"]
+    # the study pairs its dense run with each pruned one: summary columns and a finding
+    study = tmp_path / "study"
+    result = runner.invoke(app, ["study", "--task", "caption", "--model", str(workspace["model"]), "--images",
+                                 str(workspace["images"]), "--questions", instances, "--annotations", instances,
+                                 "--max-new-tokens", "3", "--selectors", "random", "--budgets", "2", "--out",
+                                 str(study), "--epsilons", "0.34", "--bootstrap", "10", "--splits", "5", "--quiet"])
+    assert result.exit_code == 0, result.output
+    import pandas as pd
+
+    summary = pd.read_csv(study / "summary.csv").set_index("run")
+    assert math.isnan(summary.loc["dense", "omitted_lost"]) and summary.loc["random@2", "objects_lost"] > 0
+    assert "captions omit" in (study / "report.md").read_text() and "the dense model's captions omit" in (
+        study / "report.md").read_text()

@@ -132,6 +132,7 @@ def findings(rows: Sequence[dict], epsilons: Sequence[float]) -> list[str]:
     texts.append(_change_finding(pruned, reference, "ece", "ECE"))
     texts.append(_change_finding(pruned, reference, "auroc", "AUROC"))
     texts.extend(_lost_finding(pruned))
+    texts.extend(_omission_finding(pruned))
     texts.extend(_cascade_findings(pruned, epsilons))
     return texts
 
@@ -166,6 +167,25 @@ def _lost_finding(pruned: Sequence[dict]) -> list[str]:
         f"({'over' if gap > 0 else 'under'}confident by {abs(gap):.3f}), while the dense model on the same "
         f"questions scores {row['lost_reference_accuracy']:.3f} at confidence {row['lost_reference_confidence']:.3f}."
     ]
+
+
+def _omission_finding(pruned: Sequence[dict]) -> list[str]:
+    """Captions (``Task.reference_comparison``): the omission rate of the objects a run lost beside those it kept,
+    and the dense model's on the same objects, for the run that loses the most objects."""
+    compared = [row for row in pruned if row.get("objects_lost", 0) > 0]
+    if not compared:
+        return []
+    row = max(compared, key=lambda row: row["objects_lost"])
+    return [
+        f"{row['run']}'s captions omit {row['omitted_lost']:.1%} of the {row['objects_lost']} annotated objects its "
+        f"first stage lost and {_share(row['omitted_kept'])} of the {row['objects_kept']} it kept; the dense model's "
+        f"captions omit {row['omitted_lost_reference']:.1%} and {_share(row['omitted_kept_reference'])} of the same "
+        f"objects."
+    ]
+
+
+def _share(value: float) -> str:
+    return "-" if not math.isfinite(value) else f"{value:.1%}"
 
 
 def _cascade_findings(pruned: Sequence[dict], epsilons: Sequence[float]) -> list[str]:

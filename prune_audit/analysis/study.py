@@ -65,7 +65,9 @@ SUMMARY_COLUMNS = {
     **{f"mean_{name}": f"mean {name} per question, from the records (docs/compute.md)" for name in COST_MEANS},
     "flops_relative": "mean flops / mean flops_dense: prefill FLOPs relative to the same questions unpruned",
 }
-"""Every fixed summary column and its meaning; ``cascade_cost_eps<e>`` and ``savings_share_eps<e>`` follow."""
+"""Every fixed summary column and its meaning; ``cascade_cost_eps<e>`` and ``savings_share_eps<e>`` follow, then a
+task's own comparison with the dense run (``Task.reference_comparison``: captions' ``omitted_lost``,
+``omitted_lost_reference``, ...; empty in other tasks' rows)."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,7 @@ def summary_rows(reports: StudyReports) -> list[dict]:
         lost, survived = (_estimate(entry, ("survival", group, "count"))[0] for group in ("lost", "survived"))
         row["lost_share"] = lost / (lost + survived) if lost + survived > 0 else math.nan
         row.update(_cascade_columns(cascades.get(entry["label"]), epsilons))
+        row.update(entry.get("reference_comparison", {}))  # the task's own comparison with the reference
         records = RecordStore(run.path, run.manifest).read()
         row["latency_ms"] = float(np.mean(records["latency_ms"].to_numpy()))
         row.update(cost_summary(records))
@@ -238,7 +241,8 @@ def summary_files(rows: Sequence[dict]) -> dict[str, bytes | str]:
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    table = pa.Table.from_pylist(list(rows))
+    columns = dict.fromkeys(name for row in rows for name in row)  # a task's own columns: NaN in other rows
+    table = pa.Table.from_pylist([{name: row.get(name, math.nan) for name in columns} for row in rows])
     csv_buffer, parquet_buffer = io.BytesIO(), io.BytesIO()
     pacsv.write_csv(table, csv_buffer)
     pq.write_table(table, parquet_buffer)

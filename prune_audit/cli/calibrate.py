@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
@@ -105,6 +106,13 @@ def _temperature(fit: dict) -> str:
     return f"{fit['temperature']:.3f}" + (" (at search bound)" if fit["at_bound"] else "")
 
 
+def _number(value: float | int | None) -> str:
+    """A plain number of a task's reference comparison: a count as is, a share with 3 decimals."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:.3f}"
+
+
 def _count(estimate: dict) -> str:
     return "-" if estimate["value"] is None else str(int(estimate["value"]))
 
@@ -152,6 +160,12 @@ def print_calibration_table(report: dict, out: Path, report_metrics: Sequence[st
             )
             table.add_row(f"{name} minus reference",
                           *(_cell(difference.get(key), metric(key).precise) for difference in differences))
+    compared = [entry.get("reference_comparison") or {} for entry in entries]  # the task's own (captions)
+    names = list(dict.fromkeys(name for comparison in compared for name in comparison))
+    if names:
+        table.add_section()
+        for name in names:
+            table.add_row(name.replace("_", " "), *(_number(comparison.get(name)) for comparison in compared))
     console = Console()
     console.print(table)
     console.print(f"wrote calibration.json, calibration.csv and pictures to {out}")

@@ -216,6 +216,15 @@ class Task(ABC):
         return {"label_yes": correct, "answer_yes": np.ones_like(correct), "p_yes": confidence, "logit_diff": logit,
                 "answer": self.comparable_answers(records), "top_label": True}
 
+    reference_comparison_meanings: ClassVar[dict[str, str]] = {}
+    """Name -> meaning of each number of ``reference_comparison`` (written into calibration.json)."""
+
+    def reference_comparison(self, records: pa.Table, reference: pa.Table) -> dict[str, float | int] | None:
+        """The task's own comparison of a run's records with a reference run's on the same questions (``calibrate
+        --reference``; a study's pruned runs against its dense run), name -> value as declared in
+        ``reference_comparison_meanings``; None for a task without one."""
+        return None
+
     def summary_rows(self, records: pa.Table) -> list[tuple[str, str]]:
         """The task's own lines of the run summary (name, formatted value), after the common ones."""
         return []
