@@ -73,6 +73,9 @@ def test_pope_parquet_runs_without_an_images_folder_as_the_json_files_do(workspa
     drawn = runner.invoke(app, ["visualize", "--run", str(from_parquet), "--question-id", str(row["question_id"]),
                                 "--split", row["split"], "--out", str(tmp_path / "figure.png")])
     assert drawn.exit_code == 0, drawn.output
+    treated = runner.invoke(app, ["intervene", str(from_parquet), "--mode", "remove", "--max-cells", "1",
+                                  "--bootstrap", "10", "--out", str(tmp_path / "intervene")])
+    assert treated.exit_code == 0, treated.output
 
 
 def test_gqa_parquet_files_join_instructions_and_images(workspace, tmp_path):
