@@ -101,10 +101,12 @@ def study(
         inputs_by_task,
         parse_budgets,
         parse_list,
+        parse_tasks,
+        task_option,
     )
     from prune_audit.safety.ownership import check_output_dir
 
-    names = _task_names(task, tasks, max_new_tokens, confidence)  # unknown tasks or misplaced options, first
+    names = parse_tasks(task, tasks, max_new_tokens, confidence)  # unknown tasks or misplaced options, first
     if pope and questions:
         raise PruneAuditError("pass the question files once: --pope (POPE) or --questions (any task), not both")
     if pope and names != ["pope"]:
@@ -136,8 +138,8 @@ def study(
             out,
             RunRequest(
                 model=model, question_files=question_files[name], task=name,
-                max_new_tokens=_applies(name, "max_new_tokens", max_new_tokens),
-                confidence=_applies(name, "confidence", confidence), split=split,
+                max_new_tokens=task_option(name, "max_new_tokens", max_new_tokens),
+                confidence=task_option(name, "confidence", confidence), split=split,
                 images=next(iter(folders[name]), None), annotations=next(iter(evidence[name]), None), limit=limit,
                 batch_size=batch_size, device=device, dtype=dtype, seed=seed, prompt_template=prompt_template,
                 clip_text=clip_text, threads=threads,
@@ -151,37 +153,6 @@ def study(
         _plan(grids, plan_format, plan_file, parse_shard(shard) if shard else None)
         return
     _run_grid(grids, quiet, settings, force, command)
-
-
-def _task_names(task: str, tasks: str | None, max_new_tokens: int | None, confidence: str | None) -> list[str]:
-    """The study's tasks (``--task``, or the ``--tasks`` list), each known; --max-new-tokens and --confidence must
-    apply to one of them at least (they go to those tasks they apply to: ``_applies``)."""
-    from prune_audit.errors import PruneAuditError
-    from prune_audit.runner.study.grid import parse_list
-    from prune_audit.tasks import get_task
-
-    if tasks is None:
-        get_task(task, max_new_tokens, confidence)
-        return [task]
-    if task != "pope":
-        raise PruneAuditError("pass --task NAME or --tasks A,B,..., not both")
-    names = list(parse_list(tasks, "--tasks"))
-    for name in names:
-        get_task(name)
-    for option, value in (("max_new_tokens", max_new_tokens), ("confidence", confidence)):
-        if value is not None and all(_applies(name, option, value) is None for name in names):
-            get_task(names[0], **{option: value})  # refused in one line, naming the option
-    return names
-
-
-def _applies(task: str, option: str, value):
-    """``value`` of ``--max-new-tokens`` (``option`` max_new_tokens) or ``--confidence`` for ``task``: kept where
-    the task takes it (a generating task; a confidence it offers), None elsewhere."""
-    from prune_audit.tasks import get_task
-
-    kind = type(get_task(task))
-    takes = kind.default_max_new_tokens is not None if option == "max_new_tokens" else value in kind.confidences
-    return value if takes else None
 
 
 def _plan(grids, plan_format: str, plan_file: Path | None, shard) -> None:

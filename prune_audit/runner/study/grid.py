@@ -107,6 +107,35 @@ def inputs_by_task(values: Sequence[Path], tasks: Sequence[str], option: str, si
     return given
 
 
+def parse_tasks(task: str, tasks: str | None, max_new_tokens: int | None, confidence: str | None) -> list[str]:
+    """The study's tasks (``--task``, or the ``--tasks`` list), each known; --max-new-tokens and --confidence must
+    apply to one of them at least (they go to those tasks they apply to: ``task_option``)."""
+    from prune_audit.tasks import get_task
+
+    if tasks is None:
+        get_task(task, max_new_tokens, confidence)
+        return [task]
+    if task != "pope":
+        raise PruneAuditError("pass --task NAME or --tasks A,B,..., not both")
+    names = list(parse_list(tasks, "--tasks"))
+    for name in names:
+        get_task(name)
+    for option, value in (("max_new_tokens", max_new_tokens), ("confidence", confidence)):
+        if value is not None and all(task_option(name, option, value) is None for name in names):
+            get_task(names[0], **{option: value})  # refused in one line, naming the option
+    return names
+
+
+def task_option(task: str, option: str, value: int | str | None) -> int | str | None:
+    """``value`` of ``--max-new-tokens`` (``option`` max_new_tokens) or ``--confidence`` for ``task``: kept where
+    the task takes it (a generating task; a confidence it offers), None elsewhere."""
+    from prune_audit.tasks import get_task
+
+    kind = type(get_task(task))
+    takes = kind.default_max_new_tokens is not None if option == "max_new_tokens" else value in kind.confidences
+    return value if takes else None
+
+
 def parse_budget(text: str) -> int | str:
     """A budget of the grid: a positive number of visual tokens, a share such as ``11%``, or ``all``."""
     from prune_audit.compute.budget import parse_budget as parse_run_budget
