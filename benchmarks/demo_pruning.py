@@ -66,7 +66,7 @@ def question_files(model: str, out: Path, per_split: int | None) -> tuple[str, l
 def run_once(model: str, files: list[Path], images: Path, annotations: Path, selector: str, budget: int | None,
              run_dir: Path, batch_size: int, threads: int, options: list[str] = ()) -> Path:
     """One audit run (resumed if partly done); returns its folder."""
-    request = RunRequest(model=model, selector=selector, budget=budget, pope=files, images=images,
+    request = RunRequest(model=model, selector=selector, budget=budget, question_files=files, images=images,
                          annotations=annotations, out=run_dir, batch_size=batch_size, device="cpu", threads=threads,
                          options=list(options), command=f"benchmarks.demo_pruning {selector}@{budget}")
     result = execute(plan_run(request))

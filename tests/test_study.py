@@ -194,7 +194,7 @@ def test_resume_after_kill_reruns_nothing_finished(workspace, tmp_path):
     assert "dense" in finished
     ws = workspace
     grid = StudyGrid(("divprune", "random"), ("6",), out, RunRequest(
-        model=str(ws["model"]), pope=list(ws["pope"]), images=ws["images"], annotations=ws["instances"], limit=40, seed=3))
+        model=str(ws["model"]), question_files=list(ws["pope"]), images=ws["images"], annotations=ws["instances"], limit=40, seed=3))
     outcomes = run_grid(grid, plan_grid(grid))
     for outcome in outcomes:
         if outcome.cell.name in finished:

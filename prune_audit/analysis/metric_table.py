@@ -9,7 +9,7 @@ and nowhere else. A task (``prune_audit.tasks``) names the metrics its reports s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -75,6 +75,7 @@ class Metric:
         compute: its value on a :class:`ScoredQuestions` (a float, or (B,) replicates with weights).
         answer_score: one of POPE's answer scores (computed together, from a yes/no answer).
         in_study: a column of the study summary (with its 95 % interval).
+        in_table: a row of ``calibrate``'s printed table (all are in calibration.json and its CSV).
         precise: printed with 4 significant digits (small by nature: an AURC of 0.0004 is not 0.000).
     """
 
@@ -86,6 +87,7 @@ class Metric:
     answer_score: bool = False
     in_study: bool = False
     precise: bool = False
+    in_table: bool = True
 
 
 def _answer(name: str) -> Callable[[ScoredQuestions], Any]:
@@ -103,9 +105,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("accuracy", "accuracy", "share of correct answers", True, _answer("accuracy"), answer_score=True,
            in_study=True),
     Metric("precision", "precision", f"{POPE_ANSWERS}: yes answers that are right", True, _answer("precision"),
-           answer_score=True),
+           answer_score=True, in_table=False),
     Metric("recall", "recall", f"{POPE_ANSWERS}: yes questions answered yes", True, _answer("recall"),
-           answer_score=True),
+           answer_score=True, in_table=False),
     Metric("f1", "F1", f"{POPE_ANSWERS}: harmonic mean of precision and recall", True, _answer("f1"),
            answer_score=True, in_study=True),
     Metric("yes_ratio", "yes ratio", "share of yes predictions (POPE's evaluate.py)", None, _answer("yes_ratio"),
@@ -143,4 +145,12 @@ def metric(name: str) -> Metric:
     raise KeyError(f"unknown metric {name!r}; metrics: {', '.join(METRIC_NAMES)}")
 
 
-__all__ = ["ANSWER_METRICS", "CONFIDENCE_METRICS", "METRICS", "METRIC_NAMES", "Metric", "ScoredQuestions", "metric"]
+def reported_metrics(report_metrics: Iterable[str]) -> tuple[Metric, ...]:
+    """The metrics a report shows for tasks whose ``Task.report_metrics`` are ``report_metrics`` (several tasks'
+    names together: their union), in report order."""
+    names = set(report_metrics)
+    return tuple(candidate for candidate in METRICS if candidate.name in names)
+
+
+__all__ = ["ANSWER_METRICS", "CONFIDENCE_METRICS", "METRICS", "METRIC_NAMES", "Metric", "ScoredQuestions", "metric",
+           "reported_metrics"]

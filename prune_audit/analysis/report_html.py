@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prune_audit.analysis.metric_table import metric
+from prune_audit.analysis.metric_table import METRIC_NAMES, metric
 
 TABLE_COLUMNS = (
     ("run", "run"),
@@ -54,10 +54,35 @@ def _with_interval(row: dict, name: str) -> str:
     return f"{_number(value)} [{_number(low)}, {_number(high)}]"
 
 
-def table_cells(row: dict) -> list[str]:
-    """The report table's cells of one summary row."""
+def table_columns(report_metrics: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """The columns of ``TABLE_COLUMNS`` a task's table shows: a metric's column only if the task reports it
+    (``Task.report_metrics``; GQA has no F1)."""
+    return tuple(column for column in TABLE_COLUMNS if column[1] not in METRIC_NAMES or column[1] in report_metrics)
+
+
+@dataclass(frozen=True)
+class TaskSection:
+    """One task's part of a study report.
+
+    Attributes:
+        task: the task's name; rows: its summary rows (reference first); epsilons: its cascade targets;
+        note: its settings line (``study.settings_note``); questions: its question set (``question_set``);
+        report_metrics: ``Task.report_metrics``; figure_prefix: prefix of its figure files (several tasks).
+    """
+
+    task: str
+    rows: Sequence[dict]
+    epsilons: Sequence[float]
+    note: str
+    questions: str
+    report_metrics: Sequence[str]
+    figure_prefix: str = ""
+
+
+def table_cells(row: dict, columns: Sequence[tuple[str, str]] = TABLE_COLUMNS) -> list[str]:
+    """The report table's cells of one summary row, for ``columns`` (``table_columns``)."""
     cells = []
-    for _, name in TABLE_COLUMNS:
+    for _, name in columns:
         if name == "run":
             cells.append(str(row["run"]))
         elif name == "lost_pair":
@@ -107,6 +132,7 @@ def findings(rows: Sequence[dict], epsilons: Sequence[float]) -> list[str]:
     texts.append(_change_finding(pruned, reference, "ece", "ECE"))
     texts.append(_change_finding(pruned, reference, "auroc", "AUROC"))
     texts.extend(_lost_finding(pruned))
+    texts.extend(_omission_finding(pruned))
     texts.extend(_cascade_findings(pruned, epsilons))
     return texts
 
@@ -141,6 +167,25 @@ def _lost_finding(pruned: Sequence[dict]) -> list[str]:
         f"({'over' if gap > 0 else 'under'}confident by {abs(gap):.3f}), while the dense model on the same "
         f"questions scores {row['lost_reference_accuracy']:.3f} at confidence {row['lost_reference_confidence']:.3f}."
     ]
+
+
+def _omission_finding(pruned: Sequence[dict]) -> list[str]:
+    """Captions (``Task.reference_comparison``): the omission rate of the objects a run lost beside those it kept,
+    and the dense model's on the same objects, for the run that loses the most objects."""
+    compared = [row for row in pruned if row.get("objects_lost", 0) > 0]
+    if not compared:
+        return []
+    row = max(compared, key=lambda row: row["objects_lost"])
+    return [
+        f"{row['run']}'s captions omit {row['omitted_lost']:.1%} of the {row['objects_lost']} annotated objects its "
+        f"first stage lost and {_share(row['omitted_kept'])} of the {row['objects_kept']} it kept; the dense model's "
+        f"captions omit {row['omitted_lost_reference']:.1%} and {_share(row['omitted_kept_reference'])} of the same "
+        f"objects."
+    ]
+
+
+def _share(value: float) -> str:
+    return "-" if not math.isfinite(value) else f"{value:.1%}"
 
 
 def _cascade_findings(pruned: Sequence[dict], epsilons: Sequence[float]) -> list[str]:
@@ -216,20 +261,32 @@ def latency_caveat(header: ReportHeader) -> str:
     return text + "."
 
 
-def report_markdown(
-    rows: Sequence[dict], epsilons: Sequence[float], title: str, note: str, header: ReportHeader
-) -> str:
-    """report.md: header, table, findings and the figures (PNG files beside it)."""
-    columns = [name for name, _ in TABLE_COLUMNS]
+def _section_markdown(section: TaskSection, level: str, caveat: str | None) -> list[str]:
+    """A task's table, notes, findings and figures; ``level``: the heading marks of its parts (``##``, ``###``);
+    ``caveat``: the latency caveat, after the note (a study of one task)."""
+    columns = table_columns(section.report_metrics)
+    lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(table_cells(row, columns)) + " |" for row in section.rows]
+    lines += ["", section.note, "", *([caveat, ""] if caveat else []), f"{level} Findings", ""]
+    lines += [f"- {text}" for text in findings(section.rows, section.epsilons)]
+    for stem, caption in FIGURES:
+        lines += ["", f"{level} {caption}", "", f"![{caption}]({section.figure_prefix}{stem}.png)"]
+    return lines
+
+
+def report_markdown(sections: Sequence[TaskSection], title: str, header: ReportHeader) -> str:
+    """report.md: header, then each task's table, findings and figures (PNG files beside it); a study of one
+    task has no task headings."""
     lines = [f"# Study: {title}", ""]
     lines += [f"- {name}: `{value}`" if name == "command" else f"- {name}: {value}" for name, value in header.items()]
-    lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    lines += ["| " + " | ".join(table_cells(row)) + " |" for row in rows]
-    lines += ["", note, "", latency_caveat(header), "", "## Findings", ""]
-    lines += [f"- {text}" for text in findings(rows, epsilons)]
-    for stem, caption in FIGURES:
-        lines += ["", f"## {caption}", "", f"![{caption}]({stem}.png)"]
-    return "\n".join(lines) + "\n"
+    lines.append("")
+    if len(sections) == 1:
+        return "\n".join([*lines, *_section_markdown(sections[0], "##", latency_caveat(header))]) + "\n"
+    lines += [latency_caveat(header), ""]
+    for section in sections:
+        lines += [f"## Task {section.task}", "", f"questions: {section.questions}", "",
+                  *_section_markdown(section, "###", None), ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 STYLE = (
@@ -242,34 +299,50 @@ STYLE = (
 )
 
 
-def report_html(
-    rows: Sequence[dict], epsilons: Sequence[float], title: str, note: str, pictures: dict[str, bytes],
-    header: ReportHeader,
-) -> str:
+def _section_html(section: TaskSection, pictures: dict[str, bytes], level: int, caveat: str | None) -> list[str]:
+    """A task's table, notes, findings and embedded figures; ``level``: the heading level of its parts;
+    ``caveat``: the latency caveat, after the note (a study of one task)."""
+    escape = html.escape
+    columns = table_columns(section.report_metrics)
+    head = "".join(f"<th>{escape(name)}</th>" for name, _ in columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in table_cells(row, columns)) + "</tr>"
+        for row in section.rows
+    )
+    parts = [
+        f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>',
+        f"<p>{escape(section.note)}</p>",
+        *([f"<p>{escape(caveat)}</p>"] if caveat else []),
+        f"<h{level}>Findings</h{level}><ul>"
+        + "".join(f"<li>{escape(text)}</li>" for text in findings(section.rows, section.epsilons)) + "</ul>",
+    ]
+    for stem, caption in FIGURES:
+        data = base64.b64encode(pictures[f"{section.figure_prefix}{stem}.png"]).decode("ascii")
+        parts.append(
+            f'<h{level}>{escape(caption)}</h{level}><img alt="{escape(caption)}" src="data:image/png;base64,{data}">'
+        )
+    return parts
+
+
+def report_html(sections: Sequence[TaskSection], title: str, pictures: dict[str, bytes], header: ReportHeader) -> str:
     """report.html: the same content with every figure embedded as a base64 PNG; no external resource."""
     escape = html.escape
     described = "".join(
         f"<dt>{escape(name)}</dt><dd>{f'<code>{escape(value)}</code>' if name == 'command' else escape(value)}</dd>"
         for name, value in header.items()
     )
-    head = "".join(f"<th>{escape(name)}</th>" for name, _ in TABLE_COLUMNS)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in table_cells(row)) + "</tr>" for row in rows
-    )
     parts = [
         "<!DOCTYPE html>",
         f'<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title><style>{STYLE}</style></head><body>',
         f"<h1>Study: {escape(title)}</h1>",
         f"<dl>{described}</dl>",
-        f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>',
-        f"<p>{escape(note)}</p>",
-        f"<p>{escape(latency_caveat(header))}</p>",
-        "<h2>Findings</h2><ul>" + "".join(f"<li>{escape(text)}</li>" for text in findings(rows, epsilons)) + "</ul>",
     ]
-    for stem, caption in FIGURES:
-        data = base64.b64encode(pictures[f"{stem}.png"]).decode("ascii")
-        parts.append(
-            f'<h2>{escape(caption)}</h2><img alt="{escape(caption)}" src="data:image/png;base64,{data}">'
-        )
+    if len(sections) == 1:
+        parts += _section_html(sections[0], pictures, 2, latency_caveat(header))
+    else:
+        parts.append(f"<p>{escape(latency_caveat(header))}</p>")
+        for section in sections:
+            parts += [f"<h2>Task {escape(section.task)}</h2>", f"<p>questions: {escape(section.questions)}</p>",
+                      *_section_html(section, pictures, 3, None)]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"

@@ -58,7 +58,21 @@ def calibration_report(
     }
     if reference is not None:
         report["reference"] = {**run_identity(reference, labels[-1]), **audit["reference"]}
+        _compare_with_reference(report, runs, reference)
     return report
+
+
+def _compare_with_reference(report: dict, runs: Sequence[Run], reference: Run) -> None:
+    """Each run's task-specific comparison with the reference (``Task.reference_comparison``: captions' omission
+    of lost and kept objects beside the reference's), with its meanings among the conventions."""
+    from prune_audit.records.store import RecordStore
+
+    reference_records = RecordStore(reference.path, reference.manifest).read()
+    for entry, run in zip(report["runs"], runs):
+        comparison = run.task.reference_comparison(RecordStore(run.path, run.manifest).read(), reference_records)
+        if comparison is not None:
+            entry["reference_comparison"] = comparison
+            report["conventions"] = {**report["conventions"], **run.task.reference_comparison_meanings}
 
 
 def calibration_files(report: dict, titles: dict[str, str]) -> dict[str, str | bytes]:

@@ -9,7 +9,7 @@ print for the same runs and settings. Columns are described in ``SUMMARY_COLUMNS
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +49,7 @@ metrics of ``metric_table`` marked ``in_study`` come first, in its order."""
 
 SUMMARY_COLUMNS = {
     "run": "run label (selector@budget, dense for the reference)",
+    "task": "the runs' task (prune_audit.tasks; a study of several tasks has one reference per task)",
     "selector": "selector name (dense: unpruned reference)",
     "budget": "requested budget: visual tokens, or a share of each image's tokens (11%); empty for the reference",
     "visual_tokens": "realised visual tokens per question, mean (in-LLM selectors: layer average)",
@@ -64,7 +65,9 @@ SUMMARY_COLUMNS = {
     **{f"mean_{name}": f"mean {name} per question, from the records (docs/compute.md)" for name in COST_MEANS},
     "flops_relative": "mean flops / mean flops_dense: prefill FLOPs relative to the same questions unpruned",
 }
-"""Every fixed summary column and its meaning; ``cascade_cost_eps<e>`` and ``savings_share_eps<e>`` follow."""
+"""Every fixed summary column and its meaning; ``cascade_cost_eps<e>`` and ``savings_share_eps<e>`` follow, then a
+task's own comparison with the dense run (``Task.reference_comparison``: captions' ``omitted_lost``,
+``omitted_lost_reference``, ...; empty in other tasks' rows)."""
 
 
 @dataclass(frozen=True)
@@ -89,11 +92,34 @@ class StudyReports:
     stage: str = FIRST.name
 
 
+def study_tasks(runs_dir: Path, stage: StageChoice = FIRST, order: Sequence[str] = ()) -> dict[str, tuple[Run, list[Run]]]:
+    """Per task (``Run.task``), the reference and the pruned runs among the run folders under ``runs_dir``
+    (``study_runs``); tasks in ``order`` first, then the others sorted by name."""
+    folders = sorted(path for path in Path(runs_dir).iterdir() if (path / MANIFEST_FILE).is_file())
+    by_task: dict[str, list[Run]] = {}
+    for run in (load_run(folder, stage) for folder in folders):
+        by_task.setdefault(run.task.name, []).append(run)
+    if not by_task:
+        raise PruneAuditError(f"{runs_dir} holds no run; a study needs one unpruned reference run (--selector none) "
+                              f"and pruned runs of each task: run the study's commands first")
+    missing = [name for name in order if name not in by_task]
+    if missing:
+        raise PruneAuditError(f"{runs_dir} holds no run of task {missing[0]}; run the study's commands first")
+    names = [*order, *sorted(set(by_task) - set(order))]
+    return {name: _reference_and_pruned(runs_dir, by_task[name], name) for name in names}
+
+
 def study_runs(runs_dir: Path, stage: StageChoice = FIRST) -> tuple[Run, list[Run]]:
     """The reference (no selector) and the pruned runs among the run folders under ``runs_dir``, retention
-    and lost read at ``stage``; an unfinished run is refused."""
-    folders = sorted(path for path in Path(runs_dir).iterdir() if (path / MANIFEST_FILE).is_file())
-    runs = [load_run(folder, stage) for folder in folders]
+    and lost read at ``stage``; an unfinished run is refused, and so are runs of several tasks (``study_tasks``)."""
+    tasks = study_tasks(runs_dir, stage)
+    if len(tasks) > 1:
+        raise PruneAuditError(f"{runs_dir} holds runs of the tasks {', '.join(tasks)}; study them with --tasks")
+    return next(iter(tasks.values()))
+
+
+def _reference_and_pruned(runs_dir: Path, runs: list[Run], task: str) -> tuple[Run, list[Run]]:
+    """The task's one reference and its pruned runs (selector, then budget order); unfinished runs refused."""
     for run in runs:
         done, total = len(run.questions), int(run.manifest.get("num_questions") or len(run.questions))
         if done < total:
@@ -104,11 +130,12 @@ def study_runs(runs_dir: Path, stage: StageChoice = FIRST) -> tuple[Run, list[Ru
     references = [run for run in runs if run.selector == "dense"]
     if len(references) != 1:
         raise PruneAuditError(
-            f"{runs_dir} holds {len(references)} unpruned runs; a study needs exactly one reference (--selector none)"
+            f"{runs_dir} holds {len(references)} unpruned runs of task {task}; a study needs exactly one reference "
+            f"per task (--selector none)"
         )
     pruned = sorted((run for run in runs if run.selector != "dense"), key=lambda run: (run.selector, _budget_order(run.budget)))
     if not pruned:
-        raise PruneAuditError(f"{runs_dir} holds no pruned run; run the study's commands first")
+        raise PruneAuditError(f"{runs_dir} holds no pruned run of task {task}; run the study's commands first")
     return references[0], pruned
 
 
@@ -160,6 +187,7 @@ def summary_rows(reports: StudyReports) -> list[dict]:
         lost, survived = (_estimate(entry, ("survival", group, "count"))[0] for group in ("lost", "survived"))
         row["lost_share"] = lost / (lost + survived) if lost + survived > 0 else math.nan
         row.update(_cascade_columns(cascades.get(entry["label"]), epsilons))
+        row.update(entry.get("reference_comparison", {}))  # the task's own comparison with the reference
         records = RecordStore(run.path, run.manifest).read()
         row["latency_ms"] = float(np.mean(records["latency_ms"].to_numpy()))
         row.update(cost_summary(records))
@@ -171,6 +199,7 @@ def _identity(run: Run, entry: dict) -> dict:
     realised = run.manifest.get("realised_visual_tokens_avg")
     return {
         "run": entry["label"],
+        "task": run.task.name,
         "selector": run.selector,
         "budget": None if run.budget is None else str(run.budget),
         "visual_tokens": math.nan if realised is None else float(realised),
@@ -212,7 +241,8 @@ def summary_files(rows: Sequence[dict]) -> dict[str, bytes | str]:
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    table = pa.Table.from_pylist(list(rows))
+    columns = dict.fromkeys(name for row in rows for name in row)  # a task's own columns: NaN in other rows
+    table = pa.Table.from_pylist([{name: row.get(name, math.nan) for name in columns} for row in rows])
     csv_buffer, parquet_buffer = io.BytesIO(), io.BytesIO()
     pacsv.write_csv(table, csv_buffer)
     pq.write_table(table, parquet_buffer)
@@ -220,27 +250,45 @@ def summary_files(rows: Sequence[dict]) -> dict[str, bytes | str]:
 
 
 
-def study_files(reports: StudyReports, command: str = "") -> dict[str, bytes | str]:
-    """Everything ``study`` writes beside the runs: summary, calibrate/cascade JSON, figures, reports
-    (headed by ``command``, the study command line)."""
+def study_files(by_task: Mapping[str, StudyReports], command: str = "") -> dict[str, bytes | str]:
+    """Everything ``study`` writes beside the runs (headed by ``command``, the study command line): one summary
+    (a row per run, its task column telling the tasks apart), calibrate/cascade JSON and figures per task, and a
+    report with a section per task, showing the metrics that task reports. A study of one task writes its JSON
+    and figures under their plain names; several tasks prefix them with ``<task>_``."""
+    from dataclasses import replace
+
     from prune_audit.analysis.outputs import to_json
-    from prune_audit.analysis.report_html import report_header, report_html, report_markdown
+    from prune_audit.analysis.report_html import TaskSection, question_set, report_header, report_html, report_markdown
     from prune_audit.analysis.study_figures import study_figures
 
-    rows = summary_rows(reports)
-    epsilons = [result["epsilon"] for result in reports.cascade["cascades"][0]["results"]]
-    title = Path(reports.reference.model).name or reports.reference.model
-    pictures = study_figures(rows, reports.calibration, reports.cascade, title)
-    note = settings_note(reports)
-    reference = reports.reference
-    header = report_header(reference.manifest, reference.model_name, len(reference.questions), command)
+    first = next(iter(by_task.values())).reference
+    title = Path(first.model).name or first.model
+    files: dict[str, bytes | str] = {}
+    pictures: dict[str, bytes] = {}
+    sections, every_row = [], []
+    for name, reports in by_task.items():
+        prefix = f"{name}_" if len(by_task) > 1 else ""
+        rows = summary_rows(reports)
+        epsilons = [result["epsilon"] for result in reports.cascade["cascades"][0]["results"]]
+        figure_title = f"{title}, {name}" if prefix else title
+        figures = {f"{prefix}{stem}": data
+                   for stem, data in study_figures(rows, reports.calibration, reports.cascade, figure_title).items()}
+        pictures.update(figures)
+        files.update({f"{prefix}calibration.json": to_json(reports.calibration),
+                      f"{prefix}cascade.json": to_json(reports.cascade), **figures})
+        reference = reports.reference
+        sections.append(TaskSection(name, rows, epsilons, settings_note(reports),
+                                    question_set(reference.manifest, len(reference.questions)),
+                                    reference.task.report_metrics, prefix))
+        every_row += rows
+    header = report_header(first.manifest, first.model_name, len(first.questions), command)
+    if len(by_task) > 1:
+        header = replace(header, questions=f"tasks {', '.join(by_task)} (each task's section names its questions)")
     return {
-        **summary_files(rows),
-        "calibration.json": to_json(reports.calibration),
-        "cascade.json": to_json(reports.cascade),
-        **pictures,
-        "report.md": report_markdown(rows, epsilons, title, note, header),
-        "report.html": report_html(rows, epsilons, title, note, pictures, header),
+        **summary_files(every_row),
+        **files,
+        "report.md": report_markdown(sections, title, header),
+        "report.html": report_html(sections, title, pictures, header),
     }
 
 

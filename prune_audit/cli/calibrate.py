@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -82,11 +84,10 @@ def calibrate(
     if json_output:
         print(to_json(report), end="")
     else:
-        print_calibration_table(report, out)
+        tasks = [run.task for run in [*runs, *([reference_run] if reference_run else [])]]
+        print_calibration_table(report, out, [name for task in tasks for name in task.report_metrics])
 
 
-TABLE_HIDDEN = ("precision", "recall")
-"""Metrics of ``metric_table`` left out of the printed table (in calibration.json and its CSV)."""
 SCALED_ROWS = ("accuracy", "auroc", "ece", "ece_mass", "nll", "brier")
 """Metrics shown before and after temperature scaling (on the test images)."""
 
@@ -105,16 +106,27 @@ def _temperature(fit: dict) -> str:
     return f"{fit['temperature']:.3f}" + (" (at search bound)" if fit["at_bound"] else "")
 
 
+def _number(value: float | int | None) -> str:
+    """A plain number of a task's reference comparison: a count as is, a share with 3 decimals."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:.3f}"
+
+
 def _count(estimate: dict) -> str:
     return "-" if estimate["value"] is None else str(int(estimate["value"]))
 
 
-def print_calibration_table(report: dict, out: Path) -> None:
-    """Runs side by side: overall metrics, temperature scaling on test images, lost objects."""
+def print_calibration_table(report: dict, out: Path, report_metrics: Sequence[str]) -> None:
+    """Runs side by side: overall metrics, temperature scaling on test images, lost objects.
+
+    ``report_metrics``: the metrics the runs' tasks report (``Task.report_metrics``); the table shows those of
+    them that ``analysis.metric_table`` marks ``in_table``.
+    """
     from rich.console import Console
     from rich.table import Table
 
-    from prune_audit.analysis.metric_table import METRICS, metric
+    from prune_audit.analysis.metric_table import metric, reported_metrics
     from prune_audit.analysis.outputs import json_ready
 
     report = json_ready(report)
@@ -123,8 +135,7 @@ def print_calibration_table(report: dict, out: Path) -> None:
     table.add_column("metric")
     for entry in entries:
         table.add_column(entry["label"] + (" (reference)" if entry is report["reference"] else ""))
-    reported = {name for entry in entries for name in entry["metrics"]["all"]}  # a task without yes/no has fewer
-    for row in (shown for shown in METRICS if shown.name not in TABLE_HIDDEN and shown.name in reported):
+    for row in (shown for shown in reported_metrics(report_metrics) if shown.in_table):
         table.add_row(row.label, *(_cell(entry["metrics"]["all"].get(row.name), row.precise) for entry in entries))
     table.add_section()
     table.add_row("temperature T", *(_temperature(entry["temperature"]) for entry in entries))
@@ -149,6 +160,12 @@ def print_calibration_table(report: dict, out: Path) -> None:
             )
             table.add_row(f"{name} minus reference",
                           *(_cell(difference.get(key), metric(key).precise) for difference in differences))
+    compared = [entry.get("reference_comparison") or {} for entry in entries]  # the task's own (captions)
+    names = list(dict.fromkeys(name for comparison in compared for name in comparison))
+    if names:
+        table.add_section()
+        for name in names:
+            table.add_row(name.replace("_", " "), *(_number(comparison.get(name)) for comparison in compared))
     console = Console()
     console.print(table)
     console.print(f"wrote calibration.json, calibration.csv and pictures to {out}")

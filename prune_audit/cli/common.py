@@ -47,7 +47,8 @@ ConfidenceOption = Annotated[
 ]
 QuestionsOption = Annotated[
     Optional[list[Path]],
-    typer.Option(help="The task's question file(s) (any task; --pope names POPE's); repeatable."),
+    typer.Option(help="The task's question file(s) (any task; --pope names POPE's); repeatable. Parquet files of "
+                 "the lmms-eval datasets embed their images: no --images."),
 ]
 SplitOption = Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")]
 ImagesOption = Annotated[Optional[Path], typer.Option(help="Folder with the questions' images.")]

@@ -74,7 +74,7 @@ def import_(
     file = read_kept_sets(kept_sets)
     request = RunRequest(
         model=model or geometry, task=file.task, max_new_tokens=file.header.get("max_new_tokens"),
-        confidence=file.header.get("confidence"), pope=list(pope or questions or []), images=images,
+        confidence=file.header.get("confidence"), question_files=list(pope or questions or []), images=images,
         annotations=annotations, out=out, batch_size=batch_size, device=device, dtype=dtype,
         prompt_template=prompt_template, threads=threads, command=command, kept_sets=file,
         reanswer=model is not None,

@@ -77,7 +77,7 @@ def run(
         raise fail(f"--pope names POPE question files; pass the {task} question files with --questions")
     request = RunRequest(
         model=model, selector=selector, budget=parse_budget(budget), options=list(option or []),
-        pope=list(pope or questions or []), task=task, max_new_tokens=max_new_tokens,
+        question_files=list(pope or questions or []), task=task, max_new_tokens=max_new_tokens,
         confidence=confidence, split=split,
         images=images, annotations=annotations, out=out, limit=limit, batch_size=batch_size, device=device,
         dtype=dtype, seed=seed, shard=parse_shard(shard) if shard else None, prompt_template=prompt_template,

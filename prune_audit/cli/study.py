@@ -8,12 +8,10 @@ from typing import Annotated, Optional
 import typer
 
 from prune_audit.cli.common import (
-    AnnotationsOption,
     ClipTextOption,
     ConfidenceOption,
     DeviceOption,
     DtypeOption,
-    ImagesOption,
     LimitOption,
     MaxNewTokensOption,
     ModelOption,
@@ -39,13 +37,21 @@ def study(
                                           "each once.")] = ",".join(DEFAULT_BUDGETS),
     model: ModelOption = None,
     task: TaskOption = "pope",
+    tasks: Annotated[Optional[str], typer.Option(help="Several tasks, comma-separated (pope,gqa,scienceqa,caption): "
+                                                 "one grid per task under OUT/runs/<task>-<run>, one summary with a task "
+                                                 "column and a report section per task. Name each input's task: "
+                                                 "--questions TASK=FILE, --images TASK=DIR, --annotations TASK=FILE.")]
+    = None,
     pope: PopeOption = None,
     questions: QuestionsOption = None,
     max_new_tokens: MaxNewTokensOption = None,
     confidence: ConfidenceOption = None,
     split: SplitOption = None,
-    images: ImagesOption = None,
-    annotations: AnnotationsOption = None,
+    images: Annotated[Optional[list[Path]], typer.Option(help="Folder with the questions' images (with --tasks: "
+                                                          "TASK=DIR, repeatable).")] = None,
+    annotations: Annotated[Optional[list[Path]], typer.Option(help="Evidence annotations: COCO instances (POPE, "
+                                                              "captions), GQA scene graphs (with --tasks: TASK=FILE, "
+                                                              "repeatable).")] = None,
     out: Annotated[Path, typer.Option(help="Study folder: runs/, summary, reports.")] = Path("study"),
     limit: LimitOption = None,
     batch_size: Annotated[int, typer.Option(help="Questions per forward pass.")] = 16,
@@ -88,16 +94,24 @@ def study(
     from prune_audit.records.stages import parse_stage
     from prune_audit.runner.plan import RunRequest
     from prune_audit.runner.sharding import parse_shard
-    from prune_audit.runner.study.grid import StudyGrid, check_grid, check_stage, parse_budgets, parse_list
+    from prune_audit.runner.study.grid import (
+        StudyGrid,
+        check_grid,
+        check_stage,
+        inputs_by_task,
+        parse_budgets,
+        parse_list,
+        parse_tasks,
+        task_option,
+    )
     from prune_audit.safety.ownership import check_output_dir
 
-    from prune_audit.tasks import get_task
-
-    get_task(task, max_new_tokens, confidence)  # an unknown task or a misplaced option, before anything else
+    names = parse_tasks(task, tasks, max_new_tokens, confidence)  # unknown tasks or misplaced options, first
     if pope and questions:
         raise PruneAuditError("pass the question files once: --pope (POPE) or --questions (any task), not both")
-    if pope and task != "pope":
-        raise PruneAuditError(f"--pope names POPE question files; pass the {task} question files with --questions")
+    if pope and names != ["pope"]:
+        raise PruneAuditError(f"--pope names POPE question files; pass the {', '.join(names)} question files with "
+                              f"--questions")
     targets = parse_epsilons(epsilons, "--epsilons")
     if splits < 1:
         raise PruneAuditError(f"--splits must be at least 1, got {splits}")
@@ -110,39 +124,47 @@ def study(
     )
     check_stage(settings.stage)
     if report:
-        _report(out, settings, force, command)
+        _report(out, settings, force, command, names)
         return
     if not plan:
         check_output_dir(out, "study")
-    grid = StudyGrid(
-        parse_list(selectors, "--selectors"),
-        parse_budgets(budgets),
-        out,
-        RunRequest(
-            model=model, pope=list(pope or questions or []), task=task, max_new_tokens=max_new_tokens,
-            confidence=confidence, split=split, images=images, annotations=annotations, limit=limit,
-            batch_size=batch_size, device=device, dtype=dtype, seed=seed, prompt_template=prompt_template,
-            clip_text=clip_text, threads=threads,
-        ),
-    )
-    check_grid(grid.selectors, grid.budgets)
+    question_files = inputs_by_task(list(pope or questions or []), names, "--questions")
+    folders = inputs_by_task(list(images or []), names, "--images", single=True)
+    evidence = inputs_by_task(list(annotations or []), names, "--annotations", single=True)
+    grids = [
+        StudyGrid(
+            parse_list(selectors, "--selectors"),
+            parse_budgets(budgets),
+            out,
+            RunRequest(
+                model=model, question_files=question_files[name], task=name,
+                max_new_tokens=task_option(name, "max_new_tokens", max_new_tokens),
+                confidence=task_option(name, "confidence", confidence), split=split,
+                images=next(iter(folders[name]), None), annotations=next(iter(evidence[name]), None), limit=limit,
+                batch_size=batch_size, device=device, dtype=dtype, seed=seed, prompt_template=prompt_template,
+                clip_text=clip_text, threads=threads,
+            ),
+            named_by_task=len(names) > 1,
+        )
+        for name in names
+    ]
+    check_grid(grids[0].selectors, grids[0].budgets)
     if plan:
-        _plan(grid, plan_format, plan_file, parse_shard(shard) if shard else None)
+        _plan(grids, plan_format, plan_file, parse_shard(shard) if shard else None)
         return
-    _run_grid(grid, quiet, settings, force, command)
+    _run_grid(grids, quiet, settings, force, command)
 
 
-def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
+def _plan(grids, plan_format: str, plan_file: Path | None, shard) -> None:
     from prune_audit.errors import PruneAuditError
-    from prune_audit.runner.study.execute import plan_grid
     from prune_audit.runner.study.grid import shard_commands
     from prune_audit.runner.study.script import render_plan
 
     if plan_file is not None and plan_file.exists():
         raise PruneAuditError(f"--plan-file {plan_file} exists; pass a new file name")
-    commands = shard_commands([grid.command(cell) for cell in grid.cells], shard)
-    text = render_plan(commands, plan_format, grid.out)
-    plan_grid(grid)  # the checks the study makes before running (budgets against the model's tokens, run folders)
+    commands = shard_commands([grid.command(cell) for grid in grids for cell in grid.cells], shard)
+    text = render_plan(commands, plan_format, grids[0].out)
+    _plan_grids(grids)  # the checks the study makes before running (budgets against the model's tokens, run folders)
     if plan_file is None:
         print(text, end="")
         return
@@ -153,15 +175,25 @@ def _plan(grid, plan_format: str, plan_file: Path | None, shard) -> None:
     print(f"wrote {len(commands)} run commands to {plan_file}")
 
 
-def _run_grid(grid, quiet: bool, settings, force: bool, command: str) -> None:
-    """Run every cell of the grid, then write the report, holding OUT throughout."""
+def _plan_grids(grids) -> list:
+    """Every task's grid planned on one loaded model, (grid, plans) per task."""
     from prune_audit.runner.study.execute import plan_grid
+
+    planned = []
+    for grid in grids:
+        planned.append((grid, plan_grid(grid, planned[0][1][0].vlm if planned else None)))
+    return planned
+
+
+def _run_grid(grids, quiet: bool, settings, force: bool, command: str) -> None:
+    """Run every cell of every task's grid, then write the report, holding OUT throughout."""
     from prune_audit.safety.ownership import hold_output_dir
 
-    plans = plan_grid(grid)  # every input checked before the study writes anything
-    with hold_output_dir(grid.out, "study"):
-        _answer_grid(grid, plans, quiet)
-        _write_report(grid.out, settings, force, command)
+    planned = _plan_grids(grids)  # every input of every task checked before the study writes anything
+    with hold_output_dir(grids[0].out, "study"):
+        for grid, plans in planned:
+            _answer_grid(grid, plans, quiet)
+        _write_report(grids[0].out, settings, force, command, [grid.base.task for grid in grids])
 
 
 def _answer_grid(grid, plans, quiet: bool) -> None:
@@ -188,7 +220,7 @@ def _answer_grid(grid, plans, quiet: bool) -> None:
     print(f"{len(outcomes)} runs under {grid.out / 'runs'} ({', '.join(filter(None, counts))})")
 
 
-def _report(out: Path, settings, force: bool, command: str) -> None:
+def _report(out: Path, settings, force: bool, command: str, tasks: list[str]) -> None:
     """``--report``: the summary and report of the runs already in OUT/runs."""
     from prune_audit.runner.study.execute import check_study_folder
     from prune_audit.safety.ownership import check_output_dir, hold_output_dir
@@ -196,19 +228,25 @@ def _report(out: Path, settings, force: bool, command: str) -> None:
     check_output_dir(out, "study")
     check_study_folder(out)
     with hold_output_dir(out, "study"):
-        _write_report(out, settings, force, command)
+        _write_report(out, settings, force, command, tasks)
 
 
-def _write_report(out: Path, settings, force: bool, command: str) -> None:
+def _write_report(out: Path, settings, force: bool, command: str, tasks: list[str]) -> None:
+    """The summary and report of the ``tasks`` runs under OUT/runs (a study of one task reads every run there)."""
     from prune_audit.analysis.outputs import write_files
-    from prune_audit.analysis.study import study_files, study_reports, study_runs
+    from prune_audit.analysis.study import study_files, study_reports, study_runs, study_tasks
     from prune_audit.runner.study.grid import RUNS_FOLDER
 
-    reference, runs = study_runs(out / RUNS_FOLDER, settings.stage)
-    reports = study_reports(reference, runs, settings, force)
-    dropped = sorted(set(settings.epsilons) - {r["epsilon"] for r in reports.cascade["cascades"][0]["results"]})
-    if dropped:
-        print(f"note: epsilon {', '.join(f'{e:g}' for e in dropped)} below 1/(n+1) for these images; left out")
+    runs_dir = out / RUNS_FOLDER
+    by_task = study_tasks(runs_dir, settings.stage, tasks) if len(tasks) > 1 else {
+        tasks[0]: study_runs(runs_dir, settings.stage)}
+    reports = {name: study_reports(reference, runs, settings, force) for name, (reference, runs) in by_task.items()}
+    for name, task_reports in reports.items():
+        feasible = {r["epsilon"] for r in task_reports.cascade["cascades"][0]["results"]}
+        dropped = sorted(set(settings.epsilons) - feasible)
+        if dropped:
+            print(f"note: epsilon {', '.join(f'{e:g}' for e in dropped)} below 1/(n+1) for the {name} images; "
+                  f"left out")
     write_files(out, study_files(reports, command))  # no settings recorded: the report is rebuilt with those given
     print((out / "report.md").read_text(encoding="utf-8").split("\n## Findings")[0])
     print(f"wrote summary.csv, summary.parquet, report.md and report.html to {out}")

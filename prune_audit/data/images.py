@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from prune_audit.errors import PruneAuditError
 
@@ -70,12 +70,24 @@ def to_rgb(image: Any, path: str | Path) -> Any:
 
 def open_rgb(path: str | Path) -> Any:
     """The image at ``path`` decoded as an 8-bit RGB ``PIL.Image``; problems raise PruneAuditError."""
+    return _decode_rgb(path, path)
+
+
+def decode_rgb(data: bytes, name: str) -> Any:
+    """Image bytes embedded in a question file (``name`` for messages) decoded as ``open_rgb`` decodes a file."""
+    import io
+
+    return _decode_rgb(io.BytesIO(data), name)
+
+
+def _decode_rgb(source: str | Path | BinaryIO, path: str | Path) -> Any:
+    """``source`` (a file or its bytes, named ``path`` in messages) as 8-bit RGB, one-line errors."""
     from PIL import Image, UnidentifiedImageError
 
     default = Image.MAX_IMAGE_PIXELS
     Image.MAX_IMAGE_PIXELS = _pixel_limit(default)
     try:
-        with Image.open(path) as image:
+        with Image.open(source) as image:
             image.load()
             return to_rgb(image, path)
     except PruneAuditError:

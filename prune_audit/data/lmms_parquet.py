@@ -57,16 +57,23 @@ def _paths(paths: Paths) -> list[Path]:
     return listed
 
 
-def read_rows(path: Path, columns: Sequence[str], layout: str) -> list[dict[str, Any]]:
-    """The rows of ``path`` as dicts; a file that is not Parquet or lacks a column is one line naming it."""
+def column_names(path: Path, layout: str) -> list[str]:
+    """The column names of the Parquet file ``path``; a file that is not Parquet is one line naming it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        schema = pq.read_schema(path)
+        return list(pq.read_schema(path).names)
     except (OSError, pa.ArrowException) as error:
         raise PruneAuditError(f"{path}: not a readable Parquet file ({error}); pass the {layout} files") from None
-    missing = [column for column in columns if column not in schema.names]
+
+
+def read_rows(path: Path, columns: Sequence[str], layout: str) -> list[dict[str, Any]]:
+    """The rows of ``path`` as dicts; a file that is not Parquet or lacks a column is one line naming it."""
+    import pyarrow.parquet as pq
+
+    names = column_names(path, layout)
+    missing = [column for column in columns if column not in names]
     if missing:
         raise PruneAuditError(
             f"{path}: no column {', '.join(missing)}; expected the {layout} layout ({', '.join(columns)})"
@@ -203,6 +210,19 @@ def read_gqa_parquet(instructions: Paths, images: Paths) -> ParquetQuestions[Gqa
         repeated = next(i for n, i in enumerate(ids) if i in ids[:n])
         raise PruneAuditError(f"question {repeated} repeats; pass each instructions file once")
     return result
+
+
+def read_gqa_parquet_files(paths: Paths) -> ParquetQuestions[GqaQuestion]:
+    """lmms-lab/GQA's files given together, in any order: each file with an ``imageId`` column is an
+    ``*_instructions`` file, every other one an ``*_images`` file (``read_gqa_parquet`` joins them)."""
+    instructions, images = [], []
+    for path in _paths(paths):
+        (instructions if "imageId" in column_names(path, "lmms-lab/GQA") else images).append(path)
+    if not instructions or not images:
+        missing = "*_instructions (questions)" if not instructions else "*_images"
+        raise PruneAuditError(f"no lmms-lab/GQA {missing} Parquet file among the question files; pass both the "
+                              f"*_instructions and the *_images files of the split")
+    return read_gqa_parquet(instructions, images)
 
 
 def _scienceqa_row(row: dict[str, Any], where: str, index: int) -> tuple[ScienceQaQuestion, bytes | None]:

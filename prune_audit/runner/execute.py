@@ -20,6 +20,7 @@ from prune_audit.compute.budget import resolve_budget
 from prune_audit.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from prune_audit.records.store import RecordStore, check_run_layout
 from prune_audit.runner.build import AnsweredQuestion, build_records, question_evidence
+from prune_audit.runner.embedded import write_embedded_images
 from prune_audit.runner.plan import RunPlan, prepare_question
 from prune_audit.runner.safeguards import check_same_run, hold_run_dir
 from prune_audit.runner.sharding import ProcessGroup, shard_questions
@@ -111,13 +112,16 @@ def _finish_manifest(plan: RunPlan, records: pa.Table) -> None:
 
 
 def _prepare_run_dir(plan: RunPlan) -> None:
-    """Check the manifest of a resumed run, else write it before the first record (under the lock)."""
+    """Check the manifest of a resumed run, else write it before the first record (under the lock); then the
+    images embedded in Parquet question files (``runner.embedded``), which the run reads from its folder."""
     check_run_layout(plan.run_dir)
     if (plan.run_dir / MANIFEST_FILE).is_file():
         check_resume(plan)
-        return
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
-    write_manifest(plan.run_dir, plan.manifest)
+    else:
+        plan.run_dir.mkdir(parents=True, exist_ok=True)
+        write_manifest(plan.run_dir, plan.manifest)
+    if plan.embedded_images is not None:
+        write_embedded_images(plan.embedded_images, plan.image_paths)
 
 
 def check_resume(plan: RunPlan) -> None:

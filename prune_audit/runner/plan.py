@@ -40,7 +40,7 @@ class RunRequest:
     selector: str = "none"
     budget: int | str | None = None  # tokens, or "all"
     options: list[str] = field(default_factory=list)  # KEY=VALUE strings
-    pope: list[Path] = field(default_factory=list)  # the task's question files (--pope, or --questions)
+    question_files: list[Path] = field(default_factory=list)  # the task's question files (--pope, or --questions)
     task: str = "pope"
     max_new_tokens: int | None = None  # generating tasks only; None: the task's default
     confidence: str | None = None  # generating tasks only (Task.confidences); None: the task's default
@@ -80,6 +80,7 @@ class RunPlan:
     shard: Shard | None
     launched: bool = False
     imported: ImportedAnswers | None = None
+    embedded_images: dict[str, bytes] | None = None  # images of Parquet question files (runner.embedded), by name
 
 
 
@@ -102,18 +103,24 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     task = get_task(request.task, request.max_new_tokens, request.confidence)
     _resolve_demo_defaults(request)
     selector, budget = _make_selector(request)
-    questions = _load_questions(task, request)
+    questions, embedded = _load_questions(task, request)
     if request.kept_sets is not None:
         from prune_audit.runner.imported import restrict_questions
 
         questions = restrict_questions(request.kept_sets, questions)
-    image_paths, image_sizes = _check_images(request, questions)
+    run_dir = _run_dir(request, selector)
+    if embedded is None:
+        image_paths, image_sizes = _check_images(request, questions)
+    else:
+        from prune_audit.runner.embedded import EMBEDDED_IMAGES, check_embedded_images
+
+        image_paths, image_sizes = check_embedded_images(request.images, embedded, questions, run_dir)
+        request.images = run_dir / EMBEDDED_IMAGES
     evidence = task.load_evidence(Path(request.annotations), questions) if request.annotations is not None else None
     image_ids = _image_ids(task, questions, evidence)
     if evidence is not None:
         for name, path in image_paths.items():
             evidence.check_image_size(name, image_sizes[name], path)
-    run_dir = _run_dir(request, selector)
     check_output_dir(run_dir, "run")
     check_run_layout(run_dir)
     check_writable(run_dir)
@@ -134,20 +141,20 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
         vlm.check_selector(selector)
     for mode in dict.fromkeys(task.answer_mode(question) for question in questions):
         vlm.check_answer_mode(mode)
-    first = _prepare_first(vlm, questions[0], image_paths)
+    first = _prepare_first(vlm, questions[0], image_paths, embedded)
     budget = resolve_budget(budget, first.num_visual)
     manifest = _manifest(request, task, vlm, selector, budget, questions, first)
     imported = _imported(request, vlm, task, questions, image_paths, manifest)
     if budget_share(request.budget) is not None:  # each image gets its share; the schedule above is the first's
         manifest["budget"] = request.budget
     manifest["threads"] = threads
-    pin_inputs(manifest, str(request.model), Path(request.images), image_paths)
+    pin_inputs(manifest, str(request.model), Path(request.images), image_paths, embedded)
     manifest["run_id"] = run_id_of(manifest)
     check_resumable(run_dir, manifest)
     check_recorded(run_dir, manifest, questions)
     shard = request.shard or launched
     return RunPlan(request, task, questions, image_paths, image_ids, selector, budget, vlm, evidence, run_dir,
-                   manifest, shard, launched is not None, imported)
+                   manifest, shard, launched is not None, imported, embedded)
 
 
 def _imported(request: RunRequest, vlm: VisionLanguageModel, task: Task, questions: Sequence[TaskQuestion],
@@ -190,23 +197,25 @@ def check_recorded(run_dir: Path, manifest: dict[str, Any], questions: Sequence[
         )
 
 
-def _prepare_first(vlm: VisionLanguageModel, question: TaskQuestion, image_paths: dict[str, Path]) -> Prepared:
+def _prepare_first(vlm: VisionLanguageModel, question: TaskQuestion, image_paths: dict[str, Path],
+                   embedded: dict[str, bytes] | None) -> Prepared:
     """The first question prepared: its token grid and geometry describe the run in the manifest."""
-    return prepare_question(vlm, image_paths[question.image], question.text)
+    return prepare_question(vlm, image_paths[question.image], question.text, (embedded or {}).get(question.image))
 
 
-def prepare_question(vlm: VisionLanguageModel, image_path: Path, text: str) -> Prepared:
-    """The model's ``Prepared`` prompt for one image file (as RGB) and question text."""
-    from prune_audit.data.images import open_rgb
+def prepare_question(vlm: VisionLanguageModel, image_path: Path, text: str, data: bytes | None = None) -> Prepared:
+    """The model's ``Prepared`` prompt for one image file (as RGB) and question text; ``data``: the image's bytes
+    when they are embedded in the question files and not yet written to ``image_path`` (``runner.embedded``)."""
+    from prune_audit.data.images import decode_rgb, open_rgb
 
-    return vlm.prepare(open_rgb(image_path), text)
+    return vlm.prepare(open_rgb(image_path) if data is None else decode_rgb(data, str(image_path)), text)
 
 
 def _resolve_demo_defaults(request: RunRequest) -> None:
     from prune_audit.demo.assets import demo_assets, is_demo_name
 
     named_demo = is_demo_name(request.model)
-    if request.model is not None and not named_demo and request.pope:
+    if request.model is not None and not named_demo and request.question_files:
         return
     geometry_only = request.kept_sets is not None and not request.reanswer  # import's --geometry is never run
     if request.model is not None and not named_demo and not geometry_only:
@@ -214,11 +223,11 @@ def _resolve_demo_defaults(request: RunRequest) -> None:
                               "--images DIR (and --annotations FILE for retention)")
     demo = demo_assets(name=request.model if named_demo else "demo")
     request.model = request.model if request.model is not None and not named_demo else str(demo.model_dir)
-    if not request.pope and request.task != "pope":
+    if not request.question_files and request.task != "pope":
         raise PruneAuditError(f"the bundled demo has no {request.task} questions yet; pass --questions FILE... with "
                               f"--images DIR")
-    if not request.pope:
-        request.pope = list(demo.pope_files)
+    if not request.question_files:
+        request.question_files = list(demo.pope_files)
         request.images = request.images or demo.images_dir
         request.annotations = request.annotations or demo.annotations
 
@@ -234,15 +243,16 @@ def _make_selector(request: RunRequest) -> tuple[Selector | None, int | str | No
     return selector, request.budget  # its domain: check_run_options
 
 
-def _load_questions(task: Task, request: RunRequest) -> list[TaskQuestion]:
+def _load_questions(task: Task, request: RunRequest) -> tuple[list[TaskQuestion], dict[str, bytes] | None]:
+    """The run's questions, and the images its Parquet question files embed (``Task.load_questions``)."""
     if request.split not in (None, "all", *task.splits):
         if not task.splits:
             raise PruneAuditError(f"task {task.name} has no splits; drop --split {request.split}")
         raise PruneAuditError(f"--split must be one of {', '.join(task.splits)} or all, got {request.split!r}")
-    for path in request.pope:
+    for path in request.question_files:
         if not Path(path).is_file():
             raise PruneAuditError(f"question file not found: {path}; pass an existing {task.name} question file")
-    questions = task.read_questions([Path(path) for path in request.pope])
+    questions, embedded = task.load_questions([Path(path) for path in request.question_files])
     if request.split not in (None, "all"):
         questions = [q for q in questions if q.split == request.split]
     keys = [(q.split, q.question_id) for q in questions]
@@ -255,7 +265,7 @@ def _load_questions(task: Task, request: RunRequest) -> list[TaskQuestion]:
         questions = questions[: request.limit]
     if not questions:
         raise PruneAuditError("no questions to run; check the question files and --split")
-    return questions
+    return questions, embedded
 
 
 def _check_images(
@@ -357,7 +367,7 @@ def _manifest(
     manifest["processor"] = {**manifest.get("processor", {}), "first_image": first.geometry.to_dict()}
     manifest["selector"] = _selector_description(selector, budget, vlm, first.num_visual)
     manifest["budget"] = budget
-    manifest["question_files"] = [{"path": str(p), "sha256": file_sha256(p)} for p in request.pope]
+    manifest["question_files"] = [{"path": str(p), "sha256": file_sha256(p)} for p in request.question_files]
     manifest["annotations"] = (
         {"path": str(request.annotations), "sha256": file_sha256(request.annotations)} if request.annotations else None
     )

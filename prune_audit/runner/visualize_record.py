@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
@@ -19,10 +21,8 @@ from prune_audit.runner.visualize import (
     FIGURES_DIR,
     DrawnFigure,
     PanelAnswer,
-    load_annotations,
     load_rgb,
     merged_cells,
-    object_mask,
     output_path,
     stage_labels,
 )
@@ -52,11 +52,7 @@ def visualize_record(
     geometry = TokenGeometry(**json.loads(row["geometry"]))
     image = _run_image(manifest, row["image"], run_dir)
     pixels = load_rgb(image)
-    annotations = manifest.get("annotations") or {}
-    mask = None
-    if annotations.get("path") and row["label"] == "yes":
-        coco = load_annotations(_pinned_input(Path(annotations["path"]), annotations.get("sha256"), run_dir))
-        mask = object_mask(coco, image, pixels, row["object"])
+    mask, missing = _evidence_mask(manifest, row, image, pixels, run_dir)
     stages = [list(k) for k in row["kept_stages"]]
     merged = row["merged_stages"]
     level = manifest["selector"]["stage"]
@@ -75,7 +71,28 @@ def visualize_record(
     suptitle = f"{Path(manifest['model']['id']).name} | {about} ({row['split']} #{question_id})"
     path = draw_panels(pixels, [panel], out, suptitle=suptitle)
     question = f"{row['split']} #{question_id} about {about} ({truth})"
-    return DrawnFigure(path, question, (PanelAnswer(title, row["answer_text"], row["confidence"]),))
+    return DrawnFigure(path, question, (PanelAnswer(title, row["answer_text"], row["confidence"]),),
+                       notes=(missing,) if missing else ())
+
+
+def _evidence_mask(
+    manifest: dict[str, Any], row: dict[str, Any], image: Path, pixels: np.ndarray, run_dir: Path
+) -> tuple[np.ndarray | None, str | None]:
+    """The recorded question's evidence region, (height, width) bool, from the run's pinned annotations by its task
+    (``Evidence.record_mask``: POPE's object, GQA's scene-graph boxes, a caption's annotated objects), or None and
+    the reason the figure has none."""
+    from prune_audit.tasks import manifest_task
+
+    task = manifest_task(manifest)
+    annotations = manifest.get("annotations") or {}
+    if not task.names_evidence:
+        return None, f"no evidence mask: {task.name} questions name no image region"
+    if not annotations.get("path"):
+        return None, "no evidence mask: the run was made without --annotations"
+    evidence = task.load_evidence(_pinned_input(Path(annotations["path"]), annotations.get("sha256"), run_dir), [])
+    evidence.check_image_size(row["image"], (pixels.shape[1], pixels.shape[0]), image)
+    mask = evidence.record_mask(row)
+    return mask, None if mask is not None else f"no evidence mask: this question names no region ({task.evidence_noun})"
 
 
 def _question_words(row: dict[str, Any]) -> tuple[str, str]:

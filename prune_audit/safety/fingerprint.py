@@ -130,6 +130,12 @@ def images_fingerprint(paths: Mapping[str, Path], cache_file: str | Path | None 
     return {"sha256": combined_sha256(files), "count": len(files), "files": files}
 
 
+def embedded_fingerprint(images: Mapping[str, bytes]) -> dict[str, Any]:
+    """``images_fingerprint`` of images embedded in the question files (name -> bytes), hashed from the bytes."""
+    files = {name: hashlib.sha256(data).hexdigest() for name, data in images.items()}
+    return {"sha256": combined_sha256(files), "count": len(files), "files": files}
+
+
 def combined_sha256(files: Mapping[str, str]) -> str:
     """One sha256 over ``name -> file sha256`` pairs, independent of their order."""
     digest = hashlib.sha256()

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from prune_audit.data.geometry import TokenGeometry
+    from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
     from prune_audit.answer_modes import AnswerMode, Reduction
 
@@ -89,6 +90,12 @@ class Evidence(Protocol):
         """Each object of the evidence region on its own, (name, area), for the per-object lost column."""
         ...
 
+    def record_mask(self, record: dict[str, Any]) -> np.ndarray | None:
+        """A recorded question's evidence region in image pixels, (height, width) bool, from its record (``image``,
+        ``image_id``, ``evidence_objects`` and the task's own columns; ``visualize --run`` draws it); None when the
+        question has none."""
+        ...
+
 
 class Task(ABC):
     """One kind of question (POPE yes/no, short answers, multiple choice, captions).
@@ -100,6 +107,7 @@ class Task(ABC):
         confidence_definition: what the ``confidence`` column holds, in words.
         evidence_definition: which image region counts as the question's evidence, in words.
         evidence_noun: the evidence regions as the run summary names them.
+        names_evidence: whether its questions name image regions at all (``--annotations``).
         splits: the values ``--split`` may take besides ``all`` (empty: the task has no splits).
         report_metrics: names of the metrics (``analysis.metric_table``) its reports show; POPE's answer scores
             (precision, recall, F1, yes ratio) need a yes/no answer.
@@ -131,6 +139,8 @@ class Task(ABC):
     confidence_definition: ClassVar[str] = ""
     evidence_definition: ClassVar[str] = ""
     evidence_noun: ClassVar[str] = "the evidence regions"
+    names_evidence: ClassVar[bool] = True
+    """Whether the task's questions name image regions (``load_evidence``); ScienceQA's do not."""
     splits: ClassVar[tuple[str, ...]] = ()
     report_metrics: ClassVar[tuple[str, ...]] = ()
 
@@ -139,6 +149,26 @@ class Task(ABC):
         """Every question of the run's question files (``--pope`` / ``--questions``, in the order given),
         validated; a PruneAuditError naming file and entry otherwise. Files another file refers to are
         read together (GQA: LLaVA's question file and GQA's question JSON)."""
+
+    parquet_layout: ClassVar[str | None] = None
+    """The lmms-eval dataset whose Parquet files (questions plus embedded images) the task reads; None: none."""
+
+    def read_parquet(self, paths: Sequence[Path]) -> ParquetQuestions[TaskQuestion]:
+        """Every question of ``parquet_layout``'s Parquet files, validated, with the image bytes they embed."""
+        raise PruneAuditError(f"task {self.name} reads no Parquet question files; pass its question files with "
+                              f"--images DIR")
+
+    def load_questions(self, paths: Sequence[Path]) -> tuple[list[TaskQuestion], dict[str, bytes] | None]:
+        """The questions of the run's question files and, for Parquet files (``.parquet``: ``read_parquet``), the
+        images they embed by name (None for the task's own files, whose images lie in ``--images``)."""
+        parquet = [path for path in paths if path.suffix == ".parquet"]
+        if not parquet:
+            return self.read_questions(paths), None
+        if len(parquet) != len(paths):
+            raise PruneAuditError("pass either Parquet question files (images embedded) or the task's own question "
+                                  "files, not both")
+        loaded = self.read_parquet(paths)
+        return loaded.questions, loaded.images
 
     def check_questions(self, questions: Sequence[TaskQuestion]) -> None:
         """Refuse a question list the task cannot score (for instance, questions without references)."""
@@ -185,6 +215,15 @@ class Task(ABC):
             logit = np.clip(np.log(confidence) - np.log1p(-confidence), -LOGIT_LIMIT, LOGIT_LIMIT)
         return {"label_yes": correct, "answer_yes": np.ones_like(correct), "p_yes": confidence, "logit_diff": logit,
                 "answer": self.comparable_answers(records), "top_label": True}
+
+    reference_comparison_meanings: ClassVar[dict[str, str]] = {}
+    """Name -> meaning of each number of ``reference_comparison`` (written into calibration.json)."""
+
+    def reference_comparison(self, records: pa.Table, reference: pa.Table) -> dict[str, float | int] | None:
+        """The task's own comparison of a run's records with a reference run's on the same questions (``calibrate
+        --reference``; a study's pruned runs against its dense run), name -> value as declared in
+        ``reference_comparison_meanings``; None for a task without one."""
+        return None
 
     def summary_rows(self, records: pa.Table) -> list[tuple[str, str]]:
         """The task's own lines of the run summary (name, formatted value), after the common ones."""

@@ -14,12 +14,18 @@ CHAIR-s's complement: the caption mentions no absent object. Confidence is the l
 probability of the caption (geometric mean of its tokens' probabilities, ``mean_token_prob``): the
 product over hundreds of tokens underflows towards 0 for every caption; the product is recorded too.
 The run summary adds CHAIR-s, object recall and the omission rate among the objects the first stage lost
-against those it kept (``omission_by_fate``).
+against those it kept (``omission_by_fate``). Against the dense run on the same images (``calibrate
+--reference DENSE``, and the study, which pairs its dense run with each pruned one), the omission rates
+of the lost and of the kept objects stand beside the dense model's omission rates of the same objects
+(``paired_omission_by_fate``; calibration.json ``reference_comparison``, the summary's ``omitted_lost``,
+``omitted_lost_reference``, ``omitted_kept``, ``omitted_kept_reference`` and a finding of the report): an
+object the pruned model omits because its tokens were lost shows as a gap the dense model does not have.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -84,18 +90,41 @@ class CaptionEvidence(CocoEvidence):
         return [(name, self.category_area(image_id, name, geometry)) for name in question.caption.objects]
 
 
+def _objects_by_fate(rows: Sequence[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], str, str]]:
+    """(row, object name, "lost" or "kept") for each annotated object of each record whose first-stage fate is
+    known (records' ``evidence_objects`` and ``evidence_objects_lost``; objects without pixels left out)."""
+    for row in rows:
+        for name, lost in zip(row["evidence_objects"], row["evidence_objects_lost"]):
+            if lost is not None:
+                yield row, name, "lost" if lost else "kept"
+
+
 def omission_by_fate(rows: Sequence[dict[str, Any]]) -> dict[str, tuple[int, int]]:
     """(objects, omitted) among the annotated objects the first stage ``lost`` and those it ``kept``
     (records' ``evidence_objects``, ``evidence_objects_lost`` and ``omitted``; objects without pixels left out)."""
     counts = {"lost": [0, 0], "kept": [0, 0]}
-    for row in rows:
-        for name, lost in zip(row["evidence_objects"], row["evidence_objects_lost"]):
-            if lost is None:
-                continue
-            tally = counts["lost" if lost else "kept"]
-            tally[0] += 1
-            tally[1] += name in row["omitted"]
+    for row, name, fate in _objects_by_fate(rows):
+        counts[fate][0] += 1
+        counts[fate][1] += name in row["omitted"]
     return {fate: (objects, omitted) for fate, (objects, omitted) in counts.items()}
+
+
+def paired_omission_by_fate(rows: Sequence[dict[str, Any]], reference_rows: Sequence[dict[str, Any]]
+                            ) -> dict[str, tuple[int, int, int]]:
+    """(objects, omitted by the run, omitted by the reference) among the annotated objects the run's first stage
+    ``lost`` and those it ``kept``, over the images both runs captioned (records keyed by ``split`` and
+    ``question_id``): the same objects in the same images, pruned against the reference's captions."""
+    reference_omitted = {(row["split"], row["question_id"]): set(row["omitted"]) for row in reference_rows}
+    counts = {"lost": [0, 0, 0], "kept": [0, 0, 0]}
+    for row, name, fate in _objects_by_fate(rows):
+        omitted_there = reference_omitted.get((row["split"], row["question_id"]))
+        if omitted_there is None:
+            continue
+        tally = counts[fate]
+        tally[0] += 1
+        tally[1] += name in row["omitted"]
+        tally[2] += name in omitted_there
+    return {fate: (objects, run, reference) for fate, (objects, run, reference) in counts.items()}
 
 
 def _is_instances(data: Any) -> bool:
@@ -171,6 +200,28 @@ class CaptionTask(Task):
                           f"{missed / count:.4f} of {count}" if count else "- of 0"))
         return lines
 
+    reference_comparison_meanings = {
+        "objects_lost": "annotated objects the run's first stage lost (no token kept), on images both runs captioned",
+        "omitted_lost": "share of those objects the run's captions omit",
+        "omitted_lost_reference": "share of the same objects (same images) the reference's captions omit",
+        "objects_kept": "annotated objects the run's first stage kept (a token or more), on the same images",
+        "omitted_kept": "share of those objects the run's captions omit",
+        "omitted_kept_reference": "share of the same objects the reference's captions omit",
+    }
+
+    def reference_comparison(self, records: pa.Table, reference: pa.Table) -> dict[str, float | int]:
+        """The omission rate of lost and of kept objects, the run's captions beside the reference's on the same
+        objects (``paired_omission_by_fate``): does pruning omit what it lost, beyond what the dense model omits?"""
+        columns = ["split", "question_id", "evidence_objects", "evidence_objects_lost", "omitted"]
+        counts = paired_omission_by_fate(records.select(columns).to_pylist(),
+                                         reference.select(["split", "question_id", "omitted"]).to_pylist())
+        comparison: dict[str, float | int] = {}
+        for fate, (objects, run, dense) in counts.items():
+            comparison[f"objects_{fate}"] = objects
+            comparison[f"omitted_{fate}"] = run / objects if objects else math.nan
+            comparison[f"omitted_{fate}_reference"] = dense / objects if objects else math.nan
+        return comparison
+
     def image_id(self, question: CaptionTaskQuestion) -> int:
         return question.question_id
 
@@ -185,4 +236,4 @@ class CaptionTask(Task):
         return CaptionEvidence(coco)
 
 
-__all__ = ["CaptionEvidence", "CaptionTask", "CaptionTaskQuestion", "omission_by_fate"]
+__all__ = ["CaptionEvidence", "CaptionTask", "CaptionTaskQuestion", "omission_by_fate", "paired_omission_by_fate"]

@@ -29,7 +29,13 @@ prune-audit run --task scienceqa --model M --questions llava_test_CQM-A.json --i
 prune-audit run --task caption --model M --questions instances_val2014.json [--questions captions_val2014.json] \\
     --annotations instances_val2014.json --images val2014 --limit 500
 prune-audit score --task gqa answers.jsonl --questions testdev_balanced_questions.json   # released answers
+prune-audit run --task scienceqa --model M --questions ScienceQA-IMG/test-00000-of-00001.parquet  # lmms-eval files
 ```
+
+Question files in the Parquet layout of the lmms-eval datasets (`.parquet`; see each task's "Parquet files")
+embed their images, so they need no `--images`: every embedded image the run uses is decoded before anything
+is written, the run writes them to `RUN_DIR/images/` (its manifest's images folder, pinned by their sha256,
+read again by `visualize --run` and `intervene`), and a run reads either Parquet files or the task's own files.
 
 Plug-in tasks: a `prune_audit.tasks.Task` subclass exposed under the entry-point group `prune_audit.tasks`
 registers under the entry point's name, as selectors do under `prune_audit.selectors`. Its records hold the
@@ -40,7 +46,9 @@ answer is analysed through its top-label confidence: the event "the answer is co
 `confidence`, so ECE, AUROC and AURC are as for POPE, Brier and NLL are the top-label ones, temperature scaling
 rescales the confidence's logit (the answer never changes), POPE's precision, recall, F1 and yes ratio are left
 out, and a cascade's disagreement compares answers as the task normalises them (GQA: LLaVA's rule).
-`study --task NAME --questions FILE...` runs a selector x budget grid of any one task.
+`study --task NAME --questions FILE...` runs a selector x budget grid of any one task; `study --tasks
+pope,gqa,scienceqa,caption --questions TASK=FILE...` runs one grid per task, with a summary row per run (its
+`task` column) and a report section per task showing that task's report metrics.
 """
 
 
@@ -67,6 +75,7 @@ def tasks_markdown() -> str:
             f"- evidence: {task.evidence_definition}",
             f"- splits: {', '.join(task.splits) if task.splits else 'none (records use the split ' + repr(name) + ')'}",
             f"- report metrics: {', '.join(task.report_metrics)}",
+            f"- Parquet files: {task.parquet_layout or 'none'}",
             "",
             _details(task),
             "",

@@ -7,7 +7,9 @@ The masks are decoded once per (image, category, geometry) by ``data.retention.O
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.retention import ObjectArea, ObjectAreaCache
@@ -32,6 +34,14 @@ class CocoEvidence:
     def category_area(self, image_id: int, category: str, geometry: TokenGeometry) -> ObjectArea:
         """The union mask of ``category`` in the image, under ``geometry``."""
         return self._areas.get(image_id, category, geometry)
+
+    def record_mask(self, record: dict[str, Any]) -> np.ndarray | None:
+        """(height, width) bool: the union of the masks of the record's ``evidence_objects`` (POPE: the queried
+        object of a yes question; captions: every annotated object); None when it names none."""
+        names = record["evidence_objects"]
+        if not names:
+            return None
+        return np.logical_or.reduce([self.coco.category_mask(record["image_id"], name) for name in names])
 
 
 __all__ = ["CocoEvidence"]

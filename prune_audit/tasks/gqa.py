@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from prune_audit.data.geometry import TokenGeometry
+    from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
     from prune_audit.answer_modes import Generation
 
@@ -108,6 +109,18 @@ class SceneGraphEvidence:
 
         return object_area(evidence_mask(question.gqa, self.graphs[question.gqa.image_id]), geometry)
 
+    def record_mask(self, record: dict[str, Any]) -> np.ndarray | None:
+        """(height, width) bool: the union of the boxes of the record's ``evidence_object_ids`` in its image's scene
+        graph; None when the annotations named no object."""
+        graph = self.graphs.get(Path(record["image"]).stem)
+        unknown = [i for i in record["evidence_object_ids"] if graph is None or i not in graph.objects]
+        if unknown:
+            raise PruneAuditError(f"object {unknown[0]} of question {record['question_id']} is not in the scene graphs "
+                                  f"of {record['image']}; restore the run's --annotations file")
+        if not record["evidence_object_ids"]:
+            return None
+        return np.logical_or.reduce([box_mask(graph.objects[i], graph) for i in record["evidence_object_ids"]])
+
     def objects(self, question: GqaTaskQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
         """Each annotated object's box on its own, named by its scene-graph name."""
         from prune_audit.data.retention import object_area
@@ -146,6 +159,14 @@ class GqaTask(Task):
         else:
             loaded = load_llava_gqa(by_kind[".jsonl"][0])
         return [GqaTaskQuestion(question, _record_id(question)) for question in loaded]
+
+    parquet_layout = "lmms-lab/GQA (*_instructions and *_images files together)"
+
+    def read_parquet(self, paths: Sequence[Path]) -> ParquetQuestions[GqaTaskQuestion]:
+        from prune_audit.data.lmms_parquet import ParquetQuestions, read_gqa_parquet_files
+
+        loaded = read_gqa_parquet_files(paths)
+        return ParquetQuestions([GqaTaskQuestion(q, _record_id(q)) for q in loaded.questions], loaded.images)
 
     def check_questions(self, questions: Sequence[GqaTaskQuestion]) -> None:
         unanswered = [q for q in questions if q.gqa.answer is None]

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from prune_audit.data.geometry import TokenGeometry
+    from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
     from prune_audit.answer_modes import AnswerMode, YesNo
 
@@ -55,6 +56,13 @@ class PopeTask(Task):
 
     def read_questions(self, paths: Sequence[Path]) -> list[PopeQuestion]:
         return [question for path in paths for question in load_pope(path)]
+
+    parquet_layout = "lmms-lab/POPE"
+
+    def read_parquet(self, paths: Sequence[Path]) -> ParquetQuestions[PopeQuestion]:
+        from prune_audit.data.lmms_parquet import read_pope_parquet
+
+        return read_pope_parquet(paths)
 
     def check_questions(self, questions: Sequence[PopeQuestion]) -> None:
         unlabelled = [q for q in questions if q.label is None]

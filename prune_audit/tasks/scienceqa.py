@@ -29,6 +29,7 @@ from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
     from prune_audit.answer_modes import LetterChoice
+    from prune_audit.data.lmms_parquet import ParquetQuestions
 
 SPLIT = "scienceqa"
 """The records' ``split`` of every ScienceQA question: its problem ids are unique."""
@@ -72,11 +73,22 @@ class ScienceQaTask(Task):
     confidence_definition = "the chosen letter's first-token probability renormalised over the offered letters"
     evidence_definition = "none: ScienceQA names no image regions (no retention or lost objects)"
     evidence_noun = "the evidence regions (none for scienceqa)"
+    names_evidence = False
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
 
     def read_questions(self, paths: Sequence[Path]) -> list[ScienceQaTaskQuestion]:
         return [ScienceQaTaskQuestion(question, _record_id(question, path))
                 for path in paths for question in load_scienceqa(path, images_only=True)]
+
+    parquet_layout = "lmms-lab/ScienceQA (ScienceQA-IMG rows: those with an image)"
+
+    def read_parquet(self, paths: Sequence[Path]) -> ParquetQuestions[ScienceQaTaskQuestion]:
+        """Question ids are row numbers over the files in the order given (the layout has no problem id)."""
+        from prune_audit.data.lmms_parquet import ParquetQuestions, read_scienceqa_parquet
+
+        loaded = read_scienceqa_parquet(paths, images_only=True)
+        return ParquetQuestions([ScienceQaTaskQuestion(q, _record_id(q, Path(paths[0]))) for q in loaded.questions],
+                                loaded.images)
 
     def check_questions(self, questions: Sequence[ScienceQaTaskQuestion]) -> None:
         unanswered = [q for q in questions if q.sqa.answer is None]

@@ -39,7 +39,7 @@ def answer_swaps(
     task = manifest_task(manifest)
     vlm = load_model(manifest, inputs.model, request.device)
     forcing = Forcing(vlm, manifest)
-    questions = load_questions(task, inputs.pope)
+    questions = load_questions(task, inputs.question_files)
     evidence = task.load_evidence(inputs.annotations, list(questions.values()))
     rows: list[Record] = []
     skipped: Counter = Counter()
@@ -78,8 +78,9 @@ def load_model(manifest: dict[str, Any], source: str, device: str) -> VisionLang
 
 
 def load_questions(task: Task, files: Sequence[Path]) -> dict[tuple[str, int], TaskQuestion]:
-    """The run's questions by (split, question_id), read from its question files by its task."""
-    return {(question.split, question.question_id): question for question in task.read_questions(files)}
+    """The run's questions by (split, question_id), read from its question files by its task (Parquet files too:
+    their images are the run's own, in its images folder)."""
+    return {(question.split, question.question_id): question for question in task.load_questions(files)[0]}
 
 
 def check_geometry(record: Record, prepared: Prepared) -> None:

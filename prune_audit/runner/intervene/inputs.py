@@ -23,7 +23,7 @@ from prune_audit.safety.fingerprint import file_sha256, first_differing_image, i
 class RunInputs:
     """The run's inputs; as overrides, None (or no question files) means the recorded path."""
 
-    pope: tuple[Path, ...] = ()
+    question_files: tuple[Path, ...] = ()
     images: Path | None = None
     annotations: Path | None = None
     model: str | None = None
@@ -32,7 +32,7 @@ class RunInputs:
 def locate_inputs(manifest: dict[str, Any], overrides: RunInputs) -> RunInputs:
     """Every input of the run, each override verified against its pin; refused in one line otherwise."""
     return RunInputs(
-        pope=question_files(manifest, overrides.pope),
+        question_files=question_files(manifest, overrides.question_files),
         images=images_dir(manifest, overrides.images),
         annotations=annotations_file(manifest, overrides.annotations),
         model=model_source(manifest, overrides.model),

@@ -10,11 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.runner.execute import execute
 from prune_audit.runner.plan import RunPlan, plan_run
 from prune_audit.runner.study.grid import RUNS_FOLDER, StudyCell, StudyGrid
+
+if TYPE_CHECKING:
+    from prune_audit.models import VisionLanguageModel
 
 
 @dataclass(frozen=True)
@@ -26,12 +30,12 @@ class CellOutcome:
     answered: int
 
 
-def plan_grid(grid: StudyGrid) -> list[RunPlan]:
-    """Plan every cell (reference first) on one loaded model: every input, selector, budget and existing
-    run folder is checked before the first run writes anything."""
+def plan_grid(grid: StudyGrid, vlm: VisionLanguageModel | None = None) -> list[RunPlan]:
+    """Plan every cell (reference first) on one loaded model (``vlm``, else loaded by the first cell): every
+    input, selector, budget and existing run folder is checked before the first run writes anything."""
     plans: list[RunPlan] = []
     for cell in grid.cells:
-        plans.append(plan_run(grid.request(cell), plans[0].vlm if plans else None))
+        plans.append(plan_run(grid.request(cell), plans[0].vlm if plans else vlm))
     _check_distinct_budgets(grid, plans)
     return plans
 

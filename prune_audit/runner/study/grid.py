@@ -43,6 +43,7 @@ class StudyGrid:
     budgets: tuple[str, ...]
     out: Path
     base: RunRequest = field(default_factory=RunRequest)
+    named_by_task: bool = False  # a study of several tasks: run folders OUT/runs/<task>-<cell name>
 
     @property
     def cells(self) -> list[StudyCell]:
@@ -52,13 +53,13 @@ class StudyGrid:
         ]
 
     def run_dir(self, cell: StudyCell) -> Path:
-        return self.out / RUNS_FOLDER / cell.name
+        return self.out / RUNS_FOLDER / (f"{self.base.task}-{cell.name}" if self.named_by_task else cell.name)
 
     def request(self, cell: StudyCell) -> RunRequest:
         """The ``RunRequest`` that ``prune-audit run`` builds from ``command(cell)``."""
         budget = None if cell.budget is None else parse_budget(cell.budget)
         request = replace(
-            self.base, selector=cell.selector, budget=budget, out=self.run_dir(cell), options=[], pope=list(self.base.pope)
+            self.base, selector=cell.selector, budget=budget, out=self.run_dir(cell), options=[], question_files=list(self.base.question_files)
         )
         request.command = self.command(cell)
         return request
@@ -69,10 +70,10 @@ class StudyGrid:
         words = ["prune-audit", "run"]
         pairs: list[tuple[str, object]] = [("--model", base.model)]
         if base.task != defaults.task:
-            pairs += [("--task", base.task), *(("--questions", path) for path in base.pope)]
+            pairs += [("--task", base.task), *(("--questions", path) for path in base.question_files)]
             pairs += [("--max-new-tokens", base.max_new_tokens), ("--confidence", base.confidence)]
         else:
-            pairs += [("--pope", path) for path in base.pope]
+            pairs += [("--pope", path) for path in base.question_files]
         pairs += [("--split", base.split), ("--images", base.images), ("--annotations", base.annotations)]
         pairs += [("--selector", None if cell.selector == REFERENCE else cell.selector), ("--budget", cell.budget)]
         pairs += [("--out", self.run_dir(cell)), ("--limit", base.limit)]
@@ -84,6 +85,55 @@ class StudyGrid:
             if value is not None:
                 words += [option, str(value)]
         return shlex.join(words)
+
+
+def inputs_by_task(values: Sequence[Path], tasks: Sequence[str], option: str, single: bool = False) -> dict[str, list[Path]]:
+    """``--questions`` / ``--images`` / ``--annotations`` values by task. With one task, as given (``TASK=`` may
+    lead); with several, each value is ``TASK=PATH``. ``single``: at most one value per task (a folder, a file).
+    A task with no value gets none (the bundled demo's inputs, where the demo has that task's questions)."""
+    given: dict[str, list[Path]] = {task: [] for task in tasks}
+    for value in values:
+        name, separator, rest = str(value).partition("=")
+        if separator and name in given:
+            given[name].append(Path(rest))
+        elif len(tasks) == 1:
+            given[tasks[0]].append(Path(value))
+        else:
+            raise PruneAuditError(f"{option} {value}: with several --tasks, name each value's task: {option} "
+                                  f"TASK=PATH, TASK one of {', '.join(tasks)}")
+    for task, paths in given.items():
+        if single and len(paths) > 1:
+            raise PruneAuditError(f"{option} names task {task} {len(paths)} times; pass one value per task")
+    return given
+
+
+def parse_tasks(task: str, tasks: str | None, max_new_tokens: int | None, confidence: str | None) -> list[str]:
+    """The study's tasks (``--task``, or the ``--tasks`` list), each known; --max-new-tokens and --confidence must
+    apply to one of them at least (they go to those tasks they apply to: ``task_option``)."""
+    from prune_audit.tasks import get_task
+
+    if tasks is None:
+        get_task(task, max_new_tokens, confidence)
+        return [task]
+    if task != "pope":
+        raise PruneAuditError("pass --task NAME or --tasks A,B,..., not both")
+    names = list(parse_list(tasks, "--tasks"))
+    for name in names:
+        get_task(name)
+    for option, value in (("max_new_tokens", max_new_tokens), ("confidence", confidence)):
+        if value is not None and all(task_option(name, option, value) is None for name in names):
+            get_task(names[0], **{option: value})  # refused in one line, naming the option
+    return names
+
+
+def task_option(task: str, option: str, value: int | str | None) -> int | str | None:
+    """``value`` of ``--max-new-tokens`` (``option`` max_new_tokens) or ``--confidence`` for ``task``: kept where
+    the task takes it (a generating task; a confidence it offers), None elsewhere."""
+    from prune_audit.tasks import get_task
+
+    kind = type(get_task(task))
+    takes = kind.default_max_new_tokens is not None if option == "max_new_tokens" else value in kind.confidences
+    return value if takes else None
 
 
 def parse_budget(text: str) -> int | str:

@@ -1,0 +1,177 @@
+"""``run --questions FILE.parquet``: every task's lmms-eval Parquet layout, images embedded, no ``--images`` folder.
+
+The files are built offline in the datasets' exact schema (``test_task_data``'s writers) over the
+workspace's synthetic scenes; each run must record what the same questions from JSON files and an
+images folder record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from cli_checks import refused
+from prune_audit.cli.main import app
+from test_task_data import IMAGE_STRUCT, gqa_instruction_columns, image, write_parquet
+from test_tasks import gqa_args, gqa_inputs, letters_model, scienceqa_file  # noqa: F401 (letters_model: fixture)
+
+runner = CliRunner()
+COMPARED = ("question_id", "split", "image", "image_id", "answer_text", "confidence", "correct", "retention", "lost")
+
+
+def rows(run: Path) -> list[dict]:
+    """The compared columns of each record, NaN (no evidence) as None so that rows compare equal."""
+    def value(item: object) -> object:
+        return None if isinstance(item, float) and math.isnan(item) else item
+
+    return [{key: value(row[key]) for key in COMPARED} for row in pq.read_table(run / "records.parquet").to_pylist()]
+
+
+def pope_parquet(ws: dict[str, Path], path: Path) -> Path:
+    """lmms-lab/POPE's columns for the workspace's three POPE files (the split is ``category``)."""
+    entries = [(json.loads(line), split.stem.rsplit("_", 1)[-1]) for split in ws["pope"]
+               for line in split.read_text().splitlines() if line.strip()]
+    return write_parquet(path, {
+        "id": (pa.string(), [str(n) for n in range(len(entries))]),
+        "question_id": (pa.string(), [str(e["question_id"]) for e, _ in entries]),
+        "question": (pa.string(), [e["text"] for e, _ in entries]),
+        "answer": (pa.string(), [e["label"] for e, _ in entries]),
+        "image_source": (pa.string(), [e["image"] for e, _ in entries]),
+        "image": (IMAGE_STRUCT, [image((Path(ws["images"]) / e["image"]).read_bytes()) for e, _ in entries]),
+        "category": (pa.string(), [split for _, split in entries]),
+    })
+
+
+def test_pope_parquet_runs_without_an_images_folder_as_the_json_files_do(workspace, tmp_path):
+    parquet = pope_parquet(workspace, tmp_path / "test-00000-of-00001.parquet")
+    common = ["run", "--model", str(workspace["model"]), "--annotations", str(workspace["instances"]), "--selector",
+              "random", "--budget", "6", "--limit", "10"]
+    from_parquet, from_json = tmp_path / "parquet", tmp_path / "json"
+    result = runner.invoke(app, [*common, "--questions", str(parquet), "--out", str(from_parquet)])
+    assert result.exit_code == 0, result.output
+    json_args = [arg for path in workspace["pope"] for arg in ("--pope", str(path))]
+    result = runner.invoke(app, [*common, *json_args, "--images", str(workspace["images"]), "--out", str(from_json)])
+    assert result.exit_code == 0, result.output
+    assert rows(from_parquet) == rows(from_json)
+    manifest = json.loads((from_parquet / "manifest.json").read_text())
+    reference = json.loads((from_json / "manifest.json").read_text())
+    assert manifest["images"]["files"] == reference["images"]["files"]  # pinned by the embedded bytes
+    assert Path(manifest["images"]["path"]) == from_parquet / "images"
+    for name, digest in manifest["images"]["files"].items():
+        assert (from_parquet / "images" / name).read_bytes() == (Path(workspace["images"]) / name).read_bytes()
+    # resuming finds the written images with the pinned bytes
+    again = runner.invoke(app, [*common, "--questions", str(parquet), "--out", str(from_parquet)])
+    assert again.exit_code == 0, again.output
+    # the run's own images folder serves the commands that read a finished run
+    row = pq.read_table(from_parquet / "records.parquet").to_pylist()[0]
+    drawn = runner.invoke(app, ["visualize", "--run", str(from_parquet), "--question-id", str(row["question_id"]),
+                                "--split", row["split"], "--out", str(tmp_path / "figure.png")])
+    assert drawn.exit_code == 0, drawn.output
+    treated = runner.invoke(app, ["intervene", str(from_parquet), "--mode", "remove", "--max-cells", "1",
+                                  "--bootstrap", "10", "--out", str(tmp_path / "intervene")])
+    assert treated.exit_code == 0, treated.output
+
+
+def test_gqa_parquet_files_join_instructions_and_images(workspace, tmp_path):
+    inputs = gqa_inputs(workspace, tmp_path / "gqa")
+    questions = json.loads(inputs["questions"].read_text())
+    annotations = [{"question": list(q["annotations"]["question"].items()),
+                    "answer": list(q["annotations"]["answer"].items()),
+                    "fullAnswer": list(q["annotations"]["fullAnswer"].items())} for q in questions.values()]
+    columns = gqa_instruction_columns(annotations)
+    count = len(questions)
+    columns.update({
+        "id": (pa.string(), list(questions)), "imageId": (pa.string(), [q["imageId"] for q in questions.values()]),
+        "question": (pa.string(), [q["question"] for q in questions.values()]),
+        "answer": (pa.string(), [q["answer"] for q in questions.values()]),
+        "fullAnswer": (pa.string(), [q["answer"] for q in questions.values()]),
+        "isBalanced": (pa.bool_(), [True] * count), "types": (columns["types"][0], columns["types"][1][:1] * count),
+    })
+    instructions = write_parquet(tmp_path / "testdev_balanced_instructions.parquet", columns)
+    stems = list(dict.fromkeys(q["imageId"] for q in questions.values()))
+    pictures = write_parquet(tmp_path / "testdev_balanced_images.parquet", {
+        "id": (pa.string(), stems),
+        "image": (IMAGE_STRUCT, [image((Path(workspace["images"]) / f"{stem}.png").read_bytes()) for stem in stems]),
+    })
+    from_parquet = tmp_path / "parquet"
+    result = runner.invoke(app, ["run", "--task", "gqa", "--model", str(workspace["model"]), "--questions",
+                                 str(pictures), "--questions", str(instructions), "--max-new-tokens", "2",
+                                 "--out", str(from_parquet)])
+    assert result.exit_code == 0, result.output
+    records = pq.read_table(from_parquet / "records.parquet").to_pylist()
+    assert [str(r["question_id"]) for r in records] == list(questions)
+    assert [r["references"] for r in records] == [[q["answer"]] for q in questions.values()]
+    assert all(r["evidence_object_ids"] for r in records)  # read from the instructions' annotations
+    # the images are named <imageId>.jpg in lmms-eval's layout, so the JSON run reads the same bytes from a copy
+    folder = tmp_path / "jpg-names"
+    folder.mkdir()
+    for stem in stems:
+        (folder / f"{stem}.jpg").write_bytes((Path(workspace["images"]) / f"{stem}.png").read_bytes())
+    (inputs["questions"]).write_text(json.dumps(questions))
+    from_json = tmp_path / "json"
+    result = runner.invoke(app, ["run", "--task", "gqa", "--model", str(workspace["model"]), "--questions",
+                                 str(inputs["questions"]), "--images", str(folder), "--max-new-tokens", "2",
+                                 "--out", str(from_json)])
+    assert result.exit_code == 0, result.output
+    assert [(r["answer_text"], r["confidence"]) for r in records] == [
+        (r["answer_text"], r["confidence"]) for r in pq.read_table(from_json / "records.parquet").to_pylist()]
+    refused(runner.invoke(app, ["run", "--task", "gqa", "--model", str(workspace["model"]), "--questions",
+                                str(instructions), "--out", str(tmp_path / "alone")]), "no lmms-lab/GQA *_images")
+    assert not (tmp_path / "alone").exists()
+
+
+def test_scienceqa_parquet_answers_as_llavas_file(workspace, letters_model, tmp_path):  # noqa: F811
+    llava_file = scienceqa_file(workspace, tmp_path / "sqa")
+    entries = [e for e in json.loads(llava_file.read_text()) if "image" in e]
+    prompts = [e["conversations"][0]["value"].split("\n") for e in entries]
+    choices = [[line.split(". ", 1)[1] for line in lines[3:]] for lines in prompts]
+    parquet = write_parquet(tmp_path / "test-00000-of-00001.parquet", {
+        "image": (IMAGE_STRUCT, [image((Path(workspace["images"]) / e["image"]).read_bytes()) for e in entries]),
+        "question": (pa.string(), [lines[2] for lines in prompts]),
+        "choices": (pa.list_(pa.string()), choices),
+        "answer": (pa.int8(), ["ABCD".index(e["conversations"][1]["value"]) for e in entries]),
+        "hint": (pa.string(), [lines[1].removeprefix("Context: ") for lines in prompts]),
+        **{name: (pa.string(), [""] * len(entries)) for name in ("task", "grade", "subject", "topic", "category",
+                                                                  "skill", "lecture", "solution")},
+    })
+    runs = {"parquet": tmp_path / "parquet", "json": tmp_path / "json"}
+    common = ["run", "--task", "scienceqa", "--model", str(letters_model)]  # dense: random keeps depend on the ids
+    result = runner.invoke(app, [*common, "--questions", str(parquet), "--out", str(runs["parquet"])])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, [*common, "--questions", str(llava_file), "--images", str(workspace["images"]),
+                                 "--out", str(runs["json"])])
+    assert result.exit_code == 0, result.output
+    by_parquet, by_json = (pq.read_table(run / "records.parquet").to_pylist() for run in runs.values())
+    assert [r["question_id"] for r in by_parquet] == list(range(len(entries)))  # row numbers: the layout has no id
+    assert [(r["answer_text"], r["references"], r["letter_probs"]) for r in by_parquet] == [
+        (r["answer_text"], r["references"], r["letter_probs"]) for r in by_json]
+
+
+@pytest.mark.parametrize("case", ["images option", "mixed files", "missing column", "caption", "bad image"])
+def test_parquet_inputs_are_refused_in_one_line_before_anything_is_written(workspace, tmp_path, case):
+    parquet = pope_parquet(workspace, tmp_path / "pope.parquet")
+    args = ["run", "--model", str(workspace["model"]), "--questions", str(parquet), "--out", str(tmp_path / "run")]
+    if case == "images option":
+        refused(runner.invoke(app, [*args, "--images", str(workspace["images"])]), "embed their images",
+                "drop --images")
+    elif case == "mixed files":
+        refused(runner.invoke(app, [*args, "--questions", str(workspace["pope"][0])]), "not both")
+    elif case == "missing column":
+        table = pq.read_table(parquet).drop_columns(["image_source"])
+        pq.write_table(table, parquet)
+        refused(runner.invoke(app, args), "no column image_source", "lmms-lab/POPE layout")
+    elif case == "caption":
+        refused(runner.invoke(app, [*args, "--task", "caption"]), "caption reads no Parquet question files")
+    else:
+        table = pq.read_table(parquet)
+        broken = [{"bytes": b"not an image", "path": None}] * table.num_rows
+        pq.write_table(table.set_column(table.schema.get_field_index("image"), "image",
+                                        pa.array(broken, type=IMAGE_STRUCT)), parquet)
+        refused(runner.invoke(app, args), "embedded in the question files", "cannot be decoded")
+    assert not (tmp_path / "run").exists()
