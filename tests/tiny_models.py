@@ -75,6 +75,9 @@ class RecordingLayerSelector(LayerSelector):
 
 def stock_inputs(vlm, prepared) -> dict[str, torch.Tensor]:
     """Inputs of the stock ``model(**inputs)`` forward for one prepared prompt."""
+    if "image_sizes" in prepared.extras:  # LLaVA-NeXT: the crops of one image and its size
+        return {"input_ids": prepared.input_ids[None], "pixel_values": prepared.pixel_values[None],
+                "image_sizes": prepared.extras["image_sizes"]}
     if "image_grid_thw" not in prepared.extras:  # one fixed-size image: LLaVA, InternVL
         return {"input_ids": prepared.input_ids[None], "pixel_values": prepared.pixel_values[None]}
     image_token = vlm.model.config.image_token_id
