@@ -5,7 +5,8 @@ each: keep-all equals the stock transformers forward (logits) and stock greedy
 generation; the decoder probe equals eager attention; dropping tokens equals the stock
 forward with them masked; every selector runs at the full budget or is refused in one
 line; ``prune-audit run`` records every supported selector, shards merge to one
-process's records, a rerun resumes, ``visualize`` and ``intervene`` run; the token
+process's records, a rerun resumes, ``visualize`` (one-grid families; LLaVA-NeXT's two grids are refused
+in one line) and ``intervene`` run; the token
 geometry maps every visual token to its pixels, on synthetic images and on a real COCO
 image's object masks; docs/models.md's selector table says what runs. Family-specific
 checks follow at the end (InternVL's pixel shuffle and tiling refusal, Qwen3-VL's
@@ -24,13 +25,22 @@ from typer.testing import CliRunner
 from prune_audit.cli.main import app
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import mask_area_per_token, token_footprints, token_index_map
+from prune_audit.data.multigrid import grid_pieces
 from prune_audit.data.scenes import CATEGORIES
 from prune_audit.errors import PruneAuditError
 from prune_audit.models import family_names, load_vlm
 from prune_audit.models.families import adapter_for
 from prune_audit.pruners import get_selector, list_selectors
 from prune_audit.records.schema import TIMING_COLUMNS
-from tiny_models import QUESTIONS, WORDS, RecordingLayerSelector, masked_reference_logits, random_image, stock_inputs
+from tiny_models import (
+    QUESTIONS,
+    WORDS,
+    RecordingLayerSelector,
+    masked_reference_logits,
+    random_image,
+    stock_inputs,
+    visual_columns,
+)
 
 TOL = 1e-5
 NUM_LAYERS = 4
@@ -87,11 +97,11 @@ def test_decoder_probe_equals_eager_attention(vlm, checkpoint, prepared):
     eager = type(vlm).transformers_class().from_pretrained(checkpoint, attn_implementation="eager").eval()
     with torch.no_grad():
         attentions = eager(**stock_inputs(vlm, item), output_attentions=True).attentions
-    start, end = item.image_span
+    end = item.image_span[1]
     for layer in (1, NUM_LAYERS - 1):
         selector = RecordingLayerSelector(layer=layer, keep=item.num_visual - 1)
         vlm.answer([item], selector, 1)
-        expected = attentions[layer][0, :, end:, start:end]
+        expected = attentions[layer][0, :, end:, visual_columns(item)]
         assert (selector.records[-1].text_probs - expected).abs().max() <= TOL
 
 
@@ -129,14 +139,20 @@ def test_every_selector_at_full_budget_equals_keep_all_or_refuses_in_one_line(vl
 
 
 def test_geometry_maps_every_visual_token_to_its_pixels(vlm, prepared):
+    """Every grid of the geometry (LLaVA-NeXT: base view and unpadded tiles) maps each of its tokens to pixels
+    it owns, and the grids together number every visual token once."""
     for item in prepared:
         geometry = item.geometry
         assert geometry.grid == item.grid and geometry.num_tokens == item.num_visual
         assert geometry.image_size == item.image_size
-        index = token_index_map(geometry)
-        # every token owns pixels; pixels without a token (-1) are those a centre crop removed
-        assert set(np.unique(index)) - {-1} == set(range(item.num_visual))
-        assert (index >= 0).all() or geometry.mode == "hf_crop"
+        covered = []
+        for first, grid in grid_pieces(geometry):
+            index = token_index_map(grid)
+            # every token owns pixels; pixels without a token (-1) are those a centre crop or unpadding removed
+            assert set(np.unique(index)) - {-1} == set(range(grid.num_tokens))
+            assert (index >= 0).all() or grid.mode in ("hf_crop", "anyres_tiles")
+            covered += range(first, first + grid.num_tokens)
+        assert covered == list(range(item.num_visual))
         boxes = token_footprints(geometry)
         assert boxes.shape == (item.num_visual, 4) and (boxes[:, 2] > boxes[:, 0]).all()
 
@@ -149,10 +165,12 @@ def test_real_coco_mask_area_sums_back_per_token(vlm, shared_data):
     image = Image.open(coco_dir / "val2017" / entry.file_name)
     geometry = vlm.prepare(image, QUESTIONS[0]).geometry
     assert geometry.image_size == entry.size
-    seen = token_index_map(geometry) >= 0
     for name in coco.object_names(image_id):
         mask = coco.category_mask(image_id, name)
-        assert mask.any() and mask_area_per_token(mask, geometry).sum() == (mask & seen).sum()
+        area = mask_area_per_token(mask, geometry)
+        for first, grid in grid_pieces(geometry):  # each grid alone counts every mask pixel it sees once
+            seen = token_index_map(grid) >= 0
+            assert mask.any() and area[first: first + grid.num_tokens].sum() == (mask & seen).sum()
 
 
 def run_args(workspace, checkpoint, out, *extra: str) -> list[str]:
@@ -260,8 +278,12 @@ def test_shards_resume_visualize_and_intervene(vlm, prepared, checkpoint, worksp
     figures = tmp_path / "figures"
     result = runner.invoke(app, ["visualize", str(image), "--model", str(checkpoint), "--selector", "divprune",
                                  "--budget", budget, "--question", "Is there a cat in the image?", "--out", str(figures)])
-    assert result.exit_code == 0, result.output
-    assert list(figures.glob("*.png"))
+    if len(grid_pieces(prepared[0].geometry)) > 1:  # overlays draw one token grid per image
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+        assert "token grids per image" in result.stderr
+    else:
+        assert result.exit_code == 0, result.output
+        assert list(figures.glob("*.png"))
 
     result = runner.invoke(app, ["intervene", str(whole), "--mode", "remove", "--out", str(tmp_path / "intervene")])
     assert result.exit_code == 0, result.output

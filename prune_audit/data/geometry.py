@@ -256,7 +256,8 @@ def token_index_map(geometry: TokenGeometry) -> np.ndarray:
     Cached per geometry (geometries are frozen); the returned array is read-only.
     """
     if not isinstance(geometry, TokenGeometry):  # several grids: a pixel lies on one token of each
-        raise PruneAuditError(f"the {geometry.mode} geometry has {len(geometry.grids)} token grids; map them one by one")
+        raise PruneAuditError(f"the {geometry.mode} geometry has {len(geometry.grids)} token grids per image, and this "
+                              f"view draws one; use the run's retention columns for this model family")
     rows = _pixel_tokens_1d(geometry.image_height, geometry.scale_y, geometry.offset_y, geometry.token_pixels,
                             geometry.grid_rows)
     cols = _pixel_tokens_1d(geometry.image_width, geometry.scale_x, geometry.offset_x, geometry.token_pixels,

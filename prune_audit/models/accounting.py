@@ -74,6 +74,7 @@ def question_cost(
         reprojected=len(selection.sources) if merged_inputs else 0,
         stage_probes=probes,
         selector_flops=arithmetic,
+        **vlm.tower_crops(item),
     )
     return prefill_cost(shape, tokens)
 

@@ -134,6 +134,11 @@ class LlavaNextModel(LlavaModel):
             outputs.append(VisionOutput(self.model.model.multi_modal_projector(visual)))
         return outputs
 
+    def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
+        """The tower ran on every crop (base view and tiles) of ``tile // patch`` squared patches."""
+        side = self.tile // self.model.config.vision_config.patch_size
+        return {"crops": int(prepared.pixel_values.shape[0]), "crop_grid": (side, side)}
+
     def _missing(self, cls: type[Selector]) -> set[str]:
         missing = super()._missing(cls)
         return missing | {ONE_GRID} if cls.name in ONE_GRID_SELECTORS else missing
