@@ -338,3 +338,63 @@ def test_analytic_flops_equal_the_counted_flops(family, checkpoint, prepared):
         selector = None if name is None else get_selector(name)
         outside, _, answer = counted(vlm, item, selector, None if name is None else item.num_visual // 2)
         assert outside == answer.cost.flops_vision + answer.cost.flops_llm, name
+
+
+# llava-hf/llava-v1.6-vicuna-7b's image processor: 336-px crops and its canvases (height, width)
+LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+
+
+@pytest.mark.parametrize("size", [(640, 480), (480, 640), (500, 333), (672, 672), (1000, 300)])
+def test_llava_next_real_size_processor_puts_every_pixel_on_its_predicted_token(size):
+    """At llava-v1.6's 336-px crops: the token count equals the processor's (visual tokens plus one newline per
+    tile-grid row; 2,880 + 48 at 672 px), and a token-id image of each grid through the bicubic processor shows,
+    away from token borders, the predicted token on the base crop and on the joined, unpadded tiles; the
+    unpadded grid's padding pixels lie where the geometry puts no image."""
+    from types import SimpleNamespace
+
+    import transformers
+    from test_geometry import IMAGE_BLUE, _expected_tokens
+
+    from prune_audit.data.multigrid import anyres_geometry, anyres_layout
+
+    def token_id_image(grid):  # up to 4,096 tokens: green steps of 16 (test_geometry's steps of 40 stop at 1,280)
+        index = token_index_map(grid)
+        return np.stack([index % 256, index // 256 * 16 + 8, np.full_like(index, IMAGE_BLUE)], axis=-1).astype(np.uint8)
+
+    processor = transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 336},
+                                                        crop_size={"height": 336, "width": 336},
+                                                        image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    geometry = anyres_geometry(size, pinpoints=LLAVA_NEXT_PINPOINTS)
+    base, tiles = geometry.grids
+    stock = SimpleNamespace(image_processor=processor, patch_size=14, num_additional_image_tokens=0)
+    stock._get_unpadded_features = lambda *args: transformers.LlavaNextProcessor._get_unpadded_features(stock, *args)
+    count = transformers.LlavaNextProcessor._get_number_of_features(stock, size[1], size[0], 336, 336)
+    assert count == geometry.num_tokens + tiles.grid_rows
+    if size == (672, 672):
+        assert geometry.num_tokens == 2880
+    layout = anyres_layout(size, LLAVA_NEXT_PINPOINTS, 336, 14)
+    tile_rows, tile_cols = layout.canvas[0] // 336, layout.canvas[1] // 336
+    for grid in (base, tiles):
+        crops = processor(images=token_id_image(grid), return_tensors="np", do_rescale=False,
+                          do_normalize=False)["pixel_values"][0]
+        if grid is base:
+            pixels = crops[0]
+        else:  # the tiles joined row-major into the canvas, then the unpadded window
+            canvas = crops[1:].reshape(tile_rows, tile_cols, 3, 336, 336).transpose(2, 0, 3, 1, 4)
+            top, left = layout.cut[0] * 14, layout.cut[1] * 14
+            pixels = canvas.reshape(3, tile_rows * 336, tile_cols * 336)[:, top: top + grid.processed_height,
+                                                                           left: left + grid.processed_width]
+        pixels = np.rint(pixels).astype(int)
+        assert pixels.shape[1:] == (grid.processed_height, grid.processed_width)
+        ys, xs = np.arange(grid.processed_height), np.arange(grid.processed_width)
+        inner = ((ys % 14 >= 3) & (ys % 14 < 11))[:, None] & ((xs % 14 >= 3) & (xs % 14 < 11))[None, :]
+        # processed pixels at least 3 px inside / outside the image the geometry places
+        inside_y = (ys + 0.5 >= grid.offset_y + 3) & (ys + 0.5 <= grid.offset_y + grid.image_height * grid.scale_y - 3)
+        inside_x = (xs + 0.5 >= grid.offset_x + 3) & (xs + 0.5 <= grid.offset_x + grid.image_width * grid.scale_x - 3)
+        outside_y = (ys + 0.5 < grid.offset_y - 3) | (ys + 0.5 > grid.offset_y + grid.image_height * grid.scale_y + 3)
+        outside_x = (xs + 0.5 < grid.offset_x - 3) | (xs + 0.5 > grid.offset_x + grid.image_width * grid.scale_x + 3)
+        image = inner & inside_y[:, None] & inside_x[None, :]
+        decoded = pixels[0] + 256 * ((pixels[1] - 8) // 16)
+        assert image.any() and (pixels[2][image] == IMAGE_BLUE).all()
+        assert (decoded[image] == _expected_tokens(grid)[image]).all()
+        assert (pixels[2][outside_y[:, None] | outside_x[None, :]] == 0).all()
