@@ -46,6 +46,8 @@ class QuestionTokens:
         selector_flops: the selector's own arithmetic (``compute.selectors``).
         crops: images the vision tower ran on for this question (LLaVA-NeXT: the base view and each tile).
         crop_grid: (rows, cols) patches of each crop when the tower ran on crops; None: ``grid`` times the merge.
+        projected_tokens: tokens the projector ran on when not the visual tokens (LLaVA-OneVision projects the
+            unpadded tile grid, then downsamples it); None: ``visual_tokens``.
     """
 
     grid: tuple[int, int]
@@ -62,6 +64,7 @@ class QuestionTokens:
     selector_flops: int = 0
     crops: int = 1
     crop_grid: tuple[int, int] | None = None
+    projected_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     """The cost columns of one question's prefill."""
     vision, language = shape.vision, shape.language
     patch_grid = tokens.crop_grid or (tokens.grid[0] * vision.merge, tokens.grid[1] * vision.merge)
-    tower = tokens.crops * flops.vision_tower(vision, patch_grid) + flops.projector(vision, tokens.visual_tokens)
+    tower = tokens.crops * flops.vision_tower(vision, patch_grid) + flops.projector(vision, tokens.projected_tokens or tokens.visual_tokens)
     signals = tokens.crops * flops.cls_probe(vision, patch_grid) if tokens.cls_probe else 0
     signals += tokens.crops * flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
     if tokens.text_chunks:

@@ -22,7 +22,7 @@ Modes (evaluation spec, section D):
   ``smart_resize`` to multiples of ``patch_size * merge_size``; one LLM token per
   28 x 28 processed pixels, no padding, no crop.
 - ``anyres_tiles``: LLaVA-NeXT's unpadded tile grid; with its base view, one of an image's several
-  grids (``data.multigrid.MultiGridGeometry``, which the functions below also take).
+  grids (``data.multigrid``, whose geometries the functions below also take).
 
 Image sizes are ``(width, height)`` as in ``PIL.Image.size``; arrays are ``(H, W)``.
 """
@@ -255,9 +255,8 @@ def token_index_map(geometry: TokenGeometry) -> np.ndarray:
 
     Cached per geometry (geometries are frozen); the returned array is read-only.
     """
-    if not isinstance(geometry, TokenGeometry):  # several grids: a pixel lies on one token of each
-        raise PruneAuditError(f"the {geometry.mode} geometry has {len(geometry.grids)} token grids per image, and this "
-                              f"view draws one; use the run's retention columns for this model family")
+    if not isinstance(geometry, TokenGeometry):  # data.multigrid's geometries map themselves
+        return geometry.index_map()
     rows = _pixel_tokens_1d(geometry.image_height, geometry.scale_y, geometry.offset_y, geometry.token_pixels,
                             geometry.grid_rows)
     cols = _pixel_tokens_1d(geometry.image_width, geometry.scale_x, geometry.offset_x, geometry.token_pixels,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ class MultiGridGeometry:
     """
 
     mode: str
-    grids: tuple[TokenGeometry, ...]
+    grids: tuple[TokenGeometry | RectilinearGrid, ...]
 
     def __post_init__(self) -> None:
         if not self.grids or len({grid.image_size for grid in self.grids}) != 1:
@@ -73,6 +73,11 @@ class MultiGridGeometry:
         """Index of each grid's first token."""
         return tuple(int(start) for start in np.cumsum([0] + [grid.num_tokens for grid in self.grids[:-1]]))
 
+    def index_map(self) -> np.ndarray:
+        """Refused: a pixel lies on one token of each grid (map the grids one by one: :func:`grid_pieces`)."""
+        raise PruneAuditError(f"the {self.mode} geometry has {len(self.grids)} token grids per image, and this view "
+                              f"draws one; use the run's retention columns for this model family")
+
     def footprints(self) -> np.ndarray:
         """(N, 4) boxes of every token (``token_footprints`` of each grid, in token order)."""
         return np.concatenate([token_footprints(grid) for grid in self.grids])
@@ -87,14 +92,85 @@ class MultiGridGeometry:
         return {"mode": self.mode, "grids": [grid.to_dict() for grid in self.grids]}
 
 
-def geometry_from_dict(fields: dict[str, Any]) -> TokenGeometry | MultiGridGeometry:
+def _interval_index(length: int, starts: Sequence[float], ends: Sequence[float]) -> np.ndarray:
+    """(length,) int64 interval holding each pixel centre along one axis (ascending, disjoint intervals); -1: none."""
+    centres = np.arange(length) + 0.5
+    index = np.searchsorted(np.asarray(starts), centres, side="right") - 1
+    inside = (index >= 0) & (centres < np.asarray(ends)[index.clip(0)])
+    return np.where(inside, index, -1).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class RectilinearGrid:
+    """A row-major token grid whose columns and rows each cover their own interval of original pixels.
+
+    For grids no single affine map describes: LLaVA-OneVision's tiles (a 384-px SigLIP tile holds 27 patches of
+    14 px, so the joined grid skips the last 6 px of every tile) and their bilinearly downsampled grid.
+
+    Attributes:
+        mode: ``anyres_tiles`` or ``anyres_tiles_downsampled``.
+        image_width, image_height: original image size.
+        x0, x1: [x0[c], x1[c]) of column c in original pixels, ascending and disjoint; y0, y1 the same for rows.
+    """
+
+    mode: str
+    image_width: int
+    image_height: int
+    x0: tuple[float, ...]
+    x1: tuple[float, ...]
+    y0: tuple[float, ...]
+    y1: tuple[float, ...]
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (len(self.y0), len(self.x0))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.y0) * len(self.x0)
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        return (self.image_width, self.image_height)
+
+    def index_map(self) -> np.ndarray:
+        """(H, W) int64 token of every original pixel (by its centre), -1 where no token covers it; read-only."""
+        rows = _interval_index(self.image_height, self.y0, self.y1)
+        cols = _interval_index(self.image_width, self.x0, self.x1)
+        index = rows[:, None] * len(self.x0) + cols[None, :]
+        index[(rows[:, None] < 0) | (cols[None, :] < 0)] = -1
+        index.flags.writeable = False
+        return index
+
+    def footprints(self) -> np.ndarray:
+        """(N, 4) float64 boxes (x0, y0, x1, y1), row-major."""
+        row_of, col_of = np.divmod(np.arange(self.num_tokens), len(self.x0))
+        x0, x1, y0, y1 = (np.asarray(edges, dtype=np.float64) for edges in (self.x0, self.x1, self.y0, self.y1))
+        return np.stack([x0[col_of], y0[row_of], x1[col_of], y1[row_of]], axis=1)
+
+    def mask_areas(self, mask: np.ndarray) -> np.ndarray:
+        """(N,) int64 mask pixels whose centre lies in each token's footprint."""
+        if mask.shape != (self.image_height, self.image_width):
+            raise PruneAuditError(f"mask shape {mask.shape} does not match the image (H, W) = "
+                                  f"({self.image_height}, {self.image_width})")
+        tokens = self.index_map()[mask.astype(bool, copy=False)]
+        return np.bincount(tokens[tokens >= 0], minlength=self.num_tokens).astype(np.int64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in asdict(self).items()}
+
+
+def geometry_from_dict(fields: dict[str, Any]) -> TokenGeometry | RectilinearGrid | MultiGridGeometry:
     """The geometry whose ``to_dict()`` gave ``fields`` (a record's ``geometry`` column)."""
     if "grids" in fields:
-        return MultiGridGeometry(fields["mode"], tuple(TokenGeometry(**grid) for grid in fields["grids"]))
+        return MultiGridGeometry(fields["mode"], tuple(geometry_from_dict(grid) for grid in fields["grids"]))
+    if "x0" in fields:
+        return RectilinearGrid(**{name: tuple(value) if isinstance(value, list) else value
+                                  for name, value in fields.items()})
     return TokenGeometry(**fields)
 
 
-def grid_pieces(geometry: TokenGeometry | MultiGridGeometry) -> list[tuple[int, TokenGeometry]]:
+def grid_pieces(geometry: Any) -> list[tuple[int, Any]]:
     """``(first token index, grid)`` of each regular grid of ``geometry`` (one for a :class:`TokenGeometry`)."""
     if isinstance(geometry, MultiGridGeometry):
         return list(zip(geometry.offsets, geometry.grids))
@@ -148,7 +224,8 @@ def anyres_layout(image_size: tuple[int, int], pinpoints: Sequence[Sequence[int]
         resized_w, resized_h = canvas_w, min(math.ceil(height * canvas_w / width), canvas_h)
     else:
         resized_w, resized_h = min(math.ceil(width * canvas_h / height), canvas_w), canvas_h
-    rows, cols = canvas_h // patch_size, canvas_w // patch_size
+    side = tile // patch_size  # patches per tile side (a 384-px SigLIP tile leaves its last 6 px unseen)
+    rows, cols = canvas_h // tile * side, canvas_w // tile * side
     cut_rows = cut_cols = 0
     if width / height > cols / rows:
         cut_rows = (rows - int(round(height * (cols / width), 7))) // 2
@@ -209,7 +286,49 @@ def anyres_crop_patches(image_size: tuple[int, int], *, pinpoints: Sequence[Sequ
     return np.concatenate([np.arange(side * side), (crop * side * side + within).ravel()]).astype(np.int64)
 
 
+def onevision_geometry(
+    image_size: tuple[int, int],
+    *,
+    pinpoints: Sequence[Sequence[int]],
+    tile: int = 384,
+    patch_size: int = 14,
+    max_tiles: int = 9,
+) -> MultiGridGeometry:
+    """LLaVA-OneVision's base view plus unpadded (and, past ``max_tiles`` tiles' worth, downsampled) tile grid.
+
+    As :func:`anyres_geometry`, except that a ``tile``-px crop holds ``tile // patch_size`` patches from its top
+    left (SigLIP's 384-px crop: 27 patches over 378 px), and that ``anyres_max_{max_tiles}`` bilinearly resizes an
+    unpadded grid of ``h x w`` patches with ``r = sqrt(h * w / (max_tiles * side**2)) > 1.1`` to
+    ``int(h // r) x int(w // r)`` tokens (``LlavaOnevisionModel.pack_image_features``). A downsampled token's
+    footprint is its cell of the coarser grid (``anyres_tiles_downsampled``): the bilinear sample (no
+    antialiasing) reads the 2 x 2 patches around the cell's centre, so it is a convention, not a partition of
+    what each token read.
+    """
+    width, height = image_size
+    side = tile // patch_size
+    base = TokenGeometry(mode="hf_crop", image_width=width, image_height=height, processed_width=side * patch_size,
+                         processed_height=side * patch_size, grid_rows=side, grid_cols=side, token_pixels=patch_size,
+                         scale_x=tile / width, scale_y=tile / height)
+    layout = anyres_layout(image_size, pinpoints, tile, patch_size)
+    rows, cols = layout.grid
+    shrink = math.sqrt(rows * cols / (max_tiles * side**2))
+    target = (int(rows // shrink), int(cols // shrink)) if shrink > 1.1 else (rows, cols)
+
+    def edges(count: int, cut: int, paste: int, scale: float, cells: int) -> tuple[tuple[float, ...], ...]:
+        """[start, end) of each of ``cells`` tokens along an axis of ``count`` unpadded patches, original pixels."""
+        first = (np.arange(count) + cut) // side * tile + (np.arange(count) + cut) % side * patch_size
+        bounds = np.arange(cells + 1) * count / cells  # cell borders in patch units
+        patch = np.minimum(np.floor(bounds).astype(np.int64), count - 1)
+        pixels = (first[patch] + (bounds - patch) * patch_size - paste) / scale
+        return tuple(float(v) for v in pixels[:-1]), tuple(float(v) for v in pixels[1:])
+
+    x0, x1 = edges(cols, layout.cut[1], layout.paste[0], layout.resized[0] / width, target[1])
+    y0, y1 = edges(rows, layout.cut[0], layout.paste[1], layout.resized[1] / height, target[0])
+    mode = "anyres_tiles_downsampled" if target != (rows, cols) else "anyres_tiles"
+    return MultiGridGeometry("llava_onevision_anyres", (base, RectilinearGrid(mode, width, height, x0, x1, y0, y1)))
+
+
 __all__ = [
     "MultiGridGeometry", "AnyresLayout", "geometry_from_dict", "grid_pieces", "best_resolution", "anyres_layout",
-    "anyres_geometry", "anyres_crop_patches",
+    "anyres_geometry", "anyres_crop_patches", "RectilinearGrid", "onevision_geometry",
 ]
