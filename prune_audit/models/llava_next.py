@@ -108,10 +108,6 @@ class LlavaNextModel(LlavaModel):
                 f"the prompt holds {end - start} image tokens but the anyres geometry gives {geometry.num_tokens} "
                 f"visual tokens and {tiles.grid_rows} newlines; check the processor's image_grid_pinpoints"
             )
-        # the image span: the base view, then each tile-grid row followed by its newline
-        row_starts = base.num_tokens + torch.arange(tiles.grid_rows) * (tiles.grid_cols + 1)
-        tile_columns = (row_starts[:, None] + torch.arange(tiles.grid_cols)[None]).flatten()
-        visual_columns = start + torch.cat([torch.arange(base.num_tokens), tile_columns])
         return Prepared(
             input_ids=input_ids,
             image_span=(start, end),
@@ -120,7 +116,8 @@ class LlavaNextModel(LlavaModel):
             question=question,
             image_size=image.size,
             geometry=geometry,
-            extras={"image_sizes": encoded["image_sizes"], "visual_columns": visual_columns,
+            extras={"image_sizes": encoded["image_sizes"],
+                    "visual_columns": visual_columns(start, base.num_tokens, tiles.grid),
                     "crop_patches": torch.from_numpy(anyres_crop_patches(image.size, **layout))},
         )
 
@@ -184,6 +181,15 @@ class LlavaNextModel(LlavaModel):
             },
         }
 
+
+
+def visual_columns(start: int, base_tokens: int, tile_grid: tuple[int, int]) -> Tensor:
+    """(N,) prompt column of each visual token of an image span starting at ``start``: the base view's
+    ``base_tokens``, then each of the tile grid's rows followed by its newline (``pack_image_features``)."""
+    rows, cols = tile_grid
+    row_starts = base_tokens + torch.arange(rows) * (cols + 1)
+    tile_columns = (row_starts[:, None] + torch.arange(cols)[None]).flatten()
+    return start + torch.cat([torch.arange(base_tokens), tile_columns])
 
 
 def build_llava_next(
@@ -256,4 +262,4 @@ def build_llava_next(
     return save_dir
 
 
-__all__ = ["LlavaNextModel", "build_llava_next", "ONE_GRID_SELECTORS"]
+__all__ = ["LlavaNextModel", "build_llava_next", "visual_columns", "ONE_GRID_SELECTORS"]

@@ -31,7 +31,7 @@ from prune_audit.compute.shape import ModelShape, VisionShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
-from prune_audit.models.llava_next import LlavaNextModel
+from prune_audit.models.llava_next import LlavaNextModel, visual_columns
 from prune_audit.models.loading import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
@@ -134,8 +134,6 @@ class LlavaOnevisionModel(LlavaNextModel):
         prompt = self.prompt(question, geometry.num_tokens + rows)  # every visual token, one newline per row
         input_ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
         start, end = find_image_span(input_ids, self.model.config.image_token_id)
-        row_starts = base.num_tokens + torch.arange(rows) * (cols + 1)
-        tile_columns = (row_starts[:, None] + torch.arange(cols)[None]).flatten()
         unpadded = anyres_layout(image.size, self.pinpoints, self.tile, patch).grid
         return Prepared(
             input_ids=input_ids,
@@ -146,7 +144,7 @@ class LlavaOnevisionModel(LlavaNextModel):
             image_size=image.size,
             geometry=geometry,
             extras={"image_sizes": encoded["image_sizes"],
-                    "visual_columns": start + torch.cat([torch.arange(base.num_tokens), tile_columns]),
+                    "visual_columns": visual_columns(start, base.num_tokens, tiles.grid),
                     "crop_patches": torch.from_numpy(anyres_crop_patches(image.size, **layout)),
                     "tile_grid": torch.tensor([*unpadded, rows, cols])},
         )
