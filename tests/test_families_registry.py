@@ -10,7 +10,7 @@ in one line) and ``intervene`` run; the token
 geometry maps every visual token to its pixels, on synthetic images and on a real COCO
 image's object masks; docs/models.md's selector table says what runs. Family-specific
 checks follow at the end (InternVL's pixel shuffle and tiling refusal, Qwen3-VL's
-deepstack, the real-size image processors).
+deepstack, the real-size image processors, LLaVA-NeXT's and LLaVA-OneVision's anyres crops).
 """
 
 from __future__ import annotations
@@ -279,9 +279,12 @@ def test_shards_resume_visualize_and_intervene(vlm, prepared, checkpoint, worksp
     figures = tmp_path / "figures"
     result = runner.invoke(app, ["visualize", str(image), "--model", str(checkpoint), "--selector", "divprune",
                                  "--budget", budget, "--question", "Is there a cat in the image?", "--out", str(figures)])
-    if len(grid_pieces(prepared[0].geometry)) > 1:  # overlays draw one token grid per image
-        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
-        assert "token grids per image" in result.stderr
+    if len(grid_pieces(prepared[0].geometry)) > 1:  # overlays draw one token grid per image, also from records
+        question_id = int(records(whole)["question_id"][0])
+        redraw = ["visualize", "--run", str(whole), "--question-id", str(question_id), "--out", str(figures)]
+        for result in (result, runner.invoke(app, redraw)):
+            assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+            assert "token grids per image" in result.stderr
     else:
         assert result.exit_code == 0, result.output
         assert list(figures.glob("*.png"))
