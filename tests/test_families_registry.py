@@ -460,3 +460,15 @@ def test_llava_onevision_real_size_processor_puts_every_pixel_on_its_predicted_t
         decoded = pixels[0] + 256 * ((pixels[1] - 8) // 16)
         assert shown.any() and (pixels[2][shown] == IMAGE_BLUE).all()
         assert (decoded[shown] == expected[shown]).all()
+
+
+def test_multi_grid_geometries_survive_the_records_json():
+    """A record's ``geometry`` column (JSON of ``to_dict``) reads back to the same geometry (``visualize --run``)."""
+    import json
+
+    from prune_audit.data.multigrid import anyres_geometry, geometry_from_dict, onevision_geometry
+
+    for geometry in (anyres_geometry((640, 480), pinpoints=LLAVA_NEXT_PINPOINTS),
+                     onevision_geometry((2000, 1500), pinpoints=[[384, 768], [768, 768], [1152, 1152]])):
+        again = geometry_from_dict(json.loads(json.dumps(geometry.to_dict())))
+        assert again == geometry and (token_footprints(again) == token_footprints(geometry)).all()
