@@ -5,11 +5,12 @@ each: keep-all equals the stock transformers forward (logits) and stock greedy
 generation; the decoder probe equals eager attention; dropping tokens equals the stock
 forward with them masked; every selector runs at the full budget or is refused in one
 line; ``prune-audit run`` records every supported selector, shards merge to one
-process's records, a rerun resumes, ``visualize`` and ``intervene`` run; the token
+process's records, a rerun resumes, ``visualize`` (one-grid families; LLaVA-NeXT's two grids are refused
+in one line) and ``intervene`` run; the token
 geometry maps every visual token to its pixels, on synthetic images and on a real COCO
 image's object masks; docs/models.md's selector table says what runs. Family-specific
 checks follow at the end (InternVL's pixel shuffle and tiling refusal, Qwen3-VL's
-deepstack, the real-size image processors).
+deepstack, the real-size image processors, LLaVA-NeXT's and LLaVA-OneVision's anyres crops).
 """
 
 from __future__ import annotations
@@ -24,13 +25,22 @@ from typer.testing import CliRunner
 from prune_audit.cli.main import app
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import mask_area_per_token, token_footprints, token_index_map
+from prune_audit.data.multigrid import grid_pieces
 from prune_audit.data.scenes import CATEGORIES
 from prune_audit.errors import PruneAuditError
 from prune_audit.models import family_names, load_vlm
 from prune_audit.models.families import adapter_for
 from prune_audit.pruners import get_selector, list_selectors
 from prune_audit.records.schema import TIMING_COLUMNS
-from tiny_models import QUESTIONS, WORDS, RecordingLayerSelector, masked_reference_logits, random_image, stock_inputs
+from tiny_models import (
+    QUESTIONS,
+    WORDS,
+    RecordingLayerSelector,
+    masked_reference_logits,
+    random_image,
+    stock_inputs,
+    visual_columns,
+)
 
 TOL = 1e-5
 NUM_LAYERS = 4
@@ -87,11 +97,11 @@ def test_decoder_probe_equals_eager_attention(vlm, checkpoint, prepared):
     eager = type(vlm).transformers_class().from_pretrained(checkpoint, attn_implementation="eager").eval()
     with torch.no_grad():
         attentions = eager(**stock_inputs(vlm, item), output_attentions=True).attentions
-    start, end = item.image_span
+    end = item.image_span[1]
     for layer in (1, NUM_LAYERS - 1):
         selector = RecordingLayerSelector(layer=layer, keep=item.num_visual - 1)
         vlm.answer([item], selector, 1)
-        expected = attentions[layer][0, :, end:, start:end]
+        expected = attentions[layer][0, :, end:, visual_columns(item)]
         assert (selector.records[-1].text_probs - expected).abs().max() <= TOL
 
 
@@ -129,14 +139,21 @@ def test_every_selector_at_full_budget_equals_keep_all_or_refuses_in_one_line(vl
 
 
 def test_geometry_maps_every_visual_token_to_its_pixels(vlm, prepared):
+    """Every grid of the geometry (LLaVA-NeXT: base view and unpadded tiles) maps each of its tokens to pixels
+    it owns, and the grids together number every visual token once."""
     for item in prepared:
         geometry = item.geometry
         assert geometry.grid == item.grid and geometry.num_tokens == item.num_visual
         assert geometry.image_size == item.image_size
-        index = token_index_map(geometry)
-        # every token owns pixels; pixels without a token (-1) are those a centre crop removed
-        assert set(np.unique(index)) - {-1} == set(range(item.num_visual))
-        assert (index >= 0).all() or geometry.mode == "hf_crop"
+        covered = []
+        for first, grid in grid_pieces(geometry):
+            index = token_index_map(grid)
+            # every token owns pixels; pixels without a token (-1) are those a centre crop or unpadding removed, or
+            # the strip a SigLIP crop leaves unseen (OneVision: 27 patches of 14 px in a 384-px crop)
+            assert set(np.unique(index)) - {-1} == set(range(grid.num_tokens))
+            assert (index >= 0).all() or grid.mode in ("hf_crop", "anyres_tiles", "anyres_tiles_downsampled")
+            covered += range(first, first + grid.num_tokens)
+        assert covered == list(range(item.num_visual))
         boxes = token_footprints(geometry)
         assert boxes.shape == (item.num_visual, 4) and (boxes[:, 2] > boxes[:, 0]).all()
 
@@ -149,10 +166,12 @@ def test_real_coco_mask_area_sums_back_per_token(vlm, shared_data):
     image = Image.open(coco_dir / "val2017" / entry.file_name)
     geometry = vlm.prepare(image, QUESTIONS[0]).geometry
     assert geometry.image_size == entry.size
-    seen = token_index_map(geometry) >= 0
     for name in coco.object_names(image_id):
         mask = coco.category_mask(image_id, name)
-        assert mask.any() and mask_area_per_token(mask, geometry).sum() == (mask & seen).sum()
+        area = mask_area_per_token(mask, geometry)
+        for first, grid in grid_pieces(geometry):  # each grid alone counts every mask pixel it sees once
+            seen = token_index_map(grid) >= 0
+            assert mask.any() and area[first: first + grid.num_tokens].sum() == (mask & seen).sum()
 
 
 def run_args(workspace, checkpoint, out, *extra: str) -> list[str]:
@@ -260,8 +279,15 @@ def test_shards_resume_visualize_and_intervene(vlm, prepared, checkpoint, worksp
     figures = tmp_path / "figures"
     result = runner.invoke(app, ["visualize", str(image), "--model", str(checkpoint), "--selector", "divprune",
                                  "--budget", budget, "--question", "Is there a cat in the image?", "--out", str(figures)])
-    assert result.exit_code == 0, result.output
-    assert list(figures.glob("*.png"))
+    if len(grid_pieces(prepared[0].geometry)) > 1:  # overlays draw one token grid per image, also from records
+        question_id = int(records(whole)["question_id"][0])
+        redraw = ["visualize", "--run", str(whole), "--question-id", str(question_id), "--out", str(figures)]
+        for result in (result, runner.invoke(app, redraw)):
+            assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+            assert "token grids per image" in result.stderr
+    else:
+        assert result.exit_code == 0, result.output
+        assert list(figures.glob("*.png"))
 
     result = runner.invoke(app, ["intervene", str(whole), "--mode", "remove", "--out", str(tmp_path / "intervene")])
     assert result.exit_code == 0, result.output
@@ -316,3 +342,133 @@ def test_analytic_flops_equal_the_counted_flops(family, checkpoint, prepared):
         selector = None if name is None else get_selector(name)
         outside, _, answer = counted(vlm, item, selector, None if name is None else item.num_visual // 2)
         assert outside == answer.cost.flops_vision + answer.cost.flops_llm, name
+
+
+# llava-hf/llava-v1.6-vicuna-7b's image processor: 336-px crops and its canvases (height, width)
+LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+
+
+@pytest.mark.parametrize("size", [(640, 480), (480, 640), (500, 333), (672, 672), (1000, 300)])
+def test_llava_next_real_size_processor_puts_every_pixel_on_its_predicted_token(size):
+    """At llava-v1.6's 336-px crops: the token count equals the processor's (visual tokens plus one newline per
+    tile-grid row; 2,880 + 48 at 672 px), and a token-id image of each grid through the bicubic processor shows,
+    away from token borders, the predicted token on the base crop and on the joined, unpadded tiles; the
+    unpadded grid's padding pixels lie where the geometry puts no image."""
+    from types import SimpleNamespace
+
+    import transformers
+    from test_geometry import IMAGE_BLUE, _expected_tokens
+
+    from prune_audit.data.multigrid import anyres_geometry, anyres_layout
+
+    def token_id_image(grid):  # up to 4,096 tokens: green steps of 16 (test_geometry's steps of 40 stop at 1,280)
+        index = token_index_map(grid)
+        return np.stack([index % 256, index // 256 * 16 + 8, np.full_like(index, IMAGE_BLUE)], axis=-1).astype(np.uint8)
+
+    processor = transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 336},
+                                                        crop_size={"height": 336, "width": 336},
+                                                        image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    geometry = anyres_geometry(size, pinpoints=LLAVA_NEXT_PINPOINTS)
+    base, tiles = geometry.grids
+    stock = SimpleNamespace(image_processor=processor, patch_size=14, num_additional_image_tokens=0)
+    stock._get_unpadded_features = lambda *args: transformers.LlavaNextProcessor._get_unpadded_features(stock, *args)
+    count = transformers.LlavaNextProcessor._get_number_of_features(stock, size[1], size[0], 336, 336)
+    assert count == geometry.num_tokens + tiles.grid_rows
+    if size == (672, 672):
+        assert geometry.num_tokens == 2880
+    layout = anyres_layout(size, LLAVA_NEXT_PINPOINTS, 336, 14)
+    tile_rows, tile_cols = layout.canvas[0] // 336, layout.canvas[1] // 336
+    for grid in (base, tiles):
+        crops = processor(images=token_id_image(grid), return_tensors="np", do_rescale=False,
+                          do_normalize=False)["pixel_values"][0]
+        if grid is base:
+            pixels = crops[0]
+        else:  # the tiles joined row-major into the canvas, then the unpadded window
+            canvas = crops[1:].reshape(tile_rows, tile_cols, 3, 336, 336).transpose(2, 0, 3, 1, 4)
+            top, left = layout.cut[0] * 14, layout.cut[1] * 14
+            pixels = canvas.reshape(3, tile_rows * 336, tile_cols * 336)[:, top: top + grid.processed_height,
+                                                                           left: left + grid.processed_width]
+        pixels = np.rint(pixels).astype(int)
+        assert pixels.shape[1:] == (grid.processed_height, grid.processed_width)
+        ys, xs = np.arange(grid.processed_height), np.arange(grid.processed_width)
+        inner = ((ys % 14 >= 3) & (ys % 14 < 11))[:, None] & ((xs % 14 >= 3) & (xs % 14 < 11))[None, :]
+        # processed pixels at least 3 px inside / outside the image the geometry places
+        inside_y = (ys + 0.5 >= grid.offset_y + 3) & (ys + 0.5 <= grid.offset_y + grid.image_height * grid.scale_y - 3)
+        inside_x = (xs + 0.5 >= grid.offset_x + 3) & (xs + 0.5 <= grid.offset_x + grid.image_width * grid.scale_x - 3)
+        outside_y = (ys + 0.5 < grid.offset_y - 3) | (ys + 0.5 > grid.offset_y + grid.image_height * grid.scale_y + 3)
+        outside_x = (xs + 0.5 < grid.offset_x - 3) | (xs + 0.5 > grid.offset_x + grid.image_width * grid.scale_x + 3)
+        image = inner & inside_y[:, None] & inside_x[None, :]
+        decoded = pixels[0] + 256 * ((pixels[1] - 8) // 16)
+        assert image.any() and (pixels[2][image] == IMAGE_BLUE).all()
+        assert (decoded[image] == _expected_tokens(grid)[image]).all()
+        assert (pixels[2][outside_y[:, None] | outside_x[None, :]] == 0).all()
+
+
+@pytest.mark.parametrize("size", [(640, 480), (480, 640), (500, 333), (2000, 1500)])
+def test_llava_onevision_real_size_processor_puts_every_pixel_on_its_predicted_token(size):
+    """At llava-onevision's 384-px SigLIP crops (27 patches of 14 px, the last 6 px unseen) and anyres_max_9: the
+    token count equals the processor's rule (2000 x 1500 is downsampled), and a token-id image of each grid
+    through the bicubic processor shows, away from token borders, the predicted token on the base crop and on
+    the seen part of the joined, unpadded tiles; padding pixels lie where the geometry puts no image."""
+    from types import SimpleNamespace
+
+    import transformers
+    from test_geometry import IMAGE_BLUE
+
+    from prune_audit.data.multigrid import anyres_layout, onevision_geometry
+
+    processor = transformers.LlavaOnevisionImageProcessorPil()  # the llava-hf OneVision defaults: 384 px, 36 canvases
+    pinpoints = processor.image_grid_pinpoints
+    geometry = onevision_geometry(size, pinpoints=pinpoints)
+    base, tiles = geometry.grids
+    stock = SimpleNamespace(image_processor=processor, num_image_tokens=729, vision_aspect_ratio="anyres_max_9")
+    stock._get_unpadded_features = lambda *a: transformers.LlavaOnevisionProcessor._get_unpadded_features(stock, *a)
+    count = transformers.LlavaOnevisionProcessor._get_number_of_features(stock, size[1], size[0], 384, 384)
+    assert count == geometry.num_tokens + tiles.grid[0]
+    assert (tiles.mode == "anyres_tiles_downsampled") == (size == (2000, 1500))
+    if tiles.mode == "anyres_tiles_downsampled":
+        return  # the bilinear resize happens in the model: no processed pixel shows a downsampled token
+    layout = anyres_layout(size, pinpoints, 384, 14)
+    tile_rows, tile_cols = layout.canvas[0] // 384, layout.canvas[1] // 384
+    for grid in (base, tiles):
+        index = token_index_map(grid)
+        image = np.stack([index % 256, index // 256 * 16 + 8, np.full_like(index, IMAGE_BLUE)], axis=-1)
+        crops = processor(images=image.astype(np.uint8), return_tensors="np", do_rescale=False,
+                          do_normalize=False)["pixel_values"][0]
+        if grid is base:
+            seen, canvas_y, canvas_x = crops[0][:, :378, :378], np.arange(378), np.arange(378)
+            inside_y = inside_x = np.ones(378, dtype=bool)
+            expected = (canvas_y // 14)[:, None] * 27 + (canvas_x // 14)[None, :]
+        else:  # each tile's seen 378 px, joined, then the unpadded window
+            joined = crops[1:].reshape(tile_rows, tile_cols, 3, 384, 384)[..., :378, :378].transpose(2, 0, 3, 1, 4)
+            joined = joined.reshape(3, tile_rows * 378, tile_cols * 378)
+            top, left = layout.cut[0] * 14, layout.cut[1] * 14
+            rows, cols = grid.grid
+            seen = joined[:, top: top + rows * 14, left: left + cols * 14]
+            seen_y, seen_x = np.arange(top, top + rows * 14), np.arange(left, left + cols * 14)
+            canvas_y, canvas_x = seen_y // 378 * 384 + seen_y % 378, seen_x // 378 * 384 + seen_x % 378
+            inside_y = (canvas_y + 0.5 >= layout.paste[1] + 3) & (canvas_y + 0.5 <= layout.paste[1] + layout.resized[1] - 3)
+            inside_x = (canvas_x + 0.5 >= layout.paste[0] + 3) & (canvas_x + 0.5 <= layout.paste[0] + layout.resized[0] - 3)
+            outside_y = (canvas_y + 0.5 < layout.paste[1] - 3) | (canvas_y + 0.5 > layout.paste[1] + layout.resized[1] + 3)
+            outside_x = (canvas_x + 0.5 < layout.paste[0] - 3) | (canvas_x + 0.5 > layout.paste[0] + layout.resized[0] + 3)
+            assert (np.rint(seen[2])[outside_y[:, None] | outside_x[None, :]] == 0).all()  # zero padding
+            expected = (np.arange(rows * 14) // 14)[:, None] * cols + (np.arange(cols * 14) // 14)[None, :]
+        pixels = np.rint(seen).astype(int)
+        ys, xs = np.arange(pixels.shape[1]), np.arange(pixels.shape[2])
+        inner = ((ys % 14 >= 3) & (ys % 14 < 11))[:, None] & ((xs % 14 >= 3) & (xs % 14 < 11))[None, :]
+        shown = inner & inside_y[:, None] & inside_x[None, :]
+        decoded = pixels[0] + 256 * ((pixels[1] - 8) // 16)
+        assert shown.any() and (pixels[2][shown] == IMAGE_BLUE).all()
+        assert (decoded[shown] == expected[shown]).all()
+
+
+def test_multi_grid_geometries_survive_the_records_json():
+    """A record's ``geometry`` column (JSON of ``to_dict``) reads back to the same geometry (``visualize --run``)."""
+    import json
+
+    from prune_audit.data.multigrid import anyres_geometry, geometry_from_dict, onevision_geometry
+
+    for geometry in (anyres_geometry((640, 480), pinpoints=LLAVA_NEXT_PINPOINTS),
+                     onevision_geometry((2000, 1500), pinpoints=[[384, 768], [768, 768], [1152, 1152]])):
+        again = geometry_from_dict(json.loads(json.dumps(geometry.to_dict())))
+        assert again == geometry and (token_footprints(again) == token_footprints(geometry)).all()

@@ -16,7 +16,7 @@ from tiny_models import WORDS
 
 
 def test_registered_families_in_registration_order():
-    assert family_names() == ["llava", "qwen2_5_vl", "qwen2_vl", "internvl", "qwen3_vl"]
+    assert family_names() == ["llava", "qwen2_5_vl", "qwen2_vl", "internvl", "qwen3_vl", "llava_next", "llava_onevision"]
     assert families.adapter_for("llava", "x") is LlavaModel
     assert families.adapter_for("qwen2_5_vl", "x") is QwenModel
 
@@ -25,7 +25,7 @@ def test_an_unregistered_model_type_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(PruneAuditError) as error:
         load_vlm(tmp_path, device="cpu")
-    assert str(error.value) == f"{tmp_path} is a 'bert' model; supported families: llava, qwen2_5_vl, qwen2_vl, internvl, qwen3_vl"
+    assert str(error.value) == f"{tmp_path} is a 'bert' model; supported families: llava, qwen2_5_vl, qwen2_vl, internvl, qwen3_vl, llava_next, llava_onevision"
 
 
 def test_a_model_type_cannot_be_served_by_two_adapters():

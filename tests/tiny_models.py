@@ -75,6 +75,9 @@ class RecordingLayerSelector(LayerSelector):
 
 def stock_inputs(vlm, prepared) -> dict[str, torch.Tensor]:
     """Inputs of the stock ``model(**inputs)`` forward for one prepared prompt."""
+    if "image_sizes" in prepared.extras:  # LLaVA-NeXT: the crops of one image and its size
+        return {"input_ids": prepared.input_ids[None], "pixel_values": prepared.pixel_values[None],
+                "image_sizes": prepared.extras["image_sizes"]}
     if "image_grid_thw" not in prepared.extras:  # one fixed-size image: LLaVA, InternVL
         return {"input_ids": prepared.input_ids[None], "pixel_values": prepared.pixel_values[None]}
     image_token = vlm.model.config.image_token_id
@@ -97,21 +100,27 @@ def alive_per_layer(num_layers: int, num_visual: int, stage_layers: list[int], k
     return result
 
 
+def visual_columns(prepared) -> torch.Tensor:
+    """(N,) prompt column of each visual token: the image span, less LLaVA-NeXT's newline tokens."""
+    start, end = prepared.image_span
+    return prepared.extras.get("visual_columns", torch.arange(start, end))
+
+
 def masked_reference_logits(vlm, prepared, stage_layers: list[int], kept_stages: list[list[int]]) -> torch.Tensor:
     """(V,) last-position logits of the stock forward with dropped visual keys masked per layer.
 
     Equivalent to removing the tokens when positions stay the original ones: the
     remaining rows never see the dropped keys from the stage layer on.
     """
-    start, end = prepared.image_span
+    columns = visual_columns(prepared)
     length = prepared.input_ids.numel()
     layers = vlm.model.model.language_model.layers
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     masks = []
-    for alive in alive_per_layer(len(layers), end - start, stage_layers, kept_stages):
+    for alive in alive_per_layer(len(layers), prepared.num_visual, stage_layers, kept_stages):
         keys = torch.ones(length, dtype=torch.bool)
-        keys[start:end] = False
-        keys[torch.as_tensor(alive, dtype=torch.long) + start] = True
+        keys[columns] = False
+        keys[columns[torch.as_tensor(alive, dtype=torch.long)]] = True
         masks.append(((causal & keys[None]) | torch.eye(length, dtype=torch.bool))[None, None])
 
     def hook_for(mask):

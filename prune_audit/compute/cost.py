@@ -66,6 +66,10 @@ class QuestionTokens:
         tower_merges: tokens merged in each layer of ToMe's tower rerun (``location=tower``; empty: no rerun).
         stage_probes: the decoder probes of in-LLM stages.
         selector_flops: the selector's own arithmetic (``compute.selectors``).
+        crops: images the vision tower ran on for this question (LLaVA-NeXT: the base view and each tile).
+        crop_grid: (rows, cols) patches of each crop when the tower ran on crops; None: ``grid`` times the merge.
+        projected_tokens: tokens the projector ran on when not the visual tokens (LLaVA-OneVision projects the
+            unpadded tile grid, then downsamples it); None: ``visual_tokens``.
     """
 
     grid: tuple[int, int]
@@ -81,6 +85,9 @@ class QuestionTokens:
     tower_merges: tuple[int, ...] = ()
     stage_probes: tuple[StageProbe, ...] = ()
     selector_flops: int = 0
+    crops: int = 1
+    crop_grid: tuple[int, int] | None = None
+    projected_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -133,10 +140,10 @@ def signal_sources(tokens: QuestionTokens) -> tuple[str, ...]:
 def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     """The cost columns of one question's prefill."""
     vision, language = shape.vision, shape.language
-    patch_grid = (tokens.grid[0] * vision.merge, tokens.grid[1] * vision.merge)
-    tower = flops.vision_tower(vision, patch_grid) + flops.projector(vision, tokens.visual_tokens)
-    signals = flops.cls_probe(vision, patch_grid) if tokens.cls_probe else 0
-    signals += flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
+    patch_grid = tokens.crop_grid or (tokens.grid[0] * vision.merge, tokens.grid[1] * vision.merge)
+    tower = tokens.crops * flops.vision_tower(vision, patch_grid) + flops.projector(vision, tokens.projected_tokens or tokens.visual_tokens)
+    signals = tokens.crops * flops.cls_probe(vision, patch_grid) if tokens.cls_probe else 0
+    signals += tokens.crops * flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
     if tokens.text_chunks:
         signals += flops.clip_text_relevance(shape.clip_text, tokens.text_chunks, tokens.visual_tokens)
     signals += flops.merging_tower(vision, patch_grid, tokens.tower_merges) if tokens.tower_merges else 0

@@ -21,6 +21,8 @@ Modes (evaluation spec, section D):
 - ``qwen_smart_resize``: ``Qwen2VLImageProcessor`` (Qwen2-VL and Qwen2.5-VL):
   ``smart_resize`` to multiples of ``patch_size * merge_size``; one LLM token per
   28 x 28 processed pixels, no padding, no crop.
+- ``anyres_tiles``: LLaVA-NeXT's unpadded tile grid; with its base view, one of an image's several
+  grids (``data.multigrid``, whose geometries the functions below also take).
 
 Image sizes are ``(width, height)`` as in ``PIL.Image.size``; arrays are ``(H, W)``.
 """
@@ -36,7 +38,7 @@ import numpy as np
 
 from prune_audit.errors import PruneAuditError
 
-MODES = ("llava_pad", "hf_crop", "hf_pad", "qwen_smart_resize")
+MODES = ("llava_pad", "hf_crop", "hf_pad", "qwen_smart_resize", "anyres_tiles")
 
 CLIP_PATCH_SIZE = 14
 LLAVA_SIDE = 336
@@ -253,6 +255,8 @@ def token_index_map(geometry: TokenGeometry) -> np.ndarray:
 
     Cached per geometry (geometries are frozen); the returned array is read-only.
     """
+    if not isinstance(geometry, TokenGeometry):  # data.multigrid's geometries map themselves
+        return geometry.index_map()
     rows = _pixel_tokens_1d(geometry.image_height, geometry.scale_y, geometry.offset_y, geometry.token_pixels,
                             geometry.grid_rows)
     cols = _pixel_tokens_1d(geometry.image_width, geometry.scale_x, geometry.offset_x, geometry.token_pixels,
@@ -269,6 +273,8 @@ def token_footprints(geometry: TokenGeometry) -> np.ndarray:
     Half-open boxes [x0, x1) x [y0, y1), not clipped to the image: padding tokens lie
     partly or wholly outside it.
     """
+    if not isinstance(geometry, TokenGeometry):
+        return geometry.footprints()
     t = geometry.token_pixels
     cols = np.arange(geometry.grid_cols, dtype=np.float64)
     rows = np.arange(geometry.grid_rows, dtype=np.float64)
@@ -286,6 +292,8 @@ def mask_area_per_token(mask: np.ndarray, geometry: TokenGeometry) -> np.ndarray
     Args:
         mask: (H, W) boolean mask at the original resolution of ``geometry``.
     """
+    if not isinstance(geometry, TokenGeometry):
+        return geometry.mask_areas(mask)
     if mask.shape != (geometry.image_height, geometry.image_width):
         raise PruneAuditError(
             f"mask shape {mask.shape} does not match the geometry's image (H, W) = "
@@ -322,18 +330,12 @@ def _qwen_from_processor(image_processor: Any, image_size: tuple[int, int]) -> T
     max_pixels = _size_value(size, "longest_edge") or getattr(image_processor, "max_pixels", None)
     if min_pixels is None or max_pixels is None:
         raise PruneAuditError("Qwen2-VL image processor has no min/max pixels in its size configuration")
-    return qwen_geometry(
-        image_size,
-        min_pixels=int(min_pixels),
-        max_pixels=int(max_pixels),
-        patch_size=int(image_processor.patch_size),
-        merge_size=int(image_processor.merge_size),
-    )
+    return qwen_geometry(image_size, min_pixels=int(min_pixels), max_pixels=int(max_pixels),
+                         patch_size=int(image_processor.patch_size), merge_size=int(image_processor.merge_size))
 
 
-def _clip_from_processor(
-    image_processor: Any, image_size: tuple[int, int], patch_size: int, pads_to_square: bool
-) -> TokenGeometry:
+def _clip_from_processor(image_processor: Any, image_size: tuple[int, int], patch_size: int,
+                         pads_to_square: bool) -> TokenGeometry:
     family = _class_family(image_processor)
     processor_pads = bool(getattr(image_processor, "do_pad", False))
     if processor_pads and family != "LlavaImageProcessor":
@@ -352,10 +354,8 @@ def _clip_from_processor(
     if getattr(image_processor, "do_center_crop", False):
         crop = image_processor.crop_size
         crop_size = (_size_value(crop, "height"), _size_value(crop, "width"))
-    return clip_geometry(
-        image_size, mode=mode, shortest_edge=shortest_edge, resize_to=resize_to, crop_size=crop_size,
-        patch_size=patch_size,
-    )
+    return clip_geometry(image_size, mode=mode, shortest_edge=shortest_edge, resize_to=resize_to, crop_size=crop_size,
+                         patch_size=patch_size)
 
 
 def geometry_from_processor(

@@ -80,6 +80,7 @@ def question_cost(
         tower_merges=tower_merges,
         stage_probes=probes,
         selector_flops=arithmetic,
+        **vlm.tower_crops(item),
     )
     return prefill_cost(shape, tokens)
 

@@ -136,6 +136,11 @@ class VisionLanguageModel(AnswerModes, ABC):
     def _family_description(self) -> dict[str, Any]:
         return {}
 
+    def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
+        """How the vision tower ran on ``prepared`` when not on one image of its grid: ``crops`` and ``crop_grid``
+        (:class:`~prune_audit.compute.cost.QuestionTokens`; LLaVA-NeXT overrides)."""
+        return {}
+
     # ----- public API ---------------------------------------------------------------
     @property
     def device(self) -> torch.device:

@@ -12,6 +12,8 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.internvl import InternVLModel
 from prune_audit.models.llava import LlavaModel
+from prune_audit.models.llava_next import LlavaNextModel
+from prune_audit.models.llava_onevision import LlavaOnevisionModel
 from prune_audit.models.qwen import QwenModel
 from prune_audit.models.qwen2_vl import Qwen2VLModel
 from prune_audit.models.qwen3_vl import Qwen3VLModel
@@ -45,5 +47,7 @@ register_family("qwen2_5_vl", QwenModel)
 register_family("qwen2_vl", Qwen2VLModel)
 register_family("internvl", InternVLModel)
 register_family("qwen3_vl", Qwen3VLModel)
+register_family("llava_next", LlavaNextModel)
+register_family("llava_onevision", LlavaOnevisionModel)
 
 __all__ = ["register_family", "family_names", "adapter_for"]

@@ -289,7 +289,7 @@ RUN_COLUMNS: tuple[Column, ...] = (
     _run("latency_ms", pa.float64(), "wall time of the question: the sum of its latency parts (vision, selection, "
                                      "prefill; tasks that generate: and decoding), each batch time / batch size"),
     *COST_COLUMNS,
-    _run("geometry", pa.string(), "JSON of the image's `TokenGeometry` (lets `visualize --run` redraw without the model)"),
+    _run("geometry", pa.string(), "JSON of the image's `TokenGeometry` (several grids: `data.multigrid`; lets `visualize --run` redraw without the model)"),
     _run("order", pa.int64(), "position of the question in the run's question list (sorts the rows)"),
 )
 

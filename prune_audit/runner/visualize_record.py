@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from prune_audit.analysis.overlay import Panel, draw_panels
-from prune_audit.data.geometry import TokenGeometry
+from prune_audit.data.multigrid import geometry_from_dict
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import FIRST, StageChoice, record_stage
 from prune_audit.runner.visualize import (
@@ -49,7 +49,7 @@ def visualize_record(
     if len(rows) > 1:
         raise PruneAuditError(f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split")
     row = rows[0]
-    geometry = TokenGeometry(**json.loads(row["geometry"]))
+    geometry = geometry_from_dict(json.loads(row["geometry"]))
     image = _run_image(manifest, row["image"], run_dir)
     pixels = load_rgb(image)
     mask, missing = _evidence_mask(manifest, row, image, pixels, run_dir)

@@ -1,0 +1,265 @@
+"""LLaVA-NeXT (LLaVA-1.6) in the Hugging Face layout (``LlavaNextForConditionalGeneration``).
+
+Vision: the CLIP tower runs on every crop of the anyres tiling (the base view, then the tiles of
+the best-resolution canvas; ``data.multigrid``), features of ``vision_feature_layer`` without CLS
+through the MLP projector, as LLaVA-1.5 on each crop. ``pack_image_features`` then keeps the base
+view's 576 patches and the tiles' patches joined into one grid and unpadded; those are the
+image's N visual tokens (up to 576 + 48 x 48 = 2,880 at a 672-px canvas), numbered base view
+first, then the tile grid row-major (``Prepared.extras["crop_patches"]`` maps each to its crop
+patch). The model also puts the learned ``image_newline`` embedding after every tile-grid row.
+
+Newlines are not visual tokens: no pixels, never counted in a budget, never pruned, never a text
+query row. They keep their place in the image span (after their row, as ``pack_image_features``
+puts them) with the kind ``TEXT_BEFORE`` (kept like the prompt before the image); a pruned row
+keeps every newline and the surviving visual tokens in prompt order.
+
+Positions: 1-D RoPE; after input-level selection the prompt is simply shorter (compact), as for
+LLaVA-1.5. Selectors that lay tokens on one (rows, cols) grid (uniform's lattice, pooling, ToMe's
+grid, E2S's novelty blocks, HiPrune's neighbours, VScan's windows) are refused: the tokens form
+two grids. CLS- and vision-attention selectors and CDPruner are refused too: the per-crop CLS
+attention and CLIP text relevance of the official LLaVA-NeXT ports are not read here
+(docs/models.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.models.batch import TokenRow
+from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE
+from prune_audit.models.llava import LlavaModel
+from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
+from prune_audit.pruners.base import Selection, Selector
+
+#: selectors that place tokens on one (rows, cols) grid, which an anyres image does not have
+ONE_GRID_SELECTORS = frozenset({"uniform", "pool", "tome", "e2s", "hiprune", "vscan"})
+ONE_GRID = "one regular token grid"
+NEWLINE_KIND = TEXT_BEFORE  # kept like the text before the image: never pruned, never a query row
+
+
+class LlavaNextModel(LlavaModel):
+    """LLaVA-NeXT adapter (one image per prompt, anyres tiling with unpadding and row newlines)."""
+
+    family = "llava_next"
+    input_signals = frozenset({"features", "demand"})
+    cls_probe_signals = layer_probe_signals = frozenset()
+    missing_signals_reason = (
+        "its visual tokens form two grids (base view and unpadded tiles), and this adapter reads neither the "
+        "per-crop CLS attention nor a CLIP text space"
+    )
+    display_name = "LLaVA-NeXT"
+
+    @classmethod
+    def transformers_class(cls) -> type:
+        from transformers import LlavaNextForConditionalGeneration
+
+        return LlavaNextForConditionalGeneration
+
+    @classmethod
+    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
+                   image_size: int = 56) -> Path:
+        """A random-weight checkpoint of this family for offline tests (:func:`build_llava_next`)."""
+        return build_llava_next(save_dir, words=words, text_layers=text_layers, seed=seed, tile=image_size)
+
+    @classmethod
+    def check_clip_text(cls, clip_text: object) -> None:
+        """CDPruner's CLIP text relevance over the anyres crops is not ported: refuse a CLIP text tower."""
+        if clip_text is not None:
+            raise PruneAuditError("clip_text is not supported on LLaVA-NeXT (CDPruner's relevance over its crops is "
+                                  "not ported); leave out --clip-text")
+
+    def __init__(self, model, processor, *, model_id: str, prompt_template: str | None = None,
+                 system_prompt: str | None = None, clip: tuple[Any, Any] | None = None):
+        self.check_clip_text(clip)
+        image_processor = processor.image_processor
+        tile = model.config.vision_config.image_size
+        size, crop = dict(image_processor.size), dict(image_processor.crop_size)
+        if size.get("shortest_edge", size.get("height")) != tile or crop.get("height") != tile or (
+            crop.get("width") != tile
+        ):
+            raise PruneAuditError(
+                f"{model_id}: the LLaVA-NeXT processor's size {size} and crop_size {crop} must both be the tower's "
+                f"{tile}-px input (each crop is then used whole)"
+            )
+        super().__init__(model, processor, model_id=model_id, prompt_template=prompt_template,
+                         system_prompt=system_prompt)
+        self.tile = tile
+        self.pinpoints = [tuple(int(side) for side in pair) for pair in model.config.image_grid_pinpoints]
+
+    def prepare(self, image, question: str) -> Prepared:
+        from prune_audit.data.multigrid import anyres_crop_patches, anyres_geometry
+
+        image = image.convert("RGB")
+        encoded = self.processor(images=image, text=self.prompt(question), return_tensors="pt")
+        input_ids = encoded["input_ids"][0]
+        start, end = find_image_span(input_ids, self.model.config.image_token_id)
+        patch = self.model.config.vision_config.patch_size
+        layout = {"pinpoints": self.pinpoints, "tile": self.tile, "patch_size": patch}
+        geometry = anyres_geometry(image.size, **layout)
+        base, tiles = geometry.grids
+        if geometry.num_tokens + tiles.grid_rows != end - start:
+            raise PruneAuditError(
+                f"the prompt holds {end - start} image tokens but the anyres geometry gives {geometry.num_tokens} "
+                f"visual tokens and {tiles.grid_rows} newlines; check the processor's image_grid_pinpoints"
+            )
+        return Prepared(
+            input_ids=input_ids,
+            image_span=(start, end),
+            grid=geometry.grid,
+            pixel_values=encoded["pixel_values"][0],
+            question=question,
+            image_size=image.size,
+            geometry=geometry,
+            extras={"image_sizes": encoded["image_sizes"],
+                    "visual_columns": visual_columns(start, base.num_tokens, tiles.grid),
+                    "crop_patches": torch.from_numpy(anyres_crop_patches(image.size, **layout))},
+        )
+
+    # ----- vision ---------------------------------------------------------------------
+    def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
+        outputs = []
+        for item in prepared:  # images have different crop counts: one tower call per image
+            crops = item.pixel_values.to(self.device, self.dtype)
+            patches = self._tower_states(crops)[self.feature_index][:, 1:]  # (K, 576, Dv), CLS dropped
+            visual = patches.flatten(0, 1)[item.extras["crop_patches"].to(self.device)]
+            outputs.append(VisionOutput(self.model.model.multi_modal_projector(visual)))
+        return outputs
+
+    def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
+        """The tower ran on every crop (base view and tiles) of ``tile // patch`` squared patches."""
+        side = self.tile // self.model.config.vision_config.patch_size
+        return {"crops": int(prepared.pixel_values.shape[0]), "crop_grid": (side, side)}
+
+    def _missing(self, cls: type[Selector]) -> set[str]:
+        missing = super()._missing(cls)
+        return missing | {ONE_GRID} if cls.name in ONE_GRID_SELECTORS else missing
+
+    def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
+        """The language-model input of one prompt: the kept visual tokens and every newline in prompt order."""
+        if selection is not None and selection.sources is not None:
+            raise PruneAuditError("merged visual tokens are not supported on LLaVA-NeXT")
+        start, end = item.image_span
+        device = self.device
+        ids = item.input_ids.to(device)
+        embed = self.loop.stack.embed_tokens
+        visual_at = item.extras["visual_columns"].to(device) - start  # span offset of each visual token
+        span = self.model.model.image_newline.to(self.dtype).expand(end - start, -1).clone()
+        span[visual_at] = output.features.to(self.dtype)
+        span_kinds = torch.full((end - start,), NEWLINE_KIND, device=device)
+        span_kinds[visual_at] = torch.arange(item.num_visual, device=device)
+        keep = span_kinds == NEWLINE_KIND
+        keep[visual_at if selection is None else visual_at[selection.kept.to(device)]] = True
+        embeddings = torch.cat([embed(ids[:start]), span[keep], embed(ids[end:])])
+        before = torch.full((start,), TEXT_BEFORE, device=device)
+        after = torch.full((ids.numel() - end,), TEXT_AFTER, device=device)
+        kinds = torch.cat([before, span_kinds[keep], after])
+        if selection is not None:  # compact: the pruned prompt is simply shorter
+            positions = torch.arange(kinds.numel(), device=device)[None]
+        else:
+            columns = torch.cat([torch.arange(start, device=device), start + torch.nonzero(keep).flatten(),
+                                 torch.arange(end, ids.numel(), device=device)])
+            positions = columns[None]
+        return TokenRow(embeddings, kinds, positions)
+
+    def _family_description(self) -> dict[str, Any]:
+        image_processor = self.processor.image_processor
+        return {
+            "processor": {
+                "class": type(image_processor).__name__,
+                "mode": "llava_next_anyres",
+                "size": dict(image_processor.size),
+                "crop_size": dict(image_processor.crop_size),
+                "image_grid_pinpoints": [list(pair) for pair in self.pinpoints],
+                "patch_size": self.model.config.vision_config.patch_size,
+                "vision_feature_layer": self.model.config.vision_feature_layer,
+            },
+        }
+
+
+
+def visual_columns(start: int, base_tokens: int, tile_grid: tuple[int, int]) -> Tensor:
+    """(N,) prompt column of each visual token of an image span starting at ``start``: the base view's
+    ``base_tokens``, then each of the tile grid's rows followed by its newline (``pack_image_features``)."""
+    rows, cols = tile_grid
+    row_starts = base_tokens + torch.arange(rows) * (cols + 1)
+    tile_columns = (row_starts[:, None] + torch.arange(cols)[None]).flatten()
+    return start + torch.cat([torch.arange(base_tokens), tile_columns])
+
+
+def build_llava_next(
+    save_dir: str | Path,
+    *,
+    words: Sequence[str],
+    tile: int = 56,
+    patch_size: int = 14,
+    vision_hidden_size: int = 64,
+    vision_layers: int = 2,
+    vision_heads: int = 4,
+    text_hidden_size: int = 64,
+    text_intermediate_size: int = 128,
+    text_layers: int = 2,
+    text_heads: int = 4,
+    seed: int = 0,
+) -> Path:
+    """Save a randomly initialised ``LlavaNextForConditionalGeneration`` (CLIP + 2-layer projector + Llama) with its
+    PIL processor: ``tile``-px crops, canvases of 1 x 2, 2 x 1 and 2 x 2 tiles (LLaVA-1.6's 336-px pinpoints
+    scaled to the tile), the LLaVA-1.5 test tokenizer and chat template.
+
+    The real LLaVA-v1.6-Vicuna-7B widths are ``tile=336, vision_hidden_size=1024, vision_layers=24,
+    vision_heads=16, text_hidden_size=4096, text_intermediate_size=11008, text_layers=32, text_heads=32``
+    (pinpoints up to 672 x 672 and 336 x 1008).
+    """
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+    )
+
+    from prune_audit.models.build import (
+        LLAVA_CHAT_TEMPLATE,
+        LLAVA_TEMPLATE_WORDS,
+        SPECIAL_TOKENS,
+        _vocabulary,
+        word_level_tokenizer,
+    )
+
+    if tile % patch_size:
+        raise ValueError(f"tile {tile} must be a multiple of patch_size {patch_size}")
+    save_dir = Path(save_dir)
+    tokenizer = word_level_tokenizer(_vocabulary(words, SPECIAL_TOKENS, LLAVA_TEMPLATE_WORDS))
+    pinpoints = [[tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile]]
+    vision = CLIPVisionConfig(hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
+                              num_hidden_layers=vision_layers, num_attention_heads=vision_heads, image_size=tile,
+                              patch_size=patch_size, hidden_act="quick_gelu")
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=text_hidden_size,
+                       intermediate_size=text_intermediate_size, num_hidden_layers=text_layers,
+                       num_attention_heads=text_heads, num_key_value_heads=text_heads, max_position_embeddings=512,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    config = LlavaNextConfig(vision_config=vision, text_config=text,
+                             image_token_index=tokenizer.convert_tokens_to_ids("<image>"), projector_hidden_act="gelu",
+                             vision_feature_layer=-2, vision_feature_select_strategy="default",
+                             image_grid_pinpoints=pinpoints, image_seq_length=(tile // patch_size) ** 2)
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": tile},
+                                                 crop_size={"height": tile, "width": tile},
+                                                 image_grid_pinpoints=pinpoints)
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
+                                   vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE,
+                                   num_additional_image_tokens=1)
+    model.save_pretrained(save_dir)
+    processor.save_pretrained(save_dir)
+    return save_dir
+
+
+__all__ = ["LlavaNextModel", "build_llava_next", "visual_columns", "ONE_GRID_SELECTORS"]

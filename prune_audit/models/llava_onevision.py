@@ -1,0 +1,279 @@
+"""LLaVA-OneVision in the Hugging Face layout (``LlavaOnevisionForConditionalGeneration``).
+
+As LLaVA-NeXT (``llava_next.py``: base view plus unpadded tiles, one ``image_newline`` per tile-grid row
+kept like text, budgets over all visual tokens, compact positions) with three differences:
+
+- the vision tower is SigLIP without CLS (strategy ``"full"``, ``vision_feature_layer`` -1 in the released
+  checkpoints): a 384-px crop gives 27 x 27 = 729 patches of 14 px from its top left (its last 6 px unseen),
+  so the joined tile grid is not one affine grid (``data.multigrid.RectilinearGrid``);
+- ``anyres_max_9`` bilinearly downsamples an unpadded tile grid above 9 crops' worth of patches (ratio above
+  1.1) after the projector; a downsampled token's footprint is its cell of the coarser grid (a convention:
+  the bilinear sample reads the 2 x 2 patches around the cell centre);
+- the decoder is Qwen2 (1-D RoPE); the prompt is the llava-hf OneVision chat format (ChatML, the default system
+  message, ``<image>`` tokens then a newline before the question), built here with the image processor and
+  tokenizer loaded on their own: ``LlavaOnevisionProcessor`` wants a video processor (torchvision) never used.
+  The image token count is the geometry's (visual tokens plus newlines), tested equal to the processor's rule.
+
+Every selector that needs CLS attention is refused (SigLIP has no CLS), as on LLaVA-NeXT the one-grid
+selectors and CDPruner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prune_audit.compute.shape import ModelShape, VisionShape
+from prune_audit.errors import PruneAuditError
+from prune_audit.models.base import VisionLanguageModel
+from prune_audit.models.executor import DecoderStack
+from prune_audit.models.llava_next import LlavaNextModel, visual_columns
+from prune_audit.models.loading import image_processor_and_tokenizer
+from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
+from prune_audit.models.probe import single_tensor_rope
+from prune_audit.models.shape import language_shape
+
+PROMPT_TEMPLATE = "onevision_chatml"
+DEFAULT_SYSTEM = "You are a helpful assistant."  # the llava-hf OneVision chat template's system message
+IMAGE_TOKEN = "<image>"
+
+
+class LlavaOnevisionModel(LlavaNextModel):
+    """LLaVA-OneVision adapter (one image per prompt, anyres-max tiling, SigLIP tower without CLS)."""
+
+    family = "llava_onevision"
+    missing_signals_reason = (
+        "its visual tokens form two grids (base view and unpadded tiles), its SigLIP tower has no CLS token, and "
+        "this adapter reads no CLIP text space"
+    )
+    display_name = "LLaVA-OneVision"
+    prompt_templates = (PROMPT_TEMPLATE,)
+
+    @classmethod
+    def transformers_class(cls) -> type:
+        from transformers import LlavaOnevisionForConditionalGeneration
+
+        return LlavaOnevisionForConditionalGeneration
+
+    @classmethod
+    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
+                   image_size: int = 60) -> Path:
+        """A random-weight checkpoint of this family for offline tests (:func:`build_llava_onevision`)."""
+        return build_llava_onevision(save_dir, words=words, text_layers=text_layers, seed=seed, tile=image_size)
+
+    @classmethod
+    def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
+                   clip_text: str | None) -> LlavaOnevisionModel:
+        cls.check_clip_text(clip_text)
+        image_processor, tokenizer = image_processor_and_tokenizer(source)
+        return cls(model, image_processor, tokenizer, model_id=source, prompt_template=prompt_template,
+                   system_prompt=system_prompt)
+
+    def __init__(self, model, image_processor, tokenizer, *, model_id: str, prompt_template: str | None = None,
+                 system_prompt: str | None = None):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        config = model.config
+        if config.vision_feature_select_strategy != "full" or not isinstance(config.vision_feature_layer, int):
+            raise PruneAuditError("only LLaVA-OneVision checkpoints with one vision_feature_layer and the 'full' "
+                                  "strategy (SigLIP, no CLS) are supported")
+        tile = config.vision_config.image_size
+        size = dict(image_processor.size)
+        if (size.get("height"), size.get("width")) != (tile, tile) or getattr(image_processor, "do_center_crop", False):
+            raise PruneAuditError(f"{model_id}: the LLaVA-OneVision processor must resize each crop to the tower's "
+                                  f"{tile} x {tile} input without a centre crop (size is {size})")
+        if not config.vision_aspect_ratio.startswith("anyres_max_"):
+            raise PruneAuditError(f"vision_aspect_ratio {config.vision_aspect_ratio!r} is not supported (anyres_max_N is)")
+        template = self.resolve_template(prompt_template)
+        language = model.model.language_model
+        stack = DecoderStack(
+            embed_tokens=language.embed_tokens,
+            layers=language.layers,
+            norm=language.norm,
+            lm_head=model.lm_head,
+            rotary=lambda hidden, positions: language.rotary_emb(hidden, positions[0]),
+            apply_rope=single_tensor_rope(apply_rotary_pos_emb),
+            config=config.text_config,
+        )
+        VisionLanguageModel.__init__(self, model, tokenizer, stack, model_id=model_id, prompt_template=template,
+                                     system_prompt=system_prompt)
+        self.image_processor = image_processor
+        self.clip = None
+        self.vision_tower = model.model.vision_tower
+        hidden_count = config.vision_config.num_hidden_layers + 1
+        layer = config.vision_feature_layer
+        self.feature_index = layer if layer >= 0 else hidden_count + layer
+        if not 1 <= self.feature_index < hidden_count:
+            raise PruneAuditError(f"vision_feature_layer {layer} has no encoder layer producing it")
+        self.tile = tile
+        self.pinpoints = [tuple(int(side) for side in pair) for pair in config.image_grid_pinpoints]
+        self.max_tiles = int(config.vision_aspect_ratio.removeprefix("anyres_max_"))
+        self.shape = ModelShape(siglip_vision_shape(config, self.feature_index), language_shape(config.text_config),
+                                model.dtype.itemsize)
+
+    def prompt(self, question: str, num_image_tokens: int = 1) -> str:
+        """The OneVision chat prompt for one image (``num_image_tokens`` ``<image>`` tokens) and ``question``."""
+        system = self.system_prompt or DEFAULT_SYSTEM
+        return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{IMAGE_TOKEN * num_image_tokens}\n"
+                f"{question}<|im_end|>\n<|im_start|>assistant\n")
+
+    def prepare(self, image, question: str) -> Prepared:
+        from prune_audit.data.multigrid import anyres_crop_patches, anyres_layout, onevision_geometry
+
+        image = image.convert("RGB")
+        encoded = self.image_processor(images=[image], return_tensors="pt")
+        patch = self.model.config.vision_config.patch_size
+        layout = {"pinpoints": self.pinpoints, "tile": self.tile, "patch_size": patch}
+        geometry = onevision_geometry(image.size, max_tiles=self.max_tiles, **layout)
+        base, tiles = geometry.grids
+        rows, cols = tiles.grid
+        prompt = self.prompt(question, geometry.num_tokens + rows)  # every visual token, one newline per row
+        input_ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
+        start, end = find_image_span(input_ids, self.model.config.image_token_id)
+        unpadded = anyres_layout(image.size, self.pinpoints, self.tile, patch).grid
+        return Prepared(
+            input_ids=input_ids,
+            image_span=(start, end),
+            grid=geometry.grid,
+            pixel_values=encoded["pixel_values"][0],
+            question=question,
+            image_size=image.size,
+            geometry=geometry,
+            extras={"image_sizes": encoded["image_sizes"],
+                    "visual_columns": visual_columns(start, base.num_tokens, tiles.grid),
+                    "crop_patches": torch.from_numpy(anyres_crop_patches(image.size, **layout)),
+                    "tile_grid": torch.tensor([*unpadded, rows, cols])},
+        )
+
+    def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
+        outputs = []
+        for item in prepared:  # images have different crop counts: one tower call per image
+            crops = item.pixel_values.to(self.device, self.dtype)
+            patches = self._tower_states(crops)[self.feature_index]  # (K, side^2, Dv), no CLS
+            projected = self.model.model.multi_modal_projector(
+                patches.flatten(0, 1)[item.extras["crop_patches"].to(self.device)])
+            rows, cols, out_rows, out_cols = item.extras["tile_grid"].tolist()
+            base = projected[: projected.shape[0] - rows * cols]
+            tiles = projected[base.shape[0]:]
+            if (out_rows, out_cols) != (rows, cols):  # anyres_max: the stock bilinear resize, after the projector
+                grid = tiles.reshape(rows, cols, -1).permute(2, 0, 1)[None]
+                grid = torch.nn.functional.interpolate(grid, [out_rows, out_cols], mode="bilinear")[0]
+                tiles = grid.permute(1, 2, 0).reshape(out_rows * out_cols, -1)
+            outputs.append(VisionOutput(torch.cat([base, tiles])))
+        return outputs
+
+    def _tower_states(self, pixels: Tensor) -> list[Tensor]:
+        """SigLIP hidden states 0..feature_index of (B, 3, H, W) crops, each (B, P, Dv): the stock modules in order,
+        no later layer (``feature_index`` is the last one in the released checkpoints)."""
+        hidden = self.vision_tower.embeddings(pixels)
+        states = [hidden]
+        for layer in self.vision_tower.encoder.layers[: self.feature_index]:
+            hidden = layer(hidden, None)
+            states.append(hidden)
+        return states
+
+    def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
+        """Every crop through the tower; the projector ran on the base view and the whole unpadded tile grid."""
+        side = self.tile // self.model.config.vision_config.patch_size
+        return {"crops": int(prepared.pixel_values.shape[0]), "crop_grid": (side, side),
+                "projected_tokens": int(prepared.extras["crop_patches"].numel())}
+
+    def _family_description(self) -> dict[str, Any]:
+        image_processor = self.image_processor
+        return {
+            "processor": {
+                "class": type(image_processor).__name__,
+                "mode": "llava_onevision_anyres",
+                "size": dict(image_processor.size),
+                "image_grid_pinpoints": [list(pair) for pair in self.pinpoints],
+                "vision_aspect_ratio": self.model.config.vision_aspect_ratio,
+                "patch_size": self.model.config.vision_config.patch_size,
+                "vision_feature_layer": self.model.config.vision_feature_layer,
+            },
+        }
+
+
+def siglip_vision_shape(config: Any, feature_index: int) -> VisionShape:
+    """SigLIP up to encoder layer ``feature_index`` (no CLS, no later layer, no head) and the 2-layer projector."""
+    vision, text_width = config.vision_config, config.text_config.hidden_size
+    return VisionShape(
+        layers=feature_index,
+        width=vision.hidden_size,
+        mlp_width=vision.intermediate_size,
+        mlp_matrices=2,
+        patch_inputs=vision.num_channels * vision.patch_size**2,
+        class_tokens=0,
+        merge=1,
+        window=0,
+        full_attention_layers=(),
+        projector=((vision.hidden_size, text_width), (text_width, text_width)),
+    )
+
+
+def build_llava_onevision(
+    save_dir: str | Path,
+    *,
+    words: Sequence[str],
+    tile: int = 60,
+    patch_size: int = 14,
+    vision_hidden_size: int = 32,
+    vision_layers: int = 2,
+    vision_heads: int = 2,
+    text_hidden_size: int = 64,
+    text_intermediate_size: int = 128,
+    text_layers: int = 2,
+    text_heads: int = 4,
+    text_kv_heads: int = 2,
+    max_tiles: int = 1,
+    seed: int = 0,
+) -> Path:
+    """Save a randomly initialised ``LlavaOnevisionForConditionalGeneration`` (SigLIP + projector + Qwen2) with its
+    PIL processor: ``tile``-px crops (60 px hold 4 patches of 14 px, leaving 4 px unseen as 384 px leave 6),
+    canvases of 1 x 2, 2 x 1 and 2 x 2 tiles, and ``anyres_max_{max_tiles}`` (1: the tests' 2 x 2 canvases are
+    downsampled; the released checkpoints use 9).
+
+    The real LLaVA-OneVision-Qwen2-7B widths are ``tile=384, vision_hidden_size=1152, vision_layers=26
+    (feature layer -1), vision_heads=16, text_hidden_size=3584, text_intermediate_size=18944, text_layers=28,
+    text_heads=28, text_kv_heads=4, max_tiles=9`` (pinpoints up to 2304 x 2304).
+    """
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil
+
+    from prune_audit.models.build import qwen_tokenizer
+
+    save_dir = Path(save_dir)
+    tokenizer = qwen_tokenizer(words, extra_special_tokens=("<video>",))  # <image> is among its special tokens
+    ids = tokenizer.convert_tokens_to_ids
+    pinpoints = [[tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile]]
+    config = LlavaOnevisionConfig(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": vision_hidden_size,
+                       "intermediate_size": 2 * vision_hidden_size, "num_hidden_layers": vision_layers,
+                       "num_attention_heads": vision_heads, "image_size": tile, "patch_size": patch_size,
+                       "vision_use_head": False},
+        text_config={"model_type": "qwen2", "vocab_size": len(tokenizer), "hidden_size": text_hidden_size,
+                     "intermediate_size": text_intermediate_size, "num_hidden_layers": text_layers,
+                     "num_attention_heads": text_heads, "num_key_value_heads": text_kv_heads,
+                     "max_position_embeddings": 512, "bos_token_id": None, "eos_token_id": ids("<|im_end|>"),
+                     "pad_token_id": ids("<|endoftext|>"), "tie_word_embeddings": False},
+        image_token_index=ids(IMAGE_TOKEN),
+        video_token_index=ids("<video>"),
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        vision_aspect_ratio=f"anyres_max_{max_tiles}",
+        image_grid_pinpoints=pinpoints,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaOnevisionForConditionalGeneration(config).eval()
+    image_processor = LlavaOnevisionImageProcessorPil(size={"height": tile, "width": tile},
+                                                      image_grid_pinpoints=pinpoints)
+    model.save_pretrained(save_dir)
+    image_processor.save_pretrained(save_dir)
+    tokenizer.save_pretrained(save_dir)
+    return save_dir
+
+
+__all__ = ["LlavaOnevisionModel", "build_llava_onevision", "siglip_vision_shape"]
