@@ -6,6 +6,13 @@ import numpy as np
 import pytest
 
 from prune_audit.data.scenes import CATEGORIES, Scene, SceneObject, generate_scene
+from prune_audit.demo.answer_targets import (
+    AnswerTarget,
+    answer_target,
+    exact_matches,
+    teacher_forcing,
+)
+from prune_audit.demo.batches import MixQuestion, check_mix, sample_batch
 from prune_audit.demo.scene_questions import (
     CHOICE_LETTERS,
     caption_question,
@@ -16,6 +23,14 @@ from prune_audit.demo.scene_questions import (
     short_questions,
     spatial_question,
     vocabulary_words,
+)
+from prune_audit.demo.train import (
+    DEFAULT_MIX,
+    MIX_WORDS,
+    DemoRecipe,
+    prompt_pieces,
+    scene_inputs,
+    train_demo_model,
 )
 
 SIZE = 64
@@ -89,3 +104,111 @@ def test_generated_questions_cover_every_form_and_use_only_vocabulary_words():
             assert set(re.findall(r"\w+|[^\w\s]+", f"{question.prompt} {question.answer}")) <= words
     assert forms == {"left", "above", "count", "largest", "choice", "caption"} and letters == set(CHOICE_LETTERS)
     assert set(CATEGORIES) <= words
+
+
+# ----- training on the task mix ------------------------------------------------------------------------------------
+
+TINY_MIX = DemoRecipe(
+    seed=3, steps=2, images_per_step=2, warmup_steps=1, image_size=64, patch_size=16, vision_width=32,
+    vision_layers=2, text_width=32, text_layers=2, heads=2, monitor_every=2, monitor_images=3, mix=DEFAULT_MIX,
+)
+TINY_MIX_QWEN = DemoRecipe(
+    seed=3, steps=2, images_per_step=2, warmup_steps=1, image_size=64, patch_size=8, vision_width=32,
+    vision_layers=2, text_width=32, text_layers=2, heads=2, monitor_every=2, monitor_images=3, mix=DEFAULT_MIX,
+    family="qwen2_5_vl", merge=2, train_sizes=(64, 96), kv_heads=1,
+)
+
+
+@pytest.fixture(scope="module", params=["llava", "qwen"])
+def mix_model(request, tmp_path_factory):
+    """A 2-step tiny model of each family trained on the mix, saved and loaded back."""
+    from prune_audit.demo.evaluate import load_demo
+
+    recipe = TINY_MIX if request.param == "llava" else TINY_MIX_QWEN
+    out = tmp_path_factory.mktemp(f"mix-{request.param}") / "model"
+    summary = train_demo_model(recipe, out, log=lambda line: None)
+    return recipe, out, summary, load_demo(out)
+
+
+def test_mix_batches_ask_each_kind_per_image_with_balanced_yes_no():
+    batch = sample_batch(0, 3, images=5, questions_per_image=8, image_size=64, patch_size=16, mix=(4, 2, 1, 1))
+    assert len(batch.questions) == 40 and all(isinstance(q, MixQuestion) for q in batch.questions)
+    for image in range(5):
+        kinds = [q.question.kind for q in batch.questions if q.image == image]
+        assert kinds == ["yesno"] * 4 + ["short"] * 2 + ["choice", "caption"]
+        answers = [q.question.answer for q in batch.questions if q.image == image and q.question.kind == "yesno"]
+        assert sorted(answers) == ["no", "no", "yes", "yes"]
+    again = sample_batch(0, 3, images=5, questions_per_image=8, image_size=64, patch_size=16, mix=(4, 2, 1, 1))
+    assert again.questions == batch.questions
+
+
+@pytest.mark.parametrize("mix", [(4, 2, 1), (3, 1, 1, 1), (0, 0, 0, 0), (2, -1, 1, 1), (2, 1.5, 1, 1)])
+def test_bad_mixes_are_refused(mix):
+    with pytest.raises(ValueError, match="mix"):
+        check_mix(mix)
+
+
+def test_mix_training_extends_the_vocabulary_and_reports_each_kind(mix_model):
+    _, _, summary, vlm = mix_model
+    assert "<unk>" not in vlm.tokenizer.convert_ids_to_tokens(vlm.tokenizer.convert_tokens_to_ids(list(MIX_WORDS)))
+    last = summary["history"][-1]
+    assert set(last["task_accuracy"]) == {"caption", "choice", "short", "short:above", "short:count",
+                                          "short:largest", "short:left"}
+    assert all(0.0 <= value <= 1.0 for value in last["task_accuracy"].values())
+    assert list(summary["recipe"]["mix"]) == list(DEFAULT_MIX)
+
+
+def test_teacher_forced_logits_equal_the_full_forward_at_every_answer_token(mix_model):
+    import torch
+
+    recipe, _, _, vlm = mix_model
+    batch = sample_batch(0, 0, images=2, questions_per_image=8, image_size=64, patch_size=recipe.cell, mix=DEFAULT_MIX)
+    pieces = prompt_pieces(vlm, recipe.grid**2)
+    forcing = teacher_forcing(vlm, pieces, [answer_target(q, "Answer yes or no.") for q in batch.questions])
+    assert forcing.every_position
+    with torch.no_grad():
+        features = vlm.image_features(**scene_inputs(vlm, batch.scenes))
+        features = torch.stack(list(features))
+        logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, forcing.suffixes, 8,
+                                          grid=(recipe.grid, recipe.grid), every_position=True)
+        for row, col in zip(forcing.rows.tolist(), forcing.cols.tolist()):
+            ids = torch.cat([pieces.prefix, forcing.suffixes[row][: col + 1]])[None]
+            full = vlm.first_token_logits(ids, torch.ones_like(ids), [features[batch.questions[row].image]])
+            assert torch.allclose(full[0], logits[row, col], atol=1e-4)
+    # generated answers end in the end-of-sequence token; first-token answers force one token
+    ends = [forcing.targets[forcing.rows == row][-1].item() for row in range(len(batch.questions))]
+    kinds = [q.question.kind for q in batch.questions]
+    assert all((end == vlm.eos_ids()[0]) == (kind in ("short", "caption")) for end, kind in zip(ends, kinds))
+
+
+def test_exact_match_needs_every_token_and_restricts_choices_to_the_offered_letters(mix_model):
+    import torch
+
+    recipe, _, _, vlm = mix_model
+    pieces = prompt_pieces(vlm, recipe.grid**2)
+    targets = [AnswerTarget("Describe this image in detail.", "a star", True),
+               AnswerTarget("Which of these shapes is in the image?", "B", False, ("A", "B", "C", "D"))]
+    forcing = teacher_forcing(vlm, pieces, targets)
+    logits = torch.zeros(2, max(len(s) for s in forcing.suffixes), len(vlm.tokenizer))
+    ids = vlm.tokenizer.convert_tokens_to_ids
+    caption_cols = forcing.cols[forcing.rows == 0].tolist()
+    for col, token in zip(caption_cols, forcing.targets[forcing.rows == 0].tolist()):
+        logits[0, col, token] = 5.0
+    choice_col = forcing.cols[forcing.rows == 1].item()
+    logits[1, choice_col, ids("star")] = 9.0  # a word outranks every letter, but B leads the letters
+    logits[1, choice_col, ids("B")] = 3.0
+    assert exact_matches(logits, forcing).tolist() == [True, True]
+    logits[0, caption_cols[-1], ids("no")] = 6.0  # the end token is not the argmax: greedy would go on
+    assert exact_matches(logits, forcing).tolist() == [False, True]
+
+
+def test_demo_train_cli_takes_the_mix_and_refuses_a_bad_one_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from prune_audit.cli.main import app
+
+    result = CliRunner().invoke(app, ["demo", "train", "--out", str(tmp_path / "m"), "--mix", "4,2,x,1"])
+    assert result.exit_code != 0 and "--mix" in result.output and len(result.output.strip().splitlines()) == 1
+    result = CliRunner().invoke(app, ["demo", "train", "--out", str(tmp_path / "m"), "--mix", "3,2,1,1"])
+    assert result.exit_code != 0 and "even yes/no" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "m").exists()
