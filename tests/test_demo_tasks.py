@@ -212,3 +212,128 @@ def test_demo_train_cli_takes_the_mix_and_refuses_a_bad_one_in_one_line(tmp_path
     result = CliRunner().invoke(app, ["demo", "train", "--out", str(tmp_path / "m"), "--mix", "3,2,1,1"])
     assert result.exit_code != 0 and "even yes/no" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "m").exists()
+
+
+# ----- the demo's task files and `run --task` on them ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def task_files(tmp_path_factory):
+    from prune_audit.demo.questions import demo_question_set, demo_task_files
+
+    question_set = demo_question_set(tmp_path_factory.mktemp("cache"), scenes=30, pope_images=10)
+    return question_set, demo_task_files(question_set)
+
+
+def test_task_files_are_deterministic_and_match_the_question_sets_scenes(task_files, tmp_path):
+    import json
+
+    from prune_audit.data.coco import CocoInstances
+    from prune_audit.demo.questions import demo_question_set, demo_task_files
+
+    question_set, files = task_files
+    again = demo_task_files(demo_question_set(tmp_path, scenes=30, pope_images=10))
+    for task in ("gqa", "scienceqa", "caption"):
+        for path in files.questions(task):
+            assert path.read_bytes() == again.root.joinpath(path.name).read_bytes()
+    coco = CocoInstances.load(files.caption_instances)
+    full = CocoInstances.load(question_set.instances)
+    assert list(coco.images) == list(range(1, 31))
+    for image_id in (1, 17, 30):  # the regenerated scene is the exported one, mask for mask
+        scene = generate_scene(2026, image_id - 1, image_size=96)
+        assert coco.object_names(image_id) == list(scene.categories) == full.object_names(image_id)
+        for obj in scene.objects:
+            assert np.array_equal(coco.category_mask(image_id, obj.category), obj.mask)
+    sqa = json.loads(files.scienceqa.read_text())
+    assert [entry["id"] for entry in sqa] == [str(i) for i in range(1, 31)]
+
+
+def test_gqa_annotations_name_the_evidence_objects_and_their_boxes_cover_the_masks(task_files):
+    from prune_audit.data.gqa import evidence_mask as box_evidence
+    from prune_audit.data.gqa import load_gqa, load_scene_graphs
+
+    _, files = task_files
+    graphs = load_scene_graphs(files.gqa_scene_graphs)
+    questions = load_gqa(files.gqa_questions, files.gqa_llava, graphs)
+    assert len(questions) > 60
+    for question in questions:
+        image_id = int(question.image_id.split("_")[1])
+        scene = generate_scene(2026, image_id - 1, image_size=96)
+        [asked] = [q for q in short_questions(scene) if q.question == question.question]
+        assert question.answer == asked.answer and question.text == asked.prompt
+        graph = graphs[question.image_id]
+        named = {graph.objects[object_id].name for object_id in question.evidence_object_ids}
+        assert named == {scene.objects[i].category for i in asked.evidence}
+        boxes = box_evidence(question, graph)
+        assert not (evidence_mask(scene, asked) & ~boxes).any()  # every evidence pixel lies in the boxes
+
+
+def test_every_task_reads_the_demo_files_and_their_evidence(task_files):
+    from prune_audit.tasks.registry import get_task
+
+    _, files = task_files
+    for name in ("gqa", "scienceqa", "caption"):
+        task = get_task(name)
+        questions = task.read_questions(list(files.questions(name)))
+        task.check_questions(questions)
+        assert len({(q.split, q.question_id) for q in questions}) == len(questions)
+        if files.evidence(name) is not None:
+            task.load_evidence(files.evidence(name), questions)
+
+
+def test_caption_scoring_counts_the_demo_shapes_as_chair_counts_coco_objects(task_files):
+    from prune_audit.data.chair import (
+        default_vocabulary,
+        score_caption,
+        with_categories,
+    )
+    from prune_audit.tasks.registry import get_task
+
+    assert with_categories(default_vocabulary(), ["dog", "person"]) is default_vocabulary()  # COCO: unchanged
+    _, files = task_files
+    task = get_task("caption")
+    task.read_questions([files.caption_instances])
+    scored = score_caption("two circles , a star and a heart", ["circle", "cross"], vocabulary=task.vocabulary)
+    assert scored.mentioned == ("circle", "star", "heart") and scored.hallucinated == ("star", "heart")
+    assert scored.omitted == ("cross",)
+
+
+@pytest.mark.parametrize("task", ["gqa", "caption"])
+def test_run_task_on_the_bundled_demo_needs_no_question_files(task, tmp_path):
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from prune_audit.cli.main import app
+
+    out = tmp_path / task
+    result = CliRunner().invoke(app, ["run", "--task", task, "--limit", "3", "--max-new-tokens", "6", "--out", str(out)])
+    assert result.exit_code == 0, result.output[-2000:]
+    records = pq.read_table(out / "records.parquet").to_pylist()
+    assert len(records) == 3 and {r["task"] for r in records} == {task}
+    assert all(r["evidence_objects"] for r in records)  # evidence from the scene graphs / masks
+
+
+def test_scienceqa_on_the_shipped_demo_names_its_missing_option_letters_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from prune_audit.cli.main import app
+
+    result = CliRunner().invoke(app, ["run", "--task", "scienceqa", "--limit", "2", "--out", str(tmp_path / "a")])
+    assert result.exit_code != 0 and "option letter" in result.output and "Traceback" not in result.output
+
+
+def test_scienceqa_runs_on_the_demo_files_with_a_mix_trained_model(task_files, tmp_path, mix_model):
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from prune_audit.cli.main import app
+
+    _, model_dir, _, _ = mix_model
+    question_set, files = task_files
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", "--task", "scienceqa", "--model", str(model_dir), "--questions",
+                                      str(files.scienceqa), "--images", str(question_set.image_dir), "--limit", "3",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output[-2000:]
+    records = pq.read_table(out / "records.parquet").to_pylist()
+    assert len(records) == 3 and all(r["answer_text"] in ("A", "B", "C", "D") for r in records)

@@ -212,13 +212,11 @@ def _resolve_demo_defaults(request: RunRequest) -> None:
                               "--images DIR (and --annotations FILE for retention)")
     demo = demo_assets(name=request.model or "demo")
     request.model = str(demo.model_dir)
-    if not request.pope and request.task != "pope":
-        raise PruneAuditError(f"the bundled demo has no {request.task} questions yet; pass --questions FILE... with "
-                              f"--images DIR")
     if not request.pope:
-        request.pope = list(demo.pope_files)
+        questions, evidence = demo.questions(request.task)
+        request.pope = list(questions)
         request.images = request.images or demo.images_dir
-        request.annotations = request.annotations or demo.annotations
+        request.annotations = request.annotations or evidence
 
 
 def _make_selector(request: RunRequest) -> tuple[Selector | None, int | str | None]:
