@@ -104,15 +104,20 @@ def questions(
     scenes: ScenesOption = 1000,
     pope_images: PopeImagesOption = 500,
 ) -> None:
-    """Generate (once) the demo question set and print its paths."""
+    """Generate (once) the demo question set and its GQA, ScienceQA and caption files, and print their paths."""
     from prune_audit.data.pope import POPE_SPLITS
-    from prune_audit.demo.questions import demo_question_set
+    from prune_audit.demo.assets import DEMO_TASKS
+    from prune_audit.demo.questions import demo_question_set, demo_task_files
 
     question_set = demo_question_set(cache_dir, scenes=scenes, pope_images=pope_images)
     print(f"instances: {question_set.instances}")
     print(f"images:    {question_set.image_dir}")
     for split in POPE_SPLITS:
         print(f"{split + ':':<11}{question_set.question_file(split)}")
+    task_files = demo_task_files(question_set)
+    for task in DEMO_TASKS:  # --questions (then --annotations, if any) of `run --task TASK`
+        paths = [*task_files.questions(task), task_files.evidence(task)]
+        print(f"{task + ':':<11}{' '.join(dict.fromkeys(str(path) for path in paths if path is not None))}")
 
 
 @app.command("evaluate")
