@@ -70,7 +70,7 @@ DEMO_WORDS: tuple[str, ...] = (
     *CATEGORIES,
     *"Is there a an in the image Answer yes or no question using single word phrase".split(),
 )
-# a model trained on the task mix also reads and writes the other kinds' words (new ids after DEMO_WORDS')
+# a model trained on the task mix also reads and writes the other kinds' words (ids after DEMO_WORDS' ids)
 MIX_WORDS: tuple[str, ...] = tuple(dict.fromkeys((*DEMO_WORDS, *vocabulary_words())))
 # questions per image of each kind (KINDS order) of the mix recipe: half yes/no, as many short answers as
 # the other two, which need one each (the caption is the same answer whatever the step)
@@ -228,7 +228,8 @@ def monitor_task_accuracy(vlm: VisionLanguageModel, recipe: DemoRecipe) -> dict[
                                               forcing.suffixes, len(mine), grid=(recipe.grid, recipe.grid),
                                               every_position=forcing.every_position)
             for question, hit in zip(mine, exact_matches(logits, forcing).tolist(), strict=True):
-                for key in {question.question.kind, f"short:{question.question.form}"} - {"short:choice", "short:caption"}:
+                asked_kind = question.question.kind
+                for key in (asked_kind, f"short:{question.question.form}") if asked_kind == "short" else (asked_kind,):
                     correct.setdefault(key, []).append(hit)
     return {key: round(sum(hits) / len(hits), 4) for key, hits in sorted(correct.items())}
 
