@@ -298,15 +298,17 @@ def test_caption_scoring_counts_the_demo_shapes_as_chair_counts_coco_objects(tas
     assert scored.omitted == ("cross",)
 
 
-@pytest.mark.parametrize("task", ["gqa", "caption"])
-def test_run_task_on_the_bundled_demo_needs_no_question_files(task, tmp_path):
+@pytest.mark.parametrize(("model", "task"), [("demo", "gqa"), ("demo", "caption"), ("demo-qwen", "gqa"),
+                                           ("demo-qwen", "caption")])
+def test_run_task_on_the_bundled_demo_needs_no_question_files(model, task, tmp_path):
     import pyarrow.parquet as pq
     from typer.testing import CliRunner
 
     from prune_audit.cli.main import app
 
     out = tmp_path / task
-    result = CliRunner().invoke(app, ["run", "--task", task, "--limit", "3", "--max-new-tokens", "6", "--out", str(out)])
+    result = CliRunner().invoke(app, ["run", "--model", model, "--task", task, "--limit", "3", "--max-new-tokens", "6",
+                                      "--out", str(out)])
     assert result.exit_code == 0, result.output[-2000:]
     records = pq.read_table(out / "records.parquet").to_pylist()
     assert len(records) == 3 and {r["task"] for r in records} == {task}
