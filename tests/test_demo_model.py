@@ -132,7 +132,8 @@ def test_shared_prefix_training_forward_equals_the_full_forward(tiny_model):
         inputs = scene_inputs(vlm, batch.scenes)
         features, _, _ = vlm.vision_states(**inputs)
         assert torch.allclose(features, vlm.image_features(**inputs))
-        suffixes = [pieces.suffixes[(q.category, i)] for q, i in zip(batch.questions, instructions)]
+        suffixes = [pieces.suffix(vlm, f"{question_text(q.category)} {DEMO_INSTRUCTIONS[i]}".strip())
+                    for q, i in zip(batch.questions, instructions)]
         logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, suffixes, 4)
         probs = torch.softmax(logits, dim=-1)
     assert_same_p_yes_as_the_full_prompt(vlm, batch, instructions, features, probs)
@@ -151,7 +152,8 @@ def test_qwen_shared_prefix_forward_equals_the_full_forward_at_each_size(tiny_qw
         features, pooled, _ = vlm.vision_states(**inputs)
         assert features.shape[:2] == (2, grid * grid) and pooled.shape == (2, TINY_QWEN.text_width)
         assert all(torch.allclose(f, g) for f, g in zip(features, vlm.image_features(**inputs)))
-        suffixes = [pieces.suffixes[(q.category, i)] for q, i in zip(batch.questions, instructions)]
+        suffixes = [pieces.suffix(vlm, f"{question_text(q.category)} {DEMO_INSTRUCTIONS[i]}".strip())
+                    for q, i in zip(batch.questions, instructions)]
         logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, suffixes, 4,
                                           grid=(grid, grid))
         probs = torch.softmax(logits, dim=-1)

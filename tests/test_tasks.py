@@ -346,7 +346,7 @@ def test_a_model_without_single_letter_tokens_is_refused(workspace, tmp_path):
 
 
 def test_caption_run_scores_mentions_and_measures_each_object(workspace, tmp_path):
-    from prune_audit.data.chair import score_caption
+    from prune_audit.data.chair import default_vocabulary, score_caption, with_categories
 
     out = tmp_path / "run"
     instances = str(workspace["instances"])
@@ -363,7 +363,8 @@ def test_caption_run_scores_mentions_and_measures_each_object(workspace, tmp_pat
     for row in pq.read_table(out / "records.parquet").to_pylist():
         annotated = list(dict.fromkeys(names[a["category_id"]] for a in coco["annotations"]
                                        if a["image_id"] == row["question_id"]))
-        score = score_caption(row["answer_text"], annotated)
+        # the shapes are no COCO objects: CHAIR's list plus the file's category names
+        score = score_caption(row["answer_text"], annotated, vocabulary=with_categories(default_vocabulary(), names.values()))
         assert row["evidence_objects"] == annotated == row["references"]
         assert len(row["evidence_objects_lost"]) == len(annotated)
         assert row["omitted"] == list(score.omitted) and row["hallucinated"] == list(score.hallucinated)

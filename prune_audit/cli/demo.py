@@ -39,10 +39,19 @@ def train(
     log_file: Annotated[
         Path | None, typer.Option("--log-file", help="Also append progress lines to this file.")
     ] = None,
+    monitor_every: Annotated[
+        int | None, typer.Option("--monitor-every", min=1, help="Steps between held-out checks (default: the recipe's 100).")
+    ] = None,
+    mix: Annotated[
+        str | None,
+        typer.Option("--mix", help="Train on the task mix: questions per image of yes/no, short answer, multiple choice "
+                     "and caption, e.g. 4,2,1,1 (the vocabulary grows to their words; default: yes/no only, as shipped)."),
+    ] = None,
 ) -> None:
     """Train a demo model from scratch on CPU (the shipped ones: --model demo|demo-qwen --seed 1 --threads 1)."""
     from dataclasses import asdict, replace
 
+    from prune_audit.demo.batches import check_mix
     from prune_audit.demo.train import DEMO_RECIPES, train_demo_model
     from prune_audit.safety.ownership import hold_output_dir
     from prune_audit.threads import check_threads
@@ -50,10 +59,18 @@ def train(
     check_threads(threads)  # bounded by the usable cores like every --threads (far more crash OpenBLAS)
     if model not in DEMO_RECIPES:
         raise ValueError(f"--model must be one of {', '.join(DEMO_RECIPES)}, got {model!r}")
+    counts = None
+    if mix is not None:
+        parts = [part.strip() for part in mix.split(",")]
+        if not all(part.isascii() and part.isdigit() for part in parts):
+            raise ValueError(f"--mix takes whole counts separated by commas (yes/no,short,choice,caption), got {mix!r}; "
+                             f"e.g. --mix 4,2,1,1")
+        counts = tuple(int(part) for part in parts)
+        check_mix(counts)
     recipe = DEMO_RECIPES[model]
     recipe = replace(
         recipe, seed=seed, threads=threads, steps=steps or recipe.steps, text_layers=text_layers or recipe.text_layers,
-        text_width=text_width or recipe.text_width,
+        text_width=text_width or recipe.text_width, mix=counts, monitor_every=monitor_every or recipe.monitor_every,
     )
     if recipe.text_width % recipe.heads:
         raise ValueError(f"--text-width {recipe.text_width} is not a multiple of the {recipe.heads} attention heads; pick one that is")
@@ -87,15 +104,20 @@ def questions(
     scenes: ScenesOption = 1000,
     pope_images: PopeImagesOption = 500,
 ) -> None:
-    """Generate (once) the demo question set and print its paths."""
+    """Generate (once) the demo question set and its GQA, ScienceQA and caption files, and print their paths."""
     from prune_audit.data.pope import POPE_SPLITS
-    from prune_audit.demo.questions import demo_question_set
+    from prune_audit.demo.assets import DEMO_TASKS
+    from prune_audit.demo.questions import demo_question_set, demo_task_files
 
     question_set = demo_question_set(cache_dir, scenes=scenes, pope_images=pope_images)
     print(f"instances: {question_set.instances}")
     print(f"images:    {question_set.image_dir}")
     for split in POPE_SPLITS:
         print(f"{split + ':':<11}{question_set.question_file(split)}")
+    task_files = demo_task_files(question_set)
+    for task in DEMO_TASKS:  # --questions (then --annotations, if any) of `run --task TASK`
+        paths = [*task_files.questions(task), task_files.evidence(task)]
+        print(f"{task + ':':<11}{' '.join(dict.fromkeys(str(path) for path in paths if path is not None))}")
 
 
 @app.command("evaluate")

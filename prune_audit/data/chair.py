@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -94,6 +94,22 @@ def read_vocabulary(path: str | Path = SYNONYMS_FILE) -> ChairVocabulary:
 def default_vocabulary() -> ChairVocabulary:
     """The bundled CHAIR vocabulary, read once."""
     return read_vocabulary()
+
+
+def with_categories(vocabulary: ChairVocabulary, categories: Iterable[str]) -> ChairVocabulary:
+    """``vocabulary`` plus each one- or two-word name of ``categories`` it does not list, as its own synonym.
+
+    A COCO-format file's category names are COCO's (all listed: nothing changes) unless it annotates
+    other objects, such as the demo's shapes; their mentions then count as CHAIR counts COCO's (a
+    two-word name is merged as CHAIR's pairs are; longer names cannot be, and are left out).
+    """
+    missing = {name: name for name in categories if name not in vocabulary.synonyms and name not in vocabulary.pairs}
+    if not missing:
+        return vocabulary
+    single = {name: name for name in missing if " " not in name}
+    pairs = {name: name for name in missing if name.count(" ") == 1}
+    return ChairVocabulary(synonyms={**vocabulary.synonyms, **single, **pairs},
+                           pairs={**vocabulary.pairs, **pairs})
 
 
 def singularize(word: str, known: Collection[str] = ()) -> str:

@@ -1,16 +1,24 @@
 """Where the demo lives: the shipped checkpoint and the (cached) demo question set.
 
 ``prune-audit run`` and ``prune-audit visualize`` fall back to these when no model and
-no questions are given.
+no questions are given: POPE's files, or for ``--task gqa|scienceqa|caption`` the demo's
+files of that task about the same images (``demo.task_files``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prune_audit.demo import DEMO_MODELS
 from prune_audit.errors import PruneAuditError
+
+if TYPE_CHECKING:
+    from prune_audit.demo.questions import DemoQuestionSet
+
+DEMO_TASKS = ("gqa", "scienceqa", "caption")
+"""Tasks besides POPE with demo question files (``demo.task_files``)."""
 
 
 @dataclass(frozen=True)
@@ -22,12 +30,30 @@ class DemoAssets:
         pope_files: the POPE question files, random / popular / adversarial.
         images_dir: folder of the question set's images.
         annotations: COCO instances file with the exact object masks.
+        question_set: the demo question set these files belong to.
     """
 
     model_dir: Path
     pope_files: tuple[Path, ...]
     images_dir: Path
     annotations: Path
+    question_set: DemoQuestionSet
+
+    def questions(self, task: str) -> tuple[tuple[Path, ...], Path | None]:
+        """(``--questions``, ``--annotations``) of ``task`` on the demo images.
+
+        Raises:
+            PruneAuditError: the demo has no questions of ``task`` (a plug-in task).
+        """
+        if task == "pope":
+            return self.pope_files, self.annotations
+        if task not in DEMO_TASKS:
+            raise PruneAuditError(f"the bundled demo has no {task} questions (it has {', '.join(('pope', *DEMO_TASKS))}); "
+                                  f"pass --questions FILE... with --images DIR")
+        from prune_audit.demo.questions import demo_task_files
+
+        files = demo_task_files(self.question_set)  # written into the cache on the first such run
+        return files.questions(task), files.evidence(task)
 
 
 def is_demo_name(model: str | None) -> bool:
@@ -54,4 +80,5 @@ def demo_assets(cache_dir: str | Path | None = None, name: str = "demo") -> Demo
         pope_files=tuple(question_set.question_file(split) for split in POPE_SPLITS),
         images_dir=question_set.image_dir,
         annotations=question_set.instances,
+        question_set=question_set,
     )

@@ -1,8 +1,11 @@
 """Training and monitoring batches for the demo model: scenes, questions, patch labels.
 
-Questions follow POPE's balance: per image, half ask about a present class and half
+Yes/no questions follow POPE's balance: per image, half ask about a present class and half
 about an absent one. Absent classes mix POPE's three negative kinds: uniform
 (random), prior-weighted (popular) and same-group (adversarial, co-occurring).
+The task mix (``mix``) adds, per image, short-answer, multiple-choice and caption questions
+(``demo.scene_questions``); a short-answer form is drawn uniformly among the forms the scene
+allows, then one of its questions, so spatial questions are not outnumbered by counting.
 """
 
 from __future__ import annotations
@@ -13,7 +16,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from prune_audit.data.scenes import CATEGORIES, CATEGORY_PRIOR, CO_OCCURRENCE_GROUPS, Scene, generate_scene
+from prune_audit.data.scenes import (
+    CATEGORIES,
+    CATEGORY_PRIOR,
+    CO_OCCURRENCE_GROUPS,
+    Scene,
+    generate_scene,
+)
+from prune_audit.demo.scene_questions import (
+    KINDS,
+    SceneQuestion,
+    caption_question,
+    choice_question,
+    short_questions,
+    yesno_question,
+)
 
 BACKGROUND_CLASS = len(CATEGORIES)
 PATCH_COVERAGE_THRESHOLD = 0.25  # a patch is labelled with a class covering more than this share
@@ -29,18 +46,27 @@ class Question:
 
 
 @dataclass(frozen=True)
+class MixQuestion:
+    """One question of the task mix about image ``image`` (index into the batch's scenes)."""
+
+    image: int
+    question: SceneQuestion
+
+
+@dataclass(frozen=True)
 class SceneBatch:
     """Scenes with their questions and dense vision targets.
 
     Attributes:
         scenes: the generated scenes.
-        questions: ``questions_per_image`` per scene, grouped by image in scene order.
+        questions: ``questions_per_image`` per scene (with a ``mix``, ``sum(mix)`` ``MixQuestion``s),
+            grouped by image in scene order.
         presence: (B, C) float, 1 where class c is in scene b.
         patch_labels: (B, N) long, the class covering a patch or ``BACKGROUND_CLASS``.
     """
 
     scenes: tuple[Scene, ...]
-    questions: tuple[Question, ...]
+    questions: tuple[Question, ...] | tuple[MixQuestion, ...]
     presence: Tensor
     patch_labels: Tensor
 
@@ -54,17 +80,28 @@ def sample_batch(
     image_size: int,
     patch_size: int,
     split: str = "train",
+    mix: tuple[int, ...] | None = None,
 ) -> SceneBatch:
-    """Batch ``step`` of the stream ``(split, seed)``: scenes ``step*images ...`` and their questions."""
-    if questions_per_image < 2 or questions_per_image % 2:
+    """Batch ``step`` of the stream ``(split, seed)``: scenes ``step*images ...`` and their questions.
+
+    Args:
+        mix: questions per image of each kind in ``KINDS`` order (yes/no, short, choice, caption);
+            None: ``questions_per_image`` yes/no questions (``Question``) as before the mix.
+    """
+    if mix is not None:
+        check_mix(mix)
+    elif questions_per_image < 2 or questions_per_image % 2:
         raise ValueError(f"questions_per_image must be even and at least 2, got {questions_per_image}")
     scenes = tuple(
         generate_scene(seed, step * images + i, image_size=image_size, split=split) for i in range(images)
     )
     rng = np.random.default_rng([seed, step, len(CATEGORIES)])
-    questions = tuple(
-        q for b, scene in enumerate(scenes) for q in sample_questions(rng, scene, b, questions_per_image)
-    )
+    if mix is None:
+        questions: tuple = tuple(
+            q for b, scene in enumerate(scenes) for q in sample_questions(rng, scene, b, questions_per_image)
+        )
+    else:
+        questions = tuple(q for b, scene in enumerate(scenes) for q in sample_mix_questions(rng, scene, b, mix))
     presence = torch.zeros(images, len(CATEGORIES))
     for b, scene in enumerate(scenes):
         presence[b, [CATEGORIES.index(c) for c in scene.categories]] = 1.0
@@ -78,6 +115,31 @@ def sample_questions(rng: np.random.Generator, scene: Scene, image: int, count: 
     yes = [present[i % len(present)] for i in rng.permutation(max(len(present), count // 2))[: count // 2]]
     no = [_negative(rng, present) for _ in range(count // 2)]
     return [Question(image, c, "yes") for c in yes] + [Question(image, c, "no") for c in no]
+
+
+def check_mix(mix: tuple[int, ...]) -> None:
+    """Refuse a mix that is not one whole count per kind, yes/no even (half present, half absent), sum >= 1."""
+    if len(mix) != len(KINDS) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in mix):
+        raise ValueError(f"the mix needs {len(KINDS)} non-negative whole counts ({', '.join(KINDS)}), got {mix}")
+    if mix[0] % 2 or sum(mix) < 1:
+        raise ValueError(f"the mix needs an even yes/no count and at least one question per image, got {mix}")
+
+
+def sample_mix_questions(rng: np.random.Generator, scene: Scene, image: int, mix: tuple[int, ...]) -> list[MixQuestion]:
+    """The mix's questions about ``scene``: yes/no (balanced), short answers (form drawn first), choice, caption."""
+    yesno, short, choice, caption = mix
+    found: list[SceneQuestion] = []
+    if yesno:
+        found += [yesno_question(q.category, q.answer, scene) for q in sample_questions(rng, scene, image, yesno)]
+    candidates = short_questions(scene)  # never empty: the counting question is always asked
+    forms = list(dict.fromkeys(q.form for q in candidates))
+    for _ in range(short):
+        form = forms[int(rng.integers(len(forms)))]
+        of_form = [q for q in candidates if q.form == form]
+        found.append(of_form[int(rng.integers(len(of_form)))])
+    found += [choice_question(rng, scene) for _ in range(choice)]
+    found += [caption_question(scene)] * caption
+    return [MixQuestion(image, question) for question in found]
 
 
 def _negative(rng: np.random.Generator, present: list[str]) -> str:

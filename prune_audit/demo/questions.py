@@ -10,16 +10,21 @@ into a cache folder and is identical on every machine.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.safety.lock import DirectoryLock
 from prune_audit.safety.ownership import check_output_dir
+
+if TYPE_CHECKING:
+    from prune_audit.demo.task_files import DemoTaskFiles
 
 DEMO_IMAGE_SIZE = 96
 DEMO_SCENE_SEED = 2026
@@ -78,48 +83,78 @@ def demo_question_set(
     pope_images: int = DEMO_POPE_IMAGES,
     seed: int = DEMO_SCENE_SEED,
 ) -> DemoQuestionSet:
-    """The demo question set in ``cache_dir``, generated on first use (a few seconds).
-
-    Generation writes into a temporary sibling folder and renames it when complete, so
-    an interrupted run never leaves a half-written set behind; a lock in the cache folder
-    lets one process build while the others wait for its result.
-    """
-    cache = check_cache_dir(Path(cache_dir), "--cache-dir") if cache_dir is not None else default_cache_dir()
-    check_output_dir(cache, "demo questions", option="--cache-dir", shared=True)  # a cache, never a command's outputs
+    """The demo question set in ``cache_dir``, generated on first use (a few seconds; see ``_cached_folder``)."""
+    cache = _checked_cache(cache_dir)
     name = f"demo-questions-seed{seed}-scenes{scenes}-pope{pope_images}-{DEMO_IMAGE_SIZE}px"
-    question_set = DemoQuestionSet(cache / name)
-    if (question_set.root / _COMPLETE_MARKER).is_file():
-        return question_set
-    cache.mkdir(parents=True, exist_ok=True)
-    # one builder at a time (processes of several users may share one cache); a complete
-    # set is never touched again, so readers need no lock
-    with DirectoryLock(cache, wait=True, name=f".{name}.lock"):
-        if (question_set.root / _COMPLETE_MARKER).is_file():
-            return question_set  # built by another process while this one waited
-        for leftover in cache.glob(f".{name}-*"):  # staging folders of killed builders
-            shutil.rmtree(leftover, ignore_errors=True)
-        _build_into(question_set, cache, name, scenes=scenes, pope_images=pope_images, seed=seed)
-    return question_set
 
+    def build(staging: Path) -> None:
+        from prune_audit.data.coco import CocoInstances
+        from prune_audit.data.pope_build import build_pope, write_pope_files
+        from prune_audit.data.scenes import export_coco
 
-def _build_into(question_set: DemoQuestionSet, cache: Path, name: str, *, scenes: int, pope_images: int,
-                seed: int) -> None:
-    """Generate the set in a hidden staging folder, then rename it into place in one step."""
-    from prune_audit.data.coco import CocoInstances
-    from prune_audit.data.pope_build import build_pope, write_pope_files
-    from prune_audit.data.scenes import export_coco
-
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
-    try:
         instances = export_coco(staging, seed=seed, count=scenes, image_size=DEMO_IMAGE_SIZE, split="heldout")
         questions = build_pope(CocoInstances.load(instances), sample_images=pope_images, seed=DEMO_POPE_SEED)
         write_pope_files(questions, staging, prefix=QUESTION_PREFIX)
-        (staging / _COMPLETE_MARKER).write_text("")
-        if question_set.root.exists():  # an incomplete leftover of an older version
-            shutil.rmtree(question_set.root)
-        staging.rename(question_set.root)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    return DemoQuestionSet(_cached_folder(cache, name, build))
+
+
+def demo_task_files(question_set: DemoQuestionSet, *, scenes: int | None = None) -> DemoTaskFiles:
+    """The GQA, ScienceQA and caption files about ``question_set``'s first scenes, in a cache folder beside it,
+    written on first use (``demo.task_files``; under a second)."""
+    from prune_audit.demo.task_files import (
+        DEMO_TASK_SCENES,
+        TASK_FILES_VERSION,
+        DemoTaskFiles,
+        write_task_files,
+    )
+
+    coco = json.loads(question_set.instances.read_text())
+    info = coco["info"]
+    scenes = min(scenes or DEMO_TASK_SCENES, len(coco["images"]))
+    name = f"{question_set.root.name}-tasks{scenes}-v{TASK_FILES_VERSION}"
+
+    def build(staging: Path) -> None:
+        write_task_files(staging, question_set.instances, seed=info["seed"], scenes=scenes,
+                         image_size=info["image_size"])
+
+    return DemoTaskFiles(_cached_folder(question_set.root.parent, name, build))
+
+
+def _checked_cache(cache_dir: str | Path | None) -> Path:
+    cache = check_cache_dir(Path(cache_dir), "--cache-dir") if cache_dir is not None else default_cache_dir()
+    check_output_dir(cache, "demo questions", option="--cache-dir", shared=True)  # a cache, never a command's outputs
+    return cache
+
+
+def _cached_folder(cache: Path, name: str, build: Callable[[Path], None]) -> Path:
+    """``cache/name``, made by ``build(staging)`` on first use.
+
+    Generation writes into a temporary sibling folder and renames it when complete, so
+    an interrupted run never leaves a half-written folder behind; a lock in the cache folder
+    lets one process build while the others wait for its result.
+    """
+    root = cache / name
+    if (root / _COMPLETE_MARKER).is_file():
+        return root
+    cache.mkdir(parents=True, exist_ok=True)
+    # one builder at a time (processes of several users may share one cache); a complete
+    # folder is never touched again, so readers need no lock
+    with DirectoryLock(cache, wait=True, name=f".{name}.lock"):
+        if (root / _COMPLETE_MARKER).is_file():
+            return root  # built by another process while this one waited
+        for leftover in cache.glob(f".{name}-*"):  # staging folders of killed builders
+            shutil.rmtree(leftover, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
+        try:
+            build(staging)
+            (staging / _COMPLETE_MARKER).write_text("")
+            if root.exists():  # an incomplete leftover of an older version
+                shutil.rmtree(root)
+            staging.rename(root)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return root
 
 
 def first_questions(question_files: Sequence[Path], per_split: int, out_dir: Path) -> list[Path]:

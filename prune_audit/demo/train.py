@@ -8,7 +8,11 @@ Recipe (measured in the demo-model feasibility study, /work/shared/specs/demo-mo
   per-patch class-or-background CE on the last layer (hard, achromatic classes
   need it). The two heads are not part of the saved checkpoint.
 * data: fresh scenes every step, ``questions_per_image`` (8) questions per image,
-  half yes and half no, negatives mixing POPE's three kinds.
+  half yes and half no, negatives mixing POPE's three kinds. With a task ``mix`` (``--mix``,
+  e.g. ``DEFAULT_MIX``), each image also gets short-answer, multiple-choice and caption
+  questions (``demo.scene_questions``), the vocabulary grows to ``MIX_WORDS``, and generated
+  answers are trained on every answer token and the end token (``demo.answer_targets``); the
+  monitor then also reports held-out exact match per kind and short-answer form.
 * speed: the prompt prefix up to the last image token (``<s> USER : <image>*N``)
   runs through the language model once per image; its cache is repeated for the
   image's questions and only the question suffixes run per question (equal to the
@@ -46,8 +50,17 @@ from torch import Tensor, nn
 
 from prune_audit.data.scenes import CATEGORIES
 from prune_audit.data.pope_build import question_text
-from prune_audit.demo.batches import BACKGROUND_CLASS, SceneBatch, sample_batch
-from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, prompt_ids, prompt_text
+from prune_audit.demo.answer_targets import (
+    PromptPieces,
+    answer_loss,
+    answer_target,
+    exact_matches,
+    prompt_pieces,
+    teacher_forcing,
+)
+from prune_audit.demo.batches import BACKGROUND_CLASS, MixQuestion, SceneBatch, sample_batch
+from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, prompt_text
+from prune_audit.demo.scene_questions import caption_question, choice_question, short_questions, vocabulary_words
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.safety.atomic import staging_folder
 
@@ -57,6 +70,11 @@ DEMO_WORDS: tuple[str, ...] = (
     *CATEGORIES,
     *"Is there a an in the image Answer yes or no question using single word phrase".split(),
 )
+# a model trained on the task mix also reads and writes the other kinds' words (ids after DEMO_WORDS' ids)
+MIX_WORDS: tuple[str, ...] = tuple(dict.fromkeys((*DEMO_WORDS, *vocabulary_words())))
+# questions per image of each kind (KINDS order) of the mix recipe: half yes/no, as many short answers as
+# the other two, which need one each (the caption is the same answer whatever the step)
+DEFAULT_MIX: tuple[int, ...] = (4, 2, 1, 1)
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,9 @@ class DemoRecipe:
     merge: int = 1
     train_sizes: tuple[int, ...] = ()
     kv_heads: int = 4
+    mix: tuple[int, ...] | None = None
+    """Questions per image of each kind in ``KINDS`` order (the task mix, vocabulary ``MIX_WORDS``);
+    None: ``questions_per_image`` yes/no questions and ``DEMO_WORDS``, the shipped demos' recipe."""
 
     @property
     def cell(self) -> int:
@@ -125,60 +146,28 @@ class VisionHeads(nn.Module):
         self.patch = nn.Linear(width, BACKGROUND_CLASS + 1)
 
 
-@dataclass(frozen=True)
-class PromptPieces:
-    """Token ids of the training prompts, split around the image span.
-
-    Attributes:
-        prefix: (P,) ids up to and including the last ``<image>`` (shared by all prompts).
-        image_positions: (N,) positions of the ``<image>`` tokens in ``prefix``.
-        suffixes: (category, instruction index) -> (T,) ids after the image span.
-    """
-
-    prefix: Tensor
-    image_positions: Tensor
-    suffixes: dict[tuple[str, int], Tensor]
-
-
-def prompt_pieces(vlm: VisionLanguageModel, num_image_tokens: int) -> PromptPieces:
-    """Split every (category, instruction) chat prompt at the end of its image span."""
-    image_id = vlm.model.config.image_token_id
-    prefix, suffixes = None, {}
-    for category in CATEGORIES:
-        for index, instruction in enumerate(DEMO_INSTRUCTIONS):
-            ids = prompt_ids(vlm, prompt_text(vlm, question_text(category), instruction), num_image_tokens)
-            end = int((ids == image_id).nonzero().max()) + 1
-            if prefix is not None and not torch.equal(prefix, ids[:end]):
-                raise ValueError("the chat template puts text before the image that depends on the question")
-            prefix = ids[:end]
-            suffixes[(category, index)] = ids[end:]
-    assert prefix is not None
-    return PromptPieces(prefix, (prefix == image_id).nonzero().flatten(), suffixes)
-
-
 def scene_inputs(vlm: VisionLanguageModel, scenes) -> dict[str, Tensor]:
     """The adapter's vision inputs for generated scenes (square, already at a size the model takes)."""
     return vlm.array_inputs(torch.from_numpy(np.stack([scene.image for scene in scenes])))
 
 
 def batch_loss(
-    vlm: VisionLanguageModel, heads: VisionHeads, pieces: PromptPieces, batch: SceneBatch, instructions: np.ndarray
+    vlm: VisionLanguageModel, heads: VisionHeads, pieces: PromptPieces, batch: SceneBatch, instruction: str
 ) -> dict[str, Tensor]:
     """Answer CE, presence BCE (pooled CLS, or mean token) and patch CE for one batch (and their sum, ``total``).
 
     Args:
-        instructions: (Q,) index into ``DEMO_INSTRUCTIONS`` per question.
+        instruction: text after every yes/no question of the batch (one of ``DEMO_INSTRUCTIONS``).
     """
     features, pooled, patches = vlm.vision_states(**scene_inputs(vlm, batch.scenes))
-    per_image = len(batch.questions) // len(batch.scenes)
-    suffixes = [pieces.suffixes[(q.category, int(i))] for q, i in zip(batch.questions, instructions, strict=True)]
+    forcing = teacher_forcing(vlm, pieces, [answer_target(q, instruction) for q in batch.questions])
     side = math.isqrt(features.shape[1])
     logits = vlm.shared_prefix_logits(
-        features, pieces.prefix, pieces.image_positions, suffixes, per_image, grid=(side, side)
+        features, pieces.prefix, pieces.image_positions, forcing.suffixes, len(batch.questions) // len(batch.scenes),
+        grid=(side, side), every_position=forcing.every_position,
     )
-    targets = torch.tensor(vlm.tokenizer.convert_tokens_to_ids([q.answer for q in batch.questions]))
     losses = {
-        "answer": F.cross_entropy(logits.float(), targets),
+        "answer": answer_loss(logits, forcing),
         "presence": F.binary_cross_entropy_with_logits(heads.presence(pooled), batch.presence),
         "patch": F.cross_entropy(heads.patch(patches).flatten(0, 1), batch.patch_labels.flatten()),
     }
@@ -219,13 +208,39 @@ def monitor_accuracy(vlm: VisionLanguageModel, recipe: DemoRecipe) -> float:
     return float((says_yes == truth).float().mean())
 
 
+def monitor_task_accuracy(vlm: VisionLanguageModel, recipe: DemoRecipe) -> dict[str, float]:
+    """Held-out exact match per short-answer form and per kind (short, choice, caption) on ``monitor_images``
+    fresh scenes: every unambiguous short question of a scene, one choice and its caption, teacher-forced
+    (equal to greedy decoding's exact match, see ``demo.answer_targets``)."""
+    batch = sample_batch(MONITOR_SEED, 0, images=recipe.monitor_images, questions_per_image=2,
+                         image_size=recipe.image_size, patch_size=recipe.cell, split="heldout")
+    rng = np.random.default_rng([MONITOR_SEED, 1])
+    asked = [MixQuestion(b, q) for b, scene in enumerate(batch.scenes)
+             for q in (*short_questions(scene), choice_question(rng, scene), caption_question(scene))]
+    pieces = prompt_pieces(vlm, recipe.grid**2)
+    correct: dict[str, list[bool]] = {}
+    with torch.no_grad():
+        features = vlm.image_features(**scene_inputs(vlm, batch.scenes))
+        for b, image_features in enumerate(features):  # per image: its questions share its prefix
+            mine = [q for q in asked if q.image == b]
+            forcing = teacher_forcing(vlm, pieces, [answer_target(q, "") for q in mine])
+            logits = vlm.shared_prefix_logits(image_features[None], pieces.prefix, pieces.image_positions,
+                                              forcing.suffixes, len(mine), grid=(recipe.grid, recipe.grid),
+                                              every_position=forcing.every_position)
+            for question, hit in zip(mine, exact_matches(logits, forcing).tolist(), strict=True):
+                asked_kind = question.question.kind
+                for key in (asked_kind, f"short:{question.question.form}") if asked_kind == "short" else (asked_kind,):
+                    correct.setdefault(key, []).append(hit)
+    return {key: round(sum(hits) / len(hits), 4) for key, hits in sorted(correct.items())}
+
+
 def _fresh_model(recipe: DemoRecipe, scratch: Path) -> VisionLanguageModel:
     """The adapter around a randomly initialised demo model of ``recipe.family``, built by ``models.build``."""
     from prune_audit.demo.evaluate import load_demo
     from prune_audit.models.build import build_llava, build_qwen2_5_vl
 
     shared = {
-        "words": DEMO_WORDS,
+        "words": DEMO_WORDS if recipe.mix is None else MIX_WORDS,
         "patch_size": recipe.patch_size,
         "vision_hidden_size": recipe.vision_width,
         "vision_intermediate_size": 4 * recipe.vision_width,
@@ -276,14 +291,13 @@ def train_demo_model(
         size = recipe.step_size(step)
         batch = sample_batch(
             recipe.seed, step, images=recipe.images_per_step, questions_per_image=recipe.questions_per_image,
-            image_size=size, patch_size=recipe.cell,
+            image_size=size, patch_size=recipe.cell, mix=recipe.mix,
         )
-        # one instruction per step keeps the suffixes the same length (no padding work)
-        instruction = np.random.default_rng([recipe.seed, step, 1]).integers(len(DEMO_INSTRUCTIONS))
-        instructions = np.full(len(batch.questions), instruction)
+        # one instruction per step keeps the yes/no suffixes the same length (less padding work)
+        instruction = DEMO_INSTRUCTIONS[np.random.default_rng([recipe.seed, step, 1]).integers(len(DEMO_INSTRUCTIONS))]
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, recipe)
-        losses = batch_loss(vlm, heads, pieces[size], batch, instructions)
+        losses = batch_loss(vlm, heads, pieces[size], batch, instruction)
         optimizer.zero_grad(set_to_none=True)
         losses["total"].backward()
         torch.nn.utils.clip_grad_norm_(parameters, recipe.grad_clip)
@@ -295,10 +309,13 @@ def train_demo_model(
         if done % recipe.monitor_every == 0 or done == recipe.steps:
             vlm.model.eval()
             accuracy = monitor_accuracy(vlm, recipe)
+            tasks = monitor_task_accuracy(vlm, recipe) if recipe.mix is not None else {}
             vlm.model.train()
             minutes = (time.perf_counter() - start) / 60
-            history.append({"step": done, "minutes": round(minutes, 2), "heldout_accuracy": round(accuracy, 4)})
-            log(f"monitor step {done}: held-out accuracy {accuracy:.3f} after {minutes:.1f} min")
+            entry = {"step": done, "minutes": round(minutes, 2), "heldout_accuracy": round(accuracy, 4)}
+            history.append({**entry, "task_accuracy": tasks} if tasks else entry)
+            by_task = "".join(f", {key} {value:.3f}" for key, value in tasks.items())
+            log(f"monitor step {done}: held-out accuracy {accuracy:.3f}{by_task} after {minutes:.1f} min")
     summary = {
         "recipe": asdict(recipe),
         "train_minutes": round((time.perf_counter() - start) / 60, 2),

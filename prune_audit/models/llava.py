@@ -314,13 +314,14 @@ class LlavaModel(VisionLanguageModel):
 
     def shared_prefix_logits(
         self, features: Tensor, prefix_ids: Tensor, image_positions: Tensor, suffixes: Sequence[Tensor], per_image: int,
-        grid: tuple[int, int] | None = None,
+        grid: tuple[int, int] | None = None, every_position: bool = False,
     ) -> Tensor:
-        """(B * per_image, V) logits after each suffix (:func:`~prune_audit.models.shared_prefix.shared_prefix_logits`);
-        positions are 1-D and contiguous, so ``grid`` is not needed."""
+        """(B * per_image, V) logits after each suffix, or (B * per_image, T, V) at ``every_position``
+        (:func:`~prune_audit.models.shared_prefix.shared_prefix_logits`); positions are 1-D and contiguous, so
+        ``grid`` is not needed."""
         language = self.model.model.language_model
         return shared_prefix_logits(language, self.model.lm_head, features, prefix_ids, image_positions, suffixes,
-                                    per_image)
+                                    per_image, every_position=every_position)
 
     def first_token_logits(self, input_ids: Tensor, attention_mask: Tensor, features: Sequence[Tensor]) -> Tensor:
         """(B, V) logits at the last position of left-padded (B, L) prompts, stock Llava forward.

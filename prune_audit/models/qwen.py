@@ -234,9 +234,9 @@ class QwenModel(VisionLanguageModel):
 
     def shared_prefix_logits(
         self, features: Tensor, prefix_ids: Tensor, image_positions: Tensor, suffixes: Sequence[Tensor], per_image: int,
-        grid: tuple[int, int] | None = None,
+        grid: tuple[int, int] | None = None, every_position: bool = False,
     ) -> Tensor:
-        """(B * per_image, V) logits after each suffix
+        """(B * per_image, V) logits after each suffix, or (B * per_image, T, V) at ``every_position``
         (:func:`~prune_audit.models.shared_prefix.shared_prefix_logits`) with the M-RoPE ids of the
         unpruned prompt; ``grid`` is the (rows, cols) of merged tokens."""
         if grid is None:
@@ -247,7 +247,7 @@ class QwenModel(VisionLanguageModel):
         language = self.model.model.language_model
         return shared_prefix_logits(language, self.model.lm_head, features, prefix_ids, image_positions, suffixes,
                                     per_image, prefix_positions=positions[:, :start],
-                                    suffix_start=int(positions[0, start]))
+                                    suffix_start=int(positions[0, start]), every_position=every_position)
 
     def first_token_logits(self, input_ids: Tensor, attention_mask: Tensor, features: Sequence[Tensor]) -> Tensor:
         """(B, V) logits at the last position of left-padded (B, L) prompts, stock forward.

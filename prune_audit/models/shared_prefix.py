@@ -23,6 +23,7 @@ def shared_prefix_logits(
     *,
     prefix_positions: Tensor | None = None,
     suffix_start: int | None = None,
+    every_position: bool = False,
 ) -> Tensor:
     """(B * per_image, V) next-token logits after each suffix, the image prefix run once per image.
 
@@ -38,6 +39,8 @@ def shared_prefix_logits(
         prefix_positions: (planes, P) position ids of the prefix; None: the decoder's default
             (0..P-1, then counting on through the cache).
         suffix_start: position id of every suffix's first token (with ``prefix_positions``).
+        every_position: return (B * per_image, T_max, V) logits at every suffix position instead
+            (right-padded; rows past a suffix's length are padding), for a loss on every answer token.
     """
     batch = features.shape[0]
     embeds = language.embed_tokens(prefix_ids).unsqueeze(0).repeat(batch, 1, 1)
@@ -58,6 +61,8 @@ def shared_prefix_logits(
         steps = suffix_start + torch.arange(padded.shape[1])
         positions = steps.view(1, 1, -1).expand(planes, len(suffixes), -1)
         hidden = language(input_ids=padded, cache=cache, position_ids=positions).last_hidden_state
+    if every_position:
+        return lm_head(hidden)
     return lm_head(hidden[torch.arange(len(suffixes)), lengths - 1])
 
 

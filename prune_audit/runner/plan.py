@@ -223,13 +223,11 @@ def _resolve_demo_defaults(request: RunRequest) -> None:
                               "--images DIR (and --annotations FILE for retention)")
     demo = demo_assets(name=request.model if named_demo else "demo")
     request.model = request.model if request.model is not None and not named_demo else str(demo.model_dir)
-    if not request.question_files and request.task != "pope":
-        raise PruneAuditError(f"the bundled demo has no {request.task} questions yet; pass --questions FILE... with "
-                              f"--images DIR")
     if not request.question_files:
-        request.question_files = list(demo.pope_files)
+        questions, evidence = demo.questions(request.task)
+        request.question_files = list(questions)
         request.images = request.images or demo.images_dir
-        request.annotations = request.annotations or demo.annotations
+        request.annotations = request.annotations or evidence
 
 
 def _make_selector(request: RunRequest) -> tuple[Selector | None, int | str | None]:

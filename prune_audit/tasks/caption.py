@@ -9,7 +9,8 @@ so an omitted object can be told lost (no token of it survived the first stage) 
 The prompt is "Describe this image in detail." (LLaVA's detailed-description instruction); greedy
 decoding up to ``max_new_tokens`` (default 1024: LLaVA's ``llava/eval/model_vqa.py``, haotian-liu/LLaVA
 commit 064abb3) reusing the pruned KV cache. Mentions are extracted with CHAIR's COCO synonym list
-(``data.chair``: plurals, multi-word names, an object named twice counted once). ``correct`` is
+(``data.chair``: plurals, multi-word names, an object named twice counted once), plus the instances
+file's category names the list lacks (``data.chair.with_categories``: the demo's shapes). ``correct`` is
 CHAIR-s's complement: the caption mentions no absent object. Confidence is the length-normalised
 probability of the caption (geometric mean of its tokens' probabilities, ``mean_token_prob``): the
 product over hundreds of tokens underflows towards 0 for every caption; the product is recorded too.
@@ -33,8 +34,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from prune_audit.answer_modes import Greedy
-from prune_audit.data.captions import CaptionQuestion, caption_questions, read_coco_captions
-from prune_audit.data.chair import score_caption
+from prune_audit.data.captions import (
+    CaptionQuestion,
+    caption_questions,
+    read_coco_captions,
+)
+from prune_audit.data.chair import (
+    ChairVocabulary,
+    default_vocabulary,
+    score_caption,
+    with_categories,
+)
 from prune_audit.data.coco import CocoInstances, read_json
 from prune_audit.errors import PruneAuditError
 from prune_audit.tasks.base import Scored, Task
@@ -144,6 +154,8 @@ class CaptionTask(Task):
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
     default_max_new_tokens = 1024
     confidences = ("mean-token", "sequence")
+    vocabulary: ChairVocabulary | None = None
+    """CHAIR's list plus the question file's categories it lacks (``read_questions`` sets it; None: CHAIR's)."""
 
     def read_questions(self, paths: Sequence[Path]) -> list[CaptionTaskQuestion]:
         instances, captions = [], []
@@ -156,14 +168,16 @@ class CaptionTask(Task):
         path, data = instances[0]
         coco = CocoInstances(data, source=str(path))
         references = read_coco_captions(captions[0][0]) if captions else None
-        return [CaptionTaskQuestion(question) for question in caption_questions(coco, references)]
+        self.vocabulary = with_categories(default_vocabulary(), list(coco.category_names.values()))
+        return [CaptionTaskQuestion(question)
+                for question in caption_questions(coco, references, vocabulary=self.vocabulary)]
 
     def answer_mode(self, question: CaptionTaskQuestion) -> Greedy:
         return Greedy(int(self.max_new_tokens))  # type: ignore[arg-type]
 
     def score(self, question: CaptionTaskQuestion, generation: Generation) -> Scored:
         caption = question.caption
-        scored = score_caption(generation.answer, caption.objects, caption.caption_objects)
+        scored = score_caption(generation.answer, caption.objects, caption.caption_objects, self.vocabulary)
         columns: dict[str, Any] = {
             "sequence_prob": generation.confidence,
             "mean_token_prob": generation.mean_token_prob,
@@ -184,7 +198,8 @@ class CaptionTask(Task):
         answers' ``question_id`` is the COCO image id."""
         from prune_audit.data.captions import score_caption_answers
 
-        return score_caption_answers(answers, [question.caption for question in self.read_questions(question_files)])
+        questions = [question.caption for question in self.read_questions(question_files)]
+        return score_caption_answers(answers, questions, self.vocabulary)
 
     def summary_rows(self, records: pa.Table) -> list[tuple[str, str]]:
         """CHAIR-s, object recall, and the omission rate of the objects the first stage lost against those it kept

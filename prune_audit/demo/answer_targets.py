@@ -1,0 +1,163 @@
+"""Teacher-forced answer targets of the demo trainer: the first token, or every answer token and the end.
+
+A yes/no or multiple-choice question is answered by its first token (POPE's and ScienceQA's
+answer modes), so its loss is the cross-entropy of that token at the prompt's last position.
+A short answer or a caption is generated, so its loss covers every answer token and the
+end-of-sequence token that stops greedy decoding: the answer (but its end) is appended to the
+prompt suffix and each position predicts the next token. Each question weighs the same: its
+tokens' losses are averaged, then the questions'.
+
+Teacher-forced exact match equals greedy decoding's: greedy output equals the reference
+exactly when the argmax at every forced position is the reference token (ties aside), so the
+trainer's monitor measures what ``prune-audit run`` would score, without decoding step by step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from prune_audit.data.pope_build import question_text
+from prune_audit.demo.batches import MixQuestion, Question
+from prune_audit.demo.evaluate import prompt_ids, prompt_text
+from prune_audit.demo.scene_questions import CHOICE_LETTERS
+
+if TYPE_CHECKING:
+    from prune_audit.models.base import VisionLanguageModel
+
+
+@dataclass(frozen=True)
+class AnswerTarget:
+    """What one training question asks and must answer.
+
+    Attributes:
+        prompt: question text with its instruction and options, before the chat template.
+        answer: the reference answer text.
+        every_token: generated answers: loss on every answer token and the end token; else the first token.
+        letters: the offered option letters (multiple choice): the answer is the likeliest of them.
+    """
+
+    prompt: str
+    answer: str
+    every_token: bool
+    letters: tuple[str, ...] = ()
+
+
+def answer_target(question: Question | MixQuestion, instruction: str) -> AnswerTarget:
+    """The target of a training question; ``instruction`` follows a yes/no question (as POPE prompts vary)."""
+    if isinstance(question, Question):
+        return AnswerTarget(f"{question_text(question.category)} {instruction}".strip(), question.answer, False)
+    asked = question.question
+    if asked.kind == "yesno":
+        return AnswerTarget(f"{asked.prompt} {instruction}".strip(), asked.answer, False)
+    letters = CHOICE_LETTERS[: len(asked.options)] if asked.kind == "choice" else ()
+    return AnswerTarget(asked.prompt, asked.answer, asked.kind in ("short", "caption"), letters)
+
+
+@dataclass(frozen=True)
+class PromptPieces:
+    """Token ids of the training prompts, split around the image span.
+
+    Attributes:
+        prefix: (P,) ids up to and including the last ``<image>`` (shared by all prompts).
+        image_positions: (N,) positions of the ``<image>`` tokens in ``prefix``.
+        num_image_tokens: N.
+        suffixes: prompt text (before the chat template) -> (T,) ids after the image span, filled on use.
+    """
+
+    prefix: Tensor
+    image_positions: Tensor
+    num_image_tokens: int
+    suffixes: dict[str, Tensor] = field(default_factory=dict)
+
+    def suffix(self, vlm: VisionLanguageModel, text: str) -> Tensor:
+        """(T,) ids after the image span of ``text``'s chat prompt (cached: prompts repeat across steps)."""
+        if text not in self.suffixes:
+            ids = prompt_ids(vlm, prompt_text(vlm, text), self.num_image_tokens)
+            end = int((ids == vlm.model.config.image_token_id).nonzero().max()) + 1
+            if not torch.equal(self.prefix, ids[:end]):
+                raise ValueError("the chat template puts text before the image that depends on the question")
+            self.suffixes[text] = ids[end:]
+        return self.suffixes[text]
+
+
+def prompt_pieces(vlm: VisionLanguageModel, num_image_tokens: int) -> PromptPieces:
+    """The shared image prefix of the chat prompts (probed with one question) and an empty suffix cache."""
+    ids = prompt_ids(vlm, prompt_text(vlm, question_text("circle")), num_image_tokens)
+    image_id = vlm.model.config.image_token_id
+    end = int((ids == image_id).nonzero().max()) + 1
+    prefix = ids[:end]
+    return PromptPieces(prefix, (prefix == image_id).nonzero().flatten(), num_image_tokens)
+
+
+@dataclass(frozen=True)
+class TeacherForcing:
+    """Suffixes with their answers appended, and where each target token is predicted.
+
+    Attributes:
+        suffixes: per question (T_i,) ids: prompt suffix, then the answer tokens but the last target.
+        rows: (K,) question index of each target token.
+        cols: (K,) suffix position whose logits predict it (0 when ``every_position`` is False).
+        targets: (K,) target token ids.
+        allowed: per question the token ids its answer is chosen among (None: the full vocabulary).
+        every_position: whether the logits are needed at every position (some answer is generated).
+    """
+
+    suffixes: list[Tensor]
+    rows: Tensor
+    cols: Tensor
+    targets: Tensor
+    allowed: list[Tensor | None]
+    every_position: bool
+
+
+def teacher_forcing(vlm: VisionLanguageModel, pieces: PromptPieces, targets: Sequence[AnswerTarget]) -> TeacherForcing:
+    """Build the forced suffixes of ``targets`` (first-token answers add nothing to their prompt)."""
+    every_position = any(target.every_token for target in targets)
+    end_id = vlm.eos_ids()[0]
+    suffixes, rows, cols, tokens, allowed = [], [], [], [], []
+    for row, target in enumerate(targets):
+        prompt = pieces.suffix(vlm, target.prompt)
+        answer = vlm.tokenizer(target.answer, add_special_tokens=False).input_ids
+        forced = [*answer, end_id] if target.every_token else answer[:1]
+        suffixes.append(torch.cat([prompt, torch.tensor(forced[:-1], dtype=prompt.dtype)]))
+        last = prompt.numel() - 1 if every_position else 0
+        rows += [row] * len(forced)
+        cols += range(last, last + len(forced))
+        tokens += forced
+        allowed.append(torch.tensor(vlm.tokenizer.convert_tokens_to_ids(list(target.letters))) if target.letters else None)
+    return TeacherForcing(suffixes, torch.tensor(rows), torch.tensor(cols), torch.tensor(tokens), allowed, every_position)
+
+
+def answer_loss(logits: Tensor, forcing: TeacherForcing) -> Tensor:
+    """Mean over questions of the mean cross-entropy of their target tokens.
+
+    Args:
+        logits: (Q, T, V) with ``forcing.every_position``, else (Q, V).
+    """
+    if not forcing.every_position:  # one token per question: the plain mean, as before the task mix
+        return F.cross_entropy(logits[forcing.rows].float(), forcing.targets)
+    token_loss = F.cross_entropy(logits[forcing.rows, forcing.cols].float(), forcing.targets, reduction="none")
+    questions = len(forcing.suffixes)
+    counts = torch.zeros(questions).index_add_(0, forcing.rows, torch.ones_like(token_loss))
+    return (torch.zeros(questions).index_add_(0, forcing.rows, token_loss) / counts).mean()
+
+
+def exact_matches(logits: Tensor, forcing: TeacherForcing) -> Tensor:
+    """(Q,) bool: every target token is the argmax at its position (among the offered letters for a choice)."""
+    per_position = (logits if forcing.every_position else logits[:, None])[forcing.rows, forcing.cols]
+    masked = per_position.clone()
+    for k, row in enumerate(forcing.rows.tolist()):
+        if forcing.allowed[row] is not None:
+            keep = torch.full_like(masked[k], -torch.inf)
+            keep[forcing.allowed[row]] = masked[k, forcing.allowed[row]]
+            masked[k] = keep
+    hits = (masked.argmax(dim=-1) == forcing.targets).float()
+    questions = len(forcing.suffixes)
+    wrong = torch.zeros(questions).index_add_(0, forcing.rows, 1 - hits)
+    return wrong == 0
