@@ -63,6 +63,8 @@ def main() -> None:
         described = local.plugin_records(records, "localcaption")
         picked = ["yes" if scored[(doc, "yes")]["mean_loss"] <= scored[(doc, "no")]["mean_loss"] else "no"
                   for doc in range(len(pope))]
+        yes_no = [(scored[(doc, "yes")]["probability"], scored[(doc, "no")]["probability"]) for doc in range(len(pope))]
+        two_way = [yes / (yes + no) for yes, no in yes_no]  # one spelling each; run sums the spellings
         first_word = ["yes" if line["text"].strip().lower().startswith("yes") else "no" for line in generated]
         kept_equal = sum(line["kept_stages"] == record["kept_stages"] for line, record in zip(generated, pope))
         kept_equal += sum(scored[(doc, answer)]["kept_stages"] == record["kept_stages"]
@@ -74,19 +76,20 @@ def main() -> None:
             "flops": sum(line["flops"] / line["flops_dense"] for line in generated) / len(generated),
             "kept": f"{kept_equal}/{3 * len(pope) + len(caption)}",
             "mc_vs_run": f"{sum(p == r['answer'] for p, r in zip(picked, pope))}/{len(pope)}",
+            "two_way": max(abs(p - r["p_yes_2way"]) for p, r in zip(two_way, pope)),
             "gen_vs_run": f"{sum(w == r['answer'] for w, r in zip(first_word, pope))}/{len(pope)}",
             "captions": f"{sum(line['text'] == r['answer_text'] for line, r in zip(described, caption))}/{len(caption)}",
             "sequence": max(abs(line["sequence_probability"] - r["sequence_prob"]) for line, r in zip(described, caption)),
             "wall": wall,
         })
-    print("| selector | localpope accuracy | localpope_mc acc | visual tokens | FLOPs vs dense | kept sets equal to run's "
-          "| mc answer = run's | generated yes/no = run's | caption text = run's | max caption sequence-prob diff "
-          "| lmms-eval wall |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| selector | localpope accuracy | localpope_mc acc | visual tokens | FLOPs vs dense | kept sets equal to "
+          "run's | mc answer = run's | max two-way P(yes) diff | generated yes/no = run's | caption text = run's "
+          "| max caption sequence-prob diff | lmms-eval wall |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['selector']} | {row['accuracy']:.2f} | {row['mc']:.2f} | {row['tokens']:.1f} | {row['flops']:.3f} "
-              f"| {row['kept']} | {row['mc_vs_run']} | {row['gen_vs_run']} | {row['captions']} | {row['sequence']:.1e} "
-              f"| {row['wall']:.0f} s |")
+              f"| {row['kept']} | {row['mc_vs_run']} | {row['two_way']:.1e} | {row['gen_vs_run']} | {row['captions']} "
+              f"| {row['sequence']:.1e} | {row['wall']:.0f} s |")
 
 
 if __name__ == "__main__":
