@@ -117,7 +117,8 @@ class Generation:
     @classmethod
     def from_token_probs(cls, answer: str, token_probs: tuple[float, ...], stopped: bool) -> Generation:
         """The generation of tokens of these probabilities (the mean of logs, so long answers do not underflow)."""
-        mean_log = sum(math.log(p) if p > 0 else -math.inf for p in token_probs) / len(token_probs) if token_probs else 0.0
+        logs = [math.log(p) if p > 0 else -math.inf for p in token_probs]
+        mean_log = sum(logs) / len(logs) if logs else 0.0
         return cls(answer, tuple(token_probs), float(math.prod(token_probs)), stopped, math.exp(mean_log),
                    len(token_probs))
 
@@ -157,6 +158,6 @@ Reduction = YesNo | LetterChoice | Generation | ContinuationScore
 
 
 __all__ = [
-    "YES_NO", "AnswerMode", "Continuation", "ContinuationScore", "Generation", "Greedy", "LetterChoice", "OptionLetters",
-    "Reduction", "YesNo", "YesNoMode",
+    "YES_NO", "AnswerMode", "Continuation", "ContinuationScore", "Generation", "Greedy", "LetterChoice",
+    "OptionLetters", "Reduction", "YesNo", "YesNoMode",
 ]

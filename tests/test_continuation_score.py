@@ -67,11 +67,11 @@ def test_pruned_score_of_the_greedy_answer_is_its_generation(tiny, workspace, se
     # decoding then encoding may split a generated word differently; compare where the tokens round trip
     round_trips = [(g, s) for g, s in zip(generated, scored) if len(g.token_probs) == len(s.token_probs)]
     assert round_trips and all(g.kept_stages == s.kept_stages for g, s in zip(generated, scored))
-    for generation, score in round_trips:
-        assert score.token_probs == pytest.approx(generation.token_probs, rel=1e-6)  # float32 logits from batches of other shapes
-        assert score.confidence == pytest.approx(generation.sequence_probability, rel=1e-6)  # float32 logits from batches of other shapes
+    for generation, score in round_trips:  # rel: float32 logits from batches of other shapes
+        assert score.token_probs == pytest.approx(generation.token_probs, rel=1e-6)
+        assert score.confidence == pytest.approx(generation.sequence_probability, rel=1e-6)
         assert score.is_greedy == bool(generation.text)
-    assert off.token_probs[: len(scored[0].token_probs)] == pytest.approx(scored[0].token_probs, rel=1e-6)  # float32 logits from batches of other shapes
+    assert off.token_probs[: len(scored[0].token_probs)] == pytest.approx(scored[0].token_probs, rel=1e-6)
     assert off.log_probability < scored[0].log_probability or not scored[0].is_greedy
 
 

@@ -14,6 +14,6 @@ from prune_audit.api.pruning import (
 )
 
 __all__ = [
-    "ChoiceResult", "GenerationResult", "ImageInput", "PrunedModel", "PrunedResult", "ScoreResult", "YesNoResult", "load",
-    "pruned",
+    "ChoiceResult", "GenerationResult", "ImageInput", "PrunedModel", "PrunedResult", "ScoreResult", "YesNoResult",
+    "load", "pruned",
 ]

@@ -99,11 +99,14 @@ class PruneAuditModel(lmms):
         return visuals[0]
 
     def _record(self, task: str, line: dict[str, Any], result: Any) -> None:
-        """Keep the record line of one answered request: ``line`` (request and answer fields) and the provenance."""
+        """Keep the record line of one answered request: ``line`` (request and answer fields) and the provenance,
+        its stages as ``run`` records them (the unpruned model: one stage at layer 0 keeping every token)."""
+        from prune_audit.runner.build import recorded_stages
+
+        kept_stages, stage_layers, merged_stages = recorded_stages(result, result.grid[0] * result.grid[1])
         self._lines.setdefault(task, []).append({
-            **line, "kept_stages": result.kept_stages, "merged_stages": result.merged_stages,
-            "stage_layers": result.stage_layers, "grid": list(result.grid),
-            "visual_tokens_avg": result.visual_tokens_avg, "flops": result.cost.flops,
+            **line, "kept_stages": kept_stages, "merged_stages": merged_stages, "stage_layers": stage_layers,
+            "grid": list(result.grid), "visual_tokens_avg": result.visual_tokens_avg, "flops": result.cost.flops,
             "flops_dense": result.cost.flops_dense,
         })
 

@@ -282,7 +282,8 @@ class PrunedModel:
             rows = range(start, start + len(batch))
             answers = answer_grouped(self.vlm, self.selector, self.budget, prepared, modes[start : start + len(batch)],
                                      [self._generator(row) for row in rows])
-            results += [_result(answer, item, row_mode) for answer, item, row_mode in zip(answers, prepared, modes[start:])]
+            results += [_result(answer, item, row_mode)
+                        for answer, item, row_mode in zip(answers, prepared, modes[start:])]
         return results[0] if single else results
 
     def _generator(self, row: int) -> torch.Generator:
@@ -343,6 +344,6 @@ def _result(answer: Answer, prepared: Prepared, mode: AnswerMode) -> PrunedResul
 
 
 __all__ = [
-    "ChoiceResult", "GenerationResult", "ImageInput", "PrunedModel", "PrunedResult", "ScoreResult", "YesNoResult", "load",
-    "pruned",
+    "ChoiceResult", "GenerationResult", "ImageInput", "PrunedModel", "PrunedResult", "ScoreResult", "YesNoResult",
+    "load", "pruned",
 ]

@@ -134,7 +134,9 @@ def continuation_token_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text.lstrip(), add_special_tokens=False) if text.strip() else []
 
 
-def score_continuation(loop: LanguageLoop, prefill: Prefill, token_ids: Sequence[int], text: str) -> list[ContinuationScore]:
+def score_continuation(
+    loop: LanguageLoop, prefill: Prefill, token_ids: Sequence[int], text: str
+) -> list[ContinuationScore]:
     """Teacher-forced scoring of the same continuation (``token_ids``, spelling ``text``) on every row of a cached
     prefill (``use_cache=True``), one :class:`ContinuationScore` per row.
 

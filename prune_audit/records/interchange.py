@@ -66,8 +66,9 @@ class KeptQuestion:
     """One question line: its key, image, stages (empty: unpruned) and answer.
 
     ``answer`` holds ``text`` and ``probability`` (the task's confidence) and may hold the answer mode's
-    reduction (``p_yes``/``p_no``; ``letter_probs``; ``token_probs``/``stopped`` or ``GENERATION_SUMMARY``); ``cost`` and ``latency_ms``
-    are optional measurements to carry over (``COST_FIELDS``, ``LATENCY_PARTS``). ``line`` is where it was read.
+    reduction (``p_yes``/``p_no``; ``letter_probs``; ``stopped`` with ``token_probs`` or ``GENERATION_SUMMARY``);
+    ``cost`` and ``latency_ms`` are optional measurements to carry over (``COST_FIELDS``, ``LATENCY_PARTS``).
+    ``line`` is where it was read.
     """
 
     question_id: int

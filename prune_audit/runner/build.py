@@ -13,7 +13,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prune_audit.data.retention import ObjectArea, StageRetention, retention_by_stage
 from prune_audit.records.schema import Record, task_columns
@@ -67,7 +67,15 @@ def last_visible_kept(kept_stages: Sequence[Sequence[int]], num_visual: int) -> 
     return []
 
 
-def recorded_stages(answer: Answer, num_visual: int) -> tuple[list[list[int]], list[int], list[list[list[int]]]]:
+class StagedAnswer(Protocol):
+    """What ``recorded_stages`` reads of an answer: the model's ``Answer`` or the Python API's ``PrunedResult``."""
+
+    kept_stages: list[list[int]]
+    stage_layers: list[int]
+    merged_stages: list[list[list[int]]]
+
+
+def recorded_stages(answer: StagedAnswer, num_visual: int) -> tuple[list[list[int]], list[int], list[list[list[int]]]]:
     """(kept set of each stage, decoder layer whose input it is, sources of its merged tokens): one
     stage at layer 0 for input-level selectors, and for the unpruned model (every token)."""
     if not answer.kept_stages:
