@@ -230,7 +230,8 @@ class VisionLanguageModel(AnswerModes, ABC):
         if selector is not None:
             self.check_selector(selector)
         input_level = forced_kept is not None or isinstance(selector, InputSelector)
-        requires = selector.requires if input_level and selector is not None and forced_kept is None else frozenset()
+        requires = (self.signals_for(type(selector)) if input_level and selector is not None and forced_kept is None
+                    else frozenset())
         vision_layer = (self.signals_for(type(selector)) & VISION_LAYER_SIGNALS if isinstance(selector, LayerSelector)
                         else frozenset())
         clock = PartClock(self.device)
