@@ -280,6 +280,32 @@ def run(family: str, decoder_layers: int | None, selectors: list[str], budgets: 
             "build_s": build_s, "prepare_ms": prepare_ms, "load_average": load, "rows": rows}
 
 
+def markdown(result: dict) -> str:
+    """One family's result as a markdown table: measured at ``decoder_layers``, and extrapolated to the real depth."""
+    layers, real = result["decoder_layers"], result["real_decoder_layers"]
+    header = (f"| selector | budget | visual tokens kept | s per question at {layers} layers (vision / selection / "
+              f"prefill) | decoder layers s | GFLOPs | peak RSS GiB |")
+    if layers != real:
+        header += f" extrapolated to {real} layers: s per question | GFLOPs | peak RSS GiB |"
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for row in result["rows"]:
+        budget = "-" if row["budget"] is None else str(row["budget"])
+        if "refused" in row:
+            lines.append(f"| {row['selector']} | {budget} | refused: {row['refused']} |")
+            continue
+        line = (f"| {row['selector']} | {budget} | {row['kept_tokens']} of {row['visual_tokens']} | "
+                f"{row['ms'] / 1000:.1f} ({row['vision_ms'] / 1000:.1f} / {row['selection_ms'] / 1000:.2f} / "
+                f"{row['prefill_ms'] / 1000:.1f}) | {row['decoder_layer_ms'] / 1000:.1f} | {row['gflops']:,.0f} | "
+                f"{row['peak_rss_gib']:.2f} |")
+        if "ms_full_depth" in row:
+            line += (f" {row['ms_full_depth'] / 1000:.1f} | {row['gflops_full_depth']:,.0f} | "
+                     f"{row['peak_rss_gib_full_depth']:.2f} |")
+        elif layers != real:
+            line += " not linear (in-LLM schedule) | | |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def positive_integer(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -308,6 +334,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None, report: Callable[[str], None] = print) -> dict:
+    """Run one family; ``report`` gets its markdown table, then a summary line."""
     args = parse_arguments(argv)
     try:
         result = run(args.family, args.decoder_layers, args.selectors, args.budgets, args.threads, args.tiny,
@@ -317,6 +344,7 @@ def main(argv: list[str] | None = None, report: Callable[[str], None] = print) -
         raise SystemExit(2) from None
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1))
+    report(markdown(result))
     report(f"{result['title']}: {result['decoder_layers']} of {result['real_decoder_layers']} decoder layers, "
            f"{result['weights_gib']:.2f} GiB bf16 weights ({result['weights_gib_full_depth']:.2f} at full depth), "
            f"threads {result['threads']}, load {' '.join(result['load_average'])}")

@@ -70,4 +70,6 @@ def test_tiny_run_writes_dense_and_pruned_rows(tmp_path, shared_data):
     for row in (dense, divprune):
         assert row["ms"] > 0 and 0 < row["decoder_layer_ms"] <= row["ms"] and row["peak_rss_gib"] > 0
         assert "ms_full_depth" not in row  # measured at the (tiny) full depth: nothing extrapolated
-    assert lines and "InternVL3-8B: 2 of 2 decoder layers" in lines[0]
+    table, summary = lines
+    assert "| dense | - | 16 of 16 |" in table and "| fastv | 8 |" in table
+    assert "InternVL3-8B: 2 of 2 decoder layers" in summary
