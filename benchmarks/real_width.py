@@ -236,6 +236,8 @@ def extrapolate(row: dict, measured_layers: int, real_layers: int, layer_bytes: 
 
 def run(family: str, decoder_layers: int | None, selectors: list[str], budgets: list[int], threads: int, tiny: bool,
         image: Path) -> dict:
+    """Build ``family`` at the released widths (``tiny``: the builder's) and answer one question on ``image``,
+    dense and under each selector at each budget; the result as written by ``--json``."""
     from prune_audit.models.families import adapter_for
 
     torch.set_num_threads(threads)
@@ -328,6 +330,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.selectors) - set(list_selectors()))
     if unknown:
         parser.error(f"unknown selector(s) {', '.join(unknown)}; registered: {', '.join(list_selectors())}")
+    real_layers = REAL[args.family]["text"]["num_hidden_layers"]
+    if args.decoder_layers is not None and not args.tiny and args.decoder_layers > real_layers:
+        parser.error(f"--decoder-layers {args.decoder_layers} exceeds {REAL[args.family]['title']}'s "
+                     f"{real_layers}; pass 1..{real_layers}")
     if not args.image.is_file():
         parser.error(f"image {args.image} not found; pass --image PATH (a COCO val2017 image)")
     return args

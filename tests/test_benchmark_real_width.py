@@ -15,6 +15,7 @@ from prune_audit.errors import PruneAuditError
     ["--family", "internvl", "--selectors", "nonesuch"],
     ["--family", "internvl", "--budgets", "0"],
     ["--family", "internvl", "--decoder-layers", "-2"],
+    ["--family", "internvl", "--decoder-layers", "29"],  # InternVL3-8B has 28
     ["--family", "internvl", "--threads", "two"],
     ["--family", "internvl", "--image", "/nonexistent.jpg"],
 ])
