@@ -470,3 +470,83 @@ def test_multi_grid_geometries_survive_the_records_json():
                      onevision_geometry((2000, 1500), pinpoints=[[384, 768], [768, 768], [1152, 1152]])):
         again = geometry_from_dict(json.loads(json.dumps(geometry.to_dict())))
         assert again == geometry and (token_footprints(again) == token_footprints(geometry)).all()
+
+
+def test_llava_next_cls_attention_is_each_crops_own_cls_row(tmp_path):
+    """Per-crop CLS attention (VisionZip's and FasterVLM's LLaVA-NeXT reading): each visual token gets the attention
+    its own crop's CLS pays it at the feature layer, as the stock eager CLIP tower returns it for that crop alone."""
+    from prune_audit.data.multigrid import anyres_crop_patches
+
+    checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"], seed=3)
+    vlm = load_vlm(checkpoint, device="cpu")
+    image = random_image(0, (130, 100))
+    item = vlm.prepare(image, QUESTIONS[0])
+    [output] = vlm._vision([item], frozenset({"cls_attention", "vision_features"}))
+    tower = vlm.model.model.vision_tower
+    tower.set_attn_implementation("eager")
+    config = vlm.model.config
+    crops = item.pixel_values
+    with torch.no_grad():
+        stock = tower(crops, output_attentions=True, output_hidden_states=True)
+    layer = len(stock.hidden_states) + config.vision_feature_layer - 1  # the attention producing the feature layer
+    expected = stock.attentions[layer][:, :, 0, 1:]  # (K, H, P): each crop's CLS row over its own patches
+    order = torch.from_numpy(anyres_crop_patches(image.size, pinpoints=config.image_grid_pinpoints,
+                                                 tile=config.vision_config.image_size,
+                                                 patch_size=config.vision_config.patch_size))
+    torch.testing.assert_close(output.signals["cls_attention"], expected.transpose(0, 1).flatten(1)[:, order])
+    for crop in range(crops.shape[0]):  # a softmax per crop: each crop's patches share its CLS row's mass
+        assert 0 < float(expected[crop].sum(dim=-1).max()) <= 1 + 1e-6
+    features = stock.hidden_states[config.vision_feature_layer][:, 1:].flatten(0, 1)[order]
+    torch.testing.assert_close(output.signals["vision_features"], features)
+
+
+def test_llava_onevision_refuses_cls_selectors_in_one_line(tmp_path):
+    """SigLIP has no CLS token: the CLS-attention selectors are refused on LLaVA-OneVision, naming the reason."""
+    vlm = load_vlm(adapter_for("llava_onevision", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"]),
+                   device="cpu")
+    for name in ("cls_attn", "vispruner", "scope", "visionzip"):
+        with pytest.raises(PruneAuditError) as error:
+            vlm.check_selector(get_selector(name))
+        assert "no CLS token" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_per_crop_budget_equals_an_independent_per_crop_top_k(tmp_path):
+    """``budget_scope=crop`` (VisionZip's, CDPruner's and FasterVLM's LLaVA-NeXT convention): the budget split evenly
+    over the crops, then each crop's own top-k. Re-derived here from the layout: the crop of each unpadded tile
+    token from its row and column in the joined grid, FasterVLM's head-mean CLS score, a top-k per crop."""
+    from prune_audit.data.multigrid import anyres_layout
+    from prune_audit.pruners.crop_scope import crop_budgets
+    from prune_audit.pruners.registry import selector_from_strings
+
+    checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"], seed=3)
+    vlm = load_vlm(checkpoint, device="cpu")
+    image = random_image(1, (130, 100))
+    item = vlm.prepare(image, QUESTIONS[0])
+    config = vlm.model.config
+    tile, side = config.vision_config.image_size, config.vision_config.image_size // config.vision_config.patch_size
+    layout = anyres_layout(image.size, config.image_grid_pinpoints, tile, config.vision_config.patch_size)
+    rows, cols = np.indices(layout.grid)
+    tile_crop = 1 + (rows + layout.cut[0]) // side * (layout.canvas[1] // tile) + (cols + layout.cut[1]) // side
+    crop_of = np.concatenate([np.zeros(side * side, dtype=np.int64), tile_crop.ravel()])
+    [output] = vlm._vision([item], frozenset({"cls_attention"}))
+    scores = output.signals["cls_attention"].mean(dim=0)
+    crops = [np.flatnonzero(crop_of == crop) for crop in np.unique(crop_of)]
+    assert len(crops) > 2  # the base view and several tiles
+    budget = 13
+    shares = [min(len(tokens), budget // len(crops) + (index < budget % len(crops))) for index, tokens in enumerate(crops)]
+    assert crop_budgets(budget, [len(tokens) for tokens in crops]) == shares
+    expected = sorted(int(tokens[index]) for tokens, share in zip(crops, shares)
+                      for index in torch.topk(scores[torch.from_numpy(tokens)], share).indices)
+    selector = selector_from_strings("cls_attn", ["budget_scope=crop"])
+    answer = vlm.answer([item], selector, budget)[0]
+    assert answer.kept_stages == [expected]
+    assert answer.kept_stages != vlm.answer([item], get_selector("cls_attn"), budget)[0].kept_stages
+
+
+def test_per_crop_budget_is_refused_in_one_line_on_one_crop_families(tmp_path):
+    from prune_audit.pruners.registry import selector_from_strings
+
+    vlm = load_vlm(adapter_for("llava", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"]), device="cpu")
+    with pytest.raises(PruneAuditError) as error:
+        vlm.check_selector(selector_from_strings("divprune", ["budget_scope=crop"]))
+    assert "one crop" in str(error.value) and "\n" not in str(error.value)

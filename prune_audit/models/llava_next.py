@@ -16,9 +16,10 @@ keeps every newline and the surviving visual tokens in prompt order.
 Positions: 1-D RoPE; after input-level selection the prompt is simply shorter (compact), as for
 LLaVA-1.5. Selectors that lay tokens on one (rows, cols) grid (uniform's lattice, pooling, ToMe's
 grid, E2S's novelty blocks, HiPrune's neighbours, VScan's windows) are refused: the tokens form
-two grids. CLS- and vision-attention selectors and CDPruner are refused too: the per-crop CLS
-attention and CLIP text relevance of the official LLaVA-NeXT ports are not read here
-(docs/models.md).
+two grids. CLS-attention selectors read each crop's own CLS row (``_crop_cls_attention``, as the
+official LLaVA-NeXT ports of VisionZip and FasterVLM); VisionZip itself, the per-layer tower
+attention selectors and CDPruner are refused: the per-crop CLS states and keys VisionZip merges
+into contextual tokens and the CLIP text relevance are not read here (docs/models.md).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from prune_audit.models.batch import TokenRow
 from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE
 from prune_audit.models.llava import LlavaModel
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
+from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners.base import Selection, Selector
 
 #: selectors that place tokens on one (rows, cols) grid, which an anyres image does not have
@@ -47,13 +49,16 @@ class LlavaNextModel(LlavaModel):
     """LLaVA-NeXT adapter (one image per prompt, anyres tiling with unpadding and row newlines)."""
 
     family = "llava_next"
-    input_signals = frozenset({"features", "demand"})
-    cls_probe_signals = layer_probe_signals = frozenset()
+    input_signals = frozenset({"features", "demand", "vision_features", "cls_attention"})
+    cls_probe_signals = frozenset({"cls_attention"})  # one CLS row per crop
+    layer_probe_signals = frozenset()
     missing_signals_reason = (
-        "its visual tokens form two grids (base view and unpadded tiles), and this adapter reads neither the "
-        "per-crop CLS attention nor a CLIP text space"
+        "its visual tokens form two grids (base view and unpadded tiles), and this adapter reads neither a CLIP "
+        "text space, nor the per-crop CLS states and keys VisionZip merges into contextual tokens, nor the "
+        "per-layer tower attention"
     )
     display_name = "LLaVA-NeXT"
+    several_crops = True
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -126,10 +131,36 @@ class LlavaNextModel(LlavaModel):
         outputs = []
         for item in prepared:  # images have different crop counts: one tower call per image
             crops = item.pixel_values.to(self.device, self.dtype)
-            patches = self._tower_states(crops)[self.feature_index][:, 1:]  # (K, 576, Dv), CLS dropped
-            visual = patches.flatten(0, 1)[item.extras["crop_patches"].to(self.device)]
-            outputs.append(VisionOutput(self.model.model.multi_modal_projector(visual)))
+            hidden = self._tower_states(crops)
+            order = item.extras["crop_patches"].to(self.device)  # (N,) crop-major patch of each visual token
+            visual = hidden[self.feature_index][:, 1:].flatten(0, 1)[order]  # (N, Dv), CLS dropped
+            signals = {}
+            if requires & {"vision_features", "text_relevance"}:
+                signals["vision_features"] = visual
+            if "cls_attention" in requires:
+                signals["cls_attention"] = self._crop_cls_attention(hidden)[:, order]
+            outputs.append(VisionOutput(self.model.model.multi_modal_projector(visual), signals))
         return outputs
+
+    def _crop_cls_attention(self, hidden: list[Tensor]) -> Tensor:
+        """(H, K x P) each crop's CLS attention to its own P patches at the feature layer, crops in order.
+
+        As VisionZip's LLaVA-NeXT code (dvlab-research/VisionZip ``visionzip/llava_arch.py``, 3151f6d) and
+        FasterVLM's read it: the tower runs on each crop alone, so each crop has its own CLS row, a softmax
+        over that crop's 1 + P tokens. No logits come along (``cls_logits``): one softmax does not span the
+        crops, so ``score_dtype="model"`` rounds these probabilities instead of recomputing them.
+        ``hidden``: the tower states of the K crops, each (K, 1 + P, Dv).
+        """
+        layer = self.vision_tower.encoder.layers[self.feature_index - 1]  # its output is the feature layer
+        probs, _, _ = clip_cls_row(layer, hidden[self.feature_index - 1])  # (K, H, 1 + P)
+        return probs[:, :, 1:].transpose(0, 1).flatten(1)
+
+    def crop_tokens(self, item: Prepared) -> list[Tensor]:
+        """(M_c,) ascending visual tokens of each crop: the base view's, then each tile's unpadded ones (tiles
+        that unpadding empties have none and are left out)."""
+        side = self.tile // self.model.config.vision_config.patch_size
+        crop_of = item.extras["crop_patches"] // (side * side)  # (N,) crop each visual token was computed in
+        return [torch.nonzero(crop_of == crop).flatten() for crop in torch.unique(crop_of)]
 
     def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
         """The tower ran on every crop (base view and tiles) of ``tile // patch`` squared patches."""

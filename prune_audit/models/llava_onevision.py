@@ -46,6 +46,8 @@ class LlavaOnevisionModel(LlavaNextModel):
     """LLaVA-OneVision adapter (one image per prompt, anyres-max tiling, SigLIP tower without CLS)."""
 
     family = "llava_onevision"
+    input_signals = frozenset({"features", "demand"})
+    cls_probe_signals = frozenset()  # SigLIP has no CLS token
     missing_signals_reason = (
         "its visual tokens form two grids (base view and unpadded tiles), its SigLIP tower has no CLS token, and "
         "this adapter reads no CLIP text space"
@@ -148,6 +150,17 @@ class LlavaOnevisionModel(LlavaNextModel):
                     "crop_patches": torch.from_numpy(anyres_crop_patches(image.size, **layout)),
                     "tile_grid": torch.tensor([*unpadded, rows, cols])},
         )
+
+    def crop_tokens(self, item: Prepared) -> list[Tensor]:
+        """As LLaVA-NeXT's while the tile grid is whole; refused once ``anyres_max`` resized it (a resized token
+        mixes the patches of up to four tiles, so it belongs to no one crop)."""
+        rows, cols, out_rows, out_cols = item.extras["tile_grid"].tolist()
+        if (out_rows, out_cols) != (rows, cols):
+            raise PruneAuditError(
+                f"budget_scope=crop needs each visual token in one crop, but this image's {rows}x{cols} tile grid was "
+                f"resized to {out_rows}x{out_cols} (anyres_max), mixing crops; use budget_scope=image"
+            )
+        return super().crop_tokens(item)
 
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
         outputs = []
