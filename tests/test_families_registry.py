@@ -550,3 +550,35 @@ def test_per_crop_budget_is_refused_in_one_line_on_one_crop_families(tmp_path):
     with pytest.raises(PruneAuditError) as error:
         vlm.check_selector(selector_from_strings("divprune", ["budget_scope=crop"]))
     assert "one crop" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepared, workspace, tmp_path):
+    """``--option budget_scope=crop``: the crops partition the visual tokens (LLaVA-OneVision's resized tile grid
+    included), the option is recorded in the manifest, the records' kept sets stay within the budget; one line and
+    exit 2 on one-crop families, before anything is written."""
+    import json
+
+    for item in prepared:
+        crops = vlm.crop_tokens(item)
+        assert torch.equal(torch.cat(crops).sort().values, torch.arange(item.num_visual))
+        assert len(crops) > 2 if vlm.several_crops else len(crops) == 1
+
+    out = tmp_path / "crop"
+    budget = str(prepared[0].num_visual // 3)
+    args = run_args(workspace, checkpoint, out, "--selector", "divprune", "--budget", budget,
+                    "--option", "budget_scope=crop")
+    result = runner.invoke(app, args)
+    if family not in ("llava_next", "llava_onevision"):
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+        assert "one crop" in result.stderr and not out.exists()
+        return
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["selector"]["options"]["budget_scope"] == "crop"
+    kept = pq.read_table(out / "records.parquet").column("kept").to_pylist()
+    assert kept and all(0 < len(tokens) <= int(budget) for tokens in kept)
+    image = sorted(workspace["images"].iterdir())[0]
+    result = runner.invoke(app, ["visualize", str(image), "--model", str(checkpoint), "--selector", "divprune",
+                                 "--option", "budget_scope=crop", "--budget", budget, "--question",
+                                 "Is there a cat in the image?", "--out", str(tmp_path / "figure.png")])
+    assert result.exit_code == 0, result.output

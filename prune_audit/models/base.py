@@ -282,9 +282,10 @@ class VisionLanguageModel(AnswerModes, ABC):
                 raise PruneAuditError(f"forced kept indices must lie in [0, {item.num_visual})")
             return Selection(kept=kept)
         signals = self._input_signals(item, output, requires)
+        crops = self.crop_tokens(item) if getattr(selector, "budget_scope", "image") == "crop" else None
         try:
-            if getattr(selector, "budget_scope", "image") == "crop":
-                return select_per_crop(selector, signals, self.crop_tokens(item), budget, generator)
+            if crops is not None:
+                return select_per_crop(selector, signals, crops, budget, generator)
             return selector.select(signals, budget, generator)
         except ValueError as error:
             raise PruneAuditError(

@@ -158,9 +158,13 @@ class LlavaNextModel(LlavaModel):
     def crop_tokens(self, item: Prepared) -> list[Tensor]:
         """(M_c,) ascending visual tokens of each crop: the base view's, then each tile's unpadded ones (tiles
         that unpadding empties have none and are left out)."""
-        side = self.tile // self.model.config.vision_config.patch_size
-        crop_of = item.extras["crop_patches"] // (side * side)  # (N,) crop each visual token was computed in
+        crop_of = self._token_crops(item)
         return [torch.nonzero(crop_of == crop).flatten() for crop in torch.unique(crop_of)]
+
+    def _token_crops(self, item: Prepared) -> Tensor:
+        """(N,) the crop (0: base view, then the tiles row-major over the canvas) each visual token was computed in."""
+        side = self.tile // self.model.config.vision_config.patch_size
+        return item.extras["crop_patches"] // (side * side)
 
     def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
         """The tower ran on every crop (base view and tiles) of ``tile // patch`` squared patches."""

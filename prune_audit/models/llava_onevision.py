@@ -151,16 +151,19 @@ class LlavaOnevisionModel(LlavaNextModel):
                     "tile_grid": torch.tensor([*unpadded, rows, cols])},
         )
 
-    def crop_tokens(self, item: Prepared) -> list[Tensor]:
-        """As LLaVA-NeXT's while the tile grid is whole; refused once ``anyres_max`` resized it (a resized token
-        mixes the patches of up to four tiles, so it belongs to no one crop)."""
+    def _token_crops(self, item: Prepared) -> Tensor:
+        """(N,) each visual token's crop, as LLaVA-NeXT's; once ``anyres_max`` resized the tile grid, a resized
+        token's crop is that of the patch under its cell's centre (the bilinear sample reads the patches around
+        that centre, which may straddle a tile border: a documented convention, as its footprint)."""
+        crop_of = super()._token_crops(item)  # (base + rows x cols,) before the resize
         rows, cols, out_rows, out_cols = item.extras["tile_grid"].tolist()
+        base = crop_of.numel() - rows * cols
+        tiles = crop_of[base:].reshape(rows, cols)
         if (out_rows, out_cols) != (rows, cols):
-            raise PruneAuditError(
-                f"budget_scope=crop needs each visual token in one crop, but this image's {rows}x{cols} tile grid was "
-                f"resized to {out_rows}x{out_cols} (anyres_max), mixing crops; use budget_scope=image"
-            )
-        return super().crop_tokens(item)
+            centre_rows = ((torch.arange(out_rows) + 0.5) * rows / out_rows).long()
+            centre_cols = ((torch.arange(out_cols) + 0.5) * cols / out_cols).long()
+            tiles = tiles[centre_rows][:, centre_cols]
+        return torch.cat([crop_of[:base], tiles.flatten()])
 
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
         outputs = []
