@@ -237,8 +237,21 @@ def test_docs_table_lists_what_runs_on_each_family(family, vlm):
     cells = {cell[0].strip(): cell[column].strip() for cell in lines[1:] if not set(cell[0]) <= {"-"}}
     assert sorted(cells) == list_selectors()
     needs_clip = {"cdpruner"} if "text_relevance" in vlm.input_signals else set()
-    expected = {name: "yes" if name in vlm.supported_selectors() else "with --clip-text" if name in needs_clip else "no"
-                for name in list_selectors()}
+
+    def per_crop(name: str) -> bool:  # refused at the default scope, runs with budget_scope=crop
+        from prune_audit.pruners.base import InputSelector
+        from prune_audit.pruners.registry import selector_from_strings
+
+        if not vlm.several_crops or not isinstance(get_selector(name), InputSelector):
+            return False
+        try:
+            vlm.check_selector(selector_from_strings(name, ["budget_scope=crop"]))
+        except PruneAuditError:
+            return False
+        return True
+
+    expected = {name: "yes" if name in vlm.supported_selectors() else "with --clip-text" if name in needs_clip
+                else "with budget_scope=crop" if per_crop(name) else "no" for name in list_selectors()}
     assert cells == expected
 
 
@@ -560,7 +573,8 @@ def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepare
 
     for item in prepared:
         crops = vlm.crop_tokens(item)
-        assert torch.equal(torch.cat(crops).sort().values, torch.arange(item.num_visual))
+        assert torch.equal(torch.cat([tokens for tokens, _ in crops]).sort().values, torch.arange(item.num_visual))
+        assert all(rows * cols == tokens.numel() for tokens, (rows, cols) in crops)
         assert len(crops) > 2 if vlm.several_crops else len(crops) == 1
 
     out = tmp_path / "crop"
@@ -582,3 +596,39 @@ def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepare
                                  "--option", "budget_scope=crop", "--budget", budget, "--question",
                                  "Is there a cat in the image?", "--out", str(tmp_path / "figure.png")])
     assert result.exit_code == 0, result.output
+
+
+def test_hiprune_runs_per_crop_on_llava_next_as_its_official_code(tmp_path):
+    """HiPrune's official LLaVA-NeXT code selects in each crop's own grid: with ``budget_scope=crop`` it runs, and
+    its kept set is the union of HiPrune on each crop alone: that crop's unpadded tokens as their own grid, the
+    attention they receive in the stock eager CLIP tower run on that crop, the crop's share of the budget."""
+    from prune_audit.pruners.base import InputSignals
+    from prune_audit.pruners.crop_scope import crop_budgets
+    from prune_audit.pruners.registry import selector_from_strings
+
+    checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"], seed=3)
+    vlm = load_vlm(checkpoint, device="cpu")
+    item = vlm.prepare(random_image(2, (100, 130)), QUESTIONS[0])
+    with pytest.raises(PruneAuditError, match="one regular token grid"):
+        vlm.check_selector(get_selector("hiprune"))
+    selector = selector_from_strings("hiprune", ["budget_scope=crop"])
+    tower = vlm.model.model.vision_tower
+    tower.set_attn_implementation("eager")
+    with torch.no_grad():
+        stock = tower(item.pixel_values, output_attentions=True)
+    layers = len(stock.attentions) + vlm.model.config.vision_feature_layer + 1  # those up to the feature layer
+    received = torch.stack([probs.mean(dim=(1, 2))[:, 1:] for probs in stock.attentions[:layers]], dim=1)
+    patches = item.extras["crop_patches"]  # (N,) crop-major patch of each visual token, checked against the processor
+    per_crop = received.shape[-1]  # P patches per crop
+    crops = patches // per_crop
+    base, tiles = item.geometry.grids
+    budget = 25
+    groups = [torch.nonzero(crops == crop).flatten() for crop in torch.unique(crops)]
+    expected = []
+    for tokens, share in zip(groups, crop_budgets(budget, [group.numel() for group in groups])):
+        rows = base.grid[0] if tokens[0] < base.num_tokens else torch.unique((tokens - base.num_tokens)
+                                                                             // tiles.grid[1]).numel()
+        signals = InputSignals(grid=(rows, tokens.numel() // rows),
+                               layer_attention=received[crops[tokens[0]], :, patches[tokens] % per_crop])
+        expected += tokens[selector.select(signals, share).kept].tolist()
+    assert vlm.answer([item], selector, budget)[0].kept_stages == [sorted(expected)]

@@ -198,9 +198,10 @@ class VisionLanguageModel(AnswerModes, ABC):
             return self._input_positions()
         return self._layer_positions(selector)
 
-    def crop_tokens(self, item: Prepared) -> list[Tensor]:
-        """(M_c,) ascending visual tokens of each crop the tower ran on (``budget_scope="crop"``); one crop here."""
-        return [torch.arange(item.num_visual)]
+    def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
+        """Per crop the tower ran on (``budget_scope="crop"``): its (M_c,) ascending visual tokens and their
+        (rows, cols) grid; one crop here."""
+        return [(torch.arange(item.num_visual), item.grid)]
 
     def check_selector(self, selector: Selector) -> None:
         """Raise a one-line PruneAuditError when this model cannot provide the selector's signals."""

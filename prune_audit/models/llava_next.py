@@ -34,7 +34,7 @@ from torch import Tensor
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.batch import TokenRow
 from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE
-from prune_audit.models.llava import LlavaModel
+from prune_audit.models.llava import LAYER_SIGNALS, LlavaModel
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners.base import Selection, Selector
@@ -42,6 +42,9 @@ from prune_audit.pruners.base import Selection, Selector
 #: selectors that place tokens on one (rows, cols) grid, which an anyres image does not have
 ONE_GRID_SELECTORS = frozenset({"uniform", "pool", "tome", "e2s", "hiprune", "vscan"})
 ONE_GRID = "one regular token grid"
+#: those whose official LLaVA-NeXT code selects in each crop's own grid: they run with ``budget_scope=crop``
+#: (HiPrune, Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``: one index mask per crop, unpadded)
+PER_CROP_GRID_SELECTORS = frozenset({"hiprune"})
 NEWLINE_KIND = TEXT_BEFORE  # kept like the text before the image: never pruned, never a query row
 
 
@@ -49,13 +52,13 @@ class LlavaNextModel(LlavaModel):
     """LLaVA-NeXT adapter (one image per prompt, anyres tiling with unpadding and row newlines)."""
 
     family = "llava_next"
-    input_signals = frozenset({"features", "demand", "vision_features", "cls_attention"})
+    input_signals = frozenset({"features", "demand", "vision_features", "cls_attention"} | LAYER_SIGNALS)
     cls_probe_signals = frozenset({"cls_attention"})  # one CLS row per crop
-    layer_probe_signals = frozenset()
+    layer_probe_signals = LAYER_SIGNALS  # every crop's encoder attention
     missing_signals_reason = (
         "its visual tokens form two grids (base view and unpadded tiles), and this adapter reads neither a CLIP "
-        "text space, nor the per-crop CLS states and keys VisionZip merges into contextual tokens, nor the "
-        "per-layer tower attention"
+        "text space, nor the per-crop CLS states and keys VisionZip merges into contextual tokens; selectors "
+        "on one grid run per crop (budget_scope=crop) only where their official LLaVA-NeXT code does (hiprune)"
     )
     display_name = "LLaVA-NeXT"
     several_crops = True
@@ -139,6 +142,10 @@ class LlavaNextModel(LlavaModel):
                 signals["vision_features"] = visual
             if "cls_attention" in requires:
                 signals["cls_attention"] = self._crop_cls_attention(hidden)[:, order]
+            if requires & LAYER_SIGNALS:  # each (K, Lv, P) over the crops, to (Lv, N) in visual-token order
+                signals.update({name: value.transpose(0, 1).flatten(1)[:, order]
+                                for name, value in self._layer_signals(hidden).items()
+                                if name.removeprefix("model_") in requires})
             outputs.append(VisionOutput(self.model.model.multi_modal_projector(visual), signals))
         return outputs
 
@@ -155,11 +162,21 @@ class LlavaNextModel(LlavaModel):
         probs, _, _ = clip_cls_row(layer, hidden[self.feature_index - 1])  # (K, H, 1 + P)
         return probs[:, :, 1:].transpose(0, 1).flatten(1)
 
-    def crop_tokens(self, item: Prepared) -> list[Tensor]:
-        """(M_c,) ascending visual tokens of each crop: the base view's, then each tile's unpadded ones (tiles
-        that unpadding empties have none and are left out)."""
+    def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
+        """Per crop, its ascending visual tokens and their (rows, cols): the base view's grid, then each tile's
+        unpadded tokens, a rectangle of the tile grid (tiles that unpadding empties are left out)."""
         crop_of = self._token_crops(item)
-        return [torch.nonzero(crop_of == crop).flatten() for crop in torch.unique(crop_of)]
+        base, tiles = item.geometry.grids
+        tile_cols = tiles.grid[1]
+        crops = []
+        for crop in torch.unique(crop_of):
+            tokens = torch.nonzero(crop_of == crop).flatten()
+            if crop == 0:
+                crops.append((tokens, base.grid))
+            else:  # the tile's unpadded tokens: the rows and columns of the tile grid that lie in it
+                rows = torch.unique((tokens - base.num_tokens) // tile_cols).numel()
+                crops.append((tokens, (rows, tokens.numel() // rows)))
+        return crops
 
     def _token_crops(self, item: Prepared) -> Tensor:
         """(N,) the crop (0: base view, then the tiles row-major over the canvas) each visual token was computed in."""
@@ -174,6 +191,14 @@ class LlavaNextModel(LlavaModel):
     def _missing(self, cls: type[Selector]) -> set[str]:
         missing = super()._missing(cls)
         return missing | {ONE_GRID} if cls.name in ONE_GRID_SELECTORS else missing
+
+    def check_selector(self, selector: Selector) -> None:
+        """As the base, except that a selector of ``PER_CROP_GRID_SELECTORS`` runs under ``budget_scope=crop``:
+        each crop's tokens are one grid."""
+        per_crop = getattr(selector, "budget_scope", "image") == "crop" and selector.name in PER_CROP_GRID_SELECTORS
+        if per_crop and not super()._missing(type(selector)):
+            return
+        super().check_selector(selector)
 
     def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
         """The language-model input of one prompt: the kept visual tokens and every newline in prompt order."""

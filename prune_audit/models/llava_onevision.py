@@ -47,7 +47,7 @@ class LlavaOnevisionModel(LlavaNextModel):
 
     family = "llava_onevision"
     input_signals = frozenset({"features", "demand"})
-    cls_probe_signals = frozenset()  # SigLIP has no CLS token
+    cls_probe_signals = layer_probe_signals = frozenset()  # SigLIP has no CLS token; no tower attention read
     missing_signals_reason = (
         "its visual tokens form two grids (base view and unpadded tiles), its SigLIP tower has no CLS token, and "
         "this adapter reads no CLIP text space"

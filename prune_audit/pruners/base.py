@@ -99,8 +99,9 @@ class InputSignals:
     def num_tokens(self) -> int:
         return self.grid[0] * self.grid[1]
 
-    def subset(self, tokens: Tensor) -> InputSignals:
-        """The signals of the visual tokens ``tokens`` ((M,) ascending indices) alone, as one (1, M) row.
+    def subset(self, tokens: Tensor, grid: tuple[int, int] | None = None) -> InputSignals:
+        """The signals of the visual tokens ``tokens`` ((M,) ascending indices) alone, laid on ``grid``
+        ((rows, cols) with rows x cols = M, row-major; default one (1, M) row).
 
         Per-token tensors are sliced along their token axis (``cls_logits`` and ``vision_keys`` keep the CLS
         at index 0); image-level ones (``cls_feature``, the tower facts) stay. The merging tower reruns the
@@ -118,7 +119,10 @@ class InputSignals:
                                            ("layer_cls_attention", tokens), ("model_layer_attention", tokens),
                                            ("model_layer_cls_attention", tokens))
                        for value in [getattr(self, name)]})
-        return dataclasses.replace(self, grid=(1, int(tokens.numel())), merging_tower=None, **sliced)
+        grid = grid or (1, int(tokens.numel()))
+        if grid[0] * grid[1] != tokens.numel():
+            raise ValueError(f"a {grid[0]}x{grid[1]} grid cannot hold {tokens.numel()} tokens")
+        return dataclasses.replace(self, grid=grid, merging_tower=None, **sliced)
 
 
 @dataclass

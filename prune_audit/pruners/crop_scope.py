@@ -30,7 +30,7 @@ def crop_budgets(budget: int, sizes: Sequence[int]) -> list[int]:
 def select_per_crop(
     selector: InputSelector,
     signals: InputSignals,
-    crops: Sequence[Tensor],
+    crops: Sequence[tuple[Tensor, tuple[int, int]]],
     budget: int,
     generator: torch.Generator | None = None,
 ) -> Selection:
@@ -38,7 +38,8 @@ def select_per_crop(
 
     Args:
         signals: the whole image's signals (N tokens).
-        crops: K (M_c,) ascending token indices, one per crop, together every token once.
+        crops: per crop, its (M_c,) ascending token indices and their (rows, cols) grid within the crop
+            (row-major, rows x cols = M_c); together every token once.
         budget: visual tokens to keep over the image.
 
     Returns:
@@ -48,10 +49,10 @@ def select_per_crop(
         ValueError: ``selector`` merges tokens (a merged token's crop would be undefined).
     """
     kept = []
-    for tokens, share in zip(crops, crop_budgets(budget, [int(t.numel()) for t in crops])):
+    for (tokens, grid), share in zip(crops, crop_budgets(budget, [int(tokens.numel()) for tokens, _ in crops])):
         if share == 0:
             continue
-        chosen = selector.select(signals.subset(tokens), share, generator)
+        chosen = selector.select(signals.subset(tokens, grid), share, generator)
         if chosen.sources is not None:
             raise ValueError("budget_scope=crop keeps plain tokens per crop; this selector merges tokens")
         kept.append(tokens[chosen.kept])
