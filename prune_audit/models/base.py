@@ -208,7 +208,7 @@ class VisionLanguageModel(AnswerModes, ABC):
         if getattr(selector, "budget_scope", "image") == "crop" and not self.several_crops:
             raise PruneAuditError(
                 f"budget_scope=crop splits the budget over an image's crops, and {self.family} sees each image as one "
-                f"crop; drop --option budget_scope=crop (it applies to LLaVA-NeXT)"
+                f"crop; drop --option budget_scope=crop (it applies to LLaVA-NeXT and LLaVA-OneVision)"
             )
         missing = self._missing(type(selector))
         if not missing:
