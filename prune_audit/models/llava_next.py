@@ -16,10 +16,12 @@ keeps every newline and the surviving visual tokens in prompt order.
 Positions: 1-D RoPE; after input-level selection the prompt is simply shorter (compact), as for
 LLaVA-1.5. Selectors that lay tokens on one (rows, cols) grid (uniform's lattice, pooling, ToMe's
 grid, E2S's novelty blocks, HiPrune's neighbours, VScan's windows) are refused: the tokens form
-two grids. CLS-attention selectors read each crop's own CLS row (``_crop_cls_attention``, as the
-official LLaVA-NeXT ports of VisionZip and FasterVLM); VisionZip itself, the per-layer tower
-attention selectors and CDPruner are refused: the per-crop CLS states and keys VisionZip merges
-into contextual tokens and the CLIP text relevance are not read here (docs/models.md).
+two grids; HiPrune runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official
+LLaVA-NeXT code selects per crop. CLS-attention selectors read each crop's own CLS row
+(``_crop_cls_attention``, as the official LLaVA-NeXT ports of VisionZip and FasterVLM); VisionZip
+itself and CDPruner are refused: the per-crop CLS states and keys VisionZip merges into contextual
+tokens and the CLIP text relevance are not read here (docs/models.md). ``budget_scope=crop``
+(``crop_tokens``) splits any input selector's budget evenly over the crops.
 """
 
 from __future__ import annotations

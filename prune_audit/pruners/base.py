@@ -108,17 +108,17 @@ class InputSignals:
         whole image, so it does not come along.
         """
         with_cls = torch.cat([tokens.new_zeros(1), tokens + 1])
-        sliced = {name: None if value is None else value[index]
-                  for name, index in (("features", tokens), ("vision_features", tokens),
-                                      ("text_relevance", tokens), ("model_text_relevance", tokens),
-                                      ("demand", tokens))
-                  for value in [getattr(self, name)]}
-        sliced.update({name: None if value is None else value[:, index]
-                       for name, index in (("cls_attention", tokens), ("cls_logits", with_cls),
-                                           ("vision_keys", with_cls), ("layer_attention", tokens),
-                                           ("layer_cls_attention", tokens), ("model_layer_attention", tokens),
-                                           ("model_layer_cls_attention", tokens))
-                       for value in [getattr(self, name)]})
+        token_axis = {  # signal -> (its token axis, the indices along it)
+            **dict.fromkeys(("features", "vision_features", "text_relevance", "model_text_relevance", "demand"),
+                            (0, tokens)),
+            **dict.fromkeys(("cls_attention", "layer_attention", "layer_cls_attention", "model_layer_attention",
+                             "model_layer_cls_attention"), (1, tokens)),
+            **dict.fromkeys(("cls_logits", "vision_keys"), (1, with_cls)),
+        }
+        sliced = {}
+        for name, (axis, index) in token_axis.items():
+            value = getattr(self, name)
+            sliced[name] = None if value is None else value.index_select(axis, index.to(value.device))
         grid = grid or (1, int(tokens.numel()))
         if grid[0] * grid[1] != tokens.numel():
             raise ValueError(f"a {grid[0]}x{grid[1]} grid cannot hold {tokens.numel()} tokens")
