@@ -5,8 +5,8 @@ each: keep-all equals the stock transformers forward (logits) and stock greedy
 generation; the decoder probe equals eager attention; dropping tokens equals the stock
 forward with them masked; every selector runs at the full budget or is refused in one
 line; ``prune-audit run`` records every supported selector, shards merge to one
-process's records, a rerun resumes, ``visualize`` (one-grid families; LLaVA-NeXT's two grids are refused
-in one line) and ``intervene`` run; the token
+process's records, a rerun resumes, ``visualize`` (live and ``--run``; one picture per token grid on
+LLaVA-NeXT and LLaVA-OneVision) and ``intervene`` run; the token
 geometry maps every visual token to its pixels, on synthetic images and on a real COCO
 image's object masks; docs/models.md's selector table says what runs. Family-specific
 checks follow at the end (InternVL's pixel shuffle and tiling refusal, Qwen3-VL's
@@ -237,8 +237,21 @@ def test_docs_table_lists_what_runs_on_each_family(family, vlm):
     cells = {cell[0].strip(): cell[column].strip() for cell in lines[1:] if not set(cell[0]) <= {"-"}}
     assert sorted(cells) == list_selectors()
     needs_clip = {"cdpruner"} if "text_relevance" in vlm.input_signals else set()
-    expected = {name: "yes" if name in vlm.supported_selectors() else "with --clip-text" if name in needs_clip else "no"
-                for name in list_selectors()}
+
+    def per_crop(name: str) -> bool:  # refused at the default scope, runs with budget_scope=crop
+        from prune_audit.pruners.base import InputSelector
+        from prune_audit.pruners.registry import selector_from_strings
+
+        if not vlm.several_crops or not isinstance(get_selector(name), InputSelector):
+            return False
+        try:
+            vlm.check_selector(selector_from_strings(name, ["budget_scope=crop"]))
+        except PruneAuditError:
+            return False
+        return True
+
+    expected = {name: "yes" if name in vlm.supported_selectors() else "with --clip-text" if name in needs_clip
+                else "with budget_scope=crop" if per_crop(name) else "no" for name in list_selectors()}
     assert cells == expected
 
 
@@ -279,15 +292,13 @@ def test_shards_resume_visualize_and_intervene(vlm, prepared, checkpoint, worksp
     figures = tmp_path / "figures"
     result = runner.invoke(app, ["visualize", str(image), "--model", str(checkpoint), "--selector", "divprune",
                                  "--budget", budget, "--question", "Is there a cat in the image?", "--out", str(figures)])
-    if len(grid_pieces(prepared[0].geometry)) > 1:  # overlays draw one token grid per image, also from records
-        question_id = int(records(whole)["question_id"][0])
-        redraw = ["visualize", "--run", str(whole), "--question-id", str(question_id), "--out", str(figures)]
-        for result in (result, runner.invoke(app, redraw)):
-            assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
-            assert "token grids per image" in result.stderr
-    else:
-        assert result.exit_code == 0, result.output
-        assert list(figures.glob("*.png"))
+    assert result.exit_code == 0, result.output
+    question_id = int(records(whole)["question_id"][0])
+    redraw = ["visualize", "--run", str(whole), "--question-id", str(question_id), "--out", str(figures)]
+    result = runner.invoke(app, redraw)
+    assert result.exit_code == 0, result.output
+    assert {path.name for path in figures.glob("*.png")} == {"tokens.png", f"tokens-{records(whole)['split'][0]}-"
+                                                                          f"{question_id}.png"}
 
     result = runner.invoke(app, ["intervene", str(whole), "--mode", "remove", "--out", str(tmp_path / "intervene")])
     assert result.exit_code == 0, result.output
@@ -472,3 +483,152 @@ def test_multi_grid_geometries_survive_the_records_json():
                      onevision_geometry((2000, 1500), pinpoints=[[384, 768], [768, 768], [1152, 1152]])):
         again = geometry_from_dict(json.loads(json.dumps(geometry.to_dict())))
         assert again == geometry and (token_footprints(again) == token_footprints(geometry)).all()
+
+
+def test_llava_next_cls_attention_is_each_crops_own_cls_row(tmp_path):
+    """Per-crop CLS attention (VisionZip's and FasterVLM's LLaVA-NeXT reading): each visual token gets the attention
+    its own crop's CLS pays it at the feature layer, as the stock eager CLIP tower returns it for that crop alone."""
+    from prune_audit.data.multigrid import anyres_crop_patches
+
+    checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"], seed=3)
+    vlm = load_vlm(checkpoint, device="cpu")
+    image = random_image(0, (130, 100))
+    item = vlm.prepare(image, QUESTIONS[0])
+    [output] = vlm._vision([item], frozenset({"cls_attention", "vision_features"}))
+    tower = vlm.model.model.vision_tower
+    tower.set_attn_implementation("eager")
+    config = vlm.model.config
+    crops = item.pixel_values
+    with torch.no_grad():
+        stock = tower(crops, output_attentions=True, output_hidden_states=True)
+    layer = len(stock.hidden_states) + config.vision_feature_layer - 1  # the attention producing the feature layer
+    expected = stock.attentions[layer][:, :, 0, 1:]  # (K, H, P): each crop's CLS row over its own patches
+    order = torch.from_numpy(anyres_crop_patches(image.size, pinpoints=config.image_grid_pinpoints,
+                                                 tile=config.vision_config.image_size,
+                                                 patch_size=config.vision_config.patch_size))
+    torch.testing.assert_close(output.signals["cls_attention"], expected.transpose(0, 1).flatten(1)[:, order])
+    for crop in range(crops.shape[0]):  # a softmax per crop: each crop's patches share its CLS row's mass
+        assert 0 < float(expected[crop].sum(dim=-1).max()) <= 1 + 1e-6
+    features = stock.hidden_states[config.vision_feature_layer][:, 1:].flatten(0, 1)[order]
+    torch.testing.assert_close(output.signals["vision_features"], features)
+
+
+def test_llava_onevision_refuses_cls_selectors_in_one_line(tmp_path):
+    """SigLIP has no CLS token: the CLS-attention selectors are refused on LLaVA-OneVision, naming the reason."""
+    vlm = load_vlm(adapter_for("llava_onevision", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"]),
+                   device="cpu")
+    for name in ("cls_attn", "vispruner", "scope", "visionzip"):
+        with pytest.raises(PruneAuditError) as error:
+            vlm.check_selector(get_selector(name))
+        assert "no CLS token" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_per_crop_budget_equals_an_independent_per_crop_top_k(tmp_path):
+    """``budget_scope=crop`` (VisionZip's, CDPruner's and FasterVLM's LLaVA-NeXT convention): the budget split evenly
+    over the crops, then each crop's own top-k. Re-derived here from the layout: the crop of each unpadded tile
+    token from its row and column in the joined grid, FasterVLM's head-mean CLS score, a top-k per crop."""
+    from prune_audit.data.multigrid import anyres_layout
+    from prune_audit.pruners.crop_scope import crop_budgets
+    from prune_audit.pruners.registry import selector_from_strings
+
+    checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"], seed=3)
+    vlm = load_vlm(checkpoint, device="cpu")
+    image = random_image(1, (130, 100))
+    item = vlm.prepare(image, QUESTIONS[0])
+    config = vlm.model.config
+    tile, side = config.vision_config.image_size, config.vision_config.image_size // config.vision_config.patch_size
+    layout = anyres_layout(image.size, config.image_grid_pinpoints, tile, config.vision_config.patch_size)
+    rows, cols = np.indices(layout.grid)
+    tile_crop = 1 + (rows + layout.cut[0]) // side * (layout.canvas[1] // tile) + (cols + layout.cut[1]) // side
+    crop_of = np.concatenate([np.zeros(side * side, dtype=np.int64), tile_crop.ravel()])
+    [output] = vlm._vision([item], frozenset({"cls_attention"}))
+    scores = output.signals["cls_attention"].mean(dim=0)
+    crops = [np.flatnonzero(crop_of == crop) for crop in np.unique(crop_of)]
+    assert len(crops) > 2  # the base view and several tiles
+    budget = 13
+    shares = [min(len(tokens), budget // len(crops) + (index < budget % len(crops))) for index, tokens in enumerate(crops)]
+    assert crop_budgets(budget, [len(tokens) for tokens in crops]) == shares
+    expected = sorted(int(tokens[index]) for tokens, share in zip(crops, shares)
+                      for index in torch.topk(scores[torch.from_numpy(tokens)], share).indices)
+    selector = selector_from_strings("cls_attn", ["budget_scope=crop"])
+    answer = vlm.answer([item], selector, budget)[0]
+    assert answer.kept_stages == [expected]
+    assert answer.kept_stages != vlm.answer([item], get_selector("cls_attn"), budget)[0].kept_stages
+
+
+def test_per_crop_budget_is_refused_in_one_line_on_one_crop_families(tmp_path):
+    from prune_audit.pruners.registry import selector_from_strings
+
+    vlm = load_vlm(adapter_for("llava", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"]), device="cpu")
+    with pytest.raises(PruneAuditError) as error:
+        vlm.check_selector(selector_from_strings("divprune", ["budget_scope=crop"]))
+    assert "one crop" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepared, workspace, tmp_path):
+    """``--option budget_scope=crop``: the crops partition the visual tokens (LLaVA-OneVision's resized tile grid
+    included), the option is recorded in the manifest, the records' kept sets stay within the budget; one line and
+    exit 2 on one-crop families, before anything is written."""
+    import json
+
+    for item in prepared:
+        crops = vlm.crop_tokens(item)
+        assert torch.equal(torch.cat([tokens for tokens, _ in crops]).sort().values, torch.arange(item.num_visual))
+        assert all(rows * cols == tokens.numel() for tokens, (rows, cols) in crops)
+        assert len(crops) > 2 if vlm.several_crops else len(crops) == 1
+
+    out = tmp_path / "crop"
+    budget = str(prepared[0].num_visual // 3)
+    args = run_args(workspace, checkpoint, out, "--selector", "divprune", "--budget", budget,
+                    "--option", "budget_scope=crop")
+    result = runner.invoke(app, args)
+    if family not in ("llava_next", "llava_onevision"):
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+        assert "one crop" in result.stderr and not out.exists()
+        return
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["selector"]["options"]["budget_scope"] == "crop"
+    kept = pq.read_table(out / "records.parquet").column("kept").to_pylist()
+    assert kept and all(0 < len(tokens) <= int(budget) for tokens in kept)
+    image = sorted(workspace["images"].iterdir())[0]
+    result = runner.invoke(app, ["visualize", str(image), "--model", str(checkpoint), "--selector", "divprune",
+                                 "--option", "budget_scope=crop", "--budget", budget, "--question",
+                                 "Is there a cat in the image?", "--out", str(tmp_path / "figure.png")])
+    assert result.exit_code == 0, result.output
+
+
+def test_hiprune_runs_per_crop_on_llava_next_as_its_official_code(tmp_path):
+    """HiPrune's official LLaVA-NeXT code selects in each crop's own grid: with ``budget_scope=crop`` it runs, and
+    its kept set is the union of HiPrune on each crop alone: that crop's unpadded tokens as their own grid, the
+    attention they receive in the stock eager CLIP tower run on that crop, the crop's share of the budget."""
+    from prune_audit.pruners.base import InputSignals
+    from prune_audit.pruners.crop_scope import crop_budgets
+    from prune_audit.pruners.registry import selector_from_strings
+
+    checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"], seed=3)
+    vlm = load_vlm(checkpoint, device="cpu")
+    item = vlm.prepare(random_image(2, (100, 130)), QUESTIONS[0])
+    with pytest.raises(PruneAuditError, match="one regular token grid"):
+        vlm.check_selector(get_selector("hiprune"))
+    selector = selector_from_strings("hiprune", ["budget_scope=crop"])
+    tower = vlm.model.model.vision_tower
+    tower.set_attn_implementation("eager")
+    with torch.no_grad():
+        stock = tower(item.pixel_values, output_attentions=True)
+    layers = len(stock.attentions) + vlm.model.config.vision_feature_layer + 1  # those up to the feature layer
+    received = torch.stack([probs.mean(dim=(1, 2))[:, 1:] for probs in stock.attentions[:layers]], dim=1)
+    patches = item.extras["crop_patches"]  # (N,) crop-major patch of each visual token, checked against the processor
+    per_crop = received.shape[-1]  # P patches per crop
+    crops = patches // per_crop
+    base, tiles = item.geometry.grids
+    budget = 25
+    groups = [torch.nonzero(crops == crop).flatten() for crop in torch.unique(crops)]
+    expected = []
+    for tokens, share in zip(groups, crop_budgets(budget, [group.numel() for group in groups])):
+        rows = base.grid[0] if tokens[0] < base.num_tokens else torch.unique((tokens - base.num_tokens)
+                                                                             // tiles.grid[1]).numel()
+        signals = InputSignals(grid=(rows, tokens.numel() // rows),
+                               layer_attention=received[crops[tokens[0]], :, patches[tokens] % per_crop])
+        expected += tokens[selector.select(signals, share).kept].tolist()
+    assert vlm.answer([item], selector, budget)[0].kept_stages == [sorted(expected)]

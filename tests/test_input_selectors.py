@@ -454,3 +454,25 @@ def test_row_on_demand_selectors_hold_no_dense_matrix(name):
 def test_facility_location_holds_exactly_one_dense_matrix(name):
     extra = peak_extra_mib(name, TOKENS)
     assert DENSE_MIB * 0.9 < extra < DENSE_MIB * 1.25
+
+
+def test_signals_subset_slices_every_per_token_signal_and_keeps_the_cls_first():
+    """``InputSignals.subset`` (per-crop budgets): per-token signals along their token axis, CLS columns kept at 0."""
+    generator = torch.Generator().manual_seed(0)
+    signals = InputSignals(grid=(2, 3), features=torch.randn(6, 4, generator=generator),
+                           cls_attention=torch.rand(2, 6, generator=generator),
+                           cls_logits=torch.randn(2, 7, generator=generator),
+                           vision_keys=torch.randn(2, 7, 5, generator=generator),
+                           layer_attention=torch.rand(3, 6, generator=generator), cls_feature=torch.ones(4))
+    tokens = torch.tensor([1, 2, 4, 5])
+    part = signals.subset(tokens, (2, 2))
+    assert part.grid == (2, 2) and part.num_tokens == 4
+    torch.testing.assert_close(part.features, signals.features[tokens])
+    torch.testing.assert_close(part.cls_attention, signals.cls_attention[:, tokens])
+    torch.testing.assert_close(part.layer_attention, signals.layer_attention[:, tokens])
+    torch.testing.assert_close(part.cls_logits, signals.cls_logits[:, [0, 2, 3, 5, 6]])
+    torch.testing.assert_close(part.vision_keys, signals.vision_keys[:, [0, 2, 3, 5, 6]])
+    assert part.cls_feature is signals.cls_feature and part.demand is None
+    assert signals.subset(tokens).grid == (1, 4)
+    with pytest.raises(ValueError, match="cannot hold"):
+        signals.subset(tokens, (3, 2))

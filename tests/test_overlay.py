@@ -119,3 +119,29 @@ def test_the_legend_of_merged_cells_is_added_only_when_a_panel_draws_some():
     assert figure_note([plain, inside], "not drawn: x") == "not drawn: x"
     assert figure_note([plain, merging], "not drawn: x") == MERGED_NOTE + "\nnot drawn: x"
     assert figure_note([merging]) == MERGED_NOTE and "merged" in MERGED_NOTE and "retention" in MERGED_NOTE
+
+
+def test_several_token_grids_are_drawn_one_picture_each_on_their_tokens_pixels():
+    """LLaVA-NeXT's base view and tiles: each grid's picture leaves exactly its kept tokens' footprints undimmed
+    (boxes from ``footprints``, not the pixel map the overlay reads), and the whole figure draws."""
+    from prune_audit.analysis.overlay import grid_panels
+    from prune_audit.data.multigrid import anyres_geometry
+
+    geometry = anyres_geometry((130, 100), pinpoints=[[56, 112], [112, 56], [112, 112]], tile=56)
+    base, tiles = geometry.grids
+    base_token, tile_token = 5, base.num_tokens + 7  # one kept token in each grid, in the flat index space
+    panel = Panel("x", geometry, [[base_token, tile_token]], ["input: kept 2"], caption="answer yes",
+                  stage_notes={0: "retention 0.50"})
+    pieces = grid_panels(panel)
+    assert [piece.stages for piece in pieces] == [[[base_token]], [[tile_token - base.num_tokens]]]
+    assert [piece.geometry for piece in pieces] == [base, tiles]
+    assert pieces[0].stage_labels == [f"input: kept 2\nbase view: 1 of {base.num_tokens} kept"]
+    assert (pieces[0].under(0), pieces[1].under(0)) == ("retention 0.50", "answer yes")
+    image = np.full((100, 130, 3), 200, dtype=np.uint8)
+    centres_x, centres_y = np.meshgrid(np.arange(130) + 0.5, np.arange(100) + 0.5)
+    for piece, token in zip(pieces, (base_token, tile_token)):
+        x0, y0, x1, y1 = geometry.footprints()[token]
+        box = (centres_x >= x0) & (centres_x < x1) & (centres_y >= y0) & (centres_y < y1)
+        undimmed = dim_pruned(image, piece.geometry, piece.stages[0]).mean(axis=-1) == 200
+        assert box.any() and np.array_equal(undimmed, box)
+    assert grid_panels(Panel("x", base, [[1]])) == [Panel("x", base, [[1]])]

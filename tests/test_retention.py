@@ -94,3 +94,18 @@ def test_retention_by_stage_equals_the_single_version_at_every_stage():
         assert result.object_tokens_kept == [e[1] for e in expected] and result.lost == [e[2] for e in expected]
         assert result.lost[-1] is True  # an empty stage loses every object
     assert np.isnan(results[-1].retention).all() and results[-1].lost == [None]
+
+
+def test_retention_over_several_token_grids_is_the_mean_of_their_kept_shares():
+    """LLaVA-NeXT's base view and tiles both see the object: keeping every token retains the visible fraction
+    (1, not 2), keeping one grid half of it."""
+    from prune_audit.data.multigrid import anyres_geometry
+
+    geometry = anyres_geometry((130, 100), pinpoints=[[56, 112], [112, 56], [112, 112]], tile=56)
+    mask = np.zeros((100, 130), dtype=bool)
+    mask[20:60, 30:90] = True
+    area = object_area(mask, geometry)
+    base = geometry.grids[0].num_tokens
+    assert (area.grids, area.counted_area, area.visible_fraction) == (2, 2 * 40 * 60, 1.0)
+    assert retention(area.area_per_token, area.counted_area, range(geometry.num_tokens))[0] == 1.0
+    assert retention(area.area_per_token, area.counted_area, range(base))[0] == 0.5

@@ -7,6 +7,12 @@ pixels the preprocessing cropped away (no token sees them) are washed-out grey, 
 never read as pruned; pixels of kept tokens keep their colour; pixels of cells that only
 a merged token carries (VisionZip's contextual tokens, SparseVLM's recycled ones: the
 records' ``merged_stages``) are half-dimmed and sparsely hatched.
+
+An image seen through several token grids (LLaVA-NeXT's and LLaVA-OneVision's base view and
+tiles, ``data.multigrid``) is drawn once per grid (:func:`grid_panels`): each picture shows the
+original image with that grid's kept tokens on the pixels they were computed from, so a reader
+sees whether the queried object survived in the coarse base view, in the fine tiles, or in both.
+Newline tokens have no pixels and are drawn nowhere.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from prune_audit.data.geometry import TokenGeometry, token_index_map
+from prune_audit.data.multigrid import grid_names, grid_pieces
 from prune_audit.safety.atomic import write_bytes_atomic
 
 KEPT_OUTLINE = (255, 221, 0)
@@ -65,8 +72,9 @@ def dim_pruned(
 
 
 def outside_view(geometry: TokenGeometry) -> np.ndarray:
-    """(H, W) bool: pixels no token sees (cropped away by the model's preprocessing)."""
-    return token_index_map(geometry) < 0
+    """(H, W) bool: pixels no token sees (cropped away by the model's preprocessing); with several
+    token grids, pixels no grid sees."""
+    return np.logical_and.reduce([token_index_map(grid) < 0 for _, grid in grid_pieces(geometry)])
 
 
 def hatching(shape: tuple[int, int]) -> np.ndarray:
@@ -123,6 +131,34 @@ class Panel:
     def has_merged_only_cells(self) -> bool:
         """Whether some stage draws a cell that only a merged token carries."""
         return any(set(self.merged_cells(stage)) - set(kept) for stage, kept in enumerate(self.stages))
+
+
+def grid_panels(panel: Panel) -> list[Panel]:
+    """``panel`` itself when its geometry is one token grid; else one panel per grid, in token order.
+
+    Each grid's panel holds that grid's kept and merged tokens renumbered from 0, its stage labels
+    say how many of the grid's tokens each stage keeps, the stage notes (the image's retention)
+    go under the first grid's pictures and the caption under the last grid's.
+    """
+    pieces = grid_pieces(panel.geometry)
+    if len(pieces) == 1:
+        return [panel]
+    last = len(pieces) - 1
+    panels = []
+    for index, ((start, grid), name) in enumerate(zip(pieces, grid_names(panel.geometry))):
+        def local(cells: Sequence[int]) -> list[int]:
+            return [cell - start for cell in cells if start <= cell < start + grid.num_tokens]
+
+        stages = [local(kept) for kept in panel.stages]
+        labels = [
+            "\n".join(filter(None, [panel.stage_labels[stage] if stage < len(panel.stage_labels) else "",
+                                    f"{name}: {len(kept)} of {grid.num_tokens} kept"]))
+            for stage, kept in enumerate(stages)
+        ]
+        panels.append(Panel(panel.title, grid, stages, labels, panel.caption if index == last else "", panel.mask,
+                            [local(cells) for cells in panel.merged],
+                            stage_notes=panel.stage_notes if index == 0 else {}))
+    return panels
 
 
 def compose(image: np.ndarray, panel: Panel, stage: int) -> np.ndarray:
@@ -210,11 +246,14 @@ def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
+    panels = [piece for panel in panels for piece in grid_panels(panel)]
     note = figure_note(panels, note)
     cells = [(panel, stage) for panel in panels for stage in range(len(panel.stages))]
     rows, columns = grid_shape(len(cells))
     height, width = image.shape[:2]
-    cell_height = CELL_INCHES * height / width + 1.3  # room for two-line titles and three-line captions
+    title_lines = max(1 + len(panel.stage_labels[stage].splitlines()) if stage < len(panel.stage_labels) else 1
+                      for panel, stage in cells)
+    cell_height = CELL_INCHES * height / width + 1.3 + 0.15 * max(0, title_lines - 2)  # titles, three-line captions
     figure_width = columns * CELL_INCHES + 0.3
     note_lines = wrapped(note, int(figure_width * NOTE_CHARS_PER_INCH))
     entries = legend_entries(panels)

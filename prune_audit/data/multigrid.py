@@ -177,6 +177,14 @@ def grid_pieces(geometry: Any) -> list[tuple[int, Any]]:
     return [(0, geometry)]
 
 
+def grid_names(geometry: Any) -> list[str]:
+    """A reader's name for each grid of :func:`grid_pieces` (``base view``, ``tiles``; one grid: ``tokens``)."""
+    if not isinstance(geometry, MultiGridGeometry):
+        return ["tokens"]
+    return ["base view", *("tiles (downsampled)" if grid.mode == "anyres_tiles_downsampled" else "tiles"
+                           for grid in geometry.grids[1:])]
+
+
 def best_resolution(image_size: tuple[int, int], pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
     """(height, width) of the canvas in ``pinpoints`` ((height, width) pairs) that shows ``image_size``
     ((width, height)) with the most pixels (capped at the original count), ties to the least padding;
@@ -329,6 +337,6 @@ def onevision_geometry(
 
 
 __all__ = [
-    "MultiGridGeometry", "AnyresLayout", "geometry_from_dict", "grid_pieces", "best_resolution", "anyres_layout",
+    "MultiGridGeometry", "AnyresLayout", "geometry_from_dict", "grid_pieces", "grid_names", "best_resolution", "anyres_layout",
     "anyres_geometry", "anyres_crop_patches", "RectilinearGrid", "onevision_geometry",
 ]

@@ -10,6 +10,10 @@ caps retention at the visible fraction even when every token is kept (evaluation
 sections D and I.4). A question without object pixels (a "no" question, or a "yes"
 object with no instance mask) has no retention: NaN, ``object_tokens_kept`` -1, and
 ``lost`` undefined, never a silent zero.
+
+An image seen through several token grids (LLaVA-NeXT's base view and tiles) counts each mask
+pixel once per grid, so the denominator is the mask area times the grids (``ObjectArea.counted_area``):
+retention is then the mean over grids of each grid's kept share, at most 1.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import TokenGeometry, mask_area_per_token
+from prune_audit.data.multigrid import grid_pieces
 from prune_audit.errors import PruneAuditError
 
 
@@ -32,24 +37,35 @@ class ObjectArea:
     Attributes:
         area_per_token: (N,) int64 mask pixels per token (pixel centres).
         total_area: mask pixels in the whole original image.
-        visible_fraction: share of the mask inside any token footprint (NaN without a mask).
+        visible_fraction: share of the mask inside any token footprint, averaged over the token grids (NaN
+            without a mask).
+        grids: token grids that each see the image (2 for LLaVA-NeXT's base view and tiles, ``data.multigrid``):
+            ``area_per_token`` counts a mask pixel once per grid, so shares divide by ``counted_area``.
     """
 
     area_per_token: np.ndarray
     total_area: int
     visible_fraction: float
+    grids: int = 1
 
     @property
     def has_mask(self) -> bool:
         return self.total_area > 0
 
+    @property
+    def counted_area(self) -> int:
+        """Mask pixels once per token grid: the denominator of retention, which keep-all brings to
+        ``visible_fraction`` (at most 1) whatever the number of grids."""
+        return self.total_area * self.grids
+
 
 def object_area(mask: np.ndarray, geometry: TokenGeometry) -> ObjectArea:
-    """Reduce an (H, W) boolean mask to per-token areas under ``geometry``."""
+    """Reduce an (H, W) boolean mask to per-token areas under ``geometry`` (one or several token grids)."""
     area = mask_area_per_token(mask, geometry)
     total = int(np.count_nonzero(mask))
-    visible = float(area.sum() / total) if total else math.nan
-    return ObjectArea(area_per_token=area, total_area=total, visible_fraction=visible)
+    grids = len(grid_pieces(geometry))
+    visible = float(area.sum() / (total * grids)) if total else math.nan
+    return ObjectArea(area_per_token=area, total_area=total, visible_fraction=visible, grids=grids)
 
 
 class ObjectAreaCache:
@@ -199,7 +215,7 @@ def retention_by_stage(
     measured = [q for q, area in enumerate(areas) if area is not None and area.has_mask]
     pairs = [(q, kept) for q in measured for kept in kept_stages[q]]
     batch = retention_batch(
-        [areas[q].area_per_token for q, _ in pairs], [areas[q].total_area for q, _ in pairs], [k for _, k in pairs]
+        [areas[q].area_per_token for q, _ in pairs], [areas[q].counted_area for q, _ in pairs], [k for _, k in pairs]
     )
     unmeasured = set(range(len(areas))) - set(measured)
     results = [

@@ -38,6 +38,7 @@ from prune_audit.models.loading import config_hash
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
 from prune_audit.models.timing import PartClock
 from prune_audit.pruners.base import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS, InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
+from prune_audit.pruners.crop_scope import select_per_crop
 from prune_audit.pruners.registry import list_selectors, selector_class
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
@@ -51,6 +52,8 @@ class VisionLanguageModel(AnswerModes, ABC):
     #: InputSignals read from a CLS-row probe / from every vision layer's attention (compute accounting)
     cls_probe_signals: frozenset[str] = frozenset()
     layer_probe_signals: frozenset[str] = frozenset()
+    #: whether the tower sees an image as several crops whose tokens ``crop_tokens`` lists (``budget_scope="crop"``)
+    several_crops: bool = False
     #: the dimensions the compute accounting reads (``models.shape``), set by the family
     shape: ModelShape
     #: why the other InputSignals are missing, for error messages
@@ -195,8 +198,18 @@ class VisionLanguageModel(AnswerModes, ABC):
             return self._input_positions()
         return self._layer_positions(selector)
 
+    def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
+        """Per crop the tower ran on (``budget_scope="crop"``): its (M_c,) ascending visual tokens and their
+        (rows, cols) grid; one crop here."""
+        return [(torch.arange(item.num_visual), item.grid)]
+
     def check_selector(self, selector: Selector) -> None:
         """Raise a one-line PruneAuditError when this model cannot provide the selector's signals."""
+        if getattr(selector, "budget_scope", "image") == "crop" and not self.several_crops:
+            raise PruneAuditError(
+                f"budget_scope=crop splits the budget over an image's crops, and {self.family} sees each image as one "
+                f"crop; drop --option budget_scope=crop (it applies to LLaVA-NeXT and LLaVA-OneVision)"
+            )
         missing = self._missing(type(selector))
         if not missing:
             return
@@ -271,7 +284,10 @@ class VisionLanguageModel(AnswerModes, ABC):
                 raise PruneAuditError(f"forced kept indices must lie in [0, {item.num_visual})")
             return Selection(kept=kept)
         signals = self._input_signals(item, output, requires)
+        crops = self.crop_tokens(item) if getattr(selector, "budget_scope", "image") == "crop" else None
         try:
+            if crops is not None:
+                return select_per_crop(selector, signals, crops, budget, generator)
             return selector.select(signals, budget, generator)
         except ValueError as error:
             raise PruneAuditError(

@@ -16,9 +16,12 @@ keeps every newline and the surviving visual tokens in prompt order.
 Positions: 1-D RoPE; after input-level selection the prompt is simply shorter (compact), as for
 LLaVA-1.5. Selectors that lay tokens on one (rows, cols) grid (uniform's lattice, pooling, ToMe's
 grid, E2S's novelty blocks, HiPrune's neighbours, VScan's windows) are refused: the tokens form
-two grids. CLS- and vision-attention selectors and CDPruner are refused too: the per-crop CLS
-attention and CLIP text relevance of the official LLaVA-NeXT ports are not read here
-(docs/models.md).
+two grids; HiPrune runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official
+LLaVA-NeXT code selects per crop. CLS-attention selectors read each crop's own CLS row
+(``_crop_cls_attention``, as the official LLaVA-NeXT ports of VisionZip and FasterVLM); VisionZip
+itself and CDPruner are refused: the per-crop CLS states and keys VisionZip merges into contextual
+tokens and the CLIP text relevance are not read here (docs/models.md). ``budget_scope=crop``
+(``crop_tokens``) splits any input selector's budget evenly over the crops.
 """
 
 from __future__ import annotations
@@ -33,13 +36,17 @@ from torch import Tensor
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.batch import TokenRow
 from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE
-from prune_audit.models.llava import LlavaModel
+from prune_audit.models.llava import LAYER_SIGNALS, LlavaModel
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
+from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners.base import Selection, Selector
 
 #: selectors that place tokens on one (rows, cols) grid, which an anyres image does not have
 ONE_GRID_SELECTORS = frozenset({"uniform", "pool", "tome", "e2s", "hiprune", "vscan"})
 ONE_GRID = "one regular token grid"
+#: those whose official LLaVA-NeXT code selects in each crop's own grid: they run with ``budget_scope=crop``
+#: (HiPrune, Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``: one index mask per crop, unpadded)
+PER_CROP_GRID_SELECTORS = frozenset({"hiprune"})
 NEWLINE_KIND = TEXT_BEFORE  # kept like the text before the image: never pruned, never a query row
 
 
@@ -47,13 +54,16 @@ class LlavaNextModel(LlavaModel):
     """LLaVA-NeXT adapter (one image per prompt, anyres tiling with unpadding and row newlines)."""
 
     family = "llava_next"
-    input_signals = frozenset({"features", "demand"})
-    cls_probe_signals = layer_probe_signals = frozenset()
+    input_signals = frozenset({"features", "demand", "vision_features", "cls_attention"} | LAYER_SIGNALS)
+    cls_probe_signals = frozenset({"cls_attention"})  # one CLS row per crop
+    layer_probe_signals = LAYER_SIGNALS  # every crop's encoder attention
     missing_signals_reason = (
-        "its visual tokens form two grids (base view and unpadded tiles), and this adapter reads neither the "
-        "per-crop CLS attention nor a CLIP text space"
+        "its visual tokens form two grids (base view and unpadded tiles), and this adapter reads neither a CLIP "
+        "text space, nor the per-crop CLS states and keys VisionZip merges into contextual tokens; selectors "
+        "on one grid run per crop (budget_scope=crop) only where their official LLaVA-NeXT code does (hiprune)"
     )
     display_name = "LLaVA-NeXT"
+    several_crops = True
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -126,10 +136,54 @@ class LlavaNextModel(LlavaModel):
         outputs = []
         for item in prepared:  # images have different crop counts: one tower call per image
             crops = item.pixel_values.to(self.device, self.dtype)
-            patches = self._tower_states(crops)[self.feature_index][:, 1:]  # (K, 576, Dv), CLS dropped
-            visual = patches.flatten(0, 1)[item.extras["crop_patches"].to(self.device)]
-            outputs.append(VisionOutput(self.model.model.multi_modal_projector(visual)))
+            hidden = self._tower_states(crops)
+            order = item.extras["crop_patches"].to(self.device)  # (N,) crop-major patch of each visual token
+            visual = hidden[self.feature_index][:, 1:].flatten(0, 1)[order]  # (N, Dv), CLS dropped
+            signals = {}
+            if requires & {"vision_features", "text_relevance"}:
+                signals["vision_features"] = visual
+            if "cls_attention" in requires:
+                signals["cls_attention"] = self._crop_cls_attention(hidden)[:, order]
+            if requires & LAYER_SIGNALS:  # each (K, Lv, P) over the crops, to (Lv, N) in visual-token order
+                signals.update({name: value.transpose(0, 1).flatten(1)[:, order]
+                                for name, value in self._layer_signals(hidden).items()
+                                if name.removeprefix("model_") in requires})
+            outputs.append(VisionOutput(self.model.model.multi_modal_projector(visual), signals))
         return outputs
+
+    def _crop_cls_attention(self, hidden: list[Tensor]) -> Tensor:
+        """(H, K x P) each crop's CLS attention to its own P patches at the feature layer, crops in order.
+
+        As VisionZip's LLaVA-NeXT code (dvlab-research/VisionZip ``visionzip/llava_arch.py``, 3151f6d) and
+        FasterVLM's read it: the tower runs on each crop alone, so each crop has its own CLS row, a softmax
+        over that crop's 1 + P tokens. No logits come along (``cls_logits``): one softmax does not span the
+        crops, so ``score_dtype="model"`` rounds these probabilities instead of recomputing them.
+        ``hidden``: the tower states of the K crops, each (K, 1 + P, Dv).
+        """
+        layer = self.vision_tower.encoder.layers[self.feature_index - 1]  # its output is the feature layer
+        probs, _, _ = clip_cls_row(layer, hidden[self.feature_index - 1])  # (K, H, 1 + P)
+        return probs[:, :, 1:].transpose(0, 1).flatten(1)
+
+    def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
+        """Per crop, its ascending visual tokens and their (rows, cols): the base view's grid, then each tile's
+        unpadded tokens, a rectangle of the tile grid (tiles that unpadding empties are left out)."""
+        crop_of = self._token_crops(item)
+        base, tiles = item.geometry.grids
+        tile_cols = tiles.grid[1]
+        crops = []
+        for crop in torch.unique(crop_of):
+            tokens = torch.nonzero(crop_of == crop).flatten()
+            if crop == 0:
+                crops.append((tokens, base.grid))
+            else:  # the tile's unpadded tokens: the rows and columns of the tile grid that lie in it
+                rows = torch.unique((tokens - base.num_tokens) // tile_cols).numel()
+                crops.append((tokens, (rows, tokens.numel() // rows)))
+        return crops
+
+    def _token_crops(self, item: Prepared) -> Tensor:
+        """(N,) the crop (0: base view, then the tiles row-major over the canvas) each visual token was computed in."""
+        side = self.tile // self.model.config.vision_config.patch_size
+        return item.extras["crop_patches"] // (side * side)
 
     def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
         """The tower ran on every crop (base view and tiles) of ``tile // patch`` squared patches."""
@@ -139,6 +193,14 @@ class LlavaNextModel(LlavaModel):
     def _missing(self, cls: type[Selector]) -> set[str]:
         missing = super()._missing(cls)
         return missing | {ONE_GRID} if cls.name in ONE_GRID_SELECTORS else missing
+
+    def check_selector(self, selector: Selector) -> None:
+        """As the base, except that a selector of ``PER_CROP_GRID_SELECTORS`` runs under ``budget_scope=crop``:
+        each crop's tokens are one grid."""
+        per_crop = getattr(selector, "budget_scope", "image") == "crop" and selector.name in PER_CROP_GRID_SELECTORS
+        if per_crop and not super()._missing(type(selector)):
+            return
+        super().check_selector(selector)
 
     def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
         """The language-model input of one prompt: the kept visual tokens and every newline in prompt order."""

@@ -46,6 +46,8 @@ class LlavaOnevisionModel(LlavaNextModel):
     """LLaVA-OneVision adapter (one image per prompt, anyres-max tiling, SigLIP tower without CLS)."""
 
     family = "llava_onevision"
+    input_signals = frozenset({"features", "demand"})
+    cls_probe_signals = layer_probe_signals = frozenset()  # SigLIP has no CLS token; no tower attention read
     missing_signals_reason = (
         "its visual tokens form two grids (base view and unpadded tiles), its SigLIP tower has no CLS token, and "
         "this adapter reads no CLIP text space"
@@ -148,6 +150,20 @@ class LlavaOnevisionModel(LlavaNextModel):
                     "crop_patches": torch.from_numpy(anyres_crop_patches(image.size, **layout)),
                     "tile_grid": torch.tensor([*unpadded, rows, cols])},
         )
+
+    def _token_crops(self, item: Prepared) -> Tensor:
+        """(N,) each visual token's crop, as LLaVA-NeXT's; once ``anyres_max`` resized the tile grid, a resized
+        token's crop is that of the patch under its cell's centre (the bilinear sample reads the patches around
+        that centre, which may straddle a tile border: a documented convention, as its footprint)."""
+        crop_of = super()._token_crops(item)  # (base + rows x cols,) before the resize
+        rows, cols, out_rows, out_cols = item.extras["tile_grid"].tolist()
+        base = crop_of.numel() - rows * cols
+        tiles = crop_of[base:].reshape(rows, cols)
+        if (out_rows, out_cols) != (rows, cols):
+            centre_rows = ((torch.arange(out_rows) + 0.5) * rows / out_rows).long()
+            centre_cols = ((torch.arange(out_cols) + 0.5) * cols / out_cols).long()
+            tiles = tiles[centre_rows][:, centre_cols]
+        return torch.cat([crop_of[:base], tiles.flatten()])
 
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
         outputs = []

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.options import check_options
+from prune_audit.pruners.options import Choice, check_options, option
 from prune_audit.pruners.precision import MODEL_ATTENTIONS, as_float32, cls_probabilities, rounded_to
 from prune_audit.pruners.ranking import TOP_K_TIES, ranked_indices, top_k_indices
 
@@ -98,6 +98,31 @@ class InputSignals:
     @property
     def num_tokens(self) -> int:
         return self.grid[0] * self.grid[1]
+
+    def subset(self, tokens: Tensor, grid: tuple[int, int] | None = None) -> InputSignals:
+        """The signals of the visual tokens ``tokens`` ((M,) ascending indices) alone, laid on ``grid``
+        ((rows, cols) with rows x cols = M, row-major; default one (1, M) row).
+
+        Per-token tensors are sliced along their token axis (``cls_logits`` and ``vision_keys`` keep the CLS
+        at index 0); image-level ones (``cls_feature``, the tower facts) stay. The merging tower reruns the
+        whole image, so it does not come along.
+        """
+        with_cls = torch.cat([tokens.new_zeros(1), tokens + 1])
+        token_axis = {  # signal -> (its token axis, the indices along it)
+            **dict.fromkeys(("features", "vision_features", "text_relevance", "model_text_relevance", "demand"),
+                            (0, tokens)),
+            **dict.fromkeys(("cls_attention", "layer_attention", "layer_cls_attention", "model_layer_attention",
+                             "model_layer_cls_attention"), (1, tokens)),
+            **dict.fromkeys(("cls_logits", "vision_keys"), (1, with_cls)),
+        }
+        sliced = {}
+        for name, (axis, index) in token_axis.items():
+            value = getattr(self, name)
+            sliced[name] = None if value is None else value.index_select(axis, index.to(value.device))
+        grid = grid or (1, int(tokens.numel()))
+        if grid[0] * grid[1] != tokens.numel():
+            raise ValueError(f"a {grid[0]}x{grid[1]} grid cannot hold {tokens.numel()} tokens")
+        return dataclasses.replace(self, grid=grid, merging_tower=None, **sliced)
 
 
 @dataclass
@@ -311,7 +336,24 @@ class Selector:
             )
 
 
-class InputSelector(Selector):
+BUDGET_SCOPES = ("image", "crop")
+
+
+@dataclass
+class BudgetScoped:
+    """The budget scope every input selector shares (one option, declared once).
+
+    ``image`` (default): one budget over all of an image's visual tokens. ``crop``: on a family whose
+    image is several crops (LLaVA-NeXT's base view and tiles), the budget is split evenly over the crops
+    and the selector runs on each crop's tokens alone (:func:`~prune_audit.pruners.crop_scope.select_per_crop`),
+    the official LLaVA-NeXT convention of VisionZip, CDPruner and FasterVLM; refused on one-crop families.
+    """
+
+    budget_scope: str = option("image", Choice(BUDGET_SCOPES),
+                               "one budget over the image's tokens, or split evenly over its crops (LLaVA-NeXT)")
+
+
+class InputSelector(Selector, BudgetScoped):
     """A selector that runs before the language model, once per image.
 
     ``fills_budget``: whether it feeds exactly ``min(budget, N)`` tokens; False for one that

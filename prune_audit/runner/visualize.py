@@ -140,7 +140,7 @@ def _retention_text(mask: np.ndarray | None, geometry: TokenGeometry, covered: S
     from prune_audit.data.retention import object_area, retention
 
     area = object_area(mask, geometry)
-    retained, tokens, _ = retention(area.area_per_token, area.total_area, covered)
+    retained, tokens, _ = retention(area.area_per_token, area.counted_area, covered)
     view = "" if area.visible_fraction >= 1 else (
         f"\nonly {area.visible_fraction:.0%} of the object in view" if area.visible_fraction > 0
         else "\nthe object is outside the model's view"
