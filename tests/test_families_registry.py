@@ -602,7 +602,7 @@ def test_hiprune_runs_per_crop_on_llava_next_as_its_official_code(tmp_path):
     """HiPrune's official LLaVA-NeXT code selects in each crop's own grid: with ``budget_scope=crop`` it runs, and
     its kept set is the union of HiPrune on each crop alone: that crop's unpadded tokens as their own grid, the
     attention they receive in the stock eager CLIP tower run on that crop, the crop's share of the budget."""
-    from prune_audit.pruners.base import InputSignals
+    from prune_audit.pruners.signals import InputSignals
     from prune_audit.pruners.crop_scope import crop_budgets
     from prune_audit.pruners.registry import selector_from_strings
 

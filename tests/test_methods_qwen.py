@@ -22,7 +22,8 @@ from prune_audit.demo.evaluate import load_demo
 from prune_audit.models import load_vlm
 from prune_audit.models.build import build_qwen2_5_vl
 from prune_audit.pruners import get_selector
-from prune_audit.pruners.base import InputSignals, LayerSignals, Stage
+from prune_audit.pruners.base import Stage
+from prune_audit.pruners.signals import InputSignals, LayerSignals
 from prune_audit.pruners.fidelity import FIDELITY
 from prune_audit.pruners.vscan import greedy_window_scan
 from tiny_models import QUESTIONS, WORDS, random_image

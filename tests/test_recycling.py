@@ -23,7 +23,8 @@ from prune_audit.data.retention import object_area, retention
 from prune_audit.models import load_vlm
 from prune_audit.models.build import build_llava, build_qwen2_5_vl
 from prune_audit.pruners import get_selector
-from prune_audit.pruners.base import LayerSelector, LayerSignals, Reference, Stage, TokenMerge
+from prune_audit.pruners.base import LayerSelector, Reference, Stage, TokenMerge
+from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.schedule import average_visual_tokens
 from prune_audit.pruners.sparsevlm import (
     DENSITY_NOISE,

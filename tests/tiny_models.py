@@ -13,15 +13,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from prune_audit.pruners.base import (
-    InputSelector,
-    InputSignals,
-    LayerSelector,
-    LayerSignals,
-    Reference,
-    Selection,
-    Stage,
-)
+from prune_audit.pruners.base import InputSelector, LayerSelector, Reference, Selection, Stage
+from prune_audit.pruners.signals import InputSignals, LayerSignals
 
 WORDS = ["is", "there", "a", "an", "cat", "dog", "in", "the", "image", "of", "red", "blue", "what", "color"]
 QUESTIONS = ["is there a cat in the image?", "is there a red dog in the image of the cat?"]

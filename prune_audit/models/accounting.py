@@ -36,8 +36,8 @@ def question_cost(
     text_tokens = item.input_ids.numel() - item.num_visual
     text_after = item.input_ids.numel() - item.image_span[1]
     ran = selector if selector is not None and not forced else None
-    input_requires = vlm.signals_for(type(ran)) if isinstance(ran, InputSelector) else frozenset()
-    layer_requires = vlm.signals_for(type(ran)) if ran is not None and not isinstance(ran, InputSelector) else frozenset()
+    input_requires = vlm.signals_for(ran) if isinstance(ran, InputSelector) else frozenset()
+    layer_requires = vlm.signals_for(ran) if ran is not None and not isinstance(ran, InputSelector) else frozenset()
     alive = [item.num_visual]  # visual tokens before each in-LLM stage, then after the last
     if ran is not None and not isinstance(ran, InputSelector):
         alive += [len(kept) + len(merged) for kept, merged in zip(answer.kept_stages, answer.merged_stages)]

@@ -37,7 +37,8 @@ from prune_audit.models.layer_signals import text_demand
 from prune_audit.models.loading import config_hash
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
 from prune_audit.models.timing import PartClock
-from prune_audit.pruners.base import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS, InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
+from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Selector, Stage
+from prune_audit.pruners.signals import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS, InputSignals
 from prune_audit.pruners.crop_scope import select_per_crop
 from prune_audit.pruners.registry import list_selectors, selector_class
 
@@ -188,9 +189,10 @@ class VisionLanguageModel(AnswerModes, ABC):
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals
 
-    def signals_for(self, cls: type[Selector]) -> frozenset[str]:
-        """The signals ``cls`` reads on this model (``Selector.requires_on`` its input signals)."""
-        return cls.requires_on(self._available_input_signals())
+    def signals_for(self, selector: Selector | type[Selector]) -> frozenset[str]:
+        """The signals ``selector`` (a class, or an instance whose options may change them) reads on this model
+        (``Selector.requires_on`` its input signals)."""
+        return Selector.requires_on(selector, self._available_input_signals())
 
     def positions_for(self, selector: Selector) -> str:
         """Position mode ('compact' or 'keep_original') the language model sees under ``selector``."""
@@ -243,9 +245,9 @@ class VisionLanguageModel(AnswerModes, ABC):
         if selector is not None:
             self.check_selector(selector)
         input_level = forced_kept is not None or isinstance(selector, InputSelector)
-        requires = (self.signals_for(type(selector)) if input_level and selector is not None and forced_kept is None
+        requires = (self.signals_for(selector) if input_level and selector is not None and forced_kept is None
                     else frozenset())
-        vision_layer = (self.signals_for(type(selector)) & VISION_LAYER_SIGNALS if isinstance(selector, LayerSelector)
+        vision_layer = (self.signals_for(selector) & VISION_LAYER_SIGNALS if isinstance(selector, LayerSelector)
                         else frozenset())
         clock = PartClock(self.device)
         with torch.no_grad():

@@ -67,7 +67,7 @@ class LayerPlan:
     ``stages[b]`` are row b's stages; at each one the kept set comes from
     ``forced[b][i]`` (explicit grid indices) when given, else from ``selector.prune``.
     ``vision[b]``: row b's vision-tower signals an in-LLM selector reads (name -> (Lv, N) over
-    the grid cells, :data:`~prune_audit.pruners.base.VISION_LAYER_SIGNALS`).
+    the grid cells, :data:`~prune_audit.pruners.signals.VISION_LAYER_SIGNALS`).
     """
 
     stages: list[list[Stage]]

@@ -1,4 +1,4 @@
-"""The :class:`~prune_audit.pruners.base.LayerSignals` of one batch row at a pruning stage.
+"""The :class:`~prune_audit.pruners.signals.LayerSignals` of one batch row at a pruning stage.
 
 Attention and key signals are read with the probe of the stage's own layer on its
 input, or, for a selector whose ``signal_layer`` is ``"previous"``, with the probe of
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.kinds import TEXT_AFTER
-from prune_audit.pruners.base import LayerSignals
+from prune_audit.pruners.signals import LayerSignals
 
 if TYPE_CHECKING:
     from prune_audit.models.executor import Batch, DecoderStack, LayerPlan, TokenRow

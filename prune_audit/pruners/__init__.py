@@ -5,16 +5,8 @@
 
 from importlib import import_module
 
-from prune_audit.pruners.base import (
-    InputSelector,
-    InputSignals,
-    LayerSelector,
-    LayerSignals,
-    Reference,
-    Selection,
-    Selector,
-    Stage,
-)
+from prune_audit.pruners.base import InputSelector, LayerSelector, Reference, Selection, Selector, Stage
+from prune_audit.pruners.signals import InputSignals, LayerSignals
 from prune_audit.pruners.registry import get_selector, list_selectors, register, selector_class
 
 # one module per method; importing it registers the method

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -20,11 +19,8 @@ from torch import Tensor
 from prune_audit.pruners.options import Choice, check_options, option
 from prune_audit.pruners.precision import MODEL_ATTENTIONS, as_float32, cls_probabilities, rounded_to
 from prune_audit.pruners.ranking import TOP_K_TIES, ranked_indices, top_k_indices
+from prune_audit.pruners.signals import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS, InputSignals, LayerSignals
 
-
-# InputSignals an in-LLM selector may read, per token (with their model-dtype twins where the adapter has them)
-VISION_LAYER_SIGNALS = frozenset({"layer_cls_attention", "layer_attention"})
-VISION_TOWER_FACTS = frozenset({"vision_tower", "full_attention_layers"})  # InputSignals that travel with them
 
 #: where a selector acts: before the language model or inside it
 SelectorLevel = Literal["input", "llm"]
@@ -38,171 +34,6 @@ class Reference:
     paper: str
     repository: str
     note: str = ""
-
-
-@dataclass
-class InputSignals:
-    """Signals for one image before the language model (no batch dimension).
-
-    Attributes:
-        grid: (rows, cols) of the visual token grid; N = rows * cols, row-major.
-        features: (N, D) projector outputs (LLM input space).
-        vision_features: (N, Dv) vision features at the feature layer (pre-projector).
-        cls_attention: (H, N) CLS-token attention probabilities to the patches at the
-            feature layer, not renormalised.
-        cls_logits: (H, N + 1) the CLS row's attention logits as the official code forms
-            them in the model dtype (query scaled in it, CLS at index 0); with a half
-            ``model_dtype``, ``score_dtype="model"`` takes the probabilities from these
-            (:func:`cls_probabilities`).
-        vision_keys: (H, N + 1, d) that layer's keys, CLS at index 0.
-        cls_feature: (Dv,) the CLS hidden state at the feature layer.
-        text_relevance: (N,) CDPruner relevance before normalisation.
-        model_text_relevance: (N,) the same as the official code computes it in the model dtype (unit
-            embeddings, cosines and their mean each rounded to it; a float32 tensor); with a half
-            ``model_dtype``, ``score_dtype="model"`` normalises this one (adapters of half models pass it).
-        demand: (N,) demand weights for coverage selection (first-layer probe).
-        layer_attention: (Lv, N) per encoder layer run (the feature layer's last): attention each patch gets,
-            mean over heads and all 1 + N query rows (HiPrune); layer_cls_attention: the CLS row's (VScan).
-            On Qwen2.5-VL every block, each merged token's mean over its 4 patches (``models.qwen``).
-        model_layer_attention, model_layer_cls_attention: the same as the official code forms them in a half
-            model's dtype (softmax and each mean rounded to it; float32 tensors), passed by half LLaVA adapters;
-            ``score_dtype="model"`` reads these (HiPrune, VScan).
-        vision_tower: the tower the per-layer signals come from (``"clip"`` or ``"qwen2_5_vl"``): which
-            official layer numbers a per-layer selector uses (HiPrune).
-        full_attention_layers: rows of ``layer_attention`` of full-attention blocks (Qwen's ``fullatt_block_indexes``).
-        merging_tower: ``f(merge) -> (states (1 + M, Dv), sources)``: the tower rerun to the feature layer with
-            ``merge`` between attention and MLP of each layer (ToMe's :class:`~prune_audit.pruners.tome.TowerMerging`).
-        model_dtype: the dtype the model computes the signals in (the adapters pass the
-            model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
-    """
-
-    grid: tuple[int, int]
-    features: Tensor | None = None
-    vision_features: Tensor | None = None
-    cls_attention: Tensor | None = None
-    cls_logits: Tensor | None = None
-    vision_keys: Tensor | None = None
-    cls_feature: Tensor | None = None
-    text_relevance: Tensor | None = None
-    model_text_relevance: Tensor | None = None
-    demand: Tensor | None = None
-    layer_attention: Tensor | None = None
-    layer_cls_attention: Tensor | None = None
-    model_layer_attention: Tensor | None = None
-    model_layer_cls_attention: Tensor | None = None
-    vision_tower: str = "clip"
-    full_attention_layers: tuple[int, ...] = ()
-    merging_tower: Callable[[Any], tuple[Tensor, list[Tensor]]] | None = None
-    model_dtype: torch.dtype = torch.float32
-
-    @property
-    def num_tokens(self) -> int:
-        return self.grid[0] * self.grid[1]
-
-    def subset(self, tokens: Tensor, grid: tuple[int, int] | None = None) -> InputSignals:
-        """The signals of the visual tokens ``tokens`` ((M,) ascending indices) alone, laid on ``grid``
-        ((rows, cols) with rows x cols = M, row-major; default one (1, M) row).
-
-        Per-token tensors are sliced along their token axis (``cls_logits`` and ``vision_keys`` keep the CLS
-        at index 0); image-level ones (``cls_feature``, the tower facts) stay. The merging tower reruns the
-        whole image, so it does not come along.
-        """
-        with_cls = torch.cat([tokens.new_zeros(1), tokens + 1])
-        token_axis = {  # signal -> (its token axis, the indices along it)
-            **dict.fromkeys(("features", "vision_features", "text_relevance", "model_text_relevance", "demand"),
-                            (0, tokens)),
-            **dict.fromkeys(("cls_attention", "layer_attention", "layer_cls_attention", "model_layer_attention",
-                             "model_layer_cls_attention"), (1, tokens)),
-            **dict.fromkeys(("cls_logits", "vision_keys"), (1, with_cls)),
-        }
-        sliced = {}
-        for name, (axis, index) in token_axis.items():
-            value = getattr(self, name)
-            sliced[name] = None if value is None else value.index_select(axis, index.to(value.device))
-        grid = grid or (1, int(tokens.numel()))
-        if grid[0] * grid[1] != tokens.numel():
-            raise ValueError(f"a {grid[0]}x{grid[1]} grid cannot hold {tokens.numel()} tokens")
-        return dataclasses.replace(self, grid=grid, merging_tower=None, **sliced)
-
-
-@dataclass
-class LayerSignals:
-    """Signals at the input of one decoder layer, for the visual tokens still alive.
-
-    Attention and key signals (``text_logits``, ``text_probs``, ``key_norms``,
-    ``text_key_norms``) come from layer ``layer`` itself, or from layer ``layer - 1``
-    on its own input when the selector's ``signal_layer`` is ``"previous"`` (what that
-    layer computed: the token set is the same). ``n`` alive visual tokens, ``T`` text
-    tokens after the image span (the question and the chat-template suffix; the last
-    one is the last prompt position), ``H`` query heads.
-
-    Attributes:
-        alive: (n,) original grid indices of the alive visual tokens, ascending; tokens a
-            merging selector inserted at an earlier stage follow them, as negative codes
-            (their sources are in the records, not here).
-        grid: (rows, cols) of the original token grid.
-        layer: index of the decoder layer whose input this is.
-        num_layers: decoder depth.
-        text_logits: (H, T, n) pre-softmax logits q_t . k_n / sqrt(d) of the text rows
-            to the alive visual keys, RoPE applied as the layer applies it.
-        text_probs: (H, T, n) attention probabilities of the text rows, softmax in
-            float32 over every key the row sees, sliced to the visual columns.
-        hidden_states: (n, D) layer input of the alive visual tokens.
-        previous_hidden_states: (n, D) input of the previous layer for the same tokens.
-        text_hidden_states: (T, D) layer input of the text tokens.
-        normed_hidden_states: (n, D) the model's final norm applied to ``hidden_states``.
-        text_normed_hidden_states: (T, D) the same for the text tokens.
-        key_norms: (n,) L1 norm of the post-RoPE keys (all heads concatenated).
-        text_key_norms: (T,) the same for the text tokens.
-        embeddings: (n, D) LLM input embeddings of the alive visual tokens.
-        text_embeddings: (T, D) LLM input embeddings of the text tokens.
-        sequence_index: (n,) index of each alive visual token in the unpruned prompt.
-        text_sequence_index: (T,) the same for the text tokens.
-        layer_cls_attention: (Lv, n) ``InputSignals.layer_cls_attention`` of each alive token's cell (NaN: merged);
-            model_layer_cls_attention: its twin; layer_attention, vision_tower, full_attention_layers: as such.
-        rope_ones_logits: (T, n) ``q.k / sqrt(d)`` of all-ones q and k under the layer's RoPE there (SparseVLM v2).
-        model_dtype: the dtype the model computes in (None: float32).
-    """
-
-    alive: Tensor
-    grid: tuple[int, int]
-    layer: int
-    num_layers: int
-    text_logits: Tensor | None = None
-    text_probs: Tensor | None = None
-    hidden_states: Tensor | None = None
-    previous_hidden_states: Tensor | None = None
-    text_hidden_states: Tensor | None = None
-    normed_hidden_states: Tensor | None = None
-    text_normed_hidden_states: Tensor | None = None
-    key_norms: Tensor | None = None
-    text_key_norms: Tensor | None = None
-    embeddings: Tensor | None = None
-    text_embeddings: Tensor | None = None
-    sequence_index: Tensor | None = None
-    text_sequence_index: Tensor | None = None
-    layer_cls_attention: Tensor | None = None
-    model_layer_cls_attention: Tensor | None = None
-    layer_attention: Tensor | None = None
-    vision_tower: str = "clip"
-    full_attention_layers: tuple[int, ...] = ()
-    rope_ones_logits: Tensor | None = None
-    model_dtype: torch.dtype | None = None
-
-    @property
-    def num_alive(self) -> int:
-        return int(self.alive.numel())
-
-    def rounded(self) -> LayerSignals:
-        """A copy whose float signals are rounded to ``model_dtype`` (kept as float32 tensors)."""
-        if self.model_dtype is None:
-            return self
-        rounded = {
-            f.name: value.to(self.model_dtype).float()
-            for f in dataclasses.fields(self)
-            if isinstance(value := getattr(self, f.name), Tensor) and value.is_floating_point()
-        }
-        return dataclasses.replace(self, **rounded)
 
 
 @dataclass
@@ -312,11 +143,13 @@ class Selector:
     def __post_init__(self) -> None:
         check_options(self)
 
-    @classmethod
-    def requires_on(cls, available: frozenset[str]) -> frozenset[str]:
-        """``requires`` on a model whose input signals are ``available`` (missing ones substituted where possible)."""
-        swap = {name: cls.substitutes[name] for name in cls.requires - available if cls.substitutes.get(name) in available}
-        return frozenset(swap.get(name, name) for name in cls.requires)
+    @staticmethod
+    def requires_on(selector: Selector | type[Selector], available: frozenset[str]) -> frozenset[str]:
+        """``selector.requires`` on a model whose input signals are ``available`` (missing ones substituted where
+        possible); an instance's own ``requires`` where its options set them (ToMe ``location=tower``)."""
+        requires, substitutes = selector.requires, selector.substitutes
+        swap = {name: substitutes[name] for name in requires - available if substitutes.get(name) in available}
+        return frozenset(swap.get(name, name) for name in requires)
 
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}

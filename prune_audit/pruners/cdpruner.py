@@ -10,7 +10,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32
+from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES

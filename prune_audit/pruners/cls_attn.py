@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import TOP_K_TIES, InputSelector, InputSignals, LayerSelector, Reference, cls_probabilities
+from prune_audit.pruners.base import TOP_K_TIES, InputSelector, LayerSelector, Reference, cls_probabilities
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES

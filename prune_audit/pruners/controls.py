@@ -9,7 +9,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection
+from prune_audit.pruners.base import InputSelector, Reference, Selection
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.registry import register
 
 

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, InputSignals, Selection
+from prune_audit.pruners.base import InputSelector, Selection
+from prune_audit.pruners.signals import InputSignals
 
 
 def crop_budgets(budget: int, sizes: Sequence[int]) -> list[int]:

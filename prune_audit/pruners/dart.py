@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from prune_audit.pruners.base import LayerSignals, Reference, Stage, ranked_indices, top_k_indices
+from prune_audit.pruners.base import Reference, Stage, ranked_indices, top_k_indices
+from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SIGNAL_LAYERS, SingleStageSelector

@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection
+from prune_audit.pruners.base import InputSelector, Reference, Selection
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.similarity import TIES, farthest_point_order, half_dtype, tie_tolerance, unit_rows

@@ -9,7 +9,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import LayerSignals, Reference, Stage
+from prune_audit.pruners.base import Reference, Stage
+from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.evidence import dempster_combine, head_masses, priority, vacuous_mass
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, Flag, Integer, Real, option

@@ -7,7 +7,8 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from prune_audit.pruners.base import LayerSignals, Reference, Stage
+from prune_audit.pruners.base import Reference, Stage
+from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.schedule import SIGNAL_LAYERS, SingleStageSelector

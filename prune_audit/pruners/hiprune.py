@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32, rounded_to
+from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, rounded_to
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Integer, Real, option
 from prune_audit.pruners.ranking import TOP_K_TIES, top_k_indices
 from prune_audit.pruners.registry import register

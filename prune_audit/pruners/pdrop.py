@@ -8,7 +8,8 @@ from typing import Any, ClassVar, get_args
 
 from torch import Tensor
 
-from prune_audit.pruners.base import LayerSignals, PositionMode, Reference, Stage
+from prune_audit.pruners.base import PositionMode, Reference, Stage
+from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.fastv import last_row_attention
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option

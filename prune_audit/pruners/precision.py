@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from prune_audit.pruners.base import InputSignals
+    from prune_audit.pruners.signals import InputSignals
 
 MODEL_ATTENTIONS = ("eager", "scaled")
 """How ``score_dtype="model"`` forms decoder attention in the model dtype: ``q.k`` rounded, then ``"eager"``

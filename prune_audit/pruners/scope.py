@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32, cls_probabilities
+from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, cls_probabilities
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES

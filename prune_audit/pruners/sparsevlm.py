@@ -11,7 +11,6 @@ from torch import Tensor
 
 from prune_audit.pruners.base import (
     MODEL_ATTENTIONS,
-    LayerSignals,
     PositionMode,
     Reference,
     Stage,
@@ -19,6 +18,7 @@ from prune_audit.pruners.base import (
     ranked_indices,
     rounded_to,
 )
+from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, Flag, option
 from prune_audit.pruners.schedule import (

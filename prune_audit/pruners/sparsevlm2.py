@@ -9,7 +9,8 @@ from typing import Any, ClassVar, get_args
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import LayerSignals, PositionMode, Reference, Stage, ranked_indices, rounded_to
+from prune_audit.pruners.base import PositionMode, Reference, Stage, ranked_indices, rounded_to
+from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.options import Choice, Flag, Integer, option
 from prune_audit.pruners.precision import MODEL_ATTENTIONS
 from prune_audit.pruners.registry import register

@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, InputSignals, Reference, Selection, as_float32, ranked_indices
+from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, ranked_indices
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Flag, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.similarity import unit_rows

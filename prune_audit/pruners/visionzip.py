@@ -11,7 +11,6 @@ from torch import Tensor
 from prune_audit.pruners.base import (
     TOP_K_TIES,
     InputSelector,
-    InputSignals,
     Reference,
     Selection,
     as_float32,
@@ -19,6 +18,7 @@ from prune_audit.pruners.base import (
     cls_probabilities,
     top_k_indices,
 )
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES

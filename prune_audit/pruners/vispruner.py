@@ -10,7 +10,6 @@ from torch import Tensor
 
 from prune_audit.pruners.base import (
     InputSelector,
-    InputSignals,
     Reference,
     Selection,
     as_float32,
@@ -18,6 +17,7 @@ from prune_audit.pruners.base import (
     cls_probabilities,
     ranked_indices,
 )
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Integer, Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES

@@ -9,14 +9,8 @@ from typing import Any, ClassVar, get_args
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import (
-    LayerSignals,
-    PositionMode,
-    Reference,
-    Stage,
-    TokenMerge,
-    rounded_to,
-)
+from prune_audit.pruners.base import PositionMode, Reference, Stage, TokenMerge, rounded_to
+from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.fastv import last_row_attention
 from prune_audit.pruners.hiprune import scaled_vision_layer
 from prune_audit.pruners.options import Choice, Flag, Integer, Real, option
