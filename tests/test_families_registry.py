@@ -225,9 +225,22 @@ def test_internvl_dynamic_tiling_is_refused_in_one_line_before_answering(tmp_pat
     assert "\n" not in str(error.value)
 
 
-def test_docs_table_lists_what_runs_on_each_family(family, vlm):
-    """docs/models.md's families x selectors table says what ``supported_selectors`` says."""
+def test_class_declarations_say_what_the_loaded_model_runs(family, vlm):
+    """``selector_support`` (class-level, no checkpoint) agrees with the loaded model's ``supported_selectors``."""
+    support = type(vlm).selector_support()
+    assert [name for name, refusal in support.items() if refusal is None] == vlm.supported_selectors()
+    for name, refusal in support.items():
+        if refusal is not None:
+            with pytest.raises(PruneAuditError) as error:
+                vlm.check_selector(get_selector(name))
+            assert refusal in str(error.value) and "\n" not in refusal
+
+
+def test_docs_table_lists_what_runs_on_each_family(family):
+    """docs/models.md's families x selectors table says what the class-level ``selector_support`` says."""
     from pathlib import Path
+
+    from prune_audit.pruners import selector_class
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
     table = text.split("## Selectors per family", 1)[1].split("\n## ", 1)[0]
@@ -236,10 +249,27 @@ def test_docs_table_lists_what_runs_on_each_family(family, vlm):
     column = header.index(family)  # a registered family without a column fails here
     cells = {cell[0].strip(): cell[column].strip() for cell in lines[1:] if not set(cell[0]) <= {"-"}}
     assert sorted(cells) == list_selectors()
-    needs_clip = {"cdpruner"} if "text_relevance" in vlm.input_signals else set()
-    expected = {name: "yes" if name in vlm.supported_selectors() else "with --clip-text" if name in needs_clip else "no"
-                for name in list_selectors()}
+    adapter = adapter_for(family, "test")
+    with_clip = {name for name in list_selectors() if adapter.refusal(selector_class(name), adapter.input_signals) is None}
+    expected = {name: "yes" if refusal is None else "with --clip-text" if name in with_clip else "no"
+                for name, refusal in adapter.selector_support().items()}
     assert cells == expected
+
+
+@pytest.mark.parametrize("family_name", family_names())
+def test_selectors_command_says_what_runs_on_a_family_without_loading_it(family_name):
+    """`selectors --model FAMILY` lists, from the class declarations, what runs and each refusal's reason."""
+    import json
+
+    result = runner.invoke(app, ["selectors", "--model", family_name, "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    support = adapter_for(family_name, "test").selector_support()
+    assert {name: row["refusal"] for name, row in rows.items()} == support
+    assert all(row["runs"] == (row["refusal"] is None) and row["family"] == family_name for row in rows.values())
+    text = runner.invoke(app, ["selectors", "--model", family_name], terminal_width=200).stdout
+    for name, refusal in support.items():
+        assert f"on {family_name}: " + ("runs" if refusal is None else f"refused: {refusal}") in " ".join(text.split())
 
 
 def test_qwen3_vl_keep_all_needs_its_deepstack_features(tmp_path):

@@ -11,7 +11,8 @@ token, and greedy decoding that reuses the pruned KV cache.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -41,6 +42,8 @@ from prune_audit.pruners.base import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS, I
 from prune_audit.pruners.registry import list_selectors, selector_class
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
+#: input signals computed by a part loaded only on request (``clip_text``), so not there by default
+ON_REQUEST_SIGNALS = frozenset({"text_relevance"})
 
 class VisionLanguageModel(AnswerModes, ABC):
     """A loaded VLM that answers questions under any registered selector (in each answer mode: ``AnswerModes``)."""
@@ -59,6 +62,12 @@ class VisionLanguageModel(AnswerModes, ABC):
     display_name: str = ""
     #: accepted ``prompt_template`` values; the first is the default
     prompt_templates: tuple[str, ...] = ()
+    #: position ids after input-level selection: 'compact' (renumbered) or 'keep_original' (each token keeps its id)
+    input_positions: str = "compact"
+    #: how an image's visual tokens lie: "one grid" (rows x cols) or "several grids" (anyres base view and tiles)
+    token_grids: str = "one grid"
+    #: selectors refused whatever signals are present -> what the family lacks for them
+    refused_selectors: Mapping[str, str] = MappingProxyType({})
 
     # ----- loading ------------------------------------------------------------------
     @classmethod
@@ -118,10 +127,6 @@ class VisionLanguageModel(AnswerModes, ABC):
         """(P, L) position ids of the unpruned prompt."""
 
     @abstractmethod
-    def _input_positions(self) -> str:
-        """Position mode after input-level selection: 'compact' or 'keep_original'."""
-
-    @abstractmethod
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         """Position mode the in-LLM loop uses for ``selector``."""
 
@@ -172,15 +177,41 @@ class VisionLanguageModel(AnswerModes, ABC):
         """Registered selectors whose signals this model can provide."""
         return [name for name in list_selectors() if self._missing(selector_class(name)) == set()]
 
-    # ----- internals ----------------------------------------------------------------
-    def _missing(self, cls: type[Selector]) -> set[str]:
-        """What the model lacks for ``cls``: input signals, or positions for the merged tokens it feeds."""
-        if cls.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower too
-            return set(self.signals_for(cls) & VISION_LAYER_SIGNALS) - self._available_input_signals()
-        missing = set(self.signals_for(cls)) - self._available_input_signals()
-        if cls.merges and self._input_positions() != "compact":
+    @classmethod
+    def selector_support(cls) -> dict[str, str | None]:
+        """Each registered selector -> None when it runs on this family, else the reason it does not
+        (from the class-level declarations alone: no checkpoint is read)."""
+        available = cls.input_signals - ON_REQUEST_SIGNALS
+        return {name: cls.refusal(selector_class(name), available) for name in list_selectors()}
+
+    @classmethod
+    def refusal(cls, selector: type[Selector], available: frozenset[str]) -> str | None:
+        """Why ``selector`` cannot run on this family with input signals ``available`` (None: it can)."""
+        missing = cls.missing_for(selector, available)
+        if not missing:
+            return None
+        if missing == {"text_relevance"} and "text_relevance" in cls.input_signals:
+            return ("needs a CLIP text tower for its text relevance: pass clip_text=PATH (--clip-text PATH) "
+                    "to a CLIP checkpoint matching the vision tower")
+        reason = "it keeps every token's original position" if missing == {MERGED_POSITIONS} else cls.missing_signals_reason
+        return f"needs {', '.join(sorted(missing))}, which {cls.family} does not provide ({reason})"
+
+    @classmethod
+    def missing_for(cls, selector: type[Selector], available: frozenset[str]) -> set[str]:
+        """What the family lacks for ``selector`` given input signals ``available``: input signals, positions
+        for the merged tokens it feeds, or what ``refused_selectors`` names."""
+        refused = {cls.refused_selectors[selector.name]} if selector.name in cls.refused_selectors else set()
+        if selector.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower too
+            return set(selector.requires_on(available) & VISION_LAYER_SIGNALS) - available | refused
+        missing = set(selector.requires_on(available)) - available | refused
+        if selector.merges and cls.input_positions != "compact":
             missing.add(MERGED_POSITIONS)
         return missing
+
+    # ----- internals ----------------------------------------------------------------
+    def _missing(self, cls: type[Selector]) -> set[str]:
+        """What this loaded model lacks for ``cls`` (:meth:`missing_for` on the signals it has)."""
+        return self.missing_for(cls, self._available_input_signals())
 
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals
@@ -192,24 +223,16 @@ class VisionLanguageModel(AnswerModes, ABC):
     def positions_for(self, selector: Selector) -> str:
         """Position mode ('compact' or 'keep_original') the language model sees under ``selector``."""
         if isinstance(selector, InputSelector):
-            return self._input_positions()
+            return self.input_positions
         return self._layer_positions(selector)
 
     def check_selector(self, selector: Selector) -> None:
         """Raise a one-line PruneAuditError when this model cannot provide the selector's signals."""
-        missing = self._missing(type(selector))
-        if not missing:
+        reason = self.refusal(type(selector), self._available_input_signals())
+        if reason is None:
             return
-        if missing == {"text_relevance"} and "text_relevance" in self.input_signals:
-            raise PruneAuditError(
-                f"selector {selector.name!r} needs a CLIP text tower for its text relevance: "
-                f"pass clip_text=PATH (--clip-text PATH) to a CLIP checkpoint matching the vision tower"
-            )
-        reason = "it keeps every token's original position" if missing == {MERGED_POSITIONS} else self.missing_signals_reason
-        raise PruneAuditError(
-            f"selector {selector.name!r} needs {', '.join(sorted(missing))}, which {self.family} does not provide "
-            f"({reason}); selectors that work here: {', '.join(self.supported_selectors())}"
-        )
+        raise PruneAuditError(f"selector {selector.name!r} {reason}; selectors that work here: "
+                              f"{', '.join(self.supported_selectors())}")
 
     def prefill(
         self,
@@ -310,7 +333,7 @@ class VisionLanguageModel(AnswerModes, ABC):
         after = torch.full((ids.numel() - end,), TEXT_AFTER, device=device)
         all_kinds = torch.cat([before, kinds, after])
         full = self._full_positions(item).to(device)
-        if selection is not None and self._input_positions() == "compact":
+        if selection is not None and self.input_positions == "compact":
             positions = torch.arange(all_kinds.numel(), device=device)[None].expand(full.shape[0], -1)
         elif selection is not None and bool((kinds == MERGED).any()):
             raise PruneAuditError(f"merged tokens have no original position on {self.family}")

@@ -187,9 +187,6 @@ class InternVLModel(VisionLanguageModel):
     def _full_positions(self, prepared: Prepared) -> Tensor:
         return torch.arange(prepared.input_ids.numel())[None]
 
-    def _input_positions(self) -> str:
-        return "compact"
-
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         return getattr(selector, "positions", "keep_original")
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from prune_audit.models.batch import TokenRow
 from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE
 from prune_audit.models.llava import LlavaModel
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
-from prune_audit.pruners.base import Selection, Selector
+from prune_audit.pruners.base import Selection
 
 #: selectors that place tokens on one (rows, cols) grid, which an anyres image does not have
 ONE_GRID_SELECTORS = frozenset({"uniform", "pool", "tome", "e2s", "hiprune", "vscan"})
@@ -54,6 +55,8 @@ class LlavaNextModel(LlavaModel):
         "per-crop CLS attention nor a CLIP text space"
     )
     display_name = "LLaVA-NeXT"
+    token_grids = "several grids"
+    refused_selectors = MappingProxyType(dict.fromkeys(sorted(ONE_GRID_SELECTORS), ONE_GRID))
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -135,10 +138,6 @@ class LlavaNextModel(LlavaModel):
         """The tower ran on every crop (base view and tiles) of ``tile // patch`` squared patches."""
         side = self.tile // self.model.config.vision_config.patch_size
         return {"crops": int(prepared.pixel_values.shape[0]), "crop_grid": (side, side)}
-
-    def _missing(self, cls: type[Selector]) -> set[str]:
-        missing = super()._missing(cls)
-        return missing | {ONE_GRID} if cls.name in ONE_GRID_SELECTORS else missing
 
     def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
         """The language-model input of one prompt: the kept visual tokens and every newline in prompt order."""

@@ -85,16 +85,16 @@ def image_processor_and_tokenizer(source: str) -> tuple[Any, Any]:
     return image_processor, load_part("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
 
 
-def decoder_depth(path_or_hub_id: str | Path) -> int:
-    """Decoder layers of a checkpoint of a registered family, read from its config alone (no weights)."""
+def checkpoint_family(path_or_hub_id: str | Path) -> tuple[type[VisionLanguageModel], int]:
+    """The family adapter and decoder layers of a checkpoint, read from its config alone (no weights);
+    another family is refused as :func:`load_vlm` refuses it."""
     from transformers import AutoConfig
 
     from prune_audit.models.families import adapter_for
 
     source = resolve_model_source(str(path_or_hub_id))
     config = load_part("model config", source, lambda: AutoConfig.from_pretrained(source))
-    adapter_for(config.model_type, source)  # another family is refused as load_vlm refuses it
-    return int(config.get_text_config().num_hidden_layers)
+    return adapter_for(config.model_type, source), int(config.get_text_config().num_hidden_layers)
 
 
 def load_vlm(
@@ -156,4 +156,4 @@ def load_vlm(
                               clip_text=None if clip_text is None else str(clip_text))
 
 
-__all__ = ["load_vlm", "decoder_depth", "load_part", "resolve_device", "resolve_dtype", "config_hash", "DTYPES"]
+__all__ = ["load_vlm", "checkpoint_family", "load_part", "resolve_device", "resolve_dtype", "config_hash", "DTYPES"]

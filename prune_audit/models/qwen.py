@@ -49,6 +49,7 @@ class QwenModel(VisionLanguageModel):
     vision_tower = "qwen2_5_vl"
     display_name = "Qwen2.5-VL"
     prompt_templates = (PROMPT_TEMPLATE,)
+    input_positions = "keep_original"  # 3-D M-RoPE ids cannot be renumbered meaningfully; every public port keeps them
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -284,9 +285,6 @@ class QwenModel(VisionLanguageModel):
 
     def _full_positions(self, prepared: Prepared) -> Tensor:
         return prepared.extras["positions"]
-
-    def _input_positions(self) -> str:
-        return "keep_original"
 
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         # 3-D ids cannot be renumbered meaningfully; every public Qwen port keeps them
