@@ -47,7 +47,9 @@ import torch
 from PIL import Image
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.models.build import build_clip, build_llava, build_qwen2_5_vl
+from prune_audit.models.build import build_clip
+from prune_audit.models.llava import LlavaModel
+from prune_audit.models.qwen import QwenModel
 from prune_audit.models.timing import timed_ms
 from prune_audit.pruners import get_selector, list_selectors
 
@@ -59,7 +61,7 @@ SHAPES = {
     "llava": {
         "title": "LLaVA-1.5-7B shape",
         "image": 336,
-        "build": lambda folder, image: build_llava(folder, words=WORDS, image_size=image, patch_size=14),
+        "build": lambda folder, image: LlavaModel.build_tiny(folder, words=WORDS, image_size=image, patch_size=14),
         "vision": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
                    "num_attention_heads": 16},
         "text": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -70,7 +72,7 @@ SHAPES = {
     "qwen": {
         "title": "Qwen2.5-VL-7B shape",
         "image": 672,
-        "build": lambda folder, image: build_qwen2_5_vl(folder, words=WORDS, image_size=image),
+        "build": lambda folder, image: QwenModel.build_tiny(folder, words=WORDS, image_size=image),
         "vision": {"hidden_size": 1280, "intermediate_size": 3420, "depth": 32, "num_heads": 16,
                    "out_hidden_size": 3584, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
         "text": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,

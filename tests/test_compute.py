@@ -81,12 +81,14 @@ def counted(vlm, item, selector, budget):
 def models(tmp_path_factory):
     """The two bundled demos and tiny LLaVA (with a CLIP text tower) / Qwen2.5-VL checkpoints, eager."""
     from prune_audit.models import load_vlm
-    from prune_audit.models.build import build_clip, build_llava, build_qwen2_5_vl
+    from prune_audit.models.build import build_clip
+    from prune_audit.models.llava import LlavaModel
+    from prune_audit.models.qwen import QwenModel
 
     root = tmp_path_factory.mktemp("compute")
-    llava = build_llava(root / "llava", words=WORDS, text_layers=4, text_kv_heads=2, seed=3)
+    llava = LlavaModel.build_tiny(root / "llava", words=WORDS, text_layers=4, text_kv_heads=2, seed=3)
     clip = build_clip(root / "clip", words=WORDS, vision_hidden_size=64)
-    qwen = build_qwen2_5_vl(root / "qwen", words=WORDS, text_layers=4, seed=3)
+    qwen = QwenModel.build_tiny(root / "qwen", words=WORDS, text_layers=4, seed=3)
     return {
         "demo": eager(load_demo(DEMO_MODELS["demo"])),
         "demo-qwen": eager(load_demo(DEMO_MODELS["demo-qwen"])),

@@ -9,7 +9,6 @@ import pytest
 from prune_audit.errors import PruneAuditError
 from prune_audit.models import family_names, load_vlm, register_family
 from prune_audit.models import families
-from prune_audit.models.build import build_llava
 from prune_audit.models.llava import LlavaModel
 from prune_audit.models.qwen import QwenModel
 from tiny_models import WORDS
@@ -38,7 +37,7 @@ def test_load_vlm_uses_the_registered_adapter(tmp_path, monkeypatch):
     class CustomLlava(LlavaModel):
         pass
 
-    path = build_llava(tmp_path / "llava", words=WORDS, text_layers=2, seed=1)
+    path = LlavaModel.build_tiny(tmp_path / "llava", words=WORDS, text_layers=2, seed=1)
     monkeypatch.setitem(families._ADAPTERS, "llava", CustomLlava)
     assert type(load_vlm(path, device="cpu")) is CustomLlava
 

@@ -9,7 +9,8 @@ import torch
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.models import load_vlm
-from prune_audit.models.build import build_clip, build_llava
+from prune_audit.models.build import build_clip
+from prune_audit.models.llava import LlavaModel
 from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners import get_selector, list_selectors, selector_class
 from tiny_models import (
@@ -30,7 +31,7 @@ GRID = 8  # 112 px / 14 px patches
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("llava")
-    llava = build_llava(root / "llava", words=WORDS, text_layers=NUM_LAYERS, seed=1)
+    llava = LlavaModel.build_tiny(root / "llava", words=WORDS, text_layers=NUM_LAYERS, seed=1)
     clip = build_clip(root / "clip", words=WORDS, vision_hidden_size=64)
     return llava, clip
 

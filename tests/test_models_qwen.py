@@ -9,7 +9,7 @@ import torch
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.models import load_vlm
-from prune_audit.models.build import build_qwen2_5_vl
+from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector, list_selectors
 from tiny_models import (
     QUESTIONS,
@@ -27,7 +27,7 @@ SIZES = [(130, 100), (120, 120)]  # -> 6x7 and 6x6 token grids at 168x168 pixels
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    return build_qwen2_5_vl(tmp_path_factory.mktemp("qwen") / "qwen", words=WORDS, image_size=168,
+    return QwenModel.build_tiny(tmp_path_factory.mktemp("qwen") / "qwen", words=WORDS, image_size=168,
                             text_layers=NUM_LAYERS, seed=2)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -74,6 +75,14 @@ class VisionLanguageModel(AnswerModes, ABC):
     @abstractmethod
     def transformers_class(cls) -> type:
         """The transformers ``*ForConditionalGeneration`` class of this family's checkpoints."""
+
+    @classmethod
+    @abstractmethod
+    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
+                   **sizes: Any) -> Path:
+        """Save a random-weight checkpoint of this family (config, weights, image processor, tokenizer) to
+        ``save_dir`` and return it, offline: the tests' and the demo's models. ``words`` join the tokenizer's
+        vocabulary; ``sizes`` are the family builder's other keywords (widths, image size), tiny by default."""
 
     @classmethod
     @abstractmethod
@@ -145,6 +154,51 @@ class VisionLanguageModel(AnswerModes, ABC):
         """How the vision tower ran on ``prepared`` when not on one image of its grid: ``crops`` and ``crop_grid``
         (:class:`~prune_audit.compute.cost.QuestionTokens`; LLaVA-NeXT overrides)."""
         return {}
+
+    @abstractmethod
+    def prompt(self, question: str) -> str:
+        """The full prompt text (template, system text) with one image placeholder and ``question``."""
+
+    # ----- direct forwards: the demo trainer and evaluator (``demo/``) ---------------
+    # Only the families the demo recipes train (llava, qwen2_5_vl) implement them; the rest refuse in one line.
+    @property
+    def vision_state_width(self) -> int:
+        """Width of the pooled and per-token states :meth:`vision_states` returns."""
+        raise self._no_direct_forwards()
+
+    def image_inputs(self, images: Sequence[Any]) -> dict[str, Tensor]:
+        """Keyword inputs of :meth:`image_features` / :meth:`vision_states` for PIL images."""
+        raise self._no_direct_forwards()
+
+    def array_inputs(self, images: Tensor) -> dict[str, Tensor]:
+        """:meth:`image_inputs` of (B, H, W, 3) uint8 images already at the tower's size."""
+        raise self._no_direct_forwards()
+
+    def image_features(self, **inputs: Tensor) -> Tensor | list[Tensor]:
+        """Per image its (N, D) projected features, the language model's image inputs, in grid order."""
+        raise self._no_direct_forwards()
+
+    def vision_states(self, **inputs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The vision tower once, differentiable: (B, N, D) projected features, (B, Dv) pooled state and
+        (B, N, Dv) per-token states."""
+        raise self._no_direct_forwards()
+
+    def shared_prefix_logits(
+        self, features: Tensor, prefix_ids: Tensor, image_positions: Tensor, suffixes: Sequence[Tensor], per_image: int,
+        grid: tuple[int, int] | None = None, every_position: bool = False,
+    ) -> Tensor:
+        """(B * per_image, V) logits after each suffix sharing one image prefix, or (B * per_image, T, V) at
+        ``every_position`` (:func:`~prune_audit.models.shared_prefix.shared_prefix_logits`)."""
+        raise self._no_direct_forwards()
+
+    def first_token_logits(self, input_ids: Tensor, attention_mask: Tensor, features: Sequence[Tensor]) -> Tensor:
+        """(B, V) logits at the last position of left-padded (B, L) prompts through the stock forward, row b's
+        image tokens filled by the (k_b, D) ``features[b]``."""
+        raise self._no_direct_forwards()
+
+    def _no_direct_forwards(self) -> PruneAuditError:
+        return PruneAuditError(f"{self.display_name} has no direct forwards for the demo trainer and evaluator; "
+                               f"the demo recipes train llava or qwen2_5_vl")
 
     # ----- public API ---------------------------------------------------------------
     @property

@@ -74,9 +74,9 @@ class InternVLModel(VisionLanguageModel):
 
     @classmethod
     def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   image_size: int = 112) -> Path:
+                   **sizes: Any) -> Path:
         """A random-weight checkpoint of this family for offline tests (:func:`build_internvl`)."""
-        return build_internvl(save_dir, words=words, text_layers=text_layers, seed=seed, image_size=image_size)
+        return build_internvl(save_dir, words=words, text_layers=text_layers, seed=seed, **sizes)
 
     @classmethod
     def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
