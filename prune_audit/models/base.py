@@ -1,11 +1,11 @@
 """The model-family-independent part of a pruned vision-language model.
 
-A family adapter (``llava.py``, ``qwen.py``) turns an image and a question into a
-:class:`Prepared` prompt, runs its vision tower, and says how positions work. This
-class does the rest: input-level selection, the schedule of in-LLM selectors, the
-pruned prefill through :class:`~prune_audit.models.executor.LanguageLoop`, and the
-answer modes of ``models.answers``: the yes/no and option-letter reductions of the first
-token, and greedy decoding that reuses the pruned KV cache.
+A family adapter (``llava.py``, ``qwen.py``, ...) declares what it provides (signals, positions, token grids,
+prompt templates, its offline ``build_tiny``), turns an image and a question into a :class:`Prepared` prompt,
+runs its vision tower, and says how positions work. This class holds those family hooks and the public API:
+which selectors run, the pruned prefill through :class:`~prune_audit.models.executor.LanguageLoop` (assembled
+by ``models.prefill_assembly``), and the answer modes of ``models.answers``: the yes/no and option-letter
+reductions of the first token, and greedy decoding that reuses the pruned KV cache.
 """
 
 from __future__ import annotations
@@ -24,22 +24,12 @@ from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.answering import AnswerModes
 from prune_audit.models.answers import answer_token_ids
-from prune_audit.models.executor import (
-    MERGED,
-    TEXT_AFTER,
-    TEXT_BEFORE,
-    DecoderStack,
-    LanguageLoop,
-    LayerPlan,
-    Prefill,
-    TokenRow,
-    pack,
-)
-from prune_audit.models.layer_signals import text_demand
-from prune_audit.models.loading import config_hash
+from prune_audit.models.executor import DecoderStack, LanguageLoop, Prefill, TokenRow, pack
+from prune_audit.models.parts import config_hash
+from prune_audit.models.prefill_assembly import layer_plan, select_input, token_row
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
 from prune_audit.models.timing import PartClock
-from prune_audit.pruners.base import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS, InputSelector, InputSignals, LayerSelector, Selection, Selector, Stage
+from prune_audit.pruners.base import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS, InputSelector, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.registry import list_selectors, selector_class
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
@@ -319,12 +309,12 @@ class VisionLanguageModel(AnswerModes, ABC):
             for b, (item, output) in enumerate(zip(prepared, vision)):
                 if input_level:
                     item_generator = generator[b] if isinstance(generator, (list, tuple)) else generator
-                    selections[b] = self._select(item, output, selector, budget, item_generator, requires,
+                    selections[b] = select_input(self, item, output, selector, budget, item_generator, requires,
                                                  None if forced_kept is None else forced_kept[b])
                 rows.append(self._row(item, output, selections[b]))
             plan = None
             if not input_level and (selector is not None or forced_stages is not None):
-                plan = self._layer_plan(prepared, selector, budget, forced_stages)
+                plan = layer_plan(self, prepared, selector, budget, forced_stages)
                 travels = vision_layer | (VISION_TOWER_FACTS if vision_layer else frozenset())
                 plan.vision = [{name: value for name, value in output.signals.items()
                                 if name.removeprefix("model_") in travels} for output in vision]
@@ -340,87 +330,14 @@ class VisionLanguageModel(AnswerModes, ABC):
             result.latency_parts = clock.read()
             return result, selections
 
-    def _select(self, item, output, selector, budget, generator, requires, forced) -> Selection:
-        if forced is not None:
-            kept = torch.as_tensor(sorted(set(int(i) for i in forced)), dtype=torch.long)
-            if kept.numel() and (kept[0] < 0 or kept[-1] >= item.num_visual):
-                raise PruneAuditError(f"forced kept indices must lie in [0, {item.num_visual})")
-            return Selection(kept=kept)
-        signals = self._input_signals(item, output, requires)
-        try:
-            return selector.select(signals, budget, generator)
-        except ValueError as error:
-            raise PruneAuditError(
-                f"selector {selector.name!r} failed at budget {budget} on a {item.grid[0]}x{item.grid[1]} grid: {error}"
-            ) from None
-
-    def _input_signals(self, item: Prepared, output: VisionOutput, requires: frozenset[str]) -> InputSignals:
-        signals = InputSignals(grid=item.grid, features=output.features.float(), model_dtype=self.dtype)
-        for name, value in output.signals.items():
-            setattr(signals, name, value.float() if isinstance(value, Tensor) else value)  # merging_tower: a function
-        if "text_relevance" in requires:
-            relevance, in_model_dtype = self._text_relevance(item, output)
-            signals.text_relevance, signals.model_text_relevance = relevance.float(), in_model_dtype.float()
-        if "demand" in requires:
-            signals.demand = text_demand(self.loop.stack, self._row(item, output, None))
-        return signals
-
     def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
-        """The language-model input of one prompt, with the selection applied."""
-        start, end = item.image_span
-        device = self.device  # a property that walks the parameters: read once
-        ids = item.input_ids.to(device)
-        embed = self.loop.stack.embed_tokens
-        if selection is None:
-            visual, kinds = output.features, torch.arange(item.num_visual, device=device)
-        elif selection.sources is None:
-            kept = selection.kept.to(device)
-            visual, kinds = output.features[kept], kept
-        else:
-            visual = (selection.llm_tokens.to(device, self.dtype) if selection.llm_tokens is not None
-                      else self._project(selection.vision_tokens.to(device, self.dtype)))
-            kinds = torch.tensor(
-                [int(s[0]) if s.numel() == 1 else MERGED for s in selection.sources], device=device
-            )
-        embeddings = torch.cat([embed(ids[:start]), visual.to(self.dtype), embed(ids[end:])])
-        before = torch.full((start,), TEXT_BEFORE, device=device)
-        after = torch.full((ids.numel() - end,), TEXT_AFTER, device=device)
-        all_kinds = torch.cat([before, kinds, after])
-        full = self._full_positions(item).to(device)
-        if selection is not None and self.input_positions == "compact":
-            positions = torch.arange(all_kinds.numel(), device=device)[None].expand(full.shape[0], -1)
-        elif selection is not None and bool((kinds == MERGED).any()):
-            raise PruneAuditError(f"merged tokens have no original position on {self.family}")
-        else:  # original columns: text before, the kept grid cells, text after
-            text_after = torch.arange(end, ids.numel(), device=device)
-            columns = torch.cat([torch.arange(start, device=device), start + kinds, text_after])
-            positions = full[:, columns]
-        return TokenRow(embeddings, all_kinds, positions)
-
-    def _layer_plan(self, prepared, selector, budget, forced_stages) -> LayerPlan:
-        grids = [item.grid for item in prepared]
-        positions = self._layer_positions(selector)
-        if forced_stages is not None:
-            stages, forced = [], []
-            for entries in forced_stages:
-                ordered = sorted(entries, key=lambda entry: entry[0])
-                stages.append([Stage(int(layer), len(set(kept))) for layer, kept in ordered])
-                forced.append([torch.as_tensor(sorted(set(kept)), dtype=torch.long) for _, kept in ordered])
-            self._check_stage_layers(stages)
-            return LayerPlan(stages, grids, positions, selector, forced)
-        stages = [self.schedule(selector, item.num_visual, budget) for item in prepared]
-        self._check_stage_layers(stages)
-        return LayerPlan(stages, grids, positions, selector)
+        """The language-model input of one prompt with the selection applied (family hook: the one-grid layout of
+        :func:`~prune_audit.models.prefill_assembly.token_row`; LLaVA-NeXT adds its row newlines)."""
+        return token_row(self, item, output, selection)
 
     def schedule(self, selector: LayerSelector, num_visual: int, budget: int) -> list[Stage]:
         """The in-LLM selector's stages on this model for ``num_visual`` tokens at ``budget`` (``compute.budget``)."""
         return self._schedules.solve(selector, self.num_layers, num_visual, budget)
-
-    def _check_stage_layers(self, stages: list[list[Stage]]) -> None:
-        for row in stages:
-            for stage in row:
-                if not 0 <= stage.layer < self.num_layers:
-                    raise PruneAuditError(f"stage layer {stage.layer} outside the model's {self.num_layers} layers")
 
 
 __all__ = ["VisionLanguageModel"]

@@ -1,10 +1,12 @@
-"""What the offline tiny-checkpoint builders share, and the CLIP text tower CDPruner reads.
+"""Offline builders for small LLaVA and Qwen2.5-VL checkpoints from configs.
 
 Tests, the benchmarks and the bundled demo model need real Hugging Face checkpoints
-without network access. Each family's ``build_tiny`` (in its adapter module) creates a
-randomly initialised model from the real classes, with a word-level tokenizer built here
-(``tokenizers``), the family's PIL image processor and processor, and ``save_pretrained``
-of all of it so that ``from_pretrained(path)`` round-trips.
+without network access; they build them through each adapter's ``build_tiny``, which for
+these two families calls the builders here (the other families keep theirs in their own
+module, with the shared tokenizers from here). These builders create randomly initialised
+models from the real classes, a word-level tokenizer built with ``tokenizers``, the
+family's PIL image processor and processor, and ``save_pretrained`` all of it so that
+``from_pretrained(path)`` round-trips.
 
 transformers-5 details followed here (see the demo-model spec, "Pitfalls"): the
 PIL image processors are used directly (no torchvision), ``LlavaProcessor`` gets
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from prune_audit.models.tiny_qwen import qwen_text_config, qwen_vision_token_ids, save_tiny_qwen
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
 QWEN_SPECIAL_TOKENS = (
@@ -117,6 +120,97 @@ def word_level_tokenizer(
     return tokenizer
 
 
+def build_llava(
+    save_dir: str | Path,
+    *,
+    words: Sequence[str],
+    image_size: int = 112,
+    patch_size: int = 14,
+    vision_hidden_size: int = 64,
+    vision_intermediate_size: int = 128,
+    vision_layers: int = 2,
+    vision_heads: int = 4,
+    text_hidden_size: int = 64,
+    text_intermediate_size: int = 128,
+    text_layers: int = 2,
+    text_heads: int = 4,
+    text_kv_heads: int | None = None,
+    vision_feature_layer: int = -2,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Save a randomly initialised ``LlavaForConditionalGeneration`` with its processor.
+
+    CLIP vision tower (``quick_gelu``) + 2-layer GELU projector + Llama decoder,
+    ``vision_feature_select_strategy="default"`` (CLS dropped), so the prompt carries
+    ``(image_size // patch_size) ** 2`` ``<image>`` tokens. The vocabulary is
+    ``SPECIAL_TOKENS + words`` plus the chat template's words.
+
+    Returns:
+        ``save_dir`` as a Path, loadable with ``from_pretrained``.
+    """
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    save_dir = Path(save_dir)
+    vocabulary = _vocabulary(words, SPECIAL_TOKENS, LLAVA_TEMPLATE_WORDS)
+    tokenizer = word_level_tokenizer(vocabulary)
+    vision = CLIPVisionConfig(
+        hidden_size=vision_hidden_size,
+        intermediate_size=vision_intermediate_size,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=vision_heads,
+        image_size=image_size,
+        patch_size=patch_size,
+        hidden_act="quick_gelu",
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=text_hidden_size,
+        intermediate_size=text_intermediate_size,
+        num_hidden_layers=text_layers,
+        num_attention_heads=text_heads,
+        num_key_value_heads=text_kv_heads or text_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    num_patches = (image_size // patch_size) ** 2
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        projector_hidden_act="gelu",
+        vision_feature_layer=vision_feature_layer,
+        vision_feature_select_strategy="default",
+        image_seq_length=num_patches,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        num_additional_image_tokens=1,
+    )
+    model.save_pretrained(save_dir)
+    processor.save_pretrained(save_dir)
+    return save_dir
+
+
 def qwen_tokenizer(words: Sequence[str], extra_special_tokens: Sequence[str] = ()):
     """A word-level tokenizer with the Qwen-VL special tokens and ``extra_special_tokens``
     (no BOS, ``<|im_end|>`` ends a turn) and the Qwen chat template."""
@@ -130,6 +224,75 @@ def qwen_tokenizer(words: Sequence[str], extra_special_tokens: Sequence[str] = (
     )
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     return tokenizer
+
+
+def build_qwen2_5_vl(
+    save_dir: str | Path,
+    *,
+    words: Sequence[str],
+    image_size: int = 112,
+    patch_size: int = 14,
+    spatial_merge_size: int = 2,
+    vision_hidden_size: int = 32,
+    vision_intermediate_size: int = 64,
+    vision_layers: int = 2,
+    vision_heads: int = 2,
+    text_hidden_size: int = 64,
+    text_intermediate_size: int = 128,
+    text_layers: int = 2,
+    text_heads: int = 4,
+    text_kv_heads: int = 2,
+    mrope_section: Sequence[int] = (2, 3, 3),
+    max_position_embeddings: int = 512,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """Save a randomly initialised ``Qwen2_5_VLForConditionalGeneration`` with its processor.
+
+    GQA (``text_kv_heads < text_heads``) and 3-D M-RoPE (``sum(mrope_section)`` must be
+    ``head_dim / 2``). By default the PIL image processor is pinned to exactly
+    ``image_size**2`` pixels (min = max), so a square image gives a
+    ``(image_size / (patch_size * spatial_merge_size))``-square token grid; with
+    ``min_pixels`` < ``max_pixels`` images keep their own size within that range (dynamic
+    resolution, rounded to ``patch_size * spatial_merge_size``). The last vision block uses
+    full attention, the others windowed attention.
+
+    Returns:
+        ``save_dir`` as a Path, loadable with ``from_pretrained``.
+    """
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+    )
+
+    save_dir = Path(save_dir)
+    tokenizer = qwen_tokenizer(words)
+    config = Qwen2_5_VLConfig(
+        vision_config={
+            "depth": vision_layers,
+            "hidden_size": vision_hidden_size,
+            "intermediate_size": vision_intermediate_size,
+            "num_heads": vision_heads,
+            "patch_size": patch_size,
+            "spatial_merge_size": spatial_merge_size,
+            "temporal_patch_size": 2,
+            "window_size": patch_size * spatial_merge_size * 2,
+            "out_hidden_size": text_hidden_size,
+            "fullatt_block_indexes": [vision_layers - 1],
+        },
+        text_config=qwen_text_config(
+            tokenizer, hidden=text_hidden_size, intermediate=text_intermediate_size, layers=text_layers,
+            heads=text_heads, kv_heads=text_kv_heads, mrope_section=mrope_section, max_positions=max_position_embeddings
+        ),
+        **qwen_vision_token_ids(tokenizer),
+    )
+    # Qwen2_5_VLProcessor insists on a video processor, which needs torchvision; the adapter
+    # composes image processor + tokenizer itself, so those two (and the template) are saved.
+    return save_tiny_qwen(Qwen2_5_VLForConditionalGeneration, config, tokenizer, save_dir, seed=seed,
+                          patch_size=patch_size, merge_size=spatial_merge_size,
+                          min_pixels=min_pixels or image_size * image_size,
+                          max_pixels=max_pixels or image_size * image_size)
 
 
 def build_clip(
@@ -183,6 +346,8 @@ def build_clip(
 
 __all__ = [
     "word_level_tokenizer",
+    "build_llava",
+    "build_qwen2_5_vl",
     "build_clip",
     "qwen_tokenizer",
     "SPECIAL_TOKENS",

@@ -21,14 +21,9 @@ from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
-from prune_audit.models.loading import load_part
+from prune_audit.models.parts import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
-from prune_audit.models.probe import (
-    clip_attention_block,
-    clip_cls_row,
-    clip_logits,
-    single_tensor_rope,
-)
+from prune_audit.models.probe import clip_attention_block, clip_cls_row, clip_logits, single_tensor_rope
 from prune_audit.models.shape import clip_text_shape, language_shape, llava_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
@@ -65,7 +60,9 @@ class LlavaModel(VisionLanguageModel):
     @classmethod
     def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
                    **sizes: Any) -> Path:
-        """:func:`build_llava` (``sizes``: its other keywords)."""
+        """:func:`~prune_audit.models.build.build_llava` (``sizes``: its other keywords)."""
+        from prune_audit.models.build import build_llava
+
         return build_llava(save_dir, words=words, text_layers=text_layers, seed=seed, **sizes)
 
     @classmethod
@@ -384,103 +381,5 @@ def load_clip(source: str, model) -> tuple[Any, Any]:
     return clip.to(model.device).eval(), tokenizer
 
 
-
-def build_llava(
-    save_dir: str | Path,
-    *,
-    words: Sequence[str],
-    image_size: int = 112,
-    patch_size: int = 14,
-    vision_hidden_size: int = 64,
-    vision_intermediate_size: int = 128,
-    vision_layers: int = 2,
-    vision_heads: int = 4,
-    text_hidden_size: int = 64,
-    text_intermediate_size: int = 128,
-    text_layers: int = 2,
-    text_heads: int = 4,
-    text_kv_heads: int | None = None,
-    vision_feature_layer: int = -2,
-    max_position_embeddings: int = 512,
-    seed: int = 0,
-) -> Path:
-    """Save a randomly initialised ``LlavaForConditionalGeneration`` with its processor.
-
-    CLIP vision tower (``quick_gelu``) + 2-layer GELU projector + Llama decoder,
-    ``vision_feature_select_strategy="default"`` (CLS dropped), so the prompt carries
-    ``(image_size // patch_size) ** 2`` ``<image>`` tokens. The vocabulary is
-    ``SPECIAL_TOKENS + words`` plus the chat template's words.
-
-    Returns:
-        ``save_dir`` as a Path, loadable with ``from_pretrained``.
-    """
-    from transformers import (
-        CLIPImageProcessorPil,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-
-    from prune_audit.models.build import (
-        LLAVA_CHAT_TEMPLATE,
-        LLAVA_TEMPLATE_WORDS,
-        SPECIAL_TOKENS,
-        _vocabulary,
-        word_level_tokenizer,
-    )
-
-    save_dir = Path(save_dir)
-    vocabulary = _vocabulary(words, SPECIAL_TOKENS, LLAVA_TEMPLATE_WORDS)
-    tokenizer = word_level_tokenizer(vocabulary)
-    vision = CLIPVisionConfig(
-        hidden_size=vision_hidden_size,
-        intermediate_size=vision_intermediate_size,
-        num_hidden_layers=vision_layers,
-        num_attention_heads=vision_heads,
-        image_size=image_size,
-        patch_size=patch_size,
-        hidden_act="quick_gelu",
-    )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=text_hidden_size,
-        intermediate_size=text_intermediate_size,
-        num_hidden_layers=text_layers,
-        num_attention_heads=text_heads,
-        num_key_value_heads=text_kv_heads or text_heads,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    num_patches = (image_size // patch_size) ** 2
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-        projector_hidden_act="gelu",
-        vision_feature_layer=vision_feature_layer,
-        vision_feature_select_strategy="default",
-        image_seq_length=num_patches,
-    )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
-    )
-    processor = LlavaProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=patch_size,
-        vision_feature_select_strategy="default",
-        chat_template=LLAVA_CHAT_TEMPLATE,
-        num_additional_image_tokens=1,
-    )
-    model.save_pretrained(save_dir)
-    processor.save_pretrained(save_dir)
-    return save_dir
 
 __all__ = ["LlavaModel", "load_clip", "PROMPT_TEMPLATES", "VICUNA_V1_SYSTEM", "SINGLE_WORD_SUFFIX"]

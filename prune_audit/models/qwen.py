@@ -27,7 +27,7 @@ from prune_audit.compute.shape import ModelShape, VisionShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
-from prune_audit.models.loading import image_processor_and_tokenizer
+from prune_audit.models.parts import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
 from prune_audit.models.shape import language_shape, qwen_vision_shape
@@ -60,7 +60,9 @@ class QwenModel(VisionLanguageModel):
     @classmethod
     def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
                    **sizes: Any) -> Path:
-        """:func:`build_qwen2_5_vl` (``sizes``: its other keywords)."""
+        """:func:`~prune_audit.models.build.build_qwen2_5_vl` (``sizes``: its other keywords)."""
+        from prune_audit.models.build import build_qwen2_5_vl
+
         return build_qwen2_5_vl(save_dir, words=words, text_layers=text_layers, seed=seed, **sizes)
 
     @classmethod
@@ -73,9 +75,7 @@ class QwenModel(VisionLanguageModel):
 
     def __init__(self, model, image_processor, tokenizer, *, model_id: str, prompt_template: str | None = None,
                  system_prompt: str | None = None):
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            apply_rotary_pos_emb,
-        )
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb
 
         template = self.resolve_template(prompt_template)
         text_config = model.config.text_config
@@ -158,9 +158,7 @@ class QwenModel(VisionLanguageModel):
         windows), mean over heads, over the query patches (the official sum: a constant factor), then
         over the 4 patches the merger joins into one token. Formed in float32 on the block inputs.
         """
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            apply_rotary_pos_emb_vision,
-        )
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
         from transformers.vision_utils import get_vision_window_index
 
         visual = self.model.model.visual
@@ -306,80 +304,5 @@ class QwenModel(VisionLanguageModel):
         }
 
 
-
-def build_qwen2_5_vl(
-    save_dir: str | Path,
-    *,
-    words: Sequence[str],
-    image_size: int = 112,
-    patch_size: int = 14,
-    spatial_merge_size: int = 2,
-    vision_hidden_size: int = 32,
-    vision_intermediate_size: int = 64,
-    vision_layers: int = 2,
-    vision_heads: int = 2,
-    text_hidden_size: int = 64,
-    text_intermediate_size: int = 128,
-    text_layers: int = 2,
-    text_heads: int = 4,
-    text_kv_heads: int = 2,
-    mrope_section: Sequence[int] = (2, 3, 3),
-    max_position_embeddings: int = 512,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-    seed: int = 0,
-) -> Path:
-    """Save a randomly initialised ``Qwen2_5_VLForConditionalGeneration`` with its processor.
-
-    GQA (``text_kv_heads < text_heads``) and 3-D M-RoPE (``sum(mrope_section)`` must be
-    ``head_dim / 2``). By default the PIL image processor is pinned to exactly
-    ``image_size**2`` pixels (min = max), so a square image gives a
-    ``(image_size / (patch_size * spatial_merge_size))``-square token grid; with
-    ``min_pixels`` < ``max_pixels`` images keep their own size within that range (dynamic
-    resolution, rounded to ``patch_size * spatial_merge_size``). The last vision block uses
-    full attention, the others windowed attention.
-
-    Returns:
-        ``save_dir`` as a Path, loadable with ``from_pretrained``.
-    """
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-    )
-
-    from prune_audit.models.build import qwen_tokenizer
-    from prune_audit.models.tiny_qwen import (
-        qwen_text_config,
-        qwen_vision_token_ids,
-        save_tiny_qwen,
-    )
-
-    save_dir = Path(save_dir)
-    tokenizer = qwen_tokenizer(words)
-    config = Qwen2_5_VLConfig(
-        vision_config={
-            "depth": vision_layers,
-            "hidden_size": vision_hidden_size,
-            "intermediate_size": vision_intermediate_size,
-            "num_heads": vision_heads,
-            "patch_size": patch_size,
-            "spatial_merge_size": spatial_merge_size,
-            "temporal_patch_size": 2,
-            "window_size": patch_size * spatial_merge_size * 2,
-            "out_hidden_size": text_hidden_size,
-            "fullatt_block_indexes": [vision_layers - 1],
-        },
-        text_config=qwen_text_config(
-            tokenizer, hidden=text_hidden_size, intermediate=text_intermediate_size, layers=text_layers,
-            heads=text_heads, kv_heads=text_kv_heads, mrope_section=mrope_section, max_positions=max_position_embeddings
-        ),
-        **qwen_vision_token_ids(tokenizer),
-    )
-    # Qwen2_5_VLProcessor insists on a video processor, which needs torchvision; the adapter
-    # composes image processor + tokenizer itself, so those two (and the template) are saved.
-    return save_tiny_qwen(Qwen2_5_VLForConditionalGeneration, config, tokenizer, save_dir, seed=seed,
-                          patch_size=patch_size, merge_size=spatial_merge_size,
-                          min_pixels=min_pixels or image_size * image_size,
-                          max_pixels=max_pixels or image_size * image_size)
 
 __all__ = ["QwenModel", "PROMPT_TEMPLATE", "DEFAULT_SYSTEM"]

@@ -1,4 +1,4 @@
-"""The parts every tiny Qwen-VL builder shares (``qwen``, ``qwen2_vl``, ``qwen3_vl``): the
+"""The parts every tiny Qwen-VL builder shares (``build.build_qwen2_5_vl``, ``qwen2_vl``, ``qwen3_vl``): the
 decoder's ``text_config``, the vision token ids and the seeded save with a fixed-size image processor."""
 
 from __future__ import annotations
