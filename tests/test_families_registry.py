@@ -4,16 +4,22 @@ Each family builds its own tiny random-weight checkpoint offline (``build_tiny``
 each: keep-all equals the stock transformers forward (logits) and stock greedy
 generation; the decoder probe equals eager attention; dropping tokens equals the stock
 forward with them masked; every selector runs at the full budget or is refused in one
-line; ``prune-audit run`` records every supported selector, shards merge to one
+line (the class-level ``selector_support`` and ``selectors --model FAMILY`` say the same); a batch of two
+image sizes equals each prompt alone; forced kept sets and stages are honoured; the yes/no reduction and
+``describe`` hold; ``prune-audit run`` records every supported selector, shards merge to one
 process's records, a rerun resumes, ``visualize`` (one-grid families; LLaVA-NeXT's two grids are refused
 in one line) and ``intervene`` run; the token
 geometry maps every visual token to its pixels, on synthetic images and on a real COCO
-image's object masks; docs/models.md's selector table says what runs. Family-specific
-checks follow at the end (InternVL's pixel shuffle and tiling refusal, Qwen3-VL's
+image's object masks; docs/models.md's selector table says what runs. The registry itself
+(registration order, one-line refusals of other model types and bad options) is checked here too. What only
+LLaVA-1.5 or Qwen2.5-VL has is in tests/test_family_llava.py and tests/test_family_qwen2_5_vl.py; other
+family-specific checks follow at the end (InternVL's pixel shuffle and tiling refusal, Qwen3-VL's
 deepstack, the real-size image processors, LLaVA-NeXT's and LLaVA-OneVision's anyres crops).
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -28,8 +34,10 @@ from prune_audit.data.geometry import mask_area_per_token, token_footprints, tok
 from prune_audit.data.multigrid import grid_pieces
 from prune_audit.data.scenes import CATEGORIES
 from prune_audit.errors import PruneAuditError
-from prune_audit.models import family_names, load_vlm
+from prune_audit.models import families, family_names, load_vlm, register_family
 from prune_audit.models.families import adapter_for
+from prune_audit.models.llava import LlavaModel
+from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector, list_selectors
 from prune_audit.records.schema import TIMING_COLUMNS
 from tiny_models import (
@@ -69,6 +77,99 @@ def vlm(checkpoint):
 @pytest.fixture(scope="module")
 def prepared(vlm):
     return [vlm.prepare(random_image(seed, size), q) for seed, (size, q) in enumerate(zip(SIZES, QUESTIONS))]
+
+
+@pytest.mark.parametrize("name", [None, "divprune", "fastv", "e2s"])
+def test_batch_with_different_grids_equals_one_at_a_time(vlm, prepared, name):
+    """Two prompts of different image sizes in one batch (padding, per-row positions) answer as alone."""
+    selector = None if name is None else get_selector(name)
+    if name is not None and name not in vlm.supported_selectors():
+        pytest.skip(f"{name} does not run on {vlm.family}")
+    budget = None if name is None else min(item.num_visual for item in prepared) // 2
+    together, selections = vlm.prefill(prepared, selector, budget)
+    for b, item in enumerate(prepared):
+        alone, selection = vlm.prefill([item], selector, budget)
+        assert together.kept_stages[b] == alone.kept_stages[0]
+        assert together.tokens_per_layer[b] == alone.tokens_per_layer[0]
+        if selection[0] is not None:
+            assert torch.equal(selections[b].kept, selection[0].kept)
+        assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
+
+
+def test_forced_kept_sets_and_stages_are_honoured(vlm, prepared):
+    item = prepared[0]
+    n = item.num_visual
+    kept = [n - 1, 1, 5, 0]
+    [answer] = vlm.answer([item], forced_kept=[kept])
+    assert answer.kept == sorted(kept) and answer.kept_stages == [sorted(kept)]
+    assert answer.tokens_per_layer == [len(kept)] * NUM_LAYERS
+    stages = [(1, list(range(0, n, 2))), (3, [0, 4])]
+    [answer] = vlm.answer([item], forced_stages=[stages])
+    assert answer.kept_stages == [stages[0][1], stages[1][1]] and answer.stage_layers == [1, 3]
+    assert answer.tokens_per_layer == [n, len(stages[0][1]), len(stages[0][1]), 2]
+
+
+def test_yes_no_reduction_is_consistent(vlm, prepared):
+    [answer] = vlm.answer([prepared[0]])
+    probs = torch.softmax(vlm.prefill([prepared[0]])[0].logits[0].double(), dim=-1)
+    assert answer.p_yes == pytest.approx(float(probs[vlm.yes_ids].sum()))
+    assert answer.p_yes_2way == pytest.approx(answer.p_yes / (answer.p_yes + answer.p_no))
+    assert answer.logit_diff == pytest.approx(float(torch.log(probs[vlm.yes_ids].sum() / probs[vlm.no_ids].sum())))
+    assert sorted(vlm.tokenizer.convert_ids_to_tokens(vlm.yes_ids + vlm.no_ids)) == ["No", "Yes", "no", "yes"]
+
+
+def test_describe_names_what_a_manifest_needs(family, vlm):
+    description = vlm.describe()
+    assert description["family"] == family and description["attn_implementation"] == "sdpa"
+    assert description["dtype"] == "float32" and description["device"] == "cpu"
+    assert description["num_layers"] == NUM_LAYERS and len(description["model"]["config_hash"]) == 16
+    assert description["processor"]["mode"]
+
+
+# ----- the registry itself -------------------------------------------------------------------------------
+
+
+def test_registered_families_in_registration_order():
+    assert family_names() == ["llava", "qwen2_5_vl", "qwen2_vl", "internvl", "qwen3_vl", "llava_next", "llava_onevision"]
+    assert families.adapter_for("llava", "x") is LlavaModel
+    assert families.adapter_for("qwen2_5_vl", "x") is QwenModel
+
+
+def test_an_unregistered_model_type_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(PruneAuditError) as error:
+        load_vlm(tmp_path, device="cpu")
+    assert str(error.value) == f"{tmp_path} is a 'bert' model; supported families: llava, qwen2_5_vl, qwen2_vl, internvl, qwen3_vl, llava_next, llava_onevision"
+
+
+def test_a_model_type_cannot_be_served_by_two_adapters():
+    register_family("llava", LlavaModel)  # the same registration again is harmless
+    with pytest.raises(ValueError, match="already served by LlavaModel"):
+        register_family("llava", QwenModel)
+
+
+def test_load_vlm_uses_the_registered_adapter(tmp_path, monkeypatch):
+    class CustomLlava(LlavaModel):
+        pass
+
+    path = LlavaModel.build_tiny(tmp_path / "llava", words=WORDS, text_layers=2, seed=1)
+    monkeypatch.setitem(families._ADAPTERS, "llava", CustomLlava)
+    assert type(load_vlm(path, device="cpu")) is CustomLlava
+
+
+@pytest.mark.parametrize(
+    ("adapter", "template", "clip_text", "message"),
+    [
+        (LlavaModel, "chatml", None, "unknown LLaVA prompt template 'chatml'; choose llava_hf or vicuna_v1"),
+        (QwenModel, "vicuna_v1", None, "unknown Qwen2.5-VL prompt template 'vicuna_v1'; choose qwen2_5_vl"),
+        (QwenModel, None, "clip", "clip_text applies to LLaVA's CLIP vision tower; Qwen2.5-VL has no CLIP space"),
+    ],
+)
+def test_options_are_checked_by_the_adapter_class(adapter, template, clip_text, message):
+    with pytest.raises(PruneAuditError) as error:
+        adapter.resolve_template(template)
+        adapter.check_clip_text(clip_text)
+    assert str(error.value) == message
 
 
 def test_every_family_declares_its_parts():
@@ -201,7 +302,9 @@ def test_run_records_every_supported_selector_and_refuses_the_rest(vlm, prepared
 def test_internvl_pixel_shuffle_puts_each_2x2_patch_block_in_one_row_major_token():
     """The geometry's claim (token (r, c) covers patches 2r..2r+1 x 2c..2c+1), checked on the stock
     ``pixel_shuffle`` the adapter calls, with patch coordinates as features."""
-    from transformers.models.internvl.modeling_internvl import InternVLModel as StockInternVL
+    from transformers.models.internvl.modeling_internvl import (
+        InternVLModel as StockInternVL,
+    )
 
     side = 6
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
@@ -347,7 +450,12 @@ def test_real_size_processors_put_every_pixel_on_its_predicted_token(name, size)
     through the bicubic processor shows, away from token borders (3 px: bicubic support), the token the
     geometry predicts at every processed pixel (tests/test_geometry.py checks LLaVA and Qwen2.5-VL so)."""
     import transformers
-    from test_geometry import IMAGE_BLUE, _expected_tokens, _processed_pixels, _token_id_image
+    from test_geometry import (
+        IMAGE_BLUE,
+        _expected_tokens,
+        _processed_pixels,
+        _token_id_image,
+    )
 
     processor = REAL_PROCESSORS[name](transformers)
     geometry = real_geometry(name, processor, size)
@@ -496,7 +604,11 @@ def test_multi_grid_geometries_survive_the_records_json():
     """A record's ``geometry`` column (JSON of ``to_dict``) reads back to the same geometry (``visualize --run``)."""
     import json
 
-    from prune_audit.data.multigrid import anyres_geometry, geometry_from_dict, onevision_geometry
+    from prune_audit.data.multigrid import (
+        anyres_geometry,
+        geometry_from_dict,
+        onevision_geometry,
+    )
 
     for geometry in (anyres_geometry((640, 480), pinpoints=LLAVA_NEXT_PINPOINTS),
                      onevision_geometry((2000, 1500), pinpoints=[[384, 768], [768, 768], [1152, 1152]])):
