@@ -150,7 +150,8 @@ class VisionLanguageModel(AnswerModes, ABC):
         """The full prompt text (template, system text) with one image placeholder and ``question``."""
 
     # ----- direct forwards: the demo trainer and evaluator (``demo/``) ---------------
-    # Only the families the demo recipes train (llava, qwen2_5_vl) implement them; the rest refuse in one line.
+    # The families the demo recipes train (llava, qwen2_5_vl) implement them (their subclasses inherit them,
+    # unchecked); the others refuse in one line.
     @property
     def vision_state_width(self) -> int:
         """Width of the pooled and per-token states :meth:`vision_states` returns."""
