@@ -375,6 +375,12 @@ def test_selectors_command_says_what_runs_on_a_family_without_loading_it(family_
         assert f"on {family_name}: " + ("runs" if refusal is None else f"refused: {refusal}") in " ".join(text.split())
 
 
+def test_selectors_command_names_the_families_when_model_is_neither_a_folder_nor_a_family(tmp_path):
+    result = runner.invoke(app, ["selectors", "--model", str(tmp_path / "nosuch")])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "name a model family: " + ", ".join(family_names()) in result.stderr
+
+
 def test_qwen3_vl_keep_all_needs_its_deepstack_features(tmp_path):
     """The stock-forward equality above is sensitive to deepstack: without it the logits move."""
     path = adapter_for("qwen3_vl", "test").build_tiny(tmp_path / "qwen3", words=WORDS, text_layers=NUM_LAYERS)

@@ -66,13 +66,19 @@ def _model_target(model: str | None) -> tuple[str, int | None, type[VisionLangua
 
     from prune_audit.demo import DEMO_MODELS
     from prune_audit.demo.assets import is_demo_name
+    from prune_audit.errors import PruneAuditError
     from prune_audit.models.families import adapter_for, family_names
     from prune_audit.models.loading import checkpoint_family
 
     name = model or "demo"
     if name in family_names() and not Path(name).exists():
         return name, None, adapter_for(name, name)
-    adapter, depth = checkpoint_family(DEMO_MODELS[name] if is_demo_name(name) else name)
+    try:
+        adapter, depth = checkpoint_family(DEMO_MODELS[name] if is_demo_name(name) else name)
+    except PruneAuditError as error:
+        if Path(name).exists():
+            raise
+        raise PruneAuditError(f"{error}, or name a model family: {', '.join(family_names())}") from None
     return name, depth, adapter
 
 
