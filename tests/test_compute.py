@@ -157,8 +157,8 @@ def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):
     """``signal_sources`` against spies on every probe: the outermost probe calls of each answer (a probe
     another one calls, such as the keys inside attention rows or the rows inside coverage's demand, is
     part of the outer one)."""
-    import prune_audit.models.base as base
     import prune_audit.models.llava as llava
+    import prune_audit.models.prefill_assembly as assembly
     from prune_audit.compute.cost import SIGNAL_SOURCES
     from prune_audit.models.probe import DecoderProbe
 
@@ -178,7 +178,7 @@ def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):
 
     monkeypatch.setattr(llava, "clip_cls_row", spy(llava.clip_cls_row, "vision_cls_row"))
     monkeypatch.setattr(llava, "clip_logits", spy(llava.clip_logits, "vision_layer_attention"))
-    monkeypatch.setattr(base, "text_demand", spy(base.text_demand, "decoder_demand_rows"))
+    monkeypatch.setattr(assembly, "text_demand", spy(assembly.text_demand, "decoder_demand_rows"))
     for method, probe in (("probabilities", "decoder_attention_rows"), ("keys", "decoder_key_norms"),
                           ("rope_ones_logits", "decoder_rope_logits")):  # fmt: skip
         monkeypatch.setattr(DecoderProbe, method, spy(getattr(DecoderProbe, method), probe))
