@@ -18,7 +18,7 @@ prefill, yes/no reduction) timed with the records' timer (``models.timing``: CUD
 GPU, ``perf_counter`` on CPU), warm-up excluded, the median of ``--repeats`` runs; throughput = batch / latency; peak memory
 ``torch.cuda.max_memory_allocated`` over the timed runs, also less what was allocated
 before them (weights, inputs), each with its ratio to dense (CPU: not measured); and the
-selector's own time (its signals and its selection: ``_select`` for input-level, the
+selector's own time (its signals and its selection: ``select_input`` for input-level, the
 per-stage signal and prune step for in-LLM selectors), from one extra run in which
 those steps are synchronised and timed. Each row also breaks a question down as the records
 do (docs/compute.md): the medians of the vision / selection / prefill parts of ``answer()``
@@ -47,7 +47,10 @@ import torch
 from PIL import Image
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.models.build import build_clip, build_llava, build_qwen2_5_vl
+from prune_audit.models import base as model_base
+from prune_audit.models.build import build_clip
+from prune_audit.models.llava import LlavaModel
+from prune_audit.models.qwen import QwenModel
 from prune_audit.models.timing import timed_ms
 from prune_audit.pruners import get_selector, list_selectors
 
@@ -59,7 +62,7 @@ SHAPES = {
     "llava": {
         "title": "LLaVA-1.5-7B shape",
         "image": 336,
-        "build": lambda folder, image: build_llava(folder, words=WORDS, image_size=image, patch_size=14),
+        "build": lambda folder, image: LlavaModel.build_tiny(folder, words=WORDS, image_size=image, patch_size=14),
         "vision": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
                    "num_attention_heads": 16},
         "text": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -70,7 +73,7 @@ SHAPES = {
     "qwen": {
         "title": "Qwen2.5-VL-7B shape",
         "image": 672,
-        "build": lambda folder, image: build_qwen2_5_vl(folder, words=WORDS, image_size=image),
+        "build": lambda folder, image: QwenModel.build_tiny(folder, words=WORDS, image_size=image),
         "vision": {"hidden_size": 1280, "intermediate_size": 3420, "depth": 32, "num_heads": 16,
                    "out_hidden_size": 3584, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
         "text": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -150,7 +153,7 @@ def random_vlm(family: str, sizes: dict, folder: Path, device: torch.device, dty
 
 @contextlib.contextmanager
 def selector_timer(vlm, device: torch.device) -> Iterator[list[float]]:
-    """Collects the milliseconds of every input-level ``_select`` and in-LLM stage step while active."""
+    """Collects the milliseconds of every input-level ``select_input`` and in-LLM stage step while active."""
     spent: list[float] = []
 
     def timed(method):
@@ -160,11 +163,13 @@ def selector_timer(vlm, device: torch.device) -> Iterator[list[float]]:
             return result[0]
         return wrapper
 
-    vlm._select, vlm.loop._stage_columns = timed(vlm._select), timed(vlm.loop._stage_columns)
+    select_input = model_base.select_input  # the prefill calls it by this module-level name
+    model_base.select_input, vlm.loop._stage_columns = timed(select_input), timed(vlm.loop._stage_columns)
     try:
         yield spent
     finally:
-        del vlm._select, vlm.loop._stage_columns
+        model_base.select_input = select_input
+        del vlm.loop._stage_columns
 
 
 def measure(vlm, prepared, selector, budget, batch: int, repeats: int, device: torch.device) -> dict:

@@ -49,7 +49,8 @@ from PIL import Image
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.models import load_vlm
-from prune_audit.models.build import build_clip, build_llava
+from prune_audit.models.build import build_clip
+from prune_audit.models.llava import LlavaModel
 from prune_audit.pruners import get_selector, list_selectors
 
 from benchmarks.selectors import read_memory_kib, reset_peak_rss
@@ -127,7 +128,7 @@ def paired_runs(vlm, prepared, selector, budget, repeats: int, dense_times: list
 
 def build_benchmark_model(folder: Path, sizes: dict[str, int]) -> None:
     """Save the random LLaVA-shaped model (``folder/llava``) and a CLIP text tower for CDPruner (``folder/clip``)."""
-    build_llava(folder / "llava", words=WORDS, image_size=336, patch_size=14, **sizes)
+    LlavaModel.build_tiny(folder / "llava", words=WORDS, image_size=336, patch_size=14, **sizes)
     build_clip(folder / "clip", words=WORDS, vision_hidden_size=sizes["vision_hidden_size"], image_size=336,
                context_length=77)
 

@@ -31,7 +31,7 @@ def workspace(tmp_path_factory) -> dict[str, Path]:
     from prune_audit.data.coco import CocoInstances
     from prune_audit.data.pope_build import build_pope, write_pope_files
     from prune_audit.data.scenes import CATEGORIES, export_coco
-    from prune_audit.models.build import build_llava
+    from prune_audit.models.llava import LlavaModel
 
     root = tmp_path_factory.mktemp("run")
     coco_dir = root / "scenes"
@@ -39,7 +39,7 @@ def workspace(tmp_path_factory) -> dict[str, Path]:
     questions = build_pope(CocoInstances.load(instances), sample_images=None, seed=0)
     pope_files = write_pope_files(questions, root / "pope", prefix="scenes")
     words = ["Is", "there", "a", "an", "in", "the", "image", *CATEGORIES]
-    model = build_llava(root / "model", words=words, image_size=56, patch_size=14, text_layers=4, seed=0)
+    model = LlavaModel.build_tiny(root / "model", words=words, image_size=56, patch_size=14, text_layers=4, seed=0)
     return {
         "root": root,
         "model": model,

@@ -81,12 +81,14 @@ def counted(vlm, item, selector, budget):
 def models(tmp_path_factory):
     """The two bundled demos and tiny LLaVA (with a CLIP text tower) / Qwen2.5-VL checkpoints, eager."""
     from prune_audit.models import load_vlm
-    from prune_audit.models.build import build_clip, build_llava, build_qwen2_5_vl
+    from prune_audit.models.build import build_clip
+    from prune_audit.models.llava import LlavaModel
+    from prune_audit.models.qwen import QwenModel
 
     root = tmp_path_factory.mktemp("compute")
-    llava = build_llava(root / "llava", words=WORDS, text_layers=4, text_kv_heads=2, seed=3)
+    llava = LlavaModel.build_tiny(root / "llava", words=WORDS, text_layers=4, text_kv_heads=2, seed=3)
     clip = build_clip(root / "clip", words=WORDS, vision_hidden_size=64)
-    qwen = build_qwen2_5_vl(root / "qwen", words=WORDS, text_layers=4, seed=3)
+    qwen = QwenModel.build_tiny(root / "qwen", words=WORDS, text_layers=4, seed=3)
     return {
         "demo": eager(load_demo(DEMO_MODELS["demo"])),
         "demo-qwen": eager(load_demo(DEMO_MODELS["demo-qwen"])),
@@ -155,8 +157,8 @@ def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):
     """``signal_sources`` against spies on every probe: the outermost probe calls of each answer (a probe
     another one calls, such as the keys inside attention rows or the rows inside coverage's demand, is
     part of the outer one)."""
-    import prune_audit.models.base as base
     import prune_audit.models.llava as llava
+    import prune_audit.models.prefill_assembly as assembly
     from prune_audit.compute.cost import SIGNAL_SOURCES
     from prune_audit.models.probe import DecoderProbe
 
@@ -176,7 +178,7 @@ def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):
 
     monkeypatch.setattr(llava, "clip_cls_row", spy(llava.clip_cls_row, "vision_cls_row"))
     monkeypatch.setattr(llava, "clip_logits", spy(llava.clip_logits, "vision_layer_attention"))
-    monkeypatch.setattr(base, "text_demand", spy(base.text_demand, "decoder_demand_rows"))
+    monkeypatch.setattr(assembly, "text_demand", spy(assembly.text_demand, "decoder_demand_rows"))
     for method, probe in (("probabilities", "decoder_attention_rows"), ("keys", "decoder_key_norms"),
                           ("rope_ones_logits", "decoder_rope_logits")):  # fmt: skip
         monkeypatch.setattr(DecoderProbe, method, spy(getattr(DecoderProbe, method), probe))

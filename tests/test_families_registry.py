@@ -4,16 +4,22 @@ Each family builds its own tiny random-weight checkpoint offline (``build_tiny``
 each: keep-all equals the stock transformers forward (logits) and stock greedy
 generation; the decoder probe equals eager attention; dropping tokens equals the stock
 forward with them masked; every selector runs at the full budget or is refused in one
-line; ``prune-audit run`` records every supported selector, shards merge to one
+line (the class-level ``selector_support`` and ``selectors --model FAMILY`` say the same); a batch of two
+image sizes equals each prompt alone; forced kept sets and stages are honoured; the yes/no reduction and
+``describe`` hold; ``prune-audit run`` records every supported selector, shards merge to one
 process's records, a rerun resumes, ``visualize`` (live and ``--run``; one picture per token grid on
 LLaVA-NeXT and LLaVA-OneVision) and ``intervene`` run; the token
 geometry maps every visual token to its pixels, on synthetic images and on a real COCO
-image's object masks; docs/models.md's selector table says what runs. Family-specific
-checks follow at the end (InternVL's pixel shuffle and tiling refusal, Qwen3-VL's
+image's object masks; docs/models.md's selector table says what runs. The registry itself
+(registration order, one-line refusals of other model types and bad options) is checked here too. What only
+LLaVA-1.5 or Qwen2.5-VL has is in tests/test_family_llava.py and tests/test_family_qwen2_5_vl.py; other
+family-specific checks follow at the end (InternVL's pixel shuffle and tiling refusal, Qwen3-VL's
 deepstack, the real-size image processors, LLaVA-NeXT's and LLaVA-OneVision's anyres crops).
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -28,8 +34,10 @@ from prune_audit.data.geometry import mask_area_per_token, token_footprints, tok
 from prune_audit.data.multigrid import grid_pieces
 from prune_audit.data.scenes import CATEGORIES
 from prune_audit.errors import PruneAuditError
-from prune_audit.models import family_names, load_vlm
+from prune_audit.models import families, family_names, load_vlm, register_family
 from prune_audit.models.families import adapter_for
+from prune_audit.models.llava import LlavaModel
+from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector, list_selectors
 from prune_audit.records.schema import TIMING_COLUMNS
 from tiny_models import (
@@ -69,6 +77,99 @@ def vlm(checkpoint):
 @pytest.fixture(scope="module")
 def prepared(vlm):
     return [vlm.prepare(random_image(seed, size), q) for seed, (size, q) in enumerate(zip(SIZES, QUESTIONS))]
+
+
+@pytest.mark.parametrize("name", [None, "divprune", "fastv", "e2s"])
+def test_batch_with_different_grids_equals_one_at_a_time(vlm, prepared, name):
+    """Two prompts of different image sizes in one batch (padding, per-row positions) answer as alone."""
+    selector = None if name is None else get_selector(name)
+    if name is not None and name not in vlm.supported_selectors():
+        pytest.skip(f"{name} does not run on {vlm.family}")
+    budget = None if name is None else min(item.num_visual for item in prepared) // 2
+    together, selections = vlm.prefill(prepared, selector, budget)
+    for b, item in enumerate(prepared):
+        alone, selection = vlm.prefill([item], selector, budget)
+        assert together.kept_stages[b] == alone.kept_stages[0]
+        assert together.tokens_per_layer[b] == alone.tokens_per_layer[0]
+        if selection[0] is not None:
+            assert torch.equal(selections[b].kept, selection[0].kept)
+        assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
+
+
+def test_forced_kept_sets_and_stages_are_honoured(vlm, prepared):
+    item = prepared[0]
+    n = item.num_visual
+    kept = [n - 1, 1, 5, 0]
+    [answer] = vlm.answer([item], forced_kept=[kept])
+    assert answer.kept == sorted(kept) and answer.kept_stages == [sorted(kept)]
+    assert answer.tokens_per_layer == [len(kept)] * NUM_LAYERS
+    stages = [(1, list(range(0, n, 2))), (3, [0, 4])]
+    [answer] = vlm.answer([item], forced_stages=[stages])
+    assert answer.kept_stages == [stages[0][1], stages[1][1]] and answer.stage_layers == [1, 3]
+    assert answer.tokens_per_layer == [n, len(stages[0][1]), len(stages[0][1]), 2]
+
+
+def test_yes_no_reduction_is_consistent(vlm, prepared):
+    [answer] = vlm.answer([prepared[0]])
+    probs = torch.softmax(vlm.prefill([prepared[0]])[0].logits[0].double(), dim=-1)
+    assert answer.p_yes == pytest.approx(float(probs[vlm.yes_ids].sum()))
+    assert answer.p_yes_2way == pytest.approx(answer.p_yes / (answer.p_yes + answer.p_no))
+    assert answer.logit_diff == pytest.approx(float(torch.log(probs[vlm.yes_ids].sum() / probs[vlm.no_ids].sum())))
+    assert sorted(vlm.tokenizer.convert_ids_to_tokens(vlm.yes_ids + vlm.no_ids)) == ["No", "Yes", "no", "yes"]
+
+
+def test_describe_names_what_a_manifest_needs(family, vlm):
+    description = vlm.describe()
+    assert description["family"] == family and description["attn_implementation"] == "sdpa"
+    assert description["dtype"] == "float32" and description["device"] == "cpu"
+    assert description["num_layers"] == NUM_LAYERS and len(description["model"]["config_hash"]) == 16
+    assert description["processor"]["mode"]
+
+
+# ----- the registry itself -------------------------------------------------------------------------------
+
+
+def test_registered_families_in_registration_order():
+    assert family_names() == ["llava", "qwen2_5_vl", "qwen2_vl", "internvl", "qwen3_vl", "llava_next", "llava_onevision"]
+    assert families.adapter_for("llava", "x") is LlavaModel
+    assert families.adapter_for("qwen2_5_vl", "x") is QwenModel
+
+
+def test_an_unregistered_model_type_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(PruneAuditError) as error:
+        load_vlm(tmp_path, device="cpu")
+    assert str(error.value) == f"{tmp_path} is a 'bert' model; supported families: llava, qwen2_5_vl, qwen2_vl, internvl, qwen3_vl, llava_next, llava_onevision"
+
+
+def test_a_model_type_cannot_be_served_by_two_adapters():
+    register_family("llava", LlavaModel)  # the same registration again is harmless
+    with pytest.raises(ValueError, match="already served by LlavaModel"):
+        register_family("llava", QwenModel)
+
+
+def test_load_vlm_uses_the_registered_adapter(tmp_path, monkeypatch):
+    class CustomLlava(LlavaModel):
+        pass
+
+    path = LlavaModel.build_tiny(tmp_path / "llava", words=WORDS, text_layers=2, seed=1)
+    monkeypatch.setitem(families._ADAPTERS, "llava", CustomLlava)
+    assert type(load_vlm(path, device="cpu")) is CustomLlava
+
+
+@pytest.mark.parametrize(
+    ("adapter", "template", "clip_text", "message"),
+    [
+        (LlavaModel, "chatml", None, "unknown LLaVA prompt template 'chatml'; choose llava_hf or vicuna_v1"),
+        (QwenModel, "vicuna_v1", None, "unknown Qwen2.5-VL prompt template 'vicuna_v1'; choose qwen2_5_vl"),
+        (QwenModel, None, "clip", "clip_text applies to LLaVA's CLIP vision tower; Qwen2.5-VL has no CLIP space"),
+    ],
+)
+def test_options_are_checked_by_the_adapter_class(adapter, template, clip_text, message):
+    with pytest.raises(PruneAuditError) as error:
+        adapter.resolve_template(template)
+        adapter.check_clip_text(clip_text)
+    assert str(error.value) == message
 
 
 def test_every_family_declares_its_parts():
@@ -201,7 +302,9 @@ def test_run_records_every_supported_selector_and_refuses_the_rest(vlm, prepared
 def test_internvl_pixel_shuffle_puts_each_2x2_patch_block_in_one_row_major_token():
     """The geometry's claim (token (r, c) covers patches 2r..2r+1 x 2c..2c+1), checked on the stock
     ``pixel_shuffle`` the adapter calls, with patch coordinates as features."""
-    from transformers.models.internvl.modeling_internvl import InternVLModel as StockInternVL
+    from transformers.models.internvl.modeling_internvl import (
+        InternVLModel as StockInternVL,
+    )
 
     side = 6
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
@@ -225,9 +328,23 @@ def test_internvl_dynamic_tiling_is_refused_in_one_line_before_answering(tmp_pat
     assert "\n" not in str(error.value)
 
 
-def test_docs_table_lists_what_runs_on_each_family(family, vlm):
-    """docs/models.md's families x selectors table says what ``supported_selectors`` says."""
+def test_class_declarations_say_what_the_loaded_model_runs(family, vlm):
+    """``selector_support`` (class-level, no checkpoint) agrees with the loaded model's ``supported_selectors``."""
+    support = type(vlm).selector_support()
+    assert [name for name, refusal in support.items() if refusal is None] == vlm.supported_selectors()
+    for name, refusal in support.items():
+        if refusal is not None:
+            with pytest.raises(PruneAuditError) as error:
+                vlm.check_selector(get_selector(name))
+            assert refusal in str(error.value) and "\n" not in refusal
+
+
+def test_docs_table_lists_what_runs_on_each_family(family):
+    """docs/models.md's families x selectors table says what the class-level ``selector_support`` says."""
     from pathlib import Path
+
+    from prune_audit.models.base import ON_REQUEST_SIGNALS
+    from prune_audit.pruners import selector_class
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
     table = text.split("## Selectors per family", 1)[1].split("\n## ", 1)[0]
@@ -236,23 +353,35 @@ def test_docs_table_lists_what_runs_on_each_family(family, vlm):
     column = header.index(family)  # a registered family without a column fails here
     cells = {cell[0].strip(): cell[column].strip() for cell in lines[1:] if not set(cell[0]) <= {"-"}}
     assert sorted(cells) == list_selectors()
-    needs_clip = {"cdpruner"} if "text_relevance" in vlm.input_signals else set()
-
-    def per_crop(name: str) -> bool:  # refused at the default scope, runs with budget_scope=crop
-        from prune_audit.pruners.base import InputSelector
-        from prune_audit.pruners.registry import selector_from_strings
-
-        if not vlm.several_crops or not isinstance(get_selector(name), InputSelector):
-            return False
-        try:
-            vlm.check_selector(selector_from_strings(name, ["budget_scope=crop"]))
-        except PruneAuditError:
-            return False
-        return True
-
-    expected = {name: "yes" if name in vlm.supported_selectors() else "with --clip-text" if name in needs_clip
-                else "with budget_scope=crop" if per_crop(name) else "no" for name in list_selectors()}
+    adapter = adapter_for(family, "test")
+    available = adapter.input_signals - ON_REQUEST_SIGNALS
+    with_clip = {name for name in list_selectors() if adapter.refusal(selector_class(name), adapter.input_signals) is None}
+    expected = {name: "yes" if refusal is None else "with --clip-text" if name in with_clip
+                else "with budget_scope=crop" if adapter.runs_per_crop(selector_class(name), available) else "no"
+                for name, refusal in adapter.selector_support().items()}
     assert cells == expected
+
+
+@pytest.mark.parametrize("family_name", family_names())
+def test_selectors_command_says_what_runs_on_a_family_without_loading_it(family_name):
+    """`selectors --model FAMILY` lists, from the class declarations, what runs and each refusal's reason."""
+    import json
+
+    result = runner.invoke(app, ["selectors", "--model", family_name, "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    support = adapter_for(family_name, "test").selector_support()
+    assert {name: row["refusal"] for name, row in rows.items()} == support
+    assert all(row["runs"] == (row["refusal"] is None) and row["family"] == family_name for row in rows.values())
+    text = runner.invoke(app, ["selectors", "--model", family_name], terminal_width=200).stdout
+    for name, refusal in support.items():
+        assert f"on {family_name}: " + ("runs" if refusal is None else f"refused: {refusal}") in " ".join(text.split())
+
+
+def test_selectors_command_names_the_families_when_model_is_neither_a_folder_nor_a_family(tmp_path):
+    result = runner.invoke(app, ["selectors", "--model", str(tmp_path / "nosuch")])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "name a model family: " + ", ".join(family_names()) in result.stderr
 
 
 def test_qwen3_vl_keep_all_needs_its_deepstack_features(tmp_path):
@@ -328,7 +457,12 @@ def test_real_size_processors_put_every_pixel_on_its_predicted_token(name, size)
     through the bicubic processor shows, away from token borders (3 px: bicubic support), the token the
     geometry predicts at every processed pixel (tests/test_geometry.py checks LLaVA and Qwen2.5-VL so)."""
     import transformers
-    from test_geometry import IMAGE_BLUE, _expected_tokens, _processed_pixels, _token_id_image
+    from test_geometry import (
+        IMAGE_BLUE,
+        _expected_tokens,
+        _processed_pixels,
+        _token_id_image,
+    )
 
     processor = REAL_PROCESSORS[name](transformers)
     geometry = real_geometry(name, processor, size)
@@ -477,7 +611,11 @@ def test_multi_grid_geometries_survive_the_records_json():
     """A record's ``geometry`` column (JSON of ``to_dict``) reads back to the same geometry (``visualize --run``)."""
     import json
 
-    from prune_audit.data.multigrid import anyres_geometry, geometry_from_dict, onevision_geometry
+    from prune_audit.data.multigrid import (
+        anyres_geometry,
+        geometry_from_dict,
+        onevision_geometry,
+    )
 
     for geometry in (anyres_geometry((640, 480), pinpoints=LLAVA_NEXT_PINPOINTS),
                      onevision_geometry((2000, 1500), pinpoints=[[384, 768], [768, 768], [1152, 1152]])):

@@ -237,11 +237,12 @@ def test_model_dtype_scores_rank_the_rounded_probabilities():
 @pytest.fixture(scope="module")
 def tiny_llava_paths(tmp_path_factory):
     """A tiny LLaVA and its CLIP text tower, built once per module."""
-    from prune_audit.models.build import build_clip, build_llava
+    from prune_audit.models.build import build_clip
+    from prune_audit.models.llava import LlavaModel
     from tiny_models import WORDS
 
     root = tmp_path_factory.mktemp("fidelity")
-    llava = build_llava(root / "llava", words=WORDS, text_layers=4, seed=3)
+    llava = LlavaModel.build_tiny(root / "llava", words=WORDS, text_layers=4, seed=3)
     return llava, build_clip(root / "clip", words=WORDS, vision_hidden_size=64)
 
 

@@ -348,10 +348,10 @@ def test_sparsevlm_model_dtype_reproduces_the_official_half_precision_scores(dty
 
 @pytest.fixture(scope="module")
 def tiny_llava_path(tmp_path_factory):
-    from prune_audit.models.build import build_llava
+    from prune_audit.models.llava import LlavaModel
     from tiny_models import WORDS
 
-    return build_llava(tmp_path_factory.mktemp("fidelity_half") / "llava", words=WORDS, text_layers=2, seed=3)
+    return LlavaModel.build_tiny(tmp_path_factory.mktemp("fidelity_half") / "llava", words=WORDS, text_layers=2, seed=3)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)

@@ -13,10 +13,10 @@ from prune_audit.pruners import get_selector
 
 @pytest.fixture(scope="module")
 def tiny_llava_path(tmp_path_factory):
-    from prune_audit.models.build import build_llava
+    from prune_audit.models.llava import LlavaModel
     from tiny_models import WORDS
 
-    return build_llava(tmp_path_factory.mktemp("half-adapter") / "llava", words=WORDS, text_layers=4, seed=3)
+    return LlavaModel.build_tiny(tmp_path_factory.mktemp("half-adapter") / "llava", words=WORDS, text_layers=4, seed=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

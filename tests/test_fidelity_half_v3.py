@@ -358,7 +358,7 @@ def test_the_adapter_forms_the_rope_logits_in_the_model_dtype_under_score_dtype_
     from dataclasses import dataclass
 
     from prune_audit.models import load_vlm
-    from prune_audit.models.build import build_llava
+    from prune_audit.models.llava import LlavaModel
     from tiny_models import QUESTIONS, WORDS, RecordingLayerSelector, random_image
 
     @dataclass
@@ -366,7 +366,7 @@ def test_the_adapter_forms_the_rope_logits_in_the_model_dtype_under_score_dtype_
         requires = frozenset({"text_probs", "rope_ones_logits"})
         score_dtype: str = "float32"
 
-    vlm = load_vlm(build_llava(tmp_path / "llava", words=WORDS, text_layers=2), device="cpu", dtype=torch.float16)
+    vlm = load_vlm(LlavaModel.build_tiny(tmp_path / "llava", words=WORDS, text_layers=2), device="cpu", dtype=torch.float16)
     item = vlm.prepare(random_image(0), QUESTIONS[1])
     recorded = {}
     for score_dtype in ("float32", "model"):

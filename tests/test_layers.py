@@ -78,3 +78,32 @@ def test_runner_annotations_name_real_types():
                 if "Any" in text:
                     loose.append(f"{path.relative_to(PACKAGE)}:{annotation.lineno} {ast.unparse(annotation)}")
     assert not loose, loose
+
+
+def test_models_import_graph_has_no_cycle():
+    """No import cycle among ``prune_audit.models`` modules (lazy imports count; ``TYPE_CHECKING`` ones do not:
+    they never run)."""
+    import graphlib
+
+    models = PACKAGE / "models"
+    graph = {}
+    for path in sorted(models.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):  # drop ``if TYPE_CHECKING:`` bodies before reading the imports
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+                node.body = []
+        own = f"prune_audit.models.{path.stem}"
+        graph[own] = {name for name in _imports_in(tree, own) if name.startswith("prune_audit.models.")} - {own}
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
+
+
+def _imports_in(tree: ast.AST, module: str) -> set[str]:
+    """Absolute ``prune_audit`` module names imported in ``tree`` (``from x import y`` also as ``x.y``, which
+    may be a module)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if (PACKAGE.parent / (name.replace(".", "/") + ".py")).is_file()}

@@ -155,10 +155,10 @@ def demo_run(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     from prune_audit.data.scenes import CATEGORIES
-    from prune_audit.models.build import build_llava
+    from prune_audit.models.llava import LlavaModel
 
     words = ["Is", "there", "a", "an", "in", "the", "image", "yes", "no", "Describe", "this", *CATEGORIES]
-    return build_llava(tmp_path_factory.mktemp("tiny") / "model", words=words, image_size=56, patch_size=14,
+    return LlavaModel.build_tiny(tmp_path_factory.mktemp("tiny") / "model", words=words, image_size=56, patch_size=14,
                        text_layers=4, seed=0)
 
 

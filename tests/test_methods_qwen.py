@@ -20,7 +20,7 @@ from prune_audit.cli.main import app
 from prune_audit.demo.assets import DEMO_MODELS
 from prune_audit.demo.evaluate import load_demo
 from prune_audit.models import load_vlm
-from prune_audit.models.build import build_qwen2_5_vl
+from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector
 from prune_audit.pruners.base import Stage
 from prune_audit.pruners.signals import InputSignals, LayerSignals
@@ -33,7 +33,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    tiny = build_qwen2_5_vl(tmp_path_factory.mktemp("qwenm") / "qwen", words=WORDS, image_size=168, seed=4)
+    tiny = QwenModel.build_tiny(tmp_path_factory.mktemp("qwenm") / "qwen", words=WORDS, image_size=168, seed=4)
     return {"tiny": load_vlm(tiny, device="cpu"), "demo-qwen": load_demo(DEMO_MODELS["demo-qwen"])}
 
 

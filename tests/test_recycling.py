@@ -21,7 +21,8 @@ from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.data.retention import object_area, retention
 from prune_audit.models import load_vlm
-from prune_audit.models.build import build_llava, build_qwen2_5_vl
+from prune_audit.models.llava import LlavaModel
+from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector
 from prune_audit.pruners.base import LayerSelector, Reference, Stage, TokenMerge
 from prune_audit.pruners.signals import LayerSignals
@@ -214,14 +215,14 @@ class ReinsertingSelector(LayerSelector):
 
 @pytest.fixture(scope="module")
 def tiny_llava(tmp_path_factory):
-    path = build_llava(tmp_path_factory.mktemp("recycle") / "llava", words=WORDS, text_layers=4, seed=1)
+    path = LlavaModel.build_tiny(tmp_path_factory.mktemp("recycle") / "llava", words=WORDS, text_layers=4, seed=1)
     vlm = load_vlm(path, device="cpu")
     return vlm, [vlm.prepare(random_image(seed), question) for seed, question in enumerate(QUESTIONS)]
 
 
 @pytest.fixture(scope="module")
 def tiny_qwen(tmp_path_factory):
-    path = build_qwen2_5_vl(tmp_path_factory.mktemp("recycle") / "qwen", words=WORDS, image_size=168, text_layers=4,
+    path = QwenModel.build_tiny(tmp_path_factory.mktemp("recycle") / "qwen", words=WORDS, image_size=168, text_layers=4,
                             seed=2)
     vlm = load_vlm(path, device="cpu")
     sizes = [(130, 100), (120, 120)]

@@ -285,10 +285,10 @@ def test_gqa_image_ids_are_stable_int64():
 def letters_model(workspace, tmp_path_factory) -> Path:
     """A tiny LLaVA whose vocabulary spells the option letters A-D as single tokens."""
     from prune_audit.data.scenes import CATEGORIES
-    from prune_audit.models.build import build_llava
+    from prune_audit.models.llava import LlavaModel
 
     words = ["Is", "there", "in", "the", "image", "Which", "shape", "A", "B", "C", "D", *CATEGORIES]
-    return build_llava(tmp_path_factory.mktemp("letters") / "model", words=words, image_size=56, patch_size=14,
+    return LlavaModel.build_tiny(tmp_path_factory.mktemp("letters") / "model", words=words, image_size=56, patch_size=14,
                        text_layers=2, seed=1)
 
 

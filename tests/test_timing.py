@@ -87,15 +87,15 @@ def test_answer_latency_parts_are_bounded_by_cuda_events(demo, timeline, monkeyp
     # the last step of each part: the tower, the selection (input-level) or the stage plan (in-LLM),
     # the decoder loop, and the reduction (greedy decoding under Greedy)
     monkeypatch.setattr(demo, "_vision", advancing(demo._vision, "vision"), raising=False)
-    monkeypatch.setattr(demo, "_layer_plan", advancing(demo._layer_plan, "selection"), raising=False)
-    monkeypatch.setattr(demo, "_select", advancing(demo._select, "selection"), raising=False)
+    monkeypatch.setattr(base, "layer_plan", advancing(base.layer_plan, "selection"))
+    monkeypatch.setattr(base, "select_input", advancing(base.select_input, "selection"))
     monkeypatch.setattr(demo.loop, "prefill", advancing(demo.loop.prefill, "prefill"), raising=False)
     monkeypatch.setattr(demo, "_reduce", advancing(demo._reduce, "decode"), raising=False)
     items = [demo.prepare(random_image(seed, (96, 96)), "is there a dog in the image?") for seed in (1, 2)]
     mode = {"mode": Greedy(2)} if greedy else {}
     answers = demo.answer(items, None if selector is None else get_selector(selector), None if selector is None else 40,
                           **mode)  # fmt: skip
-    selections = 2 if selector == "cls_attn" else 1 if selector == "fastv" else 0  # _select runs once per row
+    selections = 2 if selector == "cls_attn" else 1 if selector == "fastv" else 0  # select_input runs once per row
     expected = {"vision": 7.0, "selection": 3.0 * selections, "prefill": 11.0} | ({"decode": 5.0} if greedy else {})
     for answer in answers:
         assert answer.latency_parts == pytest.approx({part: ms / 2 for part, ms in expected.items()})

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from prune_audit.models import load_vlm
-from prune_audit.models.build import build_clip, build_llava, build_qwen2_5_vl
+from prune_audit.models.build import build_clip
+from prune_audit.models.llava import LlavaModel
+from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector
 from tiny_models import QUESTIONS, WORDS, random_image
 
@@ -18,9 +20,9 @@ from tiny_models import QUESTIONS, WORDS, random_image
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision_once")
-    llava = build_llava(root / "llava", words=WORDS, text_layers=3)
+    llava = LlavaModel.build_tiny(root / "llava", words=WORDS, text_layers=3)
     clip = build_clip(root / "clip", words=WORDS, vision_hidden_size=64)
-    qwen = build_qwen2_5_vl(root / "qwen", words=WORDS, image_size=224, text_layers=3)
+    qwen = QwenModel.build_tiny(root / "qwen", words=WORDS, image_size=224, text_layers=3)
     return {"llava": load_vlm(llava, device="cpu", clip_text=clip), "qwen": load_vlm(qwen, device="cpu")}
 
 

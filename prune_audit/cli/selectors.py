@@ -1,4 +1,5 @@
-"""``prune-audit selectors``: list every registered selector, its options and its fidelity."""
+"""``prune-audit selectors``: list every registered selector, its options, whether it runs on a model family, and
+its fidelity."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ from prune_audit.cli.common import handle_errors
 
 if TYPE_CHECKING:
     from prune_audit.cli.terminal import Page
+    from prune_audit.models.base import VisionLanguageModel
 
 
 @handle_errors
 def selectors(
     model: Annotated[
         Optional[str],
-        typer.Option(help="Show the options' values for this model folder or hub id (default: the bundled demo "
-                     "model); its config is read, not its weights."),
+        typer.Option(help="Say what runs on this model family (a family name such as llava_next, a model folder or "
+                     "hub id, or demo / demo-qwen; default: the bundled demo model) and show the options' values "
+                     "for its depth; a checkpoint's config is read, not its weights."),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of the list.")] = False,
     fidelity: Annotated[
@@ -27,7 +30,8 @@ def selectors(
         bool, typer.Option("--markdown", help="With --fidelity: print the Markdown table of docs/fidelity.md.")
     ] = False,
 ) -> None:
-    """List every registered selector: stage, required signals, options with their allowed values, reference.
+    """List every registered selector: stage, required signals, whether it runs on --model's family (and why not),
+    options with their allowed values, reference.
 
     Options are passed to `run`, `study` and `visualize` as --option KEY=VALUE, spelled as listed.
     Layer options are given on the 32-layer reference and scaled to the model's depth: the list says
@@ -45,32 +49,47 @@ def selectors(
                                   "drop --model or --fidelity")
         _print_fidelity(json_output, markdown)
         return
-    name, depth = _model_depth(model)
-    rows = _selector_rows(depth)
+    name, depth, adapter = _model_target(model)
+    rows = _selector_rows(depth, adapter)
     if json_output:
         import json
 
         print(json.dumps(rows, indent=2))
         return
-    _print_selectors(rows, name, depth)
+    _print_selectors(rows, name, depth, adapter)
 
 
-def _model_depth(model: str | None) -> tuple[str, int]:
-    """(the name shown for ``--model``, its decoder depth from the config)."""
+def _model_target(model: str | None) -> tuple[str, int | None, type[VisionLanguageModel]]:
+    """(the name shown for ``--model``, its decoder depth from the config (None for a family name: no checkpoint
+    read), its family adapter)."""
+    from pathlib import Path
+
     from prune_audit.demo import DEMO_MODELS
     from prune_audit.demo.assets import is_demo_name
-    from prune_audit.models.loading import decoder_depth
+    from prune_audit.errors import PruneAuditError
+    from prune_audit.models.families import adapter_for, family_names
+    from prune_audit.models.loading import checkpoint_family
 
     name = model or "demo"
-    return name, decoder_depth(DEMO_MODELS[name] if is_demo_name(name) else name)
+    if name in family_names() and not Path(name).exists():
+        return name, None, adapter_for(name, name)
+    try:
+        adapter, depth = checkpoint_family(DEMO_MODELS[name] if is_demo_name(name) else name)
+    except PruneAuditError as error:
+        if Path(name).exists():
+            raise
+        raise PruneAuditError(f"{error}, or name a model family: {', '.join(family_names())}") from None
+    return name, depth, adapter
 
 
-def _selector_rows(depth: int) -> list[dict[str, Any]]:
-    """One row per registered selector, its option domains described for a model of ``depth`` layers."""
+def _selector_rows(depth: int | None, adapter: type[VisionLanguageModel]) -> list[dict[str, Any]]:
+    """One row per registered selector: its option domains described for a model of ``depth`` layers, whether it
+    runs on ``adapter``'s family and, if not, why (``VisionLanguageModel.selector_support``)."""
     from prune_audit.pruners import list_selectors, selector_class
     from prune_audit.pruners.base import option_defaults
     from prune_audit.pruners.options import option_domains
 
+    support = adapter.selector_support()
     rows = []
     for name in list_selectors():
         cls = selector_class(name)
@@ -80,6 +99,9 @@ def _selector_rows(depth: int) -> list[dict[str, Any]]:
                 "name": name,
                 "stage": cls.stage,
                 "requires": sorted(cls.requires),
+                "family": adapter.family,
+                "runs": support[name] is None,
+                "refusal": support[name],
                 "options": defaults,
                 "domains": {key: domain.describe_for(depth, defaults[key]) for key, domain in option_domains(cls).items()},
                 "docs": {key: _option_doc(cls, key) for key in defaults},
@@ -97,18 +119,27 @@ def _option_doc(cls: type, key: str) -> str:
     return next(field.metadata.get("doc", "") for field in dataclasses.fields(cls) if field.name == key)
 
 
-def _print_selectors(rows: list[dict[str, Any]], model: str, depth: int) -> None:
+def _print_selectors(rows: list[dict[str, Any]], model: str, depth: int | None,
+                     adapter: type[VisionLanguageModel]) -> None:
     """Each selector as a block of lines wrapped at word boundaries; option values as --option takes them."""
     from prune_audit.cli.terminal import Page
     from prune_audit.pruners.options import spell
 
     page = Page()
+    scope = (f"{model} ({depth} decoder layers; another model: --model PATH or a family name)" if depth is not None
+             else "any depth (a family name reads no checkpoint: --model PATH gives a model's layers)")
     page.paragraph(f"{len(rows)} selectors. Options are passed as --option KEY=VALUE; allowed values are shown for "
-                   f"{model} ({depth} decoder layers; another model: --model PATH).")
+                   f"{scope}.")
+    runs = [row["name"] for row in rows if row["runs"]]
+    page.paragraph(f"On {adapter.display_name} ({adapter.family}: {adapter.token_grids} per image, "
+                   f"{adapter.input_positions} positions after input-level selection) {len(runs)} run: "
+                   f"{', '.join(runs)}.", hang=4)
     for row in rows:
         page.blank()
         needs = ", ".join(row["requires"]) or "nothing"
         page.paragraph(f"{row['name']}: {row['stage']} stage, needs {needs}", hang=4)
+        verdict = "runs" if row["runs"] else f"refused: {row['refusal']}"
+        page.paragraph(f"on {adapter.family}: {verdict}", indent=2, hang=4)
         if row["summary"]:
             page.paragraph(row["summary"], indent=2)
         page.paragraph(f"paper: {row['paper']}", indent=2, hang=4)

@@ -26,20 +26,15 @@ if TYPE_CHECKING:
 DEMO_INSTRUCTIONS: tuple[str, ...] = ("", "Answer yes or no.", "Answer the question using a single word or phrase.")
 
 
-def load_demo(model_dir: str | Path, *, attn_implementation: str = "sdpa") -> VisionLanguageModel:
-    """The family adapter (by config ``model_type``) around a saved demo checkpoint, float32, eval mode, offline."""
-    from transformers import AutoConfig
-
-    from prune_audit.models.families import adapter_for
+def load_demo(model_dir: str | Path) -> VisionLanguageModel:
+    """A saved demo checkpoint through :func:`~prune_audit.models.loading.load_vlm` (the family by config
+    ``model_type``), on the CPU in float32, eval mode."""
+    from prune_audit.models.loading import load_vlm
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(2, "no demo checkpoint (config.json) in this folder", str(model_dir))
-    adapter = adapter_for(AutoConfig.from_pretrained(model_dir, local_files_only=True).model_type, str(model_dir))
-    model = adapter.transformers_class().from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True
-    )
-    return adapter.from_model(model.eval(), str(model_dir), prompt_template=None, system_prompt=None, clip_text=None)
+    return load_vlm(model_dir, device="cpu", dtype="float32")
 
 
 def prompt_text(vlm: VisionLanguageModel, question: str, instruction: str = "") -> str:

@@ -235,9 +235,10 @@ def monitor_task_accuracy(vlm: VisionLanguageModel, recipe: DemoRecipe) -> dict[
 
 
 def _fresh_model(recipe: DemoRecipe, scratch: Path) -> VisionLanguageModel:
-    """The adapter around a randomly initialised demo model of ``recipe.family``, built by ``models.build``."""
+    """The adapter around a randomly initialised demo model of ``recipe.family``, built by its ``build_tiny``."""
     from prune_audit.demo.evaluate import load_demo
-    from prune_audit.models.build import build_llava, build_qwen2_5_vl
+    from prune_audit.models.llava import LlavaModel
+    from prune_audit.models.qwen import QwenModel
 
     shared = {
         "words": DEMO_WORDS if recipe.mix is None else MIX_WORDS,
@@ -253,13 +254,13 @@ def _fresh_model(recipe: DemoRecipe, scratch: Path) -> VisionLanguageModel:
         "seed": recipe.seed,
     }
     if recipe.family == "llava":
-        build_llava(scratch, image_size=recipe.image_size, **shared)
+        LlavaModel.build_tiny(scratch, image_size=recipe.image_size, **shared)
     elif recipe.family == "qwen2_5_vl":
         head_dim = recipe.text_width // recipe.heads
         sizes = recipe.train_sizes or (recipe.image_size,)
         # M-RoPE: temporal, height and width share the rotary frequencies about equally
         section = (head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6)
-        build_qwen2_5_vl(
+        QwenModel.build_tiny(
             scratch, image_size=recipe.image_size, spatial_merge_size=recipe.merge, text_kv_heads=recipe.kv_heads,
             mrope_section=section, min_pixels=min(sizes) ** 2, max_pixels=max(sizes) ** 2, **shared,
         )

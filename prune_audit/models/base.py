@@ -1,17 +1,19 @@
 """The model-family-independent part of a pruned vision-language model.
 
-A family adapter (``llava.py``, ``qwen.py``) turns an image and a question into a
-:class:`Prepared` prompt, runs its vision tower, and says how positions work. This
-class does the rest: input-level selection, the schedule of in-LLM selectors, the
-pruned prefill through :class:`~prune_audit.models.executor.LanguageLoop`, and the
-answer modes of ``models.answers``: the yes/no and option-letter reductions of the first
-token, and greedy decoding that reuses the pruned KV cache.
+A family adapter (``llava.py``, ``qwen.py``, ...) declares what it provides (signals, positions, token grids,
+prompt templates, its offline ``build_tiny``), turns an image and a question into a :class:`Prepared` prompt,
+runs its vision tower, and says how positions work. This class holds those family hooks and the public API:
+which selectors run, the pruned prefill through :class:`~prune_audit.models.executor.LanguageLoop` (assembled
+by ``models.prefill_assembly``), and the answer modes of ``models.answers``: the yes/no and option-letter
+reductions of the first token, and greedy decoding that reuses the pruned KV cache.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -22,27 +24,18 @@ from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.answering import AnswerModes
 from prune_audit.models.answers import answer_token_ids
-from prune_audit.models.executor import (
-    MERGED,
-    TEXT_AFTER,
-    TEXT_BEFORE,
-    DecoderStack,
-    LanguageLoop,
-    LayerPlan,
-    Prefill,
-    TokenRow,
-    pack,
-)
-from prune_audit.models.layer_signals import text_demand
-from prune_audit.models.loading import config_hash
+from prune_audit.models.executor import DecoderStack, LanguageLoop, Prefill, TokenRow, pack
+from prune_audit.models.parts import config_hash
+from prune_audit.models.prefill_assembly import layer_plan, select_input, token_row
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
 from prune_audit.models.timing import PartClock
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Selector, Stage
-from prune_audit.pruners.signals import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS, InputSignals
-from prune_audit.pruners.crop_scope import select_per_crop
+from prune_audit.pruners.signals import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS
 from prune_audit.pruners.registry import list_selectors, selector_class
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
+#: input signals computed by a part loaded only on request (``clip_text``), so not there by default
+ON_REQUEST_SIGNALS = frozenset({"text_relevance"})
 
 class VisionLanguageModel(AnswerModes, ABC):
     """A loaded VLM that answers questions under any registered selector (in each answer mode: ``AnswerModes``)."""
@@ -55,6 +48,9 @@ class VisionLanguageModel(AnswerModes, ABC):
     layer_probe_signals: frozenset[str] = frozenset()
     #: whether the tower sees an image as several crops whose tokens ``crop_tokens`` lists (``budget_scope="crop"``)
     several_crops: bool = False
+    #: selectors ``refused_selectors`` refuses on the whole image that run on each crop's own grid under
+    #: ``budget_scope="crop"`` (as their official code does on this family)
+    crop_grid_selectors: frozenset[str] = frozenset()
     #: the dimensions the compute accounting reads (``models.shape``), set by the family
     shape: ModelShape
     #: why the other InputSignals are missing, for error messages
@@ -63,12 +59,26 @@ class VisionLanguageModel(AnswerModes, ABC):
     display_name: str = ""
     #: accepted ``prompt_template`` values; the first is the default
     prompt_templates: tuple[str, ...] = ()
+    #: position ids after input-level selection: 'compact' (renumbered) or 'keep_original' (each token keeps its id)
+    input_positions: str = "compact"
+    #: how an image's visual tokens lie: "one grid" (rows x cols) or "several grids" (anyres base view and tiles)
+    token_grids: str = "one grid"
+    #: selectors refused whatever signals are present -> what the family lacks for them
+    refused_selectors: Mapping[str, str] = MappingProxyType({})
 
     # ----- loading ------------------------------------------------------------------
     @classmethod
     @abstractmethod
     def transformers_class(cls) -> type:
         """The transformers ``*ForConditionalGeneration`` class of this family's checkpoints."""
+
+    @classmethod
+    @abstractmethod
+    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
+                   **sizes: Any) -> Path:
+        """Save a random-weight checkpoint of this family (config, weights, image processor, tokenizer) to
+        ``save_dir`` and return it, offline: the tests' and the demo's models. ``words`` join the tokenizer's
+        vocabulary; ``sizes`` are the family builder's other keywords (widths, image size), tiny by default."""
 
     @classmethod
     @abstractmethod
@@ -122,10 +132,6 @@ class VisionLanguageModel(AnswerModes, ABC):
         """(P, L) position ids of the unpruned prompt."""
 
     @abstractmethod
-    def _input_positions(self) -> str:
-        """Position mode after input-level selection: 'compact' or 'keep_original'."""
-
-    @abstractmethod
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         """Position mode the in-LLM loop uses for ``selector``."""
 
@@ -144,6 +150,52 @@ class VisionLanguageModel(AnswerModes, ABC):
         """How the vision tower ran on ``prepared`` when not on one image of its grid: ``crops`` and ``crop_grid``
         (:class:`~prune_audit.compute.cost.QuestionTokens`; LLaVA-NeXT overrides)."""
         return {}
+
+    @abstractmethod
+    def prompt(self, question: str) -> str:
+        """The full prompt text (template, system text) with one image placeholder and ``question``."""
+
+    # ----- direct forwards: the demo trainer and evaluator (``demo/``) ---------------
+    # The families the demo recipes train (llava, qwen2_5_vl) implement them (their subclasses inherit them,
+    # unchecked); the others refuse in one line.
+    @property
+    def vision_state_width(self) -> int:
+        """Width of the pooled and per-token states :meth:`vision_states` returns."""
+        raise self._no_direct_forwards()
+
+    def image_inputs(self, images: Sequence[Any]) -> dict[str, Tensor]:
+        """Keyword inputs of :meth:`image_features` / :meth:`vision_states` for PIL images."""
+        raise self._no_direct_forwards()
+
+    def array_inputs(self, images: Tensor) -> dict[str, Tensor]:
+        """:meth:`image_inputs` of (B, H, W, 3) uint8 images already at the tower's size."""
+        raise self._no_direct_forwards()
+
+    def image_features(self, **inputs: Tensor) -> Tensor | list[Tensor]:
+        """Per image its (N, D) projected features, the language model's image inputs, in grid order."""
+        raise self._no_direct_forwards()
+
+    def vision_states(self, **inputs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The vision tower once, differentiable: (B, N, D) projected features, (B, Dv) pooled state and
+        (B, N, Dv) per-token states."""
+        raise self._no_direct_forwards()
+
+    def shared_prefix_logits(
+        self, features: Tensor, prefix_ids: Tensor, image_positions: Tensor, suffixes: Sequence[Tensor], per_image: int,
+        grid: tuple[int, int] | None = None, every_position: bool = False,
+    ) -> Tensor:
+        """(B * per_image, V) logits after each suffix sharing one image prefix, or (B * per_image, T, V) at
+        ``every_position`` (:func:`~prune_audit.models.shared_prefix.shared_prefix_logits`)."""
+        raise self._no_direct_forwards()
+
+    def first_token_logits(self, input_ids: Tensor, attention_mask: Tensor, features: Sequence[Tensor]) -> Tensor:
+        """(B, V) logits at the last position of left-padded (B, L) prompts through the stock forward, row b's
+        image tokens filled by the (k_b, D) ``features[b]``."""
+        raise self._no_direct_forwards()
+
+    def _no_direct_forwards(self) -> PruneAuditError:
+        return PruneAuditError(f"{self.display_name} has no direct forwards for the demo trainer and evaluator; "
+                               f"the demo recipes train llava or qwen2_5_vl")
 
     # ----- public API ---------------------------------------------------------------
     @property
@@ -176,15 +228,48 @@ class VisionLanguageModel(AnswerModes, ABC):
         """Registered selectors whose signals this model can provide."""
         return [name for name in list_selectors() if self._missing(selector_class(name)) == set()]
 
-    # ----- internals ----------------------------------------------------------------
-    def _missing(self, cls: type[Selector]) -> set[str]:
-        """What the model lacks for ``cls``: input signals, or positions for the merged tokens it feeds."""
-        if cls.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower too
-            return set(self.signals_for(cls) & VISION_LAYER_SIGNALS) - self._available_input_signals()
-        missing = set(self.signals_for(cls)) - self._available_input_signals()
-        if cls.merges and self._input_positions() != "compact":
+    @classmethod
+    def selector_support(cls) -> dict[str, str | None]:
+        """Each registered selector -> None when it runs on this family, else the reason it does not
+        (from the class-level declarations alone: no checkpoint is read)."""
+        available = cls.input_signals - ON_REQUEST_SIGNALS
+        return {name: cls.refusal(selector_class(name), available) for name in list_selectors()}
+
+    @classmethod
+    def refusal(cls, selector: type[Selector], available: frozenset[str]) -> str | None:
+        """Why ``selector`` cannot run on this family with input signals ``available`` (None: it can)."""
+        missing = cls.missing_for(selector, available)
+        if not missing:
+            return None
+        if missing == {"text_relevance"} and "text_relevance" in cls.input_signals:
+            return ("needs a CLIP text tower for its text relevance: pass clip_text=PATH (--clip-text PATH) "
+                    "to a CLIP checkpoint matching the vision tower")
+        reason = "it keeps every token's original position" if missing == {MERGED_POSITIONS} else cls.missing_signals_reason
+        per_crop = "; it runs per crop with --option budget_scope=crop" if cls.runs_per_crop(selector, available) else ""
+        return f"needs {', '.join(sorted(missing))}, which {cls.family} does not provide ({reason}){per_crop}"
+
+    @classmethod
+    def runs_per_crop(cls, selector: type[Selector], available: frozenset[str]) -> bool:
+        """Whether ``selector``, refused on the whole image, runs on each crop's grid (``budget_scope="crop"``)."""
+        refused = cls.refused_selectors.get(selector.name)
+        return selector.name in cls.crop_grid_selectors and cls.missing_for(selector, available) == {refused}
+
+    @classmethod
+    def missing_for(cls, selector: type[Selector], available: frozenset[str]) -> set[str]:
+        """What the family lacks for ``selector`` given input signals ``available``: input signals, positions
+        for the merged tokens it feeds, or what ``refused_selectors`` names."""
+        refused = {cls.refused_selectors[selector.name]} if selector.name in cls.refused_selectors else set()
+        if selector.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower too
+            return set(Selector.requires_on(selector, available) & VISION_LAYER_SIGNALS) - available | refused
+        missing = set(Selector.requires_on(selector, available)) - available | refused
+        if selector.merges and cls.input_positions != "compact":
             missing.add(MERGED_POSITIONS)
         return missing
+
+    # ----- internals ----------------------------------------------------------------
+    def _missing(self, cls: type[Selector]) -> set[str]:
+        """What this loaded model lacks for ``cls`` (:meth:`missing_for` on the signals it has)."""
+        return self.missing_for(cls, self._available_input_signals())
 
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals
@@ -197,7 +282,7 @@ class VisionLanguageModel(AnswerModes, ABC):
     def positions_for(self, selector: Selector) -> str:
         """Position mode ('compact' or 'keep_original') the language model sees under ``selector``."""
         if isinstance(selector, InputSelector):
-            return self._input_positions()
+            return self.input_positions
         return self._layer_positions(selector)
 
     def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
@@ -212,19 +297,14 @@ class VisionLanguageModel(AnswerModes, ABC):
                 f"budget_scope=crop splits the budget over an image's crops, and {self.family} sees each image as one "
                 f"crop; drop --option budget_scope=crop (it applies to LLaVA-NeXT and LLaVA-OneVision)"
             )
-        missing = self._missing(type(selector))
-        if not missing:
+        if getattr(selector, "budget_scope", "image") == "crop" and self.runs_per_crop(
+                type(selector), self._available_input_signals()):
             return
-        if missing == {"text_relevance"} and "text_relevance" in self.input_signals:
-            raise PruneAuditError(
-                f"selector {selector.name!r} needs a CLIP text tower for its text relevance: "
-                f"pass clip_text=PATH (--clip-text PATH) to a CLIP checkpoint matching the vision tower"
-            )
-        reason = "it keeps every token's original position" if missing == {MERGED_POSITIONS} else self.missing_signals_reason
-        raise PruneAuditError(
-            f"selector {selector.name!r} needs {', '.join(sorted(missing))}, which {self.family} does not provide "
-            f"({reason}); selectors that work here: {', '.join(self.supported_selectors())}"
-        )
+        reason = self.refusal(type(selector), self._available_input_signals())
+        if reason is None:
+            return
+        raise PruneAuditError(f"selector {selector.name!r} {reason}; selectors that work here: "
+                              f"{', '.join(self.supported_selectors())}")
 
     def prefill(
         self,
@@ -258,12 +338,12 @@ class VisionLanguageModel(AnswerModes, ABC):
             for b, (item, output) in enumerate(zip(prepared, vision)):
                 if input_level:
                     item_generator = generator[b] if isinstance(generator, (list, tuple)) else generator
-                    selections[b] = self._select(item, output, selector, budget, item_generator, requires,
+                    selections[b] = select_input(self, item, output, selector, budget, item_generator, requires,
                                                  None if forced_kept is None else forced_kept[b])
                 rows.append(self._row(item, output, selections[b]))
             plan = None
             if not input_level and (selector is not None or forced_stages is not None):
-                plan = self._layer_plan(prepared, selector, budget, forced_stages)
+                plan = layer_plan(self, prepared, selector, budget, forced_stages)
                 travels = vision_layer | (VISION_TOWER_FACTS if vision_layer else frozenset())
                 plan.vision = [{name: value for name, value in output.signals.items()
                                 if name.removeprefix("model_") in travels} for output in vision]
@@ -279,90 +359,14 @@ class VisionLanguageModel(AnswerModes, ABC):
             result.latency_parts = clock.read()
             return result, selections
 
-    def _select(self, item, output, selector, budget, generator, requires, forced) -> Selection:
-        if forced is not None:
-            kept = torch.as_tensor(sorted(set(int(i) for i in forced)), dtype=torch.long)
-            if kept.numel() and (kept[0] < 0 or kept[-1] >= item.num_visual):
-                raise PruneAuditError(f"forced kept indices must lie in [0, {item.num_visual})")
-            return Selection(kept=kept)
-        signals = self._input_signals(item, output, requires)
-        crops = self.crop_tokens(item) if getattr(selector, "budget_scope", "image") == "crop" else None
-        try:
-            if crops is not None:
-                return select_per_crop(selector, signals, crops, budget, generator)
-            return selector.select(signals, budget, generator)
-        except ValueError as error:
-            raise PruneAuditError(
-                f"selector {selector.name!r} failed at budget {budget} on a {item.grid[0]}x{item.grid[1]} grid: {error}"
-            ) from None
-
-    def _input_signals(self, item: Prepared, output: VisionOutput, requires: frozenset[str]) -> InputSignals:
-        signals = InputSignals(grid=item.grid, features=output.features.float(), model_dtype=self.dtype)
-        for name, value in output.signals.items():
-            setattr(signals, name, value.float() if isinstance(value, Tensor) else value)  # merging_tower: a function
-        if "text_relevance" in requires:
-            relevance, in_model_dtype = self._text_relevance(item, output)
-            signals.text_relevance, signals.model_text_relevance = relevance.float(), in_model_dtype.float()
-        if "demand" in requires:
-            signals.demand = text_demand(self.loop.stack, self._row(item, output, None))
-        return signals
-
     def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
-        """The language-model input of one prompt, with the selection applied."""
-        start, end = item.image_span
-        device = self.device  # a property that walks the parameters: read once
-        ids = item.input_ids.to(device)
-        embed = self.loop.stack.embed_tokens
-        if selection is None:
-            visual, kinds = output.features, torch.arange(item.num_visual, device=device)
-        elif selection.sources is None:
-            kept = selection.kept.to(device)
-            visual, kinds = output.features[kept], kept
-        else:
-            visual = (selection.llm_tokens.to(device, self.dtype) if selection.llm_tokens is not None
-                      else self._project(selection.vision_tokens.to(device, self.dtype)))
-            kinds = torch.tensor(
-                [int(s[0]) if s.numel() == 1 else MERGED for s in selection.sources], device=device
-            )
-        embeddings = torch.cat([embed(ids[:start]), visual.to(self.dtype), embed(ids[end:])])
-        before = torch.full((start,), TEXT_BEFORE, device=device)
-        after = torch.full((ids.numel() - end,), TEXT_AFTER, device=device)
-        all_kinds = torch.cat([before, kinds, after])
-        full = self._full_positions(item).to(device)
-        if selection is not None and self._input_positions() == "compact":
-            positions = torch.arange(all_kinds.numel(), device=device)[None].expand(full.shape[0], -1)
-        elif selection is not None and bool((kinds == MERGED).any()):
-            raise PruneAuditError(f"merged tokens have no original position on {self.family}")
-        else:  # original columns: text before, the kept grid cells, text after
-            text_after = torch.arange(end, ids.numel(), device=device)
-            columns = torch.cat([torch.arange(start, device=device), start + kinds, text_after])
-            positions = full[:, columns]
-        return TokenRow(embeddings, all_kinds, positions)
-
-    def _layer_plan(self, prepared, selector, budget, forced_stages) -> LayerPlan:
-        grids = [item.grid for item in prepared]
-        positions = self._layer_positions(selector)
-        if forced_stages is not None:
-            stages, forced = [], []
-            for entries in forced_stages:
-                ordered = sorted(entries, key=lambda entry: entry[0])
-                stages.append([Stage(int(layer), len(set(kept))) for layer, kept in ordered])
-                forced.append([torch.as_tensor(sorted(set(kept)), dtype=torch.long) for _, kept in ordered])
-            self._check_stage_layers(stages)
-            return LayerPlan(stages, grids, positions, selector, forced)
-        stages = [self.schedule(selector, item.num_visual, budget) for item in prepared]
-        self._check_stage_layers(stages)
-        return LayerPlan(stages, grids, positions, selector)
+        """The language-model input of one prompt with the selection applied (family hook: the one-grid layout of
+        :func:`~prune_audit.models.prefill_assembly.token_row`; LLaVA-NeXT adds its row newlines)."""
+        return token_row(self, item, output, selection)
 
     def schedule(self, selector: LayerSelector, num_visual: int, budget: int) -> list[Stage]:
         """The in-LLM selector's stages on this model for ``num_visual`` tokens at ``budget`` (``compute.budget``)."""
         return self._schedules.solve(selector, self.num_layers, num_visual, budget)
-
-    def _check_stage_layers(self, stages: list[list[Stage]]) -> None:
-        for row in stages:
-            for stage in row:
-                if not 0 <= stage.layer < self.num_layers:
-                    raise PruneAuditError(f"stage layer {stage.layer} outside the model's {self.num_layers} layers")
 
 
 __all__ = ["VisionLanguageModel"]

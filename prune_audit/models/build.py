@@ -1,10 +1,12 @@
 """Offline builders for small LLaVA and Qwen2.5-VL checkpoints from configs.
 
-Tests, the prefill benchmark and the bundled demo model need real Hugging Face
-checkpoints without network access. These builders create randomly initialised
-models from the real classes, a word-level tokenizer built with ``tokenizers``,
-the family's PIL image processor and processor, and ``save_pretrained`` all of it
-so that ``from_pretrained(path)`` round-trips.
+Tests, the benchmarks and the bundled demo model need real Hugging Face checkpoints
+without network access; they build them through each adapter's ``build_tiny``, which for
+these two families calls the builders here (the other families keep theirs in their own
+module, with the shared tokenizers from here). These builders create randomly initialised
+models from the real classes, a word-level tokenizer built with ``tokenizers``, the
+family's PIL image processor and processor, and ``save_pretrained`` all of it so that
+``from_pretrained(path)`` round-trips.
 
 transformers-5 details followed here (see the demo-model spec, "Pitfalls"): the
 PIL image processors are used directly (no torchvision), ``LlavaProcessor`` gets

@@ -40,7 +40,7 @@ from prune_audit.compute.shape import ModelShape, VisionShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
-from prune_audit.models.loading import image_processor_and_tokenizer
+from prune_audit.models.parts import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
 from prune_audit.models.shape import language_shape
@@ -74,9 +74,9 @@ class InternVLModel(VisionLanguageModel):
 
     @classmethod
     def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   image_size: int = 112) -> Path:
+                   **sizes: Any) -> Path:
         """A random-weight checkpoint of this family for offline tests (:func:`build_internvl`)."""
-        return build_internvl(save_dir, words=words, text_layers=text_layers, seed=seed, image_size=image_size)
+        return build_internvl(save_dir, words=words, text_layers=text_layers, seed=seed, **sizes)
 
     @classmethod
     def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
@@ -186,9 +186,6 @@ class InternVLModel(VisionLanguageModel):
 
     def _full_positions(self, prepared: Prepared) -> Tensor:
         return torch.arange(prepared.input_ids.numel())[None]
-
-    def _input_positions(self) -> str:
-        return "compact"
 
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         return getattr(selector, "positions", "keep_original")

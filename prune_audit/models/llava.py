@@ -21,7 +21,7 @@ from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
-from prune_audit.models.loading import load_part
+from prune_audit.models.parts import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_attention_block, clip_cls_row, clip_logits, single_tensor_rope
 from prune_audit.models.shape import clip_text_shape, language_shape, llava_vision_shape
@@ -59,12 +59,11 @@ class LlavaModel(VisionLanguageModel):
 
     @classmethod
     def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   image_size: int = 112) -> Path:
-        """A random-weight checkpoint of this family for offline tests
-        (:func:`~prune_audit.models.build.build_llava`)."""
+                   **sizes: Any) -> Path:
+        """:func:`~prune_audit.models.build.build_llava` (``sizes``: its other keywords)."""
         from prune_audit.models.build import build_llava
 
-        return build_llava(save_dir, words=words, text_layers=text_layers, seed=seed, image_size=image_size)
+        return build_llava(save_dir, words=words, text_layers=text_layers, seed=seed, **sizes)
 
     @classmethod
     def check_clip_text(cls, clip_text: object) -> None:
@@ -344,9 +343,6 @@ class LlavaModel(VisionLanguageModel):
     def _full_positions(self, prepared: Prepared) -> Tensor:
         return torch.arange(prepared.input_ids.numel())[None]
 
-    def _input_positions(self) -> str:
-        return "compact"
-
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         return getattr(selector, "positions", "keep_original")
 
@@ -383,6 +379,7 @@ def load_clip(source: str, model) -> tuple[Any, Any]:
         )
     tokenizer = load_part("CLIP tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
     return clip.to(model.device).eval(), tokenizer
+
 
 
 __all__ = ["LlavaModel", "load_clip", "PROMPT_TEMPLATES", "VICUNA_V1_SYSTEM", "SINGLE_WORD_SUFFIX"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE
 from prune_audit.models.llava import LAYER_SIGNALS, LlavaModel
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_cls_row
-from prune_audit.pruners.base import Selection, Selector
+from prune_audit.pruners.base import Selection
 
 #: selectors that place tokens on one (rows, cols) grid, which an anyres image does not have
 ONE_GRID_SELECTORS = frozenset({"uniform", "pool", "tome", "e2s", "hiprune", "vscan"})
@@ -64,6 +65,9 @@ class LlavaNextModel(LlavaModel):
     )
     display_name = "LLaVA-NeXT"
     several_crops = True
+    crop_grid_selectors = PER_CROP_GRID_SELECTORS
+    token_grids = "several grids"
+    refused_selectors = MappingProxyType(dict.fromkeys(sorted(ONE_GRID_SELECTORS), ONE_GRID))
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -189,18 +193,6 @@ class LlavaNextModel(LlavaModel):
         """The tower ran on every crop (base view and tiles) of ``tile // patch`` squared patches."""
         side = self.tile // self.model.config.vision_config.patch_size
         return {"crops": int(prepared.pixel_values.shape[0]), "crop_grid": (side, side)}
-
-    def _missing(self, cls: type[Selector]) -> set[str]:
-        missing = super()._missing(cls)
-        return missing | {ONE_GRID} if cls.name in ONE_GRID_SELECTORS else missing
-
-    def check_selector(self, selector: Selector) -> None:
-        """As the base, except that a selector of ``PER_CROP_GRID_SELECTORS`` runs under ``budget_scope=crop``:
-        each crop's tokens are one grid."""
-        per_crop = getattr(selector, "budget_scope", "image") == "crop" and selector.name in PER_CROP_GRID_SELECTORS
-        if per_crop and not super()._missing(type(selector)):
-            return
-        super().check_selector(selector)
 
     def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
         """The language-model input of one prompt: the kept visual tokens and every newline in prompt order."""

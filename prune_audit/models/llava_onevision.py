@@ -32,7 +32,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.llava_next import LlavaNextModel, visual_columns
-from prune_audit.models.loading import image_processor_and_tokenizer
+from prune_audit.models.parts import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
 from prune_audit.models.shape import language_shape

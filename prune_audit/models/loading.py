@@ -1,40 +1,22 @@
-"""``load_vlm``: open a checkpoint of any registered family behind one interface."""
+"""``load_vlm``: open a checkpoint of any registered family behind one interface (the only loading path;
+the parts the adapters read themselves are in ``models.parts``)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.hub import resolve_model_source
+from prune_audit.models.parts import load_part
 from prune_audit.safety.fingerprint import weight_files
 
 if TYPE_CHECKING:
     from prune_audit.models.base import VisionLanguageModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-T = TypeVar("T")
-
-
-# where the checkpoint was read from and how it is stored do not change the model
-_VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "dtype", "torch_dtype", "transformers_version"})
-
-
-def config_hash(config: dict[str, Any]) -> str:
-    """16 hex digits of SHA-256 over the sorted config, without path, dtype and library version."""
-
-    def strip(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k not in _VOLATILE_CONFIG_KEYS}
-        return value
-
-    text = json.dumps(strip(config), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -58,43 +40,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
-def load_part(what: str, source: str, loader: Callable[[], T]) -> T:
-    """``loader()``, with a missing or unreadable checkpoint part turned into one line naming it."""
-    from safetensors import SafetensorError
-
-    try:
-        return loader()
-    except SafetensorError as error:
-        raise PruneAuditError(
-            f"the {what} weights in {source} are damaged or incomplete ({error}); copy or download the checkpoint again"
-        ) from None
-    except (OSError, ValueError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        hint = "" if Path(source).exists() else " (the hub may be unreachable from here: pass a local path)"
-        raise PruneAuditError(f"could not load the {what} from {source!r}{hint}: {first_line}") from None
-
-
-def image_processor_and_tokenizer(source: str) -> tuple[Any, Any]:
-    """The PIL image processor and the tokenizer of the checkpoint at ``source``, loaded on their own: the
-    Qwen-VL and InternVL processor classes want a video processor (torchvision) the adapters never use."""
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    image_processor = load_part(
-        "image processor", source, lambda: AutoImageProcessor.from_pretrained(source, backend="pil")
-    )
-    return image_processor, load_part("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
-
-
-def decoder_depth(path_or_hub_id: str | Path) -> int:
-    """Decoder layers of a checkpoint of a registered family, read from its config alone (no weights)."""
+def checkpoint_family(path_or_hub_id: str | Path) -> tuple[type[VisionLanguageModel], int]:
+    """The family adapter and decoder layers of a checkpoint, read from its config alone (no weights);
+    another family is refused as :func:`load_vlm` refuses it."""
     from transformers import AutoConfig
 
     from prune_audit.models.families import adapter_for
 
     source = resolve_model_source(str(path_or_hub_id))
     config = load_part("model config", source, lambda: AutoConfig.from_pretrained(source))
-    adapter_for(config.model_type, source)  # another family is refused as load_vlm refuses it
-    return int(config.get_text_config().num_hidden_layers)
+    return adapter_for(config.model_type, source), int(config.get_text_config().num_hidden_layers)
 
 
 def load_vlm(
@@ -156,4 +111,4 @@ def load_vlm(
                               clip_text=None if clip_text is None else str(clip_text))
 
 
-__all__ = ["load_vlm", "decoder_depth", "load_part", "resolve_device", "resolve_dtype", "config_hash", "DTYPES"]
+__all__ = ["load_vlm", "checkpoint_family", "resolve_device", "resolve_dtype", "DTYPES"]

@@ -27,7 +27,7 @@ from prune_audit.compute.shape import ModelShape, VisionShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
-from prune_audit.models.loading import image_processor_and_tokenizer
+from prune_audit.models.parts import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
 from prune_audit.models.shape import language_shape, qwen_vision_shape
@@ -49,6 +49,7 @@ class QwenModel(VisionLanguageModel):
     vision_tower = "qwen2_5_vl"
     display_name = "Qwen2.5-VL"
     prompt_templates = (PROMPT_TEMPLATE,)
+    input_positions = "keep_original"  # 3-D M-RoPE ids cannot be renumbered meaningfully; every public port keeps them
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -58,12 +59,11 @@ class QwenModel(VisionLanguageModel):
 
     @classmethod
     def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   image_size: int = 112) -> Path:
-        """A random-weight checkpoint of this family for offline tests
-        (:func:`~prune_audit.models.build.build_qwen2_5_vl`)."""
+                   **sizes: Any) -> Path:
+        """:func:`~prune_audit.models.build.build_qwen2_5_vl` (``sizes``: its other keywords)."""
         from prune_audit.models.build import build_qwen2_5_vl
 
-        return build_qwen2_5_vl(save_dir, words=words, text_layers=text_layers, seed=seed, image_size=image_size)
+        return build_qwen2_5_vl(save_dir, words=words, text_layers=text_layers, seed=seed, **sizes)
 
     @classmethod
     def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
@@ -285,9 +285,6 @@ class QwenModel(VisionLanguageModel):
     def _full_positions(self, prepared: Prepared) -> Tensor:
         return prepared.extras["positions"]
 
-    def _input_positions(self) -> str:
-        return "keep_original"
-
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         # 3-D ids cannot be renumbered meaningfully; every public Qwen port keeps them
         return "keep_original"
@@ -305,6 +302,7 @@ class QwenModel(VisionLanguageModel):
             },
             "positions": "keep_original (3-D M-RoPE ids of the unpruned prompt)",
         }
+
 
 
 __all__ = ["QwenModel", "PROMPT_TEMPLATE", "DEFAULT_SYSTEM"]

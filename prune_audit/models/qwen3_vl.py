@@ -81,9 +81,9 @@ class Qwen3VLModel(QwenModel):
 
     @classmethod
     def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   image_size: int = 128) -> Path:
+                   **sizes: Any) -> Path:
         """A random-weight checkpoint of this family for offline tests (:func:`build_qwen3_vl`)."""
-        return build_qwen3_vl(save_dir, words=words, text_layers=text_layers, seed=seed, image_size=image_size)
+        return build_qwen3_vl(save_dir, words=words, text_layers=text_layers, seed=seed, **sizes)
 
     def __init__(self, model, image_processor, tokenizer, **kwargs):
         super().__init__(model, image_processor, tokenizer, **kwargs)

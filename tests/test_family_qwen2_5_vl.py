@@ -1,4 +1,6 @@
-"""Qwen2.5-VL adapter: M-RoPE positions, GQA probe, pruning with original 3-D positions, refusals."""
+"""What only Qwen2.5-VL has: its 3-D M-RoPE positions, kept when pruning (input level and named in-LLM selectors
+equal to the masked reference), generation extending them, its pixel limits and refusals. What every family
+shares is in tests/test_families_registry.py."""
 
 from __future__ import annotations
 
@@ -9,15 +11,14 @@ import torch
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.models import load_vlm
-from prune_audit.models.build import build_qwen2_5_vl
-from prune_audit.pruners import get_selector, list_selectors
+from prune_audit.models.qwen import QwenModel
+from prune_audit.pruners import get_selector
 from tiny_models import (
     QUESTIONS,
     WORDS,
     RecordingLayerSelector,
     masked_reference_logits,
     random_image,
-    stock_inputs,
 )
 
 TOL = 1e-5
@@ -27,7 +28,7 @@ SIZES = [(130, 100), (120, 120)]  # -> 6x7 and 6x6 token grids at 168x168 pixels
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    return build_qwen2_5_vl(tmp_path_factory.mktemp("qwen") / "qwen", words=WORDS, image_size=168,
+    return QwenModel.build_tiny(tmp_path_factory.mktemp("qwen") / "qwen", words=WORDS, image_size=168,
                             text_layers=NUM_LAYERS, seed=2)
 
 
@@ -39,11 +40,6 @@ def vlm(path):
 @pytest.fixture(scope="module")
 def prepared(vlm):
     return [vlm.prepare(random_image(seed, size), q) for seed, (size, q) in enumerate(zip(SIZES, QUESTIONS))]
-
-
-def stock_logits(vlm, item) -> torch.Tensor:
-    with torch.no_grad():
-        return vlm.model(**stock_inputs(vlm, item)).logits[0, -1].float()
 
 
 def logits_of(vlm, items, selector=None, budget=None, **kwargs) -> torch.Tensor:
@@ -63,42 +59,6 @@ def test_prepare_gives_grid_and_3d_positions(vlm, prepared):
     assert item.geometry.mode == "qwen_smart_resize"
 
 
-def test_unpruned_equals_stock_forward(vlm, prepared):
-    for item in prepared:
-        assert (logits_of(vlm, [item])[0] - stock_logits(vlm, item)).abs().max() <= TOL
-
-
-@pytest.mark.parametrize("name", list_selectors())
-def test_every_selector_at_full_budget_equals_unpruned_or_refuses(vlm, prepared, name):
-    item = prepared[0]
-    if name not in vlm.supported_selectors():
-        with pytest.raises(PruneAuditError) as error:
-            vlm.answer([item], get_selector(name), item.num_visual)
-        assert "selectors that work here: " + ", ".join(vlm.supported_selectors()) in str(error.value)
-        return
-    prefill, _ = vlm.prefill([item], get_selector(name), item.num_visual)
-    assert prefill.tokens_per_layer[0] == [item.num_visual] * NUM_LAYERS
-    assert (prefill.logits[0] - stock_logits(vlm, item)).abs().max() <= TOL
-
-
-def test_decoder_probe_equals_eager_attention_with_gqa_and_mrope(vlm, path, prepared):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    assert vlm.model.config.text_config.num_key_value_heads < vlm.model.config.text_config.num_attention_heads
-    item = prepared[0]
-    eager = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, attn_implementation="eager").eval()
-    with torch.no_grad():
-        outputs = eager(**stock_inputs(vlm, item), output_attentions=True, output_hidden_states=True)
-    start, end = item.image_span
-    for layer in (1, 3):
-        selector = RecordingLayerSelector(layer=layer, keep=item.num_visual - 1)
-        vlm.answer([item], selector, 1)
-        signals = selector.records[-1]
-        expected = outputs.attentions[layer][0, :, end:, start:end]
-        assert signals.text_probs.shape == expected.shape
-        assert (signals.text_probs - expected).abs().max() <= TOL
-
-
 def test_input_level_selection_keeps_original_positions(vlm, prepared):
     item, kept = prepared[0], [0, 3, 7, 20, 41]
     reference = masked_reference_logits(vlm, item, [0], [kept])
@@ -116,28 +76,6 @@ def test_in_llm_drop_equals_masked_reference(vlm, prepared, name):
     assert prefill.kept_stages[0]
     reference = masked_reference_logits(vlm, item, prefill.stage_layers[0], prefill.kept_stages[0])
     assert (prefill.logits[0] - reference).abs().max() <= TOL
-
-
-@pytest.mark.parametrize("name", [None, "divprune", "fastv", "e2s"])
-def test_batch_with_different_grids_equals_one_at_a_time(vlm, prepared, name):
-    selector = None if name is None else get_selector(name)
-    budget = None if name is None else 16
-    together, selections = vlm.prefill(prepared, selector, budget)
-    for b, item in enumerate(prepared):
-        alone, selection = vlm.prefill([item], selector, budget)
-        assert together.kept_stages[b] == alone.kept_stages[0]
-        assert together.tokens_per_layer[b] == alone.tokens_per_layer[0]
-        if selection[0] is not None:
-            assert torch.equal(selections[b].kept, selection[0].kept)
-        assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
-
-
-def test_unpruned_generation_equals_stock_generate(vlm, prepared):
-    item = prepared[0]
-    with torch.no_grad():
-        stock = vlm.model.generate(**stock_inputs(vlm, item), max_new_tokens=5, do_sample=False)
-    expected = vlm.tokenizer.decode(stock[0, item.input_ids.numel() :], skip_special_tokens=True).strip()
-    assert vlm.generate(item, max_new_tokens=5) == expected
 
 
 def test_pruned_generation_with_cache_equals_recomputed_prefill(vlm, prepared):

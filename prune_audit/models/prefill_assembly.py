@@ -1,0 +1,127 @@
+"""The pruned prefill's assembly, between a family's vision output and the language loop.
+
+:meth:`VisionLanguageModel.prefill <prune_audit.models.base.VisionLanguageModel.prefill>` runs the vision tower
+once, then for each prompt: the input-level selection (:func:`select_input`, on the :func:`input_signals` the
+family provides), the language-model input row (the family's ``_row`` hook, by default :func:`token_row`), and
+for in-LLM selectors the per-layer plan (:func:`layer_plan`). These read the model only through its family hooks
+(``_full_positions``, ``_project``, ``_text_relevance``, ``_layer_positions``, ``_row``) and its declarations
+(``input_positions``, ``family``), so the class holds the hooks and the public API and this module the assembly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.models.batch import TokenRow
+from prune_audit.models.executor import LayerPlan
+from prune_audit.models.kinds import MERGED, TEXT_AFTER, TEXT_BEFORE
+from prune_audit.models.layer_signals import text_demand
+from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput
+from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Stage
+from prune_audit.pruners.crop_scope import select_per_crop
+from prune_audit.pruners.signals import InputSignals
+
+if TYPE_CHECKING:  # the model is passed in; importing base at run time would be a cycle
+    from prune_audit.models.base import VisionLanguageModel
+
+
+def select_input(
+    vlm: VisionLanguageModel, item: Prepared, output: VisionOutput, selector: InputSelector | None,
+    budget: int | None, generator: torch.Generator | None, requires: frozenset[str], forced: Sequence[int] | None,
+) -> Selection:
+    """The input-level selection of one prompt: the ``forced`` kept indices (sorted, deduplicated, checked to lie
+    in ``[0, item.num_visual)``), else ``selector`` at ``budget`` on the signals it ``requires`` (per crop under
+    ``budget_scope="crop"``)."""
+    if forced is not None:
+        kept = torch.as_tensor(sorted({int(i) for i in forced}), dtype=torch.long)
+        if kept.numel() and (kept[0] < 0 or kept[-1] >= item.num_visual):
+            raise PruneAuditError(f"forced kept indices must lie in [0, {item.num_visual})")
+        return Selection(kept=kept)
+    signals = input_signals(vlm, item, output, requires)
+    crops = vlm.crop_tokens(item) if getattr(selector, "budget_scope", "image") == "crop" else None
+    try:
+        if crops is not None:
+            return select_per_crop(selector, signals, crops, budget, generator)
+        return selector.select(signals, budget, generator)
+    except ValueError as error:
+        raise PruneAuditError(
+            f"selector {selector.name!r} failed at budget {budget} on a {item.grid[0]}x{item.grid[1]} grid: {error}"
+        ) from None
+
+
+def input_signals(vlm: VisionLanguageModel, item: Prepared, output: VisionOutput,
+                  requires: frozenset[str]) -> InputSignals:
+    """What an input-level selector reads for one prompt: the (N, D) features and the vision output's signals in
+    float32, plus CDPruner's (N,) text relevance and the (N,) text demand when ``requires`` names them."""
+    signals = InputSignals(grid=item.grid, features=output.features.float(), model_dtype=vlm.dtype)
+    for name, value in output.signals.items():
+        setattr(signals, name, value.float() if isinstance(value, torch.Tensor) else value)  # merging_tower: a function
+    if "text_relevance" in requires:
+        relevance, in_model_dtype = vlm._text_relevance(item, output)
+        signals.text_relevance, signals.model_text_relevance = relevance.float(), in_model_dtype.float()
+    if "demand" in requires:
+        signals.demand = text_demand(vlm.loop.stack, vlm._row(item, output, None))
+    return signals
+
+
+def token_row(vlm: VisionLanguageModel, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
+    """The language-model input of one prompt whose visual tokens fill its image span in grid order: (L', D)
+    embeddings with the selection applied (kept features, or merged tokens through the projector), (L',) kinds
+    (grid index, ``MERGED`` or a text kind) and (P, L') position ids: renumbered under 'compact' input positions,
+    else the unpruned prompt's columns."""
+    start, end = item.image_span
+    device = vlm.device  # a property that walks the parameters: read once
+    ids = item.input_ids.to(device)
+    embed = vlm.loop.stack.embed_tokens
+    if selection is None:
+        visual, kinds = output.features, torch.arange(item.num_visual, device=device)
+    elif selection.sources is None:
+        kept = selection.kept.to(device)
+        visual, kinds = output.features[kept], kept
+    else:
+        visual = (selection.llm_tokens.to(device, vlm.dtype) if selection.llm_tokens is not None
+                  else vlm._project(selection.vision_tokens.to(device, vlm.dtype)))
+        kinds = torch.tensor([int(s[0]) if s.numel() == 1 else MERGED for s in selection.sources], device=device)
+    embeddings = torch.cat([embed(ids[:start]), visual.to(vlm.dtype), embed(ids[end:])])
+    before = torch.full((start,), TEXT_BEFORE, device=device)
+    after = torch.full((ids.numel() - end,), TEXT_AFTER, device=device)
+    all_kinds = torch.cat([before, kinds, after])
+    full = vlm._full_positions(item).to(device)
+    if selection is not None and vlm.input_positions == "compact":
+        positions = torch.arange(all_kinds.numel(), device=device)[None].expand(full.shape[0], -1)
+    elif selection is not None and bool((kinds == MERGED).any()):
+        raise PruneAuditError(f"merged tokens have no original position on {vlm.family}")
+    else:  # original columns: text before, the kept grid cells, text after
+        text_after = torch.arange(end, ids.numel(), device=device)
+        columns = torch.cat([torch.arange(start, device=device), start + kinds, text_after])
+        positions = full[:, columns]
+    return TokenRow(embeddings, all_kinds, positions)
+
+
+def layer_plan(vlm: VisionLanguageModel, prepared: Sequence[Prepared], selector: LayerSelector | None,
+               budget: int | None, forced_stages: Sequence[ForcedStages] | None) -> LayerPlan:
+    """The in-LLM plan of a batch: each row's stages from ``forced_stages`` ((layer, kept indices) per stage),
+    else ``selector``'s schedule at ``budget`` on the model's depth; every stage layer checked to exist."""
+    grids = [item.grid for item in prepared]
+    positions = vlm._layer_positions(selector)
+    forced = None
+    if forced_stages is not None:
+        stages, forced = [], []
+        for entries in forced_stages:
+            ordered = sorted(entries, key=lambda entry: entry[0])
+            stages.append([Stage(int(layer), len(set(kept))) for layer, kept in ordered])
+            forced.append([torch.as_tensor(sorted(set(kept)), dtype=torch.long) for _, kept in ordered])
+    else:
+        stages = [vlm.schedule(selector, item.num_visual, budget) for item in prepared]
+    for row in stages:
+        for stage in row:
+            if not 0 <= stage.layer < vlm.num_layers:
+                raise PruneAuditError(f"stage layer {stage.layer} outside the model's {vlm.num_layers} layers")
+    return LayerPlan(stages, grids, positions, selector, forced)
+
+
+__all__ = ["select_input", "input_signals", "token_row", "layer_plan"]
