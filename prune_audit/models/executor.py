@@ -33,7 +33,7 @@ from prune_audit.models.batch import Batch, TokenRow, attention_mask, compact_po
 from prune_audit.models.insertion import Insertion, insertion_for, replace_in_place, with_insertions
 from prune_audit.models.kinds import MERGED, PAD, TEXT_AFTER, TEXT_BEFORE, merged_index, prunable
 from prune_audit.models.layer_signals import ATTENTION_SIGNALS, layer_signals
-from prune_audit.models.probe import DecoderProbe, RopeFn
+from prune_audit.models.probe import DecoderProbe, RopeFn, single_tensor_rope
 from prune_audit.pruners.base import LayerSelector, Stage
 
 
@@ -55,6 +55,23 @@ class DecoderStack:
     #: ``(layer index, output hidden (B, L, D), batch) -> hidden`` after each prefill layer: what a family adds
     #: to the residual stream there (Qwen3-VL's deepstack features, by each visual token's kind)
     after_layer: Callable[[int, Tensor, Batch], Tensor] | None = None
+
+    @classmethod
+    def one_dimensional(cls, model: nn.Module, text_config: Any) -> DecoderStack:
+        """The stack of a ``*ForConditionalGeneration`` whose ``model.language_model`` is a Llama-layout decoder
+        with one row of position ids and Llama's rotary application (LLaVA-1.5, InternVL3, LLaVA-OneVision)."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        language = model.model.language_model
+        return cls(
+            embed_tokens=language.embed_tokens,
+            layers=language.layers,
+            norm=language.norm,
+            lm_head=model.lm_head,
+            rotary=lambda hidden, positions: language.rotary_emb(hidden, positions[0]),
+            apply_rope=single_tensor_rope(apply_rotary_pos_emb),
+            config=text_config,
+        )
 
     def probe(self, layer: int) -> DecoderProbe:
         return DecoderProbe(self.layers[layer], self.apply_rope)

@@ -42,7 +42,6 @@ from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.parts import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
-from prune_audit.models.probe import single_tensor_rope
 from prune_audit.models.shape import language_shape
 from prune_audit.pruners.base import LayerSelector
 
@@ -88,8 +87,6 @@ class InternVLModel(VisionLanguageModel):
 
     def __init__(self, model, image_processor, tokenizer, *, model_id: str, prompt_template: str | None = None,
                  system_prompt: str | None = None):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         config = model.config
         if config.vision_feature_select_strategy != "default" or not isinstance(config.vision_feature_layer, int):
             raise PruneAuditError(
@@ -108,16 +105,7 @@ class InternVLModel(VisionLanguageModel):
         if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
             raise PruneAuditError("InternVL checkpoints with sliding-window decoder layers are not supported")
         template = self.resolve_template(prompt_template)
-        language = model.model.language_model
-        stack = DecoderStack(
-            embed_tokens=language.embed_tokens,
-            layers=language.layers,
-            norm=language.norm,
-            lm_head=model.lm_head,
-            rotary=lambda hidden, positions: language.rotary_emb(hidden, positions[0]),
-            apply_rope=single_tensor_rope(apply_rotary_pos_emb),
-            config=text_config,
-        )
+        stack = DecoderStack.one_dimensional(model, text_config)
         super().__init__(model, tokenizer, stack, model_id=model_id, prompt_template=template,
                          system_prompt=system_prompt)
         self.image_processor = image_processor

@@ -23,7 +23,7 @@ from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.parts import load_part
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
-from prune_audit.models.probe import clip_attention_block, clip_cls_row, clip_logits, single_tensor_rope
+from prune_audit.models.probe import clip_attention_block, clip_cls_row, clip_logits
 from prune_audit.models.shape import clip_text_shape, language_shape, llava_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
@@ -81,8 +81,6 @@ class LlavaModel(VisionLanguageModel):
 
     def __init__(self, model, processor, *, model_id: str, prompt_template: str | None = None,
                  system_prompt: str | None = None, clip: tuple[Any, Any] | None = None):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         config = model.config
         if config.vision_feature_select_strategy != "default" or not isinstance(config.vision_feature_layer, int):
             raise PruneAuditError(
@@ -90,16 +88,7 @@ class LlavaModel(VisionLanguageModel):
                 "are supported"
             )
         template = self.resolve_template(prompt_template)
-        language = model.model.language_model
-        stack = DecoderStack(
-            embed_tokens=language.embed_tokens,
-            layers=language.layers,
-            norm=language.norm,
-            lm_head=model.lm_head,
-            rotary=lambda hidden, positions: language.rotary_emb(hidden, positions[0]),
-            apply_rope=single_tensor_rope(apply_rotary_pos_emb),
-            config=config.text_config,
-        )
+        stack = DecoderStack.one_dimensional(model, config.text_config)
         super().__init__(model, processor.tokenizer, stack, model_id=model_id, prompt_template=template,
                          system_prompt=system_prompt)
         self.processor = processor

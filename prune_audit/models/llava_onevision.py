@@ -34,7 +34,6 @@ from prune_audit.models.executor import DecoderStack
 from prune_audit.models.llava_next import LlavaNextModel, visual_columns
 from prune_audit.models.parts import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
-from prune_audit.models.probe import single_tensor_rope
 from prune_audit.models.shape import language_shape
 
 PROMPT_TEMPLATE = "onevision_chatml"
@@ -77,8 +76,6 @@ class LlavaOnevisionModel(LlavaNextModel):
 
     def __init__(self, model, image_processor, tokenizer, *, model_id: str, prompt_template: str | None = None,
                  system_prompt: str | None = None):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         config = model.config
         if config.vision_feature_select_strategy != "full" or not isinstance(config.vision_feature_layer, int):
             raise PruneAuditError("only LLaVA-OneVision checkpoints with one vision_feature_layer and the 'full' "
@@ -91,16 +88,7 @@ class LlavaOnevisionModel(LlavaNextModel):
         if not config.vision_aspect_ratio.startswith("anyres_max_"):
             raise PruneAuditError(f"vision_aspect_ratio {config.vision_aspect_ratio!r} is not supported (anyres_max_N is)")
         template = self.resolve_template(prompt_template)
-        language = model.model.language_model
-        stack = DecoderStack(
-            embed_tokens=language.embed_tokens,
-            layers=language.layers,
-            norm=language.norm,
-            lm_head=model.lm_head,
-            rotary=lambda hidden, positions: language.rotary_emb(hidden, positions[0]),
-            apply_rope=single_tensor_rope(apply_rotary_pos_emb),
-            config=config.text_config,
-        )
+        stack = DecoderStack.one_dimensional(model, config.text_config)
         VisionLanguageModel.__init__(self, model, tokenizer, stack, model_id=model_id, prompt_template=template,
                                      system_prompt=system_prompt)
         self.image_processor = image_processor
