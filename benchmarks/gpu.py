@@ -100,6 +100,7 @@ SAVING_SELECTORS = ("fastv", "visionzip", "pdrop")
 
 
 def set_fields(config, fields: dict) -> None:
+    """Set config ``fields``; ``mrope_section`` lives in ``rope_parameters`` and ``layer_types`` follows the depth."""
     for name, value in fields.items():
         if name == "mrope_section":
             config.rope_parameters["mrope_section"] = list(value)

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from benchmarks.gpu import set_fields
 from benchmarks.selectors import read_memory_kib
 from prune_audit.errors import PruneAuditError
 from prune_audit.pruners import get_selector, list_selectors
@@ -109,17 +110,6 @@ REAL: dict[str, dict] = {
         "processor": {"image_grid_pinpoints": ONEVISION_PINPOINTS},
     },
 }
-
-
-def set_fields(config, fields: dict) -> None:
-    """Set config ``fields``; ``mrope_section`` lives in ``rope_parameters`` and ``layer_types`` follows the depth."""
-    for name, value in fields.items():
-        if name == "mrope_section":
-            config.rope_parameters["mrope_section"] = list(value)
-        else:
-            setattr(config, name, value)
-    if getattr(config, "layer_types", None) is not None:  # derived from the layer count at construction
-        config.layer_types = [config.layer_types[0]] * config.num_hidden_layers
 
 
 def real_checkpoint(family: str, folder: Path, tiny: bool) -> Path:

@@ -41,6 +41,7 @@ from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector, list_selectors
 from prune_audit.records.schema import TIMING_COLUMNS
 from tiny_models import (
+    assert_batch_equals_one_at_a_time,
     QUESTIONS,
     WORDS,
     RecordingLayerSelector,
@@ -86,14 +87,7 @@ def test_batch_with_different_grids_equals_one_at_a_time(vlm, prepared, name):
     if name is not None and name not in vlm.supported_selectors():
         pytest.skip(f"{name} does not run on {vlm.family}")
     budget = None if name is None else min(item.num_visual for item in prepared) // 2
-    together, selections = vlm.prefill(prepared, selector, budget)
-    for b, item in enumerate(prepared):
-        alone, selection = vlm.prefill([item], selector, budget)
-        assert together.kept_stages[b] == alone.kept_stages[0]
-        assert together.tokens_per_layer[b] == alone.tokens_per_layer[0]
-        if selection[0] is not None:
-            assert torch.equal(selections[b].kept, selection[0].kept)
-        assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
+    assert_batch_equals_one_at_a_time(vlm, prepared, selector, budget)
 
 
 def test_forced_kept_sets_and_stages_are_honoured(vlm, prepared):

@@ -16,6 +16,7 @@ from prune_audit.models.llava import LlavaModel
 from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners import get_selector, list_selectors, selector_class
 from tiny_models import (
+    assert_batch_equals_one_at_a_time,
     QUESTIONS,
     WORDS,
     RecordingInputSelector,
@@ -173,14 +174,7 @@ def test_compact_positions_renumber_like_a_shortened_prompt(vlm, prepared):
 def test_batch_equals_one_at_a_time(vlm, prepared, name):
     selector = None if name is None else get_selector(name)
     budget = None if name is None else 24
-    together, selections = vlm.prefill(prepared, selector, budget)
-    for b, item in enumerate(prepared):
-        alone, selection = vlm.prefill([item], selector, budget)
-        assert together.kept_stages[b] == alone.kept_stages[0]
-        assert together.tokens_per_layer[b] == alone.tokens_per_layer[0]
-        if selection[0] is not None:
-            assert torch.equal(selections[b].kept, selection[0].kept)
-        assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
+    assert_batch_equals_one_at_a_time(vlm, prepared, selector, budget)
 
 
 def test_one_generator_per_question_makes_random_selection_batch_independent(vlm, prepared):

@@ -82,6 +82,19 @@ def stock_inputs(vlm, prepared) -> dict[str, torch.Tensor]:
     }
 
 
+def assert_batch_equals_one_at_a_time(vlm, prepared, selector, budget) -> None:
+    """The prompts ``prepared`` prefilled in one batch keep the same stages, tokens per layer, input selections and
+    (within 1e-4) logits as each prompt alone."""
+    together, selections = vlm.prefill(prepared, selector, budget)
+    for b, item in enumerate(prepared):
+        alone, selection = vlm.prefill([item], selector, budget)
+        assert together.kept_stages[b] == alone.kept_stages[0]
+        assert together.tokens_per_layer[b] == alone.tokens_per_layer[0]
+        if selection[0] is not None:
+            assert torch.equal(selections[b].kept, selection[0].kept)
+        assert (together.logits[b] - alone.logits[0]).abs().max() <= 1e-4
+
+
 def alive_per_layer(num_layers: int, num_visual: int, stage_layers: list[int], kept_stages: list[list[int]]):
     """Grid indices alive at the input of every layer for a list of stages."""
     alive, result = list(range(num_visual)), []
