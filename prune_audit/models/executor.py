@@ -178,7 +178,6 @@ class LanguageLoop:
 
         plan = plan or LayerPlan(stages=[[] for _ in range(batch.size)], grids=[(0, 0)] * batch.size)
         cache = DynamicCache(config=self.stack.config) if use_cache else None
-        prefill_tokens = batch.valid.sum(dim=1).tolist()
         alive_stages: list[list[list[int]]] = [[] for _ in range(batch.size)]
         stage_layers: list[list[int]] = [[] for _ in range(batch.size)]
         counts: list[list[int]] = [[] for _ in range(batch.size)]
@@ -209,6 +208,7 @@ class LanguageLoop:
             batch = replace(batch, hidden=hidden)
             key_valid.append(batch.valid)
         logits = self.stack.lm_head(self.stack.norm(batch.hidden[:, -1])).float()
+        prefill_tokens = key_valid[0].sum(dim=1).tolist()  # after a stage at layer 0 (VScan's vision stage)
         decode = self._decode_state(batch, cache, key_valid, plan.positions) if use_cache else None
         kept_stages = [[[kind for kind in alive if kind >= 0] for alive in row] for row in alive_stages]
         merged_stages = [
