@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 LOGIT_LIMIT = 50.0
 """Bound of the top-label logit (``Task.binary_view``): sigmoid(50) is 1 - 2e-22, 1.0 in float64."""
 
+GENERATED_CONFIDENCES = {
+    "sequence": "the product of the generated tokens' probabilities (sequence_prob)",
+    "mean-token": "the geometric mean of the generated tokens' probabilities, length-normalised (mean_token_prob)",
+}
+"""``--confidence`` choice -> its definition, for the tasks that generate their answers (``Task.confidences``)."""
+
 
 class TaskQuestion(Protocol):
     """What the runner reads of any task's question: its key, its image and its prompt text.
@@ -104,7 +110,8 @@ class Task(ABC):
         name: the registry name (``run --task NAME``).
         summary: one line for ``--help`` and docs/tasks.md.
         answer_mode_text: how the model answers, in words.
-        confidence_definition: what the ``confidence`` column holds, in words.
+        confidence_definition: what the ``confidence`` column holds, in words (every ``--confidence`` form).
+        correct_definition: what the ``correct`` column holds, in words.
         evidence_definition: which image region counts as the question's evidence, in words.
         evidence_noun: the evidence regions as the run summary names them.
         names_evidence: whether its questions name image regions at all (``--annotations``).
@@ -137,12 +144,20 @@ class Task(ABC):
     summary: ClassVar[str] = ""
     answer_mode_text: ClassVar[str] = ""
     confidence_definition: ClassVar[str] = ""
+    correct_definition: ClassVar[str] = ""
     evidence_definition: ClassVar[str] = ""
     evidence_noun: ClassVar[str] = "the evidence regions"
     names_evidence: ClassVar[bool] = True
     """Whether the task's questions name image regions (``load_evidence``); ScienceQA's do not."""
     splits: ClassVar[tuple[str, ...]] = ()
     report_metrics: ClassVar[tuple[str, ...]] = ()
+
+    def confidence_in_use(self) -> str:
+        """What the ``confidence`` column holds in this task's runs under its ``--confidence`` choice
+        (calibration.json's conventions)."""
+        if self.confidence is None:
+            return self.confidence_definition
+        return f"--confidence {self.confidence}: {GENERATED_CONFIDENCES[self.confidence]}"
 
     @abstractmethod
     def read_questions(self, paths: Sequence[Path]) -> list[TaskQuestion]:
@@ -234,4 +249,4 @@ class Task(ABC):
         return records["answer_text"].to_numpy(zero_copy_only=False).astype(str)
 
 
-__all__ = ["Evidence", "Scored", "Task", "TaskQuestion"]
+__all__ = ["GENERATED_CONFIDENCES", "Evidence", "Scored", "Task", "TaskQuestion"]

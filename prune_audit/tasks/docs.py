@@ -72,6 +72,7 @@ def tasks_markdown() -> str:
             + (f" (at most {task.default_max_new_tokens} new tokens by default; `--max-new-tokens N`)"
                if task.default_max_new_tokens is not None else ""),
             f"- confidence: {task.confidence_definition}",
+            f"- correct: {task.correct_definition}",
             f"- evidence: {task.evidence_definition}",
             f"- splits: {', '.join(task.splits) if task.splits else 'none (records use the split ' + repr(name) + ')'}",
             f"- report metrics: {', '.join(task.report_metrics)}",

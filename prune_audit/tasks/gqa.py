@@ -36,7 +36,7 @@ from prune_audit.data.gqa import (
     normalize_answer,
 )
 from prune_audit.errors import PruneAuditError
-from prune_audit.tasks.base import Scored, Task
+from prune_audit.tasks.base import GENERATED_CONFIDENCES, Scored, Task
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -134,9 +134,11 @@ class GqaTask(Task):
     name = "gqa"
     summary = "GQA short answers (LLaVA's prompt), scored by GQA's exact match"
     answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
-    confidence_definition = ("the probability of the whole generated answer: the product of its tokens' "
-                             "probabilities (sequence_prob); `--confidence mean-token` takes the length-normalised "
-                             "form, their geometric mean (mean_token_prob); both are recorded")
+    confidence_definition = (f"the probability of the whole generated answer, {GENERATED_CONFIDENCES['sequence']}; "
+                             f"`--confidence mean-token` takes {GENERATED_CONFIDENCES['mean-token']}; both are "
+                             f"recorded")
+    correct_definition = ("GQA's exact match: the answer under LLaVA's normalisation (stripped, a final '.' "
+                          "dropped, lower case) equals the reference answer")
     evidence_definition = "the union of the scene-graph boxes of the objects the question's annotations name"
     evidence_noun = "the annotated objects"
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")

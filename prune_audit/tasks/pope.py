@@ -47,7 +47,9 @@ class PopeTask(Task):
     name = "pope"
     summary = "POPE yes/no object questions (Is there a <object> in the image?)"
     answer_mode_text = "the first token: yes/no probabilities, every single-token spelling summed"
-    confidence_definition = "max(p_yes_2way, 1 - p_yes_2way): the two-way probability of the answer given"
+    confidence_definition = ("max(p_yes_2way, 1 - p_yes_2way), p_yes_2way = sigmoid(logit_diff): the two-way "
+                             "probability of the answer given")
+    correct_definition = "the answer (yes/no) equals the label"
     evidence_definition = "the queried object's COCO instance mask (yes questions; none for no questions)"
     evidence_noun = "the yes questions' objects"
     splits = POPE_SPLITS

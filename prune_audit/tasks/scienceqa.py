@@ -71,6 +71,7 @@ class ScienceQaTask(Task):
     summary = "ScienceQA-IMG multiple choice (LLaVA's prompt), answered by its option letter"
     answer_mode_text = "the first token over the offered option letters"
     confidence_definition = "the chosen letter's first-token probability renormalised over the offered letters"
+    correct_definition = "the chosen letter equals the answer letter"
     evidence_definition = "none: ScienceQA names no image regions (no retention or lost objects)"
     evidence_noun = "the evidence regions (none for scienceqa)"
     names_evidence = False
