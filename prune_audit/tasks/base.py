@@ -169,21 +169,29 @@ class Task(ABC):
     """The lmms-eval dataset whose Parquet files (questions plus embedded images) the task reads; None: none."""
 
     def read_parquet(self, paths: Sequence[Path]) -> ParquetQuestions[TaskQuestion]:
-        """Every question of ``parquet_layout``'s Parquet files, validated, with the image bytes they embed."""
-        raise PruneAuditError(f"task {self.name} reads no Parquet question files; pass its question files with "
-                              f"--images DIR")
+        """Every question of ``parquet_layout``'s Parquet files, validated, with the image bytes they embed (a task
+        with a ``parquet_layout`` overrides it; ``parquet_inputs`` refuses Parquet files for the others)."""
+        raise NotImplementedError(f"task {self.name} declares parquet_layout but does not read it")
 
     def load_questions(self, paths: Sequence[Path]) -> tuple[list[TaskQuestion], dict[str, bytes] | None]:
         """The questions of the run's question files and, for Parquet files (``.parquet``: ``read_parquet``), the
         images they embed by name (None for the task's own files, whose images lie in ``--images``)."""
-        parquet = [path for path in paths if path.suffix == ".parquet"]
-        if not parquet:
+        if not self.parquet_inputs(paths):
             return self.read_questions(paths), None
-        if len(parquet) != len(paths):
-            raise PruneAuditError("pass either Parquet question files (images embedded) or the task's own question "
-                                  "files, not both")
         loaded = self.read_parquet(paths)
         return loaded.questions, loaded.images
+
+    def parquet_inputs(self, paths: Sequence[Path]) -> bool:
+        """Whether ``paths`` are Parquet files (``.parquet``) rather than the task's own question files; a mix, or
+        Parquet files for a task without ``parquet_layout``, is refused."""
+        parquet = [path for path in paths if Path(path).suffix == ".parquet"]
+        if parquet and self.parquet_layout is None:
+            raise PruneAuditError(f"task {self.name} reads no Parquet question files; pass its own question files "
+                                  f"(docs/tasks.md)")
+        if parquet and len(parquet) != len(paths):
+            raise PruneAuditError("pass either Parquet question files (images embedded) or the task's own question "
+                                  "files, not both")
+        return bool(parquet)
 
     def check_questions(self, questions: Sequence[TaskQuestion]) -> None:
         """Refuse a question list the task cannot score (for instance, questions without references)."""

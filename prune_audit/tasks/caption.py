@@ -198,6 +198,7 @@ class CaptionTask(Task):
         answers' ``question_id`` is the COCO image id."""
         from prune_audit.data.captions import score_caption_answers
 
+        self.parquet_inputs(question_files)  # refuses Parquet files in one line: captions have no Parquet layout
         questions = [question.caption for question in self.read_questions(question_files)]
         return score_caption_answers(answers, questions, self.vocabulary)
 

@@ -194,9 +194,14 @@ class GqaTask(Task):
         return Scored(generation.answer, (reference,), exact_match(generation.answer, reference), confidence, columns)
 
     def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
-        """GQA's exact match after LLaVA's normalisation (``data.gqa.score_gqa_answers``)."""
+        """GQA's exact match after LLaVA's normalisation (``data.gqa.score_gqa_answers``); of lmms-lab/GQA's Parquet
+        files only the ``*_instructions`` ones are read."""
         from prune_audit.data.gqa import score_gqa_answers
 
+        if self.parquet_inputs(question_files):
+            from prune_audit.data.lmms_parquet import read_gqa_parquet_questions
+
+            return score_gqa_answers(answers, read_gqa_parquet_questions(question_files))
         return score_gqa_answers(answers, [question.gqa for question in self.read_questions(question_files)])
 
     def comparable_answers(self, records: pa.Table) -> np.ndarray:

@@ -88,9 +88,15 @@ class PopeTask(Task):
                       columns)
 
     def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
-        """POPE's evaluate.py per split and averaged (``prune-audit pope score``'s report)."""
+        """POPE's evaluate.py per split and averaged (``prune-audit pope score``'s report); lmms-lab/POPE Parquet
+        files are read without their images."""
         from prune_audit.data.pope_score import score_files
 
+        if self.parquet_inputs(question_files):
+            from prune_audit.data.lmms_parquet import read_pope_parquet
+
+            questions = read_pope_parquet(question_files, images=False).questions
+            return score_files(answers, list(question_files), questions)
         return score_files(answers, list(question_files))
 
     def image_id(self, question: PopeQuestion) -> int | None:
