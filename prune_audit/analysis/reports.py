@@ -33,8 +33,8 @@ def calibration_conventions(runs: Sequence[Run], labels: Sequence[str]) -> dict:
     """calibration.json's conventions: ``confidence`` and ``correct`` as the runs' task defines them
     (``Task.confidence_in_use``, ``Task.correct_definition``), then ``CALIBRATION_CONVENTIONS``.
 
-    Runs compared despite different tasks or ``--confidence`` choices (``--force``) get a definition per run
-    label instead of one.
+    Runs whose definitions differ (different ``--confidence`` choices, or tasks compared with ``--force``) get a
+    definition per run label instead of one.
     """
     definitions = {}
     for kind in ("confidence", "correct"):
@@ -48,6 +48,7 @@ def _task_definition(task: Task, kind: str) -> str:
     """The task's definition of its ``confidence`` or ``correct`` column, prefixed with its name."""
     text = task.confidence_in_use() if kind == "confidence" else task.correct_definition
     return f"{task.name}: {text}"
+
 
 CSV_SECTIONS = ("metrics", "temperature", "survival", "difference_vs_reference")
 
