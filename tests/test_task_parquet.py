@@ -78,8 +78,10 @@ def test_pope_parquet_runs_without_an_images_folder_as_the_json_files_do(workspa
     assert treated.exit_code == 0, treated.output
 
 
-def test_gqa_parquet_files_join_instructions_and_images(workspace, tmp_path):
-    inputs = gqa_inputs(workspace, tmp_path / "gqa")
+def gqa_parquet(ws: dict[str, Path], folder: Path) -> tuple[Path, Path, dict[str, Path], dict]:
+    """lmms-lab/GQA's instructions and images files for the workspace's GQA questions (``gqa_inputs``), those
+    inputs and their questions (GQA's question JSON)."""
+    inputs = gqa_inputs(ws, folder / "gqa")
     questions = json.loads(inputs["questions"].read_text())
     annotations = [{"question": list(q["annotations"]["question"].items()),
                     "answer": list(q["annotations"]["answer"].items()),
@@ -93,12 +95,18 @@ def test_gqa_parquet_files_join_instructions_and_images(workspace, tmp_path):
         "fullAnswer": (pa.string(), [q["answer"] for q in questions.values()]),
         "isBalanced": (pa.bool_(), [True] * count), "types": (columns["types"][0], columns["types"][1][:1] * count),
     })
-    instructions = write_parquet(tmp_path / "testdev_balanced_instructions.parquet", columns)
+    instructions = write_parquet(folder / "testdev_balanced_instructions.parquet", columns)
     stems = list(dict.fromkeys(q["imageId"] for q in questions.values()))
-    pictures = write_parquet(tmp_path / "testdev_balanced_images.parquet", {
+    pictures = write_parquet(folder / "testdev_balanced_images.parquet", {
         "id": (pa.string(), stems),
-        "image": (IMAGE_STRUCT, [image((Path(workspace["images"]) / f"{stem}.png").read_bytes()) for stem in stems]),
+        "image": (IMAGE_STRUCT, [image((Path(ws["images"]) / f"{stem}.png").read_bytes()) for stem in stems]),
     })
+    return instructions, pictures, inputs, questions
+
+
+def test_gqa_parquet_files_join_instructions_and_images(workspace, tmp_path):
+    instructions, pictures, inputs, questions = gqa_parquet(workspace, tmp_path)
+    stems = list(dict.fromkeys(q["imageId"] for q in questions.values()))
     from_parquet = tmp_path / "parquet"
     result = runner.invoke(app, ["run", "--task", "gqa", "--model", str(workspace["model"]), "--questions",
                                  str(pictures), "--questions", str(instructions), "--max-new-tokens", "2",
@@ -151,6 +159,51 @@ def test_scienceqa_parquet_answers_as_llavas_file(workspace, letters_model, tmp_
     assert [r["question_id"] for r in by_parquet] == list(range(len(entries)))  # row numbers: the layout has no id
     assert [(r["answer_text"], r["references"], r["letter_probs"]) for r in by_parquet] == [
         (r["answer_text"], r["references"], r["letter_probs"]) for r in by_json]
+
+
+def score_json(*args: str) -> dict:
+    result = runner.invoke(app, ["score", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_score_reads_pope_parquet_as_the_json_files(workspace, tmp_path):
+    parquet = pope_parquet(workspace, tmp_path / "test-00000-of-00001.parquet")
+    entries = [(json.loads(line), path.stem.rsplit("_", 1)[-1]) for path in workspace["pope"]
+               for line in path.read_text().splitlines() if line.strip()]
+    answers = tmp_path / "answers.jsonl"  # every third answer wrong, matched by (split, question_id)
+    answers.write_text("".join(json.dumps({"question_id": e["question_id"], "category": split,
+                                           "text": e["label"] if n % 3 else {"yes": "No", "no": "Yes"}[e["label"]]})
+                               + "\n" for n, (e, split) in enumerate(entries)))
+    by_parquet = score_json(str(answers), "--questions", str(parquet))
+    by_json = score_json(str(answers), *[arg for path in workspace["pope"] for arg in ("--questions", str(path))])
+    assert by_parquet["matched_by"] == by_json["matched_by"] == "id"
+    assert json.dumps(by_parquet["splits"]) == json.dumps(by_json["splits"])  # NaN-safe equality
+    per_split = [split for name, split in by_parquet["splits"].items() if name != "average"]
+    assert sum(split["tp"] + split["tn"] for split in per_split) == sum(n % 3 != 0 for n in range(len(entries)))
+
+
+def test_score_reads_gqa_instructions_parquet_without_its_images(workspace, tmp_path):
+    instructions, pictures, _, questions = gqa_parquet(workspace, tmp_path)
+    ids = list(questions)
+    rows = [(ids[0], questions[ids[0]]["answer"].capitalize() + "."), (ids[1], "no idea"),
+            *((qid, questions[qid]["answer"]) for qid in ids[2:])]
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps({"question_id": qid, "text": text}) + "\n" for qid, text in rows))
+    # "Circle." -> "circle" under LLaVA's rule; "no idea" is wrong: 5 of 6, with or without the images file
+    for files in ([instructions], [pictures, instructions]):
+        report = score_json(str(answers), "--task", "gqa", *[arg for path in files for arg in ("--questions", str(path))])
+        assert (report["n"], report["correct"]) == (6, 5)
+    refused(runner.invoke(app, ["score", str(answers), "--task", "gqa", "--questions", str(pictures)]),
+            "no lmms-lab/GQA *_instructions")
+
+
+@pytest.mark.parametrize(("task", "reason"), [("scienceqa", "no problem id"), ("caption", "reads no Parquet")])
+def test_score_refuses_parquet_it_cannot_match_in_one_line(workspace, tmp_path, task, reason):
+    parquet = pope_parquet(workspace, tmp_path / "test-00000-of-00001.parquet")
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(json.dumps({"question_id": 1, "text": "A"}) + "\n")
+    refused(runner.invoke(app, ["score", str(answers), "--task", task, "--questions", str(parquet)]), reason)
 
 
 @pytest.mark.parametrize("case", ["images option", "mixed files", "missing column", "caption", "bad image"])

@@ -42,11 +42,49 @@ def test_calibrate_table_shows_the_metrics_the_task_reports(gqa_runs, tmp_path, 
     assert shown.exit_code == 0, shown.output
     rows = table_rows(shown.stdout)
     assert metric("aurc").label in rows and metric("ece").label in rows and metric("f1").label not in rows
+    conventions = json.loads((tmp_path / "all" / "calibration.json").read_text())["conventions"]
+    assert conventions["confidence"] == "gqa: --confidence sequence: the product of the generated tokens' " \
+        "probabilities (sequence_prob)"
+    assert conventions["correct"].startswith("gqa: GQA's exact match")
     # a task that stops reporting a metric loses its row (calibration.json keeps every computed metric)
     monkeypatch.setattr(GqaTask, "report_metrics", tuple(m for m in GqaTask.report_metrics if m != "aurc"))
     fewer = runner.invoke(app, [*args, "--out", str(tmp_path / "fewer")], env={"COLUMNS": "250"})
     assert fewer.exit_code == 0, fewer.output
     assert metric("aurc").label not in table_rows(fewer.stdout) and metric("ece").label in table_rows(fewer.stdout)
+
+
+@pytest.mark.parametrize(("task", "confidence", "expected"), [
+    ("pope", None, "pope: max(p_yes_2way, 1 - p_yes_2way), p_yes_2way = sigmoid(logit_diff)"),
+    ("gqa", None, "gqa: --confidence sequence: the product of the generated tokens' probabilities"),
+    ("gqa", "mean-token", "gqa: --confidence mean-token: the geometric mean of the generated tokens'"),
+    ("scienceqa", None, "scienceqa: the chosen letter's first-token probability renormalised over the offered"),
+    ("caption", None, "caption: --confidence mean-token: the geometric mean of the generated tokens'"),
+    ("caption", "sequence", "caption: --confidence sequence: the product of the generated tokens' probabilities"),
+])
+def test_calibration_conventions_define_the_runs_task_confidence(task, confidence, expected):
+    from types import SimpleNamespace
+
+    from prune_audit.analysis.reports import calibration_conventions
+    from prune_audit.tasks import get_task
+
+    run = SimpleNamespace(task=get_task(task, None, confidence))
+    conventions = calibration_conventions([run, run], ["a", "b"])
+    assert conventions["confidence"].startswith(expected)
+    assert conventions["correct"] == f"{task}: {run.task.correct_definition}" and run.task.correct_definition
+    assert "ece" in conventions and "temperature" in conventions
+
+
+def test_calibration_conventions_of_runs_that_differ_define_each_runs_confidence():
+    from types import SimpleNamespace
+
+    from prune_audit.analysis.reports import calibration_conventions
+    from prune_audit.tasks import get_task
+
+    runs = [SimpleNamespace(task=get_task("gqa", None, form)) for form in ("sequence", "mean-token")]
+    conventions = calibration_conventions(runs, ["seq", "mean"])
+    assert set(conventions["confidence"]) == {"seq", "mean"}
+    assert "geometric mean" in conventions["confidence"]["mean"] and "product" in conventions["confidence"]["seq"]
+    assert conventions["correct"] == f"gqa: {runs[0].task.correct_definition}"
 
 
 def test_scienceqa_cascade_reports_the_validity_experiment(workspace, letters_model, tmp_path):  # noqa: F811

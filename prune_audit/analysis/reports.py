@@ -12,20 +12,43 @@ from prune_audit.analysis.cascade import COST_LABELS, cascade_audit
 from prune_audit.analysis.metric_table import METRICS
 from prune_audit.analysis.outputs import estimates_csv, to_json
 from prune_audit.analysis.runs import Run, display_model, unique_labels
+from prune_audit.tasks import Task
 
 CALIBRATION_CONVENTIONS = {
-    "confidence": "top-label two-way confidence max(p_yes, 1 - p_yes), p_yes = sigmoid(logit_diff); "
-    "correct = answer == label",
     **{metric.name: metric.meaning for metric in METRICS},
     "reliability": "per-bin count, mean confidence and accuracy with --binning; accuracy_ci95: 95% image-bootstrap "
     "interval of each bin's accuracy, bin membership fixed",
-    "temperature": "T minimising NLL of p_yes = sigmoid(d/T) on the calibration images (bounded search over log T in "
-    "[0.01, 100]); after-scaling metrics on the disjoint test images, T fixed in the bootstrap",
+    "temperature": "T minimising NLL of sigmoid(d/T) on the calibration images, d = POPE's logit_diff or another "
+    "task's confidence logit (bounded search over log T in [0.01, 100]); after-scaling metrics on the disjoint test "
+    "images, T fixed in the bootstrap",
     "intervals": "95% percentile intervals from an image-clustered bootstrap (images resampled with replacement); "
     "differences are paired (same resampled images for both runs)",
     "retention_bins": [label for label, _, _ in RETENTION_BINS],
 }
-"""Definitions written into calibration.json: the confidence, every metric of ``metric_table``, the rest."""
+"""Definitions written into calibration.json besides the task's (``calibration_conventions``): every metric of
+``metric_table``, the rest."""
+
+
+def calibration_conventions(runs: Sequence[Run], labels: Sequence[str]) -> dict:
+    """calibration.json's conventions: ``confidence`` and ``correct`` as the runs' task defines them
+    (``Task.confidence_in_use``, ``Task.correct_definition``), then ``CALIBRATION_CONVENTIONS``.
+
+    Runs whose definitions differ (different ``--confidence`` choices, or tasks compared with ``--force``) get a
+    definition per run label instead of one.
+    """
+    definitions = {}
+    for kind in ("confidence", "correct"):
+        per_run = {label: _task_definition(run.task, kind) for run, label in zip(runs, labels)}
+        distinct = set(per_run.values())
+        definitions[kind] = distinct.pop() if len(distinct) == 1 else per_run
+    return {**definitions, **CALIBRATION_CONVENTIONS}
+
+
+def _task_definition(task: Task, kind: str) -> str:
+    """The task's definition of its ``confidence`` or ``correct`` column, prefixed with its name."""
+    text = task.confidence_in_use() if kind == "confidence" else task.correct_definition
+    return f"{task.name}: {text}"
+
 
 CSV_SECTIONS = ("metrics", "temperature", "survival", "difference_vs_reference")
 
@@ -49,7 +72,7 @@ def calibration_report(
     check_runs([*runs, *([reference] if reference else [])])
     audit = calibration_audit([run.questions for run in runs], settings, reference.questions if reference else None)
     report = {
-        "conventions": CALIBRATION_CONVENTIONS,
+        "conventions": calibration_conventions([*runs, *([reference] if reference else [])], labels),
         "settings": asdict(settings),
         "compared_despite_differences": list(differences),
         "split": audit["split"],

@@ -40,10 +40,10 @@ def calibrate(
     ] = False,
     stage: Annotated[str, typer.Option("--stage", help=STAGE_HELP)] = "first",
 ) -> None:
-    """Calibration audit: POPE scores, confidence quality, temperature scaling and object survival.
+    """Calibration audit: the task's scores, confidence quality, temperature scaling and object survival.
 
-    Confidence: top-label two-way confidence max(p_yes, 1 - p_yes),
-    p_yes = sigmoid(logit_diff); correct = answer == label.
+    Confidence and correct: as the runs' task defines them (docs/tasks.md; calibration.json's
+    conventions). POPE: max(p_yes, 1 - p_yes), p_yes = sigmoid(logit_diff); correct = answer == label.
 
     ECE = sum_b (n_b/N) |acc_b - conf_b| over equal-width bins (lower, upper]
     (0 in the first bin, 1.0 in the last) and over equal-mass bins
@@ -52,7 +52,7 @@ def calibrate(
     confidence for correctness. AURC = mean error rate of the k most
     confident questions, k = 1..N.
 
-    Temperature T (p_yes = sigmoid(d/T)) is fitted by NLL on a seeded split
+    Temperature T (p = sigmoid(d/T), d = POPE's logit_diff or the confidence's logit) is fitted by NLL on a seeded split
     of the images (all POPE splits together); scaled metrics are shown on the
     other images. Intervals: 95% percentile, bootstrap over images;
     differences to --reference are paired (same resampled images).

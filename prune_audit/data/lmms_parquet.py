@@ -68,8 +68,9 @@ def column_names(path: Path, layout: str) -> list[str]:
         raise PruneAuditError(f"{path}: not a readable Parquet file ({error}); pass the {layout} files") from None
 
 
-def read_rows(path: Path, columns: Sequence[str], layout: str) -> list[dict[str, Any]]:
-    """The rows of ``path`` as dicts; a file that is not Parquet or lacks a column is one line naming it."""
+def read_rows(path: Path, columns: Sequence[str], layout: str, skip: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The rows of ``path`` as dicts, without the columns ``skip`` (not read at all: scoring needs no image bytes);
+    a file that is not Parquet or lacks a column of ``columns`` is one line naming it."""
     import pyarrow.parquet as pq
 
     names = column_names(path, layout)
@@ -78,7 +79,7 @@ def read_rows(path: Path, columns: Sequence[str], layout: str) -> list[dict[str,
         raise PruneAuditError(
             f"{path}: no column {', '.join(missing)}; expected the {layout} layout ({', '.join(columns)})"
         )
-    return pq.read_table(path).to_pylist()
+    return pq.read_table(path, columns=[name for name in names if name not in skip]).to_pylist()
 
 
 def _text(row: dict[str, Any], column: str, where: str) -> str:
@@ -104,11 +105,12 @@ def _image_bytes(value: Any, where: str) -> bytes:
 
 
 def _read(paths: Paths, columns: Sequence[str], layout: str,
-          convert: Callable[[dict[str, Any], str, int], tuple[Question, bytes | None]]) -> ParquetQuestions[Question]:
+          convert: Callable[[dict[str, Any], str, int], tuple[Question, bytes | None]],
+          skip: Sequence[str] = ()) -> ParquetQuestions[Question]:
     questions: list[Question] = []
     images: dict[str, bytes] = {}
     for path in _paths(paths):
-        for number, row in enumerate(read_rows(path, columns, layout)):
+        for number, row in enumerate(read_rows(path, columns, layout, skip)):
             question, data = convert(row, f"{path}: row {number}", len(questions))
             questions.append(question)
             if data is not None:
@@ -118,7 +120,7 @@ def _read(paths: Paths, columns: Sequence[str], layout: str,
     return ParquetQuestions(questions, images)
 
 
-def _pope_row(row: dict[str, Any], where: str, _index: int) -> tuple[PopeQuestion, bytes]:
+def _pope_row(row: dict[str, Any], where: str, _index: int) -> tuple[PopeQuestion, bytes | None]:
     question_id = row.get("question_id")
     text = str(question_id) if isinstance(question_id, (str, int)) and not isinstance(question_id, bool) else ""
     if not is_digits(text):
@@ -136,16 +138,17 @@ def _pope_row(row: dict[str, Any], where: str, _index: int) -> tuple[PopeQuestio
     image = source if Path(source).suffix else f"{source}.jpg"
     pope = PopeQuestion(question_id=int(text), split=split, image=image, text=question, label=answer, object=obj,
                         category=split)
-    return pope, _image_bytes(row.get("image"), where)
+    return pope, _image_bytes(row["image"], where) if "image" in row else None
 
 
-def read_pope_parquet(paths: Paths) -> ParquetQuestions[PopeQuestion]:
-    """lmms-lab/POPE's Parquet files (one or several shards) as POPE questions with their images.
+def read_pope_parquet(paths: Paths, images: bool = True) -> ParquetQuestions[PopeQuestion]:
+    """lmms-lab/POPE's Parquet files (one or several shards) as POPE questions with their images (none read when
+    not ``images``: scoring released answers).
 
     The image is named ``<image_source>.jpg``; the split is ``category``; a (split, question_id)
     pair must be unique, as in the JSON files.
     """
-    result = _read(paths, POPE_COLUMNS, "lmms-lab/POPE", _pope_row)
+    result = _read(paths, POPE_COLUMNS, "lmms-lab/POPE", _pope_row, skip=() if images else ("image",))
     seen: set[tuple[str, int]] = set()
     for question in result.questions:
         key = (question.split, question.question_id)
@@ -191,20 +194,31 @@ def read_gqa_parquet(instructions: Paths, images: Paths) -> ParquetQuestions[Gqa
             pictures[image_id] = _image_bytes(row.get("image"), where)
 
     def convert(row: dict[str, Any], where: str, _index: int) -> tuple[GqaQuestion, bytes]:
-        question_id, image_id = _text(row, "id", where), _text(row, "imageId", where)
+        question, image_id = _gqa_row(row, where)
         if image_id not in pictures:
             raise PruneAuditError(
                 f"{where}: image {image_id} is not in the images files; pass the matching *_images split"
             )
-        text = _text(row, "question", where)
-        question = GqaQuestion(
-            question_id=question_id, image=f"{image_id}.jpg", text=f"{text}\n{GQA_INSTRUCTION}", question=text,
-            answer=_optional_text(row, "answer", where), full_answer=_optional_text(row, "fullAnswer", where),
-            evidence_object_ids=_gqa_evidence(row, where),
-        )
         return question, pictures[image_id]
 
-    result = _read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert)
+    return _unique_gqa(_read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert))
+
+
+def _gqa_row(row: dict[str, Any], where: str) -> tuple[GqaQuestion, str]:
+    """One ``*_instructions`` row as a question prompted as LLaVA's file (question, newline, the short-answer
+    instruction), and its ``imageId``."""
+    question_id, image_id = _text(row, "id", where), _text(row, "imageId", where)
+    text = _text(row, "question", where)
+    question = GqaQuestion(
+        question_id=question_id, image=f"{image_id}.jpg", text=f"{text}\n{GQA_INSTRUCTION}", question=text,
+        answer=_optional_text(row, "answer", where), full_answer=_optional_text(row, "fullAnswer", where),
+        evidence_object_ids=_gqa_evidence(row, where),
+    )
+    return question, image_id
+
+
+def _unique_gqa(result: ParquetQuestions[GqaQuestion]) -> ParquetQuestions[GqaQuestion]:
+    """``result``, once no question id repeats across the instructions files."""
     ids = [question.question_id for question in result.questions]
     if len(set(ids)) != len(ids):
         repeated = next(i for n, i in enumerate(ids) if i in ids[:n])
@@ -212,12 +226,33 @@ def read_gqa_parquet(instructions: Paths, images: Paths) -> ParquetQuestions[Gqa
     return result
 
 
-def read_gqa_parquet_files(paths: Paths) -> ParquetQuestions[GqaQuestion]:
-    """lmms-lab/GQA's files given together, in any order: each file with an ``imageId`` column is an
-    ``*_instructions`` file, every other one an ``*_images`` file (``read_gqa_parquet`` joins them)."""
+def _split_gqa_files(paths: Paths) -> tuple[list[Path], list[Path]]:
+    """The ``*_instructions`` files among lmms-lab/GQA's files (those with an ``imageId`` column) and the
+    ``*_images`` files (every other one)."""
     instructions, images = [], []
     for path in _paths(paths):
         (instructions if "imageId" in column_names(path, "lmms-lab/GQA") else images).append(path)
+    return instructions, images
+
+
+def read_gqa_parquet_questions(paths: Paths) -> list[GqaQuestion]:
+    """The questions and answers of lmms-lab/GQA's ``*_instructions`` files among ``paths`` (``*_images`` files are
+    not read: scoring released answers needs no image)."""
+    instructions, _ = _split_gqa_files(paths)
+    if not instructions:
+        raise PruneAuditError("no lmms-lab/GQA *_instructions (questions) Parquet file among the question files; "
+                              "pass the *_instructions file of the split")
+
+    def convert(row: dict[str, Any], where: str, _index: int) -> tuple[GqaQuestion, None]:
+        return _gqa_row(row, where)[0], None
+
+    return _unique_gqa(_read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert)).questions
+
+
+def read_gqa_parquet_files(paths: Paths) -> ParquetQuestions[GqaQuestion]:
+    """lmms-lab/GQA's files given together, in any order: each file with an ``imageId`` column is an
+    ``*_instructions`` file, every other one an ``*_images`` file (``read_gqa_parquet`` joins them)."""
+    instructions, images = _split_gqa_files(paths)
     if not instructions or not images:
         missing = "*_instructions (questions)" if not instructions else "*_images"
         raise PruneAuditError(f"no lmms-lab/GQA {missing} Parquet file among the question files; pass both the "

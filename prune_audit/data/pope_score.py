@@ -124,13 +124,15 @@ def load_scored_questions(files: Sequence[str | Path]) -> list[PopeQuestion]:
     return attach_labels(unlabelled, labelled) if unlabelled else labelled
 
 
-def score_files(answers: str | Path, question_files: Sequence[str | Path]) -> dict[str, Any]:
+def score_files(answers: str | Path, question_files: Sequence[str | Path],
+                questions: Sequence[PopeQuestion] | None = None) -> dict[str, Any]:
     """Score an answers file against POPE question files, as POPE's ``evaluate.py`` does.
 
-    Returns ``answers`` and ``question_files`` (path and sha256 of each input),
-    ``matched_by`` ("order" or "id") and ``splits`` (:func:`score_by_split`).
+    ``questions``: the files' questions when already read (lmms-lab/POPE Parquet files); by default the files
+    are POPE's or LLaVA's (``load_scored_questions``). Returns ``answers`` and ``question_files`` (path and
+    sha256 of each input), ``matched_by`` ("order" or "id") and ``splits`` (:func:`score_by_split`).
     """
-    questions = load_scored_questions(question_files)
+    questions = load_scored_questions(question_files) if questions is None else questions
     texts, matched_by = match_answers(questions, load_answers(answers))
     return {
         "answers": {"path": str(answers), "sha256": file_sha256(answers)},

@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 LOGIT_LIMIT = 50.0
 """Bound of the top-label logit (``Task.binary_view``): sigmoid(50) is 1 - 2e-22, 1.0 in float64."""
 
+GENERATED_CONFIDENCES = {
+    "sequence": "the product of the generated tokens' probabilities (sequence_prob)",
+    "mean-token": "the geometric mean of the generated tokens' probabilities, length-normalised (mean_token_prob)",
+}
+"""``--confidence`` choice -> its definition, for the tasks that generate their answers (``Task.confidences``)."""
+
 
 class TaskQuestion(Protocol):
     """What the runner reads of any task's question: its key, its image and its prompt text.
@@ -104,7 +110,8 @@ class Task(ABC):
         name: the registry name (``run --task NAME``).
         summary: one line for ``--help`` and docs/tasks.md.
         answer_mode_text: how the model answers, in words.
-        confidence_definition: what the ``confidence`` column holds, in words.
+        confidence_definition: what the ``confidence`` column holds, in words (every ``--confidence`` form).
+        correct_definition: what the ``correct`` column holds, in words.
         evidence_definition: which image region counts as the question's evidence, in words.
         evidence_noun: the evidence regions as the run summary names them.
         names_evidence: whether its questions name image regions at all (``--annotations``).
@@ -137,12 +144,20 @@ class Task(ABC):
     summary: ClassVar[str] = ""
     answer_mode_text: ClassVar[str] = ""
     confidence_definition: ClassVar[str] = ""
+    correct_definition: ClassVar[str] = ""
     evidence_definition: ClassVar[str] = ""
     evidence_noun: ClassVar[str] = "the evidence regions"
     names_evidence: ClassVar[bool] = True
     """Whether the task's questions name image regions (``load_evidence``); ScienceQA's do not."""
     splits: ClassVar[tuple[str, ...]] = ()
     report_metrics: ClassVar[tuple[str, ...]] = ()
+
+    def confidence_in_use(self) -> str:
+        """What the ``confidence`` column holds in this task's runs under its ``--confidence`` choice
+        (calibration.json's conventions)."""
+        if self.confidence is None:
+            return self.confidence_definition
+        return f"--confidence {self.confidence}: {GENERATED_CONFIDENCES[self.confidence]}"
 
     @abstractmethod
     def read_questions(self, paths: Sequence[Path]) -> list[TaskQuestion]:
@@ -154,21 +169,29 @@ class Task(ABC):
     """The lmms-eval dataset whose Parquet files (questions plus embedded images) the task reads; None: none."""
 
     def read_parquet(self, paths: Sequence[Path]) -> ParquetQuestions[TaskQuestion]:
-        """Every question of ``parquet_layout``'s Parquet files, validated, with the image bytes they embed."""
-        raise PruneAuditError(f"task {self.name} reads no Parquet question files; pass its question files with "
-                              f"--images DIR")
+        """Every question of ``parquet_layout``'s Parquet files, validated, with the image bytes they embed (a task
+        with a ``parquet_layout`` overrides it; ``parquet_inputs`` refuses Parquet files for the others)."""
+        raise NotImplementedError(f"task {self.name} declares parquet_layout but does not read it")
 
     def load_questions(self, paths: Sequence[Path]) -> tuple[list[TaskQuestion], dict[str, bytes] | None]:
         """The questions of the run's question files and, for Parquet files (``.parquet``: ``read_parquet``), the
         images they embed by name (None for the task's own files, whose images lie in ``--images``)."""
-        parquet = [path for path in paths if path.suffix == ".parquet"]
-        if not parquet:
+        if not self.parquet_inputs(paths):
             return self.read_questions(paths), None
-        if len(parquet) != len(paths):
-            raise PruneAuditError("pass either Parquet question files (images embedded) or the task's own question "
-                                  "files, not both")
         loaded = self.read_parquet(paths)
         return loaded.questions, loaded.images
+
+    def parquet_inputs(self, paths: Sequence[Path]) -> bool:
+        """Whether ``paths`` are Parquet files (``.parquet``) rather than the task's own question files; a mix, or
+        Parquet files for a task without ``parquet_layout``, is refused."""
+        parquet = [path for path in paths if Path(path).suffix == ".parquet"]
+        if parquet and self.parquet_layout is None:
+            raise PruneAuditError(f"task {self.name} reads no Parquet question files; pass its own question files "
+                                  f"(docs/tasks.md)")
+        if parquet and len(parquet) != len(paths):
+            raise PruneAuditError("pass either Parquet question files (images embedded) or the task's own question "
+                                  "files, not both")
+        return bool(parquet)
 
     def check_questions(self, questions: Sequence[TaskQuestion]) -> None:
         """Refuse a question list the task cannot score (for instance, questions without references)."""
@@ -234,4 +257,4 @@ class Task(ABC):
         return records["answer_text"].to_numpy(zero_copy_only=False).astype(str)
 
 
-__all__ = ["Evidence", "Scored", "Task", "TaskQuestion"]
+__all__ = ["GENERATED_CONFIDENCES", "Evidence", "Scored", "Task", "TaskQuestion"]

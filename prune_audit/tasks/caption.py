@@ -47,7 +47,7 @@ from prune_audit.data.chair import (
 )
 from prune_audit.data.coco import CocoInstances, read_json
 from prune_audit.errors import PruneAuditError
-from prune_audit.tasks.base import Scored, Task
+from prune_audit.tasks.base import GENERATED_CONFIDENCES, Scored, Task
 from prune_audit.tasks.evidence import CocoEvidence
 from prune_audit.tasks.registry import register_task
 
@@ -146,9 +146,9 @@ class CaptionTask(Task):
     name = "caption"
     summary = "Detailed captions of COCO images, object mentions scored by CHAIR (hallucinated and omitted objects)"
     answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
-    confidence_definition = ("the length-normalised caption probability: the geometric mean of its tokens' "
-                             "probabilities (mean_token_prob); `--confidence sequence` takes their product "
-                             "(sequence_prob); both are recorded")
+    confidence_definition = (f"the caption's probability, {GENERATED_CONFIDENCES['mean-token']}; "
+                             f"`--confidence sequence` takes {GENERATED_CONFIDENCES['sequence']}; both are recorded")
+    correct_definition = "CHAIR-s's complement: the caption mentions no object absent from the image"
     evidence_definition = "every annotated object's COCO mask: their union, and each object on its own"
     evidence_noun = "the annotated objects"
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
@@ -198,6 +198,7 @@ class CaptionTask(Task):
         answers' ``question_id`` is the COCO image id."""
         from prune_audit.data.captions import score_caption_answers
 
+        self.parquet_inputs(question_files)  # refuses Parquet files in one line: captions have no Parquet layout
         questions = [question.caption for question in self.read_questions(question_files)]
         return score_caption_answers(answers, questions, self.vocabulary)
 

@@ -36,6 +36,10 @@ Question files in the Parquet layout of the lmms-eval datasets (`.parquet`; see 
 embed their images, so they need no `--images`: every embedded image the run uses is decoded before anything
 is written, the run writes them to `RUN_DIR/images/` (its manifest's images folder, pinned by their sha256,
 read again by `visualize --run` and `intervene`), and a run reads either Parquet files or the task's own files.
+`score --task pope` and `score --task gqa` read them too, without their images (GQA: only the `*_instructions`
+files); `score --task scienceqa` refuses them, because lmms-lab/ScienceQA's rows have no problem id to match an
+answers file's `question_id` (row order would silently pair answers with the wrong questions once either file
+is filtered): pass LLaVA's `llava_test_CQM-A.json`.
 
 Plug-in tasks: a `prune_audit.tasks.Task` subclass exposed under the entry-point group `prune_audit.tasks`
 registers under the entry point's name, as selectors do under `prune_audit.selectors`. Its records hold the
@@ -72,6 +76,7 @@ def tasks_markdown() -> str:
             + (f" (at most {task.default_max_new_tokens} new tokens by default; `--max-new-tokens N`)"
                if task.default_max_new_tokens is not None else ""),
             f"- confidence: {task.confidence_definition}",
+            f"- correct: {task.correct_definition}",
             f"- evidence: {task.evidence_definition}",
             f"- splits: {', '.join(task.splits) if task.splits else 'none (records use the split ' + repr(name) + ')'}",
             f"- report metrics: {', '.join(task.report_metrics)}",

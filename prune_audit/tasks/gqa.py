@@ -36,7 +36,7 @@ from prune_audit.data.gqa import (
     normalize_answer,
 )
 from prune_audit.errors import PruneAuditError
-from prune_audit.tasks.base import Scored, Task
+from prune_audit.tasks.base import GENERATED_CONFIDENCES, Scored, Task
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -134,9 +134,11 @@ class GqaTask(Task):
     name = "gqa"
     summary = "GQA short answers (LLaVA's prompt), scored by GQA's exact match"
     answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
-    confidence_definition = ("the probability of the whole generated answer: the product of its tokens' "
-                             "probabilities (sequence_prob); `--confidence mean-token` takes the length-normalised "
-                             "form, their geometric mean (mean_token_prob); both are recorded")
+    confidence_definition = (f"the probability of the whole generated answer, {GENERATED_CONFIDENCES['sequence']}; "
+                             f"`--confidence mean-token` takes {GENERATED_CONFIDENCES['mean-token']}; both are "
+                             f"recorded")
+    correct_definition = ("GQA's exact match: the answer under LLaVA's normalisation (stripped, a final '.' "
+                          "dropped, lower case) equals the reference answer")
     evidence_definition = "the union of the scene-graph boxes of the objects the question's annotations name"
     evidence_noun = "the annotated objects"
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
@@ -192,9 +194,14 @@ class GqaTask(Task):
         return Scored(generation.answer, (reference,), exact_match(generation.answer, reference), confidence, columns)
 
     def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
-        """GQA's exact match after LLaVA's normalisation (``data.gqa.score_gqa_answers``)."""
+        """GQA's exact match after LLaVA's normalisation (``data.gqa.score_gqa_answers``); of lmms-lab/GQA's Parquet
+        files only the ``*_instructions`` ones are read."""
         from prune_audit.data.gqa import score_gqa_answers
 
+        if self.parquet_inputs(question_files):
+            from prune_audit.data.lmms_parquet import read_gqa_parquet_questions
+
+            return score_gqa_answers(answers, read_gqa_parquet_questions(question_files))
         return score_gqa_answers(answers, [question.gqa for question in self.read_questions(question_files)])
 
     def comparable_answers(self, records: pa.Table) -> np.ndarray:

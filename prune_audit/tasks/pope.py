@@ -47,7 +47,9 @@ class PopeTask(Task):
     name = "pope"
     summary = "POPE yes/no object questions (Is there a <object> in the image?)"
     answer_mode_text = "the first token: yes/no probabilities, every single-token spelling summed"
-    confidence_definition = "max(p_yes_2way, 1 - p_yes_2way): the two-way probability of the answer given"
+    confidence_definition = ("max(p_yes_2way, 1 - p_yes_2way), p_yes_2way = sigmoid(logit_diff): the two-way "
+                             "probability of the answer given")
+    correct_definition = "the answer (yes/no) equals the label"
     evidence_definition = "the queried object's COCO instance mask (yes questions; none for no questions)"
     evidence_noun = "the yes questions' objects"
     splits = POPE_SPLITS
@@ -86,9 +88,15 @@ class PopeTask(Task):
                       columns)
 
     def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
-        """POPE's evaluate.py per split and averaged (``prune-audit pope score``'s report)."""
+        """POPE's evaluate.py per split and averaged (``prune-audit pope score``'s report); lmms-lab/POPE Parquet
+        files are read without their images."""
         from prune_audit.data.pope_score import score_files
 
+        if self.parquet_inputs(question_files):
+            from prune_audit.data.lmms_parquet import read_pope_parquet
+
+            questions = read_pope_parquet(question_files, images=False).questions
+            return score_files(answers, list(question_files), questions)
         return score_files(answers, list(question_files))
 
     def image_id(self, question: PopeQuestion) -> int | None:

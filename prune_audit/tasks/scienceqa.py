@@ -71,6 +71,7 @@ class ScienceQaTask(Task):
     summary = "ScienceQA-IMG multiple choice (LLaVA's prompt), answered by its option letter"
     answer_mode_text = "the first token over the offered option letters"
     confidence_definition = "the chosen letter's first-token probability renormalised over the offered letters"
+    correct_definition = "the chosen letter equals the answer letter"
     evidence_definition = "none: ScienceQA names no image regions (no retention or lost objects)"
     evidence_noun = "the evidence regions (none for scienceqa)"
     names_evidence = False
@@ -111,6 +112,11 @@ class ScienceQaTask(Task):
         free-text answers parsed by its letter rule (``data.scienceqa.score_scienceqa_answers``)."""
         from prune_audit.data.scienceqa import score_scienceqa_answers
 
+        if self.parquet_inputs(question_files):
+            # matching by row order would score every answer against the wrong question once a file is filtered
+            # or reordered, and LLaVA's answers carry problem ids, which lmms-lab/ScienceQA's rows lack
+            raise PruneAuditError("lmms-lab/ScienceQA Parquet rows have no problem id to match the answers' "
+                                  "question_id; pass LLaVA's llava_test_CQM-A.json with --questions")
         questions = [question for path in question_files for question in load_scienceqa(path, images_only=False)]
         return score_scienceqa_answers(answers, questions)
 
