@@ -235,9 +235,11 @@ def test_every_selector_at_full_budget_equals_keep_all_or_refuses_in_one_line(vl
 
 def test_geometry_maps_every_visual_token_to_its_pixels(vlm, prepared):
     """Every grid of the geometry (LLaVA-NeXT: base view and unpadded tiles) maps each of its tokens to pixels
-    it owns, and the grids together number every visual token once."""
+    it owns, and the grids together number every visual token once; the family declares that geometry
+    from the image size alone (``token_geometry``, what ``import --geometry`` and the demo ask)."""
     for item in prepared:
         geometry = item.geometry
+        assert vlm.token_geometry(item.image_size) == geometry
         assert geometry.grid == item.grid and geometry.num_tokens == item.num_visual
         assert geometry.image_size == item.image_size
         covered = []

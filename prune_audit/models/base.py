@@ -121,7 +121,17 @@ class VisionLanguageModel(AnswerModes, ABC):
     # ----- family hooks -------------------------------------------------------------
     @abstractmethod
     def prepare(self, image, question: str) -> Prepared:
-        """Process one PIL image and question into a prompt."""
+        """Process one PIL image and question into a prompt (its ``geometry`` is :meth:`token_geometry`'s)."""
+
+    @abstractmethod
+    def token_geometry(self, image_size: tuple[int, int]) -> Any:
+        """Which original pixels each visual token of an image of ``image_size`` (width, height) sees.
+
+        The family's declaration of its preprocessing, read from its loaded processor and config through
+        the pure functions of ``data.geometry`` / ``data.multigrid``: a ``TokenGeometry``, or a
+        ``MultiGridGeometry`` for families giving an image several grids. Needs no image and no weights
+        (``import --geometry`` loads the processor only).
+        """
 
     @abstractmethod
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:

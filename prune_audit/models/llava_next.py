@@ -106,16 +106,25 @@ class LlavaNextModel(LlavaModel):
         self.tile = tile
         self.pinpoints = [tuple(int(side) for side in pair) for pair in model.config.image_grid_pinpoints]
 
+    def tiling_parameters(self) -> dict[str, Any]:
+        """The anyres tiling parameters of ``data.multigrid``: the config's pinpoints, tile and patch side."""
+        return {"pinpoints": self.pinpoints, "tile": self.tile, "patch_size": self.model.config.vision_config.patch_size}
+
+    def token_geometry(self, image_size: tuple[int, int]):
+        """The base view plus the unpadded anyres tile grid (``data.multigrid.anyres_geometry``)."""
+        from prune_audit.data.multigrid import anyres_geometry
+
+        return anyres_geometry(image_size, **self.tiling_parameters())
+
     def prepare(self, image, question: str) -> Prepared:
-        from prune_audit.data.multigrid import anyres_crop_patches, anyres_geometry
+        from prune_audit.data.multigrid import anyres_crop_patches
 
         image = image.convert("RGB")
         encoded = self.processor(images=image, text=self.prompt(question), return_tensors="pt")
         input_ids = encoded["input_ids"][0]
         start, end = find_image_span(input_ids, self.model.config.image_token_id)
-        patch = self.model.config.vision_config.patch_size
-        layout = {"pinpoints": self.pinpoints, "tile": self.tile, "patch_size": patch}
-        geometry = anyres_geometry(image.size, **layout)
+        layout = self.tiling_parameters()
+        geometry = self.token_geometry(image.size)
         base, tiles = geometry.grids
         if geometry.num_tokens + tiles.grid_rows != end - start:
             raise PruneAuditError(
