@@ -178,6 +178,27 @@ def test_loaded_model_is_the_registered_adapter(family, vlm):
     assert vlm.describe()["family"] == family
 
 
+DIRECT_FORWARD_FAMILIES = {"llava", "qwen2_5_vl", "qwen2_vl"}  # the demo's direct forwards hold on these only
+
+
+def test_direct_forwards_equal_the_stock_forward_or_refuse_in_one_line(family, vlm):
+    image = random_image(5, (112, 112))  # square: Qwen's first_token_logits rebuilds the grid from the count
+    if family not in DIRECT_FORWARD_FAMILIES:
+        for call in (lambda: vlm.vision_state_width, lambda: vlm.image_inputs([image]),
+                     lambda: vlm.first_token_logits(None, None, [])):
+            with pytest.raises(PruneAuditError, match="has no direct forwards") as error:
+                call()
+            assert "\n" not in str(error.value)
+        return
+    item = vlm.prepare(image, QUESTIONS[0])
+    ids = item.input_ids[None]
+    with torch.no_grad():
+        features = vlm.image_features(**vlm.image_inputs([image]))[0]
+        direct = vlm.first_token_logits(ids, torch.ones_like(ids), [features])[0].float()
+        stock = vlm.model(**stock_inputs(vlm, item)).logits[0, -1].float()
+    assert (direct - stock).abs().max() <= TOL
+
+
 def test_keep_all_equals_the_stock_forward(vlm, prepared):
     for item in prepared:
         with torch.no_grad():

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.models.base import without_direct_forwards
 from prune_audit.models.batch import TokenRow
 from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE
 from prune_audit.models.llava import LAYER_SIGNALS, LlavaModel
@@ -51,6 +52,7 @@ PER_CROP_GRID_SELECTORS = frozenset({"hiprune"})
 NEWLINE_KIND = TEXT_BEFORE  # kept like the text before the image: never pruned, never a query row
 
 
+@without_direct_forwards  # LLaVA-1.5's single-crop direct forwards do not see the anyres crops
 class LlavaNextModel(LlavaModel):
     """LLaVA-NeXT adapter (one image per prompt, anyres tiling with unpadding and row newlines)."""
 
