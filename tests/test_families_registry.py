@@ -461,10 +461,11 @@ REAL_PROCESSORS = {
 
 
 def real_geometry(name, processor, size):
-    from prune_audit.data.geometry import geometry_from_processor
+    """What the family's ``token_geometry`` computes from these processor settings (no weights to load one)."""
+    from prune_audit.data.geometry import qwen_geometry_from_processor
     from prune_audit.models.internvl import tile_geometry
 
-    return tile_geometry(size, (448, 448)) if name == "internvl" else geometry_from_processor(processor, size)
+    return tile_geometry(size, (448, 448)) if name == "internvl" else qwen_geometry_from_processor(processor, size)
 
 
 @pytest.mark.parametrize("name", sorted(REAL_PROCESSORS))
