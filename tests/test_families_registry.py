@@ -178,6 +178,27 @@ def test_loaded_model_is_the_registered_adapter(family, vlm):
     assert vlm.describe()["family"] == family
 
 
+DIRECT_FORWARD_FAMILIES = {"llava", "qwen2_5_vl", "qwen2_vl"}  # the demo's direct forwards hold on these only
+
+
+def test_direct_forwards_equal_the_stock_forward_or_refuse_in_one_line(family, vlm):
+    image = random_image(5, (112, 112))  # square: Qwen's first_token_logits rebuilds the grid from the count
+    if family not in DIRECT_FORWARD_FAMILIES:
+        for call in (lambda: vlm.vision_state_width, lambda: vlm.image_inputs([image]),
+                     lambda: vlm.first_token_logits(None, None, [])):
+            with pytest.raises(PruneAuditError, match="has no direct forwards") as error:
+                call()
+            assert "\n" not in str(error.value)
+        return
+    item = vlm.prepare(image, QUESTIONS[0])
+    ids = item.input_ids[None]
+    with torch.no_grad():
+        features = vlm.image_features(**vlm.image_inputs([image]))[0]
+        direct = vlm.first_token_logits(ids, torch.ones_like(ids), [features])[0].float()
+        stock = vlm.model(**stock_inputs(vlm, item)).logits[0, -1].float()
+    assert (direct - stock).abs().max() <= TOL
+
+
 def test_keep_all_equals_the_stock_forward(vlm, prepared):
     for item in prepared:
         with torch.no_grad():
@@ -235,9 +256,11 @@ def test_every_selector_at_full_budget_equals_keep_all_or_refuses_in_one_line(vl
 
 def test_geometry_maps_every_visual_token_to_its_pixels(vlm, prepared):
     """Every grid of the geometry (LLaVA-NeXT: base view and unpadded tiles) maps each of its tokens to pixels
-    it owns, and the grids together number every visual token once."""
+    it owns, and the grids together number every visual token once; the family declares that geometry
+    from the image size alone (``token_geometry``, what ``import --geometry`` and the demo ask)."""
     for item in prepared:
         geometry = item.geometry
+        assert vlm.token_geometry(item.image_size) == geometry
         assert geometry.grid == item.grid and geometry.num_tokens == item.num_visual
         assert geometry.image_size == item.image_size
         covered = []
@@ -438,10 +461,11 @@ REAL_PROCESSORS = {
 
 
 def real_geometry(name, processor, size):
-    from prune_audit.data.geometry import geometry_from_processor
+    """What the family's ``token_geometry`` computes from these processor settings (no weights to load one)."""
+    from prune_audit.data.geometry import qwen_geometry_from_processor
     from prune_audit.models.internvl import tile_geometry
 
-    return tile_geometry(size, (448, 448)) if name == "internvl" else geometry_from_processor(processor, size)
+    return tile_geometry(size, (448, 448)) if name == "internvl" else qwen_geometry_from_processor(processor, size)
 
 
 @pytest.mark.parametrize("name", sorted(REAL_PROCESSORS))

@@ -324,7 +324,8 @@ def _size_value(size: Any, key: str) -> int | None:
     return int(value) if value is not None else None
 
 
-def _qwen_from_processor(image_processor: Any, image_size: tuple[int, int]) -> TokenGeometry:
+def qwen_geometry_from_processor(image_processor: Any, image_size: tuple[int, int]) -> TokenGeometry:
+    """:func:`qwen_geometry` as a ``Qwen2VLImageProcessor`` (any backend) is configured: pixel limits, patch, merge."""
     size = getattr(image_processor, "size", None) or {}
     min_pixels = _size_value(size, "shortest_edge") or getattr(image_processor, "min_pixels", None)
     max_pixels = _size_value(size, "longest_edge") or getattr(image_processor, "max_pixels", None)
@@ -334,12 +335,14 @@ def _qwen_from_processor(image_processor: Any, image_size: tuple[int, int]) -> T
                          patch_size=int(image_processor.patch_size), merge_size=int(image_processor.merge_size))
 
 
-def _clip_from_processor(image_processor: Any, image_size: tuple[int, int], patch_size: int,
-                         pads_to_square: bool) -> TokenGeometry:
-    family = _class_family(image_processor)
+def clip_geometry_from_processor(image_processor: Any, image_size: tuple[int, int], *, patch_size: int,
+                                 pads_to_square: bool = False) -> TokenGeometry:
+    """:func:`clip_geometry` as a LLaVA image processor (``CLIPImageProcessor``/``LlavaImageProcessor``, any
+    backend; not its wrapper) is configured: resize, centre crop, and ``do_pad`` read as Llava's pad to square
+    (``hf_pad``; the caller vouches for that reading). ``pads_to_square``: the original LLaVA
+    ``image_aspect_ratio="pad"`` expansion before the processor (``llava_pad``)."""
+    family = type(image_processor).__name__
     processor_pads = bool(getattr(image_processor, "do_pad", False))
-    if processor_pads and family != "LlavaImageProcessor":
-        raise PruneAuditError(f"{family} with do_pad=True pads to a fixed batch size, which is not supported")
     mode = "llava_pad" if pads_to_square else "hf_pad" if processor_pads else "hf_crop"
     size = getattr(image_processor, "size", None) or {}
     shortest_edge = resize_to = None
@@ -365,22 +368,20 @@ def geometry_from_processor(
     patch_size: int | None = None,
     image_aspect_ratio: str | None = None,
 ) -> TokenGeometry:
-    """Derive the token geometry of an image from a loaded (image) processor's configuration.
+    """Token geometry from a bare (image) processor, for library callers without a loaded model.
 
-    Reads configuration attributes only (no transformers internals, no import):
-    a processor with ``merge_size`` and ``temporal_patch_size`` (``Qwen2VLImageProcessor``,
-    any backend) gives ``qwen_smart_resize`` with its ``size`` min/max pixels;
-    ``CLIPImageProcessor`` / ``LlavaImageProcessor`` give ``hf_crop``, or ``hf_pad`` when
-    ``do_pad`` is set on the Llava processor.
+    Model families declare their geometry (``VisionLanguageModel.token_geometry``); this guesses the family
+    from the processor's class and attributes because a caller holding only a processor (the README's
+    ``ObjectAreaCache`` example) has no adapter to ask. Qwen2-VL processors (``merge_size`` and
+    ``temporal_patch_size``) and CLIP/Llava ones only; LLaVA-NeXT/OneVision and InternVL: ask the adapter.
 
     Args:
         processor: an image processor, or a processor wrapping one in ``image_processor``.
         image_size: original (width, height).
         patch_size: vision patch side for CLIP-family processors; defaults to the wrapper's
             ``patch_size`` (``LlavaProcessor``) or 14.
-        image_aspect_ratio: the original LLaVA model config's value; ``"pad"`` means the
-            image is expanded to a square before the processor (``llava_pad``), ``"square"``
-            or None that the processor alone decides.
+        image_aspect_ratio: the original LLaVA model config's value; ``"pad"`` expands the image to a square
+            before the processor (``llava_pad``), ``"square"`` or None leave it to the processor.
     """
     image_processor, wrapper_patch = _unwrap_image_processor(processor)
     if image_aspect_ratio not in (None, "pad", "square"):
@@ -388,10 +389,12 @@ def geometry_from_processor(
     if hasattr(image_processor, "merge_size") and hasattr(image_processor, "temporal_patch_size"):
         if image_aspect_ratio == "pad":
             raise PruneAuditError("image_aspect_ratio='pad' applies to LLaVA, not to a Qwen2-VL processor")
-        return _qwen_from_processor(image_processor, image_size)
+        return qwen_geometry_from_processor(image_processor, image_size)
     family = _class_family(image_processor)
     if family not in ("CLIPImageProcessor", "LlavaImageProcessor"):
         raise PruneAuditError(f"no token geometry for image processor {type(image_processor).__name__}")
-    return _clip_from_processor(
-        image_processor, image_size, int(patch_size or wrapper_patch or CLIP_PATCH_SIZE), image_aspect_ratio == "pad"
-    )
+    if getattr(image_processor, "do_pad", False) and family != "LlavaImageProcessor":
+        raise PruneAuditError(f"{family} with do_pad=True pads to a fixed batch size, which is not supported")
+    return clip_geometry_from_processor(image_processor, image_size,
+                                        patch_size=int(patch_size or wrapper_patch or CLIP_PATCH_SIZE),
+                                        pads_to_square=image_aspect_ratio == "pad")

@@ -89,7 +89,6 @@ def object_removal(
 ) -> dict[str, ConditionResult]:
     """Run the four conditions over the positive (image, object) pairs of ``question_set``."""
     from prune_audit.data.coco import CocoInstances
-    from prune_audit.data.geometry import geometry_from_processor
     from prune_audit.data.pope import POPE_SPLITS, load_pope
     from prune_audit.data.pope_build import question_text
 
@@ -106,7 +105,7 @@ def object_removal(
     jobs: dict[str, list[tuple[torch.Tensor, str]]] = {c: [] for c in CONDITIONS}
     for image, obj in pairs:
         image_id = coco.image_id(image)
-        geometry = geometry_from_processor(vlm.processor, coco.image(image_id).size)
+        geometry = vlm.token_geometry(coco.image(image_id).size)
         text = prompt_text(vlm, question_text(obj), instruction)
         for condition, kept in kept_tokens(coco, geometry, image_id, obj, rng).items():
             if kept is not None:

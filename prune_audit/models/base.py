@@ -121,7 +121,17 @@ class VisionLanguageModel(AnswerModes, ABC):
     # ----- family hooks -------------------------------------------------------------
     @abstractmethod
     def prepare(self, image, question: str) -> Prepared:
-        """Process one PIL image and question into a prompt."""
+        """Process one PIL image and question into a prompt (its ``geometry`` is :meth:`token_geometry`'s)."""
+
+    @abstractmethod
+    def token_geometry(self, image_size: tuple[int, int]) -> Any:
+        """Which original pixels each visual token of an image of ``image_size`` (width, height) sees.
+
+        The family's declaration of its preprocessing, read from its loaded processor and config through
+        the pure functions of ``data.geometry`` / ``data.multigrid``: a ``TokenGeometry``, or a
+        ``MultiGridGeometry`` for families giving an image several grids. Needs no image and no weights
+        (``import --geometry`` loads the processor only).
+        """
 
     @abstractmethod
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
@@ -156,8 +166,8 @@ class VisionLanguageModel(AnswerModes, ABC):
         """The full prompt text (template, system text) with one image placeholder and ``question``."""
 
     # ----- direct forwards: the demo trainer and evaluator (``demo/``) ---------------
-    # The families the demo recipes train (llava, qwen2_5_vl) implement them (their subclasses inherit them,
-    # unchecked); the others refuse in one line.
+    # The families the demo recipes train (llava, qwen2_5_vl) implement them, and Qwen2-VL inherits them
+    # (tested equal to the stock forward); the others refuse in one line (``without_direct_forwards``).
     @property
     def vision_state_width(self) -> int:
         """Width of the pooled and per-token states :meth:`vision_states` returns."""
@@ -370,3 +380,15 @@ class VisionLanguageModel(AnswerModes, ABC):
 
 
 __all__ = ["VisionLanguageModel"]
+
+
+DIRECT_FORWARDS = ("vision_state_width", "image_inputs", "array_inputs", "image_features", "vision_states",
+                   "shared_prefix_logits", "first_token_logits")
+
+
+def without_direct_forwards(adapter: type[VisionLanguageModel]) -> type[VisionLanguageModel]:
+    """Class decorator: ``adapter`` refuses the demo's direct forwards in one line although its parent
+    implements them, because they assume the parent's one crop and stock vision outputs."""
+    for name in DIRECT_FORWARDS:
+        setattr(adapter, name, VisionLanguageModel.__dict__[name])
+    return adapter

@@ -113,6 +113,8 @@ class InternVLModel(VisionLanguageModel):
         patch = config.vision_config.patch_size
         self.patch_size = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
         self.token_pixels = int(round(self.patch_size / config.downsample_ratio))
+        size = image_processor.size
+        self.tile = (int(size["height"]), int(size["width"]))  # the one tile every image is resized to
 
     def prompt(self, question: str, num_image_tokens: int = 1) -> str:
         """The InternVL chat prompt for one image followed by ``question``."""
@@ -123,12 +125,19 @@ class InternVLModel(VisionLanguageModel):
             f"<|im_start|>assistant\n"
         )
 
+    def token_geometry(self, image_size: tuple[int, int]):
+        """The image resized whole to the processor's one tile, one token per ``token_pixels`` square."""
+        return tile_geometry(image_size, self.tile, self.token_pixels)
+
     def prepare(self, image, question: str) -> Prepared:
         image = image.convert("RGB")
         pixel_values = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
         if pixel_values.shape[0] != 1:
             raise PruneAuditError(f"the image processor made {pixel_values.shape[0]} tiles; one is supported")
-        geometry = tile_geometry(image.size, tuple(int(side) for side in pixel_values.shape[-2:]), self.token_pixels)
+        geometry = self.token_geometry(image.size)
+        if tuple(pixel_values.shape[-2:]) != (geometry.processed_height, geometry.processed_width):
+            raise PruneAuditError(f"the image processor made a {tuple(pixel_values.shape[-2:])} tile, not its "
+                                  f"configured {self.tile}; check size in its preprocessor_config.json")
         input_ids = self.tokenizer(self.prompt(question, geometry.num_tokens), return_tensors="pt")["input_ids"][0]
         span = find_image_span(input_ids, self.model.config.image_token_id)
         return Prepared(

@@ -117,9 +117,15 @@ class LlavaModel(VisionLanguageModel):
         messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
         return self.processor.apply_chat_template(messages, add_generation_prompt=True)
 
-    def prepare(self, image, question: str) -> Prepared:
-        from prune_audit.data.geometry import geometry_from_processor
+    def token_geometry(self, image_size: tuple[int, int]):
+        """The CLIP pipeline as the llava-hf processor is configured (``hf_crop``, or ``hf_pad`` with
+        ``LlavaImageProcessor(do_pad=True)``) on the tower's patch grid."""
+        from prune_audit.data.geometry import clip_geometry_from_processor
 
+        return clip_geometry_from_processor(self.processor.image_processor, image_size,
+                                            patch_size=self.model.config.vision_config.patch_size)
+
+    def prepare(self, image, question: str) -> Prepared:
         image = image.convert("RGB")
         encoded = self.processor(images=image, text=self.prompt(question), return_tensors="pt")
         input_ids = encoded["input_ids"][0]
@@ -139,7 +145,7 @@ class LlavaModel(VisionLanguageModel):
             pixel_values=pixel_values,
             question=question,
             image_size=image.size,
-            geometry=geometry_from_processor(self.processor, image.size, patch_size=patch),
+            geometry=self.token_geometry(image.size),
         )
 
     # ----- vision ---------------------------------------------------------------------
@@ -336,8 +342,6 @@ class LlavaModel(VisionLanguageModel):
         return getattr(selector, "positions", "keep_original")
 
     def _family_description(self) -> dict[str, Any]:
-        from prune_audit.data.geometry import geometry_from_processor
-
         image_processor = self.processor.image_processor
         crop = getattr(image_processor, "crop_size", None) or {}
         probe_size = (int(crop.get("width", 336)), int(crop.get("height", 336)))
@@ -345,7 +349,7 @@ class LlavaModel(VisionLanguageModel):
         return {
             "processor": {
                 "class": type(image_processor).__name__,
-                "mode": geometry_from_processor(self.processor, probe_size, patch_size=patch).mode,
+                "mode": self.token_geometry(probe_size).mode,
                 "size": dict(getattr(image_processor, "size", None) or {}),
                 "crop_size": dict(crop),
                 "patch_size": patch,

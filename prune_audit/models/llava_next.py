@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.models.base import without_direct_forwards
 from prune_audit.models.batch import TokenRow
 from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE
 from prune_audit.models.llava import LAYER_SIGNALS, LlavaModel
@@ -51,6 +52,7 @@ PER_CROP_GRID_SELECTORS = frozenset({"hiprune"})
 NEWLINE_KIND = TEXT_BEFORE  # kept like the text before the image: never pruned, never a query row
 
 
+@without_direct_forwards  # LLaVA-1.5's single-crop direct forwards do not see the anyres crops
 class LlavaNextModel(LlavaModel):
     """LLaVA-NeXT adapter (one image per prompt, anyres tiling with unpadding and row newlines)."""
 
@@ -106,16 +108,25 @@ class LlavaNextModel(LlavaModel):
         self.tile = tile
         self.pinpoints = [tuple(int(side) for side in pair) for pair in model.config.image_grid_pinpoints]
 
+    def tiling_parameters(self) -> dict[str, Any]:
+        """The anyres tiling parameters of ``data.multigrid``: the config's pinpoints, tile and patch side."""
+        return {"pinpoints": self.pinpoints, "tile": self.tile, "patch_size": self.model.config.vision_config.patch_size}
+
+    def token_geometry(self, image_size: tuple[int, int]):
+        """The base view plus the unpadded anyres tile grid (``data.multigrid.anyres_geometry``)."""
+        from prune_audit.data.multigrid import anyres_geometry
+
+        return anyres_geometry(image_size, **self.tiling_parameters())
+
     def prepare(self, image, question: str) -> Prepared:
-        from prune_audit.data.multigrid import anyres_crop_patches, anyres_geometry
+        from prune_audit.data.multigrid import anyres_crop_patches
 
         image = image.convert("RGB")
         encoded = self.processor(images=image, text=self.prompt(question), return_tensors="pt")
         input_ids = encoded["input_ids"][0]
         start, end = find_image_span(input_ids, self.model.config.image_token_id)
-        patch = self.model.config.vision_config.patch_size
-        layout = {"pinpoints": self.pinpoints, "tile": self.tile, "patch_size": patch}
-        geometry = anyres_geometry(image.size, **layout)
+        layout = self.tiling_parameters()
+        geometry = self.token_geometry(image.size)
         base, tiles = geometry.grids
         if geometry.num_tokens + tiles.grid_rows != end - start:
             raise PruneAuditError(

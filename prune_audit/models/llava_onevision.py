@@ -111,20 +111,25 @@ class LlavaOnevisionModel(LlavaNextModel):
         return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{IMAGE_TOKEN * num_image_tokens}\n"
                 f"{question}<|im_end|>\n<|im_start|>assistant\n")
 
+    def token_geometry(self, image_size: tuple[int, int]):
+        """The base view plus the anyres tile grid pooled down to ``max_tiles`` (``onevision_geometry``)."""
+        from prune_audit.data.multigrid import onevision_geometry
+
+        return onevision_geometry(image_size, max_tiles=self.max_tiles, **self.tiling_parameters())
+
     def prepare(self, image, question: str) -> Prepared:
-        from prune_audit.data.multigrid import anyres_crop_patches, anyres_layout, onevision_geometry
+        from prune_audit.data.multigrid import anyres_crop_patches, anyres_layout
 
         image = image.convert("RGB")
         encoded = self.image_processor(images=[image], return_tensors="pt")
-        patch = self.model.config.vision_config.patch_size
-        layout = {"pinpoints": self.pinpoints, "tile": self.tile, "patch_size": patch}
-        geometry = onevision_geometry(image.size, max_tiles=self.max_tiles, **layout)
+        layout = self.tiling_parameters()
+        geometry = self.token_geometry(image.size)
         base, tiles = geometry.grids
         rows, cols = tiles.grid
         prompt = self.prompt(question, geometry.num_tokens + rows)  # every visual token, one newline per row
         input_ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
         start, end = find_image_span(input_ids, self.model.config.image_token_id)
-        unpadded = anyres_layout(image.size, self.pinpoints, self.tile, patch).grid
+        unpadded = anyres_layout(image.size, **layout).grid
         return Prepared(
             input_ids=input_ids,
             image_span=(start, end),

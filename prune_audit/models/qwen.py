@@ -112,9 +112,14 @@ class QwenModel(VisionLanguageModel):
             f"{question}<|im_end|>\n<|im_start|>assistant\n"
         )
 
-    def prepare(self, image, question: str) -> Prepared:
-        from prune_audit.data.geometry import geometry_from_processor
+    def token_geometry(self, image_size: tuple[int, int]):
+        """``smart_resize`` as the ``Qwen2VLImageProcessor`` is configured (its min/max pixels, patch and
+        merge sizes: 28-px tokens for Qwen2-VL and Qwen2.5-VL, 32-px for Qwen3-VL)."""
+        from prune_audit.data.geometry import qwen_geometry_from_processor
 
+        return qwen_geometry_from_processor(self.image_processor, image_size)
+
+    def prepare(self, image, question: str) -> Prepared:
         image = image.convert("RGB")
         pixels = self.image_processor(images=[image], return_tensors="pt")
         grid_thw = pixels["image_grid_thw"]
@@ -132,7 +137,7 @@ class QwenModel(VisionLanguageModel):
             pixel_values=pixels["pixel_values"],
             question=question,
             image_size=image.size,
-            geometry=geometry_from_processor(self.image_processor, image.size),
+            geometry=self.token_geometry(image.size),
             extras={"image_grid_thw": grid_thw, "positions": positions[:, 0]},
         )
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.compute.shape import VisionShape
+from prune_audit.models.base import without_direct_forwards
 from prune_audit.models.batch import Batch
 from prune_audit.models.prepared import Prepared, VisionOutput
 from prune_audit.models.qwen import QwenModel
@@ -41,6 +42,7 @@ from prune_audit.models.qwen import QwenModel
 PROMPT_TEMPLATE = "qwen3_vl"
 
 
+@without_direct_forwards  # Qwen2.5-VL's direct forwards drop the deepstack features the decoder adds
 class Qwen3VLModel(QwenModel):
     """Qwen3-VL adapter (dense decoders; one image per prompt)."""
 
