@@ -38,6 +38,17 @@ def same_values(left, right) -> bool:
     return left == right
 
 
+def assert_same_records(run: Path, imported: Path, count: int) -> None:
+    """``imported``'s records equal ``run``'s, ``count`` of them, in every column outside ``PROVENANCE``."""
+    original = pq.read_table(run / "records.parquet").to_pylist()
+    again = pq.read_table(imported / "records.parquet").to_pylist()
+    assert len(original) == len(again) == count
+    for before, after in zip(original, again):
+        for column, value in before.items():
+            if column not in PROVENANCE:
+                assert same_values(value, after[column]), (column, value, after[column])
+
+
 @pytest.fixture(scope="module")
 def runs(workspace, tmp_path_factory):
     root = tmp_path_factory.mktemp("interchange")
@@ -60,13 +71,7 @@ def test_export_then_import_gives_the_same_records(runs, workspace, tmp_path, na
     result = runner.invoke(app, ["import", str(exported), "--geometry", str(workspace["model"]), *question_args(workspace),
                                  "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
-    original = pq.read_table(runs[name] / "records.parquet").to_pylist()
-    imported = pq.read_table(out / "records.parquet").to_pylist()
-    assert len(original) == len(imported) == 24
-    for before, after in zip(original, imported):
-        for column, value in before.items():
-            if column not in PROVENANCE:
-                assert same_values(value, after[column]), (column, value, after[column])
+    assert_same_records(runs[name], out, 24)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["selector"]["name"] == name and manifest["selector"]["imported"]["answers"] == "file"
     # the analyses read it as a run
@@ -194,13 +199,7 @@ def test_generating_runs_round_trip(workspace, tmp_path, task, name, extra, suff
     result = runner.invoke(app, ["import", str(exported), "--geometry", str(workspace["model"]), *questions[2:],
                                  "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
-    original = pq.read_table(run_dir / "records.parquet").to_pylist()
-    imported = pq.read_table(out / "records.parquet").to_pylist()
-    assert len(original) == len(imported) == 6
-    for before, after in zip(original, imported):
-        for column, value in before.items():
-            if column not in PROVENANCE:
-                assert same_values(value, after[column]), (column, value, after[column])
+    assert_same_records(run_dir, out, 6)
     manifests = [json.loads((folder / "manifest.json").read_text()) for folder in (run_dir, out)]
     assert [(m["max_new_tokens"], m["confidence"]) for m in manifests] == [(4, manifests[0]["confidence"])] * 2
 
@@ -275,10 +274,4 @@ def test_every_other_selector_round_trips_through_export_and_import(workspace, t
     result = runner.invoke(app, ["import", str(exported), "--geometry", str(workspace["model"]), *question_args(workspace),
                                  "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
-    original = pq.read_table(run / "records.parquet").to_pylist()
-    imported = pq.read_table(out / "records.parquet").to_pylist()
-    assert len(original) == len(imported) == 24
-    for before, after in zip(original, imported):
-        for column, value in before.items():
-            if column not in PROVENANCE:
-                assert same_values(value, after[column]), (column, value, after[column])
+    assert_same_records(run, out, 24)

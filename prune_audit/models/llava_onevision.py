@@ -27,14 +27,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prune_audit.compute.shape import ModelShape, VisionShape
+from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.llava_next import LlavaNextModel, visual_columns
 from prune_audit.models.parts import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
-from prune_audit.models.shape import language_shape
+from prune_audit.models.shape import language_shape, llava_vision_shape
 
 PROMPT_TEMPLATE = "onevision_chatml"
 DEFAULT_SYSTEM = "You are a helpful assistant."  # the llava-hf OneVision chat template's system message
@@ -102,7 +102,7 @@ class LlavaOnevisionModel(LlavaNextModel):
         self.tile = tile
         self.pinpoints = [tuple(int(side) for side in pair) for pair in config.image_grid_pinpoints]
         self.max_tiles = int(config.vision_aspect_ratio.removeprefix("anyres_max_"))
-        self.shape = ModelShape(siglip_vision_shape(config, self.feature_index), language_shape(config.text_config),
+        self.shape = ModelShape(llava_vision_shape(config, self.feature_index, class_tokens=0), language_shape(config.text_config),
                                 model.dtype.itemsize)
 
     def prompt(self, question: str, num_image_tokens: int = 1) -> str:
@@ -206,23 +206,6 @@ class LlavaOnevisionModel(LlavaNextModel):
         }
 
 
-def siglip_vision_shape(config: Any, feature_index: int) -> VisionShape:
-    """SigLIP up to encoder layer ``feature_index`` (no CLS, no later layer, no head) and the 2-layer projector."""
-    vision, text_width = config.vision_config, config.text_config.hidden_size
-    return VisionShape(
-        layers=feature_index,
-        width=vision.hidden_size,
-        mlp_width=vision.intermediate_size,
-        mlp_matrices=2,
-        patch_inputs=vision.num_channels * vision.patch_size**2,
-        class_tokens=0,
-        merge=1,
-        window=0,
-        full_attention_layers=(),
-        projector=((vision.hidden_size, text_width), (text_width, text_width)),
-    )
-
-
 def build_llava_onevision(
     save_dir: str | Path,
     *,
@@ -285,4 +268,4 @@ def build_llava_onevision(
     return save_dir
 
 
-__all__ = ["LlavaOnevisionModel", "build_llava_onevision", "siglip_vision_shape"]
+__all__ = ["LlavaOnevisionModel", "build_llava_onevision"]

@@ -22,8 +22,9 @@ def language_shape(text_config: Any) -> LanguageShape:
     )
 
 
-def llava_vision_shape(config: Any, feature_index: int) -> VisionShape:
-    """CLIP's tower up to encoder layer ``feature_index`` (the adapter runs no later layer) and the 2-layer projector."""
+def llava_vision_shape(config: Any, feature_index: int, class_tokens: int = 1) -> VisionShape:
+    """CLIP's tower up to encoder layer ``feature_index`` (the adapter runs no later layer) and the 2-layer projector;
+    ``class_tokens=0`` for SigLIP (LLaVA-OneVision), whose tower has no CLS."""
     vision, text_width = config.vision_config, config.text_config.hidden_size
     return VisionShape(
         layers=feature_index,
@@ -31,7 +32,7 @@ def llava_vision_shape(config: Any, feature_index: int) -> VisionShape:
         mlp_width=vision.intermediate_size,
         mlp_matrices=2,
         patch_inputs=vision.num_channels * vision.patch_size**2,
-        class_tokens=1,
+        class_tokens=class_tokens,
         merge=1,
         window=0,
         full_attention_layers=(),
