@@ -788,3 +788,61 @@ def test_hiprune_runs_per_crop_on_llava_next_as_its_official_code(tmp_path):
                                layer_attention=received[crops[tokens[0]], :, patches[tokens] % per_crop])
         expected += tokens[selector.select(signals, share).kept].tolist()
     assert vlm.answer([item], selector, budget)[0].kept_stages == [sorted(expected)]
+
+
+@pytest.mark.parametrize("family_name", ["llava_next", "llava_onevision"])
+def test_uniform_runs_per_grid_on_multi_grid_families(family_name, tmp_path):
+    """Uniform needs only the grid layout: on the base view's grid and on the tile grid (LLaVA-OneVision's after its
+    bilinear resize), each with its share of the budget in proportion to its tokens; with ``budget_scope=crop``
+    each crop's grid an even share. Re-derived here: the grids from the tower's patch side and the processor's
+    layout, the largest-remainder split by hand, uniform on each grid alone."""
+    from prune_audit.data.multigrid import anyres_layout
+    from prune_audit.pruners.crop_scope import crop_budgets
+    from prune_audit.pruners.registry import selector_from_strings
+    from prune_audit.pruners.signals import InputSignals
+
+    vlm = load_vlm(adapter_for(family_name, "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"]), device="cpu")
+    config = vlm.model.config.vision_config
+    side = config.image_size // config.patch_size
+    uniform = get_selector("uniform")
+    for seed, size in enumerate(SIZES):
+        item = vlm.prepare(random_image(seed, size), QUESTIONS[0])
+        tiles = anyres_layout(size, vlm.model.config.image_grid_pinpoints, config.image_size, config.patch_size).grid
+        if "tile_grid" in item.extras:  # LLaVA-OneVision: anyres_max resized the tile grid
+            tiles = tuple(item.extras["tile_grid"][2:].tolist())
+        assert side * side + tiles[0] * tiles[1] == item.num_visual
+        for budget in (1, 7, item.num_visual // 3):
+            exact = [budget * side * side / item.num_visual, budget * tiles[0] * tiles[1] / item.num_visual]
+            shares = [int(share) for share in exact]
+            if sum(shares) < budget:  # one leftover token at most with two grids: to the larger fraction
+                shares[int(exact[1] - shares[1] > exact[0] - shares[0])] += 1
+            base_kept = uniform.select(InputSignals(grid=(side, side)), shares[0]).kept if shares[0] else []
+            tile_kept = uniform.select(InputSignals(grid=tiles), shares[1]).kept if shares[1] else []
+            expected = [int(i) for i in base_kept] + [side * side + int(i) for i in tile_kept]
+            assert vlm.answer([item], uniform, budget)[0].kept_stages == [expected]
+        crop_scoped = selector_from_strings("uniform", ["budget_scope=crop"])
+        budget = item.num_visual // 3
+        crops = vlm.crop_tokens(item)
+        expected = sorted(int(tokens[i]) for (tokens, grid), share in
+                          zip(crops, crop_budgets(budget, [tokens.numel() for tokens, _ in crops]))
+                          for i in uniform.select(InputSignals(grid=grid), share).kept)
+        assert vlm.answer([item], crop_scoped, budget)[0].kept_stages == [expected]
+
+
+def test_e2s_sees_the_base_view_and_tile_grids_on_llava_next(tmp_path):
+    """E2S's novelty blocks lie on each regular grid: the in-LLM signals carry the base view's and the tile grid's
+    (rows, cols) (``LayerSignals.grid_parts``), and E2S runs there (its novelty bonus is tested by hand in
+    tests/test_llm_selectors.py)."""
+    from tiny_models import RecordingLayerSelector
+
+    checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"],
+                                                              text_layers=NUM_LAYERS)
+    vlm = load_vlm(checkpoint, device="cpu")
+    item = vlm.prepare(random_image(0, SIZES[0]), QUESTIONS[0])
+    base, tiles = item.geometry.grids
+    recorder = RecordingLayerSelector(layer=1, keep=8)
+    vlm.answer([item], recorder, 8)
+    assert recorder.records[0].grid_parts == (base.grid, tiles.grid) and item.grid == (1, item.num_visual)
+    assert base.grid[0] * base.grid[1] + tiles.grid[0] * tiles.grid[1] == item.num_visual
+    [answer] = vlm.answer([item], get_selector("e2s"), item.num_visual // 2)
+    assert answer.kept_stages and len(answer.kept_stages[-1]) < item.num_visual

@@ -104,9 +104,20 @@ def test_e2s_without_novelty_keeps_the_top_priorities():
 def test_novelty_bonus_marks_the_best_token_of_each_occupied_cell():
     alive = torch.tensor([0, 1, 4, 5, 10, 15])  # 4 x 4 grid, 2 x 2 cells of 2 x 2
     scores = torch.tensor([0.2, 0.7, 0.7, 0.1, 0.3, 0.9])
-    bonus = novelty_bonus(alive, (4, 4), scores, cells=2)
+    bonus = novelty_bonus(alive, [(4, 4)], scores, cells=2)
     # cell 0 = {0, 1, 4, 5}: tie 0.7 at positions 1 and 2 -> position 1; cell 3 = {10, 15}: 15
     assert bonus.tolist() == [0, 1, 0, 0, 0, 1]
+
+
+def test_novelty_bonus_has_the_blocks_of_each_grid_on_a_several_grid_image():
+    """LLaVA-NeXT's base view then tile grid: tokens 0..3 a 2 x 2 grid, 4..11 a 2 x 4 grid; with 1 x 1 cells each
+    grid is one block, so each grid's best token gets the bonus (by hand: 0.5 at token 2, 0.8 at token 9); with
+    2 x 2 cells the tile grid's blocks are its 1 x 2 quarters."""
+    alive = torch.tensor([0, 2, 3, 4, 5, 9, 11])
+    scores = torch.tensor([0.1, 0.5, 0.4, 0.3, 0.2, 0.8, 0.6])
+    assert novelty_bonus(alive, [(2, 2), (2, 4)], scores, cells=1).tolist() == [0, 1, 0, 0, 0, 1, 0]
+    # cells=2: base blocks = its four tokens; tile blocks {4,5}, {6,7}, {8,9}, {10,11}
+    assert novelty_bonus(alive, [(2, 2), (2, 4)], scores, cells=2).tolist() == [1, 1, 1, 1, 0, 1, 1]
 
 
 def test_e2s_fuses_evidence_across_stages_by_grid_index():

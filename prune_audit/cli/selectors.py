@@ -84,7 +84,8 @@ def _model_target(model: str | None) -> tuple[str, int | None, type[VisionLangua
 
 def _selector_rows(depth: int | None, adapter: type[VisionLanguageModel]) -> list[dict[str, Any]]:
     """One row per registered selector: its option domains described for a model of ``depth`` layers, whether it
-    runs on ``adapter``'s family and, if not, why (``VisionLanguageModel.selector_support``)."""
+    runs on ``adapter``'s family and, if not, why (``VisionLanguageModel.selector_support``), and how where it runs
+    on each of an image's grids (``runs_as``: ``per_grid_selectors``)."""
     from prune_audit.pruners import list_selectors, selector_class
     from prune_audit.pruners.base import option_defaults
     from prune_audit.pruners.options import option_domains
@@ -102,6 +103,7 @@ def _selector_rows(depth: int | None, adapter: type[VisionLanguageModel]) -> lis
                 "family": adapter.family,
                 "runs": support[name] is None,
                 "refusal": support[name],
+                "runs_as": adapter.per_grid_selectors.get(name) if support[name] is None else None,
                 "options": defaults,
                 "domains": {key: domain.describe_for(depth, defaults[key]) for key, domain in option_domains(cls).items()},
                 "docs": {key: _option_doc(cls, key) for key in defaults},
@@ -138,7 +140,7 @@ def _print_selectors(rows: list[dict[str, Any]], model: str, depth: int | None,
         page.blank()
         needs = ", ".join(row["requires"]) or "nothing"
         page.paragraph(f"{row['name']}: {row['stage']} stage, needs {needs}", hang=4)
-        verdict = "runs" if row["runs"] else f"refused: {row['refusal']}"
+        verdict = f"refused: {row['refusal']}" if not row["runs"] else f"runs ({row['runs_as']})" if row["runs_as"] else "runs"
         page.paragraph(f"on {adapter.family}: {verdict}", indent=2, hang=4)
         if row["summary"]:
             page.paragraph(row["summary"], indent=2)

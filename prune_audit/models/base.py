@@ -51,6 +51,8 @@ class VisionLanguageModel(AnswerModes, ABC):
     #: selectors ``refused_selectors`` refuses on the whole image that run on each crop's own grid under
     #: ``budget_scope="crop"`` (as their official code does on this family)
     crop_grid_selectors: frozenset[str] = frozenset()
+    #: one-grid selectors that run on each of the image's regular grids (``grid_parts``) -> how (for messages)
+    per_grid_selectors: Mapping[str, str] = MappingProxyType({})
     #: the dimensions the compute accounting reads (``models.shape``), set by the family
     shape: ModelShape
     #: why the other InputSignals are missing, for error messages
@@ -298,6 +300,10 @@ class VisionLanguageModel(AnswerModes, ABC):
     def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
         """Per crop the tower ran on (``budget_scope="crop"``): its (M_c,) ascending visual tokens and their
         (rows, cols) grid; one crop here."""
+        return [(torch.arange(item.num_visual), item.grid)]
+
+    def grid_parts(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
+        """Per regular grid of the image: its (M_g,) ascending visual tokens and (rows, cols); one grid here."""
         return [(torch.arange(item.num_visual), item.grid)]
 
     def check_selector(self, selector: Selector) -> None:

@@ -95,6 +95,7 @@ class LayerPlan:
     states: list[dict[str, Any]] = field(default_factory=list)
     merged: list[list[list[int]]] = field(default_factory=list)  # per row: grid sources of merged token j
     vision: list[dict[str, Tensor]] = field(default_factory=list)
+    grid_parts: list[tuple[tuple[int, int], ...]] = field(default_factory=list)  # per row: LayerSignals.grid_parts
 
     def __post_init__(self) -> None:
         if not self.states:

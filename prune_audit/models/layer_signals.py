@@ -54,7 +54,7 @@ def layer_signals(
     kinds = batch.kinds[row, columns]
     signals = LayerSignals(
         alive=kinds[visual].cpu(), grid=plan.grids[row], layer=layer, num_layers=len(stack.layers),
-        model_dtype=hidden.dtype,
+        model_dtype=hidden.dtype, grid_parts=plan.grid_parts[row] if plan.grid_parts else (),
     )  # fmt: skip
     if batch.origin is not None:
         origin = batch.origin[row, columns].cpu()

@@ -14,9 +14,9 @@ puts them) with the kind ``TEXT_BEFORE`` (kept like the prompt before the image)
 keeps every newline and the surviving visual tokens in prompt order.
 
 Positions: 1-D RoPE; after input-level selection the prompt is simply shorter (compact), as for
-LLaVA-1.5. Selectors that lay tokens on one (rows, cols) grid (uniform's lattice, pooling, ToMe's
-grid, E2S's novelty blocks, HiPrune's neighbours, VScan's windows) are refused: the tokens form
-two grids; HiPrune runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official
+LLaVA-1.5. Uniform's lattice and E2S's novelty blocks need only the grid layout: they run on each of the
+two regular grids (``grid_parts``; ``PER_GRID_SELECTORS``). Selectors that lay tokens on one (rows, cols)
+grid otherwise (pooling, ToMe's grid, HiPrune's neighbours, VScan's windows) are refused; HiPrune runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official
 LLaVA-NeXT code selects per crop. CLS-attention selectors read each crop's own CLS row
 (``_crop_cls_attention``, as the official LLaVA-NeXT ports of VisionZip and FasterVLM); VisionZip
 itself and CDPruner are refused: the per-crop CLS states and keys VisionZip merges into contextual
@@ -44,8 +44,16 @@ from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners.base import Selection
 
 #: selectors that place tokens on one (rows, cols) grid, which an anyres image does not have
-ONE_GRID_SELECTORS = frozenset({"uniform", "pool", "tome", "e2s", "hiprune", "vscan"})
+ONE_GRID_SELECTORS = frozenset({"pool", "tome", "hiprune", "vscan"})
 ONE_GRID = "one regular token grid"
+#: selectors that need only the grid layout: they run on each of the image's two regular grids (``grid_parts``),
+#: a project choice (neither has official LLaVA-NeXT code), docs/models.md
+PER_GRID_SELECTORS = MappingProxyType({
+    "e2s": "per grid: its novelty blocks split the base view's grid and the tile grid each (a project choice; "
+           "E2S has no public code)",
+    "uniform": "per grid: the budget split over the base view's grid and the tile grid in proportion to their "
+               "tokens (a project choice, no official code); with --option budget_scope=crop an even share per crop",
+})
 #: those whose official LLaVA-NeXT code selects in each crop's own grid: they run with ``budget_scope=crop``
 #: (HiPrune, Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``: one index mask per crop, unpadded)
 PER_CROP_GRID_SELECTORS = frozenset({"hiprune"})
@@ -68,6 +76,7 @@ class LlavaNextModel(LlavaModel):
     display_name = "LLaVA-NeXT"
     several_crops = True
     crop_grid_selectors = PER_CROP_GRID_SELECTORS
+    per_grid_selectors = PER_GRID_SELECTORS
     token_grids = "several grids"
     refused_selectors = MappingProxyType(dict.fromkeys(sorted(ONE_GRID_SELECTORS), ONE_GRID))
 
@@ -194,6 +203,13 @@ class LlavaNextModel(LlavaModel):
                 rows = torch.unique((tokens - base.num_tokens) // tile_cols).numel()
                 crops.append((tokens, (rows, tokens.numel() // rows)))
         return crops
+
+    def grid_parts(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
+        """The base view's grid (tokens 0..B-1) and the tile grid after it (unpadded; for LLaVA-OneVision after
+        the ``anyres_max`` resize), each regular and row-major."""
+        base, tiles = item.geometry.grids
+        return [(torch.arange(base.num_tokens), base.grid),
+                (torch.arange(base.num_tokens, item.num_visual), tiles.grid)]
 
     def _token_crops(self, item: Prepared) -> Tensor:
         """(N,) the crop (0: base view, then the tiles row-major over the canvas) each visual token was computed in."""

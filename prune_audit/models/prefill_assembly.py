@@ -22,7 +22,7 @@ from prune_audit.models.kinds import MERGED, TEXT_AFTER, TEXT_BEFORE
 from prune_audit.models.layer_signals import text_demand
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Stage
-from prune_audit.pruners.crop_scope import select_per_crop
+from prune_audit.pruners.crop_scope import select_per_crop, select_per_grid
 from prune_audit.pruners.signals import InputSignals
 
 if TYPE_CHECKING:  # the model is passed in; importing base at run time would be a cycle
@@ -35,17 +35,18 @@ def select_input(
 ) -> Selection:
     """The input-level selection of one prompt: the ``forced`` kept indices (sorted, deduplicated, checked to lie
     in ``[0, item.num_visual)``), else ``selector`` at ``budget`` on the signals it ``requires`` (per crop under
-    ``budget_scope="crop"``)."""
+    ``budget_scope="crop"``, per regular grid for the family's ``per_grid_selectors``)."""
     if forced is not None:
         kept = torch.as_tensor(sorted({int(i) for i in forced}), dtype=torch.long)
         if kept.numel() and (kept[0] < 0 or kept[-1] >= item.num_visual):
             raise PruneAuditError(f"forced kept indices must lie in [0, {item.num_visual})")
         return Selection(kept=kept)
     signals = input_signals(vlm, item, output, requires)
-    crops = vlm.crop_tokens(item) if getattr(selector, "budget_scope", "image") == "crop" else None
     try:
-        if crops is not None:
-            return select_per_crop(selector, signals, crops, budget, generator)
+        if getattr(selector, "budget_scope", "image") == "crop":
+            return select_per_crop(selector, signals, vlm.crop_tokens(item), budget, generator)
+        if selector.name in vlm.per_grid_selectors:
+            return select_per_grid(selector, signals, vlm.grid_parts(item), budget, generator)
         return selector.select(signals, budget, generator)
     except ValueError as error:
         raise PruneAuditError(
@@ -121,7 +122,8 @@ def layer_plan(vlm: VisionLanguageModel, prepared: Sequence[Prepared], selector:
         for stage in row:
             if not 0 <= stage.layer < vlm.num_layers:
                 raise PruneAuditError(f"stage layer {stage.layer} outside the model's {vlm.num_layers} layers")
-    return LayerPlan(stages, grids, positions, selector, forced)
+    parts = [tuple(grid for _, grid in vlm.grid_parts(item)) for item in prepared]  # LLaVA-NeXT: base view, tiles
+    return LayerPlan(stages, grids, positions, selector, forced, grid_parts=parts)
 
 
 __all__ = ["select_input", "input_signals", "token_row", "layer_plan"]

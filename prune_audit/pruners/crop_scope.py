@@ -1,4 +1,5 @@
-"""Per-crop budgets (``budget_scope="crop"``): the official LLaVA-NeXT convention of the pruning ports.
+"""Per-crop budgets (``budget_scope="crop"``): the official LLaVA-NeXT convention of the pruning ports; and
+per-grid budgets for the selectors that lay tokens on one regular grid (uniform) on a several-grid image.
 
 VisionZip (dvlab-research/VisionZip ``visionzip/clip_encoder.py`` and ``llava_arch.py``, 3151f6d), CDPruner
 (Theia-4869/CDPruner ``llava/model/llava_arch.py``, 9541616) and FasterVLM (Theia-4869/FasterVLM
@@ -8,6 +9,11 @@ and every tile) separately, keeping the same count in every crop. Here the run's
 alone. One difference, documented in docs/fidelity.md: the official code selects among a tile's 576 patches,
 padding included, and drops the padding afterwards (fewer tokens than the budget may remain); here a tile's
 tokens are its unpadded ones, and a crop with fewer tokens than its share keeps them all.
+
+Per grid (``budget_scope="image"`` on LLaVA-NeXT / LLaVA-OneVision, a project choice, not an official
+convention: no official multi-grid code exists for those selectors): ``grid_budgets`` splits the image's budget
+over its regular grids (the base view's and the unpadded tile grid) in proportion to their token counts, and
+the selector runs on each grid alone (:func:`select_per_grid`).
 """
 
 from __future__ import annotations
@@ -49,15 +55,64 @@ def select_per_crop(
     Raises:
         ValueError: ``selector`` merges tokens (a merged token's crop would be undefined).
     """
+    shares = crop_budgets(budget, [int(tokens.numel()) for tokens, _ in crops])
+    return _select_in_parts(selector, signals, crops, shares, generator, "budget_scope=crop keeps plain tokens per crop")
+
+
+def grid_budgets(budget: int, sizes: Sequence[int]) -> list[int]:
+    """Each grid's share of ``budget`` in proportion to its token count ``sizes[g]`` (largest remainder: every
+    grid gets ``floor(budget x size / total)``, the leftover tokens go one each to the largest fractional parts,
+    ties to the earlier grid); the shares sum to ``min(budget, total)`` and none exceeds its grid."""
+    total = sum(sizes)
+    if budget >= total:
+        return list(sizes)
+    shares = [budget * size // total for size in sizes]
+    remainders = [budget * size % total for size in sizes]
+    for grid in sorted(range(len(sizes)), key=lambda g: (-remainders[g], g))[: budget - sum(shares)]:
+        shares[grid] += 1
+    return shares
+
+
+def select_per_grid(
+    selector: InputSelector,
+    signals: InputSignals,
+    grids: Sequence[tuple[Tensor, tuple[int, int]]],
+    budget: int,
+    generator: torch.Generator | None = None,
+) -> Selection:
+    """``selector`` on each regular grid's tokens alone at its proportional share of ``budget`` (:func:`grid_budgets`).
+
+    Args:
+        signals: the whole image's signals (N tokens).
+        grids: per grid, its (M_g,) ascending token indices and its (rows, cols) (row-major, rows x cols = M_g);
+            together every token once.
+        budget: visual tokens to keep over the image.
+
+    Returns:
+        The union of the grids' kept tokens, ascending, as image indices.
+    """
+    shares = grid_budgets(budget, [int(tokens.numel()) for tokens, _ in grids])
+    return _select_in_parts(selector, signals, grids, shares, generator, "a per-grid selection keeps plain tokens")
+
+
+def _select_in_parts(
+    selector: InputSelector,
+    signals: InputSignals,
+    parts: Sequence[tuple[Tensor, tuple[int, int]]],
+    shares: Sequence[int],
+    generator: torch.Generator | None,
+    merge_refusal: str,
+) -> Selection:
+    """The union of ``selector`` on each part's (M_p,) tokens laid on its (rows, cols) at ``shares[p]``."""
     kept = []
-    for (tokens, grid), share in zip(crops, crop_budgets(budget, [int(tokens.numel()) for tokens, _ in crops])):
+    for (tokens, grid), share in zip(parts, shares):
         if share == 0:
             continue
         chosen = selector.select(signals.subset(tokens, grid), share, generator)
         if chosen.sources is not None:
-            raise ValueError("budget_scope=crop keeps plain tokens per crop; this selector merges tokens")
+            raise ValueError(f"{merge_refusal}; this selector merges tokens")
         kept.append(tokens[chosen.kept])
     return Selection(kept=torch.cat(kept).sort().values if kept else torch.zeros(0, dtype=torch.long))
 
 
-__all__ = ["crop_budgets", "select_per_crop"]
+__all__ = ["crop_budgets", "grid_budgets", "select_per_crop", "select_per_grid"]

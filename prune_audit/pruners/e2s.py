@@ -29,22 +29,29 @@ E2S_PRESETS: dict[str, Mapping[int, Sequence[int]]] = {
 }
 
 
-def novelty_bonus(alive: Tensor, grid: tuple[int, int], scores: Tensor, cells: int) -> Tensor:
+def novelty_bonus(alive: Tensor, grids: Sequence[tuple[int, int]], scores: Tensor, cells: int) -> Tensor:
     """(n,) 1 for the highest-scoring alive token of every occupied cell, else 0.
 
-    The grid is split into ``cells x cells`` blocks (row ``r`` falls in block
-    ``r * cells // rows``); ties inside a block go to the lower index.
+    Each regular grid is split into ``cells x cells`` blocks (row ``r`` of a ``rows``-row grid falls in
+    block ``r * cells // rows``); ties inside a block go to the lower index. An image whose tokens form
+    several grids (LLaVA-NeXT's base view, then its tile grid) has the blocks of each grid.
 
     Args:
-        alive: (n,) original grid indices, row-major.
+        alive: (n,) original token indices: the grids' row-major cells laid end to end, ``grids`` order.
+        grids: the (rows, cols) of each grid; one for a one-grid image.
         scores: (n,) float32.
     """
-    rows, cols = grid
-    cell = (alive // cols) * cells // rows * cells + (alive % cols) * cells // cols
-    best = torch.full((cells * cells,), float("-inf")).scatter_reduce(0, cell, scores, "amax")
+    sizes = torch.tensor([rows * cols for rows, cols in grids])
+    ends = sizes.cumsum(0)
+    part = torch.bucketize(alive, ends, right=True)  # which grid each token lies on
+    rows, cols = (torch.tensor([grid[axis] for grid in grids])[part] for axis in (0, 1))
+    local = alive - (ends - sizes)[part]
+    cell = part * cells * cells + (local // cols) * cells // rows * cells + (local % cols) * cells // cols
+    blocks = len(grids) * cells * cells
+    best = torch.full((blocks,), float("-inf")).scatter_reduce(0, cell, scores, "amax")
     is_best = scores == best[cell]
     position = torch.arange(alive.numel())
-    first = torch.full((cells * cells,), alive.numel()).scatter_reduce(0, cell[is_best], position[is_best], "amin")
+    first = torch.full((blocks,), alive.numel()).scatter_reduce(0, cell[is_best], position[is_best], "amin")
     return (position == first[cell]).float()
 
 
@@ -65,7 +72,9 @@ class E2SSelector(ScheduledSelector):
        rule (:func:`~prune_audit.pruners.evidence.dempster_combine`).
     6. priority ``q = 1 - (1 - Pl(I)) (1 - K)``: conflict between layers protects a token.
     7. score ``(1 - novelty_weight) q + novelty_weight b`` with ``b = 1`` for the best-``q``
-       token of every occupied ``cells x cells`` block of the grid; keep the top ``keep``.
+       token of every occupied ``cells x cells`` block of the grid; keep the top ``keep``. On an image of
+       several regular grids (LLaVA-NeXT / OneVision's base view and tile grid, ``LayerSignals.grid_parts``)
+       each grid has its own blocks: a project choice, as the paper only describes one grid.
 
     Evidence is fused at every stage, also one that removes nothing, so later stages
     see every pruning layer's evidence.
@@ -140,5 +149,5 @@ class E2SSelector(ScheduledSelector):
         keep_priority = priority(mass, conflict if self.conflict_protection else None)
         if self.novelty_weight == 0:
             return keep_priority
-        bonus = novelty_bonus(signals.alive, signals.grid, keep_priority, self.cells)
+        bonus = novelty_bonus(signals.alive, signals.grid_parts or (signals.grid,), keep_priority, self.cells)
         return (1 - self.novelty_weight) * keep_priority + self.novelty_weight * bonus

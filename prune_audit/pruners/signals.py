@@ -123,6 +123,9 @@ class LayerSignals:
             merging selector inserted at an earlier stage follow them, as negative codes
             (their sources are in the records, not here).
         grid: (rows, cols) of the original token grid.
+        grid_parts: the (rows, cols) of each regular grid the original tokens form, laid end to end in index
+            order (LLaVA-NeXT: the base view's and the tile grid, while ``grid`` is ``(1, N)``); empty: the one
+            grid ``grid``.
         layer: index of the decoder layer whose input this is.
         num_layers: decoder depth.
         text_logits: (H, T, n) pre-softmax logits q_t . k_n / sqrt(d) of the text rows
@@ -170,6 +173,7 @@ class LayerSignals:
     full_attention_layers: tuple[int, ...] = ()
     rope_ones_logits: Tensor | None = None
     model_dtype: torch.dtype | None = None
+    grid_parts: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_alive(self) -> int:
