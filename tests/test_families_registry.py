@@ -846,3 +846,37 @@ def test_e2s_sees_the_base_view_and_tile_grids_on_llava_next(tmp_path):
     assert base.grid[0] * base.grid[1] + tiles.grid[0] * tiles.grid[1] == item.num_visual
     [answer] = vlm.answer([item], get_selector("e2s"), item.num_visual // 2)
     assert answer.kept_stages and len(answer.kept_stages[-1]) < item.num_visual
+
+
+@pytest.mark.parametrize("family_name, name", [("llava_next", "pool"), ("llava_next", "tome"),
+                                               ("llava_onevision", "tome")])
+def test_merged_tokens_take_their_first_cells_place_among_the_newlines(family_name, name, tmp_path):
+    """Pool and ToMe merge within each grid; each output token sits at the prompt column of its first cell, every
+    newline keeps its column and order, positions are compact; the pruned prefill's logits equal the stock
+    language model fed that row's embeddings (with its own default positions)."""
+    from prune_audit.models.kinds import MERGED, TEXT_BEFORE
+
+    checkpoint = adapter_for(family_name, "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"])
+    vlm = load_vlm(checkpoint, device="cpu")
+    item = vlm.prepare(random_image(1, SIZES[1]), QUESTIONS[0])
+    base, _ = item.geometry.grids
+    budget = item.num_visual // 3
+    result, [selection] = vlm.prefill([item], get_selector(name), budget)
+    assert selection.sources is not None and len(selection.sources) <= budget
+    assert all(bool((group < base.num_tokens).all()) or bool((group >= base.num_tokens).all())
+               for group in selection.sources)
+    start, end = item.image_span
+    columns = item.extras["visual_columns"].tolist()
+    newlines = sorted(set(range(start, end)) - set(columns))
+    places = {columns[int(group.min())]: int(group[0]) if group.numel() == 1 else MERGED
+              for group in selection.sources}
+    places.update(dict.fromkeys(newlines, TEXT_BEFORE))  # newlines are kept like the text before the image
+    [output] = vlm._vision([item], vlm.signals_for(get_selector(name)))
+    row = vlm._row(item, output, selection)
+    span = row.kinds[start:start + len(places)].tolist()
+    assert span == [places[column] for column in sorted(places)]
+    assert row.kinds.numel() == item.input_ids.numel() - (end - start) + len(places)
+    assert torch.equal(row.positions[0], torch.arange(row.kinds.numel()))
+    with torch.no_grad():
+        stock = vlm.model(inputs_embeds=row.embeddings[None]).logits[0, -1]
+    assert (result.logits[0] - stock).abs().max() <= TOL

@@ -476,3 +476,54 @@ def test_signals_subset_slices_every_per_token_signal_and_keeps_the_cls_first():
     assert signals.subset(tokens).grid == (1, 4)
     with pytest.raises(ValueError, match="cannot hold"):
         signals.subset(tokens, (3, 2))
+
+
+# ---------------------------------------------------------------- per grid (LLaVA-NeXT's base view and tile grid)
+
+
+def test_grid_budgets_split_in_proportion_by_largest_remainder():
+    from prune_audit.pruners.crop_scope import grid_budgets
+
+    assert grid_budgets(100, [576, 2304]) == [20, 80]
+    assert grid_budgets(11, [4, 8]) == [4, 7]  # 3.67 and 7.33: the leftover token to the larger fraction
+    assert grid_budgets(3, [4, 8]) == [1, 2] and grid_budgets(1, [1, 1]) == [1, 0]  # tie: the earlier grid
+    assert grid_budgets(50, [4, 8]) == [4, 8]
+
+
+def test_pool_merges_within_each_grid_by_hand():
+    """Tokens 0..3 a 2 x 2 grid, 4..11 a 2 x 4 grid. Budget 3 -> shares 1 and 2: the base grid pools to one
+    token of its four cells, the tile grid to 1 x 2 (two 2 x 2 windows). Budget 11 -> shares 4 and 7: the base
+    grid is kept whole (one-cell outputs, its own features), the tile grid pools to 1 x 3 with torch's
+    overlapping adaptive bins (columns 0-1, 1-2, 2-3)."""
+    from prune_audit.pruners.crop_scope import select_per_grid
+
+    features = torch.arange(12, dtype=torch.float32)[:, None] * torch.tensor([[1.0, -1.0]])
+    signals = InputSignals(grid=(1, 12), vision_features=features)
+    grids = [(torch.arange(4), (2, 2)), (torch.arange(4, 12), (2, 4))]
+    pool = get_selector("pool")
+    selection = select_per_grid(pool, signals, grids, 3)
+    assert [group.tolist() for group in selection.sources] == [[0, 1, 2, 3], [4, 5, 8, 9], [6, 7, 10, 11]]
+    assert selection.vision_tokens[:, 0].tolist() == [1.5, 6.5, 8.5] and selection.kept.numel() == 0
+    selection = select_per_grid(pool, signals, grids, 11)
+    assert [group.tolist() for group in selection.sources] == [[0], [1], [2], [3], [4, 5, 8, 9], [5, 6, 9, 10],
+                                                               [6, 7, 10, 11]]
+    assert selection.vision_tokens[:, 0].tolist() == [0, 1, 2, 3, 6.5, 7.5, 8.5]
+    assert selection.kept.tolist() == [0, 1, 2, 3]
+    assert select_per_grid(pool, signals, grids, 12).sources is None  # everything kept: plain tokens
+
+
+def test_tome_merges_within_each_grid_and_keeps_a_whole_grid_in_the_projected_space():
+    """ToMe per grid: no output token mixes the grids; a grid kept whole passes its projected ``features``."""
+    from prune_audit.pruners.crop_scope import select_per_grid
+
+    features = torch.randn(12, 6, generator=torch.Generator().manual_seed(0))
+    signals = InputSignals(grid=(1, 12), features=features)
+    grids = [(torch.arange(4), (2, 2)), (torch.arange(4, 12), (2, 4))]
+    tome = get_selector("tome")
+    selection = select_per_grid(tome, signals, grids, 6)  # shares 2 and 4
+    assert all(bool((group < 4).all()) or bool((group >= 4).all()) for group in selection.sources)
+    assert sorted(int(cell) for group in selection.sources for cell in group) == list(range(12))
+    assert len(selection.sources) == 6 and selection.llm_tokens.shape == (6, 6)
+    whole = select_per_grid(tome, signals, grids, 11)  # shares 4 and 7: the base grid kept whole
+    assert [group.tolist() for group in whole.sources[:4]] == [[0], [1], [2], [3]]
+    assert torch.equal(whole.llm_tokens[:4], features[:4])

@@ -14,9 +14,9 @@ puts them) with the kind ``TEXT_BEFORE`` (kept like the prompt before the image)
 keeps every newline and the surviving visual tokens in prompt order.
 
 Positions: 1-D RoPE; after input-level selection the prompt is simply shorter (compact), as for
-LLaVA-1.5. Uniform's lattice and E2S's novelty blocks need only the grid layout: they run on each of the
-two regular grids (``grid_parts``; ``PER_GRID_SELECTORS``). Selectors that lay tokens on one (rows, cols)
-grid otherwise (pooling, ToMe's grid, HiPrune's neighbours, VScan's windows) are refused; HiPrune runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official
+LLaVA-1.5. Uniform's lattice, pooling, ToMe and E2S's novelty blocks need only the grid layout: they run on
+each of the two regular grids (``grid_parts``; ``PER_GRID_SELECTORS``); a merged token takes its first cell's
+place among the newlines (``_row``). HiPrune's neighbours and VScan's windows are refused; HiPrune runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official
 LLaVA-NeXT code selects per crop. CLS-attention selectors read each crop's own CLS row
 (``_crop_cls_attention``, as the official LLaVA-NeXT ports of VisionZip and FasterVLM); VisionZip
 itself and CDPruner are refused: the per-crop CLS states and keys VisionZip merges into contextual
@@ -37,20 +37,25 @@ from torch import Tensor
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import without_direct_forwards
 from prune_audit.models.batch import TokenRow
-from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE
+from prune_audit.models.kinds import MERGED, TEXT_AFTER, TEXT_BEFORE
 from prune_audit.models.llava import LAYER_SIGNALS, LlavaModel
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners.base import Selection
 
 #: selectors that place tokens on one (rows, cols) grid, which an anyres image does not have
-ONE_GRID_SELECTORS = frozenset({"pool", "tome", "hiprune", "vscan"})
+ONE_GRID_SELECTORS = frozenset({"hiprune", "vscan"})
 ONE_GRID = "one regular token grid"
 #: selectors that need only the grid layout: they run on each of the image's two regular grids (``grid_parts``),
-#: a project choice (neither has official LLaVA-NeXT code), docs/models.md
+#: a project choice (none has official LLaVA-NeXT code), docs/models.md
+MERGE_PER_GRID = ("per grid: it merges within the base view's grid and within the tile grid, the budget split over "
+                  "them in proportion to their tokens, each merged token placed at its first cell among the row "
+                  "newlines (a project choice, no official code)")
 PER_GRID_SELECTORS = MappingProxyType({
     "e2s": "per grid: its novelty blocks split the base view's grid and the tile grid each (a project choice; "
            "E2S has no public code)",
+    "pool": MERGE_PER_GRID,
+    "tome": MERGE_PER_GRID,
     "uniform": "per grid: the budget split over the base view's grid and the tile grid in proportion to their "
                "tokens (a project choice, no official code); with --option budget_scope=crop an even share per crop",
 })
@@ -222,31 +227,43 @@ class LlavaNextModel(LlavaModel):
         return {"crops": int(prepared.pixel_values.shape[0]), "crop_grid": (side, side)}
 
     def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
-        """The language-model input of one prompt: the kept visual tokens and every newline in prompt order."""
-        if selection is not None and selection.sources is not None:
-            raise PruneAuditError("merged visual tokens are not supported on LLaVA-NeXT")
+        """The language-model input of one prompt: the visual tokens fed and every newline, in prompt order.
+
+        A kept token keeps its place among the newlines; a merging selector's output token (pool, ToMe: merged
+        within one grid, ``select_per_grid``) takes the place of its first (lowest-index) source cell, so the
+        tile grid's newlines stay after the rows they close (a project convention: no official LLaVA-NeXT code
+        merges). Positions are compact (1-D RoPE): the row's own order.
+        """
         start, end = item.image_span
         device = self.device
         ids = item.input_ids.to(device)
         embed = self.loop.stack.embed_tokens
         visual_at = item.extras["visual_columns"].to(device) - start  # span offset of each visual token
-        span = self.model.model.image_newline.to(self.dtype).expand(end - start, -1).clone()
-        span[visual_at] = output.features.to(self.dtype)
-        span_kinds = torch.full((end - start,), NEWLINE_KIND, device=device)
-        span_kinds[visual_at] = torch.arange(item.num_visual, device=device)
-        keep = span_kinds == NEWLINE_KIND
-        keep[visual_at if selection is None else visual_at[selection.kept.to(device)]] = True
-        embeddings = torch.cat([embed(ids[:start]), span[keep], embed(ids[end:])])
+        is_newline = torch.ones(end - start, dtype=torch.bool, device=device)
+        is_newline[visual_at] = False
+        newline_at = torch.nonzero(is_newline).flatten()
+        if selection is None or selection.sources is None:
+            kinds = torch.arange(item.num_visual, device=device) if selection is None else selection.kept.to(device)
+            visual = output.features[kinds]
+        else:
+            if any(group.numel() == 0 for group in selection.sources):
+                raise PruneAuditError(f"a merged token without grid cells has no place in the {self.display_name} "
+                                      f"prompt (its tile rows end in newlines)")
+            visual = (selection.llm_tokens.to(device, self.dtype) if selection.llm_tokens is not None
+                      else self._project(selection.vision_tokens.to(device, self.dtype)))
+            kinds = torch.tensor([int(group[0]) if group.numel() == 1 else MERGED for group in selection.sources],
+                                 device=device)
+            firsts = torch.tensor([int(group.min()) for group in selection.sources], device=device)
+        slots = visual_at[kinds if selection is None or selection.sources is None else firsts]
+        order = torch.argsort(torch.cat([slots, newline_at]), stable=True)
+        newline = self.model.model.image_newline.to(self.dtype).expand(newline_at.numel(), -1)
+        span = torch.cat([visual.to(self.dtype), newline])[order]
+        span_kinds = torch.cat([kinds, torch.full((newline_at.numel(),), NEWLINE_KIND, device=device)])[order]
+        embeddings = torch.cat([embed(ids[:start]), span, embed(ids[end:])])
         before = torch.full((start,), TEXT_BEFORE, device=device)
         after = torch.full((ids.numel() - end,), TEXT_AFTER, device=device)
-        kinds = torch.cat([before, span_kinds[keep], after])
-        if selection is not None:  # compact: the pruned prompt is simply shorter
-            positions = torch.arange(kinds.numel(), device=device)[None]
-        else:
-            columns = torch.cat([torch.arange(start, device=device), start + torch.nonzero(keep).flatten(),
-                                 torch.arange(end, ids.numel(), device=device)])
-            positions = columns[None]
-        return TokenRow(embeddings, kinds, positions)
+        kinds = torch.cat([before, span_kinds, after])
+        return TokenRow(embeddings, kinds, torch.arange(kinds.numel(), device=device)[None])
 
     def _family_description(self) -> dict[str, Any]:
         image_processor = self.processor.image_processor

@@ -14,14 +14,16 @@ kept like text, budgets over all visual tokens, compact positions) with three di
   tokenizer loaded on their own: ``LlavaOnevisionProcessor`` wants a video processor (torchvision) never used.
   The image token count is the geometry's (visual tokens plus newlines), tested equal to the processor's rule.
 
-Every selector that needs CLS attention is refused (SigLIP has no CLS), as on LLaVA-NeXT the one-grid
-selectors and CDPruner.
+Every selector that needs CLS attention is refused (SigLIP has no CLS), as on LLaVA-NeXT HiPrune, VScan and
+CDPruner, and pooling (it averages pre-projector features; ``anyres_max`` resizes the tile grid after the
+projector). Uniform, ToMe and E2S run per grid as on LLaVA-NeXT.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -48,10 +50,14 @@ class LlavaOnevisionModel(LlavaNextModel):
     input_signals = frozenset({"features", "demand"})
     cls_probe_signals = layer_probe_signals = frozenset()  # SigLIP has no CLS token; no tower attention read
     missing_signals_reason = (
-        "its visual tokens form two grids (base view and unpadded tiles), its SigLIP tower has no CLS token, and "
-        "this adapter reads no CLIP text space"
+        "its visual tokens form two grids (base view and unpadded tiles), its SigLIP tower has no CLS token, "
+        "anyres_max resizes the tile grid after the projector, and this adapter reads no CLIP text space"
     )
     display_name = "LLaVA-OneVision"
+    #: pooling averages pre-projector features, and anyres_max resizes the tile grid after the projector
+    refused_selectors = MappingProxyType({**LlavaNextModel.refused_selectors, "pool": "pre-projector features of each token"})
+    per_grid_selectors = MappingProxyType({name: how for name, how in LlavaNextModel.per_grid_selectors.items()
+                                           if name != "pool"})
     prompt_templates = (PROMPT_TEMPLATE,)
 
     @classmethod

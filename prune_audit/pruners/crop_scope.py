@@ -1,5 +1,6 @@
 """Per-crop budgets (``budget_scope="crop"``): the official LLaVA-NeXT convention of the pruning ports; and
-per-grid budgets for the selectors that lay tokens on one regular grid (uniform) on a several-grid image.
+per-grid budgets for the selectors that lay tokens on one regular grid (uniform, pool, ToMe) on a several-grid
+image.
 
 VisionZip (dvlab-research/VisionZip ``visionzip/clip_encoder.py`` and ``llava_arch.py``, 3151f6d), CDPruner
 (Theia-4869/CDPruner ``llava/model/llava_arch.py``, 9541616) and FasterVLM (Theia-4869/FasterVLM
@@ -55,8 +56,16 @@ def select_per_crop(
     Raises:
         ValueError: ``selector`` merges tokens (a merged token's crop would be undefined).
     """
-    shares = crop_budgets(budget, [int(tokens.numel()) for tokens, _ in crops])
-    return _select_in_parts(selector, signals, crops, shares, generator, "budget_scope=crop keeps plain tokens per crop")
+    kept = []
+    for (tokens, grid), share in zip(crops, crop_budgets(budget, [int(tokens.numel()) for tokens, _ in crops])):
+        if share == 0:
+            continue
+        chosen = selector.select(signals.subset(tokens, grid), share, generator)
+        if chosen.sources is not None:
+            raise ValueError("budget_scope=crop keeps plain tokens per crop and this selector merges tokens; drop "
+                             "--option budget_scope=crop")
+        kept.append(tokens[chosen.kept])
+    return Selection(kept=torch.cat(kept).sort().values if kept else torch.zeros(0, dtype=torch.long))
 
 
 def grid_budgets(budget: int, sizes: Sequence[int]) -> list[int]:
@@ -82,6 +91,10 @@ def select_per_grid(
 ) -> Selection:
     """``selector`` on each regular grid's tokens alone at its proportional share of ``budget`` (:func:`grid_budgets`).
 
+    A merging selector (pool, ToMe) merges within each grid only: its output tokens carry image indices of one
+    grid; a grid it keeps whole (share at least its size) passes its tokens on as one-cell outputs in the same
+    space (pre-projector ``vision_features`` beside pooled tokens, projected ``features`` beside ToMe's).
+
     Args:
         signals: the whole image's signals (N tokens).
         grids: per grid, its (M_g,) ascending token indices and its (rows, cols) (row-major, rows x cols = M_g);
@@ -89,30 +102,31 @@ def select_per_grid(
         budget: visual tokens to keep over the image.
 
     Returns:
-        The union of the grids' kept tokens, ascending, as image indices.
+        The union of the grids' kept tokens, ascending, as image indices; for a merging selector also the
+        output tokens grid by grid in the selector's order, their sources as image indices.
     """
     shares = grid_budgets(budget, [int(tokens.numel()) for tokens, _ in grids])
-    return _select_in_parts(selector, signals, grids, shares, generator, "a per-grid selection keeps plain tokens")
-
-
-def _select_in_parts(
-    selector: InputSelector,
-    signals: InputSignals,
-    parts: Sequence[tuple[Tensor, tuple[int, int]]],
-    shares: Sequence[int],
-    generator: torch.Generator | None,
-    merge_refusal: str,
-) -> Selection:
-    """The union of ``selector`` on each part's (M_p,) tokens laid on its (rows, cols) at ``shares[p]``."""
-    kept = []
-    for (tokens, grid), share in zip(parts, shares):
-        if share == 0:
-            continue
-        chosen = selector.select(signals.subset(tokens, grid), share, generator)
-        if chosen.sources is not None:
-            raise ValueError(f"{merge_refusal}; this selector merges tokens")
-        kept.append(tokens[chosen.kept])
-    return Selection(kept=torch.cat(kept).sort().values if kept else torch.zeros(0, dtype=torch.long))
+    chosen = [(tokens, selector.select(signals.subset(tokens, grid), share, generator))
+              for (tokens, grid), share in zip(grids, shares) if share > 0]
+    merging = [selection for _, selection in chosen if selection.sources is not None]
+    kept = torch.cat([tokens[selection.kept] for tokens, selection in chosen]).sort().values if chosen else (
+        torch.zeros(0, dtype=torch.long))
+    if not merging:
+        return Selection(kept=kept)
+    vision_space = merging[0].vision_tokens is not None
+    space = signals.vision_features if vision_space else signals.features
+    sources, outputs = [], []
+    for tokens, selection in chosen:
+        if selection.sources is None:  # a grid kept whole: one-cell outputs
+            sources += [tokens[i : i + 1] for i in selection.kept.tolist()]
+            outputs.append(space[tokens[selection.kept]].float())
+        else:
+            sources += [tokens[group] for group in selection.sources]
+            outputs.append(selection.vision_tokens if vision_space else selection.llm_tokens)
+    tokens_out = torch.cat(outputs)
+    if vision_space:
+        return Selection(kept=kept, sources=sources, vision_tokens=tokens_out)
+    return Selection(kept=kept, sources=sources, llm_tokens=tokens_out)
 
 
 __all__ = ["crop_budgets", "grid_budgets", "select_per_crop", "select_per_grid"]
