@@ -855,9 +855,13 @@ def test_merged_tokens_take_their_first_cells_place_among_the_newlines(family_na
     newline keeps its column and order, positions are compact; the pruned prefill's logits equal the stock
     language model fed that row's embeddings (with its own default positions)."""
     from prune_audit.models.kinds import MERGED, TEXT_BEFORE
+    from prune_audit.pruners.registry import selector_from_strings
 
     checkpoint = adapter_for(family_name, "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"])
     vlm = load_vlm(checkpoint, device="cpu")
+    with pytest.raises(PruneAuditError, match="merges tokens") as error:  # a crop's share keeps plain tokens
+        vlm.check_selector(selector_from_strings(name, ["budget_scope=crop"]))
+    assert "\n" not in str(error.value)
     item = vlm.prepare(random_image(1, SIZES[1]), QUESTIONS[0])
     base, _ = item.geometry.grids
     budget = item.num_visual // 3

@@ -308,13 +308,13 @@ class VisionLanguageModel(AnswerModes, ABC):
 
     def check_selector(self, selector: Selector) -> None:
         """Raise a one-line PruneAuditError when this model cannot provide the selector's signals."""
-        if getattr(selector, "budget_scope", "image") == "crop" and not self.several_crops:
-            raise PruneAuditError(
-                f"budget_scope=crop splits the budget over an image's crops, and {self.family} sees each image as one "
-                f"crop; drop --option budget_scope=crop (it applies to LLaVA-NeXT and LLaVA-OneVision)"
-            )
-        if getattr(selector, "budget_scope", "image") == "crop" and self.runs_per_crop(
-                type(selector), self._available_input_signals()):
+        per_crop = getattr(selector, "budget_scope", "image") == "crop"
+        if per_crop and (not self.several_crops or selector.merges):
+            why = (f"{selector.name} merges tokens (it runs per grid under budget_scope=image)" if self.several_crops else
+                   f"{self.family} sees each image as one crop (it applies to LLaVA-NeXT and LLaVA-OneVision)")
+            raise PruneAuditError(f"budget_scope=crop splits the budget over an image's crops, and {why}; drop "
+                                  f"--option budget_scope=crop")
+        if per_crop and self.runs_per_crop(type(selector), self._available_input_signals()):
             return
         reason = self.refusal(type(selector), self._available_input_signals())
         if reason is None:
