@@ -16,8 +16,9 @@ keeps every newline and the surviving visual tokens in prompt order.
 Positions: 1-D RoPE; after input-level selection the prompt is simply shorter (compact), as for
 LLaVA-1.5. Uniform's lattice, pooling, ToMe and E2S's novelty blocks need only the grid layout: they run on
 each of the two regular grids (``grid_parts``; ``PER_GRID_SELECTORS``); a merged token takes its first cell's
-place among the newlines (``_row``). HiPrune's neighbours and VScan's windows are refused; HiPrune runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official
-LLaVA-NeXT code selects per crop. CLS-attention selectors read each crop's own CLS row
+place among the newlines (``_row``). HiPrune is refused on the whole image (its neighbours lie on one grid)
+and runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official LLaVA-NeXT code selects per
+crop; VScan is refused (its official per-crop LLaVA-NeXT path is not ported: ``VSCAN_PER_CROP``). CLS-attention selectors read each crop's own CLS row
 (``_crop_cls_attention``, as the official LLaVA-NeXT ports of VisionZip and FasterVLM); VisionZip
 itself and CDPruner are refused: the per-crop CLS states and keys VisionZip merges into contextual
 tokens and the CLIP text relevance are not read here (docs/models.md). ``budget_scope=crop``
@@ -43,9 +44,12 @@ from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners.base import Selection
 
-#: selectors that place tokens on one (rows, cols) grid, which an anyres image does not have
-ONE_GRID_SELECTORS = frozenset({"hiprune", "vscan"})
+#: what HiPrune lacks on the whole anyres image: its neighbours lie on one (rows, cols) grid
 ONE_GRID = "one regular token grid"
+#: VScan's official LLaVA-NeXT code (Tencent/SelfEvolvingAgent a82450e, ``VScan/llava/model/llava_arch.py``
+#: ``encode_images`` on every crop, then ``unpad_image`` of the index mask) is not ported: docs/models.md
+VSCAN_PER_CROP = ("the per-crop scans of VScan's LLaVA-NeXT code (Tencent/SelfEvolvingAgent a82450e: window and "
+                  "global CLS scans and merging in each crop's padded grid, then unpadding), not ported")
 #: selectors that need only the grid layout: they run on each of the image's two regular grids (``grid_parts``),
 #: a project choice (none has official LLaVA-NeXT code), docs/models.md
 MERGE_PER_GRID = ("per grid: it merges within the base view's grid and within the tile grid, the budget split over "
@@ -83,7 +87,7 @@ class LlavaNextModel(LlavaModel):
     crop_grid_selectors = PER_CROP_GRID_SELECTORS
     per_grid_selectors = PER_GRID_SELECTORS
     token_grids = "several grids"
-    refused_selectors = MappingProxyType(dict.fromkeys(sorted(ONE_GRID_SELECTORS), ONE_GRID))
+    refused_selectors = MappingProxyType({"hiprune": ONE_GRID, "vscan": VSCAN_PER_CROP})
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -360,4 +364,4 @@ def build_llava_next(
     return save_dir
 
 
-__all__ = ["LlavaNextModel", "build_llava_next", "visual_columns", "ONE_GRID_SELECTORS"]
+__all__ = ["LlavaNextModel", "build_llava_next", "visual_columns", "PER_GRID_SELECTORS"]
