@@ -103,7 +103,7 @@ def _selector_rows(depth: int | None, adapter: type[VisionLanguageModel]) -> lis
                 "family": adapter.family,
                 "runs": support[name] is None,
                 "refusal": support[name],
-                "runs_as": adapter.per_grid_selectors.get(name) if support[name] is None else None,
+                "runs_as": None if support[name] else adapter.per_grid_selectors.get(name),
                 "options": defaults,
                 "domains": {key: domain.describe_for(depth, defaults[key]) for key, domain in option_domains(cls).items()},
                 "docs": {key: _option_doc(cls, key) for key in defaults},
@@ -140,7 +140,8 @@ def _print_selectors(rows: list[dict[str, Any]], model: str, depth: int | None,
         page.blank()
         needs = ", ".join(row["requires"]) or "nothing"
         page.paragraph(f"{row['name']}: {row['stage']} stage, needs {needs}", hang=4)
-        verdict = f"refused: {row['refusal']}" if not row["runs"] else f"runs ({row['runs_as']})" if row["runs_as"] else "runs"
+        verdict = ("runs" + (f" ({row['runs_as']})" if row["runs_as"] else "")) if row["runs"] else (
+            f"refused: {row['refusal']}")
         page.paragraph(f"on {adapter.family}: {verdict}", indent=2, hang=4)
         if row["summary"]:
             page.paragraph(row["summary"], indent=2)

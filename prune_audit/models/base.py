@@ -310,7 +310,7 @@ class VisionLanguageModel(AnswerModes, ABC):
         """Raise a one-line PruneAuditError when this model cannot provide the selector's signals."""
         per_crop = getattr(selector, "budget_scope", "image") == "crop"
         if per_crop and (not self.several_crops or selector.merges):
-            why = (f"{selector.name} merges tokens (it runs per grid under budget_scope=image)" if self.several_crops else
+            why = (f"{selector.name} merges tokens (per grid under budget_scope=image)" if self.several_crops else
                    f"{self.family} sees each image as one crop (it applies to LLaVA-NeXT and LLaVA-OneVision)")
             raise PruneAuditError(f"budget_scope=crop splits the budget over an image's crops, and {why}; drop "
                                   f"--option budget_scope=crop")

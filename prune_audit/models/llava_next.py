@@ -18,11 +18,12 @@ LLaVA-1.5. Uniform's lattice, pooling, ToMe and E2S's novelty blocks need only t
 each of the two regular grids (``grid_parts``; ``PER_GRID_SELECTORS``); a merged token takes its first cell's
 place among the newlines (``_row``). HiPrune is refused on the whole image (its neighbours lie on one grid)
 and runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official LLaVA-NeXT code selects per
-crop; VScan is refused (its official per-crop LLaVA-NeXT path is not ported: ``VSCAN_PER_CROP``). CLS-attention selectors read each crop's own CLS row
-(``_crop_cls_attention``, as the official LLaVA-NeXT ports of VisionZip and FasterVLM); VisionZip
-itself and CDPruner are refused: the per-crop CLS states and keys VisionZip merges into contextual
-tokens and the CLIP text relevance are not read here (docs/models.md). ``budget_scope=crop``
-(``crop_tokens``) splits any input selector's budget evenly over the crops.
+crop; VScan is refused (its official per-crop LLaVA-NeXT path is not ported: ``VSCAN_PER_CROP``).
+CLS-attention selectors read each crop's own CLS row (``_crop_cls_attention``, as the official LLaVA-NeXT
+ports of VisionZip and FasterVLM); VisionZip itself and CDPruner are refused: the per-crop CLS states and
+keys VisionZip merges into contextual tokens and the CLIP text relevance are not read here
+(docs/models.md). ``budget_scope=crop`` (``crop_tokens``) splits any non-merging input selector's budget
+evenly over the crops.
 """
 
 from __future__ import annotations
@@ -266,8 +267,8 @@ class LlavaNextModel(LlavaModel):
         embeddings = torch.cat([embed(ids[:start]), span, embed(ids[end:])])
         before = torch.full((start,), TEXT_BEFORE, device=device)
         after = torch.full((ids.numel() - end,), TEXT_AFTER, device=device)
-        kinds = torch.cat([before, span_kinds, after])
-        return TokenRow(embeddings, kinds, torch.arange(kinds.numel(), device=device)[None])
+        row_kinds = torch.cat([before, span_kinds, after])
+        return TokenRow(embeddings, row_kinds, torch.arange(row_kinds.numel(), device=device)[None])
 
     def _family_description(self) -> dict[str, Any]:
         image_processor = self.processor.image_processor

@@ -55,7 +55,8 @@ class LlavaOnevisionModel(LlavaNextModel):
     )
     display_name = "LLaVA-OneVision"
     #: pooling averages pre-projector features, and anyres_max resizes the tile grid after the projector
-    refused_selectors = MappingProxyType({**LlavaNextModel.refused_selectors, "pool": "pre-projector features of each token"})
+    refused_selectors = MappingProxyType({**LlavaNextModel.refused_selectors,
+                                          "pool": "pre-projector features of each token"})
     per_grid_selectors = MappingProxyType({name: how for name, how in LlavaNextModel.per_grid_selectors.items()
                                            if name != "pool"})
     prompt_templates = (PROMPT_TEMPLATE,)
