@@ -96,6 +96,18 @@ def test_e2s_first_stage_scores_by_hand_with_novelty_bonus():
     assert kept.tolist() == [1, 2]
 
 
+def test_e2s_novelty_blocks_lie_on_each_grid_of_a_several_grid_image():
+    """Tokens 0, 1 one grid (1 x 2) and 2, 3 another (LLaVA-NeXT: ``grid`` (1, 4), ``grid_parts``): with one cell per
+    grid the bonus goes to each grid's best priority, token 1 and token 2 (tie with 3, lower index); on the one
+    (1, 4) grid the same single cell would give it to token 1 alone."""
+    selector = get_selector("e2s", cells=1)
+    parts = signals(4, grid=(1, 4), text_logits=e2s_logits(), grid_parts=((1, 2), (1, 2)))
+    scores = selector.score(Stage(3, 2), parts, {})
+    assert torch.allclose(scores, 0.9 * EXPECTED_PRIORITY + 0.1 * torch.tensor([0.0, 1.0, 1.0, 0.0]), atol=1e-6)
+    one_grid = selector.score(Stage(3, 2), signals(4, grid=(1, 4), text_logits=e2s_logits()), {})
+    assert torch.allclose(one_grid, 0.9 * EXPECTED_PRIORITY + 0.1 * torch.tensor([0.0, 1.0, 0.0, 0.0]), atol=1e-6)
+
+
 def test_e2s_without_novelty_keeps_the_top_priorities():
     kept = get_selector("e2s", novelty_weight=0.0).prune(Stage(3, 2), signals(4, text_logits=e2s_logits()), {})
     assert kept.tolist() == [0, 1]
