@@ -390,9 +390,12 @@ def test_selectors_command_says_what_runs_on_a_family_without_loading_it(family_
     support = adapter_for(family_name, "test").selector_support()
     assert {name: row["refusal"] for name, row in rows.items()} == support
     assert all(row["runs"] == (row["refusal"] is None) and row["family"] == family_name for row in rows.values())
-    text = runner.invoke(app, ["selectors", "--model", family_name], terminal_width=200).stdout
+    per_grid = adapter_for(family_name, "test").per_grid_selectors  # how those run on a several-grid image
+    assert {name for name, row in rows.items() if row["runs_as"]} == set(per_grid)
+    text = " ".join(runner.invoke(app, ["selectors", "--model", family_name], terminal_width=200).stdout.split())
     for name, refusal in support.items():
-        assert f"on {family_name}: " + ("runs" if refusal is None else f"refused: {refusal}") in " ".join(text.split())
+        runs = f"runs ({per_grid[name]})" if name in per_grid else "runs"
+        assert f"on {family_name}: " + (runs if refusal is None else f"refused: {refusal}") in text
 
 
 def test_selectors_command_names_the_families_when_model_is_neither_a_folder_nor_a_family(tmp_path):
