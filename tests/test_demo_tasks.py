@@ -169,7 +169,7 @@ def test_teacher_forced_logits_equal_the_full_forward_at_every_answer_token(mix_
     with torch.no_grad():
         features = vlm.image_features(**scene_inputs(vlm, batch.scenes))
         features = torch.stack(list(features))
-        logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, forcing.suffixes, 8,
+        logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, forcing.suffixes, sum(DEFAULT_MIX),
                                           grid=(recipe.grid, recipe.grid), every_position=True)
         for row, col in zip(forcing.rows.tolist(), forcing.cols.tolist()):
             ids = torch.cat([pieces.prefix, forcing.suffixes[row][: col + 1]])[None]
