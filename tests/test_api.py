@@ -1,4 +1,4 @@
-"""The Python pruning API (``from prune_audit import load, pruned``) and README's snippet of it."""
+"""The Python pruning API (``from prune_audit import load, pruned``) and the docs snippet of it."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import pytest
 
 from prune_audit.errors import PruneAuditError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PYTHON_API_DOC = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
 
 
 def readme_pruning_snippet() -> str:
-    """The ```python block after ``<!-- python-api-pruning -->`` in README.md."""
-    text = README.read_text()
+    """The ```python block after ``<!-- python-api-pruning -->`` in docs/python-api.md."""
+    text = PYTHON_API_DOC.read_text()
     start = text.index("```python\n", text.index("<!-- python-api-pruning -->")) + len("```python\n")
     return text[start : text.index("\n```", start)]
 
@@ -36,7 +36,7 @@ def test_import_stays_light():
 
 
 def test_readme_snippet_runs_on_the_demo():
-    environment = {**os.environ, "PYTHONPATH": str(README.parent)}
+    environment = {**os.environ, "PYTHONPATH": str(PYTHON_API_DOC.parents[1])}
     completed = subprocess.run([sys.executable, "-c", readme_pruning_snippet()], env=environment,
                                capture_output=True, text=True, check=False)
     assert completed.returncode == 0, completed.stderr[-3000:]

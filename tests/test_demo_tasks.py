@@ -169,7 +169,7 @@ def test_teacher_forced_logits_equal_the_full_forward_at_every_answer_token(mix_
     with torch.no_grad():
         features = vlm.image_features(**scene_inputs(vlm, batch.scenes))
         features = torch.stack(list(features))
-        logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, forcing.suffixes, 8,
+        logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, forcing.suffixes, sum(DEFAULT_MIX),
                                           grid=(recipe.grid, recipe.grid), every_position=True)
         for row, col in zip(forcing.rows.tolist(), forcing.cols.tolist()):
             ids = torch.cat([pieces.prefix, forcing.suffixes[row][: col + 1]])[None]
@@ -339,3 +339,41 @@ def test_scienceqa_runs_on_the_demo_files_with_a_mix_trained_model(task_files, t
     assert result.exit_code == 0, result.output[-2000:]
     records = pq.read_table(out / "records.parquet").to_pylist()
     assert len(records) == 3 and all(r["answer_text"] in ("A", "B", "C", "D") for r in records)
+
+
+def test_each_offered_option_is_trained_at_its_last_word_with_its_presence(mix_model):
+    """The auxiliary option targets sit on the option words, yes exactly for the answer's option."""
+    recipe, _, _, vlm = mix_model
+    pieces = prompt_pieces(vlm, recipe.grid**2)
+    scene = generate_scene(0, 1, image_size=recipe.image_size)
+    question = choice_question(np.random.default_rng(0), scene)
+    forcing = teacher_forcing(vlm, pieces, [answer_target(MixQuestion(0, question), "")])
+    words = vlm.tokenizer.convert_ids_to_tokens(forcing.suffixes[0][forcing.option_cols].tolist())
+    assert words == list(question.options)
+    assert forcing.option_present.tolist() == [letter == question.answer for letter in "ABCD"]
+    assert forcing.option_rows.tolist() == [0] * 4 and forcing.every_position
+
+
+def test_a_killed_training_rerun_on_its_folder_resumes_to_the_same_weights(tmp_path):
+    """Stopped after its first checkpoint and rerun, a training ends with the uninterrupted run's bytes."""
+    from dataclasses import replace
+
+    from prune_audit.demo.train import CHECKPOINT_FILE
+
+    recipe = replace(TINY_MIX, steps=4, monitor_every=2)
+    straight = train_demo_model(recipe, tmp_path / "straight", log=lambda line: None)
+
+    def killed_at_second_monitor(line: str) -> None:
+        if line.startswith("monitor step 4"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_demo_model(recipe, tmp_path / "resumed", log=killed_at_second_monitor)
+    assert (tmp_path / "resumed" / CHECKPOINT_FILE).is_file()
+    lines: list[str] = []
+    resumed = train_demo_model(recipe, tmp_path / "resumed", log=lines.append)
+    assert lines[0].startswith("resuming from step 2/4")
+    weights = "model.safetensors"
+    assert (tmp_path / "resumed" / weights).read_bytes() == (tmp_path / "straight" / weights).read_bytes()
+    assert [h["task_accuracy"] for h in resumed["history"]] == [h["task_accuracy"] for h in straight["history"]]
+    assert not (tmp_path / "resumed" / CHECKPOINT_FILE).exists()

@@ -356,15 +356,18 @@ def test_class_declarations_say_what_the_loaded_model_runs(family, vlm):
             assert refusal in str(error.value) and "\n" not in refusal
 
 
-def test_docs_table_lists_what_runs_on_each_family(family):
-    """docs/models.md's families x selectors table says what the class-level ``selector_support`` says."""
+@pytest.mark.parametrize(("document", "heading"), [("docs/models.md", "## Selectors per family"),
+                                                    ("README.md", "## Selectors per model family")])
+def test_docs_table_lists_what_runs_on_each_family(family, document, heading):
+    """The families x selectors tables of docs/models.md and README.md say what the class-level
+    ``selector_support`` says."""
     from pathlib import Path
 
     from prune_audit.models.base import ON_REQUEST_SIGNALS
     from prune_audit.pruners import selector_class
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
-    table = text.split("## Selectors per family", 1)[1].split("\n## ", 1)[0]
+    text = (Path(__file__).resolve().parents[1] / document).read_text()
+    table = text.split(heading, 1)[1].split("\n## ", 1)[0]
     lines = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in lines[0]]
     column = header.index(family)  # a registered family without a column fails here

@@ -1,4 +1,4 @@
-"""The curated ``prune_audit.data`` / ``prune_audit.analysis`` namespaces and README's Python snippet."""
+"""The curated ``prune_audit.data`` / ``prune_audit.analysis`` namespaces and the Python snippet of docs/python-api.md."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import prune_audit.analysis
 import prune_audit.data
 from prune_audit.cli.main import app
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PYTHON_API_DOC = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
 
 
 def readme_python_snippet() -> str:
-    """The ```python block after ``<!-- python-api -->`` in README.md (as .ci/run finds the test command)."""
-    text = README.read_text()
+    """The ```python block after ``<!-- python-api -->`` in docs/python-api.md."""
+    text = PYTHON_API_DOC.read_text()
     marker = text.index("<!-- python-api -->")
     start = text.index("```python\n", marker) + len("```python\n")
     return text[start : text.index("\n```", start)]
@@ -43,12 +43,12 @@ def test_importing_the_namespaces_is_cheap():
 
 
 def test_readme_python_snippet_runs(workspace, tmp_path):
-    """README's snippet on stand-ins for the demo runs it reads (tiny model: same files, seconds not minutes)."""
+    """the docs snippet on stand-ins for the demo runs it reads (tiny model: same files, seconds not minutes)."""
     runner = CliRunner()
     for out, extra in [("runs/demo-dense", ()), ("runs/demo-e2s-64", ("--selector", "random", "--budget", "4"))]:
         result = runner.invoke(app, base_args(workspace, tmp_path / out, *extra))
         assert result.exit_code == 0, result.output
-    environment = {**os.environ, "PYTHONPATH": str(README.parent)}
+    environment = {**os.environ, "PYTHONPATH": str(PYTHON_API_DOC.parents[1])}
     completed = subprocess.run([sys.executable, "-c", readme_python_snippet()], cwd=tmp_path, env=environment,
                                capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr[-3000:]

@@ -45,7 +45,7 @@ def train(
     mix: Annotated[
         str | None,
         typer.Option("--mix", help="Train on the task mix: questions per image of yes/no, short answer, multiple choice "
-                     "and caption, e.g. 4,2,1,1 (the vocabulary grows to their words; default: yes/no only, as shipped)."),
+                     "and caption, e.g. 4,2,2,1 (the vocabulary grows to their words; default: yes/no only, as shipped)."),
     ] = None,
 ) -> None:
     """Train a demo model from scratch on CPU (the shipped ones: --model demo|demo-qwen --seed 1 --threads 1)."""
@@ -64,7 +64,7 @@ def train(
         parts = [part.strip() for part in mix.split(",")]
         if not all(part.isascii() and part.isdigit() for part in parts):
             raise ValueError(f"--mix takes whole counts separated by commas (yes/no,short,choice,caption), got {mix!r}; "
-                             f"e.g. --mix 4,2,1,1")
+                             f"e.g. --mix 4,2,2,1")
         counts = tuple(int(part) for part in parts)
         check_mix(counts)
     recipe = DEMO_RECIPES[model]

@@ -11,7 +11,8 @@ Recipe (measured in the demo-model feasibility study, /work/shared/specs/demo-mo
   half yes and half no, negatives mixing POPE's three kinds. With a task ``mix`` (``--mix``,
   e.g. ``DEFAULT_MIX``), each image also gets short-answer, multiple-choice and caption
   questions (``demo.scene_questions``), the vocabulary grows to ``MIX_WORDS``, and generated
-  answers are trained on every answer token and the end token (``demo.answer_targets``); the
+  answers are trained on every answer token and the end token (``demo.answer_targets``), and each
+  multiple-choice option's presence is trained at its last word (``answer_targets.option_loss``); the
   monitor then also reports held-out exact match per kind and short-answer form.
 * speed: the prompt prefix up to the last image token (``<s> USER : <image>*N``)
   runs through the language model once per image; its cache is repeated for the
@@ -26,8 +27,10 @@ Recipe (measured in the demo-model feasibility study, /work/shared/specs/demo-mo
 * AdamW (lr 1e-3, betas 0.9/0.98, weight decay 0.05 on matrices), linear warm-up
   then cosine decay to 5 %, gradient clipping at 1, deterministic algorithms,
   everything seeded: a rerun on the same machine with the same thread count gives
-  the same weights. One thread is the default: on a shared 2-core machine two
-  threads ran 3x slower per step than one (they wait for each other).
+  the same weights. A run writes ``CHECKPOINT_FILE`` at every monitor step; the same command run
+  again on the same folder continues from it, to the same final weights. One thread is the
+  default: on a shared 2-core machine two threads ran 3x slower per step than one (they wait
+  for each other).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from prune_audit.demo.answer_targets import (
     answer_loss,
     answer_target,
     exact_matches,
+    option_loss,
     prompt_pieces,
     teacher_forcing,
 )
@@ -72,9 +76,12 @@ DEMO_WORDS: tuple[str, ...] = (
 )
 # a model trained on the task mix also reads and writes the other kinds' words (ids after DEMO_WORDS' ids)
 MIX_WORDS: tuple[str, ...] = tuple(dict.fromkeys((*DEMO_WORDS, *vocabulary_words())))
-# questions per image of each kind (KINDS order) of the mix recipe: half yes/no, as many short answers as
-# the other two, which need one each (the caption is the same answer whatever the step)
-DEFAULT_MIX: tuple[int, ...] = (4, 2, 1, 1)
+# questions per image of each kind (KINDS order) of the mix recipe: 4 yes/no (balanced), 2 short answers,
+# 2 multiple choices (the two-hop kind: with one, 4,2,1,1, it stayed at chance for 1,000 steps) and the
+# caption (the same answer whatever the step, so one)
+DEFAULT_MIX: tuple[int, ...] = (4, 2, 2, 1)
+# written at every monitor step and removed with the final save: rerunning the same training resumes from it
+CHECKPOINT_FILE = "checkpoint.pt"
 
 
 @dataclass(frozen=True)
@@ -154,7 +161,8 @@ def scene_inputs(vlm: VisionLanguageModel, scenes) -> dict[str, Tensor]:
 def batch_loss(
     vlm: VisionLanguageModel, heads: VisionHeads, pieces: PromptPieces, batch: SceneBatch, instruction: str
 ) -> dict[str, Tensor]:
-    """Answer CE, presence BCE (pooled CLS, or mean token) and patch CE for one batch (and their sum, ``total``).
+    """Answer CE, presence BCE (pooled CLS, or mean token), patch CE and, when a question offers options, the
+    option-presence CE (``answer_targets.option_loss``) for one batch (and their sum, ``total``).
 
     Args:
         instruction: text after every yes/no question of the batch (one of ``DEMO_INSTRUCTIONS``).
@@ -171,7 +179,9 @@ def batch_loss(
         "presence": F.binary_cross_entropy_with_logits(heads.presence(pooled), batch.presence),
         "patch": F.cross_entropy(heads.patch(patches).flatten(0, 1), batch.patch_labels.flatten()),
     }
-    losses["total"] = losses["answer"] + losses["presence"] + losses["patch"]
+    if forcing.option_rows.numel():  # multiple choice: each option's presence at its last word
+        losses["options"] = option_loss(logits, forcing)
+    losses["total"] = sum(losses.values())
     return losses
 
 
@@ -287,8 +297,11 @@ def train_demo_model(
     parameters = [p for p in (*vlm.model.parameters(), *heads.parameters()) if p.requires_grad]
     optimizer = _optimizer(parameters, recipe)
     pieces = {size: prompt_pieces(vlm, (size // recipe.cell) ** 2) for size in recipe.train_sizes or (recipe.image_size,)}
-    history, start = [], time.perf_counter()
-    for step in range(recipe.steps):
+    first, history, minutes_before = _resume(out_dir, recipe, vlm, heads, optimizer)
+    if first:
+        log(f"resuming from step {first}/{recipe.steps} ({CHECKPOINT_FILE} in {out_dir})")
+    start = time.perf_counter() - 60 * minutes_before
+    for step in range(first, recipe.steps):
         size = recipe.step_size(step)
         batch = sample_batch(
             recipe.seed, step, images=recipe.images_per_step, questions_per_image=recipe.questions_per_image,
@@ -317,6 +330,8 @@ def train_demo_model(
             history.append({**entry, "task_accuracy": tasks} if tasks else entry)
             by_task = "".join(f", {key} {value:.3f}" for key, value in tasks.items())
             log(f"monitor step {done}: held-out accuracy {accuracy:.3f}{by_task} after {minutes:.1f} min")
+            if done < recipe.steps:
+                _save_checkpoint(out_dir, recipe, done, minutes, history, vlm, heads, optimizer)
     summary = {
         "recipe": asdict(recipe),
         "train_minutes": round((time.perf_counter() - start) / 60, 2),
@@ -346,5 +361,46 @@ def _save(vlm: VisionLanguageModel, out_dir: Path, summary: dict) -> None:
         (staging / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
         for item in staging.iterdir():
             os.replace(item, out_dir / item.name)
+        (out_dir / CHECKPOINT_FILE).unlink(missing_ok=True)  # the trained model supersedes it
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save_checkpoint(
+    out_dir: Path, recipe: DemoRecipe, step: int, minutes: float, history: list[dict], vlm: VisionLanguageModel,
+    heads: VisionHeads, optimizer: torch.optim.Optimizer,
+) -> None:
+    """Write everything a resumed run needs after ``step`` (float32 weights, heads, optimiser state) to
+    ``out_dir/CHECKPOINT_FILE``, replacing the previous one only once complete."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = staging_folder(out_dir)
+    try:
+        state = {
+            "recipe": asdict(recipe), "step": step, "minutes": minutes, "history": history,
+            "model": vlm.model.state_dict(), "heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
+        }
+        torch.save(state, staging / CHECKPOINT_FILE)
+        os.replace(staging / CHECKPOINT_FILE, out_dir / CHECKPOINT_FILE)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _resume(
+    out_dir: Path, recipe: DemoRecipe, vlm: VisionLanguageModel, heads: VisionHeads, optimizer: torch.optim.Optimizer
+) -> tuple[int, list[dict], float]:
+    """Load ``out_dir``'s checkpoint into the model, heads and optimiser when there is one.
+
+    Returns the first step still to train, the monitor history so far and the minutes already trained
+    (0, [], 0.0 without a checkpoint). Batches are a function of (seed, step) and nothing else draws
+    random numbers, so a resumed run ends with the weights an uninterrupted one would have.
+    """
+    path = out_dir / CHECKPOINT_FILE
+    if not path.is_file():
+        return 0, [], 0.0
+    state = torch.load(path, weights_only=True)
+    if state["recipe"] != asdict(recipe):
+        raise ValueError(f"{path} was written by another recipe; use another --out, or delete it to start again")
+    vlm.model.load_state_dict(state["model"])
+    heads.load_state_dict(state["heads"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["step"], state["history"], state["minutes"]
