@@ -158,11 +158,14 @@ def _change_finding(pruned: Sequence[dict], reference: dict, name: str, title: s
 def _lost_finding(pruned: Sequence[dict]) -> list[str]:
     with_lost = [row for row in pruned if math.isfinite(row["lost_share"]) and math.isfinite(row["lost_accuracy"])]
     if not with_lost:
-        return ["No pruned run lost a queried object (or the runs have no object masks)."]
+        return ["No pruned run lost every token of a question's evidence (or the runs have no evidence masks)."]
     row = max(with_lost, key=lambda row: row["lost_share"])
     gap = row["lost_confidence"] - row["lost_accuracy"]
+    # POPE's evidence is the queried object of a yes-question; other tasks' is every object a question names
+    lost = ("the queried object in {:.1%} of the yes-questions" if row.get("task", "pope") == "pope"
+            else "every token of the evidence of {:.1%} of the questions with evidence masks")
     return [
-        f"{row['run']} loses the queried object in {row['lost_share']:.1%} of the yes-questions; on those it "
+        f"{row['run']} loses {lost.format(row['lost_share'])}; on those it "
         f"answers with accuracy {row['lost_accuracy']:.3f} at mean confidence {row['lost_confidence']:.3f} "
         f"({'over' if gap > 0 else 'under'}confident by {abs(gap):.3f}), while the dense model on the same "
         f"questions scores {row['lost_reference_accuracy']:.3f} at confidence {row['lost_reference_confidence']:.3f}."
