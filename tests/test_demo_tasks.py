@@ -341,6 +341,26 @@ def test_scienceqa_runs_on_the_demo_files_with_a_mix_trained_model(task_files, t
     assert len(records) == 3 and all(r["answer_text"] in ("A", "B", "C", "D") for r in records)
 
 
+def test_a_model_demo_train_wrote_reads_the_demo_questions_by_default(mix_model, tmp_path):
+    """`demo train --out DIR` then `run --model DIR --task T`: no question files needed, as for the bundled demos."""
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from prune_audit.cli.main import app
+
+    _, model_dir, _, _ = mix_model
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", "--task", "scienceqa", "--model", str(model_dir), "--limit", "3",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output[-2000:]
+    assert len(pq.read_table(out / "records.parquet")) == 3
+    elsewhere = tmp_path / "not-a-demo"
+    elsewhere.mkdir()
+    (elsewhere / "training.json").write_text("{}")  # no recipe: not a demo-trained folder
+    result = CliRunner().invoke(app, ["run", "--model", str(elsewhere), "--out", str(tmp_path / "b")])
+    assert result.exit_code != 0 and "--model needs questions" in result.output
+
+
 def test_each_offered_option_is_trained_at_its_last_word_with_its_presence(mix_model):
     """The auxiliary option targets sit on the option words, yes exactly for the answer's option."""
     recipe, _, _, vlm = mix_model

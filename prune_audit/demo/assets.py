@@ -2,7 +2,8 @@
 
 ``prune-audit run`` and ``prune-audit visualize`` fall back to these when no model and
 no questions are given: POPE's files, or for ``--task gqa|scienceqa|caption`` the demo's
-files of that task about the same images (``demo.task_files``).
+files of that task about the same images (``demo.task_files``). A model that ``demo train``
+wrote reads the same question files by default.
 """
 
 from __future__ import annotations
@@ -59,6 +60,20 @@ class DemoAssets:
 def is_demo_name(model: str | None) -> bool:
     """Whether ``--model`` names a bundled demo (``demo``, ``demo-qwen``) rather than a folder."""
     return model in DEMO_MODELS and not Path(model).exists()
+
+
+def is_demo_trained(model: str | None) -> bool:
+    """Whether ``--model`` is a folder ``prune-audit demo train`` wrote (its ``training.json`` names a recipe):
+    such a model reads the demo question set by default, as the bundled demos do."""
+    import json
+
+    summary = Path(model) / "training.json" if model is not None else None
+    if summary is None or not summary.is_file():
+        return False
+    try:
+        return "recipe" in json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def demo_assets(cache_dir: str | Path | None = None, name: str = "demo") -> DemoAssets:

@@ -212,13 +212,13 @@ def prepare_question(vlm: VisionLanguageModel, image_path: Path, text: str, data
 
 
 def _resolve_demo_defaults(request: RunRequest) -> None:
-    from prune_audit.demo.assets import demo_assets, is_demo_name
+    from prune_audit.demo.assets import demo_assets, is_demo_name, is_demo_trained
 
     named_demo = is_demo_name(request.model)
     if request.model is not None and not named_demo and request.question_files:
         return
     geometry_only = request.kept_sets is not None and not request.reanswer  # import's --geometry is never run
-    if request.model is not None and not named_demo and not geometry_only:
+    if request.model is not None and not named_demo and not geometry_only and not is_demo_trained(request.model):
         raise PruneAuditError("--model needs questions: pass --pope FILE... (another --task: --questions FILE...) with "
                               "--images DIR (and --annotations FILE for retention)")
     demo = demo_assets(name=request.model if named_demo else "demo")
