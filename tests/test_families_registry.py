@@ -332,17 +332,27 @@ def test_internvl_pixel_shuffle_puts_each_2x2_patch_block_in_one_row_major_token
         assert {tuple(m) for m in members.int().tolist()} == {(2 * r + i, 2 * c + j) for i in (0, 1) for j in (0, 1)}
 
 
-def test_internvl_dynamic_tiling_is_refused_in_one_line_before_answering(tmp_path):
-    import json
+def test_internvl_tiles_are_the_processors_and_the_one_tile_checkpoint_still_runs(tmp_path):
+    """The tiny InternVL tiles (registry checkpoint: up to 6 tiles plus a thumbnail): the processor's tile count
+    times a tile's tokens is the prompt's ``<IMG_CONTEXT>`` count and the geometry's; the crops are the tiles then
+    the thumbnail. A processor without ``crop_to_patches`` gives one grid, and keep-all equals the stock forward."""
+    from prune_audit.models.internvl import build_internvl
 
-    path = adapter_for("internvl", "test").build_tiny(tmp_path / "internvl", words=WORDS)
-    config_file = path / "preprocessor_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "crop_to_patches": True,
-                                       "max_patches": 12}))
-    with pytest.raises(PruneAuditError) as error:
-        load_vlm(path, device="cpu")
-    assert "several token grids" in str(error.value) and '"crop_to_patches": false' in str(error.value)
-    assert "\n" not in str(error.value)
+    vlm = load_vlm(adapter_for("internvl", "test").build_tiny(tmp_path / "tiled", words=WORDS), device="cpu")
+    for size, tiles in [((130, 100), 6 + 1), ((56, 168), 3 + 1), ((32, 32), 1)]:
+        item = vlm.prepare(random_image(0, size), QUESTIONS[0])
+        count = vlm.image_processor.get_number_of_image_patches(size[1], size[0])
+        assert item.pixel_values.shape[0] == count == tiles
+        assert item.num_visual == tiles * 4 == int((item.input_ids == vlm.model.config.image_token_id).sum())
+        assert [tokens.tolist() for tokens, _ in vlm.crop_tokens(item)] == [list(range(4 * t, 4 * t + 4))
+                                                                             for t in range(tiles)]
+    one_tile = load_vlm(build_internvl(tmp_path / "one", words=WORDS, image_size=56), device="cpu")
+    item = one_tile.prepare(random_image(0, (130, 100)), QUESTIONS[0])
+    assert item.grid == (2, 2) and item.pixel_values.shape[0] == 1
+    inputs = stock_inputs(one_tile, item)
+    with torch.no_grad():
+        stock = one_tile.model(**inputs).logits[:, -1].float()
+    torch.testing.assert_close(one_tile.prefill([item])[0].logits, stock, atol=TOL, rtol=0)
 
 
 def test_class_declarations_say_what_the_loaded_model_runs(family, vlm):
@@ -455,23 +465,20 @@ REAL_PROCESSORS = {
     # the real checkpoints' image-processor settings, without weights
     "qwen3_vl": lambda transformers, **kw: transformers.Qwen2VLImageProcessorPil(
         min_pixels=65536, max_pixels=16777216, patch_size=16, merge_size=2, **kw),
-    "internvl": lambda transformers, **kw: transformers.GotOcr2ImageProcessorPil(
-        size={"height": 448, "width": 448}, crop_to_patches=False, **kw),
 }
 
 
 def real_geometry(name, processor, size):
     """What the family's ``token_geometry`` computes from these processor settings (no weights to load one)."""
     from prune_audit.data.geometry import qwen_geometry_from_processor
-    from prune_audit.models.internvl import tile_geometry
 
-    return tile_geometry(size, (448, 448)) if name == "internvl" else qwen_geometry_from_processor(processor, size)
+    return qwen_geometry_from_processor(processor, size)
 
 
 @pytest.mark.parametrize("name", sorted(REAL_PROCESSORS))
 @pytest.mark.parametrize("size", [(640, 480), (480, 640), (500, 333), (1000, 667)])
 def test_real_size_processors_put_every_pixel_on_its_predicted_token(name, size):
-    """At the real checkpoints' sizes (Qwen3-VL's 16-px patches, InternVL's 448-px tile), a token-id image
+    """At the real checkpoints' sizes (Qwen3-VL's 16-px patches), a token-id image
     through the bicubic processor shows, away from token borders (3 px: bicubic support), the token the
     geometry predicts at every processed pixel (tests/test_geometry.py checks LLaVA and Qwen2.5-VL so)."""
     import transformers
@@ -738,7 +745,7 @@ def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepare
     args = run_args(workspace, checkpoint, out, "--selector", "divprune", "--budget", budget,
                     "--option", "budget_scope=crop")
     result = runner.invoke(app, args)
-    if family not in ("llava_next", "llava_onevision"):
+    if not vlm.several_crops:
         assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
         assert "one crop" in result.stderr and not out.exists()
         return
