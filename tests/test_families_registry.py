@@ -501,6 +501,68 @@ def test_real_size_processors_put_every_pixel_on_its_predicted_token(name, size)
     assert (decoded[inner] == _expected_tokens(geometry)[inner]).all()
 
 
+# InternVL3's released image processor: 448-px tiles, crop_to_patches, 1 to 12 tiles plus a thumbnail
+INTERNVL_SIZES = [(640, 480), (480, 640), (500, 333), (1000, 300), (640, 640), (300, 300)]
+
+
+@pytest.mark.parametrize("size", INTERNVL_SIZES)
+def test_internvl_real_size_processor_puts_every_pixel_on_its_predicted_token(size):
+    """At InternVL3's released settings the tile count equals ``GotOcr2ImageProcessor``'s for every aspect ratio (13
+    tiles of 256 tokens for 640 x 480: a 4 x 3 canvas and the thumbnail), and a token-id image of each grid through
+    the bicubic processor shows, away from token borders, the predicted token in every tile (tiles row-major, each
+    tile's tokens row-major, then the thumbnail)."""
+    import transformers
+    from test_geometry import IMAGE_BLUE
+
+    from prune_audit.data.multigrid import internvl_geometry, tiled_canvas
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+
+    processor = transformers.GotOcr2ImageProcessorPil(size={"height": 448, "width": 448}, crop_to_patches=True,
+                                                      min_patches=1, max_patches=12)
+    geometry = internvl_geometry(size)
+    tiles = processor.get_number_of_image_patches(size[1], size[0])
+    assert tiles * 256 == geometry.num_tokens
+    assert tiled_canvas(size, (448, 448), 1, 12) == get_optimal_tiled_canvas((size[1], size[0]), (448, 448), 1, 12)
+    if size == (640, 480):
+        assert tiles == 13 and geometry.num_tokens == 3328
+    ys = np.arange(448)
+    # 8 px from token borders: the bicubic support is 2 source pixels, up to 2.8 processed px each (640 -> 1792)
+    inner_axis = (ys % 28 >= 8) & (ys % 28 < 20)
+    inner = inner_axis[:, None] & inner_axis[None, :]
+    in_tile = (ys // 28)[:, None] * 16 + (ys // 28)[None, :]  # each tile's tokens row-major
+    for first, grid in grid_pieces(geometry):
+        index = token_index_map(grid)
+        image = np.stack([index % 256, index // 256 * 16 + 8, np.full_like(index, IMAGE_BLUE)], axis=-1)
+        crops = processor(images=image.astype(np.uint8), return_tensors="np", do_rescale=False,
+                          do_normalize=False)["pixel_values"]
+        assert crops.shape == (tiles, 3, 448, 448)
+        own = range(tiles - 1, tiles) if first else range(grid.num_tokens // 256)  # the thumbnail is the last crop
+        for order, crop in enumerate(own):
+            pixels = np.rint(crops[crop]).astype(int)
+            decoded = pixels[0] + 256 * ((pixels[1] - 8) // 16)
+            assert (pixels[2][inner] == IMAGE_BLUE).all()
+            assert (decoded[inner] == (order * 256 + in_tile)[inner]).all()
+
+
+def test_internvl_real_size_coco_masks_sum_back_per_grid(shared_data):
+    """At InternVL3's released tiling, every object mask of a real COCO image sums back over the tiles' tokens and
+    over the thumbnail's (every pixel lies on one token of each): retention divides by twice the mask area."""
+    from prune_audit.data.multigrid import internvl_geometry
+    from prune_audit.data.retention import object_area
+
+    coco_dir = shared_data / "coco" / "tiny_coco_val2017"
+    coco = CocoInstances.load(coco_dir / "instances_val2017.json")
+    image_id = next(i for i in sorted(coco.images) if coco.object_names(i))
+    geometry = internvl_geometry(coco.image(image_id).size)
+    assert len(grid_pieces(geometry)) == 2
+    for name in coco.object_names(image_id):
+        mask = coco.category_mask(image_id, name)
+        area = object_area(mask, geometry)
+        tiles, thumbnail = geometry.grids
+        assert area.area_per_token[: tiles.num_tokens].sum() == mask.sum() == area.area_per_token[tiles.num_tokens:].sum()
+        assert area.counted_area == 2 * mask.sum() and area.visible_fraction == 1.0
+
+
 def test_analytic_flops_equal_the_counted_flops(family, checkpoint, prepared):
     """The family's declared ``shape`` gives the compute accounting the FLOPs ``FlopCounterMode`` counts over
     the same eager forward (tests/test_compute.py holds every selector to it on LLaVA and Qwen2.5-VL)."""
@@ -639,11 +701,13 @@ def test_multi_grid_geometries_survive_the_records_json():
     from prune_audit.data.multigrid import (
         anyres_geometry,
         geometry_from_dict,
+        internvl_geometry,
         onevision_geometry,
     )
 
     for geometry in (anyres_geometry((640, 480), pinpoints=LLAVA_NEXT_PINPOINTS),
-                     onevision_geometry((2000, 1500), pinpoints=[[384, 768], [768, 768], [1152, 1152]])):
+                     onevision_geometry((2000, 1500), pinpoints=[[384, 768], [768, 768], [1152, 1152]]),
+                     internvl_geometry((640, 480))):
         again = geometry_from_dict(json.loads(json.dumps(geometry.to_dict())))
         assert again == geometry and (token_footprints(again) == token_footprints(geometry)).all()
 
