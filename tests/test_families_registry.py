@@ -513,9 +513,9 @@ def test_internvl_real_size_processor_puts_every_pixel_on_its_predicted_token(si
     tile's tokens row-major, then the thumbnail)."""
     import transformers
     from test_geometry import IMAGE_BLUE
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
 
     from prune_audit.data.multigrid import internvl_geometry, tiled_canvas
-    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
 
     processor = transformers.GotOcr2ImageProcessorPil(size={"height": 448, "width": 448}, crop_to_patches=True,
                                                       min_patches=1, max_patches=12)
@@ -558,8 +558,8 @@ def test_internvl_real_size_coco_masks_sum_back_per_grid(shared_data):
     for name in coco.object_names(image_id):
         mask = coco.category_mask(image_id, name)
         area = object_area(mask, geometry)
-        tiles, thumbnail = geometry.grids
-        assert area.area_per_token[: tiles.num_tokens].sum() == mask.sum() == area.area_per_token[tiles.num_tokens:].sum()
+        tiles = geometry.grids[0].num_tokens
+        assert area.area_per_token[:tiles].sum() == mask.sum() == area.area_per_token[tiles:].sum()
         assert area.counted_area == 2 * mask.sum() and area.visible_fraction == 1.0
 
 

@@ -305,7 +305,7 @@ class VisionLanguageModel(AnswerModes, ABC):
         if getattr(selector, "budget_scope", "image") == "crop" and not self.several_crops:
             raise PruneAuditError(
                 f"budget_scope=crop splits the budget over an image's crops, and {self.family} sees each image as one "
-                f"crop; drop --option budget_scope=crop (it applies to LLaVA-NeXT and LLaVA-OneVision)"
+                f"crop; drop --option budget_scope=crop (it applies to LLaVA-NeXT, LLaVA-OneVision and tiled InternVL)"
             )
         if getattr(selector, "budget_scope", "image") == "crop" and self.runs_per_crop(
                 type(selector), self._available_input_signals()):
