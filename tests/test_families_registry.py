@@ -355,6 +355,27 @@ def test_internvl_tiles_are_the_processors_and_the_one_tile_checkpoint_still_run
     torch.testing.assert_close(one_tile.prefill([item])[0].logits, stock, atol=TOL, rtol=0)
 
 
+def test_internvl_uniform_runs_per_tile_and_merging_selectors_refuse_in_one_line(tmp_path):
+    """Uniform lays its lattice on one grid: refused over the tiles and thumbnail together, run on each tile's own
+    2 x 2 grid with ``budget_scope=crop``. By hand: 14 tokens over 7 crops (3 x 2 tiles and the thumbnail) is 2 per
+    crop, a 1 x 2 lattice at mid-height whose points take the top row on the tie. Pool and ToMe merge, which the
+    per-crop selection does not carry: refused in one line either way."""
+    from prune_audit.pruners.registry import selector_from_strings
+
+    vlm = load_vlm(adapter_for("internvl", "test").build_tiny(tmp_path / "model", words=WORDS), device="cpu")
+    item = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
+    assert item.pixel_values.shape[0] == 7
+    with pytest.raises(PruneAuditError, match="runs per crop with --option budget_scope=crop"):
+        vlm.check_selector(get_selector("uniform"))
+    [answer] = vlm.answer([item], selector_from_strings("uniform", ["budget_scope=crop"]), 14)
+    assert answer.kept == [token for tile in range(7) for token in (4 * tile, 4 * tile + 1)]
+    for name in ("pool", "tome"):
+        for options in ([], ["budget_scope=crop"]):
+            with pytest.raises(PruneAuditError) as error:
+                vlm.check_selector(selector_from_strings(name, options))
+            assert "one regular token grid" in str(error.value) and "\n" not in str(error.value)
+
+
 def test_class_declarations_say_what_the_loaded_model_runs(family, vlm):
     """``selector_support`` (class-level, no checkpoint) agrees with the loaded model's ``supported_selectors``."""
     support = type(vlm).selector_support()
@@ -542,6 +563,21 @@ def test_internvl_real_size_processor_puts_every_pixel_on_its_predicted_token(si
             decoded = pixels[0] + 256 * ((pixels[1] - 8) // 16)
             assert (pixels[2][inner] == IMAGE_BLUE).all()
             assert (decoded[inner] == (order * 256 + in_tile)[inner]).all()
+
+
+def test_internvl_tile_grid_choice_equals_the_processors_over_a_sweep():
+    """``tiled_canvas`` (re-derived from the rule) picks the processor's ``get_optimal_tiled_canvas`` grid for
+    every size of a sweep of aspect ratios and areas, at 1 to 12 tiles and the tiny checkpoint's 6."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+
+    from prune_audit.data.multigrid import tiled_canvas
+
+    sides = [28, 100, 224, 300, 333, 448, 480, 500, 640, 672, 896, 1000, 1344, 2000, 4000]
+    for width in sides:
+        for height in sides:
+            for tile, max_tiles in (((448, 448), 12), ((32, 32), 6), ((448, 448), 1)):
+                assert tiled_canvas((width, height), tile, 1, max_tiles) == get_optimal_tiled_canvas(
+                    (height, width), tile, 1, max_tiles), (width, height, max_tiles)
 
 
 def test_internvl_real_size_coco_masks_sum_back_per_grid(shared_data):
