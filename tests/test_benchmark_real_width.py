@@ -65,7 +65,8 @@ def test_tiny_run_writes_dense_and_pruned_rows(tmp_path, shared_data):
                              report=lines.append)
     assert json.loads(output.read_text()) == result
     dense, divprune, fastv = result["rows"]
-    assert dense["selector"] == "dense" and dense["visual_tokens"] == 28 and dense["kept_tokens"] == 28  # 3 x 2 tiny tiles and the thumbnail
+    # the tiny tiling: 3 x 2 tiles of 2 x 2 tokens and the thumbnail
+    assert dense["selector"] == "dense" and dense["visual_tokens"] == 28 and dense["kept_tokens"] == 28
     assert divprune["kept_tokens"] == 8 and divprune["gflops"] < dense["gflops"] == divprune["gflops_dense"]
     assert fastv["selector"] == "fastv" and ("refused" in fastv or fastv["ms"] > 0)
     for row in (dense, divprune):

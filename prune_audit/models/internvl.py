@@ -71,7 +71,7 @@ class InternVLModel(VisionLanguageModel):
     missing_signals_reason = (
         "its language model gets no CLS token (each visual token is a 2x2 pixel-shuffled patch group), "
         "this adapter reads no vision-tower attention, it has no CLIP text space, and its tiles and thumbnail "
-        "form several grids; uniform runs per tile (budget_scope=crop)"
+        "form several grids"
     )
     several_crops = True
     crop_grid_selectors = PER_TILE_GRID_SELECTORS
@@ -149,17 +149,23 @@ class InternVLModel(VisionLanguageModel):
                                  max_tiles=self.max_tiles)
 
     @property
+    def tile_grid(self) -> tuple[int, int]:
+        """(rows, cols) of the visual tokens of one tile (16 x 16 at 448 px)."""
+        return (self.tile[0] // self.token_pixels, self.tile[1] // self.token_pixels)
+
+    @property
     def tile_tokens(self) -> int:
         """Visual tokens of one tile (256 at 448 px)."""
-        return (self.tile[0] // self.token_pixels) * (self.tile[1] // self.token_pixels)
+        return self.tile_grid[0] * self.tile_grid[1]
 
     def prepare(self, image, question: str) -> Prepared:
         image = image.convert("RGB")
         pixel_values = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
         geometry = self.token_geometry(image.size)
-        if tuple(pixel_values.shape[-2:]) != self.tile or pixel_values.shape[0] * self.tile_tokens != geometry.num_tokens:
+        tiles = pixel_values.shape[0]
+        if tuple(pixel_values.shape[-2:]) != self.tile or tiles * self.tile_tokens != geometry.num_tokens:
             raise PruneAuditError(
-                f"the image processor made {pixel_values.shape[0]} tiles of {tuple(pixel_values.shape[-2:])} px, not "
+                f"the image processor made {tiles} tiles of {tuple(pixel_values.shape[-2:])} px, not "
                 f"the {geometry.num_tokens // self.tile_tokens} of {self.tile} px its configuration gives; check size, "
                 f"crop_to_patches, min_patches and max_patches in its preprocessor_config.json"
             )
@@ -180,9 +186,9 @@ class InternVLModel(VisionLanguageModel):
         pixels = torch.cat([item.pixel_values for item in prepared]).to(self.device, self.dtype)
         shuffled = self._shuffled_patches(pixels)  # (T, tile_tokens, 4 Dv) over the batch's T tiles
         features = self.model.model.multi_modal_projector(shuffled)
+        tiles = [item.pixel_values.shape[0] for item in prepared]
         outputs = []
-        for image_tiles, image_features in zip(shuffled.split([item.pixel_values.shape[0] for item in prepared]),
-                                               features.split([item.pixel_values.shape[0] for item in prepared])):
+        for image_tiles, image_features in zip(shuffled.split(tiles), features.split(tiles)):
             signals = {"vision_features": image_tiles.flatten(0, 1)} if "vision_features" in requires else {}
             outputs.append(VisionOutput(image_features.flatten(0, 1), signals))
         return outputs
@@ -190,8 +196,7 @@ class InternVLModel(VisionLanguageModel):
     def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
         """Per tile the tower ran on (the tiles, then the thumbnail), its ``tile_tokens`` consecutive visual tokens
         and their (rows, cols) grid."""
-        grid = (self.tile[0] // self.token_pixels, self.tile[1] // self.token_pixels)
-        return [(torch.arange(tile * self.tile_tokens, (tile + 1) * self.tile_tokens), grid)
+        return [(torch.arange(tile * self.tile_tokens, (tile + 1) * self.tile_tokens), self.tile_grid)
                 for tile in range(item.pixel_values.shape[0])]
 
     def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
