@@ -536,7 +536,8 @@ def test_internvl_real_size_processor_puts_every_pixel_on_its_predicted_token(si
     from test_geometry import IMAGE_BLUE
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
 
-    from prune_audit.data.multigrid import internvl_geometry, tiled_canvas
+    from prune_audit.data.multigrid import internvl_geometry
+    from prune_audit.data.tiles import tiled_canvas
 
     processor = transformers.GotOcr2ImageProcessorPil(size={"height": 448, "width": 448}, crop_to_patches=True,
                                                       min_patches=1, max_patches=12)
@@ -570,7 +571,7 @@ def test_internvl_tile_grid_choice_equals_the_processors_over_a_sweep():
     every size of a sweep of aspect ratios and areas, at 1 to 12 tiles and the tiny checkpoint's 6."""
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
 
-    from prune_audit.data.multigrid import tiled_canvas
+    from prune_audit.data.tiles import tiled_canvas
 
     sides = [28, 100, 224, 300, 333, 448, 480, 500, 640, 672, 896, 1000, 1344, 2000, 4000]
     for width in sides:
@@ -578,6 +579,22 @@ def test_internvl_tile_grid_choice_equals_the_processors_over_a_sweep():
             for tile, max_tiles in (((448, 448), 12), ((32, 32), 6), ((448, 448), 1)):
                 assert tiled_canvas((width, height), tile, 1, max_tiles) == get_optimal_tiled_canvas(
                     (height, width), tile, 1, max_tiles), (width, height, max_tiles)
+
+
+def test_internvl_grid_order_among_equal_tile_counts_never_decides_with_one_tile_minimum():
+    """``tiled_canvas``'s docstring: the official code visits grids of one tile count in set order, transformers
+    with fewer columns first; with ``min_tiles`` 1 the ratio halfway between two such grids always has a strictly
+    closer grid, so the order never decides (exact fractions, up to 40 tiles)."""
+    from fractions import Fraction
+
+    for max_tiles in range(1, 41):
+        grids = [(cols, rows) for cols in range(1, max_tiles + 1) for rows in range(1, max_tiles + 1)
+                 if cols * rows <= max_tiles]
+        ratios = [Fraction(cols, rows) for cols, rows in grids]
+        for (a_cols, a_rows), (b_cols, b_rows) in ((a, b) for a in grids for b in grids if a[0] * a[1] == b[0] * b[1]):
+            a, b = Fraction(a_cols, a_rows), Fraction(b_cols, b_rows)
+            if a < b:
+                assert any(abs((a + b) / 2 - ratio) < (b - a) / 2 for ratio in ratios), (max_tiles, a, b)
 
 
 def test_internvl_real_size_coco_masks_sum_back_per_grid(shared_data):

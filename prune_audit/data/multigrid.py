@@ -16,11 +16,12 @@ Visual tokens are numbered base view first (576), then the unpadded tile grid ro
 also puts one ``image_newline`` embedding after every row of the tile grid: those are not visual
 tokens (no pixels) and have no index here. Every pixel of the image belongs to one token of each grid.
 
-InternVL (``GotOcr2ImageProcessor.crop_image_to_patches`` with ``crop_to_patches``) resizes the image, aspect
-not kept, to the tile grid of :func:`tiled_canvas` (``cols x rows`` square tiles), cuts it into the tiles row-major
-and appends a thumbnail (the whole image resized to one tile) when there is more than one tile; each tile is a
-grid of pixel-shuffled tokens. The tiles together are one regular grid over the canvas whose tokens are numbered
-tile by tile (:class:`TiledGrid`); the thumbnail is a second grid (``internvl_tiles``, :func:`internvl_geometry`).
+InternVL (``GotOcr2ImageProcessor.crop_image_to_patches`` with ``crop_to_patches``) resizes the image,
+aspect not kept, to the tile grid of ``data.tiles.tiled_canvas`` (``cols x rows`` square tiles), cuts it
+into tiles row-major and appends a thumbnail (the whole image resized to one tile) when there is more
+than one tile; each tile is a grid of pixel-shuffled tokens. The tiles together are one regular grid
+over the canvas whose tokens are numbered tile by tile (``data.tiles.TiledGrid``); the thumbnail is a
+second grid (``internvl_tiles``, :func:`internvl_geometry`).
 """
 
 from __future__ import annotations
@@ -32,13 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from prune_audit.data.geometry import (
-    TokenGeometry,
-    clip_geometry,
-    mask_area_per_token,
-    token_footprints,
-    token_index_map,
-)
+from prune_audit.data.geometry import TokenGeometry, clip_geometry, mask_area_per_token, token_footprints
+from prune_audit.data.tiles import TiledGrid, tiled_canvas
 from prune_audit.errors import PruneAuditError
 
 
@@ -170,89 +166,6 @@ class RectilinearGrid:
 
     def to_dict(self) -> dict[str, Any]:
         return {name: list(value) if isinstance(value, tuple) else value for name, value in asdict(self).items()}
-
-
-@dataclass(frozen=True)
-class TiledGrid:
-    """A regular token grid over an image cut into square tiles, its tokens numbered tile by tile.
-
-    InternVL's tiles: the image resized to the canvas of ``tile_rows x tile_cols`` tiles is one row-major grid of
-    tokens (``canvas``), but the language model reads tile 0's tokens row-major, then tile 1's, ..., tiles in
-    row-major order over the canvas.
-
-    Attributes:
-        mode: ``internvl_tiles``.
-        canvas: the whole canvas's row-major grid (``hf_crop`` without its crop: a plain resize).
-        tile_rows, tile_cols: tiles down and across the canvas; each holds ``canvas.grid_rows // tile_rows`` x
-            ``canvas.grid_cols // tile_cols`` tokens.
-    """
-
-    mode: str
-    canvas: TokenGeometry
-    tile_rows: int
-    tile_cols: int
-
-    def __post_init__(self) -> None:
-        if min(self.tile_rows, self.tile_cols) <= 0 or self.canvas.grid_rows % self.tile_rows or (
-            self.canvas.grid_cols % self.tile_cols
-        ):
-            raise PruneAuditError(f"a {self.canvas.grid_rows}x{self.canvas.grid_cols} token canvas does not split "
-                                  f"into {self.tile_rows}x{self.tile_cols} tiles")
-
-    @property
-    def tile_grid(self) -> tuple[int, int]:
-        """(rows, cols) of tokens in one tile."""
-        return (self.canvas.grid_rows // self.tile_rows, self.canvas.grid_cols // self.tile_cols)
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        """(1, N): numbered tile by tile, the tokens have no row-major (rows, cols) layout."""
-        return (1, self.num_tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.canvas.num_tokens
-
-    @property
-    def image_size(self) -> tuple[int, int]:
-        return self.canvas.image_size
-
-    @property
-    def image_width(self) -> int:
-        return self.canvas.image_width
-
-    @property
-    def image_height(self) -> int:
-        return self.canvas.image_height
-
-    def canvas_order(self) -> np.ndarray:
-        """(N,) int64 row-major canvas token of each token, in tile-by-tile order."""
-        rows, cols = self.tile_grid
-        tile, within = np.divmod(np.arange(self.num_tokens), rows * cols)
-        tile_row, tile_col = np.divmod(tile, self.tile_cols)
-        row, col = np.divmod(within, cols)
-        return ((tile_row * rows + row) * self.canvas.grid_cols + tile_col * cols + col).astype(np.int64)
-
-    def index_map(self) -> np.ndarray:
-        """(H, W) int64 token of every original pixel (by its centre); read-only (every pixel has one)."""
-        numbering = np.empty(self.num_tokens, dtype=np.int64)
-        numbering[self.canvas_order()] = np.arange(self.num_tokens)
-        canvas = token_index_map(self.canvas)
-        index = np.where(canvas >= 0, numbering[canvas.clip(0)], -1)
-        index.flags.writeable = False
-        return index
-
-    def footprints(self) -> np.ndarray:
-        """(N, 4) float64 boxes (x0, y0, x1, y1), tile by tile."""
-        return token_footprints(self.canvas)[self.canvas_order()]
-
-    def mask_areas(self, mask: np.ndarray) -> np.ndarray:
-        """(N,) int64 mask pixels whose centre lies in each token's footprint, tile by tile."""
-        return mask_area_per_token(mask, self.canvas)[self.canvas_order()]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "canvas": self.canvas.to_dict(), "tile_rows": self.tile_rows,
-                "tile_cols": self.tile_cols}
 
 
 def geometry_from_dict(fields: dict[str, Any]) -> TokenGeometry | RectilinearGrid | TiledGrid | MultiGridGeometry:
@@ -436,29 +349,6 @@ def onevision_geometry(
     return MultiGridGeometry("llava_onevision_anyres", (base, RectilinearGrid(mode, width, height, x0, x1, y0, y1)))
 
 
-def tiled_canvas(image_size: tuple[int, int], tile: tuple[int, int], min_tiles: int, max_tiles: int) -> tuple[int, int]:
-    """(cols, rows) of InternVL's tile grid for an image of ``image_size`` (width, height) and (height, width) tiles.
-
-    Re-implemented from transformers 5.24 ``get_optimal_tiled_canvas`` (``models/got_ocr2``), which follows the
-    official InternVL ``find_closest_aspect_ratio`` (OpenGVLab/InternVL, ``dynamic_preprocess``): among the
-    (cols, rows) with ``min_tiles <= cols * rows <= max_tiles``, ordered by tile count, the one whose aspect ratio
-    ``cols / rows`` is closest to the image's; on a tie, a later (more tiles) grid wins while the image's area
-    exceeds half of that grid's pixels.
-    """
-    width, height = image_size
-    tile_h, tile_w = tile
-    grids = sorted(((cols, rows) for cols in range(1, max_tiles + 1) for rows in range(1, max_tiles + 1)
-                    if min_tiles <= cols * rows <= max_tiles), key=lambda grid: grid[0] * grid[1])
-    best, best_diff = (1, 1), math.inf
-    for cols, rows in grids:
-        diff = abs(width / height - cols / rows)
-        if diff < best_diff:
-            best, best_diff = (cols, rows), diff
-        elif diff == best_diff and width * height > 0.5 * tile_h * tile_w * cols * rows:
-            best = (cols, rows)
-    return best
-
-
 def internvl_geometry(
     image_size: tuple[int, int],
     *,
@@ -469,8 +359,8 @@ def internvl_geometry(
 ) -> TokenGeometry | MultiGridGeometry:
     """InternVL's tokens of an image of ``image_size`` (width, height) under ``crop_to_patches``.
 
-    The image resized (aspect not kept) to the :func:`tiled_canvas` of ``cols x rows`` (height, width) ``tile``s,
-    cut into tiles row-major, each tile one grid of ``token_pixels`` squares (28: 2 x 2 pixel-shuffled 14-px
+    The image resized (aspect not kept) to the ``data.tiles.tiled_canvas`` of ``cols x rows`` (height, width)
+    ``tile``s, cut into tiles row-major, each tile one grid of ``token_pixels`` squares (28: 2 x 2 pixel-shuffled 14-px
     patches), then the thumbnail: the whole image resized to one tile. One tile (a 1 x 1 canvas, or
     ``max_tiles`` 1) gives that tile alone, no thumbnail: the plain resize of ``hf_crop`` without its crop.
     """
@@ -488,6 +378,5 @@ def internvl_geometry(
 
 __all__ = [
     "MultiGridGeometry", "AnyresLayout", "geometry_from_dict", "grid_pieces", "grid_names", "best_resolution", "anyres_layout",
-    "anyres_geometry", "anyres_crop_patches", "RectilinearGrid", "onevision_geometry", "TiledGrid", "tiled_canvas",
-    "internvl_geometry",
+    "anyres_geometry", "anyres_crop_patches", "RectilinearGrid", "onevision_geometry", "internvl_geometry",
 ]
