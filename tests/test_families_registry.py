@@ -335,7 +335,8 @@ def test_internvl_pixel_shuffle_puts_each_2x2_patch_block_in_one_row_major_token
 def test_internvl_tiles_are_the_processors_and_the_one_tile_checkpoint_still_runs(tmp_path):
     """The tiny InternVL tiles (registry checkpoint: up to 6 tiles plus a thumbnail): the processor's tile count
     times a tile's tokens is the prompt's ``<IMG_CONTEXT>`` count and the geometry's; the crops are the tiles then
-    the thumbnail. A processor without ``crop_to_patches`` gives one grid, and keep-all equals the stock forward."""
+    the thumbnail; a batch of images with 7, 5 and 1 tiles answers as each alone. A processor without
+    ``crop_to_patches`` gives one grid, and keep-all equals the stock forward."""
     from prune_audit.models.internvl import build_internvl
 
     vlm = load_vlm(adapter_for("internvl", "test").build_tiny(tmp_path / "tiled", words=WORDS), device="cpu")
@@ -346,6 +347,11 @@ def test_internvl_tiles_are_the_processors_and_the_one_tile_checkpoint_still_run
         assert item.num_visual == tiles * 4 == int((item.input_ids == vlm.model.config.image_token_id).sum())
         assert [tokens.tolist() for tokens, _ in vlm.crop_tokens(item)] == [list(range(4 * t, 4 * t + 4))
                                                                              for t in range(tiles)]
+    sizes = [(130, 100), (64, 64), (32, 32)]
+    mixed = [vlm.prepare(random_image(seed, size), QUESTIONS[0]) for seed, size in enumerate(sizes)]
+    assert [item.pixel_values.shape[0] for item in mixed] == [7, 5, 1]  # one tower call splits them back per image
+    assert_batch_equals_one_at_a_time(vlm, mixed, None, None)
+    assert_batch_equals_one_at_a_time(vlm, mixed, get_selector("divprune"), 3)
     one_tile = load_vlm(build_internvl(tmp_path / "one", words=WORDS, image_size=56), device="cpu")
     item = one_tile.prepare(random_image(0, (130, 100)), QUESTIONS[0])
     assert item.grid == (2, 2) and item.pixel_values.shape[0] == 1
