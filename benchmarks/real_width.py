@@ -95,6 +95,7 @@ REAL: dict[str, dict] = {
     },
     "internvl": {
         "title": "InternVL3-8B", "checkpoint": "OpenGVLab/InternVL3-8B-hf", "image_size": 448,
+        "builder": {"patch_size": 14, "max_patches": 12},  # the released tiling: up to 12 tiles plus a thumbnail
         "vision": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16},
         "text": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
                  "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151674, "max_position_embeddings": 32768},
@@ -120,8 +121,8 @@ def real_checkpoint(family: str, folder: Path, tiny: bool) -> Path:
     from prune_audit.models.families import adapter_for
 
     spec = REAL[family]
-    image_size = {} if tiny else {"image_size": spec["image_size"]}
-    source = adapter_for(family, family).build_tiny(folder, words=WORDS, **image_size)
+    sizes = {} if tiny else {"image_size": spec["image_size"], **spec.get("builder", {})}
+    source = adapter_for(family, family).build_tiny(folder, words=WORDS, **sizes)
     if not tiny and spec["processor"]:
         processor = AutoImageProcessor.from_pretrained(source, backend="pil")
         for name, value in spec["processor"].items():

@@ -65,12 +65,13 @@ def test_tiny_run_writes_dense_and_pruned_rows(tmp_path, shared_data):
                              report=lines.append)
     assert json.loads(output.read_text()) == result
     dense, divprune, fastv = result["rows"]
-    assert dense["selector"] == "dense" and dense["visual_tokens"] == 16 and dense["kept_tokens"] == 16
+    # the tiny tiling: 3 x 2 tiles of 2 x 2 tokens and the thumbnail
+    assert dense["selector"] == "dense" and dense["visual_tokens"] == 28 and dense["kept_tokens"] == 28
     assert divprune["kept_tokens"] == 8 and divprune["gflops"] < dense["gflops"] == divprune["gflops_dense"]
     assert fastv["selector"] == "fastv" and ("refused" in fastv or fastv["ms"] > 0)
     for row in (dense, divprune):
         assert row["ms"] > 0 and 0 < row["decoder_layer_ms"] <= row["ms"] and row["peak_rss_gib"] > 0
         assert "ms_full_depth" not in row  # measured at the (tiny) full depth: nothing extrapolated
     table, summary = lines
-    assert "| dense | - | 16 of 16 |" in table and "| fastv | 8 |" in table
+    assert "| dense | - | 28 of 28 |" in table and "| fastv | 8 |" in table
     assert "InternVL3-8B: 2 of 2 decoder layers" in summary

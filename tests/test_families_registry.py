@@ -332,17 +332,54 @@ def test_internvl_pixel_shuffle_puts_each_2x2_patch_block_in_one_row_major_token
         assert {tuple(m) for m in members.int().tolist()} == {(2 * r + i, 2 * c + j) for i in (0, 1) for j in (0, 1)}
 
 
-def test_internvl_dynamic_tiling_is_refused_in_one_line_before_answering(tmp_path):
-    import json
+def test_internvl_tiles_are_the_processors_and_the_one_tile_checkpoint_still_runs(tmp_path):
+    """The tiny InternVL tiles (registry checkpoint: up to 6 tiles plus a thumbnail): the processor's tile count
+    times a tile's tokens is the prompt's ``<IMG_CONTEXT>`` count and the geometry's; the crops are the tiles then
+    the thumbnail; a batch of images with 7, 5 and 1 tiles answers as each alone. A processor without
+    ``crop_to_patches`` gives one grid, and keep-all equals the stock forward."""
+    from prune_audit.models.internvl import build_internvl
 
-    path = adapter_for("internvl", "test").build_tiny(tmp_path / "internvl", words=WORDS)
-    config_file = path / "preprocessor_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "crop_to_patches": True,
-                                       "max_patches": 12}))
-    with pytest.raises(PruneAuditError) as error:
-        load_vlm(path, device="cpu")
-    assert "several token grids" in str(error.value) and '"crop_to_patches": false' in str(error.value)
-    assert "\n" not in str(error.value)
+    vlm = load_vlm(adapter_for("internvl", "test").build_tiny(tmp_path / "tiled", words=WORDS), device="cpu")
+    for size, tiles in [((130, 100), 6 + 1), ((56, 168), 3 + 1), ((32, 32), 1)]:
+        item = vlm.prepare(random_image(0, size), QUESTIONS[0])
+        count = vlm.image_processor.get_number_of_image_patches(size[1], size[0])
+        assert item.pixel_values.shape[0] == count == tiles
+        assert item.num_visual == tiles * 4 == int((item.input_ids == vlm.model.config.image_token_id).sum())
+        assert [tokens.tolist() for tokens, _ in vlm.crop_tokens(item)] == [list(range(4 * t, 4 * t + 4))
+                                                                             for t in range(tiles)]
+    sizes = [(130, 100), (64, 64), (32, 32)]
+    mixed = [vlm.prepare(random_image(seed, size), QUESTIONS[0]) for seed, size in enumerate(sizes)]
+    assert [item.pixel_values.shape[0] for item in mixed] == [7, 5, 1]  # one tower call splits them back per image
+    assert_batch_equals_one_at_a_time(vlm, mixed, None, None)
+    assert_batch_equals_one_at_a_time(vlm, mixed, get_selector("divprune"), 3)
+    one_tile = load_vlm(build_internvl(tmp_path / "one", words=WORDS, image_size=56), device="cpu")
+    item = one_tile.prepare(random_image(0, (130, 100)), QUESTIONS[0])
+    assert item.grid == (2, 2) and item.pixel_values.shape[0] == 1
+    inputs = stock_inputs(one_tile, item)
+    with torch.no_grad():
+        stock = one_tile.model(**inputs).logits[:, -1].float()
+    torch.testing.assert_close(one_tile.prefill([item])[0].logits, stock, atol=TOL, rtol=0)
+
+
+def test_internvl_uniform_runs_per_tile_and_merging_selectors_refuse_in_one_line(tmp_path):
+    """Uniform lays its lattice on one grid: refused over the tiles and thumbnail together, run on each tile's own
+    2 x 2 grid with ``budget_scope=crop``. By hand: 14 tokens over 7 crops (3 x 2 tiles and the thumbnail) is 2 per
+    crop, a 1 x 2 lattice at mid-height whose points take the top row on the tie. Pool and ToMe merge, which the
+    per-crop selection does not carry: refused in one line either way."""
+    from prune_audit.pruners.registry import selector_from_strings
+
+    vlm = load_vlm(adapter_for("internvl", "test").build_tiny(tmp_path / "model", words=WORDS), device="cpu")
+    item = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
+    assert item.pixel_values.shape[0] == 7
+    with pytest.raises(PruneAuditError, match="runs per crop with --option budget_scope=crop"):
+        vlm.check_selector(get_selector("uniform"))
+    [answer] = vlm.answer([item], selector_from_strings("uniform", ["budget_scope=crop"]), 14)
+    assert answer.kept == [token for tile in range(7) for token in (4 * tile, 4 * tile + 1)]
+    for name in ("pool", "tome"):
+        for options in ([], ["budget_scope=crop"]):
+            with pytest.raises(PruneAuditError) as error:
+                vlm.check_selector(selector_from_strings(name, options))
+            assert "one regular token grid" in str(error.value) and "\n" not in str(error.value)
 
 
 def test_class_declarations_say_what_the_loaded_model_runs(family, vlm):
@@ -461,23 +498,20 @@ REAL_PROCESSORS = {
     # the real checkpoints' image-processor settings, without weights
     "qwen3_vl": lambda transformers, **kw: transformers.Qwen2VLImageProcessorPil(
         min_pixels=65536, max_pixels=16777216, patch_size=16, merge_size=2, **kw),
-    "internvl": lambda transformers, **kw: transformers.GotOcr2ImageProcessorPil(
-        size={"height": 448, "width": 448}, crop_to_patches=False, **kw),
 }
 
 
 def real_geometry(name, processor, size):
     """What the family's ``token_geometry`` computes from these processor settings (no weights to load one)."""
     from prune_audit.data.geometry import qwen_geometry_from_processor
-    from prune_audit.models.internvl import tile_geometry
 
-    return tile_geometry(size, (448, 448)) if name == "internvl" else qwen_geometry_from_processor(processor, size)
+    return qwen_geometry_from_processor(processor, size)
 
 
 @pytest.mark.parametrize("name", sorted(REAL_PROCESSORS))
 @pytest.mark.parametrize("size", [(640, 480), (480, 640), (500, 333), (1000, 667)])
 def test_real_size_processors_put_every_pixel_on_its_predicted_token(name, size):
-    """At the real checkpoints' sizes (Qwen3-VL's 16-px patches, InternVL's 448-px tile), a token-id image
+    """At the real checkpoints' sizes (Qwen3-VL's 16-px patches), a token-id image
     through the bicubic processor shows, away from token borders (3 px: bicubic support), the token the
     geometry predicts at every processed pixel (tests/test_geometry.py checks LLaVA and Qwen2.5-VL so)."""
     import transformers
@@ -498,6 +532,100 @@ def test_real_size_processors_put_every_pixel_on_its_predicted_token(name, size)
     decoded = pixels[0] + 256 * ((pixels[1] - 20) // 40)
     assert (pixels[2] == IMAGE_BLUE).all()  # no padding in either pipeline
     assert (decoded[inner] == _expected_tokens(geometry)[inner]).all()
+
+
+# InternVL3's released image processor: 448-px tiles, crop_to_patches, 1 to 12 tiles plus a thumbnail
+INTERNVL_SIZES = [(640, 480), (480, 640), (500, 333), (1000, 300), (640, 640), (300, 300)]
+
+
+@pytest.mark.parametrize("size", INTERNVL_SIZES)
+def test_internvl_real_size_processor_puts_every_pixel_on_its_predicted_token(size):
+    """At InternVL3's released settings the tile count equals ``GotOcr2ImageProcessor``'s for every aspect ratio (13
+    tiles of 256 tokens for 640 x 480: a 4 x 3 canvas and the thumbnail), and a token-id image of each grid through
+    the bicubic processor shows, away from token borders, the predicted token in every tile (tiles row-major, each
+    tile's tokens row-major, then the thumbnail)."""
+    import transformers
+    from test_geometry import IMAGE_BLUE
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+
+    from prune_audit.data.multigrid import internvl_geometry
+    from prune_audit.data.tiles import tiled_canvas
+
+    processor = transformers.GotOcr2ImageProcessorPil(size={"height": 448, "width": 448}, crop_to_patches=True,
+                                                      min_patches=1, max_patches=12)
+    geometry = internvl_geometry(size)
+    tiles = processor.get_number_of_image_patches(size[1], size[0])
+    assert tiles * 256 == geometry.num_tokens
+    assert tiled_canvas(size, (448, 448), 1, 12) == get_optimal_tiled_canvas((size[1], size[0]), (448, 448), 1, 12)
+    if size == (640, 480):
+        assert tiles == 13 and geometry.num_tokens == 3328
+    ys = np.arange(448)
+    # 8 px from token borders: the bicubic support is 2 source pixels, up to 2.8 processed px each (640 -> 1792)
+    inner_axis = (ys % 28 >= 8) & (ys % 28 < 20)
+    inner = inner_axis[:, None] & inner_axis[None, :]
+    in_tile = (ys // 28)[:, None] * 16 + (ys // 28)[None, :]  # each tile's tokens row-major
+    for first, grid in grid_pieces(geometry):
+        index = token_index_map(grid)
+        image = np.stack([index % 256, index // 256 * 16 + 8, np.full_like(index, IMAGE_BLUE)], axis=-1)
+        crops = processor(images=image.astype(np.uint8), return_tensors="np", do_rescale=False,
+                          do_normalize=False)["pixel_values"]
+        assert crops.shape == (tiles, 3, 448, 448)
+        own = range(tiles - 1, tiles) if first else range(grid.num_tokens // 256)  # the thumbnail is the last crop
+        for order, crop in enumerate(own):
+            pixels = np.rint(crops[crop]).astype(int)
+            decoded = pixels[0] + 256 * ((pixels[1] - 8) // 16)
+            assert (pixels[2][inner] == IMAGE_BLUE).all()
+            assert (decoded[inner] == (order * 256 + in_tile)[inner]).all()
+
+
+def test_internvl_tile_grid_choice_equals_the_processors_over_a_sweep():
+    """``tiled_canvas`` (re-derived from the rule) picks the processor's ``get_optimal_tiled_canvas`` grid for
+    every size of a sweep of aspect ratios and areas, at 1 to 12 tiles and the tiny checkpoint's 6."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+
+    from prune_audit.data.tiles import tiled_canvas
+
+    sides = [28, 100, 224, 300, 333, 448, 480, 500, 640, 672, 896, 1000, 1344, 2000, 4000]
+    for width in sides:
+        for height in sides:
+            for tile, max_tiles in (((448, 448), 12), ((32, 32), 6), ((448, 448), 1)):
+                assert tiled_canvas((width, height), tile, 1, max_tiles) == get_optimal_tiled_canvas(
+                    (height, width), tile, 1, max_tiles), (width, height, max_tiles)
+
+
+def test_internvl_grid_order_among_equal_tile_counts_never_decides_with_one_tile_minimum():
+    """``tiled_canvas``'s docstring: the official code visits grids of one tile count in set order, transformers
+    with fewer columns first; with ``min_tiles`` 1 the ratio halfway between two such grids always has a strictly
+    closer grid, so the order never decides (exact fractions, up to 40 tiles)."""
+    from fractions import Fraction
+
+    for max_tiles in range(1, 41):
+        grids = [(cols, rows) for cols in range(1, max_tiles + 1) for rows in range(1, max_tiles + 1)
+                 if cols * rows <= max_tiles]
+        ratios = [Fraction(cols, rows) for cols, rows in grids]
+        for (a_cols, a_rows), (b_cols, b_rows) in ((a, b) for a in grids for b in grids if a[0] * a[1] == b[0] * b[1]):
+            a, b = Fraction(a_cols, a_rows), Fraction(b_cols, b_rows)
+            if a < b:
+                assert any(abs((a + b) / 2 - ratio) < (b - a) / 2 for ratio in ratios), (max_tiles, a, b)
+
+
+def test_internvl_real_size_coco_masks_sum_back_per_grid(shared_data):
+    """At InternVL3's released tiling, every object mask of a real COCO image sums back over the tiles' tokens and
+    over the thumbnail's (every pixel lies on one token of each): retention divides by twice the mask area."""
+    from prune_audit.data.multigrid import internvl_geometry
+    from prune_audit.data.retention import object_area
+
+    coco_dir = shared_data / "coco" / "tiny_coco_val2017"
+    coco = CocoInstances.load(coco_dir / "instances_val2017.json")
+    image_id = next(i for i in sorted(coco.images) if coco.object_names(i))
+    geometry = internvl_geometry(coco.image(image_id).size)
+    assert len(grid_pieces(geometry)) == 2
+    for name in coco.object_names(image_id):
+        mask = coco.category_mask(image_id, name)
+        area = object_area(mask, geometry)
+        tiles = geometry.grids[0].num_tokens
+        assert area.area_per_token[:tiles].sum() == mask.sum() == area.area_per_token[tiles:].sum()
+        assert area.counted_area == 2 * mask.sum() and area.visible_fraction == 1.0
 
 
 def test_analytic_flops_equal_the_counted_flops(family, checkpoint, prepared):
@@ -638,11 +766,13 @@ def test_multi_grid_geometries_survive_the_records_json():
     from prune_audit.data.multigrid import (
         anyres_geometry,
         geometry_from_dict,
+        internvl_geometry,
         onevision_geometry,
     )
 
     for geometry in (anyres_geometry((640, 480), pinpoints=LLAVA_NEXT_PINPOINTS),
-                     onevision_geometry((2000, 1500), pinpoints=[[384, 768], [768, 768], [1152, 1152]])):
+                     onevision_geometry((2000, 1500), pinpoints=[[384, 768], [768, 768], [1152, 1152]]),
+                     internvl_geometry((640, 480))):
         again = geometry_from_dict(json.loads(json.dumps(geometry.to_dict())))
         assert again == geometry and (token_footprints(again) == token_footprints(geometry)).all()
 
@@ -744,7 +874,7 @@ def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepare
     args = run_args(workspace, checkpoint, out, "--selector", "divprune", "--budget", budget,
                     "--option", "budget_scope=crop")
     result = runner.invoke(app, args)
-    if family not in ("llava_next", "llava_onevision"):
+    if not vlm.several_crops:
         assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
         assert "one crop" in result.stderr and not out.exists()
         return

@@ -71,8 +71,9 @@ def stock_inputs(vlm, prepared) -> dict[str, torch.Tensor]:
     if "image_sizes" in prepared.extras:  # LLaVA-NeXT: the crops of one image and its size
         return {"input_ids": prepared.input_ids[None], "pixel_values": prepared.pixel_values[None],
                 "image_sizes": prepared.extras["image_sizes"]}
-    if "image_grid_thw" not in prepared.extras:  # one fixed-size image: LLaVA, InternVL
-        return {"input_ids": prepared.input_ids[None], "pixel_values": prepared.pixel_values[None]}
+    if "image_grid_thw" not in prepared.extras:  # LLaVA's one (3, H, W) image; InternVL's (tiles, 3, H, W) already
+        pixel_values = prepared.pixel_values if prepared.pixel_values.dim() == 4 else prepared.pixel_values[None]
+        return {"input_ids": prepared.input_ids[None], "pixel_values": pixel_values}
     image_token = vlm.model.config.image_token_id
     return {
         "input_ids": prepared.input_ids[None],

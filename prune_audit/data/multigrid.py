@@ -1,4 +1,4 @@
-"""Images whose visual tokens form several regular grids: LLaVA-NeXT's anyres tiling.
+"""Images whose visual tokens form several regular grids: LLaVA-NeXT's anyres tiling, InternVL's dynamic tiles.
 
 LLaVA-NeXT (``LlavaNextImageProcessor`` + ``LlavaNextModel.pack_image_features`` in transformers
 5.24, from the LLaVA-NeXT ``anyres`` / ``spatial_unpad`` design) turns one image into:
@@ -15,6 +15,13 @@ LLaVA-NeXT (``LlavaNextImageProcessor`` + ``LlavaNextModel.pack_image_features``
 Visual tokens are numbered base view first (576), then the unpadded tile grid row-major. The model
 also puts one ``image_newline`` embedding after every row of the tile grid: those are not visual
 tokens (no pixels) and have no index here. Every pixel of the image belongs to one token of each grid.
+
+InternVL (``GotOcr2ImageProcessor.crop_image_to_patches`` with ``crop_to_patches``) resizes the image,
+aspect not kept, to the tile grid of ``data.tiles.tiled_canvas`` (``cols x rows`` square tiles), cuts it
+into tiles row-major and appends a thumbnail (the whole image resized to one tile) when there is more
+than one tile; each tile is a grid of pixel-shuffled tokens. The tiles together are one regular grid
+over the canvas whose tokens are numbered tile by tile (``data.tiles.TiledGrid``); the thumbnail is a
+second grid (``internvl_tiles``, :func:`internvl_geometry`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from prune_audit.data.geometry import TokenGeometry, clip_geometry, mask_area_per_token, token_footprints
+from prune_audit.data.tiles import TiledGrid, tiled_canvas
 from prune_audit.errors import PruneAuditError
 
 
@@ -35,12 +43,12 @@ class MultiGridGeometry:
     """Several token grids over one image, their tokens numbered grid after grid.
 
     Attributes:
-        mode: the preprocessing (``llava_next_anyres``).
+        mode: the preprocessing (``llava_next_anyres``, ``llava_onevision_anyres``, ``internvl_tiles``).
         grids: the grids in token order; grid ``g`` holds tokens ``offsets[g]`` to ``offsets[g] + its N - 1``.
     """
 
     mode: str
-    grids: tuple[TokenGeometry | RectilinearGrid, ...]
+    grids: tuple[TokenGeometry | RectilinearGrid | TiledGrid, ...]
 
     def __post_init__(self) -> None:
         if not self.grids or len({grid.image_size for grid in self.grids}) != 1:
@@ -160,10 +168,12 @@ class RectilinearGrid:
         return {name: list(value) if isinstance(value, tuple) else value for name, value in asdict(self).items()}
 
 
-def geometry_from_dict(fields: dict[str, Any]) -> TokenGeometry | RectilinearGrid | MultiGridGeometry:
+def geometry_from_dict(fields: dict[str, Any]) -> TokenGeometry | RectilinearGrid | TiledGrid | MultiGridGeometry:
     """The geometry whose ``to_dict()`` gave ``fields`` (a record's ``geometry`` column)."""
     if "grids" in fields:
         return MultiGridGeometry(fields["mode"], tuple(geometry_from_dict(grid) for grid in fields["grids"]))
+    if "canvas" in fields:
+        return TiledGrid(fields["mode"], TokenGeometry(**fields["canvas"]), fields["tile_rows"], fields["tile_cols"])
     if "x0" in fields:
         return RectilinearGrid(**{name: tuple(value) if isinstance(value, list) else value
                                   for name, value in fields.items()})
@@ -178,9 +188,12 @@ def grid_pieces(geometry: Any) -> list[tuple[int, Any]]:
 
 
 def grid_names(geometry: Any) -> list[str]:
-    """A reader's name for each grid of :func:`grid_pieces` (``base view``, ``tiles``; one grid: ``tokens``)."""
+    """A reader's name for each grid of :func:`grid_pieces` (``base view``, ``tiles``; InternVL's ``tiles``,
+    ``thumbnail``; one grid: ``tokens``)."""
     if not isinstance(geometry, MultiGridGeometry):
         return ["tokens"]
+    if geometry.mode == "internvl_tiles":
+        return ["tiles", "thumbnail"]
     return ["base view", *("tiles (downsampled)" if grid.mode == "anyres_tiles_downsampled" else "tiles"
                            for grid in geometry.grids[1:])]
 
@@ -336,7 +349,34 @@ def onevision_geometry(
     return MultiGridGeometry("llava_onevision_anyres", (base, RectilinearGrid(mode, width, height, x0, x1, y0, y1)))
 
 
+def internvl_geometry(
+    image_size: tuple[int, int],
+    *,
+    tile: tuple[int, int] = (448, 448),
+    token_pixels: int = 28,
+    min_tiles: int = 1,
+    max_tiles: int = 12,
+) -> TokenGeometry | MultiGridGeometry:
+    """InternVL's tokens of an image of ``image_size`` (width, height) under ``crop_to_patches``.
+
+    The image resized (aspect not kept) to the ``data.tiles.tiled_canvas`` of ``cols x rows`` (height, width)
+    ``tile``s, cut into tiles row-major, each tile one grid of ``token_pixels`` squares (28: 2 x 2 pixel-shuffled 14-px
+    patches), then the thumbnail: the whole image resized to one tile. One tile (a 1 x 1 canvas, or
+    ``max_tiles`` 1) gives that tile alone, no thumbnail: the plain resize of ``hf_crop`` without its crop.
+    """
+    def resized(height: int, width: int) -> TokenGeometry:
+        return clip_geometry(image_size, mode="hf_crop", shortest_edge=None, resize_to=(height, width),
+                             crop_size=None, patch_size=token_pixels)
+
+    thumbnail = resized(*tile)
+    cols, rows = tiled_canvas(image_size, tile, min_tiles, max_tiles)
+    if cols * rows == 1:
+        return thumbnail
+    tiles = TiledGrid("internvl_tiles", resized(rows * tile[0], cols * tile[1]), rows, cols)
+    return MultiGridGeometry("internvl_tiles", (tiles, thumbnail))
+
+
 __all__ = [
     "MultiGridGeometry", "AnyresLayout", "geometry_from_dict", "grid_pieces", "grid_names", "best_resolution", "anyres_layout",
-    "anyres_geometry", "anyres_crop_patches", "RectilinearGrid", "onevision_geometry",
+    "anyres_geometry", "anyres_crop_patches", "RectilinearGrid", "onevision_geometry", "internvl_geometry",
 ]

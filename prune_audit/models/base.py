@@ -311,7 +311,7 @@ class VisionLanguageModel(AnswerModes, ABC):
         per_crop = getattr(selector, "budget_scope", "image") == "crop"
         if per_crop and (not self.several_crops or selector.merges):
             why = (f"{selector.name} merges tokens (per grid under budget_scope=image)" if self.several_crops else
-                   f"{self.family} sees each image as one crop (it applies to LLaVA-NeXT and LLaVA-OneVision)")
+                   f"{self.family} sees each image as one crop (it applies to LLaVA-NeXT, LLaVA-OneVision and tiled InternVL)")
             raise PruneAuditError(f"budget_scope=crop splits the budget over an image's crops, and {why}; drop "
                                   f"--option budget_scope=crop")
         if per_crop and self.runs_per_crop(type(selector), self._available_input_signals()):

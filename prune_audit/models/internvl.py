@@ -1,26 +1,29 @@
-"""InternVL3 in the Hugging Face layout (``InternVLForConditionalGeneration``), one 448-px tile per image.
+"""InternVL3 in the Hugging Face layout (``InternVLForConditionalGeneration``), with dynamic tiling.
 
-Vision: InternViT (CLS first) -> the ``vision_feature_layer`` states without CLS
+Vision: InternViT (CLS first) on every tile -> the ``vision_feature_layer`` states without CLS
 (strategy ``"default"``) -> pixel shuffle with ``downsample_ratio`` 0.5, so each LLM
 visual token is the channel concatenation of a 2x2 block of 14-px patches (28x28
 processed pixels), row-major -> MLP projector. A 448x448 tile gives 16x16 = 256 tokens.
 
-Geometry: with one tile the image processor (``GotOcr2ImageProcessor``) resizes the
-whole image to ``size`` (448x448, aspect not kept) with no pad and no crop, so token
-(r, c) covers original pixels ``[c*28/sx, (c+1)*28/sx) x [r*28/sy, (r+1)*28/sy)``.
-Dynamic tiling (``crop_to_patches`` with ``max_patches > 1``: up to 12 tiles of the
-best aspect-ratio canvas plus a 448-px thumbnail) gives several token grids per
-image, which :class:`~prune_audit.data.geometry.TokenGeometry` (one grid per image)
-cannot record; such a processor is refused at load with the fix (docs/models.md).
+Geometry (``data.multigrid.internvl_geometry``): with ``crop_to_patches`` (the released processors:
+``min_patches`` 1, ``max_patches`` 12) the image processor (``GotOcr2ImageProcessor``) resizes the
+image, aspect not kept, to the ``cols x rows`` tiles of the grid whose aspect ratio is closest to the
+image's, cuts them row-major and, with more than one tile, appends a thumbnail (the whole image at
+448x448). The prompt holds 256 ``<IMG_CONTEXT>`` per tile, tiles first, thumbnail last; the visual
+tokens are numbered in that order (the tiles a ``TiledGrid``, the thumbnail a second grid). One tile
+(``crop_to_patches`` off, or a 1 x 1 grid) is the whole image resized to 448x448: token (r, c) covers
+original pixels ``[c*28/sx, (c+1)*28/sx) x [r*28/sy, (r+1)*28/sy)``.
 
-Positions: the language model (Qwen2.5 in InternVL3) uses 1-D RoPE; after input-level
-selection the prompt is simply shorter (compact positions), as for LLaVA.
+Positions: the language model (Qwen2.5 in InternVL3) uses 1-D RoPE; after input-level selection
+the prompt is simply shorter (compact positions), as for LLaVA.
 
-Signals: the projected features, the pre-projector pixel-shuffled features (so merging
-selectors can merge before the projector, as on LLaVA) and the layer-0 text demand.
-The LLM input has no CLS token and each LLM token is four ViT patches, so the
-CLS- and vision-attention selectors (FasterVLM, VisionZip, VisPruner, SCOPE, HiPrune,
-VScan) are refused; no CLIP text space, so CDPruner is refused.
+Signals: the projected features, the pre-projector pixel-shuffled features and the layer-0 text
+demand. The LLM input has no CLS token and each LLM token is four ViT patches, so the CLS- and
+vision-attention selectors (FasterVLM, VisionZip, VisPruner, SCOPE, HiPrune, VScan) are refused; no
+CLIP text space, so CDPruner is refused. The tiles and the thumbnail are several grids: selectors
+that lay tokens on one (rows, cols) grid are refused over the image (uniform, pool, ToMe, E2S);
+uniform runs per tile with ``budget_scope=crop`` (each tile and the thumbnail one 16 x 16 grid), as
+every input selector can; the merging ones stay refused (``budget_scope=crop`` keeps plain tokens).
 
 Prompt: the official InternVL chat format (ChatML; ``<img>`` + ``<IMG_CONTEXT>`` x N +
 ``</img>`` then a newline before the question), as ``model.chat`` of the
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -40,6 +44,7 @@ from prune_audit.compute.shape import ModelShape, VisionShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
+from prune_audit.models.llava_next import ONE_GRID
 from prune_audit.models.parts import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.shape import language_shape
@@ -51,17 +56,27 @@ DEFAULT_SYSTEM = (
     "你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。"
 )
 START_IMAGE, END_IMAGE, CONTEXT_IMAGE = "<img>", "</img>", "<IMG_CONTEXT>"
+#: selectors that place tokens on one (rows, cols) grid, which the tiles and thumbnail do not form together
+ONE_GRID_SELECTORS = frozenset({"uniform", "pool", "tome", "e2s"})
+#: those that run on each tile's own grid with ``budget_scope=crop`` (plain tokens: not pool or ToMe; E2S prunes
+#: inside the decoder, where crops have no budget)
+PER_TILE_GRID_SELECTORS = frozenset({"uniform"})
 
 
 class InternVLModel(VisionLanguageModel):
-    """InternVL3 adapter (one image per prompt, one 448-px tile per image)."""
+    """InternVL3 adapter (one image per prompt, dynamic 448-px tiles plus a thumbnail)."""
 
     family = "internvl"
     input_signals = frozenset({"features", "vision_features", "demand"})
     missing_signals_reason = (
         "its language model gets no CLS token (each visual token is a 2x2 pixel-shuffled patch group), "
-        "this adapter reads no vision-tower attention, and it has no CLIP text space"
+        "this adapter reads no vision-tower attention, it has no CLIP text space, and its tiles and thumbnail "
+        "form several grids"
     )
+    several_crops = True
+    crop_grid_selectors = PER_TILE_GRID_SELECTORS
+    token_grids = "several grids"
+    refused_selectors = MappingProxyType(dict.fromkeys(sorted(ONE_GRID_SELECTORS), ONE_GRID))
     display_name = "InternVL"
     prompt_templates = (PROMPT_TEMPLATE,)
 
@@ -73,9 +88,12 @@ class InternVLModel(VisionLanguageModel):
 
     @classmethod
     def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   **sizes: Any) -> Path:
-        """A random-weight checkpoint of this family for offline tests (:func:`build_internvl`)."""
-        return build_internvl(save_dir, words=words, text_layers=text_layers, seed=seed, **sizes)
+                   image_size: int = 32, patch_size: int = 8, max_patches: int = 6, **sizes: Any) -> Path:
+        """A random-weight checkpoint of this family for offline tests (:func:`build_internvl`) that tiles as the
+        released processors do, at a small scale: 32-px tiles of 2 x 2 tokens (8-px patches), up to 6 tiles plus
+        a thumbnail, so the tests' 64-px scenes get 2 x 2 tiles and a 130 x 100 image 3 x 2."""
+        return build_internvl(save_dir, words=words, text_layers=text_layers, seed=seed, image_size=image_size,
+                              patch_size=patch_size, max_patches=max_patches, **sizes)
 
     @classmethod
     def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
@@ -95,12 +113,6 @@ class InternVLModel(VisionLanguageModel):
             )
         if config.downsample_ratio != 0.5:
             raise PruneAuditError(f"InternVL downsample_ratio {config.downsample_ratio} is not supported (0.5 is)")
-        if getattr(image_processor, "crop_to_patches", False) and getattr(image_processor, "max_patches", 1) > 1:
-            raise PruneAuditError(
-                f"{model_id}: InternVL dynamic tiling (crop_to_patches, max_patches "
-                f"{image_processor.max_patches}) gives an image several token grids, which prune-audit does not "
-                f"record yet; set \"crop_to_patches\": false in its preprocessor_config.json (one 448-px tile)"
-            )
         text_config = config.text_config
         if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
             raise PruneAuditError("InternVL checkpoints with sliding-window decoder layers are not supported")
@@ -114,7 +126,10 @@ class InternVLModel(VisionLanguageModel):
         self.patch_size = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
         self.token_pixels = int(round(self.patch_size / config.downsample_ratio))
         size = image_processor.size
-        self.tile = (int(size["height"]), int(size["width"]))  # the one tile every image is resized to
+        self.tile = (int(size["height"]), int(size["width"]))  # each tile, and the thumbnail
+        tiles = getattr(image_processor, "crop_to_patches", False)
+        self.min_tiles = int(getattr(image_processor, "min_patches", 1))
+        self.max_tiles = int(getattr(image_processor, "max_patches", 1)) if tiles else 1
 
     def prompt(self, question: str, num_image_tokens: int = 1) -> str:
         """The InternVL chat prompt for one image followed by ``question``."""
@@ -126,39 +141,68 @@ class InternVLModel(VisionLanguageModel):
         )
 
     def token_geometry(self, image_size: tuple[int, int]):
-        """The image resized whole to the processor's one tile, one token per ``token_pixels`` square."""
-        return tile_geometry(image_size, self.tile, self.token_pixels)
+        """The processor's tiles (``data.multigrid.internvl_geometry``): one grid for one tile, else the tiles
+        and the thumbnail, one token per ``token_pixels`` square."""
+        from prune_audit.data.multigrid import internvl_geometry
+
+        return internvl_geometry(image_size, tile=self.tile, token_pixels=self.token_pixels, min_tiles=self.min_tiles,
+                                 max_tiles=self.max_tiles)
+
+    @property
+    def tile_grid(self) -> tuple[int, int]:
+        """(rows, cols) of the visual tokens of one tile (16 x 16 at 448 px)."""
+        return (self.tile[0] // self.token_pixels, self.tile[1] // self.token_pixels)
+
+    @property
+    def tile_tokens(self) -> int:
+        """Visual tokens of one tile (256 at 448 px)."""
+        return self.tile_grid[0] * self.tile_grid[1]
 
     def prepare(self, image, question: str) -> Prepared:
         image = image.convert("RGB")
         pixel_values = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
-        if pixel_values.shape[0] != 1:
-            raise PruneAuditError(f"the image processor made {pixel_values.shape[0]} tiles; one is supported")
         geometry = self.token_geometry(image.size)
-        if tuple(pixel_values.shape[-2:]) != (geometry.processed_height, geometry.processed_width):
-            raise PruneAuditError(f"the image processor made a {tuple(pixel_values.shape[-2:])} tile, not its "
-                                  f"configured {self.tile}; check size in its preprocessor_config.json")
+        tiles = pixel_values.shape[0]
+        if tuple(pixel_values.shape[-2:]) != self.tile or tiles * self.tile_tokens != geometry.num_tokens:
+            raise PruneAuditError(
+                f"the image processor made {tiles} tiles of {tuple(pixel_values.shape[-2:])} px, not "
+                f"the {geometry.num_tokens // self.tile_tokens} of {self.tile} px its configuration gives; check size, "
+                f"crop_to_patches, min_patches and max_patches in its preprocessor_config.json"
+            )
         input_ids = self.tokenizer(self.prompt(question, geometry.num_tokens), return_tensors="pt")["input_ids"][0]
         span = find_image_span(input_ids, self.model.config.image_token_id)
         return Prepared(
             input_ids=input_ids,
             image_span=span,
             grid=geometry.grid,
-            pixel_values=pixel_values[0],
+            pixel_values=pixel_values,
             question=question,
             image_size=image.size,
             geometry=geometry,
         )
 
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
-        pixels = torch.stack([item.pixel_values for item in prepared]).to(self.device, self.dtype)
-        shuffled = self._shuffled_patches(pixels)
+        """One tower call over every tile of the batch; each image's tiles' tokens joined in prompt order."""
+        pixels = torch.cat([item.pixel_values for item in prepared]).to(self.device, self.dtype)
+        shuffled = self._shuffled_patches(pixels)  # (T, tile_tokens, 4 Dv) over the batch's T tiles
         features = self.model.model.multi_modal_projector(shuffled)
+        tiles = [item.pixel_values.shape[0] for item in prepared]
         outputs = []
-        for b in range(len(prepared)):
-            signals = {"vision_features": shuffled[b]} if "vision_features" in requires else {}
-            outputs.append(VisionOutput(features[b], signals))
+        for image_tiles, image_features in zip(shuffled.split(tiles), features.split(tiles)):
+            signals = {"vision_features": image_tiles.flatten(0, 1)} if "vision_features" in requires else {}
+            outputs.append(VisionOutput(image_features.flatten(0, 1), signals))
         return outputs
+
+    def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
+        """Per tile the tower ran on (the tiles, then the thumbnail), its ``tile_tokens`` consecutive visual tokens
+        and their (rows, cols) grid."""
+        return [(torch.arange(tile * self.tile_tokens, (tile + 1) * self.tile_tokens), self.tile_grid)
+                for tile in range(item.pixel_values.shape[0])]
+
+    def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
+        """The tower ran on every tile (and the thumbnail) of ``tile // patch`` squared patches."""
+        return {"crops": int(prepared.pixel_values.shape[0]),
+                "crop_grid": (self.tile[0] // self.patch_size, self.tile[1] // self.patch_size)}
 
     def _shuffled_patches(self, pixels: Tensor) -> Tensor:
         """(B, N, 4 Dv) pre-projector tokens of (B, 3, H, W) tiles, as ``get_image_features`` builds them:
@@ -192,9 +236,11 @@ class InternVLModel(VisionLanguageModel):
         return {
             "processor": {
                 "class": type(self.image_processor).__name__,
-                "mode": "hf_crop (a plain resize to one tile, no crop)",
+                "mode": "internvl_tiles (one tile: hf_crop, a plain resize, no crop)",
                 "size": dict(size),
                 "crop_to_patches": bool(getattr(self.image_processor, "crop_to_patches", False)),
+                "min_patches": self.min_tiles,
+                "max_patches": self.max_tiles,
                 "patch_size": self.patch_size,
                 "downsample_ratio": self.model.config.downsample_ratio,
                 "vision_feature_layer": self.model.config.vision_feature_layer,
@@ -222,16 +268,6 @@ def internvl_vision_shape(config: Any) -> VisionShape:
     )
 
 
-def tile_geometry(image_size: tuple[int, int], tile: tuple[int, int], token_pixels: int = 28):
-    """:class:`~prune_audit.data.geometry.TokenGeometry` of an image resized whole to one (height, width)
-    ``tile`` (aspect not kept, no pad, no crop) with one token per ``token_pixels`` square: the
-    ``hf_crop`` mode without its crop."""
-    from prune_audit.data.geometry import clip_geometry
-
-    return clip_geometry(image_size, mode="hf_crop", shortest_edge=None, resize_to=tile, crop_size=None,
-                         patch_size=token_pixels)
-
-
 def build_internvl(
     save_dir: str | Path,
     *,
@@ -246,13 +282,16 @@ def build_internvl(
     text_layers: int = 2,
     text_heads: int = 4,
     text_kv_heads: int = 2,
+    max_patches: int = 1,
     seed: int = 0,
 ) -> Path:
     """Save a randomly initialised ``InternVLForConditionalGeneration`` (InternViT + Qwen2) with its
-    PIL image processor (one ``image_size`` tile, ``crop_to_patches`` off) and tokenizer.
+    PIL image processor (``image_size`` tiles; up to ``max_patches`` of them plus a thumbnail, ``crop_to_patches``
+    when ``max_patches > 1``) and tokenizer.
 
-    ``image_size`` must be a multiple of ``2 * patch_size``: the tile gives
-    ``(image_size / (2 * patch_size))**2`` visual tokens. The real InternVL3-8B widths are
+    ``image_size`` must be a multiple of ``2 * patch_size``: a tile gives
+    ``(image_size / (2 * patch_size))**2`` visual tokens. The released InternVL3 processors tile with
+    ``max_patches=12``; the real InternVL3-8B widths are
     ``image_size=448, vision_hidden_size=1024, vision_layers=24, vision_heads=16,
     text_hidden_size=3584, text_intermediate_size=18944, text_layers=28, text_heads=28, text_kv_heads=4``.
     """
@@ -295,11 +334,11 @@ def build_internvl(
     torch.manual_seed(seed)
     model = InternVLForConditionalGeneration(config).eval()
     image_processor = GotOcr2ImageProcessorPil(size={"height": image_size, "width": image_size},
-                                               crop_to_patches=False)
+                                               crop_to_patches=max_patches > 1, min_patches=1, max_patches=max_patches)
     model.save_pretrained(save_dir)
     image_processor.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)
     return save_dir
 
 
-__all__ = ["InternVLModel", "build_internvl", "tile_geometry", "PROMPT_TEMPLATE", "DEFAULT_SYSTEM"]
+__all__ = ["InternVLModel", "build_internvl", "PROMPT_TEMPLATE", "DEFAULT_SYSTEM"]

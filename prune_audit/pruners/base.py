@@ -177,13 +177,13 @@ class BudgetScoped:
     """The budget scope every input selector shares (one option, declared once).
 
     ``image`` (default): one budget over all of an image's visual tokens. ``crop``: on a family whose
-    image is several crops (LLaVA-NeXT's base view and tiles), the budget is split evenly over the crops
+    image is several crops (LLaVA-NeXT's base view and tiles, InternVL's tiles and thumbnail), the budget is split evenly over the crops
     and the selector runs on each crop's tokens alone (:func:`~prune_audit.pruners.crop_scope.select_per_crop`),
     the official LLaVA-NeXT convention of VisionZip, CDPruner and FasterVLM; refused on one-crop families.
     """
 
     budget_scope: str = option("image", Choice(BUDGET_SCOPES),
-                               "one budget over the image's tokens, or split evenly over its crops (LLaVA-NeXT)")
+                               "one budget over the image's tokens, or split evenly over its crops (LLaVA-NeXT, InternVL tiles)")
 
 
 class InputSelector(Selector, BudgetScoped):
