@@ -379,7 +379,8 @@ def test_internvl_uniform_runs_per_tile_and_merging_selectors_refuse_in_one_line
         for options in ([], ["budget_scope=crop"]):
             with pytest.raises(PruneAuditError) as error:
                 vlm.check_selector(selector_from_strings(name, options))
-            assert "one regular token grid" in str(error.value) and "\n" not in str(error.value)
+            expected = "merges tokens; drop --option budget_scope=crop" if options else "one regular token grid"
+            assert expected in str(error.value) and "\n" not in str(error.value)
 
 
 def test_class_declarations_say_what_the_loaded_model_runs(family, vlm):

@@ -310,7 +310,8 @@ class VisionLanguageModel(AnswerModes, ABC):
         """Raise a one-line PruneAuditError when this model cannot provide the selector's signals."""
         per_crop = getattr(selector, "budget_scope", "image") == "crop"
         if per_crop and (not self.several_crops or selector.merges):
-            why = (f"{selector.name} merges tokens (per grid under budget_scope=image)" if self.several_crops else
+            per_grid = " (per grid under budget_scope=image)" if selector.name in self.per_grid_selectors else ""
+            why = (f"{selector.name} merges tokens{per_grid}" if self.several_crops else
                    f"{self.family} sees each image as one crop (it applies to LLaVA-NeXT, LLaVA-OneVision and tiled InternVL)")
             raise PruneAuditError(f"budget_scope=crop splits the budget over an image's crops, and {why}; drop "
                                   f"--option budget_scope=crop")
