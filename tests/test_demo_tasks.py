@@ -361,6 +361,21 @@ def test_a_model_demo_train_wrote_reads_the_demo_questions_by_default(mix_model,
     assert result.exit_code != 0 and "--model needs questions" in result.output
 
 
+def test_visualize_on_a_model_demo_train_wrote_reads_the_demo_scene_annotations(mix_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from prune_audit.cli.main import app
+    from prune_audit.demo.assets import demo_assets
+
+    _, model_dir, _, _ = mix_model
+    image = sorted(demo_assets().images_dir.glob("*.png"))[0]
+    out = tmp_path / "figure.png"
+    result = CliRunner().invoke(app, ["visualize", str(image), "--model", str(model_dir), "--budget", "2",
+                                      "--selector", "random", "--out", str(out)])
+    assert result.exit_code == 0, result.output[-2000:]
+    assert out.is_file() and "not one of the" not in result.output
+
+
 def test_each_offered_option_is_trained_at_its_last_word_with_its_presence(mix_model):
     """The auxiliary option targets sit on the option words, yes exactly for the answer's option."""
     recipe, _, _, vlm = mix_model

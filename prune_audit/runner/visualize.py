@@ -206,21 +206,23 @@ def live_setup(request: VisualizeRequest) -> LiveSetup:
     """Resolve the model, the annotations and the question.
 
     The question is --question, else the POPE question about --object, else (None) about the
-    annotated object the model sees most. A bundled demo (no --model, or demo / demo-qwen) reads its
-    own scene annotations when the image is one of its scenes; on any other image it warns that its
+    annotated object the model sees most. A bundled demo (no --model, or demo / demo-qwen) or a model
+    ``demo train`` wrote reads the demo scene annotations when the image is one of its scenes; on any other image it warns that its
     figure means nothing and, without annotations, asks about its first shape class.
     """
     from prune_audit.data.pope_build import question_text
-    from prune_audit.demo.assets import demo_assets, is_demo_name
+    from prune_audit.demo.assets import demo_assets, is_demo_name, is_demo_trained
 
     model_path, model_name, annotations = request.model, None, request.annotations
     fallback, warnings = None, []
-    if model_path is None or is_demo_name(model_path):
+    if model_path is None or is_demo_name(model_path) or is_demo_trained(model_path):
         from prune_audit.data.scenes import CATEGORIES
 
-        name = model_path or "demo"
+        trained = model_path is not None and not is_demo_name(model_path)  # a folder `demo train` wrote
+        name = "demo" if trained else model_path or "demo"
         assets = demo_assets(name=name)
-        model_path, model_name, fallback = str(assets.model_dir), f"{name} model", CATEGORIES[0]
+        model_path, model_name, fallback = (
+            model_path if trained else str(assets.model_dir), None if trained else f"{name} model", CATEGORIES[0])
         if _names_image(load_annotations(assets.annotations), request.image):
             annotations = annotations or assets.annotations
         else:
