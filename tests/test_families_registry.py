@@ -754,6 +754,101 @@ def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepare
     assert result.exit_code == 0, result.output
 
 
+def official_visionzip_next(vlm, item, selector, budget):
+    """VisionZip's LLaVA-NeXT forward re-derived from dvlab-research/VisionZip 3151f6d (``clip_encoder.py`` on each
+    crop, ``llava_arch.py::restore_image_features_sorted``) on the stock eager CLIP tower, among each crop's
+    unpadded patches (docs/fidelity.md): per crop its share of ``budget``, the CLS plus the patches with the
+    largest head-summed CLS attention, the rest merged into contextual tokens by the head-mean keys' cosine
+    (targets every ``step`` in raster order, ``target + mean(members)``); laid out as the base view's
+    ``[CLS, dominant, contextual]``, the tiles' dominant patches in joined-grid order, the tiles' CLS tokens, the
+    tiles' contextual tokens. Returns the (M, Dv) tokens, the dominant patches and each contextual token's
+    sources, both as image indices."""
+    from prune_audit.pruners.crop_scope import crop_budgets
+
+    tower = vlm.model.model.vision_tower
+    tower.set_attn_implementation("eager")
+    layer = len(tower.encoder.layers) + vlm.model.config.vision_feature_layer  # its output is the feature layer
+    captured = []
+    handle = tower.encoder.layers[layer].self_attn.k_proj.register_forward_hook(
+        lambda module, args, output: captured.append(output))
+    with torch.no_grad():
+        stock = tower(item.pixel_values, output_attentions=True, output_hidden_states=True)
+    handle.remove()
+    heads = vlm.model.config.vision_config.num_attention_heads
+    metric = captured[0].unflatten(-1, (heads, -1)).mean(dim=2)  # (K, 1 + P, d) head-mean keys
+    hidden = stock.hidden_states[layer + 1]  # (K, 1 + P, Dv) the feature layer, CLS first
+    cls_row = stock.attentions[layer][:, :, 0]  # (K, H, 1 + P)
+    patches = item.extras["crop_patches"]
+    per_crop = hidden.shape[1] - 1
+    crop_of = patches // per_crop
+    groups = [torch.nonzero(crop_of == crop).flatten() for crop in torch.unique(crop_of)]
+    base, plain, cls_tokens, contextual, dominant_all, sources = [], [], [], [], [], []
+    for tokens, share in zip(groups, crop_budgets(budget, [group.numel() for group in groups])):
+        crop, local = int(crop_of[tokens[0]]), 1 + patches[tokens] % per_crop  # tower positions of its tokens
+        if share >= tokens.numel():  # every token kept as itself
+            chosen = [(int(token), hidden[crop, position]) for token, position in zip(tokens, local)]
+            (base if crop == 0 else plain).extend(chosen)
+            dominant_all += tokens.tolist()
+            continue
+        dominant_count, contextual_count = selector.split(share)
+        top = torch.topk(cls_row[crop][:, local].sum(dim=0), dominant_count - 1).indices.sort().values
+        rest = torch.tensor([i for i in range(tokens.numel()) if i not in set(top.tolist())])
+        step = max(1, rest.numel() // contextual_count)
+        is_target = torch.zeros(rest.numel(), dtype=torch.bool)
+        is_target[torch.arange(0, rest.numel(), step)[:contextual_count]] = True
+        unit = metric[crop, local[rest]] / metric[crop, local[rest]].norm(dim=-1, keepdim=True)
+        assign = (unit[~is_target] @ unit[is_target].T).argmax(dim=1)
+        merged, merged_sources = [], []
+        for slot, target in enumerate(rest[is_target]):
+            members = rest[~is_target][assign == slot]
+            mean = hidden[crop, local[members]].mean(dim=0) if members.numel() else torch.zeros(hidden.shape[-1])
+            merged.append(hidden[crop, local[target]] + mean)
+            merged_sources.append(sorted(tokens[torch.cat([target.reshape(1), members])].tolist()))
+        dominant = [(int(tokens[i]), hidden[crop, local[i]]) for i in top]
+        dominant_all += [token for token, _ in dominant]
+        sources += merged_sources
+        if crop == 0:
+            base += [(None, hidden[0, 0]), *dominant, *((None, token) for token in merged)]
+        else:
+            plain += dominant
+            cls_tokens.append(hidden[crop, 0])
+            contextual += merged
+    plain.sort(key=lambda entry: entry[0])
+    joined = [token for _, token in base] + [token for _, token in plain] + cls_tokens + contextual
+    return torch.stack(joined), sorted(dominant_all), sources
+
+
+@pytest.mark.parametrize("budget", [40, 62])  # every crop merges; the tiles keep all their 12 tokens (share 12 or 13)
+def test_visionzip_runs_per_crop_on_llava_next_as_its_official_code(tmp_path, budget):
+    """VisionZip's official LLaVA-NeXT code selects dominant and contextual tokens in each crop with that crop's own
+    CLS attention, CLS state and keys: with ``budget_scope=crop`` the language model's input equals the official
+    per-crop layout (no newlines) re-derived on the stock eager tower and fed to the stock language model, and the
+    records carry the dominant patches and each contextual token's sources; the image scope is refused in one line
+    naming the per-crop option."""
+    from prune_audit.pruners.registry import selector_from_strings
+
+    checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"], seed=3)
+    vlm = load_vlm(checkpoint, device="cpu")
+    item = vlm.prepare(random_image(2, (130, 100)), QUESTIONS[0])
+    with pytest.raises(PruneAuditError) as error:
+        vlm.check_selector(get_selector("visionzip"))
+    assert "--option budget_scope=crop" in str(error.value) and "\n" not in str(error.value)
+    selector = selector_from_strings("visionzip", ["budget_scope=crop", "contextual_fraction=0.3"])
+    tokens, dominant, sources = official_visionzip_next(vlm, item, selector, budget)
+    [answer] = vlm.answer([item], selector, budget)
+    assert answer.kept_stages == [dominant] and answer.merged_stages == [sources]
+    assert answer.tokens_per_layer[0] == tokens.shape[0] == min(budget, 13 + 4 * 12)  # a tile holds 12 tokens
+    prefill, _ = vlm.prefill([item], selector, budget)
+    start, end = item.image_span
+    model = vlm.model.model
+    ids = item.input_ids
+    with torch.no_grad():
+        embeds = torch.cat([model.get_input_embeddings()(ids[:start]), model.multi_modal_projector(tokens),
+                            model.get_input_embeddings()(ids[end:])])
+        states = model.language_model(inputs_embeds=embeds[None]).last_hidden_state
+        expected = vlm.model.lm_head(states[:, -1]).float()
+    assert (prefill.logits - expected).abs().max() <= TOL
+
 def test_hiprune_runs_per_crop_on_llava_next_as_its_official_code(tmp_path):
     """HiPrune's official LLaVA-NeXT code selects in each crop's own grid: with ``budget_scope=crop`` it runs, and
     its kept set is the union of HiPrune on each crop alone: that crop's unpadded tokens as their own grid, the

@@ -18,10 +18,12 @@ LLaVA-1.5. Selectors that lay tokens on one (rows, cols) grid (uniform's lattice
 grid, E2S's novelty blocks, HiPrune's neighbours, VScan's windows) are refused: the tokens form
 two grids; HiPrune runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official
 LLaVA-NeXT code selects per crop. CLS-attention selectors read each crop's own CLS row
-(``_crop_cls_attention``, as the official LLaVA-NeXT ports of VisionZip and FasterVLM); VisionZip
-itself and CDPruner are refused: the per-crop CLS states and keys VisionZip merges into contextual
-tokens and the CLIP text relevance are not read here (docs/models.md). ``budget_scope=crop``
-(``crop_tokens``) splits any input selector's budget evenly over the crops.
+(``_crop_cls_rows``, as the official LLaVA-NeXT ports of VisionZip and FasterVLM). VisionZip runs
+with ``budget_scope=crop`` only, as its official LLaVA-NeXT code: each crop's CLS state and keys
+(``crop_cls_features``, ``crop_cls_keys``), its tokens laid out without newlines
+(``pruners.crop_merge``); on the whole image there is no one CLS token. CDPruner is refused: the CLIP
+text relevance is not read here (docs/models.md). ``budget_scope=crop`` (``crop_tokens``) splits any
+input selector's budget evenly over the crops.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from prune_audit.models.base import without_direct_forwards
 from prune_audit.models.batch import TokenRow
 from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE
 from prune_audit.models.llava import LAYER_SIGNALS, LlavaModel
+from prune_audit.models.prefill_assembly import token_row
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners.base import Selection
@@ -47,8 +50,12 @@ from prune_audit.pruners.base import Selection
 ONE_GRID_SELECTORS = frozenset({"uniform", "pool", "tome", "e2s", "hiprune", "vscan"})
 ONE_GRID = "one regular token grid"
 #: those whose official LLaVA-NeXT code selects in each crop's own grid: they run with ``budget_scope=crop``
-#: (HiPrune, Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``: one index mask per crop, unpadded)
-PER_CROP_GRID_SELECTORS = frozenset({"hiprune"})
+#: (HiPrune, Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``: one index mask per crop, unpadded;
+#: VisionZip, dvlab-research/VisionZip 3151f6d ``visionzip/llava_arch.py``: each crop's CLS, dominant and contextual
+#: tokens, ``pruners.crop_merge``)
+PER_CROP_GRID_SELECTORS = frozenset({"hiprune", "visionzip"})
+#: what VisionZip reads once per image on LLaVA-1.5 and once per crop here
+ONE_CLS = "one CLS token per image"
 NEWLINE_KIND = TEXT_BEFORE  # kept like the text before the image: never pruned, never a query row
 
 
@@ -57,19 +64,20 @@ class LlavaNextModel(LlavaModel):
     """LLaVA-NeXT adapter (one image per prompt, anyres tiling with unpadding and row newlines)."""
 
     family = "llava_next"
-    input_signals = frozenset({"features", "demand", "vision_features", "cls_attention"} | LAYER_SIGNALS)
-    cls_probe_signals = frozenset({"cls_attention"})  # one CLS row per crop
+    input_signals = frozenset({"features", "demand", "vision_features", "cls_attention", "vision_keys", "cls_feature"}
+                              | LAYER_SIGNALS)
+    cls_probe_signals = frozenset({"cls_attention", "vision_keys"})  # one CLS row and its keys per crop
     layer_probe_signals = LAYER_SIGNALS  # every crop's encoder attention
     missing_signals_reason = (
-        "its visual tokens form two grids (base view and unpadded tiles), and this adapter reads neither a CLIP "
-        "text space, nor the per-crop CLS states and keys VisionZip merges into contextual tokens; selectors "
-        "on one grid run per crop (budget_scope=crop) only where their official LLaVA-NeXT code does (hiprune)"
+        "its visual tokens form two grids (base view and unpadded tiles), each crop with its own CLS token, and "
+        "this adapter reads no CLIP text space; selectors on one grid or one CLS run per crop (budget_scope=crop) "
+        "only where their official LLaVA-NeXT code does (hiprune, visionzip)"
     )
     display_name = "LLaVA-NeXT"
     several_crops = True
     crop_grid_selectors = PER_CROP_GRID_SELECTORS
     token_grids = "several grids"
-    refused_selectors = MappingProxyType(dict.fromkeys(sorted(ONE_GRID_SELECTORS), ONE_GRID))
+    refused_selectors = MappingProxyType({**dict.fromkeys(sorted(ONE_GRID_SELECTORS), ONE_GRID), "visionzip": ONE_CLS})
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -157,8 +165,18 @@ class LlavaNextModel(LlavaModel):
             signals = {}
             if requires & {"vision_features", "text_relevance"}:
                 signals["vision_features"] = visual
-            if "cls_attention" in requires:
-                signals["cls_attention"] = self._crop_cls_attention(hidden)[:, order]
+            if requires & {"cls_attention", "vision_keys"}:
+                probs, keys = self._crop_cls_rows(hidden)  # (H, K, 1 + P), (H, K, 1 + P, d)
+                if "cls_attention" in requires:
+                    signals["cls_attention"] = probs[:, :, 1:].flatten(1)[:, order]
+                if "vision_keys" in requires:  # no image-wide CLS: index 0 NaN, each crop's own in crop_cls_keys
+                    patch_keys = keys[:, :, 1:].flatten(1, 2)[:, order]
+                    signals["vision_keys"] = torch.cat([torch.full_like(patch_keys[:, :1], torch.nan), patch_keys], 1)
+                    signals["crop_cls_keys"] = keys[:, :, 0]
+            if "cls_feature" in requires:  # each crop's CLS state; a subset within one crop reads its own
+                signals["crop_cls_features"] = hidden[self.feature_index][:, 0]
+            if requires & {"cls_feature", "vision_keys"}:
+                signals["token_crops"] = self._token_crops(item).to(self.device)
             if requires & LAYER_SIGNALS:  # each (K, Lv, P) over the crops, to (Lv, N) in visual-token order
                 signals.update({name: value.transpose(0, 1).flatten(1)[:, order]
                                 for name, value in self._layer_signals(hidden).items()
@@ -166,18 +184,20 @@ class LlavaNextModel(LlavaModel):
             outputs.append(VisionOutput(self.model.model.multi_modal_projector(visual), signals))
         return outputs
 
-    def _crop_cls_attention(self, hidden: list[Tensor]) -> Tensor:
-        """(H, K x P) each crop's CLS attention to its own P patches at the feature layer, crops in order.
+    def _crop_cls_rows(self, hidden: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """(H, K, 1 + P) each crop's CLS attention over its own 1 + P tokens at the feature layer and
+        (H, K, 1 + P, d) that layer's keys, crops in order (CLS at index 0 of each crop).
 
         As VisionZip's LLaVA-NeXT code (dvlab-research/VisionZip ``visionzip/llava_arch.py``, 3151f6d) and
-        FasterVLM's read it: the tower runs on each crop alone, so each crop has its own CLS row, a softmax
-        over that crop's 1 + P tokens. No logits come along (``cls_logits``): one softmax does not span the
-        crops, so ``score_dtype="model"`` rounds these probabilities instead of recomputing them.
+        FasterVLM's read them: the tower runs on each crop alone, so each crop has its own CLS row, a softmax
+        over that crop's 1 + P tokens, and VisionZip merges a crop's contextual tokens by that crop's keys.
+        No logits come along (``cls_logits``): one softmax does not span the crops, so ``score_dtype="model"``
+        rounds these probabilities instead of recomputing them.
         ``hidden``: the tower states of the K crops, each (K, 1 + P, Dv).
         """
         layer = self.vision_tower.encoder.layers[self.feature_index - 1]  # its output is the feature layer
-        probs, _, _ = clip_cls_row(layer, hidden[self.feature_index - 1])  # (K, H, 1 + P)
-        return probs[:, :, 1:].transpose(0, 1).flatten(1)
+        probs, keys, _ = clip_cls_row(layer, hidden[self.feature_index - 1])  # (K, H, 1 + P), (K, H, 1 + P, d)
+        return probs.transpose(0, 1), keys.transpose(0, 1)
 
     def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
         """Per crop, its ascending visual tokens and their (rows, cols): the base view's grid, then each tile's
@@ -206,9 +226,11 @@ class LlavaNextModel(LlavaModel):
         return {"crops": int(prepared.pixel_values.shape[0]), "crop_grid": (side, side)}
 
     def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
-        """The language-model input of one prompt: the kept visual tokens and every newline in prompt order."""
-        if selection is not None and selection.sources is not None:
-            raise PruneAuditError("merged visual tokens are not supported on LLaVA-NeXT")
+        """The language-model input of one prompt: the kept visual tokens and every newline in prompt order; merged
+        tokens (VisionZip per crop) in their selection's order without newlines, as VisionZip's LLaVA-NeXT code
+        lays them out (``pruners.crop_merge``)."""
+        if selection is not None and selection.sources is not None:  # VisionZip's per-crop layout, no newlines
+            return token_row(self, item, output, selection)
         start, end = item.image_span
         device = self.device
         ids = item.input_ids.to(device)

@@ -22,6 +22,7 @@ from prune_audit.models.kinds import MERGED, TEXT_AFTER, TEXT_BEFORE
 from prune_audit.models.layer_signals import text_demand
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Stage
+from prune_audit.pruners.crop_merge import select_merging_per_crop
 from prune_audit.pruners.crop_scope import select_per_crop
 from prune_audit.pruners.signals import InputSignals
 
@@ -35,7 +36,7 @@ def select_input(
 ) -> Selection:
     """The input-level selection of one prompt: the ``forced`` kept indices (sorted, deduplicated, checked to lie
     in ``[0, item.num_visual)``), else ``selector`` at ``budget`` on the signals it ``requires`` (per crop under
-    ``budget_scope="crop"``)."""
+    ``budget_scope="crop"``; a merging selector's crops joined as VisionZip's LLaVA-NeXT code joins them)."""
     if forced is not None:
         kept = torch.as_tensor(sorted({int(i) for i in forced}), dtype=torch.long)
         if kept.numel() and (kept[0] < 0 or kept[-1] >= item.num_visual):
@@ -44,6 +45,8 @@ def select_input(
     signals = input_signals(vlm, item, output, requires)
     crops = vlm.crop_tokens(item) if getattr(selector, "budget_scope", "image") == "crop" else None
     try:
+        if crops is not None and selector.merges:
+            return select_merging_per_crop(selector, signals, crops, budget, generator)
         if crops is not None:
             return select_per_crop(selector, signals, crops, budget, generator)
         return selector.select(signals, budget, generator)

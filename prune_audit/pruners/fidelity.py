@@ -310,6 +310,9 @@ FIDELITY: dict[str, Fidelity] = {
             "the contextual tokens' grid sources (target and members) are recorded in merged_stages and count "
             "towards retention (records schema 4), so an object merged into a contextual token is not lost; "
             "visualize hatches their cells",
+            "LLaVA-NeXT: budget_scope=crop only (the official per-crop rule and layout); a tile's padding patches "
+            "are not tokens here, so the official code's picks and merges of padding are not reproduced, and a "
+            "tile whose share is at least its unpadded tokens keeps them all, without CLS or contextual tokens",
         ),
         _random(30, "test_fidelity.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
                 "dominant set, every contextual token's target and members, and every output vector within 1e-5; "
