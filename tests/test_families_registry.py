@@ -849,6 +849,69 @@ def test_visionzip_runs_per_crop_on_llava_next_as_its_official_code(tmp_path, bu
         expected = vlm.model.lm_head(states[:, -1]).float()
     assert (prefill.logits - expected).abs().max() <= TOL
 
+def official_dpp_map(kernel: torch.Tensor, count: int) -> list[int]:
+    """CDPruner's fast greedy MAP (Theia-4869/CDPruner 9541616 ``llava_arch.py::encode_images``) on one (N, N)
+    kernel: ``count`` plain argmax picks with incremental Cholesky rows, returned ascending."""
+    rows, gains, picks = torch.zeros(count, kernel.shape[0]), kernel.diagonal().clone(), []
+    for step in range(count):
+        pick = int(torch.argmax(gains))
+        picks.append(pick)
+        rows[step] = (kernel[pick] - rows[:step, pick] @ rows[:step]) / torch.sqrt(gains[pick])
+        gains -= rows[step] ** 2
+        gains[pick] = -float("inf")
+    return sorted(picks)
+
+
+def test_cdpruner_runs_on_llava_next_with_a_clip_text_tower(tmp_path):
+    """CDPruner's official LLaVA-NeXT code: the CLIP relevance of every crop's patches min-max normalised over all
+    crops at once, then a DPP per crop on that crop's projector outputs at its share of the budget. Re-derived on
+    the stock tower, projector and CLIP model (among the unpadded tokens, docs/fidelity.md); ``budget_scope=image``
+    runs one DPP over all tokens; LLaVA-OneVision (SigLIP) refuses a CLIP text tower in one line."""
+    from prune_audit.models.build import build_clip
+    from prune_audit.pruners.crop_scope import crop_budgets
+    from prune_audit.pruners.registry import selector_from_strings
+
+    checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"], seed=3)
+    clip_path = build_clip(tmp_path / "clip", words=[*WORDS, "Is"], vision_hidden_size=64)
+    with pytest.raises(PruneAuditError, match="clip_text"):
+        load_vlm(checkpoint, device="cpu").check_selector(get_selector("cdpruner"))
+    vlm = load_vlm(checkpoint, device="cpu", clip_text=clip_path)
+    item = vlm.prepare(random_image(3, (130, 100)), QUESTIONS[0])
+    model, (clip, tokenizer) = vlm.model.model, vlm.clip
+    with torch.no_grad():
+        stock = model.vision_tower(item.pixel_values, output_hidden_states=True)
+        patches = stock.hidden_states[vlm.model.config.vision_feature_layer][:, 1:]  # (K, P, Dv)
+        image_embeds = clip.visual_projection(model.vision_tower.post_layernorm(patches))
+        ids = tokenizer(item.question)["input_ids"]
+        context = clip.config.text_config.max_position_embeddings
+        chunks = [ids[i: i + context] for i in range(0, len(ids), context)]
+        text_embeds = clip.get_text_features(torch.tensor([chunk + [0] * (context - len(chunk)) for chunk in chunks]))
+        text_embeds = getattr(text_embeds, "pooler_output", text_embeds)
+        features = model.multi_modal_projector(patches)  # (K, P, D)
+    unit = features / features.norm(dim=-1, keepdim=True)
+    relevance = -(image_embeds / image_embeds.norm(dim=-1, keepdim=True)
+                  @ (text_embeds / text_embeds.norm(dim=-1, keepdim=True)).T).mean(dim=-1)  # (K, P)
+    order = item.extras["crop_patches"]  # (N,) crop-major patch of each visual token
+    per_crop = patches.shape[1]
+    crop_of, position = order // per_crop, order % per_crop
+    image = relevance[crop_of, position]
+    relevance = (relevance - image.min() + 1e-6) / (image.max() - image.min())  # over all crops' tokens at once
+    groups = [torch.nonzero(crop_of == crop).flatten() for crop in torch.unique(crop_of)]
+    budget, expected = 23, []
+    for tokens, share in zip(groups, crop_budgets(23, [group.numel() for group in groups])):
+        crop, local = int(crop_of[tokens[0]]), position[tokens]
+        weight = relevance[crop, local]
+        kernel = weight[:, None] * (unit[crop, local] @ unit[crop, local].T) * weight[None]
+        expected += tokens[official_dpp_map(kernel, share)].tolist()
+    selector = selector_from_strings("cdpruner", ["budget_scope=crop"])
+    assert vlm.answer([item], selector, budget)[0].kept_stages == [sorted(expected)]
+    whole = vlm.answer([item], get_selector("cdpruner"), budget)[0]
+    assert len(whole.kept) == budget and whole.kept_stages != [sorted(expected)]
+    onevision = adapter_for("llava_onevision", "test").build_tiny(tmp_path / "onevision", words=[*WORDS, "Is"])
+    with pytest.raises(PruneAuditError) as error:
+        load_vlm(onevision, device="cpu", clip_text=clip_path)
+    assert "clip_text" in str(error.value) and "\n" not in str(error.value)
+
 def test_hiprune_runs_per_crop_on_llava_next_as_its_official_code(tmp_path):
     """HiPrune's official LLaVA-NeXT code selects in each crop's own grid: with ``budget_scope=crop`` it runs, and
     its kept set is the union of HiPrune on each crop alone: that crop's unpadded tokens as their own grid, the

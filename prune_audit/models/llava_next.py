@@ -21,9 +21,11 @@ LLaVA-NeXT code selects per crop. CLS-attention selectors read each crop's own C
 (``_crop_cls_rows``, as the official LLaVA-NeXT ports of VisionZip and FasterVLM). VisionZip runs
 with ``budget_scope=crop`` only, as its official LLaVA-NeXT code: each crop's CLS state and keys
 (``crop_cls_features``, ``crop_cls_keys``), its tokens laid out without newlines
-(``pruners.crop_merge``); on the whole image there is no one CLS token. CDPruner is refused: the CLIP
-text relevance is not read here (docs/models.md). ``budget_scope=crop`` (``crop_tokens``) splits any
-input selector's budget evenly over the crops.
+(``pruners.crop_merge``); on the whole image there is no one CLS token. CDPruner runs with a CLIP text
+tower (``clip_text``): each visual token's relevance from its own patch state as on LLaVA-1.5
+(``LlavaModel._text_relevance``), min-max normalised over the image's tokens also under
+``budget_scope=crop``, as its official LLaVA-NeXT code normalises over all crops (docs/models.md).
+``budget_scope=crop`` (``crop_tokens``) splits any input selector's budget evenly over the crops.
 """
 
 from __future__ import annotations
@@ -64,14 +66,14 @@ class LlavaNextModel(LlavaModel):
     """LLaVA-NeXT adapter (one image per prompt, anyres tiling with unpadding and row newlines)."""
 
     family = "llava_next"
-    input_signals = frozenset({"features", "demand", "vision_features", "cls_attention", "vision_keys", "cls_feature"}
-                              | LAYER_SIGNALS)
+    input_signals = frozenset({"features", "demand", "vision_features", "cls_attention", "vision_keys", "cls_feature",
+                               "text_relevance"} | LAYER_SIGNALS)
     cls_probe_signals = frozenset({"cls_attention", "vision_keys"})  # one CLS row and its keys per crop
     layer_probe_signals = LAYER_SIGNALS  # every crop's encoder attention
     missing_signals_reason = (
-        "its visual tokens form two grids (base view and unpadded tiles), each crop with its own CLS token, and "
-        "this adapter reads no CLIP text space; selectors on one grid or one CLS run per crop (budget_scope=crop) "
-        "only where their official LLaVA-NeXT code does (hiprune, visionzip)"
+        "its visual tokens form two grids (base view and unpadded tiles), each crop with its own CLS token; "
+        "selectors on one grid or one CLS run per crop (budget_scope=crop) only where their official LLaVA-NeXT "
+        "code does (hiprune, visionzip)"
     )
     display_name = "LLaVA-NeXT"
     several_crops = True
@@ -91,16 +93,8 @@ class LlavaNextModel(LlavaModel):
         """A random-weight checkpoint of this family for offline tests (:func:`build_llava_next`)."""
         return build_llava_next(save_dir, words=words, text_layers=text_layers, seed=seed, tile=image_size)
 
-    @classmethod
-    def check_clip_text(cls, clip_text: object) -> None:
-        """CDPruner's CLIP text relevance over the anyres crops is not ported: refuse a CLIP text tower."""
-        if clip_text is not None:
-            raise PruneAuditError("clip_text is not supported on LLaVA-NeXT (CDPruner's relevance over its crops is "
-                                  "not ported); leave out --clip-text")
-
     def __init__(self, model, processor, *, model_id: str, prompt_template: str | None = None,
                  system_prompt: str | None = None, clip: tuple[Any, Any] | None = None):
-        self.check_clip_text(clip)
         image_processor = processor.image_processor
         tile = model.config.vision_config.image_size
         size, crop = dict(image_processor.size), dict(image_processor.crop_size)
@@ -112,7 +106,7 @@ class LlavaNextModel(LlavaModel):
                 f"{tile}-px input (each crop is then used whole)"
             )
         super().__init__(model, processor, model_id=model_id, prompt_template=prompt_template,
-                         system_prompt=system_prompt)
+                         system_prompt=system_prompt, clip=clip)
         self.tile = tile
         self.pinpoints = [tuple(int(side) for side in pair) for pair in model.config.image_grid_pinpoints]
 

@@ -33,6 +33,9 @@ FIDELITY: dict[str, Fidelity] = {
             "the greedy in float32); score_dtype=model does the same: the unit rows in the model dtype, the raw "
             "relevance as the adapter computes it in the CLIP dtype (model_text_relevance: unit embeddings, cosines "
             "and their mean rounded) normalised in the model dtype, every step rounded",
+            "LLaVA-NeXT (with --clip-text): budget_scope=crop is the official per-crop DPP with the relevance "
+            "normalised over the whole image; among unpadded tokens only, newlines kept (the official code picks "
+            "padding patches too and lays the kept tokens out without newlines)",
         ),
         _random(30, "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
                 "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 26 and 9 of "

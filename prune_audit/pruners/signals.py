@@ -47,6 +47,9 @@ class InputSignals:
         model_text_relevance: (N,) the same as the official code computes it in the model dtype (unit
             embeddings, cosines and their mean each rounded to it; a float32 tensor); with a half
             ``model_dtype``, ``score_dtype="model"`` normalises this one (adapters of half models pass it).
+        text_relevance_bounds, model_text_relevance_bounds: (2,) the min and max of the whole image's
+            ``text_relevance`` / ``model_text_relevance``, set by :meth:`subset`: a crop's relevance is min-max
+            normalised over the image's (CDPruner's LLaVA-NeXT code normalises over all crops at once).
         demand: (N,) demand weights for coverage selection (first-layer probe).
         layer_attention: (Lv, N) per encoder layer run (the feature layer's last): attention each patch gets,
             mean over heads and all 1 + N query rows (HiPrune); layer_cls_attention: the CLS row's (VScan).
@@ -75,6 +78,8 @@ class InputSignals:
     crop_cls_keys: Tensor | None = None
     text_relevance: Tensor | None = None
     model_text_relevance: Tensor | None = None
+    text_relevance_bounds: Tensor | None = None
+    model_text_relevance_bounds: Tensor | None = None
     demand: Tensor | None = None
     layer_attention: Tensor | None = None
     layer_cls_attention: Tensor | None = None
@@ -95,8 +100,9 @@ class InputSignals:
 
         Per-token tensors are sliced along their token axis (``cls_logits`` and ``vision_keys`` keep the CLS
         at index 0); image-level ones (``cls_feature``, the tower facts) stay. Tokens of one crop of a
-        several-crop tower get that crop's CLS feature and key (``token_crops``). The merging tower reruns the
-        whole image, so it does not come along.
+        several-crop tower get that crop's CLS feature and key (``token_crops``); the relevance keeps the
+        image's bounds (``text_relevance_bounds``). The merging tower reruns the whole image, so it does not
+        come along.
         """
         with_cls = torch.cat([tokens.new_zeros(1), tokens + 1])
         token_axis = {  # signal -> (its token axis, the indices along it)
@@ -113,6 +119,10 @@ class InputSignals:
         grid = grid or (1, int(tokens.numel()))
         if grid[0] * grid[1] != tokens.numel():
             raise ValueError(f"a {grid[0]}x{grid[1]} grid cannot hold {tokens.numel()} tokens")
+        for name in ("text_relevance", "model_text_relevance"):
+            value, bounds = getattr(self, name), getattr(self, f"{name}_bounds")
+            if value is not None and bounds is None:
+                sliced[f"{name}_bounds"] = torch.stack([value.min(), value.max()])
         crops = sliced["token_crops"]
         if crops is not None and crops.numel() and bool((crops == crops[0]).all()):  # one crop: its own CLS
             crop = int(crops[0])
