@@ -876,6 +876,7 @@ def test_cdpruner_runs_on_llava_next_with_a_clip_text_tower(tmp_path):
     with pytest.raises(PruneAuditError, match="clip_text"):
         load_vlm(checkpoint, device="cpu").check_selector(get_selector("cdpruner"))
     vlm = load_vlm(checkpoint, device="cpu", clip_text=clip_path)
+    assert vlm.describe()["clip_text"] == str(clip_path)  # the manifest names the CLIP text tower
     item = vlm.prepare(random_image(3, (130, 100)), QUESTIONS[0])
     model, (clip, tokenizer) = vlm.model.model, vlm.clip
     with torch.no_grad():

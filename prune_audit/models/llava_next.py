@@ -260,6 +260,7 @@ class LlavaNextModel(LlavaModel):
                 "patch_size": self.model.config.vision_config.patch_size,
                 "vision_feature_layer": self.model.config.vision_feature_layer,
             },
+            "clip_text": None if self.clip is None else getattr(self.clip[0].config, "_name_or_path", ""),
         }
 
 
