@@ -52,7 +52,7 @@ from prune_audit.pruners.base import Selection
 ONE_GRID_SELECTORS = frozenset({"uniform", "pool", "tome", "e2s", "hiprune", "vscan"})
 ONE_GRID = "one regular token grid"
 #: those whose official LLaVA-NeXT code selects in each crop's own grid: they run with ``budget_scope=crop``
-#: (HiPrune, Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``: one index mask per crop, unpadded;
+#: (HiPrune, Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``: one index mask per crop;
 #: VisionZip, dvlab-research/VisionZip 3151f6d ``visionzip/llava_arch.py``: each crop's CLS, dominant and contextual
 #: tokens, ``pruners.crop_merge``)
 PER_CROP_GRID_SELECTORS = frozenset({"hiprune", "visionzip"})
