@@ -33,9 +33,6 @@ FIDELITY: dict[str, Fidelity] = {
             "the greedy in float32); score_dtype=model does the same: the unit rows in the model dtype, the raw "
             "relevance as the adapter computes it in the CLIP dtype (model_text_relevance: unit embeddings, cosines "
             "and their mean rounded) normalised in the model dtype, every step rounded",
-            "LLaVA-NeXT (with --clip-text): budget_scope=crop is the official per-crop DPP with the relevance "
-            "normalised over the whole image; among unpadded tokens only, newlines kept (the official code picks "
-            "padding patches too and lays the kept tokens out without newlines)",
         ),
         _random(30, "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
                 "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 26 and 9 of "
@@ -313,9 +310,6 @@ FIDELITY: dict[str, Fidelity] = {
             "the contextual tokens' grid sources (target and members) are recorded in merged_stages and count "
             "towards retention (records schema 4), so an object merged into a contextual token is not lost; "
             "visualize hatches their cells",
-            "LLaVA-NeXT: budget_scope=crop only (the official per-crop rule and layout); a tile's padding patches "
-            "are not tokens here, so the official code's picks and merges of padding are not reproduced, and a "
-            "tile whose share is at least its unpadded tokens keeps them all, without CLS or contextual tokens",
         ),
         _random(30, "test_fidelity.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
                 "dominant set, every contextual token's target and members, and every output vector within 1e-5; "
