@@ -747,6 +747,13 @@ def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepare
     assert manifest["selector"]["options"]["budget_scope"] == "crop"
     kept = pq.read_table(out / "records.parquet").column("kept").to_pylist()
     assert kept and all(0 < len(tokens) <= int(budget) for tokens in kept)
+    if family == "llava_next":  # VisionZip per crop: its contextual tokens' sources are recorded and count
+        result = runner.invoke(app, run_args(workspace, checkpoint, tmp_path / "zip", "--selector", "visionzip",
+                                             "--budget", budget, "--option", "budget_scope=crop"))
+        assert result.exit_code == 0, result.output
+        records = pq.read_table(tmp_path / "zip" / "records.parquet").to_pandas()
+        assert all(len(merged[0]) for merged in records["merged_stages"])
+        assert (records["visual_tokens_avg"] <= int(budget)).all()
     image = sorted(workspace["images"].iterdir())[0]
     result = runner.invoke(app, ["visualize", str(image), "--model", str(checkpoint), "--selector", "divprune",
                                  "--option", "budget_scope=crop", "--budget", budget, "--question",
