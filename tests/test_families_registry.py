@@ -884,12 +884,178 @@ def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepare
     assert manifest["selector"]["options"]["budget_scope"] == "crop"
     kept = pq.read_table(out / "records.parquet").column("kept").to_pylist()
     assert kept and all(0 < len(tokens) <= int(budget) for tokens in kept)
+    if family == "llava_next":  # VisionZip per crop: its contextual tokens' sources are recorded and count
+        result = runner.invoke(app, run_args(workspace, checkpoint, tmp_path / "zip", "--selector", "visionzip",
+                                             "--budget", budget, "--option", "budget_scope=crop"))
+        assert result.exit_code == 0, result.output
+        records = pq.read_table(tmp_path / "zip" / "records.parquet").to_pandas()
+        assert all(len(merged[0]) for merged in records["merged_stages"])
+        assert (records["visual_tokens_avg"] <= int(budget)).all()
     image = sorted(workspace["images"].iterdir())[0]
     result = runner.invoke(app, ["visualize", str(image), "--model", str(checkpoint), "--selector", "divprune",
                                  "--option", "budget_scope=crop", "--budget", budget, "--question",
                                  "Is there a cat in the image?", "--out", str(tmp_path / "figure.png")])
     assert result.exit_code == 0, result.output
 
+
+def official_visionzip_next(vlm, item, selector, budget):
+    """VisionZip's LLaVA-NeXT forward re-derived from dvlab-research/VisionZip 3151f6d (``clip_encoder.py`` on each
+    crop, ``llava_arch.py::restore_image_features_sorted``) on the stock eager CLIP tower, among each crop's
+    unpadded patches (docs/fidelity.md): per crop its share of ``budget``, the CLS plus the patches with the
+    largest head-summed CLS attention, the rest merged into contextual tokens by the head-mean keys' cosine
+    (targets every ``step`` in raster order, ``target + mean(members)``); laid out as the base view's
+    ``[CLS, dominant, contextual]``, the tiles' dominant patches in joined-grid order, the tiles' CLS tokens, the
+    tiles' contextual tokens. Returns the (M, Dv) tokens, the dominant patches and each contextual token's
+    sources, both as image indices."""
+    from prune_audit.pruners.crop_scope import crop_budgets
+
+    tower = vlm.model.model.vision_tower
+    tower.set_attn_implementation("eager")
+    layer = len(tower.encoder.layers) + vlm.model.config.vision_feature_layer  # its output is the feature layer
+    captured = []
+    handle = tower.encoder.layers[layer].self_attn.k_proj.register_forward_hook(
+        lambda module, args, output: captured.append(output))
+    with torch.no_grad():
+        stock = tower(item.pixel_values, output_attentions=True, output_hidden_states=True)
+    handle.remove()
+    heads = vlm.model.config.vision_config.num_attention_heads
+    metric = captured[0].unflatten(-1, (heads, -1)).mean(dim=2)  # (K, 1 + P, d) head-mean keys
+    hidden = stock.hidden_states[layer + 1]  # (K, 1 + P, Dv) the feature layer, CLS first
+    cls_row = stock.attentions[layer][:, :, 0]  # (K, H, 1 + P)
+    patches = item.extras["crop_patches"]
+    per_crop = hidden.shape[1] - 1
+    crop_of = patches // per_crop
+    groups = [torch.nonzero(crop_of == crop).flatten() for crop in torch.unique(crop_of)]
+    base, plain, cls_tokens, contextual, dominant_all, sources = [], [], [], [], [], []
+    for tokens, share in zip(groups, crop_budgets(budget, [group.numel() for group in groups])):
+        crop, local = int(crop_of[tokens[0]]), 1 + patches[tokens] % per_crop  # tower positions of its tokens
+        if share >= tokens.numel():  # every token kept as itself
+            chosen = [(int(token), hidden[crop, position]) for token, position in zip(tokens, local)]
+            (base if crop == 0 else plain).extend(chosen)
+            dominant_all += tokens.tolist()
+            continue
+        dominant_count, contextual_count = selector.split(share)
+        top = torch.topk(cls_row[crop][:, local].sum(dim=0), dominant_count - 1).indices.sort().values
+        rest = torch.tensor([i for i in range(tokens.numel()) if i not in set(top.tolist())])
+        step = max(1, rest.numel() // contextual_count)
+        is_target = torch.zeros(rest.numel(), dtype=torch.bool)
+        is_target[torch.arange(0, rest.numel(), step)[:contextual_count]] = True
+        unit = metric[crop, local[rest]] / metric[crop, local[rest]].norm(dim=-1, keepdim=True)
+        assign = (unit[~is_target] @ unit[is_target].T).argmax(dim=1)
+        merged, merged_sources = [], []
+        for slot, target in enumerate(rest[is_target]):
+            members = rest[~is_target][assign == slot]
+            mean = hidden[crop, local[members]].mean(dim=0) if members.numel() else torch.zeros(hidden.shape[-1])
+            merged.append(hidden[crop, local[target]] + mean)
+            merged_sources.append(sorted(tokens[torch.cat([target.reshape(1), members])].tolist()))
+        dominant = [(int(tokens[i]), hidden[crop, local[i]]) for i in top]
+        dominant_all += [token for token, _ in dominant]
+        sources += merged_sources
+        if crop == 0:
+            base += [(None, hidden[0, 0]), *dominant, *((None, token) for token in merged)]
+        else:
+            plain += dominant
+            cls_tokens.append(hidden[crop, 0])
+            contextual += merged
+    plain.sort(key=lambda entry: entry[0])
+    joined = [token for _, token in base] + [token for _, token in plain] + cls_tokens + contextual
+    return torch.stack(joined), sorted(dominant_all), sources
+
+
+@pytest.mark.parametrize("budget", [40, 62])  # every crop merges; the tiles keep all their 12 tokens (share 12 or 13)
+def test_visionzip_runs_per_crop_on_llava_next_as_its_official_code(tmp_path, budget):
+    """VisionZip's official LLaVA-NeXT code selects dominant and contextual tokens in each crop with that crop's own
+    CLS attention, CLS state and keys: with ``budget_scope=crop`` the language model's input equals the official
+    per-crop layout (no newlines) re-derived on the stock eager tower and fed to the stock language model, and the
+    records carry the dominant patches and each contextual token's sources; the image scope is refused in one line
+    naming the per-crop option."""
+    from prune_audit.pruners.registry import selector_from_strings
+
+    checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"], seed=3)
+    vlm = load_vlm(checkpoint, device="cpu")
+    item = vlm.prepare(random_image(2, (130, 100)), QUESTIONS[0])
+    with pytest.raises(PruneAuditError) as error:
+        vlm.check_selector(get_selector("visionzip"))
+    assert "--option budget_scope=crop" in str(error.value) and "\n" not in str(error.value)
+    selector = selector_from_strings("visionzip", ["budget_scope=crop", "contextual_fraction=0.3"])
+    tokens, dominant, sources = official_visionzip_next(vlm, item, selector, budget)
+    [answer] = vlm.answer([item], selector, budget)
+    assert answer.kept_stages == [dominant] and answer.merged_stages == [sources]
+    assert answer.tokens_per_layer[0] == tokens.shape[0] == min(budget, 13 + 4 * 12)  # a tile holds 12 tokens
+    prefill, _ = vlm.prefill([item], selector, budget)
+    start, end = item.image_span
+    model = vlm.model.model
+    ids = item.input_ids
+    with torch.no_grad():
+        embeds = torch.cat([model.get_input_embeddings()(ids[:start]), model.multi_modal_projector(tokens),
+                            model.get_input_embeddings()(ids[end:])])
+        states = model.language_model(inputs_embeds=embeds[None]).last_hidden_state
+        expected = vlm.model.lm_head(states[:, -1]).float()
+    assert (prefill.logits - expected).abs().max() <= TOL
+
+def official_dpp_map(kernel: torch.Tensor, count: int) -> list[int]:
+    """CDPruner's fast greedy MAP (Theia-4869/CDPruner 9541616 ``llava_arch.py::encode_images``) on one (N, N)
+    kernel: ``count`` plain argmax picks with incremental Cholesky rows, returned ascending."""
+    rows, gains, picks = torch.zeros(count, kernel.shape[0]), kernel.diagonal().clone(), []
+    for step in range(count):
+        pick = int(torch.argmax(gains))
+        picks.append(pick)
+        rows[step] = (kernel[pick] - rows[:step, pick] @ rows[:step]) / torch.sqrt(gains[pick])
+        gains -= rows[step] ** 2
+        gains[pick] = -float("inf")
+    return sorted(picks)
+
+
+def test_cdpruner_runs_on_llava_next_with_a_clip_text_tower(tmp_path):
+    """CDPruner's official LLaVA-NeXT code: the CLIP relevance of every crop's patches min-max normalised over all
+    crops at once, then a DPP per crop on that crop's projector outputs at its share of the budget. Re-derived on
+    the stock tower, projector and CLIP model (among the unpadded tokens, docs/fidelity.md); ``budget_scope=image``
+    runs one DPP over all tokens; LLaVA-OneVision (SigLIP) refuses a CLIP text tower in one line."""
+    from prune_audit.models.build import build_clip
+    from prune_audit.pruners.crop_scope import crop_budgets
+    from prune_audit.pruners.registry import selector_from_strings
+
+    checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"], seed=3)
+    clip_path = build_clip(tmp_path / "clip", words=[*WORDS, "Is"], vision_hidden_size=64)
+    with pytest.raises(PruneAuditError, match="clip_text"):
+        load_vlm(checkpoint, device="cpu").check_selector(get_selector("cdpruner"))
+    vlm = load_vlm(checkpoint, device="cpu", clip_text=clip_path)
+    assert vlm.describe()["clip_text"] == str(clip_path)  # the manifest names the CLIP text tower
+    item = vlm.prepare(random_image(3, (130, 100)), QUESTIONS[0])
+    model, (clip, tokenizer) = vlm.model.model, vlm.clip
+    with torch.no_grad():
+        stock = model.vision_tower(item.pixel_values, output_hidden_states=True)
+        patches = stock.hidden_states[vlm.model.config.vision_feature_layer][:, 1:]  # (K, P, Dv)
+        image_embeds = clip.visual_projection(model.vision_tower.post_layernorm(patches))
+        ids = tokenizer(item.question)["input_ids"]
+        context = clip.config.text_config.max_position_embeddings
+        chunks = [ids[i: i + context] for i in range(0, len(ids), context)]
+        text_embeds = clip.get_text_features(torch.tensor([chunk + [0] * (context - len(chunk)) for chunk in chunks]))
+        text_embeds = getattr(text_embeds, "pooler_output", text_embeds)
+        features = model.multi_modal_projector(patches)  # (K, P, D)
+    unit = features / features.norm(dim=-1, keepdim=True)
+    relevance = -(image_embeds / image_embeds.norm(dim=-1, keepdim=True)
+                  @ (text_embeds / text_embeds.norm(dim=-1, keepdim=True)).T).mean(dim=-1)  # (K, P)
+    order = item.extras["crop_patches"]  # (N,) crop-major patch of each visual token
+    per_crop = patches.shape[1]
+    crop_of, position = order // per_crop, order % per_crop
+    image = relevance[crop_of, position]
+    relevance = (relevance - image.min() + 1e-6) / (image.max() - image.min())  # over all crops' tokens at once
+    groups = [torch.nonzero(crop_of == crop).flatten() for crop in torch.unique(crop_of)]
+    budget, expected = 23, []
+    for tokens, share in zip(groups, crop_budgets(23, [group.numel() for group in groups])):
+        crop, local = int(crop_of[tokens[0]]), position[tokens]
+        weight = relevance[crop, local]
+        kernel = weight[:, None] * (unit[crop, local] @ unit[crop, local].T) * weight[None]
+        expected += tokens[official_dpp_map(kernel, share)].tolist()
+    selector = selector_from_strings("cdpruner", ["budget_scope=crop"])
+    assert vlm.answer([item], selector, budget)[0].kept_stages == [sorted(expected)]
+    whole = vlm.answer([item], get_selector("cdpruner"), budget)[0]
+    assert len(whole.kept) == budget and whole.kept_stages != [sorted(expected)]
+    onevision = adapter_for("llava_onevision", "test").build_tiny(tmp_path / "onevision", words=[*WORDS, "Is"])
+    with pytest.raises(PruneAuditError) as error:
+        load_vlm(onevision, device="cpu", clip_text=clip_path)
+    assert "clip_text" in str(error.value) and "\n" not in str(error.value)
 
 def test_hiprune_runs_per_crop_on_llava_next_as_its_official_code(tmp_path):
     """HiPrune's official LLaVA-NeXT code selects in each crop's own grid: with ``budget_scope=crop`` it runs, and

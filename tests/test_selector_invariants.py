@@ -27,8 +27,9 @@ from prune_audit.pruners.schedule import average_visual_tokens
 
 GRID = (6, 8)
 N = GRID[0] * GRID[1]
-SIZES = {"N": N, "N+1": N + 1, "D": 16, "Dv": 12, "H": 4, "d": 8, "T": 6, "Lv": 3}
-# (shape in SIZES symbols, kind): "prob" = attention probabilities, "weight" = non-negative
+SIZES = {"N": N, "N+1": N + 1, "D": 16, "Dv": 12, "H": 4, "d": 8, "T": 6, "Lv": 3, "K": 3, "2": 2}
+# (shape in SIZES symbols, kind): "prob" = attention probabilities, "weight" = non-negative, "bounds" = a
+# (min, max) pair, "crop_index" = each token's crop (K crops of a several-crop tower)
 INPUT_SHAPES = {
     "features": (("N", "D"), "normal"),
     "vision_features": (("N", "Dv"), "normal"),
@@ -38,6 +39,11 @@ INPUT_SHAPES = {
     "cls_feature": (("Dv",), "normal"),
     "text_relevance": (("N",), "normal"),
     "model_text_relevance": (("N",), "normal"),
+    "text_relevance_bounds": (("2",), "bounds"),
+    "model_text_relevance_bounds": (("2",), "bounds"),
+    "token_crops": (("N",), "crop_index"),
+    "crop_cls_features": (("K", "Dv"), "normal"),
+    "crop_cls_keys": (("H", "K", "d"), "normal"),
     "demand": (("N",), "weight"),
     "layer_attention": (("Lv", "N"), "prob"),
     "layer_cls_attention": (("Lv", "N"), "prob"),
@@ -72,6 +78,10 @@ LLM_SELECTORS = [name for name in list_selectors() if selector_class(name).stage
 
 def make_tensor(shape: tuple[int, ...], kind: str, variant: str, generator: torch.Generator) -> torch.Tensor:
     """One signal tensor; degenerate variants are all-equal, all-zero or full of exact ties."""
+    if kind == "crop_index":  # K equal runs of tokens
+        return torch.arange(shape[0]) * SIZES["K"] // shape[0]
+    if kind == "bounds":
+        return make_tensor(shape, "normal", variant, generator).sort().values
     if kind.endswith("_index"):  # prompt indices: the image at 5.., the text after it
         return torch.arange(shape[0]) + (5 if kind == "visual_index" else 5 + N)
     if variant == "constant":

@@ -309,7 +309,9 @@ class VisionLanguageModel(AnswerModes, ABC):
     def check_selector(self, selector: Selector) -> None:
         """Raise a one-line PruneAuditError when this model cannot provide the selector's signals."""
         per_crop = getattr(selector, "budget_scope", "image") == "crop"
-        if per_crop and (not self.several_crops or selector.merges):
+        # a merging selector runs per crop only where its official code does (VisionZip on LLaVA-NeXT)
+        merges_off_crop = selector.merges and selector.name not in self.crop_grid_selectors
+        if per_crop and (not self.several_crops or merges_off_crop):
             per_grid = " (per grid under budget_scope=image)" if selector.name in self.per_grid_selectors else ""
             why = (f"{selector.name} merges tokens{per_grid}" if self.several_crops else
                    f"{self.family} sees each image as one crop (it applies to LLaVA-NeXT, LLaVA-OneVision and tiled InternVL)")

@@ -19,11 +19,14 @@ each of the two regular grids (``grid_parts``; ``PER_GRID_SELECTORS``); a merged
 place among the newlines (``_row``). HiPrune is refused on the whole image (its neighbours lie on one grid)
 and runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official LLaVA-NeXT code selects per
 crop; VScan is refused (its official per-crop LLaVA-NeXT path is not ported: ``VSCAN_PER_CROP``).
-CLS-attention selectors read each crop's own CLS row (``_crop_cls_attention``, as the official LLaVA-NeXT
-ports of VisionZip and FasterVLM); VisionZip itself and CDPruner are refused: the per-crop CLS states and
-keys VisionZip merges into contextual tokens and the CLIP text relevance are not read here
-(docs/models.md). ``budget_scope=crop`` (``crop_tokens``) splits any non-merging input selector's budget
-evenly over the crops.
+CLS-attention selectors read each crop's own CLS row (``_crop_cls_rows``, as the official LLaVA-NeXT ports of
+VisionZip and FasterVLM). VisionZip runs with ``budget_scope=crop`` only, as its official LLaVA-NeXT code: each
+crop's CLS state and keys (``crop_cls_features``, ``crop_cls_keys``), its tokens laid out without newlines
+(``pruners.crop_merge``); on the whole image there is no one CLS token. CDPruner runs with a CLIP text tower
+(``clip_text``): each visual token's relevance from its own patch state as on LLaVA-1.5
+(``LlavaModel._text_relevance``), min-max normalised over the image's tokens also under ``budget_scope=crop``,
+as its official LLaVA-NeXT code normalises over all crops (docs/models.md). ``budget_scope=crop``
+(``crop_tokens``) splits any input selector's budget evenly over the crops.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from prune_audit.models.base import without_direct_forwards
 from prune_audit.models.batch import TokenRow
 from prune_audit.models.kinds import MERGED, TEXT_AFTER, TEXT_BEFORE
 from prune_audit.models.llava import LAYER_SIGNALS, LlavaModel
+from prune_audit.models.prefill_assembly import token_row
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners.base import Selection
@@ -65,8 +69,12 @@ PER_GRID_SELECTORS = MappingProxyType({
                "tokens (a project choice, no official code); with --option budget_scope=crop an even share per crop",
 })
 #: those whose official LLaVA-NeXT code selects in each crop's own grid: they run with ``budget_scope=crop``
-#: (HiPrune, Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``: one index mask per crop, unpadded)
-PER_CROP_GRID_SELECTORS = frozenset({"hiprune"})
+#: (HiPrune, Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``: one index mask per crop;
+#: VisionZip, dvlab-research/VisionZip 3151f6d ``visionzip/llava_arch.py``: each crop's CLS, dominant and contextual
+#: tokens, ``pruners.crop_merge``)
+PER_CROP_GRID_SELECTORS = frozenset({"hiprune", "visionzip"})
+#: what VisionZip reads once per image on LLaVA-1.5 and once per crop here
+ONE_CLS = "one CLS token per image"
 NEWLINE_KIND = TEXT_BEFORE  # kept like the text before the image: never pruned, never a query row
 
 
@@ -75,20 +83,21 @@ class LlavaNextModel(LlavaModel):
     """LLaVA-NeXT adapter (one image per prompt, anyres tiling with unpadding and row newlines)."""
 
     family = "llava_next"
-    input_signals = frozenset({"features", "demand", "vision_features", "cls_attention"} | LAYER_SIGNALS)
-    cls_probe_signals = frozenset({"cls_attention"})  # one CLS row per crop
+    input_signals = frozenset({"features", "demand", "vision_features", "cls_attention", "vision_keys", "cls_feature",
+                               "text_relevance"} | LAYER_SIGNALS)
+    cls_probe_signals = frozenset({"cls_attention", "vision_keys"})  # one CLS row and its keys per crop
     layer_probe_signals = LAYER_SIGNALS  # every crop's encoder attention
     missing_signals_reason = (
-        "its visual tokens form two grids (base view and unpadded tiles), and this adapter reads neither a CLIP "
-        "text space, nor the per-crop CLS states and keys VisionZip merges into contextual tokens; selectors "
-        "on one grid run per crop (budget_scope=crop) only where their official LLaVA-NeXT code does (hiprune)"
+        "its visual tokens form two grids (base view and unpadded tiles), each crop with its own CLS token; "
+        "selectors on one grid or one CLS run per crop (budget_scope=crop) only where their official LLaVA-NeXT "
+        "code does (hiprune, visionzip)"
     )
     display_name = "LLaVA-NeXT"
     several_crops = True
     crop_grid_selectors = PER_CROP_GRID_SELECTORS
     per_grid_selectors = PER_GRID_SELECTORS
     token_grids = "several grids"
-    refused_selectors = MappingProxyType({"hiprune": ONE_GRID, "vscan": VSCAN_PER_CROP})
+    refused_selectors = MappingProxyType({"hiprune": ONE_GRID, "visionzip": ONE_CLS, "vscan": VSCAN_PER_CROP})
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -102,16 +111,8 @@ class LlavaNextModel(LlavaModel):
         """A random-weight checkpoint of this family for offline tests (:func:`build_llava_next`)."""
         return build_llava_next(save_dir, words=words, text_layers=text_layers, seed=seed, tile=image_size)
 
-    @classmethod
-    def check_clip_text(cls, clip_text: object) -> None:
-        """CDPruner's CLIP text relevance over the anyres crops is not ported: refuse a CLIP text tower."""
-        if clip_text is not None:
-            raise PruneAuditError("clip_text is not supported on LLaVA-NeXT (CDPruner's relevance over its crops is "
-                                  "not ported); leave out --clip-text")
-
     def __init__(self, model, processor, *, model_id: str, prompt_template: str | None = None,
                  system_prompt: str | None = None, clip: tuple[Any, Any] | None = None):
-        self.check_clip_text(clip)
         image_processor = processor.image_processor
         tile = model.config.vision_config.image_size
         size, crop = dict(image_processor.size), dict(image_processor.crop_size)
@@ -123,7 +124,7 @@ class LlavaNextModel(LlavaModel):
                 f"{tile}-px input (each crop is then used whole)"
             )
         super().__init__(model, processor, model_id=model_id, prompt_template=prompt_template,
-                         system_prompt=system_prompt)
+                         system_prompt=system_prompt, clip=clip)
         self.tile = tile
         self.pinpoints = [tuple(int(side) for side in pair) for pair in model.config.image_grid_pinpoints]
 
@@ -176,8 +177,18 @@ class LlavaNextModel(LlavaModel):
             signals = {}
             if requires & {"vision_features", "text_relevance"}:
                 signals["vision_features"] = visual
-            if "cls_attention" in requires:
-                signals["cls_attention"] = self._crop_cls_attention(hidden)[:, order]
+            if requires & {"cls_attention", "vision_keys"}:
+                probs, keys = self._crop_cls_rows(hidden)  # (H, K, 1 + P), (H, K, 1 + P, d)
+                if "cls_attention" in requires:
+                    signals["cls_attention"] = probs[:, :, 1:].flatten(1)[:, order]
+                if "vision_keys" in requires:  # no image-wide CLS: index 0 NaN, each crop's own in crop_cls_keys
+                    patch_keys = keys[:, :, 1:].flatten(1, 2)[:, order]
+                    signals["vision_keys"] = torch.cat([torch.full_like(patch_keys[:, :1], torch.nan), patch_keys], 1)
+                    signals["crop_cls_keys"] = keys[:, :, 0]
+            if "cls_feature" in requires:  # each crop's CLS state; a subset within one crop reads its own
+                signals["crop_cls_features"] = hidden[self.feature_index][:, 0]
+            if requires & {"cls_feature", "vision_keys"}:
+                signals["token_crops"] = self._token_crops(item).to(self.device)
             if requires & LAYER_SIGNALS:  # each (K, Lv, P) over the crops, to (Lv, N) in visual-token order
                 signals.update({name: value.transpose(0, 1).flatten(1)[:, order]
                                 for name, value in self._layer_signals(hidden).items()
@@ -185,18 +196,20 @@ class LlavaNextModel(LlavaModel):
             outputs.append(VisionOutput(self.model.model.multi_modal_projector(visual), signals))
         return outputs
 
-    def _crop_cls_attention(self, hidden: list[Tensor]) -> Tensor:
-        """(H, K x P) each crop's CLS attention to its own P patches at the feature layer, crops in order.
+    def _crop_cls_rows(self, hidden: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """(H, K, 1 + P) each crop's CLS attention over its own 1 + P tokens at the feature layer and
+        (H, K, 1 + P, d) that layer's keys, crops in order (CLS at index 0 of each crop).
 
         As VisionZip's LLaVA-NeXT code (dvlab-research/VisionZip ``visionzip/llava_arch.py``, 3151f6d) and
-        FasterVLM's read it: the tower runs on each crop alone, so each crop has its own CLS row, a softmax
-        over that crop's 1 + P tokens. No logits come along (``cls_logits``): one softmax does not span the
-        crops, so ``score_dtype="model"`` rounds these probabilities instead of recomputing them.
+        FasterVLM's read them: the tower runs on each crop alone, so each crop has its own CLS row, a softmax
+        over that crop's 1 + P tokens, and VisionZip merges a crop's contextual tokens by that crop's keys.
+        No logits come along (``cls_logits``): one softmax does not span the crops, so ``score_dtype="model"``
+        rounds these probabilities instead of recomputing them.
         ``hidden``: the tower states of the K crops, each (K, 1 + P, Dv).
         """
         layer = self.vision_tower.encoder.layers[self.feature_index - 1]  # its output is the feature layer
-        probs, _, _ = clip_cls_row(layer, hidden[self.feature_index - 1])  # (K, H, 1 + P)
-        return probs[:, :, 1:].transpose(0, 1).flatten(1)
+        probs, keys, _ = clip_cls_row(layer, hidden[self.feature_index - 1])  # (K, H, 1 + P), (K, H, 1 + P, d)
+        return probs.transpose(0, 1), keys.transpose(0, 1)
 
     def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
         """Per crop, its ascending visual tokens and their (rows, cols): the base view's grid, then each tile's
@@ -237,8 +250,11 @@ class LlavaNextModel(LlavaModel):
         A kept token keeps its place among the newlines; a merging selector's output token (pool, ToMe: merged
         within one grid, ``select_per_grid``) takes the place of its first (lowest-index) source cell, so the
         tile grid's newlines stay after the rows they close (a project convention: no official LLaVA-NeXT code
-        merges). Positions are compact (1-D RoPE): the row's own order.
+        merges). VisionZip per crop lays its tokens out in its selection's order without newlines, as its
+        LLaVA-NeXT code does (``pruners.crop_merge``). Positions are compact (1-D RoPE): the row's own order.
         """
+        if selection is not None and selection.in_output_order:  # VisionZip's per-crop layout, no newlines
+            return token_row(self, item, output, selection)
         start, end = item.image_span
         device = self.device
         ids = item.input_ids.to(device)
@@ -282,6 +298,7 @@ class LlavaNextModel(LlavaModel):
                 "patch_size": self.model.config.vision_config.patch_size,
                 "vision_feature_layer": self.model.config.vision_feature_layer,
             },
+            "clip_text": None if self.clip is None else getattr(self.clip[0].config, "_name_or_path", ""),
         }
 
 

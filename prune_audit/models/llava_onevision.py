@@ -73,6 +73,8 @@ class LlavaOnevisionModel(LlavaNextModel):
         """A random-weight checkpoint of this family for offline tests (:func:`build_llava_onevision`)."""
         return build_llava_onevision(save_dir, words=words, text_layers=text_layers, seed=seed, tile=image_size)
 
+    check_clip_text = VisionLanguageModel.__dict__["check_clip_text"]  # SigLIP: no CLIP space for CDPruner's relevance
+
     @classmethod
     def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
                    clip_text: str | None) -> LlavaOnevisionModel:

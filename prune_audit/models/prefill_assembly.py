@@ -22,6 +22,7 @@ from prune_audit.models.kinds import MERGED, TEXT_AFTER, TEXT_BEFORE
 from prune_audit.models.layer_signals import text_demand
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Stage
+from prune_audit.pruners.crop_merge import select_merging_per_crop
 from prune_audit.pruners.crop_scope import select_per_crop, select_per_grid
 from prune_audit.pruners.signals import InputSignals
 
@@ -35,15 +36,19 @@ def select_input(
 ) -> Selection:
     """The input-level selection of one prompt: the ``forced`` kept indices (sorted, deduplicated, checked to lie
     in ``[0, item.num_visual)``), else ``selector`` at ``budget`` on the signals it ``requires`` (per crop under
-    ``budget_scope="crop"``, per regular grid for the family's ``per_grid_selectors``)."""
+    ``budget_scope="crop"``, a merging selector's crops joined as VisionZip's LLaVA-NeXT code joins them; per
+    regular grid for the family's ``per_grid_selectors``)."""
     if forced is not None:
         kept = torch.as_tensor(sorted({int(i) for i in forced}), dtype=torch.long)
         if kept.numel() and (kept[0] < 0 or kept[-1] >= item.num_visual):
             raise PruneAuditError(f"forced kept indices must lie in [0, {item.num_visual})")
         return Selection(kept=kept)
     signals = input_signals(vlm, item, output, requires)
+    per_crop = getattr(selector, "budget_scope", "image") == "crop"
     try:
-        if getattr(selector, "budget_scope", "image") == "crop":
+        if per_crop and selector.merges:
+            return select_merging_per_crop(selector, signals, vlm.crop_tokens(item), budget, generator)
+        if per_crop:
             return select_per_crop(selector, signals, vlm.crop_tokens(item), budget, generator)
         if selector.name in vlm.per_grid_selectors:
             return select_per_grid(selector, signals, vlm.grid_parts(item), budget, generator)

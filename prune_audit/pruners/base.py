@@ -50,12 +50,15 @@ class Selection:
         llm_tokens: for merging methods that merge after the projector, (M, D) tokens in the
             language model's input space instead of ``vision_tokens`` (exactly one of the two
             is set when ``sources`` is).
+        in_output_order: the output tokens are laid out in their order, without the family's own image
+            layout (row newlines): VisionZip's per-crop arrangement (``pruners.crop_merge``).
     """
 
     kept: Tensor
     sources: list[Tensor] | None = None
     vision_tokens: Tensor | None = None
     llm_tokens: Tensor | None = None
+    in_output_order: bool = False
 
     @property
     def num_output_tokens(self) -> int:

@@ -95,7 +95,9 @@ class CDPrunerSelector(InputSelector):
     Kernel ``L = diag(r) S diag(r)`` with ``S`` the cosine similarity of the (N, D)
     ``features`` and ``r`` the (N,) ``text_relevance`` min-max normalised as in the
     reference, ``r = (r - min r + 1e-6) / (max r - min r)`` (denominator floored at
-    1e-6 so constant relevance gives r = 1); with ``theta`` set,
+    1e-6 so constant relevance gives r = 1; min and max over the whole image when the
+    signals are one crop's, ``text_relevance_bounds``, as the reference's LLaVA-NeXT code
+    normalises over all crops before its per-crop DPP); with ``theta`` set,
     ``r = exp(theta / (2 (1 - theta)) * r)``. The ``budget`` tokens are chosen by
     :func:`greedy_dpp_map` and returned in raster order. ``text_relevance`` must
     already carry the reference's sign flip (``mean_m -cos(E_i, T_m)``); the model
@@ -131,15 +133,18 @@ class CDPrunerSelector(InputSelector):
     ties: str = option("argmax", Choice(TIES), "argmax (official) or tolerance (relative 1e-5, lower index)")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or unit rows in the model dtype (official)")
 
-    def relevance(self, text_relevance: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    def relevance(self, text_relevance: Tensor, dtype: torch.dtype | None = None,
+                  bounds: Tensor | None = None) -> Tensor:
         """(N,) float32 normalised relevance from the raw (N,) ``text_relevance``.
 
         ``dtype`` (a half dtype under ``score_dtype="model"``): the raw relevance rounded to it and
         min-max normalised in it, every step rounded (the official code normalises its half-precision
-        relevance before the float32 kernel); None: in float32.
+        relevance before the float32 kernel); None: in float32. ``bounds``: (2,) the min and max to
+        normalise by (the whole image's, for one crop's tokens); None: those of ``text_relevance``.
         """
         raw = as_float32(text_relevance) if dtype is None else text_relevance.detach().to(dtype)
-        relevance = (raw - raw.min() + 1e-6) / (raw.max() - raw.min()).clamp_min(1e-6)
+        low, high = (raw.min(), raw.max()) if bounds is None else bounds.to(raw.dtype)
+        relevance = (raw - low + 1e-6) / (high - low).clamp_min(1e-6)
         relevance = relevance.float()
         if self.theta is not None:
             relevance = torch.exp(self.theta / (2 * (1 - self.theta)) * relevance)
@@ -149,7 +154,10 @@ class CDPrunerSelector(InputSelector):
         dtype = half_dtype(signals.model_dtype, signals.features) if self.score_dtype == "model" else None
         unit = unit_rows(signals.features) if dtype is None else unit_rows_in(signals.features, dtype)
         official_raw = signals.model_text_relevance if dtype is not None else None
-        relevance = self.relevance(signals.text_relevance if official_raw is None else official_raw, dtype)
+        if official_raw is None:
+            relevance = self.relevance(signals.text_relevance, dtype, signals.text_relevance_bounds)
+        else:
+            relevance = self.relevance(official_raw, dtype, signals.model_text_relevance_bounds)
         diagonal = relevance**2 * (unit * unit).sum(dim=1)
 
         def kernel_rows(indices: Tensor) -> Tensor:

@@ -8,8 +8,8 @@ VisionZip (dvlab-research/VisionZip ``visionzip/clip_encoder.py`` and ``llava_ar
 and every tile) separately, keeping the same count in every crop. Here the run's budget is the image's:
 ``crop_budgets`` splits it evenly over the crops, and each crop's selection runs on that crop's visual tokens
 alone. One difference, documented in docs/fidelity.md: the official code selects among a tile's 576 patches,
-padding included, and drops the padding afterwards (fewer tokens than the budget may remain); here a tile's
-tokens are its unpadded ones, and a crop with fewer tokens than its share keeps them all.
+padding included, and keeps its padding picks (it never unpads); here a tile's tokens are its unpadded ones,
+and a crop with fewer tokens than its share keeps them all.
 
 Per grid (``budget_scope="image"`` on LLaVA-NeXT / LLaVA-OneVision, a project choice, not an official
 convention: no official multi-grid code exists for those selectors): ``grid_budgets`` splits the image's budget

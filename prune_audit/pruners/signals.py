@@ -38,10 +38,18 @@ class InputSignals:
             (:func:`cls_probabilities`).
         vision_keys: (H, N + 1, d) that layer's keys, CLS at index 0.
         cls_feature: (Dv,) the CLS hidden state at the feature layer.
+        token_crops: (N,) on a tower that runs on several crops (LLaVA-NeXT's anyres), the crop each token was
+            computed in; there is no image-wide CLS then (``cls_feature`` None, ``vision_keys`` index 0 NaN), and a
+            :meth:`subset` within one crop takes that crop's from ``crop_cls_features`` / ``crop_cls_keys``.
+        crop_cls_features: (K, Dv) each crop's CLS hidden state at the feature layer; crop_cls_keys: (H, K, d) its
+            key at that layer.
         text_relevance: (N,) CDPruner relevance before normalisation.
         model_text_relevance: (N,) the same as the official code computes it in the model dtype (unit
             embeddings, cosines and their mean each rounded to it; a float32 tensor); with a half
             ``model_dtype``, ``score_dtype="model"`` normalises this one (adapters of half models pass it).
+        text_relevance_bounds, model_text_relevance_bounds: (2,) the min and max of the whole image's
+            ``text_relevance`` / ``model_text_relevance``, set by :meth:`subset`: a crop's relevance is min-max
+            normalised over the image's (CDPruner's LLaVA-NeXT code normalises over all crops at once).
         demand: (N,) demand weights for coverage selection (first-layer probe).
         layer_attention: (Lv, N) per encoder layer run (the feature layer's last): attention each patch gets,
             mean over heads and all 1 + N query rows (HiPrune); layer_cls_attention: the CLS row's (VScan).
@@ -65,8 +73,13 @@ class InputSignals:
     cls_logits: Tensor | None = None
     vision_keys: Tensor | None = None
     cls_feature: Tensor | None = None
+    token_crops: Tensor | None = None
+    crop_cls_features: Tensor | None = None
+    crop_cls_keys: Tensor | None = None
     text_relevance: Tensor | None = None
     model_text_relevance: Tensor | None = None
+    text_relevance_bounds: Tensor | None = None
+    model_text_relevance_bounds: Tensor | None = None
     demand: Tensor | None = None
     layer_attention: Tensor | None = None
     layer_cls_attention: Tensor | None = None
@@ -86,13 +99,15 @@ class InputSignals:
         ((rows, cols) with rows x cols = M, row-major; default one (1, M) row).
 
         Per-token tensors are sliced along their token axis (``cls_logits`` and ``vision_keys`` keep the CLS
-        at index 0); image-level ones (``cls_feature``, the tower facts) stay. The merging tower reruns the
-        whole image, so it does not come along.
+        at index 0); image-level ones (``cls_feature``, the tower facts) stay. Tokens of one crop of a
+        several-crop tower get that crop's CLS feature and key (``token_crops``); the relevance keeps the
+        image's bounds (``text_relevance_bounds``). The merging tower reruns the whole image, so it does not
+        come along.
         """
         with_cls = torch.cat([tokens.new_zeros(1), tokens + 1])
         token_axis = {  # signal -> (its token axis, the indices along it)
-            **dict.fromkeys(("features", "vision_features", "text_relevance", "model_text_relevance", "demand"),
-                            (0, tokens)),
+            **dict.fromkeys(("features", "vision_features", "text_relevance", "model_text_relevance", "demand",
+                             "token_crops"), (0, tokens)),
             **dict.fromkeys(("cls_attention", "layer_attention", "layer_cls_attention", "model_layer_attention",
                              "model_layer_cls_attention"), (1, tokens)),
             **dict.fromkeys(("cls_logits", "vision_keys"), (1, with_cls)),
@@ -104,6 +119,17 @@ class InputSignals:
         grid = grid or (1, int(tokens.numel()))
         if grid[0] * grid[1] != tokens.numel():
             raise ValueError(f"a {grid[0]}x{grid[1]} grid cannot hold {tokens.numel()} tokens")
+        for name in ("text_relevance", "model_text_relevance"):
+            value, bounds = getattr(self, name), getattr(self, f"{name}_bounds")
+            if value is not None and bounds is None:
+                sliced[f"{name}_bounds"] = torch.stack([value.min(), value.max()])
+        crops = sliced["token_crops"]
+        if crops is not None and crops.numel() and bool((crops == crops[0]).all()):  # one crop: its own CLS
+            crop = int(crops[0])
+            if self.crop_cls_features is not None:
+                sliced["cls_feature"] = self.crop_cls_features[crop]
+            if sliced["vision_keys"] is not None and self.crop_cls_keys is not None:
+                sliced["vision_keys"][:, 0] = self.crop_cls_keys[:, crop]
         return dataclasses.replace(self, grid=grid, merging_tower=None, **sliced)
 
 

@@ -44,7 +44,7 @@ def records_markdown() -> str:
         "",
         "## manifest.json",
         "",
-        "Top-level keys (`clip_text` for LLaVA, `positions` for Qwen2.5-VL). A resume must match the",
+        "Top-level keys (`clip_text` for LLaVA and LLaVA-NeXT, `positions` for Qwen2.5-VL). A resume must match the",
         "configuration keys; `merge` refuses shards that differ in them.",
         "",
         "| key | configuration | meaning |",

@@ -59,7 +59,7 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
     ("answer_tokens", "{yes, no}: token ids summed into p_yes and p_no"),
     ("processor", "image processor: class, geometry mode, sizes, patch size; first_image: the first "
      "question's TokenGeometry"),
-    ("clip_text", "LLaVA: CLIP text tower used for CDPruner relevance (null when none)"),
+    ("clip_text", "LLaVA, LLaVA-NeXT: CLIP text tower used for CDPruner relevance (null when none)"),
     ("positions", "Qwen2.5-VL: position ids the pruned sequence keeps"),
     ("selector", "{name, stage, options, positions, schedule, schedule_num_visual}: the selector as run "
      "(schedule: [layer, keep] stages of in-LLM selectors for the first question's token count; keep excludes "
