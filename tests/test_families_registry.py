@@ -401,7 +401,7 @@ def test_docs_table_lists_what_runs_on_each_family(family, document, heading):
     ``selector_support`` says."""
     from pathlib import Path
 
-    from prune_audit.models.base import ON_REQUEST_SIGNALS
+    from prune_audit.models.selector_support import ON_REQUEST_SIGNALS
     from prune_audit.pruners import selector_class
 
     text = (Path(__file__).resolve().parents[1] / document).read_text()

@@ -63,6 +63,7 @@ from prune_audit.demo.answer_targets import (
     teacher_forcing,
 )
 from prune_audit.demo.batches import BACKGROUND_CLASS, MixQuestion, SceneBatch, sample_batch
+from prune_audit.demo.checkpoint import CHECKPOINT_FILE, resume, save_checkpoint
 from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, prompt_text
 from prune_audit.demo.scene_questions import caption_question, choice_question, short_questions, vocabulary_words
 from prune_audit.models.base import VisionLanguageModel
@@ -80,8 +81,6 @@ MIX_WORDS: tuple[str, ...] = tuple(dict.fromkeys((*DEMO_WORDS, *vocabulary_words
 # 2 multiple choices (the two-hop kind: with one, 4,2,1,1, it stayed at chance for 1,000 steps) and the
 # caption (the same answer whatever the step, so one)
 DEFAULT_MIX: tuple[int, ...] = (4, 2, 2, 1)
-# written at every monitor step and removed with the final save: rerunning the same training resumes from it
-CHECKPOINT_FILE = "checkpoint.pt"
 
 
 @dataclass(frozen=True)
@@ -297,7 +296,7 @@ def train_demo_model(
     parameters = [p for p in (*vlm.model.parameters(), *heads.parameters()) if p.requires_grad]
     optimizer = _optimizer(parameters, recipe)
     pieces = {size: prompt_pieces(vlm, (size // recipe.cell) ** 2) for size in recipe.train_sizes or (recipe.image_size,)}
-    first, history, minutes_before = _resume(out_dir, recipe, vlm, heads, optimizer)
+    first, history, minutes_before = resume(out_dir, recipe, vlm, heads, optimizer)
     if first:
         log(f"resuming from step {first}/{recipe.steps} ({CHECKPOINT_FILE} in {out_dir})")
     start = time.perf_counter() - 60 * minutes_before
@@ -331,7 +330,7 @@ def train_demo_model(
             by_task = "".join(f", {key} {value:.3f}" for key, value in tasks.items())
             log(f"monitor step {done}: held-out accuracy {accuracy:.3f}{by_task} after {minutes:.1f} min")
             if done < recipe.steps:
-                _save_checkpoint(out_dir, recipe, done, minutes, history, vlm, heads, optimizer)
+                save_checkpoint(out_dir, recipe, done, minutes, history, vlm, heads, optimizer)
     summary = {
         "recipe": asdict(recipe),
         "train_minutes": round((time.perf_counter() - start) / 60, 2),
@@ -365,42 +364,3 @@ def _save(vlm: VisionLanguageModel, out_dir: Path, summary: dict) -> None:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
-
-def _save_checkpoint(
-    out_dir: Path, recipe: DemoRecipe, step: int, minutes: float, history: list[dict], vlm: VisionLanguageModel,
-    heads: VisionHeads, optimizer: torch.optim.Optimizer,
-) -> None:
-    """Write everything a resumed run needs after ``step`` (float32 weights, heads, optimiser state) to
-    ``out_dir/CHECKPOINT_FILE``, replacing the previous one only once complete."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    staging = staging_folder(out_dir)
-    try:
-        state = {
-            "recipe": asdict(recipe), "step": step, "minutes": minutes, "history": history,
-            "model": vlm.model.state_dict(), "heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
-        }
-        torch.save(state, staging / CHECKPOINT_FILE)
-        os.replace(staging / CHECKPOINT_FILE, out_dir / CHECKPOINT_FILE)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _resume(
-    out_dir: Path, recipe: DemoRecipe, vlm: VisionLanguageModel, heads: VisionHeads, optimizer: torch.optim.Optimizer
-) -> tuple[int, list[dict], float]:
-    """Load ``out_dir``'s checkpoint into the model, heads and optimiser when there is one.
-
-    Returns the first step still to train, the monitor history so far and the minutes already trained
-    (0, [], 0.0 without a checkpoint). Batches are a function of (seed, step) and nothing else draws
-    random numbers, so a resumed run ends with the weights an uninterrupted one would have.
-    """
-    path = out_dir / CHECKPOINT_FILE
-    if not path.is_file():
-        return 0, [], 0.0
-    state = torch.load(path, weights_only=True)
-    if state["recipe"] != asdict(recipe):
-        raise ValueError(f"{path} was written by another recipe; use another --out, or delete it to start again")
-    vlm.model.load_state_dict(state["model"])
-    heads.load_state_dict(state["heads"])
-    optimizer.load_state_dict(state["optimizer"])
-    return state["step"], state["history"], state["minutes"]

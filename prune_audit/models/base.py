@@ -28,16 +28,14 @@ from prune_audit.models.executor import DecoderStack, LanguageLoop, Prefill, Tok
 from prune_audit.models.parts import config_hash
 from prune_audit.models.prefill_assembly import layer_plan, select_input, token_row
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
+from prune_audit.models.selector_support import SelectorSupport
 from prune_audit.models.timing import PartClock
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.signals import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS
 from prune_audit.pruners.registry import list_selectors, selector_class
 
-MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
-#: input signals computed by a part loaded only on request (``clip_text``), so not there by default
-ON_REQUEST_SIGNALS = frozenset({"text_relevance"})
 
-class VisionLanguageModel(AnswerModes, ABC):
+class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     """A loaded VLM that answers questions under any registered selector (in each answer mode: ``AnswerModes``)."""
 
     family: str = ""
@@ -240,44 +238,6 @@ class VisionLanguageModel(AnswerModes, ABC):
         """Registered selectors whose signals this model can provide."""
         return [name for name in list_selectors() if self._missing(selector_class(name)) == set()]
 
-    @classmethod
-    def selector_support(cls) -> dict[str, str | None]:
-        """Each registered selector -> None when it runs on this family, else the reason it does not
-        (from the class-level declarations alone: no checkpoint is read)."""
-        available = cls.input_signals - ON_REQUEST_SIGNALS
-        return {name: cls.refusal(selector_class(name), available) for name in list_selectors()}
-
-    @classmethod
-    def refusal(cls, selector: type[Selector], available: frozenset[str]) -> str | None:
-        """Why ``selector`` cannot run on this family with input signals ``available`` (None: it can)."""
-        missing = cls.missing_for(selector, available)
-        if not missing:
-            return None
-        if missing == {"text_relevance"} and "text_relevance" in cls.input_signals:
-            return ("needs a CLIP text tower for its text relevance: pass clip_text=PATH (--clip-text PATH) "
-                    "to a CLIP checkpoint matching the vision tower")
-        reason = "it keeps every token's original position" if missing == {MERGED_POSITIONS} else cls.missing_signals_reason
-        per_crop = "; it runs per crop with --option budget_scope=crop" if cls.runs_per_crop(selector, available) else ""
-        return f"needs {', '.join(sorted(missing))}, which {cls.family} does not provide ({reason}){per_crop}"
-
-    @classmethod
-    def runs_per_crop(cls, selector: type[Selector], available: frozenset[str]) -> bool:
-        """Whether ``selector``, refused on the whole image, runs on each crop's grid (``budget_scope="crop"``)."""
-        refused = cls.refused_selectors.get(selector.name)
-        return selector.name in cls.crop_grid_selectors and cls.missing_for(selector, available) == {refused}
-
-    @classmethod
-    def missing_for(cls, selector: type[Selector], available: frozenset[str]) -> set[str]:
-        """What the family lacks for ``selector`` given input signals ``available``: input signals, positions
-        for the merged tokens it feeds, or what ``refused_selectors`` names."""
-        refused = {cls.refused_selectors[selector.name]} if selector.name in cls.refused_selectors else set()
-        if selector.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower too
-            return set(Selector.requires_on(selector, available) & VISION_LAYER_SIGNALS) - available | refused
-        missing = set(Selector.requires_on(selector, available)) - available | refused
-        if selector.merges and cls.input_positions != "compact":
-            missing.add(MERGED_POSITIONS)
-        return missing
-
     # ----- internals ----------------------------------------------------------------
     def _missing(self, cls: type[Selector]) -> set[str]:
         """What this loaded model lacks for ``cls`` (:meth:`missing_for` on the signals it has)."""
@@ -310,11 +270,11 @@ class VisionLanguageModel(AnswerModes, ABC):
         """Raise a one-line PruneAuditError when this model cannot provide the selector's signals."""
         per_crop = getattr(selector, "budget_scope", "image") == "crop"
         # a merging selector runs per crop only where its official code does (VisionZip on LLaVA-NeXT)
-        merges_off_crop = selector.merges and selector.name not in self.crop_grid_selectors
-        if per_crop and (not self.several_crops or merges_off_crop):
-            per_grid = " (per grid under budget_scope=image)" if selector.name in self.per_grid_selectors else ""
-            why = (f"{selector.name} merges tokens{per_grid}" if self.several_crops else
-                   f"{self.family} sees each image as one crop (it applies to LLaVA-NeXT, LLaVA-OneVision and tiled InternVL)")
+        if per_crop and (not self.several_crops or getattr(selector, "merges", False)
+                         and selector.name not in self.crop_grid_selectors):
+            why = (f"{selector.name} merges tokens" + " (per grid under budget_scope=image)" * (
+                selector.name in self.per_grid_selectors) if self.several_crops else f"{self.family} sees each "
+                "image as one crop (it applies to LLaVA-NeXT, LLaVA-OneVision and tiled InternVL)")
             raise PruneAuditError(f"budget_scope=crop splits the budget over an image's crops, and {why}; drop "
                                   f"--option budget_scope=crop")
         if per_crop and self.runs_per_crop(type(selector), self._available_input_signals()):

@@ -1,0 +1,68 @@
+"""Which registered selectors a family runs, from its class-level declarations alone (no checkpoint read).
+
+``SelectorSupport`` is a base of :class:`~prune_audit.models.base.VisionLanguageModel`: it reads the family's
+declarations there (``input_signals``, ``refused_selectors``, ``crop_grid_selectors``, ``input_positions``,
+``missing_signals_reason``, ``family``), so `prune-audit selectors --model FAMILY`, the docs tables and
+``check_selector`` give the same answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prune_audit.pruners.base import Selector
+from prune_audit.pruners.registry import list_selectors, selector_class
+from prune_audit.pruners.signals import VISION_LAYER_SIGNALS
+
+MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
+#: input signals computed by a part loaded only on request (``clip_text``), so not there by default
+ON_REQUEST_SIGNALS = frozenset({"text_relevance"})
+
+
+class SelectorSupport:
+    """The class-level answer to "does selector S run on this family, and if not, why"."""
+
+    family: str
+    input_signals: frozenset[str]
+    crop_grid_selectors: frozenset[str]
+    refused_selectors: Mapping[str, str]
+    missing_signals_reason: str
+    input_positions: str
+
+    @classmethod
+    def selector_support(cls) -> dict[str, str | None]:
+        """Each registered selector -> None when it runs on this family, else the reason it does not
+        (from the class-level declarations alone: no checkpoint is read)."""
+        available = cls.input_signals - ON_REQUEST_SIGNALS
+        return {name: cls.refusal(selector_class(name), available) for name in list_selectors()}
+
+    @classmethod
+    def refusal(cls, selector: type[Selector], available: frozenset[str]) -> str | None:
+        """Why ``selector`` cannot run on this family with input signals ``available`` (None: it can)."""
+        missing = cls.missing_for(selector, available)
+        if not missing:
+            return None
+        if missing == {"text_relevance"} and "text_relevance" in cls.input_signals:
+            return ("needs a CLIP text tower for its text relevance: pass clip_text=PATH (--clip-text PATH) "
+                    "to a CLIP checkpoint matching the vision tower")
+        reason = "it keeps every token's original position" if missing == {MERGED_POSITIONS} else cls.missing_signals_reason
+        per_crop = "; it runs per crop with --option budget_scope=crop" if cls.runs_per_crop(selector, available) else ""
+        return f"needs {', '.join(sorted(missing))}, which {cls.family} does not provide ({reason}){per_crop}"
+
+    @classmethod
+    def runs_per_crop(cls, selector: type[Selector], available: frozenset[str]) -> bool:
+        """Whether ``selector``, refused on the whole image, runs on each crop's grid (``budget_scope="crop"``)."""
+        refused = cls.refused_selectors.get(selector.name)
+        return selector.name in cls.crop_grid_selectors and cls.missing_for(selector, available) == {refused}
+
+    @classmethod
+    def missing_for(cls, selector: type[Selector], available: frozenset[str]) -> set[str]:
+        """What the family lacks for ``selector`` given input signals ``available``: input signals, positions
+        for the merged tokens it feeds, or what ``refused_selectors`` names."""
+        refused = {cls.refused_selectors[selector.name]} if selector.name in cls.refused_selectors else set()
+        if selector.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower too
+            return set(Selector.requires_on(selector, available) & VISION_LAYER_SIGNALS) - available | refused
+        missing = set(Selector.requires_on(selector, available)) - available | refused
+        if selector.merges and cls.input_positions != "compact":
+            missing.add(MERGED_POSITIONS)
+        return missing
