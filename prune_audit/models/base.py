@@ -30,7 +30,7 @@ from prune_audit.models.prefill_assembly import layer_plan, select_input, token_
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
 from prune_audit.models.timing import PartClock
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Selector, Stage
-from prune_audit.pruners.signals import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS
+from prune_audit.pruners.signals import PADDED_CROPS, VISION_LAYER_SIGNALS, VISION_TOWER_FACTS
 from prune_audit.pruners.registry import list_selectors, selector_class
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
@@ -309,7 +309,7 @@ class VisionLanguageModel(AnswerModes, ABC):
     def check_selector(self, selector: Selector) -> None:
         """Raise a one-line PruneAuditError when this model cannot provide the selector's signals."""
         per_crop = getattr(selector, "budget_scope", "image") == "crop"
-        if per_crop and (not self.several_crops or selector.merges):
+        if per_crop and (not self.several_crops or isinstance(selector, InputSelector) and selector.merges):
             why = (f"{selector.name} merges tokens (per grid under budget_scope=image)" if self.several_crops else
                    f"{self.family} sees each image as one crop (it applies to LLaVA-NeXT and LLaVA-OneVision)")
             raise PruneAuditError(f"budget_scope=crop splits the budget over an image's crops, and {why}; drop "
@@ -345,6 +345,8 @@ class VisionLanguageModel(AnswerModes, ABC):
                     else frozenset())
         vision_layer = (self.signals_for(selector) & VISION_LAYER_SIGNALS if isinstance(selector, LayerSelector)
                         else frozenset())
+        if vision_layer and getattr(selector, "budget_scope", "image") == "crop":  # scans each crop's padded grid
+            vision_layer |= {PADDED_CROPS}
         clock = PartClock(self.device)
         with torch.no_grad():
             vision = self._vision(prepared, requires | vision_layer)
