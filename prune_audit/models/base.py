@@ -345,8 +345,7 @@ class VisionLanguageModel(AnswerModes, ABC):
                     else frozenset())
         vision_layer = (self.signals_for(selector) & VISION_LAYER_SIGNALS if isinstance(selector, LayerSelector)
                         else frozenset())
-        if vision_layer and getattr(selector, "budget_scope", "image") == "crop":  # scans each crop's padded grid
-            vision_layer |= {PADDED_CROPS}
+        vision_layer |= {PADDED_CROPS} if vision_layer and getattr(selector, "budget_scope", "") == "crop" else set()
         clock = PartClock(self.device)
         with torch.no_grad():
             vision = self._vision(prepared, requires | vision_layer)
