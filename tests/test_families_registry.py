@@ -853,7 +853,8 @@ def test_vscan_runs_per_crop_on_llava_next_as_its_official_code(tmp_path, worksp
     """VScan's official LLaVA-NeXT code scans and merges in each crop's padded grid, then unpads: with
     ``budget_scope=crop`` the kept set equals the independent re-derivation exactly and the merged layer-0 inputs
     match within 1e-5 (a 4-layer tower, so the shallow and deep scans read different layers); kept padding patches
-    are gone; ``run`` records it; on the whole image it is refused in one line naming the option."""
+    are gone; the compute accounting equals the counted FLOPs (padding projected, merges per crop); ``run`` records
+    it; on the whole image it is refused in one line naming the option."""
     from prune_audit.models.llava_next import build_llava_next
     from prune_audit.pruners.base import Stage
     from prune_audit.pruners.crop_scope import crop_budgets
@@ -893,6 +894,10 @@ def test_vscan_runs_per_crop_on_llava_next_as_its_official_code(tmp_path, worksp
         inputs = output.features.float().clone()
         inputs[merge.replaces] = merge.hidden
         torch.testing.assert_close(inputs[kept], features[expected], atol=TOL, rtol=0)
+    from test_compute import counted, eager
+
+    outside, inside, answer = counted(eager(vlm), item, selector, budget)  # padding projected, merges per crop
+    assert (outside, inside) == (answer.cost.flops_vision + answer.cost.flops_llm, answer.cost.flops_selector)
     out = tmp_path / "run"
     result = runner.invoke(app, run_args(workspace, checkpoint, out, "--selector", "vscan", "--budget", "20",
                                          "--option", "budget_scope=crop", "--option", "window_size=2"))

@@ -297,15 +297,24 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
         """(keep,) ascending positions kept by the local scan of the shallow layer's CLS attention and the global
         scan of the last layer's, on ``attention`` (Lv, n) of tokens at ``cells`` (n,) of ``grid``."""
         shallow = attention[scaled_vision_layer(self.shallow_layer, attention.shape[0])]
-        rows, cols = grid
-        blocks = (rows // self.window_size) * (cols // self.window_size)
-        local_target = int(keep * (1 - self.global_share))
-        per_window = local_target // blocks if blocks else 0
+        local_target, per_window, _ = self._local_counts(keep, grid)
         local = window_scan(shallow, cells, grid, self.window_size, per_window, self.ties, half)
         global_count = keep - (local.numel() if self.local_count == "fill" else local_target)
         deep = torch.nan_to_num(attention[-1], nan=float("-inf"))
         chosen = global_scan(deep, local, global_count, self.ties, half)
         return torch.sort(torch.cat([local, chosen])).values
+
+    def _local_counts(self, keep: int, grid: tuple[int, int]) -> tuple[int, int, int]:
+        """The local scan's share of ``keep`` on ``grid``: ``(int(keep (1 - global_share)), per window, blocks)``."""
+        blocks = (grid[0] // self.window_size) * (grid[1] // self.window_size)
+        local_target = int(keep * (1 - self.global_share))
+        return local_target, local_target // blocks if blocks else 0, blocks
+
+    def scan_count(self, keep: int, grid: tuple[int, int]) -> int:
+        """Tokens the two scans keep when asked for ``keep`` on a full ``grid``: ``keep``, or under
+        ``local_count="official"`` fewer where the blocks do not divide the local share (compute accounting)."""
+        local_target, per_window, blocks = self._local_counts(keep, grid)
+        return keep if self.local_count == "fill" else keep - local_target + per_window * blocks
 
     def _per_crop_stage(self, keep: int, signals: LayerSignals,
                         half: torch.dtype | None) -> tuple[Tensor, TokenMerge | None]:
