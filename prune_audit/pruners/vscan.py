@@ -206,8 +206,12 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
     the tokens merged into it, so fewer than ``T_v`` tokens may remain; padding patches merged into a kept
     visual token stay in its mean. Row newlines are never counted nor pruned. The LLM stage is LLaVA-1.5's on
     the surviving tokens. Differences: here the budget is the image's and the stage count ``T_v`` follows
-    from it (the official fixes 96 per crop); the official LLM stage keeps 32 of the image span, whose
-    count may include its newlines (not checked), here ``T_l`` visual tokens.
+    from it (the official fixes 96 per crop). The official LLM stage (``modeling_llama_x.py::layer_prune``)
+    keeps LLaVA-1.5's lengths: its image length is ``min(96, span)`` where the span holds every crop's kept
+    tokens and the newlines, so it ranks only the span's first 96 tokens (the base view's kept ones), by the
+    attention of the row at ``prompt_len + 96 - 1`` (inside the image span, not the last prompt token), keeps
+    32 of them and leaves the tiles' tokens and newlines; here the LLM stage ranks every alive visual token by
+    the last prompt token's attention and keeps ``T_l`` of them.
 
     Options (besides ``budget_rule``, ``score_dtype`` and ``ties``, which act on both stages):
         llm_layer: decoder layer of the LLM stage on the 32-layer reference, scaled.
