@@ -52,7 +52,7 @@ ONE_GRID = "one regular token grid"
 #: what VScan lacks on the whole anyres image: its official LLaVA-NeXT code (Tencent/SelfEvolvingAgent a82450e,
 #: ``VScan/llava/model/llava_arch.py`` ``encode_images`` on every crop, then ``unpad_image`` of the index mask)
 #: scans and merges in each crop's padded grid, which ``budget_scope=crop`` does (docs/models.md)
-VSCAN_PER_CROP = "scans in each crop's padded grid (its official LLaVA-NeXT code)"
+VSCAN_PER_CROP = "each crop's padded grid for its scans (as its official LLaVA-NeXT code)"
 #: selectors that need only the grid layout: they run on each of the image's two regular grids (``grid_parts``),
 #: a project choice (none has official LLaVA-NeXT code), docs/models.md
 MERGE_PER_GRID = ("per grid: it merges within the base view's grid and within the tile grid, the budget split over "
