@@ -727,6 +727,8 @@ def test_per_crop_budget_is_refused_in_one_line_on_one_crop_families(tmp_path):
     with pytest.raises(PruneAuditError) as error:
         vlm.check_selector(selector_from_strings("divprune", ["budget_scope=crop"]))
     assert "one crop" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(PruneAuditError, match="one crop"):  # VScan, the in-LLM selector with the option
+        vlm.check_selector(selector_from_strings("vscan", ["budget_scope=crop"]))
 
 
 def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepared, workspace, tmp_path):
