@@ -20,12 +20,14 @@ deepstack, the real-size image processors, LLaVA-NeXT's and LLaVA-OneVision's an
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from torch import Tensor
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
@@ -856,6 +858,8 @@ def test_per_crop_budget_is_refused_in_one_line_on_one_crop_families(tmp_path):
     with pytest.raises(PruneAuditError) as error:
         vlm.check_selector(selector_from_strings("divprune", ["budget_scope=crop"]))
     assert "one crop" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(PruneAuditError, match="one crop"):  # VScan, the in-LLM selector with the option
+        vlm.check_selector(selector_from_strings("vscan", ["budget_scope=crop"]))
 
 
 def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepared, workspace, tmp_path):
@@ -1091,6 +1095,114 @@ def test_hiprune_runs_per_crop_on_llava_next_as_its_official_code(tmp_path):
                                layer_attention=received[crops[tokens[0]], :, patches[tokens] % per_crop])
         expected += tokens[selector.select(signals, share).kept].tolist()
     assert vlm.answer([item], selector, budget)[0].kept_stages == [sorted(expected)]
+
+
+def official_vscan_per_crop(vlm, item, shares: list[int], window: int) -> tuple[Tensor, Tensor]:
+    """VScan's LLaVA-NeXT vision stage re-derived from the official order of operations (Tencent/SelfEvolvingAgent
+    a82450e ``encode_images``, ``window_cls_selection``, ``token_merging``, then the unpadding of the index mask):
+    per crop the head-mean CLS attention of the stock eager tower, ``int(T / 2) // W`` per full window of the
+    shallow layer, ``T - int(T / 2)`` more from the deep layer with the local ones zeroed, every other patch
+    averaged into its most cosine-similar kept one on the projector outputs; then the base view's mask and the
+    tiles' mask laid out and unpadded by transformers' own ``unpad_image``. Returns the (k,) kept visual tokens
+    and the (N, D) features after merging."""
+    from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+
+    config = vlm.model.config
+    tower = vlm.model.model.vision_tower
+    tower.set_attn_implementation("eager")
+    with torch.no_grad():
+        stock = tower(item.pixel_values, output_attentions=True, output_hidden_states=True)
+        features = vlm.model.model.multi_modal_projector(stock.hidden_states[config.vision_feature_layer][:, 1:])
+    layers = len(stock.attentions) + config.vision_feature_layer + 1  # those up to the feature layer
+    cls = torch.stack([probs[:, :, 0, 1:].mean(dim=1) for probs in stock.attentions[:layers]])  # (Lv, K, P)
+    shallow, deep = cls[max(1, round(6 * layers / 23)) - 1], cls[layers - 1].clone()
+    crops, patches = shallow.shape
+    side = math.isqrt(patches)
+    masks = torch.zeros(crops, patches, dtype=torch.bool)
+    merged = features.clone()
+    for crop, share in enumerate(shares):
+        windows = (side // window) ** 2
+        local = []
+        for top in range(0, side - window + 1, window):
+            for left in range(0, side - window + 1, window):
+                block = shallow[crop].reshape(side, side)[top : top + window, left : left + window].reshape(-1)
+                for index in torch.topk(block, int(share / 2) // windows).indices.tolist():
+                    local.append((top + index // window) * side + left + index % window)
+        deep[crop, local] = 0
+        chosen = local + torch.topk(deep[crop], share - int(share / 2)).indices.tolist()
+        masks[crop, chosen] = True
+        kept, rest = features[crop][masks[crop]], features[crop][~masks[crop]]
+        nearest = torch.nn.functional.cosine_similarity(rest[:, None], kept[None], dim=2).argmax(dim=1)
+        sums, counts = kept.clone(), torch.ones(kept.shape[0])
+        sums.index_add_(0, nearest, rest)
+        counts.index_add_(0, nearest, torch.ones(rest.shape[0]))
+        merged[crop, masks[crop]] = sums / counts[:, None]
+    size = item.extras["image_sizes"][0].tolist()
+    tiles_down, tiles_across = get_anyres_image_grid_shape(size, config.image_grid_pinpoints, tower.config.image_size)
+
+    def laid_out(values: Tensor) -> Tensor:  # tiles (K - 1, P, ...) -> (..., rows, cols) unpadded, as the official
+        tiles = values[1:].reshape(tiles_down, tiles_across, side, side, -1).permute(4, 0, 2, 1, 3)
+        return unpad_image(tiles.flatten(1, 2).flatten(2, 3), size).flatten(1).T  # (unpadded tokens, ...)
+
+    mask = torch.cat([masks[0], laid_out(masks[:, :, None].float())[:, 0] > 0])
+    return torch.nonzero(mask).flatten(), torch.cat([merged[0], laid_out(merged)])
+
+
+def test_vscan_runs_per_crop_on_llava_next_as_its_official_code(tmp_path, workspace):
+    """VScan's official LLaVA-NeXT code scans and merges in each crop's padded grid, then unpads: with
+    ``budget_scope=crop`` the kept set equals the independent re-derivation exactly and the merged layer-0 inputs
+    match within 1e-5 (a 4-layer tower, so the shallow and deep scans read different layers); kept padding patches
+    are gone; the compute accounting equals the counted FLOPs (padding projected, merges per crop); ``run`` records
+    it; on the whole image it is refused in one line naming the option."""
+    from prune_audit.models.llava_next import build_llava_next
+    from prune_audit.pruners.base import Stage
+    from prune_audit.pruners.crop_scope import crop_budgets
+    from prune_audit.pruners.registry import selector_from_strings
+    from prune_audit.pruners.signals import PADDED_CROPS, LayerSignals
+
+    checkpoint = build_llava_next(tmp_path / "model", words=[*WORDS, "Is", *CATEGORIES], vision_layers=4,
+                                  text_layers=NUM_LAYERS, seed=3)
+    vlm = load_vlm(checkpoint, device="cpu")
+    with pytest.raises(PruneAuditError, match="budget_scope=crop") as error:
+        vlm.check_selector(get_selector("vscan"))
+    assert "\n" not in str(error.value)
+    selector = selector_from_strings("vscan", ["budget_scope=crop", "window_size=2", "local_count=official"])
+    for seed, size in enumerate(SIZES):
+        item = vlm.prepare(random_image(seed, size), QUESTIONS[0])
+        budget = item.num_visual // 3
+        first = vlm.schedule(selector, item.num_visual, budget)[0]
+        crops = item.pixel_values.shape[0]
+        shares = crop_budgets(first.keep, [16] * crops)  # 4 x 4 patches per 56-px crop
+        expected, features = official_vscan_per_crop(vlm, item, shares, window=2)
+        assert expected.numel() < first.keep  # kept patches in the padding were dropped
+        prefill, _ = vlm.prefill([item], selector, budget)
+        plain, merged = prefill.kept_stages[0][0], prefill.merged_stages[0][0]
+        # each merged token stands in its kept token's slot: the one kept token among its sources
+        targets = [sorted(set(sources) & set(expected.tolist())) for sources in merged]
+        assert all(len(target) == 1 for target in targets)
+        assert sorted(plain + [target for [target] in targets]) == expected.tolist()
+        [output] = vlm._vision([item], frozenset({"layer_cls_attention", PADDED_CROPS}))
+        signals = LayerSignals(alive=torch.arange(item.num_visual), grid=item.grid, layer=0, num_layers=NUM_LAYERS,
+                               hidden_states=output.features.float(), padded_crops=output.signals[PADDED_CROPS],
+                               layer_cls_attention=output.signals["layer_cls_attention"],
+                               text_probs=torch.zeros(1, 1, item.num_visual))  # read by the LLM stage only
+        state = {}
+        kept = selector.prune(first, signals, state)
+        merge = selector.merge(first, signals, state, kept)
+        assert torch.equal(kept, expected)
+        inputs = output.features.float().clone()
+        inputs[merge.replaces] = merge.hidden
+        torch.testing.assert_close(inputs[kept], features[expected], atol=TOL, rtol=0)
+    from test_compute import counted, eager
+
+    outside, inside, answer = counted(eager(vlm), item, selector, budget)  # padding projected, merges per crop
+    assert (outside, inside) == (answer.cost.flops_vision + answer.cost.flops_llm, answer.cost.flops_selector)
+    out = tmp_path / "run"
+    result = runner.invoke(app, run_args(workspace, checkpoint, out, "--selector", "vscan", "--budget", "20",
+                                         "--option", "budget_scope=crop", "--option", "window_size=2"))
+    assert result.exit_code == 0, result.output
+    records = pq.read_table(out / "records.parquet").to_pandas()
+    assert len(records) == 4 and records["visual_tokens_avg"].between(1, 20).all()
 
 
 @pytest.mark.parametrize("family_name", ["llava_next", "llava_onevision"])

@@ -42,6 +42,8 @@ class SelectorWork:
         stages: in-LLM stages as ``(visual tokens alive before, kept after)``.
         options: the selector's options (``Selector.options()``).
         tower_merges: tokens ToMe merges in each vision-tower layer with ``location=tower`` (empty otherwise).
+        crop_stages: ``(patches, kept)`` of each crop a vision stage runs in alone, padding patches included
+            (VScan with ``budget_scope="crop"``; empty otherwise: the stages are over the image).
     """
 
     tokens: int = 0
@@ -54,6 +56,7 @@ class SelectorWork:
     stages: tuple[tuple[int, int], ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
     tower_merges: tuple[int, ...] = ()
+    crop_stages: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,11 +142,12 @@ def _sparsevlm(work: SelectorWork) -> int:
 
 
 def _vscan(work: SelectorWork) -> int:
-    """The vision stage's merge (``pruners.vscan.nearest_merge``): each pruned token's cosine to every kept one."""
+    """The vision stage's merge (``pruners.vscan.nearest_merge``): each pruned token's cosine to every kept one,
+    over the image or, per crop, over that crop's padded patches."""
     if not work.stages or not work.options["merge_pruned"]:
         return 0
-    alive, kept = work.stages[0]
-    return matmul(alive - kept, work.hidden, kept) if 0 < kept < alive else 0
+    scopes = work.crop_stages or work.stages[:1]
+    return sum(matmul(alive - kept, work.hidden, kept) for alive, kept in scopes if 0 < kept < alive)
 
 
 def _dart(work: SelectorWork) -> int:

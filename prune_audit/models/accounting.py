@@ -11,7 +11,10 @@ from typing import TYPE_CHECKING
 from prune_audit.compute.cost import PrefillCost, QuestionTokens, StageProbe, prefill_cost
 from prune_audit.compute.selectors import SelectorWork, selector_flops
 from prune_audit.models.layer_signals import ATTENTION_SIGNALS, KEY_SIGNALS, ROPE_SIGNALS
+from prune_audit.models.prefill_assembly import vision_layer_requests
 from prune_audit.pruners.base import InputSelector, Selection, Selector
+from prune_audit.pruners.crop_scope import crop_budgets
+from prune_audit.pruners.signals import PADDED_CROPS
 from prune_audit.pruners.tome import tower_schedule
 
 if TYPE_CHECKING:
@@ -50,6 +53,14 @@ def question_cost(
     tower_merges = ()
     if "merging_tower" in input_requires:  # ToMe's tower rerun, as pruners.tome.TowerMerging schedules it
         tower_merges = tuple(tower_schedule(item.num_visual, budget, shape.vision.layers))
+    crops, crop_stages = vlm.tower_crops(item), ()
+    if layer_requires and PADDED_CROPS in vision_layer_requests(vlm, ran):  # VScan per crop: padded grids
+        patches = crops["crop_grid"][0] * crops["crop_grid"][1]
+        crops["projected_tokens"] = crops["crops"] * patches  # the padding patches are projected too
+        vision_keep = vlm.schedule(ran, item.num_visual, budget)[0].keep
+        if vision_keep < item.num_visual:  # else every token is kept, nothing scanned
+            crop_stages = tuple((patches, ran.scan_count(share, crops["crop_grid"]))
+                                for share in crop_budgets(vision_keep, [patches] * crops["crops"]))
     arithmetic = 0
     if ran is not None:
         work = SelectorWork(
@@ -63,6 +74,7 @@ def question_cost(
             stages=tuple(zip(alive[:-1], alive[1:])),
             options=ran.options(),
             tower_merges=tower_merges,
+            crop_stages=crop_stages,
         )
         arithmetic, _ = selector_flops(ran.name, work)
     merged_inputs = selection is not None and selection.sources is not None and selection.llm_tokens is None
@@ -80,7 +92,7 @@ def question_cost(
         tower_merges=tower_merges,
         stage_probes=probes,
         selector_flops=arithmetic,
-        **vlm.tower_crops(item),
+        **crops,
     )
     return prefill_cost(shape, tokens)
 

@@ -26,7 +26,7 @@ from prune_audit.models.answering import AnswerModes
 from prune_audit.models.answers import answer_token_ids
 from prune_audit.models.executor import DecoderStack, LanguageLoop, Prefill, TokenRow, pack
 from prune_audit.models.parts import config_hash
-from prune_audit.models.prefill_assembly import layer_plan, select_input, token_row
+from prune_audit.models.prefill_assembly import layer_plan, select_input, token_row, vision_layer_requests
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
 from prune_audit.models.selector_support import SelectorSupport
 from prune_audit.models.timing import PartClock
@@ -306,8 +306,7 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         input_level = forced_kept is not None or isinstance(selector, InputSelector)
         requires = (self.signals_for(selector) if input_level and selector is not None and forced_kept is None
                     else frozenset())
-        vision_layer = (self.signals_for(selector) & VISION_LAYER_SIGNALS if isinstance(selector, LayerSelector)
-                        else frozenset())
+        vision_layer = vision_layer_requests(self, selector) if isinstance(selector, LayerSelector) else frozenset()
         clock = PartClock(self.device)
         with torch.no_grad():
             vision = self._vision(prepared, requires | vision_layer)

@@ -18,7 +18,8 @@ LLaVA-1.5. Uniform's lattice, pooling, ToMe and E2S's novelty blocks need only t
 each of the two regular grids (``grid_parts``; ``PER_GRID_SELECTORS``); a merged token takes its first cell's
 place among the newlines (``_row``). HiPrune is refused on the whole image (its neighbours lie on one grid)
 and runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official LLaVA-NeXT code selects per
-crop; VScan is refused (its official per-crop LLaVA-NeXT path is not ported: ``VSCAN_PER_CROP``).
+crop; so does VScan (``VSCAN_PER_CROP``), its vision stage scanning and merging in each crop's padded grid
+(``PaddedCrops``: the tower's padding patches too), then dropping the padding as the official unpadding.
 CLS-attention selectors read each crop's own CLS row (``_crop_cls_rows``, as the official LLaVA-NeXT ports of
 VisionZip and FasterVLM). VisionZip runs with ``budget_scope=crop`` only, as its official LLaVA-NeXT code: each
 crop's CLS state and keys (``crop_cls_features``, ``crop_cls_keys``), its tokens laid out without newlines
@@ -48,13 +49,14 @@ from prune_audit.models.prefill_assembly import token_row
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners.base import Selection
+from prune_audit.pruners.signals import PADDED_CROPS, PaddedCrops
 
 #: what HiPrune lacks on the whole anyres image: its neighbours lie on one (rows, cols) grid
 ONE_GRID = "one regular token grid"
-#: VScan's official LLaVA-NeXT code (Tencent/SelfEvolvingAgent a82450e, ``VScan/llava/model/llava_arch.py``
-#: ``encode_images`` on every crop, then ``unpad_image`` of the index mask) is not ported: docs/models.md
-VSCAN_PER_CROP = ("the per-crop scans of VScan's LLaVA-NeXT code (Tencent/SelfEvolvingAgent a82450e: window and "
-                  "global CLS scans and merging in each crop's padded grid, then unpadding), not ported")
+#: what VScan lacks on the whole anyres image: its official LLaVA-NeXT code (Tencent/SelfEvolvingAgent a82450e,
+#: ``VScan/llava/model/llava_arch.py`` ``encode_images`` on every crop, then ``unpad_image`` of the index mask)
+#: scans and merges in each crop's padded grid, which ``budget_scope=crop`` does (docs/models.md)
+VSCAN_PER_CROP = "each crop's padded grid for its scans (as its official LLaVA-NeXT code)"
 #: selectors that need only the grid layout: they run on each of the image's two regular grids (``grid_parts``),
 #: a project choice (none has official LLaVA-NeXT code), docs/models.md
 MERGE_PER_GRID = ("per grid: it merges within the base view's grid and within the tile grid, the budget split over "
@@ -71,8 +73,9 @@ PER_GRID_SELECTORS = MappingProxyType({
 #: those whose official LLaVA-NeXT code selects in each crop's own grid: they run with ``budget_scope=crop``
 #: (HiPrune, Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``: one index mask per crop;
 #: VisionZip, dvlab-research/VisionZip 3151f6d ``visionzip/llava_arch.py``: each crop's CLS, dominant and contextual
-#: tokens, ``pruners.crop_merge``)
-PER_CROP_GRID_SELECTORS = frozenset({"hiprune", "visionzip"})
+#: tokens, ``pruners.crop_merge``; VScan, Tencent/SelfEvolvingAgent a82450e: scans and merging in each crop's
+#: padded grid, then unpadding)
+PER_CROP_GRID_SELECTORS = frozenset({"hiprune", "visionzip", "vscan"})
 #: what VisionZip reads once per image on LLaVA-1.5 and once per crop here
 ONE_CLS = "one CLS token per image"
 NEWLINE_KIND = TEXT_BEFORE  # kept like the text before the image: never pruned, never a query row
@@ -90,7 +93,7 @@ class LlavaNextModel(LlavaModel):
     missing_signals_reason = (
         "its visual tokens form two grids (base view and unpadded tiles), each crop with its own CLS token; "
         "selectors on one grid or one CLS run per crop (budget_scope=crop) only where their official LLaVA-NeXT "
-        "code does (hiprune, visionzip)"
+        "code does (hiprune, visionzip, vscan)"
     )
     display_name = "LLaVA-NeXT"
     several_crops = True
@@ -173,7 +176,10 @@ class LlavaNextModel(LlavaModel):
             crops = item.pixel_values.to(self.device, self.dtype)
             hidden = self._tower_states(crops)
             order = item.extras["crop_patches"].to(self.device)  # (N,) crop-major patch of each visual token
-            visual = hidden[self.feature_index][:, 1:].flatten(0, 1)[order]  # (N, Dv), CLS dropped
+            patches = hidden[self.feature_index][:, 1:]  # (K, P, Dv), CLS dropped
+            visual = patches.flatten(0, 1)[order]  # (N, Dv)
+            projector = self.model.model.multi_modal_projector
+            padded = projector(patches) if PADDED_CROPS in requires else None  # (K, P, D): padding patches too
             signals = {}
             if requires & {"vision_features", "text_relevance"}:
                 signals["vision_features"] = visual
@@ -189,11 +195,17 @@ class LlavaNextModel(LlavaModel):
                 signals["crop_cls_features"] = hidden[self.feature_index][:, 0]
             if requires & {"cls_feature", "vision_keys"}:
                 signals["token_crops"] = self._token_crops(item).to(self.device)
-            if requires & LAYER_SIGNALS:  # each (K, Lv, P) over the crops, to (Lv, N) in visual-token order
-                signals.update({name: value.transpose(0, 1).flatten(1)[:, order]
-                                for name, value in self._layer_signals(hidden).items()
-                                if name.removeprefix("model_") in requires})
-            outputs.append(VisionOutput(self.model.model.multi_modal_projector(visual), signals))
+            per_crop = self._layer_signals(hidden) if requires & (LAYER_SIGNALS | {PADDED_CROPS}) else {}
+            # each (K, Lv, P) over the crops, to (Lv, N) in visual-token order
+            signals.update({name: value.transpose(0, 1).flatten(1)[:, order] for name, value in per_crop.items()
+                            if name.removeprefix("model_") in requires})
+            if padded is not None:
+                side = self.tile // self.model.config.vision_config.patch_size
+                signals[PADDED_CROPS] = PaddedCrops(per_crop["layer_cls_attention"],
+                                                    per_crop.get("model_layer_cls_attention"), padded.float(),
+                                                    (side, side), order.cpu())
+            features = projector(visual) if padded is None else padded.flatten(0, 1)[order]
+            outputs.append(VisionOutput(features, signals))
         return outputs
 
     def _crop_cls_rows(self, hidden: list[Tensor]) -> tuple[Tensor, Tensor]:

@@ -24,7 +24,7 @@ from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Stage
 from prune_audit.pruners.crop_merge import select_merging_per_crop
 from prune_audit.pruners.crop_scope import select_per_crop, select_per_grid
-from prune_audit.pruners.signals import InputSignals
+from prune_audit.pruners.signals import PADDED_CROPS, VISION_LAYER_SIGNALS, InputSignals
 
 if TYPE_CHECKING:  # the model is passed in; importing base at run time would be a cycle
     from prune_audit.models.base import VisionLanguageModel
@@ -108,6 +108,13 @@ def token_row(vlm: VisionLanguageModel, item: Prepared, output: VisionOutput, se
     return TokenRow(embeddings, all_kinds, positions)
 
 
+def vision_layer_requests(vlm: VisionLanguageModel, selector: LayerSelector) -> frozenset[str]:
+    """What the in-LLM ``selector`` asks the vision tower for on ``vlm``: the vision-layer signals it reads, and
+    ``PADDED_CROPS`` (every crop's padded patches) when it reads them with ``budget_scope="crop"`` (VScan)."""
+    requests = vlm.signals_for(selector) & VISION_LAYER_SIGNALS
+    return requests | {PADDED_CROPS} if requests and getattr(selector, "budget_scope", "") == "crop" else requests
+
+
 def layer_plan(vlm: VisionLanguageModel, prepared: Sequence[Prepared], selector: LayerSelector | None,
                budget: int | None, forced_stages: Sequence[ForcedStages] | None) -> LayerPlan:
     """The in-LLM plan of a batch: each row's stages from ``forced_stages`` ((layer, kept indices) per stage),
@@ -131,4 +138,4 @@ def layer_plan(vlm: VisionLanguageModel, prepared: Sequence[Prepared], selector:
     return LayerPlan(stages, grids, positions, selector, forced, grid_parts=parts)
 
 
-__all__ = ["select_input", "input_signals", "token_row", "layer_plan"]
+__all__ = ["select_input", "input_signals", "token_row", "vision_layer_requests", "layer_plan"]

@@ -20,6 +20,29 @@ from torch import Tensor
 # InputSignals an in-LLM selector may read, per token (with their model-dtype twins where the adapter has them)
 VISION_LAYER_SIGNALS = frozenset({"layer_cls_attention", "layer_attention"})
 VISION_TOWER_FACTS = frozenset({"vision_tower", "full_attention_layers"})  # InputSignals that travel with them
+#: what a per-crop in-LLM selector (``budget_scope="crop"``) asks the vision tower for: :class:`PaddedCrops`
+PADDED_CROPS = "padded_crops"
+
+
+@dataclass
+class PaddedCrops:
+    """Every crop's patches as the tower saw them, padding included (LLaVA-NeXT's tiles before unpadding), for a
+    selector whose official code scans and merges in each crop's padded grid (VScan).
+
+    Attributes:
+        cls_attention: (K, Lv, P) head-mean CLS attention of each of the K crops to its own P patches, per encoder
+            layer up to the feature layer (``InputSignals.layer_cls_attention`` before unpadding).
+        model_cls_attention: its model-dtype twin (None for a float32 tower).
+        features: (K, P, D) float32 projector outputs of every patch (the language model's inputs, padding too).
+        grid: (rows, cols) of each crop's patch grid, rows x cols = P.
+        patch_of: (N,) crop-major patch (crop x P + patch) of each visual token; the other patches are padding.
+    """
+
+    cls_attention: Tensor
+    model_cls_attention: Tensor | None
+    features: Tensor
+    grid: tuple[int, int]
+    patch_of: Tensor
 
 
 @dataclass
@@ -173,6 +196,7 @@ class LayerSignals:
             model_layer_cls_attention: its twin; layer_attention, vision_tower, full_attention_layers: as such.
         rope_ones_logits: (T, n) ``q.k / sqrt(d)`` of all-ones q and k under the layer's RoPE there (SparseVLM v2).
         model_dtype: the dtype the model computes in (None: float32).
+        padded_crops: every crop's padded patches, for a selector run with ``budget_scope="crop"`` (else None).
     """
 
     alive: Tensor
@@ -200,6 +224,7 @@ class LayerSignals:
     rope_ones_logits: Tensor | None = None
     model_dtype: torch.dtype | None = None
     grid_parts: tuple[tuple[int, int], ...] = ()
+    padded_crops: PaddedCrops | None = None
 
     @property
     def num_alive(self) -> int:

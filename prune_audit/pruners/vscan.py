@@ -9,7 +9,8 @@ from typing import Any, ClassVar, get_args
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import PositionMode, Reference, Stage, TokenMerge, rounded_to
+from prune_audit.pruners.base import BudgetScoped, PositionMode, Reference, Stage, TokenMerge, rounded_to
+from prune_audit.pruners.crop_scope import crop_budgets
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.fastv import last_row_attention
 from prune_audit.pruners.hiprune import scaled_vision_layer
@@ -30,6 +31,7 @@ LOCAL_COUNTS = ("fill", "official")
 ATTENTION_ROPES = ("applied", "skipped")
 #: the README's settings: average budget -> tokens after the vision stage and after LLM layer 16 (576 tokens)
 VSCAN_COUNTS = {64: (96, 32), 128: (192, 64), 192: (288, 96)}
+CROP_MERGE = "crop_merge"  # the per-crop vision stage's merged tokens, from ``prune`` to ``merge`` (row state)
 
 
 def window_scan(
@@ -142,7 +144,7 @@ def nearest_merge(hidden: Tensor, kept: Tensor) -> TokenMerge | None:
 
 @register
 @dataclass
-class VScanSelector(ScheduledSelector):
+class VScanSelector(ScheduledSelector, BudgetScoped):
     """VScan: local and global scans of the vision encoder's CLS attention with merging, then a middle LLM stage.
 
     Two stages. At the input of decoder layer 0 (the vision stage, ``T_v`` tokens): the local
@@ -195,6 +197,22 @@ class VScanSelector(ScheduledSelector):
     official Qwen ``layer_prune`` leaves q and k unrotated (its M-RoPE call is commented out; the LLaVA one
     rotates): ``attention_rope="skipped"`` does the same, the default applies the layer's RoPE.
 
+    On LLaVA-NeXT, with ``budget_scope="crop"`` (refused there on the whole image), as ``encode_images`` on the
+    batch of crops and ``prepare_inputs_labels_for_multimodal``'s unpadding of its index mask (same commit; its
+    ``scripts/llava1_6``: ``--visual_token_num 96`` per crop, ``--layer_list [16] --image_token_list [32]``):
+    ``T_v`` is split evenly over the K crops (the base view and each tile), each crop runs both scans and the
+    merging in its own padded 24 x 24 grid, padding patches included (:meth:`_per_crop_stage`, reading
+    ``LayerSignals.padded_crops``); then the tiles are unpadded: a kept patch in the padding is dropped, with
+    the tokens merged into it, so fewer than ``T_v`` tokens may remain; padding patches merged into a kept
+    visual token stay in its mean. Row newlines are never counted nor pruned. The LLM stage is LLaVA-1.5's on
+    the surviving tokens. Differences: here the budget is the image's and the stage count ``T_v`` follows
+    from it (the official fixes 96 per crop). The official LLM stage (``modeling_llama_x.py::layer_prune``)
+    keeps LLaVA-1.5's lengths: its image length is ``min(96, span)`` where the span holds every crop's kept
+    tokens and the newlines, so it ranks only the span's first 96 tokens (the base view's kept ones), by the
+    attention of the row at ``prompt_len + 96 - 1`` (inside the image span, not the last prompt token), keeps
+    32 of them and leaves the tiles' tokens and newlines; here the LLM stage ranks every alive visual token by
+    the last prompt token's attention and keeps ``T_l`` of them.
+
     Options (besides ``budget_rule``, ``score_dtype`` and ``ties``, which act on both stages):
         llm_layer: decoder layer of the LLM stage on the 32-layer reference, scaled.
         llm_share: ``T_l`` as a share of the budget.
@@ -207,6 +225,7 @@ class VScanSelector(ScheduledSelector):
         positions: position ids after pruning (the official code renumbers).
         attention_rope: ``"applied"`` (the layer's RoPE in the LLM stage's attention) or ``"skipped"`` (the
             official Qwen code).
+        budget_scope: ``"image"``, or ``"crop"``: the vision stage per crop in its padded grid (LLaVA-NeXT).
     """
 
     name: ClassVar[str] = "vscan"
@@ -268,20 +287,81 @@ class VScanSelector(ScheduledSelector):
         if stage.keep >= n:
             return torch.arange(n, dtype=torch.long)
         half = self.ranking_dtype(signals.model_dtype)
+        if self.budget_scope == "crop":
+            kept, state[CROP_MERGE] = self._per_crop_stage(stage.keep, signals, half)
+            return kept
         if signals.layer_cls_attention is None:
             return self._received_attention_scans(stage.keep, signals, half)
         official = signals.model_layer_cls_attention if half is not None else None  # the half model's own, if passed
         attention = rounded_to((signals.layer_cls_attention if official is None else official).float(), half)  # (Lv, n)
+        return self._cls_scans(attention, signals.alive, signals.grid, stage.keep, half)
+
+    def _cls_scans(self, attention: Tensor, cells: Tensor, grid: tuple[int, int], keep: int,
+                   half: torch.dtype | None) -> Tensor:
+        """(keep,) ascending positions kept by the local scan of the shallow layer's CLS attention and the global
+        scan of the last layer's, on ``attention`` (Lv, n) of tokens at ``cells`` (n,) of ``grid``."""
         shallow = attention[scaled_vision_layer(self.shallow_layer, attention.shape[0])]
-        rows, cols = signals.grid
-        blocks = (rows // self.window_size) * (cols // self.window_size)
-        local_target = int(stage.keep * (1 - self.global_share))
-        per_window = local_target // blocks if blocks else 0
-        local = window_scan(shallow, signals.alive, signals.grid, self.window_size, per_window, self.ties, half)
-        global_count = stage.keep - (local.numel() if self.local_count == "fill" else local_target)
+        local_target, per_window, _ = self._local_counts(keep, grid)
+        local = window_scan(shallow, cells, grid, self.window_size, per_window, self.ties, half)
+        global_count = keep - (local.numel() if self.local_count == "fill" else local_target)
         deep = torch.nan_to_num(attention[-1], nan=float("-inf"))
         chosen = global_scan(deep, local, global_count, self.ties, half)
         return torch.sort(torch.cat([local, chosen])).values
+
+    def _local_counts(self, keep: int, grid: tuple[int, int]) -> tuple[int, int, int]:
+        """The local scan's share of ``keep`` on ``grid``: ``(int(keep (1 - global_share)), per window, blocks)``."""
+        blocks = (grid[0] // self.window_size) * (grid[1] // self.window_size)
+        local_target = int(keep * (1 - self.global_share))
+        return local_target, local_target // blocks if blocks else 0, blocks
+
+    def scan_count(self, keep: int, grid: tuple[int, int]) -> int:
+        """Tokens the two scans keep when asked for ``keep`` on a full ``grid``: ``keep``, or under
+        ``local_count="official"`` fewer where the blocks do not divide the local share (compute accounting)."""
+        local_target, per_window, blocks = self._local_counts(keep, grid)
+        return keep if self.local_count == "fill" else keep - local_target + per_window * blocks
+
+    def _per_crop_stage(self, keep: int, signals: LayerSignals,
+                        half: torch.dtype | None) -> tuple[Tensor, TokenMerge | None]:
+        """The vision stage in each crop's padded grid (``budget_scope="crop"``, VScan's LLaVA-NeXT code).
+
+        Each of the K crops scans its P patches (padding included) at its share of ``keep``
+        (:func:`~prune_audit.pruners.crop_scope.crop_budgets`), and with ``merge_pruned`` every other patch of the
+        crop joins its nearest kept patch (:func:`nearest_merge` on the padded projector outputs); then, as the
+        official unpadding of the index mask, a kept patch in the padding is dropped with what merged into it, and
+        padding patches merged into a kept visual token stay in its mean (its record lists its visual members only).
+
+        Returns:
+            (k,) ascending kept positions among the alive tokens, and the merged tokens that replace kept ones.
+        """
+        crops = signals.padded_crops
+        if crops is None or not torch.equal(signals.alive, torch.arange(crops.patch_of.numel())):
+            raise ValueError("vscan's per-crop vision stage needs every crop's padded patches and runs first, on "
+                             "every visual token; drop --option budget_scope=crop")
+        official = crops.model_cls_attention if half is not None else None
+        attention = (crops.cls_attention if official is None else official).float().cpu()  # (K, Lv, P)
+        features = crops.features.float().cpu()  # (K, P, D)
+        count, _, per_crop = attention.shape
+        token_at = torch.full((count * per_crop,), -1, dtype=torch.long)  # visual token of each patch; -1: padding
+        token_at[crops.patch_of] = torch.arange(crops.patch_of.numel())
+        kept, merged, members, replaces = [], [], [], []
+        for crop, share in enumerate(crop_budgets(keep, [per_crop] * count)):
+            if share == 0:
+                continue
+            cells = torch.arange(per_crop)
+            patches = self._cls_scans(rounded_to(attention[crop], half), cells, crops.grid, share, half)
+            tokens = token_at[crop * per_crop :][:per_crop]  # (P,) visual token of each patch of this crop
+            kept.append(tokens[patches][tokens[patches] >= 0])
+            merge = nearest_merge(features[crop], patches) if self.merge_pruned else None
+            for index, (target, group) in enumerate(zip([] if merge is None else merge.replaces.tolist(),
+                                                        [] if merge is None else merge.members)):
+                if tokens[target] >= 0:  # a kept patch in the padding is unpadded away with its members
+                    merged.append(merge.hidden[index])
+                    members.append(tokens[group][tokens[group] >= 0])
+                    replaces.append(int(tokens[target]))
+        kept = torch.cat(kept).sort().values if kept else torch.zeros(0, dtype=torch.long)
+        if not merged:
+            return kept, None
+        return kept, TokenMerge(torch.stack(merged), members, replaces=torch.tensor(replaces, dtype=torch.long))
 
     def _received_attention_scans(self, keep: int, signals: LayerSignals, half: torch.dtype | None) -> Tensor:
         """The vision stage on Qwen2.5-VL's received attention (``layer_attention`` (Lv, n)): the greedy local
@@ -298,6 +378,8 @@ class VScanSelector(ScheduledSelector):
         """The vision stage's merged tokens, each in the place of its kept token (None without ``merge_pruned``)."""
         if stage.layer > 0 or not self.merge_pruned:
             return None
+        if self.budget_scope == "crop":
+            return state.pop(CROP_MERGE, None)  # absent when the stage kept every token
         return nearest_merge(signals.hidden_states.float(), kept)
 
     def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
