@@ -31,7 +31,7 @@ from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, ch
 from prune_audit.models.selector_support import SelectorSupport
 from prune_audit.models.timing import PartClock
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Selector, Stage
-from prune_audit.pruners.signals import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS
+from prune_audit.pruners.signals import VISION_TOWER_FACTS
 from prune_audit.pruners.registry import list_selectors, selector_class
 
 
