@@ -408,9 +408,59 @@ def test_internvl_uniform_and_e2s_run_on_each_tile_grid(tmp_path):
     assert torch.equal(bonus, expected)
 
 
+def test_internvl_pool_and_tome_merge_within_each_tile_through_the_projector(tmp_path):
+    """Pool and ToMe merge within each tile's and the thumbnail's 4 x 4 grid (64-px tiles of 8-px patches). By hand at
+    4 per grid (28 over 7): pool's windows are each tile's four 2 x 2 blocks, its tokens the means of the tower's
+    pixel-shuffled pre-projector tokens, fed through the stock projector; ToMe's outputs are 4 per tile, each the mean
+    of its sources' projected features (size-weighted merging). Each merged token takes the next compact position:
+    the pruned logits equal the stock language model fed that row. ``budget_scope=crop`` is refused in one line."""
+    from prune_audit.models.kinds import MERGED
+    from prune_audit.pruners.registry import selector_from_strings
+
+    checkpoint = adapter_for("internvl", "test").build_tiny(tmp_path / "model", words=WORDS, image_size=64)
+    vlm = load_vlm(checkpoint, device="cpu")
+    item = vlm.prepare(random_image(1, (130, 100)), QUESTIONS[0])
+    grids = item.pixel_values.shape[0]
+    assert grids == 7 and item.num_visual == 16 * grids
+    start, end = item.image_span
+    blocks = [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
+    for name in ("pool", "tome"):
+        with pytest.raises(PruneAuditError, match="merges tokens") as error:
+            vlm.check_selector(selector_from_strings(name, ["budget_scope=crop"]))
+        assert "\n" not in str(error.value)
+        result, [selection] = vlm.prefill([item], get_selector(name), 4 * grids)
+        [output] = vlm._vision([item], frozenset({"vision_features"}))
+        tiles = [int(group.min()) // 16 for group in selection.sources]
+        assert tiles == sorted(tiles) and tiles == [tile for tile in range(grids) for _ in range(4)]
+        assert all(bool((group // 16 == tile).all()) for group, tile in zip(selection.sources, tiles))
+        assert torch.equal(torch.cat(selection.sources).sort().values, torch.arange(item.num_visual))
+        if name == "pool":
+            assert [group.tolist() for group in selection.sources] == [[16 * tile + cell for cell in block]
+                                                                        for tile in range(grids) for block in blocks]
+            means = torch.stack([output.signals["vision_features"][group].float().mean(dim=0)
+                                 for group in selection.sources])
+            torch.testing.assert_close(selection.vision_tokens, means, atol=TOL, rtol=0)
+            with torch.no_grad():
+                fed = vlm.model.model.multi_modal_projector(means.to(vlm.dtype))
+        else:
+            fed = torch.stack([output.features[group].float().mean(dim=0) for group in selection.sources])
+            torch.testing.assert_close(selection.llm_tokens, fed, atol=TOL, rtol=0)
+        row = vlm._row(item, output, selection)
+        torch.testing.assert_close(row.embeddings[start:start + 4 * grids], fed.to(row.embeddings.dtype),
+                                   atol=TOL, rtol=0)
+        assert row.kinds.numel() == item.input_ids.numel() - (end - start) + 4 * grids
+        kinds = [int(group[0]) if group.numel() == 1 else MERGED for group in selection.sources]
+        assert row.kinds[start:start + 4 * grids].tolist() == kinds  # a one-cell ToMe output keeps its index
+        assert torch.equal(row.positions[0], torch.arange(row.kinds.numel()))
+        with torch.no_grad():
+            stock = vlm.model(inputs_embeds=row.embeddings[None]).logits[0, -1]
+        assert (result.logits[0] - stock).abs().max() <= TOL
+
+
 def test_internvl_one_tile_runs_the_grid_selectors_as_before_tiling(tmp_path):
     """A one-tile InternVL checkpoint is one 4 x 4 grid: uniform keeps what it kept on the whole grid before tiling
-    (by hand at 4: cells 0, 2, 8, 10; at other budgets uniform on the (4, 4) grid), and E2S's blocks are that grid's."""
+    (by hand at 4: cells 0, 2, 8, 10; at other budgets uniform on the (4, 4) grid), E2S's blocks are that grid's, and
+    pool and ToMe give what they give on the whole grid's signals (the pre-tiling path)."""
     from prune_audit.models.internvl import build_internvl
     from prune_audit.pruners.signals import InputSignals
 
@@ -427,6 +477,17 @@ def test_internvl_one_tile_runs_the_grid_selectors_as_before_tiling(tmp_path):
     vlm.answer([item], recorder, 8)
     assert recorder.records[0].grid_parts == ((4, 4),)
     assert vlm.answer([item], get_selector("e2s"), 8)[0].kept_stages
+    [output] = vlm._vision([item], frozenset({"vision_features"}))
+    whole = InputSignals(grid=(4, 4), features=output.features.float(),
+                         vision_features=output.signals["vision_features"].float())
+    for name in ("pool", "tome"):
+        _, [selection] = vlm.prefill([item], get_selector(name), 4)
+        before = get_selector(name).select(whole, 4)  # by hand for pool: the four 2 x 2 blocks
+        assert name == "tome" or [group.tolist() for group in selection.sources] == [
+            [0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
+        assert [group.tolist() for group in selection.sources] == [group.tolist() for group in before.sources]
+        tokens = selection.vision_tokens if name == "pool" else selection.llm_tokens
+        torch.testing.assert_close(tokens, before.vision_tokens if name == "pool" else before.llm_tokens)
 
 
 def test_class_declarations_say_what_the_loaded_model_runs(family, vlm):
