@@ -363,26 +363,133 @@ def test_internvl_tiles_are_the_processors_and_the_one_tile_checkpoint_still_run
     torch.testing.assert_close(one_tile.prefill([item])[0].logits, stock, atol=TOL, rtol=0)
 
 
-def test_internvl_uniform_runs_per_tile_and_merging_selectors_refuse_in_one_line(tmp_path):
-    """Uniform lays its lattice on one grid: refused over the tiles and thumbnail together, run on each tile's own
-    2 x 2 grid with ``budget_scope=crop``. By hand: 14 tokens over 7 crops (3 x 2 tiles and the thumbnail) is 2 per
-    crop, a 1 x 2 lattice at mid-height whose points take the top row on the tie. Pool and ToMe merge, which the
-    per-crop selection does not carry: refused in one line either way."""
+def test_internvl_uniform_and_e2s_run_on_each_tile_grid(tmp_path):
+    """Uniform and E2S need only a grid layout: on InternVL each tile's and the thumbnail's grid is one
+    (``grid_parts``). Re-derived here: the tiles from the processor's tile count, each a block of consecutive
+    4 x 4 tokens (64-px tiles of 8-px patches, pixel-shuffled); the budget split by hand (equal grids: ``b // 7``, the
+    first ``b % 7`` one more); uniform on each grid alone; by hand at 4 per grid the lattice points (1, 1), (1, 3),
+    (3, 1), (3, 3) of a 4 x 4 grid take their tied nearest cells' first, 0, 2, 8 and 10. ``budget_scope=crop`` gives the
+    same sets (the same even split). E2S: the in-LLM signals carry the seven 4 x 4 grids, and its novelty bonus marks
+    the best token of each 2 x 2 block of every tile (re-derived by reshaping the scores)."""
+    from prune_audit.pruners.e2s import novelty_bonus
+    from prune_audit.pruners.registry import selector_from_strings
+    from prune_audit.pruners.signals import InputSignals
+
+    checkpoint = adapter_for("internvl", "test").build_tiny(tmp_path / "model", words=WORDS, image_size=64,
+                                                            text_layers=NUM_LAYERS)
+    vlm = load_vlm(checkpoint, device="cpu")
+    item = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
+    grids = item.pixel_values.shape[0]
+    assert grids == 7 and item.num_visual == 16 * grids
+    vlm.check_selector(get_selector("uniform"))  # over the whole image now, no budget_scope=crop needed
+    uniform = get_selector("uniform")
+    assert vlm.answer([item], uniform, 28)[0].kept == [16 * tile + cell for tile in range(7) for cell in (0, 2, 8, 10)]
+    for budget in (1, 5, 30, item.num_visual // 3):
+        shares = [budget // grids + (tile < budget % grids) for tile in range(grids)]
+        expected = [16 * tile + int(cell) for tile, share in enumerate(shares) if share
+                    for cell in uniform.select(InputSignals(grid=(4, 4)), share).kept]
+        assert vlm.answer([item], uniform, budget)[0].kept_stages == [expected]
+        crop_scoped = selector_from_strings("uniform", ["budget_scope=crop"])
+        assert vlm.answer([item], crop_scoped, budget)[0].kept_stages == [expected]
+
+    recorder = RecordingLayerSelector(layer=1, keep=8)
+    vlm.answer([item], recorder, 8)
+    assert recorder.records[0].grid_parts == ((4, 4),) * grids
+    [answer] = vlm.answer([item], get_selector("e2s"), item.num_visual // 2)
+    assert answer.kept_stages and len(answer.kept_stages[-1]) < item.num_visual
+    scores = torch.rand(item.num_visual, generator=torch.Generator().manual_seed(0))
+    blocks = scores.view(grids, 2, 2, 2, 2).permute(0, 1, 3, 2, 4).reshape(grids, 4, 4)  # tile, block, cell
+    best = blocks.argmax(dim=-1)  # (tile, block) -> cell (r, c) within the 2 x 2 block
+    block_r, block_c = torch.arange(4) // 2, torch.arange(4) % 2
+    expected = torch.zeros(item.num_visual)
+    for tile in range(grids):
+        for block in range(4):
+            r, c = 2 * block_r[block] + best[tile, block] // 2, 2 * block_c[block] + best[tile, block] % 2
+            expected[16 * tile + 4 * r + c] = 1
+    bonus = novelty_bonus(torch.arange(item.num_visual), recorder.records[0].grid_parts, scores, cells=2)
+    assert torch.equal(bonus, expected)
+
+
+def test_internvl_pool_and_tome_merge_within_each_tile_through_the_projector(tmp_path):
+    """Pool and ToMe merge within each tile's and the thumbnail's 4 x 4 grid (64-px tiles of 8-px patches). By hand at
+    4 per grid (28 over 7): pool's windows are each tile's four 2 x 2 blocks, its tokens the means of the tower's
+    pixel-shuffled pre-projector tokens, fed through the stock projector; ToMe's outputs are 4 per tile, each the mean
+    of its sources' projected features (size-weighted merging). Each merged token takes the next compact position:
+    the pruned logits equal the stock language model fed that row. ``budget_scope=crop`` is refused in one line."""
+    from prune_audit.models.kinds import MERGED
     from prune_audit.pruners.registry import selector_from_strings
 
-    vlm = load_vlm(adapter_for("internvl", "test").build_tiny(tmp_path / "model", words=WORDS), device="cpu")
-    item = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
-    assert item.pixel_values.shape[0] == 7
-    with pytest.raises(PruneAuditError, match="runs per crop with --option budget_scope=crop"):
-        vlm.check_selector(get_selector("uniform"))
-    [answer] = vlm.answer([item], selector_from_strings("uniform", ["budget_scope=crop"]), 14)
-    assert answer.kept == [token for tile in range(7) for token in (4 * tile, 4 * tile + 1)]
+    checkpoint = adapter_for("internvl", "test").build_tiny(tmp_path / "model", words=WORDS, image_size=64)
+    vlm = load_vlm(checkpoint, device="cpu")
+    item = vlm.prepare(random_image(1, (130, 100)), QUESTIONS[0])
+    grids = item.pixel_values.shape[0]
+    assert grids == 7 and item.num_visual == 16 * grids
+    start, end = item.image_span
+    blocks = [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
     for name in ("pool", "tome"):
-        for options in ([], ["budget_scope=crop"]):
-            with pytest.raises(PruneAuditError) as error:
-                vlm.check_selector(selector_from_strings(name, options))
-            expected = "merges tokens; drop --option budget_scope=crop" if options else "one regular token grid"
-            assert expected in str(error.value) and "\n" not in str(error.value)
+        with pytest.raises(PruneAuditError, match="merges tokens") as error:
+            vlm.check_selector(selector_from_strings(name, ["budget_scope=crop"]))
+        assert "\n" not in str(error.value)
+        result, [selection] = vlm.prefill([item], get_selector(name), 4 * grids)
+        [output] = vlm._vision([item], frozenset({"vision_features"}))
+        tiles = [int(group.min()) // 16 for group in selection.sources]
+        assert tiles == sorted(tiles) and tiles == [tile for tile in range(grids) for _ in range(4)]
+        assert all(bool((group // 16 == tile).all()) for group, tile in zip(selection.sources, tiles))
+        assert torch.equal(torch.cat(selection.sources).sort().values, torch.arange(item.num_visual))
+        if name == "pool":
+            assert [group.tolist() for group in selection.sources] == [[16 * tile + cell for cell in block]
+                                                                        for tile in range(grids) for block in blocks]
+            means = torch.stack([output.signals["vision_features"][group].float().mean(dim=0)
+                                 for group in selection.sources])
+            torch.testing.assert_close(selection.vision_tokens, means, atol=TOL, rtol=0)
+            with torch.no_grad():
+                fed = vlm.model.model.multi_modal_projector(means.to(vlm.dtype))
+        else:
+            fed = torch.stack([output.features[group].float().mean(dim=0) for group in selection.sources])
+            torch.testing.assert_close(selection.llm_tokens, fed, atol=TOL, rtol=0)
+        row = vlm._row(item, output, selection)
+        torch.testing.assert_close(row.embeddings[start:start + 4 * grids], fed.to(row.embeddings.dtype),
+                                   atol=TOL, rtol=0)
+        assert row.kinds.numel() == item.input_ids.numel() - (end - start) + 4 * grids
+        kinds = [int(group[0]) if group.numel() == 1 else MERGED for group in selection.sources]
+        assert row.kinds[start:start + 4 * grids].tolist() == kinds  # a one-cell ToMe output keeps its index
+        assert torch.equal(row.positions[0], torch.arange(row.kinds.numel()))
+        with torch.no_grad():
+            stock = vlm.model(inputs_embeds=row.embeddings[None]).logits[0, -1]
+        assert (result.logits[0] - stock).abs().max() <= TOL
+
+
+def test_internvl_one_tile_runs_the_grid_selectors_as_before_tiling(tmp_path):
+    """A one-tile InternVL checkpoint is one 4 x 4 grid: uniform keeps what it kept on the whole grid before tiling
+    (by hand at 4: cells 0, 2, 8, 10; at other budgets uniform on the (4, 4) grid), E2S's blocks are that grid's, and
+    pool and ToMe give what they give on the whole grid's signals (the pre-tiling path)."""
+    from prune_audit.models.internvl import build_internvl
+    from prune_audit.pruners.signals import InputSignals
+
+    vlm = load_vlm(build_internvl(tmp_path / "one", words=WORDS, image_size=56, patch_size=7,
+                                  text_layers=NUM_LAYERS), device="cpu")
+    item = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
+    assert item.pixel_values.shape[0] == 1 and item.grid == (4, 4)
+    uniform = get_selector("uniform")
+    assert vlm.answer([item], uniform, 4)[0].kept == [0, 2, 8, 10]
+    for budget in (1, 3, 7, 16):
+        expected = uniform.select(InputSignals(grid=(4, 4)), budget).kept.tolist()
+        assert vlm.answer([item], uniform, budget)[0].kept_stages == [expected]
+    recorder = RecordingLayerSelector(layer=1, keep=8)
+    vlm.answer([item], recorder, 8)
+    assert recorder.records[0].grid_parts == ((4, 4),)
+    assert vlm.answer([item], get_selector("e2s"), 8)[0].kept_stages
+    [output] = vlm._vision([item], frozenset({"vision_features"}))
+    whole = InputSignals(grid=(4, 4), features=output.features.float(),
+                         vision_features=output.signals["vision_features"].float())
+    for name in ("pool", "tome"):
+        _, [selection] = vlm.prefill([item], get_selector(name), 4)
+        before = get_selector(name).select(whole, 4)  # by hand for pool: the four 2 x 2 blocks
+        assert name == "tome" or [group.tolist() for group in selection.sources] == [
+            [0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
+        assert [group.tolist() for group in selection.sources] == [group.tolist() for group in before.sources]
+        tokens = selection.vision_tokens if name == "pool" else selection.llm_tokens
+        torch.testing.assert_close(tokens, before.vision_tokens if name == "pool" else before.llm_tokens)
 
 
 def test_class_declarations_say_what_the_loaded_model_runs(family, vlm):

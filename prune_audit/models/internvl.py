@@ -20,10 +20,14 @@ the prompt is simply shorter (compact positions), as for LLaVA.
 Signals: the projected features, the pre-projector pixel-shuffled features and the layer-0 text
 demand. The LLM input has no CLS token and each LLM token is four ViT patches, so the CLS- and
 vision-attention selectors (FasterVLM, VisionZip, VisPruner, SCOPE, HiPrune, VScan) are refused; no
-CLIP text space, so CDPruner is refused. The tiles and the thumbnail are several grids: selectors
-that lay tokens on one (rows, cols) grid are refused over the image (uniform, pool, ToMe, E2S);
-uniform runs per tile with ``budget_scope=crop`` (each tile and the thumbnail one 16 x 16 grid), as
-every input selector can; the merging ones stay refused (``budget_scope=crop`` keeps plain tokens).
+CLIP text space, so CDPruner is refused. The tiles and the thumbnail are several regular grids, each
+tile's and the thumbnail's own (``grid_parts``, the same tokens as ``crop_tokens``): uniform's lattice,
+E2S's novelty blocks, pooling windows and ToMe's merges lie on each of them (``PER_TILE_SELECTORS``); one
+tile is one grid, as before tiling. A merged token is exact through the projector path as on one tile:
+pooling averages one tile's pixel-shuffled pre-projector tokens and ``_project`` runs the token-wise MLP
+projector on the mean (ToMe merges projected tokens), it takes the next compact position in the row, and
+its sources are cells of that one tile. ``budget_scope=crop`` splits any non-merging input selector's
+budget evenly over the tiles and the thumbnail.
 
 Prompt: the official InternVL chat format (ChatML; ``<img>`` + ``<IMG_CONTEXT>`` x N +
 ``</img>`` then a newline before the question), as ``model.chat`` of the
@@ -44,7 +48,6 @@ from prune_audit.compute.shape import ModelShape, VisionShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
-from prune_audit.models.llava_next import ONE_GRID
 from prune_audit.models.parts import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.shape import language_shape
@@ -56,11 +59,19 @@ DEFAULT_SYSTEM = (
     "你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。"
 )
 START_IMAGE, END_IMAGE, CONTEXT_IMAGE = "<img>", "</img>", "<IMG_CONTEXT>"
-#: selectors that place tokens on one (rows, cols) grid, which the tiles and thumbnail do not form together
-ONE_GRID_SELECTORS = frozenset({"uniform", "pool", "tome", "e2s"})
-#: those that run on each tile's own grid with ``budget_scope=crop`` (plain tokens: not pool or ToMe; E2S prunes
-#: inside the decoder, where crops have no budget)
-PER_TILE_GRID_SELECTORS = frozenset({"uniform"})
+#: how pool and ToMe run: each merged token from one tile's grid (or the thumbnail's), docs/models.md
+MERGE_PER_TILE = ("per tile: it merges within each tile's grid and the thumbnail's, the budget split evenly over "
+                  "them, each merged token at the next compact position (a project choice, no official code)")
+#: selectors that need only a grid layout: they run on each tile's and the thumbnail's grid (``grid_parts``), a
+#: project choice (no official InternVL pruning code was read), docs/models.md
+PER_TILE_SELECTORS = MappingProxyType({
+    "e2s": "per tile: its novelty blocks split each tile's grid and the thumbnail's (a project choice; E2S has no "
+           "public code)",
+    "pool": MERGE_PER_TILE,
+    "tome": MERGE_PER_TILE,
+    "uniform": "per tile: the budget split evenly over the tiles' and the thumbnail's grids, equal in tokens (a "
+               "project choice, no official code); one tile is one grid",
+})
 
 
 class InternVLModel(VisionLanguageModel):
@@ -70,13 +81,11 @@ class InternVLModel(VisionLanguageModel):
     input_signals = frozenset({"features", "vision_features", "demand"})
     missing_signals_reason = (
         "its language model gets no CLS token (each visual token is a 2x2 pixel-shuffled patch group), "
-        "this adapter reads no vision-tower attention, it has no CLIP text space, and its tiles and thumbnail "
-        "form several grids"
+        "this adapter reads no vision-tower attention, and it has no CLIP text space"
     )
     several_crops = True
-    crop_grid_selectors = PER_TILE_GRID_SELECTORS
+    per_grid_selectors = PER_TILE_SELECTORS
     token_grids = "several grids"
-    refused_selectors = MappingProxyType(dict.fromkeys(sorted(ONE_GRID_SELECTORS), ONE_GRID))
     display_name = "InternVL"
     prompt_templates = (PROMPT_TEMPLATE,)
 
@@ -198,6 +207,11 @@ class InternVLModel(VisionLanguageModel):
         and their (rows, cols) grid."""
         return [(torch.arange(tile * self.tile_tokens, (tile + 1) * self.tile_tokens), self.tile_grid)
                 for tile in range(item.pixel_values.shape[0])]
+
+    def grid_parts(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
+        """Each tile's and then the thumbnail's ``tile_grid`` of consecutive visual tokens: the tiles' tokens are
+        numbered tile by tile, so the joined tile canvas is no row-major grid, but each tile is (one tile: one grid)."""
+        return self.crop_tokens(item)
 
     def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
         """The tower ran on every tile (and the thumbnail) of ``tile // patch`` squared patches."""
