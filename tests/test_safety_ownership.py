@@ -98,6 +98,34 @@ def test_a_folder_another_shard_is_claiming_counts_as_empty(tmp_path):
         check_output_dir(folder, "run")
 
 
+@pytest.mark.parametrize(("settings", "adopted"), [({"budget": 5}, True), ({"budget": 6}, False)])
+def test_a_marker_another_shard_writes_while_the_folder_is_checked_is_read(tmp_path, monkeypatch, settings, adopted):
+    """The other shard's marker can appear after it was read as absent and before the folder is listed: the
+    check reads it once more and compares its settings (a CI run of the 2-process launch failed on this)."""
+    from prune_audit.safety import ownership
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / ".prune-audit.lock").write_text("")
+    real_read_owner = ownership.read_owner
+    calls = []
+
+    def marker_written_right_after_the_first_read(directory):
+        calls.append(directory)
+        if len(calls) == 1:
+            (folder / OWNER_FILE).write_text(json.dumps({"command": "run", "settings": {"budget": 5}}))
+            return None
+        return real_read_owner(directory)
+
+    monkeypatch.setattr(ownership, "read_owner", marker_written_right_after_the_first_read)
+    if adopted:
+        assert check_output_dir(folder, "run", settings) == folder
+    else:
+        with pytest.raises(PruneAuditError, match="other settings"):
+            check_output_dir(folder, "run", settings)
+    assert len(calls) == 2
+
+
 def test_clean_up_removes_only_the_runs_own_temporaries(demo, tmp_path):
     import shutil
 

@@ -132,6 +132,9 @@ def check_output_dir(
     if owner is None:
         if shared or _is_empty(directory):
             return directory
+        # another shard of the same run may have written its marker since it was read: read it once more
+        owner = read_owner(directory)
+    if owner is None:
         raise PruneAuditError(
             f"{option} {directory} already holds files that no prune-audit {command} wrote ({_held_files(directory)}); "
             f"pass a new or empty folder"
