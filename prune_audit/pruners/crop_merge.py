@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import InputSelector, Selection
-from prune_audit.pruners.crop_scope import crop_budgets
+from prune_audit.pruners.crop_scope import crop_budgets, kept_union, part_sizes, select_parts
 from prune_audit.pruners.signals import InputSignals
 
 
@@ -56,19 +56,14 @@ def select_merging_per_crop(
     Raises:
         ValueError: the selector merges after the projector (``llm_tokens``).
     """
-    shares = crop_budgets(budget, [int(tokens.numel()) for tokens, _ in crops])
+    selected = select_parts(selector, signals, crops, crop_budgets(budget, part_sizes(crops)), generator)
+    if any(chosen.llm_tokens is not None for _, _, chosen in selected):
+        raise ValueError("budget_scope=crop joins tokens merged before the projector; this selector merges after it")
     base: list[tuple[Tensor, Tensor]] = []  # (sources, vision token) in the base view's own order
     plain: list[tuple[Tensor, Tensor]] = []
     unlocated: list[tuple[Tensor, Tensor]] = []
     merged: list[tuple[Tensor, Tensor]] = []
-    kept = []
-    for crop, ((tokens, grid), share) in enumerate(zip(crops, shares)):
-        if share == 0:
-            continue
-        chosen = selector.select(signals.subset(tokens, grid), share, generator)
-        if chosen.llm_tokens is not None:
-            raise ValueError("budget_scope=crop joins tokens merged before the projector; this selector merges after it")
-        kept.append(tokens[chosen.kept])
+    for crop, tokens, chosen in selected:
         if chosen.sources is None:  # the crop kept all its tokens: each passes on as itself
             outputs = [(index.reshape(1), signals.vision_features[index]) for index in tokens[chosen.kept]]
         else:
@@ -87,7 +82,7 @@ def select_merging_per_crop(
     plain.sort(key=lambda output: int(output[0][0]))  # the joined tile grid, row-major
     joined = base + plain + unlocated + merged
     return Selection(
-        kept=torch.cat(kept).sort().values if kept else torch.zeros(0, dtype=torch.long),
+        kept=kept_union(selected),
         sources=[sources for sources, _ in joined],
         vision_tokens=torch.stack([token.float() for _, token in joined]),
         in_output_order=True,

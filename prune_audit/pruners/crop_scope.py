@@ -56,16 +56,40 @@ def select_per_crop(
     Raises:
         ValueError: ``selector`` merges tokens (a merged token's crop would be undefined).
     """
-    kept = []
-    for (tokens, grid), share in zip(crops, crop_budgets(budget, [int(tokens.numel()) for tokens, _ in crops])):
-        if share == 0:
-            continue
-        chosen = selector.select(signals.subset(tokens, grid), share, generator)
-        if chosen.sources is not None:
-            raise ValueError("budget_scope=crop keeps plain tokens per crop and this selector merges tokens; drop "
-                             "--option budget_scope=crop")
-        kept.append(tokens[chosen.kept])
-    return Selection(kept=torch.cat(kept).sort().values if kept else torch.zeros(0, dtype=torch.long))
+    chosen = select_parts(selector, signals, crops, crop_budgets(budget, part_sizes(crops)), generator)
+    if any(selection.sources is not None for _, _, selection in chosen):
+        raise ValueError("budget_scope=crop keeps plain tokens per crop and this selector merges tokens; drop "
+                         "--option budget_scope=crop")
+    return Selection(kept=kept_union(chosen))
+
+
+def part_sizes(parts: Sequence[tuple[Tensor, tuple[int, int]]]) -> list[int]:
+    """The token count of each part (crop or grid)."""
+    return [int(tokens.numel()) for tokens, _ in parts]
+
+
+def select_parts(
+    selector: InputSelector,
+    signals: InputSignals,
+    parts: Sequence[tuple[Tensor, tuple[int, int]]],
+    shares: Sequence[int],
+    generator: torch.Generator | None = None,
+) -> list[tuple[int, Tensor, Selection]]:
+    """``selector`` on each part's (crop's or grid's) tokens alone at its share; parts with no share are skipped.
+
+    Returns:
+        Per selected part: its index in ``parts``, its (M,) image token indices and the selection, whose indices
+        (``kept``, ``sources``) are positions within the part.
+    """
+    return [(index, tokens, selector.select(signals.subset(tokens, grid), share, generator))
+            for index, ((tokens, grid), share) in enumerate(zip(parts, shares)) if share > 0]
+
+
+def kept_union(chosen: Sequence[tuple[int, Tensor, Selection]]) -> Tensor:
+    """(k,) ascending image indices of every selected part's kept tokens (``select_parts``' output)."""
+    if not chosen:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([tokens[selection.kept] for _, tokens, selection in chosen]).sort().values
 
 
 def grid_budgets(budget: int, sizes: Sequence[int]) -> list[int]:
@@ -105,18 +129,15 @@ def select_per_grid(
         The union of the grids' kept tokens, ascending, as image indices; for a merging selector also the
         output tokens grid by grid in the selector's order, their sources as image indices.
     """
-    shares = grid_budgets(budget, [int(tokens.numel()) for tokens, _ in grids])
-    chosen = [(tokens, selector.select(signals.subset(tokens, grid), share, generator))
-              for (tokens, grid), share in zip(grids, shares) if share > 0]
-    merging = [selection for _, selection in chosen if selection.sources is not None]
-    kept = torch.cat([tokens[selection.kept] for tokens, selection in chosen]).sort().values if chosen else (
-        torch.zeros(0, dtype=torch.long))
+    chosen = select_parts(selector, signals, grids, grid_budgets(budget, part_sizes(grids)), generator)
+    merging = [selection for _, _, selection in chosen if selection.sources is not None]
+    kept = kept_union(chosen)
     if not merging:
         return Selection(kept=kept)
     vision_space = merging[0].vision_tokens is not None
     space = signals.vision_features if vision_space else signals.features
     sources, outputs = [], []
-    for tokens, selection in chosen:
+    for _, tokens, selection in chosen:
         if selection.sources is None:  # a grid kept whole: one-cell outputs
             sources += [tokens[i : i + 1] for i in selection.kept.tolist()]
             outputs.append(space[tokens[selection.kept]].float())
@@ -129,4 +150,4 @@ def select_per_grid(
     return Selection(kept=kept, sources=sources, llm_tokens=tokens_out)
 
 
-__all__ = ["crop_budgets", "grid_budgets", "select_per_crop", "select_per_grid"]
+__all__ = ["crop_budgets", "grid_budgets", "kept_union", "part_sizes", "select_parts", "select_per_crop", "select_per_grid"]
