@@ -32,6 +32,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 from prune_audit.analysis.lost_objects import lost_object_summary  # noqa: E402
 from prune_audit.analysis.runs import load_run  # noqa: E402
+from prune_audit.demo import DEMO_MODELS  # noqa: E402
 from prune_audit.demo.assets import demo_assets, is_demo_name  # noqa: E402
 from prune_audit.demo.questions import first_questions  # noqa: E402
 from prune_audit.errors import PruneAuditError  # noqa: E402
@@ -55,7 +56,7 @@ COLUMNS = (
 def question_files(model: str, out: Path, per_split: int | None) -> tuple[str, list[Path], Path, Path]:
     """(model folder, POPE files, image folder, annotations) of the demo set, or its first questions."""
     if not is_demo_name(model):
-        raise PruneAuditError(f"--model must be demo or demo-qwen, got {model!r}")
+        raise PruneAuditError(f"--model must be a bundled demo ({', '.join(DEMO_MODELS)}), got {model!r}")
     assets = demo_assets(name=model)
     files = list(assets.pope_files)
     if per_split is not None:

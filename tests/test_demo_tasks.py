@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -298,8 +300,11 @@ def test_caption_scoring_counts_the_demo_shapes_as_chair_counts_coco_objects(tas
     assert scored.omitted == ("cross",)
 
 
+TASK_DEMO_RUNS = [(model, task) for model in ("demo-tasks", "demo-qwen-tasks") for task in ("gqa", "scienceqa", "caption")]
+
+
 @pytest.mark.parametrize(("model", "task"), [("demo", "gqa"), ("demo", "caption"), ("demo-qwen", "gqa"),
-                                           ("demo-qwen", "caption")])
+                                           ("demo-qwen", "caption"), *TASK_DEMO_RUNS])
 def test_run_task_on_the_bundled_demo_needs_no_question_files(model, task, tmp_path):
     import pyarrow.parquet as pq
     from typer.testing import CliRunner
@@ -307,21 +312,46 @@ def test_run_task_on_the_bundled_demo_needs_no_question_files(model, task, tmp_p
     from prune_audit.cli.main import app
 
     out = tmp_path / task
-    result = CliRunner().invoke(app, ["run", "--model", model, "--task", task, "--limit", "3", "--max-new-tokens", "6",
+    generation = ["--max-new-tokens", "6"] if task != "scienceqa" else []  # scienceqa answers by its first token
+    result = CliRunner().invoke(app, ["run", "--model", model, "--task", task, "--limit", "3", *generation,
                                       "--out", str(out)])
     assert result.exit_code == 0, result.output[-2000:]
     records = pq.read_table(out / "records.parquet").to_pylist()
     assert len(records) == 3 and {r["task"] for r in records} == {task}
-    assert all(r["evidence_objects"] for r in records)  # evidence from the scene graphs / masks
+    if task == "scienceqa":  # a question's own image, no evidence boxes; the shipped demos answer with a letter
+        assert all(r["answer_text"] in ("A", "B", "C", "D") for r in records)
+    else:
+        assert all(r["evidence_objects"] for r in records)  # evidence from the scene graphs / masks
 
 
-def test_scienceqa_on_the_shipped_demo_names_its_missing_option_letters_in_one_line(tmp_path):
+def test_scienceqa_on_the_yes_no_demo_names_its_missing_option_letters_in_one_line(tmp_path):
     from typer.testing import CliRunner
 
     from prune_audit.cli.main import app
 
-    result = CliRunner().invoke(app, ["run", "--task", "scienceqa", "--limit", "2", "--out", str(tmp_path / "a")])
+    result = CliRunner().invoke(app, ["run", "--model", "demo", "--task", "scienceqa", "--limit", "2", "--out",
+                                      str(tmp_path / "a")])
     assert result.exit_code != 0 and "option letter" in result.output and "Traceback" not in result.output
+
+
+def test_a_task_without_model_runs_on_the_task_demo_in_its_own_folder(tmp_path, monkeypatch):
+    """`run --task gqa` answers with demo-tasks into runs/demo-tasks-gqa-dense; POPE keeps the yes/no demo."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from prune_audit.cli.main import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["run", "--task", "gqa", "--limit", "2", "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output[-2000:]
+    manifest = json.loads((tmp_path / "runs" / "demo-tasks-gqa-dense-limit2" / "manifest.json").read_text())
+    assert Path(manifest["model"]["id"]).name == "demo-tasks"
+    planned = CliRunner().invoke(app, ["study", "--tasks", "pope,gqa", "--plan", "--limit", "2"])
+    assert planned.exit_code == 0, planned.output[-2000:]
+    commands = [line for line in planned.output.splitlines() if line.startswith("prune-audit run")]
+    assert commands and all("--model demo-tasks" in line for line in commands)
+    assert "--model" not in CliRunner().invoke(app, ["study", "--plan", "--limit", "2"]).output  # POPE: the yes/no demo
 
 
 def test_scienceqa_runs_on_the_demo_files_with_a_mix_trained_model(task_files, tmp_path, mix_model):

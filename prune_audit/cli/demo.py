@@ -27,7 +27,8 @@ def demo() -> None:
 @handle_errors
 def train(
     out: Annotated[Path, typer.Option("--out", help="Folder for the trained checkpoint (float16) and training.json.")],
-    model: Annotated[str, typer.Option("--model", help="Which demo's recipe: demo (LLaVA) or demo-qwen (Qwen2.5-VL).")] = "demo",
+    model: Annotated[str, typer.Option("--model", help="Which demo's recipe: demo (LLaVA), demo-qwen (Qwen2.5-VL), or their task-mix "
+                                                       "versions demo-tasks and demo-qwen-tasks.")] = "demo",
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the training scenes.")] = 1,
     steps: Annotated[int | None, typer.Option(min=1, help="Optimiser steps, 32 fresh scenes each (default: the recipe's).")] = None,
     threads: Annotated[
@@ -45,7 +46,8 @@ def train(
     mix: Annotated[
         str | None,
         typer.Option("--mix", help="Train on the task mix: questions per image of yes/no, short answer, multiple choice "
-                     "and caption, e.g. 4,2,2,1 (the vocabulary grows to their words; default: yes/no only, as shipped)."),
+                     "and caption, e.g. 4,2,2,1 (the vocabulary grows to their words; default: the recipe's, yes/no only for "
+                     "demo and demo-qwen)."),
     ] = None,
 ) -> None:
     """Train a demo model from scratch on CPU (the shipped ones: --model demo|demo-qwen --seed 1 --threads 1)."""
@@ -70,7 +72,7 @@ def train(
     recipe = DEMO_RECIPES[model]
     recipe = replace(
         recipe, seed=seed, threads=threads, steps=steps or recipe.steps, text_layers=text_layers or recipe.text_layers,
-        text_width=text_width or recipe.text_width, mix=counts, monitor_every=monitor_every or recipe.monitor_every,
+        text_width=text_width or recipe.text_width, mix=counts or recipe.mix, monitor_every=monitor_every or recipe.monitor_every,
     )
     if recipe.text_width % recipe.heads:
         raise ValueError(f"--text-width {recipe.text_width} is not a multiple of the {recipe.heads} attention heads; pick one that is")
@@ -124,7 +126,8 @@ def questions(
 @handle_errors
 def evaluate(
     model: Annotated[
-        str | None, typer.Option("--model", help="demo, demo-qwen or a demo checkpoint folder (default: demo).")
+        str | None, typer.Option("--model", help="A bundled demo (demo, demo-qwen, demo-tasks, demo-qwen-tasks) or a demo checkpoint "
+                                             "folder (default: demo).")
     ] = None,
     cache_dir: CacheOption = None,
     scenes: ScenesOption = 1000,

@@ -128,6 +128,10 @@ def study(
         return
     if not plan:
         check_output_dir(out, "study")
+    if model is None and len(names) > 1:
+        from prune_audit.demo import default_demo
+
+        model = default_demo(names)  # one demo answers every task's grid (the task demo once any task is not POPE)
     question_files = inputs_by_task(list(pope or questions or []), names, "--questions")
     folders = inputs_by_task(list(images or []), names, "--images", single=True)
     evidence = inputs_by_task(list(annotations or []), names, "--annotations", single=True)

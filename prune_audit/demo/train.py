@@ -43,7 +43,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +141,10 @@ DEMO_RECIPES: dict[str, DemoRecipe] = {
         kv_heads=2, steps=1000,
     ),
 }
+# the task demos: the same architectures trained on the task mix (twice the steps: nine questions of four kinds
+# per image, the multiple-choice options' presence targets included)
+DEMO_RECIPES["demo-tasks"] = replace(DEMO_RECIPES["demo"], steps=2400, mix=DEFAULT_MIX, monitor_every=200)
+DEMO_RECIPES["demo-qwen-tasks"] = replace(DEMO_RECIPES["demo-qwen"], steps=2400, mix=DEFAULT_MIX, monitor_every=200)
 
 
 class VisionHeads(nn.Module):

@@ -212,6 +212,7 @@ def prepare_question(vlm: VisionLanguageModel, image_path: Path, text: str, data
 
 
 def _resolve_demo_defaults(request: RunRequest) -> None:
+    from prune_audit.demo import default_demo
     from prune_audit.demo.assets import demo_assets, is_demo_name, is_demo_trained
 
     named_demo = is_demo_name(request.model)
@@ -221,7 +222,7 @@ def _resolve_demo_defaults(request: RunRequest) -> None:
     if request.model is not None and not named_demo and not geometry_only and not is_demo_trained(request.model):
         raise PruneAuditError("--model needs questions: pass --pope FILE... (another --task: --questions FILE...) with "
                               "--images DIR (and --annotations FILE for retention)")
-    demo = demo_assets(name=request.model if named_demo else "demo")
+    demo = demo_assets(name=request.model if named_demo else default_demo([request.task]))
     request.model = request.model if request.model is not None and not named_demo else str(demo.model_dir)
     if not request.question_files:
         questions, evidence = demo.questions(request.task)
@@ -299,14 +300,17 @@ def _image_ids(task: Task, questions: Sequence[TaskQuestion], evidence: Evidence
 
 
 def _run_dir(request: RunRequest, selector: Selector | None) -> Path:
-    """--out, else runs/<model>-<selector>-<budget>[-<each option that differs from its default>][-limit<N>].
+    """--out, else runs/<model>[-<task>]-<selector>-<budget>[-<each option that differs from its default>][-limit<N>].
 
     The limit is part of the name so that a quick try (``--limit 200``) never lands in, or is refused
-    by, the folder of the full run of the same settings.
+    by, the folder of the full run of the same settings; so is every task but POPE, so that one model's
+    runs of several tasks each get their own folder.
     """
     if request.out is not None:
         return Path(request.out)
     model_name = _file_safe(Path(str(request.model).rstrip("/")).name) or "model"
+    if request.task != "pope":
+        model_name = f"{model_name}-{request.task}"
     parts = [model_name, "dense"] if selector is None else [model_name, request.selector, str(request.budget),
                                                             *_changed_options(selector)]
     if request.limit is not None:
