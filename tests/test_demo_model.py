@@ -251,8 +251,9 @@ def test_cli_writes_the_question_set_and_reports_one_line_errors(tmp_path):
 # ----- the shipped checkpoint ---------------------------------------------------------
 
 
-# both bundled demos; the Qwen demo's accuracy target is 95 % on the full set (97 % for LLaVA)
-SHIPPED = {"demo": 0.95, "demo-qwen": 0.93}
+# every bundled demo, with its floor of yes/no accuracy on the small question set: the yes/no demos' targets are
+# 97 % (LLaVA) and 95 % (Qwen) on the full set; the task demos must keep the yes/no demos' 97 % (issue 24)
+SHIPPED = {"demo": 0.95, "demo-qwen": 0.93, "demo-tasks": 0.97, "demo-qwen-tasks": 0.97}
 
 
 @pytest.fixture(scope="module", params=sorted(SHIPPED))

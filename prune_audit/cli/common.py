@@ -28,7 +28,8 @@ QuietOption = Annotated[
     bool, typer.Option("--quiet", help="No progress display (the live bar, or the plain lines in logs).")
 ]
 ModelOption = Annotated[
-    Optional[str], typer.Option(help="Local model folder or hub id (default: the bundled demo model).")
+    Optional[str], typer.Option(help="Local model folder, hub id or bundled demo (demo, demo-qwen, demo-tasks, demo-qwen-tasks; "
+                                  "default: demo for POPE, demo-tasks for the other tasks).")
 ]
 PopeOption = Annotated[Optional[list[Path]], typer.Option(help="POPE question file(s) (JSON Lines); repeatable.")]
 TaskOption = Annotated[

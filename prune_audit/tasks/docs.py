@@ -23,6 +23,7 @@ reads it from there. Every record holds the core columns (`task`, `answer_text`,
 
 ```
 prune-audit run                                         # POPE on the bundled demo
+prune-audit run --task gqa                              # the demo's GQA questions, answered by demo-tasks
 prune-audit run --task gqa --model M --questions testdev_balanced_questions.json \\
     --questions llava_gqa_testdev_balanced.jsonl --images gqa/images [--annotations sceneGraphs.json]
 prune-audit run --task scienceqa --model M --questions llava_test_CQM-A.json --images scienceqa/images
