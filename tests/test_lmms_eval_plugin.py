@@ -140,7 +140,8 @@ def demo_run(tmp_path_factory) -> dict:
     from prune_audit.demo.assets import demo_assets
 
     demo, root = demo_assets(), tmp_path_factory.mktemp("lmms")
-    common = ["--selector", "fastv", "--budget", "16", "--images", str(demo.images_dir)]
+    # the plugin's default model; without --model a caption run would answer with the task demo
+    common = ["--model", "demo", "--selector", "fastv", "--budget", "16", "--images", str(demo.images_dir)]
     pope = prune_audit_run(root / "run-pope", *common, "--pope", str(demo.pope_files[0]),
                            "--annotations", str(demo.annotations), "--limit", str(QUESTIONS))
     caption = prune_audit_run(root / "run-caption", *common, "--task", "caption", "--questions", str(demo.annotations),
