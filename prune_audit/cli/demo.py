@@ -50,7 +50,7 @@ def train(
                      "demo and demo-qwen)."),
     ] = None,
 ) -> None:
-    """Train a demo model from scratch on CPU (the shipped ones: --model demo|demo-qwen --seed 1 --threads 1)."""
+    """Train a demo model from scratch on CPU (each shipped demo: --model NAME --seed 1 --threads 1)."""
     from dataclasses import asdict, replace
 
     from prune_audit.demo.batches import check_mix

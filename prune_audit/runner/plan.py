@@ -309,10 +309,9 @@ def _run_dir(request: RunRequest, selector: Selector | None) -> Path:
     if request.out is not None:
         return Path(request.out)
     model_name = _file_safe(Path(str(request.model).rstrip("/")).name) or "model"
-    if request.task != "pope":
-        model_name = f"{model_name}-{request.task}"
-    parts = [model_name, "dense"] if selector is None else [model_name, request.selector, str(request.budget),
-                                                            *_changed_options(selector)]
+    prefix = [model_name] if request.task == "pope" else [model_name, request.task]
+    parts = [*prefix, "dense"] if selector is None else [*prefix, request.selector, str(request.budget),
+                                                         *_changed_options(selector)]
     if request.limit is not None:
         parts.append(f"limit{request.limit}")
     return Path("runs") / "-".join(parts)
