@@ -112,14 +112,15 @@ def questions(
     from prune_audit.demo.questions import demo_question_set, demo_task_files
 
     question_set = demo_question_set(cache_dir, scenes=scenes, pope_images=pope_images)
-    print(f"instances: {question_set.instances}")
-    print(f"images:    {question_set.image_dir}")
-    for split in POPE_SPLITS:
-        print(f"{split + ':':<11}{question_set.question_file(split)}")
     task_files = demo_task_files(question_set)
+    lines = [("instances", str(question_set.instances)), ("images", str(question_set.image_dir)),
+             *((split, str(question_set.question_file(split))) for split in POPE_SPLITS)]
     for task in DEMO_TASKS:  # --questions (then --annotations, if any) of `run --task TASK`
         paths = [*task_files.questions(task), task_files.evidence(task)]
-        print(f"{task + ':':<11}{' '.join(dict.fromkeys(str(path) for path in paths if path is not None))}")
+        lines.append((task, " ".join(dict.fromkeys(str(path) for path in paths if path is not None))))
+    width = max(len(label) for label, _ in lines) + 2  # the longest label still has a space before its path
+    for label, value in lines:
+        print(f"{label + ':':<{width}}{value}")
 
 
 @app.command("evaluate")
