@@ -6,7 +6,7 @@ Usage (in the lmms-eval environment, docs/lmms-eval.md)::
 
 For each selector (dense, FastV, DivPrune and VisionZip at 16 tokens) it runs ``prune-audit run`` on the first
 demo POPE questions and on caption questions, then lmms-eval's CLI on the local tasks of
-``tests/test_lmms_eval_plugin.py`` written from the same questions and images (``localpope``: generated answer;
+``prune_audit.demo.lmms_tasks`` written from the same questions and images (``localpope``: generated answer;
 ``localpope_mc``: loglikelihood of "yes" and "no"; ``localcaption``), and prints a Markdown table: lmms-eval's
 scores, the plugin's realised tokens and FLOPs, and how its records compare with run's (kept sets per stage,
 POPE answers, caption texts and sequence probabilities).
@@ -20,8 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+from prune_audit.demo.lmms_tasks import CAPTION_TOKENS, write_tasks
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import test_lmms_eval_plugin as local  # noqa: E402  (the test's local tasks and command helpers)
+import test_lmms_eval_plugin as local  # noqa: E402  (the test's command helpers)
 
 SELECTORS = [("none", None), ("fastv", 16), ("divprune", 16), ("visionzip", 16)]
 
@@ -40,15 +42,17 @@ def main() -> None:
     rows = []
     for selector, budget in SELECTORS:
         name = selector if budget is None else f"{selector}-{budget}"
-        common = ["--selector", selector, *([] if budget is None else ["--budget", str(budget)]),
+        # --model demo, the plugin's default: a caption run without --model answers with the task demo
+        common = ["--model", "demo", "--selector", selector, *([] if budget is None else ["--budget", str(budget)]),
                   "--images", str(demo.images_dir), "--annotations", str(demo.annotations)]
         pope = local.prune_audit_run(root / f"run-pope-{name}", *common, "--pope", str(demo.pope_files[0]),
                                      "--limit", str(args.questions))
         caption = local.prune_audit_run(root / f"run-caption-{name}", *common, "--task", "caption", "--questions",
                                         str(demo.annotations), "--limit", str(args.captions),
-                                        "--max-new-tokens", str(local.CAPTION_TOKENS))
+                                        "--max-new-tokens", str(CAPTION_TOKENS))
         if not (root / "task").is_dir():
-            local.write_tasks(root / "task", pope_rows, [record["image"] for record in caption])
+            (root / "task").mkdir()
+            write_tasks(root / "task", pope_rows, [record["image"] for record in caption], demo.images_dir)
         records = root / f"records-{name}"
         model_args = f"pretrained=demo,selector={selector},records={records},device=cpu"
         model_args += "" if budget is None else f",budget={budget}"

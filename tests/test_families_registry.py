@@ -596,8 +596,8 @@ def test_shards_resume_visualize_and_intervene(vlm, prepared, checkpoint, worksp
     redraw = ["visualize", "--run", str(whole), "--question-id", str(question_id), "--out", str(figures)]
     result = runner.invoke(app, redraw)
     assert result.exit_code == 0, result.output
-    assert {path.name for path in figures.glob("*.png")} == {"tokens.png", f"tokens-{records(whole)['split'][0]}-"
-                                                                          f"{question_id}.png"}
+    assert {path.name for path in figures.glob("*.png")} == {f"tokens-{checkpoint.name}-{budget}.png",
+                                                             f"tokens-{records(whole)['split'][0]}-{question_id}.png"}
 
     result = runner.invoke(app, ["intervene", str(whole), "--mode", "remove", "--out", str(tmp_path / "intervene")])
     assert result.exit_code == 0, result.output

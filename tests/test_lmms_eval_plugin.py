@@ -15,22 +15,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from prune_audit.demo.lmms_tasks import CAPTION_PROMPT, CAPTION_TOKENS, MAX_NEW_TOKENS, write_tasks
+from prune_audit.demo.lmms_tasks import TASKS as TASK_NAMES
+
 pytest.importorskip("lmms_eval")
 REPO = Path(__file__).resolve().parents[1]
-TASK_UTILS = Path(__file__).resolve().parent / "lmms_eval_task" / "localpope_utils.py"
 QUESTIONS = 8
 CAPTIONS = 4
-MAX_NEW_TOKENS = 4
-CAPTION_TOKENS = 8
-CAPTION_PROMPT = "Describe this image in detail."
-TASKS = "localpope,localpope_mc,localpope_rounds,localcaption"
+TASKS = ",".join(TASK_NAMES)
 ENVIRONMENT = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 
 
@@ -68,70 +66,6 @@ def prune_audit_run(out: Path, *arguments: str) -> list[dict]:
     return pq.read_table(out / "records.parquet").to_pylist()
 
 
-def yaml(task: str, parquet: Path, output_type: str, body: str) -> str:
-    return f"""dataset_path: parquet
-dataset_kwargs:
-  data_files:
-    test: {parquet}
-task: {task}
-test_split: test
-output_type: {output_type}
-doc_to_visual: !function localpope_utils.doc_to_visual
-{body}"""
-
-
-GENERATION = """doc_to_text: !function localpope_utils.doc_to_text
-doc_to_target: answer
-generation_kwargs:
-  max_new_tokens: {tokens}
-  do_sample: false
-process_results: !function localpope_utils.{process}
-metric_list:
-  - metric: {metric}
-    aggregation: mean
-    higher_is_better: true
-"""
-
-
-def write_tasks(folder: Path, pope_rows: list[dict], caption_images: list[str]) -> None:
-    """The four local tasks: POPE rows (generation, multiple choice, two rounds) and caption images."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from prune_audit.demo.assets import demo_assets
-
-    images_dir = demo_assets().images_dir
-    folder.mkdir()
-    pq.write_table(pa.table({
-        "question_id": [row["question_id"] for row in pope_rows], "question": [row["text"] for row in pope_rows],
-        "answer": [row["label"] for row in pope_rows],
-        "image": [{"bytes": (images_dir / row["image"]).read_bytes(), "path": row["image"]} for row in pope_rows],
-    }), folder / "pope.parquet")
-    pq.write_table(pa.table({
-        "question": [CAPTION_PROMPT] * len(caption_images), "answer": [""] * len(caption_images),
-        "image": [{"bytes": (images_dir / name).read_bytes(), "path": name} for name in caption_images],
-    }), folder / "caption.parquet")
-    shutil.copy(TASK_UTILS, folder / "localpope_utils.py")
-    generation = GENERATION.format(tokens=MAX_NEW_TOKENS, process="process_results", metric="accuracy")
-    (folder / "localpope.yaml").write_text(yaml("localpope", folder / "pope.parquet", "generate_until", generation))
-    (folder / "localpope_rounds.yaml").write_text(yaml(
-        "localpope_rounds", folder / "pope.parquet", "generate_until_multi_round",
-        generation.replace("localpope_utils.doc_to_text", "localpope_utils.doc_to_text_rounds")
-        .replace("process_results\n", "process_results_rounds\n")))
-    (folder / "localpope_mc.yaml").write_text(yaml("localpope_mc", folder / "pope.parquet", "multiple_choice", """\
-doc_to_text: !function localpope_utils.doc_to_text
-doc_to_target: answer
-doc_to_choice: ["yes", "no"]
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""))
-    (folder / "localcaption.yaml").write_text(yaml(
-        "localcaption", folder / "caption.parquet", "generate_until",
-        GENERATION.format(tokens=CAPTION_TOKENS, process="process_results_caption", metric="words")))
-
-
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> dict:
     """``prune-audit run`` under FastV at 16 on the first demo POPE questions and captions, and the local tasks
@@ -149,7 +83,8 @@ def demo_run(tmp_path_factory) -> dict:
                               "--max-new-tokens", str(CAPTION_TOKENS))
     pope_rows = [json.loads(line) for line in demo.pope_files[0].read_text().splitlines()[:QUESTIONS]]
     assert [row["question_id"] for row in pope_rows] == [record["question_id"] for record in pope]
-    write_tasks(root / "task", pope_rows, [record["image"] for record in caption])
+    (root / "task").mkdir()
+    write_tasks(root / "task", pope_rows, [record["image"] for record in caption], demo.images_dir)
     return {"root": root, "pope": pope, "caption": caption, "pope_rows": pope_rows}
 
 

@@ -27,8 +27,8 @@ def test_demo_figure_is_a_captioned_grid_of_the_default_selectors(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, ["visualize", str(image), "--budget", "64"])
     assert result.exit_code == 0, result.output
-    picture = tmp_path / "figures" / image.stem / "tokens.png"  # default output folder
-    assert f"wrote figures/{image.stem}/tokens.png" in result.output
+    picture = tmp_path / "figures" / image.stem / "tokens-demo-model-64.png"  # default folder; model and budget named
+    assert f"wrote figures/{image.stem}/tokens-demo-model-64.png" in result.output
     panels = drawn["panels"]
     names = [panel.title.split(",")[0].split(" ")[0] for panel in panels]
     assert names == ["none", *(name for name in DEFAULT_SELECTORS if name != "cdpruner")]  # a readable default set

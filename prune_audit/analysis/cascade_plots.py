@@ -10,13 +10,17 @@ from typing import Any
 
 import numpy as np
 
-from prune_audit.analysis.figures import _figure, _render
+from prune_audit.analysis.figures import RunStyle, _figure, _render, run_styles
 
 
-def cascade_figures(cascades: Sequence[dict], title: str, reference: str, cost: str = "prefill tokens") -> dict[str, bytes]:
+def cascade_figures(cascades: Sequence[dict], title: str, reference: str, cost: str = "prefill tokens",
+                    styles: dict[str, RunStyle] | None = None) -> dict[str, bytes]:
     """Cost against epsilon and held-out disagreement against epsilon, one line per cascade; ``reference``
-    labels the run escalated to (``dense``, or a pruned run's selector@budget), ``cost`` the cost unit."""
-    return {**_cost_figure(cascades, title, reference, cost), **_validity_figure(cascades, title, reference)}
+    labels the run escalated to (``dense``, or a pruned run's selector@budget), ``cost`` the cost unit, ``styles``
+    the runs' colours and markers (``run_styles``; default: the cascades' own order)."""
+    styles = styles or run_styles([cascade["label"] for cascade in cascades])
+    return {**_cost_figure(cascades, title, reference, cost, styles),
+            **_validity_figure(cascades, title, reference, styles)}
 
 
 def _series(cascade: dict, *keys: str) -> np.ndarray:
@@ -45,55 +49,58 @@ def _splits(cascades: Sequence[dict]) -> int:
     return int(cascades[0]["results"][0]["validity"]["splits"])
 
 
-def _cost_figure(cascades: Sequence[dict], title: str, reference: str, cost: str) -> dict[str, bytes]:
-    """Relative prefill cost against epsilon: mean over the validity splits and the one reported split;
-    costs above the reference's are flagged (shaded band, red ring)."""
+def _cost_figure(cascades: Sequence[dict], title: str, reference: str, cost: str,
+                 styles: dict[str, RunStyle]) -> dict[str, bytes]:
+    """Relative prefill cost against epsilon: mean over the validity splits (solid, filled) and the one reported
+    split (dotted, x), one legend entry per run; costs above the reference's fall in a shaded band."""
     figure, axes = _figure(size=(6.8, 5.4))
     axis = axes[0, 0]
-    above: list[tuple[np.ndarray, np.ndarray]] = []
+    highest = 1.0
     for cascade in cascades:
-        epsilon, label = _series(cascade, "epsilon"), cascade["label"]
+        epsilon, label, style = _series(cascade, "epsilon"), cascade["label"], styles[cascade["label"]]
         mean_cost = _series(cascade, "validity", "mean_relative_cost")
-        mean_label = f"{label}: mean over {_splits(cascades)} random splits"
-        line = axis.plot(epsilon, mean_cost, marker="o", label=mean_label)[0]
+        axis.plot(epsilon, mean_cost, marker=style.marker, color=style.colour, label=label)
         seeded_cost = _series(cascade, "relative_cost")
-        style = {"marker": "x", "linestyle": ":", "color": line.get_color()}
-        axis.plot(epsilon, seeded_cost, label=f"{label}: the seeded split (the numbers of cascade.json)", **style)
-        above += [(epsilon[cost > 1], cost[cost > 1]) for cost in (mean_cost, seeded_cost)]
-    axis.axhline(1.0, color="black", linestyle="--", linewidth=1, label=f"{reference} on every question")
-    points = [np.concatenate(part) for part in zip(*above)] if above else []
-    if len(points) and len(points[0]):
-        axis.scatter(*points, s=110, facecolors="none", edgecolors="tab:red", linewidths=1.2, zorder=3,
-                     label=f"costs more than {reference} (red ring, shaded band)")
+        axis.plot(epsilon, seeded_cost, marker="x", linestyle=":", color=style.colour)
+        highest = max(highest, float(np.nanmax([*mean_cost, *seeded_cost])))
+    reference_label = f"{reference} on every question"
+    if highest > 1.0:
         bottom, top = axis.get_ylim()
-        axis.axhspan(1.0, top, color="tab:red", alpha=0.08)
+        axis.axhspan(1.0, top, color="0.5", alpha=0.12)
         axis.set_ylim(bottom, top)
+        reference_label += f"; shaded above: costs more than {reference}"
+    axis.axhline(1.0, color="black", linestyle="--", linewidth=1, label=reference_label)
     _chosen_epsilons(axis, cascades)
     axis.set(xlabel="target disagreement epsilon", ylabel=f"{cost} relative to {reference}")
-    axis.set_title(f"{title}: cost\nseeded split: the --seed calibration/test split whose threshold cascade.json "
-                   "reports", fontsize=9)
+    axis.set_title(f"{title}: cost\nsolid, filled: mean over {_splits(cascades)} random splits; dotted, x: the seeded "
+                   "split: the --seed calibration/test split whose threshold cascade.json reports", fontsize=9,
+                   wrap=True)
     _legend_below(figure, axis)
     return _render(figure, "cascade_cost_vs_epsilon")
 
 
-def _validity_figure(cascades: Sequence[dict], title: str, reference: str) -> dict[str, bytes]:
-    """Held-out disagreement against epsilon: mean +- sd and worst over the random splits."""
+def _validity_figure(cascades: Sequence[dict], title: str, reference: str,
+                     styles: dict[str, RunStyle]) -> dict[str, bytes]:
+    """Held-out disagreement against epsilon: mean +- its standard error (as ``cascade``'s table) and worst over
+    the random splits."""
     figure, axes = _figure(size=(6.8, 5.4))
     axis = axes[0, 0]
     largest = max(_series(cascade, "epsilon").max() for cascade in cascades)
     axis.plot([0, largest], [0, largest], color="black", linestyle="--", linewidth=1,
               label="disagreement = epsilon (bound on the mean)")
     for cascade in cascades:
-        epsilon, label = _series(cascade, "epsilon"), cascade["label"]
+        epsilon, label, style = _series(cascade, "epsilon"), cascade["label"], styles[cascade["label"]]
         mean = _series(cascade, "validity", "mean_disagreement")
-        spread = _series(cascade, "validity", "std_disagreement")
-        bars = axis.errorbar(epsilon, mean, yerr=spread, marker="o", capsize=3, label=f"{label} mean +- sd")
+        error = _series(cascade, "validity", "sem_disagreement")
+        axis.errorbar(epsilon, mean, yerr=error, marker=style.marker, color=style.colour, capsize=3, label=label)
         worst = _series(cascade, "validity", "worst_disagreement")
-        color = bars.lines[0].get_color()
-        axis.plot(epsilon, worst, marker="v", linestyle="none", color=color, label=f"{label} worst split")
+        axis.plot(epsilon, worst, marker="_", markersize=12, markeredgewidth=2, linestyle="none", color=style.colour)
+    axis.plot([], [], marker="_", markersize=12, markeredgewidth=2, linestyle="none", color="0.3",
+              label="dash: the worst split")
     _chosen_epsilons(axis, cascades)
     axis.set(xlabel="target disagreement epsilon", ylabel=f"held-out disagreement with {reference}")
-    axis.set_title(f"{title}: validity over {_splits(cascades)} random image splits\nthe guarantee is on average: "
-                   "the mean stays at or below epsilon; single splits may exceed it", fontsize=9)
+    axis.set_title(f"{title}: validity over {_splits(cascades)} random image splits (mean ± standard error, as "
+                   "cascade's table)\nthe guarantee is on average: the mean stays at or below epsilon; single splits "
+                   "may exceed it", fontsize=9)
     _legend_below(figure, axis)
     return _render(figure, "cascade_validity")

@@ -73,8 +73,35 @@ def reliability_xlim(summaries: Sequence[dict]) -> tuple[float, float]:
     """``RELIABILITY_LIMITS``' confidence range, from 0.05 below the runs' :func:`confidence_floor`."""
     return (confidence_floor(summaries) - 0.05, RELIABILITY_LIMITS["xlim"][1])
 
-SPARSE_LABEL = f"bin of < {MIN_BIN_QUESTIONS} questions (grey, not joined)"
-SPARSE_STYLE = {"facecolors": "none", "edgecolors": "0.55", "linewidths": 0.9, "zorder": 2}
+SPARSE_LABEL = f"open marker: bin of < {MIN_BIN_QUESTIONS} questions (not joined, no interval)"
+SPARSE_STYLE = {"facecolors": "none", "linewidths": 0.9, "zorder": 2}
+
+RUN_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+"""Run colours, given in a report's run order. Red is left out (the figures flag with it: over-confidence, costs
+above the reference), and grey and black (the reference, perfect calibration)."""
+RUN_MARKERS = ("o", "^", "D", "v", "P", "X", "*", "h")
+"""Run markers beside the colours, so runs stay apart where their points coincide or colour is not seen."""
+
+
+@dataclass(frozen=True)
+class RunStyle:
+    """How one run is drawn in every figure of a report."""
+
+    colour: str
+    marker: str
+
+
+REFERENCE_STYLE = RunStyle("black", "s")
+
+
+def run_styles(labels: Sequence[str], reference: str | None = None) -> dict[str, RunStyle]:
+    """One colour and marker per run label, by its place among ``labels`` (a report's runs, in the report's
+    order; ``reference``: black squares). Every figure of a report styles its runs through this one function
+    with the same labels, so a run looks the same in all of them; after 8 runs the styles repeat."""
+    pruned = [label for label in dict.fromkeys(labels) if label != reference]
+    styles = {label: RunStyle(RUN_COLOURS[index % len(RUN_COLOURS)], RUN_MARKERS[index % len(RUN_MARKERS)])
+              for index, label in enumerate(pruned)}
+    return styles if reference is None else {**styles, reference: REFERENCE_STYLE}
 
 
 @dataclass(frozen=True)
@@ -110,31 +137,37 @@ def _largest_bin(reliabilities: Sequence[dict]) -> float:
     return float(max((max(r["count"], default=0) for r in reliabilities), default=1))
 
 
-def reliability_points(axis: Any, reliability: dict, largest: float, label: str, color: Any = None,
+def reliability_points(axis: Any, reliability: dict, largest: float, label: str, style: RunStyle,
                        marker_scale: float = 1.0) -> Any:
-    """One run's reliability curve on ``axis``; returns its line (for the colour).
+    """One run's reliability curve on ``axis`` in its ``style``; returns its line (the legend's handle).
 
     Marker area is proportional to the bin's question count (``largest`` questions: ``MARKER_AREA``);
-    bins of at least ``MIN_BIN_QUESTIONS`` carry their 95% interval and are joined by the line,
-    the others are grey open markers, neither joined nor given an interval.
+    bins of at least ``MIN_BIN_QUESTIONS`` are filled, carry their 95% interval and are joined by the
+    line; the others are open markers of the run's colour and shape, neither joined nor given an interval.
     """
     bins = ReliabilityBins.of(reliability)
     dense = bins.dense
-    line = axis.plot(bins.confidence[dense], bins.accuracy[dense], color=color, linewidth=1.2, label=label)[0]
-    color = line.get_color()
+    axis.plot(bins.confidence[dense], bins.accuracy[dense], color=style.colour, linewidth=1.2)
+    # the legend's entry: the run's line with its marker (the scatters below draw the bins, sized by count)
+    line = axis.plot([], [], color=style.colour, marker=style.marker, linewidth=1.2, label=label)[0]
     error = [np.clip(np.nan_to_num(bins.accuracy - bins.low), 0, None),
              np.clip(np.nan_to_num(bins.high - bins.accuracy), 0, None)]
     axis.errorbar(bins.confidence[dense], bins.accuracy[dense], yerr=[e[dense] for e in error], fmt="none",
-                  ecolor=color, capsize=2, linewidth=0.8)
+                  ecolor=style.colour, capsize=2, linewidth=0.8)
     areas = bins.areas(largest) * marker_scale
-    axis.scatter(bins.confidence[dense], bins.accuracy[dense], s=areas[dense], color=color, alpha=0.75, zorder=3)
-    axis.scatter(bins.confidence[~dense], bins.accuracy[~dense], s=areas[~dense], **SPARSE_STYLE)
+    from matplotlib.colors import to_rgba
+
+    # tinted face, solid edge: where the big markers of several runs overlap (the top bin), each outline stays seen
+    axis.scatter(bins.confidence[dense], bins.accuracy[dense], s=areas[dense], facecolors=to_rgba(style.colour, 0.3),
+                 edgecolors=style.colour, linewidths=1.5, marker=style.marker, zorder=3)
+    axis.scatter(bins.confidence[~dense], bins.accuracy[~dense], s=areas[~dense], marker=style.marker,
+                 edgecolors=style.colour, **SPARSE_STYLE)
     return line
 
 
 def _sparse_legend_entry(axis: Any) -> None:
-    """A legend entry for the grey markers of bins under ``MIN_BIN_QUESTIONS`` questions."""
-    axis.scatter([], [], s=40, label=SPARSE_LABEL, **SPARSE_STYLE)
+    """A legend entry for the open markers of bins under ``MIN_BIN_QUESTIONS`` questions."""
+    axis.scatter([], [], s=40, label=SPARSE_LABEL, edgecolors="0.3", **SPARSE_STYLE)
 
 
 def _log_count_axis(axis: Any) -> None:
@@ -177,7 +210,7 @@ def reliability_diagram(summary: dict, title: str, stem: str) -> dict[str, bytes
             top.bar(left[chosen], height[chosen], bottom=np.broadcast_to(base, height.shape)[chosen],
                     width=width[chosen], align="edge", label=label, **{"edgecolor": "white", **style})
     # a sparse bin of accuracy 0 has no bar: its grey marker still shows where it is
-    top.scatter((left + width / 2)[sparse], accuracy[sparse], s=30, **SPARSE_STYLE)
+    top.scatter((left + width / 2)[sparse], accuracy[sparse], s=30, edgecolors="0.55", **SPARSE_STYLE)
     top.plot([0, 1], [0, 1], color="black", linestyle="--", linewidth=1, label="perfect calibration")
     if "accuracy_ci95" in reliability and dense.any():
         interval = np.clip(np.array(reliability["accuracy_ci95"], dtype=float)[dense], 0.0, 1.0)
@@ -198,26 +231,31 @@ def reliability_diagram(summary: dict, title: str, stem: str) -> dict[str, bytes
     return _render(figure, stem)
 
 
-def reliability_overlay(summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str) -> dict[str, bytes]:
-    """Several runs' reliability curves in one plot (``reliability_points``), each bin's question count beneath."""
+def reliability_overlay(summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str,
+                        reference: str | None = None) -> dict[str, bytes]:
+    """Several runs' reliability curves in one plot (``reliability_points``, each run in its ``run_styles``; the
+    ``reference`` run black), each bin's question count beneath. Where most answers share the top bin, every
+    run's curve shrinks to one filled marker there, told apart by colour and shape."""
     figure, axes = _figure(2, 1, size=(6.4, 6.8), ratios=(3, 1))
     top, bottom = axes[0, 0], axes[1, 0]
-    top.plot([0, 1], [0, 1], color="black", linestyle="--", linewidth=1, label="perfect calibration")
+    top.plot([0, 1], [0, 1], color="0.5", linestyle="--", linewidth=1, label="perfect calibration")
     largest = _largest_bin([summary["reliability"] for summary in summaries])
+    styles = run_styles(labels, reference)
     for position, (summary, label) in enumerate(zip(summaries, labels)):
         reliability = summary["reliability"]
         ece = summary["metrics"]["all"]["ece"]["value"]
-        line = reliability_points(top, reliability, largest, f"{label} (ECE {ece:.3f})")
+        reliability_points(top, reliability, largest, f"{label} (ECE {ece:.3f})", styles[label])
         # bins side by side: each run takes its share of the bin's width
         left, width = _bin_layout(reliability)
         share = width / len(summaries)
         counts = np.array(reliability["count"], dtype=float)
         bottom.bar(left + position * share, np.where(counts > 0, counts, np.nan), width=share, align="edge",
-                   color=line.get_color(), label=label)
+                   color=styles[label].colour, label=label)
     _sparse_legend_entry(top)
     top.set(xlim=reliability_xlim(summaries), ylim=RELIABILITY_LIMITS["ylim"], ylabel="accuracy")
-    top.set_title(f"{title}\nmarker area: questions in the bin; bars: 95% image-bootstrap interval", fontsize=10)
-    top.legend(loc="upper left", fontsize=7)
+    top.set_title(f"{title}\nmarker area: questions in the bin (tinted: >= {MIN_BIN_QUESTIONS}, joined); bars: 95% "
+                  "image-bootstrap interval", fontsize=10)
+    figure.legend(*top.get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=7)  # covers no bin
     _log_count_axis(bottom)
     bottom.set(xlim=reliability_xlim(summaries), xlabel="mean confidence in bin", ylabel="questions per bin (log)")
     return _render(figure, stem)
@@ -300,6 +338,7 @@ def retention_figure(
     """
     figure, axes = _figure(1, 2, size=(10.0, 4.4))
     confidence_values: list[float] = []
+    styles = run_styles(labels)  # the colours of the same runs in reliability_overlay
     for run, (summary, label) in enumerate(zip(summaries, labels)):
         groups = retention_groups(summary)
         survival = summary["survival"]
@@ -307,7 +346,7 @@ def retention_figure(
         counts = [survival[name]["count"]["value"] for name in groups]
         for axis, metric in zip(axes[0], ("accuracy", "confidence")):
             measured = [survival[name][metric] for name in groups]
-            line = _interval_line(axis, x, measured, label=label)
+            line = _interval_line(axis, x, measured, label=label, color=styles[label].colour)
             _count_labels(axis, x, counts, measured, line.get_color(), run)
             on_reference = [survival[name].get(f"reference_{metric}") for name in groups]
             if all(on_reference):

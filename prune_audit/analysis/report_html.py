@@ -296,24 +296,35 @@ STYLE = (
     "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
     "table{border-collapse:collapse;font-size:0.9em}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
     "td:first-child,th:first-child{text-align:left}img{max-width:100%}"
-    # a value and its interval stay on one line; a wide table scrolls instead of wrapping them
-    "td{white-space:nowrap}.scroll{overflow-x:auto}dl{display:grid;grid-template-columns:max-content auto;gap:2px 1em}"
+    # an interval goes under its value (table_html) and headers wrap, so the table fits the page's 1100 px; each
+    # line of a cell stays whole, and a table wider still (a long run name) scrolls
+    "td{white-space:nowrap}th{vertical-align:bottom}.ci{font-size:0.85em;color:#555}"
+    ".scroll{overflow-x:auto}dl{display:grid;grid-template-columns:max-content auto;gap:2px 1em}"
     "dt{font-weight:bold}dd{margin:0}code{word-break:break-all}"
 )
+
+
+def table_html(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str:
+    """The report table in HTML: each value with its 95% interval on a second, smaller line (``table_cells``' text
+    split at " ["), so that the table is as narrow as its values rather than as value and interval together."""
+    escape = html.escape
+
+    def cell(text: str) -> str:
+        value, bracket, interval = text.partition(" [")
+        return escape(value) + (f'<br><span class="ci">[{escape(interval)}</span>' if bracket else "")
+
+    head = "".join(f"<th>{escape(name)}</th>" for name, _ in columns)
+    body = "".join("<tr>" + "".join(f"<td>{cell(text)}</td>" for text in table_cells(row, columns)) + "</tr>"
+                   for row in rows)
+    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 def _section_html(section: TaskSection, pictures: dict[str, bytes], level: int, caveat: str | None) -> list[str]:
     """A task's table, notes, findings and embedded figures; ``level``: the heading level of its parts;
     ``caveat``: the latency caveat, after the note (a study of one task)."""
     escape = html.escape
-    columns = table_columns(section.report_metrics)
-    head = "".join(f"<th>{escape(name)}</th>" for name, _ in columns)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in table_cells(row, columns)) + "</tr>"
-        for row in section.rows
-    )
     parts = [
-        f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>',
+        table_html(section.rows, table_columns(section.report_metrics)),
         f"<p>{escape(section.note)}</p>",
         *([f"<p>{escape(caveat)}</p>"] if caveat else []),
         f"<h{level}>Findings</h{level}><ul>"

@@ -111,9 +111,10 @@ def calibration_files(report: dict, titles: dict[str, str]) -> dict[str, str | b
         files.update(figures.confidence_histogram(entry, title, f"confidence_{stem}"))
     labels = [entry["label"] for entry in everyone]
     model = ", ".join(sorted({display_model(entry["model"]) for entry in everyone}))
-    files.update(figures.reliability_overlay(everyone, labels, f"Reliability: {model}", "reliability_overlay"))
     runs = report["runs"]
     reference = report["reference"]["label"] if report["reference"] else None
+    files.update(figures.reliability_overlay(everyone, labels, f"Reliability: {model}", "reliability_overlay",
+                                             reference))
     files.update(figures.retention_figure(runs, [entry["label"] for entry in runs], model, "retention", reference))
     return files
 

@@ -112,14 +112,15 @@ def questions(
     from prune_audit.demo.questions import demo_question_set, demo_task_files
 
     question_set = demo_question_set(cache_dir, scenes=scenes, pope_images=pope_images)
-    print(f"instances: {question_set.instances}")
-    print(f"images:    {question_set.image_dir}")
-    for split in POPE_SPLITS:
-        print(f"{split + ':':<11}{question_set.question_file(split)}")
     task_files = demo_task_files(question_set)
+    lines = [("instances", str(question_set.instances)), ("images", str(question_set.image_dir)),
+             *((split, str(question_set.question_file(split))) for split in POPE_SPLITS)]
     for task in DEMO_TASKS:  # --questions (then --annotations, if any) of `run --task TASK`
         paths = [*task_files.questions(task), task_files.evidence(task)]
-        print(f"{task + ':':<11}{' '.join(dict.fromkeys(str(path) for path in paths if path is not None))}")
+        lines.append((task, " ".join(dict.fromkeys(str(path) for path in paths if path is not None))))
+    width = max(len(label) for label, _ in lines) + 2  # the longest label still has a space before its path
+    for label, value in lines:
+        print(f"{label + ':':<{width}}{value}")
 
 
 @app.command("evaluate")
@@ -154,3 +155,25 @@ def evaluate(
     question_set = demo_question_set(cache_dir, scenes=scenes, pope_images=pope_images)
     summary = evaluate_question_set(vlm, question_set, instruction=instruction)
     print(json.dumps({k: round(v, 4) for k, v in summary.items()}))
+
+
+@app.command("lmms-tasks")
+@handle_errors
+def lmms_tasks(
+    out: Annotated[Path, typer.Argument(metavar="DIR", help="Folder for the tasks (a new or empty folder, or the "
+                                        "tasks this command wrote before); lmms-eval reads it with --include_path.")],
+    questions: Annotated[int, typer.Option("--questions", min=1, help="POPE questions: the first N of the demo's "
+                                           "first POPE file.")] = 100,
+    captions: Annotated[int, typer.Option("--captions", min=1, help="Images to describe: the first N demo scenes.")] = 20,
+) -> None:
+    """Write offline lmms-eval tasks over the demo questions and images: localpope, localpope_mc, localpope_rounds
+    and localcaption (docs/lmms-eval.md). lmms-eval's own tasks download their datasets; these run offline:
+    lmms-eval eval --model prune_audit --model_args pretrained=demo,selector=fastv,budget=16 --tasks localpope
+    --include_path DIR."""
+    from prune_audit.demo.lmms_tasks import TASKS, write_demo_tasks
+    from prune_audit.safety.ownership import hold_output_dir
+
+    settings = {"questions": questions, "captions": captions}
+    with hold_output_dir(out, "demo lmms-tasks", settings, option="DIR"):
+        write_demo_tasks(out, questions, captions)
+    print(f"wrote {', '.join(TASKS)} to {out}; run them with lmms-eval eval --include_path {out} --tasks TASKS")

@@ -26,13 +26,22 @@ from prune_audit.cli.common import (
 @handle_errors
 def export(
     run_dir: Annotated[Path, typer.Argument(help="Run directory written by `prune-audit run` (or import).")],
-    out: Annotated[Path, typer.Option(help="Kept-set file to write: FILE.jsonl or FILE.parquet.")],
+    out: Annotated[Optional[Path], typer.Option(help="Kept-set file to write: FILE.jsonl or FILE.parquet.")] = None,
+    answers: Annotated[Optional[Path], typer.Option("--answers", help="Answers file to write (FILE.jsonl, LLaVA's "
+                                                    "question_id + text lines) for `prune-audit score`.")] = None,
 ) -> None:
-    """Write a run's kept sets per stage and its answers in the interchange format (docs/interchange.md)."""
-    from prune_audit.runner.imported import export_run
+    """Write a run's kept sets per stage and its answers in the interchange format (docs/interchange.md), with
+    --answers its answers as LLaVA's answers file (`prune-audit score` reads it)."""
+    from prune_audit.runner.imported import check_answers_path, export_answers, export_run
 
-    count = export_run(run_dir, out)
-    print(f"exported {count} questions to {out}")
+    if out is None and answers is None:
+        raise fail("pass --out FILE (kept sets), --answers FILE.jsonl (answers for `prune-audit score`), or both")
+    if answers is not None:
+        check_answers_path(answers)  # before --out is written: a refused --answers leaves no kept-set file behind
+    if out is not None:
+        print(f"exported {export_run(run_dir, out)} questions to {out}")
+    if answers is not None:
+        print(f"exported {export_answers(run_dir, answers)} answers to {answers}")
 
 
 @handle_errors

@@ -17,6 +17,7 @@ from prune_audit.cli import score as score_cli
 from prune_audit.cli import selectors as selectors_cli
 from prune_audit.cli import study as study_cli
 from prune_audit.cli import visualize as visualize_cli
+from prune_audit.cli.help_text import TaskListingCommand, unwrap_help
 
 app = typer.Typer(
     name="prune-audit",
@@ -46,14 +47,14 @@ def main(
 
 
 app.command("selectors")(selectors_cli.selectors)
-app.command("run")(run_cli.run)
+app.command("run", cls=TaskListingCommand)(run_cli.run)
 app.command("merge")(run_cli.merge)
 app.command("visualize")(visualize_cli.visualize)
 app.command("calibrate")(calibrate_cli.calibrate)
 app.command("cascade")(cascade_cli.cascade)
 app.command("intervene")(intervene_cli.intervene)
-app.command("study")(study_cli.study)
-app.command("score")(score_cli.score)
+app.command("study", cls=TaskListingCommand)(study_cli.study)
+app.command("score", cls=TaskListingCommand)(score_cli.score)
 app.command("export")(interchange_cli.export)
 app.command("import")(interchange_cli.import_)
 app.add_typer(pope_cli.app, name="pope")
@@ -67,6 +68,8 @@ def version() -> None:
 
     print(__version__)
 
+
+unwrap_help(app)
 
 if __name__ == "__main__":
     app()

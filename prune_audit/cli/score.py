@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -32,6 +32,8 @@ def score(
     answers: Annotated[Path, typer.Argument(help="Answers file (JSON Lines; LLaVA's question_id + text lines).")],
     task: TaskOption = "pope",
     questions: QuestionsOption = None,
+    subset: Annotated[Optional[str], typer.Option("--subset", help="Score only this subset of the questions: img "
+                                                   "(scienceqa: those with an image, the ones `run` answers).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON (with every question) instead of a table.")]
     = False,
 ) -> None:
@@ -41,21 +43,33 @@ def score(
     from prune_audit.tasks import get_task
 
     scoring = get_task(task)
+    check_subset(subset, scoring.answer_subsets, task)
     if not questions:
         raise fail(f"pass the {task} question files with --questions")
     for path in [answers, *questions]:
         if not Path(path).is_file():
             raise fail(f"file not found: {path}")
-    report = scoring.score_answers(answers, list(questions))
+    report = scoring.score_answers(answers, list(questions), subset)
     if json_output:
         print(to_json(report), end="")
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{task} scores of {answers.name}")
+    print(f"{task} scores of {answers}")  # on its own line: a table title would break the file name to its width
+    table = Table()
     table.add_column("field")
     table.add_column("value", justify="right")
     for name, value in summary_rows(report):
         table.add_row(name, value)
     Console().print(table)
+
+
+def check_subset(subset: str | None, subsets: dict[str, str], task: str) -> None:
+    """Refuse a ``--subset`` the task does not offer, naming those it does."""
+    if subset is None or subset in subsets:
+        return
+    if not subsets:
+        raise fail(f"{task} has no question subsets to score alone; drop --subset {subset}")
+    offered = "; ".join(f"{name}: {what}" for name, what in subsets.items())
+    raise fail(f"--subset {subset} is not a subset of {task}; choose one of {offered}")

@@ -222,4 +222,29 @@ def export_run(run_dir: Path, out: Path) -> int:
     return records.num_rows
 
 
-__all__ = ["ImportedAnswers", "check_answers", "check_kept_sets", "export_run", "imported_selector", "restrict_questions"]
+def check_answers_path(out: Path) -> None:
+    """Refuse an answers file name that is not .jsonl or already exists (export never replaces a file)."""
+    if out.suffix != ".jsonl":
+        raise PruneAuditError(f"--answers writes JSON Lines, got {out.name}; pass a FILE.jsonl")
+    if out.exists():
+        raise PruneAuditError(f"--answers {out} exists; export never replaces a file: pass a new file name")
+
+
+def export_answers(run_dir: Path, out: Path) -> int:
+    """Write the run's answers as LLaVA's answers file (one ``question_id`` + ``text`` line per question, the form
+    ``prune-audit score`` reads) to ``out`` (a new .jsonl file); the number of answers."""
+    import json
+
+    from prune_audit.records.store import read_run
+    from prune_audit.safety.atomic import write_text_atomic
+
+    check_answers_path(out)
+    _, records = read_run(Path(run_dir))
+    rows = records.select(["question_id", "answer_text"]).to_pylist()
+    write_text_atomic("".join(json.dumps({"question_id": row["question_id"], "text": row["answer_text"]}) + "\n"
+                              for row in rows), out)
+    return len(rows)
+
+
+__all__ = ["ImportedAnswers", "check_answers", "check_answers_path", "check_kept_sets", "export_answers", "export_run", "imported_selector",
+           "restrict_questions"]

@@ -308,7 +308,7 @@ def _run_dir(request: RunRequest, selector: Selector | None) -> Path:
     """
     if request.out is not None:
         return Path(request.out)
-    model_name = _file_safe(Path(str(request.model).rstrip("/")).name) or "model"
+    model_name = file_safe(Path(str(request.model).rstrip("/")).name) or "model"
     prefix = [model_name] if request.task == "pope" else [model_name, request.task]
     parts = [*prefix, "dense"] if selector is None else [*prefix, request.selector, str(request.budget),
                                                          *_changed_options(selector)]
@@ -317,7 +317,8 @@ def _run_dir(request: RunRequest, selector: Selector | None) -> Path:
     return Path("runs") / "-".join(parts)
 
 
-def _file_safe(text: str) -> str:
+def file_safe(text: str) -> str:
+    """``text`` with every run of characters outside [A-Za-z0-9._-] turned into one "-" (a file-name part)."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text)
 
 
@@ -327,7 +328,7 @@ def _changed_options(selector: Selector) -> list[str]:
 
     defaults = option_defaults(type(selector))
     changed = sorted((key, value) for key, value in selector.options().items() if defaults.get(key, value) != value)
-    return [_file_safe(str(value) if key == "budget_rule" else f"{key}{value}") for key, value in changed]
+    return [file_safe(str(value) if key == "budget_rule" else f"{key}{value}") for key, value in changed]
 
 
 def check_writable(run_dir: Path) -> None:

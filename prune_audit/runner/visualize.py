@@ -16,6 +16,7 @@ from prune_audit.compute.budget import check_positive, resolve_budget
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
 from prune_audit.runner.build import covered_stages, recorded_stages
+from prune_audit.runner.plan import file_safe
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
     from prune_audit.pruners.base import Selector
 
 FIGURES_DIR = Path("figures")
-"""Default parent of ``visualize``'s output folder: figures/<image stem>/ (figures/<run name>/ with --run)."""
+"""Default parent of ``visualize``'s output folder: figures/<image stem>/ (figures/<run name>/ with --run); the file is
+tokens-<model>-<budget>.png (``live_stem``), or tokens-<split>-<question id>.png with --run."""
 
 DEFAULT_SELECTORS = ("fastv", "sparsevlm", "visionzip", "divprune", "cdpruner", "random")
 """Drawn beside the unpruned model without --selector: one selector of each kind (in-LLM attention,
@@ -335,6 +337,12 @@ def drawn_selectors(vlm: VisionLanguageModel, requested: Sequence[str]) -> tuple
     return names, "\n".join(notes)
 
 
+def live_stem(model_name: str, budget: int) -> str:
+    """The live figure's file stem, tokens-<model>-<budget>: another model or budget on the same image never
+    overwrites it."""
+    return f"tokens-{file_safe(model_name)}-{budget}"
+
+
 def visualize_live(request: VisualizeRequest) -> DrawnFigure:
     """Run the model under each selector on one image and draw one panel (grid cell) per selector.
 
@@ -381,6 +389,6 @@ def visualize_live(request: VisualizeRequest) -> DrawnFigure:
                             stage_notes={0: retention} if retention else {}))
     notes = tuple(note.splitlines())
     note = "\n".join(["\n".join(f"Warning: {text}." for text in warnings), note]).strip()
-    out = output_path(request.out, FIGURES_DIR / request.image.stem, "tokens")
+    out = output_path(request.out, FIGURES_DIR / request.image.stem, live_stem(setup.model_name, budget))
     path = draw_panels(pixels, panels, out, suptitle=f"{setup.model_name} | {question}", note=note)
     return DrawnFigure(path, question, tuple(answers), notes, tuple(warnings))

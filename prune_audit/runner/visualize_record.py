@@ -45,7 +45,8 @@ def visualize_record(
         match = pc.and_(match, pc.equal(records["split"], split))
     rows = records.filter(match).to_pylist()
     if not rows:
-        raise PruneAuditError(f"question {question_id} is not in {run_dir}; check --question-id (and --split)")
+        raise PruneAuditError(f"question {question_id} is not in {run_dir}; pass one of its ids, e.g. "
+                              f"{_some_ids(records, split)} (--question-id, and --split)")
     if len(rows) > 1:
         raise PruneAuditError(f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split")
     row = rows[0]
@@ -73,6 +74,13 @@ def visualize_record(
     question = f"{row['split']} #{question_id} about {about} ({truth})"
     return DrawnFigure(path, question, (PanelAnswer(title, row["answer_text"], row["confidence"]),),
                        notes=(missing,) if missing else ())
+
+
+def _some_ids(records: Any, split: str | None, count: int = 5) -> str:
+    """The first ``count`` question ids of ``records`` (of ``split``, when given; "none" when it has none)."""
+    ids = [row["question_id"] for row in records.select(["question_id", "split"]).to_pylist()
+           if split is None or row["split"] == split]
+    return ", ".join(str(value) for value in ids[:count]) or f"none in split {split}"
 
 
 def _evidence_mask(

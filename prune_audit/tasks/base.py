@@ -205,11 +205,14 @@ class Task(ABC):
         """The answer text, references, correctness, confidence and the task's own columns of the model's
         answer, ``reduced`` in the question's answer mode."""
 
+    answer_subsets: ClassVar[dict[str, str]] = {}
+    """The question subsets ``score --subset NAME`` scores alone, each with what it holds (none: every question)."""
+
     @abstractmethod
-    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+    def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
         """Score a released answers file (LLaVA's ``question_id`` + ``text`` lines) against the task's question
         files as its official evaluation does (``prune-audit score``): the report's summary numbers and
-        ``per_question`` rows."""
+        ``per_question`` rows; ``subset``, one of ``answer_subsets``, scores that subset's questions alone."""
 
     def image_id(self, question: TaskQuestion) -> int | None:
         """The question's image id without annotations (None: the task needs ``--annotations`` for it)."""

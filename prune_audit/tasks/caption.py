@@ -193,7 +193,7 @@ class CaptionTask(Task):
         confidence = columns["sequence_prob" if self.confidence == "sequence" else "mean_token_prob"]
         return Scored(generation.answer, present, not scored.chair_s, confidence, columns)
 
-    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+    def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
         """CHAIR-s, CHAIR-i, recall and omissions of the captions (``data.captions.score_caption_answers``); the
         answers' ``question_id`` is the COCO image id."""
         from prune_audit.data.captions import score_caption_answers

@@ -193,7 +193,7 @@ class GqaTask(Task):
         confidence = columns["sequence_prob" if self.confidence == "sequence" else "mean_token_prob"]
         return Scored(generation.answer, (reference,), exact_match(generation.answer, reference), confidence, columns)
 
-    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+    def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
         """GQA's exact match after LLaVA's normalisation (``data.gqa.score_gqa_answers``); of lmms-lab/GQA's Parquet
         files only the ``*_instructions`` ones are read."""
         from prune_audit.data.gqa import score_gqa_answers

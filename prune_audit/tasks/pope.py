@@ -87,7 +87,7 @@ class PopeTask(Task):
         return Scored(reduced.answer, (str(question.label),), reduced.answer == question.label, reduced.confidence,
                       columns)
 
-    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+    def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
         """POPE's evaluate.py per split and averaged (``prune-audit pope score``'s report); lmms-lab/POPE Parquet
         files are read without their images."""
         from prune_audit.data.pope_score import score_files

@@ -7,7 +7,9 @@ the option's letter from the given choices directly." The answer is the offered 
 single-token spellings (case and word-start variants summed, as POPE's yes/no) have the highest
 first-token probability; confidence is that letter's probability renormalised over the offered
 letters. (Released free-text answers are parsed by LLaVA's ``eval_science_qa.py`` rule,
-``data.scienceqa.parse_letter``; a first-token answer needs no parsing.)
+``data.scienceqa.parse_letter``; a first-token answer needs no parsing.) A run answers the IMG
+subset only, so its answers (``prune-audit export RUN --answers FILE.jsonl``) are scored with
+``prune-audit score --task scienceqa FILE.jsonl --questions llava_test_CQM-A.json --subset img``.
 
 Every question has its own image, so each question is its own exchangeable unit: its
 ``image_id`` is its question id (bootstrap resamples and conformal splits draw questions).
@@ -76,6 +78,7 @@ class ScienceQaTask(Task):
     evidence_noun = "the evidence regions (none for scienceqa)"
     names_evidence = False
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
+    answer_subsets = {"img": "the questions with an image (LLaVA's IMG-Accuracy; the questions `run` answers)"}
 
     def read_questions(self, paths: Sequence[Path]) -> list[ScienceQaTaskQuestion]:
         return [ScienceQaTaskQuestion(question, _record_id(question, path))
@@ -107,9 +110,10 @@ class ScienceQaTask(Task):
         columns: dict[str, Any] = {"letter_probs": list(choice.letter_probs), "options_offered": len(question.sqa.options)}
         return Scored(choice.answer, (reference,), choice.answer == reference, choice.confidence, columns)
 
-    def score_answers(self, answers: Path, question_files: Sequence[Path]) -> dict[str, Any]:
+    def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
         """LLaVA's eval_science_qa.py over every question of the files (its accuracy) and the IMG subset (``img``),
-        free-text answers parsed by its letter rule (``data.scienceqa.score_scienceqa_answers``)."""
+        free-text answers parsed by its letter rule (``data.scienceqa.score_scienceqa_answers``); ``subset`` "img"
+        scores the questions with an image alone (the ones ``run`` answers)."""
         from prune_audit.data.scienceqa import score_scienceqa_answers
 
         if self.parquet_inputs(question_files):
@@ -117,8 +121,10 @@ class ScienceQaTask(Task):
             # or reordered, and LLaVA's answers carry problem ids, which lmms-lab/ScienceQA's rows lack
             raise PruneAuditError("lmms-lab/ScienceQA Parquet rows have no problem id to match the answers' "
                                   "question_id; pass LLaVA's llava_test_CQM-A.json with --questions")
-        questions = [question for path in question_files for question in load_scienceqa(path, images_only=False)]
-        return score_scienceqa_answers(answers, questions)
+        images_only = subset == "img"
+        questions = [question for path in question_files for question in load_scienceqa(path, images_only=images_only)]
+        report = score_scienceqa_answers(answers, questions)
+        return report if subset is None else {"subset": subset, **report}
 
     def image_id(self, question: ScienceQaTaskQuestion) -> int:
         return question.question_id
