@@ -96,6 +96,18 @@ def _text(value: Any, where: str, key: str) -> str:
     return value
 
 
+def reference_text(value: Any, where: str, key: str) -> str | None:
+    """A reference of a question (``answer``, ``fullAnswer``): None when absent, else non-blank text. Both GQA
+    readers (the question JSON and lmms-lab/GQA's Parquet) apply this rule: a blank reference would mark every
+    answer to its question wrong without a word."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise PruneAuditError(f"{where}: {key} must be text and not blank (or be left out), got {value!r}: a blank "
+                              f"reference marks every answer wrong; give the reference {key} or leave the field out")
+    return value
+
+
 def _question_id(value: Any, where: str) -> str:
     key = answer_id(value, where)
     if not is_digits(key):
@@ -155,9 +167,8 @@ def read_gqa_questions(path: str | Path) -> dict[str, dict[str, Any]]:
             raise PruneAuditError(f"{where} is a JSON {type(entry).__name__}, not an object")
         _text(entry.get("imageId"), where, "imageId")
         _text(entry.get("question"), where, "question")
-        for optional in ("answer", "fullAnswer"):
-            if optional in entry and not isinstance(entry[optional], str):
-                raise PruneAuditError(f"{where}: {optional} must be text, got {entry[optional]!r}")
+        for reference in ("answer", "fullAnswer"):
+            reference_text(entry.get(reference), where, reference)
         _annotation_ids(entry, where)
     return data
 

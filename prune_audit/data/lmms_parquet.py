@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from prune_audit.data.gqa import ANNOTATION_FIELDS, GqaQuestion, INSTRUCTION as GQA_INSTRUCTION
+from prune_audit.data.gqa import ANNOTATION_FIELDS, GqaQuestion, INSTRUCTION as GQA_INSTRUCTION, reference_text
 from prune_audit.data.pope import LABELS, PopeQuestion, parse_object
 from prune_audit.data.scienceqa import LETTERS, ScienceQaQuestion, parse_prompt
 from prune_audit.errors import PruneAuditError
@@ -89,10 +89,6 @@ def _text(row: dict[str, Any], column: str, where: str) -> str:
     return value
 
 
-def _optional_text(row: dict[str, Any], column: str, where: str) -> str | None:
-    return None if row.get(column) is None else _text(row, column, where)
-
-
 def _image_bytes(value: Any, where: str) -> bytes:
     """The bytes of an ``{bytes, path}`` image struct; a path without bytes cannot be opened here."""
     data = value.get("bytes") if isinstance(value, dict) else None
@@ -109,15 +105,27 @@ def _read(paths: Paths, columns: Sequence[str], layout: str,
           skip: Sequence[str] = ()) -> ParquetQuestions[Question]:
     questions: list[Question] = []
     images: dict[str, bytes] = {}
+    first_rows: dict[str, str] = {}
     for path in _paths(paths):
         for number, row in enumerate(read_rows(path, columns, layout, skip)):
-            question, data = convert(row, f"{path}: row {number}", len(questions))
+            where = f"{path}: row {number}"
+            question, data = convert(row, where, len(questions))
             questions.append(question)
             if data is not None:
-                images.setdefault(question.image, data)  # type: ignore[attr-defined]
+                _add_image(images, first_rows, question.image, data, where)  # type: ignore[attr-defined]
     if not questions:
         raise PruneAuditError(f"no rows in {', '.join(str(p) for p in _paths(paths))}")
     return ParquetQuestions(questions, images)
+
+
+def _add_image(images: dict[str, bytes], first_rows: dict[str, str], name: str, data: bytes, where: str) -> None:
+    """Keep the bytes row ``where`` embeds for image ``name``; rows naming one image must embed the same bytes, since
+    the run writes and pins one file per name (a second picture would be dropped without a word)."""
+    if name not in images:
+        images[name], first_rows[name] = data, where
+    elif images[name] != data:
+        raise PruneAuditError(f"{where} and {first_rows[name]} both name image {name} but embed different images; "
+                              f"give each image its own image name (image_source) or fix the rows")
 
 
 def _pope_row(row: dict[str, Any], where: str, _index: int) -> tuple[PopeQuestion, bytes | None]:
@@ -211,7 +219,8 @@ def _gqa_row(row: dict[str, Any], where: str) -> tuple[GqaQuestion, str]:
     text = _text(row, "question", where)
     question = GqaQuestion(
         question_id=question_id, image=f"{image_id}.jpg", text=f"{text}\n{GQA_INSTRUCTION}", question=text,
-        answer=_optional_text(row, "answer", where), full_answer=_optional_text(row, "fullAnswer", where),
+        answer=reference_text(row.get("answer"), where, "answer"),
+        full_answer=reference_text(row.get("fullAnswer"), where, "fullAnswer"),
         evidence_object_ids=_gqa_evidence(row, where),
     )
     return question, image_id

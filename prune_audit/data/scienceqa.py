@@ -140,22 +140,38 @@ def load_scienceqa(path: str | Path, images_only: bool = True) -> list[ScienceQa
             not A, B, ... lines, an answer letter not offered, an image outside the images folder,
             ``<image>`` without ``image`` (or the reverse), a repeated id; naming file, entry and id.
     """
-    data = read_json(path)
-    if not isinstance(data, list):
-        raise PruneAuditError(f"{path}: expected LLaVA's ScienceQA file, a JSON list of questions")
-    questions, seen = [], {}
-    for index, entry in enumerate(data):
-        question = _entry(entry, f"{path}: entry {index}")
-        if question.question_id in seen:
-            raise PruneAuditError(
-                f"{path}: entry {index} repeats id {question.question_id} of entry {seen[question.question_id]}"
-            )
-        seen[question.question_id] = index
-        if question.image is not None or not images_only:
-            questions.append(question)
-    if not questions:
-        raise PruneAuditError(f"{path}: no questions{' with an image' if images_only else ''}")
+    return load_scienceqa_files([path], images_only)
+
+
+def load_scienceqa_files(paths: Sequence[str | Path], images_only: bool = True) -> list[ScienceQaQuestion]:
+    """The questions of several ScienceQA files in the order given, each read as :func:`load_scienceqa` does; an
+    id may appear once over all of them (the same file passed twice would score each answer twice)."""
+    questions: list[ScienceQaQuestion] = []
+    seen: dict[str, tuple[Path, int]] = {}
+    for path in map(Path, paths):
+        data = read_json(path)
+        if not isinstance(data, list):
+            raise PruneAuditError(f"{path}: expected LLaVA's ScienceQA file, a JSON list of questions")
+        found = []
+        for index, entry in enumerate(data):
+            question = _entry(entry, f"{path}: entry {index}")
+            _refuse_repeated_id(question.question_id, path, index, seen)
+            if question.image is not None or not images_only:
+                found.append(question)
+        if not found:
+            raise PruneAuditError(f"{path}: no questions{' with an image' if images_only else ''}")
+        questions += found
     return questions
+
+
+def _refuse_repeated_id(question_id: str, path: Path, index: int, seen: dict[str, tuple[Path, int]]) -> None:
+    """Refuse an id ``seen`` holds (naming the earlier entry, and its file when another), else note it."""
+    if question_id in seen:
+        first_path, first_index = seen[question_id]
+        first = f"entry {first_index}" if first_path == path else f"{first_path}: entry {first_index}"
+        raise PruneAuditError(f"{path}: entry {index} repeats id {question_id} of {first}; keep each question once "
+                              f"(pass each question file once)")
+    seen[question_id] = (path, index)
 
 
 def parse_letter(text: str) -> str:

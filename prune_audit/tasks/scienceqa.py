@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from prune_audit.answer_modes import OptionLetters
-from prune_audit.data.scienceqa import ScienceQaQuestion, load_scienceqa
+from prune_audit.data.scienceqa import ScienceQaQuestion, load_scienceqa_files
 from prune_audit.errors import PruneAuditError
 from prune_audit.tasks.base import Scored, Task
 from prune_audit.tasks.registry import register_task
@@ -55,12 +55,13 @@ class ScienceQaTaskQuestion:
         return self.sqa.prompt
 
 
-def _record_id(question: ScienceQaQuestion, path: Path) -> int:
+def _record_id(question: ScienceQaQuestion) -> int:
     """ScienceQA's problem id as the records' int64 key."""
     key = question.question_id
     if not (key.isascii() and key.isdigit()) or str(int(key)) != key or int(key) >= 2**63:
         raise PruneAuditError(
-            f"{path}: id {key!r} is not a plain number below 2**63; records key questions by an int64 id: fix the file"
+            f"ScienceQA id {key!r} is not a plain number below 2**63; records key questions by an int64 id: fix the "
+            f"question file"
         )
     return int(key)
 
@@ -78,8 +79,8 @@ class ScienceQaTask(Task):
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
 
     def read_questions(self, paths: Sequence[Path]) -> list[ScienceQaTaskQuestion]:
-        return [ScienceQaTaskQuestion(question, _record_id(question, path))
-                for path in paths for question in load_scienceqa(path, images_only=True)]
+        return [ScienceQaTaskQuestion(question, _record_id(question))
+                for question in load_scienceqa_files(paths, images_only=True)]
 
     parquet_layout = "lmms-lab/ScienceQA (ScienceQA-IMG rows: those with an image)"
 
@@ -88,7 +89,7 @@ class ScienceQaTask(Task):
         from prune_audit.data.lmms_parquet import ParquetQuestions, read_scienceqa_parquet
 
         loaded = read_scienceqa_parquet(paths, images_only=True)
-        return ParquetQuestions([ScienceQaTaskQuestion(q, _record_id(q, Path(paths[0]))) for q in loaded.questions],
+        return ParquetQuestions([ScienceQaTaskQuestion(q, _record_id(q)) for q in loaded.questions],
                                 loaded.images)
 
     def check_questions(self, questions: Sequence[ScienceQaTaskQuestion]) -> None:
@@ -117,8 +118,7 @@ class ScienceQaTask(Task):
             # or reordered, and LLaVA's answers carry problem ids, which lmms-lab/ScienceQA's rows lack
             raise PruneAuditError("lmms-lab/ScienceQA Parquet rows have no problem id to match the answers' "
                                   "question_id; pass LLaVA's llava_test_CQM-A.json with --questions")
-        questions = [question for path in question_files for question in load_scienceqa(path, images_only=False)]
-        return score_scienceqa_answers(answers, questions)
+        return score_scienceqa_answers(answers, load_scienceqa_files(question_files, images_only=False))
 
     def image_id(self, question: ScienceQaTaskQuestion) -> int:
         return question.question_id
