@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
 from test_data_safety import record_count
-from test_task_data import gqa_instruction_columns, write_parquet
+from test_task_data import gqa_instruction_columns, scienceqa_columns, write_parquet
 from test_task_parquet import pope_parquet
 from test_tasks import answers_file, gqa_inputs, scienceqa_file
 
@@ -55,6 +55,15 @@ def test_scienceqa_run_refuses_an_id_repeated_in_another_file(workspace, tmp_pat
     args = run_args(workspace, out, "--task", "scienceqa", "--images", workspace["images"], "--questions", questions,
                     "--questions", copy)
     refused(invoke(*args), f"{copy}: entry 0 repeats id 10 of {questions}: entry 0", "keep each question once")
+    assert not out.exists()
+
+
+def test_a_parquet_file_given_twice_is_refused(workspace, tmp_path):
+    """lmms-lab/ScienceQA has no problem id (ids are row numbers), so the same file twice is refused by its path."""
+    parquet = write_parquet(tmp_path / "test-00000-of-00001.parquet", scienceqa_columns())
+    out = tmp_path / "run"
+    refused(invoke(*run_args(workspace, out, "--task", "scienceqa", "--questions", parquet, "--questions", parquet)),
+            f"{parquet} is given twice", "pass each Parquet file once")
     assert not out.exists()
 
 

@@ -115,11 +115,11 @@ def check_evidence_file(questions: Sequence[CaptionQuestion], coco: CocoInstance
     scored against."""
     for question in questions:
         try:
-            digest = image_annotations_sha256(coco, coco.image_id(question.image))
+            image_id: int | None = coco.image_id(question.image)
         except PruneAuditError:  # the image is not in the file
-            digest = None
-        if digest != question.annotations_sha256:
-            what = "does not hold" if digest is None else "annotates otherwise (id, file name, size, objects or masks)"
+            image_id = None
+        if image_id is None or image_annotations_sha256(coco, image_id) != question.annotations_sha256:
+            what = "does not hold" if image_id is None else "annotates otherwise (id, file name, size, objects or masks)"
             raise PruneAuditError(f"{coco.source} {what} image {question.image} of the caption questions; pass the "
                                   f"instances file of --questions with --annotations too")
 

@@ -54,6 +54,10 @@ def _paths(paths: Paths) -> list[Path]:
     listed = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not listed:
         raise PruneAuditError("no Parquet files given")
+    resolved = [path.resolve() for path in listed]
+    repeated = next((path for n, path in enumerate(listed) if resolved[n] in resolved[:n]), None)
+    if repeated is not None:  # lmms-lab/ScienceQA's ids are row numbers: its rows would be asked twice, unnoticed
+        raise PruneAuditError(f"{repeated} is given twice; pass each Parquet file once")
     return listed
 
 
