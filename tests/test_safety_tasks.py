@@ -42,9 +42,8 @@ def test_scienceqa_score_refuses_the_same_question_file_twice(workspace, tmp_pat
     questions = scienceqa_file(workspace, tmp_path / "sqa")
     answers = answers_file(tmp_path / "answers.jsonl", [(entry["id"], "A") for entry in json.loads(questions.read_text())])
     before = snapshot(tmp_path)
-    line = refused(invoke("score", answers, "--task", "scienceqa", "--questions", questions, "--questions", questions),
-                   "entry 0 repeats id 10 of", "pass each question file once")
-    assert str(questions) in line
+    refused(invoke("score", answers, "--task", "scienceqa", "--questions", questions, "--questions", questions),
+            f"{questions} is given twice", "pass each question file once")
     assert snapshot(tmp_path) == before
 
 
@@ -54,7 +53,28 @@ def test_scienceqa_run_refuses_an_id_repeated_in_another_file(workspace, tmp_pat
     out = tmp_path / "run"
     args = run_args(workspace, out, "--task", "scienceqa", "--images", workspace["images"], "--questions", questions,
                     "--questions", copy)
-    refused(invoke(*args), f"{copy}: entry 0 repeats id 10 of {questions}: entry 0", "keep each question once")
+    refused(invoke(*args), f"{copy}: entry 0: id 10 repeats {questions}: entry 0", "keep each question once")
+    assert not out.exists()
+
+
+def test_pope_score_by_order_refuses_the_same_split_file_twice(workspace, tmp_path):
+    """Answers matched by order (POPE's own format) carry no id, so only the question files can tell."""
+    split = workspace["pope"][0]
+    lines = [json.loads(line) for line in split.read_text().splitlines() if line.strip()]
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps({"answer": row["label"]}) + "\n" for row in lines * 2))
+    copy = Path(shutil.copy(split, tmp_path / split.name))
+    refused(invoke("score", answers, "--questions", split, "--questions", copy),
+            f"{copy}:1: question_id {lines[0]['question_id']} of split", f"repeats {split}:1",
+            "pass each question file once")
+
+
+def test_pope_run_names_both_files_of_a_repeated_question(workspace, tmp_path):
+    split = workspace["pope"][0]
+    copy = Path(shutil.copy(split, tmp_path / split.name))
+    out = tmp_path / "run"
+    refused(invoke(*run_args(workspace, out, "--images", workspace["images"], "--pope", split, "--pope", copy)),
+            f"{copy}:1:", f"repeats {split}:1", "keep each question once")
     assert not out.exists()
 
 

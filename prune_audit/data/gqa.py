@@ -29,6 +29,7 @@ import numpy as np
 from prune_audit.data.answers import answer_id, load_llava_answers, match_answers
 from prune_audit.data.coco import read_json
 from prune_audit.data.pope import check_image_name, file_sha256, read_json_lines
+from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import is_digits
 
@@ -118,18 +119,14 @@ def _question_id(value: Any, where: str) -> str:
 def load_llava_gqa(path: str | Path) -> list[GqaQuestion]:
     """LLaVA's GQA question file (JSON Lines), without answers; a bad or repeated id names file and line."""
     questions: list[GqaQuestion] = []
-    seen: dict[str, int] = {}
+    seen: QuestionPlaces = {}
     for number, row in read_json_lines(path):
         where = f"{path}:{number}"
         missing = [key for key in ("question_id", "image", "text") if key not in row]
         if missing:
             raise PruneAuditError(f"{where}: missing {', '.join(missing)}; LLaVA's GQA lines have question_id, image, text")
         question_id = _question_id(row["question_id"], where)
-        if question_id in seen:
-            raise PruneAuditError(
-                f"{where}: question_id {question_id} repeats line {seen[question_id]}; keep each question once"
-            )
-        seen[question_id] = number
+        note_question(question_id, QuestionPlace(Path(path), "line", number, f"question_id {question_id}"), seen)
         text = _text(row["text"], where, "text")
         category = row.get("category")
         questions.append(GqaQuestion(

@@ -26,6 +26,7 @@ from typing import Any
 from prune_audit.data.answers import answer_id, load_llava_answers, match_answers
 from prune_audit.data.coco import read_json
 from prune_audit.data.pope import check_image_name, file_sha256
+from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.errors import PruneAuditError
 
 INSTRUCTION = "Answer with the option's letter from the given choices directly."
@@ -147,7 +148,7 @@ def load_scienceqa_files(paths: Sequence[str | Path], images_only: bool = True) 
     """The questions of several ScienceQA files in the order given, each read as :func:`load_scienceqa` does; an
     id may appear once over all of them (the same file passed twice would score each answer twice)."""
     questions: list[ScienceQaQuestion] = []
-    seen: dict[str, tuple[Path, int]] = {}
+    seen: QuestionPlaces = {}
     for path in map(Path, paths):
         data = read_json(path)
         if not isinstance(data, list):
@@ -155,23 +156,13 @@ def load_scienceqa_files(paths: Sequence[str | Path], images_only: bool = True) 
         found = []
         for index, entry in enumerate(data):
             question = _entry(entry, f"{path}: entry {index}")
-            _refuse_repeated_id(question.question_id, path, index, seen)
+            note_question(question.question_id, QuestionPlace(path, "entry", index, f"id {question.question_id}"), seen)
             if question.image is not None or not images_only:
                 found.append(question)
         if not found:
             raise PruneAuditError(f"{path}: no questions{' with an image' if images_only else ''}")
         questions += found
     return questions
-
-
-def _refuse_repeated_id(question_id: str, path: Path, index: int, seen: dict[str, tuple[Path, int]]) -> None:
-    """Refuse an id ``seen`` holds (naming the earlier entry, and its file when another), else note it."""
-    if question_id in seen:
-        first_path, first_index = seen[question_id]
-        first = f"entry {first_index}" if first_path == path else f"{first_path}: entry {first_index}"
-        raise PruneAuditError(f"{path}: entry {index} repeats id {question_id} of {first}; keep each question once "
-                              f"(pass each question file once)")
-    seen[question_id] = (path, index)
 
 
 def parse_letter(text: str) -> str:
