@@ -78,6 +78,14 @@ def test_pope_run_names_both_files_of_a_repeated_question(workspace, tmp_path):
     assert not out.exists()
 
 
+def test_gqa_instructions_files_repeating_a_question_are_refused_naming_both_rows(tmp_path):
+    first = write_parquet(tmp_path / "testdev_balanced_instructions.parquet", gqa_instruction_columns())
+    second = Path(shutil.copy(first, tmp_path / "copy_instructions.parquet"))
+    answers = answers_file(tmp_path / "answers.jsonl", [("201", "laptop"), ("203", "white")])
+    refused(invoke("score", answers, "--task", "gqa", "--questions", first, "--questions", second),
+            f"{second}: row 0: question 201 repeats {first}: row 0", "pass each question file once")
+
+
 def test_a_parquet_file_given_twice_is_refused(workspace, tmp_path):
     """lmms-lab/ScienceQA has no problem id (ids are row numbers), so the same file twice is refused by its path."""
     parquet = write_parquet(tmp_path / "test-00000-of-00001.parquet", scienceqa_columns())

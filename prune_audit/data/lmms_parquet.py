@@ -23,13 +23,14 @@ image name; every check names the file, the row and the fix.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from prune_audit.data.gqa import ANNOTATION_FIELDS, GqaQuestion, INSTRUCTION as GQA_INSTRUCTION, reference_text
 from prune_audit.data.pope import LABELS, PopeQuestion, parse_object
+from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.data.scienceqa import LETTERS, ScienceQaQuestion, parse_prompt
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import is_digits
@@ -106,14 +107,21 @@ def _image_bytes(value: Any, where: str) -> bytes:
 
 def _read(paths: Paths, columns: Sequence[str], layout: str,
           convert: Callable[[dict[str, Any], str, int], tuple[Question, bytes | None]],
-          skip: Sequence[str] = ()) -> ParquetQuestions[Question]:
+          skip: Sequence[str] = (), key: Callable[[Question], tuple[Hashable, str]] | None = None
+          ) -> ParquetQuestions[Question]:
+    """The questions of the rows of ``paths`` (``convert``ed) and the images they embed; ``key`` gives a question's
+    key and name where the layout has question ids (each may appear once over the files: ``note_question``)."""
     questions: list[Question] = []
     images: dict[str, bytes] = {}
     first_rows: dict[str, str] = {}
+    seen: QuestionPlaces = {}
     for path in _paths(paths):
         for number, row in enumerate(read_rows(path, columns, layout, skip)):
             where = f"{path}: row {number}"
             question, data = convert(row, where, len(questions))
+            if key is not None:
+                question_key, name = key(question)
+                note_question(question_key, QuestionPlace(path, "row", number, name), seen)
             questions.append(question)
             if data is not None:
                 _add_image(images, first_rows, question.image, data, where)  # type: ignore[attr-defined]
@@ -160,14 +168,8 @@ def read_pope_parquet(paths: Paths, images: bool = True) -> ParquetQuestions[Pop
     The image is named ``<image_source>.jpg``; the split is ``category``; a (split, question_id)
     pair must be unique, as in the JSON files.
     """
-    result = _read(paths, POPE_COLUMNS, "lmms-lab/POPE", _pope_row, skip=() if images else ("image",))
-    seen: set[tuple[str, int]] = set()
-    for question in result.questions:
-        key = (question.split, question.question_id)
-        if key in seen:
-            raise PruneAuditError(f"question_id {key[1]} of split {key[0]} repeats; pass each POPE shard once")
-        seen.add(key)
-    return result
+    return _read(paths, POPE_COLUMNS, "lmms-lab/POPE", _pope_row, skip=() if images else ("image",),
+                 key=lambda q: ((q.split, q.question_id), f"question_id {q.question_id} of split {q.split}"))
 
 
 def _annotation_spans(value: Any) -> list[str]:
@@ -213,7 +215,7 @@ def read_gqa_parquet(instructions: Paths, images: Paths) -> ParquetQuestions[Gqa
             )
         return question, pictures[image_id]
 
-    return _unique_gqa(_read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert))
+    return _read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert, key=_gqa_key)
 
 
 def _gqa_row(row: dict[str, Any], where: str) -> tuple[GqaQuestion, str]:
@@ -230,13 +232,9 @@ def _gqa_row(row: dict[str, Any], where: str) -> tuple[GqaQuestion, str]:
     return question, image_id
 
 
-def _unique_gqa(result: ParquetQuestions[GqaQuestion]) -> ParquetQuestions[GqaQuestion]:
-    """``result``, once no question id repeats across the instructions files."""
-    ids = [question.question_id for question in result.questions]
-    if len(set(ids)) != len(ids):
-        repeated = next(i for n, i in enumerate(ids) if i in ids[:n])
-        raise PruneAuditError(f"question {repeated} repeats; pass each instructions file once")
-    return result
+def _gqa_key(question: GqaQuestion) -> tuple[str, str]:
+    """A GQA question's key over the ``*_instructions`` files, and its name in messages."""
+    return question.question_id, f"question {question.question_id}"
 
 
 def _split_gqa_files(paths: Paths) -> tuple[list[Path], list[Path]]:
@@ -259,7 +257,7 @@ def read_gqa_parquet_questions(paths: Paths) -> list[GqaQuestion]:
     def convert(row: dict[str, Any], where: str, _index: int) -> tuple[GqaQuestion, None]:
         return _gqa_row(row, where)[0], None
 
-    return _unique_gqa(_read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert)).questions
+    return _read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert, key=_gqa_key).questions
 
 
 def read_gqa_parquet_files(paths: Paths) -> ParquetQuestions[GqaQuestion]:

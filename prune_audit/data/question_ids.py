@@ -16,7 +16,8 @@ from prune_audit.errors import PruneAuditError
 
 @dataclass(frozen=True)
 class QuestionPlace:
-    """Where a question is: its file and line (JSON Lines) or entry (a JSON list), and how messages name it."""
+    """Where a question is: its file and line (JSON Lines), entry (a JSON list) or row (Parquet), and how messages
+    name it."""
 
     path: Path
     unit: str
@@ -24,7 +25,7 @@ class QuestionPlace:
     name: str
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.number}" if self.unit == "line" else f"{self.path}: entry {self.number}"
+        return f"{self.path}:{self.number}" if self.unit == "line" else f"{self.path}: {self.unit} {self.number}"
 
     def named_from(self, other: QuestionPlace) -> str:
         """This place as a message about ``other`` names it: without the file when both are in one."""
