@@ -233,7 +233,7 @@ def test_scienceqa_entries_parse_into_question_context_and_options(tmp_path):
     (sqa_entry("8", "Q?\nA. x\nB. y", answer="C"), r"offered letters A, B, got 'C'"),
     (sqa_entry("8", "<image>\nQ?\nA. x\nB. y"), r"has an image exactly when its question has <image>"),
     (sqa_entry("8", "Q?\nA. x\nB. y", image="/abs/image.png"), r"leads outside the images folder"),
-    (sqa_entry("5", "Q?\nA. x\nB. y"), r"entry 3 repeats id 5 of entry 0"),
+    (sqa_entry("5", "Q?\nA. x\nB. y"), r"entry 3: id 5 repeats entry 0"),
     ({"conversations": []}, r"entry 3: missing id"),
     ({"id": "8", "conversations": [{"from": "gpt", "value": "A"}]}, r"the first turn must be from 'human'"),
     ({"id": True, "conversations": []}, r"question_id must be a string or a non-negative integer"),

@@ -10,6 +10,8 @@ scripts write it, ``image_id = int(question_id)``). Scores: :mod:`prune_audit.da
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,8 @@ class CaptionQuestion:
         question_id: the COCO image id.
         image: its file name in the instances file.
         objects: COCO category names of its instances, in order of first annotation.
+        annotations_sha256: what the instances file says of the image (``image_annotations_sha256``): the
+            evidence file (``--annotations``) must say the same.
         caption_objects: CHAIR categories its reference captions mention (empty without captions).
         text: the prompt.
     """
@@ -39,6 +43,7 @@ class CaptionQuestion:
     question_id: int
     image: str
     objects: tuple[str, ...]
+    annotations_sha256: str
     caption_objects: tuple[str, ...] = ()
     text: str = PROMPT
 
@@ -86,10 +91,37 @@ def caption_questions(coco: CocoInstances, captions: dict[int, list[str]] | None
                 )
             mentioned = tuple(sorted(caption_objects(captions[image_id], vocabulary)))
         questions.append(CaptionQuestion(question_id=image_id, image=image.file_name,
-                                         objects=tuple(coco.object_names(image_id)), caption_objects=mentioned))
+                                         objects=tuple(coco.object_names(image_id)),
+                                         annotations_sha256=image_annotations_sha256(coco, image_id),
+                                         caption_objects=mentioned))
     if not questions:
         raise PruneAuditError(f"{coco.source}: no images to describe")
     return questions
+
+
+def image_annotations_sha256(coco: CocoInstances, image_id: int) -> str:
+    """sha256 of what ``coco`` says of one image: its id, file name and size, and each annotation's category name
+    and segmentation in file order (category ids and other fields may differ between exports)."""
+    image = coco.image(image_id)
+    annotations = [[coco.category_names[ann["category_id"]], ann["segmentation"]]
+                   for ann in coco.annotations_by_image[image_id]]
+    content = [image.id, image.file_name, image.width, image.height, annotations]
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+def check_evidence_file(questions: Sequence[CaptionQuestion], coco: CocoInstances) -> None:
+    """Refuse an evidence file (``--annotations``) that lacks an image of the questions or annotates it otherwise
+    than the instances file the questions came from: its masks would measure other objects than the captions are
+    scored against."""
+    for question in questions:
+        try:
+            image_id: int | None = coco.image_id(question.image)
+        except PruneAuditError:  # the image is not in the file
+            image_id = None
+        if image_id is None or image_annotations_sha256(coco, image_id) != question.annotations_sha256:
+            what = "does not hold" if image_id is None else "annotates otherwise (id, file name, size, objects or masks)"
+            raise PruneAuditError(f"{coco.source} {what} image {question.image} of the caption questions; pass the "
+                                  f"instances file of --questions with --annotations too")
 
 
 def score_caption_answers(answers: str | Path, questions: Sequence[CaptionQuestion],

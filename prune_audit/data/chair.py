@@ -96,20 +96,51 @@ def default_vocabulary() -> ChairVocabulary:
     return read_vocabulary()
 
 
-def with_categories(vocabulary: ChairVocabulary, categories: Iterable[str]) -> ChairVocabulary:
+def with_categories(vocabulary: ChairVocabulary, categories: Iterable[str],
+                    source: str = "the instances file") -> ChairVocabulary:
     """``vocabulary`` plus each one- or two-word name of ``categories`` it does not list, as its own synonym.
 
     A COCO-format file's category names are COCO's (all listed: nothing changes) unless it annotates
     other objects, such as the demo's shapes; their mentions then count as CHAIR counts COCO's (a
-    two-word name is merged as CHAIR's pairs are; longer names cannot be, and are left out).
+    two-word name is merged as CHAIR's pairs are; longer names cannot be, and are left out). A name
+    CHAIR could not match as an object word is refused (``check_category_name``), naming ``source``.
     """
     missing = {name: name for name in categories if name not in vocabulary.synonyms and name not in vocabulary.pairs}
     if not missing:
         return vocabulary
+    for name in missing:
+        check_category_name(name, source)
     single = {name: name for name in missing if " " not in name}
     pairs = {name: name for name in missing if name.count(" ") == 1}
     return ChairVocabulary(synonyms={**vocabulary.synonyms, **single, **pairs},
                            pairs={**vocabulary.pairs, **pairs})
+
+
+FUNCTION_WORDS = frozenset((
+    "a", "an", "the", "this", "that", "these", "those", "some", "any", "no", "not", "and", "or", "but", "of", "in",
+    "on", "at", "to", "by", "for", "with", "from", "as", "into", "onto", "over", "under", "near", "next", "is",
+    "are", "was", "were", "be", "been", "has", "have", "it", "its", "there", "here", "i", "you", "he", "she", "we",
+    "they", "one",
+))
+"""Words of nearly every caption ("A dog is on the grass"): a category named by one would be "mentioned" by
+every caption, so such names are refused (``check_category_name``)."""
+
+
+def check_category_name(name: str, source: str) -> None:
+    """Refuse an added category name CHAIR cannot match sensibly: one a caption's tokens never spell (capitals,
+    punctuation, extra spaces: the object is then omitted from every caption), or one with a function word or a
+    word without a letter (then nearly every caption "mentions" it)."""
+    words = name.split(" ")
+    if len(words) > 2:
+        return  # left out, as documented in ``with_categories``
+    if _TOKEN.findall(name) != words:
+        reason = "captions are matched as lowercase words of letters, digits and hyphens, so it never matches"
+    elif any(word in FUNCTION_WORDS or not any(c.isalpha() for c in word) for word in words):
+        reason = "it is a word of nearly every caption, so every caption would mention it"
+    else:
+        return
+    raise PruneAuditError(f"category {name!r} of {source} cannot name an object in captions: {reason}; rename it "
+                          f"in the instances file to the object's noun (lowercase, e.g. 'circle' or 'traffic cone')")
 
 
 def singularize(word: str, known: Collection[str] = ()) -> str:

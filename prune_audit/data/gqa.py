@@ -29,6 +29,7 @@ import numpy as np
 from prune_audit.data.answers import answer_id, load_llava_answers, match_answers
 from prune_audit.data.coco import read_json
 from prune_audit.data.pope import check_image_name, file_sha256, read_json_lines
+from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import is_digits
 
@@ -96,6 +97,18 @@ def _text(value: Any, where: str, key: str) -> str:
     return value
 
 
+def reference_text(value: Any, where: str, key: str) -> str | None:
+    """A reference of a question (``answer``, ``fullAnswer``): None when absent, else non-blank text. Both GQA
+    readers (the question JSON and lmms-lab/GQA's Parquet) apply this rule: a blank reference would mark every
+    answer to its question wrong without a word."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise PruneAuditError(f"{where}: {key} must be text and not blank (or be left out), got {value!r}: a blank "
+                              f"reference marks every answer wrong; give the reference {key} or leave the field out")
+    return value
+
+
 def _question_id(value: Any, where: str) -> str:
     key = answer_id(value, where)
     if not is_digits(key):
@@ -106,18 +119,14 @@ def _question_id(value: Any, where: str) -> str:
 def load_llava_gqa(path: str | Path) -> list[GqaQuestion]:
     """LLaVA's GQA question file (JSON Lines), without answers; a bad or repeated id names file and line."""
     questions: list[GqaQuestion] = []
-    seen: dict[str, int] = {}
+    seen: QuestionPlaces = {}
     for number, row in read_json_lines(path):
         where = f"{path}:{number}"
         missing = [key for key in ("question_id", "image", "text") if key not in row]
         if missing:
             raise PruneAuditError(f"{where}: missing {', '.join(missing)}; LLaVA's GQA lines have question_id, image, text")
         question_id = _question_id(row["question_id"], where)
-        if question_id in seen:
-            raise PruneAuditError(
-                f"{where}: question_id {question_id} repeats line {seen[question_id]}; keep each question once"
-            )
-        seen[question_id] = number
+        note_question(question_id, QuestionPlace(Path(path), "line", number, f"question_id {question_id}"), seen)
         text = _text(row["text"], where, "text")
         category = row.get("category")
         questions.append(GqaQuestion(
@@ -155,9 +164,8 @@ def read_gqa_questions(path: str | Path) -> dict[str, dict[str, Any]]:
             raise PruneAuditError(f"{where} is a JSON {type(entry).__name__}, not an object")
         _text(entry.get("imageId"), where, "imageId")
         _text(entry.get("question"), where, "question")
-        for optional in ("answer", "fullAnswer"):
-            if optional in entry and not isinstance(entry[optional], str):
-                raise PruneAuditError(f"{where}: {optional} must be text, got {entry[optional]!r}")
+        for reference in ("answer", "fullAnswer"):
+            reference_text(entry.get(reference), where, reference)
         _annotation_ids(entry, where)
     return data
 

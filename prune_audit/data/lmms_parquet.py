@@ -23,13 +23,14 @@ image name; every check names the file, the row and the fix.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from prune_audit.data.gqa import ANNOTATION_FIELDS, GqaQuestion, INSTRUCTION as GQA_INSTRUCTION
+from prune_audit.data.gqa import ANNOTATION_FIELDS, GqaQuestion, INSTRUCTION as GQA_INSTRUCTION, reference_text
 from prune_audit.data.pope import LABELS, PopeQuestion, parse_object
+from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.data.scienceqa import LETTERS, ScienceQaQuestion, parse_prompt
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import is_digits
@@ -54,6 +55,10 @@ def _paths(paths: Paths) -> list[Path]:
     listed = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not listed:
         raise PruneAuditError("no Parquet files given")
+    resolved = [path.resolve() for path in listed]
+    repeated = next((path for n, path in enumerate(listed) if resolved[n] in resolved[:n]), None)
+    if repeated is not None:  # lmms-lab/ScienceQA's ids are row numbers: its rows would be asked twice, unnoticed
+        raise PruneAuditError(f"{repeated} is given twice; pass each Parquet file once")
     return listed
 
 
@@ -89,10 +94,6 @@ def _text(row: dict[str, Any], column: str, where: str) -> str:
     return value
 
 
-def _optional_text(row: dict[str, Any], column: str, where: str) -> str | None:
-    return None if row.get(column) is None else _text(row, column, where)
-
-
 def _image_bytes(value: Any, where: str) -> bytes:
     """The bytes of an ``{bytes, path}`` image struct; a path without bytes cannot be opened here."""
     data = value.get("bytes") if isinstance(value, dict) else None
@@ -106,18 +107,37 @@ def _image_bytes(value: Any, where: str) -> bytes:
 
 def _read(paths: Paths, columns: Sequence[str], layout: str,
           convert: Callable[[dict[str, Any], str, int], tuple[Question, bytes | None]],
-          skip: Sequence[str] = ()) -> ParquetQuestions[Question]:
+          skip: Sequence[str] = (), key: Callable[[Question], tuple[Hashable, str]] | None = None
+          ) -> ParquetQuestions[Question]:
+    """The questions of the rows of ``paths`` (``convert``ed) and the images they embed; ``key`` gives a question's
+    key and name where the layout has question ids (each may appear once over the files: ``note_question``)."""
     questions: list[Question] = []
     images: dict[str, bytes] = {}
+    first_rows: dict[str, str] = {}
+    seen: QuestionPlaces = {}
     for path in _paths(paths):
         for number, row in enumerate(read_rows(path, columns, layout, skip)):
-            question, data = convert(row, f"{path}: row {number}", len(questions))
+            where = f"{path}: row {number}"
+            question, data = convert(row, where, len(questions))
+            if key is not None:
+                question_key, name = key(question)
+                note_question(question_key, QuestionPlace(path, "row", number, name), seen)
             questions.append(question)
             if data is not None:
-                images.setdefault(question.image, data)  # type: ignore[attr-defined]
+                _add_image(images, first_rows, question.image, data, where)  # type: ignore[attr-defined]
     if not questions:
         raise PruneAuditError(f"no rows in {', '.join(str(p) for p in _paths(paths))}")
     return ParquetQuestions(questions, images)
+
+
+def _add_image(images: dict[str, bytes], first_rows: dict[str, str], name: str, data: bytes, where: str) -> None:
+    """Keep the bytes row ``where`` embeds for image ``name``; rows naming one image must embed the same bytes, since
+    the run writes and pins one file per name (a second picture would be dropped without a word)."""
+    if name not in images:
+        images[name], first_rows[name] = data, where
+    elif images[name] != data:
+        raise PruneAuditError(f"{where} and {first_rows[name]} both name image {name} but embed different images; "
+                              f"give each image its own image name (image_source) or fix the rows")
 
 
 def _pope_row(row: dict[str, Any], where: str, _index: int) -> tuple[PopeQuestion, bytes | None]:
@@ -148,14 +168,8 @@ def read_pope_parquet(paths: Paths, images: bool = True) -> ParquetQuestions[Pop
     The image is named ``<image_source>.jpg``; the split is ``category``; a (split, question_id)
     pair must be unique, as in the JSON files.
     """
-    result = _read(paths, POPE_COLUMNS, "lmms-lab/POPE", _pope_row, skip=() if images else ("image",))
-    seen: set[tuple[str, int]] = set()
-    for question in result.questions:
-        key = (question.split, question.question_id)
-        if key in seen:
-            raise PruneAuditError(f"question_id {key[1]} of split {key[0]} repeats; pass each POPE shard once")
-        seen.add(key)
-    return result
+    return _read(paths, POPE_COLUMNS, "lmms-lab/POPE", _pope_row, skip=() if images else ("image",),
+                 key=lambda q: ((q.split, q.question_id), f"question_id {q.question_id} of split {q.split}"))
 
 
 def _annotation_spans(value: Any) -> list[str]:
@@ -201,7 +215,7 @@ def read_gqa_parquet(instructions: Paths, images: Paths) -> ParquetQuestions[Gqa
             )
         return question, pictures[image_id]
 
-    return _unique_gqa(_read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert))
+    return _read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert, key=_gqa_key)
 
 
 def _gqa_row(row: dict[str, Any], where: str) -> tuple[GqaQuestion, str]:
@@ -211,19 +225,16 @@ def _gqa_row(row: dict[str, Any], where: str) -> tuple[GqaQuestion, str]:
     text = _text(row, "question", where)
     question = GqaQuestion(
         question_id=question_id, image=f"{image_id}.jpg", text=f"{text}\n{GQA_INSTRUCTION}", question=text,
-        answer=_optional_text(row, "answer", where), full_answer=_optional_text(row, "fullAnswer", where),
+        answer=reference_text(row.get("answer"), where, "answer"),
+        full_answer=reference_text(row.get("fullAnswer"), where, "fullAnswer"),
         evidence_object_ids=_gqa_evidence(row, where),
     )
     return question, image_id
 
 
-def _unique_gqa(result: ParquetQuestions[GqaQuestion]) -> ParquetQuestions[GqaQuestion]:
-    """``result``, once no question id repeats across the instructions files."""
-    ids = [question.question_id for question in result.questions]
-    if len(set(ids)) != len(ids):
-        repeated = next(i for n, i in enumerate(ids) if i in ids[:n])
-        raise PruneAuditError(f"question {repeated} repeats; pass each instructions file once")
-    return result
+def _gqa_key(question: GqaQuestion) -> tuple[str, str]:
+    """A GQA question's key over the ``*_instructions`` files, and its name in messages."""
+    return question.question_id, f"question {question.question_id}"
 
 
 def _split_gqa_files(paths: Paths) -> tuple[list[Path], list[Path]]:
@@ -246,7 +257,7 @@ def read_gqa_parquet_questions(paths: Paths) -> list[GqaQuestion]:
     def convert(row: dict[str, Any], where: str, _index: int) -> tuple[GqaQuestion, None]:
         return _gqa_row(row, where)[0], None
 
-    return _unique_gqa(_read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert)).questions
+    return _read(instructions, GQA_COLUMNS, "lmms-lab/GQA *_instructions", convert, key=_gqa_key).questions
 
 
 def read_gqa_parquet_files(paths: Paths) -> ParquetQuestions[GqaQuestion]:

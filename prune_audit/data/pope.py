@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from prune_audit.data.coco import CocoInstances, image_id_from_file_name
+from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import is_digits
 from prune_audit.safety.fingerprint import file_sha256  # noqa: F401  (re-exported: question files are pinned by it)
@@ -135,12 +136,14 @@ def check_image_name(value: Any, where: str) -> str:
     return value
 
 
-def load_pope(path: str | Path, split: str | None = None) -> list[PopeQuestion]:
+def load_pope(path: str | Path, split: str | None = None, seen: QuestionPlaces | None = None) -> list[PopeQuestion]:
     """Load a POPE question file (official splits, any version, or LLaVA's merged file).
 
     Args:
         path: JSON Lines file.
         split: split name for rows without ``category``; default from the file name.
+        seen: the questions of the files read before it, when they are read together (``note_question``);
+            filled with this file's (``data.question_ids``).
 
     Raises:
         PruneAuditError: a malformed line, a missing key, a label other than yes/no, an
@@ -149,7 +152,7 @@ def load_pope(path: str | Path, split: str | None = None) -> list[PopeQuestion]:
     """
     default_split = split or split_from_file_name(path)
     questions = []
-    seen: dict[tuple[str, int], int] = {}
+    seen = {} if seen is None else seen
     for number, row in read_json_lines(path):
         where = f"{path}:{number}"
         missing = [key for key in ("question_id", "image", "text") if key not in row]
@@ -173,9 +176,7 @@ def load_pope(path: str | Path, split: str | None = None) -> list[PopeQuestion]:
             category=None if category is None else str(category),
         )
         key = (question.split, question.question_id)
-        if key in seen:
-            raise PruneAuditError(f"{where}: question_id {key[1]} of split {key[0]} repeats line {seen[key]}")
-        seen[key] = number
+        note_question(key, QuestionPlace(Path(path), "line", number, f"question_id {key[1]} of split {key[0]}"), seen)
         questions.append(question)
     if not questions:
         raise PruneAuditError(f"{path}: no questions")

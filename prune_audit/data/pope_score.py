@@ -23,6 +23,7 @@ from prune_audit.data.pope import (
     pope_metrics,
     read_json_lines,
 )
+from prune_audit.data.question_ids import QuestionPlaces, note_question
 from prune_audit.errors import PruneAuditError
 
 AVERAGED = ("accuracy", "precision", "recall", "f1", "yes_ratio")
@@ -112,14 +113,19 @@ def score_by_split(questions: Sequence[PopeQuestion], answer_texts: Sequence[str
 
 
 def load_scored_questions(files: Sequence[str | Path]) -> list[PopeQuestion]:
-    """Questions with labels: the label files themselves, or LLaVA's merged file labelled from them."""
+    """Questions with labels: the label files themselves, or LLaVA's merged file labelled from them. A question may
+    appear once among the label files and once among the unlabelled ones (``note_question``)."""
     labelled: list[PopeQuestion] = []
     unlabelled: list[PopeQuestion] = []
+    places: dict[bool, QuestionPlaces] = {True: {}, False: {}}
     for path in files:
-        questions = load_pope(path)
+        own: QuestionPlaces = {}
+        questions = load_pope(path, seen=own)
         missing = {question.label is None for question in questions}
         if missing == {True, False}:
             raise PruneAuditError(f"{path}: some questions have labels and some do not; label all or none")
+        for key, place in own.items():
+            note_question(key, place, places[True in missing])
         (unlabelled if True in missing else labelled).extend(questions)
     return attach_labels(unlabelled, labelled) if unlabelled else labelled
 

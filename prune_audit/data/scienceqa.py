@@ -26,6 +26,7 @@ from typing import Any
 from prune_audit.data.answers import answer_id, load_llava_answers, match_answers
 from prune_audit.data.coco import read_json
 from prune_audit.data.pope import check_image_name, file_sha256
+from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.errors import PruneAuditError
 
 INSTRUCTION = "Answer with the option's letter from the given choices directly."
@@ -140,21 +141,27 @@ def load_scienceqa(path: str | Path, images_only: bool = True) -> list[ScienceQa
             not A, B, ... lines, an answer letter not offered, an image outside the images folder,
             ``<image>`` without ``image`` (or the reverse), a repeated id; naming file, entry and id.
     """
-    data = read_json(path)
-    if not isinstance(data, list):
-        raise PruneAuditError(f"{path}: expected LLaVA's ScienceQA file, a JSON list of questions")
-    questions, seen = [], {}
-    for index, entry in enumerate(data):
-        question = _entry(entry, f"{path}: entry {index}")
-        if question.question_id in seen:
-            raise PruneAuditError(
-                f"{path}: entry {index} repeats id {question.question_id} of entry {seen[question.question_id]}"
-            )
-        seen[question.question_id] = index
-        if question.image is not None or not images_only:
-            questions.append(question)
-    if not questions:
-        raise PruneAuditError(f"{path}: no questions{' with an image' if images_only else ''}")
+    return load_scienceqa_files([path], images_only)
+
+
+def load_scienceqa_files(paths: Sequence[str | Path], images_only: bool = True) -> list[ScienceQaQuestion]:
+    """The questions of several ScienceQA files in the order given, each read as :func:`load_scienceqa` does; an
+    id may appear once over all of them (the same file passed twice would score each answer twice)."""
+    questions: list[ScienceQaQuestion] = []
+    seen: QuestionPlaces = {}
+    for path in map(Path, paths):
+        data = read_json(path)
+        if not isinstance(data, list):
+            raise PruneAuditError(f"{path}: expected LLaVA's ScienceQA file, a JSON list of questions")
+        found = []
+        for index, entry in enumerate(data):
+            question = _entry(entry, f"{path}: entry {index}")
+            note_question(question.question_id, QuestionPlace(path, "entry", index, f"id {question.question_id}"), seen)
+            if question.image is not None or not images_only:
+                found.append(question)
+        if not found:
+            raise PruneAuditError(f"{path}: no questions{' with an image' if images_only else ''}")
+        questions += found
     return questions
 
 

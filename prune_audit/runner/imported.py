@@ -203,7 +203,8 @@ def _reduction(line: KeptQuestion, mode: AnswerMode) -> Reduction:
 
 def export_run(run_dir: Path, out: Path) -> int:
     """Write the kept sets and answers of the run in ``run_dir`` to ``out`` (.jsonl or .parquet); the number of
-    questions. ``out`` may be new or a kept-set file (``export`` rewrites only its own kind of file)."""
+    questions. ``out`` may be new or a kept-set file (``export`` rewrites only its own kind of file). A run holding
+    fewer questions than it planned (a shard, a stopped run) is refused: the file would pass for the whole run."""
     from prune_audit.records.interchange import (
         check_suffix,
         header_of,
@@ -218,6 +219,12 @@ def export_run(run_dir: Path, out: Path) -> int:
         raise PruneAuditError(f"--out {out} exists and is not a kept-set file; export never replaces other files: "
                               f"pass a new file name")
     manifest, records = read_run(Path(run_dir))
+    if records.num_rows < manifest["num_questions"]:
+        raise PruneAuditError(
+            f"{run_dir} holds {records.num_rows} of its {manifest['num_questions']} planned questions (a shard or a "
+            f"run stopped midway), so the exported file would be incomplete without saying so; finish it with the "
+            f"same prune-audit run command (or merge its shards), then export"
+        )
     write_kept_sets(header_of(manifest), [question_line(record) for record in records.to_pylist()], out)
     return records.num_rows
 

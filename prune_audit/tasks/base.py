@@ -163,7 +163,8 @@ class Task(ABC):
     def read_questions(self, paths: Sequence[Path]) -> list[TaskQuestion]:
         """Every question of the run's question files (``--pope`` / ``--questions``, in the order given),
         validated; a PruneAuditError naming file and entry otherwise. Files another file refers to are
-        read together (GQA: LLaVA's question file and GQA's question JSON)."""
+        read together (GQA: LLaVA's question file and GQA's question JSON). A question id may appear once over
+        all the files (``data.question_ids.note_question``: the same file twice would count each question twice)."""
 
     parquet_layout: ClassVar[str | None] = None
     """The lmms-eval dataset whose Parquet files (questions plus embedded images) the task reads; None: none."""

@@ -2,7 +2,8 @@
 
 Question files (``--questions``): a COCO instances file, one question per image (``data.captions``),
 and optionally a COCO captions file whose reference captions' objects also count as present
-(CHAIR's rule). Evidence (``--annotations``, the same instances file): every annotated object's mask;
+(CHAIR's rule). Evidence (``--annotations``, the same instances file, or one that annotates the questions'
+images alike: same ids, file names, sizes, objects and masks): every annotated object's mask;
 the region is their union, and each object is also measured on its own (``evidence_objects_lost``),
 so an omitted object can be told lost (no token of it survived the first stage) or kept.
 
@@ -10,7 +11,8 @@ The prompt is "Describe this image in detail." (LLaVA's detailed-description ins
 decoding up to ``max_new_tokens`` (default 1024: LLaVA's ``llava/eval/model_vqa.py``, haotian-liu/LLaVA
 commit 064abb3) reusing the pruned KV cache. Mentions are extracted with CHAIR's COCO synonym list
 (``data.chair``: plurals, multi-word names, an object named twice counted once), plus the instances
-file's category names the list lacks (``data.chair.with_categories``: the demo's shapes). ``correct`` is
+file's category names the list lacks (``data.chair.with_categories``: the demo's shapes; a name no caption word
+can match sensibly, such as ``a`` or ``Red Circle``, is refused). ``correct`` is
 CHAIR-s's complement: the caption mentions no absent object. Confidence is the length-normalised
 probability of the caption (geometric mean of its tokens' probabilities, ``mean_token_prob``): the
 product over hundreds of tokens underflows towards 0 for every caption; the product is recorded too.
@@ -37,6 +39,7 @@ from prune_audit.answer_modes import Greedy
 from prune_audit.data.captions import (
     CaptionQuestion,
     caption_questions,
+    check_evidence_file,
     read_coco_captions,
 )
 from prune_audit.data.chair import (
@@ -168,7 +171,7 @@ class CaptionTask(Task):
         path, data = instances[0]
         coco = CocoInstances(data, source=str(path))
         references = read_coco_captions(captions[0][0]) if captions else None
-        self.vocabulary = with_categories(default_vocabulary(), list(coco.category_names.values()))
+        self.vocabulary = with_categories(default_vocabulary(), list(coco.category_names.values()), str(path))
         return [CaptionTaskQuestion(question)
                 for question in caption_questions(coco, references, vocabulary=self.vocabulary)]
 
@@ -243,12 +246,7 @@ class CaptionTask(Task):
 
     def load_evidence(self, path: Path, questions: Sequence[CaptionTaskQuestion]) -> CaptionEvidence:
         coco = CocoInstances.load(path)
-        for question in questions:
-            if coco.image_id(question.image) != question.question_id or (
-                tuple(coco.object_names(question.question_id)) != question.caption.objects
-            ):
-                raise PruneAuditError(f"{path} annotates image {question.image} otherwise than the question file; "
-                                      f"pass the same instances file with --questions and --annotations")
+        check_evidence_file([question.caption for question in questions], coco)
         return CaptionEvidence(coco)
 
 

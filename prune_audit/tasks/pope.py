@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from prune_audit.data.pope import LABELS, POPE_SPLITS, PopeQuestion, load_pope
+from prune_audit.data.question_ids import QuestionPlaces
 from prune_audit.errors import PruneAuditError
 from prune_audit.answer_modes import YES_NO
 from prune_audit.tasks.base import Scored, Task
@@ -57,7 +58,8 @@ class PopeTask(Task):
                       "brier", "nll", "auroc", "aurc")
 
     def read_questions(self, paths: Sequence[Path]) -> list[PopeQuestion]:
-        return [question for path in paths for question in load_pope(path)]
+        seen: QuestionPlaces = {}  # a question id may appear once over all the files
+        return [question for path in paths for question in load_pope(path, seen=seen)]
 
     parquet_layout = "lmms-lab/POPE"
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from prune_audit.answer_modes import OptionLetters
-from prune_audit.data.scienceqa import ScienceQaQuestion, load_scienceqa
+from prune_audit.data.scienceqa import ScienceQaQuestion, load_scienceqa_files
 from prune_audit.errors import PruneAuditError
 from prune_audit.tasks.base import Scored, Task
 from prune_audit.tasks.registry import register_task
@@ -57,12 +57,13 @@ class ScienceQaTaskQuestion:
         return self.sqa.prompt
 
 
-def _record_id(question: ScienceQaQuestion, path: Path) -> int:
+def _record_id(question: ScienceQaQuestion) -> int:
     """ScienceQA's problem id as the records' int64 key."""
     key = question.question_id
     if not (key.isascii() and key.isdigit()) or str(int(key)) != key or int(key) >= 2**63:
         raise PruneAuditError(
-            f"{path}: id {key!r} is not a plain number below 2**63; records key questions by an int64 id: fix the file"
+            f"ScienceQA id {key!r} is not a plain number below 2**63; records key questions by an int64 id: fix the "
+            f"question file"
         )
     return int(key)
 
@@ -81,8 +82,8 @@ class ScienceQaTask(Task):
     answer_subsets = {"img": "the questions with an image (LLaVA's IMG-Accuracy; the questions `run` answers)"}
 
     def read_questions(self, paths: Sequence[Path]) -> list[ScienceQaTaskQuestion]:
-        return [ScienceQaTaskQuestion(question, _record_id(question, path))
-                for path in paths for question in load_scienceqa(path, images_only=True)]
+        return [ScienceQaTaskQuestion(question, _record_id(question))
+                for question in load_scienceqa_files(paths, images_only=True)]
 
     parquet_layout = "lmms-lab/ScienceQA (ScienceQA-IMG rows: those with an image)"
 
@@ -91,7 +92,7 @@ class ScienceQaTask(Task):
         from prune_audit.data.lmms_parquet import ParquetQuestions, read_scienceqa_parquet
 
         loaded = read_scienceqa_parquet(paths, images_only=True)
-        return ParquetQuestions([ScienceQaTaskQuestion(q, _record_id(q, Path(paths[0]))) for q in loaded.questions],
+        return ParquetQuestions([ScienceQaTaskQuestion(q, _record_id(q)) for q in loaded.questions],
                                 loaded.images)
 
     def check_questions(self, questions: Sequence[ScienceQaTaskQuestion]) -> None:
@@ -122,8 +123,7 @@ class ScienceQaTask(Task):
             raise PruneAuditError("lmms-lab/ScienceQA Parquet rows have no problem id to match the answers' "
                                   "question_id; pass LLaVA's llava_test_CQM-A.json with --questions")
         images_only = subset == "img"
-        questions = [question for path in question_files for question in load_scienceqa(path, images_only=images_only)]
-        report = score_scienceqa_answers(answers, questions)
+        report = score_scienceqa_answers(answers, load_scienceqa_files(question_files, images_only=images_only))
         return report if subset is None else {"subset": subset, **report}
 
     def image_id(self, question: ScienceQaTaskQuestion) -> int:
