@@ -203,7 +203,8 @@ def _reduction(line: KeptQuestion, mode: AnswerMode) -> Reduction:
 
 def export_run(run_dir: Path, out: Path) -> int:
     """Write the kept sets and answers of the run in ``run_dir`` to ``out`` (.jsonl or .parquet); the number of
-    questions. ``out`` may be new or a kept-set file (``export`` rewrites only its own kind of file)."""
+    questions. ``out`` may be new or a kept-set file (``export`` rewrites only its own kind of file), in a folder no
+    command owns (``safety.ownership``: a run's, a calibration's folder are refused)."""
     from prune_audit.records.interchange import (
         check_suffix,
         header_of,
@@ -213,11 +214,15 @@ def export_run(run_dir: Path, out: Path) -> int:
     )
     from prune_audit.records.store import read_run
 
+    from prune_audit.safety.ownership import check_output_dir
+
     check_suffix(out, "--out")
+    check_output_dir(out.parent, "export", shared=True)  # as every writer: never into another command's folder
     if out.exists() and not (out.is_file() and is_kept_set_file(out)):
         raise PruneAuditError(f"--out {out} exists and is not a kept-set file; export never replaces other files: "
                               f"pass a new file name")
     manifest, records = read_run(Path(run_dir))
+    out.parent.mkdir(parents=True, exist_ok=True)
     write_kept_sets(header_of(manifest), [question_line(record) for record in records.to_pylist()], out)
     return records.num_rows
 
