@@ -94,6 +94,17 @@ def test_a_link_anywhere_inside_a_commands_folder_is_refused_before_writing(work
     assert snapshot(out, victim) == before and sorted(p.name for p in victim.iterdir()) == ["notes.txt"]
 
 
+def test_a_lock_file_linked_to_a_users_file_is_never_written_through(workspace, tmp_path):
+    users = tmp_path / "diary.txt"
+    users.write_text("the user's own file")
+    out = tmp_path / "empty"
+    out.mkdir()
+    (out / ".prune-audit.lock").symlink_to(users)
+    refused(invoke(*base_args(workspace, out, "--limit", "2", "--quiet")), ".prune-audit.lock is a symbolic link",
+            "remove the link")
+    assert users.read_text() == "the user's own file" and os.listdir(out) == [".prune-audit.lock"]
+
+
 def test_owned_paths_are_checked_part_by_part(tmp_path):
     (tmp_path / "images").mkdir()
     (tmp_path / "images" / "a.png").mkdir()
@@ -239,3 +250,20 @@ def test_out_a_dangling_link_names_cause_and_fix(made, workspace, tmp_path, belo
             "does not exist", "create that folder")
     refused(invoke("calibrate", made["pruned"], "--reference", made["dense"], "--out", out), "does not exist")
     assert os.listdir(tmp_path) == ["link"]
+
+
+def test_an_import_that_fails_while_storing_leaves_nothing_that_blocks_the_corrected_import(made, workspace,
+                                                                                              tmp_path):
+    kept = tmp_path / "kept.jsonl"
+    assert invoke("export", made["pruned"], "--out", kept).exit_code == 0
+    lines = kept.read_text().splitlines()
+    line = json.loads(lines[1])
+    line["cost"] = {**(line["cost"] or {}), "flop_equivalent_tokens": 10**15, "flops": 10**30}
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text("\n".join([lines[0], json.dumps(line), *lines[2:]]) + "\n")
+    out = tmp_path / "imported"
+    common = ["--geometry", workspace["model"], *question_args(workspace), "--out", out, "--quiet"]
+    assert invoke("import", huge, *common).exit_code != 0  # refused, by its checks or when stored
+    assert not out.exists()
+    result = invoke("import", kept, *common)
+    assert result.exit_code == 0, result.output

@@ -114,7 +114,11 @@ def hold_run_dir(run_dir: Path, shard_writer: str | None) -> ExitStack:
 
 def undo_first_writes(run_dir: Path, written: list[Path]) -> None:
     """After a failure: remove what a new run wrote (``written``: its manifest, its embedded images) while it
-    holds no record yet, so the corrected command is not refused as another configuration; then
-    ``hold_output_dir`` gives the emptied folder back."""
+    holds no record yet, and the parts folder its failed append made, so the corrected command is not refused
+    as another configuration; then ``hold_output_dir`` gives the emptied folder back."""
     if written and not holds_records(run_dir):
         remove_written(run_dir, written)
+        try:
+            (run_dir / PARTS_DIR).rmdir()  # made empty by the append that failed
+        except OSError:
+            pass  # absent, or holds something else

@@ -2,10 +2,9 @@
 
 A command may create its output folder or adopt an empty one; a folder it does not own
 is refused when it holds anything (another command's outputs, a user's files, ``/``).
-It writes only there, and never through a symbolic link: no command makes one, so a link
-inside its folder (``images/`` pointing at a user's folder) is refused wherever it sits
-(``check_output_dir``), and each path about to be written is checked part by part
-(``check_owned_paths``). A file written beside the user's files (``shared``: a figure, an
+It writes only there, and never through a symbolic link it did not make (``safety.links``):
+a link inside its folder is refused wherever it sits (``check_output_dir``), and each path
+about to be written is checked part by part (``check_owned_paths``). A file written beside the user's files (``shared``: a figure, an
 exported kept-set file) never goes into, or below, another command's folder.
 ``check_output_dir`` says so while planning, writing nothing. ``hold_output_dir`` is
 taken right before the first byte is written and held until the command ends: it takes
@@ -30,6 +29,7 @@ from typing import Any
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.safety.atomic import remove_partial_files, remove_staging_folders, temporary_target, write_text_atomic
+from prune_audit.safety.links import check_no_links, check_not_dangling, link_refusal
 from prune_audit.safety.lock import DirectoryLock, lock_file_names
 
 OWNER_FILE = ".prune-audit-owner.json"
@@ -119,7 +119,7 @@ def check_output_dir(
     the user's files (a figure's folder, a cache); only another command's outputs are refused.
     """
     directory = Path(directory)
-    _check_not_dangling(directory, option)
+    check_not_dangling(directory, option)
     if directory.exists() and not directory.is_dir():
         raise PruneAuditError(f"{option} {directory} is an existing file; pass a directory path")
     for parent in directory.parents:
@@ -164,16 +164,8 @@ def check_output_dir(
                 f"{directory} holds prune-audit {command} outputs of other settings ({', '.join(changed[:3])}); "
                 f"pass another {option}"
             )
-    _check_no_links(directory, option)
+    check_no_links(directory, option)
     return directory
-
-
-def _check_not_dangling(directory: Path, option: str) -> None:
-    """A link on the way to ``directory`` that points nowhere would fail the first ``mkdir`` as 'File exists'."""
-    for path in (directory, *directory.parents):
-        if path.is_symlink() and not path.exists():
-            raise PruneAuditError(f"{option} {directory}: {path} is a symbolic link to {os.readlink(path)}, which does "
-                                  f"not exist; create that folder, or pass another {option}")
 
 
 def _check_not_inside_outputs(directory: Path, command: str, option: str) -> None:
@@ -187,20 +179,6 @@ def _check_not_inside_outputs(directory: Path, command: str, option: str) -> Non
                                   f"pass another {option}")
 
 
-def _check_no_links(directory: Path, option: str) -> None:
-    """No symbolic link anywhere inside a command's own folder: no command makes one, so it is someone else's,
-    and writing below it would write outside the folder."""
-    for root, folders, files in os.walk(directory):  # os.walk does not descend into linked folders
-        for name in (*folders, *files):
-            if (Path(root) / name).is_symlink():
-                raise _link_refusal(Path(root) / name, option)
-
-
-def _link_refusal(path: Path, option: str) -> PruneAuditError:
-    return PruneAuditError(f"{path} is a symbolic link that prune-audit did not make (to {os.readlink(path)}); "
-                           f"commands never write through one: remove the link, or pass another {option}")
-
-
 def check_owned_paths(directory: Path, paths: Iterable[Path], option: str = "--out") -> None:
     """Each of ``paths`` (files below ``directory``, the command's own folder) can be written without leaving
     the folder: no part below ``directory`` is a symbolic link, a file where a folder is needed or a folder
@@ -211,7 +189,7 @@ def check_owned_paths(directory: Path, paths: Iterable[Path], option: str = "--o
         for index, part in enumerate(parts):
             current = current / part
             if current.is_symlink():
-                raise _link_refusal(current, option)
+                raise link_refusal(current, option)
             if not current.exists():
                 break
             last = index == len(parts) - 1
