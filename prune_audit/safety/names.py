@@ -27,19 +27,34 @@ NAME_MAX_BYTES = 255
 
 def check_file_names(names: Iterable[str], where: str) -> None:
     """Names of files a command is about to write (``/``-separated, relative to its folder) can all be written:
-    no NUL byte, no part longer than ``NAME_MAX_BYTES``, and no name that is also the folder of another
-    (``a.png`` beside ``a.png/b.png``). Checked before the first byte, so no write fails half-way."""
-    names = list(names)
+    each names a file inside the folder, in UTF-8, without a NUL byte or a part longer than ``NAME_MAX_BYTES``; no two name one
+    file (``a.png``, ``./a.png``) and none is also the folder of another (``a.png`` beside ``a.png/b.png``).
+    Checked before the first byte, so no write fails half-way."""
+    files: dict[PurePosixPath, str] = {}
     for name in names:
-        if "\0" in name:
-            raise PruneAuditError(f"{where}: file name {name!r} holds a NUL byte, which no file name may; rename it")
-        longest = max((part for part in PurePosixPath(name).parts), key=lambda part: len(part.encode()), default="")
-        if len(longest.encode()) > NAME_MAX_BYTES:
-            raise PruneAuditError(f"{where}: file name {name[:40]!r}... has a part of {len(longest.encode())} bytes, "
-                                  f"over the {NAME_MAX_BYTES} a file system allows; shorten it")
-    files = {PurePosixPath(name) for name in names}
-    for name in sorted(files):
-        folder = next((parent for parent in name.parents if parent in files), None)
+        path = PurePosixPath(name)
+        _check_parts(name, path, where)
+        if path in files:
+            raise PruneAuditError(f"{where}: {files[path]!r} and {name!r} name the same file; rename one of them")
+        files[path] = name
+    for path, name in files.items():
+        folder = next((parent for parent in path.parents if parent in files), None)
         if folder is not None:
-            raise PruneAuditError(f"{where}: {str(folder)!r} names both a file and the folder of {str(name)!r}; "
+            raise PruneAuditError(f"{where}: {files[folder]!r} names both a file and the folder of {name!r}; "
                                   f"rename one of them")
+
+
+def _check_parts(name: str, path: PurePosixPath, where: str) -> None:
+    if "\0" in name:
+        raise PruneAuditError(f"{where}: file name {name!r} holds a NUL byte, which no file name may; rename it")
+    if path.is_absolute() or ".." in path.parts:
+        raise PruneAuditError(f"{where}: file name {name!r} leads outside its folder; name it relative to the folder")
+    if not path.parts or path.name == ".":
+        raise PruneAuditError(f"{where}: {name!r} names a folder, not a file; give the file's name")
+    try:
+        longest = max(len(part.encode("utf-8")) for part in path.parts)
+    except UnicodeEncodeError:
+        raise PruneAuditError(f"{where}: file name {name!r} is not valid UTF-8 text; rename it") from None
+    if longest > NAME_MAX_BYTES:
+        raise PruneAuditError(f"{where}: file name {name[:40]!r}... has a part of {longest} bytes, over the "
+                              f"{NAME_MAX_BYTES} a file system allows; shorten it")
