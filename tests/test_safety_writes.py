@@ -234,8 +234,8 @@ def test_a_resumed_runs_files_are_kept_when_it_fails(made, workspace, tmp_path, 
 def test_file_names_are_checked_before_writing():
     check_file_names(["a.png", "b/a.png", "é" * 125 + ".png"], "names")
     for names, needle in ((["x\0.png"], "NUL"), (["d/" + "x" * 256], "256 bytes"), (["a", "a/b/c.png"], "folder of"),
-                          (["a.png", "./a.png"], "name the same file"), (["x/.."], "leads outside"), ([""], "names a folder"),
-                          (["\ud800.png"], "not valid UTF-8")):
+                          (["a.png", "./a.png"], "name the same file"), (["x/.."], "leads outside"),
+                          ([""], "names a folder"), (["\ud800.png"], "not valid UTF-8")):
         with pytest.raises(PruneAuditError, match=needle):
             check_file_names(names, "names")
 

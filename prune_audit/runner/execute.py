@@ -120,17 +120,17 @@ def _finish_manifest(plan: RunPlan, records: pa.Table) -> None:
 def _prepare_run_dir(plan: RunPlan, written: list[Path]) -> None:
     """Check the manifest of a resumed run, else write it before the first record (under the lock); then the
     images embedded in Parquet question files (``runner.embedded``), which the run reads from its folder. A new
-    run's files are appended to ``written`` as they are written."""
+    run's files are appended to ``written`` as they are written (``undo_first_writes``)."""
     check_run_layout(plan.run_dir)
-    if (plan.run_dir / MANIFEST_FILE).is_file():
+    resumed = (plan.run_dir / MANIFEST_FILE).is_file()
+    if resumed:
         check_resume(plan)
-        written = []  # a resumed run's files are kept whatever happens next
     else:
         plan.run_dir.mkdir(parents=True, exist_ok=True)
         write_manifest(plan.run_dir, plan.manifest)
         written.append(plan.run_dir / MANIFEST_FILE)
-    if plan.embedded_images is not None:
-        write_embedded_images(plan.embedded_images, plan.image_paths, plan.run_dir, written)
+    if plan.embedded_images is not None:  # a resumed run's images are kept whatever happens next
+        write_embedded_images(plan.embedded_images, plan.image_paths, plan.run_dir, [] if resumed else written)
 
 
 def check_resume(plan: RunPlan) -> None:

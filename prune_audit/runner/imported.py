@@ -213,7 +213,6 @@ def export_run(run_dir: Path, out: Path) -> int:
         write_kept_sets,
     )
     from prune_audit.records.store import read_run
-
     from prune_audit.safety.ownership import check_output_dir
 
     check_suffix(out, "--out")

@@ -27,9 +27,9 @@ NAME_MAX_BYTES = 255
 
 def check_file_names(names: Iterable[str], where: str) -> None:
     """Names of files a command is about to write (``/``-separated, relative to its folder) can all be written:
-    each names a file inside the folder, in UTF-8, without a NUL byte or a part longer than ``NAME_MAX_BYTES``; no two name one
-    file (``a.png``, ``./a.png``) and none is also the folder of another (``a.png`` beside ``a.png/b.png``).
-    Checked before the first byte, so no write fails half-way."""
+    each names a file inside the folder, in UTF-8, without a NUL byte or a part longer than ``NAME_MAX_BYTES``;
+    no two name one file (``a.png``, ``./a.png``) and none is also the folder of another (``a.png`` beside
+    ``a.png/b.png``). Checked before the first byte, so no write fails half-way."""
     files: dict[PurePosixPath, str] = {}
     for name in names:
         path = PurePosixPath(name)

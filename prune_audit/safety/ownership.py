@@ -4,8 +4,9 @@ A command may create its output folder or adopt an empty one; a folder it does n
 is refused when it holds anything (another command's outputs, a user's files, ``/``).
 It writes only there, and never through a symbolic link it did not make (``safety.links``):
 a link inside its folder is refused wherever it sits (``check_output_dir``), and each path
-about to be written is checked part by part (``check_owned_paths``). A file written beside the user's files (``shared``: a figure, an
-exported kept-set file) never goes into, or below, another command's folder.
+about to be written is checked part by part (``check_owned_paths``). A file written beside
+the user's files (``shared``: a figure, an exported kept-set file) never goes into, or
+below, another command's folder.
 ``check_output_dir`` says so while planning, writing nothing. ``hold_output_dir`` is
 taken right before the first byte is written and held until the command ends: it takes
 the folder's write lock, checks again under the lock (so two commands that both passed
