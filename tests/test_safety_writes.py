@@ -105,6 +105,21 @@ def test_a_lock_file_linked_to_a_users_file_is_never_written_through(workspace, 
     assert users.read_text() == "the user's own file" and os.listdir(out) == [".prune-audit.lock"]
 
 
+def test_visualize_never_draws_through_a_linked_figures_folder(made, tmp_path, monkeypatch):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    monkeypatch.chdir(tmp_path)
+    Path("figures").symlink_to(victim)
+    row = pq.read_table(made["dense"] / "records.parquet").to_pylist()[0]
+    args = ["visualize", "--run", made["dense"], "--question-id", row["question_id"], "--split", row["split"]]
+    refused(invoke(*args), "figures is a symbolic link", "remove the link")
+    assert list(victim.iterdir()) == []
+    Path("figures").unlink()
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert len(list(Path("figures").rglob("*.png"))) == 1
+
+
 def test_owned_paths_are_checked_part_by_part(tmp_path):
     (tmp_path / "images").mkdir()
     (tmp_path / "images" / "a.png").mkdir()
