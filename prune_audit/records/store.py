@@ -140,13 +140,17 @@ def check_run_layout(run_dir: Path) -> None:
         if path.exists() and path.is_dir() != folder:
             kind = "a folder" if folder else "a file"
             raise PruneAuditError(f"{path} is not {kind}; remove it, or pass another --out")
-    parts = run_dir / PARTS_DIR
-    has_records = (run_dir / RECORDS_FILE).exists() or (parts.is_dir() and any(parts.glob("part-*.parquet")))
-    if has_records and not (run_dir / MANIFEST_FILE).exists():
+    if holds_records(run_dir) and not (run_dir / MANIFEST_FILE).exists():
         raise PruneAuditError(
             f"{run_dir} holds records but no {MANIFEST_FILE} (an interrupted write, or files copied in), so they "
             f"cannot be told to be a run's own: remove the folder, or pass another --out"
         )
+
+
+def holds_records(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds any record file (compacted or a part)."""
+    parts = Path(run_dir) / PARTS_DIR
+    return (Path(run_dir) / RECORDS_FILE).exists() or (parts.is_dir() and any(parts.glob("part-*.parquet")))
 
 
 def read_run(run_dir: Path) -> tuple[dict[str, Any], pa.Table]:

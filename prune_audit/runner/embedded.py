@@ -26,15 +26,21 @@ def check_embedded_images(
     """
     from prune_audit.data.images import decode_rgb
     from prune_audit.data.pope import check_image_name
+    from prune_audit.safety.names import check_file_names
+    from prune_audit.safety.ownership import check_owned_paths
 
     if images_option is not None:
         raise PruneAuditError(f"the Parquet question files embed their images; drop --images {images_option}")
     paths: dict[str, Path] = {}
     sizes: dict[str, tuple[int, int]] = {}
-    for name in dict.fromkeys(question.image for question in questions):
+    names = list(dict.fromkeys(question.image for question in questions))
+    for name in names:
         check_image_name(name, "the Parquet question files")
+    check_file_names(names, "the Parquet question files' image_source")
+    for name in names:
         sizes[name] = decode_rgb(embedded[name], f"{name} (embedded in the question files)").size
         paths[name] = run_dir / EMBEDDED_IMAGES / name
+    check_owned_paths(run_dir, paths.values())
     return paths, sizes
 
 
@@ -43,14 +49,19 @@ def used_images(embedded: Mapping[str, bytes], image_paths: Mapping[str, Path]) 
     return {name: embedded[name] for name in image_paths}
 
 
-def write_embedded_images(embedded: Mapping[str, bytes], image_paths: Mapping[str, Path]) -> None:
+def write_embedded_images(embedded: Mapping[str, bytes], image_paths: Mapping[str, Path], run_dir: Path,
+                          written: list[Path]) -> None:
     """Write each used embedded image to its path in the run directory, unless it already holds these bytes
-    (a resumed run)."""
+    (a resumed run); each path is checked again right before (``check_owned_paths``: never through a link), and
+    appended to ``written`` once written."""
     from prune_audit.safety.atomic import write_bytes_atomic
+    from prune_audit.safety.ownership import check_owned_paths
 
     for name, path in image_paths.items():
+        check_owned_paths(run_dir, [path])
         data = embedded[name]
         if path.is_file() and path.read_bytes() == data:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(data, path)
+        written.append(path)

@@ -22,7 +22,7 @@ from prune_audit.records.store import RecordStore, check_run_layout
 from prune_audit.runner.build import AnsweredQuestion, build_records, question_evidence
 from prune_audit.runner.embedded import write_embedded_images
 from prune_audit.runner.plan import RunPlan, prepare_question
-from prune_audit.runner.safeguards import check_same_run, hold_run_dir
+from prune_audit.runner.safeguards import check_same_run, hold_run_dir, undo_first_writes
 from prune_audit.runner.sharding import ProcessGroup, shard_questions
 from prune_audit.runner.summary import summarize
 from prune_audit.safety.progress import report_saved, saving
@@ -68,9 +68,10 @@ def execute(
     group = ProcessGroup(plan.shard if plan.launched else None)
     leader = not plan.launched or plan.shard is None or plan.shard.index == 0
     lock = hold_run_dir(plan.run_dir, plan.shard.writer if plan.shard else None)
+    written: list[Path] = []  # what this attempt wrote before its first record, undone if it fails
     try:
         if leader:
-            _prepare_run_dir(plan)
+            _prepare_run_dir(plan, written)
         group.barrier()
         if not leader:
             check_resume(plan)
@@ -99,8 +100,13 @@ def execute(
             _finish_manifest(plan, records)
         group.barrier()
         records = store.read()
+    except BaseException as error:
+        if plan.shard is None:  # shards share the folder: another may be writing its first records
+            undo_first_writes(plan.run_dir, written)
+        lock.__exit__(type(error), error, error.__traceback__)  # told the error, the hold gives back an emptied folder
+        raise
     finally:
-        lock.close()
+        lock.close()  # no-op once exited above
         group.close()
     return RunResult(plan.run_dir, records, complete, summarize(records))
 
@@ -111,17 +117,20 @@ def _finish_manifest(plan: RunPlan, records: pa.Table) -> None:
     write_manifest(plan.run_dir, manifest)
 
 
-def _prepare_run_dir(plan: RunPlan) -> None:
+def _prepare_run_dir(plan: RunPlan, written: list[Path]) -> None:
     """Check the manifest of a resumed run, else write it before the first record (under the lock); then the
-    images embedded in Parquet question files (``runner.embedded``), which the run reads from its folder."""
+    images embedded in Parquet question files (``runner.embedded``), which the run reads from its folder. A new
+    run's files are appended to ``written`` as they are written (``undo_first_writes``)."""
     check_run_layout(plan.run_dir)
-    if (plan.run_dir / MANIFEST_FILE).is_file():
+    resumed = (plan.run_dir / MANIFEST_FILE).is_file()
+    if resumed:
         check_resume(plan)
     else:
         plan.run_dir.mkdir(parents=True, exist_ok=True)
         write_manifest(plan.run_dir, plan.manifest)
-    if plan.embedded_images is not None:
-        write_embedded_images(plan.embedded_images, plan.image_paths)
+        written.append(plan.run_dir / MANIFEST_FILE)
+    if plan.embedded_images is not None:  # a resumed run's images are kept whatever happens next
+        write_embedded_images(plan.embedded_images, plan.image_paths, plan.run_dir, [] if resumed else written)
 
 
 def check_resume(plan: RunPlan) -> None:

@@ -199,25 +199,11 @@ def _reduction(line: KeptQuestion, mode: AnswerMode) -> Reduction:
     return YesNo.from_probabilities(p_yes, 1 - p_yes)  # only the two-way probability is known
 
 
-
-
-def export_run(run_dir: Path, out: Path) -> int:
-    """Write the kept sets and answers of the run in ``run_dir`` to ``out`` (.jsonl or .parquet); the number of
-    questions. ``out`` may be new or a kept-set file (``export`` rewrites only its own kind of file). A run holding
-    fewer questions than it planned (a shard, a stopped run) is refused: the file would pass for the whole run."""
-    from prune_audit.records.interchange import (
-        check_suffix,
-        header_of,
-        is_kept_set_file,
-        question_line,
-        write_kept_sets,
-    )
+def _read_whole_run(run_dir: Path) -> tuple[dict, Any]:
+    """The run's manifest and records; a run holding fewer questions than it planned (a shard, a stopped run) is
+    refused, since an exported file would pass for the whole run."""
     from prune_audit.records.store import read_run
 
-    check_suffix(out, "--out")
-    if out.exists() and not (out.is_file() and is_kept_set_file(out)):
-        raise PruneAuditError(f"--out {out} exists and is not a kept-set file; export never replaces other files: "
-                              f"pass a new file name")
     manifest, records = read_run(Path(run_dir))
     if records.num_rows < manifest["num_questions"]:
         raise PruneAuditError(
@@ -225,6 +211,30 @@ def export_run(run_dir: Path, out: Path) -> int:
             f"run stopped midway), so the exported file would be incomplete without saying so; finish it with the "
             f"same prune-audit run command (or merge its shards), then export"
         )
+    return manifest, records
+
+
+def export_run(run_dir: Path, out: Path) -> int:
+    """Write the kept sets and answers of the run in ``run_dir`` to ``out`` (.jsonl or .parquet); the number of
+    questions. ``out`` may be new or a kept-set file (``export`` rewrites only its own kind of file), in a folder no
+    command owns (``safety.ownership``: a run's, a calibration's folder are refused). A run holding fewer questions
+    than it planned (a shard, a stopped run) is refused: the file would pass for the whole run."""
+    from prune_audit.records.interchange import (
+        check_suffix,
+        header_of,
+        is_kept_set_file,
+        question_line,
+        write_kept_sets,
+    )
+    from prune_audit.safety.ownership import check_output_dir
+
+    check_suffix(out, "--out")
+    check_output_dir(out.parent, "export", shared=True)  # as every writer: never into another command's folder
+    if out.exists() and not (out.is_file() and is_kept_set_file(out)):
+        raise PruneAuditError(f"--out {out} exists and is not a kept-set file; export never replaces other files: "
+                              f"pass a new file name")
+    manifest, records = _read_whole_run(run_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
     write_kept_sets(header_of(manifest), [question_line(record) for record in records.to_pylist()], out)
     return records.num_rows
 
@@ -242,11 +252,13 @@ def export_answers(run_dir: Path, out: Path) -> int:
     ``prune-audit score`` reads) to ``out`` (a new .jsonl file); the number of answers."""
     import json
 
-    from prune_audit.records.store import read_run
     from prune_audit.safety.atomic import write_text_atomic
+    from prune_audit.safety.ownership import check_output_dir
 
     check_answers_path(out)
-    _, records = read_run(Path(run_dir))
+    check_output_dir(out.parent, "export", shared=True)  # as every writer: never into another command's folder
+    _, records = _read_whole_run(run_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = records.select(["question_id", "answer_text"]).to_pylist()
     write_text_atomic("".join(json.dumps({"question_id": row["question_id"], "text": row["answer_text"]}) + "\n"
                               for row in rows), out)

@@ -18,7 +18,7 @@ from prune_audit.compute.budget import Budget, check_budget_for
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import MANIFEST_FILE, differing_fields, read_manifest
 from prune_audit.records.schema import RECORDS_FILE
-from prune_audit.records.store import PARTS_DIR
+from prune_audit.records.store import PARTS_DIR, holds_records
 from prune_audit.safety.atomic import remove_partial_files
 from prune_audit.runner.embedded import used_images
 from prune_audit.safety.fingerprint import (
@@ -29,7 +29,7 @@ from prune_audit.safety.fingerprint import (
     images_fingerprint,
     weight_files,
 )
-from prune_audit.safety.ownership import hold_output_dir
+from prune_audit.safety.ownership import hold_output_dir, remove_written
 
 RUN_FILES = (MANIFEST_FILE, RECORDS_FILE)  # what a run writes directly in its folder (parts go under PARTS_DIR)
 
@@ -110,3 +110,15 @@ def hold_run_dir(run_dir: Path, shard_writer: str | None) -> ExitStack:
         held.close()
         raise
     return held
+
+
+def undo_first_writes(run_dir: Path, written: list[Path]) -> None:
+    """After a failure: remove what a new run wrote (``written``: its manifest, its embedded images) while it
+    holds no record yet, and the parts folder its failed append made, so the corrected command is not refused
+    as another configuration; then ``hold_output_dir`` gives the emptied folder back."""
+    if written and not holds_records(run_dir):
+        remove_written(run_dir, written)
+        try:
+            (run_dir / PARTS_DIR).rmdir()  # made empty by the append that failed
+        except OSError:
+            pass  # absent, or holds something else

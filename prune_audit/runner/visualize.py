@@ -57,12 +57,15 @@ def output_path(out: Path | None, default_dir: Path, stem: str) -> Path:
     """``out`` itself when it names a .png/.svg file, else ``<out or default_dir>/<stem>.png``.
 
     The figure's folder may hold the user's files but not another command's outputs (a run,
-    a calibration): figures go next to them, never into them.
+    a calibration): figures go next to them, never into them. The default folder is prune-audit's
+    own, so it is never written through a link (``check_owned_paths``).
     """
-    from prune_audit.safety.ownership import check_output_dir
+    from prune_audit.safety.ownership import check_output_dir, check_owned_paths
 
     path = out if out is not None and out.suffix.lower() in {".png", ".svg"} else (out or default_dir) / f"{stem}.png"
     check_output_dir(path.parent, "visualize", shared=True)
+    if out is None:
+        check_owned_paths(Path(), [path])
     return path
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.safety.links import link_refusal
 
 LOCK_FILE = ".prune-audit.lock"
 
@@ -74,7 +75,7 @@ class DirectoryLock:
 
     def _take(self, path: Path, exclusive: bool) -> None:
         while True:
-            handle = open(path, "a+", encoding="utf-8")
+            handle = _open_lock_file(path, self.option)
             try:
                 mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
                 fcntl.flock(handle.fileno(), mode if self.wait else mode | fcntl.LOCK_NB)
@@ -118,6 +119,17 @@ class DirectoryLock:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
                 handle.close()
         self.handles = []
+
+
+def _open_lock_file(path: Path, option: str) -> Any:
+    """The lock file opened for appending, never through a symbolic link (whose target is someone else's file)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)
+    except OSError as error:
+        if not path.is_symlink():
+            raise
+        raise link_refusal(path, option) from error
+    return os.fdopen(fd, "a+", encoding="utf-8")
 
 
 def lock_file_names(name: str = LOCK_FILE) -> tuple[str, str]:

@@ -2,6 +2,11 @@
 
 A command may create its output folder or adopt an empty one; a folder it does not own
 is refused when it holds anything (another command's outputs, a user's files, ``/``).
+It writes only there, and never through a symbolic link it did not make (``safety.links``):
+a link inside its folder is refused wherever it sits (``check_output_dir``), and each path
+about to be written is checked part by part (``check_owned_paths``). A file written beside
+the user's files (``shared``: a figure, an exported kept-set file) never goes into, or
+below, another command's folder.
 ``check_output_dir`` says so while planning, writing nothing. ``hold_output_dir`` is
 taken right before the first byte is written and held until the command ends: it takes
 the folder's write lock, checks again under the lock (so two commands that both passed
@@ -17,7 +22,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +30,7 @@ from typing import Any
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.safety.atomic import remove_partial_files, remove_staging_folders, temporary_target, write_text_atomic
+from prune_audit.safety.links import check_no_links, check_not_dangling, link_refusal
 from prune_audit.safety.lock import DirectoryLock, lock_file_names
 
 OWNER_FILE = ".prune-audit-owner.json"
@@ -114,6 +120,7 @@ def check_output_dir(
     the user's files (a figure's folder, a cache); only another command's outputs are refused.
     """
     directory = Path(directory)
+    check_not_dangling(directory, option)
     if directory.exists() and not directory.is_dir():
         raise PruneAuditError(f"{option} {directory} is an existing file; pass a directory path")
     for parent in directory.parents:
@@ -126,6 +133,8 @@ def check_output_dir(
     resolved = Path(os.path.realpath(directory))
     if resolved == Path(resolved.anchor):
         raise PruneAuditError(f"{option} {directory} is the filesystem root; pass a folder of its own")
+    if shared:
+        _check_not_inside_outputs(directory, command, option)
     if not directory.is_dir():
         return directory
     owner = read_owner(directory)
@@ -156,7 +165,52 @@ def check_output_dir(
                 f"{directory} holds prune-audit {command} outputs of other settings ({', '.join(changed[:3])}); "
                 f"pass another {option}"
             )
+    check_no_links(directory, option)
     return directory
+
+
+def _check_not_inside_outputs(directory: Path, command: str, option: str) -> None:
+    """A folder that also holds the user's files (``shared``) lies in no command's folder: neither the folder
+    itself (checked by the caller) nor any folder above it carries an owner marker."""
+    for folder in Path(os.path.realpath(directory)).parents:
+        if (folder / OWNER_FILE).is_file():
+            owner = read_owner(folder)
+            raise PruneAuditError(f"{option} {directory} lies inside {folder}, the outputs of prune-audit "
+                                  f"{owner.command if owner else 'another command'}; {command} never writes there: "
+                                  f"pass another {option}")
+
+
+def check_owned_paths(directory: Path, paths: Iterable[Path], option: str = "--out") -> None:
+    """Each of ``paths`` (files below ``directory``, the command's own folder) can be written without leaving
+    the folder: no part below ``directory`` is a symbolic link, a file where a folder is needed or a folder
+    where the file goes. Writes nothing; the writer checks again right before it writes."""
+    for path in paths:
+        current = directory
+        parts = Path(path).relative_to(directory).parts
+        for index, part in enumerate(parts):
+            current = current / part
+            if current.is_symlink():
+                raise link_refusal(current, option)
+            if not current.exists():
+                break
+            last = index == len(parts) - 1
+            if current.is_dir() == last:
+                kind = "a folder, where a file" if last else "a file, where a folder"
+                raise PruneAuditError(f"{current} is {kind} is written; remove it, or pass another {option}")
+
+
+def remove_written(directory: Path, paths: Sequence[Path]) -> None:
+    """Remove ``paths`` (files this command wrote below ``directory``), then the folders they leave empty, so a
+    failed first attempt leaves nothing that blocks a corrected retry."""
+    for path in reversed(paths):
+        Path(path).unlink(missing_ok=True)
+        folder = Path(path).parent
+        while folder != directory and directory in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:
+                break  # not empty: holds something else
+            folder = folder.parent
 
 
 def differing_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
