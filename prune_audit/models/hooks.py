@@ -3,9 +3,9 @@
 A loaded model is shared: the Python API lets several threads answer on one ``load()`` result, and their
 forwards run through the same ``nn.Module`` objects. A forward hook is registered on the shared module, so
 it sees every thread's forward; :func:`capture_inputs` therefore keeps only the inputs of the thread that
-opened it, and only while it is open, and removes its hooks on every way out (an exception, a
-``KeyboardInterrupt`` at any line): a hook left behind would slow every later forward and, worse, feed a
-later call of the same thread.
+opened it, and only while it is open, and removes its hooks on every way out (a return, an exception, a
+``KeyboardInterrupt`` at any line): a hook left behind would slow every later forward and keep alive the
+tensors it captured.
 """
 
 from __future__ import annotations
