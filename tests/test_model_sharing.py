@@ -30,11 +30,12 @@ TRACED = {str(MODELS / "qwen.py"), str(MODELS / "hooks.py")}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Any]:
-    """Tiny Qwen2.5-VL (HiPrune reads hooks on its vision blocks) and Qwen3-VL (deepstack state per prefill)."""
+    """Tiny Qwen2.5-VL (HiPrune reads hooks on its vision blocks), Qwen3-VL (deepstack state per prefill) and LLaVA
+    (no per-call state on the model)."""
     root = tmp_path_factory.mktemp("sharing")
     return {family: load(str(adapter_for(family, "test").build_tiny(root / family, words=WORDS, seed=1)),
                          device="cpu")
-            for family in ("qwen2_5_vl", "qwen3_vl")}
+            for family in ("qwen2_5_vl", "qwen3_vl", "llava")}
 
 
 def images(seeds: range) -> list:
@@ -91,6 +92,7 @@ def hooks_left(vlm) -> list[str]:
     ("qwen2_5_vl", ("vscan", 4), ("divprune", 4), "vision"),
     ("qwen3_vl", ("none", None), ("none", None), "decoder"),
     ("qwen3_vl", ("divprune", 4), ("none", None), "decoder"),
+    ("llava", ("fastv", 48), ("none", None), "decoder"),
 ])
 def test_two_threads_on_one_model_answer_as_each_alone(models, family, first, second, pause):
     vlm = models[family]
