@@ -11,6 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from prune_audit.errors import PruneAuditError
+
+MAX_NEW_TOKENS = 1_000_000
+"""The largest generation limit taken (``--max-new-tokens``, ``max_new_tokens=``): a million new tokens is past
+every model's context; each model's own positions are checked against the prompt too (``models.context``)."""
+
 
 @dataclass(frozen=True)
 class YesNoMode:
@@ -32,6 +38,14 @@ class Greedy:
     """Answer by greedy decoding of at most ``max_new_tokens`` tokens after the pruned prefill."""
 
     max_new_tokens: int
+
+
+def check_max_new_tokens(value: object, name: str = "max_new_tokens") -> int:
+    """``value`` when it is a whole number from 1 to :data:`MAX_NEW_TOKENS`; else one line naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NEW_TOKENS:
+        raise PruneAuditError(f"{name} must be a whole number from 1 to {MAX_NEW_TOKENS:,}, got {value!r}; pass how "
+                              f"many tokens an answer may have at most")
+    return value
 
 
 @dataclass(frozen=True)

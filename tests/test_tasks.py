@@ -77,7 +77,7 @@ def test_generation_limit_belongs_to_generating_tasks():
     assert get_task("pope").max_new_tokens is None
     with pytest.raises(PruneAuditError, match="pope answers by its first token"):
         get_task("pope", 4)
-    with pytest.raises(PruneAuditError, match="positive whole number"):
+    with pytest.raises(PruneAuditError, match="whole number from 1 to 1,000,000"):
         get_task("gqa", 0)
     assert (get_task("gqa").confidence, get_task("caption").confidence, get_task("pope").confidence) == (
         "sequence", "mean-token", None)

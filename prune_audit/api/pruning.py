@@ -243,11 +243,9 @@ class PrunedModel:
     def generate(self, images: ImageInput | Sequence[ImageInput], prompts: str | Sequence[str], *,
                  max_new_tokens: int = 16, batch_size: int = 16) -> GenerationResult | list[GenerationResult]:
         """Greedy decoding of at most ``max_new_tokens`` tokens, reusing the pruned KV cache."""
-        from prune_audit.answer_modes import Greedy
+        from prune_audit.answer_modes import Greedy, check_max_new_tokens
 
-        if _whole_number("max_new_tokens", max_new_tokens) < 1:
-            raise PruneAuditError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        return self._ask(images, prompts, Greedy(max_new_tokens), batch_size)
+        return self._ask(images, prompts, Greedy(check_max_new_tokens(max_new_tokens)), batch_size)
 
     def score(self, images: ImageInput | Sequence[ImageInput], questions: str | Sequence[str],
               answers: str | Sequence[str], *, batch_size: int = 16) -> ScoreResult | list[ScoreResult]:
@@ -266,6 +264,7 @@ class PrunedModel:
     # ----- internals ----------------------------------------------------------------
     def _ask(self, images: Any, texts: Any, mode: AnswerMode | list[AnswerMode], batch_size: int) -> Any:
         """``mode`` is one answer mode for every question, or one per question."""
+        from prune_audit.models.context import check_context
         from prune_audit.runner.execute import answer_grouped
 
         if not self._open:
@@ -279,6 +278,8 @@ class PrunedModel:
         for start in range(0, len(pairs), batch_size):
             batch = pairs[start : start + batch_size]
             prepared = [self.vlm.prepare(_rgb(image), text) for image, text in batch]
+            for item, row_mode in zip(prepared, modes[start:]):  # a generation limit is the caller's choice here
+                check_context(self.vlm, [item], row_mode)
             rows = range(start, start + len(batch))
             answers = answer_grouped(self.vlm, self.selector, self.budget, prepared, modes[start : start + len(batch)],
                                      [self._generator(row) for row in rows])

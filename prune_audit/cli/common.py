@@ -11,6 +11,8 @@ from typing import Annotated, Any, Optional, TypeVar, get_args, get_origin
 
 import typer
 
+from prune_audit.answer_modes import MAX_NEW_TOKENS
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 ThreadsOption = Annotated[
@@ -37,8 +39,8 @@ TaskOption = Annotated[
 ]
 MaxNewTokensOption = Annotated[
     Optional[int],
-    typer.Option(min=1, help="Tasks that generate (gqa): most tokens per answer (default: the task's, docs/tasks.md).",
-                 show_default=False),
+    typer.Option(help=f"Tasks that generate (gqa): most tokens per answer, 1 to {MAX_NEW_TOKENS:,} and within the "
+                      "model's positions (default: the task's, docs/tasks.md).", show_default=False),
 ]
 ConfidenceOption = Annotated[
     Optional[str],

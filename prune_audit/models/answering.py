@@ -28,6 +28,7 @@ from prune_audit.models.answers import (
     reduce_yes_no,
     score_continuation,
 )
+from prune_audit.models.context import check_context, generation_limits
 from prune_audit.models.timing import PartClock
 
 if TYPE_CHECKING:
@@ -63,13 +64,16 @@ class AnswerModes:
         ``(layer, kept grid indices)`` in-LLM stages. ``latency_parts`` holds each part's batch time
         divided by the batch size (``vision``, ``selection``, ``prefill`` and, for :class:`Greedy` and
         :class:`Continuation`, ``decode``); ``latency_ms`` is their sum; ``cost`` the analytic FLOPs and KV bytes.
+        A question whose prompt (with its scored answer) overruns the model's positions is refused first, and greedy
+        decoding stops at the model's last position (``models.context``).
         """
+        check_context(self, prepared, mode, chosen_limit=False)  # a chosen generation limit: its caller checks it
         prefill, selections = self.prefill(
             prepared, selector, budget, generator=generator, forced_kept=forced_kept, forced_stages=forced_stages,
             use_cache=isinstance(mode, (Greedy, Continuation)),
         )
         clock = PartClock(self.device)
-        reductions = self._reduce(prefill, mode)
+        reductions = self._reduce(prefill, prepared, mode)
         clock.lap("decode")
         parts = {part: ms / len(prepared) for part, ms in prefill.latency_parts.items()}
         if isinstance(mode, (Greedy, Continuation)):  # a first-token answer's reduction is not a part (no decoding)
@@ -83,13 +87,14 @@ class AnswerModes:
             answers.append(replace(answer, cost=cost))
         return answers
 
-    def _reduce(self, prefill: Prefill, mode: AnswerMode) -> Sequence[Reduction]:
+    def _reduce(self, prefill: Prefill, prepared: Sequence[Prepared], mode: AnswerMode) -> Sequence[Reduction]:
         if isinstance(mode, OptionLetters):
             letter_ids = [letter_token_ids(self.tokenizer, letter, self.model_id) for letter in mode.letters]
             return reduce_letters(prefill.logits, letter_ids, mode.letters)
         if isinstance(mode, Greedy):
             with torch.no_grad():
-                return greedy_generations(self.loop, prefill, self.eos_ids(), self.tokenizer, mode.max_new_tokens)
+                limits = generation_limits(self, prepared, mode.max_new_tokens)
+                return greedy_generations(self.loop, prefill, self.eos_ids(), self.tokenizer, limits)
         if isinstance(mode, Continuation):
             with torch.no_grad():
                 return score_continuation(self.loop, prefill, continuation_token_ids(self.tokenizer, mode.text),

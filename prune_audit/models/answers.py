@@ -92,34 +92,34 @@ def reduce_letters(logits: Tensor, letter_ids: Sequence[Sequence[int]], letters:
 
 
 def greedy_generations(
-    loop: LanguageLoop, prefill: Prefill, eos_ids: Sequence[int], tokenizer, max_new_tokens: int
+    loop: LanguageLoop, prefill: Prefill, eos_ids: Sequence[int], tokenizer, max_new_tokens: Sequence[int]
 ) -> list[Generation]:
     """Greedy decoding of every row of a cached prefill (``use_cache=True``), one :class:`Generation` per row.
 
     Each step feeds every row its argmax token through ``loop.decode_step`` (which reuses the pruned KV
-    cache); a row that emitted an end token keeps being fed (its attention is its own, so the others do
-    not change) until every row has stopped or ``max_new_tokens`` tokens are generated.
+    cache); a row that emitted an end token or reached its own ``max_new_tokens[b]`` keeps being fed (its
+    attention is its own, so the others do not change) until every row is done.
     """
-    if max_new_tokens < 1:
-        raise PruneAuditError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if min(max_new_tokens) < 1:
+        raise PruneAuditError(f"max_new_tokens must be at least 1, got {min(max_new_tokens)}")
     stop = set(eos_ids)
     rows = prefill.logits.shape[0]
     tokens: list[list[int]] = [[] for _ in range(rows)]
     probs: list[list[float]] = [[] for _ in range(rows)]
     stopped = [False] * rows
     logits = prefill.logits
-    for step in range(max_new_tokens):
+    for step in range(max(max_new_tokens)):
         chosen = logits.argmax(dim=-1)
         chosen_probs = torch.softmax(logits.double(), dim=-1).gather(1, chosen[:, None])[:, 0].tolist()
         for b, (token, prob) in enumerate(zip(chosen.tolist(), chosen_probs)):
-            if stopped[b]:
+            if stopped[b] or step >= max_new_tokens[b]:
                 continue
             if token in stop:
                 stopped[b] = True
             else:
                 tokens[b].append(token)
                 probs[b].append(prob)
-        if all(stopped) or step == max_new_tokens - 1:
+        if all(done or step >= limit - 1 for done, limit in zip(stopped, max_new_tokens)):
             break
         logits = loop.decode_step(prefill.decode, chosen)
     return [

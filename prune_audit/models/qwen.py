@@ -27,6 +27,7 @@ from prune_audit.compute.shape import ModelShape, VisionShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
+from prune_audit.models.hooks import capture_inputs
 from prune_audit.models.parts import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
@@ -167,17 +168,11 @@ class QwenModel(VisionLanguageModel):
         from transformers.vision_utils import get_vision_window_index
 
         visual = self.model.model.visual
-        captured: list[tuple[Tensor, tuple[Tensor, Tensor]]] = []
-
-        def keep_inputs(module, args, kwargs):  # the attention's normed input and rotary tables, window order
-            captured.append((args[0] if args else kwargs["hidden_states"], kwargs["position_embeddings"]))
-
-        hooks = [block.attn.register_forward_pre_hook(keep_inputs, with_kwargs=True) for block in visual.blocks]
-        try:
+        with capture_inputs([block.attn for block in visual.blocks]) as inputs:  # this call's own, thread-safe
             features = self.model.model.get_image_features(pixels, grid_thw, return_dict=True).pooler_output
-        finally:
-            for hook in hooks:
-                hook.remove()
+        # the attention's normed input and rotary tables, window order
+        captured = [(args[0] if args else kwargs["hidden_states"], kwargs["position_embeddings"])
+                    for args, kwargs in inputs]
         window_index, _ = get_vision_window_index(grid_thw, spatial_merge_size=visual.spatial_merge_size,
                                                   window_size=visual.window_size, patch_size=visual.patch_size)
         unit = visual.spatial_merge_unit

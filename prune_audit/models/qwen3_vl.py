@@ -26,6 +26,7 @@ merged tokens.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -89,8 +90,9 @@ class Qwen3VLModel(QwenModel):
 
     def __init__(self, model, image_processor, tokenizer, **kwargs):
         super().__init__(model, image_processor, tokenizer, **kwargs)
-        #: per batch row of the current prefill, the (N, D) deepstack sets in decoder-layer order
-        self._deepstack: list[list[Tensor]] = []
+        #: ``sets``: per batch row of the current prefill, the (N, D) deepstack sets in decoder-layer order; one per
+        #: thread, since threads sharing this model each run their own prefill between ``_vision`` and the loop
+        self._deepstack = threading.local()
         self.loop.stack.after_layer = self._add_deepstack
 
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
@@ -98,18 +100,19 @@ class Qwen3VLModel(QwenModel):
         grid_thw = torch.cat([item.extras["image_grid_thw"] for item in prepared]).to(self.device)
         output = self.model.model.get_image_features(pixels, grid_thw, return_dict=True)
         # get_image_features splits every deepstack set per image: [set k][image b] -> [image b][set k]
-        self._deepstack = [list(per_image) for per_image in zip(*output.deepstack_features)]
+        self._deepstack.sets = [list(per_image) for per_image in zip(*output.deepstack_features)]
         return [VisionOutput(per_image) for per_image in output.pooler_output]
 
     def _add_deepstack(self, layer: int, hidden: Tensor, batch: Batch) -> Tensor:
         """(B, L, D) ``hidden`` after decoder layer ``layer`` plus, while ``layer`` has a deepstack set,
         each surviving visual token's own row of it (the stock decoder's ``_deepstack_process``)."""
-        if not self._deepstack or layer >= len(self._deepstack[0]):
+        sets: list[list[Tensor]] = getattr(self._deepstack, "sets", [])
+        if not sets or layer >= len(sets[0]):
             return hidden
         hidden = hidden.clone()
         for b in range(batch.size):
             columns = torch.nonzero(batch.valid[b] & (batch.kinds[b] >= 0)).flatten()
-            features = self._deepstack[b][layer].to(hidden.device, hidden.dtype)
+            features = sets[b][layer].to(hidden.device, hidden.dtype)
             hidden[b, columns] += features[batch.kinds[b, columns]]
         return hidden
 

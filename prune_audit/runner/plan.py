@@ -141,7 +141,9 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
         vlm.check_selector(selector)
     for mode in dict.fromkeys(task.answer_mode(question) for question in questions):
         vlm.check_answer_mode(mode)
-    first = _prepare_first(vlm, questions[0], image_paths, embedded)
+    if request.kept_sets is None or request.reanswer:  # the model answers: every prompt must fit its positions
+        _check_context(vlm, task, questions, image_paths, embedded, chosen_limit=request.max_new_tokens is not None)
+    first = _prepare(vlm, questions[0], image_paths, embedded)
     budget = resolve_budget(budget, first.num_visual)
     manifest = _manifest(request, task, vlm, selector, budget, questions, first)
     imported = _imported(request, vlm, task, questions, image_paths, manifest)
@@ -197,10 +199,31 @@ def check_recorded(run_dir: Path, manifest: dict[str, Any], questions: Sequence[
         )
 
 
-def _prepare_first(vlm: VisionLanguageModel, question: TaskQuestion, image_paths: dict[str, Path],
-                   embedded: dict[str, bytes] | None) -> Prepared:
-    """The first question prepared: its token grid and geometry describe the run in the manifest."""
+def _prepare(vlm: VisionLanguageModel, question: TaskQuestion, image_paths: dict[str, Path],
+             embedded: dict[str, bytes] | None) -> Prepared:
+    """One question prepared, its image read from the folder or from the question files' embedded bytes (the
+    first question's token grid and geometry describe the run in the manifest)."""
     return prepare_question(vlm, image_paths[question.image], question.text, (embedded or {}).get(question.image))
+
+
+def _check_context(vlm: VisionLanguageModel, task: Task, questions: Sequence[TaskQuestion],
+                   image_paths: dict[str, Path], embedded: dict[str, bytes] | None, *, chosen_limit: bool) -> None:
+    """Every question's prompt, with ``--max-new-tokens`` where given (``chosen_limit``), fits the model's positions
+    (``models.context``), checked before anything is written: each image is prepared once, with its question of
+    most tokens (its other questions' prompts are no longer, to a token at the template's seams; ``answer``
+    checks each batch exactly)."""
+    from prune_audit.models.context import added_positions, check_context
+
+    longest: dict[str, tuple[int, TaskQuestion]] = {}
+    for question in questions:
+        need = (len(vlm.tokenizer.encode(question.text, add_special_tokens=False))
+                + added_positions(vlm, task.answer_mode(question), chosen_limit=chosen_limit))
+        if question.image not in longest or need > longest[question.image][0]:
+            longest[question.image] = (need, question)
+    for _, question in longest.values():
+        prepared = _prepare(vlm, question, image_paths, embedded)
+        name = f"question {question.split}/{question.question_id}"
+        check_context(vlm, [prepared], task.answer_mode(question), [name], chosen_limit=chosen_limit)
 
 
 def prepare_question(vlm: VisionLanguageModel, image_path: Path, text: str, data: bytes | None = None) -> Prepared:

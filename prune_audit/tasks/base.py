@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
+from prune_audit.answer_modes import check_max_new_tokens
 from prune_audit.errors import PruneAuditError
 
 if TYPE_CHECKING:
@@ -136,8 +137,7 @@ class Task(ABC):
             if self.default_max_new_tokens is None:
                 raise PruneAuditError(f"--max-new-tokens applies to tasks that generate their answers; {self.name} "
                                       f"answers by its first token: drop it")
-            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-                raise PruneAuditError(f"--max-new-tokens must be a positive whole number, got {max_new_tokens!r}")
+            check_max_new_tokens(max_new_tokens, "--max-new-tokens")
         self.max_new_tokens = max_new_tokens if max_new_tokens is not None else self.default_max_new_tokens
 
     name: ClassVar[str] = ""
