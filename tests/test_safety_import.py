@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from test_data_safety import invoke, refused
-from test_interchange import PROVENANCE, assert_same_records, question_args
+from test_interchange import PROVENANCE, assert_same_records, generating_args, question_args
 from test_run_cli import base_args
 from test_task_parquet import pope_parquet
 
@@ -73,7 +73,8 @@ def test_a_cost_past_int64_is_refused_before_writing(exported, workspace, tmp_pa
 
 
 def test_a_stage_of_10_15_tokens_is_refused_before_writing(exported, workspace, tmp_path):
-    result = import_edited(exported, workspace, tmp_path, in_first(lambda line: line["stages"][0].update(tokens=10**15)))
+    edit = in_first(lambda line: line["stages"][0].update(tokens=10**15))
+    result = import_edited(exported, workspace, tmp_path, edit)
     refused(result, "line 2: stage 0", "the image has 16", "at most the image's tokens")
 
 
@@ -206,3 +207,28 @@ def test_the_manifest_an_import_would_write_passes_the_readers_check(exported):
     check_imported_manifest(kept_sets, manifest)
     with pytest.raises(PruneAuditError, match="would be refused by every reader .manifest field 'budget'"):
         check_imported_manifest(kept_sets, {**manifest, "budget": "lots"})
+
+
+@pytest.mark.parametrize("sources", [[["vision_cls_row"]], ["a_probe_nobody_ran"], "vision_cls_row"])
+def test_signal_sources_outside_the_known_names_are_refused(exported, workspace, tmp_path, sources):
+    result = import_edited(exported, workspace, tmp_path,
+                           in_first(lambda line: line["cost"].update(signal_sources=sources)))
+    refused(result, "line 2: cost \"signal_sources\" must be null or a list of vision_cls_row")
+
+
+def test_an_answer_longer_than_the_task_generates_is_refused(workspace, tmp_path):
+    """10**20 answer tokens (past the int64 column) under caption's limit: refused naming the limit."""
+    coco = json.loads(Path(workspace["instances"]).read_text())
+    image = coco["images"][0]
+    answer = {"text": "a square", "probability": 1.0, "sequence_probability": 1.0, "mean_token_probability": 1.0,
+              "answer_tokens": 10**20, "stopped": True}
+    line = {"question_id": image["id"], "split": "caption", "image": image["file_name"], "stages": [], "answer": answer}
+    header = {"format": "prune-audit-kept-sets", "version": 2, "task": "caption", "max_new_tokens": 4,
+              "selector": "none", "budget": None}
+    path = tmp_path / "kept.jsonl"
+    path.write_text("".join(json.dumps(entry) + "\n" for entry in [header, line]))
+    out = tmp_path / "out"
+    questions = generating_args(workspace, tmp_path, "caption")[2:]
+    result = invoke("import", path, "--geometry", workspace["model"], *questions, "--out", out)
+    refused(result, "line 2: answer of 100000000000000000000 tokens", "at most 4", "give the header the limit")
+    assert not out.exists()

@@ -31,12 +31,6 @@ _COST_TYPES = {column.name: column.type for column in COST_COLUMNS
 """The analytic cost columns (FLOPs, KV bytes, equivalent tokens) and their Arrow types."""
 
 
-def finite_probability(value: Any) -> bool:
-    """A finite number in [0, 1] (a bool is not a number here)."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and 0 <= value <= 1)
-
-
 def disjoint_probabilities_problem(names: str, probabilities: Sequence[float]) -> str | None:
     """Full-vocabulary probabilities of disjoint answers (p_yes and p_no; the offered letters) sum to at most 1."""
     total = math.fsum(probabilities)
@@ -126,7 +120,6 @@ __all__ = [
     "budget_problem",
     "cost_problem",
     "disjoint_probabilities_problem",
-    "finite_probability",
     "generation_problem",
     "record_problem",
     "stage_cells_problem",

@@ -308,7 +308,8 @@ def _cost(cost: Any, where: str) -> dict[str, Any] | None:
         raise PruneAuditError(f"{where}: \"cost\": {problem}; give the cost as run records it, or drop \"cost\" to "
                               f"have it computed from the kept sets")
     sources = cost.get(SIGNAL_SOURCES_FIELD)
-    if sources is not None and (not isinstance(sources, list) or not set(sources) <= set(SIGNAL_SOURCES)):
+    if sources is not None and (not isinstance(sources, list) or not all(
+            isinstance(source, str) and source in SIGNAL_SOURCES for source in sources)):
         raise PruneAuditError(f"{where}: cost \"{SIGNAL_SOURCES_FIELD}\" must be null or a list of "
                               f"{', '.join(SIGNAL_SOURCES)}")
     return cost
@@ -404,7 +405,7 @@ def _probabilities_problem(answer: dict[str, Any]) -> str | None:
         return disjoint_probabilities_problem("letter_probs", answer["letter_probs"])
     if "token_probs" in answer:  # the summary follows from the tokens: only an empty list can contradict the text
         return None if answer["token_probs"] else generation_problem(answer["text"], 1.0, 1.0, 0)
-    summary = [answer.get(name) for name in ("sequence_probability", "mean_token_probability", "answer_tokens")]
+    summary = [answer.get(name) for name in GENERATION_SUMMARY if name != "stopped"]
     return None if None in summary else generation_problem(answer["text"], *summary)
 
 

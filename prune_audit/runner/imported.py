@@ -28,7 +28,7 @@ from prune_audit.records.interchange import (
 )
 
 if TYPE_CHECKING:
-    from prune_audit.answer_modes import AnswerMode, LetterChoice, Reduction, YesNo
+    from prune_audit.answer_modes import AnswerMode, Generation, Greedy, LetterChoice, Reduction, YesNo
     from prune_audit.models import Answer, Prepared, VisionLanguageModel
     from prune_audit.tasks import Task, TaskQuestion
 
@@ -244,9 +244,9 @@ def _reduction(line: KeptQuestion, mode: AnswerMode) -> Reduction:
         token_probs, stopped = answer.get("token_probs"), answer.get("stopped")
         summary = [answer.get(name) for name in GENERATION_SUMMARY]
         if isinstance(stopped, bool) and token_probs is not None:
-            return Generation.from_token_probs(answer["text"].strip(), tuple(token_probs), stopped)
+            return _within(line, mode, Generation.from_token_probs(answer["text"].strip(), tuple(token_probs), stopped))
         if all(value is not None for value in summary):
-            return Generation.from_summary(answer["text"].strip(), *summary)
+            return _within(line, mode, Generation.from_summary(answer["text"].strip(), *summary))
         raise PruneAuditError(f"{line.line}: a generated answer needs \"stopped\" (true when it ended with "
                               f"end-of-sequence) and \"token_probs\" (each generated token's probability) or "
                               f"\"sequence_probability\", \"mean_token_probability\" and \"answer_tokens\"")
@@ -258,6 +258,15 @@ def _reduction(line: KeptQuestion, mode: AnswerMode) -> Reduction:
                               f"its \"probability\"")
     p_yes = probability if text == "yes" else 1 - probability
     return _agreeing(line, YesNo.from_probabilities(p_yes, 1 - p_yes))  # only the two-way probability is known
+
+
+def _within(line: KeptQuestion, mode: Greedy, generation: Generation) -> Generation:
+    """``generation``, of at most the task's ``max_new_tokens`` tokens (what a run could generate)."""
+    if generation.answer_tokens > mode.max_new_tokens:
+        raise PruneAuditError(f"{line.line}: answer of {generation.answer_tokens} tokens, but the task generates at "
+                              f"most {mode.max_new_tokens} (header \"max_new_tokens\"); give the header the limit "
+                              f"the answers were generated under")
+    return generation
 
 
 def _agreeing(line: KeptQuestion, reduced: YesNo | LetterChoice) -> YesNo | LetterChoice:

@@ -176,7 +176,8 @@ def _imported(request: RunRequest, vlm: VisionLanguageModel, task: Task, questio
     )
 
     first_question = {question.image: question for question in reversed(questions)}
-    prepared = {image: _prepare_first(vlm, question, image_paths, embedded) for image, question in first_question.items()}
+    prepared = {image: _prepare_first(vlm, question, image_paths, embedded)
+                for image, question in first_question.items()}
     check_kept_sets(request.kept_sets, vlm, prepared, request.reanswer)
     if not request.reanswer:
         check_answers(request.kept_sets, task, questions)
