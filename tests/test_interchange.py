@@ -17,8 +17,7 @@ from prune_audit.pruners import list_selectors
 
 runner = CliRunner()
 # columns that say where and when the records were made rather than what they hold
-PROVENANCE = ("latency_ms", "latency_vision_ms", "latency_selection_ms", "latency_prefill_ms", "latency_decode_ms",
-              "signal_sources")  # the format carries no probes: null (not known) after import
+PROVENANCE = ("latency_ms", "latency_vision_ms", "latency_selection_ms", "latency_prefill_ms", "latency_decode_ms")
 SELECTORS = [("none", ()), ("divprune", ("--budget", "6")), ("visionzip", ("--budget", "6")),
              ("fastv", ("--budget", "6")), ("pdrop", ("--budget", "6")), ("sparsevlm", ("--budget", "6"))]
 

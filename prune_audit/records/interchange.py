@@ -18,7 +18,15 @@ from typing import Any
 
 import pyarrow as pa
 
+from prune_audit.compute.cost import SIGNAL_SOURCES
 from prune_audit.errors import PruneAuditError
+from prune_audit.records.consistency import (
+    cost_problem,
+    disjoint_probabilities_problem,
+    generation_problem,
+    stage_cells_problem,
+)
+from prune_audit.records.manifest import MANIFEST_SCHEMA, SELECTOR_STAGES
 
 FORMAT = "prune-audit-kept-sets"
 FORMAT_VERSION = 2
@@ -31,7 +39,10 @@ COST_FIELDS = (
     "flops", "flops_vision", "flops_selector", "flops_llm", "flops_dense", "flops_decode_token", "kv_bytes",
     "flop_equivalent_tokens",
 )
-"""The analytic cost columns a question line may carry (``records.schema.COST_COLUMNS``)."""
+"""The analytic cost columns a question line's ``cost`` holds (``records.schema.COST_COLUMNS``)."""
+SIGNAL_SOURCES_FIELD = "signal_sources"
+"""The cost column a ``cost`` may also hold: the ``compute.cost.SIGNAL_SOURCES`` the selector read (absent or null:
+not known)."""
 LATENCY_PARTS = ("vision", "selection", "prefill", "decode")
 """The latency parts a question line may carry, in ms (``latency_<part>_ms`` columns)."""
 GENERATION_SUMMARY = {
@@ -124,7 +135,7 @@ def question_line(record: dict[str, Any]) -> dict[str, Any]:
         answer.update({field_name: record[column] for field_name, column in GENERATION_SUMMARY.items()})
     return {
         "question_id": record["question_id"], "split": record["split"], "image": record["image"], "stages": stages,
-        "answer": answer, "cost": {name: record[name] for name in COST_FIELDS},
+        "answer": answer, "cost": {name: record[name] for name in (*COST_FIELDS, SIGNAL_SOURCES_FIELD)},
         "latency_ms": {part: record[f"latency_{part}_ms"] for part in LATENCY_PARTS
                        if record.get(f"latency_{part}_ms") is not None},
     }
@@ -252,11 +263,13 @@ def _check_header(header: Any, path: Path) -> None:
         selector = {"name": selector}
     if not isinstance(selector, dict) or not isinstance(selector.get("name"), str):
         raise PruneAuditError(f"{where}: \"selector\" must be a name or an object with a name")
+    if selector.get("stage") not in SELECTOR_STAGES:
+        raise PruneAuditError(f"{where}: selector \"stage\" must be input, llm or null, got {selector['stage']!r}")
     header["selector"] = selector
-    budget = header.get("budget")
-    if budget is not None and (isinstance(budget, bool) or not (isinstance(budget, str) or
-                                                                 (isinstance(budget, int) and budget >= 1))):
-        raise PruneAuditError(f"{where}: \"budget\" must be null, a positive number of tokens or a share such as 11%")
+    _, budget_check = MANIFEST_SCHEMA["budget"]  # the header's budget becomes the manifest's: one definition
+    if budget_check(header.get("budget")) is not None:
+        raise PruneAuditError(f"{where}: \"budget\" must be {budget_check(header.get('budget'))}, got "
+                              f"{header.get('budget')!r}")
 
 
 def _question(entry: Any, where: str) -> KeptQuestion:
@@ -273,14 +286,33 @@ def _question(entry: Any, where: str) -> KeptQuestion:
             raise PruneAuditError(f"{where}: \"{name}\" must be a non-empty string")
     stages = _stages(entry["stages"], where)
     answer = _answer(entry["answer"], where)
-    cost = entry.get("cost")
-    if cost is not None and not _numbers(cost, set(COST_FIELDS), exact=True):
-        raise PruneAuditError(f"{where}: \"cost\" must be null or hold the finite numbers {', '.join(COST_FIELDS)}")
+    cost = _cost(entry.get("cost"), where)
     latency = entry.get("latency_ms")
     if latency is not None and not _numbers(latency, set(LATENCY_PARTS), exact=False):
         raise PruneAuditError(f"{where}: \"latency_ms\" must be null or map parts of {', '.join(LATENCY_PARTS)} "
                               f"to non-negative milliseconds")
     return KeptQuestion(question_id, entry["split"], entry["image"], stages, answer, cost, latency, where)
+
+
+def _cost(cost: Any, where: str) -> dict[str, Any] | None:
+    """The line's ``cost``: null, or every ``COST_FIELDS`` number (and the optional ``signal_sources``) obeying
+    ``records.consistency.cost_problem`` as a run's record does."""
+    if cost is None:
+        return None
+    numbers = {name: value for name, value in cost.items() if name != SIGNAL_SOURCES_FIELD} if isinstance(
+        cost, dict) else None
+    if numbers is None or not _numbers(numbers, set(COST_FIELDS), exact=True):
+        raise PruneAuditError(f"{where}: \"cost\" must be null or hold the finite numbers {', '.join(COST_FIELDS)}")
+    problem = cost_problem(numbers)
+    if problem is not None:
+        raise PruneAuditError(f"{where}: \"cost\": {problem}; give the cost as run records it, or drop \"cost\" to "
+                              f"have it computed from the kept sets")
+    sources = cost.get(SIGNAL_SOURCES_FIELD)
+    if sources is not None and (not isinstance(sources, list) or not all(
+            isinstance(source, str) and source in SIGNAL_SOURCES for source in sources)):
+        raise PruneAuditError(f"{where}: cost \"{SIGNAL_SOURCES_FIELD}\" must be null or a list of "
+                              f"{', '.join(SIGNAL_SOURCES)}")
+    return cost
 
 
 def _numbers(value: Any, names: set[str], exact: bool) -> bool:
@@ -315,6 +347,9 @@ def _stages(value: Any, where: str) -> list[KeptStage]:
             raise PruneAuditError(f"{at}: \"kept\" repeats a grid index; list each once")
         if not isinstance(merged, list) or not all(_indices(sources) and sources for sources in merged):
             raise PruneAuditError(f"{at}: \"merged\" must be a list of non-empty lists of grid indices")
+        problem = stage_cells_problem(kept, merged)
+        if problem is not None:
+            raise PruneAuditError(f"{at}: {problem}")
         tokens = stage.get("tokens")
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
                                    or tokens < len(kept) + len(merged)):
@@ -356,7 +391,22 @@ def _answer(value: Any, where: str) -> dict[str, Any]:
         raise PruneAuditError(f"{where}: answer \"answer_tokens\" must be a whole number >= 0, got {tokens!r}")
     if "stopped" in value and not isinstance(value["stopped"], bool):
         raise PruneAuditError(f"{where}: answer \"stopped\" must be true or false")
+    problem = _probabilities_problem(value)
+    if problem is not None:
+        raise PruneAuditError(f"{where}: answer {problem}; give the probabilities the model gave")
     return value
+
+
+def _probabilities_problem(answer: dict[str, Any]) -> str | None:
+    """The answer's probabilities agree with each other as a run's records do (``records.consistency``)."""
+    if "p_yes" in answer and "p_no" in answer:
+        return disjoint_probabilities_problem("p_yes and p_no", [answer["p_yes"], answer["p_no"]])
+    if "letter_probs" in answer:
+        return disjoint_probabilities_problem("letter_probs", answer["letter_probs"])
+    if "token_probs" in answer:  # the summary follows from the tokens: only an empty list can contradict the text
+        return None if answer["token_probs"] else generation_problem(answer["text"], 1.0, 1.0, 0)
+    summary = [answer.get(name) for name in GENERATION_SUMMARY if name != "stopped"]
+    return None if None in summary else generation_problem(answer["text"], *summary)
 
 
 __all__ = [

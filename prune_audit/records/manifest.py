@@ -339,20 +339,29 @@ MANIFEST_SCHEMA: dict[str, tuple[bool, Check]] = {
 def check_manifest(manifest: dict[str, Any], path: Path) -> None:
     """Refuse a manifest with a field missing, of the wrong JSON type or out of its domain, or whose
     ``run_id`` is not the one of its configuration (an edited manifest)."""
+    problem = manifest_problem(manifest)
+    if problem is not None:
+        _refuse_field(path, *problem)
+
+
+def manifest_problem(manifest: dict[str, Any]) -> tuple[str, str] | None:
+    """The first field of ``manifest`` that ``check_manifest`` refuses and what is wrong with it, or None: every
+    reader's check, also applied to the manifest ``import`` is about to write."""
     for name, (required, check) in MANIFEST_SCHEMA.items():
         if name not in manifest:
             if required:
-                _refuse_field(path, name, "is missing")
+                return name, "is missing"
             continue
         problem = check(manifest[name])
         if problem is not None:
-            _refuse_field(path, name, f"must be {problem}, got {_shown(manifest[name])}")
+            return name, f"must be {problem}, got {_shown(manifest[name])}"
     unpruned = manifest["selector"]["name"] == UNPRUNED
     if unpruned != (manifest["budget"] is None):
-        _refuse_field(path, "budget", f"must be null exactly for the unpruned run, got {_shown(manifest['budget'])} "
-                                      f"with selector {manifest['selector']['name']!r}")
+        return "budget", (f"must be null exactly for the unpruned run, got {_shown(manifest['budget'])} with selector "
+                          f"{manifest['selector']['name']!r}")
     if manifest["run_id"] != run_id_of(manifest):
-        _refuse_field(path, "run_id", "does not match the configuration fields (the manifest was edited)")
+        return "run_id", "does not match the configuration fields (the manifest was edited)"
+    return None
 
 
 def _shown(value: Any) -> str:

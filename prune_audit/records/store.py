@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.records.consistency import record_problem
 from prune_audit.records.manifest import MANIFEST_FILE, read_manifest
 from prune_audit.records.schema import KEY_COLUMNS, RECORDS_FILE, RUN_ID_METADATA, RUN_SCHEMA, Record
 from prune_audit.safety.atomic import write_atomic
@@ -65,9 +66,15 @@ class RecordStore:
         return sorted(p for p in self.parts_dir.glob("part-*.parquet"))
 
     def append(self, rows: Sequence[Record]) -> Path | None:
-        """Persist one batch of finished records as a new part file."""
+        """Persist one batch of finished records as a new part file; a record breaking a rule of
+        ``records.consistency`` (a bug of the writer) is refused before the batch is written."""
         if not rows:
             return None
+        for row in rows:
+            problem = record_problem(row)
+            if problem is not None:
+                raise PruneAuditError(f"record of question {row['split']}/{row['question_id']} is inconsistent "
+                                      f"({problem}); it was not written: please report this with the command line")
         self.parts_dir.mkdir(parents=True, exist_ok=True)
         table = stamped(pa.Table.from_pylist(list(rows), schema=RUN_SCHEMA), self.run_id)
         path = self.parts_dir / f"part-{self.writer}-{uuid.uuid4().hex}.parquet"

@@ -18,10 +18,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.interchange import GENERATION_SUMMARY, KeptQuestion, KeptSets
+from prune_audit.records.consistency import budget_problem, visual_tokens_problem
+from prune_audit.records.interchange import (
+    COST_FIELDS,
+    GENERATION_SUMMARY,
+    SIGNAL_SOURCES_FIELD,
+    KeptQuestion,
+    KeptSets,
+)
 
 if TYPE_CHECKING:
-    from prune_audit.answer_modes import AnswerMode, Reduction
+    from prune_audit.answer_modes import AnswerMode, Generation, Greedy, LetterChoice, Reduction, YesNo
     from prune_audit.models import Answer, Prepared, VisionLanguageModel
     from prune_audit.tasks import Task, TaskQuestion
 
@@ -60,12 +67,13 @@ def restrict_questions(kept_sets: KeptSets, questions: Sequence[TaskQuestion]) -
     return [q for q in questions if (q.split, q.question_id) in keys]
 
 
-def check_kept_sets(kept_sets: KeptSets, vlm: VisionLanguageModel, grids: dict[str, tuple[int, int]],
+def check_kept_sets(kept_sets: KeptSets, vlm: VisionLanguageModel, prepared: dict[str, Prepared],
                     reanswer: bool) -> None:
-    """Every stage's indices lie on its image's token grid and every layer in the model; re-answering also needs
-    kept sets the model can be forced to (no merged tokens)."""
+    """Every stage's indices lie on its image's token grid (``prepared``: each image's prompt), its layer in the
+    model and its token count within the image's; the kept sets realise the header's budget; re-answering also
+    needs kept sets the model can be forced to (no merged tokens)."""
     for line in kept_sets.questions:
-        rows, cols = grids[line.image]
+        rows, cols = prepared[line.image].grid
         for number, stage in enumerate(line.stages):
             at = f"{line.line}: stage {number}"
             largest = max([*stage.kept, *(i for sources in stage.merged for i in sources)], default=-1)
@@ -75,12 +83,48 @@ def check_kept_sets(kept_sets: KeptSets, vlm: VisionLanguageModel, grids: dict[s
             if stage.layer >= vlm.num_layers:
                 raise PruneAuditError(f"{at}: layer {stage.layer} is outside the model's {vlm.num_layers} decoder "
                                       f"layers")
+            problem = visual_tokens_problem(stage.fed, prepared[line.image].num_visual)
+            if problem is not None:
+                raise PruneAuditError(f"{at}: \"tokens\" claims {problem} under {vlm.model_id}")
             if reanswer and stage.merged:
                 raise PruneAuditError(f"{at}: merged tokens cannot be forced on the model; import without --model "
                                       f"to audit them with the file's answers")
         if reanswer and len(line.stages) > 1 and line.stages[0].layer == 0:
             raise PruneAuditError(f"{line.line}: a stage at layer 0 followed by in-LLM stages cannot be forced; "
                                   f"import without --model")
+    _check_budget(kept_sets, vlm.num_layers, {image: item.num_visual for image, item in prepared.items()})
+
+
+def _check_budget(kept_sets: KeptSets, num_layers: int, num_visual: dict[str, int]) -> None:
+    """The header's budget is at most each image's visual tokens and near what the kept sets realise
+    (``records.consistency.budget_problem``)."""
+    from prune_audit.compute.budget import budget_share, tokens_for_share
+
+    budget = kept_sets.header.get("budget")
+    if budget is None:
+        return
+    share = budget_share(budget)
+    expected, realised = [], []
+    for line in kept_sets.questions:
+        tokens = num_visual[line.image]
+        if share is None and budget > tokens:
+            raise PruneAuditError(f"{kept_sets.path} line 1 (header): \"budget\" {budget} is more than the "
+                                  f"{tokens} visual tokens of {line.image}; give the budget the pruner ran at")
+        expected.append(tokens_for_share(share, tokens) if share is not None else budget)
+        per_layer = tokens_per_layer(line, tokens, num_layers)
+        realised.append(sum(per_layer) / len(per_layer))
+    problem = budget_problem(budget, sum(expected) / len(expected), sum(realised) / len(realised))
+    if problem is not None:
+        raise PruneAuditError(f"{kept_sets.path} line 1 (header): {problem}; give the budget the pruner ran at")
+
+
+def tokens_per_layer(line: KeptQuestion, num_visual: int, num_layers: int) -> list[int]:
+    """The visual tokens at the input of each decoder layer under the line's stages."""
+    per_layer = [num_visual] * num_layers
+    for stage in line.stages:
+        for layer in range(stage.layer, num_layers):
+            per_layer[layer] = stage.fed
+    return per_layer
 
 
 def check_answers(kept_sets: KeptSets, task: Task, questions: Sequence[TaskQuestion]) -> None:
@@ -94,17 +138,35 @@ def imported_selector(kept_sets: KeptSets, file_sha256: str, reanswer: bool) -> 
     """The manifest's ``selector`` block: the file's selector (stage inferred from its layers when not given)
     and ``imported``: the file's name, sha256, format version and where the answers come from."""
     selector = dict(kept_sets.header["selector"])
-    if selector["name"] != "none" and selector.get("stage") not in ("input", "llm"):
-        in_llm = any(stage.layer > 0 for line in kept_sets.questions for stage in line.stages)
+    in_llm = any(stage.layer > 0 for line in kept_sets.questions for stage in line.stages)
+    if selector["name"] != "none" and selector.get("stage") is None:
         selector["stage"] = "llm" if in_llm else "input"
+    if selector["name"] != "none" and selector["stage"] != ("llm" if in_llm else "input"):
+        raise PruneAuditError(f"{kept_sets.path} line 1 (header): selector stage {selector['stage']!r}, but the "
+                              f"kept sets are taken {'inside the decoder' if in_llm else 'at its input (layer 0)'}; "
+                              f"give the stage the pruner works at, or leave it out")
     selector.setdefault("stage", None)
     selector.setdefault("options", {})
     selector["imported"] = {"file": kept_sets.path.name, "sha256": file_sha256, "format_version": kept_sets.header["version"],
                             "answers": "model" if reanswer else "file"}
+    if selector["name"] == "none" and (selector.get("stage") is not None or in_llm):
+        raise PruneAuditError(f"{kept_sets.path} line 1 (header): the unpruned selector \"none\" has no stage and "
+                              f"keeps every token; name the pruner that made the kept sets")
     if (selector["name"] == "none") != (kept_sets.header.get("budget") is None):
         raise PruneAuditError(f"{kept_sets.path} line 1 (header): \"budget\" must be null exactly for the unpruned "
                               f"selector \"none\"; give the pruner's budget in visual tokens")
     return selector
+
+
+def check_imported_manifest(kept_sets: KeptSets, manifest: dict[str, Any]) -> None:
+    """The manifest the import is about to write passes the check every reader applies (``read_manifest``)."""
+    from prune_audit.records.manifest import manifest_problem
+
+    problem = manifest_problem(manifest)
+    if problem is not None:
+        name, what = problem
+        raise PruneAuditError(f"{kept_sets.path} line 1 (header): the run it makes would be refused by every reader "
+                              f"(manifest field {name!r} {what}); correct the header (docs/interchange.md)")
 
 
 # ----- answers ------------------------------------------------------------------------
@@ -137,10 +199,7 @@ def _answer_from_line(vlm: VisionLanguageModel, line: KeptQuestion, item: Prepar
     from prune_audit.models.accounting import question_cost
     from prune_audit.models.answers import Answer
 
-    per_layer = [item.num_visual] * vlm.num_layers
-    for stage in line.stages:
-        for layer in range(stage.layer, vlm.num_layers):
-            per_layer[layer] = stage.fed
+    per_layer = tokens_per_layer(line, item.num_visual, vlm.num_layers)
     parts = {part: math.nan for part in ("vision", "selection", "prefill")} | dict(line.latency_ms or {})
     answer = Answer(
         reduced=_reduction(line, mode),
@@ -155,8 +214,10 @@ def _answer_from_line(vlm: VisionLanguageModel, line: KeptQuestion, item: Prepar
         latency_parts=parts,
     )
     if line.cost is not None:
-        answer.cost = PrefillCost(**{name: value if name == "flop_equivalent_tokens" else int(value)
-                                     for name, value in line.cost.items()})
+        numbers = {name: value if name == "flop_equivalent_tokens" else int(value)
+                   for name, value in line.cost.items() if name in COST_FIELDS}
+        sources = line.cost.get(SIGNAL_SOURCES_FIELD)  # absent or null: not known
+        answer.cost = PrefillCost(**numbers, signal_sources=None if sources is None else tuple(sources))
     else:
         answer.cost = question_cost(vlm, item, answer, None, None, None, forced=True)
     return answer
@@ -178,25 +239,42 @@ def _reduction(line: KeptQuestion, mode: AnswerMode) -> Reduction:
         if probs is None or len(probs) != len(mode.letters):
             raise PruneAuditError(f"{line.line}: a multiple-choice answer needs \"letter_probs\", one per offered "
                                   f"letter ({len(mode.letters)})")
-        return LetterChoice.from_probabilities(tuple(probs), mode.letters)
+        return _agreeing(line, LetterChoice.from_probabilities(tuple(probs), mode.letters))
     if isinstance(mode, Greedy):
         token_probs, stopped = answer.get("token_probs"), answer.get("stopped")
         summary = [answer.get(name) for name in GENERATION_SUMMARY]
         if isinstance(stopped, bool) and token_probs is not None:
-            return Generation.from_token_probs(answer["text"].strip(), tuple(token_probs), stopped)
+            return _within(line, mode, Generation.from_token_probs(answer["text"].strip(), tuple(token_probs), stopped))
         if all(value is not None for value in summary):
-            return Generation.from_summary(answer["text"].strip(), *summary)
+            return _within(line, mode, Generation.from_summary(answer["text"].strip(), *summary))
         raise PruneAuditError(f"{line.line}: a generated answer needs \"stopped\" (true when it ended with "
                               f"end-of-sequence) and \"token_probs\" (each generated token's probability) or "
                               f"\"sequence_probability\", \"mean_token_probability\" and \"answer_tokens\"")
     if "p_yes" in answer and "p_no" in answer:
-        return YesNo.from_probabilities(answer["p_yes"], answer["p_no"])
+        return _agreeing(line, YesNo.from_probabilities(answer["p_yes"], answer["p_no"]))
     text, probability = answer["text"].strip().lower(), answer.get("probability")
     if text not in ("yes", "no") or probability is None:
         raise PruneAuditError(f"{line.line}: a yes/no answer needs \"p_yes\" and \"p_no\", or \"text\" yes/no with "
                               f"its \"probability\"")
     p_yes = probability if text == "yes" else 1 - probability
-    return YesNo.from_probabilities(p_yes, 1 - p_yes)  # only the two-way probability is known
+    return _agreeing(line, YesNo.from_probabilities(p_yes, 1 - p_yes))  # only the two-way probability is known
+
+
+def _within(line: KeptQuestion, mode: Greedy, generation: Generation) -> Generation:
+    """``generation``, of at most the task's ``max_new_tokens`` tokens (what a run could generate)."""
+    if generation.answer_tokens > mode.max_new_tokens:
+        raise PruneAuditError(f"{line.line}: answer of {generation.answer_tokens} tokens, but the task generates at "
+                              f"most {mode.max_new_tokens} (header \"max_new_tokens\"); give the header the limit "
+                              f"the answers were generated under")
+    return generation
+
+
+def _agreeing(line: KeptQuestion, reduced: YesNo | LetterChoice) -> YesNo | LetterChoice:
+    """``reduced``, whose answer (the most probable) is the line's answer text, as in a run's records."""
+    if line.answer["text"].strip().lower() != reduced.answer.lower():
+        raise PruneAuditError(f"{line.line}: answer text {line.answer['text']!r}, but its probabilities answer "
+                              f"{reduced.answer!r}; give the text and the probabilities the model gave")
+    return reduced
 
 
 def _read_whole_run(run_dir: Path) -> tuple[dict, Any]:
@@ -265,5 +343,5 @@ def export_answers(run_dir: Path, out: Path) -> int:
     return len(rows)
 
 
-__all__ = ["ImportedAnswers", "check_answers", "check_answers_path", "check_kept_sets", "export_answers", "export_run", "imported_selector",
-           "restrict_questions"]
+__all__ = ["ImportedAnswers", "check_answers", "check_answers_path", "check_imported_manifest", "check_kept_sets",
+           "export_answers", "export_run", "imported_selector", "restrict_questions", "tokens_per_layer"]

@@ -146,12 +146,16 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     first = _prepare(vlm, questions[0], image_paths, embedded)
     budget = resolve_budget(budget, first.num_visual)
     manifest = _manifest(request, task, vlm, selector, budget, questions, first)
-    imported = _imported(request, vlm, task, questions, image_paths, manifest)
+    imported = _imported(request, vlm, task, questions, image_paths, manifest, embedded)
     if budget_share(request.budget) is not None:  # each image gets its share; the schedule above is the first's
         manifest["budget"] = request.budget
     manifest["threads"] = threads
     pin_inputs(manifest, str(request.model), Path(request.images), image_paths, embedded)
     manifest["run_id"] = run_id_of(manifest)
+    if request.kept_sets is not None:
+        from prune_audit.runner.imported import check_imported_manifest
+
+        check_imported_manifest(request.kept_sets, manifest)
     check_resumable(run_dir, manifest)
     check_recorded(run_dir, manifest, questions)
     shard = request.shard or launched
@@ -160,8 +164,9 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
 
 
 def _imported(request: RunRequest, vlm: VisionLanguageModel, task: Task, questions: Sequence[TaskQuestion],
-              image_paths: dict[str, Path], manifest: dict[str, Any]) -> ImportedAnswers | None:
-    """``import``: the kept sets checked on each image's token grid, the import recorded in the manifest."""
+              image_paths: dict[str, Path], manifest: dict[str, Any],
+              embedded: dict[str, bytes] | None) -> ImportedAnswers | None:
+    """``import``: the kept sets checked on each image's prompt, the import recorded in the manifest."""
     if request.kept_sets is None:
         return None
     from prune_audit.data.pope import file_sha256
@@ -173,8 +178,9 @@ def _imported(request: RunRequest, vlm: VisionLanguageModel, task: Task, questio
     )
 
     first_question = {question.image: question for question in reversed(questions)}
-    grids = {image: prepare_question(vlm, image_paths[image], q.text).grid for image, q in first_question.items()}
-    check_kept_sets(request.kept_sets, vlm, grids, request.reanswer)
+    prepared = {image: _prepare_first(vlm, question, image_paths, embedded)
+                for image, question in first_question.items()}
+    check_kept_sets(request.kept_sets, vlm, prepared, request.reanswer)
     if not request.reanswer:
         check_answers(request.kept_sets, task, questions)
     sha256 = file_sha256(request.kept_sets.path)
