@@ -96,7 +96,8 @@ def _text(value: Any, where: str, key: str) -> str:
     return value
 
 
-def _question_id(value: Any, where: str) -> str:
+def question_id_digits(value: Any, where: str) -> str:
+    """A GQA question id (a digit string or a non-negative integer) as a digit string; else one line naming ``where``."""
     key = answer_id(value, where)
     if not is_digits(key):
         raise PruneAuditError(f"{where}: question_id must be digits (GQA's ids), got {value!r}; fix the question file")
@@ -112,7 +113,7 @@ def load_llava_gqa(path: str | Path) -> list[GqaQuestion]:
         missing = [key for key in ("question_id", "image", "text") if key not in row]
         if missing:
             raise PruneAuditError(f"{where}: missing {', '.join(missing)}; LLaVA's GQA lines have question_id, image, text")
-        question_id = _question_id(row["question_id"], where)
+        question_id = question_id_digits(row["question_id"], where)
         if question_id in seen:
             raise PruneAuditError(
                 f"{where}: question_id {question_id} repeats line {seen[question_id]}; keep each question once"
@@ -150,7 +151,7 @@ def read_gqa_questions(path: str | Path) -> dict[str, dict[str, Any]]:
         raise PruneAuditError(f"{path}: expected GQA's question JSON, an object of questions by id")
     for key, entry in data.items():
         where = f"{path}: question {key}"
-        _question_id(key, where)
+        question_id_digits(key, where)
         if not isinstance(entry, dict):
             raise PruneAuditError(f"{where} is a JSON {type(entry).__name__}, not an object")
         _text(entry.get("imageId"), where, "imageId")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.safety.inputs import open_input
 
 MAX_PIXELS_VARIABLE = "PRUNE_AUDIT_MAX_IMAGE_PIXELS"
 SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
@@ -50,10 +51,14 @@ def to_rgb(image: Any, path: str | Path) -> Any:
     """``image`` (a decoded ``PIL.Image``) as 8-bit RGB, converted by its bit depth's range.
 
     Raises:
-        PruneAuditError: pixels without a fixed range (mode I or F), naming the file and mode.
+        PruneAuditError: an image without pixels (0 wide or high), or pixels without a fixed range (mode I or F),
+            naming the file.
     """
     from PIL import Image
 
+    if 0 in image.size:
+        raise PruneAuditError(f"image {path} is {image.size[0]}x{image.size[1]} pixels, so there is nothing to see; "
+                              f"pass an image with pixels")
     if image.mode in SIXTEEN_BIT_MODES:
         import numpy as np
 
@@ -69,8 +74,12 @@ def to_rgb(image: Any, path: str | Path) -> Any:
 
 
 def open_rgb(path: str | Path) -> Any:
-    """The image at ``path`` decoded as an 8-bit RGB ``PIL.Image``; problems raise PruneAuditError."""
-    return _decode_rgb(path, path)
+    """The image at ``path`` decoded as an 8-bit RGB ``PIL.Image``; problems raise PruneAuditError.
+
+    Only a regular file is opened (``safety.inputs``): a folder, FIFO or device is refused by kind.
+    """
+    with open_input(path, "image", "check --images", limit_size=False) as handle:
+        return _decode_rgb(handle, path)
 
 
 def decode_rgb(data: bytes, name: str) -> Any:
@@ -98,8 +107,6 @@ def _decode_rgb(source: str | Path | BinaryIO, path: str | Path) -> Any:
             f"(2 x Image.MAX_IMAGE_PIXELS); if you trust it, raise the limit: "
             f"{MAX_PIXELS_VARIABLE}=<pixels> prune-audit ..."
         ) from None
-    except FileNotFoundError:
-        raise PruneAuditError(f"image not found: {path}; check --images") from None
     except (UnidentifiedImageError, OSError, ValueError) as error:
         raise PruneAuditError(f"image {path} cannot be decoded ({error}); replace or remove the file") from None
     finally:

@@ -165,6 +165,20 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     def prompt(self, question: str) -> str:
         """The full prompt text (template, system text) with one image placeholder and ``question``."""
 
+    def check_question(self, question: str) -> None:
+        """Refuse, in one line, a question holding one of the tokenizer's special tokens (the image placeholder
+        ``<image>``, chat-template markers): the processor would take it for part of the template, so the prompt
+        would not be the one the template builds. Planning and the Python API call it before anything runs."""
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
+        special = {*getattr(self.tokenizer, "all_special_tokens", ()),
+                   *(token.content for token in decoder.values() if getattr(token, "special", False))}
+        found = sorted(token for token in special if token and token in question)
+        if found:
+            raise PruneAuditError(
+                f"the question {question[:80]!r} holds {found[0]!r}, a special token of {self.model_id}'s prompt "
+                f"template; remove it from the question (the template places the image itself)"
+            )
+
     # ----- direct forwards: the demo trainer and evaluator (``demo/``) ---------------
     # The families the demo recipes train (llava, qwen2_5_vl) implement them, and Qwen2-VL inherits them
     # (tested equal to the stock forward); the others refuse in one line (``without_direct_forwards``).
