@@ -235,7 +235,7 @@ def _pixels(value: Any, where: str, minimum: int) -> int:
 
 def load_scene_graphs(path: str | Path) -> dict[str, SceneGraph]:
     """GQA scene graphs by image id, sizes and object boxes checked (naming file, image and object)."""
-    data = read_json(path)
+    data = read_json(path, "scene-graph file", "pass GQA's scene graphs (sceneGraphs.json) with --annotations")
     if not isinstance(data, dict) or not data:
         raise PruneAuditError(f"{path}: expected GQA scene graphs, an object of graphs by image id")
     graphs = {}

@@ -16,12 +16,11 @@ with the scaling their data needs.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.safety.inputs import open_input
+from prune_audit.safety.inputs import open_input, positive_setting
 
 MAX_PIXELS_VARIABLE = "PRUNE_AUDIT_MAX_IMAGE_PIXELS"
 SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
@@ -32,19 +31,7 @@ UNKNOWN_RANGE_MODES = {"I": "32-bit integer", "F": "32-bit floating-point"}
 
 def _pixel_limit(default: int | None) -> int | None:
     """PIL's ``MAX_IMAGE_PIXELS`` for this open: the environment's (a positive whole number), else PIL's own."""
-    text = os.environ.get(MAX_PIXELS_VARIABLE)
-    if not text:
-        return default
-    try:
-        limit = int(text)
-    except ValueError:
-        limit = 0
-    if limit <= 0:
-        raise PruneAuditError(
-            f"{MAX_PIXELS_VARIABLE} must be a positive whole number of pixels, got {text!r}; "
-            f"set it to e.g. 200000000, or unset it for PIL's default"
-        )
-    return limit
+    return positive_setting(MAX_PIXELS_VARIABLE, "pixels", 200_000_000, "PIL's default") or default
 
 
 def to_rgb(image: Any, path: str | Path) -> Any:

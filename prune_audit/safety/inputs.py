@@ -35,19 +35,25 @@ _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 _INNERMOST = re.compile(rb"\[\]|\{\}")
 
 
-def max_input_bytes() -> int:
-    """The size limit of one input file: ``PRUNE_AUDIT_MAX_INPUT_BYTES`` (a positive whole number), else the default."""
-    text = os.environ.get(MAX_BYTES_VARIABLE)
+def positive_setting(variable: str, unit: str, example: int, default: str) -> int | None:
+    """The environment's ``variable`` as a positive whole number of ``unit``, None when unset; anything else is
+    refused in one line suggesting ``example`` (or unsetting it for ``default``)."""
+    text = os.environ.get(variable)
     if not text:
-        return DEFAULT_MAX_INPUT_BYTES
+        return None
     try:
-        limit = int(text)
+        value = int(text)
     except ValueError:
-        limit = 0
-    if limit <= 0:
-        raise PruneAuditError(f"{MAX_BYTES_VARIABLE} must be a positive whole number of bytes, got {text!r}; "
-                              f"set it to e.g. {DEFAULT_MAX_INPUT_BYTES}, or unset it for the default")
-    return limit
+        value = 0
+    if value <= 0:
+        raise PruneAuditError(f"{variable} must be a positive whole number of {unit}, got {text!r}; "
+                              f"set it to e.g. {example}, or unset it for {default}")
+    return value
+
+
+def max_input_bytes() -> int:
+    """The size limit of one input file: ``PRUNE_AUDIT_MAX_INPUT_BYTES``, else :data:`DEFAULT_MAX_INPUT_BYTES`."""
+    return positive_setting(MAX_BYTES_VARIABLE, "bytes", DEFAULT_MAX_INPUT_BYTES, "the default") or DEFAULT_MAX_INPUT_BYTES
 
 
 def open_input(path: str | Path, role: str, fix: str, limit_size: bool = True) -> BinaryIO:
