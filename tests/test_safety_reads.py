@@ -209,7 +209,10 @@ def _answers(tmp_path: Path, ws) -> Path:
 def _commands(ws, tmp_path: Path, path, out: Path) -> dict[str, tuple[list, str]]:
     """Each command with one input replaced by ``path(name)``: (arguments, the role the refusal names)."""
     image = min(Path(ws["images"]).glob("*.png"))
+    first_image = json.loads(ws["pope"][0].read_text().splitlines()[0])["image"]
     return {
+        "run image": (["run", *_pope_args(ws, images=path(first_image).parent), "--limit", "1", "--out", out],
+                      "image"),
         "run --pope": (["run", *_pope_args(ws, pope=path("q.json")), "--limit", "2", "--out", out], "question file"),
         "run --annotations": (["run", *_pope_args(ws, annotations=path("a.json")), "--limit", "2", "--out", out],
                               "annotations file"),
@@ -239,7 +242,7 @@ def _kept_set(tmp_path: Path, ws) -> Path:
     return _write(tmp_path / "kept.jsonl", json.dumps(header) + "\n" + json.dumps(line) + "\n")
 
 
-COMMANDS = ["run --pope", "run --annotations", "run --task gqa --questions", "run --task gqa scene graphs",
+COMMANDS = ["run image", "run --pope", "run --annotations", "run --task gqa --questions", "run --task gqa scene graphs",
             "study --annotations", "score answers", "score --questions", "import", "import --pope", "visualize image",
             "visualize --annotations"]
 
