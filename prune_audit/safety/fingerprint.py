@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.safety.inputs import check_input_file
 from prune_audit.safety.atomic import write_text_atomic
+from prune_audit.safety.inputs import check_input_file
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
