@@ -65,7 +65,8 @@ def open_input(path: str | Path, role: str, fix: str, limit_size: bool = True) -
     Args:
         role: what the file is, for messages ("question file", "image").
         fix: what the user should do instead, ending every message.
-        limit_size: False for files a library checks itself (images: PIL's pixel limit).
+        limit_size: False for files never read whole into memory or bounded otherwise (images: PIL's pixel
+            limit; pinned files, hashed in chunks).
 
     Raises:
         PruneAuditError: the file is missing, unreadable, not a regular file or too large.
@@ -75,13 +76,13 @@ def open_input(path: str | Path, role: str, fix: str, limit_size: bool = True) -
     except FileNotFoundError:
         raise PruneAuditError(f"{role} not found: {path}; {fix}") from None
     except IsADirectoryError:
-        raise PruneAuditError(f"{role} {path} is a folder, not a file; {fix}") from None
+        raise PruneAuditError(f"{role} {path} is a folder, not a regular file to read; {fix}") from None
     except OSError as error:
         raise PruneAuditError(f"{role} {path} cannot be opened ({error.strerror}); {fix}") from None
     except ValueError:  # os.open's "embedded null byte"
         raise PruneAuditError(f"{role} {path!r} cannot be opened (its name holds a NUL byte); {fix}") from None
     try:
-        _check_kind(os.fstat(descriptor), path, role, fix, limit_size)
+        _check_opened(os.fstat(descriptor), path, role, fix, limit_size)
         os.set_blocking(descriptor, True)
         return os.fdopen(descriptor, "rb")
     except BaseException:
@@ -89,7 +90,8 @@ def open_input(path: str | Path, role: str, fix: str, limit_size: bool = True) -
         raise
 
 
-def _check_kind(info: os.stat_result, path: str | Path, role: str, fix: str, limit_size: bool) -> None:
+def _check_opened(info: os.stat_result, path: str | Path, role: str, fix: str, limit_size: bool) -> None:
+    """Refuse an opened file that is not a regular file, or (``limit_size``) is larger than the input limit."""
     kind = next((name for test, name in _KINDS if test(info.st_mode)), None)
     if kind is not None or not stat.S_ISREG(info.st_mode):
         link = f" (a link to {os.path.realpath(path)})" if os.path.islink(path) else ""
