@@ -273,6 +273,8 @@ class PrunedModel:
             raise PruneAuditError(f"batch_size must be at least 1, got {batch_size}")
         single = isinstance(texts, str)
         pairs = _pairs(images, texts)
+        for _, text in pairs:
+            self.vlm.check_question(text)
         modes = mode if isinstance(mode, list) else [mode] * len(pairs)
         results: list[PrunedResult] = []
         for start in range(0, len(pairs), batch_size):

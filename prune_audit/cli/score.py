@@ -40,15 +40,17 @@ def score(
     """Score released answers as the task's official evaluation does (docs/tasks.md): POPE's evaluate.py, GQA's
     exact match, LLaVA's ScienceQA letter rule, CHAIR for captions."""
     from prune_audit.analysis.outputs import to_json
+    from prune_audit.data.answers import ANSWERS_FILE, ANSWERS_FIX
+    from prune_audit.safety.inputs import check_input_file
     from prune_audit.tasks import get_task
 
     scoring = get_task(task)
     check_subset(subset, scoring.answer_subsets, task)
     if not questions:
         raise fail(f"pass the {task} question files with --questions")
-    for path in [answers, *questions]:
-        if not Path(path).is_file():
-            raise fail(f"file not found: {path}")
+    check_input_file(answers, ANSWERS_FILE, ANSWERS_FIX)
+    for path in questions:
+        check_input_file(path, "question file", f"pass the {task} question files with --questions")
     report = scoring.score_answers(answers, list(questions), subset)
     if json_output:
         print(to_json(report), end="")

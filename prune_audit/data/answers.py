@@ -16,6 +16,10 @@ from prune_audit.data.pope import read_json_lines
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import is_digits
 
+ANSWERS_FILE = "answers file"
+ANSWERS_FIX = "pass the answers file (JSON Lines, one answer a line)"
+"""How a refused answers path is named and what to do instead (``safety.inputs``)."""
+
 
 @dataclass(frozen=True)
 class LlavaAnswer:
@@ -39,7 +43,7 @@ def answer_id(value: object, where: str) -> str:
 def load_llava_answers(path: str | Path) -> dict[str, LlavaAnswer]:
     """Answers by question id; a line without a string ``text``, or a repeated id, names file and line."""
     answers: dict[str, LlavaAnswer] = {}
-    for number, row in read_json_lines(path):
+    for number, row in read_json_lines(path, ANSWERS_FILE, ANSWERS_FIX):
         where = f"{path}:{number}"
         if "question_id" not in row:
             raise PruneAuditError(f"{where}: missing question_id; LLaVA answers files name each line's question")

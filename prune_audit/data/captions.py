@@ -20,7 +20,7 @@ from typing import Any
 from prune_audit.data.answers import load_llava_answers, match_answers
 from prune_audit.data.chair import ChairVocabulary, caption_objects, chair_metrics, score_caption
 from prune_audit.data.coco import CocoInstances, read_json
-from prune_audit.data.pope import file_sha256
+from prune_audit.data.pope import check_image_name, file_sha256
 from prune_audit.errors import PruneAuditError
 
 PROMPT = "Describe this image in detail."
@@ -90,7 +90,8 @@ def caption_questions(coco: CocoInstances, captions: dict[int, list[str]] | None
                     f"image {image_id} has no reference caption; pass the captions file of {coco.source}'s images"
                 )
             mentioned = tuple(sorted(caption_objects(captions[image_id], vocabulary)))
-        questions.append(CaptionQuestion(question_id=image_id, image=image.file_name,
+        name = check_image_name(image.file_name, f"{coco.source}: image {image_id}")
+        questions.append(CaptionQuestion(question_id=image_id, image=name,
                                          objects=tuple(coco.object_names(image_id)),
                                          annotations_sha256=image_annotations_sha256(coco, image_id),
                                          caption_objects=mentioned))

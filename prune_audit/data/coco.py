@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.safety.inputs import loads_json, read_input
 
 _TRAILING_ID = re.compile(r"(\d+)\.[A-Za-z]+$")
 
@@ -55,10 +56,14 @@ def decode_rle(rle: dict[str, Any]) -> np.ndarray:
         return mask_utils.decode(rle).astype(bool)
 
 
-def read_json(path: str | Path) -> Any:
-    """Parse a JSON document; a syntax or encoding error becomes one line naming the file and place."""
+def read_json(path: str | Path, role: str = "JSON file", fix: str = "pass the JSON file itself") -> Any:
+    """Parse a JSON document; a syntax or encoding error becomes one line naming the file and place.
+
+    ``role`` and ``fix`` word the refusal of a path that is no readable regular file, is too large or
+    nests too deep (``safety.inputs``).
+    """
     path = Path(path)
-    data = path.read_bytes()
+    data = read_input(path, role, fix)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -67,7 +72,7 @@ def read_json(path: str | Path) -> Any:
             f"{path}:{line}: not UTF-8 text (byte 0x{data[error.start]:02x}); save the file as UTF-8"
         ) from None
     try:
-        return json.loads(text)
+        return loads_json(text, str(path))
     except json.JSONDecodeError as error:
         raise PruneAuditError(f"{path}:{error.lineno}:{error.colno}: invalid JSON ({error.msg})") from None
 
@@ -231,7 +236,8 @@ class CocoInstances:
     @classmethod
     def load(cls, path: str | Path) -> CocoInstances:
         """Read an instances JSON file."""
-        return cls(read_json(path), source=str(path))
+        return cls(read_json(path, "annotations file", "pass the COCO instances JSON with --annotations"),
+                   source=str(path))
 
     def image(self, image_id: int) -> CocoImage:
         if image_id not in self.images:

@@ -109,7 +109,8 @@ def reference_text(value: Any, where: str, key: str) -> str | None:
     return value
 
 
-def _question_id(value: Any, where: str) -> str:
+def question_id_digits(value: Any, where: str) -> str:
+    """A GQA question id (a digit string or a non-negative integer) as a digit string; else one line naming ``where``."""
     key = answer_id(value, where)
     if not is_digits(key):
         raise PruneAuditError(f"{where}: question_id must be digits (GQA's ids), got {value!r}; fix the question file")
@@ -125,7 +126,7 @@ def load_llava_gqa(path: str | Path) -> list[GqaQuestion]:
         missing = [key for key in ("question_id", "image", "text") if key not in row]
         if missing:
             raise PruneAuditError(f"{where}: missing {', '.join(missing)}; LLaVA's GQA lines have question_id, image, text")
-        question_id = _question_id(row["question_id"], where)
+        question_id = question_id_digits(row["question_id"], where)
         note_question(question_id, QuestionPlace(Path(path), "line", number, f"question_id {question_id}"), seen)
         text = _text(row["text"], where, "text")
         category = row.get("category")
@@ -159,7 +160,7 @@ def read_gqa_questions(path: str | Path) -> dict[str, dict[str, Any]]:
         raise PruneAuditError(f"{path}: expected GQA's question JSON, an object of questions by id")
     for key, entry in data.items():
         where = f"{path}: question {key}"
-        _question_id(key, where)
+        question_id_digits(key, where)
         if not isinstance(entry, dict):
             raise PruneAuditError(f"{where} is a JSON {type(entry).__name__}, not an object")
         _text(entry.get("imageId"), where, "imageId")
@@ -242,7 +243,7 @@ def _pixels(value: Any, where: str, minimum: int) -> int:
 
 def load_scene_graphs(path: str | Path) -> dict[str, SceneGraph]:
     """GQA scene graphs by image id, sizes and object boxes checked (naming file, image and object)."""
-    data = read_json(path)
+    data = read_json(path, "scene-graph file", "pass GQA's scene graphs (sceneGraphs.json) with --annotations")
     if not isinstance(data, dict) or not data:
         raise PruneAuditError(f"{path}: expected GQA scene graphs, an object of graphs by image id")
     graphs = {}

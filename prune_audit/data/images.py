@@ -16,11 +16,11 @@ with the scaling their data needs.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.safety.inputs import open_input, positive_setting
 
 MAX_PIXELS_VARIABLE = "PRUNE_AUDIT_MAX_IMAGE_PIXELS"
 SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
@@ -31,29 +31,21 @@ UNKNOWN_RANGE_MODES = {"I": "32-bit integer", "F": "32-bit floating-point"}
 
 def _pixel_limit(default: int | None) -> int | None:
     """PIL's ``MAX_IMAGE_PIXELS`` for this open: the environment's (a positive whole number), else PIL's own."""
-    text = os.environ.get(MAX_PIXELS_VARIABLE)
-    if not text:
-        return default
-    try:
-        limit = int(text)
-    except ValueError:
-        limit = 0
-    if limit <= 0:
-        raise PruneAuditError(
-            f"{MAX_PIXELS_VARIABLE} must be a positive whole number of pixels, got {text!r}; "
-            f"set it to e.g. 200000000, or unset it for PIL's default"
-        )
-    return limit
+    return positive_setting(MAX_PIXELS_VARIABLE, "pixels", 200_000_000, "PIL's default") or default
 
 
 def to_rgb(image: Any, path: str | Path) -> Any:
     """``image`` (a decoded ``PIL.Image``) as 8-bit RGB, converted by its bit depth's range.
 
     Raises:
-        PruneAuditError: pixels without a fixed range (mode I or F), naming the file and mode.
+        PruneAuditError: an image without pixels (0 wide or high), or pixels without a fixed range (mode I or F),
+            naming the file.
     """
     from PIL import Image
 
+    if 0 in image.size:
+        raise PruneAuditError(f"image {path} is {image.size[0]}x{image.size[1]} pixels, so there is nothing to see; "
+                              f"pass an image with pixels")
     if image.mode in SIXTEEN_BIT_MODES:
         import numpy as np
 
@@ -69,8 +61,12 @@ def to_rgb(image: Any, path: str | Path) -> Any:
 
 
 def open_rgb(path: str | Path) -> Any:
-    """The image at ``path`` decoded as an 8-bit RGB ``PIL.Image``; problems raise PruneAuditError."""
-    return _decode_rgb(path, path)
+    """The image at ``path`` decoded as an 8-bit RGB ``PIL.Image``; problems raise PruneAuditError.
+
+    Only a regular file is opened (``safety.inputs``): a folder, FIFO or device is refused by kind.
+    """
+    with open_input(path, "image", "check --images", limit_size=False) as handle:
+        return _decode_rgb(handle, path)
 
 
 def decode_rgb(data: bytes, name: str) -> Any:
@@ -98,8 +94,6 @@ def _decode_rgb(source: str | Path | BinaryIO, path: str | Path) -> Any:
             f"(2 x Image.MAX_IMAGE_PIXELS); if you trust it, raise the limit: "
             f"{MAX_PIXELS_VARIABLE}=<pixels> prune-audit ..."
         ) from None
-    except FileNotFoundError:
-        raise PruneAuditError(f"image not found: {path}; check --images") from None
     except (UnidentifiedImageError, OSError, ValueError) as error:
         raise PruneAuditError(f"image {path} cannot be decoded ({error}); replace or remove the file") from None
     finally:

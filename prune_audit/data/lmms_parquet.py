@@ -22,18 +22,18 @@ image name; every check names the file, the row and the fix.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from prune_audit.data.gqa import ANNOTATION_FIELDS, GqaQuestion, INSTRUCTION as GQA_INSTRUCTION, reference_text
+from prune_audit.data.gqa import ANNOTATION_FIELDS, GqaQuestion, INSTRUCTION as GQA_INSTRUCTION, question_id_digits, reference_text
 from prune_audit.data.pope import LABELS, PopeQuestion, parse_object
 from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.data.scienceqa import LETTERS, ScienceQaQuestion, parse_prompt
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import is_digits
+from prune_audit.safety.inputs import check_input_file, loads_json
 
 Question = TypeVar("Question")
 Paths = str | Path | Sequence[str | Path]
@@ -67,6 +67,7 @@ def column_names(path: Path, layout: str) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    check_input_file(path, "Parquet file", f"pass the {layout} files")
     try:
         return list(pq.read_schema(path).names)
     except (OSError, pa.ArrowException) as error:
@@ -175,7 +176,7 @@ def read_pope_parquet(paths: Paths, images: bool = True) -> ParquetQuestions[Pop
 def _annotation_spans(value: Any) -> list[str]:
     """Object ids of one annotations field: a map (pairs), a struct (dict) or JSON text of span -> id."""
     if isinstance(value, str):
-        value = json.loads(value) if value.strip() else {}
+        value = loads_json(value, "annotations") if value.strip() else {}
     if isinstance(value, dict):
         return [v for v in value.values() if v is not None]
     if isinstance(value, list):
@@ -221,7 +222,7 @@ def read_gqa_parquet(instructions: Paths, images: Paths) -> ParquetQuestions[Gqa
 def _gqa_row(row: dict[str, Any], where: str) -> tuple[GqaQuestion, str]:
     """One ``*_instructions`` row as a question prompted as LLaVA's file (question, newline, the short-answer
     instruction), and its ``imageId``."""
-    question_id, image_id = _text(row, "id", where), _text(row, "imageId", where)
+    question_id, image_id = question_id_digits(_text(row, "id", where), where), _text(row, "imageId", where)
     text = _text(row, "question", where)
     question = GqaQuestion(
         question_id=question_id, image=f"{image_id}.jpg", text=f"{text}\n{GQA_INSTRUCTION}", question=text,

@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path, PureWindowsPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_qu
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import is_digits
 from prune_audit.safety.fingerprint import file_sha256  # noqa: F401  (re-exported: question files are pinned by it)
+from prune_audit.safety.inputs import check_image_name, loads_json, open_input
 
 POPE_SPLITS = ("random", "popular", "adversarial")
 LABELS = ("yes", "no")
@@ -63,11 +64,15 @@ class PopeQuestion:
         return image_id_from_file_name(self.image)
 
 
-def read_json_lines(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) for every non-blank line; a malformed line names the file and line."""
+def read_json_lines(path: str | Path, role: str = "question file",
+                    fix: str = "pass the JSON Lines file itself") -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line; a malformed line names the file and line.
+
+    ``role`` and ``fix`` word the refusal of a path that is no readable regular file (``safety.inputs``).
+    """
     path = Path(path)
     rows = []
-    with path.open("rb") as handle:
+    with open_input(path, role, fix) as handle:
         for number, raw in enumerate(handle, start=1):
             try:
                 line = raw.decode("utf-8")
@@ -78,7 +83,7 @@ def read_json_lines(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = loads_json(line, f"{path}:{number}")
             except json.JSONDecodeError as error:
                 raise PruneAuditError(f"{path}:{number}: malformed JSON line ({error.msg})") from None
             if not isinstance(row, dict):
@@ -117,23 +122,6 @@ def _question_id(value: Any, where: str) -> int:
             f"{where}: question_id must be an integer from 0 to 2**63-1, got {value!r}; fix the question file"
         )
     return int(value)
-
-
-def check_image_name(value: Any, where: str) -> str:
-    """The ``image`` field: a file name relative to the images folder, which it cannot leave.
-
-    Absolute paths, drive letters and ``..`` parts (``/`` or ``\\`` separated) are refused, so
-    ``--images`` / name always lies inside ``--images``.
-    """
-    if not isinstance(value, str) or not value.strip():
-        raise PruneAuditError(f"{where}: image must be a file name, got {value!r}; fix the entry")
-    name = PureWindowsPath(value)  # parses both separators, drives and roots
-    if name.anchor or ".." in name.parts:
-        raise PruneAuditError(
-            f"{where}: image {value!r} leads outside the images folder (an absolute path or '..'); "
-            f"name image files relative to --images"
-        )
-    return value
 
 
 def load_pope(path: str | Path, split: str | None = None, seen: QuestionPlaces | None = None) -> list[PopeQuestion]:

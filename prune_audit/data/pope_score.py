@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prune_audit.data.answers import ANSWERS_FILE, ANSWERS_FIX
 from prune_audit.data.pope import (
     PopeQuestion,
     attach_labels,
@@ -42,7 +43,7 @@ class PopeAnswer:
 def load_answers(path: str | Path) -> list[PopeAnswer]:
     """Read an answers file; each line needs ``answer`` (POPE) or ``text`` (LLaVA)."""
     answers = []
-    for number, row in read_json_lines(path):
+    for number, row in read_json_lines(path, ANSWERS_FILE, ANSWERS_FIX):
         text = row.get("answer", row.get("text"))
         if not isinstance(text, str):
             raise PruneAuditError(f"{path}:{number}: an answer line needs a string 'answer' or 'text'")

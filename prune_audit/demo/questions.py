@@ -10,7 +10,6 @@ into a cache folder and is identical on every machine.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -108,8 +107,9 @@ def demo_task_files(question_set: DemoQuestionSet, *, scenes: int | None = None)
         DemoTaskFiles,
         write_task_files,
     )
+    from prune_audit.data.coco import read_json
 
-    coco = json.loads(question_set.instances.read_text())
+    coco = read_json(question_set.instances, "demo instances file", "remove the demo cache folder to rebuild it")
     info = coco["info"]
     scenes = min(scenes or DEMO_TASK_SCENES, len(coco["images"]))
     name = f"{question_set.root.name}-tasks{scenes}-v{TASK_FILES_VERSION}"

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prune_audit.data.coco import read_json
 from prune_audit.data.scenes import Scene, generate_scene
 from prune_audit.demo.scene_questions import (
     CHOICE_LETTERS,
@@ -139,7 +140,7 @@ def write_task_files(out_dir: Path, instances: Path, *, seed: int, scenes: int, 
     ``instances`` is the demo question set's COCO file of those scenes (``data.scenes.export_coco``:
     image id ``index + 1``), whose file names and masks the files reuse.
     """
-    coco = json.loads(Path(instances).read_text())
+    coco = read_json(instances, "demo instances file", "remove the demo cache folder to rebuild it")
     images = [image for image in coco["images"] if image["id"] <= scenes]
     gqa_questions, gqa_lines, graphs, scienceqa = {}, [], {}, []
     for image in images:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -164,6 +165,24 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     @abstractmethod
     def prompt(self, question: str) -> str:
         """The full prompt text (template, system text) with one image placeholder and ``question``."""
+
+    @cached_property
+    def _special_tokens(self) -> frozenset[str]:
+        """The tokenizer's special tokens (its named ones and every added token marked special), read once."""
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
+        return frozenset(token for token in (*getattr(self.tokenizer, "all_special_tokens", ()),
+                                             *(added.content for added in decoder.values() if added.special)) if token)
+
+    def check_question(self, question: str) -> None:
+        """Refuse, in one line, a question holding one of the tokenizer's special tokens (the image placeholder
+        ``<image>``, chat-template markers): the processor would take it for part of the template, so the prompt
+        would not be the one the template builds. Planning and the Python API call it before anything runs."""
+        found = sorted(token for token in self._special_tokens if token in question)
+        if found:
+            raise PruneAuditError(
+                f"the question {question[:80]!r} holds {found[0]!r}, a special token of {self.model_id}'s prompt "
+                f"template; remove it from the question (the template places the image itself)"
+            )
 
     # ----- direct forwards: the demo trainer and evaluator (``demo/``) ---------------
     # The families the demo recipes train (llava, qwen2_5_vl) implement them, and Qwen2-VL inherits them

@@ -27,6 +27,7 @@ from prune_audit.records.consistency import (
     stage_cells_problem,
 )
 from prune_audit.records.manifest import MANIFEST_SCHEMA, SELECTOR_STAGES
+from prune_audit.safety.inputs import check_input_file, loads_json, open_input
 
 FORMAT = "prune-audit-kept-sets"
 FORMAT_VERSION = 2
@@ -52,6 +53,7 @@ GENERATION_SUMMARY = {
 """A generated answer's summary fields and the record columns they carry (``records.schema``, generating tasks)."""
 TASK_OPTIONS = ("max_new_tokens", "confidence")
 """A generating task's options a header may carry (``run --max-new-tokens --confidence``, version 2)."""
+_KEPT_SET_FIX = "pass a file written by `prune-audit export` or in the format of docs/interchange.md"
 _PARQUET_JSON = ("stages", "answer", "cost", "latency_ms")
 
 
@@ -182,9 +184,7 @@ def read_kept_sets(path: Path) -> KeptSets:
     """The file at ``path``, every entry checked; a one-line PruneAuditError naming the line (row) otherwise."""
     path = Path(path)
     check_suffix(path, "FILE")
-    if not path.is_file():
-        raise PruneAuditError(f"kept-set file not found: {path}; pass a file written by `prune-audit export` or "
-                              f"in the format of docs/interchange.md")
+    check_input_file(path, "kept-set file", _KEPT_SET_FIX)
     header, entries = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
     _check_header(header, path)
     questions = [_question(entry, where) for where, entry in entries]
@@ -203,12 +203,17 @@ def read_kept_sets(path: Path) -> KeptSets:
 def _read_jsonl(path: Path) -> tuple[Any, list[tuple[str, Any]]]:
     entries = []
     header = None
-    with open(path, encoding="utf-8") as handle:
-        for number, text in enumerate(handle, start=1):
+    with open_input(path, "kept-set file", _KEPT_SET_FIX) as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise PruneAuditError(f"{path} line {number}: not UTF-8 text (byte 0x{raw[error.start]:02x}); "
+                                      f"{_KEPT_SET_FIX}") from None
             if not text.strip():
                 continue
             try:
-                value = json.loads(text)
+                value = loads_json(text, f"{path} line {number}")
             except json.JSONDecodeError as error:
                 raise PruneAuditError(f"{path} line {number}: not JSON ({error.msg}); one JSON object per line") from None
             if header is None:
@@ -229,14 +234,18 @@ def _read_parquet(path: Path) -> tuple[Any, list[tuple[str, Any]]]:
     if INTERCHANGE_METADATA not in metadata:
         raise PruneAuditError(f"{path} has no interchange header (Parquet metadata {INTERCHANGE_METADATA.decode()}); "
                               f"see docs/interchange.md")
-    header = json.loads(metadata[INTERCHANGE_METADATA])
+    try:
+        header = loads_json(metadata[INTERCHANGE_METADATA], f"{path} (Parquet metadata {INTERCHANGE_METADATA.decode()})")
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise PruneAuditError(f"{path}: the interchange header (Parquet metadata {INTERCHANGE_METADATA.decode()}) is "
+                              f"not JSON ({getattr(error, 'msg', error)}); {_KEPT_SET_FIX}") from None
     entries = []
     for row, entry in enumerate(table.to_pylist()):
         where = f"{path} row {row}"
         for name in _PARQUET_JSON:
             if isinstance(entry.get(name), str):
                 try:
-                    entry[name] = json.loads(entry[name])
+                    entry[name] = loads_json(entry[name], f"{where}: column {name}")
                 except json.JSONDecodeError:
                     raise PruneAuditError(f"{where}: column {name} is not JSON text") from None
         entries.append((where, entry))

@@ -16,6 +16,7 @@ from prune_audit import __version__
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.schema import SCHEMA_VERSION
 from prune_audit.safety.atomic import write_text_atomic
+from prune_audit.safety.inputs import loads_json
 
 MANIFEST_FILE = "manifest.json"
 
@@ -125,7 +126,7 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise PruneAuditError(f"{path} is not a file; remove it, or pass a directory written by prune-audit run")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = loads_json(path.read_text(encoding="utf-8"), str(path))
     except json.JSONDecodeError as error:
         raise PruneAuditError(f"{path} is not valid JSON ({error.msg}); re-run to rewrite it") from None
     except (OSError, UnicodeDecodeError) as error:

@@ -21,6 +21,7 @@ from prune_audit.records.manifest import MANIFEST_FILE, base_manifest, run_id_of
 from prune_audit.records.store import RecordStore, check_run_layout
 from prune_audit.runner.safeguards import check_resumable, check_run_options, pin_inputs
 from prune_audit.runner.sharding import Shard, launcher_shard
+from prune_audit.safety.inputs import check_input_file, path_under
 from prune_audit.safety.ownership import check_output_dir
 from prune_audit.threads import check_threads, configure_threads
 
@@ -141,6 +142,8 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
         vlm.check_selector(selector)
     for mode in dict.fromkeys(task.answer_mode(question) for question in questions):
         vlm.check_answer_mode(mode)
+    for text in dict.fromkeys(question.text for question in questions):
+        vlm.check_question(text)
     if request.kept_sets is None or request.reanswer:  # the model answers: every prompt must fit its positions
         _check_context(vlm, task, questions, image_paths, embedded, chosen_limit=request.max_new_tokens is not None)
     first = _prepare(vlm, questions[0], image_paths, embedded)
@@ -178,7 +181,7 @@ def _imported(request: RunRequest, vlm: VisionLanguageModel, task: Task, questio
     )
 
     first_question = {question.image: question for question in reversed(questions)}
-    prepared = {image: _prepare_first(vlm, question, image_paths, embedded)
+    prepared = {image: _prepare(vlm, question, image_paths, embedded)
                 for image, question in first_question.items()}
     check_kept_sets(request.kept_sets, vlm, prepared, request.reanswer)
     if not request.reanswer:
@@ -278,8 +281,7 @@ def _load_questions(task: Task, request: RunRequest) -> tuple[list[TaskQuestion]
             raise PruneAuditError(f"task {task.name} has no splits; drop --split {request.split}")
         raise PruneAuditError(f"--split must be one of {', '.join(task.splits)} or all, got {request.split!r}")
     for path in request.question_files:
-        if not Path(path).is_file():
-            raise PruneAuditError(f"question file not found: {path}; pass an existing {task.name} question file")
+        check_input_file(path, "question file", f"pass an existing {task.name} question file")
     questions, embedded = task.load_questions([Path(path) for path in request.question_files])
     if request.split not in (None, "all"):
         questions = [q for q in questions if q.split == request.split]
@@ -308,10 +310,8 @@ def _check_images(
     paths: dict[str, Path] = {}
     sizes: dict[str, tuple[int, int]] = {}
     for name in dict.fromkeys(q.image for q in questions):
-        path = Path(request.images) / name
-        if not path.is_file():
-            raise PruneAuditError(f"image not found: {path}; check --images")
-        sizes[name] = open_rgb(path).size
+        path = path_under(request.images, name, "the question files")
+        sizes[name] = open_rgb(path).size  # refuses a missing file, a folder, a FIFO or a device in one line
         paths[name] = path
     return paths, sizes
 

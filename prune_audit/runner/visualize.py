@@ -73,8 +73,6 @@ def load_rgb(path: Path) -> np.ndarray:
     """(H, W, 3) uint8 pixels of an image file; a missing, corrupt or oversized file is a one-line error."""
     from prune_audit.data.images import open_rgb
 
-    if not Path(path).is_file():
-        raise PruneAuditError(f"image not found: {path}")
     return np.asarray(open_rgb(path))
 
 
@@ -368,6 +366,7 @@ def visualize_live(request: VisualizeRequest) -> DrawnFigure:
     question = live_question(vlm, picture, setup, request.image.name)
     object_name = _question_object(question)
     mask = object_mask(setup.coco, request.image, pixels, object_name)
+    vlm.check_question(question)
     prepared = vlm.prepare(picture, question)
     warnings = [*setup.warnings, *filter(None, [view_warning(mask, prepared.geometry, object_name)])]
     names, note = drawn_selectors(vlm, request.selectors)

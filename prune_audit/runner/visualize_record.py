@@ -6,7 +6,6 @@ pins first, so the recorded tokens are never drawn over another picture.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.multigrid import geometry_from_dict
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import FIRST, StageChoice, record_stage
+from prune_audit.safety.inputs import loads_json, path_under
 from prune_audit.runner.visualize import (
     FIGURES_DIR,
     DrawnFigure,
@@ -50,7 +50,7 @@ def visualize_record(
     if len(rows) > 1:
         raise PruneAuditError(f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split")
     row = rows[0]
-    geometry = geometry_from_dict(json.loads(row["geometry"]))
+    geometry = geometry_from_dict(loads_json(row["geometry"], f"{run_dir}: question {question_id}'s geometry"))
     image = _run_image(manifest, row["image"], run_dir)
     pixels = load_rgb(image)
     mask, missing = _evidence_mask(manifest, row, image, pixels, run_dir)
@@ -123,7 +123,7 @@ def _run_image(manifest: dict[str, Any], name: str, run_dir: Path) -> Path:
             f"{run_dir}'s manifest pins no content for image {name}, so the drawing cannot be checked against the "
             f"pixels the run saw; re-run into a new --out with this version"
         )
-    return _pinned_input(folder / name, files[name], run_dir)
+    return _pinned_input(path_under(folder, name, f"{run_dir}'s records"), files[name], run_dir)
 
 
 def _pinned_input(path: Path, sha256: str | None, run_dir: Path) -> Path:

@@ -22,6 +22,7 @@ from typing import Any
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.safety.atomic import write_text_atomic
+from prune_audit.safety.inputs import check_input_file
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -107,8 +108,7 @@ def check_pinned_file(path: str | Path, sha256: str | None, source: str, fix: st
     Raises:
         PruneAuditError: the file is gone or has other content, ending with ``fix``.
     """
-    if not Path(path).is_file():
-        raise PruneAuditError(f"{path}, named in {source}, is not found; {fix}")
+    check_input_file(path, f"the file named in {source}", fix, limit_size=False)
     cache = HashCache(cache_file)
     digest = cache.sha256(path)
     cache.save()

@@ -17,6 +17,7 @@ from prune_audit.records.manifest import images_folder
 from prune_audit.runner.safeguards import hash_cache_file, weights_sha256
 from prune_audit.safety import fingerprint
 from prune_audit.safety.fingerprint import file_sha256, first_differing_image, images_fingerprint
+from prune_audit.safety.inputs import check_input_file, path_under
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,9 @@ def images_dir(manifest: dict[str, Any], override: Path | None) -> Path:
             raise PruneAuditError(f"{folder}, {where}, is not found; pass --images DIR")
     else:
         folder, where, fix = override, "--images", "pass the folder holding the run's images"
-    paths = {name: folder / name for name in pins["files"]}
-    for name, path in paths.items():
-        if not path.is_file():
-            raise PruneAuditError(f"{where} {folder} lacks {name}, an image of the run; {fix}")
+    paths = {name: path_under(folder, name, "the run's manifest") for name in pins["files"]}
+    for path in paths.values():
+        check_input_file(path, f"image of the run (in {where})", fix, limit_size=False)
     changed = first_differing_image(pins, images_fingerprint(paths, hash_cache_file()))
     if changed is not None:
         raise PruneAuditError(f"{where} {folder}: {changed} has other content than in the run (sha256 differs); {fix}")
