@@ -69,10 +69,10 @@ def calibrate(
     outputs = {"runs": [str(p.resolve()) for p in run_dirs], "reference": reference and str(reference.resolve()),
                "bins": bins, "binning": binning, "bootstrap": bootstrap,
                "calibration_fraction": calibration_fraction, "seed": seed, "stage": choice.name}
-    check_output_dir(out, "calibrate", outputs)
     runs = [load_run(path, choice) for path in run_dirs]
     reference_run = load_run(reference, choice) if reference is not None else None
     differences = check_comparable([*runs, *([reference_run] if reference_run else [])], force)
+    check_output_dir(out, "calibrate", outputs)  # after the inputs: a mistyped run is named as such
     report = calibration_report(runs, reference_run, settings, differences)
     every = [*report["runs"], *([report["reference"]] if reference_run is not None else [])]
     report["completeness"] = completeness([*runs, *([reference_run] if reference_run else [])], [entry["label"] for entry in every])

@@ -214,10 +214,10 @@ def export_run(run_dir: Path, out: Path) -> int:
     from prune_audit.records.store import read_run
 
     check_suffix(out, "--out")
+    manifest, records = read_run(Path(run_dir))  # the input first: a mistyped run is named as such
     if out.exists() and not (out.is_file() and is_kept_set_file(out)):
         raise PruneAuditError(f"--out {out} exists and is not a kept-set file; export never replaces other files: "
                               f"pass a new file name")
-    manifest, records = read_run(Path(run_dir))
     write_kept_sets(header_of(manifest), [question_line(record) for record in records.to_pylist()], out)
     return records.num_rows
 
