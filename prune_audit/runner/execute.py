@@ -102,7 +102,7 @@ def execute(
     finally:
         lock.close()
         group.close()
-    return RunResult(plan.run_dir, records, complete, summarize(records))
+    return RunResult(plan.run_dir, records, complete, summarize(records, plan.task))
 
 
 def _finish_manifest(plan: RunPlan, records: pa.Table) -> None:
