@@ -334,8 +334,9 @@ def sparsevlm2_half_agreement(dtype: torch.dtype) -> dict[str, int]:
 def test_sparsevlm2_model_dtype_reproduces_the_official_half_precision_gravity_correction(dtype):
     """score_dtype=model + ties=topk: 30 of 30 random, 10 of 10 duplicated-key and 10 of 10 integer-key cases per
     dtype, and 30 of 30 against the official run with this CPU's half GEMM (which may round some of the 423,801
-    RoPE logits differently from a float32-accumulated product: benchmarks/half_kernels.py). Measured: given the float32 RoPE logits rounded once
-    25 (fp16) and 9 (bf16) of 30, lower-index ties 10 and 0, float32 scores 16 and 0."""
+    RoPE logits differently from a float32-accumulated product: benchmarks/half_kernels.py). Measured: given the
+    float32 RoPE logits rounded once 25 (fp16) and 9 (bf16) of 30, lower-index ties 10 and 0, float32 scores 16
+    and 0."""
     identical = sparsevlm2_half_agreement(dtype)
     assert identical["exact"] == identical["cpu_dot"] == 30 == FIDELITY["sparsevlm2"].half_cases[dtype_name(dtype)]
     assert identical["duplicated"] == identical["quantised"] == 10

@@ -14,6 +14,7 @@ import json
 
 import pytest
 from test_data_safety import demo, invoke, refused, snapshot  # noqa: F401 (fixture)
+from test_figures_newcomer import captured  # noqa: F401 (fixture)
 
 from prune_audit.safety.ownership import OWNER_FILE
 
@@ -80,6 +81,41 @@ def test_the_half_precision_tests_assert_kept_sets_and_the_kernel_counts_are_mea
     assert 0 <= rope_logits(torch.float16) <= 423_801 and isinstance(cpu_half_flags(), list)
 
 
+
+# ----- 3. figures and tables say what the task's evidence is, or leave the rows out ----------------------------------
+
+
+def test_the_retention_figure_names_the_tasks_evidence(captured):  # noqa: F811
+    from test_figures_newcomer import group
+
+    from prune_audit.analysis import figures
+    from prune_audit.tasks import get_task
+
+    survival = {"lost": group(7, 0.4, 0.97), "survived": group(53, 0.9, 0.98), "retention 0": group(7, 0.4, 0.97),
+                "retention (0, 0.25]": group(14, 0.8, 0.975), "retention (0.25, 0.5]": group(9, 0.9, 0.98),
+                "retention (0.5, 1]": group(30, 0.95, 0.99)}
+    for name in ("pope", "gqa", "caption"):
+        task = get_task(name)
+        figures.retention_figure([{"survival": survival}], ["fastv@16"], "demo", "retention", "dense", task)
+        figure = captured["retention"]
+        title, label = figure._suptitle.get_text(), figure._supxlabel.get_text()
+        assert task.evidence_fate in title and label.startswith(task.evidence_noun)
+        assert ("'yes' questions" in title) == (name == "pope")  # GQA and captions count every question with evidence
+
+
+def test_a_task_without_evidence_shows_no_retention_or_lost_rows_and_no_retention_figure(tmp_path):
+    run, out = tmp_path / "sqa", tmp_path / "calibration"
+    done = invoke("run", "--task", "scienceqa", "--limit", "12", "--out", run)
+    assert done.exit_code == 0, done.output
+    assert "retention" not in done.stdout and "lost" not in done.stdout and "nan" not in done.stdout
+    assert "accuracy" in done.stdout
+    audited = invoke("calibrate", run, "--bootstrap", "20", "--out", out)
+    assert audited.exit_code == 0, audited.output
+    assert "lost" not in audited.stdout and "retention" not in audited.stdout
+    assert not (out / "retention.png").exists() and (out / "calibration.json").is_file()
+    assert "survival" not in (out / "calibration.csv").read_text()  # no "0 of 0" lost-object rows in the table
+
+
 # ----- 4. the pruning API example runs as written and answers with the task demo ------------------------------------
 
 
@@ -104,3 +140,37 @@ def test_the_pruning_example_runs_as_written_and_prints_what_the_doc_says():
     assert words == quoted_words and float(probability) == pytest.approx(float(quoted_probability), abs=1e-3)
     assert answers == quoted_answers
     assert "yes" not in caption.split(" [")[0].split()  # a caption, not the yes/no demo's "yes yes yes"
+
+
+# ----- 6. a budget that is a layer average shows its stages; layer options speak the model's layers ------------------
+
+
+def test_run_names_a_layer_average_budget_and_the_tokens_each_stage_keeps(tmp_path):
+    done = invoke("run", "--selector", "fastv", "--budget", "16", "--limit", "2", "--out", tmp_path / "fastv")
+    assert done.exit_code == 0, done.output
+    text = " ".join(done.stdout.split())
+    assert "budget 16 (layer average)" in text and "visual tokens from layer 1 (mean) │ 4 │" in text
+    at_input = invoke("run", "--selector", "random", "--budget", "36", "--limit", "2", "--out", tmp_path / "random")
+    assert at_input.stdout.splitlines()[0].endswith("budget 36") and "visual tokens at the input (mean) │ 36 │" in " ".join(at_input.stdout.split())
+
+
+def test_visualize_titles_a_layer_average_budget_as_such(tmp_path):
+    from prune_audit.demo.assets import demo_assets
+
+    image = sorted(demo_assets().images_dir.glob("*.png"))[0]
+    drawn = invoke("visualize", image, "--selector", "pdrop", "--budget", "64", "--out", tmp_path / "pdrop.png")
+    assert drawn.exit_code == 0, drawn.output
+    assert "pdrop, budget 64 (layer average):" in drawn.stdout
+
+
+@pytest.mark.parametrize(
+    "option, words",
+    [("layer=99", "layer must be an integer in [1, 31] on the 32-layer reference, scaled to the model's depth: on its "
+                  "12 layers, decoder layers 1 to 11"),
+     ("layer=20", "(a layer average; layer=20 of the 32-layer reference is decoder layer 8 of the model's 12)")],
+)
+def test_layer_options_name_the_models_own_layers_beside_the_reference_value(tmp_path, option, words):
+    out = tmp_path / "run"
+    refused(invoke("run", "--selector", "fastv", "--budget", "16", "--option", option, "--limit", "2", "--out", out),
+            words)
+    assert not out.exists()

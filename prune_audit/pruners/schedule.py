@@ -92,6 +92,20 @@ class ReferenceLayer(Integer):
         return text
 
 
+def scaled_layer_note(selector: Any, num_layers: int) -> str:
+    """Each reference-layer option of ``selector`` in the model's own layers, e.g. ``layer=20 of the 32-layer
+    reference is decoder layer 8 of the model's 12``; "" for a selector without one."""
+    from prune_audit.pruners.options import option_domains
+
+    notes = [
+        f"{name}={getattr(selector, name)} of the {REFERENCE_DEPTH}-layer reference is decoder layer "
+        f"{scale_layers([getattr(selector, name)], REFERENCE_DEPTH, num_layers)[0]} of the model's {num_layers}"
+        for name, domain in option_domains(type(selector), strict=False).items()
+        if isinstance(domain, ReferenceLayer) and num_layers >= 2
+    ]
+    return "; ".join(notes)
+
+
 def merge_stages(layers: Sequence[int], values: Sequence[T]) -> tuple[list[int], list[T]]:
     """Stages that land on one layer become one, keeping the deepest reference stage's value.
 
