@@ -29,8 +29,9 @@ from prune_audit.safety.ownership import OWNER_FILE
         ["cascade", "{pruned}", "--reference", "{typo}", "--splits", "5", "--out", "{calibration}"],
         ["intervene", "{typo}", "--mode", "remove", "--out", "{calibration}"],
         ["export", "{typo}", "--out", "{notes}"],
+        ["merge", "{typo}", "--out", "{calibration}"],
     ],
-    ids=["calibrate", "cascade", "cascade-reference", "intervene", "export"],
+    ids=["calibrate", "cascade", "cascade-reference", "intervene", "export", "merge"],
 )
 def test_a_mistyped_run_is_named_before_the_output_folder_is_judged(demo, command, tmp_path):  # noqa: F811
     typo, notes = demo["root"] / "prunde", tmp_path / "notes.jsonl"  # notes: a user's file export never replaces
