@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, get_args
 
 from prune_audit.pruners.base import TOP_K_TIES, LayerSelector, PositionMode, Stage, validate_budget
-from prune_audit.pruners.options import Choice, Integer, option
+from prune_audit.pruners.options import Choice, Integer, option, option_domains
 
 T = TypeVar("T")
 
@@ -95,8 +95,6 @@ class ReferenceLayer(Integer):
 def scaled_layer_note(selector: Any, num_layers: int) -> str:
     """Each reference-layer option of ``selector`` in the model's own layers, e.g. ``layer=20 of the 32-layer
     reference is decoder layer 8 of the model's 12``; "" for a selector without one."""
-    from prune_audit.pruners.options import option_domains
-
     notes = [
         f"{name}={getattr(selector, name)} of the {REFERENCE_DEPTH}-layer reference is decoder layer "
         f"{scale_layers([getattr(selector, name)], REFERENCE_DEPTH, num_layers)[0]} of the model's {num_layers}"
