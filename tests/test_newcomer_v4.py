@@ -30,15 +30,16 @@ from prune_audit.safety.ownership import OWNER_FILE
         ["intervene", "{typo}", "--mode", "remove", "--out", "{calibration}"],
         ["export", "{typo}", "--out", "{notes}"],
         ["merge", "{typo}", "--out", "{calibration}"],
+        ["study", "--questions", "{typo}", "--selectors", "random", "--budgets", "36", "--out", "{calibration}"],
     ],
-    ids=["calibrate", "cascade", "cascade-reference", "intervene", "export", "merge"],
+    ids=["calibrate", "cascade", "cascade-reference", "intervene", "export", "merge", "study"],
 )
 def test_a_mistyped_run_is_named_before_the_output_folder_is_judged(demo, command, tmp_path):  # noqa: F811
     typo, notes = demo["root"] / "prunde", tmp_path / "notes.jsonl"  # notes: a user's file export never replaces
     notes.write_text("my notes\n")
     args = [str(a).format(typo=typo, notes=notes, **{k: str(v) for k, v in demo.items()}) for a in command]
     before = snapshot(demo["calibration"], tmp_path)
-    refused(invoke(*args), str(typo), "run directory")  # "not found" or "not a run directory"
+    refused(invoke(*args), str(typo), "question file" if command[0] == "study" else "run directory")
     assert snapshot(demo["calibration"], tmp_path) == before
     assert not typo.exists()
 
