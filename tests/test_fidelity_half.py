@@ -8,8 +8,10 @@ kernel's. The selectors run with ``score_dtype=model`` and ``ties=topk`` (where 
 on the float32 signals the adapters pass, beside ``model_dtype``. Shapes are LLaVA-1.5's: 576 visual
 tokens, 4096-dim LLM states, 32 heads x 128, 768-dim CLIP embeddings; 10 seeds x budgets 64/128/192 per
 dtype, plus tie-heavy cases (duplicated rows, integer keys). Where a function models a GPU's float32
-accumulation instead of this CPU's half kernel, it says so, and a test measures the difference. The counts
-asserted here are the half-precision agreement quoted in ``docs/fidelity.md``.
+accumulation instead of this CPU's half kernel, it says so; how many products the kernel rounds differently
+depends on the CPU (AMX, avx512_fp16, ...), so ``python -m benchmarks.half_kernels`` measures it and the tests
+assert only the kept sets. The counts asserted here are the half-precision agreement quoted in
+``docs/fidelity.md``.
 """
 
 from __future__ import annotations
@@ -357,9 +359,9 @@ def tiny_llava_path(tmp_path_factory):
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model(tiny_llava_path, dtype):
     """model_attention=scaled: the probe's text rows are SparseVLM's scaled_dot_product_attention on the layer's
-    own half queries and keys, bit for bit, with q.k accumulated in float32 as a GPU does (the CPU fp16 GEMM
-    rounds 1 of the 4536 dot products differently here, changing at most one probability); the eager recipe's
-    rows coincide on this model only because its head_dim is 16."""
+    own half queries and keys, bit for bit, with q.k accumulated in float32 as a GPU does (a CPU's half GEMM may
+    round a few dot products differently: benchmarks/half_kernels.py); the eager recipe's rows coincide on this
+    model only because its head_dim is 16."""
     from transformers import LlavaForConditionalGeneration
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -380,12 +382,10 @@ def test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model(ti
         queries, keys = probe.queries(hidden, rows, cos[0], sin[0]), probe.keys(hidden, cos[0], sin[0])
         keys = keys.repeat_interleave(queries.shape[0] // keys.shape[0], dim=0)
         official = official_sparse_attention_of(queries, keys, rows, gpu_dot=True).float()
-        cpu_official = official_sparse_attention_of(queries, keys, rows).float()
         _, scaled = probe.probabilities(hidden, rows, cos[0], sin[0], in_model_dtype=True, recipe="scaled")
         _, eager = probe.probabilities(hidden, rows, cos[0], sin[0], in_model_dtype=True)
     assert queries.dtype == dtype
     assert torch.equal(scaled, official)
-    assert (cpu_official != official).sum() <= (1 if dtype == torch.float16 else 0)
     assert torch.equal(eager, official)  # head_dim 16: sqrt(d) = 4, so both scalings are exact here
 
 
@@ -464,15 +464,14 @@ def fastv_cpu_gemm_case(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, to
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm(dtype):
-    """The CPU's fp16 GEMM rounds a few q.k products differently from a float32-accumulated product rounded once
-    (the probe's, and a GPU's): measured 1 to 20 of the 18,432 last-row image probabilities (32 heads x 576) per
-    prompt in fp16, none in bf16. Kept sets of FastV and PDrop (score_dtype=model, ties=topk) still equal the
-    official topk of the CPU-run official attention in 30 of 30 cases each."""
+    """A CPU's half GEMM may round a few q.k products differently from a float32-accumulated product rounded once
+    (the probe's, and a GPU's); how many depends on the CPU's kernels (``python -m benchmarks.half_kernels``).
+    Kept sets of FastV and PDrop (score_dtype=model, ties=topk) still equal the official topk of the CPU-run
+    official attention in 30 of 30 cases each."""
     image = slice(PREFIX, PREFIX + TOKENS)
-    identical, differing = dict.fromkeys(("fastv", "pdrop"), 0), []
+    identical = dict.fromkeys(("fastv", "pdrop"), 0)
     for seed in SEEDS:
         official, probe = fastv_cpu_gemm_case(seed, dtype)
-        differing.append(int((official[:, -1, image] != probe[:, -1, image]).sum()))
         signals = LayerSignals(alive=torch.arange(TOKENS), grid=(24, 24), layer=2, num_layers=32,
                                text_probs=probe[:, :, image].float(), model_dtype=dtype)  # fmt: skip
         scores = official.mean(dim=0)[-1, image]  # the official head mean in half, last prompt row
@@ -481,7 +480,6 @@ def test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm(dtype):
             for name in identical:
                 identical[name] += get_selector(name, **EXACT).prune(Stage(2, budget), signals, {}).tolist() == expected
     assert identical == {"fastv": 30, "pdrop": 30}
-    assert max(differing) <= (25 if dtype == torch.float16 else 0)
 
 
 def test_sparsevlm_model_attention_reaches_the_probe(tiny_llava_path):

@@ -333,23 +333,15 @@ def sparsevlm2_half_agreement(dtype: torch.dtype) -> dict[str, int]:
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_sparsevlm2_model_dtype_reproduces_the_official_half_precision_gravity_correction(dtype):
     """score_dtype=model + ties=topk: 30 of 30 random, 10 of 10 duplicated-key and 10 of 10 integer-key cases per
-    dtype, and 30 of 30 against the official run with this CPU's fp16 GEMM (it rounds 26 of the 423,801 RoPE
-    logits differently from a float32-accumulated product). Measured: given the float32 RoPE logits rounded once
-    25 (fp16) and 9 (bf16) of 30, lower-index ties 10 and 0, float32 scores 16 and 0."""
+    dtype, and 30 of 30 against the official run with this CPU's half GEMM (which may round some of the 423,801
+    RoPE logits differently from a float32-accumulated product: benchmarks/half_kernels.py). Measured: given the
+    float32 RoPE logits rounded once 25 (fp16) and 9 (bf16) of 30, lower-index ties 10 and 0, float32 scores 16
+    and 0."""
     identical = sparsevlm2_half_agreement(dtype)
     assert identical["exact"] == identical["cpu_dot"] == 30 == FIDELITY["sparsevlm2"].half_cases[dtype_name(dtype)]
     assert identical["duplicated"] == identical["quantised"] == 10
     assert identical["rounded_once"] == {torch.float16: 25, torch.bfloat16: 9}[dtype]
     assert max(identical["lower"], identical["float32"]) < 30
-
-
-def test_official_rope_logits_cpu_and_gpu_dots():
-    """The CPU fp16 GEMM rounds 26 of the 423,801 all-ones RoPE dot products differently from a float32-accumulated
-    product rounded once; in bf16 none."""
-    length = PREFIX + TOKENS + 40
-    for dtype, differing in ((torch.float16, 26), (torch.bfloat16, 0)):
-        cpu, gpu = (official_rope_ones_half(length, dtype, dot) for dot in ("cpu", "gpu"))
-        assert int((cpu != gpu).sum()) == differing
 
 
 def test_the_adapter_forms_the_rope_logits_in_the_model_dtype_under_score_dtype_model(tmp_path):

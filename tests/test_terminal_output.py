@@ -184,7 +184,8 @@ def test_visualize_prints_the_question_and_every_answer(image, tmp_path):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("question: Is there a")
     assert re.fullmatch(r"  none \(unpruned\): answer (yes|no) \(confidence [01]\.\d{3}\)", lines[1])
-    assert re.fullmatch(r"  fastv, budget 36: answer (yes|no) \(confidence [01]\.\d{3}\)", lines[2])  # 25% of 144
+    assert re.fullmatch(r"  fastv, budget 36 \(layer average\): answer (yes|no) \(confidence [01]\.\d{3}\)",
+                        lines[2])  # 25% of 144
     assert lines[-1] == f"wrote {out}" and out.is_file()
 
 
@@ -216,7 +217,7 @@ def test_visualize_run_prints_the_recorded_question_and_answer(runs, tmp_path):
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0] == f"question: {row['split']} #{row['question_id']} about {row['object']} (label {row['label']})"
-    assert lines[1] == f"  fastv, budget 64: answer {row['answer']} (confidence {row['confidence']:.3f})"
+    assert lines[1] == f"  fastv, budget 64 (layer average): answer {row['answer']} (confidence {row['confidence']:.3f})"
     assert lines[-1] == f"wrote {out}"
 
 

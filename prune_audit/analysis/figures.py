@@ -12,9 +12,12 @@ import io
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from prune_audit.tasks import Task
 
 FORMATS = ("png", "svg")
 
@@ -327,9 +330,11 @@ def _count_labels(axis: Any, x: np.ndarray, counts: Sequence[float], measured: S
 
 
 def retention_figure(
-    summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str, reference: str | None = None
+    summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str, reference: str | None = None,
+    task: Task | None = None,
 ) -> dict[str, bytes]:
-    """Accuracy and mean confidence on "yes" questions by object fate: lost (= retention 0), then retention bins.
+    """Accuracy and mean confidence on the questions of ``task`` (default POPE) that name evidence, by the fate of
+    their evidence (``Task.evidence_fate``): lost (= retention 0), then retention bins.
 
     One solid line per pruned run, each point labelled with its question count n; with a reference
     run (labelled ``reference``: dense, or a pruned run's selector@budget), a dashed line of the same
@@ -364,8 +369,10 @@ def retention_figure(
     for axis in axes[0]:
         axis.set_xlim(-0.5, axis.get_xlim()[1] + 0.1)  # room for the n labels left of the first group
         axis.legend(fontsize=7)
-    figure.supxlabel("queried object: lost (no kept token holds any of its pixels), or area retention of the kept "
-                     "tokens", fontsize=9)
-    figure.suptitle(f"{title}: 'yes' questions by object fate (95% image-bootstrap intervals; n: questions)",
-                    fontsize=10)
+    from prune_audit.tasks import DEFAULT_TASK, get_task
+
+    task = task or get_task(DEFAULT_TASK)
+    figure.supxlabel(f"{task.evidence_noun}: lost (no kept token holds any of their pixels), or area retention of "
+                     f"the kept tokens", fontsize=9)
+    figure.suptitle(f"{title}: {task.evidence_fate} (95% image-bootstrap intervals; n: questions)", fontsize=10)
     return _render(figure, stem)

@@ -98,12 +98,14 @@ def _compare_with_reference(report: dict, runs: Sequence[Run], reference: Run) -
             report["conventions"] = {**report["conventions"], **run.task.reference_comparison_meanings}
 
 
-def calibration_files(report: dict, titles: dict[str, str]) -> dict[str, str | bytes]:
-    """calibration.json, calibration.csv and the pictures; ``titles`` maps run labels to figure titles."""
+def calibration_files(report: dict, titles: dict[str, str], task: Task) -> dict[str, str | bytes]:
+    """calibration.json, calibration.csv and the pictures; ``titles`` maps run labels to figure titles; ``task``:
+    the runs' task (the retention figure follows its evidence; a task without evidence has none)."""
     everyone = [*report["runs"], *([report["reference"]] if report["reference"] else [])]
+    tabled = everyone if task.names_evidence else [_without_survival(entry) for entry in everyone]
     files: dict[str, str | bytes] = {
         "calibration.json": to_json(report),
-        "calibration.csv": estimates_csv({entry["label"]: entry for entry in everyone}, CSV_SECTIONS),
+        "calibration.csv": estimates_csv({entry["label"]: entry for entry in tabled}, CSV_SECTIONS),
     }
     for entry in everyone:
         stem, title = figures.slug(entry["label"]), titles[entry["label"]]
@@ -115,8 +117,19 @@ def calibration_files(report: dict, titles: dict[str, str]) -> dict[str, str | b
     reference = report["reference"]["label"] if report["reference"] else None
     files.update(figures.reliability_overlay(everyone, labels, f"Reliability: {model}", "reliability_overlay",
                                              reference))
-    files.update(figures.retention_figure(runs, [entry["label"] for entry in runs], model, "retention", reference))
+    if task.names_evidence:
+        files.update(figures.retention_figure(runs, [entry["label"] for entry in runs], model, "retention", reference,
+                                              task))
     return files
+
+
+def _without_survival(entry: dict) -> dict:
+    """A run's report without its survival groups (and their differences): a task without evidence has none."""
+    difference = entry.get("difference_vs_reference")
+    kept = {key: value for key, value in entry.items() if key != "survival"}
+    if difference:
+        kept["difference_vs_reference"] = {key: value for key, value in difference.items() if key != "survival"}
+    return kept
 
 
 def cascade_report(

@@ -69,10 +69,10 @@ def calibrate(
     outputs = {"runs": [str(p.resolve()) for p in run_dirs], "reference": reference and str(reference.resolve()),
                "bins": bins, "binning": binning, "bootstrap": bootstrap,
                "calibration_fraction": calibration_fraction, "seed": seed, "stage": choice.name}
-    check_output_dir(out, "calibrate", outputs)
     runs = [load_run(path, choice) for path in run_dirs]
     reference_run = load_run(reference, choice) if reference is not None else None
     differences = check_comparable([*runs, *([reference_run] if reference_run else [])], force)
+    check_output_dir(out, "calibrate", outputs)  # after the inputs: a mistyped run is named as such
     report = calibration_report(runs, reference_run, settings, differences)
     every = [*report["runs"], *([report["reference"]] if reference_run is not None else [])]
     report["completeness"] = completeness([*runs, *([reference_run] if reference_run else [])], [entry["label"] for entry in every])
@@ -80,12 +80,13 @@ def calibrate(
     if reference_run is not None:
         titles[report["reference"]["label"]] = reference_run.title
     with hold_output_dir(out, "calibrate", outputs):
-        write_files(out, calibration_files(report, titles))
+        write_files(out, calibration_files(report, titles, runs[0].task))
     if json_output:
         print(to_json(report), end="")
     else:
         tasks = [run.task for run in [*runs, *([reference_run] if reference_run else [])]]
-        print_calibration_table(report, out, [name for task in tasks for name in task.report_metrics])
+        print_calibration_table(report, out, [name for task in tasks for name in task.report_metrics],
+                                runs[0].task.names_evidence)
 
 
 SCALED_ROWS = ("accuracy", "auroc", "ece", "ece_mass", "nll", "brier")
@@ -117,11 +118,12 @@ def _count(estimate: dict) -> str:
     return "-" if estimate["value"] is None else str(int(estimate["value"]))
 
 
-def print_calibration_table(report: dict, out: Path, report_metrics: Sequence[str]) -> None:
+def print_calibration_table(report: dict, out: Path, report_metrics: Sequence[str], evidence: bool) -> None:
     """Runs side by side: overall metrics, temperature scaling on test images, lost objects.
 
     ``report_metrics``: the metrics the runs' tasks report (``Task.report_metrics``); the table shows those of
-    them that ``analysis.metric_table`` marks ``in_table``.
+    them that ``analysis.metric_table`` marks ``in_table``. ``evidence``: whether the runs' task names image regions
+    (``Task.names_evidence``); without, the retention and lost-object rows are left out.
     """
     from rich.console import Console
     from rich.table import Table
@@ -143,14 +145,8 @@ def print_calibration_table(report: dict, out: Path, report_metrics: Sequence[st
         for stage in ("test_before", "test_after"):
             label = f"{metric(key).label} {'before' if stage == 'test_before' else 'after'} scaling (test)"
             table.add_row(label, *(_cell(entry["temperature"][stage][key]) for entry in entries))
-    table.add_section()
-    table.add_row("retention stage read", *(entry["stage"] for entry in entries))
-    table.add_row("questions with lost object", *(_count(entry["survival"]["lost"]["count"]) for entry in entries))
-    for name, key in (("accuracy if lost", "accuracy"), ("confidence if lost", "confidence")):
-        table.add_row(name, *(_cell(entry["survival"]["lost"][key]) for entry in entries))
-        if report["reference"]:
-            reference = (_cell(entry["survival"]["lost"].get(f"reference_{key}")) for entry in entries)
-            table.add_row(f"  {report['reference']['label']} {name} (same questions)", *reference)
+    if evidence:
+        _add_lost_rows(table, report, entries)
     if report["reference"]:
         table.add_section()
         for name, key in (("accuracy", "accuracy"), ("ECE", "ece"), ("AUROC", "auroc")):
@@ -169,3 +165,15 @@ def print_calibration_table(report: dict, out: Path, report_metrics: Sequence[st
     console = Console()
     console.print(table)
     console.print(f"wrote calibration.json, calibration.csv and pictures to {out}")
+
+
+def _add_lost_rows(table, report: dict, entries: list[dict]) -> None:
+    """The retention stage read and the questions whose evidence was lost, with their accuracy and confidence."""
+    table.add_section()
+    table.add_row("retention stage read", *(entry["stage"] for entry in entries))
+    table.add_row("questions with lost object", *(_count(entry["survival"]["lost"]["count"]) for entry in entries))
+    for name, key in (("accuracy if lost", "accuracy"), ("confidence if lost", "confidence")):
+        table.add_row(name, *(_cell(entry["survival"]["lost"][key]) for entry in entries))
+        if report["reference"]:
+            reference = (_cell(entry["survival"]["lost"].get(f"reference_{key}")) for entry in entries)
+            table.add_row(f"  {report['reference']['label']} {name} (same questions)", *reference)

@@ -87,10 +87,10 @@ def cascade(
     outputs = {"runs": [str(p.resolve()) for p in pruned_runs], "reference": str(reference.resolve()),
                "epsilon": epsilon, "sweep": targets, "splits": splits, "calibration_fraction": calibration_fraction,
                "seed": seed, "multi_stage": multi_stage, "stage": choice.name, "cost": cost}
-    check_output_dir(out, "cascade", outputs)
     stages = [load_run(path, choice) for path in pruned_runs]
     reference_run = load_run(reference, choice)
     differences = check_comparable([*stages, reference_run], force)
+    check_output_dir(out, "cascade", outputs)  # after the inputs: a mistyped run is named as such
     *labels, reference_label = unique_labels([*stages, reference_run])  # "dense" only for an unpruned reference
     cascades = [(" -> ".join([*labels, reference_label]), stages)] if multi_stage else [
         (label, [stage]) for label, stage in zip(labels, stages)

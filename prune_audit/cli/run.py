@@ -97,11 +97,11 @@ def print_summary(result, plan) -> None:
     from rich.table import Table
 
     from prune_audit.records.manifest import MANIFEST_FILE
+    from prune_audit.records.stages import budget_words, stage_place
 
     summary = result.summary
-    with_mask = summary.get("questions_with_mask", 0)
-    first = summary.get("first_stage", "first")
-    budget = "all visual tokens" if plan.manifest["budget"] is None else f"budget {plan.manifest['budget']}"
+    budget = "all visual tokens" if plan.manifest["budget"] is None else budget_words(
+        plan.manifest["budget"], summary.get("stage_layers", [0]))
     task = "" if plan.task.name == "pope" else f"task {plan.task.name} | "  # POPE's title predates tasks
     print(f"{task}{model_label(plan.manifest['model']['id'])} | selector {plan.manifest['selector']['name']} | {budget}")
     table = Table(show_header=False)
@@ -111,16 +111,13 @@ def print_summary(result, plan) -> None:
         ("questions", f"{summary.get('questions', 0)}" + ("" if result.complete else f" of {len(plan.questions)} (shard)")),
         ("accuracy", f"{summary.get('accuracy', float('nan')):.4f}"),
         ("mean confidence", f"{summary.get('mean_confidence', float('nan')):.4f}"),
-        ("avg visual tokens", f"{summary.get('visual_tokens_avg', float('nan')):.2f}"),
-        (f"mean retention of {plan.task.evidence_noun}, stage {first}",
-         f"{summary.get('mean_retention', float('nan')):.4f}"),
-        (f"lost objects, stage {first}", f"{summary.get('lost_objects', 0)} of {with_mask}"),
+        ("avg visual tokens (layer average)", f"{summary.get('visual_tokens_avg', float('nan')):.2f}"),
     ]
-    if not summary.get("last_is_first", True):  # a stage after the first: what it lost too
-        rows.append((f"lost objects, stage {summary['last_stage']}",
-                     f"{summary.get('lost_objects_last_stage', 0)} of {with_mask}"))
-    if summary.get("diluted_objects"):  # only merging selectors dilute: the row appears for them
-        rows.append((f"diluted objects, stage {first}", f"{summary['diluted_objects']} of {with_mask}"))
+    if plan.manifest["budget"] is not None and summary.get("stage_tokens"):  # a budget may be a layer average
+        rows += [(f"visual tokens {stage_place(layer)} (mean)", f"{tokens:g}")
+                 for layer, tokens in zip(summary["stage_layers"], summary["stage_tokens"])]
+    if summary.get("questions_with_mask"):  # questions with evidence regions (Task.names_evidence; annotations given)
+        rows += evidence_rows(summary, plan.task.evidence_noun)
     rows += plan.task.summary_rows(result.records) if summary.get("questions") else []
     rows += cost_rows(summary)
     for name, value in rows:
@@ -129,6 +126,19 @@ def print_summary(result, plan) -> None:
     # plain prints: a long path stays whole on its line
     print(f"records: {result.run_dir / ('records.parquet' if result.complete else 'parts')}")
     print(f"manifest: {result.run_dir / MANIFEST_FILE}")
+
+
+def evidence_rows(summary: dict, evidence_noun: str) -> list[tuple[str, str]]:
+    """The summary's rows of the evidence regions: retention, lost (first and last stage) and diluted objects."""
+    first, with_mask = summary["first_stage"], summary["questions_with_mask"]
+    rows = [(f"mean retention of {evidence_noun}, stage {first}", f"{summary['mean_retention']:.4f}"),
+            (f"lost objects, stage {first}", f"{summary['lost_objects']} of {with_mask}")]
+    if not summary["last_is_first"]:  # a stage after the first: what it lost too
+        last = summary["lost_objects_last_stage"]
+        rows.append((f"lost objects, stage {summary['last_stage']}", f"{last} of {with_mask}"))
+    if summary["diluted_objects"]:  # only merging selectors dilute: the row appears for them
+        rows.append((f"diluted objects, stage {first}", f"{summary['diluted_objects']} of {with_mask}"))
+    return rows
 
 
 def cost_rows(summary: dict) -> list[tuple[str, str]]:

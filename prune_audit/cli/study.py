@@ -104,7 +104,6 @@ def study(
         parse_tasks,
         task_option,
     )
-    from prune_audit.safety.ownership import check_output_dir
 
     names = parse_tasks(task, tasks, max_new_tokens, confidence)  # unknown tasks or misplaced options, first
     if pope and questions:
@@ -126,8 +125,6 @@ def study(
     if report:
         _report(out, settings, force, command, names)
         return
-    if not plan:
-        check_output_dir(out, "study")
     if model is None and len(names) > 1:
         from prune_audit.demo import default_demo
 
@@ -193,7 +190,7 @@ def _run_grid(grids, quiet: bool, settings, force: bool, command: str) -> None:
     """Run every cell of every task's grid, then write the report, holding OUT throughout."""
     from prune_audit.safety.ownership import hold_output_dir
 
-    planned = _plan_grids(grids)  # every input of every task checked before the study writes anything
+    planned = _plan_grids(grids)  # every input of every task checked before OUT (hold_output_dir checks it)
     with hold_output_dir(grids[0].out, "study"):
         for grid, plans in planned:
             _answer_grid(grid, plans, quiet)

@@ -106,7 +106,11 @@ class Schedules:
             try:
                 self._solved[key] = selector.schedule(num_layers, num_visual, budget)
             except ValueError as error:
-                raise PruneAuditError(f"selector {selector.name!r} has no schedule for budget {budget}: {error}") from None
+                from prune_audit.pruners.schedule import scaled_layer_note
+
+                note = scaled_layer_note(selector, num_layers)
+                raise PruneAuditError(f"selector {selector.name!r} has no schedule for budget {budget} (a layer "
+                                      f"average{'; ' + note if note else ''}): {error}") from None
         return self._solved[key]
 
 

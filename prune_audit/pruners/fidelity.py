@@ -142,7 +142,7 @@ FIDELITY: dict[str, Fidelity] = {
         30,
         "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk on the half "
         "attention rows (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties at most 29 and 23; "
-        "on CPU the official fp16 q.k^T GEMM rounds 1 to 20 of the 18,432 last-row image probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's accumulation; bf16: none), kept sets still 30 of 30 (test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
+        "on CPU the official half q.k^T GEMM may round some of the 18,432 last-row image probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's accumulation), as many as the CPU's kernels make (`python -m benchmarks.half_kernels`: on a Xeon with AMX, avx512_fp16 and avx512_bf16, fp16 none, bf16 0 to 4 per prompt), kept sets still 30 of 30 (test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
         {"fp16": 30, "bf16": 30},
     ),
     "pdrop": Fidelity(
@@ -161,7 +161,7 @@ FIDELITY: dict[str, Fidelity] = {
         30,
         "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk on the half "
         "attention rows (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties at most 29 and 23; "
-        "on CPU the official fp16 q.k^T GEMM rounds 1 to 20 of the 18,432 last-row image probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's accumulation; bf16: none), kept sets still 30 of 30 (test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
+        "on CPU the official half q.k^T GEMM may round some of the 18,432 last-row image probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's accumulation), as many as the CPU's kernels make (`python -m benchmarks.half_kernels`: on a Xeon with AMX, avx512_fp16 and avx512_bf16, fp16 none, bf16 0 to 4 per prompt), kept sets still 30 of 30 (test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
         {"fp16": 30, "bf16": 30},
     ),
     "pool": Fidelity(
@@ -250,9 +250,9 @@ FIDELITY: dict[str, Fidelity] = {
         "model_attention=scaled rows are the official scaled_dot_product_attention of a half tiny LLaVA bit for "
         "bit with q.k accumulated in float32 as on GPU "
         "(test_fidelity_half.py::test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model); on CPU "
-        "the official fp16 q @ k^T GEMM rounds a few dot products differently (1 of 4536 on that model; 1 to 20 of "
-        "18,432 last-row probabilities per LLaVA-size prompt, test_fidelity_half.py::test_fastv_and_pdrop_keep_the_"
-        "official_set_despite_the_cpu_fp16_gemm), bf16 none",
+        "the official half q @ k^T GEMM may round a few dot products differently, as many as the CPU's kernels make "
+        "(`python -m benchmarks.half_kernels`); kept sets still 30 of 30 against it (test_fidelity_half.py::test_fastv_"
+        "and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
         {"fp16": 30, "bf16": 30},
     ),
     "tome": Fidelity(

@@ -69,8 +69,9 @@ HALF_ONCE = (
 )
 ROPE_ONCE = (
     "the float32 RoPE logits rounded once (the adapter forms them in the model dtype under score_dtype=model, "
-    "q.k accumulated in float32 as a GPU; against the official run with this CPU's fp16 GEMM, which rounds 26 of "
-    "423,801 of them differently, still 30 of 30)"
+    "q.k accumulated in float32 as a GPU; against the official run with this CPU's half GEMM, which may round some "
+    "of the 423,801 differently (`python -m benchmarks.half_kernels`: none on a Xeon with AMX and avx512_fp16), "
+    "still 30 of 30)"
 )
 
 

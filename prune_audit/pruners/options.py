@@ -187,10 +187,12 @@ def describe_options(cls: type) -> str:
     return "; ".join(parts) or "none"
 
 
-def refusal(selector: str, name: str, value: Any, domain: Domain) -> ValueError:
-    """The one-line error for ``name=value``, the value spelled as on the command line."""
+def refusal(selector: str, name: str, value: Any, domain: Domain, depth: int | None = None) -> ValueError:
+    """The one-line error for ``name=value``, the value spelled as on the command line; ``depth``: the model's
+    decoder layers, when known (a layer option then names the model's own layers, ``Domain.describe_for``)."""
     return ValueError(
-        f"option {name}={spell(value)} of selector {selector!r} is not allowed: {name} must be {domain.describe_all()}"
+        f"option {name}={spell(value)} of selector {selector!r} is not allowed: {name} must be "
+        f"{domain.describe_for(depth)}"
     )
 
 
@@ -202,8 +204,9 @@ def check_options(selector: Any) -> None:
             raise refusal(type(selector).name, name, value, domain)
 
 
-def parse_options(cls: type, pairs: Sequence[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` strings -> typed options of selector class ``cls``, each checked against its domain.
+def parse_options(cls: type, pairs: Sequence[str], depth: int | None = None) -> dict[str, Any]:
+    """``KEY=VALUE`` strings -> typed options of selector class ``cls``, each checked against its domain
+    (``depth``: the model's decoder layers, when known, for the refusal's words).
 
     Raises:
         ValueError: one line naming the option, the value and the allowed domain.
@@ -223,9 +226,9 @@ def parse_options(cls: type, pairs: Sequence[str]) -> dict[str, Any]:
         try:
             value = domain.parse(text)
         except ValueError:
-            raise refusal(cls.name, key, text, domain) from None
+            raise refusal(cls.name, key, text, domain, depth) from None
         if not domain.allows(value):
-            raise refusal(cls.name, key, text, domain)
+            raise refusal(cls.name, key, text, domain, depth)
         options[key] = value
     return options
 

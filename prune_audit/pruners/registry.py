@@ -56,10 +56,11 @@ def get_selector(name: str, **options: Any) -> Selector:
     return cls(**options)
 
 
-def selector_from_strings(name: str, pairs: Sequence[str]) -> Selector:
-    """A selector from ``KEY=VALUE`` strings (the CLI's ``--option``), every value checked against its domain.
+def selector_from_strings(name: str, pairs: Sequence[str], depth: int | None = None) -> Selector:
+    """A selector from ``KEY=VALUE`` strings (the CLI's ``--option``), every value checked against its domain
+    (``depth``: the model's decoder layers, when known: a refused layer option names the model's own layers).
 
     Raises:
         ValueError: one line naming the selector, option, value and allowed domain; nothing is built.
     """
-    return get_selector(name, **parse_options(selector_class(name), pairs))
+    return get_selector(name, **parse_options(selector_class(name), pairs, depth))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, get_args
 
 from prune_audit.pruners.base import TOP_K_TIES, LayerSelector, PositionMode, Stage, validate_budget
-from prune_audit.pruners.options import Choice, Integer, option
+from prune_audit.pruners.options import Choice, Integer, option, option_domains
 
 T = TypeVar("T")
 
@@ -90,6 +90,18 @@ class ReferenceLayer(Integer):
         if isinstance(value, int) and self.contains(value):
             text += f" ({value} prunes at layer {scale_layers([value], REFERENCE_DEPTH, depth)[0]})"
         return text
+
+
+def scaled_layer_note(selector: Any, num_layers: int) -> str:
+    """Each reference-layer option of ``selector`` in the model's own layers, e.g. ``layer=20 of the 32-layer
+    reference is decoder layer 8 of the model's 12``; "" for a selector without one."""
+    notes = [
+        f"{name}={getattr(selector, name)} of the {REFERENCE_DEPTH}-layer reference is decoder layer "
+        f"{scale_layers([getattr(selector, name)], REFERENCE_DEPTH, num_layers)[0]} of the model's {num_layers}"
+        for name, domain in option_domains(type(selector), strict=False).items()
+        if isinstance(domain, ReferenceLayer) and num_layers >= 2
+    ]
+    return "; ".join(notes)
 
 
 def merge_stages(layers: Sequence[int], values: Sequence[T]) -> tuple[list[int], list[T]]:

@@ -137,3 +137,24 @@ def record_stage(
             f"pass first, last or an index below {len(kept_stages)}"
         )
     return choice.index
+
+
+def budget_words(budget: object, layers: list[int]) -> str:
+    """``budget 64``, or ``budget 64 (layer average)`` for stages inside the LLM (``layers`` not ``[0]``), whose
+    stages keep more tokens before and fewer after so that the average over the decoder layers is the budget."""
+    return f"budget {budget}" + (" (layer average)" if list(layers) != [0] else "")
+
+
+def stage_place(layer: int) -> str:
+    """Where a stage's kept set enters: ``from layer 2``, or ``at the input`` (layer 0: an input-level stage)."""
+    return "at the input" if layer == 0 else f"from layer {layer}"
+
+
+def mean_stage_tokens(records: pa.Table) -> tuple[list[int], list[float]]:
+    """The stage layers of the records' schedule and the mean realised tokens of each stage (one decimal); stages
+    at other layers in some records (a share budget) are averaged by stage index, named by the first record."""
+    kept, merged = records["kept_stages"].to_pylist(), records["merged_stages"].to_pylist()
+    counts = [[len(cells) + len(tokens) for cells, tokens in zip(k, m)] for k, m in zip(kept, merged)]  # merged count
+    depth = max(len(row) for row in counts)
+    means = [round(float(np.mean([row[i] for row in counts if i < len(row)])), 1) for i in range(depth)]
+    return records["stage_layers"][0].as_py()[:depth], means

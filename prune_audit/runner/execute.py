@@ -108,7 +108,7 @@ def execute(
     finally:
         lock.close()  # no-op once exited above
         group.close()
-    return RunResult(plan.run_dir, records, complete, summarize(records))
+    return RunResult(plan.run_dir, records, complete, summarize(records, plan.task))
 
 
 def _finish_manifest(plan: RunPlan, records: pa.Table) -> None:

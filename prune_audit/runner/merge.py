@@ -26,10 +26,11 @@ def merge_runs(run_dirs: Sequence[Path], out: Path | None = None) -> pa.Table:
     if not run_dirs:
         raise PruneAuditError("pass at least one run directory to merge")
     target = Path(out) if out is not None else Path(run_dirs[0])
-    check_output_dir(target, "run")
-    for directory in (*run_dirs, target):
+    for directory in run_dirs:
         check_run_layout(Path(directory))
     manifests = [read_manifest(Path(d)) for d in run_dirs]
+    check_output_dir(target, "run")  # after the inputs: a mistyped run is named as such
+    check_run_layout(target)
     for directory, manifest in zip(run_dirs[1:], manifests[1:]):
         differences = differing_fields(manifests[0], manifest, (*CONFIG_FIELDS, "images"))
         if differences:

@@ -270,8 +270,20 @@ def _make_selector(request: RunRequest) -> tuple[Selector | None, int | str | No
         return None, None
     from prune_audit.pruners.registry import selector_from_strings
 
-    selector = selector_from_strings(request.selector, request.options)  # every option checked against its domain
+    depth = _model_depth(request.model) if request.options else None
+    selector = selector_from_strings(request.selector, request.options, depth)  # every option against its domain
     return selector, request.budget  # its domain: check_run_options
+
+
+def _model_depth(model: str | None) -> int | None:
+    """The model's decoder layers from its config (no weights), for the words of a refused layer option; None when
+    it cannot be read here (loading the model names the problem)."""
+    from prune_audit.models.loading import checkpoint_family
+
+    try:
+        return checkpoint_family(model)[1] if model is not None else None
+    except (PruneAuditError, OSError, ValueError):
+        return None
 
 
 def _load_questions(task: Task, request: RunRequest) -> tuple[list[TaskQuestion], dict[str, bytes] | None]:

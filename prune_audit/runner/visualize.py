@@ -15,6 +15,7 @@ from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.compute.budget import check_positive, resolve_budget
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
+from prune_audit.records.stages import budget_words
 from prune_audit.runner.build import covered_stages, recorded_stages
 from prune_audit.runner.plan import file_safe
 
@@ -379,9 +380,9 @@ def visualize_live(request: VisualizeRequest) -> DrawnFigure:
         generator = torch.Generator().manual_seed(request.seed)
         answer = vlm.answer([prepared], selector, None if selector is None else budget, generator=[generator])[0]
         stages, layers, merged = recorded_stages(answer, prepared.num_visual)
-        title = "none (unpruned)" if selector is None else f"{name}, budget {budget}"
+        title = "none (unpruned)" if selector is None else f"{name}, {budget_words(budget, layers)}"
         if name in options:
-            title = f"{name} ({', '.join(request.options)}), budget {budget}"
+            title = f"{name} ({', '.join(request.options)}), {budget_words(budget, layers)}"
         retention = _retention_text(mask, prepared.geometry, covered_stages(stages, merged)[0])
         caption = f"answer {answer.answer} (confidence {answer.confidence:.3f})"
         answers.append(PanelAnswer(title, answer.answer, answer.confidence))

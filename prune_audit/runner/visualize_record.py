@@ -15,7 +15,7 @@ import numpy as np
 from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.multigrid import geometry_from_dict
 from prune_audit.errors import PruneAuditError
-from prune_audit.records.stages import FIRST, StageChoice, record_stage
+from prune_audit.records.stages import FIRST, StageChoice, budget_words, record_stage
 from prune_audit.safety.inputs import loads_json, path_under
 from prune_audit.runner.visualize import (
     FIGURES_DIR,
@@ -61,7 +61,8 @@ def visualize_record(
     selector, budget = manifest["selector"]["name"], manifest.get("budget")
     chosen = record_stage(stages, stage, str(run_dir), merged)
     retention = row["retention_stages"][chosen]
-    title = f"{selector}, budget {budget}" if budget is not None else f"{selector} (unpruned)"
+    title = f"{selector}, {budget_words(budget, row['stage_layers'])}" if budget is not None else (
+        f"{selector} (unpruned)")
     notes = {} if retention is None or math.isnan(retention) else {
         chosen: f"retention {retention:.2f} at stage {stage.name} (layer {row['stage_layers'][chosen]})"
     }

@@ -150,7 +150,8 @@ def check_output_dir(
         )
     if owner.command != command:
         raise PruneAuditError(
-            f"{directory} holds the outputs of prune-audit {owner.command} ({_held_files(directory)}); "
+            f"{directory} holds the outputs of prune-audit {owner.command} ({_held_files(directory)}"
+            f"{_settings_text(owner.settings, list(owner.settings or {})[:3], '; settings ')}); "
             f"{command} never writes there: pass another {option}"
         )
     if settings is not None:
@@ -162,8 +163,9 @@ def check_output_dir(
         changed = differing_settings(owner.settings, dict(settings))
         if changed:
             raise PruneAuditError(
-                f"{directory} holds prune-audit {command} outputs of other settings ({', '.join(changed[:3])}); "
-                f"pass another {option}"
+                f"{directory} holds prune-audit {command} outputs of other settings ({', '.join(changed[:3])})"
+                f"{_settings_text(owner.settings, changed[:3], ', written with ')}; "
+                f"pass another {option}, or the same settings to resume"
             )
     check_no_links(directory, option)
     return directory
@@ -211,6 +213,14 @@ def remove_written(directory: Path, paths: Sequence[Path]) -> None:
             except OSError:
                 break  # not empty: holds something else
             folder = folder.parent
+
+
+def _settings_text(settings: Mapping[str, Any] | None, keys: Sequence[str], lead: str) -> str:
+    """``lead`` and ``key=value`` of the recorded ``settings`` named, each value cut at 80 characters; "" for none."""
+    if not settings or not keys:
+        return ""
+    shown = [f"{key}={json.dumps(settings.get(key), default=str)}" for key in keys]
+    return lead + ", ".join(text if len(text) <= 80 else text[:77] + "..." for text in shown)
 
 
 def differing_settings(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:

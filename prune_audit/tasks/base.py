@@ -115,6 +115,8 @@ class Task(ABC):
         correct_definition: what the ``correct`` column holds, in words.
         evidence_definition: which image region counts as the question's evidence, in words.
         evidence_noun: the evidence regions as the run summary names them.
+        evidence_fate: the questions whose evidence the retention figure and tables follow, and by what, in words
+            (POPE: "'yes' questions by the fate of the queried object"); empty for a task without evidence.
         names_evidence: whether its questions name image regions at all (``--annotations``).
         splits: the values ``--split`` may take besides ``all`` (empty: the task has no splits).
         report_metrics: names of the metrics (``analysis.metric_table``) its reports show; POPE's answer scores
@@ -147,8 +149,10 @@ class Task(ABC):
     correct_definition: ClassVar[str] = ""
     evidence_definition: ClassVar[str] = ""
     evidence_noun: ClassVar[str] = "the evidence regions"
+    evidence_fate: ClassVar[str] = ""
     names_evidence: ClassVar[bool] = True
-    """Whether the task's questions name image regions (``load_evidence``); ScienceQA's do not."""
+    """Whether the task's questions name image regions (``load_evidence``); ScienceQA's do not: its figures and tables
+    leave retention and lost objects out."""
     splits: ClassVar[tuple[str, ...]] = ()
     report_metrics: ClassVar[tuple[str, ...]] = ()
 

@@ -53,6 +53,7 @@ class PopeTask(Task):
     correct_definition = "the answer (yes/no) equals the label"
     evidence_definition = "the queried object's COCO instance mask (yes questions; none for no questions)"
     evidence_noun = "the yes questions' objects"
+    evidence_fate = "'yes' questions by the fate of the queried object"
     splits = POPE_SPLITS
     report_metrics = ("accuracy", "precision", "recall", "f1", "yes_ratio", "ece", "ece_mass", "mce", "ce_debiased_l2",
                       "brier", "nll", "auroc", "aurc")

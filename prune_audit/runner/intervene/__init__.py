@@ -67,11 +67,11 @@ def intervene(request: InterveneRequest, on_progress: Callable[[int, int], None]
     settings = {"run": str(Path(request.run_dir).resolve()), "mode": request.mode, "max_cells": request.max_cells,
                 "controls": request.controls, "bootstrap": request.bootstrap, "seed": request.seed,
                 "stage": request.stage.name}
-    check_output_dir(out, "intervene", settings)
-    check_writable(out)
     source = load_source(request.run_dir, request.stage, request.inputs)
     check_swappable(source)
     eligible = eligible_records(source, request.mode)
+    check_output_dir(out, "intervene", settings)  # after the inputs: a mistyped run is named as such
+    check_writable(out)
     rows, skipped = answer_swaps(request, source, eligible, on_progress)
     if not rows:
         reasons = "; ".join(f"{reason} ({count})" for reason, count in skipped.items())
