@@ -112,7 +112,8 @@ def clip(workspace):
 
 
 def data_args(workspace, clip, pope_files: list[Path] | None = None) -> list[str]:
-    pope = [arg for path in workspace["pope"] if pope_files is None or path in pope_files for arg in ("--pope", str(path))]
+    chosen = workspace["pope"] if pope_files is None else pope_files
+    pope = [arg for path in chosen for arg in ("--pope", str(path))]
     return ["--model", str(workspace["model"]), "--clip-text", str(clip), *pope, "--images",
             str(workspace["images"]), "--annotations", str(workspace["instances"]), "--device", "cpu", "--quiet"]
 
@@ -141,7 +142,8 @@ def test_refuses_pope_files_without_every_split(workspace, clip, tmp_path):
 def test_runs_the_study_preset_up_to_the_models_check(workspace, clip, tmp_path):
     """On CPU with a tiny LLaVA the preset goes through `study` to the loaded model, whose 16 visual tokens the
     seed's 64-token budget exceeds: study's own one-line refusal, and the new folder is removed again."""
-    result = runner.invoke(app, ["reproduce", *data_args(workspace, clip), "--limit", "6", "--out", str(tmp_path / "out")])
+    args = [*data_args(workspace, clip), "--limit", "6", "--out", str(tmp_path / "out")]
+    result = runner.invoke(app, ["reproduce", *args])
     refused(result, "--budget 64 is more than the model's 16 visual tokens")
     assert not (tmp_path / "out").exists()
 

@@ -124,19 +124,22 @@ def _digits(unit: str) -> int:
 
 
 def _percent(key: str, run: str, expected: float, claim: str, column: str = "accuracy",
-             tolerance: float = 1.0) -> SeedFigure:
+             tolerance: float = 1.0, questions: str = POOLED) -> SeedFigure:
     """A share in the study's summary (0 to 1) the seed states in percent, tolerance in points."""
-    return SeedFigure(key, claim, expected, tolerance, "points", Source("summary", run, column), scale=100.0)
+    return SeedFigure(key, claim, expected, tolerance, "points", Source("summary", run, column, questions=questions),
+                      scale=100.0)
 
 
 def _share(key: str, run: str, expected: float, claim: str, column: str = "mean_confidence",
-           tolerance: float = 0.02) -> SeedFigure:
+           tolerance: float = 0.02, questions: str = POOLED) -> SeedFigure:
     """A number in the study's summary the seed states as it is (confidence, AUROC)."""
-    return SeedFigure(key, claim, expected, tolerance, "share", Source("summary", run, column))
+    return SeedFigure(key, claim, expected, tolerance, "share", Source("summary", run, column, questions=questions))
 
 
-_LOST = "FastV@64's lost-object questions (yes-questions whose object lost every token at the first stage)"
+_LOST = ("FastV@64's lost-object questions among the 9,000: yes-questions whose object lost every token at the "
+         "first stage")
 _CASCADE = f"cascade at epsilon {CASCADE_EPSILON:.0%}, first stage 64 tokens, then dense"
+_CASCADE_QUESTIONS = "the test half of the 500 images (the cascade's image split, seed 0), pooled over the splits"
 _TIMING = f"first {TIMING_QUESTIONS} questions, batch {TIMING_BATCH}"
 
 SEED_FIGURES: tuple[SeedFigure, ...] = (
@@ -151,23 +154,23 @@ SEED_FIGURES: tuple[SeedFigure, ...] = (
     _share("dense.auroc", "dense", 0.801, "dense AUROC (confidence ranks correct above wrong answers)",
            column="auroc"),
     _share("fastv64.auroc", "fastv@64", 0.674, "FastV@64 AUROC (from dense 0.801)", column="auroc"),
-    _percent("fastv64.lost_accuracy", "fastv@64", 17.0, f"pruned accuracy on {_LOST}", column="lost_accuracy",
-             tolerance=5.0),
-    _percent("fastv64.lost_reference_accuracy", "fastv@64", 59.0, f"dense accuracy on {_LOST}",
-             column="lost_reference_accuracy", tolerance=5.0),
-    _share("fastv64.lost_confidence", "fastv@64", 0.82, f"pruned mean confidence on {_LOST}",
-           column="lost_confidence", tolerance=0.03),
-    _share("fastv64.lost_reference_confidence", "fastv@64", 0.80, f"dense mean confidence on {_LOST}",
-           column="lost_reference_confidence", tolerance=0.03),
+    _percent("fastv64.lost_accuracy", "fastv@64", 17.0, "FastV@64 accuracy on its lost-object questions",
+             column="lost_accuracy", tolerance=5.0, questions=_LOST),
+    _percent("fastv64.lost_reference_accuracy", "fastv@64", 59.0, "dense accuracy on FastV@64's lost-object questions",
+             column="lost_reference_accuracy", tolerance=5.0, questions=_LOST),
+    _share("fastv64.lost_confidence", "fastv@64", 0.82, "FastV@64 mean confidence on its lost-object questions",
+           column="lost_confidence", tolerance=0.03, questions=_LOST),
+    _share("fastv64.lost_reference_confidence", "fastv@64", 0.80, "dense mean confidence on FastV@64's lost-object "
+           "questions", column="lost_reference_confidence", tolerance=0.03, questions=_LOST),
     _percent("coverage64.cascade_cost", "coverage@64", 36.0, f"coverage {_CASCADE}: prefill tokens, % of dense",
-             column=f"cascade_cost_eps{CASCADE_EPSILON:g}", tolerance=5.0),
+             column=f"cascade_cost_eps{CASCADE_EPSILON:g}", tolerance=5.0, questions=_CASCADE_QUESTIONS),
     _percent("fastv64.cascade_cost", "fastv@64", 105.0, f"FastV {_CASCADE}: prefill tokens, % of dense",
-             column=f"cascade_cost_eps{CASCADE_EPSILON:g}", tolerance=5.0),
+             column=f"cascade_cost_eps{CASCADE_EPSILON:g}", tolerance=5.0, questions=_CASCADE_QUESTIONS),
     SeedFigure("fastv64.uninformative_cost", f"uninformative gate (random escalation), FastV {_CASCADE}: "
                "prefill tokens, % of dense", 97.0, 5.0, "points",
-               Source("uninformative", "fastv@64", "uninformative_cost"), scale=100.0),
+               Source("uninformative", "fastv@64", "uninformative_cost", questions=_CASCADE_QUESTIONS), scale=100.0),
     SeedFigure("dense.ms_b1", "H200 dense latency per question, batch 1", 52.7, 0.2, "ms",
-               Source("summary", "dense", "latency_ms"), relative=True),
+               Source("summary", "dense", "latency_ms", questions=f"{POOLED}, batch {GRID_BATCH}"), relative=True),
     SeedFigure("timing.throughput_b32",
                f"H200 throughput at batch {TIMING_BATCH}, {TIMING_BUDGET} vs 576 visual tokens "
                f"({TIMING_SELECTOR}@{TIMING_BUDGET} against dense)", 5.0, 0.2, "x",
@@ -240,8 +243,8 @@ def comparison_rows(outputs: StudyOutputs, figures: Sequence[SeedFigure] = SEED_
         value = measure(figure, outputs)
         difference = value - figure.expected
         status = "not measured" if math.isnan(value) else "pass" if abs(difference) <= figure.allowed() else "fail"
-        rows.append(_row(figure, figure.format(value), "" if math.isnan(value) else f"{difference:+.{_digits(figure.unit)}f}",
-                         status))
+        shown = "" if math.isnan(value) else f"{difference:+.{_digits(figure.unit)}f}"
+        rows.append(_row(figure, figure.format(value), shown, status))
     return rows
 
 
