@@ -280,3 +280,22 @@ def test_refuses_a_folder_of_another_command(tmp_path):
 def test_dry_run_and_report_exclude_each_other(tmp_path):
     refused(runner.invoke(app, ["reproduce", "--dry-run", "--report", "--out", str(tmp_path)]),
             "--dry-run and --report exclude each other")
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--golden-questions", "{tmp}/llava_pope_test.jsonl"],
+     ("--golden-questions only applies with --golden-answers",)),
+    (["--golden-answers", "{tmp}/missing.jsonl"], ("--golden-answers", "missing.jsonl not found", "drop the option")),
+])
+def test_golden_options_are_checked_before_anything_is_written(tmp_path, args, needles):
+    out = tmp_path / "out"
+    fake_outputs(out)
+    (out / ".prune-audit-owner.json").write_text(json.dumps({"command": "reproduce"}))
+    before = snapshot(out)
+    files = [tmp_path / f"coco_pope_{split}.json" for split in ("adversarial", "popular", "random")]
+    for path in files:
+        path.write_text("")
+    pope = [arg for path in files for arg in ("--pope", str(path))]
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    refused(runner.invoke(app, ["reproduce", "--report", "--out", str(out), *pope, *args]), *needles)
+    assert snapshot(out) == before

@@ -69,6 +69,7 @@ class Source:
     kinds: ``summary`` (``column`` of the run's ``summary.csv`` row), ``uninformative`` (the run's
     cascade ``uninformative_cost`` at ``CASCADE_EPSILON`` in ``cascade.json``), ``speedup`` (the dense
     row's ``column`` over the run's), ``golden`` (the average F1 of ``score`` on --golden-answers).
+    ``questions`` says which questions the number is computed on.
     """
 
     kind: str
@@ -223,7 +224,7 @@ def measure(figure: SeedFigure, outputs: StudyOutputs) -> float:
         rows = outputs.summaries.get(source.folder, {})
         value = _cell(rows, source.run, source.column)
         if source.kind == "speedup":
-            value = _cell(rows, "dense", source.column) / value
+            value = _cell(rows, "dense", source.column) / value if value else math.nan
     return value * figure.scale
 
 
@@ -262,7 +263,7 @@ def _row(figure: SeedFigure, measured: str, difference: str, status: str) -> dic
 def table_markdown(rows: Sequence[Mapping[str, str]], title: str, note: str = "") -> str:
     """A Markdown table of ``rows``, headed by ``title`` and a count of passes."""
     lines = [f"# {title}", ""]
-    if any(row["measured"] or row["status"] == "not measured" for row in rows):
+    if any(row["status"] != "planned" for row in rows):  # a comparison, not the dry run's plan
         passed = sum(row["status"] == "pass" for row in rows)
         lines += [f"{passed} of {len(rows)} figures within tolerance.", ""]
     if note:
@@ -273,6 +274,7 @@ def table_markdown(rows: Sequence[Mapping[str, str]], title: str, note: str = ""
 
 
 def table_csv(rows: Sequence[Mapping[str, str]]) -> str:
+    """The same rows as CSV (``TABLE_COLUMNS``), one line per figure."""
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=TABLE_COLUMNS, lineterminator="\n")
     writer.writeheader()
