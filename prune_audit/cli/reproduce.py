@@ -65,7 +65,6 @@ def reproduce(
                 annotations=[_annotations(annotations)],
                 device=device, dtype=dtype, threads=threads, quiet=quiet)
     golden = _golden(golden_answers, golden_questions, grid["pope"])
-    check_output_dir(out, "reproduce")
     with hold_output_dir(out, "reproduce"):
         _studies(out, grid, limit, min(limit or TIMING_QUESTIONS, TIMING_QUESTIONS))
         _write_table(out, _comparison(out, golden), limit)
