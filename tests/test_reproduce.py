@@ -64,6 +64,8 @@ def test_dry_run_lists_every_seed_figure_with_its_tolerance(tmp_path, monkeypatc
     for selector in GRID_SELECTORS:
         assert all(f"{selector}@{budget}" in plan for budget in GRID_BUDGETS)
     assert "11 runs" in plan and "9,000 questions each (adversarial, popular, random)" in plan
+    assert "prune-audit study --selectors fastv,cls_attn,coverage,cdpruner,divprune --budgets 64,128 --batch-size 1" \
+        in plan and "--out reproduce/timing-b32" in plan
     assert "estimated time: about 1.5 h on one H200 (an estimate" in plan
     assert list(tmp_path.iterdir()) == []  # the dry run writes nothing
 
@@ -163,7 +165,7 @@ def test_runs_the_seed_grid_and_the_timing_pair_then_compares(workspace, clip, t
     assert result.exit_code == 0, result.output
     grid, timing = calls
     assert (grid["selectors"], grid["budgets"], grid["batch_size"]) == (",".join(GRID_SELECTORS), "64,128", 1)
-    assert grid["out"] == tmp_path / "out" / STUDY_FOLDER and grid["limit"] is None
+    assert grid["out"] == tmp_path / "out" / STUDY_FOLDER and "limit" not in grid
     assert "epsilons" not in grid and grid["pope"] == workspace["pope"]  # study's sweep, which holds 0.02
     assert (timing["selectors"], timing["budgets"], timing["batch_size"], timing["limit"]) == (TIMING_SELECTOR, "64",
                                                                                                32, 640)
@@ -188,6 +190,7 @@ def write_study(folder: Path, rows: list[dict], cascades: dict[str, dict] | None
     entries = [{"label": label, "results": [{"epsilon": CASCADE_EPSILON, **result}]}
                for label, result in (cascades or {}).items()]
     (folder / "cascade.json").write_text(to_json({"cascades": entries}))
+    (folder / ".prune-audit-owner.json").write_text(json.dumps({"command": "study"}))
 
 
 def fake_outputs(out: Path) -> None:
@@ -268,12 +271,23 @@ def test_report_without_study_outputs_is_refused_writing_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_refuses_a_folder_of_another_command(tmp_path):
+def test_report_adopts_a_folder_of_the_printed_study_commands(tmp_path):
+    """`study` commands run apart (as --dry-run prints them) leave OUT with the two study folders only: reproduce
+    --report writes its table there."""
     out = tmp_path / "out"
-    fake_outputs(out)  # no reproduce marker: the folder reads as some other files
+    fake_outputs(out)  # no reproduce marker: OUT holds the two study folders
+    result = runner.invoke(app, ["reproduce", "--report", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (out / "reproduce.md").is_file()
+
+
+def test_refuses_a_folder_holding_other_files(tmp_path):
+    out = tmp_path / "out"
+    fake_outputs(out)
+    (out / "notes.txt").write_text("mine")
     before = snapshot(out)
     result = runner.invoke(app, ["reproduce", "--report", "--out", str(out)])
-    refused(result, "no prune-audit reproduce wrote", "pass a new or empty folder")
+    refused(result, "no prune-audit reproduce wrote", "notes.txt", "pass a new or empty folder")
     assert snapshot(out) == before
 
 

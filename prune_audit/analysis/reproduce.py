@@ -43,6 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prune_audit.errors import PruneAuditError
+from prune_audit.safety.ownership import REPRODUCE_STUDY_FOLDERS
+
+STUDY_FOLDER, TIMING_FOLDER = REPRODUCE_STUDY_FOLDERS  # ownership recognises a reproduction by them
 
 MODEL_ID = "llava-hf/llava-1.5-7b-hf"
 GOLDEN_MODEL = "LLaVA-1.5-13B"
@@ -52,13 +55,19 @@ POPE_SPLITS = ("adversarial", "popular", "random")
 QUESTIONS_PER_SPLIT = 3000
 GRID_BATCH = 1  # the seed timed its questions at batch 1: the grid's dense run gives that latency
 CASCADE_EPSILON = 0.02
-STUDY_FOLDER = "study"
-TIMING_FOLDER = "timing-b32"
 TIMING_SELECTOR = "cls_attn"
 TIMING_BUDGET = "64"
 TIMING_BATCH = 32
 TIMING_QUESTIONS = 640  # 20 batches of 32: enough for a stable mean, a minute of GPU time
 TABLE_FILES = ("reproduce.md", "reproduce.csv")
+STUDY_PRESETS: dict[str, dict[str, str | int]] = {
+    STUDY_FOLDER: {"selectors": ",".join(GRID_SELECTORS), "budgets": ",".join(GRID_BUDGETS), "batch_size": GRID_BATCH},
+    # the timing pair only reads latency: its analyses at the smallest settings valid on its 640 questions
+    TIMING_FOLDER: {"selectors": TIMING_SELECTOR, "budgets": TIMING_BUDGET, "batch_size": TIMING_BATCH,
+                    "limit": TIMING_QUESTIONS, "epsilons": "0.1", "bootstrap": 100, "splits": 20},
+}
+"""The ``study`` options of each study folder under --out (the grid keeps study's analysis settings: its
+epsilon sweep holds ``CASCADE_EPSILON``); inputs, device and threads are the reproduction's."""
 POOLED = "all 9,000 questions of the three POPE splits, pooled"
 
 
@@ -298,3 +307,19 @@ def estimated_seconds(questions: int, timing_questions: int) -> float:
 def seed_figure(key: str) -> SeedFigure:
     """The figure of ``SEED_FIGURES`` named ``key``."""
     return next(figure for figure in SEED_FIGURES if figure.key == key)
+
+
+def preset_options(folder: str, limit: int | None) -> dict[str, str | int]:
+    """``STUDY_PRESETS[folder]``, each run cut to the first ``limit`` questions when given (testing)."""
+    options = dict(STUDY_PRESETS[folder])
+    if limit is not None:
+        options["limit"] = min(limit, int(options.get("limit", limit)))
+    return options
+
+
+def preset_command(folder: str, out: Path, limit: int | None = None) -> str:
+    """The ``prune-audit study`` command line of ``folder``'s preset, inputs as placeholders."""
+    options = [f"--{name.replace('_', '-')} {value}" for name, value in preset_options(folder, limit).items()]
+    inputs = ["--model MODEL --clip-text CLIP", *(f"--pope coco_pope_{split}.json" for split in POPE_SPLITS),
+              "--images VAL2014 --annotations instances_val2014.json"]
+    return " ".join(["prune-audit study", *options, *inputs, f"--out {out / folder}"])

@@ -3,6 +3,7 @@ seed's published figures (``prune_audit.analysis.reproduce``)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -46,7 +47,7 @@ def reproduce(
     batch-32 timing study, and write OUT/reproduce.md and reproduce.csv: every figure of the seed next to the
     measured one, with its tolerance and pass or fail (docs/reproduce.md). Needs a GPU and the weights;
     --dry-run prints the plan and an estimated time and writes nothing."""
-    from prune_audit.analysis.reproduce import MODEL_ID, TIMING_QUESTIONS
+    from prune_audit.analysis.reproduce import MODEL_ID
     from prune_audit.safety.ownership import check_output_dir, hold_output_dir
 
     if dry_run:
@@ -66,7 +67,7 @@ def reproduce(
                 device=device, dtype=dtype, threads=threads, quiet=quiet)
     golden = _golden(golden_answers, golden_questions, grid["pope"])
     with hold_output_dir(out, "reproduce"):
-        _studies(out, grid, limit, min(limit or TIMING_QUESTIONS, TIMING_QUESTIONS))
+        _studies(out, grid, limit)
         _write_table(out, _comparison(out, golden), limit)
 
 
@@ -131,25 +132,13 @@ def _annotations(annotations: Path | None) -> Path:
     return annotations
 
 
-def _studies(out: Path, grid: dict, limit: int | None, timing_questions: int) -> None:
+def _studies(out: Path, grid: dict, limit: int | None) -> None:
     """The seed's grid, then the batch-32 timing pair, each an ordinary study folder under OUT."""
-    from prune_audit.analysis.reproduce import (
-        GRID_BATCH,
-        GRID_BUDGETS,
-        GRID_SELECTORS,
-        STUDY_FOLDER,
-        TIMING_BATCH,
-        TIMING_BUDGET,
-        TIMING_FOLDER,
-        TIMING_SELECTOR,
-    )
+    from prune_audit.analysis.reproduce import STUDY_PRESETS, preset_options
     from prune_audit.cli.study import study
 
-    study(selectors=",".join(GRID_SELECTORS), budgets=",".join(GRID_BUDGETS), out=out / STUDY_FOLDER,
-          batch_size=GRID_BATCH, limit=limit, **grid)  # study's own analysis settings: its epsilons hold 0.02
-    # the timing pair only reads latency; its analyses run at the smallest settings that are valid on 640 questions
-    study(selectors=TIMING_SELECTOR, budgets=TIMING_BUDGET, out=out / TIMING_FOLDER, batch_size=TIMING_BATCH,
-          limit=timing_questions, epsilons="0.1", bootstrap=100, splits=20, **grid)
+    for folder in STUDY_PRESETS:
+        study(out=out / folder, **preset_options(folder, limit), **grid)
 
 
 def _comparison(out: Path, golden: tuple[Path, list[Path]] | None) -> list[dict[str, str]]:
@@ -178,35 +167,35 @@ def _write_table(out: Path, rows: list[dict[str, str]], limit: int | None) -> No
 def _print_plan(out: Path, limit: int | None) -> None:
     """The runs, questions and budgets, the seed's figures with their tolerances and the estimated time."""
     from prune_audit.analysis.reproduce import (
-        GRID_BATCH,
-        GRID_BUDGETS,
         MODEL_ID,
         POPE_SPLITS,
         QUESTIONS_PER_SPLIT,
         STUDY_FOLDER,
-        TIMING_BATCH,
+        STUDY_PRESETS,
         TIMING_FOLDER,
-        TIMING_QUESTIONS,
-        TIMING_SELECTOR,
-        TIMING_BUDGET,
         estimated_seconds,
         expected_rows,
-        seed_figure,
         grid_runs,
+        preset_command,
+        preset_options,
+        seed_figure,
         table_markdown,
     )
 
-    questions = min(limit, QUESTIONS_PER_SPLIT * len(POPE_SPLITS)) if limit else QUESTIONS_PER_SPLIT * len(POPE_SPLITS)
-    timing = min(questions, TIMING_QUESTIONS)
+    questions = min(limit or math.inf, QUESTIONS_PER_SPLIT * len(POPE_SPLITS))
+    grid, timing = preset_options(STUDY_FOLDER, limit), preset_options(TIMING_FOLDER, limit)
     runs = grid_runs()
-    seconds = estimated_seconds(questions, timing)
     print(f"reproduce plan (dry run: nothing is loaded, run or written); model {MODEL_ID}")
     print(f"study: {len(runs)} runs into {out / STUDY_FOLDER}, {questions:,} questions each "
-          f"({', '.join(POPE_SPLITS)}), batch {GRID_BATCH}, budgets {', '.join(GRID_BUDGETS)} of 576 visual tokens:")
+          f"({', '.join(POPE_SPLITS)}), batch {grid['batch_size']}, budgets {grid['budgets']} of 576 visual tokens:")
     print(f"  {', '.join(runs)}")
-    print(f"timing: dense and {TIMING_SELECTOR}@{TIMING_BUDGET}, first {timing:,} questions, batch {TIMING_BATCH}, "
-          f"into {out / TIMING_FOLDER}")
+    print(f"timing: dense and {timing['selectors']}@{timing['budgets']}, first {timing['limit']:,} questions, batch "
+          f"{timing['batch_size']}, into {out / TIMING_FOLDER}")
     print("golden: LLaVA-1.5-13B POPE F1 by `score` on --golden-answers (not measured without it)")
+    print("the same as these study commands, then `prune-audit reproduce --report`:")
+    for folder in STUDY_PRESETS:
+        print(f"  {preset_command(folder, out, limit)}")
     print(table_markdown(expected_rows(), "Seed figures and tolerances"), end="")
+    seconds = estimated_seconds(int(questions), int(timing["limit"]))
     print(f"estimated time: about {seconds / 3600:.1f} h on one H200 (an estimate: every question at the seed's "
           f"dense {seed_figure('dense.ms_b1').expected:g} ms at batch 1, model loading and analyses not counted)")
