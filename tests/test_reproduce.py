@@ -281,6 +281,17 @@ def test_report_adopts_a_folder_of_the_printed_study_commands(tmp_path):
     assert (out / "reproduce.md").is_file()
 
 
+def test_a_folder_holding_one_study_is_not_a_reproduction(tmp_path):
+    out = tmp_path / "out"
+    fake_outputs(out)
+    import shutil
+
+    shutil.rmtree(out / TIMING_FOLDER)  # a user's folder where `study` wrote its default study/
+    before = snapshot(out)
+    refused(runner.invoke(app, ["reproduce", "--report", "--out", str(out)]), "no prune-audit reproduce wrote (study)")
+    assert snapshot(out) == before
+
+
 def test_refuses_a_folder_holding_other_files(tmp_path):
     out = tmp_path / "out"
     fake_outputs(out)

@@ -56,6 +56,7 @@ def reproduce(
         _print_plan(out, limit)
         return
     if report:  # everything read before the folder is held: a refusal writes nothing
+        check_output_dir(out, "reproduce")
         pope_files = _pope_files(pope, required=golden_answers is not None)
         rows = _comparison(out, _golden(golden_answers, golden_questions, pope_files))
         with hold_output_dir(out, "reproduce"):

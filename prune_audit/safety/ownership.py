@@ -47,8 +47,8 @@ SIGNATURE_FILES = (
 )
 # a study folder before markers, or one only its --plan commands wrote: runs/ holding run folders
 STUDY_RUNS_FOLDER = "runs"
-# a reproduction whose studies ran as separate `study` commands (reproduce --dry-run prints them): these study
-# folders and nothing else
+# a reproduction whose studies ran as separate `study` commands (reproduce --dry-run prints them): both study
+# folders and nothing else (a folder holding one study folder is a user's, where `study` wrote its default out)
 REPRODUCE_STUDY_FOLDERS = ("study", "timing-b32")
 
 
@@ -92,7 +92,7 @@ def _holds_study_runs(directory: Path) -> bool:
 
 def _holds_reproduce_studies(directory: Path) -> bool:
     names = _visible_names(directory)
-    return bool(names) and set(names) <= set(REPRODUCE_STUDY_FOLDERS) and all(
+    return names == sorted(REPRODUCE_STUDY_FOLDERS) and all(
         not (directory / name).is_symlink() and getattr(read_owner(directory / name), "command", None) == "study"
         for name in names
     )
