@@ -78,9 +78,10 @@ def _golden(answers: Path | None, questions: Path | None, pope_files: list[Path]
         if questions is not None:
             raise PruneAuditError("--golden-questions only applies with --golden-answers; drop it or pass the answers")
         return None
-    for option, path in (("--golden-answers", answers), ("--golden-questions", questions)):
+    for option, path, name in (("--golden-answers", answers, "answers/llava-v1.5-13b.jsonl"),
+                               ("--golden-questions", questions, "llava_pope_test.jsonl")):
         if path is not None and not path.is_file():
-            raise PruneAuditError(f"{option} {path} not found; pass LLaVA's {option[9:]} file of its POPE evaluation "
+            raise PruneAuditError(f"{option} {path} not found; pass LLaVA's {name} of its POPE evaluation "
                                   f"(playground/data/eval/pope) or drop the option")
     return answers, [*([questions] if questions else []), *pope_files]
 
