@@ -87,16 +87,16 @@ def _golden(answers: Path | None, questions: Path | None, pope_files: list[Path]
 
 
 def _local(source: str | None, option: str, hub_id: str) -> str:
-    """The local folder of ``source``'s weights, or a one-line refusal saying how to get them."""
+    """``source`` as given (a hub id stays one, so the runs' manifests name it) once its weights are found on
+    this machine; else a one-line refusal saying how to get them."""
     from prune_audit.models.hub import local_weights
 
     how = f"download them with `huggingface-cli download {hub_id}` and pass {option} PATH (or {option} {hub_id})"
     if not source:
         raise PruneAuditError(f"reproduce needs the {hub_id} weights; {how}")
-    folder = local_weights(source)
-    if folder is None:
+    if local_weights(source) is None:
         raise PruneAuditError(f"{option} {source}: no config.json and weights found locally; {how}")
-    return str(folder)
+    return source
 
 
 def _pope_files(pope: list[Path] | None, required: bool) -> list[Path]:
