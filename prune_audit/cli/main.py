@@ -12,6 +12,7 @@ from prune_audit.cli import demo as demo_cli
 from prune_audit.cli import interchange as interchange_cli
 from prune_audit.cli import intervene as intervene_cli
 from prune_audit.cli import pope as pope_cli
+from prune_audit.cli import reproduce as reproduce_cli
 from prune_audit.cli import run as run_cli
 from prune_audit.cli import score as score_cli
 from prune_audit.cli import selectors as selectors_cli
@@ -55,6 +56,7 @@ app.command("cascade")(cascade_cli.cascade)
 app.command("intervene")(intervene_cli.intervene)
 app.command("study", cls=TaskListingCommand)(study_cli.study)
 app.command("score", cls=TaskListingCommand)(score_cli.score)
+app.command("reproduce")(reproduce_cli.reproduce)
 app.command("export")(interchange_cli.export)
 app.command("import")(interchange_cli.import_)
 app.add_typer(pope_cli.app, name="pope")

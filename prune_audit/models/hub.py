@@ -54,12 +54,31 @@ def resolve_model_source(source: str, option: str = "--model") -> str:
         raise PruneAuditError(f"model folder not found: {source}; pass an existing folder with {option}")
     if not _offline_requested() and hub_reachable():
         return source
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(source, "config.json")
-    if isinstance(cached, str):
-        return str(Path(cached).parent)
+    cached = cached_snapshot(source)
+    if cached is not None:
+        return str(cached)
     raise PruneAuditError(
         f"model {source!r} is not a local folder nor in the hub cache, and the hub is unreachable; "
         f"pass a local checkpoint folder with {option}"
     )
+
+
+def cached_snapshot(hub_id: str) -> Path | None:
+    """The folder of ``hub_id``'s snapshot in the local hub cache (the one holding its config.json), else None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(hub_id, "config.json")
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def local_weights(source: str) -> Path | None:
+    """The local folder holding ``source``'s config.json and weight files (a folder path, or a hub id's cached
+    snapshot), without touching the network; None when either is missing."""
+    path = Path(source).expanduser()
+    folder = path if path.is_dir() else cached_snapshot(source) if HUB_ID.match(source) else None
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    return folder if any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS) else None

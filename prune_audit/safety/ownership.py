@@ -47,6 +47,9 @@ SIGNATURE_FILES = (
 )
 # a study folder before markers, or one only its --plan commands wrote: runs/ holding run folders
 STUDY_RUNS_FOLDER = "runs"
+# a reproduction whose studies ran as separate `study` commands (reproduce --dry-run prints them): both study
+# folders and nothing else (a folder holding one study folder is a user's, where `study` wrote its default out)
+REPRODUCE_STUDY_FOLDERS = ("study", "timing-b32")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ def read_owner(directory: Path) -> Owner | None:
             return Owner(command)
     if _holds_study_runs(directory):
         return Owner("study")
+    if _holds_reproduce_studies(directory):
+        return Owner("reproduce")
     return None
 
 
@@ -82,6 +87,14 @@ def _holds_study_runs(directory: Path) -> bool:
     return bool(folders) and all(
         folder.is_dir() and not folder.is_symlink() and getattr(read_owner(folder), "command", None) == "run"
         for folder in folders
+    )
+
+
+def _holds_reproduce_studies(directory: Path) -> bool:
+    names = _visible_names(directory)
+    return names == sorted(REPRODUCE_STUDY_FOLDERS) and all(
+        not (directory / name).is_symlink() and getattr(read_owner(directory / name), "command", None) == "study"
+        for name in names
     )
 
 
