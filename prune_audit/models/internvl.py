@@ -5,13 +5,13 @@ Vision: InternViT (CLS first) on every tile -> the ``vision_feature_layer`` stat
 visual token is the channel concatenation of a 2x2 block of 14-px patches (28x28
 processed pixels), row-major -> MLP projector. A 448x448 tile gives 16x16 = 256 tokens.
 
-Geometry (``data.multigrid.internvl_geometry``): with ``crop_to_patches`` (the released processors:
-``min_patches`` 1, ``max_patches`` 12) the image processor (``GotOcr2ImageProcessor``) resizes the
-image, aspect not kept, to the ``cols x rows`` tiles of the grid whose aspect ratio is closest to the
-image's, cuts them row-major and, with more than one tile, appends a thumbnail (the whole image at
-448x448). The prompt holds 256 ``<IMG_CONTEXT>`` per tile, tiles first, thumbnail last; the visual
-tokens are numbered in that order (the tiles a ``TiledGrid``, the thumbnail a second grid). One tile
-(``crop_to_patches`` off, or a 1 x 1 grid) is the whole image resized to 448x448: token (r, c) covers
+Geometry (``data.multigrid.internvl_geometry``): with ``crop_to_patches``, which ``InternVLProcessor`` always
+passes (the released -hf preprocessor configs say false, with ``min_patches`` 1, ``max_patches`` 12), the image
+processor (``GotOcr2ImageProcessor``) resizes the image, aspect not kept, to the ``cols x rows`` tiles of the
+grid whose aspect ratio is closest to the image's, cuts them row-major and, with more than one tile, appends a
+thumbnail (the whole image at 448x448). The prompt holds 256 ``<IMG_CONTEXT>`` per tile, tiles first, thumbnail
+last; the visual tokens are numbered in that order (the tiles a ``TiledGrid``, the thumbnail a second grid). One
+tile (``max_patches`` 1, or a 1 x 1 grid) is the whole image resized to 448x448: token (r, c) covers
 original pixels ``[c*28/sx, (c+1)*28/sx) x [r*28/sy, (r+1)*28/sy)``.
 
 Positions: the language model (Qwen2.5 in InternVL3) uses 1-D RoPE; after input-level selection
@@ -136,9 +136,10 @@ class InternVLModel(VisionLanguageModel):
         self.token_pixels = int(round(self.patch_size / config.downsample_ratio))
         size = image_processor.size
         self.tile = (int(size["height"]), int(size["width"]))  # each tile, and the thumbnail
-        tiles = getattr(image_processor, "crop_to_patches", False)
+        # InternVLProcessor always tiles (its images_kwargs default crop_to_patches=True), whatever the saved
+        # preprocessor_config.json says: the released -hf ones say false, with max_patches 12
         self.min_tiles = int(getattr(image_processor, "min_patches", 1))
-        self.max_tiles = int(getattr(image_processor, "max_patches", 1)) if tiles else 1
+        self.max_tiles = int(getattr(image_processor, "max_patches", 1))
 
     def prompt(self, question: str, num_image_tokens: int = 1) -> str:
         """The InternVL chat prompt for one image followed by ``question``."""
@@ -169,14 +170,14 @@ class InternVLModel(VisionLanguageModel):
 
     def prepare(self, image, question: str) -> Prepared:
         image = image.convert("RGB")
-        pixel_values = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+        pixel_values = self.image_processor(images=[image], crop_to_patches=True, return_tensors="pt")["pixel_values"]
         geometry = self.token_geometry(image.size)
         tiles = pixel_values.shape[0]
         if tuple(pixel_values.shape[-2:]) != self.tile or tiles * self.tile_tokens != geometry.num_tokens:
             raise PruneAuditError(
                 f"the image processor made {tiles} tiles of {tuple(pixel_values.shape[-2:])} px, not "
                 f"the {geometry.num_tokens // self.tile_tokens} of {self.tile} px its configuration gives; check size, "
-                f"crop_to_patches, min_patches and max_patches in its preprocessor_config.json"
+                f"min_patches and max_patches in its preprocessor_config.json"
             )
         input_ids = self.tokenizer(self.prompt(question, geometry.num_tokens), return_tensors="pt")["input_ids"][0]
         span = find_image_span(input_ids, self.model.config.image_token_id)
@@ -252,7 +253,7 @@ class InternVLModel(VisionLanguageModel):
                 "class": type(self.image_processor).__name__,
                 "mode": "internvl_tiles (one tile: hf_crop, a plain resize, no crop)",
                 "size": dict(size),
-                "crop_to_patches": bool(getattr(self.image_processor, "crop_to_patches", False)),
+                "crop_to_patches": True,  # as InternVLProcessor calls it
                 "min_patches": self.min_tiles,
                 "max_patches": self.max_tiles,
                 "patch_size": self.patch_size,
