@@ -63,7 +63,8 @@ SHAPES = {
     "llava": {
         "title": "LLaVA-1.5-7B shape",
         "image": 336,
-        "build": lambda folder, image: LlavaModel.build_tiny(folder, words=WORDS, image_size=image, patch_size=14),
+        "build": lambda folder, image: LlavaModel.build_tiny(folder, words=WORDS, image_size=image, patch_size=14,
+                                                               max_position_embeddings=4096),
         "vision": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
                    "num_attention_heads": 16},
         "text": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -74,7 +75,8 @@ SHAPES = {
     "qwen": {
         "title": "Qwen2.5-VL-7B shape",
         "image": 672,
-        "build": lambda folder, image: QwenModel.build_tiny(folder, words=WORDS, image_size=image),
+        "build": lambda folder, image: QwenModel.build_tiny(folder, words=WORDS, image_size=image,
+                                                              max_position_embeddings=32768),
         "vision": {"hidden_size": 1280, "intermediate_size": 3420, "depth": 32, "num_heads": 16,
                    "out_hidden_size": 3584, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
         "text": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,

@@ -128,7 +128,9 @@ def paired_runs(vlm, prepared, selector, budget, repeats: int, dense_times: list
 
 def build_benchmark_model(folder: Path, sizes: dict[str, int]) -> None:
     """Save the random LLaVA-shaped model (``folder/llava``) and a CLIP text tower for CDPruner (``folder/clip``)."""
-    LlavaModel.build_tiny(folder / "llava", words=WORDS, image_size=336, patch_size=14, **sizes)
+    # LLaVA-1.5's 4,096 positions: the 576 visual tokens and the prompt must fit (the run checks it)
+    LlavaModel.build_tiny(folder / "llava", words=WORDS, image_size=336, patch_size=14, max_position_embeddings=4096,
+                          **sizes)
     build_clip(folder / "clip", words=WORDS, vision_hidden_size=sizes["vision_hidden_size"], image_size=336,
                context_length=77)
 

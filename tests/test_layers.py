@@ -56,12 +56,6 @@ def test_no_module_imports_a_higher_layer(path):
     assert not upward, f"{path.relative_to(PACKAGE)} ({own}) imports higher layers: {upward}"
 
 
-def test_no_module_is_over_400_lines():
-    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400}
-    assert not long, long
-
-
 def test_runner_annotations_name_real_types():
     """``Any`` only as the value type of JSON-like dicts (manifests, reports); everything else is typed."""
     loose = []

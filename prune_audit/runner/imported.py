@@ -28,6 +28,7 @@ from prune_audit.records.interchange import (
 )
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from prune_audit.answer_modes import AnswerMode, Generation, Greedy, LetterChoice, Reduction, YesNo
     from prune_audit.models import Answer, Prepared, VisionLanguageModel
     from prune_audit.tasks import Task, TaskQuestion
@@ -277,7 +278,7 @@ def _agreeing(line: KeptQuestion, reduced: YesNo | LetterChoice) -> YesNo | Lett
     return reduced
 
 
-def _read_whole_run(run_dir: Path) -> tuple[dict, Any]:
+def _read_whole_run(run_dir: Path) -> tuple[dict[str, Any], pa.Table]:
     """The run's manifest and records; a run holding fewer questions than it planned (a shard, a stopped run) is
     refused, since an exported file would pass for the whole run."""
     from prune_audit.records.store import read_run

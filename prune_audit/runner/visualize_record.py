@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,7 +16,6 @@ from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.multigrid import geometry_from_dict
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import FIRST, StageChoice, budget_words, record_stage
-from prune_audit.safety.inputs import loads_json, path_under
 from prune_audit.runner.visualize import (
     FIGURES_DIR,
     DrawnFigure,
@@ -26,6 +25,10 @@ from prune_audit.runner.visualize import (
     output_path,
     stage_labels,
 )
+from prune_audit.safety.inputs import loads_json, path_under
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 def visualize_record(
@@ -77,7 +80,7 @@ def visualize_record(
                        notes=(missing,) if missing else ())
 
 
-def _some_ids(records: Any, split: str | None, count: int = 5) -> str:
+def _some_ids(records: pa.Table, split: str | None, count: int = 5) -> str:
     """The first ``count`` question ids of ``records`` (of ``split``, when given; "none" when it has none)."""
     ids = [row["question_id"] for row in records.select(["question_id", "split"]).to_pylist()
            if split is None or row["split"] == split]

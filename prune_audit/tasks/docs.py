@@ -34,8 +34,9 @@ prune-audit run --task scienceqa --model M --questions ScienceQA-IMG/test-00000-
 ```
 
 Question files in the Parquet layout of the lmms-eval datasets (`.parquet`; see each task's "Parquet files")
-embed their images, so they need no `--images`: every embedded image the run uses is decoded before anything
-is written, the run writes them to `RUN_DIR/images/` (its manifest's images folder, pinned by their sha256,
+embed their images, so they need no `--images`: every embedded image the run uses is decoded, and its
+`image_source` name checked to be writable (no NUL byte, no part over 255 bytes, no name that is also another's
+folder), before anything is written; the run writes them to `RUN_DIR/images/` (its manifest's images folder, pinned by their sha256,
 read again by `visualize --run` and `intervene`), and a run reads either Parquet files or the task's own files.
 `score --task pope` and `score --task gqa` read them too, without their images (GQA: only the `*_instructions`
 files); `score --task scienceqa` refuses them, because lmms-lab/ScienceQA's rows have no problem id to match an
