@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from prune_audit.tasks.base import Task
 from prune_audit.tasks.registry import get_task, list_tasks
 
 DOC_PATH = Path("docs") / "tasks.md"
@@ -21,6 +22,13 @@ manifest records the task (`task`, and `max_new_tokens` for tasks that generate)
 reads it from there. Every record holds the core columns (`task`, `answer_text`, `references`,
 `confidence`, `correct`, the retention columns) and its task's own columns ([records.md](records.md)).
 
+The prompt is composed once: the task owns its instruction (the text its official evaluation puts after the
+question: LLaVA-1.5's question files and `model_vqa_science.py`, lmms-eval's `post_prompt`), added on its own
+line unless the question file already carries it (LLaVA's GQA and POPE files do), and a question carrying
+another task's instruction is refused; the model's `--prompt-template` only wraps the result in its conversation
+([models.md](models.md)). The manifest records the template and the first question's full prompt (`prompt`), and
+`run` prints the template it used.
+
 ```
 prune-audit run                                         # POPE on the bundled demo
 prune-audit run --task gqa                              # the demo's GQA questions, answered by demo-tasks
@@ -34,8 +42,9 @@ prune-audit run --task scienceqa --model M --questions ScienceQA-IMG/test-00000-
 ```
 
 Question files in the Parquet layout of the lmms-eval datasets (`.parquet`; see each task's "Parquet files")
-embed their images, so they need no `--images`: every embedded image the run uses is decoded before anything
-is written, the run writes them to `RUN_DIR/images/` (its manifest's images folder, pinned by their sha256,
+embed their images, so they need no `--images`: every embedded image the run uses is decoded, and its
+`image_source` name checked to be writable (no NUL byte, no part over 255 bytes, no name that is also another's
+folder), before anything is written, the run writes them to `RUN_DIR/images/` (its manifest's images folder, pinned by their sha256,
 read again by `visualize --run` and `intervene`), and a run reads either Parquet files or the task's own files.
 `score --task pope` and `score --task gqa` read them too, without their images (GQA: only the `*_instructions`
 files); `score --task scienceqa` refuses them, because lmms-lab/ScienceQA's rows have no problem id to match an
@@ -63,6 +72,11 @@ def _details(task: object) -> str:
     return text.split("\n\n", 1)[1] if "\n\n" in text else ""
 
 
+def _instruction(task: Task) -> str:
+    """The task's instruction as the page shows it: quoted, or none."""
+    return f"`{task.instruction}` on its own line after the question (once)" if task.instruction else "none"
+
+
 def tasks_markdown() -> str:
     """docs/tasks.md: the introduction, then one section per registered task."""
     lines = [INTRO]
@@ -73,6 +87,7 @@ def tasks_markdown() -> str:
             "",
             task.summary + ".",
             "",
+            f"- instruction: {_instruction(task)}",
             f"- answer: {task.answer_mode_text}"
             + (f" (at most {task.default_max_new_tokens} new tokens by default; `--max-new-tokens N`)"
                if task.default_max_new_tokens is not None else ""),

@@ -19,6 +19,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.answer_modes import YES_NO
 from prune_audit.tasks.base import Scored, Task
 from prune_audit.tasks.evidence import CocoEvidence
+from prune_audit.tasks.prompts import SHORT_ANSWER
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class PopeTask(Task):
     correct_definition = "the answer (yes/no) equals the label"
     evidence_definition = "the queried object's COCO instance mask (yes questions; none for no questions)"
     evidence_noun = "the yes questions' objects"
+    instruction = SHORT_ANSWER  # LLaVA's llava_pope_test.jsonl and lmms-eval's pope post_prompt; the official files ask bare
     splits = POPE_SPLITS
     report_metrics = ("accuracy", "precision", "recall", "f1", "yes_ratio", "ece", "ece_mass", "mce", "ce_debiased_l2",
                       "brier", "nll", "auroc", "aurc")
