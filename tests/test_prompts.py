@@ -2,16 +2,19 @@
 
 The expected strings below are re-derived, as literals, from the official evaluations' construction:
 
-* LLaVA-1.5 (``--prompt-template vicuna_v1``): haotian-liu/LLaVA ``llava/eval/model_vqa_loader.py`` (commit
-  524a75b74254717057ee196b507668ebd314a280) reads the question file's ``text`` unchanged, prepends
-  ``"<image>\\n"`` (``mm_use_im_start_end`` false for LLaVA-1.5) and fills ``conv_templates["vicuna_v1"]``
-  (``llava/conversation.py`` ``conv_vicuna_v1``: the Vicuna system prompt, roles USER / ASSISTANT, separator
-  style TWO with ``sep=" "``), giving ``"{system} USER: <image>\\n{text} ASSISTANT:"``. LLaVA's question files
-  already carry the short-answer instruction for GQA (``/work/shared/data/llava_eval/llava_gqa_testdev_balanced.jsonl``:
-  ``"Is it overcast?\\nAnswer the question using a single word or phrase."``) and POPE (``llava_pope_test.jsonl``).
-  ScienceQA: ``llava/eval/model_vqa_science.py`` (commit 181a2f811f1eb0b794c25e87204491d812c05f8d, the
-  ``--single-pred-prompt`` of ``scripts/v1_5/eval/sqa.sh``) strips ``<image>`` from the human value, prepends
-  ``"<image>\\n"`` and appends ``"\\nAnswer with the option's letter from the given choices directly."``.
+* LLaVA-1.5 (``--prompt-template vicuna_v1``; ``scripts/v1_5/eval/{gqa,pope,sqa}.sh`` pass ``--conv-mode
+  vicuna_v1``), haotian-liu/LLaVA at commit c121f0432da27facab705978f83c4ada465e46fd:
+  ``llava/eval/model_vqa_loader.py`` reads the question file's ``text`` unchanged, prepends ``"<image>\n"``
+  (``mm_use_im_start_end`` is false for LLaVA-1.5) and fills ``conv_templates["vicuna_v1"]``
+  (``llava/conversation.py`` ``conv_vicuna_v1``: system "A chat between a curious user ... to the user's
+  questions." -- not ``conv_llava_v1``'s "curious human" --, roles USER / ASSISTANT, separator style TWO with
+  ``sep=" "``: system, sep, "USER: " + message, sep, "ASSISTANT:"), giving
+  ``"{system} USER: <image>\n{text} ASSISTANT:"``. LLaVA's question files already carry the short-answer
+  instruction for GQA (``llava_gqa_testdev_balanced.jsonl`` in ../shared/data/llava_eval: ``"Is it overcast?\n
+  Answer the question using a single word or phrase."``) and POPE (``llava_pope_test.jsonl``). ScienceQA:
+  ``llava/eval/model_vqa_science.py`` with ``sqa.sh``'s ``--single-pred-prompt`` strips ``<image>`` from the human
+  value, prepends ``"<image>\n"`` and appends ``"\nAnswer with the option's letter from the given choices
+  directly."``.
 * llava-hf and the other families under lmms-eval (EvolvingLMMs-Lab/lmms-eval, commit
   75571cfe0fa36ca5ec2e6aa2bb268f9d38295af3): the task's ``doc_to_text`` is ``pre_prompt + question + post_prompt``
   with the ``default`` kwargs: ``lmms_eval/tasks/pope/pope.yaml`` and ``gqa/gqa.yaml`` post_prompt
@@ -53,8 +56,8 @@ from tiny_models import WORDS
 
 SHORT = "Answer the question using a single word or phrase."
 LETTER = "Answer with the option's letter from the given choices directly."
-VICUNA = ("A chat between a curious human and an artificial intelligence assistant. The assistant gives helpful, "
-          "detailed, and polite answers to the human's questions.")
+VICUNA = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+          "detailed, and polite answers to the user's questions.")
 INTERNVL_SYSTEM = ("你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言"
                    "模型。")
 
@@ -130,8 +133,8 @@ def test_full_prompt_is_the_official_construction(models, pair, case):
 def test_llava_vicuna_v1_gqa_prompt_in_full(models):
     """The issue's case: LLaVA's GQA line under vicuna_v1 gets the instruction once (it was appended again)."""
     assert full_prompt(models[("llava", "vicuna_v1")], "gqa", GQA_LLAVA) == (
-        "A chat between a curious human and an artificial intelligence assistant. The assistant gives helpful, "
-        "detailed, and polite answers to the human's questions. USER: <image>\nIs it overcast?\nAnswer the question "
+        "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+        "detailed, and polite answers to the user's questions. USER: <image>\nIs it overcast?\nAnswer the question "
         "using a single word or phrase. ASSISTANT:")
     assert full_prompt(models[("llava", "vicuna_v1")], "caption", CAPTION) == (
         f"{VICUNA} USER: <image>\nDescribe this image in detail. ASSISTANT:")

@@ -28,9 +28,9 @@ from prune_audit.models.shape import clip_text_shape, language_shape, llava_visi
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
 
-VICUNA_V1_SYSTEM = (
-    "A chat between a curious human and an artificial intelligence assistant. "
-    "The assistant gives helpful, detailed, and polite answers to the human's questions."
+VICUNA_V1_SYSTEM = (  # LLaVA's conv_vicuna_v1 ("user"; conv_llava_v1's "human" is another template)
+    "A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user's questions."
 )
 PROMPT_TEMPLATES = ("llava_hf", "vicuna_v1")
 CLS_SIGNALS = frozenset({"cls_attention", "cls_logits", "vision_keys"})

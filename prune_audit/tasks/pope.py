@@ -54,7 +54,8 @@ class PopeTask(Task):
     correct_definition = "the answer (yes/no) equals the label"
     evidence_definition = "the queried object's COCO instance mask (yes questions; none for no questions)"
     evidence_noun = "the yes questions' objects"
-    instruction = SHORT_ANSWER  # LLaVA's llava_pope_test.jsonl and lmms-eval's pope post_prompt; the official files ask bare
+    # as LLaVA's llava_pope_test.jsonl and lmms-eval's pope post_prompt ask; the official POPE files carry none
+    instruction = SHORT_ANSWER
     splits = POPE_SPLITS
     report_metrics = ("accuracy", "precision", "recall", "f1", "yes_ratio", "ece", "ece_mass", "mce", "ce_debiased_l2",
                       "brier", "nll", "auroc", "aurc")
