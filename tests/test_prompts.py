@@ -210,3 +210,17 @@ def test_a_manifest_without_the_first_prompt_still_reads(workspace, tmp_path):
     manifest["run_id"] = run_id_of(manifest)  # as an earlier version wrote it
     (out / MANIFEST_FILE).write_text(json.dumps(manifest))
     assert read_manifest(out)["prompt"] == {"template": "llava_hf", "system": None}
+
+
+def test_run_refuses_a_question_file_asking_another_kind_of_answer(workspace, tmp_path):
+    """A POPE file whose questions already ask for an option letter: one error line, nothing written."""
+    from cli_checks import refused
+
+    rows = [json.loads(line) for line in workspace["pope"][0].read_text().splitlines()[:2]]
+    pope = tmp_path / "coco_pope_random.json"
+    pope.write_text("".join(json.dumps({**row, "text": f"{row['text']}\n{LETTER}"}) + "\n" for row in rows))
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", "--model", str(workspace["model"]), "--images", str(workspace["images"]),
+                                      "--pope", str(pope), "--out", str(out), "--quiet"])
+    refused(result, "contradicts", SHORT, "pass the task's own question files")
+    assert not out.exists()
