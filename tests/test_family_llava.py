@@ -231,8 +231,7 @@ def test_pruned_generation_with_cache_equals_recomputed_prefill(vlm, prepared, n
 def test_vicuna_template_by_name(paths):
     vicuna = load_vlm(paths[0], device="cpu", prompt_template="vicuna_v1", system_prompt="Be brief.")
     prompt = vicuna.prompt("is there a cat?")
-    suffix = "Answer the question using a single word or phrase."
-    assert prompt == f"Be brief. USER: <image>\nis there a cat?\n{suffix} ASSISTANT:"
+    assert prompt == "Be brief. USER: <image>\nis there a cat? ASSISTANT:"  # the template adds no instruction
     assert vicuna.describe()["prompt"] == {"template": "vicuna_v1", "system": "Be brief."}
 
 

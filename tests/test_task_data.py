@@ -113,7 +113,7 @@ def test_gqa_image_size_must_match_its_scene_graph(gqa_files):
 def test_gqa_questions_from_the_gqa_json_alone(gqa_files):
     questions = gqa.load_gqa(gqa_files[0])
     assert [q.question_id for q in questions] == ["201", "202", "203"]
-    assert questions[2].image == "n2.jpg" and questions[2].text == f"What color is the car?\n{gqa.INSTRUCTION}"
+    assert questions[2].image == "n2.jpg" and questions[2].text == "What color is the car?"  # the task adds the instruction
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -221,7 +221,7 @@ def test_scienceqa_entries_parse_into_question_context_and_options(tmp_path):
     assert first.context == "A food web.\nArrows show matter." and first.question == "Which eats grass?"
     assert first.options == ("fox", "rabbit") and first.answer == "B" and first.letters == ("A", "B")
     assert first.text.startswith("Context: A food web.") and "<image>" not in first.text
-    assert first.prompt.endswith("\nB. rabbit\n" + scienceqa.INSTRUCTION)
+    assert first.text.endswith("\nB. rabbit")  # the scienceqa task adds the instruction (tests/test_prompts.py)
     assert second.options == ("See you soon,\nJanet", "See You Soon,\nJanet", "bye") and second.context is None
     assert second.image is None and third.image == "7/image.png" and len(third.options) == 4
 
@@ -336,7 +336,6 @@ def test_captions_score_an_answers_file_by_hand(tmp_path):
     assert [(q.question_id, q.image, q.objects, q.caption_objects) for q in questions] == [
         (1, "000000000001.jpg", ("dog", "person"), ("dog", "person")),
         (2, "000000000002.jpg", ("car",), ("bicycle", "car"))]
-    assert questions[0].text == captions.PROMPT
     answers = write_lines(tmp_path / "answers.jsonl", [
         {"question_id": 2, "text": "A bicycle and a truck."},            # bicycle: a reference caption names it
         {"question_id": "1", "text": "Two dogs play with a cat and a dog."}])
@@ -473,7 +472,7 @@ def test_lmms_gqa_parquet_joins_instructions_and_images(tmp_path):
     first, second = result.questions
     assert (first.question_id, first.image, first.answer) == ("201", "n1.jpg", "laptop")
     assert first.evidence_object_ids == ("10", "11")
-    assert first.text == f"What is on the table?\n{gqa.INSTRUCTION}" and second.evidence_object_ids == ()
+    assert first.text == "What is on the table?" and second.evidence_object_ids == ()  # the task adds the instruction
     assert result.images == {"n1.jpg": b"1", "n2.jpg": b"2"}
     plain = write_parquet(tmp_path / "plain.parquet", gqa_instruction_columns())  # no annotations column
     assert lmms_parquet.read_gqa_parquet(plain, images).questions[0].evidence_object_ids == ()

@@ -124,6 +124,7 @@ def print_summary(result, plan) -> None:
         table.add_row(name, value)
     Console().print(table)
     # plain prints: a long path stays whole on its line
+    print(f"prompt template: {plan.manifest['prompt']['template']} (first prompt in the manifest)")
     print(f"records: {result.run_dir / ('records.parquet' if result.complete else 'parts')}")
     print(f"manifest: {result.run_dir / MANIFEST_FILE}")
 

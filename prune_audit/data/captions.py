@@ -1,8 +1,8 @@
 """Caption questions on COCO images and CHAIR scoring of a captions answers file.
 
-One question per image: the prompt :data:`PROMPT` (LLaVA's detailed-description instruction, as
-CHAIR evaluations of LVLMs use it), the image's annotated COCO categories from an instances file
-and, when a COCO captions file is given, the categories its reference captions mention (CHAIR
+One question per image, asked by the caption task's instruction :data:`PROMPT` (LLaVA's detailed-description
+instruction, as CHAIR evaluations of LVLMs use it; ``tasks.caption``), the image's annotated COCO categories
+from an instances file and, when a COCO captions file is given, the categories its reference captions mention (CHAIR
 counts both as present; only the annotated ones count as omissions, since only they have masks).
 Answers are LLaVA answers files with the COCO image id as ``question_id`` (as LLaVA's caption
 scripts write it, ``image_id = int(question_id)``). Scores: :mod:`prune_audit.data.chair`.
@@ -37,7 +37,6 @@ class CaptionQuestion:
         annotations_sha256: what the instances file says of the image (``image_annotations_sha256``): the
             evidence file (``--annotations``) must say the same.
         caption_objects: CHAIR categories its reference captions mention (empty without captions).
-        text: the prompt.
     """
 
     question_id: int
@@ -45,7 +44,6 @@ class CaptionQuestion:
     objects: tuple[str, ...]
     annotations_sha256: str
     caption_objects: tuple[str, ...] = ()
-    text: str = PROMPT
 
 
 def read_coco_captions(path: str | Path) -> dict[int, list[str]]:

@@ -46,7 +46,8 @@ class GqaQuestion:
     Attributes:
         question_id: GQA's id (a digit string in the released files).
         image: image file name (LLaVA's ``image``, or ``<imageId>.jpg``).
-        text: the prompt as in the file (LLaVA's: question, newline, :data:`INSTRUCTION`).
+        text: the question as the file gives it (LLaVA's: question, newline, :data:`INSTRUCTION`; GQA's JSON: the
+            question alone); the GQA task adds the instruction where it is missing (``tasks.prompts``).
         question: the question alone (``text``'s first line, or GQA's ``question``).
         answer: the reference short answer, None when no GQA question JSON gave it.
         full_answer: GQA's ``fullAnswer`` sentence, when given.
@@ -173,7 +174,7 @@ def read_gqa_questions(path: str | Path) -> dict[str, dict[str, Any]]:
 
 def _from_gqa_entry(question_id: str, entry: dict[str, Any], where: str) -> GqaQuestion:
     return GqaQuestion(
-        question_id=question_id, image=f"{entry['imageId']}.jpg", text=f"{entry['question']}\n{INSTRUCTION}",
+        question_id=question_id, image=f"{entry['imageId']}.jpg", text=entry["question"],
         question=entry["question"], answer=entry.get("answer"), full_answer=entry.get("fullAnswer"),
         evidence_object_ids=_annotation_ids(entry, where),
     )

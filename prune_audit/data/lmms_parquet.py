@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from prune_audit.data.gqa import ANNOTATION_FIELDS, GqaQuestion, INSTRUCTION as GQA_INSTRUCTION, question_id_digits, reference_text
+from prune_audit.data.gqa import ANNOTATION_FIELDS, GqaQuestion, question_id_digits, reference_text
 from prune_audit.data.pope import LABELS, PopeQuestion, parse_object
 from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.data.scienceqa import LETTERS, ScienceQaQuestion, parse_prompt
@@ -196,7 +196,7 @@ def _gqa_evidence(row: dict[str, Any], where: str) -> tuple[str, ...]:
 def read_gqa_parquet(instructions: Paths, images: Paths) -> ParquetQuestions[GqaQuestion]:
     """lmms-lab/GQA's ``*_instructions`` and ``*_images`` Parquet files joined on ``imageId``.
 
-    Questions are prompted as LLaVA's file (question, newline, the short-answer instruction); each
+    Each question's text is the row's question (the GQA task adds the short-answer instruction); each
     question's image must be among ``images``.
     """
     pictures: dict[str, bytes] = {}
@@ -220,12 +220,11 @@ def read_gqa_parquet(instructions: Paths, images: Paths) -> ParquetQuestions[Gqa
 
 
 def _gqa_row(row: dict[str, Any], where: str) -> tuple[GqaQuestion, str]:
-    """One ``*_instructions`` row as a question prompted as LLaVA's file (question, newline, the short-answer
-    instruction), and its ``imageId``."""
+    """One ``*_instructions`` row as a question (its text the row's question) and its ``imageId``."""
     question_id, image_id = question_id_digits(_text(row, "id", where), where), _text(row, "imageId", where)
     text = _text(row, "question", where)
     question = GqaQuestion(
-        question_id=question_id, image=f"{image_id}.jpg", text=f"{text}\n{GQA_INSTRUCTION}", question=text,
+        question_id=question_id, image=f"{image_id}.jpg", text=text, question=text,
         answer=reference_text(row.get("answer"), where, "answer"),
         full_answer=reference_text(row.get("fullAnswer"), where, "fullAnswer"),
         evidence_object_ids=_gqa_evidence(row, where),

@@ -5,8 +5,8 @@ of ``{id, image?, conversations: [{from: human, value}, {from: gpt, value: lette
 value is ``<image>\\n`` (with an image), ``Context: <hint>\\n`` (when ScienceQA has a hint), the
 question, then one ``X. choice`` line per option (A, B, ...), as lmms-eval's ``sqa_doc_to_text``
 also builds it. Entries with ``image`` are the IMG subset (2,017 of the 4,241 test questions).
-The prompt is the human value without ``<image>``, stripped (``model_vqa_science.py``), plus
-:data:`INSTRUCTION` on its own line (its ``--single-pred-prompt``).
+The question text is the human value without ``<image>``, stripped (``model_vqa_science.py``); the
+scienceqa task adds :data:`INSTRUCTION` on its own line (its ``--single-pred-prompt``; ``tasks.prompts``).
 
 Answer parsing re-implements LLaVA's ``llava/eval/eval_science_qa.py`` (commit c121f04) exactly:
 the text is a letter of A-E; or starts with ``X. `` (X in A-E); or contains exactly one match of
@@ -66,11 +66,6 @@ class ScienceQaQuestion:
     def letters(self) -> tuple[str, ...]:
         """The offered letters, ``("A", "B", ...)``."""
         return LETTERS[: len(self.options)]
-
-    @property
-    def prompt(self) -> str:
-        """What LLaVA asks (``model_vqa_science.py --single-pred-prompt``), without the image token."""
-        return f"{self.text}\n{INSTRUCTION}"
 
 
 def parse_prompt(value: str, where: str) -> tuple[str, str, str | None, tuple[str, ...]]:

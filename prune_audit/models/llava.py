@@ -28,11 +28,10 @@ from prune_audit.models.shape import clip_text_shape, language_shape, llava_visi
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
 
-VICUNA_V1_SYSTEM = (
-    "A chat between a curious human and an artificial intelligence assistant. "
-    "The assistant gives helpful, detailed, and polite answers to the human's questions."
+VICUNA_V1_SYSTEM = (  # LLaVA's conv_vicuna_v1 ("user"; conv_llava_v1's "human" is another template)
+    "A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user's questions."
 )
-SINGLE_WORD_SUFFIX = "Answer the question using a single word or phrase."
 PROMPT_TEMPLATES = ("llava_hf", "vicuna_v1")
 CLS_SIGNALS = frozenset({"cls_attention", "cls_logits", "vision_keys"})
 LAYER_SIGNALS = frozenset({"layer_attention", "layer_cls_attention"})  # every encoder layer up to the feature layer
@@ -105,10 +104,12 @@ class LlavaModel(VisionLanguageModel):
 
     # ----- prompts --------------------------------------------------------------------
     def prompt(self, question: str) -> str:
-        """The full prompt text with one image placeholder."""
+        """The full prompt text with one image placeholder around ``question`` as the task composed it (the
+        template adds no instruction). ``vicuna_v1``: LLaVA's ``conv_vicuna_v1`` as ``model_vqa_loader.py`` fills
+        it, ``"{system} USER: <image>\n{question} ASSISTANT:"``; ``llava_hf``: the checkpoint's chat template."""
         if self.prompt_template == "vicuna_v1":
             system = self.system_prompt or VICUNA_V1_SYSTEM
-            return f"{system} USER: {self.processor.image_token}\n{question}\n{SINGLE_WORD_SUFFIX} ASSISTANT:"
+            return f"{system} USER: {self.processor.image_token}\n{question} ASSISTANT:"
         if not getattr(self.processor, "chat_template", None):
             raise PruneAuditError(f"{self.model_id} has no chat template; use prompt_template='vicuna_v1'")
         messages = []
@@ -375,4 +376,4 @@ def load_clip(source: str, model) -> tuple[Any, Any]:
 
 
 
-__all__ = ["LlavaModel", "load_clip", "PROMPT_TEMPLATES", "VICUNA_V1_SYSTEM", "SINGLE_WORD_SUFFIX"]
+__all__ = ["LlavaModel", "load_clip", "PROMPT_TEMPLATES", "VICUNA_V1_SYSTEM"]

@@ -52,7 +52,9 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
     ("versions", "{python, torch, transformers} versions"),
     ("model", "{id, config_hash}: model folder or hub id, and a hash of its config"),
     ("family", "model family adapter: a registered model_type (docs/models.md)"),
-    ("prompt", "{template, system}: prompt template name and system prompt"),
+    ("prompt", "{template, system, first}: prompt template name, system prompt, and the full prompt of the first "
+     "question (the task's instruction composed once, in the template's conversation, one image placeholder; "
+     "absent in runs of earlier versions)"),
     ("dtype", "weights' dtype (float32, bfloat16, float16)"),
     ("device", "torch device the model ran on"),
     ("attn_implementation", "attention kernel (sdpa)"),
@@ -252,13 +254,16 @@ def _sha256(value: Any) -> str | None:
     return None if isinstance(value, str) and SHA256.fullmatch(value) else "a sha256 (64 hex digits)"
 
 
-def _mapping(**fields: Check) -> Check:
-    """An object holding at least ``fields``, each passing its check."""
+def _mapping(*, may_lack: tuple[str, ...] = (), **fields: Check) -> Check:
+    """An object holding at least ``fields`` but ``may_lack`` (fields that runs of earlier versions lack), each
+    field present passing its check."""
 
     def check(value: Any) -> str | None:
         if not isinstance(value, dict):
             return f"an object with {', '.join(fields)}" if fields else "an object"
         for name, field_check in fields.items():
+            if name not in value and name in may_lack:
+                continue
             if name not in value:
                 return f"an object with {', '.join(fields)} (it lacks {name})"
             problem = field_check(value[name])
@@ -312,7 +317,8 @@ MANIFEST_SCHEMA: dict[str, tuple[bool, Check]] = {
     "versions": (False, _optional(_mapping())),
     "model": (True, _mapping(id=_string, config_hash=_string)),
     "family": (False, _optional(_string)),
-    "prompt": (True, _mapping(template=_optional(_string), system=_optional(_string))),
+    "prompt": (True, _mapping(template=_optional(_string), system=_optional(_string),
+                                first=_optional(_string), may_lack=("first",))),
     "dtype": (True, _string),
     "device": (False, _optional(_string)),
     "attn_implementation": (False, _optional(_string)),

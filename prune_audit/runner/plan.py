@@ -146,7 +146,7 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
         vlm.check_question(text)
     if request.kept_sets is None or request.reanswer:  # the model answers: every prompt must fit its positions
         _check_context(vlm, task, questions, image_paths, embedded, chosen_limit=request.max_new_tokens is not None)
-    first = _prepare(vlm, questions[0], image_paths, embedded)
+    first = _prepare(vlm, task, questions[0], image_paths, embedded)
     budget = resolve_budget(budget, first.num_visual)
     manifest = _manifest(request, task, vlm, selector, budget, questions, first)
     imported = _imported(request, vlm, task, questions, image_paths, manifest, embedded)
@@ -181,7 +181,7 @@ def _imported(request: RunRequest, vlm: VisionLanguageModel, task: Task, questio
     )
 
     first_question = {question.image: question for question in reversed(questions)}
-    prepared = {image: _prepare(vlm, question, image_paths, embedded)
+    prepared = {image: _prepare(vlm, task, question, image_paths, embedded)
                 for image, question in first_question.items()}
     check_kept_sets(request.kept_sets, vlm, prepared, request.reanswer)
     if not request.reanswer:
@@ -208,11 +208,12 @@ def check_recorded(run_dir: Path, manifest: dict[str, Any], questions: Sequence[
         )
 
 
-def _prepare(vlm: VisionLanguageModel, question: TaskQuestion, image_paths: dict[str, Path],
+def _prepare(vlm: VisionLanguageModel, task: Task, question: TaskQuestion, image_paths: dict[str, Path],
              embedded: dict[str, bytes] | None) -> Prepared:
-    """One question prepared, its image read from the folder or from the question files' embedded bytes (the
-    first question's token grid and geometry describe the run in the manifest)."""
-    return prepare_question(vlm, image_paths[question.image], question.text, (embedded or {}).get(question.image))
+    """One question prepared as ``task`` asks it, its image read from the folder or from the question files'
+    embedded bytes (the first question's token grid and geometry describe the run in the manifest)."""
+    return prepare_question(vlm, image_paths[question.image], task.prompt_text(question),
+                            (embedded or {}).get(question.image))
 
 
 def _check_context(vlm: VisionLanguageModel, task: Task, questions: Sequence[TaskQuestion],
@@ -225,12 +226,12 @@ def _check_context(vlm: VisionLanguageModel, task: Task, questions: Sequence[Tas
 
     longest: dict[str, tuple[int, TaskQuestion]] = {}
     for question in questions:
-        need = (len(vlm.tokenizer.encode(question.text, add_special_tokens=False))
+        need = (len(vlm.tokenizer.encode(task.prompt_text(question), add_special_tokens=False))
                 + added_positions(vlm, task.answer_mode(question), chosen_limit=chosen_limit))
         if question.image not in longest or need > longest[question.image][0]:
             longest[question.image] = (need, question)
     for _, question in longest.values():
-        prepared = _prepare(vlm, question, image_paths, embedded)
+        prepared = _prepare(vlm, task, question, image_paths, embedded)
         name = f"question {question.split}/{question.question_id}"
         check_context(vlm, [prepared], task.answer_mode(question), [name], chosen_limit=chosen_limit)
 
@@ -407,6 +408,7 @@ def _manifest(
     manifest["max_new_tokens"] = task.max_new_tokens
     manifest["confidence"] = task.confidence
     manifest.update(description)
+    manifest["prompt"] = {**manifest["prompt"], "first": vlm.prompt(task.prompt_text(questions[0]))}
     manifest["processor"] = {**manifest.get("processor", {}), "first_image": first.geometry.to_dict()}
     manifest["selector"] = _selector_description(selector, budget, vlm, first.num_visual)
     manifest["budget"] = budget

@@ -19,6 +19,7 @@ import numpy as np
 
 from prune_audit.answer_modes import check_max_new_tokens
 from prune_audit.errors import PruneAuditError
+from prune_audit.tasks.prompts import compose_prompt
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -43,7 +44,8 @@ class TaskQuestion(Protocol):
     """What the runner reads of any task's question: its key, its image and its prompt text.
 
     ``(split, question_id)`` keys the records (``records.schema.KEY_COLUMNS``); ``image`` is the
-    file name under ``--images``; ``text`` the question as the model is asked it.
+    file name under ``--images``; ``text`` the question as its file gives it (``Task.prompt_text`` adds the
+    task's instruction).
     """
 
     @property
@@ -118,6 +120,8 @@ class Task(ABC):
         evidence_fate: the questions whose evidence the retention figure and tables follow, and by what, in words
             (POPE: "'yes' questions by the fate of the queried object"); empty for a task without evidence.
         names_evidence: whether its questions name image regions at all (``--annotations``).
+        instruction: the text its official evaluation puts after the question (LLaVA-1.5's question files,
+            lmms-eval's ``post_prompt``), composed once by ``prompt_text``; empty: none.
         splits: the values ``--split`` may take besides ``all`` (empty: the task has no splits).
         report_metrics: names of the metrics (``analysis.metric_table``) its reports show; POPE's answer scores
             (precision, recall, F1, yes ratio) need a yes/no answer.
@@ -153,8 +157,14 @@ class Task(ABC):
     names_evidence: ClassVar[bool] = True
     """Whether the task's questions name image regions (``load_evidence``); ScienceQA's do not: its figures and tables
     leave retention and lost objects out."""
+    instruction: ClassVar[str] = ""
     splits: ClassVar[tuple[str, ...]] = ()
     report_metrics: ClassVar[tuple[str, ...]] = ()
+
+    def prompt_text(self, question: TaskQuestion) -> str:
+        """The question as the model is asked it, before the model's conversation wrapper: its text and the task's
+        instruction, composed once (``tasks.prompts.compose_prompt``: never repeated, never after another)."""
+        return compose_prompt(question.text, self.instruction, f"question {question.split}/{question.question_id}")
 
     def confidence_in_use(self) -> str:
         """What the ``confidence`` column holds in this task's runs under its ``--confidence`` choice

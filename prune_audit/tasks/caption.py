@@ -52,6 +52,7 @@ from prune_audit.data.coco import CocoInstances, read_json
 from prune_audit.errors import PruneAuditError
 from prune_audit.tasks.base import GENERATED_CONFIDENCES, Scored, Task
 from prune_audit.tasks.evidence import CocoEvidence
+from prune_audit.tasks.prompts import DETAILED_DESCRIPTION
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -85,7 +86,8 @@ class CaptionTaskQuestion:
 
     @property
     def text(self) -> str:
-        return self.caption.text
+        """Nothing: the caption task's instruction is the whole question (``CaptionTask.prompt_text``)."""
+        return ""
 
 
 class CaptionEvidence(CocoEvidence):
@@ -155,6 +157,7 @@ class CaptionTask(Task):
     evidence_definition = "every annotated object's COCO mask: their union, and each object on its own"
     evidence_noun = "the annotated objects"
     evidence_fate = "captions by the fate of their image's annotated objects (together)"
+    instruction = DETAILED_DESCRIPTION
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
     default_max_new_tokens = 1024
     confidences = ("mean-token", "sequence")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from prune_audit.tasks.base import Task
 from prune_audit.tasks.registry import get_task, list_tasks
 
 DOC_PATH = Path("docs") / "tasks.md"
@@ -20,6 +21,13 @@ question's evidence (the `retention` and `lost` columns), and which metrics its 
 manifest records the task (`task`, and `max_new_tokens` for tasks that generate); every later command
 reads it from there. Every record holds the core columns (`task`, `answer_text`, `references`,
 `confidence`, `correct`, the retention columns) and its task's own columns ([records.md](records.md)).
+
+The prompt is composed once: the task owns its instruction (the text its official evaluation puts after the
+question: LLaVA-1.5's question files and `model_vqa_science.py`, lmms-eval's `post_prompt`), added on its own
+line unless the question file already carries it (LLaVA's GQA and POPE files do), and a question carrying
+another task's instruction is refused; the model's `--prompt-template` only wraps the result in its conversation
+([models.md](models.md)). The manifest records the template and the first question's full prompt (`prompt`), and
+`run` prints the template it used.
 
 ```
 prune-audit run                                         # POPE on the bundled demo
@@ -64,6 +72,11 @@ def _details(task: object) -> str:
     return text.split("\n\n", 1)[1] if "\n\n" in text else ""
 
 
+def _instruction(task: Task) -> str:
+    """The task's instruction as the page shows it: quoted, or none."""
+    return f"`{task.instruction}` on its own line after the question (once)" if task.instruction else "none"
+
+
 def tasks_markdown() -> str:
     """docs/tasks.md: the introduction, then one section per registered task."""
     lines = [INTRO]
@@ -74,6 +87,7 @@ def tasks_markdown() -> str:
             "",
             task.summary + ".",
             "",
+            f"- instruction: {_instruction(task)}",
             f"- answer: {task.answer_mode_text}"
             + (f" (at most {task.default_max_new_tokens} new tokens by default; `--max-new-tokens N`)"
                if task.default_max_new_tokens is not None else ""),

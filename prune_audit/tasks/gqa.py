@@ -37,6 +37,7 @@ from prune_audit.data.gqa import (
 )
 from prune_audit.errors import PruneAuditError
 from prune_audit.tasks.base import GENERATED_CONFIDENCES, Scored, Task
+from prune_audit.tasks.prompts import SHORT_ANSWER
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ class GqaTask(Task):
     name = "gqa"
     summary = "GQA short answers (LLaVA's prompt), scored by GQA's exact match"
     answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
+    instruction = SHORT_ANSWER  # LLaVA's question file carries it already; GQA's JSON and lmms-lab/GQA do not
     confidence_definition = (f"the probability of the whole generated answer, {GENERATED_CONFIDENCES['sequence']}; "
                              f"`--confidence mean-token` takes {GENERATED_CONFIDENCES['mean-token']}; both are "
                              f"recorded")

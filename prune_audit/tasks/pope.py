@@ -19,6 +19,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.answer_modes import YES_NO
 from prune_audit.tasks.base import Scored, Task
 from prune_audit.tasks.evidence import CocoEvidence
+from prune_audit.tasks.prompts import SHORT_ANSWER
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ class PopeTask(Task):
     evidence_definition = "the queried object's COCO instance mask (yes questions; none for no questions)"
     evidence_noun = "the yes questions' objects"
     evidence_fate = "'yes' questions by the fate of the queried object"
+    # as LLaVA's llava_pope_test.jsonl and lmms-eval's pope post_prompt ask; the official POPE files carry none
+    instruction = SHORT_ANSWER
     splits = POPE_SPLITS
     report_metrics = ("accuracy", "precision", "recall", "f1", "yes_ratio", "ece", "ece_mass", "mce", "ce_debiased_l2",
                       "brier", "nll", "auroc", "aurc")

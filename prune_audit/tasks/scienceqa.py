@@ -27,6 +27,7 @@ from prune_audit.answer_modes import OptionLetters
 from prune_audit.data.scienceqa import ScienceQaQuestion, load_scienceqa_files
 from prune_audit.errors import PruneAuditError
 from prune_audit.tasks.base import Scored, Task
+from prune_audit.tasks.prompts import OPTION_LETTER
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class ScienceQaTaskQuestion:
 
     @property
     def text(self) -> str:
-        return self.sqa.prompt
+        return self.sqa.text
 
 
 def _record_id(question: ScienceQaQuestion) -> int:
@@ -75,6 +76,7 @@ class ScienceQaTask(Task):
     answer_mode_text = "the first token over the offered option letters"
     confidence_definition = "the chosen letter's first-token probability renormalised over the offered letters"
     correct_definition = "the chosen letter equals the answer letter"
+    instruction = OPTION_LETTER  # model_vqa_science.py --single-pred-prompt; lmms-eval's scienceqa_img post_prompt
     evidence_definition = "none: ScienceQA names no image regions (no retention or lost objects)"
     evidence_noun = "the evidence regions (none for scienceqa)"
     names_evidence = False

@@ -45,7 +45,7 @@ def answer_swaps(
     skipped: Counter = Counter()
     for done, record in enumerate(eligible, start=1):
         question = questions[(record["split"], record["question_id"])]
-        prepared = prepare_question(vlm, inputs.images / record["image"], question.text)
+        prepared = prepare_question(vlm, inputs.images / record["image"], task.prompt_text(question))
         check_geometry(record, prepared)
         found = QuestionEvidence(evidence.area(question, record["image_id"], prepared.geometry),
                                  evidence.objects(question, record["image_id"], prepared.geometry))
