@@ -224,3 +224,47 @@ def test_run_refuses_a_question_file_asking_another_kind_of_answer(workspace, tm
                                       "--pope", str(pope), "--out", str(out), "--quiet"])
     refused(result, "contradicts", SHORT, "pass the task's own question files")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("demo", ["demo", "demo-qwen", "demo-tasks", "demo-qwen-tasks"])
+def test_the_demos_declare_their_trainers_bare_pope_question(demo):
+    """The bundled demos were trained on POPE questions with and without instructions, and their cards' figures
+    ask them bare: each declares that beside its weights; a released checkpoint declares nothing."""
+    from prune_audit.demo import DEMO_MODEL_DIR
+    from prune_audit.models.task_instructions import DEMO_TASK_INSTRUCTIONS, checkpoint_task_instructions
+
+    assert checkpoint_task_instructions(DEMO_MODEL_DIR.parent / demo) == DEMO_TASK_INSTRUCTIONS == {"pope": ""}
+    assert get_task("pope").prompt_text(POPE_OFFICIAL, DEMO_TASK_INSTRUCTIONS) == POPE_OFFICIAL.text
+    assert get_task("pope").prompt_text(POPE_OFFICIAL) == f"{POPE_OFFICIAL.text}\n{SHORT}"
+
+
+def test_a_checkpoints_declared_instruction_is_the_one_a_run_asks(workspace, tmp_path):
+    """A checkpoint's task_instructions.json replaces the task's instruction for the tasks it names; the manifest's
+    first prompt shows it."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(workspace["model"], model)
+    (model / "task_instructions.json").write_text(json.dumps({"pope": "Answer yes or no."}))
+    out = tmp_path / "run"
+    args = ["run", "--model", str(model), "--images", str(workspace["images"]), "--out", str(out), "--limit", "1",
+            "--quiet", "--pope", str(workspace["pope"][0])]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    first = next(json.loads(line) for line in workspace["pope"][0].read_text().splitlines())
+    assert json.loads((out / MANIFEST_FILE).read_text())["prompt"]["first"] == (
+        f"USER: <image>\n{first['text']}\nAnswer yes or no. ASSISTANT:")
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "{\"pope\": 3}", "not json"])
+def test_a_malformed_declaration_is_refused_in_one_line(workspace, tmp_path, content):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(workspace["model"], model)
+    (model / "task_instructions.json").write_text(content)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", "--model", str(model), "--images", str(workspace["images"]), "--out",
+                                      str(out), "--limit", "1", "--quiet", "--pope", str(workspace["pope"][0])])
+    assert result.exit_code == 2 and "task_instructions.json" in result.output, result.output
+    assert "Traceback" not in result.output and not out.exists()

@@ -67,6 +67,7 @@ from prune_audit.demo.checkpoint import CHECKPOINT_FILE, resume, save_checkpoint
 from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, prompt_text
 from prune_audit.demo.scene_questions import caption_question, choice_question, short_questions, vocabulary_words
 from prune_audit.models.base import VisionLanguageModel
+from prune_audit.models.task_instructions import DEMO_TASK_INSTRUCTIONS, write_task_instructions
 from prune_audit.safety.atomic import staging_folder
 
 # held-out monitoring scenes during training; the demo question set uses another seed
@@ -362,6 +363,7 @@ def _save(vlm: VisionLanguageModel, out_dir: Path, summary: dict) -> None:
         for part in parts:
             part.save_pretrained(staging)
         (staging / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_task_instructions(staging, DEMO_TASK_INSTRUCTIONS)  # evaluated as trained: POPE questions bare
         for item in staging.iterdir():
             os.replace(item, out_dir / item.name)
         (out_dir / CHECKPOINT_FILE).unlink(missing_ok=True)  # the trained model supersedes it

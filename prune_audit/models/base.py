@@ -113,6 +113,8 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         self.model_id = model_id
         self.prompt_template = prompt_template
         self.system_prompt = system_prompt
+        # {task name: instruction} where this checkpoint's own evaluation differs from the task's (models.task_instructions)
+        self.task_instructions: dict[str, str] = {}
         self._schedules = Schedules()
         self.yes_ids = answer_token_ids(tokenizer, "yes")
         self.no_ids = answer_token_ids(tokenizer, "no")

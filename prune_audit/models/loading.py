@@ -11,6 +11,7 @@ import torch
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.hub import resolve_model_source
 from prune_audit.models.parts import load_part
+from prune_audit.models.task_instructions import checkpoint_task_instructions
 from prune_audit.safety.fingerprint import weight_files
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ def load_vlm(
     # options are checked before the weights are read
     adapter.resolve_template(prompt_template)
     adapter.check_clip_text(clip_text)
+    task_instructions = checkpoint_task_instructions(source)  # read before the weights: a bad file fails fast
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     model_class = adapter.transformers_class()
@@ -107,8 +109,10 @@ def load_vlm(
             source, dtype=resolved_dtype, attn_implementation="sdpa"
         ))
         model = model.to(resolved_device).eval()
-    return adapter.from_model(model, source, prompt_template=prompt_template, system_prompt=system_prompt,
-                              clip_text=None if clip_text is None else str(clip_text))
+    vlm = adapter.from_model(model, source, prompt_template=prompt_template, system_prompt=system_prompt,
+                             clip_text=None if clip_text is None else str(clip_text))
+    vlm.task_instructions = task_instructions
+    return vlm
 
 
 __all__ = ["load_vlm", "checkpoint_family", "resolve_device", "resolve_dtype", "DTYPES"]

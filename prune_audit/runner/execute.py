@@ -146,7 +146,9 @@ def answer_batches(
     batch_size = max(1, plan.request.batch_size)
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
-        prepared = [prepare_question(plan.vlm, plan.image_paths[q.image], plan.task.prompt_text(q)) for q in batch]
+        declared = plan.vlm.task_instructions
+        prepared = [prepare_question(plan.vlm, plan.image_paths[q.image], plan.task.prompt_text(q, declared))
+                    for q in batch]
         generators = [question_generator(plan.request.seed, q) for q in batch]
         answers = answer_batch(plan, batch, prepared, generators)
         answered = [

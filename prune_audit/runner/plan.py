@@ -212,7 +212,7 @@ def _prepare(vlm: VisionLanguageModel, task: Task, question: TaskQuestion, image
              embedded: dict[str, bytes] | None) -> Prepared:
     """One question prepared as ``task`` asks it, its image read from the folder or from the question files'
     embedded bytes (the first question's token grid and geometry describe the run in the manifest)."""
-    return prepare_question(vlm, image_paths[question.image], task.prompt_text(question),
+    return prepare_question(vlm, image_paths[question.image], task.prompt_text(question, vlm.task_instructions),
                             (embedded or {}).get(question.image))
 
 
@@ -226,7 +226,7 @@ def _check_context(vlm: VisionLanguageModel, task: Task, questions: Sequence[Tas
 
     longest: dict[str, tuple[int, TaskQuestion]] = {}
     for question in questions:
-        need = (len(vlm.tokenizer.encode(task.prompt_text(question), add_special_tokens=False))
+        need = (len(vlm.tokenizer.encode(task.prompt_text(question, vlm.task_instructions), add_special_tokens=False))
                 + added_positions(vlm, task.answer_mode(question), chosen_limit=chosen_limit))
         if question.image not in longest or need > longest[question.image][0]:
             longest[question.image] = (need, question)
@@ -408,7 +408,8 @@ def _manifest(
     manifest["max_new_tokens"] = task.max_new_tokens
     manifest["confidence"] = task.confidence
     manifest.update(description)
-    manifest["prompt"] = {**manifest["prompt"], "first": vlm.prompt(task.prompt_text(questions[0]))}
+    first_prompt = vlm.prompt(task.prompt_text(questions[0], vlm.task_instructions))
+    manifest["prompt"] = {**manifest["prompt"], "first": first_prompt}
     manifest["processor"] = {**manifest.get("processor", {}), "first_image": first.geometry.to_dict()}
     manifest["selector"] = _selector_description(selector, budget, vlm, first.num_visual)
     manifest["budget"] = budget

@@ -10,7 +10,7 @@ builder and the analyses ask the run's task; none of them knows a task by name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -161,10 +161,13 @@ class Task(ABC):
     splits: ClassVar[tuple[str, ...]] = ()
     report_metrics: ClassVar[tuple[str, ...]] = ()
 
-    def prompt_text(self, question: TaskQuestion) -> str:
+    def prompt_text(self, question: TaskQuestion, declared: Mapping[str, str] | None = None) -> str:
         """The question as the model is asked it, before the model's conversation wrapper: its text and the task's
-        instruction, composed once (``tasks.prompts.compose_prompt``: never repeated, never after another)."""
-        return compose_prompt(question.text, self.instruction, f"question {question.split}/{question.question_id}")
+        instruction, composed once (``tasks.prompts.compose_prompt``: never repeated, never after another).
+        ``declared``: the instructions a checkpoint's own evaluation asks by task name (``vlm.task_instructions``),
+        which replace the task's where they name it."""
+        instruction = (declared or {}).get(self.name, self.instruction)
+        return compose_prompt(question.text, instruction, f"question {question.split}/{question.question_id}")
 
     def confidence_in_use(self) -> str:
         """What the ``confidence`` column holds in this task's runs under its ``--confidence`` choice

@@ -26,7 +26,8 @@ The prompt is composed once: the task owns its instruction (the text its officia
 question: LLaVA-1.5's question files and `model_vqa_science.py`, lmms-eval's `post_prompt`), added on its own
 line unless the question file already carries it (LLaVA's GQA and POPE files do), and a question carrying
 another task's instruction is refused; the model's `--prompt-template` only wraps the result in its conversation
-([models.md](models.md)). The manifest records the template and the first question's full prompt (`prompt`), and
+([models.md](models.md)); a checkpoint evaluated by another convention declares its own instruction per task in
+`task_instructions.json` (the bundled demos ask POPE bare, as their cards measure). The manifest records the template and the first question's full prompt (`prompt`), and
 `run` prints the template it used.
 
 ```

@@ -45,7 +45,8 @@ def answer_swaps(
     skipped: Counter = Counter()
     for done, record in enumerate(eligible, start=1):
         question = questions[(record["split"], record["question_id"])]
-        prepared = prepare_question(vlm, inputs.images / record["image"], task.prompt_text(question))
+        prepared = prepare_question(vlm, inputs.images / record["image"],
+                                    task.prompt_text(question, vlm.task_instructions))
         check_geometry(record, prepared)
         found = QuestionEvidence(evidence.area(question, record["image_id"], prepared.geometry),
                                  evidence.objects(question, record["image_id"], prepared.geometry))
