@@ -331,7 +331,7 @@ def test_lost_objects_has_intervals_shows_the_diagonal_and_lists_runs_that_lost_
     nan = float("nan")
     rows = [{"run": "dense", "selector": "dense"}, lost_row("fastv@16", 0.52, 0.39, 0.973),
             lost_row("random@16", 0.37, 0.14, 0.998), lost_row("divprune@16", 0.0, nan, nan)]
-    study_figures.lost_objects(rows, "demo")
+    study_figures.lost_objects(rows, "demo", "yes-questions")
     figure = captured["lost_objects"]
     (axis,) = figure.axes
     assert axis.get_xlim() == axis.get_ylim() and axis.get_xlim()[0] < 0.14  # one range: the diagonal shows (issue 46)

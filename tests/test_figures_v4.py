@@ -62,7 +62,8 @@ def test_a_run_has_one_colour_in_every_figure_of_a_study(captured):
     for row in rows:
         row.update({"visual_tokens": 16.0, "accuracy": 0.8, "accuracy_low": 0.7, "accuracy_high": 0.9})
     styles = study_figures.study_styles(rows)
-    study_figures.lost_objects(rows, "demo")  # divprune lost nothing: fastv keeps its own colour anyway
+    # divprune lost nothing: fastv keeps its own colour anyway
+    study_figures.lost_objects(rows, "demo", "yes-questions")
     study_figures.metric_vs_budget(rows, [("accuracy", "accuracy")], "demo", "accuracy_vs_budget")
     cascade_figures([cascade(label, [0.9, 0.6, 0.3]) for label in ("divprune@16", "fastv@16", "random@16")], "demo",
                     "dense", styles=styles)
@@ -96,7 +97,7 @@ def test_validity_bars_are_the_standard_error_the_cascade_table_prints(captured)
 
 
 def test_lost_objects_axes_share_one_range_that_holds_the_diagonal(captured):
-    study_figures.lost_objects(study_rows(), "demo")
+    study_figures.lost_objects(study_rows(), "demo", "yes-questions")
     (axis,) = captured["lost_objects"].axes
     low, high = axis.get_xlim()
     assert axis.get_ylim() == (low, high) and low <= 0.12 - 0.02 and high >= 1.0  # random's accuracy 0.14 - 0.02

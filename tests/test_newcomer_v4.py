@@ -118,6 +118,30 @@ def test_a_task_without_evidence_shows_no_retention_or_lost_rows_and_no_retentio
     assert "survival" not in (out / "calibration.csv").read_text()  # no "0 of 0" lost-object rows in the table
 
 
+def test_a_study_section_of_a_task_without_evidence_has_no_lost_columns_finding_or_figure():
+    from prune_audit.analysis import report_html
+
+    with_evidence = [name for _, name in report_html.table_columns(("accuracy",), names_evidence=True)]
+    without = [name for _, name in report_html.table_columns(("accuracy",), names_evidence=False)]
+    assert set(report_html.EVIDENCE_COLUMNS) <= set(with_evidence)
+    assert not set(report_html.EVIDENCE_COLUMNS) & set(without) and "accuracy" in without
+    assert "lost_objects" not in [stem for stem, _ in report_html.section_figures(names_evidence=False)]
+    assert "lost_objects" in [stem for stem, _ in report_html.section_figures(names_evidence=True)]
+
+
+def test_the_lost_objects_figure_names_the_tasks_evidence_questions(captured):  # noqa: F811
+    from test_figures_v4 import study_rows
+
+    from prune_audit.analysis import study_figures
+    from prune_audit.tasks import get_task
+
+    study_figures.lost_objects(study_rows(), "gqa", get_task("gqa").evidence_questions)
+    (axis,) = captured["lost_objects"].axes
+    labels = [text.get_text() for text in axis.get_legend().get_texts()]
+    assert any("of questions with evidence masks" in label for label in labels)
+    assert not any("yes-questions" in label for label in labels)
+
+
 # ----- 4. the pruning API example runs as written and answers with the task demo ------------------------------------
 
 

@@ -54,10 +54,23 @@ def _with_interval(row: dict, name: str) -> str:
     return f"{_number(value)} [{_number(low)}, {_number(high)}]"
 
 
-def table_columns(report_metrics: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """The columns of ``TABLE_COLUMNS`` a task's table shows: a metric's column only if the task reports it
+EVIDENCE_COLUMNS = ("lost_share", "lost_pair")
+"""The columns about lost evidence: a task whose questions name no image regions (ScienceQA) has none to show."""
+EVIDENCE_FIGURES = ("lost_objects",)
+
+
+def table_columns(report_metrics: Sequence[str], names_evidence: bool = True) -> tuple[tuple[str, str], ...]:
+    """The columns of ``TABLE_COLUMNS`` a task's table shows: the lost-evidence columns only if its questions name
+    evidence (``Task.names_evidence``), a metric's column only if the task reports it
     (``Task.report_metrics``; GQA has no F1)."""
-    return tuple(column for column in TABLE_COLUMNS if column[1] not in METRIC_NAMES or column[1] in report_metrics)
+    return tuple(column for column in TABLE_COLUMNS
+                 if (column[1] not in METRIC_NAMES or column[1] in report_metrics)
+                 and (names_evidence or column[1] not in EVIDENCE_COLUMNS))
+
+
+def section_figures(names_evidence: bool) -> tuple[tuple[str, str], ...]:
+    """The report figures of a task: the lost-objects figure only if its questions name evidence."""
+    return tuple(figure for figure in FIGURES if names_evidence or figure[0] not in EVIDENCE_FIGURES)
 
 
 @dataclass(frozen=True)
@@ -67,7 +80,8 @@ class TaskSection:
     Attributes:
         task: the task's name; rows: its summary rows (reference first); epsilons: its cascade targets;
         note: its settings line (``study.settings_note``); questions: its question set (``question_set``);
-        report_metrics: ``Task.report_metrics``; figure_prefix: prefix of its figure files (several tasks).
+        report_metrics: ``Task.report_metrics``; figure_prefix: prefix of its figure files (several tasks);
+        names_evidence: ``Task.names_evidence`` (without evidence: no lost-evidence columns, finding or figure).
     """
 
     task: str
@@ -77,6 +91,7 @@ class TaskSection:
     questions: str
     report_metrics: Sequence[str]
     figure_prefix: str = ""
+    names_evidence: bool = True
 
 
 def table_cells(row: dict, columns: Sequence[tuple[str, str]] = TABLE_COLUMNS) -> list[str]:
@@ -114,8 +129,9 @@ def _signed(row: dict, name: str) -> str:
     return f"{value:+.3f}, 95% interval [{low:+.3f}, {high:+.3f}] {verdict}"
 
 
-def findings(rows: Sequence[dict], epsilons: Sequence[float]) -> list[str]:
-    """Sentences stating what the numbers show, each naming its runs and values."""
+def findings(rows: Sequence[dict], epsilons: Sequence[float], names_evidence: bool = True) -> list[str]:
+    """Sentences stating what the numbers show, each naming its runs and values (the lost-evidence one only where
+    the task's questions name evidence)."""
     reference = next(row for row in rows if row["selector"] == "dense")
     pruned = [row for row in rows if row["selector"] != "dense"]
     texts = []
@@ -131,7 +147,7 @@ def findings(rows: Sequence[dict], epsilons: Sequence[float]) -> list[str]:
         texts.append(text + f"; the dense model scores {reference['accuracy']:.3f}.")
     texts.append(_change_finding(pruned, reference, "ece", "ECE"))
     texts.append(_change_finding(pruned, reference, "auroc", "AUROC"))
-    texts.extend(_lost_finding(pruned))
+    texts.extend(_lost_finding(pruned) if names_evidence else [])
     texts.extend(_omission_finding(pruned))
     texts.extend(_cascade_findings(pruned, epsilons))
     return texts
@@ -267,12 +283,12 @@ def latency_caveat(header: ReportHeader) -> str:
 def _section_markdown(section: TaskSection, level: str, caveat: str | None) -> list[str]:
     """A task's table, notes, findings and figures; ``level``: the heading marks of its parts (``##``, ``###``);
     ``caveat``: the latency caveat, after the note (a study of one task)."""
-    columns = table_columns(section.report_metrics)
+    columns = table_columns(section.report_metrics, section.names_evidence)
     lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + " --- |" * len(columns)]
     lines += ["| " + " | ".join(table_cells(row, columns)) + " |" for row in section.rows]
     lines += ["", section.note, "", *([caveat, ""] if caveat else []), f"{level} Findings", ""]
-    lines += [f"- {text}" for text in findings(section.rows, section.epsilons)]
-    for stem, caption in FIGURES:
+    lines += [f"- {text}" for text in findings(section.rows, section.epsilons, section.names_evidence)]
+    for stem, caption in section_figures(section.names_evidence):
         lines += ["", f"{level} {caption}", "", f"![{caption}]({section.figure_prefix}{stem}.png)"]
     return lines
 
@@ -324,13 +340,14 @@ def _section_html(section: TaskSection, pictures: dict[str, bytes], level: int, 
     ``caveat``: the latency caveat, after the note (a study of one task)."""
     escape = html.escape
     parts = [
-        table_html(section.rows, table_columns(section.report_metrics)),
+        table_html(section.rows, table_columns(section.report_metrics, section.names_evidence)),
         f"<p>{escape(section.note)}</p>",
         *([f"<p>{escape(caveat)}</p>"] if caveat else []),
         f"<h{level}>Findings</h{level}><ul>"
-        + "".join(f"<li>{escape(text)}</li>" for text in findings(section.rows, section.epsilons)) + "</ul>",
+        + "".join(f"<li>{escape(text)}</li>"
+                  for text in findings(section.rows, section.epsilons, section.names_evidence)) + "</ul>",
     ]
-    for stem, caption in FIGURES:
+    for stem, caption in section_figures(section.names_evidence):
         data = base64.b64encode(pictures[f"{section.figure_prefix}{stem}.png"]).decode("ascii")
         parts.append(
             f'<h{level}>{escape(caption)}</h{level}><img alt="{escape(caption)}" src="data:image/png;base64,{data}">'

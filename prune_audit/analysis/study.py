@@ -58,7 +58,8 @@ SUMMARY_COLUMNS = {
     "mean_confidence": "mean top-label confidence",
     **{name: f"calibrate: {'/'.join(path)}" for name, path in ESTIMATED.items()},
     "temperature": "calibrate: fitted temperature T (calibration images)",
-    "lost_share": "share of yes-questions with a known mask whose object lost every token at the stage read",
+    "lost_share": "share of the questions with evidence masks (POPE: yes-questions) whose evidence lost every token at "
+                  "the stage read",
     "savings_share": "cascade: share of the possible savings between an uninformative and a perfect gate, "
     "at the first epsilon",
     "latency_ms": "mean latency per question (ms), from the records",
@@ -272,14 +273,15 @@ def study_files(by_task: Mapping[str, StudyReports], command: str = "") -> dict[
         epsilons = [result["epsilon"] for result in reports.cascade["cascades"][0]["results"]]
         figure_title = f"{title}, {name}" if prefix else title
         figures = {f"{prefix}{stem}": data
-                   for stem, data in study_figures(rows, reports.calibration, reports.cascade, figure_title).items()}
+                   for stem, data in study_figures(rows, reports.calibration, reports.cascade, figure_title,
+                                                   reports.reference.task).items()}
         pictures.update(figures)
         files.update({f"{prefix}calibration.json": to_json(reports.calibration),
                       f"{prefix}cascade.json": to_json(reports.cascade), **figures})
         reference = reports.reference
         sections.append(TaskSection(name, rows, epsilons, settings_note(reports),
                                     question_set(reference.manifest, len(reference.questions)),
-                                    reference.task.report_metrics, prefix))
+                                    reference.task.report_metrics, prefix, reference.task.names_evidence))
         every_row += rows
     header = report_header(first.manifest, first.model_name, len(first.questions), command)
     if len(by_task) > 1:

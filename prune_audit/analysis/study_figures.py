@@ -7,6 +7,7 @@ cascade's pictures are ``cascade_plots.cascade_figures``' own.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from prune_audit.analysis.figures import (  # one renderer and one run style for
     run_styles,
 )
 from prune_audit.analysis.cascade_plots import cascade_figures
+
+if TYPE_CHECKING:
+    from prune_audit.tasks import Task
 
 
 def _pruned_by_selector(rows: Sequence[dict]) -> dict[str, list[dict]]:
@@ -85,7 +89,7 @@ def _lost_point(row: dict, prefix: str) -> tuple[float, float, list[list[float]]
     return float(confidence[0]), float(accuracy[0]), confidence_error, accuracy_error
 
 
-def lost_objects(rows: Sequence[dict], title: str) -> dict[str, bytes]:
+def lost_objects(rows: Sequence[dict], title: str, evidence_questions: str) -> dict[str, bytes]:
     """Accuracy against mean confidence on the questions whose object was lost, pruned and dense, with 95% intervals.
 
     Each run's pruned point (filled, its ``study_styles``) and the dense model on the same questions (open square
@@ -107,7 +111,7 @@ def lost_objects(rows: Sequence[dict], title: str) -> dict[str, bytes]:
             continue
         pruned, dense = _lost_point(row, "lost"), _lost_point(row, "lost_reference")
         style = styles[row["run"]]
-        label = f"{row['run']} (lost {row['lost_share']:.0%} of yes-questions)"
+        label = f"{row['run']} (lost {row['lost_share']:.0%} of {evidence_questions})"
         axis.errorbar(pruned[0], pruned[1], xerr=pruned[2], yerr=pruned[3], marker=style.marker, capsize=2,
                       color=style.colour, label=label)
         axis.errorbar(dense[0], dense[1], xerr=dense[2], yerr=dense[3], marker="s", markerfacecolor="white",
@@ -163,15 +167,17 @@ def reliability_grid(entries: Sequence[dict], title: str, styles: dict[str, RunS
     return _render(figure, "reliability_grid")
 
 
-def study_figures(rows: Sequence[dict], calibration: dict, cascade: dict, title: str) -> dict[str, bytes]:
-    """Every picture of the study report, by file name."""
+def study_figures(rows: Sequence[dict], calibration: dict, cascade: dict, title: str, task: Task) -> dict[str, bytes]:
+    """Every picture of the study report, by file name (the lost-objects figure only where ``task``'s questions
+    name evidence)."""
     entries = [calibration["reference"], *calibration["runs"]]
     files = metric_vs_budget(rows, [("accuracy", "accuracy")], f"{title}: accuracy", "accuracy_vs_budget")
     calibration_metrics = [("ece", "ECE (equal-width bins)"), ("auroc", "AUROC (confidence vs correctness)")]
     files.update(metric_vs_budget(rows, calibration_metrics, f"{title}: calibration", "calibration_vs_budget"))
     files.update(metric_vs_budget(rows, [("accuracy", "accuracy"), ("auroc", "AUROC (confidence vs correctness)")],
                                   f"{title}: at matched compute", "quality_vs_flops", x=FLOPS_AXIS))
-    files.update(lost_objects(rows, f"{title}: lost objects"))
+    if task.names_evidence:
+        files.update(lost_objects(rows, f"{title}: lost objects", task.evidence_questions))
     files.update(reliability_grid(entries, f"{title}: reliability", study_styles(rows)))
     files.update(cascade_figures(cascade["cascades"], title, cascade["reference"]["label"], styles=study_styles(rows)))
     return files

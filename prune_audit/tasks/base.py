@@ -120,6 +120,8 @@ class Task(ABC):
         evidence_fate: the questions whose evidence the retention figure and tables follow, and by what, in words
             (POPE: "'yes' questions by the fate of the queried object"); empty for a task without evidence.
         names_evidence: whether its questions name image regions at all (``--annotations``).
+        evidence_questions: the questions whose evidence ``lost`` counts, as a plural noun for figure labels
+            (POPE: "yes-questions"); empty for a task without evidence.
         instruction: the text its official evaluation puts after the question (LLaVA-1.5's question files,
             lmms-eval's ``post_prompt``), composed once by ``prompt_text``; empty: none.
         splits: the values ``--split`` may take besides ``all`` (empty: the task has no splits).
@@ -154,6 +156,7 @@ class Task(ABC):
     evidence_definition: ClassVar[str] = ""
     evidence_noun: ClassVar[str] = "the evidence regions"
     evidence_fate: ClassVar[str] = ""
+    evidence_questions: ClassVar[str] = ""
     names_evidence: ClassVar[bool] = True
     """Whether the task's questions name image regions (``load_evidence``); ScienceQA's do not: its figures and tables
     leave retention and lost objects out."""

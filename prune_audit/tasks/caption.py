@@ -157,6 +157,7 @@ class CaptionTask(Task):
     evidence_definition = "every annotated object's COCO mask: their union, and each object on its own"
     evidence_noun = "the annotated objects"
     evidence_fate = "captions by the fate of their image's annotated objects (together)"
+    evidence_questions = "captions with annotated objects"
     instruction = DETAILED_DESCRIPTION
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
     default_max_new_tokens = 1024
