@@ -193,7 +193,9 @@ def test_visualize_titles_a_layer_average_budget_as_such(tmp_path):
     "option, words",
     [("layer=99", "layer must be an integer in [1, 31] on the 32-layer reference, scaled to the model's depth: on its "
                   "12 layers, decoder layers 1 to 11"),
-     ("layer=20", "(a layer average; layer=20 of the 32-layer reference is decoder layer 8 of the model's 12)")],
+     ("layer=20", "(a layer average; layer=20 of the 32-layer reference is decoder layer 8 of the model's 12)"),
+     ("lyer=3", "layer (an integer in [1, 31] on the 32-layer reference, scaled to the model's depth: on its 12 "
+                "layers, decoder layers 1 to 11, default 2)")],
 )
 def test_layer_options_name_the_models_own_layers_beside_the_reference_value(tmp_path, option, words):
     out = tmp_path / "run"

@@ -178,11 +178,14 @@ def option_domains(cls: type, strict: bool = True) -> dict[str, Domain]:
     return domains
 
 
-def describe_options(cls: type) -> str:
-    """``name (domain, default d); ...`` for error messages and listings."""
+def describe_options(cls: type, depth: int | None = None) -> str:
+    """``name (domain, default d); ...`` for error messages and listings; ``depth``: the model's decoder layers,
+    when known (a layer option then names the model's own layers beside the reference's, ``Domain.describe_for``)."""
     defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
     parts = [
-        f"{name} ({domain.describe_all()}, default {spell(defaults[name])})" for name, domain in option_domains(cls).items()
+        f"{name} ({domain.describe_all() if depth is None else domain.describe_for(depth)}, "
+        f"default {spell(defaults[name])})"
+        for name, domain in option_domains(cls).items()
     ]
     return "; ".join(parts) or "none"
 
@@ -221,7 +224,8 @@ def parse_options(cls: type, pairs: Sequence[str], depth: int | None = None) -> 
         if key in options:
             raise ValueError(f"--option {key} is given twice; pass each option of selector {cls.name!r} once")
         if key not in domains:
-            raise ValueError(f"unknown option {key!r} of selector {cls.name!r}; valid options: {describe_options(cls)}")
+            raise ValueError(f"unknown option {key!r} of selector {cls.name!r}; valid options: "
+                             f"{describe_options(cls, depth)}")
         domain = domains[key]
         try:
             value = domain.parse(text)
