@@ -211,3 +211,24 @@ def test_dense_answers_equal_lmms_evals_own_llava_class(demo_run):
         answers[model] = [json.loads(line)["filtered_resps"] for line in samples.read_text().splitlines()]
     assert len(answers["prune_audit"]) == QUESTIONS
     assert answers["prune_audit"] == answers["llava_hf"]
+
+
+@pytest.mark.slow
+def test_the_comparison_benchmark_prints_all_equal_rows(tmp_path):
+    """``benchmarks/lmms_eval_compare.py`` at a small size (issue 40): every selector's kept sets, answers and
+    captions through lmms-eval equal ``prune-audit run``'s, as docs/lmms-eval.md reports at full size."""
+    lmms_eval_command()
+    questions, captions = 20, 4
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.lmms_eval_compare", str(tmp_path / "compare"), "--questions",
+         str(questions), "--captions", str(captions)],
+        capture_output=True, text=True, env=ENVIRONMENT, cwd=REPO, check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in completed.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [cells[0].strip() for cells in rows] == ["none", "fastv-16", "divprune-16", "visionzip-16"]
+    for cells in rows:
+        kept, mc_answers, generated, described = (cells[index].strip() for index in (5, 6, 8, 9))
+        assert kept == f"{3 * questions + captions}/{3 * questions + captions}", cells
+        assert mc_answers == generated == f"{questions}/{questions}", cells
+        assert described == f"{captions}/{captions}", cells
