@@ -124,7 +124,7 @@ def test_visualize_live_draws_sparsevlm_recycled_cells_with_its_option(tmp_path,
     assert result.exit_code == 0, result.output
     unpruned, recycled = drawn["panels"]
     assert not unpruned.has_merged_only_cells()
-    assert recycled.title == f"sparsevlm (recycle=true), budget {BUDGET}" and recycled.has_merged_only_cells()
+    assert recycled.title == f"sparsevlm (recycle=true), budget {BUDGET} (layer average)" and recycled.has_merged_only_cells()
     assert len(recycled.merged) == len(recycled.stages) == len(recycled.stage_labels) > 1
     for cells, label in zip(recycled.merged, recycled.stage_labels):
         assert label.startswith("layer ") and (" merged" in label) == bool(cells)

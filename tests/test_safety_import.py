@@ -91,7 +91,7 @@ def test_merged_tokens_whose_cells_are_also_kept_are_refused(exported, workspace
         line["stages"][0]["merged"] = [[line["stages"][0]["kept"][0]]]
 
     result = import_edited(exported, workspace, tmp_path, in_first(merge_kept))
-    refused(result, "line 2: stage 0", "both kept and merged", "each cell reaches the model once")
+    refused(result, "line 2: stage 0", "both kept and merged", "reaches the model through its own token")
 
 
 def test_an_input_stage_header_over_decoder_layer_kept_sets_is_refused(exported, workspace, tmp_path):
@@ -232,3 +232,13 @@ def test_an_answer_longer_than_the_task_generates_is_refused(workspace, tmp_path
     result = invoke("import", path, "--geometry", workspace["model"], *questions, "--out", out)
     refused(result, "line 2: answer of 100000000000000000000 tokens", "at most 4", "give the header the limit")
     assert not out.exists()
+
+
+def test_merged_tokens_may_share_a_cell_but_never_carry_one_twice():
+    from prune_audit.pruners.pool import adaptive_windows
+    from prune_audit.records.consistency import stage_cells_problem
+
+    bins = [window.tolist() for window in adaptive_windows(24, 24, 128)]  # 11 x 11 bins over 24 cells overlap
+    assert len({cell for cells in bins for cell in cells}) < sum(map(len, bins))
+    assert stage_cells_problem([], bins) is None
+    assert "carries grid cell 3 twice" in stage_cells_problem([], [[3, 3]])

@@ -170,7 +170,7 @@ def test_a_refused_import_into_its_earlier_folder_changes_nothing(made, workspac
     assert result.exit_code == 0, result.output
     lines = kept.read_text().splitlines()
     line = json.loads(lines[1])
-    line["answer"]["p_yes"], line["answer"]["p_no"] = line["answer"]["p_no"], line["answer"]["p_yes"]
+    line["answer"]["p_yes"], line["answer"]["p_no"] = line["answer"]["p_yes"] / 2, line["answer"]["p_no"] / 2
     kept.write_text("\n".join([lines[0], json.dumps(line), *lines[2:]]) + "\n")
     before, times = snapshot(out), stats(out)
     refused(invoke(*args), str(out), "different configuration", "another --out")

@@ -57,14 +57,17 @@ def generation_problem(text: str, sequence_prob: float, mean_token_prob: float, 
 
 
 def stage_cells_problem(kept: Sequence[int], merged: Sequence[Sequence[int]]) -> str | None:
-    """A stage's kept cells and the cells each of its merged tokens carries are distinct: no cell counts twice."""
-    seen = set(kept)
+    """A stage's kept cells reach the model through their own tokens only, and each merged token carries distinct
+    cells that are not kept. Merged tokens may share a cell: adaptive average pooling's bins overlap by a cell where
+    the pooled grid does not divide the grid (``pool``'s documented bins)."""
+    kept_cells = set(kept)
     for sources in merged:
-        twice = seen.intersection(sources)
-        if twice or len(set(sources)) != len(sources):
-            cell = min(twice) if twice else next(i for i in sources if sources.count(i) > 1)
-            return f"grid cell {cell} is both kept and merged, or merged twice; each cell reaches the model once"
-        seen.update(sources)
+        twice = kept_cells.intersection(sources)
+        if twice:
+            return f"grid cell {min(twice)} is both kept and merged; a kept cell reaches the model through its own token"
+        if len(set(sources)) != len(sources):
+            cell = next(i for i in sources if sources.count(i) > 1)
+            return f"a merged token carries grid cell {cell} twice; a token averages distinct cells"
     return None
 
 

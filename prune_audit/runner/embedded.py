@@ -34,9 +34,10 @@ def check_embedded_images(
     paths: dict[str, Path] = {}
     sizes: dict[str, tuple[int, int]] = {}
     names = list(dict.fromkeys(question.image for question in questions))
+    where = "the Parquet question files' image_source"
     for name in names:
-        check_image_name(name, "the Parquet question files")
-    check_file_names(names, "the Parquet question files' image_source")
+        check_image_name(name, where)
+    check_file_names(names, where)
     for name in names:
         sizes[name] = decode_rgb(embedded[name], f"{name} (embedded in the question files)").size
         paths[name] = run_dir / EMBEDDED_IMAGES / name

@@ -150,8 +150,10 @@ def check_image_name(value: Any, where: str) -> str:
     """
     if not isinstance(value, str) or not value.strip():
         raise PruneAuditError(f"{where}: image must be a file name, got {value!r}; fix the entry")
+    if "\0" in value:
+        raise PruneAuditError(f"{where}: image {value!r} holds a NUL byte, which no file name may; rename it")
     name = PureWindowsPath(value)  # parses both separators, drives and roots
-    if name.anchor or ".." in name.parts or "\0" in value:
+    if name.anchor or ".." in name.parts:
         raise PruneAuditError(
             f"{where}: image {value!r} leads outside the images folder (an absolute path or '..'); "
             f"name image files relative to --images"
