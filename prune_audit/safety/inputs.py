@@ -84,10 +84,12 @@ def open_input(path: str | Path, role: str, fix: str, limit_size: bool = True) -
     try:
         _check_opened(os.fstat(descriptor), path, role, fix, limit_size)
         os.set_blocking(descriptor, True)
-        return os.fdopen(descriptor, "rb")
     except BaseException:
         os.close(descriptor)
         raise
+    # Outside the try: once fdopen's file object owns the descriptor, a stop signal arriving here would let the
+    # object close it and a second os.close fail with EBADF, replacing the interrupt's message.
+    return os.fdopen(descriptor, "rb")
 
 
 def _check_opened(info: os.stat_result, path: str | Path, role: str, fix: str, limit_size: bool) -> None:
