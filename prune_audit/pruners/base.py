@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.options import Choice, check_options, option
 from prune_audit.pruners.precision import MODEL_ATTENTIONS, as_float32, cls_probabilities, rounded_to
 from prune_audit.pruners.ranking import TOP_K_TIES, ranked_indices, top_k_indices
@@ -142,6 +143,14 @@ class Selector:
     substitutes: ClassVar[dict[str, str]] = {}
     reference: ClassVar[Reference]
     summary: ClassVar[str] = ""
+    #: whether :meth:`flops` counts every product the implementation runs (``pruners.arithmetic``); a selector
+    #: that states no formula (a plugin) counts zero and is reported as nominal
+    flops_exact: ClassVar[bool] = False
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """FLOPs of the selector's own arithmetic on ``work`` (``select`` / ``prune`` / ``merge``, not its signals)."""
+        return 0
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -10,6 +10,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
@@ -127,11 +128,21 @@ class CDPrunerSelector(InputSelector):
         "linear min-max relevance (theta off); greedy MAP without early stop",
     )
 
+    #: nominal: the speculative kernel rows vary with the data (``pruners.arithmetic``)
+    flops_exact: ClassVar[bool] = False
+
     theta: float | None = option(
         None, Real(low=0.0, high=1.0, open_low=True, open_high=True, optional=True), "exponential relevance (off)"
     )
     ties: str = option("argmax", Choice(TIES), "argmax (official) or tolerance (relative 1e-5, lower index)")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or unit rows in the model dtype (official)")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """Kernel rows ``r_i r_j cos(f_i, f_j)`` for all N and, at greedy step t, the t-term Cholesky update of N
+        entries."""
+        updates = sum(matmul(1, step, work.tokens) for step in range(work.kept))
+        return matmul(work.tokens, work.feature_width, work.tokens) + updates
 
     def relevance(self, text_relevance: Tensor, dtype: torch.dtype | None = None,
                   bounds: Tensor | None = None) -> Tensor:

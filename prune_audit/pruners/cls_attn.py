@@ -47,6 +47,8 @@ class ClsAttentionSelector(InputSelector):
         "CLIP layer 22 (attentions[-2]) CLS row, head mean",
     )
 
+    flops_exact: ClassVar[bool] = True  # no products of its own: it ranks the CLS attention the model gives it
+
     head_aggregation: str = option("mean", Choice(("mean", "sum")), "head mean (reference) or sum; same ranking")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
     ties: str = option("lower", Choice(TOP_K_TIES), "exact ties to the lower index, or torch.topk's order (official)")

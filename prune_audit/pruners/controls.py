@@ -23,6 +23,8 @@ class RandomSelector(InputSelector):
     summary: ClassVar[str] = "uniformly random subset (control)"
     reference: ClassVar[Reference] = Reference("control baseline", "-")
 
+    flops_exact: ClassVar[bool] = True  # no products of its own: a random draw
+
     def score(self, signals: InputSignals, generator: torch.Generator | None) -> Tensor:
         return torch.rand(signals.num_tokens, generator=generator)
 
@@ -41,6 +43,8 @@ class UniformSelector(InputSelector):
     name: ClassVar[str] = "uniform"
     summary: ClassVar[str] = "spatially even subsample of the grid (control)"
     reference: ClassVar[Reference] = Reference("control baseline", "-")
+
+    flops_exact: ClassVar[bool] = True  # no products of its own: evenly spaced cells
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         rows, cols = signals.grid

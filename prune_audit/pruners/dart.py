@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import Reference, Stage, ranked_indices, top_k_indices
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.options import Choice, option
@@ -115,8 +116,22 @@ class DARTSelector(SingleStageSelector):
         "code read from the vendored copy in Chenfei-Liao/VTC-Bench external/DART",
     )
 
+    #: nominal: matrix-vector products, which ``FlopCounterMode`` does not count (``pruners.arithmetic``)
+    flops_exact: ClassVar[bool] = False
+
     signal_layer: str = option("previous", Choice(SIGNAL_LAYERS), "keys of layer K-1 (reference) or layer K")
     pivot_order: str = option("sequence", Choice(("sequence", "set")), "pivot visiting order; set = official")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """Per stage, one matrix-vector product of the alive hidden states per pivot visited (``VISUAL_PIVOTS``
+        visual and up to ``TEXT_PIVOTS`` text pivots; none when the visual pivots alone fill the stage)."""
+        total = 0
+        for alive, keep in work.stages:
+            visual = min(VISUAL_PIVOTS, keep)
+            if 0 < keep < alive and visual < keep:
+                total += (visual + min(TEXT_PIVOTS, work.text_rows)) * matmul(alive, work.hidden, 1)
+        return total
 
     def paper_keep(self, budget: int) -> int:
         return VISUAL_PIVOTS + (VISUAL_PIVOTS + TEXT_PIVOTS) * (budget // 8)

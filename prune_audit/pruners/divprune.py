@@ -7,11 +7,14 @@ from typing import ClassVar
 
 import torch
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option
-from prune_audit.pruners.similarity import TIES, farthest_point_order, half_dtype, tie_tolerance, unit_rows
+from prune_audit.pruners.similarity import (
+    TIES, farthest_point_order, half_dtype, rows_per_block, tie_tolerance, unit_rows,
+)
 
 
 @register
@@ -46,8 +49,20 @@ class DivPruneSelector(InputSelector):
         "LLM input embeddings of the image span, cosine distance, most isolated token first",
     )
 
+    #: nominal above one similarity block, where the speculative rows vary with the data (``pruners.arithmetic``)
+    flops_exact: ClassVar[bool] = False
+
     ties: str = option("argmax", Choice(TIES), "argmax (official) or tolerance (relative 1e-5, lower index)")
     score_dtype: str = option("float32", Choice(("float32", "model")), "float32, or the model dtype as the reference")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """The N x N cosine, held and read while it fits one block (``pruners.similarity.farthest_point_order``:
+        exact there); above, one row per pick after the first (the speculative rows vary with the data)."""
+        gram = matmul(work.tokens, work.feature_width, work.tokens)
+        if rows_per_block(work.tokens) >= work.tokens:
+            return gram
+        return gram + max(work.kept - 1, 0) * matmul(1, work.feature_width, work.tokens)
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         features = signals.features.detach()

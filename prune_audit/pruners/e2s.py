@@ -11,7 +11,7 @@ from torch import Tensor
 
 from prune_audit.pruners.base import Reference, Stage
 from prune_audit.pruners.signals import LayerSignals
-from prune_audit.pruners.evidence import dempster_combine, head_masses, priority, vacuous_mass
+from prune_audit.pruners.dempster_shafer import dempster_combine, head_masses, priority, vacuous_mass
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, Flag, Integer, Real, option
 from prune_audit.pruners.schedule import SIGNAL_LAYERS, ScheduledSelector
@@ -66,10 +66,10 @@ class E2SSelector(ScheduledSelector):
        pre-softmax logits ``q_t . k_n / sqrt(d)`` (RoPE as the layer applies it).
     2-4. per-head support ``p = n r / (1 + n r)`` with ``r = softmax_n(a[h])``, reliability
        ``rho`` from clarity x head consistency, masses ``[rho pbar, rho (1 - pbar), 1 - rho]``
-       (:func:`~prune_audit.pruners.evidence.head_masses`).
+       (:func:`~prune_audit.pruners.dempster_shafer.head_masses`).
     5. the token's cumulative mass (kept in ``state`` by original grid index, starting
        vacuous so the first stage has ``K = 0``) is fused with the new one by Dempster's
-       rule (:func:`~prune_audit.pruners.evidence.dempster_combine`).
+       rule (:func:`~prune_audit.pruners.dempster_shafer.dempster_combine`).
     6. priority ``q = 1 - (1 - Pl(I)) (1 - K)``: conflict between layers protects a token.
     7. score ``(1 - novelty_weight) q + novelty_weight b`` with ``b = 1`` for the best-``q``
        token of every occupied ``cells x cells`` block of the grid; keep the top ``keep``. On an image of
@@ -113,6 +113,8 @@ class E2SSelector(ScheduledSelector):
     reference: ClassVar[Reference] = Reference(
         "E2S-Pruner, arXiv 2608.23253", "taoyu-qian/E2S-Pruner", "no public code; written from the paper"
     )
+
+    flops_exact: ClassVar[bool] = True  # no matrix products of its own
 
     reference_layers: ClassVar[tuple[int, ...]] = E2S_LAYERS
 

@@ -59,6 +59,8 @@ class FastVSelector(SingleStageSelector):
         "An Image is Worth 1/2 Tokens After Layer 2 (FastV), ECCV 2024", "pkunlp-icler/FastV"
     )
 
+    flops_exact: ClassVar[bool] = True  # no products of its own: it ranks the attention the model gives it
+
     signal_layer: str = option("previous", Choice(SIGNAL_LAYERS), "layer K-1's attention (reference) or layer K's")
 
     def score(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:

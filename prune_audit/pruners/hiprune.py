@@ -133,6 +133,8 @@ class HiPruneSelector(InputSelector):
         "global attention (head and query mean) of CLIP layers 9 and 23; alpha 0.1",
     )
 
+    flops_exact: ClassVar[bool] = True  # no products of its own: it ranks the attention the model gives it
+
     alpha: float = option(0.1, Real(low=0.0, high=1.0), "share of the budget given to anchors and buffers")
     object_layer: int = option(
         9, Integer(low=1, high=REFERENCE_VISION_LAYERS), "1-based anchor layer of the 23 run on LLaVA-1.5 (scaled)"

@@ -65,6 +65,8 @@ class PDropSelector(ScheduledSelector):
         "Cooperx521/PyramidDrop",
     )
 
+    flops_exact: ClassVar[bool] = True  # no products of its own: it ranks the attention the model gives it
+
     reference_layers: ClassVar[tuple[int, ...]] = PAPER_LAYERS
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = PAPER_COUNTS
 

@@ -55,6 +55,8 @@ class PoolSelector(InputSelector):
         "image downsampling baseline, here as average pooling of the feature grid",
     )
 
+    flops_exact: ClassVar[bool] = True  # no products of its own: it averages cells
+
     grid: str = option("adaptive", Choice(("adaptive", "window")), "largest pooled grid within the budget, or k x k windows")
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:

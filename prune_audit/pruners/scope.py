@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, cls_probabilities
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
@@ -62,10 +63,17 @@ class ScopeSelector(InputSelector):
         "ALPHA=1.0, COMBINED=multi; gap_power is an extension (default 1 = reference)",
     )
 
+    flops_exact: ClassVar[bool] = True
+
     alpha: float = option(1.0, Real(low=0.0), "saliency exponent (reference 1)")
     gap_power: float = option(1.0, Real(low=0.0, open_low=True), "coverage-gap exponent (1 = reference)")
     ties: str = option("tolerance", Choice(TIES), "tolerance (relative 1e-5, lower index) or argmax (official)")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """The cosine of the vision features; its unweighted greedy gains are element-wise updates of it."""
+        return matmul(work.tokens, work.vision_width, work.tokens)
 
     def __post_init__(self) -> None:
         super().__post_init__()

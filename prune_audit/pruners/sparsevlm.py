@@ -9,6 +9,7 @@ from typing import Any, ClassVar, get_args
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import (
     MODEL_ATTENTIONS,
     PositionMode,
@@ -102,6 +103,13 @@ def cluster_and_merge(points: Tensor, clusters: int, noise: Tensor) -> tuple[Ten
     return torch.zeros(clusters, points.shape[-1]).index_add_(0, assignment, weighted), assignment
 
 
+def rater_flops(work: SelectorWork) -> int:
+    """The raters' products, once per question (SparseVLM and its v2.0): visual x text embedding products at the
+    first stage that scores (one that drops tokens; recycling's clustering is not counted)."""
+    scoring = [alive for alive, after in work.stages if 0 < after < alive]
+    return matmul(scoring[0], work.hidden, work.text_rows) if scoring else 0
+
+
 def select_raters(embeddings: Tensor, text_embeddings: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """(T,) bool: the text tokens whose relevance to the image is above the mean.
 
@@ -178,6 +186,8 @@ class SparseVLMSelector(ScheduledSelector):
         "Gumpest/SparseVLMs",
     )
 
+    flops_exact: ClassVar[bool] = True
+
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = SPARSEVLM_COUNTS
 
     positions: str = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (v1.5 compacts)")
@@ -188,6 +198,10 @@ class SparseVLMSelector(ScheduledSelector):
     model_attention: str = option(
         "scaled", Choice(MODEL_ATTENTIONS), "attention under score_dtype=model: the reference's own (scaled) or eager"
     )
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        return rater_flops(work)
 
     def __post_init__(self) -> None:
         super().__post_init__()

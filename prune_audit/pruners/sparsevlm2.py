@@ -9,13 +9,14 @@ from typing import Any, ClassVar, get_args
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import PositionMode, Reference, Stage, ranked_indices, rounded_to
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.options import Choice, Flag, Integer, option
 from prune_audit.pruners.precision import MODEL_ATTENTIONS
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SIGNAL_LAYERS, ScheduledSelector
-from prune_audit.pruners.sparsevlm import SPARSEVLM_LAYERS, select_raters
+from prune_audit.pruners.sparsevlm import SPARSEVLM_LAYERS, rater_flops, select_raters
 
 # tokens kept after each stage in v2.0 mode (score.py of branch v2.0 with USE_VERSION=2_0)
 SPARSEVLM2_COUNTS = {64: (66, 34, 20), 96: (246, 54, 28), 128: (238, 108, 60), 192: (300, 200, 118)}
@@ -94,6 +95,8 @@ class SparseVLM2Selector(ScheduledSelector):
         "branch v2.0, USE_VERSION=2_0: gravity correction, 14 priority heads, no merging, position ids kept",
     )
 
+    flops_exact: ClassVar[bool] = True
+
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = SPARSEVLM2_COUNTS
 
     positions: str = option("keep_original", Choice(get_args(PositionMode)), "position ids after pruning (v2.0 keeps)")
@@ -105,6 +108,10 @@ class SparseVLM2Selector(ScheduledSelector):
     model_attention: str = option(
         "scaled", Choice(MODEL_ATTENTIONS), "attention under score_dtype=model: the reference's own (scaled) or eager"
     )
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        return rater_flops(work)
 
     @property
     def reference_layers(self) -> tuple[int, ...]:  # type: ignore[override]

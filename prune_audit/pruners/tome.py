@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, ranked_indices
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Flag, option
@@ -63,9 +64,28 @@ class ToMeSelector(InputSelector):
         "bipartite_soft_matching + merge_wavg + merge_source, at the projector output, rounds of r <= n / 2",
     )
 
+    flops_exact: ClassVar[bool] = True
+
     order: str = option("official", Choice(("official", "raster")), "official round order, or raster order")
     location: str = option("projector", Choice(("projector", "tower")), "merge the projector outputs, or in the tower")
     proportional_attention: bool = option(True, Flag(), "in the tower: log(size) added to attention logits (official)")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """Each bipartite round on n tokens: the ceil(n/2) x floor(n/2) cosine matrix (:func:`merge_round`) of the
+        projector outputs, or with ``location=tower`` of the head-mean keys (CLS included) in each tower layer
+        that merges (``tower_merges``; the tower rerun itself is the model's, ``compute.flops.merging_tower``)."""
+        if work.tower_merges:
+            total, count = 0, 1 + work.tokens
+            for merged in work.tower_merges:
+                total += matmul((count + 1) // 2, work.key_width, count // 2) if merged else 0
+                count -= merged
+            return total
+        total, count = 0, work.tokens
+        while count > work.kept:
+            total += matmul((count + 1) // 2, work.feature_width, count // 2)
+            count -= min(count - work.kept, count // 2)
+        return total
 
     def __post_init__(self) -> None:
         super().__post_init__()

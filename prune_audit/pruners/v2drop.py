@@ -76,6 +76,8 @@ class V2DropSelector(ScheduledSelector):
         "xuyang-liu16/V2Drop",
     )
 
+    flops_exact: ClassVar[bool] = True  # no matrix products of its own
+
     reference_layers: ClassVar[tuple[int, ...]] = V2DROP_LAYERS
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = V2DROP_SHAPES
 

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import (
     TOP_K_TIES,
     InputSelector,
@@ -71,11 +72,22 @@ class VisionZipSelector(InputSelector):
         "CLIP layer 22; dominant includes CLS; 54+10 / 108+20 / 162+30",
     )
 
+    flops_exact: ClassVar[bool] = True
+
     contextual_fraction: float = option(
         5 / 32, Real(low=0.0, high=1.0, open_high=True), "share of the budget given to contextual tokens"
     )
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
     ties: str = option("lower", Choice(TOP_K_TIES), "exact ties to the lower index, or torch.topk's order (official)")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """Member-to-target cosines of the head-mean keys: M members x C targets."""
+        dominant, contextual = cls(**work.options).split(work.kept)
+        if contextual <= 0:
+            return 0
+        members = work.tokens - (dominant - 1) - contextual  # the CLS token counts towards the dominant tokens
+        return matmul(members, work.key_width, contextual)
 
     def split(self, budget: int) -> tuple[int, int]:
         """``(dominant incl. CLS, contextual)`` token counts for ``budget``."""

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import (
     InputSelector,
     Reference,
@@ -64,9 +65,23 @@ class VisPrunerSelector(InputSelector):
         "CLIP layer -2 CLS row (head mean) and hidden states; important_ratio 0.5; 8 duplicates per round",
     )
 
+    flops_exact: ClassVar[bool] = True
+
     important_ratio: float = option(0.5, Real(low=0.0, high=1.0), "share of the budget chosen by CLS attention")
     removal_step: int = option(8, Integer(low=1), "most duplicates removed per round")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """Each duplicate-removal round on R residual tokens: the ceil(R/2) x floor(R/2) cosine matrix."""
+        important = int(work.kept * work.options["important_ratio"])
+        keep, residual, total = work.kept - important, work.tokens - important, 0
+        if keep <= 0:
+            return 0
+        while (removed := min(work.options["removal_step"], residual - keep)) > 0:
+            total += matmul((residual + 1) // 2, work.vision_width, residual // 2)
+            residual -= removed
+        return total
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         dtype = signals.model_dtype if self.score_dtype == "model" and signals.model_dtype != torch.float32 else None

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, get_args
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import BudgetScoped, PositionMode, Reference, Stage, TokenMerge, rounded_to
 from prune_audit.pruners.crop_scope import crop_budgets
 from prune_audit.pruners.signals import LayerSignals
@@ -238,6 +239,8 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
         "folder VScan/; CLIP layers 6 (local, window 6) and 23 (global); 96 tokens, then 32 at LLM layer 16",
     )
 
+    flops_exact: ClassVar[bool] = True
+
     llm_layer: int = option(16, ReferenceLayer(1, REFERENCE_DEPTH - 1), "decoder layer of the LLM stage")
     llm_share: float = option(0.5, Real(low=0.0, high=1.0, open_low=True), "LLM-stage tokens as a share of the budget")
     global_share: float = option(0.5, Real(low=0.0, high=1.0), "share of the vision stage chosen by the global scan")
@@ -248,6 +251,15 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
     merge_pruned: bool = option(True, Flag(), "merge pruned tokens into their nearest kept token (official)")
     positions: str = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (official renumbers)")
     attention_rope: str = option("applied", Choice(ATTENTION_ROPES), "RoPE in the LLM stage's attention (official Qwen: skipped)")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """The vision stage's merge (:func:`nearest_merge`): each pruned token's cosine to every kept one, over the
+        image or, per crop, over that crop's padded patches."""
+        if not work.stages or not work.options["merge_pruned"]:
+            return 0
+        scopes = work.crop_stages or work.stages[:1]
+        return sum(matmul(alive - kept, work.hidden, kept) for alive, kept in scopes if 0 < kept < alive)
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """``[Stage(0, T_v), Stage(llm_layer scaled, T_l)]`` whose layer average is ``budget`` (within rounding)."""
