@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import InputSelector, Reference, Selection
+from prune_audit.pruners.fidelity import Fidelity
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.registry import register
 
@@ -22,6 +23,7 @@ class RandomSelector(InputSelector):
     name: ClassVar[str] = "random"
     summary: ClassVar[str] = "uniformly random subset (control)"
     reference: ClassVar[Reference] = Reference("control baseline", "-")
+    fidelity: ClassVar[Fidelity] = Fidelity("-", "seeded uniform subset (control)", (), ("control, no reference",), "not applicable")
 
     flops_exact: ClassVar[bool] = True  # no products of its own: a random draw
 
@@ -43,6 +45,7 @@ class UniformSelector(InputSelector):
     name: ClassVar[str] = "uniform"
     summary: ClassVar[str] = "spatially even subsample of the grid (control)"
     reference: ClassVar[Reference] = Reference("control baseline", "-")
+    fidelity: ClassVar[Fidelity] = Fidelity("-", "spatially even lattice subsample (control)", (), ("control, no reference",), "not applicable")
 
     flops_exact: ClassVar[bool] = True  # no products of its own: evenly spaced cells
 

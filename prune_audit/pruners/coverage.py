@@ -10,6 +10,7 @@ from torch import Tensor
 
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32
+from prune_audit.pruners.fidelity import Fidelity
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Real, option
 from prune_audit.pruners.registry import register
@@ -50,6 +51,13 @@ class CoverageSelector(InputSelector):
         "Who Speaks for the Pruned? Visual Token Pruning as Coverage Optimization (arXiv 2609.03158)",
         "none public",
         "unofficial re-implementation from the abstract; demand from a first-layer text-to-visual probe",
+    )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "-",
+        "demand-weighted facility location on centred projector cosine",
+        (),
+        ("unofficial: written from the CoverPruner abstract; not a reproduction",),
+        "no official code to compare with",
     )
 
     #: nominal: the weighted gains update only the rows a pick changes (``pruners.arithmetic``)

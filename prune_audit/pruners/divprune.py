@@ -9,6 +9,7 @@ import torch
 
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection
+from prune_audit.pruners.fidelity import Fidelity, random_agreement
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option
@@ -47,6 +48,25 @@ class DivPruneSelector(InputSelector):
         "DivPrune: Diversity-based Visual Token Pruning for Large Multimodal Models (CVPR 2025, arXiv 2503.02175)",
         "vbdi/divprune",
         "LLM input embeddings of the image span, cosine distance, most isolated token first",
+    )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "799e2d95",
+        "greedy max-min cosine distance, plain float32 argmax",
+        (),
+        (
+            "float32 by default (the official code computes in the model dtype, fp16 in practice, whose ties make "
+            "the picks depend on rounding; score_dtype=model does the same)",
+            "running minimum, no N x N matrix; picked tokens are never re-picked (only differs once all distances are 0)",
+        ),
+        random_agreement(30, "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
+                "ties=tolerance: 25 of 30; fp16 features: score_dtype=model 30 of 30, float32 2 of 30 "
+                "(measured once; the test runs 6 of those cases)"),  # fmt: skip
+        30,
+        "fp16 6 of 6 (1024-dim cases: fp16 matrix products are slow on CPU; all 30 measured once: 30 of 30), bf16 30 "
+        "of 30 with score_dtype=model against the official greedy run in that dtype on CPU "
+        "(test_fidelity.py::test_divprune_model_dtype_reproduces_the_official_half_precision_picks, "
+        "test_fidelity.py::test_divprune_model_dtype_reproduces_the_official_bf16_picks); float32 2 and 0 of 30",
+        {"bf16": 30},
     )
 
     #: nominal above one similarity block, where the speculative rows vary with the data (``pruners.arithmetic``)

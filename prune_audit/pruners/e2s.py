@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import Reference, Stage
+from prune_audit.pruners.fidelity import Fidelity
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.dempster_shafer import dempster_combine, head_masses, priority, vacuous_mass
 from prune_audit.pruners.registry import register
@@ -112,6 +113,21 @@ class E2SSelector(ScheduledSelector):
     requires: ClassVar[frozenset[str]] = frozenset({"text_logits"})
     reference: ClassVar[Reference] = Reference(
         "E2S-Pruner, arXiv 2608.23253", "taoyu-qian/E2S-Pruner", "no public code; written from the paper"
+    )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "not public",
+        "evidence from the pruned layer, section-5 schedule, average rule",
+        ("budget_rule=paper",),
+        (
+            "written from the paper: the choices it leaves open are documented in the selector (spec section 12)",
+            "every row of the paper's Table 3 (schedule ablation at 128) is a schedule_preset "
+            "(table3_122_48_42, table3_132_40_32, table3_142_32_22, table3_147_38_12, table3_152_44_2)",
+        ),
+        "no official code to compare with; hand-computed cases in test_llm_selectors.py; each Table-3 preset "
+        "realises its row and an average of 128 "
+        "(test_fidelity.py::test_every_e2s_table3_row_is_a_preset_averaging_128)",
+        half_agreement="no official code to compare with; score_dtype=model rounds the signals and scores to the "
+        "model dtype as the other in-LLM selectors do",
     )
 
     flops_exact: ClassVar[bool] = True  # no matrix products of its own

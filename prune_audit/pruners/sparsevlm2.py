@@ -11,6 +11,7 @@ from torch import Tensor
 
 from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import PositionMode, Reference, Stage, ranked_indices, rounded_to
+from prune_audit.pruners.fidelity import HALF_EXACT_CASES, ROPE_ONCE, Fidelity, half_exact, random_agreement
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.options import Choice, Flag, Integer, option
 from prune_audit.pruners.precision import MODEL_ATTENTIONS
@@ -93,6 +94,21 @@ class SparseVLM2Selector(ScheduledSelector):
         "Inference, arXiv 2410.04417v4)",
         "Gumpest/SparseVLMs",
         "branch v2.0, USE_VERSION=2_0: gravity correction, 14 priority heads, no merging, position ids kept",
+    )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "9e1f649e",
+        "branch v2.0 (USE_VERSION=2_0): rater attention divided by the all-ones RoPE logits, 14 of 32 heads by their "
+        "rater attention, layers 2/6/15 (outputs pruned), average rule on the v2.0 counts, no merging, positions kept",
+        ("budget_rule=paper", "score_dtype=model", "ties=topk"),
+        (
+            "exactly keep tokens (the reference caps at n - 1); lower-index ties, float32 (ties=topk, score_dtype=model)",
+            "14 priority heads of LLaVA-1.5-7B's 32 scaled with the model's heads (round(14 H / 32))",
+            "a RoPE logit of exactly 0 (degenerate signals only) leaves its pair uncorrected (official: divides by 0)",
+            "no FlashAttention switch: the v2.0 FlashAttention module forms the same softmax rows for scoring",
+        ),
+        random_agreement(30, "test_methods_v3.py::test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_"
+                "ranking", "32 heads, the library's RoPE probe against the official all-ones RoPE"), 30,
+        half_agreement=half_exact("its scaled attention and RoPE logits in half", ROPE_ONCE, 25, 9), half_cases=HALF_EXACT_CASES,
     )
 
     flops_exact: ClassVar[bool] = True

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, ranked_indices
+from prune_audit.pruners.fidelity import Fidelity, random_agreement
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Flag, option
 from prune_audit.pruners.registry import register
@@ -62,6 +63,26 @@ class ToMeSelector(InputSelector):
         "Token Merging: Your ViT But Faster (ICLR 2023, arXiv 2210.09461)",
         "facebookresearch/ToMe",
         "bipartite_soft_matching + merge_wavg + merge_source, at the projector output, rounds of r <= n / 2",
+    )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "af95e4b1",
+        "rounds of bipartite soft matching at the projector output (r <= n / 2 per round) to the budget, "
+        "size-weighted averages, official output order",
+        ("location=tower",),
+        (
+            "merges the projector outputs to the budget in rounds, the usual VLM baseline; location=tower merges "
+            "inside the vision tower as the official blocks (CLS protected, head-mean keys, proportional attention)",
+            "at the projector the similarity metric is the token itself (no keys there)",
+            "location=tower: r per layer as even as possible to end at the budget (the official constant r, as a "
+            "per-layer list), front-loaded where halving caps a layer; budgets below halving in every layer refused",
+            "exact ties go to the lower index (argsort leaves them unspecified)",
+            "every output token carries its merge_source cells (merged_stages): retention counts them and an object "
+            "carried only by a merged token is diluted, not lost; order=raster sorts the output by first cell",
+        ),
+        random_agreement(30, "test_fidelity.py::test_tome_reproduces_the_official_merging_rounds",
+                "each output token's cells, and its vector within 1e-5; location=tower: 30 of 30 through 23 layers "
+                "(test_methods_v3.py::test_tome_tower_merging_reproduces_the_official_blocks)"),
+        30,
     )
 
     flops_exact: ClassVar[bool] = True

@@ -19,6 +19,7 @@ from prune_audit.pruners.base import (
     cls_probabilities,
     top_k_indices,
 )
+from prune_audit.pruners.fidelity import CLS_HALF, INPUT_DTYPE, Fidelity, random_agreement
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
@@ -70,6 +71,34 @@ class VisionZipSelector(InputSelector):
         "VisionZip: Longer is Better but Not Necessary in Vision Language Models (CVPR 2025, arXiv 2412.04467)",
         "dvlab-research/VisionZip",
         "CLIP layer 22; dominant includes CLS; 54+10 / 108+20 / 162+30",
+    )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "3151f6df",
+        "CLS + dominant tokens by CLS attention, contextual merge (54+10 / 108+20 / 162+30), float32 scores",
+        ("score_dtype=model", "ties=topk"),
+        (
+            "ties=topk ranks with torch.topk on the half scores (its order among exact ties, which half precision makes common): with score_dtype=model, kept sets equal the official torch.topk's in 30 of 30 fp16 and 30 of 30 bf16 cases, the lower-index rule in at most 29 and 23 (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); the order among exact ties is the kernel's, so use it to reproduce a run on the same hardware and the default for deterministic audits",
+            "ties to the lower index",
+            INPUT_DTYPE + "; under score_dtype=model the head-mean keys, their unit normalisation, the "
+            "member-to-target cosines and the merged vectors are computed in the model dtype as well",
+            "the contextual tokens' grid sources (target and members) are recorded in merged_stages and count "
+            "towards retention (records schema 4), so an object merged into a contextual token is not lost; "
+            "visualize hatches their cells",
+        ),
+        random_agreement(30, "test_fidelity.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
+                "dominant set, every contextual token's target and members, and every output vector within 1e-5; "
+                "1024-dim CLIP states, 16 heads x 64-dim keys; score_dtype=model: rounded saliency, keys and cosines "
+                "on an fp16 case where float32 differs (test_input_selectors.py); " + CLS_HALF
+                + "dominant set with score_dtype=model 30 of 30 in both, float32 29 and 9 of 30; the whole forward "
+                "against the official one run in fp16 / bf16: dominant set, contextual groups and every output vector "
+                "bit for bit with score_dtype=model in 30 of 30 each, float32 scoring the same sets in 0 of 30 "
+                "(test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)"),  # fmt: skip
+        30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk: dominant set against the official "
+        "torch.topk on the half CLS attention (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); with "
+        "score_dtype=model the whole forward (dominant set, contextual groups, output vectors) bit for bit in 30 "
+        "of 30 each (test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)",
+        {"fp16": 30, "bf16": 30},
     )
 
     flops_exact: ClassVar[bool] = True
