@@ -148,6 +148,14 @@ class Selector:
     #: how closely it follows its official code: its row of docs/fidelity.md (None: no row, as a plugin may have)
     fidelity: ClassVar[Fidelity | None] = None
     summary: ClassVar[str] = ""
+    #: what it needs of an image's token layout besides its signals (``pruners.layout``; "": nothing); a family that
+    #: lacks it refuses it (``models.selector_support``)
+    layout_need: ClassVar[str] = ""
+    #: whether its official multi-crop code selects in each crop's own grid: refused on the whole image for its
+    #: ``layout_need``, it runs there under ``budget_scope=crop``
+    per_crop_grid: ClassVar[bool] = False
+    #: how it runs on each regular grid of an image of several (``pruners.layout.GRID_*``; "": it does not)
+    per_grid: ClassVar[str] = ""
     #: whether :meth:`flops` counts every product the implementation runs (``pruners.arithmetic``); a selector
     #: that states no formula (a plugin) counts zero and is reported as nominal
     flops_exact: ClassVar[bool] = False

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from prune_audit.pruners.base import InputSelector, Reference, Selection
 from prune_audit.pruners.fidelity import Fidelity
+from prune_audit.pruners.layout import GRID_SPLIT
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.registry import register
 
@@ -44,6 +45,7 @@ class UniformSelector(InputSelector):
 
     name: ClassVar[str] = "uniform"
     summary: ClassVar[str] = "spatially even subsample of the grid (control)"
+    per_grid: ClassVar[str] = GRID_SPLIT
     reference: ClassVar[Reference] = Reference("control baseline", "-")
     fidelity: ClassVar[Fidelity] = Fidelity("-", "spatially even lattice subsample (control)", (), ("control, no reference",), "not applicable")
 

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from prune_audit.pruners.base import Reference, Stage
 from prune_audit.pruners.fidelity import Fidelity
+from prune_audit.pruners.layout import GRID_BLOCKS
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.dempster_shafer import dempster_combine, head_masses, priority, vacuous_mass
 from prune_audit.pruners.registry import register
@@ -110,6 +111,7 @@ class E2SSelector(ScheduledSelector):
 
     name: ClassVar[str] = "e2s"
     summary: ClassVar[str] = "Dempster-Shafer fusion of head/layer attention evidence + spatial novelty (layers 3/17/22)"
+    per_grid: ClassVar[str] = GRID_BLOCKS
     requires: ClassVar[frozenset[str]] = frozenset({"text_logits"})
     reference: ClassVar[Reference] = Reference(
         "E2S-Pruner, arXiv 2608.23253", "taoyu-qian/E2S-Pruner", "no public code; written from the paper"

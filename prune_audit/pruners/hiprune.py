@@ -10,6 +10,7 @@ from torch import Tensor
 
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, rounded_to
 from prune_audit.pruners.fidelity import HALF_EXACT_CASES, HALF_ONCE, QWEN_TOWER, Fidelity, half_exact, random_agreement
+from prune_audit.pruners.layout import ONE_GRID
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Integer, Real, option
 from prune_audit.pruners.ranking import TOP_K_TIES, top_k_indices
@@ -127,6 +128,10 @@ class HiPruneSelector(InputSelector):
 
     name: ClassVar[str] = "hiprune"
     summary: ClassVar[str] = "anchors + neighbours from a middle vision layer, registers from the deep one (HiPrune)"
+    layout_need: ClassVar[str] = ONE_GRID  # its neighbours and buffers lie on one grid
+    #: its official LLaVA-NeXT code (Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``) builds one
+    #: index mask per crop
+    per_crop_grid: ClassVar[bool] = True
     requires: ClassVar[frozenset[str]] = frozenset({"layer_attention"})
     reference: ClassVar[Reference] = Reference(
         "HiPrune: Training-Free Visual Token Pruning via Hierarchical Attention in Vision Encoders (arXiv 2508.00553)",

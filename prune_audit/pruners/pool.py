@@ -11,6 +11,7 @@ from torch import Tensor
 
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32
 from prune_audit.pruners.fidelity import Fidelity
+from prune_audit.pruners.layout import GRID_MERGE, PRE_PROJECTOR_FEATURES
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
@@ -46,6 +47,8 @@ class PoolSelector(InputSelector):
 
     name: ClassVar[str] = "pool"
     summary: ClassVar[str] = "average-pool the token grid to the budget (downsampling baseline)"
+    layout_need: ClassVar[str] = PRE_PROJECTOR_FEATURES  # it averages them before the projector
+    per_grid: ClassVar[str] = GRID_MERGE
     requires: ClassVar[frozenset[str]] = frozenset({"vision_features"})
     fills_budget: ClassVar[bool] = False  # the largest pooled grid within the budget: 128 on 24 x 24 feeds 121
     merges: ClassVar[bool] = True

@@ -11,6 +11,7 @@ from torch import Tensor
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, ranked_indices
 from prune_audit.pruners.fidelity import Fidelity, random_agreement
+from prune_audit.pruners.layout import GRID_MERGE
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Flag, option
 from prune_audit.pruners.registry import register
@@ -57,6 +58,7 @@ class ToMeSelector(InputSelector):
 
     name: ClassVar[str] = "tome"
     summary: ClassVar[str] = "bipartite soft matching merges the projector outputs to the budget (ToMe)"
+    per_grid: ClassVar[str] = GRID_MERGE
     requires: ClassVar[frozenset[str]] = frozenset({"features"})
     merges: ClassVar[bool] = True
     reference: ClassVar[Reference] = Reference(

@@ -20,6 +20,7 @@ from prune_audit.pruners.base import (
     top_k_indices,
 )
 from prune_audit.pruners.fidelity import CLS_HALF, INPUT_DTYPE, Fidelity, random_agreement
+from prune_audit.pruners.layout import ONE_CLS
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
@@ -63,6 +64,10 @@ class VisionZipSelector(InputSelector):
 
     name: ClassVar[str] = "visionzip"
     summary: ClassVar[str] = "CLS + top CLS-attention patches, rest merged into contextual tokens (VisionZip)"
+    layout_need: ClassVar[str] = ONE_CLS  # its dominant tokens rank one CLS row
+    #: its official LLaVA-NeXT code (dvlab-research/VisionZip 3151f6d ``visionzip/llava_arch.py``) takes each crop's
+    #: CLS, dominant and contextual tokens (``pruners.crop_merge``)
+    per_crop_grid: ClassVar[bool] = True
     requires: ClassVar[frozenset[str]] = frozenset(
         {"cls_attention", "vision_keys", "vision_features", "cls_feature"}
     )

@@ -12,6 +12,7 @@ from torch import Tensor
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import BudgetScoped, PositionMode, Reference, Stage, TokenMerge, rounded_to
 from prune_audit.pruners.fidelity import HALF_EXACT_CASES, HALF_ONCE, Fidelity, half_exact, random_agreement
+from prune_audit.pruners.layout import PADDED_CROP_GRID
 from prune_audit.pruners.crop_scope import crop_budgets
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.fastv import last_row_attention
@@ -232,6 +233,8 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
 
     name: ClassVar[str] = "vscan"
     summary: ClassVar[str] = "local + global scans of vision CLS (Qwen: received) attention with merging, then LLM layer 16 (VScan)"
+    layout_need: ClassVar[str] = PADDED_CROP_GRID
+    per_crop_grid: ClassVar[bool] = True  # its official code scans and merges in each crop's padded grid, then unpads
     requires: ClassVar[frozenset[str]] = frozenset({"layer_cls_attention", "hidden_states", "text_probs"})
     substitutes: ClassVar[dict[str, str]] = {"layer_cls_attention": "layer_attention"}  # Qwen2.5-VL: received
     reference: ClassVar[Reference] = Reference(
