@@ -18,8 +18,9 @@ LLaVA-1.5. Uniform's lattice, pooling, ToMe and E2S's novelty blocks need only t
 each of the two regular grids (``grid_parts``; ``PER_GRID``); a merged token takes its first cell's
 place among the newlines (``_row``). HiPrune is refused on the whole image (its neighbours lie on one grid)
 and runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official LLaVA-NeXT code selects per
-crop; so does VScan (``pruners.layout.PADDED_CROP_GRID``), its vision stage scanning and merging in each crop's padded grid
-(``PaddedCrops``: the tower's padding patches too), then dropping the padding as the official unpadding.
+crop; so does VScan (``pruners.layout.PADDED_CROP_GRID``), its vision stage scanning and merging in each
+crop's padded grid (``PaddedCrops``: the tower's padding patches too), then dropping the padding as the official
+unpadding.
 CLS-attention selectors read each crop's own CLS row (``_crop_cls_rows``, as the official LLaVA-NeXT ports of
 VisionZip and FasterVLM). VisionZip runs with ``budget_scope=crop`` only, as its official LLaVA-NeXT code: each
 crop's CLS state and keys (``crop_cls_features``, ``crop_cls_keys``), its tokens laid out without newlines
