@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import TOP_K_TIES, InputSelector, LayerSelector, Reference, cls_probabilities
-from prune_audit.pruners.fidelity import CLS_HALF, INPUT_DTYPE, Fidelity, random_agreement
+from prune_audit.pruners.fidelity import CLS_HALF, INPUT_DTYPE, TIES_TOPK_HALF, Fidelity, random_agreement
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
@@ -51,7 +51,7 @@ class ClsAttentionSelector(InputSelector):
         "f5d5f120",
         "head mean of the CLS row at CLIP layer -2, top-k, float32 scores",
         ("score_dtype=model", "ties=topk"),
-        ("ties=topk ranks with torch.topk on the half scores (its order among exact ties, which half precision makes common): with score_dtype=model, kept sets equal the official torch.topk's in 30 of 30 fp16 and 30 of 30 bf16 cases, the lower-index rule in at most 29 and 23 (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); the order among exact ties is the kernel's, so use it to reproduce a run on the same hardware and the default for deterministic audits", "ties to the lower index (torch.topk leaves them unspecified)", INPUT_DTYPE),
+        (TIES_TOPK_HALF, "ties to the lower index (torch.topk leaves them unspecified)", INPUT_DTYPE),
         random_agreement(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
                 "score_dtype=model: the top-k of the rounded head mean on an fp16 case where float32 differs "
                 "(test_input_selectors.py), and on the adapter's bf16 signals (test_fidelity.py); " + CLS_HALF

@@ -8,7 +8,9 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from prune_audit.pruners.base import Reference, Stage
-from prune_audit.pruners.fidelity import MODEL_DTYPE_ATTENTION, Fidelity, random_agreement
+from prune_audit.pruners.fidelity import (
+    LAST_ROW_HALF, MODEL_DTYPE_ATTENTION, TIES_TOPK_HALF, Fidelity, random_agreement,
+)
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option
@@ -64,7 +66,7 @@ class FastVSelector(SingleStageSelector):
         "attention of layer K-1 (signal_layer=previous), last prompt row, K=2, average-matched count",
         ("budget_rule=paper", "score_dtype=model", "ties=topk"),
         (
-            "ties=topk ranks with torch.topk on the half scores (its order among exact ties, which half precision makes common): with score_dtype=model, kept sets equal the official torch.topk's in 30 of 30 fp16 and 30 of 30 bf16 cases, the lower-index rule in at most 29 and 23 (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); the order among exact ties is the kernel's, so use it to reproduce a run on the same hardware and the default for deterministic audits",
+            TIES_TOPK_HALF,
             "prefill-only pruning (the official code without KV cache re-ranks at every generated token)",
             "ties to the lower index",
             MODEL_DTYPE_ATTENTION,
@@ -73,9 +75,7 @@ class FastVSelector(SingleStageSelector):
                 "and identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
                 "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)"),  # fmt: skip
         30,
-        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk on the half "
-        "attention rows (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties at most 29 and 23; "
-        "on CPU the official half q.k^T GEMM may round some of the 18,432 last-row image probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's accumulation), as many as the CPU's kernels make (`python -m benchmarks.half_kernels`: on a Xeon with AMX, avx512_fp16 and avx512_bf16, fp16 none, bf16 0 to 4 per prompt), kept sets still 30 of 30 (test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
+        LAST_ROW_HALF,
         {"fp16": 30, "bf16": 30},
     )
 

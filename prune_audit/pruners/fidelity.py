@@ -103,6 +103,26 @@ QWEN_TOWER = (
 )
 
 
+#: the ties=topk difference of the top-k selectors that read half attention (CLS attention, FastV, PDrop, VisionZip)
+TIES_TOPK_HALF = (
+    "ties=topk ranks with torch.topk on the half scores (its order among exact ties, which half precision makes "
+    "common): with score_dtype=model, kept sets equal the official torch.topk's in 30 of 30 fp16 and 30 of 30 "
+    "bf16 cases, the lower-index rule in at most 29 and 23 "
+    "(test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); the order among exact ties "
+    "is the kernel's, so use it to reproduce a run on the same hardware and the default for deterministic audits"
+)
+
+#: the half agreement of the selectors ranking the last prompt row's attention (FastV, PDrop)
+LAST_ROW_HALF = (
+    "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk on the half "
+    "attention rows (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index "
+    "ties at most 29 and 23; on CPU the official half q.k^T GEMM may round some of the 18,432 last-row image "
+    "probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's "
+    "accumulation), as many as the CPU's kernels make (`python -m benchmarks.half_kernels`: on a Xeon with AMX, "
+    "avx512_fp16 and avx512_bf16, fp16 none, bf16 0 to 4 per prompt), kept sets still 30 of 30 "
+    "(test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)"
+)
+
 NOT_YET_DONE: tuple[str, ...] = ()
 
 

@@ -9,7 +9,9 @@ from typing import Any, ClassVar, get_args
 from torch import Tensor
 
 from prune_audit.pruners.base import PositionMode, Reference, Stage
-from prune_audit.pruners.fidelity import MODEL_DTYPE_ATTENTION, Fidelity, random_agreement
+from prune_audit.pruners.fidelity import (
+    LAST_ROW_HALF, MODEL_DTYPE_ATTENTION, TIES_TOPK_HALF, Fidelity, random_agreement,
+)
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.fastv import last_row_attention
 from prune_audit.pruners.registry import register
@@ -70,7 +72,7 @@ class PDropSelector(ScheduledSelector):
         "layers 2/8/16, geometric ratio solved to the budget average",
         ("budget_rule=official", "score_dtype=model", "ties=topk"),
         (
-            "ties=topk ranks with torch.topk on the half scores (its order among exact ties, which half precision makes common): with score_dtype=model, kept sets equal the official torch.topk's in 30 of 30 fp16 and 30 of 30 bf16 cases, the lower-index rule in at most 29 and 23 (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); the order among exact ties is the kernel's, so use it to reproduce a run on the same hardware and the default for deterministic audits",
+            TIES_TOPK_HALF,
             "the official default (8/16/24, ratio 0.5) realises an average of 270 only, so the default solves "
             "the ratio for the requested budget (maintainer guidance, PyramidDrop issue #29)",
             "training-mode multi-query scoring not ported (inference only); ties to the lower index",
@@ -79,9 +81,7 @@ class PDropSelector(ScheduledSelector):
         random_agreement(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; schedule identical to the official default "
                 "(test_schedule.py::test_official_rule_gives_the_code_default_and_refuses_other_budgets)"),  # fmt: skip
         30,
-        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk on the half "
-        "attention rows (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties at most 29 and 23; "
-        "on CPU the official half q.k^T GEMM may round some of the 18,432 last-row image probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's accumulation), as many as the CPU's kernels make (`python -m benchmarks.half_kernels`: on a Xeon with AMX, avx512_fp16 and avx512_bf16, fp16 none, bf16 0 to 4 per prompt), kept sets still 30 of 30 (test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
+        LAST_ROW_HALF,
         {"fp16": 30, "bf16": 30},
     )
 

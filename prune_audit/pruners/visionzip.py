@@ -19,7 +19,7 @@ from prune_audit.pruners.base import (
     cls_probabilities,
     top_k_indices,
 )
-from prune_audit.pruners.fidelity import CLS_HALF, INPUT_DTYPE, Fidelity, random_agreement
+from prune_audit.pruners.fidelity import CLS_HALF, INPUT_DTYPE, TIES_TOPK_HALF, Fidelity, random_agreement
 from prune_audit.pruners.layout import ONE_CLS
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
@@ -82,7 +82,7 @@ class VisionZipSelector(InputSelector):
         "CLS + dominant tokens by CLS attention, contextual merge (54+10 / 108+20 / 162+30), float32 scores",
         ("score_dtype=model", "ties=topk"),
         (
-            "ties=topk ranks with torch.topk on the half scores (its order among exact ties, which half precision makes common): with score_dtype=model, kept sets equal the official torch.topk's in 30 of 30 fp16 and 30 of 30 bf16 cases, the lower-index rule in at most 29 and 23 (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); the order among exact ties is the kernel's, so use it to reproduce a run on the same hardware and the default for deterministic audits",
+            TIES_TOPK_HALF,
             "ties to the lower index",
             INPUT_DTYPE + "; under score_dtype=model the head-mean keys, their unit normalisation, the "
             "member-to-target cosines and the merged vectors are computed in the model dtype as well",
