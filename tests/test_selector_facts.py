@@ -131,3 +131,15 @@ def test_family_support_tables_are_the_match_of_selector_and_family_traits(famil
     assert set(adapter.per_grid_selectors) == PER_GRID.get(family, set())
     for name, how in adapter.per_grid_selectors.items():  # the family's prose for the selector's kind
         assert how.startswith("per tile: " if family == "internvl" else "per grid: ")
+
+
+@pytest.mark.parametrize(("document", "heading"), [("docs/models.md", "## Selectors per family"),
+                                                    ("README.md", "## Selectors per model family")])
+def test_docs_support_tables_are_generated_from_the_traits(document, heading):
+    """The families x selectors table in each document is ``support_table()`` byte for byte (regenerate it with
+    ``python -c "from prune_audit.models.families import support_table; print(support_table(), end='')"``)."""
+    from prune_audit.models.families import support_table
+
+    section = (PACKAGE.parent / document).read_text().split(heading, 1)[1].split("\n## ", 1)[0]
+    table = "".join(line + "\n" for line in section.splitlines() if line.startswith("|"))
+    assert table == support_table()

@@ -57,6 +57,18 @@ class SelectorSupport:
         return {name: cls.refusal(selector_class(name), available) for name in list_selectors()}
 
     @classmethod
+    def support_words(cls) -> dict[str, str]:
+        """Each registered selector -> its cell in the families x selectors tables of docs/models.md and README.md:
+        ``yes``, ``with --clip-text``, ``with budget_scope=crop`` or ``no``."""
+        available = cls.input_signals - ON_REQUEST_SIGNALS
+        words = {}
+        for name, refusal in cls.selector_support().items():
+            selector = selector_class(name)
+            words[name] = ("yes" if refusal is None else "with --clip-text" if cls.refusal(selector, cls.input_signals)
+                           is None else "with budget_scope=crop" if cls.runs_per_crop(selector, available) else "no")
+        return words
+
+    @classmethod
     def refusal(cls, selector: type[Selector], available: frozenset[str]) -> str | None:
         """Why ``selector`` cannot run on this family with input signals ``available`` (None: it can)."""
         missing = cls.missing_for(selector, available)
