@@ -6,7 +6,7 @@ every selector each model supports, on both bundled demos and tiny LLaVA / Qwen2
 The counter counts matrix products and convolutions only when attention runs eagerly (CPU SDPA
 kernels are not registered with it), so the models are switched to eager attention here. The
 selector's own arithmetic is counted apart (a counter around ``select`` / ``prune`` / ``merge``);
-it must match where ``SELECTOR_FLOPS`` says exact.
+it must match where the selector's class says its formula is exact (``Selector.flops_exact``).
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from prune_audit.compute.flops import flop_equivalent_tokens, language_prefill
-from prune_audit.compute.selectors import SELECTOR_FLOPS
 from prune_audit.demo.assets import DEMO_MODELS
 from prune_audit.demo.evaluate import load_demo
-from prune_audit.pruners.registry import get_selector, list_selectors
+from prune_audit.pruners.registry import get_selector, list_selectors, selector_class
 from tiny_models import WORDS, random_image
 
 SELECTOR_METHODS = ("select", "prune", "merge")
@@ -121,13 +120,17 @@ def test_analytic_flops_equal_the_counted_flops_for_every_selector(models, model
             assert cost.flops == cost.flops_dense and inside == 0
             full = item.input_ids.numel()
             assert cost.flop_equivalent_tokens == pytest.approx(full, rel=1e-9)
-        elif SELECTOR_FLOPS[name].exact:
+        elif selector_class(name).flops_exact:
             assert inside == cost.flops_selector, (model, selector)
         assert cost.flops < cost.flops_dense or name is None or tower  # the rerun can cost more than it saves
 
 
 def test_every_builtin_selector_has_a_formula():
-    assert set(SELECTOR_FLOPS) == set(list_selectors())
+    """Each built-in class states its own arithmetic: a ``flops`` formula or, with none, that zero is exact."""
+    for name in list_selectors():
+        own = vars(selector_class(name))
+        assert "flops_exact" in own, name
+        assert "flops" in own or own["flops_exact"], name
 
 
 def test_kv_bytes_and_decode_flops_match_the_cache_and_the_counted_decode_step(models):

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from prune_audit.pruners import InputSignals, LayerSignals, Stage, get_selector
-from prune_audit.pruners.fidelity import FIDELITY
+from prune_audit.pruners.fidelity import fidelity_entries
+
+FIDELITY = fidelity_entries()  # each selector class's row, by name
 
 TOKENS = 576
 BUDGETS = (64, 128, 192)

@@ -23,7 +23,9 @@ from test_methods_qwen import (
 )  # fmt: skip
 
 from prune_audit.pruners import InputSignals, LayerSignals, Stage, get_selector
-from prune_audit.pruners.fidelity import FIDELITY
+from prune_audit.pruners.fidelity import fidelity_entries
+
+FIDELITY = fidelity_entries()  # each selector class's row, by name
 
 GRID = (24, 24)
 CLIP_HEADS = 16

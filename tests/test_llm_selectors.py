@@ -9,7 +9,7 @@ import torch
 
 from prune_audit.pruners import LayerSignals, Stage, get_selector
 from prune_audit.pruners.e2s import novelty_bonus
-from prune_audit.pruners.evidence import dempster_combine, head_masses, priority, vacuous_mass
+from prune_audit.pruners.dempster_shafer import dempster_combine, head_masses, priority, vacuous_mass
 from prune_audit.pruners.sparsevlm import select_raters
 
 

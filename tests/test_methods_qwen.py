@@ -24,9 +24,11 @@ from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector
 from prune_audit.pruners.base import Stage
 from prune_audit.pruners.signals import InputSignals, LayerSignals
-from prune_audit.pruners.fidelity import FIDELITY
+from prune_audit.pruners.fidelity import fidelity_entries
 from prune_audit.pruners.vscan import greedy_window_scan
 from tiny_models import QUESTIONS, WORDS, random_image
+
+FIDELITY = fidelity_entries()  # each selector class's row, by name
 
 TOL = 1e-5
 

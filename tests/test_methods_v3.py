@@ -16,8 +16,10 @@ from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
 from prune_audit.pruners import InputSignals, LayerSignals, Stage, get_selector
-from prune_audit.pruners.fidelity import FIDELITY, RANDOM_CASES
+from prune_audit.pruners.fidelity import RANDOM_CASES, fidelity_entries
 from prune_audit.pruners.hiprune import buffer_cells, scaled_vision_layer
+
+FIDELITY = fidelity_entries()  # each selector class's row, by name
 
 GRID, N, LAYERS = (24, 24), 576, 23
 SEEDS, BUDGETS = range(10), (64, 128, 192)

@@ -165,8 +165,7 @@ def _print_fidelity(json_output: bool, markdown: bool) -> None:
     """The fidelity of every selector: a list on the terminal, the Markdown of docs/fidelity.md, or JSON."""
     import json
 
-    from prune_audit.pruners.fidelity import FIDELITY, NOT_YET_DONE
-    from prune_audit.pruners.fidelity_table import fidelity_markdown, fidelity_rows
+    from prune_audit.pruners.fidelity import NOT_YET_DONE, fidelity_entries, fidelity_markdown, fidelity_rows
 
     if json_output:
         print(json.dumps(fidelity_rows(), indent=2))
@@ -179,6 +178,7 @@ def _print_fidelity(json_output: bool, markdown: bool) -> None:
     page = Page()
     page.paragraph("Fidelity of each selector to its official code (the table of docs/fidelity.md: --markdown; "
                    "reference-exact options are passed as --option KEY=VALUE).")
+    entries = fidelity_entries()
     for row in fidelity_rows():
         page.blank()
         page.paragraph(row["selector"])
@@ -188,7 +188,7 @@ def _print_fidelity(json_output: bool, markdown: bool) -> None:
                            ("fp16 / bf16 agreement", "fp16 / bf16 agreement")):
             page.paragraph(f"{label}: {row[key]}", indent=2, hang=4)
         page.paragraph("remaining differences:", indent=2)
-        for difference in FIDELITY[row["selector"]].differences:
+        for difference in entries[row["selector"]].differences:
             page.paragraph(f"- {difference}", indent=4, hang=6)
     if NOT_YET_DONE:
         page.blank()

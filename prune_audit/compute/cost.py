@@ -65,7 +65,7 @@ class QuestionTokens:
         reprojected: merged tokens an input-level merge sent through the projector again.
         tower_merges: tokens merged in each layer of ToMe's tower rerun (``location=tower``; empty: no rerun).
         stage_probes: the decoder probes of in-LLM stages.
-        selector_flops: the selector's own arithmetic (``compute.selectors``).
+        selector_flops: the selector's own arithmetic (``Selector.flops``).
         crops: images the vision tower ran on for this question (LLaVA-NeXT: the base view and each tile).
         crop_grid: (rows, cols) patches of each crop when the tower ran on crops; None: ``grid`` times the merge.
         projected_tokens: tokens the projector ran on when not the visual tokens (LLaVA-OneVision projects the

@@ -13,11 +13,7 @@ import math
 from collections.abc import Sequence
 
 from prune_audit.compute.shape import ClipTextShape, LanguageShape, VisionShape
-
-
-def matmul(rows: int, inner: int, columns: int) -> int:
-    """FLOPs of a (rows, inner) @ (inner, columns) product."""
-    return 2 * rows * inner * columns
+from prune_audit.flop_convention import matmul
 
 
 def attention(queries: int, keys: int, heads: int, head_dim: int) -> int:

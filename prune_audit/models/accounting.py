@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prune_audit.compute.cost import PrefillCost, QuestionTokens, StageProbe, prefill_cost
-from prune_audit.compute.selectors import SelectorWork, selector_flops
 from prune_audit.models.layer_signals import ATTENTION_SIGNALS, KEY_SIGNALS, ROPE_SIGNALS
 from prune_audit.models.prefill_assembly import vision_layer_requests
+from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import InputSelector, Selection, Selector
 from prune_audit.pruners.crop_scope import crop_budgets
 from prune_audit.pruners.signals import PADDED_CROPS
@@ -76,7 +76,7 @@ def question_cost(
             tower_merges=tower_merges,
             crop_stages=crop_stages,
         )
-        arithmetic, _ = selector_flops(ran.name, work)
+        arithmetic = ran.flops(work)
     merged_inputs = selection is not None and selection.sources is not None and selection.llm_tokens is None
     tokens = QuestionTokens(
         grid=item.grid,

@@ -33,6 +33,16 @@ def family_names() -> list[str]:
     return list(_ADAPTERS)
 
 
+def support_table() -> str:
+    """The families x selectors table of docs/models.md and README.md (Markdown, one row per registered selector),
+    from the adapters' class-level declarations and the selector classes' traits."""
+    words = {family: adapter.support_words() for family, adapter in _ADAPTERS.items()}
+    lines = ["| selector | " + " | ".join(_ADAPTERS) + " |", "|---" * (1 + len(_ADAPTERS)) + "|"]
+    for name in next(iter(words.values()), {}):
+        lines.append(f"| {name} | " + " | ".join(words[family][name] for family in _ADAPTERS) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def adapter_for(model_type: str, source: str) -> type[VisionLanguageModel]:
     """The adapter class for a checkpoint's ``model_type``; one-line error when none is registered."""
     if model_type not in _ADAPTERS:
@@ -50,4 +60,4 @@ register_family("qwen3_vl", Qwen3VLModel)
 register_family("llava_next", LlavaNextModel)
 register_family("llava_onevision", LlavaOnevisionModel)
 
-__all__ = ["register_family", "family_names", "adapter_for"]
+__all__ = ["register_family", "family_names", "adapter_for", "support_table"]

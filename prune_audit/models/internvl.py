@@ -22,7 +22,7 @@ demand. The LLM input has no CLS token and each LLM token is four ViT patches, s
 vision-attention selectors (FasterVLM, VisionZip, VisPruner, SCOPE, HiPrune, VScan) are refused; no
 CLIP text space, so CDPruner is refused. The tiles and the thumbnail are several regular grids, each
 tile's and the thumbnail's own (``grid_parts``, the same tokens as ``crop_tokens``): uniform's lattice,
-E2S's novelty blocks, pooling windows and ToMe's merges lie on each of them (``PER_TILE_SELECTORS``); one
+E2S's novelty blocks, pooling windows and ToMe's merges lie on each of them (``PER_TILE``); one
 tile is one grid, as before tiling. A merged token is exact through the projector path as on one tile:
 pooling averages one tile's pixel-shuffled pre-projector tokens and ``_project`` runs the token-wise MLP
 projector on the mean (ToMe merges projected tokens), it takes the next compact position in the row, and
@@ -50,8 +50,10 @@ from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.parts import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
+from prune_audit.models.selector_support import per_grid_for
 from prune_audit.models.shape import language_shape
 from prune_audit.pruners.base import LayerSelector
+from prune_audit.pruners.layout import GRID_BLOCKS, GRID_MERGE, GRID_SPLIT
 
 PROMPT_TEMPLATE = "internvl_chatml"
 # the system message of the official InternVL2.5/3 conversation template ("internvl2_5")
@@ -62,15 +64,14 @@ START_IMAGE, END_IMAGE, CONTEXT_IMAGE = "<img>", "</img>", "<IMG_CONTEXT>"
 #: how pool and ToMe run: each merged token from one tile's grid (or the thumbnail's), docs/models.md
 MERGE_PER_TILE = ("per tile: it merges within each tile's grid and the thumbnail's, the budget split evenly over "
                   "them, each merged token at the next compact position (a project choice, no official code)")
-#: selectors that need only a grid layout: they run on each tile's and the thumbnail's grid (``grid_parts``), a
-#: project choice (no official InternVL pruning code was read), docs/models.md
-PER_TILE_SELECTORS = MappingProxyType({
-    "e2s": "per tile: its novelty blocks split each tile's grid and the thumbnail's (a project choice; E2S has no "
-           "public code)",
-    "pool": MERGE_PER_TILE,
-    "tome": MERGE_PER_TILE,
-    "uniform": "per tile: the budget split evenly over the tiles' and the thumbnail's grids, equal in tokens (a "
-               "project choice, no official code); one tile is one grid",
+#: how a selector that needs only a grid layout runs on each tile's and the thumbnail's grid (``grid_parts``), by
+#: its ``Selector.per_grid`` kind: a project choice (no official InternVL pruning code was read), docs/models.md
+PER_TILE = MappingProxyType({
+    GRID_BLOCKS: "per tile: its novelty blocks split each tile's grid and the thumbnail's (a project choice; E2S has "
+                 "no public code)",
+    GRID_MERGE: MERGE_PER_TILE,
+    GRID_SPLIT: "per tile: the budget split evenly over the tiles' and the thumbnail's grids, equal in tokens (a "
+                "project choice, no official code); one tile is one grid",
 })
 
 
@@ -84,7 +85,7 @@ class InternVLModel(VisionLanguageModel):
         "this adapter reads no vision-tower attention, and it has no CLIP text space"
     )
     several_crops = True
-    per_grid_selectors = PER_TILE_SELECTORS
+    per_grid_selectors = per_grid_for(PER_TILE, frozenset())
     token_grids = "several grids"
     display_name = "InternVL"
     prompt_templates = (PROMPT_TEMPLATE,)

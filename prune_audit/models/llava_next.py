@@ -15,11 +15,12 @@ keeps every newline and the surviving visual tokens in prompt order.
 
 Positions: 1-D RoPE; after input-level selection the prompt is simply shorter (compact), as for
 LLaVA-1.5. Uniform's lattice, pooling, ToMe and E2S's novelty blocks need only the grid layout: they run on
-each of the two regular grids (``grid_parts``; ``PER_GRID_SELECTORS``); a merged token takes its first cell's
+each of the two regular grids (``grid_parts``; ``PER_GRID``); a merged token takes its first cell's
 place among the newlines (``_row``). HiPrune is refused on the whole image (its neighbours lie on one grid)
 and runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official LLaVA-NeXT code selects per
-crop; so does VScan (``VSCAN_PER_CROP``), its vision stage scanning and merging in each crop's padded grid
-(``PaddedCrops``: the tower's padding patches too), then dropping the padding as the official unpadding.
+crop; so does VScan (``pruners.layout.PADDED_CROP_GRID``), its vision stage scanning and merging in each
+crop's padded grid (``PaddedCrops``: the tower's padding patches too), then dropping the padding as the official
+unpadding.
 CLS-attention selectors read each crop's own CLS row (``_crop_cls_rows``, as the official LLaVA-NeXT ports of
 VisionZip and FasterVLM). VisionZip runs with ``budget_scope=crop`` only, as its official LLaVA-NeXT code: each
 crop's CLS state and keys (``crop_cls_features``, ``crop_cls_keys``), its tokens laid out without newlines
@@ -48,36 +49,27 @@ from prune_audit.models.llava import LAYER_SIGNALS, LlavaModel
 from prune_audit.models.prefill_assembly import token_row
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_cls_row
+from prune_audit.models.selector_support import crop_grid_for, per_grid_for, refused_for
 from prune_audit.pruners.base import Selection
+from prune_audit.pruners.layout import GRID_BLOCKS, GRID_MERGE, GRID_SPLIT, ONE_CLS, ONE_GRID, PADDED_CROP_GRID
 from prune_audit.pruners.signals import PADDED_CROPS, PaddedCrops
 
-#: what HiPrune lacks on the whole anyres image: its neighbours lie on one (rows, cols) grid
-ONE_GRID = "one regular token grid"
-#: what VScan lacks on the whole anyres image: its official LLaVA-NeXT code (Tencent/SelfEvolvingAgent a82450e,
-#: ``VScan/llava/model/llava_arch.py`` ``encode_images`` on every crop, then ``unpad_image`` of the index mask)
-#: scans and merges in each crop's padded grid, which ``budget_scope=crop`` does (docs/models.md)
-VSCAN_PER_CROP = "each crop's padded grid for its scans (as its official LLaVA-NeXT code)"
-#: selectors that need only the grid layout: they run on each of the image's two regular grids (``grid_parts``),
-#: a project choice (none has official LLaVA-NeXT code), docs/models.md
+#: what the anyres image lacks for a selector that needs one grid, one CLS token or a crop's padded grid on the
+#: whole image (``Selector.layout_need``): those whose official LLaVA-NeXT code selects in each crop's own grid
+#: run with ``budget_scope=crop`` (``Selector.per_crop_grid``)
+LACKS = frozenset({ONE_GRID, ONE_CLS, PADDED_CROP_GRID})
+#: how a selector that needs only a grid layout runs on each of the image's two regular grids (``grid_parts``),
+#: by its ``Selector.per_grid`` kind: a project choice (none has official LLaVA-NeXT code), docs/models.md
 MERGE_PER_GRID = ("per grid: it merges within the base view's grid and within the tile grid, the budget split over "
                   "them in proportion to their tokens, each merged token placed at its first cell among the row "
                   "newlines (a project choice, no official code)")
-PER_GRID_SELECTORS = MappingProxyType({
-    "e2s": "per grid: its novelty blocks split the base view's grid and the tile grid each (a project choice; "
-           "E2S has no public code)",
-    "pool": MERGE_PER_GRID,
-    "tome": MERGE_PER_GRID,
-    "uniform": "per grid: the budget split over the base view's grid and the tile grid in proportion to their "
-               "tokens (a project choice, no official code); with --option budget_scope=crop an even share per crop",
+PER_GRID = MappingProxyType({
+    GRID_BLOCKS: "per grid: its novelty blocks split the base view's grid and the tile grid each (a project choice; "
+                 "E2S has no public code)",
+    GRID_MERGE: MERGE_PER_GRID,
+    GRID_SPLIT: "per grid: the budget split over the base view's grid and the tile grid in proportion to their "
+                "tokens (a project choice, no official code); with --option budget_scope=crop an even share per crop",
 })
-#: those whose official LLaVA-NeXT code selects in each crop's own grid: they run with ``budget_scope=crop``
-#: (HiPrune, Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``: one index mask per crop;
-#: VisionZip, dvlab-research/VisionZip 3151f6d ``visionzip/llava_arch.py``: each crop's CLS, dominant and contextual
-#: tokens, ``pruners.crop_merge``; VScan, Tencent/SelfEvolvingAgent a82450e: scans and merging in each crop's
-#: padded grid, then unpadding)
-PER_CROP_GRID_SELECTORS = frozenset({"hiprune", "visionzip", "vscan"})
-#: what VisionZip reads once per image on LLaVA-1.5 and once per crop here
-ONE_CLS = "one CLS token per image"
 NEWLINE_KIND = TEXT_BEFORE  # kept like the text before the image: never pruned, never a query row
 
 
@@ -97,10 +89,11 @@ class LlavaNextModel(LlavaModel):
     )
     display_name = "LLaVA-NeXT"
     several_crops = True
-    crop_grid_selectors = PER_CROP_GRID_SELECTORS
-    per_grid_selectors = PER_GRID_SELECTORS
+    lacks = LACKS
+    crop_grid_selectors = crop_grid_for(lacks)
+    per_grid_selectors = per_grid_for(PER_GRID, lacks)
     token_grids = "several grids"
-    refused_selectors = MappingProxyType({"hiprune": ONE_GRID, "visionzip": ONE_CLS, "vscan": VSCAN_PER_CROP})
+    refused_selectors = refused_for(lacks)
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -394,4 +387,4 @@ def build_llava_next(
     return save_dir
 
 
-__all__ = ["LlavaNextModel", "build_llava_next", "visual_columns", "PER_GRID_SELECTORS"]
+__all__ = ["LlavaNextModel", "build_llava_next", "visual_columns", "LACKS", "PER_GRID"]

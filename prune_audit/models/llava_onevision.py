@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -33,10 +32,12 @@ from prune_audit.compute.shape import ModelShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
-from prune_audit.models.llava_next import LlavaNextModel, visual_columns
+from prune_audit.models.llava_next import PER_GRID, LlavaNextModel, visual_columns
 from prune_audit.models.parts import image_processor_and_tokenizer
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
+from prune_audit.models.selector_support import crop_grid_for, per_grid_for, refused_for
 from prune_audit.models.shape import language_shape, llava_vision_shape
+from prune_audit.pruners.layout import PRE_PROJECTOR_FEATURES
 
 PROMPT_TEMPLATE = "onevision_chatml"
 DEFAULT_SYSTEM = "You are a helpful assistant."  # the llava-hf OneVision chat template's system message
@@ -54,11 +55,11 @@ class LlavaOnevisionModel(LlavaNextModel):
         "anyres_max resizes the tile grid after the projector, and this adapter reads no CLIP text space"
     )
     display_name = "LLaVA-OneVision"
-    #: pooling averages pre-projector features, and anyres_max resizes the tile grid after the projector
-    refused_selectors = MappingProxyType({**LlavaNextModel.refused_selectors,
-                                          "pool": "pre-projector features of each token"})
-    per_grid_selectors = MappingProxyType({name: how for name, how in LlavaNextModel.per_grid_selectors.items()
-                                           if name != "pool"})
+    #: anyres_max resizes the tile grid after the projector: no pre-projector features of each token (pooling's)
+    lacks = LlavaNextModel.lacks | {PRE_PROJECTOR_FEATURES}
+    refused_selectors = refused_for(lacks)
+    crop_grid_selectors = crop_grid_for(lacks)
+    per_grid_selectors = per_grid_for(PER_GRID, lacks)
     prompt_templates = (PROMPT_TEMPLATE,)
 
     @classmethod

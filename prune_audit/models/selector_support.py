@@ -9,14 +9,34 @@ declarations there (``input_signals``, ``refused_selectors``, ``crop_grid_select
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 
 from prune_audit.pruners.base import Selector
-from prune_audit.pruners.registry import list_selectors, selector_class
+from prune_audit.pruners.registry import list_selectors, registered_classes, selector_class
 from prune_audit.pruners.signals import VISION_LAYER_SIGNALS
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
 #: input signals computed by a part loaded only on request (``clip_text``), so not there by default
 ON_REQUEST_SIGNALS = frozenset({"text_relevance"})
+
+
+def refused_for(lacks: frozenset[str]) -> Mapping[str, str]:
+    """``refused_selectors`` of a family lacking the layout facts ``lacks`` (``pruners.layout``): each registered
+    selector whose ``layout_need`` is one of them -> that need."""
+    return MappingProxyType({cls.name: cls.layout_need for cls in registered_classes() if cls.layout_need in lacks})
+
+
+def crop_grid_for(lacks: frozenset[str]) -> frozenset[str]:
+    """``crop_grid_selectors`` of a family lacking ``lacks``: those it refuses on the whole image whose official
+    multi-crop code selects in each crop's own grid (``Selector.per_crop_grid``)."""
+    return frozenset(cls.name for cls in registered_classes() if cls.per_crop_grid and cls.layout_need in lacks)
+
+
+def per_grid_for(how: Mapping[str, str], lacks: frozenset[str]) -> Mapping[str, str]:
+    """``per_grid_selectors`` of a family whose grids run each ``Selector.per_grid`` kind as ``how`` says: every
+    registered selector of such a kind that the family does not refuse -> how it runs (for messages)."""
+    return MappingProxyType({cls.name: how[cls.per_grid] for cls in registered_classes()
+                             if cls.per_grid in how and cls.layout_need not in lacks})
 
 
 class SelectorSupport:
@@ -35,6 +55,18 @@ class SelectorSupport:
         (from the class-level declarations alone: no checkpoint is read)."""
         available = cls.input_signals - ON_REQUEST_SIGNALS
         return {name: cls.refusal(selector_class(name), available) for name in list_selectors()}
+
+    @classmethod
+    def support_words(cls) -> dict[str, str]:
+        """Each registered selector -> its cell in the families x selectors tables of docs/models.md and README.md:
+        ``yes``, ``with --clip-text``, ``with budget_scope=crop`` or ``no``."""
+        available = cls.input_signals - ON_REQUEST_SIGNALS
+        words = {}
+        for name, refusal in cls.selector_support().items():
+            selector = selector_class(name)
+            words[name] = ("yes" if refusal is None else "with --clip-text" if cls.refusal(selector, cls.input_signals)
+                           is None else "with budget_scope=crop" if cls.runs_per_crop(selector, available) else "no")
+        return words
 
     @classmethod
     def refusal(cls, selector: type[Selector], available: frozenset[str]) -> str | None:

@@ -3,17 +3,16 @@
 >>> from prune_audit.pruners import get_selector, list_selectors
 """
 
+import pkgutil
 from importlib import import_module
 
 from prune_audit.pruners.base import InputSelector, LayerSelector, Reference, Selection, Selector, Stage
 from prune_audit.pruners.signals import InputSignals, LayerSignals
 from prune_audit.pruners.registry import get_selector, list_selectors, register, selector_class
 
-# one module per method; importing it registers the method
-_INPUT_METHODS = ["controls", "cls_attn", "visionzip", "vispruner", "divprune", "cdpruner", "scope", "coverage", "pool", "tome", "hiprune"]
-_LLM_METHODS = ["fastv", "pdrop", "sparsevlm", "dart", "v2drop", "e2s", "vscan", "sparsevlm2"]
-for _module in _INPUT_METHODS + _LLM_METHODS:
-    import_module(f"prune_audit.pruners.{_module}")
+# every module of the package is imported; a method's module registers it, so adding a selector adds one file
+for _module in pkgutil.iter_modules(__path__):
+    import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "InputSelector",

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.options import Choice, check_options, option
 from prune_audit.pruners.precision import MODEL_ATTENTIONS, as_float32, cls_probabilities, rounded_to
 from prune_audit.pruners.ranking import TOP_K_TIES, ranked_indices, top_k_indices
 from prune_audit.pruners.signals import VISION_LAYER_SIGNALS, VISION_TOWER_FACTS, InputSignals, LayerSignals
+
+if TYPE_CHECKING:  # the fidelity table reads the registry, which imports this module
+    from prune_audit.pruners.fidelity import Fidelity
 
 
 #: where a selector acts: before the language model or inside it
@@ -141,7 +145,25 @@ class Selector:
     #: a required signal -> the one it reads instead on a model without it (VScan: received attention on Qwen)
     substitutes: ClassVar[dict[str, str]] = {}
     reference: ClassVar[Reference]
+    #: how closely it follows its official code: its row of docs/fidelity.md (None: no row, as a plugin may have)
+    fidelity: ClassVar[Fidelity | None] = None
     summary: ClassVar[str] = ""
+    #: what it needs of an image's token layout besides its signals (``pruners.layout``; "": nothing); a family that
+    #: lacks it refuses it (``models.selector_support``)
+    layout_need: ClassVar[str] = ""
+    #: whether its official multi-crop code selects in each crop's own grid: refused on the whole image for its
+    #: ``layout_need``, it runs there under ``budget_scope=crop``
+    per_crop_grid: ClassVar[bool] = False
+    #: how it runs on each regular grid of an image of several (``pruners.layout.GRID_*``; "": it does not)
+    per_grid: ClassVar[str] = ""
+    #: whether :meth:`flops` counts every product the implementation runs (``pruners.arithmetic``); a selector
+    #: that states no formula (a plugin) counts zero and is reported as nominal
+    flops_exact: ClassVar[bool] = False
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """FLOPs of the selector's own arithmetic on ``work`` (``select`` / ``prune`` / ``merge``, not its signals)."""
+        return 0
 
     def __post_init__(self) -> None:
         check_options(self)

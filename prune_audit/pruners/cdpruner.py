@@ -10,7 +10,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32
+from prune_audit.pruners.fidelity import Fidelity, random_agreement
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
@@ -126,12 +128,48 @@ class CDPrunerSelector(InputSelector):
         "Theia-4869/CDPruner",
         "linear min-max relevance (theta off); greedy MAP without early stop",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "9541616c",
+        "conditional DPP, linear relevance (theta off), fast greedy MAP, plain float32 argmax",
+        ("score_dtype=model",),
+        (
+            "no early stop and gains below 1e-6 x max diag count as 0 (the official code has no guard and yields NaN "
+            "once the kernel's rank is exhausted)",
+            "kernel rows computed on demand, no N x N matrix (memory at high resolution)",
+            "unit rows and relevance in float32 by default (the official code normalises the projector outputs, "
+            "computes the CLIP relevance and min-max normalises it in the model dtype, then computes the kernel and "
+            "the greedy in float32); score_dtype=model does the same: the unit rows in the model dtype, the raw "
+            "relevance as the adapter computes it in the CLIP dtype (model_text_relevance: unit embeddings, cosines "
+            "and their mean rounded) normalised in the model dtype, every step rounded",
+        ),
+        random_agreement(30, "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
+                "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 26 and 9 of "
+                "30 (test_fidelity.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_normalisation)"),  # fmt: skip
+        30,
+        "fp16 30 of 30, bf16 30 of 30 random cases (and 10 of 10 each with a quarter of the tokens duplicated) "
+        "with score_dtype=model against the official unit features, CLIP relevance and "
+        "min-max normalisation written out in half on CPU, the kernel and greedy in float32 "
+        "(test_fidelity_half.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_relevance); from "
+        "the float32 raw relevance rounded once (no model_text_relevance) 28 and 23 of 30, float32 throughout 29 and "
+        "8 of 30; the adapter's model_text_relevance is checked on a half tiny LLaVA with its CLIP text tower",
+        {"fp16": 30, "bf16": 30},
+    )
+
+    #: nominal: the speculative kernel rows vary with the data (``pruners.arithmetic``)
+    flops_exact: ClassVar[bool] = False
 
     theta: float | None = option(
         None, Real(low=0.0, high=1.0, open_low=True, open_high=True, optional=True), "exponential relevance (off)"
     )
     ties: str = option("argmax", Choice(TIES), "argmax (official) or tolerance (relative 1e-5, lower index)")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or unit rows in the model dtype (official)")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """Kernel rows ``r_i r_j cos(f_i, f_j)`` for all N and, at greedy step t, the t-term Cholesky update of N
+        entries."""
+        updates = sum(matmul(1, step, work.tokens) for step in range(work.kept))
+        return matmul(work.tokens, work.feature_width, work.tokens) + updates
 
     def relevance(self, text_relevance: Tensor, dtype: torch.dtype | None = None,
                   bounds: Tensor | None = None) -> Tensor:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import TOP_K_TIES, InputSelector, LayerSelector, Reference, cls_probabilities
+from prune_audit.pruners.fidelity import CLS_HALF, INPUT_DTYPE, TIES_TOPK_HALF, Fidelity, random_agreement
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
@@ -46,6 +47,23 @@ class ClsAttentionSelector(InputSelector):
         "Theia-4869/FasterVLM",
         "CLIP layer 22 (attentions[-2]) CLS row, head mean",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "f5d5f120",
+        "head mean of the CLS row at CLIP layer -2, top-k, float32 scores",
+        ("score_dtype=model", "ties=topk"),
+        (TIES_TOPK_HALF, "ties to the lower index (torch.topk leaves them unspecified)", INPUT_DTYPE),
+        random_agreement(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
+                "score_dtype=model: the top-k of the rounded head mean on an fp16 case where float32 differs "
+                "(test_input_selectors.py), and on the adapter's bf16 signals (test_fidelity.py); " + CLS_HALF
+                + "score_dtype=model 30 of 30 in both, float32 29 and 16 of 30"),  # fmt: skip
+        30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk of the "
+        "head mean of the official half CLS attention (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties "
+        "at most 29 and 23 of 30, float32 29 and 16 of 30",
+        {"fp16": 30, "bf16": 30},
+    )
+
+    flops_exact: ClassVar[bool] = True  # no products of its own: it ranks the CLS attention the model gives it
 
     head_aggregation: str = option("mean", Choice(("mean", "sum")), "head mean (reference) or sum; same ranking")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")

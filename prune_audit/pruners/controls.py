@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import InputSelector, Reference, Selection
+from prune_audit.pruners.fidelity import Fidelity
+from prune_audit.pruners.layout import GRID_SPLIT
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.registry import register
 
@@ -22,6 +24,9 @@ class RandomSelector(InputSelector):
     name: ClassVar[str] = "random"
     summary: ClassVar[str] = "uniformly random subset (control)"
     reference: ClassVar[Reference] = Reference("control baseline", "-")
+    fidelity: ClassVar[Fidelity] = Fidelity("-", "seeded uniform subset (control)", (), ("control, no reference",), "not applicable")
+
+    flops_exact: ClassVar[bool] = True  # no products of its own: a random draw
 
     def score(self, signals: InputSignals, generator: torch.Generator | None) -> Tensor:
         return torch.rand(signals.num_tokens, generator=generator)
@@ -40,7 +45,11 @@ class UniformSelector(InputSelector):
 
     name: ClassVar[str] = "uniform"
     summary: ClassVar[str] = "spatially even subsample of the grid (control)"
+    per_grid: ClassVar[str] = GRID_SPLIT
     reference: ClassVar[Reference] = Reference("control baseline", "-")
+    fidelity: ClassVar[Fidelity] = Fidelity("-", "spatially even lattice subsample (control)", (), ("control, no reference",), "not applicable")
+
+    flops_exact: ClassVar[bool] = True  # no products of its own: evenly spaced cells
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         rows, cols = signals.grid

@@ -8,7 +8,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32
+from prune_audit.pruners.fidelity import Fidelity
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Real, option
 from prune_audit.pruners.registry import register
@@ -50,8 +52,23 @@ class CoverageSelector(InputSelector):
         "none public",
         "unofficial re-implementation from the abstract; demand from a first-layer text-to-visual probe",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "-",
+        "demand-weighted facility location on centred projector cosine",
+        (),
+        ("unofficial: written from the CoverPruner abstract; not a reproduction",),
+        "no official code to compare with",
+    )
+
+    #: nominal: the weighted gains update only the rows a pick changes (``pruners.arithmetic``)
+    flops_exact: ClassVar[bool] = False
 
     tau: float = option(1.0, Real(low=0.0, open_low=True), "demand temperature")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """Centred cosine of the projector outputs, and the demand-weighted first gains (w @ gaps)."""
+        return matmul(work.tokens, work.feature_width, work.tokens) + matmul(1, work.tokens, work.tokens)
 
     def demand_weights(self, demand: Tensor) -> Tensor:
         """(N,) float32 weights with mean 1 from the (N,) non-negative ``demand``."""

@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import Reference, Stage, ranked_indices, top_k_indices
+from prune_audit.pruners.fidelity import Fidelity, random_agreement
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
@@ -114,9 +116,47 @@ class DARTSelector(SingleStageSelector):
         "ZichenWen1/DART",
         "code read from the vendored copy in Chenfei-Liao/VTC-Bench external/DART",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "vendored in Chenfei-Liao/VTC-Bench 983e443e; fork xqy1111111/DART 02476570",
+        "pivots visited in ascending sequence order; key norms of layer K-1 (signal_layer=previous); average rule",
+        ("budget_rule=paper", "pivot_order=set", "score_dtype=model", "ties=topk"),
+        (
+            "default pivot order is ascending (the official Python-set order depends on where the image sits "
+            "in the prompt); pivot_order=set reproduces it",
+            "ties to the lower index by default; ties=topk ranks the key norms and each pivot's remaining "
+            "candidates with torch.topk as the official code does (its order among exact ties is the kernel's: "
+            "use it to reproduce a run on the same hardware, the default for deterministic audits)",
+            "score_dtype=model rounds the key norms and normed hidden states to the model dtype and computes the "
+            "dissimilarities as the official -F.cosine_similarity in it (norms, unit vectors and products rounded, "
+            "the sum accumulated in float32 and rounded once); float32 cosines rounded afterwards differ by an "
+            "ulp in about half of the values",
+        ),
+        random_agreement(30, "test_fidelity.py::test_dart_set_order_reproduces_the_official_iteration",
+                "pivot_order=sequence (default): 0 of 30"),  # fmt: skip
+        30,
+        "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the rows duplicated, "
+        "with budget_rule=paper, pivot_order=set, score_dtype=model, ties=topk against the official cosine "
+        "written out in half on CPU (test_fidelity_half.py::test_dart_model_dtype_reproduces_the_official_half_"
+        "precision_cosine); float32 cosines rounded afterwards 15 and 0 of 30",
+        {"fp16": 30, "bf16": 30},
+    )
+
+    #: nominal: matrix-vector products, which ``FlopCounterMode`` does not count (``pruners.arithmetic``)
+    flops_exact: ClassVar[bool] = False
 
     signal_layer: str = option("previous", Choice(SIGNAL_LAYERS), "keys of layer K-1 (reference) or layer K")
     pivot_order: str = option("sequence", Choice(("sequence", "set")), "pivot visiting order; set = official")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """Per stage, one matrix-vector product of the alive hidden states per pivot visited (``VISUAL_PIVOTS``
+        visual and up to ``TEXT_PIVOTS`` text pivots; none when the visual pivots alone fill the stage)."""
+        total = 0
+        for alive, keep in work.stages:
+            visual = min(VISUAL_PIVOTS, keep)
+            if 0 < keep < alive and visual < keep:
+                total += (visual + min(TEXT_PIVOTS, work.text_rows)) * matmul(alive, work.hidden, 1)
+        return total
 
     def paper_keep(self, budget: int) -> int:
         return VISUAL_PIVOTS + (VISUAL_PIVOTS + TEXT_PIVOTS) * (budget // 8)

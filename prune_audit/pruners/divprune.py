@@ -7,11 +7,15 @@ from typing import ClassVar
 
 import torch
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection
+from prune_audit.pruners.fidelity import Fidelity, random_agreement
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option
-from prune_audit.pruners.similarity import TIES, farthest_point_order, half_dtype, tie_tolerance, unit_rows
+from prune_audit.pruners.similarity import (
+    TIES, farthest_point_order, half_dtype, rows_per_block, tie_tolerance, unit_rows,
+)
 
 
 @register
@@ -45,9 +49,40 @@ class DivPruneSelector(InputSelector):
         "vbdi/divprune",
         "LLM input embeddings of the image span, cosine distance, most isolated token first",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "799e2d95",
+        "greedy max-min cosine distance, plain float32 argmax",
+        (),
+        (
+            "float32 by default (the official code computes in the model dtype, fp16 in practice, whose ties make "
+            "the picks depend on rounding; score_dtype=model does the same)",
+            "running minimum, no N x N matrix; picked tokens are never re-picked (only differs once all distances are 0)",
+        ),
+        random_agreement(30, "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
+                "ties=tolerance: 25 of 30; fp16 features: score_dtype=model 30 of 30, float32 2 of 30 "
+                "(measured once; the test runs 6 of those cases)"),  # fmt: skip
+        30,
+        "fp16 6 of 6 (1024-dim cases: fp16 matrix products are slow on CPU; all 30 measured once: 30 of 30), bf16 30 "
+        "of 30 with score_dtype=model against the official greedy run in that dtype on CPU "
+        "(test_fidelity.py::test_divprune_model_dtype_reproduces_the_official_half_precision_picks, "
+        "test_fidelity.py::test_divprune_model_dtype_reproduces_the_official_bf16_picks); float32 2 and 0 of 30",
+        {"bf16": 30},
+    )
+
+    #: nominal above one similarity block, where the speculative rows vary with the data (``pruners.arithmetic``)
+    flops_exact: ClassVar[bool] = False
 
     ties: str = option("argmax", Choice(TIES), "argmax (official) or tolerance (relative 1e-5, lower index)")
     score_dtype: str = option("float32", Choice(("float32", "model")), "float32, or the model dtype as the reference")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """The N x N cosine, held and read while it fits one block (``pruners.similarity.farthest_point_order``:
+        exact there); above, one row per pick after the first (the speculative rows vary with the data)."""
+        gram = matmul(work.tokens, work.feature_width, work.tokens)
+        if rows_per_block(work.tokens) >= work.tokens:
+            return gram
+        return gram + max(work.kept - 1, 0) * matmul(1, work.feature_width, work.tokens)
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         features = signals.features.detach()

@@ -10,8 +10,10 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import Reference, Stage
+from prune_audit.pruners.fidelity import Fidelity
+from prune_audit.pruners.layout import GRID_BLOCKS
 from prune_audit.pruners.signals import LayerSignals
-from prune_audit.pruners.evidence import dempster_combine, head_masses, priority, vacuous_mass
+from prune_audit.pruners.dempster_shafer import dempster_combine, head_masses, priority, vacuous_mass
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, Flag, Integer, Real, option
 from prune_audit.pruners.schedule import SIGNAL_LAYERS, ScheduledSelector
@@ -66,10 +68,10 @@ class E2SSelector(ScheduledSelector):
        pre-softmax logits ``q_t . k_n / sqrt(d)`` (RoPE as the layer applies it).
     2-4. per-head support ``p = n r / (1 + n r)`` with ``r = softmax_n(a[h])``, reliability
        ``rho`` from clarity x head consistency, masses ``[rho pbar, rho (1 - pbar), 1 - rho]``
-       (:func:`~prune_audit.pruners.evidence.head_masses`).
+       (:func:`~prune_audit.pruners.dempster_shafer.head_masses`).
     5. the token's cumulative mass (kept in ``state`` by original grid index, starting
        vacuous so the first stage has ``K = 0``) is fused with the new one by Dempster's
-       rule (:func:`~prune_audit.pruners.evidence.dempster_combine`).
+       rule (:func:`~prune_audit.pruners.dempster_shafer.dempster_combine`).
     6. priority ``q = 1 - (1 - Pl(I)) (1 - K)``: conflict between layers protects a token.
     7. score ``(1 - novelty_weight) q + novelty_weight b`` with ``b = 1`` for the best-``q``
        token of every occupied ``cells x cells`` block of the grid; keep the top ``keep``. On an image of
@@ -109,10 +111,28 @@ class E2SSelector(ScheduledSelector):
 
     name: ClassVar[str] = "e2s"
     summary: ClassVar[str] = "Dempster-Shafer fusion of head/layer attention evidence + spatial novelty (layers 3/17/22)"
+    per_grid: ClassVar[str] = GRID_BLOCKS
     requires: ClassVar[frozenset[str]] = frozenset({"text_logits"})
     reference: ClassVar[Reference] = Reference(
         "E2S-Pruner, arXiv 2608.23253", "taoyu-qian/E2S-Pruner", "no public code; written from the paper"
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "not public",
+        "evidence from the pruned layer, section-5 schedule, average rule",
+        ("budget_rule=paper",),
+        (
+            "written from the paper: the choices it leaves open are documented in the selector (spec section 12)",
+            "every row of the paper's Table 3 (schedule ablation at 128) is a schedule_preset "
+            "(table3_122_48_42, table3_132_40_32, table3_142_32_22, table3_147_38_12, table3_152_44_2)",
+        ),
+        "no official code to compare with; hand-computed cases in test_llm_selectors.py; each Table-3 preset "
+        "realises its row and an average of 128 "
+        "(test_fidelity.py::test_every_e2s_table3_row_is_a_preset_averaging_128)",
+        half_agreement="no official code to compare with; score_dtype=model rounds the signals and scores to the "
+        "model dtype as the other in-LLM selectors do",
+    )
+
+    flops_exact: ClassVar[bool] = True  # no matrix products of its own
 
     reference_layers: ClassVar[tuple[int, ...]] = E2S_LAYERS
 

@@ -8,6 +8,9 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from prune_audit.pruners.base import Reference, Stage
+from prune_audit.pruners.fidelity import (
+    LAST_ROW_HALF, MODEL_DTYPE_ATTENTION, TIES_TOPK_HALF, Fidelity, random_agreement,
+)
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option
@@ -58,6 +61,25 @@ class FastVSelector(SingleStageSelector):
     reference: ClassVar[Reference] = Reference(
         "An Image is Worth 1/2 Tokens After Layer 2 (FastV), ECCV 2024", "pkunlp-icler/FastV"
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "d1659729",
+        "attention of layer K-1 (signal_layer=previous), last prompt row, K=2, average-matched count",
+        ("budget_rule=paper", "score_dtype=model", "ties=topk"),
+        (
+            TIES_TOPK_HALF,
+            "prefill-only pruning (the official code without KV cache re-ranks at every generated token)",
+            "ties to the lower index",
+            MODEL_DTYPE_ATTENTION,
+        ),
+        random_agreement(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
+                "and identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
+                "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)"),  # fmt: skip
+        30,
+        LAST_ROW_HALF,
+        {"fp16": 30, "bf16": 30},
+    )
+
+    flops_exact: ClassVar[bool] = True  # no products of its own: it ranks the attention the model gives it
 
     signal_layer: str = option("previous", Choice(SIGNAL_LAYERS), "layer K-1's attention (reference) or layer K's")
 

@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, rounded_to
+from prune_audit.pruners.fidelity import HALF_EXACT_CASES, HALF_ONCE, QWEN_TOWER, Fidelity, half_exact, random_agreement
+from prune_audit.pruners.layout import ONE_GRID
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Integer, Real, option
 from prune_audit.pruners.ranking import TOP_K_TIES, top_k_indices
@@ -126,12 +128,32 @@ class HiPruneSelector(InputSelector):
 
     name: ClassVar[str] = "hiprune"
     summary: ClassVar[str] = "anchors + neighbours from a middle vision layer, registers from the deep one (HiPrune)"
+    layout_need: ClassVar[str] = ONE_GRID  # its neighbours and buffers lie on one grid
+    #: its official LLaVA-NeXT code (Danielement321/HiPrune 6e83a12 ``LLaVA/llava/model/llava_arch.py``) builds one
+    #: index mask per crop
+    per_crop_grid: ClassVar[bool] = True
     requires: ClassVar[frozenset[str]] = frozenset({"layer_attention"})
     reference: ClassVar[Reference] = Reference(
         "HiPrune: Training-Free Visual Token Pruning via Hierarchical Attention in Vision Encoders (arXiv 2508.00553)",
         "Danielement321/HiPrune",
         "global attention (head and query mean) of CLIP layers 9 and 23; alpha 0.1",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "6e83a124",
+        f"alpha 0.1, object layer 9 of 23 CLIP layers (scaled), flat offsets; {QWEN_TOWER}: block 16 of 32, the last",
+        ("score_dtype=model", "ties=topk"),
+        (
+            "ties to the lower index and registers ranked outside anchors and buffers unless ties=topk (official: topk of the row minus 1 there, the same set without ties); attention in float32 unless score_dtype=model (official: fp16)",
+            "anchors capped at budget // 5 so anchors and buffers fit (the official code fails there; alpha near 1)",
+            "Qwen: the official sum over query patches can exceed 1, so its minus 1 can re-pick a cell (fewer distinct tokens); here never",
+            "neighbours=grid keeps buffers inside the grid (the official +-1 wraps across rows)",
+            "object layer round(9 Lv / 23) on a tower running Lv layers (Qwen: round(16 Lv / 32) of its Lv blocks)",
+        ),
+        random_agreement(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers", "23 x 576 attention, budgets 64/128/192; Qwen path: test_methods_qwen.py 40 of 40 unrepeated"), 30,  # fmt: skip
+        half_agreement=half_exact("the official half mean(1).mean(1)", HALF_ONCE + " (head and query)", 27, 11), half_cases=HALF_EXACT_CASES,
+    )
+
+    flops_exact: ClassVar[bool] = True  # no products of its own: it ranks the attention the model gives it
 
     alpha: float = option(0.1, Real(low=0.0, high=1.0), "share of the budget given to anchors and buffers")
     object_layer: int = option(

@@ -9,6 +9,9 @@ from typing import Any, ClassVar, get_args
 from torch import Tensor
 
 from prune_audit.pruners.base import PositionMode, Reference, Stage
+from prune_audit.pruners.fidelity import (
+    LAST_ROW_HALF, MODEL_DTYPE_ATTENTION, TIES_TOPK_HALF, Fidelity, random_agreement,
+)
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.fastv import last_row_attention
 from prune_audit.pruners.registry import register
@@ -64,6 +67,25 @@ class PDropSelector(ScheduledSelector):
         "PyramidDrop: Accelerating Your Large Vision-Language Models via Pyramid Visual Redundancy Reduction, CVPR 2025",
         "Cooperx521/PyramidDrop",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "6444f304",
+        "layers 2/8/16, geometric ratio solved to the budget average",
+        ("budget_rule=official", "score_dtype=model", "ties=topk"),
+        (
+            TIES_TOPK_HALF,
+            "the official default (8/16/24, ratio 0.5) realises an average of 270 only, so the default solves "
+            "the ratio for the requested budget (maintainer guidance, PyramidDrop issue #29)",
+            "training-mode multi-query scoring not ported (inference only); ties to the lower index",
+            MODEL_DTYPE_ATTENTION,
+        ),
+        random_agreement(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; schedule identical to the official default "
+                "(test_schedule.py::test_official_rule_gives_the_code_default_and_refuses_other_budgets)"),  # fmt: skip
+        30,
+        LAST_ROW_HALF,
+        {"fp16": 30, "bf16": 30},
+    )
+
+    flops_exact: ClassVar[bool] = True  # no products of its own: it ranks the attention the model gives it
 
     reference_layers: ClassVar[tuple[int, ...]] = PAPER_LAYERS
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = PAPER_COUNTS

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32
+from prune_audit.pruners.fidelity import Fidelity
+from prune_audit.pruners.layout import GRID_MERGE, PRE_PROJECTOR_FEATURES
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
@@ -45,6 +47,8 @@ class PoolSelector(InputSelector):
 
     name: ClassVar[str] = "pool"
     summary: ClassVar[str] = "average-pool the token grid to the budget (downsampling baseline)"
+    layout_need: ClassVar[str] = PRE_PROJECTOR_FEATURES  # it averages them before the projector
+    per_grid: ClassVar[str] = GRID_MERGE
     requires: ClassVar[frozenset[str]] = frozenset({"vision_features"})
     fills_budget: ClassVar[bool] = False  # the largest pooled grid within the budget: 128 on 24 x 24 feeds 121
     merges: ClassVar[bool] = True
@@ -54,6 +58,22 @@ class PoolSelector(InputSelector):
         "Chenfei-Liao/VTC-Bench",
         "image downsampling baseline, here as average pooling of the feature grid",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "-",
+        "adaptive average pooling of the pre-projector feature grid to the largest grid within the budget",
+        (),
+        (
+            "VTC-Bench's baseline downsamples the image and runs the vision tower on it; pooling the full-resolution "
+            "features is its token-level counterpart (one vision pass, same grid geometry); grid=window pools k x k "
+            "windows, downsampling by an integer factor",
+            "every output token is a merged token carrying its window's cells (merged_stages), so retention counts "
+            "them and an object only pooled with other cells is diluted, not lost",
+        ),
+        "pooled tokens equal torch.nn.functional.adaptive_avg_pool2d of the feature grid "
+        "(test_new_selectors.py::test_pool_equals_adaptive_average_pooling)",
+    )
+
+    flops_exact: ClassVar[bool] = True  # no products of its own: it averages cells
 
     grid: str = option("adaptive", Choice(("adaptive", "window")), "largest pooled grid within the budget, or k x k windows")
 

@@ -36,6 +36,12 @@ def list_selectors() -> list[str]:
     return sorted(SELECTORS.loaded())
 
 
+def registered_classes() -> list[type[Selector]]:
+    """The selector classes registered so far (the built-ins, on import of :mod:`prune_audit.pruners`), in name
+    order, without loading plugins: what a model family's class-level support tables are computed from."""
+    return [SELECTORS.classes[name] for name in sorted(SELECTORS.classes)]
+
+
 def selector_class(name: str) -> type[Selector]:
     classes = SELECTORS.loaded()
     try:

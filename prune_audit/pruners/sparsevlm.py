@@ -9,6 +9,7 @@ from typing import Any, ClassVar, get_args
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import (
     MODEL_ATTENTIONS,
     PositionMode,
@@ -18,6 +19,7 @@ from prune_audit.pruners.base import (
     ranked_indices,
     rounded_to,
 )
+from prune_audit.pruners.fidelity import Fidelity, random_agreement
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, Flag, option
@@ -102,6 +104,13 @@ def cluster_and_merge(points: Tensor, clusters: int, noise: Tensor) -> tuple[Ten
     return torch.zeros(clusters, points.shape[-1]).index_add_(0, assignment, weighted), assignment
 
 
+def rater_flops(work: SelectorWork) -> int:
+    """The raters' products, once per question (SparseVLM and its v2.0): visual x text embedding products at the
+    first stage that scores (one that drops tokens; recycling's clustering is not counted)."""
+    scoring = [alive for alive, after in work.stages if 0 < after < alive]
+    return matmul(scoring[0], work.hidden, work.text_rows) if scoring else 0
+
+
 def select_raters(embeddings: Tensor, text_embeddings: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """(T,) bool: the text tokens whose relevance to the image is above the mean.
 
@@ -177,6 +186,58 @@ class SparseVLMSelector(ScheduledSelector):
         "SparseVLM: Visual Token Sparsification for Efficient Vision-Language Model Inference, ICML 2025",
         "Gumpest/SparseVLMs",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "26a5f488",
+        "raters from input embeddings; layer l's attention prunes its output (signal_layer=previous); average rule; "
+        "no token recycling",
+        ("budget_rule=paper", "recycle=true", "score_dtype=model", "ties=topk"),
+        (
+            "recycling is off by default so that pure-pruning records stay comparable with the other selectors; "
+            "recycle=true inserts the reference's DPC-kNN cluster tokens after the kept ones (merged tokens and "
+            "their grid sources are recorded in merged_stages and count towards retention)",
+            "recycle=true: the density tie-break noise (rand x 1e-6, unseeded in the official code) is drawn from a "
+            "generator seeded with 0, so runs are reproducible; clustering runs in float32, also under "
+            "score_dtype=model (the official code clusters in the model dtype, where its 1e-6 noise rounds away below "
+            "fp16's resolution, density ties fall to the GPU topk's unspecified order and the merged sums are atomic "
+            "half-precision adds whose order varies between runs, so no deterministic computation reproduces them); "
+            "ties in relevance among the pruned tokens are ordered by the lower index (torch.topk leaves them "
+            "unspecified)",
+            "exactly keep tokens (the official code caps at n - 1); ties to the lower index by default; ties=topk "
+            "ranks with torch.topk on the half scores as the official code (its order among exact ties is the "
+            "kernel's: use it to reproduce a run on the same hardware, the default for deterministic audits)",
+            "score_dtype=model computes as the official code does in the model dtype: raters from the rounded input "
+            "embeddings (V T^T, its softmax, the visual mean and its mean each rounded), the attention by the "
+            "official utils.scaled_dot_product_attention (model_attention=scaled, default: q.k rounded with float32 "
+            "accumulation as on GPU, times 1/sqrt(d) in the model dtype, softmax of the half logits on the model's "
+            "device; model_attention=eager keeps LlamaAttention's eager recipe, / sqrt(d) and a float32 softmax "
+            "rounded, as before the option existed: in fp16 the two scalings differ in about 0.1 % of the logits), "
+            "the head mean rounded, then the rater mean rounded",
+        ),
+        random_agreement(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
+                "one stage; first-stage kept sets identical to the top-k of the previous layer's eager rater attention "
+                "in 2 of 2 prompts on the tiny LLaVA (test_fidelity.py); paper rule realises "
+                "202.75 / 140.81 / 79.19 (test_schedule.py); recycle=true: kept sets, cluster members and merged "
+                "vectors (bit for bit) identical to a re-implementation of the official cluster_and_merge in 30 of "
+                "30 random stages at 576 tokens x 4096 dims with distinct relevances "
+                "(test_recycling.py::test_recycling_reproduces_the_official_cluster_and_merge; with float ties in "
+                "relevance 29 of 30: one tie reorders the points summed into one cluster), paper rule with "
+                "recycling realises 206.50 / 145.41 / 82.25 (test_recycling.py)"),  # fmt: skip
+        30,
+        "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the keys duplicated "
+        "(whole attention columns tied) and with integer keys (many equal probabilities), first stage with score_dtype=model, ties=topk against the official "
+        "raters and attn_postprocess_topk written out in half on CPU from the official half attention "
+        "(test_fidelity_half.py::test_sparsevlm_model_dtype_reproduces_the_official_half_precision_scores); "
+        "score_dtype=model with lower-index ties 19 and 5 of 30, float32 scores 16 and 0 of 30; the probe's "
+        "model_attention=scaled rows are the official scaled_dot_product_attention of a half tiny LLaVA bit for "
+        "bit with q.k accumulated in float32 as on GPU "
+        "(test_fidelity_half.py::test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model); on CPU "
+        "the official half q @ k^T GEMM may round a few dot products differently, as many as the CPU's kernels make "
+        "(`python -m benchmarks.half_kernels`); kept sets still 30 of 30 against it (test_fidelity_half.py::test_fastv_"
+        "and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
+        {"fp16": 30, "bf16": 30},
+    )
+
+    flops_exact: ClassVar[bool] = True
 
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = SPARSEVLM_COUNTS
 
@@ -188,6 +249,10 @@ class SparseVLMSelector(ScheduledSelector):
     model_attention: str = option(
         "scaled", Choice(MODEL_ATTENTIONS), "attention under score_dtype=model: the reference's own (scaled) or eager"
     )
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        return rater_flops(work)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -9,13 +9,15 @@ from typing import Any, ClassVar, get_args
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import PositionMode, Reference, Stage, ranked_indices, rounded_to
+from prune_audit.pruners.fidelity import HALF_EXACT_CASES, ROPE_ONCE, Fidelity, half_exact, random_agreement
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.options import Choice, Flag, Integer, option
 from prune_audit.pruners.precision import MODEL_ATTENTIONS
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SIGNAL_LAYERS, ScheduledSelector
-from prune_audit.pruners.sparsevlm import SPARSEVLM_LAYERS, select_raters
+from prune_audit.pruners.sparsevlm import SPARSEVLM_LAYERS, rater_flops, select_raters
 
 # tokens kept after each stage in v2.0 mode (score.py of branch v2.0 with USE_VERSION=2_0)
 SPARSEVLM2_COUNTS = {64: (66, 34, 20), 96: (246, 54, 28), 128: (238, 108, 60), 192: (300, 200, 118)}
@@ -93,6 +95,23 @@ class SparseVLM2Selector(ScheduledSelector):
         "Gumpest/SparseVLMs",
         "branch v2.0, USE_VERSION=2_0: gravity correction, 14 priority heads, no merging, position ids kept",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "9e1f649e",
+        "branch v2.0 (USE_VERSION=2_0): rater attention divided by the all-ones RoPE logits, 14 of 32 heads by their "
+        "rater attention, layers 2/6/15 (outputs pruned), average rule on the v2.0 counts, no merging, positions kept",
+        ("budget_rule=paper", "score_dtype=model", "ties=topk"),
+        (
+            "exactly keep tokens (the reference caps at n - 1); lower-index ties, float32 (ties=topk, score_dtype=model)",
+            "14 priority heads of LLaVA-1.5-7B's 32 scaled with the model's heads (round(14 H / 32))",
+            "a RoPE logit of exactly 0 (degenerate signals only) leaves its pair uncorrected (official: divides by 0)",
+            "no FlashAttention switch: the v2.0 FlashAttention module forms the same softmax rows for scoring",
+        ),
+        random_agreement(30, "test_methods_v3.py::test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_"
+                "ranking", "32 heads, the library's RoPE probe against the official all-ones RoPE"), 30,
+        half_agreement=half_exact("its scaled attention and RoPE logits in half", ROPE_ONCE, 25, 9), half_cases=HALF_EXACT_CASES,
+    )
+
+    flops_exact: ClassVar[bool] = True
 
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = SPARSEVLM2_COUNTS
 
@@ -105,6 +124,10 @@ class SparseVLM2Selector(ScheduledSelector):
     model_attention: str = option(
         "scaled", Choice(MODEL_ATTENTIONS), "attention under score_dtype=model: the reference's own (scaled) or eager"
     )
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        return rater_flops(work)
 
     @property
     def reference_layers(self) -> tuple[int, ...]:  # type: ignore[override]

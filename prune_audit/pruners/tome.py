@@ -8,7 +8,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, ranked_indices
+from prune_audit.pruners.fidelity import Fidelity, random_agreement
+from prune_audit.pruners.layout import GRID_MERGE
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Flag, option
 from prune_audit.pruners.registry import register
@@ -55,6 +58,7 @@ class ToMeSelector(InputSelector):
 
     name: ClassVar[str] = "tome"
     summary: ClassVar[str] = "bipartite soft matching merges the projector outputs to the budget (ToMe)"
+    per_grid: ClassVar[str] = GRID_MERGE
     requires: ClassVar[frozenset[str]] = frozenset({"features"})
     merges: ClassVar[bool] = True
     reference: ClassVar[Reference] = Reference(
@@ -62,10 +66,49 @@ class ToMeSelector(InputSelector):
         "facebookresearch/ToMe",
         "bipartite_soft_matching + merge_wavg + merge_source, at the projector output, rounds of r <= n / 2",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "af95e4b1",
+        "rounds of bipartite soft matching at the projector output (r <= n / 2 per round) to the budget, "
+        "size-weighted averages, official output order",
+        ("location=tower",),
+        (
+            "merges the projector outputs to the budget in rounds, the usual VLM baseline; location=tower merges "
+            "inside the vision tower as the official blocks (CLS protected, head-mean keys, proportional attention)",
+            "at the projector the similarity metric is the token itself (no keys there)",
+            "location=tower: r per layer as even as possible to end at the budget (the official constant r, as a "
+            "per-layer list), front-loaded where halving caps a layer; budgets below halving in every layer refused",
+            "exact ties go to the lower index (argsort leaves them unspecified)",
+            "every output token carries its merge_source cells (merged_stages): retention counts them and an object "
+            "carried only by a merged token is diluted, not lost; order=raster sorts the output by first cell",
+        ),
+        random_agreement(30, "test_fidelity.py::test_tome_reproduces_the_official_merging_rounds",
+                "each output token's cells, and its vector within 1e-5; location=tower: 30 of 30 through 23 layers "
+                "(test_methods_v3.py::test_tome_tower_merging_reproduces_the_official_blocks)"),
+        30,
+    )
+
+    flops_exact: ClassVar[bool] = True
 
     order: str = option("official", Choice(("official", "raster")), "official round order, or raster order")
     location: str = option("projector", Choice(("projector", "tower")), "merge the projector outputs, or in the tower")
     proportional_attention: bool = option(True, Flag(), "in the tower: log(size) added to attention logits (official)")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """Each bipartite round on n tokens: the ceil(n/2) x floor(n/2) cosine matrix (:func:`merge_round`) of the
+        projector outputs, or with ``location=tower`` of the head-mean keys (CLS included) in each tower layer
+        that merges (``tower_merges``; the tower rerun itself is the model's, ``compute.flops.merging_tower``)."""
+        if work.tower_merges:
+            total, count = 0, 1 + work.tokens
+            for merged in work.tower_merges:
+                total += matmul((count + 1) // 2, work.key_width, count // 2) if merged else 0
+                count -= merged
+            return total
+        total, count = 0, work.tokens
+        while count > work.kept:
+            total += matmul((count + 1) // 2, work.feature_width, count // 2)
+            count -= min(count - work.kept, count // 2)
+        return total
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import Reference, Stage
+from prune_audit.pruners.fidelity import Fidelity, random_agreement
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option
@@ -75,6 +76,30 @@ class V2DropSelector(ScheduledSelector):
         "Variation-aware Vision Token Dropping for Faster Large Vision-Language Models (V2Drop), 2025",
         "xuyang-liu16/V2Drop",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "219e03ed",
+        "largest hidden-state variation at layers 3/17/22, paper shapes solved to the budget average",
+        ("budget_rule=official", "score_dtype=model", "ties=topk"),
+        (
+            "paper and average rules keep 0 tokens at the last stage as the paper states (the code keeps 1; "
+            "budget_rule=official does)",
+            "ties to the lower index by default; ties=topk ranks with torch.topk on the half variations as the "
+            "official code (its order among exact ties is the kernel's: use it to reproduce a run on the same "
+            "hardware, the default for deterministic audits)",
+            "score_dtype=model computes as the official code in the model dtype: the states rounded, their "
+            "difference rounded, its norm torch's half-precision reduction (float32 accumulation in the kernel's "
+            "order, rounded once)",
+        ),
+        random_agreement(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; official schedule identical to the code's default (test_schedule.py)"),
+        30,
+        "fp16 30 of 30, bf16 30 of 30 random cases and 10 of 10 each with duplicated rows, with score_dtype=model, "
+        "ties=topk against the official torch.norm of the half difference on CPU "
+        "(test_fidelity_half.py::test_v2drop_model_dtype_reproduces_the_official_half_precision_variation); "
+        "lower-index ties 5 and 0 of 30, float32 5 and 0 of 30",
+        {"fp16": 30, "bf16": 30},
+    )
+
+    flops_exact: ClassVar[bool] = True  # no matrix products of its own
 
     reference_layers: ClassVar[tuple[int, ...]] = V2DROP_LAYERS
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = V2DROP_SHAPES

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import (
     TOP_K_TIES,
     InputSelector,
@@ -18,6 +19,8 @@ from prune_audit.pruners.base import (
     cls_probabilities,
     top_k_indices,
 )
+from prune_audit.pruners.fidelity import CLS_HALF, INPUT_DTYPE, TIES_TOPK_HALF, Fidelity, random_agreement
+from prune_audit.pruners.layout import ONE_CLS
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
@@ -61,6 +64,10 @@ class VisionZipSelector(InputSelector):
 
     name: ClassVar[str] = "visionzip"
     summary: ClassVar[str] = "CLS + top CLS-attention patches, rest merged into contextual tokens (VisionZip)"
+    layout_need: ClassVar[str] = ONE_CLS  # its dominant tokens rank one CLS row
+    #: its official LLaVA-NeXT code (dvlab-research/VisionZip 3151f6d ``visionzip/llava_arch.py``) takes each crop's
+    #: CLS, dominant and contextual tokens (``pruners.crop_merge``)
+    per_crop_grid: ClassVar[bool] = True
     requires: ClassVar[frozenset[str]] = frozenset(
         {"cls_attention", "vision_keys", "vision_features", "cls_feature"}
     )
@@ -70,12 +77,51 @@ class VisionZipSelector(InputSelector):
         "dvlab-research/VisionZip",
         "CLIP layer 22; dominant includes CLS; 54+10 / 108+20 / 162+30",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "3151f6df",
+        "CLS + dominant tokens by CLS attention, contextual merge (54+10 / 108+20 / 162+30), float32 scores",
+        ("score_dtype=model", "ties=topk"),
+        (
+            TIES_TOPK_HALF,
+            "ties to the lower index",
+            INPUT_DTYPE + "; under score_dtype=model the head-mean keys, their unit normalisation, the "
+            "member-to-target cosines and the merged vectors are computed in the model dtype as well",
+            "the contextual tokens' grid sources (target and members) are recorded in merged_stages and count "
+            "towards retention (records schema 4), so an object merged into a contextual token is not lost; "
+            "visualize hatches their cells",
+        ),
+        random_agreement(30, "test_fidelity.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
+                "dominant set, every contextual token's target and members, and every output vector within 1e-5; "
+                "1024-dim CLIP states, 16 heads x 64-dim keys; score_dtype=model: rounded saliency, keys and cosines "
+                "on an fp16 case where float32 differs (test_input_selectors.py); " + CLS_HALF
+                + "dominant set with score_dtype=model 30 of 30 in both, float32 29 and 9 of 30; the whole forward "
+                "against the official one run in fp16 / bf16: dominant set, contextual groups and every output vector "
+                "bit for bit with score_dtype=model in 30 of 30 each, float32 scoring the same sets in 0 of 30 "
+                "(test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)"),  # fmt: skip
+        30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk: dominant set against the official "
+        "torch.topk on the half CLS attention (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); with "
+        "score_dtype=model the whole forward (dominant set, contextual groups, output vectors) bit for bit in 30 "
+        "of 30 each (test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)",
+        {"fp16": 30, "bf16": 30},
+    )
+
+    flops_exact: ClassVar[bool] = True
 
     contextual_fraction: float = option(
         5 / 32, Real(low=0.0, high=1.0, open_high=True), "share of the budget given to contextual tokens"
     )
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
     ties: str = option("lower", Choice(TOP_K_TIES), "exact ties to the lower index, or torch.topk's order (official)")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """Member-to-target cosines of the head-mean keys: M members x C targets."""
+        dominant, contextual = cls(**work.options).split(work.kept)
+        if contextual <= 0:
+            return 0
+        members = work.tokens - (dominant - 1) - contextual  # the CLS token counts towards the dominant tokens
+        return matmul(members, work.key_width, contextual)
 
     def split(self, budget: int) -> tuple[int, int]:
         """``(dominant incl. CLS, contextual)`` token counts for ``budget``."""

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import (
     InputSelector,
     Reference,
@@ -17,6 +18,7 @@ from prune_audit.pruners.base import (
     cls_probabilities,
     ranked_indices,
 )
+from prune_audit.pruners.fidelity import INPUT_DTYPE, Fidelity, random_agreement
 from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Integer, Real, option
 from prune_audit.pruners.registry import register
@@ -63,10 +65,48 @@ class VisPrunerSelector(InputSelector):
         "Theia-4869/VisPruner",
         "CLIP layer -2 CLS row (head mean) and hidden states; important_ratio 0.5; 8 duplicates per round",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "aefa01ad",
+        "important_ratio 0.5 of the budget by head-mean CLS attention, the rest by removing duplicates 8 per round, "
+        "float32 scores",
+        ("score_dtype=model",),
+        (
+            "ties to the lower index in the attention ranking and to the lower position in the duplicate ranking "
+            "(argsort leaves them unspecified)",
+            "an odd number of residual tokens (e.g. budget 63 or 65 at ratio 0.5) splits A = even positions, one "
+            "longer than B; the official batched indexing needs |A| == |B| and fails there",
+            INPUT_DTYPE + "; under score_dtype=model the head mean, the unit features and the A-B cosines are "
+            "rounded to the model dtype as well",
+        ),
+        random_agreement(30, "test_fidelity.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens",
+                "1024-dim CLIP states; against the official code run in fp16 / bf16 with a GPU's float32 accumulation "
+                "(norms and cosines rounded once): score_dtype=model 30 of 30 each, float32 scoring 0 of 30; CPU fp16 "
+                "kernels round some norms and cosines differently (18 of 30 there)"),  # fmt: skip
+        30,
+        "fp16 30 of 30, bf16 30 of 30 with score_dtype=model against the official forward in that dtype with a "
+        "GPU's float32 accumulation (norms and cosines rounded once) "
+        "(test_fidelity.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens); against the CPU "
+        "fp16 kernels 18 of 30: they round some norms and cosines differently (kernel rounding)",
+        {"fp16": 30, "bf16": 30},
+    )
+
+    flops_exact: ClassVar[bool] = True
 
     important_ratio: float = option(0.5, Real(low=0.0, high=1.0), "share of the budget chosen by CLS attention")
     removal_step: int = option(8, Integer(low=1), "most duplicates removed per round")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """Each duplicate-removal round on R residual tokens: the ceil(R/2) x floor(R/2) cosine matrix."""
+        important = int(work.kept * work.options["important_ratio"])
+        keep, residual, total = work.kept - important, work.tokens - important, 0
+        if keep <= 0:
+            return 0
+        while (removed := min(work.options["removal_step"], residual - keep)) > 0:
+            total += matmul((residual + 1) // 2, work.vision_width, residual // 2)
+            residual -= removed
+        return total
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         dtype = signals.model_dtype if self.score_dtype == "model" and signals.model_dtype != torch.float32 else None

@@ -9,7 +9,10 @@ from typing import Any, ClassVar, get_args
 import torch
 from torch import Tensor
 
+from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import BudgetScoped, PositionMode, Reference, Stage, TokenMerge, rounded_to
+from prune_audit.pruners.fidelity import HALF_EXACT_CASES, HALF_ONCE, Fidelity, half_exact, random_agreement
+from prune_audit.pruners.layout import PADDED_CROP_GRID
 from prune_audit.pruners.crop_scope import crop_budgets
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.fastv import last_row_attention
@@ -230,6 +233,8 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
 
     name: ClassVar[str] = "vscan"
     summary: ClassVar[str] = "local + global scans of vision CLS (Qwen: received) attention with merging, then LLM layer 16 (VScan)"
+    layout_need: ClassVar[str] = PADDED_CROP_GRID
+    per_crop_grid: ClassVar[bool] = True  # its official code scans and merges in each crop's padded grid, then unpads
     requires: ClassVar[frozenset[str]] = frozenset({"layer_cls_attention", "hidden_states", "text_probs"})
     substitutes: ClassVar[dict[str, str]] = {"layer_cls_attention": "layer_attention"}  # Qwen2.5-VL: received
     reference: ClassVar[Reference] = Reference(
@@ -237,6 +242,22 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
         "Tencent/SelfEvolvingAgent",
         "folder VScan/; CLIP layers 6 (local, window 6) and 23 (global); 96 tokens, then 32 at LLM layer 16",
     )
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "a82450e1",
+        "6 x 6 window scan of CLIP layer 6, global scan of layer 23, merging; LLM layer 16; 96 then 32 for 64; float32; Qwen2.5-VL (VScan/qwen/): greedy 4 x 4 window limits on the received attention (4-patch mean, window order undone; models.qwen) of the first full-attention block, global scan of the last, merging; LLM stage at half depth (14 of 28) with a third of the vision-stage tokens",  # fmt: skip
+        ("score_dtype=model", "ties=topk"),
+        (
+            "lower-index ties, float32 (ties=topk, score_dtype=model: topk order, fp16); global scan excludes the local tokens",
+            "local_count=fill lets the global scan fill the stage (the same at 96/192/288); official: fewer elsewhere",
+            "grids other than 24 x 24 scan their full blocks (official: asserts 576); shallow layer scaled as HiPrune's",
+            "merged tokens keep their kept token's slot and carry their cells", "Qwen: T_l = round(B llm_share) = T_v / 3 where the official keeps int(0.333 T_v) (one fewer when it truncates), T_v from the budget where the official takes int(0.167 N); a side under 4 merged tokens is one window (official: divides by 0)",
+            "Qwen: the LLM stage's attention has M-RoPE applied as the layer applies it unless attention_rope=skipped (the official Qwen layer_prune leaves q and k unrotated; the LLaVA one rotates)", "LLaVA-NeXT (budget_scope=crop only, as its llava_arch.encode_images): scans and merging in each crop's padded grid, a kept padding patch dropped at unpadding with what merged into it; T_v is the image's, split evenly over the crops (official: 96 per crop); the LLM stage ranks every alive visual token by the last prompt token's attention and keeps T_l (the official layer_prune keeps LLaVA-1.5's lengths: it ranks only the image span's first min(96, span) tokens, the base view's kept ones, by the row at prompt_len + 95, inside the span, keeps 32 of them and leaves the tiles' tokens and newlines)",
+        ),
+        random_agreement(30, "test_methods_v3.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging", "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288; Qwen path: test_methods_qwen.py 36 of 36 (7B-like: 16 heads, 4 x 4 windows, 6..20-token sides, 3584-dim features); LLaVA-NeXT per crop: test_families_registry.py::test_vscan_runs_per_crop_on_llava_next_as_its_official_code, 2 of 2 tiny images (kept sets exact, merged inputs atol 1e-5)"), 30,  # fmt: skip
+        half_agreement=half_exact("the official half CLS head mean at the vision stage (the LLM stage, eager as FastV's: 30 of 30 too)", HALF_ONCE + " (head)", 30, 30) + "; Qwen path in bf16 (the 7B's dtype), 16 x 20 tokens: 30 of 30 (and 10 + 10 tie cases) given the official thrice-rounded bf16 reductions, 0 of 30 given the adapter's float32 signal rounded once (20-25 distinct bf16 values among 320 tokens: the official set is mostly the kernel's order among ties; no half twin on Qwen)", half_cases=HALF_EXACT_CASES,  # fmt: skip
+    )
+
+    flops_exact: ClassVar[bool] = True
 
     llm_layer: int = option(16, ReferenceLayer(1, REFERENCE_DEPTH - 1), "decoder layer of the LLM stage")
     llm_share: float = option(0.5, Real(low=0.0, high=1.0, open_low=True), "LLM-stage tokens as a share of the budget")
@@ -248,6 +269,15 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
     merge_pruned: bool = option(True, Flag(), "merge pruned tokens into their nearest kept token (official)")
     positions: str = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (official renumbers)")
     attention_rope: str = option("applied", Choice(ATTENTION_ROPES), "RoPE in the LLM stage's attention (official Qwen: skipped)")
+
+    @classmethod
+    def flops(cls, work: SelectorWork) -> int:
+        """The vision stage's merge (:func:`nearest_merge`): each pruned token's cosine to every kept one, over the
+        image or, per crop, over that crop's padded patches."""
+        if not work.stages or not work.options["merge_pruned"]:
+            return 0
+        scopes = work.crop_stages or work.stages[:1]
+        return sum(matmul(alive - kept, work.hidden, kept) for alive, kept in scopes if 0 < kept < alive)
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """``[Stage(0, T_v), Stage(llm_layer scaled, T_l)]`` whose layer average is ``budget`` (within rounding)."""
