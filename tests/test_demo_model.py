@@ -170,7 +170,7 @@ def test_qwen_training_is_deterministic_and_loads_through_the_family_registry(ti
     from prune_audit.models.qwen import QwenModel
 
     out, summary, vlm = tiny_qwen
-    again = train_demo_model(TINY_QWEN, tmp_path / "again", log=lambda line: None)
+    train_demo_model(TINY_QWEN, tmp_path / "again", log=lambda line: None)
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "again" / "model.safetensors").read_bytes()
     assert isinstance(vlm, QwenModel) and isinstance(load_vlm(out, device="cpu"), QwenModel)
     recipe = json.loads((out / "training.json").read_text())["recipe"]

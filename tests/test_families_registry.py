@@ -1262,7 +1262,6 @@ def test_vscan_runs_per_crop_on_llava_next_as_its_official_code(tmp_path, worksp
     are gone; the compute accounting equals the counted FLOPs (padding projected, merges per crop); ``run`` records
     it; on the whole image it is refused in one line naming the option."""
     from prune_audit.models.llava_next import build_llava_next
-    from prune_audit.pruners.base import Stage
     from prune_audit.pruners.crop_scope import crop_budgets
     from prune_audit.pruners.registry import selector_from_strings
     from prune_audit.pruners.signals import PADDED_CROPS, LayerSignals

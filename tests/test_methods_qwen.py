@@ -275,7 +275,7 @@ def test_vscan_agrees_with_the_official_qwen_vision_stage_on_random_cases():
     generator = torch.Generator().manual_seed(2705)
     selector = get_selector("vscan")
     identical = 0
-    for case in range(36):
+    for _ in range(36):
         rows, cols = (int(v) for v in torch.randint(6, 21, (2,), generator=generator))
         n = rows * cols
         (local, deep), window_index = window_attention_case(generator, rows, cols)

@@ -167,7 +167,7 @@ def test_in_llm_stages_are_nested_and_retention_never_grows(workspace, tmp_path,
     assert masked
     first = int(records["lost"].dropna().sum())
     if layers[0] > 0:  # in-LLM: the first stage is deeper, except VScan's vision stage
-        assert f"lost objects, stage first (decoder layer 0)" not in result.output
+        assert "lost objects, stage first (decoder layer 0)" not in result.output
     assert f"lost objects, stage first (decoder layer {layers[0]})" in " ".join(result.output.split())
     assert f"{first} of {masked}" in result.output
 

@@ -187,7 +187,7 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_json_nested_100000_deep_is_refused_by_every_json_reader(workspace, tmp_path):
-    for name, (read, path) in _deep_files(tmp_path, workspace).items():
+    for read, path in _deep_files(tmp_path, workspace).values():
         with pytest.raises(PruneAuditError, match=rf"^{path}(:1)?: JSON nested more than 64 levels deep"):
             read(path)
 

@@ -63,7 +63,7 @@ def test_pope_parquet_runs_without_an_images_folder_as_the_json_files_do(workspa
     reference = json.loads((from_json / "manifest.json").read_text())
     assert manifest["images"]["files"] == reference["images"]["files"]  # pinned by the embedded bytes
     assert Path(manifest["images"]["path"]) == from_parquet / "images"
-    for name, digest in manifest["images"]["files"].items():
+    for name in manifest["images"]["files"]:
         assert (from_parquet / "images" / name).read_bytes() == (Path(workspace["images"]) / name).read_bytes()
     # resuming finds the written images with the pinned bytes
     again = runner.invoke(app, [*common, "--questions", str(parquet), "--out", str(from_parquet)])

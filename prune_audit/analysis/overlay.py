@@ -146,8 +146,8 @@ def grid_panels(panel: Panel) -> list[Panel]:
     last = len(pieces) - 1
     panels = []
     for index, ((start, grid), name) in enumerate(zip(pieces, grid_names(panel.geometry))):
-        def local(cells: Sequence[int]) -> list[int]:
-            return [cell - start for cell in cells if start <= cell < start + grid.num_tokens]
+        def local(cells: Sequence[int], start: int = start, stop: int = start + grid.num_tokens) -> list[int]:
+            return [cell - start for cell in cells if start <= cell < stop]
 
         stages = [local(kept) for kept in panel.stages]
         labels = [

@@ -145,7 +145,7 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     signals = tokens.crops * flops.cls_probe(vision, patch_grid) if tokens.cls_probe else 0
     signals += tokens.crops * flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
     if tokens.text_chunks:
-        signals += flops.clip_text_relevance(shape.clip_text, tokens.text_chunks, tokens.visual_tokens)
+        signals += flops.clip_text_relevance(shape.clip_text, tokens.text_chunks, tokens.visual_tokens)  # type: ignore[arg-type]  # text chunks: only with a CLIP text tower
     signals += flops.merging_tower(vision, patch_grid, tokens.tower_merges) if tokens.tower_merges else 0
     signals += flops.projector(vision, tokens.reprojected)
     lengths = [tokens.text_tokens + visual for visual in tokens.visual_per_layer]

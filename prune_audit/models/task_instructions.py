@@ -29,7 +29,7 @@ def checkpoint_task_instructions(source: str | Path) -> dict[str, str]:
     if not path.is_file():
         return {}
     where = str(path)
-    fix = f"write it as {{\"task name\": \"instruction\"}} or remove it"
+    fix = 'write it as {"task name": "instruction"} or remove it'
     try:
         declared = loads_json(read_input(path, "task instructions", fix), where)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

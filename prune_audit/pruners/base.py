@@ -177,7 +177,7 @@ class Selector:
         return frozenset(swap.get(name, name) for name in requires)
 
     def options(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}  # type: ignore[arg-type]  # registered selectors are dataclasses
 
     def ranking_dtype(self, model_dtype: torch.dtype | None) -> torch.dtype | None:
         """The dtype the official code ranks the scores in: the model's half dtype under ``score_dtype="model"``."""

@@ -76,4 +76,4 @@ class ClsAttentionSelector(InputSelector):
         """(N,) aggregated CLS attention from ``cls_attention`` (H, N), rounded under ``score_dtype="model"``."""
         attention = cls_probabilities(signals, signals.model_dtype if self.score_dtype == "model" else None)
         scores = attention.mean(dim=0) if self.head_aggregation == "mean" else attention.sum(dim=0)
-        return self.model_precision(scores, signals)
+        return self.model_precision(scores, signals)  # type: ignore[misc, arg-type]  # reads only score_dtype and model_dtype

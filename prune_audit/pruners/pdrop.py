@@ -93,7 +93,7 @@ class PDropSelector(ScheduledSelector):
     budget_rule: str = option(
         "average", Choice(OFFICIAL_RULES), "average (geometric, solved), paper (SparseVLM counts), official (8/16/24, 0.5)"
     )
-    positions: str = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (reference compacts)")
+    positions: PositionMode = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (reference compacts)")
 
     def official_stages(self, num_layers: int, num_visual: int) -> list[Stage]:
         """The README/script default: prune at layers 8, 16, 24 keeping ``int(N 0.5^s)`` (288/144/72 of 576)."""

@@ -28,7 +28,8 @@ SELECTORS: PluginRegistry[type[Selector]] = PluginRegistry("selector", "prune_au
 
 def register(cls: S) -> S:
     """Class decorator: add a selector class under ``cls.name``."""
-    return SELECTORS.register(cls)
+    SELECTORS.register(cls)
+    return cls
 
 
 def list_selectors() -> list[str]:

@@ -310,7 +310,7 @@ class ScheduledSelector(LayerSelector):
     budget_rule: str = option(
         "average", Choice(BUDGET_RULES), "average: budget = realised layer average; paper: reference counts"
     )
-    positions: str = option("keep_original", Choice(get_args(PositionMode)), "position ids after pruning")
+    positions: PositionMode = option("keep_original", Choice(get_args(PositionMode)), "position ids after pruning")
     score_dtype: str = option("float32", Choice(SCORE_DTYPES), "float32, or the model dtype as the official code")
     ties: str = option("lower", Choice(TOP_K_TIES), "exact ties to the lower index, or torch.topk's order (official)")
 

@@ -234,7 +234,7 @@ class LayerSignals:
         """A copy whose float signals are rounded to ``model_dtype`` (kept as float32 tensors)."""
         if self.model_dtype is None:
             return self
-        rounded = {
+        rounded: dict[str, Any] = {
             f.name: value.to(self.model_dtype).float()
             for f in dataclasses.fields(self)
             if isinstance(value := getattr(self, f.name), Tensor) and value.is_floating_point()

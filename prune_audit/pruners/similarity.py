@@ -154,7 +154,7 @@ def farthest_point_order(unit: Tensor, k: int, tolerance: float = 0.0) -> Tensor
     else:
         isolation, rows = 1.0 - nearest_neighbour_similarity(unit), SpeculativeRows(lambda indices: unit[indices] @ unit.T)
 
-        def row_of(pick: int) -> Tensor:
+        def row_of(pick: int) -> Tensor:  # type: ignore[misc]  # the same signature as the other branch's
             if pick not in rows:
                 rows.fetch(pick, distance_to_picked)
             return rows[pick]
@@ -291,11 +291,11 @@ def facility_location_greedy(
     coverage = torch.zeros(n, dtype=torch.float32)
     # float64 so that k rounds of incremental updates do not drift (and sum half-precision terms exactly)
     gains = torch.zeros(n, dtype=torch.float64)
-    for rows, block in similarity_blocks(unit, out=matrix):
+    for span, block in similarity_blocks(unit, out=matrix):
         if rounding is not None:
             block.copy_(block.to(rounding))
-        weights = None if demand_weights is None else demand_weights[rows]
-        gains += _gap_sum(block, coverage[rows], weights, gap_power, scratch, rounding)
+        weights = None if demand_weights is None else demand_weights[span]
+        gains += _gap_sum(block, coverage[span], weights, gap_power, scratch, rounding)
     picked = torch.zeros(n, dtype=torch.bool)
     picks: list[int] = []
     scores: list[float] = []

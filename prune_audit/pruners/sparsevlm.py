@@ -241,7 +241,7 @@ class SparseVLMSelector(ScheduledSelector):
 
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = SPARSEVLM_COUNTS
 
-    positions: str = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (v1.5 compacts)")
+    positions: PositionMode = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (v1.5 compacts)")
     signal_layer: str = option(
         "previous", Choice(SIGNAL_LAYERS), "prune layer l's output by its attention (reference) or its input by a probe"
     )
@@ -257,7 +257,7 @@ class SparseVLMSelector(ScheduledSelector):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.recycle:  # the clusters average the pruned tokens' hidden states
-            self.requires = type(self).requires | {"hidden_states"}
+            self.requires = type(self).requires | {"hidden_states"}  # type: ignore[misc]  # an instance's own (Selector.requires_on)
 
     @property
     def reference_layers(self) -> tuple[int, ...]:  # type: ignore[override]

@@ -115,7 +115,7 @@ class SparseVLM2Selector(ScheduledSelector):
 
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = SPARSEVLM2_COUNTS
 
-    positions: str = option("keep_original", Choice(get_args(PositionMode)), "position ids after pruning (v2.0 keeps)")
+    positions: PositionMode = option("keep_original", Choice(get_args(PositionMode)), "position ids after pruning (v2.0 keeps)")
     signal_layer: str = option(
         "previous", Choice(SIGNAL_LAYERS), "prune layer l's output by its attention (reference) or its input by a probe"
     )

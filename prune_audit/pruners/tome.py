@@ -113,7 +113,7 @@ class ToMeSelector(InputSelector):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.location == "tower":  # the adapter runs the tower with the merge step between its layers
-            self.requires = frozenset({"merging_tower"})
+            self.requires = frozenset({"merging_tower"})  # type: ignore[misc]  # an instance's own (Selector.requires_on)
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         if self.location == "tower":

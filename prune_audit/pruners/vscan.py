@@ -98,7 +98,7 @@ def greedy_window_scan(
     block = (order_cells // cols // window).clamp(max=blocks_down - 1) * blocks_across + (
         order_cells % cols // window).clamp(max=blocks_across - 1)
     held = [0] * (blocks_down * blocks_across)
-    taken = []
+    taken: list[int] = []
     for position, index in zip(order.tolist(), block.tolist()):
         if len(taken) == count:
             break
@@ -267,7 +267,7 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
     qwen_window_size: int = option(4, Integer(low=1), "side of the Qwen2.5-VL local scan's blocks in merged tokens")
     local_count: str = option("fill", Choice(LOCAL_COUNTS), "global scan fills the stage, or the official count")
     merge_pruned: bool = option(True, Flag(), "merge pruned tokens into their nearest kept token (official)")
-    positions: str = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (official renumbers)")
+    positions: PositionMode = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (official renumbers)")
     attention_rope: str = option("applied", Choice(ATTENTION_ROPES), "RoPE in the LLM stage's attention (official Qwen: skipped)")
 
     @classmethod
@@ -388,10 +388,10 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
                     merged.append(merge.hidden[index])
                     members.append(tokens[group][tokens[group] >= 0])
                     replaces.append(int(tokens[target]))
-        kept = torch.cat(kept).sort().values if kept else torch.zeros(0, dtype=torch.long)
+        kept_tokens = torch.cat(kept).sort().values if kept else torch.zeros(0, dtype=torch.long)
         if not merged:
-            return kept, None
-        return kept, TokenMerge(torch.stack(merged), members, replaces=torch.tensor(replaces, dtype=torch.long))
+            return kept_tokens, None
+        return kept_tokens, TokenMerge(torch.stack(merged), members, replaces=torch.tensor(replaces, dtype=torch.long))
 
     def _received_attention_scans(self, keep: int, signals: LayerSignals, half: torch.dtype | None) -> Tensor:
         """The vision stage on Qwen2.5-VL's received attention (``layer_attention`` (Lv, n)): the greedy local

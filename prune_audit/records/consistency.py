@@ -98,7 +98,7 @@ def cost_problem(cost: Mapping[str, Any]) -> str | None:
             return f"{name} must be a finite non-negative number, got {value!r}"
         if pa.types.is_integer(_COST_TYPES[name]) and not (float(value).is_integer() and value <= INT64_MAX):
             return f"{name} must be a whole number of at most {INT64_MAX}, got {value!r}"
-    parts = [cost.get(name) for name in ("flops_vision", "flops_selector", "flops_llm")]
+    parts: list[Any] = [cost.get(name) for name in ("flops_vision", "flops_selector", "flops_llm")]
     if cost.get("flops") is not None and None not in parts and cost["flops"] != sum(parts):
         return f"flops {cost['flops']} is not flops_vision + flops_selector + flops_llm ({sum(parts)})"
     return None

@@ -414,7 +414,7 @@ def _probabilities_problem(answer: dict[str, Any]) -> str | None:
         return disjoint_probabilities_problem("letter_probs", answer["letter_probs"])
     if "token_probs" in answer:  # the summary follows from the tokens: only an empty list can contradict the text
         return None if answer["token_probs"] else generation_problem(answer["text"], 1.0, 1.0, 0)
-    summary = [answer.get(name) for name in GENERATION_SUMMARY if name != "stopped"]
+    summary: list[Any] = [answer.get(name) for name in GENERATION_SUMMARY if name != "stopped"]
     return None if None in summary else generation_problem(answer["text"], *summary)
 
 

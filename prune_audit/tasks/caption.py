@@ -166,7 +166,8 @@ class CaptionTask(Task):
     """CHAIR's list plus the question file's categories it lacks (``read_questions`` sets it; None: CHAIR's)."""
 
     def read_questions(self, paths: Sequence[Path]) -> list[CaptionTaskQuestion]:
-        instances, captions = [], []
+        instances: list[tuple[Path, Any]] = []
+        captions: list[tuple[Path, Any]] = []
         for path in paths:
             data = read_json(path)
             (instances if _is_instances(data) else captions).append((path, data))

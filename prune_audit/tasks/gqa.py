@@ -120,7 +120,7 @@ class SceneGraphEvidence:
                                   f"of {record['image']}; restore the run's --annotations file")
         if not record["evidence_object_ids"]:
             return None
-        return np.logical_or.reduce([box_mask(graph.objects[i], graph) for i in record["evidence_object_ids"]])
+        return np.logical_or.reduce([box_mask(graph.objects[i], graph) for i in record["evidence_object_ids"]])  # type: ignore[union-attr, arg-type]  # no graph: refused above
 
     def objects(self, question: GqaTaskQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
         """Each annotated object's box on its own, named by its scene-graph name."""

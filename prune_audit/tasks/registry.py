@@ -25,7 +25,8 @@ TASKS: PluginRegistry[type[Task]] = PluginRegistry("task", "prune_audit.tasks")
 
 def register_task(cls: T) -> T:
     """Class decorator: add a task class under ``cls.name``."""
-    return TASKS.register(cls)
+    TASKS.register(cls)
+    return cls
 
 
 def list_tasks() -> list[str]:
