@@ -25,7 +25,7 @@ LONG_FUNCTIONS = {
     "models/layer_signals.py::layer_signals": "one LayerSignals filled field by field from what the plan requires",
     "pruners/similarity.py::facility_location_greedy": "one greedy loop with its incremental gains; its docstring "
     "states the algorithm",
-    "pruners/fidelity_table.py::fidelity_markdown": "docs/fidelity.md's prose, verbatim, then its table",
+    "pruners/fidelity.py::fidelity_markdown": "docs/fidelity.md's prose, verbatim, then its table",
     "data/geometry.py::clip_geometry": "one pipeline (pad, resize, crop) as transformers' PilBackend runs it",
     "safety/ownership.py::check_output_dir": "one ordered list of refusals of an output folder",
     "demo/train.py::train_demo_model": "the training loop with its logging, monitoring and checkpoints",

@@ -129,7 +129,7 @@ def test_family_support_tables_are_the_match_of_selector_and_family_traits(famil
     assert dict(adapter.refused_selectors) == {name: need for name, need in LAYOUT_NEEDS.items() if need in lacks}
     assert adapter.crop_grid_selectors == {name for name in FAMILY_REFUSALS.get(family, {}) if name != "pool"}
     assert set(adapter.per_grid_selectors) == PER_GRID.get(family, set())
-    for name, how in adapter.per_grid_selectors.items():  # the family's prose for the selector's kind
+    for how in adapter.per_grid_selectors.values():  # the family's prose for the selector's kind
         assert how.startswith("per tile: " if family == "internvl" else "per grid: ")
 
 
