@@ -11,11 +11,12 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "prune_audit"
 
 LAYERS = (
-    "(root)", "safety", "pruners", "compute", "data", "records", "tasks", "analysis", "models", "demo", "runner",
+    "(root)", "safety", "pruners", "compute", "data", "tasks", "records", "analysis", "models", "demo", "runner",
     "api", "cli",
 )
 """Bottom to top (docs: /work/shared/specs/architecture.md): ``(root)`` is ``errors.py``, ``__init__.py``,
-``lazy.py``, ``integers.py``, ``threads.py`` and ``answer_modes.py``; ``api`` (the Python API and the lmms-eval
+``lazy.py``, ``integers.py``, ``threads.py``, ``answer_modes.py``, ``plugins.py`` and ``record_columns.py``; ``tasks`` sits below
+``records``, whose run schema is assembled from the task registry (each task declares its own columns); ``api`` (the Python API and the lmms-eval
 plugin) sits beside ``cli`` above the runner; ``safety`` (atomic writes, locks, ownership) needs only ``errors``."""
 
 

@@ -13,7 +13,6 @@ _EXPORTS = {
     "PopeQuestion": "pope",
     "load_pope": "pope",
     "attach_labels": "pope",
-    "file_sha256": "pope",
     "summarize_questions": "pope",
     "pope_metrics": "pope",
     "load_answers": "pope_score",
@@ -44,6 +43,9 @@ _EXPORTS = {
     "read_pope_parquet": "lmms_parquet",
     "read_gqa_parquet": "lmms_parquet",
     "read_scienceqa_parquet": "lmms_parquet",
+    # every task's input files: JSON Lines, content hashes
+    "read_json_lines": "files",
+    "file_sha256": "files",
     # COCO instances and the token geometry of an image
     "CocoInstances": "coco",
     "TokenGeometry": "geometry",

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from prune_audit.data.pope import read_json_lines
+from prune_audit.data.files import read_json_lines
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import is_digits
 

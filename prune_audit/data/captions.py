@@ -20,8 +20,9 @@ from typing import Any
 from prune_audit.data.answers import load_llava_answers, match_answers
 from prune_audit.data.chair import ChairVocabulary, caption_objects, chair_metrics, score_caption
 from prune_audit.data.coco import CocoInstances, read_json
-from prune_audit.data.pope import check_image_name, file_sha256
+from prune_audit.data.files import file_sha256
 from prune_audit.errors import PruneAuditError
+from prune_audit.safety.inputs import check_image_name
 
 PROMPT = "Describe this image in detail."
 

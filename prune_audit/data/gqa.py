@@ -28,10 +28,11 @@ import numpy as np
 
 from prune_audit.data.answers import answer_id, load_llava_answers, match_answers
 from prune_audit.data.coco import read_json
-from prune_audit.data.pope import check_image_name, file_sha256, read_json_lines
+from prune_audit.data.files import file_sha256, read_json_lines
 from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import is_digits
+from prune_audit.safety.inputs import check_image_name
 
 INSTRUCTION = "Answer the question using a single word or phrase."
 """LLaVA-1.5's short-answer instruction, appended on its own line (lmms-eval's default ``post_prompt``)."""

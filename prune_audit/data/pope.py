@@ -9,7 +9,6 @@ see evaluation spec section A. Question files are JSON Lines with ``question_id`
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Sequence
@@ -20,11 +19,12 @@ from typing import Any
 import numpy as np
 
 from prune_audit.data.coco import CocoInstances, image_id_from_file_name
+from prune_audit.data.files import read_json_lines
 from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import is_digits
-from prune_audit.safety.fingerprint import file_sha256  # noqa: F401  (re-exported: question files are pinned by it)
-from prune_audit.safety.inputs import check_image_name, loads_json, open_input
+from prune_audit.safety.fingerprint import file_sha256
+from prune_audit.safety.inputs import check_image_name
 
 POPE_SPLITS = ("random", "popular", "adversarial")
 LABELS = ("yes", "no")
@@ -62,34 +62,6 @@ class PopeQuestion:
     def image_id(self) -> int | None:
         """COCO image id from the file name."""
         return image_id_from_file_name(self.image)
-
-
-def read_json_lines(path: str | Path, role: str = "question file",
-                    fix: str = "pass the JSON Lines file itself") -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) for every non-blank line; a malformed line names the file and line.
-
-    ``role`` and ``fix`` word the refusal of a path that is no readable regular file (``safety.inputs``).
-    """
-    path = Path(path)
-    rows = []
-    with open_input(path, role, fix) as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise PruneAuditError(
-                    f"{path}:{number}: not UTF-8 text (byte 0x{raw[error.start]:02x}); save the file as UTF-8"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = loads_json(line, f"{path}:{number}")
-            except json.JSONDecodeError as error:
-                raise PruneAuditError(f"{path}:{number}: malformed JSON line ({error.msg})") from None
-            if not isinstance(row, dict):
-                raise PruneAuditError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
-            rows.append((number, row))
-    return rows
 
 
 def parse_object(text: str) -> str:

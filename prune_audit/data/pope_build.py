@@ -28,9 +28,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from prune_audit.data.coco import CocoInstances
-from prune_audit.data.pope import POPE_SPLITS, PopeQuestion, check_image_name
+from prune_audit.data.pope import POPE_SPLITS, PopeQuestion
 from prune_audit.errors import PruneAuditError
 from prune_audit.safety.atomic import write_files
+from prune_audit.safety.inputs import check_image_name
 from prune_audit.safety.names import check_plain_name
 
 

@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from prune_audit.data.answers import ANSWERS_FILE, ANSWERS_FIX
+from prune_audit.data.files import file_sha256, read_json_lines
 from prune_audit.data.pope import (
     PopeQuestion,
     attach_labels,
-    file_sha256,
     load_pope,
     parse_answer,
     pope_metrics,
-    read_json_lines,
 )
 from prune_audit.data.question_ids import QuestionPlaces, note_question
 from prune_audit.errors import PruneAuditError

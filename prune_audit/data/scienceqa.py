@@ -25,9 +25,10 @@ from typing import Any
 
 from prune_audit.data.answers import answer_id, load_llava_answers, match_answers
 from prune_audit.data.coco import read_json
-from prune_audit.data.pope import check_image_name, file_sha256
+from prune_audit.data.files import file_sha256
 from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.errors import PruneAuditError
+from prune_audit.safety.inputs import check_image_name
 
 INSTRUCTION = "Answer with the option's letter from the given choices directly."
 LETTERS = ("A", "B", "C", "D", "E")

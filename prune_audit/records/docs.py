@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from prune_audit.records.manifest import CONFIG_FIELDS, MANIFEST_KEYS
-from prune_audit.records.schema import INTERVENE_COLUMNS, RUN_COLUMNS
+from prune_audit.records.schema import INTERVENE_COLUMNS, run_columns
 
 DOC_PATH = Path("docs") / "records.md"
 
@@ -35,7 +35,7 @@ def records_markdown() -> str:
         "| column | type | nullable | written by | meaning |",
         "|---|---|---|---|---|",
     ]
-    for column in (*RUN_COLUMNS, *INTERVENE_COLUMNS):
+    for column in (*run_columns(), *INTERVENE_COLUMNS):
         nullable = "yes" if column.nullable else "no"
         lines.append(
             f"| {column.name} | {_type_name(column.type)} | {nullable} | {', '.join(column.written_by)} | {column.meaning} |"

@@ -28,6 +28,7 @@ from prune_audit.records.consistency import (
 )
 from prune_audit.records.manifest import MANIFEST_SCHEMA, SELECTOR_STAGES
 from prune_audit.safety.inputs import check_input_file, loads_json, open_input
+from prune_audit.tasks.registry import DEFAULT_TASK
 
 FORMAT = "prune-audit-kept-sets"
 FORMAT_VERSION = 2
@@ -115,7 +116,7 @@ def header_of(manifest: dict[str, Any]) -> dict[str, Any]:
     run) and budget."""
     task_options = {name: manifest[name] for name in TASK_OPTIONS if manifest.get(name) is not None}
     return {
-        "format": FORMAT, "version": FORMAT_VERSION, "task": manifest.get("task", "pope"), **task_options,
+        "format": FORMAT, "version": FORMAT_VERSION, "task": manifest.get("task", DEFAULT_TASK), **task_options,
         "selector": manifest["selector"], "budget": manifest["budget"], "model": manifest["model"]["id"],
         "producer": f"prune-audit {manifest['version']}",
     }

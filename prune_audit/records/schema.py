@@ -1,18 +1,36 @@
-"""Every record column, defined once: name, Arrow type, nullability, meaning, and who writes it.
+"""Every record column, defined once: the task-agnostic core here, each task's own on its task class.
 
 The run writer (``runner.build``), the record store, the analysis readers, the intervene
-rows and docs/records.md (``records_markdown``) all come from ``RUN_COLUMNS`` and
+rows and docs/records.md (``records_markdown``) all come from ``run_columns()`` and
 ``INTERVENE_COLUMNS``.
+
+A task owns its record columns: each task class declares them (``Task.record_columns``, plus the shared
+``tasks.base.GENERATED_COLUMNS`` when it generates), and ``run_columns`` assembles the run schema from the task
+registry at every call: the core head, each registered task's columns in registration order (the built-ins in the
+fixed order of ``prune_audit.tasks``, so every existing run's columns keep their order and types; plug-ins after
+them), then the core tail. No module here knows a task by name.
+
+Layering: ``tasks`` imports nothing from ``records`` (the column type lives below both, in
+``prune_audit.record_columns``), so ``records`` sits above ``tasks`` and reads the registry with a plain downward
+import: no registration hook, no import cycle, and the schema is complete in any process that imports this module
+(``python -m prune_audit.records.docs`` included), with no task import to remember. ``RUN_COLUMNS``,
+``RUN_SCHEMA``, ``INTERVENE_SCHEMA`` and ``NON_NULL_COLUMNS`` are computed on access, so they include a plug-in
+registered after this module was imported.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
 
 from prune_audit.compute.cost import SIGNAL_SOURCES
+from prune_audit.errors import PruneAuditError
+from prune_audit.record_columns import INT_LIST, INTERVENE_COMMANDS, RUN_COMMANDS, Column
+from prune_audit.record_columns import column as _run
+from prune_audit.tasks.base import GENERATED_COLUMNS
+from prune_audit.tasks.registry import task_classes
 
 SCHEMA_VERSION = 8
 """Version of the record columns, written to every manifest as ``records_schema``.
@@ -42,49 +60,6 @@ KEY_COLUMNS = ("split", "question_id")
 
 Record = dict[str, Any]
 """One record as a Python dict, column name -> value (``RUN_SCHEMA`` or ``INTERVENE_SCHEMA``)."""
-
-RUN_COMMANDS = ("run", "intervene")
-INTERVENE_COMMANDS = ("intervene",)
-
-
-@dataclass(frozen=True)
-class Column:
-    """One record column.
-
-    Attributes:
-        name: the Parquet column name.
-        type: its Arrow type.
-        nullable: whether a row may hold null (NaN in a float column is a value, not null).
-        meaning: what the value is, for docs/records.md.
-        written_by: the commands whose records carry the column.
-        tasks: the tasks whose rows hold it (``prune_audit.tasks``); empty for the task-agnostic core. A task's
-            own column is null in the rows of every other task, so its Arrow field is nullable; ``nullable``
-            says whether it may be null in its own tasks' rows.
-    """
-
-    name: str
-    type: pa.DataType
-    nullable: bool
-    meaning: str
-    written_by: tuple[str, ...] = RUN_COMMANDS
-    tasks: tuple[str, ...] = ()
-
-    def field(self) -> pa.Field:
-        return pa.field(self.name, self.type, nullable=self.nullable or bool(self.tasks))
-
-
-def _run(name: str, type_: pa.DataType, meaning: str, nullable: bool = False) -> Column:
-    return Column(name, type_, nullable, meaning)
-
-
-def _task(tasks: str | tuple[str, ...], name: str, type_: pa.DataType, meaning: str, nullable: bool = False) -> Column:
-    """A column only the rows of ``tasks`` (one name, or several) hold."""
-    return Column(name, type_, nullable, meaning, tasks=(tasks,) if isinstance(tasks, str) else tasks)
-
-
-INT_LIST = pa.list_(pa.int64())
-GENERATING = ("gqa", "caption")
-"""The tasks that answer by greedy decoding and share its columns."""
 
 COST_COLUMNS: tuple[Column, ...] = (
     _run(
@@ -157,7 +132,7 @@ TIMING_COLUMNS = (
 )
 """Measured wall times: the run columns that differ between two runs of the same command."""
 
-RUN_COLUMNS: tuple[Column, ...] = (
+HEAD_COLUMNS: tuple[Column, ...] = (
     _run("question_id", pa.int64(), "id from the question file"),
     _run("split", pa.string(), "POPE: random / popular / adversarial (or the file's category); other tasks: see "
                                "docs/tasks.md"),
@@ -169,36 +144,10 @@ RUN_COLUMNS: tuple[Column, ...] = (
     _run("confidence", pa.float64(), "the task's confidence in its answer (docs/tasks.md; POPE: "
                                      "max(p_yes_2way, 1 - p_yes_2way))"),
     _run("correct", pa.bool_(), "the task's correctness rule (docs/tasks.md; POPE: answer == label)"),
-    _task("pope", "object", pa.string(), "queried object parsed from the question"),
-    _task("pope", "label", pa.string(), 'ground truth "yes" / "no"'),
-    _task("pope", "answer", pa.string(), 'model\'s prediction "yes" / "no" (argmax of the two-way probabilities)'),
-    _task("pope", "p_yes", pa.float64(), "first-token probability of yes over the full vocabulary, case/space "
-                                         "variants summed"),
-    _task("pope", "p_no", pa.float64(), "first-token probability of no, likewise"),
-    _task("pope", "p_yes_2way", pa.float64(), "p_yes / (p_yes + p_no)"),
-    _task("pope", "logit_diff", pa.float64(), "log p_yes - log p_no (the two-way logit d; p_yes_2way = sigmoid(d))"),
-    _task(GENERATING, "sequence_prob", pa.float64(), "probability of the whole generated answer: the product of its "
-                                                "tokens' full-vocabulary probabilities"),
-    _task(GENERATING, "mean_token_prob", pa.float64(), "the length-normalised form: geometric mean of the generated "
-                                                  "tokens' probabilities (1.0 for an empty answer)"),
-    _task(GENERATING, "answer_tokens", pa.int64(), "tokens generated, the end-of-sequence token excluded"),
-    _task(GENERATING, "stopped", pa.bool_(), "generation ended with an end-of-sequence token (false: cut at "
-                                        "max_new_tokens)"),
-    _task("caption", "mentioned", pa.list_(pa.string()), "COCO categories the caption mentions (CHAIR's synonym "
-                                                         "list), each once, in order of first mention"),
-    _task("caption", "hallucinated", pa.list_(pa.string()), "mentioned categories absent from the image (neither "
-                                                            "annotated nor in its reference captions)"),
-    _task("caption", "omitted", pa.list_(pa.string()), "annotated categories the caption never mentions, in "
-                                                       "evidence_objects order (evidence_objects_lost says which "
-                                                       "the first stage lost)"),
-    _task("caption", "chair_i", pa.float64(), "hallucinated mentions / mentions (0 without mentions)"),
-    _task("caption", "recall", pa.float64(), "share of annotated categories mentioned (NaN when none is annotated)"),
-    _task("gqa", "evidence_object_ids", pa.list_(pa.string()), "scene-graph ids of the objects the question's "
-                                                               "annotations name (its evidence region's boxes)"),
-    _task("scienceqa", "letter_probs", pa.list_(pa.float64()), "first-token probability of each offered option "
-                                                               "letter over the full vocabulary, spellings summed, "
-                                                               "in letter order"),
-    _task("scienceqa", "options_offered", pa.int64(), "number of options the question offers (2 to 5)"),
+)
+"""The core columns before the tasks' own (``run_columns``)."""
+
+TAIL_COLUMNS: tuple[Column, ...] = (
     _run(
         "kept",
         INT_LIST,
@@ -292,6 +241,7 @@ RUN_COLUMNS: tuple[Column, ...] = (
     _run("geometry", pa.string(), "JSON of the image's `TokenGeometry` (several grids: `data.multigrid`; lets `visualize --run` redraw without the model)"),
     _run("order", pa.int64(), "position of the question in the run's question list (sorts the rows)"),
 )
+"""The core columns after the tasks' own (``run_columns``)."""
 
 INTERVENE_COLUMNS: tuple[Column, ...] = (
     Column("condition", pa.string(), False, '"intervention" or "control"', INTERVENE_COMMANDS),
@@ -305,16 +255,66 @@ INTERVENE_COLUMNS: tuple[Column, ...] = (
     ),
 )
 
-RUN_SCHEMA = pa.schema([column.field() for column in RUN_COLUMNS])
-"""The schema of a run's ``records.parquet`` and of its part files."""
 
-INTERVENE_SCHEMA = pa.schema([column.field() for column in (*RUN_COLUMNS, *INTERVENE_COLUMNS)])
-"""The schema of ``intervene``'s ``records.parquet``: the run columns plus the swap columns."""
+def tasks_columns() -> tuple[Column, ...]:
+    """Every registered task's own columns, each naming its tasks: in registration order, the shared
+    ``GENERATED_COLUMNS`` just before the first generating task's own."""
+    classes = task_classes()
+    generating = tuple(task.name for task in classes if task.generates())
+    columns: list[Column] = []
+    for task in classes:
+        if generating and task.name == generating[0]:
+            columns += [replace(column, tasks=generating) for column in GENERATED_COLUMNS]
+        columns += [replace(column, tasks=(task.name,)) for column in task.record_columns]
+    return tuple(columns)
 
-NON_NULL_COLUMNS = tuple(column.name for column in RUN_COLUMNS if not column.nullable and not column.tasks)
-"""Core run columns that hold a value in every row."""
+
+def run_columns() -> tuple[Column, ...]:
+    """The run columns: the core head, every registered task's own (``tasks_columns``), the core tail."""
+    columns = (*HEAD_COLUMNS, *tasks_columns(), *TAIL_COLUMNS)
+    _check_declared_once((*columns, *INTERVENE_COLUMNS))
+    return columns
+
+
+def _check_declared_once(columns: tuple[Column, ...]) -> None:
+    """Refuse a column name declared twice (a plug-in task's column named as another's) in one line."""
+    seen: dict[str, Column] = {}
+    for column in columns:
+        if column.name in seen:
+            first = ", ".join(seen[column.name].tasks) or "the core columns"
+            raise PruneAuditError(f"record column {column.name!r} is declared by {first} and again by task "
+                                  f"{', '.join(column.tasks)}; rename the task's column (Task.record_columns)")
+        seen[column.name] = column
+
+
+def run_schema() -> pa.Schema:
+    """The schema of a run's ``records.parquet`` and of its part files."""
+    return pa.schema([column.field() for column in run_columns()])
+
+
+def intervene_schema() -> pa.Schema:
+    """The schema of ``intervene``'s ``records.parquet``: the run columns plus the swap columns."""
+    return pa.schema([column.field() for column in (*run_columns(), *INTERVENE_COLUMNS)])
+
+
+def non_null_columns() -> tuple[str, ...]:
+    """Core run columns that hold a value in every row."""
+    return tuple(column.name for column in run_columns() if not column.nullable and not column.tasks)
 
 
 def task_columns(task: str) -> tuple[Column, ...]:
     """The run columns only ``task``'s rows hold."""
-    return tuple(column for column in RUN_COLUMNS if task in column.tasks)
+    return tuple(column for column in run_columns() if task in column.tasks)
+
+
+_COMPUTED = {
+    "RUN_COLUMNS": run_columns, "RUN_SCHEMA": run_schema, "INTERVENE_SCHEMA": intervene_schema,
+    "NON_NULL_COLUMNS": non_null_columns,
+}
+"""The schema's former constants, served on access (PEP 562) from the registry as it stands then."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _COMPUTED:
+        return _COMPUTED[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

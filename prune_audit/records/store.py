@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.consistency import record_problem
 from prune_audit.records.manifest import MANIFEST_FILE, read_manifest
-from prune_audit.records.schema import KEY_COLUMNS, RECORDS_FILE, RUN_ID_METADATA, RUN_SCHEMA, Record
+from prune_audit.records.schema import KEY_COLUMNS, RECORDS_FILE, RUN_ID_METADATA, Record, run_columns, run_schema
 from prune_audit.safety.atomic import write_atomic
 
 PARTS_DIR = "parts"
@@ -76,7 +76,7 @@ class RecordStore:
                 raise PruneAuditError(f"record of question {row['split']}/{row['question_id']} is inconsistent "
                                       f"({problem}); it was not written: please report this with the command line")
         self.parts_dir.mkdir(parents=True, exist_ok=True)
-        table = stamped(pa.Table.from_pylist(list(rows), schema=RUN_SCHEMA), self.run_id)
+        table = stamped(pa.Table.from_pylist(list(rows), schema=run_schema()), self.run_id)
         path = self.parts_dir / f"part-{self.writer}-{uuid.uuid4().hex}.parquet"
         write_table_atomic(table, path)
         return path
@@ -84,7 +84,7 @@ class RecordStore:
     def read(self) -> pa.Table:
         """All records present (compacted file and parts), de-duplicated by key, in question order."""
         tables = self._read_each(lambda path: read_records_file(path, self.run_id))
-        table = pa.concat_tables(tables) if tables else RUN_SCHEMA.empty_table()
+        table = pa.concat_tables(tables) if tables else run_schema().empty_table()
         table = unique_records(table, str(self.run_dir))
         self._check_planned(len(table), table["order"].to_pylist())
         return table
@@ -181,12 +181,13 @@ def _parquet(path: Path, read: Callable[[Path], T]) -> T:
         ) from None
 
 
-def check_records_file(path: Path, run_id: str, schema: pa.Schema = RUN_SCHEMA) -> None:
-    """Refuse a records file of another run (or of none) or whose columns or types differ from ``schema``."""
+def check_records_file(path: Path, run_id: str, schema: pa.Schema | None = None) -> None:
+    """Refuse a records file of another run (or of none) or whose columns or types differ from ``schema`` (default
+    the run schema); a task's own column may be absent where no row is that task's (``_lacked``)."""
     found = _parquet(path, pq.read_schema)
-    expected = {field.name: field.type for field in schema}
+    expected = {field.name: field.type for field in schema or run_schema()}
     present = {field.name: field.type for field in found}
-    missing = [name for name in expected if name not in present]
+    missing = _lacked(path, [name for name in expected if name not in present])
     changed = [name for name in expected if name in present and present[name] != expected[name]]
     if missing or changed:
         what = f"lacks column {', '.join(missing)}" if missing else f"has other types for {', '.join(changed)}"
@@ -202,11 +203,28 @@ def check_records_file(path: Path, run_id: str, schema: pa.Schema = RUN_SCHEMA) 
         )
 
 
-def read_records_file(path: Path, run_id: str, schema: pa.Schema = RUN_SCHEMA) -> pa.Table:
-    """One records file of run ``run_id``, checked against ``schema`` and cast to it (column order included);
-    a key repeated within the file is refused."""
+def _lacked(path: Path, missing: list[str]) -> list[str]:
+    """Of the ``missing`` columns, those the file must hold: the core ones, and a task's own where a row is that
+    task's. A task's own column is null in every other task's rows, so a file recorded before a plug-in task
+    declared its columns lacks them and reads them as null (``read_records_file``)."""
+    owners = {column.name: set(column.tasks) for column in run_columns()}
+    if "task" in missing or not any(owners.get(name) for name in missing):
+        return missing
+    tasks = set(_parquet(path, lambda source: pq.read_table(source, columns=["task"]))["task"].to_pylist())
+    return [name for name in missing if not owners.get(name) or owners[name] & tasks]
+
+
+def read_records_file(path: Path, run_id: str, schema: pa.Schema | None = None) -> pa.Table:
+    """One records file of run ``run_id``, checked against ``schema`` (default the run schema) and cast to it
+    (column order included; another task's column the file lacks reads as null); a key repeated within the file
+    is refused."""
+    schema = schema or run_schema()
     check_records_file(path, run_id, schema)
-    table = _parquet(path, pq.read_table).select(schema.names).cast(schema)
+    table = _parquet(path, pq.read_table)
+    for field in schema:
+        if field.name not in table.column_names:
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+    table = table.select(schema.names).cast(schema)
     _check_unique_keys(table, path)
     return table
 
@@ -254,4 +272,5 @@ def unique_records(table: pa.Table, source: str) -> pa.Table:
 
 def merge_tables(tables: Iterable[pa.Table], source: str) -> pa.Table:
     """Union of record tables in question order, one row per key (a key repeated with other values refused)."""
-    return unique_records(pa.concat_tables([t.select(RUN_SCHEMA.names).cast(RUN_SCHEMA) for t in tables]), source)
+    schema = run_schema()
+    return unique_records(pa.concat_tables([t.select(schema.names).cast(schema) for t in tables]), source)

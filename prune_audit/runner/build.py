@@ -164,8 +164,8 @@ def _record(
     has_mask = area is not None and area.has_mask
     scored = task.score(question, answer.reduced)
     if set(scored.columns) != _own_columns(task.name):  # pyarrow would drop an unknown key without a word
-        raise ValueError(f"task {task.name!r} scored columns {sorted(scored.columns)}, but records/schema.py declares "
-                         f"{sorted(_own_columns(task.name))} for it")
+        raise ValueError(f"task {task.name!r} scored columns {sorted(scored.columns)}, but it declares "
+                         f"{sorted(_own_columns(task.name))} (Task.record_columns)")
     return {
         "question_id": question.question_id,
         "split": question.split,

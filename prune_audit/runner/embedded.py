@@ -25,7 +25,7 @@ def check_embedded_images(
     ``questions``: the run's ``TaskQuestion``s; ``images_option``: ``--images``, which must be absent.
     """
     from prune_audit.data.images import decode_rgb
-    from prune_audit.data.pope import check_image_name
+    from prune_audit.safety.inputs import check_image_name
     from prune_audit.safety.names import check_file_names
     from prune_audit.safety.ownership import check_owned_paths
 

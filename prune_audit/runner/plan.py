@@ -172,7 +172,7 @@ def _imported(request: RunRequest, vlm: VisionLanguageModel, task: Task, questio
     """``import``: the kept sets checked on each image's prompt, the import recorded in the manifest."""
     if request.kept_sets is None:
         return None
-    from prune_audit.data.pope import file_sha256
+    from prune_audit.safety.fingerprint import file_sha256
     from prune_audit.runner.imported import (
         ImportedAnswers,
         check_answers,
@@ -400,7 +400,7 @@ def _manifest(
     questions: Sequence[TaskQuestion],
     first: Prepared,
 ) -> dict[str, Any]:
-    from prune_audit.data.pope import file_sha256
+    from prune_audit.safety.fingerprint import file_sha256
 
     description = vlm.describe()
     manifest = base_manifest()

@@ -5,8 +5,9 @@
 ['pope', ...]
 
 Built-in tasks register on import of this package; plugins register under the entry-point
-group ``prune_audit.tasks``. Layering: tasks use ``data`` and ``models.answers``; the runner,
-the record builder and the analyses use tasks.
+group ``prune_audit.tasks``. Layering: tasks use ``data``, ``answer_modes`` and ``record_columns`` (each task
+declares its own record columns); ``records`` sits above them and assembles the run schema from this registry
+(``records.schema.run_columns``); the runner, the record builder and the analyses use tasks.
 """
 
 from importlib import import_module
@@ -14,8 +15,9 @@ from importlib import import_module
 from prune_audit.tasks.base import Evidence, Scored, Task, TaskQuestion
 from prune_audit.tasks.registry import DEFAULT_TASK, get_task, list_tasks, manifest_task, register_task
 
-# one module per task; importing it registers the task
-_TASKS = ["pope", "gqa", "scienceqa", "caption"]
+# one module per task; importing it registers the task. The order is that of the tasks' record columns in every
+# records file (records.schema.run_columns): append a new task, never reorder
+_TASKS = ["pope", "caption", "gqa", "scienceqa"]
 for _module in _TASKS:
     import_module(f"prune_audit.tasks.{_module}")
 

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
+import pyarrow as pa
 
 from prune_audit.answer_modes import check_max_new_tokens
 from prune_audit.errors import PruneAuditError
+from prune_audit.record_columns import Column, column
 from prune_audit.tasks.prompts import compose_prompt
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
@@ -38,6 +38,17 @@ GENERATED_CONFIDENCES = {
     "mean-token": "the geometric mean of the generated tokens' probabilities, length-normalised (mean_token_prob)",
 }
 """``--confidence`` choice -> its definition, for the tasks that generate their answers (``Task.confidences``)."""
+
+GENERATED_COLUMNS: tuple[Column, ...] = (
+    column("sequence_prob", pa.float64(), "probability of the whole generated answer: the product of its tokens' "
+                                          "full-vocabulary probabilities"),
+    column("mean_token_prob", pa.float64(), "the length-normalised form: geometric mean of the generated tokens' "
+                                            "probabilities (1.0 for an empty answer)"),
+    column("answer_tokens", pa.int64(), "tokens generated, the end-of-sequence token excluded"),
+    column("stopped", pa.bool_(), "generation ended with an end-of-sequence token (false: cut at max_new_tokens)"),
+)
+"""The record columns every task that generates its answers shares (``Task.generates``), defined once here; the
+run schema places them before the first generating task's own columns (``records.schema.run_columns``)."""
 
 
 class TaskQuestion(Protocol):
@@ -70,7 +81,8 @@ class Scored:
         references: the reference answers it is scored against (``references``).
         correct: the task's correctness rule (``correct``).
         confidence: the task's confidence definition (``confidence``).
-        columns: the task's own record columns (``records.schema`` columns of this task).
+        columns: the task's own record columns (``Task.record_columns``, plus ``GENERATED_COLUMNS`` when it
+            generates), name -> value.
     """
 
     answer_text: str
@@ -131,10 +143,21 @@ class Task(ABC):
             overrides it); None for a task answered by its first token.
         confidences: the confidence definitions a generating task offers (``--confidence``), the default first:
             ``sequence`` (the product of the tokens' probabilities) and ``mean-token`` (their geometric mean).
+        record_columns: the task's own record columns, in schema order (``record_columns.Column``, without
+            ``tasks``): only its rows hold them, and ``score`` returns exactly these (``Scored.columns``). A task
+            that generates also holds ``GENERATED_COLUMNS``. The run schema is assembled from every registered
+            task's columns (``records.schema.run_columns``), so a plug-in task declares its own here.
     """
 
     default_max_new_tokens: ClassVar[int | None] = None
     confidences: ClassVar[tuple[str, ...]] = ()
+    record_columns: ClassVar[tuple[Column, ...]] = ()
+
+    @classmethod
+    def generates(cls) -> bool:
+        """Whether the task answers by greedy decoding (it has a generation limit), so that its rows hold
+        ``GENERATED_COLUMNS``."""
+        return cls.default_max_new_tokens is not None
 
     def __init__(self, max_new_tokens: int | None = None, confidence: str | None = None) -> None:
         if confidence is not None and confidence not in self.confidences:
@@ -281,4 +304,4 @@ class Task(ABC):
         return records["answer_text"].to_numpy(zero_copy_only=False).astype(str)
 
 
-__all__ = ["GENERATED_CONFIDENCES", "Evidence", "Scored", "Task", "TaskQuestion"]
+__all__ = ["GENERATED_COLUMNS", "GENERATED_CONFIDENCES", "Evidence", "Scored", "Task", "TaskQuestion"]

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
 from prune_audit.answer_modes import Greedy
 from prune_audit.data.captions import (
@@ -50,14 +51,13 @@ from prune_audit.data.chair import (
 )
 from prune_audit.data.coco import CocoInstances, read_json
 from prune_audit.errors import PruneAuditError
+from prune_audit.record_columns import column
 from prune_audit.tasks.base import GENERATED_CONFIDENCES, Scored, Task
 from prune_audit.tasks.evidence import CocoEvidence
 from prune_audit.tasks.prompts import DETAILED_DESCRIPTION
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-
     from prune_audit.answer_modes import Generation
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.retention import ObjectArea
@@ -162,6 +162,16 @@ class CaptionTask(Task):
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
     default_max_new_tokens = 1024
     confidences = ("mean-token", "sequence")
+    record_columns = (
+        column("mentioned", pa.list_(pa.string()), "COCO categories the caption mentions (CHAIR's synonym list), each "
+                                                   "once, in order of first mention"),
+        column("hallucinated", pa.list_(pa.string()), "mentioned categories absent from the image (neither annotated "
+                                                      "nor in its reference captions)"),
+        column("omitted", pa.list_(pa.string()), "annotated categories the caption never mentions, in evidence_objects "
+                                                 "order (evidence_objects_lost says which the first stage lost)"),
+        column("chair_i", pa.float64(), "hallucinated mentions / mentions (0 without mentions)"),
+        column("recall", pa.float64(), "share of annotated categories mentioned (NaN when none is annotated)"),
+    )
     vocabulary: ChairVocabulary | None = None
     """CHAIR's list plus the question file's categories it lacks (``read_questions`` sets it; None: CHAIR's)."""
 

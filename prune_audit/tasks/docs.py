@@ -54,7 +54,8 @@ is filtered): pass LLaVA's `llava_test_CQM-A.json`.
 
 Plug-in tasks: a `prune_audit.tasks.Task` subclass exposed under the entry-point group `prune_audit.tasks`
 registers under the entry point's name, as selectors do under `prune_audit.selectors`. Its records hold the
-core columns; its own columns are declared in `prune_audit/records/schema.py`.
+core columns and its own, declared on the class (`record_columns`, each a `prune_audit.record_columns.Column`;
+null in other tasks' rows, placed after the built-in tasks' columns), as every built-in task declares its own.
 
 `calibrate`, `cascade`, `intervene`, `visualize --run` and `merge` read every task. A task without a yes/no
 answer is analysed through its top-label confidence: the event "the answer is correct" at probability

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
 from prune_audit.answer_modes import Greedy
 from prune_audit.data.gqa import (
@@ -36,13 +37,12 @@ from prune_audit.data.gqa import (
     normalize_answer,
 )
 from prune_audit.errors import PruneAuditError
+from prune_audit.record_columns import column
 from prune_audit.tasks.base import GENERATED_CONFIDENCES, Scored, Task
 from prune_audit.tasks.prompts import SHORT_ANSWER
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
@@ -148,6 +148,10 @@ class GqaTask(Task):
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
     default_max_new_tokens = 128
     confidences = ("sequence", "mean-token")
+    record_columns = (
+        column("evidence_object_ids", pa.list_(pa.string()), "scene-graph ids of the objects the question's "
+                                                             "annotations name (its evidence region's boxes)"),
+    )
 
     def read_questions(self, paths: Sequence[Path]) -> list[GqaTaskQuestion]:
         from prune_audit.data.gqa import load_gqa, load_llava_gqa

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
 from prune_audit.data.pope import LABELS, POPE_SPLITS, PopeQuestion, load_pope
 from prune_audit.data.question_ids import QuestionPlaces
 from prune_audit.errors import PruneAuditError
+from prune_audit.record_columns import column
 from prune_audit.answer_modes import YES_NO
 from prune_audit.tasks.base import Scored, Task
 from prune_audit.tasks.evidence import CocoEvidence
@@ -23,8 +25,6 @@ from prune_audit.tasks.prompts import SHORT_ANSWER
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
@@ -67,6 +67,16 @@ class PopeTask(Task):
         return [question for path in paths for question in load_pope(path, seen=seen)]
 
     parquet_layout = "lmms-lab/POPE"
+    record_columns = (
+        column("object", pa.string(), "queried object parsed from the question"),
+        column("label", pa.string(), 'ground truth "yes" / "no"'),
+        column("answer", pa.string(), 'model\'s prediction "yes" / "no" (argmax of the two-way probabilities)'),
+        column("p_yes", pa.float64(), "first-token probability of yes over the full vocabulary, case/space variants "
+                                      "summed"),
+        column("p_no", pa.float64(), "first-token probability of no, likewise"),
+        column("p_yes_2way", pa.float64(), "p_yes / (p_yes + p_no)"),
+        column("logit_diff", pa.float64(), "log p_yes - log p_no (the two-way logit d; p_yes_2way = sigmoid(d))"),
+    )
 
     def read_parquet(self, paths: Sequence[Path]) -> ParquetQuestions[PopeQuestion]:
         from prune_audit.data.lmms_parquet import read_pope_parquet

@@ -34,6 +34,12 @@ def list_tasks() -> list[str]:
     return sorted(TASKS.loaded())
 
 
+def task_classes() -> list[type[Task]]:
+    """Every registered task class in registration order (the built-ins first, then plug-ins), which is the order
+    of their record columns (``records.schema.run_columns``)."""
+    return list(TASKS.loaded().values())
+
+
 def get_task(name: str, max_new_tokens: int | None = None, confidence: str | None = None) -> Task:
     """The registered task ``name``; a task that generates takes its generation limit and confidence definition
     (``Task.confidences``). An unknown name or a misplaced option is a one-line PruneAuditError."""
@@ -48,4 +54,4 @@ def manifest_task(manifest: dict) -> Task:
     return get_task(manifest.get("task", DEFAULT_TASK), manifest.get("max_new_tokens"), manifest.get("confidence"))
 
 
-__all__ = ["DEFAULT_TASK", "get_task", "list_tasks", "manifest_task", "register_task"]
+__all__ = ["DEFAULT_TASK", "get_task", "list_tasks", "manifest_task", "register_task", "task_classes"]

@@ -23,9 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import pyarrow as pa
+
 from prune_audit.answer_modes import OptionLetters
 from prune_audit.data.scienceqa import ScienceQaQuestion, load_scienceqa_files
 from prune_audit.errors import PruneAuditError
+from prune_audit.record_columns import column
 from prune_audit.tasks.base import Scored, Task
 from prune_audit.tasks.prompts import OPTION_LETTER
 from prune_audit.tasks.registry import register_task
@@ -88,6 +91,11 @@ class ScienceQaTask(Task):
                 for question in load_scienceqa_files(paths, images_only=True)]
 
     parquet_layout = "lmms-lab/ScienceQA (ScienceQA-IMG rows: those with an image)"
+    record_columns = (
+        column("letter_probs", pa.list_(pa.float64()), "first-token probability of each offered option letter over "
+                                                       "the full vocabulary, spellings summed, in letter order"),
+        column("options_offered", pa.int64(), "number of options the question offers (2 to 5)"),
+    )
 
     def read_parquet(self, paths: Sequence[Path]) -> ParquetQuestions[ScienceQaTaskQuestion]:
         """Question ids are row numbers over the files in the order given (the layout has no problem id)."""

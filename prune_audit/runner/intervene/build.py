@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from prune_audit.records.schema import INTERVENE_SCHEMA, Record
+from prune_audit.records.schema import Record, intervene_schema
 from prune_audit.runner.build import AnsweredQuestion, QuestionEvidence, build_records
 from prune_audit.runner.intervene.swaps import Swap
 
@@ -37,7 +37,7 @@ def intervention_rows(
 
 
 def records_table(rows: Sequence[Record]) -> pa.Table:
-    return pa.Table.from_pylist(list(rows), schema=INTERVENE_SCHEMA)
+    return pa.Table.from_pylist(list(rows), schema=intervene_schema())
 
 
 def parquet_bytes(table: pa.Table) -> bytes:
