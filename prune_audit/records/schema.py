@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from prune_audit.compute.cost import SIGNAL_SOURCES
 from prune_audit.errors import PruneAuditError
-from prune_audit.record_columns import INT_LIST, INTERVENE_COMMANDS, RUN_COMMANDS, Column
+from prune_audit.record_columns import INT_LIST, INTERVENE_COMMANDS, Column
 from prune_audit.record_columns import column as _run
 from prune_audit.tasks.base import GENERATED_COLUMNS
 from prune_audit.tasks.registry import task_classes
