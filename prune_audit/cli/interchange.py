@@ -74,7 +74,8 @@ def import_(
     command = command_line("import", import_, dict(locals()))
     from prune_audit.records.interchange import read_kept_sets
     from prune_audit.runner.execute import execute
-    from prune_audit.runner.plan import RunRequest, plan_run
+    from prune_audit.runner.plan import plan_run
+    from prune_audit.runner.request import RunRequest
 
     if model is not None and geometry is not None:
         raise fail("--model answers and is the geometry; pass --geometry only without --model")

@@ -1,7 +1,8 @@
 """``prune-audit import``: a kept-set file (``records.interchange``) as the answers of a run.
 
 Planning (``runner.plan``) restricts the run to the file's questions, checks every kept set against
-the model's token grid and depth, and records the import in the manifest's ``selector`` block; then
+the model's token grid and depth, and records the import in the manifest's ``selector`` block
+(:func:`plan_import`); then
 ``execute`` writes the run directory as for ``run``, through the same record builder. The answers
 come from the file (:meth:`ImportedAnswers.from_file`: the answer mode's reduction rebuilt from the
 line, the token counts and analytic cost from the kept sets on the model's prompt), or, with
@@ -26,11 +27,14 @@ from prune_audit.records.interchange import (
     KeptQuestion,
     KeptSets,
 )
+from prune_audit.runner.answering import answer_grouped
+from prune_audit.runner.questions import prepare_task_question
 
 if TYPE_CHECKING:
     import pyarrow as pa
     from prune_audit.answer_modes import AnswerMode, Generation, Greedy, LetterChoice, Reduction, YesNo
     from prune_audit.models import Answer, Prepared, VisionLanguageModel
+    from prune_audit.runner.request import RunRequest
     from prune_audit.tasks import Task, TaskQuestion
 
 
@@ -50,6 +54,28 @@ class ImportedAnswers:
         if self.reanswer:
             return _reanswer(vlm, lines, prepared, modes)
         return [_answer_from_line(vlm, line, item, mode) for line, item, mode in zip(lines, prepared, modes)]
+
+
+def plan_import(request: RunRequest, vlm: VisionLanguageModel, task: Task, questions: Sequence[TaskQuestion],
+                image_paths: dict[str, Path], manifest: dict[str, Any],
+                embedded: dict[str, bytes] | None) -> ImportedAnswers | None:
+    """``import``: the kept sets checked on each image's prompt, the import recorded in the manifest (None for a
+    run that imports nothing)."""
+    if request.kept_sets is None:
+        return None
+    from prune_audit.data.pope import file_sha256
+
+    first_question = {question.image: question for question in reversed(questions)}
+    prepared = {image: prepare_task_question(vlm, task, question, image_paths, embedded)
+                for image, question in first_question.items()}
+    check_kept_sets(request.kept_sets, vlm, prepared, request.reanswer)
+    if not request.reanswer:
+        check_answers(request.kept_sets, task, questions)
+    sha256 = file_sha256(request.kept_sets.path)
+    manifest["selector"] = imported_selector(request.kept_sets, sha256, request.reanswer)
+    manifest["budget"] = request.kept_sets.header.get("budget")
+    by_key = {(line.split, line.question_id): line for line in request.kept_sets.questions}
+    return ImportedAnswers(by_key, request.reanswer)
 
 
 def restrict_questions(kept_sets: KeptSets, questions: Sequence[TaskQuestion]) -> list[TaskQuestion]:
@@ -176,8 +202,6 @@ def check_imported_manifest(kept_sets: KeptSets, manifest: dict[str, Any]) -> No
 def _reanswer(vlm: VisionLanguageModel, lines: Sequence[KeptQuestion], prepared: Sequence[Prepared],
               modes: Sequence[AnswerMode]) -> list[Answer]:
     """The model's answers with each line's kept sets forced: rows grouped by how they are forced."""
-    from prune_audit.runner.execute import answer_grouped
-
     kinds = ["none" if not line.stages else "input" if line.stages[0].layer == 0 else "llm" for line in lines]
     by_row: dict[int, Answer] = {}
     for kind in ("none", "input", "llm"):
@@ -345,4 +369,5 @@ def export_answers(run_dir: Path, out: Path) -> int:
 
 
 __all__ = ["ImportedAnswers", "check_answers", "check_answers_path", "check_imported_manifest", "check_kept_sets",
-           "export_answers", "export_run", "imported_selector", "restrict_questions", "tokens_per_layer"]
+           "export_answers", "export_run", "imported_selector", "plan_import", "restrict_questions",
+           "tokens_per_layer"]
