@@ -238,3 +238,24 @@ def test_runner_annotations_name_real_types():
                 if "Any" in text:
                     loose.append(f"{path.relative_to(PACKAGE)}:{annotation.lineno} {ast.unparse(annotation)}")
     assert not loose, loose
+
+
+def test_no_private_model_method_is_called_from_outside_its_class():
+    """The prefill's assembly, the accounting and the runner use the model's public surface: a ``_name`` method of
+    ``VisionLanguageModel`` or a family adapter is reached only through ``self``/``cls``/``super()`` (the hooks
+    the prefill reads, such as ``full_positions`` and ``input_row``, are public)."""
+    private = set()
+    for path in sorted((PACKAGE / "models").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and any("Model" in ast.unparse(base) for base in node.bases):
+                private |= {item.name for item in node.body if isinstance(item, ast.FunctionDef)
+                            and item.name.startswith("_") and not item.name.startswith("__")}
+    assert {"_vision", "_layer_positions"} <= private  # the reader finds the family hooks
+    outside = []
+    for module, path in package_modules(PACKAGE).items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                owner = ast.unparse(node.value)
+                if owner not in ("self", "cls") and not owner.startswith("super("):
+                    outside.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+    assert not outside, outside
