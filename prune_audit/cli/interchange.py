@@ -32,7 +32,7 @@ def export(
 ) -> None:
     """Write a run's kept sets per stage and its answers in the interchange format (docs/interchange.md), with
     --answers its answers as LLaVA's answers file (`prune-audit score` reads it)."""
-    from prune_audit.runner.imported import check_answers_path, export_answers, export_run
+    from prune_audit.runner.export import check_answers_path, export_answers, export_run
 
     if out is None and answers is None:
         raise fail("pass --out FILE (kept sets), --answers FILE.jsonl (answers for `prune-audit score`), or both")
