@@ -37,7 +37,8 @@ from prune_audit.demo.assets import demo_assets, is_demo_name  # noqa: E402
 from prune_audit.demo.questions import first_questions  # noqa: E402
 from prune_audit.errors import PruneAuditError  # noqa: E402
 from prune_audit.runner.execute import execute  # noqa: E402
-from prune_audit.runner.plan import RunRequest, plan_run  # noqa: E402
+from prune_audit.runner.plan import plan_run  # noqa: E402
+from prune_audit.runner.request import RunRequest  # noqa: E402
 
 COLUMNS = (
     ("run", "selector@budget"),

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
 from prune_audit.errors import PruneAuditError
-from prune_audit.runner.execute import answer_grouped
+from prune_audit.runner.answering import answer_grouped
 from prune_audit.compute.budget import budget_share, parse_budget, resolve_budget, tokens_for_share
 
 runner = CliRunner()

@@ -29,8 +29,6 @@ LONG_FUNCTIONS = {
     "data/geometry.py::clip_geometry": "one pipeline (pad, resize, crop) as transformers' PilBackend runs it",
     "safety/ownership.py::check_output_dir": "one ordered list of refusals of an output folder",
     "demo/train.py::train_demo_model": "the training loop with its logging, monitoring and checkpoints",
-    "runner/plan.py::plan_run": "the run's checks in the order they must run; issue 39 item 4 splits planning by "
-    "what it plans (delete this entry then)",
 }
 """Functions over the bound today, each one concept, with why (``module path::qualified name``)."""
 

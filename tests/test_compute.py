@@ -188,7 +188,7 @@ def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):
     seen = set()
     for model in ("demo", "demo-qwen", "tiny-llava"):
         vlm = models[model]
-        for method, probe in (("_merging_tower", "vision_merging_tower"), ("_text_relevance", "clip_text_tower"),
+        for method, probe in (("_merging_tower", "vision_merging_tower"), ("text_relevance", "clip_text_tower"),
                               ("_layer_attention", "vision_layer_attention")):  # fmt: skip
             if hasattr(vlm, method):
                 monkeypatch.setattr(vlm, method, spy(getattr(vlm, method), probe), raising=False)

@@ -447,7 +447,7 @@ def test_internvl_pool_and_tome_merge_within_each_tile_through_the_projector(tmp
         else:
             fed = torch.stack([output.features[group].float().mean(dim=0) for group in selection.sources])
             torch.testing.assert_close(selection.llm_tokens, fed, atol=TOL, rtol=0)
-        row = vlm._row(item, output, selection)
+        row = vlm.input_row(item, output, selection)
         torch.testing.assert_close(row.embeddings[start:start + 4 * grids], fed.to(row.embeddings.dtype),
                                    atol=TOL, rtol=0)
         assert row.kinds.numel() == item.input_ids.numel() - (end - start) + 4 * grids
@@ -1397,7 +1397,7 @@ def test_merged_tokens_take_their_first_cells_place_among_the_newlines(family_na
               for group in selection.sources}
     places.update(dict.fromkeys(newlines, TEXT_BEFORE))  # newlines are kept like the text before the image
     [output] = vlm._vision([item], vlm.signals_for(get_selector(name)))
-    row = vlm._row(item, output, selection)
+    row = vlm.input_row(item, output, selection)
     span = row.kinds[start:start + len(places)].tolist()
     assert span == [places[column] for column in sorted(places)]
     assert row.kinds.numel() == item.input_ids.numel() - (end - start) + len(places)

@@ -215,12 +215,13 @@ def test_changed_configuration_is_refused(workspace, tmp_path):
 
 def test_default_run_directory_names_options_that_differ_from_their_defaults():
     from prune_audit.pruners import get_selector
-    from prune_audit.runner.plan import RunRequest, _run_dir
+    from prune_audit.runner.request import RunRequest
+    from prune_audit.runner.run_dir import run_dir_of
 
     request = RunRequest(model="/models/demo/", selector="fastv", budget=64)
-    assert _run_dir(request, get_selector("fastv")) == Path("runs/demo-fastv-64")
-    assert _run_dir(request, get_selector("fastv", budget_rule="paper")) == Path("runs/demo-fastv-64-paper")
-    assert _run_dir(RunRequest(model="/models/demo"), None) == Path("runs/demo-dense")
+    assert run_dir_of(request, get_selector("fastv")) == Path("runs/demo-fastv-64")
+    assert run_dir_of(request, get_selector("fastv", budget_rule="paper")) == Path("runs/demo-fastv-64-paper")
+    assert run_dir_of(RunRequest(model="/models/demo"), None) == Path("runs/demo-dense")
 
 
 def test_progress_lines_when_output_is_not_a_terminal_and_quiet_silences_them(workspace, tmp_path):

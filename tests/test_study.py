@@ -172,7 +172,7 @@ def test_plan_commands_executed_give_the_same_summary(workspace, study, tmp_path
 
 
 def test_resume_after_kill_reruns_nothing_finished(workspace, tmp_path):
-    from prune_audit.runner.plan import RunRequest
+    from prune_audit.runner.request import RunRequest
     from prune_audit.runner.study.execute import plan_grid, run_grid
     from prune_audit.runner.study.grid import StudyGrid
 

@@ -32,8 +32,6 @@ EXCEPTIONS: dict[tuple[str, str], tuple[int, str]] = {
     ("cli/score.py", "pope"): (1, "CLI default `--task pope`"),
     ("cli/study.py", "pope"): (2, "CLI default `--task pope`; `--pope` names POPE files only"),
     ("cli/reproduce.py", "pope"): (2, "`reproduce` re-measures the published POPE numbers: POPE by definition"),
-    ("runner/plan.py", "pope"): (2, "RunRequest's default task (= tasks.DEFAULT_TASK); POPE runs keep their "
-                                    "pre-task default output folder name (a user-facing path)"),
     ("runner/study/grid.py", "pope"): (1, "`--task` left at its CLI default means `--tasks` may be given"),
     ("runner/visualize_record.py", "pope"): (1, "figure words for POPE's object and label: to move onto the task "
                                                 "(runner/ is being split by another change)"),

@@ -133,7 +133,7 @@ def load(
     from prune_audit.demo import DEMO_MODELS
     from prune_audit.demo.assets import is_demo_name
     from prune_audit.models import load_vlm
-    from prune_audit.runner.plan import check_device
+    from prune_audit.runner.model import check_device
     from prune_audit.threads import configure_threads
 
     for name, value in (("model", model), ("device", device), ("dtype", dtype)):
@@ -267,7 +267,7 @@ class PrunedModel:
     def _ask(self, images: Any, texts: Any, mode: AnswerMode | list[AnswerMode], batch_size: int) -> Any:
         """``mode`` is one answer mode for every question, or one per question."""
         from prune_audit.models.context import check_context
-        from prune_audit.runner.execute import answer_grouped
+        from prune_audit.runner.answering import answer_grouped
 
         if not self._open:
             raise PruneAuditError("this pruned model was used after its `with pruned(...)` block; call it inside")
@@ -294,7 +294,7 @@ class PrunedModel:
     def _generator(self, row: int) -> torch.Generator:
         import torch
 
-        from prune_audit.runner.execute import question_seed
+        from prune_audit.runner.answering import question_seed
 
         return torch.Generator().manual_seed(question_seed(self.seed, "api", row))
 

@@ -32,7 +32,7 @@ def export(
 ) -> None:
     """Write a run's kept sets per stage and its answers in the interchange format (docs/interchange.md), with
     --answers its answers as LLaVA's answers file (`prune-audit score` reads it)."""
-    from prune_audit.runner.imported import check_answers_path, export_answers, export_run
+    from prune_audit.runner.export import check_answers_path, export_answers, export_run
 
     if out is None and answers is None:
         raise fail("pass --out FILE (kept sets), --answers FILE.jsonl (answers for `prune-audit score`), or both")
@@ -74,7 +74,8 @@ def import_(
     command = command_line("import", import_, dict(locals()))
     from prune_audit.records.interchange import read_kept_sets
     from prune_audit.runner.execute import execute
-    from prune_audit.runner.plan import RunRequest, plan_run
+    from prune_audit.runner.plan import plan_run
+    from prune_audit.runner.request import RunRequest
 
     if model is not None and geometry is not None:
         raise fail("--model answers and is the geometry; pass --geometry only without --model")

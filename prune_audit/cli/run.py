@@ -64,7 +64,8 @@ def run(
     """
     command = command_line("run", run, dict(locals()))
     from prune_audit.runner.execute import execute
-    from prune_audit.runner.plan import RunRequest, plan_run
+    from prune_audit.runner.plan import plan_run
+    from prune_audit.runner.request import RunRequest
     from prune_audit.compute.budget import parse_budget
     from prune_audit.runner.sharding import parse_shard
 

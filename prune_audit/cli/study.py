@@ -92,7 +92,7 @@ def study(
     from prune_audit.analysis.study import StudySettings
     from prune_audit.errors import PruneAuditError
     from prune_audit.records.stages import parse_stage
-    from prune_audit.runner.plan import RunRequest
+    from prune_audit.runner.request import RunRequest
     from prune_audit.runner.sharding import parse_shard
     from prune_audit.runner.study.grid import (
         StudyGrid,

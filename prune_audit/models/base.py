@@ -141,18 +141,18 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         """Run the vision tower once for the batch; fill the requested InputSignals fields."""
 
     @abstractmethod
-    def _full_positions(self, prepared: Prepared) -> Tensor:
+    def full_positions(self, prepared: Prepared) -> Tensor:
         """(P, L) position ids of the unpruned prompt."""
 
     @abstractmethod
     def _layer_positions(self, selector: LayerSelector | None) -> str:
         """Position mode the in-LLM loop uses for ``selector``."""
 
-    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> tuple[Tensor, Tensor]:
+    def text_relevance(self, prepared: Prepared, vision: VisionOutput) -> tuple[Tensor, Tensor]:
         """(N,) CDPruner relevance in float32 and (N,) as the official code computes it in the model dtype."""
         raise PruneAuditError(f"{self.family} has no CLIP text relevance")
 
-    def _project(self, vision_tokens: Tensor) -> Tensor:
+    def project(self, vision_tokens: Tensor) -> Tensor:
         """(M, Dv) pre-projector tokens -> (M, D) language-model inputs (merging selectors)."""
         raise PruneAuditError(f"merging selectors are not supported on {self.family}")
 
@@ -272,8 +272,9 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         (``Selector.requires_on`` its input signals)."""
         return Selector.requires_on(selector, self._available_input_signals())
 
-    def positions_for(self, selector: Selector) -> str:
-        """Position mode ('compact' or 'keep_original') the language model sees under ``selector``."""
+    def positions_for(self, selector: Selector | None) -> str:
+        """Position mode ('compact' or 'keep_original') the language model sees under ``selector`` (None: forced
+        in-LLM stages)."""
         if isinstance(selector, InputSelector):
             return self.input_positions
         return self._layer_positions(selector)
@@ -339,7 +340,7 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
                     item_generator = generator[b] if isinstance(generator, (list, tuple)) else generator
                     selections[b] = select_input(self, item, output, selector, budget, item_generator, requires,
                                                  None if forced_kept is None else forced_kept[b])
-                rows.append(self._row(item, output, selections[b]))
+                rows.append(self.input_row(item, output, selections[b]))
             plan = None
             if not input_level and (selector is not None or forced_stages is not None):
                 plan = layer_plan(self, prepared, selector, budget, forced_stages)
@@ -358,7 +359,7 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
             result.latency_parts = clock.read()
             return result, selections
 
-    def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
+    def input_row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
         """The language-model input of one prompt with the selection applied (family hook: the one-grid layout of
         :func:`~prune_audit.models.prefill_assembly.token_row`; LLaVA-NeXT adds its row newlines)."""
         return token_row(self, item, output, selection)

@@ -38,7 +38,7 @@ def max_positions(vlm: VisionLanguageModel) -> int:
 
 def prompt_positions(vlm: VisionLanguageModel, item: Prepared) -> int:
     """Positions the unpruned prompt of ``item`` takes: its largest position id plus one."""
-    return int(vlm._full_positions(item).max()) + 1
+    return int(vlm.full_positions(item).max()) + 1
 
 
 def added_positions(vlm: VisionLanguageModel, mode: AnswerMode, *, chosen_limit: bool) -> int:

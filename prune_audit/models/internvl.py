@@ -24,7 +24,7 @@ CLIP text space, so CDPruner is refused. The tiles and the thumbnail are several
 tile's and the thumbnail's own (``grid_parts``, the same tokens as ``crop_tokens``): uniform's lattice,
 E2S's novelty blocks, pooling windows and ToMe's merges lie on each of them (``PER_TILE``); one
 tile is one grid, as before tiling. A merged token is exact through the projector path as on one tile:
-pooling averages one tile's pixel-shuffled pre-projector tokens and ``_project`` runs the token-wise MLP
+pooling averages one tile's pixel-shuffled pre-projector tokens and ``project`` runs the token-wise MLP
 projector on the mean (ToMe merges projected tokens), it takes the next compact position in the row, and
 its sources are cells of that one tile. ``budget_scope=crop`` splits any non-merging input selector's
 budget evenly over the tiles and the thumbnail.
@@ -238,10 +238,10 @@ class InternVLModel(VisionLanguageModel):
         vision = self.model.config.vision_config
         return vision.hidden_size // vision.num_attention_heads
 
-    def _project(self, vision_tokens: Tensor) -> Tensor:
+    def project(self, vision_tokens: Tensor) -> Tensor:
         return self.model.model.multi_modal_projector(vision_tokens)
 
-    def _full_positions(self, prepared: Prepared) -> Tensor:
+    def full_positions(self, prepared: Prepared) -> Tensor:
         return torch.arange(prepared.input_ids.numel())[None]
 
     def _layer_positions(self, selector: LayerSelector | None) -> str:

@@ -237,7 +237,7 @@ class LlavaModel(VisionLanguageModel):
             states.append(hidden)
         return states
 
-    def _project(self, vision_tokens: Tensor) -> Tensor:
+    def project(self, vision_tokens: Tensor) -> Tensor:
         return self.model.model.multi_modal_projector(vision_tokens)
 
     @property
@@ -247,14 +247,14 @@ class LlavaModel(VisionLanguageModel):
         return vision.hidden_size // vision.num_attention_heads
 
     def text_chunks(self, prepared: Prepared) -> int:
-        """CLIP text-tower chunks :meth:`_text_relevance` runs for ``prepared``'s question."""
+        """CLIP text-tower chunks :meth:`text_relevance` runs for ``prepared``'s question."""
         context = self.clip[0].config.text_config.max_position_embeddings
         return -(-len(self.clip[1](prepared.question)["input_ids"]) // context)
 
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals if self.clip is not None else self.input_signals - {"text_relevance"}
 
-    def _text_relevance(self, prepared: Prepared, vision: VisionOutput) -> tuple[Tensor, Tensor]:
+    def text_relevance(self, prepared: Prepared, vision: VisionOutput) -> tuple[Tensor, Tensor]:
         """(N,) CDPruner relevance ``mean_m -cos(E_i, T_m)`` (selectors spec §6), in float32 and as the
         official code computes it in the CLIP dtype (unit embeddings, cosines and their mean each rounded).
 
@@ -336,7 +336,7 @@ class LlavaModel(VisionLanguageModel):
         ).logits[:, -1]
 
     # ----- positions ------------------------------------------------------------------
-    def _full_positions(self, prepared: Prepared) -> Tensor:
+    def full_positions(self, prepared: Prepared) -> Tensor:
         return torch.arange(prepared.input_ids.numel())[None]
 
     def _layer_positions(self, selector: LayerSelector | None) -> str:

@@ -16,7 +16,7 @@ keeps every newline and the surviving visual tokens in prompt order.
 Positions: 1-D RoPE; after input-level selection the prompt is simply shorter (compact), as for
 LLaVA-1.5. Uniform's lattice, pooling, ToMe and E2S's novelty blocks need only the grid layout: they run on
 each of the two regular grids (``grid_parts``; ``PER_GRID``); a merged token takes its first cell's
-place among the newlines (``_row``). HiPrune is refused on the whole image (its neighbours lie on one grid)
+place among the newlines (``input_row``). HiPrune is refused on the whole image (its neighbours lie on one grid)
 and runs with ``budget_scope=crop`` (each crop's tokens one grid), as its official LLaVA-NeXT code selects per
 crop; so does VScan (``pruners.layout.PADDED_CROP_GRID``), its vision stage scanning and merging in each
 crop's padded grid (``PaddedCrops``: the tower's padding patches too), then dropping the padding as the official
@@ -26,7 +26,7 @@ VisionZip and FasterVLM). VisionZip runs with ``budget_scope=crop`` only, as its
 crop's CLS state and keys (``crop_cls_features``, ``crop_cls_keys``), its tokens laid out without newlines
 (``pruners.crop_merge``); on the whole image there is no one CLS token. CDPruner runs with a CLIP text tower
 (``clip_text``): each visual token's relevance from its own patch state as on LLaVA-1.5
-(``LlavaModel._text_relevance``), min-max normalised over the image's tokens also under ``budget_scope=crop``,
+(``LlavaModel.text_relevance``), min-max normalised over the image's tokens also under ``budget_scope=crop``,
 as its official LLaVA-NeXT code normalises over all crops (docs/models.md). ``budget_scope=crop``
 (``crop_tokens``) splits any input selector's budget evenly over the crops.
 """
@@ -249,7 +249,7 @@ class LlavaNextModel(LlavaModel):
         side = self.tile // self.model.config.vision_config.patch_size
         return {"crops": int(prepared.pixel_values.shape[0]), "crop_grid": (side, side)}
 
-    def _row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
+    def input_row(self, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
         """The language-model input of one prompt: the visual tokens fed and every newline, in prompt order.
 
         A kept token keeps its place among the newlines; a merging selector's output token (pool, ToMe: merged
@@ -276,7 +276,7 @@ class LlavaNextModel(LlavaModel):
                 raise PruneAuditError(f"a merged token without grid cells has no place in the {self.display_name} "
                                       f"prompt (its tile rows end in newlines)")
             visual = (selection.llm_tokens.to(device, self.dtype) if selection.llm_tokens is not None
-                      else self._project(selection.vision_tokens.to(device, self.dtype)))
+                      else self.project(selection.vision_tokens.to(device, self.dtype)))
             kinds = torch.tensor([int(group[0]) if group.numel() == 1 else MERGED for group in selection.sources],
                                  device=device)
             firsts = torch.tensor([int(group.min()) for group in selection.sources], device=device)

@@ -2,10 +2,11 @@
 
 :meth:`VisionLanguageModel.prefill <prune_audit.models.base.VisionLanguageModel.prefill>` runs the vision tower
 once, then for each prompt: the input-level selection (:func:`select_input`, on the :func:`input_signals` the
-family provides), the language-model input row (the family's ``_row`` hook, by default :func:`token_row`), and
-for in-LLM selectors the per-layer plan (:func:`layer_plan`). These read the model only through its family hooks
-(``_full_positions``, ``_project``, ``_text_relevance``, ``_layer_positions``, ``_row``) and its declarations
-(``input_positions``, ``family``), so the class holds the hooks and the public API and this module the assembly.
+family provides), the language-model input row (the family's ``input_row``, by default :func:`token_row`), and
+for in-LLM selectors the per-layer plan (:func:`layer_plan`). These read the model only through its public
+surface: the family hooks the prefill uses (``full_positions``, ``project``, ``text_relevance``, ``input_row``,
+``positions_for``) and its declarations (``input_positions``, ``family``), so the class holds the hooks and the
+public API and this module the assembly.
 """
 
 from __future__ import annotations
@@ -67,10 +68,10 @@ def input_signals(vlm: VisionLanguageModel, item: Prepared, output: VisionOutput
     for name, value in output.signals.items():
         setattr(signals, name, value.float() if isinstance(value, torch.Tensor) else value)  # merging_tower: a function
     if "text_relevance" in requires:
-        relevance, in_model_dtype = vlm._text_relevance(item, output)
+        relevance, in_model_dtype = vlm.text_relevance(item, output)
         signals.text_relevance, signals.model_text_relevance = relevance.float(), in_model_dtype.float()
     if "demand" in requires:
-        signals.demand = text_demand(vlm.loop.stack, vlm._row(item, output, None))
+        signals.demand = text_demand(vlm.loop.stack, vlm.input_row(item, output, None))
     return signals
 
 
@@ -90,13 +91,13 @@ def token_row(vlm: VisionLanguageModel, item: Prepared, output: VisionOutput, se
         visual, kinds = output.features[kept], kept
     else:
         visual = (selection.llm_tokens.to(device, vlm.dtype) if selection.llm_tokens is not None
-                  else vlm._project(selection.vision_tokens.to(device, vlm.dtype)))
+                  else vlm.project(selection.vision_tokens.to(device, vlm.dtype)))
         kinds = torch.tensor([int(s[0]) if s.numel() == 1 else MERGED for s in selection.sources], device=device)
     embeddings = torch.cat([embed(ids[:start]), visual.to(vlm.dtype), embed(ids[end:])])
     before = torch.full((start,), TEXT_BEFORE, device=device)
     after = torch.full((ids.numel() - end,), TEXT_AFTER, device=device)
     all_kinds = torch.cat([before, kinds, after])
-    full = vlm._full_positions(item).to(device)
+    full = vlm.full_positions(item).to(device)
     if selection is not None and vlm.input_positions == "compact":
         positions = torch.arange(all_kinds.numel(), device=device)[None].expand(full.shape[0], -1)
     elif selection is not None and bool((kinds == MERGED).any()):
@@ -120,7 +121,7 @@ def layer_plan(vlm: VisionLanguageModel, prepared: Sequence[Prepared], selector:
     """The in-LLM plan of a batch: each row's stages from ``forced_stages`` ((layer, kept indices) per stage),
     else ``selector``'s schedule at ``budget`` on the model's depth; every stage layer checked to exist."""
     grids = [item.grid for item in prepared]
-    positions = vlm._layer_positions(selector)
+    positions = vlm.positions_for(selector)  # in-LLM or forced stages: the family's layer position mode
     forced = None
     if forced_stages is not None:
         stages, forced = [], []

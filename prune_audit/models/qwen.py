@@ -282,7 +282,7 @@ class QwenModel(VisionLanguageModel):
         )
         return positions
 
-    def _full_positions(self, prepared: Prepared) -> Tensor:
+    def full_positions(self, prepared: Prepared) -> Tensor:
         return prepared.extras["positions"]
 
     def _layer_positions(self, selector: LayerSelector | None) -> str:

@@ -7,7 +7,6 @@ questions (records built by ``runner.build``), and compacts the parts into
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +15,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from prune_audit.compute.budget import resolve_budget
 from prune_audit.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from prune_audit.records.store import RecordStore, check_run_layout
+from prune_audit.runner.answering import answer_grouped, question_generator
 from prune_audit.runner.build import AnsweredQuestion, build_records, question_evidence
 from prune_audit.runner.embedded import write_embedded_images
-from prune_audit.runner.plan import RunPlan, prepare_question
+from prune_audit.runner.plan import RunPlan
+from prune_audit.runner.questions import prepare_question
 from prune_audit.runner.safeguards import check_same_run, hold_run_dir, undo_first_writes
 from prune_audit.runner.sharding import ProcessGroup, shard_questions
 from prune_audit.runner.summary import summarize
@@ -30,11 +30,7 @@ from prune_audit.safety.progress import report_saved, saving
 if TYPE_CHECKING:
     import torch
 
-    from prune_audit.answer_modes import AnswerMode
-    from prune_audit.compute.budget import Budget
-    from prune_audit.models import Answer, Prepared, VisionLanguageModel
-    from prune_audit.models.prepared import ForcedStages
-    from prune_audit.pruners.base import Selector
+    from prune_audit.models import Answer, Prepared
     from prune_audit.tasks import TaskQuestion
 
 
@@ -46,12 +42,6 @@ class RunResult:
     records: pa.Table
     complete: bool
     summary: dict[str, float | int]
-
-
-def question_seed(seed: int, split: str, question_id: int) -> int:
-    """A per-question seed, so results do not depend on batching, sharding or resuming."""
-    digest = hashlib.sha256(f"{seed}:{split}:{question_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def execute(
@@ -174,41 +164,3 @@ def answer_batch(
         return plan.imported.answers(plan.vlm, plan.task, questions, prepared)
     modes = [plan.task.answer_mode(question) for question in questions]
     return answer_grouped(plan.vlm, plan.selector, plan.request.budget, prepared, modes, generators)
-
-
-def answer_grouped(
-    vlm: VisionLanguageModel,
-    selector: Selector | None,
-    budget: Budget,
-    prepared: Sequence[Prepared],
-    modes: Sequence[AnswerMode],
-    generators: Sequence[torch.Generator] | None = None,
-    forced_kept: Sequence[Sequence[int]] | None = None,
-    forced_stages: Sequence[ForcedStages] | None = None,
-) -> list[Answer]:
-    """Answers in row order, asked in groups of one answer mode and one token budget (resolved per image: a
-    share ``11%`` of its tokens, ``all`` of them), so answers do not depend on the batch. ``generators``,
-    ``forced_kept`` and ``forced_stages`` hold one entry per row (as ``VisionLanguageModel.answer``)."""
-    budgets = [resolve_budget(budget, item.num_visual) for item in prepared]
-    groups: dict[tuple, list[int]] = {}
-    for row, key in enumerate(zip(budgets, modes)):
-        groups.setdefault(key, []).append(row)
-    by_row: dict[int, Answer] = {}
-    for (row_budget, mode), rows in groups.items():
-        group = vlm.answer([prepared[i] for i in rows], selector, row_budget, mode=mode,
-                           generator=_pick(generators, rows), forced_kept=_pick(forced_kept, rows),
-                           forced_stages=_pick(forced_stages, rows))
-        by_row.update(zip(rows, group))
-    return [by_row[index] for index in range(len(prepared))]
-
-
-def _pick(values: Sequence | None, rows: Sequence[int]) -> list | None:
-    """The entries of ``rows`` (None stays None)."""
-    return None if values is None else [values[row] for row in rows]
-
-
-def question_generator(seed: int, question: TaskQuestion) -> torch.Generator:
-    """The question's own random generator (``question_seed``)."""
-    import torch
-
-    return torch.Generator().manual_seed(question_seed(seed, question.split, question.question_id))

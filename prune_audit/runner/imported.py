@@ -1,7 +1,8 @@
 """``prune-audit import``: a kept-set file (``records.interchange``) as the answers of a run.
 
 Planning (``runner.plan``) restricts the run to the file's questions, checks every kept set against
-the model's token grid and depth, and records the import in the manifest's ``selector`` block; then
+the model's token grid and depth, and records the import in the manifest's ``selector`` block
+(:func:`plan_import`); then
 ``execute`` writes the run directory as for ``run``, through the same record builder. The answers
 come from the file (:meth:`ImportedAnswers.from_file`: the answer mode's reduction rebuilt from the
 line, the token counts and analytic cost from the kept sets on the model's prompt), or, with
@@ -26,11 +27,13 @@ from prune_audit.records.interchange import (
     KeptQuestion,
     KeptSets,
 )
+from prune_audit.runner.answering import answer_grouped
+from prune_audit.runner.questions import prepare_task_question
 
 if TYPE_CHECKING:
-    import pyarrow as pa
     from prune_audit.answer_modes import AnswerMode, Generation, Greedy, LetterChoice, Reduction, YesNo
     from prune_audit.models import Answer, Prepared, VisionLanguageModel
+    from prune_audit.runner.request import RunRequest
     from prune_audit.tasks import Task, TaskQuestion
 
 
@@ -50,6 +53,28 @@ class ImportedAnswers:
         if self.reanswer:
             return _reanswer(vlm, lines, prepared, modes)
         return [_answer_from_line(vlm, line, item, mode) for line, item, mode in zip(lines, prepared, modes)]
+
+
+def plan_import(request: RunRequest, vlm: VisionLanguageModel, task: Task, questions: Sequence[TaskQuestion],
+                image_paths: dict[str, Path], manifest: dict[str, Any],
+                embedded: dict[str, bytes] | None) -> ImportedAnswers | None:
+    """``import``: the kept sets checked on each image's prompt, the import recorded in the manifest (None for a
+    run that imports nothing)."""
+    if request.kept_sets is None:
+        return None
+    from prune_audit.safety.fingerprint import file_sha256
+
+    first_question = {question.image: question for question in reversed(questions)}
+    prepared = {image: prepare_task_question(vlm, task, question, image_paths, embedded)
+                for image, question in first_question.items()}
+    check_kept_sets(request.kept_sets, vlm, prepared, request.reanswer)
+    if not request.reanswer:
+        check_answers(request.kept_sets, task, questions)
+    sha256 = file_sha256(request.kept_sets.path)
+    manifest["selector"] = imported_selector(request.kept_sets, sha256, request.reanswer)
+    manifest["budget"] = request.kept_sets.header.get("budget")
+    by_key = {(line.split, line.question_id): line for line in request.kept_sets.questions}
+    return ImportedAnswers(by_key, request.reanswer)
 
 
 def restrict_questions(kept_sets: KeptSets, questions: Sequence[TaskQuestion]) -> list[TaskQuestion]:
@@ -176,8 +201,6 @@ def check_imported_manifest(kept_sets: KeptSets, manifest: dict[str, Any]) -> No
 def _reanswer(vlm: VisionLanguageModel, lines: Sequence[KeptQuestion], prepared: Sequence[Prepared],
               modes: Sequence[AnswerMode]) -> list[Answer]:
     """The model's answers with each line's kept sets forced: rows grouped by how they are forced."""
-    from prune_audit.runner.execute import answer_grouped
-
     kinds = ["none" if not line.stages else "input" if line.stages[0].layer == 0 else "llm" for line in lines]
     by_row: dict[int, Answer] = {}
     for kind in ("none", "input", "llm"):
@@ -278,71 +301,5 @@ def _agreeing(line: KeptQuestion, reduced: YesNo | LetterChoice) -> YesNo | Lett
     return reduced
 
 
-def _read_whole_run(run_dir: Path) -> tuple[dict[str, Any], pa.Table]:
-    """The run's manifest and records; a run holding fewer questions than it planned (a shard, a stopped run) is
-    refused, since an exported file would pass for the whole run."""
-    from prune_audit.records.store import read_run
-
-    manifest, records = read_run(Path(run_dir))
-    if records.num_rows < manifest["num_questions"]:
-        raise PruneAuditError(
-            f"{run_dir} holds {records.num_rows} of its {manifest['num_questions']} planned questions (a shard or a "
-            f"run stopped midway), so the exported file would be incomplete without saying so; finish it with the "
-            f"same prune-audit run command (or merge its shards), then export"
-        )
-    return manifest, records
-
-
-def export_run(run_dir: Path, out: Path) -> int:
-    """Write the kept sets and answers of the run in ``run_dir`` to ``out`` (.jsonl or .parquet); the number of
-    questions. ``out`` may be new or a kept-set file (``export`` rewrites only its own kind of file), in a folder no
-    command owns (``safety.ownership``: a run's, a calibration's folder are refused). A run holding fewer questions
-    than it planned (a shard, a stopped run) is refused: the file would pass for the whole run."""
-    from prune_audit.records.interchange import (
-        check_suffix,
-        header_of,
-        is_kept_set_file,
-        question_line,
-        write_kept_sets,
-    )
-    from prune_audit.safety.ownership import check_output_dir
-
-    check_suffix(out, "--out")
-    manifest, records = _read_whole_run(run_dir)  # the input first: a mistyped run is named as such
-    check_output_dir(out.parent, "export", shared=True)  # as every writer: never into another command's folder
-    if out.exists() and not (out.is_file() and is_kept_set_file(out)):
-        raise PruneAuditError(f"--out {out} exists and is not a kept-set file; export never replaces other files: "
-                              f"pass a new file name")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_kept_sets(header_of(manifest), [question_line(record) for record in records.to_pylist()], out)
-    return records.num_rows
-
-
-def check_answers_path(out: Path) -> None:
-    """Refuse an answers file name that is not .jsonl or already exists (export never replaces a file)."""
-    if out.suffix != ".jsonl":
-        raise PruneAuditError(f"--answers writes JSON Lines, got {out.name}; pass a FILE.jsonl")
-    if out.exists():
-        raise PruneAuditError(f"--answers {out} exists; export never replaces a file: pass a new file name")
-
-
-def export_answers(run_dir: Path, out: Path) -> int:
-    """Write the run's answers as LLaVA's answers file (one ``question_id`` + ``text`` line per question, the form
-    ``prune-audit score`` reads) to ``out`` (a new .jsonl file); the number of answers."""
-    import json
-
-    from prune_audit.safety.atomic import write_text_atomic
-    from prune_audit.safety.ownership import check_output_dir
-
-    check_answers_path(out)
-    _, records = _read_whole_run(run_dir)  # the input first: a mistyped run is named as such
-    check_output_dir(out.parent, "export", shared=True)  # as every writer: never into another command's folder
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rows = records.select(["question_id", "answer_text"]).to_pylist()
-    write_text_atomic("".join(json.dumps({"question_id": row["question_id"], "text": row["answer_text"]}) + "\n"
-                              for row in rows), out)
-    return len(rows)
-
-
-__all__ = ["ImportedAnswers", "check_answers", "check_answers_path", "check_imported_manifest", "check_kept_sets",
-           "export_answers", "export_run", "imported_selector", "restrict_questions", "tokens_per_layer"]
+__all__ = ["ImportedAnswers", "check_answers", "check_imported_manifest", "check_kept_sets", "imported_selector",
+           "plan_import", "restrict_questions", "tokens_per_layer"]

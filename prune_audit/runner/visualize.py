@@ -17,7 +17,7 @@ from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import budget_words
 from prune_audit.runner.build import covered_stages, recorded_stages
-from prune_audit.runner.plan import file_safe
+from prune_audit.runner.run_dir import file_safe
 
 if TYPE_CHECKING:
     from PIL.Image import Image

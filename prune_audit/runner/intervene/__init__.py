@@ -34,7 +34,7 @@ from prune_audit.runner.intervene.plan import (
     load_source,
 )
 from prune_audit.runner.intervene.report import REPORT_FILE, intervention_report
-from prune_audit.runner.plan import check_writable
+from prune_audit.runner.run_dir import check_writable
 from prune_audit.safety.ownership import check_output_dir, hold_output_dir
 
 __all__ = ["InterveneRequest", "InterventionResult", "intervene"]

@@ -12,12 +12,12 @@ import numpy as np
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.schema import Record
+from prune_audit.runner.answering import question_seed
 from prune_audit.runner.build import QuestionEvidence
-from prune_audit.runner.execute import question_seed
 from prune_audit.runner.intervene.build import intervention_rows
 from prune_audit.runner.intervene.plan import InterveneRequest, InterventionSource
 from prune_audit.runner.intervene.swaps import NoSwap, Swap, plan_swaps, swap_stages
-from prune_audit.runner.plan import prepare_question
+from prune_audit.runner.questions import prepare_question
 
 if TYPE_CHECKING:
     from prune_audit.models import Answer, Prepared, VisionLanguageModel

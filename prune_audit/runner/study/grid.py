@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import StageChoice
-from prune_audit.runner.plan import RunRequest
+from prune_audit.runner.request import RunRequest
 from prune_audit.runner.sharding import Shard
 from prune_audit.safety.ownership import STUDY_RUNS_FOLDER as RUNS_FOLDER  # ownership recognises a study by it
 REFERENCE = "none"
