@@ -231,7 +231,8 @@ def test_a_changed_configuration_is_refused(workspace, study, tmp_path):
 
 
 def test_grid_names_and_budgets():
-    from prune_audit.runner.study.grid import StudyCell, parse_budget, parse_list
+    from prune_audit.compute.budget import parse_requested_budget as parse_budget
+    from prune_audit.runner.study.grid import StudyCell, parse_list
 
     assert StudyCell("none", None).name == "dense" and StudyCell("fastv", "64").name == "fastv-64"
     assert parse_list(" a, b ", "--x") == ("a", "b")

@@ -63,6 +63,15 @@ def check_positive(budget: Budget) -> None:
         raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {budget}")
 
 
+def parse_requested_budget(text: str) -> int | str:
+    """A budget a selector runs at (``--budget``, the study's ``--budgets``, the Python API, lmms-eval): parsed
+    and checked positive here, the one place; None (unpruned) is not a budget to parse."""
+    budget = parse_budget(text)
+    check_positive(budget)
+    assert budget is not None  # parse_budget returns None only for None
+    return budget
+
+
 def check_budget_for(selector: str, budget: Budget) -> None:
     """A budget goes with a selector and only with one (``selector`` "none": the unpruned run)."""
     if selector == "none" and budget is not None:
@@ -115,6 +124,6 @@ class Schedules:
 
 
 __all__ = [
-    "BUDGET_ALL", "Budget", "parse_budget", "budget_share", "tokens_for_share", "check_positive", "check_budget_for",
+    "BUDGET_ALL", "Budget", "parse_budget", "parse_requested_budget", "budget_share", "tokens_for_share", "check_positive", "check_budget_for",
     "resolve_budget", "Schedules",
 ]  # fmt: skip

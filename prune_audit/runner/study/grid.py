@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from prune_audit.compute.budget import budget_share, parse_requested_budget
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import StageChoice
 from prune_audit.runner.request import RunRequest
@@ -57,7 +58,7 @@ class StudyGrid:
 
     def request(self, cell: StudyCell) -> RunRequest:
         """The ``RunRequest`` that ``prune-audit run`` builds from ``command(cell)``."""
-        budget = None if cell.budget is None else parse_budget(cell.budget)
+        budget = None if cell.budget is None else parse_requested_budget(cell.budget)
         request = replace(
             self.base, selector=cell.selector, budget=budget, out=self.run_dir(cell), options=[], question_files=list(self.base.question_files)
         )
@@ -136,26 +137,13 @@ def task_option(task: str, option: str, value: int | str | None) -> int | str | 
     return value if takes else None
 
 
-def parse_budget(text: str) -> int | str:
-    """A budget of the grid: a positive number of visual tokens, a share such as ``11%``, or ``all``."""
-    from prune_audit.compute.budget import parse_budget as parse_run_budget
-
-    value = parse_run_budget(text)
-    if isinstance(value, int) and value <= 0:
-        raise PruneAuditError(f"--budgets must be positive, got {text}")
-    assert value is not None
-    return value
-
-
 def parse_budgets(text: str) -> tuple[str, ...]:
-    """``--budgets "32, 64"`` -> ("32", "64"): each budget valid (``parse_budget``) and written the way ``run`` reads
-    it, so ``32`` and ``032`` (or ``11%`` and ``11.0%``) are one budget and a repeat is refused instead of run twice."""
-    from prune_audit.compute.budget import budget_share
-
+    """``--budgets "32, 64"`` -> ("32", "64"): each budget valid (``parse_requested_budget``) and written the way
+    ``run`` reads it, so ``32`` and ``032`` (or ``11%`` and ``11.0%``) are one budget and a repeat is refused instead of run twice."""
     given: dict[object, str] = {}  # budget (a share by its value) -> the text that named it
     canonical = []
     for item in parse_list(text, "--budgets"):
-        budget = str(parse_budget(item))
+        budget = str(parse_requested_budget(item))
         value = budget_share(budget) or budget
         if value in given:
             raise PruneAuditError(f"--budgets lists {given[value]!r} and {item!r}, the same budget; list it once")
@@ -197,7 +185,7 @@ def check_grid(selectors: Sequence[str], budgets: Sequence[str]) -> None:
                 f"unknown selector {name!r} in --selectors; choose from {', '.join(list_selectors())}"
             ) from None
     for budget in budgets:
-        parse_budget(budget)
+        parse_requested_budget(budget)
 
 
 def shard_commands(commands: Sequence[str], shard: Shard | None) -> list[str]:
