@@ -14,7 +14,7 @@ import json
 
 import pytest
 from test_data_safety import demo, invoke, refused, snapshot  # noqa: F401 (fixture)
-from test_figures_newcomer import captured  # noqa: F401 (fixture)
+from test_figure_clarity import captured  # noqa: F401 (fixture)
 
 from prune_audit.safety.ownership import OWNER_FILE
 
@@ -88,7 +88,7 @@ def test_the_half_precision_tests_assert_kept_sets_and_the_kernel_counts_are_mea
 
 
 def test_the_retention_figure_names_the_tasks_evidence(captured):  # noqa: F811
-    from test_figures_newcomer import group
+    from test_figure_clarity import group
 
     from prune_audit.analysis import figures
     from prune_audit.tasks import get_task
