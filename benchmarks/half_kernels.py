@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import torch  # noqa: E402
 from test_fidelity_half import HALF_DTYPES, PREFIX, SEEDS, TOKENS, dtype_name, fastv_cpu_gemm_case  # noqa: E402
-from test_fidelity_half_v3 import official_rope_ones_half  # noqa: E402
+from test_fidelity_half_rederived import official_rope_ones_half  # noqa: E402
 
 HALF_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "f16c")
 """The CPU flags that select torch's half-precision GEMM kernels."""

@@ -89,10 +89,10 @@ ROPE_ONCE = (
 
 def half_exact(given: str, passed: str, fp16: int, bf16: int) -> str:
     """The half agreement of a selector exact with ``score_dtype=model, ties=topk`` given the ``given`` signals in
-    the model dtype (tests/test_fidelity_half_v3.py), and ``fp16`` / ``bf16`` of the cases given ``passed``."""
+    the model dtype (tests/test_fidelity_half_rederived.py), and ``fp16`` / ``bf16`` of the cases given ``passed``."""
     return (
         f"score_dtype=model, ties=topk: fp16 and bf16 {RANDOM_CASES} of {RANDOM_CASES} random cases each (and 10 of "
-        f"10 duplicated-key, 10 of 10 integer-logit cases) given {given} (test_fidelity_half_v3.py); given {passed}: "
+        f"10 duplicated-key, 10 of 10 integer-logit cases) given {given} (test_fidelity_half_rederived.py); given {passed}: "
         f"{fp16} (fp16) and {bf16} (bf16) of {RANDOM_CASES}"
     )
 

@@ -149,7 +149,7 @@ class HiPruneSelector(InputSelector):
             "neighbours=grid keeps buffers inside the grid (the official +-1 wraps across rows)",
             "object layer round(9 Lv / 23) on a tower running Lv layers (Qwen: round(16 Lv / 32) of its Lv blocks)",
         ),
-        random_agreement(30, "test_methods_v3.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers", "23 x 576 attention, budgets 64/128/192; Qwen path: test_methods_qwen.py 40 of 40 unrepeated"), 30,  # fmt: skip
+        random_agreement(30, "test_fidelity_rederived.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers", "23 x 576 attention, budgets 64/128/192; Qwen path: test_methods_qwen.py 40 of 40 unrepeated"), 30,  # fmt: skip
         half_agreement=half_exact("the official half mean(1).mean(1)", HALF_ONCE + " (head and query)", 27, 11), half_cases=HALF_EXACT_CASES,
     )
 

@@ -106,7 +106,7 @@ class SparseVLM2Selector(ScheduledSelector):
             "a RoPE logit of exactly 0 (degenerate signals only) leaves its pair uncorrected (official: divides by 0)",
             "no FlashAttention switch: the v2.0 FlashAttention module forms the same softmax rows for scoring",
         ),
-        random_agreement(30, "test_methods_v3.py::test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_"
+        random_agreement(30, "test_fidelity_rederived.py::test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_"
                 "ranking", "32 heads, the library's RoPE probe against the official all-ones RoPE"), 30,
         half_agreement=half_exact("its scaled attention and RoPE logits in half", ROPE_ONCE, 25, 9), half_cases=HALF_EXACT_CASES,
     )

@@ -14,7 +14,7 @@ import prune_audit.analysis.figures as figures
 import prune_audit.analysis.study_figures as study_figures
 from prune_audit.analysis.cascade_plots import cascade_figures
 from prune_audit.analysis.report_html import TABLE_COLUMNS, table_html
-from test_figures_newcomer import calibrated, captured, cascade, legend_labels, lost_row, markers  # noqa: F401
+from test_figure_clarity import calibrated, captured, cascade, legend_labels, lost_row, markers  # noqa: F401
 
 RED = to_rgba("tab:red")
 

@@ -14,7 +14,7 @@ import json
 
 import pytest
 from test_data_safety import demo, invoke, refused, snapshot  # noqa: F401 (fixture)
-from test_figures_newcomer import captured  # noqa: F401 (fixture)
+from test_figure_clarity import captured  # noqa: F401 (fixture)
 
 from prune_audit.safety.ownership import OWNER_FILE
 
@@ -76,7 +76,7 @@ def test_the_half_precision_tests_assert_kept_sets_and_the_kernel_counts_are_mea
     from benchmarks.half_kernels import cpu_half_flags, rope_logits
 
     tests = Path(__file__).parent
-    for name in ("test_fidelity_half.py", "test_fidelity_half_v3.py", "test_fidelity_half_adapter.py"):
+    for name in ("test_fidelity_half.py", "test_fidelity_half_rederived.py", "test_fidelity_half_adapter.py"):
         asserts = [line for line in (tests / name).read_text().splitlines() if line.strip().startswith("assert")]
         counted = [line for line in asserts if re.search(r"!=.*\)\.sum\(\)|differing", line)]
         assert not counted, (name, counted)  # a count of products the CPU kernel rounds otherwise: machine-bound
@@ -88,7 +88,7 @@ def test_the_half_precision_tests_assert_kept_sets_and_the_kernel_counts_are_mea
 
 
 def test_the_retention_figure_names_the_tasks_evidence(captured):  # noqa: F811
-    from test_figures_newcomer import group
+    from test_figure_clarity import group
 
     from prune_audit.analysis import figures
     from prune_audit.tasks import get_task
@@ -130,7 +130,7 @@ def test_a_study_section_of_a_task_without_evidence_has_no_lost_columns_finding_
 
 
 def test_the_lost_objects_figure_names_the_tasks_evidence_questions(captured):  # noqa: F811
-    from test_figures_v4 import study_rows
+    from test_figure_legibility import study_rows
 
     from prune_audit.analysis import study_figures
     from prune_audit.tasks import get_task
