@@ -28,13 +28,28 @@ def table_rows(rows: list[dict[str, str]], compact: bool) -> list[tuple[str, ...
     """The cells of each summary row (``compact``: the README's columns)."""
     cells = []
     for row in rows:
-        mflops, share, kib = float(row["mean_flops"]) / 1e6, float(row["flops_relative"]), float(row["mean_kv_bytes"]) / 1024
+        mflops, share, kib = (
+            float(row["mean_flops"]) / 1e6,
+            float(row["flops_relative"]),
+            float(row["mean_kv_bytes"]) / 1024,
+        )
         accuracy, ece = f"{float(row['accuracy']):.3f}", f"{float(row['ece']):.3f}"
         if compact:
             cells.append((row["run"], accuracy, ece, f"{mflops:.1f} ({share:.1%})", f"{kib:.0f}", _latency(row)))
         else:
-            cells.append((row["run"], accuracy, ece, f"{float(row['auroc']):.3f}", f"{mflops:.1f}", f"{share:.1%}",
-                          f"{kib:.0f}", f"{float(row['mean_flop_equivalent_tokens']):.1f}", _latency(row)))
+            cells.append(
+                (
+                    row["run"],
+                    accuracy,
+                    ece,
+                    f"{float(row['auroc']):.3f}",
+                    f"{mflops:.1f}",
+                    f"{share:.1%}",
+                    f"{kib:.0f}",
+                    f"{float(row['mean_flop_equivalent_tokens']):.1f}",
+                    _latency(row),
+                )
+            )
     return cells
 
 

@@ -47,8 +47,10 @@ def main() -> None:
     print("| condition | positives | yes-accuracy | mean confidence | wrong: mean confidence | wrong: share p > 0.9 |")
     print("| --- | --- | --- | --- | --- | --- |")
     for condition, r in results.items():
-        print(f"| {condition} | {r.pairs} | {100 * r.accuracy:.1f} % | {r.mean_confidence:.3f} | "
-              f"{r.wrong_confidence:.3f} | {100 * r.wrong_confident_share:.0f} % |")
+        print(
+            f"| {condition} | {r.pairs} | {100 * r.accuracy:.1f} % | {r.mean_confidence:.3f} | "
+            f"{r.wrong_confidence:.3f} | {100 * r.wrong_confident_share:.0f} % |"
+        )
     print(f"({time.perf_counter() - start:.1f} s)")
     print(json.dumps({condition: asdict(r) for condition, r in results.items()}))
 

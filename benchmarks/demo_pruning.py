@@ -65,12 +65,33 @@ def question_files(model: str, out: Path, per_split: int | None) -> tuple[str, l
     return str(assets.model_dir), files, assets.images_dir, assets.annotations
 
 
-def run_once(model: str, files: list[Path], images: Path, annotations: Path, selector: str, budget: int | None,
-             run_dir: Path, batch_size: int, threads: int, options: list[str] = ()) -> Path:
+def run_once(
+    model: str,
+    files: list[Path],
+    images: Path,
+    annotations: Path,
+    selector: str,
+    budget: int | None,
+    run_dir: Path,
+    batch_size: int,
+    threads: int,
+    options: list[str] = (),
+) -> Path:
     """One audit run (resumed if partly done); returns its folder."""
-    request = RunRequest(model=model, selector=selector, budget=budget, question_files=files, images=images,
-                         annotations=annotations, out=run_dir, batch_size=batch_size, device="cpu", threads=threads,
-                         options=list(options), command=f"benchmarks.demo_pruning {selector}@{budget}")
+    request = RunRequest(
+        model=model,
+        selector=selector,
+        budget=budget,
+        question_files=files,
+        images=images,
+        annotations=annotations,
+        out=run_dir,
+        batch_size=batch_size,
+        device="cpu",
+        threads=threads,
+        options=list(options),
+        command=f"benchmarks.demo_pruning {selector}@{budget}",
+    )
     result = execute(plan_run(request))
     if not result.complete:
         raise PruneAuditError(f"{run_dir} did not finish")
@@ -81,25 +102,32 @@ def row_text(name: str, values: dict) -> str:
     cells = [name]
     for key, _ in COLUMNS[1:]:
         value = values[key]
-        cells.append("–" if value != value else f"{100 * value:.1f} %" if key.endswith(("accuracy", "share"))
-                     else f"{value:.3f}")
+        cells.append(
+            "–" if value != value else f"{100 * value:.1f} %" if key.endswith(("accuracy", "share")) else f"{value:.3f}"
+        )
     return "| " + " | ".join(cells) + " |"
 
 
 def diluted_text(name: str, values: dict) -> str:
     """One line on the yes-questions whose object only merged tokens carry."""
-    return (f"* {name}: {values['diluted']} yes-questions diluted ({100 * values['diluted_share']:.1f} %), "
-            f"accuracy {100 * values['diluted_accuracy']:.1f} % (unpruned {100 * values['dense_diluted_accuracy']:.1f} %), "
-            f"confidence {values['diluted_confidence']:.3f} (unpruned {values['dense_diluted_confidence']:.3f})")
+    return (
+        f"* {name}: {values['diluted']} yes-questions diluted ({100 * values['diluted_share']:.1f} %), "
+        f"accuracy {100 * values['diluted_accuracy']:.1f} % (unpruned {100 * values['dense_diluted_accuracy']:.1f} %), "
+        f"confidence {values['diluted_confidence']:.3f} (unpruned {values['dense_diluted_confidence']:.3f})"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo", help="demo or demo-qwen")
-    parser.add_argument("--selectors", default=None, help="comma-separated (default: every selector the model supports)")
+    parser.add_argument(
+        "--selectors", default=None, help="comma-separated (default: every selector the model supports)"
+    )
     parser.add_argument("--budgets", default="16,32,64", help="comma-separated visual-token budgets")
     parser.add_argument("--per-split", type=int, default=None, help="first N questions of each POPE split only")
-    parser.add_argument("--out", type=Path, default=None, help="folder for the runs and the table (default runs/<model>-pruning)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="folder for the runs and the table (default runs/<model>-pruning)"
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--option", action="append", default=[], help="selector option KEY=VALUE for every selector")
@@ -116,16 +144,27 @@ def main() -> None:
         from prune_audit.models import load_vlm
 
         selectors = [s for s in load_vlm(model, device="cpu").supported_selectors() if s != "none"]
-    dense = load_run(run_once(model, files, images, annotations, "none", None, out / "dense", args.batch_size,
-                              args.threads))
+    dense = load_run(
+        run_once(model, files, images, annotations, "none", None, out / "dense", args.batch_size, args.threads)
+    )
     rows, skipped = {}, {}
     for selector in selectors:
         for budget in budgets:
             name = f"{selector}@{budget}" + "".join(f" {option}" for option in args.option)
             folder = "-".join([selector, str(budget), *args.option])
             try:
-                run_dir = run_once(model, files, images, annotations, selector, budget, out / folder,
-                                   args.batch_size, args.threads, args.option)
+                run_dir = run_once(
+                    model,
+                    files,
+                    images,
+                    annotations,
+                    selector,
+                    budget,
+                    out / folder,
+                    args.batch_size,
+                    args.threads,
+                    args.option,
+                )
             except (PruneAuditError, ValueError) as error:  # the CLI reports both as user errors
                 skipped[name] = str(error)
                 print(f"{name}: skipped ({error})", file=sys.stderr)
@@ -144,8 +183,11 @@ def main() -> None:
     ]
     diluted = {name: values for name, values in rows.items() if values["diluted"]}
     if diluted:
-        lines += ["", "Diluted: the object only in cells a merged token carries (not lost, as the table counts):",
-                  *(diluted_text(name, values) for name, values in diluted.items())]
+        lines += [
+            "",
+            "Diluted: the object only in cells a merged token carries (not lost, as the table counts):",
+            *(diluted_text(name, values) for name, values in diluted.items()),
+        ]
     if skipped:
         lines += ["", *(f"* not run: {name}: {reason}" for name, reason in skipped.items())]
     table = "\n".join(lines) + "\n"

@@ -58,8 +58,13 @@ def decoder_layer(x: torch.Tensor, w: DecoderWeights, heads: int, causal: bool =
     return x + F.linear(F.silu(gate) * up, w.down)
 
 
-def chain_ms(layers: list[DecoderWeights], vision: list[DecoderWeights], visual_per_layer: list[int],
-             sizes: dict[str, int], repeats: int) -> float:
+def chain_ms(
+    layers: list[DecoderWeights],
+    vision: list[DecoderWeights],
+    visual_per_layer: list[int],
+    sizes: dict[str, int],
+    repeats: int,
+) -> float:
     """Minimum thread-CPU milliseconds of the vision chain plus the decoder chain at the given visual counts."""
     best = float("inf")
     vision_x = torch.randn(NUM_VISUAL + 1, sizes["vision_hidden_size"])
@@ -69,19 +74,22 @@ def chain_ms(layers: list[DecoderWeights], vision: list[DecoderWeights], visual_
             decoder_layer(vision_x, weights, sizes["vision_heads"], causal=False)
         x = torch.randn(TEXT_TOKENS + visual_per_layer[0], sizes["text_hidden_size"])
         for weights, visual in zip(layers, visual_per_layer):
-            x = decoder_layer(x[-(TEXT_TOKENS + visual):], weights, sizes["text_heads"])
+            x = decoder_layer(x[-(TEXT_TOKENS + visual) :], weights, sizes["text_heads"])
         best = min(best, (time.thread_time() - start) * 1000)
     return best
 
 
 def ideal_ratio(visual_per_layer: list[int], dense_per_layer: list[int], sizes: dict[str, int]) -> float:
     """FLOP ratio pruned / dense as ``benchmarks.prefill`` counts it (vision tower included, LM head left out)."""
-    vision = vision_flops(NUM_VISUAL + 1, sizes["vision_hidden_size"], sizes["vision_intermediate_size"],
-                          sizes["vision_layers"] - 1)
+    vision = vision_flops(
+        NUM_VISUAL + 1, sizes["vision_hidden_size"], sizes["vision_intermediate_size"], sizes["vision_layers"] - 1
+    )
 
     def total(per_layer: list[int]) -> float:
-        return vision + sum(decoder_layer_flops(TEXT_TOKENS + v, sizes["text_hidden_size"],
-                                                sizes["text_intermediate_size"]) for v in per_layer)
+        return vision + sum(
+            decoder_layer_flops(TEXT_TOKENS + v, sizes["text_hidden_size"], sizes["text_intermediate_size"])
+            for v in per_layer
+        )
 
     return total(visual_per_layer) / total(dense_per_layer)
 
@@ -101,14 +109,20 @@ def main() -> None:
     torch.set_num_threads(1)
     sizes = text_sizes(args.text_hidden, args.text_layers, args.text_heads)
     generator = torch.Generator().manual_seed(0)
-    layers = [DecoderWeights(sizes["text_hidden_size"], sizes["text_intermediate_size"], generator)
-              for _ in range(sizes["text_layers"])]
-    vision = [DecoderWeights(sizes["vision_hidden_size"], sizes["vision_intermediate_size"] * 2 // 3, generator)
-              for _ in range(sizes["vision_layers"] - 1)]
+    layers = [
+        DecoderWeights(sizes["text_hidden_size"], sizes["text_intermediate_size"], generator)
+        for _ in range(sizes["text_layers"])
+    ]
+    vision = [
+        DecoderWeights(sizes["vision_hidden_size"], sizes["vision_intermediate_size"] * 2 // 3, generator)
+        for _ in range(sizes["vision_layers"] - 1)
+    ]
     dense_layers = [NUM_VISUAL] * sizes["text_layers"]
     dense_ms = chain_ms(layers, vision, dense_layers, sizes, args.repeats)
-    print(f"bare matmul chain, {NUM_VISUAL} visual + {TEXT_TOKENS} text tokens, decoder {args.text_hidden} x "
-          f"{args.text_layers}, 1 thread, thread CPU time, minimum of {args.repeats}: dense {dense_ms:.1f} ms")
+    print(
+        f"bare matmul chain, {NUM_VISUAL} visual + {TEXT_TOKENS} text tokens, decoder {args.text_hidden} x "
+        f"{args.text_layers}, 1 thread, thread CPU time, minimum of {args.repeats}: dense {dense_ms:.1f} ms"
+    )
     print("| budget | pruned ms | floor | ideal | floor / ideal |")
     print("| --- | --- | --- | --- | --- |")
     rows = []

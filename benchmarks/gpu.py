@@ -63,43 +63,94 @@ SHAPES = {
     "llava": {
         "title": "LLaVA-1.5-7B shape",
         "image": 336,
-        "build": lambda folder, image: LlavaModel.build_tiny(folder, words=WORDS, image_size=image, patch_size=14,
-                                                               max_position_embeddings=4096),
-        "vision": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-                   "num_attention_heads": 16},
-        "text": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                 "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064},
-        "clip_text": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-                      "num_attention_heads": 12},
+        "build": lambda folder, image: LlavaModel.build_tiny(
+            folder, words=WORDS, image_size=image, patch_size=14, max_position_embeddings=4096
+        ),
+        "vision": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16},
+        "text": {
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 32064,
+        },
+        "clip_text": {
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+        },
     },
     "qwen": {
         "title": "Qwen2.5-VL-7B shape",
         "image": 672,
-        "build": lambda folder, image: QwenModel.build_tiny(folder, words=WORDS, image_size=image,
-                                                              max_position_embeddings=32768),
-        "vision": {"hidden_size": 1280, "intermediate_size": 3420, "depth": 32, "num_heads": 16,
-                   "out_hidden_size": 3584, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
-        "text": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                 "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-                 "mrope_section": [16, 24, 24]},
+        "build": lambda folder, image: QwenModel.build_tiny(
+            folder, words=WORDS, image_size=image, max_position_embeddings=32768
+        ),
+        "vision": {
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "depth": 32,
+            "num_heads": 16,
+            "out_hidden_size": 3584,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+        },
+        "text": {
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "vocab_size": 152064,
+            "mrope_section": [16, 24, 24],
+        },
     },
 }
 # --smoke: the same code paths at a width a CPU runs in seconds (256 visual tokens)
 SMOKE = {
-    "llava": {"image": 224, "vision": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                                       "num_attention_heads": 4},
-              "text": {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 4,
-                       "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 320},
-              "clip_text": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                            "num_attention_heads": 2}},
-    "qwen": {"image": 448, "vision": {"hidden_size": 32, "intermediate_size": 64, "depth": 2, "num_heads": 2,
-                                      "out_hidden_size": 64, "window_size": 56, "fullatt_block_indexes": [1]},
-             "text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-                      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
-                      "mrope_section": [2, 3, 3]}},
+    "llava": {
+        "image": 224,
+        "vision": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+        "text": {
+            "hidden_size": 64,
+            "intermediate_size": 172,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "vocab_size": 320,
+        },
+        "clip_text": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+    },
+    "qwen": {
+        "image": 448,
+        "vision": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "depth": 2,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        },
+        "text": {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 320,
+            "mrope_section": [2, 3, 3],
+        },
+    },
 }
-ANCHORS = {"dense_ms_b1": seed_figure("dense.ms_b1").expected, "saving_ms_b1": (4.0, 7.0), "coverage_128_ms_b1": 72.2,
-           "speedup_64_b32": seed_figure("timing.throughput_b32").expected}
+ANCHORS = {
+    "dense_ms_b1": seed_figure("dense.ms_b1").expected,
+    "saving_ms_b1": (4.0, 7.0),
+    "coverage_128_ms_b1": 72.2,
+    "speedup_64_b32": seed_figure("timing.throughput_b32").expected,
+}
 """The seed's H200 figures; those `prune-audit reproduce` checks come from its table (analysis/reproduce.py)."""
 SAVING_SELECTORS = ("fastv", "visionzip", "pdrop")
 
@@ -143,8 +194,12 @@ def random_vlm(family: str, sizes: dict, folder: Path, device: torch.device, dty
         from transformers import Qwen2_5_VLForConditionalGeneration
 
         model = instantiate(Qwen2_5_VLForConditionalGeneration, config, device, dtype)
-        return QwenModel(model, AutoImageProcessor.from_pretrained(source, backend="pil"),
-                         AutoTokenizer.from_pretrained(source), model_id=name)
+        return QwenModel(
+            model,
+            AutoImageProcessor.from_pretrained(source, backend="pil"),
+            AutoTokenizer.from_pretrained(source),
+            model_id=name,
+        )
     from transformers import CLIPModel, LlavaForConditionalGeneration
 
     model = instantiate(LlavaForConditionalGeneration, config, device, dtype)
@@ -153,8 +208,12 @@ def random_vlm(family: str, sizes: dict, folder: Path, device: torch.device, dty
     set_fields(clip_config.text_config, sizes["clip_text"])
     set_fields(clip_config.vision_config, {"hidden_size": sizes["vision"]["hidden_size"]})
     clip = instantiate(CLIPModel, clip_config, device, dtype)
-    return LlavaModel(model, AutoProcessor.from_pretrained(source, backend="pil"), model_id=name,
-                      clip=(clip, AutoTokenizer.from_pretrained(clip_source)))
+    return LlavaModel(
+        model,
+        AutoProcessor.from_pretrained(source, backend="pil"),
+        model_id=name,
+        clip=(clip, AutoTokenizer.from_pretrained(clip_source)),
+    )
 
 
 @contextlib.contextmanager
@@ -167,6 +226,7 @@ def selector_timer(vlm, device: torch.device) -> Iterator[list[float]]:
             result = []
             spent.append(timed_ms(device, lambda: result.append(method(*args, **kwargs))))
             return result[0]
+
         return wrapper
 
     select_input = model_base.select_input  # the prefill calls it by this module-level name
@@ -193,8 +253,10 @@ def measure(vlm, prepared, selector, budget, batch: int, repeats: int, device: t
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = [timed_ms(device, run) for _ in range(repeats)]
-    parts = {f"{part}_ms": statistics.median(answer.latency_parts[part] for answer in answers)
-             for part in ("vision", "selection", "prefill")}
+    parts = {
+        f"{part}_ms": statistics.median(answer.latency_parts[part] for answer in answers)
+        for part in ("vision", "selection", "prefill")
+    }
     cost = answers[0].cost
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
     selector_ms = None
@@ -203,9 +265,18 @@ def measure(vlm, prepared, selector, budget, batch: int, repeats: int, device: t
             run()
         selector_ms = sum(spent)
     ms = statistics.median(times)
-    return {"ms": ms, "ms_per_question": ms / batch, "questions_per_s": batch * 1000 / ms, "peak_mib": peak,
-            "extra_mib": None if peak is None else peak - resident, "selector_ms": selector_ms, **parts,
-            "gflops": cost.flops / 1e9, "flops_relative": cost.flops / cost.flops_dense, "kv_mib": cost.kv_bytes / 2**20}
+    return {
+        "ms": ms,
+        "ms_per_question": ms / batch,
+        "questions_per_s": batch * 1000 / ms,
+        "peak_mib": peak,
+        "extra_mib": None if peak is None else peak - resident,
+        "selector_ms": selector_ms,
+        **parts,
+        "gflops": cost.flops / 1e9,
+        "flops_relative": cost.flops / cost.flops_dense,
+        "kv_mib": cost.kv_bytes / 2**20,
+    }
 
 
 def benchmark_family(family: str, sizes: dict, args, device, dtype) -> list[dict]:
@@ -220,8 +291,13 @@ def benchmark_family(family: str, sizes: dict, args, device, dtype) -> list[dict
     configurations = [(None, None)] + [(name, budget) for name in supported for budget in args.budgets]
     for batch in args.batches:
         for name, budget in configurations:
-            row = {"model": SHAPES[family]["title"], "selector": name or "dense", "budget": budget, "batch": batch,
-                   "visual_tokens": prepared.num_visual}
+            row = {
+                "model": SHAPES[family]["title"],
+                "selector": name or "dense",
+                "budget": budget,
+                "batch": batch,
+                "visual_tokens": prepared.num_visual,
+            }
             try:
                 selector = None if name is None else get_selector(name)
                 row.update(measure(vlm, prepared, selector, budget, batch, args.repeats, device))
@@ -250,8 +326,11 @@ def add_ratios(rows: list[dict]) -> None:
 
 def anchor_rows(rows: list[dict]) -> list[tuple[str, str, str, str]]:
     """(quantity, study, here, here / study) for the LLaVA rows."""
-    llava = {(r["selector"], r["budget"], r["batch"]): r for r in rows
-             if r["model"] == SHAPES["llava"]["title"] and "ms" in r}
+    llava = {
+        (r["selector"], r["budget"], r["batch"]): r
+        for r in rows
+        if r["model"] == SHAPES["llava"]["title"] and "ms" in r
+    }
     out = []
     if (dense := llava.get(("dense", None, 1))) is not None:
         here = dense["ms_per_question"]
@@ -259,16 +338,34 @@ def anchor_rows(rows: list[dict]) -> list[tuple[str, str, str, str]]:
     low, high = ANCHORS["saving_ms_b1"]
     for (name, budget, batch), row in sorted(llava.items(), key=lambda item: str(item[0])):
         if name in SAVING_SELECTORS and batch == 1:
-            out.append((f"{name}@{budget} saving vs dense, ms, batch 1", f"{low:g}-{high:g}",
-                        f"{row['saving_ms_per_question']:.1f}", ""))
+            out.append(
+                (
+                    f"{name}@{budget} saving vs dense, ms, batch 1",
+                    f"{low:g}-{high:g}",
+                    f"{row['saving_ms_per_question']:.1f}",
+                    "",
+                )
+            )
     if (coverage := llava.get(("coverage", 128, 1))) is not None:
         here = coverage["ms_per_question"]
-        out.append(("coverage@128 ms / question, batch 1", "72.2", f"{here:.1f}",
-                    f"{here / ANCHORS['coverage_128_ms_b1']:.2f}"))
+        out.append(
+            (
+                "coverage@128 ms / question, batch 1",
+                "72.2",
+                f"{here:.1f}",
+                f"{here / ANCHORS['coverage_128_ms_b1']:.2f}",
+            )
+        )
     for (name, budget, batch), row in sorted(llava.items(), key=lambda item: str(item[0])):
         if budget == 64 and batch == max(b for _, _, b in llava) and name != "dense":
-            out.append((f"{name}@64 throughput / dense, batch {batch}", "5.0 (batch 32)", f"{row['speedup']:.2f}",
-                        f"{row['speedup'] / ANCHORS['speedup_64_b32']:.2f}"))
+            out.append(
+                (
+                    f"{name}@64 throughput / dense, batch {batch}",
+                    "5.0 (batch 32)",
+                    f"{row['speedup']:.2f}",
+                    f"{row['speedup'] / ANCHORS['speedup_64_b32']:.2f}",
+                )
+            )
     return out
 
 
@@ -276,24 +373,37 @@ def markdown(rows: list[dict], header: str) -> str:
     def number(value, digits=1):
         return "" if value is None else f"{value:.{digits}f}"
 
-    lines = [header, "", "| model | selector | budget | batch | ms / forward | ms / question | questions/s | "
-             "speedup | peak MiB | memory / dense | above weights MiB | above weights / dense | selector ms | "
-             "vision / selection / prefill ms per question | GFLOPs | FLOPs / dense | KV MiB |",
-             "|" + " --- |" * 17]
+    lines = [
+        header,
+        "",
+        "| model | selector | budget | batch | ms / forward | ms / question | questions/s | "
+        "speedup | peak MiB | memory / dense | above weights MiB | above weights / dense | selector ms | "
+        "vision / selection / prefill ms per question | GFLOPs | FLOPs / dense | KV MiB |",
+        "|" + " --- |" * 17,
+    ]
     for r in rows:
         if "not_run" in r:
-            lines.append(f"| {r['model']} | {r['selector']} | {r['budget']} | {r['batch']} | not run: "
-                         f"{r['not_run']} | | | | | | | | | | | | |")
+            lines.append(
+                f"| {r['model']} | {r['selector']} | {r['budget']} | {r['batch']} | not run: "
+                f"{r['not_run']} | | | | | | | | | | | | |"
+            )
             continue
-        lines.append(f"| {r['model']} | {r['selector']} | {r['budget'] or ''} | {r['batch']} | {number(r['ms'])} | "
-                     f"{number(r['ms_per_question'])} | {number(r['questions_per_s'])} | "
-                     f"{number(r.get('speedup'), 2)} | {number(r['peak_mib'], 0)} | "
-                     f"{number(r.get('memory_ratio'), 3)} | {number(r['extra_mib'], 0)} | "
-                     f"{number(r.get('extra_memory_ratio'), 3)} | {number(r['selector_ms'])} | "
-                     f"{number(r['vision_ms'], 2)} / {number(r['selection_ms'], 2)} / {number(r['prefill_ms'], 2)} | "
-                     f"{number(r['gflops'], 2)} | {number(r['flops_relative'], 3)} | {number(r['kv_mib'])} |")
-    lines += ["", "Anchors (calibration study, LLaVA-1.5-7B, POPE, H200):", "",
-              "| quantity | study | here | here / study |", "| --- | --- | --- | --- |"]
+        lines.append(
+            f"| {r['model']} | {r['selector']} | {r['budget'] or ''} | {r['batch']} | {number(r['ms'])} | "
+            f"{number(r['ms_per_question'])} | {number(r['questions_per_s'])} | "
+            f"{number(r.get('speedup'), 2)} | {number(r['peak_mib'], 0)} | "
+            f"{number(r.get('memory_ratio'), 3)} | {number(r['extra_mib'], 0)} | "
+            f"{number(r.get('extra_memory_ratio'), 3)} | {number(r['selector_ms'])} | "
+            f"{number(r['vision_ms'], 2)} / {number(r['selection_ms'], 2)} / {number(r['prefill_ms'], 2)} | "
+            f"{number(r['gflops'], 2)} | {number(r['flops_relative'], 3)} | {number(r['kv_mib'])} |"
+        )
+    lines += [
+        "",
+        "Anchors (calibration study, LLaVA-1.5-7B, POPE, H200):",
+        "",
+        "| quantity | study | here | here / study |",
+        "| --- | --- | --- | --- |",
+    ]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in anchor_rows(rows)]
     return "\n".join(lines) + "\n"
 
@@ -330,11 +440,15 @@ def main(argv=None) -> None:
         sizes = {**SHAPES[family], **SMOKE[family]} if args.smoke else SHAPES[family]
         rows += benchmark_family(family, sizes, args, device, dtype)
     add_ratios(rows)
-    header = (f"Device: {name}; torch {torch.__version__}; {str(dtype).removeprefix('torch.')}; "
-              f"median of {args.repeats} timed runs after one warm-up; command: python -m benchmarks.gpu"
-              f"{' --smoke' if args.smoke else ''}")
-    for path, text in ((args.markdown, markdown(rows, header)),
-                       (args.json, json.dumps({"device": name, "rows": rows}, indent=1))):
+    header = (
+        f"Device: {name}; torch {torch.__version__}; {str(dtype).removeprefix('torch.')}; "
+        f"median of {args.repeats} timed runs after one warm-up; command: python -m benchmarks.gpu"
+        f"{' --smoke' if args.smoke else ''}"
+    )
+    for path, text in (
+        (args.markdown, markdown(rows, header)),
+        (args.json, json.dumps({"device": name, "rows": rows}, indent=1)),
+    ):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     print(markdown(rows, header))

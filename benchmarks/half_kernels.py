@@ -61,10 +61,14 @@ def main() -> None:
     result = {"cpu_half_flags": cpu_half_flags(), "torch": torch.__version__}
     for dtype in HALF_DTYPES:
         counts = fastv_last_row(dtype)
-        result[dtype_name(dtype)] = {"fastv_last_row": {"min": min(counts), "max": max(counts)},
-                                     "rope_logits": rope_logits(dtype)}
-        print(f"{dtype_name(dtype)}: FastV last-row probabilities differing per prompt {min(counts)} to "
-              f"{max(counts)} of 18,432; RoPE logits differing {result[dtype_name(dtype)]['rope_logits']} of 423,801")
+        result[dtype_name(dtype)] = {
+            "fastv_last_row": {"min": min(counts), "max": max(counts)},
+            "rope_logits": rope_logits(dtype),
+        }
+        print(
+            f"{dtype_name(dtype)}: FastV last-row probabilities differing per prompt {min(counts)} to "
+            f"{max(counts)} of 18,432; RoPE logits differing {result[dtype_name(dtype)]['rope_logits']} of 423,801"
+        )
     print(json.dumps(result))
 
 

@@ -47,13 +47,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.selectors import read_memory_kib, reset_peak_rss
 from prune_audit.errors import PruneAuditError
 from prune_audit.models import load_vlm
 from prune_audit.models.build import build_clip
 from prune_audit.models.llava import LlavaModel
 from prune_audit.pruners import get_selector, list_selectors
-
-from benchmarks.selectors import read_memory_kib, reset_peak_rss
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -64,16 +63,27 @@ QUESTION = (
 )
 
 SIZES = {
-    "vision_hidden_size": 192, "vision_intermediate_size": 768, "vision_layers": 4, "vision_heads": 4,
-    "text_hidden_size": 256, "text_intermediate_size": 704, "text_layers": 32, "text_heads": 4,
+    "vision_hidden_size": 192,
+    "vision_intermediate_size": 768,
+    "vision_layers": 4,
+    "vision_heads": 4,
+    "text_hidden_size": 256,
+    "text_intermediate_size": 704,
+    "text_layers": 32,
+    "text_heads": 4,
 }
 MLP_RATIO = 11008 / 4096  # LLaVA-1.5-7B's intermediate / hidden
 
 
 def text_sizes(hidden: int, layers: int, heads: int) -> dict[str, int]:
     """SIZES with the decoder at ``hidden`` x ``layers`` x ``heads`` (MLP width after LLaVA-1.5)."""
-    return {**SIZES, "text_hidden_size": hidden, "text_intermediate_size": round(hidden * MLP_RATIO),
-            "text_layers": layers, "text_heads": heads}
+    return {
+        **SIZES,
+        "text_hidden_size": hidden,
+        "text_intermediate_size": round(hidden * MLP_RATIO),
+        "text_layers": layers,
+        "text_heads": heads,
+    }
 
 
 def decoder_layer_flops(tokens: int, hidden: int, intermediate: int) -> float:
@@ -89,8 +99,9 @@ def vision_flops(tokens: int, hidden: int, intermediate: int, layers: int) -> fl
 
 def ideal_flops(answer, text_tokens: int, num_visual: int, vocabulary: int, sizes: dict[str, int]) -> float:
     # the CLIP layers up to the feature layer (-2): the last one is not run
-    vision = vision_flops(num_visual + 1, sizes["vision_hidden_size"], sizes["vision_intermediate_size"],
-                          sizes["vision_layers"] - 1)
+    vision = vision_flops(
+        num_visual + 1, sizes["vision_hidden_size"], sizes["vision_intermediate_size"], sizes["vision_layers"] - 1
+    )
     hidden = sizes["text_hidden_size"]
     language = sum(
         decoder_layer_flops(text_tokens + visual, hidden, sizes["text_intermediate_size"])
@@ -129,10 +140,12 @@ def paired_runs(vlm, prepared, selector, budget, repeats: int, dense_times: list
 def build_benchmark_model(folder: Path, sizes: dict[str, int]) -> None:
     """Save the random LLaVA-shaped model (``folder/llava``) and a CLIP text tower for CDPruner (``folder/clip``)."""
     # LLaVA-1.5's 4,096 positions: the 576 visual tokens and the prompt must fit (the run checks it)
-    LlavaModel.build_tiny(folder / "llava", words=WORDS, image_size=336, patch_size=14, max_position_embeddings=4096,
-                          **sizes)
-    build_clip(folder / "clip", words=WORDS, vision_hidden_size=sizes["vision_hidden_size"], image_size=336,
-               context_length=77)
+    LlavaModel.build_tiny(
+        folder / "llava", words=WORDS, image_size=336, patch_size=14, max_position_embeddings=4096, **sizes
+    )
+    build_clip(
+        folder / "clip", words=WORDS, vision_hidden_size=sizes["vision_hidden_size"], image_size=336, context_length=77
+    )
 
 
 def load_benchmark_model(folder: Path):
@@ -158,8 +171,17 @@ def peak_memory(folder: Path, name: str, budget: int | None) -> dict[str, float]
 
 def measure_memory(folder: Path, name: str, budget: int | None, threads: int) -> dict[str, float] | str:
     """:func:`peak_memory` of one selector (``"dense"``: none) in a fresh process, or its one-line error."""
-    command = [sys.executable, "-m", "benchmarks.prefill", "--memory-child", str(folder), "--selectors", name,
-               "--threads", str(threads)] + ([] if budget is None else ["--budgets", str(budget)])
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.prefill",
+        "--memory-child",
+        str(folder),
+        "--selectors",
+        name,
+        "--threads",
+        str(threads),
+    ] + ([] if budget is None else ["--budgets", str(budget)])
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPOSITORY)
     if result.returncode:
         raise RuntimeError(f"memory run of {name}@{budget} failed:\n{result.stderr}")
@@ -173,8 +195,9 @@ def measure(vlm, prepared, names, budgets, repeats):
         selector = get_selector(name)
         for budget in budgets:
             try:
-                rows.append((name, selector.stage, budget, paired_runs(vlm, prepared, selector, budget, repeats,
-                                                                       dense_times)))
+                rows.append(
+                    (name, selector.stage, budget, paired_runs(vlm, prepared, selector, budget, repeats, dense_times))
+                )
             except PruneAuditError as error:
                 rows.append((name, selector.stage, budget, str(error)))
     return rows, dense_times
@@ -192,12 +215,19 @@ def memory_rows(folder: Path, timed: list, threads: int, say) -> tuple[dict, lis
             say(f"| {name} | {stage} | {budget} | not run: {result} | | | |")
             continue
         memory = measure_memory(folder, name, budget, threads)
-        row = {"selector": name, "stage": stage, "budget": budget, **memory,
-               "memory_vs_dense": memory["peak_mib"] / dense["peak_mib"],
-               "extra_vs_dense": memory["extra_mib"] / dense["extra_mib"]}
+        row = {
+            "selector": name,
+            "stage": stage,
+            "budget": budget,
+            **memory,
+            "memory_vs_dense": memory["peak_mib"] / dense["peak_mib"],
+            "extra_vs_dense": memory["extra_mib"] / dense["extra_mib"],
+        }
         rows.append(row)
-        say(f"| {name} | {stage} | {budget} | {row['peak_mib']:.1f} | {row['extra_mib']:.1f} | "
-            f"{row['memory_vs_dense']:.3f} | {row['extra_vs_dense']:.2f} |")
+        say(
+            f"| {name} | {stage} | {budget} | {row['peak_mib']:.1f} | {row['extra_mib']:.1f} | "
+            f"{row['memory_vs_dense']:.3f} | {row['extra_vs_dense']:.2f} |"
+        )
     return dense, rows
 
 
@@ -217,8 +247,7 @@ def check_runs(vlm, prepared, names, budgets) -> list:
 
 def time_table(measured, dense_ms, text_tokens, num_visual, vocabulary, sizes, dense_flops, say) -> list[dict]:
     """Print the timing table; one JSON row per (selector, budget) that ran."""
-    say("| selector | stage | budget | realised avg | pruned ms | measured | pair median | ideal | "
-        "measured / ideal |")
+    say("| selector | stage | budget | realised avg | pruned ms | measured | pair median | ideal | measured / ideal |")
     say("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
     for name, stage, budget, result in measured:
@@ -228,10 +257,22 @@ def time_table(measured, dense_ms, text_tokens, num_visual, vocabulary, sizes, d
         times, pair_median, answer = result
         ms = min(times)
         ratio, ideal = ms / dense_ms, ideal_flops(answer, text_tokens, num_visual, vocabulary, sizes) / dense_flops
-        rows.append({"selector": name, "stage": stage, "budget": budget, "realised_avg": answer.visual_tokens_avg,
-                     "ms": ms, "measured": ratio, "pair_median": pair_median, "ideal": ideal})
-        say(f"| {name} | {stage} | {budget} | {answer.visual_tokens_avg:.1f} | {ms:.1f} | {ratio:.3f} | "
-            f"{pair_median:.3f} | {ideal:.3f} | {ratio / ideal:.2f} |")
+        rows.append(
+            {
+                "selector": name,
+                "stage": stage,
+                "budget": budget,
+                "realised_avg": answer.visual_tokens_avg,
+                "ms": ms,
+                "measured": ratio,
+                "pair_median": pair_median,
+                "ideal": ideal,
+            }
+        )
+        say(
+            f"| {name} | {stage} | {budget} | {answer.visual_tokens_avg:.1f} | {ms:.1f} | {ratio:.3f} | "
+            f"{pair_median:.3f} | {ideal:.3f} | {ratio / ideal:.2f} |"
+        )
     return rows
 
 
@@ -285,10 +326,12 @@ def time_prefill(vlm, prepared, names, args, sizes, say) -> dict:
     measured, dense_times = measure(vlm, prepared, names, args.budgets, args.repeats)
     dense_ms = min(dense_times)
     kind = "thread CPU time" if args.threads == 1 else "wall time"
-    say(f"{num_visual} visual + {text_tokens} text tokens, {vlm.num_layers} decoder layers, "
+    say(
+        f"{num_visual} visual + {text_tokens} text tokens, {vlm.num_layers} decoder layers, "
         f"{args.threads} thread(s), {kind}. Dense: {dense_ms:.1f} ms, minimum of all {len(dense_times)} dense "
         f"runs; pruned: minimum of {args.repeats} runs, each right after a dense run. measured = pruned min / "
-        f"dense min; pair median = median of pruned / dense over adjacent runs")
+        f"dense min; pair median = median of pruned / dense over adjacent runs"
+    )
     rows = time_table(measured, dense_ms, text_tokens, num_visual, vocabulary, sizes, dense_flops, say)
     return {"dense_ms": dense_ms, "rows": rows, "measured": measured}
 

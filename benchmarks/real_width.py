@@ -67,46 +67,103 @@ ONEVISION_PINPOINTS = [[384 * rows, 384 * cols] for rows in range(1, 7) for cols
 # image-processor fields
 REAL: dict[str, dict] = {
     "llava_next": {
-        "title": "LLaVA-NeXT-7B", "checkpoint": "llava-hf/llava-v1.6-vicuna-7b-hf", "image_size": 336,
+        "title": "LLaVA-NeXT-7B",
+        "checkpoint": "llava-hf/llava-v1.6-vicuna-7b-hf",
+        "image_size": 336,
         "vision": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16},
-        "text": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
-                 "num_key_value_heads": 32, "head_dim": 128, "vocab_size": 32064, "max_position_embeddings": 4096},
+        "text": {
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "head_dim": 128,
+            "vocab_size": 32064,
+            "max_position_embeddings": 4096,
+        },
         "top": {"image_grid_pinpoints": LLAVA_NEXT_PINPOINTS},
         "processor": {"image_grid_pinpoints": LLAVA_NEXT_PINPOINTS},
     },
     "qwen2_vl": {
-        "title": "Qwen2-VL-7B", "checkpoint": "Qwen/Qwen2-VL-7B-Instruct", "image_size": 112,
+        "title": "Qwen2-VL-7B",
+        "checkpoint": "Qwen/Qwen2-VL-7B-Instruct",
+        "image_size": 112,
         "vision": {"embed_dim": 1280, "depth": 32, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 3584},
-        "text": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-                 "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 152064, "max_position_embeddings": 32768,
-                 "mrope_section": [16, 24, 24]},
+        "text": {
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 152064,
+            "max_position_embeddings": 32768,
+            "mrope_section": [16, 24, 24],
+        },
         "top": {},
         "processor": {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280},
     },
     "qwen3_vl": {
-        "title": "Qwen3-VL-8B", "checkpoint": "Qwen/Qwen3-VL-8B-Instruct", "image_size": 128,
-        "vision": {"hidden_size": 1152, "intermediate_size": 4304, "depth": 27, "num_heads": 16,
-                   "out_hidden_size": 4096, "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]},
-        "text": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 262144,
-                 "mrope_section": [24, 20, 20]},
+        "title": "Qwen3-VL-8B",
+        "checkpoint": "Qwen/Qwen3-VL-8B-Instruct",
+        "image_size": 128,
+        "vision": {
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "depth": 27,
+            "num_heads": 16,
+            "out_hidden_size": 4096,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [8, 16, 24],
+        },
+        "text": {
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "max_position_embeddings": 262144,
+            "mrope_section": [24, 20, 20],
+        },
         "top": {},
         "processor": {"min_pixels": 65536, "max_pixels": 16777216},
     },
     "internvl": {
-        "title": "InternVL3-8B", "checkpoint": "OpenGVLab/InternVL3-8B-hf", "image_size": 448,
+        "title": "InternVL3-8B",
+        "checkpoint": "OpenGVLab/InternVL3-8B-hf",
+        "image_size": 448,
         "builder": {"patch_size": 14, "max_patches": 12},  # the released tiling: up to 12 tiles plus a thumbnail
         "vision": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16},
-        "text": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-                 "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151674, "max_position_embeddings": 32768},
+        "text": {
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 151674,
+            "max_position_embeddings": 32768,
+        },
         "top": {},
         "processor": {},
     },
     "llava_onevision": {
-        "title": "LLaVA-OneVision-7B", "checkpoint": "llava-hf/llava-onevision-qwen2-7b-ov-hf", "image_size": 384,
+        "title": "LLaVA-OneVision-7B",
+        "checkpoint": "llava-hf/llava-onevision-qwen2-7b-ov-hf",
+        "image_size": 384,
         "vision": {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 26, "num_attention_heads": 16},
-        "text": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-                 "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 152128, "max_position_embeddings": 32768},
+        "text": {
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 152128,
+            "max_position_embeddings": 32768,
+        },
         "top": {"image_grid_pinpoints": ONEVISION_PINPOINTS, "vision_aspect_ratio": "anyres_max_9"},
         "processor": {"image_grid_pinpoints": ONEVISION_PINPOINTS},
     },
@@ -128,8 +185,10 @@ def real_checkpoint(family: str, folder: Path, tiny: bool) -> Path:
         for name, value in spec["processor"].items():
             setattr(processor, name, value)
         if "max_pixels" in spec["processor"]:  # the Qwen processors resize by ``size``, not the two attributes
-            processor.size = {"shortest_edge": spec["processor"]["min_pixels"],
-                              "longest_edge": spec["processor"]["max_pixels"]}
+            processor.size = {
+                "shortest_edge": spec["processor"]["min_pixels"],
+                "longest_edge": spec["processor"]["max_pixels"],
+            }
         processor.save_pretrained(source)
     return source
 
@@ -187,10 +246,14 @@ class LayerClock:
 
     def __init__(self, layers: torch.nn.ModuleList):
         self.ms, self._start = 0.0, 0.0
-        self.handles = [hook for layer in layers for hook in (
-            layer.register_forward_pre_hook(lambda *_: self._begin()),
-            layer.register_forward_hook(lambda *_: self._end()),
-        )]
+        self.handles = [
+            hook
+            for layer in layers
+            for hook in (
+                layer.register_forward_pre_hook(lambda *_: self._begin()),
+                layer.register_forward_hook(lambda *_: self._end()),
+            )
+        ]
 
     def _begin(self) -> None:
         self._start = time.perf_counter()
@@ -208,11 +271,19 @@ def measure(vlm, prepared, name: str, budget: int | None, clock: LayerClock) -> 
         [answer] = vlm.answer([prepared], selector, budget, generator=torch.Generator().manual_seed(0))
     wall_ms = (time.perf_counter() - start) * 1000
     cost = answer.cost
-    return {"selector": name, "budget": budget, "visual_tokens": prepared.num_visual,
-            "kept_tokens": len(answer.kept),
-            "ms": wall_ms, **{f"{part}_ms": ms for part, ms in answer.latency_parts.items()},
-            "decoder_layer_ms": clock.ms, "gflops": cost.flops / 1e9, "gflops_llm": cost.flops_llm / 1e9,
-            "gflops_dense": cost.flops_dense / 1e9, "peak_rss_gib": read_memory_kib()["VmHWM"] * 1024 / GIB}
+    return {
+        "selector": name,
+        "budget": budget,
+        "visual_tokens": prepared.num_visual,
+        "kept_tokens": len(answer.kept),
+        "ms": wall_ms,
+        **{f"{part}_ms": ms for part, ms in answer.latency_parts.items()},
+        "decoder_layer_ms": clock.ms,
+        "gflops": cost.flops / 1e9,
+        "gflops_llm": cost.flops_llm / 1e9,
+        "gflops_dense": cost.flops_dense / 1e9,
+        "peak_rss_gib": read_memory_kib()["VmHWM"] * 1024 / GIB,
+    }
 
 
 def extrapolate(row: dict, measured_layers: int, real_layers: int, layer_bytes: int, in_llm: bool) -> dict:
@@ -220,13 +291,22 @@ def extrapolate(row: dict, measured_layers: int, real_layers: int, layer_bytes: 
     if measured_layers == real_layers or in_llm:
         return {}
     extra = real_layers - measured_layers
-    return {"ms_full_depth": row["ms"] + extra * row["decoder_layer_ms"] / measured_layers,
-            "gflops_full_depth": row["gflops"] + extra * row["gflops_llm"] / measured_layers,
-            "peak_rss_gib_full_depth": row["peak_rss_gib"] + extra * layer_bytes / GIB}
+    return {
+        "ms_full_depth": row["ms"] + extra * row["decoder_layer_ms"] / measured_layers,
+        "gflops_full_depth": row["gflops"] + extra * row["gflops_llm"] / measured_layers,
+        "peak_rss_gib_full_depth": row["peak_rss_gib"] + extra * layer_bytes / GIB,
+    }
 
 
-def run(family: str, decoder_layers: int | None, selectors: list[str], budgets: list[int], threads: int, tiny: bool,
-        image: Path) -> dict:
+def run(
+    family: str,
+    decoder_layers: int | None,
+    selectors: list[str],
+    budgets: list[int],
+    threads: int,
+    tiny: bool,
+    image: Path,
+) -> dict:
     """Build ``family`` at the released widths (``tiny``: the builder's) and answer one question on ``image``,
     dense and under each selector at each budget; the result as written by ``--json``."""
     from prune_audit.models.families import adapter_for
@@ -265,19 +345,35 @@ def run(family: str, decoder_layers: int | None, selectors: list[str], budgets: 
             print(json.dumps(row), flush=True)
     with open("/proc/loadavg") as handle:
         load = handle.read().split()[:3]
-    return {"family": family, "title": REAL[family]["title"], "checkpoint": REAL[family]["checkpoint"],
-            "tiny": tiny, "decoder_layers": layers, "real_decoder_layers": real_layers, "threads": threads,
-            "image": image.name, "image_size": list(Image.open(image).size), "parameters": parameters,
-            "weights_gib": 2 * parameters / GIB, "weights_gib_full_depth": 2 * full_parameters / GIB,
-            "decoder_layer_gib": 2 * layer_parameters / GIB, "mem_available_gib": available,
-            "build_s": build_s, "prepare_ms": prepare_ms, "load_average": load, "rows": rows}
+    return {
+        "family": family,
+        "title": REAL[family]["title"],
+        "checkpoint": REAL[family]["checkpoint"],
+        "tiny": tiny,
+        "decoder_layers": layers,
+        "real_decoder_layers": real_layers,
+        "threads": threads,
+        "image": image.name,
+        "image_size": list(Image.open(image).size),
+        "parameters": parameters,
+        "weights_gib": 2 * parameters / GIB,
+        "weights_gib_full_depth": 2 * full_parameters / GIB,
+        "decoder_layer_gib": 2 * layer_parameters / GIB,
+        "mem_available_gib": available,
+        "build_s": build_s,
+        "prepare_ms": prepare_ms,
+        "load_average": load,
+        "rows": rows,
+    }
 
 
 def markdown(result: dict) -> str:
     """One family's result as a markdown table: measured at ``decoder_layers``, and extrapolated to the real depth."""
     layers, real = result["decoder_layers"], result["real_decoder_layers"]
-    header = (f"| selector | budget | visual tokens kept | s per question at {layers} layers (vision / selection / "
-              f"prefill) | decoder layers s | GFLOPs | peak RSS GiB |")
+    header = (
+        f"| selector | budget | visual tokens kept | s per question at {layers} layers (vision / selection / "
+        f"prefill) | decoder layers s | GFLOPs | peak RSS GiB |"
+    )
     if layers != real:
         header += f" extrapolated to {real} layers: s per question | GFLOPs | peak RSS GiB |"
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
@@ -286,13 +382,17 @@ def markdown(result: dict) -> str:
         if "refused" in row:
             lines.append(f"| {row['selector']} | {budget} | refused: {row['refused']} |")
             continue
-        line = (f"| {row['selector']} | {budget} | {row['kept_tokens']} of {row['visual_tokens']} | "
-                f"{row['ms'] / 1000:.1f} ({row['vision_ms'] / 1000:.1f} / {row['selection_ms'] / 1000:.2f} / "
-                f"{row['prefill_ms'] / 1000:.1f}) | {row['decoder_layer_ms'] / 1000:.1f} | {row['gflops']:,.0f} | "
-                f"{row['peak_rss_gib']:.2f} |")
+        line = (
+            f"| {row['selector']} | {budget} | {row['kept_tokens']} of {row['visual_tokens']} | "
+            f"{row['ms'] / 1000:.1f} ({row['vision_ms'] / 1000:.1f} / {row['selection_ms'] / 1000:.2f} / "
+            f"{row['prefill_ms'] / 1000:.1f}) | {row['decoder_layer_ms'] / 1000:.1f} | {row['gflops']:,.0f} | "
+            f"{row['peak_rss_gib']:.2f} |"
+        )
         if "ms_full_depth" in row:
-            line += (f" {row['ms_full_depth'] / 1000:.1f} | {row['gflops_full_depth']:,.0f} | "
-                     f"{row['peak_rss_gib_full_depth']:.2f} |")
+            line += (
+                f" {row['ms_full_depth'] / 1000:.1f} | {row['gflops_full_depth']:,.0f} | "
+                f"{row['peak_rss_gib_full_depth']:.2f} |"
+            )
         elif layers != real:
             line += " not linear (in-LLM schedule) | | |"
         lines.append(line)
@@ -309,8 +409,12 @@ def positive_integer(text: str) -> int:
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--family", required=True, choices=sorted(REAL))
-    parser.add_argument("--decoder-layers", type=positive_integer, default=None,
-                        help="decoder layers at the real widths (default: the real depth)")
+    parser.add_argument(
+        "--decoder-layers",
+        type=positive_integer,
+        default=None,
+        help="decoder layers at the real widths (default: the real depth)",
+    )
     parser.add_argument("--selectors", nargs="*", default=["divprune"])
     parser.add_argument("--budgets", nargs="+", type=positive_integer, default=[64, 128])
     parser.add_argument("--threads", type=positive_integer, default=2)
@@ -323,8 +427,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown selector(s) {', '.join(unknown)}; registered: {', '.join(list_selectors())}")
     real_layers = REAL[args.family]["text"]["num_hidden_layers"]
     if args.decoder_layers is not None and not args.tiny and args.decoder_layers > real_layers:
-        parser.error(f"--decoder-layers {args.decoder_layers} exceeds {REAL[args.family]['title']}'s "
-                     f"{real_layers}; pass 1..{real_layers}")
+        parser.error(
+            f"--decoder-layers {args.decoder_layers} exceeds {REAL[args.family]['title']}'s "
+            f"{real_layers}; pass 1..{real_layers}"
+        )
     if not args.image.is_file():
         parser.error(f"image {args.image} not found; pass --image PATH (a COCO val2017 image)")
     return args
@@ -334,17 +440,20 @@ def main(argv: list[str] | None = None, report: Callable[[str], None] = print) -
     """Run one family; ``report`` gets its markdown table, then a summary line."""
     args = parse_arguments(argv)
     try:
-        result = run(args.family, args.decoder_layers, args.selectors, args.budgets, args.threads, args.tiny,
-                     args.image)
+        result = run(
+            args.family, args.decoder_layers, args.selectors, args.budgets, args.threads, args.tiny, args.image
+        )
     except PruneAuditError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1))
     report(markdown(result))
-    report(f"{result['title']}: {result['decoder_layers']} of {result['real_decoder_layers']} decoder layers, "
-           f"{result['weights_gib']:.2f} GiB bf16 weights ({result['weights_gib_full_depth']:.2f} at full depth), "
-           f"threads {result['threads']}, load {' '.join(result['load_average'])}")
+    report(
+        f"{result['title']}: {result['decoder_layers']} of {result['real_decoder_layers']} decoder layers, "
+        f"{result['weights_gib']:.2f} GiB bf16 weights ({result['weights_gib_full_depth']:.2f} at full depth), "
+        f"threads {result['threads']}, load {' '.join(result['load_average'])}"
+    )
     return result
 
 

@@ -34,7 +34,12 @@ from prune_audit.data.pope_build import build_pope
 from prune_audit.data.retention import ObjectAreaCache, retention_by_stage
 
 DEFAULT_ANNOTATIONS = (
-    Path(__file__).resolve().parents[1].parent / "shared" / "data" / "coco" / "tiny_coco_val2017" / "instances_val2017.json"
+    Path(__file__).resolve().parents[1].parent
+    / "shared"
+    / "data"
+    / "coco"
+    / "tiny_coco_val2017"
+    / "instances_val2017.json"
 )
 
 
@@ -50,11 +55,14 @@ def run_once(coco: CocoInstances, questions: list, count: int, mode: str, keep: 
     rng = np.random.default_rng(seed)
     start = time.perf_counter()
     caches = [ObjectAreaCache(coco, geometry_for) for _ in range(math.ceil(count / len(questions)))]
-    areas = [caches[i // len(questions)].get(coco.image_id(q.image), q.object)
-             for i, q in zip(range(count), itertools.cycle(questions))]
+    areas = [
+        caches[i // len(questions)].get(coco.image_id(q.image), q.object)
+        for i, q in zip(range(count), itertools.cycle(questions))
+    ]
     decoded = time.perf_counter()
-    kept = [rng.choice(len(area.area_per_token), size=min(keep, len(area.area_per_token)), replace=False)
-            for area in areas]
+    kept = [
+        rng.choice(len(area.area_per_token), size=min(keep, len(area.area_per_token)), replace=False) for area in areas
+    ]
     drawn = time.perf_counter()
     retention_by_stage(areas, [[k] for k in kept])
     done = time.perf_counter()

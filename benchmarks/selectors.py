@@ -199,8 +199,16 @@ def floor_ms(name: str, tokens: int, dim: int, budget: int, repeats: int) -> flo
     return 1000 * statistics.median(times)
 
 
-def measure(name: str, tokens: int, dim: int, budget: int, repeats: int, threads: int,
-            floor: bool = False, official: bool = False) -> dict[str, float]:
+def measure(
+    name: str,
+    tokens: int,
+    dim: int,
+    budget: int,
+    repeats: int,
+    threads: int,
+    floor: bool = False,
+    official: bool = False,
+) -> dict[str, float]:
     """Median milliseconds per image and peak extra MiB of one selector (run in a fresh process)."""
     import torch
 
@@ -242,8 +250,22 @@ def measure(name: str, tokens: int, dim: int, budget: int, repeats: int, threads
 def run_child(name: str, tokens: int, args: argparse.Namespace) -> dict[str, float]:
     budget = default_budget(tokens, args.budget)
     repeats = 1 if tokens >= 8192 else args.repeats
-    command = [sys.executable, __file__, "--measure", name, "--tokens", str(tokens), "--dim", str(args.dim),
-               "--budget", str(budget), "--repeats", str(repeats), "--threads", str(args.threads)]
+    command = [
+        sys.executable,
+        __file__,
+        "--measure",
+        name,
+        "--tokens",
+        str(tokens),
+        "--dim",
+        str(args.dim),
+        "--budget",
+        str(budget),
+        "--repeats",
+        str(repeats),
+        "--threads",
+        str(args.threads),
+    ]
     if args.floor:
         command.append("--floor")
     if args.official:
@@ -270,10 +292,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--selectors", nargs="+", help="default: every input-level selector")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    parser.add_argument("--floor", action="store_true",
-                        help="also time a plain matmul with the greedy selectors' multiply-adds")
-    parser.add_argument("--official", action="store_true",
-                        help="also time the official algorithm's plain form side by side (OFFICIAL: divprune, cdpruner, scope)")
+    parser.add_argument(
+        "--floor", action="store_true", help="also time a plain matmul with the greedy selectors' multiply-adds"
+    )
+    parser.add_argument(
+        "--official",
+        action="store_true",
+        help="also time the official algorithm's plain form side by side (OFFICIAL: divprune, cdpruner, scope)",
+    )
     parser.add_argument("--measure", metavar="SELECTOR", help=argparse.SUPPRESS)
     parser.add_argument("--block-elements", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -284,8 +310,11 @@ def main() -> None:
             similarity.BLOCK_ELEMENTS = args.block_elements
         tokens = args.tokens[0]
         budget = default_budget(tokens, args.budget)
-        print(json.dumps(measure(args.measure, tokens, args.dim, budget, args.repeats, args.threads, args.floor,
-                                 args.official)))
+        print(
+            json.dumps(
+                measure(args.measure, tokens, args.dim, budget, args.repeats, args.threads, args.floor, args.official)
+            )
+        )
         return
 
     import torch
@@ -295,15 +324,23 @@ def main() -> None:
     print(f"torch {torch.__version__}, {threads} thread(s), {kind}, D = {args.dim}, float32, CPU")
     floor_header = f" {'floor ms':>10} {'x floor':>8}" if args.floor else ""
     official_header = f" {'official ms':>12} {'x official':>10} {'same kept':>9}" if args.official else ""
-    print(f"{'selector':<10} {'N':>6} {'kept':>5} {'ms/image':>10} {'peak extra MiB':>15}{floor_header}{official_header}")
+    print(
+        f"{'selector':<10} {'N':>6} {'kept':>5} {'ms/image':>10} {'peak extra MiB':>15}{floor_header}{official_header}"
+    )
     for tokens in args.tokens:
         for name in args.selectors or input_selector_names():
             row = run_child(name, tokens, args)
             floor = f" {row['floor_ms']:>10.1f} {row['ms'] / row['floor_ms']:>8.2f}" if "floor_ms" in row else ""
-            official = (f" {row['official_ms']:>12.1f} {row['ms'] / row['official_ms']:>10.2f} {str(row['same_kept']):>9}"
-                        if "official_ms" in row else "")
-            print(f"{name:<10} {tokens:>6} {row['budget']:>5} {row['ms']:>10.1f} {row['peak_extra_mib']:>15.1f}{floor}"
-                  f"{official}", flush=True)
+            official = (
+                f" {row['official_ms']:>12.1f} {row['ms'] / row['official_ms']:>10.2f} {str(row['same_kept']):>9}"
+                if "official_ms" in row
+                else ""
+            )
+            print(
+                f"{name:<10} {tokens:>6} {row['budget']:>5} {row['ms']:>10.1f} {row['peak_extra_mib']:>15.1f}{floor}"
+                f"{official}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

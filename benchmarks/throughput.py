@@ -80,10 +80,20 @@ def main() -> None:
                     print(f"| {name} | {budget} | {batch} | not run: {error} | | | |")
                     continue
                 speedup, flop_ratio = dense_ms / ms, flops(dense_answer) / flops(answer)
-                rows.append({"selector": name, "budget": budget, "batch": batch, "ms": ms, "speedup": speedup,
-                             "flop_ratio": flop_ratio})
-                print(f"| {name} | {budget} | {batch} | {ms:.1f} | {batch * 1000 / ms:.2f} | {speedup:.2f} | "
-                      f"{flop_ratio:.2f} |")
+                rows.append(
+                    {
+                        "selector": name,
+                        "budget": budget,
+                        "batch": batch,
+                        "ms": ms,
+                        "speedup": speedup,
+                        "flop_ratio": flop_ratio,
+                    }
+                )
+                print(
+                    f"| {name} | {budget} | {batch} | {ms:.1f} | {batch * 1000 / ms:.2f} | {speedup:.2f} | "
+                    f"{flop_ratio:.2f} |"
+                )
     print(json.dumps({"sizes": sizes, "rows": rows}))
 
 

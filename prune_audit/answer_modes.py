@@ -43,8 +43,10 @@ class Greedy:
 def check_max_new_tokens(value: object, name: str = "max_new_tokens") -> int:
     """``value`` when it is a whole number from 1 to :data:`MAX_NEW_TOKENS`; else one line naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NEW_TOKENS:
-        raise PruneAuditError(f"{name} must be a whole number from 1 to {MAX_NEW_TOKENS:,}, got {value!r}; pass how "
-                              f"many tokens an answer may have at most")
+        raise PruneAuditError(
+            f"{name} must be a whole number from 1 to {MAX_NEW_TOKENS:,}, got {value!r}; pass how "
+            f"many tokens an answer may have at most"
+        )
     return value
 
 
@@ -133,12 +135,14 @@ class Generation:
         """The generation of tokens of these probabilities (the mean of logs, so long answers do not underflow)."""
         logs = [math.log(p) if p > 0 else -math.inf for p in token_probs]
         mean_log = sum(logs) / len(logs) if logs else 0.0
-        return cls(answer, tuple(token_probs), float(math.prod(token_probs)), stopped, math.exp(mean_log),
-                   len(token_probs))
+        return cls(
+            answer, tuple(token_probs), float(math.prod(token_probs)), stopped, math.exp(mean_log), len(token_probs)
+        )
 
     @classmethod
-    def from_summary(cls, answer: str, sequence_prob: float, mean_token_prob: float, answer_tokens: int,
-                     stopped: bool) -> Generation:
+    def from_summary(
+        cls, answer: str, sequence_prob: float, mean_token_prob: float, answer_tokens: int, stopped: bool
+    ) -> Generation:
         """A generation known by its summary only (no per-token probabilities)."""
         return cls(answer, (), sequence_prob, stopped, mean_token_prob, answer_tokens)
 
@@ -172,6 +176,15 @@ Reduction = YesNo | LetterChoice | Generation | ContinuationScore
 
 
 __all__ = [
-    "YES_NO", "AnswerMode", "Continuation", "ContinuationScore", "Generation", "Greedy", "LetterChoice",
-    "OptionLetters", "Reduction", "YesNo", "YesNoMode",
+    "YES_NO",
+    "AnswerMode",
+    "Continuation",
+    "ContinuationScore",
+    "Generation",
+    "Greedy",
+    "LetterChoice",
+    "OptionLetters",
+    "Reduction",
+    "YesNo",
+    "YesNoMode",
 ]

@@ -3,8 +3,8 @@ group, loaded once on the first lookup (selectors in ``pruners.registry``, tasks
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from typing import Generic, TypeVar
 
 C = TypeVar("C", bound=type)

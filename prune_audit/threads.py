@@ -33,7 +33,9 @@ def usable_cores() -> int:
 def default_threads() -> tuple[int, str]:
     """(threads, where the number came from): $OMP_NUM_THREADS when set, else the usable cores."""
     from_environment = environment_threads()
-    return (from_environment, "OMP_NUM_THREADS") if from_environment is not None else (usable_cores(), "sched_getaffinity")
+    return (
+        (from_environment, "OMP_NUM_THREADS") if from_environment is not None else (usable_cores(), "sched_getaffinity")
+    )
 
 
 def environment_threads() -> int | None:
@@ -47,7 +49,9 @@ def environment_threads() -> int | None:
         count = parse_integer(value)
     except ValueError:
         raise PruneAuditError(f"OMP_NUM_THREADS must be a positive integer, got {value!r}; {fix}") from None
-    return _within_cores(count, "OMP_NUM_THREADS", f"OMP_NUM_THREADS={value}", f"set it to 1 to {usable_cores()} or unset it")
+    return _within_cores(
+        count, "OMP_NUM_THREADS", f"OMP_NUM_THREADS={value}", f"set it to 1 to {usable_cores()} or unset it"
+    )
 
 
 def check_threads(threads: int | None) -> tuple[int, str]:

@@ -21,8 +21,12 @@ def refused(result, *needles: str, code: int = 2) -> str:
 
 def snapshot(*directories: Path) -> dict[str, bytes]:
     """Bytes of every file under ``directories`` except the lock files (their holder text changes)."""
-    return {str(p): p.read_bytes() for d in directories for p in sorted(Path(d).rglob("*"))
-            if p.is_file() and ".prune-audit.lock" not in p.name}
+    return {
+        str(p): p.read_bytes()
+        for d in directories
+        for p in sorted(Path(d).rglob("*"))
+        if p.is_file() and ".prune-audit.lock" not in p.name
+    }
 
 
 def changed_annotations(annotations: Path, folder: Path, change: Callable[[dict], None]) -> Path:

@@ -63,16 +63,35 @@ def build_released_llava(target: Path, seed: int = 0) -> Path:
     real = released_config(LLAVA)
     text, vision = real["text_config"], real["vision_config"]
     config = LlavaConfig(
-        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
-                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": vision["image_size"],
-                       "patch_size": vision["patch_size"], "hidden_act": "quick_gelu"},
-        text_config={"model_type": "llama", "vocab_size": real["vocab_size"], "hidden_size": 64,
-                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "max_position_embeddings": text["max_position_embeddings"], "bos_token_id": 1,
-                     "eos_token_id": 2, "pad_token_id": real["pad_token_id"], "tie_word_embeddings": False},
-        image_token_index=real["image_token_index"], pad_token_id=real["pad_token_id"],
-        projector_hidden_act=real["projector_hidden_act"], vision_feature_layer=real["vision_feature_layer"],
-        vision_feature_select_strategy=real["vision_feature_select_strategy"], tie_word_embeddings=False,
+        vision_config={
+            "model_type": "clip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": vision["image_size"],
+            "patch_size": vision["patch_size"],
+            "hidden_act": "quick_gelu",
+        },
+        text_config={
+            "model_type": "llama",
+            "vocab_size": real["vocab_size"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": text["max_position_embeddings"],
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": real["pad_token_id"],
+            "tie_word_embeddings": False,
+        },
+        image_token_index=real["image_token_index"],
+        pad_token_id=real["pad_token_id"],
+        projector_hidden_act=real["projector_hidden_act"],
+        vision_feature_layer=real["vision_feature_layer"],
+        vision_feature_select_strategy=real["vision_feature_select_strategy"],
+        tie_word_embeddings=False,
     )
     return _save(LlavaForConditionalGeneration, config, target, seed, LLAVA)
 
@@ -86,20 +105,38 @@ def build_released_qwen(target: Path, seed: int = 0) -> Path:
     unpack_release(QWEN, target)
     real = released_config(QWEN)
     vision = real["vision_config"]
-    ids = {key: real[key] for key in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                      "vision_end_token_id")}
+    ids = {
+        key: real[key] for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    }
     config = Qwen2_5_VLConfig(
-        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                       "patch_size": vision["patch_size"], "spatial_merge_size": vision["spatial_merge_size"],
-                       "temporal_patch_size": vision["temporal_patch_size"], "window_size": vision["window_size"],
-                       "out_hidden_size": 64, "fullatt_block_indexes": [1]},
-        text_config={"vocab_size": real["vocab_size"], "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "max_position_embeddings": 4096,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                     "bos_token_id": real["bos_token_id"], "eos_token_id": real["eos_token_id"],
-                     "pad_token_id": 151643, "tie_word_embeddings": False},
-        tie_word_embeddings=False, **ids,
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": vision["patch_size"],
+            "spatial_merge_size": vision["spatial_merge_size"],
+            "temporal_patch_size": vision["temporal_patch_size"],
+            "window_size": vision["window_size"],
+            "out_hidden_size": 64,
+            "fullatt_block_indexes": [1],
+        },
+        text_config={
+            "vocab_size": real["vocab_size"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "bos_token_id": real["bos_token_id"],
+            "eos_token_id": real["eos_token_id"],
+            "pad_token_id": 151643,
+            "tie_word_embeddings": False,
+        },
+        tie_word_embeddings=False,
+        **ids,
     )
     return _save(Qwen2_5_VLForConditionalGeneration, config, target, seed, QWEN)
 
@@ -118,8 +155,9 @@ def build_released_internvl(target: Path, seed: int = 0) -> Path:
     # the script adds <img> ... </box> (151665-151673; image_token_id 151667 is <IMG_CONTEXT>), then <video> (151674)
     # comes with the named extra special tokens; transformers 5 names the added list "extra_special_tokens"
     tokenizer = AutoTokenizer.from_pretrained(qwen)
-    tokenizer.add_special_tokens({"extra_special_tokens": recipe["additional_special_tokens"]},
-                                 replace_extra_special_tokens=False)
+    tokenizer.add_special_tokens(
+        {"extra_special_tokens": recipe["additional_special_tokens"]}, replace_extra_special_tokens=False
+    )
     tokenizer.save_pretrained(qwen)
     tokenizer = AutoTokenizer.from_pretrained(qwen, extra_special_tokens=recipe["extra_special_tokens"])
     tokenizer.model_max_length = recipe["model_max_length"]
@@ -129,14 +167,32 @@ def build_released_internvl(target: Path, seed: int = 0) -> Path:
     (target / "tokenizer_recipe.json").unlink()
     vision, text = real["vision_config"], real["text_config"]
     config = InternVLConfig(
-        vision_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
-                       "image_size": vision["image_size"], "patch_size": vision["patch_size"]},
-        text_config={"model_type": "qwen2", "vocab_size": text["vocab_size"], "hidden_size": 64,
-                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "max_position_embeddings": 8192, "bos_token_id": None,
-                     "eos_token_id": text["eos_token_id"], "pad_token_id": 151643, "tie_word_embeddings": False},
-        image_token_id=real["image_token_id"], downsample_ratio=real["downsample_ratio"],
+        vision_config={
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "image_size": vision["image_size"],
+            "patch_size": vision["patch_size"],
+        },
+        text_config={
+            "model_type": "qwen2",
+            "vocab_size": text["vocab_size"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 8192,
+            "bos_token_id": None,
+            "eos_token_id": text["eos_token_id"],
+            "pad_token_id": 151643,
+            "tie_word_embeddings": False,
+        },
+        image_token_id=real["image_token_id"],
+        downsample_ratio=real["downsample_ratio"],
         vision_feature_layer=real["vision_feature_layer"],
-        vision_feature_select_strategy=real["vision_feature_select_strategy"], tie_word_embeddings=False,
+        vision_feature_select_strategy=real["vision_feature_select_strategy"],
+        tie_word_embeddings=False,
     )
     return _save(InternVLForConditionalGeneration, config, target, seed, INTERNVL)

@@ -39,8 +39,17 @@ def test_run_calibrate_cascade_visualize_intervene(workspace, tmp_path, monkeypa
     assert dense.index.equals(pruned.index) and len(pruned) == 60
 
     calibration_dir = tmp_path / "calibration"
-    result = invoke("calibrate", str(pruned_dir), "--reference", str(dense_dir), "--bootstrap", "50",
-                    "--out", str(calibration_dir), "--json")
+    result = invoke(
+        "calibrate",
+        str(pruned_dir),
+        "--reference",
+        str(dense_dir),
+        "--bootstrap",
+        "50",
+        "--out",
+        str(calibration_dir),
+        "--json",
+    )
     calibration = json.loads(result.stdout)
     assert (calibration_dir / "calibration.csv").is_file()
     assert json.loads((calibration_dir / "calibration.json").read_text()) == calibration
@@ -50,8 +59,19 @@ def test_run_calibrate_cascade_visualize_intervene(workspace, tmp_path, monkeypa
     assert difference == pytest.approx(pruned["correct"].mean() - dense["correct"].mean())
 
     cascade_dir = tmp_path / "cascade"
-    result = invoke("cascade", str(pruned_dir), "--reference", str(dense_dir), "--epsilon", "0.2", "--splits", "20",
-                    "--out", str(cascade_dir), "--json")
+    result = invoke(
+        "cascade",
+        str(pruned_dir),
+        "--reference",
+        str(dense_dir),
+        "--epsilon",
+        "0.2",
+        "--splits",
+        "20",
+        "--out",
+        str(cascade_dir),
+        "--json",
+    )
     cascade = json.loads(result.stdout)["cascades"][0]
     assert (cascade_dir / "cascade.json").is_file()
     # the chosen threshold's outcome on the seeded test images, from the records
@@ -64,8 +84,17 @@ def test_run_calibrate_cascade_visualize_intervene(workspace, tmp_path, monkeypa
 
     split, question_id = pruned[pruned["label"] == "yes"].index[0]
     picture = tmp_path / "tokens.png"
-    invoke("visualize", "--run", str(pruned_dir), "--question-id", str(question_id), "--split", split,
-           "--out", str(picture))
+    invoke(
+        "visualize",
+        "--run",
+        str(pruned_dir),
+        "--question-id",
+        str(question_id),
+        "--split",
+        split,
+        "--out",
+        str(picture),
+    )
     assert picture.read_bytes()[:4] == b"\x89PNG"
 
     result = invoke("intervene", str(pruned_dir), "--mode", "remove", "--bootstrap", "50", "--json")
@@ -77,5 +106,7 @@ def test_run_calibrate_cascade_visualize_intervene(workspace, tmp_path, monkeypa
     treated = swapped[swapped["condition"] == "intervention"]
     assert report["intervention"]["accuracy"]["value"] == pytest.approx(treated["correct"].mean())
     assert (treated["lost"] == True).all()  # noqa: E712 (nullable column): every kept object cell was removed
-    assert np.isclose(report["recorded"]["accuracy"]["value"],
-                      pruned.loc[list(zip(treated["split"], treated["question_id"])), "correct"].mean())
+    assert np.isclose(
+        report["recorded"]["accuracy"]["value"],
+        pruned.loc[list(zip(treated["split"], treated["question_id"])), "correct"].mean(),
+    )

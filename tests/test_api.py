@@ -37,8 +37,9 @@ def test_import_stays_light():
 
 def test_readme_snippet_runs_on_the_demo():
     environment = {**os.environ, "PYTHONPATH": str(PYTHON_API_DOC.parents[1])}
-    completed = subprocess.run([sys.executable, "-c", readme_pruning_snippet()], env=environment,
-                               capture_output=True, text=True, check=False)
+    completed = subprocess.run(
+        [sys.executable, "-c", readme_pruning_snippet()], env=environment, capture_output=True, text=True, check=False
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     first, second = completed.stdout.strip().splitlines()
     assert re.search(r" \[\d+\] \[\d+\] [\d.e-]+$", first)  # FastV: one stage, its layer and kept count
@@ -75,15 +76,18 @@ def test_generate_choose_and_in_llm_provenance(tiny, workspace):
         assert choice.text == "a" and choice.kept_stages == [] and choice.confidence == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda p, vlm: p(vlm, "fastv"), "needs --budget"),
-    (lambda p, vlm: p(vlm, "nope", budget=4), "unknown selector 'nope'"),
-    (lambda p, vlm: p(vlm, "fastv", budget=4, nope=1), "unknown option 'nope'"),
-    (lambda p, vlm: p(vlm, "fastv", budget=4.5), "budget must be a whole number"),
-    (lambda p, vlm: p(vlm, "fastv", budget=4, layer=-3), "layer must be an integer"),
-    (lambda p, vlm: p(vlm, "none", budget=4), "needs --selector"),
-    (lambda p, vlm: p(object(), "none"), "takes a model from prune_audit.load()"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda p, vlm: p(vlm, "fastv"), "needs --budget"),
+        (lambda p, vlm: p(vlm, "nope", budget=4), "unknown selector 'nope'"),
+        (lambda p, vlm: p(vlm, "fastv", budget=4, nope=1), "unknown option 'nope'"),
+        (lambda p, vlm: p(vlm, "fastv", budget=4.5), "budget must be a whole number"),
+        (lambda p, vlm: p(vlm, "fastv", budget=4, layer=-3), "layer must be an integer"),
+        (lambda p, vlm: p(vlm, "none", budget=4), "needs --selector"),
+        (lambda p, vlm: p(object(), "none"), "takes a model from prune_audit.load()"),
+    ],
+)
 def test_bad_options_fail_in_one_line(tiny, call, message):
     from prune_audit import pruned
 
@@ -117,7 +121,11 @@ def test_bad_calls_fail_in_one_line(tiny, workspace):
 def test_load_refuses_bad_arguments_before_reading_weights():
     from prune_audit import load
 
-    for kwargs, message in [({"device": "gpu"}, "--device must be"), ({"threads": 10_000}, "more than the"),
-                            ({"model": "/no/such/folder"}, "not found"), ({"threads": 1.5}, "whole number")]:
+    for kwargs, message in [
+        ({"device": "gpu"}, "--device must be"),
+        ({"threads": 10_000}, "more than the"),
+        ({"model": "/no/such/folder"}, "not found"),
+        ({"threads": 1.5}, "whole number"),
+    ]:
         with pytest.raises(PruneAuditError, match=message):
             load(**kwargs)

@@ -14,8 +14,21 @@ spec.loader.exec_module(gpu)
 
 def test_gpu_benchmark_smoke_writes_markdown_and_json(tmp_path):
     markdown, records = tmp_path / "gpu.md", tmp_path / "gpu.json"
-    gpu.main(["--smoke", "--selectors", "random", "fastv", "cls_attn", "--budgets", "64",
-              "--markdown", str(markdown), "--json", str(records)])
+    gpu.main(
+        [
+            "--smoke",
+            "--selectors",
+            "random",
+            "fastv",
+            "cls_attn",
+            "--budgets",
+            "64",
+            "--markdown",
+            str(markdown),
+            "--json",
+            str(records),
+        ]
+    )
     rows = json.loads(records.read_text())["rows"]
     timed = {(r["model"], r["selector"], r["batch"]) for r in rows}
     for model in ("LLaVA-1.5-7B shape", "Qwen2.5-VL-7B shape"):

@@ -15,9 +15,25 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 def test_prefill_benchmark_reports_peak_memory_per_selector_against_dense():
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to reset the peak RSS")
-    command = [sys.executable, "-m", "benchmarks.prefill", "--text-hidden", "64", "--text-layers", "2",
-               "--text-heads", "2", "--selectors", "random", "divprune", "--budgets", "64", "--repeats", "1",
-               "--json-only"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.prefill",
+        "--text-hidden",
+        "64",
+        "--text-layers",
+        "2",
+        "--text-heads",
+        "2",
+        "--selectors",
+        "random",
+        "divprune",
+        "--budgets",
+        "64",
+        "--repeats",
+        "1",
+        "--json-only",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPOSITORY)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.splitlines()[-1])

@@ -10,15 +10,18 @@ from benchmarks import real_width
 from prune_audit.errors import PruneAuditError
 
 
-@pytest.mark.parametrize("argv", [
-    ["--family", "llava"],  # not a new family
-    ["--family", "internvl", "--selectors", "nonesuch"],
-    ["--family", "internvl", "--budgets", "0"],
-    ["--family", "internvl", "--decoder-layers", "-2"],
-    ["--family", "internvl", "--decoder-layers", "29"],  # InternVL3-8B has 28
-    ["--family", "internvl", "--threads", "two"],
-    ["--family", "internvl", "--image", "/nonexistent.jpg"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--family", "llava"],  # not a new family
+        ["--family", "internvl", "--selectors", "nonesuch"],
+        ["--family", "internvl", "--budgets", "0"],
+        ["--family", "internvl", "--decoder-layers", "-2"],
+        ["--family", "internvl", "--decoder-layers", "29"],  # InternVL3-8B has 28
+        ["--family", "internvl", "--threads", "two"],
+        ["--family", "internvl", "--image", "/nonexistent.jpg"],
+    ],
+)
 def test_bad_arguments_exit_2_before_building_anything(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         real_width.parse_arguments(argv)
@@ -35,8 +38,11 @@ def test_a_model_that_does_not_fit_is_refused_in_one_line():
 def test_extrapolation_adds_the_missing_layers_linearly():
     row = {"ms": 1000.0, "decoder_layer_ms": 600.0, "gflops": 50.0, "gflops_llm": 20.0, "peak_rss_gib": 4.0}
     full = real_width.extrapolate(row, measured_layers=2, real_layers=32, layer_bytes=2**30, in_llm=False)
-    assert full == {"ms_full_depth": 1000.0 + 30 * 300.0, "gflops_full_depth": 50.0 + 30 * 10.0,
-                    "peak_rss_gib_full_depth": 4.0 + 30.0}
+    assert full == {
+        "ms_full_depth": 1000.0 + 30 * 300.0,
+        "gflops_full_depth": 50.0 + 30 * 10.0,
+        "peak_rss_gib_full_depth": 4.0 + 30.0,
+    }
     assert real_width.extrapolate(row, 2, 32, 2**30, in_llm=True) == {}
     assert real_width.extrapolate(row, 32, 32, 2**30, in_llm=False) == {}
 
@@ -60,9 +66,25 @@ def test_tiny_run_writes_dense_and_pruned_rows(tmp_path, shared_data):
         pytest.skip("../shared/data is absent")
     output = tmp_path / "internvl.json"
     lines = []
-    result = real_width.main(["--family", "internvl", "--tiny", "--threads", "1", "--budgets", "8",
-                              "--selectors", "divprune", "fastv", "--image", str(image), "--json", str(output)],
-                             report=lines.append)
+    result = real_width.main(
+        [
+            "--family",
+            "internvl",
+            "--tiny",
+            "--threads",
+            "1",
+            "--budgets",
+            "8",
+            "--selectors",
+            "divprune",
+            "fastv",
+            "--image",
+            str(image),
+            "--json",
+            str(output),
+        ],
+        report=lines.append,
+    )
     assert json.loads(output.read_text()) == result
     dense, divprune, fastv = result["rows"]
     # the tiny tiling: 3 x 2 tiles of 2 x 2 tokens and the thumbnail

@@ -47,9 +47,23 @@ def test_cli_run_refuses_a_bad_budget_as_the_home_does(workspace, tmp_path, bad)
     from prune_audit.cli.main import app
 
     out = tmp_path / "run"
-    args = ["run", "--model", str(workspace["model"]), "--images", str(workspace["images"]), "--annotations",
-            str(workspace["instances"]), "--out", str(out), "--pope", str(workspace["pope"][0]),
-            "--selector", "fastv", "--budget", bad]
+    args = [
+        "run",
+        "--model",
+        str(workspace["model"]),
+        "--images",
+        str(workspace["images"]),
+        "--annotations",
+        str(workspace["instances"]),
+        "--out",
+        str(out),
+        "--pope",
+        str(workspace["pope"][0]),
+        "--selector",
+        "fastv",
+        "--budget",
+        bad,
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code != 0 and "Traceback" not in result.output and not out.exists()
     assert f"error: {_message(parse_requested_budget, bad)}" in result.output
@@ -57,6 +71,9 @@ def test_cli_run_refuses_a_bad_budget_as_the_home_does(workspace, tmp_path, bad)
 
 def test_the_study_grid_keeps_no_budget_parser_of_its_own():
     source = Path(__file__).parents[1] / "prune_audit" / "runner" / "study" / "grid.py"
-    defined = {node.name for node in ast.walk(ast.parse(source.read_text(encoding="utf-8")))
-               if isinstance(node, ast.FunctionDef)}
+    defined = {
+        node.name
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8")))
+        if isinstance(node, ast.FunctionDef)
+    }
     assert "parse_budget" not in defined

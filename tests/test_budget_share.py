@@ -11,9 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
+from prune_audit.compute.budget import budget_share, parse_budget, resolve_budget, tokens_for_share
 from prune_audit.errors import PruneAuditError
 from prune_audit.runner.answering import answer_grouped
-from prune_audit.compute.budget import budget_share, parse_budget, resolve_budget, tokens_for_share
 
 runner = CliRunner()
 
@@ -45,9 +45,24 @@ def test_each_question_gets_its_own_images_share():
 
 def test_run_records_the_realised_count(workspace, tmp_path):
     out = tmp_path / "share"
-    arguments = ["run", "--model", str(workspace["model"]), "--images", str(workspace["images"]),
-                 "--annotations", str(workspace["instances"]), "--selector", "divprune", "--budget", "50%",
-                 "--limit", "12", "--out", str(out), "--quiet"]
+    arguments = [
+        "run",
+        "--model",
+        str(workspace["model"]),
+        "--images",
+        str(workspace["images"]),
+        "--annotations",
+        str(workspace["instances"]),
+        "--selector",
+        "divprune",
+        "--budget",
+        "50%",
+        "--limit",
+        "12",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     for path in workspace["pope"]:
         arguments += ["--pope", str(path)]
     result = runner.invoke(app, arguments)
@@ -59,8 +74,9 @@ def test_run_records_the_realised_count(workspace, tmp_path):
 
 
 def test_study_plans_share_budgets(tmp_path):
-    result = runner.invoke(app, ["study", "--selectors", "divprune", "--budgets", "11%,22%", "--plan",
-                                 "--out", str(tmp_path / "s")])
+    result = runner.invoke(
+        app, ["study", "--selectors", "divprune", "--budgets", "11%,22%", "--plan", "--out", str(tmp_path / "s")]
+    )
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert "--budget 11% --out " + str(Path(tmp_path / "s" / "runs" / "divprune-11pct")) in lines[1]

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from sklearn.metrics import f1_score, precision_score, roc_auc_score
+from test_calibration import direct_ece
 from typer.testing import CliRunner
 
 from prune_audit.analysis import metrics
@@ -20,7 +21,6 @@ from prune_audit.records.schema import RUN_SCHEMA, SCHEMA_VERSION
 from prune_audit.records.store import stamped
 from prune_audit.safety.lock import LOCK_FILE
 from prune_audit.safety.ownership import OWNER_FILE
-from test_calibration import direct_ece
 
 runner = CliRunner()
 
@@ -32,8 +32,12 @@ def sha256(text):
 
 
 def manifest(selector="divprune", budget=64):
-    selector_fields = {"name": selector or "none", "stage": "input" if selector else None, "options": {},
-                       "positions": "keep_original" if selector else None}
+    selector_fields = {
+        "name": selector or "none",
+        "stage": "input" if selector else None,
+        "options": {},
+        "positions": "keep_original" if selector else None,
+    }
     return {
         "version": "0.1.0",
         "records_schema": SCHEMA_VERSION,
@@ -116,10 +120,17 @@ def write_run(directory, seed, strength, tokens, images=24, lost_share=0.0, sele
                         "evidence_objects": ["dog"] if label_yes else [],
                         "evidence_objects_lost": [lost] if label_yes else [],
                         "latency_ms": 10.0,
-                        "flops": int(tokens) * 1000, "flops_vision": 60, "flops_selector": 0,
-                        "flops_llm": int(tokens) * 1000 - 60, "flops_dense": 600_000,
-                        "flops_decode_token": 2, "kv_bytes": 64, "flop_equivalent_tokens": 10.0, "latency_vision_ms": 0.2,
-                        "latency_selection_ms": 0.1, "latency_prefill_ms": 0.7,
+                        "flops": int(tokens) * 1000,
+                        "flops_vision": 60,
+                        "flops_selector": 0,
+                        "flops_llm": int(tokens) * 1000 - 60,
+                        "flops_dense": 600_000,
+                        "flops_decode_token": 2,
+                        "kv_bytes": 64,
+                        "flop_equivalent_tokens": 10.0,
+                        "latency_vision_ms": 0.2,
+                        "latency_selection_ms": 0.1,
+                        "latency_prefill_ms": 0.7,
                         "geometry": "{}",
                         "order": len(rows),
                     }
@@ -128,7 +139,9 @@ def write_run(directory, seed, strength, tokens, images=24, lost_share=0.0, sele
     written = {**manifest(selector=selector, budget=budget), "num_questions": len(rows), **fields}
     written["run_id"] = run_id_of(written)
     (directory / "manifest.json").write_text(json.dumps(written))
-    pq.write_table(stamped(pa.Table.from_pylist(rows, schema=RUN_SCHEMA), written["run_id"]), directory / "records.parquet")
+    pq.write_table(
+        stamped(pa.Table.from_pylist(rows, schema=RUN_SCHEMA), written["run_id"]), directory / "records.parquet"
+    )
     return directory
 
 
@@ -233,9 +246,19 @@ def test_table_output_names_runs_and_sections(runs, tmp_path):
     arguments = ["calibrate", str(runs["pruned"]), "--reference", str(runs["dense"]), "--bootstrap", "20"]
     result = runner.invoke(app, [*arguments, "--binning", "mass", "--out", str(tmp_path)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    for text in ("divprune@64", "dense (reference)", "temperature T", "ECE (mass)", "if lost", "minus reference",
-                 "ECE (mass) after scaling (test)", "debiased L2 error (equal-mass)", "dense accuracy if lost (same",
-                 "retention stage read", "first (decoder layer 0)"):
+    for text in (
+        "divprune@64",
+        "dense (reference)",
+        "temperature T",
+        "ECE (mass)",
+        "if lost",
+        "minus reference",
+        "ECE (mass) after scaling (test)",
+        "debiased L2 error (equal-mass)",
+        "dense accuracy if lost (same",
+        "retention stage read",
+        "first (decoder layer 0)",
+    ):
         assert text in result.stdout
     (aurc_line,) = [line for line in result.stdout.splitlines() if line.lstrip("│| ").startswith("AURC")]
     value = re.search(r"AURC\W+([0-9.e-]+) \[", aurc_line).group(1)
@@ -247,7 +270,9 @@ def test_reliability_bins_carry_counts_and_bootstrap_intervals(audit, runs):
     reliability = report["runs"][0]["reliability"]
     assert set(reliability) == {"lower", "upper", "count", "confidence", "accuracy", "accuracy_ci95"}
     assert len(reliability["accuracy_ci95"]) == len(reliability["count"]) == 15
-    for count, accuracy, (low, high) in zip(reliability["count"], reliability["accuracy"], reliability["accuracy_ci95"]):
+    for count, accuracy, (low, high) in zip(
+        reliability["count"], reliability["accuracy"], reliability["accuracy_ci95"]
+    ):
         if count:
             assert low - 1e-9 <= accuracy <= high + 1e-9
         else:

@@ -100,8 +100,18 @@ def test_cost_units_charge_an_escalated_question_both_stages(runs, tmp_path):
     costs, latency gives 1 + the escalation rate (an escalated question pays the pruned run and dense)."""
     reports = {}
     for cost in ("tokens", "flops", "latency"):
-        arguments = ["cascade", str(runs["p64"]), "--reference", str(runs["dense"]), "--cost", cost, "--splits", "5",
-                     "--epsilon", "0.1"]
+        arguments = [
+            "cascade",
+            str(runs["p64"]),
+            "--reference",
+            str(runs["dense"]),
+            "--cost",
+            cost,
+            "--splits",
+            "5",
+            "--epsilon",
+            "0.1",
+        ]
         result = runner.invoke(app, [*arguments, "--out", str(tmp_path / cost), "--json"])
         assert result.exit_code == 0, result.output
         reports[cost] = json.loads(result.stdout)
@@ -119,8 +129,9 @@ def test_reference_is_required_and_must_hold_the_same_questions(runs, tmp_path):
     result = runner.invoke(app, ["cascade", str(runs["p64"]), "--reference", str(smaller), *options])
     assert result.exit_code == 2 and "do not hold the same questions" in result.stderr
     model = {"id": "other", "config_hash": "y"}
-    other = write_run(tmp_path / "other", seed=2, strength=3.0, tokens=600, images=80, selector=None, budget=None,
-                      model=model)
+    other = write_run(
+        tmp_path / "other", seed=2, strength=3.0, tokens=600, images=80, selector=None, budget=None, model=model
+    )
     refused = runner.invoke(app, ["cascade", str(runs["p64"]), "--reference", str(other), *options])
     assert refused.exit_code == 2 and "model.id" in refused.stderr
     assert not (tmp_path / "out").exists()

@@ -7,13 +7,13 @@ import re
 
 import pyarrow.parquet as pq
 import pytest
+from cli_checks import refused, snapshot
+from test_tasks import letters_model, scienceqa_file  # noqa: F401  (letters_model is a fixture)
 from typer.testing import CliRunner
 
-from cli_checks import refused, snapshot
 from prune_audit.cli.help_text import unwrapped
 from prune_audit.cli.main import app
 from prune_audit.runner.visualize import live_stem
-from test_tasks import letters_model, scienceqa_file  # noqa: F401  (letters_model is a fixture)
 
 runner = CliRunner()
 
@@ -25,7 +25,9 @@ def test_live_figure_name_holds_model_and_budget():
 
 
 def test_help_paragraphs_wrap_at_the_terminal_width_without_one_word_lines():
-    assert unwrapped("First line\nstill first.\n\nSecond\n   paragraph.") == "First line still first.\n\nSecond paragraph."
+    assert (
+        unwrapped("First line\nstill first.\n\nSecond\n   paragraph.") == "First line still first.\n\nSecond paragraph."
+    )
     for command in (["run"], ["study"], ["calibrate"], ["cascade"], ["intervene"]):
         result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "80"})
         assert result.exit_code == 0, result.output
@@ -60,34 +62,62 @@ def test_score_prints_the_answers_file_whole_and_scores_the_img_subset(workspace
     truth = {e["id"]: e["conversations"][1]["value"] for e in json.loads(questions.read_text())}
     folder = tmp_path / "a-rather-long-folder-name-that-a-table-title-would-break-mid-word"
     folder.mkdir()
-    answers = sqa_answers(folder / "answers-of-a-long-named-run.jsonl",
-                          [(qid, letter) for qid, letter in truth.items() if qid != "99"])  # IMG only, as run answers
-    result = runner.invoke(app, ["score", str(answers), "--task", "scienceqa", "--questions", str(questions),
-                                 "--subset", "img"], env={"COLUMNS": "60"})
+    answers = sqa_answers(
+        folder / "answers-of-a-long-named-run.jsonl", [(qid, letter) for qid, letter in truth.items() if qid != "99"]
+    )  # IMG only, as run answers
+    result = runner.invoke(
+        app,
+        ["score", str(answers), "--task", "scienceqa", "--questions", str(questions), "--subset", "img"],
+        env={"COLUMNS": "60"},
+    )
     assert result.exit_code == 0, result.output
     assert f"scienceqa scores of {answers}" in result.stdout.splitlines()
-    report = json.loads(runner.invoke(app, ["score", str(answers), "--task", "scienceqa", "--questions", str(questions),
-                                            "--subset", "img", "--json"]).stdout)
+    report = json.loads(
+        runner.invoke(
+            app,
+            ["score", str(answers), "--task", "scienceqa", "--questions", str(questions), "--subset", "img", "--json"],
+        ).stdout
+    )
     assert report["subset"] == "img" and (report["n"], report["correct"]) == (5, 5)
     # without --subset every question needs an answer: the refusal stays, one line
     refused(runner.invoke(app, ["score", str(answers), "--task", "scienceqa", "--questions", str(questions)]), "99")
 
 
-@pytest.mark.parametrize("task, subset, needles", [
-    ("scienceqa", "txt", ("--subset txt is not a subset of scienceqa", "img: the questions with an image")),
-    ("pope", "img", ("pope has no question subsets", "drop --subset img")),
-])
+@pytest.mark.parametrize(
+    "task, subset, needles",
+    [
+        ("scienceqa", "txt", ("--subset txt is not a subset of scienceqa", "img: the questions with an image")),
+        ("pope", "img", ("pope has no question subsets", "drop --subset img")),
+    ],
+)
 def test_an_unknown_subset_is_refused_in_one_line(tmp_path, task, subset, needles):
     answers = sqa_answers(tmp_path / "a.jsonl", [("1", "A")])
-    refused(runner.invoke(app, ["score", str(answers), "--task", task, "--questions", str(answers), "--subset", subset]),
-            *needles)
+    refused(
+        runner.invoke(app, ["score", str(answers), "--task", task, "--questions", str(answers), "--subset", subset]),
+        *needles,
+    )
 
 
 def test_export_answers_feeds_score_of_a_scienceqa_run(workspace, letters_model, tmp_path):  # noqa: F811
     questions = scienceqa_file(workspace, tmp_path / "sqa")
     run = tmp_path / "run"
-    result = runner.invoke(app, ["run", "--task", "scienceqa", "--model", str(letters_model), "--images",
-                                 str(workspace["images"]), "--questions", str(questions), "--out", str(run), "--quiet"])
+    result = runner.invoke(
+        app,
+        [
+            "run",
+            "--task",
+            "scienceqa",
+            "--model",
+            str(letters_model),
+            "--images",
+            str(workspace["images"]),
+            "--questions",
+            str(questions),
+            "--out",
+            str(run),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     answers = tmp_path / "answers.jsonl"
     result = runner.invoke(app, ["export", str(run), "--answers", str(answers)])
@@ -96,14 +126,20 @@ def test_export_answers_feeds_score_of_a_scienceqa_run(workspace, letters_model,
     records = pq.read_table(run / "records.parquet").to_pylist()
     lines = [json.loads(line) for line in answers.read_text().splitlines()]
     assert lines == [{"question_id": r["question_id"], "text": r["answer_text"]} for r in records]
-    report = json.loads(runner.invoke(app, ["score", str(answers), "--task", "scienceqa", "--questions",
-                                            str(questions), "--subset", "img", "--json"]).stdout)
+    report = json.loads(
+        runner.invoke(
+            app,
+            ["score", str(answers), "--task", "scienceqa", "--questions", str(questions), "--subset", "img", "--json"],
+        ).stdout
+    )
     assert report["correct"] == sum(r["correct"] for r in records) and report["n"] == len(records)
 
     before = snapshot(tmp_path)
     refused(runner.invoke(app, ["export", str(run), "--answers", str(answers)]), "exists", "pass a new file name")
-    refused(runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "kept.jsonl"), "--answers",
-                                str(answers)]), "exists")
+    refused(
+        runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "kept.jsonl"), "--answers", str(answers)]),
+        "exists",
+    )
     refused(runner.invoke(app, ["export", str(run), "--answers", str(tmp_path / "a.json")]), "FILE.jsonl")
     refused(runner.invoke(app, ["export", str(run)]), "--answers FILE.jsonl")
     assert snapshot(tmp_path) == before  # nothing written by a refusal, --out included

@@ -26,7 +26,9 @@ PYTHON_LEAKS = re.compile(r"<(list\[|bool|int|str|path|float|[a-z]+ range)|\[x[<
 
 
 def test_every_command_is_scanned():
-    assert {("run",), ("visualize",), ("calibrate",), ("cascade",), ("demo", "train"), ("pope", "build")} <= set(COMMANDS)
+    assert {("run",), ("visualize",), ("calibrate",), ("cascade",), ("demo", "train"), ("pope", "build")} <= set(
+        COMMANDS
+    )
 
 
 @pytest.mark.parametrize("path", COMMANDS, ids=lambda path: " ".join(path) or "prune-audit")

@@ -46,9 +46,13 @@ def test_a_mistyped_run_is_named_before_the_output_folder_is_judged(demo, comman
 
 def test_a_second_calibrate_names_the_folders_settings_and_the_way_forward(demo):  # noqa: F811
     before = snapshot(demo["calibration"])
-    line = refused(invoke("calibrate", demo["dense"], "--bootstrap", "20", "--out", demo["calibration"]),
-                   str(demo["calibration"]), "prune-audit calibrate", "other settings (reference, runs)",
-                   "pass another --out, or the same settings to resume")
+    line = refused(
+        invoke("calibrate", demo["dense"], "--bootstrap", "20", "--out", demo["calibration"]),
+        str(demo["calibration"]),
+        "prune-audit calibrate",
+        "other settings (reference, runs)",
+        "pass another --out, or the same settings to resume",
+    )
     recorded = json.loads((demo["calibration"] / OWNER_FILE).read_text())["settings"]
     assert f"runs={json.dumps(recorded['runs'])}" in line and f"reference={json.dumps(recorded['reference'])}" in line
     assert snapshot(demo["calibration"]) == before
@@ -56,12 +60,14 @@ def test_a_second_calibrate_names_the_folders_settings_and_the_way_forward(demo)
 
 def test_another_commands_folder_is_refused_naming_that_command_and_its_settings(demo, tmp_path):  # noqa: F811
     before = snapshot(demo["calibration"])
-    line = refused(invoke("cascade", demo["pruned"], "--reference", demo["dense"], "--splits", "5",
-                          "--out", demo["calibration"]),
-                   "holds the outputs of prune-audit calibrate", "settings runs=", "pass another --out")
+    line = refused(
+        invoke("cascade", demo["pruned"], "--reference", demo["dense"], "--splits", "5", "--out", demo["calibration"]),
+        "holds the outputs of prune-audit calibrate",
+        "settings runs=",
+        "pass another --out",
+    )
     assert "cascade never writes there" in line
     assert snapshot(demo["calibration"]) == before
-
 
 
 # ----- 2. no test asserts how this CPU's half kernels round -------------------------------------------------------
@@ -83,7 +89,6 @@ def test_the_half_precision_tests_assert_kept_sets_and_the_kernel_counts_are_mea
     assert 0 <= rope_logits(torch.float16) <= 423_801 and isinstance(cpu_half_flags(), list)
 
 
-
 # ----- 3. figures and tables say what the task's evidence is, or leave the rows out ----------------------------------
 
 
@@ -93,9 +98,14 @@ def test_the_retention_figure_names_the_tasks_evidence(captured):  # noqa: F811
     from prune_audit.analysis import figures
     from prune_audit.tasks import get_task
 
-    survival = {"lost": group(7, 0.4, 0.97), "survived": group(53, 0.9, 0.98), "retention 0": group(7, 0.4, 0.97),
-                "retention (0, 0.25]": group(14, 0.8, 0.975), "retention (0.25, 0.5]": group(9, 0.9, 0.98),
-                "retention (0.5, 1]": group(30, 0.95, 0.99)}
+    survival = {
+        "lost": group(7, 0.4, 0.97),
+        "survived": group(53, 0.9, 0.98),
+        "retention 0": group(7, 0.4, 0.97),
+        "retention (0, 0.25]": group(14, 0.8, 0.975),
+        "retention (0.25, 0.5]": group(9, 0.9, 0.98),
+        "retention (0.5, 1]": group(30, 0.95, 0.99),
+    }
     for name in ("pope", "gqa", "caption"):
         task = get_task(name)
         figures.retention_figure([{"survival": survival}], ["fastv@16"], "demo", "retention", "dense", task)
@@ -154,8 +164,13 @@ def test_the_pruning_example_runs_as_written_and_prints_what_the_doc_says():
 
     code = readme_pruning_snippet()
     assert 'load("demo-tasks")' in code
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
-                               env={**os.environ, "PYTHONPATH": str(PYTHON_API_DOC.parents[1])})
+    completed = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(PYTHON_API_DOC.parents[1])},
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     caption, answers = completed.stdout.strip().splitlines()
     text = PYTHON_API_DOC.read_text()
@@ -177,7 +192,9 @@ def test_run_names_a_layer_average_budget_and_the_tokens_each_stage_keeps(tmp_pa
     text = " ".join(done.stdout.split())
     assert "budget 16 (layer average)" in text and "visual tokens from layer 1 (mean) │ 4 │" in text
     at_input = invoke("run", "--selector", "random", "--budget", "36", "--limit", "2", "--out", tmp_path / "random")
-    assert at_input.stdout.splitlines()[0].endswith("budget 36") and "visual tokens at the input (mean) │ 36 │" in " ".join(at_input.stdout.split())
+    assert at_input.stdout.splitlines()[0].endswith(
+        "budget 36"
+    ) and "visual tokens at the input (mean) │ 36 │" in " ".join(at_input.stdout.split())
 
 
 def test_visualize_titles_a_layer_average_budget_as_such(tmp_path):
@@ -191,14 +208,23 @@ def test_visualize_titles_a_layer_average_budget_as_such(tmp_path):
 
 @pytest.mark.parametrize(
     "option, words",
-    [("layer=99", "layer must be an integer in [1, 31] on the 32-layer reference, scaled to the model's depth: on its "
-                  "12 layers, decoder layers 1 to 11"),
-     ("layer=20", "(a layer average; layer=20 of the 32-layer reference is decoder layer 8 of the model's 12)"),
-     ("lyer=3", "layer (an integer in [1, 31] on the 32-layer reference, scaled to the model's depth: on its 12 "
-                "layers, decoder layers 1 to 11, default 2)")],
+    [
+        (
+            "layer=99",
+            "layer must be an integer in [1, 31] on the 32-layer reference, scaled to the model's depth: on its "
+            "12 layers, decoder layers 1 to 11",
+        ),
+        ("layer=20", "(a layer average; layer=20 of the 32-layer reference is decoder layer 8 of the model's 12)"),
+        (
+            "lyer=3",
+            "layer (an integer in [1, 31] on the 32-layer reference, scaled to the model's depth: on its 12 "
+            "layers, decoder layers 1 to 11, default 2)",
+        ),
+    ],
 )
 def test_layer_options_name_the_models_own_layers_beside_the_reference_value(tmp_path, option, words):
     out = tmp_path / "run"
-    refused(invoke("run", "--selector", "fastv", "--budget", "16", "--option", option, "--limit", "2", "--out", out),
-            words)
+    refused(
+        invoke("run", "--selector", "fastv", "--budget", "16", "--option", option, "--limit", "2", "--out", out), words
+    )
     assert not out.exists()

@@ -42,11 +42,21 @@ def _instances(**overrides) -> dict:
         "categories": [{"id": 1, "name": "person"}, {"id": 3, "name": "car"}, {"id": 5, "name": "dining table"}],
         "annotations": [
             {"id": 100, "image_id": 7, "category_id": 3, "iscrowd": 0, "segmentation": [[2, 3, 8, 3, 8, 9, 2, 9]]},
-            {"id": 101, "image_id": 7, "category_id": 1, "iscrowd": 0,
-             "segmentation": [[10, 1, 14, 1, 14, 5, 10, 5], [16, 1, 19, 1, 19, 4, 16, 4]]},
+            {
+                "id": 101,
+                "image_id": 7,
+                "category_id": 1,
+                "iscrowd": 0,
+                "segmentation": [[10, 1, 14, 1, 14, 5, 10, 5], [16, 1, 19, 1, 19, 4, 16, 4]],
+            },
             {"id": 102, "image_id": 7, "category_id": 1, "iscrowd": 1, "segmentation": _uncompressed_rle(crowd)},
-            {"id": 103, "image_id": 7, "category_id": 5, "iscrowd": 0,
-             "segmentation": {"size": [HEIGHT, WIDTH], "counts": compressed["counts"].decode()}},
+            {
+                "id": 103,
+                "image_id": 7,
+                "category_id": 5,
+                "iscrowd": 0,
+                "segmentation": {"size": [HEIGHT, WIDTH], "counts": compressed["counts"].decode()},
+            },
         ],
     }
     data.update(overrides)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import WORDS, random_image
 from torch.utils.flop_counter import FlopCounterMode
 
 from prune_audit.compute.flops import flop_equivalent_tokens, language_prefill
 from prune_audit.demo.assets import DEMO_MODELS
 from prune_audit.demo.evaluate import load_demo
 from prune_audit.pruners.registry import get_selector, list_selectors, selector_class
-from tiny_models import WORDS, random_image
 
 SELECTOR_METHODS = ("select", "prune", "merge")
 
@@ -151,9 +151,9 @@ def test_kv_bytes_and_decode_flops_match_the_cache_and_the_counted_decode_step(m
 def test_flop_equivalent_tokens_inverts_the_dense_language_prefill(models):
     language = models["demo"].shape.language
     for tokens in (1, 37, 160):
-        assert flop_equivalent_tokens(language, language_prefill(language, [tokens] * language.layers)) == pytest.approx(
-            tokens, rel=1e-9
-        )
+        assert flop_equivalent_tokens(
+            language, language_prefill(language, [tokens] * language.layers)
+        ) == pytest.approx(tokens, rel=1e-9)
 
 
 def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):

@@ -34,8 +34,12 @@ def pope_file(workspace, folder, texts: list[str]):
     """A POPE question file asking ``texts`` about the workspace's first image."""
     image = min(workspace["images"].glob("*.png")).name
     path = folder / "questions.jsonl"
-    path.write_text("".join(json.dumps({"question_id": i + 1, "image": image, "text": text, "label": "no"}) + "\n"
-                            for i, text in enumerate(texts)))
+    path.write_text(
+        "".join(
+            json.dumps({"question_id": i + 1, "image": image, "text": text, "label": "no"}) + "\n"
+            for i, text in enumerate(texts)
+        )
+    )
     return path
 
 
@@ -43,10 +47,25 @@ def test_a_prompt_past_the_model_positions_is_refused_before_anything_is_written
     """The long question last of three: the whole list is checked before the first answer."""
     questions = pope_file(workspace, tmp_path, ["Is there a circle in the image?"] * 2 + [LONG_QUESTION])
     out = tmp_path / "out"
-    result = runner.invoke(app, ["run", "--model", str(workspace["model"]), "--pope", str(questions), "--images",
-                                 str(workspace["images"]), "--out", str(out), "--batch-size", "1"])
-    line = refused(result, "question", "/3 needs", "positions", "has 512 (max_position_embeddings)",
-                   "shorten the question")
+    result = runner.invoke(
+        app,
+        [
+            "run",
+            "--model",
+            str(workspace["model"]),
+            "--pope",
+            str(questions),
+            "--images",
+            str(workspace["images"]),
+            "--out",
+            str(out),
+            "--batch-size",
+            "1",
+        ],
+    )
+    line = refused(
+        result, "question", "/3 needs", "positions", "has 512 (max_position_embeddings)", "shorten the question"
+    )
     assert "--max-new-tokens" not in line  # POPE answers by its first token
     assert not out.exists()
 
@@ -54,8 +73,7 @@ def test_a_prompt_past_the_model_positions_is_refused_before_anything_is_written
 def test_a_generation_limit_past_the_model_positions_is_refused(tmp_path):
     out = tmp_path / "out"
     result = runner.invoke(app, ["run", "--task", "gqa", "--max-new-tokens", "3000", "--limit", "2", "--out", str(out)])
-    refused(result, "question gqa/", "+ 3000 new tokens", "has 512 (max_position_embeddings)",
-            "lower --max-new-tokens")
+    refused(result, "question gqa/", "+ 3000 new tokens", "has 512 (max_position_embeddings)", "lower --max-new-tokens")
     assert not out.exists()
 
 

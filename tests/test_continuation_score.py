@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from tiny_models import stock_inputs
 
 from prune_audit.errors import PruneAuditError
-from tiny_models import stock_inputs
 
 
 @pytest.fixture(scope="module")

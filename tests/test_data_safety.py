@@ -61,8 +61,12 @@ def process_env(**extra: str) -> dict[str, str]:
 
 def snapshot(*directories: Path) -> dict[str, bytes]:
     """Bytes of every file under ``directories`` except the lock files (their holder text changes)."""
-    return {str(p): p.read_bytes() for d in directories for p in sorted(Path(d).rglob("*"))
-            if p.is_file() and ".prune-audit.lock" not in p.name}
+    return {
+        str(p): p.read_bytes()
+        for d in directories
+        for p in sorted(Path(d).rglob("*"))
+        if p.is_file() and ".prune-audit.lock" not in p.name
+    }
 
 
 def record_count(run_dir: Path) -> int:
@@ -85,8 +89,15 @@ def demo(tmp_path_factory) -> dict[str, Path]:
     calibration = root / "calibration"
     done = invoke("calibrate", runs["pruned"], "--reference", runs["dense"], "--bootstrap", "20", "--out", calibration)
     assert done.exit_code == 0, done.output
-    return {"root": root, **runs, "calibration": calibration, "model": assets.model_dir,
-            "pope": assets.pope_files[0], "images": assets.images_dir, "annotations": assets.annotations}
+    return {
+        "root": root,
+        **runs,
+        "calibration": calibration,
+        "model": assets.model_dir,
+        "pope": assets.pope_files[0],
+        "images": assets.images_dir,
+        "annotations": assets.annotations,
+    }
 
 
 @pytest.fixture
@@ -99,8 +110,14 @@ def records_kept(demo):
 
 def explicit_inputs(demo, images: Path | None = None, pope: Path | None = None, annotations: Path | None = None):
     """The demo inputs named explicitly (so tests can swap one of them)."""
-    return ["--pope", pope or demo["pope"], "--images", images or demo["images"],
-            "--annotations", annotations or demo["annotations"]]
+    return [
+        "--pope",
+        pope or demo["pope"],
+        "--images",
+        images or demo["images"],
+        "--annotations",
+        annotations or demo["annotations"],
+    ]
 
 
 def used_images(pope: Path, limit: int) -> list[str]:
@@ -116,18 +133,28 @@ def test_merge_into_a_run_of_another_configuration_is_refused(demo, records_kept
 
 
 def test_intervene_into_the_run_itself_is_refused(demo, records_kept):
-    refused(invoke("intervene", demo["pruned"], "--mode", "remove", "--out", demo["pruned"]),
-            str(demo["pruned"]), "holds the outputs of prune-audit run")
+    refused(
+        invoke("intervene", demo["pruned"], "--mode", "remove", "--out", demo["pruned"]),
+        str(demo["pruned"]),
+        "holds the outputs of prune-audit run",
+    )
 
 
 @pytest.mark.parametrize(
     ("command", "target", "holder"),
     [
         (["calibrate", "{pruned}", "--bootstrap", "20"], "dense", "run"),
-        (["cascade", "{pruned}", "--reference", "{dense}", "--splits", "5", "--epsilon", "0.5"], "calibration", "calibrate"),
+        (
+            ["cascade", "{pruned}", "--reference", "{dense}", "--splits", "5", "--epsilon", "0.5"],
+            "calibration",
+            "calibrate",
+        ),
         (["run", "--limit", "12"], "calibration", "calibrate"),
-        (["calibrate", "{pruned}", "--reference", "{dense}", "--bootstrap", "20", "--bins", "5"], "calibration",
-         "other settings (bins)"),
+        (
+            ["calibrate", "{pruned}", "--reference", "{dense}", "--bootstrap", "20", "--bins", "5"],
+            "calibration",
+            "other settings (bins)",
+        ),
     ],
 )
 def test_commands_refuse_a_directory_holding_other_outputs(demo, records_kept, command, target, holder):
@@ -174,8 +201,11 @@ def test_budget_all_keeps_every_visual_token(demo, tmp_path):
 def test_visualize_budget_above_the_grid_is_refused(demo, tmp_path):
     image = demo["images"] / used_images(demo["pope"], 1)[0]
     out = tmp_path / "tokens.png"
-    refused(invoke("visualize", image, "--selector", "random", "--budget", "5000", "--out", out),
-            "--budget 5000", "144 visual tokens")
+    refused(
+        invoke("visualize", image, "--selector", "random", "--budget", "5000", "--out", out),
+        "--budget 5000",
+        "144 visual tokens",
+    )
     assert not out.exists()
 
 
@@ -187,8 +217,11 @@ def test_visualize_run_draws_next_to_the_run_never_into_it(demo, records_kept, t
     drawn = invoke("visualize", "--run", demo["pruned"], "--question-id", question_id)
     assert drawn.exit_code == 0, drawn.output
     assert list((tmp_path / "figures" / demo["pruned"].name).glob("tokens-*.png"))
-    refused(invoke("visualize", "--run", demo["pruned"], "--question-id", question_id, "--out", demo["pruned"]),
-            str(demo["pruned"]), "prune-audit run")
+    refused(
+        invoke("visualize", "--run", demo["pruned"], "--question-id", question_id, "--out", demo["pruned"]),
+        str(demo["pruned"]),
+        "prune-audit run",
+    )
 
 
 # ----- 4, 5. resume pinned by content, not paths ----------------------------------------------
@@ -203,8 +236,11 @@ def copy_inputs(demo, target: Path, limit: int) -> dict[str, Path]:
     pope = [shutil.copy(p, target / p.name) for p in demo_assets().pope_files]
     for name in used_images(demo["pope"], limit):
         shutil.copy(demo["images"] / name, target / "images" / name)
-    return {"pope": [Path(p) for p in pope], "images": target / "images",
-            "annotations": Path(shutil.copy(demo["annotations"], target / "instances.json"))}
+    return {
+        "pope": [Path(p) for p in pope],
+        "images": target / "images",
+        "annotations": Path(shutil.copy(demo["annotations"], target / "instances.json")),
+    }
 
 
 def inputs_args(inputs: dict[str, Path]) -> list[str]:
@@ -306,8 +342,9 @@ HOLDER = textwrap.dedent(
 def test_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(demo, tmp_path):
     out = tmp_path / "run"
     assert invoke("run", "--limit", "6", "--out", out).exit_code == 0
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE, text=True,
-                              env=process_env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE, text=True, env=process_env()
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = snapshot(out)
@@ -326,8 +363,16 @@ def test_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(demo, tm
 
 def test_two_processes_build_one_demo_cache_through_the_cli(tmp_path):
     args = cli("demo", "questions", "--cache-dir", tmp_path / "cache", "--scenes", "60", "--pope-images", "8")
-    processes = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=process_env(HOME=str(tmp_path / f"home{i}"))) for i in range(2)]
+    processes = [
+        subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=process_env(HOME=str(tmp_path / f"home{i}")),
+        )
+        for i in range(2)
+    ]
     outputs = [p.communicate() for p in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs
     assert outputs[0][0] == outputs[1][0]
@@ -352,8 +397,19 @@ def test_calibrate_and_cascade_warn_on_an_incomplete_run(demo, tmp_path):
     pruned = tmp_path / "pruned-shard"
     args = ["--selector", "random", "--budget", "36", "--limit", "36", "--shard", "0/2", "--out", pruned]
     assert invoke("run", *args).exit_code == 0
-    cascade = invoke("cascade", pruned, "--reference", shard, "--epsilon", "0.5", "--splits", "5",
-                     "--out", tmp_path / "cascade", "--json")
+    cascade = invoke(
+        "cascade",
+        pruned,
+        "--reference",
+        shard,
+        "--epsilon",
+        "0.5",
+        "--splits",
+        "5",
+        "--out",
+        tmp_path / "cascade",
+        "--json",
+    )
     assert cascade.exit_code == 0, cascade.output
     assert cascade.stderr.count("is incomplete (18 of 36 questions") == 2
     assert [e["complete"] for e in json.loads(cascade.stdout)["completeness"]] == [False, False]
@@ -385,8 +441,9 @@ def test_damaged_model_weights_are_one_line(demo, tmp_path):
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     out = tmp_path / "out"
-    refused(invoke("run", "--model", model, "--limit", "2", *explicit_inputs(demo), "--out", out),
-            "damaged or incomplete")
+    refused(
+        invoke("run", "--model", model, "--limit", "2", *explicit_inputs(demo), "--out", out), "damaged or incomplete"
+    )
     assert not out.exists()
 
 
@@ -431,8 +488,9 @@ def test_non_utf8_question_file_names_file_and_line(demo, tmp_path):
 
 def test_hub_id_while_offline_is_one_line(demo, tmp_path):
     out = tmp_path / "out"
-    result = invoke("run", "--model", "someorg/not-cached-model", *explicit_inputs(demo), "--out", out,
-                    env={"HF_HUB_OFFLINE": "1"})
+    result = invoke(
+        "run", "--model", "someorg/not-cached-model", *explicit_inputs(demo), "--out", out, env={"HF_HUB_OFFLINE": "1"}
+    )
     refused(result, "someorg/not-cached-model", "hub is unreachable", "local checkpoint folder")
     assert not out.exists()
 
@@ -453,8 +511,9 @@ def test_already_refused_inputs_stay_refused(demo, tmp_path):
 @pytest.mark.parametrize("prefix", ["../..", "../escape", "a/b", ".."])
 def test_pope_build_refuses_path_like_prefixes(demo, tmp_path, prefix):
     out = tmp_path / "deep" / "out"
-    result = invoke("pope", "build", "--annotations", demo["annotations"], "--out", out, "--images", "5",
-                    "--prefix", prefix)
+    result = invoke(
+        "pope", "build", "--annotations", demo["annotations"], "--out", out, "--images", "5", "--prefix", prefix
+    )
     refused(result, "--prefix", "plain name")
     assert list(tmp_path.rglob("*")) == []
 
@@ -468,9 +527,18 @@ def test_ctrl_c_says_what_is_saved_exits_130_and_the_same_command_resumes(demo, 
     args = cli("run", "--limit", "600", "--batch-size", "2", "--out", out)
     # a test session started in the background of a non-interactive shell ignores SIGINT, and children
     # inherit that (Python then installs no KeyboardInterrupt handler): restore the default, as a terminal has
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=process_env(),
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    while process.poll() is None and len(list((out / "parts").glob("part-*.parquet")) if (out / "parts").is_dir() else []) < 2:
+    process = subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=process_env(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    while (
+        process.poll() is None
+        and len(list((out / "parts").glob("part-*.parquet")) if (out / "parts").is_dir() else []) < 2
+    ):
         time.sleep(0.05)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate()
@@ -478,7 +546,9 @@ def test_ctrl_c_says_what_is_saved_exits_130_and_the_same_command_resumes(demo, 
     line = stderr.strip().splitlines()[-1]
     assert "Traceback" not in stderr
     saved = record_count(out)
-    assert line == f"error: interrupted: {saved} of 600 questions are saved in {out}; run the same command again to resume"
+    assert (
+        line == f"error: interrupted: {saved} of 600 questions are saved in {out}; run the same command again to resume"
+    )
     leftover = out / "parts" / f".part-0-dead.parquet.{'0123' * 8}.tmp"  # as a killed write leaves it
     leftover.write_bytes(b"half a parquet file")
     resumed = subprocess.run(args, capture_output=True, text=True, env=process_env())
@@ -494,11 +564,24 @@ def coco(shared_data, tmp_path_factory) -> dict[str, Path]:
     """POPE questions built from the real tiny COCO val2017 and a 6-question demo-model run over them."""
     tiny = shared_data / "coco" / "tiny_coco_val2017"
     root = tmp_path_factory.mktemp("coco")
-    built = invoke("pope", "build", "--annotations", tiny / "instances_val2017.json", "--out", root / "pope",
-                   "--images", "4", "--split", "random")
+    built = invoke(
+        "pope",
+        "build",
+        "--annotations",
+        tiny / "instances_val2017.json",
+        "--out",
+        root / "pope",
+        "--images",
+        "4",
+        "--split",
+        "random",
+    )
     assert built.exit_code == 0, built.output
-    inputs = {"pope": root / "pope" / "coco_pope_random.json", "images": tiny / "val2017",
-              "annotations": tiny / "instances_val2017.json"}
+    inputs = {
+        "pope": root / "pope" / "coco_pope_random.json",
+        "images": tiny / "val2017",
+        "annotations": tiny / "instances_val2017.json",
+    }
     run = root / "run"
     result = invoke("run", "--limit", "6", *explicit_inputs(inputs), "--out", run)
     assert result.exit_code == 0, result.output
@@ -529,8 +612,15 @@ def test_coco_resume_with_other_pixels_is_refused_and_records_kept(coco, tmp_pat
     with Image.open(images / used[0]) as image:
         image.transpose(Image.Transpose.FLIP_TOP_BOTTOM).save(images / used[0])  # same size, other pixels
     before = snapshot(coco["run"])
-    refused(invoke("run", "--limit", "6", *explicit_inputs(coco, images=images), "--out", coco["run"]),
-            str(coco["run"]), used[0], "other content")
-    refused(invoke("pope", "build", "--annotations", coco["annotations"], "--out", coco["run"], "--images", "4"),
-            str(coco["run"]), "holds the outputs of prune-audit run")
+    refused(
+        invoke("run", "--limit", "6", *explicit_inputs(coco, images=images), "--out", coco["run"]),
+        str(coco["run"]),
+        used[0],
+        "other content",
+    )
+    refused(
+        invoke("pope", "build", "--annotations", coco["annotations"], "--out", coco["run"], "--images", "4"),
+        str(coco["run"]),
+        "holds the outputs of prune-audit run",
+    )
     assert snapshot(coco["run"]) == before

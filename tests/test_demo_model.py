@@ -35,8 +35,20 @@ from prune_audit.demo.train import (
 )
 
 TINY = DemoRecipe(
-    seed=3, steps=2, images_per_step=3, questions_per_image=2, warmup_steps=1, image_size=64, patch_size=16,
-    vision_width=32, vision_layers=2, text_width=32, text_layers=2, heads=2, monitor_every=1, monitor_images=3,
+    seed=3,
+    steps=2,
+    images_per_step=3,
+    questions_per_image=2,
+    warmup_steps=1,
+    image_size=64,
+    patch_size=16,
+    vision_width=32,
+    vision_layers=2,
+    text_width=32,
+    text_layers=2,
+    heads=2,
+    monitor_every=1,
+    monitor_images=3,
 )
 
 
@@ -50,9 +62,24 @@ def tiny_model(tmp_path_factory):
 
 # the Qwen2.5-VL recipe in miniature: 2x2 merge, M-RoPE, scenes at two sizes (4x4 and 6x6 tokens)
 TINY_QWEN = DemoRecipe(
-    seed=3, steps=2, images_per_step=3, questions_per_image=2, warmup_steps=1, image_size=64, patch_size=8,
-    vision_width=32, vision_layers=2, text_width=32, text_layers=2, heads=2, monitor_every=1, monitor_images=3,
-    family="qwen2_5_vl", merge=2, train_sizes=(64, 96), kv_heads=1,
+    seed=3,
+    steps=2,
+    images_per_step=3,
+    questions_per_image=2,
+    warmup_steps=1,
+    image_size=64,
+    patch_size=8,
+    vision_width=32,
+    vision_layers=2,
+    text_width=32,
+    text_layers=2,
+    heads=2,
+    monitor_every=1,
+    monitor_images=3,
+    family="qwen2_5_vl",
+    merge=2,
+    train_sizes=(64, 96),
+    kv_heads=1,
 )
 
 
@@ -116,8 +143,9 @@ def test_pixels_and_prompt_ids_equal_the_processor_path(tiny_model):
 
 def assert_same_p_yes_as_the_full_prompt(vlm, batch, instructions, features, probs) -> None:
     """The shared-prefix ``probs`` (Q, V) give p(yes) of the full-prompt answer path, question by question."""
-    texts = [prompt_text(vlm, question_text(q.category), DEMO_INSTRUCTIONS[i])
-             for q, i in zip(batch.questions, instructions)]
+    texts = [
+        prompt_text(vlm, question_text(q.category), DEMO_INSTRUCTIONS[i]) for q, i in zip(batch.questions, instructions)
+    ]
     full = answer(vlm, [features[q.image] for q in batch.questions], texts)
     yes_id = vlm.tokenizer.convert_tokens_to_ids("yes")
     assert torch.allclose(probs[:, yes_id], full.p_yes, atol=1e-5)
@@ -132,8 +160,10 @@ def test_shared_prefix_training_forward_equals_the_full_forward(tiny_model):
         inputs = scene_inputs(vlm, batch.scenes)
         features, _, _ = vlm.vision_states(**inputs)
         assert torch.allclose(features, vlm.image_features(**inputs))
-        suffixes = [pieces.suffix(vlm, f"{question_text(q.category)} {DEMO_INSTRUCTIONS[i]}".strip())
-                    for q, i in zip(batch.questions, instructions)]
+        suffixes = [
+            pieces.suffix(vlm, f"{question_text(q.category)} {DEMO_INSTRUCTIONS[i]}".strip())
+            for q, i in zip(batch.questions, instructions)
+        ]
         logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, suffixes, 4)
         probs = torch.softmax(logits, dim=-1)
     assert_same_p_yes_as_the_full_prompt(vlm, batch, instructions, features, probs)
@@ -152,17 +182,21 @@ def test_qwen_shared_prefix_forward_equals_the_full_forward_at_each_size(tiny_qw
         features, pooled, _ = vlm.vision_states(**inputs)
         assert features.shape[:2] == (2, grid * grid) and pooled.shape == (2, TINY_QWEN.text_width)
         assert all(torch.allclose(f, g) for f, g in zip(features, vlm.image_features(**inputs)))
-        suffixes = [pieces.suffix(vlm, f"{question_text(q.category)} {DEMO_INSTRUCTIONS[i]}".strip())
-                    for q, i in zip(batch.questions, instructions)]
-        logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, suffixes, 4,
-                                          grid=(grid, grid))
+        suffixes = [
+            pieces.suffix(vlm, f"{question_text(q.category)} {DEMO_INSTRUCTIONS[i]}".strip())
+            for q, i in zip(batch.questions, instructions)
+        ]
+        logits = vlm.shared_prefix_logits(
+            features, pieces.prefix, pieces.image_positions, suffixes, 4, grid=(grid, grid)
+        )
         probs = torch.softmax(logits, dim=-1)
     assert_same_p_yes_as_the_full_prompt(vlm, batch, instructions, features, probs)
     # the audit's prepare sees the same dynamic-resolution grid and prompt
     prepared = vlm.prepare(Image.fromarray(batch.scenes[0].image), question_text(batch.questions[0].category))
     assert prepared.grid == (grid, grid)
-    assert torch.equal(prepared.input_ids, prompt_ids(vlm, prompt_text(vlm, question_text(batch.questions[0].category)),
-                                                      grid * grid))
+    assert torch.equal(
+        prepared.input_ids, prompt_ids(vlm, prompt_text(vlm, question_text(batch.questions[0].category)), grid * grid)
+    )
 
 
 def test_qwen_training_is_deterministic_and_loads_through_the_family_registry(tiny_qwen, tmp_path):
@@ -177,7 +211,9 @@ def test_qwen_training_is_deterministic_and_loads_through_the_family_registry(ti
     assert recipe["train_sizes"] == [64, 96] and recipe["family"] == "qwen2_5_vl"
     config = json.loads((out / "config.json").read_text())
     assert config["vision_config"]["spatial_merge_size"] == 2
-    assert sum(config["text_config"]["rope_parameters"]["mrope_section"]) == TINY_QWEN.text_width // TINY_QWEN.heads // 2
+    assert (
+        sum(config["text_config"]["rope_parameters"]["mrope_section"]) == TINY_QWEN.text_width // TINY_QWEN.heads // 2
+    )
 
 
 def test_training_is_deterministic_and_saves_a_loadable_float16_checkpoint(tiny_model, tmp_path):
@@ -240,8 +276,9 @@ def test_removal_conditions_keep_equal_counts_and_drop_the_right_tokens(small_qu
 
 def test_cli_writes_the_question_set_and_reports_one_line_errors(tmp_path):
     runner = CliRunner()
-    result = runner.invoke(app, ["demo", "questions", "--cache-dir", str(tmp_path), "--scenes", "120",
-                                 "--pope-images", "40"])
+    result = runner.invoke(
+        app, ["demo", "questions", "--cache-dir", str(tmp_path), "--scenes", "120", "--pope-images", "40"]
+    )
     assert result.exit_code == 0, result.output
     assert "demo_pope_adversarial.json" in result.output
     missing = runner.invoke(app, ["demo", "evaluate", "--model", str(tmp_path / "nothing")])

@@ -66,8 +66,21 @@ def run_dir(tmp_path_factory):
         if not out.exists():
             assets = demo_assets(name=name)
             files = first_questions(assets.pope_files, PER_SPLIT, root / "questions")
-            args = ["run", "--model", name, "--images", str(assets.images_dir), "--annotations", str(assets.annotations),
-                    "--out", str(out), "--device", "cpu", "--threads", "1"]
+            args = [
+                "run",
+                "--model",
+                name,
+                "--images",
+                str(assets.images_dir),
+                "--annotations",
+                str(assets.annotations),
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--threads",
+                "1",
+            ]
             args += [arg for path in files for arg in ("--pope", str(path))]
             if budget is not None:
                 args += ["--selector", selector, "--budget", str(budget)]
@@ -107,22 +120,40 @@ def _table(correct, confidence, lost, label_yes, order=None, diluted=None):
     order = np.arange(n) if order is None else np.asarray(order)
     column = lambda values, dtype: np.asarray(values, dtype=dtype)[order]  # noqa: E731
     return QuestionTable(
-        split=np.array(["random"] * n), question_id=order.astype(np.int64), image_id=np.zeros(n, dtype=np.int64),
-        label_yes=column(label_yes, bool), answer_yes=column(label_yes, bool), correct=column(correct, bool),
-        confidence=column(confidence, float), p_yes=np.full(n, 0.5), logit_diff=np.zeros(n),
-        retention=np.full(n, np.nan), lost=column(lost, float),
-        diluted=column(lost, float) * 0 if diluted is None else column(diluted, float), cost_tokens=np.ones(n),
-        flops=np.ones(n), latency_ms=np.ones(n),
+        split=np.array(["random"] * n),
+        question_id=order.astype(np.int64),
+        image_id=np.zeros(n, dtype=np.int64),
+        label_yes=column(label_yes, bool),
+        answer_yes=column(label_yes, bool),
+        correct=column(correct, bool),
+        confidence=column(confidence, float),
+        p_yes=np.full(n, 0.5),
+        logit_diff=np.zeros(n),
+        retention=np.full(n, np.nan),
+        lost=column(lost, float),
+        diluted=column(lost, float) * 0 if diluted is None else column(diluted, float),
+        cost_tokens=np.ones(n),
+        flops=np.ones(n),
+        latency_ms=np.ones(n),
     )
 
 
 def test_lost_object_summary_pairs_the_lost_questions_with_the_unpruned_run():
     nan = float("nan")
-    pruned = _table([False, False, True, True, True], [0.9, 0.7, 0.8, 0.6, 0.9], [1, 1, 0, nan, nan],
-                    [True, True, True, True, False])
+    pruned = _table(
+        [False, False, True, True, True],
+        [0.9, 0.7, 0.8, 0.6, 0.9],
+        [1, 1, 0, nan, nan],
+        [True, True, True, True, False],
+    )
     # the unpruned run lists the same questions in another order
-    dense = _table([True, False, True, True, True], [0.95, 0.85, 0.9, 0.9, 0.9], [0, 0, 0, nan, nan],
-                   [True, True, True, True, False], order=[4, 3, 2, 1, 0])
+    dense = _table(
+        [True, False, True, True, True],
+        [0.95, 0.85, 0.9, 0.9, 0.9],
+        [0, 0, 0, nan, nan],
+        [True, True, True, True, False],
+        order=[4, 3, 2, 1, 0],
+    )
     summary = lost_object_summary(pruned, dense)
     assert (summary.questions, summary.yes_with_mask, summary.lost) == (5, 3, 2)
     assert summary.lost_share == pytest.approx(2 / 3)
@@ -135,8 +166,13 @@ def test_lost_object_summary_pairs_the_lost_questions_with_the_unpruned_run():
 def test_lost_object_summary_counts_the_diluted_questions_apart_from_the_lost():
     """A merging selector's object that only a merged token carries is diluted, not lost."""
     nan = float("nan")
-    pruned = _table([False, True, True, True], [0.9, 0.8, 0.7, 0.6], [0, 0, 0, nan], [True, True, True, True],
-                    diluted=[1, 1, 0, nan])
+    pruned = _table(
+        [False, True, True, True],
+        [0.9, 0.8, 0.7, 0.6],
+        [0, 0, 0, nan],
+        [True, True, True, True],
+        diluted=[1, 1, 0, nan],
+    )
     dense = _table([True, True, True, True], [0.95, 0.85, 0.9, 0.9], [0, 0, 0, nan], [True, True, True, True])
     summary = lost_object_summary(pruned, dense)
     assert (summary.lost, summary.diluted, summary.yes_with_mask) == (0, 2, 3)

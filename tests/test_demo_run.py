@@ -12,7 +12,9 @@ import pytest
 def test_default_run_from_the_readme_writes_records(tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "prune_audit.cli.main", "run"],
-        cwd=tmp_path, capture_output=True, text=True,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     run_dir = tmp_path / "runs" / "demo-dense"

@@ -81,7 +81,9 @@ def test_count_largest_choice_and_caption_answers_and_evidence():
         assert len(choice.options) == 4 and len(set(choice.options)) == 4 and len(present) == 1
         assert choice.options[CHOICE_LETTERS.index(choice.answer)] == present[0]
         assert scene.objects[choice.evidence[0]].category == present[0]
-        assert choice.prompt.splitlines()[1:5] == [f"{letter}. {option}" for letter, option in zip("ABCD", choice.options)]
+        assert choice.prompt.splitlines()[1:5] == [
+            f"{letter}. {option}" for letter, option in zip("ABCD", choice.options)
+        ]
 
 
 def test_evidence_masks_are_the_union_of_the_named_objects_visible_masks():
@@ -111,13 +113,40 @@ def test_generated_questions_cover_every_form_and_use_only_vocabulary_words():
 # ----- training on the task mix ------------------------------------------------------------------------------------
 
 TINY_MIX = DemoRecipe(
-    seed=3, steps=2, images_per_step=2, warmup_steps=1, image_size=64, patch_size=16, vision_width=32,
-    vision_layers=2, text_width=32, text_layers=2, heads=2, monitor_every=2, monitor_images=3, mix=DEFAULT_MIX,
+    seed=3,
+    steps=2,
+    images_per_step=2,
+    warmup_steps=1,
+    image_size=64,
+    patch_size=16,
+    vision_width=32,
+    vision_layers=2,
+    text_width=32,
+    text_layers=2,
+    heads=2,
+    monitor_every=2,
+    monitor_images=3,
+    mix=DEFAULT_MIX,
 )
 TINY_MIX_QWEN = DemoRecipe(
-    seed=3, steps=2, images_per_step=2, warmup_steps=1, image_size=64, patch_size=8, vision_width=32,
-    vision_layers=2, text_width=32, text_layers=2, heads=2, monitor_every=2, monitor_images=3, mix=DEFAULT_MIX,
-    family="qwen2_5_vl", merge=2, train_sizes=(64, 96), kv_heads=1,
+    seed=3,
+    steps=2,
+    images_per_step=2,
+    warmup_steps=1,
+    image_size=64,
+    patch_size=8,
+    vision_width=32,
+    vision_layers=2,
+    text_width=32,
+    text_layers=2,
+    heads=2,
+    monitor_every=2,
+    monitor_images=3,
+    mix=DEFAULT_MIX,
+    family="qwen2_5_vl",
+    merge=2,
+    train_sizes=(64, 96),
+    kv_heads=1,
 )
 
 
@@ -154,8 +183,15 @@ def test_mix_training_extends_the_vocabulary_and_reports_each_kind(mix_model):
     _, _, summary, vlm = mix_model
     assert "<unk>" not in vlm.tokenizer.convert_ids_to_tokens(vlm.tokenizer.convert_tokens_to_ids(list(MIX_WORDS)))
     last = summary["history"][-1]
-    assert set(last["task_accuracy"]) == {"caption", "choice", "short", "short:above", "short:count",
-                                          "short:largest", "short:left"}
+    assert set(last["task_accuracy"]) == {
+        "caption",
+        "choice",
+        "short",
+        "short:above",
+        "short:count",
+        "short:largest",
+        "short:left",
+    }
     assert all(0.0 <= value <= 1.0 for value in last["task_accuracy"].values())
     assert list(summary["recipe"]["mix"]) == list(DEFAULT_MIX)
 
@@ -171,8 +207,15 @@ def test_teacher_forced_logits_equal_the_full_forward_at_every_answer_token(mix_
     with torch.no_grad():
         features = vlm.image_features(**scene_inputs(vlm, batch.scenes))
         features = torch.stack(list(features))
-        logits = vlm.shared_prefix_logits(features, pieces.prefix, pieces.image_positions, forcing.suffixes, sum(DEFAULT_MIX),
-                                          grid=(recipe.grid, recipe.grid), every_position=True)
+        logits = vlm.shared_prefix_logits(
+            features,
+            pieces.prefix,
+            pieces.image_positions,
+            forcing.suffixes,
+            sum(DEFAULT_MIX),
+            grid=(recipe.grid, recipe.grid),
+            every_position=True,
+        )
         for row, col in zip(forcing.rows.tolist(), forcing.cols.tolist()):
             ids = torch.cat([pieces.prefix, forcing.suffixes[row][: col + 1]])[None]
             full = vlm.first_token_logits(ids, torch.ones_like(ids), [features[batch.questions[row].image]])
@@ -188,8 +231,10 @@ def test_exact_match_needs_every_token_and_restricts_choices_to_the_offered_lett
 
     recipe, _, _, vlm = mix_model
     pieces = prompt_pieces(vlm, recipe.grid**2)
-    targets = [AnswerTarget("Describe this image in detail.", "a star", True),
-               AnswerTarget("Which of these shapes is in the image?", "B", False, ("A", "B", "C", "D"))]
+    targets = [
+        AnswerTarget("Describe this image in detail.", "a star", True),
+        AnswerTarget("Which of these shapes is in the image?", "B", False, ("A", "B", "C", "D")),
+    ]
     forcing = teacher_forcing(vlm, pieces, targets)
     logits = torch.zeros(2, max(len(s) for s in forcing.suffixes), len(vlm.tokenizer))
     ids = vlm.tokenizer.convert_tokens_to_ids
@@ -300,11 +345,15 @@ def test_caption_scoring_counts_the_demo_shapes_as_chair_counts_coco_objects(tas
     assert scored.omitted == ("cross",)
 
 
-TASK_DEMO_RUNS = [(model, task) for model in ("demo-tasks", "demo-qwen-tasks") for task in ("gqa", "scienceqa", "caption")]
+TASK_DEMO_RUNS = [
+    (model, task) for model in ("demo-tasks", "demo-qwen-tasks") for task in ("gqa", "scienceqa", "caption")
+]
 
 
-@pytest.mark.parametrize(("model", "task"), [("demo", "gqa"), ("demo", "caption"), ("demo-qwen", "gqa"),
-                                           ("demo-qwen", "caption"), *TASK_DEMO_RUNS])
+@pytest.mark.parametrize(
+    ("model", "task"),
+    [("demo", "gqa"), ("demo", "caption"), ("demo-qwen", "gqa"), ("demo-qwen", "caption"), *TASK_DEMO_RUNS],
+)
 def test_run_task_on_the_bundled_demo_needs_no_question_files(model, task, tmp_path):
     import pyarrow.parquet as pq
     from typer.testing import CliRunner
@@ -313,8 +362,9 @@ def test_run_task_on_the_bundled_demo_needs_no_question_files(model, task, tmp_p
 
     out = tmp_path / task
     generation = ["--max-new-tokens", "6"] if task != "scienceqa" else []  # scienceqa answers by its first token
-    result = CliRunner().invoke(app, ["run", "--model", model, "--task", task, "--limit", "3", *generation,
-                                      "--out", str(out)])
+    result = CliRunner().invoke(
+        app, ["run", "--model", model, "--task", task, "--limit", "3", *generation, "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output[-2000:]
     records = pq.read_table(out / "records.parquet").to_pylist()
     assert len(records) == 3 and {r["task"] for r in records} == {task}
@@ -329,8 +379,9 @@ def test_scienceqa_on_the_yes_no_demo_names_its_missing_option_letters_in_one_li
 
     from prune_audit.cli.main import app
 
-    result = CliRunner().invoke(app, ["run", "--model", "demo", "--task", "scienceqa", "--limit", "2", "--out",
-                                      str(tmp_path / "a")])
+    result = CliRunner().invoke(
+        app, ["run", "--model", "demo", "--task", "scienceqa", "--limit", "2", "--out", str(tmp_path / "a")]
+    )
     assert result.exit_code != 0 and "option letter" in result.output and "Traceback" not in result.output
 
 
@@ -363,9 +414,24 @@ def test_scienceqa_runs_on_the_demo_files_with_a_mix_trained_model(task_files, t
     _, model_dir, _, _ = mix_model
     question_set, files = task_files
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["run", "--task", "scienceqa", "--model", str(model_dir), "--questions",
-                                      str(files.scienceqa), "--images", str(question_set.image_dir), "--limit", "3",
-                                      "--out", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "--task",
+            "scienceqa",
+            "--model",
+            str(model_dir),
+            "--questions",
+            str(files.scienceqa),
+            "--images",
+            str(question_set.image_dir),
+            "--limit",
+            "3",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output[-2000:]
     records = pq.read_table(out / "records.parquet").to_pylist()
     assert len(records) == 3 and all(r["answer_text"] in ("A", "B", "C", "D") for r in records)
@@ -380,8 +446,9 @@ def test_a_model_demo_train_wrote_reads_the_demo_questions_by_default(mix_model,
 
     _, model_dir, _, _ = mix_model
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["run", "--task", "scienceqa", "--model", str(model_dir), "--limit", "3",
-                                      "--out", str(out)])
+    result = CliRunner().invoke(
+        app, ["run", "--task", "scienceqa", "--model", str(model_dir), "--limit", "3", "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output[-2000:]
     assert len(pq.read_table(out / "records.parquet")) == 3
     elsewhere = tmp_path / "not-a-demo"
@@ -400,8 +467,21 @@ def test_visualize_on_a_model_demo_train_wrote_reads_the_demo_scene_annotations(
     _, model_dir, _, _ = mix_model
     image = sorted(demo_assets().images_dir.glob("*.png"))[0]
     out = tmp_path / "figure.png"
-    result = CliRunner().invoke(app, ["visualize", str(image), "--model", str(model_dir), "--budget", "2",
-                                      "--selector", "random", "--out", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "visualize",
+            str(image),
+            "--model",
+            str(model_dir),
+            "--budget",
+            "2",
+            "--selector",
+            "random",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output[-2000:]
     assert out.is_file() and "not one of the" not in result.output
 
@@ -459,8 +539,9 @@ def test_the_task_demos_answer_every_task(model, tmp_path):
 
     for task, floor in TASK_FLOORS.items():
         out = tmp_path / task
-        result = CliRunner().invoke(app, ["run", "--model", model, "--task", task, "--limit", "60", "--threads", "1",
-                                          "--out", str(out)])
+        result = CliRunner().invoke(
+            app, ["run", "--model", model, "--task", task, "--limit", "60", "--threads", "1", "--out", str(out)]
+        )
         assert result.exit_code == 0, result.output[-2000:]
         correct = pq.read_table(out / "records.parquet").column("correct").to_pylist()
         assert len(correct) == 60 and sum(correct) / 60 >= floor, (task, sum(correct) / 60)

@@ -27,6 +27,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from tiny_models import (
+    QUESTIONS,
+    WORDS,
+    RecordingLayerSelector,
+    assert_batch_equals_one_at_a_time,
+    masked_reference_logits,
+    random_image,
+    stock_inputs,
+    visual_columns,
+)
 from torch import Tensor
 from typer.testing import CliRunner
 
@@ -42,16 +52,6 @@ from prune_audit.models.llava import LlavaModel
 from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector, list_selectors
 from prune_audit.records.schema import TIMING_COLUMNS
-from tiny_models import (
-    assert_batch_equals_one_at_a_time,
-    QUESTIONS,
-    WORDS,
-    RecordingLayerSelector,
-    masked_reference_logits,
-    random_image,
-    stock_inputs,
-    visual_columns,
-)
 
 TOL = 1e-5
 NUM_LAYERS = 4
@@ -68,8 +68,9 @@ def family(request) -> str:
 @pytest.fixture(scope="module")
 def checkpoint(family, tmp_path_factory):
     words = [*WORDS, "Is", *CATEGORIES]
-    return adapter_for(family, "test").build_tiny(tmp_path_factory.mktemp(family) / "model", words=words,
-                                                  text_layers=NUM_LAYERS, seed=3)
+    return adapter_for(family, "test").build_tiny(
+        tmp_path_factory.mktemp(family) / "model", words=words, text_layers=NUM_LAYERS, seed=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,15 @@ def test_describe_names_what_a_manifest_needs(family, vlm):
 
 
 def test_registered_families_in_registration_order():
-    assert family_names() == ["llava", "qwen2_5_vl", "qwen2_vl", "internvl", "qwen3_vl", "llava_next", "llava_onevision"]
+    assert family_names() == [
+        "llava",
+        "qwen2_5_vl",
+        "qwen2_vl",
+        "internvl",
+        "qwen3_vl",
+        "llava_next",
+        "llava_onevision",
+    ]
     assert families.adapter_for("llava", "x") is LlavaModel
     assert families.adapter_for("qwen2_5_vl", "x") is QwenModel
 
@@ -135,7 +144,10 @@ def test_an_unregistered_model_type_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(PruneAuditError) as error:
         load_vlm(tmp_path, device="cpu")
-    assert str(error.value) == f"{tmp_path} is a 'bert' model; supported families: llava, qwen2_5_vl, qwen2_vl, internvl, qwen3_vl, llava_next, llava_onevision"
+    assert (
+        str(error.value)
+        == f"{tmp_path} is a 'bert' model; supported families: llava, qwen2_5_vl, qwen2_vl, internvl, qwen3_vl, llava_next, llava_onevision"
+    )
 
 
 def test_a_model_type_cannot_be_served_by_two_adapters():
@@ -172,7 +184,9 @@ def test_every_family_declares_its_parts():
     for name in family_names():
         adapter = adapter_for(name, "test")
         assert adapter.family == name and adapter.display_name and adapter.prompt_templates
-        assert callable(adapter.build_tiny) and adapter.transformers_class().__name__.endswith("ForConditionalGeneration")
+        assert callable(adapter.build_tiny) and adapter.transformers_class().__name__.endswith(
+            "ForConditionalGeneration"
+        )
 
 
 def test_loaded_model_is_the_registered_adapter(family, vlm):
@@ -186,8 +200,11 @@ DIRECT_FORWARD_FAMILIES = {"llava", "qwen2_5_vl", "qwen2_vl"}  # the demo's dire
 def test_direct_forwards_equal_the_stock_forward_or_refuse_in_one_line(family, vlm):
     image = random_image(5, (112, 112))  # square: Qwen's first_token_logits rebuilds the grid from the count
     if family not in DIRECT_FORWARD_FAMILIES:
-        for call in (lambda: vlm.vision_state_width, lambda: vlm.image_inputs([image]),
-                     lambda: vlm.first_token_logits(None, None, [])):
+        for call in (
+            lambda: vlm.vision_state_width,
+            lambda: vlm.image_inputs([image]),
+            lambda: vlm.first_token_logits(None, None, []),
+        ):
             with pytest.raises(PruneAuditError, match="has no direct forwards") as error:
                 call()
             assert "\n" not in str(error.value)
@@ -239,7 +256,7 @@ def test_keep_all_generation_equals_stock_generate(vlm, prepared):
     item = prepared[0]
     with torch.no_grad():
         stock = vlm.model.generate(**stock_inputs(vlm, item), max_new_tokens=5, do_sample=False)
-    expected = vlm.tokenizer.decode(stock[0, item.input_ids.numel():], skip_special_tokens=True).strip()
+    expected = vlm.tokenizer.decode(stock[0, item.input_ids.numel() :], skip_special_tokens=True).strip()
     assert vlm.generate(item, max_new_tokens=5) == expected
 
 
@@ -291,19 +308,36 @@ def test_real_coco_mask_area_sums_back_per_token(vlm, shared_data):
         area = mask_area_per_token(mask, geometry)
         for first, grid in grid_pieces(geometry):  # each grid alone counts every mask pixel it sees once
             seen = token_index_map(grid) >= 0
-            assert mask.any() and area[first: first + grid.num_tokens].sum() == (mask & seen).sum()
+            assert mask.any() and area[first : first + grid.num_tokens].sum() == (mask & seen).sum()
 
 
 def run_args(workspace, checkpoint, out, *extra: str) -> list[str]:
-    args = ["run", "--model", str(checkpoint), "--images", str(workspace["images"]), "--annotations",
-            str(workspace["instances"]), "--out", str(out), "--device", "cpu", "--limit", "4", "--batch-size", "2"]
+    args = [
+        "run",
+        "--model",
+        str(checkpoint),
+        "--images",
+        str(workspace["images"]),
+        "--annotations",
+        str(workspace["instances"]),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--limit",
+        "4",
+        "--batch-size",
+        "2",
+    ]
     for path in workspace["pope"]:
         args += ["--pope", str(path)]
     return args + list(extra)
 
 
 @pytest.mark.parametrize("name", list_selectors())
-def test_run_records_every_supported_selector_and_refuses_the_rest(vlm, prepared, checkpoint, workspace, tmp_path, name):
+def test_run_records_every_supported_selector_and_refuses_the_rest(
+    vlm, prepared, checkpoint, workspace, tmp_path, name
+):
     out = tmp_path / name
     budget = prepared[0].num_visual // 2  # feasible for every schedule: above the layer-0 share of 4 layers
     result = runner.invoke(app, run_args(workspace, checkpoint, out, "--selector", name, "--budget", str(budget)))
@@ -347,8 +381,9 @@ def test_internvl_tiles_are_the_processors_and_the_one_tile_checkpoint_still_run
         count = vlm.image_processor.get_number_of_image_patches(size[1], size[0])
         assert item.pixel_values.shape[0] == count == tiles
         assert item.num_visual == tiles * 4 == int((item.input_ids == vlm.model.config.image_token_id).sum())
-        assert [tokens.tolist() for tokens, _ in vlm.crop_tokens(item)] == [list(range(4 * t, 4 * t + 4))
-                                                                             for t in range(tiles)]
+        assert [tokens.tolist() for tokens, _ in vlm.crop_tokens(item)] == [
+            list(range(4 * t, 4 * t + 4)) for t in range(tiles)
+        ]
     sizes = [(130, 100), (64, 64), (32, 32)]
     mixed = [vlm.prepare(random_image(seed, size), QUESTIONS[0]) for seed, size in enumerate(sizes)]
     assert [item.pixel_values.shape[0] for item in mixed] == [7, 5, 1]  # one tower call splits them back per image
@@ -375,8 +410,9 @@ def test_internvl_uniform_and_e2s_run_on_each_tile_grid(tmp_path):
     from prune_audit.pruners.registry import selector_from_strings
     from prune_audit.pruners.signals import InputSignals
 
-    checkpoint = adapter_for("internvl", "test").build_tiny(tmp_path / "model", words=WORDS, image_size=64,
-                                                            text_layers=NUM_LAYERS)
+    checkpoint = adapter_for("internvl", "test").build_tiny(
+        tmp_path / "model", words=WORDS, image_size=64, text_layers=NUM_LAYERS
+    )
     vlm = load_vlm(checkpoint, device="cpu")
     item = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
     grids = item.pixel_values.shape[0]
@@ -386,8 +422,12 @@ def test_internvl_uniform_and_e2s_run_on_each_tile_grid(tmp_path):
     assert vlm.answer([item], uniform, 28)[0].kept == [16 * tile + cell for tile in range(7) for cell in (0, 2, 8, 10)]
     for budget in (1, 5, 30, item.num_visual // 3):
         shares = [budget // grids + (tile < budget % grids) for tile in range(grids)]
-        expected = [16 * tile + int(cell) for tile, share in enumerate(shares) if share
-                    for cell in uniform.select(InputSignals(grid=(4, 4)), share).kept]
+        expected = [
+            16 * tile + int(cell)
+            for tile, share in enumerate(shares)
+            if share
+            for cell in uniform.select(InputSignals(grid=(4, 4)), share).kept
+        ]
         assert vlm.answer([item], uniform, budget)[0].kept_stages == [expected]
         crop_scoped = selector_from_strings("uniform", ["budget_scope=crop"])
         assert vlm.answer([item], crop_scoped, budget)[0].kept_stages == [expected]
@@ -437,10 +477,12 @@ def test_internvl_pool_and_tome_merge_within_each_tile_through_the_projector(tmp
         assert all(bool((group // 16 == tile).all()) for group, tile in zip(selection.sources, tiles))
         assert torch.equal(torch.cat(selection.sources).sort().values, torch.arange(item.num_visual))
         if name == "pool":
-            assert [group.tolist() for group in selection.sources] == [[16 * tile + cell for cell in block]
-                                                                        for tile in range(grids) for block in blocks]
-            means = torch.stack([output.signals["vision_features"][group].float().mean(dim=0)
-                                 for group in selection.sources])
+            assert [group.tolist() for group in selection.sources] == [
+                [16 * tile + cell for cell in block] for tile in range(grids) for block in blocks
+            ]
+            means = torch.stack(
+                [output.signals["vision_features"][group].float().mean(dim=0) for group in selection.sources]
+            )
             torch.testing.assert_close(selection.vision_tokens, means, atol=TOL, rtol=0)
             with torch.no_grad():
                 fed = vlm.model.model.multi_modal_projector(means.to(vlm.dtype))
@@ -448,11 +490,12 @@ def test_internvl_pool_and_tome_merge_within_each_tile_through_the_projector(tmp
             fed = torch.stack([output.features[group].float().mean(dim=0) for group in selection.sources])
             torch.testing.assert_close(selection.llm_tokens, fed, atol=TOL, rtol=0)
         row = vlm.input_row(item, output, selection)
-        torch.testing.assert_close(row.embeddings[start:start + 4 * grids], fed.to(row.embeddings.dtype),
-                                   atol=TOL, rtol=0)
+        torch.testing.assert_close(
+            row.embeddings[start : start + 4 * grids], fed.to(row.embeddings.dtype), atol=TOL, rtol=0
+        )
         assert row.kinds.numel() == item.input_ids.numel() - (end - start) + 4 * grids
         kinds = [int(group[0]) if group.numel() == 1 else MERGED for group in selection.sources]
-        assert row.kinds[start:start + 4 * grids].tolist() == kinds  # a one-cell ToMe output keeps its index
+        assert row.kinds[start : start + 4 * grids].tolist() == kinds  # a one-cell ToMe output keeps its index
         assert torch.equal(row.positions[0], torch.arange(row.kinds.numel()))
         with torch.no_grad():
             stock = vlm.model(inputs_embeds=row.embeddings[None]).logits[0, -1]
@@ -466,8 +509,9 @@ def test_internvl_one_tile_runs_the_grid_selectors_as_before_tiling(tmp_path):
     from prune_audit.models.internvl import build_internvl
     from prune_audit.pruners.signals import InputSignals
 
-    vlm = load_vlm(build_internvl(tmp_path / "one", words=WORDS, image_size=56, patch_size=7,
-                                  text_layers=NUM_LAYERS), device="cpu")
+    vlm = load_vlm(
+        build_internvl(tmp_path / "one", words=WORDS, image_size=56, patch_size=7, text_layers=NUM_LAYERS), device="cpu"
+    )
     item = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
     assert item.pixel_values.shape[0] == 1 and item.grid == (4, 4)
     uniform = get_selector("uniform")
@@ -480,13 +524,18 @@ def test_internvl_one_tile_runs_the_grid_selectors_as_before_tiling(tmp_path):
     assert recorder.records[0].grid_parts == ((4, 4),)
     assert vlm.answer([item], get_selector("e2s"), 8)[0].kept_stages
     [output] = vlm._vision([item], frozenset({"vision_features"}))
-    whole = InputSignals(grid=(4, 4), features=output.features.float(),
-                         vision_features=output.signals["vision_features"].float())
+    whole = InputSignals(
+        grid=(4, 4), features=output.features.float(), vision_features=output.signals["vision_features"].float()
+    )
     for name in ("pool", "tome"):
         _, [selection] = vlm.prefill([item], get_selector(name), 4)
         before = get_selector(name).select(whole, 4)  # by hand for pool: the four 2 x 2 blocks
         assert name == "tome" or [group.tolist() for group in selection.sources] == [
-            [0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
+            [0, 1, 4, 5],
+            [2, 3, 6, 7],
+            [8, 9, 12, 13],
+            [10, 11, 14, 15],
+        ]
         assert [group.tolist() for group in selection.sources] == [group.tolist() for group in before.sources]
         tokens = selection.vision_tokens if name == "pool" else selection.llm_tokens
         torch.testing.assert_close(tokens, before.vision_tokens if name == "pool" else before.llm_tokens)
@@ -503,8 +552,10 @@ def test_class_declarations_say_what_the_loaded_model_runs(family, vlm):
             assert refusal in str(error.value) and "\n" not in refusal
 
 
-@pytest.mark.parametrize(("document", "heading"), [("docs/models.md", "## Selectors per family"),
-                                                    ("README.md", "## Selectors per model family")])
+@pytest.mark.parametrize(
+    ("document", "heading"),
+    [("docs/models.md", "## Selectors per family"), ("README.md", "## Selectors per model family")],
+)
 def test_docs_table_lists_what_runs_on_each_family(family, document, heading):
     """The families x selectors tables of docs/models.md and README.md say what the class-level
     ``selector_support`` says."""
@@ -522,10 +573,19 @@ def test_docs_table_lists_what_runs_on_each_family(family, document, heading):
     assert sorted(cells) == list_selectors()
     adapter = adapter_for(family, "test")
     available = adapter.input_signals - ON_REQUEST_SIGNALS
-    with_clip = {name for name in list_selectors() if adapter.refusal(selector_class(name), adapter.input_signals) is None}
-    expected = {name: "yes" if refusal is None else "with --clip-text" if name in with_clip
-                else "with budget_scope=crop" if adapter.runs_per_crop(selector_class(name), available) else "no"
-                for name, refusal in adapter.selector_support().items()}
+    with_clip = {
+        name for name in list_selectors() if adapter.refusal(selector_class(name), adapter.input_signals) is None
+    }
+    expected = {
+        name: "yes"
+        if refusal is None
+        else "with --clip-text"
+        if name in with_clip
+        else "with budget_scope=crop"
+        if adapter.runs_per_crop(selector_class(name), available)
+        else "no"
+        for name, refusal in adapter.selector_support().items()
+    }
     assert cells == expected
 
 
@@ -572,12 +632,17 @@ def test_shards_resume_visualize_and_intervene(vlm, prepared, checkpoint, worksp
     whole = tmp_path / "whole"
     assert runner.invoke(app, run_args(workspace, checkpoint, whole, *common)).exit_code == 0
     for index in range(2):
-        result = runner.invoke(app, run_args(workspace, checkpoint, tmp_path / f"shard{index}", *common,
-                                             "--shard", f"{index}/2"))
+        result = runner.invoke(
+            app, run_args(workspace, checkpoint, tmp_path / f"shard{index}", *common, "--shard", f"{index}/2")
+        )
         assert result.exit_code == 0, result.output
     merged = tmp_path / "merged"
-    assert runner.invoke(app, ["merge", str(tmp_path / "shard0"), str(tmp_path / "shard1"), "--out", str(merged)]
-                         ).exit_code == 0
+    assert (
+        runner.invoke(
+            app, ["merge", str(tmp_path / "shard0"), str(tmp_path / "shard1"), "--out", str(merged)]
+        ).exit_code
+        == 0
+    )
 
     def records(run_dir):
         frame = pq.read_table(run_dir / "records.parquet").to_pandas()
@@ -589,15 +654,32 @@ def test_shards_resume_visualize_and_intervene(vlm, prepared, checkpoint, worksp
 
     image = sorted(workspace["images"].iterdir())[0]
     figures = tmp_path / "figures"
-    result = runner.invoke(app, ["visualize", str(image), "--model", str(checkpoint), "--selector", "divprune",
-                                 "--budget", budget, "--question", "Is there a cat in the image?", "--out", str(figures)])
+    result = runner.invoke(
+        app,
+        [
+            "visualize",
+            str(image),
+            "--model",
+            str(checkpoint),
+            "--selector",
+            "divprune",
+            "--budget",
+            budget,
+            "--question",
+            "Is there a cat in the image?",
+            "--out",
+            str(figures),
+        ],
+    )
     assert result.exit_code == 0, result.output
     question_id = int(records(whole)["question_id"][0])
     redraw = ["visualize", "--run", str(whole), "--question-id", str(question_id), "--out", str(figures)]
     result = runner.invoke(app, redraw)
     assert result.exit_code == 0, result.output
-    assert {path.name for path in figures.glob("*.png")} == {f"tokens-{checkpoint.name}-{budget}.png",
-                                                             f"tokens-{records(whole)['split'][0]}-{question_id}.png"}
+    assert {path.name for path in figures.glob("*.png")} == {
+        f"tokens-{checkpoint.name}-{budget}.png",
+        f"tokens-{records(whole)['split'][0]}-{question_id}.png",
+    }
 
     result = runner.invoke(app, ["intervene", str(whole), "--mode", "remove", "--out", str(tmp_path / "intervene")])
     assert result.exit_code == 0, result.output
@@ -607,7 +689,8 @@ def test_shards_resume_visualize_and_intervene(vlm, prepared, checkpoint, worksp
 REAL_PROCESSORS = {
     # the real checkpoints' image-processor settings, without weights
     "qwen3_vl": lambda transformers, **kw: transformers.Qwen2VLImageProcessorPil(
-        min_pixels=65536, max_pixels=16777216, patch_size=16, merge_size=2, **kw),
+        min_pixels=65536, max_pixels=16777216, patch_size=16, merge_size=2, **kw
+    ),
 }
 
 
@@ -661,8 +744,9 @@ def test_internvl_real_size_processor_puts_every_pixel_on_its_predicted_token(si
     from prune_audit.data.multigrid import internvl_geometry
     from prune_audit.data.tiles import tiled_canvas
 
-    processor = transformers.GotOcr2ImageProcessorPil(size={"height": 448, "width": 448}, crop_to_patches=True,
-                                                      min_patches=1, max_patches=12)
+    processor = transformers.GotOcr2ImageProcessorPil(
+        size={"height": 448, "width": 448}, crop_to_patches=True, min_patches=1, max_patches=12
+    )
     geometry = internvl_geometry(size)
     tiles = processor.get_number_of_image_patches(size[1], size[0])
     assert tiles * 256 == geometry.num_tokens
@@ -677,8 +761,9 @@ def test_internvl_real_size_processor_puts_every_pixel_on_its_predicted_token(si
     for first, grid in grid_pieces(geometry):
         index = token_index_map(grid)
         image = np.stack([index % 256, index // 256 * 16 + 8, np.full_like(index, IMAGE_BLUE)], axis=-1)
-        crops = processor(images=image.astype(np.uint8), return_tensors="np", do_rescale=False,
-                          do_normalize=False)["pixel_values"]
+        crops = processor(images=image.astype(np.uint8), return_tensors="np", do_rescale=False, do_normalize=False)[
+            "pixel_values"
+        ]
         assert crops.shape == (tiles, 3, 448, 448)
         own = range(tiles - 1, tiles) if first else range(grid.num_tokens // 256)  # the thumbnail is the last crop
         for order, crop in enumerate(own):
@@ -700,7 +785,8 @@ def test_internvl_tile_grid_choice_equals_the_processors_over_a_sweep():
         for height in sides:
             for tile, max_tiles in (((448, 448), 12), ((32, 32), 6), ((448, 448), 1)):
                 assert tiled_canvas((width, height), tile, 1, max_tiles) == get_optimal_tiled_canvas(
-                    (height, width), tile, 1, max_tiles), (width, height, max_tiles)
+                    (height, width), tile, 1, max_tiles
+                ), (width, height, max_tiles)
 
 
 def test_internvl_grid_order_among_equal_tile_counts_never_decides_with_one_tile_minimum():
@@ -710,8 +796,12 @@ def test_internvl_grid_order_among_equal_tile_counts_never_decides_with_one_tile
     from fractions import Fraction
 
     for max_tiles in range(1, 41):
-        grids = [(cols, rows) for cols in range(1, max_tiles + 1) for rows in range(1, max_tiles + 1)
-                 if cols * rows <= max_tiles]
+        grids = [
+            (cols, rows)
+            for cols in range(1, max_tiles + 1)
+            for rows in range(1, max_tiles + 1)
+            if cols * rows <= max_tiles
+        ]
         ratios = [Fraction(cols, rows) for cols, rows in grids]
         for (a_cols, a_rows), (b_cols, b_rows) in ((a, b) for a in grids for b in grids if a[0] * a[1] == b[0] * b[1]):
             a, b = Fraction(a_cols, a_rows), Fraction(b_cols, b_rows)
@@ -772,9 +862,9 @@ def test_llava_next_real_size_processor_puts_every_pixel_on_its_predicted_token(
         index = token_index_map(grid)
         return np.stack([index % 256, index // 256 * 16 + 8, np.full_like(index, IMAGE_BLUE)], axis=-1).astype(np.uint8)
 
-    processor = transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 336},
-                                                        crop_size={"height": 336, "width": 336},
-                                                        image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    processor = transformers.LlavaNextImageProcessorPil(
+        size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}, image_grid_pinpoints=LLAVA_NEXT_PINPOINTS
+    )
     geometry = anyres_geometry(size, pinpoints=LLAVA_NEXT_PINPOINTS)
     base, tiles = geometry.grids
     stock = SimpleNamespace(image_processor=processor, patch_size=14, num_additional_image_tokens=0)
@@ -786,15 +876,17 @@ def test_llava_next_real_size_processor_puts_every_pixel_on_its_predicted_token(
     layout = anyres_layout(size, LLAVA_NEXT_PINPOINTS, 336, 14)
     tile_rows, tile_cols = layout.canvas[0] // 336, layout.canvas[1] // 336
     for grid in (base, tiles):
-        crops = processor(images=token_id_image(grid), return_tensors="np", do_rescale=False,
-                          do_normalize=False)["pixel_values"][0]
+        crops = processor(images=token_id_image(grid), return_tensors="np", do_rescale=False, do_normalize=False)[
+            "pixel_values"
+        ][0]
         if grid is base:
             pixels = crops[0]
         else:  # the tiles joined row-major into the canvas, then the unpadded window
             canvas = crops[1:].reshape(tile_rows, tile_cols, 3, 336, 336).transpose(2, 0, 3, 1, 4)
             top, left = layout.cut[0] * 14, layout.cut[1] * 14
-            pixels = canvas.reshape(3, tile_rows * 336, tile_cols * 336)[:, top: top + grid.processed_height,
-                                                                           left: left + grid.processed_width]
+            pixels = canvas.reshape(3, tile_rows * 336, tile_cols * 336)[
+                :, top : top + grid.processed_height, left : left + grid.processed_width
+            ]
         pixels = np.rint(pixels).astype(int)
         assert pixels.shape[1:] == (grid.processed_height, grid.processed_width)
         ys, xs = np.arange(grid.processed_height), np.arange(grid.processed_width)
@@ -840,8 +932,9 @@ def test_llava_onevision_real_size_processor_puts_every_pixel_on_its_predicted_t
     for grid in (base, tiles):
         index = token_index_map(grid)
         image = np.stack([index % 256, index // 256 * 16 + 8, np.full_like(index, IMAGE_BLUE)], axis=-1)
-        crops = processor(images=image.astype(np.uint8), return_tensors="np", do_rescale=False,
-                          do_normalize=False)["pixel_values"][0]
+        crops = processor(images=image.astype(np.uint8), return_tensors="np", do_rescale=False, do_normalize=False)[
+            "pixel_values"
+        ][0]
         if grid is base:
             seen, canvas_y, canvas_x = crops[0][:, :378, :378], np.arange(378), np.arange(378)
             inside_y = inside_x = np.ones(378, dtype=bool)
@@ -851,13 +944,21 @@ def test_llava_onevision_real_size_processor_puts_every_pixel_on_its_predicted_t
             joined = joined.reshape(3, tile_rows * 378, tile_cols * 378)
             top, left = layout.cut[0] * 14, layout.cut[1] * 14
             rows, cols = grid.grid
-            seen = joined[:, top: top + rows * 14, left: left + cols * 14]
+            seen = joined[:, top : top + rows * 14, left : left + cols * 14]
             seen_y, seen_x = np.arange(top, top + rows * 14), np.arange(left, left + cols * 14)
             canvas_y, canvas_x = seen_y // 378 * 384 + seen_y % 378, seen_x // 378 * 384 + seen_x % 378
-            inside_y = (canvas_y + 0.5 >= layout.paste[1] + 3) & (canvas_y + 0.5 <= layout.paste[1] + layout.resized[1] - 3)
-            inside_x = (canvas_x + 0.5 >= layout.paste[0] + 3) & (canvas_x + 0.5 <= layout.paste[0] + layout.resized[0] - 3)
-            outside_y = (canvas_y + 0.5 < layout.paste[1] - 3) | (canvas_y + 0.5 > layout.paste[1] + layout.resized[1] + 3)
-            outside_x = (canvas_x + 0.5 < layout.paste[0] - 3) | (canvas_x + 0.5 > layout.paste[0] + layout.resized[0] + 3)
+            inside_y = (canvas_y + 0.5 >= layout.paste[1] + 3) & (
+                canvas_y + 0.5 <= layout.paste[1] + layout.resized[1] - 3
+            )
+            inside_x = (canvas_x + 0.5 >= layout.paste[0] + 3) & (
+                canvas_x + 0.5 <= layout.paste[0] + layout.resized[0] - 3
+            )
+            outside_y = (canvas_y + 0.5 < layout.paste[1] - 3) | (
+                canvas_y + 0.5 > layout.paste[1] + layout.resized[1] + 3
+            )
+            outside_x = (canvas_x + 0.5 < layout.paste[0] - 3) | (
+                canvas_x + 0.5 > layout.paste[0] + layout.resized[0] + 3
+            )
             assert (np.rint(seen[2])[outside_y[:, None] | outside_x[None, :]] == 0).all()  # zero padding
             expected = (np.arange(rows * 14) // 14)[:, None] * cols + (np.arange(cols * 14) // 14)[None, :]
         pixels = np.rint(seen).astype(int)
@@ -880,9 +981,11 @@ def test_multi_grid_geometries_survive_the_records_json():
         onevision_geometry,
     )
 
-    for geometry in (anyres_geometry((640, 480), pinpoints=LLAVA_NEXT_PINPOINTS),
-                     onevision_geometry((2000, 1500), pinpoints=[[384, 768], [768, 768], [1152, 1152]]),
-                     internvl_geometry((640, 480))):
+    for geometry in (
+        anyres_geometry((640, 480), pinpoints=LLAVA_NEXT_PINPOINTS),
+        onevision_geometry((2000, 1500), pinpoints=[[384, 768], [768, 768], [1152, 1152]]),
+        internvl_geometry((640, 480)),
+    ):
         again = geometry_from_dict(json.loads(json.dumps(geometry.to_dict())))
         assert again == geometry and (token_footprints(again) == token_footprints(geometry)).all()
 
@@ -905,9 +1008,14 @@ def test_llava_next_cls_attention_is_each_crops_own_cls_row(tmp_path):
         stock = tower(crops, output_attentions=True, output_hidden_states=True)
     layer = len(stock.hidden_states) + config.vision_feature_layer - 1  # the attention producing the feature layer
     expected = stock.attentions[layer][:, :, 0, 1:]  # (K, H, P): each crop's CLS row over its own patches
-    order = torch.from_numpy(anyres_crop_patches(image.size, pinpoints=config.image_grid_pinpoints,
-                                                 tile=config.vision_config.image_size,
-                                                 patch_size=config.vision_config.patch_size))
+    order = torch.from_numpy(
+        anyres_crop_patches(
+            image.size,
+            pinpoints=config.image_grid_pinpoints,
+            tile=config.vision_config.image_size,
+            patch_size=config.vision_config.patch_size,
+        )
+    )
     torch.testing.assert_close(output.signals["cls_attention"], expected.transpose(0, 1).flatten(1)[:, order])
     for crop in range(crops.shape[0]):  # a softmax per crop: each crop's patches share its CLS row's mass
         assert 0 < float(expected[crop].sum(dim=-1).max()) <= 1 + 1e-6
@@ -917,8 +1025,9 @@ def test_llava_next_cls_attention_is_each_crops_own_cls_row(tmp_path):
 
 def test_llava_onevision_refuses_cls_selectors_in_one_line(tmp_path):
     """SigLIP has no CLS token: the CLS-attention selectors are refused on LLaVA-OneVision, naming the reason."""
-    vlm = load_vlm(adapter_for("llava_onevision", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"]),
-                   device="cpu")
+    vlm = load_vlm(
+        adapter_for("llava_onevision", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"]), device="cpu"
+    )
     for name in ("cls_attn", "vispruner", "scope", "visionzip"):
         with pytest.raises(PruneAuditError) as error:
             vlm.check_selector(get_selector(name))
@@ -948,10 +1057,15 @@ def test_per_crop_budget_equals_an_independent_per_crop_top_k(tmp_path):
     crops = [np.flatnonzero(crop_of == crop) for crop in np.unique(crop_of)]
     assert len(crops) > 2  # the base view and several tiles
     budget = 13
-    shares = [min(len(tokens), budget // len(crops) + (index < budget % len(crops))) for index, tokens in enumerate(crops)]
+    shares = [
+        min(len(tokens), budget // len(crops) + (index < budget % len(crops))) for index, tokens in enumerate(crops)
+    ]
     assert crop_budgets(budget, [len(tokens) for tokens in crops]) == shares
-    expected = sorted(int(tokens[index]) for tokens, share in zip(crops, shares)
-                      for index in torch.topk(scores[torch.from_numpy(tokens)], share).indices)
+    expected = sorted(
+        int(tokens[index])
+        for tokens, share in zip(crops, shares)
+        for index in torch.topk(scores[torch.from_numpy(tokens)], share).indices
+    )
     selector = selector_from_strings("cls_attn", ["budget_scope=crop"])
     answer = vlm.answer([item], selector, budget)[0]
     assert answer.kept_stages == [expected]
@@ -983,8 +1097,9 @@ def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepare
 
     out = tmp_path / "crop"
     budget = str(prepared[0].num_visual // 3)
-    args = run_args(workspace, checkpoint, out, "--selector", "divprune", "--budget", budget,
-                    "--option", "budget_scope=crop")
+    args = run_args(
+        workspace, checkpoint, out, "--selector", "divprune", "--budget", budget, "--option", "budget_scope=crop"
+    )
     result = runner.invoke(app, args)
     if not vlm.several_crops:
         assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
@@ -996,16 +1111,44 @@ def test_budget_scope_through_run_and_visualize(family, vlm, checkpoint, prepare
     kept = pq.read_table(out / "records.parquet").column("kept").to_pylist()
     assert kept and all(0 < len(tokens) <= int(budget) for tokens in kept)
     if family == "llava_next":  # VisionZip per crop: its contextual tokens' sources are recorded and count
-        result = runner.invoke(app, run_args(workspace, checkpoint, tmp_path / "zip", "--selector", "visionzip",
-                                             "--budget", budget, "--option", "budget_scope=crop"))
+        result = runner.invoke(
+            app,
+            run_args(
+                workspace,
+                checkpoint,
+                tmp_path / "zip",
+                "--selector",
+                "visionzip",
+                "--budget",
+                budget,
+                "--option",
+                "budget_scope=crop",
+            ),
+        )
         assert result.exit_code == 0, result.output
         records = pq.read_table(tmp_path / "zip" / "records.parquet").to_pandas()
         assert all(len(merged[0]) for merged in records["merged_stages"])
         assert (records["visual_tokens_avg"] <= int(budget)).all()
     image = sorted(workspace["images"].iterdir())[0]
-    result = runner.invoke(app, ["visualize", str(image), "--model", str(checkpoint), "--selector", "divprune",
-                                 "--option", "budget_scope=crop", "--budget", budget, "--question",
-                                 "Is there a cat in the image?", "--out", str(tmp_path / "figure.png")])
+    result = runner.invoke(
+        app,
+        [
+            "visualize",
+            str(image),
+            "--model",
+            str(checkpoint),
+            "--selector",
+            "divprune",
+            "--option",
+            "budget_scope=crop",
+            "--budget",
+            budget,
+            "--question",
+            "Is there a cat in the image?",
+            "--out",
+            str(tmp_path / "figure.png"),
+        ],
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -1025,7 +1168,8 @@ def official_visionzip_next(vlm, item, selector, budget):
     layer = len(tower.encoder.layers) + vlm.model.config.vision_feature_layer  # its output is the feature layer
     captured = []
     handle = tower.encoder.layers[layer].self_attn.k_proj.register_forward_hook(
-        lambda module, args, output: captured.append(output))
+        lambda module, args, output: captured.append(output)
+    )
     with torch.no_grad():
         stock = tower(item.pixel_values, output_attentions=True, output_hidden_states=True)
     handle.remove()
@@ -1098,11 +1242,17 @@ def test_visionzip_runs_per_crop_on_llava_next_as_its_official_code(tmp_path, bu
     model = vlm.model.model
     ids = item.input_ids
     with torch.no_grad():
-        embeds = torch.cat([model.get_input_embeddings()(ids[:start]), model.multi_modal_projector(tokens),
-                            model.get_input_embeddings()(ids[end:])])
+        embeds = torch.cat(
+            [
+                model.get_input_embeddings()(ids[:start]),
+                model.multi_modal_projector(tokens),
+                model.get_input_embeddings()(ids[end:]),
+            ]
+        )
         states = model.language_model(inputs_embeds=embeds[None]).last_hidden_state
         expected = vlm.model.lm_head(states[:, -1]).float()
     assert (prefill.logits - expected).abs().max() <= TOL
+
 
 def official_dpp_map(kernel: torch.Tensor, count: int) -> list[int]:
     """CDPruner's fast greedy MAP (Theia-4869/CDPruner 9541616 ``llava_arch.py::encode_images``) on one (N, N)
@@ -1140,13 +1290,16 @@ def test_cdpruner_runs_on_llava_next_with_a_clip_text_tower(tmp_path):
         image_embeds = clip.visual_projection(model.vision_tower.post_layernorm(patches))
         ids = tokenizer(item.question)["input_ids"]
         context = clip.config.text_config.max_position_embeddings
-        chunks = [ids[i: i + context] for i in range(0, len(ids), context)]
+        chunks = [ids[i : i + context] for i in range(0, len(ids), context)]
         text_embeds = clip.get_text_features(torch.tensor([chunk + [0] * (context - len(chunk)) for chunk in chunks]))
         text_embeds = getattr(text_embeds, "pooler_output", text_embeds)
         features = model.multi_modal_projector(patches)  # (K, P, D)
     unit = features / features.norm(dim=-1, keepdim=True)
-    relevance = -(image_embeds / image_embeds.norm(dim=-1, keepdim=True)
-                  @ (text_embeds / text_embeds.norm(dim=-1, keepdim=True)).T).mean(dim=-1)  # (K, P)
+    relevance = -(
+        image_embeds
+        / image_embeds.norm(dim=-1, keepdim=True)
+        @ (text_embeds / text_embeds.norm(dim=-1, keepdim=True)).T
+    ).mean(dim=-1)  # (K, P)
     order = item.extras["crop_patches"]  # (N,) crop-major patch of each visual token
     per_crop = patches.shape[1]
     crop_of, position = order // per_crop, order % per_crop
@@ -1168,13 +1321,14 @@ def test_cdpruner_runs_on_llava_next_with_a_clip_text_tower(tmp_path):
         load_vlm(onevision, device="cpu", clip_text=clip_path)
     assert "clip_text" in str(error.value) and "\n" not in str(error.value)
 
+
 def test_hiprune_runs_per_crop_on_llava_next_as_its_official_code(tmp_path):
     """HiPrune's official LLaVA-NeXT code selects in each crop's own grid: with ``budget_scope=crop`` it runs, and
     its kept set is the union of HiPrune on each crop alone: that crop's unpadded tokens as their own grid, the
     attention they receive in the stock eager CLIP tower run on that crop, the crop's share of the budget."""
-    from prune_audit.pruners.signals import InputSignals
     from prune_audit.pruners.crop_scope import crop_budgets
     from prune_audit.pruners.registry import selector_from_strings
+    from prune_audit.pruners.signals import InputSignals
 
     checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"], seed=3)
     vlm = load_vlm(checkpoint, device="cpu")
@@ -1196,10 +1350,15 @@ def test_hiprune_runs_per_crop_on_llava_next_as_its_official_code(tmp_path):
     groups = [torch.nonzero(crops == crop).flatten() for crop in torch.unique(crops)]
     expected = []
     for tokens, share in zip(groups, crop_budgets(budget, [group.numel() for group in groups])):
-        rows = base.grid[0] if tokens[0] < base.num_tokens else torch.unique((tokens - base.num_tokens)
-                                                                             // tiles.grid[1]).numel()
-        signals = InputSignals(grid=(rows, tokens.numel() // rows),
-                               layer_attention=received[crops[tokens[0]], :, patches[tokens] % per_crop])
+        rows = (
+            base.grid[0]
+            if tokens[0] < base.num_tokens
+            else torch.unique((tokens - base.num_tokens) // tiles.grid[1]).numel()
+        )
+        signals = InputSignals(
+            grid=(rows, tokens.numel() // rows),
+            layer_attention=received[crops[tokens[0]], :, patches[tokens] % per_crop],
+        )
         expected += tokens[selector.select(signals, share).kept].tolist()
     assert vlm.answer([item], selector, budget)[0].kept_stages == [sorted(expected)]
 
@@ -1266,8 +1425,9 @@ def test_vscan_runs_per_crop_on_llava_next_as_its_official_code(tmp_path, worksp
     from prune_audit.pruners.registry import selector_from_strings
     from prune_audit.pruners.signals import PADDED_CROPS, LayerSignals
 
-    checkpoint = build_llava_next(tmp_path / "model", words=[*WORDS, "Is", *CATEGORIES], vision_layers=4,
-                                  text_layers=NUM_LAYERS, seed=3)
+    checkpoint = build_llava_next(
+        tmp_path / "model", words=[*WORDS, "Is", *CATEGORIES], vision_layers=4, text_layers=NUM_LAYERS, seed=3
+    )
     vlm = load_vlm(checkpoint, device="cpu")
     with pytest.raises(PruneAuditError, match="budget_scope=crop") as error:
         vlm.check_selector(get_selector("vscan"))
@@ -1288,10 +1448,16 @@ def test_vscan_runs_per_crop_on_llava_next_as_its_official_code(tmp_path, worksp
         assert all(len(target) == 1 for target in targets)
         assert sorted(plain + [target for [target] in targets]) == expected.tolist()
         [output] = vlm._vision([item], frozenset({"layer_cls_attention", PADDED_CROPS}))
-        signals = LayerSignals(alive=torch.arange(item.num_visual), grid=item.grid, layer=0, num_layers=NUM_LAYERS,
-                               hidden_states=output.features.float(), padded_crops=output.signals[PADDED_CROPS],
-                               layer_cls_attention=output.signals["layer_cls_attention"],
-                               text_probs=torch.zeros(1, 1, item.num_visual))  # read by the LLM stage only
+        signals = LayerSignals(
+            alive=torch.arange(item.num_visual),
+            grid=item.grid,
+            layer=0,
+            num_layers=NUM_LAYERS,
+            hidden_states=output.features.float(),
+            padded_crops=output.signals[PADDED_CROPS],
+            layer_cls_attention=output.signals["layer_cls_attention"],
+            text_probs=torch.zeros(1, 1, item.num_visual),
+        )  # read by the LLM stage only
         state = {}
         kept = selector.prune(first, signals, state)
         merge = selector.merge(first, signals, state, kept)
@@ -1304,8 +1470,22 @@ def test_vscan_runs_per_crop_on_llava_next_as_its_official_code(tmp_path, worksp
     outside, inside, answer = counted(eager(vlm), item, selector, budget)  # padding projected, merges per crop
     assert (outside, inside) == (answer.cost.flops_vision + answer.cost.flops_llm, answer.cost.flops_selector)
     out = tmp_path / "run"
-    result = runner.invoke(app, run_args(workspace, checkpoint, out, "--selector", "vscan", "--budget", "20",
-                                         "--option", "budget_scope=crop", "--option", "window_size=2"))
+    result = runner.invoke(
+        app,
+        run_args(
+            workspace,
+            checkpoint,
+            out,
+            "--selector",
+            "vscan",
+            "--budget",
+            "20",
+            "--option",
+            "budget_scope=crop",
+            "--option",
+            "window_size=2",
+        ),
+    )
     assert result.exit_code == 0, result.output
     records = pq.read_table(out / "records.parquet").to_pandas()
     assert len(records) == 4 and records["visual_tokens_avg"].between(1, 20).all()
@@ -1344,9 +1524,11 @@ def test_uniform_runs_per_grid_on_multi_grid_families(family_name, tmp_path):
         crop_scoped = selector_from_strings("uniform", ["budget_scope=crop"])
         budget = item.num_visual // 3
         crops = vlm.crop_tokens(item)
-        expected = sorted(int(tokens[i]) for (tokens, grid), share in
-                          zip(crops, crop_budgets(budget, [tokens.numel() for tokens, _ in crops]))
-                          for i in uniform.select(InputSignals(grid=grid), share).kept)
+        expected = sorted(
+            int(tokens[i])
+            for (tokens, grid), share in zip(crops, crop_budgets(budget, [tokens.numel() for tokens, _ in crops]))
+            for i in uniform.select(InputSignals(grid=grid), share).kept
+        )
         assert vlm.answer([item], crop_scoped, budget)[0].kept_stages == [expected]
 
 
@@ -1356,8 +1538,9 @@ def test_e2s_sees_the_base_view_and_tile_grids_on_llava_next(tmp_path):
     tests/test_llm_selectors.py)."""
     from tiny_models import RecordingLayerSelector
 
-    checkpoint = adapter_for("llava_next", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"],
-                                                              text_layers=NUM_LAYERS)
+    checkpoint = adapter_for("llava_next", "test").build_tiny(
+        tmp_path / "model", words=[*WORDS, "Is"], text_layers=NUM_LAYERS
+    )
     vlm = load_vlm(checkpoint, device="cpu")
     item = vlm.prepare(random_image(0, SIZES[0]), QUESTIONS[0])
     base, tiles = item.geometry.grids
@@ -1369,8 +1552,9 @@ def test_e2s_sees_the_base_view_and_tile_grids_on_llava_next(tmp_path):
     assert answer.kept_stages and len(answer.kept_stages[-1]) < item.num_visual
 
 
-@pytest.mark.parametrize("family_name, name", [("llava_next", "pool"), ("llava_next", "tome"),
-                                               ("llava_onevision", "tome")])
+@pytest.mark.parametrize(
+    "family_name, name", [("llava_next", "pool"), ("llava_next", "tome"), ("llava_onevision", "tome")]
+)
 def test_merged_tokens_take_their_first_cells_place_among_the_newlines(family_name, name, tmp_path):
     """Pool and ToMe merge within each grid; each output token sits at the prompt column of its first cell, every
     newline keeps its column and order, positions are compact; the pruned prefill's logits equal the stock
@@ -1388,17 +1572,17 @@ def test_merged_tokens_take_their_first_cells_place_among_the_newlines(family_na
     budget = item.num_visual // 3
     result, [selection] = vlm.prefill([item], get_selector(name), budget)
     assert selection.sources is not None and len(selection.sources) <= budget
-    assert all(bool((group < base.num_tokens).all()) or bool((group >= base.num_tokens).all())
-               for group in selection.sources)
+    assert all(
+        bool((group < base.num_tokens).all()) or bool((group >= base.num_tokens).all()) for group in selection.sources
+    )
     start, end = item.image_span
     columns = item.extras["visual_columns"].tolist()
     newlines = sorted(set(range(start, end)) - set(columns))
-    places = {columns[int(group.min())]: int(group[0]) if group.numel() == 1 else MERGED
-              for group in selection.sources}
+    places = {columns[int(group.min())]: int(group[0]) if group.numel() == 1 else MERGED for group in selection.sources}
     places.update(dict.fromkeys(newlines, TEXT_BEFORE))  # newlines are kept like the text before the image
     [output] = vlm._vision([item], vlm.signals_for(get_selector(name)))
     row = vlm.input_row(item, output, selection)
-    span = row.kinds[start:start + len(places)].tolist()
+    span = row.kinds[start : start + len(places)].tolist()
     assert span == [places[column] for column in sorted(places)]
     assert row.kinds.numel() == item.input_ids.numel() - (end - start) + len(places)
     assert torch.equal(row.positions[0], torch.arange(row.kinds.numel()))

@@ -8,6 +8,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tiny_models import (
+    QUESTIONS,
+    WORDS,
+    RecordingInputSelector,
+    RecordingLayerSelector,
+    assert_batch_equals_one_at_a_time,
+    masked_reference_logits,
+    random_image,
+)
 
 from prune_audit.errors import PruneAuditError
 from prune_audit.models import load_vlm
@@ -15,15 +24,6 @@ from prune_audit.models.build import build_clip
 from prune_audit.models.llava import LlavaModel
 from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners import get_selector, list_selectors, selector_class
-from tiny_models import (
-    assert_batch_equals_one_at_a_time,
-    QUESTIONS,
-    WORDS,
-    RecordingInputSelector,
-    RecordingLayerSelector,
-    masked_reference_logits,
-    random_image,
-)
 
 TOL = 1e-5
 NUM_LAYERS = 4
@@ -96,8 +96,10 @@ def eager_model(paths):
 def eager_outputs(eager, item):
     with torch.no_grad():
         language = eager(
-            input_ids=item.input_ids[None], pixel_values=item.pixel_values[None],
-            output_attentions=True, output_hidden_states=True,
+            input_ids=item.input_ids[None],
+            pixel_values=item.pixel_values[None],
+            output_attentions=True,
+            output_hidden_states=True,
         )
         vision = eager.model.vision_tower(item.pixel_values[None], output_attentions=True, output_hidden_states=True)
     return eager, language, vision
@@ -186,8 +188,9 @@ def test_one_generator_per_question_makes_random_selection_batch_independent(vlm
         [alone] = vlm.answer([item], get_selector("random"), 16, generator=[generators()[b]])
         assert together[b].kept == alone.kept
     assert together[0].kept != together[1].kept
-    assert "2 questions" in one_line_error(lambda: vlm.answer(prepared, get_selector("random"), 16,
-                                                               generator=generators()[:1]))
+    assert "2 questions" in one_line_error(
+        lambda: vlm.answer(prepared, get_selector("random"), 16, generator=generators()[:1])
+    )
 
 
 def test_check_selector_and_positions_for(vlm, paths):
@@ -195,8 +198,9 @@ def test_check_selector_and_positions_for(vlm, paths):
     assert vlm.positions_for(get_selector("fastv")) == "keep_original"
     assert vlm.positions_for(get_selector("pdrop")) == "compact"
     vlm.check_selector(get_selector("cdpruner"))
-    assert "clip_text" in one_line_error(lambda: load_vlm(paths[0], device="cpu").check_selector(
-        get_selector("cdpruner")))
+    assert "clip_text" in one_line_error(
+        lambda: load_vlm(paths[0], device="cpu").check_selector(get_selector("cdpruner"))
+    )
 
 
 def test_forced_stages_are_honoured(vlm, prepared):

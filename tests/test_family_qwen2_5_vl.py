@@ -8,11 +8,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from prune_audit.errors import PruneAuditError
-from prune_audit.models import load_vlm
-from prune_audit.models.qwen import QwenModel
-from prune_audit.pruners import get_selector
 from tiny_models import (
     QUESTIONS,
     WORDS,
@@ -21,6 +16,11 @@ from tiny_models import (
     random_image,
 )
 
+from prune_audit.errors import PruneAuditError
+from prune_audit.models import load_vlm
+from prune_audit.models.qwen import QwenModel
+from prune_audit.pruners import get_selector
+
 TOL = 1e-5
 NUM_LAYERS = 4
 SIZES = [(130, 100), (120, 120)]  # -> 6x7 and 6x6 token grids at 168x168 pixels
@@ -28,8 +28,9 @@ SIZES = [(130, 100), (120, 120)]  # -> 6x7 and 6x6 token grids at 168x168 pixels
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    return QwenModel.build_tiny(tmp_path_factory.mktemp("qwen") / "qwen", words=WORDS, image_size=168,
-                            text_layers=NUM_LAYERS, seed=2)
+    return QwenModel.build_tiny(
+        tmp_path_factory.mktemp("qwen") / "qwen", words=WORDS, image_size=168, text_layers=NUM_LAYERS, seed=2
+    )
 
 
 @pytest.fixture(scope="module")

@@ -239,9 +239,10 @@ def test_model_dtype_scores_rank_the_rounded_probabilities():
 @pytest.fixture(scope="module")
 def tiny_llava_paths(tmp_path_factory):
     """A tiny LLaVA and its CLIP text tower, built once per module."""
+    from tiny_models import WORDS
+
     from prune_audit.models.build import build_clip
     from prune_audit.models.llava import LlavaModel
-    from tiny_models import WORDS
 
     root = tmp_path_factory.mktemp("fidelity")
     llava = LlavaModel.build_tiny(root / "llava", words=WORDS, text_layers=4, seed=3)
@@ -250,10 +251,10 @@ def tiny_llava_paths(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_llava(tiny_llava_paths):
+    from tiny_models import QUESTIONS, random_image
     from transformers import LlavaForConditionalGeneration
 
     from prune_audit.models import load_vlm
-    from tiny_models import QUESTIONS, random_image
 
     llava, clip = tiny_llava_paths
     vlm = load_vlm(llava, device="cpu", clip_text=clip)
@@ -303,8 +304,9 @@ def test_sparsevlm_scores_its_first_stage_with_the_previous_layer_rater_attentio
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_adapter_gives_input_selectors_the_model_dtype(tiny_llava_paths, dtype):
     """score_dtype="model" of cls_attn/DivPrune/SCOPE rounds to what the adapter passes: the model's dtype."""
-    from prune_audit.models import load_vlm
     from tiny_models import QUESTIONS, RecordingInputSelector, random_image
+
+    from prune_audit.models import load_vlm
 
     vlm = load_vlm(tiny_llava_paths[0], device="cpu", dtype=dtype)
     selector = RecordingInputSelector()
@@ -317,14 +319,18 @@ def test_the_adapter_gives_input_selectors_the_model_dtype(tiny_llava_paths, dty
     assert get_selector("cls_attn", score_dtype="model").select(signals, 8).kept.tolist() == expected
     # DivPrune's distances in the model dtype: the float32 features the adapter passes, cast to it
     rounded = InputSignals(grid=signals.grid, features=signals.features.to(dtype))
-    assert (get_selector("divprune", score_dtype="model").select(signals, 8).kept.tolist()
-            == get_selector("divprune", score_dtype="model").select(rounded, 8).kept.tolist())
+    assert (
+        get_selector("divprune", score_dtype="model").select(signals, 8).kept.tolist()
+        == get_selector("divprune", score_dtype="model").select(rounded, 8).kept.tolist()
+    )
     # SCOPE likewise computes in the model dtype of the float32 signals, as on hand-rounded ones
     rounded = InputSignals(
         grid=signals.grid, vision_features=signals.vision_features.to(dtype), cls_attention=signals.cls_attention
     )
-    assert (get_selector("scope", score_dtype="model").select(signals, 8).kept.tolist()
-            == get_selector("scope", score_dtype="model").select(rounded, 8).kept.tolist())
+    assert (
+        get_selector("scope", score_dtype="model").select(signals, 8).kept.tolist()
+        == get_selector("scope", score_dtype="model").select(rounded, 8).kept.tolist()
+    )
 
 
 # --- attention and variation scorers at LLaVA sizes (32 heads, 576 image + 40 text tokens, 4096-dim) ---------
@@ -421,12 +427,12 @@ def test_model_dtype_attention_is_the_eager_attention_of_a_half_precision_model(
     probabilities afterwards does not. The selectors then read these rows (LayerPlan.attention_in_model_dtype)."""
     from dataclasses import dataclass
 
+    from tiny_models import QUESTIONS, RecordingLayerSelector, random_image
     from transformers import LlavaForConditionalGeneration
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from prune_audit.models import load_vlm
     from prune_audit.models.probe import DecoderProbe, single_tensor_rope
-    from tiny_models import QUESTIONS, RecordingLayerSelector, random_image
 
     path = tiny_llava_paths[0]
     eager = LlavaForConditionalGeneration.from_pretrained(path, attn_implementation="eager", dtype=dtype).eval()
@@ -529,7 +535,9 @@ def visionzip_identical(seed: int, budget: int, dtype: torch.dtype = torch.float
     case = clip_case(seed)
     selector = get_selector("visionzip", score_dtype="float32" if dtype == torch.float32 else "model")
     dominant, contextual = selector.split(budget)
-    kept, groups, tokens = official_visionzip({name: value.to(dtype) for name, value in case.items()}, dominant, contextual)
+    kept, groups, tokens = official_visionzip(
+        {name: value.to(dtype) for name, value in case.items()}, dominant, contextual
+    )
     signals = InputSignals(
         grid=(24, 24), cls_attention=case["cls_row"][:, 1:], vision_keys=case["keys"],
         vision_features=case["hidden"][1:], cls_feature=case["hidden"][0], model_dtype=dtype,
@@ -779,7 +787,9 @@ def test_vispruner_float32_scoring_misses_the_half_precision_ties():
     float32 = get_selector("vispruner")
     case = clip_case(0)
     attentions, features = case["cls_row"][:, 1:], case["hidden"][1:]
-    signals = InputSignals(grid=(24, 24), cls_attention=attentions, vision_features=features, model_dtype=torch.bfloat16)
+    signals = InputSignals(
+        grid=(24, 24), cls_attention=attentions, vision_features=features, model_dtype=torch.bfloat16
+    )
     official = official_vispruner(attentions.bfloat16(), features.bfloat16(), 64, gpu_arithmetic=True)
     assert float32.select(signals, 64).kept.tolist() != official
 
@@ -860,15 +870,22 @@ def ties_agreement(dtype: torch.dtype, ties: str) -> dict[str, int]:
         probs, signals = cls_half_case(seed, dtype)
         case = attention_case(seed)
         half_rows = case["probs"].to(dtype)
-        layer = LayerSignals(alive=torch.arange(TOKENS), grid=(24, 24), layer=2, num_layers=32,
-                             text_probs=half_rows[:, :, image].float(), model_dtype=dtype)
+        layer = LayerSignals(
+            alive=torch.arange(TOKENS),
+            grid=(24, 24),
+            layer=2,
+            num_layers=32,
+            text_probs=half_rows[:, :, image].float(),
+            model_dtype=dtype,
+        )
         for budget in BUDGETS:
             cls_attn = get_selector("cls_attn", score_dtype="model", ties=ties)
             visionzip = get_selector("visionzip", score_dtype="model", ties=ties)
             dominant = visionzip.split(budget)[0] - 1
             zip_kept = visionzip.select(signals, budget).kept.tolist()
             counts["cls_attn"] += cls_attn.select(signals, budget).kept.tolist() == official_half_topk(
-                probs[:, 1:].mean(dim=0), budget)
+                probs[:, 1:].mean(dim=0), budget
+            )
             counts["visionzip"] += zip_kept == official_half_topk(probs[:, 1:].sum(dim=0), dominant)
             for name in ("fastv", "pdrop"):  # head mean of the last prompt row over the image columns, in half
                 kept = get_selector(name, score_dtype="model", ties=ties).prune(Stage(2, budget), layer, {})

@@ -235,9 +235,10 @@ def test_the_adapter_passes_the_relevance_computed_in_the_model_dtype(tiny_llava
     """LLaVA's adapter passes model_text_relevance in the model dtype beside the float32 text_relevance."""
     from dataclasses import dataclass
 
+    from tiny_models import QUESTIONS, WORDS, RecordingInputSelector, random_image
+
     from prune_audit.models import load_vlm
     from prune_audit.models.build import build_clip
-    from tiny_models import QUESTIONS, WORDS, RecordingInputSelector, random_image
 
     @dataclass
     class RelevanceRecording(RecordingInputSelector):
@@ -352,8 +353,9 @@ def test_sparsevlm_model_dtype_reproduces_the_official_half_precision_scores(dty
 
 @pytest.fixture(scope="module")
 def tiny_llava_path(tmp_path_factory):
-    from prune_audit.models.llava import LlavaModel
     from tiny_models import WORDS
+
+    from prune_audit.models.llava import LlavaModel
 
     return LlavaModel.build_tiny(tmp_path_factory.mktemp("fidelity_half") / "llava", words=WORDS, text_layers=2, seed=3)
 
@@ -364,12 +366,12 @@ def test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model(ti
     own half queries and keys, bit for bit, with q.k accumulated in float32 as a GPU does (a CPU's half GEMM may
     round a few dot products differently: benchmarks/half_kernels.py); the eager recipe's rows coincide on this
     model only because its head_dim is 16."""
+    from tiny_models import QUESTIONS, random_image
     from transformers import LlavaForConditionalGeneration
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from prune_audit.models import load_vlm
     from prune_audit.models.probe import DecoderProbe, single_tensor_rope
-    from tiny_models import QUESTIONS, random_image
 
     model = LlavaForConditionalGeneration.from_pretrained(tiny_llava_path, attn_implementation="eager", dtype=dtype)
     item = load_vlm(tiny_llava_path, device="cpu", dtype=dtype).prepare(random_image(0), QUESTIONS[1])
@@ -487,9 +489,10 @@ def test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm(dtype):
 def test_sparsevlm_model_attention_reaches_the_probe(tiny_llava_path):
     """The executor hands SparseVLM's recipe to the probe (other selectors keep the eager one); both recipes run
     end to end on an fp16 tiny LLaVA."""
+    from tiny_models import QUESTIONS, random_image
+
     from prune_audit.models import load_vlm
     from prune_audit.models.executor import LayerPlan
-    from tiny_models import QUESTIONS, random_image
 
     for name, options, recipe in (("sparsevlm", {}, "scaled"), ("sparsevlm", {"model_attention": "eager"}, "eager"),
                                   ("fastv", {}, "eager")):  # fmt: skip

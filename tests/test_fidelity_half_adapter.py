@@ -13,8 +13,9 @@ from prune_audit.pruners import get_selector
 
 @pytest.fixture(scope="module")
 def tiny_llava_path(tmp_path_factory):
-    from prune_audit.models.llava import LlavaModel
     from tiny_models import WORDS
+
+    from prune_audit.models.llava import LlavaModel
 
     return LlavaModel.build_tiny(tmp_path_factory.mktemp("half-adapter") / "llava", words=WORDS, text_layers=4, seed=3)
 

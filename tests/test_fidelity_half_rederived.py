@@ -14,12 +14,25 @@ from __future__ import annotations
 import pytest
 import torch
 from test_fidelity_half import (
-    BUDGETS, EXACT, HALF_DTYPES, HEAD_DIM, OPTION_SETS, PREFIX, SEEDS, TOKENS, dtype_name, fastv_cpu_gemm_case,
+    BUDGETS,
+    EXACT,
+    HALF_DTYPES,
+    HEAD_DIM,
+    OPTION_SETS,
+    PREFIX,
+    SEEDS,
+    TOKENS,
+    dtype_name,
+    fastv_cpu_gemm_case,
     sparsevlm_half_case,
 )  # fmt: skip
-
 from test_methods_qwen import (
-    QWEN_7B_HEADS, official_qwen_scans, official_received, qwen_vision_signals, raster_received, window_attention_case,
+    QWEN_7B_HEADS,
+    official_qwen_scans,
+    official_received,
+    qwen_vision_signals,
+    raster_received,
+    window_attention_case,
 )  # fmt: skip
 
 from prune_audit.pruners import InputSignals, LayerSignals, Stage, get_selector
@@ -322,7 +335,9 @@ def sparsevlm2_half_agreement(dtype: torch.dtype) -> dict[str, int]:
             for name, options in OPTION_SETS.items():
                 identical[name] += sparsevlm2_half_kept(probs, embeddings, adapter_rope, budget, **options) == expected
             cpu_expected = official_sparsevlm2_half(probs, embeddings, official_rope, budget)
-            identical["cpu_dot"] += sparsevlm2_half_kept(probs, embeddings, adapter_rope, budget, **EXACT) == cpu_expected
+            identical["cpu_dot"] += (
+                sparsevlm2_half_kept(probs, embeddings, adapter_rope, budget, **EXACT) == cpu_expected
+            )
             identical["rounded_once"] += sparsevlm2_half_kept(probs, embeddings, once_rope, budget, **EXACT) == expected
         for ties in TIE_KINDS:
             probs, embeddings = sparsevlm_half_case(seed, dtype, ties)
@@ -351,16 +366,19 @@ def test_the_adapter_forms_the_rope_logits_in_the_model_dtype_under_score_dtype_
     the quotient), within a rounding of the float32 ones the default passes."""
     from dataclasses import dataclass
 
+    from tiny_models import QUESTIONS, WORDS, RecordingLayerSelector, random_image
+
     from prune_audit.models import load_vlm
     from prune_audit.models.llava import LlavaModel
-    from tiny_models import QUESTIONS, WORDS, RecordingLayerSelector, random_image
 
     @dataclass
     class RopeRecording(RecordingLayerSelector):
         requires = frozenset({"text_probs", "rope_ones_logits"})
         score_dtype: str = "float32"
 
-    vlm = load_vlm(LlavaModel.build_tiny(tmp_path / "llava", words=WORDS, text_layers=2), device="cpu", dtype=torch.float16)
+    vlm = load_vlm(
+        LlavaModel.build_tiny(tmp_path / "llava", words=WORDS, text_layers=2), device="cpu", dtype=torch.float16
+    )
     item = vlm.prepare(random_image(0), QUESTIONS[1])
     recorded = {}
     for score_dtype in ("float32", "model"):

@@ -71,21 +71,32 @@ def test_hiprune_grid_neighbours_stay_inside_the_grid():
     corner_and_edge = torch.tensor([0, 24 * 5 + 23])
     official = buffer_cells(corner_and_edge, GRID, "official").tolist()
     assert 24 * 5 + 24 in official  # the official +1 of a row's last cell wraps to the next row's first
-    assert buffer_cells(corner_and_edge, GRID, "grid").tolist() == [0, 1, 24, 24 * 4 + 23, 24 * 5 + 22, 24 * 5 + 23,
-                                                                    24 * 6 + 23]
+    assert buffer_cells(corner_and_edge, GRID, "grid").tolist() == [
+        0,
+        1,
+        24,
+        24 * 4 + 23,
+        24 * 5 + 22,
+        24 * 5 + 23,
+        24 * 6 + 23,
+    ]
 
 
 def test_hiprune_caps_the_anchors_so_buffers_fit_the_budget():
     attention = global_attention(0)
     for budget in (1, 4, 5, 9, 16):
-        kept = get_selector("hiprune", alpha=1.0).select(InputSignals(grid=GRID, layer_attention=attention), budget).kept
+        kept = (
+            get_selector("hiprune", alpha=1.0).select(InputSignals(grid=GRID, layer_attention=attention), budget).kept
+        )
         assert kept.numel() == budget
 
 
 @pytest.mark.parametrize("budget", ["16", "64"])
 def test_hiprune_runs_on_the_demo(tmp_path, budget):
     out = tmp_path / "hiprune"
-    result = CliRunner().invoke(app, ["run", "--selector", "hiprune", "--budget", budget, "--limit", "3", "--out", str(out)])
+    result = CliRunner().invoke(
+        app, ["run", "--selector", "hiprune", "--budget", budget, "--limit", "3", "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output
     for record in pq.read_table(out / "records.parquet").to_pylist():
         assert len(record["kept_stages"][0]) == min(int(budget), 144)
@@ -127,8 +138,15 @@ def vision_stage_signals(seed: int, dim: int = 4096) -> LayerSignals:
     # clustered features, so that many pruned tokens join the same kept one
     centres = torch.randn(12, dim, generator=generator)
     features = centres[torch.randint(0, 12, (N,), generator=generator)] + torch.randn(N, dim, generator=generator)
-    return LayerSignals(alive=torch.arange(N), grid=GRID, layer=0, num_layers=32, layer_cls_attention=cls_rows,
-                        hidden_states=features, text_probs=torch.rand(4, 3, N, generator=generator))
+    return LayerSignals(
+        alive=torch.arange(N),
+        grid=GRID,
+        layer=0,
+        num_layers=32,
+        layer_cls_attention=cls_rows,
+        hidden_states=features,
+        text_probs=torch.rand(4, 3, N, generator=generator),
+    )
 
 
 def test_vscan_vision_stage_reproduces_the_official_scans_and_merging():
@@ -190,8 +208,6 @@ def test_vscan_runs_on_the_demo_with_two_recorded_stages(tmp_path, merge):
         assert sorted(cells) == (list(range(144)) if merge == "true" else sorted(kept[0]))
 
 
-
-
 def official_rope_ones(position_ids: torch.Tensor, head_dim: int = 128, base: float = 10000.0) -> torch.Tensor:
     """(L, L) ``rope_weights`` of SparseVLM v2.0: all-ones query and key through LLaVA-era Llama RoPE."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
@@ -228,7 +244,9 @@ def test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_rank
     from prune_audit.pruners.sparsevlm import select_raters
 
     rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=4096, num_attention_heads=32))
-    probe = DecoderProbe(SimpleNamespace(self_attn=SimpleNamespace(head_dim=128)), single_tensor_rope(apply_rotary_pos_emb))
+    probe = DecoderProbe(
+        SimpleNamespace(self_attn=SimpleNamespace(head_dim=128)), single_tensor_rope(apply_rotary_pos_emb)
+    )
     selector, identical, prefix, text = get_selector("sparsevlm2"), 0, 35, 40
     for seed in SEEDS:
         generator = torch.Generator().manual_seed(seed)
@@ -261,7 +279,9 @@ def test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_rank
 
 def test_sparsevlm2_runs_on_the_demo_and_is_refused_nowhere_it_has_signals(tmp_path):
     out = tmp_path / "sparsevlm2"
-    result = CliRunner().invoke(app, ["run", "--selector", "sparsevlm2", "--budget", "32", "--limit", "3", "--out", str(out)])
+    result = CliRunner().invoke(
+        app, ["run", "--selector", "sparsevlm2", "--budget", "32", "--limit", "3", "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output
     for record in pq.read_table(out / "records.parquet").to_pylist():
         assert record["visual_tokens_avg"] == pytest.approx(32, abs=1) and len(record["kept_stages"]) == 3
@@ -319,7 +339,10 @@ def test_tome_tower_merging_reproduces_the_official_blocks():
                 metrics.append(torch.randn(count, 64, generator=generator))
                 count -= r
             merge = TowerMerging(budget, proportional=True)
-            size, sources = torch.ones(N + 1), [torch.zeros(0, dtype=torch.long)] + [torch.tensor([c]) for c in range(N)]
+            size, sources = (
+                torch.ones(N + 1),
+                [torch.zeros(0, dtype=torch.long)] + [torch.tensor([c]) for c in range(N)],
+            )
             for layer, (state, metric) in enumerate(zip(states, metrics)):
                 hidden, size, sources = merge(layer, LAYERS, state, metric, size, sources)
             tokens, cells = official_tower_merges(states, metrics, schedule)
@@ -353,7 +376,9 @@ def test_proportional_attention_adds_log_size_to_every_keys_logits():
     generator = torch.Generator().manual_seed(0)
     hidden, size = torch.randn(40, 128, generator=generator), torch.randint(1, 9, (40,), generator=generator).float()
     attention, normed = layer.self_attn, layer.layer_norm1(hidden)
-    q, k, v = (p(normed).view(40, 4, 32).transpose(0, 1) for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+    q, k, v = (
+        p(normed).view(40, 4, 32).transpose(0, 1) for p in (attention.q_proj, attention.k_proj, attention.v_proj)
+    )
     weights = (q @ k.transpose(-2, -1) * attention.scale + size.log()[None, None, :]).softmax(dim=-1)
     official = attention.out_proj((weights @ v).transpose(0, 1).reshape(40, 128))
     attended, metric = clip_attention_block(layer, hidden, size.log())

@@ -183,8 +183,13 @@ def test_the_legend_names_every_look_drawn_including_the_object_outline():
 
 def test_retention_sits_under_the_stage_it_was_measured_at_and_the_answer_under_the_last():
     geometry = clip_geometry((56, 56), mode="hf_crop", shortest_edge=None, crop_size=None)
-    panel = Panel("e2s", geometry, [[0, 1, 2], [0, 1], [0]], caption="answer yes (confidence 0.987)",
-                  stage_notes={0: "retention 0.50 (2 object tokens)"})
+    panel = Panel(
+        "e2s",
+        geometry,
+        [[0, 1, 2], [0, 1], [0]],
+        caption="answer yes (confidence 0.987)",
+        stage_notes={0: "retention 0.50 (2 object tokens)"},
+    )
     assert panel.under(0) == "retention 0.50 (2 object tokens)"
     assert panel.under(1) == ""
     assert panel.under(2) == "answer yes (confidence 0.987)"
@@ -233,11 +238,14 @@ def calibrated(counts, accuracy, label="run", ece=0.013) -> dict:
         "label": label,
         "metrics": {"all": {"ece": {"value": ece, "ci95": [0.0, 0.03]}}},
         "reliability": {
-            "lower": edges[:-1].tolist(), "upper": edges[1:].tolist(), "count": list(counts),
+            "lower": edges[:-1].tolist(),
+            "upper": edges[1:].tolist(),
+            "count": list(counts),
             "confidence": [float(c) if s else None for c, s in zip(centres, shown)],
             "accuracy": [float(a) if s else None for a, s in zip(accuracy, shown)],
-            "accuracy_ci95": [[max(0.0, a - 0.1), min(1.0, a + 0.1)] if s else [None, None]
-                              for a, s in zip(accuracy, shown)],
+            "accuracy_ci95": [
+                [max(0.0, a - 0.1), min(1.0, a + 0.1)] if s else [None, None] for a, s in zip(accuracy, shown)
+            ],
         },
     }
 
@@ -276,8 +284,7 @@ def test_the_diagram_names_both_gaps_keeps_intervals_inside_and_counts_on_a_log_
 
 
 def test_the_study_grid_draws_the_same_points(captured):
-    study_figures.reliability_grid([SPARSE_RUN, calibrated([5, 0, 0, 40, 100], [0, 0, 0, 0.7, 0.9], "random")],
-                                   "demo")
+    study_figures.reliability_grid([SPARSE_RUN, calibrated([5, 0, 0, 40, 100], [0, 0, 0, 0.7, 0.9], "random")], "demo")
     figure = captured["reliability_grid"]
     for axis in figure.axes[:2]:
         assert axis.get_xlim()[1] > 1.0 and axis.get_ylim()[1] > 1.0
@@ -304,9 +311,14 @@ def group(count, accuracy, confidence) -> dict:
 
 
 def test_retention_draws_lost_once_with_counts_and_zooms_the_confidence_axis(captured):
-    survival = {"lost": group(7, 0.4, 0.97), "survived": group(53, 0.9, 0.98), "retention 0": group(7, 0.4, 0.97),
-                "retention (0, 0.25]": group(14, 0.8, 0.975), "retention (0.25, 0.5]": group(9, 0.9, 0.98),
-                "retention (0.5, 1]": group(30, 0.95, 0.99)}
+    survival = {
+        "lost": group(7, 0.4, 0.97),
+        "survived": group(53, 0.9, 0.98),
+        "retention 0": group(7, 0.4, 0.97),
+        "retention (0, 0.25]": group(14, 0.8, 0.975),
+        "retention (0.25, 0.5]": group(9, 0.9, 0.98),
+        "retention (0.5, 1]": group(30, 0.95, 0.99),
+    }
     figures.retention_figure([{"survival": survival}], ["fastv@16"], "demo", "retention", "dense")
     figure = captured["retention"]
     accuracy_axis, confidence_axis = figure.axes
@@ -320,8 +332,12 @@ def test_retention_draws_lost_once_with_counts_and_zooms_the_confidence_axis(cap
 
 def lost_row(run, share, accuracy, confidence, reference=(1.0, 0.999)) -> dict:
     row = {"run": run, "selector": run.split("@")[0], "lost_share": share}
-    values = {"lost_accuracy": accuracy, "lost_confidence": confidence, "lost_reference_accuracy": reference[0],
-              "lost_reference_confidence": reference[1]}
+    values = {
+        "lost_accuracy": accuracy,
+        "lost_confidence": confidence,
+        "lost_reference_accuracy": reference[0],
+        "lost_reference_confidence": reference[1],
+    }
     for name, value in values.items():
         row.update({name: value, f"{name}_low": value - 0.02, f"{name}_high": value + 0.01})
     return row
@@ -329,8 +345,12 @@ def lost_row(run, share, accuracy, confidence, reference=(1.0, 0.999)) -> dict:
 
 def test_lost_objects_has_intervals_shows_the_diagonal_and_lists_runs_that_lost_nothing(captured):
     nan = float("nan")
-    rows = [{"run": "dense", "selector": "dense"}, lost_row("fastv@16", 0.52, 0.39, 0.973),
-            lost_row("random@16", 0.37, 0.14, 0.998), lost_row("divprune@16", 0.0, nan, nan)]
+    rows = [
+        {"run": "dense", "selector": "dense"},
+        lost_row("fastv@16", 0.52, 0.39, 0.973),
+        lost_row("random@16", 0.37, 0.14, 0.998),
+        lost_row("divprune@16", 0.0, nan, nan),
+    ]
     study_figures.lost_objects(rows, "demo", "yes-questions")
     figure = captured["lost_objects"]
     (axis,) = figure.axes
@@ -347,16 +367,25 @@ def test_lost_objects_has_intervals_shows_the_diagonal_and_lists_runs_that_lost_
 
 def cascade(label, costs, chosen=0.1) -> dict:
     epsilons = [0.05, 0.1, 0.2]
-    validity = {"splits": 50, "mean_relative_cost": 0.0, "mean_disagreement": 0.03, "std_disagreement": 0.01,
-                "sem_disagreement": 0.0014,
-                "worst_disagreement": 0.08}
-    results = [{"epsilon": e, "relative_cost": c, "validity": {**validity, "mean_relative_cost": c - 0.02}}
-               for e, c in zip(epsilons, costs)]
+    validity = {
+        "splits": 50,
+        "mean_relative_cost": 0.0,
+        "mean_disagreement": 0.03,
+        "std_disagreement": 0.01,
+        "sem_disagreement": 0.0014,
+        "worst_disagreement": 0.08,
+    }
+    results = [
+        {"epsilon": e, "relative_cost": c, "validity": {**validity, "mean_relative_cost": c - 0.02}}
+        for e, c in zip(epsilons, costs)
+    ]
     return {"label": label, "epsilon": chosen, "results": results}
 
 
 def test_the_cost_figure_marks_the_chosen_epsilon_and_flags_costs_above_dense(captured):
-    cascade_plots.cascade_figures([cascade("divprune@16", [1.1, 0.7, 0.3]), cascade("fastv@16", [0.9, 0.6, 0.3])], "demo", "dense")
+    cascade_plots.cascade_figures(
+        [cascade("divprune@16", [1.1, 0.7, 0.3]), cascade("fastv@16", [0.9, 0.6, 0.3])], "demo", "dense"
+    )
     cost, validity = captured["cascade_cost_vs_epsilon"], captured["cascade_validity"]
     (axis,) = cost.axes
     chosen = [line for line in axis.get_lines() if line.get_label() == "chosen target epsilon 0.1"]
@@ -380,8 +409,26 @@ def test_costs_at_or_below_dense_are_not_flagged(captured):
 @pytest.fixture(scope="module")
 def demo_study(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("study") / "study"
-    args = ["study", "--selectors", "random", "--budgets", "16", "--limit", "60", "--epsilons", "0.2",
-            "--bootstrap", "50", "--splits", "10", "--threads", "1", "--quiet", "--out", str(out)]
+    args = [
+        "study",
+        "--selectors",
+        "random",
+        "--budgets",
+        "16",
+        "--limit",
+        "60",
+        "--epsilons",
+        "0.2",
+        "--bootstrap",
+        "50",
+        "--splits",
+        "10",
+        "--threads",
+        "1",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     return out
@@ -391,10 +438,19 @@ def test_the_report_has_a_header_the_validity_figure_no_wrapping_and_a_latency_c
     from prune_audit import __version__
 
     page = (demo_study / "report.html").read_text(encoding="utf-8")
-    for needle in ("<dt>command</dt>", "prune-audit study --selectors random --budgets 16", f"<dd>{__version__}",
-                   "<dt>model</dt><dd>demo</dd>", "demo_pope_random.json", "60 questions", "<dt>report date</dt>",
-                   "td{white-space:nowrap}", "latency ms: mean wall-clock", "a pruned run can read slower than dense",
-                   'alt="Cascade validity'):
+    for needle in (
+        "<dt>command</dt>",
+        "prune-audit study --selectors random --budgets 16",
+        f"<dd>{__version__}",
+        "<dt>model</dt><dd>demo</dd>",
+        "demo_pope_random.json",
+        "60 questions",
+        "<dt>report date</dt>",
+        "td{white-space:nowrap}",
+        "latency ms: mean wall-clock",
+        "a pruned run can read slower than dense",
+        'alt="Cascade validity',
+    ):
         assert needle in page, needle
     assert (demo_study / "cascade_validity.png").is_file()
     markdown = (demo_study / "report.md").read_text(encoding="utf-8")

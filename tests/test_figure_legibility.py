@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 from matplotlib.colors import to_rgba
+from test_figure_clarity import calibrated, captured, cascade, legend_labels, lost_row, markers  # noqa: F401
 
 import prune_audit.analysis.figures as figures
 import prune_audit.analysis.study_figures as study_figures
 from prune_audit.analysis.cascade_plots import cascade_figures
 from prune_audit.analysis.report_html import TABLE_COLUMNS, table_html
-from test_figure_clarity import calibrated, captured, cascade, legend_labels, lost_row, markers  # noqa: F401
 
 RED = to_rgba("tab:red")
 
@@ -22,7 +22,9 @@ RED = to_rgba("tab:red")
 def test_run_styles_give_each_run_its_own_colour_and_marker_and_the_reference_black_squares():
     labels = [f"run{index}" for index in range(8)]
     styles = figures.run_styles([*labels, "dense"], reference="dense")
-    assert len({style.colour for style in styles.values()}) == 9 and len({style.marker for style in styles.values()}) == 9
+    assert (
+        len({style.colour for style in styles.values()}) == 9 and len({style.marker for style in styles.values()}) == 9
+    )
     assert styles["dense"] == figures.REFERENCE_STYLE == figures.RunStyle("black", "s")
     assert "tab:red" not in figures.RUN_COLOURS  # red flags over-confidence and costs above the reference
     assert figures.run_styles(labels) == {label: styles[label] for label in labels}  # the reference takes no slot
@@ -45,8 +47,12 @@ def test_overlay_runs_differ_in_colour_and_shape_even_in_their_small_bins(captur
 
 def study_rows():
     nan = float("nan")
-    return [{"run": "dense", "selector": "dense"}, lost_row("divprune@16", 0.0, nan, nan),
-            lost_row("fastv@16", 0.52, 0.39, 0.973), lost_row("random@16", 0.37, 0.14, 0.998)]
+    return [
+        {"run": "dense", "selector": "dense"},
+        lost_row("divprune@16", 0.0, nan, nan),
+        lost_row("fastv@16", 0.52, 0.39, 0.973),
+        lost_row("random@16", 0.37, 0.14, 0.998),
+    ]
 
 
 def drawn_lines(axis) -> list:
@@ -65,8 +71,12 @@ def test_a_run_has_one_colour_in_every_figure_of_a_study(captured):
     # divprune lost nothing: fastv keeps its own colour anyway
     study_figures.lost_objects(rows, "demo", "yes-questions")
     study_figures.metric_vs_budget(rows, [("accuracy", "accuracy")], "demo", "accuracy_vs_budget")
-    cascade_figures([cascade(label, [0.9, 0.6, 0.3]) for label in ("divprune@16", "fastv@16", "random@16")], "demo",
-                    "dense", styles=styles)
+    cascade_figures(
+        [cascade(label, [0.9, 0.6, 0.3]) for label in ("divprune@16", "fastv@16", "random@16")],
+        "demo",
+        "dense",
+        styles=styles,
+    )
     for stem in ("lost_objects", "accuracy_vs_budget", "cascade_cost_vs_epsilon", "cascade_validity"):
         (axis,) = captured[stem].axes
         for run in ("fastv@16", "random@16"):
@@ -117,8 +127,16 @@ def test_the_html_table_fits_the_page(tmp_path):
     """A study row with every column at its widest: at 0.9 x 16 px, each column as wide as its longest line (the
     interval line at 0.85 of that) or its header's longest word, plus 2 x 8 px padding and a border: under the
     page's 1100 px (a 1280-px screen)."""
-    row = {"run": "divprune@64", "selector": "divprune", "lost_accuracy": 0.367, "lost_reference_accuracy": 1.0,
-           "visual_tokens": 144.0, "latency_ms": 1234.5, "mean_kv_bytes": 942 * 1024.0, "lost_share": 0.2}
+    row = {
+        "run": "divprune@64",
+        "selector": "divprune",
+        "lost_accuracy": 0.367,
+        "lost_reference_accuracy": 1.0,
+        "visual_tokens": 144.0,
+        "latency_ms": 1234.5,
+        "mean_kv_bytes": 942 * 1024.0,
+        "lost_share": 0.2,
+    }
     for name in ("accuracy", "f1", "ece", "ece_test_after", "auroc", "flops_relative"):
         row.update({name: 0.943, f"{name}_low": 0.920, f"{name}_high": 0.962})
     page = table_html([row], TABLE_COLUMNS)
@@ -131,6 +149,13 @@ def test_the_html_table_fits_the_page(tmp_path):
         value, _, interval = cell.split("</td>")[0].partition("<br>")
         interval = interval.replace('<span class="ci">', "").replace("</span>", "")
         words = header.split("</th>")[0].split()
-        width += max(text_width(value, body), text_width(interval, 0.85 * body),
-                     max(text_width(word, body) for word in words)) + 2 * 8 + 1
+        width += (
+            max(
+                text_width(value, body),
+                text_width(interval, 0.85 * body),
+                max(text_width(word, body) for word in words),
+            )
+            + 2 * 8
+            + 1
+        )
     assert width < 1100, width

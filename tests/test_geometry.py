@@ -98,14 +98,46 @@ def test_invalid_geometry_is_refused():
 # Worked golden values, evaluation spec D5: (image, category, mask px, [(mode, tokens, visible, touched,
 # keep even, keep first half)]).
 D5 = [
-    (397133, "person", 18463, [("llava_pad", 576, 1.0, 47, 0.4031, 0.5374), ("hf_crop", 576, 0.9434, 81, 0.4764, 0.5338),
-                               ("qwen_smart_resize", 345, 1.0, 43, 0.4708, 0.4836)]),
-    (397133, "dining table", 54088, [("llava_pad", 576, 1.0, 86, 0.5221, 0.0), ("hf_crop", 576, 0.7439, 143, 0.3890, 0.0),
-                                     ("qwen_smart_resize", 345, 1.0, 83, 0.5035, 0.0)]),
-    (37777, "oven", 3611, [("llava_pad", 576, 1.0, 27, 0.4655, 0.0), ("hf_crop", 576, 1.0, 55, 0.5109, 0.0),
-                           ("qwen_smart_resize", 104, 1.0, 9, 0.4846, 0.0)]),
-    (233771, "clock", 303, [("llava_pad", 576, 1.0, 4, 0.6007, 1.0), ("hf_crop", 576, 1.0, 4, 0.6007, 1.0),
-                            ("qwen_smart_resize", 529, 1.0, 4, 0.3531, 1.0)]),
+    (
+        397133,
+        "person",
+        18463,
+        [
+            ("llava_pad", 576, 1.0, 47, 0.4031, 0.5374),
+            ("hf_crop", 576, 0.9434, 81, 0.4764, 0.5338),
+            ("qwen_smart_resize", 345, 1.0, 43, 0.4708, 0.4836),
+        ],
+    ),
+    (
+        397133,
+        "dining table",
+        54088,
+        [
+            ("llava_pad", 576, 1.0, 86, 0.5221, 0.0),
+            ("hf_crop", 576, 0.7439, 143, 0.3890, 0.0),
+            ("qwen_smart_resize", 345, 1.0, 83, 0.5035, 0.0),
+        ],
+    ),
+    (
+        37777,
+        "oven",
+        3611,
+        [
+            ("llava_pad", 576, 1.0, 27, 0.4655, 0.0),
+            ("hf_crop", 576, 1.0, 55, 0.5109, 0.0),
+            ("qwen_smart_resize", 104, 1.0, 9, 0.4846, 0.0),
+        ],
+    ),
+    (
+        233771,
+        "clock",
+        303,
+        [
+            ("llava_pad", 576, 1.0, 4, 0.6007, 1.0),
+            ("hf_crop", 576, 1.0, 4, 0.6007, 1.0),
+            ("qwen_smart_resize", 529, 1.0, 4, 0.3531, 1.0),
+        ],
+    ),
 ]
 
 
@@ -126,7 +158,9 @@ def test_worked_values_of_spec_d5(tiny_coco, image_id, category, mask_pixels, ex
         assert retention(area.area_per_token, area.total_area, every)[0] == pytest.approx(visible, abs=5e-5)
         assert retention(area.area_per_token, area.total_area, every[::2])[0] == pytest.approx(keep_even, abs=5e-5)
         first_half = every[: tokens // 2]
-        assert retention(area.area_per_token, area.total_area, first_half)[0] == pytest.approx(keep_first_half, abs=5e-5)
+        assert retention(area.area_per_token, area.total_area, first_half)[0] == pytest.approx(
+            keep_first_half, abs=5e-5
+        )
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +218,9 @@ def _processed_pixels(processor, image: np.ndarray) -> np.ndarray:
         return pixels[0]
     _, grid_h, grid_w = out["image_grid_thw"][0]
     merge, patch = processor.merge_size, processor.patch_size
-    pixels = pixels.reshape(grid_h // merge, grid_w // merge, merge, merge, 3, processor.temporal_patch_size, patch, patch)
+    pixels = pixels.reshape(
+        grid_h // merge, grid_w // merge, merge, merge, 3, processor.temporal_patch_size, patch, patch
+    )
     return pixels[:, :, :, :, :, 0].transpose(4, 0, 2, 5, 1, 3, 6).reshape(3, grid_h * patch, grid_w * patch)
 
 

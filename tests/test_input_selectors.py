@@ -112,8 +112,11 @@ def one_row_per_pick_farthest_points(unit: torch.Tensor, k: int) -> list[int]:
     return picks
 
 
-SPECULATION_CASES = [(seed, tokens, dim, budget) for seed, tokens, dim in [(0, 1024, 512), (1, 700, 96), (2, 2048, 64)]
-                     for budget in (tokens // 9, tokens // 2)]
+SPECULATION_CASES = [
+    (seed, tokens, dim, budget)
+    for seed, tokens, dim in [(0, 1024, 512), (1, 700, 96), (2, 2048, 64)]
+    for budget in (tokens // 9, tokens // 2)
+]
 
 
 @pytest.mark.parametrize("seed, tokens, dim, budget", SPECULATION_CASES)
@@ -434,8 +437,24 @@ def peak_extra_mib(name: str, tokens: int) -> float:
     """
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to reset the peak RSS")
-    command = [sys.executable, str(BENCHMARK), "--measure", name, "--tokens", str(tokens), "--dim", "128",
-               "--budget", "64", "--repeats", "1", "--threads", "1", "--block-elements", str(1 << 18)]
+    command = [
+        sys.executable,
+        str(BENCHMARK),
+        "--measure",
+        name,
+        "--tokens",
+        str(tokens),
+        "--dim",
+        "128",
+        "--budget",
+        "64",
+        "--repeats",
+        "1",
+        "--threads",
+        "1",
+        "--block-elements",
+        str(1 << 18),
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["peak_extra_mib"]
@@ -459,11 +478,15 @@ def test_facility_location_holds_exactly_one_dense_matrix(name):
 def test_signals_subset_slices_every_per_token_signal_and_keeps_the_cls_first():
     """``InputSignals.subset`` (per-crop budgets): per-token signals along their token axis, CLS columns kept at 0."""
     generator = torch.Generator().manual_seed(0)
-    signals = InputSignals(grid=(2, 3), features=torch.randn(6, 4, generator=generator),
-                           cls_attention=torch.rand(2, 6, generator=generator),
-                           cls_logits=torch.randn(2, 7, generator=generator),
-                           vision_keys=torch.randn(2, 7, 5, generator=generator),
-                           layer_attention=torch.rand(3, 6, generator=generator), cls_feature=torch.ones(4))
+    signals = InputSignals(
+        grid=(2, 3),
+        features=torch.randn(6, 4, generator=generator),
+        cls_attention=torch.rand(2, 6, generator=generator),
+        cls_logits=torch.randn(2, 7, generator=generator),
+        vision_keys=torch.randn(2, 7, 5, generator=generator),
+        layer_attention=torch.rand(3, 6, generator=generator),
+        cls_feature=torch.ones(4),
+    )
     tokens = torch.tensor([1, 2, 4, 5])
     part = signals.subset(tokens, (2, 2))
     assert part.grid == (2, 2) and part.num_tokens == 4
@@ -505,8 +528,15 @@ def test_pool_merges_within_each_grid_by_hand():
     assert [group.tolist() for group in selection.sources] == [[0, 1, 2, 3], [4, 5, 8, 9], [6, 7, 10, 11]]
     assert selection.vision_tokens[:, 0].tolist() == [1.5, 6.5, 8.5] and selection.kept.numel() == 0
     selection = select_per_grid(pool, signals, grids, 11)
-    assert [group.tolist() for group in selection.sources] == [[0], [1], [2], [3], [4, 5, 8, 9], [5, 6, 9, 10],
-                                                               [6, 7, 10, 11]]
+    assert [group.tolist() for group in selection.sources] == [
+        [0],
+        [1],
+        [2],
+        [3],
+        [4, 5, 8, 9],
+        [5, 6, 9, 10],
+        [6, 7, 10, 11],
+    ]
     assert selection.vision_tokens[:, 0].tolist() == [0, 1, 2, 3, 6.5, 7.5, 8.5]
     assert selection.kept.tolist() == [0, 1, 2, 3]
     assert select_per_grid(pool, signals, grids, 12).sources is None  # everything kept: plain tokens

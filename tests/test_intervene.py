@@ -24,8 +24,8 @@ from prune_audit.cli.main import app
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.data.retention import object_area
-from prune_audit.runner.intervene.swaps import NoSwap, Swap, remove_swaps, restore_swaps, swap_stages
 from prune_audit.records.schema import TIMING_COLUMNS
+from prune_audit.runner.intervene.swaps import NoSwap, Swap, remove_swaps, restore_swaps, swap_stages
 
 runner = CliRunner()
 
@@ -131,8 +131,12 @@ def runs(workspace, tmp_path_factory):
     root = tmp_path_factory.mktemp("intervene_runs")
     made = {}
     for name, selector, budget in (("random", "random", "4"), ("pdrop", "pdrop", "6")):
-        result = runner.invoke(app, base_args(workspace, root / name, "--selector", selector, "--budget", budget,
-                                              "--limit", "36", "--seed", "2"))
+        result = runner.invoke(
+            app,
+            base_args(
+                workspace, root / name, "--selector", selector, "--budget", budget, "--limit", "36", "--seed", "2"
+            ),
+        )
         assert result.exit_code == 0, result.output
         made[name] = root / name
     return made
@@ -244,8 +248,9 @@ def test_in_llm_stages_stay_nested_with_their_sizes(workspace, runs, tmp_path, s
 
 def test_report_numbers_come_from_the_records(runs, tmp_path):
     out = tmp_path / "report"
-    result = intervene(runs["random"], "--mode", "restore", "--bootstrap", "300", "--seed", "5", "--out", str(out),
-                       "--json")
+    result = intervene(
+        runs["random"], "--mode", "restore", "--bootstrap", "300", "--seed", "5", "--out", str(out), "--json"
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert json.loads((out / "intervention.json").read_text()) == report
@@ -273,8 +278,9 @@ def test_report_numbers_come_from_the_records(runs, tmp_path):
 
 def test_seeded_and_deterministic(runs, tmp_path):
     def records(seed, name):
-        result = intervene(runs["random"], "--mode", "restore", "--bootstrap", "20", "--seed", seed,
-                           "--out", str(tmp_path / name))
+        result = intervene(
+            runs["random"], "--mode", "restore", "--bootstrap", "20", "--seed", seed, "--out", str(tmp_path / name)
+        )
         assert result.exit_code == 0, result.output
         return frame(tmp_path / name / "records.parquet").drop(columns=list(TIMING_COLUMNS))
 

@@ -21,8 +21,19 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "prune_audit"
 
 LAYERS = (
-    "(root)", "safety", "pruners", "compute", "data", "tasks", "records", "analysis", "models", "demo", "runner",
-    "api", "cli",
+    "(root)",
+    "safety",
+    "pruners",
+    "compute",
+    "data",
+    "tasks",
+    "records",
+    "analysis",
+    "models",
+    "demo",
+    "runner",
+    "api",
+    "cli",
 )
 """Bottom to top (docs/architecture.md): ``(root)`` is ``errors.py``, ``__init__.py``, ``lazy.py``, ``integers.py``,
 ``threads.py``, ``plugins.py``, ``answer_modes.py``, ``record_columns.py`` and ``flop_convention.py``; ``safety``
@@ -63,8 +74,13 @@ def run_time_tree(path: Path) -> ast.Module:
 def lazy_exports_of(tree: ast.Module, package: str) -> dict[str, str]:
     """``name -> submodule`` of a package whose ``__init__`` serves names through ``lazy_exports`` (empty when
     it does not)."""
-    constants = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
-                 for target in node.targets if isinstance(target, ast.Name)}
+    constants = {
+        target.id: node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports":
             table = node.args[1]
@@ -88,13 +104,22 @@ def imported_names(tree: ast.Module, module: str, is_package: bool) -> list[tupl
             base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package if node.level else ""
             source = ".".join(part for part in (base, node.module) if part)
             found += [(source, alias.name) for alias in node.names]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "import_module" and node.args
-              and isinstance(node.args[0], ast.JoinedStr) and isinstance(node.args[0].values[0], ast.Constant)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.JoinedStr)
+            and isinstance(node.args[0].values[0], ast.Constant)
+        ):
             prefix = node.args[0].values[0].value
             found += [(f"{prefix}{text}", None) for text in strings]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "import_module" and node.args
-              and isinstance(node.args[0], ast.JoinedStr)
-              and getattr(getattr(node.args[0].values[0], "value", None), "id", None) == "__name__"):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.JoinedStr)
+            and getattr(getattr(node.args[0].values[0], "value", None), "id", None) == "__name__"
+        ):
             found.append((module, EVERY_MODULE))  # import_module(f"{__name__}.{m.name}") over pkgutil.iter_modules
     return found
 
@@ -108,8 +133,9 @@ def import_graph(root: Path = PACKAGE) -> Mapping[str, frozenset[str]]:
     """Each module of the package at ``root`` -> the package's modules it imports when it runs."""
     modules = package_modules(root)
     trees = {module: run_time_tree(path) for module, path in modules.items()}
-    lazy = {module: lazy_exports_of(tree, module) for module, tree in trees.items()
-            if modules[module].name == "__init__.py"}
+    lazy = {
+        module: lazy_exports_of(tree, module) for module, tree in trees.items() if modules[module].name == "__init__.py"
+    }
     graph = {}
     for module, tree in trees.items():
         targets = set()
@@ -224,8 +250,10 @@ def test_a_cycle_hidden_inside_functions_is_found_with_its_path(tmp_path):
         "__init__.py": "__getattr__, __dir__ = lazy_exports(__name__, {'h': 'd'})\n",
         "a.py": "from pkg import b\n",
         "b.py": "def f():\n    from pkg.c import g\n",
-        "c.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import d\n"
-                 "def g():\n    from . import a\n"),
+        "c.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import d\n"
+            "def g():\n    from . import a\n"
+        ),
         "d.py": "import pkg.c\nh = 1\n",
         "e.py": "def k():\n    from pkg import h\n",
     }
@@ -262,8 +290,13 @@ def test_no_private_model_method_is_called_from_outside_its_class():
     for path in sorted((PACKAGE / "models").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ClassDef) and any("Model" in ast.unparse(base) for base in node.bases):
-                private |= {item.name for item in node.body if isinstance(item, ast.FunctionDef)
-                            and item.name.startswith("_") and not item.name.startswith("__")}
+                private |= {
+                    item.name
+                    for item in node.body
+                    if isinstance(item, ast.FunctionDef)
+                    and item.name.startswith("_")
+                    and not item.name.startswith("__")
+                }
     assert {"_vision", "_layer_positions"} <= private  # the reader finds the family hooks
     outside = []
     for module, path in package_modules(PACKAGE).items():

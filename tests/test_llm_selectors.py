@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from prune_audit.pruners import LayerSignals, Stage, get_selector
-from prune_audit.pruners.e2s import novelty_bonus
 from prune_audit.pruners.dempster_shafer import dempster_combine, head_masses, priority, vacuous_mass
+from prune_audit.pruners.e2s import novelty_bonus
 from prune_audit.pruners.sparsevlm import select_raters
 
 
@@ -259,9 +259,13 @@ def test_sparsevlm_scores_with_rater_rows_and_keeps_its_raters():
 def test_v2drop_keeps_the_largest_residual_updates():
     previous = torch.zeros(5, 2)
     hidden = torch.tensor([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0], [1.0, 1.0], [0.0, -7.0]])  # norms 5 1 10 1.4 7
-    kept = get_selector("v2drop").prune(Stage(3, 2), signals(5, hidden_states=hidden, previous_hidden_states=previous), {})
+    kept = get_selector("v2drop").prune(
+        Stage(3, 2), signals(5, hidden_states=hidden, previous_hidden_states=previous), {}
+    )
     assert kept.tolist() == [2, 4]
-    kept = get_selector("v2drop").prune(Stage(3, 2), signals(5, hidden_states=hidden, previous_hidden_states=hidden), {})
+    kept = get_selector("v2drop").prune(
+        Stage(3, 2), signals(5, hidden_states=hidden, previous_hidden_states=hidden), {}
+    )
     assert kept.tolist() == [0, 1]  # no variation anywhere: ties to the lower index
 
 

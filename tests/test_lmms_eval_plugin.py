@@ -46,10 +46,27 @@ def lmms_eval_command() -> Path:
 def run_lmms_eval(model: str, model_args: str, tasks: str, task_dir: Path, out: Path, batch_size: int = 1) -> Path:
     """lmms-eval's CLI on the local tasks; the folder of its results."""
     completed = subprocess.run(
-        [str(lmms_eval_command()), "eval", "--model", model, "--model_args", model_args, "--tasks", tasks,
-         "--include_path", str(task_dir), "--output_path", str(out), "--batch_size", str(batch_size),
-         "--log_samples"],
-        capture_output=True, text=True, env=ENVIRONMENT, check=False,
+        [
+            str(lmms_eval_command()),
+            "eval",
+            "--model",
+            model,
+            "--model_args",
+            model_args,
+            "--tasks",
+            tasks,
+            "--include_path",
+            str(task_dir),
+            "--output_path",
+            str(out),
+            "--batch_size",
+            str(batch_size),
+            "--log_samples",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENVIRONMENT,
+        check=False,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return out
@@ -59,9 +76,24 @@ def prune_audit_run(out: Path, *arguments: str) -> list[dict]:
     """``prune-audit run`` (the CLI, in a child process) on the demo; its records as dicts in question order."""
     import pyarrow.parquet as pq
 
-    completed = subprocess.run([sys.executable, "-m", "prune_audit.cli.main", "run", "--device", "cpu", "--quiet",
-                                "--out", str(out), *arguments], capture_output=True, text=True, env=ENVIRONMENT,
-                               check=False)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prune_audit.cli.main",
+            "run",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--out",
+            str(out),
+            *arguments,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENVIRONMENT,
+        check=False,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return pq.read_table(out / "records.parquet").to_pylist()
 
@@ -76,11 +108,30 @@ def demo_run(tmp_path_factory) -> dict:
     demo, root = demo_assets(), tmp_path_factory.mktemp("lmms")
     # the plugin's default model; without --model a caption run would answer with the task demo
     common = ["--model", "demo", "--selector", "fastv", "--budget", "16", "--images", str(demo.images_dir)]
-    pope = prune_audit_run(root / "run-pope", *common, "--pope", str(demo.pope_files[0]),
-                           "--annotations", str(demo.annotations), "--limit", str(QUESTIONS))
-    caption = prune_audit_run(root / "run-caption", *common, "--task", "caption", "--questions", str(demo.annotations),
-                              "--annotations", str(demo.annotations), "--limit", str(CAPTIONS),
-                              "--max-new-tokens", str(CAPTION_TOKENS))
+    pope = prune_audit_run(
+        root / "run-pope",
+        *common,
+        "--pope",
+        str(demo.pope_files[0]),
+        "--annotations",
+        str(demo.annotations),
+        "--limit",
+        str(QUESTIONS),
+    )
+    caption = prune_audit_run(
+        root / "run-caption",
+        *common,
+        "--task",
+        "caption",
+        "--questions",
+        str(demo.annotations),
+        "--annotations",
+        str(demo.annotations),
+        "--limit",
+        str(CAPTIONS),
+        "--max-new-tokens",
+        str(CAPTION_TOKENS),
+    )
     pope_rows = [json.loads(line) for line in demo.pope_files[0].read_text().splitlines()[:QUESTIONS]]
     assert [row["question_id"] for row in pope_rows] == [record["question_id"] for record in pope]
     (root / "task").mkdir()
@@ -94,8 +145,9 @@ def tiny_model(tmp_path_factory) -> Path:
     from prune_audit.models.llava import LlavaModel
 
     words = ["Is", "there", "a", "an", "in", "the", "image", "yes", "no", "Describe", "this", *CATEGORIES]
-    return LlavaModel.build_tiny(tmp_path_factory.mktemp("tiny") / "model", words=words, image_size=56, patch_size=14,
-                       text_layers=4, seed=0)
+    return LlavaModel.build_tiny(
+        tmp_path_factory.mktemp("tiny") / "model", words=words, image_size=56, patch_size=14, text_layers=4, seed=0
+    )
 
 
 def recorded_kept(result) -> list[list[int]]:
@@ -112,11 +164,16 @@ def lmms_scores(out: Path) -> dict:
     return json.loads(results_file.read_text())["results"]
 
 
-@pytest.mark.parametrize("model, selector, budget, batch_size", [
-    ("demo", "none", None, 1), ("demo", "fastv", 16, 3), ("tiny", "fastv", 6, 2), ("tiny", "divprune", 6, 1),
-])
-def test_plugin_answers_every_request_type_as_the_python_api(demo_run, tiny_model, model, selector, budget,
-                                                              batch_size):
+@pytest.mark.parametrize(
+    "model, selector, budget, batch_size",
+    [
+        ("demo", "none", None, 1),
+        ("demo", "fastv", 16, 3),
+        ("tiny", "fastv", 6, 2),
+        ("tiny", "divprune", 6, 1),
+    ],
+)
+def test_plugin_answers_every_request_type_as_the_python_api(demo_run, tiny_model, model, selector, budget, batch_size):
     from prune_audit import load, pruned
     from prune_audit.demo.assets import demo_assets
 
@@ -124,8 +181,9 @@ def test_plugin_answers_every_request_type_as_the_python_api(demo_run, tiny_mode
     root = demo_run["root"] / f"{model}-{selector}"
     model_args = f"pretrained={pretrained},selector={selector},records={root / 'records'},device=cpu"
     model_args += "" if budget is None else f",budget={budget}"
-    scores = lmms_scores(run_lmms_eval("prune_audit", model_args, TASKS, demo_run["root"] / "task", root / "out",
-                                       batch_size))
+    scores = lmms_scores(
+        run_lmms_eval("prune_audit", model_args, TASKS, demo_run["root"] / "task", root / "out", batch_size)
+    )
     rows, images_dir = demo_run["pope_rows"], demo_assets().images_dir
     images = [images_dir / row["image"] for row in rows]
     questions = [row["text"] for row in rows]
@@ -133,34 +191,44 @@ def test_plugin_answers_every_request_type_as_the_python_api(demo_run, tiny_mode
         expected = api.generate(images, questions, max_new_tokens=MAX_NEW_TOKENS)
         yes = api.score(images, questions, ["yes"] * QUESTIONS)
         no = api.score(images, questions, ["no"] * QUESTIONS)
-        again = api.generate(images, [f"You said {e.text}. {q}" for e, q in zip(expected, questions)],
-                             max_new_tokens=MAX_NEW_TOKENS)
-        captions = api.generate([images_dir / record["image"] for record in demo_run["caption"]],
-                                [CAPTION_PROMPT] * CAPTIONS, max_new_tokens=CAPTION_TOKENS)
+        again = api.generate(
+            images, [f"You said {e.text}. {q}" for e, q in zip(expected, questions)], max_new_tokens=MAX_NEW_TOKENS
+        )
+        captions = api.generate(
+            [images_dir / record["image"] for record in demo_run["caption"]],
+            [CAPTION_PROMPT] * CAPTIONS,
+            max_new_tokens=CAPTION_TOKENS,
+        )
 
     generated = plugin_records(root / "records", "localpope")
     assert [line["doc_id"] for line in generated] == list(range(QUESTIONS))
     assert [line["text"] for line in generated] == [result.text for result in expected]
     assert [line["kept_stages"] for line in generated] == [recorded_kept(result) for result in expected]
     assert [line["sequence_probability"] for line in generated] == pytest.approx(
-        [result.sequence_probability for result in expected], rel=1e-5)
+        [result.sequence_probability for result in expected], rel=1e-5
+    )
     scored = [result.text.lower().startswith(row["label"]) for result, row in zip(expected, rows)]
     assert scores["localpope"]["accuracy,none"] == pytest.approx(sum(scored) / QUESTIONS)
 
-    choices = sorted(plugin_records(root / "records", "localpope_mc"), key=lambda line: (line["doc_id"],
-                                                                                          line["continuation"]))
+    choices = sorted(
+        plugin_records(root / "records", "localpope_mc"), key=lambda line: (line["doc_id"], line["continuation"])
+    )
     assert [(line["doc_id"], line["continuation"].strip()) for line in choices] == [
-        (doc, answer) for doc in range(QUESTIONS) for answer in ("no", "yes")]
+        (doc, answer) for doc in range(QUESTIONS) for answer in ("no", "yes")
+    ]
     for doc, (line_no, line_yes) in enumerate(zip(choices[::2], choices[1::2])):
         assert line_yes["log_probability"] == pytest.approx(yes[doc].log_probability, abs=1e-5)
         assert line_no["log_probability"] == pytest.approx(no[doc].log_probability, abs=1e-5)
         assert line_yes["kept_stages"] == recorded_kept(yes[doc])
         assert line_yes["mean_loss"] == pytest.approx(-yes[doc].log_probability / len(yes[doc].token_probs), abs=1e-5)
         assert line_yes["is_greedy"] == yes[doc].is_greedy
-    picked = ["yes" if y.log_probability / len(y.token_probs) >= n.log_probability / len(n.token_probs) else "no"
-              for y, n in zip(yes, no)]
+    picked = [
+        "yes" if y.log_probability / len(y.token_probs) >= n.log_probability / len(n.token_probs) else "no"
+        for y, n in zip(yes, no)
+    ]
     assert scores["localpope_mc"]["acc,none"] == pytest.approx(
-        sum(p == row["label"] for p, row in zip(picked, rows)) / QUESTIONS)
+        sum(p == row["label"] for p, row in zip(picked, rows)) / QUESTIONS
+    )
 
     rounds = plugin_records(root / "records", "localpope_rounds")
     assert [(line["doc_id"], line["round"]) for line in rounds] == [(d, r) for d in range(QUESTIONS) for r in (0, 1)]
@@ -178,23 +246,32 @@ def test_plugin_records_equal_prune_audit_run(demo_run):
     multiple-choice scores of "yes" and "no" (one spelling each)."""
     root = demo_run["root"] / "demo-fastv"
     if not (root / "records").is_dir():
-        run_lmms_eval("prune_audit", f"pretrained=demo,selector=fastv,budget=16,records={root / 'records'},device=cpu",
-                      TASKS, demo_run["root"] / "task", root / "out")
+        run_lmms_eval(
+            "prune_audit",
+            f"pretrained=demo,selector=fastv,budget=16,records={root / 'records'},device=cpu",
+            TASKS,
+            demo_run["root"] / "task",
+            root / "out",
+        )
     generated = plugin_records(root / "records", "localpope")
     assert [line["kept_stages"] for line in generated] == [record["kept_stages"] for record in demo_run["pope"]]
     assert [line["stage_layers"] for line in generated] == [record["stage_layers"] for record in demo_run["pope"]]
     choices = plugin_records(root / "records", "localpope_mc")
     by_doc = {(line["doc_id"], line["continuation"].strip()): line for line in choices}
-    picked = ["yes" if by_doc[(doc, "yes")]["mean_loss"] <= by_doc[(doc, "no")]["mean_loss"] else "no"
-              for doc in range(QUESTIONS)]
+    picked = [
+        "yes" if by_doc[(doc, "yes")]["mean_loss"] <= by_doc[(doc, "no")]["mean_loss"] else "no"
+        for doc in range(QUESTIONS)
+    ]
     assert picked == [record["answer"] for record in demo_run["pope"]]
-    assert all(by_doc[(doc, "yes")]["kept_stages"] == record["kept_stages"]
-               for doc, record in enumerate(demo_run["pope"]))
+    assert all(
+        by_doc[(doc, "yes")]["kept_stages"] == record["kept_stages"] for doc, record in enumerate(demo_run["pope"])
+    )
     described = plugin_records(root / "records", "localcaption")
     assert [line["kept_stages"] for line in described] == [record["kept_stages"] for record in demo_run["caption"]]
     assert [line["text"] for line in described] == [record["answer_text"] for record in demo_run["caption"]]
     assert [line["sequence_probability"] for line in described] == pytest.approx(
-        [record["sequence_prob"] for record in demo_run["caption"]], rel=1e-5)
+        [record["sequence_prob"] for record in demo_run["caption"]], rel=1e-5
+    )
     assert all(math.isfinite(line["flops"]) for line in described)
 
 
@@ -204,8 +281,10 @@ def test_dense_answers_equal_lmms_evals_own_llava_class(demo_run):
     from prune_audit.demo import DEMO_MODEL_DIR
 
     answers = {}
-    for model, model_args in [("prune_audit", "pretrained=demo,selector=none,device=cpu"),
-                              ("llava_hf", f"pretrained={DEMO_MODEL_DIR},device=cpu,device_map=cpu,dtype=float32")]:
+    for model, model_args in [
+        ("prune_audit", "pretrained=demo,selector=none,device=cpu"),
+        ("llava_hf", f"pretrained={DEMO_MODEL_DIR},device=cpu,device_map=cpu,dtype=float32"),
+    ]:
         out = run_lmms_eval(model, model_args, "localpope", demo_run["root"] / "task", demo_run["root"] / model)
         [samples] = out.rglob("*samples*.jsonl")
         answers[model] = [json.loads(line)["filtered_resps"] for line in samples.read_text().splitlines()]
@@ -220,9 +299,21 @@ def test_the_comparison_benchmark_prints_all_equal_rows(tmp_path):
     lmms_eval_command()
     questions, captions = 20, 4
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.lmms_eval_compare", str(tmp_path / "compare"), "--questions",
-         str(questions), "--captions", str(captions)],
-        capture_output=True, text=True, env=ENVIRONMENT, cwd=REPO, check=False,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.lmms_eval_compare",
+            str(tmp_path / "compare"),
+            "--questions",
+            str(questions),
+            "--captions",
+            str(captions),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENVIRONMENT,
+        cwd=REPO,
+        check=False,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in completed.stdout.splitlines() if line.startswith("| ")][1:]

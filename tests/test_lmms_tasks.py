@@ -13,9 +13,9 @@ import json
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from cli_checks import refused, snapshot
 from typer.testing import CliRunner
 
-from cli_checks import refused, snapshot
 from prune_audit.cli.main import app
 from prune_audit.demo.assets import demo_assets
 from prune_audit.demo.lmms_tasks import CAPTION_PROMPT, CAPTION_TOKENS, MAX_NEW_TOKENS, TASKS
@@ -53,7 +53,8 @@ def test_the_command_writes_four_tasks_over_the_demo_questions(tasks):
     rows = [json.loads(line) for line in demo.pope_files[0].read_text().splitlines()[:6]]
     pope = pq.read_table(tasks / "pope.parquet").to_pylist()
     assert [(r["question_id"], r["question"], r["answer"]) for r in pope] == [
-        (r["question_id"], r["text"], r["label"]) for r in rows]
+        (r["question_id"], r["text"], r["label"]) for r in rows
+    ]
     assert all(r["image"]["bytes"] == (demo.images_dir / q["image"]).read_bytes() for r, q in zip(pope, rows))
     captions = pq.read_table(tasks / "caption.parquet").to_pylist()
     assert len(captions) == 3 and {r["question"] for r in captions} == {CAPTION_PROMPT}
@@ -78,10 +79,31 @@ def test_the_command_writes_four_tasks_over_the_demo_questions(tasks):
 def test_caption_images_are_the_ones_run_describes(tasks, tmp_path):
     demo = demo_assets()
     out = tmp_path / "run"
-    result = runner.invoke(app, ["run", "--model", "demo", "--task", "caption", "--questions", str(demo.annotations),
-                                 "--annotations", str(demo.annotations), "--images", str(demo.images_dir),
-                                 "--limit", "3", "--max-new-tokens", "2", "--out", str(out), "--quiet",
-                                 "--threads", "1"])
+    result = runner.invoke(
+        app,
+        [
+            "run",
+            "--model",
+            "demo",
+            "--task",
+            "caption",
+            "--questions",
+            str(demo.annotations),
+            "--annotations",
+            str(demo.annotations),
+            "--images",
+            str(demo.images_dir),
+            "--limit",
+            "3",
+            "--max-new-tokens",
+            "2",
+            "--out",
+            str(out),
+            "--quiet",
+            "--threads",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output
     recorded = [row["image"] for row in pq.read_table(out / "records.parquet").to_pylist()]
     assert [row["image"]["path"] for row in pq.read_table(tasks / "caption.parquet").to_pylist()] == recorded
@@ -89,12 +111,18 @@ def test_caption_images_are_the_ones_run_describes(tasks, tmp_path):
 
 def test_other_settings_or_too_many_questions_are_refused_in_one_line(tasks, tmp_path):
     before = snapshot(tasks)
-    refused(runner.invoke(app, ["demo", "lmms-tasks", str(tasks), "--questions", "7", "--captions", "3"]),
-            "other settings", "DIR")
+    refused(
+        runner.invoke(app, ["demo", "lmms-tasks", str(tasks), "--questions", "7", "--captions", "3"]),
+        "other settings",
+        "DIR",
+    )
     assert snapshot(tasks) == before
     again = runner.invoke(app, ["demo", "lmms-tasks", str(tasks), "--questions", "6", "--captions", "3"])
     assert again.exit_code == 0, again.output  # the same settings rewrite the same files
     assert snapshot(tasks) == before
-    refused(runner.invoke(app, ["demo", "lmms-tasks", str(tmp_path / "many"), "--questions", "100000"]),
-            "the demo has 3000 questions", "--questions")
+    refused(
+        runner.invoke(app, ["demo", "lmms-tasks", str(tmp_path / "many"), "--questions", "100000"]),
+        "the demo has 3000 questions",
+        "--questions",
+    )
     assert not (tmp_path / "many").exists()

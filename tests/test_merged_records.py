@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from test_run_cli import read_records
 from typer.testing import CliRunner
 
 import prune_audit.runner.visualize as visualize_module
@@ -25,15 +26,19 @@ from prune_audit.demo.assets import demo_assets
 from prune_audit.pruners.base import Selection
 from prune_audit.pruners.visionzip import VisionZipSelector
 from prune_audit.records.schema import SCHEMA_VERSION
-from test_run_cli import read_records
 
 BUDGET = 16
 
 
 def test_merged_sources_are_the_tokens_that_are_not_a_kept_cell():
     # CLS (no cell), two dominant cells, a contextual token with members, one without members
-    sources = [torch.tensor([], dtype=torch.long), torch.tensor([2]), torch.tensor([7]),
-               torch.tensor([9, 1, 4]), torch.tensor([5])]
+    sources = [
+        torch.tensor([], dtype=torch.long),
+        torch.tensor([2]),
+        torch.tensor([7]),
+        torch.tensor([9, 1, 4]),
+        torch.tensor([5]),
+    ]
     selection = Selection(kept=torch.tensor([2, 7]), sources=sources, vision_tokens=torch.zeros(5, 3))
     assert selection.merged_sources() == [[1, 4, 9], [5]]  # ascending, in feed order
     assert Selection(kept=torch.tensor([2, 7])).merged_sources() == []
@@ -44,8 +49,22 @@ def visionzip_run(tmp_path_factory):
     """The bundled demo under VisionZip at 16 tokens, first 6 questions (2 of whose objects lie only in
     contextual tokens), through the real CLI."""
     out = tmp_path_factory.mktemp("visionzip") / "run"
-    args = ["run", "--model", "demo", "--selector", "visionzip", "--budget", str(BUDGET), "--limit", "6",
-            "--threads", "1", "--out", str(out), "--quiet"]
+    args = [
+        "run",
+        "--model",
+        "demo",
+        "--selector",
+        "visionzip",
+        "--budget",
+        str(BUDGET),
+        "--limit",
+        "6",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     # the summary names the objects only a contextual token carries (2 of the 3 yes-questions with a mask)
@@ -102,8 +121,17 @@ def test_visualize_run_hatches_the_contextual_cells(visionzip_run, tmp_path, mon
     drawn = spy_on_panels(monkeypatch)
     record = read_records(visionzip_run).iloc[2]
     out = tmp_path / "tokens.png"
-    args = ["visualize", "--run", str(visionzip_run), "--question-id", str(record["question_id"]),
-            "--split", record["split"], "--out", str(out)]
+    args = [
+        "visualize",
+        "--run",
+        str(visionzip_run),
+        "--question-id",
+        str(record["question_id"]),
+        "--split",
+        record["split"],
+        "--out",
+        str(out),
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     (panel,) = drawn["panels"]
@@ -118,13 +146,30 @@ def test_visualize_live_draws_sparsevlm_recycled_cells_with_its_option(tmp_path,
     drawn = spy_on_panels(monkeypatch)
     image = next(iter(sorted(demo_assets().images_dir.glob("*.png"))))
     out = tmp_path / "tokens.png"
-    args = ["visualize", str(image), "--budget", str(BUDGET), "--threads", "1", "--selector", "none",
-            "--selector", "sparsevlm", "--option", "recycle=true", "--out", str(out)]
+    args = [
+        "visualize",
+        str(image),
+        "--budget",
+        str(BUDGET),
+        "--threads",
+        "1",
+        "--selector",
+        "none",
+        "--selector",
+        "sparsevlm",
+        "--option",
+        "recycle=true",
+        "--out",
+        str(out),
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     unpruned, recycled = drawn["panels"]
     assert not unpruned.has_merged_only_cells()
-    assert recycled.title == f"sparsevlm (recycle=true), budget {BUDGET} (layer average)" and recycled.has_merged_only_cells()
+    assert (
+        recycled.title == f"sparsevlm (recycle=true), budget {BUDGET} (layer average)"
+        and recycled.has_merged_only_cells()
+    )
     assert len(recycled.merged) == len(recycled.stages) == len(recycled.stage_labels) > 1
     for cells, label in zip(recycled.merged, recycled.stage_labels):
         assert label.startswith("layer ") and (" merged" in label) == bool(cells)
@@ -137,7 +182,9 @@ def test_visualize_live_draws_sparsevlm_recycled_cells_with_its_option(tmp_path,
 def test_visualize_option_needs_exactly_one_selector(tmp_path, selectors):
     image = next(iter(sorted(demo_assets().images_dir.glob("*.png"))))
     out = tmp_path / "tokens.png"
-    result = CliRunner().invoke(app, ["visualize", str(image), *selectors, "--option", "recycle=true", "--out", str(out)])
+    result = CliRunner().invoke(
+        app, ["visualize", str(image), *selectors, "--option", "recycle=true", "--out", str(out)]
+    )
     assert result.exit_code == 2 and "--option applies to one selector" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
 
@@ -148,9 +195,33 @@ def test_a_visionzip_run_of_schema_3_is_refused_by_resume_and_readers(visionzip_
     manifest = json.loads((old / "manifest.json").read_text())
     (old / "manifest.json").write_text(json.dumps({**manifest, "records_schema": 3}))  # contextual cells not counted
     before = sorted(p.name for p in old.iterdir())
-    resume = ["run", "--model", "demo", "--selector", "visionzip", "--budget", str(BUDGET), "--limit", "8",
-              "--threads", "1", "--out", str(old), "--quiet"]
-    redraw = ["visualize", "--run", str(old), "--question-id", "1", "--split", "random", "--out", str(tmp_path / "x.png")]
+    resume = [
+        "run",
+        "--model",
+        "demo",
+        "--selector",
+        "visionzip",
+        "--budget",
+        str(BUDGET),
+        "--limit",
+        "8",
+        "--threads",
+        "1",
+        "--out",
+        str(old),
+        "--quiet",
+    ]
+    redraw = [
+        "visualize",
+        "--run",
+        str(old),
+        "--question-id",
+        "1",
+        "--split",
+        "random",
+        "--out",
+        str(tmp_path / "x.png"),
+    ]
     for args in (resume, redraw):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2 and "re-run with this version" in result.stderr, result.output

@@ -14,6 +14,7 @@ import math
 import pyarrow.parquet as pq
 import pytest
 import torch
+from tiny_models import QUESTIONS, WORDS, random_image
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
@@ -23,10 +24,9 @@ from prune_audit.models import load_vlm
 from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector
 from prune_audit.pruners.base import Stage
-from prune_audit.pruners.signals import InputSignals, LayerSignals
 from prune_audit.pruners.fidelity import fidelity_entries
+from prune_audit.pruners.signals import InputSignals, LayerSignals
 from prune_audit.pruners.vscan import greedy_window_scan
-from tiny_models import QUESTIONS, WORDS, random_image
 
 FIDELITY = fidelity_entries()  # each selector class's row, by name
 
@@ -45,7 +45,9 @@ def raster_to_window_order(rows: int, cols: int, side: int) -> torch.Tensor:
     order = []
     for top in range(0, rows, side):
         for left in range(0, cols, side):
-            order += [r * cols + c for r in range(top, min(top + side, rows)) for c in range(left, min(left + side, cols))]
+            order += [
+                r * cols + c for r in range(top, min(top + side, rows)) for c in range(left, min(left + side, cols))
+            ]
     return torch.tensor(order)
 
 
@@ -93,8 +95,9 @@ def recomputed_layer_attention(vlm, item) -> torch.Tensor:
     return torch.stack(layers)
 
 
-@pytest.mark.parametrize("name, size", [("tiny", (130, 100)), ("tiny", (120, 120)), ("demo-qwen", (96, 96)),
-                                        ("demo-qwen", (120, 72))])
+@pytest.mark.parametrize(
+    "name, size", [("tiny", (130, 100)), ("tiny", (120, 120)), ("demo-qwen", (96, 96)), ("demo-qwen", (120, 72))]
+)
 def test_layer_attention_equals_a_raster_order_recomputation(models, name, size):
     vlm = models[name]
     item = vlm.prepare(random_image(7, size), QUESTIONS[0])
@@ -108,15 +111,18 @@ def test_layer_attention_equals_a_raster_order_recomputation(models, name, size)
 
 def test_hiprune_runs_and_records_on_demo_qwen(tmp_path):
     out = tmp_path / "hiprune"
-    result = CliRunner().invoke(app, ["run", "--model", "demo-qwen", "--selector", "hiprune", "--budget", "16",
-                                      "--limit", "6", "--out", str(out)])
+    result = CliRunner().invoke(
+        app,
+        ["run", "--model", "demo-qwen", "--selector", "hiprune", "--budget", "16", "--limit", "6", "--out", str(out)],
+    )
     assert result.exit_code == 0, result.output
     records = pq.read_table(out / "records.parquet").to_pylist()
     assert len(records) == 6 and all(len(record["kept_stages"][0]) == 16 for record in records)
 
 
-def official_qwen_hiprune(shallow: torch.Tensor, deep: torch.Tensor, width: int, visual_token_num: int,
-                          alpha: float = 0.1) -> torch.Tensor:
+def official_qwen_hiprune(
+    shallow: torch.Tensor, deep: torch.Tensor, width: int, visual_token_num: int, alpha: float = 0.1
+) -> torch.Tensor:
     """The HiPrune block of ``Qwen2_5_VLForConditionalGeneration.forward`` (6e83a124) for one image:
     top anchors of the shallow block, flat +-1 / +-width offsets clamped, unique, then the deep block's
     attention minus 1 on those and its top for the rest; returns the retained indices (may repeat)."""
@@ -145,8 +151,14 @@ def test_hiprune_agrees_with_the_official_qwen_selection_on_random_cases():
         n = rows * cols
         budget = int(torch.randint(5, n // 2, (1,), generator=generator))
         depth = 32
-        attention = torch.stack([summed_received_attention(generator, 4 * n) if layer in (15, depth - 1)
-                                 else torch.rand(n, generator=generator) for layer in range(depth)])
+        attention = torch.stack(
+            [
+                summed_received_attention(generator, 4 * n)
+                if layer in (15, depth - 1)
+                else torch.rand(n, generator=generator)
+                for layer in range(depth)
+            ]
+        )
         signals = InputSignals(grid=(rows, cols), layer_attention=attention, vision_tower="qwen2_5_vl")
         kept = get_selector("hiprune").select(signals, budget).kept
         official = official_qwen_hiprune(attention[15], attention[-1], cols, budget)
@@ -218,8 +230,9 @@ def official_qwen_scans(local: torch.Tensor, deep: torch.Tensor, rows: int, cols
     return sorted(chosen_local + torch.topk(deep, num_keep - num_keep // 2).indices.tolist())
 
 
-def official_qwen_vscan(local: torch.Tensor, deep: torch.Tensor, features: torch.Tensor, rows: int, cols: int,
-                        num_keep: int) -> tuple[list[int], torch.Tensor]:
+def official_qwen_vscan(
+    local: torch.Tensor, deep: torch.Tensor, features: torch.Tensor, rows: int, cols: int, num_keep: int
+) -> tuple[list[int], torch.Tensor]:
     """The vision stage: :func:`official_qwen_scans`, then ``token_merging`` (scaling 1)."""
     keep = official_qwen_scans(local, deep, rows, cols, num_keep)
     mask = torch.zeros(features.shape[0], dtype=torch.bool)
@@ -231,8 +244,9 @@ def official_qwen_vscan(local: torch.Tensor, deep: torch.Tensor, features: torch
     return keep, merged / (1 + counts[:, None])
 
 
-def window_attention_case(generator: torch.Generator, rows: int, cols: int, dtype: torch.dtype = torch.float32,
-                          ties: str = ""):
+def window_attention_case(
+    generator: torch.Generator, rows: int, cols: int, dtype: torch.dtype = torch.float32, ties: str = ""
+):
     """Two full-attention blocks' (H, P, P) softmax in the tower's window order (P = 4 rows cols patches, each
     merged token's 4 together) and the window index (raster merged token at each window slot).
 
@@ -264,9 +278,18 @@ def qwen_vision_signals(local: torch.Tensor, deep: torch.Tensor, features: torch
     """Vision-stage LayerSignals of a Qwen2.5-VL-7B-like tower whose blocks 8 and 32 have ``local`` and ``deep``."""
     attention = torch.rand(32, local.numel())
     attention[QWEN_7B_FULL_BLOCKS[0]], attention[-1] = local, deep
-    return LayerSignals(alive=torch.arange(local.numel()), grid=grid, layer=0, num_layers=QWEN_7B_LAYERS,
-                        layer_attention=attention, hidden_states=features, text_probs=torch.zeros(1, 1, local.numel()),
-                        vision_tower="qwen2_5_vl", full_attention_layers=QWEN_7B_FULL_BLOCKS, model_dtype=dtype)
+    return LayerSignals(
+        alive=torch.arange(local.numel()),
+        grid=grid,
+        layer=0,
+        num_layers=QWEN_7B_LAYERS,
+        layer_attention=attention,
+        hidden_states=features,
+        text_probs=torch.zeros(1, 1, local.numel()),
+        vision_tower="qwen2_5_vl",
+        full_attention_layers=QWEN_7B_FULL_BLOCKS,
+        model_dtype=dtype,
+    )
 
 
 def test_vscan_agrees_with_the_official_qwen_vision_stage_on_random_cases():
@@ -280,14 +303,16 @@ def test_vscan_agrees_with_the_official_qwen_vision_stage_on_random_cases():
         n = rows * cols
         (local, deep), window_index = window_attention_case(generator, rows, cols)
         centres = torch.randn(10, QWEN_7B_WIDTH, generator=generator)
-        features = centres[torch.randint(0, 10, (n,), generator=generator)] + torch.randn(n, QWEN_7B_WIDTH,
-                                                                                          generator=generator)
+        features = centres[torch.randint(0, 10, (n,), generator=generator)] + torch.randn(
+            n, QWEN_7B_WIDTH, generator=generator
+        )
         keep = int(torch.randint(n // 10, 3 * n // 5, (1,), generator=generator))
         official_keep, official_merged = official_qwen_vscan(official_received(local, window_index),
                                                              official_received(deep, window_index), features, rows,
                                                              cols, keep)  # fmt: skip
-        signals = qwen_vision_signals(raster_received(local, window_index), raster_received(deep, window_index),
-                                      features, (rows, cols))
+        signals = qwen_vision_signals(
+            raster_received(local, window_index), raster_received(deep, window_index), features, (rows, cols)
+        )
         kept = selector.prune(Stage(0, keep), signals, {})
         merge = selector.merge(Stage(0, keep), signals, {}, kept)
         ours = features[kept].clone()
@@ -301,8 +326,9 @@ def test_vscan_agrees_with_the_official_qwen_vision_stage_on_random_cases():
 def test_vscan_runs_on_demo_qwen_with_two_recorded_stages(tmp_path):
     """8 of 36 tokens on 8 decoder layers: 12 at the input (merged tokens carrying every cell), 4 from layer 4."""
     out = tmp_path / "vscan"
-    result = CliRunner().invoke(app, ["run", "--model", "demo-qwen", "--selector", "vscan", "--budget", "8",
-                                      "--limit", "4", "--out", str(out)])
+    result = CliRunner().invoke(
+        app, ["run", "--model", "demo-qwen", "--selector", "vscan", "--budget", "8", "--limit", "4", "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output
     for record in pq.read_table(out / "records.parquet").to_pylist():
         kept, merged = record["kept_stages"], record["merged_stages"]
@@ -329,7 +355,9 @@ def test_vscan_reads_the_towers_received_attention_and_first_full_attention_bloc
     kept = selector.prune(stage, signals, {})
     members = sorted(group.tolist() for group in selector.merge(stage, signals, {}, kept).members)
     assert sorted(answer.merged_stages[0]) == members  # each kept token that gained members became a merged one
-    assert sorted(answer.kept_stages[0] + [cell for group in members for cell in group if cell in kept]) == kept.tolist()
+    assert (
+        sorted(answer.kept_stages[0] + [cell for group in members for cell in group if cell in kept]) == kept.tolist()
+    )
 
 
 def test_vscan_on_a_qwen_7b_depth_is_the_official_layer_14_with_a_third():

@@ -33,9 +33,10 @@ def models(tmp_path_factory) -> dict[str, Any]:
     """Tiny Qwen2.5-VL (HiPrune reads hooks on its vision blocks), Qwen3-VL (deepstack state per prefill) and LLaVA
     (no per-call state on the model)."""
     root = tmp_path_factory.mktemp("sharing")
-    return {family: load(str(adapter_for(family, "test").build_tiny(root / family, words=WORDS, seed=1)),
-                         device="cpu")
-            for family in ("qwen2_5_vl", "qwen3_vl", "llava")}
+    return {
+        family: load(str(adapter_for(family, "test").build_tiny(root / family, words=WORDS, seed=1)), device="cpu")
+        for family in ("qwen2_5_vl", "qwen3_vl", "llava")
+    }
 
 
 def images(seeds: range) -> list:
@@ -85,22 +86,26 @@ def hooks_left(vlm) -> list[str]:
     return [name for name, module in vlm.model.named_modules() if module._forward_pre_hooks or module._forward_hooks]
 
 
-@pytest.mark.parametrize(("family", "first", "second", "pause"), [
-    ("qwen2_5_vl", ("hiprune", 4), ("none", None), "vision"),
-    ("qwen2_5_vl", ("hiprune", 4), ("hiprune", 6), "vision"),
-    ("qwen2_5_vl", ("divprune", 4), ("vscan", 4), "vision"),
-    ("qwen2_5_vl", ("vscan", 4), ("divprune", 4), "vision"),
-    ("qwen3_vl", ("none", None), ("none", None), "decoder"),
-    ("qwen3_vl", ("divprune", 4), ("none", None), "decoder"),
-    ("llava", ("fastv", 48), ("none", None), "decoder"),
-])
+@pytest.mark.parametrize(
+    ("family", "first", "second", "pause"),
+    [
+        ("qwen2_5_vl", ("hiprune", 4), ("none", None), "vision"),
+        ("qwen2_5_vl", ("hiprune", 4), ("hiprune", 6), "vision"),
+        ("qwen2_5_vl", ("divprune", 4), ("vscan", 4), "vision"),
+        ("qwen2_5_vl", ("vscan", 4), ("divprune", 4), "vision"),
+        ("qwen3_vl", ("none", None), ("none", None), "decoder"),
+        ("qwen3_vl", ("divprune", 4), ("none", None), "decoder"),
+        ("llava", ("fastv", 48), ("none", None), "decoder"),
+    ],
+)
 def test_two_threads_on_one_model_answer_as_each_alone(models, family, first, second, pause):
     vlm = models[family]
     first_seeds, second_seeds = range(0, 5), range(10, 14)
     alone = answers(vlm, *first, first_seeds), answers(vlm, *second, second_seeds)
     module = vlm.model.model.visual.blocks[0] if pause == "vision" else vlm.model.model.language_model.layers[0]
-    together = interleaved(lambda: answers(vlm, *first, first_seeds), lambda: answers(vlm, *second, second_seeds),
-                           module)
+    together = interleaved(
+        lambda: answers(vlm, *first, first_seeds), lambda: answers(vlm, *second, second_seeds), module
+    )
     assert together == alone
     assert hooks_left(vlm) == []
 

@@ -130,8 +130,14 @@ def test_several_token_grids_are_drawn_one_picture_each_on_their_tokens_pixels()
     geometry = anyres_geometry((130, 100), pinpoints=[[56, 112], [112, 56], [112, 112]], tile=56)
     base, tiles = geometry.grids
     base_token, tile_token = 5, base.num_tokens + 7  # one kept token in each grid, in the flat index space
-    panel = Panel("x", geometry, [[base_token, tile_token]], ["input: kept 2"], caption="answer yes",
-                  stage_notes={0: "retention 0.50"})
+    panel = Panel(
+        "x",
+        geometry,
+        [[base_token, tile_token]],
+        ["input: kept 2"],
+        caption="answer yes",
+        stage_notes={0: "retention 0.50"},
+    )
     pieces = grid_panels(panel)
     assert [piece.stages for piece in pieces] == [[[base_token]], [[tile_token - base.num_tokens]]]
     assert [piece.geometry for piece in pieces] == [base, tiles]

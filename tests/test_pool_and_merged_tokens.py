@@ -73,7 +73,20 @@ def test_tome_demo_run_records_its_merged_tokens(tmp_path, order):
     """ToMe@16 on the LLaVA demo: 16 tokens whose cells partition the grid; kept cells are the unmerged ones."""
     out = tmp_path / order
     result = CliRunner().invoke(
-        app, ["run", "--selector", "tome", "--budget", "16", "--option", f"order={order}", "--limit", "4", "--out", str(out)]
+        app,
+        [
+            "run",
+            "--selector",
+            "tome",
+            "--budget",
+            "16",
+            "--option",
+            f"order={order}",
+            "--limit",
+            "4",
+            "--out",
+            str(out),
+        ],
     )
     assert result.exit_code == 0, result.output
     for record in pq.read_table(out / "records.parquet").to_pylist():

@@ -42,7 +42,10 @@ def _question(qid, image, obj, label=None, **extra):
 
 @pytest.fixture(scope="module")
 def official(shared_data):
-    return {split: load_pope(shared_data / "pope" / f"coco_pope_{split}.json") for split in ("random", "popular", "adversarial")}
+    return {
+        split: load_pope(shared_data / "pope" / f"coco_pope_{split}.json")
+        for split in ("random", "popular", "adversarial")
+    }
 
 
 # --- question files ---
@@ -98,15 +101,19 @@ def test_split_from_file_name():
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ('{"question_id": 3, "image": "a.jpg", "text": "Is there a cat in the image?", "label": "yes"',
-         r"bad_pope_random\.json:3: malformed JSON line"),
+        (
+            '{"question_id": 3, "image": "a.jpg", "text": "Is there a cat in the image?", "label": "yes"',
+            r"bad_pope_random\.json:3: malformed JSON line",
+        ),
         ('{"question_id": 3, "image": "a.jpg", "label": "yes"}', r":3: missing text"),
         ('{"question_id": 3, "image": "a.jpg", "text": "Is there a cat in the image?", "label": "Yes"}', r":3: label"),
-        ('{"question_id": 1, "image": "a.jpg", "text": "Is there a cat in the image?", "label": "no"}',
-         r":3: question_id 1 of split random repeats line 1"),
+        (
+            '{"question_id": 1, "image": "a.jpg", "text": "Is there a cat in the image?", "label": "no"}',
+            r":3: question_id 1 of split random repeats line 1",
+        ),
         ('{"question_id": "x", "image": "a.jpg", "text": "Is there a cat in the image?"}', r":3: question_id must be"),
         ('{"question_id": 3, "image": "a.jpg", "text": "Describe the image."}', r":3: not a POPE question"),
-        ('[1, 2]', r":3: expected a JSON object"),
+        ("[1, 2]", r":3: expected a JSON object"),
     ],
 )
 def test_malformed_lines_name_file_and_line(tmp_path, line, message):
@@ -127,8 +134,10 @@ def _llava_merged(tmp_path):
 
 
 def _label_file(tmp_path, split, objects=("cat", "apple", "dog", "car"), labels=("yes", "no", "yes", "no")):
-    rows = [_question(i + 1, f"COCO_val2014_00000000000{i // 2}.jpg", obj, label)
-            for i, (obj, label) in enumerate(zip(objects, labels))]
+    rows = [
+        _question(i + 1, f"COCO_val2014_00000000000{i // 2}.jpg", obj, label)
+        for i, (obj, label) in enumerate(zip(objects, labels))
+    ]
     return _write_lines(tmp_path / f"coco_pope_{split}.json", rows)
 
 
@@ -161,8 +170,11 @@ def test_attach_labels_refuses_a_different_file_version(tmp_path):
         attach_labels(merged, shifted + random_split)
     with pytest.raises(PruneAuditError, match="no label file for split 'random'"):
         attach_labels(merged, load_pope(_label_file(tmp_path, "adversarial")))
-    longer = load_pope(_label_file(tmp_path, "random", objects=("cat", "apple", "dog", "car", "bus"),
-                                   labels=("yes", "no", "yes", "no", "no")))
+    longer = load_pope(
+        _label_file(
+            tmp_path, "random", objects=("cat", "apple", "dog", "car", "bus"), labels=("yes", "no", "yes", "no", "no")
+        )
+    )
     with pytest.raises(PruneAuditError, match="4 questions but 5 labels"):
         attach_labels(merged, load_pope(_label_file(tmp_path, "adversarial")) + longer)
 
@@ -257,8 +269,13 @@ def test_cli_score_official_random_split(shared_data, tmp_path):
     questions = load_pope(pope_file)
     # Right on every question except the first 100 "yes" ones, answered "No, ...".
     wrong = set([q.question_id for q in questions if q.label == "yes"][:100])
-    rows = [{"question": q.text, "answer": ("No, there is not." if q.question_id in wrong else
-                                            "Yes." if q.label == "yes" else "No.")} for q in questions]
+    rows = [
+        {
+            "question": q.text,
+            "answer": ("No, there is not." if q.question_id in wrong else "Yes." if q.label == "yes" else "No."),
+        }
+        for q in questions
+    ]
     answers = _write_lines(tmp_path / "answers.jsonl", rows)
     result = runner.invoke(app, ["pope", "score", str(answers), "--pope", str(pope_file), "--json"])
     assert result.exit_code == 0, result.output
@@ -276,8 +293,18 @@ def test_cli_score_llava_answers_through_the_merged_file(tmp_path):
     labels = [_label_file(tmp_path, "adversarial"), _label_file(tmp_path, "random")]
     answers = [{"question_id": q.question_id, "text": "Yes"} for q in load_pope(merged)]
     answer_file = _write_lines(tmp_path / "llava_answers.jsonl", reversed(answers))
-    args = ["pope", "score", str(answer_file), "--pope", str(merged), "--pope", str(labels[0]),
-            "--pope", str(labels[1]), "--json"]
+    args = [
+        "pope",
+        "score",
+        str(answer_file),
+        "--pope",
+        str(merged),
+        "--pope",
+        str(labels[0]),
+        "--pope",
+        str(labels[1]),
+        "--json",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     splits = json.loads(result.stdout)["splits"]
@@ -318,8 +345,9 @@ def test_cli_build_follows_popes_rules(tiny_coco_path, tmp_path):
     from prune_audit.data.pope_build import sample_pope_images
 
     out = tmp_path / "pope"
-    result = runner.invoke(app, ["pope", "build", "--annotations", str(tiny_coco_path), "--out", str(out),
-                                 "--images", "20", "--seed", "3"])
+    result = runner.invoke(
+        app, ["pope", "build", "--annotations", str(tiny_coco_path), "--out", str(out), "--images", "20", "--seed", "3"]
+    )
     assert result.exit_code == 0, result.output
     coco = CocoInstances.load(tiny_coco_path)
     sampled = sample_pope_images(coco, 20, seed=3)
@@ -331,7 +359,7 @@ def test_cli_build_follows_popes_rules(tiny_coco_path, tmp_path):
         assert [q.question_id for q in questions] == list(range(1, 121))
         assert [q.image for q in questions[::6]] == [coco.images[i].file_name for i in sampled]
         for start in range(0, 120, 6):
-            block = questions[start:start + 6]
+            block = questions[start : start + 6]
             image_objects = objects[block[0].image]
             assert [q.object for q in block[0::2]] == image_objects[:3]  # first three objects are the positives
             negatives = [q.object for q in block[1::2]]
@@ -340,8 +368,17 @@ def test_cli_build_follows_popes_rules(tiny_coco_path, tmp_path):
             if split == "popular":
                 absent = [obj for obj, _ in popularity.most_common() if obj not in image_objects]
                 assert negatives == absent[:3]
-    info = runner.invoke(app, ["pope", "info", *(str(p) for p in sorted(out.glob("coco_pope_*.json"))),
-                               "--annotations", str(tiny_coco_path), "--json"])
+    info = runner.invoke(
+        app,
+        [
+            "pope",
+            "info",
+            *(str(p) for p in sorted(out.glob("coco_pope_*.json"))),
+            "--annotations",
+            str(tiny_coco_path),
+            "--json",
+        ],
+    )
     for entry in json.loads(info.stdout):
         for summary in entry["splits"].values():
             assert summary["yes_without_mask"] == 0 and summary["unknown_objects"] == []
@@ -368,15 +405,18 @@ def test_build_is_deterministic_and_adversarial_uses_co_occurrence(tiny_coco_pat
     for index in range(0, len(questions), 2):
         positive, negative = questions[index].object, questions[index + 1].object
         image_objects = object_lists[questions[index].image]
-        asked = {q.object for q in questions[index - index % 6: index + 1]}
-        candidates = [o for (p, o), _ in co_counts.items() if p == positive and o not in image_objects and o not in asked]
+        asked = {q.object for q in questions[index - index % 6 : index + 1]}
+        candidates = [
+            o for (p, o), _ in co_counts.items() if p == positive and o not in image_objects and o not in asked
+        ]
         if candidates:
             assert co_counts[(positive, negative)] == max(co_counts[(positive, o)] for o in candidates)
 
 
 def test_build_refuses_more_images_than_eligible(tiny_coco_path, tmp_path):
-    result = runner.invoke(app, ["pope", "build", "--annotations", str(tiny_coco_path), "--out", str(tmp_path / "o"),
-                                 "--images", "500"])
+    result = runner.invoke(
+        app, ["pope", "build", "--annotations", str(tiny_coco_path), "--out", str(tmp_path / "o"), "--images", "500"]
+    )
     assert result.exit_code == 2 and "have 3 or more objects" in result.stderr
     assert not (tmp_path / "o").exists()
 
@@ -385,15 +425,19 @@ def test_info_flags_yes_objects_without_mask_and_unknown_names(tmp_path):
     from prune_audit.data.coco import CocoInstances
     from prune_audit.data.pope import summarize_questions
 
-    coco = CocoInstances({
-        "images": [{"id": 1, "file_name": "000000000001.jpg", "width": 10, "height": 10}],
-        "categories": [{"id": 3, "name": "car"}, {"id": 4, "name": "cat"}],
-        "annotations": [{"id": 1, "image_id": 1, "category_id": 4, "segmentation": [[1, 1, 5, 1, 5, 5]]}],
-    })
-    rows = [_question(1, "COCO_val2014_000000000001.jpg", "cat", "yes"),
-            _question(2, "COCO_val2014_000000000001.jpg", "car", "yes"),  # no car instance: flagged
-            _question(3, "COCO_val2014_000000000001.jpg", "unicorn", "no"),
-            _question(4, "COCO_val2014_000000000002.jpg", "cat", "yes")]
+    coco = CocoInstances(
+        {
+            "images": [{"id": 1, "file_name": "000000000001.jpg", "width": 10, "height": 10}],
+            "categories": [{"id": 3, "name": "car"}, {"id": 4, "name": "cat"}],
+            "annotations": [{"id": 1, "image_id": 1, "category_id": 4, "segmentation": [[1, 1, 5, 1, 5, 5]]}],
+        }
+    )
+    rows = [
+        _question(1, "COCO_val2014_000000000001.jpg", "cat", "yes"),
+        _question(2, "COCO_val2014_000000000001.jpg", "car", "yes"),  # no car instance: flagged
+        _question(3, "COCO_val2014_000000000001.jpg", "unicorn", "no"),
+        _question(4, "COCO_val2014_000000000002.jpg", "cat", "yes"),
+    ]
     summary = summarize_questions(load_pope(_write_lines(tmp_path / "coco_pope_random.json", rows)), coco)["random"]
     assert summary["yes_without_mask"] == 1 and summary["unknown_objects"] == ["unicorn"]
     assert summary["images_not_in_annotations"] == 1 and summary["images"] == 2

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import WORDS
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
@@ -52,42 +53,78 @@ from prune_audit.tasks.caption import CaptionTaskQuestion
 from prune_audit.tasks.gqa import GqaTaskQuestion
 from prune_audit.tasks.prompts import INSTRUCTIONS, compose_prompt
 from prune_audit.tasks.scienceqa import ScienceQaTaskQuestion
-from tiny_models import WORDS
 
 SHORT = "Answer the question using a single word or phrase."
 LETTER = "Answer with the option's letter from the given choices directly."
-VICUNA = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
-          "detailed, and polite answers to the user's questions.")
-INTERNVL_SYSTEM = ("你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言"
-                   "模型。")
+VICUNA = (
+    "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+    "detailed, and polite answers to the user's questions."
+)
+INTERNVL_SYSTEM = (
+    "你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。"
+)
 
 # the task's question as each kind of question file gives it -> the user text the official evaluation asks
 POPE_OFFICIAL = PopeQuestion(1, "random", "COCO_val2014_000000000001.jpg", "Is there a dog in the image?", "yes", "dog")
-POPE_LLAVA = PopeQuestion(2, "adversarial", "COCO_val2014_000000000001.jpg",
-                          "Is there a dog in the image?\nAnswer the question using a single word or phrase.", "no",
-                          "dog", "adversarial")
-GQA_LLAVA = GqaTaskQuestion(GqaQuestion("201307251", "n161313.jpg",
-                                        "Is it overcast?\nAnswer the question using a single word or phrase.",
-                                        "Is it overcast?"), 201307251)
+POPE_LLAVA = PopeQuestion(
+    2,
+    "adversarial",
+    "COCO_val2014_000000000001.jpg",
+    "Is there a dog in the image?\nAnswer the question using a single word or phrase.",
+    "no",
+    "dog",
+    "adversarial",
+)
+GQA_LLAVA = GqaTaskQuestion(
+    GqaQuestion(
+        "201307251",
+        "n161313.jpg",
+        "Is it overcast?\nAnswer the question using a single word or phrase.",
+        "Is it overcast?",
+    ),
+    201307251,
+)
 GQA_JSON = GqaTaskQuestion(GqaQuestion("201307251", "n161313.jpg", "Is it overcast?", "Is it overcast?"), 201307251)
-SQA = ScienceQaTaskQuestion(ScienceQaQuestion("5", "5/image.png", "Context: A food web.\nWhich eats grass?\nA. fox\n"
-                                              "B. rabbit", "Which eats grass?", "A food web.", ("fox", "rabbit"), "B"), 5)
+SQA = ScienceQaTaskQuestion(
+    ScienceQaQuestion(
+        "5",
+        "5/image.png",
+        "Context: A food web.\nWhich eats grass?\nA. fox\nB. rabbit",
+        "Which eats grass?",
+        "A food web.",
+        ("fox", "rabbit"),
+        "B",
+    ),
+    5,
+)
 CAPTION = CaptionTaskQuestion(CaptionQuestion(42, "COCO_val2014_000000000042.jpg", ("dog",), "0" * 64))
 CASES = {  # name: (task, question, the user text as the official evaluation composes it)
-    "pope-official-file": ("pope", POPE_OFFICIAL,
-                           "Is there a dog in the image?\nAnswer the question using a single word or phrase."),
-    "pope-llava-file": ("pope", POPE_LLAVA,
-                        "Is there a dog in the image?\nAnswer the question using a single word or phrase."),
+    "pope-official-file": (
+        "pope",
+        POPE_OFFICIAL,
+        "Is there a dog in the image?\nAnswer the question using a single word or phrase.",
+    ),
+    "pope-llava-file": (
+        "pope",
+        POPE_LLAVA,
+        "Is there a dog in the image?\nAnswer the question using a single word or phrase.",
+    ),
     "gqa-llava-file": ("gqa", GQA_LLAVA, "Is it overcast?\nAnswer the question using a single word or phrase."),
     "gqa-json": ("gqa", GQA_JSON, "Is it overcast?\nAnswer the question using a single word or phrase."),
-    "scienceqa": ("scienceqa", SQA, "Context: A food web.\nWhich eats grass?\nA. fox\nB. rabbit\n"
-                                    "Answer with the option's letter from the given choices directly."),
+    "scienceqa": (
+        "scienceqa",
+        SQA,
+        "Context: A food web.\nWhich eats grass?\nA. fox\nB. rabbit\n"
+        "Answer with the option's letter from the given choices directly.",
+    ),
     "caption": ("caption", CAPTION, "Describe this image in detail."),
 }
 
 # (family, template) -> the conversation around the user text {}, one image placeholder (module docstring)
-QWEN = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-        "<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n")
+QWEN = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    "<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n"
+)
 WRAPPERS = {
     ("llava", "vicuna_v1"): VICUNA + " USER: <image>\n{} ASSISTANT:",
     ("llava", "llava_hf"): "USER: <image>\n{} ASSISTANT:",
@@ -96,10 +133,14 @@ WRAPPERS = {
     ("qwen2_vl", "qwen2_vl"): QWEN,
     ("qwen2_5_vl", "qwen2_5_vl"): QWEN,
     ("qwen3_vl", "qwen3_vl"): QWEN,
-    ("internvl", "internvl_chatml"): ("<|im_start|>system\n" + INTERNVL_SYSTEM + "<|im_end|>\n<|im_start|>user\n"
-                                      "<img><IMG_CONTEXT></img>\n{}<|im_end|>\n<|im_start|>assistant\n"),
-    ("llava_onevision", "onevision_chatml"): ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-                                              "<|im_start|>user\n<image>\n{}<|im_end|>\n<|im_start|>assistant\n"),
+    ("internvl", "internvl_chatml"): (
+        "<|im_start|>system\n" + INTERNVL_SYSTEM + "<|im_end|>\n<|im_start|>user\n"
+        "<img><IMG_CONTEXT></img>\n{}<|im_end|>\n<|im_start|>assistant\n"
+    ),
+    ("llava_onevision", "onevision_chatml"): (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\n<image>\n{}<|im_end|>\n<|im_start|>assistant\n"
+    ),
 }
 
 
@@ -108,8 +149,9 @@ def models(tmp_path_factory) -> dict[tuple[str, str], object]:
     """Every (family, template) the project supports, on a tiny offline checkpoint per family."""
     loaded = {}
     for family in family_names():
-        path = adapter_for(family, "test").build_tiny(tmp_path_factory.mktemp(family) / "model", words=list(WORDS),
-                                                      text_layers=1)
+        path = adapter_for(family, "test").build_tiny(
+            tmp_path_factory.mktemp(family) / "model", words=list(WORDS), text_layers=1
+        )
         for template in adapter_for(family, "test").prompt_templates:
             loaded[(family, template)] = load_vlm(path, device="cpu", prompt_template=template)
     return loaded
@@ -135,11 +177,12 @@ def test_llava_vicuna_v1_gqa_prompt_in_full(models):
     assert full_prompt(models[("llava", "vicuna_v1")], "gqa", GQA_LLAVA) == (
         "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
         "detailed, and polite answers to the user's questions. USER: <image>\nIs it overcast?\nAnswer the question "
-        "using a single word or phrase. ASSISTANT:")
+        "using a single word or phrase. ASSISTANT:"
+    )
     assert full_prompt(models[("llava", "vicuna_v1")], "caption", CAPTION) == (
-        f"{VICUNA} USER: <image>\nDescribe this image in detail. ASSISTANT:")
-    assert full_prompt(models[("llava", "vicuna_v1")], "scienceqa", SQA).endswith(
-        f"B. rabbit\n{LETTER} ASSISTANT:")
+        f"{VICUNA} USER: <image>\nDescribe this image in detail. ASSISTANT:"
+    )
+    assert full_prompt(models[("llava", "vicuna_v1")], "scienceqa", SQA).endswith(f"B. rabbit\n{LETTER} ASSISTANT:")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -153,8 +196,15 @@ def test_no_instruction_twice_nor_after_another(models, pair, case):
         assert prompt.count(instruction) == (instruction == task.instruction), instruction
 
 
-@pytest.mark.parametrize("text", ["Is there a cat in the image?", "Is there a cat in the image?\n" + SHORT,
-                                  "Is there a cat in the image?\n" + SHORT + "\n", ""])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Is there a cat in the image?",
+        "Is there a cat in the image?\n" + SHORT,
+        "Is there a cat in the image?\n" + SHORT + "\n",
+        "",
+    ],
+)
 @pytest.mark.parametrize("instruction", INSTRUCTIONS)
 def test_composition_is_idempotent(text, instruction):
     """Composing an already composed text changes nothing (the instruction is never added twice)."""
@@ -164,12 +214,23 @@ def test_composition_is_idempotent(text, instruction):
     assert compose_prompt(once, instruction, "q") == once and once.count(instruction) == 1
 
 
-@pytest.mark.parametrize(("task_name", "question", "carried"), [
-    ("scienceqa", ScienceQaTaskQuestion(ScienceQaQuestion("5", "5/image.png", f"Which?\nA. fox\nB. rabbit\n{SHORT}",
-                                                          "Which?", None, ("fox", "rabbit"), "B"), 5), SHORT),
-    ("gqa", GqaTaskQuestion(GqaQuestion("7", "n1.jpg", f"Is it red?\n{LETTER}", "Is it red?"), 7), LETTER),
-    ("caption", CaptionTaskQuestion(CaptionQuestion(1, "a.jpg", (), "0" * 64)), None),
-])
+@pytest.mark.parametrize(
+    ("task_name", "question", "carried"),
+    [
+        (
+            "scienceqa",
+            ScienceQaTaskQuestion(
+                ScienceQaQuestion(
+                    "5", "5/image.png", f"Which?\nA. fox\nB. rabbit\n{SHORT}", "Which?", None, ("fox", "rabbit"), "B"
+                ),
+                5,
+            ),
+            SHORT,
+        ),
+        ("gqa", GqaTaskQuestion(GqaQuestion("7", "n1.jpg", f"Is it red?\n{LETTER}", "Is it red?"), 7), LETTER),
+        ("caption", CaptionTaskQuestion(CaptionQuestion(1, "a.jpg", (), "0" * 64)), None),
+    ],
+)
 def test_an_instruction_after_a_contradicting_one_is_refused(task_name, question, carried):
     """A question file that already asks another kind of answer is refused in one line rather than contradicted."""
     task = get_task(task_name)
@@ -186,8 +247,20 @@ def test_an_instruction_after_a_contradicting_one_is_refused(task_name, question
 def test_manifest_records_the_first_prompt_and_run_prints_the_template(workspace, tmp_path):
     """The manifest's prompt holds the template and the first question's full prompt; run names its template."""
     out = tmp_path / "run"
-    args = ["run", "--model", str(workspace["model"]), "--images", str(workspace["images"]), "--out", str(out),
-            "--limit", "2", "--prompt-template", "vicuna_v1", "--quiet"]
+    args = [
+        "run",
+        "--model",
+        str(workspace["model"]),
+        "--images",
+        str(workspace["images"]),
+        "--out",
+        str(out),
+        "--limit",
+        "2",
+        "--prompt-template",
+        "vicuna_v1",
+        "--quiet",
+    ]
     for path in workspace["pope"]:
         args += ["--pope", str(path)]
     result = CliRunner().invoke(app, args)
@@ -202,8 +275,20 @@ def test_manifest_records_the_first_prompt_and_run_prints_the_template(workspace
 def test_a_manifest_without_the_first_prompt_still_reads(workspace, tmp_path):
     """Runs of earlier versions have no prompt.first: their manifests stay valid."""
     out = tmp_path / "run"
-    args = ["run", "--model", str(workspace["model"]), "--images", str(workspace["images"]), "--out", str(out),
-            "--limit", "1", "--quiet", "--pope", str(workspace["pope"][0])]
+    args = [
+        "run",
+        "--model",
+        str(workspace["model"]),
+        "--images",
+        str(workspace["images"]),
+        "--out",
+        str(out),
+        "--limit",
+        "1",
+        "--quiet",
+        "--pope",
+        str(workspace["pope"][0]),
+    ]
     assert CliRunner().invoke(app, args).exit_code == 0
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     del manifest["prompt"]["first"]
@@ -220,8 +305,21 @@ def test_run_refuses_a_question_file_asking_another_kind_of_answer(workspace, tm
     pope = tmp_path / "coco_pope_random.json"
     pope.write_text("".join(json.dumps({**row, "text": f"{row['text']}\n{LETTER}"}) + "\n" for row in rows))
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["run", "--model", str(workspace["model"]), "--images", str(workspace["images"]),
-                                      "--pope", str(pope), "--out", str(out), "--quiet"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "--model",
+            str(workspace["model"]),
+            "--images",
+            str(workspace["images"]),
+            "--pope",
+            str(pope),
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+    )
     refused(result, "contradicts", SHORT, "pass the task's own question files")
     assert not out.exists()
 
@@ -247,16 +345,29 @@ def test_a_checkpoints_declared_instruction_is_the_one_a_run_asks(workspace, tmp
     shutil.copytree(workspace["model"], model)
     (model / "task_instructions.json").write_text(json.dumps({"pope": "Answer yes or no."}))
     out = tmp_path / "run"
-    args = ["run", "--model", str(model), "--images", str(workspace["images"]), "--out", str(out), "--limit", "1",
-            "--quiet", "--pope", str(workspace["pope"][0])]
+    args = [
+        "run",
+        "--model",
+        str(model),
+        "--images",
+        str(workspace["images"]),
+        "--out",
+        str(out),
+        "--limit",
+        "1",
+        "--quiet",
+        "--pope",
+        str(workspace["pope"][0]),
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     first = next(json.loads(line) for line in workspace["pope"][0].read_text().splitlines())
     assert json.loads((out / MANIFEST_FILE).read_text())["prompt"]["first"] == (
-        f"USER: <image>\n{first['text']}\nAnswer yes or no. ASSISTANT:")
+        f"USER: <image>\n{first['text']}\nAnswer yes or no. ASSISTANT:"
+    )
 
 
-@pytest.mark.parametrize("content", ["[1, 2]", "{\"pope\": 3}", "not json"])
+@pytest.mark.parametrize("content", ["[1, 2]", '{"pope": 3}', "not json"])
 def test_a_malformed_declaration_is_refused_in_one_line(workspace, tmp_path, content):
     import shutil
 
@@ -264,7 +375,22 @@ def test_a_malformed_declaration_is_refused_in_one_line(workspace, tmp_path, con
     shutil.copytree(workspace["model"], model)
     (model / "task_instructions.json").write_text(content)
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["run", "--model", str(model), "--images", str(workspace["images"]), "--out",
-                                      str(out), "--limit", "1", "--quiet", "--pope", str(workspace["pope"][0])])
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "--model",
+            str(model),
+            "--images",
+            str(workspace["images"]),
+            "--out",
+            str(out),
+            "--limit",
+            "1",
+            "--quiet",
+            "--pope",
+            str(workspace["pope"][0]),
+        ],
+    )
     assert result.exit_code == 2 and "task_instructions.json" in result.output, result.output
     assert "Traceback" not in result.output and not out.exists()

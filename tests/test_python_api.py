@@ -49,7 +49,8 @@ def test_readme_python_snippet_runs(workspace, tmp_path):
         result = runner.invoke(app, base_args(workspace, tmp_path / out, *extra))
         assert result.exit_code == 0, result.output
     environment = {**os.environ, "PYTHONPATH": str(PYTHON_API_DOC.parents[1])}
-    completed = subprocess.run([sys.executable, "-c", readme_python_snippet()], cwd=tmp_path, env=environment,
-                               capture_output=True, text=True)
+    completed = subprocess.run(
+        [sys.executable, "-c", readme_python_snippet()], cwd=tmp_path, env=environment, capture_output=True, text=True
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "objects lost" in completed.stdout and "ECE" in completed.stdout

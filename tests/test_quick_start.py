@@ -37,8 +37,12 @@ def quick(tmp_path_factory):
     root = tmp_path_factory.mktemp("quick")
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)
-        for args in (["--limit", "12"], ["--selector", "random", "--budget", "36", "--limit", "12"], ["--limit", "6"],
-                     ["--limit", "12", "--shard", "0/2", "--out", "shard"]):
+        for args in (
+            ["--limit", "12"],
+            ["--selector", "random", "--budget", "36", "--limit", "12"],
+            ["--limit", "6"],
+            ["--limit", "12", "--shard", "0/2", "--out", "shard"],
+        ):
             result = invoke("run", *args, "--quiet")
             assert result.exit_code == 0, result.output
         yield root
@@ -49,7 +53,10 @@ def quick(tmp_path_factory):
 
 def test_the_default_run_folder_names_the_limit(quick):
     assert sorted(p.name for p in (quick / "runs").iterdir()) == [
-        "demo-dense-limit12", "demo-dense-limit6", "demo-random-36-limit12"]
+        "demo-dense-limit12",
+        "demo-dense-limit6",
+        "demo-random-36-limit12",
+    ]
     assert not (quick / "runs" / "demo-dense").exists()  # a full run's folder stays free
 
 
@@ -58,11 +65,16 @@ def test_the_default_run_folder_names_the_limit(quick):
 def test_runs_of_other_limits_are_refused_naming_both_runs_counts_and_fix(quick, command, force):
     before = snapshot(quick / "runs")
     out = quick / f"{command}-refused"
-    result = invoke(command, "runs/demo-random-36-limit12", "--reference", "runs/demo-dense-limit6", *force,
-                    "--out", out)
-    refused(result, "runs/demo-random-36-limit12 holds 12 questions (--limit 12)",
-            "runs/demo-dense-limit6 holds 6 questions (--limit 6)", "do not hold the same questions",
-            "re-run runs/demo-random-36-limit12 with --limit 6")
+    result = invoke(
+        command, "runs/demo-random-36-limit12", "--reference", "runs/demo-dense-limit6", *force, "--out", out
+    )
+    refused(
+        result,
+        "runs/demo-random-36-limit12 holds 12 questions (--limit 12)",
+        "runs/demo-dense-limit6 holds 6 questions (--limit 6)",
+        "do not hold the same questions",
+        "re-run runs/demo-random-36-limit12 with --limit 6",
+    )
     assert snapshot(quick / "runs") == before and not out.exists()
 
 
@@ -85,14 +97,27 @@ def test_a_run_without_limit_is_named_so(quick):
 def test_a_shard_against_a_complete_run_says_finish_it(quick):
     before = snapshot(quick / "runs", quick / "shard")
     result = invoke("calibrate", "runs/demo-dense-limit12", "--reference", "shard", "--out", quick / "shard-refused")
-    refused(result, "runs/demo-dense-limit12 holds 12 questions (--limit 12)",
-            "shard holds 6 of its 12 questions (a shard or a stopped run)", "finish shard")
+    refused(
+        result,
+        "runs/demo-dense-limit12 holds 12 questions (--limit 12)",
+        "shard holds 6 of its 12 questions (a shard or a stopped run)",
+        "finish shard",
+    )
     assert snapshot(quick / "runs", quick / "shard") == before and not (quick / "shard-refused").exists()
 
 
 def test_runs_of_the_same_limit_compare(quick):
-    result = invoke("calibrate", "runs/demo-random-36-limit12", "--reference", "runs/demo-dense-limit12",
-                    "--bootstrap", "20", "--out", "calibration-limit12", "--json")
+    result = invoke(
+        "calibrate",
+        "runs/demo-random-36-limit12",
+        "--reference",
+        "runs/demo-dense-limit12",
+        "--bootstrap",
+        "20",
+        "--out",
+        "calibration-limit12",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     assert (quick / "calibration-limit12" / "calibration.json").is_file()
 
@@ -106,8 +131,10 @@ def test_intervene_defaults_to_a_folder_outside_the_run(quick):
     result = invoke("intervene", "runs/demo-random-36-limit12", "--mode", "remove", "--bootstrap", "10")
     assert result.exit_code == 0, result.output
     out = quick / "intervene" / "demo-random-36-limit12-remove"
-    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["intervention.json",
-                                                                                   "records.parquet"]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "intervention.json",
+        "records.parquet",
+    ]
     assert "intervene/demo-random-36-limit12-remove" in "".join(result.stdout.split())  # rich wraps the line
     assert snapshot(run_dir) == before  # the run folder holds the run's outputs only
 
@@ -139,8 +166,9 @@ def run_readme_commands(commands: list[str], cwd: Path) -> list[subprocess.Compl
     for command in commands:
         words = shlex.split(command, comments=True)
         assert words[0] == "prune-audit", command
-        completed = subprocess.run([sys.executable, "-m", "prune_audit.cli.main", *words[1:]], cwd=cwd, env=env,
-                                   capture_output=True, text=True)
+        completed = subprocess.run(
+            [sys.executable, "-m", "prune_audit.cli.main", *words[1:]], cwd=cwd, env=env, capture_output=True, text=True
+        )
         assert completed.returncode == 0, f"{command}\n{completed.stderr[-2000:]}"
         done.append(completed)
     return done
@@ -149,8 +177,9 @@ def run_readme_commands(commands: list[str], cwd: Path) -> list[subprocess.Compl
 def test_readme_quick_start_folders_agree_at_a_smaller_limit(tmp_path):
     """The same commands at --limit 12 (and a question among the first 12): every folder one command reads
     is one an earlier command wrote by default."""
-    commands = [re.sub(r"--question-id \d+", "--question-id 1", line).replace("900", "12")
-                for line in readme_quick_start()]
+    commands = [
+        re.sub(r"--question-id \d+", "--question-id 1", line).replace("900", "12") for line in readme_quick_start()
+    ]
     run_readme_commands(commands, tmp_path)
     assert (tmp_path / "calibration-limit12" / "calibration.json").is_file()
     assert list((tmp_path / "figures" / "demo-e2s-64-limit12").glob("tokens-*.png"))

@@ -69,8 +69,12 @@ def test_relative_links_resolve(path):
 
 def test_every_embedded_png_is_written_by_demo_numbers():
     script = DEMO_NUMBERS.read_text(encoding="utf-8")
-    embedded = {Path(target).name for path in MARKDOWN_FILES for target in relative_targets(path, IMAGE)
-                if target.endswith(".png")}
+    embedded = {
+        Path(target).name
+        for path in MARKDOWN_FILES
+        for target in relative_targets(path, IMAGE)
+        if target.endswith(".png")
+    }
     assert embedded, "README.md embeds no figure: the pattern no longer finds them"
     missing = sorted(name for name in embedded if f"/figures/{name}" not in script)
     assert not missing, f"not written under OUT/figures by benchmarks/demo_numbers.sh: {missing}"
@@ -91,8 +95,11 @@ def test_every_wall_time_states_cpu_time_and_load(path):
 def test_no_timing_escapes_the_wall_time_convention(path):
     """A timing written without the word "wall" ("took 55 s") would escape the check above."""
     text = one_line(path)
-    untagged = [sentence for sentence in re.split(r"(?<=[.;])\s", text)
-                if re.search(rf"\btook\s+\**{DURATION}", sentence) and not WALL_TIME.search(sentence)]
+    untagged = [
+        sentence
+        for sentence in re.split(r"(?<=[.;])\s", text)
+        if re.search(rf"\btook\s+\**{DURATION}", sentence) and not WALL_TIME.search(sentence)
+    ]
     assert not untagged, f"{path.name}: timings without 'wall': {untagged}"
 
 

@@ -16,6 +16,9 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from test_intervene import assert_one_line_failure, intervene
+from test_run_cli import base_args, invoke, read_records
+from tiny_models import QUESTIONS, WORDS, random_image
 
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import TokenGeometry
@@ -25,8 +28,8 @@ from prune_audit.models.llava import LlavaModel
 from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector
 from prune_audit.pruners.base import LayerSelector, Reference, Stage, TokenMerge
-from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.schedule import average_visual_tokens
+from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.sparsevlm import (
     DENSITY_NOISE,
     NOISE_SEED,
@@ -34,9 +37,6 @@ from prune_audit.pruners.sparsevlm import (
     recycled_tokens,
     recycled_tokens_per_layer,
 )
-from test_intervene import assert_one_line_failure, intervene
-from test_run_cli import base_args, invoke, read_records
-from tiny_models import QUESTIONS, WORDS, random_image
 
 # --- the official algorithm, re-implemented from the reference's math -------------------------------------------
 
@@ -93,8 +93,18 @@ def official_recycling(
 # --- random cases at LLaVA sizes ----------------------------------------------------------------------------------
 
 # (alive visual tokens, keep) of the reference's stages: 576 -> 300 / 303 / 238 / 66, then the later stages
-STAGE_SIZES = [(576, 300), (576, 303), (576, 238), (576, 66), (309, 200), (313, 110), (247, 48), (80, 30),
-               (204, 110), (114, 36)]
+STAGE_SIZES = [
+    (576, 300),
+    (576, 303),
+    (576, 238),
+    (576, 66),
+    (309, 200),
+    (313, 110),
+    (247, 48),
+    (80, 30),
+    (204, 110),
+    (114, 36),
+]
 CASES = [(seed, *STAGE_SIZES[seed % len(STAGE_SIZES)]) for seed in range(30)]
 
 
@@ -159,8 +169,9 @@ def test_recycled_counts_follow_the_reference():
 
 def test_paper_rule_with_recycling_realises_the_reference_averages():
     realised = {
-        budget: recycled_average(get_selector("sparsevlm", budget_rule="paper", recycle=True).schedule(32, 576, budget),
-                                 32, 576)
+        budget: recycled_average(
+            get_selector("sparsevlm", budget_rule="paper", recycle=True).schedule(32, 576, budget), 32, 576
+        )
         for budget in (192, 128, 64)
     }
     assert realised == pytest.approx({192: 206.5, 128: 145.40625, 64: 82.25})  # spec: ~206 / 145 / 82
@@ -222,8 +233,9 @@ def tiny_llava(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_qwen(tmp_path_factory):
-    path = QwenModel.build_tiny(tmp_path_factory.mktemp("recycle") / "qwen", words=WORDS, image_size=168, text_layers=4,
-                            seed=2)
+    path = QwenModel.build_tiny(
+        tmp_path_factory.mktemp("recycle") / "qwen", words=WORDS, image_size=168, text_layers=4, seed=2
+    )
     vlm = load_vlm(path, device="cpu")
     sizes = [(130, 100), (120, 120)]
     return vlm, [vlm.prepare(random_image(seed, size), q) for seed, (size, q) in enumerate(zip(sizes, QUESTIONS))]
@@ -233,8 +245,10 @@ def tiny_qwen(tmp_path_factory):
 def test_merged_tokens_are_visual_for_the_next_stage_and_carry_their_sources(family, request):
     vlm, items = request.getfixturevalue(f"tiny_{family}")
     selector, lengths = ReinsertingSelector(), []
-    hooks = [layer.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
-             for layer in vlm.loop.stack.layers]
+    hooks = [
+        layer.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+        for layer in vlm.loop.stack.layers
+    ]
     try:
         prefill, _ = vlm.prefill([items[0]], selector, 10)
     finally:

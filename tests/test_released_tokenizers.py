@@ -27,8 +27,8 @@ from prune_audit.models.loading import load_vlm
 from tests.released_models import (
     INTERNVL,
     LLAVA,
-    RELEASED,
     QWEN,
+    RELEASED,
     build_released_internvl,
     build_released_llava,
     build_released_qwen,
@@ -78,8 +78,9 @@ def qwen_tokens(width: int, height: int) -> int:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     config = json.loads((RELEASED / QWEN / "preprocessor_config.json").read_text())
-    rows, cols = smart_resize(height, width, factor=28, min_pixels=config["min_pixels"],
-                              max_pixels=config["max_pixels"])
+    rows, cols = smart_resize(
+        height, width, factor=28, min_pixels=config["min_pixels"], max_pixels=config["max_pixels"]
+    )
     return rows // 28 * (cols // 28)
 
 
@@ -200,8 +201,11 @@ def scenes(tmp_path_factory) -> dict[str, Path | list[Path]]:
     root = tmp_path_factory.mktemp("scenes")
     instances = export_coco(root / "coco", seed=5, count=14, image_size=64)
     questions = build_pope(CocoInstances.load(instances), sample_images=None, seed=0)
-    return {"images": root / "coco" / "images", "instances": instances,
-            "pope": write_pope_files(questions, root / "pope", prefix="scenes")}
+    return {
+        "images": root / "coco" / "images",
+        "instances": instances,
+        "pope": write_pope_files(questions, root / "pope", prefix="scenes"),
+    }
 
 
 def asked(calls: list[tuple[Image.Image, str]], image: Image.Image, question: str) -> str:
@@ -226,9 +230,24 @@ def test_run_end_to_end(checkpoints, models, scenes, tmp_path, monkeypatch, name
 
     monkeypatch.setattr(type(vlm), "prepare", spy)
     out = tmp_path / "run"
-    args = ["run", "--model", str(checkpoints[name]), "--images", str(scenes["images"]), "--annotations",
-            str(scenes["instances"]), "--pope", str(scenes["pope"][0]), "--limit", "4", "--device", "cpu",
-            "--out", str(out), "--quiet"]
+    args = [
+        "run",
+        "--model",
+        str(checkpoints[name]),
+        "--images",
+        str(scenes["images"]),
+        "--annotations",
+        str(scenes["instances"]),
+        "--pope",
+        str(scenes["pope"][0]),
+        "--limit",
+        "4",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "Traceback" not in result.output

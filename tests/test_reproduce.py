@@ -9,9 +9,9 @@ import math
 from pathlib import Path
 
 import pytest
+from cli_checks import refused, snapshot
 from typer.testing import CliRunner
 
-from cli_checks import refused, snapshot
 from prune_audit.analysis.reproduce import (
     CASCADE_EPSILON,
     GRID_BUDGETS,
@@ -31,25 +31,38 @@ runner = CliRunner()
 
 # The seed's figures as the issue states them: (figure key, seed value as printed, tolerance as printed)
 ISSUE_FIGURES = {
-    "dense.accuracy": ("87.0 %", "+-1.0 points"), "dense.confidence": ("0.910", "+-0.02"),
-    "fastv64.accuracy": ("71.1 %", "+-1.0 points"), "fastv64.confidence": ("0.920", "+-0.02"),
-    "cls_attn64.accuracy": ("80.5 %", "+-1.0 points"), "cls_attn64.confidence": ("0.890", "+-0.02"),
-    "coverage64.accuracy": ("85.1 %", "+-1.0 points"), "cdpruner64.accuracy": ("88.0 %", "+-1.0 points"),
-    "dense.auroc": ("0.801", "+-0.02"), "fastv64.auroc": ("0.674", "+-0.02"),
-    "fastv64.lost_accuracy": ("17.0 %", "+-5.0 points"), "fastv64.lost_reference_accuracy": ("59.0 %", "+-5.0 points"),
-    "fastv64.lost_confidence": ("0.820", "+-0.03"), "fastv64.lost_reference_confidence": ("0.800", "+-0.03"),
-    "coverage64.cascade_cost": ("36.0 %", "+-5.0 points"), "fastv64.cascade_cost": ("105.0 %", "+-5.0 points"),
-    "fastv64.uninformative_cost": ("97.0 %", "+-5.0 points"), "dense.ms_b1": ("52.7 ms", "+-20%"),
-    "timing.throughput_b32": ("5.00x", "+-20%"), "golden13b.f1": ("0.8595", "+-0.0001"),
+    "dense.accuracy": ("87.0 %", "+-1.0 points"),
+    "dense.confidence": ("0.910", "+-0.02"),
+    "fastv64.accuracy": ("71.1 %", "+-1.0 points"),
+    "fastv64.confidence": ("0.920", "+-0.02"),
+    "cls_attn64.accuracy": ("80.5 %", "+-1.0 points"),
+    "cls_attn64.confidence": ("0.890", "+-0.02"),
+    "coverage64.accuracy": ("85.1 %", "+-1.0 points"),
+    "cdpruner64.accuracy": ("88.0 %", "+-1.0 points"),
+    "dense.auroc": ("0.801", "+-0.02"),
+    "fastv64.auroc": ("0.674", "+-0.02"),
+    "fastv64.lost_accuracy": ("17.0 %", "+-5.0 points"),
+    "fastv64.lost_reference_accuracy": ("59.0 %", "+-5.0 points"),
+    "fastv64.lost_confidence": ("0.820", "+-0.03"),
+    "fastv64.lost_reference_confidence": ("0.800", "+-0.03"),
+    "coverage64.cascade_cost": ("36.0 %", "+-5.0 points"),
+    "fastv64.cascade_cost": ("105.0 %", "+-5.0 points"),
+    "fastv64.uninformative_cost": ("97.0 %", "+-5.0 points"),
+    "dense.ms_b1": ("52.7 ms", "+-20%"),
+    "timing.throughput_b32": ("5.00x", "+-20%"),
+    "golden13b.f1": ("0.8595", "+-0.0001"),
 }
 
 
 def table_rows(text: str) -> dict[str, dict[str, str]]:
     """The Markdown table in ``text``, row by figure key."""
     header = "| " + " | ".join(TABLE_COLUMNS) + " |"
-    lines = text[text.index(header):].splitlines()[2:]
-    rows = [dict(zip(TABLE_COLUMNS, (cell.strip() for cell in line.strip("|").split(" | ")))) for line in lines
-            if line.startswith("| ")]
+    lines = text[text.index(header) :].splitlines()[2:]
+    rows = [
+        dict(zip(TABLE_COLUMNS, (cell.strip() for cell in line.strip("|").split(" | "))))
+        for line in lines
+        if line.startswith("| ")
+    ]
     return {row["figure"]: row for row in rows}
 
 
@@ -64,8 +77,11 @@ def test_dry_run_lists_every_seed_figure_with_its_tolerance(tmp_path, monkeypatc
     for selector in GRID_SELECTORS:
         assert all(f"{selector}@{budget}" in plan for budget in GRID_BUDGETS)
     assert "11 runs" in plan and "9,000 questions each (adversarial, popular, random)" in plan
-    assert "prune-audit study --selectors fastv,cls_attn,coverage,cdpruner,divprune --budgets 64,128 --batch-size 1" \
-        in plan and "--out reproduce/timing-b32" in plan
+    assert (
+        "prune-audit study --selectors fastv,cls_attn,coverage,cdpruner,divprune --budgets 64,128 --batch-size 1"
+        in plan
+        and "--out reproduce/timing-b32" in plan
+    )
     assert "estimated time: about 1.5 h on one H200 (an estimate" in plan
     assert list(tmp_path.iterdir()) == []  # the dry run writes nothing
 
@@ -109,23 +125,39 @@ def test_a_hub_id_is_read_from_the_local_cache(workspace, tmp_path, monkeypatch)
 def clip(workspace):
     from prune_audit.models.build import build_clip
 
-    return build_clip(workspace["root"] / "clip", words=["Is", "there", "a", "in", "the", "image"],
-                      vision_hidden_size=64)
+    return build_clip(
+        workspace["root"] / "clip", words=["Is", "there", "a", "in", "the", "image"], vision_hidden_size=64
+    )
 
 
 def data_args(workspace, clip, pope_files: list[Path] | None = None) -> list[str]:
     chosen = workspace["pope"] if pope_files is None else pope_files
     pope = [arg for path in chosen for arg in ("--pope", str(path))]
-    return ["--model", str(workspace["model"]), "--clip-text", str(clip), *pope, "--images",
-            str(workspace["images"]), "--annotations", str(workspace["instances"]), "--device", "cpu", "--quiet"]
+    return [
+        "--model",
+        str(workspace["model"]),
+        "--clip-text",
+        str(clip),
+        *pope,
+        "--images",
+        str(workspace["images"]),
+        "--annotations",
+        str(workspace["instances"]),
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
 
 
-@pytest.mark.parametrize(("drop", "needles"), [
-    ("--clip-text", ("openai/clip-vit-large-patch14-336", "huggingface-cli download")),
-    ("--pope", ("POPE questions", "--pope coco_pope_adversarial.json")),
-    ("--images", ("COCO val2014 images", "--images")),
-    ("--annotations", ("instances_val2014.json", "--annotations")),
-])
+@pytest.mark.parametrize(
+    ("drop", "needles"),
+    [
+        ("--clip-text", ("openai/clip-vit-large-patch14-336", "huggingface-cli download")),
+        ("--pope", ("POPE questions", "--pope coco_pope_adversarial.json")),
+        ("--images", ("COCO val2014 images", "--images")),
+        ("--annotations", ("instances_val2014.json", "--annotations")),
+    ],
+)
 def test_refuses_without_each_input_writing_nothing(workspace, clip, tmp_path, drop, needles):
     args = data_args(workspace, clip)
     kept = [arg for index, arg in enumerate(args) if drop not in (arg, args[index - 1] if index else "")]
@@ -167,8 +199,12 @@ def test_runs_the_seed_grid_and_the_timing_pair_then_compares(workspace, clip, t
     assert (grid["selectors"], grid["budgets"], grid["batch_size"]) == (",".join(GRID_SELECTORS), "64,128", 1)
     assert grid["out"] == tmp_path / "out" / STUDY_FOLDER and "limit" not in grid
     assert "epsilons" not in grid and grid["pope"] == workspace["pope"]  # study's sweep, which holds 0.02
-    assert (timing["selectors"], timing["budgets"], timing["batch_size"], timing["limit"]) == (TIMING_SELECTOR, "64",
-                                                                                               32, 640)
+    assert (timing["selectors"], timing["budgets"], timing["batch_size"], timing["limit"]) == (
+        TIMING_SELECTOR,
+        "64",
+        32,
+        640,
+    )
     assert grid["model"] == timing["model"] == str(workspace["model"]) and grid["clip_text"] == clip
     assert "18 of 20 figures within tolerance." in result.stdout
     assert (tmp_path / "out" / "reproduce.md").is_file() and (tmp_path / "out" / "reproduce.csv").is_file()
@@ -187,8 +223,10 @@ def write_study(folder: Path, rows: list[dict], cascades: dict[str, dict] | None
     folder.mkdir(parents=True)
     for name, data in summary_files(rows).items():
         (folder / name).write_bytes(data)
-    entries = [{"label": label, "results": [{"epsilon": CASCADE_EPSILON, **result}]}
-               for label, result in (cascades or {}).items()]
+    entries = [
+        {"label": label, "results": [{"epsilon": CASCADE_EPSILON, **result}]}
+        for label, result in (cascades or {}).items()
+    ]
     (folder / "cascade.json").write_text(to_json({"cascades": entries}))
     (folder / ".prune-audit-owner.json").write_text(json.dumps({"command": "study"}))
 
@@ -196,17 +234,27 @@ def write_study(folder: Path, rows: list[dict], cascades: dict[str, dict] | None
 def fake_outputs(out: Path) -> None:
     """Study outputs that meet every figure but FastV@64's accuracy (75.0 %, 3.9 points off)."""
     eps = f"cascade_cost_eps{CASCADE_EPSILON:g}"
-    lost = {"lost_accuracy": 0.18, "lost_reference_accuracy": 0.58, "lost_confidence": 0.81,
-            "lost_reference_confidence": 0.80}
-    write_study(out / STUDY_FOLDER, [
-        summary_row("dense", 0.872, mean_confidence=0.905, auroc=0.80, latency_ms=55.0),
-        summary_row("fastv@64", 0.75, mean_confidence=0.92, auroc=0.68, **{eps: 1.04}, **lost),
-        summary_row("cls_attn@64", 0.806, mean_confidence=0.89),
-        summary_row("coverage@64", 0.85, **{eps: 0.37}),
-        summary_row("cdpruner@64", 0.88),
-    ], {"fastv@64": {"relative_cost": 1.04, "uninformative_cost": 0.965}})
-    write_study(out / TIMING_FOLDER, [summary_row("dense", 0.87, latency_ms=20.0),
-                                      summary_row(f"{TIMING_SELECTOR}@64", 0.8, latency_ms=4.2)])
+    lost = {
+        "lost_accuracy": 0.18,
+        "lost_reference_accuracy": 0.58,
+        "lost_confidence": 0.81,
+        "lost_reference_confidence": 0.80,
+    }
+    write_study(
+        out / STUDY_FOLDER,
+        [
+            summary_row("dense", 0.872, mean_confidence=0.905, auroc=0.80, latency_ms=55.0),
+            summary_row("fastv@64", 0.75, mean_confidence=0.92, auroc=0.68, **{eps: 1.04}, **lost),
+            summary_row("cls_attn@64", 0.806, mean_confidence=0.89),
+            summary_row("coverage@64", 0.85, **{eps: 0.37}),
+            summary_row("cdpruner@64", 0.88),
+        ],
+        {"fastv@64": {"relative_cost": 1.04, "uninformative_cost": 0.965}},
+    )
+    write_study(
+        out / TIMING_FOLDER,
+        [summary_row("dense", 0.87, latency_ms=20.0), summary_row(f"{TIMING_SELECTOR}@64", 0.8, latency_ms=4.2)],
+    )
 
 
 def test_comparison_marks_each_figure_pass_fail_or_not_measured(tmp_path):
@@ -252,14 +300,28 @@ def test_report_scores_the_golden_answers_through_score(tmp_path, shared_data):
     (out / ".prune-audit-owner.json").write_text(json.dumps({"command": "reproduce"}))
     pope = sorted((shared_data / "pope").glob("coco_pope_*.json"))
     answers = tmp_path / "answers.jsonl"
-    lines = [{"question_id": json.loads(line)["question_id"], "category": path.stem.rsplit("_", 1)[1], "text": "Yes"}
-             for path in pope for line in path.read_text().splitlines()]
+    lines = [
+        {"question_id": json.loads(line)["question_id"], "category": path.stem.rsplit("_", 1)[1], "text": "Yes"}
+        for path in pope
+        for line in path.read_text().splitlines()
+    ]
     answers.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    scored = runner.invoke(app, ["score", str(answers), *(arg for path in pope for arg in ("--questions", str(path))),
-                                 "--json"])
+    scored = runner.invoke(
+        app, ["score", str(answers), *(arg for path in pope for arg in ("--questions", str(path))), "--json"]
+    )
     f1 = json.loads(scored.stdout)["splits"]["average"]["f1"]
-    result = runner.invoke(app, ["reproduce", "--report", "--out", str(out), "--golden-answers", str(answers),
-                                 *(arg for path in pope for arg in ("--pope", str(path)))])
+    result = runner.invoke(
+        app,
+        [
+            "reproduce",
+            "--report",
+            "--out",
+            str(out),
+            "--golden-answers",
+            str(answers),
+            *(arg for path in pope for arg in ("--pope", str(path))),
+        ],
+    )
     assert result.exit_code == 0, result.output
     row = table_rows(result.stdout)["golden13b.f1"]
     assert row["measured"] == f"{f1:.4f}" and row["status"] == "fail"  # 2/3 is far from 0.8595
@@ -303,15 +365,25 @@ def test_refuses_a_folder_holding_other_files(tmp_path):
 
 
 def test_dry_run_and_report_exclude_each_other(tmp_path):
-    refused(runner.invoke(app, ["reproduce", "--dry-run", "--report", "--out", str(tmp_path)]),
-            "--dry-run and --report exclude each other")
+    refused(
+        runner.invoke(app, ["reproduce", "--dry-run", "--report", "--out", str(tmp_path)]),
+        "--dry-run and --report exclude each other",
+    )
 
 
-@pytest.mark.parametrize(("args", "needles"), [
-    (["--golden-questions", "{tmp}/llava_pope_test.jsonl"],
-     ("--golden-questions only applies with --golden-answers",)),
-    (["--golden-answers", "{tmp}/missing.jsonl"], ("--golden-answers", "missing.jsonl not found", "drop the option")),
-])
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (
+            ["--golden-questions", "{tmp}/llava_pope_test.jsonl"],
+            ("--golden-questions only applies with --golden-answers",),
+        ),
+        (
+            ["--golden-answers", "{tmp}/missing.jsonl"],
+            ("--golden-answers", "missing.jsonl not found", "drop the option"),
+        ),
+    ],
+)
 def test_golden_options_are_checked_before_anything_is_written(tmp_path, args, needles):
     out = tmp_path / "out"
     fake_outputs(out)

@@ -30,16 +30,24 @@ from prune_audit.data.coco import CocoInstances
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.data.retention import object_area, retention
 from prune_audit.records.manifest import MANIFEST_KEYS
-from prune_audit.records.store import read_run
 from prune_audit.records.schema import TIMING_COLUMNS
+from prune_audit.records.store import read_run
 
 runner = CliRunner()
 
 
-
 def base_args(ws: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    args = ["run", "--model", str(ws["model"]), "--images", str(ws["images"]), "--annotations", str(ws["instances"]),
-            "--out", str(out)]
+    args = [
+        "run",
+        "--model",
+        str(ws["model"]),
+        "--images",
+        str(ws["images"]),
+        "--annotations",
+        str(ws["instances"]),
+        "--out",
+        str(out),
+    ]
     for path in ws["pope"]:
         args += ["--pope", str(path)]
     return args + list(extra)
@@ -69,17 +77,41 @@ def assert_same_records(actual, expected):
 
 def test_run_writes_records_and_manifest(workspace, tmp_path):
     out = tmp_path / "run"
-    result = invoke(base_args(workspace, out, "--selector", "random", "--budget", "6", "--limit", "30",
-                              "--batch-size", "4", "--seed", "3"))
+    result = invoke(
+        base_args(
+            workspace, out, "--selector", "random", "--budget", "6", "--limit", "30", "--batch-size", "4", "--seed", "3"
+        )
+    )
     assert result.exit_code == 0, result.output
     records = read_records(out)
     assert len(records) == 30
-    expected_columns = {"question_id", "split", "image", "image_id", "object", "label", "answer", "p_yes", "p_no",
-                        "confidence", "correct", "kept", "kept_stages", "visual_tokens_avg", "prefill_tokens",
-                        "retention", "visible_fraction", "object_tokens_kept", "lost", "latency_ms"}
+    expected_columns = {
+        "question_id",
+        "split",
+        "image",
+        "image_id",
+        "object",
+        "label",
+        "answer",
+        "p_yes",
+        "p_no",
+        "confidence",
+        "correct",
+        "kept",
+        "kept_stages",
+        "visual_tokens_avg",
+        "prefill_tokens",
+        "retention",
+        "visible_fraction",
+        "object_tokens_kept",
+        "lost",
+        "latency_ms",
+    }
     assert expected_columns <= set(records.columns)
     assert all(len(k) == 6 for k in records["kept"])
-    assert (records["cost_tokens"] == records["prefill_tokens"]).all()  # input-level: the sequence is short from the start
+    assert (
+        records["cost_tokens"] == records["prefill_tokens"]
+    ).all()  # input-level: the sequence is short from the start
     assert (records["correct"] == (records["answer"] == records["label"])).all()
     np.testing.assert_allclose(records["confidence"], np.maximum(records["p_yes_2way"], 1 - records["p_yes_2way"]))
 
@@ -192,7 +224,9 @@ def test_a_run_of_an_older_version_is_refused_by_every_reader(workspace, tmp_pat
         assert result.exit_code == 2, (command, result.output)
         assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
         assert "written by an older prune-audit" in result.stderr and "re-run with this version" in result.stderr
-    assert not any((tmp_path / name).exists() for name in ("calibration", "cascade", "intervene", "tokens.png", "merged"))
+    assert not any(
+        (tmp_path / name).exists() for name in ("calibration", "cascade", "intervene", "tokens.png", "merged")
+    )
 
 
 def test_rerun_resumes_without_duplicates(workspace, tmp_path):
@@ -225,8 +259,9 @@ def test_default_run_directory_names_options_that_differ_from_their_defaults():
 
 
 def test_progress_lines_when_output_is_not_a_terminal_and_quiet_silences_them(workspace, tmp_path):
-    args = base_args(workspace, tmp_path / "logged", "--selector", "random", "--budget", "5", "--limit", "12",
-                     "--batch-size", "4")[1:]
+    args = base_args(
+        workspace, tmp_path / "logged", "--selector", "random", "--budget", "5", "--limit", "12", "--batch-size", "4"
+    )[1:]
     logged = subprocess.run(_cli("run", *args), capture_output=True, text=True)  # pipes: not a terminal
     assert logged.returncode == 0, logged.stderr
     lines = [line for line in logged.stderr.splitlines() if line.startswith("questions: ")]
@@ -252,8 +287,9 @@ def test_sigkill_at_random_points_then_resume_matches_uninterrupted(workspace, t
     for trial in range(3):
         out = tmp_path / f"killed{trial}"
         trial_args = [a if a != str(reference_dir) else str(out) for a in args]
-        process = subprocess.Popen(_cli("run", *trial_args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            _cli("run", *trial_args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         # kill while it is writing parts: wait for the first part (or a random moment before)
         deadline = time.monotonic() + 60
         wait_for_parts = rng.random() < 0.7
@@ -261,7 +297,9 @@ def test_sigkill_at_random_points_then_resume_matches_uninterrupted(workspace, t
         start = time.monotonic()
         while time.monotonic() < deadline and process.poll() is None:
             parts = list((out / "parts").glob("part-*.parquet")) if (out / "parts").is_dir() else []
-            if (wait_for_parts and len(parts) >= rng.randint(1, 4)) or (not wait_for_parts and time.monotonic() - start > delay):
+            if (wait_for_parts and len(parts) >= rng.randint(1, 4)) or (
+                not wait_for_parts and time.monotonic() - start > delay
+            ):
                 break
             time.sleep(0.02)
         try:
@@ -305,8 +343,21 @@ LAUNCHERS = {
     "torchrun": ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "{port}"],
     # --multi_gpu is accelerate's torchrun-based multi-process launch (RANK/WORLD_SIZE; the run uses gloo, so
     # it works without a GPU); --cpu with 2 processes would need mpirun and otherwise starts ONE process
-    "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "{port}"],
+    "accelerate": [
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "{port}",
+    ],
 }
 
 
@@ -324,9 +375,16 @@ def test_two_process_gloo_launch_equals_one_process(workspace, tmp_path, launche
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")}
     port = free_port()
     completed = subprocess.run(
-        [sys.executable, *(part.format(port=port) for part in LAUNCHERS[launcher]), "-m",
-         "prune_audit.cli.main", *args],
-        capture_output=True, text=True, env=env,
+        [
+            sys.executable,
+            *(part.format(port=port) for part in LAUNCHERS[launcher]),
+            "-m",
+            "prune_audit.cli.main",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     # a failing rank's one-line error comes first: the launcher's and the other rank's tracebacks follow it
     errors = [line for line in completed.stderr.splitlines() if line.lower().startswith("error")]
@@ -355,8 +413,22 @@ def _assert_one_line_failure(result, out: Path, *needles: str) -> None:
 
 
 def _single_file_args(ws, out, pope: Path, images: Path | None = None, *extra: str) -> list[str]:
-    return ["run", "--model", str(ws["model"]), "--pope", str(pope), "--images", str(images or ws["images"]),
-            "--annotations", str(ws["instances"]), "--out", str(out), "--limit", "4", *extra]
+    return [
+        "run",
+        "--model",
+        str(ws["model"]),
+        "--pope",
+        str(pope),
+        "--images",
+        str(images or ws["images"]),
+        "--annotations",
+        str(ws["instances"]),
+        "--out",
+        str(out),
+        "--limit",
+        "4",
+        *extra,
+    ]
 
 
 def test_missing_image(workspace, tmp_path):

@@ -52,9 +52,17 @@ def make_row(order, split="random", question_id=None):
         "evidence_objects": ["dog"],
         "evidence_objects_lost": [False],
         "latency_ms": 1.0,
-        "flops": 100, "flops_vision": 60, "flops_selector": 0, "flops_llm": 40, "flops_dense": 120,
-        "flops_decode_token": 2, "kv_bytes": 64, "flop_equivalent_tokens": 10.0, "latency_vision_ms": 0.2,
-        "latency_selection_ms": 0.1, "latency_prefill_ms": 0.7,
+        "flops": 100,
+        "flops_vision": 60,
+        "flops_selector": 0,
+        "flops_llm": 40,
+        "flops_dense": 120,
+        "flops_decode_token": 2,
+        "kv_bytes": 64,
+        "flop_equivalent_tokens": 10.0,
+        "latency_vision_ms": 0.2,
+        "latency_selection_ms": 0.1,
+        "latency_prefill_ms": 0.7,
         "geometry": "{}",
         "order": order,
     }
@@ -94,8 +102,18 @@ def test_records_readable_without_prune_audit(tmp_path):
 
 
 def test_manifest_differences_name_nested_fields(tmp_path):
-    old = {"records_schema": SCHEMA_VERSION, "selector": {"name": "e2s", "options": {"lam": 0.1}}, "budget": 64, "seed": 0}
-    new = {"records_schema": SCHEMA_VERSION, "selector": {"name": "e2s", "options": {"lam": 0.2}}, "budget": 128, "seed": 0}
+    old = {
+        "records_schema": SCHEMA_VERSION,
+        "selector": {"name": "e2s", "options": {"lam": 0.1}},
+        "budget": 64,
+        "seed": 0,
+    }
+    new = {
+        "records_schema": SCHEMA_VERSION,
+        "selector": {"name": "e2s", "options": {"lam": 0.2}},
+        "budget": 128,
+        "seed": 0,
+    }
     assert differing_fields(old, new) == ["selector.options.lam", "budget"]
     with pytest.raises(PruneAuditError, match="manifest.json: field 'version' is missing"):
         write_manifest(tmp_path, old)
@@ -133,21 +151,33 @@ def test_records_without_the_stage_columns_are_refused(tmp_path):
     pq.write_table(pa.Table.from_pylist([row], schema=old), tmp_path / "records.parquet")
     store = RecordStore(tmp_path, RUN)
     for read in (store.read, store.done_keys):
-        with pytest.raises(PruneAuditError, match="lacks column lost_stages: it was written by an older prune-audit or another tool; re-run with this version"):
+        with pytest.raises(
+            PruneAuditError,
+            match="lacks column lost_stages: it was written by an older prune-audit or another tool; re-run with this version",
+        ):
             read()
 
 
 def stage_rows():
     """Three stages (layers 0, 2, 3) with the last one empty; one row without a mask."""
     first = make_row(0) | {
-        "kept_stages": [[1, 2, 3, 4], [1, 2], []], "merged_stages": [[], [], []], "stage_layers": [0, 2, 3],
-        "retention_stages": [0.8, 0.4, 0.0], "object_tokens_kept_stages": [3, 1, 0], "lost_stages": [False, False, True],
+        "kept_stages": [[1, 2, 3, 4], [1, 2], []],
+        "merged_stages": [[], [], []],
+        "stage_layers": [0, 2, 3],
+        "retention_stages": [0.8, 0.4, 0.0],
+        "object_tokens_kept_stages": [3, 1, 0],
+        "lost_stages": [False, False, True],
         "diluted_stages": [False, False, False],
     }
     no_mask = make_row(1) | {
-        "kept_stages": [[1, 2, 3, 4], [1, 2], []], "merged_stages": [[], [], []], "stage_layers": [0, 2, 3],
-        "retention_stages": [float("nan")] * 3, "object_tokens_kept_stages": [-1] * 3, "lost_stages": [None] * 3,
-        "diluted": None, "diluted_stages": [None] * 3,
+        "kept_stages": [[1, 2, 3, 4], [1, 2], []],
+        "merged_stages": [[], [], []],
+        "stage_layers": [0, 2, 3],
+        "retention_stages": [float("nan")] * 3,
+        "object_tokens_kept_stages": [-1] * 3,
+        "lost_stages": [None] * 3,
+        "diluted": None,
+        "diluted_stages": [None] * 3,
     }
     return pa.Table.from_pylist([first, no_mask], schema=SCHEMA)
 
@@ -155,9 +185,13 @@ def stage_rows():
 def test_last_stage_is_the_deepest_that_feeds_kept_or_merged_tokens():
     """A recycling stage that keeps no cell but feeds merged tokens still counts as a stage with tokens."""
     row = make_row(0) | {
-        "kept_stages": [[1, 2, 3, 4], [], []], "merged_stages": [[], [[5, 6]], []], "stage_layers": [0, 2, 3],
-        "retention_stages": [0.8, 0.3, 0.0], "object_tokens_kept_stages": [3, 1, 0],
-        "lost_stages": [False, False, True], "diluted_stages": [False, True, False],
+        "kept_stages": [[1, 2, 3, 4], [], []],
+        "merged_stages": [[], [[5, 6]], []],
+        "stage_layers": [0, 2, 3],
+        "retention_stages": [0.8, 0.3, 0.0],
+        "object_tokens_kept_stages": [3, 1, 0],
+        "lost_stages": [False, False, True],
+        "diluted_stages": [False, True, False],
     }
     records = pa.Table.from_pylist([row], schema=SCHEMA)
     last = stage_values(records, parse_stage("last"), "test")

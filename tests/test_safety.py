@@ -88,8 +88,9 @@ HOLDER = textwrap.dedent(
 
 
 def _hold(directory: Path, shard: str = "-") -> subprocess.Popen:
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory), shard], stdout=subprocess.PIPE,
-                              env=_env(), text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(directory), shard], stdout=subprocess.PIPE, env=_env(), text=True
+    )
     assert holder.stdout.readline().strip() == "locked"
     return holder
 
@@ -150,10 +151,13 @@ def test_interrupt_and_disk_full_lines_name_saved_questions(tmp_path):
     assert progress.interrupted_message() == "interrupted: nothing was written"
     progress.report_saved(tmp_path, 12, 30)
     assert progress.interrupted_message() == (
-        f"interrupted: 12 of 30 questions are saved in {tmp_path}; run the same command again to resume")
+        f"interrupted: 12 of 30 questions are saved in {tmp_path}; run the same command again to resume"
+    )
     error = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
     assert progress.is_disk_full(error)
-    assert progress.disk_full_message(error).startswith(f"no space left on the device writing {tmp_path / 'x'}: 12 of 30")
+    assert progress.disk_full_message(error).startswith(
+        f"no space left on the device writing {tmp_path / 'x'}: 12 of 30"
+    )
     progress.forget_saved()
 
 
@@ -204,9 +208,14 @@ def _coco(images=None, annotations=None) -> dict:
     ("data", "message"),
     [
         (_coco(annotations=["not an object"]), r"annotations\[0\] is a JSON str, not an object"),
-        (_coco(images=[{"id": "x1", "file_name": "a.jpg", "width": 8, "height": 6}]), r"images\[0\].id must be an integer"),
-        (_coco(annotations=[{"id": 5, "image_id": 1.5, "category_id": 3, "segmentation": []}]),
-         r"annotation 5: image_id must be an integer, got 1.5"),
+        (
+            _coco(images=[{"id": "x1", "file_name": "a.jpg", "width": 8, "height": 6}]),
+            r"images\[0\].id must be an integer",
+        ),
+        (
+            _coco(annotations=[{"id": 5, "image_id": 1.5, "category_id": 3, "segmentation": []}]),
+            r"annotation 5: image_id must be an integer, got 1.5",
+        ),
         (_coco(images=[{"id": 1, "file_name": "a.jpg", "width": 0, "height": 6}]), "must be positive"),
     ],
 )
@@ -285,8 +294,16 @@ BUILDER = textwrap.dedent(
 
 def test_two_processes_build_one_demo_cache(tmp_path):
     """Both get the same complete set; no staging folder or half-built set stays behind."""
-    builders = [subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, env=_env(), text=True) for _ in range(2)]
+    builders = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUILDER, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_env(),
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [builder.communicate() for builder in builders]
     assert [builder.returncode for builder in builders] == [0, 0], outputs
     roots = {out.strip() for out, _ in outputs}

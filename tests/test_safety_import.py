@@ -53,8 +53,9 @@ def import_edited(exported, workspace, tmp_path: Path, edit, name: str = "divpru
     path = tmp_path / "kept.jsonl"
     path.write_text("".join(json.dumps(entry) + "\n" for entry in [header, *lines]))
     out = tmp_path / "out"
-    result = invoke("import", path, "--geometry", workspace["model"], *question_args(workspace), "--out", out,
-                    "--quiet")
+    result = invoke(
+        "import", path, "--geometry", workspace["model"], *question_args(workspace), "--out", out, "--quiet"
+    )
     assert not out.exists(), sorted(out.rglob("*"))
     return result
 
@@ -69,7 +70,7 @@ def in_first(change):
 
 def test_a_cost_past_int64_is_refused_before_writing(exported, workspace, tmp_path):
     result = import_edited(exported, workspace, tmp_path, in_first(lambda line: line["cost"].update(flops=1e30)))
-    refused(result, "line 2", "flops must be a whole number of at most", "drop \"cost\"")
+    refused(result, "line 2", "flops must be a whole number of at most", 'drop "cost"')
 
 
 def test_a_stage_of_10_15_tokens_is_refused_before_writing(exported, workspace, tmp_path):
@@ -102,8 +103,14 @@ def test_an_input_stage_header_over_decoder_layer_kept_sets_is_refused(exported,
     refused(result, "line 1 (header)", "selector stage 'input'", "inside the decoder", "give the stage")
 
 
-@pytest.mark.parametrize("budget, needle", [("lots", "a share such as 11%"), (10**30, "more than the 16 visual tokens"),
-                                            (16, "keeps 16 visual tokens on average")])
+@pytest.mark.parametrize(
+    "budget, needle",
+    [
+        ("lots", "a share such as 11%"),
+        (10**30, "more than the 16 visual tokens"),
+        (16, "keeps 16 visual tokens on average"),
+    ],
+)
 def test_a_budget_the_kept_sets_do_not_realise_is_refused(exported, workspace, tmp_path, budget, needle):
     """``lots`` (a manifest every reader refuses: issue 47 item 4), past the image, or 16 while lines keep 6."""
     result = import_edited(exported, workspace, tmp_path, lambda header, lines: header.update(budget=budget))
@@ -113,14 +120,28 @@ def test_a_budget_the_kept_sets_do_not_realise_is_refused(exported, workspace, t
 # ----- issue 44 item 7: probabilities and costs that contradict themselves -------------------------------------
 
 
-@pytest.mark.parametrize("answer, needle", [
-    ({"text": "yes", "probability": 0.5, "p_yes": 0.9, "p_no": 0.9}, "p_yes and p_no sum to 1.8"),
-    ({"text": "A", "probability": 0.25, "letter_probs": [0.9, 0.9, 0.9, 0.9]}, "letter_probs sum to 3.6"),
-    ({"text": "red cube", "probability": 0.9, "sequence_probability": 0.9, "mean_token_probability": 0.1,
-      "answer_tokens": 3, "stopped": True}, "is not mean token probability 0.1 to the power of its 3 tokens"),
-    ({"text": "a red cube on the left", "probability": 1.0, "token_probs": [], "stopped": True},
-     "an answer of 0 tokens is the empty text"),
-])
+@pytest.mark.parametrize(
+    "answer, needle",
+    [
+        ({"text": "yes", "probability": 0.5, "p_yes": 0.9, "p_no": 0.9}, "p_yes and p_no sum to 1.8"),
+        ({"text": "A", "probability": 0.25, "letter_probs": [0.9, 0.9, 0.9, 0.9]}, "letter_probs sum to 3.6"),
+        (
+            {
+                "text": "red cube",
+                "probability": 0.9,
+                "sequence_probability": 0.9,
+                "mean_token_probability": 0.1,
+                "answer_tokens": 3,
+                "stopped": True,
+            },
+            "is not mean token probability 0.1 to the power of its 3 tokens",
+        ),
+        (
+            {"text": "a red cube on the left", "probability": 1.0, "token_probs": [], "stopped": True},
+            "an answer of 0 tokens is the empty text",
+        ),
+    ],
+)
 def test_probabilities_that_cannot_be_are_refused(exported, workspace, tmp_path, answer, needle):
     result = import_edited(exported, workspace, tmp_path, in_first(lambda line: line.update(answer=answer)))
     refused(result, "line 2: answer", needle, "give the probabilities the model gave")
@@ -134,13 +155,16 @@ def test_an_answer_text_its_probabilities_contradict_is_refused(exported, worksp
     refused(result, "line 2: answer text 'no', but its probabilities answer 'yes'", "give the text")
 
 
-@pytest.mark.parametrize("change, needle", [
-    ({"flops": 1}, "is not flops_vision + flops_selector + flops_llm"),
-    ({"kv_bytes": 1234.5}, "kv_bytes must be a whole number"),
-])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"flops": 1}, "is not flops_vision + flops_selector + flops_llm"),
+        ({"kv_bytes": 1234.5}, "kv_bytes must be a whole number"),
+    ],
+)
 def test_costs_that_contradict_themselves_are_refused(exported, workspace, tmp_path, change, needle):
     result = import_edited(exported, workspace, tmp_path, in_first(lambda line: line["cost"].update(change)))
-    refused(result, "line 2: \"cost\"", needle, "drop \"cost\"")
+    refused(result, 'line 2: "cost"', needle, 'drop "cost"')
 
 
 # ----- one definition: run's own records pass the same rules ---------------------------------------------------
@@ -166,12 +190,22 @@ def test_a_run_record_breaking_a_rule_is_never_written(exported, tmp_path):
 
 def test_an_imported_run_is_read_by_every_reader(exported, workspace, tmp_path):
     out = tmp_path / "imported"
-    result = invoke("import", exported["fastv.jsonl"], "--geometry", workspace["model"], *question_args(workspace),
-                    "--out", out, "--quiet")
+    result = invoke(
+        "import",
+        exported["fastv.jsonl"],
+        "--geometry",
+        workspace["model"],
+        *question_args(workspace),
+        "--out",
+        out,
+        "--quiet",
+    )
     assert result.exit_code == 0, result.output
     question_id = pq.read_table(out / "records.parquet")["question_id"][0].as_py()
-    for command in (["visualize", "--run", out, "--question-id", question_id, "--out", tmp_path / "figure.png"],
-                    ["export", out, "--out", tmp_path / "again.jsonl"]):
+    for command in (
+        ["visualize", "--run", out, "--question-id", question_id, "--out", tmp_path / "figure.png"],
+        ["export", out, "--out", tmp_path / "again.jsonl"],
+    ):
         result = invoke(*command)
         assert result.exit_code == 0, result.output
 
@@ -182,13 +216,27 @@ def test_a_parquet_question_run_round_trips_with_its_signal_sources(workspace, t
     parquet = pope_parquet(workspace, tmp_path / "test-00000-of-00001.parquet")
     common = ["--annotations", workspace["instances"], "--questions", parquet]
     run = tmp_path / "run"
-    result = invoke("run", "--model", workspace["model"], *common, "--selector", "cls_attn", "--budget", "6",
-                    "--limit", LIMIT, "--out", run, "--quiet")
+    result = invoke(
+        "run",
+        "--model",
+        workspace["model"],
+        *common,
+        "--selector",
+        "cls_attn",
+        "--budget",
+        "6",
+        "--limit",
+        LIMIT,
+        "--out",
+        run,
+        "--quiet",
+    )
     assert result.exit_code == 0, result.output
     assert invoke("export", run, "--out", tmp_path / "kept.jsonl").exit_code == 0
     out = tmp_path / "imported"
-    result = invoke("import", tmp_path / "kept.jsonl", "--geometry", workspace["model"], *common, "--out", out,
-                    "--quiet")
+    result = invoke(
+        "import", tmp_path / "kept.jsonl", "--geometry", workspace["model"], *common, "--out", out, "--quiet"
+    )
     assert result.exit_code == 0, result.output
     assert_same_records(run, out, LIMIT)
     sources = [pq.read_table(folder / "records.parquet")["signal_sources"].to_pylist() for folder in (run, out)]
@@ -211,20 +259,33 @@ def test_the_manifest_an_import_would_write_passes_the_readers_check(exported):
 
 @pytest.mark.parametrize("sources", [[["vision_cls_row"]], ["a_probe_nobody_ran"], "vision_cls_row"])
 def test_signal_sources_outside_the_known_names_are_refused(exported, workspace, tmp_path, sources):
-    result = import_edited(exported, workspace, tmp_path,
-                           in_first(lambda line: line["cost"].update(signal_sources=sources)))
-    refused(result, "line 2: cost \"signal_sources\" must be null or a list of vision_cls_row")
+    result = import_edited(
+        exported, workspace, tmp_path, in_first(lambda line: line["cost"].update(signal_sources=sources))
+    )
+    refused(result, 'line 2: cost "signal_sources" must be null or a list of vision_cls_row')
 
 
 def test_an_answer_longer_than_the_task_generates_is_refused(workspace, tmp_path):
     """10**20 answer tokens (past the int64 column) under caption's limit: refused naming the limit."""
     coco = json.loads(Path(workspace["instances"]).read_text())
     image = coco["images"][0]
-    answer = {"text": "a square", "probability": 1.0, "sequence_probability": 1.0, "mean_token_probability": 1.0,
-              "answer_tokens": 10**20, "stopped": True}
+    answer = {
+        "text": "a square",
+        "probability": 1.0,
+        "sequence_probability": 1.0,
+        "mean_token_probability": 1.0,
+        "answer_tokens": 10**20,
+        "stopped": True,
+    }
     line = {"question_id": image["id"], "split": "caption", "image": image["file_name"], "stages": [], "answer": answer}
-    header = {"format": "prune-audit-kept-sets", "version": 2, "task": "caption", "max_new_tokens": 4,
-              "selector": "none", "budget": None}
+    header = {
+        "format": "prune-audit-kept-sets",
+        "version": 2,
+        "task": "caption",
+        "max_new_tokens": 4,
+        "selector": "none",
+        "budget": None,
+    }
     path = tmp_path / "kept.jsonl"
     path.write_text("".join(json.dumps(entry) + "\n" for entry in [header, line]))
     out = tmp_path / "out"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 from cli_checks import changed_annotations
+from PIL import Image
 from test_data_safety import invoke, refused, snapshot
 
 from prune_audit.errors import PruneAuditError
@@ -60,8 +60,17 @@ def kept(inputs):
 
 
 def run_args(inputs, pope: Path | None = None, images: Path | None = None, annotations: Path | None = None) -> list:
-    return ["run", "--pope", pope or inputs["pope"], "--images", images or inputs["images"],
-            "--annotations", annotations or inputs["annotations"], "--limit", "2"]
+    return [
+        "run",
+        "--pope",
+        pope or inputs["pope"],
+        "--images",
+        images or inputs["images"],
+        "--annotations",
+        annotations or inputs["annotations"],
+        "--limit",
+        "2",
+    ]
 
 
 def copied_images(inputs, target: Path) -> Path:
@@ -85,10 +94,13 @@ def test_16_bit_greyscale_is_converted_by_its_bit_depth_not_clipped_white(tmp_pa
         assert rgb.shape == (2, 4, 3) and (rgb == expected[..., None]).all()
 
 
-@pytest.mark.parametrize(("pixels", "mode", "kind"), [
-    (np.random.default_rng(0).random((96, 96), dtype=np.float32), "F", "floating-point"),
-    (np.arange(96 * 96, dtype=np.int32).reshape(96, 96), "I", "32-bit integer"),
-])
+@pytest.mark.parametrize(
+    ("pixels", "mode", "kind"),
+    [
+        (np.random.default_rng(0).random((96, 96), dtype=np.float32), "F", "floating-point"),
+        (np.arange(96 * 96, dtype=np.int32).reshape(96, 96), "I", "32-bit integer"),
+    ],
+)
 def test_image_of_unknown_range_is_refused_naming_file_and_mode(inputs, kept, tmp_path, pixels, mode, kind):
     images = copied_images(inputs, tmp_path / "images")
     image = images / inputs["names"][0]
@@ -131,8 +143,9 @@ def test_ambiguous_annotations_are_refused_by_run_pope_build_and_pope_info(input
     before = snapshot(tmp_path)
     out = tmp_path / "out"
     refused(invoke(*run_args(inputs, annotations=annotations), "--out", out), str(annotations), *needles)
-    refused(invoke("pope", "build", "--annotations", annotations, "--out", out, "--images", "1"), str(annotations),
-            *needles)
+    refused(
+        invoke("pope", "build", "--annotations", annotations, "--out", out, "--images", "1"), str(annotations), *needles
+    )
     refused(invoke("pope", "info", inputs["pope"], "--annotations", annotations), str(annotations), *needles)
     assert not out.exists() and snapshot(tmp_path) == before
 
@@ -140,8 +153,9 @@ def test_ambiguous_annotations_are_refused_by_run_pope_build_and_pope_info(input
 # ----- 8, 13. an image of another size than annotated: refused in planning, naming both sizes ------------------------
 
 
-def test_image_of_another_size_is_refused_before_the_model_and_the_corrected_rerun_works(inputs, kept, tmp_path,
-                                                                                        monkeypatch):
+def test_image_of_another_size_is_refused_before_the_model_and_the_corrected_rerun_works(
+    inputs, kept, tmp_path, monkeypatch
+):
     import prune_audit.models
 
     images = copied_images(inputs, tmp_path / "images")
@@ -168,8 +182,12 @@ def test_visualize_of_an_image_of_another_size_names_both_sizes(inputs, kept, tm
     with Image.open(inputs["images"] / inputs["names"][0]) as pixels:
         pixels.resize((64, 48)).save(image)
     out = tmp_path / "figure.png"
-    refused(invoke("visualize", image, "--annotations", inputs["annotations"], "--object", "circle", "--out", out),
-            str(image), "64x48 pixels", "annotates it as 96x96")
+    refused(
+        invoke("visualize", image, "--annotations", inputs["annotations"], "--object", "circle", "--out", out),
+        str(image),
+        "64x48 pixels",
+        "annotates it as 96x96",
+    )
     assert not out.exists()
 
 
@@ -196,8 +214,13 @@ def test_visualize_run_refuses_a_replaced_image_of_the_same_size(inputs, tmp_pat
     with Image.open(images / name) as pixels:
         pixels.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(images / name)  # same size, other picture
     before = snapshot(run, images)
-    refused(invoke("visualize", "--run", run, "--question-id", question_id, "--out", figure),
-            str(images / name), "other content", "sha256", "restore the run's file")
+    refused(
+        invoke("visualize", "--run", run, "--question-id", question_id, "--out", figure),
+        str(images / name),
+        "other content",
+        "sha256",
+        "restore the run's file",
+    )
     assert not figure.exists() and snapshot(run, images) == before
 
 
@@ -211,8 +234,13 @@ def test_intervene_refuses_a_replaced_image_in_the_recorded_folder(inputs, tmp_p
         pixels.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(images / name)  # same size, other picture
     before = snapshot(run, images)
     out = tmp_path / "intervention"
-    refused(invoke("intervene", run, "--mode", "restore", "--out", out), "the run's images folder", name, "sha256 differs",
-            "pass --images DIR")
+    refused(
+        invoke("intervene", run, "--mode", "restore", "--out", out),
+        "the run's images folder",
+        name,
+        "sha256 differs",
+        "pass --images DIR",
+    )
     assert not out.exists() and snapshot(run, images) == before
 
 
@@ -224,8 +252,13 @@ def test_visualize_run_refuses_a_manifest_without_image_pins(inputs, tmp_path):
     _, question_id = first_recorded_image(run)
     before = snapshot(run)
     figure = tmp_path / "figure.png"
-    line = refused(invoke("visualize", "--run", run, "--question-id", question_id, "--out", figure),
-                   "manifest.json", "field 'images'", "got null", "re-run with this version into a new --out")
+    line = refused(
+        invoke("visualize", "--run", run, "--question-id", question_id, "--out", figure),
+        "manifest.json",
+        "field 'images'",
+        "got null",
+        "re-run with this version into a new --out",
+    )
     assert "None/" not in line
     assert not figure.exists() and snapshot(run) == before
 
@@ -246,8 +279,13 @@ def test_visualize_run_refuses_an_image_the_manifest_does_not_pin(inputs, tmp_pa
     (run / "manifest.json").write_text(json.dumps(manifest))
     before = snapshot(run)
     figure = tmp_path / "figure.png"
-    refused(invoke("visualize", "--run", run, "--question-id", question_id, "--out", figure),
-            str(run), "run_id", "the manifest was edited", "re-run with this version into a new --out")
+    refused(
+        invoke("visualize", "--run", run, "--question-id", question_id, "--out", figure),
+        str(run),
+        "run_id",
+        "the manifest was edited",
+        "re-run with this version into a new --out",
+    )
     assert not figure.exists() and snapshot(run) == before
 
 
@@ -266,7 +304,7 @@ def edit_in_place(path: Path) -> None:
 def test_hash_cache_sees_an_in_place_edit_that_keeps_size_mtime_and_inode(tmp_path, monkeypatch):
     from prune_audit.safety import fingerprint
 
-    monkeypatch.setattr(fingerprint, "SETTLE_NS", -10**18)  # trust every entry at once: only the key can tell
+    monkeypatch.setattr(fingerprint, "SETTLE_NS", -(10**18))  # trust every entry at once: only the key can tell
     path = tmp_path / "image.png"
     path.write_bytes(b"pixels" * 100)
     cache_file = tmp_path / "hashes.json"
@@ -318,8 +356,9 @@ def test_resume_after_an_in_place_edit_keeping_size_mtime_and_inode_is_refused(i
 # ----- 11. POPE image names stay inside --images ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("entry", ["{images}/{name}", "../images/{name}", "sub/../../{name}", "C:\\images\\{name}",
-                                   None, ""])
+@pytest.mark.parametrize(
+    "entry", ["{images}/{name}", "../images/{name}", "sub/../../{name}", "C:\\images\\{name}", None, ""]
+)
 def test_pope_image_outside_images_or_not_a_name_is_refused(inputs, kept, tmp_path, entry):
     lines = inputs["pope"].read_text().splitlines(keepends=True)
     first = json.loads(lines[0])
@@ -334,11 +373,14 @@ def test_pope_image_outside_images_or_not_a_name_is_refused(inputs, kept, tmp_pa
     assert not out.exists()
 
 
-@pytest.mark.parametrize(("file_name", "needles"), [
-    ("/elsewhere/image.png", ["'/elsewhere/image.png' leads outside the images folder", "relative to --images"]),
-    ("../image.png", ["'../image.png' leads outside the images folder"]),
-    (None, ["images[0].file_name must be a file name, got None"]),
-])
+@pytest.mark.parametrize(
+    ("file_name", "needles"),
+    [
+        ("/elsewhere/image.png", ["'/elsewhere/image.png' leads outside the images folder", "relative to --images"]),
+        ("../image.png", ["'../image.png' leads outside the images folder"]),
+        (None, ["images[0].file_name must be a file name, got None"]),
+    ],
+)
 def test_pope_build_refuses_annotated_file_names_a_run_would_refuse(inputs, kept, tmp_path, file_name, needles):
     data = json.loads(inputs["annotations"].read_text())
     for entry in data["images"]:
@@ -346,8 +388,9 @@ def test_pope_build_refuses_annotated_file_names_a_run_would_refuse(inputs, kept
     annotations = tmp_path / "instances.json"
     annotations.write_text(json.dumps(data))
     out = tmp_path / "out"
-    refused(invoke("pope", "build", "--annotations", annotations, "--out", out, "--images", "2"), str(annotations),
-            *needles)
+    refused(
+        invoke("pope", "build", "--annotations", annotations, "--out", out, "--images", "2"), str(annotations), *needles
+    )
     assert not out.exists()
 
 
@@ -358,24 +401,38 @@ def test_cache_variable_naming_a_file_is_refused(inputs, kept, tmp_path):
     cache = tmp_path / "cache"
     cache.write_text("not a folder")
     out = tmp_path / "out"
-    refused(invoke(*run_args(inputs), "--out", out, env={"PRUNE_AUDIT_CACHE": str(cache)}),
-            "PRUNE_AUDIT_CACHE", str(cache), "is a file, not a folder", "point PRUNE_AUDIT_CACHE to a folder")
+    refused(
+        invoke(*run_args(inputs), "--out", out, env={"PRUNE_AUDIT_CACHE": str(cache)}),
+        "PRUNE_AUDIT_CACHE",
+        str(cache),
+        "is a file, not a folder",
+        "point PRUNE_AUDIT_CACHE to a folder",
+    )
     assert not out.exists() and cache.read_text() == "not a folder"
 
 
 def test_cache_dir_option_naming_a_file_is_refused(tmp_path):
     cache = tmp_path / "cache"
     cache.write_text("not a folder")
-    refused(invoke("demo", "questions", "--cache-dir", cache / "sub"), "--cache-dir", str(cache), "is a file",
-            "point --cache-dir to a folder")
+    refused(
+        invoke("demo", "questions", "--cache-dir", cache / "sub"),
+        "--cache-dir",
+        str(cache),
+        "is a file",
+        "point --cache-dir to a folder",
+    )
     assert cache.read_text() == "not a folder"
 
 
 @pytest.mark.parametrize("value", ["-1", "0", "many", "1e9"])
 def test_pixel_limit_must_be_a_positive_whole_number(inputs, kept, tmp_path, value):
     out = tmp_path / "out"
-    line = refused(invoke(*run_args(inputs), "--out", out, env={"PRUNE_AUDIT_MAX_IMAGE_PIXELS": value}),
-                   "PRUNE_AUDIT_MAX_IMAGE_PIXELS must be a positive whole number", repr(value), "unset it")
+    line = refused(
+        invoke(*run_args(inputs), "--out", out, env={"PRUNE_AUDIT_MAX_IMAGE_PIXELS": value}),
+        "PRUNE_AUDIT_MAX_IMAGE_PIXELS must be a positive whole number",
+        repr(value),
+        "unset it",
+    )
     assert "limit of" not in line
     assert not out.exists()
 

@@ -64,8 +64,11 @@ def test_a_folder_of_someone_elses_files_is_refused_and_kept(demo, tmp_path, com
     before = snapshot(folder)
     args = [str(demo[a[1:-1]]) if a.startswith("{") else a for a in command]
     refused(invoke(*args, "--out", folder), str(folder), "already holds files", "notes.txt", "new or empty folder")
-    assert snapshot(folder) == before and sorted(p.name for p in folder.iterdir()) == [".session.tmp", "notes.txt",
-                                                                                         "project"]
+    assert snapshot(folder) == before and sorted(p.name for p in folder.iterdir()) == [
+        ".session.tmp",
+        "notes.txt",
+        "project",
+    ]
 
 
 def test_out_root_or_a_link_to_root_is_refused(demo, tmp_path):
@@ -136,8 +139,13 @@ def test_clean_up_removes_only_the_runs_own_temporaries(demo, tmp_path):
     for path in ours:
         path.mkdir() if path.name.startswith(".staging-") else path.write_bytes(b"half")
     (run / "sub").mkdir()
-    theirs = [run / ".session.tmp", run / "sub" / ".report.docx.tmp", run / f".notes.{HEX}.tmp",
-              run / "sub" / f".manifest.json.{HEX}.tmp", run / ".staging-mine" / "keep.txt"]
+    theirs = [
+        run / ".session.tmp",
+        run / "sub" / ".report.docx.tmp",
+        run / f".notes.{HEX}.tmp",
+        run / "sub" / f".manifest.json.{HEX}.tmp",
+        run / ".staging-mine" / "keep.txt",
+    ]
     for path in theirs:
         path.parent.mkdir(exist_ok=True)
         path.write_bytes(b"the user's")
@@ -177,8 +185,11 @@ def test_hold_removes_created_folders_only_while_they_hold_nothing(tmp_path):
         with hold_output_dir(tmp_path / "c", "calibrate", {"bins": 15}) as out:
             (out / "calibration.json").write_text("{}")
             raise KeyboardInterrupt
-    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [".prune-audit-owner.json", ".prune-audit.lock",
-                                                                 "calibration.json"]
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        ".prune-audit-owner.json",
+        ".prune-audit.lock",
+        "calibration.json",
+    ]
 
 
 # ----- 2. ownership and the lock, taken together under the lock, held to the end --------------------------------
@@ -196,8 +207,12 @@ HOLDER = textwrap.dedent(
 
 def test_a_held_folder_is_refused_to_a_second_writer_of_any_command(tmp_path):
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), "calibrate", "15"], stdout=subprocess.PIPE,
-                              text=True, env=process_env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(out), "calibrate", "15"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=process_env(),
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         before = snapshot(out)
@@ -230,6 +245,7 @@ def a_run_claims(out: Path):
     def claim() -> None:
         with hold_output_dir(out, "run", writes=("records.parquet",)):
             (out / "records.parquet").write_bytes(b"the run's records")
+
     return claim
 
 
@@ -248,8 +264,11 @@ def test_intervene_refuses_a_folder_a_run_claimed_after_its_planning_check(demo,
 
     out = tmp_path / "x"
     claim_meanwhile(monkeypatch, intervene, "answer_swaps", a_run_claims(out))
-    refused(invoke("intervene", demo["pruned"], "--mode", "remove", "--bootstrap", "20", "--out", out), str(out),
-            "outputs of prune-audit run")
+    refused(
+        invoke("intervene", demo["pruned"], "--mode", "remove", "--bootstrap", "20", "--out", out),
+        str(out),
+        "outputs of prune-audit run",
+    )
     assert (out / "records.parquet").read_bytes() == b"the run's records"
     assert sorted(p.name for p in out.iterdir()) == [".prune-audit-owner.json", ".prune-audit.lock", "records.parquet"]
 
@@ -260,8 +279,9 @@ def test_two_calibrates_with_other_settings_never_mix_owner_and_outputs(demo, tm
     out = tmp_path / "cal"
 
     def other_calibrate_finishes() -> None:
-        other = subprocess.run(cli(*calibrate_args(demo, out, "--bins", "5")), capture_output=True, text=True,
-                               env=process_env())
+        other = subprocess.run(
+            cli(*calibrate_args(demo, out, "--bins", "5")), capture_output=True, text=True, env=process_env()
+        )
         assert other.returncode == 0, other.stderr
 
     claim_meanwhile(monkeypatch, reports, "calibration_report", other_calibrate_finishes)
@@ -314,8 +334,12 @@ def test_demo_train_never_replaces_a_checkpoint_of_other_settings_or_another_com
 def test_demo_questions_refuse_a_cache_folder_holding_a_commands_outputs(demo, tmp_path):
     before = snapshot(demo["dense"], demo["calibration"])
     for folder, holder in ((demo["dense"], "run"), (demo["calibration"], "calibrate")):
-        refused(invoke("demo", "questions", "--cache-dir", folder, "--scenes", "20", "--pope-images", "4"),
-                str(folder), f"outputs of prune-audit {holder}", "--cache-dir")
+        refused(
+            invoke("demo", "questions", "--cache-dir", folder, "--scenes", "20", "--pope-images", "4"),
+            str(folder),
+            f"outputs of prune-audit {holder}",
+            "--cache-dir",
+        )
     assert snapshot(demo["dense"], demo["calibration"]) == before
 
 
@@ -356,9 +380,18 @@ def test_sigterm_and_sighup_say_what_is_saved_like_ctrl_c(demo, tmp_path, signum
         for number in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(number, signal.SIG_DFL)
 
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=process_env(),
-                               preexec_fn=default_signals)
-    while process.poll() is None and len(list((out / "parts").glob("part-*.parquet")) if (out / "parts").is_dir() else []) < 2:
+    process = subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=process_env(),
+        preexec_fn=default_signals,
+    )
+    while (
+        process.poll() is None
+        and len(list((out / "parts").glob("part-*.parquet")) if (out / "parts").is_dir() else []) < 2
+    ):
         time.sleep(0.05)
     # a second command on the same folder while the run writes it is refused, and changes nothing
     before = {p.name for p in out.iterdir()}
@@ -379,8 +412,10 @@ def test_sigterm_and_sighup_say_what_is_saved_like_ctrl_c(demo, tmp_path, signum
 def test_a_stop_signal_raises_like_ctrl_c_and_an_ignored_one_stays_ignored():
     from prune_audit.safety import progress
 
-    previous = {signal.SIGHUP: signal.signal(signal.SIGHUP, signal.SIG_IGN),
-                signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL)}
+    previous = {
+        signal.SIGHUP: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+    }
     try:
         with pytest.raises(KeyboardInterrupt) as stopped:
             with progress.stops_like_ctrl_c():
@@ -412,8 +447,9 @@ def test_a_signal_during_a_save_ends_the_command_after_it_is_counted(tmp_path, s
                     os.kill(os.getpid(), signum)
                     progress.report_saved(tmp_path, 4, 10)  # still runs: the signal is held
                 raise AssertionError("the held signal must end the command right after the save")
-        assert progress.interrupted_message(stopped.value).endswith(f"4 of 10 questions are saved in {tmp_path}; "
-                                                                    "run the same command again to resume")
+        assert progress.interrupted_message(stopped.value).endswith(
+            f"4 of 10 questions are saved in {tmp_path}; run the same command again to resume"
+        )
         assert progress.interrupt_exit_code(stopped.value) == 128 + signum
     finally:
         signal.signal(signum, previous)

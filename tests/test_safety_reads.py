@@ -108,8 +108,11 @@ def test_a_file_over_the_size_limit_is_refused_before_it_is_read(workspace, monk
 
     path = workspace["pope"][0]
     monkeypatch.setenv("PRUNE_AUDIT_MAX_INPUT_BYTES", "100")
-    with pytest.raises(PruneAuditError, match=rf"question file {path} holds {path.stat().st_size} bytes, more than "
-                                              r"the input limit of 100; .*PRUNE_AUDIT_MAX_INPUT_BYTES=<bytes>"):
+    with pytest.raises(
+        PruneAuditError,
+        match=rf"question file {path} holds {path.stat().st_size} bytes, more than "
+        r"the input limit of 100; .*PRUNE_AUDIT_MAX_INPUT_BYTES=<bytes>",
+    ):
         load_pope(path)
     monkeypatch.setenv("PRUNE_AUDIT_MAX_INPUT_BYTES", "lots")
     with pytest.raises(PruneAuditError, match="PRUNE_AUDIT_MAX_INPUT_BYTES must be a positive whole number"):
@@ -175,10 +178,16 @@ def _deep_files(folder: Path, workspace) -> dict[str, tuple]:
     first = json.loads(workspace["pope"][0].read_text().splitlines()[0])
     line = json.dumps(first)[:-1] + f', "extra": {deep_json()}}}\n'
     folder.mkdir(exist_ok=True)
-    files = {"pope line": (pope.load_pope, line), "gqa line": (gqa.load_llava_gqa, line),
-             "answers line": (answers.load_llava_answers, '{"question_id": 1, "text": "yes", "x": ' + deep_json() + "}\n"),
-             "instances": (coco.CocoInstances.load, '{"images": ' + deep_json() + "}")}
-    return {name: (read, _write(folder / f"{index}.jsonl", text)) for index, (name, (read, text)) in enumerate(files.items())}
+    files = {
+        "pope line": (pope.load_pope, line),
+        "gqa line": (gqa.load_llava_gqa, line),
+        "answers line": (answers.load_llava_answers, '{"question_id": 1, "text": "yes", "x": ' + deep_json() + "}\n"),
+        "instances": (coco.CocoInstances.load, '{"images": ' + deep_json() + "}"),
+    }
+    return {
+        name: (read, _write(folder / f"{index}.jsonl", text))
+        for index, (name, (read, text)) in enumerate(files.items())
+    }
 
 
 def _write(path: Path, text: str) -> Path:
@@ -196,14 +205,24 @@ def test_json_nested_100000_deep_is_refused_by_every_json_reader(workspace, tmp_
 
 
 def _pope_args(ws, *, pope=None, images=None, annotations=None) -> list:
-    return ["--model", ws["model"], "--pope", pope or ws["pope"][0], "--images", images or ws["images"],
-            "--annotations", annotations or ws["instances"]]
+    return [
+        "--model",
+        ws["model"],
+        "--pope",
+        pope or ws["pope"][0],
+        "--images",
+        images or ws["images"],
+        "--annotations",
+        annotations or ws["instances"],
+    ]
 
 
 def _answers(tmp_path: Path, ws) -> Path:
     lines = [json.loads(line) for line in ws["pope"][0].read_text().splitlines()]
-    return _write(tmp_path / "answers.jsonl", "".join(json.dumps({"question_id": q["question_id"], "text": "yes"}) + "\n"
-                                                      for q in lines))
+    return _write(
+        tmp_path / "answers.jsonl",
+        "".join(json.dumps({"question_id": q["question_id"], "text": "yes"}) + "\n" for q in lines),
+    )
 
 
 def _commands(ws, tmp_path: Path, path, out: Path) -> dict[str, tuple[list, str]]:
@@ -211,40 +230,118 @@ def _commands(ws, tmp_path: Path, path, out: Path) -> dict[str, tuple[list, str]
     image = min(Path(ws["images"]).glob("*.png"))
     first_image = json.loads(ws["pope"][0].read_text().splitlines()[0])["image"]
     return {
-        "run image": (["run", *_pope_args(ws, images=path(first_image).parent), "--limit", "1", "--out", out],
-                      "image"),
+        "run image": (["run", *_pope_args(ws, images=path(first_image).parent), "--limit", "1", "--out", out], "image"),
         "run --pope": (["run", *_pope_args(ws, pope=path("q.json")), "--limit", "2", "--out", out], "question file"),
-        "run --annotations": (["run", *_pope_args(ws, annotations=path("a.json")), "--limit", "2", "--out", out],
-                              "annotations file"),
-        "run --task gqa --questions": (["run", "--task", "gqa", "--model", ws["model"], "--questions", path("q.jsonl"),
-                                        "--images", ws["images"], "--out", out], "question file"),
-        "run --task gqa scene graphs": (gqa_args(ws, {**gqa_inputs(ws, tmp_path / "gqa"), "graphs": path("g.json")},
-                                                 out), "scene-graph file"),
-        "study --annotations": (["study", *_pope_args(ws, annotations=path("a.json")), "--limit", "2",
-                                 "--selectors", "random", "--budgets", "4", "--out", out], "annotations file"),
+        "run --annotations": (
+            ["run", *_pope_args(ws, annotations=path("a.json")), "--limit", "2", "--out", out],
+            "annotations file",
+        ),
+        "run --task gqa --questions": (
+            [
+                "run",
+                "--task",
+                "gqa",
+                "--model",
+                ws["model"],
+                "--questions",
+                path("q.jsonl"),
+                "--images",
+                ws["images"],
+                "--out",
+                out,
+            ],
+            "question file",
+        ),
+        "run --task gqa scene graphs": (
+            gqa_args(ws, {**gqa_inputs(ws, tmp_path / "gqa"), "graphs": path("g.json")}, out),
+            "scene-graph file",
+        ),
+        "study --annotations": (
+            [
+                "study",
+                *_pope_args(ws, annotations=path("a.json")),
+                "--limit",
+                "2",
+                "--selectors",
+                "random",
+                "--budgets",
+                "4",
+                "--out",
+                out,
+            ],
+            "annotations file",
+        ),
         "score answers": (["score", path("answers.jsonl"), "--questions", ws["pope"][0]], "answers file"),
         "score --questions": (["score", _answers(tmp_path, ws), "--questions", path("q.json")], "question file"),
-        "import": (["import", path("kept.jsonl"), "--geometry", ws["model"], "--pope", ws["pope"][0],
-                    "--images", ws["images"], "--annotations", ws["instances"], "--out", out], "kept-set file"),
-        "import --pope": (["import", _kept_set(tmp_path, ws), "--geometry", ws["model"], "--pope", path("q.json"),
-                           "--images", ws["images"], "--annotations", ws["instances"], "--out", out], "question file"),
+        "import": (
+            [
+                "import",
+                path("kept.jsonl"),
+                "--geometry",
+                ws["model"],
+                "--pope",
+                ws["pope"][0],
+                "--images",
+                ws["images"],
+                "--annotations",
+                ws["instances"],
+                "--out",
+                out,
+            ],
+            "kept-set file",
+        ),
+        "import --pope": (
+            [
+                "import",
+                _kept_set(tmp_path, ws),
+                "--geometry",
+                ws["model"],
+                "--pope",
+                path("q.json"),
+                "--images",
+                ws["images"],
+                "--annotations",
+                ws["instances"],
+                "--out",
+                out,
+            ],
+            "question file",
+        ),
         "visualize image": (["visualize", path("image.png"), "--model", ws["model"], "--out", out], "image"),
-        "visualize --annotations": (["visualize", image, "--model", ws["model"], "--annotations", path("a.json"),
-                                     "--out", out], "annotations file"),
+        "visualize --annotations": (
+            ["visualize", image, "--model", ws["model"], "--annotations", path("a.json"), "--out", out],
+            "annotations file",
+        ),
     }
 
 
 def _kept_set(tmp_path: Path, ws) -> Path:
     first = json.loads(ws["pope"][0].read_text().splitlines()[0])
     header = {"format": "prune-audit-kept-sets", "version": 1, "task": "pope", "selector": "mine", "budget": 4}
-    line = {"question_id": first["question_id"], "split": "random", "image": first["image"],
-            "stages": [{"layer": 0, "kept": [1, 2, 3, 4]}], "answer": {"text": "yes", "probability": 0.8}}
+    line = {
+        "question_id": first["question_id"],
+        "split": "random",
+        "image": first["image"],
+        "stages": [{"layer": 0, "kept": [1, 2, 3, 4]}],
+        "answer": {"text": "yes", "probability": 0.8},
+    }
     return _write(tmp_path / "kept.jsonl", json.dumps(header) + "\n" + json.dumps(line) + "\n")
 
 
-COMMANDS = ["run image", "run --pope", "run --annotations", "run --task gqa --questions", "run --task gqa scene graphs",
-            "study --annotations", "score answers", "score --questions", "import", "import --pope", "visualize image",
-            "visualize --annotations"]
+COMMANDS = [
+    "run image",
+    "run --pope",
+    "run --annotations",
+    "run --task gqa --questions",
+    "run --task gqa scene graphs",
+    "study --annotations",
+    "score answers",
+    "score --questions",
+    "import",
+    "import --pope",
+    "visualize image",
+    "visualize --annotations",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -261,8 +358,21 @@ def test_every_command_refuses_a_special_input_naming_its_kind(workspace, specia
 def test_deep_json_in_an_import_line_and_a_score_answers_line_is_one_line(workspace, tmp_path):
     kept = _kept_set(tmp_path, workspace)
     kept.write_text(kept.read_text().rstrip("\n")[:-1] + f', "extra": {deep_json()}}}\n')
-    refused(invoke("import", kept, "--geometry", workspace["model"], "--pope", workspace["pope"][0], "--images",
-                   workspace["images"], "--out", tmp_path / "out"), f"{kept} line 2: JSON nested more than 64 levels")
+    refused(
+        invoke(
+            "import",
+            kept,
+            "--geometry",
+            workspace["model"],
+            "--pope",
+            workspace["pope"][0],
+            "--images",
+            workspace["images"],
+            "--out",
+            tmp_path / "out",
+        ),
+        f"{kept} line 2: JSON nested more than 64 levels",
+    )
     answers = _write(tmp_path / "deep.jsonl", '{"question_id": 1, "text": "yes", "x": ' + deep_json() + "}\n")
     refused(invoke("score", answers, "--questions", workspace["pope"][0]), f"{answers}:1: JSON nested more than 64")
     assert not (tmp_path / "out").exists()
@@ -283,10 +393,26 @@ def test_a_caption_run_never_reads_an_image_outside_images(workspace, tmp_path, 
     first["file_name"] = str(victim) if escape == "absolute" else escape
     instances = _write(tmp_path / "instances.json", json.dumps(data))
     out = tmp_path / "out"
-    refused(invoke("run", "--task", "caption", "--model", workspace["model"], "--questions", instances,
-                   "--images", images, "--limit", "1", "--out", out),
-            f"{instances}: image {first['image_id'] if 'image_id' in first else first['id']}", "leads outside the images "
-            "folder", "name image files relative to --images")
+    refused(
+        invoke(
+            "run",
+            "--task",
+            "caption",
+            "--model",
+            workspace["model"],
+            "--questions",
+            instances,
+            "--images",
+            images,
+            "--limit",
+            "1",
+            "--out",
+            out,
+        ),
+        f"{instances}: image {first['image_id'] if 'image_id' in first else first['id']}",
+        "leads outside the images folder",
+        "name image files relative to --images",
+    )
     assert not out.exists()
 
 
@@ -296,18 +422,45 @@ def test_a_caption_run_never_reads_an_image_outside_images(workspace, tmp_path, 
 def test_a_binary_jsonl_import_names_the_file_and_line(workspace, tmp_path):
     kept = _write(tmp_path / "kept.jsonl", "")
     kept.write_bytes(b'{"format": "prune-audit-kept-sets"}\n\xff\xfe\x00binary\n')
-    refused(invoke("import", kept, "--geometry", workspace["model"], "--pope", workspace["pope"][0], "--images",
-                   workspace["images"], "--out", tmp_path / "out"), f"{kept} line 2: not UTF-8 text (byte 0xff)",
-            "prune-audit export")
+    refused(
+        invoke(
+            "import",
+            kept,
+            "--geometry",
+            workspace["model"],
+            "--pope",
+            workspace["pope"][0],
+            "--images",
+            workspace["images"],
+            "--out",
+            tmp_path / "out",
+        ),
+        f"{kept} line 2: not UTF-8 text (byte 0xff)",
+        "prune-audit export",
+    )
 
 
 def test_a_parquet_kept_set_with_a_bad_header_names_the_header(workspace, tmp_path):
     kept = tmp_path / "kept.parquet"
     table = pa.table({"question_id": [1]}).replace_schema_metadata({b"prune_audit.interchange": b"{not json"})
     pq.write_table(table, kept)
-    line = refused(invoke("import", kept, "--geometry", workspace["model"], "--pope", workspace["pope"][0],
-                          "--images", workspace["images"], "--out", tmp_path / "out"),
-                   f"{kept}: the interchange header", "is not JSON", "docs/interchange.md")
+    line = refused(
+        invoke(
+            "import",
+            kept,
+            "--geometry",
+            workspace["model"],
+            "--pope",
+            workspace["pope"][0],
+            "--images",
+            workspace["images"],
+            "--out",
+            tmp_path / "out",
+        ),
+        f"{kept}: the interchange header",
+        "is not JSON",
+        "docs/interchange.md",
+    )
     assert "Expecting property name" not in line.split("(")[0]
 
 
@@ -324,8 +477,11 @@ def test_image_token_in_a_question_is_refused_before_the_run(workspace, tmp_path
     first = json.loads(workspace["pope"][0].read_text().splitlines()[0])
     pope = _write(tmp_path / "pope_random.json", json.dumps({**first, "text": first["text"] + "\n<image>"}) + "\n")
     out = tmp_path / "out"
-    refused(invoke("run", *_pope_args(workspace, pope=pope), "--out", out), "holds '<image>', a special token",
-            "remove it from the question")
+    refused(
+        invoke("run", *_pope_args(workspace, pope=pope), "--out", out),
+        "holds '<image>', a special token",
+        "remove it from the question",
+    )
     assert not out.exists()
 
 

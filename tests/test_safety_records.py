@@ -15,10 +15,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_data_safety import invoke, refused, snapshot
 
 from prune_audit.records.manifest import MANIFEST_KEYS, MANIFEST_SCHEMA, run_id_of
 from prune_audit.records.store import stamped
-from test_data_safety import invoke, refused, snapshot
 
 LIMIT = 6
 
@@ -27,16 +27,22 @@ LIMIT = 6
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Demo runs: dense and fastv@36 of ``LIMIT`` questions, dense of 4 questions."""
     root = tmp_path_factory.mktemp("records")
-    made = {"dense": ["--limit", LIMIT], "fastv": ["--selector", "fastv", "--budget", "36", "--limit", LIMIT],
-            "dense4": ["--limit", 4]}
+    made = {
+        "dense": ["--limit", LIMIT],
+        "fastv": ["--selector", "fastv", "--budget", "36", "--limit", LIMIT],
+        "dense4": ["--limit", 4],
+    }
     for name, args in made.items():
         result = invoke("run", *args, "--out", root / name)
         assert result.exit_code == 0, result.output
     return {"root": root, **{name: root / name for name in made}}
 
 
-RUN_ARGS = {"dense": ["--limit", LIMIT], "fastv": ["--selector", "fastv", "--budget", "36", "--limit", LIMIT],
-            "dense4": ["--limit", 4]}
+RUN_ARGS = {
+    "dense": ["--limit", LIMIT],
+    "fastv": ["--selector", "fastv", "--budget", "36", "--limit", LIMIT],
+    "dense4": ["--limit", 4],
+}
 """The command line of each fixture run (repeated to resume a copy)."""
 
 
@@ -85,8 +91,15 @@ def edit_manifest(run_dir: Path, **fields) -> None:
 def test_records_of_another_selector_copied_into_a_run_are_refused(runs, tmp_path):
     run_dir = copy_run(runs, "dense", tmp_path / "dense")
     shutil.copy(runs["fastv"] / "records.parquet", run_dir / "records.parquet")
-    all_refused(run_dir, runs, tmp_path, "records.parquet belongs to another run", "never adopted", "remove it",
-                resume=RUN_ARGS["dense"])
+    all_refused(
+        run_dir,
+        runs,
+        tmp_path,
+        "records.parquet belongs to another run",
+        "never adopted",
+        "remove it",
+        resume=RUN_ARGS["dense"],
+    )
 
 
 def test_records_without_a_manifest_are_refused_never_adopted(runs, tmp_path):
@@ -94,9 +107,12 @@ def test_records_without_a_manifest_are_refused_never_adopted(runs, tmp_path):
     (run_dir / "manifest.json").unlink()
     before = snapshot(run_dir)
     for args in (RUN_ARGS["dense"], RUN_ARGS["fastv"]):
-        refused(invoke("run", *args, "--out", run_dir), str(run_dir), "records but no manifest.json",
-                "remove the folder")
-    refused(invoke("calibrate", run_dir, "--bootstrap", "10", "--out", tmp_path / "cal"), "records but no manifest.json")
+        refused(
+            invoke("run", *args, "--out", run_dir), str(run_dir), "records but no manifest.json", "remove the folder"
+        )
+    refused(
+        invoke("calibrate", run_dir, "--bootstrap", "10", "--out", tmp_path / "cal"), "records but no manifest.json"
+    )
     refused(invoke("merge", runs["fastv"], "--out", run_dir), "records but no manifest.json")
     assert snapshot(run_dir) == before and not (run_dir / "manifest.json").exists()
 
@@ -110,18 +126,33 @@ def test_records_of_a_larger_limit_are_refused(runs, tmp_path):
 def test_more_records_than_planned_questions_are_refused_even_with_the_run_id(runs, tmp_path):
     run_dir = copy_run(runs, "dense4", tmp_path / "dense4")
     rewrite_records(run_dir, lambda _: pq.read_table(runs["dense"] / "records.parquet"))
-    all_refused(run_dir, runs, tmp_path, "holds 6 records for its 4 planned questions", "remove the folder",
-                resume=RUN_ARGS["dense4"])
+    all_refused(
+        run_dir,
+        runs,
+        tmp_path,
+        "holds 6 records for its 4 planned questions",
+        "remove the folder",
+        resume=RUN_ARGS["dense4"],
+    )
 
 
 def test_records_outside_the_planned_positions_are_refused(runs, tmp_path):
     run_dir = copy_run(runs, "dense4", tmp_path / "dense4")
     order = lambda t: t.schema.get_field_index("order")  # noqa: E731
     # two of four questions, so a resume that missed the check would answer (and write) the other two
-    rewrite_records(run_dir, lambda t: t.slice(0, 2).set_column(order(t), t.schema.field("order"),
-                                                                pa.array([o + 100 for o in t["order"][:2].to_pylist()])))
-    all_refused(run_dir, runs, tmp_path, "holds records outside the positions of its 4 planned questions",
-                resume=RUN_ARGS["dense4"])
+    rewrite_records(
+        run_dir,
+        lambda t: t.slice(0, 2).set_column(
+            order(t), t.schema.field("order"), pa.array([o + 100 for o in t["order"][:2].to_pylist()])
+        ),
+    )
+    all_refused(
+        run_dir,
+        runs,
+        tmp_path,
+        "holds records outside the positions of its 4 planned questions",
+        resume=RUN_ARGS["dense4"],
+    )
 
 
 def test_repeated_keys_with_flipped_answers_are_refused(runs, tmp_path):
@@ -134,15 +165,19 @@ def test_repeated_keys_with_flipped_answers_are_refused(runs, tmp_path):
         return pa.concat_tables([table, repeated])
 
     rewrite_records(run_dir, repeat_flipped)
-    all_refused(run_dir, runs, tmp_path, "records.parquet holds 3 questions twice", "remove it",
-                resume=RUN_ARGS["fastv"])
+    all_refused(
+        run_dir, runs, tmp_path, "records.parquet holds 3 questions twice", "remove it", resume=RUN_ARGS["fastv"]
+    )
 
 
 def test_a_part_repeating_a_record_with_other_values_is_refused(runs, tmp_path):
     run_dir = copy_run(runs, "fastv", tmp_path / "fastv")
     table = pq.read_table(run_dir / "records.parquet").slice(0, 1)
-    flipped = table.set_column(table.schema.get_field_index("correct"), table.schema.field("correct"),
-                               pa.array([not table["correct"][0].as_py()]))
+    flipped = table.set_column(
+        table.schema.get_field_index("correct"),
+        table.schema.field("correct"),
+        pa.array([not table["correct"][0].as_py()]),
+    )
     (run_dir / "parts").mkdir()
     pq.write_table(flipped, run_dir / "parts" / "part-0-copied.parquet")  # the metadata (run id) travels along
     all_refused(run_dir, runs, tmp_path, "holds two different records of question", resume=RUN_ARGS["fastv"])
@@ -150,11 +185,18 @@ def test_a_part_repeating_a_record_with_other_values_is_refused(runs, tmp_path):
 
 def test_resume_refuses_records_of_questions_outside_the_plan(runs, tmp_path):
     run_dir = copy_run(runs, "dense4", tmp_path / "dense4")
-    rewrite_records(run_dir, lambda t: t.set_column(0, t.schema.field("question_id"),
-                                                    pa.array([q + 10_000 for q in t["question_id"].to_pylist()])))
+    rewrite_records(
+        run_dir,
+        lambda t: t.set_column(
+            0, t.schema.field("question_id"), pa.array([q + 10_000 for q in t["question_id"].to_pylist()])
+        ),
+    )
     before = snapshot(run_dir)
-    refused(invoke("run", *RUN_ARGS["dense4"], "--out", run_dir), "4 questions outside this run's question list",
-            "remove the folder")
+    refused(
+        invoke("run", *RUN_ARGS["dense4"], "--out", run_dir),
+        "4 questions outside this run's question list",
+        "remove the folder",
+    )
     assert snapshot(run_dir) == before
 
 
@@ -198,8 +240,11 @@ def test_question_ids_outside_int64_are_refused_before_the_run_directory(runs, t
     pope = tmp_path / "coco_pope_random.json"
     pope.write_text("\n".join([json.dumps({**row, "question_id": question_id}), *lines[1:4]]) + "\n")
     out = tmp_path / "run"
-    refused(invoke("run", "--pope", pope, "--images", assets.images_dir, "--annotations", assets.annotations,
-                   "--out", out), f"{pope}:1: question_id must be an integer from 0 to 2**63-1", "fix the question file")
+    refused(
+        invoke("run", "--pope", pope, "--images", assets.images_dir, "--annotations", assets.annotations, "--out", out),
+        f"{pope}:1: question_id must be an integer from 0 to 2**63-1",
+        "fix the question file",
+    )
     assert not out.exists()
 
 
@@ -211,7 +256,10 @@ def test_question_ids_outside_int64_are_refused_before_the_run_directory(runs, t
         ({"model": "demo"}, ["field 'model' must be an object with id, config_hash"]),
         ({"question_files": "coco_pope_random.json"}, ["field 'question_files' must be a non-empty list"]),
         ({"images": "images"}, ["field 'images' must be an object with path, sha256, files"]),
-        ({"annotations": {"path": "a.json"}}, ["field 'annotations' must be null or an object with path, sha256 (it lacks sha256)"]),
+        (
+            {"annotations": {"path": "a.json"}},
+            ["field 'annotations' must be null or an object with path, sha256 (it lacks sha256)"],
+        ),
         ({"budget": "abc"}, ["field 'budget' must be null or a positive number of visual tokens"]),
         ({"budget": None}, ["field 'budget' must be null exactly for the unpruned run"]),
         ({"num_questions": -1}, ["field 'num_questions' must be a positive integer, got integer -1"]),
@@ -223,8 +271,15 @@ def test_question_ids_outside_int64_are_refused_before_the_run_directory(runs, t
 def test_manifest_fields_of_the_wrong_type_or_domain_are_refused_by_every_reader(runs, tmp_path, fields, needles):
     run_dir = copy_run(runs, "fastv", tmp_path / "fastv")
     edit_manifest(run_dir, **fields)
-    all_refused(run_dir, runs, tmp_path, "manifest.json: ", *needles, "re-run with this version into a new --out",
-                resume=RUN_ARGS["fastv"])
+    all_refused(
+        run_dir,
+        runs,
+        tmp_path,
+        "manifest.json: ",
+        *needles,
+        "re-run with this version into a new --out",
+        resume=RUN_ARGS["fastv"],
+    )
 
 
 def test_the_declared_schema_covers_every_documented_manifest_key(runs):
@@ -237,19 +292,35 @@ def test_the_declared_schema_covers_every_documented_manifest_key(runs):
 def test_a_manifest_that_is_no_json_object_names_its_type(runs, tmp_path, text):
     run_dir = copy_run(runs, "fastv", tmp_path / "fastv")
     (run_dir / "manifest.json").write_text(text)
-    all_refused(run_dir, runs, tmp_path, "manifest.json holds a JSON", "not a run manifest (an object)",
-                "remove the folder", resume=RUN_ARGS["fastv"])
+    all_refused(
+        run_dir,
+        runs,
+        tmp_path,
+        "manifest.json holds a JSON",
+        "not a run manifest (an object)",
+        "remove the folder",
+        resume=RUN_ARGS["fastv"],
+    )
 
 
 # ----- 13. damaged files are named; folders where files belong are found before the model --------
 
 
-@pytest.mark.parametrize(("content", "reason"), [(b"", "file size is 0 bytes"), (b"not parquet\n", "magic bytes not found")])
+@pytest.mark.parametrize(
+    ("content", "reason"), [(b"", "file size is 0 bytes"), (b"not parquet\n", "magic bytes not found")]
+)
 def test_damaged_records_files_are_named(runs, tmp_path, content, reason):
     run_dir = copy_run(runs, "fastv", tmp_path / "fastv")
     (run_dir / "records.parquet").write_bytes(content)
-    all_refused(run_dir, runs, tmp_path, f"{run_dir / 'records.parquet'} is not a readable Parquet file", reason,
-                "remove it", resume=RUN_ARGS["fastv"])
+    all_refused(
+        run_dir,
+        runs,
+        tmp_path,
+        f"{run_dir / 'records.parquet'} is not a readable Parquet file",
+        reason,
+        "remove it",
+        resume=RUN_ARGS["fastv"],
+    )
 
 
 def test_a_damaged_part_file_is_named(runs, tmp_path):
@@ -283,4 +354,3 @@ def test_a_parts_file_where_the_parts_folder_belongs_is_refused(runs, tmp_path):
     run_dir = copy_run(runs, "dense", tmp_path / "dense")
     (run_dir / "parts").write_text("not a folder")
     all_refused(run_dir, runs, tmp_path, f"{run_dir / 'parts'} is not a folder", resume=RUN_ARGS["dense"])
-

@@ -55,8 +55,21 @@ def made(workspace, tmp_path_factory) -> dict[str, Path]:
 
 
 def parquet_run_args(workspace, parquet: Path, out: Path, *extra: str) -> list[str]:
-    return ["run", "--model", workspace["model"], "--annotations", workspace["instances"], "--questions", parquet,
-            "--limit", "6", "--quiet", "--out", out, *extra]
+    return [
+        "run",
+        "--model",
+        workspace["model"],
+        "--annotations",
+        workspace["instances"],
+        "--questions",
+        parquet,
+        "--limit",
+        "6",
+        "--quiet",
+        "--out",
+        out,
+        *extra,
+    ]
 
 
 # ----- 44.1: never through a link the command did not make ---------------------------------------------------
@@ -73,8 +86,12 @@ def test_a_linked_images_folder_of_a_parquet_run_is_refused_and_the_users_file_k
     (out / "images").rename(tmp_path / "moved-away")
     (out / "images").symlink_to(victim)
     before, kept = snapshot(victim), snapshot(out)
-    refused(invoke(*parquet_run_args(workspace, parquet, out)), f"{out / 'images'} is a symbolic link",
-            "did not make", "remove the link")
+    refused(
+        invoke(*parquet_run_args(workspace, parquet, out)),
+        f"{out / 'images'} is a symbolic link",
+        "did not make",
+        "remove the link",
+    )
     assert snapshot(victim) == before and snapshot(out) == kept
 
 
@@ -100,8 +117,11 @@ def test_a_lock_file_linked_to_a_users_file_is_never_written_through(workspace, 
     out = tmp_path / "empty"
     out.mkdir()
     (out / ".prune-audit.lock").symlink_to(users)
-    refused(invoke(*base_args(workspace, out, "--limit", "2", "--quiet")), ".prune-audit.lock is a symbolic link",
-            "remove the link")
+    refused(
+        invoke(*base_args(workspace, out, "--limit", "2", "--quiet")),
+        ".prune-audit.lock is a symbolic link",
+        "remove the link",
+    )
     assert users.read_text() == "the user's own file" and os.listdir(out) == [".prune-audit.lock"]
 
 
@@ -126,9 +146,11 @@ def test_owned_paths_are_checked_part_by_part(tmp_path):
     (tmp_path / "file").write_text("x")
     (tmp_path / "link").symlink_to(tmp_path / "images")
     check_owned_paths(tmp_path, [tmp_path / "images" / "new.png", tmp_path / "new" / "deep.png"])
-    for path, needle in ((tmp_path / "images" / "a.png", "is a folder, where a file is written"),
-                         (tmp_path / "file" / "b.png", "is a file, where a folder is written"),
-                         (tmp_path / "link" / "c.png", "symbolic link")):
+    for path, needle in (
+        (tmp_path / "images" / "a.png", "is a folder, where a file is written"),
+        (tmp_path / "file" / "b.png", "is a file, where a folder is written"),
+        (tmp_path / "link" / "c.png", "symbolic link"),
+    ):
         with pytest.raises(PruneAuditError, match=needle):
             check_owned_paths(tmp_path, [path])
 
@@ -136,12 +158,15 @@ def test_owned_paths_are_checked_part_by_part(tmp_path):
 # ----- 44.2: export follows the ownership rule ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("target", "needle"), [
-    ("dense/kept.jsonl", "holds the outputs of prune-audit run"),
-    ("pruned/kept.parquet", "holds the outputs of prune-audit run"),
-    ("calibration/kept.jsonl", "holds the outputs of prune-audit calibrate"),
-    ("dense/parts/kept.jsonl", "lies inside"),
-])
+@pytest.mark.parametrize(
+    ("target", "needle"),
+    [
+        ("dense/kept.jsonl", "holds the outputs of prune-audit run"),
+        ("pruned/kept.parquet", "holds the outputs of prune-audit run"),
+        ("calibration/kept.jsonl", "holds the outputs of prune-audit calibrate"),
+        ("dense/parts/kept.jsonl", "lies inside"),
+    ],
+)
 def test_export_never_writes_into_a_commands_folder(made, target, needle):
     before = snapshot(made["dense"], made["pruned"], made["calibration"])
     out = made["root"] / target
@@ -186,17 +211,23 @@ def renamed_image(parquet: Path, names: dict[int, str]) -> None:
     sources = table.column("image_source").to_pylist()
     for row, name in names.items():
         sources[row] = name
-    pq.write_table(table.set_column(table.schema.get_field_index("image_source"), "image_source",
-                                    pa.array(sources, type=pa.string())), parquet)
+    pq.write_table(
+        table.set_column(
+            table.schema.get_field_index("image_source"), "image_source", pa.array(sources, type=pa.string())
+        ),
+        parquet,
+    )
 
 
-@pytest.mark.parametrize(("names", "needle"), [
-    ({0: "scene\x00.png"}, "NUL byte"),
-    ({0: "s" * 300 + ".png"}, "over the 255 a file system allows"),
-    ({0: "a.png", 1: "a.png/b.png"}, "names both a file and the folder of"),
-])
-def test_parquet_image_names_that_cannot_be_written_are_refused_before_the_folder(workspace, tmp_path, names,
-                                                                                   needle):
+@pytest.mark.parametrize(
+    ("names", "needle"),
+    [
+        ({0: "scene\x00.png"}, "NUL byte"),
+        ({0: "s" * 300 + ".png"}, "over the 255 a file system allows"),
+        ({0: "a.png", 1: "a.png/b.png"}, "names both a file and the folder of"),
+    ],
+)
+def test_parquet_image_names_that_cannot_be_written_are_refused_before_the_folder(workspace, tmp_path, names, needle):
     parquet = pope_parquet(workspace, tmp_path / "pope.parquet")
     renamed_image(parquet, names)
     out = tmp_path / "out"
@@ -248,9 +279,15 @@ def test_a_resumed_runs_files_are_kept_when_it_fails(made, workspace, tmp_path, 
 
 def test_file_names_are_checked_before_writing():
     check_file_names(["a.png", "b/a.png", "é" * 125 + ".png"], "names")
-    for names, needle in ((["x\0.png"], "NUL"), (["d/" + "x" * 256], "256 bytes"), (["a", "a/b/c.png"], "folder of"),
-                          (["a.png", "./a.png"], "name the same file"), (["x/.."], "leads outside"),
-                          ([""], "names a folder"), (["\ud800.png"], "not valid UTF-8")):
+    for names, needle in (
+        (["x\0.png"], "NUL"),
+        (["d/" + "x" * 256], "256 bytes"),
+        (["a", "a/b/c.png"], "folder of"),
+        (["a.png", "./a.png"], "name the same file"),
+        (["x/.."], "leads outside"),
+        ([""], "names a folder"),
+        (["\ud800.png"], "not valid UTF-8"),
+    ):
         with pytest.raises(PruneAuditError, match=needle):
             check_file_names(names, "names")
 
@@ -263,14 +300,17 @@ def test_out_a_dangling_link_names_cause_and_fix(made, workspace, tmp_path, belo
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "gone")
     out = link / "run" if below else link
-    refused(invoke(*base_args(workspace, out, "--limit", "2")), f"{link} is a symbolic link to {tmp_path / 'gone'}",
-            "does not exist", "create that folder")
+    refused(
+        invoke(*base_args(workspace, out, "--limit", "2")),
+        f"{link} is a symbolic link to {tmp_path / 'gone'}",
+        "does not exist",
+        "create that folder",
+    )
     refused(invoke("calibrate", made["pruned"], "--reference", made["dense"], "--out", out), "does not exist")
     assert os.listdir(tmp_path) == ["link"]
 
 
-def test_an_import_that_fails_while_storing_leaves_nothing_that_blocks_the_corrected_import(made, workspace,
-                                                                                              tmp_path):
+def test_an_import_that_fails_while_storing_leaves_nothing_that_blocks_the_corrected_import(made, workspace, tmp_path):
     kept = tmp_path / "kept.jsonl"
     assert invoke("export", made["pruned"], "--out", kept).exit_code == 0
     lines = kept.read_text().splitlines()

@@ -66,7 +66,9 @@ def test_scenes_follow_the_co_occurrence_groups():
     assert same > cross
 
 
-@pytest.mark.parametrize("kwargs", [{"seed": -1, "index": 0}, {"seed": 0, "index": -3}, {"seed": 0, "index": 0, "split": "test"}])
+@pytest.mark.parametrize(
+    "kwargs", [{"seed": -1, "index": 0}, {"seed": 0, "index": -3}, {"seed": 0, "index": 0, "split": "test"}]
+)
 def test_invalid_stream_arguments_are_rejected(kwargs):
     with pytest.raises(ValueError):
         generate_scene(**kwargs)
@@ -88,7 +90,12 @@ def test_coco_export_round_trips_exactly(tmp_path):
             assert np.array_equal(coco.annToMask(annotation).astype(bool), obj.mask)
             assert annotation["area"] == obj.mask.sum()
             rows, cols = np.nonzero(obj.mask)
-            assert annotation["bbox"] == [cols.min(), rows.min(), cols.max() - cols.min() + 1, rows.max() - rows.min() + 1]
+            assert annotation["bbox"] == [
+                cols.min(),
+                rows.min(),
+                cols.max() - cols.min() + 1,
+                rows.max() - rows.min() + 1,
+            ]
             total += 1
     assert total == len(coco.dataset["annotations"]) >= 12
 

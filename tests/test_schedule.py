@@ -7,8 +7,8 @@ import pytest
 from prune_audit.pruners import Stage, get_selector, list_selectors, selector_class
 from prune_audit.pruners.schedule import (
     average_visual_tokens,
-    nearest_setting,
     merge_stages,
+    nearest_setting,
     scale_layers,
     solve_geometric_schedule,
     solve_schedule,
@@ -191,7 +191,9 @@ def test_official_rule_gives_the_code_default_and_refuses_other_budgets(name, la
     stages = selector.schedule(32, 576, round(average))
     assert counts(stages) == layers
     assert average_visual_tokens(stages, 32, 576) == average
-    with pytest.raises(ValueError, match=f"realises an average of {average:.2f} visual tokens .* not 128; use budget {round(average)}"):
+    with pytest.raises(
+        ValueError, match=f"realises an average of {average:.2f} visual tokens .* not 128; use budget {round(average)}"
+    ):
         selector.schedule(32, 576, 128)
     assert [s.keep for s in selector.schedule(32, 576, 576)] == [576] * len(layers)
 
@@ -211,7 +213,10 @@ def test_e2s_presets_name_the_paper_schedules():
 
 @pytest.mark.parametrize("name", ["sparsevlm", "pdrop", "v2drop", "e2s"])
 def test_paper_rule_names_its_budgets_for_an_unknown_one(name):
-    with pytest.raises(ValueError, match=r"64 \(average [\d.]+\), .*128 \(average [\d.]+\), .*192 \(average [\d.]+\) only on 32 layers x 576 tokens; use budget_rule='average'"):
+    with pytest.raises(
+        ValueError,
+        match=r"64 \(average [\d.]+\), .*128 \(average [\d.]+\), .*192 \(average [\d.]+\) only on 32 layers x 576 tokens; use budget_rule='average'",
+    ):
         get_selector(name, budget_rule="paper").schedule(32, 576, 100)
 
 

@@ -27,11 +27,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "prune_audit"
 #: modules outside pruners/ that may spell a registered selector's name, and why: user-facing data whose order
 #: or choice is the module's own (a default grid, a reproduced study), or the same word for something else
 NAMED_EXCEPTIONS = {
-    "analysis/reproduce.py": ({"fastv", "cls_attn", "coverage", "cdpruner", "divprune", "random"},
-                              "the reproduced study's grid and timing selector, and POPE's random split"),
+    "analysis/reproduce.py": (
+        {"fastv", "cls_attn", "coverage", "cdpruner", "divprune", "random"},
+        "the reproduced study's grid and timing selector, and POPE's random split",
+    ),
     "runner/study/defaults.py": ({"fastv", "divprune"}, "the default study grid (imports nothing: CLI start-up)"),
-    "runner/visualize.py": ({"fastv", "sparsevlm", "visionzip", "divprune", "cdpruner", "random"},
-                            "the selectors visualize draws by default, in its drawing order"),
+    "runner/visualize.py": (
+        {"fastv", "sparsevlm", "visionzip", "divprune", "cdpruner", "random"},
+        "the selectors visualize draws by default, in its drawing order",
+    ),
     "data/pope.py": ({"random"}, "POPE's random split, not the selector"),
     "cli/intervene.py": ({"random"}, "intervene's random control swaps, not the selector"),
     "runner/intervene/plan.py": ({"random"}, "intervene's random control swaps, not the selector"),
@@ -53,8 +57,11 @@ def selector_names_spelled(path: Path, names: set[str]) -> set[str]:
     """The registered names ``path`` holds as string literals outside docstrings."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     docstrings = _docstrings(tree)
-    return {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in names
-            and id(node) not in docstrings}
+    return {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings
+    }
 
 
 def test_no_module_outside_pruners_names_a_selector():
@@ -108,17 +115,29 @@ def test_a_selector_flops_formula_is_its_own_arithmetic():
 LAYOUT_NEEDS = {"hiprune": ONE_GRID, "visionzip": ONE_CLS, "vscan": PADDED_CROP_GRID, "pool": PRE_PROJECTOR_FEATURES}
 FAMILY_REFUSALS = {
     "llava_next": {"hiprune": ONE_GRID, "visionzip": ONE_CLS, "vscan": PADDED_CROP_GRID},
-    "llava_onevision": {"hiprune": ONE_GRID, "visionzip": ONE_CLS, "vscan": PADDED_CROP_GRID,
-                        "pool": PRE_PROJECTOR_FEATURES},
+    "llava_onevision": {
+        "hiprune": ONE_GRID,
+        "visionzip": ONE_CLS,
+        "vscan": PADDED_CROP_GRID,
+        "pool": PRE_PROJECTOR_FEATURES,
+    },
 }
-PER_GRID = {"llava_next": {"e2s", "pool", "tome", "uniform"}, "llava_onevision": {"e2s", "tome", "uniform"},
-            "internvl": {"e2s", "pool", "tome", "uniform"}}
+PER_GRID = {
+    "llava_next": {"e2s", "pool", "tome", "uniform"},
+    "llava_onevision": {"e2s", "tome", "uniform"},
+    "internvl": {"e2s", "pool", "tome", "uniform"},
+}
 
 
 def test_selectors_declare_their_layout_needs():
-    assert {name: selector_class(name).layout_need for name in list_selectors() if selector_class(name).layout_need} \
-        == LAYOUT_NEEDS
-    assert {name for name in list_selectors() if selector_class(name).per_crop_grid} == {"hiprune", "visionzip", "vscan"}
+    assert {
+        name: selector_class(name).layout_need for name in list_selectors() if selector_class(name).layout_need
+    } == LAYOUT_NEEDS
+    assert {name for name in list_selectors() if selector_class(name).per_crop_grid} == {
+        "hiprune",
+        "visionzip",
+        "vscan",
+    }
 
 
 @pytest.mark.parametrize("family", family_names())
@@ -133,8 +152,10 @@ def test_family_support_tables_are_the_match_of_selector_and_family_traits(famil
         assert how.startswith("per tile: " if family == "internvl" else "per grid: ")
 
 
-@pytest.mark.parametrize(("document", "heading"), [("docs/models.md", "## Selectors per family"),
-                                                    ("README.md", "## Selectors per model family")])
+@pytest.mark.parametrize(
+    ("document", "heading"),
+    [("docs/models.md", "## Selectors per family"), ("README.md", "## Selectors per model family")],
+)
 def test_docs_support_tables_are_generated_from_the_traits(document, heading):
     """The families x selectors table in each document is ``support_table()`` byte for byte (regenerate it with
     ``python -c "from prune_audit.models.families import support_table; print(support_table(), end='')"``)."""

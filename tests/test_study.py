@@ -64,12 +64,44 @@ def test_summary_equals_calibrate_and_cascade(study, tmp_path):
     ) or _close(pd.read_parquet(study / "summary.parquet").set_index("run"), table)
     runs = [str(study / "runs" / name) for name in ("divprune-6", "random-6")]
     reference = str(study / "runs" / "dense")
-    calibrate = runner.invoke(app, ["calibrate", *runs, "--reference", reference, "--bootstrap", "50", "--seed", "3",
-                                    "--out", str(tmp_path / "calibration"), "--json"])
+    calibrate = runner.invoke(
+        app,
+        [
+            "calibrate",
+            *runs,
+            "--reference",
+            reference,
+            "--bootstrap",
+            "50",
+            "--seed",
+            "3",
+            "--out",
+            str(tmp_path / "calibration"),
+            "--json",
+        ],
+    )
     assert calibrate.exit_code == 0, calibrate.output
     calibration = json.loads(calibrate.stdout)
-    cascade = runner.invoke(app, ["cascade", *runs, "--reference", reference, "--epsilon", "0.2", "--sweep", "0.3",
-                                  "--splits", "10", "--seed", "3", "--out", str(tmp_path / "cascade"), "--json"])
+    cascade = runner.invoke(
+        app,
+        [
+            "cascade",
+            *runs,
+            "--reference",
+            reference,
+            "--epsilon",
+            "0.2",
+            "--sweep",
+            "0.3",
+            "--splits",
+            "10",
+            "--seed",
+            "3",
+            "--out",
+            str(tmp_path / "cascade"),
+            "--json",
+        ],
+    )
     assert cascade.exit_code == 0, cascade.output
     cascades = {entry["label"]: entry for entry in json.loads(cascade.stdout)["cascades"]}
     entries = {entry["label"]: entry for entry in [calibration["reference"], *calibration["runs"]]}
@@ -147,7 +179,7 @@ def test_html_is_self_contained_with_every_figure(study):
     for source, (stem, _) in zip(parser.sources, FIGURES):
         prefix = "data:image/png;base64,"
         assert source.startswith(prefix)
-        assert base64.b64decode(source[len(prefix):]) == (study / f"{stem}.png").read_bytes()
+        assert base64.b64decode(source[len(prefix) :]) == (study / f"{stem}.png").read_bytes()
     markdown = (study / "report.md").read_text(encoding="utf-8")
     assert all(f"({stem}.png)" in markdown for stem, _ in FIGURES)
     assert "## Findings" in markdown and "divprune@6" in markdown.split("## Findings")[1]
@@ -177,8 +209,9 @@ def test_resume_after_kill_reruns_nothing_finished(workspace, tmp_path):
     from prune_audit.runner.study.grid import StudyGrid
 
     out = tmp_path / "killed"
-    process = subprocess.Popen(cli(*study_args(workspace, out)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        cli(*study_args(workspace, out)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     second = out / "runs" / "divprune-6"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:
@@ -193,8 +226,19 @@ def test_resume_after_kill_reruns_nothing_finished(workspace, tmp_path):
     finished = {path.name for path in (out / "runs").iterdir() if (path / "records.parquet").is_file()}
     assert "dense" in finished
     ws = workspace
-    grid = StudyGrid(("divprune", "random"), ("6",), out, RunRequest(
-        model=str(ws["model"]), question_files=list(ws["pope"]), images=ws["images"], annotations=ws["instances"], limit=40, seed=3))
+    grid = StudyGrid(
+        ("divprune", "random"),
+        ("6",),
+        out,
+        RunRequest(
+            model=str(ws["model"]),
+            question_files=list(ws["pope"]),
+            images=ws["images"],
+            annotations=ws["instances"],
+            limit=40,
+            seed=3,
+        ),
+    )
     outcomes = run_grid(grid, plan_grid(grid))
     for outcome in outcomes:
         if outcome.cell.name in finished:

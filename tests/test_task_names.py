@@ -16,8 +16,14 @@ from prune_audit.tasks import list_tasks
 PACKAGE = Path(__file__).resolve().parents[1] / "prune_audit"
 
 OWN_READERS = {
-    "data/pope.py", "data/pope_build.py", "data/pope_score.py", "data/gqa.py", "data/scienceqa.py",
-    "data/captions.py", "data/chair.py", "data/lmms_parquet.py",
+    "data/pope.py",
+    "data/pope_build.py",
+    "data/pope_score.py",
+    "data/gqa.py",
+    "data/scienceqa.py",
+    "data/captions.py",
+    "data/chair.py",
+    "data/lmms_parquet.py",
 }
 """Each task's own data readers (its question files, answers and scores), which may name their task."""
 
@@ -27,18 +33,27 @@ EXCEPTIONS: dict[tuple[str, str], tuple[int, str]] = {
     ("data/__init__.py", "scienceqa"): (4, "lazy-export map: the module data/scienceqa.py, not the task"),
     ("cli/main.py", "pope"): (1, "the `prune-audit pope` command group (POPE's own file tools)"),
     ("cli/pope.py", "pope"): (1, "the `prune-audit pope` command group's name"),
-    ("cli/run.py", "pope"): (3, "CLI default `--task pope`; `--pope` names POPE files only; POPE's title "
-                                "predates tasks (its printed header stays byte-equal)"),
+    ("cli/run.py", "pope"): (
+        3,
+        "CLI default `--task pope`; `--pope` names POPE files only; POPE's title "
+        "predates tasks (its printed header stays byte-equal)",
+    ),
     ("cli/score.py", "pope"): (1, "CLI default `--task pope`"),
     ("cli/study.py", "pope"): (2, "CLI default `--task pope`; `--pope` names POPE files only"),
     ("cli/reproduce.py", "pope"): (2, "`reproduce` re-measures the published POPE numbers: POPE by definition"),
     ("runner/study/grid.py", "pope"): (1, "`--task` left at its CLI default means `--tasks` may be given"),
-    ("runner/visualize_record.py", "pope"): (1, "figure words for POPE's object and label: to move onto the task "
-                                                "(runner/ is being split by another change)"),
-    ("analysis/report_html.py", "pope"): (2, "report wording of POPE's evidence (the queried object); a manifest "
-                                             "without a task is POPE's"),
-    ("models/task_instructions.py", "pope"): (1, "the bundled demo checkpoint's declared instructions, keyed by "
-                                                 "task name as task_instructions.json is"),
+    ("runner/visualize_record.py", "pope"): (
+        1,
+        "figure words for POPE's object and label: to move onto the task (runner/ is being split by another change)",
+    ),
+    ("analysis/report_html.py", "pope"): (
+        2,
+        "report wording of POPE's evidence (the queried object); a manifest without a task is POPE's",
+    ),
+    ("models/task_instructions.py", "pope"): (
+        1,
+        "the bundled demo checkpoint's declared instructions, keyed by task name as task_instructions.json is",
+    ),
     ("demo/__init__.py", "pope"): (1, "the bundled demo that answers POPE (the others' is demo-tasks)"),
     ("demo/assets.py", "pope"): (2, "the bundled demo's question files per built-in task (user-facing defaults)"),
     ("demo/assets.py", "gqa"): (1, "the bundled demo's question files per built-in task"),
@@ -56,8 +71,11 @@ EXCEPTIONS: dict[tuple[str, str], tuple[int, str]] = {
 
 def _docstrings(tree: ast.AST) -> set[int]:
     """ids of every string constant standing alone as a statement (docstrings and attribute docs)."""
-    return {id(node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    }
 
 
 def task_name_literals() -> Counter[tuple[str, str]]:
@@ -69,8 +87,11 @@ def task_name_literals() -> Counter[tuple[str, str]]:
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
         docs = _docstrings(tree)
-        found.update((module, node.value) for node in ast.walk(tree)
-                     if isinstance(node, ast.Constant) and node.value in names and id(node) not in docs)
+        found.update(
+            (module, node.value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in docs
+        )
     return found
 
 

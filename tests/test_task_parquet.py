@@ -14,12 +14,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from typer.testing import CliRunner
-
 from cli_checks import refused
-from prune_audit.cli.main import app
 from test_task_data import IMAGE_STRUCT, gqa_instruction_columns, image, write_parquet
 from test_tasks import gqa_args, gqa_inputs, letters_model, scienceqa_file  # noqa: F401 (letters_model: fixture)
+from typer.testing import CliRunner
+
+from prune_audit.cli.main import app
 
 runner = CliRunner()
 COMPARED = ("question_id", "split", "image", "image_id", "answer_text", "confidence", "correct", "retention", "lost")
@@ -27,6 +27,7 @@ COMPARED = ("question_id", "split", "image", "image_id", "answer_text", "confide
 
 def rows(run: Path) -> list[dict]:
     """The compared columns of each record, NaN (no evidence) as None so that rows compare equal."""
+
     def value(item: object) -> object:
         return None if isinstance(item, float) and math.isnan(item) else item
 
@@ -35,23 +36,41 @@ def rows(run: Path) -> list[dict]:
 
 def pope_parquet(ws: dict[str, Path], path: Path) -> Path:
     """lmms-lab/POPE's columns for the workspace's three POPE files (the split is ``category``)."""
-    entries = [(json.loads(line), split.stem.rsplit("_", 1)[-1]) for split in ws["pope"]
-               for line in split.read_text().splitlines() if line.strip()]
-    return write_parquet(path, {
-        "id": (pa.string(), [str(n) for n in range(len(entries))]),
-        "question_id": (pa.string(), [str(e["question_id"]) for e, _ in entries]),
-        "question": (pa.string(), [e["text"] for e, _ in entries]),
-        "answer": (pa.string(), [e["label"] for e, _ in entries]),
-        "image_source": (pa.string(), [e["image"] for e, _ in entries]),
-        "image": (IMAGE_STRUCT, [image((Path(ws["images"]) / e["image"]).read_bytes()) for e, _ in entries]),
-        "category": (pa.string(), [split for _, split in entries]),
-    })
+    entries = [
+        (json.loads(line), split.stem.rsplit("_", 1)[-1])
+        for split in ws["pope"]
+        for line in split.read_text().splitlines()
+        if line.strip()
+    ]
+    return write_parquet(
+        path,
+        {
+            "id": (pa.string(), [str(n) for n in range(len(entries))]),
+            "question_id": (pa.string(), [str(e["question_id"]) for e, _ in entries]),
+            "question": (pa.string(), [e["text"] for e, _ in entries]),
+            "answer": (pa.string(), [e["label"] for e, _ in entries]),
+            "image_source": (pa.string(), [e["image"] for e, _ in entries]),
+            "image": (IMAGE_STRUCT, [image((Path(ws["images"]) / e["image"]).read_bytes()) for e, _ in entries]),
+            "category": (pa.string(), [split for _, split in entries]),
+        },
+    )
 
 
 def test_pope_parquet_runs_without_an_images_folder_as_the_json_files_do(workspace, tmp_path):
     parquet = pope_parquet(workspace, tmp_path / "test-00000-of-00001.parquet")
-    common = ["run", "--model", str(workspace["model"]), "--annotations", str(workspace["instances"]), "--selector",
-              "random", "--budget", "6", "--limit", "10"]
+    common = [
+        "run",
+        "--model",
+        str(workspace["model"]),
+        "--annotations",
+        str(workspace["instances"]),
+        "--selector",
+        "random",
+        "--budget",
+        "6",
+        "--limit",
+        "10",
+    ]
     from_parquet, from_json = tmp_path / "parquet", tmp_path / "json"
     result = runner.invoke(app, [*common, "--questions", str(parquet), "--out", str(from_parquet)])
     assert result.exit_code == 0, result.output
@@ -70,11 +89,36 @@ def test_pope_parquet_runs_without_an_images_folder_as_the_json_files_do(workspa
     assert again.exit_code == 0, again.output
     # the run's own images folder serves the commands that read a finished run
     row = pq.read_table(from_parquet / "records.parquet").to_pylist()[0]
-    drawn = runner.invoke(app, ["visualize", "--run", str(from_parquet), "--question-id", str(row["question_id"]),
-                                "--split", row["split"], "--out", str(tmp_path / "figure.png")])
+    drawn = runner.invoke(
+        app,
+        [
+            "visualize",
+            "--run",
+            str(from_parquet),
+            "--question-id",
+            str(row["question_id"]),
+            "--split",
+            row["split"],
+            "--out",
+            str(tmp_path / "figure.png"),
+        ],
+    )
     assert drawn.exit_code == 0, drawn.output
-    treated = runner.invoke(app, ["intervene", str(from_parquet), "--mode", "remove", "--max-cells", "1",
-                                  "--bootstrap", "10", "--out", str(tmp_path / "intervene")])
+    treated = runner.invoke(
+        app,
+        [
+            "intervene",
+            str(from_parquet),
+            "--mode",
+            "remove",
+            "--max-cells",
+            "1",
+            "--bootstrap",
+            "10",
+            "--out",
+            str(tmp_path / "intervene"),
+        ],
+    )
     assert treated.exit_code == 0, treated.output
 
 
@@ -83,24 +127,36 @@ def gqa_parquet(ws: dict[str, Path], folder: Path) -> tuple[Path, Path, dict[str
     inputs and their questions (GQA's question JSON)."""
     inputs = gqa_inputs(ws, folder / "gqa")
     questions = json.loads(inputs["questions"].read_text())
-    annotations = [{"question": list(q["annotations"]["question"].items()),
-                    "answer": list(q["annotations"]["answer"].items()),
-                    "fullAnswer": list(q["annotations"]["fullAnswer"].items())} for q in questions.values()]
+    annotations = [
+        {
+            "question": list(q["annotations"]["question"].items()),
+            "answer": list(q["annotations"]["answer"].items()),
+            "fullAnswer": list(q["annotations"]["fullAnswer"].items()),
+        }
+        for q in questions.values()
+    ]
     columns = gqa_instruction_columns(annotations)
     count = len(questions)
-    columns.update({
-        "id": (pa.string(), list(questions)), "imageId": (pa.string(), [q["imageId"] for q in questions.values()]),
-        "question": (pa.string(), [q["question"] for q in questions.values()]),
-        "answer": (pa.string(), [q["answer"] for q in questions.values()]),
-        "fullAnswer": (pa.string(), [q["answer"] for q in questions.values()]),
-        "isBalanced": (pa.bool_(), [True] * count), "types": (columns["types"][0], columns["types"][1][:1] * count),
-    })
+    columns.update(
+        {
+            "id": (pa.string(), list(questions)),
+            "imageId": (pa.string(), [q["imageId"] for q in questions.values()]),
+            "question": (pa.string(), [q["question"] for q in questions.values()]),
+            "answer": (pa.string(), [q["answer"] for q in questions.values()]),
+            "fullAnswer": (pa.string(), [q["answer"] for q in questions.values()]),
+            "isBalanced": (pa.bool_(), [True] * count),
+            "types": (columns["types"][0], columns["types"][1][:1] * count),
+        }
+    )
     instructions = write_parquet(folder / "testdev_balanced_instructions.parquet", columns)
     stems = list(dict.fromkeys(q["imageId"] for q in questions.values()))
-    pictures = write_parquet(folder / "testdev_balanced_images.parquet", {
-        "id": (pa.string(), stems),
-        "image": (IMAGE_STRUCT, [image((Path(ws["images"]) / f"{stem}.png").read_bytes()) for stem in stems]),
-    })
+    pictures = write_parquet(
+        folder / "testdev_balanced_images.parquet",
+        {
+            "id": (pa.string(), stems),
+            "image": (IMAGE_STRUCT, [image((Path(ws["images"]) / f"{stem}.png").read_bytes()) for stem in stems]),
+        },
+    )
     return instructions, pictures, inputs, questions
 
 
@@ -108,9 +164,24 @@ def test_gqa_parquet_files_join_instructions_and_images(workspace, tmp_path):
     instructions, pictures, inputs, questions = gqa_parquet(workspace, tmp_path)
     stems = list(dict.fromkeys(q["imageId"] for q in questions.values()))
     from_parquet = tmp_path / "parquet"
-    result = runner.invoke(app, ["run", "--task", "gqa", "--model", str(workspace["model"]), "--questions",
-                                 str(pictures), "--questions", str(instructions), "--max-new-tokens", "2",
-                                 "--out", str(from_parquet)])
+    result = runner.invoke(
+        app,
+        [
+            "run",
+            "--task",
+            "gqa",
+            "--model",
+            str(workspace["model"]),
+            "--questions",
+            str(pictures),
+            "--questions",
+            str(instructions),
+            "--max-new-tokens",
+            "2",
+            "--out",
+            str(from_parquet),
+        ],
+    )
     assert result.exit_code == 0, result.output
     records = pq.read_table(from_parquet / "records.parquet").to_pylist()
     assert [str(r["question_id"]) for r in records] == list(questions)
@@ -123,14 +194,45 @@ def test_gqa_parquet_files_join_instructions_and_images(workspace, tmp_path):
         (folder / f"{stem}.jpg").write_bytes((Path(workspace["images"]) / f"{stem}.png").read_bytes())
     (inputs["questions"]).write_text(json.dumps(questions))
     from_json = tmp_path / "json"
-    result = runner.invoke(app, ["run", "--task", "gqa", "--model", str(workspace["model"]), "--questions",
-                                 str(inputs["questions"]), "--images", str(folder), "--max-new-tokens", "2",
-                                 "--out", str(from_json)])
+    result = runner.invoke(
+        app,
+        [
+            "run",
+            "--task",
+            "gqa",
+            "--model",
+            str(workspace["model"]),
+            "--questions",
+            str(inputs["questions"]),
+            "--images",
+            str(folder),
+            "--max-new-tokens",
+            "2",
+            "--out",
+            str(from_json),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert [(r["answer_text"], r["confidence"]) for r in records] == [
-        (r["answer_text"], r["confidence"]) for r in pq.read_table(from_json / "records.parquet").to_pylist()]
-    refused(runner.invoke(app, ["run", "--task", "gqa", "--model", str(workspace["model"]), "--questions",
-                                str(instructions), "--out", str(tmp_path / "alone")]), "no lmms-lab/GQA *_images")
+        (r["answer_text"], r["confidence"]) for r in pq.read_table(from_json / "records.parquet").to_pylist()
+    ]
+    refused(
+        runner.invoke(
+            app,
+            [
+                "run",
+                "--task",
+                "gqa",
+                "--model",
+                str(workspace["model"]),
+                "--questions",
+                str(instructions),
+                "--out",
+                str(tmp_path / "alone"),
+            ],
+        ),
+        "no lmms-lab/GQA *_images",
+    )
     assert not (tmp_path / "alone").exists()
 
 
@@ -139,26 +241,33 @@ def test_scienceqa_parquet_answers_as_llavas_file(workspace, letters_model, tmp_
     entries = [e for e in json.loads(llava_file.read_text()) if "image" in e]
     prompts = [e["conversations"][0]["value"].split("\n") for e in entries]
     choices = [[line.split(". ", 1)[1] for line in lines[3:]] for lines in prompts]
-    parquet = write_parquet(tmp_path / "test-00000-of-00001.parquet", {
-        "image": (IMAGE_STRUCT, [image((Path(workspace["images"]) / e["image"]).read_bytes()) for e in entries]),
-        "question": (pa.string(), [lines[2] for lines in prompts]),
-        "choices": (pa.list_(pa.string()), choices),
-        "answer": (pa.int8(), ["ABCD".index(e["conversations"][1]["value"]) for e in entries]),
-        "hint": (pa.string(), [lines[1].removeprefix("Context: ") for lines in prompts]),
-        **{name: (pa.string(), [""] * len(entries)) for name in ("task", "grade", "subject", "topic", "category",
-                                                                  "skill", "lecture", "solution")},
-    })
+    parquet = write_parquet(
+        tmp_path / "test-00000-of-00001.parquet",
+        {
+            "image": (IMAGE_STRUCT, [image((Path(workspace["images"]) / e["image"]).read_bytes()) for e in entries]),
+            "question": (pa.string(), [lines[2] for lines in prompts]),
+            "choices": (pa.list_(pa.string()), choices),
+            "answer": (pa.int8(), ["ABCD".index(e["conversations"][1]["value"]) for e in entries]),
+            "hint": (pa.string(), [lines[1].removeprefix("Context: ") for lines in prompts]),
+            **{
+                name: (pa.string(), [""] * len(entries))
+                for name in ("task", "grade", "subject", "topic", "category", "skill", "lecture", "solution")
+            },
+        },
+    )
     runs = {"parquet": tmp_path / "parquet", "json": tmp_path / "json"}
     common = ["run", "--task", "scienceqa", "--model", str(letters_model)]  # dense: random keeps depend on the ids
     result = runner.invoke(app, [*common, "--questions", str(parquet), "--out", str(runs["parquet"])])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(app, [*common, "--questions", str(llava_file), "--images", str(workspace["images"]),
-                                 "--out", str(runs["json"])])
+    result = runner.invoke(
+        app, [*common, "--questions", str(llava_file), "--images", str(workspace["images"]), "--out", str(runs["json"])]
+    )
     assert result.exit_code == 0, result.output
     by_parquet, by_json = (pq.read_table(run / "records.parquet").to_pylist() for run in runs.values())
     assert [r["question_id"] for r in by_parquet] == list(range(len(entries)))  # row numbers: the layout has no id
     assert [(r["answer_text"], r["references"], r["letter_probs"]) for r in by_parquet] == [
-        (r["answer_text"], r["references"], r["letter_probs"]) for r in by_json]
+        (r["answer_text"], r["references"], r["letter_probs"]) for r in by_json
+    ]
 
 
 def score_json(*args: str) -> dict:
@@ -169,12 +278,26 @@ def score_json(*args: str) -> dict:
 
 def test_score_reads_pope_parquet_as_the_json_files(workspace, tmp_path):
     parquet = pope_parquet(workspace, tmp_path / "test-00000-of-00001.parquet")
-    entries = [(json.loads(line), path.stem.rsplit("_", 1)[-1]) for path in workspace["pope"]
-               for line in path.read_text().splitlines() if line.strip()]
+    entries = [
+        (json.loads(line), path.stem.rsplit("_", 1)[-1])
+        for path in workspace["pope"]
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
     answers = tmp_path / "answers.jsonl"  # every third answer wrong, matched by (split, question_id)
-    answers.write_text("".join(json.dumps({"question_id": e["question_id"], "category": split,
-                                           "text": e["label"] if n % 3 else {"yes": "No", "no": "Yes"}[e["label"]]})
-                               + "\n" for n, (e, split) in enumerate(entries)))
+    answers.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "question_id": e["question_id"],
+                    "category": split,
+                    "text": e["label"] if n % 3 else {"yes": "No", "no": "Yes"}[e["label"]],
+                }
+            )
+            + "\n"
+            for n, (e, split) in enumerate(entries)
+        )
+    )
     by_parquet = score_json(str(answers), "--questions", str(parquet))
     by_json = score_json(str(answers), *[arg for path in workspace["pope"] for arg in ("--questions", str(path))])
     assert by_parquet["matched_by"] == by_json["matched_by"] == "id"
@@ -186,16 +309,23 @@ def test_score_reads_pope_parquet_as_the_json_files(workspace, tmp_path):
 def test_score_reads_gqa_instructions_parquet_without_its_images(workspace, tmp_path):
     instructions, pictures, _, questions = gqa_parquet(workspace, tmp_path)
     ids = list(questions)
-    rows = [(ids[0], questions[ids[0]]["answer"].capitalize() + "."), (ids[1], "no idea"),
-            *((qid, questions[qid]["answer"]) for qid in ids[2:])]
+    rows = [
+        (ids[0], questions[ids[0]]["answer"].capitalize() + "."),
+        (ids[1], "no idea"),
+        *((qid, questions[qid]["answer"]) for qid in ids[2:]),
+    ]
     answers = tmp_path / "answers.jsonl"
     answers.write_text("".join(json.dumps({"question_id": qid, "text": text}) + "\n" for qid, text in rows))
     # "Circle." -> "circle" under LLaVA's rule; "no idea" is wrong: 5 of 6, with or without the images file
     for files in ([instructions], [pictures, instructions]):
-        report = score_json(str(answers), "--task", "gqa", *[arg for path in files for arg in ("--questions", str(path))])
+        report = score_json(
+            str(answers), "--task", "gqa", *[arg for path in files for arg in ("--questions", str(path))]
+        )
         assert (report["n"], report["correct"]) == (6, 5)
-    refused(runner.invoke(app, ["score", str(answers), "--task", "gqa", "--questions", str(pictures)]),
-            "no lmms-lab/GQA *_instructions")
+    refused(
+        runner.invoke(app, ["score", str(answers), "--task", "gqa", "--questions", str(pictures)]),
+        "no lmms-lab/GQA *_instructions",
+    )
 
 
 @pytest.mark.parametrize(("task", "reason"), [("scienceqa", "no problem id"), ("caption", "reads no Parquet")])
@@ -211,8 +341,9 @@ def test_parquet_inputs_are_refused_in_one_line_before_anything_is_written(works
     parquet = pope_parquet(workspace, tmp_path / "pope.parquet")
     args = ["run", "--model", str(workspace["model"]), "--questions", str(parquet), "--out", str(tmp_path / "run")]
     if case == "images option":
-        refused(runner.invoke(app, [*args, "--images", str(workspace["images"])]), "embed their images",
-                "drop --images")
+        refused(
+            runner.invoke(app, [*args, "--images", str(workspace["images"])]), "embed their images", "drop --images"
+        )
     elif case == "mixed files":
         refused(runner.invoke(app, [*args, "--questions", str(workspace["pope"][0])]), "not both")
     elif case == "missing column":
@@ -224,7 +355,9 @@ def test_parquet_inputs_are_refused_in_one_line_before_anything_is_written(works
     else:
         table = pq.read_table(parquet)
         broken = [{"bytes": b"not an image", "path": None}] * table.num_rows
-        pq.write_table(table.set_column(table.schema.get_field_index("image"), "image",
-                                        pa.array(broken, type=IMAGE_STRUCT)), parquet)
+        pq.write_table(
+            table.set_column(table.schema.get_field_index("image"), "image", pa.array(broken, type=IMAGE_STRUCT)),
+            parquet,
+        )
         refused(runner.invoke(app, args), "embedded in the question files", "cannot be decoded")
     assert not (tmp_path / "run").exists()

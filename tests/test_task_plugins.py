@@ -48,8 +48,9 @@ def install_plugin(monkeypatch) -> str:
     tasks = PluginRegistry("task", "prune_audit.tasks")
     tasks.classes.update(registry.TASKS.classes)
     monkeypatch.setattr(registry, "TASKS", tasks)
-    monkeypatch.setattr(prune_audit.plugins, "entry_points",
-                        lambda group: [Entry()] if group == "prune_audit.tasks" else [])
+    monkeypatch.setattr(
+        prune_audit.plugins, "entry_points", lambda group: [Entry()] if group == "prune_audit.tasks" else []
+    )
     return Entry.name
 
 
@@ -61,8 +62,21 @@ def plugin(monkeypatch) -> str:
 def run_args(ws: dict[str, Path], out: Path, task: str, *extra: str) -> list[str]:
     """``run`` of ``task`` over the workspace's POPE files (a plug-in task reads them with --questions)."""
     files = [arg for path in ws["pope"] for arg in ("--pope" if task == "pope" else "--questions", str(path))]
-    return ["run", "--task", task, "--model", str(ws["model"]), "--images", str(ws["images"]), "--annotations",
-            str(ws["instances"]), "--out", str(out), *files, *extra]
+    return [
+        "run",
+        "--task",
+        task,
+        "--model",
+        str(ws["model"]),
+        "--images",
+        str(ws["images"]),
+        "--annotations",
+        str(ws["instances"]),
+        "--out",
+        str(out),
+        *files,
+        *extra,
+    ]
 
 
 def test_the_schema_holds_a_plugin_tasks_column_after_the_builtin_tasks(plugin):
@@ -74,7 +88,9 @@ def test_the_schema_holds_a_plugin_tasks_column_after_the_builtin_tasks(plugin):
 
 def test_a_plugin_task_with_its_own_column_runs_and_records_it(plugin, workspace, tmp_path):
     out = tmp_path / "run"
-    result = runner.invoke(app, run_args(workspace, out, plugin, "--limit", "8", "--selector", "random", "--budget", "6"))
+    result = runner.invoke(
+        app, run_args(workspace, out, plugin, "--limit", "8", "--selector", "random", "--budget", "6")
+    )
     assert result.exit_code == 0, result.output
     assert "Traceback" not in result.output
     manifest, records = read_run(out)
@@ -88,8 +104,11 @@ def test_a_plugin_task_with_its_own_column_runs_and_records_it(plugin, workspace
 
 def test_a_plugin_column_named_as_another_is_refused_in_one_line(plugin, monkeypatch):
     monkeypatch.setattr(WordCountTask, "record_columns", (column("label", pa.string(), "clashes with POPE's"),))
-    with pytest.raises(PruneAuditError, match=r"^record column 'label' is declared by pope and again by task "
-                                              r"wordcount; rename the task's column \(Task.record_columns\)$"):
+    with pytest.raises(
+        PruneAuditError,
+        match=r"^record column 'label' is declared by pope and again by task "
+        r"wordcount; rename the task's column \(Task.record_columns\)$",
+    ):
         run_columns()
 
 

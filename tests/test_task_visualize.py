@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from test_tasks import gqa_args, gqa_inputs, letters_model, scienceqa_file  # noqa: F401 (letters_model: fixture)
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
-from test_tasks import gqa_args, gqa_inputs, letters_model, scienceqa_file  # noqa: F401 (letters_model: fixture)
 
 runner = CliRunner()
 
@@ -34,8 +34,20 @@ def drawn_masks(monkeypatch) -> list:
 
 
 def redraw(run: Path, row: dict, out: Path):
-    result = runner.invoke(app, ["visualize", "--run", str(run), "--question-id", str(row["question_id"]),
-                                 "--split", row["split"], "--out", str(out)])
+    result = runner.invoke(
+        app,
+        [
+            "visualize",
+            "--run",
+            str(run),
+            "--question-id",
+            str(row["question_id"]),
+            "--split",
+            row["split"],
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     return result
 
@@ -43,8 +55,9 @@ def redraw(run: Path, row: dict, out: Path):
 def test_gqa_figure_draws_the_union_of_the_annotated_boxes(workspace, tmp_path, drawn_masks):
     inputs = gqa_inputs(workspace, tmp_path / "gqa")
     run = tmp_path / "run"
-    result = runner.invoke(app, gqa_args(workspace, inputs, run, "--selector", "random", "--budget", "6",
-                                         "--max-new-tokens", "2"))
+    result = runner.invoke(
+        app, gqa_args(workspace, inputs, run, "--selector", "random", "--budget", "6", "--max-new-tokens", "2")
+    )
     assert result.exit_code == 0, result.output
     row = pq.read_table(run / "records.parquet").to_pylist()[0]
     redraw(run, row, tmp_path / "figure.png")
@@ -52,7 +65,7 @@ def test_gqa_figure_draws_the_union_of_the_annotated_boxes(workspace, tmp_path, 
     expected = np.zeros((graph["height"], graph["width"]), dtype=bool)
     for object_id in row["evidence_object_ids"]:
         box = graph["objects"][object_id]
-        expected[box["y"]:box["y"] + box["h"], box["x"]:box["x"] + box["w"]] = True
+        expected[box["y"] : box["y"] + box["h"], box["x"] : box["x"] + box["w"]] = True
     assert expected.any() and np.array_equal(drawn_masks[0], expected)
 
 
@@ -61,9 +74,28 @@ def test_caption_figure_draws_every_annotated_object(workspace, tmp_path, drawn_
 
     instances = str(workspace["instances"])
     run = tmp_path / "run"
-    result = runner.invoke(app, ["run", "--task", "caption", "--model", str(workspace["model"]), "--images",
-                                 str(workspace["images"]), "--questions", instances, "--annotations", instances,
-                                 "--out", str(run), "--limit", "2", "--max-new-tokens", "2"])
+    result = runner.invoke(
+        app,
+        [
+            "run",
+            "--task",
+            "caption",
+            "--model",
+            str(workspace["model"]),
+            "--images",
+            str(workspace["images"]),
+            "--questions",
+            instances,
+            "--annotations",
+            instances,
+            "--out",
+            str(run),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     row = pq.read_table(run / "records.parquet").to_pylist()[0]
     redraw(run, row, tmp_path / "figure.png")
@@ -76,8 +108,21 @@ def test_pope_figure_draws_the_queried_object_of_yes_questions_only(workspace, t
     from prune_audit.data.coco import CocoInstances
 
     run = tmp_path / "run"
-    args = ["run", "--model", str(workspace["model"]), "--images", str(workspace["images"]), "--annotations",
-            str(workspace["instances"]), "--pope", str(workspace["pope"][0]), "--out", str(run), "--limit", "6"]
+    args = [
+        "run",
+        "--model",
+        str(workspace["model"]),
+        "--images",
+        str(workspace["images"]),
+        "--annotations",
+        str(workspace["instances"]),
+        "--pope",
+        str(workspace["pope"][0]),
+        "--out",
+        str(run),
+        "--limit",
+        "6",
+    ]
     assert runner.invoke(app, args).exit_code == 0
     rows = pq.read_table(run / "records.parquet").to_pylist()
     yes, no = (next(r for r in rows if r["label"] == label) for label in ("yes", "no"))
@@ -91,8 +136,22 @@ def test_pope_figure_draws_the_queried_object_of_yes_questions_only(workspace, t
 def test_scienceqa_figure_says_it_has_no_evidence_region(workspace, letters_model, tmp_path, drawn_masks):  # noqa: F811
     questions = scienceqa_file(workspace, tmp_path / "sqa")
     run = tmp_path / "run"
-    result = runner.invoke(app, ["run", "--task", "scienceqa", "--model", str(letters_model), "--images",
-                                 str(workspace["images"]), "--questions", str(questions), "--out", str(run)])
+    result = runner.invoke(
+        app,
+        [
+            "run",
+            "--task",
+            "scienceqa",
+            "--model",
+            str(letters_model),
+            "--images",
+            str(workspace["images"]),
+            "--questions",
+            str(questions),
+            "--out",
+            str(run),
+        ],
+    )
     assert result.exit_code == 0, result.output
     said = redraw(run, pq.read_table(run / "records.parquet").to_pylist()[0], tmp_path / "figure.png")
     assert drawn_masks == [None]

@@ -100,8 +100,12 @@ def test_layer_ranges_are_those_of_the_model_given(listing):
 
 def test_selectors_not_a_terminal_wrap_at_80_columns():
     env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
-    result = subprocess.run([sys.executable, "-m", "prune_audit.cli.main", "selectors"], capture_output=True,
-                            text=True, env={**env, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "prune_audit.cli.main", "selectors"],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr
     words_whole(result.stdout, 80)
     assert max(len(line) for line in result.stdout.splitlines()) > 60  # the width is used, not a narrow default
@@ -141,8 +145,11 @@ def runs(tmp_path_factory) -> dict[str, object]:
     """Demo runs of 12 questions: dense, fastv (one stage) and e2s (three stages), with their output."""
     root = tmp_path_factory.mktemp("terminal")
     out = {}
-    for name, extra in {"dense": [], "fastv": ["--selector", "fastv", "--budget", "64"],
-                        "e2s": ["--selector", "e2s", "--budget", "64"]}.items():
+    for name, extra in {
+        "dense": [],
+        "fastv": ["--selector", "fastv", "--budget", "64"],
+        "e2s": ["--selector", "e2s", "--budget", "64"],
+    }.items():
         result = invoke("run", "--limit", "12", "--quiet", "--out", root / name, *extra, columns=80)
         assert result.exit_code == 0, result.output
         out[name] = (root / name, result.stdout)
@@ -184,8 +191,9 @@ def test_visualize_prints_the_question_and_every_answer(image, tmp_path):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("question: Is there a")
     assert re.fullmatch(r"  none \(unpruned\): answer (yes|no) \(confidence [01]\.\d{3}\)", lines[1])
-    assert re.fullmatch(r"  fastv, budget 36 \(layer average\): answer (yes|no) \(confidence [01]\.\d{3}\)",
-                        lines[2])  # 25% of 144
+    assert re.fullmatch(
+        r"  fastv, budget 36 \(layer average\): answer (yes|no) \(confidence [01]\.\d{3}\)", lines[2]
+    )  # 25% of 144
     assert lines[-1] == f"wrote {out}" and out.is_file()
 
 
@@ -195,10 +203,13 @@ def test_visualize_prints_the_selectors_not_drawn_wrapped(capsys, tmp_path, monk
 
     monkeypatch.setenv("COLUMNS", "50")
     path = tmp_path / "a-rather-long-folder-name-that-does-not-fit" / "tokens.png"
-    notes = ("not drawn: cdpruner (needs --clip-text PATH)",
-             "also available: cls_attn, coverage, dart, e2s, pdrop, pool, scope, tome (--selector NAME)")
-    _print_figure(DrawnFigure(path, "Is there a square in the image?", (PanelAnswer("none (unpruned)", "yes", 0.9991),),
-                              notes))
+    notes = (
+        "not drawn: cdpruner (needs --clip-text PATH)",
+        "also available: cls_attn, coverage, dart, e2s, pdrop, pool, scope, tome (--selector NAME)",
+    )
+    _print_figure(
+        DrawnFigure(path, "Is there a square in the image?", (PanelAnswer("none (unpruned)", "yes", 0.9991),), notes)
+    )
     text = capsys.readouterr().out
     words_whole(text, 50)
     assert "  none (unpruned): answer yes (confidence 0.999)" in text
@@ -212,19 +223,25 @@ def test_visualize_run_prints_the_recorded_question_and_answer(runs, tmp_path):
     run_dir = runs["fastv"][0]
     row = pq.read_table(run_dir / "records.parquet").to_pylist()[0]
     out = tmp_path / "record.png"
-    result = invoke("visualize", "--run", run_dir, "--question-id", row["question_id"], "--split", row["split"],
-                    "--out", out)
+    result = invoke(
+        "visualize", "--run", run_dir, "--question-id", row["question_id"], "--split", row["split"], "--out", out
+    )
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0] == f"question: {row['split']} #{row['question_id']} about {row['object']} (label {row['label']})"
-    assert lines[1] == f"  fastv, budget 64 (layer average): answer {row['answer']} (confidence {row['confidence']:.3f})"
+    assert (
+        lines[1] == f"  fastv, budget 64 (layer average): answer {row['answer']} (confidence {row['confidence']:.3f})"
+    )
     assert lines[-1] == f"wrote {out}"
 
 
 def test_visualize_budget_share_out_of_range_is_one_line(image, tmp_path):
     out = tmp_path / "tokens.png"
-    refused(invoke("visualize", image, "--selector", "fastv", "--budget", "150%", "--out", out), "--budget 150%",
-            "(0%, 100%]")
+    refused(
+        invoke("visualize", image, "--selector", "fastv", "--budget", "150%", "--out", out),
+        "--budget 150%",
+        "(0%, 100%]",
+    )
     assert not out.exists()
 
 
@@ -282,8 +299,21 @@ def test_cascade_help_has_no_stage_and_says_reference_is_required(helps):
 
 def test_cascade_still_accepts_the_hidden_stage_and_states_none(runs, tmp_path):
     out = tmp_path / "cascade"
-    result = invoke("cascade", runs["fastv"][0], "--reference", runs["dense"][0], "--epsilon", "0.5", "--splits", "5",
-                    "--stage", "last", "--out", out, columns=120)
+    result = invoke(
+        "cascade",
+        runs["fastv"][0],
+        "--reference",
+        runs["dense"][0],
+        "--epsilon",
+        "0.5",
+        "--splits",
+        "5",
+        "--stage",
+        "last",
+        "--out",
+        out,
+        columns=120,
+    )
     assert result.exit_code == 0, result.output
     assert "stage" not in result.stdout.replace("two-stage", "") and (out / "cascade.json").is_file()
 
@@ -312,6 +342,11 @@ def test_a_reader_that_stops_early_ends_the_listing_quietly():
 
     root = Path(__file__).resolve().parents[1]
     command = f"{sys.executable} -m prune_audit.cli.main selectors --fidelity | head -c 10 > /dev/null"
-    done = subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(root)}, cwd=root)
+    done = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {command}"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        cwd=root,
+    )
     assert done.stderr == "" and done.returncode in (0, 141), done.stderr

@@ -17,7 +17,9 @@ def configured(threads, env_threads):
     if env_threads is not None:
         env["OMP_NUM_THREADS"] = env_threads
     code = f"import json; from prune_audit.threads import configure_threads; print(json.dumps(configure_threads({threads})))"
-    return json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    return json.loads(
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    )
 
 
 def test_usable_cores_is_the_affinity():
@@ -52,7 +54,10 @@ def test_more_threads_than_usable_cores_are_refused(monkeypatch):
 
 def test_configure_sets_intra_and_one_inter_op_thread():
     assert configured(None, None) == {
-        "intra_op": usable_cores(), "inter_op": 1, "source": "sched_getaffinity", "usable_cores": usable_cores()
+        "intra_op": usable_cores(),
+        "inter_op": 1,
+        "source": "sched_getaffinity",
+        "usable_cores": usable_cores(),
     }
     assert configured(None, "1")["intra_op"] == 1
     chosen = configured(usable_cores(), "1")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import random_image
 
 from prune_audit.answer_modes import Greedy
 from prune_audit.demo.assets import DEMO_MODELS
@@ -17,7 +18,6 @@ from prune_audit.demo.evaluate import load_demo
 from prune_audit.models import answering, base
 from prune_audit.models.timing import PartClock, timed_ms
 from prune_audit.pruners.registry import get_selector
-from tiny_models import random_image
 
 
 class FakeTimeline:

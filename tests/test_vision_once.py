@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import QUESTIONS, WORDS, random_image
 
 from prune_audit.models import load_vlm
 from prune_audit.models.build import build_clip
 from prune_audit.models.llava import LlavaModel
 from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector
-from tiny_models import QUESTIONS, WORDS, random_image
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,7 @@ def test_vision_tower_runs_once_per_image_under_every_selector(models, family):
     for name in [None, *vlm.supported_selectors()]:
         selector = None if name is None else get_selector(name)
         budget = None if name is None else prepared[0].num_visual // 2
-        encoded = images_encoded(vlm, lambda: vlm.answer(prepared, selector, budget,
-                                                          generator=torch.Generator().manual_seed(0)))
+        encoded = images_encoded(
+            vlm, lambda: vlm.answer(prepared, selector, budget, generator=torch.Generator().manual_seed(0))
+        )
         assert encoded == len(prepared), f"{name}: {encoded} images encoded for {len(prepared)} questions"

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 import prune_audit.runner.visualize as visualize_module
 from prune_audit.analysis.overlay import MAX_COLUMNS
 from prune_audit.cli.main import app
-from prune_audit.runner.visualize import DEFAULT_SELECTORS
 from prune_audit.demo.assets import demo_assets
+from prune_audit.runner.visualize import DEFAULT_SELECTORS
 
 
 @pytest.mark.slow

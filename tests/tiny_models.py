@@ -20,11 +20,21 @@ WORDS = ["is", "there", "a", "an", "cat", "dog", "in", "the", "image", "of", "re
 QUESTIONS = ["is there a cat in the image?", "is there a red dog in the image of the cat?"]
 
 INPUT_FIELDS = frozenset({"features", "vision_features", "cls_attention", "vision_keys", "cls_feature", "demand"})
-LAYER_FIELDS = frozenset({
-    "text_logits", "text_probs", "hidden_states", "previous_hidden_states", "text_hidden_states",
-    "normed_hidden_states", "text_normed_hidden_states", "key_norms", "text_key_norms", "embeddings",
-    "text_embeddings",
-})
+LAYER_FIELDS = frozenset(
+    {
+        "text_logits",
+        "text_probs",
+        "hidden_states",
+        "previous_hidden_states",
+        "text_hidden_states",
+        "normed_hidden_states",
+        "text_normed_hidden_states",
+        "key_norms",
+        "text_key_norms",
+        "embeddings",
+        "text_embeddings",
+    }
+)
 
 
 def random_image(seed: int, size: tuple[int, int] = (130, 100)) -> Image.Image:
@@ -69,8 +79,11 @@ class RecordingLayerSelector(LayerSelector):
 def stock_inputs(vlm, prepared) -> dict[str, torch.Tensor]:
     """Inputs of the stock ``model(**inputs)`` forward for one prepared prompt."""
     if "image_sizes" in prepared.extras:  # LLaVA-NeXT: the crops of one image and its size
-        return {"input_ids": prepared.input_ids[None], "pixel_values": prepared.pixel_values[None],
-                "image_sizes": prepared.extras["image_sizes"]}
+        return {
+            "input_ids": prepared.input_ids[None],
+            "pixel_values": prepared.pixel_values[None],
+            "image_sizes": prepared.extras["image_sizes"],
+        }
     if "image_grid_thw" not in prepared.extras:  # LLaVA's one (3, H, W) image; InternVL's (tiles, 3, H, W) already
         pixel_values = prepared.pixel_values if prepared.pixel_values.dim() == 4 else prepared.pixel_values[None]
         return {"input_ids": prepared.input_ids[None], "pixel_values": pixel_values}

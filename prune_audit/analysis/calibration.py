@@ -129,16 +129,26 @@ def confidence_metrics(
 ) -> dict:
     """The confidence metrics of ``metric_table`` (ECE both binnings, MCE, debiased L2 error, Brier, NLL, AUROC,
     AURC) of one set."""
-    scored = ScoredQuestions(confidence, correct, p_yes, logit_diff, label_yes, None, settings.bins, settings.binning,
-                             weights)
+    scored = ScoredQuestions(
+        confidence, correct, p_yes, logit_diff, label_yes, None, settings.bins, settings.binning, weights
+    )
     return {metric.name: metric.compute(scored) for metric in CONFIDENCE_METRICS}
 
 
 def question_metrics(table: QuestionTable, settings: CalibrationSettings, weights: np.ndarray | None = None) -> dict:
     """Every metric of ``metric_table`` on the recorded answers: POPE's answer scores (of them only accuracy for a
     task without a yes/no answer), then the confidence metrics."""
-    scored = ScoredQuestions(table.confidence, table.correct, table.p_yes, table.logit_diff, table.label_yes,
-                             table.answer_yes, settings.bins, settings.binning, weights)
+    scored = ScoredQuestions(
+        table.confidence,
+        table.correct,
+        table.p_yes,
+        table.logit_diff,
+        table.label_yes,
+        table.answer_yes,
+        settings.bins,
+        settings.binning,
+        weights,
+    )
     return {metric.name: metric.compute(scored) for metric in METRICS if _applies(metric, table)}
 
 

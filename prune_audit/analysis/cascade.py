@@ -63,7 +63,9 @@ class CascadeQuestions:
     dense_cost: np.ndarray
 
     @classmethod
-    def from_tables(cls, stages: Sequence[QuestionTable], dense: QuestionTable, cost: str = "tokens") -> CascadeQuestions:
+    def from_tables(
+        cls, stages: Sequence[QuestionTable], dense: QuestionTable, cost: str = "tokens"
+    ) -> CascadeQuestions:
         """Align every stage and the dense run to the first stage's question order; cost in unit ``cost``."""
         if cost not in COST_UNITS:
             raise PruneAuditError(f"unknown cascade cost {cost!r}; choose {', '.join(COST_UNITS)}")
@@ -326,7 +328,9 @@ def cascade_audit(
     calibration, test = split_masks(questions.image_ids, calibration_fraction, seed)
     count = int(calibration.sum())
     check_epsilons(list(epsilons), count)  # before the validity splits, which need the same
-    feasible = [epsilon for epsilon in optional if 0 < epsilon < 1 and loss_allowance(np.array([epsilon]), count)[0] >= 0]
+    feasible = [
+        epsilon for epsilon in optional if 0 < epsilon < 1 and loss_allowance(np.array([epsilon]), count)[0] >= 0
+    ]
     targets = np.unique(np.asarray([*epsilons, *feasible], dtype=np.float64))
     jumps = loss_jumps(questions)
     checks = validity(questions, jumps, targets, splits, calibration_fraction, seed)

@@ -13,14 +13,21 @@ import numpy as np
 from prune_audit.analysis.figures import RunStyle, _figure, _render, run_styles
 
 
-def cascade_figures(cascades: Sequence[dict], title: str, reference: str, cost: str = "prefill tokens",
-                    styles: dict[str, RunStyle] | None = None) -> dict[str, bytes]:
+def cascade_figures(
+    cascades: Sequence[dict],
+    title: str,
+    reference: str,
+    cost: str = "prefill tokens",
+    styles: dict[str, RunStyle] | None = None,
+) -> dict[str, bytes]:
     """Cost against epsilon and held-out disagreement against epsilon, one line per cascade; ``reference``
     labels the run escalated to (``dense``, or a pruned run's selector@budget), ``cost`` the cost unit, ``styles``
     the runs' colours and markers (``run_styles``; default: the cascades' own order)."""
     styles = styles or run_styles([cascade["label"] for cascade in cascades])
-    return {**_cost_figure(cascades, title, reference, cost, styles),
-            **_validity_figure(cascades, title, reference, styles)}
+    return {
+        **_cost_figure(cascades, title, reference, cost, styles),
+        **_validity_figure(cascades, title, reference, styles),
+    }
 
 
 def _series(cascade: dict, *keys: str) -> np.ndarray:
@@ -49,8 +56,9 @@ def _splits(cascades: Sequence[dict]) -> int:
     return int(cascades[0]["results"][0]["validity"]["splits"])
 
 
-def _cost_figure(cascades: Sequence[dict], title: str, reference: str, cost: str,
-                 styles: dict[str, RunStyle]) -> dict[str, bytes]:
+def _cost_figure(
+    cascades: Sequence[dict], title: str, reference: str, cost: str, styles: dict[str, RunStyle]
+) -> dict[str, bytes]:
     """Relative prefill cost against epsilon: mean over the validity splits (solid, filled) and the one reported
     split (dotted, x), one legend entry per run; costs above the reference's fall in a shaded band."""
     figure, axes = _figure(size=(6.8, 5.4))
@@ -72,22 +80,32 @@ def _cost_figure(cascades: Sequence[dict], title: str, reference: str, cost: str
     axis.axhline(1.0, color="black", linestyle="--", linewidth=1, label=reference_label)
     _chosen_epsilons(axis, cascades)
     axis.set(xlabel="target disagreement epsilon", ylabel=f"{cost} relative to {reference}")
-    axis.set_title(f"{title}: cost\nsolid, filled: mean over {_splits(cascades)} random splits; dotted, x: the seeded "
-                   "split: the --seed calibration/test split whose threshold cascade.json reports", fontsize=9,
-                   wrap=True)
+    axis.set_title(
+        f"{title}: cost\nsolid, filled: mean over {_splits(cascades)} random splits; dotted, x: the seeded "
+        "split: the --seed calibration/test split whose threshold cascade.json reports",
+        fontsize=9,
+        wrap=True,
+    )
     _legend_below(figure, axis)
     return _render(figure, "cascade_cost_vs_epsilon")
 
 
-def _validity_figure(cascades: Sequence[dict], title: str, reference: str,
-                     styles: dict[str, RunStyle]) -> dict[str, bytes]:
+def _validity_figure(
+    cascades: Sequence[dict], title: str, reference: str, styles: dict[str, RunStyle]
+) -> dict[str, bytes]:
     """Held-out disagreement against epsilon: mean +- its standard error (as ``cascade``'s table) and worst over
     the random splits."""
     figure, axes = _figure(size=(6.8, 5.4))
     axis = axes[0, 0]
     largest = max(_series(cascade, "epsilon").max() for cascade in cascades)
-    axis.plot([0, largest], [0, largest], color="black", linestyle="--", linewidth=1,
-              label="disagreement = epsilon (bound on the mean)")
+    axis.plot(
+        [0, largest],
+        [0, largest],
+        color="black",
+        linestyle="--",
+        linewidth=1,
+        label="disagreement = epsilon (bound on the mean)",
+    )
     for cascade in cascades:
         epsilon, label, style = _series(cascade, "epsilon"), cascade["label"], styles[cascade["label"]]
         mean = _series(cascade, "validity", "mean_disagreement")
@@ -95,12 +113,23 @@ def _validity_figure(cascades: Sequence[dict], title: str, reference: str,
         axis.errorbar(epsilon, mean, yerr=error, marker=style.marker, color=style.colour, capsize=3, label=label)
         worst = _series(cascade, "validity", "worst_disagreement")
         axis.plot(epsilon, worst, marker="_", markersize=12, markeredgewidth=2, linestyle="none", color=style.colour)
-    axis.plot([], [], marker="_", markersize=12, markeredgewidth=2, linestyle="none", color="0.3",
-              label="dash: the worst split")
+    axis.plot(
+        [],
+        [],
+        marker="_",
+        markersize=12,
+        markeredgewidth=2,
+        linestyle="none",
+        color="0.3",
+        label="dash: the worst split",
+    )
     _chosen_epsilons(axis, cascades)
     axis.set(xlabel="target disagreement epsilon", ylabel=f"held-out disagreement with {reference}")
-    axis.set_title(f"{title}: validity over {_splits(cascades)} random image splits (mean ± standard error, as "
-                   "cascade's table)\nthe guarantee is on average: the mean stays at or below epsilon; single splits "
-                   "may exceed it", fontsize=9)
+    axis.set_title(
+        f"{title}: validity over {_splits(cascades)} random image splits (mean ± standard error, as "
+        "cascade's table)\nthe guarantee is on average: the mean stays at or below epsilon; single splits "
+        "may exceed it",
+        fontsize=9,
+    )
     _legend_below(figure, axis)
     return _render(figure, "cascade_validity")

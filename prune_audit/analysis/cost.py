@@ -16,7 +16,10 @@ def cost_summary(records: pa.Table) -> dict[str, float]:
     """``mean_<column>`` of every ``COST_MEANS`` column and ``flops_relative``: mean FLOPs over the mean
     FLOPs of the same questions unpruned."""
     mean = {name: float(np.mean(np.asarray(records[name].to_pylist(), dtype=float))) for name in COST_MEANS}
-    return {**{f"mean_{name}": value for name, value in mean.items()}, "flops_relative": mean["flops"] / mean["flops_dense"]}
+    return {
+        **{f"mean_{name}": value for name, value in mean.items()},
+        "flops_relative": mean["flops"] / mean["flops_dense"],
+    }
 
 
 __all__ = ["COST_MEANS", "cost_summary"]

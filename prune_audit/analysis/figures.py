@@ -76,6 +76,7 @@ def reliability_xlim(summaries: Sequence[dict]) -> tuple[float, float]:
     """``RELIABILITY_LIMITS``' confidence range, from 0.05 below the runs' :func:`confidence_floor`."""
     return (confidence_floor(summaries) - 0.05, RELIABILITY_LIMITS["xlim"][1])
 
+
 SPARSE_LABEL = f"open marker: bin of < {MIN_BIN_QUESTIONS} questions (not joined, no interval)"
 SPARSE_STYLE = {"facecolors": "none", "linewidths": 0.9, "zorder": 2}
 
@@ -102,8 +103,10 @@ def run_styles(labels: Sequence[str], reference: str | None = None) -> dict[str,
     order; ``reference``: black squares). Every figure of a report styles its runs through this one function
     with the same labels, so a run looks the same in all of them; after 8 runs the styles repeat."""
     pruned = [label for label in dict.fromkeys(labels) if label != reference]
-    styles = {label: RunStyle(RUN_COLOURS[index % len(RUN_COLOURS)], RUN_MARKERS[index % len(RUN_MARKERS)])
-              for index, label in enumerate(pruned)}
+    styles = {
+        label: RunStyle(RUN_COLOURS[index % len(RUN_COLOURS)], RUN_MARKERS[index % len(RUN_MARKERS)])
+        for index, label in enumerate(pruned)
+    }
     return styles if reference is None else {**styles, reference: REFERENCE_STYLE}
 
 
@@ -123,8 +126,13 @@ class ReliabilityBins:
         shown = count > 0
         interval = np.array(reliability.get("accuracy_ci95") or [[None, None]] * len(count), dtype=float)
         accuracy = np.array(reliability["accuracy"], dtype=float)
-        return cls(count[shown], np.array(reliability["confidence"], dtype=float)[shown], accuracy[shown],
-                   interval[shown, 0], interval[shown, 1])
+        return cls(
+            count[shown],
+            np.array(reliability["confidence"], dtype=float)[shown],
+            accuracy[shown],
+            interval[shown, 0],
+            interval[shown, 1],
+        )
 
     @property
     def dense(self) -> np.ndarray:
@@ -140,8 +148,9 @@ def _largest_bin(reliabilities: Sequence[dict]) -> float:
     return float(max((max(r["count"], default=0) for r in reliabilities), default=1))
 
 
-def reliability_points(axis: Any, reliability: dict, largest: float, label: str, style: RunStyle,
-                       marker_scale: float = 1.0) -> Any:
+def reliability_points(
+    axis: Any, reliability: dict, largest: float, label: str, style: RunStyle, marker_scale: float = 1.0
+) -> Any:
     """One run's reliability curve on ``axis`` in its ``style``; returns its line (the legend's handle).
 
     Marker area is proportional to the bin's question count (``largest`` questions: ``MARKER_AREA``);
@@ -153,18 +162,41 @@ def reliability_points(axis: Any, reliability: dict, largest: float, label: str,
     axis.plot(bins.confidence[dense], bins.accuracy[dense], color=style.colour, linewidth=1.2)
     # the legend's entry: the run's line with its marker (the scatters below draw the bins, sized by count)
     line = axis.plot([], [], color=style.colour, marker=style.marker, linewidth=1.2, label=label)[0]
-    error = [np.clip(np.nan_to_num(bins.accuracy - bins.low), 0, None),
-             np.clip(np.nan_to_num(bins.high - bins.accuracy), 0, None)]
-    axis.errorbar(bins.confidence[dense], bins.accuracy[dense], yerr=[e[dense] for e in error], fmt="none",
-                  ecolor=style.colour, capsize=2, linewidth=0.8)
+    error = [
+        np.clip(np.nan_to_num(bins.accuracy - bins.low), 0, None),
+        np.clip(np.nan_to_num(bins.high - bins.accuracy), 0, None),
+    ]
+    axis.errorbar(
+        bins.confidence[dense],
+        bins.accuracy[dense],
+        yerr=[e[dense] for e in error],
+        fmt="none",
+        ecolor=style.colour,
+        capsize=2,
+        linewidth=0.8,
+    )
     areas = bins.areas(largest) * marker_scale
     from matplotlib.colors import to_rgba
 
     # tinted face, solid edge: where the big markers of several runs overlap (the top bin), each outline stays seen
-    axis.scatter(bins.confidence[dense], bins.accuracy[dense], s=areas[dense], facecolors=to_rgba(style.colour, 0.3),
-                 edgecolors=style.colour, linewidths=1.5, marker=style.marker, zorder=3)
-    axis.scatter(bins.confidence[~dense], bins.accuracy[~dense], s=areas[~dense], marker=style.marker,
-                 edgecolors=style.colour, **SPARSE_STYLE)
+    axis.scatter(
+        bins.confidence[dense],
+        bins.accuracy[dense],
+        s=areas[dense],
+        facecolors=to_rgba(style.colour, 0.3),
+        edgecolors=style.colour,
+        linewidths=1.5,
+        marker=style.marker,
+        zorder=3,
+    )
+    axis.scatter(
+        bins.confidence[~dense],
+        bins.accuracy[~dense],
+        s=areas[~dense],
+        marker=style.marker,
+        edgecolors=style.colour,
+        **SPARSE_STYLE,
+    )
     return line
 
 
@@ -203,25 +235,52 @@ def reliability_diagram(summary: dict, title: str, stem: str) -> dict[str, bytes
     layers = (  # (bins, height, bottom, style, label); a layer without bins is neither drawn nor in the legend
         (dense, accuracy, 0, {"color": "tab:blue"}, "accuracy"),
         (sparse, accuracy, 0, {"color": "0.8"}, f"accuracy, bin of < {MIN_BIN_QUESTIONS} questions (no interval)"),
-        (dense & (gap > 0), gap, accuracy, {"color": "tab:red", "edgecolor": "tab:red", **hatched},
-         "confidence above accuracy (over-confident)"),
-        (dense & (gap < 0), gap, accuracy, {"color": "tab:green", "edgecolor": "tab:green", **hatched},
-         "accuracy above confidence (under-confident)"),
+        (
+            dense & (gap > 0),
+            gap,
+            accuracy,
+            {"color": "tab:red", "edgecolor": "tab:red", **hatched},
+            "confidence above accuracy (over-confident)",
+        ),
+        (
+            dense & (gap < 0),
+            gap,
+            accuracy,
+            {"color": "tab:green", "edgecolor": "tab:green", **hatched},
+            "accuracy above confidence (under-confident)",
+        ),
     )
     for chosen, height, base, style, label in layers:
         if chosen.any():
-            top.bar(left[chosen], height[chosen], bottom=np.broadcast_to(base, height.shape)[chosen],
-                    width=width[chosen], align="edge", label=label, **{"edgecolor": "white", **style})
+            top.bar(
+                left[chosen],
+                height[chosen],
+                bottom=np.broadcast_to(base, height.shape)[chosen],
+                width=width[chosen],
+                align="edge",
+                label=label,
+                **{"edgecolor": "white", **style},
+            )
     # a sparse bin of accuracy 0 has no bar: its grey marker still shows where it is
     top.scatter((left + width / 2)[sparse], accuracy[sparse], s=30, edgecolors="0.55", **SPARSE_STYLE)
     top.plot([0, 1], [0, 1], color="black", linestyle="--", linewidth=1, label="perfect calibration")
     if "accuracy_ci95" in reliability and dense.any():
         interval = np.clip(np.array(reliability["accuracy_ci95"], dtype=float)[dense], 0.0, 1.0)
         error = np.clip(np.abs(interval - accuracy[dense, None]).T, 0, None)
-        top.errorbar((left + width / 2)[dense], accuracy[dense], yerr=np.nan_to_num(error), fmt="none",
-                     ecolor="black", capsize=2, linewidth=0.8, label="95% image-bootstrap interval")
+        top.errorbar(
+            (left + width / 2)[dense],
+            accuracy[dense],
+            yerr=np.nan_to_num(error),
+            fmt="none",
+            ecolor="black",
+            capsize=2,
+            linewidth=0.8,
+            label="95% image-bootstrap interval",
+        )
     ece = summary["metrics"]["all"]["ece"]
-    top.set(xlim=(confidence_floor([summary]) - 0.05, 1), ylim=(-0.04, 1.08), ylabel="accuracy")  # points and intervals at 0 or 1 stay inside
+    top.set(
+        xlim=(confidence_floor([summary]) - 0.05, 1), ylim=(-0.04, 1.08), ylabel="accuracy"
+    )  # points and intervals at 0 or 1 stay inside
     top.set_title(f"{title}\nECE {ece['value']:.3f} [{ece['ci95'][0]:.3f}, {ece['ci95'][1]:.3f}]", fontsize=10)
     top.legend(loc="upper left", fontsize=7)
     bottom.bar(left, np.where(counts > 0, counts, np.nan), width=width, align="edge", edgecolor="white", color="gray")
@@ -234,8 +293,9 @@ def reliability_diagram(summary: dict, title: str, stem: str) -> dict[str, bytes
     return _render(figure, stem)
 
 
-def reliability_overlay(summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str,
-                        reference: str | None = None) -> dict[str, bytes]:
+def reliability_overlay(
+    summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str, reference: str | None = None
+) -> dict[str, bytes]:
     """Several runs' reliability curves in one plot (``reliability_points``, each run in its ``run_styles``; the
     ``reference`` run black), each bin's question count beneath. Where most answers share the top bin, every
     run's curve shrinks to one filled marker there, told apart by colour and shape."""
@@ -252,12 +312,21 @@ def reliability_overlay(summaries: Sequence[dict], labels: Sequence[str], title:
         left, width = _bin_layout(reliability)
         share = width / len(summaries)
         counts = np.array(reliability["count"], dtype=float)
-        bottom.bar(left + position * share, np.where(counts > 0, counts, np.nan), width=share, align="edge",
-                   color=styles[label].colour, label=label)
+        bottom.bar(
+            left + position * share,
+            np.where(counts > 0, counts, np.nan),
+            width=share,
+            align="edge",
+            color=styles[label].colour,
+            label=label,
+        )
     _sparse_legend_entry(top)
     top.set(xlim=reliability_xlim(summaries), ylim=RELIABILITY_LIMITS["ylim"], ylabel="accuracy")
-    top.set_title(f"{title}\nmarker area: questions in the bin (tinted: >= {MIN_BIN_QUESTIONS}, joined); bars: 95% "
-                  "image-bootstrap interval", fontsize=10)
+    top.set_title(
+        f"{title}\nmarker area: questions in the bin (tinted: >= {MIN_BIN_QUESTIONS}, joined); bars: 95% "
+        "image-bootstrap interval",
+        fontsize=10,
+    )
     figure.legend(*top.get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=7)  # covers no bin
     _log_count_axis(bottom)
     bottom.set(xlim=reliability_xlim(summaries), xlabel="mean confidence in bin", ylabel="questions per bin (log)")
@@ -314,23 +383,37 @@ def zoomed_limits(values: Sequence[float], floor: float, ceiling: float) -> tupl
     return max(floor, low - margin), min(ceiling, high + margin)
 
 
-def _count_labels(axis: Any, x: np.ndarray, counts: Sequence[float], measured: Sequence[dict], color: Any,
-                  run: int) -> None:
-    """"n=COUNT" left of each point; a group without questions gets "n=0" near the bottom (one row per run)."""
+def _count_labels(
+    axis: Any, x: np.ndarray, counts: Sequence[float], measured: Sequence[dict], color: Any, run: int
+) -> None:
+    """ "n=COUNT" left of each point; a group without questions gets "n=0" near the bottom (one row per run)."""
     from matplotlib.transforms import blended_transform_factory
 
     bottom = blended_transform_factory(axis.transData, axis.transAxes)
     for position, count, value in zip(x, counts, measured):
         if value["value"] is None:
-            axis.text(position, 0.03 + 0.05 * run, f"n={count:.0f}", transform=bottom, ha="center", fontsize=7,
-                      color=color)
+            axis.text(
+                position, 0.03 + 0.05 * run, f"n={count:.0f}", transform=bottom, ha="center", fontsize=7, color=color
+            )
         else:
-            axis.annotate(f"n={count:.0f}", (position, value["value"]), xytext=(-6, 0), textcoords="offset points",
-                          ha="right", va="center", fontsize=7, color=color)
+            axis.annotate(
+                f"n={count:.0f}",
+                (position, value["value"]),
+                xytext=(-6, 0),
+                textcoords="offset points",
+                ha="right",
+                va="center",
+                fontsize=7,
+                color=color,
+            )
 
 
 def retention_figure(
-    summaries: Sequence[dict], labels: Sequence[str], title: str, stem: str, reference: str | None = None,
+    summaries: Sequence[dict],
+    labels: Sequence[str],
+    title: str,
+    stem: str,
+    reference: str | None = None,
     task: Task | None = None,
 ) -> dict[str, bytes]:
     """Accuracy and mean confidence on the questions of ``task`` (default POPE) that name evidence, by the fate of
@@ -364,15 +447,19 @@ def retention_figure(
             axis.set_xticks(x, ticks)
     accuracy_axis, confidence_axis = axes[0]
     accuracy_axis.set(ylabel="accuracy", ylim=(-0.03, 1.05))
-    confidence_axis.set(ylabel="mean confidence (axis zoomed to the data)",
-                        ylim=zoomed_limits(confidence_values, confidence_floor(summaries), 1.0 + 0.005))
+    confidence_axis.set(
+        ylabel="mean confidence (axis zoomed to the data)",
+        ylim=zoomed_limits(confidence_values, confidence_floor(summaries), 1.0 + 0.005),
+    )
     for axis in axes[0]:
         axis.set_xlim(-0.5, axis.get_xlim()[1] + 0.1)  # room for the n labels left of the first group
         axis.legend(fontsize=7)
     from prune_audit.tasks import DEFAULT_TASK, get_task
 
     task = task or get_task(DEFAULT_TASK)
-    figure.supxlabel(f"{task.evidence_noun}: lost (no kept token holds any of their pixels), or area retention of "
-                     f"the kept tokens", fontsize=9)
+    figure.supxlabel(
+        f"{task.evidence_noun}: lost (no kept token holds any of their pixels), or area retention of the kept tokens",
+        fontsize=9,
+    )
     figure.suptitle(f"{title}: {task.evidence_fate} (95% image-bootstrap intervals; n: questions)", fontsize=10)
     return _render(figure, stem)

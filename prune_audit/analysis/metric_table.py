@@ -102,33 +102,110 @@ def _finished(value: Callable[[ScoredQuestions], Any]) -> Callable[[ScoredQuesti
 POPE_ANSWERS = "POPE's evaluate.py, yes as the positive class"
 
 METRICS: tuple[Metric, ...] = (
-    Metric("accuracy", "accuracy", "share of correct answers", True, _answer("accuracy"), answer_score=True,
-           in_study=True),
-    Metric("precision", "precision", f"{POPE_ANSWERS}: yes answers that are right", True, _answer("precision"),
-           answer_score=True, in_table=False),
-    Metric("recall", "recall", f"{POPE_ANSWERS}: yes questions answered yes", True, _answer("recall"),
-           answer_score=True, in_table=False),
-    Metric("f1", "F1", f"{POPE_ANSWERS}: harmonic mean of precision and recall", True, _answer("f1"),
-           answer_score=True, in_study=True),
-    Metric("yes_ratio", "yes ratio", "share of yes predictions (POPE's evaluate.py)", None, _answer("yes_ratio"),
-           answer_score=True, in_study=True),
-    Metric("ece", "ECE (width)", "sum_b (n_b/N)|acc_b - conf_b| over `bins` equal-width bins (lower, upper]; 0 in the "
-           "first bin, 1.0 in the last", False, _finished(lambda s: s.width.ece()), in_study=True),
-    Metric("ece_mass", "ECE (mass)", "the same over equal-mass bins (np.array_split of the questions sorted by "
-           "confidence; ties share evenly)", False, _finished(lambda s: s.mass.ece()), in_study=True),
-    Metric("mce", "MCE", "max over non-empty bins of |acc_b - conf_b|, with --binning", False,
-           _finished(lambda s: s.chosen.mce())),
-    Metric("ce_debiased_l2", "debiased L2 error (equal-mass)", "Kumar, Liang & Ma 2019 debiased L2 calibration error "
-           "(root of the bias-corrected squared error) over `bins` equal-mass bins, the estimator's own default, "
-           "whatever --binning", False, _finished(lambda s: s.mass.debiased_l2())),
-    Metric("brier", "Brier", "mean (p_yes - y)^2, y = 1 for yes (equal to the top-label Brier score for two classes)",
-           False, _finished(lambda s: metrics.brier(s.p_yes, s.label_yes, s.weights)), in_study=True),
-    Metric("nll", "NLL", "mean -log p(label) in nats", False,
-           _finished(lambda s: metrics.nll(s.logit_diff, s.label_yes, s.weights))),
-    Metric("auroc", "AUROC", "AUROC of confidence as a score for correctness, ties one half", True,
-           _finished(lambda s: s.ranked.auroc()), in_study=True),
-    Metric("aurc", "AURC", "mean error rate of the k most confident questions over k = 1..N (ties share errors evenly)",
-           False, _finished(lambda s: s.ranked.aurc()), in_study=True, precise=True),
+    Metric(
+        "accuracy", "accuracy", "share of correct answers", True, _answer("accuracy"), answer_score=True, in_study=True
+    ),
+    Metric(
+        "precision",
+        "precision",
+        f"{POPE_ANSWERS}: yes answers that are right",
+        True,
+        _answer("precision"),
+        answer_score=True,
+        in_table=False,
+    ),
+    Metric(
+        "recall",
+        "recall",
+        f"{POPE_ANSWERS}: yes questions answered yes",
+        True,
+        _answer("recall"),
+        answer_score=True,
+        in_table=False,
+    ),
+    Metric(
+        "f1",
+        "F1",
+        f"{POPE_ANSWERS}: harmonic mean of precision and recall",
+        True,
+        _answer("f1"),
+        answer_score=True,
+        in_study=True,
+    ),
+    Metric(
+        "yes_ratio",
+        "yes ratio",
+        "share of yes predictions (POPE's evaluate.py)",
+        None,
+        _answer("yes_ratio"),
+        answer_score=True,
+        in_study=True,
+    ),
+    Metric(
+        "ece",
+        "ECE (width)",
+        "sum_b (n_b/N)|acc_b - conf_b| over `bins` equal-width bins (lower, upper]; 0 in the "
+        "first bin, 1.0 in the last",
+        False,
+        _finished(lambda s: s.width.ece()),
+        in_study=True,
+    ),
+    Metric(
+        "ece_mass",
+        "ECE (mass)",
+        "the same over equal-mass bins (np.array_split of the questions sorted by confidence; ties share evenly)",
+        False,
+        _finished(lambda s: s.mass.ece()),
+        in_study=True,
+    ),
+    Metric(
+        "mce",
+        "MCE",
+        "max over non-empty bins of |acc_b - conf_b|, with --binning",
+        False,
+        _finished(lambda s: s.chosen.mce()),
+    ),
+    Metric(
+        "ce_debiased_l2",
+        "debiased L2 error (equal-mass)",
+        "Kumar, Liang & Ma 2019 debiased L2 calibration error "
+        "(root of the bias-corrected squared error) over `bins` equal-mass bins, the estimator's own default, "
+        "whatever --binning",
+        False,
+        _finished(lambda s: s.mass.debiased_l2()),
+    ),
+    Metric(
+        "brier",
+        "Brier",
+        "mean (p_yes - y)^2, y = 1 for yes (equal to the top-label Brier score for two classes)",
+        False,
+        _finished(lambda s: metrics.brier(s.p_yes, s.label_yes, s.weights)),
+        in_study=True,
+    ),
+    Metric(
+        "nll",
+        "NLL",
+        "mean -log p(label) in nats",
+        False,
+        _finished(lambda s: metrics.nll(s.logit_diff, s.label_yes, s.weights)),
+    ),
+    Metric(
+        "auroc",
+        "AUROC",
+        "AUROC of confidence as a score for correctness, ties one half",
+        True,
+        _finished(lambda s: s.ranked.auroc()),
+        in_study=True,
+    ),
+    Metric(
+        "aurc",
+        "AURC",
+        "mean error rate of the k most confident questions over k = 1..N (ties share errors evenly)",
+        False,
+        _finished(lambda s: s.ranked.aurc()),
+        in_study=True,
+        precise=True,
+    ),
 )
 """Every metric, in report order: POPE's answer scores, then the confidence metrics."""
 
@@ -152,5 +229,13 @@ def reported_metrics(report_metrics: Iterable[str]) -> tuple[Metric, ...]:
     return tuple(candidate for candidate in METRICS if candidate.name in names)
 
 
-__all__ = ["ANSWER_METRICS", "CONFIDENCE_METRICS", "METRICS", "METRIC_NAMES", "Metric", "ScoredQuestions", "metric",
-           "reported_metrics"]
+__all__ = [
+    "ANSWER_METRICS",
+    "CONFIDENCE_METRICS",
+    "METRICS",
+    "METRIC_NAMES",
+    "Metric",
+    "ScoredQuestions",
+    "metric",
+    "reported_metrics",
+]

@@ -86,7 +86,9 @@ def hatching(shape: tuple[int, int]) -> np.ndarray:
     return (rows + columns) % period < max(1, period // 10)
 
 
-def merged_hatch(geometry: TokenGeometry, merged: Sequence[int] | np.ndarray, kept: Sequence[int] | np.ndarray) -> np.ndarray:
+def merged_hatch(
+    geometry: TokenGeometry, merged: Sequence[int] | np.ndarray, kept: Sequence[int] | np.ndarray
+) -> np.ndarray:
     """(H, W) bool: the hatch pixels of the cells carried only by merged tokens (``merged`` not in ``kept``)."""
     carried = kept_pixels(geometry, merged) & ~kept_pixels(geometry, kept)
     return carried & hatching(carried.shape)
@@ -146,18 +148,35 @@ def grid_panels(panel: Panel) -> list[Panel]:
     last = len(pieces) - 1
     panels = []
     for index, ((start, grid), name) in enumerate(zip(pieces, grid_names(panel.geometry))):
+
         def local(cells: Sequence[int], start: int = start, stop: int = start + grid.num_tokens) -> list[int]:
             return [cell - start for cell in cells if start <= cell < stop]
 
         stages = [local(kept) for kept in panel.stages]
         labels = [
-            "\n".join(filter(None, [panel.stage_labels[stage] if stage < len(panel.stage_labels) else "",
-                                    f"{name}: {len(kept)} of {grid.num_tokens} kept"]))
+            "\n".join(
+                filter(
+                    None,
+                    [
+                        panel.stage_labels[stage] if stage < len(panel.stage_labels) else "",
+                        f"{name}: {len(kept)} of {grid.num_tokens} kept",
+                    ],
+                )
+            )
             for stage, kept in enumerate(stages)
         ]
-        panels.append(Panel(panel.title, grid, stages, labels, panel.caption if index == last else "", panel.mask,
-                            [local(cells) for cells in panel.merged],
-                            stage_notes=panel.stage_notes if index == 0 else {}))
+        panels.append(
+            Panel(
+                panel.title,
+                grid,
+                stages,
+                labels,
+                panel.caption if index == last else "",
+                panel.mask,
+                [local(cells) for cells in panel.merged],
+                stage_notes=panel.stage_notes if index == 0 else {},
+            )
+        )
     return panels
 
 
@@ -213,16 +232,21 @@ def legend_entries(panels: Sequence[Panel]) -> list[tuple[str, dict]]:
         ("dropped (dimmed)", {"facecolor": colour((200, 200, 200), PRUNED_DIM), "edgecolor": "none"}),
     ]
     if any(panel.mask is not None and panel.mask.any() for panel in panels):
-        entries.append(("queried object (cyan outline)", {"facecolor": "none", "edgecolor": colour(MASK_OUTLINE),
-                                                          "linewidth": 2}))
+        entries.append(
+            ("queried object (cyan outline)", {"facecolor": "none", "edgecolor": colour(MASK_OUTLINE), "linewidth": 2})
+        )
     if any(outside_view(panel.geometry).any() for panel in panels):
         grey = (OUTSIDE_BASE + OUTSIDE_CONTRAST * 128) / 255
-        entries.append(("cropped away by the model's preprocessing (grey)",
-                        {"facecolor": (grey, grey, grey), "edgecolor": "none"}))
+        entries.append(
+            ("cropped away by the model's preprocessing (grey)", {"facecolor": (grey, grey, grey), "edgecolor": "none"})
+        )
     if any(panel.has_merged_only_cells() for panel in panels):
-        entries.append(("only in merged tokens (half-dimmed, hatched)",
-                        {"facecolor": colour((200, 200, 200), MERGED_DIM), "edgecolor": colour(MERGED_HATCH),
-                         "hatch": "///"}))
+        entries.append(
+            (
+                "only in merged tokens (half-dimmed, hatched)",
+                {"facecolor": colour((200, 200, 200), MERGED_DIM), "edgecolor": colour(MERGED_HATCH), "hatch": "///"},
+            )
+        )
     return entries
 
 
@@ -251,8 +275,10 @@ def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle
     cells = [(panel, stage) for panel in panels for stage in range(len(panel.stages))]
     rows, columns = grid_shape(len(cells))
     height, width = image.shape[:2]
-    title_lines = max(1 + len(panel.stage_labels[stage].splitlines()) if stage < len(panel.stage_labels) else 1
-                      for panel, stage in cells)
+    title_lines = max(
+        1 + len(panel.stage_labels[stage].splitlines()) if stage < len(panel.stage_labels) else 1
+        for panel, stage in cells
+    )
     cell_height = CELL_INCHES * height / width + 1.3 + 0.15 * max(0, title_lines - 2)  # titles, three-line captions
     figure_width = columns * CELL_INCHES + 0.3
     note_lines = wrapped(note, int(figure_width * NOTE_CHARS_PER_INCH))
@@ -277,8 +303,14 @@ def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle
         figure.suptitle(suptitle, fontsize=10)
     handles = [Patch(label=label, **style) for label, style in entries]
     bottom = (note_height - legend_height + 0.05) / figure_height
-    figure.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, bottom), ncols=legend_columns(columns),
-                  fontsize=8, frameon=False)
+    figure.legend(
+        handles=handles,
+        loc="lower center",
+        bbox_to_anchor=(0.5, bottom),
+        ncols=legend_columns(columns),
+        fontsize=8,
+        frameon=False,
+    )
     if note_lines:
         figure.text(0.01, 0.005, "\n".join(note_lines), fontsize=8, ha="left", va="bottom")
     figure.tight_layout(rect=(0, note_height / figure_height, 1, 1))

@@ -67,8 +67,11 @@ class QuestionTable:
 
     def columns(self) -> dict[str, np.ndarray]:
         """The per-question arrays (``answer`` only when present; ``top_label`` is not a column)."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
-                if isinstance(getattr(self, field.name), np.ndarray)}
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if isinstance(getattr(self, field.name), np.ndarray)
+        }
 
     def take(self, rows: np.ndarray) -> QuestionTable:
         """The rows selected by a boolean mask or an index array, in that order."""

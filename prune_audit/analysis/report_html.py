@@ -63,9 +63,12 @@ def table_columns(report_metrics: Sequence[str], names_evidence: bool = True) ->
     """The columns of ``TABLE_COLUMNS`` a task's table shows: the lost-evidence columns only if its questions name
     evidence (``Task.names_evidence``), a metric's column only if the task reports it
     (``Task.report_metrics``; GQA has no F1)."""
-    return tuple(column for column in TABLE_COLUMNS
-                 if (column[1] not in METRIC_NAMES or column[1] in report_metrics)
-                 and (names_evidence or column[1] not in EVIDENCE_COLUMNS))
+    return tuple(
+        column
+        for column in TABLE_COLUMNS
+        if (column[1] not in METRIC_NAMES or column[1] in report_metrics)
+        and (names_evidence or column[1] not in EVIDENCE_COLUMNS)
+    )
 
 
 def section_figures(names_evidence: bool) -> tuple[tuple[str, str], ...]:
@@ -143,7 +146,9 @@ def findings(rows: Sequence[dict], epsilons: Sequence[float], names_evidence: bo
             f"{_signed(best, 'accuracy_minus_reference')})"
         )
         if worst is not best:
-            text += f" and {worst['run']} the least ({worst['accuracy']:.3f}; {_signed(worst, 'accuracy_minus_reference')})"
+            text += (
+                f" and {worst['run']} the least ({worst['accuracy']:.3f}; {_signed(worst, 'accuracy_minus_reference')})"
+            )
         texts.append(text + f"; the dense model scores {reference['accuracy']:.3f}.")
     texts.append(_change_finding(pruned, reference, "ece", "ECE"))
     texts.append(_change_finding(pruned, reference, "auroc", "AUROC"))
@@ -160,14 +165,17 @@ def _change_finding(pruned: Sequence[dict], reference: dict, name: str, title: s
     row = worst(pruned, key=lambda row: row[f"{name}_minus_reference"])
     difference = f"{name}_minus_reference"
     lead = (
-        f"{title} moves most for {row['run']}" if _excludes_zero(row, difference)
+        f"{title} moves most for {row['run']}"
+        if _excludes_zero(row, difference)
         else f"No pruned run's {title} differs from dense beyond its interval; "
         f"the least favourable change is {row['run']}'s"
     )
     text = f"{lead}: {row[name]:.3f} against dense {reference[name]:.3f} ({_signed(row, difference)})"
     if name == "ece":
-        text += (f"; temperature scaling (T = {row['temperature']:.2f}) moves its test-image ECE from "
-                 f"{row['ece_test_before']:.3f} to {row['ece_test_after']:.3f}")
+        text += (
+            f"; temperature scaling (T = {row['temperature']:.2f}) moves its test-image ECE from "
+            f"{row['ece_test_before']:.3f} to {row['ece_test_after']:.3f}"
+        )
     return text + "."
 
 
@@ -178,8 +186,11 @@ def _lost_finding(pruned: Sequence[dict]) -> list[str]:
     row = max(with_lost, key=lambda row: row["lost_share"])
     gap = row["lost_confidence"] - row["lost_accuracy"]
     # POPE's evidence is the queried object of a yes-question; other tasks' is every object a question names
-    lost = ("the queried object in {:.1%} of the yes-questions" if row.get("task", "pope") == "pope"
-            else "every token of the evidence of {:.1%} of the questions with evidence masks")
+    lost = (
+        "the queried object in {:.1%} of the yes-questions"
+        if row.get("task", "pope") == "pope"
+        else "every token of the evidence of {:.1%} of the questions with evidence masks"
+    )
     return [
         f"{row['run']} loses {lost.format(row['lost_share'])}; on those it "
         f"answers with accuracy {row['lost_accuracy']:.3f} at mean confidence {row['lost_confidence']:.3f} "
@@ -241,8 +252,14 @@ class ReportHeader:
     device: str
 
     def items(self) -> list[tuple[str, str]]:
-        return [("command", self.command or "-"), ("prune-audit", self.version), ("model", self.model),
-                ("questions", self.questions), ("device", self.device), ("report date", self.date)]
+        return [
+            ("command", self.command or "-"),
+            ("prune-audit", self.version),
+            ("model", self.model),
+            ("questions", self.questions),
+            ("device", self.device),
+            ("report date", self.date),
+        ]
 
 
 def question_set(manifest: dict[str, Any], questions: int) -> str:
@@ -264,19 +281,28 @@ def report_header(manifest: dict[str, Any], model: str, questions: int, command:
     version = __version__ + (f" (runs recorded with {recorded})" if recorded and recorded != __version__ else "")
     revision = manifest.get("git_revision")
     version += f", git {revision[:12]}" if revision else ""
-    return ReportHeader(command=command, version=version, model=model, questions=question_set(manifest, questions),
-                        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                        device=str(manifest.get("device") or "unknown"))
+    return ReportHeader(
+        command=command,
+        version=version,
+        model=model,
+        questions=question_set(manifest, questions),
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        device=str(manifest.get("device") or "unknown"),
+    )
 
 
 def latency_caveat(header: ReportHeader) -> str:
     """How to read the latency column: wall-clock on the machine of the runs, load included."""
-    text = ("latency ms: mean wall-clock time per question in the runs, selector scoring included, as measured on "
-            f"{header.device}")
+    text = (
+        "latency ms: mean wall-clock time per question in the runs, selector scoring included, as measured on "
+        f"{header.device}"
+    )
     if header.device == "cpu":
-        text += ("; on a CPU, and especially a shared one, it moves with the machine's load and the selector's own "
-                 "work, so a pruned run can read slower than dense: compare prefill speed with "
-                 "benchmarks/ on an idle accelerator, not with this column")
+        text += (
+            "; on a CPU, and especially a shared one, it moves with the machine's load and the selector's own "
+            "work, so a pruned run can read slower than dense: compare prefill speed with "
+            "benchmarks/ on an idle accelerator, not with this column"
+        )
     return text + "."
 
 
@@ -303,8 +329,14 @@ def report_markdown(sections: Sequence[TaskSection], title: str, header: ReportH
         return "\n".join([*lines, *_section_markdown(sections[0], "##", latency_caveat(header))]) + "\n"
     lines += [latency_caveat(header), ""]
     for section in sections:
-        lines += [f"## Task {section.task}", "", f"questions: {section.questions}", "",
-                  *_section_markdown(section, "###", None), ""]
+        lines += [
+            f"## Task {section.task}",
+            "",
+            f"questions: {section.questions}",
+            "",
+            *_section_markdown(section, "###", None),
+            "",
+        ]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -330,8 +362,9 @@ def table_html(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str:
         return escape(value) + (f'<br><span class="ci">[{escape(interval)}</span>' if bracket else "")
 
     head = "".join(f"<th>{escape(name)}</th>" for name, _ in columns)
-    body = "".join("<tr>" + "".join(f"<td>{cell(text)}</td>" for text in table_cells(row, columns)) + "</tr>"
-                   for row in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{cell(text)}</td>" for text in table_cells(row, columns)) + "</tr>" for row in rows
+    )
     return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
@@ -344,8 +377,10 @@ def _section_html(section: TaskSection, pictures: dict[str, bytes], level: int, 
         f"<p>{escape(section.note)}</p>",
         *([f"<p>{escape(caveat)}</p>"] if caveat else []),
         f"<h{level}>Findings</h{level}><ul>"
-        + "".join(f"<li>{escape(text)}</li>"
-                  for text in findings(section.rows, section.epsilons, section.names_evidence)) + "</ul>",
+        + "".join(
+            f"<li>{escape(text)}</li>" for text in findings(section.rows, section.epsilons, section.names_evidence)
+        )
+        + "</ul>",
     ]
     for stem, caption in section_figures(section.names_evidence):
         data = base64.b64encode(pictures[f"{section.figure_prefix}{stem}.png"]).decode("ascii")
@@ -373,7 +408,10 @@ def report_html(sections: Sequence[TaskSection], title: str, pictures: dict[str,
     else:
         parts.append(f"<p>{escape(latency_caveat(header))}</p>")
         for section in sections:
-            parts += [f"<h2>Task {escape(section.task)}</h2>", f"<p>questions: {escape(section.questions)}</p>",
-                      *_section_html(section, pictures, 3, None)]
+            parts += [
+                f"<h2>Task {escape(section.task)}</h2>",
+                f"<p>questions: {escape(section.questions)}</p>",
+                *_section_html(section, pictures, 3, None),
+            ]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"

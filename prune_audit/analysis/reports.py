@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from prune_audit.analysis import figures
-from prune_audit.analysis.cascade_plots import cascade_figures
 from prune_audit.analysis.calibration import RETENTION_BINS, CalibrationSettings, calibration_audit, check_confidences
 from prune_audit.analysis.cascade import COST_LABELS, cascade_audit
+from prune_audit.analysis.cascade_plots import cascade_figures
 from prune_audit.analysis.metric_table import METRICS
 from prune_audit.analysis.outputs import estimates_csv, to_json
 from prune_audit.analysis.runs import Run, display_model, unique_labels
@@ -60,8 +60,14 @@ def check_runs(runs: Sequence[Run]) -> None:
 
 
 def run_identity(run: Run, label: str) -> dict:
-    return {"run": str(run.path), "label": label, "model": run.model, "selector": run.selector, "budget": run.budget,
-            "stage": run.stage}
+    return {
+        "run": str(run.path),
+        "label": label,
+        "model": run.model,
+        "selector": run.selector,
+        "budget": run.budget,
+        "stage": run.stage,
+    }
 
 
 def calibration_report(
@@ -115,11 +121,13 @@ def calibration_files(report: dict, titles: dict[str, str], task: Task) -> dict[
     model = ", ".join(sorted({display_model(entry["model"]) for entry in everyone}))
     runs = report["runs"]
     reference = report["reference"]["label"] if report["reference"] else None
-    files.update(figures.reliability_overlay(everyone, labels, f"Reliability: {model}", "reliability_overlay",
-                                             reference))
+    files.update(
+        figures.reliability_overlay(everyone, labels, f"Reliability: {model}", "reliability_overlay", reference)
+    )
     if task.names_evidence:
-        files.update(figures.retention_figure(runs, [entry["label"] for entry in runs], model, "retention", reference,
-                                              task))
+        files.update(
+            figures.retention_figure(runs, [entry["label"] for entry in runs], model, "retention", reference, task)
+        )
     return files
 
 
@@ -155,8 +163,14 @@ def cascade_report(
     entries = []
     for label, stages in cascades:
         results = cascade_audit(
-            [stage.questions for stage in stages], reference.questions, targets, splits, calibration_fraction, seed,
-            optional=optional_sweep, cost=cost,
+            [stage.questions for stage in stages],
+            reference.questions,
+            targets,
+            splits,
+            calibration_fraction,
+            seed,
+            optional=optional_sweep,
+            cost=cost,
         )
         primary = next(result for result in results if result["epsilon"] == epsilon)
         entries.append(

@@ -63,8 +63,15 @@ TABLE_FILES = ("reproduce.md", "reproduce.csv")
 STUDY_PRESETS: dict[str, dict[str, str | int]] = {
     STUDY_FOLDER: {"selectors": ",".join(GRID_SELECTORS), "budgets": ",".join(GRID_BUDGETS), "batch_size": GRID_BATCH},
     # the timing pair only reads latency: its analyses at the smallest settings valid on its 640 questions
-    TIMING_FOLDER: {"selectors": TIMING_SELECTOR, "budgets": TIMING_BUDGET, "batch_size": TIMING_BATCH,
-                    "limit": TIMING_QUESTIONS, "epsilons": "0.1", "bootstrap": 100, "splits": 20},
+    TIMING_FOLDER: {
+        "selectors": TIMING_SELECTOR,
+        "budgets": TIMING_BUDGET,
+        "batch_size": TIMING_BATCH,
+        "limit": TIMING_QUESTIONS,
+        "epsilons": "0.1",
+        "bootstrap": 100,
+        "splits": 20,
+    },
 }
 """The ``study`` options of each study folder under --out (the grid keeps study's analysis settings: its
 epsilon sweep holds ``CASCADE_EPSILON``); inputs, device and threads are the reproduction's."""
@@ -133,21 +140,37 @@ def _digits(unit: str) -> int:
     return {"points": 1, "ms": 1, "x": 2, "f1": 4}.get(unit, 3)
 
 
-def _percent(key: str, run: str, expected: float, claim: str, column: str = "accuracy",
-             tolerance: float = 1.0, questions: str = POOLED) -> SeedFigure:
+def _percent(
+    key: str,
+    run: str,
+    expected: float,
+    claim: str,
+    column: str = "accuracy",
+    tolerance: float = 1.0,
+    questions: str = POOLED,
+) -> SeedFigure:
     """A share in the study's summary (0 to 1) the seed states in percent, tolerance in points."""
-    return SeedFigure(key, claim, expected, tolerance, "points", Source("summary", run, column, questions=questions),
-                      scale=100.0)
+    return SeedFigure(
+        key, claim, expected, tolerance, "points", Source("summary", run, column, questions=questions), scale=100.0
+    )
 
 
-def _share(key: str, run: str, expected: float, claim: str, column: str = "mean_confidence",
-           tolerance: float = 0.02, questions: str = POOLED) -> SeedFigure:
+def _share(
+    key: str,
+    run: str,
+    expected: float,
+    claim: str,
+    column: str = "mean_confidence",
+    tolerance: float = 0.02,
+    questions: str = POOLED,
+) -> SeedFigure:
     """A number in the study's summary the seed states as it is (confidence, AUROC)."""
     return SeedFigure(key, claim, expected, tolerance, "share", Source("summary", run, column, questions=questions))
 
 
-_LOST = ("FastV@64's lost-object questions among the 9,000: yes-questions whose object lost every token at the "
-         "first stage")
+_LOST = (
+    "FastV@64's lost-object questions among the 9,000: yes-questions whose object lost every token at the first stage"
+)
 _CASCADE = f"cascade at epsilon {CASCADE_EPSILON:.0%}, first stage 64 tokens, then dense"
 _CASCADE_QUESTIONS = "the test half of the 500 images (the cascade's image split, seed 0), pooled over the splits"
 _TIMING = f"first {TIMING_QUESTIONS} questions, batch {TIMING_BATCH}"
@@ -161,38 +184,113 @@ SEED_FIGURES: tuple[SeedFigure, ...] = (
     _share("cls_attn64.confidence", "cls_attn@64", 0.89, "CLS attention@64 mean confidence"),
     _percent("coverage64.accuracy", "coverage@64", 85.1, "coverage@64 accuracy"),
     _percent("cdpruner64.accuracy", "cdpruner@64", 88.0, "CDPruner@64 accuracy"),
-    _share("dense.auroc", "dense", 0.801, "dense AUROC (confidence ranks correct above wrong answers)",
-           column="auroc"),
+    _share("dense.auroc", "dense", 0.801, "dense AUROC (confidence ranks correct above wrong answers)", column="auroc"),
     _share("fastv64.auroc", "fastv@64", 0.674, "FastV@64 AUROC (from dense 0.801)", column="auroc"),
-    _percent("fastv64.lost_accuracy", "fastv@64", 17.0, "FastV@64 accuracy on its lost-object questions",
-             column="lost_accuracy", tolerance=5.0, questions=_LOST),
-    _percent("fastv64.lost_reference_accuracy", "fastv@64", 59.0, "dense accuracy on FastV@64's lost-object questions",
-             column="lost_reference_accuracy", tolerance=5.0, questions=_LOST),
-    _share("fastv64.lost_confidence", "fastv@64", 0.82, "FastV@64 mean confidence on its lost-object questions",
-           column="lost_confidence", tolerance=0.03, questions=_LOST),
-    _share("fastv64.lost_reference_confidence", "fastv@64", 0.80, "dense mean confidence on FastV@64's lost-object "
-           "questions", column="lost_reference_confidence", tolerance=0.03, questions=_LOST),
-    _percent("coverage64.cascade_cost", "coverage@64", 36.0, f"coverage {_CASCADE}: prefill tokens, % of dense",
-             column=f"cascade_cost_eps{CASCADE_EPSILON:g}", tolerance=5.0, questions=_CASCADE_QUESTIONS),
-    _percent("fastv64.cascade_cost", "fastv@64", 105.0, f"FastV {_CASCADE}: prefill tokens, % of dense",
-             column=f"cascade_cost_eps{CASCADE_EPSILON:g}", tolerance=5.0, questions=_CASCADE_QUESTIONS),
-    SeedFigure("fastv64.uninformative_cost", f"uninformative gate (random escalation), FastV {_CASCADE}: "
-               "prefill tokens, % of dense", 97.0, 5.0, "points",
-               Source("uninformative", "fastv@64", "uninformative_cost", questions=_CASCADE_QUESTIONS), scale=100.0),
-    SeedFigure("dense.ms_b1", "H200 dense latency per question, batch 1", 52.7, 0.2, "ms",
-               Source("summary", "dense", "latency_ms", questions=f"{POOLED}, batch {GRID_BATCH}"), relative=True),
-    SeedFigure("timing.throughput_b32",
-               f"H200 throughput at batch {TIMING_BATCH}, {TIMING_BUDGET} vs 576 visual tokens "
-               f"({TIMING_SELECTOR}@{TIMING_BUDGET} against dense)", 5.0, 0.2, "x",
-               Source("speedup", f"{TIMING_SELECTOR}@{TIMING_BUDGET}", "latency_ms", TIMING_FOLDER, _TIMING),
-               relative=True),
-    SeedFigure("golden13b.f1", f"{GOLDEN_MODEL} golden POPE F1 of its released answers, through score", 0.8595,
-               0.0001, "f1", Source("golden", GOLDEN_MODEL, "f1", "", "the three POPE splits, F1 averaged")),
+    _percent(
+        "fastv64.lost_accuracy",
+        "fastv@64",
+        17.0,
+        "FastV@64 accuracy on its lost-object questions",
+        column="lost_accuracy",
+        tolerance=5.0,
+        questions=_LOST,
+    ),
+    _percent(
+        "fastv64.lost_reference_accuracy",
+        "fastv@64",
+        59.0,
+        "dense accuracy on FastV@64's lost-object questions",
+        column="lost_reference_accuracy",
+        tolerance=5.0,
+        questions=_LOST,
+    ),
+    _share(
+        "fastv64.lost_confidence",
+        "fastv@64",
+        0.82,
+        "FastV@64 mean confidence on its lost-object questions",
+        column="lost_confidence",
+        tolerance=0.03,
+        questions=_LOST,
+    ),
+    _share(
+        "fastv64.lost_reference_confidence",
+        "fastv@64",
+        0.80,
+        "dense mean confidence on FastV@64's lost-object questions",
+        column="lost_reference_confidence",
+        tolerance=0.03,
+        questions=_LOST,
+    ),
+    _percent(
+        "coverage64.cascade_cost",
+        "coverage@64",
+        36.0,
+        f"coverage {_CASCADE}: prefill tokens, % of dense",
+        column=f"cascade_cost_eps{CASCADE_EPSILON:g}",
+        tolerance=5.0,
+        questions=_CASCADE_QUESTIONS,
+    ),
+    _percent(
+        "fastv64.cascade_cost",
+        "fastv@64",
+        105.0,
+        f"FastV {_CASCADE}: prefill tokens, % of dense",
+        column=f"cascade_cost_eps{CASCADE_EPSILON:g}",
+        tolerance=5.0,
+        questions=_CASCADE_QUESTIONS,
+    ),
+    SeedFigure(
+        "fastv64.uninformative_cost",
+        f"uninformative gate (random escalation), FastV {_CASCADE}: prefill tokens, % of dense",
+        97.0,
+        5.0,
+        "points",
+        Source("uninformative", "fastv@64", "uninformative_cost", questions=_CASCADE_QUESTIONS),
+        scale=100.0,
+    ),
+    SeedFigure(
+        "dense.ms_b1",
+        "H200 dense latency per question, batch 1",
+        52.7,
+        0.2,
+        "ms",
+        Source("summary", "dense", "latency_ms", questions=f"{POOLED}, batch {GRID_BATCH}"),
+        relative=True,
+    ),
+    SeedFigure(
+        "timing.throughput_b32",
+        f"H200 throughput at batch {TIMING_BATCH}, {TIMING_BUDGET} vs 576 visual tokens "
+        f"({TIMING_SELECTOR}@{TIMING_BUDGET} against dense)",
+        5.0,
+        0.2,
+        "x",
+        Source("speedup", f"{TIMING_SELECTOR}@{TIMING_BUDGET}", "latency_ms", TIMING_FOLDER, _TIMING),
+        relative=True,
+    ),
+    SeedFigure(
+        "golden13b.f1",
+        f"{GOLDEN_MODEL} golden POPE F1 of its released answers, through score",
+        0.8595,
+        0.0001,
+        "f1",
+        Source("golden", GOLDEN_MODEL, "f1", "", "the three POPE splits, F1 averaged"),
+    ),
 )
 """Every figure of the seed study that ``reproduce`` checks, in the order of its table."""
 
-TABLE_COLUMNS = ("figure", "claim", "run", "measured from", "questions", "seed", "tolerance", "measured",
-                 "difference", "status")
+TABLE_COLUMNS = (
+    "figure",
+    "claim",
+    "run",
+    "measured from",
+    "questions",
+    "seed",
+    "tolerance",
+    "measured",
+    "difference",
+    "status",
+)
 
 
 @dataclass(frozen=True)
@@ -216,8 +314,9 @@ def read_outputs(out: Path, golden_f1: float | None = None) -> StudyOutputs:
             summaries[folder] = {row["run"]: row for row in csv.DictReader(handle)}
         cascade = out / folder / "cascade.json"
         entries = json.loads(cascade.read_text(encoding="utf-8"))["cascades"] if cascade.is_file() else []
-        cascades[folder] = {entry["label"]: {result["epsilon"]: result for result in entry["results"]}
-                            for entry in entries}
+        cascades[folder] = {
+            entry["label"]: {result["epsilon"]: result for result in entry["results"]} for entry in entries
+        }
     return StudyOutputs(summaries, cascades, golden_f1)
 
 
@@ -264,8 +363,18 @@ def expected_rows(figures: Sequence[SeedFigure] = SEED_FIGURES) -> list[dict[str
 
 
 def _row(figure: SeedFigure, measured: str, difference: str, status: str) -> dict[str, str]:
-    values = (figure.key, figure.claim, figure.source.run, figure.source.describe(), figure.source.questions,
-              figure.format(figure.expected), figure.tolerance_text(), measured, difference, status)
+    values = (
+        figure.key,
+        figure.claim,
+        figure.source.run,
+        figure.source.describe(),
+        figure.source.questions,
+        figure.format(figure.expected),
+        figure.tolerance_text(),
+        measured,
+        difference,
+        status,
+    )
     return dict(zip(TABLE_COLUMNS, values))
 
 
@@ -320,6 +429,9 @@ def preset_options(folder: str, limit: int | None) -> dict[str, str | int]:
 def preset_command(folder: str, out: Path, limit: int | None = None) -> str:
     """The ``prune-audit study`` command line of ``folder``'s preset, inputs as placeholders."""
     options = [f"--{name.replace('_', '-')} {value}" for name, value in preset_options(folder, limit).items()]
-    inputs = ["--model MODEL --clip-text CLIP", *(f"--pope coco_pope_{split}.json" for split in POPE_SPLITS),
-              "--images VAL2014 --annotations instances_val2014.json"]
+    inputs = [
+        "--model MODEL --clip-text CLIP",
+        *(f"--pope coco_pope_{split}.json" for split in POPE_SPLITS),
+        "--images VAL2014 --annotations instances_val2014.json",
+    ]
     return " ".join(["prune-audit study", *options, *inputs, f"--out {out / folder}"])

@@ -18,8 +18,7 @@ from prune_audit.records.stages import FIRST, StageChoice, StageValues, stage_va
 from prune_audit.records.store import read_run
 from prune_audit.tasks import DEFAULT_TASK, Task, get_task, manifest_task
 
-REQUIRED_COLUMNS = ("question_id", "split", "image_id", "confidence", "correct", "cost_tokens", "flops",
-                    "latency_ms")
+REQUIRED_COLUMNS = ("question_id", "split", "image_id", "confidence", "correct", "cost_tokens", "flops", "latency_ms")
 """Core columns the analyses read that must hold a value in every row (``lost`` may be null); each task adds
 its own (``Task.required_columns``)."""
 
@@ -94,7 +93,9 @@ def load_run(path: Path | str, stage: StageChoice = FIRST) -> Run:
     return Run(path=path, manifest=manifest, questions=questions, stage=stage.describe(at_stage.layer))
 
 
-def question_table(records: pa.Table, source: str, stage: StageChoice = FIRST, task: Task | None = None) -> QuestionTable:
+def question_table(
+    records: pa.Table, source: str, stage: StageChoice = FIRST, task: Task | None = None
+) -> QuestionTable:
     """The analysis columns of a records table (docs/records.md) of ``task`` (default POPE), retention and lost
     at ``stage``."""
     return _question_table(task or get_task(DEFAULT_TASK), records, source, stage_values(records, stage, source))
@@ -193,15 +194,21 @@ def _incomplete(run: Run) -> bool:
 def _question_options(run: Run) -> str:
     """The run options that chose its questions among its files: ``--split random --limit 900``, or ''."""
     split, limit = run.manifest.get("split"), run.manifest.get("limit")
-    return " ".join([*([f"--split {split}"] if split not in (None, "all") else []),
-                     *([f"--limit {limit}"] if limit is not None else [])])
+    return " ".join(
+        [
+            *([f"--split {split}"] if split not in (None, "all") else []),
+            *([f"--limit {limit}"] if limit is not None else []),
+        ]
+    )
 
 
 def _same_questions_fix(smaller: Run, larger: Run) -> str:
     for run in (smaller, larger):
         if _incomplete(run):
-            return (f"finish {run.path} with the same prune-audit run command (or merge its shards), "
-                    "then compare runs of the same questions")
+            return (
+                f"finish {run.path} with the same prune-audit run command (or merge its shards), "
+                "then compare runs of the same questions"
+            )
     options = _question_options(smaller)
     if options and options != _question_options(larger):
         return f"re-run {larger.path} with {options}, so that both hold the same questions"
@@ -213,7 +220,9 @@ def _refuse_same_run(runs: Sequence[Run]) -> None:
     for run in runs:
         where = run.path.resolve()
         if where in seen:
-            given = f"{run.path} is given twice" if run.path == seen[where] else f"{run.path} and {seen[where]} are one run"
+            given = (
+                f"{run.path} is given twice" if run.path == seen[where] else f"{run.path} and {seen[where]} are one run"
+            )
             raise PruneAuditError(f"{given}: a run compared with itself shows no difference; pass two different runs")
         seen[where] = run.path
 
@@ -229,9 +238,12 @@ def completeness(runs: Sequence[Run], labels: Sequence[str]) -> list[dict[str, A
         total = run.manifest["num_questions"]
         entries.append({"label": label, "run": str(run.path), "done": done, "total": total, "complete": done >= total})
         if done < total:
-            print(f"warning: {run.path} is incomplete ({done} of {total} questions: a shard or a run stopped "
-                  f"midway); its results cover only those questions. Finish it with the same prune-audit run "
-                  f"command, or merge its shards", file=sys.stderr)
+            print(
+                f"warning: {run.path} is incomplete ({done} of {total} questions: a shard or a run stopped "
+                f"midway); its results cover only those questions. Finish it with the same prune-audit run "
+                f"command, or merge its shards",
+                file=sys.stderr,
+            )
     return entries
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from prune_audit.analysis.calibration import CalibrationSettings
-from prune_audit.analysis.cost import COST_MEANS, cost_summary
 from prune_audit.analysis.cascade import minimum_epsilon
+from prune_audit.analysis.cost import COST_MEANS, cost_summary
 from prune_audit.analysis.metric_table import METRICS
 from prune_audit.analysis.reports import calibration_report, cascade_report
 from prune_audit.analysis.runs import Run, check_comparable, load_run
@@ -59,7 +59,7 @@ SUMMARY_COLUMNS = {
     **{name: f"calibrate: {'/'.join(path)}" for name, path in ESTIMATED.items()},
     "temperature": "calibrate: fitted temperature T (calibration images)",
     "lost_share": "share of the questions with evidence masks (POPE: yes-questions) whose evidence lost every token at "
-                  "the stage read",
+    "the stage read",
     "savings_share": "cascade: share of the possible savings between an uninformative and a perfect gate, "
     "at the first epsilon",
     "latency_ms": "mean latency per question (ms), from the records",
@@ -81,7 +81,6 @@ class StudySettings:
     stage: StageChoice = FIRST
 
 
-
 @dataclass(frozen=True)
 class StudyReports:
     """The reference, the pruned runs and the two reports computed on them."""
@@ -93,7 +92,9 @@ class StudyReports:
     stage: str = FIRST.name
 
 
-def study_tasks(runs_dir: Path, stage: StageChoice = FIRST, order: Sequence[str] = ()) -> dict[str, tuple[Run, list[Run]]]:
+def study_tasks(
+    runs_dir: Path, stage: StageChoice = FIRST, order: Sequence[str] = ()
+) -> dict[str, tuple[Run, list[Run]]]:
     """Per task (``Run.task``), the reference and the pruned runs among the run folders under ``runs_dir``
     (``study_runs``); tasks in ``order`` first, then the others sorted by name."""
     folders = sorted(path for path in Path(runs_dir).iterdir() if (path / MANIFEST_FILE).is_file())
@@ -101,8 +102,10 @@ def study_tasks(runs_dir: Path, stage: StageChoice = FIRST, order: Sequence[str]
     for run in (load_run(folder, stage) for folder in folders):
         by_task.setdefault(run.task.name, []).append(run)
     if not by_task:
-        raise PruneAuditError(f"{runs_dir} holds no run; a study needs one unpruned reference run (--selector none) "
-                              f"and pruned runs of each task: run the study's commands first")
+        raise PruneAuditError(
+            f"{runs_dir} holds no run; a study needs one unpruned reference run (--selector none) "
+            f"and pruned runs of each task: run the study's commands first"
+        )
     missing = [name for name in order if name not in by_task]
     if missing:
         raise PruneAuditError(f"{runs_dir} holds no run of task {missing[0]}; run the study's commands first")
@@ -134,7 +137,9 @@ def _reference_and_pruned(runs_dir: Path, runs: list[Run], task: str) -> tuple[R
             f"{runs_dir} holds {len(references)} unpruned runs of task {task}; a study needs exactly one reference "
             f"per task (--selector none)"
         )
-    pruned = sorted((run for run in runs if run.selector != "dense"), key=lambda run: (run.selector, _budget_order(run.budget)))
+    pruned = sorted(
+        (run for run in runs if run.selector != "dense"), key=lambda run: (run.selector, _budget_order(run.budget))
+    )
     if not pruned:
         raise PruneAuditError(f"{runs_dir} holds no pruned run of task {task}; run the study's commands first")
     return references[0], pruned
@@ -250,7 +255,6 @@ def summary_files(rows: Sequence[dict]) -> dict[str, bytes | str]:
     return {"summary.csv": csv_buffer.getvalue(), "summary.parquet": parquet_buffer.getvalue()}
 
 
-
 def study_files(by_task: Mapping[str, StudyReports], command: str = "") -> dict[str, bytes | str]:
     """Everything ``study`` writes beside the runs (headed by ``command``, the study command line): one summary
     (a row per run, its task column telling the tasks apart), calibrate/cascade JSON and figures per task, and a
@@ -272,16 +276,33 @@ def study_files(by_task: Mapping[str, StudyReports], command: str = "") -> dict[
         rows = summary_rows(reports)
         epsilons = [result["epsilon"] for result in reports.cascade["cascades"][0]["results"]]
         figure_title = f"{title}, {name}" if prefix else title
-        figures = {f"{prefix}{stem}": data
-                   for stem, data in study_figures(rows, reports.calibration, reports.cascade, figure_title,
-                                                   reports.reference.task).items()}
+        figures = {
+            f"{prefix}{stem}": data
+            for stem, data in study_figures(
+                rows, reports.calibration, reports.cascade, figure_title, reports.reference.task
+            ).items()
+        }
         pictures.update(figures)
-        files.update({f"{prefix}calibration.json": to_json(reports.calibration),
-                      f"{prefix}cascade.json": to_json(reports.cascade), **figures})
+        files.update(
+            {
+                f"{prefix}calibration.json": to_json(reports.calibration),
+                f"{prefix}cascade.json": to_json(reports.cascade),
+                **figures,
+            }
+        )
         reference = reports.reference
-        sections.append(TaskSection(name, rows, epsilons, settings_note(reports),
-                                    question_set(reference.manifest, len(reference.questions)),
-                                    reference.task.report_metrics, prefix, reference.task.names_evidence))
+        sections.append(
+            TaskSection(
+                name,
+                rows,
+                epsilons,
+                settings_note(reports),
+                question_set(reference.manifest, len(reference.questions)),
+                reference.task.report_metrics,
+                prefix,
+                reference.task.names_evidence,
+            )
+        )
         every_row += rows
     header = report_header(first.manifest, first.model_name, len(first.questions), command)
     if len(by_task) > 1:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from prune_audit.analysis.cascade_plots import cascade_figures
 from prune_audit.analysis.figures import (  # one renderer and one run style for every report
     RELIABILITY_LIMITS,
     SPARSE_LABEL,
@@ -20,7 +21,6 @@ from prune_audit.analysis.figures import (  # one renderer and one run style for
     reliability_points,
     run_styles,
 )
-from prune_audit.analysis.cascade_plots import cascade_figures
 
 if TYPE_CHECKING:
     from prune_audit.tasks import Task
@@ -54,7 +54,10 @@ def study_styles(rows: Sequence[dict]) -> dict[str, RunStyle]:
 
 
 def metric_vs_budget(
-    rows: Sequence[dict], metrics: Sequence[tuple[str, str]], title: str, stem: str,
+    rows: Sequence[dict],
+    metrics: Sequence[tuple[str, str]],
+    title: str,
+    stem: str,
     x: tuple[str, str] = BUDGET_AXIS,
 ) -> dict[str, bytes]:
     """One panel per (column, axis label): each run's value against ``x`` (column, axis label; realised visual
@@ -68,12 +71,26 @@ def metric_vs_budget(
             value, error = _interval(group, name)
             position = [row[x[0]] for row in group]
             axis.plot(position, value, color="0.6", linewidth=1, zorder=1)
-            axis.annotate(selector, (position[-1], value[-1]), xytext=(5, 0), textcoords="offset points",
-                          va="center", fontsize=7, color="0.3")
+            axis.annotate(
+                selector,
+                (position[-1], value[-1]),
+                xytext=(5, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=7,
+                color="0.3",
+            )
             for row, at, centre, low, high in zip(group, position, value, *error):
                 style = styles[row["run"]]
-                axis.errorbar(at, centre, yerr=[[low], [high]], marker=style.marker, color=style.colour, capsize=3,
-                              label=row["run"])
+                axis.errorbar(
+                    at,
+                    centre,
+                    yerr=[[low], [high]],
+                    marker=style.marker,
+                    color=style.colour,
+                    capsize=3,
+                    label=row["run"],
+                )
         axis.axhline(reference[name], color="black", linestyle="--", linewidth=1, label="dense (all tokens)")
         axis.set(xlabel=x[1], ylabel=label)
         axis.margins(x=0.2)  # room for the selector names at the lines' ends
@@ -112,19 +129,49 @@ def lost_objects(rows: Sequence[dict], title: str, evidence_questions: str) -> d
         pruned, dense = _lost_point(row, "lost"), _lost_point(row, "lost_reference")
         style = styles[row["run"]]
         label = f"{row['run']} (lost {row['lost_share']:.0%} of {evidence_questions})"
-        axis.errorbar(pruned[0], pruned[1], xerr=pruned[2], yerr=pruned[3], marker=style.marker, capsize=2,
-                      color=style.colour, label=label)
-        axis.errorbar(dense[0], dense[1], xerr=dense[2], yerr=dense[3], marker="s", markerfacecolor="white",
-                      capsize=2, color=style.colour, alpha=0.8)
+        axis.errorbar(
+            pruned[0],
+            pruned[1],
+            xerr=pruned[2],
+            yerr=pruned[3],
+            marker=style.marker,
+            capsize=2,
+            color=style.colour,
+            label=label,
+        )
+        axis.errorbar(
+            dense[0],
+            dense[1],
+            xerr=dense[2],
+            yerr=dense[3],
+            marker="s",
+            markerfacecolor="white",
+            capsize=2,
+            color=style.colour,
+            alpha=0.8,
+        )
         axis.plot([pruned[0], dense[0]], [pruned[1], dense[1]], color=style.colour, linewidth=0.8, alpha=0.5)
         for point in (pruned, dense):
             values += [point[0] - point[2][0][0], point[1] - point[3][0][0]]
-    axis.plot([], [], marker="s", markerfacecolor="white", color="gray", linestyle="-", linewidth=0.8,
-              label="open square: dense model on the same questions (line joins the pair)")
+    axis.plot(
+        [],
+        [],
+        marker="s",
+        markerfacecolor="white",
+        color="gray",
+        linestyle="-",
+        linewidth=0.8,
+        label="open square: dense model on the same questions (line joins the pair)",
+    )
     limits = diagonal_limits(values)
     axis.plot(limits, limits, color="gray", linestyle=":", linewidth=1, label="accuracy = confidence")
-    axis.set(xlim=limits, ylim=limits, aspect="equal", xlabel="mean confidence on lost-object questions",
-             ylabel="accuracy on lost-object questions")
+    axis.set(
+        xlim=limits,
+        ylim=limits,
+        aspect="equal",
+        xlabel="mean confidence on lost-object questions",
+        ylabel="accuracy on lost-object questions",
+    )
     axis.set_title(f"{title}\nfilled: pruned model; bars: 95% image-bootstrap intervals", fontsize=10)
     axis.legend(fontsize=7, loc="upper left")
     if absent:
@@ -140,7 +187,9 @@ def diagonal_limits(values: Sequence[float]) -> tuple[float, float]:
     return max(-0.05, low - 0.05), 1.03
 
 
-def reliability_grid(entries: Sequence[dict], title: str, styles: dict[str, RunStyle] | None = None) -> dict[str, bytes]:
+def reliability_grid(
+    entries: Sequence[dict], title: str, styles: dict[str, RunStyle] | None = None
+) -> dict[str, bytes]:
     """Reliability curves of every run side by side (calibrate entries, the reference first).
 
     Each run in its style (``styles``: the study's; default: the entries' order, the reference first and black).
@@ -156,14 +205,17 @@ def reliability_grid(entries: Sequence[dict], title: str, styles: dict[str, RunS
     styles = styles or run_styles([entry["label"] for entry in entries], entries[0]["label"])
     for axis, entry in zip(axes.flat, entries):
         axis.plot([0, 1], [0, 1], color="0.5", linestyle="--", linewidth=1)
-        reliability_points(axis, entry["reliability"], largest, entry["label"], styles[entry["label"]], marker_scale=0.5)
+        reliability_points(
+            axis, entry["reliability"], largest, entry["label"], styles[entry["label"]], marker_scale=0.5
+        )
         ece = entry["metrics"]["all"]["ece"]["value"]
         axis.set(**RELIABILITY_LIMITS, title=f"{entry['label']}\nECE {ece:.3f}")
         axis.title.set_fontsize(9)
     figure.supxlabel("mean confidence in bin")
     figure.supylabel("accuracy in bin")
-    figure.suptitle(f"{title}\nmarker area: questions in the bin; bars: 95% image-bootstrap interval; "
-                    f"{SPARSE_LABEL}", fontsize=9)
+    figure.suptitle(
+        f"{title}\nmarker area: questions in the bin; bars: 95% image-bootstrap interval; {SPARSE_LABEL}", fontsize=9
+    )
     return _render(figure, "reliability_grid")
 
 
@@ -174,8 +226,15 @@ def study_figures(rows: Sequence[dict], calibration: dict, cascade: dict, title:
     files = metric_vs_budget(rows, [("accuracy", "accuracy")], f"{title}: accuracy", "accuracy_vs_budget")
     calibration_metrics = [("ece", "ECE (equal-width bins)"), ("auroc", "AUROC (confidence vs correctness)")]
     files.update(metric_vs_budget(rows, calibration_metrics, f"{title}: calibration", "calibration_vs_budget"))
-    files.update(metric_vs_budget(rows, [("accuracy", "accuracy"), ("auroc", "AUROC (confidence vs correctness)")],
-                                  f"{title}: at matched compute", "quality_vs_flops", x=FLOPS_AXIS))
+    files.update(
+        metric_vs_budget(
+            rows,
+            [("accuracy", "accuracy"), ("auroc", "AUROC (confidence vs correctness)")],
+            f"{title}: at matched compute",
+            "quality_vs_flops",
+            x=FLOPS_AXIS,
+        )
+    )
     if task.names_evidence:
         files.update(lost_objects(rows, f"{title}: lost objects", task.evidence_questions))
     files.update(reliability_grid(entries, f"{title}: reliability", study_styles(rows)))

@@ -14,6 +14,13 @@ from prune_audit.api.pruning import (
 )
 
 __all__ = [
-    "ChoiceResult", "GenerationResult", "ImageInput", "PrunedModel", "PrunedResult", "ScoreResult", "YesNoResult",
-    "load", "pruned",
+    "ChoiceResult",
+    "GenerationResult",
+    "ImageInput",
+    "PrunedModel",
+    "PrunedResult",
+    "ScoreResult",
+    "YesNoResult",
+    "load",
+    "pruned",
 ]

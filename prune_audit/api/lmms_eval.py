@@ -67,23 +67,40 @@ class PruneAuditModel(lmms):
 
     is_simple = True
 
-    def __init__(self, pretrained: str = "demo", selector: str = "none", budget: Any = None, records: str | None = None,
-                 device: str | None = None, dtype: str = "auto", threads: Any = None, batch_size: Any = 1,
-                 loglikelihood: str = "mean_loss", **options: Any) -> None:
+    def __init__(
+        self,
+        pretrained: str = "demo",
+        selector: str = "none",
+        budget: Any = None,
+        records: str | None = None,
+        device: str | None = None,
+        dtype: str = "auto",
+        threads: Any = None,
+        batch_size: Any = 1,
+        loglikelihood: str = "mean_loss",
+        **options: Any,
+    ) -> None:
         super().__init__()
         from prune_audit.safety.ownership import check_output_dir
 
-        self._records = None if records in (None, "") else check_output_dir(Path(records), RECORDS_OWNER,
-                                                                            option="records=")
+        self._records = (
+            None if records in (None, "") else check_output_dir(Path(records), RECORDS_OWNER, option="records=")
+        )
         self._batch_size = int(batch_size)
         if self._batch_size < 1:
             raise PruneAuditError(f"batch_size must be at least 1, got {batch_size}")
         if loglikelihood not in LOGLIKELIHOOD_VALUES:
-            raise PruneAuditError(f"loglikelihood={loglikelihood!r} is not one of {', '.join(LOGLIKELIHOOD_VALUES)}; "
-                                  f"mean_loss is what lmms-eval's multiple_choice scoring expects")
+            raise PruneAuditError(
+                f"loglikelihood={loglikelihood!r} is not one of {', '.join(LOGLIKELIHOOD_VALUES)}; "
+                f"mean_loss is what lmms-eval's multiple_choice scoring expects"
+            )
         self._loglikelihood = loglikelihood
-        vlm = load(str(pretrained), device=device or "auto", dtype=dtype,
-                   threads=None if threads in (None, "") else int(threads))
+        vlm = load(
+            str(pretrained),
+            device=device or "auto",
+            dtype=dtype,
+            threads=None if threads in (None, "") else int(threads),
+        )
         self._stack = ExitStack()
         self._model = self._stack.enter_context(pruned(vlm, str(selector), _budget(budget), **options))
         self._lines: dict[str, list[dict[str, Any]]] = {}
@@ -104,11 +121,18 @@ class PruneAuditModel(lmms):
         from prune_audit.runner.build import recorded_stages
 
         kept_stages, stage_layers, merged_stages = recorded_stages(result, result.grid[0] * result.grid[1])
-        self._lines.setdefault(task, []).append({
-            **line, "kept_stages": kept_stages, "merged_stages": merged_stages, "stage_layers": stage_layers,
-            "grid": list(result.grid), "visual_tokens_avg": result.visual_tokens_avg, "flops": result.cost.flops,
-            "flops_dense": result.cost.flops_dense,
-        })
+        self._lines.setdefault(task, []).append(
+            {
+                **line,
+                "kept_stages": kept_stages,
+                "merged_stages": merged_stages,
+                "stage_layers": stage_layers,
+                "grid": list(result.grid),
+                "visual_tokens_avg": result.visual_tokens_avg,
+                "flops": result.cost.flops,
+                "flops_dense": result.cost.flops_dense,
+            }
+        )
 
     def generate_until(self, requests: list) -> list[str]:
         """Greedy answers of every request, cut at the request's ``until`` strings; ``batch_size`` requests at a
@@ -130,17 +154,32 @@ class PruneAuditModel(lmms):
             by_limit.setdefault(int(gen_kwargs.get("max_new_tokens", 16)), []).append(row)
         results: dict[int, Any] = {}
         for limit, rows in by_limit.items():
-            answers = self._model.generate([images[row] for row in rows], [arguments[row][0] for row in rows],
-                                           max_new_tokens=limit, batch_size=self._batch_size)
+            answers = self._model.generate(
+                [images[row] for row in rows],
+                [arguments[row][0] for row in rows],
+                max_new_tokens=limit,
+                batch_size=self._batch_size,
+            )
             results.update(zip(rows, answers))
         texts = []
         for row, (_, gen_kwargs, _, doc_id, task, split) in enumerate(arguments):
             result = results[row]
             texts.append(_cut(result.text, gen_kwargs.get("until")))
             rounds = {} if round_index is None else {"round": round_index}
-            self._record(task, {"doc_id": doc_id, "task": task, "split": split, **rounds, "request": "generate_until",
-                                "text": texts[-1], "sequence_probability": result.sequence_probability,
-                                "stopped": result.stopped}, result)
+            self._record(
+                task,
+                {
+                    "doc_id": doc_id,
+                    "task": task,
+                    "split": split,
+                    **rounds,
+                    "request": "generate_until",
+                    "text": texts[-1],
+                    "sequence_probability": result.sequence_probability,
+                    "stopped": result.stopped,
+                },
+                result,
+            )
         return texts
 
     def loglikelihood(self, requests: list) -> list[GenerationResult]:
@@ -150,8 +189,10 @@ class PruneAuditModel(lmms):
         for start in range(0, len(requests), self._batch_size):
             batch = [request.args for request in requests[start : start + self._batch_size]]
             if any(len(arguments) != 6 for arguments in batch):
-                raise PruneAuditError("a loglikelihood request without a document (lmms-eval's acc_mutual_info scores "
-                                      "choices without an image); drop acc_mutual_info from the task's metrics")
+                raise PruneAuditError(
+                    "a loglikelihood request without a document (lmms-eval's acc_mutual_info scores "
+                    "choices without an image); drop acc_mutual_info from the task's metrics"
+                )
             images, contexts, continuations = [], [], []
             for context, target, doc_to_visual, doc_id, task, split in batch:
                 doc = self._doc(task, split, doc_id)
@@ -161,10 +202,21 @@ class PruneAuditModel(lmms):
             results = self._model.score(images, contexts, continuations, batch_size=self._batch_size)
             for (_, _, _, doc_id, task, split), continuation, result in zip(batch, continuations, results):
                 mean_loss = -result.log_probability / len(result.token_probs) if result.token_probs else 0.0
-                self._record(task, {"doc_id": doc_id, "task": task, "split": split, "request": "loglikelihood",
-                                    "continuation": continuation, "log_probability": result.log_probability,
-                                    "mean_loss": mean_loss, "probability": result.confidence,
-                                    "is_greedy": result.is_greedy}, result)
+                self._record(
+                    task,
+                    {
+                        "doc_id": doc_id,
+                        "task": task,
+                        "split": split,
+                        "request": "loglikelihood",
+                        "continuation": continuation,
+                        "log_probability": result.log_probability,
+                        "mean_loss": mean_loss,
+                        "probability": result.confidence,
+                        "is_greedy": result.is_greedy,
+                    },
+                    result,
+                )
                 value = mean_loss if self._loglikelihood == "mean_loss" else result.log_probability
                 answers.append(GenerationResult(text=(value, result.is_greedy)))  # type: ignore[arg-type]
         self._write_records()
@@ -184,7 +236,8 @@ class PruneAuditModel(lmms):
             for round_index in itertools.count():
                 if round_index:
                     visuals, context, terminal, previous, info = doc_to_text(
-                        doc, previous_output=list(texts), round_idx=round_index, previous_round_info=info)
+                        doc, previous_output=list(texts), round_idx=round_index, previous_round_info=info
+                    )
                     texts = list(previous) if previous is not None else texts
                     if terminal:
                         break
@@ -199,8 +252,9 @@ class PruneAuditModel(lmms):
         from prune_audit.safety.atomic import write_text_atomic
         from prune_audit.safety.ownership import hold_output_dir
 
-        with hold_output_dir(self._records, RECORDS_OWNER, option="records=",
-                             writes=[f"{task}.jsonl" for task in self._lines]):
+        with hold_output_dir(
+            self._records, RECORDS_OWNER, option="records=", writes=[f"{task}.jsonl" for task in self._lines]
+        ):
             for task, lines in self._lines.items():
                 write_text_atomic("".join(json.dumps(line) + "\n" for line in lines), self._records / f"{task}.jsonl")
 

@@ -182,8 +182,9 @@ def _selector_and_budget(name: str, budget: Budget, options: dict[str, Any]) -> 
     if not isinstance(name, str):
         raise PruneAuditError(f"selector must be a registered name (str), got {name!r}")
     if isinstance(budget, bool) or not (budget is None or isinstance(budget, (int, str))):
-        raise PruneAuditError(f"budget must be a whole number of tokens, a share such as '11%', or 'all'; got "
-                              f"{budget!r}")
+        raise PruneAuditError(
+            f"budget must be a whole number of tokens, a share such as '11%', or 'all'; got {budget!r}"
+        )
     budget = parse_budget(budget) if isinstance(budget, str) else budget
     if name == "none" and options:
         raise PruneAuditError("options need a selector; the unpruned model (selector 'none') has none")
@@ -220,37 +221,57 @@ class PrunedModel:
         if selector is not None:
             vlm.check_selector(selector)
 
-    def answer(self, images: ImageInput | Sequence[ImageInput], questions: str | Sequence[str], *,
-               batch_size: int = 16) -> YesNoResult | list[YesNoResult]:
+    def answer(
+        self, images: ImageInput | Sequence[ImageInput], questions: str | Sequence[str], *, batch_size: int = 16
+    ) -> YesNoResult | list[YesNoResult]:
         """Yes/no answers from the first token (POPE's answer mode)."""
         from prune_audit.answer_modes import YES_NO
 
         return self._ask(images, questions, YES_NO, batch_size)
 
-    def choose(self, images: ImageInput | Sequence[ImageInput], questions: str | Sequence[str], *,
-               letters: Sequence[str] = ("A", "B", "C", "D"), batch_size: int = 16) -> ChoiceResult | list[ChoiceResult]:
+    def choose(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        questions: str | Sequence[str],
+        *,
+        letters: Sequence[str] = ("A", "B", "C", "D"),
+        batch_size: int = 16,
+    ) -> ChoiceResult | list[ChoiceResult]:
         """The most probable of ``letters`` as the first token (ScienceQA's answer mode); the questions list the
         options themselves."""
         from prune_audit.answer_modes import OptionLetters
 
         if isinstance(letters, str) or not letters or any(not isinstance(x, str) or not x.strip() for x in letters):
-            raise PruneAuditError(f"letters must be a non-empty sequence of option letters such as ('A', 'B'), got "
-                                  f"{letters!r}")
+            raise PruneAuditError(
+                f"letters must be a non-empty sequence of option letters such as ('A', 'B'), got {letters!r}"
+            )
         if len(set(letters)) != len(letters):
             raise PruneAuditError(f"letters repeat an option letter: {letters!r}; list each once")
         mode = OptionLetters(tuple(letters))
         self.vlm.check_answer_mode(mode)
         return self._ask(images, questions, mode, batch_size)
 
-    def generate(self, images: ImageInput | Sequence[ImageInput], prompts: str | Sequence[str], *,
-                 max_new_tokens: int = 16, batch_size: int = 16) -> GenerationResult | list[GenerationResult]:
+    def generate(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        prompts: str | Sequence[str],
+        *,
+        max_new_tokens: int = 16,
+        batch_size: int = 16,
+    ) -> GenerationResult | list[GenerationResult]:
         """Greedy decoding of at most ``max_new_tokens`` tokens, reusing the pruned KV cache."""
         from prune_audit.answer_modes import Greedy, check_max_new_tokens
 
         return self._ask(images, prompts, Greedy(check_max_new_tokens(max_new_tokens)), batch_size)
 
-    def score(self, images: ImageInput | Sequence[ImageInput], questions: str | Sequence[str],
-              answers: str | Sequence[str], *, batch_size: int = 16) -> ScoreResult | list[ScoreResult]:
+    def score(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        questions: str | Sequence[str],
+        answers: str | Sequence[str],
+        *,
+        batch_size: int = 16,
+    ) -> ScoreResult | list[ScoreResult]:
         """Each answer's log-probability given its image and question, teacher-forced through the pruned KV cache
         (the answer's leading whitespace removed, tokenized alone); ``answers`` pairs with ``questions``."""
         from prune_audit.answer_modes import Continuation
@@ -285,10 +306,17 @@ class PrunedModel:
             for item, row_mode in zip(prepared, modes[start:]):  # a generation limit is the caller's choice here
                 check_context(self.vlm, [item], row_mode)
             rows = range(start, start + len(batch))
-            answers = answer_grouped(self.vlm, self.selector, self.budget, prepared, modes[start : start + len(batch)],
-                                     [self._generator(row) for row in rows])
-            results += [_result(answer, item, row_mode)
-                        for answer, item, row_mode in zip(answers, prepared, modes[start:])]
+            answers = answer_grouped(
+                self.vlm,
+                self.selector,
+                self.budget,
+                prepared,
+                modes[start : start + len(batch)],
+                [self._generator(row) for row in rows],
+            )
+            results += [
+                _result(answer, item, row_mode) for answer, item, row_mode in zip(answers, prepared, modes[start:])
+            ]
         return results[0] if single else results
 
     def _generator(self, row: int) -> torch.Generator:
@@ -306,8 +334,10 @@ def _pairs(images: Any, texts: Any) -> list[tuple[Any, str]]:
         raise PruneAuditError("pass the questions as a non-empty string or a non-empty list of non-empty strings")
     image_list = list(images) if isinstance(images, (list, tuple)) else [images] * len(text_list)
     if len(image_list) != len(text_list):
-        raise PruneAuditError(f"{len(image_list)} images for {len(text_list)} questions; pass one image per question "
-                              f"(or one image for all)")
+        raise PruneAuditError(
+            f"{len(image_list)} images for {len(text_list)} questions; pass one image per question "
+            f"(or one image for all)"
+        )
     return list(zip(image_list, text_list))
 
 
@@ -329,9 +359,15 @@ def _result(answer: Answer, prepared: Prepared, mode: AnswerMode) -> PrunedResul
     from prune_audit.answer_modes import ContinuationScore, Generation, LetterChoice, YesNo
 
     common = {
-        "text": answer.answer, "confidence": answer.confidence, "kept_stages": answer.kept_stages,
-        "merged_stages": answer.merged_stages, "stage_layers": answer.stage_layers, "grid": prepared.grid,
-        "visual_tokens_avg": answer.visual_tokens_avg, "cost": answer.cost, "latency_ms": answer.latency_ms,
+        "text": answer.answer,
+        "confidence": answer.confidence,
+        "kept_stages": answer.kept_stages,
+        "merged_stages": answer.merged_stages,
+        "stage_layers": answer.stage_layers,
+        "grid": prepared.grid,
+        "visual_tokens_avg": answer.visual_tokens_avg,
+        "cost": answer.cost,
+        "latency_ms": answer.latency_ms,
         "latency_parts": dict(answer.latency_parts),
     }
     reduced = answer.reduced
@@ -340,15 +376,27 @@ def _result(answer: Answer, prepared: Prepared, mode: AnswerMode) -> PrunedResul
     if isinstance(reduced, LetterChoice):
         return ChoiceResult(**common, letters=mode.letters, letter_probs=reduced.letter_probs)
     if isinstance(reduced, Generation):
-        return GenerationResult(**common, sequence_probability=reduced.confidence, token_probs=reduced.token_probs,
-                                stopped=reduced.stopped)
+        return GenerationResult(
+            **common, sequence_probability=reduced.confidence, token_probs=reduced.token_probs, stopped=reduced.stopped
+        )
     if isinstance(reduced, ContinuationScore):
-        return ScoreResult(**common, log_probability=reduced.log_probability, token_probs=reduced.token_probs,
-                           is_greedy=reduced.is_greedy)
+        return ScoreResult(
+            **common,
+            log_probability=reduced.log_probability,
+            token_probs=reduced.token_probs,
+            is_greedy=reduced.is_greedy,
+        )
     raise TypeError(f"no result type for {type(reduced).__name__}")
 
 
 __all__ = [
-    "ChoiceResult", "GenerationResult", "ImageInput", "PrunedModel", "PrunedResult", "ScoreResult", "YesNoResult",
-    "load", "pruned",
+    "ChoiceResult",
+    "GenerationResult",
+    "ImageInput",
+    "PrunedModel",
+    "PrunedResult",
+    "ScoreResult",
+    "YesNoResult",
+    "load",
+    "pruned",
 ]

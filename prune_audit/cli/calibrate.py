@@ -19,8 +19,11 @@ def calibrate(
     ],
     reference: Annotated[
         Path | None,
-        typer.Option("--reference", help="Run over the same questions to compare with (usually the dense run; a pruned "
-                     "run compares two selectors): paired run-minus-reference differences."),
+        typer.Option(
+            "--reference",
+            help="Run over the same questions to compare with (usually the dense run; a pruned "
+            "run compares two selectors): paired run-minus-reference differences.",
+        ),
     ] = None,
     bins: Annotated[int, typer.Option("--bins", help="Number of confidence bins, 1 to 1000.")] = 15,
     binning: Annotated[
@@ -66,16 +69,25 @@ def calibrate(
 
     settings = CalibrationSettings(bins, binning, bootstrap, calibration_fraction, seed)  # type: ignore[arg-type]
     choice = parse_stage(stage)
-    outputs = {"runs": [str(p.resolve()) for p in run_dirs], "reference": reference and str(reference.resolve()),
-               "bins": bins, "binning": binning, "bootstrap": bootstrap,
-               "calibration_fraction": calibration_fraction, "seed": seed, "stage": choice.name}
+    outputs = {
+        "runs": [str(p.resolve()) for p in run_dirs],
+        "reference": reference and str(reference.resolve()),
+        "bins": bins,
+        "binning": binning,
+        "bootstrap": bootstrap,
+        "calibration_fraction": calibration_fraction,
+        "seed": seed,
+        "stage": choice.name,
+    }
     runs = [load_run(path, choice) for path in run_dirs]
     reference_run = load_run(reference, choice) if reference is not None else None
     differences = check_comparable([*runs, *([reference_run] if reference_run else [])], force)
     check_output_dir(out, "calibrate", outputs)  # after the inputs: a mistyped run is named as such
     report = calibration_report(runs, reference_run, settings, differences)
     every = [*report["runs"], *([report["reference"]] if reference_run is not None else [])]
-    report["completeness"] = completeness([*runs, *([reference_run] if reference_run else [])], [entry["label"] for entry in every])
+    report["completeness"] = completeness(
+        [*runs, *([reference_run] if reference_run else [])], [entry["label"] for entry in every]
+    )
     titles = {entry["label"]: run.title for entry, run in zip(report["runs"], runs)}
     if reference_run is not None:
         titles[report["reference"]["label"]] = reference_run.title
@@ -85,8 +97,9 @@ def calibrate(
         print(to_json(report), end="")
     else:
         tasks = [run.task for run in [*runs, *([reference_run] if reference_run else [])]]
-        print_calibration_table(report, out, [name for task in tasks for name in task.report_metrics],
-                                runs[0].task.names_evidence)
+        print_calibration_table(
+            report, out, [name for task in tasks for name in task.report_metrics], runs[0].task.names_evidence
+        )
 
 
 SCALED_ROWS = ("accuracy", "auroc", "ece", "ece_mass", "nll", "brier")
@@ -151,11 +164,12 @@ def print_calibration_table(report: dict, out: Path, report_metrics: Sequence[st
         table.add_section()
         for name, key in (("accuracy", "accuracy"), ("ECE", "ece"), ("AUROC", "auroc")):
             differences = (
-                entry.get("difference_vs_reference", {}).get("metrics", {}).get("all", {})
-                for entry in entries
+                entry.get("difference_vs_reference", {}).get("metrics", {}).get("all", {}) for entry in entries
             )
-            table.add_row(f"{name} minus reference",
-                          *(_cell(difference.get(key), metric(key).precise) for difference in differences))
+            table.add_row(
+                f"{name} minus reference",
+                *(_cell(difference.get(key), metric(key).precise) for difference in differences),
+            )
     compared = [entry.get("reference_comparison") or {} for entry in entries]  # the task's own (captions)
     names = list(dict.fromkeys(name for comparison in compared for name in comparison))
     if names:

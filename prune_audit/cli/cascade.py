@@ -18,9 +18,12 @@ def cascade(
     reference: Annotated[
         Path | None,
         # checked in the command, so that a missing --reference is one line, not click's usage box
-        typer.Option("--reference", help="Required. Run answering the escalated questions, over the same "
-                     "questions: usually the dense run; a larger-budget pruned run makes a two-tier cascade.",
-                     show_default=False),
+        typer.Option(
+            "--reference",
+            help="Required. Run answering the escalated questions, over the same "
+            "questions: usually the dense run; a larger-budget pruned run makes a two-tier cascade.",
+            show_default=False,
+        ),
     ] = None,
     epsilon: Annotated[float, typer.Option("--epsilon", help="Target mean disagreement with the dense model.")] = 0.02,
     splits: Annotated[int, typer.Option("--splits", help="Random image splits for the validity check.")] = 200,
@@ -44,8 +47,11 @@ def cascade(
     json_output: Annotated[bool, typer.Option("--json", help="Print cascade.json instead of a table.")] = False,
     cost: Annotated[
         str,
-        typer.Option("--cost", help="Cost unit: tokens (layer-averaged prefill tokens), flops (analytic prefill "
-                     "FLOPs) or latency (measured prefill time); docs/compute.md."),
+        typer.Option(
+            "--cost",
+            help="Cost unit: tokens (layer-averaged prefill tokens), flops (analytic prefill "
+            "FLOPs) or latency (measured prefill time); docs/compute.md.",
+        ),
     ] = "tokens",
     # the cascade reads no retention: --stage is only accepted (hidden) so that older scripts still run
     stage: Annotated[str, typer.Option("--stage", hidden=True, help=STAGE_HELP)] = "first",
@@ -84,19 +90,40 @@ def cascade(
 
     targets = list(parse_epsilons(sweep, "--sweep")) if sweep is not None else []  # "" is refused, not the default
     choice = parse_stage(stage)
-    outputs = {"runs": [str(p.resolve()) for p in pruned_runs], "reference": str(reference.resolve()),
-               "epsilon": epsilon, "sweep": targets, "splits": splits, "calibration_fraction": calibration_fraction,
-               "seed": seed, "multi_stage": multi_stage, "stage": choice.name, "cost": cost}
+    outputs = {
+        "runs": [str(p.resolve()) for p in pruned_runs],
+        "reference": str(reference.resolve()),
+        "epsilon": epsilon,
+        "sweep": targets,
+        "splits": splits,
+        "calibration_fraction": calibration_fraction,
+        "seed": seed,
+        "multi_stage": multi_stage,
+        "stage": choice.name,
+        "cost": cost,
+    }
     stages = [load_run(path, choice) for path in pruned_runs]
     reference_run = load_run(reference, choice)
     differences = check_comparable([*stages, reference_run], force)
     check_output_dir(out, "cascade", outputs)  # after the inputs: a mistyped run is named as such
     *labels, reference_label = unique_labels([*stages, reference_run])  # "dense" only for an unpruned reference
-    cascades = [(" -> ".join([*labels, reference_label]), stages)] if multi_stage else [
-        (label, [stage]) for label, stage in zip(labels, stages)
-    ]
-    report = cascade_report(cascades, reference_run, epsilon, targets, splits, calibration_fraction, seed,
-                            differences, optional_sweep=() if sweep is not None else DEFAULT_SWEEP, cost=cost)
+    cascades = (
+        [(" -> ".join([*labels, reference_label]), stages)]
+        if multi_stage
+        else [(label, [stage]) for label, stage in zip(labels, stages)]
+    )
+    report = cascade_report(
+        cascades,
+        reference_run,
+        epsilon,
+        targets,
+        splits,
+        calibration_fraction,
+        seed,
+        differences,
+        optional_sweep=() if sweep is not None else DEFAULT_SWEEP,
+        cost=cost,
+    )
     report["completeness"] = completeness([*stages, reference_run], [*labels, reference_label])
     with hold_output_dir(out, "cascade", outputs):
         write_files(out, cascade_files(report, reference_run.model_name))

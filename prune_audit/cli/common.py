@@ -30,8 +30,11 @@ QuietOption = Annotated[
     bool, typer.Option("--quiet", help="No progress display (the live bar, or the plain lines in logs).")
 ]
 ModelOption = Annotated[
-    Optional[str], typer.Option(help="Local model folder, hub id or bundled demo (demo, demo-qwen, demo-tasks, demo-qwen-tasks; "
-                                  "default: demo for POPE, demo-tasks for the other tasks).")
+    Optional[str],
+    typer.Option(
+        help="Local model folder, hub id or bundled demo (demo, demo-qwen, demo-tasks, demo-qwen-tasks; "
+        "default: demo for POPE, demo-tasks for the other tasks)."
+    ),
 ]
 PopeOption = Annotated[Optional[list[Path]], typer.Option(help="POPE question file(s) (JSON Lines); repeatable.")]
 TaskOption = Annotated[
@@ -39,25 +42,30 @@ TaskOption = Annotated[
 ]
 MaxNewTokensOption = Annotated[
     Optional[int],
-    typer.Option(help=f"Tasks that generate (gqa): most tokens per answer, 1 to {MAX_NEW_TOKENS:,} and within the "
-                      "model's positions (default: the task's, docs/tasks.md).", show_default=False),
+    typer.Option(
+        help=f"Tasks that generate (gqa): most tokens per answer, 1 to {MAX_NEW_TOKENS:,} and within the "
+        "model's positions (default: the task's, docs/tasks.md).",
+        show_default=False,
+    ),
 ]
 ConfidenceOption = Annotated[
     Optional[str],
-    typer.Option(help="Tasks that generate: the confidence recorded, sequence (product of the answer's token "
-                      "probabilities) or mean-token (their geometric mean); default the task's (docs/tasks.md).",
-                 show_default=False),
+    typer.Option(
+        help="Tasks that generate: the confidence recorded, sequence (product of the answer's token "
+        "probabilities) or mean-token (their geometric mean); default the task's (docs/tasks.md).",
+        show_default=False,
+    ),
 ]
 QuestionsOption = Annotated[
     Optional[list[Path]],
-    typer.Option(help="The task's question file(s) (any task; --pope names POPE's); repeatable. Parquet files of "
-                 "the lmms-eval datasets embed their images: no --images."),
+    typer.Option(
+        help="The task's question file(s) (any task; --pope names POPE's); repeatable. Parquet files of "
+        "the lmms-eval datasets embed their images: no --images."
+    ),
 ]
 SplitOption = Annotated[Optional[str], typer.Option(help="Only this split: random, popular, adversarial or all.")]
 ImagesOption = Annotated[Optional[Path], typer.Option(help="Folder with the questions' images.")]
-AnnotationsOption = Annotated[
-    Optional[Path], typer.Option(help="COCO instances file (object masks for retention).")
-]
+AnnotationsOption = Annotated[Optional[Path], typer.Option(help="COCO instances file (object masks for retention).")]
 LimitOption = Annotated[Optional[int], typer.Option(help="Only the first N questions.")]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
 DtypeOption = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
@@ -75,8 +83,9 @@ STAGE_CHOICES = (
 STAGE_HELP = f"Stage whose retention and lost objects are read: {STAGE_CHOICES}"
 """Help of the analysis commands' --stage."""
 
+
 def parse_epsilons(text: str, option: str) -> tuple[float, ...]:
-    """"0.01, 0.05" -> (0.01, 0.05): cascade targets, each strictly between 0 and 1, each once.
+    """ "0.01, 0.05" -> (0.01, 0.05): cascade targets, each strictly between 0 and 1, each once.
 
     A malformed or out-of-range entry is a PruneAuditError naming ``option`` and the entry.
     """

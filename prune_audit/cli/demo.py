@@ -27,27 +27,45 @@ def demo() -> None:
 @handle_errors
 def train(
     out: Annotated[Path, typer.Option("--out", help="Folder for the trained checkpoint (float16) and training.json.")],
-    model: Annotated[str, typer.Option("--model", help="Which demo's recipe: demo (LLaVA), demo-qwen (Qwen2.5-VL), or their task-mix "
-                                                       "versions demo-tasks and demo-qwen-tasks.")] = "demo",
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            help="Which demo's recipe: demo (LLaVA), demo-qwen (Qwen2.5-VL), or their task-mix "
+            "versions demo-tasks and demo-qwen-tasks.",
+        ),
+    ] = "demo",
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the training scenes.")] = 1,
-    steps: Annotated[int | None, typer.Option(min=1, help="Optimiser steps, 32 fresh scenes each (default: the recipe's).")] = None,
+    steps: Annotated[
+        int | None, typer.Option(min=1, help="Optimiser steps, 32 fresh scenes each (default: the recipe's).")
+    ] = None,
     threads: Annotated[
         int,
-        typer.Option(min=1, help="CPU threads; the weights depend on this number, so it defaults to the shipped recipe's 1."),
+        typer.Option(
+            min=1, help="CPU threads; the weights depend on this number, so it defaults to the shipped recipe's 1."
+        ),
     ] = 1,
-    text_layers: Annotated[int | None, typer.Option("--text-layers", min=1, help="Decoder layers (default: the recipe's).")] = None,
-    text_width: Annotated[int | None, typer.Option("--text-width", min=8, help="Decoder width (default: the recipe's).")] = None,
+    text_layers: Annotated[
+        int | None, typer.Option("--text-layers", min=1, help="Decoder layers (default: the recipe's).")
+    ] = None,
+    text_width: Annotated[
+        int | None, typer.Option("--text-width", min=8, help="Decoder width (default: the recipe's).")
+    ] = None,
     log_file: Annotated[
         Path | None, typer.Option("--log-file", help="Also append progress lines to this file.")
     ] = None,
     monitor_every: Annotated[
-        int | None, typer.Option("--monitor-every", min=1, help="Steps between held-out checks (default: the recipe's 100).")
+        int | None,
+        typer.Option("--monitor-every", min=1, help="Steps between held-out checks (default: the recipe's 100)."),
     ] = None,
     mix: Annotated[
         str | None,
-        typer.Option("--mix", help="Train on the task mix: questions per image of yes/no, short answer, multiple choice "
-                     "and caption, e.g. 4,2,2,1 (the vocabulary grows to their words; default: the recipe's, yes/no only for "
-                     "demo and demo-qwen)."),
+        typer.Option(
+            "--mix",
+            help="Train on the task mix: questions per image of yes/no, short answer, multiple choice "
+            "and caption, e.g. 4,2,2,1 (the vocabulary grows to their words; default: the recipe's, yes/no only for "
+            "demo and demo-qwen).",
+        ),
     ] = None,
 ) -> None:
     """Train a demo model from scratch on CPU (each shipped demo: --model NAME --seed 1 --threads 1)."""
@@ -65,17 +83,27 @@ def train(
     if mix is not None:
         parts = [part.strip() for part in mix.split(",")]
         if not all(part.isascii() and part.isdigit() for part in parts):
-            raise ValueError(f"--mix takes whole counts separated by commas (yes/no,short,choice,caption), got {mix!r}; "
-                             f"e.g. --mix 4,2,2,1")
+            raise ValueError(
+                f"--mix takes whole counts separated by commas (yes/no,short,choice,caption), got {mix!r}; "
+                f"e.g. --mix 4,2,2,1"
+            )
         counts = tuple(int(part) for part in parts)
         check_mix(counts)
     recipe = DEMO_RECIPES[model]
     recipe = replace(
-        recipe, seed=seed, threads=threads, steps=steps or recipe.steps, text_layers=text_layers or recipe.text_layers,
-        text_width=text_width or recipe.text_width, mix=counts or recipe.mix, monitor_every=monitor_every or recipe.monitor_every,
+        recipe,
+        seed=seed,
+        threads=threads,
+        steps=steps or recipe.steps,
+        text_layers=text_layers or recipe.text_layers,
+        text_width=text_width or recipe.text_width,
+        mix=counts or recipe.mix,
+        monitor_every=monitor_every or recipe.monitor_every,
     )
     if recipe.text_width % recipe.heads:
-        raise ValueError(f"--text-width {recipe.text_width} is not a multiple of the {recipe.heads} attention heads; pick one that is")
+        raise ValueError(
+            f"--text-width {recipe.text_width} is not a multiple of the {recipe.heads} attention heads; pick one that is"
+        )
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -113,8 +141,11 @@ def questions(
 
     question_set = demo_question_set(cache_dir, scenes=scenes, pope_images=pope_images)
     task_files = demo_task_files(question_set)
-    lines = [("instances", str(question_set.instances)), ("images", str(question_set.image_dir)),
-             *((split, str(question_set.question_file(split))) for split in POPE_SPLITS)]
+    lines = [
+        ("instances", str(question_set.instances)),
+        ("images", str(question_set.image_dir)),
+        *((split, str(question_set.question_file(split))) for split in POPE_SPLITS),
+    ]
     for task in DEMO_TASKS:  # --questions (then --annotations, if any) of `run --task TASK`
         paths = [*task_files.questions(task), task_files.evidence(task)]
         lines.append((task, " ".join(dict.fromkeys(str(path) for path in paths if path is not None))))
@@ -127,8 +158,12 @@ def questions(
 @handle_errors
 def evaluate(
     model: Annotated[
-        str | None, typer.Option("--model", help="A bundled demo (demo, demo-qwen, demo-tasks, demo-qwen-tasks) or a demo checkpoint "
-                                             "folder (default: demo).")
+        str | None,
+        typer.Option(
+            "--model",
+            help="A bundled demo (demo, demo-qwen, demo-tasks, demo-qwen-tasks) or a demo checkpoint "
+            "folder (default: demo).",
+        ),
     ] = None,
     cache_dir: CacheOption = None,
     scenes: ScenesOption = 1000,
@@ -160,11 +195,20 @@ def evaluate(
 @app.command("lmms-tasks")
 @handle_errors
 def lmms_tasks(
-    out: Annotated[Path, typer.Argument(metavar="DIR", help="Folder for the tasks (a new or empty folder, or the "
-                                        "tasks this command wrote before); lmms-eval reads it with --include_path.")],
-    questions: Annotated[int, typer.Option("--questions", min=1, help="POPE questions: the first N of the demo's "
-                                           "first POPE file.")] = 100,
-    captions: Annotated[int, typer.Option("--captions", min=1, help="Images to describe: the first N demo scenes.")] = 20,
+    out: Annotated[
+        Path,
+        typer.Argument(
+            metavar="DIR",
+            help="Folder for the tasks (a new or empty folder, or the "
+            "tasks this command wrote before); lmms-eval reads it with --include_path.",
+        ),
+    ],
+    questions: Annotated[
+        int, typer.Option("--questions", min=1, help="POPE questions: the first N of the demo's first POPE file.")
+    ] = 100,
+    captions: Annotated[
+        int, typer.Option("--captions", min=1, help="Images to describe: the first N demo scenes.")
+    ] = 20,
 ) -> None:
     """Write offline lmms-eval tasks over the demo questions and images: localpope, localpope_mc, localpope_rounds
     and localcaption (docs/lmms-eval.md). lmms-eval's own tasks download their datasets; these run offline:

@@ -27,8 +27,13 @@ from prune_audit.cli.common import (
 def export(
     run_dir: Annotated[Path, typer.Argument(help="Run directory written by `prune-audit run` (or import).")],
     out: Annotated[Optional[Path], typer.Option(help="Kept-set file to write: FILE.jsonl or FILE.parquet.")] = None,
-    answers: Annotated[Optional[Path], typer.Option("--answers", help="Answers file to write (FILE.jsonl, LLaVA's "
-                                                    "question_id + text lines) for `prune-audit score`.")] = None,
+    answers: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--answers",
+            help="Answers file to write (FILE.jsonl, LLaVA's question_id + text lines) for `prune-audit score`.",
+        ),
+    ] = None,
 ) -> None:
     """Write a run's kept sets per stage and its answers in the interchange format (docs/interchange.md), with
     --answers its answers as LLaVA's answers file (`prune-audit score` reads it)."""
@@ -46,19 +51,30 @@ def export(
 
 @handle_errors
 def import_(
-    kept_sets: Annotated[Path, typer.Argument(metavar="FILE", help="Kept-set file (.jsonl or .parquet, "
-                                              "docs/interchange.md).")],
+    kept_sets: Annotated[
+        Path, typer.Argument(metavar="FILE", help="Kept-set file (.jsonl or .parquet, docs/interchange.md).")
+    ],
     out: Annotated[Path, typer.Option(help="Run directory to write (a new or empty folder, or this import's own).")],
     pope: PopeOption = None,
     questions: QuestionsOption = None,
     images: ImagesOption = None,
     annotations: AnnotationsOption = None,
-    geometry: Annotated[Optional[str], typer.Option(help="Model or processor folder (image processor, tokenizer, "
-                                                    "config.json; weights not needed), hub id or demo name whose "
-                                                    "prompt, token grid and depth the kept sets index (default: the "
-                                                    "bundled demo); never run.")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Re-answer every question with this model under the "
-                                                 "imported kept sets forced (its grid is the geometry).")] = None,
+    geometry: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Model or processor folder (image processor, tokenizer, "
+            "config.json; weights not needed), hub id or demo name whose "
+            "prompt, token grid and depth the kept sets index (default: the "
+            "bundled demo); never run."
+        ),
+    ] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Re-answer every question with this model under the "
+            "imported kept sets forced (its grid is the geometry)."
+        ),
+    ] = None,
     batch_size: Annotated[int, typer.Option(help="Questions per forward pass with --model.")] = 16,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -83,10 +99,21 @@ def import_(
         raise fail("pass the question files once: --pope (POPE) or --questions (any task), not both")
     file = read_kept_sets(kept_sets)
     request = RunRequest(
-        model=model or geometry, task=file.task, max_new_tokens=file.header.get("max_new_tokens"),
-        confidence=file.header.get("confidence"), question_files=list(pope or questions or []), images=images,
-        annotations=annotations, out=out, batch_size=batch_size, device=device, dtype=dtype,
-        prompt_template=prompt_template, threads=threads, command=command, kept_sets=file,
+        model=model or geometry,
+        task=file.task,
+        max_new_tokens=file.header.get("max_new_tokens"),
+        confidence=file.header.get("confidence"),
+        question_files=list(pope or questions or []),
+        images=images,
+        annotations=annotations,
+        out=out,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+        prompt_template=prompt_template,
+        threads=threads,
+        command=command,
+        kept_sets=file,
         reanswer=model is not None,
     )
     plan = plan_run(request)

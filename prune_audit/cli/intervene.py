@@ -25,28 +25,42 @@ def intervene(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the swapped cells and the bootstrap.")] = 0,
     out: Annotated[
         Optional[Path],
-        typer.Option("--out", help="Output directory (default: intervene/<run name>-MODE, never inside the run directory).", show_default=False),
+        typer.Option(
+            "--out",
+            help="Output directory (default: intervene/<run name>-MODE, never inside the run directory).",
+            show_default=False,
+        ),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     pope: Annotated[
         Optional[list[Path]],
-        typer.Option("--pope", help="The run's question file(s) at another path (checked by sha256); repeatable.",
-                     show_default=False),
+        typer.Option(
+            "--pope",
+            help="The run's question file(s) at another path (checked by sha256); repeatable.",
+            show_default=False,
+        ),
     ] = None,
     images: Annotated[
         Optional[Path],
-        typer.Option("--images", help="The run's images folder at another path (each image checked by sha256).",
-                     show_default=False),
+        typer.Option(
+            "--images",
+            help="The run's images folder at another path (each image checked by sha256).",
+            show_default=False,
+        ),
     ] = None,
     annotations: Annotated[
         Optional[Path],
-        typer.Option("--annotations", help="The run's COCO instances file at another path (checked by sha256).",
-                     show_default=False),
+        typer.Option(
+            "--annotations",
+            help="The run's COCO instances file at another path (checked by sha256).",
+            show_default=False,
+        ),
     ] = None,
     model: Annotated[
         Optional[str],
-        typer.Option("--model", help="The run's model folder at another path (weights checked by sha256).",
-                     show_default=False),
+        typer.Option(
+            "--model", help="The run's model folder at another path (weights checked by sha256).", show_default=False
+        ),
     ] = None,
     stage: Annotated[
         str, typer.Option("--stage", help=f"{STAGE_HELP} Eligibility and swaps use its kept set.")
@@ -76,15 +90,25 @@ def intervene(
     """
     from prune_audit.cli.progress import progress_reporter
     from prune_audit.records.stages import parse_stage
-    from prune_audit.runner.intervene import InterveneRequest, intervene as run_intervention
+    from prune_audit.runner.intervene import InterveneRequest
+    from prune_audit.runner.intervene import intervene as run_intervention
     from prune_audit.runner.intervene.inputs import RunInputs
     from prune_audit.threads import configure_threads
 
     chosen_threads = configure_threads(threads)
-    request = InterveneRequest(run_dir=run_dir, mode=mode, max_cells=max_cells, controls=controls,
-                               bootstrap=bootstrap, seed=seed, out=out, device=device, stage=parse_stage(stage),
-                               threads=chosen_threads,
-                               inputs=RunInputs(tuple(pope or ()), images, annotations, model))
+    request = InterveneRequest(
+        run_dir=run_dir,
+        mode=mode,
+        max_cells=max_cells,
+        controls=controls,
+        bootstrap=bootstrap,
+        seed=seed,
+        out=out,
+        device=device,
+        stage=parse_stage(stage),
+        threads=chosen_threads,
+        inputs=RunInputs(tuple(pope or ()), images, annotations, model),
+    )
     with progress_reporter(quiet=quiet) as progress:
         result = run_intervention(request, progress.update)
     if json_output:
@@ -109,8 +133,10 @@ def print_intervention_table(report: dict, out: Path) -> None:
 
     report = json_ready(report)
     counts = report["questions"]
-    table = Table(title=f"{report['label']} | intervene --mode {report['mode']} | stage {report['stage']} | "
-                        f"{counts['intervened']} questions, {counts['images']} images (95% image-bootstrap intervals)")
+    table = Table(
+        title=f"{report['label']} | intervene --mode {report['mode']} | stage {report['stage']} | "
+        f"{counts['intervened']} questions, {counts['images']} images (95% image-bootstrap intervals)"
+    )
     for column in ("metric", "recorded", "intervention", "control", "intervention - control"):
         table.add_column(column)
     conditions = ("intervention", "control")

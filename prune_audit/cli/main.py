@@ -29,6 +29,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
+
 def _print_version(value: bool) -> None:
     if value:
         from prune_audit import __version__

@@ -42,9 +42,16 @@ def _format(value: Any) -> str:
 @app.command("score")
 @handle_errors
 def score(
-    answers: Annotated[Path, typer.Argument(help="Answers (JSON Lines): POPE 'answer' lines or LLaVA 'question_id'+'text'.")],
-    pope: Annotated[list[Path], typer.Option("--pope", help="POPE question file(s) with labels; LLaVA's merged "
-                                                            "llava_pope_test.jsonl may be added with them.")],
+    answers: Annotated[
+        Path, typer.Argument(help="Answers (JSON Lines): POPE 'answer' lines or LLaVA 'question_id'+'text'.")
+    ],
+    pope: Annotated[
+        list[Path],
+        typer.Option(
+            "--pope",
+            help="POPE question file(s) with labels; LLaVA's merged llava_pope_test.jsonl may be added with them.",
+        ),
+    ],
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Score answers as POPE's evaluate.py does: per split and averaged over splits."""
@@ -66,25 +73,33 @@ def score(
 def build(
     annotations: Annotated[Path, typer.Option("--annotations", help="COCO instances JSON (2014 or 2017 naming).")],
     out: Annotated[Path, typer.Option("--out", help="Directory for <prefix>_pope_<split>.json files.")],
-    images: Annotated[int, typer.Option("--images", min=1, help="Images to sample among those with >= 3 objects.")] = 500,
+    images: Annotated[
+        int, typer.Option("--images", min=1, help="Images to sample among those with >= 3 objects.")
+    ] = 500,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the image sample and the negatives.")] = 0,
-    split: Annotated[list[str] | None, typer.Option("--split", help="random, popular, adversarial (repeat; "
-                                                                     "default all three).")] = None,
+    split: Annotated[
+        list[str] | None, typer.Option("--split", help="random, popular, adversarial (repeat; default all three).")
+    ] = None,
     prefix: Annotated[str, typer.Option("--prefix", help="File name prefix.")] = "coco",
 ) -> None:
     """Build POPE-style question sets from COCO instances with POPE's rules (seeded, deterministic)."""
     from prune_audit.data.coco import CocoInstances
     from prune_audit.data.pope import POPE_SPLITS
     from prune_audit.data.pope_build import build_pope, write_pope_files
-    from prune_audit.safety.names import check_plain_name
     from prune_audit.safety.fingerprint import file_sha256
+    from prune_audit.safety.names import check_plain_name
     from prune_audit.safety.ownership import check_output_dir, hold_output_dir
 
     check_plain_name(prefix, "--prefix")
     splits = tuple(split or POPE_SPLITS)
     # the folder is rewritten only by the same build (same files again), never by another one
-    settings = {"annotations_sha256": file_sha256(annotations) if annotations.is_file() else None,
-                "images": images, "seed": seed, "splits": list(splits), "prefix": prefix}
+    settings = {
+        "annotations_sha256": file_sha256(annotations) if annotations.is_file() else None,
+        "images": images,
+        "seed": seed,
+        "splits": list(splits),
+        "prefix": prefix,
+    }
     check_output_dir(out, "pope build", settings)
     coco = CocoInstances.load(annotations)
     question_sets = build_pope(coco, sample_images=images, seed=seed, splits=splits)
@@ -98,8 +113,13 @@ def build(
 @handle_errors
 def info(
     files: Annotated[list[Path], typer.Argument(help="POPE question files (JSON Lines).")],
-    annotations: Annotated[Path | None, typer.Option("--annotations", help="COCO instances JSON: also check that "
-                                                     "objects are COCO categories and 'yes' objects have masks.")] = None,
+    annotations: Annotated[
+        Path | None,
+        typer.Option(
+            "--annotations",
+            help="COCO instances JSON: also check that objects are COCO categories and 'yes' objects have masks.",
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Counts per split, images, yes/no balance and unmatched objects of question files."""

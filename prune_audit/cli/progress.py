@@ -81,8 +81,12 @@ class PlainLines(Silent):
         left = max(0, self.total - self.done) / rate if self.total is not None and rate > 0 else None
         share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
         speed = f"{rate:.2f} q/s" if math.isfinite(rate) else "- q/s"
-        print(f"{self.label}: {self.done}/{self.total if self.total is not None else '?'}{share} | {speed} | "
-              f"ETA {clock_text(left)}", file=self.stream, flush=True)
+        print(
+            f"{self.label}: {self.done}/{self.total if self.total is not None else '?'}{share} | {speed} | "
+            f"ETA {clock_text(left)}",
+            file=self.stream,
+            flush=True,
+        )
         self.printed_done, self.printed_at = self.done, now
 
 
@@ -115,7 +119,14 @@ def progress_reporter(label: str = "questions", quiet: bool = False, stream: Tex
         yield PlainLines(stream, label)
         return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     columns = (
         TextColumn("[bold]{task.description}"),

@@ -17,30 +17,62 @@ CLIP_ID = "openai/clip-vit-large-patch14-336"  # LLaVA-1.5's vision tower: CDPru
 
 @handle_errors
 def reproduce(
-    model: Annotated[Optional[str], typer.Option(help="LLaVA-1.5-7B weights: a local folder or a hub id already "
-                                                 "downloaded (never fetched here).")] = None,
-    clip_text: Annotated[Optional[str], typer.Option(help=f"CLIP text tower of {CLIP_ID} (CDPruner's relevance): "
-                                                     "a local folder or a downloaded hub id.")] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option(help="LLaVA-1.5-7B weights: a local folder or a hub id already downloaded (never fetched here)."),
+    ] = None,
+    clip_text: Annotated[
+        Optional[str],
+        typer.Option(
+            help=f"CLIP text tower of {CLIP_ID} (CDPruner's relevance): a local folder or a downloaded hub id."
+        ),
+    ] = None,
     pope: PopeOption = None,
     images: Annotated[Optional[Path], typer.Option(help="COCO val2014 images of the POPE questions.")] = None,
     annotations: Annotated[Optional[Path], typer.Option(help="COCO instances_val2014.json (lost objects).")] = None,
-    golden_answers: Annotated[Optional[Path], typer.Option(help="LLaVA-1.5-13B's released POPE answers (LLaVA's "
-                                                           "answers format), scored with --pope by `score`.")] = None,
-    golden_questions: Annotated[Optional[Path], typer.Option(help="LLaVA's llava_pope_test.jsonl, which the golden "
-                                                             "answers' question ids refer to (scored with the --pope "
-                                                             "labels).")] = None,
-    out: Annotated[Path, typer.Option(help="Reproduction folder: study/, timing-b32/, reproduce.md/.csv.")]
-    = Path("reproduce"),
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, the seed's figures with their "
-                                          "tolerances and the estimated time; run and write nothing.")] = False,
-    report: Annotated[bool, typer.Option("--report", help="Only compare: read OUT/study and OUT/timing-b32 (e.g. "
-                                         "after their study --plan commands ran) and write the table.")] = False,
+    golden_answers: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="LLaVA-1.5-13B's released POPE answers (LLaVA's answers format), scored with --pope by `score`."
+        ),
+    ] = None,
+    golden_questions: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="LLaVA's llava_pope_test.jsonl, which the golden "
+            "answers' question ids refer to (scored with the --pope "
+            "labels)."
+        ),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Reproduction folder: study/, timing-b32/, reproduce.md/.csv.")] = Path(
+        "reproduce"
+    ),
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the plan, the seed's figures with their "
+            "tolerances and the estimated time; run and write nothing.",
+        ),
+    ] = False,
+    report: Annotated[
+        bool,
+        typer.Option(
+            "--report",
+            help="Only compare: read OUT/study and OUT/timing-b32 (e.g. "
+            "after their study --plan commands ran) and write the table.",
+        ),
+    ] = False,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     threads: ThreadsOption = None,
     quiet: QuietOption = False,
-    limit: Annotated[Optional[int], typer.Option(min=1, hidden=True, help="Testing: only the first N questions "
-                                                 "per run (not the seed's question set).")] = None,
+    limit: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1, hidden=True, help="Testing: only the first N questions per run (not the seed's question set)."
+        ),
+    ] = None,
 ) -> None:
     """Run the seed calibration study's LLaVA-1.5-7B POPE grid (dense; fastv, cls_attn, coverage, cdpruner and
     divprune at 64 and 128 tokens; adversarial, popular and random, 9,000 questions) through `study`, plus a
@@ -62,10 +94,17 @@ def reproduce(
         with hold_output_dir(out, "reproduce"):
             _write_table(out, rows, limit)
         return
-    grid = dict(model=_local(model, "--model", MODEL_ID), clip_text=Path(_local(clip_text, "--clip-text", CLIP_ID)),
-                pope=_pope_files(pope, required=True), images=[_images_folder(images)],
-                annotations=[_annotations(annotations)],
-                device=device, dtype=dtype, threads=threads, quiet=quiet)
+    grid = dict(
+        model=_local(model, "--model", MODEL_ID),
+        clip_text=Path(_local(clip_text, "--clip-text", CLIP_ID)),
+        pope=_pope_files(pope, required=True),
+        images=[_images_folder(images)],
+        annotations=[_annotations(annotations)],
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        quiet=quiet,
+    )
     golden = _golden(golden_answers, golden_questions, grid["pope"])
     with hold_output_dir(out, "reproduce"):
         _studies(out, grid, limit)
@@ -78,11 +117,15 @@ def _golden(answers: Path | None, questions: Path | None, pope_files: list[Path]
         if questions is not None:
             raise PruneAuditError("--golden-questions only applies with --golden-answers; drop it or pass the answers")
         return None
-    for option, path, name in (("--golden-answers", answers, "answers/llava-v1.5-13b.jsonl"),
-                               ("--golden-questions", questions, "llava_pope_test.jsonl")):
+    for option, path, name in (
+        ("--golden-answers", answers, "answers/llava-v1.5-13b.jsonl"),
+        ("--golden-questions", questions, "llava_pope_test.jsonl"),
+    ):
         if path is not None and not path.is_file():
-            raise PruneAuditError(f"{option} {path} not found; pass LLaVA's {name} of its POPE evaluation "
-                                  f"(playground/data/eval/pope) or drop the option")
+            raise PruneAuditError(
+                f"{option} {path} not found; pass LLaVA's {name} of its POPE evaluation "
+                f"(playground/data/eval/pope) or drop the option"
+            )
     return answers, [*([questions] if questions else []), *pope_files]
 
 
@@ -104,8 +147,10 @@ def _pope_files(pope: list[Path] | None, required: bool) -> list[Path]:
     from prune_audit.analysis.reproduce import POPE_SPLITS
 
     files = list(pope or [])
-    how = ("pass the official POPE files with --pope coco_pope_adversarial.json --pope coco_pope_popular.json "
-           "--pope coco_pope_random.json (AoiDragon/POPE, output/coco/)")
+    how = (
+        "pass the official POPE files with --pope coco_pope_adversarial.json --pope coco_pope_popular.json "
+        "--pope coco_pope_random.json (AoiDragon/POPE, output/coco/)"
+    )
     if not files and required:
         raise PruneAuditError(f"reproduce needs the POPE questions; {how}")
     for path in files:
@@ -121,16 +166,20 @@ def _pope_files(pope: list[Path] | None, required: bool) -> list[Path]:
 
 def _images_folder(images: Path | None) -> Path:
     if images is None or not images.is_dir():
-        raise PruneAuditError(f"reproduce needs the COCO val2014 images{f' ({images} is no folder)' if images else ''}"
-                              f"; pass their folder with --images (cocodataset.org: val2014.zip)")
+        raise PruneAuditError(
+            f"reproduce needs the COCO val2014 images{f' ({images} is no folder)' if images else ''}"
+            f"; pass their folder with --images (cocodataset.org: val2014.zip)"
+        )
     return images
 
 
 def _annotations(annotations: Path | None) -> Path:
     if annotations is None or not annotations.is_file():
-        raise PruneAuditError(f"reproduce needs COCO's instances_val2014.json"
-                              f"{f' ({annotations} not found)' if annotations else ''}; pass it with --annotations "
-                              f"(cocodataset.org: annotations_trainval2014.zip)")
+        raise PruneAuditError(
+            f"reproduce needs COCO's instances_val2014.json"
+            f"{f' ({annotations} not found)' if annotations else ''}; pass it with --annotations "
+            f"(cocodataset.org: annotations_trainval2014.zip)"
+        )
     return annotations
 
 
@@ -188,16 +237,22 @@ def _print_plan(out: Path, limit: int | None) -> None:
     grid, timing = preset_options(STUDY_FOLDER, limit), preset_options(TIMING_FOLDER, limit)
     runs = grid_runs()
     print(f"reproduce plan (dry run: nothing is loaded, run or written); model {MODEL_ID}")
-    print(f"study: {len(runs)} runs into {out / STUDY_FOLDER}, {questions:,} questions each "
-          f"({', '.join(POPE_SPLITS)}), batch {grid['batch_size']}, budgets {grid['budgets']} of 576 visual tokens:")
+    print(
+        f"study: {len(runs)} runs into {out / STUDY_FOLDER}, {questions:,} questions each "
+        f"({', '.join(POPE_SPLITS)}), batch {grid['batch_size']}, budgets {grid['budgets']} of 576 visual tokens:"
+    )
     print(f"  {', '.join(runs)}")
-    print(f"timing: dense and {timing['selectors']}@{timing['budgets']}, first {timing['limit']:,} questions, batch "
-          f"{timing['batch_size']}, into {out / TIMING_FOLDER}")
+    print(
+        f"timing: dense and {timing['selectors']}@{timing['budgets']}, first {timing['limit']:,} questions, batch "
+        f"{timing['batch_size']}, into {out / TIMING_FOLDER}"
+    )
     print("golden: LLaVA-1.5-13B POPE F1 by `score` on --golden-answers (not measured without it)")
     print("the same as these study commands, then `prune-audit reproduce --report`:")
     for folder in STUDY_PRESETS:
         print(f"  {preset_command(folder, out, limit)}")
     print(table_markdown(expected_rows(), "Seed figures and tolerances"), end="")
     seconds = estimated_seconds(int(questions), int(timing["limit"]))
-    print(f"estimated time: about {seconds / 3600:.1f} h on one H200 (an estimate: every question at the seed's "
-          f"dense {seed_figure('dense.ms_b1').expected:g} ms at batch 1, model loading and analyses not counted)")
+    print(
+        f"estimated time: about {seconds / 3600:.1f} h on one H200 (an estimate: every question at the seed's "
+        f"dense {seed_figure('dense.ms_b1').expected:g} ms at batch 1, model loading and analyses not counted)"
+    )

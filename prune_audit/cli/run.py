@@ -10,10 +10,10 @@ import typer
 from prune_audit.cli.common import (
     AnnotationsOption,
     ClipTextOption,
+    ConfidenceOption,
     DeviceOption,
     DtypeOption,
     ImagesOption,
-    ConfidenceOption,
     LimitOption,
     MaxNewTokensOption,
     ModelOption,
@@ -33,8 +33,15 @@ from prune_audit.cli.common import (
 @handle_errors
 def run(
     model: ModelOption = None,
-    selector: Annotated[str, typer.Option(help="Registered selector (see `prune-audit selectors`), or none for the unpruned reference.")] = "none",
-    budget: Annotated[Optional[str], typer.Option(help="Visual tokens to keep (in-LLM selectors: layer average), a share of each image's tokens (11%), or all.")] = None,
+    selector: Annotated[
+        str, typer.Option(help="Registered selector (see `prune-audit selectors`), or none for the unpruned reference.")
+    ] = "none",
+    budget: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Visual tokens to keep (in-LLM selectors: layer average), a share of each image's tokens (11%), or all."
+        ),
+    ] = None,
     option: Annotated[Optional[list[str]], typer.Option(help="Selector option KEY=VALUE; repeatable.")] = None,
     task: TaskOption = "pope",
     pope: PopeOption = None,
@@ -44,13 +51,26 @@ def run(
     confidence: ConfidenceOption = None,
     images: ImagesOption = None,
     annotations: AnnotationsOption = None,
-    out: Annotated[Optional[Path], typer.Option(help="Run directory (default: runs/<model>-<selector>-<budget>, then each --option value that differs from its default, then limitN with --limit N, e.g. runs/demo-fastv-64-paper-limit200).")] = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Run directory (default: runs/<model>-<selector>-<budget>, then each --option value that differs from its default, then limitN with --limit N, e.g. runs/demo-fastv-64-paper-limit200)."
+        ),
+    ] = None,
     limit: LimitOption = None,
-    batch_size: Annotated[int, typer.Option(help="Questions per forward pass (answers do not depend on it; probabilities move by float32 rounding only: at --threads 1, batch 1 against 16 moved p_yes by at most 4.8e-7 on 1,500 demo questions).")] = 16,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            help="Questions per forward pass (answers do not depend on it; probabilities move by float32 rounding only: at --threads 1, batch 1 against 16 moved p_yes by at most 4.8e-7 on 1,500 demo questions)."
+        ),
+    ] = 16,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     seed: Annotated[int, typer.Option(help="Seed for random selectors (per question, independent of batching).")] = 0,
-    shard: Annotated[Optional[str], typer.Option(help="Run shard I/N of the questions (split by image); merge with `prune-audit merge`.")] = None,
+    shard: Annotated[
+        Optional[str],
+        typer.Option(help="Run shard I/N of the questions (split by image); merge with `prune-audit merge`."),
+    ] = None,
     prompt_template: PromptTemplateOption = None,
     clip_text: ClipTextOption = None,
     threads: ThreadsOption = None,
@@ -63,12 +83,11 @@ def run(
     it audits the bundled demo model on the demo question set.
     """
     command = command_line("run", run, dict(locals()))
+    from prune_audit.compute.budget import parse_budget
     from prune_audit.runner.execute import execute
     from prune_audit.runner.plan import plan_run
     from prune_audit.runner.request import RunRequest
-    from prune_audit.compute.budget import parse_budget
     from prune_audit.runner.sharding import parse_shard
-
     from prune_audit.tasks import get_task
 
     get_task(task, max_new_tokens, confidence)  # an unknown task or a misplaced option before the question options
@@ -77,12 +96,28 @@ def run(
     if pope and task != "pope":
         raise fail(f"--pope names POPE question files; pass the {task} question files with --questions")
     request = RunRequest(
-        model=model, selector=selector, budget=parse_budget(budget), options=list(option or []),
-        question_files=list(pope or questions or []), task=task, max_new_tokens=max_new_tokens,
-        confidence=confidence, split=split,
-        images=images, annotations=annotations, out=out, limit=limit, batch_size=batch_size, device=device,
-        dtype=dtype, seed=seed, shard=parse_shard(shard) if shard else None, prompt_template=prompt_template,
-        clip_text=clip_text, threads=threads, command=command,
+        model=model,
+        selector=selector,
+        budget=parse_budget(budget),
+        options=list(option or []),
+        question_files=list(pope or questions or []),
+        task=task,
+        max_new_tokens=max_new_tokens,
+        confidence=confidence,
+        split=split,
+        images=images,
+        annotations=annotations,
+        out=out,
+        limit=limit,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        shard=parse_shard(shard) if shard else None,
+        prompt_template=prompt_template,
+        clip_text=clip_text,
+        threads=threads,
+        command=command,
     )
     plan = plan_run(request)
     from prune_audit.cli.progress import progress_reporter
@@ -101,22 +136,32 @@ def print_summary(result, plan) -> None:
     from prune_audit.records.stages import budget_words, stage_place
 
     summary = result.summary
-    budget = "all visual tokens" if plan.manifest["budget"] is None else budget_words(
-        plan.manifest["budget"], summary.get("stage_layers", [0]))
+    budget = (
+        "all visual tokens"
+        if plan.manifest["budget"] is None
+        else budget_words(plan.manifest["budget"], summary.get("stage_layers", [0]))
+    )
     task = "" if plan.task.name == "pope" else f"task {plan.task.name} | "  # POPE's title predates tasks
-    print(f"{task}{model_label(plan.manifest['model']['id'])} | selector {plan.manifest['selector']['name']} | {budget}")
+    print(
+        f"{task}{model_label(plan.manifest['model']['id'])} | selector {plan.manifest['selector']['name']} | {budget}"
+    )
     table = Table(show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
-        ("questions", f"{summary.get('questions', 0)}" + ("" if result.complete else f" of {len(plan.questions)} (shard)")),
+        (
+            "questions",
+            f"{summary.get('questions', 0)}" + ("" if result.complete else f" of {len(plan.questions)} (shard)"),
+        ),
         ("accuracy", f"{summary.get('accuracy', float('nan')):.4f}"),
         ("mean confidence", f"{summary.get('mean_confidence', float('nan')):.4f}"),
         ("avg visual tokens (layer average)", f"{summary.get('visual_tokens_avg', float('nan')):.2f}"),
     ]
     if plan.manifest["budget"] is not None and summary.get("stage_tokens"):  # a budget may be a layer average
-        rows += [(f"visual tokens {stage_place(layer)} (mean)", f"{tokens:g}")
-                 for layer, tokens in zip(summary["stage_layers"], summary["stage_tokens"])]
+        rows += [
+            (f"visual tokens {stage_place(layer)} (mean)", f"{tokens:g}")
+            for layer, tokens in zip(summary["stage_layers"], summary["stage_tokens"])
+        ]
     if summary.get("questions_with_mask"):  # questions with evidence regions (Task.names_evidence; annotations given)
         rows += evidence_rows(summary, plan.task.evidence_noun)
     rows += plan.task.summary_rows(result.records) if summary.get("questions") else []
@@ -133,8 +178,10 @@ def print_summary(result, plan) -> None:
 def evidence_rows(summary: dict, evidence_noun: str) -> list[tuple[str, str]]:
     """The summary's rows of the evidence regions: retention, lost (first and last stage) and diluted objects."""
     first, with_mask = summary["first_stage"], summary["questions_with_mask"]
-    rows = [(f"mean retention of {evidence_noun}, stage {first}", f"{summary['mean_retention']:.4f}"),
-            (f"lost objects, stage {first}", f"{summary['lost_objects']} of {with_mask}")]
+    rows = [
+        (f"mean retention of {evidence_noun}, stage {first}", f"{summary['mean_retention']:.4f}"),
+        (f"lost objects, stage {first}", f"{summary['lost_objects']} of {with_mask}"),
+    ]
     if not summary["last_is_first"]:  # a stage after the first: what it lost too
         last = summary["lost_objects_last_stage"]
         rows.append((f"lost objects, stage {summary['last_stage']}", f"{last} of {with_mask}"))
@@ -150,11 +197,15 @@ def cost_rows(summary: dict) -> list[tuple[str, str]]:
     return [
         ("prefill FLOPs (of dense)", f"{summary['mean_flops'] / 1e6:,.1f} M ({summary['flops_relative']:.1%})"),
         ("KV cache after prefill", f"{summary['mean_kv_bytes'] / 1024:,.0f} KiB"),
-        ("equivalent tokens: layer-averaged / FLOP-equivalent",
-         f"{summary['mean_cost_tokens']:.1f} / {summary['mean_flop_equivalent_tokens']:.1f}"),
-        ("latency ms: vision / selection / prefill",
-         f"{summary['mean_latency_vision_ms']:.2f} / {summary['mean_latency_selection_ms']:.2f} / "
-         f"{summary['mean_latency_prefill_ms']:.2f}"),
+        (
+            "equivalent tokens: layer-averaged / FLOP-equivalent",
+            f"{summary['mean_cost_tokens']:.1f} / {summary['mean_flop_equivalent_tokens']:.1f}",
+        ),
+        (
+            "latency ms: vision / selection / prefill",
+            f"{summary['mean_latency_vision_ms']:.2f} / {summary['mean_latency_selection_ms']:.2f} / "
+            f"{summary['mean_latency_prefill_ms']:.2f}",
+        ),
     ]
 
 
@@ -171,7 +222,9 @@ def model_label(model_id: str) -> str:
 
 @handle_errors
 def merge(
-    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories written by sharded runs of one configuration.")],
+    run_dirs: Annotated[
+        list[Path], typer.Argument(help="Run directories written by sharded runs of one configuration.")
+    ],
     out: Annotated[Optional[Path], typer.Option(help="Merged run directory (default: the first RUN_DIR).")] = None,
 ) -> None:
     """Merge sharded runs (same configuration) into one records.parquet and manifest."""

@@ -32,10 +32,17 @@ def score(
     answers: Annotated[Path, typer.Argument(help="Answers file (JSON Lines; LLaVA's question_id + text lines).")],
     task: TaskOption = "pope",
     questions: QuestionsOption = None,
-    subset: Annotated[Optional[str], typer.Option("--subset", help="Score only this subset of the questions: img "
-                                                   "(scienceqa: those with an image, the ones `run` answers).")] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print JSON (with every question) instead of a table.")]
-    = False,
+    subset: Annotated[
+        Optional[str],
+        typer.Option(
+            "--subset",
+            help="Score only this subset of the questions: img "
+            "(scienceqa: those with an image, the ones `run` answers).",
+        ),
+    ] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print JSON (with every question) instead of a table.")
+    ] = False,
 ) -> None:
     """Score released answers as the task's official evaluation does (docs/tasks.md): POPE's evaluate.py, GQA's
     exact match, LLaVA's ScienceQA letter rule, CHAIR for captions."""

@@ -18,9 +18,11 @@ if TYPE_CHECKING:
 def selectors(
     model: Annotated[
         Optional[str],
-        typer.Option(help="Say what runs on this model family (a family name such as llava_next, a model folder or "
-                     "hub id, or demo / demo-qwen; default: the bundled demo model) and show the options' values "
-                     "for its depth; a checkpoint's config is read, not its weights."),
+        typer.Option(
+            help="Say what runs on this model family (a family name such as llava_next, a model folder or "
+            "hub id, or demo / demo-qwen; default: the bundled demo model) and show the options' values "
+            "for its depth; a checkpoint's config is read, not its weights."
+        ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of the list.")] = False,
     fidelity: Annotated[
@@ -45,8 +47,10 @@ def selectors(
         raise PruneAuditError("--markdown and --json exclude each other; pass one of them")
     if fidelity:
         if model is not None:
-            raise PruneAuditError("--model does not apply with --fidelity (fidelity does not depend on the model); "
-                                  "drop --model or --fidelity")
+            raise PruneAuditError(
+                "--model does not apply with --fidelity (fidelity does not depend on the model); "
+                "drop --model or --fidelity"
+            )
         _print_fidelity(json_output, markdown)
         return
     name, depth, adapter = _model_target(model)
@@ -105,7 +109,9 @@ def _selector_rows(depth: int | None, adapter: type[VisionLanguageModel]) -> lis
                 "refusal": support[name],
                 "runs_as": None if support[name] else adapter.per_grid_selectors.get(name),
                 "options": defaults,
-                "domains": {key: domain.describe_for(depth, defaults[key]) for key, domain in option_domains(cls).items()},
+                "domains": {
+                    key: domain.describe_for(depth, defaults[key]) for key, domain in option_domains(cls).items()
+                },
                 "docs": {key: _option_doc(cls, key) for key in defaults},
                 "summary": cls.summary,
                 "paper": cls.reference.paper,
@@ -121,27 +127,38 @@ def _option_doc(cls: type, key: str) -> str:
     return next(field.metadata.get("doc", "") for field in dataclasses.fields(cls) if field.name == key)
 
 
-def _print_selectors(rows: list[dict[str, Any]], model: str, depth: int | None,
-                     adapter: type[VisionLanguageModel]) -> None:
+def _print_selectors(
+    rows: list[dict[str, Any]], model: str, depth: int | None, adapter: type[VisionLanguageModel]
+) -> None:
     """Each selector as a block of lines wrapped at word boundaries; option values as --option takes them."""
     from prune_audit.cli.terminal import Page
     from prune_audit.pruners.options import spell
 
     page = Page()
-    scope = (f"{model} ({depth} decoder layers; another model: --model PATH or a family name)" if depth is not None
-             else "any depth (a family name reads no checkpoint: --model PATH gives a model's layers)")
-    page.paragraph(f"{len(rows)} selectors. Options are passed as --option KEY=VALUE; allowed values are shown for "
-                   f"{scope}.")
+    scope = (
+        f"{model} ({depth} decoder layers; another model: --model PATH or a family name)"
+        if depth is not None
+        else "any depth (a family name reads no checkpoint: --model PATH gives a model's layers)"
+    )
+    page.paragraph(
+        f"{len(rows)} selectors. Options are passed as --option KEY=VALUE; allowed values are shown for {scope}."
+    )
     runs = [row["name"] for row in rows if row["runs"]]
-    page.paragraph(f"On {adapter.display_name} ({adapter.family}: {adapter.token_grids} per image, "
-                   f"{adapter.input_positions} positions after input-level selection) {len(runs)} run: "
-                   f"{', '.join(runs)}.", hang=4)
+    page.paragraph(
+        f"On {adapter.display_name} ({adapter.family}: {adapter.token_grids} per image, "
+        f"{adapter.input_positions} positions after input-level selection) {len(runs)} run: "
+        f"{', '.join(runs)}.",
+        hang=4,
+    )
     for row in rows:
         page.blank()
         needs = ", ".join(row["requires"]) or "nothing"
         page.paragraph(f"{row['name']}: {row['stage']} stage, needs {needs}", hang=4)
-        verdict = ("runs" + (f" ({row['runs_as']})" if row["runs_as"] else "")) if row["runs"] else (
-            f"refused: {row['refusal']}")
+        verdict = (
+            ("runs" + (f" ({row['runs_as']})" if row["runs_as"] else ""))
+            if row["runs"]
+            else (f"refused: {row['refusal']}")
+        )
         page.paragraph(f"on {adapter.family}: {verdict}", indent=2, hang=4)
         if row["summary"]:
             page.paragraph(row["summary"], indent=2)
@@ -176,16 +193,22 @@ def _print_fidelity(json_output: bool, markdown: bool) -> None:
     from prune_audit.cli.terminal import Page
 
     page = Page()
-    page.paragraph("Fidelity of each selector to its official code (the table of docs/fidelity.md: --markdown; "
-                   "reference-exact options are passed as --option KEY=VALUE).")
+    page.paragraph(
+        "Fidelity of each selector to its official code (the table of docs/fidelity.md: --markdown; "
+        "reference-exact options are passed as --option KEY=VALUE)."
+    )
     entries = fidelity_entries()
     for row in fidelity_rows():
         page.blank()
         page.paragraph(row["selector"])
-        for label, key in (("paper", "paper"), ("official code", "official repository (commit read)"),
-                           ("default here", "default here"), ("reference-exact options", "reference-exact options"),
-                           ("measured agreement", "measured agreement"),
-                           ("fp16 / bf16 agreement", "fp16 / bf16 agreement")):
+        for label, key in (
+            ("paper", "paper"),
+            ("official code", "official repository (commit read)"),
+            ("default here", "default here"),
+            ("reference-exact options", "reference-exact options"),
+            ("measured agreement", "measured agreement"),
+            ("fp16 / bf16 agreement", "fp16 / bf16 agreement"),
+        ):
             page.paragraph(f"{label}: {row[key]}", indent=2, hang=4)
         page.paragraph("remaining differences:", indent=2)
         for difference in entries[row["selector"]].differences:

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from prune_audit.cli.common import (
+    STAGE_HELP,
     ClipTextOption,
     ConfidenceOption,
     DeviceOption,
@@ -20,7 +21,6 @@ from prune_audit.cli.common import (
     QuestionsOption,
     QuietOption,
     SplitOption,
-    STAGE_HELP,
     TaskOption,
     ThreadsOption,
     command_line,
@@ -33,25 +33,37 @@ from prune_audit.runner.study.defaults import DEFAULT_BUDGETS, DEFAULT_SELECTORS
 @handle_errors
 def study(
     selectors: Annotated[str, typer.Option(help="Selectors, comma-separated.")] = ",".join(DEFAULT_SELECTORS),
-    budgets: Annotated[str, typer.Option(help="Budgets (visual tokens, a share such as 11%, or all), comma-separated, "
-                                          "each once.")] = ",".join(DEFAULT_BUDGETS),
+    budgets: Annotated[
+        str, typer.Option(help="Budgets (visual tokens, a share such as 11%, or all), comma-separated, each once.")
+    ] = ",".join(DEFAULT_BUDGETS),
     model: ModelOption = None,
     task: TaskOption = "pope",
-    tasks: Annotated[Optional[str], typer.Option(help="Several tasks, comma-separated (pope,gqa,scienceqa,caption): "
-                                                 "one grid per task under OUT/runs/<task>-<run>, one summary with a task "
-                                                 "column and a report section per task. Name each input's task: "
-                                                 "--questions TASK=FILE, --images TASK=DIR, --annotations TASK=FILE.")]
-    = None,
+    tasks: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Several tasks, comma-separated (pope,gqa,scienceqa,caption): "
+            "one grid per task under OUT/runs/<task>-<run>, one summary with a task "
+            "column and a report section per task. Name each input's task: "
+            "--questions TASK=FILE, --images TASK=DIR, --annotations TASK=FILE."
+        ),
+    ] = None,
     pope: PopeOption = None,
     questions: QuestionsOption = None,
     max_new_tokens: MaxNewTokensOption = None,
     confidence: ConfidenceOption = None,
     split: SplitOption = None,
-    images: Annotated[Optional[list[Path]], typer.Option(help="Folder with the questions' images (with --tasks: "
-                                                          "TASK=DIR, repeatable).")] = None,
-    annotations: Annotated[Optional[list[Path]], typer.Option(help="Evidence annotations: COCO instances (POPE, "
-                                                              "captions), GQA scene graphs (with --tasks: TASK=FILE, "
-                                                              "repeatable).")] = None,
+    images: Annotated[
+        Optional[list[Path]],
+        typer.Option(help="Folder with the questions' images (with --tasks: TASK=DIR, repeatable)."),
+    ] = None,
+    annotations: Annotated[
+        Optional[list[Path]],
+        typer.Option(
+            help="Evidence annotations: COCO instances (POPE, "
+            "captions), GQA scene graphs (with --tasks: TASK=FILE, "
+            "repeatable)."
+        ),
+    ] = None,
     out: Annotated[Path, typer.Option(help="Study folder: runs/, summary, reports.")] = Path("study"),
     limit: LimitOption = None,
     batch_size: Annotated[int, typer.Option(help="Questions per forward pass.")] = 16,
@@ -64,12 +76,25 @@ def study(
     bootstrap: Annotated[int, typer.Option(help="Image-clustered bootstrap resamples.")] = 1000,
     bins: Annotated[int, typer.Option(help="Confidence bins, 1 to 1000.")] = 15,
     splits: Annotated[int, typer.Option(help="Random image splits of the cascade's validity check.")] = 200,
-    stage: Annotated[str, typer.Option("--stage", help=STAGE_HELP + " The study reads its unpruned reference at "
-                                        "the same stage, so an index can only be 0.")] = "first",
-    plan: Annotated[bool, typer.Option("--plan", help="Print the grid's run commands instead of running them (after "
-                                       "the same checks as the study, on the loaded model).")] = False,
+    stage: Annotated[
+        str,
+        typer.Option(
+            "--stage",
+            help=STAGE_HELP + " The study reads its unpruned reference at the same stage, so an index can only be 0.",
+        ),
+    ] = "first",
+    plan: Annotated[
+        bool,
+        typer.Option(
+            "--plan",
+            help="Print the grid's run commands instead of running them (after "
+            "the same checks as the study, on the loaded model).",
+        ),
+    ] = False,
     plan_format: Annotated[str, typer.Option(help="With --plan: lines, shell or slurm (array script).")] = "lines",
-    plan_file: Annotated[Optional[Path], typer.Option(help="With --plan: write the script here instead of printing.")] = None,
+    plan_file: Annotated[
+        Optional[Path], typer.Option(help="With --plan: write the script here instead of printing.")
+    ] = None,
     shard: Annotated[Optional[str], typer.Option(help="With --plan: only commands I, I+N, ...")] = None,
     report: Annotated[bool, typer.Option("--report", help="Only build summary and report from OUT/runs.")] = False,
     force: Annotated[
@@ -109,8 +134,9 @@ def study(
     if pope and questions:
         raise PruneAuditError("pass the question files once: --pope (POPE) or --questions (any task), not both")
     if pope and names != ["pope"]:
-        raise PruneAuditError(f"--pope names POPE question files; pass the {', '.join(names)} question files with "
-                              f"--questions")
+        raise PruneAuditError(
+            f"--pope names POPE question files; pass the {', '.join(names)} question files with --questions"
+        )
     targets = parse_epsilons(epsilons, "--epsilons")
     if splits < 1:
         raise PruneAuditError(f"--splits must be at least 1, got {splits}")
@@ -138,12 +164,22 @@ def study(
             parse_budgets(budgets),
             out,
             RunRequest(
-                model=model, question_files=question_files[name], task=name,
+                model=model,
+                question_files=question_files[name],
+                task=name,
                 max_new_tokens=task_option(name, "max_new_tokens", max_new_tokens),
-                confidence=task_option(name, "confidence", confidence), split=split,
-                images=next(iter(folders[name]), None), annotations=next(iter(evidence[name]), None), limit=limit,
-                batch_size=batch_size, device=device, dtype=dtype, seed=seed, prompt_template=prompt_template,
-                clip_text=clip_text, threads=threads,
+                confidence=task_option(name, "confidence", confidence),
+                split=split,
+                images=next(iter(folders[name]), None),
+                annotations=next(iter(evidence[name]), None),
+                limit=limit,
+                batch_size=batch_size,
+                device=device,
+                dtype=dtype,
+                seed=seed,
+                prompt_template=prompt_template,
+                clip_text=clip_text,
+                threads=threads,
             ),
             named_by_task=len(names) > 1,
         )
@@ -216,8 +252,10 @@ def _answer_grid(grid, plans, quiet: bool) -> None:
         outcomes = run_grid(grid, plans, progress.advance, on_cell)
     report_saved(grid.out / RUNS_FOLDER, total, total)  # a failure while reporting names the report, not the last run
     reused = sum(outcome.answered == 0 for outcome in outcomes)
-    counts = [f"{len(outcomes) - reused} answered now" if reused < len(outcomes) else "",
-              f"{reused} finished before, reused" if reused else ""]
+    counts = [
+        f"{len(outcomes) - reused} answered now" if reused < len(outcomes) else "",
+        f"{reused} finished before, reused" if reused else "",
+    ]
     print(f"{len(outcomes)} runs under {grid.out / 'runs'} ({', '.join(filter(None, counts))})")
 
 
@@ -239,15 +277,17 @@ def _write_report(out: Path, settings, force: bool, command: str, tasks: list[st
     from prune_audit.runner.study.grid import RUNS_FOLDER
 
     runs_dir = out / RUNS_FOLDER
-    by_task = study_tasks(runs_dir, settings.stage, tasks) if len(tasks) > 1 else {
-        tasks[0]: study_runs(runs_dir, settings.stage)}
+    by_task = (
+        study_tasks(runs_dir, settings.stage, tasks)
+        if len(tasks) > 1
+        else {tasks[0]: study_runs(runs_dir, settings.stage)}
+    )
     reports = {name: study_reports(reference, runs, settings, force) for name, (reference, runs) in by_task.items()}
     for name, task_reports in reports.items():
         feasible = {r["epsilon"] for r in task_reports.cascade["cascades"][0]["results"]}
         dropped = sorted(set(settings.epsilons) - feasible)
         if dropped:
-            print(f"note: epsilon {', '.join(f'{e:g}' for e in dropped)} below 1/(n+1) for the {name} images; "
-                  f"left out")
+            print(f"note: epsilon {', '.join(f'{e:g}' for e in dropped)} below 1/(n+1) for the {name} images; left out")
     write_files(out, study_files(reports, command))  # no settings recorded: the report is rebuilt with those given
     print((out / "report.md").read_text(encoding="utf-8").split("\n## Findings")[0])
     print(f"wrote summary.csv, summary.parquet, report.md and report.html to {out}")

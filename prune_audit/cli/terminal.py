@@ -30,8 +30,12 @@ class Page:
     def paragraph(self, text: str, indent: int = 0, hang: int | None = None) -> None:
         """``text`` from column ``indent``, its continuation lines from column ``hang`` (default: ``indent``)."""
         self.lines += textwrap.wrap(
-            text, self.width, initial_indent=" " * indent, subsequent_indent=" " * (indent if hang is None else hang),
-            break_long_words=False, break_on_hyphens=False,
+            text,
+            self.width,
+            initial_indent=" " * indent,
+            subsequent_indent=" " * (indent if hang is None else hang),
+            break_long_words=False,
+            break_on_hyphens=False,
         ) or [""]
 
     def blank(self) -> None:

@@ -14,19 +14,51 @@ from prune_audit.cli.common import STAGE_CHOICES, ThreadsOption, fail, handle_er
 @handle_errors
 def visualize(
     image: Annotated[Optional[Path], typer.Argument(help="Image to run the model on (omit with --run).")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Model folder or hub id (default: the bundled demo model).")] = None,
-    selector: Annotated[Optional[list[str]], typer.Option(help="Selector to draw; repeatable; all: every selector (default: none plus fastv, sparsevlm, visionzip, divprune, cdpruner, random).")] = None,
-    budget: Annotated[Optional[str], typer.Option(help="Visual tokens to keep, a share of the image's tokens (11%), or all (default: a quarter of the grid).")] = None,
-    option: Annotated[Optional[list[str]], typer.Option(help="Option KEY=VALUE of the one --selector drawn besides none (e.g. recycle=true); repeatable.")] = None,
-    object_name: Annotated[Optional[str], typer.Option("--object", help="Ask the POPE question about this object (default: the annotated one the model sees most).")] = None,
-    question: Annotated[Optional[str], typer.Option(help="Full question text instead of --object (text-conditioned selectors use it).")] = None,
-    annotations: Annotated[Optional[Path], typer.Option(help="COCO instances file: outline the queried object, show retention.")] = None,
+    model: Annotated[
+        Optional[str], typer.Option(help="Model folder or hub id (default: the bundled demo model).")
+    ] = None,
+    selector: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="Selector to draw; repeatable; all: every selector (default: none plus fastv, sparsevlm, visionzip, divprune, cdpruner, random)."
+        ),
+    ] = None,
+    budget: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Visual tokens to keep, a share of the image's tokens (11%), or all (default: a quarter of the grid)."
+        ),
+    ] = None,
+    option: Annotated[
+        Optional[list[str]],
+        typer.Option(help="Option KEY=VALUE of the one --selector drawn besides none (e.g. recycle=true); repeatable."),
+    ] = None,
+    object_name: Annotated[
+        Optional[str],
+        typer.Option(
+            "--object", help="Ask the POPE question about this object (default: the annotated one the model sees most)."
+        ),
+    ] = None,
+    question: Annotated[
+        Optional[str], typer.Option(help="Full question text instead of --object (text-conditioned selectors use it).")
+    ] = None,
+    annotations: Annotated[
+        Optional[Path], typer.Option(help="COCO instances file: outline the queried object, show retention.")
+    ] = None,
     clip_text: Annotated[Optional[Path], typer.Option(help="CLIP text tower folder (lets CDPruner run).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: figures/<image stem>/), or a .png/.svg file.")] = None,
-    run: Annotated[Optional[Path], typer.Option("--run", help="Redraw a recorded question from this run directory (no model).")] = None,
+    out: Annotated[
+        Optional[Path], typer.Option(help="Output folder (default: figures/<image stem>/), or a .png/.svg file.")
+    ] = None,
+    run: Annotated[
+        Optional[Path], typer.Option("--run", help="Redraw a recorded question from this run directory (no model).")
+    ] = None,
     question_id: Annotated[Optional[int], typer.Option(help="With --run: the question id.")] = None,
-    split: Annotated[Optional[str], typer.Option(help="With --run: the split, when the id repeats across splits.")] = None,
-    stage: Annotated[str, typer.Option(help=f"With --run: the stage whose retention the panel states: {STAGE_CHOICES}")] = "first",
+    split: Annotated[
+        Optional[str], typer.Option(help="With --run: the split, when the id repeats across splits.")
+    ] = None,
+    stage: Annotated[
+        str, typer.Option(help=f"With --run: the stage whose retention the panel states: {STAGE_CHOICES}")
+    ] = "first",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for random selectors.")] = 0,
     threads: ThreadsOption = None,
@@ -51,13 +83,25 @@ def visualize(
 
     if out is not None and out.suffix and out.suffix.lower() not in {".png", ".svg"}:
         raise fail(f"--out must be a folder or end in .png or .svg, got {out.name}")
-    live_only = {"IMAGE": image, "--model": model, "--selector": selector, "--budget": budget, "--option": option,
-                 "--object": object_name, "--question": question, "--annotations": annotations,
-                 "--clip-text": clip_text, "--device": device != "auto", "--seed": seed != 0, "--threads": threads}
+    live_only = {
+        "IMAGE": image,
+        "--model": model,
+        "--selector": selector,
+        "--budget": budget,
+        "--option": option,
+        "--object": object_name,
+        "--question": question,
+        "--annotations": annotations,
+        "--clip-text": clip_text,
+        "--device": device != "auto",
+        "--seed": seed != 0,
+        "--threads": threads,
+    }
     record_only = {"--question-id": question_id, "--split": split, "--stage": stage != "first"}
     if run is not None and (given := _first_given(live_only)):
-        raise fail(f"{given} does not apply with --run, which redraws the recorded question as it ran; "
-                   f"drop {given} or --run")
+        raise fail(
+            f"{given} does not apply with --run, which redraws the recorded question as it ran; drop {given} or --run"
+        )
     if run is None and (given := _first_given(record_only)):
         raise fail(f"{given} applies only with --run RUN_DIR; drop it or add --run")
     if run is not None:
@@ -73,9 +117,20 @@ def visualize(
         from prune_audit.threads import configure_threads
 
         configure_threads(threads)
-        request = VisualizeRequest(image=image, model=model, selectors=selector or [], options=option or [],
-                                   budget=parse_budget(budget), question=question, object_name=object_name,
-                                   annotations=annotations, out=out, clip_text=clip_text, device=device, seed=seed)
+        request = VisualizeRequest(
+            image=image,
+            model=model,
+            selectors=selector or [],
+            options=option or [],
+            budget=parse_budget(budget),
+            question=question,
+            object_name=object_name,
+            annotations=annotations,
+            out=out,
+            clip_text=clip_text,
+            device=device,
+            seed=seed,
+        )
         figure = visualize_live(request)
         for warning in figure.warnings:
             print(f"warning: {warning}", file=sys.stderr)
@@ -98,5 +153,6 @@ def _print_figure(figure) -> None:
 
 def _first_given(options: dict[str, object]) -> str | None:
     """The first option name whose value was given (not None, False or an empty list; 0 counts as given)."""
-    return next((name for name, value in options.items() if value is not None and value is not False and value != []),
-                None)
+    return next(
+        (name for name, value in options.items() if value is not None and value is not False and value != []), None
+    )

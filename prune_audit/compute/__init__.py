@@ -8,4 +8,13 @@ transformers. The formulas and what they leave out are in docs/compute.md.
 from prune_audit.compute.cost import PrefillCost, QuestionTokens, StageProbe, prefill_cost
 from prune_audit.compute.shape import ClipTextShape, LanguageShape, ModelShape, VisionShape
 
-__all__ = ["ClipTextShape", "LanguageShape", "ModelShape", "VisionShape", "QuestionTokens", "StageProbe", "PrefillCost", "prefill_cost"]
+__all__ = [
+    "ClipTextShape",
+    "LanguageShape",
+    "ModelShape",
+    "VisionShape",
+    "QuestionTokens",
+    "StageProbe",
+    "PrefillCost",
+    "prefill_cost",
+]

@@ -118,8 +118,10 @@ class Schedules:
                 from prune_audit.pruners.schedule import scaled_layer_note
 
                 note = scaled_layer_note(selector, num_layers)
-                raise PruneAuditError(f"selector {selector.name!r} has no schedule for budget {budget} (a layer "
-                                      f"average{'; ' + note if note else ''}): {error}") from None
+                raise PruneAuditError(
+                    f"selector {selector.name!r} has no schedule for budget {budget} (a layer "
+                    f"average{'; ' + note if note else ''}): {error}"
+                ) from None
         return self._solved[key]
 
 

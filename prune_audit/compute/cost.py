@@ -7,20 +7,19 @@ from dataclasses import dataclass
 from prune_audit.compute import flops
 from prune_audit.compute.shape import ModelShape
 
-
 SIGNAL_SOURCES: dict[str, str] = {
     "vision_cls_row": "the CLS row of the feature layer's attention, recomputed from its projections (CLS-attention "
-                      "selectors)",
+    "selectors)",
     "vision_layer_attention": "every vision encoder layer's attention recomputed on its input (per-layer vision "
-                              "signals: HiPrune, VScan)",
+    "signals: HiPrune, VScan)",
     "vision_merging_tower": "the vision tower rerun with merges between its layers (ToMe location=tower)",
     "clip_text_tower": "the CLIP text tower on the question (CDPruner's text relevance)",
     "decoder_demand_rows": "attention rows of the text after the image at decoder layer 0 over the unpruned prompt "
-                           "(coverage's demand)",
+    "(coverage's demand)",
     "decoder_attention_rows": "attention rows of the text after the image at each in-LLM stage's signal layer",
     "decoder_key_norms": "the keys of each in-LLM stage's signal layer, for their norms",
     "decoder_rope_logits": "all-ones RoPE logits of the text after the image against the alive visual tokens "
-                           "(SparseVLM v2)",
+    "(SparseVLM v2)",
 }
 """Where a selector's signals came from beyond the prefill itself, by record value (``signal_sources``), in the
 order a record lists them; their FLOPs are in ``flops_vision`` / ``flops_llm``. Attention rows and keys are
@@ -141,7 +140,9 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     """The cost columns of one question's prefill."""
     vision, language = shape.vision, shape.language
     patch_grid = tokens.crop_grid or (tokens.grid[0] * vision.merge, tokens.grid[1] * vision.merge)
-    tower = tokens.crops * flops.vision_tower(vision, patch_grid) + flops.projector(vision, tokens.projected_tokens or tokens.visual_tokens)
+    tower = tokens.crops * flops.vision_tower(vision, patch_grid) + flops.projector(
+        vision, tokens.projected_tokens or tokens.visual_tokens
+    )
     signals = tokens.crops * flops.cls_probe(vision, patch_grid) if tokens.cls_probe else 0
     signals += tokens.crops * flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
     if tokens.text_chunks:
@@ -150,8 +151,10 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     signals += flops.projector(vision, tokens.reprojected)
     lengths = [tokens.text_tokens + visual for visual in tokens.visual_per_layer]
     full = tokens.text_tokens + tokens.visual_tokens
-    probes = sum(flops.decoder_probe(language, p.queries, p.keys, p.attention, p.key_norms, p.rope_columns)
-                 for p in tokens.stage_probes)
+    probes = sum(
+        flops.decoder_probe(language, p.queries, p.keys, p.attention, p.key_norms, p.rope_columns)
+        for p in tokens.stage_probes
+    )
     if tokens.demand_probe:
         probes += flops.decoder_probe(language, tokens.text_after, full, attention_rows=True, key_norms=False)
     llm = flops.language_prefill(language, lengths) + probes

@@ -42,8 +42,10 @@ def vision_layer_blocks(vision: VisionShape, patch_grid: tuple[int, int]) -> lis
     """For each encoder layer run, the lengths of the blocks it attends within (one block: global)."""
     tokens = vision.class_tokens + patch_grid[0] * patch_grid[1]
     windows = window_lengths(vision, patch_grid) if vision.window else [tokens]
-    return [[tokens] if layer in vision.full_attention_layers or not vision.window else windows
-            for layer in range(vision.layers)]
+    return [
+        [tokens] if layer in vision.full_attention_layers or not vision.window else windows
+        for layer in range(vision.layers)
+    ]
 
 
 def vision_tower(vision: VisionShape, patch_grid: tuple[int, int]) -> int:
@@ -82,8 +84,10 @@ def cls_probe(vision: VisionShape, patch_grid: tuple[int, int]) -> int:
     """CLS-row attention of the feature layer (``models.probe.clip_cls_row``): the CLS query, every key,
     and the CLS logits twice (in float32 and as the official code forms them)."""
     tokens = vision.class_tokens + patch_grid[0] * patch_grid[1]
-    return matmul(1, vision.width, vision.width) + matmul(tokens, vision.width, vision.width) + 2 * matmul(
-        1, vision.width, tokens
+    return (
+        matmul(1, vision.width, vision.width)
+        + matmul(tokens, vision.width, vision.width)
+        + 2 * matmul(1, vision.width, tokens)
     )
 
 

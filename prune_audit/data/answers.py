@@ -70,7 +70,13 @@ def match_answers(question_ids: Sequence[str], answers: dict[str, LlavaAnswer], 
     texts, used = [], set()
     missing = []
     for question_id in question_ids:
-        key = question_id if question_id in answers else by_number.get(int(question_id)) if is_digits(question_id) else None
+        key = (
+            question_id
+            if question_id in answers
+            else by_number.get(int(question_id))
+            if is_digits(question_id)
+            else None
+        )
         if key is None:
             missing.append(question_id)
             continue

@@ -66,9 +66,12 @@ def read_coco_captions(path: str | Path) -> dict[int, list[str]]:
     return captions
 
 
-def caption_questions(coco: CocoInstances, captions: dict[int, list[str]] | None = None,
-                      image_ids: Sequence[int] | None = None,
-                      vocabulary: ChairVocabulary | None = None) -> list[CaptionQuestion]:
+def caption_questions(
+    coco: CocoInstances,
+    captions: dict[int, list[str]] | None = None,
+    image_ids: Sequence[int] | None = None,
+    vocabulary: ChairVocabulary | None = None,
+) -> list[CaptionQuestion]:
     """One question per image (default every image of ``coco``, in file order).
 
     Raises:
@@ -90,10 +93,15 @@ def caption_questions(coco: CocoInstances, captions: dict[int, list[str]] | None
                 )
             mentioned = tuple(sorted(caption_objects(captions[image_id], vocabulary)))
         name = check_image_name(image.file_name, f"{coco.source}: image {image_id}")
-        questions.append(CaptionQuestion(question_id=image_id, image=name,
-                                         objects=tuple(coco.object_names(image_id)),
-                                         annotations_sha256=image_annotations_sha256(coco, image_id),
-                                         caption_objects=mentioned))
+        questions.append(
+            CaptionQuestion(
+                question_id=image_id,
+                image=name,
+                objects=tuple(coco.object_names(image_id)),
+                annotations_sha256=image_annotations_sha256(coco, image_id),
+                caption_objects=mentioned,
+            )
+        )
     if not questions:
         raise PruneAuditError(f"{coco.source}: no images to describe")
     return questions
@@ -103,8 +111,9 @@ def image_annotations_sha256(coco: CocoInstances, image_id: int) -> str:
     """sha256 of what ``coco`` says of one image: its id, file name and size, and each annotation's category name
     and segmentation in file order (category ids and other fields may differ between exports)."""
     image = coco.image(image_id)
-    annotations = [[coco.category_names[ann["category_id"]], ann["segmentation"]]
-                   for ann in coco.annotations_by_image[image_id]]
+    annotations = [
+        [coco.category_names[ann["category_id"]], ann["segmentation"]] for ann in coco.annotations_by_image[image_id]
+    ]
     content = [image.id, image.file_name, image.width, image.height, annotations]
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
@@ -119,13 +128,18 @@ def check_evidence_file(questions: Sequence[CaptionQuestion], coco: CocoInstance
         except PruneAuditError:  # the image is not in the file
             image_id = None
         if image_id is None or image_annotations_sha256(coco, image_id) != question.annotations_sha256:
-            what = "does not hold" if image_id is None else "annotates otherwise (id, file name, size, objects or masks)"
-            raise PruneAuditError(f"{coco.source} {what} image {question.image} of the caption questions; pass the "
-                                  f"instances file of --questions with --annotations too")
+            what = (
+                "does not hold" if image_id is None else "annotates otherwise (id, file name, size, objects or masks)"
+            )
+            raise PruneAuditError(
+                f"{coco.source} {what} image {question.image} of the caption questions; pass the "
+                f"instances file of --questions with --annotations too"
+            )
 
 
-def score_caption_answers(answers: str | Path, questions: Sequence[CaptionQuestion],
-                          vocabulary: ChairVocabulary | None = None) -> dict[str, Any]:
+def score_caption_answers(
+    answers: str | Path, questions: Sequence[CaptionQuestion], vocabulary: ChairVocabulary | None = None
+) -> dict[str, Any]:
     """CHAIR of a LLaVA answers file (``question_id`` = image id, ``text`` = caption).
 
     Returns ``answers`` (path, sha256), ``metrics`` (:func:`~prune_audit.data.chair.chair_metrics`)
@@ -133,12 +147,24 @@ def score_caption_answers(answers: str | Path, questions: Sequence[CaptionQuesti
     chair_s, recall (NaN for an image without annotated objects).
     """
     texts = match_answers([str(q.question_id) for q in questions], load_llava_answers(answers), answers)
-    scores = [score_caption(text, q.objects, q.caption_objects, vocabulary) for q, text in zip(questions, texts, strict=True)]
+    scores = [
+        score_caption(text, q.objects, q.caption_objects, vocabulary) for q, text in zip(questions, texts, strict=True)
+    ]
     rows = [
-        {"question_id": q.question_id, "caption": text, "mentioned": list(score.mentioned),
-         "hallucinated": list(score.hallucinated), "omitted": list(score.omitted), "chair_i": score.chair_i,
-         "chair_s": score.chair_s, "recall": score.recall}
+        {
+            "question_id": q.question_id,
+            "caption": text,
+            "mentioned": list(score.mentioned),
+            "hallucinated": list(score.hallucinated),
+            "omitted": list(score.omitted),
+            "chair_i": score.chair_i,
+            "chair_s": score.chair_s,
+            "recall": score.recall,
+        }
         for q, text, score in zip(questions, texts, scores)
     ]
-    return {"answers": {"path": str(answers), "sha256": file_sha256(answers)}, "metrics": chair_metrics(scores),
-            "per_question": rows}
+    return {
+        "answers": {"path": str(answers), "sha256": file_sha256(answers)},
+        "metrics": chair_metrics(scores),
+        "per_question": rows,
+    }

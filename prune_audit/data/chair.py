@@ -37,18 +37,55 @@ from prune_audit.errors import PruneAuditError
 
 SYNONYMS_FILE = Path(__file__).resolve().parents[1] / "assets" / "chair" / "synonyms.txt"
 DOUBLE_WORDS = (
-    "motor bike", "motor cycle", "air plane", "traffic light", "street light", "traffic signal", "stop light",
-    "fire hydrant", "stop sign", "parking meter", "suit case", "sports ball", "baseball bat", "baseball glove",
-    "tennis racket", "wine glass", "hot dog", "cell phone", "mobile phone", "teddy bear", "hair drier",
-    "potted plant", "bow tie", "laptop computer", "stove top oven", "home plate", "train track",
+    "motor bike",
+    "motor cycle",
+    "air plane",
+    "traffic light",
+    "street light",
+    "traffic signal",
+    "stop light",
+    "fire hydrant",
+    "stop sign",
+    "parking meter",
+    "suit case",
+    "sports ball",
+    "baseball bat",
+    "baseball glove",
+    "tennis racket",
+    "wine glass",
+    "hot dog",
+    "cell phone",
+    "mobile phone",
+    "teddy bear",
+    "hair drier",
+    "potted plant",
+    "bow tie",
+    "laptop computer",
+    "stove top oven",
+    "home plate",
+    "train track",
 )
 """Word pairs CHAIR reads as one word (``coco_double_words`` in ``chair.py``)."""
 ANIMAL_WORDS = ("bird", "cat", "dog", "horse", "sheep", "cow", "elephant", "bear", "zebra", "giraffe", "animal", "cub")
 VEHICLE_WORDS = ("jet", "train")
 IRREGULAR_PLURALS = {
-    "men": "man", "women": "woman", "children": "child", "feet": "foot", "teeth": "tooth", "geese": "goose",
-    "mice": "mouse", "oxen": "ox", "knives": "knife", "wives": "wife", "leaves": "leaf", "loaves": "loaf",
-    "shelves": "shelf", "wolves": "wolf", "calves": "calf", "halves": "half", "scarves": "scarf",
+    "men": "man",
+    "women": "woman",
+    "children": "child",
+    "feet": "foot",
+    "teeth": "tooth",
+    "geese": "goose",
+    "mice": "mouse",
+    "oxen": "ox",
+    "knives": "knife",
+    "wives": "wife",
+    "leaves": "leaf",
+    "loaves": "loaf",
+    "shelves": "shelf",
+    "wolves": "wolf",
+    "calves": "calf",
+    "halves": "half",
+    "scarves": "scarf",
 }
 _TOKEN = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
 _ES_PLURAL = ("sses", "shes", "ches", "xes", "zzes", "oes")
@@ -96,8 +133,9 @@ def default_vocabulary() -> ChairVocabulary:
     return read_vocabulary()
 
 
-def with_categories(vocabulary: ChairVocabulary, categories: Iterable[str],
-                    source: str = "the instances file") -> ChairVocabulary:
+def with_categories(
+    vocabulary: ChairVocabulary, categories: Iterable[str], source: str = "the instances file"
+) -> ChairVocabulary:
     """``vocabulary`` plus each one- or two-word name of ``categories`` it does not list, as its own synonym.
 
     A COCO-format file's category names are COCO's (all listed: nothing changes) unless it annotates
@@ -112,16 +150,62 @@ def with_categories(vocabulary: ChairVocabulary, categories: Iterable[str],
         check_category_name(name, source)
     single = {name: name for name in missing if " " not in name}
     pairs = {name: name for name in missing if name.count(" ") == 1}
-    return ChairVocabulary(synonyms={**vocabulary.synonyms, **single, **pairs},
-                           pairs={**vocabulary.pairs, **pairs})
+    return ChairVocabulary(synonyms={**vocabulary.synonyms, **single, **pairs}, pairs={**vocabulary.pairs, **pairs})
 
 
-FUNCTION_WORDS = frozenset((
-    "a", "an", "the", "this", "that", "these", "those", "some", "any", "no", "not", "and", "or", "but", "of", "in",
-    "on", "at", "to", "by", "for", "with", "from", "as", "into", "onto", "over", "under", "near", "next", "is",
-    "are", "was", "were", "be", "been", "has", "have", "it", "its", "there", "here", "i", "you", "he", "she", "we",
-    "they", "one",
-))
+FUNCTION_WORDS = frozenset(
+    (
+        "a",
+        "an",
+        "the",
+        "this",
+        "that",
+        "these",
+        "those",
+        "some",
+        "any",
+        "no",
+        "not",
+        "and",
+        "or",
+        "but",
+        "of",
+        "in",
+        "on",
+        "at",
+        "to",
+        "by",
+        "for",
+        "with",
+        "from",
+        "as",
+        "into",
+        "onto",
+        "over",
+        "under",
+        "near",
+        "next",
+        "is",
+        "are",
+        "was",
+        "were",
+        "be",
+        "been",
+        "has",
+        "have",
+        "it",
+        "its",
+        "there",
+        "here",
+        "i",
+        "you",
+        "he",
+        "she",
+        "we",
+        "they",
+        "one",
+    )
+)
 """Words of nearly every caption ("A dog is on the grass"): a category named by one would be "mentioned" by
 every caption, so such names are refused (``check_category_name``)."""
 
@@ -139,8 +223,10 @@ def check_category_name(name: str, source: str) -> None:
         reason = "it is a word of nearly every caption, so every caption would mention it"
     else:
         return
-    raise PruneAuditError(f"category {name!r} of {source} cannot name an object in captions: {reason}; rename it "
-                          f"in the instances file to the object's noun (lowercase, e.g. 'circle' or 'traffic cone')")
+    raise PruneAuditError(
+        f"category {name!r} of {source} cannot name an object in captions: {reason}; rename it "
+        f"in the instances file to the object's noun (lowercase, e.g. 'circle' or 'traffic cone')"
+    )
 
 
 def singularize(word: str, known: Collection[str] = ()) -> str:
@@ -177,7 +263,7 @@ def caption_words(caption: str, vocabulary: ChairVocabulary | None = None) -> li
     tokens = [singularize(token, known) for token in _TOKEN.findall(caption.lower())]
     words, index = [], 0
     while index < len(tokens):
-        pair = " ".join(tokens[index:index + 2])
+        pair = " ".join(tokens[index : index + 2])
         if pair in vocabulary.pairs:
             words.append(vocabulary.pairs[pair])
             index += 2
@@ -200,8 +286,11 @@ class Mention:
 def mentions(caption: str, vocabulary: ChairVocabulary | None = None) -> list[Mention]:
     """Every COCO object mention of the caption, in order, repeats included."""
     vocabulary = vocabulary or default_vocabulary()
-    return [Mention(word, vocabulary.synonyms[word]) for word in caption_words(caption, vocabulary)
-            if word in vocabulary.synonyms]
+    return [
+        Mention(word, vocabulary.synonyms[word])
+        for word in caption_words(caption, vocabulary)
+        if word in vocabulary.synonyms
+    ]
 
 
 @dataclass(frozen=True)
@@ -240,8 +329,12 @@ class CaptionScore:
         return 1 - len(self.omitted) / len(self.annotated) if self.annotated else math.nan
 
 
-def score_caption(caption: str, annotated: Sequence[str], also_present: Collection[str] = (),
-                  vocabulary: ChairVocabulary | None = None) -> CaptionScore:
+def score_caption(
+    caption: str,
+    annotated: Sequence[str],
+    also_present: Collection[str] = (),
+    vocabulary: ChairVocabulary | None = None,
+) -> CaptionScore:
     """Mentions, hallucinations and omissions of ``caption``.
 
     Args:

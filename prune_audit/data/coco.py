@@ -119,7 +119,9 @@ def check_segmentation(segmentation: Any, image: CocoImage, where: str) -> None:
         raise PruneAuditError(f"{where} has a segmentation that is neither polygons nor RLE")
     size = segmentation["size"]
     if not isinstance(size, list) or size != [image.height, image.width]:
-        raise PruneAuditError(f"{where} has RLE size {size!r} but the image is {image.height}x{image.width} (height x width)")
+        raise PruneAuditError(
+            f"{where} has RLE size {size!r} but the image is {image.height}x{image.width} (height x width)"
+        )
     counts = segmentation["counts"]
     if isinstance(counts, list):
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
@@ -175,11 +177,21 @@ def check_unambiguous(images: Sequence[CocoImage], categories: Sequence[tuple[in
     category's instances. Files are matched by base name, as questions name them.
     """
     _refuse_repeats([image.id for image in images], source, "images", "id", "list each image once")
-    _refuse_repeats([Path(image.file_name).name for image in images], source, "images", "file_name",
-                    "list each image file under one id")
+    _refuse_repeats(
+        [Path(image.file_name).name for image in images],
+        source,
+        "images",
+        "file_name",
+        "list each image file under one id",
+    )
     _refuse_repeats([cat_id for cat_id, _ in categories], source, "categories", "id", "give each category its own id")
-    _refuse_repeats([name for _, name in categories], source, "categories", "name",
-                    "give each category its own name (merge the duplicates)")
+    _refuse_repeats(
+        [name for _, name in categories],
+        source,
+        "categories",
+        "name",
+        "give each category its own name (merge the duplicates)",
+    )
 
 
 def _refuse_repeats(values: Sequence[Any], source: str, section: str, key: str, fix: str) -> None:
@@ -236,8 +248,9 @@ class CocoInstances:
     @classmethod
     def load(cls, path: str | Path) -> CocoInstances:
         """Read an instances JSON file."""
-        return cls(read_json(path, "annotations file", "pass the COCO instances JSON with --annotations"),
-                   source=str(path))
+        return cls(
+            read_json(path, "annotations file", "pass the COCO instances JSON with --annotations"), source=str(path)
+        )
 
     def image(self, image_id: int) -> CocoImage:
         if image_id not in self.images:
@@ -311,7 +324,9 @@ class CocoInstances:
 
         category_id = self.category_id(category_name)
         image = self.image(image_id)
-        rles = [self.annotation_rle(ann) for ann in self.annotations_by_image[image.id] if ann["category_id"] == category_id]
+        rles = [
+            self.annotation_rle(ann) for ann in self.annotations_by_image[image.id] if ann["category_id"] == category_id
+        ]
         if not rles:
             return np.zeros((image.height, image.width), dtype=bool)
         return decode_rle(mask_utils.merge(rles, intersect=False))

@@ -16,8 +16,9 @@ from prune_audit.safety.fingerprint import file_sha256
 from prune_audit.safety.inputs import loads_json, open_input
 
 
-def read_json_lines(path: str | Path, role: str = "question file",
-                    fix: str = "pass the JSON Lines file itself") -> list[tuple[int, dict[str, Any]]]:
+def read_json_lines(
+    path: str | Path, role: str = "question file", fix: str = "pass the JSON Lines file itself"
+) -> list[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line; a malformed line names the file and line.
 
     ``role`` and ``fix`` word the refusal of a path that is no readable regular file (``safety.inputs``).

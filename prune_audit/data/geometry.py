@@ -257,10 +257,12 @@ def token_index_map(geometry: TokenGeometry) -> np.ndarray:
     """
     if not isinstance(geometry, TokenGeometry):  # data.multigrid's geometries map themselves
         return geometry.index_map()
-    rows = _pixel_tokens_1d(geometry.image_height, geometry.scale_y, geometry.offset_y, geometry.token_pixels,
-                            geometry.grid_rows)
-    cols = _pixel_tokens_1d(geometry.image_width, geometry.scale_x, geometry.offset_x, geometry.token_pixels,
-                            geometry.grid_cols)
+    rows = _pixel_tokens_1d(
+        geometry.image_height, geometry.scale_y, geometry.offset_y, geometry.token_pixels, geometry.grid_rows
+    )
+    cols = _pixel_tokens_1d(
+        geometry.image_width, geometry.scale_x, geometry.offset_x, geometry.token_pixels, geometry.grid_cols
+    )
     index = rows[:, None] * geometry.grid_cols + cols[None, :]
     index[(rows[:, None] < 0) | (cols[None, :] < 0)] = -1
     index.flags.writeable = False
@@ -331,12 +333,18 @@ def qwen_geometry_from_processor(image_processor: Any, image_size: tuple[int, in
     max_pixels = _size_value(size, "longest_edge") or getattr(image_processor, "max_pixels", None)
     if min_pixels is None or max_pixels is None:
         raise PruneAuditError("Qwen2-VL image processor has no min/max pixels in its size configuration")
-    return qwen_geometry(image_size, min_pixels=int(min_pixels), max_pixels=int(max_pixels),
-                         patch_size=int(image_processor.patch_size), merge_size=int(image_processor.merge_size))
+    return qwen_geometry(
+        image_size,
+        min_pixels=int(min_pixels),
+        max_pixels=int(max_pixels),
+        patch_size=int(image_processor.patch_size),
+        merge_size=int(image_processor.merge_size),
+    )
 
 
-def clip_geometry_from_processor(image_processor: Any, image_size: tuple[int, int], *, patch_size: int,
-                                 pads_to_square: bool = False) -> TokenGeometry:
+def clip_geometry_from_processor(
+    image_processor: Any, image_size: tuple[int, int], *, patch_size: int, pads_to_square: bool = False
+) -> TokenGeometry:
     """:func:`clip_geometry` as a LLaVA image processor (``CLIPImageProcessor``/``LlavaImageProcessor``, any
     backend; not its wrapper) is configured: resize, centre crop, and ``do_pad`` read as Llava's pad to square
     (``hf_pad``; the caller vouches for that reading). ``pads_to_square``: the original LLaVA
@@ -349,7 +357,9 @@ def clip_geometry_from_processor(image_processor: Any, image_size: tuple[int, in
     if getattr(image_processor, "do_resize", True):
         shortest_edge = _size_value(size, "shortest_edge")
         height, width = _size_value(size, "height"), _size_value(size, "width")
-        if _size_value(size, "longest_edge") is not None or (shortest_edge is None and (height is None or width is None)):
+        if _size_value(size, "longest_edge") is not None or (
+            shortest_edge is None and (height is None or width is None)
+        ):
             raise PruneAuditError(f"unsupported resize configuration {dict(size)} in {family}")
         if shortest_edge is None:
             resize_to = (height, width)
@@ -357,8 +367,14 @@ def clip_geometry_from_processor(image_processor: Any, image_size: tuple[int, in
     if getattr(image_processor, "do_center_crop", False):
         crop = image_processor.crop_size
         crop_size = (_size_value(crop, "height"), _size_value(crop, "width"))
-    return clip_geometry(image_size, mode=mode, shortest_edge=shortest_edge, resize_to=resize_to, crop_size=crop_size,
-                         patch_size=patch_size)
+    return clip_geometry(
+        image_size,
+        mode=mode,
+        shortest_edge=shortest_edge,
+        resize_to=resize_to,
+        crop_size=crop_size,
+        patch_size=patch_size,
+    )
 
 
 def geometry_from_processor(
@@ -385,7 +401,9 @@ def geometry_from_processor(
     """
     image_processor, wrapper_patch = _unwrap_image_processor(processor)
     if image_aspect_ratio not in (None, "pad", "square"):
-        raise PruneAuditError(f"unsupported image_aspect_ratio {image_aspect_ratio!r} (expected 'pad', 'square' or none)")
+        raise PruneAuditError(
+            f"unsupported image_aspect_ratio {image_aspect_ratio!r} (expected 'pad', 'square' or none)"
+        )
     if hasattr(image_processor, "merge_size") and hasattr(image_processor, "temporal_patch_size"):
         if image_aspect_ratio == "pad":
             raise PruneAuditError("image_aspect_ratio='pad' applies to LLaVA, not to a Qwen2-VL processor")
@@ -395,6 +413,9 @@ def geometry_from_processor(
         raise PruneAuditError(f"no token geometry for image processor {type(image_processor).__name__}")
     if getattr(image_processor, "do_pad", False) and family != "LlavaImageProcessor":
         raise PruneAuditError(f"{family} with do_pad=True pads to a fixed batch size, which is not supported")
-    return clip_geometry_from_processor(image_processor, image_size,
-                                        patch_size=int(patch_size or wrapper_patch or CLIP_PATCH_SIZE),
-                                        pads_to_square=image_aspect_ratio == "pad")
+    return clip_geometry_from_processor(
+        image_processor,
+        image_size,
+        patch_size=int(patch_size or wrapper_patch or CLIP_PATCH_SIZE),
+        pads_to_square=image_aspect_ratio == "pad",
+    )

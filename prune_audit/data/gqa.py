@@ -106,8 +106,10 @@ def reference_text(value: Any, where: str, key: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise PruneAuditError(f"{where}: {key} must be text and not blank (or be left out), got {value!r}: a blank "
-                              f"reference marks every answer wrong; give the reference {key} or leave the field out")
+        raise PruneAuditError(
+            f"{where}: {key} must be text and not blank (or be left out), got {value!r}: a blank "
+            f"reference marks every answer wrong; give the reference {key} or leave the field out"
+        )
     return value
 
 
@@ -127,15 +129,22 @@ def load_llava_gqa(path: str | Path) -> list[GqaQuestion]:
         where = f"{path}:{number}"
         missing = [key for key in ("question_id", "image", "text") if key not in row]
         if missing:
-            raise PruneAuditError(f"{where}: missing {', '.join(missing)}; LLaVA's GQA lines have question_id, image, text")
+            raise PruneAuditError(
+                f"{where}: missing {', '.join(missing)}; LLaVA's GQA lines have question_id, image, text"
+            )
         question_id = question_id_digits(row["question_id"], where)
         note_question(question_id, QuestionPlace(Path(path), "line", number, f"question_id {question_id}"), seen)
         text = _text(row["text"], where, "text")
         category = row.get("category")
-        questions.append(GqaQuestion(
-            question_id=question_id, image=check_image_name(row["image"], where), text=text,
-            question=text.strip().splitlines()[0].strip(), category=None if category is None else str(category),
-        ))
+        questions.append(
+            GqaQuestion(
+                question_id=question_id,
+                image=check_image_name(row["image"], where),
+                text=text,
+                question=text.strip().splitlines()[0].strip(),
+                category=None if category is None else str(category),
+            )
+        )
     if not questions:
         raise PruneAuditError(f"{path}: no questions")
     return questions
@@ -175,14 +184,19 @@ def read_gqa_questions(path: str | Path) -> dict[str, dict[str, Any]]:
 
 def _from_gqa_entry(question_id: str, entry: dict[str, Any], where: str) -> GqaQuestion:
     return GqaQuestion(
-        question_id=question_id, image=f"{entry['imageId']}.jpg", text=entry["question"],
-        question=entry["question"], answer=entry.get("answer"), full_answer=entry.get("fullAnswer"),
+        question_id=question_id,
+        image=f"{entry['imageId']}.jpg",
+        text=entry["question"],
+        question=entry["question"],
+        answer=entry.get("answer"),
+        full_answer=entry.get("fullAnswer"),
         evidence_object_ids=_annotation_ids(entry, where),
     )
 
 
-def load_gqa(questions_json: str | Path, llava_file: str | Path | None = None,
-             scene_graphs: dict[str, SceneGraph] | None = None) -> list[GqaQuestion]:
+def load_gqa(
+    questions_json: str | Path, llava_file: str | Path | None = None, scene_graphs: dict[str, SceneGraph] | None = None
+) -> list[GqaQuestion]:
     """GQA questions with reference answers and evidence object ids.
 
     Args:
@@ -209,11 +223,18 @@ def load_gqa(questions_json: str | Path, llava_file: str | Path | None = None,
                     f"pass the files of the same GQA release"
                 )
             full = _from_gqa_entry(question.question_id, entry, where)
-            questions.append(GqaQuestion(
-                question_id=question.question_id, image=question.image, text=question.text, question=question.question,
-                answer=full.answer, full_answer=full.full_answer, evidence_object_ids=full.evidence_object_ids,
-                category=question.category,
-            ))
+            questions.append(
+                GqaQuestion(
+                    question_id=question.question_id,
+                    image=question.image,
+                    text=question.text,
+                    question=question.question,
+                    answer=full.answer,
+                    full_answer=full.full_answer,
+                    evidence_object_ids=full.evidence_object_ids,
+                    category=question.category,
+                )
+            )
     if scene_graphs is not None:
         for question in questions:
             _check_evidence(question, scene_graphs)
@@ -236,7 +257,12 @@ def _check_evidence(question: GqaQuestion, graphs: dict[str, SceneGraph]) -> Non
 
 
 def _pixels(value: Any, where: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+    ):
         raise PruneAuditError(f"{where} must be a whole number of pixels, got {value!r}; fix the scene graph")
     if value < minimum:
         raise PruneAuditError(f"{where} must be at least {minimum}, got {value!r}; fix the scene graph")
@@ -253,15 +279,20 @@ def load_scene_graphs(path: str | Path) -> dict[str, SceneGraph]:
         where = f"{path}: image {image_id}"
         if not isinstance(entry, dict) or not isinstance(entry.get("objects"), dict):
             raise PruneAuditError(f"{where} needs width, height and an objects map")
-        width, height = _pixels(entry.get("width"), f"{where} width", 1), _pixels(entry.get("height"), f"{where} height", 1)
+        width, height = (
+            _pixels(entry.get("width"), f"{where} width", 1),
+            _pixels(entry.get("height"), f"{where} height", 1),
+        )
         objects = {}
         for object_id, obj in entry["objects"].items():
             at = f"{where} object {object_id}"
             if not isinstance(obj, dict):
                 raise PruneAuditError(f"{at} is a JSON {type(obj).__name__}, not an object")
             objects[object_id] = SceneObject(
-                name=_text(obj.get("name"), at, "name"), x=_pixels(obj.get("x"), f"{at} x", 0),
-                y=_pixels(obj.get("y"), f"{at} y", 0), w=_pixels(obj.get("w"), f"{at} w", 0),
+                name=_text(obj.get("name"), at, "name"),
+                x=_pixels(obj.get("x"), f"{at} x", 0),
+                y=_pixels(obj.get("y"), f"{at} y", 0),
+                w=_pixels(obj.get("w"), f"{at} w", 0),
                 h=_pixels(obj.get("h"), f"{at} h", 0),
             )
         graphs[image_id] = SceneGraph(image_id=image_id, width=width, height=height, objects=objects)
@@ -290,7 +321,7 @@ def box_mask(obj: SceneObject, graph: SceneGraph) -> np.ndarray:
     ``[x, x+w] x [y, y+h]``).
     """
     mask = np.zeros((graph.height, graph.width), dtype=bool)
-    mask[obj.y:min(obj.y + obj.h, graph.height), obj.x:min(obj.x + obj.w, graph.width)] = True
+    mask[obj.y : min(obj.y + obj.h, graph.height), obj.x : min(obj.x + obj.w, graph.width)] = True
     return mask
 
 
@@ -346,8 +377,12 @@ def score_gqa_answers(answers: str | Path, questions: Sequence[GqaQuestion], rul
         )
     texts = match_answers([q.question_id for q in questions], load_llava_answers(answers), answers)
     rows = [
-        {"question_id": q.question_id, "prediction": text, "reference": q.answer,
-         "correct": exact_match(text, q.answer, rule)}  # type: ignore[arg-type]
+        {
+            "question_id": q.question_id,
+            "prediction": text,
+            "reference": q.answer,
+            "correct": exact_match(text, q.answer, rule),
+        }  # type: ignore[arg-type]
         for q, text in zip(questions, texts, strict=True)
     ]
     correct = sum(row["correct"] for row in rows)

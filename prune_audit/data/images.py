@@ -44,8 +44,10 @@ def to_rgb(image: Any, path: str | Path) -> Any:
     from PIL import Image
 
     if 0 in image.size:
-        raise PruneAuditError(f"image {path} is {image.size[0]}x{image.size[1]} pixels, so there is nothing to see; "
-                              f"pass an image with pixels")
+        raise PruneAuditError(
+            f"image {path} is {image.size[0]}x{image.size[1]} pixels, so there is nothing to see; "
+            f"pass an image with pixels"
+        )
     if image.mode in SIXTEEN_BIT_MODES:
         import numpy as np
 

@@ -106,10 +106,14 @@ def _image_bytes(value: Any, where: str) -> bytes:
     return data
 
 
-def _read(paths: Paths, columns: Sequence[str], layout: str,
-          convert: Callable[[dict[str, Any], str, int], tuple[Question, bytes | None]],
-          skip: Sequence[str] = (), key: Callable[[Question], tuple[Hashable, str]] | None = None
-          ) -> ParquetQuestions[Question]:
+def _read(
+    paths: Paths,
+    columns: Sequence[str],
+    layout: str,
+    convert: Callable[[dict[str, Any], str, int], tuple[Question, bytes | None]],
+    skip: Sequence[str] = (),
+    key: Callable[[Question], tuple[Hashable, str]] | None = None,
+) -> ParquetQuestions[Question]:
     """The questions of the rows of ``paths`` (``convert``ed) and the images they embed; ``key`` gives a question's
     key and name where the layout has question ids (each may appear once over the files: ``note_question``)."""
     questions: list[Question] = []
@@ -137,8 +141,10 @@ def _add_image(images: dict[str, bytes], first_rows: dict[str, str], name: str, 
     if name not in images:
         images[name], first_rows[name] = data, where
     elif images[name] != data:
-        raise PruneAuditError(f"{where} and {first_rows[name]} both name image {name} but embed different images; "
-                              f"give each image its own image name (image_source) or fix the rows")
+        raise PruneAuditError(
+            f"{where} and {first_rows[name]} both name image {name} but embed different images; "
+            f"give each image its own image name (image_source) or fix the rows"
+        )
 
 
 def _pope_row(row: dict[str, Any], where: str, _index: int) -> tuple[PopeQuestion, bytes | None]:
@@ -157,8 +163,9 @@ def _pope_row(row: dict[str, Any], where: str, _index: int) -> tuple[PopeQuestio
     source = _text(row, "image_source", where)
     split = _text(row, "category", where)
     image = source if Path(source).suffix else f"{source}.jpg"
-    pope = PopeQuestion(question_id=int(text), split=split, image=image, text=question, label=answer, object=obj,
-                        category=split)
+    pope = PopeQuestion(
+        question_id=int(text), split=split, image=image, text=question, label=answer, object=obj, category=split
+    )
     return pope, _image_bytes(row["image"], where) if "image" in row else None
 
 
@@ -169,8 +176,14 @@ def read_pope_parquet(paths: Paths, images: bool = True) -> ParquetQuestions[Pop
     The image is named ``<image_source>.jpg``; the split is ``category``; a (split, question_id)
     pair must be unique, as in the JSON files.
     """
-    return _read(paths, POPE_COLUMNS, "lmms-lab/POPE", _pope_row, skip=() if images else ("image",),
-                 key=lambda q: ((q.split, q.question_id), f"question_id {q.question_id} of split {q.split}"))
+    return _read(
+        paths,
+        POPE_COLUMNS,
+        "lmms-lab/POPE",
+        _pope_row,
+        skip=() if images else ("image",),
+        key=lambda q: ((q.split, q.question_id), f"question_id {q.question_id} of split {q.split}"),
+    )
 
 
 def _annotation_spans(value: Any) -> list[str]:
@@ -224,7 +237,10 @@ def _gqa_row(row: dict[str, Any], where: str) -> tuple[GqaQuestion, str]:
     question_id, image_id = question_id_digits(_text(row, "id", where), where), _text(row, "imageId", where)
     text = _text(row, "question", where)
     question = GqaQuestion(
-        question_id=question_id, image=f"{image_id}.jpg", text=text, question=text,
+        question_id=question_id,
+        image=f"{image_id}.jpg",
+        text=text,
+        question=text,
         answer=reference_text(row.get("answer"), where, "answer"),
         full_answer=reference_text(row.get("fullAnswer"), where, "fullAnswer"),
         evidence_object_ids=_gqa_evidence(row, where),
@@ -251,8 +267,10 @@ def read_gqa_parquet_questions(paths: Paths) -> list[GqaQuestion]:
     not read: scoring released answers needs no image)."""
     instructions, _ = _split_gqa_files(paths)
     if not instructions:
-        raise PruneAuditError("no lmms-lab/GQA *_instructions (questions) Parquet file among the question files; "
-                              "pass the *_instructions file of the split")
+        raise PruneAuditError(
+            "no lmms-lab/GQA *_instructions (questions) Parquet file among the question files; "
+            "pass the *_instructions file of the split"
+        )
 
     def convert(row: dict[str, Any], where: str, _index: int) -> tuple[GqaQuestion, None]:
         return _gqa_row(row, where)[0], None
@@ -266,14 +284,20 @@ def read_gqa_parquet_files(paths: Paths) -> ParquetQuestions[GqaQuestion]:
     instructions, images = _split_gqa_files(paths)
     if not instructions or not images:
         missing = "*_instructions (questions)" if not instructions else "*_images"
-        raise PruneAuditError(f"no lmms-lab/GQA {missing} Parquet file among the question files; pass both the "
-                              f"*_instructions and the *_images files of the split")
+        raise PruneAuditError(
+            f"no lmms-lab/GQA {missing} Parquet file among the question files; pass both the "
+            f"*_instructions and the *_images files of the split"
+        )
     return read_gqa_parquet(instructions, images)
 
 
 def _scienceqa_row(row: dict[str, Any], where: str, index: int) -> tuple[ScienceQaQuestion, bytes | None]:
     choices = row.get("choices")
-    if not isinstance(choices, list) or not 2 <= len(choices) <= len(LETTERS) or not all(isinstance(c, str) for c in choices):
+    if (
+        not isinstance(choices, list)
+        or not 2 <= len(choices) <= len(LETTERS)
+        or not all(isinstance(c, str) for c in choices)
+    ):
         raise PruneAuditError(f"{where}: choices must be a list of 2 to {len(LETTERS)} texts, got {choices!r}")
     answer = row.get("answer")
     if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
@@ -287,8 +311,13 @@ def _scienceqa_row(row: dict[str, Any], where: str, index: int) -> tuple[Science
     text, parsed_question, context, parsed_options = parse_prompt(value, where)
     data = None if row.get("image") is None else _image_bytes(row["image"], where)
     return ScienceQaQuestion(
-        question_id=str(index), image=None if data is None else f"{index}.png", text=text, question=parsed_question,
-        context=context, options=parsed_options, answer=LETTERS[answer],
+        question_id=str(index),
+        image=None if data is None else f"{index}.png",
+        text=text,
+        question=parsed_question,
+        context=context,
+        options=parsed_options,
+        answer=LETTERS[answer],
     ), data
 
 

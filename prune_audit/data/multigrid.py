@@ -83,8 +83,10 @@ class MultiGridGeometry:
 
     def index_map(self) -> np.ndarray:
         """Refused: a pixel lies on one token of each grid (map the grids one by one: :func:`grid_pieces`)."""
-        raise PruneAuditError(f"the {self.mode} geometry has {len(self.grids)} token grids per image, and this view "
-                              f"draws one; use the run's retention columns for this model family")
+        raise PruneAuditError(
+            f"the {self.mode} geometry has {len(self.grids)} token grids per image, and this view "
+            f"draws one; use the run's retention columns for this model family"
+        )
 
     def footprints(self) -> np.ndarray:
         """(N, 4) boxes of every token (``token_footprints`` of each grid, in token order)."""
@@ -159,8 +161,9 @@ class RectilinearGrid:
     def mask_areas(self, mask: np.ndarray) -> np.ndarray:
         """(N,) int64 mask pixels whose centre lies in each token's footprint."""
         if mask.shape != (self.image_height, self.image_width):
-            raise PruneAuditError(f"mask shape {mask.shape} does not match the image (H, W) = "
-                                  f"({self.image_height}, {self.image_width})")
+            raise PruneAuditError(
+                f"mask shape {mask.shape} does not match the image (H, W) = ({self.image_height}, {self.image_width})"
+            )
         tokens = self.index_map()[mask.astype(bool, copy=False)]
         return np.bincount(tokens[tokens >= 0], minlength=self.num_tokens).astype(np.int64)
 
@@ -175,8 +178,9 @@ def geometry_from_dict(fields: dict[str, Any]) -> TokenGeometry | RectilinearGri
     if "canvas" in fields:
         return TiledGrid(fields["mode"], TokenGeometry(**fields["canvas"]), fields["tile_rows"], fields["tile_cols"])
     if "x0" in fields:
-        return RectilinearGrid(**{name: tuple(value) if isinstance(value, list) else value
-                                  for name, value in fields.items()})
+        return RectilinearGrid(
+            **{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()}
+        )
     return TokenGeometry(**fields)
 
 
@@ -194,8 +198,10 @@ def grid_names(geometry: Any) -> list[str]:
         return ["tokens"]
     if geometry.mode == "internvl_tiles":
         return ["tiles", "thumbnail"]
-    return ["base view", *("tiles (downsampled)" if grid.mode == "anyres_tiles_downsampled" else "tiles"
-                           for grid in geometry.grids[1:])]
+    return [
+        "base view",
+        *("tiles (downsampled)" if grid.mode == "anyres_tiles_downsampled" else "tiles" for grid in geometry.grids[1:]),
+    ]
 
 
 def best_resolution(image_size: tuple[int, int], pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -234,13 +240,16 @@ class AnyresLayout:
     grid: tuple[int, int]
 
 
-def anyres_layout(image_size: tuple[int, int], pinpoints: Sequence[Sequence[int]], tile: int,
-                  patch_size: int) -> AnyresLayout:
+def anyres_layout(
+    image_size: tuple[int, int], pinpoints: Sequence[Sequence[int]], tile: int, patch_size: int
+) -> AnyresLayout:
     """The processor's resize and padding for patching, and the model's ``unpad_image``, of ``image_size``."""
     width, height = image_size
     canvas_h, canvas_w = best_resolution(image_size, pinpoints)
     if canvas_h % tile or canvas_w % tile:
-        raise PruneAuditError(f"image_grid_pinpoints canvas {canvas_h}x{canvas_w} is not a multiple of the {tile}-px tile")
+        raise PruneAuditError(
+            f"image_grid_pinpoints canvas {canvas_h}x{canvas_w} is not a multiple of the {tile}-px tile"
+        )
     if canvas_w / width < canvas_h / height:  # the width reaches the canvas first
         resized_w, resized_h = canvas_w, min(math.ceil(height * canvas_w / width), canvas_h)
     else:
@@ -252,9 +261,13 @@ def anyres_layout(image_size: tuple[int, int], pinpoints: Sequence[Sequence[int]
         cut_rows = (rows - int(round(height * (cols / width), 7))) // 2
     else:
         cut_cols = (cols - int(round(width * (rows / height), 7))) // 2
-    return AnyresLayout(canvas=(canvas_h, canvas_w), resized=(resized_w, resized_h),
-                        paste=((canvas_w - resized_w) // 2, (canvas_h - resized_h) // 2), cut=(cut_rows, cut_cols),
-                        grid=(rows - 2 * cut_rows, cols - 2 * cut_cols))
+    return AnyresLayout(
+        canvas=(canvas_h, canvas_w),
+        resized=(resized_w, resized_h),
+        paste=((canvas_w - resized_w) // 2, (canvas_h - resized_h) // 2),
+        cut=(cut_rows, cut_cols),
+        grid=(rows - 2 * cut_rows, cols - 2 * cut_cols),
+    )
 
 
 def anyres_geometry(
@@ -272,8 +285,9 @@ def anyres_geometry(
         patch_size: CLIP patch side; one visual token per patch.
     """
     width, height = image_size
-    base = clip_geometry(image_size, mode="hf_crop", shortest_edge=None, resize_to=(tile, tile), crop_size=None,
-                         patch_size=patch_size)
+    base = clip_geometry(
+        image_size, mode="hf_crop", shortest_edge=None, resize_to=(tile, tile), crop_size=None, patch_size=patch_size
+    )
     layout = anyres_layout(image_size, pinpoints, tile, patch_size)
     rows, cols = layout.grid
     tiles = TokenGeometry(
@@ -293,8 +307,9 @@ def anyres_geometry(
     return MultiGridGeometry("llava_next_anyres", (base, tiles))
 
 
-def anyres_crop_patches(image_size: tuple[int, int], *, pinpoints: Sequence[Sequence[int]], tile: int = 336,
-                        patch_size: int = 14) -> np.ndarray:
+def anyres_crop_patches(
+    image_size: tuple[int, int], *, pinpoints: Sequence[Sequence[int]], tile: int = 336, patch_size: int = 14
+) -> np.ndarray:
     """(N,) int64 index of each visual token of :func:`anyres_geometry` among the crops' patches flattened
     crop-major (base view, then the tiles row-major over the canvas, each tile's patches row-major)."""
     layout = anyres_layout(image_size, pinpoints, tile, patch_size)
@@ -327,9 +342,18 @@ def onevision_geometry(
     """
     width, height = image_size
     side = tile // patch_size
-    base = TokenGeometry(mode="hf_crop", image_width=width, image_height=height, processed_width=side * patch_size,
-                         processed_height=side * patch_size, grid_rows=side, grid_cols=side, token_pixels=patch_size,
-                         scale_x=tile / width, scale_y=tile / height)
+    base = TokenGeometry(
+        mode="hf_crop",
+        image_width=width,
+        image_height=height,
+        processed_width=side * patch_size,
+        processed_height=side * patch_size,
+        grid_rows=side,
+        grid_cols=side,
+        token_pixels=patch_size,
+        scale_x=tile / width,
+        scale_y=tile / height,
+    )
     layout = anyres_layout(image_size, pinpoints, tile, patch_size)
     rows, cols = layout.grid
     shrink = math.sqrt(rows * cols / (max_tiles * side**2))
@@ -364,9 +388,16 @@ def internvl_geometry(
     patches), then the thumbnail: the whole image resized to one tile. One tile (a 1 x 1 canvas, or
     ``max_tiles`` 1) gives that tile alone, no thumbnail: the plain resize of ``hf_crop`` without its crop.
     """
+
     def resized(height: int, width: int) -> TokenGeometry:
-        return clip_geometry(image_size, mode="hf_crop", shortest_edge=None, resize_to=(height, width),
-                             crop_size=None, patch_size=token_pixels)
+        return clip_geometry(
+            image_size,
+            mode="hf_crop",
+            shortest_edge=None,
+            resize_to=(height, width),
+            crop_size=None,
+            patch_size=token_pixels,
+        )
 
     thumbnail = resized(*tile)
     cols, rows = tiled_canvas(image_size, tile, min_tiles, max_tiles)
@@ -377,6 +408,16 @@ def internvl_geometry(
 
 
 __all__ = [
-    "MultiGridGeometry", "AnyresLayout", "geometry_from_dict", "grid_pieces", "grid_names", "best_resolution", "anyres_layout",
-    "anyres_geometry", "anyres_crop_patches", "RectilinearGrid", "onevision_geometry", "internvl_geometry",
+    "MultiGridGeometry",
+    "AnyresLayout",
+    "geometry_from_dict",
+    "grid_pieces",
+    "grid_names",
+    "best_resolution",
+    "anyres_layout",
+    "anyres_geometry",
+    "anyres_crop_patches",
+    "RectilinearGrid",
+    "onevision_geometry",
+    "internvl_geometry",
 ]

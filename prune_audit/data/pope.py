@@ -179,7 +179,7 @@ def attach_labels(questions: Sequence[PopeQuestion], labelled: Sequence[PopeQues
 
 
 def parse_answer(text: str) -> str:
-    """"yes" or "no" exactly as POPE's ``evaluate.py`` (and LLaVA's ``eval_pope.py``).
+    """ "yes" or "no" exactly as POPE's ``evaluate.py`` (and LLaVA's ``eval_pope.py``).
 
     Keep the text before the first period, delete commas, split on single spaces; any word
     equal to "No", "not" or "no" means no, anything else (also empty text) means yes.
@@ -205,8 +205,12 @@ def _as_yes(values: Sequence[Any] | np.ndarray, name: str) -> np.ndarray:
 def _ratio(numerator: Any, denominator: Any) -> Any:
     """numerator / denominator elementwise, NaN where the denominator is 0 (scalars or arrays)."""
     numerator, denominator = np.asarray(numerator, dtype=np.float64), np.asarray(denominator, dtype=np.float64)
-    out = np.divide(numerator, denominator, out=np.full(np.broadcast(numerator, denominator).shape, math.nan),
-                    where=denominator != 0)
+    out = np.divide(
+        numerator,
+        denominator,
+        out=np.full(np.broadcast(numerator, denominator).shape, math.nan),
+        where=denominator != 0,
+    )
     return float(out) if out.ndim == 0 else out
 
 
@@ -249,7 +253,9 @@ def pope_metrics(labels: Sequence[Any] | np.ndarray, predictions: Sequence[Any] 
     return {"n": int(truth.size), "tp": tp, "fp": fp, "tn": tn, "fn": fn, **pope_ratios(tp, fp, tn, fn)}
 
 
-def summarize_questions(questions: Sequence[PopeQuestion], coco: CocoInstances | None = None) -> dict[str, dict[str, Any]]:
+def summarize_questions(
+    questions: Sequence[PopeQuestion], coco: CocoInstances | None = None
+) -> dict[str, dict[str, Any]]:
     """Per split: question, image, yes/no and unlabelled counts; with ``coco`` also object checks.
 
     With an instances file: ``unknown_objects`` (sorted names that are not COCO categories),
@@ -274,9 +280,7 @@ def summarize_questions(questions: Sequence[PopeQuestion], coco: CocoInstances |
     return summaries
 
 
-def describe_question_files(
-    files: Sequence[str | Path], coco: CocoInstances | None = None
-) -> list[dict[str, Any]]:
+def describe_question_files(files: Sequence[str | Path], coco: CocoInstances | None = None) -> list[dict[str, Any]]:
     """Per file: its ``path``, ``sha256`` and per-split ``splits`` summary (:func:`summarize_questions`)."""
     return [
         {"path": str(path), "sha256": file_sha256(path), "splits": summarize_questions(load_pope(path), coco)}
@@ -297,4 +301,8 @@ def _object_checks(questions: Sequence[PopeQuestion], coco: CocoInstances) -> di
         known = question.object in coco.category_ids
         if question.label == "yes" and (not known or not coco.has_instances(image_id, question.object)):
             without_mask += 1
-    return {"unknown_objects": unknown, "images_not_in_annotations": len(missing_images), "yes_without_mask": without_mask}
+    return {
+        "unknown_objects": unknown,
+        "images_not_in_annotations": len(missing_images),
+        "yes_without_mask": without_mask,
+    }

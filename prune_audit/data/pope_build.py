@@ -124,9 +124,7 @@ def build_pope(
                 negative = sampler.negative(split, positive, set(asked) | set(objects))
                 asked.append(negative)
                 for obj, label in ((positive, "yes"), (negative, "no")):
-                    questions.append(
-                        PopeQuestion(len(questions) + 1, split, image, question_text(obj), label, obj)
-                    )
+                    questions.append(PopeQuestion(len(questions) + 1, split, image, question_text(obj), label, obj))
         result[split] = questions
     return result
 
@@ -139,7 +137,9 @@ def pope_lines(questions: Iterable[PopeQuestion]) -> str:
     )
 
 
-def write_pope_files(question_sets: dict[str, list[PopeQuestion]], out_dir: str | Path, prefix: str = "coco") -> list[Path]:
+def write_pope_files(
+    question_sets: dict[str, list[PopeQuestion]], out_dir: str | Path, prefix: str = "coco"
+) -> list[Path]:
     """Write ``<prefix>_pope_<split>.json`` per split, all or nothing (``safety.atomic.write_files``: staged in a
     hidden folder, then renamed; a killed build's staging folder is removed by the next build of ``out_dir``).
 

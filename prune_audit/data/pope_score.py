@@ -130,8 +130,9 @@ def load_scored_questions(files: Sequence[str | Path]) -> list[PopeQuestion]:
     return attach_labels(unlabelled, labelled) if unlabelled else labelled
 
 
-def score_files(answers: str | Path, question_files: Sequence[str | Path],
-                questions: Sequence[PopeQuestion] | None = None) -> dict[str, Any]:
+def score_files(
+    answers: str | Path, question_files: Sequence[str | Path], questions: Sequence[PopeQuestion] | None = None
+) -> dict[str, Any]:
     """Score an answers file against POPE question files, as POPE's ``evaluate.py`` does.
 
     ``questions``: the files' questions when already read (lmms-lab/POPE Parquet files); by default the files

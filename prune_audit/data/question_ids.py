@@ -41,8 +41,10 @@ def note_question(key: Hashable, place: QuestionPlace, seen: QuestionPlaces) -> 
     if seen.get(key) == place:
         raise PruneAuditError(f"{place.path} is given twice; pass each question file once")
     if key in seen:
-        raise PruneAuditError(f"{place}: {place.name} repeats {seen[key].named_from(place)}; keep each question once "
-                              f"(pass each question file once)")
+        raise PruneAuditError(
+            f"{place}: {place.name} repeats {seen[key].named_from(place)}; keep each question once "
+            f"(pass each question file once)"
+        )
     seen[key] = place
 
 

@@ -101,7 +101,9 @@ class ObjectAreaCache:
         return len(self._areas)
 
 
-def retention(area_per_token: np.ndarray, total_area: int, kept: Sequence[int] | np.ndarray) -> tuple[float, int, bool | None]:
+def retention(
+    area_per_token: np.ndarray, total_area: int, kept: Sequence[int] | np.ndarray
+) -> tuple[float, int, bool | None]:
     """Retention of one kept set.
 
     Args:
@@ -158,8 +160,10 @@ def retention_batch(
     """
     count = len(areas)
     if len(kept) != count or len(total_areas) != count:
-        raise PruneAuditError(f"retention_batch needs one kept set and one total per question, got "
-                              f"{count} areas, {len(kept)} kept sets, {len(total_areas)} totals")
+        raise PruneAuditError(
+            f"retention_batch needs one kept set and one total per question, got "
+            f"{count} areas, {len(kept)} kept sets, {len(total_areas)} totals"
+        )
     lengths = np.fromiter((len(a) for a in areas), dtype=np.int64, count=count)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     flat_area = np.concatenate([np.asarray(a, dtype=np.int64) for a in areas]) if count else np.zeros(0, np.int64)
@@ -210,8 +214,10 @@ def retention_by_stage(
         kept_stages: Q lists of S_q kept index sets (S_q may differ between questions).
     """
     if len(areas) != len(kept_stages):
-        raise PruneAuditError(f"retention_by_stage needs one kept-stage list per question, got "
-                              f"{len(areas)} areas and {len(kept_stages)} stage lists")
+        raise PruneAuditError(
+            f"retention_by_stage needs one kept-stage list per question, got "
+            f"{len(areas)} areas and {len(kept_stages)} stage lists"
+        )
     measured = [q for q, area in enumerate(areas) if area is not None and area.has_mask]
     pairs = [(q, kept) for q in measured for kept in kept_stages[q]]
     batch = retention_batch(

@@ -226,9 +226,7 @@ def _star_polygon(points: int = 5, inner: float = 0.45) -> np.ndarray:
 _POLYGONS: dict[str, np.ndarray] = {
     "triangle": np.array([[0.0, -1.0], [0.866, 0.5], [-0.866, 0.5]]),
     "star": _star_polygon(),
-    "arrow": np.array(
-        [[1.0, 0.0], [0.2, -0.75], [0.2, -0.28], [-1.0, -0.28], [-1.0, 0.28], [0.2, 0.28], [0.2, 0.75]]
-    ),
+    "arrow": np.array([[1.0, 0.0], [0.2, -0.75], [0.2, -0.28], [-1.0, -0.28], [-1.0, 0.28], [0.2, 0.28], [0.2, 0.75]]),
 }
 
 

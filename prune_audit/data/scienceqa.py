@@ -94,7 +94,7 @@ def parse_prompt(value: str, where: str) -> tuple[str, str, str | None, tuple[st
     ends = [*block[1:], len(lines)]
     options = tuple("\n".join(lines[start:end])[3:] for start, end in zip(block, ends))
     if body[0].startswith(CONTEXT_PREFIX) and len(body) > 1:
-        context = "\n".join(body[:-1])[len(CONTEXT_PREFIX):]
+        context = "\n".join(body[:-1])[len(CONTEXT_PREFIX) :]
         return text, body[-1], context, options
     return text, "\n".join(body), None, options
 
@@ -125,7 +125,9 @@ def _entry(entry: Any, where: str) -> ScienceQaQuestion:
     if image is not None:
         image = check_image_name(image, where)
     if (image is None) != (IMAGE_TAG not in human["value"]):
-        raise PruneAuditError(f"{where}: an entry has an image exactly when its question has {IMAGE_TAG}; fix the entry")
+        raise PruneAuditError(
+            f"{where}: an entry has an image exactly when its question has {IMAGE_TAG}; fix the entry"
+        )
     return ScienceQaQuestion(question_id, image, text, question, context, options, answer)
 
 
@@ -192,8 +194,13 @@ def score_scienceqa_answers(answers: str | Path, questions: Sequence[ScienceQaQu
         )
     texts = match_answers([q.question_id for q in questions], load_llava_answers(answers), answers)
     rows = [
-        {"question_id": q.question_id, "prediction": text, "parsed": parse_letter(text), "reference": q.answer,
-         "correct": is_correct(text, q)}
+        {
+            "question_id": q.question_id,
+            "prediction": text,
+            "parsed": parse_letter(text),
+            "reference": q.answer,
+            "correct": is_correct(text, q),
+        }
         for q, text in zip(questions, texts, strict=True)
     ]
     with_image = [row for row, q in zip(rows, questions) if q.image is not None]

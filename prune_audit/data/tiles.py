@@ -35,8 +35,15 @@ def tiled_canvas(image_size: tuple[int, int], tile: tuple[int, int], min_tiles: 
     """
     width, height = image_size
     tile_h, tile_w = tile
-    grids = sorted(((cols, rows) for cols in range(1, max_tiles + 1) for rows in range(1, max_tiles + 1)
-                    if min_tiles <= cols * rows <= max_tiles), key=lambda grid: grid[0] * grid[1])
+    grids = sorted(
+        (
+            (cols, rows)
+            for cols in range(1, max_tiles + 1)
+            for rows in range(1, max_tiles + 1)
+            if min_tiles <= cols * rows <= max_tiles
+        ),
+        key=lambda grid: grid[0] * grid[1],
+    )
     best, best_diff = (1, 1), math.inf
     for cols, rows in grids:
         diff = abs(width / height - cols / rows)
@@ -68,11 +75,15 @@ class TiledGrid:
     tile_cols: int
 
     def __post_init__(self) -> None:
-        if min(self.tile_rows, self.tile_cols) <= 0 or self.canvas.grid_rows % self.tile_rows or (
-            self.canvas.grid_cols % self.tile_cols
+        if (
+            min(self.tile_rows, self.tile_cols) <= 0
+            or self.canvas.grid_rows % self.tile_rows
+            or (self.canvas.grid_cols % self.tile_cols)
         ):
-            raise PruneAuditError(f"a {self.canvas.grid_rows}x{self.canvas.grid_cols} token canvas does not split "
-                                  f"into {self.tile_rows}x{self.tile_cols} tiles")
+            raise PruneAuditError(
+                f"a {self.canvas.grid_rows}x{self.canvas.grid_cols} token canvas does not split "
+                f"into {self.tile_rows}x{self.tile_cols} tiles"
+            )
 
     @property
     def tile_grid(self) -> tuple[int, int]:
@@ -126,8 +137,12 @@ class TiledGrid:
         return mask_area_per_token(mask, self.canvas)[self.canvas_order()]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "canvas": self.canvas.to_dict(), "tile_rows": self.tile_rows,
-                "tile_cols": self.tile_cols}
+        return {
+            "mode": self.mode,
+            "canvas": self.canvas.to_dict(),
+            "tile_rows": self.tile_rows,
+            "tile_cols": self.tile_cols,
+        }
 
 
 __all__ = ["TiledGrid", "tiled_canvas"]

@@ -14,8 +14,10 @@ DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo"
 DEMO_QWEN_MODEL_DIR = DEMO_MODEL_DIR.parent / "demo-qwen"
 # names accepted by `--model` for the bundled checkpoints
 DEMO_MODELS: dict[str, Path] = {
-    "demo": DEMO_MODEL_DIR, "demo-qwen": DEMO_QWEN_MODEL_DIR,
-    "demo-tasks": DEMO_MODEL_DIR.parent / "demo-tasks", "demo-qwen-tasks": DEMO_MODEL_DIR.parent / "demo-qwen-tasks",
+    "demo": DEMO_MODEL_DIR,
+    "demo-qwen": DEMO_QWEN_MODEL_DIR,
+    "demo-tasks": DEMO_MODEL_DIR.parent / "demo-tasks",
+    "demo-qwen-tasks": DEMO_MODEL_DIR.parent / "demo-qwen-tasks",
 }
 # the default model of a task's runs (`run --task T` without --model): the yes/no demo for POPE, which in-LLM
 # pruning hurts as the calibration study describes, and the task demo for every task it was trained on

@@ -158,12 +158,21 @@ def teacher_forcing(vlm: VisionLanguageModel, pieces: PromptPieces, targets: Seq
         rows += [row] * len(forced)
         cols += range(last, last + len(forced))
         tokens += forced
-        allowed.append(torch.tensor(vlm.tokenizer.convert_tokens_to_ids(list(target.letters))) if target.letters else None)
+        allowed.append(
+            torch.tensor(vlm.tokenizer.convert_tokens_to_ids(list(target.letters))) if target.letters else None
+        )
     yes_no = torch.tensor(vlm.tokenizer.convert_tokens_to_ids(["yes", "no"]))
     return TeacherForcing(
-        suffixes, torch.tensor(rows), torch.tensor(cols), torch.tensor(tokens), allowed, every_position,
-        torch.tensor(option_rows, dtype=torch.long), torch.tensor(option_cols, dtype=torch.long),
-        torch.tensor(option_present, dtype=torch.bool), yes_no,
+        suffixes,
+        torch.tensor(rows),
+        torch.tensor(cols),
+        torch.tensor(tokens),
+        allowed,
+        every_position,
+        torch.tensor(option_rows, dtype=torch.long),
+        torch.tensor(option_cols, dtype=torch.long),
+        torch.tensor(option_present, dtype=torch.bool),
+        yes_no,
     )
 
 

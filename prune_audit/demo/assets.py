@@ -49,8 +49,10 @@ class DemoAssets:
         if task == "pope":
             return self.pope_files, self.annotations
         if task not in DEMO_TASKS:
-            raise PruneAuditError(f"the bundled demo has no {task} questions (it has {', '.join(('pope', *DEMO_TASKS))}); "
-                                  f"pass --questions FILE... with --images DIR")
+            raise PruneAuditError(
+                f"the bundled demo has no {task} questions (it has {', '.join(('pope', *DEMO_TASKS))}); "
+                f"pass --questions FILE... with --images DIR"
+            )
         from prune_audit.demo.questions import demo_task_files
 
         files = demo_task_files(self.question_set)  # written into the cache on the first such run

@@ -92,9 +92,7 @@ def sample_batch(
         check_mix(mix)
     elif questions_per_image < 2 or questions_per_image % 2:
         raise ValueError(f"questions_per_image must be even and at least 2, got {questions_per_image}")
-    scenes = tuple(
-        generate_scene(seed, step * images + i, image_size=image_size, split=split) for i in range(images)
-    )
+    scenes = tuple(generate_scene(seed, step * images + i, image_size=image_size, split=split) for i in range(images))
     rng = np.random.default_rng([seed, step, len(CATEGORIES)])
     if mix is None:
         questions: tuple = tuple(

@@ -27,8 +27,14 @@ CHECKPOINT_FILE = "checkpoint.pt"
 
 
 def save_checkpoint(
-    out_dir: Path, recipe: DemoRecipe, step: int, minutes: float, history: list[dict], vlm: VisionLanguageModel,
-    heads: nn.Module, optimizer: torch.optim.Optimizer,
+    out_dir: Path,
+    recipe: DemoRecipe,
+    step: int,
+    minutes: float,
+    history: list[dict],
+    vlm: VisionLanguageModel,
+    heads: nn.Module,
+    optimizer: torch.optim.Optimizer,
 ) -> None:
     """Write everything a resumed run needs after ``step`` (float32 weights, heads, optimiser state) to
     ``out_dir/CHECKPOINT_FILE``, replacing the previous one only once complete."""
@@ -36,8 +42,13 @@ def save_checkpoint(
     staging = staging_folder(out_dir)
     try:
         state = {
-            "recipe": asdict(recipe), "step": step, "minutes": minutes, "history": history,
-            "model": vlm.model.state_dict(), "heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
+            "recipe": asdict(recipe),
+            "step": step,
+            "minutes": minutes,
+            "history": history,
+            "model": vlm.model.state_dict(),
+            "heads": heads.state_dict(),
+            "optimizer": optimizer.state_dict(),
         }
         torch.save(state, staging / CHECKPOINT_FILE)
         os.replace(staging / CHECKPOINT_FILE, out_dir / CHECKPOINT_FILE)

@@ -113,7 +113,11 @@ def features_by_image(
 
 
 def answer_pairs(
-    vlm: VisionLanguageModel, features: dict[str, Tensor], pairs: Sequence[tuple[str, str]], *, instruction: str = "",
+    vlm: VisionLanguageModel,
+    features: dict[str, Tensor],
+    pairs: Sequence[tuple[str, str]],
+    *,
+    instruction: str = "",
     batch_size: int = 64,
 ) -> dict[tuple[str, str], Answers]:
     """Answers for unique (image, object) pairs with all of each image's tokens."""

@@ -82,26 +82,45 @@ def write_tasks(folder: Path, pope_rows: Sequence[dict], caption_images: Sequenc
     """The four tasks in ``folder`` (which exists): POPE rows (``question_id``, ``text``, ``label``, ``image`` as in
     the POPE files) and the caption images, both read from ``images_dir``; each file written atomically."""
     folder = folder.resolve()  # the YAML names its Parquet file by absolute path: lmms-eval runs from anywhere
-    write_bytes_atomic(_parquet({
-        "question_id": [row["question_id"] for row in pope_rows], "question": [row["text"] for row in pope_rows],
-        "answer": [row["label"] for row in pope_rows],
-        "image": [{"bytes": (images_dir / row["image"]).read_bytes(), "path": row["image"]} for row in pope_rows],
-    }), folder / "pope.parquet")
-    write_bytes_atomic(_parquet({
-        "question": [CAPTION_PROMPT] * len(caption_images), "answer": [""] * len(caption_images),
-        "image": [{"bytes": (images_dir / name).read_bytes(), "path": name} for name in caption_images],
-    }), folder / "caption.parquet")
+    write_bytes_atomic(
+        _parquet(
+            {
+                "question_id": [row["question_id"] for row in pope_rows],
+                "question": [row["text"] for row in pope_rows],
+                "answer": [row["label"] for row in pope_rows],
+                "image": [
+                    {"bytes": (images_dir / row["image"]).read_bytes(), "path": row["image"]} for row in pope_rows
+                ],
+            }
+        ),
+        folder / "pope.parquet",
+    )
+    write_bytes_atomic(
+        _parquet(
+            {
+                "question": [CAPTION_PROMPT] * len(caption_images),
+                "answer": [""] * len(caption_images),
+                "image": [{"bytes": (images_dir / name).read_bytes(), "path": name} for name in caption_images],
+            }
+        ),
+        folder / "caption.parquet",
+    )
     write_bytes_atomic(TASK_UTILS.read_bytes(), folder / "localpope_utils.py")
     pope, caption = folder / "pope.parquet", folder / "caption.parquet"
     generation = GENERATION.format(tokens=MAX_NEW_TOKENS, process="process_results", metric="accuracy")
-    rounds = (generation.replace("localpope_utils.doc_to_text", "localpope_utils.doc_to_text_rounds")
-              .replace("process_results\n", "process_results_rounds\n"))
+    rounds = generation.replace("localpope_utils.doc_to_text", "localpope_utils.doc_to_text_rounds").replace(
+        "process_results\n", "process_results_rounds\n"
+    )
     files = {
         "localpope": task_yaml("localpope", pope, "generate_until", generation),
         "localpope_rounds": task_yaml("localpope_rounds", pope, "generate_until_multi_round", rounds),
         "localpope_mc": task_yaml("localpope_mc", pope, "multiple_choice", MULTIPLE_CHOICE),
-        "localcaption": task_yaml("localcaption", caption, "generate_until", GENERATION.format(
-            tokens=CAPTION_TOKENS, process="process_results_caption", metric="words")),
+        "localcaption": task_yaml(
+            "localcaption",
+            caption,
+            "generate_until",
+            GENERATION.format(tokens=CAPTION_TOKENS, process="process_results_caption", metric="words"),
+        ),
     }
     for task, text in files.items():
         write_text_atomic(text, folder / f"{task}.yaml")
@@ -118,8 +137,10 @@ def write_demo_tasks(folder: Path, questions: int, captions: int) -> None:
         pope_rows = [json.loads(line) for line, _ in zip(handle, range(questions))]
     images = [question.image for question in get_task("caption").read_questions([demo.annotations])[:captions]]
     if len(pope_rows) < questions or len(images) < captions:
-        raise PruneAuditError(f"the demo has {len(pope_rows)} questions in its first POPE file and {len(images)} images "
-                              f"to describe here; pass at most those (--questions, --captions)")
+        raise PruneAuditError(
+            f"the demo has {len(pope_rows)} questions in its first POPE file and {len(images)} images "
+            f"to describe here; pass at most those (--questions, --captions)"
+        )
     write_tasks(folder, pope_rows, images, demo.images_dir)
 
 

@@ -101,13 +101,13 @@ def demo_question_set(
 def demo_task_files(question_set: DemoQuestionSet, *, scenes: int | None = None) -> DemoTaskFiles:
     """The GQA, ScienceQA and caption files about ``question_set``'s first scenes, in a cache folder beside it,
     written on first use (``demo.task_files``; under a second)."""
+    from prune_audit.data.coco import read_json
     from prune_audit.demo.task_files import (
         DEMO_TASK_SCENES,
         TASK_FILES_VERSION,
         DemoTaskFiles,
         write_task_files,
     )
-    from prune_audit.data.coco import read_json
 
     coco = read_json(question_set.instances, "demo instances file", "remove the demo cache folder to rebuild it")
     info = coco["info"]
@@ -115,8 +115,9 @@ def demo_task_files(question_set: DemoQuestionSet, *, scenes: int | None = None)
     name = f"{question_set.root.name}-tasks{scenes}-v{TASK_FILES_VERSION}"
 
     def build(staging: Path) -> None:
-        write_task_files(staging, question_set.instances, seed=info["seed"], scenes=scenes,
-                         image_size=info["image_size"])
+        write_task_files(
+            staging, question_set.instances, seed=info["seed"], scenes=scenes, image_size=info["image_size"]
+        )
 
     return DemoTaskFiles(_cached_folder(question_set.root.parent, name, build))
 

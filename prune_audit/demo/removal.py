@@ -84,7 +84,12 @@ def kept_tokens(coco, geometry, image_id: int, obj: str, rng: np.random.Generato
 
 
 def object_removal(
-    vlm: LlavaModel, question_set, *, seed: int = 0, max_pairs: int | None = None, instruction: str = "",
+    vlm: LlavaModel,
+    question_set,
+    *,
+    seed: int = 0,
+    max_pairs: int | None = None,
+    instruction: str = "",
     batch_size: int = 64,
 ) -> dict[str, ConditionResult]:
     """Run the four conditions over the positive (image, object) pairs of ``question_set``."""

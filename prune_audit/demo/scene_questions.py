@@ -96,7 +96,7 @@ def yesno_question(category: str, answer: str, scene: Scene) -> SceneQuestion:
 
 
 def spatial_question(scene: Scene, anchor: int, axis: str) -> SceneQuestion | None:
-    """"Which shape is left of / above the {anchor}?" when exactly one shape is clearly on that side."""
+    """ "Which shape is left of / above the {anchor}?" when exactly one shape is clearly on that side."""
     margin = SPATIAL_MARGIN * scene.image.shape[0]
     coordinate = 0 if axis == "left" else 1
     at = _centroid(scene.objects[anchor].mask)[coordinate]
@@ -108,29 +108,37 @@ def spatial_question(scene: Scene, anchor: int, axis: str) -> SceneQuestion | No
         return None
     relation = "left of" if axis == "left" else "above"
     text = f"Which shape is {relation} the {scene.objects[anchor].category}?"
-    return SceneQuestion("short", axis, text, gqa_prompt(text), scene.objects[before[0]].category,
-                         (anchor, before[0]))
+    return SceneQuestion("short", axis, text, gqa_prompt(text), scene.objects[before[0]].category, (anchor, before[0]))
 
 
 def count_question(scene: Scene) -> SceneQuestion:
     text = "How many shapes are there?"
-    return SceneQuestion("short", "count", text, gqa_prompt(text), COUNT_WORDS[len(scene.objects) - 1],
-                         tuple(range(len(scene.objects))))
+    return SceneQuestion(
+        "short", "count", text, gqa_prompt(text), COUNT_WORDS[len(scene.objects) - 1], tuple(range(len(scene.objects)))
+    )
 
 
 def largest_question(scene: Scene) -> SceneQuestion | None:
-    """"Which shape is the largest?" when the largest visible area clearly beats the runner-up."""
+    """ "Which shape is the largest?" when the largest visible area clearly beats the runner-up."""
     areas = sorted(((int(obj.mask.sum()), i) for i, obj in enumerate(scene.objects)), reverse=True)
     if len(areas) > 1 and areas[0][0] < LARGEST_RATIO * areas[1][0]:
         return None
     text = "Which shape is the largest?"
-    return SceneQuestion("short", "largest", text, gqa_prompt(text), scene.objects[areas[0][1]].category,
-                         tuple(range(len(scene.objects))))
+    return SceneQuestion(
+        "short",
+        "largest",
+        text,
+        gqa_prompt(text),
+        scene.objects[areas[0][1]].category,
+        tuple(range(len(scene.objects))),
+    )
 
 
 def short_questions(scene: Scene) -> list[SceneQuestion]:
     """Every unambiguous short-answer question about ``scene``, in ``SHORT_FORMS`` order."""
-    spatial = [spatial_question(scene, anchor, axis) for axis in ("left", "above") for anchor in range(len(scene.objects))]
+    spatial = [
+        spatial_question(scene, anchor, axis) for axis in ("left", "above") for anchor in range(len(scene.objects))
+    ]
     found = [*spatial, count_question(scene), largest_question(scene)]
     return [question for question in found if question is not None]
 
@@ -147,7 +155,7 @@ def choice_question(rng: np.random.Generator, scene: Scene) -> SceneQuestion:
 
 
 def caption_text(categories: list[str]) -> str:
-    """"a circle , a star and a heart": the shapes with their articles, commas and a final "and"."""
+    """ "a circle , a star and a heart": the shapes with their articles, commas and a final "and"."""
     named = [f"{'an' if c[0] in 'aeiou' else 'a'} {c}" for c in categories]
     return named[0] if len(named) == 1 else f"{' , '.join(named[:-1])} and {named[-1]}"
 
@@ -162,8 +170,13 @@ def caption_question(scene: Scene) -> SceneQuestion:
 def vocabulary_words() -> tuple[str, ...]:
     """Every word (as the demo tokenizer splits it) of the prompts and answers above, shapes first."""
     texts = (
-        question_text("arrow"), gqa_prompt("Which shape is left of above the largest?"), "How many shapes are there?",
-        " ".join(COUNT_WORDS), choice_prompt(CATEGORIES[:4]), caption_data.PROMPT, caption_text(list(CATEGORIES[:3])),
+        question_text("arrow"),
+        gqa_prompt("Which shape is left of above the largest?"),
+        "How many shapes are there?",
+        " ".join(COUNT_WORDS),
+        choice_prompt(CATEGORIES[:4]),
+        caption_data.PROMPT,
+        caption_text(list(CATEGORIES[:3])),
         "an",
     )
     words = dict.fromkeys(CATEGORIES)

@@ -68,8 +68,11 @@ class DemoTaskFiles:
 
     def questions(self, task: str) -> tuple[Path, ...]:
         """``--questions`` of ``task``."""
-        return {"gqa": (self.gqa_questions, self.gqa_llava), "scienceqa": (self.scienceqa,),
-                "caption": (self.caption_instances,)}[task]
+        return {
+            "gqa": (self.gqa_questions, self.gqa_llava),
+            "scienceqa": (self.scienceqa,),
+            "caption": (self.caption_instances,),
+        }[task]
 
     def evidence(self, task: str) -> Path | None:
         """``--annotations`` of ``task`` (ScienceQA has none)."""
@@ -79,8 +82,12 @@ class DemoTaskFiles:
 def _box(mask: np.ndarray) -> dict[str, int]:
     """The tight box of a mask in GQA's pixel convention (columns ``x .. x+w-1``, rows ``y .. y+h-1``)."""
     rows, cols = np.nonzero(mask)
-    return {"x": int(cols.min()), "y": int(rows.min()), "w": int(cols.max() - cols.min() + 1),
-            "h": int(rows.max() - rows.min() + 1)}
+    return {
+        "x": int(cols.min()),
+        "y": int(rows.min()),
+        "w": int(cols.max() - cols.min() + 1),
+        "h": int(rows.max() - rows.min() + 1),
+    }
 
 
 def _spans(sentence: str, named: dict[str, str]) -> dict[str, str]:
@@ -118,20 +125,34 @@ def _gqa_entries(scene: Scene, image_id: int, file_name: str) -> tuple[dict, lis
             "answer": {"0": by_name[question.answer]} if question.answer in by_name else {},
             "fullAnswer": _spans(full, evidence_names),
         }
-        questions[key] = {"imageId": Path(file_name).stem, "question": question.question, "answer": question.answer,
-                          "fullAnswer": full, "annotations": annotations, "types": {"detailed": question.form}}
+        questions[key] = {
+            "imageId": Path(file_name).stem,
+            "question": question.question,
+            "answer": question.answer,
+            "fullAnswer": full,
+            "annotations": annotations,
+            "types": {"detailed": question.form},
+        }
         lines.append({"question_id": key, "image": file_name, "text": question.prompt, "category": question.form})
-    graph = {"width": scene.image.shape[1], "height": scene.image.shape[0],
-             "objects": {object_ids[i]: {"name": obj.category, **_box(obj.mask)} for i, obj in enumerate(scene.objects)}}
+    graph = {
+        "width": scene.image.shape[1],
+        "height": scene.image.shape[0],
+        "objects": {object_ids[i]: {"name": obj.category, **_box(obj.mask)} for i, obj in enumerate(scene.objects)},
+    }
     return questions, lines, graph
 
 
 def _scienceqa_entry(scene: Scene, image_id: int, file_name: str) -> dict:
     question = choice_question(np.random.default_rng([image_id, 4]), scene)
     options = "\n".join(f"{letter}. {option}" for letter, option in zip(CHOICE_LETTERS, question.options))
-    return {"id": str(image_id), "image": file_name,
-            "conversations": [{"from": "human", "value": f"<image>\n{question.question}\n{options}"},
-                              {"from": "gpt", "value": question.answer}]}
+    return {
+        "id": str(image_id),
+        "image": file_name,
+        "conversations": [
+            {"from": "human", "value": f"<image>\n{question.question}\n{options}"},
+            {"from": "gpt", "value": question.answer},
+        ],
+    }
 
 
 def write_task_files(out_dir: Path, instances: Path, *, seed: int, scenes: int, image_size: int) -> DemoTaskFiles:

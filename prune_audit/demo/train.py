@@ -51,8 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from prune_audit.data.scenes import CATEGORIES
 from prune_audit.data.pope_build import question_text
+from prune_audit.data.scenes import CATEGORIES
 from prune_audit.demo.answer_targets import (
     PromptPieces,
     answer_loss,
@@ -138,8 +138,14 @@ class DemoRecipe:
 DEMO_RECIPES: dict[str, DemoRecipe] = {
     "demo": DemoRecipe(),
     "demo-qwen": DemoRecipe(
-        family="qwen2_5_vl", merge=2, train_sizes=(96, 128), text_layers=8, text_width=96, vision_width=96,
-        kv_heads=2, steps=1000,
+        family="qwen2_5_vl",
+        merge=2,
+        train_sizes=(96, 128),
+        text_layers=8,
+        text_width=96,
+        vision_width=96,
+        kv_heads=2,
+        steps=1000,
     ),
 }
 # the task demos: the same architectures trained on the task mix (twice the steps: nine questions of four kinds
@@ -175,8 +181,13 @@ def batch_loss(
     forcing = teacher_forcing(vlm, pieces, [answer_target(q, instruction) for q in batch.questions])
     side = math.isqrt(features.shape[1])
     logits = vlm.shared_prefix_logits(
-        features, pieces.prefix, pieces.image_positions, forcing.suffixes, len(batch.questions) // len(batch.scenes),
-        grid=(side, side), every_position=forcing.every_position,
+        features,
+        pieces.prefix,
+        pieces.image_positions,
+        forcing.suffixes,
+        len(batch.questions) // len(batch.scenes),
+        grid=(side, side),
+        every_position=forcing.every_position,
     )
     losses = {
         "answer": answer_loss(logits, forcing),
@@ -208,8 +219,13 @@ def _optimizer(parameters: list[nn.Parameter], recipe: DemoRecipe) -> torch.opti
 def monitor_accuracy(vlm: VisionLanguageModel, recipe: DemoRecipe) -> float:
     """Held-out accuracy on ``monitor_images`` fresh scenes (``image_size``) through the full-prompt path."""
     batch = sample_batch(
-        MONITOR_SEED, 0, images=recipe.monitor_images, questions_per_image=4,
-        image_size=recipe.image_size, patch_size=recipe.cell, split="heldout",
+        MONITOR_SEED,
+        0,
+        images=recipe.monitor_images,
+        questions_per_image=4,
+        image_size=recipe.image_size,
+        patch_size=recipe.cell,
+        split="heldout",
     )
     with torch.no_grad():
         features = vlm.image_features(**scene_inputs(vlm, batch.scenes))
@@ -226,11 +242,21 @@ def monitor_task_accuracy(vlm: VisionLanguageModel, recipe: DemoRecipe) -> dict[
     """Held-out exact match per short-answer form and per kind (short, choice, caption) on ``monitor_images``
     fresh scenes: every unambiguous short question of a scene, one choice and its caption, teacher-forced
     (equal to greedy decoding's exact match, see ``demo.answer_targets``)."""
-    batch = sample_batch(MONITOR_SEED, 0, images=recipe.monitor_images, questions_per_image=2,
-                         image_size=recipe.image_size, patch_size=recipe.cell, split="heldout")
+    batch = sample_batch(
+        MONITOR_SEED,
+        0,
+        images=recipe.monitor_images,
+        questions_per_image=2,
+        image_size=recipe.image_size,
+        patch_size=recipe.cell,
+        split="heldout",
+    )
     rng = np.random.default_rng([MONITOR_SEED, 1])
-    asked = [MixQuestion(b, q) for b, scene in enumerate(batch.scenes)
-             for q in (*short_questions(scene), choice_question(rng, scene), caption_question(scene))]
+    asked = [
+        MixQuestion(b, q)
+        for b, scene in enumerate(batch.scenes)
+        for q in (*short_questions(scene), choice_question(rng, scene), caption_question(scene))
+    ]
     pieces = prompt_pieces(vlm, recipe.grid**2)
     correct: dict[str, list[bool]] = {}
     with torch.no_grad():
@@ -238,9 +264,15 @@ def monitor_task_accuracy(vlm: VisionLanguageModel, recipe: DemoRecipe) -> dict[
         for b, image_features in enumerate(features):  # per image: its questions share its prefix
             mine = [q for q in asked if q.image == b]
             forcing = teacher_forcing(vlm, pieces, [answer_target(q, "") for q in mine])
-            logits = vlm.shared_prefix_logits(image_features[None], pieces.prefix, pieces.image_positions,
-                                              forcing.suffixes, len(mine), grid=(recipe.grid, recipe.grid),
-                                              every_position=forcing.every_position)
+            logits = vlm.shared_prefix_logits(
+                image_features[None],
+                pieces.prefix,
+                pieces.image_positions,
+                forcing.suffixes,
+                len(mine),
+                grid=(recipe.grid, recipe.grid),
+                every_position=forcing.every_position,
+            )
             for question, hit in zip(mine, exact_matches(logits, forcing).tolist(), strict=True):
                 asked_kind = question.question.kind
                 for key in (asked_kind, f"short:{question.question.form}") if asked_kind == "short" else (asked_kind,):
@@ -275,17 +307,21 @@ def _fresh_model(recipe: DemoRecipe, scratch: Path) -> VisionLanguageModel:
         # M-RoPE: temporal, height and width share the rotary frequencies about equally
         section = (head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6)
         QwenModel.build_tiny(
-            scratch, image_size=recipe.image_size, spatial_merge_size=recipe.merge, text_kv_heads=recipe.kv_heads,
-            mrope_section=section, min_pixels=min(sizes) ** 2, max_pixels=max(sizes) ** 2, **shared,
+            scratch,
+            image_size=recipe.image_size,
+            spatial_merge_size=recipe.merge,
+            text_kv_heads=recipe.kv_heads,
+            mrope_section=section,
+            min_pixels=min(sizes) ** 2,
+            max_pixels=max(sizes) ** 2,
+            **shared,
         )
     else:
         raise ValueError(f"no demo recipe for the family {recipe.family!r}; use llava or qwen2_5_vl")
     return load_demo(scratch)
 
 
-def train_demo_model(
-    recipe: DemoRecipe, out_dir: Path, *, log: Callable[[str], None] = print
-) -> dict:
+def train_demo_model(recipe: DemoRecipe, out_dir: Path, *, log: Callable[[str], None] = print) -> dict:
     """Train with ``recipe`` and save the float16 checkpoint + processor in ``out_dir``.
 
     Returns the training summary that is also written to ``out_dir/training.json``.
@@ -300,7 +336,9 @@ def train_demo_model(
     heads = VisionHeads(vlm.vision_state_width)
     parameters = [p for p in (*vlm.model.parameters(), *heads.parameters()) if p.requires_grad]
     optimizer = _optimizer(parameters, recipe)
-    pieces = {size: prompt_pieces(vlm, (size // recipe.cell) ** 2) for size in recipe.train_sizes or (recipe.image_size,)}
+    pieces = {
+        size: prompt_pieces(vlm, (size // recipe.cell) ** 2) for size in recipe.train_sizes or (recipe.image_size,)
+    }
     first, history, minutes_before = resume(out_dir, recipe, vlm, heads, optimizer)
     if first:
         log(f"resuming from step {first}/{recipe.steps} ({CHECKPOINT_FILE} in {out_dir})")
@@ -308,8 +346,13 @@ def train_demo_model(
     for step in range(first, recipe.steps):
         size = recipe.step_size(step)
         batch = sample_batch(
-            recipe.seed, step, images=recipe.images_per_step, questions_per_image=recipe.questions_per_image,
-            image_size=size, patch_size=recipe.cell, mix=recipe.mix,
+            recipe.seed,
+            step,
+            images=recipe.images_per_step,
+            questions_per_image=recipe.questions_per_image,
+            image_size=size,
+            patch_size=recipe.cell,
+            mix=recipe.mix,
         )
         # one instruction per step keeps the yes/no suffixes the same length (less padding work)
         instruction = DEMO_INSTRUCTIONS[np.random.default_rng([recipe.seed, step, 1]).integers(len(DEMO_INSTRUCTIONS))]
@@ -369,4 +412,3 @@ def _save(vlm: VisionLanguageModel, out_dir: Path, summary: dict) -> None:
         (out_dir / CHECKPOINT_FILE).unlink(missing_ok=True)  # the trained model supersedes it
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-

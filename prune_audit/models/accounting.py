@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from prune_audit.models.base import VisionLanguageModel
     from prune_audit.models.prepared import Prepared
 
+
 def question_cost(
     vlm: VisionLanguageModel,
     item: Prepared,
@@ -59,8 +60,10 @@ def question_cost(
         crops["projected_tokens"] = crops["crops"] * patches  # the padding patches are projected too
         vision_keep = vlm.schedule(ran, item.num_visual, budget)[0].keep
         if vision_keep < item.num_visual:  # else every token is kept, nothing scanned
-            crop_stages = tuple((patches, ran.scan_count(share, crops["crop_grid"]))
-                                for share in crop_budgets(vision_keep, [patches] * crops["crops"]))
+            crop_stages = tuple(
+                (patches, ran.scan_count(share, crops["crop_grid"]))
+                for share in crop_budgets(vision_keep, [patches] * crops["crops"])
+            )
     arithmetic = 0
     if ran is not None:
         work = SelectorWork(

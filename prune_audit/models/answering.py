@@ -69,7 +69,12 @@ class AnswerModes:
         """
         check_context(self, prepared, mode, chosen_limit=False)  # a chosen generation limit: its caller checks it
         prefill, selections = self.prefill(
-            prepared, selector, budget, generator=generator, forced_kept=forced_kept, forced_stages=forced_stages,
+            prepared,
+            selector,
+            budget,
+            generator=generator,
+            forced_kept=forced_kept,
+            forced_stages=forced_stages,
             use_cache=isinstance(mode, (Greedy, Continuation)),
         )
         clock = PartClock(self.device)
@@ -97,8 +102,9 @@ class AnswerModes:
                 return greedy_generations(self.loop, prefill, self.eos_ids(), self.tokenizer, limits)
         if isinstance(mode, Continuation):
             with torch.no_grad():
-                return score_continuation(self.loop, prefill, continuation_token_ids(self.tokenizer, mode.text),
-                                          mode.text)
+                return score_continuation(
+                    self.loop, prefill, continuation_token_ids(self.tokenizer, mode.text), mode.text
+                )
         return reduce_yes_no(prefill.logits, self.yes_ids, self.no_ids)
 
     def check_answer_mode(self, mode: AnswerMode) -> None:
@@ -121,7 +127,11 @@ class AnswerModes:
     ) -> str:
         """Greedy decoding under pruning; the pruned KV cache is reused for every new token."""
         [answer] = self.answer(
-            [prepared], selector, budget, mode=Greedy(max_new_tokens), generator=generator,
+            [prepared],
+            selector,
+            budget,
+            mode=Greedy(max_new_tokens),
+            generator=generator,
             forced_kept=None if forced_kept is None else [forced_kept],
             forced_stages=None if forced_stages is None else [forced_stages],
         )

@@ -38,7 +38,6 @@ from prune_audit.answer_modes import (
     YesNo,
     YesNoMode,
 )
-
 from prune_audit.errors import PruneAuditError
 
 if TYPE_CHECKING:
@@ -193,7 +192,7 @@ class Answer:
 
     @property
     def answer(self) -> str:
-        """"yes"/"no", the chosen letter, or the generated text."""
+        """ "yes"/"no", the chosen letter, or the generated text."""
         return self.reduced.answer
 
     @property
@@ -225,7 +224,12 @@ class Answer:
 
 
 def answer_record(
-    num_visual: int, prefill: Prefill, b: int, selection: Selection | None, reduced: Reduction, latency: float,
+    num_visual: int,
+    prefill: Prefill,
+    b: int,
+    selection: Selection | None,
+    reduced: Reduction,
+    latency: float,
     latency_parts: dict[str, float],
 ) -> Answer:
     """Row ``b`` of a pruned prefill as an :class:`Answer`.
@@ -254,7 +258,24 @@ def answer_record(
 
 
 __all__ = [
-    "YES_NO", "AnswerMode", "Answer", "Continuation", "ContinuationScore", "Generation", "Greedy", "LetterChoice",
-    "OptionLetters", "Reduction", "YesNo", "YesNoMode", "answer_record", "answer_token_ids", "continuation_token_ids",
-    "greedy_generations", "letter_token_ids", "reduce_letters", "reduce_yes_no", "score_continuation",
+    "YES_NO",
+    "AnswerMode",
+    "Answer",
+    "Continuation",
+    "ContinuationScore",
+    "Generation",
+    "Greedy",
+    "LetterChoice",
+    "OptionLetters",
+    "Reduction",
+    "YesNo",
+    "YesNoMode",
+    "answer_record",
+    "answer_token_ids",
+    "continuation_token_ids",
+    "greedy_generations",
+    "letter_token_ids",
+    "reduce_letters",
+    "reduce_yes_no",
+    "score_continuation",
 ]

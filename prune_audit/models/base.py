@@ -32,8 +32,8 @@ from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, ch
 from prune_audit.models.selector_support import SelectorSupport
 from prune_audit.models.timing import PartClock
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Selector, Stage
-from prune_audit.pruners.signals import VISION_TOWER_FACTS
 from prune_audit.pruners.registry import list_selectors, selector_class
+from prune_audit.pruners.signals import VISION_TOWER_FACTS
 
 
 class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
@@ -75,16 +75,18 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
 
     @classmethod
     @abstractmethod
-    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   **sizes: Any) -> Path:
+    def build_tiny(
+        cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0, **sizes: Any
+    ) -> Path:
         """Save a random-weight checkpoint of this family (config, weights, image processor, tokenizer) to
         ``save_dir`` and return it, offline: the tests' and the demo's models. ``words`` join the tokenizer's
         vocabulary; ``sizes`` are the family builder's other keywords (widths, image size), tiny by default."""
 
     @classmethod
     @abstractmethod
-    def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
-                   clip_text: str | None) -> VisionLanguageModel:
+    def from_model(
+        cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None, clip_text: str | None
+    ) -> VisionLanguageModel:
         """The adapter around a loaded ``model``; reads the processor parts from ``source``."""
 
     @classmethod
@@ -105,8 +107,9 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
                 f"clip_text applies to LLaVA's CLIP vision tower; {cls.display_name} has no CLIP space"
             )
 
-    def __init__(self, model, tokenizer, stack: DecoderStack, *, model_id: str, prompt_template: str,
-                 system_prompt: str | None):
+    def __init__(
+        self, model, tokenizer, stack: DecoderStack, *, model_id: str, prompt_template: str, system_prompt: str | None
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.loop = LanguageLoop(stack)
@@ -172,8 +175,14 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     def _special_tokens(self) -> frozenset[str]:
         """The tokenizer's special tokens (its named ones and every added token marked special), read once."""
         decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
-        return frozenset(token for token in (*getattr(self.tokenizer, "all_special_tokens", ()),
-                                             *(added.content for added in decoder.values() if added.special)) if token)
+        return frozenset(
+            token
+            for token in (
+                *getattr(self.tokenizer, "all_special_tokens", ()),
+                *(added.content for added in decoder.values() if added.special),
+            )
+            if token
+        )
 
     def check_question(self, question: str) -> None:
         """Refuse, in one line, a question holding one of the tokenizer's special tokens (the image placeholder
@@ -212,8 +221,14 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         raise self._no_direct_forwards()
 
     def shared_prefix_logits(
-        self, features: Tensor, prefix_ids: Tensor, image_positions: Tensor, suffixes: Sequence[Tensor], per_image: int,
-        grid: tuple[int, int] | None = None, every_position: bool = False,
+        self,
+        features: Tensor,
+        prefix_ids: Tensor,
+        image_positions: Tensor,
+        suffixes: Sequence[Tensor],
+        per_image: int,
+        grid: tuple[int, int] | None = None,
+        every_position: bool = False,
     ) -> Tensor:
         """(B * per_image, V) logits after each suffix sharing one image prefix, or (B * per_image, T, V) at
         ``every_position`` (:func:`~prune_audit.models.shared_prefix.shared_prefix_logits`)."""
@@ -225,8 +240,10 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         raise self._no_direct_forwards()
 
     def _no_direct_forwards(self) -> PruneAuditError:
-        return PruneAuditError(f"{self.display_name} has no direct forwards for the demo trainer and evaluator; "
-                               f"the demo recipes train llava or qwen2_5_vl")
+        return PruneAuditError(
+            f"{self.display_name} has no direct forwards for the demo trainer and evaluator; "
+            f"the demo recipes train llava or qwen2_5_vl"
+        )
 
     # ----- public API ---------------------------------------------------------------
     @property
@@ -292,20 +309,29 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         """Raise a one-line PruneAuditError when this model cannot provide the selector's signals."""
         per_crop = getattr(selector, "budget_scope", "image") == "crop"
         # a merging selector runs per crop only where its official code does (VisionZip on LLaVA-NeXT)
-        if per_crop and (not self.several_crops or getattr(selector, "merges", False)
-                         and selector.name not in self.crop_grid_selectors):
-            why = (f"{selector.name} merges tokens" + " (per grid under budget_scope=image)" * (
-                selector.name in self.per_grid_selectors) if self.several_crops else f"{self.family} sees each "
-                "image as one crop (it applies to LLaVA-NeXT, LLaVA-OneVision and tiled InternVL)")
-            raise PruneAuditError(f"budget_scope=crop splits the budget over an image's crops, and {why}; drop "
-                                  f"--option budget_scope=crop")
+        if per_crop and (
+            not self.several_crops
+            or getattr(selector, "merges", False)
+            and selector.name not in self.crop_grid_selectors
+        ):
+            why = (
+                f"{selector.name} merges tokens"
+                + " (per grid under budget_scope=image)" * (selector.name in self.per_grid_selectors)
+                if self.several_crops
+                else f"{self.family} sees each "
+                "image as one crop (it applies to LLaVA-NeXT, LLaVA-OneVision and tiled InternVL)"
+            )
+            raise PruneAuditError(
+                f"budget_scope=crop splits the budget over an image's crops, and {why}; drop --option budget_scope=crop"
+            )
         if per_crop and self.runs_per_crop(type(selector), self._available_input_signals()):
             return
         reason = self.refusal(type(selector), self._available_input_signals())
         if reason is None:
             return
-        raise PruneAuditError(f"selector {selector.name!r} {reason}; selectors that work here: "
-                              f"{', '.join(self.supported_selectors())}")
+        raise PruneAuditError(
+            f"selector {selector.name!r} {reason}; selectors that work here: {', '.join(self.supported_selectors())}"
+        )
 
     def prefill(
         self,
@@ -326,8 +352,9 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         if selector is not None:
             self.check_selector(selector)
         input_level = forced_kept is not None or isinstance(selector, InputSelector)
-        requires = (self.signals_for(selector) if input_level and selector is not None and forced_kept is None
-                    else frozenset())
+        requires = (
+            self.signals_for(selector) if input_level and selector is not None and forced_kept is None else frozenset()
+        )
         vision_layer = vision_layer_requests(self, selector) if isinstance(selector, LayerSelector) else frozenset()
         clock = PartClock(self.device)
         with torch.no_grad():
@@ -338,15 +365,25 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
             for b, (item, output) in enumerate(zip(prepared, vision)):
                 if input_level:
                     item_generator = generator[b] if isinstance(generator, (list, tuple)) else generator
-                    selections[b] = select_input(self, item, output, selector, budget, item_generator, requires,
-                                                 None if forced_kept is None else forced_kept[b])
+                    selections[b] = select_input(
+                        self,
+                        item,
+                        output,
+                        selector,
+                        budget,
+                        item_generator,
+                        requires,
+                        None if forced_kept is None else forced_kept[b],
+                    )
                 rows.append(self.input_row(item, output, selections[b]))
             plan = None
             if not input_level and (selector is not None or forced_stages is not None):
                 plan = layer_plan(self, prepared, selector, budget, forced_stages)
                 travels = vision_layer | (VISION_TOWER_FACTS if vision_layer else frozenset())
-                plan.vision = [{name: value for name, value in output.signals.items()
-                                if name.removeprefix("model_") in travels} for output in vision]
+                plan.vision = [
+                    {name: value for name, value in output.signals.items() if name.removeprefix("model_") in travels}
+                    for output in vision
+                ]
             carry = plan is not None and bool(plan.requires & {"embeddings", "text_embeddings"})
             clock.lap("selection")
             try:
@@ -372,8 +409,15 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
 __all__ = ["VisionLanguageModel"]
 
 
-DIRECT_FORWARDS = ("vision_state_width", "image_inputs", "array_inputs", "image_features", "vision_states",
-                   "shared_prefix_logits", "first_token_logits")
+DIRECT_FORWARDS = (
+    "vision_state_width",
+    "image_inputs",
+    "array_inputs",
+    "image_features",
+    "vision_states",
+    "shared_prefix_logits",
+    "first_token_logits",
+)
 
 
 def without_direct_forwards(adapter: type[VisionLanguageModel]) -> type[VisionLanguageModel]:

@@ -36,8 +36,22 @@ QWEN_SPECIAL_TOKENS = (
 
 # words the chat templates below emit; added to every vocabulary so prompts never hit <unk>
 LLAVA_TEMPLATE_WORDS = ("USER", "ASSISTANT", ":", "?", ".", ",", "yes", "no", "Yes", "No")
-QWEN_TEMPLATE_WORDS = ("system", "user", "assistant", "You", "are", "a", "helpful", ".", "?", ",",
-                       "yes", "no", "Yes", "No")
+QWEN_TEMPLATE_WORDS = (
+    "system",
+    "user",
+    "assistant",
+    "You",
+    "are",
+    "a",
+    "helpful",
+    ".",
+    "?",
+    ",",
+    "yes",
+    "no",
+    "Yes",
+    "No",
+)
 
 # the llava-hf chat template: "USER: <image>\n{text} ASSISTANT:" (system text, if any, first)
 LLAVA_CHAT_TEMPLATE = (
@@ -282,17 +296,30 @@ def build_qwen2_5_vl(
             "fullatt_block_indexes": [vision_layers - 1],
         },
         text_config=qwen_text_config(
-            tokenizer, hidden=text_hidden_size, intermediate=text_intermediate_size, layers=text_layers,
-            heads=text_heads, kv_heads=text_kv_heads, mrope_section=mrope_section, max_positions=max_position_embeddings
+            tokenizer,
+            hidden=text_hidden_size,
+            intermediate=text_intermediate_size,
+            layers=text_layers,
+            heads=text_heads,
+            kv_heads=text_kv_heads,
+            mrope_section=mrope_section,
+            max_positions=max_position_embeddings,
         ),
         **qwen_vision_token_ids(tokenizer),
     )
     # Qwen2_5_VLProcessor insists on a video processor, which needs torchvision; the adapter
     # composes image processor + tokenizer itself, so those two (and the template) are saved.
-    return save_tiny_qwen(Qwen2_5_VLForConditionalGeneration, config, tokenizer, save_dir, seed=seed,
-                          patch_size=patch_size, merge_size=spatial_merge_size,
-                          min_pixels=min_pixels or image_size * image_size,
-                          max_pixels=max_pixels or image_size * image_size)
+    return save_tiny_qwen(
+        Qwen2_5_VLForConditionalGeneration,
+        config,
+        tokenizer,
+        save_dir,
+        seed=seed,
+        patch_size=patch_size,
+        merge_size=spatial_merge_size,
+        min_pixels=min_pixels or image_size * image_size,
+        max_pixels=max_pixels or image_size * image_size,
+    )
 
 
 def build_clip(

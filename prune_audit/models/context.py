@@ -51,8 +51,14 @@ def added_positions(vlm: VisionLanguageModel, mode: AnswerMode, *, chosen_limit:
     return 0
 
 
-def check_context(vlm: VisionLanguageModel, prepared: Sequence[Prepared], mode: AnswerMode,
-                  names: Sequence[str] | None = None, *, chosen_limit: bool = True) -> None:
+def check_context(
+    vlm: VisionLanguageModel,
+    prepared: Sequence[Prepared],
+    mode: AnswerMode,
+    names: Sequence[str] | None = None,
+    *,
+    chosen_limit: bool = True,
+) -> None:
     """Refuse, in one line naming the question and the limit, the first of ``prepared`` whose prompt positions plus
     those ``mode`` adds (:func:`added_positions`) exceed the model's; ``names[i]`` names question ``i`` (default:
     its text)."""
@@ -65,8 +71,10 @@ def check_context(vlm: VisionLanguageModel, prepared: Sequence[Prepared], mode: 
         greedy = isinstance(mode, Greedy)
         parts = f"{prompt} for its prompt" + (f" + {added} {'new' if greedy else 'answer'} tokens" if added else "")
         fix = "shorten the question" + " or lower --max-new-tokens (max_new_tokens)" * (greedy and chosen_limit)
-        raise PruneAuditError(f"{name} needs {prompt + added} positions ({parts}) but {vlm.model_id} has "
-                              f"{limit} (max_position_embeddings); {fix}")
+        raise PruneAuditError(
+            f"{name} needs {prompt + added} positions ({parts}) but {vlm.model_id} has "
+            f"{limit} (max_position_embeddings); {fix}"
+        )
 
 
 def generation_limits(vlm: VisionLanguageModel, prepared: Sequence[Prepared], max_new_tokens: int) -> list[int]:

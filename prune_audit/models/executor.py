@@ -319,6 +319,7 @@ class LanguageLoop:
         alive_stages[row].append(alive[survivors].tolist() + ([] if insertion is None else insertion.kinds.tolist()))
         return columns[keep], insertion
 
+
 __all__ = [
     "ATTENTION_SIGNALS", "TEXT_BEFORE", "TEXT_AFTER", "PAD", "MERGED", "DecoderStack", "TokenRow", "Batch",
     "pack", "gather_rows", "attention_mask", "LayerPlan", "Prefill", "DecodeState", "LanguageLoop",

@@ -46,9 +46,7 @@ def support_table() -> str:
 def adapter_for(model_type: str, source: str) -> type[VisionLanguageModel]:
     """The adapter class for a checkpoint's ``model_type``; one-line error when none is registered."""
     if model_type not in _ADAPTERS:
-        raise PruneAuditError(
-            f"{source} is a {model_type!r} model; supported families: {', '.join(family_names())}"
-        )
+        raise PruneAuditError(f"{source} is a {model_type!r} model; supported families: {', '.join(family_names())}")
     return _ADAPTERS[model_type]
 
 

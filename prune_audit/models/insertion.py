@@ -86,16 +86,14 @@ def replace_in_place(
         column = visual_columns[target]
         batch.hidden[row, column] = merge.hidden[index].to(batch.hidden.device, batch.hidden.dtype)
         if batch.embeddings is not None and batch.embeddings is not batch.hidden:
-            batch.embeddings[row, column] = batch.embeddings[row, visual_columns[members]].float().mean(dim=0).to(
-                batch.embeddings.dtype
+            batch.embeddings[row, column] = (
+                batch.embeddings[row, visual_columns[members]].float().mean(dim=0).to(batch.embeddings.dtype)
             )
         alive[target] = batch.kinds[row, column] = merged_kind(len(registry))
         registry.append(sorted(sources))
 
 
-def with_insertions(
-    batch: Batch, keep: list[Tensor], insertions: list[Insertion | None]
-) -> tuple[Batch, list[Tensor]]:
+def with_insertions(batch: Batch, keep: list[Tensor], insertions: list[Insertion | None]) -> tuple[Batch, list[Tensor]]:
     """``batch`` with every row's inserted tokens appended as extra columns, and ``keep`` placing them.
 
     Row b's M_b tokens occupy columns L..L+M_b-1 (padding in the other rows); its kept

@@ -62,17 +62,21 @@ DEFAULT_SYSTEM = (
 )
 START_IMAGE, END_IMAGE, CONTEXT_IMAGE = "<img>", "</img>", "<IMG_CONTEXT>"
 #: how pool and ToMe run: each merged token from one tile's grid (or the thumbnail's), docs/models.md
-MERGE_PER_TILE = ("per tile: it merges within each tile's grid and the thumbnail's, the budget split evenly over "
-                  "them, each merged token at the next compact position (a project choice, no official code)")
+MERGE_PER_TILE = (
+    "per tile: it merges within each tile's grid and the thumbnail's, the budget split evenly over "
+    "them, each merged token at the next compact position (a project choice, no official code)"
+)
 #: how a selector that needs only a grid layout runs on each tile's and the thumbnail's grid (``grid_parts``), by
 #: its ``Selector.per_grid`` kind: a project choice (no official InternVL pruning code was read), docs/models.md
-PER_TILE = MappingProxyType({
-    GRID_BLOCKS: "per tile: its novelty blocks split each tile's grid and the thumbnail's (a project choice; E2S has "
-                 "no public code)",
-    GRID_MERGE: MERGE_PER_TILE,
-    GRID_SPLIT: "per tile: the budget split evenly over the tiles' and the thumbnail's grids, equal in tokens (a "
-                "project choice, no official code); one tile is one grid",
-})
+PER_TILE = MappingProxyType(
+    {
+        GRID_BLOCKS: "per tile: its novelty blocks split each tile's grid and the thumbnail's (a project choice; E2S has "
+        "no public code)",
+        GRID_MERGE: MERGE_PER_TILE,
+        GRID_SPLIT: "per tile: the budget split evenly over the tiles' and the thumbnail's grids, equal in tokens (a "
+        "project choice, no official code); one tile is one grid",
+    }
+)
 
 
 class InternVLModel(VisionLanguageModel):
@@ -97,24 +101,57 @@ class InternVLModel(VisionLanguageModel):
         return InternVLForConditionalGeneration
 
     @classmethod
-    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   image_size: int = 32, patch_size: int = 8, max_patches: int = 6, **sizes: Any) -> Path:
+    def build_tiny(
+        cls,
+        save_dir: str | Path,
+        *,
+        words: Sequence[str],
+        text_layers: int = 2,
+        seed: int = 0,
+        image_size: int = 32,
+        patch_size: int = 8,
+        max_patches: int = 6,
+        **sizes: Any,
+    ) -> Path:
         """A random-weight checkpoint of this family for offline tests (:func:`build_internvl`) that tiles as the
         released processors do, at a small scale: 32-px tiles of 2 x 2 tokens (8-px patches), up to 6 tiles plus
         a thumbnail, so the tests' 64-px scenes get 2 x 2 tiles and a 130 x 100 image 3 x 2."""
-        return build_internvl(save_dir, words=words, text_layers=text_layers, seed=seed, image_size=image_size,
-                              patch_size=patch_size, max_patches=max_patches, **sizes)
+        return build_internvl(
+            save_dir,
+            words=words,
+            text_layers=text_layers,
+            seed=seed,
+            image_size=image_size,
+            patch_size=patch_size,
+            max_patches=max_patches,
+            **sizes,
+        )
 
     @classmethod
-    def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
-                   clip_text: str | None) -> InternVLModel:
+    def from_model(
+        cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None, clip_text: str | None
+    ) -> InternVLModel:
         cls.check_clip_text(clip_text)
         image_processor, tokenizer = image_processor_and_tokenizer(source)
-        return cls(model, image_processor, tokenizer, model_id=source, prompt_template=prompt_template,
-                   system_prompt=system_prompt)
+        return cls(
+            model,
+            image_processor,
+            tokenizer,
+            model_id=source,
+            prompt_template=prompt_template,
+            system_prompt=system_prompt,
+        )
 
-    def __init__(self, model, image_processor, tokenizer, *, model_id: str, prompt_template: str | None = None,
-                 system_prompt: str | None = None):
+    def __init__(
+        self,
+        model,
+        image_processor,
+        tokenizer,
+        *,
+        model_id: str,
+        prompt_template: str | None = None,
+        system_prompt: str | None = None,
+    ):
         config = model.config
         if config.vision_feature_select_strategy != "default" or not isinstance(config.vision_feature_layer, int):
             raise PruneAuditError(
@@ -128,8 +165,9 @@ class InternVLModel(VisionLanguageModel):
             raise PruneAuditError("InternVL checkpoints with sliding-window decoder layers are not supported")
         template = self.resolve_template(prompt_template)
         stack = DecoderStack.one_dimensional(model, text_config)
-        super().__init__(model, tokenizer, stack, model_id=model_id, prompt_template=template,
-                         system_prompt=system_prompt)
+        super().__init__(
+            model, tokenizer, stack, model_id=model_id, prompt_template=template, system_prompt=system_prompt
+        )
         self.image_processor = image_processor
         self.shape = ModelShape(internvl_vision_shape(config), language_shape(text_config), model.dtype.itemsize)
         patch = config.vision_config.patch_size
@@ -156,8 +194,13 @@ class InternVLModel(VisionLanguageModel):
         and the thumbnail, one token per ``token_pixels`` square."""
         from prune_audit.data.multigrid import internvl_geometry
 
-        return internvl_geometry(image_size, tile=self.tile, token_pixels=self.token_pixels, min_tiles=self.min_tiles,
-                                 max_tiles=self.max_tiles)
+        return internvl_geometry(
+            image_size,
+            tile=self.tile,
+            token_pixels=self.token_pixels,
+            min_tiles=self.min_tiles,
+            max_tiles=self.max_tiles,
+        )
 
     @property
     def tile_grid(self) -> tuple[int, int]:
@@ -207,8 +250,10 @@ class InternVLModel(VisionLanguageModel):
     def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
         """Per tile the tower ran on (the tiles, then the thumbnail), its ``tile_tokens`` consecutive visual tokens
         and their (rows, cols) grid."""
-        return [(torch.arange(tile * self.tile_tokens, (tile + 1) * self.tile_tokens), self.tile_grid)
-                for tile in range(item.pixel_values.shape[0])]
+        return [
+            (torch.arange(tile * self.tile_tokens, (tile + 1) * self.tile_tokens), self.tile_grid)
+            for tile in range(item.pixel_values.shape[0])
+        ]
 
     def grid_parts(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
         """Each tile's and then the thumbnail's ``tile_grid`` of consecutive visual tokens: the tiles' tokens are
@@ -217,8 +262,10 @@ class InternVLModel(VisionLanguageModel):
 
     def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
         """The tower ran on every tile (and the thumbnail) of ``tile // patch`` squared patches."""
-        return {"crops": int(prepared.pixel_values.shape[0]),
-                "crop_grid": (self.tile[0] // self.patch_size, self.tile[1] // self.patch_size)}
+        return {
+            "crops": int(prepared.pixel_values.shape[0]),
+            "crop_grid": (self.tile[0] // self.patch_size, self.tile[1] // self.patch_size),
+        }
 
     def _shuffled_patches(self, pixels: Tensor) -> Tensor:
         """(B, N, 4 Dv) pre-projector tokens of (B, 3, H, W) tiles, as ``get_image_features`` builds them:
@@ -349,8 +396,12 @@ def build_internvl(
     )
     torch.manual_seed(seed)
     model = InternVLForConditionalGeneration(config).eval()
-    image_processor = GotOcr2ImageProcessorPil(size={"height": image_size, "width": image_size},
-                                               crop_to_patches=max_patches > 1, min_patches=1, max_patches=max_patches)
+    image_processor = GotOcr2ImageProcessorPil(
+        size={"height": image_size, "width": image_size},
+        crop_to_patches=max_patches > 1,
+        min_patches=1,
+        max_patches=max_patches,
+    )
     model.save_pretrained(save_dir)
     image_processor.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)

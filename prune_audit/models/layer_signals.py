@@ -72,7 +72,9 @@ def layer_signals(
         if requires & ATTENTION_SIGNALS:
             # the identity rotation where the selector's official code skips RoPE (VScan's Qwen layer_prune)
             turn = (cos[0], sin[0]) if plan.rotates_attention else (torch.ones_like(cos[0]), torch.zeros_like(sin[0]))
-            logits, probs = probe.probabilities(source, text, *turn, plan.attention_in_model_dtype, plan.model_attention)
+            logits, probs = probe.probabilities(
+                source, text, *turn, plan.attention_in_model_dtype, plan.model_attention
+            )
             signals.text_logits, signals.text_probs = _f32(logits[:, :, visual]), _f32(probs[:, :, visual])
         if requires & KEY_SIGNALS:
             norms = probe.keys(source, cos[0], sin[0]).float().abs().sum(dim=(0, 2))
@@ -115,4 +117,3 @@ def text_demand(stack: DecoderStack, row: TokenRow) -> Tensor:
     _, probs = stack.probe(0).probabilities(row.embeddings, text, cos[0], sin[0])
     visual = torch.nonzero(row.kinds >= 0).flatten()
     return probs[:, :, visual].mean(dim=(0, 1))
-

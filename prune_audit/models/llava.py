@@ -43,7 +43,8 @@ class LlavaModel(VisionLanguageModel):
     family = "llava"
     input_signals = frozenset(
         {"features", "vision_features", "cls_attention", "cls_logits", "vision_keys", "cls_feature"}
-        | {"text_relevance", "demand", "merging_tower"} | LAYER_SIGNALS
+        | {"text_relevance", "demand", "merging_tower"}
+        | LAYER_SIGNALS
     )
     cls_probe_signals, layer_probe_signals = CLS_SIGNALS, LAYER_SIGNALS
     missing_signals_reason = "this adapter does not compute it"
@@ -57,8 +58,9 @@ class LlavaModel(VisionLanguageModel):
         return LlavaForConditionalGeneration
 
     @classmethod
-    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   **sizes: Any) -> Path:
+    def build_tiny(
+        cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0, **sizes: Any
+    ) -> Path:
         """:func:`~prune_audit.models.build.build_llava` (``sizes``: its other keywords)."""
         from prune_audit.models.build import build_llava
 
@@ -69,17 +71,27 @@ class LlavaModel(VisionLanguageModel):
         """Any CLIP checkpoint is accepted here; its width is checked against the tower once loaded."""
 
     @classmethod
-    def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
-                   clip_text: str | None) -> LlavaModel:
+    def from_model(
+        cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None, clip_text: str | None
+    ) -> LlavaModel:
         from transformers import AutoProcessor
 
         processor = load_part("processor", source, lambda: AutoProcessor.from_pretrained(source, backend="pil"))
         clip = None if clip_text is None else load_clip(clip_text, model)
-        return cls(model, processor, model_id=source, prompt_template=prompt_template,
-                   system_prompt=system_prompt, clip=clip)
+        return cls(
+            model, processor, model_id=source, prompt_template=prompt_template, system_prompt=system_prompt, clip=clip
+        )
 
-    def __init__(self, model, processor, *, model_id: str, prompt_template: str | None = None,
-                 system_prompt: str | None = None, clip: tuple[Any, Any] | None = None):
+    def __init__(
+        self,
+        model,
+        processor,
+        *,
+        model_id: str,
+        prompt_template: str | None = None,
+        system_prompt: str | None = None,
+        clip: tuple[Any, Any] | None = None,
+    ):
         config = model.config
         if config.vision_feature_select_strategy != "default" or not isinstance(config.vision_feature_layer, int):
             raise PruneAuditError(
@@ -88,8 +100,9 @@ class LlavaModel(VisionLanguageModel):
             )
         template = self.resolve_template(prompt_template)
         stack = DecoderStack.one_dimensional(model, config.text_config)
-        super().__init__(model, processor.tokenizer, stack, model_id=model_id, prompt_template=template,
-                         system_prompt=system_prompt)
+        super().__init__(
+            model, processor.tokenizer, stack, model_id=model_id, prompt_template=template, system_prompt=system_prompt
+        )
         self.processor = processor
         self.clip = clip
         self.vision_tower = model.model.vision_tower
@@ -123,8 +136,9 @@ class LlavaModel(VisionLanguageModel):
         ``LlavaImageProcessor(do_pad=True)``) on the tower's patch grid."""
         from prune_audit.data.geometry import clip_geometry_from_processor
 
-        return clip_geometry_from_processor(self.processor.image_processor, image_size,
-                                            patch_size=self.model.config.vision_config.patch_size)
+        return clip_geometry_from_processor(
+            self.processor.image_processor, image_size, patch_size=self.model.config.vision_config.patch_size
+        )
 
     def prepare(self, image, question: str) -> Prepared:
         image = image.convert("RGB")
@@ -174,8 +188,9 @@ class LlavaModel(VisionLanguageModel):
             if "vision_keys" in requires:
                 signals["vision_keys"] = cls_keys[b]
             # the model-dtype twins (half towers) come with the signal they stand for
-            signals.update({name: value[b] for name, value in per_layer.items()
-                            if name.removeprefix("model_") in requires})
+            signals.update(
+                {name: value[b] for name, value in per_layer.items() if name.removeprefix("model_") in requires}
+            )
             if "merging_tower" in requires:
                 signals["merging_tower"] = partial(self._merging_tower, pixels[b])
             outputs.append(VisionOutput(features[b], signals))
@@ -308,15 +323,29 @@ class LlavaModel(VisionLanguageModel):
         return self.model.model.multi_modal_projector(selected), out.pooler_output, out.last_hidden_state[:, 1:]
 
     def shared_prefix_logits(
-        self, features: Tensor, prefix_ids: Tensor, image_positions: Tensor, suffixes: Sequence[Tensor], per_image: int,
-        grid: tuple[int, int] | None = None, every_position: bool = False,
+        self,
+        features: Tensor,
+        prefix_ids: Tensor,
+        image_positions: Tensor,
+        suffixes: Sequence[Tensor],
+        per_image: int,
+        grid: tuple[int, int] | None = None,
+        every_position: bool = False,
     ) -> Tensor:
         """(B * per_image, V) logits after each suffix, or (B * per_image, T, V) at ``every_position``
         (:func:`~prune_audit.models.shared_prefix.shared_prefix_logits`); positions are 1-D and contiguous, so
         ``grid`` is not needed."""
         language = self.model.model.language_model
-        return shared_prefix_logits(language, self.model.lm_head, features, prefix_ids, image_positions, suffixes,
-                                    per_image, every_position=every_position)
+        return shared_prefix_logits(
+            language,
+            self.model.lm_head,
+            features,
+            prefix_ids,
+            image_positions,
+            suffixes,
+            per_image,
+            every_position=every_position,
+        )
 
     def first_token_logits(self, input_ids: Tensor, attention_mask: Tensor, features: Sequence[Tensor]) -> Tensor:
         """(B, V) logits at the last position of left-padded (B, L) prompts, stock Llava forward.
@@ -373,7 +402,6 @@ def load_clip(source: str, model) -> tuple[Any, Any]:
         )
     tokenizer = load_part("CLIP tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
     return clip.to(model.device).eval(), tokenizer
-
 
 
 __all__ = ["LlavaModel", "load_clip", "PROMPT_TEMPLATES", "VICUNA_V1_SYSTEM"]

@@ -60,16 +60,20 @@ from prune_audit.pruners.signals import PADDED_CROPS, PaddedCrops
 LACKS = frozenset({ONE_GRID, ONE_CLS, PADDED_CROP_GRID})
 #: how a selector that needs only a grid layout runs on each of the image's two regular grids (``grid_parts``),
 #: by its ``Selector.per_grid`` kind: a project choice (none has official LLaVA-NeXT code), docs/models.md
-MERGE_PER_GRID = ("per grid: it merges within the base view's grid and within the tile grid, the budget split over "
-                  "them in proportion to their tokens, each merged token placed at its first cell among the row "
-                  "newlines (a project choice, no official code)")
-PER_GRID = MappingProxyType({
-    GRID_BLOCKS: "per grid: its novelty blocks split the base view's grid and the tile grid each (a project choice; "
-                 "E2S has no public code)",
-    GRID_MERGE: MERGE_PER_GRID,
-    GRID_SPLIT: "per grid: the budget split over the base view's grid and the tile grid in proportion to their "
-                "tokens (a project choice, no official code); with --option budget_scope=crop an even share per crop",
-})
+MERGE_PER_GRID = (
+    "per grid: it merges within the base view's grid and within the tile grid, the budget split over "
+    "them in proportion to their tokens, each merged token placed at its first cell among the row "
+    "newlines (a project choice, no official code)"
+)
+PER_GRID = MappingProxyType(
+    {
+        GRID_BLOCKS: "per grid: its novelty blocks split the base view's grid and the tile grid each (a project choice; "
+        "E2S has no public code)",
+        GRID_MERGE: MERGE_PER_GRID,
+        GRID_SPLIT: "per grid: the budget split over the base view's grid and the tile grid in proportion to their "
+        "tokens (a project choice, no official code); with --option budget_scope=crop an even share per crop",
+    }
+)
 NEWLINE_KIND = TEXT_BEFORE  # kept like the text before the image: never pruned, never a query row
 
 
@@ -78,8 +82,10 @@ class LlavaNextModel(LlavaModel):
     """LLaVA-NeXT adapter (one image per prompt, anyres tiling with unpadding and row newlines)."""
 
     family = "llava_next"
-    input_signals = frozenset({"features", "demand", "vision_features", "cls_attention", "vision_keys", "cls_feature",
-                               "text_relevance"} | LAYER_SIGNALS)
+    input_signals = frozenset(
+        {"features", "demand", "vision_features", "cls_attention", "vision_keys", "cls_feature", "text_relevance"}
+        | LAYER_SIGNALS
+    )
     cls_probe_signals = frozenset({"cls_attention", "vision_keys"})  # one CLS row and its keys per crop
     layer_probe_signals = LAYER_SIGNALS  # every crop's encoder attention
     missing_signals_reason = (
@@ -102,31 +108,47 @@ class LlavaNextModel(LlavaModel):
         return LlavaNextForConditionalGeneration
 
     @classmethod
-    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   image_size: int = 56) -> Path:
+    def build_tiny(
+        cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0, image_size: int = 56
+    ) -> Path:
         """A random-weight checkpoint of this family for offline tests (:func:`build_llava_next`)."""
         return build_llava_next(save_dir, words=words, text_layers=text_layers, seed=seed, tile=image_size)
 
-    def __init__(self, model, processor, *, model_id: str, prompt_template: str | None = None,
-                 system_prompt: str | None = None, clip: tuple[Any, Any] | None = None):
+    def __init__(
+        self,
+        model,
+        processor,
+        *,
+        model_id: str,
+        prompt_template: str | None = None,
+        system_prompt: str | None = None,
+        clip: tuple[Any, Any] | None = None,
+    ):
         image_processor = processor.image_processor
         tile = model.config.vision_config.image_size
         size, crop = dict(image_processor.size), dict(image_processor.crop_size)
-        if size.get("shortest_edge", size.get("height")) != tile or crop.get("height") != tile or (
-            crop.get("width") != tile
+        if (
+            size.get("shortest_edge", size.get("height")) != tile
+            or crop.get("height") != tile
+            or (crop.get("width") != tile)
         ):
             raise PruneAuditError(
                 f"{model_id}: the LLaVA-NeXT processor's size {size} and crop_size {crop} must both be the tower's "
                 f"{tile}-px input (each crop is then used whole)"
             )
-        super().__init__(model, processor, model_id=model_id, prompt_template=prompt_template,
-                         system_prompt=system_prompt, clip=clip)
+        super().__init__(
+            model, processor, model_id=model_id, prompt_template=prompt_template, system_prompt=system_prompt, clip=clip
+        )
         self.tile = tile
         self.pinpoints = [tuple(int(side) for side in pair) for pair in model.config.image_grid_pinpoints]
 
     def tiling_parameters(self) -> dict[str, Any]:
         """The anyres tiling parameters of ``data.multigrid``: the config's pinpoints, tile and patch side."""
-        return {"pinpoints": self.pinpoints, "tile": self.tile, "patch_size": self.model.config.vision_config.patch_size}
+        return {
+            "pinpoints": self.pinpoints,
+            "tile": self.tile,
+            "patch_size": self.model.config.vision_config.patch_size,
+        }
 
     def token_geometry(self, image_size: tuple[int, int]):
         """The base view plus the unpadded anyres tile grid (``data.multigrid.anyres_geometry``)."""
@@ -157,9 +179,11 @@ class LlavaNextModel(LlavaModel):
             question=question,
             image_size=image.size,
             geometry=geometry,
-            extras={"image_sizes": encoded["image_sizes"],
-                    "visual_columns": visual_columns(start, base.num_tokens, tiles.grid),
-                    "crop_patches": torch.from_numpy(anyres_crop_patches(image.size, **layout))},
+            extras={
+                "image_sizes": encoded["image_sizes"],
+                "visual_columns": visual_columns(start, base.num_tokens, tiles.grid),
+                "crop_patches": torch.from_numpy(anyres_crop_patches(image.size, **layout)),
+            },
         )
 
     # ----- vision ---------------------------------------------------------------------
@@ -190,13 +214,22 @@ class LlavaNextModel(LlavaModel):
                 signals["token_crops"] = self._token_crops(item).to(self.device)
             per_crop = self._layer_signals(hidden) if requires & (LAYER_SIGNALS | {PADDED_CROPS}) else {}
             # each (K, Lv, P) over the crops, to (Lv, N) in visual-token order
-            signals.update({name: value.transpose(0, 1).flatten(1)[:, order] for name, value in per_crop.items()
-                            if name.removeprefix("model_") in requires})
+            signals.update(
+                {
+                    name: value.transpose(0, 1).flatten(1)[:, order]
+                    for name, value in per_crop.items()
+                    if name.removeprefix("model_") in requires
+                }
+            )
             if padded is not None:
                 side = self.tile // self.model.config.vision_config.patch_size
-                signals[PADDED_CROPS] = PaddedCrops(per_crop["layer_cls_attention"],
-                                                    per_crop.get("model_layer_cls_attention"), padded.float(),
-                                                    (side, side), order.cpu())
+                signals[PADDED_CROPS] = PaddedCrops(
+                    per_crop["layer_cls_attention"],
+                    per_crop.get("model_layer_cls_attention"),
+                    padded.float(),
+                    (side, side),
+                    order.cpu(),
+                )
             features = projector(visual) if padded is None else padded.flatten(0, 1)[order]
             outputs.append(VisionOutput(features, signals))
         return outputs
@@ -236,8 +269,10 @@ class LlavaNextModel(LlavaModel):
         """The base view's grid (tokens 0..B-1) and the tile grid after it (unpadded; for LLaVA-OneVision after
         the ``anyres_max`` resize), each regular and row-major."""
         base, tiles = item.geometry.grids
-        return [(torch.arange(base.num_tokens), base.grid),
-                (torch.arange(base.num_tokens, item.num_visual), tiles.grid)]
+        return [
+            (torch.arange(base.num_tokens), base.grid),
+            (torch.arange(base.num_tokens, item.num_visual), tiles.grid),
+        ]
 
     def _token_crops(self, item: Prepared) -> Tensor:
         """(N,) the crop (0: base view, then the tiles row-major over the canvas) each visual token was computed in."""
@@ -273,12 +308,18 @@ class LlavaNextModel(LlavaModel):
             visual = output.features[kinds]
         else:
             if any(group.numel() == 0 for group in selection.sources):
-                raise PruneAuditError(f"a merged token without grid cells has no place in the {self.display_name} "
-                                      f"prompt (its tile rows end in newlines)")
-            visual = (selection.llm_tokens.to(device, self.dtype) if selection.llm_tokens is not None
-                      else self.project(selection.vision_tokens.to(device, self.dtype)))
-            kinds = torch.tensor([int(group[0]) if group.numel() == 1 else MERGED for group in selection.sources],
-                                 device=device)
+                raise PruneAuditError(
+                    f"a merged token without grid cells has no place in the {self.display_name} "
+                    f"prompt (its tile rows end in newlines)"
+                )
+            visual = (
+                selection.llm_tokens.to(device, self.dtype)
+                if selection.llm_tokens is not None
+                else self.project(selection.vision_tokens.to(device, self.dtype))
+            )
+            kinds = torch.tensor(
+                [int(group[0]) if group.numel() == 1 else MERGED for group in selection.sources], device=device
+            )
             firsts = torch.tensor([int(group.min()) for group in selection.sources], device=device)
         slots = visual_at[kinds if selection is None or selection.sources is None else firsts]
         order = torch.argsort(torch.cat([slots, newline_at]), stable=True)
@@ -305,7 +346,6 @@ class LlavaNextModel(LlavaModel):
             },
             "clip_text": None if self.clip is None else getattr(self.clip[0].config, "_name_or_path", ""),
         }
-
 
 
 def visual_columns(start: int, base_tokens: int, tile_grid: tuple[int, int]) -> Tensor:
@@ -362,26 +402,51 @@ def build_llava_next(
     save_dir = Path(save_dir)
     tokenizer = word_level_tokenizer(_vocabulary(words, SPECIAL_TOKENS, LLAVA_TEMPLATE_WORDS))
     pinpoints = [[tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile]]
-    vision = CLIPVisionConfig(hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
-                              num_hidden_layers=vision_layers, num_attention_heads=vision_heads, image_size=tile,
-                              patch_size=patch_size, hidden_act="quick_gelu")
-    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=text_hidden_size,
-                       intermediate_size=text_intermediate_size, num_hidden_layers=text_layers,
-                       num_attention_heads=text_heads, num_key_value_heads=text_heads, max_position_embeddings=512,
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    config = LlavaNextConfig(vision_config=vision, text_config=text,
-                             image_token_index=tokenizer.convert_tokens_to_ids("<image>"), projector_hidden_act="gelu",
-                             vision_feature_layer=-2, vision_feature_select_strategy="default",
-                             image_grid_pinpoints=pinpoints, image_seq_length=(tile // patch_size) ** 2)
+    vision = CLIPVisionConfig(
+        hidden_size=vision_hidden_size,
+        intermediate_size=2 * vision_hidden_size,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=vision_heads,
+        image_size=tile,
+        patch_size=patch_size,
+        hidden_act="quick_gelu",
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=text_hidden_size,
+        intermediate_size=text_intermediate_size,
+        num_hidden_layers=text_layers,
+        num_attention_heads=text_heads,
+        num_key_value_heads=text_heads,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    config = LlavaNextConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        projector_hidden_act="gelu",
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        image_grid_pinpoints=pinpoints,
+        image_seq_length=(tile // patch_size) ** 2,
+    )
     torch.manual_seed(seed)
     model = LlavaNextForConditionalGeneration(config).eval()
-    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": tile},
-                                                 crop_size={"height": tile, "width": tile},
-                                                 image_grid_pinpoints=pinpoints)
-    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
-                                   vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE,
-                                   num_additional_image_tokens=1)
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": tile}, crop_size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        num_additional_image_tokens=1,
+    )
     model.save_pretrained(save_dir)
     processor.save_pretrained(save_dir)
     return save_dir

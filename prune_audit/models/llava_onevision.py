@@ -69,38 +69,61 @@ class LlavaOnevisionModel(LlavaNextModel):
         return LlavaOnevisionForConditionalGeneration
 
     @classmethod
-    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   image_size: int = 60) -> Path:
+    def build_tiny(
+        cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0, image_size: int = 60
+    ) -> Path:
         """A random-weight checkpoint of this family for offline tests (:func:`build_llava_onevision`)."""
         return build_llava_onevision(save_dir, words=words, text_layers=text_layers, seed=seed, tile=image_size)
 
     check_clip_text = VisionLanguageModel.__dict__["check_clip_text"]  # SigLIP: no CLIP space for CDPruner's relevance
 
     @classmethod
-    def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
-                   clip_text: str | None) -> LlavaOnevisionModel:
+    def from_model(
+        cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None, clip_text: str | None
+    ) -> LlavaOnevisionModel:
         cls.check_clip_text(clip_text)
         image_processor, tokenizer = image_processor_and_tokenizer(source)
-        return cls(model, image_processor, tokenizer, model_id=source, prompt_template=prompt_template,
-                   system_prompt=system_prompt)
+        return cls(
+            model,
+            image_processor,
+            tokenizer,
+            model_id=source,
+            prompt_template=prompt_template,
+            system_prompt=system_prompt,
+        )
 
-    def __init__(self, model, image_processor, tokenizer, *, model_id: str, prompt_template: str | None = None,
-                 system_prompt: str | None = None):
+    def __init__(
+        self,
+        model,
+        image_processor,
+        tokenizer,
+        *,
+        model_id: str,
+        prompt_template: str | None = None,
+        system_prompt: str | None = None,
+    ):
         config = model.config
         if config.vision_feature_select_strategy != "full" or not isinstance(config.vision_feature_layer, int):
-            raise PruneAuditError("only LLaVA-OneVision checkpoints with one vision_feature_layer and the 'full' "
-                                  "strategy (SigLIP, no CLS) are supported")
+            raise PruneAuditError(
+                "only LLaVA-OneVision checkpoints with one vision_feature_layer and the 'full' "
+                "strategy (SigLIP, no CLS) are supported"
+            )
         tile = config.vision_config.image_size
         size = dict(image_processor.size)
         if (size.get("height"), size.get("width")) != (tile, tile) or getattr(image_processor, "do_center_crop", False):
-            raise PruneAuditError(f"{model_id}: the LLaVA-OneVision processor must resize each crop to the tower's "
-                                  f"{tile} x {tile} input without a centre crop (size is {size})")
+            raise PruneAuditError(
+                f"{model_id}: the LLaVA-OneVision processor must resize each crop to the tower's "
+                f"{tile} x {tile} input without a centre crop (size is {size})"
+            )
         if not config.vision_aspect_ratio.startswith("anyres_max_"):
-            raise PruneAuditError(f"vision_aspect_ratio {config.vision_aspect_ratio!r} is not supported (anyres_max_N is)")
+            raise PruneAuditError(
+                f"vision_aspect_ratio {config.vision_aspect_ratio!r} is not supported (anyres_max_N is)"
+            )
         template = self.resolve_template(prompt_template)
         stack = DecoderStack.one_dimensional(model, config.text_config)
-        VisionLanguageModel.__init__(self, model, tokenizer, stack, model_id=model_id, prompt_template=template,
-                                     system_prompt=system_prompt)
+        VisionLanguageModel.__init__(
+            self, model, tokenizer, stack, model_id=model_id, prompt_template=template, system_prompt=system_prompt
+        )
         self.image_processor = image_processor
         self.clip = None
         self.vision_tower = model.model.vision_tower
@@ -112,14 +135,19 @@ class LlavaOnevisionModel(LlavaNextModel):
         self.tile = tile
         self.pinpoints = [tuple(int(side) for side in pair) for pair in config.image_grid_pinpoints]
         self.max_tiles = int(config.vision_aspect_ratio.removeprefix("anyres_max_"))
-        self.shape = ModelShape(llava_vision_shape(config, self.feature_index, class_tokens=0), language_shape(config.text_config),
-                                model.dtype.itemsize)
+        self.shape = ModelShape(
+            llava_vision_shape(config, self.feature_index, class_tokens=0),
+            language_shape(config.text_config),
+            model.dtype.itemsize,
+        )
 
     def prompt(self, question: str, num_image_tokens: int = 1) -> str:
         """The OneVision chat prompt for one image (``num_image_tokens`` ``<image>`` tokens) and ``question``."""
         system = self.system_prompt or DEFAULT_SYSTEM
-        return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{IMAGE_TOKEN * num_image_tokens}\n"
-                f"{question}<|im_end|>\n<|im_start|>assistant\n")
+        return (
+            f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{IMAGE_TOKEN * num_image_tokens}\n"
+            f"{question}<|im_end|>\n<|im_start|>assistant\n"
+        )
 
     def token_geometry(self, image_size: tuple[int, int]):
         """The base view plus the anyres tile grid pooled down to ``max_tiles`` (``onevision_geometry``)."""
@@ -148,10 +176,12 @@ class LlavaOnevisionModel(LlavaNextModel):
             question=question,
             image_size=image.size,
             geometry=geometry,
-            extras={"image_sizes": encoded["image_sizes"],
-                    "visual_columns": visual_columns(start, base.num_tokens, tiles.grid),
-                    "crop_patches": torch.from_numpy(anyres_crop_patches(image.size, **layout)),
-                    "tile_grid": torch.tensor([*unpadded, rows, cols])},
+            extras={
+                "image_sizes": encoded["image_sizes"],
+                "visual_columns": visual_columns(start, base.num_tokens, tiles.grid),
+                "crop_patches": torch.from_numpy(anyres_crop_patches(image.size, **layout)),
+                "tile_grid": torch.tensor([*unpadded, rows, cols]),
+            },
         )
 
     def _token_crops(self, item: Prepared) -> Tensor:
@@ -174,10 +204,11 @@ class LlavaOnevisionModel(LlavaNextModel):
             crops = item.pixel_values.to(self.device, self.dtype)
             patches = self._tower_states(crops)[self.feature_index]  # (K, side^2, Dv), no CLS
             projected = self.model.model.multi_modal_projector(
-                patches.flatten(0, 1)[item.extras["crop_patches"].to(self.device)])
+                patches.flatten(0, 1)[item.extras["crop_patches"].to(self.device)]
+            )
             rows, cols, out_rows, out_cols = item.extras["tile_grid"].tolist()
             base = projected[: projected.shape[0] - rows * cols]
-            tiles = projected[base.shape[0]:]
+            tiles = projected[base.shape[0] :]
             if (out_rows, out_cols) != (rows, cols):  # anyres_max: the stock bilinear resize, after the projector
                 grid = tiles.reshape(rows, cols, -1).permute(2, 0, 1)[None]
                 grid = torch.nn.functional.interpolate(grid, [out_rows, out_cols], mode="bilinear")[0]
@@ -198,8 +229,11 @@ class LlavaOnevisionModel(LlavaNextModel):
     def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
         """Every crop through the tower; the projector ran on the base view and the whole unpadded tile grid."""
         side = self.tile // self.model.config.vision_config.patch_size
-        return {"crops": int(prepared.pixel_values.shape[0]), "crop_grid": (side, side),
-                "projected_tokens": int(prepared.extras["crop_patches"].numel())}
+        return {
+            "crops": int(prepared.pixel_values.shape[0]),
+            "crop_grid": (side, side),
+            "projected_tokens": int(prepared.extras["crop_patches"].numel()),
+        }
 
     def _family_description(self) -> dict[str, Any]:
         image_processor = self.image_processor
@@ -242,7 +276,11 @@ def build_llava_onevision(
     (feature layer -1), vision_heads=16, text_hidden_size=3584, text_intermediate_size=18944, text_layers=28,
     text_heads=28, text_kv_heads=4, max_tiles=9`` (pinpoints up to 2304 x 2304).
     """
-    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessorPil,
+    )
 
     from prune_audit.models.build import qwen_tokenizer
 
@@ -251,15 +289,30 @@ def build_llava_onevision(
     ids = tokenizer.convert_tokens_to_ids
     pinpoints = [[tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile]]
     config = LlavaOnevisionConfig(
-        vision_config={"model_type": "siglip_vision_model", "hidden_size": vision_hidden_size,
-                       "intermediate_size": 2 * vision_hidden_size, "num_hidden_layers": vision_layers,
-                       "num_attention_heads": vision_heads, "image_size": tile, "patch_size": patch_size,
-                       "vision_use_head": False},
-        text_config={"model_type": "qwen2", "vocab_size": len(tokenizer), "hidden_size": text_hidden_size,
-                     "intermediate_size": text_intermediate_size, "num_hidden_layers": text_layers,
-                     "num_attention_heads": text_heads, "num_key_value_heads": text_kv_heads,
-                     "max_position_embeddings": 512, "bos_token_id": None, "eos_token_id": ids("<|im_end|>"),
-                     "pad_token_id": ids("<|endoftext|>"), "tie_word_embeddings": False},
+        vision_config={
+            "model_type": "siglip_vision_model",
+            "hidden_size": vision_hidden_size,
+            "intermediate_size": 2 * vision_hidden_size,
+            "num_hidden_layers": vision_layers,
+            "num_attention_heads": vision_heads,
+            "image_size": tile,
+            "patch_size": patch_size,
+            "vision_use_head": False,
+        },
+        text_config={
+            "model_type": "qwen2",
+            "vocab_size": len(tokenizer),
+            "hidden_size": text_hidden_size,
+            "intermediate_size": text_intermediate_size,
+            "num_hidden_layers": text_layers,
+            "num_attention_heads": text_heads,
+            "num_key_value_heads": text_kv_heads,
+            "max_position_embeddings": 512,
+            "bos_token_id": None,
+            "eos_token_id": ids("<|im_end|>"),
+            "pad_token_id": ids("<|endoftext|>"),
+            "tie_word_embeddings": False,
+        },
         image_token_index=ids(IMAGE_TOKEN),
         video_token_index=ids("<video>"),
         vision_feature_select_strategy="full",
@@ -270,8 +323,9 @@ def build_llava_onevision(
     )
     torch.manual_seed(seed)
     model = LlavaOnevisionForConditionalGeneration(config).eval()
-    image_processor = LlavaOnevisionImageProcessorPil(size={"height": tile, "width": tile},
-                                                      image_grid_pinpoints=pinpoints)
+    image_processor = LlavaOnevisionImageProcessorPil(
+        size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints
+    )
     model.save_pretrained(save_dir)
     image_processor.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)

@@ -105,12 +105,19 @@ def load_vlm(
         with torch.device("meta"):
             model = model_class._from_config(config, dtype=resolved_dtype, attn_implementation="sdpa").eval()
     else:
-        model = load_part("model", source, lambda: model_class.from_pretrained(
-            source, dtype=resolved_dtype, attn_implementation="sdpa"
-        ))
+        model = load_part(
+            "model",
+            source,
+            lambda: model_class.from_pretrained(source, dtype=resolved_dtype, attn_implementation="sdpa"),
+        )
         model = model.to(resolved_device).eval()
-    vlm = adapter.from_model(model, source, prompt_template=prompt_template, system_prompt=system_prompt,
-                             clip_text=None if clip_text is None else str(clip_text))
+    vlm = adapter.from_model(
+        model,
+        source,
+        prompt_template=prompt_template,
+        system_prompt=system_prompt,
+        clip_text=None if clip_text is None else str(clip_text),
+    )
     vlm.task_instructions = task_instructions
     return vlm
 

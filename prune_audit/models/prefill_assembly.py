@@ -32,8 +32,14 @@ if TYPE_CHECKING:  # the model is passed in; importing base at run time would be
 
 
 def select_input(
-    vlm: VisionLanguageModel, item: Prepared, output: VisionOutput, selector: InputSelector | None,
-    budget: int | None, generator: torch.Generator | None, requires: frozenset[str], forced: Sequence[int] | None,
+    vlm: VisionLanguageModel,
+    item: Prepared,
+    output: VisionOutput,
+    selector: InputSelector | None,
+    budget: int | None,
+    generator: torch.Generator | None,
+    requires: frozenset[str],
+    forced: Sequence[int] | None,
 ) -> Selection:
     """The input-level selection of one prompt: the ``forced`` kept indices (sorted, deduplicated, checked to lie
     in ``[0, item.num_visual)``), else ``selector`` at ``budget`` on the signals it ``requires`` (per crop under
@@ -60,8 +66,9 @@ def select_input(
         ) from None
 
 
-def input_signals(vlm: VisionLanguageModel, item: Prepared, output: VisionOutput,
-                  requires: frozenset[str]) -> InputSignals:
+def input_signals(
+    vlm: VisionLanguageModel, item: Prepared, output: VisionOutput, requires: frozenset[str]
+) -> InputSignals:
     """What an input-level selector reads for one prompt: the (N, D) features and the vision output's signals in
     float32, plus CDPruner's (N,) text relevance and the (N,) text demand when ``requires`` names them."""
     signals = InputSignals(grid=item.grid, features=output.features.float(), model_dtype=vlm.dtype)
@@ -90,8 +97,11 @@ def token_row(vlm: VisionLanguageModel, item: Prepared, output: VisionOutput, se
         kept = selection.kept.to(device)
         visual, kinds = output.features[kept], kept
     else:
-        visual = (selection.llm_tokens.to(device, vlm.dtype) if selection.llm_tokens is not None
-                  else vlm.project(selection.vision_tokens.to(device, vlm.dtype)))
+        visual = (
+            selection.llm_tokens.to(device, vlm.dtype)
+            if selection.llm_tokens is not None
+            else vlm.project(selection.vision_tokens.to(device, vlm.dtype))
+        )
         kinds = torch.tensor([int(s[0]) if s.numel() == 1 else MERGED for s in selection.sources], device=device)
     embeddings = torch.cat([embed(ids[:start]), visual.to(vlm.dtype), embed(ids[end:])])
     before = torch.full((start,), TEXT_BEFORE, device=device)
@@ -116,8 +126,13 @@ def vision_layer_requests(vlm: VisionLanguageModel, selector: LayerSelector) -> 
     return requests | {PADDED_CROPS} if requests and getattr(selector, "budget_scope", "") == "crop" else requests
 
 
-def layer_plan(vlm: VisionLanguageModel, prepared: Sequence[Prepared], selector: LayerSelector | None,
-               budget: int | None, forced_stages: Sequence[ForcedStages] | None) -> LayerPlan:
+def layer_plan(
+    vlm: VisionLanguageModel,
+    prepared: Sequence[Prepared],
+    selector: LayerSelector | None,
+    budget: int | None,
+    forced_stages: Sequence[ForcedStages] | None,
+) -> LayerPlan:
     """The in-LLM plan of a batch: each row's stages from ``forced_stages`` ((layer, kept indices) per stage),
     else ``selector``'s schedule at ``budget`` on the model's depth; every stage layer checked to exist."""
     grids = [item.grid for item in prepared]

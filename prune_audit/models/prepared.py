@@ -56,7 +56,6 @@ class Prepared:
         return self.grid[0] * self.grid[1]
 
 
-
 @dataclass
 class VisionOutput:
     """One image through the vision tower: (N, D) projector outputs plus optional signals (tensors, and the
@@ -64,7 +63,6 @@ class VisionOutput:
 
     features: Tensor
     signals: dict[str, Any] = field(default_factory=dict)
-
 
 
 def check_request(

@@ -101,7 +101,12 @@ class DecoderProbe:
         return (dots.to(rotated.dtype).float() / math.sqrt(head_dim)).to(rotated.dtype).float()
 
     def probabilities(
-        self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor, in_model_dtype: bool = False,
+        self,
+        hidden: Tensor,
+        rows: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        in_model_dtype: bool = False,
         recipe: str = "eager",
     ) -> tuple[Tensor, Tensor]:
         """Logits and causal softmax of ``rows`` over all earlier keys, both (H, R, L) float32.
@@ -202,4 +207,12 @@ def clip_attention_block(layer: nn.Module, hidden: Tensor, key_bias: Tensor | No
     return attended[0], keys[0].mean(dim=0)
 
 
-__all__ = ["DecoderProbe", "clip_attention", "clip_logits", "clip_attention_block", "clip_cls_row", "single_tensor_rope", "RopeFn"]
+__all__ = [
+    "DecoderProbe",
+    "clip_attention",
+    "clip_logits",
+    "clip_attention_block",
+    "clip_cls_row",
+    "single_tensor_rope",
+    "RopeFn",
+]

@@ -44,7 +44,9 @@ class QwenModel(VisionLanguageModel):
 
     family = "qwen2_5_vl"
     input_signals = frozenset({"features", "demand", "layer_attention"})
-    missing_signals_reason = "its windowed vision tower has no CLS token, no per-layer CLS attention and no CLIP text space"
+    missing_signals_reason = (
+        "its windowed vision tower has no CLS token, no per-layer CLS attention and no CLIP text space"
+    )
     layer_probe_signals = frozenset({"layer_attention"})  # every block's attention recomputed (compute accounting)
     #: ``InputSignals.vision_tower``: which official layer numbers per-layer selectors use
     vision_tower = "qwen2_5_vl"
@@ -59,23 +61,39 @@ class QwenModel(VisionLanguageModel):
         return Qwen2_5_VLForConditionalGeneration
 
     @classmethod
-    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   **sizes: Any) -> Path:
+    def build_tiny(
+        cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0, **sizes: Any
+    ) -> Path:
         """:func:`~prune_audit.models.build.build_qwen2_5_vl` (``sizes``: its other keywords)."""
         from prune_audit.models.build import build_qwen2_5_vl
 
         return build_qwen2_5_vl(save_dir, words=words, text_layers=text_layers, seed=seed, **sizes)
 
     @classmethod
-    def from_model(cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None,
-                   clip_text: str | None) -> QwenModel:
+    def from_model(
+        cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None, clip_text: str | None
+    ) -> QwenModel:
         cls.check_clip_text(clip_text)
         image_processor, tokenizer = image_processor_and_tokenizer(source)
-        return cls(model, image_processor, tokenizer, model_id=source, prompt_template=prompt_template,
-                   system_prompt=system_prompt)
+        return cls(
+            model,
+            image_processor,
+            tokenizer,
+            model_id=source,
+            prompt_template=prompt_template,
+            system_prompt=system_prompt,
+        )
 
-    def __init__(self, model, image_processor, tokenizer, *, model_id: str, prompt_template: str | None = None,
-                 system_prompt: str | None = None):
+    def __init__(
+        self,
+        model,
+        image_processor,
+        tokenizer,
+        *,
+        model_id: str,
+        prompt_template: str | None = None,
+        system_prompt: str | None = None,
+    ):
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb
 
         template = self.resolve_template(prompt_template)
@@ -94,8 +112,9 @@ class QwenModel(VisionLanguageModel):
             apply_rope=single_tensor_rope(apply_rotary_pos_emb),
             config=text_config,
         )
-        super().__init__(model, tokenizer, stack, model_id=model_id, prompt_template=template,
-                         system_prompt=system_prompt)
+        super().__init__(
+            model, tokenizer, stack, model_id=model_id, prompt_template=template, system_prompt=system_prompt
+        )
         self.image_processor = image_processor
         self.shape = ModelShape(self.vision_shape(model.config), language_shape(text_config), model.dtype.itemsize)
 
@@ -149,10 +168,14 @@ class QwenModel(VisionLanguageModel):
             features = self.model.model.get_image_features(pixels, grid_thw, return_dict=True).pooler_output
             return [VisionOutput(per_image) for per_image in features]
         features, received = self._layer_attention(pixels, grid_thw)
-        tower = {"vision_tower": self.vision_tower,
-                 "full_attention_layers": tuple(self.model.config.vision_config.fullatt_block_indexes)}
-        return [VisionOutput(per_image, {"layer_attention": attention, **tower})
-                for per_image, attention in zip(features, received)]
+        tower = {
+            "vision_tower": self.vision_tower,
+            "full_attention_layers": tuple(self.model.config.vision_config.fullatt_block_indexes),
+        }
+        return [
+            VisionOutput(per_image, {"layer_attention": attention, **tower})
+            for per_image, attention in zip(features, received)
+        ]
 
     def _layer_attention(self, pixels: Tensor, grid_thw: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """Per image its (N, D) merged features and (Lv, N) attention each merged token receives in every
@@ -171,17 +194,24 @@ class QwenModel(VisionLanguageModel):
         with capture_inputs([block.attn for block in visual.blocks]) as inputs:  # this call's own, thread-safe
             features = self.model.model.get_image_features(pixels, grid_thw, return_dict=True).pooler_output
         # the attention's normed input and rotary tables, window order
-        captured = [(args[0] if args else kwargs["hidden_states"], kwargs["position_embeddings"])
-                    for args, kwargs in inputs]
-        window_index, _ = get_vision_window_index(grid_thw, spatial_merge_size=visual.spatial_merge_size,
-                                                  window_size=visual.window_size, patch_size=visual.patch_size)
+        captured = [
+            (args[0] if args else kwargs["hidden_states"], kwargs["position_embeddings"]) for args, kwargs in inputs
+        ]
+        window_index, _ = get_vision_window_index(
+            grid_thw,
+            spatial_merge_size=visual.spatial_merge_size,
+            window_size=visual.window_size,
+            patch_size=visual.patch_size,
+        )
         unit = visual.spatial_merge_unit
         counts = (grid_thw.prod(dim=1) // unit).tolist()  # merged tokens per image, contiguous in window order
         per_image: list[list[Tensor]] = [[] for _ in counts]
         for (hidden, (cos, sin)), block in zip(captured, visual.blocks):
             heads, width = block.attn.num_heads, hidden.shape[-1]
             # queries and keys only (the qkv weight's first two thirds): the values are not needed
-            qk = torch.nn.functional.linear(hidden, block.attn.qkv.weight[: 2 * width], block.attn.qkv.bias[: 2 * width])
+            qk = torch.nn.functional.linear(
+                hidden, block.attn.qkv.weight[: 2 * width], block.attn.qkv.bias[: 2 * width]
+            )
             qk = qk.reshape(hidden.shape[0], 2, heads, -1).permute(1, 0, 2, 3)
             query, key = apply_rotary_pos_emb_vision(qk[0], qk[1], cos, sin)
             start = 0
@@ -190,7 +220,7 @@ class QwenModel(VisionLanguageModel):
                 q, k = query[rows].transpose(0, 1).float(), key[rows].transpose(0, 1).float()  # (H, P, d)
                 probs = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
                 received = probs.mean(dim=(0, 1)).view(count, unit).mean(dim=1)  # (N,) window order
-                order = window_index[start:start + count] - start  # window slot -> raster merged token
+                order = window_index[start : start + count] - start  # window slot -> raster merged token
                 raster = torch.empty_like(received)
                 raster[order] = received
                 per_image[image].append(raster)
@@ -233,8 +263,14 @@ class QwenModel(VisionLanguageModel):
         return features, features.mean(dim=1), features
 
     def shared_prefix_logits(
-        self, features: Tensor, prefix_ids: Tensor, image_positions: Tensor, suffixes: Sequence[Tensor], per_image: int,
-        grid: tuple[int, int] | None = None, every_position: bool = False,
+        self,
+        features: Tensor,
+        prefix_ids: Tensor,
+        image_positions: Tensor,
+        suffixes: Sequence[Tensor],
+        per_image: int,
+        grid: tuple[int, int] | None = None,
+        every_position: bool = False,
     ) -> Tensor:
         """(B * per_image, V) logits after each suffix, or (B * per_image, T, V) at ``every_position``
         (:func:`~prune_audit.models.shared_prefix.shared_prefix_logits`) with the M-RoPE ids of the
@@ -245,9 +281,18 @@ class QwenModel(VisionLanguageModel):
         positions = self._rope_positions(ids[None], [grid])[:, 0]
         start = prefix_ids.numel()
         language = self.model.model.language_model
-        return shared_prefix_logits(language, self.model.lm_head, features, prefix_ids, image_positions, suffixes,
-                                    per_image, prefix_positions=positions[:, :start],
-                                    suffix_start=int(positions[0, start]), every_position=every_position)
+        return shared_prefix_logits(
+            language,
+            self.model.lm_head,
+            features,
+            prefix_ids,
+            image_positions,
+            suffixes,
+            per_image,
+            prefix_positions=positions[:, :start],
+            suffix_start=int(positions[0, start]),
+            every_position=every_position,
+        )
 
     def first_token_logits(self, input_ids: Tensor, attention_mask: Tensor, features: Sequence[Tensor]) -> Tensor:
         """(B, V) logits at the last position of left-padded (B, L) prompts, stock forward.
@@ -261,7 +306,9 @@ class QwenModel(VisionLanguageModel):
         for item in features:
             side = math.isqrt(int(item.shape[0]))
             if side * side != item.shape[0]:
-                raise ValueError(f"{item.shape[0]} image tokens are not a square grid; pass every token of a square image")
+                raise ValueError(
+                    f"{item.shape[0]} image tokens are not a square grid; pass every token of a square image"
+                )
             grids.append((side, side))
         return self.model(
             input_ids=input_ids,
@@ -271,8 +318,9 @@ class QwenModel(VisionLanguageModel):
             logits_to_keep=1,
         ).logits[:, -1]
 
-    def _rope_positions(self, input_ids: Tensor, grids: Sequence[tuple[int, int]],
-                        attention_mask: Tensor | None = None) -> Tensor:
+    def _rope_positions(
+        self, input_ids: Tensor, grids: Sequence[tuple[int, int]], attention_mask: Tensor | None = None
+    ) -> Tensor:
         """(3, B, L) M-RoPE ids from the model's ``get_rope_index``; ``grids`` in merged tokens per row."""
         merge = self.image_processor.merge_size
         grid_thw = torch.tensor([[1, rows * merge, cols * merge] for rows, cols in grids])
@@ -302,7 +350,6 @@ class QwenModel(VisionLanguageModel):
             },
             "positions": "keep_original (3-D M-RoPE ids of the unpruned prompt)",
         }
-
 
 
 __all__ = ["QwenModel", "PROMPT_TEMPLATE", "DEFAULT_SYSTEM"]

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-
 from prune_audit.compute.shape import VisionShape
 from prune_audit.models.qwen import QwenModel
 
@@ -74,8 +73,9 @@ class Qwen2VLModel(QwenModel):
         )
 
     @classmethod
-    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   **sizes: Any) -> Path:
+    def build_tiny(
+        cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0, **sizes: Any
+    ) -> Path:
         """A random-weight checkpoint of this family for offline tests (:func:`build_qwen2_vl`)."""
         return build_qwen2_vl(save_dir, words=words, text_layers=text_layers, seed=seed, **sizes)
 
@@ -125,14 +125,29 @@ def build_qwen2_vl(
             "temporal_patch_size": 2,
         },
         text_config=qwen_text_config(
-            tokenizer, hidden=text_hidden_size, intermediate=text_intermediate_size, layers=text_layers,
-            heads=text_heads, kv_heads=text_kv_heads, mrope_section=mrope_section, max_positions=512
+            tokenizer,
+            hidden=text_hidden_size,
+            intermediate=text_intermediate_size,
+            layers=text_layers,
+            heads=text_heads,
+            kv_heads=text_kv_heads,
+            mrope_section=mrope_section,
+            max_positions=512,
         ),
         **qwen_vision_token_ids(tokenizer),
     )
     pixels = image_size * image_size
-    return save_tiny_qwen(Qwen2VLForConditionalGeneration, config, tokenizer, save_dir, seed=seed,
-                          patch_size=patch_size, merge_size=spatial_merge_size, min_pixels=pixels, max_pixels=pixels)
+    return save_tiny_qwen(
+        Qwen2VLForConditionalGeneration,
+        config,
+        tokenizer,
+        save_dir,
+        seed=seed,
+        patch_size=patch_size,
+        merge_size=spatial_merge_size,
+        min_pixels=pixels,
+        max_pixels=pixels,
+    )
 
 
 __all__ = ["Qwen2VLModel", "build_qwen2_vl", "PROMPT_TEMPLATE"]

@@ -83,8 +83,9 @@ class Qwen3VLModel(QwenModel):
         )
 
     @classmethod
-    def build_tiny(cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0,
-                   **sizes: Any) -> Path:
+    def build_tiny(
+        cls, save_dir: str | Path, *, words: Sequence[str], text_layers: int = 2, seed: int = 0, **sizes: Any
+    ) -> Path:
         """A random-weight checkpoint of this family for offline tests (:func:`build_qwen3_vl`)."""
         return build_qwen3_vl(save_dir, words=words, text_layers=text_layers, seed=seed, **sizes)
 
@@ -167,14 +168,30 @@ def build_qwen3_vl(
             "deepstack_visual_indexes": list(deepstack_visual_indexes),
         },
         text_config=qwen_text_config(
-            tokenizer, hidden=text_hidden_size, intermediate=text_intermediate_size, layers=text_layers,
-            heads=text_heads, kv_heads=text_kv_heads, mrope_section=mrope_section, max_positions=512, interleaved=True
+            tokenizer,
+            hidden=text_hidden_size,
+            intermediate=text_intermediate_size,
+            layers=text_layers,
+            heads=text_heads,
+            kv_heads=text_kv_heads,
+            mrope_section=mrope_section,
+            max_positions=512,
+            interleaved=True,
         ),
         **qwen_vision_token_ids(tokenizer),
     )
     pixels = image_size * image_size
-    return save_tiny_qwen(Qwen3VLForConditionalGeneration, config, tokenizer, save_dir, seed=seed,
-                          patch_size=patch_size, merge_size=spatial_merge_size, min_pixels=pixels, max_pixels=pixels)
+    return save_tiny_qwen(
+        Qwen3VLForConditionalGeneration,
+        config,
+        tokenizer,
+        save_dir,
+        seed=seed,
+        patch_size=patch_size,
+        merge_size=spatial_merge_size,
+        min_pixels=pixels,
+        max_pixels=pixels,
+    )
 
 
 __all__ = ["Qwen3VLModel", "build_qwen3_vl", "PROMPT_TEMPLATE"]

@@ -35,8 +35,13 @@ def crop_grid_for(lacks: frozenset[str]) -> frozenset[str]:
 def per_grid_for(how: Mapping[str, str], lacks: frozenset[str]) -> Mapping[str, str]:
     """``per_grid_selectors`` of a family whose grids run each ``Selector.per_grid`` kind as ``how`` says: every
     registered selector of such a kind that the family does not refuse -> how it runs (for messages)."""
-    return MappingProxyType({cls.name: how[cls.per_grid] for cls in registered_classes()
-                             if cls.per_grid in how and cls.layout_need not in lacks})
+    return MappingProxyType(
+        {
+            cls.name: how[cls.per_grid]
+            for cls in registered_classes()
+            if cls.per_grid in how and cls.layout_need not in lacks
+        }
+    )
 
 
 class SelectorSupport:
@@ -64,8 +69,15 @@ class SelectorSupport:
         words = {}
         for name, refusal in cls.selector_support().items():
             selector = selector_class(name)
-            words[name] = ("yes" if refusal is None else "with --clip-text" if cls.refusal(selector, cls.input_signals)
-                           is None else "with budget_scope=crop" if cls.runs_per_crop(selector, available) else "no")
+            words[name] = (
+                "yes"
+                if refusal is None
+                else "with --clip-text"
+                if cls.refusal(selector, cls.input_signals) is None
+                else "with budget_scope=crop"
+                if cls.runs_per_crop(selector, available)
+                else "no"
+            )
         return words
 
     @classmethod
@@ -75,10 +87,16 @@ class SelectorSupport:
         if not missing:
             return None
         if missing == {"text_relevance"} and "text_relevance" in cls.input_signals:
-            return ("needs a CLIP text tower for its text relevance: pass clip_text=PATH (--clip-text PATH) "
-                    "to a CLIP checkpoint matching the vision tower")
-        reason = "it keeps every token's original position" if missing == {MERGED_POSITIONS} else cls.missing_signals_reason
-        per_crop = "; it runs per crop with --option budget_scope=crop" if cls.runs_per_crop(selector, available) else ""
+            return (
+                "needs a CLIP text tower for its text relevance: pass clip_text=PATH (--clip-text PATH) "
+                "to a CLIP checkpoint matching the vision tower"
+            )
+        reason = (
+            "it keeps every token's original position" if missing == {MERGED_POSITIONS} else cls.missing_signals_reason
+        )
+        per_crop = (
+            "; it runs per crop with --option budget_scope=crop" if cls.runs_per_crop(selector, available) else ""
+        )
         return f"needs {', '.join(sorted(missing))}, which {cls.family} does not provide ({reason}){per_crop}"
 
     @classmethod

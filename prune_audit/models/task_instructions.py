@@ -34,8 +34,9 @@ def checkpoint_task_instructions(source: str | Path) -> dict[str, str]:
         declared = loads_json(read_input(path, "task instructions", fix), where)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise PruneAuditError(f"{where} is not JSON ({error}); {fix}") from None
-    if not isinstance(declared, dict) or not all(isinstance(key, str) and isinstance(value, str)
-                                                 for key, value in declared.items()):
+    if not isinstance(declared, dict) or not all(
+        isinstance(key, str) and isinstance(value, str) for key, value in declared.items()
+    ):
         raise PruneAuditError(f"{where} must map task names to instruction texts; {fix}")
     return declared
 
@@ -45,5 +46,9 @@ def write_task_instructions(folder: Path, instructions: dict[str, str]) -> None:
     (folder / TASK_INSTRUCTIONS_FILE).write_text(json.dumps(instructions, indent=2) + "\n")
 
 
-__all__ = ["DEMO_TASK_INSTRUCTIONS", "TASK_INSTRUCTIONS_FILE", "checkpoint_task_instructions",
-           "write_task_instructions"]
+__all__ = [
+    "DEMO_TASK_INSTRUCTIONS",
+    "TASK_INSTRUCTIONS_FILE",
+    "checkpoint_task_instructions",
+    "write_task_instructions",
+]

@@ -10,8 +10,16 @@ import torch
 
 
 def qwen_text_config(
-    tokenizer, *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
-    mrope_section: Sequence[int], max_positions: int, interleaved: bool = False,
+    tokenizer,
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    mrope_section: Sequence[int],
+    max_positions: int,
+    interleaved: bool = False,
 ) -> dict:
     """The ``text_config`` of a tiny Qwen-VL decoder: M-RoPE over ``mrope_section`` (which must sum to half the
     head width; ``interleaved``: Qwen3-VL's interleaved sections, with its explicit ``head_dim``), Qwen's end and
@@ -49,8 +57,16 @@ def qwen_vision_token_ids(tokenizer) -> dict[str, int]:
 
 
 def save_tiny_qwen(
-    model_class: type, config, tokenizer, save_dir: Path, *, seed: int, patch_size: int, merge_size: int,
-    min_pixels: int, max_pixels: int,
+    model_class: type,
+    config,
+    tokenizer,
+    save_dir: Path,
+    *,
+    seed: int,
+    patch_size: int,
+    merge_size: int,
+    min_pixels: int,
+    max_pixels: int,
 ) -> Path:
     """Random weights of a Qwen-VL ``model_class`` for ``config`` (seeded with ``seed``), saved in ``save_dir``
     with a Qwen2-VL image processor of that pixel range and ``tokenizer``."""
@@ -59,7 +75,10 @@ def save_tiny_qwen(
     torch.manual_seed(seed)
     model = model_class(config).eval()
     image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size, merge_size=merge_size,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        patch_size=patch_size,
+        merge_size=merge_size,
         temporal_patch_size=2,
     )
     model.save_pretrained(save_dir)

@@ -207,8 +207,11 @@ class BudgetScoped:
     the official LLaVA-NeXT convention of VisionZip, CDPruner and FasterVLM; refused on one-crop families.
     """
 
-    budget_scope: str = option("image", Choice(BUDGET_SCOPES),
-                               "one budget over the image's tokens, or split evenly over its crops (LLaVA-NeXT, InternVL tiles)")
+    budget_scope: str = option(
+        "image",
+        Choice(BUDGET_SCOPES),
+        "one budget over the image's tokens, or split evenly over its crops (LLaVA-NeXT, InternVL tiles)",
+    )
 
 
 class InputSelector(Selector, BudgetScoped):

@@ -13,10 +13,10 @@ from torch import Tensor
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32
 from prune_audit.pruners.fidelity import Fidelity, random_agreement
-from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.similarity import (
     TIES,
     SpeculativeRows,
@@ -142,9 +142,12 @@ class CDPrunerSelector(InputSelector):
             "relevance as the adapter computes it in the CLIP dtype (model_text_relevance: unit embeddings, cosines "
             "and their mean rounded) normalised in the model dtype, every step rounded",
         ),
-        random_agreement(30, "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
-                "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 26 and 9 of "
-                "30 (test_fidelity.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_normalisation)"),  # fmt: skip
+        random_agreement(
+            30,
+            "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
+            "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 26 and 9 of "
+            "30 (test_fidelity.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_normalisation)",
+        ),  # fmt: skip
         30,
         "fp16 30 of 30, bf16 30 of 30 random cases (and 10 of 10 each with a quarter of the tokens duplicated) "
         "with score_dtype=model against the official unit features, CLIP relevance and "
@@ -171,8 +174,9 @@ class CDPrunerSelector(InputSelector):
         updates = sum(matmul(1, step, work.tokens) for step in range(work.kept))
         return matmul(work.tokens, work.feature_width, work.tokens) + updates
 
-    def relevance(self, text_relevance: Tensor, dtype: torch.dtype | None = None,
-                  bounds: Tensor | None = None) -> Tensor:
+    def relevance(
+        self, text_relevance: Tensor, dtype: torch.dtype | None = None, bounds: Tensor | None = None
+    ) -> Tensor:
         """(N,) float32 normalised relevance from the raw (N,) ``text_relevance``.
 
         ``dtype`` (a half dtype under ``score_dtype="model"``): the raw relevance rounded to it and

@@ -10,10 +10,10 @@ from torch import Tensor
 
 from prune_audit.pruners.base import TOP_K_TIES, InputSelector, LayerSelector, Reference, cls_probabilities
 from prune_audit.pruners.fidelity import CLS_HALF, INPUT_DTYPE, TIES_TOPK_HALF, Fidelity, random_agreement
-from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES
+from prune_audit.pruners.signals import InputSignals
 
 
 @register
@@ -52,10 +52,14 @@ class ClsAttentionSelector(InputSelector):
         "head mean of the CLS row at CLIP layer -2, top-k, float32 scores",
         ("score_dtype=model", "ties=topk"),
         (TIES_TOPK_HALF, "ties to the lower index (torch.topk leaves them unspecified)", INPUT_DTYPE),
-        random_agreement(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
-                "score_dtype=model: the top-k of the rounded head mean on an fp16 case where float32 differs "
-                "(test_input_selectors.py), and on the adapter's bf16 signals (test_fidelity.py); " + CLS_HALF
-                + "score_dtype=model 30 of 30 in both, float32 29 and 16 of 30"),  # fmt: skip
+        random_agreement(
+            30,
+            "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
+            "score_dtype=model: the top-k of the rounded head mean on an fp16 case where float32 differs "
+            "(test_input_selectors.py), and on the adapter's bf16 signals (test_fidelity.py); "
+            + CLS_HALF
+            + "score_dtype=model 30 of 30 in both, float32 29 and 16 of 30",
+        ),  # fmt: skip
         30,
         "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk against the official torch.topk of the "
         "head mean of the official half CLS attention (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); lower-index ties "

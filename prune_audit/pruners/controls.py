@@ -12,8 +12,8 @@ from torch import Tensor
 from prune_audit.pruners.base import InputSelector, Reference, Selection
 from prune_audit.pruners.fidelity import Fidelity
 from prune_audit.pruners.layout import GRID_SPLIT
-from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.registry import register
+from prune_audit.pruners.signals import InputSignals
 
 
 @register
@@ -24,7 +24,9 @@ class RandomSelector(InputSelector):
     name: ClassVar[str] = "random"
     summary: ClassVar[str] = "uniformly random subset (control)"
     reference: ClassVar[Reference] = Reference("control baseline", "-")
-    fidelity: ClassVar[Fidelity] = Fidelity("-", "seeded uniform subset (control)", (), ("control, no reference",), "not applicable")
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "-", "seeded uniform subset (control)", (), ("control, no reference",), "not applicable"
+    )
 
     flops_exact: ClassVar[bool] = True  # no products of its own: a random draw
 
@@ -47,7 +49,9 @@ class UniformSelector(InputSelector):
     summary: ClassVar[str] = "spatially even subsample of the grid (control)"
     per_grid: ClassVar[str] = GRID_SPLIT
     reference: ClassVar[Reference] = Reference("control baseline", "-")
-    fidelity: ClassVar[Fidelity] = Fidelity("-", "spatially even lattice subsample (control)", (), ("control, no reference",), "not applicable")
+    fidelity: ClassVar[Fidelity] = Fidelity(
+        "-", "spatially even lattice subsample (control)", (), ("control, no reference",), "not applicable"
+    )
 
     flops_exact: ClassVar[bool] = True  # no products of its own: evenly spaced cells
 

@@ -11,9 +11,9 @@ from torch import Tensor
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32
 from prune_audit.pruners.fidelity import Fidelity
-from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Real, option
 from prune_audit.pruners.registry import register
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.similarity import facility_location_greedy, unit_rows
 
 

@@ -58,8 +58,10 @@ def select_per_crop(
     """
     chosen = select_parts(selector, signals, crops, crop_budgets(budget, part_sizes(crops)), generator)
     if any(selection.sources is not None for _, _, selection in chosen):
-        raise ValueError("budget_scope=crop keeps plain tokens per crop and this selector merges tokens; drop "
-                         "--option budget_scope=crop")
+        raise ValueError(
+            "budget_scope=crop keeps plain tokens per crop and this selector merges tokens; drop "
+            "--option budget_scope=crop"
+        )
     return Selection(kept=kept_union(chosen))
 
 
@@ -81,8 +83,11 @@ def select_parts(
         Per selected part: its index in ``parts``, its (M,) image token indices and the selection, whose indices
         (``kept``, ``sources``) are positions within the part.
     """
-    return [(index, tokens, selector.select(signals.subset(tokens, grid), share, generator))
-            for index, ((tokens, grid), share) in enumerate(zip(parts, shares)) if share > 0]
+    return [
+        (index, tokens, selector.select(signals.subset(tokens, grid), share, generator))
+        for index, ((tokens, grid), share) in enumerate(zip(parts, shares))
+        if share > 0
+    ]
 
 
 def kept_union(chosen: Sequence[tuple[int, Tensor, Selection]]) -> Tensor:
@@ -150,4 +155,12 @@ def select_per_grid(
     return Selection(kept=kept, sources=sources, llm_tokens=tokens_out)
 
 
-__all__ = ["crop_budgets", "grid_budgets", "kept_union", "part_sizes", "select_parts", "select_per_crop", "select_per_grid"]
+__all__ = [
+    "crop_budgets",
+    "grid_budgets",
+    "kept_union",
+    "part_sizes",
+    "select_parts",
+    "select_per_crop",
+    "select_per_grid",
+]

@@ -12,10 +12,10 @@ from torch import Tensor
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import Reference, Stage, ranked_indices, top_k_indices
 from prune_audit.pruners.fidelity import Fidelity, random_agreement
-from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SIGNAL_LAYERS, SingleStageSelector
+from prune_audit.pruners.signals import LayerSignals
 
 VISUAL_PIVOTS = 4
 TEXT_PIVOTS = 4
@@ -131,8 +131,11 @@ class DARTSelector(SingleStageSelector):
             "the sum accumulated in float32 and rounded once); float32 cosines rounded afterwards differ by an "
             "ulp in about half of the values",
         ),
-        random_agreement(30, "test_fidelity.py::test_dart_set_order_reproduces_the_official_iteration",
-                "pivot_order=sequence (default): 0 of 30"),  # fmt: skip
+        random_agreement(
+            30,
+            "test_fidelity.py::test_dart_set_order_reproduces_the_official_iteration",
+            "pivot_order=sequence (default): 0 of 30",
+        ),  # fmt: skip
         30,
         "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the rows duplicated, "
         "with budget_rule=paper, pivot_order=set, score_dtype=model, ties=topk against the official cosine "
@@ -198,7 +201,9 @@ class DARTSelector(SingleStageSelector):
         """(P,) positions into ``visual_pivots + text_pivots`` (each in rank order) in the order pivots are visited."""
         if self.pivot_order == "set":
             if signals.sequence_index is None or signals.text_sequence_index is None:
-                raise ValueError("dart pivot_order='set' needs the tokens' prompt indices, which the model did not provide")
+                raise ValueError(
+                    "dart pivot_order='set' needs the tokens' prompt indices, which the model did not provide"
+                )
             order = set_iteration_order(
                 signals.sequence_index[visual_pivots].tolist(), signals.text_sequence_index[text_pivots].tolist()
             )

@@ -49,7 +49,9 @@ def dempster_combine(m1: Tensor, m2: Tensor) -> tuple[Tensor, Tensor]:
     numerators = torch.stack([i1 * i2 + i1 * t2 + t1 * i2, u1 * u2 + u1 * t2 + t1 * u2, t1 * t2], dim=-1)
     normaliser = numerators.sum(-1, keepdim=True)
     defined = normaliser > _TOTAL_CONFLICT
-    combined = torch.where(defined, numerators / normaliser.clamp_min(_TOTAL_CONFLICT), vacuous_mass(*normaliser.shape[:-1]))
+    combined = torch.where(
+        defined, numerators / normaliser.clamp_min(_TOTAL_CONFLICT), vacuous_mass(*normaliser.shape[:-1])
+    )
     return combined, conflict
 
 

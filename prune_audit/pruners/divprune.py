@@ -10,11 +10,16 @@ import torch
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection
 from prune_audit.pruners.fidelity import Fidelity, random_agreement
-from prune_audit.pruners.signals import InputSignals
-from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option
+from prune_audit.pruners.registry import register
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.similarity import (
-    TIES, farthest_point_order, half_dtype, rows_per_block, tie_tolerance, unit_rows,
+    TIES,
+    farthest_point_order,
+    half_dtype,
+    rows_per_block,
+    tie_tolerance,
+    unit_rows,
 )
 
 
@@ -58,9 +63,12 @@ class DivPruneSelector(InputSelector):
             "the picks depend on rounding; score_dtype=model does the same)",
             "running minimum, no N x N matrix; picked tokens are never re-picked (only differs once all distances are 0)",
         ),
-        random_agreement(30, "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
-                "ties=tolerance: 25 of 30; fp16 features: score_dtype=model 30 of 30, float32 2 of 30 "
-                "(measured once; the test runs 6 of those cases)"),  # fmt: skip
+        random_agreement(
+            30,
+            "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
+            "ties=tolerance: 25 of 30; fp16 features: score_dtype=model 30 of 30, float32 2 of 30 "
+            "(measured once; the test runs 6 of those cases)",
+        ),  # fmt: skip
         30,
         "fp16 6 of 6 (1024-dim cases: fp16 matrix products are slow on CPU; all 30 measured once: 30 of 30), bf16 30 "
         "of 30 with score_dtype=model against the official greedy run in that dtype on CPU "

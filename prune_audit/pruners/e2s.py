@@ -10,13 +10,13 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.base import Reference, Stage
+from prune_audit.pruners.dempster_shafer import dempster_combine, head_masses, priority, vacuous_mass
 from prune_audit.pruners.fidelity import Fidelity
 from prune_audit.pruners.layout import GRID_BLOCKS
-from prune_audit.pruners.signals import LayerSignals
-from prune_audit.pruners.dempster_shafer import dempster_combine, head_masses, priority, vacuous_mass
-from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, Flag, Integer, Real, option
+from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SIGNAL_LAYERS, ScheduledSelector
+from prune_audit.pruners.signals import LayerSignals
 
 E2S_LAYERS = (3, 17, 22)
 # tokens alive after each stage on LLaVA-1.5-7B; each averages exactly its budget over 32 layers
@@ -110,7 +110,9 @@ class E2SSelector(ScheduledSelector):
     """
 
     name: ClassVar[str] = "e2s"
-    summary: ClassVar[str] = "Dempster-Shafer fusion of head/layer attention evidence + spatial novelty (layers 3/17/22)"
+    summary: ClassVar[str] = (
+        "Dempster-Shafer fusion of head/layer attention evidence + spatial novelty (layers 3/17/22)"
+    )
     per_grid: ClassVar[str] = GRID_BLOCKS
     requires: ClassVar[frozenset[str]] = frozenset({"text_logits"})
     reference: ClassVar[Reference] = Reference(

@@ -9,12 +9,16 @@ from torch import Tensor
 
 from prune_audit.pruners.base import Reference, Stage
 from prune_audit.pruners.fidelity import (
-    LAST_ROW_HALF, MODEL_DTYPE_ATTENTION, TIES_TOPK_HALF, Fidelity, random_agreement,
+    LAST_ROW_HALF,
+    MODEL_DTYPE_ATTENTION,
+    TIES_TOPK_HALF,
+    Fidelity,
+    random_agreement,
 )
-from prune_audit.pruners.signals import LayerSignals
-from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option
+from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SIGNAL_LAYERS, SingleStageSelector
+from prune_audit.pruners.signals import LayerSignals
 
 
 def last_row_attention(signals: LayerSignals) -> Tensor:
@@ -71,9 +75,12 @@ class FastVSelector(SingleStageSelector):
             "ties to the lower index",
             MODEL_DTYPE_ATTENTION,
         ),
-        random_agreement(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
-                "and identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
-                "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)"),  # fmt: skip
+        random_agreement(
+            30,
+            "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
+            "and identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
+            "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)",
+        ),  # fmt: skip
         30,
         LAST_ROW_HALF,
         {"fp16": 30, "bf16": 30},

@@ -226,6 +226,13 @@ def fidelity_markdown() -> str:
 
 
 __all__ = [
-    "COLUMNS", "Fidelity", "NOT_YET_DONE", "RANDOM_CASES", "fidelity_entries", "fidelity_markdown", "fidelity_rows",
-    "half_exact", "random_agreement",
+    "COLUMNS",
+    "Fidelity",
+    "NOT_YET_DONE",
+    "RANDOM_CASES",
+    "fidelity_entries",
+    "fidelity_markdown",
+    "fidelity_rows",
+    "half_exact",
+    "random_agreement",
 ]

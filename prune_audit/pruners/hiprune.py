@@ -11,11 +11,11 @@ from torch import Tensor
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, rounded_to
 from prune_audit.pruners.fidelity import HALF_EXACT_CASES, HALF_ONCE, QWEN_TOWER, Fidelity, half_exact, random_agreement
 from prune_audit.pruners.layout import ONE_GRID
-from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Integer, Real, option
 from prune_audit.pruners.ranking import TOP_K_TIES, top_k_indices
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES
+from prune_audit.pruners.signals import InputSignals
 
 #: encoder layers LLaVA-1.5 runs up to its feature layer (CLIP-L layers 1..23 of 24): the depth the
 #: official layer numbers refer to; other towers scale them proportionally (:func:`scaled_vision_layer`)
@@ -149,8 +149,14 @@ class HiPruneSelector(InputSelector):
             "neighbours=grid keeps buffers inside the grid (the official +-1 wraps across rows)",
             "object layer round(9 Lv / 23) on a tower running Lv layers (Qwen: round(16 Lv / 32) of its Lv blocks)",
         ),
-        random_agreement(30, "test_fidelity_rederived.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers", "23 x 576 attention, budgets 64/128/192; Qwen path: test_methods_qwen.py 40 of 40 unrepeated"), 30,  # fmt: skip
-        half_agreement=half_exact("the official half mean(1).mean(1)", HALF_ONCE + " (head and query)", 27, 11), half_cases=HALF_EXACT_CASES,
+        random_agreement(
+            30,
+            "test_fidelity_rederived.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers",
+            "23 x 576 attention, budgets 64/128/192; Qwen path: test_methods_qwen.py 40 of 40 unrepeated",
+        ),
+        30,  # fmt: skip
+        half_agreement=half_exact("the official half mean(1).mean(1)", HALF_ONCE + " (head and query)", 27, 11),
+        half_cases=HALF_EXACT_CASES,
     )
 
     flops_exact: ClassVar[bool] = True  # no products of its own: it ranks the attention the model gives it

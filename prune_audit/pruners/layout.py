@@ -22,4 +22,12 @@ GRID_SPLIT = "split"  # the budget split over the grids (uniform's lattice)
 GRID_MERGE = "merge"  # merged within a grid (pooling, ToMe)
 GRID_BLOCKS = "blocks"  # its blocks lie within a grid (E2S's novelty blocks)
 
-__all__ = ["ONE_GRID", "ONE_CLS", "PADDED_CROP_GRID", "PRE_PROJECTOR_FEATURES", "GRID_SPLIT", "GRID_MERGE", "GRID_BLOCKS"]
+__all__ = [
+    "ONE_GRID",
+    "ONE_CLS",
+    "PADDED_CROP_GRID",
+    "PRE_PROJECTOR_FEATURES",
+    "GRID_SPLIT",
+    "GRID_MERGE",
+    "GRID_BLOCKS",
+]

@@ -224,8 +224,9 @@ def parse_options(cls: type, pairs: Sequence[str], depth: int | None = None) -> 
         if key in options:
             raise ValueError(f"--option {key} is given twice; pass each option of selector {cls.name!r} once")
         if key not in domains:
-            raise ValueError(f"unknown option {key!r} of selector {cls.name!r}; valid options: "
-                             f"{describe_options(cls, depth)}")
+            raise ValueError(
+                f"unknown option {key!r} of selector {cls.name!r}; valid options: {describe_options(cls, depth)}"
+            )
         domain = domains[key]
         try:
             value = domain.parse(text)

@@ -9,13 +9,16 @@ from typing import Any, ClassVar, get_args
 from torch import Tensor
 
 from prune_audit.pruners.base import PositionMode, Reference, Stage
-from prune_audit.pruners.fidelity import (
-    LAST_ROW_HALF, MODEL_DTYPE_ATTENTION, TIES_TOPK_HALF, Fidelity, random_agreement,
-)
-from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.fastv import last_row_attention
-from prune_audit.pruners.registry import register
+from prune_audit.pruners.fidelity import (
+    LAST_ROW_HALF,
+    MODEL_DTYPE_ATTENTION,
+    TIES_TOPK_HALF,
+    Fidelity,
+    random_agreement,
+)
 from prune_audit.pruners.options import Choice, option
+from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import (
     OFFICIAL_RULES,
     REFERENCE_DEPTH,
@@ -24,6 +27,7 @@ from prune_audit.pruners.schedule import (
     scale_layers,
     solve_geometric_schedule,
 )
+from prune_audit.pruners.signals import LayerSignals
 
 GEOMETRIC_LAYERS = (2, 8, 16)
 # the SparseVLM-style absolute schedule many benchmark tables run with PDrop semantics
@@ -78,8 +82,12 @@ class PDropSelector(ScheduledSelector):
             "training-mode multi-query scoring not ported (inference only); ties to the lower index",
             MODEL_DTYPE_ATTENTION,
         ),
-        random_agreement(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; schedule identical to the official default "
-                "(test_schedule.py::test_official_rule_gives_the_code_default_and_refuses_other_budgets)"),  # fmt: skip
+        random_agreement(
+            30,
+            "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
+            "one stage; schedule identical to the official default "
+            "(test_schedule.py::test_official_rule_gives_the_code_default_and_refuses_other_budgets)",
+        ),  # fmt: skip
         30,
         LAST_ROW_HALF,
         {"fp16": 30, "bf16": 30},
@@ -91,9 +99,13 @@ class PDropSelector(ScheduledSelector):
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = PAPER_COUNTS
 
     budget_rule: str = option(
-        "average", Choice(OFFICIAL_RULES), "average (geometric, solved), paper (SparseVLM counts), official (8/16/24, 0.5)"
+        "average",
+        Choice(OFFICIAL_RULES),
+        "average (geometric, solved), paper (SparseVLM counts), official (8/16/24, 0.5)",
     )
-    positions: PositionMode = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (reference compacts)")
+    positions: PositionMode = option(
+        "compact", Choice(get_args(PositionMode)), "position ids after pruning (reference compacts)"
+    )
 
     def official_stages(self, num_layers: int, num_visual: int) -> list[Stage]:
         """The README/script default: prune at layers 8, 16, 24 keeping ``int(N 0.5^s)`` (288/144/72 of 576)."""

@@ -12,9 +12,9 @@ from torch import Tensor
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32
 from prune_audit.pruners.fidelity import Fidelity
 from prune_audit.pruners.layout import GRID_MERGE, PRE_PROJECTOR_FEATURES
-from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, option
 from prune_audit.pruners.registry import register
+from prune_audit.pruners.signals import InputSignals
 
 
 @register
@@ -75,11 +75,15 @@ class PoolSelector(InputSelector):
 
     flops_exact: ClassVar[bool] = True  # no products of its own: it averages cells
 
-    grid: str = option("adaptive", Choice(("adaptive", "window")), "largest pooled grid within the budget, or k x k windows")
+    grid: str = option(
+        "adaptive", Choice(("adaptive", "window")), "largest pooled grid within the budget, or k x k windows"
+    )
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         rows, cols = signals.grid
-        windows = adaptive_windows(rows, cols, budget) if self.grid == "adaptive" else square_windows(rows, cols, budget)
+        windows = (
+            adaptive_windows(rows, cols, budget) if self.grid == "adaptive" else square_windows(rows, cols, budget)
+        )
         features = as_float32(signals.vision_features)
         tokens = torch.stack([features[cells].mean(dim=0) for cells in windows])
         return Selection(kept=torch.zeros(0, dtype=torch.long), sources=windows, vision_tokens=tokens)
@@ -94,7 +98,9 @@ def pooled_grid(rows: int, cols: int, budget: int) -> tuple[int, int]:
 def adaptive_windows(rows: int, cols: int, budget: int) -> list[Tensor]:
     """Ascending grid indices of each adaptive-average-pooling bin of the pooled grid, raster order."""
     out_rows, out_cols = pooled_grid(rows, cols, budget)
-    return [_cells(_bin(i, rows, out_rows), _bin(j, cols, out_cols), cols) for i in range(out_rows) for j in range(out_cols)]
+    return [
+        _cells(_bin(i, rows, out_rows), _bin(j, cols, out_cols), cols) for i in range(out_rows) for j in range(out_cols)
+    ]
 
 
 def square_windows(rows: int, cols: int, budget: int) -> list[Tensor]:

@@ -17,6 +17,7 @@ from prune_audit.pruners.options import describe_options, option_domains, parse_
 
 S = TypeVar("S", bound=type[Selector])
 
+
 def _check_selector(cls: type[Selector]) -> None:
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"selector {cls.name!r} must be a dataclass whose fields are its options")

@@ -363,9 +363,7 @@ class SingleStageSelector(ScheduledSelector):
     (capped at ``num_visual``).
     """
 
-    layer: int = option(
-        2, ReferenceLayer(1, REFERENCE_DEPTH - 1), "the decoder layer whose input is pruned"
-    )
+    layer: int = option(2, ReferenceLayer(1, REFERENCE_DEPTH - 1), "the decoder layer whose input is pruned")
 
     def solved_stages(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         return solve_schedule(self._layers(num_layers), [1.0], num_layers, num_visual, budget)

@@ -10,10 +10,10 @@ import torch
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, cls_probabilities
 from prune_audit.pruners.fidelity import CLS_HALF, Fidelity, random_agreement
-from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.similarity import (
     TIES,
     facility_location_greedy,
@@ -53,9 +53,7 @@ class ScopeSelector(InputSelector):
     """
 
     name: ClassVar[str] = "scope"
-    summary: ClassVar[str] = (
-        "CLS saliency^alpha x facility-location coverage gain (SCOPE); gap_power is non-reference"
-    )
+    summary: ClassVar[str] = "CLS saliency^alpha x facility-location coverage gain (SCOPE); gap_power is non-reference"
     requires: ClassVar[frozenset[str]] = frozenset({"vision_features", "cls_attention"})
     reference: ClassVar[Reference] = Reference(
         "SCOPE: Saliency-Coverage Oriented Token Pruning for Efficient Multimodal LLMs "
@@ -76,12 +74,16 @@ class ScopeSelector(InputSelector):
             "GPU are; a half-precision matrix product's last bit depends on its kernel's accumulation order (about "
             "1 cosine in 10^4), so agreement with a given GPU run can only be near-exact",
         ),
-        random_agreement(30, "test_fidelity.py::test_scope_reproduces_the_official_greedy",
-                "1024-dim CLIP features, dense official greedy, ties=tolerance and ties=argmax alike; against the "
-                "official greedy run in fp16: score_dtype=model 29 of 30, float32 23 of 30; in bf16: score_dtype=model "
-                "30 of 30, float32 12 of 30 (test_fidelity.py::test_scope_model_dtype_reproduces_the_official_half_precision_greedy); "
-                "and naive facility-location cases (test_input_selectors.py); " + CLS_HALF
-                + "score_dtype=model 28 and 30 of 30, float32 21 and 3 of 30"),  # fmt: skip
+        random_agreement(
+            30,
+            "test_fidelity.py::test_scope_reproduces_the_official_greedy",
+            "1024-dim CLIP features, dense official greedy, ties=tolerance and ties=argmax alike; against the "
+            "official greedy run in fp16: score_dtype=model 29 of 30, float32 23 of 30; in bf16: score_dtype=model "
+            "30 of 30, float32 12 of 30 (test_fidelity.py::test_scope_model_dtype_reproduces_the_official_half_precision_greedy); "
+            "and naive facility-location cases (test_input_selectors.py); "
+            + CLS_HALF
+            + "score_dtype=model 28 and 30 of 30, float32 21 and 3 of 30",
+        ),  # fmt: skip
         30,
         "with score_dtype=model, ties=argmax against the official greedy run in that dtype on CPU: fp16 29 of 30, "
         "bf16 30 of 30 (test_fidelity.py::test_scope_model_dtype_reproduces_the_official_half_precision_greedy, "

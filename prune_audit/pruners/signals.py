@@ -15,8 +15,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-
-
 # InputSignals an in-LLM selector may read, per token (with their model-dtype twins where the adapter has them)
 VISION_LAYER_SIGNALS = frozenset({"layer_cls_attention", "layer_attention"})
 VISION_TOWER_FACTS = frozenset({"vision_tower", "full_attention_layers"})  # InputSignals that travel with them
@@ -129,10 +127,20 @@ class InputSignals:
         """
         with_cls = torch.cat([tokens.new_zeros(1), tokens + 1])
         token_axis = {  # signal -> (its token axis, the indices along it)
-            **dict.fromkeys(("features", "vision_features", "text_relevance", "model_text_relevance", "demand",
-                             "token_crops"), (0, tokens)),
-            **dict.fromkeys(("cls_attention", "layer_attention", "layer_cls_attention", "model_layer_attention",
-                             "model_layer_cls_attention"), (1, tokens)),
+            **dict.fromkeys(
+                ("features", "vision_features", "text_relevance", "model_text_relevance", "demand", "token_crops"),
+                (0, tokens),
+            ),
+            **dict.fromkeys(
+                (
+                    "cls_attention",
+                    "layer_attention",
+                    "layer_cls_attention",
+                    "model_layer_attention",
+                    "model_layer_cls_attention",
+                ),
+                (1, tokens),
+            ),
             **dict.fromkeys(("cls_logits", "vision_keys"), (1, with_cls)),
         }
         sliced = {}

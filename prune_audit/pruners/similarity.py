@@ -152,7 +152,10 @@ def farthest_point_order(unit: Tensor, k: int, tolerance: float = 0.0) -> Tensor
         similarity = (unit @ unit.T).fill_diagonal_(float("-inf"))  # a pick's own entry: it is excluded anyway
         isolation, row_of = 1.0 - similarity.max(dim=1).values, similarity.__getitem__
     else:
-        isolation, rows = 1.0 - nearest_neighbour_similarity(unit), SpeculativeRows(lambda indices: unit[indices] @ unit.T)
+        isolation, rows = (
+            1.0 - nearest_neighbour_similarity(unit),
+            SpeculativeRows(lambda indices: unit[indices] @ unit.T),
+        )
 
         def row_of(pick: int) -> Tensor:  # type: ignore[misc]  # the same signature as the other branch's
             if pick not in rows:

@@ -20,9 +20,8 @@ from prune_audit.pruners.base import (
     rounded_to,
 )
 from prune_audit.pruners.fidelity import Fidelity, random_agreement
-from prune_audit.pruners.signals import LayerSignals
-from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, Flag, option
+from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import (
     REFERENCE_DEPTH,
     SIGNAL_LAYERS,
@@ -32,6 +31,7 @@ from prune_audit.pruners.schedule import (
     scale_layers,
     solve_schedule,
 )
+from prune_audit.pruners.signals import LayerSignals
 
 SPARSEVLM_LAYERS = (2, 6, 15)  # the layers whose attention scores; the reference prunes their outputs
 # tokens kept after each stage, score.py of the reference (RETAIN_TOKN)
@@ -213,15 +213,18 @@ class SparseVLMSelector(ScheduledSelector):
             "rounded, as before the option existed: in fp16 the two scalings differ in about 0.1 % of the logits), "
             "the head mean rounded, then the rater mean rounded",
         ),
-        random_agreement(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
-                "one stage; first-stage kept sets identical to the top-k of the previous layer's eager rater attention "
-                "in 2 of 2 prompts on the tiny LLaVA (test_fidelity.py); paper rule realises "
-                "202.75 / 140.81 / 79.19 (test_schedule.py); recycle=true: kept sets, cluster members and merged "
-                "vectors (bit for bit) identical to a re-implementation of the official cluster_and_merge in 30 of "
-                "30 random stages at 576 tokens x 4096 dims with distinct relevances "
-                "(test_recycling.py::test_recycling_reproduces_the_official_cluster_and_merge; with float ties in "
-                "relevance 29 of 30: one tie reorders the points summed into one cluster), paper rule with "
-                "recycling realises 206.50 / 145.41 / 82.25 (test_recycling.py)"),  # fmt: skip
+        random_agreement(
+            30,
+            "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
+            "one stage; first-stage kept sets identical to the top-k of the previous layer's eager rater attention "
+            "in 2 of 2 prompts on the tiny LLaVA (test_fidelity.py); paper rule realises "
+            "202.75 / 140.81 / 79.19 (test_schedule.py); recycle=true: kept sets, cluster members and merged "
+            "vectors (bit for bit) identical to a re-implementation of the official cluster_and_merge in 30 of "
+            "30 random stages at 576 tokens x 4096 dims with distinct relevances "
+            "(test_recycling.py::test_recycling_reproduces_the_official_cluster_and_merge; with float ties in "
+            "relevance 29 of 30: one tie reorders the points summed into one cluster), paper rule with "
+            "recycling realises 206.50 / 145.41 / 82.25 (test_recycling.py)",
+        ),  # fmt: skip
         30,
         "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the keys duplicated "
         "(whole attention columns tied) and with integer keys (many equal probabilities), first stage with score_dtype=model, ties=topk against the official "
@@ -241,7 +244,9 @@ class SparseVLMSelector(ScheduledSelector):
 
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = SPARSEVLM_COUNTS
 
-    positions: PositionMode = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (v1.5 compacts)")
+    positions: PositionMode = option(
+        "compact", Choice(get_args(PositionMode)), "position ids after pruning (v1.5 compacts)"
+    )
     signal_layer: str = option(
         "previous", Choice(SIGNAL_LAYERS), "prune layer l's output by its attention (reference) or its input by a probe"
     )

@@ -12,11 +12,11 @@ from torch import Tensor
 from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import PositionMode, Reference, Stage, ranked_indices, rounded_to
 from prune_audit.pruners.fidelity import HALF_EXACT_CASES, ROPE_ONCE, Fidelity, half_exact, random_agreement
-from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.options import Choice, Flag, Integer, option
 from prune_audit.pruners.precision import MODEL_ATTENTIONS
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SIGNAL_LAYERS, ScheduledSelector
+from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.sparsevlm import SPARSEVLM_LAYERS, rater_flops, select_raters
 
 # tokens kept after each stage in v2.0 mode (score.py of branch v2.0 with USE_VERSION=2_0)
@@ -106,16 +106,24 @@ class SparseVLM2Selector(ScheduledSelector):
             "a RoPE logit of exactly 0 (degenerate signals only) leaves its pair uncorrected (official: divides by 0)",
             "no FlashAttention switch: the v2.0 FlashAttention module forms the same softmax rows for scoring",
         ),
-        random_agreement(30, "test_fidelity_rederived.py::test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_"
-                "ranking", "32 heads, the library's RoPE probe against the official all-ones RoPE"), 30,
-        half_agreement=half_exact("its scaled attention and RoPE logits in half", ROPE_ONCE, 25, 9), half_cases=HALF_EXACT_CASES,
+        random_agreement(
+            30,
+            "test_fidelity_rederived.py::test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_"
+            "ranking",
+            "32 heads, the library's RoPE probe against the official all-ones RoPE",
+        ),
+        30,
+        half_agreement=half_exact("its scaled attention and RoPE logits in half", ROPE_ONCE, 25, 9),
+        half_cases=HALF_EXACT_CASES,
     )
 
     flops_exact: ClassVar[bool] = True
 
     reference_counts: ClassVar[Mapping[int, Sequence[int]]] = SPARSEVLM2_COUNTS
 
-    positions: PositionMode = option("keep_original", Choice(get_args(PositionMode)), "position ids after pruning (v2.0 keeps)")
+    positions: PositionMode = option(
+        "keep_original", Choice(get_args(PositionMode)), "position ids after pruning (v2.0 keeps)"
+    )
     signal_layer: str = option(
         "previous", Choice(SIGNAL_LAYERS), "prune layer l's output by its attention (reference) or its input by a probe"
     )

@@ -12,9 +12,9 @@ from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32, ranked_indices
 from prune_audit.pruners.fidelity import Fidelity, random_agreement
 from prune_audit.pruners.layout import GRID_MERGE
-from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Flag, option
 from prune_audit.pruners.registry import register
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.similarity import unit_rows
 
 
@@ -81,9 +81,12 @@ class ToMeSelector(InputSelector):
             "every output token carries its merge_source cells (merged_stages): retention counts them and an object "
             "carried only by a merged token is diluted, not lost; order=raster sorts the output by first cell",
         ),
-        random_agreement(30, "test_fidelity.py::test_tome_reproduces_the_official_merging_rounds",
-                "each output token's cells, and its vector within 1e-5; location=tower: 30 of 30 through 23 layers "
-                "(test_fidelity_rederived.py::test_tome_tower_merging_reproduces_the_official_blocks)"),
+        random_agreement(
+            30,
+            "test_fidelity.py::test_tome_reproduces_the_official_merging_rounds",
+            "each output token's cells, and its vector within 1e-5; location=tower: 30 of 30 through 23 layers "
+            "(test_fidelity_rederived.py::test_tome_tower_merging_reproduces_the_official_blocks)",
+        ),
         30,
     )
 
@@ -123,7 +126,9 @@ class ToMeSelector(InputSelector):
         size = torch.ones(tokens.shape[0])
         sources = [torch.tensor([cell]) for cell in range(tokens.shape[0])]
         while tokens.shape[0] > budget:
-            tokens, size, sources = merge_round(tokens, size, sources, min(tokens.shape[0] - budget, tokens.shape[0] // 2))
+            tokens, size, sources = merge_round(
+                tokens, size, sources, min(tokens.shape[0] - budget, tokens.shape[0] // 2)
+            )
         return self._selection(tokens, sources, vision_space=False)
 
     def _selection(self, tokens: Tensor, sources: list[Tensor], vision_space: bool) -> Selection:
@@ -148,6 +153,7 @@ def tower_schedule(num_patches: int, budget: int, num_layers: int) -> list[int]:
     Raises:
         ValueError: the budget is below what halving in every layer reaches.
     """
+
     def realised(schedule: list[int]) -> list[int]:
         merged, patches = [], num_patches
         for r in schedule:

@@ -11,9 +11,8 @@ from torch import Tensor
 
 from prune_audit.pruners.base import Reference, Stage
 from prune_audit.pruners.fidelity import Fidelity, random_agreement
-from prune_audit.pruners.signals import LayerSignals
-from prune_audit.pruners.registry import register
 from prune_audit.pruners.options import Choice, option
+from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import (
     OFFICIAL_RULES,
     REFERENCE_DEPTH,
@@ -23,6 +22,7 @@ from prune_audit.pruners.schedule import (
     paper_schedule,
     scale_layers,
 )
+from prune_audit.pruners.signals import LayerSignals
 
 V2DROP_LAYERS = (3, 17, 22)
 # paper schedules (quoted in V2Drop issue #6): fraction of the current tokens kept at each stage
@@ -90,7 +90,11 @@ class V2DropSelector(ScheduledSelector):
             "difference rounded, its norm torch's half-precision reduction (float32 accumulation in the kernel's "
             "order, rounded once)",
         ),
-        random_agreement(30, "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k", "one stage; official schedule identical to the code's default (test_schedule.py)"),
+        random_agreement(
+            30,
+            "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
+            "one stage; official schedule identical to the code's default (test_schedule.py)",
+        ),
         30,
         "fp16 30 of 30, bf16 30 of 30 random cases and 10 of 10 each with duplicated rows, with score_dtype=model, "
         "ties=topk against the official torch.norm of the half difference on CPU "

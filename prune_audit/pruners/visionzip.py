@@ -15,16 +15,16 @@ from prune_audit.pruners.base import (
     Reference,
     Selection,
     as_float32,
-    rounded_to,
     cls_probabilities,
+    rounded_to,
     top_k_indices,
 )
 from prune_audit.pruners.fidelity import CLS_HALF, INPUT_DTYPE, TIES_TOPK_HALF, Fidelity, random_agreement
 from prune_audit.pruners.layout import ONE_CLS
-from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.similarity import unit_rows, unit_rows_in
 
 
@@ -68,9 +68,7 @@ class VisionZipSelector(InputSelector):
     #: its official LLaVA-NeXT code (dvlab-research/VisionZip 3151f6d ``visionzip/llava_arch.py``) takes each crop's
     #: CLS, dominant and contextual tokens (``pruners.crop_merge``)
     per_crop_grid: ClassVar[bool] = True
-    requires: ClassVar[frozenset[str]] = frozenset(
-        {"cls_attention", "vision_keys", "vision_features", "cls_feature"}
-    )
+    requires: ClassVar[frozenset[str]] = frozenset({"cls_attention", "vision_keys", "vision_features", "cls_feature"})
     merges: ClassVar[bool] = True
     reference: ClassVar[Reference] = Reference(
         "VisionZip: Longer is Better but Not Necessary in Vision Language Models (CVPR 2025, arXiv 2412.04467)",
@@ -90,14 +88,18 @@ class VisionZipSelector(InputSelector):
             "towards retention (records schema 4), so an object merged into a contextual token is not lost; "
             "visualize hatches their cells",
         ),
-        random_agreement(30, "test_fidelity.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
-                "dominant set, every contextual token's target and members, and every output vector within 1e-5; "
-                "1024-dim CLIP states, 16 heads x 64-dim keys; score_dtype=model: rounded saliency, keys and cosines "
-                "on an fp16 case where float32 differs (test_input_selectors.py); " + CLS_HALF
-                + "dominant set with score_dtype=model 30 of 30 in both, float32 29 and 9 of 30; the whole forward "
-                "against the official one run in fp16 / bf16: dominant set, contextual groups and every output vector "
-                "bit for bit with score_dtype=model in 30 of 30 each, float32 scoring the same sets in 0 of 30 "
-                "(test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)"),  # fmt: skip
+        random_agreement(
+            30,
+            "test_fidelity.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
+            "dominant set, every contextual token's target and members, and every output vector within 1e-5; "
+            "1024-dim CLIP states, 16 heads x 64-dim keys; score_dtype=model: rounded saliency, keys and cosines "
+            "on an fp16 case where float32 differs (test_input_selectors.py); "
+            + CLS_HALF
+            + "dominant set with score_dtype=model 30 of 30 in both, float32 29 and 9 of 30; the whole forward "
+            "against the official one run in fp16 / bf16: dominant set, contextual groups and every output vector "
+            "bit for bit with score_dtype=model in 30 of 30 each, float32 scoring the same sets in 0 of 30 "
+            "(test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)",
+        ),  # fmt: skip
         30,
         "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk: dominant set against the official "
         "torch.topk on the half CLS attention (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); with "
@@ -139,12 +141,13 @@ class VisionZipSelector(InputSelector):
         sources = [torch.zeros(0, dtype=torch.long)] + [index.reshape(1) for index in dominant]
         tokens = [rounded_to(as_float32(signals.cls_feature), dtype)[None], features[dominant]]
         if contextual_count:
-            keys = rounded_to(rounded_to(as_float32(signals.vision_keys), dtype).mean(dim=0)[1:], dtype)  # (N, d) patches
+            keys = rounded_to(
+                rounded_to(as_float32(signals.vision_keys), dtype).mean(dim=0)[1:], dtype
+            )  # (N, d) patches
             contextual_sources = _contextual_clusters(torch.nonzero(rest).flatten(), keys, contextual_count, dtype)
             sources += contextual_sources
             tokens.append(torch.stack([_merge(features, group, dtype) for group in contextual_sources]))
         return Selection(kept=dominant, sources=sources, vision_tokens=torch.cat(tokens))
-
 
 
 def _contextual_clusters(remaining: Tensor, keys: Tensor, count: int, dtype: torch.dtype | None) -> list[Tensor]:

@@ -14,15 +14,15 @@ from prune_audit.pruners.base import (
     Reference,
     Selection,
     as_float32,
-    rounded_to,
     cls_probabilities,
     ranked_indices,
+    rounded_to,
 )
 from prune_audit.pruners.fidelity import INPUT_DTYPE, Fidelity, random_agreement
-from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.options import Choice, Integer, Real, option
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import SCORE_DTYPES
+from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.similarity import unit_rows, unit_rows_in
 
 
@@ -78,10 +78,13 @@ class VisPrunerSelector(InputSelector):
             INPUT_DTYPE + "; under score_dtype=model the head mean, the unit features and the A-B cosines are "
             "rounded to the model dtype as well",
         ),
-        random_agreement(30, "test_fidelity.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens",
-                "1024-dim CLIP states; against the official code run in fp16 / bf16 with a GPU's float32 accumulation "
-                "(norms and cosines rounded once): score_dtype=model 30 of 30 each, float32 scoring 0 of 30; CPU fp16 "
-                "kernels round some norms and cosines differently (18 of 30 there)"),  # fmt: skip
+        random_agreement(
+            30,
+            "test_fidelity.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens",
+            "1024-dim CLIP states; against the official code run in fp16 / bf16 with a GPU's float32 accumulation "
+            "(norms and cosines rounded once): score_dtype=model 30 of 30 each, float32 scoring 0 of 30; CPU fp16 "
+            "kernels round some norms and cosines differently (18 of 30 there)",
+        ),  # fmt: skip
         30,
         "fp16 30 of 30, bf16 30 of 30 with score_dtype=model against the official forward in that dtype with a "
         "GPU's float32 accumulation (norms and cosines rounded once) "
@@ -123,9 +126,7 @@ class VisPrunerSelector(InputSelector):
         return Selection(kept=torch.sort(important).values)
 
 
-def remove_duplicates(
-    residual: Tensor, unit: Tensor, keep: int, step: int, dtype: torch.dtype | None = None
-) -> Tensor:
+def remove_duplicates(residual: Tensor, unit: Tensor, keep: int, step: int, dtype: torch.dtype | None = None) -> Tensor:
     """VisPruner's iterative matching: drop the most duplicated members of ``residual`` until ``keep`` remain.
 
     Args:
@@ -144,4 +145,3 @@ def remove_duplicates(
         survivors = ranked_indices(similarity, a.numel())[removed:]  # most similar first, then dropped
         residual = torch.cat([a[survivors], b])
     return residual
-

@@ -11,12 +11,11 @@ from torch import Tensor
 
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import BudgetScoped, PositionMode, Reference, Stage, TokenMerge, rounded_to
-from prune_audit.pruners.fidelity import HALF_EXACT_CASES, HALF_ONCE, Fidelity, half_exact, random_agreement
-from prune_audit.pruners.layout import PADDED_CROP_GRID
 from prune_audit.pruners.crop_scope import crop_budgets
-from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.fastv import last_row_attention
+from prune_audit.pruners.fidelity import HALF_EXACT_CASES, HALF_ONCE, Fidelity, half_exact, random_agreement
 from prune_audit.pruners.hiprune import scaled_vision_layer
+from prune_audit.pruners.layout import PADDED_CROP_GRID
 from prune_audit.pruners.options import Choice, Flag, Integer, Real, option
 from prune_audit.pruners.ranking import ranked_indices, top_k_indices
 from prune_audit.pruners.registry import register
@@ -28,6 +27,7 @@ from prune_audit.pruners.schedule import (
     scale_layers,
     scale_reference_counts,
 )
+from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.similarity import unit_rows
 
 LOCAL_COUNTS = ("fill", "official")
@@ -96,7 +96,8 @@ def greedy_window_scan(
     on_grid = cells[order] >= 0
     order, order_cells = order[on_grid], cells[order][on_grid]
     block = (order_cells // cols // window).clamp(max=blocks_down - 1) * blocks_across + (
-        order_cells % cols // window).clamp(max=blocks_across - 1)
+        order_cells % cols // window
+    ).clamp(max=blocks_across - 1)
     held = [0] * (blocks_down * blocks_across)
     taken: list[int] = []
     for position, index in zip(order.tolist(), block.tolist()):
@@ -232,7 +233,9 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
     """
 
     name: ClassVar[str] = "vscan"
-    summary: ClassVar[str] = "local + global scans of vision CLS (Qwen: received) attention with merging, then LLM layer 16 (VScan)"
+    summary: ClassVar[str] = (
+        "local + global scans of vision CLS (Qwen: received) attention with merging, then LLM layer 16 (VScan)"
+    )
     layout_need: ClassVar[str] = PADDED_CROP_GRID
     per_crop_grid: ClassVar[bool] = True  # its official code scans and merges in each crop's padded grid, then unpads
     requires: ClassVar[frozenset[str]] = frozenset({"layer_cls_attention", "hidden_states", "text_probs"})
@@ -250,11 +253,25 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
             "lower-index ties, float32 (ties=topk, score_dtype=model: topk order, fp16); global scan excludes the local tokens",
             "local_count=fill lets the global scan fill the stage (the same at 96/192/288); official: fewer elsewhere",
             "grids other than 24 x 24 scan their full blocks (official: asserts 576); shallow layer scaled as HiPrune's",
-            "merged tokens keep their kept token's slot and carry their cells", "Qwen: T_l = round(B llm_share) = T_v / 3 where the official keeps int(0.333 T_v) (one fewer when it truncates), T_v from the budget where the official takes int(0.167 N); a side under 4 merged tokens is one window (official: divides by 0)",
-            "Qwen: the LLM stage's attention has M-RoPE applied as the layer applies it unless attention_rope=skipped (the official Qwen layer_prune leaves q and k unrotated; the LLaVA one rotates)", "LLaVA-NeXT (budget_scope=crop only, as its llava_arch.encode_images): scans and merging in each crop's padded grid, a kept padding patch dropped at unpadding with what merged into it; T_v is the image's, split evenly over the crops (official: 96 per crop); the LLM stage ranks every alive visual token by the last prompt token's attention and keeps T_l (the official layer_prune keeps LLaVA-1.5's lengths: it ranks only the image span's first min(96, span) tokens, the base view's kept ones, by the row at prompt_len + 95, inside the span, keeps 32 of them and leaves the tiles' tokens and newlines)",
+            "merged tokens keep their kept token's slot and carry their cells",
+            "Qwen: T_l = round(B llm_share) = T_v / 3 where the official keeps int(0.333 T_v) (one fewer when it truncates), T_v from the budget where the official takes int(0.167 N); a side under 4 merged tokens is one window (official: divides by 0)",
+            "Qwen: the LLM stage's attention has M-RoPE applied as the layer applies it unless attention_rope=skipped (the official Qwen layer_prune leaves q and k unrotated; the LLaVA one rotates)",
+            "LLaVA-NeXT (budget_scope=crop only, as its llava_arch.encode_images): scans and merging in each crop's padded grid, a kept padding patch dropped at unpadding with what merged into it; T_v is the image's, split evenly over the crops (official: 96 per crop); the LLM stage ranks every alive visual token by the last prompt token's attention and keeps T_l (the official layer_prune keeps LLaVA-1.5's lengths: it ranks only the image span's first min(96, span) tokens, the base view's kept ones, by the row at prompt_len + 95, inside the span, keeps 32 of them and leaves the tiles' tokens and newlines)",
         ),
-        random_agreement(30, "test_fidelity_rederived.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging", "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288; Qwen path: test_methods_qwen.py 36 of 36 (7B-like: 16 heads, 4 x 4 windows, 6..20-token sides, 3584-dim features); LLaVA-NeXT per crop: test_families_registry.py::test_vscan_runs_per_crop_on_llava_next_as_its_official_code, 2 of 2 tiny images (kept sets exact, merged inputs atol 1e-5)"), 30,  # fmt: skip
-        half_agreement=half_exact("the official half CLS head mean at the vision stage (the LLM stage, eager as FastV's: 30 of 30 too)", HALF_ONCE + " (head)", 30, 30) + "; Qwen path in bf16 (the 7B's dtype), 16 x 20 tokens: 30 of 30 (and 10 + 10 tie cases) given the official thrice-rounded bf16 reductions, 0 of 30 given the adapter's float32 signal rounded once (20-25 distinct bf16 values among 320 tokens: the official set is mostly the kernel's order among ties; no half twin on Qwen)", half_cases=HALF_EXACT_CASES,  # fmt: skip
+        random_agreement(
+            30,
+            "test_fidelity_rederived.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging",
+            "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288; Qwen path: test_methods_qwen.py 36 of 36 (7B-like: 16 heads, 4 x 4 windows, 6..20-token sides, 3584-dim features); LLaVA-NeXT per crop: test_families_registry.py::test_vscan_runs_per_crop_on_llava_next_as_its_official_code, 2 of 2 tiny images (kept sets exact, merged inputs atol 1e-5)",
+        ),
+        30,  # fmt: skip
+        half_agreement=half_exact(
+            "the official half CLS head mean at the vision stage (the LLM stage, eager as FastV's: 30 of 30 too)",
+            HALF_ONCE + " (head)",
+            30,
+            30,
+        )
+        + "; Qwen path in bf16 (the 7B's dtype), 16 x 20 tokens: 30 of 30 (and 10 + 10 tie cases) given the official thrice-rounded bf16 reductions, 0 of 30 given the adapter's float32 signal rounded once (20-25 distinct bf16 values among 320 tokens: the official set is mostly the kernel's order among ties; no half twin on Qwen)",
+        half_cases=HALF_EXACT_CASES,  # fmt: skip
     )
 
     flops_exact: ClassVar[bool] = True
@@ -267,8 +284,12 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
     qwen_window_size: int = option(4, Integer(low=1), "side of the Qwen2.5-VL local scan's blocks in merged tokens")
     local_count: str = option("fill", Choice(LOCAL_COUNTS), "global scan fills the stage, or the official count")
     merge_pruned: bool = option(True, Flag(), "merge pruned tokens into their nearest kept token (official)")
-    positions: PositionMode = option("compact", Choice(get_args(PositionMode)), "position ids after pruning (official renumbers)")
-    attention_rope: str = option("applied", Choice(ATTENTION_ROPES), "RoPE in the LLM stage's attention (official Qwen: skipped)")
+    positions: PositionMode = option(
+        "compact", Choice(get_args(PositionMode)), "position ids after pruning (official renumbers)"
+    )
+    attention_rope: str = option(
+        "applied", Choice(ATTENTION_ROPES), "RoPE in the LLM stage's attention (official Qwen: skipped)"
+    )
 
     @classmethod
     def flops(cls, work: SelectorWork) -> int:
@@ -326,8 +347,9 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
         attention = rounded_to((signals.layer_cls_attention if official is None else official).float(), half)  # (Lv, n)
         return self._cls_scans(attention, signals.alive, signals.grid, stage.keep, half)
 
-    def _cls_scans(self, attention: Tensor, cells: Tensor, grid: tuple[int, int], keep: int,
-                   half: torch.dtype | None) -> Tensor:
+    def _cls_scans(
+        self, attention: Tensor, cells: Tensor, grid: tuple[int, int], keep: int, half: torch.dtype | None
+    ) -> Tensor:
         """(keep,) ascending positions kept by the local scan of the shallow layer's CLS attention and the global
         scan of the last layer's, on ``attention`` (Lv, n) of tokens at ``cells`` (n,) of ``grid``."""
         shallow = attention[scaled_vision_layer(self.shallow_layer, attention.shape[0])]
@@ -350,8 +372,9 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
         local_target, per_window, blocks = self._local_counts(keep, grid)
         return keep if self.local_count == "fill" else keep - local_target + per_window * blocks
 
-    def _per_crop_stage(self, keep: int, signals: LayerSignals,
-                        half: torch.dtype | None) -> tuple[Tensor, TokenMerge | None]:
+    def _per_crop_stage(
+        self, keep: int, signals: LayerSignals, half: torch.dtype | None
+    ) -> tuple[Tensor, TokenMerge | None]:
         """The vision stage in each crop's padded grid (``budget_scope="crop"``, VScan's LLaVA-NeXT code).
 
         Each of the K crops scans its P patches (padding included) at its share of ``keep``
@@ -365,8 +388,10 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
         """
         crops = signals.padded_crops
         if crops is None or not torch.equal(signals.alive, torch.arange(crops.patch_of.numel())):
-            raise ValueError("vscan's per-crop vision stage needs every crop's padded patches and runs first, on "
-                             "every visual token; drop --option budget_scope=crop")
+            raise ValueError(
+                "vscan's per-crop vision stage needs every crop's padded patches and runs first, on "
+                "every visual token; drop --option budget_scope=crop"
+            )
         official = crops.model_cls_attention if half is not None else None
         attention = (crops.cls_attention if official is None else official).float().cpu()  # (K, Lv, P)
         features = crops.features.float().cpu()  # (K, P, D)
@@ -382,8 +407,9 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
             tokens = token_at[crop * per_crop :][:per_crop]  # (P,) visual token of each patch of this crop
             kept.append(tokens[patches][tokens[patches] >= 0])
             merge = nearest_merge(features[crop], patches) if self.merge_pruned else None
-            for index, (target, group) in enumerate(zip([] if merge is None else merge.replaces.tolist(),
-                                                        [] if merge is None else merge.members)):
+            for index, (target, group) in enumerate(
+                zip([] if merge is None else merge.replaces.tolist(), [] if merge is None else merge.members)
+            ):
                 if tokens[target] >= 0:  # a kept patch in the padding is unpadded away with its members
                     merged.append(merge.hidden[index])
                     members.append(tokens[group][tokens[group] >= 0])

@@ -26,8 +26,11 @@ BUDGET_FACTOR = 2.0
 """How far (a factor either way, give or take a token) the realised visual tokens may lie from the budget: in-LLM
 schedules realise their budget on average only (PDrop's paper rule: 62.1 for 64)."""
 INT64_MAX = 2**63 - 1
-_COST_TYPES = {column.name: column.type for column in COST_COLUMNS
-               if column.name not in TIMING_COLUMNS and not pa.types.is_list(column.type)}
+_COST_TYPES = {
+    column.name: column.type
+    for column in COST_COLUMNS
+    if column.name not in TIMING_COLUMNS and not pa.types.is_list(column.type)
+}
 """The analytic cost columns (FLOPs, KV bytes, equivalent tokens) and their Arrow types."""
 
 
@@ -45,15 +48,19 @@ def generation_problem(text: str, sequence_prob: float, mean_token_prob: float, 
     1; generated tokens may still decode to an empty text, such as whitespace)."""
     if answer_tokens == 0:
         if text.strip() or sequence_prob != 1 or mean_token_prob != 1:
-            return (f"an answer of 0 tokens is the empty text at probability 1, got {text[:30]!r} at sequence "
-                    f"probability {sequence_prob:.4g}")
+            return (
+                f"an answer of 0 tokens is the empty text at probability 1, got {text[:30]!r} at sequence "
+                f"probability {sequence_prob:.4g}"
+            )
         return None
     log_sequence = math.log(sequence_prob) if sequence_prob > 0 else -math.inf
     log_mean = answer_tokens * math.log(mean_token_prob) if mean_token_prob > 0 else -math.inf
     if max(log_sequence, log_mean) < UNDERFLOW_LOG or abs(log_sequence - log_mean) <= LOG_SLACK * answer_tokens:
         return None
-    return (f"sequence probability {sequence_prob:.4g} is not mean token probability {mean_token_prob:.4g} to the "
-            f"power of its {answer_tokens} tokens ({math.exp(log_mean):.4g})")
+    return (
+        f"sequence probability {sequence_prob:.4g} is not mean token probability {mean_token_prob:.4g} to the "
+        f"power of its {answer_tokens} tokens ({math.exp(log_mean):.4g})"
+    )
 
 
 def stage_cells_problem(kept: Sequence[int], merged: Sequence[Sequence[int]]) -> str | None:
@@ -64,7 +71,9 @@ def stage_cells_problem(kept: Sequence[int], merged: Sequence[Sequence[int]]) ->
     for sources in merged:
         twice = kept_cells.intersection(sources)
         if twice:
-            return f"grid cell {min(twice)} is both kept and merged; a kept cell reaches the model through its own token"
+            return (
+                f"grid cell {min(twice)} is both kept and merged; a kept cell reaches the model through its own token"
+            )
         if len(set(sources)) != len(sources):
             cell = next(i for i in sources if sources.count(i) > 1)
             return f"a merged token carries grid cell {cell} twice; a token averages distinct cells"
@@ -82,8 +91,10 @@ def budget_problem(budget: Any, expected: float, realised: float) -> str | None:
     """The visual tokens a run realised on average lie near what its ``budget`` keeps on the same images
     (``expected``: the budget resolved per image, at most its tokens)."""
     if realised > BUDGET_FACTOR * expected + 1 or realised < expected / BUDGET_FACTOR - 1:
-        return (f"budget {budget} keeps {expected:.4g} visual tokens on average on these images, but the kept sets "
-                f"feed {realised:.4g}")
+        return (
+            f"budget {budget} keeps {expected:.4g} visual tokens on average on these images, but the kept sets "
+            f"feed {realised:.4g}"
+        )
     return None
 
 
@@ -93,8 +104,9 @@ def cost_problem(cost: Mapping[str, Any]) -> str | None:
     for name, value in cost.items():
         if name not in _COST_TYPES or value is None:
             continue
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                and value >= 0):
+        if not (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        ):
             return f"{name} must be a finite non-negative number, got {value!r}"
         if pa.types.is_integer(_COST_TYPES[name]) and not (float(value).is_integer() and value <= INT64_MAX):
             return f"{name} must be a whole number of at most {INT64_MAX}, got {value!r}"
@@ -107,15 +119,19 @@ def cost_problem(cost: Mapping[str, Any]) -> str | None:
 def record_problem(record: Record) -> str | None:
     """The first rule above that a run record (``RUN_SCHEMA`` columns) breaks, or None."""
     checks = [cost_problem(record)]
-    checks += [stage_cells_problem(kept, merged)
-               for kept, merged in zip(record["kept_stages"], record["merged_stages"])]
+    checks += [
+        stage_cells_problem(kept, merged) for kept, merged in zip(record["kept_stages"], record["merged_stages"])
+    ]
     if record.get("p_yes") is not None:
         checks.append(disjoint_probabilities_problem("p_yes and p_no", [record["p_yes"], record["p_no"]]))
     if record.get("letter_probs") is not None:
         checks.append(disjoint_probabilities_problem("letter_probs", record["letter_probs"]))
     if record.get("sequence_prob") is not None:
-        checks.append(generation_problem(record["answer_text"], record["sequence_prob"], record["mean_token_prob"],
-                                         record["answer_tokens"]))
+        checks.append(
+            generation_problem(
+                record["answer_text"], record["sequence_prob"], record["mean_token_prob"], record["answer_tokens"]
+            )
+        )
     return next((problem for problem in checks if problem is not None), None)
 
 

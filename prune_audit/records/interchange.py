@@ -38,7 +38,13 @@ READABLE_VERSIONS = (1, 2)
 INTERCHANGE_METADATA = b"prune_audit.interchange"
 SUFFIXES = (".jsonl", ".parquet")
 COST_FIELDS = (
-    "flops", "flops_vision", "flops_selector", "flops_llm", "flops_dense", "flops_decode_token", "kv_bytes",
+    "flops",
+    "flops_vision",
+    "flops_selector",
+    "flops_llm",
+    "flops_dense",
+    "flops_decode_token",
+    "kv_bytes",
     "flop_equivalent_tokens",
 )
 """The analytic cost columns a question line's ``cost`` holds (``records.schema.COST_COLUMNS``)."""
@@ -48,8 +54,10 @@ not known)."""
 LATENCY_PARTS = ("vision", "selection", "prefill", "decode")
 """The latency parts a question line may carry, in ms (``latency_<part>_ms`` columns)."""
 GENERATION_SUMMARY = {
-    "sequence_probability": "sequence_prob", "mean_token_probability": "mean_token_prob",
-    "answer_tokens": "answer_tokens", "stopped": "stopped",
+    "sequence_probability": "sequence_prob",
+    "mean_token_probability": "mean_token_prob",
+    "answer_tokens": "answer_tokens",
+    "stopped": "stopped",
 }
 """A generated answer's summary fields and the record columns they carry (``records.schema``, generating tasks)."""
 TASK_OPTIONS = ("max_new_tokens", "confidence")
@@ -116,8 +124,13 @@ def header_of(manifest: dict[str, Any]) -> dict[str, Any]:
     run) and budget."""
     task_options = {name: manifest[name] for name in TASK_OPTIONS if manifest.get(name) is not None}
     return {
-        "format": FORMAT, "version": FORMAT_VERSION, "task": manifest.get("task", DEFAULT_TASK), **task_options,
-        "selector": manifest["selector"], "budget": manifest["budget"], "model": manifest["model"]["id"],
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "task": manifest.get("task", DEFAULT_TASK),
+        **task_options,
+        "selector": manifest["selector"],
+        "budget": manifest["budget"],
+        "model": manifest["model"]["id"],
         "producer": f"prune-audit {manifest['version']}",
     }
 
@@ -128,7 +141,9 @@ def question_line(record: dict[str, Any]) -> dict[str, Any]:
         {"layer": layer, "kept": kept, **({"merged": merged} if merged else {})}
         for layer, kept, merged in zip(record["stage_layers"], record["kept_stages"], record["merged_stages"])
     ]
-    if record["stage_layers"] == [0] and record["visual_tokens_avg"] != len(record["kept"]) + len(record["merged_stages"][0]):
+    if record["stage_layers"] == [0] and record["visual_tokens_avg"] != len(record["kept"]) + len(
+        record["merged_stages"][0]
+    ):
         stages[0]["tokens"] = int(record["visual_tokens_avg"])  # input-level: every layer sees the same count
     answer = {"text": record["answer_text"], "probability": record["confidence"]}
     for name in ("p_yes", "p_no", "letter_probs"):
@@ -137,10 +152,15 @@ def question_line(record: dict[str, Any]) -> dict[str, Any]:
     if record.get("sequence_prob") is not None:  # a generating task: its records keep the summary, not each token
         answer.update({field_name: record[column] for field_name, column in GENERATION_SUMMARY.items()})
     return {
-        "question_id": record["question_id"], "split": record["split"], "image": record["image"], "stages": stages,
-        "answer": answer, "cost": {name: record[name] for name in (*COST_FIELDS, SIGNAL_SOURCES_FIELD)},
-        "latency_ms": {part: record[f"latency_{part}_ms"] for part in LATENCY_PARTS
-                       if record.get(f"latency_{part}_ms") is not None},
+        "question_id": record["question_id"],
+        "split": record["split"],
+        "image": record["image"],
+        "stages": stages,
+        "answer": answer,
+        "cost": {name: record[name] for name in (*COST_FIELDS, SIGNAL_SOURCES_FIELD)},
+        "latency_ms": {
+            part: record[f"latency_{part}_ms"] for part in LATENCY_PARTS if record.get(f"latency_{part}_ms") is not None
+        },
     }
 
 
@@ -195,8 +215,9 @@ def read_kept_sets(path: Path) -> KeptSets:
     for question in questions:
         key = (question.split, question.question_id)
         if key in seen:
-            raise PruneAuditError(f"{question.line}: question {key[0]}/{key[1]} repeats {seen[key]}; give each "
-                                  f"question once")
+            raise PruneAuditError(
+                f"{question.line}: question {key[0]}/{key[1]} repeats {seen[key]}; give each question once"
+            )
         seen[key] = question.line
     return KeptSets(header, questions, path)
 
@@ -209,14 +230,17 @@ def _read_jsonl(path: Path) -> tuple[Any, list[tuple[str, Any]]]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                raise PruneAuditError(f"{path} line {number}: not UTF-8 text (byte 0x{raw[error.start]:02x}); "
-                                      f"{_KEPT_SET_FIX}") from None
+                raise PruneAuditError(
+                    f"{path} line {number}: not UTF-8 text (byte 0x{raw[error.start]:02x}); {_KEPT_SET_FIX}"
+                ) from None
             if not text.strip():
                 continue
             try:
                 value = loads_json(text, f"{path} line {number}")
             except json.JSONDecodeError as error:
-                raise PruneAuditError(f"{path} line {number}: not JSON ({error.msg}); one JSON object per line") from None
+                raise PruneAuditError(
+                    f"{path} line {number}: not JSON ({error.msg}); one JSON object per line"
+                ) from None
             if header is None:
                 header = value
             else:
@@ -233,13 +257,19 @@ def _read_parquet(path: Path) -> tuple[Any, list[tuple[str, Any]]]:
         raise PruneAuditError(f"{path} is not a readable Parquet file ({error}); write it again") from None
     metadata = table.schema.metadata or {}
     if INTERCHANGE_METADATA not in metadata:
-        raise PruneAuditError(f"{path} has no interchange header (Parquet metadata {INTERCHANGE_METADATA.decode()}); "
-                              f"see docs/interchange.md")
+        raise PruneAuditError(
+            f"{path} has no interchange header (Parquet metadata {INTERCHANGE_METADATA.decode()}); "
+            f"see docs/interchange.md"
+        )
     try:
-        header = loads_json(metadata[INTERCHANGE_METADATA], f"{path} (Parquet metadata {INTERCHANGE_METADATA.decode()})")
+        header = loads_json(
+            metadata[INTERCHANGE_METADATA], f"{path} (Parquet metadata {INTERCHANGE_METADATA.decode()})"
+        )
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise PruneAuditError(f"{path}: the interchange header (Parquet metadata {INTERCHANGE_METADATA.decode()}) is "
-                              f"not JSON ({getattr(error, 'msg', error)}); {_KEPT_SET_FIX}") from None
+        raise PruneAuditError(
+            f"{path}: the interchange header (Parquet metadata {INTERCHANGE_METADATA.decode()}) is "
+            f"not JSON ({getattr(error, 'msg', error)}); {_KEPT_SET_FIX}"
+        ) from None
     entries = []
     for row, entry in enumerate(table.to_pylist()):
         where = f"{path} row {row}"
@@ -256,30 +286,34 @@ def _read_parquet(path: Path) -> tuple[Any, list[tuple[str, Any]]]:
 def _check_header(header: Any, path: Path) -> None:
     where = f"{path} line 1 (header)"
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise PruneAuditError(f"{where}: not a kept-set file (the header must hold \"format\": \"{FORMAT}\")")
+        raise PruneAuditError(f'{where}: not a kept-set file (the header must hold "format": "{FORMAT}")')
     if header.get("version") not in READABLE_VERSIONS:
-        raise PruneAuditError(f"{where}: format version {header.get('version')!r}; this prune-audit reads versions "
-                              f"{', '.join(map(str, READABLE_VERSIONS))}")
+        raise PruneAuditError(
+            f"{where}: format version {header.get('version')!r}; this prune-audit reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+        )
     if not isinstance(header.get("task"), str):
-        raise PruneAuditError(f"{where}: \"task\" must name a task (pope, ...)")
+        raise PruneAuditError(f'{where}: "task" must name a task (pope, ...)')
     tokens = header.get("max_new_tokens")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-        raise PruneAuditError(f"{where}: \"max_new_tokens\" must be null or a whole number >= 1, got {tokens!r}")
+        raise PruneAuditError(f'{where}: "max_new_tokens" must be null or a whole number >= 1, got {tokens!r}')
     if not isinstance(header.get("confidence") or "", str):
-        raise PruneAuditError(f"{where}: \"confidence\" must be null or a generating task's confidence name "
-                              f"(docs/tasks.md)")
+        raise PruneAuditError(
+            f'{where}: "confidence" must be null or a generating task\'s confidence name (docs/tasks.md)'
+        )
     selector = header.get("selector", {"name": "imported"})
     if isinstance(selector, str):
         selector = {"name": selector}
     if not isinstance(selector, dict) or not isinstance(selector.get("name"), str):
-        raise PruneAuditError(f"{where}: \"selector\" must be a name or an object with a name")
+        raise PruneAuditError(f'{where}: "selector" must be a name or an object with a name')
     if selector.get("stage") not in SELECTOR_STAGES:
-        raise PruneAuditError(f"{where}: selector \"stage\" must be input, llm or null, got {selector['stage']!r}")
+        raise PruneAuditError(f'{where}: selector "stage" must be input, llm or null, got {selector["stage"]!r}')
     header["selector"] = selector
     _, budget_check = MANIFEST_SCHEMA["budget"]  # the header's budget becomes the manifest's: one definition
     if budget_check(header.get("budget")) is not None:
-        raise PruneAuditError(f"{where}: \"budget\" must be {budget_check(header.get('budget'))}, got "
-                              f"{header.get('budget')!r}")
+        raise PruneAuditError(
+            f'{where}: "budget" must be {budget_check(header.get("budget"))}, got {header.get("budget")!r}'
+        )
 
 
 def _question(entry: Any, where: str) -> KeptQuestion:
@@ -287,20 +321,22 @@ def _question(entry: Any, where: str) -> KeptQuestion:
         raise PruneAuditError(f"{where}: a question line must be a JSON object")
     for name in ("question_id", "split", "image", "stages", "answer"):
         if name not in entry:
-            raise PruneAuditError(f"{where}: \"{name}\" is missing")
+            raise PruneAuditError(f'{where}: "{name}" is missing')
     question_id = entry["question_id"]
     if isinstance(question_id, bool) or not isinstance(question_id, int):
-        raise PruneAuditError(f"{where}: \"question_id\" must be an integer, got {question_id!r}")
+        raise PruneAuditError(f'{where}: "question_id" must be an integer, got {question_id!r}')
     for name in ("split", "image"):
         if not isinstance(entry[name], str) or not entry[name]:
-            raise PruneAuditError(f"{where}: \"{name}\" must be a non-empty string")
+            raise PruneAuditError(f'{where}: "{name}" must be a non-empty string')
     stages = _stages(entry["stages"], where)
     answer = _answer(entry["answer"], where)
     cost = _cost(entry.get("cost"), where)
     latency = entry.get("latency_ms")
     if latency is not None and not _numbers(latency, set(LATENCY_PARTS), exact=False):
-        raise PruneAuditError(f"{where}: \"latency_ms\" must be null or map parts of {', '.join(LATENCY_PARTS)} "
-                              f"to non-negative milliseconds")
+        raise PruneAuditError(
+            f'{where}: "latency_ms" must be null or map parts of {", ".join(LATENCY_PARTS)} '
+            f"to non-negative milliseconds"
+        )
     return KeptQuestion(question_id, entry["split"], entry["image"], stages, answer, cost, latency, where)
 
 
@@ -309,19 +345,27 @@ def _cost(cost: Any, where: str) -> dict[str, Any] | None:
     ``records.consistency.cost_problem`` as a run's record does."""
     if cost is None:
         return None
-    numbers = {name: value for name, value in cost.items() if name != SIGNAL_SOURCES_FIELD} if isinstance(
-        cost, dict) else None
+    numbers = (
+        {name: value for name, value in cost.items() if name != SIGNAL_SOURCES_FIELD}
+        if isinstance(cost, dict)
+        else None
+    )
     if numbers is None or not _numbers(numbers, set(COST_FIELDS), exact=True):
-        raise PruneAuditError(f"{where}: \"cost\" must be null or hold the finite numbers {', '.join(COST_FIELDS)}")
+        raise PruneAuditError(f'{where}: "cost" must be null or hold the finite numbers {", ".join(COST_FIELDS)}')
     problem = cost_problem(numbers)
     if problem is not None:
-        raise PruneAuditError(f"{where}: \"cost\": {problem}; give the cost as run records it, or drop \"cost\" to "
-                              f"have it computed from the kept sets")
+        raise PruneAuditError(
+            f'{where}: "cost": {problem}; give the cost as run records it, or drop "cost" to '
+            f"have it computed from the kept sets"
+        )
     sources = cost.get(SIGNAL_SOURCES_FIELD)
-    if sources is not None and (not isinstance(sources, list) or not all(
-            isinstance(source, str) and source in SIGNAL_SOURCES for source in sources)):
-        raise PruneAuditError(f"{where}: cost \"{SIGNAL_SOURCES_FIELD}\" must be null or a list of "
-                              f"{', '.join(SIGNAL_SOURCES)}")
+    if sources is not None and (
+        not isinstance(sources, list)
+        or not all(isinstance(source, str) and source in SIGNAL_SOURCES for source in sources)
+    ):
+        raise PruneAuditError(
+            f'{where}: cost "{SIGNAL_SOURCES_FIELD}" must be null or a list of {", ".join(SIGNAL_SOURCES)}'
+        )
     return cost
 
 
@@ -342,65 +386,70 @@ def _indices(value: Any) -> bool:
 
 def _stages(value: Any, where: str) -> list[KeptStage]:
     if not isinstance(value, list):
-        raise PruneAuditError(f"{where}: \"stages\" must be a list of {{layer, kept, merged}} objects")
+        raise PruneAuditError(f'{where}: "stages" must be a list of {{layer, kept, merged}} objects')
     stages: list[KeptStage] = []
     for number, stage in enumerate(value):
         at = f"{where}: stage {number}"
         if not isinstance(stage, dict) or "layer" not in stage or "kept" not in stage:
-            raise PruneAuditError(f"{at} must be an object with \"layer\" and \"kept\"")
+            raise PruneAuditError(f'{at} must be an object with "layer" and "kept"')
         layer, kept, merged = stage["layer"], stage["kept"], stage.get("merged", [])
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise PruneAuditError(f"{at}: \"layer\" must be a decoder layer index >= 0, got {layer!r}")
+            raise PruneAuditError(f'{at}: "layer" must be a decoder layer index >= 0, got {layer!r}')
         if not _indices(kept):
-            raise PruneAuditError(f"{at}: \"kept\" must be a list of grid indices >= 0")
+            raise PruneAuditError(f'{at}: "kept" must be a list of grid indices >= 0')
         if len(set(kept)) != len(kept):
-            raise PruneAuditError(f"{at}: \"kept\" repeats a grid index; list each once")
+            raise PruneAuditError(f'{at}: "kept" repeats a grid index; list each once')
         if not isinstance(merged, list) or not all(_indices(sources) and sources for sources in merged):
-            raise PruneAuditError(f"{at}: \"merged\" must be a list of non-empty lists of grid indices")
+            raise PruneAuditError(f'{at}: "merged" must be a list of non-empty lists of grid indices')
         problem = stage_cells_problem(kept, merged)
         if problem is not None:
             raise PruneAuditError(f"{at}: {problem}")
         tokens = stage.get("tokens")
-        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
-                                   or tokens < len(kept) + len(merged)):
-            raise PruneAuditError(f"{at}: \"tokens\" must be null or an integer >= kept + merged "
-                                  f"({len(kept) + len(merged)})")
+        if tokens is not None and (
+            isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < len(kept) + len(merged)
+        ):
+            raise PruneAuditError(
+                f'{at}: "tokens" must be null or an integer >= kept + merged ({len(kept) + len(merged)})'
+            )
         if stages:
             previous = stages[-1]
             if layer <= previous.layer:
-                raise PruneAuditError(f"{at}: layer {layer} does not follow the previous stage's layer "
-                                      f"{previous.layer}; list stages by increasing layer")
+                raise PruneAuditError(
+                    f"{at}: layer {layer} does not follow the previous stage's layer "
+                    f"{previous.layer}; list stages by increasing layer"
+                )
             covered = set(previous.kept).union(*previous.merged)
             outside = sorted(set(kept) - covered)
             if outside:
-                raise PruneAuditError(f"{at}: kept index {outside[0]} was not alive after the previous stage; "
-                                      f"stages must be nested")
+                raise PruneAuditError(
+                    f"{at}: kept index {outside[0]} was not alive after the previous stage; stages must be nested"
+                )
         stages.append(KeptStage(layer, list(kept), [list(sources) for sources in merged], tokens))
     return stages
 
 
 def _answer(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict) or not isinstance(value.get("text"), str):
-        raise PruneAuditError(f"{where}: \"answer\" must be an object with the answer \"text\"")
+        raise PruneAuditError(f'{where}: "answer" must be an object with the answer "text"')
     probability = value.get("probability")
     if probability is not None and (not _finite(probability) or not 0 <= probability <= 1):
-        raise PruneAuditError(f"{where}: answer \"probability\" must be null or a number in [0, 1], got "
-                              f"{probability!r}")
+        raise PruneAuditError(f'{where}: answer "probability" must be null or a number in [0, 1], got {probability!r}')
     for name in ("p_yes", "p_no"):
         if name in value and (not _finite(value[name]) or not 0 <= value[name] <= 1):
-            raise PruneAuditError(f"{where}: answer \"{name}\" must be a number in [0, 1]")
+            raise PruneAuditError(f'{where}: answer "{name}" must be a number in [0, 1]')
     for name in ("letter_probs", "token_probs"):
-        if name in value and (not isinstance(value[name], list) or not all(
-                _finite(p) and 0 <= p <= 1 for p in value[name])):
-            raise PruneAuditError(f"{where}: answer \"{name}\" must be a list of numbers in [0, 1]")
+        if name in value and (
+            not isinstance(value[name], list) or not all(_finite(p) and 0 <= p <= 1 for p in value[name])
+        ):
+            raise PruneAuditError(f'{where}: answer "{name}" must be a list of numbers in [0, 1]')
     for name in ("sequence_probability", "mean_token_probability"):
         if name in value and (not _finite(value[name]) or not 0 <= value[name] <= 1):
-            raise PruneAuditError(f"{where}: answer \"{name}\" must be a number in [0, 1]")
+            raise PruneAuditError(f'{where}: answer "{name}" must be a number in [0, 1]')
     tokens = value.get("answer_tokens", 0)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise PruneAuditError(f"{where}: answer \"answer_tokens\" must be a whole number >= 0, got {tokens!r}")
+        raise PruneAuditError(f'{where}: answer "answer_tokens" must be a whole number >= 0, got {tokens!r}')
     if "stopped" in value and not isinstance(value["stopped"], bool):
-        raise PruneAuditError(f"{where}: answer \"stopped\" must be true or false")
+        raise PruneAuditError(f'{where}: answer "stopped" must be true or false')
     problem = _probabilities_problem(value)
     if problem is not None:
         raise PruneAuditError(f"{where}: answer {problem}; give the probabilities the model gave")

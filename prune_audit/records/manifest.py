@@ -41,10 +41,16 @@ CONFIG_FIELDS = (
 
 MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
     ("version", "prune-audit version that wrote the run"),
-    ("run_id", "sha256 of the configuration and the inputs' content (run_id_of); every records file of the run "
-     "carries it in its Parquet metadata (prune_audit.run_id), so records of another run are never read or resumed"),
-    ("records_schema", "version of the record columns (records/schema.py SCHEMA_VERSION); every reader and resume "
-     "refuse another version"),
+    (
+        "run_id",
+        "sha256 of the configuration and the inputs' content (run_id_of); every records file of the run "
+        "carries it in its Parquet metadata (prune_audit.run_id), so records of another run are never read or resumed",
+    ),
+    (
+        "records_schema",
+        "version of the record columns (records/schema.py SCHEMA_VERSION); every reader and resume "
+        "refuse another version",
+    ),
     ("task", "the run's task (`run --task`, docs/tasks.md); every other command reads it from here (absent: pope)"),
     ("max_new_tokens", "generation limit of a task answered by greedy decoding (null for first-token tasks)"),
     ("confidence", "a generating task's confidence definition, sequence or mean-token (null for first-token tasks)"),
@@ -52,34 +58,51 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
     ("versions", "{python, torch, transformers} versions"),
     ("model", "{id, config_hash}: model folder or hub id, and a hash of its config"),
     ("family", "model family adapter: a registered model_type (docs/models.md)"),
-    ("prompt", "{template, system, first}: prompt template name, system prompt, and the full prompt of the first "
-     "question (the task's instruction composed once, in the template's conversation, one image placeholder; "
-     "absent in runs of earlier versions)"),
+    (
+        "prompt",
+        "{template, system, first}: prompt template name, system prompt, and the full prompt of the first "
+        "question (the task's instruction composed once, in the template's conversation, one image placeholder; "
+        "absent in runs of earlier versions)",
+    ),
     ("dtype", "weights' dtype (float32, bfloat16, float16)"),
     ("device", "torch device the model ran on"),
     ("attn_implementation", "attention kernel (sdpa)"),
     ("num_layers", "decoder layers of the language model"),
     ("answer_tokens", "{yes, no}: token ids summed into p_yes and p_no"),
-    ("processor", "image processor: class, geometry mode, sizes, patch size; first_image: the first "
-     "question's TokenGeometry"),
+    (
+        "processor",
+        "image processor: class, geometry mode, sizes, patch size; first_image: the first question's TokenGeometry",
+    ),
     ("clip_text", "LLaVA, LLaVA-NeXT: CLIP text tower used for CDPruner relevance (null when none)"),
     ("positions", "Qwen2.5-VL: position ids the pruned sequence keeps"),
-    ("selector", "{name, stage, options, positions, schedule, schedule_num_visual}: the selector as run "
-     "(schedule: [layer, keep] stages of in-LLM selectors for the first question's token count; keep excludes "
-     "the tokens a merge inserts, such as SparseVLM's recycled ones, which realised_visual_tokens_avg counts)"),
-    ("budget", "--budget in visual tokens, or a share as given (11%: each image keeps its share, rounded half up; "
-               "visual_tokens_avg holds the realised count); null for the unpruned run"),
+    (
+        "selector",
+        "{name, stage, options, positions, schedule, schedule_num_visual}: the selector as run "
+        "(schedule: [layer, keep] stages of in-LLM selectors for the first question's token count; keep excludes "
+        "the tokens a merge inserts, such as SparseVLM's recycled ones, which realised_visual_tokens_avg counts)",
+    ),
+    (
+        "budget",
+        "--budget in visual tokens, or a share as given (11%: each image keeps its share, rounded half up; "
+        "visual_tokens_avg holds the realised count); null for the unpruned run",
+    ),
     ("question_files", "[{path, sha256}] of the task's question files (POPE: --pope)"),
     ("annotations", "{path, sha256} of the evidence annotations (POPE: the COCO instances file; null without)"),
-    ("images", "{path, sha256, count, files}: folder of the question images and the sha256 of each image the "
-     "questions use (files: name -> sha256; sha256 over all of them)"),
+    (
+        "images",
+        "{path, sha256, count, files}: folder of the question images and the sha256 of each image the "
+        "questions use (files: name -> sha256; sha256 over all of them)",
+    ),
     ("split", "--split (all by default)"),
     ("limit", "--limit (null: every question)"),
     ("num_questions", "questions in the run (all shards)"),
     ("seed", "--seed of random selectors"),
     ("command", "the command line as parsed (options that differ from their defaults)"),
-    ("threads", "{intra_op, inter_op, source, usable_cores}: torch threads and where the number came "
-     "from (--threads, OMP_NUM_THREADS or sched_getaffinity); not part of the configuration"),
+    (
+        "threads",
+        "{intra_op, inter_op, source, usable_cores}: torch threads and where the number came "
+        "from (--threads, OMP_NUM_THREADS or sched_getaffinity); not part of the configuration",
+    ),
     ("realised_visual_tokens_avg", "mean visual_tokens_avg over the records, written when the run completes"),
 )
 """Every top-level key of manifest.json with its meaning (docs/records.md is generated from it)."""
@@ -124,7 +147,9 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     """
     path = Path(run_dir) / MANIFEST_FILE
     if not path.exists():
-        raise PruneAuditError(f"{run_dir} is not a run directory (no {MANIFEST_FILE}); pass a directory written by prune-audit run")
+        raise PruneAuditError(
+            f"{run_dir} is not a run directory (no {MANIFEST_FILE}); pass a directory written by prune-audit run"
+        )
     if not path.is_file():
         raise PruneAuditError(f"{path} is not a file; remove it, or pass a directory written by prune-audit run")
     try:
@@ -157,7 +182,9 @@ def check_schema_version(manifest: dict[str, Any], run_dir: Path) -> None:
 
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
     """Write ``manifest.json`` atomically (a reader sees the old or the new manifest, never a part)."""
-    write_text_atomic(json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n", Path(run_dir) / MANIFEST_FILE)
+    write_text_atomic(
+        json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n", Path(run_dir) / MANIFEST_FILE
+    )
 
 
 def images_folder(manifest: dict[str, Any]) -> Path:
@@ -224,8 +251,15 @@ UNPRUNED = "none"
 
 
 def _json_type(value: Any) -> str:
-    names = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null", float: "number",
-             int: "integer"}
+    names = {
+        dict: "object",
+        list: "list",
+        str: "string",
+        bool: "boolean",
+        type(None): "null",
+        float: "number",
+        int: "integer",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -289,8 +323,11 @@ def _list_of(item: Check) -> Check:
 
 
 def _selector(value: Any) -> str | None:
-    problem = _mapping(name=_string, stage=lambda stage: None if stage in SELECTOR_STAGES else "input, llm or null",
-                       options=lambda options: None if isinstance(options, dict) else "an object")(value)
+    problem = _mapping(
+        name=_string,
+        stage=lambda stage: None if stage in SELECTOR_STAGES else "input, llm or null",
+        options=lambda options: None if isinstance(options, dict) else "an object",
+    )(value)
     if problem is None and (value["name"] == UNPRUNED) != (value["stage"] is None):
         return f"an object whose stage is null exactly for the unpruned run (name {UNPRUNED!r})"
     return problem
@@ -317,8 +354,10 @@ MANIFEST_SCHEMA: dict[str, tuple[bool, Check]] = {
     "versions": (False, _optional(_mapping())),
     "model": (True, _mapping(id=_string, config_hash=_string)),
     "family": (False, _optional(_string)),
-    "prompt": (True, _mapping(template=_optional(_string), system=_optional(_string),
-                                first=_optional(_string), may_lack=("first",))),
+    "prompt": (
+        True,
+        _mapping(template=_optional(_string), system=_optional(_string), first=_optional(_string), may_lack=("first",)),
+    ),
     "dtype": (True, _string),
     "device": (False, _optional(_string)),
     "attn_implementation": (False, _optional(_string)),
@@ -364,8 +403,10 @@ def manifest_problem(manifest: dict[str, Any]) -> tuple[str, str] | None:
             return name, f"must be {problem}, got {_shown(manifest[name])}"
     unpruned = manifest["selector"]["name"] == UNPRUNED
     if unpruned != (manifest["budget"] is None):
-        return "budget", (f"must be null exactly for the unpruned run, got {_shown(manifest['budget'])} with selector "
-                          f"{manifest['selector']['name']!r}")
+        return "budget", (
+            f"must be null exactly for the unpruned run, got {_shown(manifest['budget'])} with selector "
+            f"{manifest['selector']['name']!r}"
+        )
     if manifest["run_id"] != run_id_of(manifest):
         return "run_id", "does not match the configuration fields (the manifest was edited)"
     return None

@@ -93,7 +93,11 @@ COST_COLUMNS: tuple[Column, ...] = (
         pa.int64(),
         "FLOPs of one generated token after this prefill (each layer attends over its pruned KV cache + itself)",
     ),
-    _run("kv_bytes", pa.int64(), "KV-cache bytes after the prefill: sum over layers of 2 x length x KV heads x head dim x dtype bytes"),
+    _run(
+        "kv_bytes",
+        pa.int64(),
+        "KV-cache bytes after the prefill: sum over layers of 2 x length x KV heads x head dim x dtype bytes",
+    ),
     _run(
         "flop_equivalent_tokens",
         pa.float64(),
@@ -128,21 +132,31 @@ COST_COLUMNS: tuple[Column, ...] = (
 """The cost block of the run columns (issue 26); written by ``runner.build.cost_values``."""
 
 TIMING_COLUMNS = (
-    "latency_ms", "latency_vision_ms", "latency_selection_ms", "latency_prefill_ms", "latency_decode_ms",
+    "latency_ms",
+    "latency_vision_ms",
+    "latency_selection_ms",
+    "latency_prefill_ms",
+    "latency_decode_ms",
 )
 """Measured wall times: the run columns that differ between two runs of the same command."""
 
 HEAD_COLUMNS: tuple[Column, ...] = (
     _run("question_id", pa.int64(), "id from the question file"),
-    _run("split", pa.string(), "POPE: random / popular / adversarial (or the file's category); other tasks: see "
-                               "docs/tasks.md"),
+    _run(
+        "split",
+        pa.string(),
+        "POPE: random / popular / adversarial (or the file's category); other tasks: see docs/tasks.md",
+    ),
     _run("task", pa.string(), "the run's task (`run --task`, docs/tasks.md): pope, ..."),
     _run("image", pa.string(), "image file name as in the question file"),
     _run("image_id", pa.int64(), "image id (COCO's for POPE): the exchangeable unit for bootstrap and CRC"),
     _run("answer_text", pa.string(), "the model's answer as text (POPE: yes / no)"),
     _run("references", pa.list_(pa.string()), "the reference answers it is scored against (POPE: [label])"),
-    _run("confidence", pa.float64(), "the task's confidence in its answer (docs/tasks.md; POPE: "
-                                     "max(p_yes_2way, 1 - p_yes_2way))"),
+    _run(
+        "confidence",
+        pa.float64(),
+        "the task's confidence in its answer (docs/tasks.md; POPE: max(p_yes_2way, 1 - p_yes_2way))",
+    ),
     _run("correct", pa.bool_(), "the task's correctness rule (docs/tasks.md; POPE: answer == label)"),
 )
 """The core columns before the tasks' own (``run_columns``)."""
@@ -174,7 +188,9 @@ TAIL_COLUMNS: tuple[Column, ...] = (
         "for each stage, the decoder layer whose input its kept set is ([0] for input-level selectors and unpruned)",
     ),
     _run("visual_tokens_avg", pa.float64(), "realised average number of visual tokens over decoder layers"),
-    _run("prefill_tokens", pa.int64(), "tokens in the prefill sequence entering the first decoder layer (text + visual)"),
+    _run(
+        "prefill_tokens", pa.int64(), "tokens in the prefill sequence entering the first decoder layer (text + visual)"
+    ),
     _run(
         "cost_tokens",
         pa.float64(),
@@ -186,7 +202,7 @@ TAIL_COLUMNS: tuple[Column, ...] = (
         pa.float64(),
         "area retention of the question's evidence region (docs/tasks.md; POPE: the queried object's mask) by the "
         "FIRST stage's kept set, the earliest point at which tokens leave the model (NaN without evidence: POPE's "
-        "\"no\" questions, unknown masks); = retention_stages[0]. A stage's kept set here and in "
+        '"no" questions, unknown masks); = retention_stages[0]. A stage\'s kept set here and in '
         "the columns below is its kept grid indices plus every grid index its merged tokens carry "
         "(merged_stages)",
     ),
@@ -202,7 +218,9 @@ TAIL_COLUMNS: tuple[Column, ...] = (
         "number of the first stage's kept tokens holding object pixels (-1 when no mask); "
         "= object_tokens_kept_stages[0]",
     ),
-    _run("object_tokens_kept_stages", INT_LIST, "object_tokens_kept of each stage's kept set (-1 entries without a mask)"),
+    _run(
+        "object_tokens_kept_stages", INT_LIST, "object_tokens_kept of each stage's kept set (-1 entries without a mask)"
+    ),
     _run(
         "lost",
         pa.bool_(),
@@ -225,20 +243,35 @@ TAIL_COLUMNS: tuple[Column, ...] = (
         nullable=True,
     ),
     _run("diluted_stages", pa.list_(pa.bool_()), "diluted at each stage (null entries without a mask)"),
-    _run("object_area", pa.int64(), "pixels of the evidence region in the image (0 without evidence: POPE's \"no\" "
-                                    "questions)"),
-    _run("evidence_objects", pa.list_(pa.string()), "the objects of the evidence region, each on its own (POPE: the "
-                                                    "queried object of a yes question; empty without annotations)"),
+    _run(
+        "object_area",
+        pa.int64(),
+        'pixels of the evidence region in the image (0 without evidence: POPE\'s "no" questions)',
+    ),
+    _run(
+        "evidence_objects",
+        pa.list_(pa.string()),
+        "the objects of the evidence region, each on its own (POPE: the "
+        "queried object of a yes question; empty without annotations)",
+    ),
     _run(
         "evidence_objects_lost",
         pa.list_(pa.bool_()),
         "for each of evidence_objects, lost at the FIRST stage: pixels, none in the kept cells or the cells "
         "merged tokens carry (null entries for an object without pixels)",
     ),
-    _run("latency_ms", pa.float64(), "wall time of the question: the sum of its latency parts (vision, selection, "
-                                     "prefill; tasks that generate: and decoding), each batch time / batch size"),
+    _run(
+        "latency_ms",
+        pa.float64(),
+        "wall time of the question: the sum of its latency parts (vision, selection, "
+        "prefill; tasks that generate: and decoding), each batch time / batch size",
+    ),
     *COST_COLUMNS,
-    _run("geometry", pa.string(), "JSON of the image's `TokenGeometry` (several grids: `data.multigrid`; lets `visualize --run` redraw without the model)"),
+    _run(
+        "geometry",
+        pa.string(),
+        "JSON of the image's `TokenGeometry` (several grids: `data.multigrid`; lets `visualize --run` redraw without the model)",
+    ),
     _run("order", pa.int64(), "position of the question in the run's question list (sorts the rows)"),
 )
 """The core columns after the tasks' own (``run_columns``)."""
@@ -282,8 +315,10 @@ def _check_declared_once(columns: tuple[Column, ...]) -> None:
     for column in columns:
         if column.name in seen:
             first = ", ".join(seen[column.name].tasks) or "the core columns"
-            raise PruneAuditError(f"record column {column.name!r} is declared by {first} and again by task "
-                                  f"{', '.join(column.tasks)}; rename the task's column (Task.record_columns)")
+            raise PruneAuditError(
+                f"record column {column.name!r} is declared by {first} and again by task "
+                f"{', '.join(column.tasks)}; rename the task's column (Task.record_columns)"
+            )
         seen[column.name] = column
 
 
@@ -308,7 +343,9 @@ def task_columns(task: str) -> tuple[Column, ...]:
 
 
 _COMPUTED = {
-    "RUN_COLUMNS": run_columns, "RUN_SCHEMA": run_schema, "INTERVENE_SCHEMA": intervene_schema,
+    "RUN_COLUMNS": run_columns,
+    "RUN_SCHEMA": run_schema,
+    "INTERVENE_SCHEMA": intervene_schema,
     "NON_NULL_COLUMNS": non_null_columns,
 }
 """The schema's former constants, served on access (PEP 562) from the registry as it stands then."""

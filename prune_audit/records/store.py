@@ -73,8 +73,10 @@ class RecordStore:
         for row in rows:
             problem = record_problem(row)
             if problem is not None:
-                raise PruneAuditError(f"record of question {row['split']}/{row['question_id']} is inconsistent "
-                                      f"({problem}); it was not written: please report this with the command line")
+                raise PruneAuditError(
+                    f"record of question {row['split']}/{row['question_id']} is inconsistent "
+                    f"({problem}); it was not written: please report this with the command line"
+                )
         self.parts_dir.mkdir(parents=True, exist_ok=True)
         table = stamped(pa.Table.from_pylist(list(rows), schema=run_schema()), self.run_id)
         path = self.parts_dir / f"part-{self.writer}-{uuid.uuid4().hex}.parquet"

@@ -55,9 +55,15 @@ def answer_grouped(
         groups.setdefault(key, []).append(row)
     by_row: dict[int, Answer] = {}
     for (row_budget, mode), rows in groups.items():
-        group = vlm.answer([prepared[i] for i in rows], selector, row_budget, mode=mode,
-                           generator=_pick(generators, rows), forced_kept=_pick(forced_kept, rows),
-                           forced_stages=_pick(forced_stages, rows))
+        group = vlm.answer(
+            [prepared[i] for i in rows],
+            selector,
+            row_budget,
+            mode=mode,
+            generator=_pick(generators, rows),
+            forced_kept=_pick(forced_kept, rows),
+            forced_stages=_pick(forced_stages, rows),
+        )
         by_row.update(zip(rows, group))
     return [by_row[index] for index in range(len(prepared))]
 

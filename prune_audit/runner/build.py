@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from prune_audit.models import Answer, Prepared
     from prune_audit.tasks import Evidence, Task, TaskQuestion
 
+
 @dataclass(frozen=True)
 class AnsweredQuestion:
     """One question with the model's answer and everything its record needs."""
@@ -90,12 +91,12 @@ def recorded_stages(answer: StagedAnswer, num_visual: int) -> tuple[list[list[in
 
 def covered_stages(kept_stages: list[list[int]], merged_stages: list[list[list[int]]]) -> list[list[int]]:
     """Each stage's grid indices seen by a kept token or carried by a merged one (retention reads these)."""
-    return [
-        sorted(set(kept).union(*merged)) if merged else kept for kept, merged in zip(kept_stages, merged_stages)
-    ]
+    return [sorted(set(kept).union(*merged)) if merged else kept for kept, merged in zip(kept_stages, merged_stages)]
 
 
-def build_records(task: Task, answered: Sequence[AnsweredQuestion], evidence: Sequence[QuestionEvidence]) -> list[Record]:
+def build_records(
+    task: Task, answered: Sequence[AnsweredQuestion], evidence: Sequence[QuestionEvidence]
+) -> list[Record]:
     """One record per answered question, scored by ``task``; ``evidence[i]`` is question i's.
 
     Retention of the evidence region is computed at every stage; ``retention``, ``object_tokens_kept``,
@@ -164,8 +165,10 @@ def _record(
     has_mask = area is not None and area.has_mask
     scored = task.score(question, answer.reduced)
     if set(scored.columns) != _own_columns(task.name):  # pyarrow would drop an unknown key without a word
-        raise ValueError(f"task {task.name!r} scored columns {sorted(scored.columns)}, but it declares "
-                         f"{sorted(_own_columns(task.name))} (Task.record_columns)")
+        raise ValueError(
+            f"task {task.name!r} scored columns {sorted(scored.columns)}, but it declares "
+            f"{sorted(_own_columns(task.name))} (Task.record_columns)"
+        )
     return {
         "question_id": question.question_id,
         "split": question.split,
@@ -222,4 +225,3 @@ def cost_values(answer: Answer) -> Record:
         "latency_prefill_ms": parts["prefill"],
         "latency_decode_ms": parts.get("decode"),
     }
-

@@ -50,8 +50,9 @@ def used_images(embedded: Mapping[str, bytes], image_paths: Mapping[str, Path]) 
     return {name: embedded[name] for name in image_paths}
 
 
-def write_embedded_images(embedded: Mapping[str, bytes], image_paths: Mapping[str, Path], run_dir: Path,
-                          written: list[Path]) -> None:
+def write_embedded_images(
+    embedded: Mapping[str, bytes], image_paths: Mapping[str, Path], run_dir: Path, written: list[Path]
+) -> None:
     """Write each used embedded image to its path in the run directory, unless it already holds these bytes
     (a resumed run); each path is checked again right before (``check_owned_paths``: never through a link), and
     appended to ``written`` once written."""

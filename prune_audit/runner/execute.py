@@ -137,8 +137,9 @@ def answer_batches(
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         declared = plan.vlm.task_instructions
-        prepared = [prepare_question(plan.vlm, plan.image_paths[q.image], plan.task.prompt_text(q, declared))
-                    for q in batch]
+        prepared = [
+            prepare_question(plan.vlm, plan.image_paths[q.image], plan.task.prompt_text(q, declared)) for q in batch
+        ]
         generators = [question_generator(plan.request.seed, q) for q in batch]
         answers = answer_batch(plan, batch, prepared, generators)
         answered = [

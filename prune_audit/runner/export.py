@@ -45,8 +45,9 @@ def export_run(run_dir: Path, out: Path) -> int:
     manifest, records = _read_whole_run(run_dir)  # the input first: a mistyped run is named as such
     check_output_dir(out.parent, "export", shared=True)  # as every writer: never into another command's folder
     if out.exists() and not (out.is_file() and is_kept_set_file(out)):
-        raise PruneAuditError(f"--out {out} exists and is not a kept-set file; export never replaces other files: "
-                              f"pass a new file name")
+        raise PruneAuditError(
+            f"--out {out} exists and is not a kept-set file; export never replaces other files: pass a new file name"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     write_kept_sets(header_of(manifest), [question_line(record) for record in records.to_pylist()], out)
     return records.num_rows
@@ -73,8 +74,9 @@ def export_answers(run_dir: Path, out: Path) -> int:
     check_output_dir(out.parent, "export", shared=True)  # as every writer: never into another command's folder
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = records.select(["question_id", "answer_text"]).to_pylist()
-    write_text_atomic("".join(json.dumps({"question_id": row["question_id"], "text": row["answer_text"]}) + "\n"
-                              for row in rows), out)
+    write_text_atomic(
+        "".join(json.dumps({"question_id": row["question_id"], "text": row["answer_text"]}) + "\n" for row in rows), out
+    )
     return len(rows)
 
 

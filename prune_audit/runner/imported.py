@@ -55,9 +55,15 @@ class ImportedAnswers:
         return [_answer_from_line(vlm, line, item, mode) for line, item, mode in zip(lines, prepared, modes)]
 
 
-def plan_import(request: RunRequest, vlm: VisionLanguageModel, task: Task, questions: Sequence[TaskQuestion],
-                image_paths: dict[str, Path], manifest: dict[str, Any],
-                embedded: dict[str, bytes] | None) -> ImportedAnswers | None:
+def plan_import(
+    request: RunRequest,
+    vlm: VisionLanguageModel,
+    task: Task,
+    questions: Sequence[TaskQuestion],
+    image_paths: dict[str, Path],
+    manifest: dict[str, Any],
+    embedded: dict[str, bytes] | None,
+) -> ImportedAnswers | None:
     """``import``: the kept sets checked on each image's prompt, the import recorded in the manifest (None for a
     run that imports nothing)."""
     if request.kept_sets is None:
@@ -65,8 +71,10 @@ def plan_import(request: RunRequest, vlm: VisionLanguageModel, task: Task, quest
     from prune_audit.safety.fingerprint import file_sha256
 
     first_question = {question.image: question for question in reversed(questions)}
-    prepared = {image: prepare_task_question(vlm, task, question, image_paths, embedded)
-                for image, question in first_question.items()}
+    prepared = {
+        image: prepare_task_question(vlm, task, question, image_paths, embedded)
+        for image, question in first_question.items()
+    }
     check_kept_sets(request.kept_sets, vlm, prepared, request.reanswer)
     if not request.reanswer:
         check_answers(request.kept_sets, task, questions)
@@ -84,17 +92,22 @@ def restrict_questions(kept_sets: KeptSets, questions: Sequence[TaskQuestion]) -
     for line in kept_sets.questions:
         question = planned.get((line.split, line.question_id))
         if question is None:
-            raise PruneAuditError(f"{line.line}: question {line.split}/{line.question_id} is not in the question "
-                                  f"files; pass the files it was asked from (--pope / --questions)")
+            raise PruneAuditError(
+                f"{line.line}: question {line.split}/{line.question_id} is not in the question "
+                f"files; pass the files it was asked from (--pope / --questions)"
+            )
         if question.image != line.image:
-            raise PruneAuditError(f"{line.line}: image {line.image!r}, but the question files ask question "
-                                  f"{line.split}/{line.question_id} about {question.image!r}")
+            raise PruneAuditError(
+                f"{line.line}: image {line.image!r}, but the question files ask question "
+                f"{line.split}/{line.question_id} about {question.image!r}"
+            )
     keys = {(line.split, line.question_id) for line in kept_sets.questions}
     return [q for q in questions if (q.split, q.question_id) in keys]
 
 
-def check_kept_sets(kept_sets: KeptSets, vlm: VisionLanguageModel, prepared: dict[str, Prepared],
-                    reanswer: bool) -> None:
+def check_kept_sets(
+    kept_sets: KeptSets, vlm: VisionLanguageModel, prepared: dict[str, Prepared], reanswer: bool
+) -> None:
     """Every stage's indices lie on its image's token grid (``prepared``: each image's prompt), its layer in the
     model and its token count within the image's; the kept sets realise the header's budget; re-answering also
     needs kept sets the model can be forced to (no merged tokens)."""
@@ -104,20 +117,26 @@ def check_kept_sets(kept_sets: KeptSets, vlm: VisionLanguageModel, prepared: dic
             at = f"{line.line}: stage {number}"
             largest = max([*stage.kept, *(i for sources in stage.merged for i in sources)], default=-1)
             if largest >= rows * cols:
-                raise PruneAuditError(f"{at}: grid index {largest} is outside the {rows}x{cols} token grid of "
-                                      f"{line.image} under {vlm.model_id}; check --geometry / --model")
+                raise PruneAuditError(
+                    f"{at}: grid index {largest} is outside the {rows}x{cols} token grid of "
+                    f"{line.image} under {vlm.model_id}; check --geometry / --model"
+                )
             if stage.layer >= vlm.num_layers:
-                raise PruneAuditError(f"{at}: layer {stage.layer} is outside the model's {vlm.num_layers} decoder "
-                                      f"layers")
+                raise PruneAuditError(
+                    f"{at}: layer {stage.layer} is outside the model's {vlm.num_layers} decoder layers"
+                )
             problem = visual_tokens_problem(stage.fed, prepared[line.image].num_visual)
             if problem is not None:
-                raise PruneAuditError(f"{at}: \"tokens\" claims {problem} under {vlm.model_id}")
+                raise PruneAuditError(f'{at}: "tokens" claims {problem} under {vlm.model_id}')
             if reanswer and stage.merged:
-                raise PruneAuditError(f"{at}: merged tokens cannot be forced on the model; import without --model "
-                                      f"to audit them with the file's answers")
+                raise PruneAuditError(
+                    f"{at}: merged tokens cannot be forced on the model; import without --model "
+                    f"to audit them with the file's answers"
+                )
         if reanswer and len(line.stages) > 1 and line.stages[0].layer == 0:
-            raise PruneAuditError(f"{line.line}: a stage at layer 0 followed by in-LLM stages cannot be forced; "
-                                  f"import without --model")
+            raise PruneAuditError(
+                f"{line.line}: a stage at layer 0 followed by in-LLM stages cannot be forced; import without --model"
+            )
     _check_budget(kept_sets, vlm.num_layers, {image: item.num_visual for image, item in prepared.items()})
 
 
@@ -134,8 +153,10 @@ def _check_budget(kept_sets: KeptSets, num_layers: int, num_visual: dict[str, in
     for line in kept_sets.questions:
         tokens = num_visual[line.image]
         if share is None and budget > tokens:
-            raise PruneAuditError(f"{kept_sets.path} line 1 (header): \"budget\" {budget} is more than the "
-                                  f"{tokens} visual tokens of {line.image}; give the budget the pruner ran at")
+            raise PruneAuditError(
+                f'{kept_sets.path} line 1 (header): "budget" {budget} is more than the '
+                f"{tokens} visual tokens of {line.image}; give the budget the pruner ran at"
+            )
         expected.append(tokens_for_share(share, tokens) if share is not None else budget)
         per_layer = tokens_per_layer(line, tokens, num_layers)
         realised.append(sum(per_layer) / len(per_layer))
@@ -168,19 +189,29 @@ def imported_selector(kept_sets: KeptSets, file_sha256: str, reanswer: bool) -> 
     if selector["name"] != "none" and selector.get("stage") is None:
         selector["stage"] = "llm" if in_llm else "input"
     if selector["name"] != "none" and selector["stage"] != ("llm" if in_llm else "input"):
-        raise PruneAuditError(f"{kept_sets.path} line 1 (header): selector stage {selector['stage']!r}, but the "
-                              f"kept sets are taken {'inside the decoder' if in_llm else 'at its input (layer 0)'}; "
-                              f"give the stage the pruner works at, or leave it out")
+        raise PruneAuditError(
+            f"{kept_sets.path} line 1 (header): selector stage {selector['stage']!r}, but the "
+            f"kept sets are taken {'inside the decoder' if in_llm else 'at its input (layer 0)'}; "
+            f"give the stage the pruner works at, or leave it out"
+        )
     selector.setdefault("stage", None)
     selector.setdefault("options", {})
-    selector["imported"] = {"file": kept_sets.path.name, "sha256": file_sha256, "format_version": kept_sets.header["version"],
-                            "answers": "model" if reanswer else "file"}
+    selector["imported"] = {
+        "file": kept_sets.path.name,
+        "sha256": file_sha256,
+        "format_version": kept_sets.header["version"],
+        "answers": "model" if reanswer else "file",
+    }
     if selector["name"] == "none" and (selector.get("stage") is not None or in_llm):
-        raise PruneAuditError(f"{kept_sets.path} line 1 (header): the unpruned selector \"none\" has no stage and "
-                              f"keeps every token; name the pruner that made the kept sets")
+        raise PruneAuditError(
+            f'{kept_sets.path} line 1 (header): the unpruned selector "none" has no stage and '
+            f"keeps every token; name the pruner that made the kept sets"
+        )
     if (selector["name"] == "none") != (kept_sets.header.get("budget") is None):
-        raise PruneAuditError(f"{kept_sets.path} line 1 (header): \"budget\" must be null exactly for the unpruned "
-                              f"selector \"none\"; give the pruner's budget in visual tokens")
+        raise PruneAuditError(
+            f'{kept_sets.path} line 1 (header): "budget" must be null exactly for the unpruned '
+            f'selector "none"; give the pruner\'s budget in visual tokens'
+        )
     return selector
 
 
@@ -191,15 +222,18 @@ def check_imported_manifest(kept_sets: KeptSets, manifest: dict[str, Any]) -> No
     problem = manifest_problem(manifest)
     if problem is not None:
         name, what = problem
-        raise PruneAuditError(f"{kept_sets.path} line 1 (header): the run it makes would be refused by every reader "
-                              f"(manifest field {name!r} {what}); correct the header (docs/interchange.md)")
+        raise PruneAuditError(
+            f"{kept_sets.path} line 1 (header): the run it makes would be refused by every reader "
+            f"(manifest field {name!r} {what}); correct the header (docs/interchange.md)"
+        )
 
 
 # ----- answers ------------------------------------------------------------------------
 
 
-def _reanswer(vlm: VisionLanguageModel, lines: Sequence[KeptQuestion], prepared: Sequence[Prepared],
-              modes: Sequence[AnswerMode]) -> list[Answer]:
+def _reanswer(
+    vlm: VisionLanguageModel, lines: Sequence[KeptQuestion], prepared: Sequence[Prepared], modes: Sequence[AnswerMode]
+) -> list[Answer]:
     """The model's answers with each line's kept sets forced: rows grouped by how they are forced."""
     kinds = ["none" if not line.stages else "input" if line.stages[0].layer == 0 else "llm" for line in lines]
     by_row: dict[int, Answer] = {}
@@ -208,10 +242,18 @@ def _reanswer(vlm: VisionLanguageModel, lines: Sequence[KeptQuestion], prepared:
         if not rows:
             continue
         forced_kept = [lines[row].stages[0].kept for row in rows] if kind == "input" else None
-        forced_stages = ([[(stage.layer, stage.kept) for stage in lines[row].stages] for row in rows]
-                         if kind == "llm" else None)
-        answers = answer_grouped(vlm, None, None, [prepared[row] for row in rows], [modes[row] for row in rows],
-                                 forced_kept=forced_kept, forced_stages=forced_stages)
+        forced_stages = (
+            [[(stage.layer, stage.kept) for stage in lines[row].stages] for row in rows] if kind == "llm" else None
+        )
+        answers = answer_grouped(
+            vlm,
+            None,
+            None,
+            [prepared[row] for row in rows],
+            [modes[row] for row in rows],
+            forced_kept=forced_kept,
+            forced_stages=forced_stages,
+        )
         by_row.update(zip(rows, answers))
     return [by_row[row] for row in range(len(lines))]
 
@@ -238,8 +280,11 @@ def _answer_from_line(vlm: VisionLanguageModel, line: KeptQuestion, item: Prepar
         latency_parts=parts,
     )
     if line.cost is not None:
-        numbers = {name: value if name == "flop_equivalent_tokens" else int(value)
-                   for name, value in line.cost.items() if name in COST_FIELDS}
+        numbers = {
+            name: value if name == "flop_equivalent_tokens" else int(value)
+            for name, value in line.cost.items()
+            if name in COST_FIELDS
+        }
         sources = line.cost.get(SIGNAL_SOURCES_FIELD)  # absent or null: not known
         answer.cost = PrefillCost(**numbers, signal_sources=None if sources is None else tuple(sources))
     else:
@@ -261,8 +306,10 @@ def _reduction(line: KeptQuestion, mode: AnswerMode) -> Reduction:
     if isinstance(mode, OptionLetters):
         probs = answer.get("letter_probs")
         if probs is None or len(probs) != len(mode.letters):
-            raise PruneAuditError(f"{line.line}: a multiple-choice answer needs \"letter_probs\", one per offered "
-                                  f"letter ({len(mode.letters)})")
+            raise PruneAuditError(
+                f'{line.line}: a multiple-choice answer needs "letter_probs", one per offered '
+                f"letter ({len(mode.letters)})"
+            )
         return _agreeing(line, LetterChoice.from_probabilities(tuple(probs), mode.letters))
     if isinstance(mode, Greedy):
         token_probs, stopped = answer.get("token_probs"), answer.get("stopped")
@@ -271,15 +318,18 @@ def _reduction(line: KeptQuestion, mode: AnswerMode) -> Reduction:
             return _within(line, mode, Generation.from_token_probs(answer["text"].strip(), tuple(token_probs), stopped))
         if all(value is not None for value in summary):
             return _within(line, mode, Generation.from_summary(answer["text"].strip(), *summary))
-        raise PruneAuditError(f"{line.line}: a generated answer needs \"stopped\" (true when it ended with "
-                              f"end-of-sequence) and \"token_probs\" (each generated token's probability) or "
-                              f"\"sequence_probability\", \"mean_token_probability\" and \"answer_tokens\"")
+        raise PruneAuditError(
+            f'{line.line}: a generated answer needs "stopped" (true when it ended with '
+            f'end-of-sequence) and "token_probs" (each generated token\'s probability) or '
+            f'"sequence_probability", "mean_token_probability" and "answer_tokens"'
+        )
     if "p_yes" in answer and "p_no" in answer:
         return _agreeing(line, YesNo.from_probabilities(answer["p_yes"], answer["p_no"]))
     text, probability = answer["text"].strip().lower(), answer.get("probability")
     if text not in ("yes", "no") or probability is None:
-        raise PruneAuditError(f"{line.line}: a yes/no answer needs \"p_yes\" and \"p_no\", or \"text\" yes/no with "
-                              f"its \"probability\"")
+        raise PruneAuditError(
+            f'{line.line}: a yes/no answer needs "p_yes" and "p_no", or "text" yes/no with its "probability"'
+        )
     p_yes = probability if text == "yes" else 1 - probability
     return _agreeing(line, YesNo.from_probabilities(p_yes, 1 - p_yes))  # only the two-way probability is known
 
@@ -287,19 +337,31 @@ def _reduction(line: KeptQuestion, mode: AnswerMode) -> Reduction:
 def _within(line: KeptQuestion, mode: Greedy, generation: Generation) -> Generation:
     """``generation``, of at most the task's ``max_new_tokens`` tokens (what a run could generate)."""
     if generation.answer_tokens > mode.max_new_tokens:
-        raise PruneAuditError(f"{line.line}: answer of {generation.answer_tokens} tokens, but the task generates at "
-                              f"most {mode.max_new_tokens} (header \"max_new_tokens\"); give the header the limit "
-                              f"the answers were generated under")
+        raise PruneAuditError(
+            f"{line.line}: answer of {generation.answer_tokens} tokens, but the task generates at "
+            f'most {mode.max_new_tokens} (header "max_new_tokens"); give the header the limit '
+            f"the answers were generated under"
+        )
     return generation
 
 
 def _agreeing(line: KeptQuestion, reduced: YesNo | LetterChoice) -> YesNo | LetterChoice:
     """``reduced``, whose answer (the most probable) is the line's answer text, as in a run's records."""
     if line.answer["text"].strip().lower() != reduced.answer.lower():
-        raise PruneAuditError(f"{line.line}: answer text {line.answer['text']!r}, but its probabilities answer "
-                              f"{reduced.answer!r}; give the text and the probabilities the model gave")
+        raise PruneAuditError(
+            f"{line.line}: answer text {line.answer['text']!r}, but its probabilities answer "
+            f"{reduced.answer!r}; give the text and the probabilities the model gave"
+        )
     return reduced
 
 
-__all__ = ["ImportedAnswers", "check_answers", "check_imported_manifest", "check_kept_sets", "imported_selector",
-           "plan_import", "restrict_questions", "tokens_per_layer"]
+__all__ = [
+    "ImportedAnswers",
+    "check_answers",
+    "check_imported_manifest",
+    "check_kept_sets",
+    "imported_selector",
+    "plan_import",
+    "restrict_questions",
+    "tokens_per_layer",
+]

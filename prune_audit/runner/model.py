@@ -26,8 +26,10 @@ def resolve_demo_defaults(request: RunRequest) -> None:
         return
     geometry_only = request.kept_sets is not None and not request.reanswer  # import's --geometry is never run
     if request.model is not None and not named_demo and not geometry_only and not is_demo_trained(request.model):
-        raise PruneAuditError("--model needs questions: pass --pope FILE... (another --task: --questions FILE...) with "
-                              "--images DIR (and --annotations FILE for retention)")
+        raise PruneAuditError(
+            "--model needs questions: pass --pope FILE... (another --task: --questions FILE...) with "
+            "--images DIR (and --annotations FILE for retention)"
+        )
     demo = demo_assets(name=request.model if named_demo else default_demo([request.task]))
     request.model = request.model if request.model is not None and not named_demo else str(demo.model_dir)
     if not request.question_files:
@@ -85,8 +87,9 @@ def load_model(request: RunRequest) -> VisionLanguageModel:
     )
 
 
-def check_model_accepts(vlm: VisionLanguageModel, selector: Selector | None, task: Task,
-                        questions: Sequence[TaskQuestion]) -> None:
+def check_model_accepts(
+    vlm: VisionLanguageModel, selector: Selector | None, task: Task, questions: Sequence[TaskQuestion]
+) -> None:
     """The model runs the selector, answers in each of the task's answer modes and takes every question's text."""
     if selector is not None:
         vlm.check_selector(selector)

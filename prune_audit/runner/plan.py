@@ -111,8 +111,23 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     check_resumable(run_dir, manifest)
     check_recorded(run_dir, manifest, questions)
     shard = request.shard or launched
-    return RunPlan(request, task, questions, image_paths, image_ids, selector, budget, vlm, evidence, run_dir,
-                   manifest, shard, launched is not None, imported, embedded)
+    return RunPlan(
+        request,
+        task,
+        questions,
+        image_paths,
+        image_ids,
+        selector,
+        budget,
+        vlm,
+        evidence,
+        run_dir,
+        manifest,
+        shard,
+        launched is not None,
+        imported,
+        embedded,
+    )
 
 
 def _manifest(

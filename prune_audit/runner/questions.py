@@ -40,8 +40,9 @@ def load_questions(task: Task, request: RunRequest) -> tuple[list[TaskQuestion],
     return questions, embedded
 
 
-def check_images(request: RunRequest, questions: Sequence[TaskQuestion], embedded: dict[str, bytes] | None,
-                 run_dir: Path) -> tuple[dict[str, Path], dict[str, tuple[int, int]]]:
+def check_images(
+    request: RunRequest, questions: Sequence[TaskQuestion], embedded: dict[str, bytes] | None, run_dir: Path
+) -> tuple[dict[str, Path], dict[str, tuple[int, int]]]:
     """Every image exists and decodes: its path and (width, height) by name, from ``--images`` or, for Parquet
     question files, from their embedded bytes (then written to ``run_dir``'s image folder, which becomes
     ``request.images``)."""
@@ -72,9 +73,13 @@ def _check_image_folder(
     return paths, sizes
 
 
-def load_evidence(task: Task, annotations: Path | None, questions: Sequence[TaskQuestion],
-                  image_paths: dict[str, Path], image_sizes: dict[str, tuple[int, int]],
-                  ) -> tuple[Evidence | None, dict[str, int]]:
+def load_evidence(
+    task: Task,
+    annotations: Path | None,
+    questions: Sequence[TaskQuestion],
+    image_paths: dict[str, Path],
+    image_sizes: dict[str, tuple[int, int]],
+) -> tuple[Evidence | None, dict[str, int]]:
     """The task's evidence from ``--annotations`` (None without), checked against each image's size, and each
     image's id (from the evidence, else the task)."""
     evidence = task.load_evidence(Path(annotations), questions) if annotations is not None else None
@@ -105,16 +110,32 @@ def prepare_question(vlm: VisionLanguageModel, image_path: Path, text: str, data
     return vlm.prepare(open_rgb(image_path) if data is None else decode_rgb(data, str(image_path)), text)
 
 
-def prepare_task_question(vlm: VisionLanguageModel, task: Task, question: TaskQuestion, image_paths: dict[str, Path],
-                          embedded: dict[str, bytes] | None) -> Prepared:
+def prepare_task_question(
+    vlm: VisionLanguageModel,
+    task: Task,
+    question: TaskQuestion,
+    image_paths: dict[str, Path],
+    embedded: dict[str, bytes] | None,
+) -> Prepared:
     """One question prepared as ``task`` asks it, its image read from the folder or from the question files'
     embedded bytes (the first question's token grid and geometry describe the run in the manifest)."""
-    return prepare_question(vlm, image_paths[question.image], task.prompt_text(question, vlm.task_instructions),
-                            (embedded or {}).get(question.image))
+    return prepare_question(
+        vlm,
+        image_paths[question.image],
+        task.prompt_text(question, vlm.task_instructions),
+        (embedded or {}).get(question.image),
+    )
 
 
-def check_prompts_fit(vlm: VisionLanguageModel, task: Task, questions: Sequence[TaskQuestion],
-                      image_paths: dict[str, Path], embedded: dict[str, bytes] | None, *, chosen_limit: bool) -> None:
+def check_prompts_fit(
+    vlm: VisionLanguageModel,
+    task: Task,
+    questions: Sequence[TaskQuestion],
+    image_paths: dict[str, Path],
+    embedded: dict[str, bytes] | None,
+    *,
+    chosen_limit: bool,
+) -> None:
     """Every question's prompt, with ``--max-new-tokens`` where given (``chosen_limit``), fits the model's positions
     (``models.context``), checked before anything is written: each image is prepared once, with its question of
     most tokens (its other questions' prompts are no longer, to a token at the template's seams; ``answer``
@@ -123,8 +144,9 @@ def check_prompts_fit(vlm: VisionLanguageModel, task: Task, questions: Sequence[
 
     longest: dict[str, tuple[int, TaskQuestion]] = {}
     for question in questions:
-        need = (len(vlm.tokenizer.encode(task.prompt_text(question, vlm.task_instructions), add_special_tokens=False))
-                + added_positions(vlm, task.answer_mode(question), chosen_limit=chosen_limit))
+        need = len(
+            vlm.tokenizer.encode(task.prompt_text(question, vlm.task_instructions), add_special_tokens=False)
+        ) + added_positions(vlm, task.answer_mode(question), chosen_limit=chosen_limit)
         if question.image not in longest or need > longest[question.image][0]:
             longest[question.image] = (need, question)
     for _, question in longest.values():

@@ -32,8 +32,11 @@ def run_dir_of(request: RunRequest, selector: Selector | None) -> Path:
         return Path(request.out)
     model_name = file_safe(Path(str(request.model).rstrip("/")).name) or "model"
     prefix = [model_name] if request.task == DEFAULT_TASK else [model_name, request.task]
-    parts = [*prefix, "dense"] if selector is None else [*prefix, request.selector, str(request.budget),
-                                                         *_changed_options(selector)]
+    parts = (
+        [*prefix, "dense"]
+        if selector is None
+        else [*prefix, request.selector, str(request.budget), *_changed_options(selector)]
+    )
     if request.limit is not None:
         parts.append(f"limit{request.limit}")
     return Path("runs") / "-".join(parts)
@@ -65,7 +68,9 @@ def check_writable(run_dir: Path) -> None:
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise PruneAuditError(f"cannot write the run directory {run_dir} ({existing} is not writable); pass a writable --out")
+        raise PruneAuditError(
+            f"cannot write the run directory {run_dir} ({existing} is not writable); pass a writable --out"
+        )
 
 
 def check_recorded(run_dir: Path, manifest: dict[str, Any], questions: Sequence[TaskQuestion]) -> None:

@@ -19,8 +19,8 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import MANIFEST_FILE, differing_fields, read_manifest
 from prune_audit.records.schema import RECORDS_FILE
 from prune_audit.records.store import PARTS_DIR, holds_records
-from prune_audit.safety.atomic import remove_partial_files
 from prune_audit.runner.embedded import used_images
+from prune_audit.safety.atomic import remove_partial_files
 from prune_audit.safety.fingerprint import (
     HashCache,
     combined_sha256,
@@ -59,15 +59,23 @@ def weights_sha256(model_source: str) -> str | None:
     return combined_sha256(digests)
 
 
-def pin_inputs(manifest: dict[str, Any], model_source: str, images_dir: Path, image_paths: dict[str, Path],
-               embedded: Mapping[str, bytes] | None = None) -> None:
+def pin_inputs(
+    manifest: dict[str, Any],
+    model_source: str,
+    images_dir: Path,
+    image_paths: dict[str, Path],
+    embedded: Mapping[str, bytes] | None = None,
+) -> None:
     """Add the content pins of the model weights and the used images to ``manifest``; ``embedded``: the images of
     Parquet question files by name (``runner.embedded``), pinned by their bytes (not yet written)."""
     weights = weights_sha256(model_source)
     if weights is not None:
         manifest["model"] = {**manifest.get("model", {}), "weights_sha256": weights}
-    pins = (images_fingerprint(image_paths, hash_cache_file()) if embedded is None
-            else embedded_fingerprint(used_images(embedded, image_paths)))
+    pins = (
+        images_fingerprint(image_paths, hash_cache_file())
+        if embedded is None
+        else embedded_fingerprint(used_images(embedded, image_paths))
+    )
     manifest["images"] = {"path": str(images_dir), **pins}
 
 

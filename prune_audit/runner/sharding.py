@@ -60,8 +60,9 @@ def launcher_shard() -> Shard | None:
         return None
     rank = _launcher_number("RANK", "0")
     if rank >= world_size:
-        raise PruneAuditError(f"RANK={rank} is not below WORLD_SIZE={world_size}; launch with torchrun or accelerate, "
-                              "or unset both")
+        raise PruneAuditError(
+            f"RANK={rank} is not below WORLD_SIZE={world_size}; launch with torchrun or accelerate, or unset both"
+        )
     return Shard(rank, world_size)
 
 
@@ -69,8 +70,10 @@ def _launcher_number(name: str, default: str) -> int:
     """A non-negative integer set by torchrun / accelerate; anything else is a one-line error."""
     text = os.environ.get(name, default).strip()
     if not is_digits(text):
-        raise PruneAuditError(f"{name} must be a non-negative integer (torchrun and accelerate set it), got {text!r}; "
-                              f"unset it or launch with torchrun or accelerate")
+        raise PruneAuditError(
+            f"{name} must be a non-negative integer (torchrun and accelerate set it), got {text!r}; "
+            f"unset it or launch with torchrun or accelerate"
+        )
     return int(text)
 
 

@@ -56,4 +56,3 @@ def summarize(records: pa.Table, task: Task) -> dict[str, float | int | str]:
         **cost_summary(records),
     }
     return summary if task.names_evidence else {k: v for k, v in summary.items() if k not in EVIDENCE_KEYS}
-

@@ -145,9 +145,14 @@ def _retention_text(mask: np.ndarray | None, geometry: TokenGeometry, covered: S
 
     area = object_area(mask, geometry)
     retained, tokens, _ = retention(area.area_per_token, area.counted_area, covered)
-    view = "" if area.visible_fraction >= 1 else (
-        f"\nonly {area.visible_fraction:.0%} of the object in view" if area.visible_fraction > 0
-        else "\nthe object is outside the model's view"
+    view = (
+        ""
+        if area.visible_fraction >= 1
+        else (
+            f"\nonly {area.visible_fraction:.0%} of the object in view"
+            if area.visible_fraction > 0
+            else "\nthe object is outside the model's view"
+        )
     )
     return f"retention {retained:.2f} ({tokens} object token{'s' if tokens != 1 else ''}){view}"
 
@@ -162,10 +167,14 @@ def view_warning(mask: np.ndarray | None, geometry: TokenGeometry, object_name: 
     if visible >= 1:
         return ""
     if visible == 0:
-        return (f"the {object_name} lies outside the model's view (cropped away by its preprocessing): its retention "
-                "is 0 whatever a selector keeps; ask about another object with --object NAME")
-    return (f"{1 - visible:.0%} of the {object_name} lies outside the model's view (cropped away by its "
-            f"preprocessing): retention is at most {visible:.2f}")
+        return (
+            f"the {object_name} lies outside the model's view (cropped away by its preprocessing): its retention "
+            "is 0 whatever a selector keeps; ask about another object with --object NAME"
+        )
+    return (
+        f"{1 - visible:.0%} of the {object_name} lies outside the model's view (cropped away by its "
+        f"preprocessing): retention is at most {visible:.2f}"
+    )
 
 
 def stage_labels(
@@ -201,9 +210,11 @@ class LiveSetup:
 
 
 def demo_image_warning(name: str, image: Path) -> str:
-    return (f"{image.name} is not one of the {name} model's scenes: it only knows its synthetic scenes of coloured "
-            "shapes, so its answers and kept tokens on this image say nothing about a real model; pass --model "
-            "MODEL for a real one")
+    return (
+        f"{image.name} is not one of the {name} model's scenes: it only knows its synthetic scenes of coloured "
+        "shapes, so its answers and kept tokens on this image say nothing about a real model; pass --model "
+        "MODEL for a real one"
+    )
 
 
 def live_setup(request: VisualizeRequest) -> LiveSetup:
@@ -226,7 +237,10 @@ def live_setup(request: VisualizeRequest) -> LiveSetup:
         name = "demo" if trained else model_path or "demo"
         assets = demo_assets(name=name)
         model_path, model_name, fallback = (
-            model_path if trained else str(assets.model_dir), None if trained else f"{name} model", CATEGORIES[0])
+            model_path if trained else str(assets.model_dir),
+            None if trained else f"{name} model",
+            CATEGORIES[0],
+        )
         if _names_image(load_annotations(assets.annotations), request.image):
             annotations = annotations or assets.annotations
         else:
@@ -241,8 +255,10 @@ def live_setup(request: VisualizeRequest) -> LiveSetup:
     elif fallback is not None:
         question = question_text(fallback)
     else:
-        raise PruneAuditError("which object to ask about? pass --object NAME, --question TEXT, or --annotations "
-                              "COCO_FILE (asks about the annotated object the model sees most)")
+        raise PruneAuditError(
+            "which object to ask about? pass --object NAME, --question TEXT, or --annotations "
+            "COCO_FILE (asks about the annotated object the model sees most)"
+        )
     return LiveSetup(model_path, model_name or Path(model_path.rstrip("/")).name, question, coco, tuple(warnings))
 
 
@@ -388,8 +404,18 @@ def visualize_live(request: VisualizeRequest) -> DrawnFigure:
         answers.append(PanelAnswer(title, answer.answer, answer.confidence))
         level = None if selector is None else selector.stage
         labels = stage_labels(level, stages, layers, merged, prepared.num_visual)
-        panels.append(Panel(title, prepared.geometry, stages, labels, caption, mask, merged_cells(merged),
-                            stage_notes={0: retention} if retention else {}))
+        panels.append(
+            Panel(
+                title,
+                prepared.geometry,
+                stages,
+                labels,
+                caption,
+                mask,
+                merged_cells(merged),
+                stage_notes={0: retention} if retention else {},
+            )
+        )
     notes = tuple(note.splitlines())
     note = "\n".join(["\n".join(f"Warning: {text}." for text in warnings), note]).strip()
     out = output_path(request.out, FIGURES_DIR / request.image.stem, live_stem(setup.model_name, budget))

@@ -48,10 +48,14 @@ def visualize_record(
         match = pc.and_(match, pc.equal(records["split"], split))
     rows = records.filter(match).to_pylist()
     if not rows:
-        raise PruneAuditError(f"question {question_id} is not in {run_dir}; pass one of its ids, e.g. "
-                              f"{_some_ids(records, split)} (--question-id, and --split)")
+        raise PruneAuditError(
+            f"question {question_id} is not in {run_dir}; pass one of its ids, e.g. "
+            f"{_some_ids(records, split)} (--question-id, and --split)"
+        )
     if len(rows) > 1:
-        raise PruneAuditError(f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split")
+        raise PruneAuditError(
+            f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split"
+        )
     row = rows[0]
     geometry = geometry_from_dict(loads_json(row["geometry"], f"{run_dir}: question {question_id}'s geometry"))
     image = _run_image(manifest, row["image"], run_dir)
@@ -64,11 +68,14 @@ def visualize_record(
     selector, budget = manifest["selector"]["name"], manifest.get("budget")
     chosen = record_stage(stages, stage, str(run_dir), merged)
     retention = row["retention_stages"][chosen]
-    title = f"{selector}, {budget_words(budget, row['stage_layers'])}" if budget is not None else (
-        f"{selector} (unpruned)")
-    notes = {} if retention is None or math.isnan(retention) else {
-        chosen: f"retention {retention:.2f} at stage {stage.name} (layer {row['stage_layers'][chosen]})"
-    }
+    title = (
+        f"{selector}, {budget_words(budget, row['stage_layers'])}" if budget is not None else (f"{selector} (unpruned)")
+    )
+    notes = (
+        {}
+        if retention is None or math.isnan(retention)
+        else {chosen: f"retention {retention:.2f} at stage {stage.name} (layer {row['stage_layers'][chosen]})"}
+    )
     about, truth = _question_words(row)
     caption = f"answer {row['answer_text']} (confidence {row['confidence']:.3f}), {truth}"
     panel = Panel(title, geometry, stages, labels, caption, mask, merged_cells(merged), stage_notes=notes)
@@ -76,14 +83,21 @@ def visualize_record(
     suptitle = f"{Path(manifest['model']['id']).name} | {about} ({row['split']} #{question_id})"
     path = draw_panels(pixels, [panel], out, suptitle=suptitle)
     question = f"{row['split']} #{question_id} about {about} ({truth})"
-    return DrawnFigure(path, question, (PanelAnswer(title, row["answer_text"], row["confidence"]),),
-                       notes=(missing,) if missing else ())
+    return DrawnFigure(
+        path,
+        question,
+        (PanelAnswer(title, row["answer_text"], row["confidence"]),),
+        notes=(missing,) if missing else (),
+    )
 
 
 def _some_ids(records: pa.Table, split: str | None, count: int = 5) -> str:
     """The first ``count`` question ids of ``records`` (of ``split``, when given; "none" when it has none)."""
-    ids = [row["question_id"] for row in records.select(["question_id", "split"]).to_pylist()
-           if split is None or row["split"] == split]
+    ids = [
+        row["question_id"]
+        for row in records.select(["question_id", "split"]).to_pylist()
+        if split is None or row["split"] == split
+    ]
     return ", ".join(str(value) for value in ids[:count]) or f"none in split {split}"
 
 
@@ -136,6 +150,6 @@ def _pinned_input(path: Path, sha256: str | None, run_dir: Path) -> Path:
     from prune_audit.runner.safeguards import hash_cache_file
     from prune_audit.safety.fingerprint import check_pinned_file
 
-    return check_pinned_file(path, sha256, f"{run_dir}'s manifest",
-                             "restore the run's file to redraw the question", hash_cache_file())
-
+    return check_pinned_file(
+        path, sha256, f"{run_dir}'s manifest", "restore the run's file to redraw the question", hash_cache_file()
+    )

@@ -105,8 +105,11 @@ def remove_staging_folders(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    removed = [path for path in sorted(directory.iterdir())
-               if _STAGING_NAME.fullmatch(path.name) and path.is_dir() and not path.is_symlink()]
+    removed = [
+        path
+        for path in sorted(directory.iterdir())
+        if _STAGING_NAME.fullmatch(path.name) and path.is_dir() and not path.is_symlink()
+    ]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed

@@ -24,7 +24,6 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.safety.atomic import write_text_atomic
 from prune_audit.safety.inputs import check_input_file
 
-
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -101,8 +100,9 @@ class HashCache:
             pass
 
 
-def check_pinned_file(path: str | Path, sha256: str | None, source: str, fix: str,
-                      cache_file: str | Path | None = None) -> Path:
+def check_pinned_file(
+    path: str | Path, sha256: str | None, source: str, fix: str, cache_file: str | Path | None = None
+) -> Path:
     """``path``, an input pinned by ``source`` (e.g. a run's manifest), if it still holds the pinned bytes.
 
     Raises:

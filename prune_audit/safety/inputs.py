@@ -28,8 +28,13 @@ DEFAULT_MAX_INPUT_BYTES = 4 * 2**30
 MAX_JSON_DEPTH = 64
 """Deepest JSON nesting read: the formats need under 10 levels; Python's parser fails near 1,000."""
 
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 _INNERMOST = re.compile(rb"\[\]|\{\}")
@@ -46,14 +51,18 @@ def positive_setting(variable: str, unit: str, example: int, default: str) -> in
     except ValueError:
         value = 0
     if value <= 0:
-        raise PruneAuditError(f"{variable} must be a positive whole number of {unit}, got {text!r}; "
-                              f"set it to e.g. {example}, or unset it for {default}")
+        raise PruneAuditError(
+            f"{variable} must be a positive whole number of {unit}, got {text!r}; "
+            f"set it to e.g. {example}, or unset it for {default}"
+        )
     return value
 
 
 def max_input_bytes() -> int:
     """The size limit of one input file: ``PRUNE_AUDIT_MAX_INPUT_BYTES``, else :data:`DEFAULT_MAX_INPUT_BYTES`."""
-    return positive_setting(MAX_BYTES_VARIABLE, "bytes", DEFAULT_MAX_INPUT_BYTES, "the default") or DEFAULT_MAX_INPUT_BYTES
+    return (
+        positive_setting(MAX_BYTES_VARIABLE, "bytes", DEFAULT_MAX_INPUT_BYTES, "the default") or DEFAULT_MAX_INPUT_BYTES
+    )
 
 
 def open_input(path: str | Path, role: str, fix: str, limit_size: bool = True) -> BinaryIO:
@@ -139,8 +148,10 @@ def loads_json(data: str | bytes, where: str) -> Any:
             whose message knows the format.
     """
     if json_depth(data) > MAX_JSON_DEPTH:
-        raise PruneAuditError(f"{where}: JSON nested more than {MAX_JSON_DEPTH} levels deep, which no input format "
-                              f"needs; fix or regenerate the file")
+        raise PruneAuditError(
+            f"{where}: JSON nested more than {MAX_JSON_DEPTH} levels deep, which no input format "
+            f"needs; fix or regenerate the file"
+        )
     return json.loads(data)
 
 

@@ -14,8 +14,10 @@ from prune_audit.errors import PruneAuditError
 
 def link_refusal(path: Path, option: str) -> PruneAuditError:
     """The one-line refusal of the link ``path`` found where a command was about to write."""
-    return PruneAuditError(f"{path} is a symbolic link that prune-audit did not make (to {os.readlink(path)}); "
-                           f"commands never write through one: remove the link, or pass another {option}")
+    return PruneAuditError(
+        f"{path} is a symbolic link that prune-audit did not make (to {os.readlink(path)}); "
+        f"commands never write through one: remove the link, or pass another {option}"
+    )
 
 
 def check_no_links(directory: Path, option: str) -> None:
@@ -30,5 +32,7 @@ def check_not_dangling(directory: Path, option: str) -> None:
     """No link on the way to ``directory`` points nowhere (the first ``mkdir`` would fail as 'File exists')."""
     for path in (directory, *directory.parents):
         if path.is_symlink() and not path.exists():
-            raise PruneAuditError(f"{option} {directory}: {path} is a symbolic link to {os.readlink(path)}, which does "
-                                  f"not exist; create that folder, or pass another {option}")
+            raise PruneAuditError(
+                f"{option} {directory}: {path} is a symbolic link to {os.readlink(path)}, which does "
+                f"not exist; create that folder, or pass another {option}"
+            )

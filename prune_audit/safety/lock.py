@@ -26,8 +26,12 @@ LOCK_FILE = ".prune-audit.lock"
 
 
 def _holder() -> dict[str, Any]:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": " ".join(Path(sys.argv[0]).name.split() + sys.argv[1:3])}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(Path(sys.argv[0]).name.split() + sys.argv[1:3]),
+    }
 
 
 def _describe(info: dict[str, Any]) -> str:
@@ -48,8 +52,14 @@ class DirectoryLock:
         name: the lock file's name inside ``directory``.
     """
 
-    def __init__(self, directory: str | Path, shard: str | None = None, option: str = "--out", wait: bool = False,
-                 name: str = LOCK_FILE) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        shard: str | None = None,
+        option: str = "--out",
+        wait: bool = False,
+        name: str = LOCK_FILE,
+    ) -> None:
         self.directory = Path(directory)
         self.shard = shard
         self.option = option
@@ -98,8 +108,11 @@ class DirectoryLock:
             return
         previous = _read_info(handle)
         if previous:
-            print(f"notice: took over the stale lock of {self.directory} left by {_describe(previous)}, "
-                  f"which is no longer running", file=sys.stderr)
+            print(
+                f"notice: took over the stale lock of {self.directory} left by {_describe(previous)}, "
+                f"which is no longer running",
+                file=sys.stderr,
+            )
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps(_holder()))

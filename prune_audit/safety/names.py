@@ -40,8 +40,9 @@ def check_file_names(names: Iterable[str], where: str) -> None:
     for path, name in files.items():
         folder = next((parent for parent in path.parents if parent in files), None)
         if folder is not None:
-            raise PruneAuditError(f"{where}: {files[folder]!r} names both a file and the folder of {name!r}; "
-                                  f"rename one of them")
+            raise PruneAuditError(
+                f"{where}: {files[folder]!r} names both a file and the folder of {name!r}; rename one of them"
+            )
 
 
 def _check_parts(name: str, path: PurePosixPath, where: str) -> None:
@@ -56,5 +57,7 @@ def _check_parts(name: str, path: PurePosixPath, where: str) -> None:
     except UnicodeEncodeError:
         raise PruneAuditError(f"{where}: file name {name!r} is not valid UTF-8 text; rename it") from None
     if longest > NAME_MAX_BYTES:
-        raise PruneAuditError(f"{where}: file name {name[:40]!r}... has a part of {longest} bytes, over the "
-                              f"{NAME_MAX_BYTES} a file system allows; shorten it")
+        raise PruneAuditError(
+            f"{where}: file name {name[:40]!r}... has a part of {longest} bytes, over the "
+            f"{NAME_MAX_BYTES} a file system allows; shorten it"
+        )

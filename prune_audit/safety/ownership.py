@@ -190,9 +190,11 @@ def _check_not_inside_outputs(directory: Path, command: str, option: str) -> Non
     for folder in Path(os.path.realpath(directory)).parents:
         if (folder / OWNER_FILE).is_file():
             owner = read_owner(folder)
-            raise PruneAuditError(f"{option} {directory} lies inside {folder}, the outputs of prune-audit "
-                                  f"{owner.command if owner else 'another command'}; {command} never writes there: "
-                                  f"pass another {option}")
+            raise PruneAuditError(
+                f"{option} {directory} lies inside {folder}, the outputs of prune-audit "
+                f"{owner.command if owner else 'another command'}; {command} never writes there: "
+                f"pass another {option}"
+            )
 
 
 def check_owned_paths(directory: Path, paths: Iterable[Path], option: str = "--out") -> None:

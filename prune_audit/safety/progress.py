@@ -48,8 +48,10 @@ def _saved_clause() -> str:
         return "nothing was written"
     if not _saved.resumable:
         return f"nothing was written to {_saved.directory} (its outputs are written only when complete)"
-    return (f"{_saved.done} of {_saved.total} questions are saved in {_saved.directory}; "
-            f"run the same command again to resume")
+    return (
+        f"{_saved.done} of {_saved.total} questions are saved in {_saved.directory}; "
+        f"run the same command again to resume"
+    )
 
 
 class Stopped(KeyboardInterrupt):

@@ -22,6 +22,13 @@ for _module in _TASKS:
     import_module(f"prune_audit.tasks.{_module}")
 
 __all__ = [
-    "DEFAULT_TASK", "Evidence", "Scored", "Task", "TaskQuestion", "get_task", "list_tasks", "manifest_task",
+    "DEFAULT_TASK",
+    "Evidence",
+    "Scored",
+    "Task",
+    "TaskQuestion",
+    "get_task",
+    "list_tasks",
+    "manifest_task",
     "register_task",
 ]

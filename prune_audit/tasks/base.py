@@ -24,10 +24,10 @@ from prune_audit.record_columns import Column, column
 from prune_audit.tasks.prompts import compose_prompt
 
 if TYPE_CHECKING:
+    from prune_audit.answer_modes import AnswerMode, Reduction
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
-    from prune_audit.answer_modes import AnswerMode, Reduction
 
 
 LOGIT_LIMIT = 50.0
@@ -40,10 +40,16 @@ GENERATED_CONFIDENCES = {
 """``--confidence`` choice -> its definition, for the tasks that generate their answers (``Task.confidences``)."""
 
 GENERATED_COLUMNS: tuple[Column, ...] = (
-    column("sequence_prob", pa.float64(), "probability of the whole generated answer: the product of its tokens' "
-                                          "full-vocabulary probabilities"),
-    column("mean_token_prob", pa.float64(), "the length-normalised form: geometric mean of the generated tokens' "
-                                            "probabilities (1.0 for an empty answer)"),
+    column(
+        "sequence_prob",
+        pa.float64(),
+        "probability of the whole generated answer: the product of its tokens' full-vocabulary probabilities",
+    ),
+    column(
+        "mean_token_prob",
+        pa.float64(),
+        "the length-normalised form: geometric mean of the generated tokens' probabilities (1.0 for an empty answer)",
+    ),
     column("answer_tokens", pa.int64(), "tokens generated, the end-of-sequence token excluded"),
     column("stopped", pa.bool_(), "generation ended with an end-of-sequence token (false: cut at max_new_tokens)"),
 )
@@ -161,13 +167,17 @@ class Task(ABC):
 
     def __init__(self, max_new_tokens: int | None = None, confidence: str | None = None) -> None:
         if confidence is not None and confidence not in self.confidences:
-            offered = f"choose {' or '.join(self.confidences)}" if self.confidences else "it has one definition: drop it"
+            offered = (
+                f"choose {' or '.join(self.confidences)}" if self.confidences else "it has one definition: drop it"
+            )
             raise PruneAuditError(f"--confidence {confidence!r} does not apply to task {self.name}; {offered}")
         self.confidence = confidence or (self.confidences[0] if self.confidences else None)
         if max_new_tokens is not None:
             if self.default_max_new_tokens is None:
-                raise PruneAuditError(f"--max-new-tokens applies to tasks that generate their answers; {self.name} "
-                                      f"answers by its first token: drop it")
+                raise PruneAuditError(
+                    f"--max-new-tokens applies to tasks that generate their answers; {self.name} "
+                    f"answers by its first token: drop it"
+                )
             check_max_new_tokens(max_new_tokens, "--max-new-tokens")
         self.max_new_tokens = max_new_tokens if max_new_tokens is not None else self.default_max_new_tokens
 
@@ -230,11 +240,13 @@ class Task(ABC):
         Parquet files for a task without ``parquet_layout``, is refused."""
         parquet = [path for path in paths if Path(path).suffix == ".parquet"]
         if parquet and self.parquet_layout is None:
-            raise PruneAuditError(f"task {self.name} reads no Parquet question files; pass its own question files "
-                                  f"(docs/tasks.md)")
+            raise PruneAuditError(
+                f"task {self.name} reads no Parquet question files; pass its own question files (docs/tasks.md)"
+            )
         if parquet and len(parquet) != len(paths):
-            raise PruneAuditError("pass either Parquet question files (images embedded) or the task's own question "
-                                  "files, not both")
+            raise PruneAuditError(
+                "pass either Parquet question files (images embedded) or the task's own question files, not both"
+            )
         return bool(parquet)
 
     def check_questions(self, questions: Sequence[TaskQuestion]) -> None:
@@ -283,8 +295,14 @@ class Task(ABC):
         confidence = records["confidence"].to_numpy().astype(np.float64)
         with np.errstate(divide="ignore"):
             logit = np.clip(np.log(confidence) - np.log1p(-confidence), -LOGIT_LIMIT, LOGIT_LIMIT)
-        return {"label_yes": correct, "answer_yes": np.ones_like(correct), "p_yes": confidence, "logit_diff": logit,
-                "answer": self.comparable_answers(records), "top_label": True}
+        return {
+            "label_yes": correct,
+            "answer_yes": np.ones_like(correct),
+            "p_yes": confidence,
+            "logit_diff": logit,
+            "answer": self.comparable_answers(records),
+            "top_label": True,
+        }
 
     reference_comparison_meanings: ClassVar[dict[str, str]] = {}
     """Name -> meaning of each number of ``reference_comparison`` (written into calibration.json)."""

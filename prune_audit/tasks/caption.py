@@ -101,7 +101,9 @@ class CaptionEvidence(CocoEvidence):
         union = np.logical_or.reduce([self.coco.category_mask(image_id, name) for name in question.caption.objects])
         return object_area(union, geometry)
 
-    def objects(self, question: CaptionTaskQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
+    def objects(
+        self, question: CaptionTaskQuestion, image_id: int, geometry: TokenGeometry
+    ) -> list[tuple[str, ObjectArea]]:
         return [(name, self.category_area(image_id, name, geometry)) for name in question.caption.objects]
 
 
@@ -124,8 +126,9 @@ def omission_by_fate(rows: Sequence[dict[str, Any]]) -> dict[str, tuple[int, int
     return {fate: (objects, omitted) for fate, (objects, omitted) in counts.items()}
 
 
-def paired_omission_by_fate(rows: Sequence[dict[str, Any]], reference_rows: Sequence[dict[str, Any]]
-                            ) -> dict[str, tuple[int, int, int]]:
+def paired_omission_by_fate(
+    rows: Sequence[dict[str, Any]], reference_rows: Sequence[dict[str, Any]]
+) -> dict[str, tuple[int, int, int]]:
     """(objects, omitted by the run, omitted by the reference) among the annotated objects the run's first stage
     ``lost`` and those it ``kept``, over the images both runs captioned (records keyed by ``split`` and
     ``question_id``): the same objects in the same images, pruned against the reference's captions."""
@@ -151,8 +154,10 @@ class CaptionTask(Task):
     name = "caption"
     summary = "Detailed captions of COCO images, object mentions scored by CHAIR (hallucinated and omitted objects)"
     answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
-    confidence_definition = (f"the caption's probability, {GENERATED_CONFIDENCES['mean-token']}; "
-                             f"`--confidence sequence` takes {GENERATED_CONFIDENCES['sequence']}; both are recorded")
+    confidence_definition = (
+        f"the caption's probability, {GENERATED_CONFIDENCES['mean-token']}; "
+        f"`--confidence sequence` takes {GENERATED_CONFIDENCES['sequence']}; both are recorded"
+    )
     correct_definition = "CHAIR-s's complement: the caption mentions no object absent from the image"
     evidence_definition = "every annotated object's COCO mask: their union, and each object on its own"
     evidence_noun = "the annotated objects"
@@ -163,12 +168,22 @@ class CaptionTask(Task):
     default_max_new_tokens = 1024
     confidences = ("mean-token", "sequence")
     record_columns = (
-        column("mentioned", pa.list_(pa.string()), "COCO categories the caption mentions (CHAIR's synonym list), each "
-                                                   "once, in order of first mention"),
-        column("hallucinated", pa.list_(pa.string()), "mentioned categories absent from the image (neither annotated "
-                                                      "nor in its reference captions)"),
-        column("omitted", pa.list_(pa.string()), "annotated categories the caption never mentions, in evidence_objects "
-                                                 "order (evidence_objects_lost says which the first stage lost)"),
+        column(
+            "mentioned",
+            pa.list_(pa.string()),
+            "COCO categories the caption mentions (CHAIR's synonym list), each once, in order of first mention",
+        ),
+        column(
+            "hallucinated",
+            pa.list_(pa.string()),
+            "mentioned categories absent from the image (neither annotated nor in its reference captions)",
+        ),
+        column(
+            "omitted",
+            pa.list_(pa.string()),
+            "annotated categories the caption never mentions, in evidence_objects "
+            "order (evidence_objects_lost says which the first stage lost)",
+        ),
         column("chair_i", pa.float64(), "hallucinated mentions / mentions (0 without mentions)"),
         column("recall", pa.float64(), "share of annotated categories mentioned (NaN when none is annotated)"),
     )
@@ -182,14 +197,18 @@ class CaptionTask(Task):
             data = read_json(path)
             (instances if _is_instances(data) else captions).append((path, data))
         if len(instances) != 1 or len(captions) > 1:
-            raise PruneAuditError("caption questions come from one COCO instances file (the images to describe), "
-                                  "optionally with one COCO captions file: pass them with --questions")
+            raise PruneAuditError(
+                "caption questions come from one COCO instances file (the images to describe), "
+                "optionally with one COCO captions file: pass them with --questions"
+            )
         path, data = instances[0]
         coco = CocoInstances(data, source=str(path))
         references = read_coco_captions(captions[0][0]) if captions else None
         self.vocabulary = with_categories(default_vocabulary(), list(coco.category_names.values()), str(path))
-        return [CaptionTaskQuestion(question)
-                for question in caption_questions(coco, references, vocabulary=self.vocabulary)]
+        return [
+            CaptionTaskQuestion(question)
+            for question in caption_questions(coco, references, vocabulary=self.vocabulary)
+        ]
 
     def answer_mode(self, question: CaptionTaskQuestion) -> Greedy:
         return Greedy(int(self.max_new_tokens))  # type: ignore[arg-type]
@@ -228,11 +247,17 @@ class CaptionTask(Task):
         fates = omission_by_fate(rows)
         annotated = sum(len(row["evidence_objects"]) for row in rows)
         omitted = sum(len(row["omitted"]) for row in rows)
-        lines = [("CHAIR-s (captions naming an absent object)", f"{1 - sum(r['correct'] for r in rows) / len(rows):.4f}"),
-                 ("object recall", f"{1 - omitted / annotated:.4f}" if annotated else "-")]
+        lines = [
+            ("CHAIR-s (captions naming an absent object)", f"{1 - sum(r['correct'] for r in rows) / len(rows):.4f}"),
+            ("object recall", f"{1 - omitted / annotated:.4f}" if annotated else "-"),
+        ]
         for fate, (count, missed) in fates.items():
-            lines.append((f"omitted among objects {fate} at the first stage",
-                          f"{missed / count:.4f} of {count}" if count else "- of 0"))
+            lines.append(
+                (
+                    f"omitted among objects {fate} at the first stage",
+                    f"{missed / count:.4f} of {count}" if count else "- of 0",
+                )
+            )
         return lines
 
     reference_comparison_meanings = {
@@ -248,8 +273,9 @@ class CaptionTask(Task):
         """The omission rate of lost and of kept objects, the run's captions beside the reference's on the same
         objects (``paired_omission_by_fate``): does pruning omit what it lost, beyond what the dense model omits?"""
         columns = ["split", "question_id", "evidence_objects", "evidence_objects_lost", "omitted"]
-        counts = paired_omission_by_fate(records.select(columns).to_pylist(),
-                                         reference.select(["split", "question_id", "omitted"]).to_pylist())
+        counts = paired_omission_by_fate(
+            records.select(columns).to_pylist(), reference.select(["split", "question_id", "omitted"]).to_pylist()
+        )
         comparison: dict[str, float | int] = {}
         for fate, (objects, run, dense) in counts.items():
             comparison[f"objects_{fate}"] = objects

@@ -91,8 +91,11 @@ def tasks_markdown() -> str:
             "",
             f"- instruction: {_instruction(task)}",
             f"- answer: {task.answer_mode_text}"
-            + (f" (at most {task.default_max_new_tokens} new tokens by default; `--max-new-tokens N`)"
-               if task.default_max_new_tokens is not None else ""),
+            + (
+                f" (at most {task.default_max_new_tokens} new tokens by default; `--max-new-tokens N`)"
+                if task.default_max_new_tokens is not None
+                else ""
+            ),
             f"- confidence: {task.confidence_definition}",
             f"- correct: {task.correct_definition}",
             f"- evidence: {task.evidence_definition}",

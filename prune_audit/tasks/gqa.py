@@ -43,10 +43,10 @@ from prune_audit.tasks.prompts import SHORT_ANSWER
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
+    from prune_audit.answer_modes import Generation
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
-    from prune_audit.answer_modes import Generation
 
 SPLIT = "gqa"
 """The records' ``split`` of every GQA question: GQA's question ids are unique within a release."""
@@ -116,18 +116,24 @@ class SceneGraphEvidence:
         graph = self.graphs.get(Path(record["image"]).stem)
         unknown = [i for i in record["evidence_object_ids"] if graph is None or i not in graph.objects]
         if unknown:
-            raise PruneAuditError(f"object {unknown[0]} of question {record['question_id']} is not in the scene graphs "
-                                  f"of {record['image']}; restore the run's --annotations file")
+            raise PruneAuditError(
+                f"object {unknown[0]} of question {record['question_id']} is not in the scene graphs "
+                f"of {record['image']}; restore the run's --annotations file"
+            )
         if not record["evidence_object_ids"]:
             return None
         return np.logical_or.reduce([box_mask(graph.objects[i], graph) for i in record["evidence_object_ids"]])  # type: ignore[union-attr, arg-type]  # no graph: refused above
 
-    def objects(self, question: GqaTaskQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
+    def objects(
+        self, question: GqaTaskQuestion, image_id: int, geometry: TokenGeometry
+    ) -> list[tuple[str, ObjectArea]]:
         """Each annotated object's box on its own, named by its scene-graph name."""
         from prune_audit.data.retention import object_area
 
         graph = self.graphs[question.gqa.image_id]
-        return [(obj.name, object_area(box_mask(obj, graph), geometry)) for _, obj in evidence_objects(question.gqa, graph)]
+        return [
+            (obj.name, object_area(box_mask(obj, graph), geometry)) for _, obj in evidence_objects(question.gqa, graph)
+        ]
 
 
 @register_task
@@ -136,11 +142,15 @@ class GqaTask(Task):
     summary = "GQA short answers (LLaVA's prompt), scored by GQA's exact match"
     answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
     instruction = SHORT_ANSWER  # LLaVA's question file carries it already; GQA's JSON and lmms-lab/GQA do not
-    confidence_definition = (f"the probability of the whole generated answer, {GENERATED_CONFIDENCES['sequence']}; "
-                             f"`--confidence mean-token` takes {GENERATED_CONFIDENCES['mean-token']}; both are "
-                             f"recorded")
-    correct_definition = ("GQA's exact match: the answer under LLaVA's normalisation (stripped, a final '.' "
-                          "dropped, lower case) equals the reference answer")
+    confidence_definition = (
+        f"the probability of the whole generated answer, {GENERATED_CONFIDENCES['sequence']}; "
+        f"`--confidence mean-token` takes {GENERATED_CONFIDENCES['mean-token']}; both are "
+        f"recorded"
+    )
+    correct_definition = (
+        "GQA's exact match: the answer under LLaVA's normalisation (stripped, a final '.' "
+        "dropped, lower case) equals the reference answer"
+    )
     evidence_definition = "the union of the scene-graph boxes of the objects the question's annotations name"
     evidence_noun = "the annotated objects"
     evidence_fate = "questions by the fate of the objects their annotations name (together)"
@@ -149,8 +159,11 @@ class GqaTask(Task):
     default_max_new_tokens = 128
     confidences = ("sequence", "mean-token")
     record_columns = (
-        column("evidence_object_ids", pa.list_(pa.string()), "scene-graph ids of the objects the question's "
-                                                             "annotations name (its evidence region's boxes)"),
+        column(
+            "evidence_object_ids",
+            pa.list_(pa.string()),
+            "scene-graph ids of the objects the question's annotations name (its evidence region's boxes)",
+        ),
     )
 
     def read_questions(self, paths: Sequence[Path]) -> list[GqaTaskQuestion]:
@@ -159,8 +172,10 @@ class GqaTask(Task):
         by_kind: dict[str, list[Path]] = {".json": [], ".jsonl": []}
         for path in paths:
             if path.suffix not in by_kind:
-                raise PruneAuditError(f"{path}: GQA questions are GQA's question JSON (.json) and optionally LLaVA's "
-                                      f"question file (.jsonl); pass those with --questions")
+                raise PruneAuditError(
+                    f"{path}: GQA questions are GQA's question JSON (.json) and optionally LLaVA's "
+                    f"question file (.jsonl); pass those with --questions"
+                )
             by_kind[path.suffix].append(path)
         if len(by_kind[".json"]) > 1 or len(by_kind[".jsonl"]) > 1:
             raise PruneAuditError("pass one GQA question JSON and at most one LLaVA question file with --questions")

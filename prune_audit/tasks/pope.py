@@ -14,21 +14,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from prune_audit.answer_modes import YES_NO
 from prune_audit.data.pope import LABELS, POPE_SPLITS, PopeQuestion, load_pope
 from prune_audit.data.question_ids import QuestionPlaces
 from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import column
-from prune_audit.answer_modes import YES_NO
 from prune_audit.tasks.base import Scored, Task
 from prune_audit.tasks.evidence import CocoEvidence
 from prune_audit.tasks.prompts import SHORT_ANSWER
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
+    from prune_audit.answer_modes import AnswerMode, YesNo
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
-    from prune_audit.answer_modes import AnswerMode, YesNo
 
 
 class PopeEvidence(CocoEvidence):
@@ -49,8 +49,9 @@ class PopeTask(Task):
     name = "pope"
     summary = "POPE yes/no object questions (Is there a <object> in the image?)"
     answer_mode_text = "the first token: yes/no probabilities, every single-token spelling summed"
-    confidence_definition = ("max(p_yes_2way, 1 - p_yes_2way), p_yes_2way = sigmoid(logit_diff): the two-way "
-                             "probability of the answer given")
+    confidence_definition = (
+        "max(p_yes_2way, 1 - p_yes_2way), p_yes_2way = sigmoid(logit_diff): the two-way probability of the answer given"
+    )
     correct_definition = "the answer (yes/no) equals the label"
     evidence_definition = "the queried object's COCO instance mask (yes questions; none for no questions)"
     evidence_noun = "the yes questions' objects"
@@ -59,8 +60,21 @@ class PopeTask(Task):
     # as LLaVA's llava_pope_test.jsonl and lmms-eval's pope post_prompt ask; the official POPE files carry none
     instruction = SHORT_ANSWER
     splits = POPE_SPLITS
-    report_metrics = ("accuracy", "precision", "recall", "f1", "yes_ratio", "ece", "ece_mass", "mce", "ce_debiased_l2",
-                      "brier", "nll", "auroc", "aurc")
+    report_metrics = (
+        "accuracy",
+        "precision",
+        "recall",
+        "f1",
+        "yes_ratio",
+        "ece",
+        "ece_mass",
+        "mce",
+        "ce_debiased_l2",
+        "brier",
+        "nll",
+        "auroc",
+        "aurc",
+    )
 
     def read_questions(self, paths: Sequence[Path]) -> list[PopeQuestion]:
         seen: QuestionPlaces = {}  # a question id may appear once over all the files
@@ -71,8 +85,9 @@ class PopeTask(Task):
         column("object", pa.string(), "queried object parsed from the question"),
         column("label", pa.string(), 'ground truth "yes" / "no"'),
         column("answer", pa.string(), 'model\'s prediction "yes" / "no" (argmax of the two-way probabilities)'),
-        column("p_yes", pa.float64(), "first-token probability of yes over the full vocabulary, case/space variants "
-                                      "summed"),
+        column(
+            "p_yes", pa.float64(), "first-token probability of yes over the full vocabulary, case/space variants summed"
+        ),
         column("p_no", pa.float64(), "first-token probability of no, likewise"),
         column("p_yes_2way", pa.float64(), "p_yes / (p_yes + p_no)"),
         column("logit_diff", pa.float64(), "log p_yes - log p_no (the two-way logit d; p_yes_2way = sigmoid(d))"),
@@ -101,8 +116,9 @@ class PopeTask(Task):
             "p_yes_2way": reduced.p_yes_2way,
             "logit_diff": reduced.logit_diff,
         }
-        return Scored(reduced.answer, (str(question.label),), reduced.answer == question.label, reduced.confidence,
-                      columns)
+        return Scored(
+            reduced.answer, (str(question.label),), reduced.answer == question.label, reduced.confidence, columns
+        )
 
     def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
         """POPE's evaluate.py per split and averaged (``prune-audit pope score``'s report); lmms-lab/POPE Parquet
@@ -142,7 +158,9 @@ class PopeTask(Task):
         for name, values in (("label", label), ("answer", answer)):
             unexpected = sorted(set(values.tolist()) - set(LABELS))
             if unexpected:
-                raise PruneAuditError(f"records of {source}: column {name!r} holds {unexpected[0]!r}, expected yes or no")
+                raise PruneAuditError(
+                    f"records of {source}: column {name!r} holds {unexpected[0]!r}, expected yes or no"
+                )
         return {
             "label_yes": label == "yes",
             "answer_yes": answer == "yes",

@@ -87,13 +87,19 @@ class ScienceQaTask(Task):
     answer_subsets = {"img": "the questions with an image (LLaVA's IMG-Accuracy; the questions `run` answers)"}
 
     def read_questions(self, paths: Sequence[Path]) -> list[ScienceQaTaskQuestion]:
-        return [ScienceQaTaskQuestion(question, _record_id(question))
-                for question in load_scienceqa_files(paths, images_only=True)]
+        return [
+            ScienceQaTaskQuestion(question, _record_id(question))
+            for question in load_scienceqa_files(paths, images_only=True)
+        ]
 
     parquet_layout = "lmms-lab/ScienceQA (ScienceQA-IMG rows: those with an image)"
     record_columns = (
-        column("letter_probs", pa.list_(pa.float64()), "first-token probability of each offered option letter over "
-                                                       "the full vocabulary, spellings summed, in letter order"),
+        column(
+            "letter_probs",
+            pa.list_(pa.float64()),
+            "first-token probability of each offered option letter over "
+            "the full vocabulary, spellings summed, in letter order",
+        ),
         column("options_offered", pa.int64(), "number of options the question offers (2 to 5)"),
     )
 
@@ -102,8 +108,7 @@ class ScienceQaTask(Task):
         from prune_audit.data.lmms_parquet import ParquetQuestions, read_scienceqa_parquet
 
         loaded = read_scienceqa_parquet(paths, images_only=True)
-        return ParquetQuestions([ScienceQaTaskQuestion(q, _record_id(q)) for q in loaded.questions],
-                                loaded.images)
+        return ParquetQuestions([ScienceQaTaskQuestion(q, _record_id(q)) for q in loaded.questions], loaded.images)
 
     def check_questions(self, questions: Sequence[ScienceQaTaskQuestion]) -> None:
         unanswered = [q for q in questions if q.sqa.answer is None]
@@ -118,7 +123,10 @@ class ScienceQaTask(Task):
 
     def score(self, question: ScienceQaTaskQuestion, choice: LetterChoice) -> Scored:
         reference = str(question.sqa.answer)
-        columns: dict[str, Any] = {"letter_probs": list(choice.letter_probs), "options_offered": len(question.sqa.options)}
+        columns: dict[str, Any] = {
+            "letter_probs": list(choice.letter_probs),
+            "options_offered": len(question.sqa.options),
+        }
         return Scored(choice.answer, (reference,), choice.answer == reference, choice.confidence, columns)
 
     def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
@@ -130,8 +138,10 @@ class ScienceQaTask(Task):
         if self.parquet_inputs(question_files):
             # matching by row order would score every answer against the wrong question once a file is filtered
             # or reordered, and LLaVA's answers carry problem ids, which lmms-lab/ScienceQA's rows lack
-            raise PruneAuditError("lmms-lab/ScienceQA Parquet rows have no problem id to match the answers' "
-                                  "question_id; pass LLaVA's llava_test_CQM-A.json with --questions")
+            raise PruneAuditError(
+                "lmms-lab/ScienceQA Parquet rows have no problem id to match the answers' "
+                "question_id; pass LLaVA's llava_test_CQM-A.json with --questions"
+            )
         images_only = subset == "img"
         report = score_scienceqa_answers(answers, load_scienceqa_files(question_files, images_only=images_only))
         return report if subset is None else {"subset": subset, **report}
@@ -140,7 +150,9 @@ class ScienceQaTask(Task):
         return question.question_id
 
     def load_evidence(self, path: Path, questions: Sequence[ScienceQaTaskQuestion]) -> NoReturn:
-        raise PruneAuditError("ScienceQA names no image regions, so scienceqa runs have no evidence: drop --annotations")
+        raise PruneAuditError(
+            "ScienceQA names no image regions, so scienceqa runs have no evidence: drop --annotations"
+        )
 
 
 __all__ = ["ScienceQaTask", "ScienceQaTaskQuestion"]

@@ -64,9 +64,15 @@ def intervene(request: InterveneRequest, on_progress: Callable[[int, int], None]
     """
     check_request(request)
     out = Path(request.out) if request.out is not None else _default_out(request.run_dir, str(request.mode))
-    settings = {"run": str(Path(request.run_dir).resolve()), "mode": request.mode, "max_cells": request.max_cells,
-                "controls": request.controls, "bootstrap": request.bootstrap, "seed": request.seed,
-                "stage": request.stage.name}
+    settings = {
+        "run": str(Path(request.run_dir).resolve()),
+        "mode": request.mode,
+        "max_cells": request.max_cells,
+        "controls": request.controls,
+        "bootstrap": request.bootstrap,
+        "seed": request.seed,
+        "stage": request.stage.name,
+    }
     source = load_source(request.run_dir, request.stage, request.inputs)
     check_swappable(source)
     eligible = eligible_records(source, request.mode)

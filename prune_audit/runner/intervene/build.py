@@ -31,8 +31,9 @@ def intervention_rows(
     rows = build_records(task, answered, [evidence] * len(answered))
     area_per_token = evidence.region.area_per_token  # intervene runs on questions whose evidence has pixels
     for row, (condition, swap) in zip(rows, swaps.items()):
-        row.update(condition=condition, cells_changed=swap.size,
-                   object_area_changed=swap.object_area_changed(area_per_token))
+        row.update(
+            condition=condition, cells_changed=swap.size, object_area_changed=swap.object_area_changed(area_per_token)
+        )
     return rows
 
 

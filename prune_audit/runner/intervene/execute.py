@@ -45,11 +45,14 @@ def answer_swaps(
     skipped: Counter = Counter()
     for done, record in enumerate(eligible, start=1):
         question = questions[(record["split"], record["question_id"])]
-        prepared = prepare_question(vlm, inputs.images / record["image"],
-                                    task.prompt_text(question, vlm.task_instructions))
+        prepared = prepare_question(
+            vlm, inputs.images / record["image"], task.prompt_text(question, vlm.task_instructions)
+        )
         check_geometry(record, prepared)
-        found = QuestionEvidence(evidence.area(question, record["image_id"], prepared.geometry),
-                                 evidence.objects(question, record["image_id"], prepared.geometry))
+        found = QuestionEvidence(
+            evidence.area(question, record["image_id"], prepared.geometry),
+            evidence.objects(question, record["image_id"], prepared.geometry),
+        )
         area = found.region
         rng = np.random.default_rng(question_seed(request.seed, record["split"], record["question_id"]))
         stage = source.chosen(record)
@@ -71,8 +74,13 @@ def load_model(manifest: dict[str, Any], source: str, device: str) -> VisionLang
     from prune_audit.models import load_vlm
 
     prompt = manifest.get("prompt") or {}
-    vlm = load_vlm(source, device=device, dtype=manifest["dtype"],
-                   prompt_template=prompt.get("template"), system_prompt=prompt.get("system"))
+    vlm = load_vlm(
+        source,
+        device=device,
+        dtype=manifest["dtype"],
+        prompt_template=prompt.get("template"),
+        system_prompt=prompt.get("system"),
+    )
     if vlm.describe()["model"]["config_hash"] != manifest["model"]["config_hash"]:
         raise PruneAuditError(f"the model at {source} differs from the run's (config hash changed)")
     return vlm

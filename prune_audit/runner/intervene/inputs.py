@@ -73,7 +73,11 @@ def images_dir(manifest: dict[str, Any], override: Path | None) -> Path:
     (the manifest schema requires the pins)."""
     pins = manifest["images"]
     if override is None:
-        folder, where, fix = images_folder(manifest), "the run's images folder", "pass --images DIR with the run's images"
+        folder, where, fix = (
+            images_folder(manifest),
+            "the run's images folder",
+            "pass --images DIR with the run's images",
+        )
         if not folder.is_dir():
             raise PruneAuditError(f"{folder}, {where}, is not found; pass --images DIR")
     else:
@@ -95,8 +99,10 @@ def model_source(manifest: dict[str, Any], override: str | None) -> str:
         if pinned is not None and not Path(model["id"]).is_dir():
             raise PruneAuditError(f"{model['id']}, the run's model folder, is not found; pass --model PATH")
         if pinned is not None and weights_sha256(model["id"]) != pinned:
-            raise PruneAuditError(f"{model['id']}, the run's model folder, now holds other weights (sha256 differs); "
-                                  f"pass --model PATH with the run's model")
+            raise PruneAuditError(
+                f"{model['id']}, the run's model folder, now holds other weights (sha256 differs); "
+                f"pass --model PATH with the run's model"
+            )
         return model["id"]
     if pinned is None:
         raise PruneAuditError("the run's manifest pins no model weights, so --model cannot be verified")
@@ -109,12 +115,12 @@ def model_source(manifest: dict[str, Any], override: str | None) -> str:
 
 def check_pinned_file(path: Path, sha256: str, option: str) -> None:
     """A recorded input still exists and hashes as when the run was made (else: pass ``option``)."""
-    fingerprint.check_pinned_file(path, sha256, "the run's manifest", f"pass {option} with the run's own file",
-                                  hash_cache_file())
+    fingerprint.check_pinned_file(
+        path, sha256, "the run's manifest", f"pass {option} with the run's own file", hash_cache_file()
+    )
 
 
 def existing(path: Path, option: str) -> Path:
     if not Path(path).is_file():
         raise PruneAuditError(f"{option} {path} is not a file")
     return Path(path)
-

@@ -95,7 +95,8 @@ def eligible_records(source: InterventionSource, mode: str) -> list[Record]:
         what = "whose object lost all tokens"
     else:
         eligible = [
-            row for row in records
+            row
+            for row in records
             if 1 <= row["object_tokens_kept_stages"][source.chosen(row)] <= REMOVE_MAX_OBJECT_CELLS
         ]
         what = f"whose object kept 1..{REMOVE_MAX_OBJECT_CELLS} tokens"

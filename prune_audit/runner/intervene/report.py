@@ -12,8 +12,8 @@ from prune_audit.analysis.bootstrap import image_counts
 from prune_audit.analysis.calibration import survival_measures
 from prune_audit.analysis.reports import run_identity
 from prune_audit.analysis.runs import question_table
-from prune_audit.tasks import manifest_task
 from prune_audit.runner.intervene.plan import InterveneRequest, InterventionSource
+from prune_audit.tasks import manifest_task
 
 CONDITIONS = ("intervention", "control")
 REPORT_FILE = "intervention.json"
@@ -41,7 +41,10 @@ def intervention_report(
     object area and cells changed."""
     conditions = table["condition"].to_numpy(zero_copy_only=False)
     tables = {
-        name: question_table(table.filter(conditions == name), REPORT_FILE, source.stage, manifest_task(source.manifest)) for name in CONDITIONS
+        name: question_table(
+            table.filter(conditions == name), REPORT_FILE, source.stage, manifest_task(source.manifest)
+        )
+        for name in CONDITIONS
     }
     position = {key: index for index, key in enumerate(source.run.questions.keys())}
     intervened = [position[key] for key in tables["intervention"].keys()]
@@ -57,12 +60,20 @@ def intervention_report(
     report: dict[str, Any] = {
         **run_identity(source.run, source.run.label),
         "mode": request.mode,
-        "settings": {"max_cells": request.max_cells, "controls": request.controls, "bootstrap": request.bootstrap,
-                     "seed": request.seed},
+        "settings": {
+            "max_cells": request.max_cells,
+            "controls": request.controls,
+            "bootstrap": request.bootstrap,
+            "seed": request.seed,
+        },
         "threads": request.threads,
         "conventions": CONVENTIONS,
-        "questions": {"eligible": eligible, "intervened": len(tables["intervention"]), "images": len(images),
-                      "skipped": dict(sorted(skipped.items()))},
+        "questions": {
+            "eligible": eligible,
+            "intervened": len(tables["intervention"]),
+            "images": len(images),
+            "skipped": dict(sorted(skipped.items())),
+        },
     }
     for name, measure in measured.items():
         report[name] = {**_scores(measure.summary()), "mean_retention": float(np.mean(tables[name].retention))}

@@ -160,8 +160,9 @@ def swap_stages(kept_stages: Sequence[Sequence[int]], swap: Swap, stage: int | N
     return swapped
 
 
-def plan_swaps(mode: str, kept: Sequence[int], area_per_token: np.ndarray, max_cells: int,
-               rng: np.random.Generator) -> SwapPair:
+def plan_swaps(
+    mode: str, kept: Sequence[int], area_per_token: np.ndarray, max_cells: int, rng: np.random.Generator
+) -> SwapPair:
     """The intervention and control swaps of one question under ``mode``."""
     if mode == "restore":
         return restore_swaps(kept, area_per_token, max_cells, rng)

@@ -17,8 +17,8 @@ from prune_audit.records.stages import StageChoice
 from prune_audit.runner.request import RunRequest
 from prune_audit.runner.sharding import Shard
 from prune_audit.safety.ownership import STUDY_RUNS_FOLDER as RUNS_FOLDER  # ownership recognises a study by it
-REFERENCE = "none"
 
+REFERENCE = "none"
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,12 @@ class StudyGrid:
         """The ``RunRequest`` that ``prune-audit run`` builds from ``command(cell)``."""
         budget = None if cell.budget is None else parse_requested_budget(cell.budget)
         request = replace(
-            self.base, selector=cell.selector, budget=budget, out=self.run_dir(cell), options=[], question_files=list(self.base.question_files)
+            self.base,
+            selector=cell.selector,
+            budget=budget,
+            out=self.run_dir(cell),
+            options=[],
+            question_files=list(self.base.question_files),
         )
         request.command = self.command(cell)
         return request
@@ -88,7 +93,9 @@ class StudyGrid:
         return shlex.join(words)
 
 
-def inputs_by_task(values: Sequence[Path], tasks: Sequence[str], option: str, single: bool = False) -> dict[str, list[Path]]:
+def inputs_by_task(
+    values: Sequence[Path], tasks: Sequence[str], option: str, single: bool = False
+) -> dict[str, list[Path]]:
     """``--questions`` / ``--images`` / ``--annotations`` values by task. With one task, as given (``TASK=`` may
     lead); with several, each value is ``TASK=PATH``. ``single``: at most one value per task (a folder, a file).
     A task with no value gets none (the bundled demo's inputs, where the demo has that task's questions)."""
@@ -100,8 +107,10 @@ def inputs_by_task(values: Sequence[Path], tasks: Sequence[str], option: str, si
         elif len(tasks) == 1:
             given[tasks[0]].append(Path(value))
         else:
-            raise PruneAuditError(f"{option} {value}: with several --tasks, name each value's task: {option} "
-                                  f"TASK=PATH, TASK one of {', '.join(tasks)}")
+            raise PruneAuditError(
+                f"{option} {value}: with several --tasks, name each value's task: {option} "
+                f"TASK=PATH, TASK one of {', '.join(tasks)}"
+            )
     for task, paths in given.items():
         if single and len(paths) > 1:
             raise PruneAuditError(f"{option} names task {task} {len(paths)} times; pass one value per task")
