@@ -48,7 +48,7 @@ from prune_audit.compute.shape import ModelShape, VisionShape
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
-from prune_audit.models.parts import image_processor_and_tokenizer
+from prune_audit.models.parts import SeparateProcessorParts
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.selector_support import per_grid_for
 from prune_audit.models.shape import language_shape
@@ -79,7 +79,7 @@ PER_TILE = MappingProxyType(
 )
 
 
-class InternVLModel(VisionLanguageModel):
+class InternVLModel(SeparateProcessorParts, VisionLanguageModel):
     """InternVL3 adapter (one image per prompt, dynamic 448-px tiles plus a thumbnail)."""
 
     family = "internvl"
@@ -125,21 +125,6 @@ class InternVLModel(VisionLanguageModel):
             patch_size=patch_size,
             max_patches=max_patches,
             **sizes,
-        )
-
-    @classmethod
-    def from_model(
-        cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None, clip_text: str | None
-    ) -> InternVLModel:
-        cls.check_clip_text(clip_text)
-        image_processor, tokenizer = image_processor_and_tokenizer(source)
-        return cls(
-            model,
-            image_processor,
-            tokenizer,
-            model_id=source,
-            prompt_template=prompt_template,
-            system_prompt=system_prompt,
         )
 
     def __init__(

@@ -33,7 +33,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.llava_next import PER_GRID, LlavaNextModel, visual_columns
-from prune_audit.models.parts import image_processor_and_tokenizer
+from prune_audit.models.parts import SeparateProcessorParts
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.selector_support import crop_grid_for, per_grid_for, refused_for
 from prune_audit.models.shape import language_shape, llava_vision_shape
@@ -44,7 +44,7 @@ DEFAULT_SYSTEM = "You are a helpful assistant."  # the llava-hf OneVision chat t
 IMAGE_TOKEN = "<image>"
 
 
-class LlavaOnevisionModel(LlavaNextModel):
+class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
     """LLaVA-OneVision adapter (one image per prompt, anyres-max tiling, SigLIP tower without CLS)."""
 
     family = "llava_onevision"
@@ -76,21 +76,6 @@ class LlavaOnevisionModel(LlavaNextModel):
         return build_llava_onevision(save_dir, words=words, text_layers=text_layers, seed=seed, tile=image_size)
 
     check_clip_text = VisionLanguageModel.__dict__["check_clip_text"]  # SigLIP: no CLIP space for CDPruner's relevance
-
-    @classmethod
-    def from_model(
-        cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None, clip_text: str | None
-    ) -> LlavaOnevisionModel:
-        cls.check_clip_text(clip_text)
-        image_processor, tokenizer = image_processor_and_tokenizer(source)
-        return cls(
-            model,
-            image_processor,
-            tokenizer,
-            model_id=source,
-            prompt_template=prompt_template,
-            system_prompt=system_prompt,
-        )
 
     def __init__(
         self,

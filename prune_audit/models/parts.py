@@ -57,4 +57,24 @@ def image_processor_and_tokenizer(source: str) -> tuple[Any, Any]:
     return image_processor, load_part("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
 
 
-__all__ = ["config_hash", "load_part", "image_processor_and_tokenizer"]
+class SeparateProcessorParts:
+    """Mixin of the families whose image processor and tokenizer load on their own (Qwen-VL, InternVL,
+    LLaVA-OneVision): ``from_model`` for an adapter built as ``cls(model, image_processor, tokenizer, ...)``."""
+
+    @classmethod
+    def from_model(
+        cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None, clip_text: str | None
+    ) -> Any:
+        cls.check_clip_text(clip_text)  # type: ignore[attr-defined]  # the family's VisionLanguageModel side
+        image_processor, tokenizer = image_processor_and_tokenizer(source)
+        return cls(  # type: ignore[call-arg]
+            model,
+            image_processor,
+            tokenizer,
+            model_id=source,
+            prompt_template=prompt_template,
+            system_prompt=system_prompt,
+        )
+
+
+__all__ = ["config_hash", "load_part", "image_processor_and_tokenizer", "SeparateProcessorParts"]

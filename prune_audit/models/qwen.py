@@ -28,7 +28,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.hooks import capture_inputs
-from prune_audit.models.parts import image_processor_and_tokenizer
+from prune_audit.models.parts import SeparateProcessorParts
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import single_tensor_rope
 from prune_audit.models.shape import language_shape, qwen_vision_shape
@@ -39,7 +39,7 @@ DEFAULT_SYSTEM = "You are a helpful assistant."
 PROMPT_TEMPLATE = "qwen2_5_vl"
 
 
-class QwenModel(VisionLanguageModel):
+class QwenModel(SeparateProcessorParts, VisionLanguageModel):
     """Qwen2.5-VL adapter (one image per prompt)."""
 
     family = "qwen2_5_vl"
@@ -68,21 +68,6 @@ class QwenModel(VisionLanguageModel):
         from prune_audit.models.build import build_qwen2_5_vl
 
         return build_qwen2_5_vl(save_dir, words=words, text_layers=text_layers, seed=seed, **sizes)
-
-    @classmethod
-    def from_model(
-        cls, model, source: str, *, prompt_template: str | None, system_prompt: str | None, clip_text: str | None
-    ) -> QwenModel:
-        cls.check_clip_text(clip_text)
-        image_processor, tokenizer = image_processor_and_tokenizer(source)
-        return cls(
-            model,
-            image_processor,
-            tokenizer,
-            model_id=source,
-            prompt_template=prompt_template,
-            system_prompt=system_prompt,
-        )
 
     def __init__(
         self,
