@@ -295,7 +295,7 @@ def test_scienceqa_entries_parse_into_question_context_and_options(tmp_path):
     assert first.context == "A food web.\nArrows show matter." and first.question == "Which eats grass?"
     assert first.options == ("fox", "rabbit") and first.answer == "B" and first.letters == ("A", "B")
     assert first.text.startswith("Context: A food web.") and "<image>" not in first.text
-    assert first.text.endswith("\nB. rabbit")  # the scienceqa task adds the instruction (tests/test_prompts.py)
+    assert first.text.endswith("\nB. rabbit")  # the scienceqa task adds the instruction (tests/tasks/test_prompts.py)
     assert second.options == ("See you soon,\nJanet", "See You Soon,\nJanet", "bye") and second.context is None
     assert second.image is None and third.image == "7/image.png" and len(third.options) == 4
 

@@ -3,7 +3,7 @@
 Adding a family is one adapter module (a :class:`VisionLanguageModel` subclass implementing its
 abstract methods, ``build_tiny`` (the offline random-weight builder) among them, and setting the class-level
 declarations: signals, positions, token grids, prompt templates) plus one :func:`register_family` line below;
-``tests/test_families_registry.py`` then runs every check on it. ``docs/models.md`` lists the families.
+``tests/models/test_families_registry.py`` then runs every check on it. ``docs/models.md`` lists the families.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What only Qwen2.5-VL has: its 3-D M-RoPE positions, kept when pruning (input level and named in-LLM selectors
 equal to the masked reference), generation extending them, its pixel limits and refusals. What every family
-shares is in tests/test_families_registry.py."""
+shares is in tests/models/test_families_registry.py."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from pathlib import Path
 from prune_audit.records.docs import records_markdown
 from prune_audit.records.schema import INTERVENE_COLUMNS, INTERVENE_SCHEMA, RUN_COLUMNS, RUN_SCHEMA
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "records.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "records.md"
 
 
 def test_committed_doc_matches_the_schema():

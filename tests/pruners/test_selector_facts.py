@@ -22,7 +22,7 @@ from prune_audit.pruners.base import InputSelector, Reference
 from prune_audit.pruners.fidelity import fidelity_entries, fidelity_rows
 from prune_audit.pruners.layout import ONE_CLS, ONE_GRID, PADDED_CROP_GRID, PRE_PROJECTOR_FEATURES
 
-PACKAGE = Path(__file__).resolve().parents[1] / "prune_audit"
+PACKAGE = Path(__file__).resolve().parents[2] / "prune_audit"
 
 #: modules outside pruners/ that may spell a registered selector's name, and why: user-facing data whose order
 #: or choice is the module's own (a default grid, a reproduced study), or the same word for something else

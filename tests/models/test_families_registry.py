@@ -12,7 +12,7 @@ LLaVA-NeXT and LLaVA-OneVision) and ``intervene`` run; the token
 geometry maps every visual token to its pixels, on synthetic images and on a real COCO
 image's object masks; docs/models.md's selector table says what runs. The registry itself
 (registration order, one-line refusals of other model types and bad options) is checked here too. What only
-LLaVA-1.5 or Qwen2.5-VL has is in tests/test_family_llava.py and tests/test_family_qwen2_5_vl.py; other
+LLaVA-1.5 or Qwen2.5-VL has is in tests/models/test_llava.py and tests/models/test_qwen2_5_vl.py; other
 family-specific checks follow at the end (InternVL's pixel shuffle and tiling refusal, Qwen3-VL's
 deepstack, the real-size image processors, LLaVA-NeXT's and LLaVA-OneVision's anyres crops).
 """
@@ -564,7 +564,7 @@ def test_docs_table_lists_what_runs_on_each_family(family, document, heading):
     from prune_audit.models.selector_support import ON_REQUEST_SIGNALS
     from prune_audit.pruners import selector_class
 
-    text = (Path(__file__).resolve().parents[1] / document).read_text()
+    text = (Path(__file__).resolve().parents[2] / document).read_text()
     table = text.split(heading, 1)[1].split("\n## ", 1)[0]
     lines = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in lines[0]]

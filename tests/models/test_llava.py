@@ -1,6 +1,6 @@
 """What only LLaVA-1.5 has: its CLIP CLS row and keys, compact positions equal to a shortened prompt, every
 input-level selector at a small budget, named in-LLM selectors equal to the masked reference, CDPruner's CLIP text
-tower, the vicuna template, the 4.x key layout. What every family shares is in tests/test_families_registry.py."""
+tower, the vicuna template, the 4.x key layout. What every family shares is in tests/models/test_families_registry.py."""
 
 from __future__ import annotations
 
