@@ -235,7 +235,13 @@ def _llava_line(path: str | Path, number: int, row: dict[str, Any]) -> tuple[str
     fix = "fix the line or pass LLaVA's llava_textvqa_val_v051_ocr.jsonl"
     image_id = _text(row["question_id"], where, "question_id (LLaVA's TextVQA lines carry the image id)", fix)
     text = _text(row["text"], where, "text", fix)
-    return image_id, check_image_name(row["image"], where), text
+    image = check_image_name(row["image"], where)
+    if Path(image).stem != image_id:
+        raise PruneAuditError(
+            f"{where}: image {image!r} is not the image question_id {image_id!r} names (LLaVA's lines name "
+            f"<image id>.jpg); {fix}"
+        )
+    return image_id, image, text
 
 
 def _by_key(questions: Sequence[TextVqaQuestion]) -> dict[tuple[str, str], list[TextVqaQuestion]]:

@@ -101,8 +101,6 @@ def test_a_box_covers_the_pixels_whose_centre_lies_in_it_clipped_to_the_image():
 
 # ----- files in the released formats ----------------------------------------------------------------------------
 
-COCO = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "coco" / "tiny_coco_val2017" / "val2017"
-
 
 def image_size(path: Path) -> tuple[int, int]:
     from PIL import Image
@@ -251,11 +249,12 @@ def test_the_task_declares_its_columns_and_scores_a_generation(files):
 
 
 @pytest.fixture(scope="module")
-def coco_files(tmp_path_factory):
-    names = sorted(COCO.glob("*.jpg"))[:2] if COCO.is_dir() else []
-    if len(names) < 2:
-        pytest.skip(f"real COCO images not found at {COCO}")
-    return textvqa_files(tmp_path_factory.mktemp("tvqa"), [(p.stem, image_size(p)) for p in names])
+def coco_files(shared_data, tmp_path_factory):
+    """The files over the first two real COCO images (the test skips without ../shared/data)."""
+    images = shared_data / "coco" / "tiny_coco_val2017" / "val2017"
+    names = sorted(images.glob("*.jpg"))[:2]
+    paths = textvqa_files(tmp_path_factory.mktemp("tvqa"), [(p.stem, image_size(p)) for p in names])
+    return {**paths, "images": images}
 
 
 def run_args(paths: dict[str, Path], out: Path, *extra: str) -> list[str]:
@@ -266,7 +265,7 @@ def run_args(paths: dict[str, Path], out: Path, *extra: str) -> list[str]:
         "--model",
         "demo",
         "--images",
-        str(COCO),
+        str(paths["images"]),
         "--questions",
         str(paths["json"]),
         "--questions",
@@ -333,3 +332,23 @@ def test_score_reads_an_answers_file_by_textvqa_question_id(files, tmp_path):
     report = json.loads(result.stdout)
     # stop: 4 annotators -> 1.0; blue: 0; "coca cola" (the hyphen becomes a space): 6 -> 1.0
     assert report["n"] == 3 and report["accuracy"] == pytest.approx(2 / 3) and report["exact"] == pytest.approx(2 / 3)
+
+
+def test_a_llava_line_naming_another_image_than_its_id_is_refused(files):
+    lines = files["llava"].read_text().splitlines()
+    files["llava"].write_text(lines[0].replace('"image": "img_a.jpg"', '"image": "img_b.jpg"') + "\n")
+    with pytest.raises(PruneAuditError, match=r"llava_textvqa.jsonl:1: image 'img_b.jpg' is not the image"):
+        load_textvqa(files["json"], files["llava"])
+
+
+def test_evidence_falls_back_to_every_box_only_when_asked_and_checks_the_image_size(files):
+    from prune_audit.tasks.textvqa import OcrEvidence
+
+    ocr = load_rosetta_ocr(files["ocr"])
+    assert OcrEvidence(ocr, {}).boxes("img_a.jpg", ["red"] * 10) == []
+    fallback = OcrEvidence(ocr, {}, fallback=True).boxes("img_a.jpg", ["red"] * 10)
+    assert [word for word, _ in fallback] == ["STOP", "sign", "!"]
+    evidence = get_task("textvqa").load_evidence(files["ocr"], get_task("textvqa").read_questions([files["json"]]))
+    evidence.check_image_size("img_a.jpg", (64, 48), Path("img_a.jpg"))
+    with pytest.raises(PruneAuditError, match="is 48x64 pixels but the question JSON says 64x48"):
+        evidence.check_image_size("img_a.jpg", (48, 64), Path("img_a.jpg"))
