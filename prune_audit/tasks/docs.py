@@ -38,6 +38,9 @@ prune-audit run --task gqa --model M --questions testdev_balanced_questions.json
 prune-audit run --task scienceqa --model M --questions llava_test_CQM-A.json --images scienceqa/images
 prune-audit run --task caption --model M --questions instances_val2014.json [--questions captions_val2014.json] \\
     --annotations instances_val2014.json --images val2014 --limit 500
+prune-audit run --task textvqa --model M --questions TextVQA_0.5.1_val.json \\
+    --questions llava_textvqa_val_v051_ocr.jsonl --images train_images \\
+    [--annotations TextVQA_Rosetta_OCR_v0.2_val.json]
 prune-audit score --task gqa answers.jsonl --questions testdev_balanced_questions.json   # released answers
 prune-audit run --task scienceqa --model M --questions ScienceQA-IMG/test-00000-of-00001.parquet  # lmms-eval files
 ```
