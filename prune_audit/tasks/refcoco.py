@@ -178,8 +178,8 @@ class RefcocoTask(Task):
 
     def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
         raise PruneAuditError(
-            "score --task refcoco is not offered: a released answer's box is in its model's frame, which an answers "
-            "file does not name; run the model with prune-audit run --task refcoco"
+            f"score --task {self.name} is not offered: a released answer's box is in its model's frame, which an "
+            f"answers file does not name; run the model with prune-audit run --task {self.name}"
         )
 
     def summary_rows(self, records: pa.Table) -> list[tuple[str, str]]:

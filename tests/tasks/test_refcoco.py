@@ -399,3 +399,42 @@ def test_run_refuses_a_code_pickle_and_writes_nothing(coco_refs, tmp_path):
     refused(result, str(planted), "asks for builtins.print")
     assert "planted code ran" not in result.output
     assert snapshot(tmp_path) == before and not out.exists()
+
+
+@pytest.mark.parametrize(("family", "convention"), [("qwen2_5_vl", "qwen2.5-vl"), ("internvl", "internvl")])
+def test_run_asks_and_reads_in_each_family_convention(coco_refs, tmp_path, family, convention):
+    from prune_audit.models.families import adapter_for
+
+    model = adapter_for(family, "test").build_tiny(tmp_path / "model", words=["the", "one", "on", "left"])
+    out = tmp_path / "run"
+    result = runner.invoke(app, _run_args(coco_refs, out, "--model", str(model), "--limit", "2"))
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out / "records.parquet").to_pylist()
+    assert [row["box_convention"] for row in rows] == [convention] * 2
+    prompt = BOX_CONVENTIONS[convention].prompt("the one on the left")
+    assert prompt in json.loads((out / "manifest.json").read_text())["prompt"]["first"]
+
+
+def test_run_refuses_a_family_without_a_box_convention_and_writes_nothing(coco_refs, tmp_path):
+    from prune_audit.models.families import adapter_for
+
+    model = adapter_for("qwen2_vl", "test").build_tiny(tmp_path / "model", words=["the"])
+    out = tmp_path / "run"
+    refused(runner.invoke(app, _run_args(coco_refs, out, "--model", str(model))), "Qwen2-VL declares no box convention")
+    assert not out.exists()
+
+
+def test_run_without_questions_says_the_demo_has_none(tmp_path):
+    out = tmp_path / "run"
+    refused(runner.invoke(app, ["run", "--task", TASK, "--out", str(out)]), "has no refcoco questions", "--questions")
+    assert not out.exists()
+
+
+def test_score_of_released_answers_is_refused_in_one_line(tmp_path):
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(json.dumps({"question_id": 70, "text": "[0.1, 0.2, 0.3, 0.4]"}) + "\n")
+    files = _files(tmp_path / "inputs")
+    result = runner.invoke(
+        app, ["score", str(answers), "--task", TASK, "--questions", str(files[0]), "--questions", str(files[1])]
+    )
+    refused(result, "is not offered", "box is in its model's frame")
