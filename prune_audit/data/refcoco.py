@@ -129,7 +129,8 @@ def _sentence(sentence: Any, where: str) -> tuple[int, str]:
     return _whole(sentence["sent_id"], f"{where}.sent_id"), text.strip()
 
 
-def _annotations_by_id(coco: CocoInstances) -> dict[int, dict[str, Any]]:
+def annotations_by_id(coco: CocoInstances) -> dict[int, dict[str, Any]]:
+    """Every annotation of ``coco`` that has an integer ``id``, by that id."""
     return {
         int(ann["id"]): ann
         for anns in coco.annotations_by_image.values()
@@ -140,7 +141,7 @@ def _annotations_by_id(coco: CocoInstances) -> dict[int, dict[str, Any]]:
 
 def ref_questions(refs_path: Path, refs: list[Any], coco: CocoInstances) -> list[RefQuestion]:
     """One question per expression of ``refs``, its target and image read from ``coco``; every entry checked."""
-    anns = _annotations_by_id(coco)
+    anns = annotations_by_id(coco)
     seen: QuestionPlaces = {}
     questions = []
     for index, raw in enumerate(refs):
@@ -189,4 +190,4 @@ def load_refcoco(paths: Sequence[Path]) -> list[RefQuestion]:
     return ref_questions(refs_path, ref_list, CocoInstances(data, source=str(instances_path)))
 
 
-__all__ = ["SPLITS", "RefQuestion", "load_refcoco", "read_refs", "ref_questions", "target_box"]
+__all__ = ["SPLITS", "RefQuestion", "annotations_by_id", "load_refcoco", "read_refs", "ref_questions", "target_box"]

@@ -38,7 +38,7 @@ import pyarrow as pa
 from prune_audit.answer_modes import Greedy
 from prune_audit.data.boxes import BoxConvention, box_convention, box_iou, format_box
 from prune_audit.data.coco import CocoInstances
-from prune_audit.data.refcoco import SPLITS, RefQuestion, load_refcoco, target_box
+from prune_audit.data.refcoco import SPLITS, RefQuestion, annotations_by_id, load_refcoco, target_box
 from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import column
 from prune_audit.tasks.base import GENERATED_CONFIDENCES, AnsweringModel, Scored, Task
@@ -61,7 +61,7 @@ class ReferredObjectEvidence:
 
     def __init__(self, coco: CocoInstances) -> None:
         self.coco = coco
-        self._anns = {ann["id"]: ann for anns in coco.annotations_by_image.values() for ann in anns if "id" in ann}
+        self._anns = annotations_by_id(coco)
         self._areas: dict[tuple[int, Any], ObjectArea] = {}
 
     def annotation(self, ann_id: int) -> dict[str, Any]:
