@@ -66,6 +66,9 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     token_grids: str = "one grid"
     #: selectors refused whatever signals are present -> what the family lacks for them
     refused_selectors: Mapping[str, str] = MappingProxyType({})
+    #: the box convention of its grounding answers (``data.boxes.BOX_CONVENTIONS``: prompt, box syntax and frame, as
+    #: its official grounding evaluation has them); None: the family has none, and grounding questions are refused
+    grounding: str | None = None
 
     # ----- loading ------------------------------------------------------------------
     @classmethod

@@ -92,6 +92,8 @@ class InternVLModel(SeparateProcessorParts, VisionLanguageModel):
     per_grid_selectors = per_grid_for(PER_TILE, frozenset())
     token_grids = "several grids"
     display_name = "InternVL"
+    # <ref>...</ref><box>[[x1, y1, x2, y2]]</box> on a 0-1000 grid of the original image (data.boxes)
+    grounding = "internvl"
     prompt_templates = (PROMPT_TEMPLATE,)
 
     @classmethod

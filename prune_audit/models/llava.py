@@ -49,6 +49,8 @@ class LlavaModel(VisionLanguageModel):
     cls_probe_signals, layer_probe_signals = CLS_SIGNALS, LAYER_SIGNALS
     missing_signals_reason = "this adapter does not compute it"
     display_name = "LLaVA"
+    # LLaVA-1.5's RefCOCO data: [x1, y1, x2, y2] in 0-1 of the image padded to a square (data.boxes)
+    grounding = "llava-1.5"
     prompt_templates = PROMPT_TEMPLATES
 
     @classmethod

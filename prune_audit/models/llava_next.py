@@ -94,6 +94,7 @@ class LlavaNextModel(LlavaModel):
         "code does (hiprune, visionzip, vscan)"
     )
     display_name = "LLaVA-NeXT"
+    grounding = None  # anyres tiles, no padded square: LLaVA-1.5's box frame does not apply
     several_crops = True
     lacks = LACKS
     crop_grid_selectors = crop_grid_for(lacks)

@@ -55,6 +55,7 @@ class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
         "anyres_max resizes the tile grid after the projector, and this adapter reads no CLIP text space"
     )
     display_name = "LLaVA-OneVision"
+    grounding = None  # no box convention declared (LLaVA-NeXT inherits none either)
     #: anyres_max resizes the tile grid after the projector: no pre-projector features of each token (pooling's)
     lacks = LlavaNextModel.lacks | {PRE_PROJECTOR_FEATURES}
     refused_selectors = refused_for(lacks)

@@ -51,6 +51,8 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
     #: ``InputSignals.vision_tower``: which official layer numbers per-layer selectors use
     vision_tower = "qwen2_5_vl"
     display_name = "Qwen2.5-VL"
+    # bbox_2d JSON in absolute pixels of the resized input (data.boxes)
+    grounding = "qwen2.5-vl"
     prompt_templates = (PROMPT_TEMPLATE,)
     input_positions = "keep_original"  # 3-D M-RoPE ids cannot be renumbered meaningfully; every public port keeps them
 

@@ -40,6 +40,7 @@ class Qwen2VLModel(QwenModel):
         "its vision tower has no CLS token, no per-layer CLS attention, no HiPrune port to it and no CLIP text space"
     )
     display_name = "Qwen2-VL"
+    grounding = None  # Qwen2-VL writes <|box_start|>(x1,y1),(x2,y2)<|box_end|> on a 0-1000 grid: no convention yet
     prompt_templates = (PROMPT_TEMPLATE,)
 
     @classmethod

@@ -54,6 +54,7 @@ class Qwen3VLModel(QwenModel):
         "its vision tower has no CLS token, no per-layer CLS attention, no HiPrune port to it and no CLIP text space"
     )
     display_name = "Qwen3-VL"
+    grounding = None  # Qwen3-VL writes bbox_2d on a 0-1000 grid, not Qwen2.5-VL's pixels: no convention yet
     prompt_templates = (PROMPT_TEMPLATE,)
 
     @classmethod

@@ -90,7 +90,9 @@ def load_model(request: RunRequest) -> VisionLanguageModel:
 def check_model_accepts(
     vlm: VisionLanguageModel, selector: Selector | None, task: Task, questions: Sequence[TaskQuestion]
 ) -> None:
-    """The model runs the selector, answers in each of the task's answer modes and takes every question's text."""
+    """The task takes the model's family conventions (``Task.use_model``); the model runs the selector, answers in
+    each of the task's answer modes and takes every question's text."""
+    task.use_model(vlm)
     if selector is not None:
         vlm.check_selector(selector)
     for mode in dict.fromkeys(task.answer_mode(question) for question in questions):

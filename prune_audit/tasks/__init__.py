@@ -12,17 +12,18 @@ declares its own record columns); ``records`` sits above them and assembles the 
 
 from importlib import import_module
 
-from prune_audit.tasks.base import Evidence, Scored, Task, TaskQuestion
+from prune_audit.tasks.base import AnsweringModel, Evidence, Scored, Task, TaskQuestion
 from prune_audit.tasks.registry import DEFAULT_TASK, get_task, list_tasks, manifest_task, register_task
 
 # one module per task; importing it registers the task. The order is that of the tasks' record columns in every
 # records file (records.schema.run_columns): append a new task, never reorder
-_TASKS = ["pope", "caption", "gqa", "scienceqa", "textvqa"]
+_TASKS = ["pope", "caption", "gqa", "scienceqa", "textvqa", "refcoco"]
 for _module in _TASKS:
     import_module(f"prune_audit.tasks.{_module}")
 
 __all__ = [
     "DEFAULT_TASK",
+    "AnsweringModel",
     "Evidence",
     "Scored",
     "Task",

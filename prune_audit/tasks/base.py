@@ -98,6 +98,19 @@ class Scored:
     columns: dict[str, Any]
 
 
+class AnsweringModel(Protocol):
+    """What a task may read of the model that answers its questions (``Task.use_model``): the family's declarations,
+    never its weights. ``models.VisionLanguageModel`` is one."""
+
+    display_name: str
+    grounding: str | None
+    """The family's box convention for grounding answers (``data.boxes.BOX_CONVENTIONS``); None: it has none."""
+
+    def token_geometry(self, image_size: tuple[int, int]) -> Any:
+        """The token geometry of an image of ``image_size`` (width, height) under the model's processor."""
+        ...
+
+
 class Evidence(Protocol):
     """The evidence regions of a run's questions, read from its ``--annotations`` file."""
 
@@ -204,6 +217,11 @@ class Task(ABC):
         which replace the task's where they name it."""
         instruction = (declared or {}).get(self.name, self.instruction)
         return compose_prompt(question.text, instruction, f"question {question.split}/{question.question_id}")
+
+    def use_model(self, model: AnsweringModel) -> None:
+        """Take the facts of the model that will answer (its family's conventions), before any prompt is composed or
+        answer scored; a family the task cannot ask is refused in one line. Most tasks ask every family alike and
+        need none; the grounding task asks for and reads boxes in the family's own convention."""
 
     def confidence_in_use(self) -> str:
         """What the ``confidence`` column holds in this task's runs under its ``--confidence`` choice
@@ -322,4 +340,4 @@ class Task(ABC):
         return records["answer_text"].to_numpy(zero_copy_only=False).astype(str)
 
 
-__all__ = ["GENERATED_COLUMNS", "GENERATED_CONFIDENCES", "Evidence", "Scored", "Task", "TaskQuestion"]
+__all__ = ["GENERATED_COLUMNS", "GENERATED_CONFIDENCES", "AnsweringModel", "Evidence", "Scored", "Task", "TaskQuestion"]

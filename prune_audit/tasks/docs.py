@@ -28,7 +28,9 @@ line unless the question file already carries it (LLaVA's GQA and POPE files do)
 another task's instruction is refused; the model's `--prompt-template` only wraps the result in its conversation
 ([models.md](models.md)); a checkpoint evaluated by another convention declares its own instruction per task in
 `task_instructions.json` (the bundled demos ask POPE bare, as their cards measure). The manifest records the template and the first question's full prompt (`prompt`), and
-`run` prints the template it used.
+`run` prints the template it used. The grounding task (`refcoco`) has no instruction: its whole question is the
+answering family's own grounding prompt around the expression, and its answer is read in that family's box
+convention (a family without one is refused before anything runs).
 
 ```
 prune-audit run                                         # POPE on the bundled demo
@@ -43,6 +45,8 @@ prune-audit run --task textvqa --model M --questions TextVQA_0.5.1_val.json \\
     [--annotations TextVQA_Rosetta_OCR_v0.2_val.json]
 prune-audit score --task gqa answers.jsonl --questions testdev_balanced_questions.json   # released answers
 prune-audit run --task scienceqa --model M --questions ScienceQA-IMG/test-00000-of-00001.parquet  # lmms-eval files
+prune-audit run --task refcoco --model M --questions 'refcoco/refs(unc).p' --questions refcoco/instances.json \\
+    --annotations refcoco/instances.json --images train2014 --split testA
 ```
 
 Question files in the Parquet layout of the lmms-eval datasets (`.parquet`; see each task's "Parquet files")

@@ -38,6 +38,7 @@ def answer_swaps(
     inputs = source.inputs
     task = manifest_task(manifest)
     vlm = load_model(manifest, inputs.model, request.device)
+    task.use_model(vlm)
     forcing = Forcing(vlm, manifest)
     questions = load_questions(task, inputs.question_files)
     evidence = task.load_evidence(inputs.annotations, list(questions.values()))

@@ -1,0 +1,210 @@
+"""RefCOCO / RefCOCO+ / RefCOCOg grounding: a box generated for a referring expression, scored by IoU (Acc@0.5).
+
+Question files (``--questions``): the ``refer`` layout (``data.refcoco``): the dataset's refs file
+(``refs(unc).p``; RefCOCOg ``refs(umd).p`` or ``refs(google).p``; or a JSON copy of its list), read without
+running code, and the dataset's ``instances.json`` (the referred objects' boxes, the images' names and sizes). One
+question per expression (``sent_id``); ``--split`` picks the refs' split (``val``, ``testA``, ``testB``,
+``test``, ``train``). Images: COCO ``train2014`` (``--images``). Evidence (``--annotations``, the same
+``instances.json`` or COCO's ``instances_train2014.json``): the referred object's own mask (its ``ann_id``'s
+segmentation), so retention, lost and diluted say whether pruning kept the tokens of the object the model must find.
+
+The prompt and the box are the answering family's (``data.boxes``; the family adapter declares its convention,
+``grounding``): LLaVA-1.5 asks "Please provide the bounding box coordinate of the region this sentence describes:
+<expression>." and answers ``[x1, y1, x2, y2]`` in 0-1 of the image padded to a square; Qwen2.5-VL asks "Locate
+<expression>, output its bbox coordinates using JSON format." and answers ``bbox_2d`` in pixels of its resized
+input; InternVL asks for ``<ref><expression></ref>`` and answers ``[[x1, y1, x2, y2]]`` on a 0-1000 grid. A
+family without a convention is refused before anything runs. LLaVA's frame is the padded square whatever the
+checkpoint's processor does (a llava-hf ``hf_crop`` processor included): it is the frame LLaVA-1.5 learned to answer
+in. The box is mapped back to the pixels of the image at its annotated size (``instances.json``; ``--annotations``
+checks every image file against it) through the model's token geometry of that size, and compared with the
+referred object's box: ``correct`` is IoU >= 0.5
+(Acc@0.5, lmms-eval's ``refcoco_ACC@0.5`` and InternVL's "Precision @ 1"); an answer without a box is wrong
+(IoU 0, ``predicted_box`` null), never an error. Greedy decoding up to ``max_new_tokens`` (default 100: InternVL's
+``evaluate_grounding.py``) reusing the pruned KV cache; confidence is the probability of the generated answer,
+the product of its tokens' probabilities (``sequence_prob``, as GQA's), the box's tokens being the answer.
+``score --task refcoco`` is refused: a released answer's box is in its model's frame, which an answers file does
+not name. lmms-lab's RefCOCO Parquet files and the Qwen-VL / InternVL ``refcoco_*.jsonl`` files are not read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from prune_audit.answer_modes import Greedy
+from prune_audit.data.boxes import BoxConvention, box_convention, box_iou, format_box
+from prune_audit.data.coco import CocoInstances
+from prune_audit.data.refcoco import SPLITS, RefQuestion, annotations_by_id, load_refcoco, target_box
+from prune_audit.errors import PruneAuditError
+from prune_audit.record_columns import column
+from prune_audit.tasks.base import GENERATED_CONFIDENCES, AnsweringModel, Scored, Task
+from prune_audit.tasks.prompts import compose_prompt
+from prune_audit.tasks.registry import register_task
+
+if TYPE_CHECKING:
+    from prune_audit.answer_modes import Generation
+    from prune_audit.data.geometry import TokenGeometry
+    from prune_audit.data.retention import ObjectArea
+    from prune_audit.tasks.base import TaskQuestion
+
+ANNOTATIONS_FIX = "pass the dataset's instances.json (or COCO's instances_train2014.json) with --annotations"
+ACCURACY_IOU = 0.5
+"""The IoU from which a box counts as correct (Acc@0.5)."""
+
+
+class ReferredObjectEvidence:
+    """A COCO instances file as evidence regions: each question's referred object, its annotation's own mask."""
+
+    def __init__(self, coco: CocoInstances) -> None:
+        self.coco = coco
+        self._anns = annotations_by_id(coco)
+        self._areas: dict[tuple[int, Any], ObjectArea] = {}
+
+    def annotation(self, ann_id: int) -> dict[str, Any]:
+        if ann_id not in self._anns:
+            raise PruneAuditError(f"annotation {ann_id} is not in {self.coco.source}; {ANNOTATIONS_FIX}")
+        return self._anns[ann_id]
+
+    def image_id(self, image: str) -> int:
+        return self.coco.image_id(image)
+
+    def check_image_size(self, image: str, size: tuple[int, int], path: Path) -> None:
+        self.coco.check_image_size(self.image_id(image), size, path)
+
+    def area(self, question: RefQuestion, image_id: int, geometry: TokenGeometry) -> ObjectArea:
+        from prune_audit.data.retention import object_area
+
+        key = (question.ann_id, geometry)
+        if key not in self._areas:
+            self._areas[key] = object_area(self.coco.annotation_mask(self.annotation(question.ann_id)), geometry)
+        return self._areas[key]
+
+    def objects(self, question: RefQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
+        return [(question.category, self.area(question, image_id, geometry))]
+
+    def record_mask(self, record: dict[str, Any]) -> np.ndarray:
+        """(height, width) bool: the mask of the record's referred annotation (``ann_id``)."""
+        return self.coco.annotation_mask(self.annotation(record["ann_id"]))
+
+
+@register_task
+class RefcocoTask(Task):
+    name = "refcoco"
+    summary = "RefCOCO / RefCOCO+ / RefCOCOg grounding: a box for a referring expression, scored by IoU (Acc@0.5)"
+    answer_mode_text = (
+        "greedy decoding under pruning, reusing the pruned KV cache; the prompt and the box are the family's own "
+        "(LLaVA-1.5: 0-1 of the padded square; Qwen2.5-VL: bbox_2d pixels of the resized input; InternVL: 0-1000)"
+    )
+    confidence_definition = (
+        f"the probability of the generated box, {GENERATED_CONFIDENCES['sequence']}; `--confidence mean-token` "
+        f"takes {GENERATED_CONFIDENCES['mean-token']}; both are recorded"
+    )
+    correct_definition = (
+        "Acc@0.5: the box, mapped back to the image's pixels, has IoU >= 0.5 with the referred object's box "
+        "(an answer without a box is wrong)"
+    )
+    evidence_definition = "the referred object's COCO mask (its annotation's segmentation)"
+    evidence_noun = "the referred objects"
+    evidence_fate = "expressions by the fate of the object they refer to"
+    evidence_questions = "expressions"
+    splits = SPLITS
+    report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
+    default_max_new_tokens = 100
+    confidences = ("sequence", "mean-token")
+    record_columns = (
+        column("ref_id", pa.int64(), "the refer API's ref the expression belongs to"),
+        column("ann_id", pa.int64(), "the referred object's COCO annotation id (its mask is the evidence region)"),
+        column("target_box", pa.list_(pa.float64()), "the referred object's box, [x1, y1, x2, y2] in image pixels"),
+        column(
+            "predicted_box",
+            pa.list_(pa.float64()),
+            "the answer's box mapped to image pixels, [x1, y1, x2, y2] (null: the answer holds no box)",
+        ),
+        column("iou", pa.float64(), "IoU of predicted_box with target_box (0 without a box or for a box of no area)"),
+        column("box_convention", pa.string(), "the answering family's box convention (data.boxes) that read the box"),
+    )
+    convention: BoxConvention | None = None
+    """The answering family's box convention (``use_model`` sets it)."""
+    _geometry: Callable[[tuple[int, int]], Any]
+    """The answering model's token geometry of an image size (``use_model`` sets it): the frame of its boxes."""
+
+    def use_model(self, model: AnsweringModel) -> None:
+        self.convention = box_convention(model.grounding, model.display_name)
+        self._geometry = model.token_geometry
+
+    def _bound(self) -> BoxConvention:
+        if self.convention is None:
+            raise RuntimeError("the grounding task was not given its model (Task.use_model) before prompting")
+        return self.convention
+
+    def prompt_text(self, question: TaskQuestion, declared: Mapping[str, str] | None = None) -> str:
+        """The family's grounding question (``data.boxes``); a checkpoint that declares its own instruction for
+        this task (``task_instructions.json``) is asked the expression and that instruction instead."""
+        if declared and self.name in declared:
+            return compose_prompt(
+                question.text, declared[self.name], f"question {question.split}/{question.question_id}"
+            )
+        return self._bound().prompt(question.text)
+
+    def read_questions(self, paths: Sequence[Path]) -> list[RefQuestion]:
+        return load_refcoco(paths)
+
+    def answer_mode(self, question: RefQuestion) -> Greedy:
+        return Greedy(int(self.max_new_tokens))  # type: ignore[arg-type]
+
+    def score(self, question: RefQuestion, generation: Generation) -> Scored:
+        convention = self._bound()
+        numbers = convention.parse(generation.answer)
+        predicted = None if numbers is None else convention.to_image(numbers, self._geometry(question.image_size))
+        iou = 0.0 if predicted is None else box_iou(predicted, question.box)
+        columns: dict[str, Any] = {
+            "sequence_prob": generation.confidence,
+            "mean_token_prob": generation.mean_token_prob,
+            "answer_tokens": generation.answer_tokens,
+            "stopped": generation.stopped,
+            "ref_id": question.ref_id,
+            "ann_id": question.ann_id,
+            "target_box": question.box.as_list(),
+            "predicted_box": None if predicted is None else predicted.as_list(),
+            "iou": iou,
+            "box_convention": convention.name,
+        }
+        confidence = columns["sequence_prob" if self.confidence == "sequence" else "mean_token_prob"]
+        return Scored(generation.answer, (format_box(question.box),), iou >= ACCURACY_IOU, confidence, columns)
+
+    def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
+        raise PruneAuditError(
+            f"score --task {self.name} is not offered: a released answer's box is in its model's frame, which an "
+            f"answers file does not name; run the model with prune-audit run --task {self.name}"
+        )
+
+    def summary_rows(self, records: pa.Table) -> list[tuple[str, str]]:
+        """Mean IoU and the answers without a box."""
+        iou = records["iou"].to_numpy(zero_copy_only=False).astype(np.float64)
+        unparsed = records["predicted_box"].null_count
+        return [
+            ("mean IoU", f"{float(iou.mean()):.4f}" if len(iou) else "-"),
+            ("answers without a box", f"{unparsed} of {len(iou)}"),
+        ]
+
+    def image_id(self, question: RefQuestion) -> int:
+        return question.image_id
+
+    def load_evidence(self, path: Path, questions: Sequence[RefQuestion]) -> ReferredObjectEvidence:
+        evidence = ReferredObjectEvidence(CocoInstances.load(path))
+        for question in questions:
+            ann = evidence.annotation(question.ann_id)
+            box = target_box(ann, f"{path}: annotation {question.ann_id}", ANNOTATIONS_FIX)
+            if ann["image_id"] != question.image_id or box != question.box:
+                raise PruneAuditError(
+                    f"annotation {question.ann_id} in {path} is not the one the questions refer to (another image or "
+                    f"box); {ANNOTATIONS_FIX}"
+                )
+        return evidence
+
+
+__all__ = ["ReferredObjectEvidence", "RefcocoTask"]
