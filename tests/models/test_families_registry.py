@@ -554,10 +554,10 @@ def test_class_declarations_say_what_the_loaded_model_runs(family, vlm):
 
 @pytest.mark.parametrize(
     ("document", "heading"),
-    [("docs/models.md", "## Selectors per family"), ("README.md", "## Selectors per model family")],
+    [("docs/models.md", "## Selectors per family")],
 )
 def test_docs_table_lists_what_runs_on_each_family(family, document, heading):
-    """The families x selectors tables of docs/models.md and README.md say what the class-level
+    """The families x selectors table of docs/models.md says what the class-level
     ``selector_support`` says."""
     from pathlib import Path
 

@@ -154,7 +154,7 @@ def test_family_support_tables_are_the_match_of_selector_and_family_traits(famil
 
 @pytest.mark.parametrize(
     ("document", "heading"),
-    [("docs/models.md", "## Selectors per family"), ("README.md", "## Selectors per model family")],
+    [("docs/models.md", "## Selectors per family")],
 )
 def test_docs_support_tables_are_generated_from_the_traits(document, heading):
     """The families x selectors table in each document is ``support_table()`` byte for byte (regenerate it with
