@@ -1553,10 +1553,11 @@ def test_e2s_sees_the_base_view_and_tile_grids_on_llava_next(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family_name, name", [("llava_next", "pool"), ("llava_next", "tome"), ("llava_onevision", "tome")]
+    "family_name, name",
+    [("llava_next", "pool"), ("llava_next", "downsample"), ("llava_next", "tome"), ("llava_onevision", "tome")],
 )
 def test_merged_tokens_take_their_first_cells_place_among_the_newlines(family_name, name, tmp_path):
-    """Pool and ToMe merge within each grid; each output token sits at the prompt column of its first cell, every
+    """Pool, downsample and ToMe merge within each grid; each output token sits at the prompt column of its first cell, every
     newline keeps its column and order, positions are compact; the pruned prefill's logits equal the stock
     language model fed that row's embeddings (with its own default positions)."""
     from prune_audit.models.kinds import MERGED, TEXT_BEFORE

@@ -112,7 +112,13 @@ def test_a_selector_flops_formula_is_its_own_arithmetic():
     assert selector_class("cdpruner").flops_exact is False  # nominal: the speculative rows vary with the data
 
 
-LAYOUT_NEEDS = {"hiprune": ONE_GRID, "visionzip": ONE_CLS, "vscan": PADDED_CROP_GRID, "pool": PRE_PROJECTOR_FEATURES}
+LAYOUT_NEEDS = {
+    "hiprune": ONE_GRID,
+    "visionzip": ONE_CLS,
+    "vscan": PADDED_CROP_GRID,
+    "pool": PRE_PROJECTOR_FEATURES,
+    "downsample": PRE_PROJECTOR_FEATURES,
+}
 FAMILY_REFUSALS = {
     "llava_next": {"hiprune": ONE_GRID, "visionzip": ONE_CLS, "vscan": PADDED_CROP_GRID},
     "llava_onevision": {
@@ -120,12 +126,13 @@ FAMILY_REFUSALS = {
         "visionzip": ONE_CLS,
         "vscan": PADDED_CROP_GRID,
         "pool": PRE_PROJECTOR_FEATURES,
+        "downsample": PRE_PROJECTOR_FEATURES,
     },
 }
 PER_GRID = {
-    "llava_next": {"e2s", "pool", "tome", "uniform"},
+    "llava_next": {"downsample", "e2s", "pool", "tome", "uniform"},
     "llava_onevision": {"e2s", "tome", "uniform"},
-    "internvl": {"e2s", "pool", "tome", "uniform"},
+    "internvl": {"downsample", "e2s", "pool", "tome", "uniform"},
 }
 
 
@@ -146,7 +153,9 @@ def test_family_support_tables_are_the_match_of_selector_and_family_traits(famil
     lacks = getattr(adapter, "lacks", frozenset())
     assert dict(adapter.refused_selectors) == FAMILY_REFUSALS.get(family, {})
     assert dict(adapter.refused_selectors) == {name: need for name, need in LAYOUT_NEEDS.items() if need in lacks}
-    assert adapter.crop_grid_selectors == {name for name in FAMILY_REFUSALS.get(family, {}) if name != "pool"}
+    assert adapter.crop_grid_selectors == {
+        name for name in FAMILY_REFUSALS.get(family, {}) if LAYOUT_NEEDS[name] != PRE_PROJECTOR_FEATURES
+    }
     assert set(adapter.per_grid_selectors) == PER_GRID.get(family, set())
     for how in adapter.per_grid_selectors.values():  # the family's prose for the selector's kind
         assert how.startswith("per tile: " if family == "internvl" else "per grid: ")
