@@ -93,6 +93,7 @@ def _selector_rows(depth: int | None, adapter: type[VisionLanguageModel]) -> lis
     from prune_audit.pruners import list_selectors, selector_class
     from prune_audit.pruners.base import option_defaults
     from prune_audit.pruners.options import option_domains
+    from prune_audit.pruners.serving import serving_need
 
     support = adapter.selector_support()
     rows = []
@@ -104,6 +105,7 @@ def _selector_rows(depth: int | None, adapter: type[VisionLanguageModel]) -> lis
                 "name": name,
                 "stage": cls.stage,
                 "requires": sorted(cls.requires),
+                "serving": serving_need(cls),
                 "family": adapter.family,
                 "runs": support[name] is None,
                 "refusal": support[name],
@@ -133,6 +135,7 @@ def _print_selectors(
     """Each selector as a block of lines wrapped at word boundaries; option values as --option takes them."""
     from prune_audit.cli.terminal import Page
     from prune_audit.pruners.options import spell
+    from prune_audit.pruners.serving import SERVING_NEEDS
 
     page = Page()
     scope = (
@@ -160,6 +163,7 @@ def _print_selectors(
             else (f"refused: {row['refusal']}")
         )
         page.paragraph(f"on {adapter.family}: {verdict}", indent=2, hang=4)
+        page.paragraph(f"in a serving engine: needs {SERVING_NEEDS[row['serving']]}", indent=2, hang=4)
         if row["summary"]:
             page.paragraph(row["summary"], indent=2)
         page.paragraph(f"paper: {row['paper']}", indent=2, hang=4)
