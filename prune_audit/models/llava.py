@@ -184,8 +184,9 @@ class LlavaModel(VisionLanguageModel):
                 signals["vision_features"] = selected[b, 1:]
             if "cls_feature" in requires:
                 signals["cls_feature"] = selected[b, 0]
-            if "cls_attention" in requires:
-                # the logits come along: score_dtype="model" recomputes the probabilities from them
+            if requires & {"cls_attention", "cls_logits"}:
+                # the logits come along: score_dtype="model" recomputes the probabilities from them, and a selector
+                # may read the logits alone (one full-width head is their sum over heads)
                 signals["cls_attention"], signals["cls_logits"] = cls_probs[b, :, 1:], cls_logits[b]
             if "vision_keys" in requires:
                 signals["vision_keys"] = cls_keys[b]
