@@ -28,7 +28,6 @@ LONG_FUNCTIONS = {
     "models/base.py::VisionLanguageModel.prefill": "the pruned prefill's three phases (vision, selection, LLM) on one clock",
     "runner/plan.py::plan_run": "the run's checks in their one order: every refusal before anything loads or is written",
     "analysis/figures.py::reliability_diagram": "one figure laid out element by element (ruff format's layout)",
-    "analysis/overlay.py::draw_panels": "one figure laid out panel by panel (ruff format's layout)",
     "analysis/study_figures.py::lost_objects": "one figure laid out element by element (ruff format's layout)",
     "models/accounting.py::question_cost": "one question's cost: every field of QuestionTokens filled in one place",
     "models/layer_signals.py::layer_signals": "one LayerSignals filled field by field from what the plan requires",

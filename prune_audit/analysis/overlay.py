@@ -13,17 +13,25 @@ tiles, ``data.multigrid``) is drawn once per grid (:func:`grid_panels`): each pi
 original image with that grid's kept tokens on the pixels they were computed from, so a reader
 sees whether the queried object survived in the coarse base view, in the fine tiles, or in both.
 Newline tokens have no pixels and are drawn nowhere.
+
+A task's boxes are drawn over every picture in image pixels (``Panel.evidence_boxes``, ``Panel.answer_boxes``):
+evidence boxes (TextVQA's OCR tokens, RefCOCO's target) framed solid in the evidence colour, the model's answer box
+(RefCOCO's prediction) framed dashed in its own colour, each labelled (an OCR word, an IoU). The legend names the
+evidence outline in the task's words (``Panel.evidence_label``).
 """
 
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from prune_audit.data.boxes import Box
 from prune_audit.data.geometry import TokenGeometry, token_index_map
 from prune_audit.data.multigrid import grid_names, grid_pieces
 from prune_audit.safety.atomic import write_bytes_atomic
@@ -31,6 +39,8 @@ from prune_audit.safety.atomic import write_bytes_atomic
 KEPT_OUTLINE = (255, 221, 0)
 MASK_OUTLINE = (0, 200, 255)
 MERGED_HATCH = (255, 40, 200)
+ANSWER_OUTLINE = (40, 255, 40)
+"""The model's answer box (dashed): green, unlike the yellow kept cells, the cyan evidence and the magenta hatch."""
 PRUNED_DIM = 0.25
 MERGED_DIM = 0.6
 HATCH_OPACITY = 0.55
@@ -102,6 +112,35 @@ def outline(mask: np.ndarray) -> np.ndarray:
     return mask & ~interior
 
 
+def pixel_span(low: float, high: float) -> tuple[int, int]:
+    """[start, stop) of the pixel rows or columns whose centre lies in [low, high), unclipped (the pixel-centre rule
+    of ``data.geometry`` and ``data.textvqa.box_mask``)."""
+    return math.ceil(low - 0.5), math.ceil(high - 0.5)
+
+
+def box_line_width(shape: tuple[int, int]) -> int:
+    """Frame width in image pixels: about 1.5 screen pixels once the picture is shown about 330 px wide."""
+    return max(1, round(max(shape) / 250))
+
+
+def box_outline(shape: tuple[int, int], box: Box, width: int = 1, dash: int = 0) -> np.ndarray:
+    """(H, W) bool: a frame ``width`` pixels thick just inside ``box`` (image pixels), clipped to the image; a side
+    past the image edge is not drawn (the frame never pretends the box ends at the border). ``dash`` > 0: runs of
+    ``dash`` pixels on and off along each side. Empty for a box of no area or outside the image."""
+    (top, bottom), (left, right) = pixel_span(box.y1, box.y2), pixel_span(box.x1, box.x2)
+    if bottom <= top or right <= left:
+        return np.zeros(shape, dtype=bool)
+    rows, columns = np.indices(shape)
+    inside = (rows >= top) & (rows < bottom) & (columns >= left) & (columns < right)
+    horizontal = (rows < top + width) | (rows >= bottom - width)
+    vertical = (columns < left + width) | (columns >= right - width)
+    frame = inside & (horizontal | vertical)
+    if dash > 0:
+        along = np.where(horizontal, columns - left, rows - top)  # the position along the side the pixel is on
+        frame &= (along // dash) % 2 == 0
+    return frame
+
+
 def kept_token_borders(geometry: TokenGeometry, kept: Sequence[int] | np.ndarray) -> np.ndarray:
     """(H, W) bool: boundary pixels of the kept region (for a crisp edge around kept cells)."""
     return outline(kept_pixels(geometry, kept))
@@ -121,6 +160,12 @@ class Panel:
     """Per stage, the grid cells its merged tokens carry (empty, or missing, without merging)."""
     stage_notes: dict[int, str] = field(default_factory=dict)
     """Text under one stage's cell (e.g. the retention of the stage it was measured at), above any caption."""
+    evidence_label: str = "queried object"
+    """What the evidence outline shows, in the legend's words (``visualize --run``: its task's ``evidence_label``)."""
+    evidence_boxes: list[tuple[str, Box]] = field(default_factory=list)
+    """(label, box in image pixels) of each evidence box, framed solid in MASK_OUTLINE (an empty label: none)."""
+    answer_boxes: list[tuple[str, Box]] = field(default_factory=list)
+    """(label, box in image pixels) of the model's answer boxes, framed dashed in ANSWER_OUTLINE."""
 
     def merged_cells(self, stage: int) -> list[int]:
         return self.merged[stage] if stage < len(self.merged) else []
@@ -129,6 +174,11 @@ class Panel:
         """The text under ``stage``'s cell: its stage note, then the caption under the last stage."""
         lines = [self.stage_notes.get(stage, ""), self.caption if stage == len(self.stages) - 1 else ""]
         return "\n".join(line for line in lines if line)
+
+    def title_lines(self, stage: int) -> int:
+        """Lines of ``stage``'s cell title: the panel's title (a task's note included), then the stage label."""
+        label = self.stage_labels[stage] if stage < len(self.stage_labels) else ""
+        return len(self.title.splitlines()) + len(label.splitlines())
 
     def has_merged_only_cells(self) -> bool:
         """Whether some stage draws a cell that only a merged token carries."""
@@ -175,6 +225,9 @@ def grid_panels(panel: Panel) -> list[Panel]:
                 panel.mask,
                 [local(cells) for cells in panel.merged],
                 stage_notes=panel.stage_notes if index == 0 else {},
+                evidence_label=panel.evidence_label,
+                evidence_boxes=panel.evidence_boxes,
+                answer_boxes=panel.answer_boxes,
             )
         )
     return panels
@@ -182,7 +235,7 @@ def grid_panels(panel: Panel) -> list[Panel]:
 
 def compose(image: np.ndarray, panel: Panel, stage: int) -> np.ndarray:
     """(H, W, 3) uint8 picture of ``panel``'s ``stage``: dimmed pruned area, hatched merged-only cells,
-    kept borders, mask outline."""
+    kept borders, mask outline, evidence boxes (solid) and answer boxes (dashed)."""
     kept, merged = panel.stages[stage], panel.merged_cells(stage)
     picture = dim_pruned(image, panel.geometry, kept, merged)
     hatch = merged_hatch(panel.geometry, merged, kept)
@@ -190,7 +243,48 @@ def compose(image: np.ndarray, panel: Panel, stage: int) -> np.ndarray:
     picture[kept_token_borders(panel.geometry, kept)] = KEPT_OUTLINE
     if panel.mask is not None:
         picture[outline(panel.mask)] = MASK_OUTLINE
+    shape, width = picture.shape[:2], box_line_width(picture.shape[:2])
+    for _, box in panel.evidence_boxes:
+        picture[box_outline(shape, box, width)] = MASK_OUTLINE
+    for _, box in panel.answer_boxes:
+        picture[box_outline(shape, box, width, dash=4 * width)] = ANSWER_OUTLINE
     return picture
+
+
+BOX_LABEL_MARGIN = 0.08
+"""A box label goes outside its box (above an evidence box, below an answer box) unless the box lies within this
+share of the image height of the edge; then it goes inside."""
+
+
+class BoxLabel(NamedTuple):
+    """Where ``label_boxes`` writes a box's label: the anchor in image pixels, its alignment, text and colour."""
+
+    x: float
+    y: float
+    ha: str
+    va: str
+    text: str
+    colour: tuple[int, int, int]
+
+
+def box_labels(panel: Panel, shape: tuple[int, int]) -> list[BoxLabel]:
+    """The label of every labelled box of ``panel`` that shows in an image of ``shape`` (H, W): an evidence box's
+    on its top edge, an answer box's on its bottom edge (a target and a prediction that overlap keep their labels
+    apart), each from the box's left corner, or its right one for a box starting in the image's right third."""
+    height, width = shape
+    margin = BOX_LABEL_MARGIN * height
+    labels = []
+    for boxes, colour, top in ((panel.evidence_boxes, MASK_OUTLINE, True), (panel.answer_boxes, ANSWER_OUTLINE, False)):
+        for text, box in boxes:
+            if not text or not box_outline(shape, box).any():
+                continue
+            left = box.x1 < 2 * width / 3
+            x = min(max(box.x1 if left else box.x2, 0.0), float(width))
+            y = min(max(box.y1 if top else box.y2, 0.0), float(height))
+            outside = y > margin if top else y < height - margin
+            va = "bottom" if outside == top else "top"
+            labels.append(BoxLabel(x, y, "left" if left else "right", va, text, colour))
+    return labels
 
 
 MAX_COLUMNS = 4
@@ -199,6 +293,8 @@ MAX_COLUMNS = 4
 CELL_INCHES = 3.0
 DPI = 110
 NOTE_CHARS_PER_INCH = 15
+CAPTION_CHARS = 45
+"""About how many characters of the 9-pt text under a cell fit its width (a long caption wraps, never overflows)."""
 """About how many characters of the 8-pt note fit in an inch of figure width."""
 NOTE_LINE_INCHES = 0.15
 
@@ -224,16 +320,28 @@ def figure_note(panels: Sequence[Panel], note: str = "") -> str:
 
 
 def legend_entries(panels: Sequence[Panel]) -> list[tuple[str, dict]]:
-    """(label, patch style) of every look the figure draws: kept and dropped cells always; the object
-    outline, cropped-away pixels and merged-only cells when some panel draws them."""
+    """(label, patch style) of every look the figure draws: kept and dropped cells always; the evidence outline
+    (named by the first such panel's ``evidence_label``), the answer box, cropped-away pixels and merged-only cells
+    when some panel draws them."""
     colour = lambda rgb, scale=1.0: tuple(scale * c / 255 for c in rgb)  # noqa: E731
     entries = [
         ("kept (yellow outline)", {"facecolor": "0.85", "edgecolor": colour(KEPT_OUTLINE), "linewidth": 2}),
         ("dropped (dimmed)", {"facecolor": colour((200, 200, 200), PRUNED_DIM), "edgecolor": "none"}),
     ]
-    if any(panel.mask is not None and panel.mask.any() for panel in panels):
+    evidence = [panel for panel in panels if (panel.mask is not None and panel.mask.any()) or panel.evidence_boxes]
+    if evidence:
         entries.append(
-            ("queried object (cyan outline)", {"facecolor": "none", "edgecolor": colour(MASK_OUTLINE), "linewidth": 2})
+            (
+                f"{evidence[0].evidence_label} (cyan outline)",
+                {"facecolor": "none", "edgecolor": colour(MASK_OUTLINE), "linewidth": 2},
+            )
+        )
+    if any(panel.answer_boxes for panel in panels):
+        entries.append(
+            (
+                "the model's box (green, dashed)",
+                {"facecolor": "none", "edgecolor": colour(ANSWER_OUTLINE), "linewidth": 2, "linestyle": "--"},
+            )
         )
     if any(outside_view(panel.geometry).any() for panel in panels):
         grey = (OUTSIDE_BASE + OUTSIDE_CONTRAST * 128) / 255
@@ -248,6 +356,15 @@ def legend_entries(panels: Sequence[Panel]) -> list[tuple[str, dict]]:
             )
         )
     return entries
+
+
+def label_boxes(axis: Any, panel: Panel, shape: tuple[int, int]) -> None:
+    """Write ``box_labels`` on ``axis`` (8 pt, black on the box's colour, clipped to the picture)."""
+    for label in box_labels(panel, shape):
+        bbox = {"facecolor": tuple(c / 255 for c in label.colour), "edgecolor": "none", "alpha": 0.85, "pad": 1.0}
+        axis.text(
+            label.x, label.y, label.text, fontsize=8, color="black", ha=label.ha, va=label.va, clip_on=True, bbox=bbox
+        )
 
 
 LEGEND_ROW_INCHES = 0.2
@@ -275,10 +392,7 @@ def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle
     cells = [(panel, stage) for panel in panels for stage in range(len(panel.stages))]
     rows, columns = grid_shape(len(cells))
     height, width = image.shape[:2]
-    title_lines = max(
-        1 + len(panel.stage_labels[stage].splitlines()) if stage < len(panel.stage_labels) else 1
-        for panel, stage in cells
-    )
+    title_lines = max(panel.title_lines(stage) for panel, stage in cells)
     cell_height = CELL_INCHES * height / width + 1.3 + 0.15 * max(0, title_lines - 2)  # titles, three-line captions
     figure_width = columns * CELL_INCHES + 0.3
     note_lines = wrapped(note, int(figure_width * NOTE_CHARS_PER_INCH))
@@ -295,10 +409,10 @@ def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle
         axis.set_xticks([])
         axis.set_yticks([])
         axis.imshow(compose(image, panel, stage), interpolation="nearest")
+        label_boxes(axis, panel, image.shape[:2])
         label = panel.stage_labels[stage] if stage < len(panel.stage_labels) else ""
         axis.set_title(panel.title + (f"\n{label}" if label else ""), fontsize=9)
-        if panel.under(stage):
-            axis.set_xlabel(panel.under(stage), fontsize=9)
+        axis.set_xlabel("\n".join(wrapped(panel.under(stage), CAPTION_CHARS)), fontsize=9)
     if suptitle:
         figure.suptitle(suptitle, fontsize=10)
     handles = [Patch(label=label, **style) for label, style in entries]

@@ -5,13 +5,19 @@ import numpy as np
 from PIL import Image
 
 from prune_audit.analysis.overlay import (
+    ANSWER_OUTLINE,
+    CAPTION_CHARS,
     CELL_INCHES,
     DPI,
     HATCH_OPACITY,
     KEPT_OUTLINE,
+    MASK_OUTLINE,
     MERGED_HATCH,
     MERGED_NOTE,
     Panel,
+    box_labels,
+    box_line_width,
+    box_outline,
     compose,
     dim_pruned,
     draw_panels,
@@ -19,9 +25,12 @@ from prune_audit.analysis.overlay import (
     grid_shape,
     kept_pixels,
     kept_token_borders,
+    legend_entries,
     merged_hatch,
     outline,
+    wrapped,
 )
+from prune_audit.data.boxes import Box
 from prune_audit.data.geometry import clip_geometry
 
 
@@ -151,3 +160,106 @@ def test_several_token_grids_are_drawn_one_picture_each_on_their_tokens_pixels()
         undimmed = dim_pruned(image, piece.geometry, piece.stages[0]).mean(axis=-1) == 200
         assert box.any() and np.array_equal(undimmed, box)
     assert grid_panels(Panel("x", base, [[1]])) == [Panel("x", base, [[1]])]
+
+
+# ----- a task's boxes: evidence framed solid, the model's answer box dashed -------------------------------------------
+
+
+def test_a_box_is_framed_just_inside_its_edge_on_the_pixels_whose_centre_it_holds():
+    # x in [5, 15), y in [4, 10): columns 5..14, rows 4..9; a 2-px frame
+    frame = box_outline((20, 30), Box(5.0, 4.0, 15.0, 10.0), width=2)
+    expected = np.zeros((20, 30), dtype=bool)
+    expected[4:10, 5:15] = True
+    expected[6:8, 7:13] = False
+    assert np.array_equal(frame, expected)
+    assert np.array_equal(box_outline((20, 30), Box(4.6, 3.6, 14.6, 9.6), width=2), expected)  # centres at +0.5
+
+
+def test_a_dashed_frame_alternates_runs_along_each_side_and_a_side_past_the_image_is_not_drawn():
+    dashed = box_outline((12, 30), Box(0.0, 0.0, 24.0, 12.0), width=1, dash=4)
+    assert dashed[0].tolist() == ([True] * 4 + [False] * 4) * 3 + [False] * 6  # top side: 4 on, 4 off
+    assert dashed[:, 0].tolist() == [True] * 4 + [False] * 4 + [True] * 4  # left side, from the top corner
+    partly_out = box_outline((10, 10), Box(-5.0, 2.0, 6.0, 20.0), width=1)
+    assert not partly_out[:, 0][3:].any()  # no left side at the image border: the box goes on past it
+    assert partly_out[2, :6].all() and partly_out[2:, 5].all() and not partly_out[:, 6:].any()
+    assert not box_outline((10, 10), Box(12.0, 0.0, 20.0, 5.0)).any()  # outside the image
+    assert not box_outline((10, 10), Box(6.0, 6.0, 2.0, 2.0)).any()  # inverted corners: no region
+
+
+def test_compose_frames_evidence_boxes_in_the_evidence_colour_and_the_answer_box_dashed_in_its_own():
+    geometry = clip_geometry((56, 56), mode="hf_crop", shortest_edge=None, crop_size=None)
+    image = np.full((56, 56, 3), 200, dtype=np.uint8)
+    panel = Panel(
+        "refcoco",
+        geometry,
+        [[5]],
+        evidence_boxes=[("bottle", Box(8.0, 8.0, 40.0, 30.0))],
+        answer_boxes=[("IoU 0.14", Box(20.0, 34.0, 52.0, 50.0))],
+    )
+    picture = compose(image, panel, 0)
+    assert box_line_width((56, 56)) == 1
+    evidence = box_outline((56, 56), Box(8.0, 8.0, 40.0, 30.0))
+    assert (picture[evidence] == MASK_OUTLINE).all()
+    assert (picture[8, 8:40] == MASK_OUTLINE).all() and (picture[8:30, 39] == MASK_OUTLINE).all()
+    assert (picture[34, 20:24] == ANSWER_OUTLINE).all() and not (picture[34, 24:28] == ANSWER_OUTLINE).all(
+        axis=-1
+    ).any()
+    assert (picture[49, 20:24] == ANSWER_OUTLINE).all()  # bottom side: the same dashes
+    assert not (picture[20, 20] == MASK_OUTLINE).all()  # inside the frame: the picture itself
+
+
+def test_box_labels_sit_outside_their_box_unless_it_touches_the_edge_and_never_for_a_box_off_the_image():
+    geometry = clip_geometry((100, 100), mode="hf_crop", shortest_edge=None, crop_size=None, patch_size=10)
+    panel = Panel(
+        "x",
+        geometry,
+        [[0]],
+        evidence_boxes=[
+            ("STOP", Box(10.0, 40.0, 30.0, 50.0)),
+            ("top", Box(10.0, 2.0, 30.0, 9.0)),
+            ("", Box(0, 0, 5, 5)),
+        ],
+        answer_boxes=[("IoU 0.50", Box(80.0, 20.0, 95.0, 60.0)), ("gone", Box(200.0, 0.0, 300.0, 50.0))],
+    )
+    labels = box_labels(panel, (100, 100))
+    assert [(label.text, label.x, label.y, label.ha, label.va) for label in labels] == [
+        ("STOP", 10.0, 40.0, "left", "bottom"),  # above the box's top-left corner
+        ("top", 10.0, 2.0, "left", "top"),  # at the image's top: inside the box
+        ("IoU 0.50", 95.0, 60.0, "right", "top"),  # below the bottom edge, from the right corner in the right third
+    ]
+    assert labels[0].colour == MASK_OUTLINE and labels[2].colour == ANSWER_OUTLINE
+
+
+def test_the_legend_names_the_evidence_in_the_panels_words_and_the_answer_box_when_drawn():
+    geometry = clip_geometry((56, 56), mode="hf_crop", shortest_edge=None, crop_size=None)
+    boxes_only = Panel(
+        "x", geometry, [[0]], evidence_label="answer's OCR text", evidence_boxes=[("Coca", Box(1.0, 1.0, 9.0, 9.0))]
+    )
+    labels = [label for label, _ in legend_entries([boxes_only])]
+    assert "answer's OCR text (cyan outline)" in labels and not any("dashed" in label for label in labels)
+    answered = Panel("x", geometry, [[0]], answer_boxes=[("IoU 0.10", Box(1.0, 1.0, 9.0, 9.0))])
+    styles = dict(legend_entries([answered]))
+    assert styles["the model's box (green, dashed)"]["linestyle"] == "--"
+    assert not any("cyan" in label for label in styles)  # no evidence drawn: no evidence entry
+    masked = Panel("x", geometry, [[0]], mask=np.ones((56, 56), dtype=bool))
+    assert "queried object (cyan outline)" in [label for label, _ in legend_entries([masked])]  # the live default
+
+
+def test_a_figure_with_boxes_titles_a_note_on_its_own_line_and_wraps_a_long_caption(tmp_path):
+    geometry = clip_geometry((56, 56), mode="hf_crop", shortest_edge=None, crop_size=None)
+    image = np.full((56, 56, 3), 128, dtype=np.uint8)
+    panel = Panel(
+        "random, budget 3\nno box parsed",
+        geometry,
+        [[0, 1, 2]],
+        ["input: kept 3 of 16"],
+        caption="answer " + "word " * 30,
+        evidence_boxes=[("person", Box(5.0, 20.0, 30.0, 50.0))],
+    )
+    assert panel.title_lines(0) == 3
+    with Image.open(draw_panels(image, [panel], tmp_path / "boxes.png")) as picture:
+        pixels = np.asarray(picture.convert("RGB"))
+    assert (np.abs(pixels.astype(int) - MASK_OUTLINE).sum(axis=-1) < 30).any()  # the cyan frame is on the page
+    assert wrapped(panel.under(0), CAPTION_CHARS) and all(
+        len(line) <= CAPTION_CHARS for line in wrapped(panel.under(0), CAPTION_CHARS)
+    )
