@@ -33,6 +33,22 @@ def drawn_masks(monkeypatch) -> list:
     return masks
 
 
+@pytest.fixture
+def drawn_panels(monkeypatch) -> list:
+    """Every panel ``visualize --run`` draws (its mask, boxes, legend words), captured before the figure is written."""
+    from prune_audit.runner import visualize_record
+
+    panels: list = []
+    original = visualize_record.draw_panels
+
+    def capture(pixels, drawn, out, **kwargs):
+        panels.extend(drawn)
+        return original(pixels, drawn, out, **kwargs)
+
+    monkeypatch.setattr(visualize_record, "draw_panels", capture)
+    return panels
+
+
 def redraw(run: Path, row: dict, out: Path):
     result = runner.invoke(
         app,
@@ -156,3 +172,11 @@ def test_scienceqa_figure_says_it_has_no_evidence_region(workspace, letters_mode
     said = redraw(run, pq.read_table(run / "records.parquet").to_pylist()[0], tmp_path / "figure.png")
     assert drawn_masks == [None]
     assert "no evidence mask: scienceqa questions name no image region" in " ".join(said.stdout.split())
+
+
+def test_each_task_names_its_evidence_outline_in_the_figure_legend():
+    from prune_audit.tasks import get_task, list_tasks
+
+    labels = {name: get_task(name).evidence_label for name in list_tasks()}
+    assert labels["pope"] == "queried object" and labels["textvqa"] == "answer's OCR text"
+    assert labels["refcoco"] == "referred object" and all(labels.values())

@@ -30,6 +30,8 @@ from prune_audit.safety.inputs import loads_json, path_under
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from prune_audit.tasks import FigureBoxes, Task
+
 
 def visualize_record(
     run_dir: Path, question_id: int, split: str | None, out: Path | None, stage: StageChoice = FIRST
@@ -38,29 +40,16 @@ def visualize_record(
 
     Every stage is drawn at its recorded decoder layer; the title gives the retention of ``stage``.
     """
-    import pyarrow.compute as pc
-
     from prune_audit.records.store import read_run
+    from prune_audit.tasks import manifest_task
 
     manifest, records = read_run(run_dir)
-    match = pc.equal(records["question_id"], question_id)
-    if split is not None:
-        match = pc.and_(match, pc.equal(records["split"], split))
-    rows = records.filter(match).to_pylist()
-    if not rows:
-        raise PruneAuditError(
-            f"question {question_id} is not in {run_dir}; pass one of its ids, e.g. "
-            f"{_some_ids(records, split)} (--question-id, and --split)"
-        )
-    if len(rows) > 1:
-        raise PruneAuditError(
-            f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split"
-        )
-    row = rows[0]
+    row = _record_row(records, question_id, split, run_dir)
     geometry = geometry_from_dict(loads_json(row["geometry"], f"{run_dir}: question {question_id}'s geometry"))
     image = _run_image(manifest, row["image"], run_dir)
     pixels = load_rgb(image)
-    mask, missing = _evidence_mask(manifest, row, image, pixels, run_dir)
+    task = manifest_task(manifest)
+    mask, boxes, missing = _evidence_drawing(task, manifest, row, image, pixels, run_dir)
     stages = [list(k) for k in row["kept_stages"]]
     merged = row["merged_stages"]
     level = manifest["selector"]["stage"]
@@ -78,7 +67,19 @@ def visualize_record(
     )
     about, truth = _question_words(row)
     caption = f"answer {row['answer_text']} (confidence {row['confidence']:.3f}), {truth}"
-    panel = Panel(title, geometry, stages, labels, caption, mask, merged_cells(merged), stage_notes=notes)
+    panel = Panel(
+        title + (f"\n{boxes.note}" if boxes.note else ""),
+        geometry,
+        stages,
+        labels,
+        caption,
+        mask,
+        merged_cells(merged),
+        stage_notes=notes,
+        evidence_label=task.evidence_label,
+        evidence_boxes=list(boxes.evidence),
+        answer_boxes=[boxes.answer] if boxes.answer else [],
+    )
     out = output_path(out, FIGURES_DIR / Path(run_dir).resolve().name, f"tokens-{row['split']}-{question_id}")
     suptitle = f"{Path(manifest['model']['id']).name} | {about} ({row['split']} #{question_id})"
     path = draw_panels(pixels, [panel], out, suptitle=suptitle)
@@ -101,24 +102,44 @@ def _some_ids(records: pa.Table, split: str | None, count: int = 5) -> str:
     return ", ".join(str(value) for value in ids[:count]) or f"none in split {split}"
 
 
-def _evidence_mask(
-    manifest: dict[str, Any], row: dict[str, Any], image: Path, pixels: np.ndarray, run_dir: Path
-) -> tuple[np.ndarray | None, str | None]:
-    """The recorded question's evidence region, (height, width) bool, from the run's pinned annotations by its task
-    (``Evidence.record_mask``: POPE's object, GQA's scene-graph boxes, a caption's annotated objects), or None and
-    the reason the figure has none."""
-    from prune_audit.tasks import manifest_task
+def _record_row(records: pa.Table, question_id: int, split: str | None, run_dir: Path) -> dict[str, Any]:
+    """The one record of ``question_id`` (in ``split``, when given); a one-line refusal when there is none or
+    several."""
+    import pyarrow.compute as pc
 
-    task = manifest_task(manifest)
+    match = pc.equal(records["question_id"], question_id)
+    if split is not None:
+        match = pc.and_(match, pc.equal(records["split"], split))
+    rows = records.filter(match).to_pylist()
+    if not rows:
+        raise PruneAuditError(
+            f"question {question_id} is not in {run_dir}; pass one of its ids, e.g. "
+            f"{_some_ids(records, split)} (--question-id, and --split)"
+        )
+    if len(rows) > 1:
+        raise PruneAuditError(
+            f"question id {question_id} appears in splits {', '.join(r['split'] for r in rows)}; pass --split"
+        )
+    return rows[0]
+
+
+def _evidence_drawing(
+    task: Task, manifest: dict[str, Any], row: dict[str, Any], image: Path, pixels: np.ndarray, run_dir: Path
+) -> tuple[np.ndarray | None, FigureBoxes, str | None]:
+    """What the figure draws of the recorded question's evidence, read by its task: the evidence region, (height,
+    width) bool, from the run's pinned annotations (``Evidence.record_mask``: POPE's object, GQA's scene-graph boxes,
+    a caption's annotated objects, TextVQA's OCR boxes, RefCOCO's referred object; None without one), the task's
+    boxes (``Task.figure_boxes``), and the reason the figure has no evidence mask (None when it has one)."""
     annotations = manifest.get("annotations") or {}
     if not task.names_evidence:
-        return None, f"no evidence mask: {task.name} questions name no image region"
+        return None, task.figure_boxes(row, None), f"no evidence mask: {task.name} questions name no image region"
     if not annotations.get("path"):
-        return None, "no evidence mask: the run was made without --annotations"
+        return None, task.figure_boxes(row, None), "no evidence mask: the run was made without --annotations"
     evidence = task.load_evidence(_pinned_input(Path(annotations["path"]), annotations.get("sha256"), run_dir), [])
     evidence.check_image_size(row["image"], (pixels.shape[1], pixels.shape[0]), image)
     mask = evidence.record_mask(row)
-    return mask, None if mask is not None else f"no evidence mask: this question names no region ({task.evidence_noun})"
+    missing = None if mask is not None else f"no evidence mask: this question names no region ({task.evidence_noun})"
+    return mask, task.figure_boxes(row, evidence), missing
 
 
 def _question_words(row: dict[str, Any]) -> tuple[str, str]:
@@ -127,7 +148,7 @@ def _question_words(row: dict[str, Any]) -> tuple[str, str]:
     if row["task"] == "pope":
         return row["object"], f"label {row['label']}"
     about = ", ".join(dict.fromkeys(row["evidence_objects"])) or "the image"
-    return about, f"reference {' / '.join(row['references'])}"
+    return about, f"reference {' / '.join(dict.fromkeys(row['references']))}"  # each once: TextVQA lists 10 annotators'
 
 
 def _run_image(manifest: dict[str, Any], name: str, run_dir: Path) -> Path:

@@ -12,7 +12,7 @@ declares its own record columns); ``records`` sits above them and assembles the 
 
 from importlib import import_module
 
-from prune_audit.tasks.base import AnsweringModel, Evidence, Scored, Task, TaskQuestion
+from prune_audit.tasks.base import AnsweringModel, Evidence, FigureBoxes, Scored, Task, TaskQuestion
 from prune_audit.tasks.registry import DEFAULT_TASK, get_task, list_tasks, manifest_task, register_task
 
 # one module per task; importing it registers the task. The order is that of the tasks' record columns in every
@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_TASK",
     "AnsweringModel",
     "Evidence",
+    "FigureBoxes",
     "Scored",
     "Task",
     "TaskQuestion",

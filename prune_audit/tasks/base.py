@@ -25,6 +25,7 @@ from prune_audit.tasks.prompts import compose_prompt
 
 if TYPE_CHECKING:
     from prune_audit.answer_modes import AnswerMode, Reduction
+    from prune_audit.data.boxes import Box
     from prune_audit.data.geometry import TokenGeometry
     from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
@@ -98,6 +99,22 @@ class Scored:
     columns: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class FigureBoxes:
+    """The boxes ``visualize --run`` draws over a recorded question (``Task.figure_boxes``), in image pixels.
+
+    Attributes:
+        evidence: (label, box) of each evidence box, framed like the evidence mask (TextVQA: each answer token's
+            OCR box and its word; RefCOCO: the target box); an empty label writes none.
+        answer: (label, box) of the model's answer box (RefCOCO: the predicted box and its IoU); None: none.
+        note: words the figure's title adds (RefCOCO: "no box parsed" for an answer without a box).
+    """
+
+    evidence: tuple[tuple[str, Box], ...] = ()
+    answer: tuple[str, Box] | None = None
+    note: str = ""
+
+
 class AnsweringModel(Protocol):
     """What a task may read of the model that answers its questions (``Task.use_model``): the family's declarations,
     never its weights. ``models.VisionLanguageModel`` is one."""
@@ -148,6 +165,7 @@ class Task(ABC):
         correct_definition: what the ``correct`` column holds, in words.
         evidence_definition: which image region counts as the question's evidence, in words.
         evidence_noun: the evidence regions as the run summary names them.
+        evidence_label: the evidence region as the legend of ``visualize --run``'s figure names its outline.
         evidence_fate: the questions whose evidence the retention figure and tables follow, and by what, in words
             (POPE: "'yes' questions by the fate of the queried object"); empty for a task without evidence.
         names_evidence: whether its questions name image regions at all (``--annotations``).
@@ -201,6 +219,7 @@ class Task(ABC):
     correct_definition: ClassVar[str] = ""
     evidence_definition: ClassVar[str] = ""
     evidence_noun: ClassVar[str] = "the evidence regions"
+    evidence_label: ClassVar[str] = "evidence region"
     evidence_fate: ClassVar[str] = ""
     evidence_questions: ClassVar[str] = ""
     names_evidence: ClassVar[bool] = True
@@ -296,6 +315,11 @@ class Task(ABC):
     def load_evidence(self, path: Path, questions: Sequence[TaskQuestion]) -> Evidence:
         """The ``--annotations`` file as evidence regions, every question's evidence checked to exist in it."""
 
+    def figure_boxes(self, record: dict[str, Any], evidence: Evidence | None) -> FigureBoxes:
+        """The boxes ``visualize --run`` draws over a recorded question, from its record and, when the run had
+        ``--annotations``, its ``evidence``; default none (the evidence mask alone is drawn)."""
+        return FigureBoxes()
+
     required_columns: ClassVar[tuple[str, ...]] = ()
     """The task's own record columns the analyses read (each must hold a value in every row)."""
 
@@ -340,4 +364,13 @@ class Task(ABC):
         return records["answer_text"].to_numpy(zero_copy_only=False).astype(str)
 
 
-__all__ = ["GENERATED_COLUMNS", "GENERATED_CONFIDENCES", "AnsweringModel", "Evidence", "Scored", "Task", "TaskQuestion"]
+__all__ = [
+    "GENERATED_COLUMNS",
+    "GENERATED_CONFIDENCES",
+    "AnsweringModel",
+    "Evidence",
+    "FigureBoxes",
+    "Scored",
+    "Task",
+    "TaskQuestion",
+]

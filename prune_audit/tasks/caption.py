@@ -161,6 +161,7 @@ class CaptionTask(Task):
     correct_definition = "CHAIR-s's complement: the caption mentions no object absent from the image"
     evidence_definition = "every annotated object's COCO mask: their union, and each object on its own"
     evidence_noun = "the annotated objects"
+    evidence_label = "annotated objects"
     evidence_fate = "captions by the fate of their image's annotated objects (together)"
     evidence_questions = "captions with annotated objects"
     instruction = DETAILED_DESCRIPTION

@@ -153,6 +153,7 @@ class GqaTask(Task):
     )
     evidence_definition = "the union of the scene-graph boxes of the objects the question's annotations name"
     evidence_noun = "the annotated objects"
+    evidence_label = "queried objects"
     evidence_fate = "questions by the fate of the objects their annotations name (together)"
     evidence_questions = "questions with evidence masks"
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")

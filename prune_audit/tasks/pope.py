@@ -55,6 +55,7 @@ class PopeTask(Task):
     correct_definition = "the answer (yes/no) equals the label"
     evidence_definition = "the queried object's COCO instance mask (yes questions; none for no questions)"
     evidence_noun = "the yes questions' objects"
+    evidence_label = "queried object"
     evidence_fate = "'yes' questions by the fate of the queried object"
     evidence_questions = "yes-questions"
     # as LLaVA's llava_pope_test.jsonl and lmms-eval's pope post_prompt ask; the official POPE files carry none

@@ -24,6 +24,10 @@ referred object's box: ``correct`` is IoU >= 0.5
 the product of its tokens' probabilities (``sequence_prob``, as GQA's), the box's tokens being the answer.
 ``score --task refcoco`` is refused: a released answer's box is in its model's frame, which an answers file does
 not name. lmms-lab's RefCOCO Parquet files and the Qwen-VL / InternVL ``refcoco_*.jsonl`` files are not read.
+
+``visualize --run`` draws the referred object's mask outline (with ``--annotations``) and its target box in cyan
+(labelled with its category; the legend says "referred object"), and the predicted box dashed in green, labelled with
+its IoU; an answer without a box reads "no box parsed" in the title.
 """
 
 from __future__ import annotations
@@ -36,12 +40,12 @@ import numpy as np
 import pyarrow as pa
 
 from prune_audit.answer_modes import Greedy
-from prune_audit.data.boxes import BoxConvention, box_convention, box_iou, format_box
+from prune_audit.data.boxes import Box, BoxConvention, box_convention, box_iou, format_box
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.refcoco import SPLITS, RefQuestion, annotations_by_id, load_refcoco, target_box
 from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import column
-from prune_audit.tasks.base import GENERATED_CONFIDENCES, AnsweringModel, Scored, Task
+from prune_audit.tasks.base import GENERATED_CONFIDENCES, AnsweringModel, Evidence, FigureBoxes, Scored, Task
 from prune_audit.tasks.prompts import compose_prompt
 from prune_audit.tasks.registry import register_task
 
@@ -109,6 +113,7 @@ class RefcocoTask(Task):
     )
     evidence_definition = "the referred object's COCO mask (its annotation's segmentation)"
     evidence_noun = "the referred objects"
+    evidence_label = "referred object"
     evidence_fate = "expressions by the fate of the object they refer to"
     evidence_questions = "expressions"
     splits = SPLITS
@@ -193,6 +198,14 @@ class RefcocoTask(Task):
 
     def image_id(self, question: RefQuestion) -> int:
         return question.image_id
+
+    def figure_boxes(self, record: dict[str, Any], evidence: Evidence | None) -> FigureBoxes:
+        """The target box (labelled with the object's category) and the predicted box (labelled with its IoU), both
+        from the record; an answer without a box says "no box parsed" in the title."""
+        target = (", ".join(record["evidence_objects"] or ()), Box(*record["target_box"]))
+        if record["predicted_box"] is None:
+            return FigureBoxes(evidence=(target,), note="no box parsed")
+        return FigureBoxes(evidence=(target,), answer=(f"IoU {record['iou']:.2f}", Box(*record["predicted_box"])))
 
     def load_evidence(self, path: Path, questions: Sequence[RefQuestion]) -> ReferredObjectEvidence:
         evidence = ReferredObjectEvidence(CocoInstances.load(path))

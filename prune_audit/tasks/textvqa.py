@@ -25,7 +25,8 @@ consecutive tokens whose normalised words equal a normalised answer, ``data.text
 also measured on its own (``evidence_objects``, ``evidence_objects_lost``). ``retention``, ``lost`` and ``diluted``
 (per stage) then say how much of the answer's text the pruner kept. A question whose answer no OCR token spells has
 no evidence (NaN retention), unless ``TextVqaTask.evidence_fallback`` is set: then every OCR box of its image is its
-evidence. ``visualize --run`` outlines the same boxes.
+evidence. ``visualize --run`` frames each of those tokens' boxes in cyan, labelled with its OCR word, over the kept
+tokens; the legend names the outline "answer's OCR text". A run without ``--annotations`` draws no boxes.
 
 ``prune-audit score --task textvqa answers.jsonl --questions TextVQA_0.5.1_val.json`` scores an answers file keyed by
 TextVQA's ``question_id`` (what ``export --answers`` writes): the mean VQA accuracy (``accuracy``) and the share with
@@ -45,6 +46,7 @@ import numpy as np
 import pyarrow as pa
 
 from prune_audit.answer_modes import Greedy
+from prune_audit.data.boxes import Box
 from prune_audit.data.textvqa import (
     OcrBox,
     TextVqaQuestion,
@@ -56,7 +58,7 @@ from prune_audit.data.textvqa import (
 )
 from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import column
-from prune_audit.tasks.base import GENERATED_CONFIDENCES, Scored, Task
+from prune_audit.tasks.base import GENERATED_CONFIDENCES, Evidence, FigureBoxes, Scored, Task
 from prune_audit.tasks.gqa import stable_image_id
 from prune_audit.tasks.prompts import SHORT_ANSWER
 from prune_audit.tasks.registry import register_task
@@ -152,13 +154,28 @@ class OcrEvidence:
     def record_mask(self, record: dict[str, Any]) -> np.ndarray | None:
         """(height, width) bool: the union of the evidence boxes of the record's image and ``references`` (the human
         answers), at the image size its ``geometry`` recorded; None when no OCR token spells an answer."""
-        from prune_audit.data.multigrid import geometry_from_dict
-
-        width, height = geometry_from_dict(json.loads(record["geometry"])).image_size
+        width, height = _record_size(record)
         found = self.boxes(record["image"], record["references"])
         if not found:
             return None
         return np.logical_or.reduce([box_mask(box, width, height) for _, box in found])
+
+    def record_boxes(self, record: dict[str, Any]) -> list[tuple[str, Box]]:
+        """(word, box in image pixels) of each evidence token of a recorded question (its image and ``references``),
+        at the image size its ``geometry`` recorded; ``visualize --run`` frames and labels them."""
+        width, height = _record_size(record)
+        return [
+            (word, Box(box.x * width, box.y * height, (box.x + box.width) * width, (box.y + box.height) * height))
+            for word, box in self.boxes(record["image"], record["references"])
+        ]
+
+
+def _record_size(record: dict[str, Any]) -> tuple[int, int]:
+    """(width, height) of a recorded question's image, from the token geometry the record holds."""
+    from prune_audit.data.multigrid import geometry_from_dict
+
+    width, height = geometry_from_dict(json.loads(record["geometry"])).image_size
+    return int(width), int(height)
 
 
 @register_task
@@ -179,6 +196,7 @@ class TextVqaTask(Task):
         "the Rosetta OCR boxes of the tokens that spell a human answer: their union, and each on its own"
     )
     evidence_noun = "the answers' OCR tokens"
+    evidence_label = "answer's OCR text"
     evidence_fate = "questions by the fate of the OCR tokens that spell their answer (together)"
     evidence_questions = "questions with answer tokens"
     report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
@@ -264,6 +282,13 @@ class TextVqaTask(Task):
         return records["answer_normalized"].to_numpy(zero_copy_only=False).astype(str)
 
     required_columns = ("answer_normalized",)
+
+    def figure_boxes(self, record: dict[str, Any], evidence: Evidence | None) -> FigureBoxes:
+        """Each OCR token that spells a human answer, framed and labelled with its word (needs the run's OCR file,
+        ``--annotations``)."""
+        if not isinstance(evidence, OcrEvidence):
+            return FigureBoxes()
+        return FigureBoxes(evidence=tuple(evidence.record_boxes(record)))
 
     def image_id(self, question: TextVqaTaskQuestion) -> int:
         return stable_image_id(question.tvqa.image_id)

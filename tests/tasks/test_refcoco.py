@@ -12,9 +12,18 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from cli_checks import refused, snapshot
-from test_task_visualize import drawn_masks, redraw  # noqa: F401 (drawn_masks: fixture)
+from test_task_visualize import drawn_masks, drawn_panels, redraw  # noqa: F401 (drawn_masks, drawn_panels: fixtures)
 from typer.testing import CliRunner
 
+from prune_audit.analysis.overlay import (
+    ANSWER_OUTLINE,
+    MASK_OUTLINE,
+    Panel,
+    box_line_width,
+    box_outline,
+    compose,
+    legend_entries,
+)
 from prune_audit.answer_modes import Generation
 from prune_audit.cli.main import app
 from prune_audit.data.boxes import BOX_CONVENTIONS, Box, box_iou
@@ -349,7 +358,7 @@ def _run_args(files: dict[str, Path], out: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_run_records_the_box_its_iou_and_the_referred_object_retention(coco_refs, tmp_path, drawn_masks):
+def test_run_records_the_box_its_iou_and_the_referred_object_retention(coco_refs, tmp_path, drawn_masks, drawn_panels):  # noqa: F811
     out = tmp_path / "run"
     result = runner.invoke(app, _run_args(coco_refs, out, "--selector", "random", "--budget", "16"))
     assert result.exit_code == 0, result.output
@@ -380,6 +389,16 @@ def test_run_records_the_box_its_iou_and_the_referred_object_retention(coco_refs
         next(a for a in coco.annotations_by_image[rows[0]["image_id"]] if a["id"] == rows[0]["ann_id"])
     )
     assert np.array_equal(drawn_masks[0], expected)
+    # the figure frames the target box, labelled with the object's category, in the task's legend words; the demo
+    # writes no box, so no answer box is drawn and the title says why
+    assert (tmp_path / "figure.png").is_file()
+    [panel] = drawn_panels
+    assert panel.evidence_boxes == [(rows[0]["evidence_objects"][0], Box(*rows[0]["target_box"]))]
+    assert "referred object (cyan outline)" in [label for label, _ in legend_entries([panel])]
+    assert rows[0]["predicted_box"] is None and panel.answer_boxes == [] and "no box parsed" in panel.title
+    picture = compose(np.zeros((*expected.shape, 3), dtype=np.uint8), panel, 0)
+    frame = box_outline(expected.shape, Box(*rows[0]["target_box"]), box_line_width(expected.shape))
+    assert frame.any() and (picture[frame] == MASK_OUTLINE).all()
 
 
 def test_run_split_picks_the_refs_split(coco_refs, tmp_path):
@@ -438,3 +457,21 @@ def test_score_of_released_answers_is_refused_in_one_line(tmp_path):
         app, ["score", str(answers), "--task", TASK, "--questions", str(files[0]), "--questions", str(files[1])]
     )
     refused(result, "is not offered", "box is in its model's frame")
+
+
+def test_the_figure_draws_the_predicted_box_dashed_and_labelled_with_its_iou():
+    task = get_task(TASK)
+    record = {"evidence_objects": ["dog"], "target_box": [10.0, 10.0, 50.0, 40.0], "iou": 0.4242}
+    boxes = task.figure_boxes({**record, "predicted_box": [20.0, 16.0, 60.0, 56.0]}, None)
+    assert boxes.evidence == (("dog", Box(10.0, 10.0, 50.0, 40.0)),) and boxes.note == ""
+    assert boxes.answer == ("IoU 0.42", Box(20.0, 16.0, 60.0, 56.0))
+    unparsed = task.figure_boxes({**record, "predicted_box": None}, None)
+    assert unparsed.answer is None and unparsed.note == "no box parsed"
+    geometry = clip_geometry((70, 70), mode="hf_crop", shortest_edge=None, crop_size=None)
+    panel = Panel("random", geometry, [[0]], evidence_boxes=list(boxes.evidence), answer_boxes=[boxes.answer])
+    picture = compose(np.full((70, 70, 3), 120, dtype=np.uint8), panel, 0)
+    assert (picture[10, 10:50] == MASK_OUTLINE).all() and (picture[10:40, 10] == MASK_OUTLINE).all()
+    assert (picture[55, 20:24] == ANSWER_OUTLINE).all() and (picture[17:20, 59] == ANSWER_OUTLINE).all()
+    assert not (picture[55, 24:28] == ANSWER_OUTLINE).all(axis=-1).any()  # dashed: a gap after each run
+    labels = [label for label, _ in legend_entries([panel])]
+    assert "the model's box (green, dashed)" in labels

@@ -11,8 +11,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from cli_checks import refused
+from test_task_visualize import drawn_panels  # noqa: F401 (fixture)
 from typer.testing import CliRunner
 
+from prune_audit.analysis.overlay import MASK_OUTLINE, box_outline, compose, legend_entries
 from prune_audit.cli.main import app
 from prune_audit.data.textvqa import (
     OcrBox,
@@ -278,7 +280,7 @@ def run_args(paths: dict[str, Path], out: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_demo_run_records_vqa_accuracy_and_the_answer_tokens_retention(coco_files, tmp_path):
+def test_demo_run_records_vqa_accuracy_and_the_answer_tokens_retention(coco_files, tmp_path, drawn_panels):  # noqa: F811
     out = tmp_path / "run"
     result = runner.invoke(
         app, run_args(coco_files, out, "--selector", "random", "--budget", "16", "--max-new-tokens", "3")
@@ -306,6 +308,21 @@ def test_demo_run_records_vqa_accuracy_and_the_answer_tokens_retention(coco_file
     )
     assert drawn.exit_code == 0, drawn.output
     assert (tmp_path / "f.png").is_file() and "about Coca" in drawn.stdout
+    # the figure frames each answer token's OCR box, labelled with its word, in the task's legend words
+    [panel] = drawn_panels
+    width, height = image_size(coco_files["images"] / rows[103]["image"])
+    expected = [("Coca", (0.2, 0.4, 0.4, 0.5)), ("Cola", (0.42, 0.4, 0.62, 0.5))]
+    assert [word for word, _ in panel.evidence_boxes] == ["Coca", "Cola"] and panel.answer_boxes == []
+    for (_, box), (_, (x1, y1, x2, y2)) in zip(panel.evidence_boxes, expected):
+        assert box.as_list() == pytest.approx([x1 * width, y1 * height, x2 * width, y2 * height])
+    assert "answer's OCR text (cyan outline)" in [label for label, _ in legend_entries([panel])]
+    pixels = np.full((height, width, 3), 90, dtype=np.uint8)
+    picture = compose(pixels, panel, 0)
+    for _, box in panel.evidence_boxes:
+        edge = box_outline((height, width), box)
+        assert edge.any() and (picture[edge] == MASK_OUTLINE).all()
+        top, left = math.ceil(box.y1 - 0.5), math.ceil(box.x1 - 0.5)
+        assert (picture[top, left] == MASK_OUTLINE).all()  # the box's top-left pixel is on the frame
 
 
 def test_demo_run_refuses_bad_inputs_before_writing(coco_files, tmp_path):
