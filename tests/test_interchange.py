@@ -402,16 +402,19 @@ def test_geometry_may_be_a_processor_folder_without_weights(runs, workspace, tmp
 def test_every_other_selector_round_trips_through_export_and_import(workspace, tmp_path, name):
     """The issue's round trip for every registered selector, not only the six above (JSON Lines; the Parquet
     form shares the reader): a run on the tiny LLaVA, exported and imported, gives the same records outside the
-    provenance columns; CDPruner runs with the tiny CLIP text tower it needs."""
+    provenance columns; CDPruner runs with the tiny CLIP text tower it needs, and a selector LLaVA-1.5 refuses
+    (one that needs the anyres crops) on a tiny LLaVA-NeXT over the same scenes."""
+    from prune_audit.data.scenes import CATEGORIES
+    from prune_audit.models.llava import LlavaModel
+    from prune_audit.models.llava_next import LlavaNextModel
+
+    words = ["Is", "there", "a", "an", "in", "the", "image", *CATEGORIES]
+    if LlavaModel.support_words()[name] == "no":
+        workspace = {**workspace, "model": LlavaNextModel.build_tiny(tmp_path / "next", words=words, seed=0)}
     if name == "cdpruner":
-        from prune_audit.data.scenes import CATEGORIES
         from prune_audit.models.build import build_clip
 
-        clip = build_clip(
-            tmp_path / "clip",
-            words=["Is", "there", "a", "an", "in", "the", "image", *CATEGORIES],
-            vision_hidden_size=64,
-        )
+        clip = build_clip(tmp_path / "clip", words=words, vision_hidden_size=64)
     extra = ("--clip-text", str(clip)) if name == "cdpruner" else ()
     run = tmp_path / "run"
     result = runner.invoke(

@@ -28,7 +28,9 @@ crop's CLS state and keys (``crop_cls_features``, ``crop_cls_keys``), its tokens
 (``clip_text``): each visual token's relevance from its own patch state as on LLaVA-1.5
 (``LlavaModel.text_relevance``), min-max normalised over the image's tokens also under ``budget_scope=crop``,
 as its official LLaVA-NeXT code normalises over all crops (docs/models.md). ``budget_scope=crop``
-(``crop_tokens``) splits any input selector's budget evenly over the crops.
+(``crop_tokens``) splits any input selector's budget evenly over the crops. A selector that allocates the budget
+over the crops itself from the base view's attention (thumbnail guidance) reads ``CROP_SIGNALS``: each crop's CLS
+logits at the tower's last encoder layer (``_last_cls_logits``) and the crops' layout (``_crop_layout``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ PER_GRID = MappingProxyType(
         "tokens (a project choice, no official code); with --option budget_scope=crop an even share per crop",
     }
 )
+#: the anyres crops as a thumbnail-guided selector reads them: each crop's CLS logits at the tower's last encoder
+#: layer and the crops' layout (``InputSignals.last_cls_logits``, ``crop_layout``)
+CROP_SIGNALS = frozenset({"last_cls_logits", "crop_layout"})
 NEWLINE_KIND = TEXT_BEFORE  # kept like the text before the image: never pruned, never a query row
 
 
@@ -85,8 +90,10 @@ class LlavaNextModel(LlavaModel):
     input_signals = frozenset(
         {"features", "demand", "vision_features", "cls_attention", "vision_keys", "cls_feature", "text_relevance"}
         | LAYER_SIGNALS
+        | CROP_SIGNALS
     )
-    cls_probe_signals = frozenset({"cls_attention", "vision_keys"})  # one CLS row and its keys per crop
+    # one CLS row and its keys per crop (the last encoder layer's for last_cls_logits: the same products)
+    cls_probe_signals = frozenset({"cls_attention", "vision_keys", "last_cls_logits"})
     layer_probe_signals = LAYER_SIGNALS  # every crop's encoder attention
     missing_signals_reason = (
         "its visual tokens form two grids (base view and unpadded tiles), each crop with its own CLS token; "
@@ -213,6 +220,10 @@ class LlavaNextModel(LlavaModel):
                 signals["crop_cls_features"] = hidden[self.feature_index][:, 0]
             if requires & {"cls_feature", "vision_keys"}:
                 signals["token_crops"] = self._token_crops(item).to(self.device)
+            if "last_cls_logits" in requires:
+                signals["last_cls_logits"] = self._last_cls_logits(hidden)[:, 1:].flatten()[order]
+            if "crop_layout" in requires:
+                signals["crop_layout"] = self._crop_layout(item).to(self.device)
             per_crop = self._layer_signals(hidden) if requires & (LAYER_SIGNALS | {PADDED_CROPS}) else {}
             # each (K, Lv, P) over the crops, to (Lv, N) in visual-token order
             signals.update(
@@ -249,6 +260,36 @@ class LlavaNextModel(LlavaModel):
         layer = self.vision_tower.encoder.layers[self.feature_index - 1]  # its output is the feature layer
         probs, keys, _ = clip_cls_row(layer, hidden[self.feature_index - 1])  # (K, H, 1 + P), (K, H, 1 + P, d)
         return probs.transpose(0, 1), keys.transpose(0, 1)
+
+    def _last_cls_logits(self, hidden: list[Tensor]) -> Tensor:
+        """(K, 1 + P) each crop's CLS logits ``q . k / sqrt(d)`` at the tower's last encoder layer, head mean.
+
+        As GlobalCom2's customised CLIP attention returns them (xuyang-liu16/GlobalCom2 96b2d00,
+        ``apply_customvit.py``: the head mean of the scaled logits before the softmax; ``llava_arch.py`` reads
+        ``attn_maps[-1][:, 0, 1:]``). The last layer's input is the output of the layer before it, which
+        ``_tower_states`` computes when the feature layer is the penultimate (LLaVA-NeXT's -2) or the last.
+        ``hidden``: the tower states of the K crops, each (K, 1 + P, Dv).
+        """
+        layers = self.vision_tower.encoder.layers
+        last = len(layers) - 1
+        if last > self.feature_index:
+            raise PruneAuditError(
+                f"last_cls_logits reads the vision tower's last encoder layer, past vision_feature_layer "
+                f"{self.model.config.vision_feature_layer} the tower is run to; use a checkpoint whose feature "
+                f"layer is -2 or -1"
+            )
+        _, _, logits = clip_cls_row(layers[last], hidden[last])  # (K, H, 1 + P)
+        return logits.mean(dim=1)
+
+    def _crop_layout(self, item: Prepared) -> Tensor:
+        """(4, 2) ``InputSignals.crop_layout``: the base view's grid, the unpadded tile grid, the canvas in tiles
+        and the patch rows and columns unpadding cut at the top and left (``data.multigrid.anyres_layout``)."""
+        from prune_audit.data.multigrid import anyres_layout
+
+        layout = anyres_layout(item.image_size, **self.tiling_parameters())
+        base, _ = item.geometry.grids
+        canvas = (layout.canvas[0] // self.tile, layout.canvas[1] // self.tile)
+        return torch.tensor([base.grid, layout.grid, canvas, layout.cut])
 
     def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
         """Per crop, its ascending visual tokens and their (rows, cols): the base view's grid, then each tile's
@@ -453,4 +494,4 @@ def build_llava_next(
     return save_dir
 
 
-__all__ = ["LlavaNextModel", "build_llava_next", "visual_columns", "LACKS", "PER_GRID"]
+__all__ = ["LlavaNextModel", "build_llava_next", "visual_columns", "LACKS", "PER_GRID", "CROP_SIGNALS"]

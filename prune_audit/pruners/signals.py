@@ -64,6 +64,13 @@ class InputSignals:
             :meth:`subset` within one crop takes that crop's from ``crop_cls_features`` / ``crop_cls_keys``.
         crop_cls_features: (K, Dv) each crop's CLS hidden state at the feature layer; crop_cls_keys: (H, K, d) its
             key at that layer.
+        last_cls_logits: (N,) the head mean of the CLS row's attention logits ``q_cls . k_j / sqrt(d)`` (before the
+            softmax) at the tower's last encoder layer, each token's from the CLS of the crop it was computed in
+            (GlobalCom2's ``attn_maps[-1][:, 0, 1:]``).
+        crop_layout: (4, 2) integers of an anyres image (LLaVA-NeXT): the base view's grid (rows, cols) of tokens
+            0..B-1; the unpadded tile grid (rows, cols) of the tokens after them, row-major; the canvas in tiles
+            (rows, cols), each tile one base-view-sized patch grid; the patch rows and columns unpadding removed at
+            the top and at the left of the joined tile grid.
         text_relevance: (N,) CDPruner relevance before normalisation.
         model_text_relevance: (N,) the same as the official code computes it in the model dtype (unit
             embeddings, cosines and their mean each rounded to it; a float32 tensor); with a half
@@ -97,6 +104,8 @@ class InputSignals:
     token_crops: Tensor | None = None
     crop_cls_features: Tensor | None = None
     crop_cls_keys: Tensor | None = None
+    last_cls_logits: Tensor | None = None
+    crop_layout: Tensor | None = None
     text_relevance: Tensor | None = None
     model_text_relevance: Tensor | None = None
     text_relevance_bounds: Tensor | None = None
@@ -128,7 +137,15 @@ class InputSignals:
         with_cls = torch.cat([tokens.new_zeros(1), tokens + 1])
         token_axis = {  # signal -> (its token axis, the indices along it)
             **dict.fromkeys(
-                ("features", "vision_features", "text_relevance", "model_text_relevance", "demand", "token_crops"),
+                (
+                    "features",
+                    "vision_features",
+                    "text_relevance",
+                    "model_text_relevance",
+                    "demand",
+                    "token_crops",
+                    "last_cls_logits",
+                ),
                 (0, tokens),
             ),
             **dict.fromkeys(

@@ -27,9 +27,10 @@ from prune_audit.pruners.schedule import average_visual_tokens
 
 GRID = (6, 8)
 N = GRID[0] * GRID[1]
-SIZES = {"N": N, "N+1": N + 1, "D": 16, "Dv": 12, "H": 4, "d": 8, "T": 6, "Lv": 3, "K": 3, "2": 2}
+SIZES = {"N": N, "N+1": N + 1, "D": 16, "Dv": 12, "H": 4, "d": 8, "T": 6, "Lv": 3, "K": 3, "2": 2, "4": 4}
 # (shape in SIZES symbols, kind): "prob" = attention probabilities, "weight" = non-negative, "bounds" = a
-# (min, max) pair, "crop_index" = each token's crop (K crops of a several-crop tower)
+# (min, max) pair, "crop_index" = each token's crop (K crops of a several-crop tower), "crop_layout" = an anyres
+# layout of the N tokens (a 4 x 4 base view, then a 2 x 1 canvas of 4 x 4 tiles: the K = 3 runs of token_crops)
 INPUT_SHAPES = {
     "features": (("N", "D"), "normal"),
     "vision_features": (("N", "Dv"), "normal"),
@@ -44,6 +45,8 @@ INPUT_SHAPES = {
     "token_crops": (("N",), "crop_index"),
     "crop_cls_features": (("K", "Dv"), "normal"),
     "crop_cls_keys": (("H", "K", "d"), "normal"),
+    "last_cls_logits": (("N",), "normal"),
+    "crop_layout": (("4", "2"), "crop_layout"),
     "demand": (("N",), "weight"),
     "layer_attention": (("Lv", "N"), "prob"),
     "layer_cls_attention": (("Lv", "N"), "prob"),
@@ -80,6 +83,8 @@ def make_tensor(shape: tuple[int, ...], kind: str, variant: str, generator: torc
     """One signal tensor; degenerate variants are all-equal, all-zero or full of exact ties."""
     if kind == "crop_index":  # K equal runs of tokens
         return torch.arange(shape[0]) * SIZES["K"] // shape[0]
+    if kind == "crop_layout":  # base view 4 x 4, tile grid 8 x 4 from a 2 x 1 canvas, nothing unpadded
+        return torch.tensor([[4, 4], [8, 4], [2, 1], [0, 0]])
     if kind == "bounds":
         return make_tensor(shape, "normal", variant, generator).sort().values
     if kind.endswith("_index"):  # prompt indices: the image at 5.., the text after it
