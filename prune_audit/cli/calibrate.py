@@ -150,7 +150,12 @@ def print_calibration_table(report: dict, out: Path, report_metrics: Sequence[st
     table.add_column("metric")
     for entry in entries:
         table.add_column(entry["label"] + (" (reference)" if entry is report["reference"] else ""))
-    for row in (shown for shown in reported_metrics(report_metrics) if shown.in_table):
+    shown_rows = (
+        shown
+        for shown in reported_metrics(report_metrics)
+        if shown.in_table and (report["reference"] or not shown.needs_reference)  # loyalty: to the reference
+    )
+    for row in shown_rows:
         table.add_row(row.label, *(_cell(entry["metrics"]["all"].get(row.name), row.precise) for entry in entries))
     table.add_section()
     table.add_row("temperature T", *(_temperature(entry["temperature"]) for entry in entries))
