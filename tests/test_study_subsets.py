@@ -30,6 +30,8 @@ def test_summary_holds_loyalty_to_the_dense_run(study):
     assert table["loyalty_overlap"].isna().all()  # POPE's answers are not generated
     report = (study / "report.md").read_text(encoding="utf-8")
     assert "| run | visual tokens | accuracy | loyalty | F1 |" in report
+    least = table.drop("dense")["loyalty"].idxmin()
+    assert f"{least} is the least loyal to the dense model: it gives the dense answer to" in report
 
 
 @pytest.fixture(scope="module")

@@ -178,12 +178,30 @@ def findings(rows: Sequence[dict], epsilons: Sequence[float], names_evidence: bo
                 f" and {worst['run']} the least ({worst['accuracy']:.3f}; {_signed(worst, 'accuracy_minus_reference')})"
             )
         texts.append(text + f"; the dense model scores {reference['accuracy']:.3f}.")
+    texts.extend(_loyalty_finding(pruned))
     texts.append(_change_finding(pruned, reference, "ece", "ECE"))
     texts.append(_change_finding(pruned, reference, "auroc", "AUROC"))
     texts.extend(_lost_finding(pruned) if names_evidence else [])
     texts.extend(_omission_finding(pruned))
     texts.extend(_cascade_findings(pruned, epsilons))
     return texts
+
+
+def _loyalty_finding(pruned: Sequence[dict]) -> list[str]:
+    """The least loyal run (its answers differ most often from the dense run's on the same questions), with the
+    token-overlap loyalty where the task generates its answers; none where no run has a loyalty."""
+    loyal = [row for row in pruned if math.isfinite(row.get("loyalty", math.nan))]
+    if not loyal:
+        return []
+    row = min(loyal, key=lambda row: row["loyalty"])
+    overlap = row.get("loyalty_overlap", math.nan)
+    words = (
+        "" if not math.isfinite(overlap) else f", and its words overlap the dense answer's with token F1 {overlap:.3f}"
+    )
+    return [
+        f"{row['run']} is the least loyal to the dense model: it gives the dense answer to {row['loyalty']:.1%} of "
+        f"the questions (95% interval {_share(row['loyalty_low'])} to {_share(row['loyalty_high'])}){words}."
+    ]
 
 
 def _change_finding(pruned: Sequence[dict], reference: dict, name: str, title: str) -> str:

@@ -55,6 +55,9 @@ def calibrate(
     confidence for correctness. AURC = mean error rate of the k most
     confident questions, k = 1..N.
 
+    Loyalty (with --reference; EffiVLM-Bench): share of questions answered as the reference answers them, and for
+    generated answers also the mean token F1 between the two answers.
+
     Temperature T (p = sigmoid(d/T), d = POPE's logit_diff or the confidence's logit) is fitted by NLL on a seeded split
     of the images (all POPE splits together); scaled metrics are shown on the
     other images. Intervals: 95% percentile, bootstrap over images;

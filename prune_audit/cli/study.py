@@ -124,7 +124,9 @@ def study(
     Resumable: a finished run under OUT/runs is reused, an interrupted one continues. With no
     options it studies the bundled demo: fastv and divprune at 32 and 64 of its 144
     visual tokens. --plan prints the `prune-audit run` commands (or a shell / SLURM array
-    script) for a scheduler; --report then builds the summary from their run folders.
+    script) for a scheduler; --report then builds the summary from their run folders. Loyalty: the share of
+    answers equal to the dense run's. With --subset difficult, a second table holds every budget's runs on
+    the questions that the baseline run of that budget answers wrongly (summary_difficult.csv).
     """
     command = command_line("study", study, dict(locals()))
     from prune_audit.analysis.calibration import CalibrationSettings
