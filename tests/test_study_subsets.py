@@ -10,6 +10,7 @@ import pytest
 from test_calibrate_cli import frame
 from test_study import ANALYSIS, GRID, runner, study, study_args, summary  # noqa: F401 (study: the fixture)
 
+from prune_audit.analysis.study import subset_columns
 from prune_audit.cli.main import app
 
 SUBSET = ("--subset", "difficult", "--subset-baseline", "random")
@@ -41,6 +42,7 @@ def difficult(study, tmp_path_factory):
     result = runner.invoke(app, ["study", "--report", *GRID, *ANALYSIS, *SUBSET, "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "summary_difficult.csv" in result.stdout
+    assert "Difficult questions\n\n| budget | run | questions | accuracy | loyalty |" in result.stdout
     return out
 
 
@@ -60,7 +62,7 @@ def test_difficult_rows_are_the_questions_the_baseline_answers_wrongly(difficult
         pruned["correct"].mean() - dense.loc[wrong, "correct"].mean()
     )
     parquet = pd.read_parquet(difficult / "summary_difficult.parquet")
-    assert list(parquet.columns) == list(pd.read_csv(difficult / "summary_difficult.csv").columns)
+    assert list(parquet.columns) == list(pd.read_csv(difficult / "summary_difficult.csv").columns) == subset_columns()
 
 
 def test_report_shows_the_full_and_the_difficult_tables(difficult, study):
@@ -105,3 +107,23 @@ def test_report_without_the_baseline_runs_is_refused(study, tmp_path):
     assert "needs a fastv run at budget 6" in result.stderr and "--subset-baseline" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert sorted(path.name for path in out.iterdir()) == before
+
+
+def test_a_budget_whose_baseline_answers_everything_right_is_named(tmp_path):
+    """A baseline run that answers every question right leaves no difficult question at its budget: no rows, and
+    the note under the table names the budget."""
+    from test_calibrate_cli import write_run
+
+    from prune_audit.analysis.calibration import CalibrationSettings
+    from prune_audit.analysis.runs import load_run
+    from prune_audit.analysis.study import StudySettings, subset_note, subset_table
+    from prune_audit.analysis.subsets import parse_subset
+
+    dense = load_run(write_run(tmp_path / "dense", seed=2, strength=3.0, tokens=600, selector=None, budget=None))
+    perfect = load_run(write_run(tmp_path / "perfect", seed=3, strength=50.0, tokens=100, selector="random"))
+    other = load_run(write_run(tmp_path / "other", seed=1, strength=1.5, tokens=100))
+    assert perfect.questions.correct.all()
+    settings = StudySettings(CalibrationSettings(bootstrap=20), subset=parse_subset("difficult", "random", "x"))
+    table = subset_table(dense, [other, perfect], settings)
+    assert table.rows == [] and table.empty == ["64"]
+    assert "No such question at budget 64: random answers every one right." in subset_note(table)

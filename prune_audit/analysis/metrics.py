@@ -339,12 +339,14 @@ def aurc(confidence: np.ndarray, correct: np.ndarray, weights: np.ndarray | None
 def loyalty(answers: np.ndarray, reference: np.ndarray, weights: np.ndarray | None = None) -> float | np.ndarray:
     """Share of questions whose answer equals the reference run's answer to the same question.
 
-    EffiVLM-Bench's loyalty (Wang et al., ACL 2025, arXiv 2506.00479; EffiVLM-Bench/EffiVLM-Bench,
-    README commit 5781b7d): the accelerated model is scored against the uncompressed model's outputs taken as
-    ground truth (their lmms-eval ``from_log`` model, LoverLost/EffiVLM-Bench commit e7819c3, replays a run's
-    logged responses). Here the reference is the dense run of the same questions and the score is exact match of
-    ``answers`` and ``reference``, both (n,) arrays compared elementwise as given (the caller passes them as its
-    task normalises them). No questions: NaN.
+    EffiVLM-Bench's loyalty (Wang et al., ACL 2025, arXiv 2506.00479; github.com/EffiVLM-Bench/EffiVLM-Bench,
+    README at commit 5781b7d names it beside performance and generalisation): the accelerated model's outputs are
+    scored against the uncompressed model's outputs in place of the labels; their lmms-eval ``from_log`` model
+    (LoverLost/EffiVLM-Bench commit e7819c3) replays a logged run's responses for that. Here the reference is the
+    dense run of the same questions and the score is exact match of ``answers`` and ``reference``, both (n,)
+    arrays compared elementwise as given (the caller passes them as its task normalises them, the task's own
+    scoring rule: POPE's yes/no, GQA's normalised string, ScienceQA's letter). ``weights``: (B, n) bootstrap
+    multiplicities or None. No questions: NaN.
     """
     return weighted_mean(np.asarray(answers) == np.asarray(reference), weights)
 
@@ -372,7 +374,8 @@ def loyalty_overlap(
 ) -> float | np.ndarray:
     """Token-overlap loyalty for generated answers: the mean over questions of ``token_f1`` between each answer
     (n,) and the reference run's answer (n,) to the same question, as SQuAD's token F1 compares a prediction with
-    a reference. It credits a caption that says the dense caption's things in other words or order, which exact
-    match (``loyalty``) does not. No questions: NaN."""
+    a reference. This variant is prune-audit's own (EffiVLM-Bench scores free text with each benchmark's metric):
+    it credits a caption that says the dense caption's things in other words or order, which exact match
+    (``loyalty``) does not. ``weights``: (B, n) bootstrap multiplicities or None. No questions: NaN."""
     scores = np.array([token_f1(mine, theirs) for mine, theirs in zip(answers, reference)], dtype=np.float64)
     return weighted_mean(scores, weights)

@@ -102,6 +102,15 @@ SUBSET_COLUMNS = {
 """Every column of summary_difficult.csv (``study --subset difficult``); each estimate has ``_low`` / ``_high``."""
 
 
+def subset_columns() -> list[str]:
+    """The columns of summary_difficult.csv in order: ``SUBSET_COLUMNS``, each estimate followed by its interval."""
+    return [
+        column
+        for name in SUBSET_COLUMNS
+        for column in ([name, f"{name}_low", f"{name}_high"] if name in ESTIMATED else [name])
+    ]
+
+
 @dataclass(frozen=True)
 class SubsetTable:
     """A study's rows on a hard subset: per budget the dense row, then the runs of that budget
@@ -305,16 +314,17 @@ def _cascade_columns(cascade: dict | None, epsilons: Sequence[float]) -> dict[st
     return columns
 
 
-def summary_files(rows: Sequence[dict], stem: str = "summary") -> dict[str, bytes | str]:
-    """``<stem>``.csv and .parquet of the rows (same columns, same order)."""
+def summary_files(rows: Sequence[dict], stem: str = "summary", columns: Sequence[str] = ()) -> dict[str, bytes | str]:
+    """``<stem>``.csv and .parquet of the rows (same columns, same order); ``columns`` come first, so that a table
+    without rows still has its header."""
     import io
 
     import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    columns = dict.fromkeys(name for row in rows for name in row)  # a task's own columns: NaN in other rows
-    table = pa.Table.from_pylist([{name: row.get(name, math.nan) for name in columns} for row in rows])
+    names = dict.fromkeys([*columns, *(name for row in rows for name in row)])  # a task's own: NaN in other rows
+    table = pa.table({name: [row.get(name, math.nan) for row in rows] for name in names})
     csv_buffer, parquet_buffer = io.BytesIO(), io.BytesIO()
     pacsv.write_csv(table, csv_buffer)
     pq.write_table(table, parquet_buffer)
@@ -365,7 +375,7 @@ def study_files(by_task: Mapping[str, StudyReports], command: str = "") -> dict[
     subset = next(iter(by_task.values())).difficult
     return {
         **summary_files(every_row),
-        **(summary_files(difficult_rows, f"summary_{subset.subset.name}") if subset else {}),
+        **(summary_files(difficult_rows, f"summary_{subset.subset.name}", subset_columns()) if subset else {}),
         **files,
         "report.md": report_markdown(sections, title, header),
         "report.html": report_html(sections, title, pictures, header),

@@ -295,6 +295,7 @@ def _report(out: Path, settings, force: bool, command: str, tasks: list[str]) ->
 def _write_report(out: Path, settings, force: bool, command: str, tasks: list[str]) -> None:
     """The summary and report of the ``tasks`` runs under OUT/runs (a study of one task reads every run there)."""
     from prune_audit.analysis.outputs import write_files
+    from prune_audit.analysis.report_html import SUBSET_HEADING
     from prune_audit.analysis.study import study_files, study_reports, study_runs, study_tasks
     from prune_audit.runner.study.grid import RUNS_FOLDER
 
@@ -311,6 +312,10 @@ def _write_report(out: Path, settings, force: bool, command: str, tasks: list[st
         if dropped:
             print(f"note: epsilon {', '.join(f'{e:g}' for e in dropped)} below 1/(n+1) for the {name} images; left out")
     write_files(out, study_files(reports, command))  # no settings recorded: the report is rebuilt with those given
-    print((out / "report.md").read_text(encoding="utf-8").split("\n## Findings")[0])
+    report = (out / "report.md").read_text(encoding="utf-8")
+    print(report.split("\n## Findings")[0])
+    heading = f"\n## {SUBSET_HEADING}"
+    if heading in report:  # a study of one task with --subset: its subset table too
+        print(SUBSET_HEADING + report.split(heading)[1].split("\n## ")[0])
     subset = f", summary_{settings.subset.name}.csv, .parquet" if settings.subset else ""
     print(f"wrote summary.csv, summary.parquet{subset}, report.md and report.html to {out}")
