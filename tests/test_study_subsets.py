@@ -7,7 +7,6 @@ import shutil
 
 import pandas as pd
 import pytest
-from test_calibrate_cli import frame
 from test_study import ANALYSIS, GRID, runner, study, study_args, summary  # noqa: F401 (study: the fixture)
 
 from prune_audit.analysis.study import subset_columns
@@ -17,7 +16,7 @@ SUBSET = ("--subset", "difficult", "--subset-baseline", "random")
 
 
 def _records(out, name: str) -> pd.DataFrame:
-    return frame(out / "runs" / name).set_index(["split", "question_id"]).sort_index()
+    return pd.read_parquet(out / "runs" / name / "records.parquet").set_index(["split", "question_id"]).sort_index()
 
 
 def test_summary_holds_loyalty_to_the_dense_run(study):
@@ -107,23 +106,3 @@ def test_report_without_the_baseline_runs_is_refused(study, tmp_path):
     assert "needs a fastv run at budget 6" in result.stderr and "--subset-baseline" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert sorted(path.name for path in out.iterdir()) == before
-
-
-def test_a_budget_whose_baseline_answers_everything_right_is_named(tmp_path):
-    """A baseline run that answers every question right leaves no difficult question at its budget: no rows, and
-    the note under the table names the budget."""
-    from test_calibrate_cli import write_run
-
-    from prune_audit.analysis.calibration import CalibrationSettings
-    from prune_audit.analysis.runs import load_run
-    from prune_audit.analysis.study import StudySettings, subset_note, subset_table
-    from prune_audit.analysis.subsets import parse_subset
-
-    dense = load_run(write_run(tmp_path / "dense", seed=2, strength=3.0, tokens=600, selector=None, budget=None))
-    perfect = load_run(write_run(tmp_path / "perfect", seed=3, strength=50.0, tokens=100, selector="random"))
-    other = load_run(write_run(tmp_path / "other", seed=1, strength=1.5, tokens=100))
-    assert perfect.questions.correct.all()
-    settings = StudySettings(CalibrationSettings(bootstrap=20), subset=parse_subset("difficult", "random", "x"))
-    table = subset_table(dense, [other, perfect], settings)
-    assert table.rows == [] and table.empty == ["64"]
-    assert "No such question at budget 64: random answers every one right." in subset_note(table)
