@@ -8,13 +8,15 @@ standard error the cascade table prints; the lost-object plot shows the diagonal
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from matplotlib.colors import to_rgba
 from test_figure_clarity import calibrated, captured, cascade, legend_labels, lost_row, markers  # noqa: F401
 
 import prune_audit.analysis.figures as figures
 import prune_audit.analysis.study_figures as study_figures
 from prune_audit.analysis.cascade_plots import cascade_figures
-from prune_audit.analysis.report_html import TABLE_COLUMNS, table_html
+from prune_audit.analysis.report_html import table_columns, table_html
+from prune_audit.tasks.registry import get_task, task_classes
 
 RED = to_rgba("tab:red")
 
@@ -123,10 +125,12 @@ def text_width(text: str, pixels: float) -> float:
     return ImageFont.truetype(font_manager.findfont("DejaVu Sans"), round(pixels)).getlength(text)
 
 
-def test_the_html_table_fits_the_page(tmp_path):
-    """A study row with every column at its widest: at 0.9 x 16 px, each column as wide as its longest line (the
-    interval line at 0.85 of that) or its header's longest word, plus 2 x 8 px padding and a border: under the
-    page's 1100 px (a 1280-px screen)."""
+@pytest.mark.parametrize("task", [task.name for task in task_classes()])
+def test_the_html_table_fits_the_page(task):
+    """A study row with every column of the task's table at its widest (POPE: loyalty and F1; GQA and captions:
+    both loyalties, no F1): at 0.9 x 16 px, each column as wide as its longest line (the interval line at 0.85 of
+    that) or its header's longest word, plus 2 x 8 px padding and a border: under the page's 1100 px (a 1280-px
+    screen)."""
     row = {
         "run": "divprune@64",
         "selector": "divprune",
@@ -137,9 +141,10 @@ def test_the_html_table_fits_the_page(tmp_path):
         "mean_kv_bytes": 942 * 1024.0,
         "lost_share": 0.2,
     }
-    for name in ("accuracy", "f1", "ece", "ece_test_after", "auroc", "flops_relative"):
+    for name in ("accuracy", "loyalty", "loyalty_overlap", "f1", "ece", "ece_test_after", "auroc", "flops_relative"):
         row.update({name: 0.943, f"{name}_low": 0.920, f"{name}_high": 0.962})
-    page = table_html([row], TABLE_COLUMNS)
+    shown = get_task(task)
+    page = table_html([row], table_columns(shown.report_metrics, shown.names_evidence))
     assert '0.943<br><span class="ci">[0.920, 0.962]</span>' in page  # the interval under its value
     body = 0.9 * 16
     cells = page.split("<tbody>")[1].split("<td>")[1:]

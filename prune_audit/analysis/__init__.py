@@ -22,6 +22,10 @@ _EXPORTS = {
     "auroc": "metrics",
     "aurc": "metrics",
     "reliability_curve": "metrics",
+    # agreement of a pruned run's answers with the dense run's
+    "loyalty": "metrics",
+    "loyalty_overlap": "metrics",
+    "token_f1": "metrics",
     # temperature scaling on held-out images
     "split_images": "temperature",
     "fit_temperature": "temperature",

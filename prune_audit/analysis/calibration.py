@@ -135,9 +135,15 @@ def confidence_metrics(
     return {metric.name: metric.compute(scored) for metric in CONFIDENCE_METRICS}
 
 
-def question_metrics(table: QuestionTable, settings: CalibrationSettings, weights: np.ndarray | None = None) -> dict:
-    """Every metric of ``metric_table`` on the recorded answers: POPE's answer scores (of them only accuracy for a
-    task without a yes/no answer), then the confidence metrics."""
+def question_metrics(
+    table: QuestionTable,
+    settings: CalibrationSettings,
+    weights: np.ndarray | None = None,
+    reference: QuestionTable | None = None,
+) -> dict:
+    """Every metric of ``metric_table`` on the recorded answers: accuracy, then with ``reference`` (the reference
+    run's rows in ``table``'s order, ``QuestionTable.aligned_to``) loyalty, then POPE's other answer scores (none
+    for a task without a yes/no answer), then the confidence metrics."""
     scored = ScoredQuestions(
         table.confidence,
         table.correct,
@@ -148,12 +154,22 @@ def question_metrics(table: QuestionTable, settings: CalibrationSettings, weight
         settings.bins,
         settings.binning,
         weights,
+        _compared_answers(table),
+        None if reference is None else _compared_answers(reference),
     )
-    return {metric.name: metric.compute(scored) for metric in METRICS if _applies(metric, table)}
+    return {metric.name: metric.compute(scored) for metric in METRICS if _applies(metric, table, reference)}
 
 
-def _applies(metric: Metric, table: QuestionTable) -> bool:
-    """POPE's answer scores other than accuracy need a yes/no answer."""
+def _compared_answers(table: QuestionTable) -> np.ndarray:
+    """(n,) the answers two runs compare: as the task normalises them, else POPE's yes/no."""
+    return table.answer if table.answer is not None else table.answer_yes
+
+
+def _applies(metric: Metric, table: QuestionTable, reference: QuestionTable | None = None) -> bool:
+    """POPE's answer scores other than accuracy need a yes/no answer; loyalty needs a reference run, and its
+    token-overlap form a generated answer."""
+    if metric.needs_reference:
+        return reference is not None and (table.generated or not metric.generated_only)
     return not (table.top_label and metric.answer_score and metric.name != "accuracy")
 
 
@@ -237,10 +253,16 @@ class ImageResamples:
         )
 
 
-def audit_run(table: QuestionTable, settings: CalibrationSettings, resamples: ImageResamples) -> RunAudit:
-    """Measure one run: every metric overall, POPE scores per split, temperature scaling, survival groups."""
+def audit_run(
+    table: QuestionTable,
+    settings: CalibrationSettings,
+    resamples: ImageResamples,
+    reference: QuestionTable | None = None,
+) -> RunAudit:
+    """Measure one run: every metric overall (loyalty to ``reference``, its rows in ``table``'s order, where given),
+    POPE scores per split, temperature scaling, survival groups."""
     image_index = table.image_index(resamples.images)
-    groups = {"all": _measure(lambda w: question_metrics(table, settings, w), image_index, resamples.counts)}
+    groups = {"all": _measure(lambda w: question_metrics(table, settings, w, reference), image_index, resamples.counts)}
     for split in sorted(set(table.split.tolist())):
         subset = table.take(table.split == split)
         groups[split] = _measure(
@@ -373,7 +395,7 @@ def calibration_audit(
     reference_audit = audit_run(reference, settings, resamples) if reference is not None else None
     runs = []
     for table, paired in zip(tables, aligned):
-        audit = audit_run(table, settings, resamples)
+        audit = audit_run(table, settings, resamples, paired)
         if paired is not None:
             audit.reference_survival = survival_measures(
                 paired, survival_groups(table), paired.image_index(resamples.images), resamples.counts
@@ -389,3 +411,30 @@ def calibration_audit(
             "test_images": len(resamples.test_images),
         },
     }
+
+
+def metrics_against_reference(
+    tables: Sequence[QuestionTable], reference: QuestionTable, settings: CalibrationSettings
+) -> dict:
+    """Every metric of ``question_metrics`` of the reference and of each run (loyalty to the reference included),
+    with image-clustered intervals, and each run's paired differences run - reference: the overall part of
+    ``calibration_audit`` alone (no temperature scaling or survival groups), for a subset of the questions too
+    small to split. Returns {"reference": entry, "runs": [entry, ...]}, entries shaped as calibration.json's."""
+    images = np.unique(np.concatenate([reference.image_id, *(table.image_id for table in tables)]))
+    counts = image_counts(len(images), settings.bootstrap, settings.seed)
+    dense = _measure(lambda w: question_metrics(reference, settings, w), reference.image_index(images), counts)
+    runs = []
+    for table in tables:
+        paired = reference.aligned_to(table)
+        measured = _measure(
+            lambda w, table=table, paired=paired: question_metrics(table, settings, w, paired),
+            table.image_index(images),
+            counts,
+        )
+        runs.append(
+            {
+                "metrics": {"all": measured.summary()},
+                "difference_vs_reference": {"metrics": {"all": measured.minus(dense)}},
+            }
+        )
+    return {"reference": {"metrics": {"all": dense.summary()}}, "runs": runs}

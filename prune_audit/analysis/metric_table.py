@@ -29,6 +29,9 @@ class ScoredQuestions:
         answer_yes: bool, the yes/no answer POPE's scores read (None where no metric needs it).
         bins, binning: the confidence binning (``CalibrationSettings``).
         weights: (B, n) bootstrap resample counts, or None for the point estimate.
+        answer, reference_answer: (n,) the answers as the task compares them (``QuestionTable.answer``) and the
+            reference (dense) run's answers to the same questions, which the loyalty metrics read (None: no
+            reference, no loyalty).
     """
 
     confidence: np.ndarray
@@ -40,6 +43,8 @@ class ScoredQuestions:
     bins: int
     binning: str
     weights: np.ndarray | None = None
+    answer: np.ndarray | None = None
+    reference_answer: np.ndarray | None = None
 
     @cached_property
     def ranked(self) -> metrics.RankedQuestions:
@@ -77,6 +82,9 @@ class Metric:
         in_study: a column of the study summary (with its 95 % interval).
         in_table: a row of ``calibrate``'s printed table (all are in calibration.json and its CSV).
         precise: printed with 4 significant digits (small by nature: an AURC of 0.0004 is not 0.000).
+        needs_reference: compares the run's answers with a reference run's (loyalty): computed only for a run
+            audited against a reference (``calibrate --reference``, a study's pruned runs).
+        generated_only: applies to generated answers only (``QuestionTable.generated``).
     """
 
     name: str
@@ -88,6 +96,8 @@ class Metric:
     in_study: bool = False
     precise: bool = False
     in_table: bool = True
+    needs_reference: bool = False
+    generated_only: bool = False
 
 
 def _answer(name: str) -> Callable[[ScoredQuestions], Any]:
@@ -104,6 +114,27 @@ POPE_ANSWERS = "POPE's evaluate.py, yes as the positive class"
 METRICS: tuple[Metric, ...] = (
     Metric(
         "accuracy", "accuracy", "share of correct answers", True, _answer("accuracy"), answer_score=True, in_study=True
+    ),
+    Metric(
+        "loyalty",
+        "loyalty",
+        "EffiVLM-Bench's loyalty: share of questions whose answer equals the reference (dense) run's answer to the "
+        "same question, answers compared as the task normalises them",
+        True,
+        lambda s: metrics.loyalty(s.answer, s.reference_answer, s.weights),
+        in_study=True,
+        needs_reference=True,
+    ),
+    Metric(
+        "loyalty_overlap",
+        "loyalty (token F1)",
+        "mean over questions of the token-level F1 between the answer and the reference run's answer (lower-cased "
+        "word tokens counted as multisets; two empty answers agree): loyalty for generated answers",
+        True,
+        lambda s: metrics.loyalty_overlap(s.answer, s.reference_answer, s.weights),
+        in_study=True,
+        needs_reference=True,
+        generated_only=True,
     ),
     Metric(
         "precision",
@@ -207,10 +238,11 @@ METRICS: tuple[Metric, ...] = (
         precise=True,
     ),
 )
-"""Every metric, in report order: POPE's answer scores, then the confidence metrics."""
+"""Every metric, in report order: accuracy and loyalty, POPE's answer scores, then the confidence metrics."""
 
 ANSWER_METRICS = tuple(metric for metric in METRICS if metric.answer_score)
-CONFIDENCE_METRICS = tuple(metric for metric in METRICS if not metric.answer_score)
+LOYALTY_METRICS = tuple(metric for metric in METRICS if metric.needs_reference)
+CONFIDENCE_METRICS = tuple(metric for metric in METRICS if not (metric.answer_score or metric.needs_reference))
 METRIC_NAMES = tuple(metric.name for metric in METRICS)
 
 
@@ -232,6 +264,7 @@ def reported_metrics(report_metrics: Iterable[str]) -> tuple[Metric, ...]:
 __all__ = [
     "ANSWER_METRICS",
     "CONFIDENCE_METRICS",
+    "LOYALTY_METRICS",
     "METRICS",
     "METRIC_NAMES",
     "Metric",

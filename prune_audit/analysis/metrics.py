@@ -26,10 +26,14 @@ Conventions:
 - AUROC of confidence as a score for correctness, ties counted one half (as scikit-learn).
 - AURC = mean over coverages k/N, k = 1..N, of the error rate among the k most confident
   questions; tied confidences share their errors evenly (the expectation over tie orders).
+- Loyalty = share of questions whose answer equals the reference (dense) run's answer to the same
+  question; loyalty (token F1) = mean over questions of the token-level F1 between the two answers.
 """
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -330,3 +334,48 @@ def aurc(confidence: np.ndarray, correct: np.ndarray, weights: np.ndarray | None
     with S(m) = H(0) + ... + H(m - 1); exact for integer weights.
     """
     return finish(RankedQuestions(confidence, correct, weights).aurc(), weights)
+
+
+def loyalty(answers: np.ndarray, reference: np.ndarray, weights: np.ndarray | None = None) -> float | np.ndarray:
+    """Share of questions whose answer equals the reference run's answer to the same question.
+
+    EffiVLM-Bench's loyalty (Wang et al., ACL 2025, arXiv 2506.00479; github.com/EffiVLM-Bench/EffiVLM-Bench,
+    README at commit 5781b7d names it beside performance and generalisation): the accelerated model's outputs are
+    scored against the uncompressed model's outputs in place of the labels; their lmms-eval ``from_log`` model
+    (LoverLost/EffiVLM-Bench commit e7819c3) replays a logged run's responses for that. Here the reference is the
+    dense run of the same questions and the score is exact match of ``answers`` and ``reference``, both (n,)
+    arrays compared elementwise as given (the caller passes them as its task normalises them, the task's own
+    scoring rule: POPE's yes/no, GQA's normalised string, ScienceQA's letter). ``weights``: (B, n) bootstrap
+    multiplicities or None. No questions: NaN.
+    """
+    return weighted_mean(np.asarray(answers) == np.asarray(reference), weights)
+
+
+ANSWER_TOKEN = re.compile(r"\w+")
+"""A token of the token-overlap loyalty: a run of letters, digits or underscores, lower-cased (punctuation and
+white space separate tokens and count for nothing)."""
+
+
+def answer_tokens(text: str) -> Counter[str]:
+    """The multiset of lower-cased word tokens of ``text`` (``ANSWER_TOKEN``)."""
+    return Counter(ANSWER_TOKEN.findall(str(text).lower()))
+
+
+def token_f1(answer: str, reference: str) -> float:
+    """Token-level F1 of two texts: 2 |A & R| / (|A| + |R|) over their token multisets (``answer_tokens``; a
+    repeated token counts as often as both hold it). Two texts without tokens agree (1.0); one without: 0.0."""
+    mine, theirs = answer_tokens(answer), answer_tokens(reference)
+    total = sum(mine.values()) + sum(theirs.values())
+    return 1.0 if total == 0 else 2.0 * sum((mine & theirs).values()) / total
+
+
+def loyalty_overlap(
+    answers: np.ndarray, reference: np.ndarray, weights: np.ndarray | None = None
+) -> float | np.ndarray:
+    """Token-overlap loyalty for generated answers: the mean over questions of ``token_f1`` between each answer
+    (n,) and the reference run's answer (n,) to the same question, as SQuAD's token F1 compares a prediction with
+    a reference. This variant is prune-audit's own (EffiVLM-Bench scores free text with each benchmark's metric):
+    it credits a caption that says the dense caption's things in other words or order, which exact match
+    (``loyalty``) does not. ``weights``: (B, n) bootstrap multiplicities or None. No questions: NaN."""
+    scores = np.array([token_f1(mine, theirs) for mine, theirs in zip(answers, reference)], dtype=np.float64)
+    return weighted_mean(scores, weights)

@@ -37,6 +37,8 @@ class QuestionTable:
             correct" at probability ``confidence`` (``label_yes`` = correct, ``answer_yes`` all true, ``p_yes`` =
             confidence, ``logit_diff`` its logit), so confidence may lie below 0.5 and POPE's answer scores do not
             apply.
+        generated: the task generates its answers (``Task.generates``: free text, GQA's short answers, captions),
+            so two runs' answers may also be compared by their words (``metrics.loyalty_overlap``).
     """
 
     split: np.ndarray
@@ -56,6 +58,7 @@ class QuestionTable:
     latency_ms: np.ndarray
     answer: np.ndarray | None = None
     top_label: bool = False
+    generated: bool = False
 
     def __post_init__(self) -> None:
         lengths = {name: len(value) for name, value in self.columns().items()}
@@ -66,7 +69,7 @@ class QuestionTable:
         return len(self.question_id)
 
     def columns(self) -> dict[str, np.ndarray]:
-        """The per-question arrays (``answer`` only when present; ``top_label`` is not a column)."""
+        """The per-question arrays (``answer`` only when present; ``top_label`` and ``generated`` are not columns)."""
         return {
             field.name: getattr(self, field.name)
             for field in dataclasses.fields(self)
@@ -75,7 +78,11 @@ class QuestionTable:
 
     def take(self, rows: np.ndarray) -> QuestionTable:
         """The rows selected by a boolean mask or an index array, in that order."""
-        return QuestionTable(**{name: value[rows] for name, value in self.columns().items()}, top_label=self.top_label)
+        return QuestionTable(
+            **{name: value[rows] for name, value in self.columns().items()},
+            top_label=self.top_label,
+            generated=self.generated,
+        )
 
     def keys(self) -> list[tuple[str, int]]:
         return list(zip(self.split.tolist(), self.question_id.tolist()))

@@ -21,6 +21,8 @@ TABLE_COLUMNS = (
     ("run", "run"),
     ("visual tokens", "visual_tokens"),
     ("accuracy", "accuracy"),
+    ("loyalty", "loyalty"),
+    ("loyalty (token F1)", "loyalty_overlap"),
     ("F1", "f1"),
     ("ECE", "ece"),
     ("ECE after T (test)", "ece_test_after"),
@@ -54,18 +56,38 @@ def _with_interval(row: dict, name: str) -> str:
     return f"{_number(value)} [{_number(low)}, {_number(high)}]"
 
 
+SUBSET_TABLE_COLUMNS = (
+    ("budget", "budget"),
+    ("run", "run"),
+    ("questions", "questions"),
+    ("accuracy", "accuracy"),
+    ("loyalty", "loyalty"),
+    ("loyalty (token F1)", "loyalty_overlap"),
+    ("F1", "f1"),
+    ("ECE", "ece"),
+    ("AUROC", "auroc"),
+    ("accuracy minus dense", "accuracy_minus_reference"),
+)
+"""The columns of the subset table (``study --subset``), the same questions in every row of a budget."""
+SUBSET_HEADING = "Difficult questions"
+
+ESTIMATED_CELLS = ("accuracy", "loyalty", "loyalty_overlap", "ece", "auroc", "accuracy_minus_reference")
+"""Columns shown with their 95% interval."""
+
 EVIDENCE_COLUMNS = ("lost_share", "lost_pair")
 """The columns about lost evidence: a task whose questions name no image regions (ScienceQA) has none to show."""
 EVIDENCE_FIGURES = ("lost_objects",)
 
 
-def table_columns(report_metrics: Sequence[str], names_evidence: bool = True) -> tuple[tuple[str, str], ...]:
-    """The columns of ``TABLE_COLUMNS`` a task's table shows: the lost-evidence columns only if its questions name
-    evidence (``Task.names_evidence``), a metric's column only if the task reports it
+def table_columns(
+    report_metrics: Sequence[str], names_evidence: bool = True, columns: Sequence[tuple[str, str]] = TABLE_COLUMNS
+) -> tuple[tuple[str, str], ...]:
+    """The ``columns`` (``TABLE_COLUMNS``, ``SUBSET_TABLE_COLUMNS``) a task's table shows: the lost-evidence columns
+    only if its questions name evidence (``Task.names_evidence``), a metric's column only if the task reports it
     (``Task.report_metrics``; GQA has no F1)."""
     return tuple(
         column
-        for column in TABLE_COLUMNS
+        for column in columns
         if (column[1] not in METRIC_NAMES or column[1] in report_metrics)
         and (names_evidence or column[1] not in EVIDENCE_COLUMNS)
     )
@@ -85,6 +107,8 @@ class TaskSection:
         note: its settings line (``study.settings_note``); questions: its question set (``question_set``);
         report_metrics: ``Task.report_metrics``; figure_prefix: prefix of its figure files (several tasks);
         names_evidence: ``Task.names_evidence`` (without evidence: no lost-evidence columns, finding or figure).
+        subset_rows, subset_note: the rows of ``study --subset`` (``study.SubsetTable``) and the note under them;
+            no note: no subset table.
     """
 
     task: str
@@ -95,14 +119,18 @@ class TaskSection:
     report_metrics: Sequence[str]
     figure_prefix: str = ""
     names_evidence: bool = True
+    subset_rows: Sequence[dict] = ()
+    subset_note: str = ""
 
 
 def table_cells(row: dict, columns: Sequence[tuple[str, str]] = TABLE_COLUMNS) -> list[str]:
     """The report table's cells of one summary row, for ``columns`` (``table_columns``)."""
     cells = []
     for _, name in columns:
-        if name == "run":
-            cells.append(str(row["run"]))
+        if name in ("run", "budget"):
+            cells.append(str(row[name]))
+        elif name == "questions":
+            cells.append(str(int(row[name])))
         elif name == "lost_pair":
             cells.append(f"{_number(row['lost_accuracy'])} / {_number(row['lost_reference_accuracy'])}")
         elif name in ("visual_tokens", "latency_ms"):
@@ -111,7 +139,7 @@ def table_cells(row: dict, columns: Sequence[tuple[str, str]] = TABLE_COLUMNS) -
             cells.append(_number(row[name] / 1024, 0))
         elif name == "lost_share":
             cells.append("-" if not math.isfinite(row[name]) else f"{row[name]:.1%}")
-        elif name in ("accuracy", "ece", "auroc"):
+        elif name in ESTIMATED_CELLS:
             cells.append(_with_interval(row, name))
         else:
             cells.append(_number(row[name]))
@@ -150,12 +178,30 @@ def findings(rows: Sequence[dict], epsilons: Sequence[float], names_evidence: bo
                 f" and {worst['run']} the least ({worst['accuracy']:.3f}; {_signed(worst, 'accuracy_minus_reference')})"
             )
         texts.append(text + f"; the dense model scores {reference['accuracy']:.3f}.")
+    texts.extend(_loyalty_finding(pruned))
     texts.append(_change_finding(pruned, reference, "ece", "ECE"))
     texts.append(_change_finding(pruned, reference, "auroc", "AUROC"))
     texts.extend(_lost_finding(pruned) if names_evidence else [])
     texts.extend(_omission_finding(pruned))
     texts.extend(_cascade_findings(pruned, epsilons))
     return texts
+
+
+def _loyalty_finding(pruned: Sequence[dict]) -> list[str]:
+    """The least loyal run (its answers differ most often from the dense run's on the same questions), with the
+    token-overlap loyalty where the task generates its answers; none where no run has a loyalty."""
+    loyal = [row for row in pruned if math.isfinite(row.get("loyalty", math.nan))]
+    if not loyal:
+        return []
+    row = min(loyal, key=lambda row: row["loyalty"])
+    overlap = row.get("loyalty_overlap", math.nan)
+    words = (
+        "" if not math.isfinite(overlap) else f", and its words overlap the dense answer's with token F1 {overlap:.3f}"
+    )
+    return [
+        f"{row['run']} is the least loyal to the dense model: it gives the dense answer to {row['loyalty']:.1%} of "
+        f"the questions (95% interval {_share(row['loyalty_low'])} to {_share(row['loyalty_high'])}){words}."
+    ]
 
 
 def _change_finding(pruned: Sequence[dict], reference: dict, name: str, title: str) -> str:
@@ -314,6 +360,12 @@ def _section_markdown(section: TaskSection, level: str, caveat: str | None) -> l
     lines += ["| " + " | ".join(table_cells(row, columns)) + " |" for row in section.rows]
     lines += ["", section.note, "", *([caveat, ""] if caveat else []), f"{level} Findings", ""]
     lines += [f"- {text}" for text in findings(section.rows, section.epsilons, section.names_evidence)]
+    if section.subset_note:
+        subset = table_columns(section.report_metrics, columns=SUBSET_TABLE_COLUMNS)
+        lines += ["", f"{level} {SUBSET_HEADING}", ""]
+        lines += ["| " + " | ".join(name for name, _ in subset) + " |", "|" + " --- |" * len(subset)]
+        lines += ["| " + " | ".join(table_cells(row, subset)) + " |" for row in section.subset_rows]
+        lines += ["", section.subset_note]
     for stem, caption in section_figures(section.names_evidence):
         lines += ["", f"{level} {caption}", "", f"![{caption}]({section.figure_prefix}{stem}.png)"]
     return lines
@@ -382,6 +434,12 @@ def _section_html(section: TaskSection, pictures: dict[str, bytes], level: int, 
         )
         + "</ul>",
     ]
+    if section.subset_note:
+        parts += [
+            f"<h{level}>{escape(SUBSET_HEADING)}</h{level}>",
+            table_html(section.subset_rows, table_columns(section.report_metrics, columns=SUBSET_TABLE_COLUMNS)),
+            f"<p>{escape(section.subset_note)}</p>",
+        ]
     for stem, caption in section_figures(section.names_evidence):
         data = base64.b64encode(pictures[f"{section.figure_prefix}{stem}.png"]).decode("ascii")
         parts.append(

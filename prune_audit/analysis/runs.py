@@ -124,6 +124,7 @@ def _question_table(task: Task, records: pa.Table, source: str, at_stage: StageV
         latency_ms=records["latency_ms"].to_numpy().astype(np.float64),
         answer=binary["answer"],
         top_label=bool(binary["top_label"]),
+        generated=task.generates(),
     )
 
 

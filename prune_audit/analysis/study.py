@@ -15,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from prune_audit.analysis.calibration import CalibrationSettings
+from prune_audit.analysis.calibration import CalibrationSettings, metrics_against_reference
 from prune_audit.analysis.cascade import minimum_epsilon
 from prune_audit.analysis.cost import COST_MEANS, cost_summary
 from prune_audit.analysis.metric_table import METRICS
 from prune_audit.analysis.reports import calibration_report, cascade_report
 from prune_audit.analysis.runs import Run, check_comparable, load_run
+from prune_audit.analysis.subsets import Subset, budget_subsets
 from prune_audit.analysis.temperature import split_images
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import MANIFEST_FILE
@@ -79,17 +80,57 @@ class StudySettings:
     epsilons: tuple[float, ...] = DEFAULT_EPSILONS
     splits: int = 200
     stage: StageChoice = FIRST
+    subset: Subset | None = None
+    """``--subset``: also tabulate every run on a hard subset of the questions (``analysis.subsets``)."""
+
+
+SUBSET_COLUMNS = {
+    "subset": "the hard subset (study --subset): difficult = the questions the baseline run of the budget answers "
+    "wrongly (VTC-Bench's filter)",
+    "baseline": "the run whose wrong answers make the subset",
+    "run": "run label (dense: the reference on the same questions)",
+    "task": SUMMARY_COLUMNS["task"],
+    "selector": SUMMARY_COLUMNS["selector"],
+    "budget": "the budget whose baseline run picks the questions (for every row of that budget, dense included)",
+    "questions": "questions in the subset",
+    **{
+        name: f"calibrate on the subset: {'/'.join(path)}"
+        for name, path in ESTIMATED.items()
+        if path[0] == "metrics" or path[:2] == ("difference_vs_reference", "metrics")
+    },
+}
+"""Every column of summary_difficult.csv (``study --subset difficult``); each estimate has ``_low`` / ``_high``."""
+
+
+def subset_columns() -> list[str]:
+    """The columns of summary_difficult.csv in order: ``SUBSET_COLUMNS``, each estimate followed by its interval."""
+    return [
+        column
+        for name in SUBSET_COLUMNS
+        for column in ([name, f"{name}_low", f"{name}_high"] if name in ESTIMATED else [name])
+    ]
+
+
+@dataclass(frozen=True)
+class SubsetTable:
+    """A study's rows on a hard subset: per budget the dense row, then the runs of that budget
+    (``SUBSET_COLUMNS``); ``empty``: the budgets whose baseline answers every question right."""
+
+    subset: Subset
+    rows: list[dict]
+    empty: list[str]
 
 
 @dataclass(frozen=True)
 class StudyReports:
-    """The reference, the pruned runs and the two reports computed on them."""
+    """The reference, the pruned runs and the two reports computed on them (and the subset table, with --subset)."""
 
     reference: Run
     runs: list[Run]
     calibration: dict
     cascade: dict
     stage: str = FIRST.name
+    difficult: SubsetTable | None = None
 
 
 def study_tasks(
@@ -161,8 +202,10 @@ def _budget_order(budget: object) -> tuple[int, float, str]:
 
 
 def study_reports(reference: Run, runs: Sequence[Run], settings: StudySettings, force: bool = False) -> StudyReports:
-    """Calibrate every run against the reference and cascade each over the feasible epsilons of the sweep."""
+    """Calibrate every run against the reference and cascade each over the feasible epsilons of the sweep (and, with
+    ``settings.subset``, measure every run on the subset)."""
     differences = check_comparable([*runs, reference], force)
+    difficult = subset_table(reference, runs, settings) if settings.subset else None
     epsilons = feasible_epsilons(settings.epsilons, reference, settings.calibration)
     if not epsilons:
         raise PruneAuditError(
@@ -175,7 +218,39 @@ def study_reports(reference: Run, runs: Sequence[Run], settings: StudySettings, 
     cascade = cascade_report(
         cascades, reference, epsilons[0], epsilons[1:], settings.splits, fraction, seed, differences
     )
-    return StudyReports(reference, list(runs), calibration, cascade, settings.stage.name)
+    return StudyReports(reference, list(runs), calibration, cascade, settings.stage.name, difficult)
+
+
+def subset_table(reference: Run, runs: Sequence[Run], settings: StudySettings) -> SubsetTable:
+    """Every budget's runs and the reference measured on the questions the budget's baseline run answers wrongly
+    (``analysis.subsets``): accuracy, loyalty and the other metrics of ``question_metrics`` with image-clustered
+    intervals, and the paired differences to the reference on the same questions."""
+    assert settings.subset is not None
+    rows, empty = [], []
+    for part in budget_subsets(runs, settings.subset):
+        group = [run for run in runs if str(run.budget) == part.budget]
+        dense = reference.questions.take(part.mask(reference))
+        if not len(dense):
+            empty.append(part.budget)
+            continue
+        tables = [run.questions.take(part.mask(run)) for run in group]
+        measured = metrics_against_reference(tables, dense, settings.calibration)
+        for run, entry in zip([reference, *group], [measured["reference"], *measured["runs"]]):
+            row = {
+                "subset": settings.subset.name,
+                "baseline": part.baseline.label,
+                "run": run.label,
+                "task": run.task.name,
+                "selector": run.selector,
+                "budget": part.budget,
+                "questions": len(dense),
+            }
+            for name in SUBSET_COLUMNS:
+                if name in ESTIMATED:
+                    value, low, high = _estimate(entry, ESTIMATED[name])
+                    row.update({name: value, f"{name}_low": low, f"{name}_high": high})
+            rows.append(row)
+    return SubsetTable(settings.subset, rows, empty)
 
 
 def summary_rows(reports: StudyReports) -> list[dict]:
@@ -239,20 +314,21 @@ def _cascade_columns(cascade: dict | None, epsilons: Sequence[float]) -> dict[st
     return columns
 
 
-def summary_files(rows: Sequence[dict]) -> dict[str, bytes | str]:
-    """summary.csv and summary.parquet of the rows (same columns, same order)."""
+def summary_files(rows: Sequence[dict], stem: str = "summary", columns: Sequence[str] = ()) -> dict[str, bytes | str]:
+    """``<stem>``.csv and .parquet of the rows (same columns, same order); ``columns`` come first, so that a table
+    without rows still has its header."""
     import io
 
     import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    columns = dict.fromkeys(name for row in rows for name in row)  # a task's own columns: NaN in other rows
-    table = pa.Table.from_pylist([{name: row.get(name, math.nan) for name in columns} for row in rows])
+    names = dict.fromkeys([*columns, *(name for row in rows for name in row)])  # a task's own: NaN in other rows
+    table = pa.table({name: [row.get(name, math.nan) for row in rows] for name in names})
     csv_buffer, parquet_buffer = io.BytesIO(), io.BytesIO()
     pacsv.write_csv(table, csv_buffer)
     pq.write_table(table, parquet_buffer)
-    return {"summary.csv": csv_buffer.getvalue(), "summary.parquet": parquet_buffer.getvalue()}
+    return {f"{stem}.csv": csv_buffer.getvalue(), f"{stem}.parquet": parquet_buffer.getvalue()}
 
 
 def study_files(by_task: Mapping[str, StudyReports], command: str = "") -> dict[str, bytes | str]:
@@ -263,14 +339,14 @@ def study_files(by_task: Mapping[str, StudyReports], command: str = "") -> dict[
     from dataclasses import replace
 
     from prune_audit.analysis.outputs import to_json
-    from prune_audit.analysis.report_html import TaskSection, question_set, report_header, report_html, report_markdown
+    from prune_audit.analysis.report_html import report_header, report_html, report_markdown
     from prune_audit.analysis.study_figures import study_figures
 
     first = next(iter(by_task.values())).reference
     title = Path(first.model).name or first.model
     files: dict[str, bytes | str] = {}
     pictures: dict[str, bytes] = {}
-    sections, every_row = [], []
+    sections, every_row, difficult_rows = [], [], []
     for name, reports in by_task.items():
         prefix = f"{name}_" if len(by_task) > 1 else ""
         rows = summary_rows(reports)
@@ -290,25 +366,16 @@ def study_files(by_task: Mapping[str, StudyReports], command: str = "") -> dict[
                 **figures,
             }
         )
-        reference = reports.reference
-        sections.append(
-            TaskSection(
-                name,
-                rows,
-                epsilons,
-                settings_note(reports),
-                question_set(reference.manifest, len(reference.questions)),
-                reference.task.report_metrics,
-                prefix,
-                reference.task.names_evidence,
-            )
-        )
+        sections.append(_task_section(name, reports, rows, epsilons, prefix))
         every_row += rows
+        difficult_rows += reports.difficult.rows if reports.difficult else []
     header = report_header(first.manifest, first.model_name, len(first.questions), command)
     if len(by_task) > 1:
         header = replace(header, questions=f"tasks {', '.join(by_task)} (each task's section names its questions)")
+    subset = next(iter(by_task.values())).difficult
     return {
         **summary_files(every_row),
+        **(summary_files(difficult_rows, f"summary_{subset.subset.name}", subset_columns()) if subset else {}),
         **files,
         "report.md": report_markdown(sections, title, header),
         "report.html": report_html(sections, title, pictures, header),
@@ -325,3 +392,35 @@ def settings_note(reports: StudyReports) -> str:
         f"Lost object: none of its tokens kept at stage {reports.stage} (--stage; its decoder layer per run in "
         "summary.csv). Every column: summary.csv."
     )
+
+
+def _task_section(name: str, reports: StudyReports, rows: list[dict], epsilons: list[float], prefix: str):
+    """A task's part of the report (``report_html.TaskSection``): its rows, notes and, with --subset, its subset
+    table."""
+    from prune_audit.analysis.report_html import TaskSection, question_set
+
+    reference = reports.reference
+    return TaskSection(
+        name,
+        rows,
+        epsilons,
+        settings_note(reports),
+        question_set(reference.manifest, len(reference.questions)),
+        reference.task.report_metrics,
+        prefix,
+        reference.task.names_evidence,
+        *((reports.difficult.rows, subset_note(reports.difficult)) if reports.difficult else ()),
+    )
+
+
+def subset_note(table: SubsetTable) -> str:
+    """The lines under a subset table: which questions, from which baseline, and the budgets without any."""
+    subset = table.subset
+    text = (
+        f"Questions that {subset.baseline} answers wrongly at each budget (study --subset {subset.name} "
+        f"--subset-baseline {subset.baseline}; VTC-Bench's filter): each budget's runs and the dense model on that "
+        f"budget's questions, intervals as above, differences paired. Every column: summary_{subset.name}.csv."
+    )
+    if table.empty:
+        text += f" No such question at budget {', '.join(table.empty)}: {subset.baseline} answers every one right."
+    return text

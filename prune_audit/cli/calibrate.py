@@ -55,6 +55,9 @@ def calibrate(
     confidence for correctness. AURC = mean error rate of the k most
     confident questions, k = 1..N.
 
+    Loyalty (with --reference; EffiVLM-Bench): share of questions answered as the reference answers them, and for
+    generated answers also the mean token F1 between the two answers.
+
     Temperature T (p = sigmoid(d/T), d = POPE's logit_diff or the confidence's logit) is fitted by NLL on a seeded split
     of the images (all POPE splits together); scaled metrics are shown on the
     other images. Intervals: 95% percentile, bootstrap over images;
@@ -150,7 +153,12 @@ def print_calibration_table(report: dict, out: Path, report_metrics: Sequence[st
     table.add_column("metric")
     for entry in entries:
         table.add_column(entry["label"] + (" (reference)" if entry is report["reference"] else ""))
-    for row in (shown for shown in reported_metrics(report_metrics) if shown.in_table):
+    shown_rows = (
+        shown
+        for shown in reported_metrics(report_metrics)
+        if shown.in_table and (report["reference"] or not shown.needs_reference)  # loyalty: to the reference
+    )
+    for row in shown_rows:
         table.add_row(row.label, *(_cell(entry["metrics"]["all"].get(row.name), row.precise) for entry in entries))
     table.add_section()
     table.add_row("temperature T", *(_temperature(entry["temperature"]) for entry in entries))

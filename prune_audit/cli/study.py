@@ -27,7 +27,7 @@ from prune_audit.cli.common import (
     handle_errors,
     parse_epsilons,
 )
-from prune_audit.runner.study.defaults import DEFAULT_BUDGETS, DEFAULT_SELECTORS
+from prune_audit.runner.study.defaults import DEFAULT_BUDGETS, DEFAULT_SELECTORS, DEFAULT_SUBSET_BASELINE
 
 
 @handle_errors
@@ -100,6 +100,20 @@ def study(
     force: Annotated[
         bool, typer.Option("--force", help="Compare runs even when model, question files or prompt differ.")
     ] = False,
+    subset: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Also tabulate every run on a hard subset: difficult = the questions the --subset-baseline "
+            "run of the same budget answers wrongly (VTC-Bench); the report shows both tables."
+        ),
+    ] = None,
+    subset_baseline: Annotated[
+        Optional[str],
+        typer.Option(
+            help=f"With --subset: the selector whose wrong answers make the subset (default {DEFAULT_SUBSET_BASELINE}"
+            "); it must be in --selectors."
+        ),
+    ] = None,
     threads: ThreadsOption = None,
     quiet: QuietOption = False,
 ) -> None:
@@ -110,11 +124,14 @@ def study(
     Resumable: a finished run under OUT/runs is reused, an interrupted one continues. With no
     options it studies the bundled demo: fastv and divprune at 32 and 64 of its 144
     visual tokens. --plan prints the `prune-audit run` commands (or a shell / SLURM array
-    script) for a scheduler; --report then builds the summary from their run folders.
+    script) for a scheduler; --report then builds the summary from their run folders. Loyalty: the share of
+    answers equal to the dense run's. With --subset difficult, a second table holds every budget's runs on
+    the questions that the baseline run of that budget answers wrongly (summary_difficult.csv).
     """
     command = command_line("study", study, dict(locals()))
     from prune_audit.analysis.calibration import CalibrationSettings
     from prune_audit.analysis.study import StudySettings
+    from prune_audit.analysis.subsets import check_baseline_in_grid, parse_subset
     from prune_audit.errors import PruneAuditError
     from prune_audit.records.stages import parse_stage
     from prune_audit.runner.request import RunRequest
@@ -145,7 +162,11 @@ def study(
     if plan and report:
         raise PruneAuditError("--plan and --report exclude each other: plan first, report after the runs")
     settings = StudySettings(
-        CalibrationSettings(bins, "width", bootstrap, 0.5, seed), tuple(targets), splits, parse_stage(stage)
+        CalibrationSettings(bins, "width", bootstrap, 0.5, seed),
+        tuple(targets),
+        splits,
+        parse_stage(stage),
+        parse_subset(subset, subset_baseline, DEFAULT_SUBSET_BASELINE),
     )
     check_stage(settings.stage)
     if report:
@@ -186,6 +207,7 @@ def study(
         for name in names
     ]
     check_grid(grids[0].selectors, grids[0].budgets)
+    check_baseline_in_grid(settings.subset, grids[0].selectors)  # before any run: the subset needs the baseline's
     if plan:
         _plan(grids, plan_format, plan_file, parse_shard(shard) if shard else None)
         return
@@ -273,6 +295,7 @@ def _report(out: Path, settings, force: bool, command: str, tasks: list[str]) ->
 def _write_report(out: Path, settings, force: bool, command: str, tasks: list[str]) -> None:
     """The summary and report of the ``tasks`` runs under OUT/runs (a study of one task reads every run there)."""
     from prune_audit.analysis.outputs import write_files
+    from prune_audit.analysis.report_html import SUBSET_HEADING
     from prune_audit.analysis.study import study_files, study_reports, study_runs, study_tasks
     from prune_audit.runner.study.grid import RUNS_FOLDER
 
@@ -289,5 +312,10 @@ def _write_report(out: Path, settings, force: bool, command: str, tasks: list[st
         if dropped:
             print(f"note: epsilon {', '.join(f'{e:g}' for e in dropped)} below 1/(n+1) for the {name} images; left out")
     write_files(out, study_files(reports, command))  # no settings recorded: the report is rebuilt with those given
-    print((out / "report.md").read_text(encoding="utf-8").split("\n## Findings")[0])
-    print(f"wrote summary.csv, summary.parquet, report.md and report.html to {out}")
+    report = (out / "report.md").read_text(encoding="utf-8")
+    print(report.split("\n## Findings")[0])
+    heading = f"\n## {SUBSET_HEADING}"
+    if heading in report:  # a study of one task with --subset: its subset table too
+        print(SUBSET_HEADING + report.split(heading)[1].split("\n## ")[0])
+    subset = f", summary_{settings.subset.name}.csv, .parquet" if settings.subset else ""
+    print(f"wrote summary.csv, summary.parquet{subset}, report.md and report.html to {out}")

@@ -165,7 +165,19 @@ class CaptionTask(Task):
     evidence_fate = "captions by the fate of their image's annotated objects (together)"
     evidence_questions = "captions with annotated objects"
     instruction = DETAILED_DESCRIPTION
-    report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
+    report_metrics = (
+        "accuracy",
+        "loyalty",
+        "loyalty_overlap",
+        "ece",
+        "ece_mass",
+        "mce",
+        "ce_debiased_l2",
+        "brier",
+        "nll",
+        "auroc",
+        "aurc",
+    )
     default_max_new_tokens = 1024
     confidences = ("mean-token", "sequence")
     record_columns = (

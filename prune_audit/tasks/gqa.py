@@ -156,7 +156,19 @@ class GqaTask(Task):
     evidence_label = "queried objects"
     evidence_fate = "questions by the fate of the objects their annotations name (together)"
     evidence_questions = "questions with evidence masks"
-    report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
+    report_metrics = (
+        "accuracy",
+        "loyalty",
+        "loyalty_overlap",
+        "ece",
+        "ece_mass",
+        "mce",
+        "ce_debiased_l2",
+        "brier",
+        "nll",
+        "auroc",
+        "aurc",
+    )
     default_max_new_tokens = 128
     confidences = ("sequence", "mean-token")
     record_columns = (

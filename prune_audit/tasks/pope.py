@@ -63,6 +63,7 @@ class PopeTask(Task):
     splits = POPE_SPLITS
     report_metrics = (
         "accuracy",
+        "loyalty",
         "precision",
         "recall",
         "f1",

@@ -117,7 +117,18 @@ class RefcocoTask(Task):
     evidence_fate = "expressions by the fate of the object they refer to"
     evidence_questions = "expressions"
     splits = SPLITS
-    report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
+    report_metrics = (
+        "accuracy",
+        "loyalty",
+        "ece",
+        "ece_mass",
+        "mce",
+        "ce_debiased_l2",
+        "brier",
+        "nll",
+        "auroc",
+        "aurc",
+    )
     default_max_new_tokens = 100
     confidences = ("sequence", "mean-token")
     record_columns = (

@@ -83,7 +83,18 @@ class ScienceQaTask(Task):
     evidence_definition = "none: ScienceQA names no image regions (no retention or lost objects)"
     evidence_noun = "the evidence regions (none for scienceqa)"
     names_evidence = False
-    report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
+    report_metrics = (
+        "accuracy",
+        "loyalty",
+        "ece",
+        "ece_mass",
+        "mce",
+        "ce_debiased_l2",
+        "brier",
+        "nll",
+        "auroc",
+        "aurc",
+    )
     answer_subsets = {"img": "the questions with an image (LLaVA's IMG-Accuracy; the questions `run` answers)"}
 
     def read_questions(self, paths: Sequence[Path]) -> list[ScienceQaTaskQuestion]:

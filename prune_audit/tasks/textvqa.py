@@ -199,7 +199,19 @@ class TextVqaTask(Task):
     evidence_label = "answer's OCR text"
     evidence_fate = "questions by the fate of the OCR tokens that spell their answer (together)"
     evidence_questions = "questions with answer tokens"
-    report_metrics = ("accuracy", "ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
+    report_metrics = (
+        "accuracy",
+        "loyalty",
+        "loyalty_overlap",
+        "ece",
+        "ece_mass",
+        "mce",
+        "ce_debiased_l2",
+        "brier",
+        "nll",
+        "auroc",
+        "aurc",
+    )
     default_max_new_tokens = 128
     confidences = ("sequence", "mean-token")
     record_columns = (

@@ -31,7 +31,10 @@ NAMED_EXCEPTIONS = {
         {"fastv", "cls_attn", "coverage", "cdpruner", "divprune", "random"},
         "the reproduced study's grid and timing selector, and POPE's random split",
     ),
-    "runner/study/defaults.py": ({"fastv", "divprune"}, "the default study grid (imports nothing: CLI start-up)"),
+    "runner/study/defaults.py": (
+        {"fastv", "divprune", "downsample"},
+        "the default study grid and --subset difficult's baseline (imports nothing: CLI start-up)",
+    ),
     "runner/visualize.py": (
         {"fastv", "sparsevlm", "visionzip", "divprune", "cdpruner", "random"},
         "the selectors visualize draws by default, in its drawing order",
