@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 # the cases are the tests' own (one definition), as benchmarks/lmms_eval_compare.py reads its test's helpers
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / folder) for folder in ("", "pruners")]
 import torch  # noqa: E402
 from test_fidelity_half import HALF_DTYPES, PREFIX, SEEDS, TOKENS, dtype_name, fastv_cpu_gemm_case  # noqa: E402
 from test_fidelity_half_rederived import official_rope_ones_half  # noqa: E402

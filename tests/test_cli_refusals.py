@@ -82,7 +82,7 @@ def test_the_half_precision_tests_assert_kept_sets_and_the_kernel_counts_are_mea
     from benchmarks.half_kernels import cpu_half_flags, rope_logits
 
     tests = Path(__file__).parent
-    for name in ("test_fidelity_half.py", "test_fidelity_half_rederived.py", "test_fidelity_half_adapter.py"):
+    for name in ("test_fidelity_half.py", "pruners/test_fidelity_half_rederived.py", "test_fidelity_half_adapter.py"):
         asserts = [line for line in (tests / name).read_text().splitlines() if line.strip().startswith("assert")]
         counted = [line for line in asserts if re.search(r"!=.*\)\.sum\(\)|differing", line)]
         assert not counted, (name, counted)  # a count of products the CPU kernel rounds otherwise: machine-bound
