@@ -133,3 +133,7 @@ def test_flops_count_every_product_the_selection_runs(crops):
     work = SelectorWork(tokens=TOKENS, kept=64, feature_width=4096, options={"crops": crops})
     assert selector_class("holov").flops(work) == counter.get_total_flops() > 0
     assert selector_class("holov").flops(SelectorWork(tokens=TOKENS, kept=TOKENS, feature_width=4096)) == 0
+
+
+def test_the_fidelity_row_quotes_these_cases():
+    assert selector_class("holov").fidelity.agreement_cases == len(CASES) == 30
