@@ -475,6 +475,12 @@ def test_facility_location_holds_exactly_one_dense_matrix(name):
     assert DENSE_MIB * 0.9 < extra < DENSE_MIB * 1.25
 
 
+def test_gprune_holds_exactly_one_dense_matrix():
+    """Its transition matrix is built, softmaxed and counted in place, block by block."""
+    extra = peak_extra_mib("gprune", TOKENS)
+    assert DENSE_MIB * 0.9 < extra < DENSE_MIB * 1.25
+
+
 def test_signals_subset_slices_every_per_token_signal_and_keeps_the_cls_first():
     """``InputSignals.subset`` (per-crop budgets): per-token signals along their token axis, CLS columns kept at 0."""
     generator = torch.Generator().manual_seed(0)
