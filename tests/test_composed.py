@@ -215,3 +215,19 @@ def test_the_python_api_takes_the_composed_spelling(demo):
     with pytest.raises(PruneAuditError, match="gives 1 budget"):
         with pruned(demo, COMPOSED, 96):
             pass
+
+
+@pytest.mark.parametrize(("model", "name"), [("demo", "divprune+pdrop"), ("demo-qwen", "divprune+fastv")])
+def test_every_in_llm_stage_prunes_the_input_parts_tokens(model, name):
+    """A non-merging input part, a several-stage in-LLM part, and Qwen's original M-RoPE positions."""
+    vlm = load_demo(DEMO_MODELS[model])
+    item = vlm.prepare(random_image(6, (96, 96)), QUESTION)
+    composed = parse_selector(name, [])
+    answer = _answer(vlm, item, composed, (64, 24))
+    fed = min(64, item.num_visual)
+    assert answer.stage_layers[0] == 0 and len(answer.kept_stages) == 1 + len(vlm.schedule(composed.llm, fed, 24))
+    assert len(answer.kept_stages[0]) == fed and answer.tokens_per_layer[0] == fed
+    for earlier, later in zip(answer.kept_stages, answer.kept_stages[1:]):
+        assert set(later) <= set(earlier)
+    kept = [len(stage) for stage in answer.kept_stages[1:]]
+    assert kept == [stage.keep for stage in vlm.schedule(composed.llm, fed, 24)]

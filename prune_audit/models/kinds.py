@@ -47,7 +47,8 @@ def input_registry(sources: Sequence[Tensor], kept: Tensor) -> list[list[int]]:
 
 
 def prunable(kinds: Tensor) -> Tensor:
-    """Bool mask of the visual tokens an in-LLM stage scores: grid tokens and in-LLM merged tokens."""
+    """Bool mask of the visual tokens an in-LLM stage scores: grid tokens and merged tokens (an input-level
+    selection's, which a composed selector's in-LLM part prunes, and those an in-LLM merge inserted)."""
     return (kinds >= 0) | (kinds < MERGED)
 
 
