@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from prune_audit.compute.budget import Budget
     from prune_audit.compute.cost import PrefillCost
     from prune_audit.models import Answer, Prepared, VisionLanguageModel
-    from prune_audit.pruners.base import Selector
+    from prune_audit.pruners.composed import RunSelector
 
 ImageInput = Any
 """A ``PIL.Image.Image`` (converted to RGB) or the path of an image file (opened as ``run`` opens it)."""
@@ -155,13 +155,14 @@ def pruned(
 
     Args:
         vlm: a model from :func:`load`.
-        selector: a registered selector (``prune-audit selectors``), or "none" for the unpruned model.
+        selector: a registered selector (``prune-audit selectors``), a composed one (``"visionzip+fastv"``:
+            input-level part, then in-LLM part), or "none" for the unpruned model.
         budget: visual tokens to keep (in-LLM selectors: the layer average), a share of each image's tokens
-            ("11%"), or "all"; None only with selector "none".
+            ("11%"), or "all"; None only with selector "none"; a composed selector one per part ("128,64").
         seed: seed of random selectors: row ``i`` of each call draws from its own generator seeded by
             ``(seed, i)``, so a call's answers do not depend on its batch size.
         options: the selector's options (``--option KEY=VALUE``), typed or as strings; each is checked against
-            its declared domain.
+            its declared domain (a composed selector's as ``**{"fastv.budget_rule": "paper"}``).
     """
     from prune_audit.models import VisionLanguageModel
 
@@ -174,31 +175,35 @@ def pruned(
         model._open = False
 
 
-def _selector_and_budget(name: str, budget: Budget, options: dict[str, Any]) -> tuple[Selector | None, Budget]:
-    """The selector built from ``options`` (strings parsed as ``--option``) and the checked budget."""
-    from prune_audit.compute.budget import check_budget_for, parse_budget
-    from prune_audit.pruners.registry import list_selectors, selector_from_strings
+def _selector_and_budget(name: str, budget: Budget, options: dict[str, Any]) -> tuple[RunSelector | None, Budget]:
+    """The selector built from ``options`` (strings parsed as ``--option``) and the checked budget; a composed
+    selector (``"visionzip+fastv"``) takes one budget per part, as ``"128,64"`` or ``(128, 64)``."""
+    from prune_audit.compute.budget import check_budget_for, check_budget_parts, parse_budget
+    from prune_audit.pruners.composed import is_composed, parse_selector, part_count
+    from prune_audit.pruners.registry import list_selectors
 
     if not isinstance(name, str):
         raise PruneAuditError(f"selector must be a registered name (str), got {name!r}")
-    if isinstance(budget, bool) or not (budget is None or isinstance(budget, (int, str))):
+    parts = budget if isinstance(budget, tuple) else (budget,)
+    if any(isinstance(part, bool) or not (part is None or isinstance(part, (int, str))) for part in parts):
         raise PruneAuditError(
             f"budget must be a whole number of tokens, a share such as '11%', or 'all'; got {budget!r}"
         )
     budget = parse_budget(budget) if isinstance(budget, str) else budget
     if name == "none" and options:
         raise PruneAuditError("options need a selector; the unpruned model (selector 'none') has none")
-    if name != "none" and name not in list_selectors():
+    if name != "none" and not is_composed(name) and name not in list_selectors():
         raise PruneAuditError(f"unknown selector {name!r}; valid selectors: {', '.join(list_selectors())}")
     check_budget_for(name, budget)
     if name == "none":
         return None, None
     try:
-        selector = selector_from_strings(name, [f"{key}={value}" for key, value in options.items()])
+        selector = parse_selector(name, [f"{key}={value}" for key, value in options.items()])
     except PruneAuditError:
         raise
     except ValueError as error:  # the registry's one-line messages, raised as ValueError
         raise PruneAuditError(str(error)) from None
+    check_budget_parts(budget, part_count(selector), name)
     return selector, budget
 
 
@@ -215,7 +220,7 @@ class PrunedModel:
     a list, answered in batches of ``batch_size``); one image with a list of texts asks each text of that image.
     """
 
-    def __init__(self, vlm: VisionLanguageModel, selector: Selector | None, budget: Budget, *, seed: int) -> None:
+    def __init__(self, vlm: VisionLanguageModel, selector: RunSelector | None, budget: Budget, *, seed: int) -> None:
         self.vlm, self.selector, self.budget, self.seed = vlm, selector, budget, seed
         self._open = True
         if selector is not None:

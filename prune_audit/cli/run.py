@@ -34,15 +34,23 @@ from prune_audit.cli.common import (
 def run(
     model: ModelOption = None,
     selector: Annotated[
-        str, typer.Option(help="Registered selector (see `prune-audit selectors`), or none for the unpruned reference.")
+        str,
+        typer.Option(
+            help="Registered selector (see `prune-audit selectors`), INPUT+LLM to compose an input-level and an "
+            "in-LLM one, or none for the unpruned reference."
+        ),
     ] = "none",
     budget: Annotated[
         Optional[str],
         typer.Option(
-            help="Visual tokens to keep (in-LLM selectors: layer average), a share of each image's tokens (11%), or all."
+            help="Visual tokens to keep (in-LLM selectors: layer average), a share of each image's tokens (11%), or all; "
+            "a composed selector one per part, each below the one before (128,64)."
         ),
     ] = None,
-    option: Annotated[Optional[list[str]], typer.Option(help="Selector option KEY=VALUE; repeatable.")] = None,
+    option: Annotated[
+        Optional[list[str]],
+        typer.Option(help="Selector option KEY=VALUE (a composed selector's: PART.KEY=VALUE); repeatable."),
+    ] = None,
     task: TaskOption = "pope",
     pope: PopeOption = None,
     questions: QuestionsOption = None,

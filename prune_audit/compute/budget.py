@@ -2,7 +2,8 @@
 image, and solve (and remember) an in-LLM selector's schedule for it.
 
 A budget is requested as a number of visual tokens, a share of each image's tokens (``11%``,
-rounded half up per image, at least 1) or ``all``; ``None`` is the unpruned run. The runner
+rounded half up per image, at least 1) or ``all``; ``None`` is the unpruned run. A composed selector
+(``visionzip+fastv``) takes one budget per part, comma-separated (``128,64``), each below the one before. The runner
 resolves it per image (``resolve_budget``), the model solves an in-LLM selector's schedule
 through ``Schedules`` (the manifest's schedule comes from the same one), and the realised
 token counts, FLOPs and KV bytes of each question follow from that (``compute.cost``).
@@ -20,12 +21,22 @@ if TYPE_CHECKING:  # torch loads only with the model: the CLI checks OMP_NUM_THR
 
 BUDGET_ALL = "all"
 
-Budget = int | str | None
-"""A requested budget: visual tokens, a share ``"N%"``, ``"all"``, or None (unpruned)."""
+PartBudget = int | str
+"""One budget: visual tokens, a share ``"N%"`` or ``"all"``."""
+Budget = PartBudget | tuple[PartBudget, ...] | None
+"""A requested budget: one budget, one per part of a composed selector (``(128, 64)``), or None (unpruned)."""
+ResolvedBudget = int | tuple[int, ...] | None
+"""A budget resolved for one image (``resolve_budget``): its tokens, one count per composed part, or None."""
 
 
 def parse_budget(text: str | None) -> Budget:
-    """``--budget``: a number of visual tokens, a share of each image's tokens (``11%``), or ``all``."""
+    """``--budget``: a number of visual tokens, a share of each image's tokens (``11%``), or ``all``; for a
+    composed selector one of these per part, comma-separated (``128,64``)."""
+    if text is not None and "," in text:
+        texts = [part.strip() for part in text.split(",")]
+        if not all(texts):  # an empty part ("128,")
+            raise PruneAuditError(f"--budget {text}: give one budget per part, e.g. 128,64")
+        return tuple(parse_budget(part) for part in texts)  # type: ignore[misc]  # each part holds no comma
     if text is None or text == BUDGET_ALL:
         return text
     if text.endswith("%"):
@@ -37,6 +48,17 @@ def parse_budget(text: str | None) -> Budget:
         raise PruneAuditError(
             f"--budget takes a number of visual tokens, a share such as 11%, or {BUDGET_ALL}; got {text!r}"
         ) from None
+
+
+def budget_text(budget: Budget | list) -> str:
+    """A budget as ``--budget`` spells it: ``64``, ``11%``, ``all``; a composed one comma-separated (``128,64``)."""
+    return ",".join(str(part) for part in budget) if isinstance(budget, (tuple, list)) else str(budget)
+
+
+def has_share(budget: Budget) -> bool:
+    """Whether ``budget`` (or one of its parts) is a share, which each image resolves to its own count."""
+    parts = budget if isinstance(budget, tuple) else (budget,)
+    return any(budget_share(part) is not None for part in parts)
 
 
 def budget_share(budget: Budget) -> float | None:
@@ -59,11 +81,14 @@ def tokens_for_share(share: float, num_visual: int) -> int:
 
 def check_positive(budget: Budget) -> None:
     """Refuse a count of zero or fewer visual tokens (shares and ``all`` are checked where they are read)."""
-    if isinstance(budget, int) and budget <= 0:
+    if isinstance(budget, tuple):
+        for part in budget:
+            check_positive(part)
+    elif isinstance(budget, int) and budget <= 0:
         raise PruneAuditError(f"--budget must be a positive number of visual tokens, got {budget}")
 
 
-def parse_requested_budget(text: str) -> int | str:
+def parse_requested_budget(text: str) -> PartBudget | tuple[PartBudget, ...]:
     """A budget a selector runs at (``--budget``, the study's ``--budgets``, the Python API, lmms-eval): parsed
     and checked positive here, the one place; None (unpruned) is not a budget to parse."""
     budget = parse_budget(text)
@@ -84,11 +109,52 @@ def check_budget_for(selector: str, budget: Budget) -> None:
     check_positive(budget)
 
 
-def resolve_budget(budget: Budget, num_visual: int) -> int | None:
+def check_budget_parts(budget: Budget, parts: int, selector: str) -> None:
+    """A composed selector of ``parts`` parts takes one budget per part, each below the one before (where they
+    compare before an image resolves them: two counts, two shares, ``all`` first); another takes one budget."""
+    given = len(budget) if isinstance(budget, tuple) else 1
+    if budget is None or given == parts:
+        if isinstance(budget, tuple):
+            _check_descending(budget, selector)
+        return
+    spelled = budget_text(budget)
+    raise PruneAuditError(
+        f"--budget {spelled} gives {given} budget(s) for selector {selector!r} of {parts} part(s); "
+        f"give one per part, comma-separated, e.g. {','.join(str(128 >> i) for i in range(parts))}"
+    )
+
+
+def _check_descending(budget: tuple[PartBudget, ...], selector: str) -> None:
+    spelled = budget_text(budget)
+    for earlier, later in zip(budget, budget[1:]):
+        shares = budget_share(earlier), budget_share(later)
+        if later == BUDGET_ALL or (earlier != BUDGET_ALL and (shares[0] is None) != (shares[1] is None)):
+            raise PruneAuditError(
+                f"--budget {spelled}: after {earlier} give a smaller count, or a smaller share after a share, "
+                f"so each part of {selector!r} keeps fewer tokens than the one before"
+            )
+        if earlier == BUDGET_ALL:
+            continue
+        before, after = shares if shares[0] is not None else (earlier, later)
+        if not after < before:  # type: ignore[operator]  # two counts or two shares, checked above
+            raise PruneAuditError(
+                f"--budget {spelled}: {later} is not below {earlier}; each part of {selector!r} keeps fewer "
+                f"tokens than the one before"
+            )
+
+
+def resolve_budget(budget: Budget, num_visual: int) -> ResolvedBudget:
     """The budget in tokens for an image of ``num_visual`` tokens: ``all`` is every visual token, ``N%``
-    that share (rounded per image); more than the model has is refused."""
+    that share (rounded per image); more than the model has is refused. A composed budget resolves part by
+    part, each share of the image's own tokens."""
     if budget is None:
         return None
+    if isinstance(budget, tuple):
+        return tuple(_resolve_one(part, num_visual) for part in budget)
+    return _resolve_one(budget, num_visual)
+
+
+def _resolve_one(budget: PartBudget, num_visual: int) -> int:
     if budget == BUDGET_ALL:
         return num_visual
     share = budget_share(budget)
@@ -126,6 +192,6 @@ class Schedules:
 
 
 __all__ = [
-    "BUDGET_ALL", "Budget", "parse_budget", "parse_requested_budget", "budget_share", "tokens_for_share", "check_positive", "check_budget_for",
+    "BUDGET_ALL", "Budget", "PartBudget", "ResolvedBudget", "parse_budget", "check_budget_parts", "budget_text", "has_share", "parse_requested_budget", "budget_share", "tokens_for_share", "check_positive", "check_budget_for",
     "resolve_budget", "Schedules",
 ]  # fmt: skip

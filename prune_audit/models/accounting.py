@@ -6,13 +6,14 @@ arithmetic is ``prune_audit.compute``'s.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prune_audit.compute.cost import PrefillCost, QuestionTokens, StageProbe, prefill_cost
 from prune_audit.models.layer_signals import ATTENTION_SIGNALS, KEY_SIGNALS, ROPE_SIGNALS
 from prune_audit.models.prefill_assembly import vision_layer_requests
 from prune_audit.pruners.arithmetic import SelectorWork
-from prune_audit.pruners.base import InputSelector, Selection, Selector
+from prune_audit.pruners.base import Selection
+from prune_audit.pruners.composed import RunSelector, budget_parts, selector_parts
 from prune_audit.pruners.crop_scope import crop_budgets
 from prune_audit.pruners.signals import PADDED_CROPS
 from prune_audit.pruners.tome import tower_schedule
@@ -27,24 +28,30 @@ def question_cost(
     vlm: VisionLanguageModel,
     item: Prepared,
     answer: Answer,
-    selector: Selector | None,
-    budget: int | None,
+    selector: RunSelector | None,
+    budget: Any,
     selection: Selection | None,
     forced: bool,
 ) -> PrefillCost:
     """The cost columns of ``answer``, the prefill of ``item`` under ``selector`` at ``budget``.
 
-    ``forced``: the kept sets were given (``forced_kept`` / ``forced_stages``), so no selector ran.
+    ``forced``: the kept sets were given (``forced_kept`` / ``forced_stages``), so no selector ran. A composed
+    selector counts both parts: the input part's signals and arithmetic on the image's tokens, the in-LLM part's
+    probes and arithmetic on the tokens the input part fed (its stages follow the input stage in ``answer``).
     """
     shape = vlm.shape
     text_tokens = item.input_ids.numel() - item.num_visual
     text_after = item.input_ids.numel() - item.image_span[1]
-    ran = selector if selector is not None and not forced else None
-    input_requires = vlm.signals_for(ran) if isinstance(ran, InputSelector) else frozenset()
-    layer_requires = vlm.signals_for(ran) if ran is not None and not isinstance(ran, InputSelector) else frozenset()
-    alive = [item.num_visual]  # visual tokens before each in-LLM stage, then after the last
-    if ran is not None and not isinstance(ran, InputSelector):
-        alive += [len(kept) + len(merged) for kept, merged in zip(answer.kept_stages, answer.merged_stages)]
+    input_ran, llm_ran = selector_parts(selector if not forced else None)
+    input_budget, llm_budget = budget_parts(selector, budget)
+    input_requires = vlm.signals_for(input_ran) if input_ran is not None else frozenset()
+    layer_requires = vlm.signals_for(llm_ran) if llm_ran is not None else frozenset()
+    fed = item.num_visual if selection is None else selection.num_output_tokens
+    alive = [fed]  # visual tokens before each in-LLM stage, then after the last
+    if llm_ran is not None:
+        first = 1 if selection is not None else 0  # the input stage's entry leads a composed answer's stages
+        llm_stages = zip(answer.kept_stages[first:], answer.merged_stages[first:])
+        alive += [len(kept) + len(merged) for kept, merged in llm_stages]
     rope = bool(layer_requires & ROPE_SIGNALS)
     probes = tuple(
         StageProbe(text_tokens + before, text_after, bool(layer_requires & ATTENTION_SIGNALS),
@@ -53,33 +60,42 @@ def question_cost(
     )  # fmt: skip
     tower_merges = ()
     if "merging_tower" in input_requires:  # ToMe's tower rerun, as pruners.tome.TowerMerging schedules it
-        tower_merges = tuple(tower_schedule(item.num_visual, budget, shape.vision.layers))
+        tower_merges = tuple(tower_schedule(item.num_visual, input_budget, shape.vision.layers))
     crops, crop_stages = vlm.tower_crops(item), ()
-    if layer_requires and PADDED_CROPS in vision_layer_requests(vlm, ran):  # VScan per crop: padded grids
+    if layer_requires and PADDED_CROPS in vision_layer_requests(vlm, llm_ran):  # VScan per crop: padded grids
         patches = crops["crop_grid"][0] * crops["crop_grid"][1]
         crops["projected_tokens"] = crops["crops"] * patches  # the padding patches are projected too
-        vision_keep = vlm.schedule(ran, item.num_visual, budget)[0].keep
-        if vision_keep < item.num_visual:  # else every token is kept, nothing scanned
+        vision_keep = vlm.schedule(llm_ran, fed, llm_budget)[0].keep
+        if vision_keep < fed:  # else every token is kept, nothing scanned
             crop_stages = tuple(
-                (patches, ran.scan_count(share, crops["crop_grid"]))
+                (patches, llm_ran.scan_count(share, crops["crop_grid"]))
                 for share in crop_budgets(vision_keep, [patches] * crops["crops"])
             )
+    work = {"feature_width": shape.language.hidden, "vision_width": shape.vision.width,
+            "key_width": vlm.vision_head_dim, "hidden": shape.language.hidden, "text_rows": text_after}  # fmt: skip
     arithmetic = 0
-    if ran is not None:
-        work = SelectorWork(
-            tokens=item.num_visual,
-            kept=budget,
-            feature_width=shape.language.hidden,
-            vision_width=shape.vision.width,
-            key_width=vlm.vision_head_dim,
-            hidden=shape.language.hidden,
-            text_rows=text_after,
-            stages=tuple(zip(alive[:-1], alive[1:])),
-            options=ran.options(),
-            tower_merges=tower_merges,
-            crop_stages=crop_stages,
+    if input_ran is not None:
+        arithmetic += input_ran.flops(
+            SelectorWork(
+                tokens=item.num_visual,
+                kept=input_budget,
+                stages=(),
+                options=input_ran.options(),
+                tower_merges=tower_merges,
+                **work,
+            )  # fmt: skip
         )
-        arithmetic = ran.flops(work)
+    if llm_ran is not None:
+        arithmetic += llm_ran.flops(
+            SelectorWork(
+                tokens=fed,
+                kept=llm_budget,
+                stages=tuple(zip(alive[:-1], alive[1:])),
+                options=llm_ran.options(),
+                crop_stages=crop_stages,
+                **work,
+            )  # fmt: skip
+        )
     merged_inputs = selection is not None and selection.sources is not None and selection.llm_tokens is None
     tokens = QuestionTokens(
         grid=item.grid,

@@ -235,13 +235,15 @@ def answer_record(
     """Row ``b`` of a pruned prefill as an :class:`Answer`.
 
     ``selection`` is the row's input-level selection (None for in-LLM selectors and
-    unpruned runs, whose kept sets come from ``prefill``); ``num_visual`` the grid size.
+    unpruned runs), its stage first; the in-LLM stages come from ``prefill`` (a composed selector has both: the
+    in-LLM kept sets are grid indices, and an input merged token alive there is a merged entry, CLS without cells
+    an empty one); ``num_visual`` the grid size.
     """
-    if selection is not None:
-        kept_stages, stage_layers, merged_stages = [selection.kept.tolist()], [0], [selection.merged_sources()]
-    else:
-        kept_stages = prefill.kept_stages[b]
-        stage_layers, merged_stages = prefill.stage_layers[b], prefill.merged_stages[b]
+    kept_stages, stage_layers = list(prefill.kept_stages[b]), list(prefill.stage_layers[b])
+    merged_stages = list(prefill.merged_stages[b]) if prefill.merged_stages else [[] for _ in kept_stages]
+    if selection is not None:  # the input stage at layer 0, before any in-LLM stage (a composed selector's)
+        kept_stages, stage_layers = [selection.kept.tolist(), *kept_stages], [0, *stage_layers]
+        merged_stages = [selection.merged_sources(), *merged_stages]
     counts = prefill.tokens_per_layer[b]
     return Answer(
         reduced=reduced,

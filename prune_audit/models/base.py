@@ -32,6 +32,7 @@ from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, ch
 from prune_audit.models.selector_support import SelectorSupport
 from prune_audit.models.timing import PartClock
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Selector, Stage
+from prune_audit.pruners.composed import ComposedSelector, RunSelector, budget_parts, selector_parts
 from prune_audit.pruners.registry import list_selectors, selector_class
 from prune_audit.pruners.signals import VISION_TOWER_FACTS
 
@@ -292,9 +293,11 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         (``Selector.requires_on`` its input signals)."""
         return Selector.requires_on(selector, self._available_input_signals())
 
-    def positions_for(self, selector: Selector | None) -> str:
+    def positions_for(self, selector: RunSelector | None) -> str:
         """Position mode ('compact' or 'keep_original') the language model sees under ``selector`` (None: forced
-        in-LLM stages)."""
+        in-LLM stages; a composed selector: its in-LLM part's, on the input part's tokens)."""
+        if isinstance(selector, ComposedSelector):
+            return self._layer_positions(selector.llm)
         if isinstance(selector, InputSelector):
             return self.input_positions
         return self._layer_positions(selector)
@@ -308,8 +311,13 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         """Per regular grid of the image: its (M_g,) ascending visual tokens and (rows, cols); one grid here."""
         return [(torch.arange(item.num_visual), item.grid)]
 
-    def check_selector(self, selector: Selector) -> None:
-        """Raise a one-line PruneAuditError when this model cannot provide the selector's signals."""
+    def check_selector(self, selector: RunSelector) -> None:
+        """Raise a one-line PruneAuditError when this model cannot provide the selector's signals (a composed
+        selector: each part's)."""
+        if isinstance(selector, ComposedSelector):
+            for part in selector.parts:
+                self.check_selector(part)
+            return
         per_crop = getattr(selector, "budget_scope", "image") == "crop"
         # a merging selector runs per crop only where its official code does (VisionZip on LLaVA-NeXT)
         if per_crop and (
@@ -339,8 +347,8 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     def prefill(
         self,
         prepared: Sequence[Prepared],
-        selector: Selector | None = None,
-        budget: int | None = None,
+        selector: RunSelector | None = None,
+        budget: Any = None,
         *,
         generator: torch.Generator | Sequence[torch.Generator] | None = None,
         forced_kept: Sequence[Sequence[int]] | None = None,
@@ -348,17 +356,20 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         use_cache: bool = False,
     ) -> tuple[Prefill, list[Selection | None]]:
         """The pruned prefill behind :meth:`answer`: (B, V) float32 last-position logits,
-        per-row provenance, and the input-level selection of each row (None in-LLM)."""
+        per-row provenance, and the input-level selection of each row (None in-LLM).
+
+        A composed selector (``budget``: one per part) selects from the encoder output with its input-level part,
+        then prunes the reduced sequence with its in-LLM part, whose schedule is solved on the tokens fed."""
         if not prepared:
             raise PruneAuditError("no questions to answer")
         check_request(len(prepared), selector, budget, generator, forced_kept, forced_stages)
         if selector is not None:
             self.check_selector(selector)
-        input_level = forced_kept is not None or isinstance(selector, InputSelector)
-        requires = (
-            self.signals_for(selector) if input_level and selector is not None and forced_kept is None else frozenset()
-        )
-        vision_layer = vision_layer_requests(self, selector) if isinstance(selector, LayerSelector) else frozenset()
+        input_part, llm_part = selector_parts(selector)
+        input_budget, llm_budget = budget_parts(selector, budget)
+        input_level = forced_kept is not None or input_part is not None
+        requires = self.signals_for(input_part) if input_part is not None and forced_kept is None else frozenset()
+        vision_layer = vision_layer_requests(self, llm_part) if llm_part is not None else frozenset()
         clock = PartClock(self.device)
         with torch.no_grad():
             vision = self._vision(prepared, requires | vision_layer)
@@ -372,16 +383,16 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
                         self,
                         item,
                         output,
-                        selector,
-                        budget,
+                        input_part,
+                        input_budget,
                         item_generator,
                         requires,
                         None if forced_kept is None else forced_kept[b],
                     )
                 rows.append(self.input_row(item, output, selections[b]))
             plan = None
-            if not input_level and (selector is not None or forced_stages is not None):
-                plan = layer_plan(self, prepared, selector, budget, forced_stages)
+            if llm_part is not None or forced_stages is not None:
+                plan = layer_plan(self, prepared, llm_part, llm_budget, forced_stages, selections)
                 travels = vision_layer | (VISION_TOWER_FACTS if vision_layer else frozenset())
                 plan.vision = [
                     {name: value for name, value in output.signals.items() if name.removeprefix("model_") in travels}

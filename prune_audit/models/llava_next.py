@@ -46,7 +46,7 @@ from torch import Tensor
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import without_direct_forwards
 from prune_audit.models.batch import TokenRow
-from prune_audit.models.kinds import MERGED, TEXT_AFTER, TEXT_BEFORE
+from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE, input_kinds
 from prune_audit.models.llava import LAYER_SIGNALS, LlavaModel
 from prune_audit.models.prefill_assembly import token_row
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
@@ -359,9 +359,7 @@ class LlavaNextModel(LlavaModel):
                 if selection.llm_tokens is not None
                 else self.project(selection.vision_tokens.to(device, self.dtype))
             )
-            kinds = torch.tensor(
-                [int(group[0]) if group.numel() == 1 else MERGED for group in selection.sources], device=device
-            )
+            kinds = torch.tensor(input_kinds(selection.sources, selection.kept), device=device)
             firsts = torch.tensor([int(group.min()) for group in selection.sources], device=device)
         slots = visual_at[kinds if selection is None or selection.sources is None else firsts]
         order = torch.argsort(torch.cat([slots, newline_at]), stable=True)

@@ -19,7 +19,7 @@ import torch
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.batch import TokenRow
 from prune_audit.models.executor import LayerPlan
-from prune_audit.models.kinds import MERGED, TEXT_AFTER, TEXT_BEFORE
+from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE, input_kinds, input_registry
 from prune_audit.models.layer_signals import text_demand
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Stage
@@ -85,7 +85,7 @@ def input_signals(
 def token_row(vlm: VisionLanguageModel, item: Prepared, output: VisionOutput, selection: Selection | None) -> TokenRow:
     """The language-model input of one prompt whose visual tokens fill its image span in grid order: (L', D)
     embeddings with the selection applied (kept features, or merged tokens through the projector), (L',) kinds
-    (grid index, ``MERGED`` or a text kind) and (P, L') position ids: renumbered under 'compact' input positions,
+    (grid index, a merged kind (``input_kinds``) or a text kind) and (P, L') position ids: renumbered under 'compact' input positions,
     else the unpruned prompt's columns."""
     start, end = item.image_span
     device = vlm.device  # a property that walks the parameters: read once
@@ -102,7 +102,7 @@ def token_row(vlm: VisionLanguageModel, item: Prepared, output: VisionOutput, se
             if selection.llm_tokens is not None
             else vlm.project(selection.vision_tokens.to(device, vlm.dtype))
         )
-        kinds = torch.tensor([int(s[0]) if s.numel() == 1 else MERGED for s in selection.sources], device=device)
+        kinds = torch.tensor(input_kinds(selection.sources, selection.kept), device=device)
     embeddings = torch.cat([embed(ids[:start]), visual.to(vlm.dtype), embed(ids[end:])])
     before = torch.full((start,), TEXT_BEFORE, device=device)
     after = torch.full((ids.numel() - end,), TEXT_AFTER, device=device)
@@ -110,7 +110,7 @@ def token_row(vlm: VisionLanguageModel, item: Prepared, output: VisionOutput, se
     full = vlm.full_positions(item).to(device)
     if selection is not None and vlm.input_positions == "compact":
         positions = torch.arange(all_kinds.numel(), device=device)[None].expand(full.shape[0], -1)
-    elif selection is not None and bool((kinds == MERGED).any()):
+    elif selection is not None and bool((kinds < 0).any()):
         raise PruneAuditError(f"merged tokens have no original position on {vlm.family}")
     else:  # original columns: text before, the kept grid cells, text after
         text_after = torch.arange(end, ids.numel(), device=device)
@@ -132,9 +132,14 @@ def layer_plan(
     selector: LayerSelector | None,
     budget: int | None,
     forced_stages: Sequence[ForcedStages] | None,
+    selections: Sequence[Selection | None] | None = None,
 ) -> LayerPlan:
     """The in-LLM plan of a batch: each row's stages from ``forced_stages`` ((layer, kept indices) per stage),
-    else ``selector``'s schedule at ``budget`` on the model's depth; every stage layer checked to exist."""
+    else ``selector``'s schedule at ``budget`` on the model's depth; every stage layer checked to exist.
+
+    ``selections``: each row's input-level selection when one ran first (a composed selector): the schedule is
+    solved on the tokens it feeds, and its merged tokens' grid sources open the row's registry (``input_kinds``).
+    """
     grids = [item.grid for item in prepared]
     positions = vlm.positions_for(selector)  # in-LLM or forced stages: the family's layer position mode
     forced = None
@@ -145,13 +150,28 @@ def layer_plan(
             stages.append([Stage(int(layer), len(set(kept))) for layer, kept in ordered])
             forced.append([torch.as_tensor(sorted(set(kept)), dtype=torch.long) for _, kept in ordered])
     else:
-        stages = [vlm.schedule(selector, item.num_visual, budget) for item in prepared]
+        fed = [
+            item.num_visual if chosen is None else chosen.num_output_tokens
+            for item, chosen in _rows(prepared, selections)
+        ]
+        stages = [vlm.schedule(selector, count, budget) for count in fed]
     for row in stages:
         for stage in row:
             if not 0 <= stage.layer < vlm.num_layers:
                 raise PruneAuditError(f"stage layer {stage.layer} outside the model's {vlm.num_layers} layers")
     parts = [tuple(grid for _, grid in vlm.grid_parts(item)) for item in prepared]  # LLaVA-NeXT: base view, tiles
-    return LayerPlan(stages, grids, positions, selector, forced, grid_parts=parts)
+    merged = [
+        [] if chosen is None or chosen.sources is None else input_registry(chosen.sources, chosen.kept)
+        for _, chosen in _rows(prepared, selections)
+    ]
+    return LayerPlan(stages, grids, positions, selector, forced, merged=merged, grid_parts=parts)
+
+
+def _rows(
+    prepared: Sequence[Prepared], selections: Sequence[Selection | None] | None
+) -> list[tuple[Prepared, Selection | None]]:
+    """Each prompt with its input-level selection (None where none ran)."""
+    return list(zip(prepared, selections if selections is not None else [None] * len(prepared)))
 
 
 __all__ = ["select_input", "input_signals", "token_row", "vision_layer_requests", "layer_plan"]

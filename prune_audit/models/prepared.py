@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.pruners.base import InputSelector, LayerSelector, Selector
+from prune_audit.pruners.base import InputSelector, LayerSelector
+from prune_audit.pruners.composed import ComposedSelector, RunSelector
 
 #: per question, ``(decoder layer, kept grid indices)`` of forced in-LLM stages
 ForcedStages = Sequence[tuple[int, Sequence[int]]]
@@ -67,8 +68,8 @@ class VisionOutput:
 
 def check_request(
     num_questions: int,
-    selector: Selector | None,
-    budget: int | None,
+    selector: RunSelector | None,
+    budget: object,
     generator: torch.Generator | Sequence[torch.Generator] | None,
     forced_kept: Sequence[Sequence[int]] | None,
     forced_stages: Sequence[ForcedStages] | None,
@@ -82,6 +83,8 @@ def check_request(
     for what, given in per_question:
         if given is not None and len(given) != num_questions:
             raise PruneAuditError(f"{len(given)} {what} for {num_questions} questions")
+    if (forced_kept is not None or forced_stages is not None) and isinstance(selector, ComposedSelector):
+        raise PruneAuditError(f"forced kept sets replace a selector; composed selector {selector.name!r} takes none")
     if forced_kept is not None and isinstance(selector, LayerSelector):
         raise PruneAuditError(f"forced_kept is input-level but selector {selector.name!r} prunes inside the LLM")
     if forced_stages is not None and isinstance(selector, InputSelector):

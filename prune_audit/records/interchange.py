@@ -307,7 +307,9 @@ def _check_header(header: Any, path: Path) -> None:
     if not isinstance(selector, dict) or not isinstance(selector.get("name"), str):
         raise PruneAuditError(f'{where}: "selector" must be a name or an object with a name')
     if selector.get("stage") not in SELECTOR_STAGES:
-        raise PruneAuditError(f'{where}: selector "stage" must be input, llm or null, got {selector["stage"]!r}')
+        raise PruneAuditError(
+            f'{where}: selector "stage" must be input, llm, composed or null, got {selector["stage"]!r}'
+        )
     header["selector"] = selector
     _, budget_check = MANIFEST_SCHEMA["budget"]  # the header's budget becomes the manifest's: one definition
     if budget_check(header.get("budget")) is not None:

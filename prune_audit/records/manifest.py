@@ -77,14 +77,17 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
     ("positions", "Qwen2.5-VL: position ids the pruned sequence keeps"),
     (
         "selector",
-        "{name, stage, options, positions, schedule, schedule_num_visual}: the selector as run "
+        "{name, stage, options, positions, schedule, schedule_num_visual}: the selector as run; a composed selector "
+        "(stage composed, e.g. input+llm) adds parts: each part's own object with its budget, and its schedule is its "
+        "in-LLM part's on the tokens the input part feeds "
         "(schedule: [layer, keep] stages of in-LLM selectors for the first question's token count; keep excludes "
         "the tokens a merge inserts, such as SparseVLM's recycled ones, which realised_visual_tokens_avg counts)",
     ),
     (
         "budget",
         "--budget in visual tokens, or a share as given (11%: each image keeps its share, rounded half up; "
-        "visual_tokens_avg holds the realised count); null for the unpruned run",
+        "visual_tokens_avg holds the realised count); a list, one per part, for a composed selector; null for the "
+        "unpruned run",
     ),
     ("question_files", "[{path, sha256}] of the task's question files (POPE: --pope)"),
     ("annotations", "{path, sha256} of the evidence annotations (POPE: the COCO instances file; null without)"),
@@ -245,7 +248,7 @@ Check = Callable[[Any], str | None]
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 SHARE = re.compile(r"\d+(\.\d+)?%")
-SELECTOR_STAGES = (None, "input", "llm")
+SELECTOR_STAGES = (None, "input", "llm", "composed")  # composed: pruners.composed.COMPOSED_STAGE
 UNPRUNED = "none"
 """``selector.name`` of the unpruned (dense) run, the only run without a budget."""
 
@@ -325,7 +328,7 @@ def _list_of(item: Check) -> Check:
 def _selector(value: Any) -> str | None:
     problem = _mapping(
         name=_string,
-        stage=lambda stage: None if stage in SELECTOR_STAGES else "input, llm or null",
+        stage=lambda stage: None if stage in SELECTOR_STAGES else "input, llm, composed or null",
         options=lambda options: None if isinstance(options, dict) else "an object",
     )(value)
     if problem is None and (value["name"] == UNPRUNED) != (value["stage"] is None):
@@ -334,11 +337,13 @@ def _selector(value: Any) -> str | None:
 
 
 def _budget(value: Any) -> str | None:
+    if isinstance(value, list) and len(value) > 1 and all(_budget(part) is None for part in value):
+        return None  # a composed selector's budgets, one per part
     if _is_int(value) and value >= 1:
         return None
     if isinstance(value, str) and SHARE.fullmatch(value) and 0 < float(value[:-1]) <= 100:
         return None
-    return "a positive number of visual tokens, a share such as 11%"
+    return "a positive number of visual tokens, a share such as 11%, or a list of these (one per composed part)"
 
 
 FILE_PIN = _mapping(path=_string, sha256=_sha256)

@@ -141,7 +141,10 @@ def record_stage(
 
 def budget_words(budget: object, layers: list[int]) -> str:
     """``budget 64``, or ``budget 64 (layer average)`` for stages inside the LLM (``layers`` not ``[0]``), whose
-    stages keep more tokens before and fewer after so that the average over the decoder layers is the budget."""
+    stages keep more tokens before and fewer after so that the average over the decoder layers is the budget; a
+    composed selector's budgets (a list, one per part) are spelled as ``--budget`` takes them, ``budget 128,64``."""
+    if isinstance(budget, (list, tuple)):
+        return f"budget {','.join(str(part) for part in budget)} (input, then in-LLM layer average)"
     return f"budget {budget}" + (" (layer average)" if list(layers) != [0] else "")
 
 

@@ -10,7 +10,7 @@ from prune_audit.errors import PruneAuditError
 
 if TYPE_CHECKING:
     from prune_audit.models import VisionLanguageModel
-    from prune_audit.pruners.base import Selector
+    from prune_audit.pruners.composed import RunSelector
     from prune_audit.runner.request import RunRequest
     from prune_audit.tasks import Task, TaskQuestion
 
@@ -39,16 +39,20 @@ def resolve_demo_defaults(request: RunRequest) -> None:
         request.annotations = request.annotations or evidence
 
 
-def make_selector(request: RunRequest) -> Selector | None:
-    """The request's selector with its options, each checked against its domain (None: the unpruned run)."""
+def make_selector(request: RunRequest) -> RunSelector | None:
+    """The request's selector with its options, each checked against its domain, and one budget per part of a
+    composed selector (None: the unpruned run)."""
     if request.selector == "none":
         if request.options:
             raise PruneAuditError("--option needs a selector; the unpruned run (--selector none) has no options")
         return None
-    from prune_audit.pruners.registry import selector_from_strings
+    from prune_audit.compute.budget import check_budget_parts
+    from prune_audit.pruners.composed import parse_selector, part_count
 
     depth = _model_depth(request.model) if request.options else None
-    return selector_from_strings(request.selector, request.options, depth)  # every option against its domain
+    selector = parse_selector(request.selector, request.options, depth)  # every option against its domain
+    check_budget_parts(request.budget, part_count(selector), request.selector)
+    return selector
 
 
 def _model_depth(model: str | None) -> int | None:
@@ -88,7 +92,7 @@ def load_model(request: RunRequest) -> VisionLanguageModel:
 
 
 def check_model_accepts(
-    vlm: VisionLanguageModel, selector: Selector | None, task: Task, questions: Sequence[TaskQuestion]
+    vlm: VisionLanguageModel, selector: RunSelector | None, task: Task, questions: Sequence[TaskQuestion]
 ) -> None:
     """The task takes the model's family conventions (``Task.use_model``); the model runs the selector, answers in
     each of the task's answer modes and takes every question's text."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prune_audit.compute.budget import budget_share, resolve_budget
+from prune_audit.compute.budget import Budget, ResolvedBudget, has_share, resolve_budget
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import base_manifest, run_id_of
 from prune_audit.runner.imported import check_imported_manifest, plan_import, restrict_questions
@@ -42,6 +42,7 @@ from prune_audit.threads import check_threads, configure_threads
 if TYPE_CHECKING:
     from prune_audit.models import Prepared, VisionLanguageModel
     from prune_audit.pruners.base import Selector
+    from prune_audit.pruners.composed import RunSelector
     from prune_audit.runner.imported import ImportedAnswers
     from prune_audit.tasks import Evidence, Task, TaskQuestion
 
@@ -55,8 +56,8 @@ class RunPlan:
     questions: list[TaskQuestion]
     image_paths: dict[str, Path]
     image_ids: dict[str, int]
-    selector: Selector | None
-    budget: int | None
+    selector: RunSelector | None
+    budget: ResolvedBudget  # resolved on the first question (a composed selector: one per part)
     vlm: VisionLanguageModel
     evidence: Evidence | None
     run_dir: Path
@@ -101,8 +102,8 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     budget = resolve_budget(budget, first.num_visual)
     manifest = _manifest(request, task, vlm, selector, budget, questions, first)
     imported = plan_import(request, vlm, task, questions, image_paths, manifest, embedded)
-    if budget_share(request.budget) is not None:  # each image gets its share; the schedule above is the first's
-        manifest["budget"] = request.budget
+    if has_share(request.budget):  # each image gets its share; the schedule above is the first's
+        manifest["budget"] = _json_budget(request.budget)
     manifest["threads"] = threads
     pin_inputs(manifest, str(request.model), Path(request.images), image_paths, embedded)
     manifest["run_id"] = run_id_of(manifest)
@@ -134,8 +135,8 @@ def _manifest(
     request: RunRequest,
     task: Task,
     vlm: VisionLanguageModel,
-    selector: Selector | None,
-    budget: int | None,
+    selector: RunSelector | None,
+    budget: ResolvedBudget,
     questions: Sequence[TaskQuestion],
     first: Prepared,
 ) -> dict[str, Any]:
@@ -151,7 +152,7 @@ def _manifest(
     manifest["prompt"] = {**manifest["prompt"], "first": first_prompt}
     manifest["processor"] = {**manifest.get("processor", {}), "first_image": first.geometry.to_dict()}
     manifest["selector"] = _selector_description(selector, budget, vlm, first.num_visual)
-    manifest["budget"] = budget
+    manifest["budget"] = _json_budget(budget)
     manifest["question_files"] = [{"path": str(p), "sha256": file_sha256(p)} for p in request.question_files]
     manifest["annotations"] = (
         {"path": str(request.annotations), "sha256": file_sha256(request.annotations)} if request.annotations else None
@@ -164,14 +165,36 @@ def _manifest(
     return manifest
 
 
+def _json_budget(budget: Budget) -> int | str | list[int | str] | None:
+    """A budget as the manifest holds it: a composed one as a JSON list, one per part."""
+    return list(budget) if isinstance(budget, tuple) else budget
+
+
 def _selector_description(
-    selector: Selector | None, budget: int | None, vlm: VisionLanguageModel, num_visual: int
+    selector: RunSelector | None, budget: ResolvedBudget, vlm: VisionLanguageModel, num_visual: int
 ) -> dict[str, Any]:
-    """Name, options, position mode and (in-LLM) schedule for the first question's token count."""
+    """Name, options, position mode and (in-LLM) schedule for the first question's token count; a composed
+    selector also names each part (``parts``: its own description and budget), its schedule solved on the
+    tokens the input-level part feeds."""
+    from prune_audit.pruners.composed import ComposedSelector, budget_parts
+
     if selector is None:
         return {"name": "none", "stage": None, "options": {}, "positions": None, "schedule": None}
+    if isinstance(selector, ComposedSelector):
+        budgets = budget_parts(selector, budget)
+        parts = [_part_description(selector.input, budgets[0], vlm, num_visual)]
+        parts.append(_part_description(selector.llm, budgets[1], vlm, min(budgets[0], num_visual)))
+        for part, part_budget in zip(parts, budgets):
+            part["budget"] = part_budget
+        described = _part_description(selector.llm, budgets[1], vlm, parts[1]["schedule_num_visual"])
+        return {**described, "name": selector.name, "stage": selector.stage, "options": selector.options(),
+                "parts": parts}  # fmt: skip
+    return _part_description(selector, budget, vlm, num_visual)
+
+
+def _part_description(selector: Selector, budget: int, vlm: VisionLanguageModel, num_visual: int) -> dict[str, Any]:
     llm = selector.stage == "llm"
-    schedule = vlm.schedule(selector, num_visual, budget) if llm else None
+    schedule = vlm.schedule(selector, num_visual, budget) if llm else None  # type: ignore[arg-type]  # in-LLM
     return {
         "name": selector.name,
         "stage": selector.stage,

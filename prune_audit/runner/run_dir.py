@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prune_audit.compute.budget import budget_text
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import MANIFEST_FILE
 from prune_audit.records.store import RecordStore, check_run_layout
@@ -16,12 +17,12 @@ from prune_audit.safety.ownership import check_output_dir
 from prune_audit.tasks.registry import DEFAULT_TASK
 
 if TYPE_CHECKING:
-    from prune_audit.pruners.base import Selector
+    from prune_audit.pruners.composed import RunSelector
     from prune_audit.runner.request import RunRequest
     from prune_audit.tasks import TaskQuestion
 
 
-def run_dir_of(request: RunRequest, selector: Selector | None) -> Path:
+def run_dir_of(request: RunRequest, selector: RunSelector | None) -> Path:
     """--out, else runs/<model>[-<task>]-<selector>-<budget>[-<each option that differs from its default>][-limit<N>].
 
     The limit is part of the name so that a quick try (``--limit 200``) never lands in, or is refused
@@ -35,7 +36,7 @@ def run_dir_of(request: RunRequest, selector: Selector | None) -> Path:
     parts = (
         [*prefix, "dense"]
         if selector is None
-        else [*prefix, request.selector, str(request.budget), *_changed_options(selector)]
+        else [*prefix, request.selector, budget_text(request.budget), *_changed_options(selector)]
     )
     if request.limit is not None:
         parts.append(f"limit{request.limit}")
@@ -47,13 +48,18 @@ def file_safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text)
 
 
-def _changed_options(selector: Selector) -> list[str]:
-    """Name parts of the options that differ from the defaults: budget_rule=paper -> "paper", alpha=0.5 -> "alpha0.5"."""
+def _changed_options(selector: RunSelector) -> list[str]:
+    """Name parts of the options that differ from the defaults: budget_rule=paper -> "paper", alpha=0.5 -> "alpha0.5"
+    (a composed selector's parts in their order)."""
     from prune_audit.pruners.base import option_defaults
+    from prune_audit.pruners.composed import ComposedSelector
 
-    defaults = option_defaults(type(selector))
-    changed = sorted((key, value) for key, value in selector.options().items() if defaults.get(key, value) != value)
-    return [file_safe(str(value) if key == "budget_rule" else f"{key}{value}") for key, value in changed]
+    names = []
+    for part in selector.parts if isinstance(selector, ComposedSelector) else (selector,):
+        defaults = option_defaults(type(part))
+        changed = sorted((key, value) for key, value in part.options().items() if defaults.get(key, value) != value)
+        names += [file_safe(str(value) if key == "budget_rule" else f"{key}{value}") for key, value in changed]
+    return names
 
 
 def check_run_dir(run_dir: Path) -> None:

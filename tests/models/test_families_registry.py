@@ -456,7 +456,7 @@ def test_internvl_pool_and_tome_merge_within_each_tile_through_the_projector(tmp
     pixel-shuffled pre-projector tokens, fed through the stock projector; ToMe's outputs are 4 per tile, each the mean
     of its sources' projected features (size-weighted merging). Each merged token takes the next compact position:
     the pruned logits equal the stock language model fed that row. ``budget_scope=crop`` is refused in one line."""
-    from prune_audit.models.kinds import MERGED
+    from prune_audit.models.kinds import input_kinds
     from prune_audit.pruners.registry import selector_from_strings
 
     checkpoint = adapter_for("internvl", "test").build_tiny(tmp_path / "model", words=WORDS, image_size=64)
@@ -494,7 +494,7 @@ def test_internvl_pool_and_tome_merge_within_each_tile_through_the_projector(tmp
             row.embeddings[start : start + 4 * grids], fed.to(row.embeddings.dtype), atol=TOL, rtol=0
         )
         assert row.kinds.numel() == item.input_ids.numel() - (end - start) + 4 * grids
-        kinds = [int(group[0]) if group.numel() == 1 else MERGED for group in selection.sources]
+        kinds = input_kinds(selection.sources, selection.kept)
         assert row.kinds[start : start + 4 * grids].tolist() == kinds  # a one-cell ToMe output keeps its index
         assert torch.equal(row.positions[0], torch.arange(row.kinds.numel()))
         with torch.no_grad():
@@ -1560,7 +1560,7 @@ def test_merged_tokens_take_their_first_cells_place_among_the_newlines(family_na
     """Pool, downsample and ToMe merge within each grid; each output token sits at the prompt column of its first cell, every
     newline keeps its column and order, positions are compact; the pruned prefill's logits equal the stock
     language model fed that row's embeddings (with its own default positions)."""
-    from prune_audit.models.kinds import MERGED, TEXT_BEFORE
+    from prune_audit.models.kinds import TEXT_BEFORE, input_kinds
     from prune_audit.pruners.registry import selector_from_strings
 
     checkpoint = adapter_for(family_name, "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"])
@@ -1579,7 +1579,10 @@ def test_merged_tokens_take_their_first_cells_place_among_the_newlines(family_na
     start, end = item.image_span
     columns = item.extras["visual_columns"].tolist()
     newlines = sorted(set(range(start, end)) - set(columns))
-    places = {columns[int(group.min())]: int(group[0]) if group.numel() == 1 else MERGED for group in selection.sources}
+    places = {
+        columns[int(group.min())]: kind
+        for group, kind in zip(selection.sources, input_kinds(selection.sources, selection.kept))
+    }
     places.update(dict.fromkeys(newlines, TEXT_BEFORE))  # newlines are kept like the text before the image
     [output] = vlm._vision([item], vlm.signals_for(get_selector(name)))
     row = vlm.input_row(item, output, selection)
