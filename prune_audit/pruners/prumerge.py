@@ -21,7 +21,7 @@ from prune_audit.pruners.similarity import unit_rows
 COUNTS = ("budget", "adaptive")
 #: where the CLS attention and the keys come from: the tower's last layer (official) or the feature layer
 SIGNAL_LAYERS = ("last", "feature")
-LAYER_SIGNALS = {  # signal_layer -> the (H, 1 + N) CLS logits and (H, 1 + N, d) keys it reads
+SIGNALS_OF_LAYER = {  # signal_layer -> the (H, 1 + N) CLS logits and (H, 1 + N, d) keys it reads
     "last": ("last_layer_cls_logits", "last_layer_vision_keys"),
     "feature": ("cls_logits", "vision_keys"),
 }
@@ -34,7 +34,8 @@ DIFFERENCES = (
     "instead of the official last layer (23, hooked at its q_proj / k_proj on the layer-22 output); the default "
     "signal_layer=last recomputes layer 23's layer norm and q / k projections only (the rest of layer 23 does not "
     "run), equal to the stock tower's hooked projections within 1e-5 (tests/models/test_llava.py::"
-    "test_last_layer_cls_row_equals_the_stock_towers_last_layer); LLaVA only, the other families refuse it",
+    "test_last_layer_cls_row_equals_the_stock_towers_last_layer); LLaVA only, the other families refuse it; either "
+    "way the single full-width head is formed exactly from the per-head logits (sum_h logit_h / sqrt(H))",
     "count=budget (default) replaces the IQR count so the budget is honoured; count=adaptive is the official count "
     "and ignores the budget (the realised tokens are recorded per question; the FLOP formula then counts the budget "
     "as the kept count: nominal)",
@@ -83,7 +84,7 @@ class _PruneMerge(InputSelector):
     """What PruMerge and PruMerge+ share: the centres' merge with their neighbours and the remainder token."""
 
     merges: ClassVar[bool] = True
-    requires: ClassVar[frozenset[str]] = frozenset({*LAYER_SIGNALS["last"], "vision_features"})
+    requires: ClassVar[frozenset[str]] = frozenset({*SIGNALS_OF_LAYER["last"], "vision_features"})
     flops_exact: ClassVar[bool] = True
 
     signal_layer: str = option(
@@ -113,14 +114,14 @@ class _PruneMerge(InputSelector):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.signal_layer != "last":  # the adapter computes the other layer's row (Selector.requires_on)
-            self.requires = frozenset({*LAYER_SIGNALS[self.signal_layer], "vision_features"})  # type: ignore[misc]  # an instance's own
+            self.requires = frozenset({*SIGNALS_OF_LAYER[self.signal_layer], "vision_features"})  # type: ignore[misc]  # an instance's own
 
     def centres(self, attention: Tensor, budget: int) -> Tensor:
         """(C,) the centres in output order; ``attention`` (N,) float32."""
         raise NotImplementedError
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
-        logits, keys = (getattr(signals, name) for name in LAYER_SIGNALS[self.signal_layer])
+        logits, keys = (getattr(signals, name) for name in SIGNALS_OF_LAYER[self.signal_layer])
         attention = full_width_attention(logits)
         centres = self.centres(attention, budget)
         features = as_float32(signals.vision_features)
