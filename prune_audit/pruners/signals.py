@@ -136,9 +136,10 @@ class InputSignals:
         ((rows, cols) with rows x cols = M, row-major; default one (1, M) row).
 
         Per-token tensors are sliced along their token axis (``cls_logits``, ``vision_keys`` and their
-        ``last_layer_`` twins keep the CLS at index 0); image-level ones (``cls_feature``, the tower facts) stay. Tokens of one crop of a
-        several-crop tower get that crop's CLS feature and key (``token_crops``); the relevance keeps the
-        image's bounds (``text_relevance_bounds``). The merging tower reruns the whole image, so it does not
+        ``last_layer_`` twins keep the CLS at index 0); image-level ones (``cls_feature``, the tower facts)
+        stay. Tokens of one crop of a several-crop tower get that crop's CLS feature and key (``token_crops``;
+        no several-crop family gives the ``last_layer_`` signals); the relevance keeps the image's bounds
+        (``text_relevance_bounds``). The merging tower reruns the whole image, so it does not
         come along.
         """
         with_cls = torch.cat([tokens.new_zeros(1), tokens + 1])

@@ -213,6 +213,15 @@ def test_signal_layer_feature_reads_the_feature_layer_as_before(name):
         get_selector(name).select(InputSignals(grid=GRID, cls_logits=signals.cls_logits), 64)
 
 
+def test_a_subset_keeps_the_last_layer_cls_column():
+    """``InputSignals.subset`` slices the last layer's logits and keys as their feature-layer twins, CLS first."""
+    signals = signals_of(0)
+    subset = signals.subset(torch.tensor([3, 7]))
+    columns = torch.tensor([0, 4, 8])
+    assert torch.equal(subset.last_layer_cls_logits, signals.last_layer_cls_logits[:, columns])
+    assert torch.equal(subset.last_layer_vision_keys, signals.last_layer_vision_keys[:, columns])
+
+
 # --- its own cases -------------------------------------------------------------------------------------------------
 
 
