@@ -106,8 +106,8 @@ def test_analytic_flops_equal_the_counted_flops_for_every_selector(models, model
     item = vlm.prepare(random_image(1, size), "is there a red dog in the image?")
     budget = max(2, item.num_visual // 4)
     selectors = [None] + [get_selector(name) for name in vlm.supported_selectors()]
-    if "merging_tower" in vlm.input_signals:
-        selectors.append(get_selector("tome", location="tower"))
+    if "merging_tower" in vlm.input_signals:  # LLaVA: the options that read other tower signals
+        selectors += [get_selector("tome", location="tower"), get_selector("prumerge", signal_layer="feature")]
     for selector in selectors:
         name = None if selector is None else selector.name
         tower = "merging_tower" in getattr(selector, "requires", ())  # one tower layer at least halves the patches
@@ -189,13 +189,14 @@ def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):
     for model in ("demo", "demo-qwen", "tiny-llava"):
         vlm = models[model]
         for method, probe in (("_merging_tower", "vision_merging_tower"), ("text_relevance", "clip_text_tower"),
-                              ("_layer_attention", "vision_layer_attention")):  # fmt: skip
+                              ("_layer_attention", "vision_layer_attention"),
+                              ("_last_layer_cls_row", "vision_last_cls_row")):  # fmt: skip
             if hasattr(vlm, method):
                 monkeypatch.setattr(vlm, method, spy(getattr(vlm, method), probe), raising=False)
         item = vlm.prepare(random_image(4, (96, 96)), "is there a red dog in the image?")
         selectors = [None] + [get_selector(name) for name in vlm.supported_selectors()]
         if "merging_tower" in vlm.input_signals:
-            selectors.append(get_selector("tome", location="tower"))
+            selectors += [get_selector("tome", location="tower"), get_selector("prumerge", signal_layer="feature")]
         for selector in selectors:
             ran.clear()
             budget = None if selector is None else item.num_visual // 2 + 3

@@ -10,6 +10,8 @@ from prune_audit.compute.shape import ModelShape
 SIGNAL_SOURCES: dict[str, str] = {
     "vision_cls_row": "the CLS row of the feature layer's attention, recomputed from its projections (CLS-attention "
     "selectors)",
+    "vision_last_cls_row": "the CLS row of the vision tower's last layer's attention and its keys, recomputed from "
+    "its projections on its input, the layer before's output (PruMerge's official layer)",
     "vision_layer_attention": "every vision encoder layer's attention recomputed on its input (per-layer vision "
     "signals: HiPrune, VScan)",
     "vision_merging_tower": "the vision tower rerun with merges between its layers (ToMe location=tower)",
@@ -58,6 +60,7 @@ class QuestionTokens:
         visual_tokens: language-model visual tokens of the unpruned prompt (N).
         visual_per_layer: visual tokens at the input of each decoder layer, as realised.
         cls_probe: the CLS-row probe of the feature layer ran.
+        last_cls_probe: the CLS-row probe of the tower's last layer ran (on the feature layer's output).
         vision_layer_probe: every encoder layer's attention was recomputed (per-layer vision signals).
         demand_probe: the layer-0 probe over the full prompt ran (coverage's demand).
         text_chunks: CLIP text chunks of CDPruner's relevance (0: not computed).
@@ -77,6 +80,7 @@ class QuestionTokens:
     visual_tokens: int
     visual_per_layer: tuple[int, ...]
     cls_probe: bool = False
+    last_cls_probe: bool = False
     vision_layer_probe: bool = False
     demand_probe: bool = False
     text_chunks: int = 0
@@ -95,7 +99,7 @@ class PrefillCost:
 
     Attributes:
         flops_vision: vision tower to the feature layer, projector, and the vision-side signals
-            (CLS probe, per-layer attention probes, ToMe's tower rerun, CDPruner's CLIP text tower, re-projection
+            (CLS probes, per-layer attention probes, ToMe's tower rerun, CDPruner's CLIP text tower, re-projection
             of merged tokens).
         flops_selector: the selector's own arithmetic.
         flops_llm: decoder layers at their realised lengths, in-LLM probes, the LM head at the last position.
@@ -125,6 +129,7 @@ def signal_sources(tokens: QuestionTokens) -> tuple[str, ...]:
     stages = tokens.stage_probes
     ran = {
         "vision_cls_row": tokens.cls_probe,
+        "vision_last_cls_row": tokens.last_cls_probe,
         "vision_layer_attention": tokens.vision_layer_probe,
         "vision_merging_tower": bool(tokens.tower_merges),
         "clip_text_tower": tokens.text_chunks > 0,
@@ -143,7 +148,8 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     tower = tokens.crops * flops.vision_tower(vision, patch_grid) + flops.projector(
         vision, tokens.projected_tokens or tokens.visual_tokens
     )
-    signals = tokens.crops * flops.cls_probe(vision, patch_grid) if tokens.cls_probe else 0
+    # the last layer's probe is the same products as the feature layer's (one CLS query, every key, logits twice)
+    signals = tokens.crops * flops.cls_probe(vision, patch_grid) * (tokens.cls_probe + tokens.last_cls_probe)
     signals += tokens.crops * flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
     if tokens.text_chunks:
         signals += flops.clip_text_relevance(shape.clip_text, tokens.text_chunks, tokens.visual_tokens)  # type: ignore[arg-type]  # text chunks: only with a CLIP text tower

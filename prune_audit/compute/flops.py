@@ -81,8 +81,8 @@ def projector(vision: VisionShape, tokens: int) -> int:
 
 
 def cls_probe(vision: VisionShape, patch_grid: tuple[int, int]) -> int:
-    """CLS-row attention of the feature layer (``models.probe.clip_cls_row``): the CLS query, every key,
-    and the CLS logits twice (in float32 and as the official code forms them)."""
+    """CLS-row attention of one encoder layer, the feature layer's or the last (``models.probe.clip_cls_row``): the
+    CLS query, every key, and the CLS logits twice (in float32 and as the official code forms them)."""
     tokens = vision.class_tokens + patch_grid[0] * patch_grid[1]
     return (
         matmul(1, vision.width, vision.width)

@@ -15,7 +15,7 @@ from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import Selection
 from prune_audit.pruners.composed import RunSelector, budget_parts, selector_parts
 from prune_audit.pruners.crop_scope import crop_budgets
-from prune_audit.pruners.signals import PADDED_CROPS
+from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS, PADDED_CROPS
 from prune_audit.pruners.tome import tower_schedule
 
 if TYPE_CHECKING:
@@ -104,6 +104,7 @@ def question_cost(
         visual_tokens=item.num_visual,
         visual_per_layer=tuple(answer.tokens_per_layer),
         cls_probe=bool(input_requires & vlm.cls_probe_signals),
+        last_cls_probe=bool(input_requires & LAST_LAYER_CLS_SIGNALS),
         vision_layer_probe=bool((input_requires | layer_requires) & vlm.layer_probe_signals),
         demand_probe="demand" in input_requires,
         text_chunks=vlm.text_chunks(item) if "text_relevance" in input_requires else 0,

@@ -335,9 +335,10 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
             raise PruneAuditError(
                 f"budget_scope=crop splits the budget over an image's crops, and {why}; drop --option budget_scope=crop"
             )
-        if per_crop and self.runs_per_crop(type(selector), self._available_input_signals()):
+        # the instance: its options may change what it reads (ToMe location=tower, PruMerge signal_layer)
+        if per_crop and self.runs_per_crop(selector, self._available_input_signals()):
             return
-        reason = self.refusal(type(selector), self._available_input_signals())
+        reason = self.refusal(selector, self._available_input_signals())
         if reason is None:
             return
         raise PruneAuditError(

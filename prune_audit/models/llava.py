@@ -3,7 +3,8 @@
 Vision: CLIP, features of ``vision_feature_layer`` (−2 = output of the penultimate
 encoder layer) without the CLS token (strategy ``"default"``), through the MLP
 projector. The CLS row and keys come from recomputing the query/key projections of
-the encoder layer that produces those features (selectors spec §3). After input-level
+the encoder layer that produces those features (selectors spec §3), and on request those of the tower's last
+layer on its input (PruMerge's official layer). After input-level
 selection the prompt is simply shorter, so positions are contiguous (§1.2).
 """
 
@@ -27,6 +28,7 @@ from prune_audit.models.probe import clip_attention_block, clip_cls_row, clip_lo
 from prune_audit.models.shape import clip_text_shape, language_shape, llava_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
+from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS
 
 VICUNA_V1_SYSTEM = (  # LLaVA's conv_vicuna_v1 ("user"; conv_llava_v1's "human" is another template)
     "A chat between a curious user and an artificial intelligence assistant. "
@@ -45,6 +47,7 @@ class LlavaModel(VisionLanguageModel):
         {"features", "vision_features", "cls_attention", "cls_logits", "vision_keys", "cls_feature"}
         | {"text_relevance", "demand", "merging_tower"}
         | LAYER_SIGNALS
+        | LAST_LAYER_CLS_SIGNALS
     )
     cls_probe_signals, layer_probe_signals = CLS_SIGNALS, LAYER_SIGNALS
     missing_signals_reason = "this adapter does not compute it"
@@ -171,11 +174,13 @@ class LlavaModel(VisionLanguageModel):
         hidden = self._tower_states(pixels)
         selected = hidden[self.feature_index]  # (B, 1 + N, Dv), CLS first
         features = self.model.model.multi_modal_projector(selected[:, 1:])
-        cls_probs = cls_keys = cls_logits = None
+        cls_probs = cls_keys = cls_logits = last_keys = last_logits = None
         if requires & CLS_SIGNALS:
             # the encoder layer whose output is the feature layer
             layer = self.vision_tower.encoder.layers[self.feature_index - 1]
             cls_probs, cls_keys, cls_logits = clip_cls_row(layer, hidden[self.feature_index - 1])
+        if requires & LAST_LAYER_CLS_SIGNALS:
+            _, last_keys, last_logits = self._last_layer_cls_row(hidden)
         per_layer = self._layer_signals(hidden) if requires & LAYER_SIGNALS else {}
         outputs = []
         for b in range(len(prepared)):
@@ -190,6 +195,8 @@ class LlavaModel(VisionLanguageModel):
                 signals["cls_attention"], signals["cls_logits"] = cls_probs[b, :, 1:], cls_logits[b]
             if "vision_keys" in requires:
                 signals["vision_keys"] = cls_keys[b]
+            if requires & LAST_LAYER_CLS_SIGNALS:
+                signals["last_layer_cls_logits"], signals["last_layer_vision_keys"] = last_logits[b], last_keys[b]
             # the model-dtype twins (half towers) come with the signal they stand for
             signals.update(
                 {name: value[b] for name, value in per_layer.items() if name.removeprefix("model_") in requires}
@@ -198,6 +205,14 @@ class LlavaModel(VisionLanguageModel):
                 signals["merging_tower"] = partial(self._merging_tower, pixels[b])
             outputs.append(VisionOutput(features[b], signals))
         return outputs
+
+    def _last_layer_cls_row(self, hidden: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """:func:`clip_cls_row` of the tower's last encoder layer on its input, ``hidden[L - 1]`` of the states
+        ``hidden`` (each (B, 1 + N, Dv)): its layer norm and q / k projections only, as PruMerge's official hooks
+        on that layer's ``q_proj`` / ``k_proj`` read them (the rest of the layer is never run). The input is the
+        feature layer's output under LLaVA's -2 (the feature layer itself under -1)."""
+        layers = self.vision_tower.encoder.layers
+        return clip_cls_row(layers[-1], hidden[len(layers) - 1])
 
     def _layer_signals(self, hidden: list[Tensor]) -> dict[str, Tensor]:
         """``layer_attention`` and ``layer_cls_attention``, each (B, Lv, N), of the ``Lv = feature_index``
@@ -270,7 +285,11 @@ class LlavaModel(VisionLanguageModel):
         return -(-len(self.clip[1](prepared.question)["input_ids"]) // context)
 
     def _available_input_signals(self) -> frozenset[str]:
-        return self.input_signals if self.clip is not None else self.input_signals - {"text_relevance"}
+        available = self.input_signals if self.clip is not None else self.input_signals - {"text_relevance"}
+        # the last layer's input is among the states run only when the feature layer is the tower's -2 or -1
+        if available & LAST_LAYER_CLS_SIGNALS and len(self.vision_tower.encoder.layers) - 1 > self.feature_index:
+            available -= LAST_LAYER_CLS_SIGNALS
+        return available
 
     def text_relevance(self, prepared: Prepared, vision: VisionOutput) -> tuple[Tensor, Tensor]:
         """(N,) CDPruner relevance ``mean_m -cos(E_i, T_m)`` (selectors spec §6), in float32 and as the

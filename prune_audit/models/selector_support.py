@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from prune_audit.pruners.base import Selector
 from prune_audit.pruners.registry import list_selectors, registered_classes, selector_class
-from prune_audit.pruners.signals import VISION_LAYER_SIGNALS
+from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS, VISION_LAYER_SIGNALS
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
 #: input signals computed by a part loaded only on request (``clip_text``), so not there by default
@@ -81,8 +81,9 @@ class SelectorSupport:
         return words
 
     @classmethod
-    def refusal(cls, selector: type[Selector], available: frozenset[str]) -> str | None:
-        """Why ``selector`` cannot run on this family with input signals ``available`` (None: it can)."""
+    def refusal(cls, selector: Selector | type[Selector], available: frozenset[str]) -> str | None:
+        """Why ``selector`` (a class, or an instance whose options change its signals) cannot run on this family
+        with input signals ``available`` (None: it can)."""
         missing = cls.missing_for(selector, available)
         if not missing:
             return None
@@ -90,6 +91,12 @@ class SelectorSupport:
             return (
                 "needs a CLIP text tower for its text relevance: pass clip_text=PATH (--clip-text PATH) "
                 "to a CLIP checkpoint matching the vision tower"
+            )
+        if missing <= LAST_LAYER_CLS_SIGNALS <= cls.input_signals:  # the family has them, this checkpoint not
+            return (
+                f"needs {', '.join(sorted(missing))}, the vision tower's last layer on the feature layer's output, "
+                f"which this {cls.family} checkpoint does not reach (its vision_feature_layer is not -2 or -1); "
+                "--option signal_layer=feature reads the feature layer's"
             )
         reason = (
             "it keeps every token's original position" if missing == {MERGED_POSITIONS} else cls.missing_signals_reason
@@ -100,13 +107,13 @@ class SelectorSupport:
         return f"needs {', '.join(sorted(missing))}, which {cls.family} does not provide ({reason}){per_crop}"
 
     @classmethod
-    def runs_per_crop(cls, selector: type[Selector], available: frozenset[str]) -> bool:
+    def runs_per_crop(cls, selector: Selector | type[Selector], available: frozenset[str]) -> bool:
         """Whether ``selector``, refused on the whole image, runs on each crop's grid (``budget_scope="crop"``)."""
         refused = cls.refused_selectors.get(selector.name)
         return selector.name in cls.crop_grid_selectors and cls.missing_for(selector, available) == {refused}
 
     @classmethod
-    def missing_for(cls, selector: type[Selector], available: frozenset[str]) -> set[str]:
+    def missing_for(cls, selector: Selector | type[Selector], available: frozenset[str]) -> set[str]:
         """What the family lacks for ``selector`` given input signals ``available``: input signals, positions
         for the merged tokens it feeds, or what ``refused_selectors`` names."""
         refused = {cls.refused_selectors[selector.name]} if selector.name in cls.refused_selectors else set()

@@ -19,15 +19,23 @@ from prune_audit.pruners.signals import InputSignals
 from prune_audit.pruners.similarity import unit_rows
 
 COUNTS = ("budget", "adaptive")
+#: where the CLS attention and the keys come from: the tower's last layer (official) or the feature layer
+SIGNAL_LAYERS = ("last", "feature")
+SIGNALS_OF_LAYER = {  # signal_layer -> the (H, 1 + N) CLS logits and (H, 1 + N, d) keys it reads
+    "last": ("last_layer_cls_logits", "last_layer_vision_keys"),
+    "feature": ("cls_logits", "vision_keys"),
+}
 REPOSITORY = "42Shawn/LLaVA-PruMerge"
 COMMIT = "1ca8b2ba"
 PAPER = "LLaVA-PruMerge: Adaptive Token Reduction for Efficient Large Multimodal Models (arXiv 2403.15388)"
 #: what both selectors do differently from the official code, and why
 DIFFERENCES = (
-    "the official code hooks q_proj / k_proj of CLIP layer 23 (the last) while its features are layer 22's output; "
-    "the adapters give the CLS logits and keys of the feature layer (22, as VisionZip's), so attention and key "
-    "similarity are layer 22's here (the single full-width head is formed exactly from the per-head logits: "
-    "sum_h logit_h / sqrt(H))",
+    "signal_layer=feature reads the CLS logits and keys of the feature layer (22, as VisionZip and cls_attn do) "
+    "instead of the official last layer (23, hooked at its q_proj / k_proj on the layer-22 output); the default "
+    "signal_layer=last recomputes layer 23's layer norm and q / k projections only (the rest of layer 23 does not "
+    "run), equal to the stock tower's hooked projections within 1e-5 (tests/models/test_llava.py::"
+    "test_last_layer_cls_row_equals_the_stock_towers_last_layer); LLaVA only, the other families refuse it; either "
+    "way the single full-width head is formed exactly from the per-head logits (sum_h logit_h / sqrt(H))",
     "count=budget (default) replaces the IQR count so the budget is honoured; count=adaptive is the official count "
     "and ignores the budget (the realised tokens are recorded per question; the FLOP formula then counts the budget "
     "as the kept count: nominal)",
@@ -41,19 +49,19 @@ DIFFERENCES = (
 )
 
 
-def full_width_attention(signals: InputSignals) -> Tensor:
+def full_width_attention(cls_logits: Tensor) -> Tensor:
     """(N,) float32 CLS attention of one full-width head over the 1 + N tokens, patch columns.
 
     The official code forms ``softmax(q k^T / sqrt(H d))`` from the unsplit q_proj / k_proj outputs; with per-head
     logits ``l_h = q_h . k_h / sqrt(d)`` (``cls_logits``, (H, 1 + N)) that is ``softmax(sum_h l_h / sqrt(H))``.
     """
-    logits = as_float32(signals.cls_logits)
+    logits = as_float32(cls_logits)
     return torch.softmax(logits.sum(dim=0) / math.sqrt(logits.shape[0]), dim=0)[1:]
 
 
-def full_width_keys(signals: InputSignals) -> Tensor:
+def full_width_keys(vision_keys: Tensor) -> Tensor:
     """(N, H d) float32 patch keys with the heads concatenated (k_proj's output) from ``vision_keys`` (H, 1 + N, d)."""
-    keys = as_float32(signals.vision_keys)
+    keys = as_float32(vision_keys)
     return keys.permute(1, 0, 2).reshape(keys.shape[1], -1)[1:]
 
 
@@ -76,9 +84,14 @@ class _PruneMerge(InputSelector):
     """What PruMerge and PruMerge+ share: the centres' merge with their neighbours and the remainder token."""
 
     merges: ClassVar[bool] = True
-    requires: ClassVar[frozenset[str]] = frozenset({"cls_logits", "vision_keys", "vision_features"})
+    requires: ClassVar[frozenset[str]] = frozenset({*SIGNALS_OF_LAYER["last"], "vision_features"})
     flops_exact: ClassVar[bool] = True
 
+    signal_layer: str = option(
+        "last",
+        Choice(SIGNAL_LAYERS),
+        "CLS attention and keys of the tower's last layer (official) or the feature layer",
+    )
     count: str = option("budget", Choice(COUNTS), "budget - 1 centres (default), or the official IQR outlier count")
     neighbours: int = option(32, Integer(low=1), "nearest neighbours (key cosine) each centre merges")
     ties: str = option("lower", Choice(TOP_K_TIES), "exact ties to the lower index, or torch.topk's order (official)")
@@ -98,15 +111,21 @@ class _PruneMerge(InputSelector):
             + matmul(1, rest, work.vision_width)
         )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.signal_layer != "last":  # the adapter computes the other layer's row (Selector.requires_on)
+            self.requires = frozenset({*SIGNALS_OF_LAYER[self.signal_layer], "vision_features"})  # type: ignore[misc]  # an instance's own
+
     def centres(self, attention: Tensor, budget: int) -> Tensor:
         """(C,) the centres in output order; ``attention`` (N,) float32."""
         raise NotImplementedError
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
-        attention = full_width_attention(signals)
+        logits, keys = (getattr(signals, name) for name in SIGNALS_OF_LAYER[self.signal_layer])
+        attention = full_width_attention(logits)
         centres = self.centres(attention, budget)
         features = as_float32(signals.vision_features)
-        unit_keys = unit_rows(full_width_keys(signals))
+        unit_keys = unit_rows(full_width_keys(keys))
         sources, tokens = merge_centres(centres, attention, unit_keys, features, self.neighbours, self.ties)
         rest = torch.ones(signals.num_tokens, dtype=torch.bool)
         rest[centres] = False
@@ -151,22 +170,26 @@ class PruMergeSelector(_PruneMerge):
     """LLaVA-PruMerge: the most CLS-attended patches, each merged with its key-nearest neighbours.
 
     Attention ``a`` (N,): the CLS row of one full-width head, ``softmax(sum_h l_h / sqrt(H))`` of the per-head CLS
-    logits ``cls_logits`` (H, 1 + N), patch columns, not renormalised. Centres: with ``count="budget"`` the
+    logits (H, 1 + N) of the tower's last layer (``last_layer_cls_logits``: CLIP layer 23 on the layer-22 output,
+    as the official q_proj / k_proj hooks), patch columns, not renormalised. Centres: with ``count="budget"`` the
     ``budget - 1`` patches of largest ``a``; with ``count="adaptive"`` (official) the ``int(N * ratio)`` of them,
     ``ratio`` the share of patches above ``Q3 + 1.5 IQR`` of ``a``. Each centre ``i`` becomes
     ``x_i + sum_{r in nbr(i)} a_r x_r`` over its ``neighbours`` (32) most key-cosine-similar other patches (kept
-    or not; the full-width keys of ``vision_keys``), weights not normalised; one more token ``sum_{r not a centre}
-    a_r x_r`` carries the pruned patches. ``x`` = ``vision_features`` (N, Dv), the official layer-22 output.
+    or not; the full-width keys of ``last_layer_vision_keys`` (H, 1 + N, d), heads concatenated), weights not
+    normalised; one more token ``sum_{r not a centre} a_r x_r`` carries the pruned patches. ``x`` =
+    ``vision_features`` (N, Dv), the official layer-22 output (the feature layer).
 
     Follows 42Shawn/LLaVA-PruMerge (commit 1ca8b2ba) ``clip_encoder.py::token_prune_merge_advanced`` and
-    ``outlier_dectection``; the official attention and keys are CLIP layer 23's, here the feature layer's
-    (docs/fidelity.md).
+    ``outlier_dectection``: attention and keys of CLIP layer 23 (``encoder.layers[23]``, the last), features of
+    layer 22 (``hidden_states[-2]``); ``signal_layer="feature"`` reads both at the feature layer (docs/fidelity.md).
 
     Returns ``Selection(kept=empty, sources, vision_tokens)``: output order ``[centres by decreasing attention,
     remainder]``; ``sources`` is ``[centre, neighbours by decreasing cosine]`` per centre, then the ascending
     non-centre patches; ``vision_tokens`` (budget, Dv) float32 (count=adaptive: C + 1 rows).
 
     Options:
+        signal_layer: ``"last"`` (default, official: the tower's last layer) or ``"feature"`` (the feature layer's
+            ``cls_logits`` / ``vision_keys``).
         count: ``"budget"`` (default: ``budget - 1`` centres, the budget honoured) or ``"adaptive"`` (official).
         neighbours: neighbours merged into each centre (official 32; at most N - 1).
         ties: ``"lower"`` or ``"topk"`` (torch.topk's order, official) for the attention rank and the neighbours.
@@ -182,8 +205,8 @@ class PruMergeSelector(_PruneMerge):
     fidelity: ClassVar[Fidelity] = Fidelity(
         COMMIT,
         "budget - 1 top full-width CLS-attention centres, 32 key-nearest neighbours merged by attention, one "
-        "remainder token, float32",
-        ("count=adaptive", "ties=topk"),
+        "remainder token, attention and keys of the tower's last layer (official), float32",
+        ("signal_layer=last", "count=adaptive", "ties=topk"),
         DIFFERENCES,
         random_agreement(
             30,
@@ -216,12 +239,12 @@ class PruMergePlusSelector(_PruneMerge):
     at least 1). Every centre then merges its neighbours; one remainder token as PruMerge.
 
     Follows 42Shawn/LLaVA-PruMerge (commit 1ca8b2ba) ``clip_encoder.py::token_prune_merge_advanced_plus`` with
-    ``if_adaptive=True``; the attention and keys are the feature layer's (docs/fidelity.md).
+    ``if_adaptive=True``; the attention and keys are the last layer's, as there (``signal_layer``).
 
     Returns ``Selection`` as PruMerge's: output order ``[attention centres, samples, remainder]``.
 
     Options:
-        count, neighbours, ties: as PruMerge.
+        signal_layer, count, neighbours, ties: as PruMerge.
         attention_fraction: share of the budget's centres ranked by attention under ``count="budget"``.
     """
 
@@ -237,8 +260,9 @@ class PruMergePlusSelector(_PruneMerge):
     fidelity: ClassVar[Fidelity] = Fidelity(
         COMMIT,
         "a quarter of budget - 1 centres by full-width CLS attention, the rest evenly spaced in raster order, each "
-        "merged with 32 key-nearest neighbours by attention, one remainder token, float32",
-        ("count=adaptive", "ties=topk"),
+        "merged with 32 key-nearest neighbours by attention, one remainder token, attention and keys of the tower's "
+        "last layer (official), float32",
+        ("signal_layer=last", "count=adaptive", "ties=topk"),
         DIFFERENCES
         + (
             "count=budget spaces its samples evenly over the non-centre patches to fill the budget; the official "

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Literal
 
 from prune_audit.pruners.base import Selector
+from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS
 
 ServingNeed = Literal["encoder", "encoder_attention", "tower", "prompt", "llm_hidden", "llm_attention", "undeclared"]
 
@@ -39,9 +40,20 @@ SERVING_NEEDS: dict[ServingNeed, str] = {
 }
 """Each need in words, for ``prune-audit selectors`` and the docs."""
 
-ENCODER_SIGNALS = frozenset({"features", "vision_features", "token_crops", "padded_crops"})
-TOWER_ATTENTION_SIGNALS = frozenset(
-    {"cls_attention", "cls_logits", "vision_keys", "cls_feature", "layer_attention", "layer_cls_attention"}
+ENCODER_SIGNALS = frozenset({"features", "vision_features", "token_crops", "padded_crops", "crop_layout"})
+TOWER_ATTENTION_SIGNALS = (
+    frozenset(
+        {
+            "cls_attention",
+            "cls_logits",
+            "vision_keys",
+            "cls_feature",
+            "layer_attention",
+            "layer_cls_attention",
+            "last_cls_logits",
+        }
+    )
+    | LAST_LAYER_CLS_SIGNALS
 )
 TOWER_HOOK_SIGNALS = frozenset({"merging_tower"})
 PROMPT_SIGNALS = frozenset({"text_relevance", "model_text_relevance", "demand"})

@@ -18,6 +18,8 @@ from torch import Tensor
 # InputSignals an in-LLM selector may read, per token (with their model-dtype twins where the adapter has them)
 VISION_LAYER_SIGNALS = frozenset({"layer_cls_attention", "layer_attention"})
 VISION_TOWER_FACTS = frozenset({"vision_tower", "full_attention_layers"})  # InputSignals that travel with them
+#: the CLS row and keys of the tower's last encoder layer on the feature layer's output (PruMerge's official layer)
+LAST_LAYER_CLS_SIGNALS = frozenset({"last_layer_cls_logits", "last_layer_vision_keys"})
 #: what a per-crop in-LLM selector (``budget_scope="crop"``) asks the vision tower for: :class:`PaddedCrops`
 PADDED_CROPS = "padded_crops"
 
@@ -58,6 +60,9 @@ class InputSignals:
             ``model_dtype``, ``score_dtype="model"`` takes the probabilities from these
             (:func:`cls_probabilities`).
         vision_keys: (H, N + 1, d) that layer's keys, CLS at index 0.
+        last_layer_cls_logits: (H, N + 1) as ``cls_logits``, of the tower's last encoder layer on its input (the
+            output of the layer before it: LLaVA-1.5's feature layer -2), where the official code hooks that layer's
+            q / k projections (PruMerge's layer 23); last_layer_vision_keys: (H, N + 1, d) its keys, CLS at index 0.
         cls_feature: (Dv,) the CLS hidden state at the feature layer.
         token_crops: (N,) on a tower that runs on several crops (LLaVA-NeXT's anyres), the crop each token was
             computed in; there is no image-wide CLS then (``cls_feature`` None, ``vision_keys`` index 0 NaN), and a
@@ -100,6 +105,8 @@ class InputSignals:
     cls_attention: Tensor | None = None
     cls_logits: Tensor | None = None
     vision_keys: Tensor | None = None
+    last_layer_cls_logits: Tensor | None = None
+    last_layer_vision_keys: Tensor | None = None
     cls_feature: Tensor | None = None
     token_crops: Tensor | None = None
     crop_cls_features: Tensor | None = None
@@ -128,10 +135,11 @@ class InputSignals:
         """The signals of the visual tokens ``tokens`` ((M,) ascending indices) alone, laid on ``grid``
         ((rows, cols) with rows x cols = M, row-major; default one (1, M) row).
 
-        Per-token tensors are sliced along their token axis (``cls_logits`` and ``vision_keys`` keep the CLS
-        at index 0); image-level ones (``cls_feature``, the tower facts) stay. Tokens of one crop of a
-        several-crop tower get that crop's CLS feature and key (``token_crops``); the relevance keeps the
-        image's bounds (``text_relevance_bounds``). The merging tower reruns the whole image, so it does not
+        Per-token tensors are sliced along their token axis (``cls_logits``, ``vision_keys`` and their
+        ``last_layer_`` twins keep the CLS at index 0); image-level ones (``cls_feature``, the tower facts)
+        stay. Tokens of one crop of a several-crop tower get that crop's CLS feature and key (``token_crops``;
+        no several-crop family gives the ``last_layer_`` signals); the relevance keeps the image's bounds
+        (``text_relevance_bounds``). The merging tower reruns the whole image, so it does not
         come along.
         """
         with_cls = torch.cat([tokens.new_zeros(1), tokens + 1])
@@ -158,7 +166,9 @@ class InputSignals:
                 ),
                 (1, tokens),
             ),
-            **dict.fromkeys(("cls_logits", "vision_keys"), (1, with_cls)),
+            **dict.fromkeys(
+                ("cls_logits", "vision_keys", "last_layer_cls_logits", "last_layer_vision_keys"), (1, with_cls)
+            ),
         }
         sliced = {}
         for name, (axis, index) in token_axis.items():

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from tiny_models import (
+    INPUT_FIELDS,
     QUESTIONS,
     WORDS,
     RecordingInputSelector,
@@ -142,6 +143,64 @@ def test_clip_cls_row_equals_eager_attention(vlm, eager_model, prepared):
     assert (signals.cls_feature - vision.hidden_states[feature_index][0, 0]).abs().max() <= TOL
     assert (signals.vision_features - vision.hidden_states[feature_index][0, 1:]).abs().max() <= TOL
     assert signals.vision_keys.shape[1] == GRID * GRID + 1
+
+
+def stock_last_layer(eager, item) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stock eager CLIP tower run whole on one image with PruMerge's official hooks on its last layer's
+    ``q_proj`` / ``k_proj``: (1 + N, Dv) queries and keys as hooked, and its (H, 1 + N, 1 + N) attention."""
+    tower = eager.model.vision_tower
+    attention = tower.encoder.layers[-1].self_attn
+    hooked: dict[str, torch.Tensor] = {}
+    handles = [
+        getattr(attention, name).register_forward_hook(lambda module, args, out, name=name: hooked.update({name: out}))
+        for name in ("q_proj", "k_proj")
+    ]
+    try:
+        with torch.no_grad():
+            stock = tower(item.pixel_values[None], output_attentions=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return hooked["q_proj"][0], hooked["k_proj"][0], stock.attentions[-1][0]
+
+
+def test_last_layer_cls_row_equals_the_stock_towers_last_layer(vlm, eager_model, prepared):
+    """PruMerge's default signals: the adapter's last-layer CLS logits and keys, recomputed from the feature layer's
+    output through the last layer's norm and projections, equal the stock tower's hooked projections (the whole
+    tower run) and its eager attention; the full-width head is the official ``softmax(q k^T / sqrt(Dv))``."""
+    from prune_audit.pruners.prumerge import full_width_attention, full_width_keys
+
+    item = prepared[1]
+    queries, keys, attention = stock_last_layer(eager_model, item)
+    vision = eager_model.config.vision_config
+    heads, width = vision.num_attention_heads, vision.hidden_size
+    per_head_keys = keys.view(-1, heads, width // heads).transpose(0, 1)  # (H, 1 + N, d)
+    logits = (queries[0].view(heads, 1, -1) @ per_head_keys.transpose(1, 2))[:, 0] * (width // heads) ** -0.5
+    selector = RecordingInputSelector()
+    selector.requires = INPUT_FIELDS | {"last_layer_cls_logits", "last_layer_vision_keys"}
+    vlm.answer([item], selector, 8)
+    signals = selector.records[-1]
+    assert signals.last_layer_cls_logits.shape == (heads, GRID * GRID + 1)
+    assert (signals.last_layer_cls_logits - logits).abs().max() <= TOL
+    assert (signals.last_layer_vision_keys - per_head_keys).abs().max() <= TOL
+    assert (torch.softmax(signals.last_layer_cls_logits, dim=-1) - attention[:, 0]).abs().max() <= TOL
+    official = torch.softmax(keys @ queries[0] * width**-0.5, dim=0)[1:]
+    assert (full_width_attention(signals.last_layer_cls_logits) - official).abs().max() <= TOL
+    assert (full_width_keys(signals.last_layer_vision_keys) - keys[1:]).abs().max() <= TOL
+    assert (signals.last_layer_cls_logits - signals.cls_logits).abs().max() > 0.01  # another layer's row
+
+
+def test_the_last_layer_row_is_refused_where_the_feature_layer_is_not_its_input(vlm, tmp_path):
+    """With features from layer -3 the last layer's input is never computed: PruMerge's default is refused in one
+    line naming the signals, signal_layer=feature runs."""
+    vlm.check_selector(get_selector("prumerge"))
+    path = LlavaModel.build_tiny(tmp_path / "deep", words=WORDS, vision_layers=3, vision_feature_layer=-3)
+    shallow = load_vlm(path, device="cpu")
+    for name in ("prumerge", "prumerge_plus"):
+        message = one_line_error(lambda name=name: shallow.check_selector(get_selector(name)))
+        assert "needs last_layer_cls_logits, last_layer_vision_keys" in message and "signal_layer=feature" in message
+        shallow.check_selector(get_selector(name, signal_layer="feature"))
+    assert "prumerge" not in shallow.supported_selectors()
 
 
 def test_demand_is_the_first_layer_text_to_visual_attention(vlm, eager_model, prepared):

@@ -4,7 +4,8 @@ The re-derivation follows 42Shawn/LLaVA-PruMerge (1ca8b2ba) ``clip_encoder.py``:
 percentiles), ``token_prune_merge_advanced`` and ``token_prune_merge_advanced_plus`` (``if_adaptive=True``), with
 their per-centre loop, from the raw full-width CLS query, keys and features at LLaVA-1.5's shapes (576 patches +
 CLS, 1024 wide, 16 heads of 64). The selectors see the same tensors as an adapter gives them: per-head CLS logits,
-per-head keys and the patch features.
+per-head keys and the patch features. The official q / k are CLIP layer 23's (the last), given as the
+``last_layer_`` signals; the feature layer's (22) are another case's, so reading the wrong layer cannot pass.
 """
 
 from __future__ import annotations
@@ -37,18 +38,32 @@ def clip_case(seed: int) -> dict[str, torch.Tensor]:
     return {"query": query, "keys": keys, "features": features}
 
 
-def adapter_signals(case: dict[str, torch.Tensor]) -> InputSignals:
-    """The signals an adapter passes: per-head CLS logits q_h . k_h / sqrt(d), per-head keys, patch features."""
+def per_head(case: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H, 1 + N) per-head CLS logits q_h . k_h / sqrt(d) and (H, 1 + N, d) per-head keys of a case's q / k."""
     heads_q = case["query"].view(HEADS, HEAD_DIM)
-    heads_k = case["keys"].view(1 + N, HEADS, HEAD_DIM).permute(1, 0, 2)  # (H, 1 + N, d)
-    logits = torch.einsum("hd,hnd->hn", heads_q * HEAD_DIM**-0.5, heads_k)
+    heads_k = case["keys"].view(1 + N, HEADS, HEAD_DIM).permute(1, 0, 2)
+    return torch.einsum("hd,hnd->hn", heads_q * HEAD_DIM**-0.5, heads_k), heads_k
+
+
+def adapter_signals(case: dict[str, torch.Tensor], feature_layer: dict[str, torch.Tensor]) -> InputSignals:
+    """The signals an adapter passes: the last layer's per-head CLS logits and keys from ``case``, the feature
+    layer's from ``feature_layer``, and ``case``'s patch features."""
+    last_logits, last_keys = per_head(case)
+    logits, keys = per_head(feature_layer)
     return InputSignals(
         grid=GRID,
         cls_logits=logits,
         cls_attention=torch.softmax(logits, dim=-1)[:, 1:],
-        vision_keys=heads_k,
+        vision_keys=keys,
+        last_layer_cls_logits=last_logits,
+        last_layer_vision_keys=last_keys,
         vision_features=case["features"],
     )
+
+
+def signals_of(seed: int) -> InputSignals:
+    """Seed ``seed``'s case at the last layer, seed ``seed + 100``'s q / k at the feature layer."""
+    return adapter_signals(clip_case(seed), clip_case(seed + 100))
 
 
 # --- the official code, re-derived ---------------------------------------------------------------------------------
@@ -130,7 +145,7 @@ def assert_same_merge(selection, official) -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_prumerge_reproduces_the_official_merge(seed):
     case = clip_case(seed)
-    signals = adapter_signals(case)
+    signals = signals_of(seed)
     for budget in BUDGETS:
         selection = get_selector("prumerge").select(signals, budget)
         assert selection.num_output_tokens == budget
@@ -142,7 +157,7 @@ def test_prumerge_reproduces_the_official_merge(seed):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_prumerge_plus_reproduces_the_official_merge(seed):
     case = clip_case(seed)
-    signals = adapter_signals(case)
+    signals = signals_of(seed)
     for budget in BUDGETS:
         selection = get_selector("prumerge_plus").select(signals, budget)
         assert selection.num_output_tokens == budget
@@ -156,7 +171,7 @@ def test_the_cases_have_outliers_and_the_adaptive_count_ignores_the_budget():
     them + 1 whatever the budget, PruMerge+ about four times as many."""
     counts = [int(N * official_ratio(official_attention(clip_case(seed)))) for seed in SEEDS]
     assert all(8 <= count <= 120 for count in counts), counts
-    signals = adapter_signals(clip_case(0))
+    signals = signals_of(0)
     plain = [get_selector("prumerge", count="adaptive").select(signals, b).num_output_tokens for b in BUDGETS]
     assert plain == [counts[0] + 1] * 3
     plus = get_selector("prumerge_plus", count="adaptive").select(signals, 64).num_output_tokens
@@ -168,9 +183,43 @@ def test_full_width_attention_is_the_official_single_head():
     from prune_audit.pruners.prumerge import full_width_attention, full_width_keys
 
     case = clip_case(3)
-    signals = adapter_signals(case)
-    torch.testing.assert_close(full_width_attention(signals), official_attention(case), rtol=1e-5, atol=1e-8)
-    assert torch.equal(full_width_keys(signals), case["keys"][1:])
+    signals = signals_of(3)
+    attention = full_width_attention(signals.last_layer_cls_logits)
+    torch.testing.assert_close(attention, official_attention(case), rtol=1e-5, atol=1e-8)
+    assert torch.equal(full_width_keys(signals.last_layer_vision_keys), case["keys"][1:])
+
+
+@pytest.mark.parametrize("name", ["prumerge", "prumerge_plus"])
+def test_signal_layer_feature_reads_the_feature_layer_as_before(name):
+    """signal_layer=feature (the earlier behaviour) merges by the feature layer's q / k: the official merge of those,
+    with the same features; the default reads the last layer's and so merges otherwise."""
+    from prune_audit.pruners.base import Selector
+
+    official = official_prumerge if name == "prumerge" else official_plus
+    for seed in (0, 1):
+        signals, feature_layer = signals_of(seed), clip_case(seed + 100)
+        as_before = {**feature_layer, "features": clip_case(seed)["features"]}
+        selection = get_selector(name, signal_layer="feature").select(signals, 64)
+        assert_same_merge(selection, official(as_before, 63 if name == "prumerge" else 64))
+        default = get_selector(name).select(signals, 64)
+        assert [int(s[0]) for s in default.sources] != [int(s[0]) for s in selection.sources]
+    everything = frozenset(InputSignals.__dataclass_fields__)
+    assert Selector.requires_on(get_selector(name), everything) == {
+        "last_layer_cls_logits", "last_layer_vision_keys", "vision_features"
+    } == selector_class(name).requires  # fmt: skip
+    feature = get_selector(name, signal_layer="feature")
+    assert Selector.requires_on(feature, everything) == {"cls_logits", "vision_keys", "vision_features"}
+    with pytest.raises(ValueError, match="last_layer_cls_logits"):  # the signals it reads, named
+        get_selector(name).select(InputSignals(grid=GRID, cls_logits=signals.cls_logits), 64)
+
+
+def test_a_subset_keeps_the_last_layer_cls_column():
+    """``InputSignals.subset`` slices the last layer's logits and keys as their feature-layer twins, CLS first."""
+    signals = signals_of(0)
+    subset = signals.subset(torch.tensor([3, 7]))
+    columns = torch.tensor([0, 4, 8])
+    assert torch.equal(subset.last_layer_cls_logits, signals.last_layer_cls_logits[:, columns])
+    assert torch.equal(subset.last_layer_vision_keys, signals.last_layer_vision_keys[:, columns])
 
 
 # --- its own cases -------------------------------------------------------------------------------------------------
@@ -181,20 +230,20 @@ def test_a_small_grid_merges_every_other_patch_and_a_budget_of_one_is_the_remain
     generator = torch.Generator().manual_seed(0)
     signals = InputSignals(
         grid=(3, 3),
-        cls_logits=torch.randn(2, 10, generator=generator),
-        vision_keys=torch.randn(2, 10, 4, generator=generator),
+        last_layer_cls_logits=torch.randn(2, 10, generator=generator),
+        last_layer_vision_keys=torch.randn(2, 10, 4, generator=generator),
         vision_features=torch.randn(9, 5, generator=generator),
     )
     selection = get_selector("prumerge").select(signals, 3)
     assert [sorted(s.tolist()) for s in selection.sources[:2]] == [list(range(9))] * 2
     single = get_selector("prumerge_plus").select(signals, 1)
     assert len(single.sources) == 1 and single.sources[0].tolist() == list(range(9))
-    weights = torch.softmax(signals.cls_logits.sum(0) / 2**0.5, dim=0)[1:]
+    weights = torch.softmax(signals.last_layer_cls_logits.sum(0) / 2**0.5, dim=0)[1:]
     torch.testing.assert_close(single.vision_tokens[0], weights @ signals.vision_features)
 
 
 def test_plus_samples_spread_over_the_grid_and_fill_the_budget():
-    signals = adapter_signals(clip_case(1))
+    signals = signals_of(1)
     selection = get_selector("prumerge_plus").select(signals, 65)
     centres = [int(s[0]) for s in selection.sources[:-1]]
     attention_ranked, samples = centres[:16], centres[16:]
@@ -209,6 +258,7 @@ def test_options_are_validated():
     for name, options in [
         ("prumerge", {"count": "iqr"}),
         ("prumerge", {"neighbours": 0}),
+        ("prumerge", {"signal_layer": "penultimate"}),
         ("prumerge_plus", {"attention_fraction": 1.5}),
     ]:
         with pytest.raises(ValueError):
