@@ -247,3 +247,28 @@ def test_fit_command_refuses_an_out_without_json_suffix_or_folder(tmp_path):
     for out, message in ((tmp_path / "s.txt", "must end in .json"), (tmp_path / "no" / "s.json", "does not exist")):
         result = CliRunner().invoke(app, ["fitprune", "fit", "--budget", "64", "--out", str(out)])
         assert result.exit_code == 2 and message in result.output
+
+
+def test_statistics_are_the_eager_attention_of_the_unpruned_prompt():
+    """The statistics the command collects (through the visual_probs and text_probs probes) against the stock
+    eager forward's attention maps of the demo, as the official compute_attention_weights reads them."""
+    import numpy as np
+    from PIL import Image
+
+    from prune_audit.api import load
+    from prune_audit.models.attention_statistics import attention_statistics
+
+    vlm = load("demo", device="cpu")
+    pixels = np.random.default_rng(0).integers(0, 256, size=(96, 96, 3), dtype=np.uint8)
+    item = vlm.prepare(Image.fromarray(pixels), "is there a red circle in the image?")
+    with torch.inference_mode():
+        statistics = attention_statistics(vlm, item)
+        vlm.model.set_attn_implementation("eager")
+        output = vlm.model(input_ids=item.input_ids[None], pixel_values=item.pixel_values[None], output_attentions=True)
+    start, end = item.image_span
+    assert statistics.cross.shape == (len(output.attentions) - 1, item.num_visual)
+    for layer, attention in enumerate(output.attentions[:-1]):
+        headmax = attention[0].float().max(dim=0).values
+        text_rows = headmax.shape[0] - end
+        torch.testing.assert_close(statistics.cross[layer], headmax[end:, start:end].sum(dim=0) / text_rows)
+        torch.testing.assert_close(statistics.visual[layer], headmax[start:end, start:end])
