@@ -252,6 +252,11 @@ class FitPruneSelector(ScheduledSelector):
         "a schedule file from prune-audit fitprune fit; none: the shipped one for the model's shape",
     )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.schedule_file is not None:  # read now: a missing or malformed file is refused before any run
+            load_schedules(self.schedule_file)
+
     def fitted(self, num_layers: int, num_visual: int) -> FittedSchedules:
         """The schedule file, or the shipped schedules for this model shape."""
         if self.schedule_file is None:

@@ -204,6 +204,11 @@ def test_malformed_schedule_files_are_refused_in_one_line(tmp_path, text, proble
         get_selector("fitprune", budget_rule="paper", schedule_file=str(path)).schedule(2, 4, 2)
 
 
+def test_a_missing_schedule_file_is_refused_when_the_selector_is_made(tmp_path):
+    with pytest.raises(ValueError, match="schedule file not found: .*pass a file written by prune-audit fitprune fit"):
+        get_selector("fitprune", schedule_file=str(tmp_path / "none.json"))
+
+
 # ----- the command -----------------------------------------------------------------------------------------
 
 
