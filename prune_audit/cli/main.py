@@ -9,6 +9,7 @@ import typer
 from prune_audit.cli import calibrate as calibrate_cli
 from prune_audit.cli import cascade as cascade_cli
 from prune_audit.cli import demo as demo_cli
+from prune_audit.cli import fitprune as fitprune_cli
 from prune_audit.cli import interchange as interchange_cli
 from prune_audit.cli import intervene as intervene_cli
 from prune_audit.cli import pope as pope_cli
@@ -62,6 +63,7 @@ app.command("export")(interchange_cli.export)
 app.command("import")(interchange_cli.import_)
 app.add_typer(pope_cli.app, name="pope")
 app.add_typer(demo_cli.app, name="demo")
+app.add_typer(fitprune_cli.app, name="fitprune")
 
 
 @app.command("version")

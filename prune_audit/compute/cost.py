@@ -36,8 +36,9 @@ class StageProbe:
 
     Attributes:
         keys: sequence length the probe reads (text + visual tokens alive at the stage).
-        queries: query rows of its attention (the text after the image).
-        attention: whether attention rows are read (``text_probs`` / ``text_logits``).
+        queries: query rows of its attention (the text after the image, and the alive visual tokens where
+            ``visual_probs`` is read).
+        attention: whether attention rows are read (``text_probs`` / ``text_logits`` / ``visual_probs``).
         key_norms: whether key norms are read (a second key projection).
         rope_columns: visual tokens the all-ones RoPE logits are formed against (0: not read).
     """

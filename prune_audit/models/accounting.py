@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from prune_audit.compute.cost import PrefillCost, QuestionTokens, StageProbe, prefill_cost
-from prune_audit.models.layer_signals import ATTENTION_SIGNALS, KEY_SIGNALS, ROPE_SIGNALS
+from prune_audit.models.layer_signals import ATTENTION_SIGNALS, KEY_SIGNALS, ROPE_SIGNALS, VISUAL_ROW_SIGNALS
 from prune_audit.models.prefill_assembly import vision_layer_requests
 from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import Selection
@@ -52,10 +52,10 @@ def question_cost(
         first = 1 if selection is not None else 0  # the input stage's entry leads a composed answer's stages
         llm_stages = zip(answer.kept_stages[first:], answer.merged_stages[first:])
         alive += [len(kept) + len(merged) for kept, merged in llm_stages]
-    rope = bool(layer_requires & ROPE_SIGNALS)
+    rope, visual_rows = bool(layer_requires & ROPE_SIGNALS), bool(layer_requires & VISUAL_ROW_SIGNALS)
     probes = tuple(
-        StageProbe(text_tokens + before, text_after, bool(layer_requires & ATTENTION_SIGNALS),
-                   bool(layer_requires & KEY_SIGNALS), before if rope else 0)
+        StageProbe(text_tokens + before, text_after + (before if visual_rows else 0),
+                   bool(layer_requires & ATTENTION_SIGNALS), bool(layer_requires & KEY_SIGNALS), before if rope else 0)
         for before in alive[:-1]
     )  # fmt: skip
     tower_merges = ()

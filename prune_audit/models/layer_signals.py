@@ -21,7 +21,9 @@ from prune_audit.pruners.signals import LayerSignals
 if TYPE_CHECKING:
     from prune_audit.models.executor import Batch, DecoderStack, LayerPlan, TokenRow
 
-ATTENTION_SIGNALS = frozenset({"text_logits", "text_probs"})
+ATTENTION_SIGNALS = frozenset({"text_logits", "text_probs", "visual_probs"})
+VISUAL_ROW_SIGNALS = frozenset({"visual_probs"})
+"""Attention signals whose query rows are the alive visual tokens (the probe reads them besides the text rows)."""
 KEY_SIGNALS = frozenset({"key_norms", "text_key_norms"})
 ROPE_SIGNALS = frozenset({"rope_ones_logits"})
 
@@ -72,10 +74,15 @@ def layer_signals(
         if requires & ATTENTION_SIGNALS:
             # the identity rotation where the selector's official code skips RoPE (VScan's Qwen layer_prune)
             turn = (cos[0], sin[0]) if plan.rotates_attention else (torch.ones_like(cos[0]), torch.zeros_like(sin[0]))
+            rows = torch.cat([text, visual]) if requires & VISUAL_ROW_SIGNALS else text
             logits, probs = probe.probabilities(
-                source, text, *turn, plan.attention_in_model_dtype, plan.model_attention
+                source, rows, *turn, plan.attention_in_model_dtype, plan.model_attention
             )
-            signals.text_logits, signals.text_probs = _f32(logits[:, :, visual]), _f32(probs[:, :, visual])
+            texts = slice(0, text.numel())
+            signals.text_logits = _f32(logits[:, texts][:, :, visual])
+            signals.text_probs = _f32(probs[:, texts][:, :, visual])
+            if requires & VISUAL_ROW_SIGNALS:
+                signals.visual_probs = _f32(probs[:, text.numel() :][:, :, visual])
         if requires & KEY_SIGNALS:
             norms = probe.keys(source, cos[0], sin[0]).float().abs().sum(dim=(0, 2))
             signals.key_norms, signals.text_key_norms = _f32(norms[visual]), _f32(norms[text])

@@ -143,6 +143,24 @@ class Choice(Domain):
         return text
 
 
+@dataclass(frozen=True)
+class Text(Domain):
+    """A non-empty string without surrounding blanks (a file path: FitPrune's schedule file)."""
+
+    optional: bool = False
+
+    def describe(self) -> str:
+        return "a non-empty text"
+
+    def contains(self, value: Any) -> bool:
+        return isinstance(value, str) and bool(value) and value == value.strip()
+
+    def convert(self, text: str) -> str:
+        if not text:
+            raise ValueError(text)
+        return text
+
+
 def spell(value: Any) -> str:
     """A typed option value as ``--option KEY=VALUE`` takes it: none, true/false, names bare."""
     if value is None:

@@ -57,7 +57,7 @@ TOWER_ATTENTION_SIGNALS = (
 )
 TOWER_HOOK_SIGNALS = frozenset({"merging_tower"})
 PROMPT_SIGNALS = frozenset({"text_relevance", "model_text_relevance", "demand"})
-LLM_ATTENTION_SIGNALS = frozenset({"text_logits", "text_probs", "rope_ones_logits"})
+LLM_ATTENTION_SIGNALS = frozenset({"text_logits", "text_probs", "visual_probs", "rope_ones_logits"})
 
 
 def serving_need(selector: Selector | type[Selector]) -> ServingNeed:

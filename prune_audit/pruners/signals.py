@@ -216,6 +216,8 @@ class LayerSignals:
             to the alive visual keys, RoPE applied as the layer applies it.
         text_probs: (H, T, n) attention probabilities of the text rows, softmax in
             float32 over every key the row sees, sliced to the visual columns.
+        visual_probs: (H, n, n) the same for the rows of the alive visual tokens (causal: zero above the
+            diagonal), sliced to the visual columns (FitPrune's self-attention).
         hidden_states: (n, D) layer input of the alive visual tokens.
         previous_hidden_states: (n, D) input of the previous layer for the same tokens.
         text_hidden_states: (T, D) layer input of the text tokens.
@@ -240,6 +242,7 @@ class LayerSignals:
     num_layers: int
     text_logits: Tensor | None = None
     text_probs: Tensor | None = None
+    visual_probs: Tensor | None = None
     hidden_states: Tensor | None = None
     previous_hidden_states: Tensor | None = None
     text_hidden_states: Tensor | None = None

@@ -41,6 +41,7 @@ NAMED_EXCEPTIONS = {
     ),
     "data/pope.py": ({"random"}, "POPE's random split, not the selector"),
     "cli/intervene.py": ({"random"}, "intervene's random control swaps, not the selector"),
+    "cli/main.py": ({"fitprune"}, "the command group fitting FitPrune's schedule (imports nothing: CLI start-up)"),
     "runner/intervene/plan.py": ({"random"}, "intervene's random control swaps, not the selector"),
 }
 

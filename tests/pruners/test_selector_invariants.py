@@ -57,6 +57,7 @@ INPUT_SHAPES = {
 LAYER_SHAPES = {
     "text_logits": (("H", "T", "n"), "normal"),
     "text_probs": (("H", "T", "n"), "prob"),
+    "visual_probs": (("H", "n", "n"), "prob"),
     "hidden_states": (("n", "D"), "normal"),
     "previous_hidden_states": (("n", "D"), "normal"),
     "text_hidden_states": (("T", "D"), "normal"),

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from prune_audit.pruners import get_selector, list_selectors, selector_class
-from prune_audit.pruners.options import Choice, Domain, Flag, Integer, Real, option_domains
+from prune_audit.pruners.options import Choice, Domain, Flag, Integer, Real, Text, option_domains
 from prune_audit.pruners.registry import selector_from_strings
 
 DECLARED = [(name, option) for name in list_selectors() for option in option_domains(selector_class(name))]
@@ -41,6 +41,8 @@ def bad_texts(domain: Domain) -> list[str]:
         return texts
     if isinstance(domain, Flag):
         return ["maybe", "2", ""]
+    if isinstance(domain, Text):
+        return [""]
     assert isinstance(domain, Choice)
     return ["bogus", domain.values[0].upper() + "x", ""]
 
