@@ -32,9 +32,15 @@ from prune_audit.runner.study.defaults import DEFAULT_BUDGETS, DEFAULT_SELECTORS
 
 @handle_errors
 def study(
-    selectors: Annotated[str, typer.Option(help="Selectors, comma-separated.")] = ",".join(DEFAULT_SELECTORS),
+    selectors: Annotated[
+        str, typer.Option(help="Selectors, comma-separated; a composed one as run spells it (visionzip+fastv).")
+    ] = ",".join(DEFAULT_SELECTORS),
     budgets: Annotated[
-        str, typer.Option(help="Budgets (visual tokens, a share such as 11%, or all), comma-separated, each once.")
+        str,
+        typer.Option(
+            help="Budgets (visual tokens, a share such as 11%, or all), comma-separated, each once; a composed "
+            "selector's budget joins its parts with / (96/48). Each selector runs at the budgets of its part count."
+        ),
     ] = ",".join(DEFAULT_BUDGETS),
     model: ModelOption = None,
     task: TaskOption = "pope",
@@ -140,6 +146,7 @@ def study(
         StudyGrid,
         check_grid,
         check_stage,
+        check_subset_budgets,
         inputs_by_task,
         parse_budgets,
         parse_list,
@@ -208,6 +215,7 @@ def study(
     ]
     check_grid(grids[0].selectors, grids[0].budgets)
     check_baseline_in_grid(settings.subset, grids[0].selectors)  # before any run: the subset needs the baseline's
+    check_subset_budgets(settings.subset, grids[0].budgets)  # and at every budget
     if plan:
         _plan(grids, plan_format, plan_file, parse_shard(shard) if shard else None)
         return

@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # torch loads only with the model: the CLI checks OMP_NUM_THR
     from prune_audit.pruners.base import LayerSelector, Stage
 
 BUDGET_ALL = "all"
+LISTED_PART_SEPARATOR = "/"
+"""Between a composed budget's parts inside a comma-separated list of budgets (``study --budgets 32,96/48``,
+lmms-eval's ``budget=96/48``), where ``--budget``'s comma would split the list."""
 
 PartBudget = int | str
 """One budget: visual tokens, a share ``"N%"`` or ``"all"``."""
@@ -53,6 +56,28 @@ def parse_budget(text: str | None) -> Budget:
 def budget_text(budget: Budget | list) -> str:
     """A budget as ``--budget`` spells it: ``64``, ``11%``, ``all``; a composed one comma-separated (``128,64``)."""
     return ",".join(str(part) for part in budget) if isinstance(budget, (tuple, list)) else str(budget)
+
+
+def unlist_budget(text: str) -> str:
+    """A budget written inside a comma-separated list (``96/48``) as ``--budget`` spells it (``96,48``)."""
+    return text.replace(LISTED_PART_SEPARATOR, ",")
+
+
+def parse_listed_budget(value: object) -> object:
+    """A budget given in a comma-separated list of settings (lmms-eval's ``model_args``: ``budget=96/48``, a
+    composed budget's parts joined by ``/``): None for none (absent, empty, ``none``), a whole number of tokens
+    from digits, a string parsed as ``--budget`` (``96/48`` -> ``(96, 48)``); anything else as given, for the
+    Python API to check."""
+    if value in (None, "", "none", "None"):
+        return None
+    if not isinstance(value, str):
+        return value
+    return parse_budget(unlist_budget(value))
+
+
+def listed_budget_text(budget: Budget | list) -> str:
+    """A budget as a comma-separated list of budgets spells it: ``64``; a composed one ``96/48``."""
+    return budget_text(budget).replace(",", LISTED_PART_SEPARATOR)
 
 
 def has_share(budget: Budget) -> bool:
@@ -192,6 +217,6 @@ class Schedules:
 
 
 __all__ = [
-    "BUDGET_ALL", "Budget", "PartBudget", "ResolvedBudget", "parse_budget", "check_budget_parts", "budget_text", "has_share", "parse_requested_budget", "budget_share", "tokens_for_share", "check_positive", "check_budget_for",
+    "BUDGET_ALL", "LISTED_PART_SEPARATOR", "Budget", "unlist_budget", "parse_listed_budget", "listed_budget_text", "PartBudget", "ResolvedBudget", "parse_budget", "check_budget_parts", "budget_text", "has_share", "parse_requested_budget", "budget_share", "tokens_for_share", "check_positive", "check_budget_for",
     "resolve_budget", "Schedules",
 ]  # fmt: skip

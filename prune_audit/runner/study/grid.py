@@ -10,13 +10,23 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from prune_audit.compute.budget import budget_share, parse_requested_budget
+from prune_audit.compute.budget import (
+    budget_share,
+    budget_text,
+    listed_budget_text,
+    parse_requested_budget,
+    unlist_budget,
+)
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import StageChoice
 from prune_audit.runner.request import RunRequest
 from prune_audit.runner.sharding import Shard
 from prune_audit.safety.ownership import STUDY_RUNS_FOLDER as RUNS_FOLDER  # ownership recognises a study by it
+
+if TYPE_CHECKING:
+    from prune_audit.analysis.subsets import Subset
 
 REFERENCE = "none"
 
@@ -30,10 +40,11 @@ class StudyCell:
 
     @property
     def name(self) -> str:
-        """Folder name: ``dense`` or ``<selector>-<budget>`` (``%`` spelled ``pct``)."""
+        """Folder name: ``dense`` or ``<selector>-<budget>`` (``%`` spelled ``pct``, a composed budget's parts
+        joined by ``_``: ``visionzip+fastv-96_48``)."""
         if self.selector == REFERENCE:
             return "dense"
-        return f"{self.selector}-{str(self.budget).replace('%', 'pct')}"
+        return f"{self.selector}-{str(self.budget).replace('%', 'pct').replace(',', '_')}"
 
 
 @dataclass(frozen=True)
@@ -48,9 +59,13 @@ class StudyGrid:
 
     @property
     def cells(self) -> list[StudyCell]:
-        """The reference first, then selectors (outer) x budgets (inner), in the order given."""
+        """The reference first, then selectors (outer) x budgets (inner), in the order given: each selector at
+        the budgets of its part count (a composed selector at the composed budgets, ``check_grid``)."""
         return [StudyCell(REFERENCE, None)] + [
-            StudyCell(selector, budget) for selector in self.selectors for budget in self.budgets
+            StudyCell(selector, budget)
+            for selector in self.selectors
+            for budget in self.budgets
+            if selector_part_count(selector) == budget_part_count(budget)
         ]
 
     def run_dir(self, cell: StudyCell) -> Path:
@@ -147,13 +162,15 @@ def task_option(task: str, option: str, value: int | str | None) -> int | str | 
 
 
 def parse_budgets(text: str) -> tuple[str, ...]:
-    """``--budgets "32, 64"`` -> ("32", "64"): each budget valid (``parse_requested_budget``) and written the way
-    ``run`` reads it, so ``32`` and ``032`` (or ``11%`` and ``11.0%``) are one budget and a repeat is refused instead of run twice."""
-    given: dict[object, str] = {}  # budget (a share by its value) -> the text that named it
+    """``--budgets "32, 64, 96/48"`` -> ("32", "64", "96,48"): each budget valid (``parse_requested_budget``; a
+    composed selector's parts joined by ``/`` inside the list) and written the way ``run`` reads it, so ``32`` and
+    ``032`` (or ``11%`` and ``11.0%``) are one budget and a repeat is refused instead of run twice."""
+    given: dict[object, str] = {}  # budget (a share by its value, a composed one part by part) -> its text
     canonical = []
     for item in parse_list(text, "--budgets"):
-        budget = str(parse_requested_budget(item))
-        value = budget_share(budget) or budget
+        parsed = parse_requested_budget(unlist_budget(item))
+        budget = budget_text(parsed)
+        value = tuple(budget_share(part) or str(part) for part in (parsed if isinstance(parsed, tuple) else (parsed,)))
         if value in given:
             raise PruneAuditError(f"--budgets lists {given[value]!r} and {item!r}, the same budget; list it once")
         given[value] = item
@@ -181,12 +198,17 @@ def check_stage(stage: StageChoice) -> None:
 
 
 def check_grid(selectors: Sequence[str], budgets: Sequence[str]) -> None:
-    """Every selector is registered (and not ``none``, which is the reference) and every budget valid."""
+    """Every selector is registered or composed of registered parts (and not ``none``, which is the reference),
+    every budget valid, and each selector has budgets of its part count."""
     from prune_audit.pruners import list_selectors, selector_class
+    from prune_audit.pruners.composed import composed_from_strings, is_composed
 
     for name in selectors:
         if name == REFERENCE:
             raise PruneAuditError("--selectors lists pruned runs; the unpruned reference is always run, drop 'none'")
+        if is_composed(name):
+            composed_from_strings(name, [])  # its parts, each registered, in order (one line otherwise)
+            continue
         try:
             selector_class(name)
         except ValueError:
@@ -195,6 +217,56 @@ def check_grid(selectors: Sequence[str], budgets: Sequence[str]) -> None:
             ) from None
     for budget in budgets:
         parse_requested_budget(budget)
+    _check_part_counts(selectors, budgets)
+
+
+def check_subset_budgets(subset: Subset | None, budgets: Sequence[str]) -> None:
+    """``--subset`` takes each budget's questions from its baseline's run at that budget: a budget of another part
+    count than the baseline selector's (a composed one beside a plain baseline) would have none, refused now."""
+    if subset is None:
+        return
+    parts = selector_part_count(subset.baseline)
+    for budget in budgets:
+        if budget_part_count(budget) != parts:
+            raise PruneAuditError(
+                f"--subset {subset.name}: --budgets {listed_budget_text(budget)} has no {subset.baseline} run (it "
+                f"takes {parts} budget part(s)); name a selector of {budget_part_count(budget)} part(s) with "
+                f"--subset-baseline, or study that budget without --subset"
+            )
+
+
+def selector_part_count(selector: str) -> int:
+    """How many budgets a ``--selectors`` entry takes: one per part of a composed name (``visionzip+fastv``: 2)."""
+    from prune_audit.pruners.composed import COMPOSE
+
+    return len(selector.split(COMPOSE))
+
+
+def budget_part_count(budget: str) -> int:
+    """How many parts a grid budget (``parse_budgets``' spelling: ``96,48``) has."""
+    return len(budget.split(","))
+
+
+def _check_part_counts(selectors: Sequence[str], budgets: Sequence[str]) -> None:
+    """Each selector runs at the budgets of its part count: a selector without one, or a budget that no selector
+    takes, is refused (it would be dropped from the grid unseen)."""
+    counts = {budget_part_count(budget) for budget in budgets}
+    for name in selectors:
+        parts = selector_part_count(name)
+        if parts not in counts:
+            example = "/".join(str(128 >> i) for i in range(parts))
+            raise PruneAuditError(
+                f"--selectors {name} takes {parts} budget(s), one per part, and --budgets lists none of {parts} "
+                f"part(s); add one, parts joined by '/' (e.g. --budgets {example})"
+            )
+    takers = {selector_part_count(name) for name in selectors}
+    for budget in budgets:
+        if budget_part_count(budget) not in takers:
+            raise PruneAuditError(
+                f"--budgets {listed_budget_text(budget)} has {budget_part_count(budget)} part(s) and no selector in "
+                f"--selectors takes that many; a composed selector (input+llm) takes two, '/'-joined (96/48), "
+                f"another one"
+            )
 
 
 def shard_commands(commands: Sequence[str], shard: Shard | None) -> list[str]:
