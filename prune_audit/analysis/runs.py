@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from prune_audit.analysis.questions import QuestionTable
+from prune_audit.compute.budget import budget_text
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.manifest import UNPRUNED, differing_fields
 from prune_audit.records.stages import FIRST, StageChoice, StageValues, stage_values
@@ -50,8 +51,11 @@ class Run:
         return manifest_task(self.manifest)
 
     @property
-    def budget(self) -> Any:
-        return self.manifest.get("budget")
+    def budget(self) -> int | str | None:
+        """The requested budget (manifest ``budget``): a count, a share (``11%``), ``all`` or None (unpruned); a
+        composed run's list of part budgets as ``--budget`` spells it (``96,48``), one label and one set member."""
+        budget = self.manifest.get("budget")
+        return budget_text(budget) if isinstance(budget, list) else budget
 
     @property
     def model(self) -> str:
