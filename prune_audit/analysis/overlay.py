@@ -178,7 +178,12 @@ class Panel:
     def title_lines(self, stage: int) -> int:
         """Lines of ``stage``'s cell title: the panel's title (a task's note included), then the stage label."""
         label = self.stage_labels[stage] if stage < len(self.stage_labels) else ""
-        return len(self.title.splitlines()) + len(label.splitlines())
+        return len(self.wrapped_title.splitlines()) + len(label.splitlines())
+
+    @property
+    def wrapped_title(self) -> str:
+        """The title wrapped to a cell's width (a composed selector's budget words run long)."""
+        return "\n".join(wrapped(self.title, CAPTION_CHARS))
 
     def has_merged_only_cells(self) -> bool:
         """Whether some stage draws a cell that only a merged token carries."""
@@ -411,7 +416,7 @@ def draw_panels(image: np.ndarray, panels: Sequence[Panel], path: Path, suptitle
         axis.imshow(compose(image, panel, stage), interpolation="nearest")
         label_boxes(axis, panel, image.shape[:2])
         label = panel.stage_labels[stage] if stage < len(panel.stage_labels) else ""
-        axis.set_title(panel.title + (f"\n{label}" if label else ""), fontsize=9)
+        axis.set_title(panel.wrapped_title + (f"\n{label}" if label else ""), fontsize=9)
         axis.set_xlabel("\n".join(wrapped(panel.under(stage), CAPTION_CHARS)), fontsize=9)
     if suptitle:
         figure.suptitle(suptitle, fontsize=10)

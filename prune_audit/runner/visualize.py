@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prune_audit.analysis.overlay import Panel, draw_panels
-from prune_audit.compute.budget import check_positive, resolve_budget
+from prune_audit.compute.budget import ResolvedBudget, budget_text, check_positive, resolve_budget
 from prune_audit.data.geometry import TokenGeometry
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import budget_words
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from prune_audit.data.coco import CocoInstances
     from prune_audit.models import VisionLanguageModel
     from prune_audit.pruners.base import Selector
+    from prune_audit.pruners.composed import RunSelector
 
 FIGURES_DIR = Path("figures")
 """Default parent of ``visualize``'s output folder: figures/<image stem>/ (figures/<run name>/ with --run); the file is
@@ -180,11 +181,14 @@ def view_warning(mask: np.ndarray | None, geometry: TokenGeometry, object_name: 
 def stage_labels(
     level: str | None, kept_stages: list[list[int]], layers: list[int], merged_stages: list[list[list[int]]], total: int
 ) -> list[str]:
-    """One label per stage: where it applies (``level`` "llm": its decoder layer; else the input), how
+    """One label per stage: where it applies (``level`` "llm", and a composed selector's stages after its first:
+    the decoder layer; else the input), how
     many of the ``total`` grid tokens it keeps, and how many merged tokens it feeds beside them."""
-    labels = []
+    from prune_audit.pruners.composed import COMPOSED_STAGE
+
+    labels: list[str] = []
     for layer, kept, merged in zip(layers, kept_stages, merged_stages):
-        where = f"layer {layer}" if level == "llm" else "input"
+        where = f"layer {layer}" if level == "llm" or (level == COMPOSED_STAGE and labels) else "input"
         labels.append(f"{where}: kept {len(kept)} of {total}" + (f" + {len(merged)} merged" if merged else ""))
     return labels
 
@@ -284,14 +288,14 @@ def selector_options(names: Sequence[str], pairs: Sequence[str]) -> dict[str, Se
     without pairs); options with no or several such selectors are a one-line error."""
     if not pairs:
         return {}
-    from prune_audit.pruners.registry import selector_from_strings
+    from prune_audit.pruners.composed import parse_selector
 
     pruned = [name for name in names if name != "none"]
     if len(pruned) != 1:
         raise PruneAuditError(
             f"--option applies to one selector: pass exactly one --selector besides none, got {len(pruned)}"
         )
-    return {pruned[0]: selector_from_strings(pruned[0], pairs)}
+    return {pruned[0]: parse_selector(pruned[0], pairs)}
 
 
 def _skip_reason(vlm: VisionLanguageModel, name: str) -> str | None:
@@ -355,10 +359,27 @@ def drawn_selectors(vlm: VisionLanguageModel, requested: Sequence[str]) -> tuple
     return names, "\n".join(notes)
 
 
-def live_stem(model_name: str, budget: int) -> str:
-    """The live figure's file stem, tokens-<model>-<budget>: another model or budget on the same image never
-    overwrites it."""
-    return f"tokens-{file_safe(model_name)}-{budget}"
+def live_stem(model_name: str, budget: ResolvedBudget) -> str:
+    """The live figure's file stem, tokens-<model>-<budget> (a composed budget's parts joined by ``_``): another
+    model or budget on the same image never overwrites it."""
+    return f"tokens-{file_safe(model_name)}-{budget_text(budget).replace(',', '_')}"
+
+
+def drawn_with_budget(
+    names: Sequence[str], options: dict[str, RunSelector], budget: ResolvedBudget
+) -> dict[str, RunSelector | None]:
+    """``{name: selector}`` to draw (None: the unpruned model), a composed one too (``visionzip+fastv``), each
+    taking ``budget``: one budget per part, else refused in one line before the model runs."""
+    from prune_audit.compute.budget import check_budget_parts
+    from prune_audit.pruners.composed import parse_selector, part_count
+
+    selectors: dict[str, RunSelector | None] = {}
+    for name in names:
+        selector = None if name == "none" else options.get(name) or parse_selector(name, [])
+        if selector is not None:
+            check_budget_parts(budget, part_count(selector), name)
+        selectors[name] = selector
+    return selectors
 
 
 def visualize_live(request: VisualizeRequest) -> DrawnFigure:
@@ -370,7 +391,6 @@ def visualize_live(request: VisualizeRequest) -> DrawnFigure:
     import torch
 
     from prune_audit.models import load_vlm
-    from prune_audit.pruners import get_selector
 
     check_positive(request.budget)  # a share (11%) or all is checked by resolve_budget
     options = selector_options(request.selectors, request.options)
@@ -388,9 +408,9 @@ def visualize_live(request: VisualizeRequest) -> DrawnFigure:
     warnings = [*setup.warnings, *filter(None, [view_warning(mask, prepared.geometry, object_name)])]
     names, note = drawn_selectors(vlm, request.selectors)
     budget = resolve_budget(request.budget, prepared.num_visual) or max(1, prepared.num_visual // 4)
+    selectors = drawn_with_budget(names, options, budget)
     panels, answers = [], []
-    for name in names:
-        selector = None if name == "none" else options.get(name) or get_selector(name)
+    for name, selector in selectors.items():
         if selector is not None:
             vlm.check_selector(selector)
         generator = torch.Generator().manual_seed(request.seed)
