@@ -36,6 +36,7 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.registry_v2 import ModelManifest
 
 from prune_audit.api.pruning import load, pruned
+from prune_audit.compute.budget import parse_listed_budget
 from prune_audit.errors import PruneAuditError
 
 RECORDS_OWNER = "lmms-eval"
@@ -57,7 +58,8 @@ class PruneAuditModel(lmms):
 
     Args:
         pretrained: a model folder, hub id or bundled demo name (``prune_audit.load``).
-        selector, budget: as ``prune-audit run --selector --budget`` (``none`` without budget: dense).
+        selector, budget: as ``prune-audit run --selector --budget`` (``none`` without budget: dense); a composed
+            selector's budget joins its parts with ``/`` (``budget=96/48``: model_args are comma-separated).
         records: a folder for the per-request records (new, empty, or this plugin's own); None: none written.
         device, dtype, threads: as ``prune_audit.load``.
         batch_size: requests answered together (lmms-eval's --batch_size), questions per forward pass.
@@ -102,7 +104,7 @@ class PruneAuditModel(lmms):
             threads=None if threads in (None, "") else int(threads),
         )
         self._stack = ExitStack()
-        self._model = self._stack.enter_context(pruned(vlm, str(selector), _budget(budget), **options))
+        self._model = self._stack.enter_context(pruned(vlm, str(selector), parse_listed_budget(budget), **options))
         self._lines: dict[str, list[dict[str, Any]]] = {}
 
     def _doc(self, task: str, split: str, doc_id: int) -> Any:
@@ -257,13 +259,6 @@ class PruneAuditModel(lmms):
         ):
             for task, lines in self._lines.items():
                 write_text_atomic("".join(json.dumps(line) + "\n" for line in lines), self._records / f"{task}.jsonl")
-
-
-def _budget(value: Any) -> Any:
-    """lmms-eval's model_args value of ``budget``: tokens (int or digits), a share, ``all`` or none."""
-    if value in (None, "", "none", "None"):
-        return None
-    return int(value) if isinstance(value, str) and value.isdigit() else value
 
 
 def _cut(text: str, until: Any) -> str:
