@@ -3,7 +3,8 @@ image, and solve (and remember) an in-LLM selector's schedule for it.
 
 A budget is requested as a number of visual tokens, a share of each image's tokens (``11%``,
 rounded half up per image, at least 1) or ``all``; ``None`` is the unpruned run. A composed selector
-(``visionzip+fastv``) takes one budget per part, comma-separated (``128,64``), each below the one before. The runner
+(``visionzip+fastv``) takes one budget per part, comma-separated (``128,64``), each below the one before; inside a
+comma-separated list of budgets (``study --budgets``, lmms-eval's ``model_args``) its parts are joined by ``/``. The runner
 resolves it per image (``resolve_budget``), the model solves an in-LLM selector's schedule
 through ``Schedules`` (the manifest's schedule comes from the same one), and the realised
 token counts, FLOPs and KV bytes of each question follow from that (``compute.cost``).
