@@ -13,7 +13,8 @@ from test_tasks import gqa_inputs
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
-from prune_audit.pruners import list_selectors
+from prune_audit.pruners import list_selectors, selector_class
+from prune_audit.pruners.signals import VIDEO_GRID
 
 runner = CliRunner()
 # columns that say where and when the records were made rather than what they hold
@@ -397,8 +398,12 @@ def test_geometry_may_be_a_processor_folder_without_weights(runs, workspace, tmp
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+#: selectors only a video clip feeds (EVS): ``run`` has no clip task yet (issue 43), so they have no run to export
+CLIP_ONLY = {name for name in list_selectors() if VIDEO_GRID in selector_class(name).requires}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(set(list_selectors()) - {name for name, _ in SELECTORS}))
+@pytest.mark.parametrize("name", sorted(set(list_selectors()) - {name for name, _ in SELECTORS} - CLIP_ONLY))
 def test_every_other_selector_round_trips_through_export_and_import(workspace, tmp_path, name):
     """The issue's round trip for every registered selector, not only the six above (JSON Lines; the Parquet
     form shares the reader): a run on the tiny LLaVA, exported and imported, gives the same records outside the

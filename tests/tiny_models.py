@@ -78,6 +78,14 @@ class RecordingLayerSelector(LayerSelector):
 
 def stock_inputs(vlm, prepared) -> dict[str, torch.Tensor]:
     """Inputs of the stock ``model(**inputs)`` forward for one prepared prompt."""
+    if "video_grid_thw" in prepared.extras:  # a Qwen2.5-VL clip: video patches, its grid and seconds per step
+        return {
+            "input_ids": prepared.input_ids[None],
+            "pixel_values_videos": prepared.pixel_values,
+            "video_grid_thw": prepared.extras["video_grid_thw"],
+            "second_per_grid_ts": prepared.extras["second_per_grid_ts"],
+            "mm_token_type_ids": (prepared.input_ids == vlm.model.config.video_token_id).int()[None] * 2,
+        }
     if "image_sizes" in prepared.extras:  # LLaVA-NeXT: the crops of one image and its size
         return {
             "input_ids": prepared.input_ids[None],

@@ -34,7 +34,7 @@ from prune_audit.models.timing import PartClock
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.composed import ComposedSelector, RunSelector, budget_parts, selector_parts
 from prune_audit.pruners.registry import list_selectors, selector_class
-from prune_audit.pruners.signals import VISION_TOWER_FACTS
+from prune_audit.pruners.signals import VIDEO_GRID, VISION_TOWER_FACTS
 
 
 class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
@@ -288,6 +288,12 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     def _available_input_signals(self) -> frozenset[str]:
         return self.input_signals
 
+    def _clip_signals(self, prepared: Sequence[Prepared]) -> frozenset[str]:
+        """The input signals a batch of prompts adds to the family's: a video clip's temporal grid when every prompt
+        is a clip (``Prepared.video_grid``), none otherwise."""
+        clips = bool(prepared) and all(item.video_grid is not None for item in prepared)
+        return frozenset({VIDEO_GRID}) if clips else frozenset()
+
     def signals_for(self, selector: Selector | type[Selector]) -> frozenset[str]:
         """The signals ``selector`` (a class, or an instance whose options may change them) reads on this model
         (``Selector.requires_on`` its input signals)."""
@@ -311,12 +317,12 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         """Per regular grid of the image: its (M_g,) ascending visual tokens and (rows, cols); one grid here."""
         return [(torch.arange(item.num_visual), item.grid)]
 
-    def check_selector(self, selector: RunSelector) -> None:
+    def check_selector(self, selector: RunSelector, prepared: Sequence[Prepared] = ()) -> None:
         """Raise a one-line PruneAuditError when this model cannot provide the selector's signals (a composed
-        selector: each part's)."""
+        selector: each part's) on ``prepared`` (clips add their temporal grid: ``_clip_signals``)."""
         if isinstance(selector, ComposedSelector):
             for part in selector.parts:
-                self.check_selector(part)
+                self.check_selector(part, prepared)
             return
         per_crop = getattr(selector, "budget_scope", "image") == "crop"
         # a merging selector runs per crop only where its official code does (VisionZip on LLaVA-NeXT)
@@ -338,7 +344,7 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         # the instance: its options may change what it reads (ToMe location=tower, PruMerge signal_layer)
         if per_crop and self.runs_per_crop(selector, self._available_input_signals()):
             return
-        reason = self.refusal(selector, self._available_input_signals())
+        reason = self.refusal(selector, self._available_input_signals() | self._clip_signals(prepared))
         if reason is None:
             return
         raise PruneAuditError(
@@ -365,7 +371,7 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
             raise PruneAuditError("no questions to answer")
         check_request(len(prepared), selector, budget, generator, forced_kept, forced_stages)
         if selector is not None:
-            self.check_selector(selector)
+            self.check_selector(selector, prepared)
         input_part, llm_part = selector_parts(selector)
         input_budget, llm_budget = budget_parts(selector, budget)
         input_level = forced_kept is not None or input_part is not None

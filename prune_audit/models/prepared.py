@@ -40,7 +40,11 @@ class Prepared:
         question: the raw question (CLIP text relevance reads it).
         image_size: original (width, height).
         geometry: :class:`prune_audit.data.geometry.TokenGeometry` of the image.
-        extras: family-specific tensors (Qwen: ``image_grid_thw``, ``positions``).
+        extras: family-specific tensors (Qwen: ``image_grid_thw``, ``positions``; a Qwen clip: ``video_grid_thw``,
+            ``second_per_grid_ts``).
+        video_grid: on a video clip, its (T, h, w) token grid after the spatial merge (``grid`` is then (T * h, w),
+            ``image_span`` the clip's tokens, ``pixel_values`` its patches, ``image_size`` a frame's and
+            ``geometry`` a :class:`prune_audit.data.video.ClipGeometry`); None for a still image.
     """
 
     input_ids: Tensor
@@ -51,6 +55,7 @@ class Prepared:
     image_size: tuple[int, int]
     geometry: Any
     extras: dict[str, Tensor] = field(default_factory=dict)
+    video_grid: tuple[int, int, int] | None = None
 
     @property
     def num_visual(self) -> int:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.compute.shape import ModelShape, VisionShape
+from prune_audit.data.video import Clip
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
@@ -55,6 +56,8 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
     grounding = "qwen2.5-vl"
     prompt_templates = (PROMPT_TEMPLATE,)
     input_positions = "keep_original"  # 3-D M-RoPE ids cannot be renumbered meaningfully; every public port keeps them
+    #: whether :meth:`prepare_video` reads clips (Qwen2.5-VL's video path; its subclasses' differ and refuse)
+    takes_video = True
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -148,7 +151,58 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
             extras={"image_grid_thw": grid_thw, "positions": positions[:, 0]},
         )
 
+    def prepare_video(self, clip: Clip, question: str) -> Prepared:
+        """One (clip, question) prompt: the clip's 2T sampled frames (:func:`prune_audit.data.video.sample_clip`) as
+        ``pixel_values_videos`` (:func:`video_patches`), ``<|video_pad|>`` tokens for its T x h x w merged tokens, and
+        the model's own ``get_rope_index`` M-RoPE ids with the time axis (``second_per_grid_ts`` = 2 / sample fps,
+        scaled by the tower's ``tokens_per_second``)."""
+        if not self.takes_video:
+            raise PruneAuditError(
+                f"video clips are read on Qwen2.5-VL only; {self.display_name} has no video path here"
+            )
+        merge, patch = self.image_processor.merge_size, self.image_processor.patch_size
+        if clip.geometry.frame.token_pixels != patch * merge:
+            raise PruneAuditError(
+                f"the clip was sampled for {clip.geometry.frame.token_pixels}-px tokens, but this model's are "
+                f"{patch * merge} px; sample it with patch_size={patch}, merge_size={merge}"
+            )
+        pixels = video_patches(clip.frames, self.image_processor)
+        steps, rows, cols = clip.geometry.video_grid
+        grid_thw = torch.tensor([[steps, rows * merge, cols * merge]])
+        seconds = torch.tensor([clip.seconds_per_step])
+        prompt = self.prompt(question, steps * rows * cols).replace("<|image_pad|>", "<|video_pad|>")
+        input_ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
+        video_token = self.model.config.video_token_id
+        token_types = (input_ids == video_token).int() * 2  # get_rope_index's modality codes: 1 image, 2 video
+        positions, _ = self.model.model.get_rope_index(
+            input_ids[None], token_types[None], video_grid_thw=grid_thw, second_per_grid_ts=seconds
+        )
+        return Prepared(
+            input_ids=input_ids,
+            image_span=find_image_span(input_ids, video_token),
+            grid=(steps * rows, cols),
+            pixel_values=pixels,
+            question=question,
+            image_size=clip.geometry.frame.image_size,
+            geometry=clip.geometry,
+            extras={"video_grid_thw": grid_thw, "second_per_grid_ts": seconds, "positions": positions[:, 0]},
+            video_grid=(steps, rows, cols),
+        )
+
+    def _video_vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
+        """The vision tower on clips: per clip its (T * h * w, D) merged features and its ``video_grid``."""
+        if any(item.video_grid is None for item in prepared):
+            raise PruneAuditError("a batch holds clips and still images; prefill them in separate batches")
+        if "layer_attention" in requires:
+            raise PruneAuditError("per-layer vision attention is not computed on clips; choose a features selector")
+        pixels = torch.cat([item.pixel_values for item in prepared]).to(self.device)
+        grid_thw = torch.cat([item.extras["video_grid_thw"] for item in prepared]).to(self.device)
+        features = self.model.model.get_video_features(pixels, grid_thw, return_dict=True).pooler_output
+        return [VisionOutput(per_clip, {"video_grid": item.video_grid}) for per_clip, item in zip(features, prepared)]
+
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
+        if prepared[0].video_grid is not None:
+            return self._video_vision(prepared, requires)
         pixels = torch.cat([item.pixel_values for item in prepared]).to(self.device)
         grid_thw = torch.cat([item.extras["image_grid_thw"] for item in prepared]).to(self.device)
         if "layer_attention" not in requires:
@@ -339,4 +393,25 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
         }
 
 
-__all__ = ["QwenModel", "PROMPT_TEMPLATE", "DEFAULT_SYSTEM"]
+def video_patches(frames: Sequence[Any], image_processor: Any) -> Tensor:
+    """(T * gh * gw, C * 2 * p * p) ``pixel_values_videos`` of 2T RGB frames of one size (multiples of p * merge),
+    as the Qwen2-VL video processor flattens them: each frame rescaled and normalised with the image processor's
+    mean and std, two consecutive frames joined into one temporal patch, patches ordered (t, merged row, merged col,
+    row in merge, col in merge) and each flattened (channel, frame of the pair, patch row, patch col)."""
+    patch, merge = image_processor.patch_size, image_processor.merge_size
+    pair = image_processor.temporal_patch_size
+    video = torch.from_numpy(np.stack([np.asarray(frame, dtype=np.float32) for frame in frames])).permute(0, 3, 1, 2)
+    mean = torch.tensor(image_processor.image_mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(image_processor.image_std, dtype=torch.float32).view(1, -1, 1, 1)
+    video = (video * image_processor.rescale_factor - mean) / std
+    count, channels, height, width = video.shape
+    if count % pair:
+        raise PruneAuditError(f"a clip of {count} frames is not whole temporal patches of {pair}; sample it again")
+    rows, cols = height // patch, width // patch
+    grid = video.reshape(count // pair, pair, channels, rows // merge, merge, patch, cols // merge, merge, patch)
+    # (t, merged row, merged col, row in merge, col in merge, channel, frame of the pair, patch row, patch col)
+    grid = grid.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return grid.reshape(count // pair * rows * cols, channels * pair * patch * patch).contiguous()
+
+
+__all__ = ["QwenModel", "PROMPT_TEMPLATE", "DEFAULT_SYSTEM", "video_patches"]

@@ -34,6 +34,7 @@ class Qwen2VLModel(QwenModel):
     """Qwen2-VL adapter: the Qwen2.5-VL adapter on the Qwen2-VL classes."""
 
     family = "qwen2_vl"
+    takes_video = False  # its video path (M-RoPE time axis, processor) is not the Qwen2.5-VL one read here
     #: HiPrune's per-layer attention is formed only for Qwen2.5-VL's tower, the one its official code runs
     input_signals = frozenset({"features", "demand"})
     missing_signals_reason = (

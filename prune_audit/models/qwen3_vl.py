@@ -48,6 +48,7 @@ class Qwen3VLModel(QwenModel):
     """Qwen3-VL adapter (dense decoders; one image per prompt)."""
 
     family = "qwen3_vl"
+    takes_video = False  # its video path (M-RoPE time axis, processor) is not the Qwen2.5-VL one read here
     #: HiPrune's per-layer attention is formed only for Qwen2.5-VL's tower, the one its official code runs
     input_signals = frozenset({"features", "demand"})
     missing_signals_reason = (

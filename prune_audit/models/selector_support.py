@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from prune_audit.pruners.base import Selector
 from prune_audit.pruners.registry import list_selectors, registered_classes, selector_class
-from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS, VISION_LAYER_SIGNALS
+from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS, VIDEO_GRID, VISION_LAYER_SIGNALS
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
 #: input signals computed by a part loaded only on request (``clip_text``), so not there by default
@@ -87,6 +87,11 @@ class SelectorSupport:
         missing = cls.missing_for(selector, available)
         if not missing:
             return None
+        if VIDEO_GRID in missing:  # a video selector on still images: the input lacks it, whatever the family
+            return (
+                f"needs a video clip's temporal token grid ({VIDEO_GRID}), which a still image does not give; "
+                "run it on clips (the Qwen2.5-VL adapter's prepare_video)"
+            )
         if missing == {"text_relevance"} and "text_relevance" in cls.input_signals:
             return (
                 "needs a CLIP text tower for its text relevance: pass clip_text=PATH (--clip-text PATH) "

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Literal
 
 from prune_audit.pruners.base import Selector
-from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS
+from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS, VIDEO_GRID
 
 ServingNeed = Literal["encoder", "encoder_attention", "tower", "prompt", "llm_hidden", "llm_attention", "undeclared"]
 
@@ -40,7 +40,8 @@ SERVING_NEEDS: dict[ServingNeed, str] = {
 }
 """Each need in words, for ``prune-audit selectors`` and the docs."""
 
-ENCODER_SIGNALS = frozenset({"features", "vision_features", "token_crops", "padded_crops", "crop_layout"})
+#: the encoder output and its layout (a clip's temporal grid: what vLLM's EVS reads beside the video embeddings)
+ENCODER_SIGNALS = frozenset({"features", "vision_features", "token_crops", "padded_crops", "crop_layout", VIDEO_GRID})
 TOWER_ATTENTION_SIGNALS = (
     frozenset(
         {

@@ -22,6 +22,8 @@ VISION_TOWER_FACTS = frozenset({"vision_tower", "full_attention_layers"})  # Inp
 LAST_LAYER_CLS_SIGNALS = frozenset({"last_layer_cls_logits", "last_layer_vision_keys"})
 #: what a per-crop in-LLM selector (``budget_scope="crop"``) asks the vision tower for: :class:`PaddedCrops`
 PADDED_CROPS = "padded_crops"
+#: the InputSignals field only a video clip gives: its temporal token grid (EVS); a still image has none
+VIDEO_GRID = "video_grid"
 
 
 @dataclass
@@ -95,6 +97,9 @@ class InputSignals:
         full_attention_layers: rows of ``layer_attention`` of full-attention blocks (Qwen's ``fullatt_block_indexes``).
         merging_tower: ``f(merge) -> (states (1 + M, Dv), sources)``: the tower rerun to the feature layer with
             ``merge`` between attention and MLP of each layer (ToMe's :class:`~prune_audit.pruners.tome.TowerMerging`).
+        video_grid: on a video clip, its (T, h, w) token grid after the spatial merge: T temporal steps (each two
+            frames on Qwen2.5-VL) of h x w tokens, the N = T * h * w tokens time-major then row-major (``grid`` is
+            then (T * h, w)); None on a still image. A :meth:`subset` is no longer the clip and has none.
         model_dtype: the dtype the model computes the signals in (the adapters pass the
             model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
     """
@@ -125,6 +130,7 @@ class InputSignals:
     vision_tower: str = "clip"
     full_attention_layers: tuple[int, ...] = ()
     merging_tower: Callable[[Any], tuple[Tensor, list[Tensor]]] | None = None
+    video_grid: tuple[int, int, int] | None = None
     model_dtype: torch.dtype = torch.float32
 
     @property
@@ -188,7 +194,7 @@ class InputSignals:
                 sliced["cls_feature"] = self.crop_cls_features[crop]
             if sliced["vision_keys"] is not None and self.crop_cls_keys is not None:
                 sliced["vision_keys"][:, 0] = self.crop_cls_keys[:, crop]
-        return dataclasses.replace(self, grid=grid, merging_tower=None, **sliced)
+        return dataclasses.replace(self, grid=grid, merging_tower=None, video_grid=None, **sliced)
 
 
 @dataclass

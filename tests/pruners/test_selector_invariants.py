@@ -24,9 +24,11 @@ from prune_audit.pruners import (
     selector_class,
 )
 from prune_audit.pruners.schedule import average_visual_tokens
+from prune_audit.pruners.signals import VIDEO_GRID as VIDEO_GRID_SIGNAL
 
 GRID = (6, 8)
 N = GRID[0] * GRID[1]
+VIDEO_GRID = (3, 2, 8)
 SIZES = {"N": N, "N+1": N + 1, "D": 16, "Dv": 12, "H": 4, "d": 8, "T": 6, "Lv": 3, "K": 3, "2": 2, "4": 4}
 # (shape in SIZES symbols, kind): "prob" = attention probabilities, "weight" = non-negative, "bounds" = a
 # (min, max) pair, "crop_index" = each token's crop (K crops of a several-crop tower), "crop_layout" = an anyres
@@ -37,6 +39,8 @@ INPUT_SHAPES = {
     "cls_attention": (("H", "N"), "prob"),
     "cls_logits": (("H", "N+1"), "normal"),
     "vision_keys": (("H", "N+1", "d"), "normal"),
+    "last_layer_cls_logits": (("H", "N+1"), "normal"),
+    "last_layer_vision_keys": (("H", "N+1", "d"), "normal"),
     "cls_feature": (("Dv",), "normal"),
     "text_relevance": (("N",), "normal"),
     "model_text_relevance": (("N",), "normal"),
@@ -119,7 +123,8 @@ def build_signals(cls, shapes, sizes, variant, seed=0, **fixed):
 
 
 def input_signals(variant: str = "random", seed: int = 0) -> InputSignals:
-    return build_signals(InputSignals, INPUT_SHAPES, SIZES, variant, seed, grid=GRID)
+    # the 6 x 8 grid read as a clip of 3 temporal steps of 2 x 8 tokens too (EVS's video_grid; the others ignore it)
+    return build_signals(InputSignals, INPUT_SHAPES, SIZES, variant, seed, grid=GRID, video_grid=VIDEO_GRID)
 
 
 def layer_signals(alive: torch.Tensor, layer: int, variant: str = "random", seed: int = 0) -> LayerSignals:
@@ -174,7 +179,8 @@ def test_every_selector_declares_its_metadata():
         assert cls.name == name and cls.stage in ("input", "llm") and cls.summary
         assert cls.reference.paper and cls.reference.repository
         assert isinstance(cls.requires, frozenset)
-        undeclared = cls.requires - set(tensor_fields(InputSignals if cls.stage == "input" else LayerSignals))
+        fields = set(tensor_fields(InputSignals if cls.stage == "input" else LayerSignals)) | {VIDEO_GRID_SIGNAL}
+        undeclared = cls.requires - fields  # a clip's video_grid is a (T, h, w) tuple, not a tensor
         assert not undeclared, f"{name} requires unknown signal(s) {undeclared}"
 
 
