@@ -37,6 +37,8 @@ INPUT_SHAPES = {
     "cls_attention": (("H", "N"), "prob"),
     "cls_logits": (("H", "N+1"), "normal"),
     "vision_keys": (("H", "N+1", "d"), "normal"),
+    "last_layer_cls_logits": (("H", "N+1"), "normal"),
+    "last_layer_vision_keys": (("H", "N+1", "d"), "normal"),
     "cls_feature": (("Dv",), "normal"),
     "text_relevance": (("N",), "normal"),
     "model_text_relevance": (("N",), "normal"),
