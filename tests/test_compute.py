@@ -49,7 +49,7 @@ def counted(vlm, item, selector, budget):
                 merges.append(counter.get_total_flops())
                 return result
 
-            counting_merge.proportional = merge.proportional
+            counting_merge.proportional, counting_merge.metric = merge.proportional, merge.metric
             with FlopCounterMode(display=False) as counter:
                 result = rerun(pixels, counting_merge)
             tower.append(counter.get_total_flops())

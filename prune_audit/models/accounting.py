@@ -16,7 +16,6 @@ from prune_audit.pruners.base import Selection
 from prune_audit.pruners.composed import RunSelector, budget_parts, selector_parts
 from prune_audit.pruners.crop_scope import crop_budgets
 from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS, PADDED_CROPS
-from prune_audit.pruners.tome import tower_schedule
 
 if TYPE_CHECKING:
     from prune_audit.models.answers import Answer
@@ -49,7 +48,8 @@ def question_cost(
     fed = item.num_visual if selection is None else selection.num_output_tokens
     alive = [fed]  # visual tokens before each in-LLM stage, then after the last
     if llm_ran is not None:
-        first = 1 if selection is not None else 0  # the input stage's entry leads a composed answer's stages
+        # the input stage's entry (after any vision-tower cuts) leads a composed answer's stages
+        first = 1 + len(selection.tower_stages) if selection is not None else 0
         llm_stages = zip(answer.kept_stages[first:], answer.merged_stages[first:])
         alive += [len(kept) + len(merged) for kept, merged in llm_stages]
     rope, visual_rows = bool(layer_requires & ROPE_SIGNALS), bool(layer_requires & VISUAL_ROW_SIGNALS)
@@ -59,8 +59,9 @@ def question_cost(
         for before in alive[:-1]
     )  # fmt: skip
     tower_merges = ()
-    if "merging_tower" in input_requires:  # ToMe's tower rerun, as pruners.tome.TowerMerging schedules it
-        tower_merges = tuple(tower_schedule(item.num_visual, input_budget, shape.vision.layers))
+    if "merging_tower" in input_requires:  # the tower rerun, as the selector's step merges or cuts in it
+        stages = [(layer, len(kept)) for layer, kept in zip(answer.stage_layers, answer.kept_stages)]
+        tower_merges = input_ran.tower_merges(item.num_visual, input_budget, shape.vision.layers, stages)
     crops, crop_stages = vlm.tower_crops(item), ()
     if layer_requires and PADDED_CROPS in vision_layer_requests(vlm, llm_ran):  # VScan per crop: padded grids
         patches = crops["crop_grid"][0] * crops["crop_grid"][1]

@@ -242,8 +242,10 @@ def answer_record(
     kept_stages, stage_layers = list(prefill.kept_stages[b]), list(prefill.stage_layers[b])
     merged_stages = list(prefill.merged_stages[b]) if prefill.merged_stages else [[] for _ in kept_stages]
     if selection is not None:  # the input stage at layer 0, before any in-LLM stage (a composed selector's)
-        kept_stages, stage_layers = [selection.kept.tolist(), *kept_stages], [0, *stage_layers]
-        merged_stages = [selection.merged_sources(), *merged_stages]
+        tower = selection.tower_stages  # a tower selector's cuts before it (negative stage layers)
+        kept_stages = [*(cells.tolist() for _, cells in tower), selection.kept.tolist(), *kept_stages]
+        stage_layers = [*(layer for layer, _ in tower), 0, *stage_layers]
+        merged_stages = [*([] for _ in tower), selection.merged_sources(), *merged_stages]
     counts = prefill.tokens_per_layer[b]
     return Answer(
         reduced=reduced,

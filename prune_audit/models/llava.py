@@ -242,7 +242,8 @@ class LlavaModel(VisionLanguageModel):
     def _merging_tower(self, pixels: Tensor, merge: Callable) -> tuple[Tensor, list[Tensor]]:
         """The tower on one (3, H, W) image up to the feature layer with ``merge`` between the attention and
         the MLP of every layer (``InputSignals.merging_tower``; ToMe's block, proportional attention when
-        ``merge.proportional``): (1 + M, Dv) states, CLS first, and the grid cells each carries."""
+        ``merge.proportional``; FlowCut's cuts): (1 + M, Dv) states, CLS first, and the grid cells each carries.
+        ``merge.metric(cls_probs, keys, values)`` picks what the step reads of the layer's heads."""
         tower = self.vision_tower
         hidden = tower.pre_layrnorm(tower.embeddings(pixels[None]))[0]  # (1 + N, Dv)
         size = torch.ones(hidden.shape[0])
@@ -250,8 +251,9 @@ class LlavaModel(VisionLanguageModel):
         layers = tower.encoder.layers[: self.feature_index]
         for index, layer in enumerate(layers):
             bias = size.log().to(hidden.device) if merge.proportional else None
-            attended, metric = clip_attention_block(layer, hidden, bias)
-            hidden, size, sources = merge(index, len(layers), hidden + attended, metric.cpu(), size, sources)
+            attended, heads = clip_attention_block(layer, hidden, bias)
+            metric = merge.metric(heads.cls_probs, heads.keys, heads.values).cpu()
+            hidden, size, sources = merge(index, len(layers), hidden + attended, metric, size, sources)
             hidden = hidden + layer.mlp(layer.layer_norm2(hidden))
         return hidden, sources
 

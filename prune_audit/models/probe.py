@@ -179,8 +179,9 @@ def clip_attention(layer: nn.Module, hidden: Tensor) -> Tensor:
     return torch.softmax(clip_logits(layer, hidden), dim=-1)
 
 
-def clip_attention_block(layer: nn.Module, hidden: Tensor, key_bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The attention half of one CLIP encoder layer with a bias per key, and its head-mean keys (ToMe's block).
+def clip_attention_block(layer: nn.Module, hidden: Tensor, key_bias: Tensor | None) -> tuple[Tensor, AttentionHeads]:
+    """The attention half of one CLIP encoder layer with a bias per key, and what its heads computed (the block
+    a tower selector's step reads: ToMe's head-mean keys, FlowCut's CLS row and values).
 
     Args:
         layer: a ``CLIPEncoderLayer``; hidden: (L, Dv) its input (one image, CLS first).
@@ -188,8 +189,8 @@ def clip_attention_block(layer: nn.Module, hidden: Tensor, key_bias: Tensor | No
             or None.
 
     Returns:
-        ``(attended, metric)``: (L, Dv) the self-attention output before the residual, (L, d) the keys' mean
-        over heads.
+        ``(attended, heads)``: (L, Dv) the self-attention output before the residual, and the layer's
+        :class:`AttentionHeads`.
     """
     attention = layer.self_attn
     length = hidden.shape[0]
@@ -202,9 +203,24 @@ def clip_attention_block(layer: nn.Module, hidden: Tensor, key_bias: Tensor | No
     logits = queries.float() @ keys.float().transpose(2, 3) * attention.scale
     if key_bias is not None:
         logits = logits + key_bias.float()
-    mixed = torch.softmax(logits, dim=-1).to(values.dtype) @ values  # (1, H, L, d)
+    probs = torch.softmax(logits, dim=-1)
+    mixed = probs.to(values.dtype) @ values  # (1, H, L, d)
     attended = attention.out_proj(mixed.transpose(1, 2).reshape(1, length, -1))
-    return attended[0], keys[0].mean(dim=0)
+    return attended[0], AttentionHeads(probs[0, :, 0], keys[0], values[0])
+
+
+@dataclass
+class AttentionHeads:
+    """What one CLIP layer's attention heads computed on its (L, Dv) input, CLS first.
+
+    Attributes:
+        cls_probs: (H, L) float32 the CLS query's attention probabilities over every token.
+        keys: (H, L, d) the keys; values: (H, L, d) the values (the layer's dtype).
+    """
+
+    cls_probs: Tensor
+    keys: Tensor
+    values: Tensor
 
 
 __all__ = [
@@ -212,6 +228,7 @@ __all__ = [
     "clip_attention",
     "clip_logits",
     "clip_attention_block",
+    "AttentionHeads",
     "clip_cls_row",
     "single_tensor_rope",
     "RopeFn",

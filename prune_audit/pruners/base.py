@@ -10,7 +10,7 @@ ties broken by the lower index, and the ascending order of the result.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
@@ -56,6 +56,9 @@ class Selection:
             is set when ``sources`` is).
         in_output_order: the output tokens are laid out in their order, without the family's own image
             layout (row newlines): VisionZip's per-crop arrangement (``pruners.crop_merge``).
+        tower_stages: for a selector that cuts inside the vision tower, ``(stage layer, kept cells)`` of each cut
+            in order, the stage layer ``l - Lv`` (< 0) for a cut after tower layer ``l`` of the ``Lv`` run; the
+            record's stages, before ``kept`` at the input (stage 0).
     """
 
     kept: Tensor
@@ -63,6 +66,7 @@ class Selection:
     vision_tokens: Tensor | None = None
     llm_tokens: Tensor | None = None
     in_output_order: bool = False
+    tower_stages: list[tuple[int, Tensor]] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:

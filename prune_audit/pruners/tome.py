@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -113,6 +114,12 @@ class ToMeSelector(InputSelector):
             count -= min(count - work.kept, count // 2)
         return total
 
+    @staticmethod
+    def tower_merges(tokens: int, budget: int, layers: int, stages: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+        """Tokens each of the ``layers`` tower layers merges with ``location=tower`` (:func:`tower_schedule`;
+        the recorded stages are not needed)."""
+        return tuple(tower_schedule(tokens, budget, layers))
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.location == "tower":  # the adapter runs the tower with the merge step between its layers
@@ -189,6 +196,12 @@ class TowerMerging:
     budget: int
     proportional: bool
     schedule: list[int] = field(default_factory=list)
+
+    @staticmethod
+    def metric(cls_probs: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        """(L, d) what the step compares, of the layer's (H, L, d) keys: their mean over heads (the official
+        metric); the CLS row and values are not read."""
+        return keys.mean(dim=0)
 
     def __call__(
         self, layer: int, num_layers: int, hidden: Tensor, metric: Tensor, size: Tensor, sources: list[Tensor]

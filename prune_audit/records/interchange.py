@@ -395,8 +395,10 @@ def _stages(value: Any, where: str) -> list[KeptStage]:
         if not isinstance(stage, dict) or "layer" not in stage or "kept" not in stage:
             raise PruneAuditError(f'{at} must be an object with "layer" and "kept"')
         layer, kept, merged = stage["layer"], stage["kept"], stage.get("merged", [])
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise PruneAuditError(f'{at}: "layer" must be a decoder layer index >= 0, got {layer!r}')
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise PruneAuditError(
+                f'{at}: "layer" must be a decoder layer index >= 0 (negative: a cut in the vision tower), got {layer!r}'
+            )
         if not _indices(kept):
             raise PruneAuditError(f'{at}: "kept" must be a list of grid indices >= 0')
         if len(set(kept)) != len(kept):

@@ -172,7 +172,8 @@ TAIL_COLUMNS: tuple[Column, ...] = (
     _run(
         "kept_stages",
         pa.list_(INT_LIST),
-        "kept grid indices after each stage, nested (one entry for input-level selectors, all tokens unpruned)",
+        "kept grid indices after each stage, nested (one entry for input-level selectors, all tokens unpruned; a "
+        "selector that cuts inside the vision tower records each cut before it)",
     ),
     _run(
         "merged_stages",
@@ -185,7 +186,8 @@ TAIL_COLUMNS: tuple[Column, ...] = (
     _run(
         "stage_layers",
         INT_LIST,
-        "for each stage, the decoder layer whose input its kept set is ([0] for input-level selectors and unpruned)",
+        "for each stage, the decoder layer whose input its kept set is ([0] for input-level selectors and unpruned); "
+        "a cut inside the vision tower before it is negative, l - Lv for the cut after tower layer l of the Lv run",
     ),
     _run("visual_tokens_avg", pa.float64(), "realised average number of visual tokens over decoder layers"),
     _run(

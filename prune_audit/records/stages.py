@@ -26,12 +26,14 @@ class StageChoice:
     index: int | None
 
     def describe(self, layers: np.ndarray) -> str:
-        """E.g. ``first (decoder layer 3)``; ``layers`` the chosen stage's layer per record."""
+        """E.g. ``first (decoder layer 3)``, ``first (stage layer -22)`` for a cut in the vision tower; ``layers``
+        the chosen stage's layer per record."""
         unique = sorted({int(layer) for layer in layers})
         if not unique:
             return self.name
         word = "layer" if len(unique) == 1 else "layers"
-        return f"{self.name} (decoder {word} {', '.join(str(layer) for layer in unique)})"
+        place = "decoder" if unique[0] >= 0 else "stage"
+        return f"{self.name} ({place} {word} {', '.join(str(layer) for layer in unique)})"
 
 
 FIRST = StageChoice("first", 0)
@@ -140,16 +142,20 @@ def record_stage(
 
 
 def budget_words(budget: object, layers: list[int]) -> str:
-    """``budget 64``, or ``budget 64 (layer average)`` for stages inside the LLM (``layers`` not ``[0]``), whose
-    stages keep more tokens before and fewer after so that the average over the decoder layers is the budget; a
-    composed selector's budgets (a list, one per part) are spelled as ``--budget`` takes them, ``budget 128,64``."""
+    """``budget 64``, or ``budget 64 (layer average)`` for stages inside the LLM (a layer above 0), whose stages
+    keep more tokens before and fewer after so that the average over the decoder layers is the budget (cuts in
+    the vision tower, negative layers, reach the budget at the input); a composed selector's budgets (a list, one
+    per part) are spelled as ``--budget`` takes them, ``budget 128,64``."""
     if isinstance(budget, (list, tuple)):
         return f"budget {','.join(str(part) for part in budget)} (input, then in-LLM layer average)"
-    return f"budget {budget}" + (" (layer average)" if list(layers) != [0] else "")
+    return f"budget {budget}" + (" (layer average)" if any(layer > 0 for layer in layers) else "")
 
 
 def stage_place(layer: int) -> str:
-    """Where a stage's kept set enters: ``from layer 2``, or ``at the input`` (layer 0: an input-level stage)."""
+    """Where a stage's kept set enters: ``from layer 2``, ``at the input`` (layer 0: an input-level stage), or a
+    cut in the vision tower (a negative layer)."""
+    if layer < 0:
+        return f"in the vision tower (stage layer {layer})"
     return "at the input" if layer == 0 else f"from layer {layer}"
 
 

@@ -133,6 +133,11 @@ def check_kept_sets(
                     f"{at}: merged tokens cannot be forced on the model; import without --model "
                     f"to audit them with the file's answers"
                 )
+        if reanswer and line.stages and line.stages[0].layer < 0:
+            raise PruneAuditError(
+                f"{line.line}: cuts inside the vision tower (negative layers) cannot be forced on the model; "
+                f"import without --model"
+            )
         if reanswer and len(line.stages) > 1 and line.stages[0].layer == 0:
             raise PruneAuditError(
                 f"{line.line}: a stage at layer 0 followed by in-LLM stages cannot be forced; import without --model"
@@ -169,7 +174,7 @@ def tokens_per_layer(line: KeptQuestion, num_visual: int, num_layers: int) -> li
     """The visual tokens at the input of each decoder layer under the line's stages."""
     per_layer = [num_visual] * num_layers
     for stage in line.stages:
-        for layer in range(stage.layer, num_layers):
+        for layer in range(max(stage.layer, 0), num_layers):  # a vision-tower cut (< 0) reaches layer 0
             per_layer[layer] = stage.fed
     return per_layer
 

@@ -381,8 +381,9 @@ def test_proportional_attention_adds_log_size_to_every_keys_logits():
     )
     weights = (q @ k.transpose(-2, -1) * attention.scale + size.log()[None, None, :]).softmax(dim=-1)
     official = attention.out_proj((weights @ v).transpose(0, 1).reshape(40, 128))
-    attended, metric = clip_attention_block(layer, hidden, size.log())
-    assert torch.allclose(attended, official, atol=1e-5) and torch.allclose(metric, k.mean(dim=0), atol=1e-6)
+    attended, heads = clip_attention_block(layer, hidden, size.log())
+    assert torch.allclose(attended, official, atol=1e-5) and torch.allclose(heads.keys.mean(dim=0), k.mean(dim=0))
+    assert torch.allclose(heads.cls_probs, weights[:, 0]) and torch.equal(heads.values, v)
 
 
 def test_merging_tower_without_merges_is_the_stock_tower():
@@ -393,7 +394,7 @@ def test_merging_tower_without_merges_is_the_stock_tower():
     def no_merge(layer, num_layers, hidden, metric, size, sources):
         return hidden, size, sources
 
-    no_merge.proportional = True
+    no_merge.proportional, no_merge.metric = True, lambda cls_probs, keys, values: keys.mean(dim=0)
     states, sources = vlm._merging_tower(pixels[0], no_merge)
     assert torch.allclose(states, vlm._tower_states(pixels)[vlm.feature_index][0], atol=1e-5) and len(sources) == 145
 

@@ -122,9 +122,30 @@ def build_signals(cls, shapes, sizes, variant, seed=0, **fixed):
     return cls(**fixed, **tensors)
 
 
+def synthetic_tower(variant: str, seed: int):
+    """A ``merging_tower`` over ``Lv`` layers of random (1 + N, Dv) states and per-layer heads of the variant:
+    each layer hands ``merge`` its states and ``merge.metric`` of (H, L) CLS rows, (H, L, d) keys and values."""
+
+    def run(merge):
+        generator = torch.Generator().manual_seed(seed)
+        hidden = make_tensor((N + 1, SIZES["Dv"]), "normal", variant, generator)
+        size, sources = torch.ones(N + 1), [torch.zeros(0, dtype=torch.long)] + [torch.tensor([c]) for c in range(N)]
+        for layer in range(SIZES["Lv"]):
+            length = hidden.shape[0]
+            cls_probs = make_tensor((SIZES["H"], length), "prob", variant, generator)
+            keys, values = (make_tensor((SIZES["H"], length, SIZES["d"]), "normal", variant, generator) for _ in "kv")
+            metric = merge.metric(cls_probs, keys, values)
+            hidden, size, sources = merge(layer, SIZES["Lv"], hidden, metric, size, sources)
+        return hidden, sources
+
+    return run
+
+
 def input_signals(variant: str = "random", seed: int = 0) -> InputSignals:
     # the 6 x 8 grid read as a clip of 3 temporal steps of 2 x 8 tokens too (EVS's video_grid; the others ignore it)
-    return build_signals(InputSignals, INPUT_SHAPES, SIZES, variant, seed, grid=GRID, video_grid=VIDEO_GRID)
+    signals = build_signals(InputSignals, INPUT_SHAPES, SIZES, variant, seed, grid=GRID, video_grid=VIDEO_GRID)
+    signals.merging_tower = synthetic_tower(variant, seed)  # the one signal that is a function, not a tensor
+    return signals
 
 
 def layer_signals(alive: torch.Tensor, layer: int, variant: str = "random", seed: int = 0) -> LayerSignals:
@@ -179,8 +200,9 @@ def test_every_selector_declares_its_metadata():
         assert cls.name == name and cls.stage in ("input", "llm") and cls.summary
         assert cls.reference.paper and cls.reference.repository
         assert isinstance(cls.requires, frozenset)
-        fields = set(tensor_fields(InputSignals if cls.stage == "input" else LayerSignals)) | {VIDEO_GRID_SIGNAL}
-        undeclared = cls.requires - fields  # a clip's video_grid is a (T, h, w) tuple, not a tensor
+        known = set(tensor_fields(InputSignals if cls.stage == "input" else LayerSignals))
+        known |= {VIDEO_GRID_SIGNAL, "merging_tower"}  # a clip's (T, h, w) tuple and the tower function: no tensors
+        undeclared = cls.requires - known
         assert not undeclared, f"{name} requires unknown signal(s) {undeclared}"
 
 

@@ -1,0 +1,175 @@
+"""FlowCut (issue 41): the tower cuts against an independent re-derivation of the official layers, the cut sizes
+by hand, and runs on a tiny LLaVA and the demo with every tower stage recorded.
+
+The reference is TungChintao/FlowCut as shipped on PyPI (``flowcut`` 1.0.2): ``modeling_clip_flowcut.py``
+(``CLIPEncoderLayer_forward``: after the layer, while more than ``target = budget + 1`` tokens remain, the score
+``compute_score`` of the layer's head-mean CLS attention, head-mean CLS-value softmax and head-mean values folded
+into ``0.5 * cumulative + 0.5 * score``; where ``rpl = select_layer - idx - 1`` is even, a cut of
+``adaptive_prune_ratio`` tokens by ``topk`` of the cumulative scores, sorted, CLS kept) and ``main.py``
+(``select_layer = len(layers) - 2``). The re-derivation below writes those layers in their batched form over all
+24 CLIP-L layers; the selector's step runs the 23 the feature layer needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow.parquet as pq
+import torch
+from tiny_models import WORDS, random_image
+from typer.testing import CliRunner
+
+from prune_audit.cli.main import app
+from prune_audit.pruners import get_selector
+from prune_audit.pruners.flowcut import TowerCuts, cut_size, flow_scores
+
+SEEDS, BUDGETS = range(10), (64, 128, 192)
+TOKENS, HEADS, HEAD_DIM, ALL_LAYERS = 577, 16, 64, 24  # CLIP ViT-L/14-336; LLaVA reads layer -2
+RUN_LAYERS = ALL_LAYERS - 1  # the layers up to the feature layer
+
+
+def layer_draws(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: (H, 577) CLS logits (a sharpness that varies by layer, so the entropy-adaptive cuts vary) and
+    (H, 577, 64) values; a layer seeing T tokens reads the first T of each."""
+    generator = torch.Generator().manual_seed(seed)
+    draws = []
+    for _ in range(ALL_LAYERS):
+        sharpness = 0.5 + 4 * torch.rand(1, generator=generator)
+        logits = torch.randn(HEADS, TOKENS, generator=generator) * sharpness
+        draws.append((logits, torch.randn(HEADS, TOKENS, HEAD_DIM, generator=generator)))
+    return draws
+
+
+def official_compute_score(cls_attn, semantic_attn, value):
+    relation = cls_attn / cls_attn.sum(dim=-1, keepdim=True)
+    semantic = semantic_attn / semantic_attn.sum(dim=-1, keepdim=True)
+    return (relation + semantic) * torch.norm(value, p=1, dim=-1)
+
+
+def official_prune_number(attn, rpl, target_num):
+    n = attn.shape[-1]
+    prob = attn / attn.sum(dim=-1, keepdim=True)
+    entropy = -torch.sum(prob * torch.log(prob), dim=-1)
+    ratio = entropy / torch.log(torch.tensor(n))
+    r = (n - target_num) / rpl**0.5 * (1 - ratio**2)
+    return int(r.max(0).values.round()) if r.shape[0] > 1 else int(r.round())
+
+
+def official_tower(draws, budget):
+    """The official encoder's FlowCut over all 24 layers, batch of one: the patches (original indices) of the
+    hidden state LLaVA reads (after layer 22) and the patches kept after each cut, by layer."""
+    target, select_layer = budget + 1, ALL_LAYERS - 2
+    alive = torch.arange(TOKENS - 1)[None]  # original patch of each hidden_states[:, 1:] row
+    cumulative, cuts, features = None, {}, None
+    length = TOKENS
+    for idx, (logits, values) in enumerate(draws):
+        rpl = select_layer - idx - 1
+        if idx == select_layer + 1:
+            features = alive[0].clone()  # hidden_states[-2] is the input of the last layer
+        attn_weights = torch.softmax(logits[:, :length], dim=-1)[None, :, None, :]  # (B, H, CLS row, T)
+        value_states = values[:, :length][None]  # (B, H, T, d)
+        semantic = torch.softmax(torch.bmm(value_states[0, :, :1], value_states[0].transpose(1, 2)), dim=-1)
+        semantic_attn, value_metric = semantic.view(1, HEADS, length).mean(1), value_states.mean(1)
+        if length > target:
+            cls_attention = attn_weights[:, :, 0, 1:].mean(dim=1)
+            scores = official_compute_score(cls_attention, semantic_attn[:, 1:], value_metric[:, 1:])
+            cumulative = scores.clone() if cumulative is None else 0.5 * cumulative + 0.5 * scores
+            if not rpl % 2:
+                prune_num = official_prune_number(cls_attention, rpl, target - 1) if rpl else length
+                target_num = max(length - prune_num, target)
+                _, keep = torch.topk(cumulative, target_num - 1, dim=1)
+                keep = keep.sort(dim=1).values
+                cumulative = torch.gather(cumulative, dim=1, index=keep)
+                alive = torch.gather(alive, dim=1, index=keep)
+                if target_num < length:
+                    cuts[idx] = alive[0].tolist()
+                length = target_num
+    return features.tolist(), cuts
+
+
+def selector_tower(draws, budget):
+    """TowerCuts through the 23 layers to the feature layer, as the adapter's merging tower calls it."""
+    step = TowerCuts(budget)
+    hidden, size = torch.zeros(TOKENS, 1), torch.ones(TOKENS)
+    sources = [torch.zeros(0, dtype=torch.long)] + [torch.tensor([cell]) for cell in range(TOKENS - 1)]
+    for layer, (logits, values) in enumerate(draws[:RUN_LAYERS]):
+        length = hidden.shape[0]
+        metric = step.metric(torch.softmax(logits[:, :length], dim=-1), None, values[:, :length])
+        hidden, size, sources = step(layer, RUN_LAYERS, hidden, metric, size, sources)
+    return [int(group[0]) for group in sources[1:]], {layer: cells.tolist() for layer, cells in step.stages}
+
+
+def test_tower_cuts_reproduce_the_official_layers():
+    """30 cases: 10 seeds x budgets 64/128/192, CLIP-L shapes, float32: the same cuts after the same layers and
+    the same patches at the feature layer."""
+    identical = 0
+    for seed in SEEDS:
+        draws = layer_draws(seed)
+        for budget in BUDGETS:
+            features, cuts = official_tower(draws, budget)
+            kept, stages = selector_tower(draws, budget)
+            identical += kept == features and stages == cuts and len(kept) == budget
+            assert max(stages) == RUN_LAYERS - 2 and all(layer % 2 for layer in stages)  # after 1, 3, ..., 21
+    assert identical == len(SEEDS) * len(BUDGETS)
+
+
+def test_cut_sizes_by_hand():
+    """n = 8 patches, budget 2: uniform attention (entropy ratio 1) cuts none; four equal patches (ratio
+    log 4 / log 8 = 2/3) cut round(6 / sqrt(4) * (1 - 4/9)) = round(1.67) = 2 with 4 steps left, round(6 * 5/9)
+    = round(3.33) = 3 with 1; no step left cuts all (the caller keeps the budget)."""
+    uniform, four = torch.full((8,), 0.125), torch.tensor([0.25] * 4 + [0.0] * 4)
+    assert cut_size(uniform, 4, 2) == 0
+    assert cut_size(four, 4, 2) == 2 and cut_size(four, 1, 2) == 3
+    assert cut_size(four, 0, 2) == 8
+    assert math.isclose(-(torch.xlogy(four, four).sum()) / math.log(8), 2 / 3, rel_tol=1e-6)
+
+
+def test_flow_score_by_hand():
+    """One head, CLS + 2 patches: relation (0.2, 0.6) -> (0.25, 0.75); values CLS (1, 0), patches (2, 0) and
+    (0, 3): CLS-value products (1, 2, 0), softmax over all three, patches renormalised; times |v|_1 = (2, 3)."""
+    cls_probs = torch.tensor([[0.2, 0.2, 0.6]])
+    values = torch.tensor([[[1.0, 0.0], [2.0, 0.0], [0.0, 3.0]]])
+    relation, scores = flow_scores(cls_probs, values)
+    semantic = torch.tensor([math.e**2, 1.0]) / (math.e**2 + 1)
+    expected = (torch.tensor([0.25, 0.75]) + semantic) * torch.tensor([2.0, 3.0])
+    assert torch.allclose(relation, torch.tensor([0.2, 0.6])) and torch.allclose(scores, expected)
+
+
+def test_keep_counts_shrink_every_other_layer_to_the_budget():
+    """The realised schedule on CLIP-L draws: counts non-increasing, cuts only after odd layers, the budget after
+    layer 21 and never below it."""
+    kept, stages = selector_tower(layer_draws(3), 64)
+    counts = [len(cells) for _, cells in sorted(stages.items())]
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 64 == len(kept) and min(counts) == 64
+    assert len(set(counts)) == len(counts)
+
+
+def test_tiny_llava_records_each_tower_cut(tmp_path):
+    """A tiny LLaVA with a 4-layer tower (3 run): one cut after layer 1, recorded at stage layer -2 and at the
+    input, and the cost counts the rerun."""
+    from prune_audit.models import load_vlm
+    from prune_audit.models.llava import LlavaModel
+
+    path = LlavaModel.build_tiny(tmp_path / "llava", words=WORDS, vision_layers=4, seed=1)
+    vlm = load_vlm(path, device="cpu")
+    item = vlm.prepare(random_image(2), "is there a red dog in the image?")
+    selector = get_selector("flowcut")
+    [answer] = vlm.answer([item], selector, 12, generator=torch.Generator().manual_seed(0))
+    assert answer.stage_layers == [-2, 0] and answer.kept_stages[0] == answer.kept_stages[1] == answer.kept
+    assert len(answer.kept) == 12 and answer.visual_tokens_avg == 12
+    assert answer.cost.flops_selector > 0 and answer.cost.signal_sources  # the rerun's semantic products counted
+
+
+def test_demo_run_records_stages_and_qwen_refuses(tmp_path):
+    out = tmp_path / "demo"
+    result = CliRunner().invoke(app, ["run", "--selector", "flowcut", "--budget", "32", "--limit", "3",
+                                      "--out", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "layer average" not in result.output.splitlines()[0]
+    for record in pq.read_table(out / "records.parquet").to_pylist():
+        assert record["stage_layers"] == [-2, 0] and [len(k) for k in record["kept_stages"]] == [32, 32]
+        assert record["kept"] == record["kept_stages"][-1] and record["merged_stages"] == [[], []]
+    result = CliRunner().invoke(app, ["run", "--model", "demo-qwen", "--selector", "flowcut", "--budget", "16",
+                                      "--limit", "1", "--out", str(tmp_path / "q")])  # fmt: skip
+    assert result.exit_code != 0 and "selector 'flowcut' needs" in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
