@@ -54,13 +54,29 @@ def images_encoded(vlm, run) -> int:
 def test_vision_tower_runs_once_per_image_under_every_selector(models, family):
     vlm = models[family]
     prepared = [vlm.prepare(random_image(seed), question) for seed, question in enumerate(QUESTIONS)]
-    for name in [None, *vlm.supported_selectors()]:
-        selector = None if name is None else get_selector(name)
-        budget = None if name is None else prepared[0].num_visual // 2
+    selectors = [None, *map(get_selector, vlm.supported_selectors())]
+    if "merging_tower" in vlm.input_signals:  # ToMe's tower option reruns the tower too
+        selectors.append(get_selector("tome", location="tower"))
+    for selector in selectors:
+        name = None if selector is None else selector.name
+        budget = None if selector is None else prepared[0].num_visual // 2
         encoded = images_encoded(
             vlm, lambda: vlm.answer(prepared, selector, budget, generator=torch.Generator().manual_seed(0))
         )
-        # the named exception: a selector that prunes inside the tower reruns it (merging_tower) beside the stock
-        # pass the adapter makes for every selector; the cost columns count both passes
-        passes = 2 if selector is not None and "merging_tower" in selector.requires else 1
-        assert encoded == passes * len(prepared), f"{name}: {encoded} images encoded for {len(prepared)} questions"
+        # a selector that prunes inside the tower (merging_tower) runs it once, with its step, in place of the stock
+        assert encoded == len(prepared), f"{name}: {encoded} images encoded for {len(prepared)} questions"
+
+
+@pytest.mark.parametrize("options", [{"name": "flowcut"}, {"name": "tome", "location": "tower"}])
+def test_a_tower_selector_keeping_every_token_runs_the_stock_tower_once(models, options):
+    """At a budget of every token the tower selector runs no rerun: the deferred stock pass runs, once, and the
+    answer is the unpruned one."""
+    vlm = models["llava"]
+    prepared = [vlm.prepare(random_image(seed), question) for seed, question in enumerate(QUESTIONS)]
+    selector = get_selector(**options)
+    answers = []
+    encoded = images_encoded(vlm, lambda: answers.extend(vlm.answer(prepared, selector, prepared[0].num_visual)))
+    unpruned = vlm.answer(prepared)
+    assert encoded == len(prepared)
+    assert [a.p_yes for a in answers] == [a.p_yes for a in unpruned]
+    assert [a.cost.flops for a in answers] == [a.cost.flops_dense for a in unpruned]

@@ -14,7 +14,8 @@ SIGNAL_SOURCES: dict[str, str] = {
     "its projections on its input, the layer before's output (PruMerge's official layer)",
     "vision_layer_attention": "every vision encoder layer's attention recomputed on its input (per-layer vision "
     "signals: HiPrune, VScan)",
-    "vision_merging_tower": "the vision tower rerun with merges between its layers (ToMe location=tower)",
+    "vision_merging_tower": "the vision tower run with merges or cuts between its layers (ToMe location=tower, "
+    "FlowCut), in place of the stock pass",
     "clip_text_tower": "the CLIP text tower on the question (CDPruner's text relevance)",
     "decoder_demand_rows": "attention rows of the text after the image at decoder layer 0 over the unpruned prompt "
     "(coverage's demand)",
@@ -26,7 +27,7 @@ SIGNAL_SOURCES: dict[str, str] = {
 """Where a selector's signals came from beyond the prefill itself, by record value (``signal_sources``), in the
 order a record lists them; their FLOPs are in ``flops_vision`` / ``flops_llm``. Attention rows and keys are
 probes (``models.probe``: the rows needed, recomputed from the layer's own weights in plain tensor operations),
-the tower rerun and the CLIP text tower run their own modules; no layer is switched to eager attention, so every
+the merging tower and the CLIP text tower run their own modules; no layer is switched to eager attention, so every
 layer runs the run's kernel (manifest ``attn_implementation``)."""
 
 
@@ -66,7 +67,10 @@ class QuestionTokens:
         demand_probe: the layer-0 probe over the full prompt ran (coverage's demand).
         text_chunks: CLIP text chunks of CDPruner's relevance (0: not computed).
         reprojected: merged tokens an input-level merge sent through the projector again.
-        tower_merges: tokens merged in each layer of ToMe's tower rerun (``location=tower``; empty: no rerun).
+        tower_merges: tokens merged or cut in each layer of the tower run with a selector's step between its layers
+            (ToMe ``location=tower``, FlowCut; empty: none ran).
+        stock_tower: the stock tower and the projector ran on every token; False: the tower ran once, as
+            ``tower_merges``' run, and the projector on its output tokens (``reprojected``).
         stage_probes: the decoder probes of in-LLM stages.
         selector_flops: the selector's own arithmetic (``Selector.flops``).
         crops: images the vision tower ran on for this question (LLaVA-NeXT: the base view and each tile).
@@ -87,6 +91,7 @@ class QuestionTokens:
     text_chunks: int = 0
     reprojected: int = 0
     tower_merges: tuple[int, ...] = ()
+    stock_tower: bool = True
     stage_probes: tuple[StageProbe, ...] = ()
     selector_flops: int = 0
     crops: int = 1
@@ -100,8 +105,8 @@ class PrefillCost:
 
     Attributes:
         flops_vision: vision tower to the feature layer, projector, and the vision-side signals
-            (CLS probes, per-layer attention probes, ToMe's tower rerun, CDPruner's CLIP text tower, re-projection
-            of merged tokens).
+            (CLS probes, per-layer attention probes, CDPruner's CLIP text tower, re-projection of merged tokens);
+            a tower run with merges or cuts (ToMe ``location=tower``, FlowCut) in place of the stock tower.
         flops_selector: the selector's own arithmetic.
         flops_llm: decoder layers at their realised lengths, in-LLM probes, the LM head at the last position.
         flops: their sum.
@@ -109,7 +114,8 @@ class PrefillCost:
         flops_decode_token: one generated token after this prefill (its KV cache).
         kv_bytes: KV-cache bytes after the prefill.
         flop_equivalent_tokens: the dense sequence length whose language-model prefill costs
-            ``flops - flops_vision_dense`` (the vision tower every run pays is not counted).
+            ``flops - flops_vision_dense`` (the unpruned vision tower and projector are not counted; a selector
+            that cuts inside the tower gets its savings there back as tokens).
         signal_sources: the ``SIGNAL_SOURCES`` the selector's signals needed (empty: none), or None when not
             known (a cost imported with another tool's kept sets).
     """
@@ -146,9 +152,10 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     """The cost columns of one question's prefill."""
     vision, language = shape.vision, shape.language
     patch_grid = tokens.crop_grid or (tokens.grid[0] * vision.merge, tokens.grid[1] * vision.merge)
-    tower = tokens.crops * flops.vision_tower(vision, patch_grid) + flops.projector(
+    dense_tower = tokens.crops * flops.vision_tower(vision, patch_grid) + flops.projector(
         vision, tokens.projected_tokens or tokens.visual_tokens
     )
+    tower = dense_tower if tokens.stock_tower else 0
     # the last layer's probe is the same products as the feature layer's (one CLS query, every key, logits twice)
     signals = tokens.crops * flops.cls_probe(vision, patch_grid) * (tokens.cls_probe + tokens.last_cls_probe)
     signals += tokens.crops * flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
@@ -171,10 +178,10 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
         flops_selector=tokens.selector_flops,
         flops_llm=llm,
         flops=total,
-        flops_dense=tower + flops.language_prefill(language, [full] * language.layers),
+        flops_dense=dense_tower + flops.language_prefill(language, [full] * language.layers),
         flops_decode_token=flops.decode_token(language, lengths),
         kv_bytes=flops.kv_bytes(language, lengths, shape.dtype_bytes),
-        flop_equivalent_tokens=flops.flop_equivalent_tokens(language, total - tower),
+        flop_equivalent_tokens=flops.flop_equivalent_tokens(language, total - dense_tower),
         signal_sources=signal_sources(tokens),
     )
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from prune_audit.compute.cost import PrefillCost, QuestionTokens, StageProbe, prefill_cost
 from prune_audit.models.layer_signals import ATTENTION_SIGNALS, KEY_SIGNALS, ROPE_SIGNALS, VISUAL_ROW_SIGNALS
-from prune_audit.models.prefill_assembly import vision_layer_requests
+from prune_audit.models.prefill_assembly import reruns_tower_only, vision_layer_requests
 from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import Selection
 from prune_audit.pruners.composed import RunSelector, budget_parts, selector_parts
@@ -59,11 +59,15 @@ def question_cost(
         for before in alive[:-1]
     )  # fmt: skip
     tower_merges = ()
-    if "merging_tower" in input_requires:  # the tower rerun, as the selector's step merges or cuts in it
+    if "merging_tower" in input_requires:  # the tower run with the selector's step merging or cutting in it
         stages = [(layer, len(kept)) for layer, kept in zip(answer.stage_layers, answer.kept_stages)]
         tower_merges = input_ran.tower_merges(item.num_visual, input_budget, shape.vision.layers, stages)
+    vision_layer = vision_layer_requests(vlm, llm_ran) if llm_ran is not None else frozenset()
+    # as the prefill decides: a run tower with merges or cuts stands in for the stock pass unless another signal
+    # reads the stock states (the stock pass that keeps every token runs no rerun: no tower_merges)
+    stock_tower = not (tower_merges and reruns_tower_only(input_requires | vision_layer))
     crops, crop_stages = vlm.tower_crops(item), ()
-    if layer_requires and PADDED_CROPS in vision_layer_requests(vlm, llm_ran):  # VScan per crop: padded grids
+    if layer_requires and PADDED_CROPS in vision_layer:  # VScan per crop: padded grids
         patches = crops["crop_grid"][0] * crops["crop_grid"][1]
         crops["projected_tokens"] = crops["crops"] * patches  # the padding patches are projected too
         vision_keep = vlm.schedule(llm_ran, fed, llm_budget)[0].keep
@@ -111,6 +115,7 @@ def question_cost(
         text_chunks=vlm.text_chunks(item) if "text_relevance" in input_requires else 0,
         reprojected=len(selection.sources) if merged_inputs else 0,
         tower_merges=tower_merges,
+        stock_tower=stock_tower,
         stage_probes=probes,
         selector_flops=arithmetic,
         **crops,

@@ -11,7 +11,7 @@ selection the prompt is simply shorter, so positions are contiguous (§1.2).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
 from prune_audit.models.parts import load_part
+from prune_audit.models.prefill_assembly import reruns_tower_only
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.probe import clip_attention_block, clip_cls_row, clip_logits
 from prune_audit.models.shape import clip_text_shape, language_shape, llava_vision_shape
@@ -171,6 +172,16 @@ class LlavaModel(VisionLanguageModel):
     # ----- vision ---------------------------------------------------------------------
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
         pixels = torch.stack([item.pixel_values for item in prepared]).to(self.device, self.dtype)
+        if reruns_tower_only(requires):  # the selector's tower run is the one pass; the stock pass on demand only
+            stock = cache(partial(self._stock_features, pixels))
+
+            def row(b: int) -> Tensor:
+                return stock()[b]
+
+            return [
+                VisionOutput(partial(row, b), {"merging_tower": partial(self._merging_tower, pixels[b])})
+                for b in range(len(prepared))
+            ]
         hidden = self._tower_states(pixels)
         selected = hidden[self.feature_index]  # (B, 1 + N, Dv), CLS first
         features = self.model.model.multi_modal_projector(selected[:, 1:])
@@ -205,6 +216,11 @@ class LlavaModel(VisionLanguageModel):
                 signals["merging_tower"] = partial(self._merging_tower, pixels[b])
             outputs.append(VisionOutput(features[b], signals))
         return outputs
+
+    def _stock_features(self, pixels: Tensor) -> Tensor:
+        """(B, N, D) projector outputs of (B, 3, H, W) pixels through the stock tower (the deferred pass of a
+        tower-rerunning selector that keeps every token: the batch's, as the stock pass runs otherwise)."""
+        return self.model.model.multi_modal_projector(self._tower_states(pixels)[self.feature_index][:, 1:])
 
     def _last_layer_cls_row(self, hidden: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """:func:`clip_cls_row` of the tower's last encoder layer on its input, ``hidden[L - 1]`` of the states

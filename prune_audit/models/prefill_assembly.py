@@ -25,6 +25,7 @@ from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Stage
 from prune_audit.pruners.crop_merge import select_merging_per_crop
 from prune_audit.pruners.crop_scope import select_per_crop, select_per_grid
+from prune_audit.pruners.serving import TOWER_HOOK_SIGNALS
 from prune_audit.pruners.signals import PADDED_CROPS, VISION_LAYER_SIGNALS, InputSignals
 
 if TYPE_CHECKING:  # the model is passed in; importing base at run time would be a cycle
@@ -70,8 +71,10 @@ def input_signals(
     vlm: VisionLanguageModel, item: Prepared, output: VisionOutput, requires: frozenset[str]
 ) -> InputSignals:
     """What an input-level selector reads for one prompt: the (N, D) features and the vision output's signals in
-    float32, plus CDPruner's (N,) text relevance and the (N,) text demand when ``requires`` names them."""
-    signals = InputSignals(grid=item.grid, features=output.features.float(), model_dtype=vlm.dtype)
+    float32, plus CDPruner's (N,) text relevance and the (N,) text demand when ``requires`` names them. Deferred
+    features (a tower-rerunning selector's, :class:`VisionOutput`) stay unread: None."""
+    features = None if output.deferred else output.features.float()
+    signals = InputSignals(grid=item.grid, features=features, model_dtype=vlm.dtype)
     for name, value in output.signals.items():
         setattr(signals, name, value.float() if isinstance(value, torch.Tensor) else value)  # merging_tower: a function
     if "text_relevance" in requires:
@@ -124,6 +127,13 @@ def vision_layer_requests(vlm: VisionLanguageModel, selector: LayerSelector) -> 
     ``PADDED_CROPS`` (every crop's padded patches) when it reads them with ``budget_scope="crop"`` (VScan)."""
     requests = vlm.signals_for(selector) & VISION_LAYER_SIGNALS
     return requests | {PADDED_CROPS} if requests and getattr(selector, "budget_scope", "") == "crop" else requests
+
+
+def reruns_tower_only(requests: frozenset[str]) -> bool:
+    """Whether a vision request (an input selector's signals and the in-LLM part's vision-layer ones) is the tower
+    rerun alone (``merging_tower``: ToMe ``location=tower``, FlowCut): the rerun is then the tower's one pass and the
+    stock pass is deferred (:class:`VisionOutput`); any other signal reads the stock tower's states, so it runs."""
+    return requests == TOWER_HOOK_SIGNALS
 
 
 def layer_plan(

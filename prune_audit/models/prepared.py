@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,13 +62,30 @@ class Prepared:
         return self.grid[0] * self.grid[1]
 
 
-@dataclass
 class VisionOutput:
     """One image through the vision tower: (N, D) projector outputs plus optional signals (tensors, and the
-    ``merging_tower`` function)."""
+    ``merging_tower`` function).
 
-    features: Tensor
-    signals: dict[str, Any] = field(default_factory=dict)
+    ``features`` may be deferred, given as a function that runs the stock pass (the batch's, once) on first read: a
+    selector that reruns the tower itself (``merging_tower``) reads nothing of the stock pass, which then runs only
+    when the selector keeps every token (a budget of at least N) and the prompt needs the unpruned features.
+    """
+
+    def __init__(self, features: Tensor | Callable[[], Tensor], signals: dict[str, Any] | None = None):
+        self._features = features
+        self.signals = {} if signals is None else signals
+
+    @property
+    def features(self) -> Tensor:
+        """(N, D) projector outputs of every visual token (a deferred stock pass runs here, once)."""
+        if not isinstance(self._features, Tensor):
+            self._features = self._features()
+        return self._features
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the stock pass has not run (``features`` not read yet)."""
+        return not isinstance(self._features, Tensor)
 
 
 def check_request(

@@ -53,7 +53,8 @@ class InputSignals:
 
     Attributes:
         grid: (rows, cols) of the visual token grid; N = rows * cols, row-major.
-        features: (N, D) projector outputs (LLM input space).
+        features: (N, D) projector outputs (LLM input space); None where only ``merging_tower`` was asked for (that
+            run is the image's one tower pass).
         vision_features: (N, Dv) vision features at the feature layer (pre-projector).
         cls_attention: (H, N) CLS-token attention probabilities to the patches at the
             feature layer, not renormalised.
@@ -95,7 +96,7 @@ class InputSignals:
         vision_tower: the tower the per-layer signals come from (``"clip"`` or ``"qwen2_5_vl"``): which
             official layer numbers a per-layer selector uses (HiPrune).
         full_attention_layers: rows of ``layer_attention`` of full-attention blocks (Qwen's ``fullatt_block_indexes``).
-        merging_tower: ``f(merge) -> (states (1 + M, Dv), sources)``: the tower rerun to the feature layer with
+        merging_tower: ``f(merge) -> (states (1 + M, Dv), sources)``: the tower run to the feature layer with
             ``merge`` between attention and MLP of each layer (ToMe's :class:`~prune_audit.pruners.tome.TowerMerging`).
         video_grid: on a video clip, its (T, h, w) token grid after the spatial merge: T temporal steps (each two
             frames on Qwen2.5-VL) of h x w tokens, the N = T * h * w tokens time-major then row-major (``grid`` is

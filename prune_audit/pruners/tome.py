@@ -101,7 +101,7 @@ class ToMeSelector(InputSelector):
     def flops(cls, work: SelectorWork) -> int:
         """Each bipartite round on n tokens: the ceil(n/2) x floor(n/2) cosine matrix (:func:`merge_round`) of the
         projector outputs, or with ``location=tower`` of the head-mean keys (CLS included) in each tower layer
-        that merges (``tower_merges``; the tower rerun itself is the model's, ``compute.flops.merging_tower``)."""
+        that merges (``tower_merges``; the tower run itself is the model's, ``compute.flops.merging_tower``)."""
         if work.tower_merges:
             total, count = 0, 1 + work.tokens
             for merged in work.tower_merges:
@@ -117,8 +117,8 @@ class ToMeSelector(InputSelector):
     @staticmethod
     def tower_merges(tokens: int, budget: int, layers: int, stages: Sequence[tuple[int, int]]) -> tuple[int, ...]:
         """Tokens each of the ``layers`` tower layers merges with ``location=tower`` (:func:`tower_schedule`;
-        the recorded stages are not needed)."""
-        return tuple(tower_schedule(tokens, budget, layers))
+        the recorded stages are not needed); none without a rerun (the budget keeps every token)."""
+        return tuple(tower_schedule(tokens, budget, layers)) if budget < tokens else ()
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -72,8 +72,8 @@ COST_COLUMNS: tuple[Column, ...] = (
         "flops_vision",
         pa.int64(),
         "vision tower up to the feature layer, projector, and the vision-side signals the selector needs (CLS-row "
-        "probe, per-layer attention probes, ToMe's tower rerun, CDPruner's CLIP text tower, re-projection of merged "
-        "tokens)",
+        "probe, per-layer attention probes, CDPruner's CLIP text tower, re-projection of merged tokens); a tower run "
+        "with merges or cuts (ToMe location=tower, FlowCut) in place of the plain tower and projector",
     ),
     _run(
         "flops_selector",
