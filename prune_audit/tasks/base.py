@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import pyarrow as pa
 
-from prune_audit.answer_modes import check_max_new_tokens
+from prune_audit.answer_modes import Greedy, check_max_new_tokens
 from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import Column, column
 from prune_audit.tasks.prompts import compose_prompt
@@ -364,7 +364,21 @@ class Task(ABC):
         return records["answer_text"].to_numpy(zero_copy_only=False).astype(str)
 
 
+class GeneratingTask(Task):
+    """A task the model answers by greedy decoding up to ``max_new_tokens`` (``default_max_new_tokens`` set)."""
+
+    def answer_mode(self, question: TaskQuestion) -> Greedy:
+        return Greedy(int(self.max_new_tokens))  # type: ignore[arg-type]  # set: the class declares a default
+
+
+CONFIDENCE_METRICS = ("ece", "ece_mass", "mce", "ce_debiased_l2", "brier", "nll", "auroc", "aurc")
+"""The calibration and selective-prediction metrics every built-in task reports after its answer metrics
+(``report_metrics``)."""
+
+
 __all__ = [
+    "CONFIDENCE_METRICS",
+    "GeneratingTask",
     "GENERATED_COLUMNS",
     "GENERATED_CONFIDENCES",
     "AnsweringModel",

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from prune_audit.answer_modes import Greedy
 from prune_audit.data.captions import (
     CaptionQuestion,
     caption_questions,
@@ -52,7 +51,7 @@ from prune_audit.data.chair import (
 from prune_audit.data.coco import CocoInstances, read_json
 from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import column
-from prune_audit.tasks.base import GENERATED_CONFIDENCES, Scored, Task
+from prune_audit.tasks.base import CONFIDENCE_METRICS, GENERATED_CONFIDENCES, GeneratingTask, Scored
 from prune_audit.tasks.evidence import CocoEvidence
 from prune_audit.tasks.prompts import DETAILED_DESCRIPTION
 from prune_audit.tasks.registry import register_task
@@ -150,7 +149,7 @@ def _is_instances(data: Any) -> bool:
 
 
 @register_task
-class CaptionTask(Task):
+class CaptionTask(GeneratingTask):
     name = "caption"
     summary = "Detailed captions of COCO images, object mentions scored by CHAIR (hallucinated and omitted objects)"
     answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
@@ -169,14 +168,7 @@ class CaptionTask(Task):
         "accuracy",
         "loyalty",
         "loyalty_overlap",
-        "ece",
-        "ece_mass",
-        "mce",
-        "ce_debiased_l2",
-        "brier",
-        "nll",
-        "auroc",
-        "aurc",
+        *CONFIDENCE_METRICS,
     )
     default_max_new_tokens = 1024
     confidences = ("mean-token", "sequence")
@@ -222,9 +214,6 @@ class CaptionTask(Task):
             CaptionTaskQuestion(question)
             for question in caption_questions(coco, references, vocabulary=self.vocabulary)
         ]
-
-    def answer_mode(self, question: CaptionTaskQuestion) -> Greedy:
-        return Greedy(int(self.max_new_tokens))  # type: ignore[arg-type]
 
     def score(self, question: CaptionTaskQuestion, generation: Generation) -> Scored:
         caption = question.caption

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from prune_audit.answer_modes import Greedy
 from prune_audit.data.gqa import (
     GqaQuestion,
     SceneGraph,
@@ -38,7 +37,7 @@ from prune_audit.data.gqa import (
 )
 from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import column
-from prune_audit.tasks.base import GENERATED_CONFIDENCES, Scored, Task
+from prune_audit.tasks.base import CONFIDENCE_METRICS, GENERATED_CONFIDENCES, GeneratingTask, Scored
 from prune_audit.tasks.prompts import SHORT_ANSWER
 from prune_audit.tasks.registry import register_task
 
@@ -137,7 +136,7 @@ class SceneGraphEvidence:
 
 
 @register_task
-class GqaTask(Task):
+class GqaTask(GeneratingTask):
     name = "gqa"
     summary = "GQA short answers (LLaVA's prompt), scored by GQA's exact match"
     answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
@@ -160,14 +159,7 @@ class GqaTask(Task):
         "accuracy",
         "loyalty",
         "loyalty_overlap",
-        "ece",
-        "ece_mass",
-        "mce",
-        "ce_debiased_l2",
-        "brier",
-        "nll",
-        "auroc",
-        "aurc",
+        *CONFIDENCE_METRICS,
     )
     default_max_new_tokens = 128
     confidences = ("sequence", "mean-token")
@@ -213,9 +205,6 @@ class GqaTask(Task):
                 f"{len(unanswered)} GQA questions have no reference answer (first: {unanswered[0].gqa.question_id}); "
                 f"pass GQA's question JSON (testdev or val) with --questions too"
             )
-
-    def answer_mode(self, question: GqaTaskQuestion) -> Greedy:
-        return Greedy(int(self.max_new_tokens))  # type: ignore[arg-type]
 
     def score(self, question: GqaTaskQuestion, generation: Generation) -> Scored:
         reference = str(question.gqa.answer)

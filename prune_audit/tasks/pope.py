@@ -19,7 +19,7 @@ from prune_audit.data.pope import LABELS, POPE_SPLITS, PopeQuestion, load_pope
 from prune_audit.data.question_ids import QuestionPlaces
 from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import column
-from prune_audit.tasks.base import Scored, Task
+from prune_audit.tasks.base import CONFIDENCE_METRICS, Scored, Task
 from prune_audit.tasks.evidence import CocoEvidence
 from prune_audit.tasks.prompts import SHORT_ANSWER
 from prune_audit.tasks.registry import register_task
@@ -68,14 +68,7 @@ class PopeTask(Task):
         "recall",
         "f1",
         "yes_ratio",
-        "ece",
-        "ece_mass",
-        "mce",
-        "ce_debiased_l2",
-        "brier",
-        "nll",
-        "auroc",
-        "aurc",
+        *CONFIDENCE_METRICS,
     )
 
     def read_questions(self, paths: Sequence[Path]) -> list[PopeQuestion]:

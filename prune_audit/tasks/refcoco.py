@@ -39,13 +39,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from prune_audit.answer_modes import Greedy
 from prune_audit.data.boxes import Box, BoxConvention, box_convention, box_iou, format_box
 from prune_audit.data.coco import CocoInstances
 from prune_audit.data.refcoco import SPLITS, RefQuestion, annotations_by_id, load_refcoco, target_box
 from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import column
-from prune_audit.tasks.base import GENERATED_CONFIDENCES, AnsweringModel, Evidence, FigureBoxes, Scored, Task
+from prune_audit.tasks.base import (
+    CONFIDENCE_METRICS,
+    GENERATED_CONFIDENCES,
+    AnsweringModel,
+    Evidence,
+    FigureBoxes,
+    GeneratingTask,
+    Scored,
+)
 from prune_audit.tasks.prompts import compose_prompt
 from prune_audit.tasks.registry import register_task
 
@@ -96,7 +103,7 @@ class ReferredObjectEvidence:
 
 
 @register_task
-class RefcocoTask(Task):
+class RefcocoTask(GeneratingTask):
     name = "refcoco"
     summary = "RefCOCO / RefCOCO+ / RefCOCOg grounding: a box for a referring expression, scored by IoU (Acc@0.5)"
     answer_mode_text = (
@@ -120,14 +127,7 @@ class RefcocoTask(Task):
     report_metrics = (
         "accuracy",
         "loyalty",
-        "ece",
-        "ece_mass",
-        "mce",
-        "ce_debiased_l2",
-        "brier",
-        "nll",
-        "auroc",
-        "aurc",
+        *CONFIDENCE_METRICS,
     )
     default_max_new_tokens = 100
     confidences = ("sequence", "mean-token")
@@ -168,9 +168,6 @@ class RefcocoTask(Task):
 
     def read_questions(self, paths: Sequence[Path]) -> list[RefQuestion]:
         return load_refcoco(paths)
-
-    def answer_mode(self, question: RefQuestion) -> Greedy:
-        return Greedy(int(self.max_new_tokens))  # type: ignore[arg-type]
 
     def score(self, question: RefQuestion, generation: Generation) -> Scored:
         convention = self._bound()

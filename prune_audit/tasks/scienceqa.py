@@ -29,7 +29,7 @@ from prune_audit.answer_modes import OptionLetters
 from prune_audit.data.scienceqa import ScienceQaQuestion, load_scienceqa_files
 from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import column
-from prune_audit.tasks.base import Scored, Task
+from prune_audit.tasks.base import CONFIDENCE_METRICS, Scored, Task
 from prune_audit.tasks.prompts import OPTION_LETTER
 from prune_audit.tasks.registry import register_task
 
@@ -86,14 +86,7 @@ class ScienceQaTask(Task):
     report_metrics = (
         "accuracy",
         "loyalty",
-        "ece",
-        "ece_mass",
-        "mce",
-        "ce_debiased_l2",
-        "brier",
-        "nll",
-        "auroc",
-        "aurc",
+        *CONFIDENCE_METRICS,
     )
     answer_subsets = {"img": "the questions with an image (LLaVA's IMG-Accuracy; the questions `run` answers)"}
 

@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import pyarrow as pa
 
-from prune_audit.answer_modes import Greedy
 from prune_audit.data.boxes import Box
 from prune_audit.data.textvqa import (
     OcrBox,
@@ -58,7 +57,14 @@ from prune_audit.data.textvqa import (
 )
 from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import column
-from prune_audit.tasks.base import GENERATED_CONFIDENCES, Evidence, FigureBoxes, Scored, Task
+from prune_audit.tasks.base import (
+    CONFIDENCE_METRICS,
+    GENERATED_CONFIDENCES,
+    Evidence,
+    FigureBoxes,
+    GeneratingTask,
+    Scored,
+)
 from prune_audit.tasks.gqa import stable_image_id
 from prune_audit.tasks.prompts import SHORT_ANSWER
 from prune_audit.tasks.registry import register_task
@@ -179,7 +185,7 @@ def _record_size(record: dict[str, Any]) -> tuple[int, int]:
 
 
 @register_task
-class TextVqaTask(Task):
+class TextVqaTask(GeneratingTask):
     name = "textvqa"
     summary = "TextVQA short answers (LLaVA-1.5's OCR-token prompt), scored by the official VQA accuracy"
     answer_mode_text = "greedy decoding under pruning, reusing the pruned KV cache"
@@ -203,14 +209,7 @@ class TextVqaTask(Task):
         "accuracy",
         "loyalty",
         "loyalty_overlap",
-        "ece",
-        "ece_mass",
-        "mce",
-        "ce_debiased_l2",
-        "brier",
-        "nll",
-        "auroc",
-        "aurc",
+        *CONFIDENCE_METRICS,
     )
     default_max_new_tokens = 128
     confidences = ("sequence", "mean-token")
@@ -256,9 +255,6 @@ class TextVqaTask(Task):
                 f"{len(unanswered)} TextVQA questions have no human answers (first: {unanswered[0].question_id}); "
                 f"pass TextVQA's question JSON of the train or val split (the test split has none)"
             )
-
-    def answer_mode(self, question: TextVqaTaskQuestion) -> Greedy:
-        return Greedy(int(self.max_new_tokens))  # type: ignore[arg-type]
 
     def score(self, question: TextVqaTaskQuestion, generation: Generation) -> Scored:
         answers = question.tvqa.answers or ()
