@@ -159,7 +159,18 @@ def test_in_llm_selector_records_stages(workspace, tmp_path):
     assert (records["cost_tokens"] < records["prefill_tokens"]).all()
 
 
-IN_LLM_SELECTORS = ("dart", "e2s", "fastv", "fitprune", "pdrop", "sparsevlm", "sparsevlm2", "v2drop", "vscan")
+IN_LLM_SELECTORS = (
+    "dart",
+    "e2s",
+    "fastv",
+    "fitprune",
+    "mustdrop",
+    "pdrop",
+    "sparsevlm",
+    "sparsevlm2",
+    "v2drop",
+    "vscan",
+)
 # VScan's vision stage (decoder layer 0) merges by default; without merging its stages nest like the others'
 IN_LLM_OPTIONS = {"vscan": ("--option", "merge_pruned=false")}
 

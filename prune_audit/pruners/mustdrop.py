@@ -28,8 +28,8 @@ MUSTDROP_LAYERS = (2, 6, 10, 14)
 KEY_SHARE = 0.08  # ``keep_rate``: the key set is ceil(0.08 N) patches by CLS attention
 GLOBAL_THRESHOLD = 0.011  # ``--global_thr`` of the 64-token scripts (textvqa_64.sh, vizwiz_64.sh)
 INDIVIDUAL_THRESHOLD = 0.01  # ``--individual_thr`` of the same scripts
-#: ``average``: counts solved to the budget; ``official``: the script thresholds, the count they give
-MUSTDROP_RULES = ("average", "official")
+#: ``average``: counts solved to the budget; ``paper`` (the in-LLM selectors' name for the reference rule): the script thresholds, the count they give
+MUSTDROP_RULES = ("average", "paper")
 
 
 def dual_attention_score(text_probs: Tensor, global_thr: float, individual_thr: float) -> Tensor:
@@ -71,7 +71,7 @@ class MustDropSelector(ScheduledSelector):
     ``budget_rule="average"`` (default): one count at the four stages (nudged by single tokens), solved so the
     layer average is the budget: the official thresholds drop almost everything they drop at the first stage and
     little after (realised 19.5 / 19.5 / 19.5 / 19.5 on the demo). Each stage keeps the key set's alive tokens
-    first (by score; all of them when the count allows), then the highest scores. ``budget_rule="official"``:
+    first (by score; all of them when the count allows), then the highest scores. ``budget_rule="paper"``:
     the official thresholds (``global_thr`` 0.011, ``individual_thr`` 0.01, the 64-token scripts) keep every
     token scoring at least 1 plus the key set, whatever the budget; the realised counts are recorded per stage
     (``kept_stages``).
@@ -97,7 +97,7 @@ class MustDropSelector(ScheduledSelector):
         "909afa53",
         "key set of the top 8% feature-layer CLS attention kept; the dual-attention score of layers 2/6/10/14 "
         "prunes their outputs to one count solved to the budget average; positions compacted",
-        ("budget_rule=official",),
+        ("budget_rule=paper",),
         (
             "the vision stage is not run: the official tower merges 3x3 windows whose mean pairwise cosine is >= 0.8 "
             "after CLIP layer 0 and reruns layers 1..23 on the merged tokens; the tower hook here (merging_tower) "
@@ -109,7 +109,7 @@ class MustDropSelector(ScheduledSelector):
             "average (derived, not official: the thresholds' realised counts fall at the first stage and stay), "
             "the key set first (all of it where the count allows), ranking the rest by the threshold rule as a "
             "score (max(g / (0.011 sum g), m / 0.01)); "
-            "budget_rule=official runs the thresholds and ignores the budget (realised counts recorded per stage)",
+            "budget_rule=paper runs the official thresholds and ignores the budget (realised counts recorded per stage)",
             "exact ties to the lower index (ties=lower); the official threshold rule has no ranking",
             "fp32 scores (the official attention is fp16); no half-precision agreement measured",
         ),
@@ -124,7 +124,7 @@ class MustDropSelector(ScheduledSelector):
     flops_exact: ClassVar[bool] = True  # no products of its own: sums and maxima of the attention it is given
 
     budget_rule: str = option(
-        "average", Choice(MUSTDROP_RULES), "average (counts solved to the budget) or official (the thresholds)"
+        "average", Choice(MUSTDROP_RULES), "average (counts solved to the budget) or paper (the official thresholds)"
     )
     positions: PositionMode = option(
         "compact", Choice(get_args(PositionMode)), "position ids after pruning (reference compacts)"
@@ -138,7 +138,7 @@ class MustDropSelector(ScheduledSelector):
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Official rule: the four stages with no count limit (the thresholds decide); else the solved counts."""
-        if self.budget_rule == "official":
+        if self.budget_rule == "paper":
             layers, counts = merge_stages(self._layers(num_layers), [num_visual] * len(MUSTDROP_LAYERS))
             return [Stage(layer, count) for layer, count in zip(layers, counts, strict=True)]
         return super().schedule(num_layers, num_visual, budget)
@@ -156,8 +156,10 @@ class MustDropSelector(ScheduledSelector):
         scores = self.model_precision(
             dual_attention_score(self.inputs(signals).text_probs, self.global_thr, self.individual_thr), signals
         ).cpu()
-        if self.budget_rule == "official":
+        if self.budget_rule == "paper":
             return torch.nonzero((scores >= 1) | keys).flatten()
         keep = min(stage.keep, signals.num_alive)
+        if keep <= 0:  # nothing left to rank (a tiny model's solved count can reach 0)
+            return torch.zeros(0, dtype=torch.long)
         priority = torch.where(keys, scores + scores.max() + 1, scores)  # key tokens first, in score order
         return top_k_indices(priority, keep, self.ties)

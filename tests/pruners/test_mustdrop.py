@@ -75,7 +75,7 @@ def test_official_rule_reproduces_the_dual_attention_filter(seed, text):
     generator = torch.Generator().manual_seed(seed)
     vision = vision_probabilities(generator)
     keys = official_key_set(vision)
-    selector = get_selector("mustdrop", budget_rule="official")
+    selector = get_selector("mustdrop", budget_rule="paper")
     stages = selector.schedule(32, PATCHES, 64)
     assert [stage.layer for stage in stages] == [3, 7, 11, 15]
     official_alive, key_positions = torch.arange(PATCHES), torch.tensor(sorted(keys))
@@ -132,7 +132,7 @@ def test_average_rule_solves_four_stages_to_the_budget(budget):
 
 def test_options_are_checked():
     with pytest.raises(ValueError):
-        get_selector("mustdrop", budget_rule="paper")
+        get_selector("mustdrop", budget_rule="official")
     with pytest.raises(ValueError):
         get_selector("mustdrop", global_thr=-1.0)
     assert isinstance(get_selector("mustdrop"), MustDropSelector)
@@ -157,7 +157,7 @@ def tiny_llava(tmp_path_factory):
     return vlm, vlm.prepare(random_image(4), QUESTIONS[1])
 
 
-@pytest.mark.parametrize("rule", ["average", "official"])
+@pytest.mark.parametrize("rule", ["average", "paper"])
 def test_tiny_llava_stages_are_the_filter_on_what_each_stage_saw(tiny_llava, rule):
     vlm, item = tiny_llava
     selector = Recording(budget_rule=rule)
@@ -173,7 +173,7 @@ def test_tiny_llava_stages_are_the_filter_on_what_each_stage_saw(tiny_llava, rul
         alive_keys = keys & set(alive)
         assert set(kept) <= set(alive)
         assert alive_keys <= set(kept) if len(kept) >= len(alive_keys) else set(kept) <= alive_keys
-        if rule == "official":
+        if rule == "paper":
             probs = seen.text_probs.float().mean(dim=0)
             total = probs.sum(dim=0)
             drop = (total < total.sum() * 0.011) & (probs.max(dim=0).values < 0.01)
