@@ -414,7 +414,7 @@ def test_analyses_read_a_task_without_a_yes_no_answer_by_its_top_label_confidenc
 
 
 def test_gqa_image_ids_are_stable_int64():
-    from prune_audit.tasks.gqa import stable_image_id
+    from prune_audit.data.files import stable_image_id
 
     assert stable_image_id("2354786") == 2354786
     assert stable_image_id("n161313") == stable_image_id("n161313") != stable_image_id("n161314")

@@ -1,12 +1,14 @@
 """Generic reading of every task's input files: JSON Lines, and each file's content hash.
 
 Every task reader (POPE, GQA, ScienceQA, captions, LLaVA answer files) reads its JSON Lines through
-``read_json_lines`` and pins its files by ``file_sha256`` (``safety.fingerprint``); image names are checked by
+``read_json_lines`` and pins its files by ``file_sha256`` (``safety.fingerprint``); a task whose image ids are
+names keys them by ``stable_image_id``; image names are checked by
 ``safety.inputs.check_image_name``. None of it knows a task.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -45,4 +47,12 @@ def read_json_lines(
     return rows
 
 
-__all__ = ["file_sha256", "read_json_lines"]
+def stable_image_id(name: str) -> int:
+    """A non-negative int64 image id for an image id that need not be a number (GQA, TextVQA) (testdev's ``n161313``):
+    the image id itself when it is ASCII digits, else the first 63 bits of its sha256 (equal names, equal ids)."""
+    if name.isascii() and name.isdigit() and int(name) < 2**63:
+        return int(name)
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+__all__ = ["file_sha256", "read_json_lines", "stable_image_id"]

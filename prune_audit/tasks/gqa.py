@@ -16,7 +16,6 @@ geometric mean of the token probabilities, is recorded beside it (``mean_token_p
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from prune_audit.data.files import stable_image_id
 from prune_audit.data.gqa import (
     GqaQuestion,
     SceneGraph,
@@ -49,14 +49,6 @@ if TYPE_CHECKING:
 
 SPLIT = "gqa"
 """The records' ``split`` of every GQA question: GQA's question ids are unique within a release."""
-
-
-def stable_image_id(name: str) -> int:
-    """A non-negative int64 image id for a GQA image id that need not be a number (testdev's ``n161313``):
-    the image id itself when it is ASCII digits, else the first 63 bits of its sha256 (equal names, equal ids)."""
-    if name.isascii() and name.isdigit() and int(name) < 2**63:
-        return int(name)
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -252,4 +244,4 @@ class GqaTask(GeneratingTask):
         return SceneGraphEvidence(graphs)
 
 
-__all__ = ["GqaTask", "GqaTaskQuestion", "SceneGraphEvidence", "stable_image_id"]
+__all__ = ["GqaTask", "GqaTaskQuestion", "SceneGraphEvidence"]

@@ -46,6 +46,7 @@ import numpy as np
 import pyarrow as pa
 
 from prune_audit.data.boxes import Box
+from prune_audit.data.files import stable_image_id
 from prune_audit.data.textvqa import (
     OcrBox,
     TextVqaQuestion,
@@ -65,7 +66,6 @@ from prune_audit.tasks.base import (
     GeneratingTask,
     Scored,
 )
-from prune_audit.tasks.gqa import stable_image_id
 from prune_audit.tasks.prompts import SHORT_ANSWER
 from prune_audit.tasks.registry import register_task
 
