@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from prune_audit.compute.flops import flop_equivalent_tokens, language_prefill
 from prune_audit.demo.assets import DEMO_MODELS
 from prune_audit.demo.evaluate import load_demo
+from prune_audit.pruners.composed import selector_parts
 from prune_audit.pruners.registry import get_selector, list_selectors, selector_class
 
 SELECTOR_METHODS = ("select", "prune", "merge")
@@ -49,17 +50,20 @@ def counted(vlm, item, selector, budget):
                 merges.append(counter.get_total_flops())
                 return result
 
-            counting_merge.proportional, counting_merge.metric = merge.proportional, merge.metric
+            for trait in ("proportional", "metric", "after_mlp", "reads_next_layer", "next_layer_cls"):
+                if hasattr(merge, trait):  # the step's traits the tower reads (MustDrop's: after the MLP, next row)
+                    setattr(counting_merge, trait, getattr(merge, trait))
             with FlopCounterMode(display=False) as counter:
                 result = rerun(pixels, counting_merge)
             tower.append(counter.get_total_flops())
             return result
 
         vlm._merging_tower = counting_tower
-    if selector is not None:
+    # an in-LLM selector's own tower stage (MustDrop's) is a part whose methods count as the selector's too
+    for part in {id(part): part for part in selector_parts(selector) if part is not None}.values():
         for name in SELECTOR_METHODS:
-            if hasattr(selector, name):
-                method = getattr(selector, name)
+            if hasattr(part, name):
+                method = getattr(part, name)
 
                 def counting(*args, _method=method, **kwargs):
                     with FlopCounterMode(display=False) as counter:
@@ -67,7 +71,7 @@ def counted(vlm, item, selector, budget):
                     inside.append(counter.get_total_flops())
                     return result
 
-                object.__setattr__(selector, name, counting)
+                object.__setattr__(part, name, counting)
     with FlopCounterMode(display=False) as counter:
         answer = vlm.answer([item], selector, budget, generator=torch.Generator().manual_seed(0))[0]
     if tower:
@@ -108,6 +112,8 @@ def test_analytic_flops_equal_the_counted_flops_for_every_selector(models, model
     selectors = [None] + [get_selector(name) for name in vlm.supported_selectors()]
     if "merging_tower" in vlm.input_signals:  # LLaVA: the options that read other tower signals
         selectors += [get_selector("tome", location="tower"), get_selector("prumerge", signal_layer="feature")]
+        # MustDrop merging every window after tower layer 0 (its 0.8 threshold merges none of random weights')
+        selectors += [get_selector("mustdrop", merge_thr=-1.0), get_selector("mustdrop", vision="off")]
     for selector in selectors:
         name = None if selector is None else selector.name
         tower = "merging_tower" in getattr(selector, "requires", ())  # one tower layer at least halves the patches
@@ -197,6 +203,8 @@ def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):
         selectors = [None] + [get_selector(name) for name in vlm.supported_selectors()]
         if "merging_tower" in vlm.input_signals:
             selectors += [get_selector("tome", location="tower"), get_selector("prumerge", signal_layer="feature")]
+            # MustDrop merging every window after tower layer 0 (its 0.8 threshold merges none of random weights')
+            selectors += [get_selector("mustdrop", merge_thr=-1.0), get_selector("mustdrop", vision="off")]
         for selector in selectors:
             ran.clear()
             budget = None if selector is None else item.num_visual // 2 + 3

@@ -69,6 +69,8 @@ class QuestionTokens:
         reprojected: merged tokens an input-level merge sent through the projector again.
         tower_merges: tokens merged or cut in each layer of the tower run with a selector's step between its layers
             (ToMe ``location=tower``, FlowCut; empty: none ran).
+        tower_merges_after_mlp: those merges fell after each layer's MLP, not between attention and MLP (MustDrop).
+        tower_next_cls_row: that run also formed the CLS row of the layer after the feature layer (MustDrop's key set).
         stock_tower: the stock tower and the projector ran on every token; False: the tower ran once, as
             ``tower_merges``' run, and the projector on its output tokens (``reprojected``).
         stage_probes: the decoder probes of in-LLM stages.
@@ -91,6 +93,8 @@ class QuestionTokens:
     text_chunks: int = 0
     reprojected: int = 0
     tower_merges: tuple[int, ...] = ()
+    tower_merges_after_mlp: bool = False
+    tower_next_cls_row: bool = False
     stock_tower: bool = True
     stage_probes: tuple[StageProbe, ...] = ()
     selector_flops: int = 0
@@ -161,7 +165,10 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     signals += tokens.crops * flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
     if tokens.text_chunks:
         signals += flops.clip_text_relevance(shape.clip_text, tokens.text_chunks, tokens.visual_tokens)  # type: ignore[arg-type]  # text chunks: only with a CLIP text tower
-    signals += flops.merging_tower(vision, patch_grid, tokens.tower_merges) if tokens.tower_merges else 0
+    if tokens.tower_merges:
+        signals += flops.merging_tower(
+            vision, patch_grid, tokens.tower_merges, tokens.tower_merges_after_mlp, tokens.tower_next_cls_row
+        )
     signals += flops.projector(vision, tokens.reprojected)
     lengths = [tokens.text_tokens + visual for visual in tokens.visual_per_layer]
     full = tokens.text_tokens + tokens.visual_tokens

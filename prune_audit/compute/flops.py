@@ -61,18 +61,26 @@ def vision_tower(vision: VisionShape, patch_grid: tuple[int, int]) -> int:
     return total
 
 
-def merging_tower(vision: VisionShape, patch_grid: tuple[int, int], merges: Sequence[int]) -> int:
+def merging_tower(
+    vision: VisionShape,
+    patch_grid: tuple[int, int],
+    merges: Sequence[int],
+    after_mlp: bool = False,
+    next_cls_row: bool = False,
+) -> int:
     """ToMe's rerun of a global-attention tower (``location=tower``, ``models.llava``'s merging tower): the
     patch embedding, then per layer the q, k, v, out projections and attention over the tokens alive before
-    its merge and the MLP over those after it (``merges[l]`` tokens merged between attention and MLP)."""
+    its merge and the MLP over those after it (``merges[l]`` tokens merged between attention and MLP; with
+    ``after_mlp`` merged after the MLP, which then runs on those alive before, MustDrop's step). ``next_cls_row``:
+    the CLS row of the next layer on the final tokens (:func:`cls_row`; MustDrop's layer-23 key set)."""
     patches = patch_grid[0] * patch_grid[1]
     tokens, width = vision.class_tokens + patches, vision.width
     total = matmul(patches, vision.patch_inputs, width)
     for merged in merges:
         total += 4 * matmul(tokens, width, width) + attention(tokens, tokens, 1, width)
+        total += vision.mlp_matrices * matmul(tokens - merged * (not after_mlp), width, vision.mlp_width)
         tokens -= merged
-        total += vision.mlp_matrices * matmul(tokens, width, vision.mlp_width)
-    return total
+    return total + (cls_row(width, tokens) if next_cls_row else 0)
 
 
 def projector(vision: VisionShape, tokens: int) -> int:
@@ -81,14 +89,15 @@ def projector(vision: VisionShape, tokens: int) -> int:
 
 
 def cls_probe(vision: VisionShape, patch_grid: tuple[int, int]) -> int:
-    """CLS-row attention of one encoder layer, the feature layer's or the last (``models.probe.clip_cls_row``): the
-    CLS query, every key, and the CLS logits twice (in float32 and as the official code forms them)."""
-    tokens = vision.class_tokens + patch_grid[0] * patch_grid[1]
-    return (
-        matmul(1, vision.width, vision.width)
-        + matmul(tokens, vision.width, vision.width)
-        + 2 * matmul(1, vision.width, tokens)
-    )
+    """CLS-row attention of one encoder layer, the feature layer's or the last (``models.probe.clip_cls_row``), over
+    every patch and the class tokens (:func:`cls_row`)."""
+    return cls_row(vision.width, vision.class_tokens + patch_grid[0] * patch_grid[1])
+
+
+def cls_row(width: int, tokens: int) -> int:
+    """``models.probe.clip_cls_row`` over ``tokens`` tokens of ``width``: the CLS query, every key, and the CLS
+    logits twice (in float32 and as the official code forms them)."""
+    return matmul(1, width, width) + matmul(tokens, width, width) + 2 * matmul(1, width, tokens)
 
 
 def vision_layer_probes(vision: VisionShape, patch_grid: tuple[int, int]) -> int:
@@ -182,7 +191,7 @@ def flop_equivalent_tokens(language: LanguageShape, flops: float) -> float:
 
 
 __all__ = [
-    "matmul", "attention", "window_lengths", "vision_layer_blocks", "vision_tower", "merging_tower", "projector", "cls_probe",
+    "matmul", "attention", "window_lengths", "vision_layer_blocks", "vision_tower", "merging_tower", "projector", "cls_probe", "cls_row",
     "vision_layer_probes", "clip_text_relevance", "decoder_layer", "lm_head", "language_prefill", "decoder_probe", "decode_token",
     "kv_bytes", "flop_equivalent_tokens",
 ]  # fmt: skip

@@ -87,6 +87,7 @@ def question_cost(
                 stages=(),
                 options=input_ran.options(),
                 tower_merges=tower_merges,
+                grid=item.grid,
                 **work,
             )  # fmt: skip
         )
@@ -115,12 +116,20 @@ def question_cost(
         text_chunks=vlm.text_chunks(item) if "text_relevance" in input_requires else 0,
         reprojected=len(selection.sources) if merged_inputs else 0,
         tower_merges=tower_merges,
+        # the tower step's own traits (MustDrop's: merges after the MLP, the next layer's CLS row for its key set)
+        tower_merges_after_mlp=getattr(input_ran, "merges_after_mlp", False),
+        tower_next_cls_row=getattr(input_ran, "reads_next_layer", False) and _layer_after_feature(vlm),
         stock_tower=stock_tower,
         stage_probes=probes,
         selector_flops=arithmetic,
         **crops,
     )
     return prefill_cost(shape, tokens)
+
+
+def _layer_after_feature(vlm: VisionLanguageModel) -> bool:
+    """Whether the vision tower has a layer after the feature layer (the merging tower's next CLS row runs)."""
+    return getattr(vlm.model.config.vision_config, "num_hidden_layers", 0) > vlm.shape.vision.layers
 
 
 __all__ = ["question_cost"]

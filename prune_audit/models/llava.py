@@ -258,19 +258,30 @@ class LlavaModel(VisionLanguageModel):
     def _merging_tower(self, pixels: Tensor, merge: Callable) -> tuple[Tensor, list[Tensor]]:
         """The tower on one (3, H, W) image up to the feature layer with ``merge`` between the attention and
         the MLP of every layer (``InputSignals.merging_tower``; ToMe's block, proportional attention when
-        ``merge.proportional``; FlowCut's cuts): (1 + M, Dv) states, CLS first, and the grid cells each carries.
-        ``merge.metric(cls_probs, keys, values)`` picks what the step reads of the layer's heads."""
+        ``merge.proportional``; FlowCut's cuts), or after the whole layer when ``merge.after_mlp`` (MustDrop's
+        window merge): (1 + M, Dv) states, CLS first, and the grid cells each carries.
+        ``merge.metric(cls_probs, keys, values)`` picks what the step reads of the layer's heads. With
+        ``merge.reads_next_layer``, the CLS row of the layer after the feature layer on the final states (the
+        official layer-23 attention of MustDrop's key set; :func:`clip_cls_row`, (H, 1 + M) float32) goes to
+        ``merge.next_layer_cls``."""
         tower = self.vision_tower
         hidden = tower.pre_layrnorm(tower.embeddings(pixels[None]))[0]  # (1 + N, Dv)
         size = torch.ones(hidden.shape[0])
         sources = [torch.zeros(0, dtype=torch.long)] + [torch.tensor([cell]) for cell in range(hidden.shape[0] - 1)]
         layers = tower.encoder.layers[: self.feature_index]
+        after_mlp = getattr(merge, "after_mlp", False)
         for index, layer in enumerate(layers):
             bias = size.log().to(hidden.device) if merge.proportional else None
             attended, heads = clip_attention_block(layer, hidden, bias)
             metric = merge.metric(heads.cls_probs, heads.keys, heads.values).cpu()
-            hidden, size, sources = merge(index, len(layers), hidden + attended, metric, size, sources)
+            hidden = hidden + attended
+            if not after_mlp:
+                hidden, size, sources = merge(index, len(layers), hidden, metric, size, sources)
             hidden = hidden + layer.mlp(layer.layer_norm2(hidden))
+            if after_mlp:
+                hidden, size, sources = merge(index, len(layers), hidden, metric, size, sources)
+        if getattr(merge, "reads_next_layer", False) and len(layers) < len(tower.encoder.layers):
+            merge.next_layer_cls(clip_cls_row(tower.encoder.layers[len(layers)], hidden[None])[0][0].cpu())
         return hidden, sources
 
     def _tower_states(self, pixels: Tensor) -> list[Tensor]:

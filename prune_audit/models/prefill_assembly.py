@@ -147,8 +147,9 @@ def layer_plan(
     """The in-LLM plan of a batch: each row's stages from ``forced_stages`` ((layer, kept indices) per stage),
     else ``selector``'s schedule at ``budget`` on the model's depth; every stage layer checked to exist.
 
-    ``selections``: each row's input-level selection when one ran first (a composed selector): the schedule is
-    solved on the tokens it feeds, and its merged tokens' grid sources open the row's registry (``input_kinds``).
+    ``selections``: each row's input-level selection when one ran first (a composed selector, or an in-LLM
+    selector's own tower stage): the schedule is solved on the tokens it feeds, its merged tokens' grid sources open
+    the row's registry (``input_kinds``) and its ``llm_state`` the row's stage state.
     """
     grids = [item.grid for item in prepared]
     positions = vlm.positions_for(selector)  # in-LLM or forced stages: the family's layer position mode
@@ -174,7 +175,9 @@ def layer_plan(
         [] if chosen is None or chosen.sources is None else input_registry(chosen.sources, chosen.kept)
         for _, chosen in _rows(prepared, selections)
     ]
-    return LayerPlan(stages, grids, positions, selector, forced, merged=merged, grid_parts=parts)
+    # a selector's own tower stage opens its rows' stage state (MustDrop's key set)
+    states = [{} if chosen is None else dict(chosen.llm_state) for _, chosen in _rows(prepared, selections)]
+    return LayerPlan(stages, grids, positions, selector, forced, states=states, merged=merged, grid_parts=parts)
 
 
 def _rows(

@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 from prune_audit.pruners.base import Selector
 from prune_audit.pruners.registry import list_selectors, registered_classes, selector_class
+from prune_audit.pruners.serving import TOWER_HOOK_SIGNALS
 from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS, VIDEO_GRID, VISION_LAYER_SIGNALS
 
 MERGED_POSITIONS = "positions for merged tokens"  # what a keep-original-positions family lacks for merging selectors
@@ -122,8 +123,10 @@ class SelectorSupport:
         """What the family lacks for ``selector`` given input signals ``available``: input signals, positions
         for the merged tokens it feeds, or what ``refused_selectors`` names."""
         refused = {cls.refused_selectors[selector.name]} if selector.name in cls.refused_selectors else set()
-        if selector.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower too
-            return set(Selector.requires_on(selector, available) & VISION_LAYER_SIGNALS) - available | refused
+        if selector.stage == "llm":  # in-LLM selectors read the language model, some the vision tower's layers too,
+            # and one with its own tower stage (MustDrop's merge) the tower hook
+            tower = VISION_LAYER_SIGNALS | TOWER_HOOK_SIGNALS
+            return set(Selector.requires_on(selector, available) & tower) - available | refused
         missing = set(Selector.requires_on(selector, available)) - available | refused
         if selector.merges and cls.input_positions != "compact":
             missing.add(MERGED_POSITIONS)

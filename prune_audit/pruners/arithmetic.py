@@ -41,6 +41,7 @@ class SelectorWork:
         stages: in-LLM stages as ``(visual tokens alive before, kept after)``.
         options: the selector's options (``Selector.options()``).
         tower_merges: tokens ToMe merges in each vision-tower layer with ``location=tower`` (empty otherwise).
+        grid: (rows, cols) of the image's visual tokens (MustDrop's 3 x 3 windows tile it).
         crop_stages: ``(patches, kept)`` of each crop a vision stage runs in alone, padding patches included
             (VScan with ``budget_scope="crop"``; empty otherwise: the stages are over the image).
     """
@@ -55,6 +56,7 @@ class SelectorWork:
     stages: tuple[tuple[int, int], ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
     tower_merges: tuple[int, ...] = ()
+    grid: tuple[int, int] = (0, 0)
     crop_stages: tuple[tuple[int, int], ...] = ()
 
 

@@ -59,6 +59,8 @@ class Selection:
         tower_stages: for a selector that cuts inside the vision tower, ``(stage layer, kept cells)`` of each cut
             in order, the stage layer ``l - Lv`` (< 0) for a cut after tower layer ``l`` of the ``Lv`` run; the
             record's stages, before ``kept`` at the input (stage 0).
+        llm_state: what an in-LLM selector's own tower stage (``LayerSelector.tower_stage``) hands its in-LLM
+            stages: the opening of the row's stage state (MustDrop's key set, as positions among the tokens fed).
     """
 
     kept: Tensor
@@ -67,6 +69,7 @@ class Selection:
     llm_tokens: Tensor | None = None
     in_output_order: bool = False
     tower_stages: list[tuple[int, Tensor]] = field(default_factory=list)
+    llm_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_output_tokens(self) -> int:
@@ -188,9 +191,11 @@ class Selector:
         model = getattr(self, "score_dtype", "float32") == "model" and model_dtype not in (None, torch.float32)
         return model_dtype if model else None
 
-    def _check_signals(self, signals: Any) -> None:
-        given = {r for r in self.requires if getattr(signals, self.substitutes.get(r, r), None) is not None}
-        missing = sorted(r for r in self.requires - given if getattr(signals, r, None) is None)
+    def _check_signals(self, signals: Any, requires: frozenset[str] | None = None) -> None:
+        """Raise a one-line ValueError naming the signals of ``requires`` (default ``self.requires``) missing."""
+        requires = self.requires if requires is None else requires
+        given = {r for r in requires if getattr(signals, self.substitutes.get(r, r), None) is not None}
+        missing = sorted(r for r in requires - given if getattr(signals, r, None) is None)
         if missing:
             raise ValueError(
                 f"selector {self.name!r} needs the signal(s) {', '.join(missing)}, "
@@ -265,6 +270,11 @@ class LayerSelector(Selector):
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""
         raise NotImplementedError
+
+    def tower_stage(self) -> InputSelector | None:
+        """The input-level stage this selector runs itself before the language model, inside the vision tower
+        (MustDrop's window merge), as the input part of a composed selector runs; None (the default): none."""
+        return None
 
     def prune(self, stage: Stage, signals: LayerSignals, state: dict[str, Any]) -> Tensor:
         """(keep,) ascending positions among the alive tokens (0..n-1) that survive ``stage``."""

@@ -120,21 +120,25 @@ def _options_by_part(name: str, names: Sequence[str], pairs: Sequence[str]) -> d
 
 
 def selector_parts(selector: RunSelector | None) -> tuple[InputSelector | None, LayerSelector | None]:
-    """(input-level part, in-LLM part) of ``selector``: one of them None for a registered selector, both for None."""
+    """(input-level part, in-LLM part) of ``selector``: one of them None for a registered selector, both for None;
+    an in-LLM selector with its own tower stage (``LayerSelector.tower_stage``, MustDrop) has both."""
     if isinstance(selector, ComposedSelector):
         return selector.parts
     if isinstance(selector, InputSelector):
         return selector, None
     if isinstance(selector, LayerSelector):
-        return None, selector
+        return selector.tower_stage(), selector
     return None, None
 
 
 def budget_parts(selector: RunSelector | None, budget: Any) -> tuple[Any, Any]:
-    """(input-level budget, in-LLM budget) of ``budget`` under ``selector`` (a composed one takes one per part)."""
+    """(input-level budget, in-LLM budget) of ``budget`` under ``selector`` (a composed one takes one per part; an
+    in-LLM selector's own tower stage gets its one budget too, which the stage may ignore: MustDrop's merge does)."""
     if isinstance(selector, ComposedSelector):
         first, second = budget
         return first, second
+    if isinstance(selector, LayerSelector):
+        return (budget if selector.tower_stage() is not None else None), budget
     return (budget, None) if isinstance(selector, InputSelector) else (None, budget)
 
 

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_models import QUESTIONS, WORDS, random_image
 
 from prune_audit.api import pruned
@@ -20,13 +21,14 @@ from prune_audit.demo.assets import DEMO_MODELS
 from prune_audit.demo.evaluate import load_demo
 from prune_audit.models import load_vlm
 from prune_audit.models.llava import LlavaModel
+from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import Stage
-from prune_audit.pruners.mustdrop import MustDropSelector
+from prune_audit.pruners.mustdrop import MustDropSelector, MustDropVision, WindowMerging
 from prune_audit.pruners.registry import get_selector
 from prune_audit.pruners.schedule import average_visual_tokens
-from prune_audit.pruners.signals import LayerSignals
+from prune_audit.pruners.signals import InputSignals, LayerSignals
 
-HEADS, PATCHES, SYSTEM, VISION_HEADS = 32, 576, 35, 16
+HEADS, PATCHES, SYSTEM, VISION_HEADS, VISION_WIDTH = 32, 576, 35, 16, 1024
 THRESHOLDS = {"global_thr": 0.011, "individual_thr": 0.01}
 
 
@@ -61,32 +63,38 @@ def vision_probabilities(generator: torch.Generator) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-def signals(alive: torch.Tensor, text_probs: torch.Tensor, cls_attention: torch.Tensor, layer: int) -> LayerSignals:
+def signals(
+    alive: torch.Tensor, text_probs: torch.Tensor, cls_attention: torch.Tensor, layer: int, tower_row: bool = True
+) -> LayerSignals:
+    """The stage's signals; ``tower_row``: with the feature layer's CLS row (``vision=off`` ranks the key set on it)."""
     return LayerSignals(
         alive=alive, grid=(24, 24), layer=layer, num_layers=32, text_probs=text_probs,
-        layer_cls_attention=cls_attention[None, alive],
+        layer_cls_attention=cls_attention[None, alive] if tower_row else None,
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("vision", ["merge", "off"])
 @pytest.mark.parametrize("text", [20, 45, 80])
 @pytest.mark.parametrize("seed", range(10))
-def test_official_rule_reproduces_the_dual_attention_filter(seed, text):
-    """Four prefill stages (layers 2/6/10/14) as the official loop runs them, against the selector's stages."""
+def test_official_rule_reproduces_the_dual_attention_filter(seed, text, vision):
+    """Four prefill stages (layers 2/6/10/14) as the official loop runs them, against the selector's stages; the
+    key set handed over by the vision stage (``key_positions``), or ranked on the feature layer (``vision=off``)."""
     generator = torch.Generator().manual_seed(seed)
-    vision = vision_probabilities(generator)
-    keys = official_key_set(vision)
-    selector = get_selector("mustdrop", budget_rule="paper")
+    vision_probs = vision_probabilities(generator)
+    keys = official_key_set(vision_probs)
+    selector = get_selector("mustdrop", budget_rule="paper", vision=vision)
     stages = selector.schedule(32, PATCHES, 64)
     assert [stage.layer for stage in stages] == [3, 7, 11, 15]
     official_alive, key_positions = torch.arange(PATCHES), torch.tensor(sorted(keys))
-    state: dict = {}
+    state: dict = {"key_positions": key_positions} if vision == "merge" else {}
     for stage in stages:
         img_seq = official_alive.numel()
         attn = causal_probabilities(SYSTEM + img_seq + text, generator, sharpness=3.0 + seed % 3)
         vis = torch.unique(torch.cat((official_filter(attn, SYSTEM, img_seq), key_positions)))
         key_positions = torch.nonzero(torch.isin(vis, key_positions)).flatten()
         text_probs = attn[0, :, SYSTEM + img_seq :, SYSTEM : SYSTEM + img_seq]
-        kept = selector.prune(stage, signals(official_alive, text_probs, vision[0, :, 0, 1:].mean(dim=0), 0), state)
+        cls_row = vision_probs[0, :, 0, 1:].mean(dim=0)
+        kept = selector.prune(stage, signals(official_alive, text_probs, cls_row, 0, vision == "off"), state)
         assert official_alive[kept].tolist() == official_alive[vis].tolist()
         assert keys <= set(official_alive[kept].tolist())
         official_alive = official_alive[vis]
@@ -110,7 +118,7 @@ def test_count_rule_keeps_the_key_set_then_the_official_survivors_first(seed):
     alive = torch.arange(PATCHES)
     official = set(official_filter(attn, SYSTEM, PATCHES).tolist())
     keys = set(torch.topk(cls_attention, 47).indices.tolist())
-    selector = get_selector("mustdrop")
+    selector = get_selector("mustdrop", vision="off")
     survivors = official | keys
     many = selector.prune(Stage(3, len(survivors) + 10), signals(alive, text_probs, cls_attention, 3), {})
     assert len(many) == len(survivors) + 10 and survivors <= set(many.tolist())
@@ -139,15 +147,17 @@ def test_options_are_checked():
 
 
 class Recording(MustDropSelector):
-    """MustDrop that keeps the signals each stage saw."""
+    """MustDrop that keeps the signals each stage saw and the positions it kept."""
 
     def __init__(self, **options):
         super().__init__(**options)
         self.seen: list[LayerSignals] = []
+        self.chosen: list[torch.Tensor] = []
 
     def prune(self, stage, signals, state):
         self.seen.append(signals)
-        return super().prune(stage, signals, state)
+        self.chosen.append(super().prune(stage, signals, state))
+        return self.chosen[-1]
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +170,7 @@ def tiny_llava(tmp_path_factory):
 @pytest.mark.parametrize("rule", ["average", "paper"])
 def test_tiny_llava_stages_are_the_filter_on_what_each_stage_saw(tiny_llava, rule):
     vlm, item = tiny_llava
-    selector = Recording(budget_rule=rule)
+    selector = Recording(budget_rule=rule, vision="off")
     budget = item.num_visual // 4
     prefill, _ = vlm.prefill([item], selector, budget)
     kept_stages = prefill.kept_stages[0]
@@ -189,11 +199,208 @@ def official_key_order(seen: LayerSignals) -> torch.Tensor:
     return torch.topk(cls_row, math.ceil(0.08 * cls_row.numel())).indices
 
 
-def test_demo_run_records_one_stage_per_pruning_layer():
+@pytest.mark.parametrize("merge_thr", [0.8, 0.3])
+def test_demo_run_records_the_vision_stage_then_one_stage_per_pruning_layer(merge_thr):
+    """The merge after tower layer 0 (stage ``0 - Lv``), the tokens fed (stage 0: the unmerged cells and the
+    merged windows), then the four prefill stages on the tokens fed; 0.3 merges some of the demo's windows."""
     vlm = load_demo(DEMO_MODELS["demo"])
-    with pruned(vlm, "mustdrop", 24) as model:
-        result = model.answer(random_image(5, (96, 96)), QUESTIONS[0])
-    stages = vlm.schedule(get_selector("mustdrop"), vlm.prepare(random_image(5, (96, 96)), QUESTIONS[0]).num_visual, 24)
-    assert [len(kept) for kept in result.kept_stages] == [stage.keep for stage in stages]
-    for earlier, later in zip(result.kept_stages, result.kept_stages[1:]):
+    image = random_image(5, (96, 96))
+    with pruned(vlm, "mustdrop", 24, merge_thr=merge_thr) as model:
+        result = model.answer(image, QUESTIONS[0])
+    item = vlm.prepare(image, QUESTIONS[0])
+    fed = len(result.kept_stages[1]) + len(result.merged_stages[1])
+    stages = vlm.schedule(get_selector("mustdrop"), fed, 24)
+    assert result.stage_layers == [-vlm.feature_index, 0] + [stage.layer for stage in stages]
+    assert result.kept_stages[0] == result.kept_stages[1]
+    merged = result.merged_stages[1]
+    assert all(len(window) == 9 for window in merged) and (merge_thr == 0.8 or merged)
+    assert sorted(result.kept_stages[1] + [cell for window in merged for cell in window]) == list(
+        range(item.num_visual)
+    )  # every cell fed once: alone or in its window
+    alive = [len(k) + len(m) for k, m in zip(result.kept_stages[2:], result.merged_stages[2:], strict=True)]
+    assert alive == [stage.keep for stage in stages]
+    for earlier, later in zip(result.kept_stages[1:], result.kept_stages[2:]):
         assert set(later) <= set(earlier)
+
+
+# --- the vision stage: ``local_merge.py`` (``conditional_pooling``, ``merge_wavg``) after CLIP layer 0 ---------------
+
+
+def official_pooling(x: torch.Tensor, threshold: float = 0.8, ws: int = 3):
+    """``conditional_pooling(x, threshold, (ws, ws))`` then ``merge_wavg``, re-derived from the official text on
+    (1, 1 + N, D) states of a square grid: (1, 1 + M, D) merged states, (r, ws^2) the merged windows' cells in
+    ``topk`` order, (N - r ws^2,) the unmerged cells ascending."""
+    feat = x[:, 1:]
+    batch, n, dim = feat.shape
+    side = math.isqrt(n)
+    grid = feat.transpose(1, 2).reshape(batch, dim, side, side)  # "b (h w) c -> b c h w"
+    grid = grid.reshape(batch, dim, side // ws, ws, side // ws, ws).permute(0, 2, 4, 1, 3, 5)  # b gh gw c ps ps
+    flat = grid.reshape(batch, side // ws, side // ws, dim, ws * ws)
+    sims = F.cosine_similarity(flat.unsqueeze(-1), flat.unsqueeze(-2), dim=3) * (1 - torch.eye(ws * ws))
+    similarity = (sims.sum(-1).sum(-1) / (ws * ws * (ws * ws - 1))).reshape(batch, -1)
+    r = int(torch.ge(similarity, threshold).sum(dim=1).min())
+    _, chosen = similarity.topk(r, dim=-1)
+    cells = torch.arange(n).reshape(side, side)[None].repeat(batch, 1, 1)
+    windows = cells.unfold(1, ws, ws).unfold(2, ws, ws).reshape(batch, -1, ws * ws)
+    gathered = torch.gather(windows, 1, chosen.unsqueeze(-1).expand(-1, -1, ws * ws))
+    mask = torch.ones(batch, windows.shape[1], dtype=torch.bool)
+    mask.scatter_(1, chosen, torch.zeros_like(chosen, dtype=torch.bool))
+    unm = windows[mask.unsqueeze(-1).expand(-1, -1, ws * ws)].reshape(batch, -1).sort(dim=-1).values
+    src, dst = gathered[:, :, :-1].reshape(batch, -1), gathered[:, :, -1]
+    merge_idx = torch.arange(r).repeat_interleave(ws * ws - 1)[None]
+
+    def merge(t: torch.Tensor) -> torch.Tensor:
+        cls, patches = t[:, :1], t[:, 1:]
+        c = patches.shape[-1]
+        target = patches.gather(1, dst[..., None].expand(-1, -1, c))
+        target = target.scatter_reduce(
+            1, merge_idx[..., None].expand(-1, -1, c), patches.gather(1, src[..., None].expand(-1, -1, c)), "sum"
+        )
+        return torch.cat([cls, target, patches.gather(1, unm[..., None].expand(-1, -1, c))], dim=1)
+
+    size = torch.ones_like(x[..., :1])
+    merged, size = merge(x * size), merge(size)
+    return merged / size, gathered[0], unm[0]
+
+
+def window_states(generator: torch.Generator, side: int = 24, width: int = VISION_WIDTH) -> torch.Tensor:
+    """(1 + side^2, width) CLS and patches whose 3 x 3 windows share a direction, each window its own noise scale
+    (0.2 .. 1.5: mean cosines from about 0.96 down to 0.3), so the 0.8 threshold merges some windows and not others."""
+    states = torch.empty(side, side, width)
+    for top in range(0, side, 3):
+        for left in range(0, side, 3):
+            scale = 0.2 + 1.3 * torch.rand(1, generator=generator)
+            base = torch.randn(width, generator=generator)
+            states[top : top + 3, left : left + 3] = base + scale * torch.randn(3, 3, width, generator=generator)
+    return torch.cat([torch.randn(1, width, generator=generator), states.reshape(side * side, width)])
+
+
+def synthetic_tower(hidden: torch.Tensor, layers: int, next_row: torch.Tensor | None):
+    """A ``merging_tower`` over ``layers`` identity layers of (1 + N, D) states, calling the step after each; then
+    the next layer's CLS row ``next_row(M)`` (H, 1 + M) when given (the adapter's reads_next_layer)."""
+
+    def run(step):
+        size = torch.ones(hidden.shape[0])
+        sources = [torch.zeros(0, dtype=torch.long)] + [torch.tensor([c]) for c in range(hidden.shape[0] - 1)]
+        states = hidden
+        for layer in range(layers):
+            metric = step.metric(torch.softmax(torch.randn(VISION_HEADS, states.shape[0]), dim=-1), None, None)
+            states, size, sources = step(layer, layers, states, metric, size, sources)
+        if next_row is not None:
+            step.next_layer_cls(next_row)
+        return states, sources
+
+    return run
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_vision_merge_reproduces_the_official_conditional_pooling(seed):
+    """LLaVA-1.5 shapes (24 x 24 patches, width 1024, fp32): the step's merged states, their order and sources, and
+    the selection's key set (the next layer's CLS row, ``ceil(0.08 M)``) against the official text."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = window_states(generator)
+    official, windows, unmerged = official_pooling(hidden[None])
+    assert 0 < windows.shape[0] < 64  # the case is not trivial: some windows merge, some not
+    step = WindowMerging((24, 24))
+    states, _, sources = step(0, 23, hidden, torch.zeros(0), torch.ones(hidden.shape[0]), single_sources())
+    torch.testing.assert_close(states, official[0], atol=1e-5, rtol=1e-5)
+    expected = [sorted(window.tolist()) for window in windows] + [[cell] for cell in unmerged.tolist()]
+    assert [group.tolist() for group in sources[1:]] == expected
+    assert step.stages == [(0, step.stages[0][1])] and step.stages[0][1].tolist() == unmerged.tolist()
+
+    tokens = 1 + len(expected)
+    logits = torch.randn(1, VISION_HEADS, tokens, tokens, generator=generator) * 2
+    next_row = torch.softmax(logits, dim=-1)  # the official layer 23 with output_attentions, on the merged states
+    signals = InputSignals(grid=(24, 24))
+    signals.merging_tower = synthetic_tower(hidden, 23, next_row[0, :, 0])
+    selection = MustDropVision().select(signals, 64)
+    assert set(selection.llm_state["key_positions"].tolist()) == official_key_set(next_row)
+    assert selection.kept.tolist() == unmerged.tolist()
+    assert selection.tower_stages[0][0] == -23 and selection.num_output_tokens == tokens - 1
+    torch.testing.assert_close(selection.vision_tokens, official[0, 1:], atol=1e-5, rtol=1e-5)
+
+
+def single_sources() -> list[torch.Tensor]:
+    """The merging tower's opening sources: CLS (no cell), then one cell per patch."""
+    return [torch.zeros(0, dtype=torch.long)] + [torch.tensor([c]) for c in range(PATCHES)]
+
+
+def test_window_flops_count_one_product_per_full_window():
+    work = SelectorWork(tokens=PATCHES, vision_width=VISION_WIDTH, grid=(24, 24))
+    assert MustDropVision.flops(work) == 64 * 2 * 9 * VISION_WIDTH * 9
+    assert MustDropVision.tower_merges(PATCHES, 64, 23, [(-23, 576 - 9 * 5), (0, 531), (3, 40)])[:2] == (40, 0)
+
+
+@pytest.fixture(scope="module")
+def merging_llava(tmp_path_factory):
+    """A tiny LLaVA with a 6 x 6 grid (four 3 x 3 windows) and 3 tower layers: layer 0, the merge, layer 1 (the
+    feature layer's), and layer 2 whose CLS row ranks the key set (the official layer 23 of 24)."""
+    root = tmp_path_factory.mktemp("mustdrop_merge") / "llava"
+    path = LlavaModel.build_tiny(root, words=WORDS, text_layers=8, seed=4, image_size=84, vision_layers=3)
+    vlm = load_vlm(path, device="cpu")
+    return vlm, vlm.prepare(random_image(6, (84, 84)), QUESTIONS[1])
+
+
+@torch.no_grad()
+def official_tower(vlm, item, threshold: float):
+    """``CLIPVisionModelAcc.custom_forward`` on the tiny tower's modules: layer 0, the pooling, the layers up to the
+    feature layer, and the key set of the next layer's attention: (M, Dv) features, windows, unmerged, key set."""
+    tower = vlm.vision_tower
+    hidden = tower.pre_layrnorm(tower.embeddings(item.pixel_values[None].float()))
+    layers = tower.encoder.layers
+    hidden, windows, unmerged = official_pooling(layers[0](hidden, None), threshold)
+    for layer in layers[1 : vlm.feature_index]:
+        hidden = layer(hidden, None)
+    key_layer = layers[vlm.feature_index]  # its attention probabilities (``output_attentions``), CLS row
+    attention = key_layer.self_attn
+    normed = key_layer.layer_norm1(hidden)
+    heads = [
+        p(normed).view(1, hidden.shape[1], -1, attention.head_dim).transpose(1, 2)
+        for p in (attention.q_proj, attention.k_proj)
+    ]
+    probs = torch.softmax(heads[0] @ heads[1].transpose(2, 3) * attention.scale, dim=-1)
+    return hidden[0, 1:], windows, unmerged, official_key_set(probs)
+
+
+@torch.no_grad()
+def window_threshold(vlm, item) -> float:
+    """A threshold between the second and third largest window similarities after layer 0: two windows merge."""
+    tower = vlm.vision_tower
+    hidden = tower.encoder.layers[0](tower.pre_layrnorm(tower.embeddings(item.pixel_values[None].float())), None)
+    cells = torch.arange(36).view(6, 6).unfold(0, 3, 3).unfold(1, 3, 3).reshape(4, 9)
+    units = F.normalize(hidden[0, 1:][cells], dim=-1)
+    similarity = ((units @ units.transpose(1, 2)) * (1 - torch.eye(9))).sum(dim=(1, 2)) / 72
+    ranked = similarity.sort(descending=True).values
+    return float((ranked[1] + ranked[2]) / 2)
+
+
+@pytest.mark.parametrize("rule", ["average", "paper"])
+def test_tiny_llava_vision_stage_is_the_official_tower(merging_llava, rule):
+    """The adapter's hook after layer 0's MLP and the next layer's CLS row: the tokens fed, their order and sources
+    and the key set equal the official tower's; the key set survives each prefill stage as the filter decides."""
+    vlm, item = merging_llava
+    threshold = window_threshold(vlm, item)
+    features, windows, unmerged, keys = official_tower(vlm, item, threshold)
+    selector = Recording(budget_rule=rule, merge_thr=threshold)
+    prefill, selections = vlm.prefill([item], selector, 8)
+    selection = selections[0]
+    assert windows.shape[0] == 2
+    assert [g.tolist() for g in selection.sources] == [sorted(w.tolist()) for w in windows] + [
+        [c] for c in unmerged.tolist()
+    ]
+    torch.testing.assert_close(selection.vision_tokens, features.float(), atol=1e-5, rtol=1e-5)
+    assert set(selection.llm_state["key_positions"].tolist()) == keys
+    first = selector.seen[0]
+    assert first.alive.numel() == features.shape[0]
+    key_kinds = set(first.alive[sorted(keys)].tolist())  # the fed tokens' kinds (merged windows: negative)
+    assert len(selector.seen) == len(prefill.kept_stages[0]) == 4
+    for seen, chosen, kept in zip(selector.seen, selector.chosen, prefill.kept_stages[0], strict=True):
+        survivors, alive_keys = set(seen.alive[chosen].tolist()), key_kinds & set(seen.alive.tolist())
+        assert kept == sorted(kind for kind in survivors if kind >= 0)  # the record: the grid cells alone
+        if rule == "paper":
+            probs = seen.text_probs.float().mean(dim=0)
+            total = probs.sum(dim=0)
+            drop = (total < total.sum() * 0.011) & (probs.max(dim=0).values < 0.01)
+            assert survivors == set(seen.alive[~drop].tolist()) | alive_keys
+        else:
+            assert alive_keys <= survivors or survivors <= alive_keys

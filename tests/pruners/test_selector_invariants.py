@@ -24,6 +24,7 @@ from prune_audit.pruners import (
     selector_class,
 )
 from prune_audit.pruners.schedule import average_visual_tokens
+from prune_audit.pruners.serving import TOWER_HOOK_SIGNALS
 from prune_audit.pruners.signals import VIDEO_GRID as VIDEO_GRID_SIGNAL
 
 GRID = (6, 8)
@@ -337,8 +338,14 @@ def test_prune_is_deterministic(name):
 def test_missing_layer_signal_is_named(name):
     selector = get_selector(name)
     stage = Stage(layer=2, keep=10)
-    for missing in sorted(selector.requires):
+    for missing in sorted(selector.requires - TOWER_HOOK_SIGNALS):  # the tower hook: its own tower stage's (below)
         absent = {name: None for name in (missing, selector.substitutes.get(missing, missing))}  # and its substitute
         signals = dataclasses.replace(layer_signals(torch.arange(N), 2), **absent)
         with pytest.raises(ValueError, match=missing):
             selector.prune(stage, signals, {})
+    tower = selector.tower_stage()
+    if tower is not None:  # MustDrop's vision stage reads the tower hook
+        signals = input_signals()
+        signals.merging_tower = None
+        with pytest.raises(ValueError, match="merging_tower"):
+            tower.select(signals, 10)
