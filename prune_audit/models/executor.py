@@ -183,6 +183,7 @@ class LanguageLoop:
         stage_layers: list[list[int]] = [[] for _ in range(batch.size)]
         counts: list[list[int]] = [[] for _ in range(batch.size)]
         key_valid: list[Tensor] = []
+        key_kinds: list[Tensor] = []  # each layer's token kinds, its cache's columns (the decode stage reads them)
         previous: Tensor | None = None
         rope, mask = self.stack.rotary(batch.hidden, batch.positions), attention_mask(batch.valid)
         visual = batch.visual_counts()
@@ -208,8 +209,11 @@ class LanguageLoop:
                 hidden = self.stack.after_layer(index, hidden, batch)
             batch = replace(batch, hidden=hidden)
             key_valid.append(batch.valid)
+            key_kinds.append(batch.kinds)
         logits = self.stack.lm_head(self.stack.norm(batch.hidden[:, -1])).float()
         prefill_tokens = key_valid[0].sum(dim=1).tolist()  # after a stage at layer 0 (VScan's vision stage)
+        if use_cache and plan.selector is not None and plan.selector.decode_keeps_final:
+            key_valid = final_cache_keys(key_valid, key_kinds, batch, plan)
         decode = self._decode_state(batch, cache, key_valid, plan.positions) if use_cache else None
         kept_stages = [[[kind for kind in alive if kind >= 0] for alive in row] for row in alive_stages]
         merged_stages = [
@@ -320,7 +324,30 @@ class LanguageLoop:
         return columns[keep], insertion
 
 
+def final_cache_keys(key_valid: list[Tensor], key_kinds: list[Tensor], batch: Batch, plan: LayerPlan) -> list[Tensor]:
+    """The decode stage of a selector with ``decode_keeps_final`` (MustDrop): each layer's (B, K_l) valid keys with
+    the visual tokens the last stage dropped masked, from the layer whose attention scores the row's first stage on
+    (``signal_layer="previous"``: the layer before it). Masking the cache's columns is attending to the official
+    sliced cache (``index_select`` of the last stage's survivors): the positions under ``compact`` count the valid
+    keys, as the official per-layer cache length does; the products (and the KV bytes) stay those of the cache.
+
+    Args:
+        key_valid, key_kinds: per layer, the (B, K_l) valid keys and kinds of its cache's columns after prefill.
+        batch: the batch after the last layer (its alive visual kinds are the last stage's survivors).
+    """
+    previous = plan.signal_layer == "previous"
+    masked = [valid.clone() for valid in key_valid]  # one valid tensor may stand for several layers
+    for row, stages in enumerate(plan.stages):
+        if not stages:
+            continue
+        survivors = batch.kinds[row][prunable(batch.kinds[row]) & batch.valid[row]]
+        for layer in range(max(stages[0].layer - previous, 0), len(masked)):
+            kinds = key_kinds[layer][row]
+            masked[layer][row] &= ~(prunable(kinds) & ~torch.isin(kinds, survivors))
+    return masked
+
+
 __all__ = [
     "ATTENTION_SIGNALS", "TEXT_BEFORE", "TEXT_AFTER", "PAD", "MERGED", "DecoderStack", "TokenRow", "Batch",
-    "pack", "gather_rows", "attention_mask", "LayerPlan", "Prefill", "DecodeState", "LanguageLoop",
+    "pack", "gather_rows", "attention_mask", "LayerPlan", "Prefill", "DecodeState", "LanguageLoop", "final_cache_keys",
 ]  # fmt: skip

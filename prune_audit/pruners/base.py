@@ -266,6 +266,9 @@ class LayerSelector(Selector):
     ties: str = "lower"  # top-k selectors declare it as an option (TOP_K_TIES)
     model_attention: str = "eager"  # the attention recipe under score_dtype="model" (MODEL_ATTENTIONS)
     attention_rope: str = "applied"  # "skipped": attention signals from unrotated q and k (VScan's Qwen code)
+    #: whether decoding attends, from the first stage's scoring layer on, only to the visual tokens the last stage
+    #: keeps (MustDrop's decode stage: its KV cache of those layers sliced to them), not to those each layer ran on
+    decode_keeps_final: ClassVar[bool] = False
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""

@@ -225,12 +225,13 @@ class MustDropSelector(ScheduledSelector):
     :func:`dual_attention_score` (the official dual-attention filter as a score). Positions are compacted after
     every stage (the official code narrows ``position_ids`` to ``0..L'-1``).
 
-    Decode stage: not run. The official prefill returns each pruning layer's KV cache (layers 2..14) sliced to
-    the tokens the last stage keeps, so decoding attends there to the final survivors only; this project's
-    decoding (``models.executor.DecodeState``) keeps in each layer's cache the tokens that layer ran on at
-    prefill, so layers 2..14 still attend to the tokens later stages dropped. The executor has no per-selector
-    hook on the cache, and the answers scored here (one-token yes/no and options, short greedy answers) would
-    differ from the official only in the decode steps after the first token.
+    Decode stage (``decode_keeps_final``): the official prefill returns the KV cache of the pruning layers (2..14)
+    sliced to the tokens the last stage keeps, so decoding attends there to the final survivors only (layers 0..1
+    keep every token). Here the executor masks those layers' cache columns of the visual tokens the last stage
+    dropped (:func:`~prune_audit.models.executor.final_cache_keys`), from the first stage's scoring layer on:
+    the same attention as the sliced cache, and under ``compact`` positions each decoded token's position counts
+    the layer's valid keys, as the official per-layer cache length gives it. The first answer token (the yes/no
+    and option tasks) comes from the prefill and is unchanged; longer answers differ from the second token on.
 
     ``budget_rule="average"`` (default): one count at the four stages (nudged by single tokens), solved on the
     tokens the vision stage feeds so the layer average is the budget: the official thresholds drop almost
@@ -256,19 +257,22 @@ class MustDropSelector(ScheduledSelector):
         "Multi-Stage Vision Token Dropping: Towards Efficient Multimodal Large Language Model (arXiv 2411.10803)",
         "liuting20/MustDrop",
         "vision stage (3x3 windows of mean cosine >= 0.8 merged after CLIP layer 0), key set (top 8% CLS attention "
-        "of layer 23) + dual-attention thresholds at layers 2/6/10/14 (global 0.011, individual 0.01); the decode "
-        "stage's KV-cache slicing not run",
+        "of layer 23) + dual-attention thresholds at layers 2/6/10/14 (global 0.011, individual 0.01); decoding "
+        "attends in layers 2.. to the last stage's survivors (the KV-cache slicing)",
     )
     fidelity: ClassVar[Fidelity] = Fidelity(
         "909afa53",
         "3x3 windows of mean cosine >= 0.8 merged after CLIP layer 0 in the tower; key set of the top 8% CLS "
         "attention of the layer after the feature layer on the merged tokens kept; the dual-attention score of "
-        "layers 2/6/10/14 prunes their outputs to one count solved to the budget average; positions compacted",
+        "layers 2/6/10/14 prunes their outputs to one count solved to the budget average; positions compacted; "
+        "decoding attends in layers 2.. to the last stage's survivors only",
         ("budget_rule=paper",),
         (
-            "the decode stage is not run: the official code slices the KV cache of layers 2..14 to the last stage's "
-            "survivors for decoding; here each layer's cache keeps the tokens it ran on at prefill (the executor's "
-            "decoding has no per-selector cache hook); the first answer token is unaffected",
+            "the decode stage masks the cache columns of the tokens the last stage dropped in layers 2.. (from the "
+            "first stage's scoring layer, scaled) instead of slicing them: the same attention (within 1e-5 over "
+            "three greedy steps, test_decode_stage_attends_to_the_last_stage_survivors_from_layer_2); positions "
+            "count the valid keys as the official cache length does; the decode FLOPs and KV bytes reported are "
+            "those of the unsliced caches the implementation runs",
             "merge ties between windows of equal similarity go to the lower window (torch.topk leaves them "
             "unspecified); a grid that 3x3 windows do not tile merges its full windows only (the official asserts "
             "24x24); the merged state is the window mean in the tower's dtype (the official sums in scatter order)",
@@ -311,6 +315,7 @@ class MustDropSelector(ScheduledSelector):
     )
     merge_thr: float = option(MERGE_THRESHOLD, Real(low=-1.0, high=1.0), "mean window cosine that merges a window")
     signal_layer = "previous"  # each scoring layer prunes its own output (not an option)
+    decode_keeps_final: ClassVar[bool] = True  # the decode stage: layers 2.. attend to the last stage's survivors
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -9,6 +9,8 @@ the demo and a tiny LLaVA whose per-stage records are checked against the filter
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 
 import pytest
@@ -336,7 +338,7 @@ def merging_llava(tmp_path_factory):
     """A tiny LLaVA with a 6 x 6 grid (four 3 x 3 windows) and 3 tower layers: layer 0, the merge, layer 1 (the
     feature layer's), and layer 2 whose CLS row ranks the key set (the official layer 23 of 24)."""
     root = tmp_path_factory.mktemp("mustdrop_merge") / "llava"
-    path = LlavaModel.build_tiny(root, words=WORDS, text_layers=8, seed=4, image_size=84, vision_layers=3)
+    path = LlavaModel.build_tiny(root, words=WORDS, text_layers=16, seed=4, image_size=84, vision_layers=3)
     vlm = load_vlm(path, device="cpu")
     return vlm, vlm.prepare(random_image(6, (84, 84)), QUESTIONS[1])
 
@@ -404,3 +406,54 @@ def test_tiny_llava_vision_stage_is_the_official_tower(merging_llava, rule):
             assert survivors == set(seen.alive[~drop].tolist()) | alive_keys
         else:
             assert alive_keys <= survivors or survivors <= alive_keys
+
+
+# --- the decode stage: ``modelling_sparse_llama.py``'s KV cache of layers 2..14 sliced to the last survivors -------
+
+
+def sliced_decode(decode):
+    """The official decode state: each layer's cache ``index_select``-ed to its valid columns (one row), every
+    kept key valid; a copy, so the masked state decodes on the cache as prefill left it."""
+    cache = copy.deepcopy(decode.cache)
+    valid = []
+    for layer, keys in zip(cache.layers, decode.key_valid, strict=True):
+        columns = torch.nonzero(keys[0]).flatten()
+        layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
+        valid.append(torch.ones(1, columns.numel(), dtype=torch.bool))
+    return dataclasses.replace(decode, cache=cache, key_valid=valid, next_position=decode.next_position.clone())
+
+
+# the paper rule with thresholds that drop some of the tiny model's nearly flat attention (0.011 / 0.01 keep all)
+DECODE_CASES = [{"budget_rule": "average"}, {"budget_rule": "paper", "global_thr": 0.06, "individual_thr": 0.2}]
+
+
+@pytest.mark.parametrize("options", DECODE_CASES)
+def test_decode_stage_attends_to_the_last_stage_survivors_from_layer_2(merging_llava, options):
+    """After a cached prefill, layers from the first stage's scoring layer on (2 on the reference, 1 on this
+    16-layer model) keep only the last stage's visual tokens valid, the layers before every token; three greedy
+    steps on that masked cache give the logits of the official sliced cache, and differ from the unsliced one."""
+    vlm, item = merging_llava
+    options = {**options, "merge_thr": window_threshold(vlm, item)}
+    selector = get_selector("mustdrop", **options)
+    prefill, selections = vlm.prefill([item], selector, 8, use_cache=True)
+    fed = selections[0].num_output_tokens
+    first = vlm.schedule(selector, fed, 8)[0].layer
+    final = len(prefill.kept_stages[0][-1]) + len(prefill.merged_stages[0][-1])
+    text = item.input_ids.numel() - item.num_visual
+    valid = [int(keys.sum()) for keys in prefill.decode.key_valid]
+    assert first == 2 and valid == [text + fed] * (first - 1) + [text + final] * (vlm.num_layers - first + 1)
+    assert final < fed  # the stages dropped tokens: the decode stage masks some
+    official = sliced_decode(prefill.decode)
+    unsliced, _ = vlm.prefill([item], Unsliced(**options), 8, use_cache=True)
+    token = torch.tensor([5])
+    for _ in range(3):
+        masked_logits = vlm.loop.decode_step(prefill.decode, token)
+        torch.testing.assert_close(masked_logits, vlm.loop.decode_step(official, token), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(masked_logits, vlm.loop.decode_step(unsliced.decode, token), atol=1e-5)
+        token = masked_logits.argmax(dim=-1)
+
+
+class Unsliced(MustDropSelector):
+    """MustDrop without its decode stage: each layer's cache keeps the tokens it ran on at prefill."""
+
+    decode_keeps_final = False
