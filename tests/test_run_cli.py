@@ -191,13 +191,13 @@ def test_in_llm_stages_are_nested_and_retention_never_grows(workspace, tmp_path,
     layers = [layer for layer, _ in json.loads((out / "manifest.json").read_text())["selector"]["schedule"]]
     from prune_audit.pruners import get_selector
 
-    # a selector's own tower stage (MustDrop's merge) records the tower stage (< 0) and the input (0) first
-    opening = 2 if get_selector(selector).tower_stage() is not None else 0
+    # a selector's own tower stage (MustDrop's merge) records the input (stage 0) first
+    opening = 1 if get_selector(selector).tower_stage() is not None else 0
     masked = 0
     for row in records.itertuples():
         stages = [set(kept) for kept in row.kept_stages]
         recorded = list(row.stage_layers)
-        assert not opening or (recorded[0] < 0 and recorded[1] == 0)
+        assert recorded[:opening] == [0] * opening
         assert recorded[opening:] == layers and all(a >= b for a, b in zip(stages, stages[1:]))
         for column in ("retention_stages", "object_tokens_kept_stages", "lost_stages", "diluted_stages"):
             assert len(getattr(row, column)) == len(stages)
@@ -217,8 +217,8 @@ def test_in_llm_stages_are_nested_and_retention_never_grows(workspace, tmp_path,
     first = int(records["lost"].dropna().sum())
     if layers[0] > 0 and not opening:  # in-LLM: the first stage is deeper, except VScan's vision stage
         assert "lost objects, stage first (decoder layer 0)" not in result.output
-    place = f"stage layer {records['stage_layers'][0][0]}" if opening else f"decoder layer {layers[0]}"
-    assert f"lost objects, stage first ({place})" in " ".join(result.output.split())
+    first_layer = 0 if opening else layers[0]
+    assert f"lost objects, stage first (decoder layer {first_layer})" in " ".join(result.output.split())
     assert f"{first} of {masked}" in result.output
 
 

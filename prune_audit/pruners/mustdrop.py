@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, get_args
 
 import torch
@@ -111,7 +111,7 @@ class WindowMerging:
     mean of its states (``merge_wavg``: each window sum over its size 9), laid out as the official ``merge``: CLS,
     the merged windows (:func:`merge_plan`'s order), then the other patches ascending. It keeps the (H, 1 + M) CLS
     row the key set ranks: the next layer's (``reads_next_layer``: the official layer 23 on the feature layer's
-    output), else the last layer's run. ``stages``: ``(layer, unmerged cells)`` of the merge.
+    output), else the last layer's run. ``unmerged``: the (N - 9r,) ascending cells no window merged.
     """
 
     grid: tuple[int, int]
@@ -121,7 +121,7 @@ class WindowMerging:
     reads_next_layer: ClassVar[bool] = True
     layers: int = 0
     cls_probs: Tensor | None = None
-    stages: list[tuple[int, Tensor]] = field(default_factory=list)
+    unmerged: Tensor | None = None
 
     @staticmethod
     def metric(cls_probs: Tensor, keys: Tensor, values: Tensor) -> Tensor:
@@ -141,7 +141,7 @@ class WindowMerging:
             [sources[0]] + [torch.sort(cells).values for cells in merged] + [sources[1 + c] for c in unmerged.tolist()]
         )
         counts = torch.tensor([1.0] + [float(merged.shape[1])] * merged.shape[0] + [1.0] * unmerged.numel())
-        self.stages.append((layer, unmerged))
+        self.unmerged = unmerged
         return states, counts, kept_sources
 
     def next_layer_cls(self, cls_probs: Tensor) -> None:
@@ -155,9 +155,11 @@ class MustDropVision(InputSelector):
     (not registered: its name and facts are MustDrop's). It ignores the budget: the threshold decides.
 
     Returns ``Selection(kept, sources, vision_tokens)``: the M output tokens at the feature layer of the merged
-    tower (``vision_tokens`` (M, Dv)) in the official order, ``kept`` the unmerged cells, the merge recorded as a
-    tower stage (``MERGE_LAYER - Lv``), and the key set's positions among the M tokens in ``llm_state``
-    (``key_positions``: the ``ceil(0.08 M)`` largest head-mean CLS attention of the step's CLS row).
+    tower (``vision_tokens`` (M, Dv)) in the official order, ``kept`` the unmerged cells (``sources``: the merged
+    windows too, the record's stage 0), and the key set's positions among the M tokens in ``llm_state``
+    (``key_positions``: the ``ceil(0.08 M)`` largest head-mean CLS attention of the step's CLS row). The merge is
+    recorded at the input (stage 0), as ToMe's tower merges are, not as a tower stage: a tower stage records kept
+    cells only, so the merged windows would read as lost there and found again at the input.
     """
 
     name: ClassVar[str] = "mustdrop"
@@ -179,13 +181,11 @@ class MustDropVision(InputSelector):
 
     @staticmethod
     def tower_merges(tokens: int, budget: int, layers: int, stages: Sequence[tuple[int, int]]) -> tuple[int, ...]:
-        """Tokens each of the ``layers`` tower layers removes, from the recorded tower stage ``(MERGE_LAYER -
-        layers, unmerged cells)``: 8 of every merged window's 9 after layer 0 (the tower always runs)."""
+        """Tokens each of the ``layers`` tower layers removes, from the recorded input stage ``(0, unmerged
+        cells)`` (the first at layer 0): 8 of every merged window's 9 after layer 0 (the tower always runs)."""
+        unmerged = next(kept for layer, kept in stages if layer == 0)
         merges = [0] * layers
-        for layer, unmerged in stages:
-            if layer < 0:
-                windows = (tokens - unmerged) // (WINDOW * WINDOW)
-                merges[layers + layer] = windows * (WINDOW * WINDOW - 1)
+        merges[MERGE_LAYER] = (tokens - unmerged) // (WINDOW * WINDOW) * (WINDOW * WINDOW - 1)
         return tuple(merges)
 
     def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
@@ -195,12 +195,11 @@ class MustDropVision(InputSelector):
         if step.cls_probs is None or step.cls_probs.shape[-1] != states.shape[0]:
             raise ValueError("MustDrop's key set needs a vision-tower layer after its merge (layer 0)")
         keys = key_set(step.cls_probs.mean(dim=0)[1:])
-        unmerged = step.stages[0][1] if step.stages else torch.arange(signals.num_tokens)
+        unmerged = step.unmerged if step.unmerged is not None else torch.arange(signals.num_tokens)
         return Selection(
             kept=unmerged,
             sources=sources[1:],
             vision_tokens=states[1:].float(),
-            tower_stages=[(layer - step.layers, cells) for layer, cells in step.stages],
             llm_state={"key_positions": keys},
         )
 
@@ -213,8 +212,8 @@ class MustDropSelector(ScheduledSelector):
     Vision stage (``vision="merge"``, official; :meth:`tower_stage`, run as a composed selector's input part):
     the adapter's tower rerun with :class:`WindowMerging` after CLIP layer 0's MLP merges every 3 x 3 window of
     mean pairwise cosine ``>= merge_thr`` (0.8) into its mean; the M tokens fed are the merged windows (by
-    decreasing similarity) then the other patches ascending, as the official tower outputs them, recorded as a
-    tower stage (``0 - Lv``) and at the input (stage 0). Key set: the ``ceil(0.08 M)`` tokens with the largest
+    decreasing similarity) then the other patches ascending, as the official tower outputs them, recorded at the
+    input (stage 0: the unmerged cells kept, each merged window a merged token). Key set: the ``ceil(0.08 M)`` tokens with the largest
     head-mean CLS attention of the layer after the feature layer on the merged states (the official layer 23),
     fixed at the first prefill stage; its tokens survive every stage. ``vision="off"``: the N unmerged patches
     (the stock tower) and the key set on the feature layer's CLS row (``layer_cls_attention``, the last row).

@@ -203,26 +203,26 @@ def official_key_order(seen: LayerSignals) -> torch.Tensor:
 
 @pytest.mark.parametrize("merge_thr", [0.8, 0.3])
 def test_demo_run_records_the_vision_stage_then_one_stage_per_pruning_layer(merge_thr):
-    """The merge after tower layer 0 (stage ``0 - Lv``), the tokens fed (stage 0: the unmerged cells and the
-    merged windows), then the four prefill stages on the tokens fed; 0.3 merges some of the demo's windows."""
+    """The tokens fed at the input (stage 0: the unmerged cells and the merged windows), then the four prefill
+    stages on the tokens fed; 0.3 merges some of the demo's windows. Each stage's objects: never lost then found."""
     vlm = load_demo(DEMO_MODELS["demo"])
     image = random_image(5, (96, 96))
     with pruned(vlm, "mustdrop", 24, merge_thr=merge_thr) as model:
         result = model.answer(image, QUESTIONS[0])
     item = vlm.prepare(image, QUESTIONS[0])
-    fed = len(result.kept_stages[1]) + len(result.merged_stages[1])
+    fed = len(result.kept_stages[0]) + len(result.merged_stages[0])
     stages = vlm.schedule(get_selector("mustdrop"), fed, 24)
-    assert result.stage_layers == [-vlm.feature_index, 0] + [stage.layer for stage in stages]
-    assert result.kept_stages[0] == result.kept_stages[1]
-    merged = result.merged_stages[1]
+    assert result.stage_layers == [0] + [stage.layer for stage in stages]
+    merged = result.merged_stages[0]
     assert all(len(window) == 9 for window in merged) and (merge_thr == 0.8 or merged)
-    assert sorted(result.kept_stages[1] + [cell for window in merged for cell in window]) == list(
+    assert sorted(result.kept_stages[0] + [cell for window in merged for cell in window]) == list(
         range(item.num_visual)
     )  # every cell fed once: alone or in its window
-    alive = [len(k) + len(m) for k, m in zip(result.kept_stages[2:], result.merged_stages[2:], strict=True)]
+    alive = [len(k) + len(m) for k, m in zip(result.kept_stages[1:], result.merged_stages[1:], strict=True)]
     assert alive == [stage.keep for stage in stages]
-    for earlier, later in zip(result.kept_stages[1:], result.kept_stages[2:]):
-        assert set(later) <= set(earlier)
+    covered = [set(k) | {c for group in m for c in group} for k, m in zip(result.kept_stages, result.merged_stages)]
+    for earlier, later in zip(covered, covered[1:]):  # a cell is never dropped then carried again
+        assert later <= earlier
 
 
 # --- the vision stage: ``local_merge.py`` (``conditional_pooling``, ``merge_wavg``) after CLIP layer 0 ---------------
@@ -308,7 +308,7 @@ def test_vision_merge_reproduces_the_official_conditional_pooling(seed):
     torch.testing.assert_close(states, official[0], atol=1e-5, rtol=1e-5)
     expected = [sorted(window.tolist()) for window in windows] + [[cell] for cell in unmerged.tolist()]
     assert [group.tolist() for group in sources[1:]] == expected
-    assert step.stages == [(0, step.stages[0][1])] and step.stages[0][1].tolist() == unmerged.tolist()
+    assert step.unmerged.tolist() == unmerged.tolist()
 
     tokens = 1 + len(expected)
     logits = torch.randn(1, VISION_HEADS, tokens, tokens, generator=generator) * 2
@@ -318,7 +318,7 @@ def test_vision_merge_reproduces_the_official_conditional_pooling(seed):
     selection = MustDropVision().select(signals, 64)
     assert set(selection.llm_state["key_positions"].tolist()) == official_key_set(next_row)
     assert selection.kept.tolist() == unmerged.tolist()
-    assert selection.tower_stages[0][0] == -23 and selection.num_output_tokens == tokens - 1
+    assert selection.tower_stages == [] and selection.num_output_tokens == tokens - 1  # recorded at the input
     torch.testing.assert_close(selection.vision_tokens, official[0, 1:], atol=1e-5, rtol=1e-5)
 
 
@@ -330,7 +330,7 @@ def single_sources() -> list[torch.Tensor]:
 def test_window_flops_count_one_product_per_full_window():
     work = SelectorWork(tokens=PATCHES, vision_width=VISION_WIDTH, grid=(24, 24))
     assert MustDropVision.flops(work) == 64 * 2 * 9 * VISION_WIDTH * 9
-    assert MustDropVision.tower_merges(PATCHES, 64, 23, [(-23, 576 - 9 * 5), (0, 531), (3, 40)])[:2] == (40, 0)
+    assert MustDropVision.tower_merges(PATCHES, 64, 23, [(0, 576 - 9 * 5), (3, 40), (7, 30)])[:2] == (40, 0)
 
 
 @pytest.fixture(scope="module")
