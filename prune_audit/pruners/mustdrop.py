@@ -12,7 +12,15 @@ import torch
 from torch import Tensor
 
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
-from prune_audit.pruners.base import InputSelector, PositionMode, Reference, Selection, Stage, top_k_indices
+from prune_audit.pruners.base import (
+    InputSelector,
+    PositionMode,
+    Reference,
+    Selection,
+    Stage,
+    as_float32,
+    top_k_indices,
+)
 from prune_audit.pruners.fidelity import Fidelity, random_agreement
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.ranking import ranked_indices
@@ -119,7 +127,6 @@ class WindowMerging:
     proportional: ClassVar[bool] = False  # the official later layers run plain attention (its ``size`` unused)
     after_mlp: ClassVar[bool] = True
     reads_next_layer: ClassVar[bool] = True
-    layers: int = 0
     cls_probs: Tensor | None = None
     unmerged: Tensor | None = None
 
@@ -131,12 +138,12 @@ class WindowMerging:
     def __call__(
         self, layer: int, layers: int, hidden: Tensor, metric: Tensor, size: Tensor, sources: list[Tensor]
     ) -> tuple[Tensor, Tensor, list[Tensor]]:
-        self.layers, self.cls_probs = layers, metric
+        self.cls_probs = metric
         if layer != MERGE_LAYER:
             return hidden, size, sources
-        merged, unmerged = merge_plan(hidden[1:].float(), self.grid, self.threshold)
-        rows = merged.to(hidden.device) + 1
-        states = torch.cat([hidden[:1], hidden[rows].sum(dim=1) / merged.shape[1], hidden[unmerged + 1]])
+        merged, unmerged = merge_plan(hidden[1:].float().cpu(), self.grid, self.threshold)  # the plan on the CPU
+        rows, alone = merged.to(hidden.device) + 1, unmerged.to(hidden.device) + 1
+        states = torch.cat([hidden[:1], hidden[rows].sum(dim=1) / merged.shape[1], hidden[alone]])
         kept_sources = (
             [sources[0]] + [torch.sort(cells).values for cells in merged] + [sources[1 + c] for c in unmerged.tolist()]
         )
@@ -199,7 +206,7 @@ class MustDropVision(InputSelector):
         return Selection(
             kept=unmerged,
             sources=sources[1:],
-            vision_tokens=states[1:].float(),
+            vision_tokens=as_float32(states[1:]),
             llm_state={"key_positions": keys},
         )
 
