@@ -8,7 +8,7 @@ import re
 import pyarrow.parquet as pq
 import pytest
 from cli_checks import refused, snapshot
-from test_tasks import letters_model, scienceqa_file  # noqa: F401  (letters_model is a fixture)
+from test_scienceqa import scienceqa_file
 from typer.testing import CliRunner
 
 from prune_audit.cli.help_text import unwrapped

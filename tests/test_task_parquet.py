@@ -1,6 +1,6 @@
 """``run --questions FILE.parquet``: every task's lmms-eval Parquet layout, images embedded, no ``--images`` folder.
 
-The files are built offline in the datasets' exact schema (``test_task_data``'s writers) over the
+The files are built offline in the datasets' exact schema (``test_lmms_parquet``'s writers) over the
 workspace's synthetic scenes; each run must record what the same questions from JSON files and an
 images folder record.
 """
@@ -15,8 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from cli_checks import refused
-from test_task_data import IMAGE_STRUCT, gqa_instruction_columns, image, write_parquet
-from test_tasks import gqa_args, gqa_inputs, letters_model, scienceqa_file  # noqa: F401 (letters_model: fixture)
+from test_gqa import gqa_inputs
+from test_lmms_parquet import IMAGE_STRUCT, gqa_instruction_columns, image, write_parquet
+from test_scienceqa import scienceqa_file
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
