@@ -161,6 +161,7 @@ def test_in_llm_selector_records_stages(workspace, tmp_path):
 
 IN_LLM_SELECTORS = (
     "dart",
+    "dycoke_kv",
     "e2s",
     "fastv",
     "fitprune",
