@@ -2,7 +2,7 @@
 
 Input-level selectors: seeded generators, a dense float64 cosine matrix, the eager facility-location greedy, the
 package's tie rule written out, clustered features, flat fp16-like CLS probabilities. In-LLM selectors: small
-``LayerSignals`` on a 1 x n grid.
+``LayerSignals`` on a 1 x n grid, a schedule's (layer, keep) pairs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from prune_audit.pruners import LayerSignals, similarity
+from prune_audit.pruners import LayerSignals, Stage, similarity
 
 
 def random_generator(seed: int = 0) -> torch.Generator:
@@ -89,3 +89,7 @@ def lower_index_top_k(scores: torch.Tensor, k: int) -> list[int]:
 def signals(n: int, grid: tuple[int, int] | None = None, alive: list[int] | None = None, **fields) -> LayerSignals:
     alive_tensor = torch.tensor(alive if alive is not None else list(range(n)))
     return LayerSignals(alive=alive_tensor, grid=grid or (1, n), layer=2, num_layers=32, **fields)
+
+
+def counts(stages: list[Stage]) -> list[tuple[int, int]]:
+    return [(stage.layer, stage.keep) for stage in stages]

@@ -1,5 +1,5 @@
 """CDPruner: the fast greedy MAP against naive log-determinants and the one-row-per-pick greedy, and the official
-half-precision relevance (Theia-4869/CDPruner 9541616c, llava/model/llava_arch.py::encode_images)."""
+normalisation and relevance in half precision (Theia-4869/CDPruner 9541616c, llava_arch.py::encode_images)."""
 
 from __future__ import annotations
 

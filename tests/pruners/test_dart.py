@@ -1,5 +1,5 @@
-"""DART: pivots and least-similar picks by hand, and the official half-precision cosine (fork xqy1111111/DART
-02476570, llava/model/language_model/modeling_llama_self.py)."""
+"""DART: pivots and least-similar picks by hand, the official pivot iteration, and the official half-precision cosine
+(ZichenWen1/DART; fork xqy1111111/DART 02476570, llava/model/language_model/modeling_llama_self.py)."""
 
 from __future__ import annotations
 

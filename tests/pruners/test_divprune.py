@@ -1,4 +1,5 @@
-"""DivPrune: the farthest-point order on hand-checkable points and against the one-row-per-pick greedy."""
+"""DivPrune: the farthest-point order on hand-checkable points, against the one-row-per-pick greedy, and against the
+official half-precision picks (vbdi/divprune)."""
 
 from __future__ import annotations
 

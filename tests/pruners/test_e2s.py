@@ -1,15 +1,16 @@
 """E2S-Pruner: Dempster's rule, the per-head evidence masses and the selector's scores, fusion and switches on
-cases small enough to check by hand."""
+cases small enough to check by hand; the paper's schedules and its Table 3 presets."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from selector_cases import signals
+from selector_cases import counts, signals
 
 from prune_audit.pruners import LayerSignals, Stage, get_selector
 from prune_audit.pruners.dempster_shafer import dempster_combine, head_masses, priority, vacuous_mass
 from prune_audit.pruners.e2s import novelty_bonus
+from prune_audit.pruners.schedule import average_visual_tokens
 
 # --- Dempster's rule --------------------------------------------------------------------------------------------------
 
@@ -68,8 +69,6 @@ EXPECTED_MASSES = torch.tensor(
         [25 / 432, 35 / 432, 31 / 36],
     ]
 )
-
-
 EXPECTED_PRIORITY = torch.tensor([407 / 432, 1.0, 397 / 432, 397 / 432])  # 1 - m(U) at the first stage
 
 
@@ -225,3 +224,21 @@ def test_every_e2s_table3_row_is_a_preset_averaging_128(row):
     assert [(stage.layer, stage.keep) for stage in stages] == list(zip((3, 17, 22), row))
     # layers 0-2 see 576 tokens, 3-16 the first count, 17-21 the second, 22-31 the third
     assert (3 * 576 + 14 * row[0] + 5 * row[1] + 10 * row[2]) / 32 == average_visual_tokens(stages, 32, 576) == 128
+
+
+# --- the paper's schedules on LLaVA-1.5 -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget, expected", [(192, [194, 148, 96]), (128, [122, 48, 42]), (64, [20, 8, 0])])
+@pytest.mark.parametrize("rule", ["average", "paper"])
+def test_e2s_paper_schedules_are_exact_on_llava(budget, expected, rule):
+    stages = get_selector("e2s", budget_rule=rule).schedule(32, 576, budget)
+    assert counts(stages) == list(zip([3, 17, 22], expected))
+    assert average_visual_tokens(stages, 32, 576) == budget
+
+
+def test_e2s_presets_name_the_paper_schedules():
+    preset = get_selector("e2s", budget_rule="paper", schedule_preset="table3_132_40_32").schedule(32, 576, 128)
+    assert counts(preset) == [(3, 132), (17, 40), (22, 32)]
+    assert average_visual_tokens(preset, 32, 576) == 128
+    assert counts(get_selector("e2s", budget_rule="paper").schedule(32, 576, 128)) == [(3, 122), (17, 48), (22, 42)]

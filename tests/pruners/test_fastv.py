@@ -1,4 +1,5 @@
-"""FastV: the top-k of the last prompt row's head-mean attention, by hand."""
+"""FastV: the top-k of the last prompt row's head-mean attention by hand, in the model dtype, and from the layer before
+the cut on a tiny LLaVA; its average-matched default schedule."""
 
 from __future__ import annotations
 
@@ -48,3 +49,11 @@ def test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut(tiny_llava, 
         start, end = item.image_span
         scores = output.attentions[source][0, :, -1, start:end].mean(dim=0)
         assert prefill.kept_stages[0][0] == top_k_sorted(scores, 20)
+
+
+# --- the default schedule ---------------------------------------------------------------------------------------------
+
+
+def test_fastv_default_is_average_matched():
+    kept = [get_selector("fastv").schedule(32, 576, budget)[0].keep for budget in (192, 128, 64)]
+    assert kept == [166, 98, 30]  # (32 B - 2 * 576) / 30, spec section 14

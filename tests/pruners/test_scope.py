@@ -1,4 +1,5 @@
-"""SCOPE: saliency-weighted facility location against the eager greedy."""
+"""SCOPE: saliency-weighted facility location against the eager greedy, and against the official greedy in float32
+and half precision (kinredon/SCOPE a01b98f6)."""
 
 from __future__ import annotations
 

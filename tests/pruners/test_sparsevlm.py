@@ -1,11 +1,12 @@
-"""SparseVLM: raters and rater-row scores by hand, and the official half-precision scores and attention recipe
-(Gumpest/SparseVLMs 26a5f488: modelling_sparse_llama.py, utils.py, score.py)."""
+"""SparseVLM: raters and rater-row scores by hand, the official half-precision scores and attention recipe
+(Gumpest/SparseVLMs 26a5f488: modelling_sparse_llama.py, utils.py, score.py), the previous layer's rater attention on
+a tiny LLaVA, and the paper's schedule."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from rederivation import (  # noqa: F401 (tiny_llava_path: fixture)  # noqa: F401 (tiny_llava, tiny_llava_paths: fixtures)
+from rederivation import (  # noqa: F401 (tiny_llava, tiny_llava_path, tiny_llava_paths: fixtures)
     BUDGETS,
     EXACT,
     FIDELITY,
@@ -25,9 +26,10 @@ from rederivation import (  # noqa: F401 (tiny_llava_path: fixture)  # noqa: F40
     tiny_llava_paths,
     top_k_sorted,
 )
-from selector_cases import signals
+from selector_cases import counts, signals
 
 from prune_audit.pruners import LayerSignals, Stage, get_selector
+from prune_audit.pruners.schedule import average_visual_tokens
 from prune_audit.pruners.sparsevlm import select_raters
 
 
@@ -188,3 +190,17 @@ def test_sparsevlm_scores_its_first_stage_with_the_previous_layer_rater_attentio
         raters = torch.nonzero(relevance > relevance.mean()).flatten() + end
         scores = output.attentions[layer - 1][0][:, raters, start:end].mean(dim=(0, 1))
         assert prefill.kept_stages[0][0] == top_k_sorted(scores, keep)
+
+
+# --- the paper's schedule ---------------------------------------------------------------------------------------------
+
+
+def test_sparsevlm_paper_schedule_realises_the_reference_averages():
+    """Issue 14 item 3: with the official layer semantics the paper counts average 202.75 / 140.81 / 79.19."""
+    realised = {
+        budget: average_visual_tokens(get_selector("sparsevlm", budget_rule="paper").schedule(32, 576, budget), 32, 576)
+        for budget in (192, 128, 64)
+    }
+    assert realised == pytest.approx({192: 202.75, 128: 140.8125, 64: 79.1875})
+    current = get_selector("sparsevlm", budget_rule="paper", signal_layer="current").schedule(32, 576, 192)
+    assert counts(current) == [(2, 300), (6, 200), (15, 110)]

@@ -1,5 +1,5 @@
-"""ToMe: per-grid merging, its demo records, and merging in the vision tower against the official blocks
-(facebookresearch/ToMe af95e4b1: merge.py, patch/timm.py)."""
+"""ToMe (facebookresearch/ToMe af95e4b1): per-grid merging, its demo records, the official merging rounds at the
+projector, and merging in the vision tower against the official blocks (merge.py, patch/timm.py)."""
 
 from __future__ import annotations
 

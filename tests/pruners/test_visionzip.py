@@ -1,4 +1,5 @@
-"""VisionZip: the reference splits, the output layout and contextual merge, and the model-dtype rounding."""
+"""VisionZip: the reference splits, the output layout and contextual merge, the model-dtype rounding, and the
+official forward in float32 and half precision (dvlab-research/VisionZip 3151f6df)."""
 
 from __future__ import annotations
 
