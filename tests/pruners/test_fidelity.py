@@ -14,7 +14,7 @@ import functools
 
 import pytest
 import torch
-from rederivation import (
+from rederivation import (  # noqa: F401 (tiny_llava, tiny_llava_paths: fixtures)
     BUDGETS,
     CASES,
     EXACT,
@@ -28,8 +28,10 @@ from rederivation import (
     fastv_cpu_gemm_case,
     features_of,
     official_scope_in,
+    tiny_llava,
+    tiny_llava_paths,
     top_k_sorted,
-)  # noqa: F401 (tiny_llava, tiny_llava_paths: fixtures)
+)
 
 from prune_audit.pruners import InputSignals, LayerSignals, Stage, get_selector
 
