@@ -206,7 +206,7 @@ def test_vscan_llm_stage_keeps_the_official_half_precision_set(dtype):
     """The LLM stage (``modeling_llama_x.py::layer_prune``: eager attention of the last prompt row, / sqrt(d),
     float32 softmax rounded, head mean rounded, ``topk``) with score_dtype=model, ties=topk on the probe's rows:
     30 of 30 per dtype against the official attention run on this CPU (whose fp16 GEMM rounds a few q.k
-    differently, see test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)."""
+    differently, see test_fidelity.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)."""
     image, identical = slice(PREFIX, PREFIX + TOKENS), 0
     for seed in SEEDS:
         official, probe = fastv_cpu_gemm_case(seed, dtype)
