@@ -1,5 +1,6 @@
 """ToMe (facebookresearch/ToMe af95e4b1): per-grid merging, its demo records, the official merging rounds at the
-projector, and merging in the vision tower against the official blocks (merge.py, patch/timm.py)."""
+projector, merging in the vision tower against the official blocks (merge.py, patch/timm.py), and the serving need of a
+tower-merging instance."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typer.testing import CliRunner
 from prune_audit.cli.main import app
 from prune_audit.pruners import InputSignals, get_selector
 from prune_audit.pruners.fidelity import RANDOM_CASES
+from prune_audit.pruners.serving import serving_need
+from prune_audit.pruners.tome import ToMeSelector
 
 
 def test_tome_merges_within_each_grid_and_keeps_a_whole_grid_in_the_projected_space():
@@ -229,3 +232,11 @@ def test_tome_reproduces_the_official_merging_rounds():
     """Every output token's cells and vector (within 1e-5) as the official rounds, at 64/128/192."""
     assert sum(tome_identical(seed, budget, dim) for seed, budget, dim in CASES) == len(CASES)
     assert FIDELITY["tome"].agreement_cases == len(CASES)
+
+
+# --- serving ----------------------------------------------------------------------------------------------------------
+
+
+def test_an_instance_that_merges_in_the_tower_needs_the_towers_forward():
+    assert serving_need(ToMeSelector()) == "encoder"
+    assert serving_need(ToMeSelector(location="tower")) == "tower"
