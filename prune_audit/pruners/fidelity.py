@@ -89,10 +89,11 @@ ROPE_ONCE = (
 
 def half_exact(given: str, passed: str, fp16: int, bf16: int) -> str:
     """The half agreement of a selector exact with ``score_dtype=model, ties=topk`` given the ``given`` signals in
-    the model dtype (tests/pruners/test_fidelity_half_rederived.py), and ``fp16`` / ``bf16`` of the cases given ``passed``."""
+    the model dtype (the selector's tests/pruners/test_<name>.py), and ``fp16`` / ``bf16`` of the cases given
+    ``passed``."""
     return (
         f"score_dtype=model, ties=topk: fp16 and bf16 {RANDOM_CASES} of {RANDOM_CASES} random cases each (and 10 of "
-        f"10 duplicated-key, 10 of 10 integer-logit cases) given {given} (test_fidelity_half_rederived.py); given {passed}: "
+        f"10 duplicated-key, 10 of 10 integer-logit cases) given {given} (test_<name>.py); given {passed}: "
         f"{fp16} (fp16) and {bf16} (bf16) of {RANDOM_CASES}"
     )
 
@@ -120,7 +121,7 @@ LAST_ROW_HALF = (
     "probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's "
     "accumulation), as many as the CPU's kernels make (`python -m benchmarks.half_kernels`: on a Xeon with AMX, "
     "avx512_fp16 and avx512_bf16, fp16 none, bf16 0 to 4 per prompt), kept sets still 30 of 30 "
-    "(test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)"
+    "(test_fidelity.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)"
 )
 
 NOT_YET_DONE: tuple[str, ...] = ()
@@ -171,7 +172,7 @@ def fidelity_markdown() -> str:
         "selectors spec (`shared/specs/selectors.md`, section 0) was written from; DART's set order was re-read in",
         "the fork named in its row. The fp16 / bf16 column compares kept sets with the official code's arithmetic",
         "in that dtype, re-derived step by step (the dtype of every intermediate, `torch.topk` for the ranking) in",
-        "`tests/test_fidelity_half.py` and `tests/pruners/test_fidelity.py`, with the options named; `ties=topk` reproduces",
+        "each selector's `tests/pruners/test_<name>.py` and `tests/pruners/test_fidelity.py`, with the options named; `ties=topk` reproduces",
         "`torch.topk`'s order among exact ties on the same hardware, the default lower-index rule is deterministic",
         "everywhere. Where a CPU kernel's rounding keeps a selector from exact agreement the row names it and its size.",
         "",

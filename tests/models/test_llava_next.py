@@ -505,7 +505,7 @@ def test_vscan_runs_per_crop_on_llava_next_as_its_official_code(tmp_path, worksp
 def test_e2s_sees_the_base_view_and_tile_grids_on_llava_next(tmp_path):
     """E2S's novelty blocks lie on each regular grid: the in-LLM signals carry the base view's and the tile grid's
     (rows, cols) (``LayerSignals.grid_parts``), and E2S runs there (its novelty bonus is tested by hand in
-    tests/test_llm_selectors.py)."""
+    tests/pruners/test_e2s.py)."""
     from tiny_models import RecordingLayerSelector
 
     checkpoint = adapter_for("llava_next", "test").build_tiny(

@@ -389,7 +389,7 @@ def test_vscan_agrees_with_the_official_qwen_vision_stage_on_random_cases():
         for index, target in enumerate(merge.replaces.tolist()):
             ours[slot[target]] = merge.hidden[index]
         identical += kept.tolist() == official_keep and torch.allclose(ours, official_merged, atol=1e-5)
-    assert identical == 36 and "Qwen path: test_methods_qwen.py 36 of 36" in FIDELITY["vscan"].agreement
+    assert identical == 36 and "Qwen path: test_qwen_attention_signals.py 36 of 36" in FIDELITY["vscan"].agreement
 
 
 def test_vscan_runs_on_demo_qwen_with_two_recorded_stages(tmp_path):
