@@ -154,7 +154,6 @@ class FastVIDSelector(InputSelector):
         "segments by frame similarity, salient tokens by tower attention, density-peak context tokens merged (FastVID)"
     )
     requires: ClassVar[frozenset[str]] = frozenset({"features", STEP_ATTENTION, VIDEO_GRID})
-    merges: ClassVar[bool] = True
     fills_budget: ClassVar[bool] = False
     reference: ClassVar[Reference] = Reference(
         "FastVID: Dynamic Density Pruning for Fast Video Large Language Models (NeurIPS 2025, arXiv 2503.11187)",
@@ -173,9 +172,9 @@ class FastVIDSelector(InputSelector):
             "to the kernel; the density's 1e-6 tie noise from the run's generator",
             "at most T - 1 DySeg cuts and 4 density neighbours among at most n tokens (the official code raises on "
             "clips of fewer than 8 steps and frames of fewer than 4 candidates)",
-            "no family provides step_attention yet: the Qwen2.5-VL adapter would compute it on clips from the last "
-            "tower block (mean query of each step against each merged token's mean key), and merged tokens need its "
-            "target's position on a keep-original-positions family",
+            "Qwen2.5-VL, the one family with clips, keeps original positions and so refuses merged tokens: there "
+            "merge=false runs (salient and context tokens kept, nothing merged); the official merged token takes its "
+            "target's position, which the adapter does not place yet",
         ),
         "kept sets and sources identical, merged tokens within 1e-5, in all 36 random clips (3 seeds, 4 grids of 9 to "
         "24 steps, 3 budgets; segments of up to 5 sub-segments) to a loop-by-loop float64 re-derivation of the "
@@ -194,6 +193,11 @@ class FastVIDSelector(InputSelector):
     merge_floor: float = option(0.6, Real(0.0, 1.0), "DTM's beta: the least weight of a context token on itself")
     merge: bool = option(True, Flag(), "merge the other tokens into the context tokens (DTM), or drop them")
     density_noise: float = option(1e-6, Real(0.0), "uniform noise added to the densities (the official 1e-6)")
+
+    @property
+    def merges(self) -> bool:  # type: ignore[override]  # the class says True: the default merges
+        """Whether this instance feeds merged tokens: with ``merge`` (DTM) on."""
+        return self.merge
 
     @classmethod
     def flops(cls, work: SelectorWork) -> int:

@@ -24,7 +24,7 @@ LAST_LAYER_CLS_SIGNALS = frozenset({"last_layer_cls_logits", "last_layer_vision_
 PADDED_CROPS = "padded_crops"
 #: the InputSignals field only a video clip gives: its temporal token grid (EVS); a still image has none
 VIDEO_GRID = "video_grid"
-#: the InputSignals field of a clip's tower attention by temporal step (FastVID's salience); no adapter computes it yet
+#: the InputSignals field of a clip's tower attention by temporal step (FastVID's salience; Qwen2.5-VL clips)
 STEP_ATTENTION = "step_attention"
 
 
@@ -105,7 +105,7 @@ class InputSignals:
             then (T * h, w)); None on a still image. A :meth:`subset` is no longer the clip and has none.
         step_attention: on a video clip, (N,) the attention each merged token gets from its temporal step's mean
             query in the vision tower's last block: softmax over the step's merged tokens (each the mean key of its
-            4 patches), mean over heads (FastVID's ``frame_attn_weights``); no adapter computes it yet.
+            4 patches), mean over heads (FastVID's ``frame_attn_weights``; the Qwen2.5-VL adapter recomputes it).
         model_dtype: the dtype the model computes the signals in (the adapters pass the
             model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
     """
