@@ -180,7 +180,12 @@ class FastVIDSelector(InputSelector):
         "24 steps, 3 budgets; segments of up to 5 sub-segments) to a loop-by-loop float64 re-derivation of the "
         "official forward without the density noise, and in a clip with it drawn alike "
         "(test_fastvid.py::test_fastvid_equals_the_rederived_forward, "
-        "test_the_density_noise_is_drawn_from_the_runs_generator)",
+        "test_the_density_noise_is_drawn_from_the_runs_generator); the official forward's own code, run once in "
+        "float32 outside the tests with the same noise draws, gives the same 36 of 36",
+        half_agreement=(
+            "no half path: float32; the official forward run in bf16 on CPU on the same 36 clips keeps the same set "
+            "in 12 (its bf16 frame means and attention move cuts and tie ranks; measured once, not a test)"
+        ),
     )
     #: the density's distances and DTM's similarities and sums depend on the segments: a nominal count
     flops_exact: ClassVar[bool] = False
