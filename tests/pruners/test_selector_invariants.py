@@ -56,6 +56,7 @@ INPUT_SHAPES = {
     "layer_cls_attention": (("Lv", "N"), "prob"),
     "model_layer_attention": (("Lv", "N"), "prob"),
     "model_layer_cls_attention": (("Lv", "N"), "prob"),
+    "step_attention": (("N",), "weight"),
 }
 # "n" is the number of alive tokens at the stage
 LAYER_SHAPES = {
