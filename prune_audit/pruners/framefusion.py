@@ -89,7 +89,9 @@ class FrameFusionSelector(ScheduledSelector):
 
     ``signals.video_grid`` is the clip's (T, h, w) token grid; the alive tokens are time-major, so token ``i``'s
     patch position is ``i % (h * w)`` and its predecessor in that position's chain is the alive token of the same
-    position in the latest earlier temporal step (a merged token keeps its chain head's cell).
+    position in the latest earlier temporal step (a merged token keeps its chain head's cell); the official Qwen2-VL
+    path (``framefusion/models/qwenvl/modeling_qwen2_vl.py``) sets the same patch types, ``i % (h * w)`` over the
+    merged video tokens.
 
     Merging (``FrameFusion.forward`` while not ``finish_merging``), once per stage from layer 0: the cosine
     similarity of each token's hidden state to its chain predecessor; the tokens at or above
