@@ -174,7 +174,8 @@ def layer_plan(
         [] if chosen is None or chosen.sources is None else input_registry(chosen.sources, chosen.kept)
         for _, chosen in _rows(prepared, selections)
     ]
-    return LayerPlan(stages, grids, positions, selector, forced, merged=merged, grid_parts=parts)
+    clips = [item.video_grid for item in prepared]  # a clip's (T, h, w): the frames of a temporal selector
+    return LayerPlan(stages, grids, positions, selector, forced, merged=merged, grid_parts=parts, video_grids=clips)
 
 
 def _rows(

@@ -247,6 +247,8 @@ class LayerSignals:
         rope_ones_logits: (T, n) ``q.k / sqrt(d)`` of all-ones q and k under the layer's RoPE there (SparseVLM v2).
         model_dtype: the dtype the model computes in (None: float32).
         padded_crops: every crop's padded patches, for a selector run with ``budget_scope="crop"`` (else None).
+        video_grid: on a video clip, its (T, h, w) token grid (``InputSignals.video_grid``; ``grid`` is (T * h, w));
+            None on a still image.
     """
 
     alive: Tensor
@@ -276,6 +278,7 @@ class LayerSignals:
     model_dtype: torch.dtype | None = None
     grid_parts: tuple[tuple[int, int], ...] = ()
     padded_crops: PaddedCrops | None = None
+    video_grid: tuple[int, int, int] | None = None
 
     @property
     def num_alive(self) -> int:
