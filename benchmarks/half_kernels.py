@@ -2,7 +2,7 @@
 
     python -m benchmarks.half_kernels
 
-The kept-set tests (tests/test_fidelity_half*.py) assert what prune-audit guarantees: the kept sets equal the
+The kept-set tests (the half-precision tests of tests/pruners/test_<name>.py) assert what prune-audit guarantees: the kept sets equal the
 official ones also when the official code runs with this CPU's half GEMM. How many products that GEMM rounds
 differently from a GPU's float32 accumulation depends on the CPU's kernels (AMX, avx512_fp16, avx512_bf16 or
 none), so it is measured here, not asserted:
@@ -23,8 +23,8 @@ from pathlib import Path
 # the cases are the tests' own (one definition), as benchmarks/lmms_eval_compare.py reads its test's helpers
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / folder) for folder in ("", "pruners")]
 import torch  # noqa: E402
-from test_fidelity_half import HALF_DTYPES, PREFIX, SEEDS, TOKENS, dtype_name, fastv_cpu_gemm_case  # noqa: E402
-from test_fidelity_half_rederived import official_rope_ones_half  # noqa: E402
+from rederivation import HALF_DTYPES, PREFIX, SEEDS, TOKENS, dtype_name, fastv_cpu_gemm_case  # noqa: E402
+from test_sparsevlm2 import official_rope_ones_half  # noqa: E402
 
 HALF_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "f16c")
 """The CPU flags that select torch's half-precision GEMM kernels."""

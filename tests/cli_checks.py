@@ -1,11 +1,17 @@
-"""Helpers shared by the CLI safety tests: a one-line refusal, the bytes of every file under a folder, and
-a changed copy of an annotations file."""
+"""Helpers shared by the CLI and task tests: a one-line refusal, the bytes of every file under a folder, a changed
+copy of an annotations file, JSON and JSON-lines input files, an answers file and the ``score --json`` report."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 from pathlib import Path
+
+from typer.testing import CliRunner
+
+from prune_audit.cli.main import app
+
+runner = CliRunner()
 
 
 def refused(result, *needles: str, code: int = 2) -> str:
@@ -36,3 +42,24 @@ def changed_annotations(annotations: Path, folder: Path, change: Callable[[dict]
     path = folder / "instances.json"
     path.write_text(json.dumps(data))
     return path
+
+
+def write_lines(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_json(path: Path, data: object) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def answers_file(path: Path, rows: list[tuple[object, str]]) -> Path:
+    path.write_text("".join(json.dumps({"question_id": qid, "text": text}) + "\n" for qid, text in rows))
+    return path
+
+
+def score_json(*args: str) -> dict:
+    result = runner.invoke(app, ["score", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)

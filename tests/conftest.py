@@ -1,4 +1,5 @@
-"""Shared test fixtures: paths to the real data beside the checkout, a tiny offline LLaVA workspace."""
+"""Shared test fixtures: paths to the real data beside the checkout, a tiny offline LLaVA workspace, a tiny LLaVA
+that spells option letters (the scienceqa runs)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("PRUNE_AUDIT_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+LLAVA_EVAL = SHARED_DATA / "llava_eval"
+SHARED_ABSENT = "needs ../shared/data/llava_eval (LLaVA's question files), absent here"
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +50,15 @@ def workspace(tmp_path_factory) -> dict[str, Path]:
         "images": coco_dir / "images",
         "pope": pope_files,
     }
+
+
+@pytest.fixture(scope="module")
+def letters_model(workspace, tmp_path_factory) -> Path:
+    """A tiny LLaVA whose vocabulary spells the option letters A-D as single tokens."""
+    from prune_audit.data.scenes import CATEGORIES
+    from prune_audit.models.llava import LlavaModel
+
+    words = ["Is", "there", "in", "the", "image", "Which", "shape", "A", "B", "C", "D", *CATEGORIES]
+    return LlavaModel.build_tiny(
+        tmp_path_factory.mktemp("letters") / "model", words=words, image_size=56, patch_size=14, text_layers=2, seed=1
+    )

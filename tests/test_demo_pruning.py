@@ -53,7 +53,8 @@ def test_every_in_llm_schedule_is_feasible_on_distinct_layers_of_the_llava_demo(
             continue
         stages = selector.schedule(layers, tokens, budget)  # raises when the budget is infeasible
         stage_layers = [stage.layer for stage in stages]
-        first = 0 if name == "vscan" else 1  # VScan's vision stage acts on the LLM input (layer 0)
+        # VScan's vision stage and FrameFusion's first merge act on the LLM input (layer 0)
+        first = 0 if name in ("vscan", "framefusion") else 1
         assert len(set(stage_layers)) == len(stage_layers) and first <= stage_layers[0], (name, stages)
 
 

@@ -347,7 +347,7 @@ def test_caption_scoring_counts_the_demo_shapes_as_chair_counts_coco_objects(tas
 
 TASK_DEMO_RUNS = [
     (model, task) for model in ("demo-tasks", "demo-qwen-tasks") for task in ("gqa", "scienceqa", "caption")
-]
+] + [("demo-tasks", "textvqa"), ("demo-tasks", "refcoco")]  # the scenes with a word: --images differs
 
 
 @pytest.mark.parametrize(

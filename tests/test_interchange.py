@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from test_gqa import gqa_inputs
 from test_run_cli import base_args
-from test_tasks import gqa_inputs
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app

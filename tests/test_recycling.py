@@ -1,11 +1,8 @@
-"""SparseVLM token recycling (``recycle=true``) and the executor's insertion of merged tokens.
+"""Merged tokens through the executor and the records: the executor's insertion of merged tokens (tiny LLaVA and tiny
+Qwen), SparseVLM's token recycling (``recycle=true``) batched and in a run's records, intervene's refusal.
 
-The official clustering is re-implemented here from Gumpest/SparseVLMs (26a5f488),
-``llava/model/language_model/utils.py::cluster_and_merge`` and the recycling block of
-``modelling_sparse_llama.py`` (batched tensors, broadcast differences, the reference's
-``topk`` / ``argmin`` / ``index_add_`` steps), and compared with the selector on random
-cases at LLaVA sizes. The reference adds unseeded ``rand * 1e-6`` to the density; both
-sides here get the same draw, the selector's seeded one.
+SparseVLM's recycling itself (against the official cluster-and-merge, its schedules) is tested in
+``tests/pruners/test_sparsevlm.py``.
 """
 
 from __future__ import annotations
@@ -28,163 +25,10 @@ from prune_audit.models.llava import LlavaModel
 from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector
 from prune_audit.pruners.base import LayerSelector, Reference, Stage, TokenMerge
-from prune_audit.pruners.schedule import average_visual_tokens
 from prune_audit.pruners.signals import LayerSignals
 from prune_audit.pruners.sparsevlm import (
-    DENSITY_NOISE,
-    NOISE_SEED,
-    recycled_average,
-    recycled_tokens,
     recycled_tokens_per_layer,
 )
-
-# --- the official algorithm, re-implemented from the reference's math -------------------------------------------
-
-
-def official_cluster_and_merge(
-    x: torch.Tensor, cluster_num: int, noise: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """utils.py::cluster_and_merge on (B, N, C) ``x``; returns merged (B, K, C) and idx_cluster (B, N)."""
-    batch, count, channels = x.shape
-    # pairwise L2 of broadcast differences (the reference's einops rearrange), a block of rows at a time
-    blocks = [(x[:, i : i + 32, None, :] - x[:, None, :, :]).norm(dim=-1, p=2) for i in range(0, count, 32)]
-    distance = torch.cat(blocks, 1)
-    dist_matrix = distance / (channels**0.5)
-    dist_nearest, _ = torch.topk(dist_matrix, k=cluster_num, dim=-1, largest=False)
-    density = (-(dist_nearest**2).mean(dim=-1)).exp()
-    density = density + noise[None]
-    mask = (density[:, None, :] > density[:, :, None]).type(x.dtype)
-    dist_max = dist_matrix.flatten(1).max(dim=-1)[0][:, None, None]
-    dist, _ = (dist_matrix * mask + dist_max * (1 - mask)).min(dim=-1)
-    score = dist * density
-    _, index_down = torch.topk(score, k=cluster_num, dim=-1)
-    dist_to_centres = torch.gather(dist_matrix, 1, index_down[:, :, None].expand(-1, -1, count))
-    idx_cluster = dist_to_centres.argmin(dim=1)
-    idx_batch = torch.arange(batch)[:, None].expand(batch, cluster_num)
-    idx_tmp = torch.arange(cluster_num)[None, :].expand(batch, cluster_num)
-    idx_cluster[idx_batch.reshape(-1), index_down.reshape(-1)] = idx_tmp.reshape(-1)
-    idx = idx_cluster + torch.arange(batch)[:, None] * cluster_num
-    token_weight = x.new_ones(batch, count, 1)
-    all_weight = token_weight.new_zeros(batch * cluster_num, 1)
-    all_weight.index_add_(dim=0, index=idx.reshape(batch * count), source=token_weight.reshape(batch * count, 1))
-    all_weight = all_weight + 1e-6
-    norm_weight = token_weight / all_weight[idx]
-    x_merged = x.new_zeros(batch * cluster_num, channels)
-    source = x * norm_weight
-    x_merged.index_add_(dim=0, index=idx.reshape(batch * count), source=source.reshape(batch * count, channels))
-    return x_merged.reshape(batch, cluster_num, channels), idx_cluster
-
-
-def official_recycling(
-    relevance: torch.Tensor, hidden: torch.Tensor, keep: int
-) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """The recycling block of modelling_sparse_llama.py for one stage: kept mask, merged tokens, members."""
-    mask = torch.zeros_like(relevance, dtype=torch.bool)
-    mask[torch.topk(relevance, min(keep, relevance.numel() - 1)).indices] = True
-    pruned = torch.where(~mask)[0]
-    chosen = pruned[relevance[pruned].topk(int(pruned.shape[0] * 0.3) + 1)[1]]
-    cluster_num = int(chosen.shape[0] / 10) + 1
-    noise = torch.rand(chosen.numel(), generator=torch.Generator().manual_seed(NOISE_SEED)) * DENSITY_NOISE
-    merged, idx_cluster = official_cluster_and_merge(hidden[chosen][None], cluster_num, noise)
-    members = [sorted(chosen[idx_cluster[0] == c].tolist()) for c in range(cluster_num)]
-    return mask, merged[0], members
-
-
-# --- random cases at LLaVA sizes ----------------------------------------------------------------------------------
-
-# (alive visual tokens, keep) of the reference's stages: 576 -> 300 / 303 / 238 / 66, then the later stages
-STAGE_SIZES = [
-    (576, 300),
-    (576, 303),
-    (576, 238),
-    (576, 66),
-    (309, 200),
-    (313, 110),
-    (247, 48),
-    (80, 30),
-    (204, 110),
-    (114, 36),
-]
-CASES = [(seed, *STAGE_SIZES[seed % len(STAGE_SIZES)]) for seed in range(30)]
-
-
-def hidden_case(seed: int, count: int) -> torch.Tensor:
-    """(count, 4096) layer outputs: Gaussian, clustered (a mixture), or clustered with exact duplicates."""
-    generator = torch.Generator().manual_seed(seed)
-    kind = seed % 3
-    if kind == 0:
-        return torch.randn(count, 4096, generator=generator)
-    centres = torch.randn(12, 4096, generator=generator) * 3
-    members = torch.randint(0, 12, (count,), generator=generator)
-    hidden = centres[members] + torch.randn(count, 4096, generator=generator)
-    if kind == 2:  # duplicates: equal densities, the noise decides
-        hidden[1::4] = hidden[0::4][: hidden[1::4].shape[0]]
-    return hidden
-
-
-def signals_for(relevance: torch.Tensor, hidden: torch.Tensor) -> LayerSignals:
-    """Signals whose SparseVLM score is ``relevance``: one text token (it rates), one head."""
-    count = relevance.numel()
-    return LayerSignals(
-        alive=torch.arange(count), grid=(24, 24), layer=3, num_layers=32, text_probs=relevance[None, None, :],
-        embeddings=torch.zeros(count, 8), text_embeddings=torch.zeros(1, 8), hidden_states=hidden,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize(("seed", "count", "keep"), CASES)
-def test_recycling_reproduces_the_official_cluster_and_merge(seed, count, keep):
-    # distinct relevances: torch.topk orders ties arbitrarily (here: the lower index first, a documented choice)
-    relevance = torch.randperm(count, generator=torch.Generator().manual_seed(100 + seed)).float() / count
-    hidden = hidden_case(seed, count)
-    selector, state, stage = get_selector("sparsevlm", recycle=True), {}, Stage(3, keep)
-    signals = signals_for(relevance, hidden)
-    kept = selector.prune(stage, signals, state)
-    merge = selector.merge(stage, signals, state, kept)
-    mask, merged, members = official_recycling(relevance, hidden, keep)
-    assert torch.equal(kept, torch.nonzero(mask).flatten())
-    assert [m.tolist() for m in merge.members] == members
-    assert merge.num_tokens == recycled_tokens(count - keep)
-    assert torch.equal(merge.hidden, merged)
-
-
-def test_recycling_is_off_by_default_and_skips_a_stage_that_prunes_nothing():
-    relevance, hidden = torch.rand(20), torch.randn(20, 16)
-    signals, stage = signals_for(relevance, hidden), Stage(3, 8)
-    plain = get_selector("sparsevlm")
-    assert plain.recycle is False and plain.merge(stage, signals, {}, plain.prune(stage, signals, {})) is None
-    recycling = get_selector("sparsevlm", recycle=True)
-    assert recycling.merge(Stage(3, 20), signals, {}, torch.arange(20)) is None
-
-
-# --- schedules and realised averages -----------------------------------------------------------------------------
-
-
-def test_recycled_counts_follow_the_reference():
-    # int(0.3 p) + 1 selected, int(selected / 10) + 1 clusters: 576 -> 300 prunes 276, 83 selected, 9 clusters
-    assert [recycled_tokens(p) for p in (0, 1, 9, 29, 30, 276, 510)] == [0, 1, 1, 1, 2, 9, 16]
-    stages = get_selector("sparsevlm", budget_rule="paper", recycle=True).schedule(32, 576, 192)
-    counts = recycled_tokens_per_layer(stages, 32, 576)
-    assert counts[3] == 309 and counts[7] == 204 and counts[16] == 113
-
-
-def test_paper_rule_with_recycling_realises_the_reference_averages():
-    realised = {
-        budget: recycled_average(
-            get_selector("sparsevlm", budget_rule="paper", recycle=True).schedule(32, 576, budget), 32, 576
-        )
-        for budget in (192, 128, 64)
-    }
-    assert realised == pytest.approx({192: 206.5, 128: 145.40625, 64: 82.25})  # spec: ~206 / 145 / 82
-
-
-@pytest.mark.parametrize("budget", [64, 100, 128, 192, 300])
-def test_average_rule_with_recycling_counts_the_recycled_tokens(budget):
-    stages = get_selector("sparsevlm", recycle=True).schedule(32, 576, budget)
-    assert abs(recycled_average(stages, 32, 576) - budget) <= 0.5
-    plain = get_selector("sparsevlm").schedule(32, 576, budget)
-    assert plain == get_selector("sparsevlm", recycle=False).schedule(32, 576, budget)
-    assert abs(average_visual_tokens(plain, 32, 576) - budget) <= 0.5
-
 
 # --- the executor inserts merged tokens (tiny LLaVA and tiny Qwen) ----------------------------------------------
 
@@ -361,12 +205,6 @@ def test_intervene_refuses_a_run_with_merged_tokens(workspace, tmp_path):
     assert invoke(base_args(workspace, run, *args)).exit_code == 0
     out = tmp_path / "out"
     assert_one_line_failure(intervene(run, "--mode", "remove", "--out", str(out)), out, "merged tokens")
-
-
-def test_average_rule_with_recycling_refuses_a_budget_the_recycled_tokens_exceed():
-    with pytest.raises(ValueError, match="closest realised average to budget 56 .* is 57.03"):
-        get_selector("sparsevlm", recycle=True).schedule(32, 576, 56)
-    assert get_selector("sparsevlm").schedule(32, 576, 56)  # without recycling it is honoured
 
 
 def test_a_batch_where_only_one_row_merges_equals_one_at_a_time(tiny_qwen):

@@ -161,6 +161,7 @@ def test_in_llm_selector_records_stages(workspace, tmp_path):
 
 IN_LLM_SELECTORS = (
     "dart",
+    "dycoke_kv",
     "e2s",
     "fastv",
     "fitprune",
@@ -173,12 +174,23 @@ IN_LLM_SELECTORS = (
 )
 # VScan's vision stage (decoder layer 0) merges by default; without merging its stages nest like the others'
 IN_LLM_OPTIONS = {"vscan": ("--option", "merge_pruned=false")}
+#: in-LLM selectors of video clips: refused on the still images of these runs
+IN_LLM_VIDEO_SELECTORS = ("framefusion",)
 
 
 def test_every_in_llm_selector_is_listed():
     from prune_audit.pruners import list_selectors, selector_class
 
-    assert set(IN_LLM_SELECTORS) == {name for name in list_selectors() if selector_class(name).stage == "llm"}
+    listed = set(IN_LLM_SELECTORS) | set(IN_LLM_VIDEO_SELECTORS)
+    assert listed == {name for name in list_selectors() if selector_class(name).stage == "llm"}
+
+
+@pytest.mark.parametrize("selector", IN_LLM_VIDEO_SELECTORS)
+def test_in_llm_video_selectors_are_refused_on_still_images_in_one_line(workspace, tmp_path, selector):
+    out = tmp_path / selector
+    result = invoke(base_args(workspace, out, "--selector", selector, "--budget", "6", "--limit", "2"))
+    assert result.exit_code != 0 and "still image" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (out / "manifest.json").exists()
 
 
 @pytest.mark.parametrize("selector", IN_LLM_SELECTORS)

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from cli_checks import refused, snapshot
-from test_tasks import gqa_args, gqa_inputs
+from test_gqa import gqa_args, gqa_inputs
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app

@@ -3,7 +3,7 @@
 Each case is refused in one ``error:`` line naming the cause and the fix, with a non-zero exit, no
 traceback and nothing written (no run folder, no exported file, every input byte unchanged). The inputs
 are the workspace's synthetic scenes and tiny model (``conftest.workspace``) and the task files
-``test_tasks`` and ``test_task_data`` build over them.
+``test_gqa``, ``test_scienceqa`` and ``test_lmms_parquet`` build over them.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from cli_checks import refused, snapshot
+from cli_checks import answers_file, refused, snapshot
 from test_data_safety import record_count
-from test_task_data import gqa_instruction_columns, scienceqa_columns, write_parquet
+from test_gqa import gqa_inputs
+from test_lmms_parquet import gqa_instruction_columns, scienceqa_columns, write_parquet
+from test_scienceqa import scienceqa_file
 from test_task_parquet import pope_parquet
-from test_tasks import answers_file, gqa_inputs, scienceqa_file
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app

@@ -1,6 +1,6 @@
 """``run --questions FILE.parquet``: every task's lmms-eval Parquet layout, images embedded, no ``--images`` folder.
 
-The files are built offline in the datasets' exact schema (``test_task_data``'s writers) over the
+The files are built offline in the datasets' exact schema (``test_lmms_parquet``'s writers) over the
 workspace's synthetic scenes; each run must record what the same questions from JSON files and an
 images folder record.
 """
@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from cli_checks import refused
-from test_task_data import IMAGE_STRUCT, gqa_instruction_columns, image, write_parquet
-from test_tasks import gqa_args, gqa_inputs, letters_model, scienceqa_file  # noqa: F401 (letters_model: fixture)
+from test_gqa import gqa_inputs
+from test_lmms_parquet import (
+    IMAGE_STRUCT,
+    gqa_instruction_columns,
+    image,
+    refcoco_columns,
+    textvqa_columns,
+    write_parquet,
+)
+from test_scienceqa import scienceqa_file
+from test_textvqa import textvqa_files
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
@@ -361,3 +371,140 @@ def test_parquet_inputs_are_refused_in_one_line_before_anything_is_written(works
         )
         refused(runner.invoke(app, args), "embedded in the question files", "cannot be decoded")
     assert not (tmp_path / "run").exists()
+
+
+def scene_images(ws: dict[str, Path], count: int) -> list[Path]:
+    return sorted(Path(ws["images"]).glob("*.png"))[:count]
+
+
+def textvqa_parquet(ws: dict[str, Path], folder: Path) -> tuple[Path, dict[str, Path]]:
+    """lmms-lab/textvqa's layout for ``test_textvqa``'s question JSON over two scenes, and those files with a folder
+    of the scenes named ``<image_id>.jpg`` as TextVQA names its images (the bytes stay PNG)."""
+    scenes = scene_images(ws, 2)
+    paths = textvqa_files(folder, [(scene.stem, (64, 64)) for scene in scenes])
+    entries = json.loads(paths["json"].read_text())["data"]
+    parquet = write_parquet(
+        folder / "validation-00000-of-00001.parquet",
+        textvqa_columns(entries, {scene.stem: scene.read_bytes() for scene in scenes}),
+    )
+    named = folder / "images"
+    named.mkdir()
+    for scene in scenes:
+        (named / f"{scene.stem}.jpg").write_bytes(scene.read_bytes())
+    return parquet, {**paths, "images": named}
+
+
+def test_textvqa_parquet_runs_and_scores_as_the_question_json(workspace, tmp_path):
+    parquet, files = textvqa_parquet(workspace, tmp_path / "tvqa")
+    common = ["run", "--task", "textvqa", "--model", str(workspace["model"]), "--annotations", str(files["ocr"])]
+    common += ["--selector", "random", "--budget", "6", "--max-new-tokens", "2"]
+    runs = {"parquet": tmp_path / "parquet", "json": tmp_path / "json"}
+    result = runner.invoke(app, [*common, "--questions", str(parquet), "--out", str(runs["parquet"])])
+    assert result.exit_code == 0, result.output
+    json_args = ["--questions", str(files["json"]), "--images", str(files["images"])]
+    result = runner.invoke(app, [*common, *json_args, "--out", str(runs["json"])])
+    assert result.exit_code == 0, result.output
+    assert rows(runs["parquet"]) == rows(runs["json"])
+    by_parquet = {r["question_id"]: r for r in pq.read_table(runs["parquet"] / "records.parquet").to_pylist()}
+    assert by_parquet[101]["evidence_objects"] == ["STOP", "sign"]  # the Rosetta file's boxes, as from the JSON
+    assert by_parquet[101]["references"] == ["stop"] * 4 + ["stop sign"] * 3 + ["go"] * 3
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(
+        "".join(json.dumps({"question_id": q, "text": t}) + "\n" for q, t in [(101, "stop"), (103, "x")])
+    )
+    answers.write_text(answers.read_text() + json.dumps({"question_id": 102, "text": "red"}) + "\n")
+    reports = [
+        score_json(str(answers), "--task", "textvqa", "--questions", str(path)) for path in (parquet, files["json"])
+    ]
+    assert reports[0]["accuracy"] == reports[1]["accuracy"] == pytest.approx(2 / 3)
+
+
+def refcoco_inputs(ws: dict[str, Path], folder: Path) -> tuple[Path, dict[str, Path]]:
+    """Three referred rectangles on two scenes, in lmms-lab's RefCOCO layout (``val-*.parquet``) and in the refer
+    layout (refs pickle + instances.json whose sent_ids are the Parquet reader's numbers, so both runs key and seed
+    each expression alike)."""
+    scenes = scene_images(ws, 2)
+    instances = json.loads(Path(ws["instances"]).read_text())
+    images = [entry for entry in instances["images"] if entry["file_name"] in {s.name for s in scenes}]
+    boxes = [(images[0], [8, 8, 24, 16]), (images[0], [30, 20, 20, 30]), (images[1], [4, 30, 40, 20])]
+    expressions = [["the left one", "small box"], ["right thing"], ["bottom"]]
+    anns, refs, parquet_rows, sent_id = [], [], [], 0
+    for number, ((entry, (x, y, w, h)), texts) in enumerate(zip(boxes, expressions)):
+        polygon = [x, y, x + w, y, x + w, y + h, x, y + h]
+        ann = {"id": 40 + number, "image_id": entry["id"], "category_id": 1, "bbox": [x, y, w, h], "iscrowd": 0}
+        anns.append({**ann, "segmentation": [polygon], "area": w * h})
+        sentences = [{"sent_id": sent_id + k, "sent": text} for k, text in enumerate(texts)]
+        sent_id += len(texts)
+        refs.append({"ref_id": number, "ann_id": ann["id"], "image_id": entry["id"], "split": "val"})
+        refs[-1].update(category_id=1, sentences=sentences)
+        picture = (Path(ws["images"]) / entry["file_name"]).read_bytes()
+        parquet_rows.append(
+            {
+                "question_id": str(ann["id"]),
+                "image": picture,
+                "answer": texts,
+                "segmentation": [float(v) for v in polygon],
+            }
+        )
+        parquet_rows[-1].update(bbox=[float(v) for v in (x, y, w, h)], file_name=entry["file_name"])
+    folder.mkdir(parents=True)
+    files = {"refs": folder / "refs(unc).p", "instances": folder / "instances.json", "images": Path(ws["images"])}
+    files["refs"].write_bytes(pickle.dumps(refs, protocol=2))
+    files["instances"].write_text(
+        json.dumps({"images": images, "annotations": anns, "categories": [{"id": 1, "name": "box"}]})
+    )
+    return write_parquet(folder / "val-00000-of-00001.parquet", refcoco_columns(parquet_rows)), files
+
+
+def test_refcoco_parquet_runs_as_the_refs_files_with_the_rows_polygons_as_evidence(workspace, tmp_path):
+    parquet, files = refcoco_inputs(workspace, tmp_path / "refcoco")
+    common = ["run", "--task", "refcoco", "--model", str(workspace["model"]), "--max-new-tokens", "4"]
+    common += ["--selector", "random", "--budget", "6"]
+    runs = {"parquet": tmp_path / "parquet", "refs": tmp_path / "refs"}
+    result = runner.invoke(
+        app, [*common, "--questions", str(parquet), "--out", str(runs["parquet"])]
+    )  # no --annotations
+    assert result.exit_code == 0, result.output
+    refs_args = ["--questions", str(files["refs"]), "--questions", str(files["instances"])]
+    refs_args += ["--annotations", str(files["instances"]), "--images", str(files["images"])]
+    result = runner.invoke(app, [*common, *refs_args, "--out", str(runs["refs"])])
+    assert result.exit_code == 0, result.output
+    assert rows(runs["parquet"]) == rows(runs["refs"])
+    by_parquet, by_refs = (pq.read_table(run / "records.parquet").to_pylist() for run in runs.values())
+    assert [r["question_id"] for r in by_parquet] == [0, 1, 2, 3]
+    for row, reference in zip(by_parquet, by_refs):
+        assert (row["ann_id"], row["target_box"], row["iou"]) == (
+            reference["ann_id"],
+            reference["target_box"],
+            reference["iou"],
+        )
+        assert row["object_area"] == reference["object_area"] > 0  # the row's polygon is the annotation's mask
+        assert row["evidence_objects"] == ["referred object"] and reference["evidence_objects"] == ["box"]
+    drawn = runner.invoke(
+        app,
+        [
+            "visualize",
+            "--run",
+            str(runs["parquet"]),
+            "--question-id",
+            "0",
+            "--split",
+            "val",
+            "--out",
+            str(tmp_path / "f.png"),
+        ],
+    )
+    assert drawn.exit_code == 0, drawn.output
+    # the dataset's instances.json as --annotations: its masks are the evidence, its ids and boxes match the rows'
+    annotated = tmp_path / "annotated"
+    result = runner.invoke(
+        app, [*common, "--questions", str(parquet), "--annotations", str(files["instances"]), "--out", str(annotated)]
+    )
+    assert result.exit_code == 0, result.output
+    assert rows(annotated) == rows(runs["parquet"])
+    renamed = parquet.rename(parquet.with_name("refcoco.parquet"))
+    refused(
+        runner.invoke(app, [*common, "--questions", str(renamed), "--out", str(tmp_path / "bad")]),
+        "the split is the file name's prefix",
+    )
+    assert not (tmp_path / "bad").exists()

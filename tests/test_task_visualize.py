@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from test_tasks import gqa_args, gqa_inputs, letters_model, scienceqa_file  # noqa: F401 (letters_model: fixture)
+from test_gqa import gqa_args, gqa_inputs
+from test_scienceqa import scienceqa_file
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app

@@ -1,4 +1,4 @@
-"""Helpers for the model-adapter tests: tiny checkpoints, images, recording selectors, references.
+"""Helpers for the model-adapter tests: tiny checkpoints, images, recording selectors, references, run arguments.
 
 The references here use the stock Hugging Face forward only (with per-layer attention
 masks injected by forward pre-hooks), so they share no code with the pruning loop.
@@ -165,3 +165,28 @@ def masked_reference_logits(vlm, prepared, stage_layers: list[int], kept_stages:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def run_args(workspace, checkpoint, out, *extra: str) -> list[str]:
+    """``run`` on ``checkpoint`` over the workspace's POPE set (conftest's ``workspace``): 4 questions, batches of 2,
+    CPU, then ``extra``."""
+    args = [
+        "run",
+        "--model",
+        str(checkpoint),
+        "--images",
+        str(workspace["images"]),
+        "--annotations",
+        str(workspace["instances"]),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--limit",
+        "4",
+        "--batch-size",
+        "2",
+    ]
+    for path in workspace["pope"]:
+        args += ["--pope", str(path)]
+    return args + list(extra)

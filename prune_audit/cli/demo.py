@@ -31,8 +31,9 @@ def train(
         str,
         typer.Option(
             "--model",
-            help="Which demo's recipe: demo (LLaVA), demo-qwen (Qwen2.5-VL), or their task-mix "
-            "versions demo-tasks and demo-qwen-tasks.",
+            help="Which demo's recipe: demo (LLaVA), demo-qwen (Qwen2.5-VL), their task-mix versions "
+            "demo-tasks-stage1 and demo-qwen-tasks, or demo-tasks (demo-tasks-stage1 continued on reading and "
+            "grounding: needs --init).",
         ),
     ] = "demo",
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the training scenes.")] = 1,
@@ -62,9 +63,16 @@ def train(
         str | None,
         typer.Option(
             "--mix",
-            help="Train on the task mix: questions per image of yes/no, short answer, multiple choice "
-            "and caption, e.g. 4,2,2,1 (the vocabulary grows to their words; default: the recipe's, yes/no only for "
-            "demo and demo-qwen).",
+            help="Train on the task mix: questions per image of yes/no, short answer, multiple choice, "
+            "caption and optionally reading and grounding, e.g. 4,2,2,1 or 2,2,1,1,1,3 (the vocabulary grows to "
+            "their words; default: the recipe's, yes/no only for demo and demo-qwen).",
+        ),
+    ] = None,
+    init: Annotated[
+        Path | None,
+        typer.Option(
+            "--init",
+            help="Folder of the model a continuing recipe starts from (demo-tasks: a demo-tasks-stage1 model).",
         ),
     ] = None,
 ) -> None:
@@ -84,7 +92,8 @@ def train(
         parts = [part.strip() for part in mix.split(",")]
         if not all(part.isascii() and part.isdigit() for part in parts):
             raise ValueError(
-                f"--mix takes whole counts separated by commas (yes/no,short,choice,caption), got {mix!r}; "
+                f"--mix takes whole counts separated by commas (yes/no,short,choice,caption[,text,ground]), got "
+                f"{mix!r}; "
                 f"e.g. --mix 4,2,2,1"
             )
         counts = tuple(int(part) for part in parts)
@@ -113,7 +122,7 @@ def train(
 
     settings = asdict(recipe)  # a checkpoint is replaced only by one of the same recipe
     with hold_output_dir(out, "demo train", settings):  # held through training: no other command takes OUT meanwhile
-        summary = train_demo_model(recipe, out, log=log)
+        summary = train_demo_model(recipe, out, init_dir=init, log=log)
     final = summary["history"][-1]
     log(f"saved {out} after {summary['train_minutes']} min; monitor accuracy {final['heldout_accuracy']:.3f}")
 
@@ -149,6 +158,7 @@ def questions(
     for task in DEMO_TASKS:  # --questions (then --annotations, if any) of `run --task TASK`
         paths = [*task_files.questions(task), task_files.evidence(task)]
         lines.append((task, " ".join(dict.fromkeys(str(path) for path in paths if path is not None))))
+    lines.append(("reading_images", str(task_files.reading_images)))  # --images of textvqa and refcoco
     width = max(len(label) for label, _ in lines) + 2  # the longest label still has a space before its path
     for label, value in lines:
         print(f"{label + ':':<{width}}{value}")

@@ -15,6 +15,17 @@ is a struct ``{bytes: binary, path: string}``):
   a question's id is its row number (over the files in the order given). The prompt is built as
   lmms-eval's ``sqa_doc_to_text`` (= LLaVA's file): ``Context: <hint>\\n`` when there is a hint,
   the question, then ``X. choice`` lines.
+- ``lmms-lab/textvqa`` (``data/{train,validation,test}-*.parquet``): ``image_id``, ``question_id`` (int32),
+  ``question``, ``question_tokens``, ``image``, ``image_width``, ``image_height``, ``flickr_original_url``,
+  ``flickr_300k_url``, ``answers`` (10 texts), ``image_classes``, ``set_name``, ``ocr_tokens`` (the Rosetta tokens'
+  words, no boxes): the fields of TextVQA's question JSON, read as that file's entries are
+  (``data.textvqa.question_entry``); the image is named ``<image_id>.jpg``.
+- ``lmms-lab/RefCOCO``, ``RefCOCOplus``, ``RefCOCOg`` (``data/<split>-NNNNN-of-NNNNN.parquet``): one row per referred
+  object: ``question_id`` (text: the object's COCO annotation id, which lmms-eval's ``refcoco_bbox_rec`` reports as
+  ``ann_id``), ``image``, ``question`` (the captioning tasks' fixed prompt, unused here), ``answer`` (the object's
+  referring expressions), ``segmentation`` (one polygon, flat x, y pairs), ``bbox`` (COCO ``[x, y, w, h]``, float32,
+  in pixels of the row's image: lmms-eval's ``refcoco_bbox_rec_preprocess_dataset`` divides it by that image's
+  size), ``iscrowd``, ``file_name`` (``COCO_train2014_<id>.jpg``). The split is the file name's prefix.
 
 Every reader returns the same question dataclasses as the JSON readers, plus the image bytes by
 image name; every check names the file, the row and the fix.
@@ -27,13 +38,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from prune_audit.data.coco import CocoImage, check_segmentation, image_id_from_file_name
+from prune_audit.data.files import stable_image_id
 from prune_audit.data.gqa import ANNOTATION_FIELDS, GqaQuestion, question_id_digits, reference_text
 from prune_audit.data.pope import LABELS, PopeQuestion, parse_object
 from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
+from prune_audit.data.refcoco import SPLITS, RefQuestion, target_box
 from prune_audit.data.scienceqa import LETTERS, ScienceQaQuestion, parse_prompt
+from prune_audit.data.textvqa import TextVqaQuestion, question_entry
 from prune_audit.errors import PruneAuditError
 from prune_audit.integers import is_digits
-from prune_audit.safety.inputs import check_input_file, loads_json
+from prune_audit.safety.inputs import check_image_name, check_input_file, loads_json
 
 Question = TypeVar("Question")
 Paths = str | Path | Sequence[str | Path]
@@ -41,6 +56,10 @@ POPE_COLUMNS = ("question_id", "question", "answer", "image_source", "image", "c
 GQA_COLUMNS = ("id", "imageId", "question", "answer")
 GQA_IMAGE_COLUMNS = ("id", "image")
 SCIENCEQA_COLUMNS = ("image", "question", "choices", "answer", "hint")
+TEXTVQA_COLUMNS = ("image_id", "question_id", "question", "answers", "image")
+REFCOCO_COLUMNS = ("question_id", "image", "answer", "segmentation", "bbox", "file_name")
+REFERRED_OBJECT = "referred object"
+"""The name of a RefCOCO row's object: the layout carries no category."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +162,7 @@ def _add_image(images: dict[str, bytes], first_rows: dict[str, str], name: str, 
     elif images[name] != data:
         raise PruneAuditError(
             f"{where} and {first_rows[name]} both name image {name} but embed different images; "
-            f"give each image its own image name (image_source) or fix the rows"
+            f"give each image its own image name (image_source, file_name) or fix the rows"
         )
 
 
@@ -334,3 +353,161 @@ def read_scienceqa_parquet(paths: Paths, images_only: bool = True) -> ParquetQue
             raise PruneAuditError("no ScienceQA rows with an image; pass ScienceQA-IMG files or keep every row")
         return ParquetQuestions(kept, result.images)
     return result
+
+
+def read_textvqa_parquet(
+    paths: Paths, ocr_reference: bool = False, images: bool = True
+) -> ParquetQuestions[TextVqaQuestion]:
+    """lmms-lab/textvqa's Parquet files as TextVQA questions with their images (none read when not ``images``:
+    scoring released answers); ``ocr_reference`` asks each row's ``ocr_tokens`` line (lmms-eval's ``ocr: true``).
+
+    A row is read as an entry of TextVQA's question JSON (``data.textvqa.question_entry``); ``question_id`` may
+    appear once over the files. The rows carry the OCR tokens' words but not their boxes.
+    """
+
+    def convert(row: dict[str, Any], where: str, _index: int) -> tuple[TextVqaQuestion, bytes | None]:
+        question = question_entry(row, where, ocr_reference, "fix the row")
+        return question, _image_bytes(row["image"], where) if "image" in row else None
+
+    return _read(
+        paths,
+        TEXTVQA_COLUMNS,
+        "lmms-lab/textvqa",
+        convert,
+        skip=() if images else ("image",),
+        key=lambda q: (q.question_id, f"question_id {q.question_id}"),
+    )
+
+
+def _refcoco_split(path: Path) -> str:
+    """The split of one lmms-lab RefCOCO file: its name's prefix, as the dataset names them (``val-00000-of-...``)."""
+    split = path.name.split("-", 1)[0]
+    if split not in SPLITS:
+        raise PruneAuditError(
+            f"{path}: the split is the file name's prefix (<split>-00000-of-00001.parquet, split one of "
+            f"{', '.join(SPLITS)}); keep lmms-lab's RefCOCO file names"
+        )
+    return split
+
+
+def _image_size(data: bytes, where: str) -> tuple[int, int]:
+    """(width, height) of embedded image bytes, read from their header."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except (UnidentifiedImageError, OSError, ValueError) as error:
+        raise PruneAuditError(f"{where}: the embedded image cannot be decoded ({error}); fix the row") from None
+
+
+def _expressions(row: dict[str, Any], where: str) -> list[str]:
+    expressions = row.get("answer")
+    if (
+        not isinstance(expressions, list)
+        or not expressions
+        or not all(isinstance(text, str) and text.strip() for text in expressions)
+    ):
+        raise PruneAuditError(
+            f"{where}: answer must be a non-empty list of referring expressions (texts), got {expressions!r}; "
+            f"fix the row"
+        )
+    return [text.strip() for text in expressions]
+
+
+def _polygon(row: dict[str, Any], image: CocoImage, where: str) -> tuple[float, ...] | None:
+    """The row's polygon (flat x, y pixel pairs), checked as a COCO polygon on ``image``; None when empty."""
+    segmentation = row.get("segmentation")
+    if not segmentation:
+        return None
+    if not isinstance(segmentation, list):
+        raise PruneAuditError(
+            f"{where}: segmentation must be a list of x, y numbers, got {segmentation!r}; fix the row"
+        )
+    check_segmentation([segmentation], image, f"{where}: segmentation")
+    return tuple(float(value) for value in segmentation)
+
+
+@dataclass(frozen=True)
+class _RefRow:
+    """Where one lmms-lab RefCOCO row sits: its file's split, its number among the split's rows and the number of
+    expressions the split's earlier rows hold (its first question id), and its image (name, bytes, size)."""
+
+    split: str
+    ref_number: int
+    first_id: int
+    image: CocoImage
+
+
+def _refcoco_row(row: dict[str, Any], where: str, at: _RefRow) -> list[RefQuestion]:
+    """One row as one question per referring expression (as lmms-eval explodes it)."""
+    ann_id = row.get("question_id")
+    text = str(ann_id) if isinstance(ann_id, (str, int)) and not isinstance(ann_id, bool) else ""
+    if not is_digits(text):
+        raise PruneAuditError(
+            f"{where}: question_id must be digits (the referred object's COCO annotation id), got {ann_id!r}; "
+            f"fix the row"
+        )
+    box = target_box(row, where, "fix the row")
+    polygon = _polygon(row, at.image, where)
+    return [
+        RefQuestion(
+            question_id=at.first_id + number,
+            split=at.split,
+            image=at.image.file_name,
+            text=expression,
+            ref_id=at.ref_number,
+            ann_id=int(text),
+            image_id=at.image.id,
+            category=REFERRED_OBJECT,
+            box=box,
+            image_size=at.image.size,
+            segmentation=polygon,
+        )
+        for number, expression in enumerate(_expressions(row, where))
+    ]
+
+
+def _refcoco_image(row: dict[str, Any], where: str, sizes: dict[str, tuple[int, int]]) -> tuple[CocoImage, bytes]:
+    """The row's image: its ``file_name``, COCO id (from the name), embedded bytes and size (``sizes`` caches it)."""
+    name = check_image_name(_text(row, "file_name", where), where)
+    data = _image_bytes(row.get("image"), where)
+    if name not in sizes:
+        sizes[name] = _image_size(data, where)
+    image_id = image_id_from_file_name(name)
+    return CocoImage(stable_image_id(Path(name).stem) if image_id is None else image_id, name, *sizes[name]), data
+
+
+def read_refcoco_parquet(paths: Paths) -> ParquetQuestions[RefQuestion]:
+    """lmms-lab's RefCOCO / RefCOCO+ / RefCOCOg Parquet files as one question per referring expression, with the
+    images they embed.
+
+    A question's id is its number among its split's expressions over the files in the order given (lmms-eval's
+    document index of the exploded split when its shards are given in order); ``ref_id`` is the row's number
+    among its split's rows (the layout has no ref id); ``ann_id`` is the row's ``question_id``; the target box is
+    the row's ``bbox`` and the evidence its ``segmentation``; the image size is the embedded image's own.
+    """
+    questions: list[RefQuestion] = []
+    images: dict[str, bytes] = {}
+    first_rows: dict[str, str] = {}
+    sizes: dict[str, tuple[int, int]] = {}
+    counts: dict[str, tuple[int, int]] = {}  # split -> (rows, expressions) read so far
+    seen: QuestionPlaces = {}
+    for path in _paths(paths):
+        split = _refcoco_split(path)
+        for number, row in enumerate(read_rows(path, REFCOCO_COLUMNS, "lmms-lab/RefCOCO")):
+            where = f"{path}: row {number}"
+            image, data = _refcoco_image(row, where, sizes)
+            rows, asked = counts.get(split, (0, 0))
+            found = _refcoco_row(row, where, _RefRow(split, rows, asked, image))
+            note_question(
+                (split, found[0].ann_id), QuestionPlace(path, "row", number, f"object {found[0].ann_id}"), seen
+            )
+            _add_image(images, first_rows, image.file_name, data, where)
+            counts[split] = (rows + 1, asked + len(found))
+            questions.extend(found)
+    if not questions:
+        raise PruneAuditError(f"no rows in {', '.join(str(p) for p in _paths(paths))}")
+    return ParquetQuestions(questions, images)

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from prune_audit.data.boxes import Box
-from prune_audit.data.coco import CocoInstances, read_json
+from prune_audit.data.coco import CocoInstances, decode_rle, read_json
 from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.errors import PruneAuditError
 from prune_audit.safety.inputs import check_image_name, read_input
@@ -53,6 +55,8 @@ class RefQuestion:
         category: the referred object's category name.
         box: the referred object's box in image pixels.
         image_size: the annotated (width, height).
+        segmentation: the referred object's polygon, flat ``x, y`` pixel pairs, when the question file carries it
+            (lmms-lab's Parquet rows: the evidence then needs no ``--annotations``); None otherwise.
     """
 
     question_id: int
@@ -65,6 +69,7 @@ class RefQuestion:
     category: str
     box: Box
     image_size: tuple[int, int]
+    segmentation: tuple[float, ...] | None = None
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -129,6 +134,15 @@ def _sentence(sentence: Any, where: str) -> tuple[int, str]:
     return _whole(sentence["sent_id"], f"{where}.sent_id"), text.strip()
 
 
+def polygon_mask(polygon: Sequence[float], size: tuple[int, int]) -> np.ndarray:
+    """(height, width) bool: the pixels of one polygon (flat ``x, y`` pixel pairs) on an image of ``size`` = (width,
+    height), rasterised by pycocotools as ``COCO.annToMask`` rasterises a polygon segmentation."""
+    from pycocotools import mask as mask_utils
+
+    width, height = size
+    return decode_rle(mask_utils.merge(mask_utils.frPyObjects([list(polygon)], height, width)))
+
+
 def annotations_by_id(coco: CocoInstances) -> dict[int, dict[str, Any]]:
     """Every annotation of ``coco`` that has an integer ``id``, by that id."""
     return {
@@ -190,4 +204,13 @@ def load_refcoco(paths: Sequence[Path]) -> list[RefQuestion]:
     return ref_questions(refs_path, ref_list, CocoInstances(data, source=str(instances_path)))
 
 
-__all__ = ["SPLITS", "RefQuestion", "annotations_by_id", "load_refcoco", "read_refs", "ref_questions", "target_box"]
+__all__ = [
+    "SPLITS",
+    "RefQuestion",
+    "annotations_by_id",
+    "load_refcoco",
+    "polygon_mask",
+    "read_refs",
+    "ref_questions",
+    "target_box",
+]

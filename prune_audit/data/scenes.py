@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from prune_audit.data.scene_text import SceneText, paint_word, place_word
+
 CATEGORIES: tuple[str, ...] = (
     "circle",
     "square",
@@ -50,6 +52,20 @@ CATEGORY_COLOURS: dict[str, tuple[int, int, int]] = {
     "crescent": (40, 215, 225),  # cyan
     "heart": (245, 120, 185),  # pink
 }
+
+CATEGORY_COLOUR_NAMES: dict[str, str] = {
+    "circle": "red",
+    "square": "green",
+    "triangle": "blue",
+    "star": "yellow",
+    "cross": "orange",
+    "ring": "purple",
+    "diamond": "white",
+    "arrow": "black",
+    "crescent": "cyan",
+    "heart": "pink",
+}
+"""The colour of each class in words (referring expressions name it)."""
 
 CO_OCCURRENCE_GROUPS: tuple[tuple[str, ...], ...] = (
     ("circle", "ring", "crescent"),
@@ -95,10 +111,12 @@ class Scene:
     Attributes:
         image: (H, W, 3) uint8 RGB.
         objects: the objects, each with its visible mask; classes are distinct.
+        texts: the words drawn in the scene (``data.scene_text``; none unless asked for), clear of every object.
     """
 
     image: np.ndarray
     objects: tuple[SceneObject, ...]
+    texts: tuple[SceneText, ...] = ()
 
     @property
     def categories(self) -> tuple[str, ...]:
@@ -117,8 +135,11 @@ def scene_rng(seed: int, index: int, split: str = "heldout") -> np.random.Genera
     return np.random.default_rng([SPLITS[split], seed, index])
 
 
-def generate_scene(seed: int, index: int, *, image_size: int = 96, split: str = "heldout") -> Scene:
-    """Scene ``index`` of the stream ``(split, seed)``, an (image_size, image_size) image."""
+def generate_scene(
+    seed: int, index: int, *, image_size: int = 96, split: str = "heldout", words: bool = False
+) -> Scene:
+    """Scene ``index`` of the stream ``(split, seed)``, an (image_size, image_size) image; ``words``: also a word
+    in a free spot (``data.scene_text``; the shapes are those of the scene without it, the pixels differ)."""
     if image_size < MIN_IMAGE_SIZE:
         raise ValueError(f"image_size must be at least {MIN_IMAGE_SIZE} pixels, got {image_size}")
     rng = scene_rng(seed, index, split)
@@ -129,11 +150,18 @@ def generate_scene(seed: int, index: int, *, image_size: int = 96, split: str = 
         for category, mask in zip(categories, masks, strict=True)
         if mask is not None and mask.sum() >= MIN_VISIBLE_PIXELS
     )
+    occupied = np.zeros((image_size, image_size), dtype=bool)
+    for obj in objects:
+        occupied |= obj.mask
+    placed = place_word(rng, occupied, PLACEMENT_TRIES) if words else None
+    texts = () if placed is None else (placed,)
     image = _background(rng, image_size)
     for obj in objects:
         image[obj.mask] = _object_colour(rng, obj.category)
+    for text in texts:
+        paint_word(image, text)
     noisy = image + rng.normal(0.0, NOISE_STD, size=image.shape)
-    return Scene(image=np.clip(np.rint(noisy), 0, 255).astype(np.uint8), objects=objects)
+    return Scene(image=np.clip(np.rint(noisy), 0, 255).astype(np.uint8), objects=objects, texts=texts)
 
 
 def _sample_categories(rng: np.random.Generator) -> list[str]:
@@ -277,14 +305,11 @@ def export_coco(
     ``area`` and ``bbox`` computed by pycocotools, so ``COCO.annToMask`` gives back the
     generator's masks exactly. Image ids are ``index + 1``; category ids ``1..10``.
     """
-    from pycocotools import mask as mask_utils
-
     if count < 1:
         raise ValueError(f"count must be at least 1, got {count}")
     out_dir = Path(out_dir)
     image_dir = out_dir / "images"
     image_dir.mkdir(parents=True, exist_ok=True)
-    category_ids = {name: i + 1 for i, name in enumerate(CATEGORIES)}
     images, annotations = [], []
     for index in range(count):
         scene = generate_scene(seed, index, image_size=image_size, split=split)
@@ -292,20 +317,9 @@ def export_coco(
         # the name ends in the image id, as COCO's do, so readers can parse it back
         file_name = f"scenes{seed}_{image_id:012d}.png"
         Image.fromarray(scene.image).save(image_dir / file_name)
-        images.append({"id": image_id, "file_name": file_name, "width": image_size, "height": image_size})
-        for obj in scene.objects:
-            rle = mask_utils.encode(np.asfortranarray(obj.mask.astype(np.uint8)))
-            annotations.append(
-                {
-                    "id": len(annotations) + 1,
-                    "image_id": image_id,
-                    "category_id": category_ids[obj.category],
-                    "segmentation": {"size": [int(s) for s in rle["size"]], "counts": rle["counts"].decode("ascii")},
-                    "area": float(mask_utils.area(rle)),
-                    "bbox": [float(b) for b in mask_utils.toBbox(rle)],
-                    "iscrowd": 0,
-                }
-            )
+        image, objects = export_coco_entries(scene, image_id, file_name, first_annotation_id=len(annotations) + 1)
+        images.append(image)
+        annotations += objects
     coco = {
         "info": {
             "description": "prune-audit synthetic scenes",
@@ -317,8 +331,36 @@ def export_coco(
         "licenses": [],
         "images": images,
         "annotations": annotations,
-        "categories": [{"id": i, "name": name, "supercategory": "shape"} for name, i in category_ids.items()],
+        "categories": coco_categories(),
     }
     path = out_dir / "instances.json"
     path.write_text(json.dumps(coco))
     return path
+
+
+def coco_categories() -> list[dict]:
+    """The COCO ``categories`` of the scenes' classes (ids ``1..10`` in ``CATEGORIES`` order)."""
+    return [{"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(CATEGORIES)]
+
+
+def export_coco_entries(scene: Scene, image_id: int, file_name: str, *, first_annotation_id: int) -> tuple[dict, list]:
+    """(COCO image entry, annotations) of ``scene``: one annotation per object, ids ``first_annotation_id + j`` for
+    the j-th object, its exact mask as compressed RLE with pycocotools' ``area`` and ``bbox``."""
+    from pycocotools import mask as mask_utils
+
+    size = scene.image.shape[0]
+    annotations = []
+    for j, obj in enumerate(scene.objects):
+        rle = mask_utils.encode(np.asfortranarray(obj.mask.astype(np.uint8)))
+        annotations.append(
+            {
+                "id": first_annotation_id + j,
+                "image_id": image_id,
+                "category_id": CATEGORIES.index(obj.category) + 1,
+                "segmentation": {"size": [int(s) for s in rle["size"]], "counts": rle["counts"].decode("ascii")},
+                "area": float(mask_utils.area(rle)),
+                "bbox": [float(b) for b in mask_utils.toBbox(rle)],
+                "iscrowd": 0,
+            }
+        )
+    return {"id": image_id, "file_name": file_name, "width": size, "height": size}, annotations

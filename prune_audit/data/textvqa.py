@@ -154,38 +154,63 @@ def _text(value: Any, where: str, key: str, fix: str) -> str:
     return value
 
 
-def _answers(entry: dict[str, Any], where: str) -> tuple[str, ...] | None:
+def _answers(entry: dict[str, Any], where: str, fix: str) -> tuple[str, ...] | None:
+    """The 10 human answers; None in the test split (the JSON has no ``answers``; lmms-lab/textvqa's rows hold null
+    or, as Hugging Face's TextVQA loader writes the test split, 10 empty strings)."""
     answers = entry.get("answers")
     if answers is None:
         return None
     if not isinstance(answers, list) or len(answers) != ANNOTATORS or not all(isinstance(a, str) for a in answers):
         raise PruneAuditError(
             f"{where}: answers must be a list of {ANNOTATORS} strings (one per annotator; VQA accuracy is defined "
-            f"over 10), got {answers!r}; {QUESTIONS_FIX}"
+            f"over 10), got {answers!r}; {fix}"
         )
-    return tuple(answers)
+    return None if not any(answers) else tuple(answers)
 
 
-def _size(entry: dict[str, Any], where: str) -> tuple[int, int] | None:
+def _size(entry: dict[str, Any], where: str, fix: str) -> tuple[int, int] | None:
     values = (entry.get("image_width"), entry.get("image_height"))
     if values == (None, None):
         return None
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
         raise PruneAuditError(
-            f"{where}: image_width and image_height must be positive whole numbers of pixels, got {values}; "
-            f"{QUESTIONS_FIX}"
+            f"{where}: image_width and image_height must be positive whole numbers of pixels, got {values}; {fix}"
         )
     return values  # type: ignore[return-value]  # two ints, checked above
 
 
-def _ocr_tokens(entry: dict[str, Any], where: str) -> list[str]:
+def _ocr_tokens(entry: dict[str, Any], where: str, fix: str) -> list[str]:
     tokens = entry.get("ocr_tokens")
     if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
         raise PruneAuditError(
             f"{where}: ocr_tokens must be a list of strings to ask the OCR line (lmms-eval's rows carry it), got "
-            f"{tokens!r}; pass LLaVA's llava_textvqa_val_v051_ocr.jsonl too, which carries the OCR line"
+            f"{tokens!r}; {fix} (LLaVA's llava_textvqa_val_v051_ocr.jsonl carries the OCR line too)"
         )
     return tokens
+
+
+def question_entry(entry: dict[str, Any], where: str, ocr: bool, fix: str = QUESTIONS_FIX) -> TextVqaQuestion:
+    """One question of TextVQA's JSON or one lmms-lab/textvqa Parquet row (the same fields), every field checked
+    (``fix`` ends each refusal); ``ocr``: ask its ``ocr_tokens`` line too."""
+    question_id = entry.get("question_id")
+    if isinstance(question_id, bool) or not isinstance(question_id, int) or not 0 <= question_id < 2**63:
+        raise PruneAuditError(
+            f"{where}: question_id must be a non-negative integer below 2**63, got {question_id!r}; {fix}"
+        )
+    image_id = _text(entry.get("image_id"), where, "image_id", fix)
+    question = _text(entry.get("question"), where, "question", fix)
+    text = question.capitalize()  # lmms-eval's textvqa_doc_to_text
+    if ocr:
+        text += f"\n{OCR_REFERENCE}{', '.join(_ocr_tokens(entry, where, fix))}"
+    return TextVqaQuestion(
+        question_id=question_id,
+        image_id=image_id,
+        image=check_image_name(f"{image_id}.jpg", where),
+        text=text,
+        question=question,
+        answers=_answers(entry, where, fix),
+        image_size=_size(entry, where, fix),
+    )
 
 
 def _question(entry: Any, path: Path, number: int, seen: QuestionPlaces, ocr: bool) -> TextVqaQuestion:
@@ -194,26 +219,11 @@ def _question(entry: Any, path: Path, number: int, seen: QuestionPlaces, ocr: bo
     where = f"{path}: entry {number}"
     if not isinstance(entry, dict):
         raise PruneAuditError(f"{where} is a JSON {type(entry).__name__}, not an object; {QUESTIONS_FIX}")
-    question_id = entry.get("question_id")
-    if isinstance(question_id, bool) or not isinstance(question_id, int) or not 0 <= question_id < 2**63:
-        raise PruneAuditError(
-            f"{where}: question_id must be a non-negative integer below 2**63, got {question_id!r}; {QUESTIONS_FIX}"
-        )
-    note_question(question_id, QuestionPlace(path, "entry", number, f"question_id {question_id}"), seen)
-    image_id = _text(entry.get("image_id"), where, "image_id", QUESTIONS_FIX)
-    question = _text(entry.get("question"), where, "question", QUESTIONS_FIX)
-    text = question.capitalize()  # lmms-eval's textvqa_doc_to_text
-    if ocr:
-        text += f"\n{OCR_REFERENCE}{', '.join(_ocr_tokens(entry, where))}"
-    return TextVqaQuestion(
-        question_id=question_id,
-        image_id=image_id,
-        image=check_image_name(f"{image_id}.jpg", where),
-        text=text,
-        question=question,
-        answers=_answers(entry, where),
-        image_size=_size(entry, where),
+    question = question_entry(entry, where, ocr)
+    note_question(
+        question.question_id, QuestionPlace(path, "entry", number, f"question_id {question.question_id}"), seen
     )
+    return question
 
 
 def read_textvqa_json(path: str | Path, ocr_reference: bool = False) -> list[TextVqaQuestion]:

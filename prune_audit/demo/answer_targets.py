@@ -34,6 +34,9 @@ from prune_audit.demo.batches import MixQuestion, Question
 from prune_audit.demo.evaluate import prompt_ids, prompt_text
 from prune_audit.demo.scene_questions import CHOICE_LETTERS
 
+GENERATED_KINDS = ("short", "caption", "text", "ground")
+"""The question kinds answered by generation (every answer token and the end trained)."""
+
 if TYPE_CHECKING:
     from prune_audit.models.base import VisionLanguageModel
 
@@ -67,7 +70,7 @@ def answer_target(question: Question | MixQuestion, instruction: str) -> AnswerT
     if asked.kind == "yesno":
         return AnswerTarget(f"{asked.prompt} {instruction}".strip(), asked.answer, False)
     if asked.kind != "choice":
-        return AnswerTarget(asked.prompt, asked.answer, asked.kind == "short" or asked.kind == "caption")
+        return AnswerTarget(asked.prompt, asked.answer, asked.kind in GENERATED_KINDS)
     letters = CHOICE_LETTERS[: len(asked.options)]
     present = tuple(letter == asked.answer for letter in letters)
     return AnswerTarget(asked.prompt, asked.answer, False, letters, asked.options, present)

@@ -2,8 +2,9 @@
 
 ``prune-audit run`` and ``prune-audit visualize`` fall back to these when no model and
 no questions are given: POPE's files, or for ``--task gqa|scienceqa|caption`` the demo's
-files of that task about the same images (``demo.task_files``). A model that ``demo train``
-wrote reads the same question files by default.
+files of that task about the same images, for ``--task textvqa|refcoco`` about the same scenes
+drawn with a word (``demo.task_files``). A model that ``demo train`` wrote reads the same
+question files by default.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from prune_audit.errors import PruneAuditError
 if TYPE_CHECKING:
     from prune_audit.demo.questions import DemoQuestionSet
 
-DEMO_TASKS = ("gqa", "scienceqa", "caption")
+DEMO_TASKS = ("gqa", "scienceqa", "caption", "textvqa", "refcoco")
 """Tasks besides POPE with demo question files (``demo.task_files``)."""
 
 
@@ -40,14 +41,14 @@ class DemoAssets:
     annotations: Path
     question_set: DemoQuestionSet
 
-    def questions(self, task: str) -> tuple[tuple[Path, ...], Path | None]:
-        """(``--questions``, ``--annotations``) of ``task`` on the demo images.
+    def questions(self, task: str) -> tuple[tuple[Path, ...], Path, Path | None]:
+        """(``--questions``, ``--images``, ``--annotations``) of ``task`` on the demo images.
 
         Raises:
             PruneAuditError: the demo has no questions of ``task`` (a plug-in task).
         """
         if task == "pope":
-            return self.pope_files, self.annotations
+            return self.pope_files, self.images_dir, self.annotations
         if task not in DEMO_TASKS:
             raise PruneAuditError(
                 f"the bundled demo has no {task} questions (it has {', '.join(('pope', *DEMO_TASKS))}); "
@@ -56,7 +57,7 @@ class DemoAssets:
         from prune_audit.demo.questions import demo_task_files
 
         files = demo_task_files(self.question_set)  # written into the cache on the first such run
-        return files.questions(task), files.evidence(task)
+        return files.questions(task), files.images(task) or self.images_dir, files.evidence(task)
 
 
 def is_demo_name(model: str | None) -> bool:

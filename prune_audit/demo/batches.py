@@ -3,9 +3,12 @@
 Yes/no questions follow POPE's balance: per image, half ask about a present class and half
 about an absent one. Absent classes mix POPE's three negative kinds: uniform
 (random), prior-weighted (popular) and same-group (adversarial, co-occurring).
-The task mix (``mix``) adds, per image, short-answer, multiple-choice and caption questions
-(``demo.scene_questions``); a short-answer form is drawn uniformly among the forms the scene
-allows, then one of its questions, so spatial questions are not outnumbered by counting.
+The task mix (``mix``) adds, per image, short-answer, multiple-choice, caption, reading and grounding
+questions (``demo.scene_questions``); a short-answer (grounding) form is drawn uniformly among the forms
+the scene allows, then one of its questions, so spatial questions are not outnumbered by counting (by
+colour). A mix with reading questions draws every scene with a word (``generate_scene(words=True)``);
+the rare scene whose word found no free spot is asked grounding questions instead, so every image keeps
+the same number of questions.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from prune_audit.demo.scene_questions import (
     SceneQuestion,
     caption_question,
     choice_question,
+    ground_questions,
     short_questions,
+    text_question,
     yesno_question,
 )
 
@@ -85,14 +90,17 @@ def sample_batch(
     """Batch ``step`` of the stream ``(split, seed)``: scenes ``step*images ...`` and their questions.
 
     Args:
-        mix: questions per image of each kind in ``KINDS`` order (yes/no, short, choice, caption);
-            None: ``questions_per_image`` yes/no questions (``Question``) as before the mix.
+        mix: questions per image of each kind in ``KINDS`` order (yes/no, short, choice, caption, text, ground;
+            kinds left out: none); None: ``questions_per_image`` yes/no questions (``Question``) as before the mix.
     """
     if mix is not None:
         check_mix(mix)
     elif questions_per_image < 2 or questions_per_image % 2:
         raise ValueError(f"questions_per_image must be even and at least 2, got {questions_per_image}")
-    scenes = tuple(generate_scene(seed, step * images + i, image_size=image_size, split=split) for i in range(images))
+    words = mix is not None and full_mix(mix)[KINDS.index("text")] > 0
+    scenes = tuple(
+        generate_scene(seed, step * images + i, image_size=image_size, split=split, words=words) for i in range(images)
+    )
     rng = np.random.default_rng([seed, step, len(CATEGORIES)])
     if mix is None:
         questions: tuple = tuple(
@@ -116,28 +124,46 @@ def sample_questions(rng: np.random.Generator, scene: Scene, image: int, count: 
 
 
 def check_mix(mix: tuple[int, ...]) -> None:
-    """Refuse a mix that is not one whole count per kind, yes/no even (half present, half absent), sum >= 1."""
-    if len(mix) != len(KINDS) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in mix):
-        raise ValueError(f"the mix needs {len(KINDS)} non-negative whole counts ({', '.join(KINDS)}), got {mix}")
+    """Refuse a mix that is not one whole count per kind (the first four at least), yes/no even (half present,
+    half absent), sum >= 1."""
+    if not 4 <= len(mix) <= len(KINDS) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in mix):
+        raise ValueError(f"the mix needs 4 to {len(KINDS)} non-negative whole counts ({', '.join(KINDS)}), got {mix}")
     if mix[0] % 2 or sum(mix) < 1:
         raise ValueError(f"the mix needs an even yes/no count and at least one question per image, got {mix}")
 
 
+def full_mix(mix: tuple[int, ...]) -> tuple[int, ...]:
+    """``mix`` with a zero count for every kind it leaves out (the mixes before reading and grounding had four)."""
+    return (*mix, *(0,) * (len(KINDS) - len(mix)))
+
+
 def sample_mix_questions(rng: np.random.Generator, scene: Scene, image: int, mix: tuple[int, ...]) -> list[MixQuestion]:
-    """The mix's questions about ``scene``: yes/no (balanced), short answers (form drawn first), choice, caption."""
-    yesno, short, choice, caption = mix
+    """The mix's questions about ``scene``: yes/no (balanced), short answers (form drawn first), choice, caption,
+    reading (the scene's word), grounding (form drawn first)."""
+    yesno, short, choice, caption, text, ground = full_mix(mix)
     found: list[SceneQuestion] = []
     if yesno:
         found += [yesno_question(q.category, q.answer, scene) for q in sample_questions(rng, scene, image, yesno)]
-    candidates = short_questions(scene)  # never empty: the counting question is always asked
-    forms = list(dict.fromkeys(q.form for q in candidates))
-    for _ in range(short):
-        form = forms[int(rng.integers(len(forms)))]
-        of_form = [q for q in candidates if q.form == form]
-        found.append(of_form[int(rng.integers(len(of_form)))])
+    found += _by_form(rng, short_questions(scene), short)  # never empty: the counting question is always asked
     found += [choice_question(rng, scene) for _ in range(choice)]
     found += [caption_question(scene)] * caption
+    reading = text_question(scene)
+    if reading is None:  # no free spot for a word: grounding questions keep the count per image
+        ground, text = ground + text, 0
+    found += [reading] * text  # type: ignore[list-item]
+    found += _by_form(rng, ground_questions(scene), ground)  # never empty: each shape by its colour
     return [MixQuestion(image, question) for question in found]
+
+
+def _by_form(rng: np.random.Generator, candidates: list[SceneQuestion], count: int) -> list[SceneQuestion]:
+    """``count`` of ``candidates``, each drawn by form first (uniform over the forms present), then within it."""
+    forms = list(dict.fromkeys(q.form for q in candidates))
+    drawn = []
+    for _ in range(count):
+        form = forms[int(rng.integers(len(forms)))]
+        of_form = [q for q in candidates if q.form == form]
+        drawn.append(of_form[int(rng.integers(len(of_form)))])
+    return drawn
 
 
 def _negative(rng: np.random.Generator, present: list[str]) -> str:

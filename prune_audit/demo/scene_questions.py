@@ -1,12 +1,17 @@
 """Questions beyond yes/no about a synthetic scene, each with the objects that are its evidence.
 
-Four kinds, one per task the tool audits (``prune_audit.tasks``):
+Six kinds, one per task the tool audits (``prune_audit.tasks``):
 
 * ``yesno`` (POPE): "Is there a {shape} in the image?", evidence the shape when present;
 * ``short`` (GQA): which shape is left of / above X, how many shapes there are, which shape is
   the largest; answered by one word;
 * ``choice`` (ScienceQA): which of four shapes is in the image, options A-D, exactly one present;
-* ``caption``: "Describe this image in detail.", answered by the shapes listed left to right.
+* ``caption``: "Describe this image in detail.", answered by the shapes listed left to right;
+* ``text`` (TextVQA): "What is written in the image?" about a scene drawn with a word (``data.scene_text``),
+  answered by the word; its evidence is the word's ink box (the "OCR token"), not an object;
+* ``ground`` (RefCOCO): a referring expression ("the red circle", "the shape left of the star", "the largest
+  shape"), answered by the referred shape's box as LLaVA-1.5 writes boxes (``data.boxes``: ``[x1, y1, x2, y2]``,
+  two decimals, 0-1 of the square image); its evidence is the referred shape.
 
 Each question names, in ``evidence``, the scene objects its question and answer refer to; the
 evidence mask is the union of their exact visible masks (``evidence_mask``). A spatial question
@@ -28,10 +33,15 @@ import numpy as np
 from prune_audit.data import captions as caption_data
 from prune_audit.data import gqa as gqa_data
 from prune_audit.data import scienceqa as scienceqa_data
+from prune_audit.data.boxes import BOX_CONVENTIONS
 from prune_audit.data.pope_build import question_text
-from prune_audit.data.scenes import CATEGORIES, Scene
+from prune_audit.data.scene_text import SCENE_WORDS
+from prune_audit.data.scenes import CATEGORIES, CATEGORY_COLOUR_NAMES, Scene
 
-KINDS: tuple[str, ...] = ("yesno", "short", "choice", "caption")
+KINDS: tuple[str, ...] = ("yesno", "short", "choice", "caption", "text", "ground")
+GROUND_FORMS: tuple[str, ...] = ("colour", "left", "above", "largest")
+TEXT_QUESTION = "what is written in the image?"  # as TextVQA's files write questions; the task capitalises it
+GROUNDING = BOX_CONVENTIONS["llava-1.5"]  # the demo is a LLaVA: its prompt, its box syntax
 SHORT_FORMS: tuple[str, ...] = ("left", "above", "count", "largest")
 COUNT_WORDS: tuple[str, ...] = ("one", "two", "three", "four")
 CHOICE_LETTERS: tuple[str, ...] = scienceqa_data.LETTERS[:4]
@@ -51,7 +61,8 @@ class SceneQuestion:
         question: the question alone (no instruction, no options).
         prompt: the text the model is asked (the task's instruction and options included).
         answer: the reference answer: a word, an option letter, or the caption.
-        evidence: indices into ``scene.objects`` of the objects question and answer refer to.
+        evidence: indices into ``scene.objects`` of the objects question and answer refer to (``text``: into
+            ``scene.texts``).
         options: the offered shapes (``choice`` only), in letter order.
     """
 
@@ -167,6 +178,51 @@ def caption_question(scene: Scene) -> SceneQuestion:
     return SceneQuestion("caption", "caption", caption_data.PROMPT, caption_data.PROMPT, answer, tuple(order))
 
 
+def text_question(scene: Scene) -> SceneQuestion | None:
+    """ "What is written in the image?" about a scene with a word; None for a scene without one."""
+    if not scene.texts:
+        return None
+    return SceneQuestion("text", "text", TEXT_QUESTION, text_prompt(), scene.texts[0].word, (0,))
+
+
+def text_prompt() -> str:
+    """The text question as ``--task textvqa`` asks it from TextVQA's JSON (lmms-eval's prompt: the question
+    capitalised, then the short-answer instruction GQA's prompt also ends with)."""
+    return gqa_prompt(TEXT_QUESTION.capitalize())
+
+
+def box_answer(scene: Scene, index: int) -> str:
+    """The box of object ``index`` as LLaVA-1.5 writes it: ``[x1, y1, x2, y2]`` in 0-1 of the square image,
+    two decimals, from the tight box of its visible mask (pixel edges)."""
+    rows, cols = np.nonzero(scene.objects[index].mask)
+    side = scene.image.shape[0]
+    numbers = (cols.min() / side, rows.min() / side, (cols.max() + 1) / side, (rows.max() + 1) / side)
+    return "[" + ", ".join(f"{value:.2f}" for value in numbers) + "]"
+
+
+def ground_questions(scene: Scene) -> list[SceneQuestion]:
+    """Every unambiguous referring expression of ``scene``, in ``GROUND_FORMS`` order: each shape by its colour,
+    the shape left of / above each anchor (``spatial_question``'s rule), the largest shape (``largest_question``'s).
+    """
+    found = [
+        (f"the {CATEGORY_COLOUR_NAMES[obj.category]} {obj.category}", "colour", i)
+        for i, obj in enumerate(scene.objects)
+    ]
+    for axis in ("left", "above"):
+        for anchor in range(len(scene.objects)):
+            spatial = spatial_question(scene, anchor, axis)
+            if spatial is not None:
+                relation = "left of" if axis == "left" else "above"
+                found.append((f"the shape {relation} the {scene.objects[anchor].category}", axis, spatial.evidence[1]))
+    largest = largest_question(scene)
+    if largest is not None and len(scene.objects) > 1:
+        found.append(("the largest shape", "largest", scene.categories.index(largest.answer)))
+    return [
+        SceneQuestion("ground", form, expression, GROUNDING.prompt(expression), box_answer(scene, i), (i,))
+        for expression, form, i in found
+    ]
+
+
 def vocabulary_words() -> tuple[str, ...]:
     """Every word (as the demo tokenizer splits it) of the prompts and answers above, shapes first."""
     texts = (
@@ -180,6 +236,23 @@ def vocabulary_words() -> tuple[str, ...]:
         "an",
     )
     words = dict.fromkeys(CATEGORIES)
+    for text in texts:
+        words.update(dict.fromkeys(_WORD.findall(text)))
+    return tuple(words)
+
+
+def reading_words() -> tuple[str, ...]:
+    """The words the ``text`` and ``ground`` kinds add to ``vocabulary_words``: the question, the scene words, the
+    grounding prompt, colours, relations and every number a box writes (``0``, ``1``, ``.``, ``00``-``99``)."""
+    texts = (
+        text_prompt(),
+        " ".join(SCENE_WORDS),
+        GROUNDING.prompt("the red shape left of above the largest"),
+        " ".join(CATEGORY_COLOUR_NAMES.values()),
+        "[0.00, 1.00]",
+        " ".join(f"{n:02d}" for n in range(100)),
+    )
+    words: dict[str, None] = {}
     for text in texts:
         words.update(dict.fromkeys(_WORD.findall(text)))
     return tuple(words)

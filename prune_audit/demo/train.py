@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prune_audit.data.pope_build import question_text
-from prune_audit.data.scenes import CATEGORIES
+from prune_audit.data.scenes import CATEGORIES, Scene
 from prune_audit.demo.answer_targets import (
     PromptPieces,
     answer_loss,
@@ -62,10 +62,20 @@ from prune_audit.demo.answer_targets import (
     prompt_pieces,
     teacher_forcing,
 )
-from prune_audit.demo.batches import BACKGROUND_CLASS, MixQuestion, SceneBatch, sample_batch
+from prune_audit.demo.batches import BACKGROUND_CLASS, MixQuestion, SceneBatch, full_mix, sample_batch
 from prune_audit.demo.checkpoint import CHECKPOINT_FILE, resume, save_checkpoint
 from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, prompt_text
-from prune_audit.demo.scene_questions import caption_question, choice_question, short_questions, vocabulary_words
+from prune_audit.demo.scene_questions import (
+    KINDS,
+    SceneQuestion,
+    caption_question,
+    choice_question,
+    ground_questions,
+    reading_words,
+    short_questions,
+    text_question,
+    vocabulary_words,
+)
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.task_instructions import DEMO_TASK_INSTRUCTIONS, write_task_instructions
 from prune_audit.safety.atomic import staging_folder
@@ -78,10 +88,15 @@ DEMO_WORDS: tuple[str, ...] = (
 )
 # a model trained on the task mix also reads and writes the other kinds' words (ids after DEMO_WORDS' ids)
 MIX_WORDS: tuple[str, ...] = tuple(dict.fromkeys((*DEMO_WORDS, *vocabulary_words())))
+# a mix that reads words or grounds expressions also writes the words and box numbers (ids after MIX_WORDS')
+READING_WORDS: tuple[str, ...] = tuple(dict.fromkeys((*MIX_WORDS, *reading_words())))
 # questions per image of each kind (KINDS order) of the mix recipe: 4 yes/no (balanced), 2 short answers,
 # 2 multiple choices (the two-hop kind: with one, 4,2,1,1, it stayed at chance for 1,000 steps) and the
 # caption (the same answer whatever the step, so one)
 DEFAULT_MIX: tuple[int, ...] = (4, 2, 2, 1)
+# the reading stage: yes/no, short, choice, caption, text, ground per image
+READING_MIX: tuple[int, ...] = (2, 1, 1, 1, 1, 2)
+READING_STEPS = 1000
 
 
 @dataclass(frozen=True)
@@ -112,8 +127,20 @@ class DemoRecipe:
     train_sizes: tuple[int, ...] = ()
     kv_heads: int = 4
     mix: tuple[int, ...] | None = None
-    """Questions per image of each kind in ``KINDS`` order (the task mix, vocabulary ``MIX_WORDS``);
-    None: ``questions_per_image`` yes/no questions and ``DEMO_WORDS``, the shipped demos' recipe."""
+    """Questions per image of each kind in ``KINDS`` order (the task mix, vocabulary ``MIX_WORDS``, or
+    ``READING_WORDS`` with reading or grounding questions); None: ``questions_per_image`` yes/no questions and
+    ``DEMO_WORDS``, the shipped yes/no demos' recipe."""
+    init_from: str | None = None
+    """The ``DEMO_RECIPES`` name of the model this recipe continues (its weights start the run, ``--init``; rows of
+    words the vocabulary adds start random); None: from scratch."""
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        """The vocabulary the recipe's questions and answers need (an earlier recipe's words first, same ids)."""
+        if self.mix is None:
+            return DEMO_WORDS
+        reads = any(full_mix(self.mix)[KINDS.index(kind)] for kind in ("text", "ground"))
+        return READING_WORDS if reads else MIX_WORDS
 
     @property
     def cell(self) -> int:
@@ -152,6 +179,21 @@ DEMO_RECIPES: dict[str, DemoRecipe] = {
 # per image, the multiple-choice options' presence targets included)
 DEMO_RECIPES["demo-tasks"] = replace(DEMO_RECIPES["demo"], steps=2400, mix=DEFAULT_MIX, monitor_every=200)
 DEMO_RECIPES["demo-qwen-tasks"] = replace(DEMO_RECIPES["demo-qwen"], steps=2400, mix=DEFAULT_MIX, monitor_every=200)
+# the LLaVA task demo reads words and grounds expressions: the four-task model above (kept as its first stage)
+# continues on all six kinds, grounding weighted most (a box is four numbers to place); warm-up and peak rate are
+# halved, as for any fine-tuning of trained weights, and half the scenes per step keep a step near the first stage's
+# cost (the grounding answers are long)
+DEMO_RECIPES["demo-tasks-stage1"] = DEMO_RECIPES["demo-tasks"]
+DEMO_RECIPES["demo-tasks"] = replace(
+    DEMO_RECIPES["demo-tasks-stage1"],
+    init_from="demo-tasks-stage1",
+    images_per_step=16,
+    steps=READING_STEPS,
+    mix=READING_MIX,
+    learning_rate=5e-4,
+    warmup_steps=50,
+    monitor_every=100,
+)
 
 
 class VisionHeads(nn.Module):
@@ -198,6 +240,39 @@ def batch_loss(
         losses["options"] = option_loss(logits, forcing)
     losses["total"] = sum(losses.values())
     return losses
+
+
+def start_from(vlm: VisionLanguageModel, recipe: DemoRecipe, init_dir: Path | None) -> None:
+    """Load the weights of ``init_dir``, a model trained by ``DEMO_RECIPES[recipe.init_from]``, into ``vlm``, whose
+    vocabulary holds that model's words (at other ids, possibly): each word's embedding and output rows move to its
+    new id; the rows of added words keep their random start. Refused when the folder's ``training.json`` names
+    another recipe or a word of the earlier vocabulary is missing.
+    """
+    from prune_audit.demo.evaluate import load_demo
+
+    earlier = DEMO_RECIPES[recipe.init_from]  # type: ignore[index]
+    summary = Path(init_dir or "") / "training.json"
+    if init_dir is None or not summary.is_file():
+        raise ValueError(f"the recipe continues {recipe.init_from}: pass --init with the folder of that model")
+    trained = json.loads(summary.read_text())["recipe"]
+    expected = json.loads(json.dumps(asdict(earlier)))
+    # fields added to the recipe since that model was trained are absent from its file, at their default None
+    if trained != {key: value for key, value in expected.items() if key in trained or value is not None}:
+        raise ValueError(f"{init_dir} was not trained by the {recipe.init_from} recipe; pass that model's folder")
+    start = load_demo(init_dir)
+    old_vocab, new_vocab = start.tokenizer.get_vocab(), vlm.tokenizer.get_vocab()
+    missing = sorted(set(old_vocab) - set(new_vocab))
+    if missing:
+        raise ValueError(f"the recipe's vocabulary lacks words of {init_dir}: {', '.join(missing)}")
+    old_ids = torch.tensor(list(old_vocab.values()))
+    new_ids = torch.tensor([new_vocab[word] for word in old_vocab])
+    state = vlm.model.state_dict()
+    with torch.no_grad():
+        for name, value in start.model.state_dict().items():
+            if value.shape == state[name].shape and value.shape[:1] != (len(old_vocab),):
+                state[name].copy_(value.float())
+            else:  # a per-word table (input embeddings, output head): rows by word
+                state[name][new_ids] = value.float()[old_ids]
 
 
 def learning_rate_at(step: int, recipe: DemoRecipe) -> float:
@@ -250,12 +325,13 @@ def monitor_task_accuracy(vlm: VisionLanguageModel, recipe: DemoRecipe) -> dict[
         image_size=recipe.image_size,
         patch_size=recipe.cell,
         split="heldout",
+        mix=recipe.mix,  # scenes with a word when the mix reads (the shapes are those without)
     )
     rng = np.random.default_rng([MONITOR_SEED, 1])
     asked = [
         MixQuestion(b, q)
         for b, scene in enumerate(batch.scenes)
-        for q in (*short_questions(scene), choice_question(rng, scene), caption_question(scene))
+        for q in (*short_questions(scene), choice_question(rng, scene), caption_question(scene), *_reading(scene))
     ]
     pieces = prompt_pieces(vlm, recipe.grid**2)
     correct: dict[str, list[bool]] = {}
@@ -280,6 +356,12 @@ def monitor_task_accuracy(vlm: VisionLanguageModel, recipe: DemoRecipe) -> dict[
     return {key: round(sum(hits) / len(hits), 4) for key, hits in sorted(correct.items())}
 
 
+def _reading(scene: Scene) -> list[SceneQuestion]:
+    """The monitor's reading and grounding questions of a scene drawn with a word (none for another scene)."""
+    reading = text_question(scene)
+    return [] if reading is None else [reading, *ground_questions(scene)]
+
+
 def _fresh_model(recipe: DemoRecipe, scratch: Path) -> VisionLanguageModel:
     """The adapter around a randomly initialised demo model of ``recipe.family``, built by its ``build_tiny``."""
     from prune_audit.demo.evaluate import load_demo
@@ -287,7 +369,7 @@ def _fresh_model(recipe: DemoRecipe, scratch: Path) -> VisionLanguageModel:
     from prune_audit.models.qwen import QwenModel
 
     shared = {
-        "words": DEMO_WORDS if recipe.mix is None else MIX_WORDS,
+        "words": recipe.words,
         "patch_size": recipe.patch_size,
         "vision_hidden_size": recipe.vision_width,
         "vision_intermediate_size": 4 * recipe.vision_width,
@@ -321,8 +403,11 @@ def _fresh_model(recipe: DemoRecipe, scratch: Path) -> VisionLanguageModel:
     return load_demo(scratch)
 
 
-def train_demo_model(recipe: DemoRecipe, out_dir: Path, *, log: Callable[[str], None] = print) -> dict:
-    """Train with ``recipe`` and save the float16 checkpoint + processor in ``out_dir``.
+def train_demo_model(
+    recipe: DemoRecipe, out_dir: Path, *, init_dir: Path | None = None, log: Callable[[str], None] = print
+) -> dict:
+    """Train with ``recipe`` and save the float16 checkpoint + processor in ``out_dir``; ``init_dir``: the model
+    ``recipe.init_from`` trained, whose weights start the run.
 
     Returns the training summary that is also written to ``out_dir/training.json``.
     """
@@ -332,6 +417,8 @@ def train_demo_model(recipe: DemoRecipe, out_dir: Path, *, log: Callable[[str], 
     out_dir = Path(out_dir)
     with tempfile.TemporaryDirectory() as scratch:
         vlm = _fresh_model(recipe, Path(scratch))
+    if recipe.init_from is not None:
+        start_from(vlm, recipe, init_dir)
     vlm.model.train()
     heads = VisionHeads(vlm.vision_state_width)
     parameters = [p for p in (*vlm.model.parameters(), *heads.parameters()) if p.requires_grad]

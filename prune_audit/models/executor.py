@@ -96,6 +96,7 @@ class LayerPlan:
     merged: list[list[list[int]]] = field(default_factory=list)  # per row: grid sources of merged token j
     vision: list[dict[str, Tensor]] = field(default_factory=list)
     grid_parts: list[tuple[tuple[int, int], ...]] = field(default_factory=list)  # per row: LayerSignals.grid_parts
+    video_grids: list[tuple[int, int, int] | None] = field(default_factory=list)  # per row: LayerSignals.video_grid
 
     def __post_init__(self) -> None:
         if not self.states:

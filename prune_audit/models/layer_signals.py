@@ -57,6 +57,7 @@ def layer_signals(
     signals = LayerSignals(
         alive=kinds[visual].cpu(), grid=plan.grids[row], layer=layer, num_layers=len(stack.layers),
         model_dtype=hidden.dtype, grid_parts=plan.grid_parts[row] if plan.grid_parts else (),
+        video_grid=plan.video_grids[row] if plan.video_grids else None,
     )  # fmt: skip
     if batch.origin is not None:
         origin = batch.origin[row, columns].cpu()

@@ -177,7 +177,10 @@ def layer_plan(
     ]
     # a selector's own tower stage opens its rows' stage state (MustDrop's key set)
     states = [{} if chosen is None else dict(chosen.llm_state) for _, chosen in _rows(prepared, selections)]
-    return LayerPlan(stages, grids, positions, selector, forced, states=states, merged=merged, grid_parts=parts)
+    clips = [item.video_grid for item in prepared]  # a clip's (T, h, w): the frames of a temporal selector
+    return LayerPlan(
+        stages, grids, positions, selector, forced, states=states, merged=merged, grid_parts=parts, video_grids=clips
+    )
 
 
 def _rows(

@@ -35,6 +35,7 @@ from prune_audit.models.probe import single_tensor_rope
 from prune_audit.models.shape import language_shape, qwen_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
+from prune_audit.pruners.signals import STEP_ATTENTION
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 PROMPT_TEMPLATE = "qwen2_5_vl"
@@ -197,8 +198,65 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
             raise PruneAuditError("per-layer vision attention is not computed on clips; choose a features selector")
         pixels = torch.cat([item.pixel_values for item in prepared]).to(self.device)
         grid_thw = torch.cat([item.extras["video_grid_thw"] for item in prepared]).to(self.device)
-        features = self.model.model.get_video_features(pixels, grid_thw, return_dict=True).pooler_output
-        return [VisionOutput(per_clip, {"video_grid": item.video_grid}) for per_clip, item in zip(features, prepared)]
+        if STEP_ATTENTION not in requires:
+            features = self.model.model.get_video_features(pixels, grid_thw, return_dict=True).pooler_output
+            return [
+                VisionOutput(per_clip, {"video_grid": item.video_grid}) for per_clip, item in zip(features, prepared)
+            ]
+        features, attention = self._step_attention(pixels, grid_thw)
+        return [
+            VisionOutput(per_clip, {"video_grid": item.video_grid, STEP_ATTENTION: received})
+            for per_clip, received, item in zip(features, attention, prepared)
+        ]
+
+    def _clip_signals(self, prepared: Sequence[Prepared]) -> frozenset[str]:
+        """A clip adds its temporal grid and, recomputed on request, its step attention (:meth:`_step_attention`)."""
+        signals = super()._clip_signals(prepared)
+        return signals | {STEP_ATTENTION} if signals and self.takes_video else signals
+
+    def _step_attention(self, pixels: Tensor, grid_thw: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Per clip its (T * h * w, D) merged features and (T * h * w,) step attention, merged-token raster order
+        (``InputSignals.step_attention``).
+
+        As LunarShen/FastVID's Qwen2.5-VL vision attention (``fastvid_qwen25vl``, commit a40a109c) forms
+        ``frame_attn_weights`` in the tower's last block: per temporal step, the softmax over its merged tokens of
+        the step's mean query (RoPE applied, mean over the step's patches) against each merged token's mean key (its
+        4 patches), scaled by 1 / sqrt(d), mean over heads. Formed in float32 on the block's input (the official
+        means are in the model dtype).
+        """
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+        from transformers.vision_utils import get_vision_window_index
+
+        visual = self.model.model.visual
+        block = visual.blocks[-1]
+        with capture_inputs([block.attn]) as inputs:  # this call's own, thread-safe
+            features = self.model.model.get_video_features(pixels, grid_thw, return_dict=True).pooler_output
+        ((args, kwargs),) = inputs
+        hidden, (cos, sin) = (args[0] if args else kwargs["hidden_states"]), kwargs["position_embeddings"]
+        width, heads, unit = hidden.shape[-1], block.attn.num_heads, visual.spatial_merge_unit
+        # queries and keys only (the qkv weight's first two thirds): the values are not needed
+        qk = torch.nn.functional.linear(hidden, block.attn.qkv.weight[: 2 * width], block.attn.qkv.bias[: 2 * width])
+        qk = qk.reshape(hidden.shape[0], 2, heads, -1).permute(1, 0, 2, 3)
+        query, key = apply_rotary_pos_emb_vision(qk[0], qk[1], cos, sin)
+        window_index, _ = get_vision_window_index(
+            grid_thw,
+            spatial_merge_size=visual.spatial_merge_size,
+            window_size=visual.window_size,
+            patch_size=visual.patch_size,
+        )
+        per_clip, start, head_width = [], 0, query.shape[-1]
+        for steps, rows, cols in grid_thw.tolist():  # window order keeps each step's merged tokens together
+            count = steps * rows * cols // unit
+            patches = slice(start * unit, (start + count) * unit)
+            q = query[patches].transpose(0, 1).float().reshape(heads, steps, -1, head_width).mean(dim=2, keepdim=True)
+            k = key[patches].transpose(0, 1).float().reshape(heads, steps, -1, unit, head_width).mean(dim=3)
+            logits = q @ k.transpose(-2, -1) / math.sqrt(head_width)  # (H, T, 1, h * w)
+            received = torch.softmax(logits, dim=-1).mean(dim=0).flatten()  # (T * h * w,) window order
+            raster = torch.empty_like(received)
+            raster[window_index[start : start + count] - start] = received
+            per_clip.append(raster)
+            start += count
+        return list(features), per_clip
 
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
         if prepared[0].video_grid is not None:

@@ -123,10 +123,10 @@ class SelectorSupport:
         """What the family lacks for ``selector`` given input signals ``available``: input signals, positions
         for the merged tokens it feeds, or what ``refused_selectors`` names."""
         refused = {cls.refused_selectors[selector.name]} if selector.name in cls.refused_selectors else set()
-        if selector.stage == "llm":  # in-LLM selectors read the language model, some the vision tower's layers too,
-            # and one with its own tower stage (MustDrop's merge) the tower hook
-            tower = VISION_LAYER_SIGNALS | TOWER_HOOK_SIGNALS
-            return set(Selector.requires_on(selector, available) & tower) - available | refused
+        if selector.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower or clip
+            # too; one with its own tower stage (MustDrop's merge) the tower hook
+            from_input = VISION_LAYER_SIGNALS | {VIDEO_GRID} | TOWER_HOOK_SIGNALS
+            return set(Selector.requires_on(selector, available) & from_input) - available | refused
         missing = set(Selector.requires_on(selector, available)) - available | refused
         if selector.merges and cls.input_positions != "compact":
             missing.add(MERGED_POSITIONS)

@@ -146,13 +146,13 @@ class CDPrunerSelector(InputSelector):
             30,
             "test_fidelity.py::test_plain_argmax_reproduces_the_official_greedy",
             "ties=tolerance: 30 of 30; fp16 and bf16 features: score_dtype=model 30 of 30 each, float32 26 and 9 of "
-            "30 (test_fidelity.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_normalisation)",
+            "30 (test_cdpruner.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_normalisation)",
         ),  # fmt: skip
         30,
         "fp16 30 of 30, bf16 30 of 30 random cases (and 10 of 10 each with a quarter of the tokens duplicated) "
         "with score_dtype=model against the official unit features, CLIP relevance and "
         "min-max normalisation written out in half on CPU, the kernel and greedy in float32 "
-        "(test_fidelity_half.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_relevance); from "
+        "(test_cdpruner.py::test_cdpruner_model_dtype_reproduces_the_official_half_precision_relevance); from "
         "the float32 raw relevance rounded once (no model_text_relevance) 28 and 23 of 30, float32 throughout 29 and "
         "8 of 30; the adapter's model_text_relevance is checked on a half tiny LLaVA with its CLIP text tower",
         {"fp16": 30, "bf16": 30},

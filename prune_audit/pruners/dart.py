@@ -133,13 +133,13 @@ class DARTSelector(SingleStageSelector):
         ),
         random_agreement(
             30,
-            "test_fidelity.py::test_dart_set_order_reproduces_the_official_iteration",
+            "test_dart.py::test_dart_set_order_reproduces_the_official_iteration",
             "pivot_order=sequence (default): 0 of 30",
         ),  # fmt: skip
         30,
         "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the rows duplicated, "
         "with budget_rule=paper, pivot_order=set, score_dtype=model, ties=topk against the official cosine "
-        "written out in half on CPU (test_fidelity_half.py::test_dart_model_dtype_reproduces_the_official_half_"
+        "written out in half on CPU (test_dart.py::test_dart_model_dtype_reproduces_the_official_half_"
         "precision_cosine); float32 cosines rounded afterwards 15 and 0 of 30",
         {"fp16": 30, "bf16": 30},
     )

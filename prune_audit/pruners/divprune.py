@@ -72,8 +72,8 @@ class DivPruneSelector(InputSelector):
         30,
         "fp16 6 of 6 (1024-dim cases: fp16 matrix products are slow on CPU; all 30 measured once: 30 of 30), bf16 30 "
         "of 30 with score_dtype=model against the official greedy run in that dtype on CPU "
-        "(test_fidelity.py::test_divprune_model_dtype_reproduces_the_official_half_precision_picks, "
-        "test_fidelity.py::test_divprune_model_dtype_reproduces_the_official_bf16_picks); float32 2 and 0 of 30",
+        "(test_divprune.py::test_divprune_model_dtype_reproduces_the_official_half_precision_picks, "
+        "test_divprune.py::test_divprune_model_dtype_reproduces_the_official_bf16_picks); float32 2 and 0 of 30",
         {"bf16": 30},
     )
 

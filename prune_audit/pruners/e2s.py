@@ -127,9 +127,9 @@ class E2SSelector(ScheduledSelector):
             "every row of the paper's Table 3 (schedule ablation at 128) is a schedule_preset "
             "(table3_122_48_42, table3_132_40_32, table3_142_32_22, table3_147_38_12, table3_152_44_2)",
         ),
-        "no official code to compare with; hand-computed cases in test_llm_selectors.py; each Table-3 preset "
+        "no official code to compare with; hand-computed cases in test_e2s.py; each Table-3 preset "
         "realises its row and an average of 128 "
-        "(test_fidelity.py::test_every_e2s_table3_row_is_a_preset_averaging_128)",
+        "(test_e2s.py::test_every_e2s_table3_row_is_a_preset_averaging_128)",
         half_agreement="no official code to compare with; score_dtype=model rounds the signals and scores to the "
         "model dtype as the other in-LLM selectors do",
     )

@@ -79,7 +79,7 @@ class FastVSelector(SingleStageSelector):
             30,
             "test_fidelity.py::test_attention_and_variation_scorers_reproduce_the_official_top_k",
             "and identical to the top-k of layer K-1's eager attention in 2 of 2 prompts on the tiny LLaVA "
-            "(test_fidelity.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)",
+            "(test_fastv.py::test_fastv_ranks_with_the_attention_of_the_layer_before_the_cut)",
         ),  # fmt: skip
         30,
         LAST_ROW_HALF,

@@ -89,10 +89,11 @@ ROPE_ONCE = (
 
 def half_exact(given: str, passed: str, fp16: int, bf16: int) -> str:
     """The half agreement of a selector exact with ``score_dtype=model, ties=topk`` given the ``given`` signals in
-    the model dtype (tests/pruners/test_fidelity_half_rederived.py), and ``fp16`` / ``bf16`` of the cases given ``passed``."""
+    the model dtype (the selector's tests/pruners/test_<name>.py), and ``fp16`` / ``bf16`` of the cases given
+    ``passed``."""
     return (
         f"score_dtype=model, ties=topk: fp16 and bf16 {RANDOM_CASES} of {RANDOM_CASES} random cases each (and 10 of "
-        f"10 duplicated-key, 10 of 10 integer-logit cases) given {given} (test_fidelity_half_rederived.py); given {passed}: "
+        f"10 duplicated-key, 10 of 10 integer-logit cases) given {given} (test_<name>.py); given {passed}: "
         f"{fp16} (fp16) and {bf16} (bf16) of {RANDOM_CASES}"
     )
 
@@ -120,7 +121,7 @@ LAST_ROW_HALF = (
     "probabilities per prompt differently from the probe's float32-accumulated product rounded once (a GPU's "
     "accumulation), as many as the CPU's kernels make (`python -m benchmarks.half_kernels`: on a Xeon with AMX, "
     "avx512_fp16 and avx512_bf16, fp16 none, bf16 0 to 4 per prompt), kept sets still 30 of 30 "
-    "(test_fidelity_half.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)"
+    "(test_fidelity.py::test_fastv_and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)"
 )
 
 NOT_YET_DONE: tuple[str, ...] = ()
@@ -171,7 +172,7 @@ def fidelity_markdown() -> str:
         "selectors spec (`shared/specs/selectors.md`, section 0) was written from; DART's set order was re-read in",
         "the fork named in its row. The fp16 / bf16 column compares kept sets with the official code's arithmetic",
         "in that dtype, re-derived step by step (the dtype of every intermediate, `torch.topk` for the ranking) in",
-        "`tests/test_fidelity_half.py` and `tests/pruners/test_fidelity.py`, with the options named; `ties=topk` reproduces",
+        "each selector's `tests/pruners/test_<name>.py` and `tests/pruners/test_fidelity.py`, with the options named; `ties=topk` reproduces",
         "`torch.topk`'s order among exact ties on the same hardware, the default lower-index rule is deterministic",
         "everywhere. Where a CPU kernel's rounding keeps a selector from exact agreement the row names it and its size.",
         "",
@@ -180,7 +181,7 @@ def fidelity_markdown() -> str:
         "with the same count per crop. Every input selector takes `budget_scope`: `image` (default) spends one budget",
         "over all of an image's visual tokens; `crop` (the official convention) splits it evenly over the crops",
         "(`budget // K`, the first `budget % K` crops one more) and runs the selector on each crop's tokens alone",
-        "(`prune_audit/pruners/crop_scope.py`; test: `tests/models/test_families_registry.py::test_per_crop_budget_equals_an_",
+        "(`prune_audit/pruners/crop_scope.py`; test: `tests/models/test_llava_next.py::test_per_crop_budget_equals_an_",
         "independent_per_crop_top_k`). Remaining differences: the official code selects among a tile's 576 patches,",
         "padding included, and keeps its padding picks (these ports and HiPrune's lay the kept tokens out as the `spatial`",
         "merge does: no unpadding, no `image_newline`); here a tile offers only its unpadded tokens, a crop with fewer",
@@ -200,10 +201,10 @@ def fidelity_markdown() -> str:
         "CLS state, CLS attention and keys, laid out as its official LLaVA-NeXT code lays them (base view, tiles'",
         "dominant tokens, tiles' CLS, tiles' contextual tokens, no newlines; a tile whose share is at least its",
         "unpadded tokens keeps them all, without CLS or contextual tokens; `prune_audit/pruners/crop_merge.py`;",
-        "test: `tests/models/test_families_registry.py::test_visionzip_runs_per_crop_on_llava_next_as_its_official_code`).",
+        "test: `tests/models/test_llava_next.py::test_visionzip_runs_per_crop_on_llava_next_as_its_official_code`).",
         "CDPruner runs there with `--clip-text`; under `budget_scope=crop` its relevance is min-max normalised over",
         "all the image's tokens before each crop's DPP, as its official LLaVA-NeXT code normalises over all crops",
-        "(test: `tests/models/test_families_registry.py::test_cdpruner_runs_on_llava_next_with_a_clip_text_tower`).",
+        "(test: `tests/models/test_llava_next.py::test_cdpruner_runs_on_llava_next_with_a_clip_text_tower`).",
         "`budget_scope=crop` is",
         "refused in one line on one-crop families. A LLaVA-OneVision token",
         "of a tile grid `anyres_max` resized counts in the crop of the patch under its cell's centre (a convention).",

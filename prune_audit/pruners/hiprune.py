@@ -151,8 +151,8 @@ class HiPruneSelector(InputSelector):
         ),
         random_agreement(
             30,
-            "test_fidelity_rederived.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers",
-            "23 x 576 attention, budgets 64/128/192; Qwen path: test_methods_qwen.py 40 of 40 unrepeated",
+            "test_hiprune.py::test_hiprune_reproduces_the_official_anchors_buffers_and_registers",
+            "23 x 576 attention, budgets 64/128/192; Qwen path: test_qwen_attention_signals.py 40 of 40 unrepeated",
         ),
         30,  # fmt: skip
         half_agreement=half_exact("the official half mean(1).mean(1)", HALF_ONCE + " (head and query)", 27, 11),

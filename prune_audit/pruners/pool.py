@@ -70,7 +70,7 @@ class PoolSelector(InputSelector):
             "them and an object only pooled with other cells is diluted, not lost",
         ),
         "pooled tokens equal torch.nn.functional.adaptive_avg_pool2d of the feature grid "
-        "(test_pool_and_merged_tokens.py::test_pool_equals_adaptive_average_pooling)",
+        "(test_pool.py::test_pool_equals_adaptive_average_pooling)",
     )
 
     flops_exact: ClassVar[bool] = True  # no products of its own: it averages cells

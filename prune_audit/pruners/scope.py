@@ -76,17 +76,17 @@ class ScopeSelector(InputSelector):
         ),
         random_agreement(
             30,
-            "test_fidelity.py::test_scope_reproduces_the_official_greedy",
+            "test_scope.py::test_scope_reproduces_the_official_greedy",
             "1024-dim CLIP features, dense official greedy, ties=tolerance and ties=argmax alike; against the "
             "official greedy run in fp16: score_dtype=model 29 of 30, float32 23 of 30; in bf16: score_dtype=model "
-            "30 of 30, float32 12 of 30 (test_fidelity.py::test_scope_model_dtype_reproduces_the_official_half_precision_greedy); "
+            "30 of 30, float32 12 of 30 (test_scope.py::test_scope_model_dtype_reproduces_the_official_half_precision_greedy); "
             "and naive facility-location cases (test_input_selectors.py); "
             + CLS_HALF
             + "score_dtype=model 28 and 30 of 30, float32 21 and 3 of 30",
         ),  # fmt: skip
         30,
         "with score_dtype=model, ties=argmax against the official greedy run in that dtype on CPU: fp16 29 of 30, "
-        "bf16 30 of 30 (test_fidelity.py::test_scope_model_dtype_reproduces_the_official_half_precision_greedy, "
+        "bf16 30 of 30 (test_scope.py::test_scope_model_dtype_reproduces_the_official_half_precision_greedy, "
         "asserted with one case of slack); float32 23 and 12 of 30; the remaining fp16 case is kernel rounding: "
         "a half-precision matrix product's last bit depends on its accumulation order (about 1 cosine in 10^4 "
         "differs by an ulp between kernels)",

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Literal
 
 from prune_audit.pruners.base import Selector
-from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS, VIDEO_GRID
+from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS, STEP_ATTENTION, VIDEO_GRID
 
 ServingNeed = Literal["encoder", "encoder_attention", "tower", "prompt", "llm_hidden", "llm_attention", "undeclared"]
 
@@ -52,6 +52,7 @@ TOWER_ATTENTION_SIGNALS = (
             "layer_attention",
             "layer_cls_attention",
             "last_cls_logits",
+            STEP_ATTENTION,
         }
     )
     | LAST_LAYER_CLS_SIGNALS

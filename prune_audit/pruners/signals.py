@@ -24,6 +24,8 @@ LAST_LAYER_CLS_SIGNALS = frozenset({"last_layer_cls_logits", "last_layer_vision_
 PADDED_CROPS = "padded_crops"
 #: the InputSignals field only a video clip gives: its temporal token grid (EVS); a still image has none
 VIDEO_GRID = "video_grid"
+#: the InputSignals field of a clip's tower attention by temporal step (FastVID's salience; Qwen2.5-VL clips)
+STEP_ATTENTION = "step_attention"
 
 
 @dataclass
@@ -101,6 +103,9 @@ class InputSignals:
         video_grid: on a video clip, its (T, h, w) token grid after the spatial merge: T temporal steps (each two
             frames on Qwen2.5-VL) of h x w tokens, the N = T * h * w tokens time-major then row-major (``grid`` is
             then (T * h, w)); None on a still image. A :meth:`subset` is no longer the clip and has none.
+        step_attention: on a video clip, (N,) the attention each merged token gets from its temporal step's mean
+            query in the vision tower's last block: softmax over the step's merged tokens (each the mean key of its
+            4 patches), mean over heads (FastVID's ``frame_attn_weights``; the Qwen2.5-VL adapter recomputes it).
         model_dtype: the dtype the model computes the signals in (the adapters pass the
             model's dtype; float32 for hand-built signals); ``score_dtype="model"`` rounds to it.
     """
@@ -132,6 +137,7 @@ class InputSignals:
     full_attention_layers: tuple[int, ...] = ()
     merging_tower: Callable[[Any], tuple[Tensor, list[Tensor]]] | None = None
     video_grid: tuple[int, int, int] | None = None
+    step_attention: Tensor | None = None
     model_dtype: torch.dtype = torch.float32
 
     @property
@@ -195,7 +201,7 @@ class InputSignals:
                 sliced["cls_feature"] = self.crop_cls_features[crop]
             if sliced["vision_keys"] is not None and self.crop_cls_keys is not None:
                 sliced["vision_keys"][:, 0] = self.crop_cls_keys[:, crop]
-        return dataclasses.replace(self, grid=grid, merging_tower=None, video_grid=None, **sliced)
+        return dataclasses.replace(self, grid=grid, merging_tower=None, video_grid=None, step_attention=None, **sliced)
 
 
 @dataclass
@@ -241,6 +247,8 @@ class LayerSignals:
         rope_ones_logits: (T, n) ``q.k / sqrt(d)`` of all-ones q and k under the layer's RoPE there (SparseVLM v2).
         model_dtype: the dtype the model computes in (None: float32).
         padded_crops: every crop's padded patches, for a selector run with ``budget_scope="crop"`` (else None).
+        video_grid: on a video clip, its (T, h, w) token grid (``InputSignals.video_grid``; ``grid`` is (T * h, w));
+            None on a still image.
     """
 
     alive: Tensor
@@ -270,6 +278,7 @@ class LayerSignals:
     model_dtype: torch.dtype | None = None
     grid_parts: tuple[tuple[int, int], ...] = ()
     padded_crops: PaddedCrops | None = None
+    video_grid: tuple[int, int, int] | None = None
 
     @property
     def num_alive(self) -> int:

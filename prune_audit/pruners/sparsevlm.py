@@ -221,7 +221,7 @@ class SparseVLMSelector(ScheduledSelector):
             "202.75 / 140.81 / 79.19 (test_schedule.py); recycle=true: kept sets, cluster members and merged "
             "vectors (bit for bit) identical to a re-implementation of the official cluster_and_merge in 30 of "
             "30 random stages at 576 tokens x 4096 dims with distinct relevances "
-            "(test_recycling.py::test_recycling_reproduces_the_official_cluster_and_merge; with float ties in "
+            "(test_sparsevlm.py::test_recycling_reproduces_the_official_cluster_and_merge; with float ties in "
             "relevance 29 of 30: one tie reorders the points summed into one cluster), paper rule with "
             "recycling realises 206.50 / 145.41 / 82.25 (test_recycling.py)",
         ),  # fmt: skip
@@ -229,13 +229,13 @@ class SparseVLMSelector(ScheduledSelector):
         "fp16 30 of 30, bf16 30 of 30 random cases, and 10 of 10 each with a quarter of the keys duplicated "
         "(whole attention columns tied) and with integer keys (many equal probabilities), first stage with score_dtype=model, ties=topk against the official "
         "raters and attn_postprocess_topk written out in half on CPU from the official half attention "
-        "(test_fidelity_half.py::test_sparsevlm_model_dtype_reproduces_the_official_half_precision_scores); "
+        "(test_sparsevlm.py::test_sparsevlm_model_dtype_reproduces_the_official_half_precision_scores); "
         "score_dtype=model with lower-index ties 19 and 5 of 30, float32 scores 16 and 0 of 30; the probe's "
         "model_attention=scaled rows are the official scaled_dot_product_attention of a half tiny LLaVA bit for "
         "bit with q.k accumulated in float32 as on GPU "
-        "(test_fidelity_half.py::test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model); on CPU "
+        "(test_sparsevlm.py::test_scaled_attention_is_the_official_sparsevlm_attention_of_a_half_model); on CPU "
         "the official half q @ k^T GEMM may round a few dot products differently, as many as the CPU's kernels make "
-        "(`python -m benchmarks.half_kernels`); kept sets still 30 of 30 against it (test_fidelity_half.py::test_fastv_"
+        "(`python -m benchmarks.half_kernels`); kept sets still 30 of 30 against it (test_fidelity.py::test_fastv_"
         "and_pdrop_keep_the_official_set_despite_the_cpu_fp16_gemm)",
         {"fp16": 30, "bf16": 30},
     )

@@ -108,8 +108,7 @@ class SparseVLM2Selector(ScheduledSelector):
         ),
         random_agreement(
             30,
-            "test_fidelity_rederived.py::test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_"
-            "ranking",
+            "test_sparsevlm2.py::test_sparsevlm2_reproduces_the_official_gravity_corrected_priority_head_ranking",
             "32 heads, the library's RoPE probe against the official all-ones RoPE",
         ),
         30,

@@ -84,9 +84,9 @@ class ToMeSelector(InputSelector):
         ),
         random_agreement(
             30,
-            "test_fidelity.py::test_tome_reproduces_the_official_merging_rounds",
+            "test_tome.py::test_tome_reproduces_the_official_merging_rounds",
             "each output token's cells, and its vector within 1e-5; location=tower: 30 of 30 through 23 layers "
-            "(test_fidelity_rederived.py::test_tome_tower_merging_reproduces_the_official_blocks)",
+            "(test_tome.py::test_tome_tower_merging_reproduces_the_official_blocks)",
         ),
         30,
     )

@@ -98,7 +98,7 @@ class V2DropSelector(ScheduledSelector):
         30,
         "fp16 30 of 30, bf16 30 of 30 random cases and 10 of 10 each with duplicated rows, with score_dtype=model, "
         "ties=topk against the official torch.norm of the half difference on CPU "
-        "(test_fidelity_half.py::test_v2drop_model_dtype_reproduces_the_official_half_precision_variation); "
+        "(test_v2drop.py::test_v2drop_model_dtype_reproduces_the_official_half_precision_variation); "
         "lower-index ties 5 and 0 of 30, float32 5 and 0 of 30",
         {"fp16": 30, "bf16": 30},
     )

@@ -90,7 +90,7 @@ class VisionZipSelector(InputSelector):
         ),
         random_agreement(
             30,
-            "test_fidelity.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
+            "test_visionzip.py::test_visionzip_reproduces_the_official_dominant_and_contextual_tokens",
             "dominant set, every contextual token's target and members, and every output vector within 1e-5; "
             "1024-dim CLIP states, 16 heads x 64-dim keys; score_dtype=model: rounded saliency, keys and cosines "
             "on an fp16 case where float32 differs (test_input_selectors.py); "
@@ -98,13 +98,13 @@ class VisionZipSelector(InputSelector):
             + "dominant set with score_dtype=model 30 of 30 in both, float32 29 and 9 of 30; the whole forward "
             "against the official one run in fp16 / bf16: dominant set, contextual groups and every output vector "
             "bit for bit with score_dtype=model in 30 of 30 each, float32 scoring the same sets in 0 of 30 "
-            "(test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)",
+            "(test_visionzip.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)",
         ),  # fmt: skip
         30,
         "fp16 30 of 30, bf16 30 of 30 with score_dtype=model, ties=topk: dominant set against the official "
         "torch.topk on the half CLS attention (test_fidelity.py::test_ties_topk_reproduces_the_official_half_precision_topk); with "
         "score_dtype=model the whole forward (dominant set, contextual groups, output vectors) bit for bit in 30 "
-        "of 30 each (test_fidelity.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)",
+        "of 30 each (test_visionzip.py::test_visionzip_model_dtype_reproduces_the_official_half_precision_forward)",
         {"fp16": 30, "bf16": 30},
     )
 

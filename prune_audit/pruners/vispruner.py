@@ -80,7 +80,7 @@ class VisPrunerSelector(InputSelector):
         ),
         random_agreement(
             30,
-            "test_fidelity.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens",
+            "test_vispruner.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens",
             "1024-dim CLIP states; against the official code run in fp16 / bf16 with a GPU's float32 accumulation "
             "(norms and cosines rounded once): score_dtype=model 30 of 30 each, float32 scoring 0 of 30; CPU fp16 "
             "kernels round some norms and cosines differently (18 of 30 there)",
@@ -88,7 +88,7 @@ class VisPrunerSelector(InputSelector):
         30,
         "fp16 30 of 30, bf16 30 of 30 with score_dtype=model against the official forward in that dtype with a "
         "GPU's float32 accumulation (norms and cosines rounded once) "
-        "(test_fidelity.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens); against the CPU "
+        "(test_vispruner.py::test_vispruner_reproduces_the_official_important_and_diverse_tokens); against the CPU "
         "fp16 kernels 18 of 30: they round some norms and cosines differently (kernel rounding)",
         {"fp16": 30, "bf16": 30},
     )

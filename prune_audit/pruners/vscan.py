@@ -260,8 +260,8 @@ class VScanSelector(ScheduledSelector, BudgetScoped):
         ),
         random_agreement(
             30,
-            "test_fidelity_rederived.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging",
-            "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288; Qwen path: test_methods_qwen.py 36 of 36 (7B-like: 16 heads, 4 x 4 windows, 6..20-token sides, 3584-dim features); LLaVA-NeXT per crop: test_families_registry.py::test_vscan_runs_per_crop_on_llava_next_as_its_official_code, 2 of 2 tiny images (kept sets exact, merged inputs atol 1e-5)",
+            "test_vscan.py::test_vscan_vision_stage_reproduces_the_official_scans_and_merging",
+            "kept sets and merged 4096-dim features (atol 1e-5), vision stages 96/192/288; Qwen path: test_qwen_attention_signals.py 36 of 36 (7B-like: 16 heads, 4 x 4 windows, 6..20-token sides, 3584-dim features); LLaVA-NeXT per crop: test_llava_next.py::test_vscan_runs_per_crop_on_llava_next_as_its_official_code, 2 of 2 tiny images (kept sets exact, merged inputs atol 1e-5)",
         ),
         30,  # fmt: skip
         half_agreement=half_exact(

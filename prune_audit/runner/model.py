@@ -33,9 +33,9 @@ def resolve_demo_defaults(request: RunRequest) -> None:
     demo = demo_assets(name=request.model if named_demo else default_demo([request.task]))
     request.model = request.model if request.model is not None and not named_demo else str(demo.model_dir)
     if not request.question_files:
-        questions, evidence = demo.questions(request.task)
+        questions, images, evidence = demo.questions(request.task)
         request.question_files = list(questions)
-        request.images = request.images or demo.images_dir
+        request.images = request.images or images
         request.annotations = request.annotations or evidence
 
 

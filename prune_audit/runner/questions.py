@@ -80,9 +80,12 @@ def load_evidence(
     image_paths: dict[str, Path],
     image_sizes: dict[str, tuple[int, int]],
 ) -> tuple[Evidence | None, dict[str, int]]:
-    """The task's evidence from ``--annotations`` (None without), checked against each image's size, and each
-    image's id (from the evidence, else the task)."""
-    evidence = task.load_evidence(Path(annotations), questions) if annotations is not None else None
+    """The task's evidence from ``--annotations`` (without: what the questions carry themselves, if anything),
+    checked against each image's size, and each image's id (from the evidence, else the task)."""
+    if annotations is not None:
+        evidence: Evidence | None = task.load_evidence(Path(annotations), questions)
+    else:
+        evidence = task.question_evidence(questions)
     image_ids = _image_ids(task, questions, evidence)
     if evidence is not None:
         for name, path in image_paths.items():

@@ -315,6 +315,12 @@ class Task(ABC):
     def load_evidence(self, path: Path, questions: Sequence[TaskQuestion]) -> Evidence:
         """The ``--annotations`` file as evidence regions, every question's evidence checked to exist in it."""
 
+    def question_evidence(self, questions: Sequence[TaskQuestion]) -> Evidence | None:
+        """The evidence regions the questions carry themselves, for a run without ``--annotations`` (lmms-lab's
+        RefCOCO rows hold the referred object's polygon); None, the default: the questions name regions only an
+        annotations file draws."""
+        return None
+
     def figure_boxes(self, record: dict[str, Any], evidence: Evidence | None) -> FigureBoxes:
         """The boxes ``visualize --run`` draws over a recorded question, from its record and, when the run had
         ``--annotations``, its ``evidence``; default none (the evidence mask alone is drawn)."""

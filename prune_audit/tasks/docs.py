@@ -47,6 +47,7 @@ prune-audit score --task gqa answers.jsonl --questions testdev_balanced_question
 prune-audit run --task scienceqa --model M --questions ScienceQA-IMG/test-00000-of-00001.parquet  # lmms-eval files
 prune-audit run --task refcoco --model M --questions 'refcoco/refs(unc).p' --questions refcoco/instances.json \\
     --annotations refcoco/instances.json --images train2014 --split testA
+prune-audit run --task refcoco --model M --questions RefCOCO/data/testA-00000-of-00001.parquet  # lmms-eval files
 ```
 
 Question files in the Parquet layout of the lmms-eval datasets (`.parquet`; see each task's "Parquet files")
@@ -54,8 +55,8 @@ embed their images, so they need no `--images`: every embedded image the run use
 `image_source` name checked to be writable (no NUL byte, no part over 255 bytes, no name that is also another's
 folder), before anything is written; the run writes them to `RUN_DIR/images/` (its manifest's images folder, pinned by their sha256,
 read again by `visualize --run` and `intervene`), and a run reads either Parquet files or the task's own files.
-`score --task pope` and `score --task gqa` read them too, without their images (GQA: only the `*_instructions`
-files); `score --task scienceqa` refuses them, because lmms-lab/ScienceQA's rows have no problem id to match an
+`score --task pope`, `score --task gqa` and `score --task textvqa` read them too, without their images (GQA: only
+the `*_instructions` files); `score --task scienceqa` refuses them, because lmms-lab/ScienceQA's rows have no problem id to match an
 answers file's `question_id` (row order would silently pair answers with the wrong questions once either file
 is filtered): pass LLaVA's `llava_test_CQM-A.json`.
 

@@ -23,7 +23,17 @@ referred object's box: ``correct`` is IoU >= 0.5
 ``evaluate_grounding.py``) reusing the pruned KV cache; confidence is the probability of the generated answer,
 the product of its tokens' probabilities (``sequence_prob``, as GQA's), the box's tokens being the answer.
 ``score --task refcoco`` is refused: a released answer's box is in its model's frame, which an answers file does
-not name. lmms-lab's RefCOCO Parquet files and the Qwen-VL / InternVL ``refcoco_*.jsonl`` files are not read.
+not name. The Qwen-VL / InternVL ``refcoco_*.jsonl`` files are not read.
+
+lmms-lab's Parquet files (``lmms-lab/RefCOCO``, ``RefCOCOplus``, ``RefCOCOg``: ``<split>-NNNNN-of-NNNNN.parquet``,
+images embedded; ``data.lmms_parquet``) read too: one row per referred object, exploded into one question per
+referring expression (``answer``) as lmms-eval's ``refcoco_bbox_rec`` explodes it, each numbered within its split
+(the split is the file name's prefix). The target is the row's ``bbox`` (COCO ``[x, y, w, h]`` in pixels of the
+embedded image, whose own size is the image size), ``ann_id`` the row's ``question_id``, and the evidence the row's
+``segmentation`` (the referred object's polygon), so such a run needs no ``--annotations``; the rows name no
+category, so the object is called "referred object". ``visualize --run`` of such a run draws the boxes, not the
+mask outline, and ``intervene`` refuses it (it reads the masks from the run's ``--annotations``): give such a run the
+dataset's ``instances.json`` with ``--annotations`` (its annotation ids are the rows' ``question_id``) to have both.
 
 ``visualize --run`` draws the referred object's mask outline (with ``--annotations``) and its target box in cyan
 (labelled with its category; the legend says "referred object"), and the predicted box dashed in green, labelled with
@@ -41,7 +51,7 @@ import pyarrow as pa
 
 from prune_audit.data.boxes import Box, BoxConvention, box_convention, box_iou, format_box
 from prune_audit.data.coco import CocoInstances
-from prune_audit.data.refcoco import SPLITS, RefQuestion, annotations_by_id, load_refcoco, target_box
+from prune_audit.data.refcoco import SPLITS, RefQuestion, annotations_by_id, load_refcoco, polygon_mask, target_box
 from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import column
 from prune_audit.tasks.base import (
@@ -59,6 +69,7 @@ from prune_audit.tasks.registry import register_task
 if TYPE_CHECKING:
     from prune_audit.answer_modes import Generation
     from prune_audit.data.geometry import TokenGeometry
+    from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
     from prune_audit.tasks.base import TaskQuestion
 
@@ -100,6 +111,46 @@ class ReferredObjectEvidence:
     def record_mask(self, record: dict[str, Any]) -> np.ndarray:
         """(height, width) bool: the mask of the record's referred annotation (``ann_id``)."""
         return self.coco.annotation_mask(self.annotation(record["ann_id"]))
+
+
+class RowPolygonEvidence:
+    """The questions' own polygons as evidence regions (lmms-lab's Parquet rows): each referred object's mask,
+    rasterised at the size of the image the row embeds."""
+
+    def __init__(self, questions: Sequence[RefQuestion]) -> None:
+        self._questions = {(question.split, question.question_id): question for question in questions}
+        self._images = {question.image: question for question in questions}
+
+    def image_id(self, image: str) -> int:
+        return self._images[image].image_id
+
+    def check_image_size(self, image: str, size: tuple[int, int], path: Path) -> None:
+        expected = self._images[image].image_size
+        if tuple(size) != expected:
+            raise PruneAuditError(
+                f"image {path} is {size[0]}x{size[1]} pixels but its question rows describe {expected[0]}x"
+                f"{expected[1]} (width x height); pass the images the question files embed"
+            )
+
+    def _mask(self, question: RefQuestion) -> np.ndarray | None:
+        if question.segmentation is None:
+            return None
+        return polygon_mask(question.segmentation, question.image_size)
+
+    def area(self, question: RefQuestion, image_id: int, geometry: TokenGeometry) -> ObjectArea | None:
+        from prune_audit.data.retention import object_area
+
+        mask = self._mask(question)
+        return None if mask is None else object_area(mask, geometry)
+
+    def objects(self, question: RefQuestion, image_id: int, geometry: TokenGeometry) -> list[tuple[str, ObjectArea]]:
+        area = self.area(question, image_id, geometry)
+        return [] if area is None else [(question.category, area)]
+
+    def record_mask(self, record: dict[str, Any]) -> np.ndarray | None:
+        """(height, width) bool: the polygon of the recorded question (by ``split`` and ``question_id``)."""
+        question = self._questions.get((record["split"], record["question_id"]))
+        return None if question is None else self._mask(question)
 
 
 @register_task
@@ -169,6 +220,17 @@ class RefcocoTask(GeneratingTask):
     def read_questions(self, paths: Sequence[Path]) -> list[RefQuestion]:
         return load_refcoco(paths)
 
+    parquet_layout = "lmms-lab/RefCOCO, RefCOCOplus or RefCOCOg (<split>-*.parquet; evidence: each row's polygon)"
+
+    def read_parquet(self, paths: Sequence[Path]) -> ParquetQuestions[RefQuestion]:
+        from prune_audit.data.lmms_parquet import read_refcoco_parquet
+
+        return read_refcoco_parquet(paths)
+
+    def question_evidence(self, questions: Sequence[RefQuestion]) -> RowPolygonEvidence | None:
+        """The rows' polygons when the questions carry them (lmms-lab's Parquet files); None otherwise."""
+        return RowPolygonEvidence(questions) if any(q.segmentation is not None for q in questions) else None
+
     def score(self, question: RefQuestion, generation: Generation) -> Scored:
         convention = self._bound()
         numbers = convention.parse(generation.answer)
@@ -220,7 +282,8 @@ class RefcocoTask(GeneratingTask):
         for question in questions:
             ann = evidence.annotation(question.ann_id)
             box = target_box(ann, f"{path}: annotation {question.ann_id}", ANNOTATIONS_FIX)
-            if ann["image_id"] != question.image_id or box != question.box:
+            same_box = np.allclose(box.as_list(), question.box.as_list(), rtol=1e-6, atol=1e-3)  # float32 rows
+            if ann["image_id"] != question.image_id or not same_box:
                 raise PruneAuditError(
                     f"annotation {question.ann_id} in {path} is not the one the questions refer to (another image or "
                     f"box); {ANNOTATIONS_FIX}"
@@ -228,4 +291,4 @@ class RefcocoTask(GeneratingTask):
         return evidence
 
 
-__all__ = ["ReferredObjectEvidence", "RefcocoTask"]
+__all__ = ["ReferredObjectEvidence", "RefcocoTask", "RowPolygonEvidence"]

@@ -8,7 +8,9 @@ listing the image's Rosetta OCR tokens, then "Answer the question using a single
 alone it is asked as lmms-eval's ``textvqa_val`` asks it by default (``ocr: false``): the question capitalised, then
 the same instruction, no OCR line. lmms-eval's ``ocr: true`` form (the JSON's ``ocr_tokens`` line between the two)
 is the class attribute ``TextVqaTask.ocr_reference`` (``run`` has no per-task option: a plug-in subclass sets it).
-Reading and scoring are ``data.textvqa``'s. lmms-lab/textvqa's Parquet files are not read (no Parquet layout).
+Reading and scoring are ``data.textvqa``'s. lmms-lab/textvqa's Parquet files (``validation-*.parquet``, images
+embedded; ``data.lmms_parquet``) read as the JSON does: a row carries the JSON entry's fields, and is asked as
+lmms-eval's ``textvqa_val`` asks it (with ``ocr_reference``, its ``ocr_tokens`` line too).
 
 ``vqa_accuracy`` is the official score: the answer and the 10 human answers normalised as the EvalAI/VQA evaluation
 does (punctuation, number words to digits, articles, contractions), then ``min(#annotators who gave it / 3, 1)``
@@ -25,8 +27,10 @@ consecutive tokens whose normalised words equal a normalised answer, ``data.text
 also measured on its own (``evidence_objects``, ``evidence_objects_lost``). ``retention``, ``lost`` and ``diluted``
 (per stage) then say how much of the answer's text the pruner kept. A question whose answer no OCR token spells has
 no evidence (NaN retention), unless ``TextVqaTask.evidence_fallback`` is set: then every OCR box of its image is its
-evidence. ``visualize --run`` frames each of those tokens' boxes in cyan, labelled with its OCR word, over the kept
-tokens; the legend names the outline "answer's OCR text". A run without ``--annotations`` draws no boxes.
+evidence. lmms-lab/textvqa's rows carry the OCR tokens' words but not their boxes, so a run from its Parquet files
+takes the same Rosetta OCR file for evidence. ``visualize --run`` frames each of those tokens' boxes in cyan,
+labelled with its OCR word, over the kept tokens; the legend names the outline "answer's OCR text". A run without
+``--annotations`` draws no boxes.
 
 ``prune-audit score --task textvqa answers.jsonl --questions TextVQA_0.5.1_val.json`` scores an answers file keyed by
 TextVQA's ``question_id`` (what ``export --answers`` writes): the mean VQA accuracy (``accuracy``) and the share with
@@ -72,6 +76,7 @@ from prune_audit.tasks.registry import register_task
 if TYPE_CHECKING:
     from prune_audit.answer_modes import Generation
     from prune_audit.data.geometry import TokenGeometry
+    from prune_audit.data.lmms_parquet import ParquetQuestions
     from prune_audit.data.retention import ObjectArea
 
 SPLIT = "textvqa"
@@ -248,6 +253,14 @@ class TextVqaTask(GeneratingTask):
         loaded = load_textvqa(by_kind[".json"][0], llava, self.ocr_reference)
         return [TextVqaTaskQuestion(question) for question in loaded]
 
+    parquet_layout = "lmms-lab/textvqa"
+
+    def read_parquet(self, paths: Sequence[Path]) -> ParquetQuestions[TextVqaTaskQuestion]:
+        from prune_audit.data.lmms_parquet import ParquetQuestions, read_textvqa_parquet
+
+        loaded = read_textvqa_parquet(paths, self.ocr_reference)
+        return ParquetQuestions([TextVqaTaskQuestion(question) for question in loaded.questions], loaded.images)
+
     def check_questions(self, questions: Sequence[TextVqaTaskQuestion]) -> None:
         unanswered = [q for q in questions if q.tvqa.answers is None]
         if unanswered:
@@ -273,10 +286,14 @@ class TextVqaTask(GeneratingTask):
 
     def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
         """The official VQA accuracy of an answers file whose ``question_id`` is TextVQA's (``export --answers``
-        writes it so; ``data.textvqa.score_textvqa_answers``)."""
+        writes it so; ``data.textvqa.score_textvqa_answers``); of lmms-lab/textvqa's Parquet files only the
+        questions are read, not the images."""
         from prune_audit.data.textvqa import score_textvqa_answers
 
-        self.parquet_inputs(question_files)  # refuses Parquet files in one line: no TextVQA Parquet layout is read
+        if self.parquet_inputs(question_files):
+            from prune_audit.data.lmms_parquet import read_textvqa_parquet
+
+            return score_textvqa_answers(answers, read_textvqa_parquet(question_files, images=False).questions)
         return score_textvqa_answers(answers, [question.tvqa for question in self.read_questions(question_files)])
 
     def summary_rows(self, records: pa.Table) -> list[tuple[str, str]]:

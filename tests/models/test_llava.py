@@ -1,6 +1,7 @@
 """What only LLaVA-1.5 has: its CLIP CLS row and keys, compact positions equal to a shortened prompt, every
 input-level selector at a small budget, named in-LLM selectors equal to the masked reference, CDPruner's CLIP text
-tower, the vicuna template, the 4.x key layout. What every family shares is in tests/models/test_families_registry.py."""
+tower, the vicuna template, the 4.x key layout, the per-crop budget refused (one crop). What every family shares is
+in tests/models/test_families_registry.py."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tiny_models import (
 from prune_audit.errors import PruneAuditError
 from prune_audit.models import load_vlm
 from prune_audit.models.build import build_clip
+from prune_audit.models.families import adapter_for
 from prune_audit.models.llava import LlavaModel
 from prune_audit.models.probe import clip_cls_row
 from prune_audit.pruners import get_selector, list_selectors, selector_class
@@ -350,3 +352,14 @@ def test_checkpoint_in_the_4x_key_layout_loads_identically(vlm, paths, prepared,
     reloaded = load_vlm(legacy, device="cpu")
     item = prepared[0]
     assert (logits_of(reloaded, [item])[0] - logits_of(vlm, [item])[0]).abs().max() <= TOL
+
+
+def test_per_crop_budget_is_refused_in_one_line_on_one_crop_families(tmp_path):
+    from prune_audit.pruners.registry import selector_from_strings
+
+    vlm = load_vlm(adapter_for("llava", "test").build_tiny(tmp_path / "model", words=[*WORDS, "Is"]), device="cpu")
+    with pytest.raises(PruneAuditError) as error:
+        vlm.check_selector(selector_from_strings("divprune", ["budget_scope=crop"]))
+    assert "one crop" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(PruneAuditError, match="one crop"):  # VScan, the in-LLM selector with the option
+        vlm.check_selector(selector_from_strings("vscan", ["budget_scope=crop"]))

@@ -2,7 +2,9 @@
 processor and an independent re-derivation of the video processor's order (transformers' video processor needs
 torchvision, not installed), the M-RoPE time axis, dense prefill logits equal to the stock forward on the same
 inputs (tiny fp32 model, 1e-5), EVS on the clip (its kept tokens are the EVS mask's, keep-all equals dense), and the
-one-line refusals (EVS on still images, clips on other families, mixed batches)."""
+one-line refusals (EVS on still images, clips on other families, mixed batches); FrameFusion inside the LLM on
+clips (keep-all equals dense; layer 0's merge of a clip of one repeated frame is the selector's on the clip's
+features)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from prune_audit.models import load_vlm
 from prune_audit.models.families import adapter_for, family_names
 from prune_audit.models.qwen import QwenModel, video_patches
 from prune_audit.pruners import get_selector
-from prune_audit.pruners.signals import InputSignals
+from prune_audit.pruners.signals import InputSignals, LayerSignals
 
 TOL = 1e-5
 SMALL = {"min_pixels": 4 * 28 * 28, "total_pixels": 4 * 168 * 168}  # tiny frames: a 4 x 5 token grid of 130 x 100
@@ -131,3 +133,46 @@ def test_other_qwen_families_refuse_clips(clip):
         assert not adapter.takes_video
         with pytest.raises(PruneAuditError, match="Qwen2.5-VL only"):
             adapter.prepare_video(object.__new__(adapter), clip, "q")
+
+
+def clip_features(vlm, item) -> torch.Tensor:
+    """(T * h * w, D) float32 merged video features of a prepared clip (the language model's layer-0 input)."""
+    return (
+        vlm.model.model.get_video_features(item.pixel_values, item.extras["video_grid_thw"], return_dict=True)
+        .pooler_output[0]
+        .float()
+    )
+
+
+def test_framefusion_on_a_clip(vlm, clip, item):
+    framefusion = get_selector("framefusion")
+    full, _ = vlm.prefill([item], framefusion, item.num_visual)
+    assert (full.logits - stock_logits(vlm, item)).abs().max() <= TOL
+    pruned, _ = vlm.prefill([item], framefusion, 20)
+    assert pruned.stage_layers[0] == list(range(vlm.num_layers))
+    assert sum(pruned.tokens_per_layer[0]) / vlm.num_layers <= 21  # the cost model spends at most the budget
+    frame = random_image(7, (130, 100))
+    still = vlm.prepare_video(sample_clip([frame] * 4, 2.0, **SMALL), QUESTIONS[0])  # two identical steps
+    prefill, _ = vlm.prefill([still], framefusion, 27)
+    stage = framefusion.schedule(vlm.num_layers, still.num_visual, 27)[0]
+    signals = LayerSignals(
+        alive=torch.arange(still.num_visual), grid=still.grid, layer=0, num_layers=vlm.num_layers,
+        hidden_states=clip_features(vlm, still), text_probs=torch.zeros(1, 1, still.num_visual),
+        video_grid=still.video_grid,
+    )  # fmt: skip
+    state: dict = {}
+    kept = framefusion.prune(stage, signals, state)
+    merge = framefusion.merge(stage, signals, state, kept)
+    assert merge is not None and kept.numel() < still.num_visual  # the second step merges into the first
+    heads = set(merge.replaces.tolist())
+    assert prefill.kept_stages[0][0] == [cell for cell in kept.tolist() if cell not in heads]
+    assert sorted(prefill.merged_stages[0][0]) == sorted(group.tolist() for group in merge.members)
+    assert prefill.tokens_per_layer[0] == [kept.numel()] * vlm.num_layers  # a bounded merge ends the process
+    assert torch.isfinite(prefill.logits).all()
+
+
+def test_framefusion_is_refused_on_still_images_in_one_line(vlm):
+    image = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
+    with pytest.raises(PruneAuditError, match="still image") as refusal:
+        vlm.prefill([image], get_selector("framefusion"), 10)
+    assert "\n" not in str(refusal.value)

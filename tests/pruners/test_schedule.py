@@ -1,8 +1,10 @@
-"""Schedules of the in-LLM selectors and the layer-average budget convention."""
+"""Schedules of the in-LLM selectors and the layer-average budget convention; a single selector's own schedule
+tests are in ``tests/pruners/test_<name>.py``."""
 
 from __future__ import annotations
 
 import pytest
+from selector_cases import counts
 
 from prune_audit.pruners import Stage, get_selector, list_selectors, selector_class
 from prune_audit.pruners.schedule import (
@@ -17,10 +19,6 @@ from prune_audit.pruners.schedule import (
 
 LLM_SELECTORS = [name for name in list_selectors() if selector_class(name).stage == "llm"]
 MODELS = [(32, 576), (28, 391)]  # LLaVA-1.5-7B; a Qwen2.5-VL-like depth with an odd token count
-
-
-def counts(stages: list[Stage]) -> list[tuple[int, int]]:
-    return [(stage.layer, stage.keep) for stage in stages]
 
 
 def test_tokens_per_layer_and_average_follow_the_stages():
@@ -85,14 +83,6 @@ def test_nearest_setting_compares_fractions_of_the_visual_tokens():
     assert nearest_setting(settings, 100, 576) == "b"
     assert nearest_setting(settings, 64, 288) == "b"  # 64 of 288 tokens is 128 of 576
     assert nearest_setting(settings, 96, 576) == "a"  # a tie goes to the smaller budget
-
-
-@pytest.mark.parametrize("budget, expected", [(192, [194, 148, 96]), (128, [122, 48, 42]), (64, [20, 8, 0])])
-@pytest.mark.parametrize("rule", ["average", "paper"])
-def test_e2s_paper_schedules_are_exact_on_llava(budget, expected, rule):
-    stages = get_selector("e2s", budget_rule=rule).schedule(32, 576, budget)
-    assert counts(stages) == list(zip([3, 17, 22], expected))
-    assert average_visual_tokens(stages, 32, 576) == budget
 
 
 @pytest.mark.parametrize("name", LLM_SELECTORS)
@@ -163,25 +153,6 @@ def test_paper_counts_match_the_references(name, budget):
     assert counts(stages) == PAPER_TABLES[name][budget]
 
 
-def test_pdrop_paper_schedule_realises_the_published_averages():
-    realised = {
-        budget: average_visual_tokens(get_selector("pdrop", budget_rule="paper").schedule(32, 576, budget), 32, 576)
-        for budget in (192, 128, 64)
-    }
-    assert realised == pytest.approx({192: 191.0, 128: 126.25, 64: 62.125})
-
-
-def test_sparsevlm_paper_schedule_realises_the_reference_averages():
-    """Issue 14 item 3: with the official layer semantics the paper counts average 202.75 / 140.81 / 79.19."""
-    realised = {
-        budget: average_visual_tokens(get_selector("sparsevlm", budget_rule="paper").schedule(32, 576, budget), 32, 576)
-        for budget in (192, 128, 64)
-    }
-    assert realised == pytest.approx({192: 202.75, 128: 140.8125, 64: 79.1875})
-    current = get_selector("sparsevlm", budget_rule="paper", signal_layer="current").schedule(32, 576, 192)
-    assert counts(current) == [(2, 300), (6, 200), (15, 110)]
-
-
 @pytest.mark.parametrize(
     "name, layers, average",
     [("pdrop", [(8, 288), (16, 144), (24, 72)], 270.0), ("v2drop", [(3, 288), (17, 144), (22, 1)], 202.8125)],
@@ -204,13 +175,6 @@ def test_official_rule_is_refused_where_the_selector_has_none(name):
         get_selector(name, budget_rule="official")
 
 
-def test_e2s_presets_name_the_paper_schedules():
-    preset = get_selector("e2s", budget_rule="paper", schedule_preset="table3_132_40_32").schedule(32, 576, 128)
-    assert counts(preset) == [(3, 132), (17, 40), (22, 32)]
-    assert average_visual_tokens(preset, 32, 576) == 128
-    assert counts(get_selector("e2s", budget_rule="paper").schedule(32, 576, 128)) == [(3, 122), (17, 48), (22, 42)]
-
-
 @pytest.mark.parametrize("name", ["sparsevlm", "pdrop", "v2drop", "e2s"])
 def test_paper_rule_names_its_budgets_for_an_unknown_one(name):
     with pytest.raises(
@@ -223,11 +187,6 @@ def test_paper_rule_names_its_budgets_for_an_unknown_one(name):
 def test_paper_counts_scale_with_the_token_count():
     assert counts(get_selector("e2s", budget_rule="paper").schedule(32, 288, 128)) == [(3, 61), (17, 24), (22, 21)]
     assert counts(get_selector("v2drop", budget_rule="paper").schedule(32, 288, 192)) == [(3, 144), (17, 43), (22, 0)]
-
-
-def test_fastv_default_is_average_matched():
-    kept = [get_selector("fastv").schedule(32, 576, budget)[0].keep for budget in (192, 128, 64)]
-    assert kept == [166, 98, 30]  # (32 B - 2 * 576) / 30, spec section 14
 
 
 def test_single_stage_layer_option_moves_the_stage():

@@ -57,6 +57,7 @@ INPUT_SHAPES = {
     "layer_cls_attention": (("Lv", "N"), "prob"),
     "model_layer_attention": (("Lv", "N"), "prob"),
     "model_layer_cls_attention": (("Lv", "N"), "prob"),
+    "step_attention": (("N",), "weight"),
 }
 # "n" is the number of alive tokens at the stage
 LAYER_SHAPES = {
@@ -83,6 +84,8 @@ VARIANTS = ["random", "constant", "zeros", "ties"]
 
 INPUT_SELECTORS = [name for name in list_selectors() if selector_class(name).stage == "input"]
 LLM_SELECTORS = [name for name in list_selectors() if selector_class(name).stage == "llm"]
+#: in-LLM selectors whose kept counts follow from the data, not the stage (FrameFusion: similarity and cost model)
+DATA_COUNTS = {"framefusion"}
 
 
 def make_tensor(shape: tuple[int, ...], kind: str, variant: str, generator: torch.Generator) -> torch.Tensor:
@@ -152,8 +155,9 @@ def input_signals(variant: str = "random", seed: int = 0) -> InputSignals:
 def layer_signals(alive: torch.Tensor, layer: int, variant: str = "random", seed: int = 0) -> LayerSignals:
     sizes = {**SIZES, "n": alive.numel()}
     return build_signals(
-        LayerSignals, LAYER_SHAPES, sizes, variant, seed, alive=alive, grid=GRID, layer=layer, num_layers=32
-    )
+        LayerSignals, LAYER_SHAPES, sizes, variant, seed, alive=alive, grid=GRID, layer=layer, num_layers=32,
+        video_grid=VIDEO_GRID,
+    )  # fmt: skip
 
 
 def seeded() -> torch.Generator:
@@ -314,7 +318,7 @@ def run_stages(name: str, variant: str) -> list[torch.Tensor]:
         kept = selector.prune(stage, signals, state)
         assert kept.dtype == torch.long
         assert torch.equal(kept, torch.unique(kept)), "positions must be unique and ascending"
-        assert kept.numel() == min(stage.keep, alive.numel())
+        assert kept.numel() == min(stage.keep, alive.numel()) or name in DATA_COUNTS
         assert kept.numel() == 0 or (0 <= int(kept.min()) and int(kept.max()) < alive.numel())
         alive = alive[kept]
         history.append(alive)

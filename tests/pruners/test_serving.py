@@ -5,7 +5,6 @@ import pytest
 from prune_audit.pruners import list_selectors, selector_class
 from prune_audit.pruners.base import InputSelector
 from prune_audit.pruners.serving import SERVING_NEEDS, serving_need
-from prune_audit.pruners.tome import ToMeSelector
 
 
 @pytest.mark.parametrize("name", list_selectors())
@@ -31,11 +30,6 @@ def test_every_registered_selector_has_a_serving_need_in_words(name):
 )
 def test_serving_need_of_known_selectors(name, need):
     assert serving_need(selector_class(name)) == need
-
-
-def test_an_instance_that_merges_in_the_tower_needs_the_towers_forward():
-    assert serving_need(ToMeSelector()) == "encoder"
-    assert serving_need(ToMeSelector(location="tower")) == "tower"
 
 
 def test_a_plugin_signal_is_undeclared_not_guessed():

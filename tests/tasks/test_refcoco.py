@@ -443,10 +443,14 @@ def test_run_refuses_a_family_without_a_box_convention_and_writes_nothing(coco_r
     assert not out.exists()
 
 
-def test_run_without_questions_says_the_demo_has_none(tmp_path):
+def test_run_without_questions_grounds_the_demos_expressions(tmp_path):
+    import pyarrow.parquet as pq
+
     out = tmp_path / "run"
-    refused(runner.invoke(app, ["run", "--task", TASK, "--out", str(out)]), "has no refcoco questions", "--questions")
-    assert not out.exists()
+    result = runner.invoke(app, ["run", "--task", TASK, "--limit", "2", "--max-new-tokens", "4", "--out", str(out)])
+    assert result.exit_code == 0, result.output[-2000:]
+    records = pq.read_table(out / "records.parquet").to_pylist()
+    assert len(records) == 2 and all(r["box_convention"] == "llava-1.5" and r["target_box"] for r in records)
 
 
 def test_score_of_released_answers_is_refused_in_one_line(tmp_path):

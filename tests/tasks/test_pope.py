@@ -1,13 +1,17 @@
-"""POPE: question files, answer parsing, metrics, matching, the build rules and the CLI."""
+"""POPE: question files, answer parsing, metrics, matching, the build rules and the CLI; the pope task's run and
+``score`` through the task seam."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
+from cli_checks import answers_file, score_json
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
@@ -441,3 +445,49 @@ def test_info_flags_yes_objects_without_mask_and_unknown_names(tmp_path):
     summary = summarize_questions(load_pope(_write_lines(tmp_path / "coco_pope_random.json", rows)), coco)["random"]
     assert summary["yes_without_mask"] == 1 and summary["unknown_objects"] == ["unicorn"]
     assert summary["images_not_in_annotations"] == 1 and summary["images"] == 2
+
+
+# --- the pope task through the seam ---
+
+
+def pope_args(ws: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    args = [
+        "run",
+        "--model",
+        str(ws["model"]),
+        "--images",
+        str(ws["images"]),
+        "--annotations",
+        str(ws["instances"]),
+        "--out",
+        str(out),
+    ]
+    for path in ws["pope"]:
+        args += ["--pope", str(path)]
+    return args + list(extra)
+
+
+def test_pope_run_records_the_task_and_its_core_columns(workspace, tmp_path):
+    out = tmp_path / "pope"
+    result = runner.invoke(app, pope_args(workspace, out, "--limit", "12", "--selector", "random", "--budget", "6"))
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["task"] == "pope" and manifest["max_new_tokens"] is None
+    records = pq.read_table(out / "records.parquet").to_pylist()
+    for row in records:
+        assert row["task"] == "pope" and row["answer_text"] == row["answer"] and row["references"] == [row["label"]]
+        assert row["correct"] == (row["answer"] == row["label"])
+        assert row["confidence"] == max(row["p_yes_2way"], 1 - row["p_yes_2way"])
+        # the per-object evidence columns repeat the single queried object's first-stage loss
+        assert row["evidence_objects"] == ([row["object"]] if row["label"] == "yes" else [])
+        assert row["evidence_objects_lost"] == ([row["lost"]] if row["label"] == "yes" else [])
+
+
+def test_score_pope_through_the_task_matches_pope_score(workspace, tmp_path):
+    pope = workspace["pope"][0]
+    rows = [(json.loads(line)["question_id"], "Yes") for line in pope.read_text().splitlines() if line.strip()]
+    answers = str(answers_file(tmp_path / "a.jsonl", rows))
+    by_task = score_json(answers, "--questions", str(pope))
+    result = runner.invoke(app, ["pope", "score", answers, "--pope", str(pope), "--json"])
+    assert by_task == json.loads(result.stdout)
+    assert next(iter(by_task["splits"].values()))["yes_ratio"] == 1.0

@@ -1,24 +1,18 @@
-"""Reference cases for the in-LLM selectors, small enough to check by hand."""
+"""E2S-Pruner: Dempster's rule, the per-head evidence masses and the selector's scores, fusion and switches on
+cases small enough to check by hand; the paper's schedules and its Table 3 presets."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from selector_cases import counts, signals
 
 from prune_audit.pruners import LayerSignals, Stage, get_selector
 from prune_audit.pruners.dempster_shafer import dempster_combine, head_masses, priority, vacuous_mass
 from prune_audit.pruners.e2s import novelty_bonus
-from prune_audit.pruners.sparsevlm import select_raters
+from prune_audit.pruners.schedule import average_visual_tokens
 
-
-def signals(n: int, grid: tuple[int, int] | None = None, alive: list[int] | None = None, **fields) -> LayerSignals:
-    alive_tensor = torch.tensor(alive if alive is not None else list(range(n)))
-    return LayerSignals(alive=alive_tensor, grid=grid or (1, n), layer=2, num_layers=32, **fields)
-
-
-# ---------------------------------------------------------------- Dempster's rule
+# --- Dempster's rule --------------------------------------------------------------------------------------------------
 
 
 def test_dempster_matches_a_hand_computed_case():
@@ -57,13 +51,16 @@ def test_total_conflict_gives_ignorance_without_nan():
     assert priority(combined, conflict).item() == 1.0
 
 
-# ---------------------------------------------------------------- E2S
+# --- E2S --------------------------------------------------------------------------------------------------------------
+
 
 # head 0 attends 1/2, 1/4, 1/8, 1/8; head 1 uniformly. With n = 4: support p = 4r/(1+4r)
 # head 0: 2/3, 1/2, 1/3, 1/3; head 1: 1/2 everywhere; pbar = 7/12, 1/2, 5/12, 5/12.
 # clarity |2(pbar - .5)| = 1/6, 0, 1/6, 1/6; consistency 1 - (|p0 - pbar| + |p1 - pbar|) = 5/6, 1, 5/6, 5/6.
 # rho = 5/36, 0, 5/36, 5/36; m = [rho pbar, rho (1 - pbar), 1 - rho].
 HEAD_LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25]]))
+
+
 EXPECTED_MASSES = torch.tensor(
     [
         [35 / 432, 25 / 432, 31 / 36],
@@ -211,104 +208,37 @@ def test_e2s_rejects_bad_options():
         get_selector("e2s", cells=0)
 
 
-# ---------------------------------------------------------------- attention-score methods
+# --- the paper's Table 3 schedules (arXiv 2608.23253, section 5.4) ----------------------------------------------------
 
 
-def test_fastv_is_top_k_of_last_row_head_mean_probability():
-    probs = torch.rand(2, 3, 6, generator=torch.Generator().manual_seed(0))
-    probs[:, -1] = torch.tensor([[0.10, 0.40, 0.05, 0.20, 0.30, 0.00], [0.30, 0.20, 0.05, 0.20, 0.00, 0.10]])
-    # head means: .20 .30 .05 .20 .15 .05 -> top 3: 1, then 0 and 3 tied at .20
-    kept = get_selector("fastv").prune(Stage(2, 3), signals(6, text_probs=probs), {})
-    assert kept.tolist() == [0, 1, 3]
-    probs[:, :-1] = 1.0  # other rows do not matter
-    assert get_selector("fastv").prune(Stage(2, 3), signals(6, text_probs=probs), {}).tolist() == [0, 1, 3]
+# the rows of Table 3 as printed: 576 -> a -> b -> c visual tokens, pruning after layers 3, 17, 22 (1-based)
+E2S_TABLE3_ROWS = [(122, 48, 42), (132, 40, 32), (142, 32, 22), (147, 38, 12), (152, 44, 2)]
 
 
-def test_pdrop_scores_like_fastv_at_each_stage():
-    probs = torch.rand(4, 5, 8, generator=torch.Generator().manual_seed(1))
-    layer = signals(8, text_probs=probs)
-    pdrop, fastv = get_selector("pdrop"), get_selector("fastv")
-    assert torch.equal(pdrop.prune(Stage(8, 3), layer, {}), fastv.prune(Stage(8, 3), layer, {}))
+@pytest.mark.parametrize("row", E2S_TABLE3_ROWS)
+def test_every_e2s_table3_row_is_a_preset_averaging_128(row):
+    from prune_audit.pruners.schedule import average_visual_tokens
+
+    preset = "table3_" + "_".join(map(str, row))
+    stages = get_selector("e2s", budget_rule="paper", schedule_preset=preset).schedule(32, 576, 128)
+    assert [(stage.layer, stage.keep) for stage in stages] == list(zip((3, 17, 22), row))
+    # layers 0-2 see 576 tokens, 3-16 the first count, 17-21 the second, 22-31 the third
+    assert (3 * 576 + 14 * row[0] + 5 * row[1] + 10 * row[2]) / 32 == average_visual_tokens(stages, 32, 576) == 128
 
 
-def test_sparsevlm_raters_by_hand():
-    visual = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
-    text = torch.tensor([[2.0, 0.0], [2.0, 0.0], [0.0, 0.0]])
-    # each visual row: softmax of [2, 2, 0] -> weights e^2/(2e^2+1) twice and 1/(2e^2+1): the first two rate
-    assert select_raters(visual, text).tolist() == [True, True, False]
-    assert select_raters(visual, torch.ones(3, 2)).tolist() == [True, True, True]  # all equal: everyone rates
+# --- the paper's schedules on LLaVA-1.5 -------------------------------------------------------------------------------
 
 
-def test_sparsevlm_scores_with_rater_rows_and_keeps_its_raters():
-    probs = torch.zeros(2, 3, 4)
-    probs[:, 0] = torch.tensor([0.1, 0.5, 0.2, 0.2])  # rater
-    probs[:, 1] = torch.tensor([0.3, 0.3, 0.1, 0.3])  # rater
-    probs[:, 2] = torch.tensor([0.0, 0.0, 0.9, 0.1])  # not a rater: would favour token 2
-    visual = torch.tensor([[1.0, 0.0]] * 4)
-    text = torch.tensor([[2.0, 0.0], [2.0, 0.0], [0.0, 0.0]])
-    selector, state = get_selector("sparsevlm"), {}
-    layer = signals(4, text_probs=probs, embeddings=visual, text_embeddings=text)
-    assert torch.allclose(selector.score(Stage(2, 2), layer, state), torch.tensor([0.2, 0.4, 0.15, 0.25]))
-    assert selector.prune(Stage(2, 2), layer, state).tolist() == [1, 3]
-    # later stages reuse the raters chosen from the first stage's embeddings
-    flipped = signals(4, text_probs=probs, embeddings=visual, text_embeddings=text.flip(0))
-    assert selector.prune(Stage(6, 2), flipped, state).tolist() == [1, 3]
-    assert state["raters"].tolist() == [True, True, False]
+@pytest.mark.parametrize("budget, expected", [(192, [194, 148, 96]), (128, [122, 48, 42]), (64, [20, 8, 0])])
+@pytest.mark.parametrize("rule", ["average", "paper"])
+def test_e2s_paper_schedules_are_exact_on_llava(budget, expected, rule):
+    stages = get_selector("e2s", budget_rule=rule).schedule(32, 576, budget)
+    assert counts(stages) == list(zip([3, 17, 22], expected))
+    assert average_visual_tokens(stages, 32, 576) == budget
 
 
-def test_v2drop_keeps_the_largest_residual_updates():
-    previous = torch.zeros(5, 2)
-    hidden = torch.tensor([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0], [1.0, 1.0], [0.0, -7.0]])  # norms 5 1 10 1.4 7
-    kept = get_selector("v2drop").prune(
-        Stage(3, 2), signals(5, hidden_states=hidden, previous_hidden_states=previous), {}
-    )
-    assert kept.tolist() == [2, 4]
-    kept = get_selector("v2drop").prune(
-        Stage(3, 2), signals(5, hidden_states=hidden, previous_hidden_states=hidden), {}
-    )
-    assert kept.tolist() == [0, 1]  # no variation anywhere: ties to the lower index
-
-
-# ---------------------------------------------------------------- DART
-
-
-def unit(degrees: float, length: float = 1.0) -> list[float]:
-    return [length * math.cos(math.radians(degrees)), length * math.sin(math.radians(degrees))]
-
-
-def dart_case() -> LayerSignals:
-    """14 visual tokens: pivots at positions 1, 4, 8, 11 (largest key norms) pointing at 0 degrees.
-
-    Candidates (position: angle): 0: 90, 2: 180, 3: 195, 5: 10, 6: 150, 7: 235, 9: 270, 10: 260,
-    12: 290, 13: 310. Text pivots (text rows 0, 1, 3, 4) point at 90 degrees.
-    Visual pivots first take the candidates closest to 180 degrees: 2, 3, 6, 7; the text pivots
-    then take those closest to 270 degrees: 9, 10, 12, 13. Positions 0 and 5 are dropped.
-    Visiting the text pivots first would take 7 (235) instead of 13 (310) and drop 13 instead of 0.
-    """
-    angles = {0: 90, 2: 180, 3: 195, 5: 10, 6: 150, 7: 235, 9: 270, 10: 260, 12: 290, 13: 310}
-    hidden = torch.tensor([unit(angles.get(j, 0), length=1 + j) for j in range(14)])
-    key_norms = torch.ones(14)
-    key_norms[[1, 4, 8, 11]] = 5.0
-    return signals(
-        14,
-        grid=(2, 7),
-        key_norms=key_norms,
-        text_key_norms=torch.tensor([5.0, 4.0, 0.1, 3.0, 2.0]),
-        normed_hidden_states=hidden,
-        text_normed_hidden_states=torch.tensor([unit(90), unit(90), unit(270), unit(90), unit(90)]),
-    )
-
-
-def test_dart_pivots_and_least_similar_picks_by_hand():
-    selector = get_selector("dart", budget_rule="paper")
-    (stage,) = selector.schedule(32, 14, 8)
-    assert stage.keep == 4 + 8 * (8 // 8)
-    kept = selector.prune(stage, dart_case(), {})
-    assert kept.tolist() == [1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13]
-
-
-def test_dart_splits_uneven_picks_over_the_pivots_in_order():
-    # keep 6: two picks, one each for the first two visual pivots -> 2 (180) then 3 (195)
-    assert get_selector("dart").prune(Stage(2, 6), dart_case(), {}).tolist() == [1, 2, 3, 4, 8, 11]
-    # keep 3: only the three visual pivots with the largest key norms (ties to the lower index)
-    assert get_selector("dart").prune(Stage(2, 3), dart_case(), {}).tolist() == [1, 4, 8]
+def test_e2s_presets_name_the_paper_schedules():
+    preset = get_selector("e2s", budget_rule="paper", schedule_preset="table3_132_40_32").schedule(32, 576, 128)
+    assert counts(preset) == [(3, 132), (17, 40), (22, 32)]
+    assert average_visual_tokens(preset, 32, 576) == 128
+    assert counts(get_selector("e2s", budget_rule="paper").schedule(32, 576, 128)) == [(3, 122), (17, 48), (22, 42)]

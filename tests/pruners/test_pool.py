@@ -1,4 +1,4 @@
-"""New methods of issue 27 beyond their fidelity tests: pool's grid, and merged tokens in demo runs' records."""
+"""pool: adaptive average pooling of the grid, its window option, per-grid merging and its demo records."""
 
 from __future__ import annotations
 
@@ -68,28 +68,30 @@ def test_pool_demo_run_records_every_cell_as_merged(tmp_path):
     assert json.loads((out / "manifest.json").read_text())["selector"]["name"] == "pool"
 
 
-@pytest.mark.parametrize("order", ["official", "raster"])
-def test_tome_demo_run_records_its_merged_tokens(tmp_path, order):
-    """ToMe@16 on the LLaVA demo: 16 tokens whose cells partition the grid; kept cells are the unmerged ones."""
-    out = tmp_path / order
-    result = CliRunner().invoke(
-        app,
-        [
-            "run",
-            "--selector",
-            "tome",
-            "--budget",
-            "16",
-            "--option",
-            f"order={order}",
-            "--limit",
-            "4",
-            "--out",
-            str(out),
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    for record in pq.read_table(out / "records.parquet").to_pylist():
-        kept, merged = record["kept_stages"][0], record["merged_stages"][0]
-        assert len(kept) + len(merged) == 16
-        assert sorted(kept + [cell for group in merged for cell in group]) == list(range(144))
+def test_pool_merges_within_each_grid_by_hand():
+    """Tokens 0..3 a 2 x 2 grid, 4..11 a 2 x 4 grid. Budget 3 -> shares 1 and 2: the base grid pools to one
+    token of its four cells, the tile grid to 1 x 2 (two 2 x 2 windows). Budget 11 -> shares 4 and 7: the base
+    grid is kept whole (one-cell outputs, its own features), the tile grid pools to 1 x 3 with torch's
+    overlapping adaptive bins (columns 0-1, 1-2, 2-3)."""
+    from prune_audit.pruners.crop_scope import select_per_grid
+
+    features = torch.arange(12, dtype=torch.float32)[:, None] * torch.tensor([[1.0, -1.0]])
+    signals = InputSignals(grid=(1, 12), vision_features=features)
+    grids = [(torch.arange(4), (2, 2)), (torch.arange(4, 12), (2, 4))]
+    pool = get_selector("pool")
+    selection = select_per_grid(pool, signals, grids, 3)
+    assert [group.tolist() for group in selection.sources] == [[0, 1, 2, 3], [4, 5, 8, 9], [6, 7, 10, 11]]
+    assert selection.vision_tokens[:, 0].tolist() == [1.5, 6.5, 8.5] and selection.kept.numel() == 0
+    selection = select_per_grid(pool, signals, grids, 11)
+    assert [group.tolist() for group in selection.sources] == [
+        [0],
+        [1],
+        [2],
+        [3],
+        [4, 5, 8, 9],
+        [5, 6, 9, 10],
+        [6, 7, 10, 11],
+    ]
+    assert selection.vision_tokens[:, 0].tolist() == [0, 1, 2, 3, 6.5, 7.5, 8.5]
+    assert selection.kept.tolist() == [0, 1, 2, 3]
+    assert select_per_grid(pool, signals, grids, 12).sources is None  # everything kept: plain tokens

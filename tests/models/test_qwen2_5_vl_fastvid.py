@@ -1,0 +1,111 @@
+"""FastVID on a Qwen2.5-VL clip end to end (tiny fp32 model): the adapter's ``step_attention`` against the official
+forward's ``frame_attn_weights`` re-derived on the last vision block's input (window order, view-and-mean, then the
+reverse window index, as LunarShen/FastVID a40a109c), FastVID with ``merge=false`` keeps its selection of the
+adapter's signals and the pruned prefill equals the stock forward with the other video tokens masked out, keep-all
+is dense, and the merging default is refused in one line (Qwen2.5-VL keeps original positions)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import QUESTIONS, WORDS, masked_reference_logits, random_image, stock_inputs
+
+from prune_audit.data.video import sample_clip
+from prune_audit.errors import PruneAuditError
+from prune_audit.models import load_vlm
+from prune_audit.models.qwen import QwenModel
+from prune_audit.pruners import get_selector
+
+TOL = 1e-5
+SMALL = {"min_pixels": 4 * 28 * 28, "total_pixels": 8 * 168 * 168}  # 8 frames of 130 x 100: a 4 x 4 x 5 token grid
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    path = QwenModel.build_tiny(
+        tmp_path_factory.mktemp("qwen") / "qwen", words=WORDS, image_size=168, text_layers=3, seed=6
+    )
+    return load_vlm(path, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def item(vlm):
+    clip = sample_clip([random_image(seed, (130, 100)) for seed in range(8)], 2.0, **SMALL)  # 4 s: 8 frames
+    return vlm.prepare_video(clip, QUESTIONS[0])
+
+
+def official_frame_attention(vlm, item) -> torch.Tensor:
+    """``frame_attn_weights`` as the official vision attention forms it on the last block's input (float32 model)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+    from transformers.vision_utils import get_vision_window_index
+
+    visual = vlm.model.model.visual
+    attn, seen = visual.blocks[-1].attn, {}
+    handle = attn.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.update(args=args, kwargs=kwargs), with_kwargs=True
+    )
+    grid_thw = item.extras["video_grid_thw"]
+    with torch.no_grad():
+        vlm.model.model.get_video_features(item.pixel_values, grid_thw)
+    handle.remove()
+    hidden = seen["args"][0] if seen["args"] else seen["kwargs"]["hidden_states"]
+    cos, sin = seen["kwargs"]["position_embeddings"]
+    q, k, _ = attn.qkv(hidden).reshape(hidden.shape[0], 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    q, k = q.transpose(0, 1), k.transpose(0, 1)
+    t, h, w = grid_thw[0].tolist()
+    d = q.shape[-1]
+    q = q.reshape(attn.num_heads, t, h * w, d).mean(-2, keepdim=True)
+    k = k.reshape(attn.num_heads, t, h * w // 4, 4, d).mean(-2)
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d), dim=-1).mean(2).mean(0)
+    window_index, _ = get_vision_window_index(
+        grid_thw, spatial_merge_size=2, window_size=visual.window_size, patch_size=visual.patch_size
+    )
+    return weights.reshape(-1)[torch.argsort(window_index)]
+
+
+def spied(selector):
+    """``selector`` whose ``select`` records the signals it is given."""
+    calls = []
+    select = selector.select
+
+    def recording(signals, budget, generator=None):
+        calls.append(signals)
+        return select(signals, budget, generator)
+
+    object.__setattr__(selector, "select", recording)
+    return selector, calls
+
+
+def test_step_attention_is_the_official_frame_attention(vlm, item):
+    selector, calls = spied(get_selector("fastvid", merge=False))
+    with torch.no_grad():
+        vlm.prefill([item], selector, 12)
+    (signals,) = calls
+    assert signals.video_grid == (4, 4, 5)
+    torch.testing.assert_close(signals.step_attention, official_frame_attention(vlm, item), atol=1e-6, rtol=1e-5)
+    assert torch.allclose(signals.step_attention.view(4, 20).sum(dim=1), torch.ones(4))
+
+
+def test_fastvid_without_merging_keeps_its_selection_and_keep_all_is_dense(vlm, item):
+    selector, calls = spied(get_selector("fastvid", merge=False))
+    prefill, selections = vlm.prefill([item], selector, 16, generator=torch.Generator().manual_seed(0))
+    expected = get_selector("fastvid", merge=False).select(calls[0], 16, torch.Generator().manual_seed(0))
+    assert torch.equal(selections[0].kept, expected.kept) and 1 <= selections[0].kept.numel() <= 16
+    reference = masked_reference_logits(vlm, item, [0], [selections[0].kept.tolist()])
+    assert (prefill.logits[0] - reference).abs().max() <= TOL
+    full, _ = vlm.prefill([item], get_selector("fastvid", merge=False), item.num_visual)
+    with torch.no_grad():
+        stock = vlm.model(**stock_inputs(vlm, item)).logits[:, -1]
+    assert (full.logits - stock).abs().max() <= TOL
+
+
+def test_merging_fastvid_and_still_images_are_refused_in_one_line(vlm, item):
+    with pytest.raises(PruneAuditError, match="original position") as refusal:
+        vlm.prefill([item], get_selector("fastvid"), 16)
+    assert "\n" not in str(refusal.value)
+    image = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
+    with pytest.raises(PruneAuditError, match="still image"):
+        vlm.prefill([image], get_selector("fastvid", merge=False), 10)
