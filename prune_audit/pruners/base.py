@@ -274,6 +274,9 @@ class LayerSelector(Selector):
         """Stages in increasing layer order with non-increasing ``keep``."""
         raise NotImplementedError
 
+    #: the option that turns :meth:`tower_stage` off (``KEY=VALUE``), named where a composed selector refuses it
+    tower_stage_off: ClassVar[str] = ""
+
     def tower_stage(self) -> InputSelector | None:
         """The input-level stage this selector runs itself before the language model, inside the vision tower
         (MustDrop's window merge), as the input part of a composed selector runs; None (the default): none."""

@@ -67,7 +67,7 @@ def composed_from_strings(name: str, pairs: Sequence[str], depth: int | None = N
 
     Raises:
         PruneAuditError: one line: not two parts, an unknown part, two parts of one level, the in-LLM part first,
-            an option without its part, or a part's refused option.
+            an option without its part, a part's refused option, or an in-LLM part running its own tower stage.
     """
     names = name.split(COMPOSE)
     if len(names) != 2 or not all(names):
@@ -95,6 +95,11 @@ def composed_from_strings(name: str, pairs: Sequence[str], depth: int | None = N
     except ValueError as error:
         raise PruneAuditError(str(error)) from None
     assert isinstance(input_part, InputSelector) and isinstance(llm_part, LayerSelector)  # levels checked above
+    if llm_part.tower_stage() is not None:  # two input stages: the composed input part would replace its own
+        raise PruneAuditError(
+            f"{names[1]!r} runs its own vision-tower stage before the language model, which {names[0]!r} would "
+            f"replace; compose it with that stage off: --option {names[1]}.{llm_part.tower_stage_off}"
+        )
     return ComposedSelector(input_part, llm_part)
 
 

@@ -322,6 +322,7 @@ class MustDropSelector(ScheduledSelector):
     merge_thr: float = option(MERGE_THRESHOLD, Real(low=-1.0, high=1.0), "mean window cosine that merges a window")
     signal_layer = "previous"  # each scoring layer prunes its own output (not an option)
     decode_keeps_final: ClassVar[bool] = True  # the decode stage: layers 2.. attend to the last stage's survivors
+    tower_stage_off: ClassVar[str] = "vision=off"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -21,10 +21,12 @@ from tiny_models import QUESTIONS, WORDS, random_image
 from prune_audit.api import pruned
 from prune_audit.demo.assets import DEMO_MODELS
 from prune_audit.demo.evaluate import load_demo
+from prune_audit.errors import PruneAuditError
 from prune_audit.models import load_vlm
 from prune_audit.models.llava import LlavaModel
 from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import Stage
+from prune_audit.pruners.composed import composed_from_strings, selector_parts
 from prune_audit.pruners.mustdrop import MustDropSelector, MustDropVision, WindowMerging
 from prune_audit.pruners.registry import get_selector
 from prune_audit.pruners.schedule import average_visual_tokens
@@ -457,3 +459,12 @@ class Unsliced(MustDropSelector):
     """MustDrop without its decode stage: each layer's cache keeps the tokens it ran on at prefill."""
 
     decode_keeps_final = False
+
+
+def test_a_composed_input_part_needs_the_vision_stage_off():
+    """An input part before MustDrop would replace its vision stage (and its key set): refused in one line, naming
+    the switch; with it, MustDrop ranks its key set on the feature layer as ``vision=off`` does."""
+    with pytest.raises(PruneAuditError, match=r"mustdrop\.vision=off"):
+        composed_from_strings("visionzip+mustdrop", [])
+    composed = composed_from_strings("visionzip+mustdrop", ["mustdrop.vision=off"])
+    assert selector_parts(composed) == (composed.input, composed.llm) and composed.llm.tower_stage() is None
