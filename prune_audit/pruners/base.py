@@ -269,13 +269,12 @@ class LayerSelector(Selector):
     #: whether decoding attends, from the first stage's scoring layer on, only to the visual tokens the last stage
     #: keeps (MustDrop's decode stage: its KV cache of those layers sliced to them), not to those each layer ran on
     decode_keeps_final: ClassVar[bool] = False
+    #: the option that turns :meth:`tower_stage` off (``KEY=VALUE``), named where a composed selector refuses it
+    tower_stage_off: ClassVar[str] = ""
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""
         raise NotImplementedError
-
-    #: the option that turns :meth:`tower_stage` off (``KEY=VALUE``), named where a composed selector refuses it
-    tower_stage_off: ClassVar[str] = ""
 
     def tower_stage(self) -> InputSelector | None:
         """The input-level stage this selector runs itself before the language model, inside the vision tower
