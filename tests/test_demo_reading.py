@@ -175,7 +175,7 @@ TINY_FIRST = DemoRecipe(
     steps=2,
     images_per_step=2,
     warmup_steps=1,
-    image_size=64,
+    image_size=96,  # room for the words (at 64 px most do not fit)
     patch_size=16,
     vision_width=32,
     vision_layers=2,
@@ -183,7 +183,7 @@ TINY_FIRST = DemoRecipe(
     text_layers=2,
     heads=2,
     monitor_every=2,
-    monitor_images=2,
+    monitor_images=3,
     mix=(4, 2, 2, 1),
 )
 

@@ -103,7 +103,7 @@ READING_WORDS: tuple[str, ...] = tuple(dict.fromkeys((*MIX_WORDS, *reading_words
 DEFAULT_MIX: tuple[int, ...] = (4, 2, 2, 1)
 # the reading stage: yes/no, short, choice, caption, text, ground per image
 READING_MIX: tuple[int, ...] = (2, 1, 1, 1, 1, 2)
-READING_STEPS = 1000
+READING_STEPS = 1200
 
 
 @dataclass(frozen=True)
