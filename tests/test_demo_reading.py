@@ -92,6 +92,24 @@ def test_a_six_kind_mix_draws_scenes_with_words_and_the_same_count_per_image():
         check_mix((2, 1, 1, 1, 1, 1, 1))
 
 
+def test_scenes_with_words_label_each_words_patches_and_presence():
+    from prune_audit.data.scene_text import SCENE_WORDS
+    from prune_audit.demo.batches import BACKGROUND_CLASS, WORD_CLASSES, patch_labels
+
+    batch = sample_batch(2, 0, images=4, questions_per_image=8, image_size=96, patch_size=8, mix=(2, 1, 1, 1, 1, 2))
+    assert batch.presence.shape == (4, 10 + WORD_CLASSES)
+    for b, scene in enumerate(batch.scenes):
+        for text in scene.texts:
+            word = SCENE_WORDS.index(text.word)
+            assert batch.presence[b, 10 + word] == 1 and batch.presence[b, 10:].sum() == 1
+            labels = patch_labels(scene, 8).reshape(12, 12)
+            x1, y1, x2, y2 = text.box
+            inside = labels[(y1 + y2) // 2 // 8, (x1 + x2) // 2 // 8]
+            assert inside == BACKGROUND_CLASS + 1 + word
+    plain = sample_batch(2, 0, images=4, questions_per_image=8, image_size=96, patch_size=8, mix=(4, 2, 2, 1))
+    assert plain.presence.shape == (4, 10) and int(plain.patch_labels.max()) <= BACKGROUND_CLASS
+
+
 # ----- the demo's TextVQA and RefCOCO files ----------------------------------------------------------------------
 
 
@@ -157,7 +175,7 @@ TINY_FIRST = DemoRecipe(
     steps=2,
     images_per_step=2,
     warmup_steps=1,
-    image_size=64,
+    image_size=96,  # room for the words (at 64 px most do not fit)
     patch_size=16,
     vision_width=32,
     vision_layers=2,
@@ -165,7 +183,7 @@ TINY_FIRST = DemoRecipe(
     text_layers=2,
     heads=2,
     monitor_every=2,
-    monitor_images=2,
+    monitor_images=3,
     mix=(4, 2, 2, 1),
 )
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from prune_audit.data.scene_text import SCENE_WORDS
 from prune_audit.data.scenes import (
     CATEGORIES,
     CATEGORY_PRIOR,
@@ -38,6 +39,8 @@ from prune_audit.demo.scene_questions import (
 )
 
 BACKGROUND_CLASS = len(CATEGORIES)
+# a mix that reads also labels words: word w is class BACKGROUND_CLASS + 1 + w (patches) and column C + w (presence)
+WORD_CLASSES = len(SCENE_WORDS)
 PATCH_COVERAGE_THRESHOLD = 0.25  # a patch is labelled with a class covering more than this share
 
 
@@ -66,8 +69,10 @@ class SceneBatch:
         scenes: the generated scenes.
         questions: ``questions_per_image`` per scene (with a ``mix``, ``sum(mix)`` ``MixQuestion``s),
             grouped by image in scene order.
-        presence: (B, C) float, 1 where class c is in scene b.
-        patch_labels: (B, N) long, the class covering a patch or ``BACKGROUND_CLASS``.
+        presence: (B, C) float, 1 where class c is in scene b; (B, C + W) when the scenes carry words, whose
+            columns say which of the W ``SCENE_WORDS`` is written.
+        patch_labels: (B, N) long, the class covering a patch or ``BACKGROUND_CLASS`` (or, with words, the word
+            whose box covers it: ``BACKGROUND_CLASS + 1 + w``).
     """
 
     scenes: tuple[Scene, ...]
@@ -108,9 +113,10 @@ def sample_batch(
         )
     else:
         questions = tuple(q for b, scene in enumerate(scenes) for q in sample_mix_questions(rng, scene, b, mix))
-    presence = torch.zeros(images, len(CATEGORIES))
+    presence = torch.zeros(images, len(CATEGORIES) + (WORD_CLASSES if words else 0))
     for b, scene in enumerate(scenes):
         presence[b, [CATEGORIES.index(c) for c in scene.categories]] = 1.0
+        presence[b, [len(CATEGORIES) + SCENE_WORDS.index(text.word) for text in scene.texts]] = 1.0
     labels = torch.stack([patch_labels(scene, patch_size) for scene in scenes])
     return SceneBatch(scenes, questions, presence, labels)
 
@@ -181,15 +187,21 @@ def _negative(rng: np.random.Generator, present: list[str]) -> str:
 
 
 def patch_labels(scene: Scene, patch_size: int) -> Tensor:
-    """(rows * cols,) long: per patch (row-major) the class covering most of it if above 25 %."""
+    """(rows * cols,) long: per patch (row-major) the class (or word) covering most of it if above 25 %."""
     size = scene.image.shape[0]
     grid = size // patch_size
     labels = torch.full((grid * grid,), BACKGROUND_CLASS, dtype=torch.long)
     best = torch.full((grid * grid,), PATCH_COVERAGE_THRESHOLD)
-    for obj in scene.objects:
-        cells = obj.mask[: grid * patch_size, : grid * patch_size].reshape(grid, patch_size, grid, patch_size)
+    regions = [(obj.mask, CATEGORIES.index(obj.category)) for obj in scene.objects]
+    for text in scene.texts:  # a word's region is its ink box: its thin strokes alone would rarely cover a patch
+        x1, y1, x2, y2 = text.box
+        box = np.zeros_like(text.mask)
+        box[y1:y2, x1:x2] = True
+        regions.append((box, BACKGROUND_CLASS + 1 + SCENE_WORDS.index(text.word)))
+    for mask, label in regions:
+        cells = mask[: grid * patch_size, : grid * patch_size].reshape(grid, patch_size, grid, patch_size)
         coverage = torch.from_numpy(cells.mean(axis=(1, 3)).reshape(-1)).float()
         wins = coverage > best
-        labels[wins] = CATEGORIES.index(obj.category)
+        labels[wins] = label
         best = torch.maximum(best, coverage)
     return labels

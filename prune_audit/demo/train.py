@@ -62,7 +62,14 @@ from prune_audit.demo.answer_targets import (
     prompt_pieces,
     teacher_forcing,
 )
-from prune_audit.demo.batches import BACKGROUND_CLASS, MixQuestion, SceneBatch, full_mix, sample_batch
+from prune_audit.demo.batches import (
+    BACKGROUND_CLASS,
+    WORD_CLASSES,
+    MixQuestion,
+    SceneBatch,
+    full_mix,
+    sample_batch,
+)
 from prune_audit.demo.checkpoint import CHECKPOINT_FILE, resume, save_checkpoint
 from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, prompt_text
 from prune_audit.demo.scene_questions import (
@@ -96,7 +103,7 @@ READING_WORDS: tuple[str, ...] = tuple(dict.fromkeys((*MIX_WORDS, *reading_words
 DEFAULT_MIX: tuple[int, ...] = (4, 2, 2, 1)
 # the reading stage: yes/no, short, choice, caption, text, ground per image
 READING_MIX: tuple[int, ...] = (2, 1, 1, 1, 1, 2)
-READING_STEPS = 1000
+READING_STEPS = 1200
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,11 @@ class DemoRecipe:
             return DEMO_WORDS
         reads = any(full_mix(self.mix)[KINDS.index(kind)] for kind in ("text", "ground"))
         return READING_WORDS if reads else MIX_WORDS
+
+    @property
+    def reads(self) -> bool:
+        """Whether the scenes carry words (a mix with reading questions), which the auxiliary heads then label."""
+        return self.mix is not None and full_mix(self.mix)[KINDS.index("text")] > 0
 
     @property
     def cell(self) -> int:
@@ -197,12 +209,14 @@ DEMO_RECIPES["demo-tasks"] = replace(
 
 
 class VisionHeads(nn.Module):
-    """Auxiliary heads on the vision tower: pooled CLS -> classes, patch -> class or background."""
+    """Auxiliary heads on the vision tower: pooled CLS -> classes, patch -> class or background; ``words``: also
+    the scene words (``WORD_CLASSES`` more of each, ``demo.batches``), for a mix that reads."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, words: bool = False):
         super().__init__()
-        self.presence = nn.Linear(width, len(CATEGORIES))
-        self.patch = nn.Linear(width, BACKGROUND_CLASS + 1)
+        extra = WORD_CLASSES if words else 0
+        self.presence = nn.Linear(width, len(CATEGORIES) + extra)
+        self.patch = nn.Linear(width, BACKGROUND_CLASS + 1 + extra)
 
 
 def scene_inputs(vlm: VisionLanguageModel, scenes) -> dict[str, Tensor]:
@@ -420,7 +434,7 @@ def train_demo_model(
     if recipe.init_from is not None:
         start_from(vlm, recipe, init_dir)
     vlm.model.train()
-    heads = VisionHeads(vlm.vision_state_width)
+    heads = VisionHeads(vlm.vision_state_width, words=recipe.reads)
     parameters = [p for p in (*vlm.model.parameters(), *heads.parameters()) if p.requires_grad]
     optimizer = _optimizer(parameters, recipe)
     pieces = {

@@ -35,6 +35,8 @@ convention (a family without one is refused before anything runs).
 ```
 prune-audit run                                         # POPE on the bundled demo
 prune-audit run --task gqa                              # the demo's GQA questions, answered by demo-tasks
+prune-audit run --task textvqa                          # the demo's scenes with a word, read by demo-tasks
+prune-audit run --task refcoco                          # the demo's referring expressions, grounded by demo-tasks
 prune-audit run --task gqa --model M --questions testdev_balanced_questions.json \\
     --questions llava_gqa_testdev_balanced.jsonl --images gqa/images [--annotations sceneGraphs.json]
 prune-audit run --task scienceqa --model M --questions llava_test_CQM-A.json --images scienceqa/images

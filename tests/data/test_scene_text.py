@@ -61,5 +61,5 @@ def test_scenes_with_a_word_keep_the_shapes_and_scenes_without_stay_as_they_were
         for text in worded.texts:
             assert not any((text.mask & obj.mask).any() for obj in worded.objects)
             assert text.word in SCENE_WORDS
-    assert sum(bool(generate_scene(5, i, words=True).texts) for i in range(50)) >= 45  # a free spot is the rule
+    assert sum(bool(generate_scene(5, i, words=True).texts) for i in range(50)) >= 40  # a free spot is the rule
     assert set(FACES) == {"regular", "bold"}
