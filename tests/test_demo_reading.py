@@ -22,6 +22,7 @@ from prune_audit.demo.scene_questions import (
     text_question,
 )
 from prune_audit.demo.train import DEMO_RECIPES, READING_WORDS, DemoRecipe, train_demo_model
+from prune_audit.models.build import WORD_PATTERN
 
 LLAVA = BOX_CONVENTIONS["llava-1.5"]
 SQUARE = clip_geometry((96, 96), mode="llava_pad")  # the demo's images: square, 96 px
@@ -67,12 +68,12 @@ def test_each_expression_names_one_shape_by_colour_relation_or_size():
 
 def test_reading_and_grounding_use_only_the_reading_vocabulary():
     words = set(READING_WORDS)
-    assert set(reading_words()) <= words and {f"{n:02d}" for n in range(100)} <= words
+    assert set(reading_words()) <= words and {f"{n / 100:.2f}" for n in range(101)} <= words
     for index in range(30):
         scene = generate_scene(4, index, words=True)
         for question in [text_question(scene), *ground_questions(scene)]:
             if question is not None:
-                assert set(re.findall(r"\w+|[^\w\s]+", f"{question.prompt} {question.answer}")) <= words
+                assert set(re.findall(WORD_PATTERN, f"{question.prompt} {question.answer}")) <= words
     assert box_answer(generate_scene(4, 0), 0).startswith("[0.")
 
 
@@ -200,7 +201,7 @@ def test_a_continuing_recipe_starts_from_the_earlier_weights_with_each_words_row
     first, continued = load_demo(tmp_path / "first"), load_demo(tmp_path / "second")
     assert "text" in summary["history"][-1]["task_accuracy"] and "ground" in summary["history"][-1]["task_accuracy"]
     old, new = first.tokenizer.get_vocab(), continued.tokenizer.get_vocab()
-    assert set(old) < set(new) and "hotel" in new and "57" in new
+    assert set(old) < set(new) and "hotel" in new and "0.57" in new
     embed_old = first.model.get_input_embeddings().weight
     embed_new = continued.model.get_input_embeddings().weight
     for word in ("circle", "USER", "?", "Describe"):  # rows follow their word (learning rate 0: unchanged)

@@ -37,6 +37,7 @@ from prune_audit.data.boxes import BOX_CONVENTIONS
 from prune_audit.data.pope_build import question_text
 from prune_audit.data.scene_text import SCENE_WORDS
 from prune_audit.data.scenes import CATEGORIES, CATEGORY_COLOUR_NAMES, Scene
+from prune_audit.models.build import WORD_PATTERN
 
 KINDS: tuple[str, ...] = ("yesno", "short", "choice", "caption", "text", "ground")
 GROUND_FORMS: tuple[str, ...] = ("colour", "left", "above", "largest")
@@ -48,7 +49,7 @@ CHOICE_LETTERS: tuple[str, ...] = scienceqa_data.LETTERS[:4]
 CHOICE_QUESTION = "Which of these shapes is in the image?"
 SPATIAL_MARGIN = 0.08  # centroid distance along the axis, as a share of the image side
 LARGEST_RATIO = 1.3  # visible area of the largest shape over the runner-up's
-_WORD = re.compile(r"\w+|[^\w\s]+")  # the demo tokenizer's Whitespace pre-tokenizer
+_WORD = re.compile(WORD_PATTERN)  # the demo tokenizer's pre-tokenizer
 
 
 @dataclass(frozen=True)
@@ -243,14 +244,14 @@ def vocabulary_words() -> tuple[str, ...]:
 
 def reading_words() -> tuple[str, ...]:
     """The words the ``text`` and ``ground`` kinds add to ``vocabulary_words``: the question, the scene words, the
-    grounding prompt, colours, relations and every number a box writes (``0``, ``1``, ``.``, ``00``-``99``)."""
+    grounding prompt, colours, relations and every number a box writes (``0.00``-``1.00``, one word each)."""
     texts = (
         text_prompt(),
         " ".join(SCENE_WORDS),
         GROUNDING.prompt("the red shape left of above the largest"),
         " ".join(CATEGORY_COLOUR_NAMES.values()),
         "[0.00, 1.00]",
-        " ".join(f"{n:02d}" for n in range(100)),
+        " ".join(f"{n / 100:.2f}" for n in range(101)),
     )
     words: dict[str, None] = {}
     for text in texts:

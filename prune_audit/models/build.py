@@ -90,6 +90,11 @@ def _vocabulary(words: Sequence[str], special: Sequence[str], template_words: Se
     return vocabulary
 
 
+WORD_PATTERN = r"\d+\.\d+|\w+|[^\w\s]+"
+"""How the word-level tokenizers split text: decimal numbers whole (a box's ``0.07``), then the ``Whitespace``
+pre-tokenizer's words and punctuation runs (text without decimals splits exactly as ``Whitespace`` splits it)."""
+
+
 def word_level_tokenizer(
     words: Sequence[str],
     *,
@@ -102,20 +107,21 @@ def word_level_tokenizer(
 ):
     """A ``PreTrainedTokenizerFast`` over ``special_tokens + words`` (ids in that order).
 
-    WordLevel model, Whitespace pre-tokenizer (``\\w+|[^\\w\\s]+``), and a
+    WordLevel model, a pre-tokenizer keeping the matches of ``WORD_PATTERN``, and a
     ``TemplateProcessing`` post-processor that prepends ``bos_token`` (omitted when
     ``bos_token`` is None). The special tokens are registered as added tokens so that
     ``<image>`` survives pre-tokenisation, and the result reloads with
     ``AutoTokenizer.from_pretrained`` after ``save_pretrained``.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocabulary = _vocabulary(words, special_tokens, ())
     if unk_token not in vocabulary:
         raise ValueError(f"the unknown token {unk_token!r} must be one of the special tokens")
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocabulary)}, unk_token=unk_token))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    # a decoded box reads "[ 0.07 , ... ]" (words joined by spaces), which the box parsers read; "0 . 07" they would not
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(WORD_PATTERN), behavior="removed", invert=True)
     if bos_token is not None:
         bos_id = vocabulary.index(bos_token)
         backend.post_processor = processors.TemplateProcessing(

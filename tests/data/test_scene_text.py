@@ -41,14 +41,17 @@ def test_a_placed_word_keeps_its_margin_from_every_shape_and_its_box_is_its_ink(
     assert place_word(rng, np.ones((96, 96), dtype=bool), tries=5) is None
 
 
-def test_ink_contrasts_with_the_background_under_it():
+def test_each_word_is_painted_in_its_own_ink_and_nothing_else_changes():
+    from prune_audit.data.scene_text import WORD_COLOURS
+    from prune_audit.data.scenes import CATEGORY_COLOURS
+
     text = place_word(np.random.default_rng(1), np.zeros((64, 64), dtype=bool), tries=5)
     assert text is not None
-    dark, light = np.full((64, 64, 3), 200.0), np.full((64, 64, 3), 40.0)
-    paint_word(dark, text)
-    paint_word(light, text)
-    assert dark[text.mask].max() < 50 and light[text.mask].min() > 200
-    assert (dark[~text.mask] == 200).all()  # nothing but the ink changes
+    image = np.full((64, 64, 3), 128.0)
+    paint_word(image, text)
+    assert (image[text.mask] == WORD_COLOURS[text.word]).all() and (image[~text.mask] == 128).all()
+    assert len(set(WORD_COLOURS.values())) == len(SCENE_WORDS) and set(WORD_COLOURS) == set(SCENE_WORDS)
+    assert not set(WORD_COLOURS.values()) & set(CATEGORY_COLOURS.values())
 
 
 def test_scenes_with_a_word_keep_the_shapes_and_scenes_without_stay_as_they_were():
