@@ -35,7 +35,8 @@ logits at the tower's last encoder layer (``_last_cls_logits``) and the crops' l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -50,16 +51,25 @@ from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE, input_kinds
 from prune_audit.models.llava import LAYER_SIGNALS, LlavaModel
 from prune_audit.models.prefill_assembly import token_row
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
-from prune_audit.models.probe import clip_cls_row
+from prune_audit.models.probe import clip_attention_block, clip_cls_row
 from prune_audit.models.selector_support import crop_grid_for, per_grid_for, refused_for
 from prune_audit.pruners.base import Selection
-from prune_audit.pruners.layout import GRID_BLOCKS, GRID_MERGE, GRID_SPLIT, ONE_CLS, ONE_GRID, PADDED_CROP_GRID
+from prune_audit.pruners.layout import (
+    ANYRES_LLM_CUT,
+    GRID_BLOCKS,
+    GRID_MERGE,
+    GRID_SPLIT,
+    ONE_CLS,
+    ONE_GRID,
+    PADDED_CROP_GRID,
+)
 from prune_audit.pruners.signals import PADDED_CROPS, PaddedCrops
 
 #: what the anyres image lacks for a selector that needs one grid, one CLS token or a crop's padded grid on the
 #: whole image (``Selector.layout_need``): those whose official LLaVA-NeXT code selects in each crop's own grid
-#: run with ``budget_scope=crop`` (``Selector.per_crop_grid``)
-LACKS = frozenset({ONE_GRID, ONE_CLS, PADDED_CROP_GRID})
+#: run with ``budget_scope=crop`` (``Selector.per_crop_grid``); and FlowCut's decoder layer-1 cut of its official
+#: anyres path, not ported (its per-crop tower stage is: ``crop_merging_tower``)
+LACKS = frozenset({ONE_GRID, ONE_CLS, PADDED_CROP_GRID, ANYRES_LLM_CUT})
 #: how a selector that needs only a grid layout runs on each of the image's two regular grids (``grid_parts``),
 #: by its ``Selector.per_grid`` kind: a project choice (none has official LLaVA-NeXT code), docs/models.md
 MERGE_PER_GRID = (
@@ -89,6 +99,7 @@ class LlavaNextModel(LlavaModel):
     family = "llava_next"
     input_signals = frozenset(
         {"features", "demand", "vision_features", "cls_attention", "vision_keys", "cls_feature", "text_relevance"}
+        | {"crop_merging_tower"}
         | LAYER_SIGNALS
         | CROP_SIGNALS
     )
@@ -233,6 +244,8 @@ class LlavaNextModel(LlavaModel):
                     if name.removeprefix("model_") in requires
                 }
             )
+            if "crop_merging_tower" in requires:
+                signals["crop_merging_tower"] = partial(self._crop_merging_tower, crops, order.cpu())
             if padded is not None:
                 side = self.tile // self.model.config.vision_config.patch_size
                 signals[PADDED_CROPS] = PaddedCrops(
@@ -245,6 +258,26 @@ class LlavaNextModel(LlavaModel):
             features = projector(visual) if padded is None else padded.flatten(0, 1)[order]
             outputs.append(VisionOutput(features, signals))
         return outputs
+
+    def _crop_merging_tower(self, crops: Tensor, order: Tensor, step: Callable) -> tuple[Tensor, Tensor]:
+        """``InputSignals.crop_merging_tower``: the tower on the (K, 3, H, W) ``crops`` up to the feature layer with
+        ``step`` between the attention and the MLP of every layer (FlowCut's anyres cuts, every crop keeping as
+        many patches): the (K, 1 + M, Dv) states, each crop's CLS first, and the (K, M) visual token of each kept
+        crop patch (-1 where unpadding drops it), from ``order`` (N,) the crop-major patch of each visual token.
+        Each crop's attention is :func:`clip_attention_block` on that crop alone, as the batched tower computes it."""
+        tower = self.vision_tower
+        hidden = tower.pre_layrnorm(tower.embeddings(crops))  # (K, 1 + P, Dv)
+        tokens = torch.full((hidden.shape[0] * (hidden.shape[1] - 1),), -1, dtype=torch.long)
+        tokens[order] = torch.arange(order.numel())
+        tokens = tokens.view(hidden.shape[0], -1)
+        layers = tower.encoder.layers[: self.feature_index]
+        for index, layer in enumerate(layers):
+            blocks = [clip_attention_block(layer, crop, None) for crop in hidden]
+            metric = torch.stack([step.metric(heads.cls_probs, heads.keys, heads.values) for _, heads in blocks])
+            hidden = hidden + torch.stack([attended for attended, _ in blocks])
+            hidden, tokens = step(index, len(layers), hidden, metric.cpu(), tokens)
+            hidden = hidden + layer.mlp(layer.layer_norm2(hidden))
+        return hidden, tokens
 
     def _crop_cls_rows(self, hidden: list[Tensor]) -> tuple[Tensor, Tensor]:
         """(H, K, 1 + P) each crop's CLS attention over its own 1 + P tokens at the feature layer and

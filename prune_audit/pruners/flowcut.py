@@ -13,6 +13,7 @@ from torch import Tensor
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
 from prune_audit.pruners.base import InputSelector, Reference, Selection, as_float32
 from prune_audit.pruners.fidelity import Fidelity, random_agreement
+from prune_audit.pruners.layout import ANYRES_LLM_CUT
 from prune_audit.pruners.ranking import top_k_indices
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.signals import InputSignals
@@ -44,9 +45,18 @@ class FlowCutSelector(InputSelector):
     the cut falls between the attention and the MLP of the layer whose attention scored it, not after the MLP
     (the MLP is per token, so the kept states are the same; the cut patches' MLP is not run); exact score ties
     go to the lower index (``torch.topk`` leaves them unspecified); the entropy's ``0 log 0`` is 0 (NaN in the
-    official code). Not ported: the LLaVA-NeXT (anyres) switch, which halves the tower's budget per crop and
-    adds a cut of the visual tokens at decoder layer 1 by the last text token's attention (``prune_layer = 1``,
-    off on LLaVA-1.5); this adapter's tower rerun is LLaVA-1.5's.
+    official code).
+
+    LLaVA-NeXT (the official anyres path, TungChintao/FlowCut a2ecd24 ``main.py``, ``llava_arch.py``): the tower
+    stage is ported (:meth:`_select_per_crop` on ``InputSignals.crop_merging_tower``): the crops run as one
+    batch, each keeping ``budget // 2`` patches (:func:`crop_budget`) by its own running score, every cut the
+    largest of the crops' cut sizes (:class:`CropTowerCuts`); the kept patches that unpadding leaves are laid out
+    base view first, then the tile grid row-major, without newlines (``restore_image_features_sorted``,
+    ``unpad_mask``). Not ported, so FlowCut stays refused there (``layout.ANYRES_LLM_CUT``): the cut that follows
+    at decoder layer 1 (``prune_layer = 1``), to the budget by the last prompt token's attention to the visual
+    tokens (the same flow score on the language model's queries, keys and values) with the positions renumbered
+    after it. A budget over every visual token keeps them all with the newlines (the dense input); the official
+    path then still drops the newlines and, where half the budget is below a crop's patches, still cuts.
 
     Each cut is a stage: ``Selection.tower_stages`` holds ``(l - Lv, kept cells)`` for the cut after layer
     ``l`` (negative: before the language model), the last one repeated at the input (stage 0). Returns
@@ -57,6 +67,8 @@ class FlowCutSelector(InputSelector):
     name: ClassVar[str] = "flowcut"
     summary: ClassVar[str] = "prunes in the CLIP tower every other layer by an information-flow score (FlowCut)"
     requires: ClassVar[frozenset[str]] = frozenset({"merging_tower"})
+    substitutes: ClassVar[dict[str, str]] = {"merging_tower": "crop_merging_tower"}  # anyres: the crops' tower
+    layout_need: ClassVar[str] = ANYRES_LLM_CUT  # the official anyres path's decoder layer-1 cut, not ported
     reference: ClassVar[Reference] = Reference(
         "FlowCut: Rethinking Redundancy via Information Flow for Efficient Vision-Language Models (NeurIPS 2025, "
         "arXiv 2505.19536)",
@@ -75,13 +87,20 @@ class FlowCutSelector(InputSelector):
             "last cut one layer before the feature layer (the official select_layer - 1 with the feature layer "
             "-2 hard-coded)",
             "exact ties go to the lower index (torch.topk leaves them unspecified); 0 log 0 = 0 in the entropy",
-            "LLaVA-NeXT's anyres path (half the budget per crop, a decoder layer-1 cut) not ported: refused there",
+            "LLaVA-NeXT's anyres path: its per-crop tower stage (half the budget per crop, one batch, each cut the "
+            "largest of the crops' sizes, base view then unpadded tile grid without newlines) is ported, its decoder "
+            "layer-1 cut to the budget by the last prompt token's attention (positions renumbered after it) is not: "
+            "refused there",
             "each tower cut is recorded as a stage at layer (cut layer - tower layers), the last also at 0",
         ),
         random_agreement(
             30,
             "test_flowcut.py::test_tower_cuts_reproduce_the_official_layers",
-            "CLIP-L shapes: 577 tokens, 16 heads, 23 layers, float32",
+            "CLIP-L shapes: 577 tokens, 16 heads, 23 layers, float32; the anyres tower stage: crop patches and cut "
+            "stages identical in 30 of 30 random cases of 3 crops "
+            "(test_flowcut.py::test_crop_tower_cuts_reproduce_the_official_anyres_batch) and kept tokens, features "
+            "and stages in 3 of 3 images of a tiny LLaVA-NeXT against the official code on the stock tower "
+            "(test_llava_next.py::test_flowcut_tower_stage_runs_per_crop_on_llava_next_as_its_official_anyres_code)",
         ),
         30,
     )
@@ -111,6 +130,8 @@ class FlowCutSelector(InputSelector):
         return tuple(cuts)
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
+        if signals.crop_merging_tower is not None:
+            return self._select_per_crop(signals, budget)
         step = TowerCuts(budget)
         states, sources = signals.merging_tower(step)
         cells = [int(group[0]) for group in sources[1:]]
@@ -118,6 +139,24 @@ class FlowCutSelector(InputSelector):
             kept=torch.tensor(cells, dtype=torch.long),
             sources=sources[1:],
             vision_tokens=as_float32(states[1:]),
+            tower_stages=[(layer - step.layers, kept) for layer, kept in step.stages],
+        )
+
+    def _select_per_crop(self, signals: InputSignals, budget: int) -> Selection:
+        """The anyres tower stage: every crop cut to half the budget (:class:`CropTowerCuts`), the kept patches
+        that unpadding leaves laid out as the official ``restore_image_features_sorted`` and ``unpad_mask`` do:
+        the base view's, then the tile grid's row-major (ascending visual token), no newlines."""
+        step = CropTowerCuts(crop_budget(budget))
+        states, tokens = signals.crop_merging_tower(step)  # (K, 1 + M, Dv), (K, M)
+        tokens = tokens.flatten()
+        visible = torch.nonzero(tokens >= 0).flatten()
+        order = visible[torch.argsort(tokens[visible])]
+        cells = tokens[order]
+        return Selection(
+            kept=cells,
+            sources=[cell.reshape(1) for cell in cells],
+            vision_tokens=as_float32(states[:, 1:].flatten(0, 1)[order.to(states.device)]),
+            in_output_order=True,
             tower_stages=[(layer - step.layers, kept) for layer, kept in step.stages],
         )
 
@@ -180,11 +219,10 @@ class TowerCuts:
         if patches <= self.budget:
             return hidden, size, sources
         relation, scores = flow_scores(metric[..., 0], metric[..., 1:])
-        self.running = scores if self.running is None else EMA_WEIGHT * self.running + (1 - EMA_WEIGHT) * scores
-        steps_left = max(layers - 2, 0) - layer  # a one-layer tower cuts in its only layer
-        if steps_left < 0 or steps_left % 2:
+        self.running = folded(self.running, scores)
+        keep = kept_count([relation], layer, layers, self.budget)
+        if keep is None:
             return hidden, size, sources
-        keep = max(patches - cut_size(relation, steps_left, self.budget), self.budget)
         chosen = top_k_indices(self.running, keep)  # ascending, as the official sort after topk
         self.running = self.running[chosen]
         rows = torch.cat([torch.zeros(1, dtype=torch.long), chosen + 1])
@@ -192,3 +230,67 @@ class TowerCuts:
         if keep < patches:
             self.stages.append((layer, torch.cat(kept_sources[1:])))
         return hidden[rows.to(hidden.device)], size[rows], kept_sources
+
+
+@dataclass
+class CropTowerCuts:
+    """The cut step of the per-crop tower rerun on the K crops of an anyres image
+    (``InputSignals.crop_merging_tower``), as the official anyres path runs them: the crops as one batch, each
+    with its own running score and its own top-k, the cut size the largest over the crops (``adaptive_prune_ratio``
+    takes ``r.max(0)`` over the batch), so every crop keeps as many patches.
+
+    Called with the layer index of the ``layers`` run, the (K, 1 + n, Dv) states (each crop's CLS first), the
+    (K, H, 1 + n, 1 + d) metric (:meth:`TowerCuts.metric` of each crop) and the (K, n) visual token of each crop
+    patch (-1: a tile patch that unpadding drops); returns the kept states and tokens. ``budget``: the patches
+    each crop keeps (:func:`crop_budget`). ``stages``: ``(layer, kept visual tokens)`` of each cut, ascending over
+    every crop.
+    """
+
+    budget: int
+    layers: int = 0
+    running: Tensor | None = None
+    stages: list[tuple[int, Tensor]] = field(default_factory=list)
+    metric = staticmethod(TowerCuts.metric)
+
+    def __call__(
+        self, layer: int, layers: int, hidden: Tensor, metric: Tensor, tokens: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        self.layers, patches = layers, hidden.shape[1] - 1
+        if patches <= self.budget:
+            return hidden, tokens
+        relations, scores = zip(*(flow_scores(crop[..., 0], crop[..., 1:]) for crop in metric))
+        self.running = folded(self.running, torch.stack(scores))
+        keep = kept_count(list(relations), layer, layers, self.budget)
+        if keep is None:
+            return hidden, tokens
+        chosen = torch.stack([top_k_indices(row, keep) for row in self.running])  # (K, keep) ascending per crop
+        self.running, tokens = self.running.gather(1, chosen), tokens.gather(1, chosen)
+        if keep < patches:
+            alive = tokens.flatten()
+            self.stages.append((layer, alive[alive >= 0].sort().values))
+        rows = torch.cat([torch.zeros_like(chosen[:, :1]), chosen + 1], dim=1).to(hidden.device)
+        return hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1])), tokens
+
+
+def folded(running: Tensor | None, scores: Tensor) -> Tensor:
+    """The running score after a layer's ``scores`` (same shape): ``0.5 * running + 0.5 * scores``, the layer's
+    own at the first scoring layer (the official ``cumulative_scores``)."""
+    return scores if running is None else EMA_WEIGHT * running + (1 - EMA_WEIGHT) * scores
+
+
+def kept_count(relations: list[Tensor], layer: int, layers: int, budget: int) -> int | None:
+    """Patches each crop keeps after tower layer ``layer`` of ``layers``, or None where that layer does not cut
+    (``steps_left = layers - 2 - layer`` odd or negative; a one-layer tower cuts in its only layer): the
+    ``n`` patches less the largest :func:`cut_size` of the crops' CLS attentions ``relations`` (each (n,)),
+    at least ``budget``."""
+    steps_left = max(layers - 2, 0) - layer
+    if steps_left < 0 or steps_left % 2:
+        return None
+    patches = relations[0].numel()
+    return max(patches - max(cut_size(relation, steps_left, budget) for relation in relations), budget)
+
+
+def crop_budget(budget: int) -> int:
+    """Patches each crop's tower keeps on an anyres image: half the image's ``budget``, rounded down (the official
+    ``int(target_num / 2)``)."""
+    return budget // 2

@@ -100,6 +100,11 @@ class InputSignals:
         full_attention_layers: rows of ``layer_attention`` of full-attention blocks (Qwen's ``fullatt_block_indexes``).
         merging_tower: ``f(merge) -> (states (1 + M, Dv), sources)``: the tower run to the feature layer with
             ``merge`` between attention and MLP of each layer (ToMe's :class:`~prune_audit.pruners.tome.TowerMerging`).
+        crop_merging_tower: on an anyres image (LLaVA-NeXT), ``f(step) -> (states (K, 1 + M, Dv), tokens (K, M))``:
+            the tower run on its K crops as one batch to the feature layer with ``step`` between attention and MLP
+            of each layer, every crop keeping as many patches (FlowCut's
+            :class:`~prune_audit.pruners.flowcut.CropTowerCuts`); ``tokens`` the visual token of each kept crop
+            patch, -1 for a tile patch that unpadding drops.
         video_grid: on a video clip, its (T, h, w) token grid after the spatial merge: T temporal steps (each two
             frames on Qwen2.5-VL) of h x w tokens, the N = T * h * w tokens time-major then row-major (``grid`` is
             then (T * h, w)); None on a still image. A :meth:`subset` is no longer the clip and has none.
@@ -136,6 +141,7 @@ class InputSignals:
     vision_tower: str = "clip"
     full_attention_layers: tuple[int, ...] = ()
     merging_tower: Callable[[Any], tuple[Tensor, list[Tensor]]] | None = None
+    crop_merging_tower: Callable[[Any], tuple[Tensor, Tensor]] | None = None
     video_grid: tuple[int, int, int] | None = None
     step_attention: Tensor | None = None
     model_dtype: torch.dtype = torch.float32
@@ -201,7 +207,9 @@ class InputSignals:
                 sliced["cls_feature"] = self.crop_cls_features[crop]
             if sliced["vision_keys"] is not None and self.crop_cls_keys is not None:
                 sliced["vision_keys"][:, 0] = self.crop_cls_keys[:, crop]
-        return dataclasses.replace(self, grid=grid, merging_tower=None, video_grid=None, step_attention=None, **sliced)
+        return dataclasses.replace(
+            self, grid=grid, merging_tower=None, crop_merging_tower=None, video_grid=None, step_attention=None, **sliced
+        )
 
 
 @dataclass

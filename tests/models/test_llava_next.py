@@ -520,3 +520,120 @@ def test_e2s_sees_the_base_view_and_tile_grids_on_llava_next(tmp_path):
     assert base.grid[0] * base.grid[1] + tiles.grid[0] * tiles.grid[1] == item.num_visual
     [answer] = vlm.answer([item], get_selector("e2s"), item.num_visual // 2)
     assert answer.kept_stages and len(answer.kept_stages[-1]) < item.num_visual
+
+
+def official_flowcut_anyres_tower(vlm, item, image_size, budget):
+    """FlowCut's anyres tower stage re-derived from TungChintao/FlowCut a2ecd24 on the stock CLIP modules:
+    ``main.py`` (``target = int(budget / 2) + 1`` per crop), ``modeling_clip_flowcut.py`` on all crops as one
+    batch (``CLIPAttention_forward``'s CLS row, unscaled CLS-value softmax and values, each head-mean;
+    ``CLIPEncoderLayer_forward``'s running score and cuts after the MLP, ``adaptive_prune_ratio``'s size the
+    largest over the batch, ``select_layer = layers - 2``), ``llava_arch.py`` (the base view's kept patches, then
+    the tiles' restored into the canvas, ``unpad_mask`` with the image's (width, height), row-major). Returns the
+    (M, Dv) features in that order, their visual tokens, and each cut's kept visual tokens (ascending) by layer."""
+    from test_flowcut import official_compute_score, official_prune_number  # the official functions, re-typed
+    from transformers.image_processing_utils import select_best_resolution
+
+    config = vlm.model.config
+    tower = vlm.model.model.vision_tower
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    height, width = select_best_resolution((image_size[1], image_size[0]), config.image_grid_pinpoints)
+    rows, cols = height // config.vision_config.image_size, width // config.vision_config.image_size
+    canvas = torch.ones(rows * side, cols * side, dtype=torch.bool)
+    original_width, original_height = image_size
+    if original_width / original_height > canvas.shape[1] / canvas.shape[0]:  # unpad_mask
+        padding = (canvas.shape[0] - int(original_height * canvas.shape[1] / original_width)) // 2
+        canvas[:padding], canvas[canvas.shape[0] - padding :] = False, False
+    else:
+        padding = (canvas.shape[1] - int(original_width * canvas.shape[0] / original_height)) // 2
+        canvas[:, :padding], canvas[:, canvas.shape[1] - padding :] = False, False
+    number = torch.full(canvas.shape, -1)
+    number[canvas] = side * side + torch.arange(int(canvas.sum()))  # the tile grid after the base view's tokens
+
+    def token(crop: int, patch: int) -> int:
+        if crop == 0:
+            return patch
+        row, col = divmod(crop - 1, cols)
+        return int(number[row * side + patch // side, col * side + patch % side])
+
+    def tokens_of(keep):
+        found = [token(crop, int(p)) for crop in range(keep.shape[0]) for p in keep[crop]]
+        return sorted(t for t in found if t >= 0)
+
+    target, layers = budget // 2 + 1, tower.encoder.layers
+    select_layer, heads = len(layers) - 2, config.vision_config.num_attention_heads
+    with torch.no_grad():
+        hidden = tower.pre_layrnorm(tower.embeddings(item.pixel_values))
+        keep_all = torch.arange(hidden.shape[1])[None].expand(hidden.shape[0], -1)
+        cumulative, cuts, features = None, {}, None
+        for idx, layer in enumerate(layers):
+            rpl = select_layer - idx - 1
+            if idx == select_layer + 1:
+                features, kept = hidden[:, 1:].clone(), keep_all.clone()
+            attention, batch, length = layer.self_attn, hidden.shape[0], hidden.shape[1]
+            normed = layer.layer_norm1(hidden)
+            q, k, v = (
+                proj(normed).view(batch, length, heads, -1).transpose(1, 2)
+                for proj in (attention.q_proj, attention.k_proj, attention.v_proj)
+            )
+            probs = torch.softmax((q * attention.scale) @ k.transpose(2, 3), dim=-1)
+            semantic = torch.softmax(v[:, :, :1] @ v.transpose(2, 3), dim=-1)[:, :, 0].mean(1)
+            out = attention.out_proj((probs @ v).transpose(1, 2).reshape(batch, length, -1))
+            hidden = hidden + out
+            hidden = hidden + layer.mlp(layer.layer_norm2(hidden))
+            if length > target:
+                cls_attention = probs[:, :, 0, 1:].mean(dim=1)
+                scores = official_compute_score(cls_attention, semantic[:, 1:], v.mean(1)[:, 1:])
+                cumulative = scores.clone() if cumulative is None else 0.5 * cumulative + 0.5 * scores
+                if not rpl % 2:
+                    prune_num = official_prune_number(cls_attention, rpl, target - 1) if rpl else length
+                    target_num = max(length - prune_num, target)
+                    keep = torch.topk(cumulative, target_num - 1, dim=1).indices.sort(dim=1).values
+                    index = keep[..., None].expand(-1, -1, hidden.shape[-1])
+                    hidden = torch.cat([hidden[:, :1], torch.gather(hidden[:, 1:], 1, index)], dim=1)
+                    cumulative = torch.gather(cumulative, 1, keep)
+                    keep_all = torch.gather(keep_all, 1, keep)
+                    if target_num < length:
+                        cuts[idx] = tokens_of(keep_all)
+    if features is None:  # a tower of select_layer + 1 layers: the last state
+        features, kept = hidden[:, 1:], keep_all
+    base = [(int(p), features[0, i]) for i, p in enumerate(kept[0])]
+    tiles = [
+        (token(crop, int(p)), features[crop, i]) for crop in range(1, kept.shape[0]) for i, p in enumerate(kept[crop])
+    ]
+    tiles = sorted((entry for entry in tiles if entry[0] >= 0), key=lambda entry: entry[0])
+    joined = base + tiles
+    return torch.stack([state for _, state in joined]), [t for t, _ in joined], cuts
+
+
+@pytest.mark.parametrize(("size", "budget"), [((130, 100), 12), ((100, 130), 20), ((130, 100), 25)])
+def test_flowcut_tower_stage_runs_per_crop_on_llava_next_as_its_official_anyres_code(tmp_path, size, budget):
+    """FlowCut's anyres tower stage on a tiny LLaVA-NeXT with a 6-layer tower (5 run: cuts after layers 1 and 3):
+    half the budget kept in every crop, the cut size the largest over the crops, the kept patches that unpadding
+    leaves laid out base view first then the tile grid row-major without newlines; the selection (features,
+    tokens, each cut's kept tokens as a stage at layer l - 5) equals the official code re-derived on the stock
+    tower. The decoder layer-1 cut that follows it officially is not ported: the selector is refused on the
+    family in one line saying so, and a budget over every token keeps every token (the dense input)."""
+    from prune_audit.models.llava_next import build_llava_next
+    from prune_audit.models.prefill_assembly import input_signals
+
+    checkpoint = build_llava_next(tmp_path / "model", words=[*WORDS, "Is"], vision_layers=6, seed=3)
+    vlm = load_vlm(checkpoint, device="cpu")
+    item = vlm.prepare(random_image(4, size), QUESTIONS[0])
+    selector = get_selector("flowcut")
+    with pytest.raises(PruneAuditError) as error:
+        vlm.check_selector(selector)
+    assert "decoder layer 1" in str(error.value) and "\n" not in str(error.value)
+    requires = frozenset({"crop_merging_tower"})
+    [output] = vlm._vision([item], requires)
+    signals = input_signals(vlm, item, output, requires)
+    with torch.no_grad():
+        selection = selector.select(signals, budget)
+    features, tokens, cuts = official_flowcut_anyres_tower(vlm, item, size, budget)
+    assert selection.kept.tolist() == tokens and selection.in_output_order
+    torch.testing.assert_close(selection.vision_tokens, features, atol=TOL, rtol=TOL)
+    assert [(layer, kept.tolist()) for layer, kept in selection.tower_stages] == [
+        (layer - 5, kept) for layer, kept in sorted(cuts.items())
+    ]
+    assert max(cuts) == 3 and len(tokens) <= item.pixel_values.shape[0] * (budget // 2)
+    dense = selector.select(signals, item.num_visual)
+    assert dense.kept.tolist() == list(range(item.num_visual)) and dense.sources is None

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
 from prune_audit.pruners import get_selector
-from prune_audit.pruners.flowcut import TowerCuts, cut_size, flow_scores
+from prune_audit.pruners.flowcut import CropTowerCuts, TowerCuts, crop_budget, cut_size, flow_scores
 
 SEEDS, BUDGETS = range(10), (64, 128, 192)
 TOKENS, HEADS, HEAD_DIM, ALL_LAYERS = 577, 16, 64, 24  # CLIP ViT-L/14-336; LLaVA reads layer -2
@@ -111,6 +111,73 @@ def test_tower_cuts_reproduce_the_official_layers():
             identical += kept == features and stages == cuts and len(kept) == budget
             assert max(stages) == RUN_LAYERS - 2 and all(layer % 2 for layer in stages)  # after 1, 3, ..., 21
     assert identical == len(SEEDS) * len(BUDGETS)
+
+
+CROPS = 3  # an anyres image of a base view and two tiles, as one tower batch
+
+
+def official_crop_tower(crop_draws, budget):
+    """The official encoder's FlowCut on the crops of an anyres image as one batch (``main.py``: ``target =
+    int(budget / 2) + 1``): the crop patches (``crop * 576 + patch``) of the features LLaVA reads, each cut's kept
+    crop patches by layer, and how many cuts had crops whose own ``adaptive_prune_ratio`` differed (the batch
+    takes the largest)."""
+    target, select_layer = budget // 2 + 1, ALL_LAYERS - 2
+    alive = torch.arange(TOKENS - 1)[None].repeat(CROPS, 1)
+    offsets = torch.arange(CROPS)[:, None] * (TOKENS - 1)
+    cumulative, cuts, features, spread, length = None, {}, None, 0, TOKENS
+    for idx in range(ALL_LAYERS):
+        rpl = select_layer - idx - 1
+        if idx == select_layer + 1:
+            features = (alive + offsets).flatten().tolist()
+        attn_weights = torch.stack([torch.softmax(draws[idx][0][:, :length], dim=-1) for draws in crop_draws])
+        value_states = torch.stack([draws[idx][1][:, :length] for draws in crop_draws])  # (B, H, T, d)
+        semantic = torch.softmax(value_states[:, :, :1] @ value_states.transpose(2, 3), dim=-1)[:, :, 0].mean(1)
+        if length > target:
+            cls_attention = attn_weights[:, :, 1:].mean(dim=1)
+            scores = official_compute_score(cls_attention, semantic[:, 1:], value_states.mean(1)[:, 1:])
+            cumulative = scores.clone() if cumulative is None else 0.5 * cumulative + 0.5 * scores
+            if not rpl % 2:
+                prune_num = official_prune_number(cls_attention, rpl, target - 1) if rpl else length
+                if rpl:
+                    spread += len({official_prune_number(row[None], rpl, target - 1) for row in cls_attention}) > 1
+                target_num = max(length - prune_num, target)
+                keep = torch.topk(cumulative, target_num - 1, dim=1).indices.sort(dim=1).values
+                cumulative, alive = torch.gather(cumulative, 1, keep), torch.gather(alive, 1, keep)
+                if target_num < length:
+                    cuts[idx] = sorted((alive + offsets).flatten().tolist())
+                length = target_num
+    return features, cuts, spread
+
+
+def selector_crop_tower(crop_draws, budget):
+    """CropTowerCuts through the 23 layers to the feature layer, as the LLaVA-NeXT adapter's crop tower calls it."""
+    step = CropTowerCuts(crop_budget(budget))
+    hidden, tokens = torch.zeros(CROPS, TOKENS, 1), torch.arange(CROPS * (TOKENS - 1)).view(CROPS, -1)
+    for layer in range(RUN_LAYERS):
+        length = hidden.shape[1]
+        metric = torch.stack(
+            [
+                step.metric(torch.softmax(d[layer][0][:, :length], dim=-1), None, d[layer][1][:, :length])
+                for d in crop_draws
+            ]
+        )
+        hidden, tokens = step(layer, RUN_LAYERS, hidden, metric, tokens)
+    return tokens.flatten().tolist(), {layer: cells.tolist() for layer, cells in step.stages}
+
+
+def test_crop_tower_cuts_reproduce_the_official_anyres_batch():
+    """30 cases: 10 seeds x budgets 64/128/192 over 3 crops (each its own CLIP-L draws), float32: half the budget
+    in every crop, the same cuts after the same layers (the cut size the largest over the crops, where theirs
+    differ) and the same crop patches at the feature layer."""
+    identical, spread = 0, 0
+    for seed in SEEDS:
+        crop_draws = [layer_draws(100 + CROPS * seed + crop) for crop in range(CROPS)]
+        for budget in BUDGETS:
+            features, cuts, differing = official_crop_tower(crop_draws, budget)
+            kept, stages = selector_crop_tower(crop_draws, budget)
+            identical += kept == features and stages == cuts and len(kept) == CROPS * (budget // 2)
+            spread += differing
+    assert identical == len(SEEDS) * len(BUDGETS) and spread > 0
 
 
 def test_cut_sizes_by_hand():
