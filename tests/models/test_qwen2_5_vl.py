@@ -4,9 +4,11 @@ shares is in tests/models/test_families_registry.py."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
@@ -17,7 +19,9 @@ from tiny_models import (
     masked_reference_logits,
     random_image,
 )
+from typer.testing import CliRunner
 
+from prune_audit.cli.main import app
 from prune_audit.errors import PruneAuditError
 from prune_audit.models import load_vlm
 from prune_audit.models.qwen import QwenModel
@@ -210,3 +214,34 @@ def test_downsample_refusals_are_one_line(resizing_vlm):
     with pytest.raises(PruneAuditError, match="at least 4") as small:
         resizing_vlm.prepare_for(image, QUESTIONS[0], selector, 3)
     assert "\n" not in str(error.value) + str(small.value)
+
+
+def test_downsample_run_records_the_resized_geometry(workspace, tmp_path):
+    """``run`` on the workspace's 64 x 64 scenes with a dynamic-resolution Qwen2.5-VL (28 px a token down to one
+    token): dense 2 x 2 tokens (56 x 56 processed); downsample@2, factor=integer resizes to 32 x 32 (r = 2), one
+    token of 28 x 28 processed pixels. Each record keeps that token, its geometry is the 32 x 32 image's mapped
+    back to the 64 x 64 original (scale 28 / 64), so every object pixel lies in it: retention 1, one object token,
+    nothing lost or diluted; the cost is the one-token prefill's, the dense one the 4-token prompt's."""
+    from tiny_models import run_args
+
+    from prune_audit.data.geometry import mapped_to_original, qwen_geometry
+    from prune_audit.data.scenes import CATEGORIES
+
+    checkpoint = QwenModel.build_tiny(
+        tmp_path / "qwen", words=[*WORDS, "Is", *CATEGORIES], text_layers=2, seed=4, min_pixels=28 * 28
+    )
+    out = tmp_path / "run"
+    args = run_args(workspace, checkpoint, out, "--selector", "downsample", "--option", "factor=integer")
+    result = CliRunner().invoke(app, [*args, "--budget", "2"])
+    assert result.exit_code == 0, result.output
+    expected = mapped_to_original(qwen_geometry((32, 32), min_pixels=28 * 28, max_pixels=112 * 112), (64, 64))
+    assert expected.grid == (1, 1) and expected.scale_x == 28 / 64
+    records = pq.read_table(out / "records.parquet").to_pylist()
+    assert len(records) == 4 and any(record["object_area"] for record in records)
+    for record in records:
+        assert json.loads(record["geometry"]) == expected.to_dict()
+        assert record["kept"] == [0] and record["visual_tokens_avg"] == 1
+        assert record["flops"] < record["flops_dense"]
+        if record["object_area"]:
+            assert record["retention"] == 1.0 and record["object_tokens_kept"] == 1
+            assert record["lost"] is False and record["diluted"] is False
