@@ -37,7 +37,7 @@ def test_each_question_gets_its_own_images_share():
         return [(item.num_visual, budget) for item in prepared]
 
     vlm = SimpleNamespace(answer=answer)
-    prepared = [SimpleNamespace(num_visual=n) for n in (400, 100, 400, 64)]
+    prepared = [SimpleNamespace(num_visual=n, budget_tokens=n) for n in (400, 100, 400, 64)]
     answers = answer_grouped(vlm, "s", "25%", prepared, ["yes/no"] * 4, ["g0", "g1", "g2", "g3"])
     assert answers == [(400, 100), (100, 25), (400, 100), (64, 16)]  # in question order
     assert sorted(calls) == [(16, [64], ["g3"]), (25, [100], ["g1"]), (100, [400, 400], ["g0", "g2"])]

@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from prune_audit.compute.flops import flop_equivalent_tokens, language_prefill
 from prune_audit.demo.assets import DEMO_MODELS
 from prune_audit.demo.evaluate import load_demo
+from prune_audit.errors import PruneAuditError
 from prune_audit.pruners.composed import selector_parts
 from prune_audit.pruners.registry import get_selector, list_selectors, selector_class
 
@@ -80,6 +81,17 @@ def counted(vlm, item, selector, budget):
     return counter.get_total_flops() - sum(inside) + tower_pass, sum(inside) - tower_pass, answer
 
 
+def resized_for(vlm, image, question, selector, budget):
+    """The prompt as a run prepares it (a selector acting on the image: the resized image, whose smaller tower and
+    prefill are counted); None where the processor's fixed resolution (the Qwen demo's min = max pixels) gives
+    no smaller image fewer tokens, which is refused in one line."""
+    try:
+        return vlm.prepare_for(image, question, selector, budget)
+    except PruneAuditError as error:
+        assert selector.resizes_image and "the processor gives at least" in str(error)
+        return None
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """The two bundled demos and tiny LLaVA (with a CLIP text tower) / Qwen2.5-VL checkpoints, eager."""
@@ -91,7 +103,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("compute")
     llava = LlavaModel.build_tiny(root / "llava", words=WORDS, text_layers=4, text_kv_heads=2, seed=3)
     clip = build_clip(root / "clip", words=WORDS, vision_hidden_size=64)
-    qwen = QwenModel.build_tiny(root / "qwen", words=WORDS, text_layers=4, seed=3)
+    # dynamic resolution down to one token, so an image-resizing selector meets any budget (the demo's is fixed)
+    qwen = QwenModel.build_tiny(root / "qwen", words=WORDS, text_layers=4, seed=3, min_pixels=28 * 28)
     return {
         "demo": eager(load_demo(DEMO_MODELS["demo"])),
         "demo-qwen": eager(load_demo(DEMO_MODELS["demo-qwen"])),
@@ -106,8 +119,8 @@ CASES = [("demo", (96, 96)), ("demo-qwen", (96, 96)), ("demo-qwen", (120, 72)), 
 
 @pytest.mark.parametrize(("model", "size"), CASES)
 def test_analytic_flops_equal_the_counted_flops_for_every_selector(models, model, size):
-    vlm = models[model]
-    item = vlm.prepare(random_image(1, size), "is there a red dog in the image?")
+    vlm, image, question = models[model], random_image(1, size), "is there a red dog in the image?"
+    item = vlm.prepare(image, question)
     budget = max(2, item.num_visual // 4)
     selectors = [None] + [get_selector(name) for name in vlm.supported_selectors()]
     if "merging_tower" in vlm.input_signals:  # LLaVA: the options that read other tower signals
@@ -118,7 +131,11 @@ def test_analytic_flops_equal_the_counted_flops_for_every_selector(models, model
         name = None if selector is None else selector.name
         tower = "merging_tower" in getattr(selector, "requires", ())  # one tower layer at least halves the patches
         used = None if name is None else max(budget, item.num_visual // 2 + 3) if tower else budget
-        outside, inside, answer = counted(vlm, item, selector, used)
+        # a selector acting on the image (Qwen) runs on the resized image: its smaller tower and prefill are counted
+        run_item = resized_for(vlm, image, question, selector, used)
+        if run_item is None:
+            continue
+        outside, inside, answer = counted(vlm, run_item, selector, used)
         cost = answer.cost
         assert outside == cost.flops_vision + cost.flops_llm, (model, selector)
         assert cost.flops == cost.flops_vision + cost.flops_selector + cost.flops_llm
@@ -199,7 +216,8 @@ def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):
                               ("_last_layer_cls_row", "vision_last_cls_row")):  # fmt: skip
             if hasattr(vlm, method):
                 monkeypatch.setattr(vlm, method, spy(getattr(vlm, method), probe), raising=False)
-        item = vlm.prepare(random_image(4, (96, 96)), "is there a red dog in the image?")
+        image, question = random_image(4, (96, 96)), "is there a red dog in the image?"
+        item = vlm.prepare(image, question)
         selectors = [None] + [get_selector(name) for name in vlm.supported_selectors()]
         if "merging_tower" in vlm.input_signals:
             selectors += [get_selector("tome", location="tower"), get_selector("prumerge", signal_layer="feature")]
@@ -208,7 +226,10 @@ def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):
         for selector in selectors:
             ran.clear()
             budget = None if selector is None else item.num_visual // 2 + 3
-            [answer] = vlm.answer([item], selector, budget, generator=torch.Generator().manual_seed(0))
+            run_item = resized_for(vlm, image, question, selector, budget)
+            if run_item is None:
+                continue
+            [answer] = vlm.answer([run_item], selector, budget, generator=torch.Generator().manual_seed(0))
             expected = tuple(name for name in SIGNAL_SOURCES if name in ran)
             assert answer.cost.signal_sources == expected, (model, selector)
             seen.update(expected)

@@ -307,7 +307,7 @@ class PrunedModel:
         results: list[PrunedResult] = []
         for start in range(0, len(pairs), batch_size):
             batch = pairs[start : start + batch_size]
-            prepared = [self.vlm.prepare(_rgb(image), text) for image, text in batch]
+            prepared = [self.vlm.prepare_for(_rgb(image), text, self.selector, self.budget) for image, text in batch]
             for item, row_mode in zip(prepared, modes[start:]):  # a generation limit is the caller's choice here
                 check_context(self.vlm, [item], row_mode)
             rows = range(start, start + len(batch))

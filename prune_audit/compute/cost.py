@@ -79,6 +79,9 @@ class QuestionTokens:
         crop_grid: (rows, cols) patches of each crop when the tower ran on crops; None: ``grid`` times the merge.
         projected_tokens: tokens the projector ran on when not the visual tokens (LLaVA-OneVision projects the
             unpadded tile grid, then downsamples it); None: ``visual_tokens``.
+        dense_grid: (rows, cols) of the image as given when the prefill ran on it resized before the processor
+            (an image-resizing selector: ``grid`` and ``visual_tokens`` are the resized image's), which the dense
+            cost counts; None: ``grid``.
     """
 
     grid: tuple[int, int]
@@ -101,6 +104,7 @@ class QuestionTokens:
     crops: int = 1
     crop_grid: tuple[int, int] | None = None
     projected_tokens: int | None = None
+    dense_grid: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -156,10 +160,16 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     """The cost columns of one question's prefill."""
     vision, language = shape.vision, shape.language
     patch_grid = tokens.crop_grid or (tokens.grid[0] * vision.merge, tokens.grid[1] * vision.merge)
-    dense_tower = tokens.crops * flops.vision_tower(vision, patch_grid) + flops.projector(
+    stock_tower = tokens.crops * flops.vision_tower(vision, patch_grid) + flops.projector(
         vision, tokens.projected_tokens or tokens.visual_tokens
     )
-    tower = dense_tower if tokens.stock_tower else 0
+    dense_tower, dense_visual = stock_tower, tokens.visual_tokens
+    if tokens.dense_grid is not None:  # the tower ran on a resized image: the dense one is the image as given
+        rows, cols = tokens.dense_grid
+        dense_visual = rows * cols
+        dense_tower = flops.vision_tower(vision, (rows * vision.merge, cols * vision.merge))
+        dense_tower += flops.projector(vision, dense_visual)
+    tower = stock_tower if tokens.stock_tower else 0
     # the last layer's probe is the same products as the feature layer's (one CLS query, every key, logits twice)
     signals = tokens.crops * flops.cls_probe(vision, patch_grid) * (tokens.cls_probe + tokens.last_cls_probe)
     signals += tokens.crops * flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
@@ -185,7 +195,8 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
         flops_selector=tokens.selector_flops,
         flops_llm=llm,
         flops=total,
-        flops_dense=dense_tower + flops.language_prefill(language, [full] * language.layers),
+        flops_dense=dense_tower
+        + flops.language_prefill(language, [tokens.text_tokens + dense_visual] * language.layers),
         flops_decode_token=flops.decode_token(language, lengths),
         kv_bytes=flops.kv_bytes(language, lengths, shape.dtype_bytes),
         flop_equivalent_tokens=flops.flop_equivalent_tokens(language, total - dense_tower),

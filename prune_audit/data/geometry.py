@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -237,6 +237,24 @@ def qwen_geometry(
         scale_y=resized_h / height,
         min_pixels=min_pixels,
         max_pixels=max_pixels,
+    )
+
+
+def mapped_to_original(geometry: TokenGeometry, image_size: tuple[int, int]) -> TokenGeometry:
+    """``geometry`` of an image that is the original of ``image_size`` (width, height) resized before the
+    processor (the image-resizing selectors' ``prepare_for``), mapped back to the original's pixels: the same
+    grid and processed size, scaled from original pixels. The two resizes compose into one because both align
+    pixel centres without offset (PIL's resize and ``smart_resize``'s): original centre ``x + 0.5`` lands on
+    processed ``(x + 0.5) * processed_width / width``."""
+    if geometry.offset_x or geometry.offset_y:
+        raise PruneAuditError(f"a {geometry.mode} geometry with an offset cannot be mapped through a resize")
+    width, height = _check_image_size(image_size)
+    return replace(
+        geometry,
+        image_width=width,
+        image_height=height,
+        scale_x=geometry.processed_width / width,
+        scale_y=geometry.processed_height / height,
     )
 
 

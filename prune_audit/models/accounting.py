@@ -120,6 +120,7 @@ def question_cost(
         tower_merges_after_mlp=getattr(input_ran, "merges_after_mlp", False),
         tower_next_cls_row=getattr(input_ran, "reads_next_layer", False) and _layer_after_feature(vlm),
         stock_tower=stock_tower,
+        dense_grid=item.dense_grid,
         stage_probes=probes,
         selector_flops=arithmetic,
         **crops,

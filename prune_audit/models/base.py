@@ -28,7 +28,7 @@ from prune_audit.models.answers import answer_token_ids
 from prune_audit.models.executor import DecoderStack, LanguageLoop, Prefill, TokenRow, pack
 from prune_audit.models.parts import config_hash
 from prune_audit.models.prefill_assembly import layer_plan, select_input, token_row, vision_layer_requests
-from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request
+from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request, check_resized
 from prune_audit.models.selector_support import SelectorSupport
 from prune_audit.models.timing import PartClock
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Selector, Stage
@@ -70,6 +70,9 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     #: the box convention of its grounding answers (``data.boxes.BOX_CONVENTIONS``: prompt, box syntax and frame, as
     #: its official grounding evaluation has them); None: the family has none, and grounding questions are refused
     grounding: str | None = None
+    #: whether :meth:`prepare_for` resizes the image for an input selector that acts on it
+    #: (``InputSelector.resizes_image``): the processor then sets the token grid of the resized image
+    resizes_images: bool = False
 
     # ----- loading ------------------------------------------------------------------
     @classmethod
@@ -132,6 +135,17 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     @abstractmethod
     def prepare(self, image, question: str) -> Prepared:
         """Process one PIL image and question into a prompt (its ``geometry`` is :meth:`token_geometry`'s)."""
+
+    def prepare_for(self, image, question: str, selector: RunSelector | None = None, budget: Any = None) -> Prepared:
+        """:meth:`prepare` as a run of ``selector`` at ``budget`` needs the prompt: as given here; a family that
+        ``resizes_images`` resizes the image first for an input part acting on it (:meth:`image_resizer`)."""
+        return self.prepare(image, question)
+
+    def image_resizer(self, selector: RunSelector | None) -> InputSelector | None:
+        """The input part of ``selector`` when it acts on the image on this family (``resizes_image`` honoured
+        by :meth:`prepare_for`; the prefill then keeps every token of the resized image), else None."""
+        part = selector_parts(selector)[0]
+        return part if part is not None and part.resizes_image and self.resizes_images else None
 
     @abstractmethod
     def token_geometry(self, image_size: tuple[int, int]) -> Any:
@@ -373,6 +387,9 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         if selector is not None:
             self.check_selector(selector, prepared)
         input_part, llm_part = selector_parts(selector)
+        if (resizer := self.image_resizer(selector)) is not None:  # it acted in prepare_for: every token is fed
+            check_resized(prepared, resizer.name, budget_parts(selector, budget)[0])
+            input_part = None
         input_budget, llm_budget = budget_parts(selector, budget)
         input_level = forced_kept is not None or input_part is not None
         requires = self.signals_for(input_part) if input_part is not None and forced_kept is None else frozenset()

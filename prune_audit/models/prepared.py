@@ -42,6 +42,10 @@ class Prepared:
         geometry: :class:`prune_audit.data.geometry.TokenGeometry` of the image.
         extras: family-specific tensors (Qwen: ``image_grid_thw``, ``positions``; a Qwen clip: ``video_grid_thw``,
             ``second_per_grid_ts``).
+        dense_grid: on an image resized before the processor for an input selector acting on it
+            (``VisionLanguageModel.prepare_for``), the (rows, cols) token grid of the image as given, whose tokens
+            budgets resolve against and whose unpruned prefill is the dense cost (``grid``, ``geometry`` and ``pixel_values`` are the resized image's, ``image_size`` the
+            original); None for an image as given.
         video_grid: on a video clip, its (T, h, w) token grid after the spatial merge (``grid`` is then (T * h, w),
             ``image_span`` the clip's tokens, ``pixel_values`` its patches, ``image_size`` a frame's and
             ``geometry`` a :class:`prune_audit.data.video.ClipGeometry`); None for a still image.
@@ -56,10 +60,17 @@ class Prepared:
     geometry: Any
     extras: dict[str, Tensor] = field(default_factory=dict)
     video_grid: tuple[int, int, int] | None = None
+    dense_grid: tuple[int, int] | None = None
 
     @property
     def num_visual(self) -> int:
         return self.grid[0] * self.grid[1]
+
+    @property
+    def budget_tokens(self) -> int:
+        """The visual tokens a budget resolves against: the image's as given (``dense_grid``'s when resized)."""
+        rows, cols = self.grid if self.dense_grid is None else self.dense_grid
+        return rows * cols
 
 
 class VisionOutput:
@@ -86,6 +97,17 @@ class VisionOutput:
     def deferred(self) -> bool:
         """Whether the stock pass has not run (``features`` not read yet)."""
         return not isinstance(self._features, Tensor)
+
+
+def check_resized(prepared: Sequence[Prepared], selector: str, budget: object) -> None:
+    """One-line PruneAuditError unless every prompt's image was resized for the image-resizing ``selector``, or
+    fits ``budget`` as given (a keep-all budget resizes nothing)."""
+    fits = [isinstance(budget, int) and budget >= item.num_visual for item in prepared]
+    if any(item.dense_grid is None and not fit for item, fit in zip(prepared, fits)):
+        raise PruneAuditError(
+            f"selector {selector!r} resizes the image before the processor; prepare the prompts with "
+            f"prepare_for(image, question, selector, budget), not prepare"
+        )
 
 
 def check_request(
@@ -115,4 +137,4 @@ def check_request(
         raise PruneAuditError(f"selector {selector.name!r} needs a budget (number of visual tokens)")
 
 
-__all__ = ["Prepared", "VisionOutput", "ForcedStages", "find_image_span", "check_request"]
+__all__ = ["Prepared", "VisionOutput", "ForcedStages", "find_image_span", "check_request", "check_resized"]

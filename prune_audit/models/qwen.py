@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from prune_audit.models.probe import single_tensor_rope
 from prune_audit.models.shape import language_shape, qwen_vision_shape
 from prune_audit.models.shared_prefix import shared_prefix_logits
 from prune_audit.pruners.base import LayerSelector
+from prune_audit.pruners.composed import RunSelector, budget_parts
 from prune_audit.pruners.signals import STEP_ATTENTION
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -59,6 +61,7 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
     input_positions = "keep_original"  # 3-D M-RoPE ids cannot be renumbered meaningfully; every public port keeps them
     #: whether :meth:`prepare_video` reads clips (Qwen2.5-VL's video path; its subclasses' differ and refuse)
     takes_video = True
+    resizes_images = True  # prepare_for resizes the image for a selector acting on it (VTC-Bench on Qwen2-VL)
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -151,6 +154,41 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
             geometry=self.token_geometry(image.size),
             extras={"image_grid_thw": grid_thw, "positions": positions[:, 0]},
         )
+
+    def prepare_for(self, image, question: str, selector: RunSelector | None = None, budget: Any = None) -> Prepared:
+        """:meth:`prepare` of the image resized for an input selector that acts on it (:meth:`image_resizer`):
+        VTC-Bench's downsampling baseline (Chenfei-Liao/VTC-Bench 983e443e,
+        ``external/DART/lmms-eval/lmms_eval/models/qwen2_vl.py`` with ``VTC_IMAGE_RATIO``) resizes the PIL image
+        with ``Image.BICUBIC`` and lets the processor's ``smart_resize`` set the token grid, so the tower reruns on
+        fewer pixels and every token of the smaller image is fed. The size is the selector's
+        (``resized_image_size``) for the input budget resolved on the image's own N tokens; the prompt keeps the
+        original ``image_size``, its ``geometry`` is the resized image's mapped back to the original pixels
+        (:func:`~prune_audit.data.geometry.mapped_to_original`, so retention, lost and diluted go through it) and
+        ``dense_grid`` the original's grid.
+
+        The seam is the selector's ``resizes_image`` trait honoured here rather than a selection: the token grid
+        of a resized image is the processor's (no grid of the N tokens gives it), its 3-D M-RoPE ids are those
+        of the smaller grid, and the tower's and the LLM's work shrink with it, so the prompt itself differs."""
+        resizer = self.image_resizer(selector)
+        if resizer is None or budget is None:
+            return self.prepare(image, question)
+        from PIL import Image
+
+        from prune_audit.compute.budget import resolve_budget
+        from prune_audit.data.geometry import mapped_to_original
+
+        image = image.convert("RGB")
+        dense = self.token_geometry(image.size).grid
+        tokens = cast(
+            int, resolve_budget(budget_parts(selector, budget)[0], dense[0] * dense[1])
+        )  # one part's budget: an int
+        try:
+            size = resizer.resized_image_size(image.size, tokens, lambda wh: self.token_geometry(wh).num_tokens)
+        except ValueError as error:
+            raise PruneAuditError(f"selector {resizer.name!r} failed at budget {tokens}: {error}") from None
+        resized = self.prepare(image if size == image.size else image.resize(size, Image.Resampling.BICUBIC), question)
+        geometry = mapped_to_original(resized.geometry, image.size)
+        return replace(resized, image_size=image.size, geometry=geometry, dense_grid=dense)
 
     def prepare_video(self, clip: Clip, question: str) -> Prepared:
         """One (clip, question) prompt: the clip's 2T sampled frames (:func:`prune_audit.data.video.sample_clip`) as

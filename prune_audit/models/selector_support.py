@@ -54,6 +54,7 @@ class SelectorSupport:
     refused_selectors: Mapping[str, str]
     missing_signals_reason: str
     input_positions: str
+    resizes_images: bool
 
     @classmethod
     def selector_support(cls) -> dict[str, str | None]:
@@ -123,6 +124,8 @@ class SelectorSupport:
         """What the family lacks for ``selector`` given input signals ``available``: input signals, positions
         for the merged tokens it feeds, or what ``refused_selectors`` names."""
         refused = {cls.refused_selectors[selector.name]} if selector.name in cls.refused_selectors else set()
+        if selector.stage == "input" and getattr(selector, "resizes_image", False) and cls.resizes_images:
+            return refused  # it acts on the image (``prepare_for``): it reads no signal and feeds no merged token
         if selector.stage == "llm":  # in-LLM selectors read the language model, and some the vision tower or clip
             # too; one with its own tower stage (MustDrop's merge) the tower hook
             from_input = VISION_LAYER_SIGNALS | {VIDEO_GRID} | TOWER_HOOK_SIGNALS

@@ -10,6 +10,7 @@ ties broken by the lower index, and the ascending order of the result.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -235,6 +236,9 @@ class InputSelector(Selector, BudgetScoped):
     stage: ClassVar[SelectorLevel] = "input"
     fills_budget: ClassVar[bool] = True
     merges: ClassVar[bool] = False
+    #: whether, on a family that resizes images for it (``VisionLanguageModel.resizes_images``), it acts on the
+    #: image before the processor (:meth:`resized_image_size`) rather than on the tower's tokens
+    resizes_image: ClassVar[bool] = False
     ties: str = "lower"  # top-k selectors declare it as an option (TOP_K_TIES)
     score_dtype: str = "float32"
 
@@ -246,6 +250,13 @@ class InputSelector(Selector, BudgetScoped):
         if budget >= n:
             return Selection(kept=torch.arange(n, dtype=torch.long))
         return self._select(signals, budget, generator)
+
+    def resized_image_size(
+        self, image_size: tuple[int, int], budget: int, tokens_of: Callable[[tuple[int, int]], int]
+    ) -> tuple[int, int]:
+        """(width, height) to resize an image of ``image_size`` to before the processor, so that its token count
+        ``tokens_of((width, height))`` fits ``budget`` (selectors with ``resizes_image``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not act on the image")
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         scores = self.score(signals, generator)

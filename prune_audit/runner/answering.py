@@ -49,7 +49,7 @@ def answer_grouped(
     """Answers in row order, asked in groups of one answer mode and one token budget (resolved per image: a
     share ``11%`` of its tokens, ``all`` of them), so answers do not depend on the batch. ``generators``,
     ``forced_kept`` and ``forced_stages`` hold one entry per row (as ``VisionLanguageModel.answer``)."""
-    budgets = [resolve_budget(budget, item.num_visual) for item in prepared]
+    budgets = [resolve_budget(budget, item.budget_tokens) for item in prepared]
     groups: dict[tuple, list[int]] = {}
     for row, key in enumerate(zip(budgets, modes)):
         groups.setdefault(key, []).append(row)

@@ -138,7 +138,14 @@ def answer_batches(
         batch = todo[start : start + batch_size]
         declared = plan.vlm.task_instructions
         prepared = [
-            prepare_question(plan.vlm, plan.image_paths[q.image], plan.task.prompt_text(q, declared)) for q in batch
+            prepare_question(
+                plan.vlm,
+                plan.image_paths[q.image],
+                plan.task.prompt_text(q, declared),
+                selector=plan.selector,
+                budget=plan.request.budget,
+            )
+            for q in batch
         ]
         generators = [question_generator(plan.request.seed, q) for q in batch]
         answers = answer_batch(plan, batch, prepared, generators)

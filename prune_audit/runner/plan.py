@@ -98,8 +98,9 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     check_model_accepts(vlm, selector, task, questions)
     if request.kept_sets is None or request.reanswer:  # the model answers: every prompt must fit its positions
         check_prompts_fit(vlm, task, questions, image_paths, embedded, chosen_limit=request.max_new_tokens is not None)
-    first = prepare_task_question(vlm, task, questions[0], image_paths, embedded)
-    budget = resolve_budget(budget, first.num_visual)
+    # as the run prepares it: a selector acting on the image refuses a budget no resized image meets here
+    first = prepare_task_question(vlm, task, questions[0], image_paths, embedded, selector, budget)
+    budget = resolve_budget(budget, first.budget_tokens)
     manifest = _manifest(request, task, vlm, selector, budget, questions, first)
     imported = plan_import(request, vlm, task, questions, image_paths, manifest, embedded)
     if has_share(request.budget):  # each image gets its share; the schedule above is the first's

@@ -11,7 +11,9 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.safety.inputs import check_input_file, path_under
 
 if TYPE_CHECKING:
+    from prune_audit.compute.budget import Budget
     from prune_audit.models import Prepared, VisionLanguageModel
+    from prune_audit.pruners.composed import RunSelector
     from prune_audit.runner.request import RunRequest
     from prune_audit.tasks import Evidence, Task, TaskQuestion
 
@@ -105,12 +107,21 @@ def _image_ids(task: Task, questions: Sequence[TaskQuestion], evidence: Evidence
     return ids
 
 
-def prepare_question(vlm: VisionLanguageModel, image_path: Path, text: str, data: bytes | None = None) -> Prepared:
+def prepare_question(
+    vlm: VisionLanguageModel,
+    image_path: Path,
+    text: str,
+    data: bytes | None = None,
+    selector: RunSelector | None = None,
+    budget: Budget = None,
+) -> Prepared:
     """The model's ``Prepared`` prompt for one image file (as RGB) and question text; ``data``: the image's bytes
-    when they are embedded in the question files and not yet written to ``image_path`` (``runner.embedded``)."""
+    when they are embedded in the question files and not yet written to ``image_path`` (``runner.embedded``);
+    ``selector`` and ``budget``: the run's, for a selector that acts on the image (``vlm.prepare_for``)."""
     from prune_audit.data.images import decode_rgb, open_rgb
 
-    return vlm.prepare(open_rgb(image_path) if data is None else decode_rgb(data, str(image_path)), text)
+    image = open_rgb(image_path) if data is None else decode_rgb(data, str(image_path))
+    return vlm.prepare_for(image, text, selector, budget)
 
 
 def prepare_task_question(
@@ -119,14 +130,19 @@ def prepare_task_question(
     question: TaskQuestion,
     image_paths: dict[str, Path],
     embedded: dict[str, bytes] | None,
+    selector: RunSelector | None = None,
+    budget: Budget = None,
 ) -> Prepared:
     """One question prepared as ``task`` asks it, its image read from the folder or from the question files'
-    embedded bytes (the first question's token grid and geometry describe the run in the manifest)."""
+    embedded bytes (the first question's token grid and geometry describe the run in the manifest); ``selector``
+    and ``budget`` as :func:`prepare_question`."""
     return prepare_question(
         vlm,
         image_paths[question.image],
         task.prompt_text(question, vlm.task_instructions),
         (embedded or {}).get(question.image),
+        selector,
+        budget,
     )
 
 

@@ -414,20 +414,21 @@ def visualize_live(request: VisualizeRequest) -> DrawnFigure:
         if selector is not None:
             vlm.check_selector(selector)
         generator = torch.Generator().manual_seed(request.seed)
-        answer = vlm.answer([prepared], selector, None if selector is None else budget, generator=[generator])[0]
-        stages, layers, merged = recorded_stages(answer, prepared.num_visual)
+        item = prepared if selector is None else vlm.prepare_for(picture, question, selector, budget)  # may resize it
+        answer = vlm.answer([item], selector, None if selector is None else budget, generator=[generator])[0]
+        stages, layers, merged = recorded_stages(answer, item.num_visual)
         title = "none (unpruned)" if selector is None else f"{name}, {budget_words(budget, layers)}"
         if name in options:
             title = f"{name} ({', '.join(request.options)}), {budget_words(budget, layers)}"
-        retention = _retention_text(mask, prepared.geometry, covered_stages(stages, merged)[0])
+        retention = _retention_text(mask, item.geometry, covered_stages(stages, merged)[0])
         caption = f"answer {answer.answer} (confidence {answer.confidence:.3f})"
         answers.append(PanelAnswer(title, answer.answer, answer.confidence))
         level = None if selector is None else selector.stage
-        labels = stage_labels(level, stages, layers, merged, prepared.num_visual)
+        labels = stage_labels(level, stages, layers, merged, item.num_visual)
         panels.append(
             Panel(
                 title,
-                prepared.geometry,
+                item.geometry,
                 stages,
                 labels,
                 caption,

@@ -322,6 +322,12 @@ def test_run_records_every_supported_selector_and_refuses_the_rest(
         assert name in result.stderr and ("selectors that work here" in result.stderr or "--clip-text" in result.stderr)
         assert not (out / "records.parquet").exists()
         return
+    if result.exit_code == 2 and "the processor gives at least" in result.stderr:
+        # a selector resizing the image on a fixed-resolution processor (these tiny Qwen checkpoints' min = max
+        # pixels): no smaller image has fewer tokens, refused in one line while planning, nothing written
+        assert get_selector(name).resizes_image and len(result.stderr.strip().splitlines()) == 1
+        assert not out.exists() or not any(out.iterdir())
+        return
     assert result.exit_code == 0, result.output
     records = pq.read_table(out / "records.parquet").to_pandas()
     assert len(records) == 4

@@ -21,8 +21,15 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
-from prune_audit.data.geometry import TokenGeometry, clip_geometry, mask_area_per_token
+from prune_audit.data.geometry import (
+    TokenGeometry,
+    clip_geometry,
+    mapped_to_original,
+    mask_area_per_token,
+    qwen_geometry,
+)
 from prune_audit.data.retention import object_area, retention
+from prune_audit.models import families, family_names
 from prune_audit.pruners import InputSignals, get_selector
 from prune_audit.pruners.downsample import integer_ratio_grid
 
@@ -197,3 +204,46 @@ def test_downsample_demo_run_records_the_footprints_as_merged_tokens(tmp_path):
         assert len(merged) == 16 and all(len(group) == 9 for group in merged)
         assert sorted(c for group in merged for c in group) == list(range(144))
     assert json.loads((out / "manifest.json").read_text())["selector"]["name"] == "downsample"
+
+
+def test_resized_image_size_follows_vtc_benchs_integer_ratio_and_the_fit_scan():
+    """On a family whose processor sets the grid (Qwen): ``(W // r, H // r)`` for the smallest r whose token
+    count fits (VTC-Bench), or the largest size of the aspect ratio whose count fits; here one token a started
+    10 x 10 block, counted by hand."""
+
+    def tokens_of(size: tuple[int, int]) -> int:
+        return math.ceil(size[0] / 10) * math.ceil(size[1] / 10)
+
+    integer, fit = get_selector("downsample", factor="integer"), get_selector("downsample")
+    assert integer.resized_image_size((200, 100), 200, tokens_of) == (200, 100)  # keeps all: r = 1
+    assert integer.resized_image_size((200, 100), 50, tokens_of) == (100, 50)  # r = 2: 10 x 5 = 50
+    assert integer.resized_image_size((200, 100), 49, tokens_of) == (66, 33)  # r = 3: 7 x 4 = 28
+    assert fit.resized_image_size((200, 100), 49, tokens_of) == (90, 45)  # 9 x 5 = 45; 91 x 46: 10 x 5
+    assert fit.resized_image_size((200, 100), 32, tokens_of) == (80, 40)  # 8 x 4; 81 x 41: 9 x 5
+    assert fit.resized_image_size((100, 200), 32, tokens_of) == (40, 80)  # the longer side is the height
+    with pytest.raises(ValueError, match="at least 1"):
+        fit.resized_image_size((200, 100), 0, tokens_of)
+
+
+def test_retention_through_the_resized_image_geometry_is_the_hand_count():
+    """A 100 x 60 image resized to 50 x 30 before a Qwen processor (28-px tokens, no pixel floor): smart_resize
+    gives 56 x 28 processed pixels, one row of two tokens. Mapped back, original column x goes to token
+    floor((x + 0.5) * 56 / 100 / 28) = floor((x + 0.5) / 50): columns 0-49 to the left token, 50-99 to the right.
+    A mask over columns 40-59 of every row: 10 x 60 pixels in each token."""
+    resized = qwen_geometry((50, 30), min_pixels=28 * 28, max_pixels=28 * 28 * 4)
+    geometry = mapped_to_original(resized, (100, 60))
+    assert (geometry.image_size, geometry.grid, geometry.processed_width) == ((100, 60), (1, 2), 56)
+    mask = np.zeros((60, 100), dtype=bool)
+    mask[:, 40:60] = True
+    area = object_area(mask, geometry)
+    np.testing.assert_array_equal(area.area_per_token, [600, 600])
+    assert retention(area.area_per_token, area.total_area, [0, 1]) == (1.0, 2, False)  # the run keeps every token
+    assert retention(area.area_per_token, area.total_area, [1]) == (0.5, 1, False)
+
+
+def test_families_that_still_cannot_downsample_say_so_in_one_line():
+    """Qwen families resize the image; a family without pre-projector features and no image resizing refuses."""
+    supports = {name: families.adapter_for(name, name).selector_support()["downsample"] for name in family_names()}
+    assert supports["qwen2_5_vl"] is None and supports["qwen2_vl"] is None and supports["qwen3_vl"] is None
+    refused = [reason for reason in supports.values() if reason is not None]
+    assert refused and all("\n" not in reason for reason in refused)
