@@ -377,8 +377,12 @@ def test_two_processes_build_one_demo_cache_through_the_cli(tmp_path):
     assert [p.returncode for p in processes] == [0, 0], outputs
     assert outputs[0][0] == outputs[1][0]
     visible = sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock"))
-    # the question set and its task files (GQA, ScienceQA, caption), each complete, no staging folder left
-    assert len(visible) == 2 and visible[1] == f"{visible[0]}-tasks60-v1" and not visible[0].startswith(".")
+    # the question set and its task files (GQA, ScienceQA, caption, TextVQA, RefCOCO), each complete, no staging
+    # folder left
+    from prune_audit.demo.task_files import TASK_FILES_VERSION
+
+    expected = f"{visible[0]}-tasks60-v{TASK_FILES_VERSION}"
+    assert len(visible) == 2 and visible[1] == expected and not visible[0].startswith(".")
 
 
 # ----- 8. analyses of incomplete runs say so ----------------------------------------------------------
