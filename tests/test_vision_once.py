@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny_models import QUESTIONS, WORDS, random_image
 
+from prune_audit.errors import PruneAuditError
 from prune_audit.models import load_vlm
 from prune_audit.models.build import build_clip
 from prune_audit.models.llava import LlavaModel
@@ -60,8 +61,14 @@ def test_vision_tower_runs_once_per_image_under_every_selector(models, family):
     for selector in selectors:
         name = None if selector is None else selector.name
         budget = None if selector is None else prepared[0].num_visual // 2
+        prompts = prepared
+        if getattr(selector, "resizes_image", False):  # downsample on Qwen: the resized image is the one encoded
+            try:
+                prompts = [vlm.prepare_for(random_image(seed), q, selector, budget) for seed, q in enumerate(QUESTIONS)]
+            except PruneAuditError:  # a fixed-resolution processor has no smaller image: refused in one line
+                continue
         encoded = images_encoded(
-            vlm, lambda: vlm.answer(prepared, selector, budget, generator=torch.Generator().manual_seed(0))
+            vlm, lambda: vlm.answer(prompts, selector, budget, generator=torch.Generator().manual_seed(0))
         )
         # a selector that prunes inside the tower (merging_tower) runs it once, with its step, in place of the stock
         assert encoded == len(prepared), f"{name}: {encoded} images encoded for {len(prepared)} questions"
