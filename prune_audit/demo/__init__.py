@@ -3,8 +3,8 @@
 ``demo`` (LLaVA architecture) ships in ``prune_audit/assets/demo`` (see its MODEL_CARD.md);
 ``demo-qwen`` (Qwen2.5-VL architecture) in ``prune_audit/assets/demo-qwen`` (its own MODEL_CARD.md).
 Both answer the yes/no questions only. ``demo-tasks`` and ``demo-qwen-tasks`` are the same two
-architectures trained on the task mix (yes/no, short answers, multiple choice, captions): the default
-model of every task but POPE. The question set is generated deterministically into a cache folder on
+architectures trained on the task mix (yes/no, short answers, multiple choice, captions; ``demo-tasks`` then
+also on reading and grounding): the default model of every task but POPE. The question set is generated deterministically into a cache folder on
 first use.
 """
 
