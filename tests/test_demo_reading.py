@@ -220,3 +220,16 @@ def test_the_shipped_task_demo_recipe_continues_its_first_stage():
     recipe = DEMO_RECIPES["demo-tasks"]
     assert recipe.init_from == "demo-tasks-stage1" and len(recipe.mix) == 6 and recipe.words == READING_WORDS
     assert DEMO_RECIPES["demo-tasks-stage1"].mix == (4, 2, 2, 1)
+
+
+def test_demo_train_refuses_a_continuing_recipe_without_its_first_stage_before_writing(tmp_path):
+    from typer.testing import CliRunner
+
+    from prune_audit.cli.main import app
+
+    for extra in ([], ["--init", str(tmp_path)]):  # no --init; a folder no training wrote
+        result = CliRunner().invoke(
+            app, ["demo", "train", "--model", "demo-tasks", "--out", str(tmp_path / "m"), *extra]
+        )
+        assert result.exit_code != 0 and "Traceback" not in result.output and result.output.count("\n") == 1
+        assert "demo-tasks-stage1" in result.output and not (tmp_path / "m").exists()

@@ -80,7 +80,7 @@ def train(
     from dataclasses import asdict, replace
 
     from prune_audit.demo.batches import check_mix
-    from prune_audit.demo.train import DEMO_RECIPES, train_demo_model
+    from prune_audit.demo.train import DEMO_RECIPES, check_init, train_demo_model
     from prune_audit.safety.ownership import hold_output_dir
     from prune_audit.threads import check_threads
 
@@ -120,6 +120,7 @@ def train(
             with log_file.open("a") as handle:
                 handle.write(line + "\n")
 
+    check_init(recipe, init)  # before the output folder is taken
     settings = asdict(recipe)  # a checkpoint is replaced only by one of the same recipe
     with hold_output_dir(out, "demo train", settings):  # held through training: no other command takes OUT meanwhile
         summary = train_demo_model(recipe, out, init_dir=init, log=log)

@@ -256,6 +256,27 @@ def batch_loss(
     return losses
 
 
+def check_init(recipe: DemoRecipe, init_dir: Path | None) -> None:
+    """Refuse (``ValueError``, one line) a continuing recipe without ``init_dir``, or with a folder whose
+    ``training.json`` names another recipe than ``recipe.init_from``; nothing to check for a recipe from scratch."""
+    if recipe.init_from is None:
+        return
+    earlier = DEMO_RECIPES[recipe.init_from]
+    summary = Path(init_dir or "") / "training.json"
+    if init_dir is None or not summary.is_file():
+        raise ValueError(f"the recipe continues {recipe.init_from}: pass --init with the folder of that model")
+    try:
+        trained = json.loads(summary.read_text())["recipe"]
+    except (OSError, ValueError, KeyError, TypeError):
+        trained = None
+    expected = json.loads(json.dumps(asdict(earlier)))
+    # fields added to the recipe since that model was trained are absent from its file, at their default None
+    if not isinstance(trained, dict) or trained != {
+        key: value for key, value in expected.items() if key in trained or value is not None
+    }:
+        raise ValueError(f"{init_dir} was not trained by the {recipe.init_from} recipe; pass that model's folder")
+
+
 def start_from(vlm: VisionLanguageModel, recipe: DemoRecipe, init_dir: Path | None) -> None:
     """Load the weights of ``init_dir``, a model trained by ``DEMO_RECIPES[recipe.init_from]``, into ``vlm``, whose
     vocabulary holds that model's words (at other ids, possibly): each word's embedding and output rows move to its
@@ -264,15 +285,7 @@ def start_from(vlm: VisionLanguageModel, recipe: DemoRecipe, init_dir: Path | No
     """
     from prune_audit.demo.evaluate import load_demo
 
-    earlier = DEMO_RECIPES[recipe.init_from]  # type: ignore[index]
-    summary = Path(init_dir or "") / "training.json"
-    if init_dir is None or not summary.is_file():
-        raise ValueError(f"the recipe continues {recipe.init_from}: pass --init with the folder of that model")
-    trained = json.loads(summary.read_text())["recipe"]
-    expected = json.loads(json.dumps(asdict(earlier)))
-    # fields added to the recipe since that model was trained are absent from its file, at their default None
-    if trained != {key: value for key, value in expected.items() if key in trained or value is not None}:
-        raise ValueError(f"{init_dir} was not trained by the {recipe.init_from} recipe; pass that model's folder")
+    check_init(recipe, init_dir)
     start = load_demo(init_dir)
     old_vocab, new_vocab = start.tokenizer.get_vocab(), vlm.tokenizer.get_vocab()
     missing = sorted(set(old_vocab) - set(new_vocab))
