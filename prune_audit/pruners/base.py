@@ -242,6 +242,16 @@ class InputSelector(Selector, BudgetScoped):
     ties: str = "lower"  # top-k selectors declare it as an option (TOP_K_TIES)
     score_dtype: str = "float32"
 
+    def _checked_clip(self, signals: InputSignals, budget: int) -> tuple[int, tuple[int, int, int]]:
+        """(budget, (T, h, w)) of a video selector's request: the budget validated, its signals present, and the
+        clip's ``video_grid`` holding exactly ``signals.num_tokens`` tokens (one-line ValueError otherwise)."""
+        budget = validate_budget(budget)
+        self._check_signals(signals)
+        steps, rows, cols = signals.video_grid  # checked present above
+        if steps * rows * cols != signals.num_tokens:
+            raise ValueError(f"video grid {steps}x{rows}x{cols} does not hold the clip's {signals.num_tokens} tokens")
+        return budget, (steps, rows, cols)
+
     def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
         """Choose ``budget`` output tokens out of ``signals.num_tokens``."""
         budget = validate_budget(budget)

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, Reference, Selection, Stage, top_k_indices, validate_budget
+from prune_audit.pruners.base import InputSelector, Reference, Selection, Stage, top_k_indices
 from prune_audit.pruners.fastv import last_row_attention
 from prune_audit.pruners.fidelity import Fidelity, random_agreement
 from prune_audit.pruners.options import Choice, Real, option
@@ -160,12 +160,8 @@ class DyCokeSelector(InputSelector):
     def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
         """The DyCoke kept set of ``signals.num_tokens`` clip tokens (the budget short-cut of the base class would
         skip the official count under ``merging_ratio``)."""
-        budget = validate_budget(budget)
-        self._check_signals(signals)
-        steps, rows, cols = signals.video_grid  # checked present above
+        budget, (steps, rows, cols) = self._checked_clip(signals, budget)
         n = signals.num_tokens
-        if steps * rows * cols != n:
-            raise ValueError(f"video grid {steps}x{rows}x{cols} does not hold the clip's {n} tokens")
         if budget >= n and self.merging_ratio == 0:
             return Selection(kept=torch.arange(n, dtype=torch.long))
         plan, per_step = ttm_plan(steps, self.edges), rows * cols

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, Reference, Selection, validate_budget
+from prune_audit.pruners.base import InputSelector, Reference, Selection
 from prune_audit.pruners.fidelity import Fidelity
 from prune_audit.pruners.options import Real, option
 from prune_audit.pruners.registry import register
@@ -94,12 +94,8 @@ class EVSSelector(InputSelector):
     def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
         """The EVS kept set of ``signals.num_tokens`` clip tokens (the budget short-cut of the base class would skip
         vLLM's own count under ``pruning_rate``)."""
-        budget = validate_budget(budget)
-        self._check_signals(signals)
-        steps, rows, cols = signals.video_grid  # checked present above
+        budget, (steps, rows, cols) = self._checked_clip(signals, budget)
         n = signals.num_tokens
-        if steps * rows * cols != n:
-            raise ValueError(f"video grid {steps}x{rows}x{cols} does not hold the clip's {n} tokens")
         count = min(budget, n)
         if self.pruning_rate > 0:
             count = min(count, retained_count(rows * cols, steps, self.pruning_rate))

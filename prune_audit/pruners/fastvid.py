@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from prune_audit.pruners.arithmetic import SelectorWork, matmul
-from prune_audit.pruners.base import InputSelector, Reference, Selection, validate_budget
+from prune_audit.pruners.base import InputSelector, Reference, Selection
 from prune_audit.pruners.fidelity import Fidelity
 from prune_audit.pruners.options import Flag, Integer, Real, option
 from prune_audit.pruners.ranking import ranked_indices
@@ -213,12 +213,8 @@ class FastVIDSelector(InputSelector):
     def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
         """FastVID's output tokens of ``signals.num_tokens`` clip tokens: ``kept`` the salient and context tokens,
         ``sources`` and ``llm_tokens`` each output token's members and (merged) feature, in clip order."""
-        budget = validate_budget(budget)
-        self._check_signals(signals)
-        steps, rows, cols = signals.video_grid  # checked present above
+        budget, (steps, rows, cols) = self._checked_clip(signals, budget)
         n, per_step = signals.num_tokens, rows * cols
-        if steps * rows * cols != n:
-            raise ValueError(f"video grid {steps}x{rows}x{cols} does not hold the clip's {n} tokens")
         attention = signals.step_attention.detach().float().flatten()  # checked present above
         if budget >= n:
             return Selection(kept=torch.arange(n, dtype=torch.long))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from prune_audit.pruners.base import InputSelector, Reference, Selection, validate_budget
+from prune_audit.pruners.base import InputSelector, Reference, Selection
 from prune_audit.pruners.fidelity import Fidelity
 from prune_audit.pruners.options import Choice, Real, option
 from prune_audit.pruners.ranking import ranked_indices
@@ -198,12 +198,8 @@ class VidCom2Selector(InputSelector):
     def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
         """The VidCom2 kept set of ``signals.num_tokens`` clip tokens (the budget short-cut of the base class would
         skip the reference's counts under ``pruning_rate``)."""
-        budget = validate_budget(budget)
-        self._check_signals(signals)
-        steps, rows, cols = signals.video_grid  # checked present above
+        budget, (steps, rows, cols) = self._checked_clip(signals, budget)
         n = signals.num_tokens
-        if steps * rows * cols != n:
-            raise ValueError(f"video grid {steps}x{rows}x{cols} does not hold the clip's {n} tokens")
         if self.pruning_rate > 0:
             ratio, target = (
                 1.0 - self.pruning_rate,
