@@ -49,7 +49,7 @@ from prune_audit.demo.scene_questions import (
 )
 
 DEMO_TASK_SCENES = 200  # the first scenes of the demo question set that the task files ask about
-TASK_FILES_VERSION = 2  # part of the cache folder's name: a change of the files' contents gets a new folder
+TASK_FILES_VERSION = 3  # part of the cache folder's name: a change of the files' contents gets a new folder
 JPEG_SETTINGS = {"quality": 100, "subsampling": 0}  # TextVQA's images are JPEG files; these keep the words' edges
 
 
