@@ -102,7 +102,7 @@ def sample_batch(
         check_mix(mix)
     elif questions_per_image < 2 or questions_per_image % 2:
         raise ValueError(f"questions_per_image must be even and at least 2, got {questions_per_image}")
-    words = mix is not None and full_mix(mix)[KINDS.index("text")] > 0
+    words = mix is not None and mix_reads(mix)
     scenes = tuple(
         generate_scene(seed, step * images + i, image_size=image_size, split=split, words=words) for i in range(images)
     )
@@ -143,6 +143,11 @@ def full_mix(mix: tuple[int, ...]) -> tuple[int, ...]:
     return (*mix, *(0,) * (len(KINDS) - len(mix)))
 
 
+def mix_reads(mix: tuple[int, ...]) -> bool:
+    """Whether ``mix`` asks reading questions, so that its scenes are drawn with a word."""
+    return full_mix(mix)[KINDS.index("text")] > 0
+
+
 def sample_mix_questions(rng: np.random.Generator, scene: Scene, image: int, mix: tuple[int, ...]) -> list[MixQuestion]:
     """The mix's questions about ``scene``: yes/no (balanced), short answers (form drawn first), choice, caption,
     reading (the scene's word), grounding (form drawn first)."""
@@ -153,11 +158,12 @@ def sample_mix_questions(rng: np.random.Generator, scene: Scene, image: int, mix
     found += _by_form(rng, short_questions(scene), short)  # never empty: the counting question is always asked
     found += [choice_question(rng, scene) for _ in range(choice)]
     found += [caption_question(scene)] * caption
-    reading = text_question(scene)
-    if reading is None:  # no free spot for a word: grounding questions keep the count per image
+    reading = text_question(scene) if text else None
+    if text and reading is None:  # no free spot for a word: grounding questions keep the count per image
         ground, text = ground + text, 0
     found += [reading] * text  # type: ignore[list-item]
-    found += _by_form(rng, ground_questions(scene), ground)  # never empty: each shape by its colour
+    if ground:  # the four-kind mixes skip the expressions' spatial tests on every training scene
+        found += _by_form(rng, ground_questions(scene), ground)  # never empty: each shape by its colour
     return [MixQuestion(image, question) for question in found]
 
 

@@ -68,6 +68,7 @@ from prune_audit.demo.batches import (
     MixQuestion,
     SceneBatch,
     full_mix,
+    mix_reads,
     sample_batch,
 )
 from prune_audit.demo.checkpoint import CHECKPOINT_FILE, resume, save_checkpoint
@@ -152,7 +153,7 @@ class DemoRecipe:
     @property
     def reads(self) -> bool:
         """Whether the scenes carry words (a mix with reading questions), which the auxiliary heads then label."""
-        return self.mix is not None and full_mix(self.mix)[KINDS.index("text")] > 0
+        return self.mix is not None and mix_reads(self.mix)
 
     @property
     def cell(self) -> int:
