@@ -16,6 +16,7 @@ from prune_audit.data.scenes import CATEGORY_COLOUR_NAMES, generate_scene
 from prune_audit.demo.batches import check_mix, sample_batch
 from prune_audit.demo.scene_questions import (
     GROUND_FORMS,
+    GROUNDING,
     box_answer,
     ground_questions,
     reading_words,
@@ -216,9 +217,10 @@ def test_a_continuing_recipe_starts_from_the_earlier_weights_with_each_words_row
         train_demo_model(second, tmp_path / "fourth", init_dir=tmp_path / "second", log=lambda line: None)
 
 
-def test_the_shipped_task_demo_recipe_continues_its_first_stage():
-    recipe = DEMO_RECIPES["demo-tasks"]
-    assert recipe.init_from == "demo-tasks-stage1" and len(recipe.mix) == 6 and recipe.words == READING_WORDS
+def test_the_shipped_task_demo_recipe_continues_its_two_earlier_stages():
+    recipe, reading = DEMO_RECIPES["demo-tasks"], DEMO_RECIPES["demo-tasks-stage2"]
+    assert recipe.init_from == "demo-tasks-stage2" and recipe.box_sigma is not None and recipe.words == READING_WORDS
+    assert reading.init_from == "demo-tasks-stage1" and len(reading.mix) == 6 and reading.box_sigma is None
     assert DEMO_RECIPES["demo-tasks-stage1"].mix == (4, 2, 2, 1)
 
 
@@ -232,4 +234,77 @@ def test_demo_train_refuses_a_continuing_recipe_without_its_first_stage_before_w
             app, ["demo", "train", "--model", "demo-tasks", "--out", str(tmp_path / "m"), *extra]
         )
         assert result.exit_code != 0 and "Traceback" not in result.output and result.output.count("\n") == 1
-        assert "demo-tasks-stage1" in result.output and not (tmp_path / "m").exists()
+        assert "demo-tasks-stage2" in result.output and not (tmp_path / "m").exists()
+
+
+@pytest.fixture(scope="module")
+def box_forcing():
+    """The shipped task demo (its vocabulary writes boxes) and the teacher forcing of one grounding answer."""
+    from prune_audit.demo.answer_targets import AnswerTarget, prompt_pieces, teacher_forcing
+    from prune_audit.demo.assets import DEMO_MODELS
+    from prune_audit.demo.evaluate import load_demo
+
+    vlm = load_demo(DEMO_MODELS["demo-tasks"])
+    pieces = prompt_pieces(vlm, 144)
+    targets = [
+        AnswerTarget(GROUNDING.prompt("the red star"), "[0.10, 0.20, 0.50, 0.60]", True),
+        AnswerTarget("Describe this image in detail.", "a star", True),
+    ]
+    return vlm, teacher_forcing(vlm, pieces, targets)
+
+
+def test_box_numbers_of_a_grounding_answer_get_gaussian_soft_targets(box_forcing):
+    import torch
+
+    from prune_audit.demo.answer_targets import answer_loss, box_number_targets
+
+    vlm, forcing = box_forcing
+    numbers = forcing.numbers[~forcing.numbers.isnan()]
+    assert (
+        numbers.tolist() == pytest.approx([0.10, 0.20, 0.50, 0.60])
+        and (forcing.rows[~forcing.numbers.isnan()] == 0).all()
+    )
+    vocabulary = len(vlm.tokenizer)
+    soft = box_number_targets(forcing, torch.tensor([0.30, 0.0]), 0.02, vocabulary)
+    ids = vlm.tokenizer.convert_tokens_to_ids
+    assert torch.allclose(soft.sum(-1), torch.ones(2)) and int(soft[0].argmax()) == ids("0.30")
+    assert soft[0, ids("0.29")] == pytest.approx(float(soft[0, ids("0.31")]))
+    # hand-computed: weights exp(-(d / 0.02)^2 / 2) at d = 0, 0.01, 0.02, ... normalised; beyond 0.3 negligible
+    weights = np.exp(-((np.arange(101) / 100 - 0.30) ** 2) / (2 * 0.02**2))
+    assert float(soft[0, ids("0.32")]) == pytest.approx(weights[32] / weights.sum(), rel=1e-5)
+    assert float(soft[1, ids("0.00")]) > float(soft[1, ids("0.01")]) > 0 and float(soft[:, ids("star")].sum()) == 0
+    # the loss: one-word cross-entropy everywhere but at the box numbers, where the soft cross-entropy replaces it
+    logits = torch.randn(
+        2, max(len(s) for s in forcing.suffixes), vocabulary, generator=torch.Generator().manual_seed(0)
+    )
+    plain, soft_loss = answer_loss(logits, forcing), answer_loss(logits, forcing, 0.02)
+    log_p = logits[forcing.rows, forcing.cols].log_softmax(-1)
+    token = -log_p[torch.arange(len(forcing.targets)), forcing.targets]
+    is_number = ~forcing.numbers.isnan()
+    token[is_number] = -(
+        box_number_targets(forcing, forcing.numbers[is_number], 0.02, vocabulary) * log_p[is_number]
+    ).sum(-1)
+    expected = torch.stack([token[forcing.rows == row].mean() for row in range(2)]).mean()
+    assert torch.allclose(soft_loss, expected) and not torch.allclose(plain, soft_loss)
+
+
+def test_forced_box_hits_score_the_argmax_numbers_by_iou_at_one_half(box_forcing):
+    import torch
+
+    from prune_audit.demo.answer_targets import forced_box_hits
+
+    vlm, forcing = box_forcing
+    ids = vlm.tokenizer.convert_tokens_to_ids
+    cols = forcing.cols[~forcing.numbers.isnan()].tolist()
+
+    def hits(*numbers: str) -> list[bool]:
+        logits = torch.zeros(2, max(len(s) for s in forcing.suffixes), len(vlm.tokenizer))
+        for col, word in zip(cols, numbers, strict=True):
+            logits[0, col, ids(word)] = 1.0
+        return forced_box_hits(logits, forcing).tolist()
+
+    # truth [0.1, 0.2, 0.5, 0.6]: area 0.16
+    assert hits("0.10", "0.20", "0.50", "0.60") == [True, False]  # the caption writes no box
+    assert hits("0.10", "0.20", "0.50", "0.44") == [True, False]  # inside the truth: IoU 0.096 / 0.16 = 0.6
+    assert hits("0.10", "0.20", "0.50", "0.39") == [False, False]  # IoU 0.076 / 0.16 = 0.475
+    assert hits("0.50", "0.60", "0.10", "0.20") == [False, False]  # inverted corners name no region

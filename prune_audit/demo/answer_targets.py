@@ -21,6 +21,7 @@ are prompt positions, which decoding never samples from, so nothing a user runs 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,10 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from prune_audit.data.boxes import Box, box_iou
 from prune_audit.data.pope_build import question_text
 from prune_audit.demo.batches import MixQuestion, Question
 from prune_audit.demo.evaluate import prompt_ids, prompt_text
-from prune_audit.demo.scene_questions import CHOICE_LETTERS
+from prune_audit.demo.scene_questions import BOX_NUMBERS, CHOICE_LETTERS
 
 GENERATED_KINDS = ("short", "caption", "text", "ground")
 """The question kinds answered by generation (every answer token and the end trained)."""
@@ -128,6 +130,8 @@ class TeacherForcing:
         option_cols: (O,) suffix position of the option's last word.
         option_present: (O,) bool, whether the option is in the image.
         yes_no: (2,) the ids of ``yes`` and ``no``, the auxiliary option answer.
+        numbers: (K,) the value of each target token that is a box number (``BOX_NUMBERS``), NaN for the others.
+        number_ids: (B,) the ids of the box numbers the vocabulary holds, (B,) ``number_values`` their values.
     """
 
     suffixes: list[Tensor]
@@ -140,6 +144,9 @@ class TeacherForcing:
     option_cols: Tensor
     option_present: Tensor
     yes_no: Tensor
+    numbers: Tensor
+    number_ids: Tensor
+    number_values: Tensor
 
 
 def teacher_forcing(vlm: VisionLanguageModel, pieces: PromptPieces, targets: Sequence[AnswerTarget]) -> TeacherForcing:
@@ -165,6 +172,8 @@ def teacher_forcing(vlm: VisionLanguageModel, pieces: PromptPieces, targets: Seq
             torch.tensor(vlm.tokenizer.convert_tokens_to_ids(list(target.letters))) if target.letters else None
         )
     yes_no = torch.tensor(vlm.tokenizer.convert_tokens_to_ids(["yes", "no"]))
+    vocabulary = vlm.tokenizer.get_vocab()
+    number_of = {vocabulary[word]: float(word) for word in BOX_NUMBERS if word in vocabulary}
     return TeacherForcing(
         suffixes,
         torch.tensor(rows),
@@ -176,6 +185,9 @@ def teacher_forcing(vlm: VisionLanguageModel, pieces: PromptPieces, targets: Seq
         torch.tensor(option_cols, dtype=torch.long),
         torch.tensor(option_present, dtype=torch.bool),
         yes_no,
+        torch.tensor([number_of.get(token, math.nan) for token in tokens]),
+        torch.tensor(list(number_of), dtype=torch.long),
+        torch.tensor(list(number_of.values())),
     )
 
 
@@ -206,18 +218,56 @@ def option_loss(logits: Tensor, forcing: TeacherForcing) -> Tensor:
     return F.cross_entropy(pair, (~forcing.option_present).long())
 
 
-def answer_loss(logits: Tensor, forcing: TeacherForcing) -> Tensor:
+def answer_loss(logits: Tensor, forcing: TeacherForcing, box_sigma: float | None = None) -> Tensor:
     """Mean over questions of the mean cross-entropy of their target tokens.
 
     Args:
         logits: (Q, T, V) with ``forcing.every_position``, else (Q, V).
+        box_sigma: a box number's target is a Gaussian of this width over the box numbers (``box_number_targets``)
+            instead of its one word; None: every target is its one word.
     """
     if not forcing.every_position:  # one token per question: the plain mean, as before the task mix
         return F.cross_entropy(logits[forcing.rows].float(), forcing.targets)
     token_loss = F.cross_entropy(logits[forcing.rows, forcing.cols].float(), forcing.targets, reduction="none")
+    is_number = ~forcing.numbers.isnan()
+    if box_sigma is not None and bool(is_number.any()):
+        number_logits = logits[forcing.rows[is_number], forcing.cols[is_number]].float()
+        soft = box_number_targets(forcing, forcing.numbers[is_number], box_sigma, number_logits.shape[-1])
+        token_loss = token_loss.masked_scatter(is_number, -(soft * number_logits.log_softmax(-1)).sum(-1))
     questions = len(forcing.suffixes)
     counts = torch.zeros(questions).index_add_(0, forcing.rows, torch.ones_like(token_loss))
     return (torch.zeros(questions).index_add_(0, forcing.rows, token_loss) / counts).mean()
+
+
+def box_number_targets(forcing: TeacherForcing, values: Tensor, sigma: float, vocabulary_size: int) -> Tensor:
+    """(N, V) target distributions of N box numbers of ``values``: over the box-number words, proportional to
+    exp(-(w - v)^2 / (2 sigma^2)) for the word of value w, so a near miss costs less than a far one (a one-word target
+    treats 0.31 for 0.30 as wrong as 0.90; boxes of the one-word target stayed near-constant, the card)."""
+    weights = torch.exp(-((forcing.number_values[None] - values[:, None]) ** 2) / (2 * sigma**2))
+    soft = torch.zeros(len(values), vocabulary_size)
+    soft[:, forcing.number_ids] = weights / weights.sum(-1, keepdim=True)
+    return soft
+
+
+def forced_box_hits(logits: Tensor, forcing: TeacherForcing, tolerance: float = 0.5) -> Tensor:
+    """(Q,) bool: the question's target writes a box (four box numbers) and the box of the argmax numbers at those
+    positions has IoU >= ``tolerance`` with it (Acc@0.5 under teacher forcing: the other box tokens forced).
+
+    Args:
+        logits: (Q, T, V) at every position.
+    """
+    is_number = ~forcing.numbers.isnan()
+    rows = forcing.rows[is_number]
+    argmax = logits[rows, forcing.cols[is_number]].argmax(-1)
+    value_of = dict(zip(forcing.number_ids.tolist(), forcing.number_values.tolist(), strict=True))
+    hits = torch.zeros(len(forcing.suffixes), dtype=torch.bool)
+    for row in rows.unique().tolist():
+        mine = rows == row
+        truth = forcing.numbers[is_number][mine].tolist()
+        guess = [value_of.get(token, math.nan) for token in argmax[mine].tolist()]
+        if len(truth) == 4 and not any(math.isnan(v) for v in guess):
+            hits[row] = box_iou(Box(*guess), Box(*truth)) >= tolerance
+    return hits
 
 
 def exact_matches(logits: Tensor, forcing: TeacherForcing) -> Tensor:

@@ -43,6 +43,8 @@ KINDS: tuple[str, ...] = ("yesno", "short", "choice", "caption", "text", "ground
 GROUND_FORMS: tuple[str, ...] = ("colour", "left", "above", "largest")
 TEXT_QUESTION = "what is written in the image?"  # as TextVQA's files write questions; the task capitalises it
 GROUNDING = BOX_CONVENTIONS["llava-1.5"]  # the demo is a LLaVA: its prompt, its box syntax
+BOX_NUMBERS: tuple[str, ...] = tuple(f"{n / 100:.2f}" for n in range(101))
+"""Every number a demo box writes (0-1, two decimals; one word each in the demo tokenizers)."""
 SHORT_FORMS: tuple[str, ...] = ("left", "above", "count", "largest")
 COUNT_WORDS: tuple[str, ...] = ("one", "two", "three", "four")
 CHOICE_LETTERS: tuple[str, ...] = scienceqa_data.LETTERS[:4]
@@ -251,7 +253,7 @@ def reading_words() -> tuple[str, ...]:
         GROUNDING.prompt("the red shape left of above the largest"),
         " ".join(CATEGORY_COLOUR_NAMES.values()),
         "[0.00, 1.00]",
-        " ".join(f"{n / 100:.2f}" for n in range(101)),
+        " ".join(BOX_NUMBERS),
     )
     words: dict[str, None] = {}
     for text in texts:

@@ -58,6 +58,7 @@ from prune_audit.demo.answer_targets import (
     answer_loss,
     answer_target,
     exact_matches,
+    forced_box_hits,
     option_loss,
     prompt_pieces,
     teacher_forcing,
@@ -105,6 +106,9 @@ DEFAULT_MIX: tuple[int, ...] = (4, 2, 2, 1)
 # the reading stage: yes/no, short, choice, caption, text, ground per image
 READING_MIX: tuple[int, ...] = (2, 1, 1, 1, 1, 2)
 READING_STEPS = 1200
+# the grounding stage: twice stage 2's grounding questions per image
+GROUNDING_MIX: tuple[int, ...] = (2, 1, 1, 1, 1, 4)
+GROUNDING_STEPS = 1500
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,9 @@ class DemoRecipe:
     """Questions per image of each kind in ``KINDS`` order (the task mix, vocabulary ``MIX_WORDS``, or
     ``READING_WORDS`` with reading or grounding questions); None: ``questions_per_image`` yes/no questions and
     ``DEMO_WORDS``, the shipped yes/no demos' recipe."""
+    box_sigma: float | None = None
+    """The width (in 0-1 box units) of the Gaussian soft target of every box number a grounding answer writes
+    (``answer_targets.box_number_targets``); None: each number's one word, as every other answer token."""
     init_from: str | None = None
     """The ``DEMO_RECIPES`` name of the model this recipe continues (its weights start the run, ``--init``; rows of
     words the vocabulary adds start random); None: from scratch."""
@@ -197,7 +204,7 @@ DEMO_RECIPES["demo-qwen-tasks"] = replace(DEMO_RECIPES["demo-qwen"], steps=2400,
 # halved, as for any fine-tuning of trained weights, and half the scenes per step keep a step near the first stage's
 # cost (the grounding answers are long)
 DEMO_RECIPES["demo-tasks-stage1"] = DEMO_RECIPES["demo-tasks"]
-DEMO_RECIPES["demo-tasks"] = replace(
+DEMO_RECIPES["demo-tasks-stage2"] = replace(
     DEMO_RECIPES["demo-tasks-stage1"],
     init_from="demo-tasks-stage1",
     images_per_step=16,
@@ -206,6 +213,16 @@ DEMO_RECIPES["demo-tasks"] = replace(
     learning_rate=5e-4,
     warmup_steps=50,
     monitor_every=100,
+)
+# the third stage grounds: stage 2's boxes stayed near-constant with one-word number targets, so every box number is
+# trained towards a Gaussian over the box numbers (a near miss costs less than a far one), grounding weighs twice
+# as much again, and the other kinds stay in the mix so that their accuracy holds
+DEMO_RECIPES["demo-tasks"] = replace(
+    DEMO_RECIPES["demo-tasks-stage2"],
+    init_from="demo-tasks-stage2",
+    steps=GROUNDING_STEPS,
+    mix=GROUNDING_MIX,
+    box_sigma=0.02,
 )
 
 
@@ -226,13 +243,19 @@ def scene_inputs(vlm: VisionLanguageModel, scenes) -> dict[str, Tensor]:
 
 
 def batch_loss(
-    vlm: VisionLanguageModel, heads: VisionHeads, pieces: PromptPieces, batch: SceneBatch, instruction: str
+    vlm: VisionLanguageModel,
+    heads: VisionHeads,
+    pieces: PromptPieces,
+    batch: SceneBatch,
+    instruction: str,
+    box_sigma: float | None = None,
 ) -> dict[str, Tensor]:
     """Answer CE, presence BCE (pooled CLS, or mean token), patch CE and, when a question offers options, the
     option-presence CE (``answer_targets.option_loss``) for one batch (and their sum, ``total``).
 
     Args:
         instruction: text after every yes/no question of the batch (one of ``DEMO_INSTRUCTIONS``).
+        box_sigma: the width of the box numbers' soft targets (``answer_targets.answer_loss``); None: one word.
     """
     features, pooled, patches = vlm.vision_states(**scene_inputs(vlm, batch.scenes))
     forcing = teacher_forcing(vlm, pieces, [answer_target(q, instruction) for q in batch.questions])
@@ -247,7 +270,7 @@ def batch_loss(
         every_position=forcing.every_position,
     )
     losses = {
-        "answer": answer_loss(logits, forcing),
+        "answer": answer_loss(logits, forcing, box_sigma),
         "presence": F.binary_cross_entropy_with_logits(heads.presence(pooled), batch.presence),
         "patch": F.cross_entropy(heads.patch(patches).flatten(0, 1), batch.patch_labels.flatten()),
     }
@@ -377,10 +400,13 @@ def monitor_task_accuracy(vlm: VisionLanguageModel, recipe: DemoRecipe) -> dict[
                 grid=(recipe.grid, recipe.grid),
                 every_position=forcing.every_position,
             )
-            for question, hit in zip(mine, exact_matches(logits, forcing).tolist(), strict=True):
+            box_hits = forced_box_hits(logits, forcing).tolist()
+            for k, (question, hit) in enumerate(zip(mine, exact_matches(logits, forcing).tolist(), strict=True)):
                 asked_kind = question.question.kind
                 for key in (asked_kind, f"short:{question.question.form}") if asked_kind == "short" else (asked_kind,):
                     correct.setdefault(key, []).append(hit)
+                if asked_kind == "ground":
+                    correct.setdefault("ground@0.5", []).append(box_hits[k])
     return {key: round(sum(hits) / len(hits), 4) for key, hits in sorted(correct.items())}
 
 
@@ -473,7 +499,7 @@ def train_demo_model(
         instruction = DEMO_INSTRUCTIONS[np.random.default_rng([recipe.seed, step, 1]).integers(len(DEMO_INSTRUCTIONS))]
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, recipe)
-        losses = batch_loss(vlm, heads, pieces[size], batch, instruction)
+        losses = batch_loss(vlm, heads, pieces[size], batch, instruction, recipe.box_sigma)
         optimizer.zero_grad(set_to_none=True)
         losses["total"].backward()
         torch.nn.utils.clip_grad_norm_(parameters, recipe.grad_clip)
