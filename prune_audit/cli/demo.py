@@ -33,7 +33,8 @@ def train(
             "--model",
             help="Which demo's recipe: demo (LLaVA), demo-qwen (Qwen2.5-VL), their task-mix versions "
             "demo-tasks-stage1 and demo-qwen-tasks, demo-tasks-stage2 (demo-tasks-stage1 continued on reading and "
-            "grounding) or demo-tasks (demo-tasks-stage2 continued on grounding); a continuing recipe needs --init.",
+            "grounding), demo-tasks (demo-tasks-stage2 continued on grounding) or demo-video (the shipped demo-qwen "
+            "continued on synthetic clips); a continuing recipe needs --init unless it continues a shipped demo.",
         ),
     ] = "demo",
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the training scenes.")] = 1,
@@ -73,13 +74,14 @@ def train(
         typer.Option(
             "--init",
             help="Folder of the model a continuing recipe starts from (demo-tasks-stage2: a demo-tasks-stage1 "
-            "model; demo-tasks: a demo-tasks-stage2 model).",
+            "model; demo-tasks: a demo-tasks-stage2 model; demo-video: default the shipped demo-qwen).",
         ),
     ] = None,
 ) -> None:
     """Train a demo model from scratch on CPU (each shipped demo: --model NAME --seed 1 --threads 1)."""
     from dataclasses import asdict, replace
 
+    from prune_audit.demo import DEMO_MODELS
     from prune_audit.demo.batches import check_mix
     from prune_audit.demo.train import DEMO_RECIPES, check_init, train_demo_model
     from prune_audit.safety.ownership import hold_output_dir
@@ -100,6 +102,10 @@ def train(
         counts = tuple(int(part) for part in parts)
         check_mix(counts)
     recipe = DEMO_RECIPES[model]
+    if counts is not None and recipe.clip_frames is not None:
+        raise ValueError(f"--mix sets the still scenes' task mix; {model} trains on clips: leave --mix out")
+    if init is None and recipe.init_from in DEMO_MODELS:  # a shipped demo continues from its bundled weights
+        init = DEMO_MODELS[recipe.init_from]
     recipe = replace(
         recipe,
         seed=seed,
