@@ -172,6 +172,27 @@ def questions(
         print(f"{label + ':':<{width}}{value}")
 
 
+@app.command("clips")
+@handle_errors
+def clips(
+    cache_dir: CacheOption = None,
+    count: Annotated[int, typer.Option("--clips", min=1, help="Held-out clips to generate.")] = 200,
+) -> None:
+    """Generate (once) the video demo's clips (frame folders), their video_presence and MVBench-layout question
+    files and YouTube-VIS track annotations, and print their paths."""
+    from prune_audit.demo.clip_files import demo_clip_files
+
+    files = demo_clip_files(cache_dir, clips=count)
+    lines = [
+        ("videos", files.videos),
+        ("presence", files.presence),
+        ("mvbench", files.mvbench),
+        ("tracks", files.tracks),
+    ]
+    for label, path in lines:
+        print(f"{label + ':':<10}{path}")
+
+
 @app.command("evaluate")
 @handle_errors
 def evaluate(
