@@ -115,7 +115,9 @@ def track_entries(clip: SceneClip, video_id: int, video: str) -> tuple[dict, lis
     frames, height, width = clip.frames.shape[:3]
     annotations = []
     for j, obj in enumerate(clip.objects):
-        segmentations, areas, boxes = [], [], []
+        segmentations: list[dict | None] = []
+        areas: list[float | None] = []
+        boxes: list[list[float] | None] = []
         for mask in obj.masks:
             if not mask.any():
                 segmentations.append(None)

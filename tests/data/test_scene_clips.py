@@ -11,7 +11,7 @@ from PIL import Image
 from pycocotools import mask as mask_utils
 
 from prune_audit.data.scene_clips import CLIP_FPS, generate_clip
-from prune_audit.data.scenes import CATEGORIES, CATEGORY_COLOURS, MIN_VISIBLE_PIXELS, generate_scene
+from prune_audit.data.scenes import CATEGORIES, CATEGORY_COLOURS, generate_scene
 from prune_audit.data.video import sample_clip
 from prune_audit.demo.clip_files import clip_name, write_clip_files
 from prune_audit.demo.clip_questions import presence_answer, window_frames
