@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -182,3 +183,17 @@ def test_the_training_forward_equals_the_stock_video_forward(video_model):
         assert torch.equal(item.input_ids, torch.cat([prompt.prefix, suffix]))
         stock = vlm.model(**stock_inputs(vlm, item)).logits[0, -1]
     assert torch.allclose(fast, stock, atol=1e-4)
+
+
+def test_demo_clips_prints_the_files_and_a_mix_on_the_video_recipe_is_refused_in_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["demo", "clips", "--cache-dir", str(tmp_path / "cache"), "--clips", "3"])
+    assert result.exit_code == 0, result.output
+    paths = dict(line.split(":", 1) for line in result.output.splitlines())
+    assert set(paths) == {"videos", "presence", "mvbench", "tracks"}
+    assert len(list(Path(paths["videos"].strip()).iterdir())) == 3
+    assert json.loads(Path(paths["presence"].strip()).read_text())[0]["video"] == "clips11_000001"
+    refused = CliRunner().invoke(
+        app, ["demo", "train", "--model", "demo-video", "--out", str(tmp_path / "m"), "--mix", "4,2,2,1"]
+    )
+    assert refused.exit_code != 0 and "leave --mix out" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1 and not (tmp_path / "m").exists()
