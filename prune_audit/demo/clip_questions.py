@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prune_audit.data import scienceqa as scienceqa_data
 from prune_audit.data.scene_clips import SceneClip
 from prune_audit.data.scenes import CATEGORIES, CATEGORY_PRIOR, MIN_VISIBLE_PIXELS
 from prune_audit.demo.scene_questions import CHOICE_LETTERS
@@ -47,6 +46,8 @@ CHOICE_FORMS: dict[str, str] = {
 MOVE_SHARE = 0.25  # the answer of a direction question moves at least this share of the frame width that way
 STILL_SHARE = 0.1  # and every other shape less than this share that way
 HARD_NEGATIVE_SHARE = 0.5
+MVBENCH_POST_PROMPT = "Only give the best option.\n"
+CHOICE_LINE = "({letter}) {option}"  # an option's line in MVBench's prompt
 _WORD = re.compile(WORD_PATTERN)  # the demo tokenizer's pre-tokenizer
 
 
@@ -58,7 +59,7 @@ class ClipQuestion:
         kind: ``presence`` or ``choice``.
         form: presence: its window name (``WINDOWS``); choice: its form (``CHOICE_FORMS``).
         question: the question alone.
-        prompt: the text the model is asked (choice: with its options and instruction, ``choice_prompt``).
+        prompt: the text the model is asked (choice: MVBench's prompt with its options, ``choice_prompt``).
         answer: ``yes`` / ``no``, or the answer candidate's text.
         category: presence: the shape asked about; choice: the answer's shape.
         window: presence: the inclusive (first, last) frames asked about, None for the whole clip.
@@ -148,10 +149,11 @@ def _absent(rng: np.random.Generator, clip: SceneClip) -> str:
 
 
 def choice_prompt(question: str, candidates: tuple[str, ...]) -> str:
-    """The model's prompt of a choice question: the question, one ``X. candidate`` line per candidate and
-    ScienceQA's LLaVA instruction (the demo's multiple-choice layout, ``scene_questions.choice_prompt``)."""
-    lines = [f"{letter}. {candidate}" for letter, candidate in zip(CHOICE_LETTERS, candidates)]
-    return "\n".join([question, *lines, scienceqa_data.INSTRUCTION])
+    """MVBench's prompt as lmms-eval writes it (EvolvingLMMs-Lab/lmms-eval ``tasks/mvbench/utils.py``
+    ``mvbench_doc_to_text`` with the sub-tasks' ``post_prompt``): ``"Question:" + question + "\\nOption:\\n"``, one
+    ``(X) candidate`` line per candidate, then ``"Only give the best option.\\n"``; the answer is the letter."""
+    lines = "".join(f"({letter}) {candidate}\n" for letter, candidate in zip(CHOICE_LETTERS, candidates))
+    return "Question:" + question + "\nOption:\n" + lines + MVBENCH_POST_PROMPT
 
 
 def choice_answers(clip: SceneClip) -> dict[str, int]:

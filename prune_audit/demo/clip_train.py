@@ -40,7 +40,7 @@ from prune_audit.demo.answer_targets import (
     teacher_forcing,
 )
 from prune_audit.demo.clip_batches import ClipBatch
-from prune_audit.demo.clip_questions import ClipQuestion
+from prune_audit.demo.clip_questions import CHOICE_LINE, ClipQuestion
 from prune_audit.demo.scene_questions import CHOICE_LETTERS
 from prune_audit.models.qwen import video_patches
 from prune_audit.models.shared_prefix import shared_prefix_logits
@@ -118,7 +118,7 @@ def clip_target(question: ClipQuestion, instruction: str) -> AnswerTarget:
         return AnswerTarget(f"{question.prompt} {instruction}".strip(), question.answer, False)
     letters = CHOICE_LETTERS[: len(question.candidates)]
     present = tuple(candidate == question.answer for candidate in question.candidates)
-    return AnswerTarget(question.prompt, question.letter, False, letters, question.candidates, present)
+    return AnswerTarget(question.prompt, question.letter, False, letters, question.candidates, present, CHOICE_LINE)
 
 
 def clip_logits(
