@@ -39,7 +39,7 @@ def train(
     ] = "demo",
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the training scenes.")] = 1,
     steps: Annotated[
-        int | None, typer.Option(min=1, help="Optimiser steps, 32 fresh scenes each (default: the recipe's).")
+        int | None, typer.Option(min=1, help="Optimiser steps, fresh scenes or clips each (default: the recipe's).")
     ] = None,
     threads: Annotated[
         int,
