@@ -32,8 +32,9 @@ def train(
         typer.Option(
             "--model",
             help="Which demo's recipe: demo (LLaVA), demo-qwen (Qwen2.5-VL), their task-mix versions "
-            "demo-tasks-stage1 and demo-qwen-tasks, demo-tasks-stage2 (demo-tasks-stage1 continued on reading and "
-            "grounding) or demo-tasks (demo-tasks-stage2 continued on grounding); a continuing recipe needs --init.",
+            "demo-tasks-stage1 and demo-qwen-tasks, demo-tasks (demo-tasks-stage1 continued on reading and "
+            "grounding) or demo-tasks-grounding (demo-tasks continued on grounding, not shipped); a continuing recipe "
+            "needs --init.",
         ),
     ] = "demo",
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the training scenes.")] = 1,
@@ -72,8 +73,8 @@ def train(
         Path | None,
         typer.Option(
             "--init",
-            help="Folder of the model a continuing recipe starts from (demo-tasks-stage2: a demo-tasks-stage1 "
-            "model; demo-tasks: a demo-tasks-stage2 model).",
+            help="Folder of the model a continuing recipe starts from (demo-tasks: a demo-tasks-stage1 model; "
+            "demo-tasks-grounding: a demo-tasks model).",
         ),
     ] = None,
 ) -> None:
