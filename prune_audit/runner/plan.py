@@ -194,13 +194,13 @@ def _selector_description(
 
 
 def _part_description(selector: Selector, budget: int, vlm: VisionLanguageModel, num_visual: int) -> dict[str, Any]:
-    llm = selector.stage == "llm"
-    schedule = vlm.schedule(selector, num_visual, budget) if llm else None  # type: ignore[arg-type]  # in-LLM
+    planned = selector.stage == "llm" and not getattr(selector, "schedule_follows_tower", False)
+    schedule = vlm.schedule(selector, num_visual, budget) if planned else None  # type: ignore[arg-type]  # in-LLM
     return {
         "name": selector.name,
         "stage": selector.stage,
         "options": selector.options(),
         "positions": vlm.positions_for(selector),
         "schedule": [[stage.layer, stage.keep] for stage in schedule] if schedule is not None else None,
-        "schedule_num_visual": num_visual,
+        "schedule_num_visual": num_visual if planned else None,
     }
