@@ -35,7 +35,6 @@ stored frame is a sampled one (up to its frame limits) and a window's frames are
 MVBENCH = "mvbench"
 VIDEOMME = "videomme"
 VIDEOMME_SPLITS = ("short", "medium", "long")
-PRESENCE_SPLIT = "presence"
 LABELS = ("yes", "no")
 
 
@@ -85,7 +84,7 @@ class PresenceQuestion:
     category: str
     window: tuple[int, int] | None
     fps: float | None = None
-    split: str = PRESENCE_SPLIT
+    split: str = ""  # the task's name (``tasks.video_presence``): its files have no splits
 
     @property
     def image(self) -> str:
@@ -234,7 +233,7 @@ def load_presence(paths: Sequence[Path]) -> list[PresenceQuestion]:
     seen: QuestionPlaces = {}
     questions = []
     for path in paths:
-        for place, entry in _entries(Path(path), "video_presence"):
+        for place, entry in _entries(Path(path), "temporal presence"):
             question = _presence(entry, str(place))
             note_question(question.question_id, place, seen)
             questions.append(question)

@@ -13,7 +13,8 @@ Prompts as lmms-eval builds them (EvolvingLMMs-Lab/lmms-eval 75571cfe, ``tasks/m
 
 lmms-eval generates up to 16 tokens and reads a letter from them; here the answer is the offered letter of highest
 first-token probability and the confidence its probability renormalised over the offered letters (ScienceQA's
-path), so no parsing decides an answer. The videos are folders of frames (``--images DIR``: ``x.mp4`` is read from
+path), so no parsing decides an answer. Splits: an MVBench question's is its file's stem (its sub-task), a Video-MME
+question's its ``duration`` (short / medium / long, which ``--split`` picks; ``videomme`` without one). The videos are folders of frames (``--images DIR``: ``x.mp4`` is read from
 ``DIR/x/``); MVBench names no image regions, so video_mc runs have no evidence (their clip columns hold the sampled
 frames alone).
 """
@@ -65,7 +66,8 @@ class VideoMcTask(ClipTask):
     evidence_definition = "none: the question files name no image regions"
     evidence_noun = "the evidence regions (none for video_mc)"
     names_evidence = False
-    splits = VIDEOMME_SPLITS
+    splits = VIDEOMME_SPLITS  # Video-MME's durations; an MVBench question's split is its file's stem (its sub-task)
+    parquet_layout = "lmms-eval/Video-MME (its question rows; the videos are not embedded: their frames in --images)"
     report_metrics = ("accuracy", "loyalty", *CONFIDENCE_METRICS)
     # ScienceQA's letter columns, shared (records.schema.tasks_columns): the same answer mode and meaning
     record_columns = ScienceQaTask.record_columns

@@ -13,6 +13,7 @@ them, and the clip columns (``tasks.clips.CLIP_COLUMNS``): per-frame retention, 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +54,7 @@ class VideoPresenceTask(ClipTask):
     binary_view = PopeTask.binary_view
 
     def read_questions(self, paths: Sequence[Path]) -> list[TaskQuestion]:
-        return list(load_presence(paths))
+        return [replace(question, split=self.name) for question in load_presence(paths)]
 
     def load_questions(self, paths: Sequence[Path]) -> tuple[list[TaskQuestion], dict[str, bytes] | None]:
         if any(Path(path).suffix == ".parquet" for path in paths):
