@@ -188,3 +188,41 @@ def test_a_video_file_or_a_missing_folder_is_refused(clips, tmp_path):
     refused(run(clips, out, *args), out, "is a video file, and clips are read as frame folders: extract its frames")
     (videos / "slide.mp4").unlink()
     refused(run(clips, out, *args), out, "no frame folder")
+
+
+def clip_selectors() -> list[str]:
+    """Every registered selector ``run`` takes on clips: it reads the temporal grid or is declared a video method's."""
+    from prune_audit.pruners import list_selectors, selector_class
+    from prune_audit.pruners.signals import VIDEO_GRID
+
+    return [n for n in list_selectors() if selector_class(n).clip_method or VIDEO_GRID in selector_class(n).requires]
+
+
+@pytest.fixture(scope="module")
+def dense(clips, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dense") / "run"
+    assert run(clips, out).exit_code == 0
+    return records(out)
+
+
+@pytest.mark.parametrize("selector", clip_selectors())
+def test_every_clip_selector_keeping_all_equals_dense_or_is_refused_in_one_line(clips, dense, tmp_path, selector):
+    from prune_audit.models.qwen import QwenModel
+    from prune_audit.pruners import selector_class
+    from prune_audit.pruners.signals import STEP_ATTENTION, VIDEO_GRID
+
+    out = tmp_path / selector
+    result = run(clips, out, "--selector", selector, "--budget", "all")
+    refusal = QwenModel.refusal(selector_class(selector), QwenModel.input_signals | {VIDEO_GRID, STEP_ATTENTION})
+    if refusal is not None:  # the family lacks what it needs on clips too (merged tokens' positions)
+        return refused(result, out, f"selector {selector!r} needs")
+    assert result.exit_code == 0, result.output
+    for a, b in zip(dense, records(out)):
+        assert b["kept_stages"][0] == a["kept_stages"][0] and b["answer"] == a["answer"]
+        assert b["p_yes"] == pytest.approx(a["p_yes"], abs=1e-5)
+        assert b["lost_in_window"] == a["lost_in_window"]
+
+
+def test_an_image_selector_composed_after_a_video_selector_is_refused(clips, tmp_path):
+    out = tmp_path / "composed"
+    refused(run(clips, out, "--selector", "evs+fastv", "--budget", "200,100"), out, "selector fastv reads no clip's")

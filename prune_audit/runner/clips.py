@@ -7,8 +7,9 @@ extract its frames), as is a missing folder; every frame decodes and has one siz
 Frames are sampled and resized as qwen-vl-utils reads a video for Qwen2.5-VL (``data.video.sample_clip``, its
 default pixel limits) at the question's frame rate (``ClipTask.clip_fps``).
 
-Selectors on clips: each part reads the clip's temporal grid (the video selectors), or is an in-LLM part composed
-after one; an image selector has no per-frame declaration and is refused in one line.
+Selectors on clips: each part reads the clip's temporal grid (the video selectors) or is declared part of a video
+method (``Selector.clip_method``: DyCoke's KV stage); an image selector declares no per-frame run and is refused in
+one line.
 """
 
 from __future__ import annotations
@@ -89,10 +90,8 @@ def check_clip_model(vlm: VisionLanguageModel, selector: RunSelector | None, tas
     from prune_audit.pruners.composed import ComposedSelector
 
     parts = selector.parts if isinstance(selector, ComposedSelector) else (selector,)
-    video = [VIDEO_GRID in vlm.signals_for(part) for part in parts]
-    follows_video = [part.stage == "llm" and any(video[:index]) for index, part in enumerate(parts)]
-    for part, reads, follows in zip(parts, video, follows_video):
-        if not (reads or follows):
+    for part in parts:
+        if not (part.clip_method or VIDEO_GRID in vlm.signals_for(part)):
             raise PruneAuditError(
                 f"selector {part.name} reads no clip's temporal grid and declares no per-frame run, so it does not "
                 "run on video clips here; choose a video selector (prune-audit selectors lists what each reads)"
