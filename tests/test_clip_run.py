@@ -150,13 +150,14 @@ def test_keep_all_equals_dense(clips, tmp_path):
         assert a["lost_in_window"] == b["lost_in_window"]
 
 
-def test_video_mc_under_vidcom2(clips, tmp_path):
+def test_video_mc_under_vidcom2_at_a_share_of_the_clips_tokens(clips, tmp_path):
     out = tmp_path / "mc"
-    result = run(clips, out, "--selector", "vidcom2", "--budget", "200", task="video_mc")
+    result = run(clips, out, "--selector", "vidcom2", "--budget", "25%", task="video_mc")
     assert result.exit_code == 0, result.output
     (row,) = records(out)
     assert row["split"] == "moving_direction" and row["references"] == ["A"] and row["answer_text"] in "ABC"
-    assert len(row["letter_probs"]) == row["options_offered"] == 3 and len(row["kept"]) <= 200
+    steps, rows, cols = 3, *[json.loads(row["geometry"])["frame"][k] for k in ("grid_rows", "grid_cols")]
+    assert len(row["letter_probs"]) == row["options_offered"] == 3 and len(row["kept"]) == steps * rows * cols // 4
     assert row["sampled_frames"] == list(range(FRAMES)) and row["frame_retention"] is None and row["window"] is None
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["prompt"]["first"].count("Only give the best option.") == 1
