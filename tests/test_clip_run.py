@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,9 @@ def test_presence_under_evs_records_per_frame_evidence(clips, tmp_path):
     result = run(clips, out, "--selector", "evs", "--budget", "150")
     assert result.exit_code == 0, result.output
     rows = records(out)
+    lost = sum(row["lost_in_window"] is True for row in rows)
+    measured = sum(row["lost_in_window"] is not None for row in rows)
+    assert re.search(rf"objects lost in the asked window, first stage\s*│\s*{lost} of {measured}", result.output)
     assert [row["question_id"] for row in rows] == [1, 2, 3] and {row["task"] for row in rows} == {"video_presence"}
     # 6 frames at the default 2 fps: all read; the dog question's clip at 3 fps: 4 of round(linspace(0, 5, 4))
     sampled = [list(range(FRAMES)), list(range(FRAMES)), [0, 2, 3, 5]]

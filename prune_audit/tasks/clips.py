@@ -100,6 +100,19 @@ class ClipTask(Task):
         """Without annotations the clip's id is its folder name's (``data.files.stable_image_id``)."""
         return stable_image_id(question.image)
 
+    def summary_rows(self, records: pa.Table) -> list[tuple[str, str]]:
+        """The objects lost in the asked window, of those with pixels there, and the accuracy on those questions."""
+        rows = records.select(["lost_in_window", "correct"]).to_pylist()
+        lost = [row["correct"] for row in rows if row["lost_in_window"] is True]
+        measured = sum(row["lost_in_window"] is not None for row in rows)
+        if not measured:
+            return []
+        accuracy = f"{sum(lost) / len(lost):.4f}" if lost else "-"
+        return [
+            ("objects lost in the asked window, first stage", f"{len(lost)} of {measured}"),
+            ("accuracy on the questions whose object is lost in the window", accuracy),
+        ]
+
 
 class TrackEvidence:
     """Object tracks (YouTube-VIS layout) as the evidence of clip questions: the asked category's masks per frame."""
