@@ -59,6 +59,30 @@ def _frame_images(videos: list[Any], source: str) -> tuple[list[dict[str, Any]],
     return images, named
 
 
+def _track_annotations(tracks: list[Any], frames_of: dict[int, tuple[int, int]], source: str) -> list[dict[str, Any]]:
+    """One COCO annotation per track and frame with a segmentation (null: the object is not in that frame)."""
+    annotations: list[dict[str, Any]] = []
+    for index, track in enumerate(tracks):
+        where = f"{source}: annotations[{index}]"
+        if not isinstance(track, dict) or not isinstance(track.get("segmentations"), list):
+            raise PruneAuditError(f"{where} needs video_id, category_id and a segmentations list; {FIX}")
+        video_id = track.get("video_id")
+        if isinstance(video_id, bool) or not isinstance(video_id, int) or video_id not in frames_of:
+            raise PruneAuditError(f"{where} refers to unknown video {video_id!r}; {FIX}")
+        first, length = frames_of[video_id]
+        if len(track["segmentations"]) != length:
+            raise PruneAuditError(
+                f"{where} has {len(track['segmentations'])} segmentations for a video of {length} frames; {FIX}"
+            )
+        for frame, segmentation in enumerate(track["segmentations"]):
+            if segmentation is not None:
+                annotations.append(
+                    {"id": len(annotations), "image_id": first + frame, "category_id": track.get("category_id"),
+                     "segmentation": segmentation}
+                )  # fmt: skip
+    return annotations
+
+
 class VideoTracks:
     """A YouTube-VIS layout annotations file, read and validated whole.
 
@@ -71,32 +95,18 @@ class VideoTracks:
         if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("videos", "annotations")):
             raise PruneAuditError(f"{source}: expected a JSON object with videos, annotations and categories; {FIX}")
         images, self.videos = _frame_images(data["videos"], source)
-        first = {}
-        for image in images:
-            first.setdefault(image["file_name"].split("#")[0], image["id"])
-        annotations = []
-        for index, track in enumerate(data["annotations"]):
-            where = f"{source}: annotations[{index}]"
-            if not isinstance(track, dict) or not isinstance(track.get("segmentations"), list):
-                raise PruneAuditError(f"{where} needs video_id, category_id and a segmentations list; {FIX}")
-            video = str(track.get("video_id"))
-            length = next((count for vid, count in self.videos.values() if str(vid) == video), None)
-            if length is None:
-                raise PruneAuditError(f"{where} refers to unknown video {track.get('video_id')!r}; {FIX}")
-            if len(track["segmentations"]) != length:
-                raise PruneAuditError(
-                    f"{where} has {len(track['segmentations'])} segmentations for a video of {length} frames; {FIX}"
-                )
-            for frame, segmentation in enumerate(track["segmentations"]):
-                if segmentation is not None:
-                    annotations.append(
-                        {"id": len(annotations), "image_id": first[video] + frame,
-                         "category_id": track.get("category_id"), "segmentation": segmentation}
-                    )  # fmt: skip
+        # video id -> (image id of its first frame, frame count): the frames are numbered video after video
+        self._frames_of: dict[int, tuple[int, int]] = {}
+        start = 0
+        for video_id, count in self.videos.values():
+            if video_id in self._frames_of:
+                raise PruneAuditError(f"{source}: two videos have the id {video_id}; give each video its own id")
+            self._frames_of[video_id] = (start, count)
+            start += count
+        annotations = _track_annotations(data["annotations"], self._frames_of, source)
         coco = {"images": images, "annotations": annotations, "categories": data.get("categories")}
         self.frames = CocoInstances(coco, source)
         self.source = source
-        self._first_image = {name: first[str(vid)] for name, (vid, _) in self.videos.items()}
 
     @classmethod
     def load(cls, path: str | Path) -> VideoTracks:
@@ -115,8 +125,8 @@ class VideoTracks:
 
     def check_clip(self, name: str, frames: int, size: tuple[int, int], path: Path) -> None:
         """Refuse a frame folder whose frame count or (width, height) is not the annotated video's."""
-        key = self._key(name)
-        first, count = self.frames.image(self._first_image[key]), self.videos[key][1]
+        first_image, count = self._frames_of[self.video_id(name)]
+        first = self.frames.image(first_image)
         if frames != count:
             raise PruneAuditError(
                 f"{path} holds {frames} frames but {self.source} annotates {count}; pass the frames and annotations "
@@ -126,7 +136,7 @@ class VideoTracks:
 
     def category_masks(self, name: str, category: str, frames: Sequence[int]) -> list[np.ndarray]:
         """(H, W) bool union mask of ``category``'s tracks in each of ``frames`` (stored indices) of video ``name``."""
-        first = self._first_image[self._key(name)]
+        first = self._frames_of[self.video_id(name)][0]
         return [self.frames.category_mask(first + frame, category) for frame in frames]
 
 

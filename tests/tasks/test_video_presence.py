@@ -180,3 +180,17 @@ def test_per_frame_retention_and_window_losses_counted_by_hand():
     assert area.lost_in_window(other, (7, 9)) is None  # no sampled frame in the window
     assert area.lost_in_window(other, None) is False
     assert retention_by_stage([whole], [[[2]]])[0].lost == [True] and area.lost_in_window([2], None) is True
+
+
+def test_videos_after_the_first_find_their_own_frames():
+    second = {"id": 12, "file_names": [f"run/{i:05d}.jpg" for i in range(3)], "width": W, "height": H}
+    data = tracks()
+    data["videos"] = [*data["videos"], second]
+    data["annotations"] = [*data["annotations"], {"id": 3, "video_id": 12, "category_id": 2,
+                                                  "segmentations": [None, rle(MASKS[0]), None]}]  # fmt: skip
+    loaded = VideoTracks(data, "tracks.json")
+    masks = loaded.category_masks("run", "dog", range(3))
+    assert [int(mask.sum()) for mask in masks] == [0, 100, 0]
+    assert not loaded.category_masks("walk", "dog", [0])[0].any()  # the first video's frame 0 holds no dog
+    with pytest.raises(PruneAuditError, match="two videos have the id 11"):
+        VideoTracks({**data, "videos": [data["videos"][0], {**second, "id": 11}]}, "tracks.json")
