@@ -92,8 +92,8 @@ class PresenceQuestion:
 
 
 def video_folder(video: str) -> str:
-    """The frame folder of a question's video: its name without a suffix (``x.mp4`` -> ``x``)."""
-    return Path(video).stem if Path(video).suffix else video
+    """The frame folder of a question's video: its name without a suffix (``x.mp4`` -> ``x``, ``a/x.mp4`` -> ``a/x``)."""
+    return str(Path(video).with_suffix("")) if Path(video).suffix else video
 
 
 def _text(entry: dict[str, Any], key: str, where: str) -> str:

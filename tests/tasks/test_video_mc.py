@@ -44,6 +44,10 @@ def test_mvbench_reader_and_prompt_are_lmms_evals(tmp_path):
         "action_antonym", 0, "166583", "C", None,
     )  # fmt: skip
     assert (second.question_id, second.image, second.letters, second.fps) == (1, "clip_2", ("A", "B"), 3.0)
+    nested = task.read_questions(
+        [_write(tmp_path / "nested.json", [{**MVBENCH[0], "video": "star/Charades/6H78U.mp4"}])]
+    )
+    assert nested[0].image == "star/Charades/6H78U"  # the frame folder keeps the video's folders
     # mvbench_doc_to_text: "Question:" + question + "\nOption:\n" + "(X) option\n"... + post_prompt
     expected = (
         "Question:What is the action performed by the person in the video?\nOption:\n(A) Not sure\n"
