@@ -171,6 +171,10 @@ class Selector:
     #: whether :meth:`flops` counts every product the implementation runs (``pruners.arithmetic``); a selector
     #: that states no formula (a plugin) counts zero and is reported as nominal
     flops_exact: ClassVar[bool] = False
+    #: whether it is part of a video method though it reads no clip's temporal grid (DyCoke's decode-time KV
+    #: pruning): ``run`` takes it on clips, as the selectors that read the grid (``signals.VIDEO_GRID``); an image
+    #: selector declares no per-frame run and is refused there
+    clip_method: ClassVar[bool] = False
 
     @classmethod
     def flops(cls, work: SelectorWork) -> int:

@@ -41,14 +41,13 @@ def visualize_record(
     Every stage is drawn at its recorded decoder layer; the title gives the retention of ``stage``.
     """
     from prune_audit.records.store import read_run
-    from prune_audit.tasks import manifest_task
 
     manifest, records = read_run(run_dir)
+    task = _still_image_task(manifest, run_dir)
     row = _record_row(records, question_id, split, run_dir)
     geometry = geometry_from_dict(loads_json(row["geometry"], f"{run_dir}: question {question_id}'s geometry"))
     image = _run_image(manifest, row["image"], run_dir)
     pixels = load_rgb(image)
-    task = manifest_task(manifest)
     mask, boxes, missing = _evidence_drawing(task, manifest, row, image, pixels, run_dir)
     stages = [list(k) for k in row["kept_stages"]]
     merged = row["merged_stages"]
@@ -90,6 +89,19 @@ def visualize_record(
         (PanelAnswer(title, row["answer_text"], row["confidence"]),),
         notes=(missing,) if missing else (),
     )
+
+
+def _still_image_task(manifest: dict[str, Any], run_dir: Path) -> Task:
+    """The run's task; a clip task's run is refused in one line (its frames are not drawn here)."""
+    from prune_audit.tasks import manifest_task
+
+    task = manifest_task(manifest)
+    if task.reads_clips:
+        raise PruneAuditError(
+            f"{run_dir} is a run of video clips ({task.name}), and visualize --run draws still images; read a clip's "
+            "per-frame evidence in its records (frame_retention, window_retention, lost_in_window)"
+        )
+    return task
 
 
 def _some_ids(records: pa.Table, split: str | None, count: int = 5) -> str:
