@@ -192,6 +192,12 @@ class Selector:
         swap = {name: substitutes[name] for name in requires - available if substitutes.get(name) in available}
         return frozenset(swap.get(name, name) for name in requires)
 
+    @property
+    def averages_budget(self) -> bool:
+        """Whether its in-LLM stages keep the budget as an average over the decoder layers (what "(layer average)"
+        beside the budget says); False where an option keeps exactly the budget after a cut or ignores it."""
+        return True
+
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}  # type: ignore[arg-type]  # registered selectors are dataclasses
 

@@ -48,6 +48,11 @@ class ComposedSelector:
     def parts(self) -> tuple[InputSelector, LayerSelector]:
         return self.input, self.llm
 
+    @property
+    def averages_budget(self) -> bool:
+        """Its in-LLM part's (``Selector.averages_budget``)."""
+        return self.llm.averages_budget
+
     def options(self) -> dict[str, Any]:
         """Every part's options as ``PART.KEY`` -> value (the spelling ``--option`` takes)."""
         return {f"{part.name}.{key}": value for part in self.parts for key, value in part.options().items()}

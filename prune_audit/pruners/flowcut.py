@@ -228,6 +228,10 @@ class FlowCutSelector(LayerSelector):
     signal_layer = "previous"  # layer 1's queries, keys and values cut its own output (not an option)
     schedule_follows_tower: ClassVar[bool] = True  # solved on what the tower stage feeds each image
 
+    @property
+    def averages_budget(self) -> bool:
+        return self.budget_rule == "average"  # paper: exactly the budget after layer 1
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self._tower = FlowCutTower()

@@ -16,6 +16,7 @@ from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.multigrid import geometry_from_dict
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import FIRST, StageChoice, budget_words, record_stage
+from prune_audit.runner.manifest_selector import averages_budget
 from prune_audit.runner.visualize import (
     FIGURES_DIR,
     DrawnFigure,
@@ -56,8 +57,11 @@ def visualize_record(
     selector, budget = manifest["selector"]["name"], manifest.get("budget")
     chosen = record_stage(stages, stage, str(run_dir), merged)
     retention = row["retention_stages"][chosen]
+    averaged = averages_budget(manifest["selector"])
     title = (
-        f"{selector}, {budget_words(budget, row['stage_layers'])}" if budget is not None else (f"{selector} (unpruned)")
+        f"{selector}, {budget_words(budget, row['stage_layers'], averaged)}"
+        if budget is not None
+        else f"{selector} (unpruned)"
     )
     notes = (
         {}
