@@ -41,10 +41,14 @@ def counted(vlm, item, selector, budget):
     less the merge steps between its layers (the selector's own arithmetic), moves to the first number.
     """
     inside, tower, merges = [], [], []
+    # the tower rerun: on the image, or on each crop of an anyres image (LLaVA-NeXT's crop_merging_tower)
+    rerun_name = "_crop_merging_tower" if hasattr(vlm, "_crop_merging_tower") else "_merging_tower"
     if "merging_tower" in getattr(selector, "requires", ()):
-        rerun = vlm._merging_tower
+        rerun = getattr(vlm, rerun_name)
 
-        def counting_tower(pixels, merge):
+        def counting_tower(*inputs):
+            *pixels, merge = inputs
+
             def counting_merge(*args):
                 with FlopCounterMode(display=False) as counter:
                     result = merge(*args)
@@ -55,11 +59,11 @@ def counted(vlm, item, selector, budget):
                 if hasattr(merge, trait):  # the step's traits the tower reads (MustDrop's: after the MLP, next row)
                     setattr(counting_merge, trait, getattr(merge, trait))
             with FlopCounterMode(display=False) as counter:
-                result = rerun(pixels, counting_merge)
+                result = rerun(*pixels, counting_merge)
             tower.append(counter.get_total_flops())
             return result
 
-        vlm._merging_tower = counting_tower
+        setattr(vlm, rerun_name, counting_tower)
     # an in-LLM selector's own tower stage (MustDrop's) is a part whose methods count as the selector's too
     for part in {id(part): part for part in selector_parts(selector) if part is not None}.values():
         for name in SELECTOR_METHODS:
@@ -76,7 +80,7 @@ def counted(vlm, item, selector, budget):
     with FlopCounterMode(display=False) as counter:
         answer = vlm.answer([item], selector, budget, generator=torch.Generator().manual_seed(0))[0]
     if tower:
-        del vlm._merging_tower
+        delattr(vlm, rerun_name)
     tower_pass = sum(tower) - sum(merges)
     return counter.get_total_flops() - sum(inside) + tower_pass, sum(inside) - tower_pass, answer
 
@@ -205,8 +209,8 @@ def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):
     monkeypatch.setattr(llava, "clip_cls_row", spy(llava.clip_cls_row, "vision_cls_row"))
     monkeypatch.setattr(llava, "clip_logits", spy(llava.clip_logits, "vision_layer_attention"))
     monkeypatch.setattr(assembly, "text_demand", spy(assembly.text_demand, "decoder_demand_rows"))
-    for method, probe in (("probabilities", "decoder_attention_rows"), ("keys", "decoder_key_norms"),
-                          ("rope_ones_logits", "decoder_rope_logits")):  # fmt: skip
+    for method, probe in (("probabilities", "decoder_attention_rows"), ("values", "decoder_attention_rows"),
+                          ("keys", "decoder_key_norms"), ("rope_ones_logits", "decoder_rope_logits")):  # fmt: skip
         monkeypatch.setattr(DecoderProbe, method, spy(getattr(DecoderProbe, method), probe))
     seen = set()
     for model in ("demo", "demo-qwen", "tiny-llava"):

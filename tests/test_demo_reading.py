@@ -197,10 +197,18 @@ def test_a_continuing_recipe_starts_from_the_earlier_weights_with_each_words_row
 
     monkeypatch.setitem(DEMO_RECIPES, "tiny-first", TINY_FIRST)
     train_demo_model(TINY_FIRST, tmp_path / "first", log=lambda line: None)
-    second = replace(TINY_FIRST, init_from="tiny-first", mix=(2, 1, 1, 1, 1, 2), steps=1, learning_rate=0.0)
+    second = replace(
+        TINY_FIRST,
+        init_from="tiny-first",
+        mix=(2, 1, 1, 1, 1, 2),
+        steps=1,
+        learning_rate=0.0,
+        box_sigma=0.02,
+        position_head=True,
+    )
     summary = train_demo_model(second, tmp_path / "second", init_dir=tmp_path / "first", log=lambda line: None)
     first, continued = load_demo(tmp_path / "first"), load_demo(tmp_path / "second")
-    assert "text" in summary["history"][-1]["task_accuracy"] and "ground" in summary["history"][-1]["task_accuracy"]
+    assert {"text", "ground", "ground@0.5"} <= set(summary["history"][-1]["task_accuracy"])
     old, new = first.tokenizer.get_vocab(), continued.tokenizer.get_vocab()
     assert set(old) < set(new) and "hotel" in new and "0.57" in new
     embed_old = first.model.get_input_embeddings().weight
@@ -217,10 +225,11 @@ def test_a_continuing_recipe_starts_from_the_earlier_weights_with_each_words_row
         train_demo_model(second, tmp_path / "fourth", init_dir=tmp_path / "second", log=lambda line: None)
 
 
-def test_the_shipped_task_demo_recipe_continues_its_two_earlier_stages():
-    recipe, reading = DEMO_RECIPES["demo-tasks"], DEMO_RECIPES["demo-tasks-stage2"]
-    assert recipe.init_from == "demo-tasks-stage2" and recipe.box_sigma is not None and recipe.words == READING_WORDS
-    assert reading.init_from == "demo-tasks-stage1" and len(reading.mix) == 6 and reading.box_sigma is None
+def test_the_shipped_task_demo_recipe_continues_its_first_stage_and_the_grounding_attempt_continues_it():
+    reading, grounding = DEMO_RECIPES["demo-tasks"], DEMO_RECIPES["demo-tasks-grounding"]
+    assert reading.init_from == "demo-tasks-stage1" and len(reading.mix) == 6 and reading.words == READING_WORDS
+    assert reading.box_sigma is None and not reading.position_head
+    assert grounding.init_from == "demo-tasks" and grounding.box_sigma is not None and grounding.position_head
     assert DEMO_RECIPES["demo-tasks-stage1"].mix == (4, 2, 2, 1)
 
 
@@ -234,7 +243,7 @@ def test_demo_train_refuses_a_continuing_recipe_without_its_first_stage_before_w
             app, ["demo", "train", "--model", "demo-tasks", "--out", str(tmp_path / "m"), *extra]
         )
         assert result.exit_code != 0 and "Traceback" not in result.output and result.output.count("\n") == 1
-        assert "demo-tasks-stage2" in result.output and not (tmp_path / "m").exists()
+        assert "demo-tasks-stage1" in result.output and not (tmp_path / "m").exists()
 
 
 @pytest.fixture(scope="module")
@@ -308,3 +317,26 @@ def test_forced_box_hits_score_the_argmax_numbers_by_iou_at_one_half(box_forcing
     assert hits("0.10", "0.20", "0.50", "0.44") == [True, False]  # inside the truth: IoU 0.096 / 0.16 = 0.6
     assert hits("0.10", "0.20", "0.50", "0.39") == [False, False]  # IoU 0.076 / 0.16 = 0.475
     assert hits("0.50", "0.60", "0.10", "0.20") == [False, False]  # inverted corners name no region
+
+
+def test_position_loss_costs_about_one_for_the_centre_guess_and_zero_for_the_true_positions():
+    import torch
+    from torch import nn
+
+    from prune_audit.demo.train import position_loss
+
+    side, width = 4, 3
+    head = nn.Linear(width, 2)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.fill_(0.5)
+    features = torch.randn(2, side * side, width)
+    # the discrete centres (k + 0.5) / side have variance (1 - 1 / side^2) / 12
+    with torch.no_grad():
+        assert float(position_loss(head, features)) == pytest.approx(1 - 1 / side**2)
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    exact = torch.stack([rows.flatten(), cols.flatten(), torch.ones(side * side)], -1).expand(2, -1, -1)
+    with torch.no_grad():  # row-major tokens: the head reads (row, col) from the first two features
+        head.weight.copy_(torch.tensor([[1 / side, 0, 0], [0, 1 / side, 0]]))
+        head.bias.fill_(0.5 / side)
+        assert float(position_loss(head, exact)) == pytest.approx(0, abs=1e-12)

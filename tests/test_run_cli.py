@@ -176,12 +176,15 @@ IN_LLM_SELECTORS = (
 IN_LLM_OPTIONS = {"vscan": ("--option", "merge_pruned=false")}
 #: in-LLM selectors of video clips: refused on the still images of these runs
 IN_LLM_VIDEO_SELECTORS = ("framefusion",)
+#: in-LLM selectors whose tower stage holds the budget on the demo's one-crop LLaVA, so no in-LLM stage runs there
+#: (FlowCut cuts in the decoder on anyres images only): their demo records, tests/pruners/test_flowcut.py
+IN_LLM_ANYRES_ONLY = ("flowcut",)
 
 
 def test_every_in_llm_selector_is_listed():
     from prune_audit.pruners import list_selectors, selector_class
 
-    listed = set(IN_LLM_SELECTORS) | set(IN_LLM_VIDEO_SELECTORS)
+    listed = set(IN_LLM_SELECTORS) | set(IN_LLM_VIDEO_SELECTORS) | set(IN_LLM_ANYRES_ONLY)
     assert listed == {name for name in list_selectors() if selector_class(name).stage == "llm"}
 
 

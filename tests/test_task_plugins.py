@@ -107,7 +107,7 @@ def test_a_plugin_column_named_as_another_is_refused_in_one_line(plugin, monkeyp
     monkeypatch.setattr(WordCountTask, "record_columns", (column("label", pa.string(), "clashes with POPE's"),))
     with pytest.raises(
         PruneAuditError,
-        match=r"^record column 'label' is declared by pope and again by task "
+        match=r"^record column 'label' is declared by pope, video_presence and again by task "
         r"wordcount; rename the task's column \(Task.record_columns\)$",
     ):
         run_columns()

@@ -32,9 +32,10 @@ def train(
         typer.Option(
             "--model",
             help="Which demo's recipe: demo (LLaVA), demo-qwen (Qwen2.5-VL), their task-mix versions "
-            "demo-tasks-stage1 and demo-qwen-tasks, demo-tasks-stage2 (demo-tasks-stage1 continued on reading and "
-            "grounding), demo-tasks (demo-tasks-stage2 continued on grounding) or demo-video (the shipped demo-qwen "
-            "continued on synthetic clips); a continuing recipe needs --init unless it continues a shipped demo.",
+            "demo-tasks-stage1 and demo-qwen-tasks, demo-tasks (demo-tasks-stage1 continued on reading and "
+            "grounding), demo-tasks-grounding (demo-tasks continued on grounding, not shipped) or demo-video (the "
+            "shipped demo-qwen continued on synthetic clips); a continuing recipe needs --init unless it continues a "
+            "shipped demo.",
         ),
     ] = "demo",
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the training scenes.")] = 1,
@@ -73,8 +74,8 @@ def train(
         Path | None,
         typer.Option(
             "--init",
-            help="Folder of the model a continuing recipe starts from (demo-tasks-stage2: a demo-tasks-stage1 "
-            "model; demo-tasks: a demo-tasks-stage2 model; demo-video: default the shipped demo-qwen).",
+            help="Folder of the model a continuing recipe starts from (demo-tasks: a demo-tasks-stage1 model; "
+            "demo-tasks-grounding: a demo-tasks model; demo-video: default the shipped demo-qwen).",
         ),
     ] = None,
 ) -> None:

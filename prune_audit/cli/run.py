@@ -147,7 +147,7 @@ def print_summary(result, plan) -> None:
     budget = (
         "all visual tokens"
         if plan.manifest["budget"] is None
-        else budget_words(plan.manifest["budget"], summary.get("stage_layers", [0]))
+        else budget_words(plan.manifest["budget"], summary.get("stage_layers", [0]), plan.selector.averages_budget)
     )
     task = "" if plan.task.name == "pope" else f"task {plan.task.name} | "  # POPE's title predates tasks
     print(

@@ -19,7 +19,8 @@ SIGNAL_SOURCES: dict[str, str] = {
     "clip_text_tower": "the CLIP text tower on the question (CDPruner's text relevance)",
     "decoder_demand_rows": "attention rows of the text after the image at decoder layer 0 over the unpruned prompt "
     "(coverage's demand)",
-    "decoder_attention_rows": "attention rows of the text after the image at each in-LLM stage's signal layer",
+    "decoder_attention_rows": "attention rows of the text after the image at each in-LLM stage's signal layer, "
+    "with that layer's values where read (FlowCut)",
     "decoder_key_norms": "the keys of each in-LLM stage's signal layer, for their norms",
     "decoder_rope_logits": "all-ones RoPE logits of the text after the image against the alive visual tokens "
     "(SparseVLM v2)",
@@ -42,6 +43,7 @@ class StageProbe:
         attention: whether attention rows are read (``text_probs`` / ``text_logits`` / ``visual_probs``).
         key_norms: whether key norms are read (a second key projection).
         rope_columns: visual tokens the all-ones RoPE logits are formed against (0: not read).
+        values: whether the values of the ``keys`` tokens are read (a value projection).
     """
 
     keys: int
@@ -49,6 +51,7 @@ class StageProbe:
     attention: bool
     key_norms: bool
     rope_columns: int = 0
+    values: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class QuestionTokens:
     Attributes:
         grid: (rows, cols) of language-model visual tokens (each ``merge x merge`` vision patches).
         text_tokens: prompt tokens that are not visual.
+        layout_dropped: of those, the image's layout tokens (LLaVA-NeXT's row newlines) the pruned prompt does not
+            hold (a selection fed in its own output order: VisionZip and FlowCut per crop).
         text_after: text tokens after the image.
         visual_tokens: language-model visual tokens of the unpruned prompt (N).
         visual_per_layer: visual tokens at the input of each decoder layer, as realised.
@@ -68,7 +73,8 @@ class QuestionTokens:
         text_chunks: CLIP text chunks of CDPruner's relevance (0: not computed).
         reprojected: merged tokens an input-level merge sent through the projector again.
         tower_merges: tokens merged or cut in each layer of the tower run with a selector's step between its layers
-            (ToMe ``location=tower``, FlowCut; empty: none ran).
+            (ToMe ``location=tower``, FlowCut; empty: none ran); where the tower ran on ``crops`` crops, those of
+            each crop, every crop cutting as many (FlowCut's anyres stage).
         tower_merges_after_mlp: those merges fell after each layer's MLP, not between attention and MLP (MustDrop).
         tower_next_cls_row: that run also formed the CLS row of the layer after the feature layer (MustDrop's key set).
         stock_tower: the stock tower and the projector ran on every token; False: the tower ran once, as
@@ -100,6 +106,7 @@ class QuestionTokens:
     tower_next_cls_row: bool = False
     stock_tower: bool = True
     stage_probes: tuple[StageProbe, ...] = ()
+    layout_dropped: int = 0
     selector_flops: int = 0
     crops: int = 1
     crop_grid: tuple[int, int] | None = None
@@ -149,7 +156,7 @@ def signal_sources(tokens: QuestionTokens) -> tuple[str, ...]:
         "vision_merging_tower": bool(tokens.tower_merges),
         "clip_text_tower": tokens.text_chunks > 0,
         "decoder_demand_rows": tokens.demand_probe,
-        "decoder_attention_rows": any(probe.attention for probe in stages),
+        "decoder_attention_rows": any(probe.attention or probe.values for probe in stages),
         "decoder_key_norms": any(probe.key_norms for probe in stages),
         "decoder_rope_logits": any(probe.rope_columns for probe in stages),
     }
@@ -176,14 +183,14 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     if tokens.text_chunks:
         signals += flops.clip_text_relevance(shape.clip_text, tokens.text_chunks, tokens.visual_tokens)  # type: ignore[arg-type]  # text chunks: only with a CLIP text tower
     if tokens.tower_merges:
-        signals += flops.merging_tower(
+        signals += tokens.crops * flops.merging_tower(  # on each crop where the tower ran on crops (FlowCut anyres)
             vision, patch_grid, tokens.tower_merges, tokens.tower_merges_after_mlp, tokens.tower_next_cls_row
         )
     signals += flops.projector(vision, tokens.reprojected)
-    lengths = [tokens.text_tokens + visual for visual in tokens.visual_per_layer]
+    lengths = [tokens.text_tokens - tokens.layout_dropped + visual for visual in tokens.visual_per_layer]
     full = tokens.text_tokens + tokens.visual_tokens
     probes = sum(
-        flops.decoder_probe(language, p.queries, p.keys, p.attention, p.key_norms, p.rope_columns)
+        flops.decoder_probe(language, p.queries, p.keys, p.attention, p.key_norms, p.rope_columns, p.values)
         for p in tokens.stage_probes
     )
     if tokens.demand_probe:

@@ -150,11 +150,18 @@ def language_prefill(language: LanguageShape, lengths: Sequence[int]) -> int:
 
 
 def decoder_probe(
-    language: LanguageShape, queries: int, keys: int, attention_rows: bool, key_norms: bool, rope_columns: int = 0
+    language: LanguageShape,
+    queries: int,
+    keys: int,
+    attention_rows: bool,
+    key_norms: bool,
+    rope_columns: int = 0,
+    values: bool = False,
 ) -> int:
     """A decoder layer's probe (``models.probe.DecoderProbe``): ``queries`` query rows over ``keys`` keys
-    when attention is read, the keys once more when their norms are read, and the all-ones RoPE logits
-    of the query rows to ``rope_columns`` visual tokens (SparseVLM v2)."""
+    when attention is read, the keys once more when their norms are read, the all-ones RoPE logits
+    of the query rows to ``rope_columns`` visual tokens (SparseVLM v2), and the values of the ``keys`` tokens
+    when they are read (FlowCut)."""
     d = language.head_dim
     key_projection = matmul(keys, language.hidden, language.kv_heads * d)
     total = matmul(queries, d, rope_columns)
@@ -162,6 +169,8 @@ def decoder_probe(
         total += matmul(queries, language.hidden, language.heads * d) + key_projection
         total += matmul(queries, d, keys) * language.heads
     if key_norms:
+        total += key_projection
+    if values:  # the value projection has the key projection's shape
         total += key_projection
     return total
 

@@ -154,15 +154,20 @@ class Clip:
         return FRAME_FACTOR / self.geometry.sample_fps
 
 
-def read_frames(folder: str | Path) -> list[Any]:
-    """The frame images of ``folder`` (PNG or JPEG, sorted by name) as RGB ``PIL.Image``; one-line errors."""
+def frame_files(folder: str | Path) -> list[Path]:
+    """The frame files of ``folder`` (PNG or JPEG, sorted by name: the clip's frames as stored); one-line errors."""
     root = Path(folder)
     if not root.is_dir():
         raise PruneAuditError(f"{folder} is not a folder of frames; give a folder of PNG or JPEG frame images")
     paths = sorted(path for path in root.iterdir() if path.suffix.lower() in FRAME_SUFFIXES)
     if not paths:
         raise PruneAuditError(f"{folder} holds no PNG or JPEG frames; give a folder of frame images")
-    return [open_rgb(path) for path in paths]
+    return paths
+
+
+def read_frames(folder: str | Path) -> list[Any]:
+    """The frame images of ``folder`` (:func:`frame_files`) as RGB ``PIL.Image``; one-line errors."""
+    return [open_rgb(path) for path in frame_files(folder)]
 
 
 def sample_clip(
@@ -205,6 +210,7 @@ __all__ = [
     "sampled_frame_count",
     "sampled_frame_indices",
     "frame_pixel_limit",
+    "frame_files",
     "read_frames",
     "sample_clip",
 ]

@@ -113,7 +113,7 @@ DEFAULT_MIX: tuple[int, ...] = (4, 2, 2, 1)
 # the reading stage: yes/no, short, choice, caption, text, ground per image
 READING_MIX: tuple[int, ...] = (2, 1, 1, 1, 1, 2)
 READING_STEPS = 1200
-# the grounding stage: twice stage 2's grounding questions per image
+# the grounding attempt: twice stage 2's grounding questions per image
 GROUNDING_MIX: tuple[int, ...] = (2, 1, 1, 1, 1, 4)
 GROUNDING_STEPS = 1500
 
@@ -152,6 +152,9 @@ class DemoRecipe:
     box_sigma: float | None = None
     """The width (in 0-1 box units) of the Gaussian soft target of every box number a grounding answer writes
     (``answer_targets.box_number_targets``); None: each number's one word, as every other answer token."""
+    position_head: bool = False
+    """Whether an auxiliary head reads each image token's row and column from the projected features
+    (``position_loss``)."""
     init_from: str | None = None
     """The ``DEMO_RECIPES`` name of the model this recipe continues (its weights start the run, ``--init``; rows of
     words the vocabulary adds start random); None: from scratch."""
@@ -217,7 +220,7 @@ DEMO_RECIPES["demo-qwen-tasks"] = replace(DEMO_RECIPES["demo-qwen"], steps=2400,
 # halved, as for any fine-tuning of trained weights, and half the scenes per step keep a step near the first stage's
 # cost (the grounding answers are long)
 DEMO_RECIPES["demo-tasks-stage1"] = DEMO_RECIPES["demo-tasks"]
-DEMO_RECIPES["demo-tasks-stage2"] = replace(
+DEMO_RECIPES["demo-tasks"] = replace(
     DEMO_RECIPES["demo-tasks-stage1"],
     init_from="demo-tasks-stage1",
     images_per_step=16,
@@ -227,15 +230,17 @@ DEMO_RECIPES["demo-tasks-stage2"] = replace(
     warmup_steps=50,
     monitor_every=100,
 )
-# the third stage grounds: stage 2's boxes stayed near-constant with one-word number targets, so every box number is
-# trained towards a Gaussian over the box numbers (a near miss costs less than a far one), grounding weighs twice
-# as much again, and the other kinds stay in the mix so that their accuracy holds
-DEMO_RECIPES["demo-tasks"] = replace(
-    DEMO_RECIPES["demo-tasks-stage2"],
-    init_from="demo-tasks-stage2",
+# an attempt at grounding, not shipped (the task demo's card): stage 2's boxes stayed near-constant with one-word
+# number targets, so every box number is trained towards a Gaussian over the box numbers (a near miss costs less
+# than a far one), the image features learn to carry each token's position (they carried none), grounding weighs
+# twice as much again, and the other kinds stay in the mix so that their accuracy holds
+DEMO_RECIPES["demo-tasks-grounding"] = replace(
+    DEMO_RECIPES["demo-tasks"],
+    init_from="demo-tasks",
     steps=GROUNDING_STEPS,
     mix=GROUNDING_MIX,
     box_sigma=0.02,
+    position_head=True,
 )
 # the video demo: demo-qwen's weights continue on clips of moving, appearing and vanishing shapes (issue 43), at
 # one size (96 px: 4 temporal steps x 36 tokens = 144 clip tokens); the fine-tuning's halved peak rate and warm-up,
@@ -257,13 +262,32 @@ DEMO_RECIPES["demo-video"] = replace(
 
 class VisionHeads(nn.Module):
     """Auxiliary heads on the vision tower: pooled CLS -> classes, patch -> class or background; ``words``: also
-    the scene words (``WORD_CLASSES`` more of each, ``demo.batches``), for a mix that reads."""
+    the scene words (``WORD_CLASSES`` more of each, ``demo.batches``), for a mix that reads; ``feature_width``: also
+    each image token's (row, column) from the projected features the language model reads (``position_loss``)."""
 
-    def __init__(self, width: int, words: bool = False):
+    def __init__(self, width: int, words: bool = False, feature_width: int | None = None):
         super().__init__()
         extra = WORD_CLASSES if words else 0
         self.presence = nn.Linear(width, len(CATEGORIES) + extra)
         self.patch = nn.Linear(width, BACKGROUND_CLASS + 1 + extra)
+        self.position = None if feature_width is None else nn.Linear(feature_width, 2)
+
+
+def position_loss(head: nn.Linear, features: Tensor) -> Tensor:
+    """Mean squared error of each image token's predicted (row, column) centre, in 0-1 of the square grid, scaled
+    by 12 (the variance of a uniform position is 1/12, so guessing the centre everywhere costs about 1).
+
+    Grounding writes where a shape is, but the first stages' image features hold no position a linear probe finds
+    (R^2 below 0 for the row and the column on held-out scenes; the card), so this head asks the language model's
+    input for it.
+
+    Args:
+        features: (B, N, D) projected image features of square grids, tokens row-major.
+    """
+    side = math.isqrt(features.shape[1])
+    centres = (torch.arange(side, dtype=features.dtype) + 0.5) / side
+    target = torch.stack(torch.meshgrid(centres, centres, indexing="ij"), -1).reshape(-1, 2)
+    return 12 * F.mse_loss(head(features), target.expand(features.shape[0], -1, -1))
 
 
 def scene_inputs(vlm: VisionLanguageModel, scenes) -> dict[str, Tensor]:
@@ -303,6 +327,8 @@ def batch_loss(
         "presence": F.binary_cross_entropy_with_logits(heads.presence(pooled), batch.presence),
         "patch": F.cross_entropy(heads.patch(patches).flatten(0, 1), batch.patch_labels.flatten()),
     }
+    if heads.position is not None:
+        losses["position"] = position_loss(heads.position, features)
     if forcing.option_rows.numel():  # multiple choice: each option's presence at its last word
         losses["options"] = option_loss(logits, forcing)
     losses["total"] = sum(losses.values())
@@ -323,9 +349,10 @@ def check_init(recipe: DemoRecipe, init_dir: Path | None) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         trained = None
     expected = json.loads(json.dumps(asdict(earlier)))
-    # fields added to the recipe since that model was trained are absent from its file, at their default None
+    defaults = json.loads(json.dumps(asdict(DemoRecipe())))
+    # fields added to the recipe since that model was trained are absent from its file, at their default
     if not isinstance(trained, dict) or trained != {
-        key: value for key, value in expected.items() if key in trained or value is not None
+        key: value for key, value in expected.items() if key in trained or value != defaults[key]
     }:
         raise ValueError(f"{init_dir} was not trained by the {recipe.init_from} recipe; pass that model's folder")
 
@@ -563,7 +590,8 @@ def train_demo_model(
     if recipe.init_from is not None:
         start_from(vlm, recipe, init_dir)
     vlm.model.train()
-    heads = VisionHeads(vlm.vision_state_width, words=recipe.reads)
+    feature_width = recipe.text_width if recipe.position_head else None  # the projector writes the LM width
+    heads = VisionHeads(vlm.vision_state_width, words=recipe.reads, feature_width=feature_width)
     parameters = [p for p in (*vlm.model.parameters(), *heads.parameters()) if p.requires_grad]
     optimizer = _optimizer(parameters, recipe)
     pieces = _prompts(vlm, recipe)

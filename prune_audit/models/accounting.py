@@ -9,7 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from prune_audit.compute.cost import PrefillCost, QuestionTokens, StageProbe, prefill_cost
-from prune_audit.models.layer_signals import ATTENTION_SIGNALS, KEY_SIGNALS, ROPE_SIGNALS, VISUAL_ROW_SIGNALS
+from prune_audit.models.layer_signals import (
+    ATTENTION_SIGNALS,
+    KEY_SIGNALS,
+    ROPE_SIGNALS,
+    VALUE_SIGNALS,
+    VISUAL_ROW_SIGNALS,
+)
 from prune_audit.models.prefill_assembly import reruns_tower_only, vision_layer_requests
 from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import Selection
@@ -40,6 +46,8 @@ def question_cost(
     """
     shape = vlm.shape
     text_tokens = item.input_ids.numel() - item.num_visual
+    # a selection in its own output order is fed without the image's layout tokens (LLaVA-NeXT's newlines)
+    unlaid = item.image_span[1] - item.image_span[0] - item.num_visual if selection and selection.in_output_order else 0
     text_after = item.input_ids.numel() - item.image_span[1]
     input_ran, llm_ran = selector_parts(selector if not forced else None)
     input_budget, llm_budget = budget_parts(selector, budget)
@@ -54,19 +62,24 @@ def question_cost(
         alive += [len(kept) + len(merged) for kept, merged in llm_stages]
     rope, visual_rows = bool(layer_requires & ROPE_SIGNALS), bool(layer_requires & VISUAL_ROW_SIGNALS)
     probes = tuple(
-        StageProbe(text_tokens + before, text_after + (before if visual_rows else 0),
-                   bool(layer_requires & ATTENTION_SIGNALS), bool(layer_requires & KEY_SIGNALS), before if rope else 0)
+        StageProbe(text_tokens - unlaid + before, text_after + (before if visual_rows else 0),
+                   bool(layer_requires & ATTENTION_SIGNALS), bool(layer_requires & KEY_SIGNALS), before if rope else 0,
+                   bool(layer_requires & VALUE_SIGNALS))
         for before in alive[:-1]
     )  # fmt: skip
-    tower_merges = ()
+    tower_merges, tower_crop_stages = (), ()
+    crops = vlm.tower_crops(item)
     if "merging_tower" in input_requires:  # the tower run with the selector's step merging or cutting in it
         stages = [(layer, len(kept)) for layer, kept in zip(answer.stage_layers, answer.kept_stages)]
         tower_merges = input_ran.tower_merges(item.num_visual, input_budget, shape.vision.layers, stages)
+    elif selection is not None and selection.tower_crop_merges:  # that run on each crop alone (FlowCut anyres)
+        tower_merges, patches = selection.tower_crop_merges, crops["crop_grid"][0] * crops["crop_grid"][1]
+        tower_crop_stages = ((patches, patches - sum(tower_merges)),) * crops["crops"]
     vision_layer = vision_layer_requests(vlm, llm_ran) if llm_ran is not None else frozenset()
     # as the prefill decides: a run tower with merges or cuts stands in for the stock pass unless another signal
     # reads the stock states (the stock pass that keeps every token runs no rerun: no tower_merges)
     stock_tower = not (tower_merges and reruns_tower_only(input_requires | vision_layer))
-    crops, crop_stages = vlm.tower_crops(item), ()
+    crop_stages = ()
     if layer_requires and PADDED_CROPS in vision_layer:  # VScan per crop: padded grids
         patches = crops["crop_grid"][0] * crops["crop_grid"][1]
         crops["projected_tokens"] = crops["crops"] * patches  # the padding patches are projected too
@@ -77,7 +90,8 @@ def question_cost(
                 for share in crop_budgets(vision_keep, [patches] * crops["crops"])
             )
     work = {"feature_width": shape.language.hidden, "vision_width": shape.vision.width,
-            "key_width": vlm.vision_head_dim, "hidden": shape.language.hidden, "text_rows": text_after}  # fmt: skip
+            "key_width": vlm.vision_head_dim, "hidden": shape.language.hidden, "text_rows": text_after,
+            "kv_width": shape.language.kv_heads * shape.language.head_dim}  # fmt: skip
     arithmetic = 0
     if input_ran is not None:
         arithmetic += input_ran.flops(
@@ -88,6 +102,7 @@ def question_cost(
                 options=input_ran.options(),
                 tower_merges=tower_merges,
                 grid=item.grid,
+                crop_stages=tower_crop_stages,
                 **work,
             )  # fmt: skip
         )
@@ -106,6 +121,7 @@ def question_cost(
     tokens = QuestionTokens(
         grid=item.grid,
         text_tokens=text_tokens,
+        layout_dropped=unlaid,
         text_after=text_after,
         visual_tokens=item.num_visual,
         visual_per_layer=tuple(answer.tokens_per_layer),

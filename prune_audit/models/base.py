@@ -73,6 +73,8 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     #: whether :meth:`prepare_for` resizes the image for an input selector that acts on it
     #: (``InputSelector.resizes_image``): the processor then sets the token grid of the resized image
     resizes_images: bool = False
+    #: whether :meth:`prepare_video` reads video clips (the Qwen2.5-VL adapter's video path)
+    takes_video: bool = False
 
     # ----- loading ------------------------------------------------------------------
     @classmethod
@@ -135,6 +137,11 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     @abstractmethod
     def prepare(self, image, question: str) -> Prepared:
         """Process one PIL image and question into a prompt (its ``geometry`` is :meth:`token_geometry`'s)."""
+
+    def prepare_video(self, clip: Any, question: str) -> Prepared:
+        """One (clip, question) prompt through the family's video path (``data.video.Clip``); a family without one
+        (``takes_video`` false) refuses in one line."""
+        raise PruneAuditError(f"video clips are read on Qwen2.5-VL only; {self.display_name} has no video path here")
 
     def prepare_for(self, image, question: str, selector: RunSelector | None = None, budget: Any = None) -> Prepared:
         """:meth:`prepare` as a run of ``selector`` at ``budget`` needs the prompt: as given here; a family that

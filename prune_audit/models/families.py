@@ -33,6 +33,11 @@ def family_names() -> list[str]:
     return list(_ADAPTERS)
 
 
+def video_families() -> list[str]:
+    """The registered ``model_type`` values whose adapter reads video clips (``takes_video``)."""
+    return [name for name, adapter in _ADAPTERS.items() if adapter.takes_video]
+
+
 def support_table() -> str:
     """The families x selectors table of docs/models.md and README.md (Markdown, one row per registered selector),
     from the adapters' class-level declarations and the selector classes' traits."""

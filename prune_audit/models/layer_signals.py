@@ -1,6 +1,6 @@
 """The :class:`~prune_audit.pruners.signals.LayerSignals` of one batch row at a pruning stage.
 
-Attention and key signals are read with the probe of the stage's own layer on its
+Attention, key and value signals are read with the probe of the stage's own layer on its
 input, or, for a selector whose ``signal_layer`` is ``"previous"``, with the probe of
 the layer before on *its* input: the same tokens (nothing is pruned between the two),
 so the probe reproduces what that layer computed, as FastV / SparseVLM / DART's
@@ -25,6 +25,7 @@ ATTENTION_SIGNALS = frozenset({"text_logits", "text_probs", "visual_probs"})
 VISUAL_ROW_SIGNALS = frozenset({"visual_probs"})
 """Attention signals whose query rows are the alive visual tokens (the probe reads them besides the text rows)."""
 KEY_SIGNALS = frozenset({"key_norms", "text_key_norms"})
+VALUE_SIGNALS = frozenset({"values", "text_values"})
 ROPE_SIGNALS = frozenset({"rope_ones_logits"})
 
 
@@ -68,7 +69,7 @@ def layer_signals(
             raise PruneAuditError(f"layer {layer} has no previous layer; prune at layer 1 or later")
         return previous[row, columns]
 
-    if requires & (ATTENTION_SIGNALS | KEY_SIGNALS | ROPE_SIGNALS):
+    if requires & (ATTENTION_SIGNALS | KEY_SIGNALS | ROPE_SIGNALS | VALUE_SIGNALS):
         source_layer, source = (layer - 1, previous_input()) if plan.signal_layer == "previous" else (layer, hidden)
         cos, sin = stack.rotary(source[None], batch.positions[:, row : row + 1, columns])
         probe = stack.probe(source_layer)
@@ -87,6 +88,9 @@ def layer_signals(
         if requires & KEY_SIGNALS:
             norms = probe.keys(source, cos[0], sin[0]).float().abs().sum(dim=(0, 2))
             signals.key_norms, signals.text_key_norms = _f32(norms[visual]), _f32(norms[text])
+        if requires & VALUE_SIGNALS:
+            values = probe.values(source)
+            signals.values, signals.text_values = _f32(values[:, visual]), _f32(values[:, text])
         if requires & ROPE_SIGNALS:
             signals.rope_ones_logits = _f32(
                 probe.rope_ones_logits(text, visual, cos[0], sin[0], plan.attention_in_model_dtype)

@@ -55,7 +55,6 @@ from prune_audit.models.probe import clip_attention_block, clip_cls_row
 from prune_audit.models.selector_support import crop_grid_for, per_grid_for, refused_for
 from prune_audit.pruners.base import Selection
 from prune_audit.pruners.layout import (
-    ANYRES_LLM_CUT,
     GRID_BLOCKS,
     GRID_MERGE,
     GRID_SPLIT,
@@ -67,9 +66,8 @@ from prune_audit.pruners.signals import PADDED_CROPS, PaddedCrops
 
 #: what the anyres image lacks for a selector that needs one grid, one CLS token or a crop's padded grid on the
 #: whole image (``Selector.layout_need``): those whose official LLaVA-NeXT code selects in each crop's own grid
-#: run with ``budget_scope=crop`` (``Selector.per_crop_grid``); and FlowCut's decoder layer-1 cut of its official
-#: anyres path, not ported (its per-crop tower stage is: ``crop_merging_tower``)
-LACKS = frozenset({ONE_GRID, ONE_CLS, PADDED_CROP_GRID, ANYRES_LLM_CUT})
+#: run with ``budget_scope=crop`` (``Selector.per_crop_grid``)
+LACKS = frozenset({ONE_GRID, ONE_CLS, PADDED_CROP_GRID})
 #: how a selector that needs only a grid layout runs on each of the image's two regular grids (``grid_parts``),
 #: by its ``Selector.per_grid`` kind: a project choice (none has official LLaVA-NeXT code), docs/models.md
 MERGE_PER_GRID = (

@@ -37,7 +37,7 @@ from prune_audit.models.parts import SeparateProcessorParts
 from prune_audit.models.prepared import Prepared, VisionOutput, find_image_span
 from prune_audit.models.selector_support import crop_grid_for, per_grid_for, refused_for
 from prune_audit.models.shape import language_shape, llava_vision_shape
-from prune_audit.pruners.layout import ANYRES_LLM_CUT, PRE_PROJECTOR_FEATURES
+from prune_audit.pruners.layout import PRE_PROJECTOR_FEATURES
 
 PROMPT_TEMPLATE = "onevision_chatml"
 DEFAULT_SYSTEM = "You are a helpful assistant."  # the llava-hf OneVision chat template's system message
@@ -58,7 +58,7 @@ class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
     grounding = None  # no box convention declared (LLaVA-NeXT inherits none either)
     #: anyres_max resizes the tile grid after the projector: no pre-projector features of each token (pooling's);
     #: FlowCut's anyres port is LLaVA-NeXT's (its SigLIP tower has no tower hook here: refused by its signal)
-    lacks = LlavaNextModel.lacks - {ANYRES_LLM_CUT} | {PRE_PROJECTOR_FEATURES}
+    lacks = LlavaNextModel.lacks | {PRE_PROJECTOR_FEATURES}
     refused_selectors = refused_for(lacks)
     crop_grid_selectors = crop_grid_for(lacks)
     per_grid_selectors = per_grid_for(PER_GRID, lacks)

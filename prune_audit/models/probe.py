@@ -39,7 +39,7 @@ def _head_norm(attention: nn.Module, name: str, states: Tensor) -> Tensor:
 
 @dataclass
 class DecoderProbe:
-    """Query/key access to one decoder layer of a Llama-style language model.
+    """Query/key/value access to one decoder layer of a Llama-style language model.
 
     Attributes:
         layer: the decoder layer (``input_layernorm`` and ``self_attn`` with
@@ -57,6 +57,12 @@ class DecoderProbe:
         keys = attention.k_proj(normed).view(1, hidden.shape[0], -1, attention.head_dim)
         keys = _head_norm(attention, "k_norm", keys).transpose(1, 2)
         return self.apply_rope(keys, cos[None], sin[None])[0]
+
+    def values(self, hidden: Tensor) -> Tensor:
+        """(Hkv, L, d) values of one sequence (no RoPE, no head norm touches them); ``hidden`` is (L, D)."""
+        attention = self.layer.self_attn
+        normed = self.layer.input_layernorm(hidden[None])
+        return attention.v_proj(normed).view(hidden.shape[0], -1, attention.head_dim).transpose(0, 1)
 
     def queries(self, hidden: Tensor, rows: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """(H, R, d) post-RoPE queries of ``rows`` (R,) of one sequence."""

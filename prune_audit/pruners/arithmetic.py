@@ -37,6 +37,7 @@ class SelectorWork:
         vision_width: width of ``vision_features`` (the vision tower's).
         key_width: width of one vision head (VisionZip's head-mean keys).
         hidden: the decoder's hidden width (in-LLM selectors' hidden states and embeddings).
+        kv_width: the decoder's key/value heads times their width (in-LLM selectors' ``values``).
         text_rows: text tokens after the image (the rows in-LLM selectors score with).
         stages: in-LLM stages as ``(visual tokens alive before, kept after)``.
         options: the selector's options (``Selector.options()``).
@@ -52,6 +53,7 @@ class SelectorWork:
     vision_width: int = 0
     key_width: int = 0
     hidden: int = 0
+    kv_width: int = 0
     text_rows: int = 0
     stages: tuple[tuple[int, int], ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)

@@ -60,6 +60,9 @@ class Selection:
         tower_stages: for a selector that cuts inside the vision tower, ``(stage layer, kept cells)`` of each cut
             in order, the stage layer ``l - Lv`` (< 0) for a cut after tower layer ``l`` of the ``Lv`` run; the
             record's stages, before ``kept`` at the input (stage 0).
+        tower_crop_merges: for a selector that cuts inside a tower run on each crop alone, every crop cutting as
+            many (FlowCut's anyres stage), the patches each crop loses in each tower layer of the run (empty: no
+            such run); the accounting's, as ``tower_stages`` record the visible cells only.
         llm_state: what an in-LLM selector's own tower stage (``LayerSelector.tower_stage``) hands its in-LLM
             stages: the opening of the row's stage state (MustDrop's key set, as positions among the tokens fed).
     """
@@ -70,6 +73,7 @@ class Selection:
     llm_tokens: Tensor | None = None
     in_output_order: bool = False
     tower_stages: list[tuple[int, Tensor]] = field(default_factory=list)
+    tower_crop_merges: tuple[int, ...] = ()
     llm_state: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -167,6 +171,10 @@ class Selector:
     #: whether :meth:`flops` counts every product the implementation runs (``pruners.arithmetic``); a selector
     #: that states no formula (a plugin) counts zero and is reported as nominal
     flops_exact: ClassVar[bool] = False
+    #: whether it is part of a video method though it reads no clip's temporal grid (DyCoke's decode-time KV
+    #: pruning): ``run`` takes it on clips, as the selectors that read the grid (``signals.VIDEO_GRID``); an image
+    #: selector declares no per-frame run and is refused there
+    clip_method: ClassVar[bool] = False
 
     @classmethod
     def flops(cls, work: SelectorWork) -> int:
@@ -183,6 +191,12 @@ class Selector:
         requires, substitutes = selector.requires, selector.substitutes
         swap = {name: substitutes[name] for name in requires - available if substitutes.get(name) in available}
         return frozenset(swap.get(name, name) for name in requires)
+
+    @property
+    def averages_budget(self) -> bool:
+        """Whether its in-LLM stages keep the budget as an average over the decoder layers (what "(layer average)"
+        beside the budget says); False where an option keeps exactly the budget after a cut or ignores it."""
+        return True
 
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}  # type: ignore[arg-type]  # registered selectors are dataclasses
@@ -292,6 +306,9 @@ class LayerSelector(Selector):
     decode_keeps_final: ClassVar[bool] = False
     #: the option that turns :meth:`tower_stage` off (``KEY=VALUE``), named where a composed selector refuses it
     tower_stage_off: ClassVar[str] = ""
+    #: whether its schedule is solved on what its own tower stage feeds each image, which planning does not know
+    #: (FlowCut's: none where that stage holds the budget): no schedule is planned ahead, each record holds its stages
+    schedule_follows_tower: ClassVar[bool] = False
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""

@@ -48,6 +48,11 @@ class ComposedSelector:
     def parts(self) -> tuple[InputSelector, LayerSelector]:
         return self.input, self.llm
 
+    @property
+    def averages_budget(self) -> bool:
+        """Its in-LLM part's (``Selector.averages_budget``)."""
+        return self.llm.averages_budget
+
     def options(self) -> dict[str, Any]:
         """Every part's options as ``PART.KEY`` -> value (the spelling ``--option`` takes)."""
         return {f"{part.name}.{key}": value for part in self.parts for key, value in part.options().items()}
@@ -96,9 +101,14 @@ def composed_from_strings(name: str, pairs: Sequence[str], depth: int | None = N
         raise PruneAuditError(str(error)) from None
     assert isinstance(input_part, InputSelector) and isinstance(llm_part, LayerSelector)  # levels checked above
     if llm_part.tower_stage() is not None:  # two input stages: the composed input part would replace its own
+        fix = (
+            f"compose it with that stage off: --option {names[1]}.{llm_part.tower_stage_off}"
+            if llm_part.tower_stage_off
+            else f"run {names[1]!r} alone (its stage has no off switch)"
+        )
         raise PruneAuditError(
             f"{names[1]!r} runs its own vision-tower stage before the language model, which {names[0]!r} would "
-            f"replace; compose it with that stage off: --option {names[1]}.{llm_part.tower_stage_off}"
+            f"replace; {fix}"
         )
     return ComposedSelector(input_part, llm_part)
 

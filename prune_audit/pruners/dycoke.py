@@ -223,6 +223,7 @@ class DyCokeKVSelector(SingleStageSelector):
     name: ClassVar[str] = "dycoke_kv"
     summary: ClassVar[str] = "DyCoke's decode-time KV pruning as one stage: layer 2's last-row attention, at layer 3"
     requires: ClassVar[frozenset[str]] = frozenset({"text_probs"})
+    clip_method: ClassVar[bool] = True  # DyCoke's second stage: reads the LLM, not the clip's grid
     reference: ClassVar[Reference] = Reference(
         "DyCoke: Dynamic Compression of Tokens for Fast Video Large Language Models (CVPR 2025, arXiv 2411.15024)",
         "KD-TAO/DyCoke",

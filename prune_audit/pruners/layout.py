@@ -16,14 +16,6 @@ ONE_CLS = "one CLS token per image"
 #: padded grid, which ``budget_scope=crop`` does (docs/models.md)
 PADDED_CROP_GRID = "each crop's padded grid for its scans (as its official LLaVA-NeXT code)"
 PRE_PROJECTOR_FEATURES = "pre-projector features of each token"
-#: FlowCut's official anyres path (TungChintao/FlowCut ``main.py``: ``prune_layer = 1``) cuts the visual tokens that
-#: its per-crop tower stage leaves to the budget at decoder layer 1 (scored by the last prompt token's attention,
-#: positions renumbered after the cut); the tower stage is ported (``crop_merging_tower``), that in-LLM cut is not
-ANYRES_LLM_CUT = (
-    "the official anyres path's cut to the budget at decoder layer 1 after its per-crop tower stage (the tower "
-    "stage at half the budget per crop is ported; the layer-1 cut by the last prompt token's attention, positions "
-    "renumbered after it, is not)"
-)
 
 #: ``per_grid`` kinds: how a selector that needs only a grid layout runs on each of an image's regular grids
 GRID_SPLIT = "split"  # the budget split over the grids (uniform's lattice)
@@ -35,7 +27,6 @@ __all__ = [
     "ONE_CLS",
     "PADDED_CROP_GRID",
     "PRE_PROJECTOR_FEATURES",
-    "ANYRES_LLM_CUT",
     "GRID_SPLIT",
     "GRID_MERGE",
     "GRID_BLOCKS",

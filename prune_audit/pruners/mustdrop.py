@@ -324,6 +324,10 @@ class MustDropSelector(ScheduledSelector):
     decode_keeps_final: ClassVar[bool] = True  # the decode stage: layers 2.. attend to the last stage's survivors
     tower_stage_off: ClassVar[str] = "vision=off"
 
+    @property
+    def averages_budget(self) -> bool:
+        return self.budget_rule == "average"  # paper: the official thresholds, whatever the budget
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self._tower = MustDropVision(merge_thr=self.merge_thr) if self.vision == "merge" else None

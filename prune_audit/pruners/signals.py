@@ -216,8 +216,8 @@ class InputSignals:
 class LayerSignals:
     """Signals at the input of one decoder layer, for the visual tokens still alive.
 
-    Attention and key signals (``text_logits``, ``text_probs``, ``key_norms``,
-    ``text_key_norms``) come from layer ``layer`` itself, or from layer ``layer - 1``
+    Attention, key and value signals (``text_logits``, ``text_probs``, ``key_norms``,
+    ``text_key_norms``, ``values``, ``text_values``) come from layer ``layer`` itself, or from layer ``layer - 1``
     on its own input when the selector's ``signal_layer`` is ``"previous"`` (what that
     layer computed: the token set is the same). ``n`` alive visual tokens, ``T`` text
     tokens after the image span (the question and the chat-template suffix; the last
@@ -246,6 +246,9 @@ class LayerSignals:
         text_normed_hidden_states: (T, D) the same for the text tokens.
         key_norms: (n,) L1 norm of the post-RoPE keys (all heads concatenated).
         text_key_norms: (T,) the same for the text tokens.
+        values: (Hkv, n, d) the layer's value vectors of the alive visual tokens, one per key/value head (a
+            grouped-query model's query heads share them; FlowCut's semantic attention and value norms).
+        text_values: (Hkv, T, d) the same for the text tokens.
         embeddings: (n, D) LLM input embeddings of the alive visual tokens.
         text_embeddings: (T, D) LLM input embeddings of the text tokens.
         sequence_index: (n,) index of each alive visual token in the unpruned prompt.
@@ -273,6 +276,8 @@ class LayerSignals:
     text_normed_hidden_states: Tensor | None = None
     key_norms: Tensor | None = None
     text_key_norms: Tensor | None = None
+    values: Tensor | None = None
+    text_values: Tensor | None = None
     embeddings: Tensor | None = None
     text_embeddings: Tensor | None = None
     sequence_index: Tensor | None = None

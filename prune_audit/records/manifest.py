@@ -81,7 +81,9 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
         "(stage composed, e.g. input+llm) adds parts: each part's own object with its budget, and its schedule is its "
         "in-LLM part's on the tokens the input part feeds "
         "(schedule: [layer, keep] stages of in-LLM selectors for the first question's token count; keep excludes "
-        "the tokens a merge inserts, such as SparseVLM's recycled ones, which realised_visual_tokens_avg counts)",
+        "the tokens a merge inserts, such as SparseVLM's recycled ones, which realised_visual_tokens_avg counts; "
+        "null, with schedule_num_visual, for one whose schedule follows what its own tower stage feeds each image, "
+        "FlowCut's: the records hold its stages)",
     ),
     (
         "budget",

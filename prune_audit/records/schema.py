@@ -30,6 +30,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.record_columns import INT_LIST, INTERVENE_COMMANDS, Column
 from prune_audit.record_columns import column as _run
 from prune_audit.tasks.base import GENERATED_COLUMNS
+from prune_audit.tasks.clips import CLIP_COLUMNS
 from prune_audit.tasks.registry import task_classes
 
 SCHEMA_VERSION = 8
@@ -293,15 +294,31 @@ INTERVENE_COLUMNS: tuple[Column, ...] = (
 
 def tasks_columns() -> tuple[Column, ...]:
     """Every registered task's own columns, each naming its tasks: in registration order, the shared
-    ``GENERATED_COLUMNS`` just before the first generating task's own."""
+    ``GENERATED_COLUMNS`` just before the first generating task's own and ``CLIP_COLUMNS`` just before the first clip
+    task's own. A task may declare another task's column as it is (the video tasks' answer columns are POPE's and
+    ScienceQA's): the column is listed once, at its first place, naming both tasks."""
     classes = task_classes()
-    generating = tuple(task.name for task in classes if task.generates())
-    columns: list[Column] = []
+    shared = {
+        classes_of[0]: [replace(column, tasks=classes_of) for column in block]
+        for block, classes_of in (
+            (GENERATED_COLUMNS, tuple(task.name for task in classes if task.generates())),
+            (CLIP_COLUMNS, tuple(task.name for task in classes if task.reads_clips)),
+        )
+        if classes_of
+    }
+    columns: dict[str, Column] = {}
+    repeated: list[Column] = []
     for task in classes:
-        if generating and task.name == generating[0]:
-            columns += [replace(column, tasks=generating) for column in GENERATED_COLUMNS]
-        columns += [replace(column, tasks=(task.name,)) for column in task.record_columns]
-    return tuple(columns)
+        for column in (*shared.get(task.name, ()), *task.record_columns):
+            first = columns.get(column.name)
+            if first is not None and replace(first, tasks=()) == replace(column, tasks=()):
+                if task.name not in first.tasks:
+                    columns[column.name] = replace(first, tasks=(*first.tasks, task.name))
+            elif first is not None:
+                repeated.append(replace(column, tasks=(task.name,)))  # refused by _check_declared_once
+            else:
+                columns[column.name] = column if column.tasks else replace(column, tasks=(task.name,))
+    return (*columns.values(), *repeated)
 
 
 def run_columns() -> tuple[Column, ...]:

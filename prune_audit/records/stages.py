@@ -141,14 +141,16 @@ def record_stage(
     return choice.index
 
 
-def budget_words(budget: object, layers: list[int]) -> str:
+def budget_words(budget: object, layers: list[int], averaged: bool = True) -> str:
     """``budget 64``, or ``budget 64 (layer average)`` for stages inside the LLM (a layer above 0), whose stages
     keep more tokens before and fewer after so that the average over the decoder layers is the budget (cuts in
     the vision tower, negative layers, reach the budget at the input); a composed selector's budgets (a list, one
-    per part) are spelled as ``--budget`` takes them, ``budget 128,64``."""
+    per part) are spelled as ``--budget`` takes them, ``budget 128,64``. ``averaged``: the selector's
+    ``averages_budget`` (False: its option keeps exactly the budget after a cut, or ignores it; no average named).
+    """
     if isinstance(budget, (list, tuple)):
         return f"budget {','.join(str(part) for part in budget)} (input, then in-LLM layer average)"
-    return f"budget {budget}" + (" (layer average)" if any(layer > 0 for layer in layers) else "")
+    return f"budget {budget}" + (" (layer average)" if averaged and any(layer > 0 for layer in layers) else "")
 
 
 def stage_place(layer: int) -> str:

@@ -13,14 +13,16 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from prune_audit.data.retention import ObjectArea, StageRetention, retention_by_stage
 from prune_audit.records.schema import Record, task_columns
 
 if TYPE_CHECKING:
+    from prune_audit.data.clip_retention import ClipArea
     from prune_audit.models import Answer, Prepared
     from prune_audit.tasks import Evidence, Task, TaskQuestion
+    from prune_audit.tasks.clips import ClipEvidence
 
 
 @dataclass(frozen=True)
@@ -37,10 +39,12 @@ class AnsweredQuestion:
 @dataclass(frozen=True)
 class QuestionEvidence:
     """One question's evidence under its prepared geometry: the whole region (None without one: POPE's "no"
-    questions, a run without annotations) and each of its objects on its own, (name, area)."""
+    questions, a run without annotations), each of its objects on its own, (name, area), and on a clip the object
+    over its sampled frames (``tasks.clips.ClipEvidence``; None on still images and without evidence)."""
 
     region: ObjectArea | None
     objects: list[tuple[str, ObjectArea]]
+    clip: ClipArea | None = None
 
 
 NO_EVIDENCE = QuestionEvidence(None, [])
@@ -51,7 +55,28 @@ def question_evidence(evidence: Evidence | None, answered: AnsweredQuestion) -> 
     if evidence is None:
         return NO_EVIDENCE
     question, image_id, geometry = answered.question, answered.image_id, answered.prepared.geometry
-    return QuestionEvidence(evidence.area(question, image_id, geometry), evidence.objects(question, image_id, geometry))
+    clip = None
+    if answered.prepared.video_grid is not None:  # a clip task's evidence reads clips (``tasks.clips.ClipTask``)
+        clip = cast("ClipEvidence", evidence).clip_area(question, image_id, geometry)
+    return QuestionEvidence(
+        evidence.area(question, image_id, geometry), evidence.objects(question, image_id, geometry), clip
+    )
+
+
+def clip_values(task: Task, item: AnsweredQuestion, evidence: QuestionEvidence, covered: list[int]) -> Record:
+    """A clip task's ``CLIP_COLUMNS`` (``tasks.clips``) from the first stage's ``covered`` token indices; none for
+    other tasks."""
+    if not task.reads_clips:
+        return {}
+    window = task.clip_window(item.question)  # type: ignore[attr-defined]  # reads_clips: a ClipTask
+    clip = evidence.clip
+    return {
+        "sampled_frames": list(item.prepared.geometry.frames),
+        "frame_retention": None if clip is None else clip.frame_retention(covered),
+        "window": None if window is None else list(window),
+        "window_retention": math.nan if clip is None else clip.window_retention(covered, window),
+        "lost_in_window": None if clip is None else clip.lost_in_window(covered, window),
+    }
 
 
 def last_visible_kept(kept_stages: Sequence[Sequence[int]], num_visual: int) -> list[int]:
@@ -109,9 +134,21 @@ def build_records(
     diluted = _diluted_stages(areas, stages, retained)
     objects_lost = _objects_lost(evidence, [cells[0] for cells in covered])
     return [
-        _record(task, item, area, kept_stages, layers, merged, by_stage, dilution, named, lost)
-        for item, area, (kept_stages, layers, merged), by_stage, dilution, named, lost in zip(
-            answered, areas, stages, retained, diluted, evidence, objects_lost
+        _record(
+            task,
+            item,
+            area,
+            kept_stages,
+            layers,
+            merged,
+            by_stage,
+            dilution,
+            named,
+            lost,
+            clip_values(task, item, named, cells[0]),
+        )
+        for item, area, (kept_stages, layers, merged), by_stage, dilution, named, lost, cells in zip(
+            answered, areas, stages, retained, diluted, evidence, objects_lost, covered
         )
     ]
 
@@ -160,11 +197,12 @@ def _record(
     diluted: list[bool | None],
     evidence: QuestionEvidence,
     objects_lost: list[bool | None],
+    clip: Record,
 ) -> Record:
     question, answer, prepared = item.question, item.answer, item.prepared
     has_mask = area is not None and area.has_mask
     scored = task.score(question, answer.reduced)
-    if set(scored.columns) != _own_columns(task.name):  # pyarrow would drop an unknown key without a word
+    if set(scored.columns) | set(clip) != _own_columns(task.name):  # pyarrow would drop an unknown key silently
         raise ValueError(
             f"task {task.name!r} scored columns {sorted(scored.columns)}, but it declares "
             f"{sorted(_own_columns(task.name))} (Task.record_columns)"
@@ -180,6 +218,7 @@ def _record(
         "confidence": scored.confidence,
         "correct": scored.correct,
         **scored.columns,
+        **clip,
         "kept": last_visible_kept(answer.kept_stages, prepared.num_visual),
         "kept_stages": kept_stages,
         "merged_stages": merged_stages,

@@ -21,7 +21,7 @@ from prune_audit.runner.answering import answer_grouped, question_generator
 from prune_audit.runner.build import AnsweredQuestion, build_records, question_evidence
 from prune_audit.runner.embedded import write_embedded_images
 from prune_audit.runner.plan import RunPlan
-from prune_audit.runner.questions import prepare_question
+from prune_audit.runner.questions import prepare_task_question
 from prune_audit.runner.safeguards import check_same_run, hold_run_dir, undo_first_writes
 from prune_audit.runner.sharding import ProcessGroup, shard_questions
 from prune_audit.runner.summary import summarize
@@ -136,15 +136,8 @@ def answer_batches(
     batch_size = max(1, plan.request.batch_size)
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
-        declared = plan.vlm.task_instructions
         prepared = [
-            prepare_question(
-                plan.vlm,
-                plan.image_paths[q.image],
-                plan.task.prompt_text(q, declared),
-                selector=plan.selector,
-                budget=plan.request.budget,
-            )
+            prepare_task_question(plan.vlm, plan.task, q, plan.image_paths, None, plan.selector, plan.request.budget)
             for q in batch
         ]
         generators = [question_generator(plan.request.seed, q) for q in batch]

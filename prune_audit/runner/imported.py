@@ -193,7 +193,9 @@ def imported_selector(kept_sets: KeptSets, file_sha256: str, reanswer: bool) -> 
     in_llm = any(stage.layer > 0 for line in kept_sets.questions for stage in line.stages)
     if selector["name"] != "none" and selector.get("stage") is None:
         selector["stage"] = "llm" if in_llm else "input"
-    if selector["name"] != "none" and selector["stage"] != ("llm" if in_llm else "input"):
+    # an in-LLM selector may keep at the input alone: its own tower stage held the budget, no decoder stage was due
+    tower_only = selector.get("stage") == "llm" and not in_llm
+    if selector["name"] != "none" and selector["stage"] != ("llm" if in_llm else "input") and not tower_only:
         raise PruneAuditError(
             f"{kept_sets.path} line 1 (header): selector stage {selector['stage']!r}, but the "
             f"kept sets are taken {'inside the decoder' if in_llm else 'at its input (layer 0)'}; "

@@ -94,10 +94,15 @@ def load_model(request: RunRequest) -> VisionLanguageModel:
 def check_model_accepts(
     vlm: VisionLanguageModel, selector: RunSelector | None, task: Task, questions: Sequence[TaskQuestion]
 ) -> None:
-    """The task takes the model's family conventions (``Task.use_model``); the model runs the selector, answers in
-    each of the task's answer modes and takes every question's text."""
+    """The task takes the model's family conventions (``Task.use_model``); the model runs the selector (a clip task:
+    reads clips, and the selector acts on them), answers in each of the task's answer modes and takes every
+    question's text."""
     task.use_model(vlm)
-    if selector is not None:
+    if task.reads_clips:  # the selector's clip signals are checked on the first prepared clip (``plan_run``)
+        from prune_audit.runner.clips import check_clip_model
+
+        check_clip_model(vlm, selector, task)
+    elif selector is not None:
         vlm.check_selector(selector)
     for mode in dict.fromkeys(task.answer_mode(question) for question in questions):
         vlm.check_answer_mode(mode)

@@ -89,7 +89,7 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
     if request.kept_sets is not None:
         questions = restrict_questions(request.kept_sets, questions)
     run_dir = run_dir_of(request, selector)
-    image_paths, image_sizes = check_images(request, questions, embedded, run_dir)
+    image_paths, image_sizes = check_images(request, questions, embedded, run_dir, task)
     evidence, image_ids = load_evidence(task, request.annotations, questions, image_paths, image_sizes)
     check_run_dir(run_dir)
     check_device(request.device)
@@ -100,13 +100,15 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
         check_prompts_fit(vlm, task, questions, image_paths, embedded, chosen_limit=request.max_new_tokens is not None)
     # as the run prepares it: a selector acting on the image refuses a budget no resized image meets here
     first = prepare_task_question(vlm, task, questions[0], image_paths, embedded, selector, budget)
+    if task.reads_clips and selector is not None:  # the selector's signals on a clip (its temporal grid among them)
+        vlm.check_selector(selector, [first])
     budget = resolve_budget(budget, first.budget_tokens)
     manifest = _manifest(request, task, vlm, selector, budget, questions, first)
     imported = plan_import(request, vlm, task, questions, image_paths, manifest, embedded)
     if has_share(request.budget):  # each image gets its share; the schedule above is the first's
         manifest["budget"] = _json_budget(request.budget)
     manifest["threads"] = threads
-    pin_inputs(manifest, str(request.model), Path(request.images), image_paths, embedded)
+    pin_inputs(manifest, str(request.model), Path(request.images), _pinned(task, image_paths), embedded)
     manifest["run_id"] = run_id_of(manifest)
     if request.kept_sets is not None:
         check_imported_manifest(request.kept_sets, manifest)
@@ -130,6 +132,15 @@ def plan_run(request: RunRequest, vlm: VisionLanguageModel | None = None) -> Run
         imported,
         embedded,
     )
+
+
+def _pinned(task: Task, image_paths: dict[str, Path]) -> dict[str, Path]:
+    """The files the manifest pins by content: the images, or each clip's frames (``runner.clips.frame_pins``)."""
+    if not task.reads_clips:
+        return image_paths
+    from prune_audit.runner.clips import frame_pins
+
+    return frame_pins(image_paths)
 
 
 def _manifest(
@@ -194,13 +205,13 @@ def _selector_description(
 
 
 def _part_description(selector: Selector, budget: int, vlm: VisionLanguageModel, num_visual: int) -> dict[str, Any]:
-    llm = selector.stage == "llm"
-    schedule = vlm.schedule(selector, num_visual, budget) if llm else None  # type: ignore[arg-type]  # in-LLM
+    planned = selector.stage == "llm" and not getattr(selector, "schedule_follows_tower", False)
+    schedule = vlm.schedule(selector, num_visual, budget) if planned else None  # type: ignore[arg-type]  # in-LLM
     return {
         "name": selector.name,
         "stage": selector.stage,
         "options": selector.options(),
         "positions": vlm.positions_for(selector),
         "schedule": [[stage.layer, stage.keep] for stage in schedule] if schedule is not None else None,
-        "schedule_num_visual": num_visual,
+        "schedule_num_visual": num_visual if planned else None,
     }

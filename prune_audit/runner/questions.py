@@ -43,11 +43,20 @@ def load_questions(task: Task, request: RunRequest) -> tuple[list[TaskQuestion],
 
 
 def check_images(
-    request: RunRequest, questions: Sequence[TaskQuestion], embedded: dict[str, bytes] | None, run_dir: Path
+    request: RunRequest,
+    questions: Sequence[TaskQuestion],
+    embedded: dict[str, bytes] | None,
+    run_dir: Path,
+    task: Task | None = None,
 ) -> tuple[dict[str, Path], dict[str, tuple[int, int]]]:
     """Every image exists and decodes: its path and (width, height) by name, from ``--images`` or, for Parquet
     question files, from their embedded bytes (then written to ``run_dir``'s image folder, which becomes
-    ``request.images``)."""
+    ``request.images``); a clip task's (``task.reads_clips``): each clip's frame folder and frame size
+    (``runner.clips``)."""
+    if task is not None and task.reads_clips:
+        from prune_audit.runner.clips import check_clip_folders
+
+        return check_clip_folders(request, task, questions)  # type: ignore[arg-type]  # reads_clips: a ClipTask
     if embedded is None:
         return _check_image_folder(request, questions)
     from prune_audit.runner.embedded import EMBEDDED_IMAGES, check_embedded_images
@@ -134,8 +143,13 @@ def prepare_task_question(
     budget: Budget = None,
 ) -> Prepared:
     """One question prepared as ``task`` asks it, its image read from the folder or from the question files'
-    embedded bytes (the first question's token grid and geometry describe the run in the manifest); ``selector``
-    and ``budget`` as :func:`prepare_question`."""
+    embedded bytes, a clip task's clip from its frame folder (``runner.clips``; the first question's token grid and
+    geometry describe the run in the manifest); ``selector`` and ``budget`` as :func:`prepare_question`."""
+    if task.reads_clips:
+        from prune_audit.runner.clips import prepare_clip
+
+        text = task.prompt_text(question, vlm.task_instructions)
+        return prepare_clip(vlm, task, question, image_paths[question.image], text)  # type: ignore[arg-type]
     return prepare_question(
         vlm,
         image_paths[question.image],

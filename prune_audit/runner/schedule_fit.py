@@ -56,7 +56,7 @@ def fit_schedule_file(request: RunRequest, budgets: list[int], out: Path) -> Fit
     questions, embedded = load_questions(task, request)
     if embedded is not None:
         raise PruneAuditError("fitprune fit reads question files with an --images folder, not Parquet files")
-    images, _ = check_images(request, questions, embedded, out.parent)
+    images, _ = check_images(request, questions, embedded, out.parent, task)
     vlm = load_model(request)
     prepared = [prepare_task_question(vlm, task, q, images, embedded) for q in questions]
     shapes = {(item.num_visual, tuple(item.grid)) for item in prepared}

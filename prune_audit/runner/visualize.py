@@ -365,6 +365,16 @@ def live_stem(model_name: str, budget: ResolvedBudget) -> str:
     return f"tokens-{file_safe(model_name)}-{budget_text(budget).replace(',', '_')}"
 
 
+def _panel_title(
+    name: str, selector: RunSelector | None, options: Sequence[str], budget: ResolvedBudget, layers: list[int]
+) -> str:
+    """``fastv, budget 64 (layer average)``, with the ``--option`` pairs after a selector that took them."""
+    if selector is None:
+        return "none (unpruned)"
+    shown = f"{name} ({', '.join(options)})" if options else name
+    return f"{shown}, {budget_words(budget, layers, selector.averages_budget)}"
+
+
 def drawn_with_budget(
     names: Sequence[str], options: dict[str, RunSelector], budget: ResolvedBudget
 ) -> dict[str, RunSelector | None]:
@@ -417,9 +427,7 @@ def visualize_live(request: VisualizeRequest) -> DrawnFigure:
         item = prepared if selector is None else vlm.prepare_for(picture, question, selector, budget)  # may resize it
         answer = vlm.answer([item], selector, None if selector is None else budget, generator=[generator])[0]
         stages, layers, merged = recorded_stages(answer, item.num_visual)
-        title = "none (unpruned)" if selector is None else f"{name}, {budget_words(budget, layers)}"
-        if name in options:
-            title = f"{name} ({', '.join(request.options)}), {budget_words(budget, layers)}"
+        title = _panel_title(name, selector, request.options if name in options else [], budget, layers)
         retention = _retention_text(mask, item.geometry, covered_stages(stages, merged)[0])
         caption = f"answer {answer.answer} (confidence {answer.confidence:.3f})"
         answers.append(PanelAnswer(title, answer.answer, answer.confidence))

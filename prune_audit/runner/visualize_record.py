@@ -16,6 +16,7 @@ from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.multigrid import geometry_from_dict
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import FIRST, StageChoice, budget_words, record_stage
+from prune_audit.runner.manifest_selector import averages_budget
 from prune_audit.runner.visualize import (
     FIGURES_DIR,
     DrawnFigure,
@@ -41,14 +42,13 @@ def visualize_record(
     Every stage is drawn at its recorded decoder layer; the title gives the retention of ``stage``.
     """
     from prune_audit.records.store import read_run
-    from prune_audit.tasks import manifest_task
 
     manifest, records = read_run(run_dir)
+    task = _still_image_task(manifest, run_dir)
     row = _record_row(records, question_id, split, run_dir)
     geometry = geometry_from_dict(loads_json(row["geometry"], f"{run_dir}: question {question_id}'s geometry"))
     image = _run_image(manifest, row["image"], run_dir)
     pixels = load_rgb(image)
-    task = manifest_task(manifest)
     mask, boxes, missing = _evidence_drawing(task, manifest, row, image, pixels, run_dir)
     stages = [list(k) for k in row["kept_stages"]]
     merged = row["merged_stages"]
@@ -57,8 +57,11 @@ def visualize_record(
     selector, budget = manifest["selector"]["name"], manifest.get("budget")
     chosen = record_stage(stages, stage, str(run_dir), merged)
     retention = row["retention_stages"][chosen]
+    averaged = averages_budget(manifest["selector"])
     title = (
-        f"{selector}, {budget_words(budget, row['stage_layers'])}" if budget is not None else (f"{selector} (unpruned)")
+        f"{selector}, {budget_words(budget, row['stage_layers'], averaged)}"
+        if budget is not None
+        else f"{selector} (unpruned)"
     )
     notes = (
         {}
@@ -90,6 +93,19 @@ def visualize_record(
         (PanelAnswer(title, row["answer_text"], row["confidence"]),),
         notes=(missing,) if missing else (),
     )
+
+
+def _still_image_task(manifest: dict[str, Any], run_dir: Path) -> Task:
+    """The run's task; a clip task's run is refused in one line (its frames are not drawn here)."""
+    from prune_audit.tasks import manifest_task
+
+    task = manifest_task(manifest)
+    if task.reads_clips:
+        raise PruneAuditError(
+            f"{run_dir} is a run of video clips ({task.name}), and visualize --run draws still images; read a clip's "
+            "per-frame evidence in its records (frame_retention, window_retention, lost_in_window)"
+        )
+    return task
 
 
 def _some_ids(records: pa.Table, split: str | None, count: int = 5) -> str:

@@ -17,7 +17,7 @@ from prune_audit.tasks.registry import DEFAULT_TASK, get_task, list_tasks, manif
 
 # one module per task; importing it registers the task. The order is that of the tasks' record columns in every
 # records file (records.schema.run_columns): append a new task, never reorder
-_TASKS = ["pope", "caption", "gqa", "scienceqa", "textvqa", "refcoco"]
+_TASKS = ["pope", "caption", "gqa", "scienceqa", "textvqa", "refcoco", "video_mc", "video_presence"]
 for _module in _TASKS:
     import_module(f"prune_audit.tasks.{_module}")
 

@@ -223,6 +223,9 @@ class Task(ABC):
     evidence_fate: ClassVar[str] = ""
     evidence_questions: ClassVar[str] = ""
     names_evidence: ClassVar[bool] = True
+    reads_clips: ClassVar[bool] = False
+    """Whether the task's questions ask about video clips (``tasks.clips.ClipTask``): the run prepares them through
+    the model's video path and their records hold ``tasks.clips.CLIP_COLUMNS``."""
     """Whether the task's questions name image regions (``load_evidence``); ScienceQA's do not: its figures and tables
     leave retention and lost objects out."""
     instruction: ClassVar[str] = ""

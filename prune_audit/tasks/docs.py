@@ -50,7 +50,19 @@ prune-audit run --task scienceqa --model M --questions ScienceQA-IMG/test-00000-
 prune-audit run --task refcoco --model M --questions 'refcoco/refs(unc).p' --questions refcoco/instances.json \\
     --annotations refcoco/instances.json --images train2014 --split testA
 prune-audit run --task refcoco --model M --questions RefCOCO/data/testA-00000-of-00001.parquet  # lmms-eval files
+prune-audit run --task video_mc --model QWEN25VL --questions MVBench/json/action_count.json --images frames \\
+    --selector evs --budget 25%                         # frames/<video>/ holds each video's frames
+prune-audit run --task video_presence --model QWEN25VL --questions presence.json --images frames \\
+    --annotations instances.json                        # object tracks in the YouTube-VIS layout
 ```
+
+Video tasks (`video_mc`, `video_presence`) ask about clips: each question's video (`x.mp4`) is read from the frame
+folder `--images DIR/x/` (PNG or JPEG frames in name order; a video file is refused: extract its frames), sampled
+and resized as qwen-vl-utils reads a video for Qwen2.5-VL at the question's `fps` (frames per second of the folder;
+2 when the question gives none), and answered by a family that takes clips (Qwen2.5-VL; others refuse). Their
+selectors are the video selectors (an image selector is refused on clips). Their records hold the clip columns
+(`sampled_frames`, `frame_retention`, `window`, `window_retention`, `lost_in_window`; [records.md](records.md)): the
+core `retention` and `lost` count the evidence object over every sampled frame.
 
 Question files in the Parquet layout of the lmms-eval datasets (`.parquet`; see each task's "Parquet files")
 embed their images, so they need no `--images`: every embedded image the run uses is decoded, and its

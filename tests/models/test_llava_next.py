@@ -611,18 +611,15 @@ def test_flowcut_tower_stage_runs_per_crop_on_llava_next_as_its_official_anyres_
     half the budget kept in every crop, the cut size the largest over the crops, the kept patches that unpadding
     leaves laid out base view first then the tile grid row-major without newlines; the selection (features,
     tokens, each cut's kept tokens as a stage at layer l - 5) equals the official code re-derived on the stock
-    tower. The decoder layer-1 cut that follows it officially is not ported: the selector is refused on the
-    family in one line saying so, and a budget over every token keeps every token (the dense input)."""
+    tower, and a budget over every token keeps every token (the dense input). The decoder layer-1 cut that
+    follows it: test_flowcut_cuts_after_decoder_layer_1_on_llava_next_as_its_official_anyres_code."""
     from prune_audit.models.llava_next import build_llava_next
     from prune_audit.models.prefill_assembly import input_signals
 
     checkpoint = build_llava_next(tmp_path / "model", words=[*WORDS, "Is"], vision_layers=6, seed=3)
     vlm = load_vlm(checkpoint, device="cpu")
     item = vlm.prepare(random_image(4, size), QUESTIONS[0])
-    selector = get_selector("flowcut")
-    with pytest.raises(PruneAuditError) as error:
-        vlm.check_selector(selector)
-    assert "decoder layer 1" in str(error.value) and "\n" not in str(error.value)
+    selector = get_selector("flowcut").tower_stage()
     requires = frozenset({"crop_merging_tower"})
     [output] = vlm._vision([item], requires)
     signals = input_signals(vlm, item, output, requires)
@@ -637,3 +634,133 @@ def test_flowcut_tower_stage_runs_per_crop_on_llava_next_as_its_official_anyres_
     assert max(cuts) == 3 and len(tokens) <= item.pixel_values.shape[0] * (budget // 2)
     dense = selector.select(signals, item.num_visual)
     assert dense.kept.tolist() == list(range(item.num_visual)) and dense.sources is None
+
+
+def official_decoder_forward(vlm, item, selection, budget, appended=None):
+    """The official anyres prefill after FlowCut's tower stage, re-derived on the stock decoder modules
+    (TungChintao/FlowCut a2ecd24 ``modeling_llama_flowcut.py``): the prompt with the tower stage's features in
+    place of the image (no newlines), every layer on positions ``0..L-1`` up to layer 1, whose post-RoPE queries,
+    keys and values score the visual span (``official_decoder_cut``, the last prompt token), layer 1 run on every
+    token, its output cut to the ``budget`` kept tokens, and positions ``0..L'-1`` from layer 2 on
+    (``LlamaModel_forward``). Returns the last position's logits and the kept positions in the span. ``appended``:
+    a token id after the prompt, whose logits are then the official first decode step's (its position is the
+    prompt's length in layers 0 and 1 and that less the tokens cut from layer 2 on, ``position_ids -= ...``,
+    and it attends to every token in layers 0 and 1 and to the kept ones after: the cut of the prompt alone)."""
+    from test_flowcut import official_decoder_cut
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = vlm.model
+    language = model.model.language_model
+    start, end = item.image_span
+    ids = item.input_ids
+    features = model.model.multi_modal_projector(selection.vision_tokens)
+    embed = language.embed_tokens
+    tail = ids[end:] if appended is None else torch.cat([ids[end:], torch.tensor([appended])])
+    hidden = torch.cat([embed(ids[:start]), features, embed(tail)])[None]
+    visual, prompt = features.shape[0], hidden.shape[1] - (appended is not None)
+    keep = None
+    for index, layer in enumerate(language.layers):
+        positions = torch.arange(hidden.shape[1])[None]
+        cos, sin = language.rotary_emb(hidden, positions)
+        if index == 1:
+            attention, length = layer.self_attn, hidden.shape[1]
+            normed = layer.input_layernorm(hidden)
+            q, k, v = (
+                proj(normed).view(1, length, -1, attention.head_dim).transpose(1, 2)
+                for proj in (attention.q_proj, attention.k_proj, attention.v_proj)
+            )
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # repeat_kv
+            keep = official_decoder_cut(q, k, v, start, visual, prompt, budget)  # last_instruct_pos: the prompt's
+        hidden = layer(hidden, attention_mask=None, position_embeddings=(cos, sin))
+        if index == 1:
+            span = hidden[:, start : start + visual]
+            hidden = torch.cat([hidden[:, :start], span[:, keep], hidden[:, start + visual :]], dim=1)
+    logits = model.lm_head(language.norm(hidden[:, -1])).float()
+    return logits[0], keep
+
+
+@pytest.mark.parametrize(("size", "budget"), [((130, 100), 12), ((100, 130), 20), ((130, 100), 25)])
+def test_flowcut_cuts_after_decoder_layer_1_on_llava_next_as_its_official_anyres_code(tmp_path, size, budget):
+    """FlowCut end to end on a tiny LLaVA-NeXT (6-layer tower, 4 decoder layers): the tower stage's tokens (tested
+    against the official tower above), then the budget kept after decoder layer 1 by the last prompt token's flow
+    score, positions renumbered: the stages recorded (tower cuts, the input, layer 2), the tokens kept at layer 2
+    and the last position's logits equal the official prefill re-derived on the stock modules, and so does one
+    greedy decode step (layers 0 and 1 on every token, positions shifted after); a budget of every token is the
+    dense prefill."""
+    from prune_audit.models.llava_next import build_llava_next
+
+    checkpoint = build_llava_next(tmp_path / "model", words=[*WORDS, "Is"], vision_layers=6, text_layers=4, seed=3)
+    vlm = load_vlm(checkpoint, device="cpu")
+    item = vlm.prepare(random_image(4, size), QUESTIONS[0])
+    selector = get_selector("flowcut", budget_rule="paper")  # the official target_num after layer 1
+    vlm.check_selector(selector)  # no longer refused
+    prefill, [selection] = vlm.prefill([item], selector, budget)
+    fed = selection.num_output_tokens
+    assert fed > budget and selection.in_output_order  # half the budget per crop over 5 crops
+    with torch.no_grad():
+        logits, keep = official_decoder_forward(vlm, item, selection, budget)
+    assert prefill.stage_layers == [[2]] and prefill.tokens_per_layer[0] == [fed, fed, budget, budget]
+    assert prefill.kept_stages[0][0] == selection.kept[keep].tolist() and len(keep) == budget
+    torch.testing.assert_close(prefill.logits[0], logits, atol=TOL, rtol=TOL)
+    cached, _ = vlm.prefill([item], selector, budget, use_cache=True)  # one greedy step, the official positions
+    token = int(cached.logits[0].argmax())
+    with torch.no_grad():
+        step = vlm.loop.decode_step(cached.decode, torch.tensor([token]))
+        official_step, _ = official_decoder_forward(vlm, item, selection, budget, appended=token)
+    torch.testing.assert_close(step[0], official_step, atol=TOL, rtol=TOL)
+    [answer] = vlm.answer([item], selector, budget)  # the record: the tower cuts, the input, layer 2
+    assert answer.stage_layers == [layer for layer, _ in selection.tower_stages] + [0, 2]
+    assert answer.kept_stages[-2:] == [selection.kept.tolist(), selection.kept[keep].tolist()]
+    dense, _ = vlm.prefill([item])
+    everything, _ = vlm.prefill([item], selector, item.num_visual)
+    assert torch.equal(everything.logits, dense.logits) and everything.stage_layers == [[]]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_flowcut_flops_and_kv_bytes_on_llava_next_equal_the_counted(tmp_path, size):
+    """FlowCut's cost on the tiny LLaVA-NeXT: the FLOPs ``FlopCounterMode`` counts over the eager prefill (the
+    stock tower, the tower rerun on every crop with its cuts, the decoder with its layer-1 probe and values, the
+    prompt without newlines) equal the accounting's, the selector's own (its semantic products in the tower and
+    at layer 1) equal ``flops_selector``, at budgets that cut in the tower and at layer 1, at layer 1 only, and
+    keep everything (``budget_rule=paper``: the tiny decoder's 4 layers leave the average rule few budgets); the
+    KV bytes equal the cache's."""
+    from test_compute import counted, eager
+
+    from prune_audit.models.llava_next import build_llava_next
+
+    checkpoint = build_llava_next(tmp_path / "model", words=[*WORDS, "Is"], vision_layers=6, text_layers=4, seed=3)
+    vlm = eager(load_vlm(checkpoint, device="cpu"))
+    item = vlm.prepare(random_image(4, size), QUESTIONS[0])
+    selector = get_selector("flowcut", budget_rule="paper")  # the average rule's counts cost the same way
+    seen = set()
+    for budget in (12, 40, item.num_visual):
+        outside, inside, answer = counted(vlm, item, selector, budget)
+        cost = answer.cost
+        assert outside == cost.flops_vision + cost.flops_llm and inside == cost.flops_selector, budget
+        seen.add(tuple(layer for layer in answer.stage_layers if layer != 0))
+        prefill, _ = vlm.prefill([item], selector, budget, use_cache=True)
+        cache = prefill.decode.cache
+        stored = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                     for layer in cache.layers)  # fmt: skip
+        assert cost.kv_bytes == stored, budget
+    assert seen == {(-2, 2), (2,), ()}  # tower and decoder cuts, the decoder cut alone, none
+
+
+def test_flowcut_average_rule_solves_the_decoder_count_to_the_layer_average_on_llava_next(tmp_path):
+    """The default ``budget_rule=average`` on the tiny LLaVA-NeXT (4 decoder layers): layers 0 and 1 hold the
+    tokens the tower stage feeds, layers 2 and 3 the count that makes the realised layer average the budget
+    (within a token); a budget the first two layers alone exceed is refused in one line naming the paper rule."""
+    from prune_audit.models.llava_next import build_llava_next
+
+    checkpoint = build_llava_next(tmp_path / "model", words=[*WORDS, "Is"], vision_layers=6, text_layers=4, seed=3)
+    vlm = load_vlm(checkpoint, device="cpu")
+    item = vlm.prepare(random_image(4, SIZES[0]), QUESTIONS[0])
+    [answer] = vlm.answer([item], get_selector("flowcut"), 32)
+    fed, kept = answer.tokens_per_layer[0], answer.tokens_per_layer[2]
+    assert answer.tokens_per_layer == [fed, fed, kept, kept] and kept < fed
+    assert abs(sum(answer.tokens_per_layer) / 4 - 32) <= 0.5
+    with pytest.raises(PruneAuditError) as error:
+        vlm.answer([item], get_selector("flowcut"), 12)
+    assert "budget_rule=paper" in str(error.value) and "\n" not in str(error.value)

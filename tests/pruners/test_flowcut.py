@@ -15,13 +15,22 @@ from __future__ import annotations
 import math
 
 import pyarrow.parquet as pq
+import pytest
 import torch
 from tiny_models import WORDS, random_image
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
 from prune_audit.pruners import get_selector
-from prune_audit.pruners.flowcut import CropTowerCuts, TowerCuts, crop_budget, cut_size, flow_scores
+from prune_audit.pruners.base import LayerSignals, Stage
+from prune_audit.pruners.flowcut import (
+    CropTowerCuts,
+    TowerCuts,
+    crop_budget,
+    cut_size,
+    decoder_flow_scores,
+    flow_scores,
+)
 
 SEEDS, BUDGETS = range(10), (64, 128, 192)
 TOKENS, HEADS, HEAD_DIM, ALL_LAYERS = 577, 16, 64, 24  # CLIP ViT-L/14-336; LLaVA reads layer -2
@@ -240,3 +249,113 @@ def test_demo_run_records_stages_and_qwen_refuses(tmp_path):
                                       "--limit", "1", "--out", str(tmp_path / "q")])  # fmt: skip
     assert result.exit_code != 0 and "selector 'flowcut' needs" in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+# LLaVA-NeXT-7B's decoder (vicuna-7b: 32 heads of 128, no grouped-query heads) and a prompt around the image
+LLM_HEADS, LLM_HEAD_DIM, BEFORE, AFTER = 32, 128, 35, 20
+DECODER_BUDGETS = (160, 320, 640)
+
+
+def official_decoder_cut(query_states, key_states, value_states, start, visual, last, target):
+    """``LlamaSdpaAttention_forward``'s prune block of TungChintao/FlowCut a2ecd24 (``modeling_llama_flowcut.py``)
+    for batch row 0, re-typed: the (1, H, L, d) post-RoPE queries and keys and the values of the layer (after
+    ``repeat_kv``), the visual span ``start:start + visual``, ``last_instruct_pos`` ``last``; the ``target``
+    kept positions in the span, ascending."""
+    end, head_dim = start + visual, query_states.shape[-1]  # the attention's self.head_dim
+    vis_k, vis_v = key_states[0, :, start:end], value_states[0, :, start:end]
+    text_q, text_v = query_states[0, :, last - 1 : last], value_states[0, :, last - 1 : last]
+    relation_weight = torch.bmm(text_q, vis_k.transpose(1, 2)) / math.sqrt(head_dim)
+    relation_attn = torch.softmax(relation_weight, dim=-1, dtype=torch.float32).mean(0)
+    semantic_weight = torch.bmm(text_v, vis_v.transpose(1, 2)) / math.sqrt(head_dim)
+    semantic_attn = torch.softmax(semantic_weight, dim=-1, dtype=torch.float32).mean(0)
+    score = official_compute_score(relation_attn, semantic_attn, vis_v.mean(0))
+    return torch.topk(score, target, dim=1).indices.sort().values[0]
+
+
+def decoder_states(seed: int, kv_heads: int = LLM_HEADS):
+    """(1, H, L, d) queries, keys and values of one prompt (``BEFORE`` text, 1500 to 2900 visual tokens as
+    LLaVA-NeXT's anyres tower stage feeds, ``AFTER`` text) with the keys and values of ``kv_heads`` heads each
+    read by ``H / kv_heads`` query heads (``repeat_kv``), and the visual count; queries and values scaled per
+    seed so the softmaxes range from flat to peaked."""
+    generator = torch.Generator().manual_seed(seed)
+    visual = int(torch.randint(1500, 2900, (1,), generator=generator))
+    length = BEFORE + visual + AFTER
+    scale = 0.5 + 2 * torch.rand(2, generator=generator)
+    draw = lambda heads: torch.randn(1, heads, length, LLM_HEAD_DIM, generator=generator)  # noqa: E731
+    queries, keys, values = draw(LLM_HEADS) * scale[0], draw(kv_heads), draw(kv_heads) * scale[1]
+    groups = LLM_HEADS // kv_heads
+    return queries, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1), visual, groups
+
+
+def selector_decoder_cut(queries, keys, values, visual, budget, groups=1):
+    """FlowCut's decoder stage on the signals the adapter gives at layer 2 (``signal_layer="previous"``): the
+    text rows' logits to the visual keys, and the values of the visual and text tokens per key/value head."""
+    visual_span = slice(BEFORE, BEFORE + visual)
+    text = slice(BEFORE + visual, None)
+    signals = LayerSignals(
+        alive=torch.arange(visual), grid=(1, visual), layer=2, num_layers=32,
+        text_logits=queries[0, :, text] @ keys[0, :, visual_span].transpose(1, 2) / math.sqrt(LLM_HEAD_DIM),
+        values=values[0, ::groups, visual_span], text_values=values[0, ::groups, text],
+    )  # fmt: skip
+    return get_selector("flowcut", budget_rule="paper").prune(Stage(2, budget), signals, {})
+
+
+def test_decoder_cut_reproduces_the_official_layer_1_scores():
+    """30 cases: 10 seeds x budgets 160/320/640 at LLaVA-NeXT-7B's decoder shapes (32 heads of 128, 1500 to 2900
+    visual tokens between 35 and 20 text tokens), float32: the kept positions equal the official prune block's
+    (``topk`` of ``compute_score`` over the last prompt token's relation and semantic attention, sorted)."""
+    identical = 0
+    for seed in SEEDS:
+        queries, keys, values, visual, _ = decoder_states(seed)
+        for budget in DECODER_BUDGETS:
+            official = official_decoder_cut(queries, keys, values, BEFORE, visual, keys.shape[2], budget)
+            kept = selector_decoder_cut(queries, keys, values, visual, budget)
+            identical += torch.equal(kept, official)
+    assert identical == len(SEEDS) * len(DECODER_BUDGETS)
+
+
+def test_decoder_cut_reads_grouped_values_as_the_official_repeat_kv():
+    """A grouped-query decoder (8 key/value heads for 32 query heads): the selector reads each key/value head's
+    values once, the official code every query head's ``repeat_kv`` copy; the head means and the kept positions
+    agree."""
+    for seed in range(3):
+        queries, keys, values, visual, groups = decoder_states(50 + seed, kv_heads=8)
+        official = official_decoder_cut(queries, keys, values, BEFORE, visual, keys.shape[2], 320)
+        assert groups == 4 and torch.equal(selector_decoder_cut(queries, keys, values, visual, 320, groups), official)
+
+
+def test_decoder_flow_score_by_hand():
+    """One head of width 4, two visual tokens: the last token's logits (0, log 3) give relation (1/4, 3/4); its
+    value (2, 0, 0, 0) against values (1, 0, 0, 0) and (0, 1, 0, 0) gives products (2, 0) / sqrt(4) = (1, 0),
+    semantic (e, 1) / (e + 1); times the values' L1 norms (1, 1)."""
+    logits = torch.tensor([[0.0, math.log(3)]])
+    values = torch.tensor([[[1.0, 0, 0, 0], [0, 1.0, 0, 0]]])
+    scores = decoder_flow_scores(logits, torch.tensor([[2.0, 0, 0, 0]]), values)
+    semantic = torch.tensor([math.e, 1.0]) / (math.e + 1)
+    assert torch.allclose(scores, torch.tensor([0.25, 0.75]) + semantic)
+
+
+def test_schedule_cuts_after_decoder_layer_1_only_where_the_tower_fed_more_than_the_budget():
+    """One stage at the input of layer 2: down to the budget (``budget_rule=paper``, the official target_num), or
+    to the count whose layer average is the budget (default): (32 x 640 - 2 x 1500) / 30 = 582.7 -> 583; none
+    where the tower stage already holds the budget (LLaVA-1.5); a language model of 2 layers has no layer after
+    layer 1, and a budget below what layers 0 and 1 hold is refused (one-line errors)."""
+    paper, average = get_selector("flowcut", budget_rule="paper"), get_selector("flowcut")
+    assert paper.schedule(32, 1500, 640) == [Stage(2, 640)] and average.schedule(32, 1500, 640) == [Stage(2, 583)]
+    assert paper.schedule(32, 576, 576) == average.schedule(32, 576, 576) == average.schedule(2, 64, 64) == []
+    with pytest.raises(ValueError, match="decoder layer 1"):
+        paper.schedule(2, 65, 64)
+    with pytest.raises(ValueError, match="budget_rule=paper"):
+        average.schedule(32, 1500, 90)
+
+
+def test_composition_is_refused_in_one_line():
+    """FlowCut is an in-LLM selector with its own tower stage and no switch for it: an input part would replace
+    that stage, and another in-LLM part would be a second decoder stage; both refused in one line."""
+    from prune_audit.errors import PruneAuditError
+    from prune_audit.pruners.composed import parse_selector
+
+    for name, words in (("random+flowcut", "run 'flowcut' alone"), ("flowcut+fastv", "both parts")):
+        with pytest.raises(PruneAuditError, match=words) as error:
+            parse_selector(name, [])
+        assert "\n" not in str(error.value)

@@ -20,7 +20,7 @@ from prune_audit.pruners import list_selectors, selector_class
 from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import InputSelector, Reference
 from prune_audit.pruners.fidelity import fidelity_entries, fidelity_rows
-from prune_audit.pruners.layout import ANYRES_LLM_CUT, ONE_CLS, ONE_GRID, PADDED_CROP_GRID, PRE_PROJECTOR_FEATURES
+from prune_audit.pruners.layout import ONE_CLS, ONE_GRID, PADDED_CROP_GRID, PRE_PROJECTOR_FEATURES
 
 PACKAGE = Path(__file__).resolve().parents[2] / "prune_audit"
 
@@ -122,10 +122,9 @@ LAYOUT_NEEDS = {
     "vscan": PADDED_CROP_GRID,
     "pool": PRE_PROJECTOR_FEATURES,
     "downsample": PRE_PROJECTOR_FEATURES,
-    "flowcut": ANYRES_LLM_CUT,
 }
 FAMILY_REFUSALS = {
-    "llava_next": {"hiprune": ONE_GRID, "visionzip": ONE_CLS, "vscan": PADDED_CROP_GRID, "flowcut": ANYRES_LLM_CUT},
+    "llava_next": {"hiprune": ONE_GRID, "visionzip": ONE_CLS, "vscan": PADDED_CROP_GRID},
     "llava_onevision": {
         "hiprune": ONE_GRID,
         "visionzip": ONE_CLS,
@@ -161,7 +160,7 @@ def test_family_support_tables_are_the_match_of_selector_and_family_traits(famil
     assert adapter.crop_grid_selectors == {
         name
         for name in FAMILY_REFUSALS.get(family, {})
-        if LAYOUT_NEEDS[name] not in (PRE_PROJECTOR_FEATURES, ANYRES_LLM_CUT)  # no per-crop run of either
+        if LAYOUT_NEEDS[name] != PRE_PROJECTOR_FEATURES  # no per-crop run of it
     }
     assert set(adapter.per_grid_selectors) == PER_GRID.get(family, set())
     for how in adapter.per_grid_selectors.values():  # the family's prose for the selector's kind

@@ -71,6 +71,8 @@ LAYER_SHAPES = {
     "text_normed_hidden_states": (("T", "D"), "normal"),
     "key_norms": (("n",), "weight"),
     "text_key_norms": (("T",), "weight"),
+    "values": (("H", "n", "d"), "normal"),
+    "text_values": (("H", "T", "d"), "normal"),
     "embeddings": (("n", "D"), "normal"),
     "text_embeddings": (("T", "D"), "normal"),
     "sequence_index": (("n",), "visual_index"),

@@ -13,6 +13,7 @@ from prune_audit.records.stages import FIRST, StageChoice, record_stage
 from prune_audit.records.store import RecordStore
 from prune_audit.runner.intervene.inputs import RunInputs, locate_inputs
 from prune_audit.runner.intervene.swaps import MODES, REMOVE_MAX_OBJECT_CELLS
+from prune_audit.tasks import manifest_task
 
 CONTROLS = ("random",)
 
@@ -76,6 +77,11 @@ def load_source(run_dir: Path, stage: StageChoice = FIRST, overrides: RunInputs 
     if not manifest.get("annotations"):
         raise PruneAuditError(
             f"{run_dir} was run without annotations; intervene needs the object masks: re-run with --annotations FILE"
+        )
+    if manifest_task(manifest).reads_clips:
+        raise PruneAuditError(
+            f"{run_dir} is a run of video clips, and intervene swaps the tokens of still images; intervene on an image "
+            "task's run"
         )
     inputs = locate_inputs(manifest, overrides)
     records = RecordStore(run_dir, manifest).read().to_pylist()

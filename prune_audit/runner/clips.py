@@ -1,0 +1,112 @@
+"""``prune-audit run`` on video clips: frame folders checked, the family and selector checked to take clips, and each
+question prepared through the model's video path.
+
+A clip task's question names a video (``x.mp4``); ``--images DIR`` holds it as the folder ``DIR/x/`` of its frames
+(PNG or JPEG, in name order: the clip as stored). A video file there is refused (no video decoder is a dependency:
+extract its frames), as is a missing folder; every frame decodes and has one size before anything is written.
+Frames are sampled and resized as qwen-vl-utils reads a video for Qwen2.5-VL (``data.video.sample_clip``, its
+default pixel limits) at the question's frame rate (``ClipTask.clip_fps``).
+
+Selectors on clips: each part reads the clip's temporal grid (the video selectors) or is declared part of a video
+method (``Selector.clip_method``: DyCoke's KV stage); an image selector declares no per-frame run and is refused in
+one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prune_audit.errors import PruneAuditError
+from prune_audit.pruners.signals import VIDEO_GRID
+from prune_audit.safety.inputs import path_under
+
+if TYPE_CHECKING:
+    from prune_audit.models import Prepared, VisionLanguageModel
+    from prune_audit.pruners.composed import RunSelector
+    from prune_audit.runner.request import RunRequest
+    from prune_audit.tasks import Task, TaskQuestion
+    from prune_audit.tasks.clips import ClipTask
+
+
+def _frame_folder(request: RunRequest, task: ClipTask, question: TaskQuestion) -> Path:
+    """The question's frame folder under ``--images``; a video file or a missing folder refused in one line."""
+    if request.images is None:
+        raise PruneAuditError("pass --images DIR, the folder holding one folder of frames per video")
+    folder = path_under(request.images, question.image, "the question files")
+    if folder.is_dir():
+        return folder
+    video = task.clip_name(question)
+    if folder.exists() or (Path(request.images) / video).is_file():
+        raise PruneAuditError(
+            f"{Path(request.images) / video} is a video file, and clips are read as frame folders: extract its "
+            f"frames into the folder {folder}/ (PNG or JPEG, in name order)"
+        )
+    raise PruneAuditError(
+        f"no frame folder {folder} for video {video!r}; extract its frames into that folder (PNG or JPEG) or pass "
+        "the --images DIR holding it"
+    )
+
+
+def check_clip_folders(
+    request: RunRequest, task: ClipTask, questions: Sequence[TaskQuestion]
+) -> tuple[dict[str, Path], dict[str, tuple[int, int]]]:
+    """Every clip's frame folder exists and its frames decode at one size: folder and (width, height) by name."""
+    from prune_audit.data.images import open_rgb
+    from prune_audit.data.video import frame_files
+
+    paths: dict[str, Path] = {}
+    sizes: dict[str, tuple[int, int]] = {}
+    for question in questions:
+        if question.image in paths:
+            continue
+        folder = _frame_folder(request, task, question)
+        frames = {open_rgb(path).size for path in frame_files(folder)}  # each frame decodes (one line otherwise)
+        if len(frames) > 1:
+            raise PruneAuditError(f"the frames of {folder} differ in size; give frames of one size")
+        paths[question.image], sizes[question.image] = folder, frames.pop()
+    return paths, sizes
+
+
+def frame_pins(folders: dict[str, Path]) -> dict[str, Path]:
+    """Each clip's frame files by ``video/frame`` name: what the manifest pins by content."""
+    from prune_audit.data.video import frame_files
+
+    return {f"{name}/{path.name}": path for name, folder in folders.items() for path in frame_files(folder)}
+
+
+def check_clip_model(vlm: VisionLanguageModel, selector: RunSelector | None, task: Task) -> None:
+    """The family reads clips and the selector acts on them (module docstring); one line otherwise."""
+    if not vlm.takes_video:
+        from prune_audit.models.families import video_families
+
+        raise PruneAuditError(
+            f"task {task.name} asks about video clips, which {vlm.display_name} does not read here; use a "
+            f"checkpoint of a family that takes clips ({', '.join(video_families())})"
+        )
+    if selector is None:
+        return
+    from prune_audit.pruners.composed import ComposedSelector
+
+    parts = selector.parts if isinstance(selector, ComposedSelector) else (selector,)
+    for part in parts:
+        if not (part.clip_method or VIDEO_GRID in vlm.signals_for(part)):
+            raise PruneAuditError(
+                f"selector {part.name} reads no clip's temporal grid and declares no per-frame run, so it does not "
+                "run on video clips here; choose a video selector (prune-audit selectors lists what each reads)"
+            )
+
+
+def prepare_clip(vlm: VisionLanguageModel, task: ClipTask, question: TaskQuestion, folder: Path, text: str) -> Prepared:
+    """The question's clip sampled from ``folder`` at its frame rate, through the model's video path."""
+    from prune_audit.data.video import sample_clip
+
+    processor = vlm.image_processor  # type: ignore[attr-defined]  # a family that takes clips has one
+    clip = sample_clip(
+        folder, task.clip_fps(question), patch_size=processor.patch_size, merge_size=processor.merge_size
+    )
+    return vlm.prepare_video(clip, text)
+
+
+__all__ = ["check_clip_folders", "check_clip_model", "frame_pins", "prepare_clip"]
