@@ -202,3 +202,25 @@ def test_demo_clips_prints_the_files_and_a_mix_on_the_video_recipe_is_refused_in
     )
     assert refused.exit_code != 0 and "leave --mix out" in refused.output
     assert len(refused.output.strip().splitlines()) == 1 and not (tmp_path / "m").exists()
+
+
+def test_the_trained_prompts_are_the_video_tasks_prompts_word_for_word(tmp_path):
+    """What `run --task video_presence|video_mc` asks about the demo's clip files is what demo-video trained on
+    (the demo tokenizer drops whitespace, so words decide): MVBench's prompt, and the presence question with one of
+    the trained instructions."""
+    from prune_audit.demo.clip_files import write_clip_files
+    from prune_audit.demo.clip_questions import choice_prompt
+    from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS
+    from prune_audit.tasks import get_task
+
+    files = write_clip_files(tmp_path / "clips", seed=5, clips=12)
+    words = re.compile(WORD_PATTERN).findall
+    mc = get_task("video_mc")
+    entries = json.loads(files.mvbench.read_text())
+    for question, entry in zip(mc.read_questions([files.mvbench]), entries, strict=True):
+        trained = choice_prompt(entry["question"], tuple(entry["candidates"]))
+        assert words(mc.prompt_text(question)) == words(trained)
+    presence = get_task("video_presence")
+    for question, entry in zip(presence.read_questions([files.presence]), json.loads(files.presence.read_text())):
+        asked = words(presence.prompt_text(question))
+        assert any(asked == words(f"{entry['question']} {instruction}") for instruction in DEMO_INSTRUCTIONS)
