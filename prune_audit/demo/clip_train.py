@@ -89,7 +89,7 @@ def clip_prompt(vlm: VisionLanguageModel, image_size: int, frames: int, fps: flo
         merge_size=processor.merge_size,
         **demo_clip_sampling(image_size, frames),
     )
-    item = vlm.prepare_video(probe, question_text("circle"))  # type: ignore[attr-defined]
+    item = vlm.prepare_video(probe, question_text("circle"))
     start, end = item.image_span
     positions = item.extras["positions"]
     return ClipPrompt(
