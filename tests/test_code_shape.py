@@ -36,7 +36,6 @@ LONG_FUNCTIONS = {
     "pruners/fidelity.py::fidelity_markdown": "docs/fidelity.md's prose, verbatim, then its table",
     "data/geometry.py::clip_geometry": "one pipeline (pad, resize, crop) as transformers' PilBackend runs it",
     "safety/ownership.py::check_output_dir": "one ordered list of refusals of an output folder",
-    "demo/train.py::train_demo_model": "the training loop with its logging, monitoring and checkpoints",
 }
 """Functions over the bound today, each one concept, with why (``module path::qualified name``)."""
 

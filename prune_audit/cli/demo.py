@@ -33,13 +33,14 @@ def train(
             "--model",
             help="Which demo's recipe: demo (LLaVA), demo-qwen (Qwen2.5-VL), their task-mix versions "
             "demo-tasks-stage1 and demo-qwen-tasks, demo-tasks (demo-tasks-stage1 continued on reading and "
-            "grounding) or demo-tasks-grounding (demo-tasks continued on grounding, not shipped); a continuing recipe "
-            "needs --init.",
+            "grounding), demo-tasks-grounding (demo-tasks continued on grounding, not shipped) or demo-video (the "
+            "shipped demo-qwen continued on synthetic clips); a continuing recipe needs --init unless it continues a "
+            "shipped demo.",
         ),
     ] = "demo",
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the training scenes.")] = 1,
     steps: Annotated[
-        int | None, typer.Option(min=1, help="Optimiser steps, 32 fresh scenes each (default: the recipe's).")
+        int | None, typer.Option(min=1, help="Optimiser steps, fresh scenes or clips each (default: the recipe's).")
     ] = None,
     threads: Annotated[
         int,
@@ -74,13 +75,14 @@ def train(
         typer.Option(
             "--init",
             help="Folder of the model a continuing recipe starts from (demo-tasks: a demo-tasks-stage1 model; "
-            "demo-tasks-grounding: a demo-tasks model).",
+            "demo-tasks-grounding: a demo-tasks model; demo-video: default the shipped demo-qwen).",
         ),
     ] = None,
 ) -> None:
     """Train a demo model from scratch on CPU (each shipped demo: --model NAME --seed 1 --threads 1)."""
     from dataclasses import asdict, replace
 
+    from prune_audit.demo import DEMO_MODELS
     from prune_audit.demo.batches import check_mix
     from prune_audit.demo.train import DEMO_RECIPES, check_init, train_demo_model
     from prune_audit.safety.ownership import hold_output_dir
@@ -101,6 +103,10 @@ def train(
         counts = tuple(int(part) for part in parts)
         check_mix(counts)
     recipe = DEMO_RECIPES[model]
+    if counts is not None and recipe.clip_frames is not None:
+        raise ValueError(f"--mix sets the still scenes' task mix; {model} trains on clips: leave --mix out")
+    if init is None and recipe.init_from in DEMO_MODELS:  # a shipped demo continues from its bundled weights
+        init = DEMO_MODELS[recipe.init_from]
     recipe = replace(
         recipe,
         seed=seed,
@@ -165,6 +171,27 @@ def questions(
     width = max(len(label) for label, _ in lines) + 2  # the longest label still has a space before its path
     for label, value in lines:
         print(f"{label + ':':<{width}}{value}")
+
+
+@app.command("clips")
+@handle_errors
+def clips(
+    cache_dir: CacheOption = None,
+    count: Annotated[int, typer.Option("--clips", min=1, help="Held-out clips to generate.")] = 200,
+) -> None:
+    """Generate (once) the video demo's clips (frame folders), their video_presence and MVBench-layout question
+    files and YouTube-VIS track annotations, and print their paths."""
+    from prune_audit.demo.clip_files import demo_clip_files
+
+    files = demo_clip_files(cache_dir, clips=count)
+    lines = [
+        ("videos", files.videos),
+        ("presence", files.presence),
+        ("mvbench", files.mvbench),
+        ("tracks", files.tracks),
+    ]
+    for label, path in lines:
+        print(f"{label + ':':<10}{path}")
 
 
 @app.command("evaluate")

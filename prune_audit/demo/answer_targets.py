@@ -54,6 +54,8 @@ class AnswerTarget:
         letters: the offered option letters (multiple choice): the answer is the likeliest of them.
         options: the offered option texts, in letter order (multiple choice).
         present: per option whether it is in the image (the auxiliary option targets).
+        option_line: how the prompt writes an option's line (``str.format`` of ``letter`` and ``option``), whose
+            last token the option target is trained at.
     """
 
     prompt: str
@@ -62,6 +64,7 @@ class AnswerTarget:
     letters: tuple[str, ...] = ()
     options: tuple[str, ...] = ()
     present: tuple[bool, ...] = ()
+    option_line: str = "{letter}. {option}"
 
 
 def answer_target(question: Question | MixQuestion, instruction: str) -> AnswerTarget:
@@ -159,7 +162,7 @@ def teacher_forcing(vlm: VisionLanguageModel, pieces: PromptPieces, targets: Seq
         prompt = pieces.suffix(vlm, target.prompt)
         for letter, option, present in zip(target.letters, *_offered(target)):
             option_rows.append(row)
-            option_cols.append(_option_end(vlm, prompt, letter, option))
+            option_cols.append(_option_end(vlm, prompt, target.option_line.format(letter=letter, option=option)))
             option_present.append(present)
         answer = vlm.tokenizer(target.answer, add_special_tokens=False).input_ids
         forced = [*answer, end_id] if target.every_token else answer[:1]
@@ -198,14 +201,14 @@ def _offered(target: AnswerTarget) -> tuple[tuple[str, ...], tuple[bool, ...]]:
     return target.options, target.present
 
 
-def _option_end(vlm: VisionLanguageModel, suffix: Tensor, letter: str, option: str) -> int:
-    """The position in ``suffix`` of the last token of the option line ``"{letter}. {option}"``."""
-    line = vlm.tokenizer(f"{letter}. {option}", add_special_tokens=False).input_ids
+def _option_end(vlm: VisionLanguageModel, suffix: Tensor, text: str) -> int:
+    """The position in ``suffix`` of the last token of the option line ``text``."""
+    line = vlm.tokenizer(text, add_special_tokens=False).input_ids
     ids = suffix.tolist()
     for start in range(len(ids) - len(line) + 1):
         if ids[start : start + len(line)] == line:
             return start + len(line) - 1
-    raise ValueError(f"the option line {letter}. {option} is not in its prompt's tokens")
+    raise ValueError(f"the option line {text} is not in its prompt's tokens")
 
 
 def option_loss(logits: Tensor, forcing: TeacherForcing) -> Tensor:

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prune_audit.data.pope_build import question_text
+from prune_audit.data.scene_clips import CLIP_FPS, CLIP_FRAMES
 from prune_audit.data.scenes import CATEGORIES, Scene
 from prune_audit.demo.answer_targets import (
     PromptPieces,
@@ -73,6 +74,9 @@ from prune_audit.demo.batches import (
     sample_batch,
 )
 from prune_audit.demo.checkpoint import CHECKPOINT_FILE, resume, save_checkpoint
+from prune_audit.demo.clip_batches import ClipBatch, sample_clip_batch
+from prune_audit.demo.clip_questions import clip_vocabulary_words
+from prune_audit.demo.clip_train import ClipPrompt, clip_accuracy, clip_batch_loss, clip_prompt
 from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, prompt_text
 from prune_audit.demo.scene_questions import (
     KINDS,
@@ -99,6 +103,9 @@ DEMO_WORDS: tuple[str, ...] = (
 MIX_WORDS: tuple[str, ...] = tuple(dict.fromkeys((*DEMO_WORDS, *vocabulary_words())))
 # a mix that reads words or grounds expressions also writes the words and box numbers (ids after MIX_WORDS')
 READING_WORDS: tuple[str, ...] = tuple(dict.fromkeys((*MIX_WORDS, *reading_words())))
+# the video demo continues demo-qwen: its words first (same ids), then the clip questions' (ids after them)
+CLIP_WORDS: tuple[str, ...] = tuple(dict.fromkeys((*DEMO_WORDS, *clip_vocabulary_words())))
+CLIP_CHOICES = 2  # choice questions per training clip (presence questions stand in where a clip answers none)
 # questions per image of each kind (KINDS order) of the mix recipe: 4 yes/no (balanced), 2 short answers,
 # 2 multiple choices (the two-hop kind: with one, 4,2,1,1, it stayed at chance for 1,000 steps) and the
 # caption (the same answer whatever the step, so one)
@@ -151,10 +158,16 @@ class DemoRecipe:
     init_from: str | None = None
     """The ``DEMO_RECIPES`` name of the model this recipe continues (its weights start the run, ``--init``; rows of
     words the vocabulary adds start random); None: from scratch."""
+    clip_frames: int | None = None
+    """Frames of every training clip (``data.scene_clips``): the recipe trains on clips through Qwen2.5-VL's video
+    path (``demo.clip_train``), ``questions_per_image`` presence and ``CLIP_CHOICES`` choice questions per clip,
+    ``images_per_step`` clips per step, and monitors ``monitor_images`` held-out clips; None: still scenes."""
 
     @property
     def words(self) -> tuple[str, ...]:
         """The vocabulary the recipe's questions and answers need (an earlier recipe's words first, same ids)."""
+        if self.clip_frames is not None:
+            return CLIP_WORDS
         if self.mix is None:
             return DEMO_WORDS
         reads = any(full_mix(self.mix)[KINDS.index(kind)] for kind in ("text", "ground"))
@@ -228,6 +241,22 @@ DEMO_RECIPES["demo-tasks-grounding"] = replace(
     mix=GROUNDING_MIX,
     box_sigma=0.02,
     position_head=True,
+)
+# the video demo: demo-qwen's weights continue on clips of moving, appearing and vanishing shapes (issue 43), at
+# one size (96 px: 4 temporal steps x 36 tokens = 144 clip tokens); the fine-tuning's halved peak rate and warm-up,
+# 8 clips (32 frame pairs, as many vision-tower cells as 32 still scenes) of 10 questions per step
+DEMO_RECIPES["demo-video"] = replace(
+    DEMO_RECIPES["demo-qwen"],
+    init_from="demo-qwen",
+    clip_frames=CLIP_FRAMES,
+    train_sizes=(),
+    images_per_step=8,
+    questions_per_image=8,
+    learning_rate=5e-4,
+    warmup_steps=50,
+    steps=1800,
+    monitor_every=100,
+    monitor_images=60,
 )
 
 
@@ -484,6 +513,66 @@ def _fresh_model(recipe: DemoRecipe, scratch: Path) -> VisionLanguageModel:
     return load_demo(scratch)
 
 
+def _prompts(vlm: VisionLanguageModel, recipe: DemoRecipe) -> dict[int, PromptPieces] | ClipPrompt:
+    """The training prompts: per scene size its prompt pieces, or the clip prompt of a video recipe."""
+    if recipe.clip_frames is not None:
+        return clip_prompt(vlm, recipe.image_size, recipe.clip_frames, CLIP_FPS)
+    return {size: prompt_pieces(vlm, (size // recipe.cell) ** 2) for size in recipe.train_sizes or (recipe.image_size,)}
+
+
+def _step_losses(
+    vlm: VisionLanguageModel,
+    heads: VisionHeads,
+    recipe: DemoRecipe,
+    step: int,
+    pieces: dict[int, PromptPieces] | ClipPrompt,
+) -> dict[str, Tensor]:
+    """The losses of training step ``step``: its fresh scenes (or clips) and their questions."""
+    # one instruction per step keeps the yes/no suffixes the same length (less padding work)
+    instruction = DEMO_INSTRUCTIONS[np.random.default_rng([recipe.seed, step, 1]).integers(len(DEMO_INSTRUCTIONS))]
+    if isinstance(pieces, ClipPrompt):
+        clips = _clip_batch(recipe, recipe.seed, step, recipe.images_per_step, "train")
+        return clip_batch_loss(vlm, heads, pieces, clips, instruction)
+    size = recipe.step_size(step)
+    batch = sample_batch(
+        recipe.seed,
+        step,
+        images=recipe.images_per_step,
+        questions_per_image=recipe.questions_per_image,
+        image_size=size,
+        patch_size=recipe.cell,
+        mix=recipe.mix,
+    )
+    return batch_loss(vlm, heads, pieces[size], batch, instruction, recipe.box_sigma)
+
+
+def _clip_batch(recipe: DemoRecipe, seed: int, step: int, clips: int, split: str) -> ClipBatch:
+    """Clip batch ``step`` of the stream ``(split, seed)`` at the video recipe's size and frame count."""
+    return sample_clip_batch(
+        seed,
+        step,
+        clips=clips,
+        presence=recipe.questions_per_image,
+        choices=CLIP_CHOICES,
+        image_size=recipe.image_size,
+        frames=recipe.clip_frames or CLIP_FRAMES,
+        cell=recipe.cell,
+        split=split,
+    )
+
+
+def _monitor(
+    vlm: VisionLanguageModel, recipe: DemoRecipe, pieces: dict[int, PromptPieces] | ClipPrompt
+) -> tuple[float, dict[str, float]]:
+    """Held-out yes/no accuracy (a video recipe: presence accuracy) and the accuracy per task, kind or window."""
+    if isinstance(pieces, ClipPrompt):
+        held_out = _clip_batch(recipe, MONITOR_SEED, 0, recipe.monitor_images, "heldout")
+        tasks = clip_accuracy(vlm, pieces, held_out)
+        return tasks["presence"], tasks
+    accuracy = monitor_accuracy(vlm, recipe)
+    return accuracy, monitor_task_accuracy(vlm, recipe) if recipe.mix is not None else {}
+
+
 def train_demo_model(
     recipe: DemoRecipe, out_dir: Path, *, init_dir: Path | None = None, log: Callable[[str], None] = print
 ) -> dict:
@@ -505,29 +594,15 @@ def train_demo_model(
     heads = VisionHeads(vlm.vision_state_width, words=recipe.reads, feature_width=feature_width)
     parameters = [p for p in (*vlm.model.parameters(), *heads.parameters()) if p.requires_grad]
     optimizer = _optimizer(parameters, recipe)
-    pieces = {
-        size: prompt_pieces(vlm, (size // recipe.cell) ** 2) for size in recipe.train_sizes or (recipe.image_size,)
-    }
+    pieces = _prompts(vlm, recipe)
     first, history, minutes_before = resume(out_dir, recipe, vlm, heads, optimizer)
     if first:
         log(f"resuming from step {first}/{recipe.steps} ({CHECKPOINT_FILE} in {out_dir})")
     start = time.perf_counter() - 60 * minutes_before
     for step in range(first, recipe.steps):
-        size = recipe.step_size(step)
-        batch = sample_batch(
-            recipe.seed,
-            step,
-            images=recipe.images_per_step,
-            questions_per_image=recipe.questions_per_image,
-            image_size=size,
-            patch_size=recipe.cell,
-            mix=recipe.mix,
-        )
-        # one instruction per step keeps the yes/no suffixes the same length (less padding work)
-        instruction = DEMO_INSTRUCTIONS[np.random.default_rng([recipe.seed, step, 1]).integers(len(DEMO_INSTRUCTIONS))]
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, recipe)
-        losses = batch_loss(vlm, heads, pieces[size], batch, instruction, recipe.box_sigma)
+        losses = _step_losses(vlm, heads, recipe, step, pieces)
         optimizer.zero_grad(set_to_none=True)
         losses["total"].backward()
         torch.nn.utils.clip_grad_norm_(parameters, recipe.grad_clip)
@@ -538,8 +613,7 @@ def train_demo_model(
             log(f"step {done}/{recipe.steps} {parts} elapsed {time.perf_counter() - start:.0f}s")
         if done % recipe.monitor_every == 0 or done == recipe.steps:
             vlm.model.eval()
-            accuracy = monitor_accuracy(vlm, recipe)
-            tasks = monitor_task_accuracy(vlm, recipe) if recipe.mix is not None else {}
+            accuracy, tasks = _monitor(vlm, recipe, pieces)
             vlm.model.train()
             minutes = (time.perf_counter() - start) / 60
             entry = {"step": done, "minutes": round(minutes, 2), "heldout_accuracy": round(accuracy, 4)}
