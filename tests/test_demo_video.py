@@ -168,6 +168,27 @@ def test_demo_train_on_clips_monitors_presence_per_window(video_model):
     assert {"presence:beginning", "presence:end", "presence:video", "choice"} <= set(entry["task_accuracy"])
     vocabulary = load_demo(video_model).tokenizer.get_vocab()
     assert set(CLIP_WORDS) <= set(vocabulary) and "<|video_pad|>" in vocabulary
+    # it reads clips at the frame size it was trained on (every frame of a 96 px clip kept at 96 px)
+    sampling = json.loads((video_model / "video_sampling.json").read_text())
+    assert sampling == {"min_pixels": 96 * 96, "total_pixels": 96 * 96 * 8 // 2}
+
+
+def test_the_clip_tasks_default_to_the_video_demo_and_its_clip_files():
+    from prune_audit.demo import default_demo
+    from prune_audit.demo.assets import demo_assets
+    from prune_audit.errors import PruneAuditError
+
+    assert default_demo(["video_presence"]) == default_demo(["video_presence", "video_mc"]) == "demo-video"
+    assert default_demo(["pope"]) == "demo" and default_demo(["gqa"]) == "demo-tasks"
+    with pytest.raises(PruneAuditError, match="no bundled demo answers both"):
+        default_demo(["video_mc", "pope"])
+    assets = demo_assets(name="demo-video")
+    questions, videos, tracks = assets.questions("video_presence")
+    assert [path.name for path in questions] == ["demo_video_presence.json"] and tracks is not None
+    assert (videos / json.loads(questions[0].read_text())[0]["video"]).is_dir()
+    questions, videos, tracks = assets.questions("video_mc")
+    assert [path.name for path in questions] == ["demo_mvbench.json"] and tracks is None
+    assert json.loads((assets.model_dir / "video_sampling.json").read_text())["min_pixels"] == 96 * 96
 
 
 def test_the_training_forward_equals_the_stock_video_forward(video_model):

@@ -3,7 +3,8 @@
 ``prune-audit run`` and ``prune-audit visualize`` fall back to these when no model and
 no questions are given: POPE's files, or for ``--task gqa|scienceqa|caption`` the demo's
 files of that task about the same images, for ``--task textvqa|refcoco`` about the same scenes
-drawn with a word (``demo.task_files``). A model that ``demo train`` wrote reads the same
+drawn with a word (``demo.task_files``), for ``--task video_presence|video_mc`` the demo clips
+(``demo.clip_files``). A model that ``demo train`` wrote reads the same
 question files by default.
 """
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 
 DEMO_TASKS = ("gqa", "scienceqa", "caption", "textvqa", "refcoco")
 """Tasks besides POPE with demo question files (``demo.task_files``)."""
+CLIP_TASKS = ("video_presence", "video_mc")
+"""The clip tasks with demo files (``demo.clip_files``: the demo clips' frame folders, questions and tracks)."""
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,14 @@ class DemoAssets:
         """
         if task == "pope":
             return self.pope_files, self.images_dir, self.annotations
+        if task in CLIP_TASKS:
+            from prune_audit.demo.clip_files import demo_clip_files
+
+            clips = demo_clip_files()  # written into the cache on the first such run
+            return clips.questions(task), clips.videos, clips.evidence(task)
         if task not in DEMO_TASKS:
             raise PruneAuditError(
-                f"the bundled demo has no {task} questions (it has {', '.join(('pope', *DEMO_TASKS))}); "
+                f"the bundled demo has no {task} questions (it has {', '.join(('pope', *DEMO_TASKS, *CLIP_TASKS))}); "
                 f"pass --questions FILE... with --images DIR"
             )
         from prune_audit.demo.questions import demo_task_files

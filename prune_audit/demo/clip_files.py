@@ -63,6 +63,14 @@ class DemoClipFiles:
     def tracks(self) -> Path:
         return self.root / "demo_ytvis_instances.json"
 
+    def questions(self, task: str) -> tuple[Path, ...]:
+        """The question files of the clip task ``task`` (``--questions``)."""
+        return (self.presence,) if task == "video_presence" else (self.mvbench,)
+
+    def evidence(self, task: str) -> Path | None:
+        """The tracks file of ``task`` (``--annotations``): the presence task's; multiple choice names no regions."""
+        return self.tracks if task == "video_presence" else None
+
 
 def clip_name(seed: int, video_id: int) -> str:
     """The frame folder of clip ``video_id`` (``index + 1``) of the held-out stream ``seed``."""

@@ -76,7 +76,7 @@ from prune_audit.demo.batches import (
 from prune_audit.demo.checkpoint import CHECKPOINT_FILE, resume, save_checkpoint
 from prune_audit.demo.clip_batches import ClipBatch, sample_clip_batch
 from prune_audit.demo.clip_questions import clip_vocabulary_words
-from prune_audit.demo.clip_train import ClipPrompt, clip_accuracy, clip_batch_loss, clip_prompt
+from prune_audit.demo.clip_train import ClipPrompt, clip_accuracy, clip_batch_loss, clip_prompt, demo_clip_sampling
 from prune_audit.demo.evaluate import DEMO_INSTRUCTIONS, answer, prompt_text
 from prune_audit.demo.scene_questions import (
     KINDS,
@@ -91,6 +91,7 @@ from prune_audit.demo.scene_questions import (
 )
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.task_instructions import DEMO_TASK_INSTRUCTIONS, write_task_instructions
+from prune_audit.models.video_sampling import write_video_sampling
 from prune_audit.safety.atomic import staging_folder
 
 # held-out monitoring scenes during training; the demo question set uses another seed
@@ -628,12 +629,14 @@ def train_demo_model(
         "history": history,
         "versions": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
     }
-    _save(vlm, out_dir, summary)
+    clips = None if recipe.clip_frames is None else demo_clip_sampling(recipe.image_size, recipe.clip_frames)
+    _save(vlm, out_dir, summary, clips)
     return summary
 
 
-def _save(vlm: VisionLanguageModel, out_dir: Path, summary: dict) -> None:
-    """Write the float16 checkpoint, its processing parts and summary; replace files in ``out_dir`` only when
+def _save(vlm: VisionLanguageModel, out_dir: Path, summary: dict, clip_sampling: dict[str, int] | None) -> None:
+    """Write the float16 checkpoint, its processing parts and summary (and ``clip_sampling``, the frame sizes a
+    model trained on clips reads them at: ``models.video_sampling``); replace files in ``out_dir`` only when
     every one is complete.
 
     They are prepared in a staging folder inside ``out_dir`` (never beside it, in a folder
@@ -650,6 +653,8 @@ def _save(vlm: VisionLanguageModel, out_dir: Path, summary: dict) -> None:
             part.save_pretrained(staging)
         (staging / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
         write_task_instructions(staging, DEMO_TASK_INSTRUCTIONS)  # evaluated as trained: POPE questions bare
+        if clip_sampling is not None:
+            write_video_sampling(staging, clip_sampling)
         for item in staging.iterdir():
             os.replace(item, out_dir / item.name)
         (out_dir / CHECKPOINT_FILE).unlink(missing_ok=True)  # the trained model supersedes it

@@ -127,6 +127,8 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         self.system_prompt = system_prompt
         # {task name: instruction} where this checkpoint's own evaluation differs from the task's (models.task_instructions)
         self.task_instructions: dict[str, str] = {}
+        # the frame pixel limits this checkpoint reads clips at, where not qwen-vl-utils' (models.video_sampling)
+        self.video_sampling: dict[str, int] = {}
         self._schedules = Schedules()
         self.yes_ids = answer_token_ids(tokenizer, "yes")
         self.no_ids = answer_token_ids(tokenizer, "no")

@@ -12,6 +12,7 @@ from prune_audit.errors import PruneAuditError
 from prune_audit.models.hub import resolve_model_source
 from prune_audit.models.parts import load_part
 from prune_audit.models.task_instructions import checkpoint_task_instructions
+from prune_audit.models.video_sampling import checkpoint_video_sampling
 from prune_audit.safety.fingerprint import weight_files
 
 if TYPE_CHECKING:
@@ -98,6 +99,7 @@ def load_vlm(
     adapter.resolve_template(prompt_template)
     adapter.check_clip_text(clip_text)
     task_instructions = checkpoint_task_instructions(source)  # read before the weights: a bad file fails fast
+    video_sampling = checkpoint_video_sampling(source)
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     model_class = adapter.transformers_class()
@@ -119,6 +121,7 @@ def load_vlm(
         clip_text=None if clip_text is None else str(clip_text),
     )
     vlm.task_instructions = task_instructions
+    vlm.video_sampling = video_sampling
     return vlm
 
 

@@ -104,7 +104,11 @@ def prepare_clip(vlm: VisionLanguageModel, task: ClipTask, question: TaskQuestio
 
     processor = vlm.image_processor  # type: ignore[attr-defined]  # a family that takes clips has one
     clip = sample_clip(
-        folder, task.clip_fps(question), patch_size=processor.patch_size, merge_size=processor.merge_size
+        folder,
+        task.clip_fps(question),
+        patch_size=processor.patch_size,
+        merge_size=processor.merge_size,
+        **vlm.video_sampling,  # a checkpoint trained at other frame sizes declares them (models.video_sampling)
     )
     return vlm.prepare_video(clip, text)
 
