@@ -166,6 +166,9 @@ class Panel:
     """(label, box in image pixels) of each evidence box, framed solid in MASK_OUTLINE (an empty label: none)."""
     answer_boxes: list[tuple[str, Box]] = field(default_factory=list)
     """(label, box in image pixels) of the model's answer boxes, framed dashed in ANSWER_OUTLINE."""
+    image: np.ndarray | None = None
+    """(H, W, 3) uint8 picture this panel draws over instead of the figure's image (a clip's frame; every panel's
+    the same size as the figure's); None: the figure's image."""
 
     def merged_cells(self, stage: int) -> list[int]:
         return self.merged[stage] if stage < len(self.merged) else []
@@ -233,6 +236,7 @@ def grid_panels(panel: Panel) -> list[Panel]:
                 evidence_label=panel.evidence_label,
                 evidence_boxes=panel.evidence_boxes,
                 answer_boxes=panel.answer_boxes,
+                image=panel.image,
             )
         )
     return panels
@@ -240,9 +244,10 @@ def grid_panels(panel: Panel) -> list[Panel]:
 
 def compose(image: np.ndarray, panel: Panel, stage: int) -> np.ndarray:
     """(H, W, 3) uint8 picture of ``panel``'s ``stage``: dimmed pruned area, hatched merged-only cells,
-    kept borders, mask outline, evidence boxes (solid) and answer boxes (dashed)."""
+    kept borders, mask outline, evidence boxes (solid) and answer boxes (dashed); over ``panel.image`` when it has
+    one, else over ``image``."""
     kept, merged = panel.stages[stage], panel.merged_cells(stage)
-    picture = dim_pruned(image, panel.geometry, kept, merged)
+    picture = dim_pruned(image if panel.image is None else panel.image, panel.geometry, kept, merged)
     hatch = merged_hatch(panel.geometry, merged, kept)
     picture[hatch] = np.rint(HATCH_OPACITY * np.array(MERGED_HATCH) + (1 - HATCH_OPACITY) * picture[hatch])
     picture[kept_token_borders(panel.geometry, kept)] = KEPT_OUTLINE

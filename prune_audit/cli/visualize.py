@@ -50,14 +50,20 @@ def visualize(
         Optional[Path], typer.Option(help="Output folder (default: figures/<image stem>/), or a .png/.svg file.")
     ] = None,
     run: Annotated[
-        Optional[Path], typer.Option("--run", help="Redraw a recorded question from this run directory (no model).")
+        Optional[Path],
+        typer.Option(
+            "--run", help="Redraw a recorded question from this run directory (no model; a clip's as a frame strip)."
+        ),
     ] = None,
     question_id: Annotated[Optional[int], typer.Option(help="With --run: the question id.")] = None,
     split: Annotated[
         Optional[str], typer.Option(help="With --run: the split, when the id repeats across splits.")
     ] = None,
     stage: Annotated[
-        str, typer.Option(help=f"With --run: the stage whose retention the panel states: {STAGE_CHOICES}")
+        str,
+        typer.Option(
+            help=f"With --run: the stage whose retention the panel states (a clip: whose kept cells each frame shows): {STAGE_CHOICES}"
+        ),
     ] = "first",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for random selectors.")] = 0,

@@ -73,10 +73,7 @@ class ClipArea:
 
     def in_window(self, window: Window | None) -> np.ndarray:
         """(2T,) bool: the sampled frames whose stored index lies in ``window`` (every frame for None)."""
-        stored = np.asarray(self.frames)
-        if window is None:
-            return np.ones(len(stored), dtype=bool)
-        return (stored >= window[0]) & (stored <= window[1])
+        return frames_in_window(self.frames, window)
 
     def window_retention(self, covered: Sequence[int], window: Window | None) -> float:
         """Share of the object's pixels in the window's sampled frames that ``covered`` keeps (NaN without any)."""
@@ -93,6 +90,14 @@ class ClipArea:
         return not bool(self.kept_pixels(covered)[chosen].sum())
 
 
+def frames_in_window(frames: Sequence[int], window: Window | None) -> np.ndarray:
+    """(len(frames),) bool: the frames (stored indices) that lie in ``window`` (every frame for None)."""
+    stored = np.asarray(frames)
+    if window is None:
+        return np.ones(len(stored), dtype=bool)
+    return (stored >= window[0]) & (stored <= window[1])
+
+
 def clip_area(masks: Sequence[np.ndarray], geometry: ClipGeometry) -> ClipArea:
     """The :class:`ClipArea` of one (H, W) bool mask per sampled frame (2T of them, in ``geometry.frames`` order)."""
     if len(masks) != len(geometry.frames):
@@ -102,4 +107,4 @@ def clip_area(masks: Sequence[np.ndarray], geometry: ClipGeometry) -> ClipArea:
     return ClipArea(area, total, tuple(geometry.frames))
 
 
-__all__ = ["ClipArea", "Window", "clip_area"]
+__all__ = ["ClipArea", "Window", "clip_area", "frames_in_window"]

@@ -132,8 +132,21 @@ class ClipGeometry:
             (row + 1) * side / self.frame.scale_y,
         )
 
+    def frame_cells(self, frame: int, tokens: Sequence[int]) -> list[int]:
+        """The cells (r * w + c of one frame's grid) of ``tokens`` that cover sampled frame ``frame`` (0..2T-1):
+        those of its temporal step ``frame // 2``, in the order given."""
+        if not 0 <= frame < len(self.frames):
+            raise ValueError(f"sampled frame {frame} is outside the clip's {len(self.frames)}")
+        start = frame // FRAME_FACTOR * self.frame.num_tokens
+        return [token - start for token in tokens if start <= token < start + self.frame.num_tokens]
+
     def to_dict(self) -> dict[str, Any]:
         return {"frame": self.frame.to_dict(), "frames": list(self.frames), "sample_fps": self.sample_fps}
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> ClipGeometry:
+        """The geometry whose :meth:`to_dict` gave ``fields`` (a clip record's ``geometry`` column)."""
+        return cls(TokenGeometry(**fields["frame"]), tuple(fields["frames"]), float(fields["sample_fps"]))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from prune_audit.analysis.overlay import Panel, draw_panels
+from prune_audit.data.clip_retention import clip_area, frames_in_window
 from prune_audit.data.multigrid import geometry_from_dict
+from prune_audit.data.video import FRAME_FACTOR, ClipGeometry
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import FIRST, StageChoice, budget_words, record_stage
 from prune_audit.runner.manifest_selector import averages_budget
@@ -37,15 +39,24 @@ if TYPE_CHECKING:
 def visualize_record(
     run_dir: Path, question_id: int, split: str | None, out: Path | None, stage: StageChoice = FIRST
 ) -> DrawnFigure:
-    """Redraw exactly the recorded kept sets of one question of a run (no model needed).
-
-    Every stage is drawn at its recorded decoder layer; the title gives the retention of ``stage``.
-    """
+    """Redraw exactly the recorded kept sets of one question of a run (no model needed): a still image's every
+    stage at its recorded decoder layer, the title giving the retention of ``stage``; a clip's sampled frames, each
+    with ``stage``'s kept cells of its temporal step (:func:`_clip_figure`)."""
     from prune_audit.records.store import read_run
+    from prune_audit.tasks import manifest_task
 
     manifest, records = read_run(run_dir)
-    task = _still_image_task(manifest, run_dir)
+    task = manifest_task(manifest)
     row = _record_row(records, question_id, split, run_dir)
+    draw = _clip_figure if task.reads_clips else _still_figure
+    return draw(run_dir, manifest, task, row, out, stage)
+
+
+def _still_figure(
+    run_dir: Path, manifest: dict[str, Any], task: Task, row: dict[str, Any], out: Path | None, stage: StageChoice
+) -> DrawnFigure:
+    """The figure of a still-image record: one picture per stage, over the run's pinned image."""
+    question_id = row["question_id"]
     geometry = geometry_from_dict(loads_json(row["geometry"], f"{run_dir}: question {question_id}'s geometry"))
     image = _run_image(manifest, row["image"], run_dir)
     pixels = load_rgb(image)
@@ -54,15 +65,9 @@ def visualize_record(
     merged = row["merged_stages"]
     level = manifest["selector"]["stage"]
     labels = stage_labels(level, stages, row["stage_layers"], merged, geometry.num_tokens)
-    selector, budget = manifest["selector"]["name"], manifest.get("budget")
     chosen = record_stage(stages, stage, str(run_dir), merged)
     retention = row["retention_stages"][chosen]
-    averaged = averages_budget(manifest["selector"])
-    title = (
-        f"{selector}, {budget_words(budget, row['stage_layers'], averaged)}"
-        if budget is not None
-        else f"{selector} (unpruned)"
-    )
+    title = _selector_title(manifest, row)
     notes = (
         {}
         if retention is None or math.isnan(retention)
@@ -95,17 +100,102 @@ def visualize_record(
     )
 
 
-def _still_image_task(manifest: dict[str, Any], run_dir: Path) -> Task:
-    """The run's task; a clip task's run is refused in one line (its frames are not drawn here)."""
-    from prune_audit.tasks import manifest_task
-
-    task = manifest_task(manifest)
-    if task.reads_clips:
-        raise PruneAuditError(
-            f"{run_dir} is a run of video clips ({task.name}), and visualize --run draws still images; read a clip's "
-            "per-frame evidence in its records (frame_retention, window_retention, lost_in_window)"
+def _clip_figure(
+    run_dir: Path, manifest: dict[str, Any], task: Task, row: dict[str, Any], out: Path | None, stage: StageChoice
+) -> DrawnFigure:
+    """The frame strip of a clip record: one picture per sampled frame (2 per temporal step), each the frame with
+    ``stage``'s kept cells of its step (``ClipGeometry.frame_cells``), the asked object's outline in that frame (from
+    the run's pinned tracks) and its retention at ``stage`` and place in the asked window under it."""
+    question_id = row["question_id"]
+    clip = ClipGeometry.from_dict(loads_json(row["geometry"], f"{run_dir}: question {question_id}'s geometry"))
+    frames = _clip_frames(manifest, row, clip, run_dir)
+    masks, missing = _clip_masks(task, manifest, row, frames, run_dir)
+    stages, merged = [list(k) for k in row["kept_stages"]], merged_cells(row["merged_stages"])
+    chosen = record_stage(stages, stage, str(run_dir), row["merged_stages"])
+    kept, carried = (stages[chosen], merged[chosen]) if stages else (list(range(clip.num_tokens)), [])
+    covered = sorted(set(kept) | set(carried))
+    retention = clip_area(masks, clip).frame_retention(covered) if masks else None
+    window = row["window"]
+    in_window = frames_in_window(clip.frames, None if window is None else (window[0], window[1]))
+    place = "in the asked window" if window is not None else "the whole clip is asked"
+    panels = [
+        Panel(
+            f"frame {stored} (step {k // FRAME_FACTOR})",
+            clip.frame,
+            [clip.frame_cells(k, kept)],
+            [f"{len(clip.frame_cells(k, kept))} of {clip.frame.num_tokens} cells kept"],
+            _frame_retention_words(retention, k),
+            None if masks is None else masks[k],
+            [clip.frame_cells(k, carried)],
+            stage_notes={0: place if in_window[k] else "outside the asked window"},
+            evidence_label=task.evidence_label,
+            image=frames[k],
         )
-    return task
+        for k, stored in enumerate(clip.frames)
+    ]
+    title, (about, truth) = _selector_title(manifest, row), _question_words(row)
+    answer = f"answer {row['answer_text']} (confidence {row['confidence']:.3f}), {truth}"
+    layer = row["stage_layers"][chosen] if stages else 0
+    suptitle = (
+        f"{Path(manifest['model']['id']).name} | {about} ({row['split']} #{question_id}) | {title}\n"
+        f"{answer}; kept cells of stage {stage.name} (layer {layer})"
+    )
+    out = output_path(out, FIGURES_DIR / Path(run_dir).resolve().name, f"frames-{row['split']}-{question_id}")
+    path = draw_panels(frames[0], panels, out, suptitle=suptitle, note=missing or "")
+    question = f"{row['split']} #{question_id} about {about} ({truth})"
+    answers = (PanelAnswer(title, row["answer_text"], row["confidence"]),)
+    return DrawnFigure(path, question, answers, notes=(missing,) if missing else ())
+
+
+def _frame_retention_words(retention: list[float] | None, frame: int) -> str:
+    """The caption of sampled frame ``frame``: its object's retention (``retention``: one per sampled frame, None
+    without an object outline), or that the object has no pixels there."""
+    if retention is None:
+        return ""
+    return "no asked object in this frame" if math.isnan(retention[frame]) else f"retention {retention[frame]:.2f}"
+
+
+def _clip_frames(manifest: dict[str, Any], row: dict[str, Any], clip: ClipGeometry, run_dir: Path) -> list[np.ndarray]:
+    """(H, W, 3) uint8 of each sampled frame of the record's clip, each verified against the manifest's pin."""
+    from prune_audit.data.video import frame_files
+    from prune_audit.records.manifest import images_folder
+
+    stored = frame_files(path_under(images_folder(manifest), row["image"], f"{run_dir}'s records"))
+    if max(clip.frames) >= len(stored):
+        raise PruneAuditError(
+            f"{run_dir}: clip {row['image']} now holds {len(stored)} frames, fewer than the run sampled; restore the "
+            "run's frames to redraw the question"
+        )
+    return [load_rgb(_run_image(manifest, f"{row['image']}/{stored[k].name}", run_dir)) for k in clip.frames]
+
+
+def _clip_masks(
+    task: Task, manifest: dict[str, Any], row: dict[str, Any], frames: list[np.ndarray], run_dir: Path
+) -> tuple[list[np.ndarray] | None, str | None]:
+    """(H, W) bool mask of the asked object in each sampled frame, from the run's pinned tracks
+    (``TrackEvidence.record_masks``), and the reason the figure has none (None when it has them)."""
+    from prune_audit.records.manifest import images_folder
+    from prune_audit.tasks.clips import TrackEvidence
+
+    annotations = manifest.get("annotations") or {}
+    if not annotations.get("path"):
+        return None, "no object outline: the run was made without --annotations"
+    evidence = task.load_evidence(_pinned_input(Path(annotations["path"]), annotations.get("sha256"), run_dir), [])
+    if isinstance(evidence, TrackEvidence):
+        folder = path_under(images_folder(manifest), row["image"], f"{run_dir}'s records")
+        evidence.check_image_size(row["image"], (frames[0].shape[1], frames[0].shape[0]), folder)
+        masks = evidence.record_masks(row)
+        if masks is not None:
+            return masks, None
+    return None, f"no object outline: this question names no tracked object ({task.evidence_noun})"
+
+
+def _selector_title(manifest: dict[str, Any], row: dict[str, Any]) -> str:
+    """The run's selector and budget in words (``records.stages.budget_words``), or "(unpruned)"."""
+    selector, budget = manifest["selector"]["name"], manifest.get("budget")
+    if budget is None:
+        return f"{selector} (unpruned)"
+    return f"{selector}, {budget_words(budget, row['stage_layers'], averages_budget(manifest['selector']))}"
 
 
 def _some_ids(records: pa.Table, split: str | None, count: int = 5) -> str:

@@ -152,8 +152,16 @@ class TrackEvidence:
         return [] if area is None else [(self.category(question), area)]
 
     def record_mask(self, record: dict[str, Any]) -> np.ndarray | None:
-        """None: a clip's record has no single image to draw its evidence over (``visualize`` of clips is to come)."""
+        """None: a clip's record has no single image to draw its evidence over (:meth:`record_masks` has its frames)."""
         return None
+
+    def record_masks(self, record: dict[str, Any]) -> list[np.ndarray] | None:
+        """(H, W) bool mask of the record's evidence object (its ``evidence_objects``' category) in each of its
+        ``sampled_frames``; None when the record names no category of the tracks."""
+        categories = [name for name in record["evidence_objects"] or [] if name in self.tracks.frames.category_ids]
+        if not categories:
+            return None
+        return self.tracks.category_masks(record["image"], categories[0], record["sampled_frames"])
 
 
 __all__ = ["CLIP_COLUMNS", "ClipEvidence", "ClipTask", "TrackEvidence"]
