@@ -133,7 +133,7 @@ def _clip_figure(
         )
         for k, stored in enumerate(clip.frames)
     ]
-    title, (about, truth) = _selector_title(manifest, row), _question_words(row)
+    title, (about, truth) = _selector_title(manifest, row), _question_words(row, "the clip")
     answer = f"answer {row['answer_text']} (confidence {row['confidence']:.3f}), {truth}"
     layer = row["stage_layers"][chosen] if stages else 0
     suptitle = (
@@ -248,12 +248,13 @@ def _evidence_drawing(
     return mask, task.figure_boxes(row, evidence), missing
 
 
-def _question_words(row: dict[str, Any]) -> tuple[str, str]:
+def _question_words(row: dict[str, Any], whole: str = "the image") -> tuple[str, str]:
     """What the question is about and its reference, from the core columns: POPE's queried object and label
-    ("dog", "label yes"); another task's evidence objects and reference answers ("table, cup", "reference cup")."""
+    ("dog", "label yes"); another task's evidence objects and reference answers ("table, cup", "reference cup"),
+    ``whole`` when it names no object."""
     if row["task"] == "pope":
         return row["object"], f"label {row['label']}"
-    about = ", ".join(dict.fromkeys(row["evidence_objects"])) or "the image"
+    about = ", ".join(dict.fromkeys(row["evidence_objects"])) or whole
     return about, f"reference {' / '.join(dict.fromkeys(row['references']))}"  # each once: TextVQA lists 10 annotators'
 
 
