@@ -88,6 +88,10 @@ other_lane() {  # README figures (first: seconds), accuracy, object removal, the
         --selector fastv --selector e2s --out "$OUT/figures/visualize-demo-qwen.png" > /dev/null
     prune-audit visualize "$IMAGE" --budget 16 --threads 1 --selector none --selector visionzip --selector cls_attn \
         --out "$OUT/figures/visualize-demo-merged.png" > /dev/null
+    # a clip's frame strip (docs/usage.md, Video clips): VidCom2 at 36 of the video demo's 144 clip tokens
+    prune-audit run --task video_presence --selector vidcom2 --budget 36 --threads 1 --quiet \
+        --out "$OUT/runs/clips" > /dev/null
+    prune-audit visualize --run "$OUT/runs/clips" --question-id 10 --out "$OUT/figures/visualize_clip_demo.png" > /dev/null
     log "figures: figures/"
     # the cost tables: FLOPs, KV bytes and latency parts next to accuracy and ECE (docs/compute.md, README.md)
     timed study-compute prune-audit study --selectors "$COMPUTE_SELECTORS" --budgets 64 --limit "$COMPUTE_LIMIT" \
