@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.safety.inputs import loads_json, read_input
+from prune_audit.models.declared import declared_json
 
 TASK_INSTRUCTIONS_FILE = "task_instructions.json"
 DEMO_TASK_INSTRUCTIONS: dict[str, str] = {"pope": ""}
@@ -25,15 +25,11 @@ DEMO_TASK_INSTRUCTIONS: dict[str, str] = {"pope": ""}
 def checkpoint_task_instructions(source: str | Path) -> dict[str, str]:
     """The ``{task name: instruction}`` a checkpoint folder declares in ``task_instructions.json`` (empty for a
     hub id or a folder without the file: every task's own instruction applies)."""
-    path = Path(source) / TASK_INSTRUCTIONS_FILE
-    if not path.is_file():
-        return {}
-    where = str(path)
     fix = 'write it as {"task name": "instruction"} or remove it'
-    try:
-        declared = loads_json(read_input(path, "task instructions", fix), where)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise PruneAuditError(f"{where} is not JSON ({error}); {fix}") from None
+    declared = declared_json(source, TASK_INSTRUCTIONS_FILE, "task instructions", fix)
+    if declared is None:
+        return {}
+    where = str(Path(source) / TASK_INSTRUCTIONS_FILE)
     if not isinstance(declared, dict) or not all(
         isinstance(key, str) and isinstance(value, str) for key, value in declared.items()
     ):

@@ -11,11 +11,10 @@ instead of the 36 it learned on), so ``prune-audit demo train`` writes the sizes
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from prune_audit.errors import PruneAuditError
-from prune_audit.safety.inputs import loads_json, read_input
+from prune_audit.models.declared import declared_json
 
 VIDEO_SAMPLING_FILE = "video_sampling.json"
 VIDEO_SAMPLING_KEYS = ("min_pixels", "total_pixels")
@@ -24,19 +23,15 @@ VIDEO_SAMPLING_KEYS = ("min_pixels", "total_pixels")
 def checkpoint_video_sampling(source: str | Path) -> dict[str, int]:
     """The ``data.video.sample_clip`` pixel limits a checkpoint folder declares in ``video_sampling.json`` (empty for
     a hub id or a folder without the file: qwen-vl-utils' defaults apply)."""
-    path = Path(source) / VIDEO_SAMPLING_FILE
-    if not path.is_file():
-        return {}
-    where = str(path)
     fix = 'write it as {"min_pixels": N, "total_pixels": N} with positive whole numbers, or remove it'
-    try:
-        declared = loads_json(read_input(path, "video sampling", fix), where)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise PruneAuditError(f"{where} is not JSON ({error}); {fix}") from None
+    declared = declared_json(source, VIDEO_SAMPLING_FILE, "video sampling", fix)
+    if declared is None:
+        return {}
+    where = str(Path(source) / VIDEO_SAMPLING_FILE)
     if not isinstance(declared, dict) or not set(declared) <= set(VIDEO_SAMPLING_KEYS):
         raise PruneAuditError(f"{where} may hold only {', '.join(VIDEO_SAMPLING_KEYS)}; {fix}")
     for key, value in declared.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PruneAuditError(f"{where}: {key} is {value!r}; {fix}")
     return declared
 

@@ -44,6 +44,21 @@ class PopeEvidence(CocoEvidence):
         return [] if area is None else [(question.object, area)]
 
 
+def yes_no_scored(asked: str, label: str, reduced: YesNo) -> Scored:
+    """A yes/no answer scored as POPE scores it: correct when it equals ``label``; its columns the asked object, the
+    label and the yes/no probabilities (``YesNo``)."""
+    columns: dict[str, Any] = {
+        "object": asked,
+        "label": label,
+        "answer": reduced.answer,
+        "p_yes": reduced.p_yes,
+        "p_no": reduced.p_no,
+        "p_yes_2way": reduced.p_yes_2way,
+        "logit_diff": reduced.logit_diff,
+    }
+    return Scored(reduced.answer, (label,), reduced.answer == label, reduced.confidence, columns)
+
+
 @register_task
 class PopeTask(Task):
     name = "pope"
@@ -102,18 +117,7 @@ class PopeTask(Task):
         return YES_NO
 
     def score(self, question: PopeQuestion, reduced: YesNo) -> Scored:
-        columns: dict[str, Any] = {
-            "object": question.object,
-            "label": question.label,
-            "answer": reduced.answer,
-            "p_yes": reduced.p_yes,
-            "p_no": reduced.p_no,
-            "p_yes_2way": reduced.p_yes_2way,
-            "logit_diff": reduced.logit_diff,
-        }
-        return Scored(
-            reduced.answer, (str(question.label),), reduced.answer == question.label, reduced.confidence, columns
-        )
+        return yes_no_scored(question.object, str(question.label), reduced)
 
     def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
         """POPE's evaluate.py per split and averaged (``prune-audit pope score``'s report); lmms-lab/POPE Parquet

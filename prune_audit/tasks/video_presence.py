@@ -22,7 +22,7 @@ from prune_audit.data.video_questions import PresenceQuestion, load_presence
 from prune_audit.errors import PruneAuditError
 from prune_audit.tasks.base import Scored
 from prune_audit.tasks.clips import ClipTask, TrackEvidence
-from prune_audit.tasks.pope import PopeTask
+from prune_audit.tasks.pope import PopeTask, yes_no_scored
 from prune_audit.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -69,16 +69,7 @@ class VideoPresenceTask(ClipTask):
 
     def score(self, question: TaskQuestion, reduced: YesNo) -> Scored:
         assert isinstance(question, PresenceQuestion)
-        columns: dict[str, Any] = {
-            "object": question.category,
-            "label": question.label,
-            "answer": reduced.answer,
-            "p_yes": reduced.p_yes,
-            "p_no": reduced.p_no,
-            "p_yes_2way": reduced.p_yes_2way,
-            "logit_diff": reduced.logit_diff,
-        }
-        return Scored(reduced.answer, (question.label,), reduced.answer == question.label, reduced.confidence, columns)
+        return yes_no_scored(question.category, question.label, reduced)
 
     def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
         raise PruneAuditError(
