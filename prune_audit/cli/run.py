@@ -144,10 +144,11 @@ def print_summary(result, plan) -> None:
     from prune_audit.records.stages import budget_words, stage_place
 
     summary = result.summary
+    averaged = plan.selector is None or plan.selector.averages_budget  # an imported kept set names no selector
     budget = (
         "all visual tokens"
         if plan.manifest["budget"] is None
-        else budget_words(plan.manifest["budget"], summary.get("stage_layers", [0]), plan.selector.averages_budget)
+        else budget_words(plan.manifest["budget"], summary.get("stage_layers", [0]), averaged)
     )
     task = "" if plan.task.name == "pope" else f"task {plan.task.name} | "  # POPE's title predates tasks
     print(
