@@ -25,6 +25,7 @@ from typing import Any
 
 from prune_audit.data.coco import read_json
 from prune_audit.data.files import stable_image_id
+from prune_audit.data.pope import LABELS
 from prune_audit.data.question_ids import QuestionPlace, QuestionPlaces, note_question
 from prune_audit.errors import PruneAuditError
 
@@ -35,7 +36,6 @@ stored frame is a sampled one (up to its frame limits) and a window's frames are
 MVBENCH = "mvbench"
 VIDEOMME = "videomme"
 VIDEOMME_SPLITS = ("short", "medium", "long")
-LABELS = ("yes", "no")
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,6 @@ from prune_audit.demo.clip_batches import ClipBatch
 from prune_audit.demo.clip_questions import CHOICE_LINE, ClipQuestion
 from prune_audit.demo.scene_questions import CHOICE_LETTERS
 from prune_audit.models.qwen import video_patches
-from prune_audit.models.shared_prefix import shared_prefix_logits
 
 if TYPE_CHECKING:
     from prune_audit.data.scene_clips import SceneClip
@@ -108,8 +107,7 @@ def clip_features(vlm: VisionLanguageModel, clips: tuple[SceneClip, ...]) -> Ten
     frames, height, width = clips[0].frames.shape[:3]
     patch = processor.patch_size
     grid = torch.tensor([[frames // FRAME_FACTOR, height // patch, width // patch]] * len(clips))
-    merged = vlm.model.model.visual(pixels, grid_thw=grid).pooler_output
-    return merged.view(len(clips), -1, merged.shape[-1])
+    return vlm.vision_states(pixel_values=pixels, grid_thw=grid)[0]  # the tower as for still images, per clip
 
 
 def clip_target(question: ClipQuestion, instruction: str) -> AnswerTarget:
@@ -125,18 +123,15 @@ def clip_logits(
     vlm: VisionLanguageModel, prompt: ClipPrompt, features: Tensor, suffixes: list[Tensor], every_position: bool
 ) -> Tensor:
     """(B * per_clip, V) logits after each suffix (or (B * per_clip, T, V) at ``every_position``), the clip
-    prefix once per clip; ``suffixes`` grouped by clip."""
-    return shared_prefix_logits(
-        vlm.model.model.language_model,
-        vlm.model.lm_head,
+    prefix once per clip with the clip prompt's M-RoPE ids; ``suffixes`` grouped by clip."""
+    return vlm.shared_prefix_logits(  # type: ignore[call-arg]  # the clip recipes train Qwen2.5-VL
         features,
         prompt.prefix,
         prompt.video_positions,
         suffixes,
         len(suffixes) // features.shape[0],
-        prefix_positions=prompt.prefix_positions,
-        suffix_start=prompt.suffix_start,
         every_position=every_position,
+        rope=(prompt.prefix_positions, prompt.suffix_start),
     )
 
 

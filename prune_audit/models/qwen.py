@@ -408,15 +408,20 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
         per_image: int,
         grid: tuple[int, int] | None = None,
         every_position: bool = False,
+        rope: tuple[Tensor, int] | None = None,
     ) -> Tensor:
         """(B * per_image, V) logits after each suffix, or (B * per_image, T, V) at ``every_position``
         (:func:`~prune_audit.models.shared_prefix.shared_prefix_logits`) with the M-RoPE ids of the
-        unpruned prompt; ``grid`` is the (rows, cols) of merged tokens."""
-        if grid is None:
-            raise ValueError("Qwen2.5-VL needs the image's token grid for its M-RoPE positions")
-        ids = torch.cat([prefix_ids, suffixes[0]])
-        positions = self._rope_positions(ids[None], [grid])[:, 0]
-        start = prefix_ids.numel()
+        unpruned prompt; ``grid`` is the (rows, cols) of merged tokens. ``rope``: the prompt's own (3, P) M-RoPE ids
+        of the prefix and the id of every suffix's first token, where the prompt gives them (a clip's, from
+        :meth:`prepare_video`: its time axis), instead of those of an image of ``grid``."""
+        if rope is None:
+            if grid is None:
+                raise ValueError("Qwen2.5-VL needs the image's token grid for its M-RoPE positions")
+            ids = torch.cat([prefix_ids, suffixes[0]])
+            positions = self._rope_positions(ids[None], [grid])[:, 0]
+            start = prefix_ids.numel()
+            rope = positions[:, :start], int(positions[0, start])
         language = self.model.model.language_model
         return shared_prefix_logits(
             language,
@@ -426,8 +431,8 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
             image_positions,
             suffixes,
             per_image,
-            prefix_positions=positions[:, :start],
-            suffix_start=int(positions[0, start]),
+            prefix_positions=rope[0],
+            suffix_start=rope[1],
             every_position=every_position,
         )
 

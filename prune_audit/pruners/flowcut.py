@@ -294,9 +294,13 @@ def decoder_flow_scores(last_logits: Tensor, last_value: Tensor, values: Tensor)
     relation = torch.softmax(last_logits.float(), dim=-1).mean(dim=0)
     values, last_value = values.float(), last_value.float()
     dots = (last_value[:, None] @ values.transpose(1, 2))[:, 0] / math.sqrt(values.shape[-1])  # (Hkv, n)
-    semantic = torch.softmax(dots, dim=-1).mean(dim=0)
-    magnitude = values.mean(dim=0).abs().sum(dim=-1)
-    return (relation / relation.sum() + semantic / semantic.sum()) * magnitude
+    return combined_flow(relation, torch.softmax(dots, dim=-1).mean(dim=0), values)
+
+
+def combined_flow(relation: Tensor, semantic: Tensor, values: Tensor) -> Tensor:
+    """(n,) the official ``compute_score`` of n tokens from their (n,) ``relation`` and ``semantic`` attention and
+    their (H, n, d) ``values``: ``(relation / sum + semantic / sum) * |mean_h v|_1``."""
+    return (relation / relation.sum() + semantic / semantic.sum()) * values.mean(dim=0).abs().sum(dim=-1)
 
 
 def flow_scores(cls_probs: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
@@ -313,8 +317,7 @@ def flow_scores(cls_probs: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
     """
     relation = cls_probs.mean(dim=0)[1:]
     semantic = torch.softmax(values[:, :1] @ values.transpose(1, 2), dim=-1)[:, 0].mean(dim=0)[1:]
-    magnitude = values.mean(dim=0)[1:].abs().sum(dim=-1)
-    return relation, (relation / relation.sum() + semantic / semantic.sum()) * magnitude
+    return relation, combined_flow(relation, semantic, values[:, 1:])
 
 
 def cut_size(relation: Tensor, steps_left: int, budget: int) -> int:

@@ -5,7 +5,8 @@ A clip task's question names a video (``x.mp4``); ``--images DIR`` holds it as t
 (PNG or JPEG, in name order: the clip as stored). A video file there is refused (no video decoder is a dependency:
 extract its frames), as is a missing folder; every frame decodes and has one size before anything is written.
 Frames are sampled and resized as qwen-vl-utils reads a video for Qwen2.5-VL (``data.video.sample_clip``, its
-default pixel limits) at the question's frame rate (``ClipTask.clip_fps``).
+default pixel limits, or those the checkpoint declares: ``models.video_sampling``) at the question's frame rate
+(``ClipTask.clip_fps``).
 
 Selectors on clips: each part reads the clip's temporal grid (the video selectors) or is declared part of a video
 method (``Selector.clip_method``: DyCoke's KV stage); an image selector declares no per-frame run and is refused in

@@ -118,12 +118,13 @@ def _clip_figure(
     window = row["window"]
     in_window = frames_in_window(clip.frames, None if window is None else (window[0], window[1]))
     place = "in the asked window" if window is not None else "the whole clip is asked"
+    kept_cells = [clip.frame_cells(k, kept) for k in range(len(clip.frames))]
     panels = [
         Panel(
             f"frame {stored} (step {k // FRAME_FACTOR})",
             clip.frame,
-            [clip.frame_cells(k, kept)],
-            [f"{len(clip.frame_cells(k, kept))} of {clip.frame.num_tokens} cells kept"],
+            [kept_cells[k]],
+            [f"{len(kept_cells[k])} of {clip.frame.num_tokens} cells kept"],
             _frame_retention_words(retention, k),
             None if masks is None else masks[k],
             [clip.frame_cells(k, carried)],
