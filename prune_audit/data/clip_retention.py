@@ -1,7 +1,8 @@
 """Per-frame retention of an object in a video clip: how much of its mask in each sampled frame the kept tokens see.
 
 A Qwen2.5-VL clip token ``t * h * w + r * w + c`` covers cell (r, c) of the two sampled frames ``2t`` and ``2t + 1``
-(:class:`~prune_audit.data.video.ClipGeometry`). An object's masks over the clip's sampled frames reduce to
+(:class:`~prune_audit.data.video.ClipGeometry`; a family reading each frame as an image has one frame a step, and
+every "2" below is its ``frames_per_step``). An object's masks over the clip's sampled frames reduce to
 mask pixels per cell of each frame (:class:`ClipArea`, pixel centres as ``data.geometry.mask_area_per_token``);
 then for a kept set (a stage's kept tokens plus the tokens its merged tokens carry):
 
@@ -40,11 +41,13 @@ class ClipArea:
         frame_area: (2T, h * w) int64 object pixels whose centre lies in each cell of each sampled frame.
         frame_total: (2T,) int64 object pixels of each sampled frame (the whole frame, as ``ObjectArea.total_area``).
         frames: (2T,) the sampled frames' indices in the clip as stored (``ClipGeometry.frames``).
+        frames_per_step: sampled frames a token covers (``ClipGeometry.frames_per_step``).
     """
 
     frame_area: np.ndarray
     frame_total: np.ndarray
     frames: tuple[int, ...]
+    frames_per_step: int = FRAME_FACTOR
 
     @property
     def has_mask(self) -> bool:
@@ -52,8 +55,8 @@ class ClipArea:
 
     def object_area(self) -> ObjectArea:
         """The clip-wide region over its T * h * w tokens: a token's pixels are its cell's in both of its frames."""
-        steps = self.frame_area.shape[0] // FRAME_FACTOR
-        per_token = self.frame_area.reshape(steps, FRAME_FACTOR, -1).sum(axis=1).reshape(-1)
+        steps = self.frame_area.shape[0] // self.frames_per_step
+        per_token = self.frame_area.reshape(steps, self.frames_per_step, -1).sum(axis=1).reshape(-1)
         total = int(self.frame_total.sum())
         visible = float(per_token.sum() / total) if total else math.nan
         return ObjectArea(area_per_token=per_token.astype(np.int64), total_area=total, visible_fraction=visible)
@@ -61,9 +64,10 @@ class ClipArea:
     def kept_pixels(self, covered: Sequence[int]) -> np.ndarray:
         """(2T,) int64 object pixels of each sampled frame in the cells ``covered`` (token indices) keep."""
         frames, cells = self.frame_area.shape
-        mask = np.zeros(frames // FRAME_FACTOR * cells, dtype=bool)
+        per_step = self.frames_per_step
+        mask = np.zeros(frames // per_step * cells, dtype=bool)
         mask[np.asarray(list(covered), dtype=np.int64)] = True
-        per_frame = np.repeat(mask.reshape(frames // FRAME_FACTOR, cells), FRAME_FACTOR, axis=0)
+        per_frame = np.repeat(mask.reshape(frames // per_step, cells), per_step, axis=0)
         return (self.frame_area * per_frame).sum(axis=1)
 
     def frame_retention(self, covered: Sequence[int]) -> list[float]:
@@ -104,7 +108,7 @@ def clip_area(masks: Sequence[np.ndarray], geometry: ClipGeometry) -> ClipArea:
         raise PruneAuditError(f"{len(masks)} masks for a clip of {len(geometry.frames)} sampled frames")
     area = np.stack([mask_area_per_token(mask, geometry.frame) for mask in masks]).astype(np.int64)
     total = np.array([int(np.count_nonzero(mask)) for mask in masks], dtype=np.int64)
-    return ClipArea(area, total, tuple(geometry.frames))
+    return ClipArea(area, total, tuple(geometry.frames), geometry.frames_per_step)
 
 
 __all__ = ["ClipArea", "Window", "clip_area", "frames_in_window"]

@@ -80,18 +80,21 @@ class ClipGeometry:
     Attributes:
         frame: the :class:`~prune_audit.data.geometry.TokenGeometry` of one frame (every sampled frame has the
             same size): its ``grid`` is the (h, w) tokens of a temporal step, its pixels the original frame's.
-        frames: the indices, in the given clip, of the sampled frames (2T of them).
+        frames: the indices, in the given clip, of the sampled frames (``frames_per_step`` x T of them).
         sample_fps: sampled frames per second of the clip.
+        frames_per_step: sampled frames joined into one temporal step: 2 on the Qwen families (their
+            ``temporal_patch_size``), 1 where a family reads each frame as an image.
     """
 
     frame: TokenGeometry
     frames: tuple[int, ...]
     sample_fps: float
+    frames_per_step: int = FRAME_FACTOR
 
     @property
     def steps(self) -> int:
-        """T temporal steps, each two sampled frames."""
-        return len(self.frames) // FRAME_FACTOR
+        """T temporal steps, each ``frames_per_step`` sampled frames."""
+        return len(self.frames) // self.frames_per_step
 
     @property
     def video_grid(self) -> tuple[int, int, int]:
@@ -116,13 +119,13 @@ class ClipGeometry:
             raise ValueError(f"({step}, {row}, {col}) is outside the {self.steps}x{rows}x{cols} clip grid")
         return (step * rows + row) * cols + col
 
-    def token_frames(self, index: int) -> tuple[int, int]:
-        """The two sampled frames (0..2T-1) token ``index`` covers."""
+    def token_frames(self, index: int) -> tuple[int, ...]:
+        """The sampled frames (0..len(frames)-1) token ``index`` covers: its step's ``frames_per_step``."""
         step = self.token_position(index)[0]
-        return (FRAME_FACTOR * step, FRAME_FACTOR * step + 1)
+        return tuple(range(self.frames_per_step * step, self.frames_per_step * (step + 1)))
 
     def token_box(self, index: int) -> tuple[float, float, float, float]:
-        """(x0, y0, x1, y1) original-frame pixels token ``index`` covers, in each of its two frames."""
+        """(x0, y0, x1, y1) original-frame pixels token ``index`` covers, in each of its step's frames."""
         _, row, col = self.token_position(index)
         side = self.frame.token_pixels
         return (
@@ -133,20 +136,27 @@ class ClipGeometry:
         )
 
     def frame_cells(self, frame: int, tokens: Sequence[int]) -> list[int]:
-        """The cells (r * w + c of one frame's grid) of ``tokens`` that cover sampled frame ``frame`` (0..2T-1):
-        those of its temporal step ``frame // 2``, in the order given."""
+        """The cells (r * w + c of one frame's grid) of ``tokens`` that cover sampled frame ``frame``
+        (0..len(frames)-1): those of its temporal step ``frame // frames_per_step``, in the order given."""
         if not 0 <= frame < len(self.frames):
             raise ValueError(f"sampled frame {frame} is outside the clip's {len(self.frames)}")
-        start = frame // FRAME_FACTOR * self.frame.num_tokens
+        start = frame // self.frames_per_step * self.frame.num_tokens
         return [token - start for token in tokens if start <= token < start + self.frame.num_tokens]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"frame": self.frame.to_dict(), "frames": list(self.frames), "sample_fps": self.sample_fps}
+        return {
+            "frame": self.frame.to_dict(),
+            "frames": list(self.frames),
+            "sample_fps": self.sample_fps,
+            "frames_per_step": self.frames_per_step,
+        }
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> ClipGeometry:
-        """The geometry whose :meth:`to_dict` gave ``fields`` (a clip record's ``geometry`` column)."""
-        return cls(TokenGeometry(**fields["frame"]), tuple(fields["frames"]), float(fields["sample_fps"]))
+        """The geometry whose :meth:`to_dict` gave ``fields`` (a clip record's ``geometry`` column; records written
+        before ``frames_per_step`` was stored are Qwen2.5-VL's, two frames a step)."""
+        per_step = int(fields.get("frames_per_step", FRAME_FACTOR))
+        return cls(TokenGeometry(**fields["frame"]), tuple(fields["frames"]), float(fields["sample_fps"]), per_step)
 
 
 @dataclass(frozen=True)
@@ -164,7 +174,7 @@ class Clip:
     @property
     def seconds_per_step(self) -> float:
         """Seconds one temporal step spans: ``second_per_grid_ts`` of the Qwen2.5-VL processor (2 / sample fps)."""
-        return FRAME_FACTOR / self.geometry.sample_fps
+        return self.geometry.frames_per_step / self.geometry.sample_fps
 
 
 def frame_files(folder: str | Path) -> list[Path]:

@@ -140,6 +140,12 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     def prepare(self, image, question: str) -> Prepared:
         """Process one PIL image and question into a prompt (its ``geometry`` is :meth:`token_geometry`'s)."""
 
+    def read_clip(self, frames: Any, video_fps: float) -> Any:
+        """The ``data.video.Clip`` of ``frames`` (a frame folder, or PIL images of one size) at ``video_fps``,
+        sampled and resized as the family's own video pipeline reads a clip; a family without a video path
+        (``takes_video`` false) refuses in one line."""
+        raise PruneAuditError(f"video clips are read on Qwen2.5-VL only; {self.display_name} has no video path here")
+
     def prepare_video(self, clip: Any, question: str) -> Prepared:
         """One (clip, question) prompt through the family's video path (``data.video.Clip``); a family without one
         (``takes_video`` false) refuses in one line."""

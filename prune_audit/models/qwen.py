@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from prune_audit.compute.shape import ModelShape, VisionShape
-from prune_audit.data.video import Clip
+from prune_audit.data.video import Clip, sample_clip
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
@@ -189,6 +189,16 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
         resized = self.prepare(image if size == image.size else image.resize(size, Image.Resampling.BICUBIC), question)
         geometry = mapped_to_original(resized.geometry, image.size)
         return replace(resized, image_size=image.size, geometry=geometry, dense_grid=dense)
+
+    def read_clip(self, frames: Any, video_fps: float) -> Clip:
+        """As qwen-vl-utils reads a video for Qwen2.5-VL (:func:`prune_audit.data.video.sample_clip`) at the tower's
+        token size, within its default pixel limits or those the checkpoint declares (``models.video_sampling``)."""
+        if not self.takes_video:
+            return super().read_clip(frames, video_fps)
+        processor = self.image_processor
+        return sample_clip(
+            frames, video_fps, patch_size=processor.patch_size, merge_size=processor.merge_size, **self.video_sampling
+        )
 
     def prepare_video(self, clip: Clip, question: str) -> Prepared:
         """One (clip, question) prompt: the clip's 2T sampled frames (:func:`prune_audit.data.video.sample_clip`) as

@@ -4,9 +4,9 @@ question prepared through the model's video path.
 A clip task's question names a video (``x.mp4``); ``--images DIR`` holds it as the folder ``DIR/x/`` of its frames
 (PNG or JPEG, in name order: the clip as stored). A video file there is refused (no video decoder is a dependency:
 extract its frames), as is a missing folder; every frame decodes and has one size before anything is written.
-Frames are sampled and resized as qwen-vl-utils reads a video for Qwen2.5-VL (``data.video.sample_clip``, its
-default pixel limits, or those the checkpoint declares: ``models.video_sampling``) at the question's frame rate
-(``ClipTask.clip_fps``).
+Frames are sampled and resized as the family's own pipeline reads a video (``VisionLanguageModel.read_clip``; on
+Qwen2.5-VL qwen-vl-utils' ``data.video.sample_clip`` within its default pixel limits, or those the checkpoint
+declares: ``models.video_sampling``) at the question's frame rate (``ClipTask.clip_fps``).
 
 Selectors on clips: each part reads the clip's temporal grid (the video selectors) or is declared part of a video
 method (``Selector.clip_method``: DyCoke's KV stage); an image selector declares no per-frame run and is refused in
@@ -100,18 +100,9 @@ def check_clip_model(vlm: VisionLanguageModel, selector: RunSelector | None, tas
 
 
 def prepare_clip(vlm: VisionLanguageModel, task: ClipTask, question: TaskQuestion, folder: Path, text: str) -> Prepared:
-    """The question's clip sampled from ``folder`` at its frame rate, through the model's video path."""
-    from prune_audit.data.video import sample_clip
-
-    processor = vlm.image_processor  # type: ignore[attr-defined]  # a family that takes clips has one
-    clip = sample_clip(
-        folder,
-        task.clip_fps(question),
-        patch_size=processor.patch_size,
-        merge_size=processor.merge_size,
-        **vlm.video_sampling,  # a checkpoint trained at other frame sizes declares them (models.video_sampling)
-    )
-    return vlm.prepare_video(clip, text)
+    """The question's clip read from ``folder`` at its frame rate as the family reads clips, through its video
+    path."""
+    return vlm.prepare_video(vlm.read_clip(folder, task.clip_fps(question)), text)
 
 
 __all__ = ["check_clip_folders", "check_clip_model", "frame_pins", "prepare_clip"]

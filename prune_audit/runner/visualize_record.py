@@ -15,7 +15,7 @@ import numpy as np
 from prune_audit.analysis.overlay import Panel, draw_panels
 from prune_audit.data.clip_retention import clip_area, frames_in_window
 from prune_audit.data.multigrid import geometry_from_dict
-from prune_audit.data.video import FRAME_FACTOR, ClipGeometry
+from prune_audit.data.video import ClipGeometry
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.stages import FIRST, StageChoice, budget_words, record_stage
 from prune_audit.runner.manifest_selector import averages_budget
@@ -121,7 +121,7 @@ def _clip_figure(
     kept_cells = [clip.frame_cells(k, kept) for k in range(len(clip.frames))]
     panels = [
         Panel(
-            f"frame {stored} (step {k // FRAME_FACTOR})",
+            f"frame {stored} (step {k // clip.frames_per_step})",
             clip.frame,
             [kept_cells[k]],
             [f"{len(kept_cells[k])} of {clip.frame.num_tokens} cells kept"],

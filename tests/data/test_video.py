@@ -9,6 +9,7 @@ from PIL import Image
 from prune_audit.data.video import (
     VIDEO_MAX_PIXELS,
     VIDEO_TOTAL_PIXELS,
+    ClipGeometry,
     frame_pixel_limit,
     read_frames,
     sample_clip,
@@ -114,3 +115,15 @@ def test_token_geometry_round_trips():
         geometry.token_position(geometry.num_tokens)
     with pytest.raises(ValueError, match="outside"):
         geometry.token_index(steps, 0, 0)
+
+
+def test_a_family_reading_each_frame_as_an_image_has_one_frame_a_step():
+    two_a_step = sample_clip(frames_of(12, (300, 200)), 2.0).geometry
+    one_a_step = ClipGeometry(two_a_step.frame, two_a_step.frames, two_a_step.sample_fps, frames_per_step=1)
+    cells = two_a_step.frame.num_tokens
+    assert one_a_step.video_grid == (12, *two_a_step.frame.grid)
+    assert one_a_step.token_frames(5 * cells + 3) == (5,)
+    assert one_a_step.frame_cells(5, [5 * cells + 3, 4 * cells + 1]) == [3]
+    assert ClipGeometry.from_dict(one_a_step.to_dict()) == one_a_step
+    written_before = {key: value for key, value in two_a_step.to_dict().items() if key != "frames_per_step"}
+    assert ClipGeometry.from_dict(written_before) == two_a_step  # records before the field: two frames a step
