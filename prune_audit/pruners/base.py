@@ -306,9 +306,13 @@ class LayerSelector(Selector):
     decode_keeps_final: ClassVar[bool] = False
     #: the option that turns :meth:`tower_stage` off (``KEY=VALUE``), named where a composed selector refuses it
     tower_stage_off: ClassVar[str] = ""
-    #: whether its schedule is solved on what its own tower stage feeds each image, which planning does not know
-    #: (FlowCut's: none where that stage holds the budget): no schedule is planned ahead, each record holds its stages
-    schedule_follows_tower: ClassVar[bool] = False
+
+    @property
+    def schedule_follows_tower(self) -> bool:
+        """Whether its schedule is solved on what its own tower stage feeds each image, which planning does not know
+        (FlowCut's: none where that stage holds the budget; MustDrop's merged windows): no schedule is planned ahead,
+        each record holds its stages."""
+        return False
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""
