@@ -1,8 +1,10 @@
-"""`prune-audit run` of image selectors on video clips, per frame (``Selector.per_frame``, ``pruners.frame_scope``),
-end to end through the CLI on the tiny random Qwen2.5-VL clips of tests/test_clip_run.py: each temporal step keeps
-its even share of the budget, per-frame evidence is recorded and recounts from the kept tokens, the manifest names
-the scope, the selector's FLOPs are counted per step, keep-all equals dense, and a selector without a per-frame run
-(an in-LLM one here; an input one in test_clip_run.py) is refused in one line with nothing written."""
+"""Image selectors on video clips, per frame (``Selector.per_frame``, ``pruners.frame_scope``): through the model,
+the kept set equals the selector run by hand on each temporal step's tower features and the logits the stock forward
+without the dropped tokens; through `prune-audit run` on the tiny random Qwen2.5-VL clips of tests/test_clip_run.py,
+each temporal step keeps its even share of the budget, per-frame evidence is recorded and recounts from the kept
+tokens, the manifest says so, the selector's FLOPs are counted per step, keep-all equals dense, and a selector
+without a per-frame run (an in-LLM one here; an input one in test_clip_run.py) is refused in one line with nothing
+written."""
 
 from __future__ import annotations
 
@@ -11,16 +13,42 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from test_clip_run import clips, dense, records, recounted, refused, run  # noqa: F401  # its fixtures and helpers
+from tiny_models import QUESTIONS, WORDS, masked_reference_logits, random_image
 
+from prune_audit.data.video import sample_clip
 from prune_audit.flop_convention import matmul
-from prune_audit.pruners import list_selectors, selector_class
+from prune_audit.models import load_vlm
+from prune_audit.models.qwen import QwenModel
+from prune_audit.pruners import InputSignals, get_selector, list_selectors, selector_class
 
 
 def feature_width(model) -> int:
     """The tiny checkpoint's language-model width: the width of the features DivPrune compares."""
     config = json.loads((model / "config.json").read_text())
     return config.get("text_config", config)["hidden_size"]
+
+
+def test_divprune_on_a_clip_selects_each_temporal_step_alone_through_the_model(tmp_path):
+    path = QwenModel.build_tiny(tmp_path / "qwen", words=WORDS, image_size=168, text_layers=3, seed=4)
+    vlm = load_vlm(path, device="cpu")
+    frames = [random_image(seed, (130, 100)) for seed in range(4)]  # 2 steps of a 4 x 5 token grid
+    clip = sample_clip(frames, 2.0, min_pixels=4 * 28 * 28, total_pixels=4 * 168 * 168)
+    item = vlm.prepare_video(clip, QUESTIONS[0])
+    assert item.video_grid == (2, 4, 5)
+    prefill, (selection,) = vlm.prefill([item], get_selector("divprune"), 15)
+    with torch.no_grad():
+        features = vlm.model.model.get_video_features(
+            item.pixel_values, item.extras["video_grid_thw"], return_dict=True
+        ).pooler_output[0]
+    by_hand = [  # each step's 20 features alone, at 8 and 7 of the 15
+        step * 20 + get_selector("divprune").select(InputSignals(grid=(4, 5), features=step_features), share).kept
+        for step, (step_features, share) in enumerate(zip(features.float().split(20), (8, 7)))
+    ]
+    assert torch.equal(selection.kept, torch.cat(by_hand))
+    reference = masked_reference_logits(vlm, item, [0], [selection.kept.tolist()])
+    assert (prefill.logits[0] - reference).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("selector", ["divprune", "coverage"])
