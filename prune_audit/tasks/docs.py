@@ -60,7 +60,9 @@ Video tasks (`video_mc`, `video_presence`) ask about clips: each question's vide
 folder `--images DIR/x/` (PNG or JPEG frames in name order; a video file is refused: extract its frames), sampled
 and resized as qwen-vl-utils reads a video for Qwen2.5-VL at the question's `fps` (frames per second of the folder;
 2 when the question gives none), and answered by a family that takes clips (Qwen2.5-VL; others refuse). Their
-selectors are the video selectors (an image selector is refused on clips). Their records hold the clip columns
+selectors are the video selectors and the image selectors with a per-frame run, which select on each temporal step
+alone at an even share of the budget (a project convention; [fidelity.md](fidelity.md) names them); other image
+selectors are refused on clips. Their records hold the clip columns
 (`sampled_frames`, `frame_retention`, `window`, `window_retention`, `lost_in_window`; [records.md](records.md)): the
 core `retention` and `lost` count the evidence object over every sampled frame.
 
