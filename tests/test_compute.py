@@ -67,7 +67,7 @@ def counted(vlm, item, selector, budget):
     # an in-LLM selector's own tower stage (MustDrop's) is a part whose methods count as the selector's too
     for part in {id(part): part for part in selector_parts(selector) if part is not None}.values():
         for name in SELECTOR_METHODS:
-            if hasattr(part, name):
+            if callable(getattr(part, name, None)):  # not an option of that name (FastVID's merge=false)
                 method = getattr(part, name)
 
                 def counting(*args, _method=method, **kwargs):

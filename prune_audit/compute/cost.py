@@ -16,6 +16,8 @@ SIGNAL_SOURCES: dict[str, str] = {
     "signals: HiPrune, VScan)",
     "vision_merging_tower": "the vision tower run with merges or cuts between its layers (ToMe location=tower, "
     "FlowCut), in place of the stock pass",
+    "vision_step_attention": "on a clip, the vision tower's last block's queries and keys recomputed on its input, "
+    "each temporal step's mean query against its merged tokens' mean keys (FastVID)",
     "clip_text_tower": "the CLIP text tower on the question (CDPruner's text relevance)",
     "decoder_demand_rows": "attention rows of the text after the image at decoder layer 0 over the unpruned prompt "
     "(coverage's demand)",
@@ -69,6 +71,7 @@ class QuestionTokens:
         cls_probe: the CLS-row probe of the feature layer ran.
         last_cls_probe: the CLS-row probe of the tower's last layer ran (on the feature layer's output).
         vision_layer_probe: every encoder layer's attention was recomputed (per-layer vision signals).
+        step_attention: a clip's step attention was formed (FastVID's; ``crops`` temporal steps of ``crop_grid``).
         demand_probe: the layer-0 probe over the full prompt ran (coverage's demand).
         text_chunks: CLIP text chunks of CDPruner's relevance (0: not computed).
         reprojected: merged tokens an input-level merge sent through the projector again.
@@ -81,7 +84,8 @@ class QuestionTokens:
             ``tower_merges``' run, and the projector on its output tokens (``reprojected``).
         stage_probes: the decoder probes of in-LLM stages.
         selector_flops: the selector's own arithmetic (``Selector.flops``).
-        crops: images the vision tower ran on for this question (LLaVA-NeXT: the base view and each tile).
+        crops: images the vision tower ran on for this question (LLaVA-NeXT: the base view and each tile; a Qwen
+            clip: each temporal step, within which its tower attends).
         crop_grid: (rows, cols) patches of each crop when the tower ran on crops; None: ``grid`` times the merge.
         projected_tokens: tokens the projector ran on when not the visual tokens (LLaVA-OneVision projects the
             unpadded tile grid, then downsamples it); None: ``visual_tokens``.
@@ -98,6 +102,7 @@ class QuestionTokens:
     cls_probe: bool = False
     last_cls_probe: bool = False
     vision_layer_probe: bool = False
+    step_attention: bool = False
     demand_probe: bool = False
     text_chunks: int = 0
     reprojected: int = 0
@@ -154,6 +159,7 @@ def signal_sources(tokens: QuestionTokens) -> tuple[str, ...]:
         "vision_last_cls_row": tokens.last_cls_probe,
         "vision_layer_attention": tokens.vision_layer_probe,
         "vision_merging_tower": bool(tokens.tower_merges),
+        "vision_step_attention": tokens.step_attention,
         "clip_text_tower": tokens.text_chunks > 0,
         "decoder_demand_rows": tokens.demand_probe,
         "decoder_attention_rows": any(probe.attention or probe.values for probe in stages),
@@ -180,6 +186,7 @@ def prefill_cost(shape: ModelShape, tokens: QuestionTokens) -> PrefillCost:
     # the last layer's probe is the same products as the feature layer's (one CLS query, every key, logits twice)
     signals = tokens.crops * flops.cls_probe(vision, patch_grid) * (tokens.cls_probe + tokens.last_cls_probe)
     signals += tokens.crops * flops.vision_layer_probes(vision, patch_grid) if tokens.vision_layer_probe else 0
+    signals += flops.step_attention(vision, patch_grid, tokens.crops) if tokens.step_attention else 0
     if tokens.text_chunks:
         signals += flops.clip_text_relevance(shape.clip_text, tokens.text_chunks, tokens.visual_tokens)  # type: ignore[arg-type]  # text chunks: only with a CLIP text tower
     if tokens.tower_merges:

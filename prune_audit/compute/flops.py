@@ -100,6 +100,15 @@ def cls_row(width: int, tokens: int) -> int:
     return matmul(1, width, width) + matmul(tokens, width, width) + 2 * matmul(1, width, tokens)
 
 
+def step_attention(vision: VisionShape, patch_grid: tuple[int, int], steps: int) -> int:
+    """A clip's step attention (FastVID's, ``models.qwen`` ``_step_attention``) on ``steps`` temporal steps of
+    ``patch_grid`` patches each: the last block's queries and keys of every patch, then each step's mean query
+    against its merged tokens' mean keys (every head, ``width`` = heads x head dim)."""
+    patches = steps * patch_grid[0] * patch_grid[1]
+    merged = patch_grid[0] * patch_grid[1] // vision.merge**2
+    return matmul(patches, vision.width, 2 * vision.width) + matmul(steps, vision.width, merged)
+
+
 def vision_layer_probes(vision: VisionShape, patch_grid: tuple[int, int]) -> int:
     """Every encoder layer's attention recomputed on its input (``models.probe.clip_attention``, HiPrune's
     and VScan's per-layer signals): queries and keys of every token and the full logits matrix."""

@@ -22,7 +22,7 @@ from prune_audit.pruners.base import Selection
 from prune_audit.pruners.composed import RunSelector, budget_parts, selector_parts
 from prune_audit.pruners.crop_scope import crop_budgets
 from prune_audit.pruners.frame_scope import frame_flops, runs_per_frame
-from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS, PADDED_CROPS
+from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS, PADDED_CROPS, STEP_ATTENTION
 
 if TYPE_CHECKING:
     from prune_audit.models.answers import Answer
@@ -132,6 +132,7 @@ def question_cost(
         cls_probe=bool(input_requires & vlm.cls_probe_signals),
         last_cls_probe=bool(input_requires & LAST_LAYER_CLS_SIGNALS),
         vision_layer_probe=bool((input_requires | layer_requires) & vlm.layer_probe_signals),
+        step_attention=STEP_ATTENTION in input_requires and item.video_grid is not None,
         demand_probe="demand" in input_requires,
         text_chunks=vlm.text_chunks(item) if "text_relevance" in input_requires else 0,
         reprojected=len(selection.sources) if merged_inputs else 0,

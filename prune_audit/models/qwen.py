@@ -190,6 +190,15 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
         geometry = mapped_to_original(resized.geometry, image.size)
         return replace(resized, image_size=image.size, geometry=geometry, dense_grid=dense)
 
+    def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
+        """On a clip the tower attends within each temporal step (its ``cu_seqlens`` split the T steps, windows
+        tile each step), so it runs as on T images of one step's patches; a still image: one image of its grid."""
+        if prepared.video_grid is None:
+            return super().tower_crops(prepared)
+        steps, rows, cols = prepared.video_grid
+        merge = self.image_processor.merge_size
+        return {"crops": steps, "crop_grid": (rows * merge, cols * merge)}
+
     def read_clip(self, frames: Any, video_fps: float) -> Clip:
         """As qwen-vl-utils reads a video for Qwen2.5-VL (:func:`prune_audit.data.video.sample_clip`) at the tower's
         token size, within its default pixel limits or those the checkpoint declares (``models.video_sampling``)."""

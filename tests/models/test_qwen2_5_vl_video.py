@@ -176,3 +176,30 @@ def test_framefusion_is_refused_on_still_images_in_one_line(vlm):
     with pytest.raises(PruneAuditError, match="still image") as refusal:
         vlm.prefill([image], get_selector("framefusion"), 10)
     assert "\n" not in str(refusal.value)
+
+
+@pytest.fixture(scope="module")
+def eager_vlm(vlm):
+    from test_compute import eager
+
+    return eager(load_vlm(vlm.model_id, device="cpu"))
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [(None, {}), ("evs", {}), ("fastvid", {"merge": False}), ("divprune", {}), ("vidcom2", {}), ("fastv", {})],
+)
+def test_clip_flops_equal_the_counted_flops(eager_vlm, clip, name, options):
+    """On a clip the tower attends within each temporal step (T images of one step's patches, windows tiling each
+    step) and FastVID's step attention is counted: ``FlopCounterMode`` over the same eager forward counts what
+    the accounting says, outside the selector's own methods and inside them."""
+    from test_compute import counted
+
+    item = eager_vlm.prepare_video(clip, QUESTIONS[0])
+    selector = None if name is None else get_selector(name, **options)
+    budget = None if name is None else item.num_visual // 2
+    outside, inside, answer = counted(eager_vlm, item, selector, budget)
+    assert outside == answer.cost.flops_vision + answer.cost.flops_llm, name
+    if selector is not None and selector.flops_exact:
+        assert inside == answer.cost.flops_selector, name
+    assert ("vision_step_attention" in answer.cost.signal_sources) == (name == "fastvid")
