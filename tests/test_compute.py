@@ -237,4 +237,5 @@ def test_signal_sources_name_exactly_the_probes_that_ran(models, monkeypatch):
             expected = tuple(name for name in SIGNAL_SOURCES if name in ran)
             assert answer.cost.signal_sources == expected, (model, selector)
             seen.update(expected)
-    assert seen == set(SIGNAL_SOURCES)  # every value is exercised
+    # every value is exercised; a clip's step attention in tests/models/test_qwen2_5_vl_video.py
+    assert seen == set(SIGNAL_SOURCES) - {"vision_step_attention"}

@@ -189,12 +189,16 @@ def eager_vlm(vlm):
     "name, options",
     [(None, {}), ("evs", {}), ("fastvid", {"merge": False}), ("divprune", {}), ("vidcom2", {}), ("fastv", {})],
 )
-def test_clip_flops_equal_the_counted_flops(eager_vlm, clip, name, options):
+def test_clip_flops_equal_the_counted_flops(eager_vlm, clip, name, options, monkeypatch):
     """On a clip the tower attends within each temporal step (T images of one step's patches, windows tiling each
     step) and FastVID's step attention is counted: ``FlopCounterMode`` over the same eager forward counts what
-    the accounting says, outside the selector's own methods and inside them."""
+    the accounting says, outside the selector's own methods and inside them; the step attention is named a signal
+    source exactly when it ran."""
     from test_compute import counted
 
+    ran = []
+    step_attention = eager_vlm._step_attention
+    monkeypatch.setattr(eager_vlm, "_step_attention", lambda *args: ran.append(1) or step_attention(*args))
     item = eager_vlm.prepare_video(clip, QUESTIONS[0])
     selector = None if name is None else get_selector(name, **options)
     budget = None if name is None else item.num_visual // 2
@@ -202,4 +206,4 @@ def test_clip_flops_equal_the_counted_flops(eager_vlm, clip, name, options):
     assert outside == answer.cost.flops_vision + answer.cost.flops_llm, name
     if selector is not None and selector.flops_exact:
         assert inside == answer.cost.flops_selector, name
-    assert ("vision_step_attention" in answer.cost.signal_sources) == (name == "fastvid")
+    assert ("vision_step_attention" in answer.cost.signal_sources) == bool(ran) == (name == "fastvid")
