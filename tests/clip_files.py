@@ -65,3 +65,43 @@ def write_tracks(path: Path, clips: dict[str, list[np.ndarray]]) -> Path:
     categories = [{"id": 3, "name": "cat"}, {"id": 4, "name": "dog"}]
     path.write_text(json.dumps({"videos": videos, "annotations": annotations, "categories": categories}))
     return path
+
+
+CLIPS, FRAMES = 8, 4
+CLIP_SET_SAMPLING = {"min_pixels": 112 * 84}
+"""The clip set's 64 x 48 px frames read at 112 x 84 px: a 4 x 3 grid of merged tokens per temporal step (28 px
+cells at scale 1.75), 2 steps, 24 tokens a clip."""
+
+
+def clip_set_masks(clip: int) -> list[np.ndarray]:
+    """The square in frames 0-1 of an even clip, 2-3 of an odd one."""
+    first = 0 if clip % 2 == 0 else 2
+    return [square_mask(frame, first, first + 1) for frame in range(FRAMES)]
+
+
+def clip_set_questions() -> list[dict]:
+    """Per clip: a cat at the beginning (frames 0-1) and at the end (frames 2-3); ids 2c + 1 and 2c + 2."""
+    questions = []
+    for clip in range(CLIPS):
+        for where, window in (("beginning", [0, 1]), ("end", [2, 3])):
+            present = (clip % 2 == 0) == (where == "beginning")
+            questions.append(
+                {"question_id": len(questions) + 1, "video": f"c{clip}.mp4", "window": window, "category": "cat",
+                 "question": f"Is there a cat at the {where} of the video?", "answer": "yes" if present else "no"}
+            )  # fmt: skip
+    return questions
+
+
+def write_clip_set(root: Path) -> dict[str, Path]:
+    """Eight 4-frame clips c0..c7 under ``root/videos`` (:func:`clip_set_masks`), their tracks, the 16 presence
+    questions and a tiny checkpoint declaring the frame size (``CLIP_SET_SAMPLING``)."""
+    videos = root / "videos"
+    for clip in range(CLIPS):
+        write_clip(videos / f"c{clip}", clip_set_masks(clip))
+    (root / "presence.json").write_text(json.dumps(clip_set_questions()))
+    return {
+        "model": tiny_clip_model(root / "qwen", seed=5, video_sampling=CLIP_SET_SAMPLING),
+        "videos": videos,
+        "tracks": write_tracks(root / "tracks.json", {f"c{clip}": clip_set_masks(clip) for clip in range(CLIPS)}),
+        "presence": root / "presence.json",
+    }

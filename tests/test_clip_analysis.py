@@ -1,6 +1,6 @@
 """`prune-audit study` and `calibrate` on clips through the CLI on a tiny random Qwen2.5-VL clip checkpoint (it
-answers nonsense; the outputs must be complete and consistent): eight 4-frame clips, a red square in the first two
-frames of the even clips and the last two of the odd ones, asked at the beginning and at the end (16 questions)."""
+answers nonsense; the outputs must be complete and consistent), on the 16 presence questions of
+``clip_files.write_clip_set``."""
 
 from __future__ import annotations
 
@@ -10,50 +10,17 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from clip_files import square_mask, tiny_clip_model, write_clip, write_tracks
+from clip_files import CLIPS, FRAMES, write_clip_set
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
 
 runner = CliRunner()
-CLIPS, FRAMES = 8, 4
-VIDEO_SAMPLING = {"min_pixels": 112 * 84}
-"""64 x 48 px frames read at 112 x 84 px: a 4 x 3 grid of merged tokens per temporal step, 24 tokens a clip."""
-
-
-def clip_masks(clip: int) -> list:
-    """The square in frames 0-1 of an even clip, 2-3 of an odd one."""
-    first = 0 if clip % 2 == 0 else 2
-    return [square_mask(frame, first, first + 1) for frame in range(FRAMES)]
-
-
-def presence_questions() -> list[dict]:
-    """Per clip: a cat at the beginning (frames 0-1) and at the end (frames 2-3)."""
-    questions = []
-    for clip in range(CLIPS):
-        for where, window in (("beginning", [0, 1]), ("end", [2, 3])):
-            present = (clip % 2 == 0) == (where == "beginning")
-            questions.append(
-                {"question_id": len(questions) + 1, "video": f"c{clip}.mp4", "window": window, "category": "cat",
-                 "question": f"Is there a cat at the {where} of the video?", "answer": "yes" if present else "no"}
-            )  # fmt: skip
-    return questions
 
 
 @pytest.fixture(scope="module")
 def clip_set(tmp_path_factory) -> dict[str, Path]:
-    """The tiny checkpoint (declaring its frame size), the clips' frame folders, tracks and presence questions."""
-    root = tmp_path_factory.mktemp("clip_set")
-    videos = root / "videos"
-    for clip in range(CLIPS):
-        write_clip(videos / f"c{clip}", clip_masks(clip))
-    (root / "presence.json").write_text(json.dumps(presence_questions()))
-    return {
-        "model": tiny_clip_model(root / "qwen", seed=5, video_sampling=VIDEO_SAMPLING),
-        "videos": videos,
-        "tracks": write_tracks(root / "tracks.json", {f"c{clip}": clip_masks(clip) for clip in range(CLIPS)}),
-        "presence": root / "presence.json",
-    }
+    return write_clip_set(tmp_path_factory.mktemp("clip_set"))
 
 
 def test_study_and_calibrate_measure_video_presence_on_a_tiny_clip_checkpoint(clip_set, tmp_path):

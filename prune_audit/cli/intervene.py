@@ -44,7 +44,7 @@ def intervene(
         Optional[Path],
         typer.Option(
             "--images",
-            help="The run's images folder at another path (each image checked by sha256).",
+            help="The run's images folder at another path (each image, or each clip's frame, checked by sha256).",
             show_default=False,
         ),
     ] = None,
@@ -77,7 +77,10 @@ def intervene(
     object. remove: on questions whose object kept 1..32 cells, those cells are
     replaced by random non-kept non-object cells; the control replaces as many kept
     non-object cells by the same cells. The budget stays fixed; in-LLM stage sets
-    stay nested.
+    stay nested. On a run of video clips the object is its pixels in the
+    question's window (the whole clip without one): restore takes the questions
+    lost in the window, remove those with window pixels kept; each clip is read
+    from its frame folder as run reads it; --stage first only.
 
     Writes records.parquet (both conditions, run-record columns plus condition,
     cells_changed, object_area_changed) and intervention.json: accuracy and mean

@@ -27,6 +27,9 @@ CONVENTIONS = {
     "stage": "kept set, lost and object tokens read at the --stage stage c (default first); in-LLM stages up to c: "
     "S_i' = (S_i minus the first |A minus S_i| removed cells) plus A; after c: S_i' = (S_i minus R) plus the first "
     "|S_i and R| cells of A; sizes fixed, stages stay nested, empty stages stay empty",
+    "clips": "on a clip task's run the object is its pixels in the question's window (the window's sampled frames; "
+    "the whole clip without a window), a token's pixels its cell's in its two frames: restore takes the questions "
+    "lost in the window (lost_in_window), remove those with window pixels kept; the stage is the first",
     "object_area_changed": "object pixels of the added cells minus those of the removed cells",
     "intervals": "95% percentile intervals from an image-clustered bootstrap; differences are paired "
     "(intervention minus control on the same resampled images)",
