@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -84,9 +85,11 @@ def test_restore_puts_back_the_square_of_the_asked_window(evs_run, tmp_path):
     assert report["questions"]["eligible"] == report["questions"]["intervened"] == report["questions"]["images"] == 4
 
 
-def test_remove_takes_the_square_of_the_asked_window_out(evs_run, tmp_path):
+def test_remove_takes_the_square_of_the_asked_window_out(clip_set, evs_run, tmp_path):
+    moved = tmp_path / "moved"  # the frame folders elsewhere: --images, each frame checked against its pin
+    shutil.copytree(clip_set["videos"], moved)
     out = tmp_path / "remove"
-    result = intervene(evs_run, out, "--mode", "remove")
+    result = intervene(evs_run, out, "--mode", "remove", "--images", str(moved))
     assert result.exit_code == 0, result.output
     records = rows(out)
     # eligible: the even clips' "beginning" questions, the square in frames 0-1, all 6 of its cells kept
