@@ -83,6 +83,8 @@ def test_restore_puts_back_the_square_of_the_asked_window(evs_run, tmp_path):
         assert len(kept & set(range(12))) == 6
     report = json.loads((out / "intervention.json").read_text())
     assert report["questions"]["eligible"] == report["questions"]["intervened"] == report["questions"]["images"] == 4
+    windows = [report[part]["mean_window_retention"] for part in ("recorded", "intervention", "control")]
+    assert windows == [0.0, 1.0, 0.0] and "window" in result.output  # a table row (wrapped at the terminal's width)
 
 
 def test_remove_takes_the_square_of_the_asked_window_out(clip_set, evs_run, tmp_path):

@@ -147,6 +147,9 @@ def print_intervention_table(report: dict, out: Path) -> None:
         table.add_row(name, *(_cell(report[part][key]) for part in ("recorded", *conditions, "difference")))
     retention = (f"{report[part]['mean_retention']:.4f}" for part in ("recorded", *conditions))
     table.add_row("mean retention", *retention, "")
+    if "mean_window_retention" in report["recorded"]:  # a clip run: the asked window's object, which the swaps move
+        window = (f"{report[part]['mean_window_retention']:.4f}" for part in ("recorded", *conditions))
+        table.add_row("mean window retention", *window, "")
     table.add_row("cells swapped", "", *(f"{report[part]['mean_cells_changed']:.2f}" for part in conditions), "")
     area_changed = (f"{report[part]['mean_object_area_changed']:+.1f}" for part in conditions)
     table.add_row("object pixels changed", "", *area_changed, "")
