@@ -13,52 +13,22 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
-from pycocotools import mask as mask_utils
-from tiny_models import WORDS
+from clip_files import H, W, square_mask, tiny_clip_model, write_clip, write_tracks
 from typer.testing import CliRunner
 
 from prune_audit.cli.main import app
 
 runner = CliRunner()
-W, H, FRAMES = 64, 48, 6
-
-
-def _mask(frame: int) -> np.ndarray:
-    """A 20 x 20 square sliding right over the first three frames, gone afterwards."""
-    mask = np.zeros((H, W), dtype=bool)
-    if frame < 3:
-        mask[10:30, 5 + 8 * frame : 25 + 8 * frame] = True
-    return mask
-
-
-def _rle(mask: np.ndarray) -> dict | None:
-    if not mask.any():
-        return None
-    encoded = mask_utils.encode(np.asfortranarray(mask.astype(np.uint8)))
-    return {"size": encoded["size"], "counts": encoded["counts"].decode()}
+FRAMES = 6
 
 
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory) -> dict[str, Path]:
-    from prune_audit.models.qwen import QwenModel
-
     root = tmp_path_factory.mktemp("clips")
-    words = [*WORDS, "beginning", "end", "video", "at", "A", "B", "C", "What", "moves"]
-    model = QwenModel.build_tiny(root / "qwen", words=words, image_size=168, text_layers=2, seed=4)
+    model = tiny_clip_model(root / "qwen")
     videos = root / "videos"
-    (videos / "slide").mkdir(parents=True)
-    for frame in range(FRAMES):
-        pixels = np.full((H, W, 3), 30, dtype=np.uint8)
-        pixels[_mask(frame)] = (220, 40, 40)
-        Image.fromarray(pixels).save(videos / "slide" / f"{frame:05d}.png")
-    tracks = {
-        "videos": [{"id": 7, "file_names": [f"slide/{f:05d}.png" for f in range(FRAMES)], "width": W, "height": H,
-                    "length": FRAMES}],
-        "annotations": [{"id": 1, "video_id": 7, "category_id": 3, "segmentations": [_rle(_mask(f)) for f in range(FRAMES)]}],
-        "categories": [{"id": 3, "name": "cat"}, {"id": 4, "name": "dog"}],
-    }  # fmt: skip
-    (root / "tracks.json").write_text(json.dumps(tracks))
+    write_clip(videos / "slide", [square_mask(frame) for frame in range(FRAMES)])
+    write_tracks(root / "tracks.json", {"slide": [square_mask(frame) for frame in range(FRAMES)]})
     presence = [
         {"question_id": 1, "video": "slide.mp4", "question": "Is there a cat at the beginning of the video?",
          "answer": "yes", "category": "cat", "window": [0, 1]},
@@ -97,7 +67,7 @@ def recounted(record: dict) -> tuple[list[float], bool | None]:
     kept = set(record["kept_stages"][0])
     shares, window_kept, window_total = [], 0, 0
     for k, stored in enumerate(geometry["frames"]):
-        mask = _mask(stored) if record["object"] == "cat" else np.zeros((H, W), dtype=bool)
+        mask = square_mask(stored) if record["object"] == "cat" else np.zeros((H, W), dtype=bool)
         covered = 0
         for y, x in zip(*np.nonzero(mask)):  # the pixel centre's cell in the resized frame
             row = int((y + 0.5) * frame["scale_y"] // side)
@@ -237,7 +207,7 @@ def test_an_image_selector_composed_after_a_video_selector_is_refused(clips, tmp
     )
 
 
-def test_a_clip_run_resumes_is_visualized_and_is_refused_where_tokens_are_swapped(clips, tmp_path):
+def test_a_clip_run_resumes_and_is_visualized(clips, tmp_path):
     out = tmp_path / "evs"
     assert run(clips, out, "--selector", "evs", "--budget", "150").exit_code == 0
     first = (out / "records.parquet").read_bytes()
@@ -245,6 +215,3 @@ def test_a_clip_run_resumes_is_visualized_and_is_refused_where_tokens_are_swappe
     assert again.exit_code == 0 and (out / "records.parquet").read_bytes() == first  # all recorded: nothing asked
     drawn = runner.invoke(app, ["visualize", "--run", str(out), "--question-id", "1", "--out", str(tmp_path / "v.png")])
     assert drawn.exit_code == 0 and (tmp_path / "v.png").exists()  # a frame strip (tests/test_clip_visualize.py)
-    swapped = runner.invoke(app, ["intervene", str(out), "--mode", "restore", "--out", str(tmp_path / "iv")])
-    assert swapped.exit_code != 0 and "intervene swaps the tokens of still images" in swapped.output
-    assert len(swapped.output.strip().splitlines()) == 1 and not (tmp_path / "iv").exists()

@@ -44,7 +44,7 @@ def intervene(
         Optional[Path],
         typer.Option(
             "--images",
-            help="The run's images folder at another path (each image checked by sha256).",
+            help="The run's images folder at another path (each image, or each clip's frame, checked by sha256).",
             show_default=False,
         ),
     ] = None,
@@ -77,7 +77,10 @@ def intervene(
     object. remove: on questions whose object kept 1..32 cells, those cells are
     replaced by random non-kept non-object cells; the control replaces as many kept
     non-object cells by the same cells. The budget stays fixed; in-LLM stage sets
-    stay nested.
+    stay nested. On a run of video clips the object is its pixels in the
+    question's window (the whole clip without one): restore takes the questions
+    lost in the window, remove those with window pixels kept; each clip is read
+    from its frame folder as run reads it; --stage first only.
 
     Writes records.parquet (both conditions, run-record columns plus condition,
     cells_changed, object_area_changed) and intervention.json: accuracy and mean
@@ -144,6 +147,9 @@ def print_intervention_table(report: dict, out: Path) -> None:
         table.add_row(name, *(_cell(report[part][key]) for part in ("recorded", *conditions, "difference")))
     retention = (f"{report[part]['mean_retention']:.4f}" for part in ("recorded", *conditions))
     table.add_row("mean retention", *retention, "")
+    if "mean_window_retention" in report["recorded"]:  # a clip run: the asked window's object, which the swaps move
+        window = (f"{report[part]['mean_window_retention']:.4f}" for part in ("recorded", *conditions))
+        table.add_row("mean window retention", *window, "")
     table.add_row("cells swapped", "", *(f"{report[part]['mean_cells_changed']:.2f}" for part in conditions), "")
     area_changed = (f"{report[part]['mean_object_area_changed']:+.1f}" for part in conditions)
     table.add_row("object pixels changed", "", *area_changed, "")

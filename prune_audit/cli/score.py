@@ -45,7 +45,8 @@ def score(
     ] = False,
 ) -> None:
     """Score released answers as the task's official evaluation does (docs/tasks.md): POPE's evaluate.py, GQA's
-    exact match, LLaVA's ScienceQA letter rule, CHAIR for captions."""
+    exact match, LLaVA's ScienceQA letter rule, CHAIR for captions, lmms-eval's letter rules for MVBench and
+    Video-MME."""
     from prune_audit.analysis.outputs import to_json
     from prune_audit.data.answers import ANSWERS_FILE, ANSWERS_FIX
     from prune_audit.safety.inputs import check_input_file

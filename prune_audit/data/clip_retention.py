@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -60,6 +60,15 @@ class ClipArea:
         total = int(self.frame_total.sum())
         visible = float(per_token.sum() / total) if total else math.nan
         return ObjectArea(area_per_token=per_token.astype(np.int64), total_area=total, visible_fraction=visible)
+
+    def window_area(self, window: Window | None) -> ObjectArea:
+        """The object in the window's sampled frames alone, as a region over the clip's T * h * w tokens
+        (:meth:`object_area` with the other frames' pixels left out; the whole clip for None): the evidence a
+        question about the window asks for (``intervene`` swaps its cells)."""
+        chosen = self.in_window(window)
+        return replace(
+            self, frame_area=self.frame_area * chosen[:, None], frame_total=self.frame_total * chosen
+        ).object_area()
 
     def kept_pixels(self, covered: Sequence[int]) -> np.ndarray:
         """(2T,) int64 object pixels of each sampled frame in the cells ``covered`` (token indices) keep."""

@@ -47,6 +47,8 @@ class VideoChoiceQuestion:
         answer: the answer letter.
         layout: ``mvbench`` or ``videomme`` (its prompt, ``tasks.video_mc``).
         fps: the clip's stored frame rate from the entry, None when it gives none.
+        key: the id the file gives the question (Video-MME's ``question_id``, "001-1"), which released answers
+            name; None for MVBench, whose id is the entry's index in its file.
     """
 
     question_id: int
@@ -57,6 +59,7 @@ class VideoChoiceQuestion:
     answer: str
     layout: str
     fps: float | None = None
+    key: str | None = None
 
     @property
     def image(self) -> str:
@@ -170,6 +173,7 @@ def _videomme(entry: dict[str, Any], where: str) -> VideoChoiceQuestion:
         str(answer),
         VIDEOMME,
         _fps(entry, where),
+        str(key),
     )
 
 

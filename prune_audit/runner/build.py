@@ -52,11 +52,18 @@ NO_EVIDENCE = QuestionEvidence(None, [])
 
 def question_evidence(evidence: Evidence | None, answered: AnsweredQuestion) -> QuestionEvidence:
     """The question's evidence region and objects, as its task's evidence names them."""
+    return prepared_evidence(evidence, answered.question, answered.image_id, answered.prepared)
+
+
+def prepared_evidence(
+    evidence: Evidence | None, question: TaskQuestion, image_id: int, prepared: Prepared
+) -> QuestionEvidence:
+    """:func:`question_evidence` of a question prepared and not yet answered (``intervene`` plans its swaps on it)."""
     if evidence is None:
         return NO_EVIDENCE
-    question, image_id, geometry = answered.question, answered.image_id, answered.prepared.geometry
+    geometry = prepared.geometry
     clip = None
-    if answered.prepared.video_grid is not None:  # a clip task's evidence reads clips (``tasks.clips.ClipTask``)
+    if prepared.video_grid is not None:  # a clip task's evidence reads clips (``tasks.clips.ClipTask``)
         clip = cast("ClipEvidence", evidence).clip_area(question, image_id, geometry)
     return QuestionEvidence(
         evidence.area(question, image_id, geometry), evidence.objects(question, image_id, geometry), clip

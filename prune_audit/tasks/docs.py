@@ -71,8 +71,8 @@ embed their images, so they need no `--images`: every embedded image the run use
 `image_source` name checked to be writable (no NUL byte, no part over 255 bytes, no name that is also another's
 folder), before anything is written; the run writes them to `RUN_DIR/images/` (its manifest's images folder, pinned by their sha256,
 read again by `visualize --run` and `intervene`), and a run reads either Parquet files or the task's own files.
-`score --task pope`, `score --task gqa` and `score --task textvqa` read them too, without their images (GQA: only
-the `*_instructions` files); `score --task scienceqa` refuses them, because lmms-lab/ScienceQA's rows have no problem id to match an
+`score --task pope`, `score --task gqa`, `score --task textvqa` and `score --task video_mc` (Video-MME's rows) read
+them too, without their images (GQA: only the `*_instructions` files); `score --task scienceqa` refuses them, because lmms-lab/ScienceQA's rows have no problem id to match an
 answers file's `question_id` (row order would silently pair answers with the wrong questions once either file
 is filtered): pass LLaVA's `llava_test_CQM-A.json`.
 

@@ -17,6 +17,13 @@ path), so no parsing decides an answer. Splits: an MVBench question's is its fil
 question's its ``duration`` (short / medium / long, which ``--split`` picks; ``videomme`` without one). The videos are folders of frames (``--images DIR``: ``x.mp4`` is read from
 ``DIR/x/``); MVBench names no image regions, so video_mc runs have no evidence (their clip columns hold the sampled
 frames alone).
+
+Released answers (``prune-audit score --task video_mc answers.jsonl --questions FILE``, LLaVA's ``question_id`` +
+``text`` lines, MVBench or Video-MME files, Video-MME's Parquet too) are scored by lmms-eval's own letter rule of each
+layout, which parses free text (``data.video_answers``: MVBench's ``mcq_acc``, accuracy over the answered questions;
+Video-MME's ``extract_mcq_answer``, over all), per split and overall. Ids: an MVBench entry's index in its file (with
+several files each answer line names its file's stem in ``split``), a Video-MME row's ``question_id`` ("001-1") or the
+records' integer id (``export --answers``).
 """
 
 from __future__ import annotations
@@ -94,9 +101,12 @@ class VideoMcTask(ClipTask):
         return Scored(choice.answer, (question.answer,), choice.answer == question.answer, choice.confidence, columns)
 
     def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
-        raise PruneAuditError(
-            "video_mc scores its own runs' records; released answer files are not read for it (run it, then calibrate)"
-        )
+        """A LLaVA answers file scored by lmms-eval's letter rule of each question's layout (MVBench's ``mcq_acc``,
+        Video-MME's ``extract_characters_regex``: ``data.video_answers``), per split and overall; Video-MME's
+        Parquet rows read without their videos."""
+        from prune_audit.data.video_answers import score_video_choice_answers
+
+        return score_video_choice_answers(answers, question_files, load_video_choice(question_files))
 
     def load_evidence(self, path: Path, questions: Sequence[TaskQuestion]) -> NoReturn:
         raise PruneAuditError(

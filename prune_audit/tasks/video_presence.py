@@ -8,6 +8,9 @@ Evidence (``--annotations``): object tracks in the YouTube-VIS layout (``data.yo
 union mask in each sampled frame, whatever the label: a "no, not at the beginning" object may be there later.
 The records hold POPE's answer columns (shared, ``records.schema.tasks_columns``), so every POPE analysis reads
 them, and the clip columns (``tasks.clips.CLIP_COLUMNS``): per-frame retention, the window, ``lost_in_window``.
+Released answers (``prune-audit score --task video_presence answers.jsonl --questions FILE``) are scored by POPE's
+evaluate.py as ``pope score`` scores them: LLaVA's ``question_id`` + ``text`` lines matched by id, POPE's ``answer``
+lines by order, free text read as no when its first sentence holds "no", "No" or "not".
 """
 
 from __future__ import annotations
@@ -72,10 +75,17 @@ class VideoPresenceTask(ClipTask):
         return yes_no_scored(question.category, question.label, reduced)
 
     def score_answers(self, answers: Path, question_files: Sequence[Path], subset: str | None = None) -> dict[str, Any]:
-        raise PruneAuditError(
-            "video_presence scores its own runs' records; released answer files are not read for it (run it, then "
-            "calibrate)"
-        )
+        """POPE's evaluate.py (``prune-audit pope score``'s report) over the questions' labels, one split (the
+        task's): LLaVA's answers (``question_id`` + ``text``) matched by id, POPE's (``answer``) by order."""
+        from prune_audit.data.pope import PopeQuestion
+        from prune_audit.data.pope_score import score_files
+
+        questions = []
+        for question in self.load_questions(question_files)[0]:
+            assert isinstance(question, PresenceQuestion)
+            fields = (question.question_id, question.split, question.image, question.text, question.label)
+            questions.append(PopeQuestion(*fields, object=question.category))
+        return score_files(answers, list(question_files), questions)
 
     def load_evidence(self, path: Path, questions: Sequence[TaskQuestion]) -> TrackEvidence:
         """The tracks file, every question's video and category checked to be in it."""

@@ -180,6 +180,18 @@ def test_per_frame_retention_and_window_losses_counted_by_hand():
     assert area.lost_in_window(other, (7, 9)) is None  # no sampled frame in the window
     assert area.lost_in_window(other, None) is False
     assert retention_by_stage([whole], [[[2]]])[0].lost == [True] and area.lost_in_window([2], None) is True
+    # the window's object alone (intervene's swap region): frames 0 and 2 -> step 0; frame 6 -> step 1's right cell
+    assert (
+        area.window_area((0, 3)).area_per_token.tolist() == [150, 50, 0, 0]
+        and area.window_area((0, 3)).total_area == 200
+    )
+    assert (
+        area.window_area((5, 6)).area_per_token.tolist() == [0, 0, 0, 20] and area.window_area((5, 6)).total_area == 20
+    )
+    assert (
+        area.window_area(None).area_per_token.tolist() == [150, 50, 0, 20] and area.window_area(None).total_area == 220
+    )
+    assert not area.window_area((4, 4)).has_mask
 
 
 def test_videos_after_the_first_find_their_own_frames():

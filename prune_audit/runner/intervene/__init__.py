@@ -5,7 +5,9 @@ with the edited sets forced (``VisionLanguageModel.answer(forced_kept=...)`` for
 input-level selectors, ``forced_stages=...`` for in-LLM ones). Every swap removes as
 many kept cells as it adds, so the budget stays fixed, and every intervention has a
 control that differs from it only in which cells are swapped (``swaps`` states the
-rules for restore and remove, and for nested in-LLM stages).
+rules for restore and remove, and for nested in-LLM stages). On a run of video clips each clip is read from its
+frame folder as ``run`` reads it (``runner.clips``) and the swaps move the object in the question's window
+(``execute.swap_region``).
 
 The pipeline: ``plan`` (request and source run checked) -> ``swaps`` (pure) -> ``execute``
 (forced re-runs) -> ``build`` (records) -> ``report`` (intervention.json).

@@ -13,6 +13,7 @@ from prune_audit.runner.build import AnsweredQuestion, QuestionEvidence, build_r
 from prune_audit.runner.intervene.swaps import Swap
 
 if TYPE_CHECKING:
+    from prune_audit.data.retention import ObjectArea
     from prune_audit.models import Answer, Prepared
     from prune_audit.tasks import Task, TaskQuestion
 
@@ -23,16 +24,19 @@ def intervention_rows(
     record: Record,
     prepared: Prepared,
     evidence: QuestionEvidence,
+    area: ObjectArea,
     swaps: dict[str, Swap],
     answers: Sequence[Answer],
 ) -> list[Record]:
-    """One record per condition: the run's columns for the forced answer plus the swap's columns."""
+    """One record per condition: the run's columns for the forced answer plus the swap's columns (the object area
+    changed counted on ``area``, the region the swaps moved)."""
     answered = [AnsweredQuestion(question, answer, prepared, record["image_id"], record["order"]) for answer in answers]
     rows = build_records(task, answered, [evidence] * len(answered))
-    area_per_token = evidence.region.area_per_token  # intervene runs on questions whose evidence has pixels
     for row, (condition, swap) in zip(rows, swaps.items()):
         row.update(
-            condition=condition, cells_changed=swap.size, object_area_changed=swap.object_area_changed(area_per_token)
+            condition=condition,
+            cells_changed=swap.size,
+            object_area_changed=swap.object_area_changed(area.area_per_token),
         )
     return rows
 

@@ -13,13 +13,14 @@ import numpy as np
 from prune_audit.errors import PruneAuditError
 from prune_audit.records.schema import Record
 from prune_audit.runner.answering import question_seed
-from prune_audit.runner.build import QuestionEvidence
+from prune_audit.runner.build import QuestionEvidence, prepared_evidence
 from prune_audit.runner.intervene.build import intervention_rows
 from prune_audit.runner.intervene.plan import InterveneRequest, InterventionSource
 from prune_audit.runner.intervene.swaps import NoSwap, Swap, plan_swaps, swap_stages
-from prune_audit.runner.questions import prepare_question
+from prune_audit.runner.questions import prepare_task_question
 
 if TYPE_CHECKING:
+    from prune_audit.data.retention import ObjectArea
     from prune_audit.models import Answer, Prepared, VisionLanguageModel
     from prune_audit.models.answers import AnswerMode
     from prune_audit.tasks import Task, TaskQuestion
@@ -46,15 +47,11 @@ def answer_swaps(
     skipped: Counter = Counter()
     for done, record in enumerate(eligible, start=1):
         question = questions[(record["split"], record["question_id"])]
-        prepared = prepare_question(
-            vlm, inputs.images / record["image"], task.prompt_text(question, vlm.task_instructions)
-        )
+        # a clip is read from its frame folder as run reads it (runner.clips: the checkpoint's frame sizes)
+        prepared = prepare_task_question(vlm, task, question, {question.image: inputs.images / record["image"]}, None)
         check_geometry(record, prepared)
-        found = QuestionEvidence(
-            evidence.area(question, record["image_id"], prepared.geometry),
-            evidence.objects(question, record["image_id"], prepared.geometry),
-        )
-        area = found.region
+        found = prepared_evidence(evidence, question, record["image_id"], prepared)
+        area = swap_region(task, question, found)
         rng = np.random.default_rng(question_seed(request.seed, record["split"], record["question_id"]))
         stage = source.chosen(record)
         try:
@@ -64,10 +61,19 @@ def answer_swaps(
         else:
             swaps = pair.by_condition()
             answers = forcing.answer(prepared, task.answer_mode(question), record, stage, list(swaps.values()))
-            rows += intervention_rows(task, question, record, prepared, found, swaps, answers)
+            rows += intervention_rows(task, question, record, prepared, found, area, swaps, answers)
         if on_progress:
             on_progress(done, len(eligible))
     return rows, skipped
+
+
+def swap_region(task: Task, question: TaskQuestion, found: QuestionEvidence) -> ObjectArea:
+    """The region whose cells the swaps move: the evidence region, or on a clip the object in the question's window
+    (``ClipArea.window_area``; the whole clip without a window): what the question asks the frames to show."""
+    if found.clip is None:
+        assert found.region is not None  # intervene runs on questions whose evidence has pixels
+        return found.region
+    return found.clip.window_area(task.clip_window(question))  # type: ignore[attr-defined]  # a clip: a ClipTask
 
 
 def load_model(manifest: dict[str, Any], source: str, device: str) -> VisionLanguageModel:

@@ -74,15 +74,7 @@ def load_source(run_dir: Path, stage: StageChoice = FIRST, overrides: RunInputs 
     manifest = run.manifest
     if run.selector == "dense":
         raise PruneAuditError(f"{run_dir} is an unpruned run; intervene swaps the kept tokens of a pruned run")
-    if not manifest.get("annotations"):
-        raise PruneAuditError(
-            f"{run_dir} was run without annotations; intervene needs the object masks: re-run with --annotations FILE"
-        )
-    if manifest_task(manifest).reads_clips:
-        raise PruneAuditError(
-            f"{run_dir} is a run of video clips, and intervene swaps the tokens of still images; intervene on an image "
-            "task's run"
-        )
+    check_evidence(run_dir, manifest, stage)
     inputs = locate_inputs(manifest, overrides)
     records = RecordStore(run_dir, manifest).read().to_pylist()
     chosen = {
@@ -92,11 +84,39 @@ def load_source(run_dir: Path, stage: StageChoice = FIRST, overrides: RunInputs 
     return InterventionSource(run, records, inputs, stage, chosen)
 
 
+def check_evidence(run_dir: Path, manifest: dict[str, Any], stage: StageChoice) -> None:
+    """The run's task names objects and the run has their masks; on clips, the stage is the first (a clip's swaps
+    move the object in the asked window, ``execute.swap_region``, whose fate the records hold at the first stage)."""
+    task = manifest_task(manifest)
+    if not task.names_evidence:
+        raise PruneAuditError(
+            f"task {task.name} names no objects in its images, so intervene has no evidence tokens to swap; intervene "
+            "on a run of a task whose questions name objects"
+        )
+    if not manifest.get("annotations"):
+        raise PruneAuditError(
+            f"{run_dir} was run without annotations; intervene needs the object masks: re-run with --annotations FILE"
+        )
+    if task.reads_clips and stage.index != 0:
+        raise PruneAuditError(
+            f"--stage {stage.name}: on clips the asked window's evidence (lost_in_window) is recorded at the first "
+            "stage only; intervene on a clip run with --stage first"
+        )
+
+
 def eligible_records(source: InterventionSource, mode: str) -> list[Record]:
     """The records the mode applies to at the chosen stage (restore: lost objects; remove: 1..32
-    kept object cells)."""
+    kept object cells); on clips, the object in the question's window at the first stage (restore:
+    ``lost_in_window``; remove: some of it kept, the cell count checked when the swaps are planned)."""
     records = source.records
-    if mode == "restore":
+    if manifest_task(source.manifest).reads_clips:
+        if mode == "restore":
+            eligible = [row for row in records if row["lost_in_window"] is True]
+            what = "whose object lost all tokens in the asked window"
+        else:
+            eligible = [row for row in records if row["window_retention"] > 0]
+            what = "whose object kept tokens in the asked window"
+    elif mode == "restore":
         eligible = [row for row in records if row["lost_stages"][source.chosen(row)] is True]
         what = "whose object lost all tokens"
     else:

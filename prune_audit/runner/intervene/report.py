@@ -27,6 +27,9 @@ CONVENTIONS = {
     "stage": "kept set, lost and object tokens read at the --stage stage c (default first); in-LLM stages up to c: "
     "S_i' = (S_i minus the first |A minus S_i| removed cells) plus A; after c: S_i' = (S_i minus R) plus the first "
     "|S_i and R| cells of A; sizes fixed, stages stay nested, empty stages stay empty",
+    "clips": "on a clip task's run the object is its pixels in the question's window (the window's sampled frames; "
+    "the whole clip without a window), a token's pixels its cell's in its two frames: restore takes the questions "
+    "lost in the window (lost_in_window), remove those with window pixels kept; the stage is the first",
     "object_area_changed": "object pixels of the added cells minus those of the removed cells",
     "intervals": "95% percentile intervals from an image-clustered bootstrap; differences are paired "
     "(intervention minus control on the same resampled images)",
@@ -82,7 +85,22 @@ def intervention_report(
             report[name]["mean_cells_changed"] = float(np.mean(rows["cells_changed"].to_numpy()))
             report[name]["mean_object_area_changed"] = float(np.mean(rows["object_area_changed"].to_numpy()))
     report["difference"] = _scores(measured["intervention"].minus(measured["control"]))
+    if manifest_task(source.manifest).reads_clips:
+        _add_window_retention(report, source, table, tables["intervention"].keys())
     return report
+
+
+def _add_window_retention(
+    report: dict[str, Any], source: InterventionSource, table: pa.Table, keys: list[tuple[str, int]]
+) -> None:
+    """On clips, each part's mean ``window_retention``: the share of the asked window's object pixels kept (the
+    region the swaps move), over the intervened questions (NaN-free: they all have pixels in their window)."""
+    recorded = {(row["split"], row["question_id"]): row["window_retention"] for row in source.records}
+    report["recorded"]["mean_window_retention"] = float(np.mean([recorded[key] for key in keys]))
+    conditions = table["condition"].to_numpy(zero_copy_only=False)
+    for name in CONDITIONS:
+        values = table.filter(conditions == name)["window_retention"].to_numpy()
+        report[name]["mean_window_retention"] = float(np.mean(values))
 
 
 def _scores(estimates: dict[str, dict]) -> dict[str, dict]:
