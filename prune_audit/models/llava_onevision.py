@@ -250,6 +250,14 @@ class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
             return VisionLanguageModel.grid_parts(self, item)
         return super().grid_parts(item)
 
+    def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
+        """Per crop the tower ran on, its tokens and grid: a clip's frames (each h x w, in time order); an image's
+        base view and tiles (LLaVA-NeXT's)."""
+        if item.video_grid is None:
+            return super().crop_tokens(item)
+        steps, rows, cols = item.video_grid
+        return [(torch.arange(t * rows * cols, (t + 1) * rows * cols), (rows, cols)) for t in range(steps)]
+
     def _token_crops(self, item: Prepared) -> Tensor:
         """(N,) each visual token's crop, as LLaVA-NeXT's; once ``anyres_max`` resized the tile grid, a resized
         token's crop is that of the patch under its cell's centre (the bilinear sample reads the patches around

@@ -194,6 +194,15 @@ def test_evs_on_the_clip_keeps_its_mask_and_the_newline(vlm, item):
     assert (prefill.logits[0] - reference).abs().max() <= TOL
 
 
+def test_each_frame_is_a_crop_of_the_clip(vlm, item):
+    """The tower ran on each frame alone: ``budget_scope=crop`` shares a budget evenly over the frames."""
+    crops = vlm.crop_tokens(item)
+    assert [grid for _, grid in crops] == [(POOLED, POOLED)] * 4
+    assert torch.equal(torch.cat([tokens for tokens, _ in crops]), torch.arange(item.num_visual))
+    _, selections = vlm.prefill([item], get_selector("random", budget_scope="crop"), 40)
+    assert torch.bincount(selections[0].kept // (POOLED * POOLED), minlength=4).tolist() == [10] * 4
+
+
 def test_fastvid_and_mixed_batches_are_refused_in_one_line(vlm, item):
     with pytest.raises(PruneAuditError, match="needs step_attention") as error:
         vlm.prefill([item], get_selector("fastvid"), 50)
