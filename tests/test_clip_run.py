@@ -1,7 +1,7 @@
 """`prune-audit run` on video clips, end to end through the CLI on a tiny random Qwen2.5-VL (it answers nonsense; the
 records must be complete and consistent): video_presence under EVS with per-frame evidence recounted from the masks
 and the kept tokens, keep-all equal to dense, video_mc under VidCom2, and the one-line refusals with nothing written
-(a still-image family, an image selector, a video file instead of a frame folder, a missing frame folder)."""
+(a still-image family, an image selector without a per-frame run, a video file instead of a frame folder, a missing frame folder)."""
 
 from __future__ import annotations
 
@@ -189,9 +189,9 @@ def test_a_still_image_family_is_refused(clips, workspace, tmp_path):
     assert "llava_onevision" in result.output
 
 
-def test_an_image_selector_on_clips_is_refused(clips, tmp_path):
-    out = tmp_path / "random"
-    refused(run(clips, out, "--selector", "random", "--budget", "50"), out, "does not run on video clips here")
+def test_an_image_selector_without_a_per_frame_run_on_clips_is_refused(clips, tmp_path):
+    out = tmp_path / "hiprune"  # per-layer vision attention: not computed on clips (tests/test_clip_per_frame.py)
+    refused(run(clips, out, "--selector", "hiprune", "--budget", "50"), out, "has no per-frame run")
 
 
 def test_a_video_file_or_a_missing_folder_is_refused(clips, tmp_path):
@@ -240,7 +240,11 @@ def test_every_clip_selector_keeping_all_equals_dense_or_is_refused_in_one_line(
 
 def test_an_image_selector_composed_after_a_video_selector_is_refused(clips, tmp_path):
     out = tmp_path / "composed"
-    refused(run(clips, out, "--selector", "evs+fastv", "--budget", "200,100"), out, "selector fastv reads no clip's")
+    refused(
+        run(clips, out, "--selector", "evs+fastv", "--budget", "200,100"),
+        out,
+        "selector fastv prunes inside the language",
+    )
 
 
 def test_a_clip_run_resumes_is_visualized_and_is_refused_where_tokens_are_swapped(clips, tmp_path):

@@ -203,6 +203,28 @@ def test_plan_commands_executed_give_the_same_summary(workspace, study, tmp_path
     assert "#SBATCH --array=0-0" in script.stdout and commands[1] in script.stdout.replace("'", "")
 
 
+def test_a_selector_option_reaches_that_selector_runs_only(workspace, tmp_path):
+    out = tmp_path / "options"
+    planned = runner.invoke(app, study_args(workspace, out, "--option", "divprune:ties=tolerance", "--plan"))
+    assert planned.exit_code == 0, planned.output
+    commands = planned.stdout.strip().splitlines()
+    assert [("--option ties=tolerance" in line) for line in commands] == [False, True, False]  # dense, divprune, random
+    result = runner.invoke(app, shlex.split(commands[1])[1:])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "runs" / "divprune-6" / "manifest.json").read_text())
+    assert manifest["selector"]["options"]["ties"] == "tolerance"
+    for option, words in (
+        ("ties=tolerance", "name the selector it applies to"),
+        ("fastv:layer=3", "'fastv' is not among --selectors"),
+        ("none:ties=tolerance", "'none' is not among --selectors"),
+        ("divprune:ties=never", "ties"),
+    ):
+        bad = tmp_path / "bad"
+        result = runner.invoke(app, study_args(workspace, bad, "--option", option))
+        assert result.exit_code == 2 and words in result.stderr, (option, result.output)
+        assert len(result.stderr.strip().splitlines()) == 1 and not bad.exists()
+
+
 def test_resume_after_kill_reruns_nothing_finished(workspace, tmp_path):
     from prune_audit.runner.request import RunRequest
     from prune_audit.runner.study.execute import plan_grid, run_grid

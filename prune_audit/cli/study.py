@@ -53,6 +53,13 @@ def study(
             "--questions TASK=FILE, --images TASK=DIR, --annotations TASK=FILE."
         ),
     ] = None,
+    option: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="A selector's option, SELECTOR:KEY=VALUE (a composed selector's SELECTOR:PART.KEY=VALUE), at each "
+            "of its budgets, as run's --option (e.g. fastvid:merge=false); repeatable."
+        ),
+    ] = None,
     pope: PopeOption = None,
     questions: QuestionsOption = None,
     max_new_tokens: MaxNewTokensOption = None,
@@ -150,6 +157,7 @@ def study(
         inputs_by_task,
         parse_budgets,
         parse_list,
+        parse_selector_options,
         parse_tasks,
         task_option,
     )
@@ -183,12 +191,14 @@ def study(
         from prune_audit.demo import default_demo
 
         model = default_demo(names)  # one demo answers every task's grid (the task demo once any task is not POPE)
+    studied = parse_list(selectors, "--selectors")
+    selector_options = parse_selector_options(list(option or []), studied)
     question_files = inputs_by_task(list(pope or questions or []), names, "--questions")
     folders = inputs_by_task(list(images or []), names, "--images", single=True)
     evidence = inputs_by_task(list(annotations or []), names, "--annotations", single=True)
     grids = [
         StudyGrid(
-            parse_list(selectors, "--selectors"),
+            studied,
             parse_budgets(budgets),
             out,
             RunRequest(
@@ -210,6 +220,7 @@ def study(
                 threads=threads,
             ),
             named_by_task=len(names) > 1,
+            options=selector_options,
         )
         for name in names
     ]

@@ -21,6 +21,7 @@ from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.base import Selection
 from prune_audit.pruners.composed import RunSelector, budget_parts, selector_parts
 from prune_audit.pruners.crop_scope import crop_budgets
+from prune_audit.pruners.frame_scope import frame_flops, runs_per_frame
 from prune_audit.pruners.signals import LAST_LAYER_CLS_SIGNALS, PADDED_CROPS
 
 if TYPE_CHECKING:
@@ -94,18 +95,21 @@ def question_cost(
             "kv_width": shape.language.kv_heads * shape.language.head_dim}  # fmt: skip
     arithmetic = 0
     if input_ran is not None:
-        arithmetic += input_ran.flops(
-            SelectorWork(
-                tokens=item.num_visual,
-                kept=input_budget,
-                stages=(),
-                options=input_ran.options(),
-                tower_merges=tower_merges,
-                grid=item.grid,
-                crop_stages=tower_crop_stages,
-                **work,
-            )  # fmt: skip
-        )
+        input_work = SelectorWork(
+            tokens=item.num_visual,
+            kept=input_budget,
+            stages=(),
+            options=input_ran.options(),
+            tower_merges=tower_merges,
+            grid=item.grid,
+            crop_stages=tower_crop_stages,
+            **work,
+        )  # fmt: skip
+        clip = item.video_grid  # on a clip a per-frame selector ran on each temporal step alone: summed per step
+        if clip is not None and runs_per_frame(input_ran, clip):
+            arithmetic += frame_flops(input_ran, input_work, clip)
+        else:
+            arithmetic += input_ran.flops(input_work)
     if llm_ran is not None:
         arithmetic += llm_ran.flops(
             SelectorWork(

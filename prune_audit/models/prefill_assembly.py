@@ -25,6 +25,7 @@ from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Stage
 from prune_audit.pruners.crop_merge import select_merging_per_crop
 from prune_audit.pruners.crop_scope import select_per_crop, select_per_grid
+from prune_audit.pruners.frame_scope import runs_per_frame, select_per_frame
 from prune_audit.pruners.serving import TOWER_HOOK_SIGNALS
 from prune_audit.pruners.signals import PADDED_CROPS, VISION_LAYER_SIGNALS, InputSignals
 
@@ -45,7 +46,7 @@ def select_input(
     """The input-level selection of one prompt: the ``forced`` kept indices (sorted, deduplicated, checked to lie
     in ``[0, item.num_visual)``), else ``selector`` at ``budget`` on the signals it ``requires`` (per crop under
     ``budget_scope="crop"``, a merging selector's crops joined as VisionZip's LLaVA-NeXT code joins them; per
-    regular grid for the family's ``per_grid_selectors``)."""
+    regular grid for the family's ``per_grid_selectors``; on a clip per temporal step for a ``per_frame`` selector)."""
     if forced is not None:
         kept = torch.as_tensor(sorted({int(i) for i in forced}), dtype=torch.long)
         if kept.numel() and (kept[0] < 0 or kept[-1] >= item.num_visual):
@@ -58,6 +59,8 @@ def select_input(
             return select_merging_per_crop(selector, signals, vlm.crop_tokens(item), budget, generator)
         if per_crop:
             return select_per_crop(selector, signals, vlm.crop_tokens(item), budget, generator)
+        if runs_per_frame(selector, item.video_grid):
+            return select_per_frame(selector, signals, budget, generator)
         if selector.name in vlm.per_grid_selectors:
             return select_per_grid(selector, signals, vlm.grid_parts(item), budget, generator)
         return selector.select(signals, budget, generator)

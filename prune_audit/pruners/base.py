@@ -172,9 +172,16 @@ class Selector:
     #: that states no formula (a plugin) counts zero and is reported as nominal
     flops_exact: ClassVar[bool] = False
     #: whether it is part of a video method though it reads no clip's temporal grid (DyCoke's decode-time KV
-    #: pruning): ``run`` takes it on clips, as the selectors that read the grid (``signals.VIDEO_GRID``); an image
-    #: selector declares no per-frame run and is refused there
+    #: pruning): ``run`` takes it on clips, as the selectors that read the grid (``signals.VIDEO_GRID``) and the image
+    #: selectors with a per-frame run (``per_frame``); any other is refused there
     clip_method: ClassVar[bool] = False
+    #: whether an input selector's algorithm is defined on one frame's tokens and its signals exist on a clip
+    #: (features, the layer-0 demand; not the CLS or per-layer vision attention, not the CLIP text space): on a video
+    #: clip it runs on each temporal step's h x w tokens alone at an even share of the clip's budget
+    #: (``pruners.frame_scope``), a project convention (no official per-frame code), as ``budget_scope=crop`` over
+    #: crops. Plain tokens only (a merging selector would merge within a step: none declares it). In-LLM selectors
+    #: prune the whole sequence and declare none.
+    per_frame: ClassVar[bool] = False
 
     @classmethod
     def flops(cls, work: SelectorWork) -> int:
@@ -306,9 +313,13 @@ class LayerSelector(Selector):
     decode_keeps_final: ClassVar[bool] = False
     #: the option that turns :meth:`tower_stage` off (``KEY=VALUE``), named where a composed selector refuses it
     tower_stage_off: ClassVar[str] = ""
-    #: whether its schedule is solved on what its own tower stage feeds each image, which planning does not know
-    #: (FlowCut's: none where that stage holds the budget): no schedule is planned ahead, each record holds its stages
-    schedule_follows_tower: ClassVar[bool] = False
+
+    @property
+    def schedule_follows_tower(self) -> bool:
+        """Whether its schedule is solved on what its own tower stage feeds each image, which planning does not know
+        (FlowCut's: none where that stage holds the budget; MustDrop's merged windows): no schedule is planned ahead,
+        each record holds its stages."""
+        return False
 
     def schedule(self, num_layers: int, num_visual: int, budget: int) -> list[Stage]:
         """Stages in increasing layer order with non-increasing ``keep``."""

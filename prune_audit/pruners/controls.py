@@ -29,6 +29,7 @@ class RandomSelector(InputSelector):
     )
 
     flops_exact: ClassVar[bool] = True  # no products of its own: a random draw
+    per_frame: ClassVar[bool] = True  # a random subset of each temporal step of a clip (``pruners.frame_scope``)
 
     def score(self, signals: InputSignals, generator: torch.Generator | None) -> Tensor:
         return torch.rand(signals.num_tokens, generator=generator)
@@ -54,6 +55,7 @@ class UniformSelector(InputSelector):
     )
 
     flops_exact: ClassVar[bool] = True  # no products of its own: evenly spaced cells
+    per_frame: ClassVar[bool] = True  # a lattice on each temporal step's h x w grid of a clip (``pruners.frame_scope``)
 
     def _select(self, signals: InputSignals, budget: int, generator: torch.Generator | None) -> Selection:
         rows, cols = signals.grid

@@ -62,6 +62,9 @@ class CoverageSelector(InputSelector):
 
     #: nominal: the weighted gains update only the rows a pick changes (``pruners.arithmetic``)
     flops_exact: ClassVar[bool] = False
+    #: features and the layer-0 demand exist on a clip and its coverage is defined on any token set: each temporal
+    #: step alone (``pruners.frame_scope``), its demand weights normalised within the step
+    per_frame: ClassVar[bool] = True
 
     tau: float = option(1.0, Real(low=0.0, open_low=True), "demand temperature")
 

@@ -79,6 +79,8 @@ class DivPruneSelector(InputSelector):
 
     #: nominal above one similarity block, where the speculative rows vary with the data (``pruners.arithmetic``)
     flops_exact: ClassVar[bool] = False
+    #: its diversity greedy needs only a set of features: on a clip, each temporal step alone (``pruners.frame_scope``)
+    per_frame: ClassVar[bool] = True
 
     ties: str = option("argmax", Choice(TIES), "argmax (official) or tolerance (relative 1e-5, lower index)")
     score_dtype: str = option("float32", Choice(("float32", "model")), "float32, or the model dtype as the reference")

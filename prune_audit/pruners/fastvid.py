@@ -74,18 +74,25 @@ def segment_shares(inner: list[int], per_frame: int, fastvid: FastVIDSelector, t
     return shares
 
 
-def density_peaks(tokens: Tensor, count: int, noise: Tensor) -> Tensor:
-    """(count,) ascending rows of the (n, D) ``tokens`` with the highest density-peak score: density ``exp(-mean
-    d^2)`` over the ``NEIGHBOURS`` nearest (d the Euclidean distance / sqrt(D)) plus the (n,) ``noise``, times the
-    distance to the nearest denser token (the largest distance for the densest)."""
+def peak_scores(tokens: Tensor, neighbours: int, noise: Tensor) -> tuple[Tensor, Tensor]:
+    """DPC-KNN's (n,) density-peak scores of the (n, D) ``tokens`` and their (n, n) distances d (Euclidean /
+    sqrt(D)): density ``exp(-mean d^2)`` over the ``neighbours`` nearest (itself included, at most n) plus the (n,)
+    ``noise``, times the distance to the nearest denser token (the largest distance of all for the densest)."""
     squares = (tokens * tokens).sum(dim=-1)
     gram = tokens @ tokens.T
     distance = (squares[:, None] + squares[None, :] - 2 * gram).clamp(min=0).sqrt() / math.sqrt(tokens.shape[1])
-    nearest = distance.topk(min(NEIGHBOURS, tokens.shape[0]), dim=-1, largest=False).values
+    nearest = distance.topk(min(neighbours, tokens.shape[0]), dim=-1, largest=False).values
     density = torch.exp(-(nearest**2).mean(dim=-1)) + noise
     denser = density[None, :] > density[:, None]  # [i, j]: j is denser than i
     parent = torch.where(denser, distance, distance.max()).min(dim=-1).values
-    return torch.sort(ranked_indices(parent * density, count)).values
+    return parent * density, distance
+
+
+def density_peaks(tokens: Tensor, count: int, noise: Tensor) -> Tensor:
+    """(count,) ascending rows of the (n, D) ``tokens`` with the highest density-peak score (:func:`peak_scores`
+    over the ``NEIGHBOURS`` nearest)."""
+    scores, _ = peak_scores(tokens, NEIGHBOURS, noise)
+    return torch.sort(ranked_indices(scores, count)).values
 
 
 def merged_context(features: Tensor, salient: Tensor, targets: Tensor, floor: float) -> tuple[Tensor, list[Tensor]]:

@@ -226,7 +226,10 @@ class FlowCutSelector(LayerSelector):
         "compact", Choice(get_args(PositionMode)), "position ids after the decoder cut (reference compacts)"
     )
     signal_layer = "previous"  # layer 1's queries, keys and values cut its own output (not an option)
-    schedule_follows_tower: ClassVar[bool] = True  # solved on what the tower stage feeds each image
+
+    @property
+    def schedule_follows_tower(self) -> bool:
+        return True  # solved on what the tower stage feeds each image
 
     @property
     def averages_budget(self) -> bool:

@@ -123,6 +123,8 @@ class GPruneSelector(InputSelector):
     )
 
     flops_exact: ClassVar[bool] = True
+    #: its propagation needs only a set of features: on a clip, each temporal step alone (``pruners.frame_scope``)
+    per_frame: ClassVar[bool] = True
 
     threshold: float = option(0.5, Real(low=-1.0, high=1.0), "cosine below which two tokens are not linked")
     temperature: float = option(0.03, Real(low=0.0, open_low=True), "softmax temperature of the links")

@@ -328,6 +328,10 @@ class MustDropSelector(ScheduledSelector):
     def averages_budget(self) -> bool:
         return self.budget_rule == "average"  # paper: the official thresholds, whatever the budget
 
+    @property
+    def schedule_follows_tower(self) -> bool:
+        return self.vision == "merge"  # the stages act on the merged windows, whose count each image decides
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self._tower = MustDropVision(merge_thr=self.merge_thr) if self.vision == "merge" else None

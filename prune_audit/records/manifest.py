@@ -83,7 +83,9 @@ MANIFEST_KEYS: tuple[tuple[str, str], ...] = (
         "(schedule: [layer, keep] stages of in-LLM selectors for the first question's token count; keep excludes "
         "the tokens a merge inserts, such as SparseVLM's recycled ones, which realised_visual_tokens_avg counts; "
         "null, with schedule_num_visual, for one whose schedule follows what its own tower stage feeds each image, "
-        "FlowCut's: the records hold its stages)",
+        "FlowCut's, MustDrop's with its vision stage: the records hold its stages); per_frame: true where an image "
+        "selector (or a composed selector's input part) ran on each temporal step of a clip alone at an even share "
+        "of the budget (a project convention: no official per-frame code; absent otherwise)",
     ),
     (
         "budget",

@@ -8,9 +8,10 @@ Frames are sampled and resized as the family's own pipeline reads a video (``Vis
 Qwen2.5-VL qwen-vl-utils' ``data.video.sample_clip`` within its default pixel limits, or those the checkpoint
 declares: ``models.video_sampling``) at the question's frame rate (``ClipTask.clip_fps``).
 
-Selectors on clips: each part reads the clip's temporal grid (the video selectors) or is declared part of a video
-method (``Selector.clip_method``: DyCoke's KV stage); an image selector declares no per-frame run and is refused in
-one line.
+Selectors on clips: each part reads the clip's temporal grid (the video selectors), is declared part of a video
+method (``Selector.clip_method``: DyCoke's KV stage) or is an image selector with a per-frame run
+(``Selector.per_frame``: each temporal step selected alone at an even share of the budget, ``pruners.frame_scope``);
+any other (an image selector needing a still image, an in-LLM image selector) is refused in one line.
 """
 
 from __future__ import annotations
@@ -92,11 +93,25 @@ def check_clip_model(vlm: VisionLanguageModel, selector: RunSelector | None, tas
 
     parts = selector.parts if isinstance(selector, ComposedSelector) else (selector,)
     for part in parts:
-        if not (part.clip_method or VIDEO_GRID in vlm.signals_for(part)):
-            raise PruneAuditError(
-                f"selector {part.name} reads no clip's temporal grid and declares no per-frame run, so it does not "
-                "run on video clips here; choose a video selector (prune-audit selectors lists what each reads)"
+        if not (part.clip_method or part.per_frame or VIDEO_GRID in vlm.signals_for(part)):
+            why = (
+                "prunes inside the language model over the whole sequence, with no per-frame run"
+                if part.stage == "llm"
+                else "reads no clip's temporal grid and has no per-frame run (its signals or its algorithm need a "
+                "still image)"
             )
+            raise PruneAuditError(
+                f"selector {part.name} {why}, so it does not run on video clips here; choose a video selector or "
+                f"one run per frame ({', '.join(_per_frame_selectors(vlm))})"
+            )
+
+
+def _per_frame_selectors(vlm: VisionLanguageModel) -> list[str]:
+    """The registered image selectors ``vlm`` runs on each temporal step of a clip (``Selector.per_frame``)."""
+    from prune_audit.pruners.registry import selector_class
+
+    support = vlm.selector_support()
+    return [name for name, refusal in support.items() if refusal is None and selector_class(name).per_frame]
 
 
 def prepare_clip(vlm: VisionLanguageModel, task: ClipTask, question: TaskQuestion, folder: Path, text: str) -> Prepared:

@@ -163,7 +163,7 @@ def _manifest(
     first_prompt = vlm.prompt(task.prompt_text(questions[0], vlm.task_instructions))
     manifest["prompt"] = {**manifest["prompt"], "first": first_prompt}
     manifest["processor"] = {**manifest.get("processor", {}), "first_image": first.geometry.to_dict()}
-    manifest["selector"] = _selector_description(selector, budget, vlm, first.num_visual)
+    manifest["selector"] = _selector_description(selector, budget, vlm, first.num_visual, first.video_grid)
     manifest["budget"] = _json_budget(budget)
     manifest["question_files"] = [{"path": str(p), "sha256": file_sha256(p)} for p in request.question_files]
     manifest["annotations"] = (
@@ -183,28 +183,43 @@ def _json_budget(budget: Budget) -> int | str | list[int | str] | None:
 
 
 def _selector_description(
-    selector: RunSelector | None, budget: ResolvedBudget, vlm: VisionLanguageModel, num_visual: int
+    selector: RunSelector | None,
+    budget: ResolvedBudget,
+    vlm: VisionLanguageModel,
+    num_visual: int,
+    video_grid: tuple[int, int, int] | None = None,
 ) -> dict[str, Any]:
     """Name, options, position mode and (in-LLM) schedule for the first question's token count; a composed
     selector also names each part (``parts``: its own description and budget), its schedule solved on the
-    tokens the input-level part feeds."""
+    tokens the input-level part feeds. On a clip (``video_grid``: the first's (T, h, w)) an input part run per
+    temporal step says so (``per_frame``)."""
     from prune_audit.pruners.composed import ComposedSelector, budget_parts
 
     if selector is None:
         return {"name": "none", "stage": None, "options": {}, "positions": None, "schedule": None}
     if isinstance(selector, ComposedSelector):
         budgets = budget_parts(selector, budget)
-        parts = [_part_description(selector.input, budgets[0], vlm, num_visual)]
+        parts = [_part_description(selector.input, budgets[0], vlm, num_visual, video_grid)]
         parts.append(_part_description(selector.llm, budgets[1], vlm, min(budgets[0], num_visual)))
         for part, part_budget in zip(parts, budgets):
             part["budget"] = part_budget
         described = _part_description(selector.llm, budgets[1], vlm, parts[1]["schedule_num_visual"])
         return {**described, "name": selector.name, "stage": selector.stage, "options": selector.options(),
                 "parts": parts}  # fmt: skip
-    return _part_description(selector, budget, vlm, num_visual)
+    return _part_description(selector, budget, vlm, num_visual, video_grid)
 
 
-def _part_description(selector: Selector, budget: int, vlm: VisionLanguageModel, num_visual: int) -> dict[str, Any]:
+def _part_description(
+    selector: Selector,
+    budget: int,
+    vlm: VisionLanguageModel,
+    num_visual: int,
+    video_grid: tuple[int, int, int] | None = None,
+) -> dict[str, Any]:
+    from prune_audit.pruners.frame_scope import runs_per_frame
+
+    # an image selector on a clip runs on each temporal step alone (pruners.frame_scope): a project convention
+    frames = {"per_frame": True} if runs_per_frame(selector, video_grid) else {}
     planned = selector.stage == "llm" and not getattr(selector, "schedule_follows_tower", False)
     schedule = vlm.schedule(selector, num_visual, budget) if planned else None  # type: ignore[arg-type]  # in-LLM
     return {
@@ -214,4 +229,5 @@ def _part_description(selector: Selector, budget: int, vlm: VisionLanguageModel,
         "positions": vlm.positions_for(selector),
         "schedule": [[stage.layer, stage.keep] for stage in schedule] if schedule is not None else None,
         "schedule_num_visual": num_visual if planned else None,
+        **frames,
     }

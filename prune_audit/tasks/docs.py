@@ -61,7 +61,9 @@ folder `--images DIR/x/` (PNG or JPEG frames in name order; a video file is refu
 and resized as the family reads a video (Qwen2.5-VL: qwen-vl-utils at the question's `fps`, frames per second of the
 folder, 2 when the question gives none; LLaVA-OneVision: lmms-eval's 32 uniformly spaced frames), and answered by a
 family that takes clips (Qwen2.5-VL, LLaVA-OneVision; others refuse). Their
-selectors are the video selectors (an image selector is refused on clips). Their records hold the clip columns
+selectors are the video selectors and the image selectors with a per-frame run, which select on each temporal step
+alone at an even share of the budget (a project convention; [fidelity.md](fidelity.md) names them); other image
+selectors are refused on clips. Their records hold the clip columns
 (`sampled_frames`, `frame_retention`, `window`, `window_retention`, `lost_in_window`; [records.md](records.md)): the
 core `retention` and `lost` count the evidence object over every sampled frame.
 

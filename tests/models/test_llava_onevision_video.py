@@ -40,7 +40,8 @@ from prune_audit.pruners.signals import InputSignals
 TOL = 1e-5
 TILE, SIDE, POOLED = 186, 13, 7
 FRAME = (90, 70)  # a frame's (width, height) before the resize
-VIDEO_SELECTORS = ("evs", "vidcom2", "dycoke", "framefusion")  # those whose signals a OneVision clip gives
+VIDEO_SELECTORS = ("evs", "vidcom2", "dycoke", "prunevid", "framefusion")  # those whose signals a OneVision clip gives
+PER_FRAME = ("coverage", "divprune", "gprune", "random", "uniform")  # image selectors with a per-frame run
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +166,15 @@ def test_clip_geometry_round_trips_and_maps_tokens_to_frames_and_pixels(clip):
 def test_video_selectors_keeping_all_equal_dense(vlm, item, name):
     full, _ = vlm.prefill([item], get_selector(name), item.num_visual)
     assert (full.logits - stock_logits(vlm, item)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name", PER_FRAME)
+def test_per_frame_image_selectors_select_each_frame_alone(vlm, item, name):
+    """One frame a temporal step: a per-frame run gives each frame an even share of the budget; keep-all is dense."""
+    full, _ = vlm.prefill([item], get_selector(name), item.num_visual)
+    assert (full.logits - stock_logits(vlm, item)).abs().max() <= TOL
+    _, selections = vlm.prefill([item], get_selector(name), 42)
+    assert torch.bincount(selections[0].kept // (POOLED * POOLED), minlength=4).tolist() == [11, 11, 10, 10]
 
 
 def test_dycoke_with_its_kv_stage_keeping_all_equals_dense_and_prunes_below(vlm, item):

@@ -468,3 +468,10 @@ def test_a_composed_input_part_needs_the_vision_stage_off():
         composed_from_strings("visionzip+mustdrop", [])
     composed = composed_from_strings("visionzip+mustdrop", ["mustdrop.vision=off"])
     assert selector_parts(composed) == (composed.input, composed.llm) and composed.llm.tower_stage() is None
+
+
+def test_the_schedule_follows_the_merged_windows_only_where_the_tower_merges():
+    """With the vision stage the prefill stages act on the windows it merged, a count each image decides: no
+    schedule is planned ahead (the manifest's is null); unmerged patches (``vision=off``) plan it."""
+    assert get_selector("mustdrop").schedule_follows_tower
+    assert not get_selector("mustdrop", vision="off").schedule_follows_tower

@@ -56,6 +56,8 @@ class StudyGrid:
     out: Path
     base: RunRequest = field(default_factory=RunRequest)
     named_by_task: bool = False  # a study of several tasks: run folders OUT/runs/<task>-<cell name>
+    #: a selector's ``run --option`` pairs (KEY=VALUE, a composed one's PART.KEY=VALUE), at each of its budgets
+    options: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def cells(self) -> list[StudyCell]:
@@ -79,7 +81,7 @@ class StudyGrid:
             selector=cell.selector,
             budget=budget,
             out=self.run_dir(cell),
-            options=[],
+            options=list(self.options.get(cell.selector, ())),
             question_files=list(self.base.question_files),
         )
         request.command = self.command(cell)
@@ -97,6 +99,7 @@ class StudyGrid:
             pairs += [("--pope", path) for path in base.question_files]
         pairs += [("--split", base.split), ("--images", base.images), ("--annotations", base.annotations)]
         pairs += [("--selector", None if cell.selector == REFERENCE else cell.selector), ("--budget", cell.budget)]
+        pairs += [("--option", pair) for pair in self.options.get(cell.selector, ())]
         pairs += [("--out", self.run_dir(cell)), ("--limit", base.limit)]
         for name in ("batch_size", "device", "dtype", "seed", "prompt_template", "clip_text", "threads"):
             value = getattr(base, name)
@@ -106,6 +109,27 @@ class StudyGrid:
             if value is not None:
                 words += [option, str(value)]
         return shlex.join(words)
+
+
+def parse_selector_options(values: Sequence[str], selectors: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """``--option SELECTOR:KEY=VALUE`` values (a composed selector's ``SELECTOR:PART.KEY=VALUE``) as each selector's
+    ``run --option`` pairs; the selector must be one of ``selectors`` and every option is checked against its
+    domain, before any run (one line otherwise)."""
+    from prune_audit.pruners.composed import parse_selector
+
+    options: dict[str, list[str]] = {}
+    for value in values:
+        name, separator, pair = value.partition(":")
+        if not separator or "=" not in pair:
+            raise PruneAuditError(
+                f"--option {value}: name the selector it applies to, SELECTOR:KEY=VALUE (e.g. fastvid:merge=false)"
+            )
+        if name == REFERENCE or name not in selectors:
+            raise PruneAuditError(f"--option {value}: selector {name!r} is not among --selectors; add it there")
+        options.setdefault(name, []).append(pair)
+    for name, pairs in options.items():
+        parse_selector(name, pairs)  # every option against its domain
+    return {name: tuple(pairs) for name, pairs in options.items()}
 
 
 def inputs_by_task(
