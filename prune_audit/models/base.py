@@ -31,6 +31,7 @@ from prune_audit.models.prefill_assembly import layer_plan, select_input, token_
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput, check_request, check_resized
 from prune_audit.models.selector_support import SelectorSupport
 from prune_audit.models.timing import PartClock
+from prune_audit.models.video_sampling import VIDEO_SAMPLING_KEYS
 from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Selector, Stage
 from prune_audit.pruners.composed import ComposedSelector, RunSelector, budget_parts, selector_parts
 from prune_audit.pruners.registry import list_selectors, selector_class
@@ -75,6 +76,8 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
     resizes_images: bool = False
     #: whether :meth:`prepare_video` reads video clips (the Qwen2.5-VL adapter's video path)
     takes_video: bool = False
+    #: the keys a checkpoint may declare in ``video_sampling.json`` (``models.video_sampling``): qwen-vl-utils' pixels
+    video_sampling_keys: tuple[str, ...] = VIDEO_SAMPLING_KEYS
 
     # ----- loading ------------------------------------------------------------------
     @classmethod
@@ -127,7 +130,7 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         self.system_prompt = system_prompt
         # {task name: instruction} where this checkpoint's own evaluation differs from the task's (models.task_instructions)
         self.task_instructions: dict[str, str] = {}
-        # the frame pixel limits this checkpoint reads clips at, where not qwen-vl-utils' (models.video_sampling)
+        # how this checkpoint samples clips, where not the family's default (models.video_sampling_keys)
         self.video_sampling: dict[str, int] = {}
         self._schedules = Schedules()
         self.yes_ids = answer_token_ids(tokenizer, "yes")

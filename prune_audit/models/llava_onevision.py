@@ -14,6 +14,23 @@ kept like text, budgets over all visual tokens, compact positions) with three di
   tokenizer loaded on their own: ``LlavaOnevisionProcessor`` wants a video processor (torchvision) never used.
   The image token count is the geometry's (visual tokens plus newlines), tested equal to the processor's rule.
 
+Video clips (``read_clip``, ``prepare_video``): as lmms-eval's ``llava_onevision`` model reads a video
+(EvolvingLMMs-Lab/lmms-eval ``lmms_eval/models/llava_onevision.py`` at 008d347f: ``load_video`` takes the frames
+at ``np.linspace(0, total - 1, max_frames_num, dtype=int)``, ``max_frames_num`` 32, so a clip of fewer frames
+repeats some; a checkpoint may declare another count, ``{"frames": N}`` in ``video_sampling.json``), each frame
+resized to the tower's ``tile`` x ``tile`` (PIL bicubic, as the video processor's ``size``), rescaled and normalised
+with the image processor's factors (the released checkpoints' video processor uses the same); the prompt puts
+``<video>`` where an image's ``<image>`` goes. The model side is transformers 5.24's ``get_video_features``: each
+frame through the tower (no anyres tiling), the projector, ``apply_pooling``'s bilinear 2 x 2 resize of the
+``side`` x ``side`` patch grid to ``ceil(side / 2)`` squared tokens (27 -> 14, 196 a frame), frames in time order,
+then ONE ``image_newline`` after the last frame: the ``<video>`` span is T x 196 + 1 tokens. The clip's tokens are
+time-major then row-major (``video_grid`` (T, 14, 14), one frame a temporal step: ``frames_per_step`` 1); the
+trailing newline is no frame's token and is kept like LLaVA-NeXT's row newlines (never pruned, never counted in a
+budget). A pooled token's footprint is its cell of the 14 x 14 grid over the 378 px the patches cover (27 px a
+cell; the bilinear sample reads the 2 x 2 patches around the cell centre), the ``anyres_max`` convention. The
+tower gives no attention by frame here (FastVID's ``step_attention``; its official OneVision port reads SigLIP's
+attention-pooling head instead), so FastVID is refused on clips.
+
 Every selector that needs CLS attention is refused (SigLIP has no CLS), as on LLaVA-NeXT HiPrune, VScan and
 CDPruner, and pooling (it averages pre-projector features; ``anyres_max`` resizes the tile grid after the
 projector). Uniform, ToMe and E2S run per grid as on LLaVA-NeXT.
@@ -21,14 +38,18 @@ projector). Uniform, ToMe and E2S run per grid as on LLaVA-NeXT.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from prune_audit.compute.shape import ModelShape
+from prune_audit.data.geometry import TokenGeometry
+from prune_audit.data.video import Clip, ClipGeometry, read_frames
 from prune_audit.errors import PruneAuditError
 from prune_audit.models.base import VisionLanguageModel
 from prune_audit.models.executor import DecoderStack
@@ -42,6 +63,8 @@ from prune_audit.pruners.layout import PRE_PROJECTOR_FEATURES
 PROMPT_TEMPLATE = "onevision_chatml"
 DEFAULT_SYSTEM = "You are a helpful assistant."  # the llava-hf OneVision chat template's system message
 IMAGE_TOKEN = "<image>"
+VIDEO_TOKEN = "<video>"
+CLIP_FRAMES = 32  # lmms-eval llava_onevision's max_frames_num default (the OneVision video evaluations)
 
 
 class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
@@ -52,7 +75,8 @@ class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
     cls_probe_signals = layer_probe_signals = frozenset()  # SigLIP has no CLS token; no tower attention read
     missing_signals_reason = (
         "its visual tokens form two grids (base view and unpadded tiles), its SigLIP tower has no CLS token, "
-        "anyres_max resizes the tile grid after the projector, and this adapter reads no CLIP text space"
+        "anyres_max resizes the tile grid after the projector, this adapter reads no CLIP text space, and on clips "
+        "it computes no tower attention by frame"
     )
     display_name = "LLaVA-OneVision"
     grounding = None  # no box convention declared (LLaVA-NeXT inherits none either)
@@ -63,6 +87,8 @@ class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
     crop_grid_selectors = crop_grid_for(lacks)
     per_grid_selectors = per_grid_for(PER_GRID, lacks)
     prompt_templates = (PROMPT_TEMPLATE,)
+    takes_video = True
+    video_sampling_keys = ("frames",)  # lmms-eval's max_frames_num: the frames a clip is read at
 
     @classmethod
     def transformers_class(cls) -> type:
@@ -128,11 +154,12 @@ class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
             model.dtype.itemsize,
         )
 
-    def prompt(self, question: str, num_image_tokens: int = 1) -> str:
-        """The OneVision chat prompt for one image (``num_image_tokens`` ``<image>`` tokens) and ``question``."""
+    def prompt(self, question: str, num_image_tokens: int = 1, placeholder: str = IMAGE_TOKEN) -> str:
+        """The OneVision chat prompt for one image or clip (``num_image_tokens`` ``placeholder`` tokens: ``<image>``,
+        or ``<video>`` for a clip) and ``question``."""
         system = self.system_prompt or DEFAULT_SYSTEM
         return (
-            f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{IMAGE_TOKEN * num_image_tokens}\n"
+            f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{placeholder * num_image_tokens}\n"
             f"{question}<|im_end|>\n<|im_start|>assistant\n"
         )
 
@@ -171,6 +198,66 @@ class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
             },
         )
 
+    def read_clip(self, frames: Any, video_fps: float) -> Clip:
+        """As lmms-eval's ``llava_onevision`` reads a video (module docstring): ``frames`` (a frame folder, or PIL
+        images of one size) at ``video_fps``, ``video_sampling["frames"]`` (default 32) of them uniformly spaced,
+        each resized to ``tile`` x ``tile``."""
+        from PIL import Image
+
+        images = read_frames(frames) if isinstance(frames, (str, Path)) else [image.convert("RGB") for image in frames]
+        if len({image.size for image in images}) > 1:
+            raise PruneAuditError("the clip's frames differ in size; give frames of one size")
+        if not video_fps > 0:
+            raise PruneAuditError(f"a clip needs a positive frame rate; got {video_fps} fps")
+        count = self.video_sampling.get("frames", CLIP_FRAMES)
+        chosen = uniform_frame_indices(len(images), count)
+        frame = pooled_frame_geometry(images[0].size, self.tile, self.model.config.vision_config.patch_size)
+        resized = tuple(images[i].resize((self.tile, self.tile), Image.Resampling.BICUBIC) for i in chosen)
+        geometry = ClipGeometry(frame, tuple(chosen), count / len(images) * video_fps, frames_per_step=1)
+        return Clip(resized, geometry)
+
+    def prepare_video(self, clip: Clip, question: str) -> Prepared:
+        """One (clip, question) prompt: the clip's T frames as (T, 3, tile, tile) ``pixel_values_videos`` of one
+        video (:func:`frame_pixels`), ``<video>`` tokens for its T x h x w pooled tokens and the trailing newline."""
+        geometry = clip.geometry
+        expected = pooled_frame_geometry(
+            geometry.frame.image_size, self.tile, self.model.config.vision_config.patch_size
+        )
+        if geometry.frames_per_step != 1 or geometry.frame != expected:
+            raise PruneAuditError(
+                "the clip was not read for this LLaVA-OneVision checkpoint (one frame a step, its pooled grid); "
+                "read it with this model's read_clip"
+            )
+        steps, rows, cols = geometry.video_grid
+        prompt = self.prompt(question, steps * rows * cols + 1, placeholder=VIDEO_TOKEN)  # one newline after all
+        input_ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
+        start, end = find_image_span(input_ids, self.model.config.video_token_id)
+        return Prepared(
+            input_ids=input_ids,
+            image_span=(start, end),
+            grid=(steps * rows, cols),
+            pixel_values=frame_pixels(clip.frames, self.image_processor),
+            question=question,
+            image_size=geometry.frame.image_size,
+            geometry=geometry,
+            extras={"visual_columns": start + torch.arange(steps * rows * cols)},  # the newline is the span's last
+            video_grid=(steps, rows, cols),
+        )
+
+    def grid_parts(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
+        """A clip's tokens are one (T * h, w) grid; an image's the base view and the tile grid (LLaVA-NeXT's)."""
+        if item.video_grid is not None:
+            return VisionLanguageModel.grid_parts(self, item)
+        return super().grid_parts(item)
+
+    def crop_tokens(self, item: Prepared) -> list[tuple[Tensor, tuple[int, int]]]:
+        """Per crop the tower ran on, its tokens and grid: a clip's frames (each h x w, in time order); an image's
+        base view and tiles (LLaVA-NeXT's)."""
+        if item.video_grid is None:
+            return super().crop_tokens(item)
+        steps, rows, cols = item.video_grid
+        return [(torch.arange(t * rows * cols, (t + 1) * rows * cols), (rows, cols)) for t in range(steps)]
+
     def _token_crops(self, item: Prepared) -> Tensor:
         """(N,) each visual token's crop, as LLaVA-NeXT's; once ``anyres_max`` resized the tile grid, a resized
         token's crop is that of the patch under its cell's centre (the bilinear sample reads the patches around
@@ -186,6 +273,11 @@ class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
         return torch.cat([crop_of[:base], tiles.flatten()])
 
     def _vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
+        clips = [item.video_grid is not None for item in prepared]
+        if any(clips) and not all(clips):
+            raise PruneAuditError("a batch holds clips and still images; prefill them in separate batches")
+        if clips[0]:
+            return self._video_vision(prepared)
         outputs = []
         for item in prepared:  # images have different crop counts: one tower call per image
             crops = item.pixel_values.to(self.device, self.dtype)
@@ -203,6 +295,23 @@ class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
             outputs.append(VisionOutput(torch.cat([base, tiles])))
         return outputs
 
+    def _video_vision(self, prepared: Sequence[Prepared]) -> list[VisionOutput]:
+        """Per clip its (T * h * w, D) pooled frame tokens, time-major then row-major, and its ``video_grid``: as
+        ``get_video_features``, each frame's patches through the projector, then the bilinear resize of the
+        ``side`` x ``side`` grid to h x w (``apply_pooling``); the trailing newline is added by :meth:`input_row`."""
+        outputs = []
+        for item in prepared:  # clips may differ in frame count: one tower call per clip
+            frames = item.pixel_values.to(self.device, self.dtype)  # (T, 3, tile, tile)
+            patches = self._tower_states(frames)[self.feature_index]  # (T, side^2, Dv), no CLS
+            projected = self.model.model.multi_modal_projector(patches)  # (T, side^2, D)
+            steps, rows, cols = cast(tuple[int, int, int], item.video_grid)  # a clip: _vision checked
+            side = math.isqrt(projected.shape[1])
+            grid = projected.reshape(steps, side, side, -1).permute(0, 3, 1, 2)
+            pooled = torch.nn.functional.interpolate(grid, [rows, cols], mode="bilinear")  # (T, D, h, w)
+            features = pooled.permute(0, 2, 3, 1).reshape(steps * rows * cols, -1)
+            outputs.append(VisionOutput(features, {"video_grid": item.video_grid}))
+        return outputs
+
     def _tower_states(self, pixels: Tensor) -> list[Tensor]:
         """SigLIP hidden states 0..feature_index of (B, 3, H, W) crops, each (B, P, Dv): the stock modules in order,
         no later layer (``feature_index`` is the last one in the released checkpoints)."""
@@ -214,8 +323,12 @@ class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
         return states
 
     def tower_crops(self, prepared: Prepared) -> dict[str, Any]:
-        """Every crop through the tower; the projector ran on the base view and the whole unpadded tile grid."""
+        """Every crop through the tower; the projector ran on the base view and the whole unpadded tile grid (a
+        clip: every frame's patches)."""
         side = self.tile // self.model.config.vision_config.patch_size
+        if prepared.video_grid is not None:
+            frames = int(prepared.pixel_values.shape[0])
+            return {"crops": frames, "crop_grid": (side, side), "projected_tokens": frames * side * side}
         return {
             "crops": int(prepared.pixel_values.shape[0]),
             "crop_grid": (side, side),
@@ -235,6 +348,50 @@ class LlavaOnevisionModel(SeparateProcessorParts, LlavaNextModel):
                 "vision_feature_layer": self.model.config.vision_feature_layer,
             },
         }
+
+
+def uniform_frame_indices(total: int, count: int) -> list[int]:
+    """The ``count`` frames lmms-eval's ``load_video`` reads of ``total``: ``np.linspace(0, total - 1, count,
+    dtype=int)`` (truncated; a clip of fewer than ``count`` frames repeats some). One-line error on an empty clip."""
+    if total < 1 or count < 1:
+        raise PruneAuditError(f"a clip needs frames to sample; got {count} of {total} frames")
+    return np.linspace(0, total - 1, count, dtype=int).tolist()
+
+
+def pooled_frame_geometry(image_size: tuple[int, int], tile: int, patch_size: int) -> TokenGeometry:
+    """One frame's pooled tokens: the frame resized to ``tile`` x ``tile``, its ``side = tile // patch_size`` patches
+    from the top left (378 of 384 px) pooled to ``ceil(side / 2)`` squared tokens, each the cell of that coarser grid
+    (27 px at 384 px; the ``anyres_max`` footprint convention). One-line error when the cell is no whole pixel count."""
+    side = tile // patch_size
+    pooled = math.ceil(side / 2)
+    if side * patch_size % pooled:
+        raise PruneAuditError(
+            f"{side} patches of {patch_size} px pooled to {pooled} tokens give no whole-pixel token cell; "
+            "this tower size is not supported on clips"
+        )
+    width, height = image_size
+    return TokenGeometry(
+        mode="hf_crop",
+        image_width=width,
+        image_height=height,
+        processed_width=side * patch_size,
+        processed_height=side * patch_size,
+        grid_rows=pooled,
+        grid_cols=pooled,
+        token_pixels=side * patch_size // pooled,
+        scale_x=tile / width,
+        scale_y=tile / height,
+    )
+
+
+def frame_pixels(frames: Sequence[Any], image_processor: Any) -> Tensor:
+    """(T, 3, H, W) float32 ``pixel_values_videos`` of one clip from T RGB frames already resized to the tower's
+    input: rescaled and normalised with the image processor's factors, channels first (the video processor's
+    ``do_rescale`` and ``do_normalize``)."""
+    video = torch.from_numpy(np.stack([np.asarray(frame, dtype=np.float32) for frame in frames])).permute(0, 3, 1, 2)
+    mean = torch.tensor(image_processor.image_mean, dtype=torch.float32)[:, None, None]
+    std = torch.tensor(image_processor.image_std, dtype=torch.float32)[:, None, None]
+    return (video * image_processor.rescale_factor - mean) / std
 
 
 def build_llava_onevision(
@@ -319,4 +476,10 @@ def build_llava_onevision(
     return save_dir
 
 
-__all__ = ["LlavaOnevisionModel", "build_llava_onevision"]
+__all__ = [
+    "LlavaOnevisionModel",
+    "build_llava_onevision",
+    "frame_pixels",
+    "pooled_frame_geometry",
+    "uniform_frame_indices",
+]

@@ -99,7 +99,7 @@ def load_vlm(
     adapter.resolve_template(prompt_template)
     adapter.check_clip_text(clip_text)
     task_instructions = checkpoint_task_instructions(source)  # read before the weights: a bad file fails fast
-    video_sampling = checkpoint_video_sampling(source)
+    video_sampling = checkpoint_video_sampling(source, adapter.video_sampling_keys)
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     model_class = adapter.transformers_class()

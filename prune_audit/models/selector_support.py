@@ -92,7 +92,7 @@ class SelectorSupport:
         if VIDEO_GRID in missing:  # a video selector on still images: the input lacks it, whatever the family
             return (
                 f"needs a video clip's temporal token grid ({VIDEO_GRID}), which a still image does not give; "
-                "run it on clips (the Qwen2.5-VL adapter's prepare_video)"
+                "run it on clips (prepare_video of a family that takes them)"
             )
         if missing == {"text_relevance"} and "text_relevance" in cls.input_signals:
             return (

@@ -6,6 +6,10 @@ checkpoint is read exactly so. A checkpoint trained at other frame sizes declare
 ``video_sampling.json``, ``{"min_pixels": int, "total_pixels": int}`` (either key may be left out): the video demo
 was trained on 96 x 96 px frames, which the defaults would enlarge to 320 x 320 px (400 tokens a temporal step
 instead of the 36 it learned on), so ``prune-audit demo train`` writes the sizes of its clips there.
+
+A family that reads a fixed number of uniformly spaced frames (LLaVA-OneVision: lmms-eval's ``max_frames_num``)
+declares that count instead, ``{"frames": int}``: each family names the keys it reads
+(``VisionLanguageModel.video_sampling_keys``) and any other key is refused.
 """
 
 from __future__ import annotations
@@ -20,16 +24,18 @@ VIDEO_SAMPLING_FILE = "video_sampling.json"
 VIDEO_SAMPLING_KEYS = ("min_pixels", "total_pixels")
 
 
-def checkpoint_video_sampling(source: str | Path) -> dict[str, int]:
-    """The ``data.video.sample_clip`` pixel limits a checkpoint folder declares in ``video_sampling.json`` (empty for
-    a hub id or a folder without the file: qwen-vl-utils' defaults apply)."""
-    fix = 'write it as {"min_pixels": N, "total_pixels": N} with positive whole numbers, or remove it'
+def checkpoint_video_sampling(source: str | Path, keys: tuple[str, ...] = VIDEO_SAMPLING_KEYS) -> dict[str, int]:
+    """The clip sampling a checkpoint folder declares in ``video_sampling.json``: the ``data.video.sample_clip``
+    pixel limits, or the family's other ``keys`` (empty for a hub id or a folder without the file: the family's
+    defaults apply)."""
+    fields = ", ".join(f'"{key}": N' for key in keys)
+    fix = f"write it as {{{fields}}} with positive whole numbers, or remove it"
     declared = declared_json(source, VIDEO_SAMPLING_FILE, "video sampling", fix)
     if declared is None:
         return {}
     where = str(Path(source) / VIDEO_SAMPLING_FILE)
-    if not isinstance(declared, dict) or not set(declared) <= set(VIDEO_SAMPLING_KEYS):
-        raise PruneAuditError(f"{where} may hold only {', '.join(VIDEO_SAMPLING_KEYS)}; {fix}")
+    if not isinstance(declared, dict) or not set(declared) <= set(keys):
+        raise PruneAuditError(f"{where} may hold only {', '.join(keys)} for this family; {fix}")
     for key, value in declared.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PruneAuditError(f"{where}: {key} is {value!r}; {fix}")
