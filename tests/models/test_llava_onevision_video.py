@@ -256,3 +256,16 @@ def test_video_presence_runs_end_to_end_on_onevision(onevision_clips, tmp_path):
         assert math.isnan(a["retention"]) and math.isnan(b["retention"]) or a["retention"] == b["retention"]
     out = tmp_path / "fastvid"
     refused(run(onevision_clips, out, "--selector", "fastvid", "--budget", "50"), out, "needs step_attention")
+
+
+@pytest.mark.parametrize("name", [None, "evs", "divprune"])
+def test_clip_flops_equal_the_counted_flops(vlm, clip, name):
+    """The tower runs on each frame as an image (``tower_crops``) and the projector and pooling on the clip:
+    ``FlopCounterMode`` over the same eager forward counts what the accounting says."""
+    from test_compute import counted, eager
+
+    counting = eager(load_vlm(vlm.model_id, device="cpu"))
+    item = counting.prepare_video(clip, QUESTIONS[0])
+    selector = None if name is None else get_selector(name)
+    outside, _, answer = counted(counting, item, selector, None if name is None else item.num_visual // 2)
+    assert outside == answer.cost.flops_vision + answer.cost.flops_llm, name
