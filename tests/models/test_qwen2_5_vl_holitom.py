@@ -1,6 +1,7 @@
 """HoliTom on a Qwen2.5-VL clip end to end (tiny fp32 model): with ``merge=false`` it keeps its selection of the
 adapter's signals and the pruned prefill equals the stock forward with the other video tokens masked out, keep-all
-is dense, and the merging default is refused in one line (Qwen2.5-VL keeps original positions)."""
+is dense, the merging default is refused in one line (Qwen2.5-VL keeps original positions), and the clip's counted
+FLOPs are the accounting's."""
 
 from __future__ import annotations
 
@@ -68,3 +69,15 @@ def test_merging_holitom_and_still_images_are_refused_in_one_line(vlm, item):
     image = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
     with pytest.raises(PruneAuditError, match="still image"):
         vlm.prefill([image], get_selector("holitom", merge=False), 10)
+
+
+def test_clip_flops_equal_the_counted_flops(vlm, item):
+    """``FlopCounterMode`` over the eager forward counts what the accounting says: the tower per step, the step
+    attention HoliTom reads, and none of its own (no matrix product: ``flops_exact`` with zero)."""
+    from test_compute import counted, eager
+
+    eager_vlm = eager(load_vlm(vlm.model_id, device="cpu"))
+    outside, inside, answer = counted(eager_vlm, item, get_selector("holitom", merge=False), item.num_visual // 2)
+    assert outside == answer.cost.flops_vision + answer.cost.flops_llm
+    assert inside == answer.cost.flops_selector == 0
+    assert "vision_step_attention" in answer.cost.signal_sources
