@@ -17,7 +17,7 @@ SIGNAL_SOURCES: dict[str, str] = {
     "vision_merging_tower": "the vision tower run with merges or cuts between its layers (ToMe location=tower, "
     "FlowCut), in place of the stock pass",
     "vision_step_attention": "on a clip, the vision tower's last block's queries and keys recomputed on its input, "
-    "each temporal step's mean query against its merged tokens' mean keys (FastVID)",
+    "each temporal step's mean query against its merged tokens' mean keys (FastVID, HoliTom)",
     "clip_text_tower": "the CLIP text tower on the question (CDPruner's text relevance)",
     "decoder_demand_rows": "attention rows of the text after the image at decoder layer 0 over the unpruned prompt "
     "(coverage's demand)",

@@ -81,11 +81,16 @@ def peak_scores(tokens: Tensor, neighbours: int, noise: Tensor) -> tuple[Tensor,
     squares = (tokens * tokens).sum(dim=-1)
     gram = tokens @ tokens.T
     distance = (squares[:, None] + squares[None, :] - 2 * gram).clamp(min=0).sqrt() / math.sqrt(tokens.shape[1])
-    nearest = distance.topk(min(neighbours, tokens.shape[0]), dim=-1, largest=False).values
+    return distance_peak_scores(distance, neighbours, noise), distance
+
+
+def distance_peak_scores(distance: Tensor, neighbours: int, noise: Tensor) -> Tensor:
+    """:func:`peak_scores` of n tokens from their (n, n) ``distance``, however it was computed."""
+    nearest = distance.topk(min(neighbours, distance.shape[0]), dim=-1, largest=False).values
     density = torch.exp(-(nearest**2).mean(dim=-1)) + noise
     denser = density[None, :] > density[:, None]  # [i, j]: j is denser than i
     parent = torch.where(denser, distance, distance.max()).min(dim=-1).values
-    return parent * density, distance
+    return parent * density
 
 
 def density_peaks(tokens: Tensor, count: int, noise: Tensor) -> Tensor:

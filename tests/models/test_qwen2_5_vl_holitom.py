@@ -1,0 +1,83 @@
+"""HoliTom on a Qwen2.5-VL clip end to end (tiny fp32 model): with ``merge=false`` it keeps its selection of the
+adapter's signals and the pruned prefill equals the stock forward with the other video tokens masked out, keep-all
+is dense, the merging default is refused in one line (Qwen2.5-VL keeps original positions), and the clip's counted
+FLOPs are the accounting's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import QUESTIONS, WORDS, masked_reference_logits, random_image, stock_inputs
+
+from prune_audit.data.video import sample_clip
+from prune_audit.errors import PruneAuditError
+from prune_audit.models import load_vlm
+from prune_audit.models.qwen import QwenModel
+from prune_audit.pruners import get_selector
+
+TOL = 1e-5
+SMALL = {"min_pixels": 4 * 28 * 28, "total_pixels": 8 * 168 * 168}  # 8 frames of 130 x 100: a 4 x 4 x 5 token grid
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    path = QwenModel.build_tiny(
+        tmp_path_factory.mktemp("qwen") / "qwen", words=WORDS, image_size=168, text_layers=3, seed=6
+    )
+    return load_vlm(path, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def item(vlm):
+    # frames repeating in pairs of steps: static tokens across windows of two steps
+    images = [random_image(seed // 4, (130, 100)) for seed in range(8)]
+    return vlm.prepare_video(sample_clip(images, 2.0, **SMALL), QUESTIONS[0])
+
+
+def spied(selector):
+    """``selector`` whose ``select`` records the signals it is given."""
+    calls = []
+    select = selector.select
+
+    def recording(signals, budget, generator=None):
+        calls.append(signals)
+        return select(signals, budget, generator)
+
+    object.__setattr__(selector, "select", recording)
+    return selector, calls
+
+
+def test_holitom_without_merging_keeps_its_selection_and_keep_all_is_dense(vlm, item):
+    selector, calls = spied(get_selector("holitom", merge=False))
+    prefill, selections = vlm.prefill([item], selector, 16, generator=torch.Generator().manual_seed(0))
+    assert calls[0].video_grid == (4, 4, 5)
+    expected = get_selector("holitom", merge=False).select(calls[0], 16, torch.Generator().manual_seed(0))
+    assert torch.equal(selections[0].kept, expected.kept) and 1 <= selections[0].kept.numel() <= 16
+    assert get_selector("holitom").select(calls[0], 16, torch.Generator().manual_seed(0)).sources is not None
+    reference = masked_reference_logits(vlm, item, [0], [selections[0].kept.tolist()])
+    assert (prefill.logits[0] - reference).abs().max() <= TOL
+    full, _ = vlm.prefill([item], get_selector("holitom", merge=False), item.num_visual)
+    with torch.no_grad():
+        stock = vlm.model(**stock_inputs(vlm, item)).logits[:, -1]
+    assert (full.logits - stock).abs().max() <= TOL
+
+
+def test_merging_holitom_and_still_images_are_refused_in_one_line(vlm, item):
+    with pytest.raises(PruneAuditError, match="original position") as refusal:
+        vlm.prefill([item], get_selector("holitom"), 16)
+    assert "\n" not in str(refusal.value)
+    image = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
+    with pytest.raises(PruneAuditError, match="still image"):
+        vlm.prefill([image], get_selector("holitom", merge=False), 10)
+
+
+def test_clip_flops_equal_the_counted_flops(vlm, item):
+    """``FlopCounterMode`` over the eager forward counts what the accounting says: the tower per step, the step
+    attention HoliTom reads, and none of its own (no matrix product: ``flops_exact`` with zero)."""
+    from test_compute import counted, eager
+
+    eager_vlm = eager(load_vlm(vlm.model_id, device="cpu"))
+    outside, inside, answer = counted(eager_vlm, item, get_selector("holitom", merge=False), item.num_visual // 2)
+    assert outside == answer.cost.flops_vision + answer.cost.flops_llm
+    assert inside == answer.cost.flops_selector == 0
+    assert "vision_step_attention" in answer.cost.signal_sources
