@@ -68,9 +68,16 @@ def sampled_frame_indices(total: int, count: int) -> list[int]:
     return torch.linspace(0, total - 1, count).round().long().tolist()
 
 
-def frame_pixel_limit(count: int, *, total_pixels: int = VIDEO_TOTAL_PIXELS, min_pixels: int = VIDEO_MIN_PIXELS) -> int:
-    """qwen-vl-utils' ``max_pixels`` of each of ``count`` sampled frames (the clip's pixel budget shared out)."""
-    return int(max(min(VIDEO_MAX_PIXELS, total_pixels / count * FRAME_FACTOR), int(min_pixels * 1.05)))
+def frame_pixel_limit(
+    count: int,
+    *,
+    total_pixels: int = VIDEO_TOTAL_PIXELS,
+    min_pixels: int = VIDEO_MIN_PIXELS,
+    max_pixels: int = VIDEO_MAX_PIXELS,
+) -> int:
+    """qwen-vl-utils' ``max_pixels`` of each of ``count`` sampled frames (the clip's pixel budget shared out, at most
+    ``max_pixels`` a frame)."""
+    return int(max(min(max_pixels, total_pixels / count * FRAME_FACTOR), int(min_pixels * 1.05)))
 
 
 @dataclass(frozen=True)
@@ -166,10 +173,13 @@ class Clip:
     Attributes:
         frames: 2T RGB ``PIL.Image`` of one size (the resized frame), in time order.
         geometry: the :class:`ClipGeometry` of the clip's tokens.
+        video_fps: frames per second of the clip as given (``geometry.frames`` index it), where known: the time of
+            a sampled frame is its index over this rate (Qwen3-VL's text timestamps).
     """
 
     frames: tuple[Any, ...]
     geometry: ClipGeometry
+    video_fps: float | None = None
 
     @property
     def seconds_per_step(self) -> float:
@@ -200,11 +210,13 @@ def sample_clip(
     fps: float = FPS,
     min_pixels: int = VIDEO_MIN_PIXELS,
     total_pixels: int = VIDEO_TOTAL_PIXELS,
+    max_pixels: int = VIDEO_MAX_PIXELS,
     patch_size: int = 14,
     merge_size: int = 2,
 ) -> Clip:
     """The clip of ``frames`` (a folder, or PIL images of one size) at ``video_fps``, sampled and resized as
-    qwen-vl-utils reads a decoded video for Qwen2.5-VL (module docstring)."""
+    qwen-vl-utils reads a decoded video for Qwen2.5-VL (module docstring); ``max_pixels`` caps one frame (Qwen3-VL's
+    qwen-vl-utils scales the three pixel limits to its 32-px tokens)."""
     from PIL import Image
 
     images = read_frames(frames) if isinstance(frames, (str, Path)) else [image.convert("RGB") for image in frames]
@@ -212,14 +224,14 @@ def sample_clip(
         raise PruneAuditError("the clip's frames differ in size; give frames of one size")
     count = sampled_frame_count(len(images), video_fps, fps=fps)
     chosen = sampled_frame_indices(len(images), count)
-    limit = frame_pixel_limit(count, total_pixels=total_pixels, min_pixels=min_pixels)
+    limit = frame_pixel_limit(count, total_pixels=total_pixels, min_pixels=min_pixels, max_pixels=max_pixels)
     frame = qwen_geometry(
         images[0].size, min_pixels=min_pixels, max_pixels=limit, patch_size=patch_size, merge_size=merge_size
     )
     size = (frame.processed_width, frame.processed_height)
     resized = tuple(images[i].resize(size, Image.Resampling.BICUBIC) for i in chosen)
     geometry = ClipGeometry(frame, tuple(chosen), count / len(images) * video_fps)
-    return Clip(resized, geometry)
+    return Clip(resized, geometry, video_fps)
 
 
 __all__ = [

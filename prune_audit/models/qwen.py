@@ -218,15 +218,8 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
             raise PruneAuditError(
                 f"video clips are read on Qwen2.5-VL only; {self.display_name} has no video path here"
             )
-        merge, patch = self.image_processor.merge_size, self.image_processor.patch_size
-        if clip.geometry.frame.token_pixels != patch * merge:
-            raise PruneAuditError(
-                f"the clip was sampled for {clip.geometry.frame.token_pixels}-px tokens, but this model's are "
-                f"{patch * merge} px; sample it with patch_size={patch}, merge_size={merge}"
-            )
-        pixels = video_patches(clip.frames, self.image_processor)
+        pixels, grid_thw = self._clip_patches(clip)
         steps, rows, cols = clip.geometry.video_grid
-        grid_thw = torch.tensor([[steps, rows * merge, cols * merge]])
         seconds = torch.tensor([clip.seconds_per_step])
         prompt = self.prompt(question, steps * rows * cols).replace("<|image_pad|>", "<|video_pad|>")
         input_ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
@@ -246,6 +239,18 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
             extras={"video_grid_thw": grid_thw, "second_per_grid_ts": seconds, "positions": positions[:, 0]},
             video_grid=(steps, rows, cols),
         )
+
+    def _clip_patches(self, clip: Clip) -> tuple[Tensor, Tensor]:
+        """The clip's ``pixel_values_videos`` (:func:`video_patches`) and its (1, 3) ``video_grid_thw`` in patches;
+        one line when the clip was sampled for another token size."""
+        merge, patch = self.image_processor.merge_size, self.image_processor.patch_size
+        if clip.geometry.frame.token_pixels != patch * merge:
+            raise PruneAuditError(
+                f"the clip was sampled for {clip.geometry.frame.token_pixels}-px tokens, but this model's are "
+                f"{patch * merge} px; sample it with patch_size={patch}, merge_size={merge}"
+            )
+        steps, rows, cols = clip.geometry.video_grid
+        return video_patches(clip.frames, self.image_processor), torch.tensor([[steps, rows * merge, cols * merge]])
 
     def _video_vision(self, prepared: Sequence[Prepared], requires: frozenset[str]) -> list[VisionOutput]:
         """The vision tower on clips: per clip its (T * h * w, D) merged features and its ``video_grid``."""
