@@ -83,7 +83,7 @@ def stock_inputs(vlm, prepared) -> dict[str, torch.Tensor]:
             "input_ids": prepared.input_ids[None],
             "pixel_values_videos": prepared.pixel_values,
             "video_grid_thw": prepared.extras["video_grid_thw"],
-            "second_per_grid_ts": prepared.extras["second_per_grid_ts"],
+            **{k: v for k, v in prepared.extras.items() if k == "second_per_grid_ts"},
             "mm_token_type_ids": (prepared.input_ids == vlm.model.config.video_token_id).int()[None] * 2,
         }
     if "image_sizes" in prepared.extras:  # LLaVA-NeXT: the crops of one image and its size

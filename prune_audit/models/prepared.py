@@ -41,13 +41,14 @@ class Prepared:
         image_size: original (width, height).
         geometry: :class:`prune_audit.data.geometry.TokenGeometry` of the image.
         extras: family-specific tensors (Qwen: ``image_grid_thw``, ``positions``; a Qwen clip: ``video_grid_thw``,
-            ``second_per_grid_ts``).
+            ``second_per_grid_ts`` on Qwen2.5-VL; ``visual_columns``: the (N,) prompt column of each visual token
+            where the span holds text between them, LLaVA-NeXT's newlines and a Qwen3-VL clip's timestamps).
         dense_grid: on an image resized before the processor for an input selector acting on it
             (``VisionLanguageModel.prepare_for``), the (rows, cols) token grid of the image as given, whose tokens
             budgets resolve against and whose unpruned prefill is the dense cost (``grid``, ``geometry`` and ``pixel_values`` are the resized image's, ``image_size`` the
             original); None for an image as given.
         video_grid: on a video clip, its (T, h, w) token grid after the spatial merge (``grid`` is then (T * h, w),
-            ``image_span`` the clip's tokens, ``pixel_values`` its patches, ``image_size`` a frame's and
+            ``image_span`` the clip's tokens (from the first to the last: Qwen3-VL's timestamp text lies between steps), ``pixel_values`` its patches, ``image_size`` a frame's and
             ``geometry`` a :class:`prune_audit.data.video.ClipGeometry`); None for a still image.
     """
 

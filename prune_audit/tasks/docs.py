@@ -58,9 +58,9 @@ prune-audit run --task video_presence --model QWEN25VL --questions presence.json
 
 Video tasks (`video_mc`, `video_presence`) ask about clips: each question's video (`x.mp4`) is read from the frame
 folder `--images DIR/x/` (PNG or JPEG frames in name order; a video file is refused: extract its frames), sampled
-and resized as the family reads a video (Qwen2.5-VL: qwen-vl-utils at the question's `fps`, frames per second of the
-folder, 2 when the question gives none; LLaVA-OneVision: lmms-eval's 32 uniformly spaced frames), and answered by a
-family that takes clips (Qwen2.5-VL, LLaVA-OneVision; others refuse). Their
+and resized as the family reads a video (Qwen2.5-VL and Qwen3-VL: qwen-vl-utils at the question's `fps`, frames per
+second of the folder, 2 when the question gives none; LLaVA-OneVision: lmms-eval's 32 uniformly spaced frames), and
+answered by a family that takes clips (Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision; others refuse). Their
 selectors are the video selectors and the image selectors with a per-frame run, which select on each temporal step
 alone at an even share of the budget (a project convention; [fidelity.md](fidelity.md) names them); other image
 selectors are refused on clips. Their records hold the clip columns
