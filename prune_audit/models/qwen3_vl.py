@@ -35,7 +35,7 @@ What the pruning code sees differently from Qwen2.5-VL (:mod:`prune_audit.models
   frame, a ``MODEL_SEQ_LEN`` 128000-token budget x 0.9 over the clip), unless the checkpoint declares its own
   (``models.video_sampling``). The clip's deepstack sets come from the same video tower pass and follow the kept
   set. FastVID's step attention is formed only in Qwen2.5-VL's tower (its official port), so FastVID is refused
-  on clips here.
+  on clips here; merging selectors (FastVID's DTM, PruneVid's merge) are refused as on images.
 
 No CLS token, no CLIP text space: the CLS selectors and CDPruner are refused, as are
 merging input-level selectors (merged tokens have no 3-D position). Budgets count the

@@ -31,10 +31,16 @@ from prune_audit.models.video_sampling import write_video_sampling
 from prune_audit.pruners import get_selector
 
 TOL = 1e-5
+LLM_STAGE = ("dycoke_kv", "framefusion")
 #: the timestamps of the clip below as words, so that the tiny tokenizer gives each its own id
 TIME_WORDS = ["<", ">", "seconds", "0.3", "1.3"]
 SMALL = {"min_pixels": 4 * 32 * 32, "total_pixels": 4 * 192 * 192}  # tiny frames: 130 x 100 -> a 3 x 4 token grid
-VIDEO_SELECTORS = ["evs", "vidcom2", "dycoke", "dycoke_kv", "framefusion"]
+#: what run takes on Qwen3-VL clips: the video selectors (FastVID refused: no step attention), PruneVid without its
+#: merge (merged tokens have no 3-D position) and the image selectors with a per-frame run
+CLIP_SELECTORS = [
+    ("evs", {}), ("vidcom2", {}), ("dycoke", {}), ("dycoke_kv", {}), ("framefusion", {}), ("prunevid", {"merge": False}),
+    ("coverage", {}), ("divprune", {}), ("gprune", {}), ("random", {}), ("uniform", {}),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -145,15 +151,24 @@ def test_dense_prefill_equals_the_stock_forward_with_its_deepstack(vlm, item):
         vlm.loop.stack.after_layer = after_layer
 
 
-@pytest.mark.parametrize("name", VIDEO_SELECTORS)
-def test_each_video_selector_keeping_all_equals_dense(vlm, item, name):
-    full, _ = vlm.prefill([item], get_selector(name), item.num_visual)
+def test_every_selector_run_takes_on_clips_is_listed():
+    from test_clip_run import clip_selectors
+
+    from prune_audit.pruners import list_selectors, selector_class
+
+    per_frame = [name for name in list_selectors() if selector_class(name).per_frame]
+    assert sorted(clip_selectors() + per_frame) == sorted([name for name, _ in CLIP_SELECTORS] + ["fastvid"])
+
+
+@pytest.mark.parametrize(("name", "options"), CLIP_SELECTORS)
+def test_each_clip_selector_keeping_all_equals_dense(vlm, item, name, options):
+    full, _ = vlm.prefill([item], get_selector(name, **options), item.num_visual)
     assert (full.logits - stock_logits(vlm, item)).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("name", ["evs", "vidcom2", "dycoke"])
-def test_an_input_selection_is_the_stock_forward_without_the_dropped_tokens(vlm, item, name):
-    prefill, selections = vlm.prefill([item], get_selector(name), 10)
+@pytest.mark.parametrize(("name", "options"), [entry for entry in CLIP_SELECTORS if entry[0] not in LLM_STAGE])
+def test_an_input_selection_is_the_stock_forward_without_the_dropped_tokens(vlm, item, name, options):
+    prefill, selections = vlm.prefill([item], get_selector(name, **options), 10)
     kept = selections[0].kept.tolist()
     assert len(kept) == 10 and prefill.tokens_per_layer[0] == [10] * vlm.num_layers
     reference = masked_reference_logits(vlm, item, [0], [kept])  # the timestamps between the steps stay
