@@ -1,9 +1,10 @@
 """A video clip through Qwen3-VL (``Qwen3VLModel.read_clip`` / ``prepare_video``): qwen-vl-utils' Qwen3-VL frame
 sizes, the prompt equal to the one ``Qwen3VLProcessor`` expands (a text timestamp and its own vision markers per
 temporal step), the per-step M-RoPE ids, dense prefill logits equal to the stock forward on the processor's inputs
-(tiny fp32 model, 1e-5: timestamps, ids and the video deepstack sets), each video selector on the clip (keep-all
-equals dense, a pruned input equal to the stock forward with the dropped keys masked) and the one-line refusals;
-then ``prune-audit run --task video_presence`` end to end on the CLI with test_clip_run's clip files."""
+(tiny fp32 model, 1e-5: timestamps, ids and the video deepstack sets), each selector run takes on clips (keep-all
+equals dense, a pruned input equal to the stock forward with the dropped keys masked), the clip's FLOPs as counted
+and the one-line refusals; then ``prune-audit run --task video_presence`` end to end on the CLI with
+test_clip_run's clip files."""
 
 from __future__ import annotations
 
@@ -186,6 +187,28 @@ def test_an_in_llm_stage_is_the_stock_forward_without_the_dropped_tokens_from_it
 def test_a_batch_of_clips_equals_each_clip_alone(vlm, clip, item):
     other = vlm.prepare_video(clip, QUESTIONS[1])  # another prompt length
     assert_batch_equals_one_at_a_time(vlm, [item, other], get_selector("evs"), 10)
+
+
+@pytest.fixture(scope="module")
+def eager_vlm(vlm):
+    from test_compute import eager
+
+    return eager(load_vlm(vlm.model_id, device="cpu"))
+
+
+@pytest.mark.parametrize("name", [None, "evs", "vidcom2", "divprune", "dycoke_kv", "fastv"])
+def test_clip_flops_equal_the_counted_flops(eager_vlm, item, name):
+    """The tower attends within each temporal step here too (T images of one step's patches) and the deepstack
+    mergers count as projector matmuls: ``FlopCounterMode`` over the eager forward counts what the accounting says
+    (the timestamps between the steps are text tokens)."""
+    from test_compute import counted
+
+    selector = None if name is None else get_selector(name)
+    budget = None if name is None else item.num_visual // 2
+    outside, inside, answer = counted(eager_vlm, item, selector, budget)
+    assert outside == answer.cost.flops_vision + answer.cost.flops_llm, name
+    if selector is not None and selector.flops_exact:
+        assert inside == answer.cost.flops_selector, name
 
 
 def test_fastvid_is_refused_on_qwen3_clips_in_one_line(vlm, item):
