@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
-from test_clip_run import clips, records, refused, run  # noqa: F401  (clips: the clip files, with their fixture)
+from clip_files import CLIP_WORDS
+from test_clip_run import records, recounted, refused, run, write_clip_files
 from test_qwen2_5_vl_video import rederived_patches
 from tiny_models import (
     QUESTIONS,
@@ -240,28 +242,34 @@ def test_a_clip_without_its_frame_rate_or_of_other_tokens_is_refused(vlm, clip):
 
 # ----- the CLI -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def checkpoint(clips):  # noqa: F811  (the fixture imported above)
-    path = Qwen3VLModel.build_tiny(clips["root"] / "qwen3", words=[*WORDS, "beginning", "end", "video"], seed=4)
-    write_video_sampling(path, {"min_pixels": 128 * 96, "total_pixels": 200000})  # 64 x 48 frames: 4 x 3 tokens
-    return path
+def qwen3_clips(tmp_path_factory):
+    """test_clip_run's clip files and a tiny Qwen3-VL declaring small frames (64 x 48 px: 4 x 3 tokens a step)."""
+    root = tmp_path_factory.mktemp("qwen3_clips")
+    model = Qwen3VLModel.build_tiny(root / "model", words=[*CLIP_WORDS, "Is"], seed=4)
+    write_video_sampling(model, {"min_pixels": 128 * 96, "total_pixels": 200000})
+    return {"model": model, **write_clip_files(root)}
 
 
-def test_video_presence_runs_on_qwen3_vl_and_keep_all_is_dense(clips, checkpoint, tmp_path):  # noqa: F811
+def test_video_presence_runs_on_qwen3_vl_and_keep_all_is_dense(qwen3_clips, tmp_path):
     dense, kept_all, pruned = tmp_path / "dense", tmp_path / "all", tmp_path / "evs"
-    assert run(clips, dense, model=checkpoint).exit_code == 0
-    result = run(clips, kept_all, "--selector", "evs", "--budget", "all", model=checkpoint)
+    assert run(qwen3_clips, dense).exit_code == 0
+    result = run(qwen3_clips, kept_all, "--selector", "evs", "--budget", "all")
     assert result.exit_code == 0, result.output
     for a, b in zip(records(dense), records(kept_all)):
         assert a["kept_stages"] == b["kept_stages"] and a["answer"] == b["answer"]
         assert a["p_yes"] == pytest.approx(b["p_yes"], abs=1e-5)
-    result = run(clips, pruned, "--selector", "evs", "--budget", "50%", model=checkpoint)
+    result = run(qwen3_clips, pruned, "--selector", "evs", "--budget", "50%")
     assert result.exit_code == 0, result.output
     rows = records(pruned)
     assert [row["question_id"] for row in rows] == [1, 2, 3]
     for row in rows:
         geometry = json.loads(row["geometry"])
         assert geometry["frame"]["token_pixels"] == 32 and geometry["frames_per_step"] == 2
+        assert (geometry["frame"]["grid_rows"], geometry["frame"]["grid_cols"]) == (3, 4)
         steps = len(geometry["frames"]) // 2
         assert len(row["kept"]) == steps * 12 // 2 and row["sampled_frames"] == geometry["frames"]
+        shares, lost_in_window = recounted(row)  # per-frame evidence recounted from the masks and the kept cells
+        np.testing.assert_allclose(row["frame_retention"] if row["object"] == "cat" else shares, shares)
+        assert row["lost_in_window"] == lost_in_window
     out = tmp_path / "fastvid"
-    refused(run(clips, out, "--selector", "fastvid", "--budget", "10", model=checkpoint), out, "selector 'fastvid'")
+    refused(run(qwen3_clips, out, "--selector", "fastvid", "--budget", "10"), out, "selector 'fastvid'")
