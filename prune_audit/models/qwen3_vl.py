@@ -34,8 +34,8 @@ What the pruning code sees differently from Qwen2.5-VL (:mod:`prune_audit.models
   Qwen2.5-VL frame count (2 fps, 4 to 768 frames, even) and its pixel rule at 32-px tokens (128 to 768 tokens a
   frame, a ``MODEL_SEQ_LEN`` 128000-token budget x 0.9 over the clip), unless the checkpoint declares its own
   (``models.video_sampling``). The clip's deepstack sets come from the same video tower pass and follow the kept
-  set. FastVID's step attention is formed only in Qwen2.5-VL's tower (its official port), so FastVID is refused
-  on clips here; merging selectors (FastVID's DTM, PruneVid's merge) are refused as on images.
+  set. The step attention FastVID and HoliTom read is formed only in Qwen2.5-VL's tower (FastVID's official
+  port; HoliTom reads it there), so both are refused on clips here; merging selectors (FastVID's DTM, PruneVid's merge) are refused as on images.
 
 No CLS token, no CLIP text space: the CLS selectors and CDPruner are refused, as are
 merging input-level selectors (merged tokens have no 3-D position). Budgets count the
@@ -74,12 +74,12 @@ class Qwen3VLModel(QwenModel):
 
     family = "qwen3_vl"
     takes_video = True  # timestamps as text between the steps (module docstring)
-    #: HiPrune's per-layer attention and FastVID's step attention are formed only for Qwen2.5-VL's tower, the one
-    #: their official code runs
+    #: HiPrune's per-layer attention and the step attention FastVID and HoliTom read are formed only for Qwen2.5-VL's
+    #: tower, the one HiPrune's and FastVID's official code runs (HoliTom reads FastVID's signal there)
     input_signals = frozenset({"features", "demand"})
     missing_signals_reason = (
-        "its vision tower has no CLS token, no per-layer CLS attention, no HiPrune or FastVID port to it and no "
-        "CLIP text space"
+        "its vision tower has no CLS token, no per-layer CLS attention, no HiPrune or step-attention (FastVID, "
+        "HoliTom) port to it and no CLIP text space"
     )
     display_name = "Qwen3-VL"
     grounding = None  # Qwen3-VL writes bbox_2d on a 0-1000 grid, not Qwen2.5-VL's pixels: no convention yet
@@ -146,7 +146,8 @@ class Qwen3VLModel(QwenModel):
         ]
 
     def _clip_signals(self, prepared: Sequence[Prepared]) -> frozenset[str]:
-        """A clip adds its temporal grid only: FastVID's step attention is formed in Qwen2.5-VL's tower alone."""
+        """A clip adds its temporal grid only: the step attention (FastVID, HoliTom) is formed in Qwen2.5-VL's tower
+        alone."""
         return super(QwenModel, self)._clip_signals(prepared)
 
     def read_clip(self, frames: Any, video_fps: float) -> Clip:

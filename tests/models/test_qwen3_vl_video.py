@@ -38,7 +38,8 @@ LLM_STAGE = ("dycoke_kv", "framefusion")
 #: the timestamps of the clip below as words, so that the tiny tokenizer gives each its own id
 TIME_WORDS = ["<", ">", "seconds", "0.3", "1.3"]
 SMALL = {"min_pixels": 4 * 32 * 32, "total_pixels": 4 * 192 * 192}  # tiny frames: 130 x 100 -> a 3 x 4 token grid
-#: what run takes on Qwen3-VL clips: the video selectors (FastVID refused: no step attention), PruneVid without its
+#: what run takes on Qwen3-VL clips: the video selectors (FastVID and HoliTom refused: no step attention), PruneVid
+#: without its
 #: merge (merged tokens have no 3-D position) and the image selectors with a per-frame run
 CLIP_SELECTORS = [
     ("evs", {}), ("vidcom2", {}), ("dycoke", {}), ("dycoke_kv", {}), ("framefusion", {}), ("prunevid", {"merge": False}),
@@ -160,7 +161,7 @@ def test_every_selector_run_takes_on_clips_is_listed():
     from prune_audit.pruners import list_selectors, selector_class
 
     per_frame = [name for name in list_selectors() if selector_class(name).per_frame]
-    assert sorted(clip_selectors() + per_frame) == sorted([name for name, _ in CLIP_SELECTORS] + ["fastvid"])
+    assert sorted(clip_selectors() + per_frame) == sorted([name for name, _ in CLIP_SELECTORS] + ["fastvid", "holitom"])
 
 
 @pytest.mark.parametrize(("name", "options"), CLIP_SELECTORS)
@@ -213,14 +214,15 @@ def test_clip_flops_equal_the_counted_flops(eager_vlm, item, name):
         assert inside == answer.cost.flops_selector, name
 
 
-def test_fastvid_is_refused_on_qwen3_clips_in_one_line(vlm, item):
+def test_the_step_attention_selectors_are_refused_on_qwen3_clips_in_one_line(vlm, item):
     for name, options, needle in [
         ("fastvid", {"merge": False}, "step_attention, which qwen3_vl does not provide"),
         ("fastvid", {}, "positions for merged tokens"),
+        ("holitom", {"merge": False}, "step_attention, which qwen3_vl does not provide"),
     ]:
         with pytest.raises(PruneAuditError, match=needle) as refusal:
             vlm.prefill([item], get_selector(name, **options), 10)
-        assert "\n" not in str(refusal.value) and "FastVID port" in str(refusal.value)
+        assert "\n" not in str(refusal.value) and "step-attention (FastVID, HoliTom) port" in str(refusal.value)
 
 
 def test_clips_and_images_in_one_batch_are_refused(vlm, item):
