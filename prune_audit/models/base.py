@@ -147,12 +147,19 @@ class VisionLanguageModel(SelectorSupport, AnswerModes, ABC):
         """The ``data.video.Clip`` of ``frames`` (a frame folder, or PIL images of one size) at ``video_fps``,
         sampled and resized as the family's own video pipeline reads a clip; a family without a video path
         (``takes_video`` false) refuses in one line."""
-        raise PruneAuditError(f"video clips are read on Qwen2.5-VL only; {self.display_name} has no video path here")
+        raise self.no_video_path()
 
     def prepare_video(self, clip: Any, question: str) -> Prepared:
         """One (clip, question) prompt through the family's video path (``data.video.Clip``); a family without one
         (``takes_video`` false) refuses in one line."""
-        raise PruneAuditError(f"video clips are read on Qwen2.5-VL only; {self.display_name} has no video path here")
+        raise self.no_video_path()
+
+    def no_video_path(self) -> PruneAuditError:
+        """The one-line refusal of a clip by a family that reads none."""
+        return PruneAuditError(
+            f"{self.display_name} has no video path here; use a checkpoint of a family that reads clips (docs/models.md "
+            "lists them)"
+        )
 
     def prepare_for(self, image, question: str, selector: RunSelector | None = None, budget: Any = None) -> Prepared:
         """:meth:`prepare` as a run of ``selector`` at ``budget`` needs the prompt: as given here; a family that

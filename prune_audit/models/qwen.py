@@ -215,9 +215,7 @@ class QwenModel(SeparateProcessorParts, VisionLanguageModel):
         the model's own ``get_rope_index`` M-RoPE ids with the time axis (``second_per_grid_ts`` = 2 / sample fps,
         scaled by the tower's ``tokens_per_second``)."""
         if not self.takes_video:
-            raise PruneAuditError(
-                f"video clips are read on Qwen2.5-VL only; {self.display_name} has no video path here"
-            )
+            raise self.no_video_path()
         pixels, grid_thw = self._clip_patches(clip)
         steps, rows, cols = clip.geometry.video_grid
         seconds = torch.tensor([clip.seconds_per_step])

@@ -130,7 +130,9 @@ def test_clips_and_images_in_one_batch_are_refused(vlm, item):
 def test_qwen2_vl_refuses_clips(clip):
     adapter = adapter_for("qwen2_vl", "test")  # Qwen3-VL reads its own: tests/models/test_qwen3_vl_video.py
     assert not adapter.takes_video
-    with pytest.raises(PruneAuditError, match="Qwen2.5-VL only"):
+    with pytest.raises(
+        PruneAuditError, match="Qwen2-VL has no video path here; use a checkpoint of a family that reads clips"
+    ):
         adapter.prepare_video(object.__new__(adapter), clip, "q")
 
 

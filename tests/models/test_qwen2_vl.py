@@ -45,6 +45,6 @@ def test_grounding_is_refused_in_one_line_naming_the_families_that_have_a_conven
 
 def test_a_clip_is_refused_in_one_line(vlm):
     clip = sample_clip([random_image(seed, (130, 100)) for seed in range(4)], 2.0, **SMALL)
-    with pytest.raises(PruneAuditError, match="Qwen2.5-VL only; Qwen2-VL has no video path"):
+    with pytest.raises(PruneAuditError, match="Qwen2-VL has no video path here"):
         vlm.prepare_video(clip, QUESTIONS[0])
     assert vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0]).num_visual > 0  # still images are its input
