@@ -215,10 +215,10 @@ def fidelity_markdown() -> str:
         "the thumbnail's 16 x 16 grid (their tokens are numbered tile by tile), the budget split evenly (equal grids),",
         "pool averaging one tile's pixel-shuffled pre-projector tokens before the projector, ToMe merging projected",
         "tokens of one tile, E2S with novelty blocks on each tile; a one-tile image is one grid, as before tiling.",
-        "Video clips (Qwen2.5-VL): the image selectors with a per-frame run (`Selector.per_frame`: "
+        "Video clips: the image selectors with a per-frame run (`Selector.per_frame`: "
         + ", ".join(name for name in list_selectors() if selector_class(name).per_frame)
         + ") select on each",
-        "temporal step of a clip (two sampled frames, h x w tokens) alone, the clip's budget split evenly over the",
+        "temporal step of a clip (two sampled frames on the Qwen families, one on LLaVA-OneVision; h x w tokens) alone, the clip's budget split evenly over the",
         "steps as `budget_scope=crop` splits an image's over its crops, and count their own FLOPs per step",
         "(`prune_audit/pruners/frame_scope.py`, manifest `selector.per_frame`; tests:",
         "`tests/pruners/test_frame_scope.py::test_per_frame_kept_sets_equal_each_step_selected_alone`, and on a tiny",
