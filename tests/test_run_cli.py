@@ -165,6 +165,7 @@ IN_LLM_SELECTORS = (
     "e2s",
     "fastv",
     "fitprune",
+    "holitom_llm",
     "mustdrop",
     "pdrop",
     "sparsevlm",
@@ -172,8 +173,9 @@ IN_LLM_SELECTORS = (
     "v2drop",
     "vscan",
 )
-# VScan's vision stage (decoder layer 0) merges by default; without merging its stages nest like the others'
-IN_LLM_OPTIONS = {"vscan": ("--option", "merge_pruned=false")}
+# VScan's vision stage (decoder layer 0) and HoliTom's inner merge merge by default; without merging their stages nest
+# like the others'
+IN_LLM_OPTIONS = {"holitom_llm": ("--option", "merge_pruned=false"), "vscan": ("--option", "merge_pruned=false")}
 #: in-LLM selectors of video clips: refused on the still images of these runs
 IN_LLM_VIDEO_SELECTORS = ("framefusion",)
 #: in-LLM selectors whose tower stage holds the budget on the demo's one-crop LLaVA, so no in-LLM stage runs there

@@ -162,11 +162,8 @@ class HoliTomSelector(InputSelector):
     official repository has no Qwen2.5-VL code or script. Its inner-LLM merge (``HOLITOM_k=18``, ``HOLITOM_r=0.5``:
     at layer 18 the last prompt token's head-mean attention of layer 17 keeps ``round(n / 2)`` visual tokens and
     folds every other one, in index order, into its most cosine-similar kept one by ``(h_kept + h) / 2``, the kept
-    tokens keeping their positions) is not reproduced: this selector is the official "HoliTom (w/o M)". It needs no
-    new model hook (a one-stage in-LLM selector whose ``TokenMerge`` replaces the kept tokens, as VScan's
-    ``nearest_merge``, composed after this one with ``+``), but one stage at layer 18 of 28 cannot realise the
-    layer-average budgets every in-LLM selector's default schedule must reach (64 to 192 of 576 visual tokens: the
-    layers before it already average about 378), so it is left out.
+    tokens keeping their positions) is the in-LLM selector ``holitom_llm`` (``pruners.holitom_llm``): alone this
+    selector is the official "HoliTom (w/o M)", composed as ``holitom+holitom_llm`` the official "HoliTom".
 
     Departures: the salience is ``step_attention`` (the softmax of each temporal step's mean query in the last
     tower block, the one clip attention the Qwen2.5-VL adapter gives) where the official reads SigLIP's last-layer
@@ -195,7 +192,7 @@ class HoliTomSelector(InputSelector):
     reference: ClassVar[Reference] = Reference(
         "HoliTom: Holistic Token Merging for Fast Video Large Language Models (NeurIPS 2025, arXiv 2505.21334)",
         "cokeshao/HoliTom",
-        "holitom/llava_arch.py: the outer-LLM merge of the pooled video tokens; the inner-LLM merge is not reproduced",
+        "holitom/llava_arch.py: the outer-LLM merge of the pooled video tokens (the inner-LLM one: holitom_llm)",
     )
     fidelity: ClassVar[Fidelity] = Fidelity(
         "e9b2972f",
@@ -204,11 +201,9 @@ class HoliTomSelector(InputSelector):
         "tokens (D=0), at retention budget / N raised by the tokens saved",
         (),
         (
-            "the outer-LLM stage alone, the official 'HoliTom (w/o M)': the official HOLITOM_k=18 / HOLITOM_r=0.5 "
-            "inner-LLM merge (layer 18 keeps round(n / 2) visual tokens by layer 17's head-mean attention of the "
-            "last prompt token and folds each other one, in index order, into its most cosine-similar kept one as "
-            "(h_kept + h) / 2, positions kept) is not run: as one in-LLM stage at layer 18 of 28 it cannot reach the "
-            "layer-average budgets the in-LLM selectors' default schedules must",
+            "the outer-LLM stage alone, the official 'HoliTom (w/o M)'; the official HOLITOM_k=18 / HOLITOM_r=0.5 "
+            "inner-LLM merge is the in-LLM selector holitom_llm (its own row), composed as holitom+holitom_llm "
+            "(the official 'HoliTom')",
             "the salience is the tower's step attention (each temporal step's mean query, FastVID's), where the "
             "official reads SigLIP's last-layer attention averaged over every query",
             "at most the budget is fed: where the official per-frame rounding up exceeds budget / N, the largest "

@@ -12,7 +12,9 @@ import math
 import pytest
 import torch
 
-from prune_audit.pruners import LayerSignals, Stage, similarity
+from prune_audit.pruners import LayerSignals, Selector, Stage, get_selector, selector_class, similarity
+from prune_audit.pruners.options import option_domains
+from prune_audit.pruners.schedule import average_visual_tokens
 
 
 def random_generator(seed: int = 0) -> torch.Generator:
@@ -93,3 +95,26 @@ def signals(n: int, grid: tuple[int, int] | None = None, alive: list[int] | None
 
 def counts(stages: list[Stage]) -> list[tuple[int, int]]:
     return [(stage.layer, stage.keep) for stage in stages]
+
+
+def averaging(name: str) -> Selector:
+    """The in-LLM selector ``name`` under a rule that keeps the budget as the layer average: its default, or
+    ``budget_rule="average"`` where its default does not (``averages_budget`` False)."""
+    selector = get_selector(name)
+    return selector if selector.averages_budget else get_selector(name, budget_rule="average")
+
+
+def layer_average_case(name: str, budget: int, num_layers: int, num_visual: int) -> tuple[Selector, int]:
+    """(selector, budget) at which the registry checks that ``name`` realises the layer average: its default at
+    ``budget``, or, for a selector whose default does not average the budget, ``budget_rule="average"`` at a budget
+    it reaches: ``budget / num_visual`` of the way from its default schedule's realised average to ``num_visual``."""
+    selector = get_selector(name)
+    if selector.averages_budget:
+        return selector, budget
+    floor = average_visual_tokens(selector.schedule(num_layers, num_visual, budget), num_layers, num_visual)
+    return averaging(name), round(floor + (num_visual - floor) * budget / num_visual)
+
+
+def offers_rule(name: str, rule: str) -> bool:
+    """Whether the selector ``name`` offers ``budget_rule=rule``."""
+    return rule in getattr(option_domains(selector_class(name))["budget_rule"], "values", ())

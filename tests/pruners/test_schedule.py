@@ -4,7 +4,7 @@ tests are in ``tests/pruners/test_<name>.py``."""
 from __future__ import annotations
 
 import pytest
-from selector_cases import counts
+from selector_cases import averaging, counts, layer_average_case, offers_rule
 
 from prune_audit.pruners import Stage, get_selector, list_selectors, selector_class
 from prune_audit.pruners.schedule import (
@@ -89,7 +89,8 @@ def test_nearest_setting_compares_fractions_of_the_visual_tokens():
 @pytest.mark.parametrize("num_layers, num_visual", MODELS)
 @pytest.mark.parametrize("budget", [64, 128, 192])
 def test_default_schedule_realises_the_average_budget(name, num_layers, num_visual, budget):
-    stages = get_selector(name).schedule(num_layers, num_visual, budget)
+    selector, budget = layer_average_case(name, budget, num_layers, num_visual)
+    stages = selector.schedule(num_layers, num_visual, budget)
     keeps = [s.keep for s in stages]
     assert keeps == sorted(keeps, reverse=True)
     assert [s.layer for s in stages] == sorted({s.layer for s in stages})
@@ -99,18 +100,20 @@ def test_default_schedule_realises_the_average_budget(name, num_layers, num_visu
 @pytest.mark.parametrize("name", LLM_SELECTORS)
 @pytest.mark.parametrize("rule", ["average", "paper"])
 def test_budget_of_all_tokens_keeps_everything(name, rule):
-    stages = get_selector(name, budget_rule=rule).schedule(32, 576, 576)
+    selector = get_selector(name, budget_rule=rule) if offers_rule(name, rule) else get_selector(name)
+    stages = selector.schedule(32, 576, 576)
     assert all(s.keep == 576 for s in stages)
     assert average_visual_tokens(stages, 32, 576) == 576
 
 
 @pytest.mark.parametrize("name", LLM_SELECTORS)
 def test_impossible_budget_raises_a_clear_error(name):
+    selector = averaging(name)
     if get_selector(name).schedule(32, 576, 64)[0].layer > 0:  # a stage at layer 0 (VScan) makes any budget feasible
         with pytest.raises(ValueError, match="raise the budget"):
-            get_selector(name).schedule(32, 576, 10)
+            selector.schedule(32, 576, 10)
     else:
-        assert average_visual_tokens(get_selector(name).schedule(32, 576, 10), 32, 576) == 10
+        assert average_visual_tokens(selector.schedule(32, 576, 10), 32, 576) == 10
     with pytest.raises(ValueError, match="positive integer"):
         get_selector(name).schedule(32, 576, 0)
 

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from selector_cases import layer_average_case
 
 from prune_audit.pruners import (
     InputSelector,
@@ -300,7 +301,8 @@ def test_half_precision_inputs_are_computed_in_float32(name, dtype):
 @pytest.mark.parametrize("name", LLM_SELECTORS)
 @pytest.mark.parametrize("budget", [64, 128, 192])
 def test_schedule_realises_the_layer_average(name, budget):
-    stages = get_selector(name).schedule(32, 576, budget)
+    selector, budget = layer_average_case(name, budget, 32, 576)
+    stages = selector.schedule(32, 576, budget)
     layers = [s.layer for s in stages]
     keeps = [s.keep for s in stages]
     assert layers == sorted(set(layers)) and all(0 <= layer < 32 for layer in layers)
