@@ -311,6 +311,9 @@ class LayerSelector(Selector):
     #: whether decoding attends, from the first stage's scoring layer on, only to the visual tokens the last stage
     #: keeps (MustDrop's decode stage: its KV cache of those layers sliced to them), not to those each layer ran on
     decode_keeps_final: ClassVar[bool] = False
+    #: with ``decode_keeps_final``: from the first decoder layer on (PruneVid's cache of every layer up to the
+    #: stage sliced to its survivors), not from the first stage's scoring layer
+    decode_keeps_final_everywhere: ClassVar[bool] = False
     #: the option that turns :meth:`tower_stage` off (``KEY=VALUE``), named where a composed selector refuses it
     tower_stage_off: ClassVar[str] = ""
 
