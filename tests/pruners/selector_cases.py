@@ -93,3 +93,16 @@ def signals(n: int, grid: tuple[int, int] | None = None, alive: list[int] | None
 
 def counts(stages: list[Stage]) -> list[tuple[int, int]]:
     return [(stage.layer, stage.keep) for stage in stages]
+
+
+def averaging(name: str, num_visual: int, budget: int):
+    """(selector, budget) for a registry-wide layer-average check: ``name`` with its defaults at ``budget``; one
+    whose default does not average the budget (``averages_budget`` False: a video method's official share at its
+    official layer) with ``budget_rule="average"`` at ``(num_visual + budget) // 2``, which the layers before a deep
+    stage leave reachable (its default's official counts: its own tests)."""
+    from prune_audit.pruners import get_selector
+
+    selector = get_selector(name)
+    if selector.averages_budget:
+        return selector, budget
+    return get_selector(name, budget_rule="average"), (num_visual + budget) // 2

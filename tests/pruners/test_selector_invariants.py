@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from selector_cases import averaging
 
 from prune_audit.pruners import (
     InputSelector,
@@ -300,7 +301,8 @@ def test_half_precision_inputs_are_computed_in_float32(name, dtype):
 @pytest.mark.parametrize("name", LLM_SELECTORS)
 @pytest.mark.parametrize("budget", [64, 128, 192])
 def test_schedule_realises_the_layer_average(name, budget):
-    stages = get_selector(name).schedule(32, 576, budget)
+    selector, budget = averaging(name, 576, budget)
+    stages = selector.schedule(32, 576, budget)
     layers = [s.layer for s in stages]
     keeps = [s.keep for s in stages]
     assert layers == sorted(set(layers)) and all(0 <= layer < 32 for layer in layers)
@@ -310,8 +312,8 @@ def test_schedule_realises_the_layer_average(name, budget):
 
 def run_stages(name: str, variant: str) -> list[torch.Tensor]:
     """Prune a 6 x 8 grid through the selector's schedule; returns the alive set after each stage."""
-    selector = get_selector(name)
-    stages = selector.schedule(32, N, 12)
+    selector, budget = averaging(name, N, 12)
+    stages = selector.schedule(32, N, budget)
     alive, state, history = torch.arange(N), {}, []
     for index, stage in enumerate(stages):
         signals = layer_signals(alive, stage.layer, variant, seed=index)
