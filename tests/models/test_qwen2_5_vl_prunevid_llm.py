@@ -92,3 +92,21 @@ def test_keep_all_is_dense(vlm, item, options):
     with torch.no_grad():
         stock = vlm.model(**stock_inputs(vlm, item)).logits[:, -1]
     assert (full.logits - stock).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("composed", [False, True])
+def test_clip_flops_equal_the_counted_flops(vlm, item, composed):
+    """``FlopCounterMode`` over the eager forward counts what the accounting says outside the selectors (the tower,
+    the pruned prefill and its attention probe); prunevid_llm's own work has no product (``flops_exact``, zero)."""
+    from test_compute import counted, eager
+
+    eager_vlm = eager(load_vlm(vlm.model_id, device="cpu"))
+    if composed:
+        selector, budget = parse_selector("prunevid+prunevid_llm", OFFICIAL), (item.num_visual, 1)
+    else:
+        selector, budget = parse_selector("prunevid_llm", []), item.num_visual // 2
+    outside, inside, answer = counted(eager_vlm, item, selector, budget)
+    assert outside == answer.cost.flops_vision + answer.cost.flops_llm
+    assert answer.cost.flops < answer.cost.flops_dense
+    if not composed:  # prunevid's own Gram matrices are a nominal count (its flops_exact False)
+        assert inside == answer.cost.flops_selector == 0
