@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from prune_audit.pruners.base import Reference, Stage, top_k_indices, validate_budget
+from prune_audit.pruners.base import FED_KINDS, Reference, Stage, top_k_indices, validate_budget
 from prune_audit.pruners.crop_scope import grid_budgets
 from prune_audit.pruners.fidelity import Fidelity, random_agreement
 from prune_audit.pruners.options import Choice, Real, option
@@ -68,8 +68,8 @@ class PruneVidLLMSelector(SingleStageSelector):
     (``alpha`` 0.4); layer 10's output and the KV cache of layers 0 to 10 are sliced to them, positions kept. Here:
     a stage at the input of layer ``layer`` (11 on the 32-layer reference, scaled to the model's depth: 10 on
     Qwen2.5-VL-7B's 28), scored by the previous layer's ``text_probs``. Composed as ``prunevid+prunevid_llm``,
-    the groups come from the input part (``Selection.llm_state``, positions among the tokens fed, as MustDrop's
-    key set); alone on a clip (or after an input part that hands none: prunevid at keep-all, another selector)
+    the groups come from the input part (``Selection.llm_state``, positions among the tokens fed, each found in
+    the sequence by its kind, ``base.FED_KINDS``: merged tokens are laid out in another order on LLaVA-OneVision); alone on a clip (or after an input part that hands none: prunevid at keep-all, another selector)
     each temporal step's alive tokens are one group.
 
     ``budget_rule="official"`` (default): ``alpha`` of each group whatever the budget (the realised counts are
@@ -172,12 +172,24 @@ class PruneVidLLMSelector(SingleStageSelector):
         """(k,) ascending alive positions: each group's best attended, ``int(m alpha)`` or its share of the count."""
         self._check_signals(signals)
         n = signals.num_alive
-        groups = state.get(TOKEN_GROUPS)
-        if groups is None:
-            groups = step_groups(signals.alive.cpu(), signals.video_grid)
-        elif sum(group.numel() for group in groups) != n:
-            raise ValueError(f"{self.name}'s groups hold {sum(g.numel() for g in groups)} tokens, the stage {n}")
+        groups = self._groups(signals, state)
         keep = None if self.budget_rule == "official" else min(stage.keep, n)
         counts = group_counts([group.numel() for group in groups], self.alpha, keep)
         scores = self.model_precision(text_attention(self.inputs(signals).text_probs), signals).cpu()
         return kept_in_groups(scores, groups, counts, self.ties, self.ranking_dtype(signals.model_dtype))
+
+    def _groups(self, signals: LayerSignals, state: dict[str, Any]) -> list[Tensor]:
+        """Each group's (m,) alive positions: the input part's (positions among the tokens fed, named by their
+        ``FED_KINDS`` where the prefill gives them, else the alive positions themselves), or the temporal steps."""
+        groups = state.get(TOKEN_GROUPS)
+        alive = signals.alive.cpu()
+        if groups is None:
+            return step_groups(alive, signals.video_grid)
+        kinds = state.get(FED_KINDS)
+        if kinds is not None:  # the sequence may hold the tokens fed in another order than the selection's
+            groups = [torch.isin(alive, kinds[group]).nonzero().flatten() for group in groups]
+        if sum(group.numel() for group in groups) != alive.numel():
+            raise ValueError(
+                f"{self.name}'s groups hold {sum(g.numel() for g in groups)} tokens, the stage {alive.numel()}"
+            )
+        return groups
