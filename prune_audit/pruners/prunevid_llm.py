@@ -121,8 +121,9 @@ class PruneVidLLMSelector(SingleStageSelector):
             "part that hands none, each temporal step is a group (the official always runs both stages)",
             "decoding attends to the kept tokens in every layer, as the official sliced cache (a masked cache "
             "here); the prompt's layers before the stage saw every token, as officially",
-            "exact ties to the lower index (the official torch.topk leaves them to the kernel); fp32 scores unless "
-            "score_dtype=model; a group's count from its own size (the official view(window_size, -1) needs a "
+            "the text rows are every prompt position after the image span (on Qwen2.5-VL <|vision_end|> among them, "
+            "which PLLaVA's prompt has not); exact ties to the lower index (the official torch.topk leaves them to "
+            "the kernel); fp32 scores unless score_dtype=model; a group's count from its own size (the official view(window_size, -1) needs a "
             "segment's dynamic groups equal, which they are at the official cluster ratio)",
         ),
         random_agreement(
