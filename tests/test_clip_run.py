@@ -190,11 +190,13 @@ def dense(clips, tmp_path_factory):
 @pytest.mark.parametrize("selector", clip_selectors())
 def test_every_clip_selector_keeping_all_equals_dense_or_is_refused_in_one_line(clips, dense, tmp_path, selector):
     from prune_audit.models.qwen import QwenModel
-    from prune_audit.pruners import selector_class
+    from prune_audit.pruners import get_selector, selector_class
     from prune_audit.pruners.signals import STEP_ATTENTION, VIDEO_GRID
 
     out = tmp_path / selector
-    result = run(clips, out, "--selector", selector, "--budget", "all")
+    # a default that ignores the budget (a video method's official in-LLM share) keeps all under its average rule
+    averaging = () if get_selector(selector).averages_budget else ("--option", "budget_rule=average")
+    result = run(clips, out, "--selector", selector, "--budget", "all", *averaging)
     refusal = QwenModel.refusal(selector_class(selector), QwenModel.input_signals | {VIDEO_GRID, STEP_ATTENTION})
     if refusal is not None:  # the family lacks what it needs on clips too (merged tokens' positions)
         return refused(result, out, f"selector {selector!r} needs")

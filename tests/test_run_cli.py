@@ -177,7 +177,7 @@ IN_LLM_SELECTORS = (
 # like the others'
 IN_LLM_OPTIONS = {"holitom_llm": ("--option", "merge_pruned=false"), "vscan": ("--option", "merge_pruned=false")}
 #: in-LLM selectors of video clips: refused on the still images of these runs
-IN_LLM_VIDEO_SELECTORS = ("framefusion",)
+IN_LLM_VIDEO_SELECTORS = ("framefusion", "prunevid_llm")
 #: in-LLM selectors whose tower stage holds the budget on the demo's one-crop LLaVA, so no in-LLM stage runs there
 #: (FlowCut cuts in the decoder on anyres images only): their demo records, tests/pruners/test_flowcut.py
 IN_LLM_ANYRES_ONLY = ("flowcut",)

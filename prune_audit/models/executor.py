@@ -328,7 +328,8 @@ class LanguageLoop:
 def final_cache_keys(key_valid: list[Tensor], key_kinds: list[Tensor], batch: Batch, plan: LayerPlan) -> list[Tensor]:
     """The decode stage of a selector with ``decode_keeps_final`` (MustDrop): each layer's (B, K_l) valid keys with
     the visual tokens the last stage dropped masked, from the layer whose attention scores the row's first stage on
-    (``signal_layer="previous"``: the layer before it). Masking the cache's columns is attending to the official
+    (``signal_layer="previous"``: the layer before it), or from layer 0 under ``decode_keeps_final_everywhere``
+    (PruneVid). Masking the cache's columns is attending to the official
     sliced cache (``index_select`` of the last stage's survivors): the positions under ``compact`` count the valid
     keys, as the official per-layer cache length does; the products (and the KV bytes) stay those of the cache.
 
@@ -337,12 +338,13 @@ def final_cache_keys(key_valid: list[Tensor], key_kinds: list[Tensor], batch: Ba
         batch: the batch after the last layer (its alive visual kinds are the last stage's survivors).
     """
     previous = plan.signal_layer == "previous"
+    everywhere = plan.selector is not None and plan.selector.decode_keeps_final_everywhere  # PruneVid's: layer 0 on
     masked = [valid.clone() for valid in key_valid]  # one valid tensor may stand for several layers
     for row, stages in enumerate(plan.stages):
         if not stages:
             continue
         survivors = batch.kinds[row][prunable(batch.kinds[row]) & batch.valid[row]]
-        for layer in range(max(stages[0].layer - previous, 0), len(masked)):
+        for layer in range(0 if everywhere else max(stages[0].layer - previous, 0), len(masked)):
             kinds = key_kinds[layer][row]
             masked[layer][row] &= ~(prunable(kinds) & ~torch.isin(kinds, survivors))
     return masked

@@ -22,7 +22,7 @@ from prune_audit.models.executor import LayerPlan
 from prune_audit.models.kinds import TEXT_AFTER, TEXT_BEFORE, input_kinds, input_registry
 from prune_audit.models.layer_signals import text_demand
 from prune_audit.models.prepared import ForcedStages, Prepared, VisionOutput
-from prune_audit.pruners.base import InputSelector, LayerSelector, Selection, Stage
+from prune_audit.pruners.base import FED_KINDS, InputSelector, LayerSelector, Selection, Stage
 from prune_audit.pruners.crop_merge import select_merging_per_crop
 from prune_audit.pruners.crop_scope import select_per_crop, select_per_grid
 from prune_audit.pruners.frame_scope import runs_per_frame, select_per_frame
@@ -178,12 +178,22 @@ def layer_plan(
         [] if chosen is None or chosen.sources is None else input_registry(chosen.sources, chosen.kept)
         for _, chosen in _rows(prepared, selections)
     ]
-    # a selector's own tower stage opens its rows' stage state (MustDrop's key set)
-    states = [{} if chosen is None else dict(chosen.llm_state) for _, chosen in _rows(prepared, selections)]
+    # a selector's own tower stage or a composed input part opens its rows' stage state (MustDrop's key set,
+    # PruneVid's groups), with the kinds its positions among the tokens fed stand for
+    states = [opened_state(chosen) for _, chosen in _rows(prepared, selections)]
     clips = [item.video_grid for item in prepared]  # a clip's (T, h, w): the frames of a temporal selector
     return LayerPlan(
         stages, grids, positions, selector, forced, states=states, merged=merged, grid_parts=parts, video_grids=clips
     )
+
+
+def opened_state(chosen: Selection | None) -> dict:
+    """A row's stage state from its input-level selection: its ``llm_state`` and, when that is not empty, the kinds
+    of the tokens it fed in output order (``FED_KINDS``)."""
+    if chosen is None or not chosen.llm_state:
+        return {}
+    kinds = chosen.kept.tolist() if chosen.sources is None else input_kinds(chosen.sources, chosen.kept)
+    return {**chosen.llm_state, FED_KINDS: torch.tensor(kinds, dtype=torch.long)}
 
 
 def _rows(

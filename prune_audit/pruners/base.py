@@ -41,6 +41,12 @@ class Reference:
     note: str = ""
 
 
+#: the stage state's kinds of the tokens an input-level selection fed, in output order (a kept cell's own token: the
+#: cell; another: its merged kind), which the prefill adds beside a non-empty ``Selection.llm_state``: positions
+#: among the tokens fed name the alive tokens carrying those kinds (whose order in the sequence may differ)
+FED_KINDS = "fed_kinds"
+
+
 @dataclass
 class Selection:
     """Result of an input-level selector for one image.
@@ -311,6 +317,9 @@ class LayerSelector(Selector):
     #: whether decoding attends, from the first stage's scoring layer on, only to the visual tokens the last stage
     #: keeps (MustDrop's decode stage: its KV cache of those layers sliced to them), not to those each layer ran on
     decode_keeps_final: ClassVar[bool] = False
+    #: with ``decode_keeps_final``: from the first decoder layer on (PruneVid's cache of every layer up to the
+    #: stage sliced to its survivors), not from the first stage's scoring layer
+    decode_keeps_final_everywhere: ClassVar[bool] = False
     #: the option that turns :meth:`tower_stage` off (``KEY=VALUE``), named where a composed selector refuses it
     tower_stage_off: ClassVar[str] = ""
 
@@ -366,6 +375,6 @@ class LayerSelector(Selector):
 
 __all__ = [
     "InputSignals", "LayerSignals", "VISION_LAYER_SIGNALS", "VISION_TOWER_FACTS", "Selection", "Stage", "TokenMerge",
-    "SelectorLevel", "Reference", "Selector", "InputSelector", "LayerSelector", "top_k_indices", "TOP_K_TIES",
+    "SelectorLevel", "Reference", "Selector", "FED_KINDS", "InputSelector", "LayerSelector", "top_k_indices", "TOP_K_TIES",
     "MODEL_ATTENTIONS", "ranked_indices", "validate_budget", "option_defaults", "as_float32", "cls_probabilities", "rounded_to",
 ]  # fmt: skip

@@ -29,6 +29,10 @@ SMALL_GROUP = 14
 
 #: a (size,) draw of the densities' tie noise
 Noise = Callable[[int], Tensor]
+#: ``Selection.llm_state`` key: the groups the in-LLM part (``prunevid_llm``) ranks in, each a (m,) LongTensor of
+#: positions among the tokens fed (a segment's static outputs, a step's dynamic outputs; the official
+#: ``static_sizes`` / ``dynamic_sizes`` / ``window_sizes``)
+TOKEN_GROUPS = "prunevid_groups"
 
 
 def dpc_clusters(tokens: Tensor, count: int, noise: Noise) -> tuple[Tensor, Tensor]:
@@ -164,6 +168,14 @@ def group_outputs(group: Group, count: int, per_step: int, noise: Noise) -> list
     ]
 
 
+def label_groups(labels: list[int]) -> list[Tensor]:
+    """The (m,) positions of each label among ``labels`` (one per token fed), in label order, empty ones left out."""
+    positions: dict[int, list[int]] = {}
+    for position, label in enumerate(labels):
+        positions.setdefault(label, []).append(position)
+    return [torch.tensor(positions[label], dtype=torch.long) for label in sorted(positions)]
+
+
 def official_targets(sizes: list[int], cluster_ratio: float) -> list[int]:
     """Each group's official output count: ``int(m r)`` clusters (at least one) of a group above
     ``SMALL_GROUP`` tokens, every token of a smaller one; every token at ``cluster_ratio`` 0 (the budget's rule)."""
@@ -201,8 +213,9 @@ class PruneVidSelector(InputSelector):
     output token is its anchor cell's own token instead (a cluster's centre, a static token at the segment's first
     step), in clip order, nothing averaged. The official LLM stage (``VTPWindowCache``: at decoder layer 10, the
     text's attention to the visual tokens, max over heads and text rows, keeps ``alpha`` 0.4 of each segment's
-    static tokens and of each step's dynamic tokens, and prunes the KV cache of layers 0..10 alike) is not
-    reproduced: no in-LLM stage here reads the input stage's groups.
+    static tokens and of each step's dynamic tokens, and prunes the KV cache of layers 0..10 alike) is the in-LLM
+    selector ``prunevid_llm``: composed as ``prunevid+prunevid_llm`` it ranks in the groups this stage hands it
+    (``Selection.llm_state[TOKEN_GROUPS]``: each group's positions among the tokens fed; none at keep-all).
 
     Departures: float32 (the official: the model dtype); the density noise from the run's generator (the official:
     the global RNG); exact ties to the lower index where the official torch.topk leaves them to the kernel; at most
@@ -228,7 +241,7 @@ class PruneVidSelector(InputSelector):
         "arXiv 2412.16117)",
         "Visual-AI/PruneVid",
         "merge_frames_dynamic on the clip's merged tokens before the LLM, a frame = a temporal step; the in-LLM "
-        "attention stage (VTPWindowCache) is not reproduced",
+        "attention stage (VTPWindowCache) is the in-LLM prunevid_llm (prunevid+prunevid_llm)",
     )
     fidelity: ClassVar[Fidelity] = Fidelity(
         "b12600c6",
@@ -243,10 +256,10 @@ class PruneVidSelector(InputSelector):
             "size (derived); cluster_ratio=R gives the official int(m R) clusters of groups above 14 tokens (0.5 "
             "above: the official scripts'), split the same way under a smaller budget, exact at a budget of every "
             "token",
-            "the official LLM stage is not reproduced: VTPWindowCache at decoder layer 10 keeps alpha=0.4 of each "
-            "segment's static tokens and of each step's dynamic tokens by the text's attention (max over heads and "
-            "text rows) and prunes the KV cache of layers 0 to 10 alike; no in-LLM stage here reads the input "
-            "stage's groups, so runs have the stage before the LLM alone (as llmc's port)",
+            "the official LLM stage (VTPWindowCache at decoder layer 10: alpha=0.4 of each segment's static tokens "
+            "and of each step's dynamic tokens by the text's attention, the KV cache of layers 0 to 10 alike) is "
+            "the in-LLM prunevid_llm, run as prunevid+prunevid_llm (its row); prunevid alone is the stage before "
+            "the LLM alone (as llmc's port)",
             "Qwen2.5-VL keeps original M-RoPE positions and so refuses merged tokens: there merge=false runs (each "
             "output its anchor cell's own token: a cluster's centre, a static token at its segment's first step, "
             "in clip order); merged tokens, where a family takes them, are in the official order",
@@ -312,10 +325,15 @@ class PruneVidSelector(InputSelector):
             start += length
         targets = official_targets([group.positions.numel() for group in groups], self.cluster_ratio)
         counts = grid_budgets(budget, targets)
-        outputs = [out for group, count in zip(groups, counts) for out in group_outputs(group, count, per_step, noise)]
-        if not self.merge:
-            return Selection(kept=torch.tensor(sorted(out.anchor for out in outputs), dtype=torch.long))
+        per_group = [group_outputs(group, count, per_step, noise) for group, count in zip(groups, counts)]
+        outputs = [out for outs in per_group for out in outs]
+        labels = [index for index, outs in enumerate(per_group) for _ in outs]
+        if not self.merge:  # fed in clip order: the groups' positions follow the sorted anchors
+            order = sorted(range(len(outputs)), key=lambda i: outputs[i].anchor)
+            kept = torch.tensor([outputs[i].anchor for i in order], dtype=torch.long)
+            return Selection(kept=kept, llm_state={TOKEN_GROUPS: label_groups([labels[i] for i in order])})
         sources = [out.sources for out in outputs]
-        kept = sorted(int(source[0]) for source in sources if source.numel() == 1)
+        kept = torch.tensor(sorted(int(source[0]) for source in sources if source.numel() == 1), dtype=torch.long)
         tokens = torch.stack([out.token for out in outputs])
-        return Selection(kept=torch.tensor(kept, dtype=torch.long), sources=sources, llm_tokens=tokens)
+        state = {TOKEN_GROUPS: label_groups(labels)}  # fed in output order
+        return Selection(kept=kept, sources=sources, llm_tokens=tokens, llm_state=state)

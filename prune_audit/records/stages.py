@@ -149,7 +149,8 @@ def budget_words(budget: object, layers: list[int], averaged: bool = True) -> st
     ``averages_budget`` (False: its option keeps exactly the budget after a cut, or ignores it; no average named).
     """
     if isinstance(budget, (list, tuple)):
-        return f"budget {','.join(str(part) for part in budget)} (input, then in-LLM layer average)"
+        place = "in-LLM layer average" if averaged else "in-LLM"  # a composed selector's: its in-LLM part's
+        return f"budget {','.join(str(part) for part in budget)} (input, then {place})"
     return f"budget {budget}" + (" (layer average)" if averaged and any(layer > 0 for layer in layers) else "")
 
 

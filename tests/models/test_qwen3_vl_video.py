@@ -34,7 +34,7 @@ from prune_audit.models.video_sampling import write_video_sampling
 from prune_audit.pruners import get_selector
 
 TOL = 1e-5
-LLM_STAGE = ("dycoke_kv", "framefusion")
+LLM_STAGE = ("dycoke_kv", "framefusion", "prunevid_llm")
 #: the timestamps of the clip below as words, so that the tiny tokenizer gives each its own id
 TIME_WORDS = ["<", ">", "seconds", "0.3", "1.3"]
 SMALL = {"min_pixels": 4 * 32 * 32, "total_pixels": 4 * 192 * 192}  # tiny frames: 130 x 100 -> a 3 x 4 token grid
@@ -43,6 +43,7 @@ SMALL = {"min_pixels": 4 * 32 * 32, "total_pixels": 4 * 192 * 192}  # tiny frame
 #: merge (merged tokens have no 3-D position) and the image selectors with a per-frame run
 CLIP_SELECTORS = [
     ("evs", {}), ("vidcom2", {}), ("dycoke", {}), ("dycoke_kv", {}), ("framefusion", {}), ("prunevid", {"merge": False}),
+    ("prunevid_llm", {"budget_rule": "average"}),  # its official default keeps 0.4 of each step whatever the budget
     ("coverage", {}), ("divprune", {}), ("gprune", {}), ("random", {}), ("uniform", {}),
 ]  # fmt: skip
 

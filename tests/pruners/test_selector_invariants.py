@@ -312,8 +312,8 @@ def test_schedule_realises_the_layer_average(name, budget):
 
 def run_stages(name: str, variant: str) -> list[torch.Tensor]:
     """Prune a 6 x 8 grid through the selector's schedule; returns the alive set after each stage."""
-    selector = get_selector(name)
-    stages = selector.schedule(32, N, 12)
+    selector, budget = layer_average_case(name, 12, 32, N)
+    stages = selector.schedule(32, N, budget)
     alive, state, history = torch.arange(N), {}, []
     for index, stage in enumerate(stages):
         signals = layer_signals(alive, stage.layer, variant, seed=index)

@@ -15,6 +15,7 @@ def test_an_in_llm_budget_is_a_layer_average_unless_the_selector_keeps_exactly_i
     assert budget_words(64, [0, 2, 6]) == "budget 64 (layer average)"
     assert budget_words(64, [0, 2], averaged=False) == "budget 64"
     assert budget_words([128, 64], [0, 2]) == "budget 128,64 (input, then in-LLM layer average)"
+    assert budget_words([128, 1], [0, 11], averaged=False) == "budget 128,1 (input, then in-LLM)"
 
 
 @pytest.mark.parametrize(
@@ -26,6 +27,8 @@ def test_an_in_llm_budget_is_a_layer_average_unless_the_selector_keeps_exactly_i
         ("flowcut", {"budget_rule": "paper"}, False),  # exactly the budget after layer 1
         ("mustdrop", {"budget_rule": "paper"}, False),  # the official thresholds, whatever the budget
         ("visionzip", {}, True),
+        ("prunevid_llm", {}, False),  # the official share of each group, whatever the budget
+        ("prunevid_llm", {"budget_rule": "average"}, True),
     ],
 )
 def test_each_selector_says_whether_it_averages_and_its_manifest_reads_back_the_same(name, options, averaged):
@@ -39,3 +42,10 @@ def test_a_composed_selector_follows_its_in_llm_part_and_an_unknown_selector_ave
     assert composed.averages_budget
     assert averages_budget({"name": composed.name, "options": composed.options(), "parts": [{}, {}]})
     assert averages_budget({"name": "not-installed-here", "options": {}})
+
+
+def test_a_composed_selector_whose_in_llm_part_ignores_the_budget_names_no_average():
+    composed = parse_selector("prunevid+prunevid_llm", [])
+    parts = [{"name": part.name, "options": part.options()} for part in composed.parts]
+    assert not composed.averages_budget
+    assert not averages_budget({"name": composed.name, "options": composed.options(), "parts": parts})
