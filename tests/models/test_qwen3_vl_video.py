@@ -34,7 +34,7 @@ from prune_audit.models.video_sampling import write_video_sampling
 from prune_audit.pruners import get_selector
 
 TOL = 1e-5
-LLM_STAGE = ("dycoke_kv", "framefusion", "prunevid_llm")
+LLM_STAGE = ("dycoke_kv", "framefusion", "prunevid_llm", "holitom_llm")
 #: the timestamps of the clip below as words, so that the tiny tokenizer gives each its own id
 TIME_WORDS = ["<", ">", "seconds", "0.3", "1.3"]
 SMALL = {"min_pixels": 4 * 32 * 32, "total_pixels": 4 * 192 * 192}  # tiny frames: 130 x 100 -> a 3 x 4 token grid
@@ -44,6 +44,7 @@ SMALL = {"min_pixels": 4 * 32 * 32, "total_pixels": 4 * 192 * 192}  # tiny frame
 CLIP_SELECTORS = [
     ("evs", {}), ("vidcom2", {}), ("dycoke", {}), ("dycoke_kv", {}), ("framefusion", {}), ("prunevid", {"merge": False}),
     ("prunevid_llm", {"budget_rule": "average"}),  # its official default keeps 0.4 of each step whatever the budget
+    ("holitom_llm", {"budget_rule": "average"}),  # its official default folds half whatever the budget
     ("coverage", {}), ("divprune", {}), ("gprune", {}), ("random", {}), ("uniform", {}),
 ]  # fmt: skip
 
