@@ -64,14 +64,14 @@ def records(out: Path):
     return pq.read_table(out / "records.parquet").to_pylist()
 
 
-def recounted(record: dict) -> tuple[list[float], bool | None]:
+def recounted(record: dict, stage: int = 0) -> tuple[list[float], bool | None]:
     """Per sampled frame the share of the mask whose pixel centres fall in a kept cell of its step, and lost in the
-    window, counted from the masks, the recorded geometry and the first stage's kept tokens."""
+    window, counted from the masks, the recorded geometry and the kept tokens of ``stage`` (the first)."""
     geometry = json.loads(record["geometry"])
     per_step = geometry["frames_per_step"]
     frame = geometry["frame"]
     rows, cols, side = frame["grid_rows"], frame["grid_cols"], frame["token_pixels"]
-    kept = set(record["kept_stages"][0])
+    kept = set(record["kept_stages"][stage])
     shares, window_kept, window_total = [], 0, 0
     for k, stored in enumerate(geometry["frames"]):
         mask = square_mask(stored) if record["object"] == "cat" else np.zeros((H, W), dtype=bool)
@@ -115,6 +115,24 @@ def test_presence_under_evs_records_per_frame_evidence(clips, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["images"]["count"] == FRAMES  # every frame pinned by content
     assert manifest["processor"]["first_image"]["frames"] == list(range(FRAMES))
+
+
+def test_per_frame_evidence_at_every_stage_of_an_in_llm_clip_stage(clips, tmp_path):
+    """``dycoke+dycoke_kv`` records an input stage and a decoder stage: each stage's per-frame retention and loss in
+    the window are recounted from that stage's kept tokens; the unsuffixed columns are the first stage's."""
+    out = tmp_path / "dycoke"
+    result = run(clips, out, "--selector", "dycoke+dycoke_kv", "--budget", "200,120")
+    assert result.exit_code == 0, result.output
+    for row in records(out):
+        assert len(row["kept_stages"]) == len(row["frame_retention_stages"]) == len(row["lost_in_window_stages"]) == 2
+        assert row["kept_stages"][1] != row["kept_stages"][0]
+        for stage in range(2):
+            shares, lost_in_window = recounted(row, stage)
+            recorded = row["frame_retention_stages"][stage]
+            np.testing.assert_allclose(recorded if row["object"] == "cat" else shares, shares)
+            assert row["lost_in_window_stages"][stage] == lost_in_window
+        np.testing.assert_equal(row["frame_retention"], row["frame_retention_stages"][0])
+        assert row["lost_in_window"] == row["lost_in_window_stages"][0]
 
 
 def test_keep_all_equals_dense(clips, tmp_path):

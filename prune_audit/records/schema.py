@@ -33,7 +33,7 @@ from prune_audit.tasks.base import GENERATED_COLUMNS
 from prune_audit.tasks.clips import CLIP_COLUMNS
 from prune_audit.tasks.registry import task_classes
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """Version of the record columns, written to every manifest as ``records_schema``.
 
 2: per-stage columns (``stage_layers``, ``*_stages``); ``retention``, ``object_tokens_kept``
@@ -50,6 +50,8 @@ rows); the manifest records the ``task``.
 7: the cost columns (``COST_COLUMNS``: analytic FLOPs per part, KV-cache bytes, FLOP-equivalent tokens,
 measured latency parts, decoding included where the task generates; docs/compute.md).
 8: ``signal_sources``: where the selector's signals came from (CLS-row or decoder-row probes, a tower rerun, ...).
+9: the clip columns of the video tasks (``tasks.clips.CLIP_COLUMNS``: sampled frames, per-frame retention at each
+stage, the asked window and what it keeps), null in still-image rows.
 Readers and resume refuse any other version.
 """
 

@@ -70,19 +70,21 @@ def prepared_evidence(
     )
 
 
-def clip_values(task: Task, item: AnsweredQuestion, evidence: QuestionEvidence, covered: list[int]) -> Record:
-    """A clip task's ``CLIP_COLUMNS`` (``tasks.clips``) from the first stage's ``covered`` token indices; none for
-    other tasks."""
+def clip_values(task: Task, item: AnsweredQuestion, evidence: QuestionEvidence, covered: list[list[int]]) -> Record:
+    """A clip task's ``CLIP_COLUMNS`` (``tasks.clips``) from each stage's ``covered`` token indices (the unsuffixed
+    columns the first stage's); none for other tasks."""
     if not task.reads_clips:
         return {}
     window = task.clip_window(item.question)  # type: ignore[attr-defined]  # reads_clips: a ClipTask
-    clip = evidence.clip
+    clip, first = evidence.clip, covered[0]
     return {
         "sampled_frames": list(item.prepared.geometry.frames),
-        "frame_retention": None if clip is None else clip.frame_retention(covered),
+        "frame_retention": None if clip is None else clip.frame_retention(first),
+        "frame_retention_stages": None if clip is None else [clip.frame_retention(cells) for cells in covered],
         "window": None if window is None else list(window),
-        "window_retention": math.nan if clip is None else clip.window_retention(covered, window),
-        "lost_in_window": None if clip is None else clip.lost_in_window(covered, window),
+        "window_retention": math.nan if clip is None else clip.window_retention(first, window),
+        "lost_in_window": None if clip is None else clip.lost_in_window(first, window),
+        "lost_in_window_stages": None if clip is None else [clip.lost_in_window(cells, window) for cells in covered],
     }
 
 
@@ -152,7 +154,7 @@ def build_records(
             dilution,
             named,
             lost,
-            clip_values(task, item, named, cells[0]),
+            clip_values(task, item, named, cells),
         )
         for item, area, (kept_stages, layers, merged), by_stage, dilution, named, lost, cells in zip(
             answered, areas, stages, retained, diluted, evidence, objects_lost, covered

@@ -5,7 +5,8 @@ A :class:`ClipTask` says its questions are clips (``reads_clips``): the run prep
 video path (frames sampled as the family's own pipeline samples them, ``data.video``) at the question's frame rate
 (``clip_fps``), and asks about a window of its frames (``clip_window``, None: the whole clip). Its records hold
 :data:`CLIP_COLUMNS`, defined once here and placed by the run schema before the first clip task's own columns
-(``records.schema.tasks_columns``); ``runner.build`` fills them from the first stage's kept set and the question's
+(``records.schema.tasks_columns``); ``runner.build`` fills them from each stage's kept set (the unsuffixed ones from
+the first stage's, as the core ``retention`` and ``lost``) and the question's
 :class:`~prune_audit.data.clip_retention.ClipArea` (``ClipEvidence.clip_area``).
 
 Evidence from object tracks (:class:`TrackEvidence`, the YouTube-VIS layout of ``data.youtube_vis``): the asked
@@ -37,8 +38,8 @@ CLIP_COLUMNS: tuple[Column, ...] = (
     column(
         "sampled_frames",
         INT_LIST,
-        "the clip's sampled frames as indices of its frames as stored (2 per temporal step: token t * h * w + cell "
-        "covers sampled frames 2t and 2t + 1)",
+        "the clip's sampled frames as indices of its frames as stored (2 per temporal step on the Qwen families: "
+        "token t * h * w + cell covers sampled frames 2t and 2t + 1; 1 on LLaVA-OneVision: geometry frames_per_step)",
     ),
     column(
         "frame_retention",
@@ -46,6 +47,14 @@ CLIP_COLUMNS: tuple[Column, ...] = (
         "per sampled frame, the share of the evidence object's pixels in that frame covered by the FIRST stage's kept "
         "tokens of its temporal step (and the cells its merged tokens carry); NaN where the object has no pixels in "
         "the frame; null without evidence",
+        nullable=True,
+    ),
+    column(
+        "frame_retention_stages",
+        pa.list_(pa.list_(pa.float64())),
+        "frame_retention at each stage (stage_layers): per stage, per sampled frame, the share of the object's pixels "
+        "in that frame covered by that stage's kept tokens of its temporal step and the cells its merged tokens carry; "
+        "null without evidence",
         nullable=True,
     ),
     column(
@@ -65,6 +74,12 @@ CLIP_COLUMNS: tuple[Column, ...] = (
         pa.bool_(),
         "the object has pixels in the window's sampled frames and no first-stage kept token covers any of them (null: "
         "no pixels there, or no evidence); `lost` says the same of the whole clip",
+        nullable=True,
+    ),
+    column(
+        "lost_in_window_stages",
+        pa.list_(pa.bool_()),
+        "lost_in_window at each stage (stage_layers); null entries where it is null; null without evidence",
         nullable=True,
     ),
 )
