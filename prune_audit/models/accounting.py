@@ -103,6 +103,7 @@ def question_cost(
             tower_merges=tower_merges,
             grid=item.grid,
             crop_stages=tower_crop_stages,
+            sizes=selection.work_sizes if selection is not None else (),
             **work,
         )  # fmt: skip
         clip = item.video_grid  # on a clip a per-frame selector ran on each temporal step alone: summed per step

@@ -6,7 +6,10 @@ the model's part (``compute.flops``); a selector's formula counts only what ``se
 compute. Products are counted as in ``compute.flops`` (``flop_convention.matmul``: ``2 m k n``); norms, softmax, top-k and
 sorting count zero.
 
-``exact`` formulas count every (m, k) @ (k, n) product the implementation runs. ``nominal``
+``exact`` formulas count every (m, k) @ (k, n) product the implementation runs; where those products' sizes
+depend on the data (FastVID's segments and density candidates, PruneVid's static tokens and clusters), the
+selection reports the sizes it ran on (``Selection.work_sizes``) and the formula sums its products over them
+(``SelectorWork.sizes``), still a pure function of ``work``. ``nominal``
 formulas count the official algorithm's plain form where the work depends on the data: DivPrune
 (above N = 4096) and CDPruner fetch similarity rows speculatively (``pruners.similarity.SpeculativeRows``) and
 coverage's weighted gains update only the rows a pick changes, so their realised products vary
@@ -45,6 +48,8 @@ class SelectorWork:
         grid: (rows, cols) of the image's visual tokens (MustDrop's 3 x 3 windows tile it).
         crop_stages: ``(patches, kept)`` of each crop a vision stage runs in alone, padding patches included
             (VScan with ``budget_scope="crop"``; empty otherwise: the stages are over the image).
+        sizes: the data-dependent sizes the input-level selection reported (``Selection.work_sizes``), one tuple
+            per unit of work in the layout the selector's ``flops`` names; empty for the others.
     """
 
     tokens: int = 0
@@ -60,6 +65,7 @@ class SelectorWork:
     tower_merges: tuple[int, ...] = ()
     grid: tuple[int, int] = (0, 0)
     crop_stages: tuple[tuple[int, int], ...] = ()
+    sizes: tuple[tuple[int, ...], ...] = ()
 
 
 __all__ = ["SelectorWork", "matmul"]

@@ -71,6 +71,10 @@ class Selection:
             such run); the accounting's, as ``tower_stages`` record the visible cells only.
         llm_state: what an in-LLM selector's own tower stage (``LayerSelector.tower_stage``) hands its in-LLM
             stages: the opening of the row's stage state (MustDrop's key set, as positions among the tokens fed).
+        work_sizes: the data-dependent sizes the selector's own arithmetic ran on, one tuple per unit of its work
+            in the layout its ``flops`` names (FastVID: ``(candidates, context, others)`` of each frame with
+            context tokens); the accounting hands them to ``flops`` as ``SelectorWork.sizes``. Empty where the
+            arithmetic follows from the budget and the grid alone.
     """
 
     kept: Tensor
@@ -81,6 +85,7 @@ class Selection:
     tower_stages: list[tuple[int, Tensor]] = field(default_factory=list)
     tower_crop_merges: tuple[int, ...] = ()
     llm_state: dict[str, Any] = field(default_factory=dict)
+    work_sizes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_output_tokens(self) -> int:

@@ -121,11 +121,13 @@ def merged_context(features: Tensor, salient: Tensor, targets: Tensor, floor: fl
 
 @dataclass
 class SegmentOutput:
-    """A segment's output tokens, in segment rows: own tokens (``rows``) and merged ones (``merged``, ``groups``)."""
+    """A segment's output tokens, in segment rows: own tokens (``rows``) and merged ones (``merged``, ``groups``);
+    ``work`` the ``(candidates, context, others)`` of each frame with context tokens (``FastVIDSelector.flops``)."""
 
     rows: list[int]
     merged: list[Tensor]
     groups: list[Tensor]
+    work: list[tuple[int, int, int]]
 
 
 @register
@@ -199,8 +201,8 @@ class FastVIDSelector(InputSelector):
             "in 12 (its bf16 frame means and attention move cuts and tie ranks; measured once, not a test)"
         ),
     )
-    #: the density's distances and DTM's similarities and sums depend on the segments: a nominal count
-    flops_exact: ClassVar[bool] = False
+    #: the density's Grams and DTM's products, counted over the sizes the selection reports (``Selection.work_sizes``)
+    flops_exact: ClassVar[bool] = True
 
     segments: int = option(8, Integer(1), "DySeg's c: cuts at the c - 1 least similar neighbouring steps")
     segment_threshold: float = option(0.84, Real(-1.0, 1.0), "DySeg's tau: a cut where neighbours' cosine is below it")
@@ -218,9 +220,11 @@ class FastVIDSelector(InputSelector):
 
     @classmethod
     def flops(cls, work: SelectorWork) -> int:
-        """Nominal: DTM's similarities and sums of every token against ``context_share`` of the budget (4 N C D)."""
-        context = max(1, int(work.kept * float(work.options.get("context_share", 0.4))))
-        return 2 * matmul(work.tokens, work.feature_width, context)
+        """Exact, from the selection's ``work.sizes``: per frame with context tokens ``(candidates c, context k,
+        others m)``, the density's Gram of the c candidates (2 c^2 D) and DTM's similarities and member sums of the m
+        others against the k targets (4 m k D; m = 0 without merging). None at keep-all or a budget below T."""
+        width = work.feature_width
+        return sum(matmul(c, width, c) + 2 * matmul(m, width, k) for c, k, m in work.sizes)
 
     def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
         """FastVID's output tokens of ``signals.num_tokens`` clip tokens: ``kept`` the salient and context tokens,
@@ -249,7 +253,7 @@ class FastVIDSelector(InputSelector):
         self, features: Tensor, attention: Tensor, shares: Shares, per_step: int, generator: torch.Generator | None
     ) -> SegmentOutput:
         """One segment's (S, D) tokens and (S,) attention: its salient tokens, then each frame's context tokens."""
-        salient, contexts = [], []
+        salient, contexts, candidate_counts = [], [], []
         for frame, (kept, context) in enumerate(zip(shares.salient, shares.context, strict=True)):
             base = frame * per_step
             top = ranked_indices(attention[base : base + per_step], kept)
@@ -261,9 +265,13 @@ class FastVIDSelector(InputSelector):
                 noise = torch.rand(candidates.numel(), generator=generator) * self.density_noise
                 peaks = density_peaks(features[candidates + base], context, noise.to(features.device))
                 contexts.append(candidates[peaks] + base)
+                candidate_counts.append(candidates.numel())
         every_salient = torch.cat(salient)
-        output = SegmentOutput(every_salient.tolist(), [], [])
-        for targets in contexts:
+        output = SegmentOutput(every_salient.tolist(), [], [], [])
+        for targets, candidate_count in zip(contexts, candidate_counts, strict=True):
+            # DTM's others: the segment's tokens neither salient nor this frame's targets (none without merging)
+            others = features.shape[0] - every_salient.numel() - targets.numel() if self.merge else 0
+            output.work.append((candidate_count, targets.numel(), others))
             if not self.merge:
                 output.rows += targets.tolist()
                 continue
@@ -283,7 +291,8 @@ class FastVIDSelector(InputSelector):
             ]
         entries.sort(key=lambda entry: entry[0])
         kept = torch.tensor([entry[0] for entry in entries], dtype=torch.long)
+        work = tuple(sizes for _, output in outputs for sizes in output.work)
         if not any(output.merged for _, output in outputs):
-            return Selection(kept=kept)
+            return Selection(kept=kept, work_sizes=work)
         tokens = torch.stack([entry[1] for entry in entries])
-        return Selection(kept=kept, sources=[entry[2] for entry in entries], llm_tokens=tokens)
+        return Selection(kept=kept, sources=[entry[2] for entry in entries], llm_tokens=tokens, work_sizes=work)

@@ -281,8 +281,8 @@ class PruneVidSelector(InputSelector):
             "measured once, not a test)"
         ),
     )
-    #: the Gram matrices depend on the segments and the static tokens: a nominal count
-    flops_exact: ClassVar[bool] = False
+    #: the DPC-KNN Grams, counted over the sizes the selection reports (``Selection.work_sizes``)
+    flops_exact: ClassVar[bool] = True
 
     tau: float = option(0.8, Real(-1.0, 1.0), "static tokens: mean cosine over a segment's frames above it")
     temporal_segment_ratio: float = option(
@@ -303,11 +303,10 @@ class PruneVidSelector(InputSelector):
 
     @classmethod
     def flops(cls, work: SelectorWork) -> int:
-        """Nominal: one N x N Gram of the features (2 N^2 D); the realised Grams (the T step means', each group's:
-        groups of at most h w tokens, N in all) stay below it on clips of two steps or more. None at keep-all."""
-        if work.kept >= work.tokens and not float(work.options.get("cluster_ratio", 0.0)):
-            return 0
-        return matmul(work.tokens, work.feature_width, work.tokens)
+        """Exact, from the selection's ``work.sizes``: ``(n,)`` for each DPC-KNN run (the T step means', then each
+        group clustered into fewer clusters than its n tokens), each a Gram of its n tokens (2 n^2 D). None at
+        keep-all."""
+        return sum(matmul(n, work.feature_width, n) for (n,) in work.sizes)
 
     def select(self, signals: InputSignals, budget: int, generator: torch.Generator | None = None) -> Selection:
         """PruneVid's output tokens of ``signals.num_tokens`` clip tokens: with ``merge`` the (M, D) ``llm_tokens``
@@ -323,17 +322,20 @@ class PruneVidSelector(InputSelector):
         for length in temporal_segments(frames.mean(dim=1), self.temporal_segment_ratio, noise):
             groups += segment_groups(frames[start : start + length], start, self.tau)
             start += length
-        targets = official_targets([group.positions.numel() for group in groups], self.cluster_ratio)
-        counts = grid_budgets(budget, targets)
+        sizes = [group.positions.numel() for group in groups]
+        counts = grid_budgets(budget, official_targets(sizes, self.cluster_ratio))
         per_group = [group_outputs(group, count, per_step, noise) for group, count in zip(groups, counts)]
+        # the DPC-KNN runs: the step means', then each group's clustered into fewer outputs than its tokens
+        work = ((steps,), *((size,) for size, count in zip(sizes, counts) if 0 < count < size))
         outputs = [out for outs in per_group for out in outs]
         labels = [index for index, outs in enumerate(per_group) for _ in outs]
         if not self.merge:  # fed in clip order: the groups' positions follow the sorted anchors
             order = sorted(range(len(outputs)), key=lambda i: outputs[i].anchor)
             kept = torch.tensor([outputs[i].anchor for i in order], dtype=torch.long)
-            return Selection(kept=kept, llm_state={TOKEN_GROUPS: label_groups([labels[i] for i in order])})
+            state = {TOKEN_GROUPS: label_groups([labels[i] for i in order])}
+            return Selection(kept=kept, llm_state=state, work_sizes=work)
         sources = [out.sources for out in outputs]
         kept = torch.tensor(sorted(int(source[0]) for source in sources if source.numel() == 1), dtype=torch.long)
         tokens = torch.stack([out.token for out in outputs])
         state = {TOKEN_GROUPS: label_groups(labels)}  # fed in output order
-        return Selection(kept=kept, sources=sources, llm_tokens=tokens, llm_state=state)
+        return Selection(kept=kept, sources=sources, llm_tokens=tokens, llm_state=state, work_sizes=work)

@@ -97,7 +97,8 @@ def test_keep_all_is_dense(vlm, item, options):
 @pytest.mark.parametrize("composed", [False, True])
 def test_clip_flops_equal_the_counted_flops(vlm, item, composed):
     """``FlopCounterMode`` over the eager forward counts what the accounting says outside the selectors (the tower,
-    the pruned prefill and its attention probe); prunevid_llm's own work has no product (``flops_exact``, zero)."""
+    the pruned prefill and its attention probe) and inside them: prunevid_llm's own work has no product (zero),
+    prunevid's Grams are counted from the sizes its selection reports (both ``flops_exact``)."""
     from test_compute import counted, eager
 
     eager_vlm = eager(load_vlm(vlm.model_id, device="cpu"))
@@ -108,5 +109,5 @@ def test_clip_flops_equal_the_counted_flops(vlm, item, composed):
     outside, inside, answer = counted(eager_vlm, item, selector, budget)
     assert outside == answer.cost.flops_vision + answer.cost.flops_llm
     assert answer.cost.flops < answer.cost.flops_dense
-    if not composed:  # prunevid's own Gram matrices are a nominal count (its flops_exact False)
-        assert inside == answer.cost.flops_selector == 0
+    assert inside == answer.cost.flops_selector  # prunevid's Grams, from the sizes its selection reports
+    assert (answer.cost.flops_selector > 0) == composed

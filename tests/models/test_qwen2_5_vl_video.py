@@ -208,3 +208,24 @@ def test_clip_flops_equal_the_counted_flops(eager_vlm, clip, name, options, monk
     if selector is not None and selector.flops_exact:
         assert inside == answer.cost.flops_selector, name
     assert ("vision_step_attention" in answer.cost.signal_sources) == bool(ran) == (name == "fastvid")
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("fastvid", {"merge": False}),
+        ("prunevid", {"merge": False}),
+        ("prunevid", {"merge": False, "cluster_ratio": 0.5}),
+    ],
+)
+@pytest.mark.parametrize("share", [2, 4])
+def test_video_selector_flops_equal_the_counted_flops(eager_vlm, clip, name, options, share):
+    """FastVID's and PruneVid's own arithmetic depends on the clip (segments, density candidates, static tokens,
+    clusters): the accounting's ``flops_selector``, from the sizes the selection reports, equals what
+    ``FlopCounterMode`` counts inside the selector's methods, at a half and a quarter of the clip's tokens."""
+    from test_compute import counted
+
+    item = eager_vlm.prepare_video(clip, QUESTIONS[0])
+    selector = get_selector(name, **options)
+    _, inside, answer = counted(eager_vlm, item, selector, item.num_visual // share)
+    assert selector.flops_exact and inside == answer.cost.flops_selector > 0

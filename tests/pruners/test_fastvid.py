@@ -10,8 +10,10 @@ import math
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from prune_audit.pruners import get_selector
+from prune_audit.pruners.arithmetic import SelectorWork
 from prune_audit.pruners.signals import InputSignals
 
 # (T, h, w, D): at least 8 steps, as the official DySeg's top-(c - 1) needs
@@ -196,3 +198,21 @@ def test_a_still_image_or_a_clip_without_attention_is_refused():
         fields = {"video_grid": signals.video_grid, "step_attention": signals.step_attention, missing: None}
         with pytest.raises(ValueError, match=missing):
             get_selector("fastvid").select(InputSignals(grid=signals.grid, features=signals.features, **fields), 20)
+
+
+@pytest.mark.parametrize("seed, grid", [(0, GRIDS[0]), (1, GRIDS[1]), (2, (3, 2, 2)), (3, (5, 1, 3))])
+@pytest.mark.parametrize("merge", [True, False])
+def test_the_flops_equal_the_counted_flops_of_select(seed, grid, merge):
+    """``flops`` on the sizes the selection reports equals ``FlopCounterMode`` around ``select`` (each frame's
+    density Gram, DTM's similarities and sums), at budgets below the steps, between and at every token."""
+    signals = clip_signals(grid[:3], grid[3] if len(grid) > 3 else 16, seed)
+    selector = get_selector("fastvid", merge=merge)
+    n = signals.num_tokens
+    counts = []
+    for budget in sorted({1, grid[0], n // 4, n // 2, n}):
+        with FlopCounterMode(display=False) as counter:
+            selection = selector.select(signals, budget, torch.Generator().manual_seed(seed))
+        counts.append(counter.get_total_flops())
+        work = SelectorWork(feature_width=signals.features.shape[1], sizes=selection.work_sizes)
+        assert type(selector).flops(work) == counts[-1], budget
+    assert type(selector).flops_exact and max(counts) > 0 and counts[0] == counts[-1] == 0  # below T, keep-all: none

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from prune_audit.pruners import get_selector
 from prune_audit.pruners.arithmetic import SelectorWork
@@ -243,11 +244,24 @@ def test_short_clips_and_small_grids_run():
                 assert 1 <= selection.num_output_tokens <= max(budget, 1)
 
 
-def test_a_still_image_is_refused_and_the_flops_are_nominal():
+def test_a_still_image_is_refused():
     signals = clip_signals(GRIDS[0], 0)
     with pytest.raises(ValueError, match="video_grid"):
         get_selector("prunevid").select(InputSignals(grid=signals.grid, features=signals.features), 20)
-    cls = type(get_selector("prunevid"))
-    work = SelectorWork(tokens=384, kept=96, feature_width=64, options={"cluster_ratio": 0.0})
-    assert cls.flops(work) == 2 * 384 * 64 * 384 and not cls.flops_exact
-    assert cls.flops(SelectorWork(tokens=384, kept=384, feature_width=64, options={"cluster_ratio": 0.0})) == 0
+
+
+@pytest.mark.parametrize("seed, grid", [(0, GRIDS[0]), (1, GRIDS[1]), (2, (3, 4, 5, 32)), (3, (1, 3, 3, 16))])
+@pytest.mark.parametrize("options", [{}, {"merge": False}, {"cluster_ratio": CLUSTER_RATIO}])
+def test_the_flops_equal_the_counted_flops_of_select(seed, grid, options):
+    """``flops`` on the sizes the selection reports equals ``FlopCounterMode`` around ``select`` (every DPC-KNN
+    Gram), at budgets from a few tokens to every token; none at keep-all."""
+    signals = clip_signals(grid, seed)
+    selector = get_selector("prunevid", **options)
+    counts = []
+    for budget in (2, signals.num_tokens // 4, signals.num_tokens // 2, signals.num_tokens):
+        with FlopCounterMode(display=False) as counter:
+            selection = selector.select(signals, budget, torch.Generator().manual_seed(seed))
+        counts.append(counter.get_total_flops())
+        assert type(selector).flops(SelectorWork(feature_width=grid[3], sizes=selection.work_sizes)) == counts[-1]
+    assert type(selector).flops_exact and counts[0] > 0
+    assert counts[-1] == 0 or "cluster_ratio" in options  # keep-all runs nothing
