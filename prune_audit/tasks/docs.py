@@ -64,8 +64,9 @@ answered by a family that takes clips (Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision; ot
 selectors are the video selectors and the image selectors with a per-frame run, which select on each temporal step
 alone at an even share of the budget (a project convention; [fidelity.md](fidelity.md) names them); other image
 selectors are refused on clips. Their records hold the clip columns
-(`sampled_frames`, `frame_retention`, `window`, `window_retention`, `lost_in_window`; [records.md](records.md)): the
-core `retention` and `lost` count the evidence object over every sampled frame.
+(`sampled_frames`, `frame_retention` and `frame_retention_stages`, `window`, `window_retention`, `lost_in_window`
+and `lost_in_window_stages`; [records.md](records.md)): the core `retention` and `lost` count the evidence object
+over every sampled frame.
 
 Question files in the Parquet layout of the lmms-eval datasets (`.parquet`; see each task's "Parquet files")
 embed their images, so they need no `--images`: every embedded image the run uses is decoded, and its
