@@ -10,30 +10,23 @@ import math
 
 import pytest
 import torch
-from tiny_models import QUESTIONS, WORDS, masked_reference_logits, random_image, stock_inputs
+from eight_frame_clips import eight_frame_item, spied, tiny_video_vlm
+from tiny_models import QUESTIONS, masked_reference_logits, random_image, stock_inputs
 
-from prune_audit.data.video import sample_clip
 from prune_audit.errors import PruneAuditError
-from prune_audit.models import load_vlm
-from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners import get_selector
 
 TOL = 1e-5
-SMALL = {"min_pixels": 4 * 28 * 28, "total_pixels": 8 * 168 * 168}  # 8 frames of 130 x 100: a 4 x 4 x 5 token grid
 
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    path = QwenModel.build_tiny(
-        tmp_path_factory.mktemp("qwen") / "qwen", words=WORDS, image_size=168, text_layers=3, seed=6
-    )
-    return load_vlm(path, device="cpu")
+    return tiny_video_vlm(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def item(vlm):
-    clip = sample_clip([random_image(seed, (130, 100)) for seed in range(8)], 2.0, **SMALL)  # 4 s: 8 frames
-    return vlm.prepare_video(clip, QUESTIONS[0])
+    return eight_frame_item(vlm)
 
 
 def official_frame_attention(vlm, item) -> torch.Tensor:
@@ -64,19 +57,6 @@ def official_frame_attention(vlm, item) -> torch.Tensor:
         grid_thw, spatial_merge_size=2, window_size=visual.window_size, patch_size=visual.patch_size
     )
     return weights.reshape(-1)[torch.argsort(window_index)]
-
-
-def spied(selector):
-    """``selector`` whose ``select`` records the signals it is given."""
-    calls = []
-    select = selector.select
-
-    def recording(signals, budget, generator=None):
-        calls.append(signals)
-        return select(signals, budget, generator)
-
-    object.__setattr__(selector, "select", recording)
-    return selector, calls
 
 
 def test_step_attention_is_the_official_frame_attention(vlm, item):

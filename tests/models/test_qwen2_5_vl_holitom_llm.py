@@ -7,33 +7,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import QUESTIONS, WORDS, masked_reference_logits, random_image, stock_inputs, visual_columns
+from eight_frame_clips import eight_frame_item, tiny_video_vlm
+from tiny_models import masked_reference_logits, stock_inputs, visual_columns
 
-from prune_audit.data.video import sample_clip
 from prune_audit.models import load_vlm
-from prune_audit.models.qwen import QwenModel
 from prune_audit.pruners.composed import parse_selector
 from prune_audit.pruners.holitom_llm import HoliTomLLMSelector
 from prune_audit.pruners.schedule import REFERENCE_DEPTH, scale_layers
 
 TOL = 1e-5
-SMALL = {"min_pixels": 4 * 28 * 28, "total_pixels": 8 * 168 * 168}  # 8 frames of 130 x 100: a 4 x 4 x 5 token grid
 LAYERS = 4
 OPTIONS = ["holitom.merge=false"]
 
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    path = QwenModel.build_tiny(
-        tmp_path_factory.mktemp("qwen") / "qwen", words=WORDS, image_size=168, text_layers=LAYERS, seed=6
-    )
-    return load_vlm(path, device="cpu")
+    return tiny_video_vlm(tmp_path_factory, text_layers=LAYERS)
 
 
 @pytest.fixture(scope="module")
 def item(vlm):
-    images = [random_image(seed // 4, (130, 100)) for seed in range(8)]
-    return vlm.prepare_video(sample_clip(images, 2.0, **SMALL), QUESTIONS[0])
+    return eight_frame_item(vlm, repeat=4)
 
 
 def folded_reference_logits(vlm, item, layer: int, fed: list[int], merged: list[list[int]], kept: list[int]):
