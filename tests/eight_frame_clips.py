@@ -41,3 +41,30 @@ def spied(selector: Any) -> tuple[Any, list]:
 
     object.__setattr__(selector, "select", recording)
     return selector, calls
+
+
+def assert_keep_all_is_dense(vlm: Any, item: Any, selector: Any) -> None:
+    """``selector`` keeping every token of ``item`` gives the stock forward's last logits (1e-5)."""
+    import torch
+    from tiny_models import stock_inputs
+
+    full, _ = vlm.prefill([item], selector, item.num_visual)
+    with torch.no_grad():
+        stock = vlm.model(**stock_inputs(vlm, item)).logits[:, -1]
+    assert (full.logits - stock).abs().max() <= 1e-5
+
+
+def assert_merging_and_still_images_refused(vlm: Any, item: Any, name: str) -> None:
+    """Video selector ``name`` merging on a Qwen clip (merged tokens have no 3-D position) and, with
+    ``merge=false``, on a still image is refused in one line."""
+    import pytest
+
+    from prune_audit.errors import PruneAuditError
+    from prune_audit.pruners import get_selector
+
+    with pytest.raises(PruneAuditError, match="original position") as refusal:
+        vlm.prefill([item], get_selector(name), 16)
+    assert "\n" not in str(refusal.value)
+    image = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
+    with pytest.raises(PruneAuditError, match="still image"):
+        vlm.prefill([image], get_selector(name, merge=False), 10)

@@ -33,6 +33,9 @@ Noise = Callable[[int], Tensor]
 #: positions among the tokens fed (a segment's static outputs, a step's dynamic outputs; the official
 #: ``static_sizes`` / ``dynamic_sizes`` / ``window_sizes``)
 TOKEN_GROUPS = "prunevid_groups"
+#: the paper and repository both PruneVid selectors (this stage and ``prunevid_llm``) reproduce
+PAPER = "PruneVid: Visual Token Pruning for Efficient Video Large Language Models (ACL Findings 2025, arXiv 2412.16117)"
+REPOSITORY = "Visual-AI/PruneVid"
 
 
 def dpc_clusters(tokens: Tensor, count: int, noise: Noise) -> tuple[Tensor, Tensor]:
@@ -237,9 +240,8 @@ class PruneVidSelector(InputSelector):
     requires: ClassVar[frozenset[str]] = frozenset({"features", VIDEO_GRID})
     fills_budget: ClassVar[bool] = False
     reference: ClassVar[Reference] = Reference(
-        "PruneVid: Visual Token Pruning for Efficient Video Large Language Models (ACL Findings 2025, "
-        "arXiv 2412.16117)",
-        "Visual-AI/PruneVid",
+        PAPER,
+        REPOSITORY,
         "merge_frames_dynamic on the clip's merged tokens before the LLM, a frame = a temporal step; the in-LLM "
         "attention stage (VTPWindowCache) is the in-LLM prunevid_llm (prunevid+prunevid_llm)",
     )

@@ -14,7 +14,7 @@ from prune_audit.pruners.base import FED_KINDS, Reference, Stage, top_k_indices,
 from prune_audit.pruners.crop_scope import grid_budgets
 from prune_audit.pruners.fidelity import Fidelity, random_agreement
 from prune_audit.pruners.options import Choice, Real, option
-from prune_audit.pruners.prunevid import TOKEN_GROUPS
+from prune_audit.pruners.prunevid import PAPER, REPOSITORY, TOKEN_GROUPS
 from prune_audit.pruners.registry import register
 from prune_audit.pruners.schedule import REFERENCE_DEPTH, ReferenceLayer, SingleStageSelector, solve_schedule
 from prune_audit.pruners.signals import VIDEO_GRID, LayerSignals
@@ -99,9 +99,8 @@ class PruneVidLLMSelector(SingleStageSelector):
     requires: ClassVar[frozenset[str]] = frozenset({"text_probs", VIDEO_GRID})
     clip_method: ClassVar[bool] = True
     reference: ClassVar[Reference] = Reference(
-        "PruneVid: Visual Token Pruning for Efficient Video Large Language Models (ACL Findings 2025, "
-        "arXiv 2412.16117)",
-        "Visual-AI/PruneVid",
+        PAPER,
+        REPOSITORY,
         "VTPWindowCache at selected_layer 10, alpha 0.4 of each static / dynamic group of merge_frames_dynamic",
     )
     fidelity: ClassVar[Fidelity] = Fidelity(

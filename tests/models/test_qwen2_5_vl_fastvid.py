@@ -10,10 +10,15 @@ import math
 
 import pytest
 import torch
-from eight_frame_clips import eight_frame_item, spied, tiny_video_vlm
-from tiny_models import QUESTIONS, masked_reference_logits, random_image, stock_inputs
+from eight_frame_clips import (
+    assert_keep_all_is_dense,
+    assert_merging_and_still_images_refused,
+    eight_frame_item,
+    spied,
+    tiny_video_vlm,
+)
+from tiny_models import masked_reference_logits
 
-from prune_audit.errors import PruneAuditError
 from prune_audit.pruners import get_selector
 
 TOL = 1e-5
@@ -76,16 +81,8 @@ def test_fastvid_without_merging_keeps_its_selection_and_keep_all_is_dense(vlm, 
     assert torch.equal(selections[0].kept, expected.kept) and 1 <= selections[0].kept.numel() <= 16
     reference = masked_reference_logits(vlm, item, [0], [selections[0].kept.tolist()])
     assert (prefill.logits[0] - reference).abs().max() <= TOL
-    full, _ = vlm.prefill([item], get_selector("fastvid", merge=False), item.num_visual)
-    with torch.no_grad():
-        stock = vlm.model(**stock_inputs(vlm, item)).logits[:, -1]
-    assert (full.logits - stock).abs().max() <= TOL
+    assert_keep_all_is_dense(vlm, item, get_selector("fastvid", merge=False))
 
 
 def test_merging_fastvid_and_still_images_are_refused_in_one_line(vlm, item):
-    with pytest.raises(PruneAuditError, match="original position") as refusal:
-        vlm.prefill([item], get_selector("fastvid"), 16)
-    assert "\n" not in str(refusal.value)
-    image = vlm.prepare(random_image(0, (130, 100)), QUESTIONS[0])
-    with pytest.raises(PruneAuditError, match="still image"):
-        vlm.prefill([image], get_selector("fastvid", merge=False), 10)
+    assert_merging_and_still_images_refused(vlm, item, "fastvid")
