@@ -225,11 +225,14 @@ def test_a_continuing_recipe_starts_from_the_earlier_weights_with_each_words_row
         train_demo_model(second, tmp_path / "fourth", init_dir=tmp_path / "second", log=lambda line: None)
 
 
-def test_the_shipped_task_demo_recipe_continues_its_first_stage_and_the_grounding_attempt_continues_it():
-    reading, grounding = DEMO_RECIPES["demo-tasks"], DEMO_RECIPES["demo-tasks-grounding"]
-    assert reading.init_from == "demo-tasks-stage1" and len(reading.mix) == 6 and reading.words == READING_WORDS
+def test_the_shipped_task_demo_recipe_chains_its_four_stages():
+    stages = ["demo-tasks-stage1", "demo-tasks-reading", "demo-tasks-grounding", "demo-tasks"]
+    assert [DEMO_RECIPES[name].init_from for name in stages] == [None, *stages[:-1]]
+    reading, grounding, shipped = (DEMO_RECIPES[name] for name in stages[1:])
+    assert len(reading.mix) == 6 and reading.words == READING_WORDS
     assert reading.box_sigma is None and not reading.position_head
-    assert grounding.init_from == "demo-tasks" and grounding.box_sigma is not None and grounding.position_head
+    assert grounding.box_sigma is not None and grounding.position_head
+    assert shipped == replace(grounding, init_from="demo-tasks-grounding", steps=shipped.steps, learning_rate=3e-4)
     assert DEMO_RECIPES["demo-tasks-stage1"].mix == (4, 2, 2, 1)
 
 
@@ -243,7 +246,7 @@ def test_demo_train_refuses_a_continuing_recipe_without_its_first_stage_before_w
             app, ["demo", "train", "--model", "demo-tasks", "--out", str(tmp_path / "m"), *extra]
         )
         assert result.exit_code != 0 and "Traceback" not in result.output and result.output.count("\n") == 1
-        assert "demo-tasks-stage1" in result.output and not (tmp_path / "m").exists()
+        assert "demo-tasks-grounding" in result.output and not (tmp_path / "m").exists()
 
 
 @pytest.fixture(scope="module")

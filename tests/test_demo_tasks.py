@@ -527,8 +527,9 @@ def test_a_killed_training_rerun_on_its_folder_resumes_to_the_same_weights(tmp_p
 # unpruned floors on each task's first 60 demo questions (the full files: GQA 0.937 / 0.974, the others 1.000;
 # the task demos' cards); issue 24 asks for 90 % on each task and the yes/no floor in test_demo_model.py
 TASK_FLOORS = {"gqa": 0.85, "scienceqa": 0.95, "caption": 0.95}
-# demo-tasks also reads its scenes' words (the full file: 1.000; it does not ground, so RefCOCO has no floor)
-READING_FLOORS = {"demo-tasks": {"textvqa": 0.95}, "demo-qwen-tasks": {}}
+# demo-tasks also reads its scenes' words (the full file: 1.000) and grounds their expressions (Acc@0.5 0.282 on the
+# full file, 0.100 on these 60; before its grounding stages 0.010 on the full file)
+READING_FLOORS = {"demo-tasks": {"textvqa": 0.95, "refcoco": 0.05}, "demo-qwen-tasks": {}}
 
 
 @pytest.mark.slow

@@ -32,10 +32,10 @@ def train(
         typer.Option(
             "--model",
             help="Which demo's recipe: demo (LLaVA), demo-qwen (Qwen2.5-VL), their task-mix versions "
-            "demo-tasks-stage1 and demo-qwen-tasks, demo-tasks (demo-tasks-stage1 continued on reading and "
-            "grounding), demo-tasks-grounding (demo-tasks continued on grounding, not shipped) or demo-video (the "
-            "shipped demo-qwen continued on synthetic clips); a continuing recipe needs --init unless it continues a "
-            "shipped demo.",
+            "demo-tasks-stage1 and demo-qwen-tasks; the shipped demo-tasks' later stages demo-tasks-reading "
+            "(stage 1 continued on reading and grounding), demo-tasks-grounding (reading continued on grounding) and "
+            "demo-tasks (grounding continued); or demo-video (the shipped demo-qwen continued on synthetic clips); a "
+            "continuing recipe needs --init unless it continues a shipped demo.",
         ),
     ] = "demo",
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the training scenes.")] = 1,
@@ -74,8 +74,9 @@ def train(
         Path | None,
         typer.Option(
             "--init",
-            help="Folder of the model a continuing recipe starts from (demo-tasks: a demo-tasks-stage1 model; "
-            "demo-tasks-grounding: a demo-tasks model; demo-video: default the shipped demo-qwen).",
+            help="Folder of the model a continuing recipe starts from, trained by the recipe before it "
+            "(demo-tasks-reading: a demo-tasks-stage1 model; demo-tasks-grounding: a demo-tasks-reading one; "
+            "demo-tasks: a demo-tasks-grounding one; demo-video: default the shipped demo-qwen).",
         ),
     ] = None,
 ) -> None:

@@ -23,7 +23,10 @@ referred object's box: ``correct`` is IoU >= 0.5
 ``evaluate_grounding.py``) reusing the pruned KV cache; confidence is the probability of the generated answer,
 the product of its tokens' probabilities (``sequence_prob``, as GQA's), the box's tokens being the answer.
 ``score --task refcoco`` is refused: a released answer's box is in its model's frame, which an answers file does
-not name. The Qwen-VL / InternVL ``refcoco_*.jsonl`` files are not read.
+not name. The Qwen-VL / InternVL ``refcoco_*.jsonl`` files are not read. Against a reference run (a study's dense
+run, ``calibrate --reference``) the task adds its own comparison: ``box_loyalty``, the share of expressions whose box
+has IoU >= 0.5 with the reference's box (exact-text ``loyalty`` counts a box that moved by 0.01 as disloyal), and the
+two runs' mean IoU on the same expressions (``mean_iou``, ``mean_iou_reference``).
 
 lmms-lab's Parquet files (``lmms-lab/RefCOCO``, ``RefCOCOplus``, ``RefCOCOg``: ``<split>-NNNNN-of-NNNNN.parquet``,
 images embedded; ``data.lmms_parquet``) read too: one row per referred object, exploded into one question per
@@ -42,6 +45,7 @@ its IoU; an answer without a box reads "no box parsed" in the title.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,6 +80,20 @@ if TYPE_CHECKING:
 ANNOTATIONS_FIX = "pass the dataset's instances.json (or COCO's instances_train2014.json) with --annotations"
 ACCURACY_IOU = 0.5
 """The IoU from which a box counts as correct (Acc@0.5)."""
+
+
+def boxes_agree(box: Sequence[float] | None, reference: Sequence[float] | None) -> bool:
+    """Two answers' boxes ([x1, y1, x2, y2] in image pixels, None: no box) agree when their IoU is >= 0.5, the
+    accuracy threshold, or when neither holds a box."""
+    if box is None or reference is None:
+        return box is None and reference is None
+    return box_iou(Box(*box), Box(*reference)) >= ACCURACY_IOU
+
+
+def _boxes_by_question(records: pa.Table) -> dict[tuple[str, int], tuple[list[float] | None, float]]:
+    """(split, question_id) -> (predicted_box, iou) of each record."""
+    rows = records.select(["split", "question_id", "predicted_box", "iou"]).to_pylist()
+    return {(row["split"], row["question_id"]): (row["predicted_box"], row["iou"]) for row in rows}
 
 
 class ReferredObjectEvidence:
@@ -266,6 +284,26 @@ class RefcocoTask(GeneratingTask):
             ("answers without a box", f"{unparsed} of {len(iou)}"),
         ]
 
+    reference_comparison_meanings = {
+        "box_loyalty": "share of expressions whose box has IoU >= 0.5 with the reference run's box for the same "
+        "expression (two answers without a box agree, one without disagrees): loyalty for boxes, which exact-text "
+        "loyalty misses whenever a number moves by 0.01",
+        "mean_iou": "mean IoU of the run's boxes with the referred objects' boxes (0 for an answer without a box)",
+        "mean_iou_reference": "mean IoU of the reference run's boxes on the same expressions",
+    }
+
+    def reference_comparison(self, records: pa.Table, reference: pa.Table) -> dict[str, float | int]:
+        """Box loyalty and mean IoU against the reference run (a study's dense run) on the expressions both hold."""
+        mine, theirs = _boxes_by_question(records), _boxes_by_question(reference)
+        shared = [key for key in mine if key in theirs]
+        if not shared:
+            return {name: math.nan for name in self.reference_comparison_meanings}
+        return {
+            "box_loyalty": float(np.mean([boxes_agree(mine[key][0], theirs[key][0]) for key in shared])),
+            "mean_iou": float(np.mean([mine[key][1] for key in shared])),
+            "mean_iou_reference": float(np.mean([theirs[key][1] for key in shared])),
+        }
+
     def image_id(self, question: RefQuestion) -> int:
         return question.image_id
 
@@ -291,4 +329,4 @@ class RefcocoTask(GeneratingTask):
         return evidence
 
 
-__all__ = ["ReferredObjectEvidence", "RefcocoTask", "RowPolygonEvidence"]
+__all__ = ["ReferredObjectEvidence", "RefcocoTask", "RowPolygonEvidence", "boxes_agree"]

@@ -479,3 +479,38 @@ def test_the_figure_draws_the_predicted_box_dashed_and_labelled_with_its_iou():
     assert not (picture[55, 24:28] == ANSWER_OUTLINE).all(axis=-1).any()  # dashed: a gap after each run
     labels = [label for label, _ in legend_entries([panel])]
     assert "the model's box (green, dashed)" in labels
+
+
+# ----- box loyalty against the dense run, by hand -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("box", "reference", "agree"),
+    [
+        ([0, 0, 2, 1], [0, 0, 1, 1], True),  # IoU exactly 0.5
+        ([0, 0, 2, 2], [1, 1, 3, 3], False),  # 1/7
+        ([0.0, 0.0, 10.0, 10.0], [0.1, 0.0, 10.1, 10.0], True),  # one number moved: exact text would disagree
+        (None, None, True),  # neither answer holds a box
+        (None, [0, 0, 1, 1], False),
+        ([0, 0, 1, 1], None, False),
+    ],
+)
+def test_two_boxes_agree_from_iou_one_half(box, reference, agree):
+    from prune_audit.tasks.refcoco import boxes_agree
+
+    assert boxes_agree(box, reference) is agree
+
+
+def test_the_comparison_with_the_reference_pairs_expressions_by_key():
+    import pyarrow as pa
+
+    def records(rows):
+        names = ["split", "question_id", "predicted_box", "iou"]
+        return pa.Table.from_pylist([dict(zip(names, row)) for row in rows])
+
+    run = records([("val", 2, [0, 0, 2, 1], 0.6), ("val", 1, None, 0.0), ("val", 3, [5, 5, 6, 6], 0.0)])
+    dense = records([("val", 1, [0, 0, 1, 1], 0.9), ("val", 2, [0, 0, 1, 1], 0.3), ("testA", 3, None, 0.0)])
+    comparison = get_task(TASK).reference_comparison(run, dense)
+    # shared keys (val, 1) and (val, 2): a lost box, then IoU 0.5; (val, 3) has no dense counterpart
+    assert comparison == {"box_loyalty": 0.5, "mean_iou": 0.3, "mean_iou_reference": 0.6}
+    assert set(comparison) == set(get_task(TASK).reference_comparison_meanings)
