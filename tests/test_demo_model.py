@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from prune_audit.demo.questions import demo_question_set
 from prune_audit.demo.removal import kept_tokens, object_removal
 from prune_audit.demo.train import (
     DemoRecipe,
+    check_init,
     learning_rate_at,
     prompt_pieces,
     scene_inputs,
@@ -313,6 +315,13 @@ def test_shipped_checkpoint_is_small_and_float16(name):
     assert (folder / "MODEL_CARD.md").is_file()
     config = json.loads((folder / "config.json").read_text())
     assert config["dtype"] == "float16"
+
+
+@pytest.mark.parametrize("name", sorted(DEMO_MODELS))
+def test_each_shipped_demo_was_trained_by_its_named_recipe(name):
+    """``demo train --model NAME`` retrains the shipped weights: their ``training.json`` holds DEMO_RECIPES[NAME]
+    (checked as a recipe continuing NAME checks its --init folder)."""
+    check_init(replace(DemoRecipe(), init_from=name), DEMO_MODELS[name])
 
 
 def test_shipped_llava_demo_has_room_for_in_llm_budgets():
