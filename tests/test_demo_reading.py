@@ -236,6 +236,13 @@ def test_the_shipped_task_demo_recipe_chains_its_four_stages():
     assert DEMO_RECIPES["demo-tasks-stage1"].mix == (4, 2, 2, 1)
 
 
+def test_the_qwen_task_demo_recipe_reads_without_grounding_after_its_first_stage():
+    first, shipped = DEMO_RECIPES["demo-qwen-tasks-stage1"], DEMO_RECIPES["demo-qwen-tasks"]
+    assert first.init_from is None and first.mix == (4, 2, 2, 1) and first.family == "qwen2_5_vl"
+    assert shipped.init_from == "demo-qwen-tasks-stage1" and shipped.mix == (2, 1, 1, 1, 1)
+    assert shipped.reads and shipped.words == READING_WORDS and shipped.family == first.family
+
+
 def test_demo_train_refuses_a_continuing_recipe_without_its_first_stage_before_writing(tmp_path):
     from typer.testing import CliRunner
 

@@ -123,8 +123,8 @@ def load(
     Args:
         model: a local checkpoint folder, a hub id (read from the local cache when offline), or a bundled demo:
             ``"demo"`` (LLaVA architecture) and ``"demo-qwen"`` (Qwen2.5-VL) answer yes or no to every prompt (POPE
-            only); their task twins ``"demo-tasks"`` and ``"demo-qwen-tasks"`` also caption and answer GQA and
-            ScienceQA.
+            only); their task twins ``"demo-tasks"`` and ``"demo-qwen-tasks"`` also caption, answer GQA and
+            ScienceQA and read the demo's words (TextVQA), and ``"demo-tasks"`` grounds its expressions (RefCOCO).
         device: auto (CUDA when available), cpu, cuda or cuda:N.
         dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.
         threads: torch's CPU threads (default: $OMP_NUM_THREADS, else the usable cores), as ``--threads``.

@@ -216,7 +216,21 @@ DEMO_RECIPES: dict[str, DemoRecipe] = {
 # the task demos: the same architectures trained on the task mix (twice the steps: nine questions of four kinds
 # per image, the multiple-choice options' presence targets included)
 DEMO_RECIPES["demo-tasks"] = replace(DEMO_RECIPES["demo"], steps=2400, mix=DEFAULT_MIX, monitor_every=200)
-DEMO_RECIPES["demo-qwen-tasks"] = replace(DEMO_RECIPES["demo-qwen"], steps=2400, mix=DEFAULT_MIX, monitor_every=200)
+DEMO_RECIPES["demo-qwen-tasks-stage1"] = replace(
+    DEMO_RECIPES["demo-qwen"], steps=2400, mix=DEFAULT_MIX, monitor_every=200
+)
+# the Qwen2.5-VL task demo reads words too: its four-task model continues as the LLaVA one's reading stage does,
+# without grounding (its boxes are Qwen2.5-VL's bbox_2d pixels, which the demo's questions do not write)
+DEMO_RECIPES["demo-qwen-tasks"] = replace(
+    DEMO_RECIPES["demo-qwen-tasks-stage1"],
+    init_from="demo-qwen-tasks-stage1",
+    images_per_step=16,
+    steps=READING_STEPS,
+    mix=READING_MIX[:5],
+    learning_rate=5e-4,
+    warmup_steps=50,
+    monitor_every=100,
+)
 # the LLaVA task demo reads words and grounds expressions, in three stages after the four-task model above (kept as
 # its first stage). Reading: all six kinds, grounding weighted most (a box is four numbers to place); warm-up and
 # peak rate are halved, as for any fine-tuning of trained weights, and half the scenes per step keep a step near
