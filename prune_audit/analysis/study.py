@@ -69,7 +69,8 @@ SUMMARY_COLUMNS = {
 }
 """Every fixed summary column and its meaning; ``cascade_cost_eps<e>`` and ``savings_share_eps<e>`` follow, then a
 task's own comparison with the dense run (``Task.reference_comparison``: captions' ``omitted_lost``,
-``omitted_lost_reference``, ...; empty in other tasks' rows)."""
+``omitted_lost_reference``, ...; RefCOCO's ``box_loyalty``, ``mean_iou``, ``mean_iou_reference``; empty in other
+tasks' rows)."""
 
 
 @dataclass(frozen=True)
