@@ -37,6 +37,9 @@ def grounding_run(selector: str, budget: int, limit: int, positions: str, out: P
     VisionLanguageModel.input_positions = positions  # the LLaVA family inherits the base class's declaration
     args = ["run", "--task", "refcoco", "--model", "demo-tasks", "--selector", selector, "--budget", str(budget)]
     app([*args, "--limit", str(limit), "--threads", "1", "--quiet", "--out", str(out)], standalone_mode=False)
+    recorded = json.loads((out / "manifest.json").read_text())["selector"]["positions"]
+    if recorded != positions:  # the manifest says which position ids the language model saw
+        raise RuntimeError(f"the run recorded {recorded} positions, not {positions}")
     records = pq.read_table(out / "records.parquet").to_pydict()
     count = len(records["correct"])
     return {
