@@ -213,9 +213,9 @@ DEMO_RECIPES: dict[str, DemoRecipe] = {
         steps=1000,
     ),
 }
-# the task demos: the same architectures trained on the task mix (twice the steps: nine questions of four kinds
-# per image, the multiple-choice options' presence targets included)
-DEMO_RECIPES["demo-tasks"] = replace(DEMO_RECIPES["demo"], steps=2400, mix=DEFAULT_MIX, monitor_every=200)
+# the task demos' first stages: the same architectures trained on the task mix (twice the steps: nine questions of
+# four kinds per image, the multiple-choice options' presence targets included)
+DEMO_RECIPES["demo-tasks-stage1"] = replace(DEMO_RECIPES["demo"], steps=2400, mix=DEFAULT_MIX, monitor_every=200)
 DEMO_RECIPES["demo-qwen-tasks-stage1"] = replace(
     DEMO_RECIPES["demo-qwen"], steps=2400, mix=DEFAULT_MIX, monitor_every=200
 )
@@ -231,11 +231,10 @@ DEMO_RECIPES["demo-qwen-tasks"] = replace(
     warmup_steps=50,
     monitor_every=100,
 )
-# the LLaVA task demo reads words and grounds expressions, in three stages after the four-task model above (kept as
-# its first stage). Reading: all six kinds, grounding weighted most (a box is four numbers to place); warm-up and
-# peak rate are halved, as for any fine-tuning of trained weights, and half the scenes per step keep a step near
-# the first stage's cost (the grounding answers are long)
-DEMO_RECIPES["demo-tasks-stage1"] = DEMO_RECIPES["demo-tasks"]
+# the LLaVA task demo reads words and grounds expressions, in three stages after its four-task first stage.
+# Reading: all six kinds, grounding weighted most (a box is four numbers to place); warm-up and peak rate are
+# halved, as for any fine-tuning of trained weights, and half the scenes per step keep a step near the first stage's
+# cost (the grounding answers are long)
 DEMO_RECIPES["demo-tasks-reading"] = replace(
     DEMO_RECIPES["demo-tasks-stage1"],
     init_from="demo-tasks-stage1",

@@ -76,15 +76,17 @@ def clip_values(task: Task, item: AnsweredQuestion, evidence: QuestionEvidence, 
     if not task.reads_clips:
         return {}
     window = task.clip_window(item.question)  # type: ignore[attr-defined]  # reads_clips: a ClipTask
-    clip, first = evidence.clip, covered[0]
+    clip = evidence.clip
+    frames = None if clip is None else [clip.frame_retention(cells) for cells in covered]
+    lost = None if clip is None else [clip.lost_in_window(cells, window) for cells in covered]
     return {
         "sampled_frames": list(item.prepared.geometry.frames),
-        "frame_retention": None if clip is None else clip.frame_retention(first),
-        "frame_retention_stages": None if clip is None else [clip.frame_retention(cells) for cells in covered],
+        "frame_retention": None if frames is None else frames[0],
+        "frame_retention_stages": frames,
         "window": None if window is None else list(window),
-        "window_retention": math.nan if clip is None else clip.window_retention(first, window),
-        "lost_in_window": None if clip is None else clip.lost_in_window(first, window),
-        "lost_in_window_stages": None if clip is None else [clip.lost_in_window(cells, window) for cells in covered],
+        "window_retention": math.nan if clip is None else clip.window_retention(covered[0], window),
+        "lost_in_window": None if lost is None else lost[0],
+        "lost_in_window_stages": lost,
     }
 
 
